@@ -1,0 +1,144 @@
+"""The small protocols through which the core meets model families and rewards.
+
+``pipelines/`` implements :class:`FlowPolicy` per model family; ``rewards/`` implements
+:class:`Reward` / :class:`LatentReward`. Trainers only ever see these.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning of a batch, opaque to trainers.
+
+    ``tensors`` maps names chosen by the model family (``"prompt_embeds"``, ``"pooled"``,
+    ``"negative_prompt_embeds"``, ...) to tensors whose first dimension is the batch. Indexing selects
+    or repeats samples for every tensor at once, so trainers can slice and group without knowing
+    what is inside.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    prompts: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompts) if self.prompts else next(iter(self.tensors.values())).shape[0]
+
+    def __getitem__(self, index: int | slice | list[int] | torch.Tensor) -> "Conditioning":
+        if isinstance(index, int):
+            index = [index]
+        if isinstance(index, slice):
+            idx = list(range(len(self)))[index]
+        elif isinstance(index, torch.Tensor):
+            idx = index.flatten().tolist()
+        else:
+            idx = list(index)
+        picked = {k: v[idx] for k, v in self.tensors.items()}
+        return Conditioning(picked, [self.prompts[i] for i in idx] if self.prompts else [])
+
+    def repeat_interleave(self, repeats: int) -> "Conditioning":
+        """Each sample repeated ``repeats`` times in place (a prompt group of G rollouts)."""
+        idx = [i for i in range(len(self)) for _ in range(repeats)]
+        return self[idx]
+
+    def to(self, device: torch.device | str) -> "Conditioning":
+        return Conditioning({k: v.to(device) for k, v in self.tensors.items()}, list(self.prompts))
+
+    @staticmethod
+    def cat(parts: list["Conditioning"]) -> "Conditioning":
+        keys = parts[0].tensors.keys()
+        return Conditioning(
+            {k: torch.cat([p.tensors[k] for p in parts]) for k in keys},
+            [s for p in parts for s in p.prompts],
+        )
+
+
+@runtime_checkable
+class FlowPolicy(Protocol):
+    """A rectified-flow generator as trainers see it (one implementation per model family).
+
+    Conventions (``shared/specs/conventions.md``): ``x_σ = (1-σ)·x0 + σ·ε``, velocity ``v = ε - x0``,
+    σ=1 is noise. Latents are whatever the family uses (``B,C,H,W`` images, ``B,C,F,H,W`` video,
+    packed tokens for FLUX); trainers never look inside.
+    """
+
+    family: str
+    is_video: bool
+    device: torch.device
+    dtype: torch.dtype
+    #: the module whose parameters the trainer optimises (LoRA-wrapped transformer by default)
+    trainable: torch.nn.Module
+    #: sampling defaults the checkpoint was made for (``guidance_scale``, ``num_steps``, ...)
+    defaults: dict[str, Any]
+
+    def encode(self, prompts: list[str]) -> Conditioning: ...
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise ``x_{σ=1}``, float32, shape ``(n, *latent_shape)``."""
+        ...
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """``v(x, σ | c)``, float32, same shape as ``x``; classifier-free guidance applied inside."""
+        ...
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The model's own scheduler grid ``(num_steps+1,)``, float32, from 1 down to 0 (shift applied)."""
+        ...
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Latents to pixels in [0, 1]: images ``(B,3,H,W)``, videos ``(B,F,3,H,W)``, float32."""
+        ...
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which ``velocity`` is the base model's (reference passes, no second copy)."""
+        ...
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write the trained adapter where diffusers' ``load_lora_weights`` reads it."""
+        ...
+
+
+@dataclass
+class RewardOutput:
+    """Named per-sample reward components ``(B,)`` float32 and a ``valid`` mask ``(B,)`` bool.
+
+    An invalid sample (a judge that failed, an unparseable image) is masked, never scored zero.
+    ``info`` carries per-sample details (verdicts, reasons) for logs and galleries.
+    """
+
+    components: dict[str, torch.Tensor]
+    valid: torch.Tensor
+    info: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """Sum of the components (weights are applied by the caller that combines rewards)."""
+        return torch.stack(list(self.components.values())).sum(0)
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """A frozen scorer of decoded samples: ``(B,3,H,W)`` or ``(B,F,3,H,W)`` in [0,1]."""
+
+    name: str
+    #: True when gradients flow from the score to ``samples`` (for gradient-based trainers)
+    differentiable: bool
+
+    def __call__(
+        self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> RewardOutput: ...
+
+
+@runtime_checkable
+class LatentReward(Protocol):
+    """A reward read from noisy latents: ``score(x, σ, cond) -> (B,)``, differentiable in ``x``."""
+
+    def score(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor: ...

@@ -1,0 +1,92 @@
+"""Reward registry: rewards are found by name, by ``package.module:attr`` or by entry point.
+
+>>> @register("sharpness")
+... def sharpness(samples, prompts, metadata): ...
+>>> reward = load("sharpness")
+
+A registered class is instantiated with the keyword options given to :func:`load`; a registered
+function is wrapped so that it returns a :class:`flowalign.protocols.RewardOutput`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+import torch
+
+from flowalign.errors import UserError
+from flowalign.protocols import RewardOutput
+
+ENTRY_POINT_GROUP = "flowalign.rewards"
+_REGISTRY: dict[str, Callable[..., Any]] = {}
+# modules of this package that register built-in rewards when imported
+_BUILTIN_MODULES = ("rewards.vvr",)
+
+
+def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register a reward class or function under ``name``."""
+
+    def wrap(obj: Callable[..., Any]) -> Callable[..., Any]:
+        if name in _REGISTRY and _REGISTRY[name] is not obj:
+            raise ValueError(f"a reward named {name!r} is already registered ({_REGISTRY[name]!r})")
+        _REGISTRY[name] = obj
+        return obj
+
+    return wrap
+
+
+class FunctionReward:
+    """Adapts a plain ``fn(samples, prompts, metadata) -> (B,) tensor | RewardOutput`` to the protocol."""
+
+    differentiable = False
+
+    def __init__(self, name: str, fn: Callable[..., Any], **options: Any):
+        self.name, self.fn, self.options = name, fn, options
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict]) -> RewardOutput:
+        out = self.fn(samples, prompts, metadata, **self.options)
+        if isinstance(out, RewardOutput):
+            return out
+        score = torch.as_tensor(out, dtype=torch.float32).flatten()
+        return RewardOutput({self.name: score}, valid=torch.isfinite(score))
+
+
+def _import_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def available() -> list[str]:
+    """Names of the registered rewards (built-in and entry-point ones)."""
+    _import_builtins()
+    names = set(_REGISTRY) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(names)
+
+
+def _resolve(spec: str) -> tuple[str, Callable[..., Any]]:
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise UserError(f"reward {spec!r}: cannot import module {module_name!r} ({e}); check the spelling and that it is installed") from e
+        if not hasattr(module, attr):
+            raise UserError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        return attr, getattr(module, attr)
+    _import_builtins()
+    if spec in _REGISTRY:
+        return spec, _REGISTRY[spec]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == spec:
+            return spec, ep.load()
+    raise UserError(f"unknown reward {spec!r}; available: {', '.join(available())} (or give 'package.module:attr')")
+
+
+def load(spec: str, **options: Any) -> Any:
+    """Instantiate the reward named ``spec`` with ``options`` (a class is called, a function wrapped)."""
+    name, obj = _resolve(spec)
+    if isinstance(obj, type):
+        return obj(**options)
+    return FunctionReward(name, obj, **options)
