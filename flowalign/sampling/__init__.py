@@ -1,0 +1,24 @@
+"""Step math and the rollout loop (``shared/specs/samplers.md``).
+
+Public entry points: :func:`sde_step` (one step of ``"ode" | "flow_grpo" | "cps" | "dance"``) and
+:func:`rollout` (the sampling loop returning a :class:`Rollout`).
+"""
+
+from flowalign.sampling.rollout import Rollout, check_sampler, rollout
+from flowalign.sampling.steps import (
+    SAMPLER_KINDS,
+    StepOutput,
+    cps_step,
+    euler_step,
+    flow_grpo_diffusion,
+    flow_sde_step,
+    gaussian_log_prob,
+    sde_step,
+)
+from flowalign.sampling.windows import ProgressiveWindow, random_window_start, sde_step_mask
+
+__all__ = [
+    "SAMPLER_KINDS", "ProgressiveWindow", "Rollout", "StepOutput", "check_sampler", "cps_step",
+    "euler_step", "flow_grpo_diffusion", "flow_sde_step", "gaussian_log_prob", "random_window_start",
+    "rollout", "sde_step", "sde_step_mask",
+]

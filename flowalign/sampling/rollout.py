@@ -1,0 +1,173 @@
+"""The one sampling loop every trainer uses: ``rollout(policy, prompts, ...) -> Rollout``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning, FlowPolicy
+from flowalign.sampling.steps import SAMPLER_KINDS, sde_step
+from flowalign.sampling.windows import sde_step_mask
+
+#: noise level used when a caller passes none: a (Flow-GRPO), η (CPS), η (DanceGRPO)
+DEFAULT_NOISE_LEVEL = {"ode": 0.0, "flow_grpo": 0.7, "cps": 0.8, "dance": 0.3}
+NOISE_LEVEL_RANGE = {"flow_grpo": (0.0, 2.0), "cps": (0.0, 1.0), "dance": (0.0, 1.0), "ode": (0.0, 0.0)}
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled trajectories.
+
+    ``latents`` ``(B, T+1, ...)`` (``latents[:, 0]`` is the noise, ``latents[:, T]`` the sample), float32;
+    ``sigmas`` ``(T+1,)``; ``log_probs`` ``(B, T)`` log-probabilities stored at sampling time (NaN on
+    ODE steps); ``sde_mask`` ``(T,)`` bool; ``samples`` decoded ``(B,3,H,W)`` or ``(B,F,3,H,W)`` in
+    [0,1] (``None`` when not decoded); ``cond`` the conditioning used; ``guidance_scale`` and ``sampler``
+    record how they were drawn so trainers re-evaluate the same distribution.
+    """
+
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    log_probs: torch.Tensor
+    sde_mask: torch.Tensor
+    samples: torch.Tensor | None
+    cond: Conditioning
+    sampler: str = "ode"
+    noise_level: float = 0.0
+    guidance_scale: float = 1.0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.shape[0] - 1
+
+    @property
+    def final_latents(self) -> torch.Tensor:
+        return self.latents[:, -1]
+
+    def trained_steps(self) -> list[int]:
+        """Indices of the stochastic (trainable) steps."""
+        return self.sde_mask.nonzero().flatten().tolist()
+
+    def step(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_k, x_{k+1}, stored log_prob_k)`` for every sample: ``(B,...)``, ``(B,...)``, ``(B,)``."""
+        return self.latents[:, k], self.latents[:, k + 1], self.log_probs[:, k]
+
+    def select(self, index: Sequence[int] | torch.Tensor) -> "Rollout":
+        """The rollout restricted to some samples (in the given order)."""
+        idx = torch.as_tensor(index, dtype=torch.long).flatten()
+        il = idx.tolist()
+        return Rollout(
+            prompts=[self.prompts[i] for i in il],
+            metadata=[self.metadata[i] for i in il],
+            latents=self.latents[idx],
+            sigmas=self.sigmas,
+            log_probs=self.log_probs[idx],
+            sde_mask=self.sde_mask,
+            samples=None if self.samples is None else self.samples[idx],
+            cond=self.cond[il],
+            sampler=self.sampler,
+            noise_level=self.noise_level,
+            guidance_scale=self.guidance_scale,
+            extras=dict(self.extras),
+        )
+
+    __getitem__ = select
+
+
+def _check_prompts(prompts: Any) -> list[str]:
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+        raise UserError(f"prompts must be a list of strings, got {type(prompts).__name__}; wrap a single prompt as [prompt]")
+    bad = [p for p in prompts if not isinstance(p, str)]
+    if bad:
+        raise UserError(f"prompts must be a list of strings; found a {type(bad[0]).__name__}: {bad[0]!r}")
+    if not prompts:
+        raise UserError("prompts is empty; give at least one prompt")
+    return list(prompts)
+
+
+def check_sampler(sampler: str, noise_level: float | None) -> float:
+    """Validate a sampler kind and its noise level; returns the noise level to use."""
+    if sampler not in SAMPLER_KINDS:
+        raise UserError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLER_KINDS)}")
+    level = DEFAULT_NOISE_LEVEL[sampler] if noise_level is None else float(noise_level)
+    lo, hi = NOISE_LEVEL_RANGE[sampler]
+    if sampler == "ode":
+        return 0.0
+    if not lo <= level <= hi:
+        raise UserError(f"noise level {level} is out of range for sampler {sampler!r}: use a value in [{lo}, {hi}]")
+    return level
+
+
+@torch.no_grad()
+def rollout(
+    policy: FlowPolicy,
+    prompts: Sequence[str],
+    *,
+    num_steps: int,
+    sampler: str = "flow_grpo",
+    noise_level: float | None = None,
+    guidance_scale: float | None = None,
+    sde_window: tuple[int, int] | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    metadata: Sequence[dict[str, Any]] | None = None,
+    initial_noise: torch.Tensor | None = None,
+    decode: bool = True,
+    cps_log_prob: str = "code",
+) -> Rollout:
+    """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid.
+
+    SDE steps (``sampler``, on the steps of ``sde_window``) store their log-probabilities; all other
+    steps are Euler ODE steps. ``guidance_scale`` defaults to the checkpoint's own default. Pass
+    ``initial_noise`` ``(B, ...)`` to share noise (e.g. DanceGRPO groups) or to branch from an ODE
+    prefix.
+    """
+    prompts = _check_prompts(prompts)
+    level = check_sampler(sampler, noise_level)
+    if num_steps < 1:
+        raise UserError(f"num_steps must be >= 1, got {num_steps}")
+    guidance = float(policy.defaults.get("guidance_scale", 1.0) if guidance_scale is None else guidance_scale)
+    meta = [dict(m) for m in metadata] if metadata is not None else [{} for _ in prompts]
+    if len(meta) != len(prompts):
+        raise UserError(f"metadata has {len(meta)} entries for {len(prompts)} prompts; give one dict per prompt")
+
+    cond = policy.encode(prompts)
+    sigmas = policy.sigmas(num_steps).float()
+    x = policy.initial_noise(len(prompts), generator) if initial_noise is None else initial_noise.float()
+    x = x.to(policy.device)
+    mask = sde_step_mask(num_steps, sde_window) if sampler != "ode" else torch.zeros(num_steps, dtype=torch.bool)
+
+    latents = [x]
+    log_probs = torch.full((len(prompts), num_steps), float("nan"))
+    for k in range(num_steps):
+        v = policy.velocity(x, sigmas[k].item(), cond, guidance)
+        kind = sampler if mask[k] else "ode"
+        out = sde_step(
+            kind, v, x, sigmas[k].item(), sigmas[k + 1].item(),
+            noise_level=level, generator=generator, cps_log_prob=cps_log_prob,
+        )
+        x = out.prev_sample
+        latents.append(x)
+        log_probs[:, k] = out.log_prob.cpu()
+
+    samples = policy.decode(x) if decode else None
+    return Rollout(
+        prompts=prompts,
+        metadata=meta,
+        latents=torch.stack(latents, dim=1),
+        sigmas=sigmas.cpu(),
+        log_probs=log_probs,
+        sde_mask=mask,
+        samples=samples,
+        cond=cond,
+        sampler=sampler,
+        noise_level=level,
+        guidance_scale=guidance,
+    )

@@ -1,0 +1,191 @@
+"""Pure step math of the rollout samplers (``shared/specs/samplers.md``), in diffusers' ``step()`` habit.
+
+One step maps ``x_k`` at ``σ_k`` to ``x_{k+1}`` at ``σ_{k+1} < σ_k`` given the velocity ``v``. Every
+function works in float32 whatever the model's dtype (bf16 overflows in the log-prob), accepts σ as a
+float or a ``(B,)`` tensor, and, given ``prev_sample``, re-evaluates the log-probability of a stored
+transition instead of drawing a new one (how trainers compute ratios).
+
+Shapes: ``velocity`` and ``sample`` are ``(B, ...)`` (any latent layout); ``log_prob`` is ``(B,)``, the
+per-element *mean* over the non-batch dimensions (the Flow-GRPO convention: summing would change the
+meaning of the clip range).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+SamplerKind = Literal["ode", "flow_grpo", "cps", "dance"]
+SAMPLER_KINDS: tuple[str, ...] = ("ode", "flow_grpo", "cps", "dance")
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class StepOutput:
+    """Result of one sampler step.
+
+    ``prev_sample``: ``x_{k+1}`` ``(B, ...)`` (diffusers' name for the less noisy latent);
+    ``log_prob``: ``(B,)``, NaN where the step is deterministic; ``mean``: ``μ`` ``(B, ...)``;
+    ``std``: ``τ`` broadcastable to ``mean`` (zeros on deterministic steps).
+    """
+
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def _as_batch_column(sigma: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """σ as a float32 tensor of shape ``(B, 1, ..., 1)`` broadcastable against ``like``."""
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=like.device)
+    if s.ndim == 0:
+        s = s.expand(like.shape[0])
+    if s.shape != (like.shape[0],):
+        raise ValueError(f"sigma must be a float or a (B,)=({like.shape[0]},) tensor, got shape {tuple(s.shape)}")
+    return s.view(-1, *([1] * (like.ndim - 1)))
+
+
+def _draw_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    device = generator.device if generator is not None else like.device
+    return torch.randn(like.shape, generator=generator, device=device, dtype=torch.float32).to(like.device)
+
+
+def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-element mean of ``log N(x_next; mean, std²)`` over non-batch dims: ``(B,)``."""
+    lp = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - _HALF_LOG_2PI
+    return lp.flatten(1).mean(1)
+
+
+def _finish(
+    mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator | None, prev_sample: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x_next = mean + std * _draw_noise(mean, generator) if prev_sample is None else prev_sample.float()
+    return x_next, gaussian_log_prob(x_next, mean, std)
+
+
+def euler_step(
+    velocity: torch.Tensor, sample: torch.Tensor, sigma: float | torch.Tensor, sigma_next: float | torch.Tensor
+) -> StepOutput:
+    """Deterministic Euler ODE step ``x + (σ' − σ)·v``; log-prob NaN."""
+    v, x = velocity.float(), sample.float()
+    dt = _as_batch_column(sigma_next, x) - _as_batch_column(sigma, x)
+    x_next = x + dt * v
+    nan = torch.full((x.shape[0],), float("nan"), device=x.device)
+    return StepOutput(x_next, nan, x_next, torch.zeros_like(dt))
+
+
+def flow_sde_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    diffusion: float | torch.Tensor,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> StepOutput:
+    """Euler-Maruyama step of the marginal-preserving reverse SDE with diffusion coefficient ``s``.
+
+    ``dx = [v + (s²/(2σ))(x + (1-σ)v)] dσ + s dw``: mean
+    ``μ = x(1 + s²Δ/(2σ)) + v(1 + s²(1-σ)/(2σ))Δ``, std ``τ = s·sqrt(-Δ)``. Flow-GRPO, DanceGRPO and
+    Flash-GRPO differ only in how ``s`` is chosen, so they all call this with their own ``s``
+    (a float or a ``(B,)`` tensor).
+    """
+    v, x = velocity.float(), sample.float()
+    sig, sig_next = _as_batch_column(sigma, x), _as_batch_column(sigma_next, x)
+    s = _as_batch_column(diffusion, x)
+    dt = sig_next - sig
+    mean = x * (1 + s**2 * dt / (2 * sig)) + v * (1 + s**2 * (1 - sig) / (2 * sig)) * dt
+    std = s * torch.sqrt(-dt)
+    x_next, log_prob = _finish(mean, std, generator, prev_sample)
+    return StepOutput(x_next, log_prob, mean, std)
+
+
+def flow_grpo_diffusion(
+    sigma: float | torch.Tensor, sigma_next: float | torch.Tensor, noise_level: float
+) -> torch.Tensor:
+    """Flow-GRPO's ``s_k = a·sqrt(σ_k / (1 − σ̃_k))`` with ``σ̃_k = σ_{k+1}`` when ``σ_k = 1`` [code].
+
+    At σ=1 the authors substitute the grid's next sigma to avoid dividing by zero; within a step that
+    is ``sigma_next``.
+    """
+    sig = torch.as_tensor(sigma, dtype=torch.float32)
+    sig_tilde = torch.where(sig >= 1.0, torch.as_tensor(sigma_next, dtype=torch.float32), sig)
+    return noise_level * torch.sqrt(sig / (1 - sig_tilde))
+
+
+def cps_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    eta: float,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    log_prob_mode: Literal["code", "gaussian"] = "code",
+) -> StepOutput:
+    """Coefficients-preserving sampling step (CPS, arXiv 2509.05952).
+
+    ``τ = σ'·sin(ηπ/2)``, ``μ = (1-σ')·x̂0 + sqrt(σ'² − τ²)·x̂1`` with ``x̂0 = x − σv``,
+    ``x̂1 = x + (1−σ)v``. The noise coefficients square-sum to σ'² (no excess noise); η=0 is DDIM, i.e.
+    Euler. Not marginal-preserving at finite η with posterior-mean predictions (it under-disperses).
+    ``log_prob_mode="code"`` is the authors' ``-mean_D (x'−μ)²`` (constants and 1/(2τ²) dropped; their
+    clip range 1e-5 is tuned to it); ``"gaussian"`` is the true per-element mean Gaussian log-density.
+    """
+    v, x = velocity.float(), sample.float()
+    sig, sig_next = _as_batch_column(sigma, x), _as_batch_column(sigma_next, x)
+    x0_hat = x - sig * v
+    x1_hat = x + (1 - sig) * v
+    std = sig_next * math.sin(eta * math.pi / 2)
+    mean = (1 - sig_next) * x0_hat + torch.sqrt(sig_next**2 - std**2) * x1_hat
+    x_next = mean + std * _draw_noise(mean, generator) if prev_sample is None else prev_sample.float()
+    if log_prob_mode == "code":
+        log_prob = -((x_next - mean) ** 2).flatten(1).mean(1)
+    elif log_prob_mode == "gaussian":
+        log_prob = gaussian_log_prob(x_next, mean, std)
+    else:
+        raise ValueError(f"cps log_prob_mode must be 'code' or 'gaussian', got {log_prob_mode!r}")
+    return StepOutput(x_next, log_prob, mean, std)
+
+
+def sde_step(
+    kind: SamplerKind,
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    noise_level: float,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    cps_log_prob: Literal["code", "gaussian"] = "code",
+) -> StepOutput:
+    """One rollout step of the sampler ``kind`` (``"ode" | "flow_grpo" | "cps" | "dance"``).
+
+    ``noise_level`` is a (Flow-GRPO, default 0.7), η (CPS, 0.8) or η (DanceGRPO, 0.3). A zero noise
+    level, a step that lands on σ'=0 with CPS, and ``"ode"`` give the deterministic Euler step with a
+    NaN log-prob (a log-prob there would divide by zero).
+    """
+    if kind not in SAMPLER_KINDS:
+        raise ValueError(f"unknown sampler kind {kind!r}; choose one of {', '.join(SAMPLER_KINDS)}")
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+    if kind == "ode" or noise_level == 0:
+        return euler_step(velocity, sample, sigma, sigma_next)
+    if kind == "flow_grpo":
+        s = flow_grpo_diffusion(sigma, sigma_next, noise_level).to(sample.device)
+        return flow_sde_step(velocity, sample, sigma, sigma_next, diffusion=s, generator=generator, prev_sample=prev_sample)
+    if kind == "dance":
+        return flow_sde_step(
+            velocity, sample, sigma, sigma_next, diffusion=noise_level, generator=generator, prev_sample=prev_sample
+        )
+    if torch.any(torch.as_tensor(sigma_next) <= 0):
+        return euler_step(velocity, sample, sigma, sigma_next)
+    return cps_step(
+        velocity, sample, sigma, sigma_next, eta=noise_level, generator=generator,
+        prev_sample=prev_sample, log_prob_mode=cps_log_prob,
+    )

@@ -1,0 +1,71 @@
+"""SDE windows: which steps of a rollout are stochastic (and therefore trained).
+
+Flow-GRPO-Fast draws a random window start per prompt; MixGRPO slides it progressively. Steps outside
+the window run the deterministic ODE. The final step (σ' = 0) is never stochastic: CPS has τ = 0 there
+and the Flow-GRPO authors leave it deterministic and untrained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def sde_step_mask(num_steps: int, window: tuple[int, int] | torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask ``(num_steps,)`` of the SDE steps.
+
+    ``window`` is ``None`` (every step but the last), ``(start, width)`` (steps ``start … start+width-1``),
+    or an explicit bool mask. The last step is always excluded.
+    """
+    if window is None:
+        mask = torch.ones(num_steps, dtype=torch.bool)
+    elif isinstance(window, torch.Tensor):
+        if window.shape != (num_steps,) or window.dtype != torch.bool:
+            raise ValueError(f"an SDE window mask must be a bool tensor of shape ({num_steps},)")
+        mask = window.clone()
+    else:
+        start, width = window
+        if not (0 <= start and width >= 1 and start + width <= num_steps - 1):
+            raise ValueError(
+                f"SDE window (start={start}, width={width}) must lie within steps 0..{num_steps - 2} "
+                "(the last step is deterministic)"
+            )
+        mask = torch.zeros(num_steps, dtype=torch.bool)
+        mask[start : start + width] = True
+    mask[num_steps - 1] = False
+    return mask
+
+
+def random_window_start(
+    num_steps: int, width: int, generator: torch.Generator, low: int = 0, high: int | None = None
+) -> int:
+    """Flow-GRPO-Fast: ``k0 ~ U{low … high − width}`` (``high`` defaults to ``num_steps // 2``).
+
+    Draw from a seeded generator shared by every rank that holds the same prompt group.
+    """
+    high = num_steps // 2 if high is None else high
+    last = min(high - width, num_steps - 1 - width)
+    if last < low:
+        raise ValueError(f"no room for an SDE window of width {width} in steps {low}..{high} of {num_steps}")
+    return int(torch.randint(low, last + 1, (1,), generator=generator).item())
+
+
+@dataclass
+class ProgressiveWindow:
+    """MixGRPO's sliding window: start at ``start`` and move by ``stride`` every ``every`` iterations,
+    wrapping to 0 once the window would pass step ``num_steps − 2``."""
+
+    num_steps: int = 25
+    width: int = 4
+    every: int = 25
+    stride: int = 1
+    start: int = 0
+
+    def start_at(self, iteration: int) -> int:
+        """Window start for a training iteration (pure: resuming needs no extra state)."""
+        positions = self.num_steps - 1 - self.width + 1  # starts whose window ends by step T-2
+        return (self.start + (iteration // self.every) * self.stride) % positions
+
+    def window(self, iteration: int) -> tuple[int, int]:
+        return self.start_at(iteration), self.width
