@@ -1,0 +1,5 @@
+import sys
+
+from flowalign.cli.main import main
+
+sys.exit(main())

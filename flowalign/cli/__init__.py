@@ -1,0 +1,1 @@
+"""The ``flowalign`` command: one module per sub-command, each with ``add_parser`` and ``run``."""

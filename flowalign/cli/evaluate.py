@@ -1,0 +1,37 @@
+"""``flowalign evaluate``: score a model (and adapter) on a benchmark split; writes metrics.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from flowalign.cli.common import add_model_args, load_policy
+from flowalign.evaluation import evaluate
+from flowalign.paths import default_model_dir
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("evaluate", help="evaluate on a benchmark split (metrics.json, samples, verdicts)")
+    add_model_args(p)
+    p.add_argument("--bench", default="vvr", help="benchmark name (vvr)")
+    p.add_argument("--level", default="easy", help="easy, medium or hard")
+    p.add_argument("--n", type=int, default=None, help="number of tasks (default: the whole split)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="draw a fresh split with this seed instead of the shipped one (also seeds the noise)")
+    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
+    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--out", required=True, help="output folder")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    from rewards.benchmarks import load_benchmark
+
+    bench = load_benchmark(args.bench, args.level, args.n, args.seed)
+    policy = load_policy(args)
+    metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=args.seed or 0,
+                       num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
+                       out_dir=args.out, labels={"bench": bench.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter})
+    print(json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
+    print(f"wrote {args.out}/metrics.json")

@@ -1,0 +1,40 @@
+"""Entry point of the ``flowalign`` console script (and ``python -m flowalign``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from flowalign.errors import UserError
+
+# sub-command modules, each defining add_parser(subparsers) and run(args)
+COMMANDS = ("tiny", "sample", "evaluate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="flowalign", description="Align flow-matching generators with RL.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"flowalign.cli.{name}")
+        module.add_parser(sub).set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args._run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""``flowalign sample``: one prompt → a PNG (image models) or an MP4/GIF (video models)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from flowalign.cli.common import add_model_args, load_policy
+from flowalign.errors import UserError
+from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_image, save_video
+from flowalign.sampling import SAMPLER_KINDS, check_sampler, rollout
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("sample", help="sample one prompt to an image or video file")
+    add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
+    p.add_argument("--sampler", default="ode", choices=SAMPLER_KINDS)
+    p.add_argument("--noise-level", type=float, default=None, help="a for flow_grpo, eta for cps/dance")
+    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output file: .png for images, .mp4 or .gif for videos")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    suffix = out.suffix.lower()
+    if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
+        raise UserError(f"--out {out.name}: unknown file type; use .png for image models, .mp4/.gif for video models")
+    check_sampler(args.sampler, args.noise_level)
+    policy = load_policy(args)
+    if policy.is_video and suffix in IMAGE_SUFFIXES:
+        raise UserError(f"--out {out.name}: {policy.family} is a video model; write .mp4 or .gif")
+    if not policy.is_video and suffix in VIDEO_SUFFIXES:
+        raise UserError(f"--out {out.name}: {policy.family} is an image model; write .png")
+    steps = args.steps or int(policy.defaults.get("num_steps", 20))
+    result = rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler, noise_level=args.noise_level,
+                     guidance_scale=args.guidance, generator=torch.Generator().manual_seed(args.seed))
+    sample = result.samples[0]
+    written = save_video(sample, out) if policy.is_video else save_image(sample, out)
+    print(f"wrote {written}")

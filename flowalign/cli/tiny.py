@@ -1,0 +1,20 @@
+"""``flowalign tiny {sd3,flux,wan} --out DIR``: write a tiny, randomly initialised diffusers folder."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("tiny", help="build a tiny architecture-faithful model folder (offline)")
+    p.add_argument("family", choices=["sd3", "flux", "wan"])
+    p.add_argument("--out", required=True, help="folder to write (diffusers format)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    from pipelines.tiny import save_tiny
+
+    save_tiny(args.family, args.out, seed=args.seed)
+    print(f"wrote tiny {args.family} model to {args.out}")

@@ -1,0 +1,76 @@
+"""Writing samples a person can open: PNG images, MP4 videos (GIF fallback) and first-frame posters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from flowalign.errors import UserError
+from flowalign.io import atomic_path
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
+def to_uint8(x: torch.Tensor) -> np.ndarray:
+    """``(3,H,W)`` → ``(H,W,3)`` or ``(F,3,H,W)`` → ``(F,H,W,3)`` uint8, from floats in [0,1]."""
+    x = x.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).cpu()
+    return x.movedim(-3, -1).numpy()
+
+
+def save_image(image: torch.Tensor, path: str | Path) -> Path:
+    """Save a ``(3,H,W)`` float image in [0,1]."""
+    path = Path(path)
+    if path.suffix.lower() not in IMAGE_SUFFIXES:
+        raise UserError(f"cannot write an image to {path.name!r}: use one of {', '.join(IMAGE_SUFFIXES)}")
+    with atomic_path(path) as tmp:
+        Image.fromarray(to_uint8(image)).save(tmp, format=_pil_format(path))
+    return path
+
+
+def _pil_format(path: Path) -> str:
+    return {".jpg": "JPEG", ".jpeg": "JPEG"}.get(path.suffix.lower(), path.suffix.lower().lstrip(".").upper())
+
+
+def save_video(video: torch.Tensor, path: str | Path, fps: int = 8) -> Path:
+    """Save a ``(F,3,H,W)`` float video in [0,1] as MP4 (H.264 via imageio-ffmpeg) or GIF.
+
+    If MP4 encoding is unavailable the clip is written as GIF beside it and that path returned.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in VIDEO_SUFFIXES:
+        raise UserError(f"cannot write a video to {path.name!r}: use .mp4 or .gif")
+    frames = to_uint8(video)
+    if suffix == ".mp4":
+        try:
+            return _write_mp4(frames, path, fps)
+        except (ImportError, RuntimeError, OSError):
+            path = path.with_suffix(".gif")
+    import imageio.v3 as iio
+
+    with atomic_path(path) as tmp:
+        iio.imwrite(tmp, frames, extension=".gif", duration=1000 / fps, loop=0)
+    return path
+
+
+def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
+    import imageio
+
+    # H.264 needs even sides; pad by edge replication rather than resample
+    f, h, w, _ = frames.shape
+    frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    with atomic_path(path) as tmp:
+        with imageio.get_writer(tmp, format="FFMPEG", mode="I", fps=fps, codec="libx264",
+                                pixelformat="yuv420p", macro_block_size=1) as writer:
+            for frame in frames:
+                writer.append_data(frame)
+    return path
+
+
+def save_poster(video: torch.Tensor, path: str | Path) -> Path:
+    """The first frame of a ``(F,3,H,W)`` video as an image (gallery posters)."""
+    return save_image(video[0], path)

@@ -1,0 +1,53 @@
+"""Benchmarks by name: the prompts, per-sample metadata and reward of an evaluation split.
+
+``flowalign evaluate --bench NAME`` reaches these through :func:`load_benchmark`; the core never knows
+what a VVR task is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from flowalign.errors import UserError
+from flowalign.paths import assets_dir
+from rewards.registry import load as load_reward
+
+LEVELS = ("easy", "medium", "hard")
+
+
+@dataclass
+class Benchmark:
+    name: str
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    reward: Any
+
+
+def _vvr(level: str, n: int | None, seed: int | None) -> Benchmark:
+    from rewards.vvr import Task, generate_tasks
+
+    if seed is not None:  # a fresh split, not the shipped one
+        tasks = generate_tasks(n or 500, seed=seed, level=level)
+    else:
+        path = assets_dir() / "vvr" / f"{level}.jsonl"
+        if not path.exists():
+            raise UserError(f"benchmark split {path} is missing; regenerate it with scripts/make_vvr_splits.py or pass --seed")
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        tasks = [Task.from_dict(d) for d in lines][: n or None]
+    return Benchmark(f"vvr-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks], load_reward("vvr"))
+
+
+_BENCHMARKS = {"vvr": _vvr}
+
+
+def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None) -> Benchmark:
+    """The split ``name``/``level``: the shipped file, or a fresh one drawn with ``seed``."""
+    if name not in _BENCHMARKS:
+        raise UserError(f"unknown benchmark {name!r}; choose one of {', '.join(_BENCHMARKS)}")
+    if level not in LEVELS:
+        raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
+    if n is not None and n < 1:
+        raise UserError(f"--n must be a positive number of tasks, got {n}")
+    return _BENCHMARKS[name](level, n, seed)
