@@ -9,7 +9,7 @@ from typing import Sequence
 from flowalign.errors import UserError
 
 # sub-command modules, each defining add_parser(subparsers) and run(args)
-COMMANDS = ("tiny", "sample", "evaluate")
+COMMANDS = ("tiny", "sample", "evaluate", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, FlowPolicy
-from flowalign.sampling.steps import SAMPLER_KINDS, sde_step
+from flowalign.sampling.steps import SAMPLER_KINDS, StepOutput, sde_step
 from flowalign.sampling.windows import sde_step_mask
 
 #: noise level used when a caller passes none: a (Flow-GRPO), η (CPS), η (DanceGRPO)
@@ -82,6 +82,10 @@ class Rollout:
     __getitem__ = select
 
 
+#: a custom stochastic step: ``fn(velocity, sample, sigma, sigma_next, generator, prev_sample) -> StepOutput``
+StepFn = Callable[..., StepOutput]
+
+
 def _check_prompts(prompts: Any) -> list[str]:
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise UserError(f"prompts must be a list of strings, got {type(prompts).__name__}; wrap a single prompt as [prompt]")
@@ -112,7 +116,7 @@ def rollout(
     prompts: Sequence[str],
     *,
     num_steps: int,
-    sampler: str = "flow_grpo",
+    sampler: str | StepFn = "flow_grpo",
     noise_level: float | None = None,
     guidance_scale: float | None = None,
     sde_window: tuple[int, int] | torch.Tensor | None = None,
@@ -124,13 +128,15 @@ def rollout(
 ) -> Rollout:
     """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid.
 
-    SDE steps (``sampler``, on the steps of ``sde_window``) store their log-probabilities; all other
+    SDE steps (``sampler``: a kind of :func:`sde_step` or a custom step function, on the steps of
+    ``sde_window``) store their log-probabilities; all other
     steps are Euler ODE steps. ``guidance_scale`` defaults to the checkpoint's own default. Pass
     ``initial_noise`` ``(B, ...)`` to share noise (e.g. DanceGRPO groups) or to branch from an ODE
     prefix.
     """
     prompts = _check_prompts(prompts)
-    level = check_sampler(sampler, noise_level)
+    custom_step = sampler if callable(sampler) else None
+    level = 0.0 if custom_step else check_sampler(sampler, noise_level)
     if num_steps < 1:
         raise UserError(f"num_steps must be >= 1, got {num_steps}")
     guidance = float(policy.defaults.get("guidance_scale", 1.0) if guidance_scale is None else guidance_scale)
@@ -148,11 +154,13 @@ def rollout(
     log_probs = torch.full((len(prompts), num_steps), float("nan"))
     for k in range(num_steps):
         v = policy.velocity(x, sigmas[k].item(), cond, guidance)
-        kind = sampler if mask[k] else "ode"
-        out = sde_step(
-            kind, v, x, sigmas[k].item(), sigmas[k + 1].item(),
-            noise_level=level, generator=generator, cps_log_prob=cps_log_prob,
-        )
+        if custom_step is not None and mask[k]:
+            out = custom_step(v, x, sigmas[k].item(), sigmas[k + 1].item(), generator, None)
+        else:
+            out = sde_step(
+                sampler if mask[k] else "ode", v, x, sigmas[k].item(), sigmas[k + 1].item(),
+                noise_level=level, generator=generator, cps_log_prob=cps_log_prob,
+            )
         x = out.prev_sample
         latents.append(x)
         log_probs[:, k] = out.log_prob.cpu()
@@ -167,7 +175,7 @@ def rollout(
         sde_mask=mask,
         samples=samples,
         cond=cond,
-        sampler=sampler,
+        sampler=getattr(sampler, "__name__", "custom") if custom_step else sampler,
         noise_level=level,
         guidance_scale=guidance,
     )

@@ -1,0 +1,100 @@
+"""Advantage strategies for group-sampled trainers (``shared/specs/flow_grpo.md``).
+
+All take rewards of the whole gathered batch (every rank's samples) with a group id per sample and return
+one advantage per sample. Selected by ``trainer.advantage``: ``group`` | ``global_std`` | ``gdpo`` |
+``win_rate``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+
+AdvantageKind = Literal["group", "global_std", "gdpo", "win_rate"]
+ADVANTAGE_KINDS = ("group", "global_std", "gdpo", "win_rate")
+
+
+def _group_mean_std(values: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample mean and population std of its group: ``(N,)``, ``(N,)``."""
+    _, inverse = torch.unique(groups, return_inverse=True)
+    count = torch.zeros(int(inverse.max()) + 1).index_add_(0, inverse, torch.ones_like(values))
+    mean = torch.zeros_like(count).index_add_(0, inverse, values) / count
+    var = torch.zeros_like(count).index_add_(0, inverse, (values - mean[inverse]) ** 2) / count
+    return mean[inverse], var.sqrt()[inverse]
+
+
+def group_advantages(
+    rewards: torch.Tensor, groups: torch.Tensor, *, std: Literal["group", "global"] = "group", eps: float = 1e-4
+) -> torch.Tensor:
+    """Flow-GRPO: ``A_i = (R_i − mean_group R) / (std + eps)``, population std of the group or of the whole
+    gathered batch (``global_std``, the SD3/FLUX default)."""
+    rewards = rewards.float()
+    mean, group_std = _group_mean_std(rewards, groups)
+    scale = group_std if std == "group" else rewards.std(unbiased=False).expand_as(rewards)
+    return (rewards - mean) / (scale + eps)
+
+
+def gdpo_advantages(
+    components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, *, eps: float = 1e-4
+) -> torch.Tensor:
+    """GDPO (arXiv 2601.05242): normalise each reward within its group, weight-sum, renormalise over the batch.
+
+    ``components`` ``(N, M)`` raw rewards, ``weights`` ``(M,)``. ``A^(m) = (r^(m) − mean_g)/(std_g + eps)``,
+    ``S = Σ_m w_m A^(m)``, ``Â = (S − mean_batch S)/(std_batch S + eps)``.
+    """
+    per_reward = torch.stack(
+        [group_advantages(components[:, m], groups, std="group", eps=eps) for m in range(components.shape[1])], dim=1
+    )
+    summed = per_reward @ weights.float()
+    return (summed - summed.mean()) / (summed.std(unbiased=False) + eps)
+
+
+def win_rates(
+    scores: torch.Tensor, groups: torch.Tensor, beats: Callable[[int, int], float] | None = None
+) -> torch.Tensor:
+    """Pref-GRPO: ``R_i = (1/(G−1)) Σ_{j≠i} 1[i beats j]`` within each group.
+
+    ``beats(i, j)`` is a pairwise judge returning 1, 0 or 0.5 (a tie); by default scores are compared.
+    """
+    out = torch.zeros_like(scores, dtype=torch.float32)
+    for g in torch.unique(groups):
+        members = (groups == g).nonzero().flatten().tolist()
+        if len(members) < 2:
+            continue
+        for i in members:
+            wins = 0.0
+            for j in members:
+                if i == j:
+                    continue
+                if beats is not None:
+                    wins += beats(i, j)
+                else:
+                    wins += 1.0 if scores[i] > scores[j] else (0.5 if scores[i] == scores[j] else 0.0)
+            out[i] = wins / (len(members) - 1)
+    return out
+
+
+def compute_advantages(
+    kind: AdvantageKind,
+    components: torch.Tensor,
+    weights: torch.Tensor,
+    groups: torch.Tensor,
+    *,
+    clip: float = 5.0,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
+    ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards."""
+    total = components.float() @ weights.float()
+    if kind == "group":
+        adv = group_advantages(total, groups, std="group", eps=eps)
+    elif kind == "global_std":
+        adv = group_advantages(total, groups, std="global", eps=eps)
+    elif kind == "gdpo":
+        adv = gdpo_advantages(components, weights, groups, eps=eps)
+    elif kind == "win_rate":
+        adv = group_advantages(win_rates(total, groups), groups, std="group", eps=eps)
+    else:
+        raise ValueError(f"unknown advantage kind {kind!r}; choose one of {', '.join(ADVANTAGE_KINDS)}")
+    return adv.clamp(-clip, clip)

@@ -1,0 +1,146 @@
+"""Checkpoints: ``checkpoints/step-XXXXXX/`` written to a temporary folder, then renamed.
+
+A folder holds the adapter where diffusers' ``load_lora_weights`` reads it (``pytorch_lora_weights.safetensors``;
+full fine-tunes save ``trainable.safetensors`` instead), the exact trainable tensors for resuming, the
+optimiser, the EMA, every rank's RNG states and ``trainer_state.json``. All tensors are safetensors;
+``COMPLETE`` is written last, so a folder without it (a kill mid-write) is never resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from flowalign.io import write_json
+
+STEP_DIR = re.compile(r"^step-(\d{6})$")
+COMPLETE = "COMPLETE"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if STEP_DIR.match(p.name) and (p / COMPLETE).exists()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimiser state dict into safetensors-able tensors and JSON-able rest."""
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{key}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in list(tensors.items()) + list(meta["scalars"].items()):
+        idx, _, key = name.partition(".")
+        state.setdefault(int(idx), {})[key] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    np_state = np.random.get_state()
+    meta = {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    return tensors, meta
+
+
+def restore_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda."))]
+        if states:
+            torch.cuda.set_rng_state_all(states)
+    py = meta["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+
+
+def save_rank_rng(folder: Path, rank: int) -> None:
+    tensors, meta = rng_state()
+    save_file(tensors, str(folder / f"rng-rank{rank}.safetensors"))
+    (folder / f"rng-rank{rank}.json").write_text(json.dumps(meta))
+
+
+def load_rank_rng(folder: Path, rank: int) -> None:
+    path = folder / f"rng-rank{rank}.safetensors"
+    if path.exists():  # a run resumed on fewer/more ranks keeps its fresh RNG
+        restore_rng_state(load_file(str(path)), json.loads((folder / f"rng-rank{rank}.json").read_text()))
+
+
+def write_checkpoint_files(
+    folder: Path,
+    *,
+    trainable: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    ema_state: dict[str, torch.Tensor] | None,
+    trainer_state: dict[str, Any],
+) -> None:
+    """Rank-0 part of a checkpoint (the adapter itself is written by the policy's ``save_adapter``)."""
+    save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(folder / "trainable.safetensors"))
+    opt_tensors, opt_meta = optimizer_to_tensors(optimizer)
+    save_file(opt_tensors, str(folder / "optimizer.safetensors"))
+    write_json(folder / "optimizer.json", opt_meta)
+    if ema_state is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in ema_state.items()}, str(folder / "ema.safetensors"))
+    write_json(folder / "trainer_state.json", trainer_state)
+
+
+def finalise(tmp: Path, final: Path) -> None:
+    """Mark complete and move into place in one rename."""
+    (tmp / COMPLETE).write_text("ok\n")
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints, and leftover temporary folders."""
+    folder = Path(run_dir) / "checkpoints"
+    for stale in folder.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(folder: Path) -> dict[str, Any]:
+    """Read everything rank-independent from a complete checkpoint folder."""
+    out: dict[str, Any] = {
+        "trainable": load_file(str(folder / "trainable.safetensors")),
+        "optimizer": optimizer_from_tensors(
+            load_file(str(folder / "optimizer.safetensors")), json.loads((folder / "optimizer.json").read_text())
+        ),
+        "trainer_state": json.loads((folder / "trainer_state.json").read_text()),
+        "ema": load_file(str(folder / "ema.safetensors")) if (folder / "ema.safetensors").exists() else None,
+    }
+    return out

@@ -1,0 +1,193 @@
+"""Run configs: YAML → typed, validated objects, with dotted ``key=value`` overrides.
+
+Every run has the same sections (``run``, ``model``, ``data``, ``rewards``, ``trainer``, ``eval``). The
+``trainer`` section is validated by the chosen trainer's own config class, so each algorithm keeps its
+options next to its loss. Errors name the field, the bad value and the fix (with "did you mean" for
+misspelt keys).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from flowalign.errors import UserError
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, values are validated on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = "run"
+    output_dir: str = "runs/run"
+    seed: int = 0
+    #: ``auto`` (newest complete checkpoint, if any), ``never``, or a checkpoint folder
+    resume: str = "auto"
+    checkpoint_every: int = Field(50, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(1, ge=1)
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "flowalign"
+    #: stop with an error when more than this fraction of a batch has invalid rewards
+    max_invalid_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    progress: bool = True
+
+
+class LoraSection(Section):
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    target_modules: list[str] | None = None
+
+
+class ModelSection(Section):
+    #: a local diffusers folder (relative paths are resolved against the working directory)
+    path: str = "assets/tiny-sd3-vvr"
+    family: Literal["sd3", "flux", "wan"] | None = None
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    finetune: Literal["lora", "full"] = "lora"
+    lora: LoraSection = LoraSection()
+    gradient_checkpointing: bool = False
+
+
+class DataSection(Section):
+    """Training prompts: a text/JSONL file (``prompts``) or tasks drawn from a benchmark generator."""
+
+    prompts: str | None = None
+    bench: str | None = "vvr"
+    level: str | list[str] = "medium"
+    n: int = Field(2000, ge=1)
+    seed: int = Field(0, ge=0, description="task seed; benchmark splits use seeds >= 1000, keep training below")
+
+
+class RewardSpec(BaseModel):
+    """One reward of the weighted sum; keys other than ``name`` and ``weight`` are its options."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    weight: float = 1.0
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class EvalSection(Section):
+    #: evaluate every N training steps (0: only before and after training)
+    every: int = Field(25, ge=0)
+    bench: str = "vvr"
+    level: str = "medium"
+    n: int | None = Field(64, ge=1)
+    #: None: the shipped held-out split; an int: a fresh split drawn with that seed
+    seed: int | None = None
+    num_steps: int | None = None
+    batch_size: int = Field(16, ge=1)
+    gallery: bool = True
+    gallery_rows: int = Field(24, ge=1)
+
+
+class TrainConfig(Section):
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="vvr")])
+    #: validated by the trainer named in ``trainer.name``
+    trainer: dict[str, Any] = Field(default_factory=lambda: {"name": "flow_grpo"})
+    eval: EvalSection = EvalSection()
+
+    @field_validator("rewards")
+    @classmethod
+    def _some_reward(cls, v: list[RewardSpec]) -> list[RewardSpec]:
+        if not v:
+            raise ValueError("give at least one reward, e.g. rewards='[{name: vvr}]'")
+        return v
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides in place; each value is read as YAML (``lr=1e-4``, ``x='[1,2]'``)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r} is not key=value (e.g. trainer.lr=1e-4)")
+        value = yaml.safe_load(raw) if raw != "" else None
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part, {}), dict):
+                raise UserError(f"override {key}: {part!r} is not a section")
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return data
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
+
+
+def format_validation_error(err: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """One line per problem: ``field: message (value ...)``, with a suggestion for unknown keys."""
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        where = prefix + ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            fields = _fields_at(model, loc[:-1])
+            lines.append(f"{where}: unknown key{_suggest(loc[-1], fields)}")
+        else:
+            lines.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None) if field else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return []
+    return list(model.model_fields)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML run config (or only overrides when ``path`` is None) into a validated TrainConfig."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"config file {path} does not exist; pass a YAML file such as configs/tiny/flow_grpo_vvr.yaml")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"config file {path} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise UserError(f"config file {path} must hold a mapping of sections (run, model, trainer, ...)")
+    apply_overrides(data, overrides or [])
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"invalid config: {format_validation_error(e, TrainConfig)}") from None
+
+
+def validate_section(section: type[BaseModel], data: dict[str, Any], prefix: str) -> Any:
+    """Validate a free-form section (the trainer's) with its own model, errors prefixed by its path."""
+    try:
+        return section.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"invalid config: {format_validation_error(e, section, prefix)}") from None
+
+
+def dump_config(cfg: TrainConfig, trainer_cfg: BaseModel | None = None) -> str:
+    """The resolved config as YAML (the trainer section with all its defaults filled in)."""
+    data = cfg.model_dump(mode="json")
+    if trainer_cfg is not None:
+        data["trainer"] = trainer_cfg.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False)

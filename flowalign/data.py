@@ -1,0 +1,58 @@
+"""Prompt data: a text or JSONL file of prompts (with optional per-prompt metadata), or a benchmark's tasks.
+
+Batches are a pure function of (seed, step): resuming needs no data-loader state, and every rank can
+compute its own slice of the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flowalign.errors import UserError
+
+
+@dataclass
+class PromptSet:
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def batch_indices(self, seed: int, step: int, size: int) -> list[int]:
+        """Indices of the ``size`` prompts of a global step: epoch-wise permutations, no repeats within an epoch."""
+        n = len(self.prompts)
+        out = []
+        for pos in range(step * size, (step + 1) * size):
+            epoch, offset = divmod(pos, n)
+            perm = np.random.default_rng([seed, epoch]).permutation(n)
+            out.append(int(perm[offset]))
+        return out
+
+
+def read_prompt_file(path: str | Path) -> PromptSet:
+    """``.txt``: one prompt a line; ``.jsonl``: ``{"prompt": ..., <metadata>...}`` a line (e.g. a VVR ``task``)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"prompt file {path} does not exist; give a .txt (one prompt a line) or .jsonl file")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"prompt file {path} is empty")
+    if path.suffix == ".jsonl":
+        prompts, metadata = [], []
+        for i, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise UserError(f'{path}:{i}: each line needs a "prompt" string')
+            prompts.append(row.pop("prompt"))
+            metadata.append(row)
+        return PromptSet(prompts, metadata)
+    return PromptSet([line.strip() for line in lines], [{} for _ in lines])

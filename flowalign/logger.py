@@ -1,0 +1,58 @@
+"""Run logging: ``metrics.jsonl`` always, TensorBoard by default, W&B when installed and asked for."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class RunLogger:
+    """Writes scalars from rank 0; other ranks get a logger that does nothing."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, wandb: bool, project: str,
+                 name: str, config: dict[str, Any]):
+        self.enabled = enabled
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if wandb:
+            try:
+                import wandb as wandb_lib
+            except ImportError:
+                print("warning: run.wandb is true but wandb is not installed (pip install wandb); logging without it",
+                      file=sys.stderr)
+            else:
+                self.wandb = wandb_lib.init(project=project, name=name, config=config, dir=str(run_dir), resume="allow")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows logged after ``step`` (a resumed run re-logs them)."""
+        if not self.enabled or not self.metrics_path.exists():
+            return
+        rows = [line for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **scalars}) + "\n")
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

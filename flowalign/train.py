@@ -1,0 +1,128 @@
+"""Set up and run a training job from a validated config (what ``flowalign train`` calls)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from flowalign.config import TrainConfig, dump_config, validate_section
+from flowalign.data import PromptSet, read_prompt_file
+from flowalign.errors import UserError
+from flowalign.io import write_json
+from flowalign.paths import REPO_ROOT
+from flowalign.trainers import get_trainer
+
+# keys that may change when a run is resumed (everything else must match the saved config)
+RESUMABLE_CHANGES = {"run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
+                     "trainer.max_steps", "eval.every", "run.wandb"}
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def prepare_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
+    """Refuse a folder that holds another run; write the resolved config."""
+    saved = run_dir / "config.yaml"
+    if saved.exists():
+        if resume == "never":
+            raise UserError(f"{run_dir} already holds a run; choose another run.output_dir or set run.resume=auto to continue it")
+        old, new = _flatten(yaml.safe_load(saved.read_text())), _flatten(yaml.safe_load(resolved_yaml))
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+        if changed:
+            raise UserError(f"{run_dir} holds another run's config (differs in {', '.join(changed[:5])}); "
+                            "choose another run.output_dir, or delete the folder to start over")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from flowalign.io import atomic_path
+
+    with atomic_path(saved) as tmp:
+        tmp.write_text(resolved_yaml)
+
+
+def resolve_model_path(path: str) -> Path:
+    p = Path(path)
+    if not p.exists() and not p.is_absolute() and (REPO_ROOT / p).exists():
+        return REPO_ROOT / p  # configs name assets relative to the repository
+    return p
+
+
+def load_train_data(cfg: TrainConfig) -> PromptSet:
+    if cfg.data.prompts:
+        return read_prompt_file(cfg.data.prompts)
+    if not cfg.data.bench:
+        raise UserError("data needs either data.prompts (a .txt/.jsonl file) or data.bench (e.g. vvr)")
+    from rewards.benchmarks import load_benchmark
+
+    levels = [cfg.data.level] if isinstance(cfg.data.level, str) else list(cfg.data.level)
+    prompts, metadata = [], []
+    for i, level in enumerate(levels):
+        bench = load_benchmark(cfg.data.bench, level, cfg.data.n, seed=cfg.data.seed + i)
+        prompts += bench.prompts
+        metadata += bench.metadata
+    return PromptSet(prompts, metadata)
+
+
+def make_evaluator(cfg: TrainConfig):
+    """A function ``(policy, out_dir) -> metrics`` over the held-out split, or None."""
+    from rewards.benchmarks import load_benchmark
+
+    from flowalign.evaluation import evaluate
+
+    bench = load_benchmark(cfg.eval.bench, cfg.eval.level, cfg.eval.n, cfg.eval.seed)
+
+    def run(policy, out_dir: Path) -> dict[str, Any]:
+        metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=cfg.eval.seed or 0,
+                           num_steps=cfg.eval.num_steps, batch_size=cfg.eval.batch_size, out_dir=out_dir,
+                           progress=False, labels={"bench": bench.name})
+        if cfg.eval.gallery:
+            _write_gallery(out_dir.parent.parent)
+        return metrics
+
+    return run
+
+
+def _write_gallery(run_dir: Path) -> None:
+    try:
+        from flowalign.gallery import write_run_gallery
+    except ImportError:  # galleries are optional output; never fail a run over them
+        return
+    write_run_gallery(run_dir)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train per ``cfg``; returns the final evaluation metrics."""
+    from accelerate import Accelerator
+
+    import pipelines
+    import rewards as reward_registry
+
+    trainer_cls = get_trainer(str(cfg.trainer.get("name", "flow_grpo")))
+    tcfg = validate_section(trainer_cls.Config, cfg.trainer, "trainer.")
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    run_dir = Path(cfg.run.output_dir)
+    if acc.is_main_process:
+        prepare_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)
+    acc.wait_for_everyone()
+    torch.manual_seed(cfg.run.seed + acc.process_index)
+
+    model_path = resolve_model_path(cfg.model.path)
+    lora = cfg.model.lora.model_dump() if cfg.model.finetune == "lora" else None
+    policy = pipelines.load(model_path, cfg.model.family, device=acc.device, dtype=cfg.model.dtype, lora=lora,
+                            full_finetune=cfg.model.finetune == "full")
+    if cfg.model.gradient_checkpointing:
+        policy.transformer.enable_gradient_checkpointing()
+    loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
+    data = load_train_data(cfg)
+    evaluator = make_evaluator(cfg) if cfg.eval.bench else None
+    trainer = trainer_cls(cfg, tcfg, policy, loaded, data, evaluator, acc, run_dir)
+    final = trainer.train()
+    if acc.is_main_process and final:
+        write_json(run_dir / "final_metrics.json", final)
+    return final

@@ -1,0 +1,366 @@
+"""The shared training loop: prompts → grouped rollouts → rewards → advantages → update.
+
+A trainer subclasses :class:`GroupTrainer` and overrides only the phases it changes (usually ``sample``
+and ``loss``). The loop owns the rest: distributed set-up, deterministic batches, reward masking,
+gradient accumulation and clipping, EMA, evaluation, logging, checkpoints and resume.
+
+Determinism: the prompts and the sampling noise of a step are pure functions of ``(run.seed, step,
+rank)``, so a run resumed from a checkpoint ends at the same weights as one never interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import Field
+from tqdm.auto import tqdm
+
+from flowalign import checkpoint as ckpt
+from flowalign.advantages import compute_advantages
+from flowalign.config import Section, TrainConfig
+from flowalign.data import PromptSet
+from flowalign.ema import EMA
+from flowalign.errors import UserError
+from flowalign.logger import RunLogger
+from flowalign.protocols import FlowPolicy, RewardOutput
+from flowalign.sampling import Rollout, rollout
+
+
+class GroupTrainerConfig(Section):
+    """Options every group-sampling trainer shares (``trainer:`` section)."""
+
+    name: str
+    max_steps: int = Field(100, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    #: prompts per step on each rank; each is sampled group_size times
+    prompts_per_step: int = Field(4, ge=1)
+    group_size: int = Field(8, ge=2)
+    #: rollout chunk = training chunk (outputs depend on batch size, so they must match)
+    batch_size: int = Field(8, ge=1)
+    #: rollout steps T (evaluation uses eval.num_steps or the model's default)
+    num_steps: int = Field(10, ge=2)
+    guidance_scale: float | None = None
+    inner_epochs: int = Field(1, ge=1)
+    #: optimiser steps per pass over the batch (gradients accumulate over samples x trained steps)
+    updates_per_epoch: int = Field(1, ge=1)
+    advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
+    adv_clip: float = Field(5.0, gt=0)
+    ema_decay: float = Field(0.0, ge=0, lt=1)
+    ema_every: int = Field(8, ge=1)
+
+
+@dataclass
+class StepBatch:
+    """One step's rollouts on this rank, kept as the chunks they were sampled in."""
+
+    chunks: list[Rollout]
+    groups: torch.Tensor  # (N,) global group id of each sample
+
+    @property
+    def samples(self) -> torch.Tensor:
+        return torch.cat([c.samples for c in self.chunks])
+
+    @property
+    def prompts(self) -> list[str]:
+        return [p for c in self.chunks for p in c.prompts]
+
+    @property
+    def metadata(self) -> list[dict[str, Any]]:
+        return [m for c in self.chunks for m in c.metadata]
+
+
+def derived_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, stable across processes (no ``hash()``)."""
+    return int(np.random.SeedSequence([abs(int(p)) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
+
+
+class GroupTrainer:
+    """Rollout → reward → advantage → update, with the bookkeeping around it."""
+
+    Config: type[GroupTrainerConfig] = GroupTrainerConfig
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        tcfg: GroupTrainerConfig,
+        policy: FlowPolicy,
+        rewards: list[tuple[str, float, Any]],
+        data: PromptSet,
+        evaluator: Any,
+        accelerator: Any,
+        run_dir: Path,
+    ):
+        self.cfg, self.tcfg, self.policy = cfg, tcfg, policy
+        self.rewards, self.data, self.evaluator = rewards, data, evaluator
+        self.acc, self.run_dir = accelerator, run_dir
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.params = [p for p in policy.trainable.parameters() if p.requires_grad]
+        if not self.params:
+            raise UserError("the policy has no trainable parameters; set model.finetune to lora or full")
+        self.optimizer = torch.optim.AdamW(self.params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
+        self.ema = EMA(self.params, tcfg.ema_decay, tcfg.ema_every) if tcfg.ema_decay > 0 else None
+        self.step = 0
+        self.logger = RunLogger(
+            run_dir, enabled=accelerator.is_main_process, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+            project=cfg.run.wandb_project, name=cfg.run.name, config=cfg.model_dump(mode="json"),
+        )
+
+    # ------------------------------------------------------------------ phases
+    def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor, generator: torch.Generator) -> StepBatch:
+        """Grouped SDE rollouts in chunks of ``batch_size`` (groups are contiguous)."""
+        b = self.tcfg.batch_size
+        chunks = [
+            rollout(self.policy, prompts[i : i + b], num_steps=self.tcfg.num_steps, sampler=self.sampler,
+                    noise_level=self.noise_level, guidance_scale=self.tcfg.guidance_scale,
+                    generator=generator, metadata=metadata[i : i + b])
+            for i in range(0, len(prompts), b)
+        ]
+        return StepBatch(chunks, groups)
+
+    sampler: Any = "flow_grpo"
+    noise_level: float | None = None
+
+    def score(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Weighted reward components ``(N, M)``, a validity mask ``(N,)`` and per-reward means."""
+        samples, prompts, metadata = batch.samples, batch.prompts, batch.metadata
+        columns, valid, logs = [], torch.ones(len(prompts), dtype=torch.bool), {}
+        for name, _, reward in self.rewards:
+            try:
+                out: RewardOutput = reward(samples, prompts, metadata)
+                value = out.total.float().cpu()
+                ok = out.valid.cpu() & torch.isfinite(value)
+            except Exception as e:  # a reward that raises invalidates the batch's samples, not the run
+                print(f"warning: reward {name!r} raised {type(e).__name__}: {e}")
+                value, ok = torch.zeros(len(prompts)), torch.zeros(len(prompts), dtype=torch.bool)
+            columns.append(torch.where(ok, value, torch.zeros_like(value)))
+            valid &= ok
+            logs[f"reward/{name}"] = value[ok].mean().item() if ok.any() else float("nan")
+        return torch.stack(columns, dim=1), valid, logs
+
+    def advantages(self, components: torch.Tensor, valid: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """Advantages from rewards gathered over all ranks; invalid samples get 0 (dropped)."""
+        comps, ok, gids = (self.acc.gather(t.to(self.acc.device)).cpu() for t in (components, valid, groups))
+        weights = torch.tensor([w for _, w, _ in self.rewards])
+        # an invalid sample takes its group's valid mean, so it neither moves nor receives the statistics
+        filled = comps.clone()
+        for g in torch.unique(gids):
+            members = gids == g
+            good = members & ok
+            if good.any():
+                filled[members & ~ok] = comps[good].mean(0)
+        adv = compute_advantages(self.tcfg.advantage, filled, weights, gids, clip=self.tcfg.adv_clip)
+        adv[~ok] = 0.0
+        n = components.shape[0]
+        return adv[self.rank * n : (self.rank + 1) * n]
+
+    def update(self, batch: StepBatch, adv: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+        """Inner epochs over the chunks; one optimiser step per ``1/updates_per_epoch`` of the batch."""
+        stats: dict[str, list[float]] = {}
+        sizes = [len(c) for c in batch.chunks]
+        adv_chunks = list(torch.split(adv, sizes))
+        for _ in range(self.tcfg.inner_epochs):
+            order = torch.randperm(len(batch.chunks), generator=generator).tolist()
+            active = [i for i in order if adv_chunks[i].abs().sum() > 0]
+            if not active:
+                continue
+            parts = [p for p in np.array_split(np.array(active), self.tcfg.updates_per_epoch) if len(p)]
+            for part in parts:
+                units = self.loss_units(batch, part.tolist())
+                for i, k in units:
+                    loss, info = self.loss(batch.chunks[i], k, adv_chunks[i])
+                    (loss / len(units)).backward()
+                    for key, value in info.items():
+                        stats.setdefault(key, []).append(value)
+                stats.setdefault("grad_norm", []).append(self.optimizer_step())
+        return {k: float(np.mean(v)) for k, v in stats.items()}
+
+    def loss_units(self, batch: StepBatch, chunk_ids: list[int]) -> list[tuple[int, int]]:
+        """The (chunk, step) pairs one optimiser step accumulates over."""
+        return [(i, k) for i in chunk_ids for k in self.trained_steps(batch.chunks[i])]
+
+    def trained_steps(self, chunk: Rollout) -> list[int]:
+        return chunk.trained_steps()
+
+    def loss(self, chunk: Rollout, k: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> float:
+        """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
+        if self.world > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad = self.acc.reduce(p.grad, reduction="mean")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        return float(norm)
+
+    # ------------------------------------------------------------------ loop
+    def step_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
+        """This rank's prompts of a step, each repeated group_size times, with global group ids."""
+        p, g = self.tcfg.prompts_per_step, self.tcfg.group_size
+        idx = self.data.batch_indices(self.cfg.run.seed, step, p * self.world)[self.rank * p : (self.rank + 1) * p]
+        prompts = [self.data.prompts[i] for i in idx for _ in range(g)]
+        metadata = [self.data.metadata[i] for i in idx for _ in range(g)]
+        groups = torch.arange(self.rank * p, (self.rank + 1) * p).repeat_interleave(g)
+        return prompts, metadata, groups
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank))
+        prompts, metadata, groups = self.step_prompts(self.step)
+        batch = self.sample(prompts, metadata, groups, generator)
+        t_sample = time.perf_counter()
+        components, valid, reward_logs = self.score(batch)
+        invalid = 1.0 - valid.float().mean().item()
+        if invalid > self.cfg.run.max_invalid_fraction:
+            raise UserError(
+                f"step {self.step}: {invalid:.0%} of the samples have invalid rewards (limit "
+                f"run.max_invalid_fraction={self.cfg.run.max_invalid_fraction}); check the reward"
+            )
+        adv = self.advantages(components, valid, groups)
+        t_reward = time.perf_counter()
+        stats = self.update(batch, adv, generator)
+        total = components @ torch.tensor([w for _, w, _ in self.rewards])
+        logs = {
+            "reward/total": total[valid].mean().item() if valid.any() else float("nan"),
+            **reward_logs,
+            "reward/invalid_fraction": invalid,
+            "zero_adv_fraction": (adv == 0).float().mean().item(),
+            "time/sample": t_sample - t0,
+            "time/reward": t_reward - t_sample,
+            "time/update": time.perf_counter() - t_reward,
+            "time/step": time.perf_counter() - t0,
+            **{f"train/{k}": v for k, v in stats.items()},
+        }
+        return logs
+
+    def train(self) -> dict[str, Any]:
+        """Run until ``trainer.max_steps``.
+
+        Ctrl-C finishes the step in flight, saves a checkpoint and raises KeyboardInterrupt (a second
+        Ctrl-C stops at once): a checkpoint never holds half an update.
+        """
+        self.maybe_resume()
+        bar = tqdm(total=self.tcfg.max_steps, initial=self.step, desc="training", unit="step",
+                   disable=not (self.acc.is_main_process and self.cfg.run.progress))
+        stop = {"requested": False}
+
+        def request_stop(signum, frame):
+            if stop["requested"]:
+                raise KeyboardInterrupt
+            stop["requested"] = True
+            print("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)")
+
+        previous = signal.signal(signal.SIGINT, request_stop) if threading.current_thread() is threading.main_thread() else None
+        try:
+            if self.step == 0:
+                self.evaluate()
+            while self.step < self.tcfg.max_steps:
+                if stop["requested"]:
+                    self.save_checkpoint()
+                    raise KeyboardInterrupt
+                logs = self.train_step()
+                self.step += 1
+                if self.step % self.cfg.run.log_every == 0:
+                    self.logger.log(self.step, logs)
+                bar.set_postfix(reward=f"{logs['reward/total']:.3f}", step_s=f"{logs['time/step']:.1f}")
+                bar.update(1)
+                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.tcfg.max_steps:
+                    self.evaluate()
+                if self.step % self.cfg.run.checkpoint_every == 0:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        final = self.evaluate()
+        self.save_checkpoint()
+        self.logger.close()
+        return final
+
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out evaluation (EMA weights when enabled) into ``evals/step-XXXXXX/`` and the gallery."""
+        if self.evaluator is None:
+            return {}
+        metrics: dict[str, Any] = {}
+        if self.acc.is_main_process:
+            out_dir = self.run_dir / "evals" / ckpt.step_dir_name(self.step)
+            if self.ema is not None and self.step > 0:
+                with self.ema.swapped_in():
+                    metrics = self.evaluator(self.policy, out_dir)
+            else:
+                metrics = self.evaluator(self.policy, out_dir)
+            scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.logger.log(self.step, scalars)
+        self.acc.wait_for_everyone()
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.policy.trainable.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self) -> Path:
+        final = self.run_dir / "checkpoints" / ckpt.step_dir_name(self.step)
+        tmp = self.run_dir / "checkpoints" / f".tmp-{ckpt.step_dir_name(self.step)}"
+        if self.acc.is_main_process:
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        ckpt.save_rank_rng(tmp, self.rank)
+        if self.acc.is_main_process:
+            if self.cfg.model.finetune == "lora":
+                self.policy.save_adapter(tmp)
+            ckpt.write_checkpoint_files(
+                tmp, trainable=self.trainable_state(), optimizer=self.optimizer,
+                ema_state=self.ema.state_dict() if self.ema else None,
+                trainer_state={"step": self.step, "world_size": self.world, "trainer": self.tcfg.name},
+            )
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            ckpt.finalise(tmp, final)
+            ckpt.prune(self.run_dir, self.cfg.run.keep_checkpoints)
+        self.acc.wait_for_everyone()
+        return final
+
+    def maybe_resume(self) -> None:
+        resume = self.cfg.run.resume
+        if resume == "never":
+            return
+        folder = ckpt.latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
+        if folder is None:
+            return
+        if not (folder / ckpt.COMPLETE).exists():
+            raise UserError(f"run.resume={resume}: {folder} is not a complete checkpoint folder (no {ckpt.COMPLETE})")
+        state = ckpt.load_checkpoint(folder)
+        live = self.trainable_state()
+        missing = set(live) - set(state["trainable"])
+        if missing:
+            raise UserError(f"checkpoint {folder} does not match this model ({len(missing)} trainable tensors missing)")
+        with torch.no_grad():
+            for name, p in live.items():
+                p.copy_(state["trainable"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        ckpt.load_rank_rng(folder, self.rank)
+        self.step = int(state["trainer_state"]["step"])
+        self.logger.truncate_after(self.step)
+        if self.acc.is_main_process:
+            print(f"resumed from {folder} at step {self.step}")
