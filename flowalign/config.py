@@ -82,7 +82,7 @@ class RewardSpec(BaseModel):
 class EvalSection(Section):
     #: evaluate every N training steps (0: only before and after training)
     every: int = Field(25, ge=0)
-    bench: str = "vvr"
+    bench: str | None = "vvr"
     level: str = "medium"
     n: int | None = Field(64, ge=1)
     #: None: the shipped held-out split; an int: a fresh split drawn with that seed

@@ -220,7 +220,7 @@ def _mp4_to_gif(mp4: Path, gif: Path) -> Path:
 
     with imageio.get_reader(mp4, format="FFMPEG") as reader:
         fps = float(reader.get_meta_data().get("fps") or 8)
-        frames = np.stack(list(reader))
+        frames = np.stack(list(reader.iter_data()))
     iio.imwrite(gif, frames, extension=".gif", duration=1000 / fps, loop=0)
     return gif
 
@@ -248,7 +248,8 @@ def _mean(values: list[float]) -> float | None:
 def _page(title: str, columns: list[str], rows: list[GalleryRow], placed: list[list[_Placed | None]]) -> str:
     # default order: gain descending, rows without a gain last (also the order without JS)
     order = sorted(range(len(rows)), key=lambda i: (rows[i].gain is None, -(rows[i].gain or 0.0), i))
-    body = "\n".join(_row(i, rows[i], columns, placed[i]) for i in order)
+    score_names = list(dict.fromkeys(k for row in rows for cell in row.cells if cell for k in cell.scores))
+    body = "\n".join(_row(i, rows[i], columns, placed[i], score_names) for i in order)
     return f"""<!doctype html>
 <html lang="en">
 <head>
@@ -263,7 +264,7 @@ def _page(title: str, columns: list[str], rows: list[GalleryRow], placed: list[l
 <p class="sub">{len(rows)} prompt{'s' * (len(rows) != 1)} × {len(columns)} column{'s' * (len(columns) != 1)}</p>
 </header>
 <main>
-{_summary(columns, rows)}
+{_summary(columns, rows, score_names)}
 <div class="controls"><label for="sort">Sort</label>
 <select id="sort">
 <option value="gain-desc">reward gain, high → low</option>
@@ -282,9 +283,8 @@ def _page(title: str, columns: list[str], rows: list[GalleryRow], placed: list[l
 """
 
 
-def _summary(columns: list[str], rows: list[GalleryRow]) -> str:
+def _summary(columns: list[str], rows: list[GalleryRow], score_names: list[str]) -> str:
     """Per column: samples, mean of each score, Δ of the first score vs the first column, accuracy."""
-    score_names = list(dict.fromkeys(k for row in rows for cell in row.cells if cell for k in cell.scores))
     present = [[row.cells[c] for row in rows if row.cells[c] is not None] for c in range(len(columns))]
     means = [[_mean([cell.scores[k] for cell in cells if k in cell.scores]) for k in score_names] for cells in present]
     base = means[0][0] if score_names else None
@@ -308,23 +308,26 @@ def _num_td(metric: str, value: float | None, text: str) -> str:
     return f'<td class="num" data-metric="{_e(metric)}" data-value="{"" if value is None else repr(value)}">{text}</td>'
 
 
-def _row(index: int, row: GalleryRow, columns: list[str], placed: list[_Placed | None]) -> str:
+def _row(index: int, row: GalleryRow, columns: list[str], placed: list[_Placed | None], score_names: list[str]) -> str:
     gain = row.gain
     gain_cls = "" if gain is None else " up" if gain > 0 else " down" if gain < 0 else ""
     seed = "" if row.seed is None else f'<span class="badge seed">seed {row.seed}</span>'
-    cells = "\n".join(_cell_html(label, cell, where) for label, cell, where in zip(columns, row.cells, placed))
-    return f"""<article class="row" data-index="{index}" data-prompt="{_e(row.prompt)}" data-gain="{'' if gain is None else repr(gain)}">
-<div class="row-head"><p class="prompt">{_e(row.prompt)}</p>{seed}<span class="badge gain{gain_cls}">gain {_fmt(gain, signed=True)}</span></div>
+    cells = "\n".join(_cell_html(label, cell, where, score_names) for label, cell, where in zip(columns, row.cells, placed))
+    data_gain = "" if gain is None else repr(gain)
+    return f"""<article class="row" data-index="{index}" data-prompt="{_e(row.prompt)}" data-gain="{data_gain}">
+<div class="row-head"><p class="prompt">{_e(row.prompt)}</p>{seed}
+<span class="badge gain{gain_cls}">gain {_fmt(gain, signed=True)}</span></div>
 <div class="cells" style="--cols:{len(columns)}">
 {cells}
 </div>
 </article>"""
 
 
-def _cell_html(label: str, cell: GalleryCell | None, where: _Placed | None) -> str:
+def _cell_html(label: str, cell: GalleryCell | None, where: _Placed | None, score_names: list[str]) -> str:
     if cell is None or where is None:
         return f'<figure class="cell missing"><figcaption>{_e(label)}</figcaption><div class="empty">not evaluated</div></figure>'
-    scores = "".join(f"<dt>{_e(k)}</dt><dd>{_fmt(v)}</dd>" for k, v in cell.scores.items())
+    # every score the gallery shows, "—" where this sample has none (invalid), so cells line up
+    scores = "".join(f"<dt>{_e(k)}</dt><dd>{_fmt(cell.scores.get(k))}</dd>" for k in score_names)
     verdict = ("" if cell.all_passed is None else
                f'<span class="badge {"pass" if cell.all_passed else "fail"}">{"PASS" if cell.all_passed else "FAIL"}</span>')
     checks = "".join(f'<li class="{"pass" if ok else "fail"}">{"✓" if ok else "✗"} {_e(name)}</li>'
@@ -380,7 +383,7 @@ table.summary { border-collapse:collapse; background:var(--card); border:1px sol
 .badge.fail { background:var(--fail-bg); color:var(--fail); }
 .cells { display:grid; grid-template-columns:repeat(var(--cols), minmax(150px, 240px)); gap:12px; overflow-x:auto; }
 .cell { margin:0; min-width:0; }
-.cell figcaption { display:flex; justify-content:space-between; align-items:center; color:var(--muted);
+.cell figcaption { display:flex; justify-content:space-between; align-items:center; min-height:20px; color:var(--muted);
                    font-size:12px; font-weight:600; margin-bottom:4px; }
 .cell img, .cell video { display:block; width:100%; aspect-ratio:1; object-fit:contain; background:#0f1115;
                          border-radius:6px; }

@@ -9,7 +9,7 @@ from typing import Sequence
 from flowalign.errors import UserError
 
 # sub-command modules, each defining add_parser(subparsers) and run(args)
-COMMANDS = ("tiny", "sample", "evaluate", "train")
+COMMANDS = ("tiny", "sample", "evaluate", "train", "gallery")
 
 
 def build_parser() -> argparse.ArgumentParser:

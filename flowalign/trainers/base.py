@@ -116,19 +116,28 @@ class GroupTrainer:
         )
 
     # ------------------------------------------------------------------ phases
-    def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor, generator: torch.Generator) -> StepBatch:
-        """Grouped SDE rollouts in chunks of ``batch_size`` (groups are contiguous)."""
-        b = self.tcfg.batch_size
-        chunks = [
-            rollout(self.policy, prompts[i : i + b], num_steps=self.tcfg.num_steps, sampler=self.sampler,
-                    noise_level=self.noise_level, guidance_scale=self.tcfg.guidance_scale,
-                    generator=generator, metadata=metadata[i : i + b])
-            for i in range(0, len(prompts), b)
-        ]
-        return StepBatch(chunks, groups)
-
     sampler: Any = "flow_grpo"
     noise_level: float | None = None
+
+    def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor) -> StepBatch:
+        """Grouped SDE rollouts. Each group's noise comes from its own generator seeded by (run seed,
+        step, group id), so samples do not depend on how groups are spread over ranks."""
+        chunks = []
+        for gid in torch.unique_consecutive(groups).tolist():
+            idx = (groups == gid).nonzero().flatten().tolist()
+            generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, gid))
+            chunks += self.sample_group(gid, [prompts[i] for i in idx], [metadata[i] for i in idx], generator)
+        return StepBatch(chunks, groups)
+
+    def sample_group(self, gid: int, prompts: list[str], metadata: list[dict], generator: torch.Generator) -> list[Rollout]:
+        """One prompt group in chunks of ``batch_size`` (a chunk never spans two groups)."""
+        b = self.tcfg.batch_size
+        return [self.rollout_chunk(prompts[i : i + b], metadata[i : i + b], generator) for i in range(0, len(prompts), b)]
+
+    def rollout_chunk(self, prompts: list[str], metadata: list[dict], generator: torch.Generator, **kw: Any) -> Rollout:
+        return rollout(self.policy, prompts, num_steps=self.tcfg.num_steps, sampler=kw.pop("sampler", self.sampler),
+                       noise_level=self.noise_level, guidance_scale=self.tcfg.guidance_scale, generator=generator,
+                       metadata=metadata, **kw)
 
     def score(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Weighted reward components ``(N, M)``, a validity mask ``(N,)`` and per-reward means."""
@@ -220,9 +229,8 @@ class GroupTrainer:
 
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank))
         prompts, metadata, groups = self.step_prompts(self.step)
-        batch = self.sample(prompts, metadata, groups, generator)
+        batch = self.sample(prompts, metadata, groups)
         t_sample = time.perf_counter()
         components, valid, reward_logs = self.score(batch)
         invalid = 1.0 - valid.float().mean().item()
@@ -233,10 +241,12 @@ class GroupTrainer:
             )
         adv = self.advantages(components, valid, groups)
         t_reward = time.perf_counter()
+        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank, 1))
         stats = self.update(batch, adv, generator)
         total = components @ torch.tensor([w for _, w, _ in self.rewards])
+        all_total, all_valid = (self.acc.gather(t.to(self.acc.device)).cpu() for t in (total, valid))
         logs = {
-            "reward/total": total[valid].mean().item() if valid.any() else float("nan"),
+            "reward/total": all_total[all_valid].mean().item() if all_valid.any() else float("nan"),
             **reward_logs,
             "reward/invalid_fraction": invalid,
             "zero_adv_fraction": (adv == 0).float().mean().item(),

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowalign.sampling import StepOutput, flow_sde_step, rollout
+from flowalign.sampling import StepOutput, flow_sde_step
 from flowalign.trainers.base import StepBatch, derived_seed
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 
@@ -59,27 +59,29 @@ class FlashGRPOTrainer(FlowGRPOTrainer):
         return flash_sde
 
     def iso_temporal_step(self, group_id: int) -> int:
-        """``k_c`` of a prompt group: the same on every rank (seeded by run seed, step and group id)."""
+        """``k_c`` of a prompt group, seeded by (run seed, step, group id): every rank computes the same
+        value, so no broadcast is needed."""
         g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, group_id, 7))
         high = max(1, int(self.tcfg.num_steps * self.tcfg.max_step_fraction))
         return int(torch.randint(0, high, (1,), generator=g))
 
-    def sample(self, prompts, metadata, groups, generator) -> StepBatch:
+    def sample(self, prompts, metadata, groups) -> StepBatch:
+        batch = super().sample(prompts, metadata, groups)
+        self._set_rectification_weights(batch.chunks)
+        return batch
+
+    def sample_group(self, gid, prompts, metadata, generator):
+        """The whole group shares ``k_c``: ODE everywhere except one SDE step there."""
         sigmas = self.policy.sigmas(self.tcfg.num_steps).float().cpu()
-        chunks, b = [], self.tcfg.batch_size
-        for gid in torch.unique_consecutive(groups).tolist():
-            members = (groups == gid).nonzero().flatten().tolist()
-            k = self.iso_temporal_step(gid)
-            for i in range(0, len(members), b):
-                idx = members[i : i + b]
-                chunk = rollout(self.policy, [prompts[j] for j in idx], num_steps=self.tcfg.num_steps,
-                                sampler=self.step_fn(sigmas, k), guidance_scale=self.tcfg.guidance_scale,
-                                sde_window=(k, 1), generator=generator, metadata=[metadata[j] for j in idx])
-                chunk.extras["k"] = k
-                chunk.extras["inv_c"] = torch.full((len(idx),), 1.0 / rectification_coefficient(sigmas, k))
-                chunks.append(chunk)
-        self._set_rectification_weights(chunks)
-        return StepBatch(chunks, groups)
+        k = self.iso_temporal_step(gid)
+        chunks = []
+        for i in range(0, len(prompts), self.tcfg.batch_size):
+            chunk = self.rollout_chunk(prompts[i : i + self.tcfg.batch_size], metadata[i : i + self.tcfg.batch_size],
+                                       generator, sampler=self.step_fn(sigmas, k), sde_window=(k, 1))
+            chunk.extras["k"] = k
+            chunk.extras["inv_c"] = torch.full((len(chunk),), 1.0 / rectification_coefficient(sigmas, k))
+            chunks.append(chunk)
+        return chunks
 
     def _set_rectification_weights(self, chunks) -> None:
         """``ω_i = (1/c_{k_i}) / mean over all ranks' samples of 1/c_k`` (so mean ω = 1)."""

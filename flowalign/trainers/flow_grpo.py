@@ -68,21 +68,12 @@ class FlowGRPOTrainer(GroupTrainer):
     def noise_level(self) -> float:  # type: ignore[override]
         return self.tcfg.noise_level
 
-    def sample(self, prompts, metadata, groups, generator):
+    def rollout_chunk(self, prompts, metadata, generator, **kw):
         """SDE rollouts; with ``sde_window`` each chunk draws its own Flow-GRPO-Fast window."""
-        if not self.tcfg.sde_window:
-            return super().sample(prompts, metadata, groups, generator)
-        from flowalign.sampling import rollout
-        from flowalign.trainers.base import StepBatch
-
-        b, chunks = self.tcfg.batch_size, []
-        for i in range(0, len(prompts), b):
+        if self.tcfg.sde_window:
             start = random_window_start(self.tcfg.num_steps, self.tcfg.sde_window, generator)
-            chunks.append(rollout(self.policy, prompts[i : i + b], num_steps=self.tcfg.num_steps, sampler=self.sampler,
-                                  noise_level=self.noise_level, guidance_scale=self.tcfg.guidance_scale,
-                                  sde_window=(start, self.tcfg.sde_window), generator=generator,
-                                  metadata=metadata[i : i + b], cps_log_prob=self.tcfg.cps_log_prob))
-        return StepBatch(chunks, groups)
+            kw["sde_window"] = (start, self.tcfg.sde_window)
+        return super().rollout_chunk(prompts, metadata, generator, cps_log_prob=self.tcfg.cps_log_prob, **kw)
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
         steps = chunk.trained_steps()

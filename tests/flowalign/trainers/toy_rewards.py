@@ -1,0 +1,15 @@
+"""Small programmatic rewards for trainer tests (real rewards: they score pixels, deterministically)."""
+
+import torch
+
+
+def redness(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
+    """Mean red minus mean green/blue: ``(B,)``."""
+    return samples[:, 0].flatten(1).mean(1) - samples[:, 1:].flatten(1).mean(1)
+
+
+def sometimes_nan(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
+    """``redness`` but NaN for every fourth sample (a reward that fails on some inputs)."""
+    r = redness(samples, prompts, metadata)
+    r[::4] = float("nan")
+    return r
