@@ -1,0 +1,107 @@
+"""Deterministic prompt templates: one clause per constraint, joined with "; ".
+
+One template family for every level, lower case, no final full stop:
+
+* easy: ``"a red circle"``
+* medium: ``"the red circle is left of the blue square"`` or ``"exactly two green stars"``
+* hard: ``"on a black background, the yellow star is inside the blue hexagon; exactly two circles; ..."``
+
+A ``background_colour`` constraint becomes the prefix ``"on a <colour> background, "`` wherever it sits
+in the constraint list.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from rewards.vvr.tasks import Constraint
+
+_NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+_PLURAL = {"circle": "circles", "square": "squares", "rectangle": "rectangles", "triangle": "triangles",
+           "pentagon": "pentagons", "hexagon": "hexagons", "star": "stars", "ellipse": "ellipses"}
+
+
+def _number(n: int) -> str:
+    return _NUMBERS[n] if n < len(_NUMBERS) else str(n)
+
+
+def noun(ref: Mapping[str, str], plural: bool = False) -> str:
+    """``{"colour": "red", "shape": "circle"}`` → "red circle(s)"; a colour alone → "red object(s)"."""
+    shape = ref.get("shape")
+    head = (_PLURAL[shape] if plural else shape) if shape else ("objects" if plural else "object")
+    return f"{ref['colour']} {head}" if "colour" in ref else head
+
+
+def _a(ref: Mapping[str, str]) -> str:
+    text = noun(ref)
+    return ("an " if text[0] in "aeiou" else "a ") + text
+
+
+def _the(ref: Mapping[str, str]) -> str:
+    return "the " + noun(ref)
+
+
+def _count(n: int, ref: Mapping[str, str]) -> str:
+    return f"{_number(n)} {noun(ref, plural=n != 1)}"
+
+
+_RELATION_WORDS = {
+    "left_of": "is left of", "right_of": "is right of", "above": "is above", "below": "is below",
+    "inside": "is inside", "touching": "touches", "overlapping": "overlaps", "bigger": "is bigger than",
+}
+
+
+def clause(c: Constraint) -> str:
+    """The prompt clause for one constraint."""
+    t, a = c.type, c.args
+    if t == "exists":
+        return _a(a["ref"])
+    if t == "absent":
+        return f"no {noun(a['ref'], plural=True)}"
+    if t in ("count_shape", "count_colour", "count_colour_shape"):
+        ref = {k: a[k] for k in ("colour", "shape") if k in a}
+        return "exactly " + _count(a["n"], ref)
+    if t == "total_count":
+        return f"exactly {_count(a['n'], {})} in total"
+    if t == "at_least":
+        return "at least " + _count(a["n"], a["ref"])
+    if t == "at_most":
+        return "at most " + _count(a["n"], a["ref"])
+    if t == "more_than":
+        return f"more {noun(a['a'], True)} than {noun(a['b'], True)}"
+    if t == "equal_count":
+        return f"as many {noun(a['a'], True)} as {noun(a['b'], True)}"
+    if t == "colour_of":
+        return f"{_the(a['ref'])} is {a['colour']}"
+    if t == "shape_of":
+        return f"{_the(a['ref'])} is {_a({'shape': a['shape']})}"
+    if t == "size_class":
+        return f"{_the(a['ref'])} is {a['size']}"
+    if t in _RELATION_WORDS:
+        return f"{_the(a['a'])} {_RELATION_WORDS[t]} {_the(a['b'])}"
+    if t == "same_colour":
+        return f"{_the(a['a'])} and {_the(a['b'])} are the same colour"
+    if t == "different_colour":
+        return f"{_the(a['a'])} and {_the(a['b'])} are different colours"
+    if t == "same_shape":
+        return f"{_the(a['a'])} and {_the(a['b'])} are the same shape"
+    if t == "filled":
+        return f"{_the(a['ref'])} is {'filled' if a['filled'] else 'outlined'}"
+    if t in ("horizontally_aligned", "vertically_aligned"):
+        return f"{_the(a['a'])} and {_the(a['b'])} are {t.split('_')[0]} aligned"
+    if t == "between":
+        return f"{_the(a['a'])} is between {_the(a['b'])} and {_the(a['c'])}"
+    if t == "nearest_to":
+        return f"the object nearest to {_the(a['a'])} is {_the(a['b'])}"
+    if t == "extremal":
+        return f"{_the(a['ref'])} is the {a['direction']} object"
+    if t == "region":
+        return f"{_the(a['ref'])} is in the {a['region'].replace('-', ' ')}"
+    raise ValueError(f"no prompt template for constraint type {t!r}")
+
+
+def prompt_for(constraints: Sequence[Constraint]) -> str:
+    """The task prompt: the background prefix (if any), then the other clauses joined by "; "."""
+    background: Any = next((c.args["colour"] for c in constraints if c.type == "background_colour"), None)
+    body = "; ".join(clause(c) for c in constraints if c.type != "background_colour")
+    return f"on a {background} background, {body}" if background else body
