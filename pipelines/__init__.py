@@ -1,0 +1,113 @@
+"""Model families as :class:`flowalign.protocols.FlowPolicy` implementations, loaded by name.
+
+``load(path)`` opens a diffusers pipeline folder (a real SD3.5 / FLUX.1 / Wan 2.1 checkpoint or a tiny
+one from :mod:`pipelines.tiny`), detects its family from ``model_index.json`` and returns the family's
+policy. One file per family (``sd3.py``, ``flux.py``, ``wan.py``); shared peft helpers in ``lora.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowalign.errors import UserError
+from flowalign.protocols import FlowPolicy
+from pipelines.flux import FluxPolicy
+from pipelines.sd3 import SD3Policy
+from pipelines.wan import WanPolicy
+
+__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
+
+#: family name → policy class
+FAMILIES: dict[str, type] = {"sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy}
+#: diffusers ``model_index.json`` ``_class_name`` → family name
+PIPELINE_FAMILIES: dict[str, str] = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "WanPipeline": "wan",
+}
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+#: keyword options the policies take besides device / dtype / lora / full_finetune
+POLICY_OPTIONS = {"gradient_checkpointing", "defaults", "prompt_cache_size", "decode_batch_size"}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"fp32" | "bf16" | "fp16"`` (or the long names, or a ``torch.dtype``) → ``torch.dtype``."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise UserError(f"dtype={dtype} is not supported: use one of fp32, bf16, fp16")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise UserError(f"dtype={dtype!r} is not a known dtype: use one of fp32, bf16, fp16")
+
+
+def detect_family(path: str | Path) -> str:
+    """The family of the diffusers folder ``path``, from ``model_index.json``'s ``_class_name``."""
+    folder = Path(path)
+    if not folder.exists():
+        raise UserError(f"path {str(folder)!r} does not exist: pass a diffusers pipeline folder")
+    if not folder.is_dir():
+        raise UserError(f"path {str(folder)!r} is a file: pass a diffusers pipeline folder (with model_index.json)")
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise UserError(
+            f"path {str(folder)!r} is not a diffusers folder (no model_index.json): pass the folder that "
+            "save_pretrained wrote, e.g. a downloaded stabilityai/stable-diffusion-3.5-medium"
+        )
+    try:
+        class_name = json.loads(index.read_text()).get("_class_name")
+    except json.JSONDecodeError as err:
+        raise UserError(f"{index} is not valid JSON ({err}): re-download or re-save the model") from err
+    if class_name not in PIPELINE_FAMILIES:
+        known = ", ".join(f"{c} ({f})" for c, f in PIPELINE_FAMILIES.items())
+        raise UserError(
+            f"family of {str(folder)!r} is unknown: model_index.json names {class_name!r}; known pipelines: {known}"
+        )
+    return PIPELINE_FAMILIES[class_name]
+
+
+def load(
+    path: str | Path,
+    family: str | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
+    lora: dict[str, Any] | None = None,
+    full_finetune: bool = False,
+    **kw: Any,
+) -> FlowPolicy:
+    """Load the diffusers folder ``path`` as its family's policy.
+
+    ``family``: ``"sd3" | "flux" | "wan"``, detected from ``model_index.json`` when None (and checked
+    against it when given). ``dtype``: ``torch.float32`` / ``"fp32"`` on CPU; ``"bf16"`` (or fp16) on GPU.
+    ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
+    ``full_finetune=True`` trains every transformer weight instead; neither: frozen (sampling/eval).
+    ``kw``: ``gradient_checkpointing``, ``defaults`` (sampling defaults over ``flowalign.json``),
+    ``prompt_cache_size``, ``decode_batch_size``.
+    """
+    torch_dtype = parse_dtype(dtype)
+    detected = detect_family(path)
+    if family is not None:
+        if family not in FAMILIES:
+            raise UserError(f"family={family!r} is unknown: known families are {', '.join(sorted(FAMILIES))}")
+        if family != detected:
+            raise UserError(
+                f"family={family!r} but {str(path)!r} holds a {detected!r} pipeline: drop family= or pass {detected!r}"
+            )
+    unknown = sorted(set(kw) - POLICY_OPTIONS)
+    if unknown:
+        raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are {sorted(POLICY_OPTIONS)}")
+    return FAMILIES[detected](
+        path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw
+    )

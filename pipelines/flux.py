@@ -1,0 +1,250 @@
+"""FLUX.1 (dev / schnell) as a :class:`flowalign.protocols.FlowPolicy`.
+
+Wraps diffusers' ``FluxPipeline`` (``FluxTransformer2DModel`` with double- and single-stream blocks,
+CLIP-L pooled + T5 sequence conditioning, ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler`` with
+resolution-dependent shift) exactly as the pipeline's ``__call__`` uses it.
+
+Latents are *packed*: ``(B, (h/2)·(w/2), 4·C)`` tokens of 2×2 latent patches (h, w = H/f, W/f;
+C = 16, f = 8 for FLUX.1), as the transformer consumes them; :meth:`FluxPolicy.decode` unpacks.
+
+Guidance: FLUX.1-dev is guidance-distilled. It takes the guidance scale as an *embedding*
+(``transformer.config.guidance_embeds``), one forward pass, no CFG and no negative prompt. FLUX.1-schnell
+has no guidance input and takes none (``guidance`` ≤ 1 is required there).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+
+#: LoRA targets when ``lora`` gives none: the attention projections of the double-stream blocks (image
+#: to_* and text add_* / to_add_out) and of the single-stream blocks (to_q/k/v), as diffusers' FLUX recipe.
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+class FluxPolicy:
+    """FLUX.1 text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
+
+    ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` (T5) and ``pooled_prompt_embeds (B, P)`` (CLIP),
+    in the model dtype on ``device``. No negatives: guidance goes through the guidance embedding.
+    """
+
+    family = "flux"
+    is_video = False
+    pipeline_class = FluxPipeline
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        lora: dict[str, Any] | None = None,
+        full_finetune: bool = False,
+        gradient_checkpointing: bool = False,
+        defaults: dict[str, Any] | None = None,
+        prompt_cache_size: int = 1024,
+        decode_batch_size: int = 8,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        for module in self.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                lora_utils.freeze(module)
+        self.transformer = self.pipe.transformer
+        self.vae = self.pipe.vae
+        self.vae_scale_factor = self.pipe.vae_scale_factor
+        self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+
+        # Sampling defaults: the checkpoint's, then flowalign.json, then the caller's. FLUX.1-dev
+        # (guidance embedding): 28 steps at guidance 3.5, T5 length 512; schnell: 4 steps, 256 tokens.
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        self.defaults: dict[str, Any] = {
+            "height": side,
+            "width": side,
+            "num_frames": None,
+            "guidance_scale": 3.5 if self.guidance_embeds else 0.0,
+            "num_steps": 28 if self.guidance_embeds else 4,
+            "max_sequence_length": 512 if self.guidance_embeds else 256,
+            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+        }
+        self.defaults.update(sampling_defaults(path))
+        self.defaults.update(defaults or {})
+        multiple = self.vae_scale_factor * 2  # latents are packed in 2×2 patches
+        for key in ("height", "width"):
+            if int(self.defaults[key]) % multiple:
+                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this FLUX model")
+
+        # The policy's own scheduler copy; `shift` only matters when dynamic shifting is off (schnell).
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
+        )
+
+        self.has_adapter = lora_utils.setup_training(
+            self.transformer,
+            lora=lora,
+            full_finetune=full_finetune,
+            default_targets=DEFAULT_LORA_TARGETS,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        self.full_finetune = full_finetune
+        #: the module the trainer optimises (its ``requires_grad`` parameters)
+        self.trainable: torch.nn.Module = self.transformer
+
+        self.decode_batch_size = decode_batch_size
+        self._cache = PromptCache(prompt_cache_size)
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        """Unpacked latent ``(h, w)``: even, as the pipeline rounds them for 2×2 packing."""
+        f = self.vae_scale_factor
+        return 2 * (int(self.defaults["height"]) // (f * 2)), 2 * (int(self.defaults["width"]) // (f * 2))
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        """Packed ``(seq, 4·C)`` of one sample, ``seq = (h/2)·(w/2)``."""
+        h, w = self.latent_hw
+        return (h // 2) * (w // 2), self.transformer.config.in_channels
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """Prompt embeddings through the pipeline's own ``encode_prompt``, cached per prompt string."""
+        prompts = check_prompts(prompts)
+        rows = self._cache.lookup(prompts, self._encode_batch)
+        return Conditioning(stack_rows(rows, prompts, ["prompt_embeds", "pooled_prompt_embeds"]), prompts)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            device=self.device,
+            max_sequence_length=int(self.defaults["max_sequence_length"]),
+        )
+        # text_ids are all zeros (L, 3): rebuilt in velocity, nothing to cache
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    # ------------------------------------------------------------------ flow
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise, packed ``(n, seq, 4·C)`` float32 on ``device``.
+
+        Drawn unpacked ``(n, C, h, w)`` on the generator's device (CPU when None) and packed, exactly
+        as ``FluxPipeline.prepare_latents``, so a seed gives the pipeline's latents.
+        """
+        h, w = self.latent_hw
+        c = self.transformer.config.in_channels // 4
+        rand_device = generator.device if generator is not None else torch.device("cpu")
+        noise = torch.randn((n, c, h, w), generator=generator, device=rand_device, dtype=torch.float32)
+        return FluxPipeline._pack_latents(noise, n, c, h, w).to(self.device)
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``, one forward pass.
+
+        ``guidance`` feeds FLUX.1-dev's guidance embedding (no CFG). ``sigma``: a float or ``(B,)``.
+        FLUX's transformer takes σ itself and multiplies by 1000 inside (the pipeline passes ``t/1000``),
+        so the model sees ``timestep = 1000·σ`` like the other families.
+        """
+        b = x.shape[0]
+        if len(cond) != b:
+            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        if x.shape[1:] != torch.Size(self.latent_shape):
+            raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
+        if self.guidance_embeds:
+            guidance_vec = torch.full((b,), float(guidance), device=self.device, dtype=torch.float32)
+        elif guidance > 1:
+            raise UserError(
+                f"guidance={guidance}: this FLUX checkpoint has no guidance embedding (schnell-style, "
+                "guidance-distilled) and takes no guidance; use guidance_scale <= 1"
+            )
+        else:
+            guidance_vec = None
+        embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
+        h, w = self.latent_hw
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        out = self.transformer(
+            hidden_states=x.to(self.device, self.dtype),
+            timestep=sigma_batch(sigma, b, self.device),
+            guidance=guidance_vec,
+            pooled_projections=cond.tensors["pooled_prompt_embeds"].to(self.device, self.dtype),
+            encoder_hidden_states=embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0, as ``FluxPipeline`` sets it.
+
+        Same call as the pipeline: base sigmas ``linspace(1, 1/n, n)`` and ``mu`` from the image
+        sequence length through diffusers' ``calculate_shift`` (used when the config has
+        ``use_dynamic_shifting``, FLUX.1-dev; schnell's static config ignores it).
+        """
+        n = int(num_steps)
+        if n < 1:
+            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        config = self.scheduler.config
+        base = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / n, n)
+        mu = calculate_shift(
+            self.latent_shape[0],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        if base is None:
+            self.scheduler.set_timesteps(n, device="cpu", mu=mu)
+        else:
+            self.scheduler.set_timesteps(sigmas=base, device="cpu", mu=mu)
+        return self.scheduler.sigmas.to(torch.float32).clone()
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Packed latents ``(B, seq, 4·C)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks).
+
+        Differentiable in ``x0``; wrap in ``torch.no_grad()`` when only the pixels are needed.
+        """
+        height, width = int(self.defaults["height"]), int(self.defaults["width"])
+        scale = self.vae.config.scaling_factor
+        shift = self.vae.config.shift_factor or 0.0
+        images = []
+        for chunk in x0.split(self.decode_batch_size):
+            z = FluxPipeline._unpack_latents(chunk.to(self.device), height, width, self.vae_scale_factor)
+            z = z.to(self.vae.dtype) / scale + shift
+            image = self.vae.decode(z, return_dict=False)[0]
+            images.append((image.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(images)
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
+        return lora_utils.adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that ``FluxPipeline.load_lora_weights`` reads."""
+        lora_utils.save_adapter(FluxPipeline, self.transformer, directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
+        if self.full_finetune:
+            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
+        lora_utils.load_adapter(self.pipe, self.transformer, directory)

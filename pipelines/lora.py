@@ -1,0 +1,209 @@
+"""peft helpers shared by the SD3, FLUX and Wan policies.
+
+Everything here works on a diffusers transformer (a ``PeftAdapterMixin`` model) and the pipeline
+class whose ``save_lora_weights`` / ``lora_state_dict`` define the on-disk LoRA format, so an adapter
+trained here loads with ``pipe.load_lora_weights(dir)`` like any community LoRA.
+
+One adapter per policy, always named ``"default"`` (peft's and diffusers' default name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers.training_utils import cast_training_params
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+from flowalign.errors import UserError
+
+ADAPTER_NAME = "default"
+#: diffusers' file name for LoRA weights (``save_lora_weights`` / ``load_lora_weights`` default)
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+#: keys accepted in ``lora={...}``
+LORA_KEYS = {"rank", "alpha", "target_modules", "dropout", "init"}
+
+
+def freeze(module: torch.nn.Module) -> None:
+    """No gradients, eval mode: the frozen parts of a pipeline (and the base weights under LoRA)."""
+    module.requires_grad_(False)
+    module.eval()
+
+
+def setup_training(
+    transformer: torch.nn.Module,
+    *,
+    lora: dict[str, Any] | None,
+    full_finetune: bool,
+    default_targets: list[str],
+    gradient_checkpointing: bool = False,
+) -> bool:
+    """Make ``transformer`` trainable as asked; returns True when a LoRA adapter was added.
+
+    - ``lora={"rank": r, "alpha": a, "target_modules": [...], "dropout": p, "init": "gaussian"}``:
+      a peft LoRA adapter on ``target_modules`` (default: the family's attention projections); only
+      its tensors require grad. The LoRA B matrices start at zero in peft (both for ``init=True`` and
+      ``"gaussian"``), so a fresh adapter leaves the model's output unchanged: policy == reference at
+      step 0. Adapter tensors are kept in float32 even when the model runs in bf16/fp16 (the usual
+      diffusers recipe, ``cast_training_params``): half-precision optimiser updates on small LoRA
+      weights round to nothing.
+    - ``full_finetune=True``: every transformer weight requires grad (in the model's dtype).
+    - neither: everything stays frozen (sampling / evaluation / reference).
+    """
+    freeze(transformer)
+    if lora is not None and full_finetune:
+        raise UserError("lora and full_finetune were both given: pick one (lora=None for full fine-tuning)")
+    if gradient_checkpointing:
+        # diffusers only checkpoints when grad is enabled, so inference passes are unaffected
+        transformer.enable_gradient_checkpointing()
+    if full_finetune:
+        transformer.requires_grad_(True)
+        return False
+    if lora is None:
+        return False
+    unknown = set(lora) - LORA_KEYS
+    if unknown:
+        raise UserError(
+            f"lora has unknown key(s) {sorted(unknown)}: allowed keys are {sorted(LORA_KEYS)}"
+        )
+    rank = int(lora.get("rank", 8))
+    if rank < 1:
+        raise UserError(f"lora.rank must be a positive integer, got {lora.get('rank')!r}")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=float(lora.get("alpha", rank)),
+        lora_dropout=float(lora.get("dropout", 0.0)),
+        init_lora_weights=lora.get("init", "gaussian"),
+        target_modules=list(lora.get("target_modules") or default_targets),
+    )
+    try:
+        transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
+    except ValueError as err:
+        # peft raises ValueError when no module matches target_modules
+        raise UserError(f"lora.target_modules {config.target_modules} do not fit this model: {err}") from err
+    if next(transformer.parameters()).dtype != torch.float32:
+        cast_training_params(transformer, dtype=torch.float32)
+    return True
+
+
+def has_adapter(transformer: torch.nn.Module) -> bool:
+    """True when ``transformer`` carries a peft adapter (added for training or loaded)."""
+    return bool(getattr(transformer, "_hf_peft_config_loaded", False)) and ADAPTER_NAME in getattr(
+        transformer, "peft_config", {}
+    )
+
+
+@contextmanager
+def adapter_disabled(transformer: torch.nn.Module) -> Iterator[None]:
+    """Run the base model: adapters off inside, back on after (even on error).
+
+    peft's enable/disable toggles ``requires_grad`` on adapter tensors (enable sets them trainable),
+    so the flags are saved and restored: an adapter loaded frozen for evaluation stays frozen.
+    """
+    if not has_adapter(transformer):
+        raise UserError(
+            "reference passes need an adapter to switch off: train with lora={...}, or keep a separate "
+            "reference copy of the model when fine-tuning full weights"
+        )
+    flags = [(p, p.requires_grad) for p in transformer.parameters()]
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def save_adapter(pipeline_class: type, transformer: torch.nn.Module, directory: str | Path) -> Path:
+    """Write the adapter as ``<directory>/pytorch_lora_weights.safetensors`` in diffusers' format.
+
+    The LoraConfig (rank, alpha, targets) goes into the safetensors metadata the way diffusers'
+    training scripts write it, so ``load_lora_weights`` rebuilds the same scaling ``alpha/rank``.
+    """
+    if not has_adapter(transformer):
+        raise UserError(
+            "save_adapter needs a LoRA adapter: this policy has none (load it with lora={...}; "
+            "full fine-tunes save the transformer with save_pretrained instead)"
+        )
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    pipeline_class.save_lora_weights(
+        directory,
+        transformer_lora_layers=get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME),
+        transformer_lora_adapter_metadata=transformer.peft_config[ADAPTER_NAME].to_dict(),
+        weight_name=LORA_WEIGHT_NAME,
+    )
+    return directory / LORA_WEIGHT_NAME
+
+
+def find_lora_file(directory: str | Path) -> Path:
+    """The LoRA safetensors in ``directory``: a file itself, the folder, or a trainer checkpoint folder.
+
+    Looks for ``pytorch_lora_weights.safetensors`` in the folder, then one level down (a checkpoint
+    ``step-000100/`` may keep it in a subfolder such as ``adapter/``).
+    """
+    path = Path(directory)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise UserError(f"adapter path {str(path)!r} does not exist: pass a folder written by save_adapter")
+    candidates = [path / LORA_WEIGHT_NAME, *sorted(path.glob(f"*/{LORA_WEIGHT_NAME}"))]
+    found = [c for c in candidates if c.is_file()]
+    if not found:
+        raise UserError(
+            f"adapter folder {str(path)!r} holds no {LORA_WEIGHT_NAME} (also looked one level down): "
+            "pass the folder written by save_adapter or a trainer checkpoint folder"
+        )
+    if len(found) > 1:
+        raise UserError(
+            f"adapter folder {str(path)!r} holds several LoRA files ({', '.join(str(f) for f in found)}): "
+            "pass the folder of the one you mean"
+        )
+    return found[0]
+
+
+def load_adapter(pipe: Any, transformer: torch.nn.Module, directory: str | Path) -> Path:
+    """Load a saved LoRA into ``transformer``; returns the file read.
+
+    - The transformer already has an adapter (a LoRA-trained policy, e.g. resuming): the weights are
+      copied into it in place, so parameter objects (and an optimiser holding them) stay valid and
+      ``requires_grad`` is unchanged. The file must match the adapter's rank, alpha and targets.
+    - No adapter (a frozen policy used for evaluation/sampling): diffusers' own
+      ``pipe.load_lora_weights`` adds it, frozen, as any user loading a LoRA would.
+    """
+    file = find_lora_file(directory)
+    if not has_adapter(transformer):
+        pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=ADAPTER_NAME)
+        freeze(transformer)  # peft marks loaded adapters trainable; a loaded adapter is for sampling
+        return file
+    state_dict, metadata = type(pipe).lora_state_dict(
+        str(file.parent), weight_name=file.name, return_lora_metadata=True
+    )
+    prefix = f"{type(pipe).transformer_name}."
+    state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    config = transformer.peft_config[ADAPTER_NAME]
+    if metadata:
+        saved = (metadata.get("r"), metadata.get("lora_alpha"))
+        if saved != (config.r, config.lora_alpha):
+            raise UserError(
+                f"adapter {str(file)!r} has rank/alpha {saved} but this policy's LoRA has "
+                f"{(config.r, config.lora_alpha)}: load the policy with the lora settings it was trained with"
+            )
+    expected = set(get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME))
+    if set(state_dict) != expected:
+        missing, extra = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        raise UserError(
+            f"adapter {str(file)!r} does not match this policy's LoRA targets (missing {missing[:3]}, "
+            f"unexpected {extra[:3]}): load the policy with the lora settings it was trained with"
+        )
+    flags = [(p, p.requires_grad) for p in transformer.parameters()]
+    with torch.no_grad():
+        set_peft_model_state_dict(transformer, state_dict, adapter_name=ADAPTER_NAME)
+    for p, flag in flags:
+        p.requires_grad_(flag)
+    return file

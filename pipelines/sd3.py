@@ -1,0 +1,250 @@
+"""Stable Diffusion 3 / 3.5 as a :class:`flowalign.protocols.FlowPolicy`.
+
+Wraps diffusers' ``StableDiffusion3Pipeline`` (MMDiT ``SD3Transformer2DModel``, CLIP-L + CLIP-G + T5
+text encoders, ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler``) exactly as the pipeline's own
+``__call__`` uses it, so a rollout here reproduces ``pipe(..., output_type="latent")`` step for step.
+
+Latents are ``(B, C, H/f, W/f)`` (C = 16 for SD3.5, f = VAE factor 8). The transformer output is the
+rectified-flow velocity ``v = ε - x0`` in flowalign's convention: the scheduler's Euler step is
+``x + (σ' - σ)·v``, the same sign as ``conventions.md``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+
+#: LoRA targets when ``lora`` gives none: every attention projection of the joint (MMDiT) blocks, image
+#: stream (to_*) and text stream (add_* / to_add_out), as in Flow-GRPO's and diffusers' SD3 recipes.
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+class SD3Policy:
+    """SD3 / SD3.5 text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
+
+    ``Conditioning.tensors``: ``prompt_embeds (B, 77+L, D)``, ``pooled_prompt_embeds (B, P)`` and, when
+    ``defaults["guidance_scale"] > 1``, ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds`` of
+    the empty prompt (the pipeline's CFG negative), all in the model dtype on ``device``.
+    """
+
+    family = "sd3"
+    is_video = False
+    pipeline_class = StableDiffusion3Pipeline
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        lora: dict[str, Any] | None = None,
+        full_finetune: bool = False,
+        gradient_checkpointing: bool = False,
+        defaults: dict[str, Any] | None = None,
+        prompt_cache_size: int = 1024,
+        decode_batch_size: int = 8,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        for module in self.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                lora_utils.freeze(module)
+        self.transformer = self.pipe.transformer
+        self.vae = self.pipe.vae
+        self.vae_scale_factor = self.pipe.vae_scale_factor
+
+        # Sampling defaults: what the checkpoint itself implies, then flowalign.json, then the caller.
+        # SD3.5-Medium's recommended settings (model card): 40 steps, CFG 4.5; T5 length as the pipeline.
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        self.defaults: dict[str, Any] = {
+            "height": side,
+            "width": side,
+            "num_frames": None,
+            "guidance_scale": 4.5,
+            "num_steps": 40,
+            "max_sequence_length": 256,
+            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+        }
+        self.defaults.update(sampling_defaults(path))
+        self.defaults.update(defaults or {})
+        multiple = self.vae_scale_factor * self.transformer.config.patch_size
+        for key in ("height", "width"):
+            if int(self.defaults[key]) % multiple:
+                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this SD3 model")
+
+        # The policy's own scheduler (the pipeline keeps its own untouched); a `shift` in the defaults
+        # is the scheduler's `shift` config value, not a re-derivation of the schedule.
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
+        )
+
+        self.has_adapter = lora_utils.setup_training(
+            self.transformer,
+            lora=lora,
+            full_finetune=full_finetune,
+            default_targets=DEFAULT_LORA_TARGETS,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        self.full_finetune = full_finetune
+        #: the module the trainer optimises (its ``requires_grad`` parameters)
+        self.trainable: torch.nn.Module = self.transformer
+
+        self.decode_batch_size = decode_batch_size
+        self._cache = PromptCache(prompt_cache_size)
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """``(C, H/f, W/f)`` of one sample at the default resolution."""
+        f = self.vae_scale_factor
+        return (
+            self.transformer.config.in_channels,
+            int(self.defaults["height"]) // f,
+            int(self.defaults["width"]) // f,
+        )
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """Prompt embeddings through the pipeline's own ``encode_prompt``, cached per prompt string.
+
+        Tensors ``(B, ...)`` on ``device``. The CFG negative is the empty prompt's embedding (what the
+        pipeline encodes for ``negative_prompt=None``), encoded once and repeated per sample.
+        """
+        prompts = check_prompts(prompts)
+        cfg = float(self.defaults["guidance_scale"]) > 1
+        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
+        keys = ["prompt_embeds", "pooled_prompt_embeds"]
+        tensors = stack_rows(rows, prompts, keys)
+        if cfg:
+            negative = stack_rows(rows, [""] * len(prompts), keys)
+            tensors.update({f"negative_{k}": v for k, v in negative.items()})
+        return Conditioning(tensors, prompts)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        # do_classifier_free_guidance=False: negatives are encoded as the prompt "" (identical to the
+        # pipeline's negative branch, which runs the same encoders on "" with clip_skip=None)
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=int(self.defaults["max_sequence_length"]),
+        )
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    # ------------------------------------------------------------------ flow
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise ``(n, C, H/f, W/f)`` float32 on ``device``, drawn on the generator's device
+        (CPU when None) as diffusers' ``randn_tensor`` does, so seeds match ``pipe(generator=...)``."""
+        rand_device = generator.device if generator is not None else torch.device("cpu")
+        noise = torch.randn((n, *self.latent_shape), generator=generator, device=rand_device, dtype=torch.float32)
+        return noise.to(self.device)
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """``v(x, σ | c)`` float32 ``(B, C, h, w)``; CFG ``v_u + w(v_c - v_u)`` by one batched pass when w > 1.
+
+        ``sigma``: a float or a ``(B,)`` tensor; the transformer gets ``timestep = 1000·σ``.
+        """
+        b = x.shape[0]
+        if len(cond) != b:
+            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        timestep = sigma_batch(sigma, b, self.device) * 1000.0
+        hidden = x.to(self.device, self.dtype)
+        embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
+        pooled = cond.tensors["pooled_prompt_embeds"].to(self.device, self.dtype)
+        cfg = guidance > 1
+        if cfg:
+            if "negative_prompt_embeds" not in cond.tensors:
+                raise UserError(
+                    f"guidance={guidance} needs CFG negatives, but cond was encoded with "
+                    f"guidance_scale={self.defaults['guidance_scale']}: set defaults['guidance_scale'] > 1 "
+                    "before encode()"
+                )
+            # [uncond; cond] in one forward, as the pipeline does
+            hidden = torch.cat([hidden, hidden])
+            timestep = torch.cat([timestep, timestep])
+            embeds = torch.cat([cond.tensors["negative_prompt_embeds"].to(self.device, self.dtype), embeds])
+            pooled = torch.cat([cond.tensors["negative_pooled_prompt_embeds"].to(self.device, self.dtype), pooled])
+        out = self.transformer(
+            hidden_states=hidden,
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0].float()
+        if cfg:
+            v_uncond, v_cond = out.chunk(2)
+            return v_uncond + guidance * (v_cond - v_uncond)
+        return out
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0, with the model's shift.
+
+        SD3.5 configs without dynamic shifting use the static ``shift``; a config with
+        ``use_dynamic_shifting`` gets ``mu`` from the image sequence length as the pipeline computes it.
+        """
+        if int(num_steps) < 1:
+            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        kwargs = {}
+        config = self.scheduler.config
+        if config.get("use_dynamic_shifting", False):
+            _, h, w = self.latent_shape
+            p = self.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift(
+                (h // p) * (w // p),
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.16),
+            )
+        self.scheduler.set_timesteps(int(num_steps), device="cpu", **kwargs)
+        return self.scheduler.sigmas.to(torch.float32).clone()
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks).
+
+        Differentiable in ``x0`` (the VAE is frozen, not detached); wrap in ``torch.no_grad()`` when
+        only the pixels are needed.
+        """
+        scale = self.vae.config.scaling_factor
+        shift = self.vae.config.shift_factor or 0.0
+        images = []
+        for chunk in x0.split(self.decode_batch_size):
+            z = chunk.to(self.device, self.vae.dtype) / scale + shift
+            image = self.vae.decode(z, return_dict=False)[0]
+            images.append((image.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(images)
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
+        return lora_utils.adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that ``StableDiffusion3Pipeline.load_lora_weights`` reads."""
+        lora_utils.save_adapter(StableDiffusion3Pipeline, self.transformer, directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
+        if self.full_finetune:
+            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
+        lora_utils.load_adapter(self.pipe, self.transformer, directory)

@@ -1,0 +1,278 @@
+"""Wan 2.1 text-to-video as a :class:`flowalign.protocols.FlowPolicy`.
+
+Wraps diffusers' ``WanPipeline`` (``WanTransformer3DModel``, UMT5 text encoder, causal 3D
+``AutoencoderKLWan``) as the pipeline's ``__call__`` uses it: latents ``(B, C, F', H', W')`` with
+``F' = (F-1)/f_t + 1``, ``H' = H/f_s`` (Wan 2.1: C = 16, f_t = 4, f_s = 8); timestep ``1000·σ``; CFG
+``v_u + w(v_c - v_u)`` against the empty prompt; the VAE in float32 whatever the model dtype (as
+diffusers' Wan examples load it: its causal 3D convs lose detail in bf16).
+
+Scheduler: real Wan 2.1 checkpoints ship a ``UniPCMultistepScheduler`` with ``use_flow_sigmas=True``
+and ``flow_shift`` (3.0 at 480p, 5.0 at 720p): a multistep solver over a rectified-flow σ grid. flowalign
+steps with its own Euler / SDE math, so the policy takes only that *grid* from the checkpoint's scheduler
+(``set_timesteps(n)`` on a copy, ``sigmas`` exactly as UniPC computes them, shift included). Two end
+fixes: UniPC lowers σ_0 by 1e-6 (to keep its log finite) and, with ``final_sigmas_type="sigma_min"``,
+ends above 0; the grid here starts at exactly 1 and ends at 0, per ``conventions.md``. ``pipe(...)`` with
+that UniPC scheduler therefore visits the same σ's but takes higher-order steps between them.
+Checkpoints (like the tiny ones) that ship a ``FlowMatchEulerDiscreteScheduler`` are used as
+``WanPipeline`` uses them, so rollouts match ``pipe(...)`` step for step. [derived]
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+
+#: LoRA targets when ``lora`` gives none: the self- (attn1) and cross-attention (attn2) projections of
+#: every Wan block, as in diffusers'/finetrainers' Wan LoRA recipes.
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+class WanPolicy:
+    """Wan 2.1 text-to-video policy (see :class:`flowalign.protocols.FlowPolicy`).
+
+    ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` (UMT5, zero past each prompt's length) and,
+    when ``defaults["guidance_scale"] > 1``, ``negative_prompt_embeds`` of the empty prompt, in the model
+    dtype on ``device``.
+    """
+
+    family = "wan"
+    is_video = True
+    pipeline_class = WanPipeline
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        lora: dict[str, Any] | None = None,
+        full_finetune: bool = False,
+        gradient_checkpointing: bool = False,
+        defaults: dict[str, Any] | None = None,
+        prompt_cache_size: int = 1024,
+        decode_batch_size: int = 2,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
+        self.pipe = WanPipeline.from_pretrained(str(path), vae=vae, dtype=dtype).to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        if self.pipe.transformer_2 is not None or self.pipe.transformer is None:
+            raise UserError(
+                f"{path}: two-expert Wan 2.2 checkpoints (transformer_2) are not supported; "
+                "use a single-transformer Wan 2.1 / 2.2-TI2V folder"
+            )
+        for module in self.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                lora_utils.freeze(module)
+        self.transformer = self.pipe.transformer
+        self.vae = self.pipe.vae
+        self.scale_t = self.pipe.vae_scale_factor_temporal
+        self.scale_s = self.pipe.vae_scale_factor_spatial
+
+        config = self.pipe.scheduler.config
+        if isinstance(self.pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+            shift_key = "shift"
+        elif isinstance(self.pipe.scheduler, UniPCMultistepScheduler) and config.get("use_flow_sigmas", False):
+            shift_key = "flow_shift"
+        else:
+            raise UserError(
+                f"{path}: scheduler {type(self.pipe.scheduler).__name__} is not supported; Wan folders need "
+                "FlowMatchEulerDiscreteScheduler or UniPCMultistepScheduler with use_flow_sigmas=True"
+            )
+        ckpt_shift = float(config.get(shift_key, 1.0))
+
+        # Sampling defaults: Wan 2.1 T2V at 480p (the pipeline's defaults), then flowalign.json, then
+        # the caller's. 81 frames, 50 steps, CFG 5.0, UMT5 length 512.
+        self.defaults: dict[str, Any] = {
+            "height": 480,
+            "width": 832,
+            "num_frames": 81,
+            "guidance_scale": 5.0,
+            "num_steps": 50,
+            "max_sequence_length": 512,
+            "shift": ckpt_shift,
+        }
+        self.defaults.update(sampling_defaults(path))
+        self.defaults.update(defaults or {})
+        _, ph, pw = self.transformer.config.patch_size
+        for key, p in (("height", ph), ("width", pw)):
+            if int(self.defaults[key]) % (self.scale_s * p):
+                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {self.scale_s * p} for this Wan model")
+        if (int(self.defaults["num_frames"]) - 1) % self.scale_t:
+            raise UserError(
+                f"num_frames={self.defaults['num_frames']}: num_frames - 1 must be a multiple of {self.scale_t} "
+                "(the VAE's temporal factor)"
+            )
+
+        # The policy's own copy of the checkpoint's scheduler (only its sigma grid is used, see above);
+        # a `shift` in the defaults replaces the config's shift / flow_shift value.
+        self.scheduler = type(self.pipe.scheduler).from_config(config, **{shift_key: float(self.defaults["shift"])})
+
+        self.has_adapter = lora_utils.setup_training(
+            self.transformer,
+            lora=lora,
+            full_finetune=full_finetune,
+            default_targets=DEFAULT_LORA_TARGETS,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        self.full_finetune = full_finetune
+        #: the module the trainer optimises (its ``requires_grad`` parameters)
+        self.trainable: torch.nn.Module = self.transformer
+
+        self.decode_batch_size = decode_batch_size
+        self._cache = PromptCache(prompt_cache_size)
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        """``(C, F', H', W')`` of one video at the default size."""
+        return (
+            self.transformer.config.in_channels,
+            (int(self.defaults["num_frames"]) - 1) // self.scale_t + 1,
+            int(self.defaults["height"]) // self.scale_s,
+            int(self.defaults["width"]) // self.scale_s,
+        )
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """UMT5 embeddings through the pipeline's own ``encode_prompt``, cached per prompt string.
+
+        The CFG negative is the empty prompt (the pipeline's ``negative_prompt=None``), encoded once.
+        """
+        prompts = check_prompts(prompts)
+        cfg = float(self.defaults["guidance_scale"]) > 1
+        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
+        tensors = stack_rows(rows, prompts, ["prompt_embeds"])
+        if cfg:
+            tensors["negative_prompt_embeds"] = stack_rows(rows, [""] * len(prompts), ["prompt_embeds"])["prompt_embeds"]
+        return Conditioning(tensors, prompts)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=int(self.defaults["max_sequence_length"]),
+            device=self.device,
+            dtype=self.dtype,
+        )
+        return {"prompt_embeds": embeds}
+
+    # ------------------------------------------------------------------ flow
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise ``(n, C, F', H', W')`` float32 on ``device``, drawn on the generator's device
+        (CPU when None) like ``WanPipeline.prepare_latents``."""
+        rand_device = generator.device if generator is not None else torch.device("cpu")
+        noise = torch.randn((n, *self.latent_shape), generator=generator, device=rand_device, dtype=torch.float32)
+        return noise.to(self.device)
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')``; CFG by one batched [uncond; cond] pass when w > 1.
+
+        ``sigma``: a float or ``(B,)``; ``timestep = 1000·σ`` (per token for Wan 2.2-TI2V's
+        ``expand_timesteps``, where every token of a text-to-video sample has the same σ).
+        """
+        b = x.shape[0]
+        if len(cond) != b:
+            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        timestep = sigma_batch(sigma, b, self.device) * 1000.0
+        if self.pipe.config.get("expand_timesteps", False):
+            pt, ph, pw = self.transformer.config.patch_size
+            tokens = (x.shape[2] // pt) * (x.shape[3] // ph) * (x.shape[4] // pw)
+            timestep = timestep[:, None].expand(b, tokens)
+        hidden = x.to(self.device, self.dtype)
+        embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
+        cfg = guidance > 1
+        if cfg:
+            if "negative_prompt_embeds" not in cond.tensors:
+                raise UserError(
+                    f"guidance={guidance} needs CFG negatives, but cond was encoded with "
+                    f"guidance_scale={self.defaults['guidance_scale']}: set defaults['guidance_scale'] > 1 "
+                    "before encode()"
+                )
+            # the pipeline runs cond and uncond as two passes; one batched pass gives the same values
+            hidden = torch.cat([hidden, hidden])
+            timestep = torch.cat([timestep, timestep])
+            embeds = torch.cat([cond.tensors["negative_prompt_embeds"].to(self.device, self.dtype), embeds])
+        out = self.transformer(
+            hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
+        )[0].float()
+        if cfg:
+            v_uncond, v_cond = out.chunk(2)
+            return v_uncond + guidance * (v_cond - v_uncond)
+        return out
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The checkpoint scheduler's grid ``(num_steps+1,)`` float32, 1 → 0, shift included.
+
+        ``set_timesteps(n)`` as ``WanPipeline`` calls it (Euler or UniPC-with-flow-sigmas, see the module
+        docstring). A config with ``use_dynamic_shifting`` (no released Wan has one) gets ``mu`` from the
+        video token count through diffusers' ``calculate_shift``, as FLUX does for images. [derived]
+        """
+        n = int(num_steps)
+        if n < 1:
+            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        kwargs = {}
+        config = self.scheduler.config
+        if config.get("use_dynamic_shifting", False):
+            _, f, h, w = self.latent_shape
+            pt, ph, pw = self.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift(
+                (f // pt) * (h // ph) * (w // pw),
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.15),
+            )
+        self.scheduler.set_timesteps(n, device="cpu", **kwargs)
+        grid = self.scheduler.sigmas.to(torch.float32).clone()
+        if isinstance(self.scheduler, UniPCMultistepScheduler):
+            grid[0], grid[-1] = 1.0, 0.0  # UniPC's σ_0 = 1 - 1e-6 and optional σ_min end, see above
+        return grid
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Latents ``(B, C, F', H', W')`` → videos ``(B, F, 3, H, W)`` float32 in [0, 1] (in chunks).
+
+        De-normalises with the VAE's ``latents_mean`` / ``latents_std`` as ``WanPipeline`` does.
+        Differentiable in ``x0``; wrap in ``torch.no_grad()`` when only the pixels are needed.
+        """
+        z_dim = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
+        std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
+        videos = []
+        for chunk in x0.split(self.decode_batch_size):
+            z = chunk.to(self.device, torch.float32) * std + mean
+            video = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W)
+            videos.append((video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4))
+        return torch.cat(videos)
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
+        return lora_utils.adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that ``WanPipeline.load_lora_weights`` reads."""
+        lora_utils.save_adapter(WanPipeline, self.transformer, directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
+        if self.full_finetune:
+            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
+        lora_utils.load_adapter(self.pipe, self.transformer, directory)

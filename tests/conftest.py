@@ -1,0 +1,50 @@
+"""Session-wide test setup: offline hubs, one CPU thread, tiny model folders saved once per session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+# Nothing is ever downloaded; a test that tries fails fast instead of hanging on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The test machines are shared: one intra-op thread keeps a run from starving its neighbours.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_model_dir(family, **overrides) -> Path``: a tiny diffusers folder (+ ``flowalign.json``)
+    written by :func:`pipelines.tiny.save_tiny`, saved once per session per (family, overrides)."""
+    from pipelines.tiny import save_tiny
+
+    saved: dict[str, Path] = {}
+
+    def get(family: str, **overrides) -> Path:
+        key = f"{family}-{sorted(overrides.items())!r}"
+        if key not in saved:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            save_tiny(family, folder, **overrides)
+            saved[key] = folder
+        return saved[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tiny_model_dir: Callable[..., Path]) -> Path:
+    return tiny_model_dir("sd3")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tiny_model_dir: Callable[..., Path]) -> Path:
+    return tiny_model_dir("flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_dir(tiny_model_dir: Callable[..., Path]) -> Path:
+    return tiny_model_dir("wan")
