@@ -195,9 +195,11 @@ def _place_media(root: Path, col: int, row: int, cell: GalleryCell | None) -> _P
         return None
     base = Path("media") / f"c{col:02d}" / f"{row:05d}"
     media = _link(cell.media, root / base.with_suffix(cell.media.suffix.lower()))
+    if media.suffix != ".mp4":  # images and GIFs show as <img>: no poster, no fallback
+        return _Placed(_rel(media, root), None, None)
     poster = _link(cell.poster, root / base.with_suffix(".poster" + cell.poster.suffix.lower())) if cell.poster else None
-    gif = _mp4_to_gif(media, media.with_suffix(".gif")) if media.suffix == ".mp4" else None
-    return _Placed(*(_rel(p, root) for p in (media, poster, gif)))
+    gif = _mp4_to_gif(media, media.with_suffix(".gif"))
+    return _Placed(_rel(media, root), poster and _rel(poster, root), _rel(gif, root))
 
 
 def _link(src: Path, dest: Path) -> Path:
@@ -225,8 +227,8 @@ def _mp4_to_gif(mp4: Path, gif: Path) -> Path:
     return gif
 
 
-def _rel(path: Path | None, root: Path) -> str | None:
-    return None if path is None else quote(path.relative_to(root).as_posix())
+def _rel(path: Path, root: Path) -> str:
+    return quote(path.relative_to(root).as_posix())
 
 
 # ------------------------------------------------------------------------------------------------ HTML

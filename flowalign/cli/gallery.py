@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     source.add_argument("--run", default=None, help="training run folder; reads RUN/evals/step-XXXXXX/, writes RUN/gallery/")
     source.add_argument("--evals", nargs="+", default=None, help="folders written by `flowalign evaluate --out`, one column each")
     source.add_argument("--model", default=None, help="diffusers model folder to sample (the base column)")
-    p.add_argument("--adapter", action="append", default=[],
-                   help="with --model: an adapter or checkpoints/step-XXXXXX folder; repeat for more columns")
+    p.add_argument("--adapter", action="extend", nargs="+", default=[],
+                   help="with --model: adapter or checkpoints/step-XXXXXX folders, one column each")
     p.add_argument("--prompts", default=None,
                    help='with --model: text file, one prompt per line, or JSONL {"prompt": ..., "task": {...}} per line')
     p.add_argument("--reward", default=None, help="with --model: reward name (default: none, images only)")
