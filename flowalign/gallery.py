@@ -251,7 +251,14 @@ def _page(title: str, columns: list[str], rows: list[GalleryRow], placed: list[l
     # default order: gain descending, rows without a gain last (also the order without JS)
     order = sorted(range(len(rows)), key=lambda i: (rows[i].gain is None, -(rows[i].gain or 0.0), i))
     score_names = list(dict.fromkeys(k for row in rows for cell in row.cells if cell for k in cell.scores))
-    body = "\n".join(_row(i, rows[i], columns, placed[i], score_names) for i in order)
+    # gains (and their sort orders, badges and Δ column) only mean something with scores and 2+ columns
+    compare = bool(score_names) and len(columns) > 1
+    body = "\n".join(_row(i, rows[i], columns, placed[i], score_names, compare) for i in order)
+    sorts = [("index", "prompt order"), ("prompt", "prompt, A → Z")]
+    if compare:
+        sorts = [("gain-desc", "reward gain, high → low"), ("gain-asc", "reward gain, low → high"), *sorts[::-1]]
+    options = "".join(f'<option value="{value}">{text}</option>' for value, text in sorts)
+    hint = f'<span class="hint">gain = {_e(columns[-1])} − {_e(columns[0])}</span>' if compare else ""
     return f"""<!doctype html>
 <html lang="en">
 <head>
@@ -266,15 +273,10 @@ def _page(title: str, columns: list[str], rows: list[GalleryRow], placed: list[l
 <p class="sub">{len(rows)} prompt{'s' * (len(rows) != 1)} × {len(columns)} column{'s' * (len(columns) != 1)}</p>
 </header>
 <main>
-{_summary(columns, rows, score_names)}
+{_summary(columns, rows, score_names, compare)}
 <div class="controls"><label for="sort">Sort</label>
-<select id="sort">
-<option value="gain-desc">reward gain, high → low</option>
-<option value="gain-asc">reward gain, low → high</option>
-<option value="prompt">prompt, A → Z</option>
-<option value="index">prompt order</option>
-</select>
-<span class="hint">gain = {_e(columns[-1])} − {_e(columns[0])}</span></div>
+<select id="sort">{options}</select>
+{hint}</div>
 <div id="rows">
 {body}
 </div>
@@ -285,11 +287,12 @@ def _page(title: str, columns: list[str], rows: list[GalleryRow], placed: list[l
 """
 
 
-def _summary(columns: list[str], rows: list[GalleryRow], score_names: list[str]) -> str:
+def _summary(columns: list[str], rows: list[GalleryRow], score_names: list[str], compare: bool) -> str:
     """Per column: samples, mean of each score, Δ of the first score vs the first column, accuracy."""
     present = [[row.cells[c] for row in rows if row.cells[c] is not None] for c in range(len(columns))]
     means = [[_mean([cell.scores[k] for cell in cells if k in cell.scores]) for k in score_names] for cells in present]
     base = means[0][0] if score_names else None
+    judges = any(cell.all_passed is not None for cells in present for cell in cells)  # else no accuracy column
     lines = []
     for c, (label, cells, col_means) in enumerate(zip(columns, present, means)):
         primary = col_means[0] if score_names else None
@@ -299,10 +302,12 @@ def _summary(columns: list[str], rows: list[GalleryRow], score_names: list[str])
         acc = "—" if accuracy is None else f"{accuracy:.1%} <small>({sum(judged)}/{len(judged)})</small>"
         tds = "".join(_num_td(k, m, _fmt(m)) for k, m in zip(score_names, col_means))
         lines.append(f'<tr data-column="{_e(label)}"><th scope="row">{_e(label)}</th><td class="num">{len(cells)}</td>'
-                     f'{tds}{_num_td("delta", delta, _fmt(delta, signed=True))}{_num_td("accuracy", accuracy, acc)}</tr>')
-    head = "".join(f"<th>{_e(name)}</th>" for name in score_names)
-    return (f'<table class="summary"><thead><tr><th>column</th><th>samples</th>{head}<th>Δ vs {_e(columns[0])}</th>'
-            f'<th>accuracy</th></tr></thead><tbody>\n' + "\n".join(lines) + "\n</tbody></table>")
+                     f'{tds}{_num_td("delta", delta, _fmt(delta, signed=True)) if compare else ""}'
+                     f'{_num_td("accuracy", accuracy, acc) if judges else ""}</tr>')
+    head = "".join(f"<th>{_e(name)}</th>" for name in score_names) + (f"<th>Δ vs {_e(columns[0])}</th>" if compare else "")
+    head += "<th>accuracy</th>" if judges else ""
+    return (f'<table class="summary"><thead><tr><th>column</th><th>samples</th>{head}</tr></thead><tbody>\n'
+            + "\n".join(lines) + "\n</tbody></table>")
 
 
 def _num_td(metric: str, value: float | None, text: str) -> str:
@@ -310,15 +315,16 @@ def _num_td(metric: str, value: float | None, text: str) -> str:
     return f'<td class="num" data-metric="{_e(metric)}" data-value="{"" if value is None else repr(value)}">{text}</td>'
 
 
-def _row(index: int, row: GalleryRow, columns: list[str], placed: list[_Placed | None], score_names: list[str]) -> str:
+def _row(index: int, row: GalleryRow, columns: list[str], placed: list[_Placed | None], score_names: list[str],
+         compare: bool) -> str:
     gain = row.gain
     gain_cls = "" if gain is None else " up" if gain > 0 else " down" if gain < 0 else ""
+    badge = f'<span class="badge gain{gain_cls}">gain {_fmt(gain, signed=True)}</span>' if compare else ""
     seed = "" if row.seed is None else f'<span class="badge seed">seed {row.seed}</span>'
     cells = "\n".join(_cell_html(label, cell, where, score_names) for label, cell, where in zip(columns, row.cells, placed))
     data_gain = "" if gain is None else repr(gain)
     return f"""<article class="row" data-index="{index}" data-prompt="{_e(row.prompt)}" data-gain="{data_gain}">
-<div class="row-head"><p class="prompt">{_e(row.prompt)}</p>{seed}
-<span class="badge gain{gain_cls}">gain {_fmt(gain, signed=True)}</span></div>
+<div class="row-head"><p class="prompt">{_e(row.prompt)}</p>{seed}{badge}</div>
 <div class="cells" style="--cols:{len(columns)}">
 {cells}
 </div>
@@ -419,7 +425,7 @@ _JS = """
     "prompt": (a, b) => a.dataset.prompt.localeCompare(b.dataset.prompt) || idx(a) - idx(b),
   };
   const sortRows = mode => {
-    if (!orders[mode]) mode = "gain-desc";
+    if (![...select.options].some(o => o.value === mode)) mode = select.options[0].value;
     [...rows.children].sort(orders[mode]).forEach(r => rows.appendChild(r));
     select.value = mode;
     document.body.dataset.sort = mode;

@@ -235,8 +235,9 @@ def test_cli_samples_model_and_adapters(tmp_path: Path, monkeypatch: pytest.Monk
     # without --reward: images only, no scores or gains anywhere
     assert main([*argv, "--out", str(tmp_path / "images")]) == 0
     tags = Tags(Path(capsys.readouterr().out.strip()).read_text())
-    assert not tags.all("dl") and not tags.all("td", data_metric="score")
+    assert not tags.all("dl") and not [a for a in tags.all("td") if "data-metric" in a]  # no score, Δ or accuracy
     assert [a["data-gain"] for a in tags.all("article")] == ["", ""]
+    assert [a["value"] for a in tags.all("option")] == ["index", "prompt"]
 
 
 @pytest.mark.skipif(find_chromium() is None, reason="headless Chromium not installed (apt-get install -y chromium)")
