@@ -188,7 +188,8 @@ def load_adapter(pipe: Any, transformer: torch.nn.Module, directory: str | Path)
     state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
     config = transformer.peft_config[ADAPTER_NAME]
     if metadata:
-        saved = (metadata.get("r"), metadata.get("lora_alpha"))
+        # diffusers keys the saved LoraConfig by component: "transformer.r", "transformer.lora_alpha"
+        saved = (metadata.get(f"{prefix}r"), metadata.get(f"{prefix}lora_alpha"))
         if saved != (config.r, config.lora_alpha):
             raise UserError(
                 f"adapter {str(file)!r} has rank/alpha {saved} but this policy's LoRA has "
@@ -202,8 +203,14 @@ def load_adapter(pipe: Any, transformer: torch.nn.Module, directory: str | Path)
             f"unexpected {extra[:3]}): load the policy with the lora settings it was trained with"
         )
     flags = [(p, p.requires_grad) for p in transformer.parameters()]
-    with torch.no_grad():
-        set_peft_model_state_dict(transformer, state_dict, adapter_name=ADAPTER_NAME)
+    try:
+        with torch.no_grad():
+            set_peft_model_state_dict(transformer, state_dict, adapter_name=ADAPTER_NAME)
+    except RuntimeError as err:  # shape mismatch: a file without metadata and another rank
+        raise UserError(
+            f"adapter {str(file)!r} does not fit this policy's LoRA ({str(err).splitlines()[0]}): "
+            "load the policy with the lora settings it was trained with"
+        ) from err
     for p, flag in flags:
         p.requires_grad_(flag)
     return file

@@ -1,0 +1,161 @@
+"""LoRA through peft on every family: what trains, what stays frozen, reference passes, and the adapter file
+round trip through diffusers' own ``load_lora_weights``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import pipelines
+from flowalign.errors import UserError
+
+LORA = {"rank": 4, "alpha": 8}
+PROMPTS = ["exactly two red circles", "a blue square left of a green triangle"]
+
+
+def base_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in module.named_parameters() if "lora_" not in n}
+
+
+@pytest.fixture(scope="module", params=["sd3", "flux", "wan"])
+def trained(request, tiny_model_dir):
+    """A LoRA policy after one backward + AdamW step on a velocity loss, with what the tests inspect."""
+    folder = tiny_model_dir(request.param)
+    policy = pipelines.load(folder, lora=LORA)
+    w = float(policy.defaults["guidance_scale"])
+    cond = policy.encode(PROMPTS)
+    x = policy.initial_noise(2, torch.Generator().manual_seed(0))
+    before = {n: p.detach().clone() for n, p in base_params(policy.transformer).items()}
+    with torch.no_grad():
+        v_init = policy.velocity(x, 0.6, cond, w)
+    trainable = [p for p in policy.trainable.parameters() if p.requires_grad]
+    optimiser = torch.optim.AdamW(trainable, lr=1e-2)
+    policy.velocity(x, 0.6, cond, w).pow(2).mean().backward()
+    grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in policy.transformer.named_parameters()}
+    optimiser.step()
+    with torch.no_grad():
+        v_adapted = policy.velocity(x, 0.6, cond, w)
+    return dict(
+        folder=folder, policy=policy, cond=cond, x=x, w=w, before=before, grads=grads,
+        v_init=v_init, v_adapted=v_adapted,
+    )
+
+
+def test_only_adapter_tensors_get_gradients(trained):
+    policy, grads = trained["policy"], trained["grads"]
+    trainable = {n for n, p in policy.trainable.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in policy.trainable.parameters() if p.requires_grad)
+    assert all(g is None for n, g in grads.items() if "lora_" not in n), "base weights must get no gradient"
+    # lora_B starts at zero, so the first gradient lands on B (A's gradient is B^T·… = 0)
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+    for name, module in policy.pipe.components.items():
+        if isinstance(module, torch.nn.Module) and module is not policy.transformer:
+            assert all(p.grad is None for p in module.parameters()), name
+
+
+def test_fresh_adapter_is_the_identity_and_the_step_moves_it(trained):
+    base = pipelines.load(trained["folder"])
+    with torch.no_grad():
+        v_base = base.velocity(trained["x"], 0.6, trained["cond"], trained["w"])
+    torch.testing.assert_close(trained["v_init"], v_base, rtol=0, atol=1e-6)
+    assert not torch.allclose(trained["v_adapted"], v_base, atol=1e-4)
+
+
+def test_base_weights_bit_identical_after_an_optimiser_step(trained):
+    after = base_params(trained["policy"].transformer)
+    assert after.keys() == trained["before"].keys()
+    assert all(torch.equal(after[n], trained["before"][n]) for n in after)
+
+
+def test_adapter_disabled_is_the_base_model(trained):
+    policy = trained["policy"]
+    flags = [p.requires_grad for p in policy.transformer.parameters()]
+    fresh = pipelines.load(trained["folder"])
+    with torch.no_grad():
+        with policy.adapter_disabled():
+            v_off = policy.velocity(trained["x"], 0.6, trained["cond"], trained["w"])
+        v_base = fresh.velocity(trained["x"], 0.6, trained["cond"], trained["w"])
+        v_on = policy.velocity(trained["x"], 0.6, trained["cond"], trained["w"])
+    torch.testing.assert_close(v_off, v_base, rtol=0, atol=1e-6)
+    torch.testing.assert_close(v_on, trained["v_adapted"], rtol=0, atol=1e-6)
+    assert [p.requires_grad for p in policy.transformer.parameters()] == flags, "requires_grad restored"
+
+
+def test_saved_adapter_loads_with_diffusers_load_lora_weights(trained, tmp_path):
+    policy = trained["policy"]
+    policy.save_adapter(tmp_path / "adapter")
+    file = tmp_path / "adapter" / "pytorch_lora_weights.safetensors"
+    with safe_open(str(file), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("transformer.") and "lora_" in k for k in keys)
+    fresh = pipelines.load(trained["folder"])
+    fresh.pipe.load_lora_weights(str(tmp_path / "adapter"))  # exactly what a diffusers user runs
+    with torch.no_grad():
+        v = fresh.velocity(trained["x"], 0.6, trained["cond"], trained["w"])
+    torch.testing.assert_close(v, trained["v_adapted"], rtol=1e-5, atol=1e-5)
+
+
+def test_load_adapter_from_a_checkpoint_folder(trained, tmp_path):
+    checkpoint = tmp_path / "checkpoints" / "step-000100"
+    trained["policy"].save_adapter(checkpoint)
+    (checkpoint / "optimizer.pt").write_bytes(b"")  # a trainer checkpoint holds more than the adapter
+
+    frozen = pipelines.load(trained["folder"])  # evaluation: a frozen policy gets the adapter
+    frozen.load_adapter(checkpoint)
+    assert not any(p.requires_grad for p in frozen.transformer.parameters())
+
+    resumed = pipelines.load(trained["folder"], lora=LORA)  # resume: copied into the existing adapter
+    params = {n: p for n, p in resumed.transformer.named_parameters() if p.requires_grad}
+    resumed.load_adapter(checkpoint)
+    assert {n: p for n, p in resumed.transformer.named_parameters() if p.requires_grad} == params
+
+    with torch.no_grad():
+        for policy in (frozen, resumed):
+            v = policy.velocity(trained["x"], 0.6, trained["cond"], trained["w"])
+            torch.testing.assert_close(v, trained["v_adapted"], rtol=1e-5, atol=1e-5)
+
+    other_rank = pipelines.load(trained["folder"], lora={"rank": 2, "alpha": 8})
+    with pytest.raises(UserError, match="rank/alpha"):
+        other_rank.load_adapter(checkpoint)
+
+
+def test_default_targets_cover_the_attention_projections(tiny_sd3_dir):
+    policy = pipelines.load(tiny_sd3_dir, lora=LORA)
+    wrapped = {n.rsplit(".", 1)[-1] if not n.endswith("to_out.0") else "to_out.0"
+               for n, m in policy.transformer.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"}
+    custom = pipelines.load(tiny_sd3_dir, lora={**LORA, "target_modules": ["to_q"]})
+    assert {n.rsplit(".", 1)[-1] for n, m in custom.transformer.named_modules() if hasattr(m, "lora_A")} == {"to_q"}
+
+
+def test_full_finetune_trains_every_transformer_weight(tiny_sd3_dir):
+    policy = pipelines.load(tiny_sd3_dir, full_finetune=True)
+    assert all(p.requires_grad for p in policy.trainable.parameters())
+    assert not any(p.requires_grad for p in policy.vae.parameters())
+    with pytest.raises(UserError, match="reference"):
+        with policy.adapter_disabled():
+            pass
+    with pytest.raises(UserError, match="save_adapter"):
+        policy.save_adapter("unused")
+
+
+def test_lora_option_errors(tiny_sd3_dir):
+    with pytest.raises(UserError, match="lora has unknown key"):
+        pipelines.load(tiny_sd3_dir, lora={"rank": 4, "alpah": 8})
+    with pytest.raises(UserError, match="lora and full_finetune"):
+        pipelines.load(tiny_sd3_dir, lora=LORA, full_finetune=True)
+    with pytest.raises(UserError, match="target_modules"):
+        pipelines.load(tiny_sd3_dir, lora={"rank": 4, "target_modules": ["no_such_layer"]})
+
+
+def test_gradient_checkpointing_and_bf16_adapter(tiny_sd3_dir):
+    policy = pipelines.load(tiny_sd3_dir, dtype="bf16", lora=LORA, gradient_checkpointing=True)
+    assert policy.transformer.is_gradient_checkpointing
+    lora_params = [p for p in policy.trainable.parameters() if p.requires_grad]
+    assert all(p.dtype == torch.float32 for p in lora_params), "adapter kept in fp32 under a bf16 model"
+    policy.transformer.train()
+    cond = policy.encode(PROMPTS[:1])
+    policy.velocity(policy.initial_noise(1), 0.5, cond, 4.0).pow(2).mean().backward()
+    assert any(p.grad is not None for p in lora_params)
