@@ -16,8 +16,6 @@ import torch
 from flowalign.errors import UserError
 from pipelines.tiny import read_sampling_defaults
 
-#: the pipeline's text encoders see at most this many new prompts at once (bounds activation memory)
-ENCODE_BATCH = 32
 
 
 def check_prompts(prompts: Any) -> list[str]:
@@ -57,6 +55,12 @@ class PromptCache:
     Training reuses a prompt set over and over; the text encoders (T5-XXL for SD3/FLUX, UMT5 for Wan)
     cost more than a transformer step, so each prompt string is encoded once. Rows are stored on the
     policy's device in the model dtype (SD3.5: ~2.7 MB per prompt in bf16).
+
+    Each new prompt is encoded on its own (a batch of one), so its embedding is a function of the string
+    alone. Float kernels are not batch-invariant: batched with other prompts, the same prompt can come
+    out different in the last bits, and a run resumed from a checkpoint first meets a prompt in another
+    batch than the uninterrupted run did, which broke bit-identical resume
+    (tests/flowalign/trainers/test_resume.py) when new prompts were encoded 32 at a time.
     """
 
     def __init__(self, max_size: int = 1024) -> None:
@@ -66,19 +70,17 @@ class PromptCache:
     def lookup(
         self, prompts: list[str], encode: Callable[[list[str]], dict[str, torch.Tensor]]
     ) -> dict[str, dict[str, torch.Tensor]]:
-        """Rows for every distinct prompt; ``encode(batch) -> {name: (n, ...)}`` runs on the missing ones.
+        """Rows for every distinct prompt; ``encode([prompt]) -> {name: (1, ...)}`` runs on each missing one.
 
         Returned rows are per prompt, without a batch dimension.
         """
         wanted = list(dict.fromkeys(prompts))
         missing = [p for p in wanted if p not in self.rows]
         found = {p: self.rows[p] for p in wanted if p in self.rows}
-        for start in range(0, len(missing), ENCODE_BATCH):
-            chunk = missing[start : start + ENCODE_BATCH]
+        for p in missing:
             with torch.no_grad():
-                out = encode(chunk)
-            for i, p in enumerate(chunk):
-                found[p] = {k: v[i] for k, v in out.items()}
+                out = encode([p])
+            found[p] = {k: v[0] for k, v in out.items()}
         for p in wanted:
             self.rows[p] = found[p]
             self.rows.move_to_end(p)
