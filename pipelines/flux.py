@@ -42,7 +42,6 @@ class FluxPolicy:
 
     family = "flux"
     is_video = False
-    pipeline_class = FluxPipeline
 
     def __init__(
         self,
@@ -57,6 +56,7 @@ class FluxPolicy:
         prompt_cache_size: int = 1024,
         decode_batch_size: int = 8,
     ) -> None:
+        lora_utils.check_options(lora, full_finetune)  # before minutes of loading a real checkpoint
         self.device = torch.device(device)
         self.dtype = dtype
         self.pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
@@ -93,7 +93,7 @@ class FluxPolicy:
             self.pipe.scheduler.config, shift=float(self.defaults["shift"])
         )
 
-        self.has_adapter = lora_utils.setup_training(
+        lora_utils.setup_training(
             self.transformer,
             lora=lora,
             full_finetune=full_finetune,

@@ -34,6 +34,18 @@ def freeze(module: torch.nn.Module) -> None:
     module.eval()
 
 
+def check_options(lora: dict[str, Any] | None, full_finetune: bool) -> None:
+    """Reject contradictory or misspelled training options (cheap; called before loading weights)."""
+    if lora is not None and full_finetune:
+        raise UserError("lora and full_finetune were both given: pick one (lora=None for full fine-tuning)")
+    if lora is not None:
+        unknown = set(lora) - LORA_KEYS
+        if unknown:
+            raise UserError(f"lora has unknown key(s) {sorted(unknown)}: allowed keys are {sorted(LORA_KEYS)}")
+        if int(lora.get("rank", 8)) < 1:
+            raise UserError(f"lora.rank must be a positive integer, got {lora.get('rank')!r}")
+
+
 def setup_training(
     transformer: torch.nn.Module,
     *,
@@ -41,8 +53,8 @@ def setup_training(
     full_finetune: bool,
     default_targets: list[str],
     gradient_checkpointing: bool = False,
-) -> bool:
-    """Make ``transformer`` trainable as asked; returns True when a LoRA adapter was added.
+) -> None:
+    """Make ``transformer`` trainable as asked.
 
     - ``lora={"rank": r, "alpha": a, "target_modules": [...], "dropout": p, "init": "gaussian"}``:
       a peft LoRA adapter on ``target_modules`` (default: the family's attention projections); only
@@ -53,26 +65,19 @@ def setup_training(
       weights round to nothing.
     - ``full_finetune=True``: every transformer weight requires grad (in the model's dtype).
     - neither: everything stays frozen (sampling / evaluation / reference).
+
+    The options are validated by :func:`check_options`, which the policies call before loading weights.
     """
     freeze(transformer)
-    if lora is not None and full_finetune:
-        raise UserError("lora and full_finetune were both given: pick one (lora=None for full fine-tuning)")
     if gradient_checkpointing:
         # diffusers only checkpoints when grad is enabled, so inference passes are unaffected
         transformer.enable_gradient_checkpointing()
     if full_finetune:
         transformer.requires_grad_(True)
-        return False
+        return
     if lora is None:
-        return False
-    unknown = set(lora) - LORA_KEYS
-    if unknown:
-        raise UserError(
-            f"lora has unknown key(s) {sorted(unknown)}: allowed keys are {sorted(LORA_KEYS)}"
-        )
+        return
     rank = int(lora.get("rank", 8))
-    if rank < 1:
-        raise UserError(f"lora.rank must be a positive integer, got {lora.get('rank')!r}")
     config = LoraConfig(
         r=rank,
         lora_alpha=float(lora.get("alpha", rank)),
@@ -84,10 +89,9 @@ def setup_training(
         transformer.add_adapter(config, adapter_name=ADAPTER_NAME)
     except ValueError as err:
         # peft raises ValueError when no module matches target_modules
-        raise UserError(f"lora.target_modules {config.target_modules} do not fit this model: {err}") from err
+        raise UserError(f"lora.target_modules {config.target_modules} do not fit this model: {str(err).splitlines()[0]}") from err
     if next(transformer.parameters()).dtype != torch.float32:
         cast_training_params(transformer, dtype=torch.float32)
-    return True
 
 
 def has_adapter(transformer: torch.nn.Module) -> bool:

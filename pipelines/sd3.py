@@ -39,7 +39,6 @@ class SD3Policy:
 
     family = "sd3"
     is_video = False
-    pipeline_class = StableDiffusion3Pipeline
 
     def __init__(
         self,
@@ -54,6 +53,7 @@ class SD3Policy:
         prompt_cache_size: int = 1024,
         decode_batch_size: int = 8,
     ) -> None:
+        lora_utils.check_options(lora, full_finetune)  # before minutes of loading a real checkpoint
         self.device = torch.device(device)
         self.dtype = dtype
         self.pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
@@ -90,7 +90,7 @@ class SD3Policy:
             self.pipe.scheduler.config, shift=float(self.defaults["shift"])
         )
 
-        self.has_adapter = lora_utils.setup_training(
+        lora_utils.setup_training(
             self.transformer,
             lora=lora,
             full_finetune=full_finetune,

@@ -47,7 +47,6 @@ class WanPolicy:
 
     family = "wan"
     is_video = True
-    pipeline_class = WanPipeline
 
     def __init__(
         self,
@@ -62,6 +61,7 @@ class WanPolicy:
         prompt_cache_size: int = 1024,
         decode_batch_size: int = 2,
     ) -> None:
+        lora_utils.check_options(lora, full_finetune)  # before minutes of loading a real checkpoint
         self.device = torch.device(device)
         self.dtype = dtype
         vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
@@ -119,7 +119,7 @@ class WanPolicy:
         # a `shift` in the defaults replaces the config's shift / flow_shift value.
         self.scheduler = type(self.pipe.scheduler).from_config(config, **{shift_key: float(self.defaults["shift"])})
 
-        self.has_adapter = lora_utils.setup_training(
+        lora_utils.setup_training(
             self.transformer,
             lora=lora,
             full_finetune=full_finetune,
