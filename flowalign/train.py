@@ -96,8 +96,8 @@ def _write_gallery(run_dir: Path) -> None:
     write_run_gallery(run_dir)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train per ``cfg``; returns the final evaluation metrics."""
+def build_trainer(cfg: TrainConfig):
+    """Everything a run needs (accelerator, run folder, policy, rewards, data, evaluator) → the trainer."""
     from accelerate import Accelerator
 
     import pipelines
@@ -121,8 +121,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
     data = load_train_data(cfg)
     evaluator = make_evaluator(cfg) if cfg.eval.bench else None
-    trainer = trainer_cls(cfg, tcfg, policy, loaded, data, evaluator, acc, run_dir)
+    return trainer_cls(cfg, tcfg, policy, loaded, data, evaluator, acc, run_dir)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train per ``cfg``; returns the final evaluation metrics."""
+    trainer = build_trainer(cfg)
     final = trainer.train()
-    if acc.is_main_process and final:
-        write_json(run_dir / "final_metrics.json", final)
+    if trainer.acc.is_main_process and final:
+        write_json(trainer.run_dir / "final_metrics.json", final)
     return final

@@ -1,0 +1,59 @@
+"""Advantage strategies (shared/specs/flow_grpo.md)."""
+
+import torch
+
+from flowalign.advantages import compute_advantages, gdpo_advantages, group_advantages, win_rates
+
+
+def test_group_advantages_use_population_std_per_group():
+    r = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 40.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 1])
+    a = group_advantages(r, g, eps=0.0)
+    first = (r[:3] - 2.0) / torch.tensor([1.0, 2.0, 3.0]).std(unbiased=False)
+    torch.testing.assert_close(a[:3], first)
+    assert abs(a[3:].mean()) < 1e-6
+
+
+def test_global_std_divides_by_std_of_all_rewards():
+    r = torch.tensor([1.0, 3.0, 10.0, 30.0])
+    g = torch.tensor([0, 0, 1, 1])
+    a = group_advantages(r, g, std="global", eps=0.0)
+    expected = torch.tensor([-1.0, 1.0, -10.0, 10.0]) / r.std(unbiased=False)
+    torch.testing.assert_close(a, expected)
+
+
+def test_gdpo_formula():
+    torch.manual_seed(0)
+    comps, weights = torch.rand(8, 2), torch.tensor([0.3, 0.7])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    eps = 1e-4
+    per = []
+    for m in range(2):
+        col = comps[:, m]
+        mean = torch.stack([col[g == k].mean() for k in g])
+        std = torch.stack([col[g == k].std(unbiased=False) for k in g])
+        per.append((col - mean) / (std + eps))
+    s = 0.3 * per[0] + 0.7 * per[1]
+    expected = (s - s.mean()) / (s.std(unbiased=False) + eps)
+    torch.testing.assert_close(gdpo_advantages(comps, weights, g, eps=eps), expected)
+
+
+def test_gdpo_differs_from_normalising_the_weighted_sum():
+    comps = torch.tensor([[0.0, 100.0], [1.0, 0.0], [0.0, 0.0], [1.0, 100.0]])
+    g = torch.zeros(4, dtype=torch.long)
+    w = torch.tensor([1.0, 1.0])
+    assert not torch.allclose(compute_advantages("gdpo", comps, w, g), compute_advantages("group", comps, w, g))
+
+
+def test_win_rates_count_pairwise_wins_with_ties_half():
+    r = torch.tensor([0.1, 0.5, 0.5, 0.9])
+    g = torch.zeros(4, dtype=torch.long)
+    torch.testing.assert_close(win_rates(r, g), torch.tensor([0.0, 1.5 / 3, 1.5 / 3, 1.0]))
+
+
+def test_advantages_are_clipped_and_zero_for_uniform_groups():
+    r = torch.tensor([0.0, 0.0, 0.0, 1000.0, 1.0, 1.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1])
+    a = compute_advantages("group", r[:, None], torch.ones(1), g, clip=1.5)
+    assert a.abs().max() <= 1.5
+    assert torch.equal(a[4:], torch.zeros(2))

@@ -1,0 +1,57 @@
+"""Run configs: overrides, validation errors that name the field and the fix."""
+
+import pytest
+
+from flowalign.config import load_config, validate_section
+from flowalign.errors import UserError
+from flowalign.trainers import get_trainer
+from flowalign.train import prepare_run_dir
+
+
+def test_overrides_are_read_as_yaml(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("run:\n  seed: 3\ntrainer:\n  name: flow_grpo\n  lr: 0.001\n")
+    cfg = load_config(cfg_file, ["trainer.lr=1e-4", "rewards=[{name: vvr, weight: 2.0, gamma: 0.3}]", "run.resume=never"])
+    assert cfg.run.seed == 3 and cfg.run.resume == "never"
+    assert cfg.rewards[0].weight == 2.0 and cfg.rewards[0].options == {"gamma": 0.3}
+    tcfg = validate_section(get_trainer("flow_grpo").Config, cfg.trainer, "trainer.")
+    assert tcfg.lr == pytest.approx(1e-4) and tcfg.clip_range == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("run.sed=3", "run.sed: unknown key (did you mean 'seed'?)"),
+    ("run.seed=abc", "run.seed"),
+    ("run.max_invalid_fraction=1.5", "run.max_invalid_fraction"),
+    ("eval.evry=3", "did you mean 'every'"),
+    ("rewards=[]", "at least one reward"),
+    ("nonsense", "key=value"),
+])
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(UserError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_trainer_section_is_validated_by_its_trainer():
+    cfg = load_config(None, ["trainer.clip_rnage=0.1"])
+    with pytest.raises(UserError, match="trainer.clip_rnage: unknown key \\(did you mean 'clip_range'\\?\\)"):
+        validate_section(get_trainer("flow_grpo").Config, cfg.trainer, "trainer.")
+    with pytest.raises(UserError, match="unknown trainer 'grpo'"):
+        get_trainer("grpo")
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_output_folder_of_another_run_is_refused(tmp_path):
+    cfg = load_config(None, ["run.seed=1"])
+    prepare_run_dir(tmp_path, "run:\n  seed: 1\n", "auto")
+    prepare_run_dir(tmp_path, "run:\n  seed: 1\ntrainer:\n  max_steps: 9\n", "auto")  # resumable change
+    with pytest.raises(UserError, match="holds another run's config \\(differs in run.seed"):
+        prepare_run_dir(tmp_path, "run:\n  seed: 2\n", "auto")
+    with pytest.raises(UserError, match="already holds a run"):
+        prepare_run_dir(tmp_path, "run:\n  seed: 1\n", "never")
+    assert "seed: 1" in (tmp_path / "config.yaml").read_text()  # nothing overwritten
+    assert cfg.run.seed == 1

@@ -1,0 +1,46 @@
+"""Trainer test helpers: a tiny SD3 folder, a prompt file, and config builders."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowalign.config import load_config
+
+REPO = Path(__file__).resolve().parents[3]
+REDNESS = "tests.flowalign.trainers.toy_rewards:redness"
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("a red circle\na blue square\na green star\na yellow triangle\n")
+    return path
+
+
+def small_run(run_dir: Path, model_dir: Path, prompt_file: Path, *extra: str) -> list[str]:
+    """Overrides for a seconds-long run on the tiny model with a pixel reward and no evaluation."""
+    return [
+        f"run.output_dir={run_dir}", f"model.path={model_dir}", f"data.prompts={prompt_file}",
+        f"rewards=[{{name: '{REDNESS}'}}]", "eval.bench=null", "run.progress=false", "run.tensorboard=false",
+        "trainer.max_steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.batch_size=4",
+        "trainer.num_steps=4", "model.lora.rank=4", "trainer.lr=1e-3", *extra,
+    ]
+
+
+def small_config(run_dir: Path, model_dir: Path, prompt_file: Path, *extra: str):
+    return load_config(None, small_run(run_dir, model_dir, prompt_file, *extra))
+
+
+def run_cli(args: list[str], **popen) -> subprocess.Popen:
+    """``python -m flowalign ARGS`` in a subprocess, bit-reproducible across processes: one thread, and
+    MKL's conditional numerical reproducibility (otherwise MKL picks kernels by memory alignment and
+    results differ between processes in the 7th digit)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO),
+           "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "flowalign", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)

@@ -1,0 +1,95 @@
+"""Flow-GRPO on the tiny SD3 model: the spec's properties (shared/specs/flow_grpo.md)."""
+
+import pytest
+import torch
+
+from flowalign.errors import UserError
+from flowalign.train import build_trainer
+from flowalign.trainers.flow_grpo import gaussian_mean_kl, ppo_clip_loss
+
+from .conftest import small_config
+
+
+@pytest.fixture
+def trainer(tmp_path, tiny_sd3_dir, prompt_file):
+    return build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, "trainer.beta=0.04"))
+
+
+def test_first_on_policy_pass_has_ratio_exactly_one(trainer):
+    prompts, metadata, groups = trainer.step_prompts(0)
+    batch = trainer.sample(prompts, metadata, groups)
+    assert [len(c) for c in batch.chunks] == [4, 4]  # chunks never span groups
+    for chunk in batch.chunks:
+        for k in trainer.trained_steps(chunk):
+            x_k, _, stored = chunk.step(k)
+            v = trainer.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+            again = trainer.step_distribution(chunk, k, v)
+            assert torch.equal(again.log_prob, stored)
+
+
+def test_kl_is_zero_with_the_adapter_disabled_and_positive_otherwise(trainer):
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(0.05 * torch.randn_like(p))
+    prompts, metadata, groups = trainer.step_prompts(0)
+    chunk = trainer.sample(prompts, metadata, groups).chunks[0]
+    k = 1
+    x_k = chunk.step(k)[0]
+    sigma = chunk.sigmas[k].item()
+    gap = sigma - chunk.sigmas[k + 1].item()
+
+    def mean_of(ctx):
+        with torch.no_grad(), ctx:
+            return trainer.step_distribution(chunk, k, trainer.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale))
+
+    adapted = mean_of(torch.enable_grad())
+    ref = mean_of(trainer.policy.adapter_disabled())
+    ref_again = mean_of(trainer.policy.adapter_disabled())
+    assert torch.equal(gaussian_mean_kl(ref.mean, ref_again.mean, ref.std, gap, "exact"), torch.zeros(4))
+    kl_exact = gaussian_mean_kl(adapted.mean, ref.mean, adapted.std, gap, "exact")
+    kl_code = gaussian_mean_kl(adapted.mean, ref.mean, adapted.std, gap, "code")
+    assert (kl_exact > 0).all()
+    d = adapted.mean[0].numel()
+    torch.testing.assert_close(kl_code, kl_exact * gap / d)  # coded form = (h/D)·exact
+
+
+def test_clipped_surrogate_bounds_and_gradients():
+    eps = 0.2
+    old = torch.zeros(4)
+    log_prob = torch.log(torch.tensor([1.5, 1.1, 0.5, 0.9])).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, ratio, clipped = ppo_clip_loss(log_prob, old, adv, eps)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, -1.1, 0.8, 0.9]))
+    assert clipped.tolist() == [True, False, True, False]
+    loss.sum().backward()
+    assert log_prob.grad[0] == 0 and log_prob.grad[2] == 0  # clipped branches carry no gradient
+    assert log_prob.grad[1] != 0 and log_prob.grad[3] != 0
+
+
+def test_update_moves_only_the_adapter(trainer):
+    base = {n: p.detach().clone() for n, p in trainer.policy.transformer.named_parameters() if not p.requires_grad}
+    lora = [p.detach().clone() for p in trainer.params]
+    logs = trainer.train_step()
+    assert logs["train/ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert any(not torch.equal(a, p) for a, p in zip(lora, trainer.params))
+    for n, p in trainer.policy.transformer.named_parameters():
+        if n in base:
+            assert torch.equal(base[n], p), n
+
+
+def test_invalid_rewards_are_masked_and_counted(tmp_path, tiny_sd3_dir, prompt_file):
+    reward = "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:sometimes_nan'}]"
+    t = build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, prompt_file, reward))
+    logs = t.train_step()
+    assert logs["reward/invalid_fraction"] == 0.25
+    t = build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, reward, "run.max_invalid_fraction=0.1"))
+    with pytest.raises(UserError, match="invalid rewards"):
+        t.train_step()
+
+
+def test_flow_grpo_fast_window_trains_only_window_steps(tmp_path, tiny_sd3_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "w", tiny_sd3_dir, prompt_file, "trainer.num_steps=8", "trainer.sde_window=2"))
+    prompts, metadata, groups = t.step_prompts(0)
+    for chunk in t.sample(prompts, metadata, groups).chunks:
+        steps = chunk.trained_steps()
+        assert len(steps) == 2 and steps[1] == steps[0] + 1 and steps[0] + 2 <= 4
