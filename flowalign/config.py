@@ -90,7 +90,6 @@ class EvalSection(Section):
     num_steps: int | None = None
     batch_size: int = Field(16, ge=1)
     gallery: bool = True
-    gallery_rows: int = Field(24, ge=1)
 
 
 class TrainConfig(Section):

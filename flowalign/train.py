@@ -80,20 +80,21 @@ def make_evaluator(cfg: TrainConfig):
     def run(policy, out_dir: Path) -> dict[str, Any]:
         metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=cfg.eval.seed or 0,
                            num_steps=cfg.eval.num_steps, batch_size=cfg.eval.batch_size, out_dir=out_dir,
-                           progress=False, labels={"bench": bench.name})
+                           progress=False, labels={"bench": bench.name, "seed": cfg.eval.seed or 0,
+                                                   "reward": bench.reward.name})
         if cfg.eval.gallery:
-            _write_gallery(out_dir.parent.parent)
+            _write_gallery(out_dir.parent.parent, f"{cfg.run.name}: {bench.name}")
         return metrics
 
     return run
 
 
-def _write_gallery(run_dir: Path) -> None:
-    try:
-        from flowalign.gallery import write_run_gallery
-    except ImportError:  # galleries are optional output; never fail a run over them
-        return
-    write_run_gallery(run_dir)
+def _write_gallery(run_dir: Path, title: str) -> None:
+    """Every evaluation so far, side by side (identical seeds), into ``run_dir/gallery/index.html``."""
+    from flowalign.gallery import gallery_from_run, write_gallery
+
+    columns, rows = gallery_from_run(run_dir)
+    write_gallery(run_dir / "gallery", columns, rows, title=title)
 
 
 def build_trainer(cfg: TrainConfig):
@@ -110,7 +111,7 @@ def build_trainer(cfg: TrainConfig):
     if acc.is_main_process:
         prepare_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)
     acc.wait_for_everyone()
-    torch.manual_seed(cfg.run.seed + acc.process_index)
+    torch.manual_seed(cfg.run.seed)  # the same adapter initialisation on every rank
 
     model_path = resolve_model_path(cfg.model.path)
     lora = cfg.model.lora.model_dump() if cfg.model.finetune == "lora" else None

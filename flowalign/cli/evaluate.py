@@ -32,6 +32,6 @@ def run(args: argparse.Namespace) -> None:
     policy = load_policy(args)
     metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
-                       out_dir=args.out, labels={"bench": bench.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter})
+                       out_dir=args.out, labels={"bench": bench.name, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter})
     print(json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
     print(f"wrote {args.out}/metrics.json")

@@ -333,6 +333,7 @@ class GroupTrainer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self.acc.wait_for_everyone()
+        checksums = self.rank_checksums()
         ckpt.save_rank_rng(tmp, self.rank)
         if self.acc.is_main_process:
             if self.cfg.model.finetune == "lora":
@@ -340,7 +341,8 @@ class GroupTrainer:
             ckpt.write_checkpoint_files(
                 tmp, trainable=self.trainable_state(), optimizer=self.optimizer,
                 ema_state=self.ema.state_dict() if self.ema else None,
-                trainer_state={"step": self.step, "world_size": self.world, "trainer": self.tcfg.name},
+                trainer_state={"step": self.step, "world_size": self.world, "trainer": self.tcfg.name,
+                               "rank_checksums": checksums},
             )
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
@@ -348,6 +350,14 @@ class GroupTrainer:
             ckpt.prune(self.run_dir, self.cfg.run.keep_checkpoints)
         self.acc.wait_for_everyone()
         return final
+
+    def rank_checksums(self) -> list[float]:
+        """Sum of the trainable weights on every rank; ranks that diverged are an error, not a warning."""
+        local = torch.stack([p.detach().double().sum() for p in self.params]).sum().reshape(1)
+        sums = self.acc.gather(local.to(self.acc.device)).cpu().tolist()
+        if len(set(sums)) > 1:
+            raise RuntimeError(f"step {self.step}: ranks hold different weights (checksums {sums})")
+        return sums
 
     def maybe_resume(self) -> None:
         resume = self.cfg.run.resume
