@@ -55,6 +55,8 @@ class ModelSection(Section):
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraSection = LoraSection()
     gradient_checkpointing: bool = False
+    #: sampling defaults over the folder's own (height, width, num_frames, guidance_scale, num_steps, ...)
+    defaults: dict[str, Any] = Field(default_factory=dict)
 
 
 class DataSection(Section):

@@ -116,9 +116,8 @@ def build_trainer(cfg: TrainConfig):
     model_path = resolve_model_path(cfg.model.path)
     lora = cfg.model.lora.model_dump() if cfg.model.finetune == "lora" else None
     policy = pipelines.load(model_path, cfg.model.family, device=acc.device, dtype=cfg.model.dtype, lora=lora,
-                            full_finetune=cfg.model.finetune == "full")
-    if cfg.model.gradient_checkpointing:
-        policy.transformer.enable_gradient_checkpointing()
+                            full_finetune=cfg.model.finetune == "full", defaults=cfg.model.defaults or None,
+                            gradient_checkpointing=cfg.model.gradient_checkpointing)
     loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
     data = load_train_data(cfg)
     evaluator = make_evaluator(cfg) if cfg.eval.bench else None
