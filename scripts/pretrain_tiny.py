@@ -650,14 +650,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cfg", type=float, default=4.0)
     p.add_argument("--sample-steps", type=int, default=20)
     p.add_argument("--eval-n", type=int, default=0, help="held-out tasks per level to verify after export")
+    p.add_argument("--demo-n", type=int, default=16, help="training prompts sampled into OUT/samples_train_prompts.png")
     p.add_argument("--eval-only", action="store_true", help="only evaluate the --export folder")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
-                        handlers=[logging.FileHandler(out / "train.log"), logging.StreamHandler(sys.stderr)])
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter("%(asctime)s %(message)s")
+    for h in (logging.FileHandler(out / "train.log"), logging.StreamHandler(sys.stderr)):
+        h.setFormatter(fmt)
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     import diffusers.utils.logging as dlog
     import transformers.utils.logging as tlog
 
@@ -721,12 +729,13 @@ def main(argv: list[str] | None = None) -> None:
 
     shipped = StableDiffusion3Pipeline.from_pretrained(folder)
     shipped.set_progress_bar_config(disable=True)
-    rng = random.Random(12345)
-    demo = [data["prompts"][i] for i in rng.sample(range(len(data["prompts"])), 16)]
-    imgs = sample(shipped, demo, defaults, seed=0)
-    grid(imgs).save(out / "samples_train_prompts.png")
-    with open(out / "samples_train_prompts.txt", "w") as f:
-        f.write("\n".join(demo) + "\n")
+    if args.demo_n:
+        rng = random.Random(12345)
+        demo = [data["prompts"][i] for i in rng.sample(range(len(data["prompts"])), args.demo_n)]
+        imgs = sample(shipped, demo, defaults, seed=0)
+        grid(imgs).save(out / "samples_train_prompts.png")
+        with open(out / "samples_train_prompts.txt", "w") as f:
+            f.write("\n".join(demo) + "\n")
     log.info("total wall time %.1f min", (time.time() - t_start) / 60)
 
     # 6. eval

@@ -25,5 +25,19 @@ def load_policy(args: argparse.Namespace):
     if args.adapter:
         if not Path(args.adapter).exists():
             raise UserError(f"--adapter {args.adapter}: no such folder; give a saved adapter or a checkpoints/step-XXXXXX folder")
-        policy.load_adapter(args.adapter)
+        load_weights(policy, Path(args.adapter))
     return policy
+
+
+def load_weights(policy, folder: Path) -> None:
+    """A LoRA adapter (a saved adapter or a LoRA checkpoint), or a full fine-tune's checkpoint."""
+    full = folder / "trainable.safetensors"
+    if full.exists() and not any(folder.glob("*lora*.safetensors")):
+        from safetensors.torch import load_file
+
+        state = load_file(str(full))
+        missing, unexpected = policy.trainable.load_state_dict(state, strict=False)
+        if unexpected or len(state) == 0:
+            raise UserError(f"--adapter {folder}: its weights do not match this model ({len(unexpected)} unknown tensors)")
+        return
+    policy.load_adapter(folder)

@@ -184,7 +184,7 @@ class GroupTrainer:
                 continue
             parts = [p for p in np.array_split(np.array(active), self.tcfg.updates_per_epoch) if len(p)]
             for part in parts:
-                units = self.loss_units(batch, part.tolist())
+                units = self.loss_units(batch, part.tolist(), generator)
                 for i, k in units:
                     loss, info = self.loss(batch.chunks[i], k, adv_chunks[i])
                     (loss / len(units)).backward()
@@ -193,7 +193,7 @@ class GroupTrainer:
                 stats.setdefault("grad_norm", []).append(self.optimizer_step())
         return {k: float(np.mean(v)) for k, v in stats.items()}
 
-    def loss_units(self, batch: StepBatch, chunk_ids: list[int]) -> list[tuple[int, int]]:
+    def loss_units(self, batch: StepBatch, chunk_ids: list[int], generator: torch.Generator) -> list[tuple[int, int]]:
         """The (chunk, step) pairs one optimiser step accumulates over."""
         return [(i, k) for i in chunk_ids for k in self.trained_steps(batch.chunks[i])]
 

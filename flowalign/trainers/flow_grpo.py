@@ -32,6 +32,8 @@ class FlowGRPOConfig(GroupTrainerConfig):
     timestep_fraction: float = Field(0.99, gt=0, le=1)
     #: Flow-GRPO-Fast: SDE only on a random window of this width in steps [0, T/2) (0: every step)
     sde_window: int = Field(0, ge=0)
+    #: train a random subset of this many of the trained steps per chunk and epoch (0: all of them)
+    steps_per_chunk: int = Field(0, ge=0)
 
 
 def ppo_clip_loss(
@@ -74,6 +76,17 @@ class FlowGRPOTrainer(GroupTrainer):
             start = random_window_start(self.tcfg.num_steps, self.tcfg.sde_window, generator)
             kw["sde_window"] = (start, self.tcfg.sde_window)
         return super().rollout_chunk(prompts, metadata, generator, cps_log_prob=self.tcfg.cps_log_prob, **kw)
+
+    def loss_units(self, batch, chunk_ids, generator):
+        """All trained steps of each chunk, or a random subset of ``steps_per_chunk`` of them."""
+        units = []
+        for i in chunk_ids:
+            steps = self.trained_steps(batch.chunks[i])
+            if 0 < self.tcfg.steps_per_chunk < len(steps):
+                pick = torch.randperm(len(steps), generator=generator)[: self.tcfg.steps_per_chunk]
+                steps = [steps[j] for j in sorted(pick.tolist())]
+            units += [(i, k) for k in steps]
+        return units
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
         steps = chunk.trained_steps()

@@ -31,7 +31,7 @@ from PIL import Image, ImageDraw
 from scipy import ndimage
 
 from rewards.vvr import predicates as P
-from rewards.vvr.geometry import SHAPES, SIZES, draw_shape
+from rewards.vvr.geometry import NOT_SMALL, SHAPES, SIZES, draw_shape
 from rewards.vvr.palette import COLOURS, PALETTE_LAB, delta_e00
 from rewards.vvr.tasks import (
     CONSTRAINT_TYPES,
@@ -75,13 +75,14 @@ GAP = 0.07  # box gap between unrelated objects (image fractions): they never to
 EDGE = 0.03  # objects stay this far from the image border
 K_GEN = 0.3  # left-of margin factor (the verifier's is 0.1)
 ALIGN_GEN = 0.01  # aligned centres differ by less than this (the verifier allows 0.05)
-BIGGER_GEN = 1.35  # extent ratio for "bigger" (the verifier's is 1.2)
+BIGGER_GEN = 1.3  # extent ratio for "bigger" (the verifier's is 1.15)
 NEAREST_GEN = 0.7  # the nearest object is this much closer than any other
 REGION_GEN = 0.1  # distance of a centre from the midlines for "region"
 CONTRAST = 30.0  # ΔE00 an object colour keeps from the background
 PENETRATION = 0.006  # touching objects overlap by this much (≈ 0.4 px at 64 px) so they visibly meet
 _RES = 400  # raster used to lay out structured pairs (px per image width)
 _CONTAINERS = ("circle", "square", "hexagon", "pentagon")
+_GREYS = frozenset({"black", "white", "gray"})
 
 
 def _ref(o: Obj, *keys: str) -> dict[str, str]:
@@ -103,6 +104,11 @@ def _raster(o: Obj) -> np.ndarray:
     box = ((b.cx - b.w / 2) * _RES, (b.cy - b.h / 2) * _RES, (b.cx + b.w / 2) * _RES, (b.cy + b.h / 2) * _RES)
     draw_shape(ImageDraw.Draw(img), o.shape, box, 255)
     return np.asarray(img) > 127
+
+
+def _sized(o: Obj, size: str) -> Obj:
+    """``o`` at ``size``, except that hexagons and pentagons are never small (see ``NOT_SMALL``)."""
+    return replace(o, size="medium" if size == "small" and o.shape in NOT_SMALL else size)
 
 
 def can_outline(shape: str, size: str) -> bool:
@@ -132,11 +138,15 @@ class _Scene:
             avoid: tuple[str, ...] = ()) -> Obj:
         """An object (at the origin) whose colour+shape is new to the scene unless both are given."""
         used = {(o.colour, o.shape) for o in self.objs}
+        # grey is the mix of black and white: the three never share a scene (background included), or a
+        # blurred black-on-white edge would read as a grey object
+        present = {o.colour for o in self.objs} | {self.background}
+        clash = {c for c in _GREYS if _GREYS <= present | {c}}
         for _ in range(100):
-            c = colour or self.rng.choice([x for x in self.colours if x not in avoid])
+            c = colour or self.rng.choice([x for x in self.colours if x not in avoid and x not in clash])
             s = shape or self.rng.choice(self.vocab.shapes)
             if (c, s) not in used or (colour and shape):
-                return Obj(0, s, c, size or self.size(), True, 0.0, 0.0)
+                return _sized(Obj(0, s, c, "medium", True, 0.0, 0.0), size or self.size())
         raise _Retry
 
     # --- placement ---------------------------------------------------------------------------------
@@ -164,6 +174,8 @@ class _Scene:
     def add_inside(self) -> None:
         container = self.new(shape=self.rng.choice([s for s in _CONTAINERS if s in self.vocab.shapes]), size="large")
         inner = self.new(size="small", avoid=(container.colour,))
+        if inner.size != "small":
+            raise _Retry
         c, i = replace(container, x=0.5, y=0.5), replace(inner, x=0.5, y=0.5)
         # the inner object must keep ≥ 0.03 of the container around it
         if (ndimage.distance_transform_edt(_raster(c))[_raster(i)] < 0.03 * _RES).any():
@@ -408,7 +420,7 @@ def _medium(rng: random.Random, task_id: str) -> Task:
             o = sc.new(colour=first.colour)
         else:
             o = sc.new()
-        sc.place([replace(o, size=rng.choice(["small", "medium"]))])
+        sc.place([_sized(o, rng.choice(["small", "medium"]))])
     o = sc.objs[0]
     args = {"count_colour_shape": {"colour": o.colour, "shape": o.shape}, "count_shape": {"shape": o.shape},
             "count_colour": {"colour": o.colour}, "total_count": {}}[kind]
@@ -438,7 +450,7 @@ def _hard(rng: random.Random, task_id: str) -> Task:
             o = (sc.new(colour=first.colour, shape=first.shape) if repeat == "both"
                  else sc.new(shape=first.shape, avoid=tuple(x.colour for x in sc.objs if x.shape == first.shape))
                  if repeat == "shape" else sc.new(colour=first.colour))
-            sc.place([replace(o, size=rng.choice(["small", "medium"]))])
+            sc.place([_sized(o, rng.choice(["small", "medium"]))])
     if rng.random() < 0.1 and structure is None:
         sc.add_touching() if rng.random() < 0.5 else sc.add_inside()
     sc.fill(max(n, len(sc.objs)), outline=primary == "filled" or rng.random() < 0.15)

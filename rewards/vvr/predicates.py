@@ -56,8 +56,8 @@ def vertically_aligned(a: Box, b: Box, tol: float = 0.05) -> bool:
     return abs(a.cx - b.cx) < tol
 
 
-def bigger(a: Box, b: Box, ratio: float = 1.2) -> bool:
-    """A's extent exceeds B's by ``ratio`` (the size classes are ≥ 1.4× apart)."""
+def bigger(a: Box, b: Box, ratio: float = 1.15) -> bool:
+    """A's extent exceeds B's by ``ratio`` (the size classes are ≥ 1.33× apart)."""
     return a.extent > ratio * b.extent
 
 
