@@ -1,0 +1,60 @@
+"""The registered ``vvr`` reward: verify each sample against the VVR task in its metadata."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flowalign.errors import UserError
+from flowalign.protocols import RewardOutput
+from rewards.registry import register
+from rewards.vvr.verify import GAMMA, score, verify
+
+
+@register("vvr")
+class VVRReward:
+    """Deterministic VVR reward ``R = (1-γ)·mean_j s_j + γ·Π_j s_j`` per sample.
+
+    ``metadata[i]["task"]`` holds sample ``i``'s task (a :class:`~rewards.vvr.Task` or its dict). A
+    sample without a task, or whose image cannot be read (blank, non-finite), is invalid: masked, with
+    the reason in ``info``. A malformed task raises ``ValueError`` (a bug in the caller, not a sample).
+    """
+
+    name = "vvr"
+    differentiable = False
+
+    def __init__(self, gamma: float = GAMMA):
+        if not 0.0 <= gamma <= 1.0:
+            raise UserError(f"vvr reward: gamma must lie in [0, 1], got {gamma}")
+        self.gamma = gamma
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
+        """``samples``: ``(B, 3, H, W)`` float in [0, 1] → components ``{"vvr": (B,)}``, ``valid`` ``(B,)``."""
+        if samples.ndim != 4 or samples.shape[1] != 3:
+            raise UserError(
+                f"vvr reward scores images (B, 3, H, W); got samples of shape {tuple(samples.shape)}"
+                " (videos are not supported)"
+            )
+        n = samples.shape[0]
+        # one conversion for the batch; non-finite samples are caught per sample below
+        finite = torch.isfinite(samples).flatten(1).all(1).tolist()
+        pixels = (samples.detach().float().nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8)
+        pixels = pixels.permute(0, 2, 3, 1).cpu().numpy()
+        scores = torch.zeros(n, dtype=torch.float32)
+        valid = torch.zeros(n, dtype=torch.bool)
+        info: list[dict[str, Any]] = []
+        for i in range(n):
+            task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
+            if task is None:
+                info.append({"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"})
+                continue
+            if not finite[i]:
+                info.append({"constraints": [], "all_passed": False, "reason": "image has NaN or infinite values"})
+                continue
+            verdict = verify(task, pixels[i])
+            info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason})
+            if verdict.valid:
+                valid[i] = True
+                scores[i] = score([p for _, p in verdict.constraints], self.gamma)
+        return RewardOutput(components={"vvr": scores}, valid=valid, info=info)
