@@ -2,8 +2,9 @@
 
 Every colour has an sRGB value (what the renderer paints) and its CIELAB centre (what the verifier
 compares against). The nine saturated colours were picked by hand to be far apart in ΔE00 (the closest
-pair, red/pink or orange/yellow, is still > 25 apart) and off each other's mixing lines with white, so
-that an anti-aliased edge of one colour is not mistaken for another colour.
+pairs: blue/purple 23, brown/grey 26.5; all others ≥ 27) and off each other's mixing lines
+with white, so that an anti-aliased edge of one colour is not mistaken for another colour. Grey is the
+mix of black and white, so the generator never puts the three in one scene.
 """
 
 from __future__ import annotations

@@ -61,14 +61,17 @@ def bigger(a: Box, b: Box, ratio: float = 1.15) -> bool:
     return a.extent > ratio * b.extent
 
 
-def between(a: Box, b: Box, c: Box, k: float = 0.1) -> bool:
-    """A lies strictly between B and C along x or along y (in either order)."""
-    return (
-        (left_of(b, a, k) and left_of(a, c, k))
-        or (left_of(c, a, k) and left_of(a, b, k))
-        or (above(b, a, k) and above(a, c, k))
-        or (above(c, a, k) and above(a, b, k))
-    )
+def between(a: Box, b: Box, c: Box, margin: float = 0.15, band: float = 0.25) -> bool:
+    """A lies on the way from B to C [derived]: its centre projects onto segment BC at a fraction in
+    (margin, 1 − margin) of its length, within ``band``·|BC| of the line (either order of B and C)."""
+    dx, dy = c.cx - b.cx, c.cy - b.cy
+    length2 = dx * dx + dy * dy
+    if length2 == 0:
+        return False
+    px, py = a.cx - b.cx, a.cy - b.cy
+    t = (px * dx + py * dy) / length2
+    off = abs(px * dy - py * dx) / math.sqrt(length2)
+    return margin < t < 1 - margin and off < band * math.sqrt(length2)
 
 
 def _dist(a: Box, b: Box) -> float:

@@ -5,26 +5,28 @@ these documented deviations [derived]:
 
 1. Images larger than ``WORK`` px are box-filtered down to it (a box filter keeps pixel values exact
    coverage mixes); smaller ones are analysed at their own size, where every pixel's coverage is still
-   known, rather than upsampled (interpolation smears edges). Pixel-sized parameters scale with the
-   working size; the rest are fractions of the image.
+   known, rather than upsampled (interpolation smears edges). The few pixel-sized parameters (5×5
+   majority, 3×3 closing, 2-3 px touching reach) suit 64-128 px; everything else is a fraction of the
+   image.
 2. Background = the mean colour of the modal (4-bit quantised) bin of the border pixels.
-3. Colour labels use the anti-aliasing mixing model instead of "nearest palette colour within ΔE 25"
-   per pixel: a pixel ``p`` is read as ``bg + α·(c − bg)`` for each palette colour ``c``; the label is
-   the colour with the smallest RGB residual. The coverage α of the labelled colour is measured in a
-   luma-weighted space (chroma × 0.3: JPEG keeps luma sharp and halves chroma) and the pixel is
-   foreground when α ≥ 0.5 and it is more than ΔE00 12 from the background. Edge pixels thus keep their
-   object's colour (a red/white edge is not "pink") and the mask boundary sits where the shape's
-   boundary is. A component's *name* is then, as in the spec, the palette colour nearest (ΔE00 < 25)
+3. Colour labels come from an anti-aliasing mixing model instead of "nearest palette colour within
+   ΔE 25" per pixel (see :func:`_labels`): the palette colours present are found from solid patches
+   of nearly pure pixels, then each pixel is read as a mix of two of {background, present colours}
+   and takes the nearer end. An edge pixel thus keeps its object's colour (a red/white edge is not
+   "pink", a blurred black/white edge not "grey", the seam of touching blue and brown not "black"),
+   and the mask boundary sits where the shape's boundary is (coverage α ≥ 0.5, measured on luma
+   mostly: JPEG keeps luma sharp and halves chroma). Foreground pixels are also > ΔE00 12 from the
+   background (spec). A component's *name* is, as in the spec, the palette colour nearest (ΔE00 < 25)
    to its median interior colour.
-4. A 5×5 majority vote over the foreground labels replaces the spec's per-colour 3×3 open/close: it
-   removes stray edge colours and JPEG chroma noise without cutting off the sharp tips of stars and
-   triangles (which an opening does, shrinking their boxes). Then, per colour, 8-connected
+4. A 5×5 majority vote over the foreground labels replaces the spec's per-colour 3×3 opening: it
+   removes JPEG chroma noise without cutting off the sharp tips of stars and triangles (which an
+   opening does, shrinking their boxes). Then, per colour, a 3×3 closing (spec), 8-connected
    components; components under 0.2 % of the image are dropped (spec).
-5. Shape by template matching rather than contour vertex counts (which confuse circles and hexagons at
-   10 px): every shape's ideal upright mask is stretched over the component's box and compared with
-   its hole-filled mask; pixels of *other* objects inside the box are not counted (they may hide part
-   of the shape). Score = IoU − 0.5·|log(box aspect / shape aspect)|; best score < 0.6 → no shape.
-6. Outline vs filled: an outlined object's filled mask is mostly background (> 12 %).
+5. Shape by soft template matching rather than contour vertex counts (which confuse circles and
+   hexagons at 13 px): each shape's anti-aliased template is fitted to the object's coverage map
+   (:func:`_classify`). An object lying inside another is seen against that object's colour; pixels
+   of other objects, which may hide part of it, are not counted.
+6. Outline vs filled: an outlined object's hole-filled mask is mostly background (> 12 %).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 from PIL import Image
 from scipy import ndimage
 
-from rewards.vvr.geometry import ASPECT, MOMENTS, ROUND_SHAPES, SHAPES, coverage
+from rewards.vvr.geometry import ASPECT, MOMENTS, ROUND_SHAPES, SHAPES, coverages
 from rewards.vvr.palette import COLOURS, PALETTE_LAB, PALETTE_RGB, delta_e00, srgb_to_lab
 from rewards.vvr.predicates import Box
 
@@ -65,8 +67,9 @@ _FREE_ASPECT = {"rectangle", "ellipse"}
 class Component:
     """One detected object. Masks are boolean ``(H, W)`` arrays at working size.
 
-    ``box`` is in image fractions; ``template`` is the matched ideal shape over the box (the object's
-    full extent, including parts another object may hide); ``filled_mask`` is the hole-filled mask.
+    ``box`` is in image fractions; ``template`` is the float coverage ``(H, W)`` of the matched ideal
+    shape (the object's full extent, including parts another object may hide); ``filled_mask`` is the
+    hole-filled mask.
     """
 
     colour: str | None
@@ -111,11 +114,11 @@ def _background(rgb: np.ndarray) -> np.ndarray:
     return border[keys == values[np.argmax(counts)]].mean(0)
 
 
-def name_colour(rgb: np.ndarray) -> str | None:
-    """Palette name of an sRGB colour (0-255) if within ΔE00 25 of its centre, else None."""
-    d = delta_e00(srgb_to_lab(rgb)[None], PALETTE_LAB)
-    k = int(np.argmin(d))
-    return COLOURS[k] if d[k] < NAME_DELTA_E else None
+def name_colours(rgb: np.ndarray) -> list[str | None]:
+    """Palette names of ``(N, 3)`` sRGB colours (0-255): the nearest centre if within ΔE00 25, else None."""
+    d = delta_e00(srgb_to_lab(rgb)[:, None], PALETTE_LAB[None])
+    k = np.argmin(d, 1)
+    return [COLOURS[j] if d[i, j] < NAME_DELTA_E else None for i, j in enumerate(k)]
 
 
 @lru_cache(maxsize=1)
@@ -218,7 +221,7 @@ def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, i
     (``BLUR_SIGMAS``, for the three best sharp matches: a blurred hexagon is compared with a blurred
     hexagon rather than a sharp one) by soft IoU Σmin/Σmax over the valid pixels, after squashing
     JPEG-level noise; the best score less the aspect penalty wins.
-    Returns the winning template as a mask.
+    Returns the winning template's coverage map.
     """
     a = np.where(valid, cover, 0.0)
     ys, xs = np.indices(a.shape) + 0.5
@@ -240,7 +243,7 @@ def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, i
         placements.append((shape, (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)))
         if occluded:
             placements.append((shape, soft))
-    sharp = np.stack([coverage(shape, box, a.shape) for shape, box in placements])
+    sharp = coverages(placements, a.shape)
     penalty = np.empty(len(placements))
     for i, (shape, _) in enumerate(placements):
         miss = abs(math.log(aspect / ASPECT[shape]))
@@ -261,7 +264,7 @@ def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, i
     best = int(np.argmax(iou - penalty))
     best_score = iou[best] - penalty[best]
     shape, box = placements[best]
-    return (shape if best_score >= MIN_SHAPE_SCORE else None), box, sharp[best] >= 0.5
+    return (shape if best_score >= MIN_SHAPE_SCORE else None), box, sharp[best]
 
 
 def _majority(labels: np.ndarray, foreground: np.ndarray) -> np.ndarray:
@@ -289,23 +292,23 @@ def segment(rgb: np.ndarray) -> Detection:
     foreground = labels >= 0
     labels = _majority(labels, foreground)
     # pass 1: per colour, a 3×3 closing (bridges one-pixel JPEG gaps in thin outlines) and components
-    found: list[tuple[int, np.ndarray, np.ndarray]] = []  # (palette index, mask, hole-filled mask)
+    found: list[tuple[int, tuple[slice, slice], np.ndarray, np.ndarray, int]] = []  # k, box, mask, filled, area
     for k in np.unique(labels[foreground]):
         lab, _ = ndimage.label(ndimage.binary_closing(labels == k, _EIGHT) & foreground, _EIGHT)
         for idx, sl in enumerate(ndimage.find_objects(lab), start=1):
             own = lab[sl] == idx
-            if np.count_nonzero(own) >= MIN_AREA * H * W:
-                found.append((int(k), _paste(own, sl, (H, W)), _paste(ndimage.binary_fill_holes(own), sl, (H, W))))
+            area = np.count_nonzero(own)
+            if area >= MIN_AREA * H * W:
+                found.append((int(k), sl, _paste(own, sl, (H, W)), _paste(ndimage.binary_fill_holes(own), sl, (H, W)), area))
     # pass 2: shape, box and fill of each, seen against what lies under it
     components: list[Component] = []
-    for k, own_full, filled_full in found:
-        area = np.count_nonzero(own_full)
+    medians = [bg]
+    for k, sl, own_full, filled_full, area in found:
         # an object inside another one lies on it: that object is its local background, not an occluder
-        hosts = [(np.count_nonzero(f), kk, f) for kk, o, f in found
-                 if kk != k and np.count_nonzero(f & own_full) >= 0.95 * area and np.count_nonzero(f) > area]
+        hosts = [(np.count_nonzero(f), kk, f) for kk, _, _, f, a in found
+                 if kk != k and a > area and np.count_nonzero(f[sl] & own_full[sl]) >= 0.95 * area]
         _, host_k, host = min(hosts, key=lambda h: h[0]) if hosts else (0, -1, None)
-        ys, xs = np.nonzero(own_full)
-        y0, y1, x0, x1 = ys.min(), ys.max() + 1, xs.min(), xs.max() + 1
+        y0, y1, x0, x1 = sl[0].start, sl[0].stop, sl[1].start, sl[1].stop
         # a padded crop, so a template placed by moments may reach past the observed box
         pad = max(2, round(0.25 * max(y1 - y0, x1 - x0)))
         Y0, X0 = max(0, y0 - pad), max(0, x0 - pad)
@@ -323,18 +326,21 @@ def segment(rgb: np.ndarray) -> Detection:
         if shape in ROUND_SHAPES | {"square", "rectangle"}:
             shape = _by_aspect(shape, box.w / box.h * H / W)
         interior = own & (cover > 0.9)  # the pure inside, free of edge mixes
-        pixels = work[crop][interior if interior.sum() >= 4 else own]
+        medians.append(np.median(work[crop][interior if interior.sum() >= 4 else own], axis=0))
         background_inside = np.count_nonzero(filled & ~foreground[crop]) / filled.sum()
         components.append(Component(
-            name_colour(np.median(pixels, axis=0)), shape, bool(background_inside <= OUTLINE_BG_FRACTION), box,
-            own_full, filled_full, _paste(tmpl, crop, (H, W)),
+            None, shape, bool(background_inside <= OUTLINE_BG_FRACTION), box, own_full, filled_full,
+            _paste(tmpl, crop, (H, W)),
         ))
-    return Detection(name_colour(bg), components, (H, W))
+    names = name_colours(np.array(medians))
+    for c, name in zip(components, names[1:]):
+        c.colour = name
+    return Detection(names[0], components, (H, W))
 
 
-def _paste(crop_mask: np.ndarray, crop: tuple[slice, slice], hw: tuple[int, int]) -> np.ndarray:
-    full = np.zeros(hw, dtype=bool)
-    full[crop] = crop_mask
+def _paste(crop_map: np.ndarray, crop: tuple[slice, slice], hw: tuple[int, int]) -> np.ndarray:
+    full = np.zeros(hw, dtype=crop_map.dtype)
+    full[crop] = crop_map
     return full
 
 

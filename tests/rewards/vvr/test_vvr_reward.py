@@ -1,0 +1,57 @@
+"""The registered ``vvr`` reward: protocol, shapes, validity mask, info."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import rewards
+from flowalign.errors import UserError
+from flowalign.protocols import Reward, RewardOutput
+from rewards.vvr import VVRReward, generate_tasks, render
+
+
+def _batch(tasks, size=64):
+    return torch.stack([torch.from_numpy(np.array(render(t, size))).permute(2, 0, 1).float() / 255 for t in tasks])
+
+
+def test_registered_and_loadable():
+    assert "vvr" in rewards.available()
+    reward = rewards.load("vvr")
+    assert isinstance(reward, VVRReward) and isinstance(reward, Reward)
+    assert reward.name == "vvr" and reward.differentiable is False
+
+
+def test_scores_valid_mask_and_info():
+    tasks = generate_tasks(3, seed=2, level="hard") + generate_tasks(1, seed=2, level="easy")
+    x = _batch(tasks)
+    x[1] = 1.0  # blank
+    x[2, :, :, :] = x[2].flip(-1)  # mirrored: positions change, so some relation may fail
+    meta = [{"task": tasks[0]}, {"task": tasks[1].to_dict()}, {"task": tasks[2]}, {}]
+    out = rewards.load("vvr")(x, [t.prompt for t in tasks], meta)
+    assert isinstance(out, RewardOutput)
+    assert set(out.components) == {"vvr"}
+    assert out.components["vvr"].shape == (4,) and out.components["vvr"].dtype == torch.float32
+    assert out.valid.dtype == torch.bool and out.valid.tolist() == [True, False, True, False]
+    assert out.components["vvr"][0] == 1.0 and out.info[0]["all_passed"]
+    assert [k for k, _ in out.info[0]["constraints"]] == [c.type for c in tasks[0].constraints]
+    assert "blank" in out.info[1]["reason"] and out.components["vvr"][1] == 0.0
+    assert "no 'task'" in out.info[3]["reason"]
+    assert 0.0 <= out.components["vvr"][2] <= 1.0
+    assert len(out.info) == 4
+
+
+def test_gamma_and_nonfinite_samples():
+    tasks = generate_tasks(2, seed=3, level="hard")
+    x = _batch(tasks)
+    x[1, 0, 0, 0] = float("nan")
+    out = VVRReward(gamma=0.0)(x, ["", ""], [{"task": t} for t in tasks])
+    assert out.valid.tolist() == [True, False] and "NaN" in out.info[1]["reason"]
+    with pytest.raises(UserError):
+        VVRReward(gamma=2.0)
+
+
+def test_videos_are_refused():
+    with pytest.raises(UserError, match="images"):
+        VVRReward()(torch.rand(1, 2, 3, 64, 64), [""], [{}])
