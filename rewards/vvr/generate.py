@@ -23,7 +23,8 @@ Restrictions that keep every task verifiable at 64 px after JPEG and blur [deriv
 0.20/0.27/0.36 of the image (12.8/17.3/23 px at 64 px); hexagons and pentagons are never small (at
 13 px they cannot be told from a circle); grey never shares a scene with black and white (it is their
 mix); outlined objects are large, or medium circles/squares/hexagons/pentagons, never stars; an
-overlapped object is never a star or triangle (their thin tips vanish); an inner object is small.
+overlapped object is never a star or triangle (their thin tips vanish); an inner object is small and
+differs from its container in luma.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from scipy import ndimage
 
 from rewards.vvr import predicates as P
 from rewards.vvr.geometry import NOT_SMALL, SHAPES, SIZES, draw_shape
-from rewards.vvr.palette import COLOURS, PALETTE_LAB, delta_e00
+from rewards.vvr.palette import COLOURS, PALETTE, PALETTE_LAB, delta_e00
 from rewards.vvr.tasks import (
     CONSTRAINT_TYPES,
     DIRECTIONS,
@@ -89,6 +90,7 @@ BETWEEN_MARGIN_GEN, BETWEEN_BAND_GEN = 0.3, 0.1  # "between": well inside the se
 NEAREST_GEN = 0.7  # the nearest object is this much closer than any other
 REGION_GEN = 0.1  # distance of a centre from the midlines for "region"
 CONTRAST = 30.0  # ΔE00 an object colour keeps from the background
+INSIDE_LUMA = 40.0  # luma difference (0-255) between an inner object and its container
 PENETRATION = 0.006  # touching objects overlap by this much (≈ 0.4 px at 64 px) so they visibly meet
 _RES = 400  # raster used to lay out structured pairs (px per image width)
 _CONTAINERS = ("circle", "square", "hexagon", "pentagon")
@@ -114,6 +116,11 @@ def _raster(o: Obj) -> np.ndarray:
     box = ((b.cx - b.w / 2) * _RES, (b.cy - b.h / 2) * _RES, (b.cx + b.w / 2) * _RES, (b.cy + b.h / 2) * _RES)
     draw_shape(ImageDraw.Draw(img), o.shape, box, 255)
     return np.asarray(img) > 127
+
+
+def _luma(colour: str) -> float:
+    r, g, b = PALETTE[colour]
+    return 0.299 * r + 0.587 * g + 0.114 * b
 
 
 def _sized(o: Obj, size: str) -> Obj:
@@ -187,7 +194,9 @@ class _Scene:
     def add_inside(self) -> None:
         container = self.new(shape=self.rng.choice([s for s in _CONTAINERS if s in self.vocab.shapes]), size="large")
         inner = self.new(size="small", avoid=(container.colour,))
-        if inner.size != "small":
+        # the inner object must differ from its container in luma: JPEG halves chroma, so a red star
+        # on a brown disc (equal luma) blurs into a blob at 64 px
+        if inner.size != "small" or abs(_luma(inner.colour) - _luma(container.colour)) < INSIDE_LUMA:
             raise _Retry
         c, i = replace(container, x=0.5, y=0.5), replace(inner, x=0.5, y=0.5)
         # the inner object must keep ≥ 0.03 of the container around it

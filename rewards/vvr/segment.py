@@ -128,8 +128,9 @@ def _quantised_lab() -> np.ndarray:
     return srgb_to_lab(np.stack([keys >> 12, (keys >> 6) & 63, keys & 63], 1) * 4.0 + 1.5)
 
 
-def _labels(rgb: np.ndarray, bg: np.ndarray) -> np.ndarray:
-    """Per-pixel palette index (−1: background) by unmixing, computed once per distinct colour.
+def _labels(rgb: np.ndarray, bg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-pixel palette index (−1: background) by unmixing, computed once per distinct colour, and
+    ``(H, W, 2)`` the two colours each pixel is read as a mix of (−1: background, or a share < 10 %).
 
     First the palette colours *present* are found: those with a solid patch (surviving a 2×2 erosion) of
     nearly pure pixels (α > 0.8 along the background→colour line, small residual). Then every pixel is read as a mix of two
@@ -168,6 +169,7 @@ def _labels(rgb: np.ndarray, bg: np.ndarray) -> np.ndarray:
     names = np.concatenate([[-1], present])
     best_r = np.full(len(uniq), np.inf)
     label = np.full(len(uniq), -1)
+    mix = np.full((len(uniq), 2), -1)  # the colours a pixel is a mix of, where they weigh > 10 %
     for i in range(len(ends)):
         for j in range(i + 1, len(ends)):
             e = ends[j] - ends[i]
@@ -181,8 +183,10 @@ def _labels(rgb: np.ndarray, bg: np.ndarray) -> np.ndarray:
             better = r < best_r
             best_r[better] = r[better]
             label[better] = np.where(beta[better] >= 0.5, names[j], names[i])
+            mix[better, 0] = np.where(beta[better] < 0.9, names[i], -1)
+            mix[better, 1] = np.where(beta[better] > 0.1, names[j], -1)
     label[delta_e00(colours_lab, bg_lab) <= FG_DELTA_E] = -1
-    return label[inverse].reshape(rgb.shape[:2])
+    return label[inverse].reshape(rgb.shape[:2]), mix[inverse].reshape(*rgb.shape[:2], 2)
 
 
 def _soft_box(cover: np.ndarray, bbox: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
@@ -288,7 +292,7 @@ def segment(rgb: np.ndarray) -> Detection:
     work = _to_working(rgb)
     H, W = work.shape[:2]
     bg = _background(work)
-    labels = _labels(work, bg)
+    labels, mix = _labels(work, bg)
     foreground = labels >= 0
     labels = _majority(labels, foreground)
     # pass 1: per colour, a 3×3 closing (bridges one-pixel JPEG gaps in thin outlines) and components
@@ -314,12 +318,14 @@ def segment(rgb: np.ndarray) -> Detection:
         Y0, X0 = max(0, y0 - pad), max(0, x0 - pad)
         crop = (slice(Y0, min(H, y1 + pad)), slice(X0, min(W, x1 + pad)))
         own, filled = own_full[crop], filled_full[crop]
+        # pixels showing any other object (even a faint edge of a neighbour) do not count
+        other = ((mix[crop] >= 0) & (mix[crop] != k) & (mix[crop] != host_k)).any(-1) & ~own
         if host is None:
             cover = _cover(work[crop], PALETTE_RGB[k], bg)
-            valid = ~(foreground[crop] & ~filled)
+            valid = ~(foreground[crop] & ~filled) & ~other
         else:  # seen against its host's colour, and only within the host
             cover = _cover(work[crop], PALETTE_RGB[k], PALETTE_RGB[host_k])
-            valid = host[crop] & ~(foreground[crop] & (labels[crop] != host_k) & ~filled)
+            valid = host[crop] & ~(foreground[crop] & (labels[crop] != host_k) & ~filled) & ~other
         cover = np.where(filled & ~own, 1.0, cover)
         shape, (bx0, by0, bx1, by1), tmpl = _classify(cover, valid, (y0 - Y0, y1 - Y0, x0 - X0, x1 - X0))
         box = Box((bx0 + bx1) / 2 / W + X0 / W, (by0 + by1) / 2 / H + Y0 / H, (bx1 - bx0) / W, (by1 - by0) / H)

@@ -16,7 +16,8 @@ where noted]:
 
 Box predicates (left-of, aligned, between, ...) are in ``predicates`` with the spec's thresholds; size
 classes use the box extent (longer side), not the area fraction, so a star and a square of one size
-class agree [derived].
+class agree [derived]. Every detected object counts for ``total_count``, ``nearest_to`` and
+``extremal`` (which compare against all other objects), whether or not its shape was recognised.
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ def _as_rgb(image: Any) -> np.ndarray:
     else:
         if isinstance(image, torch.Tensor):
             arr = image.detach().to("cpu", torch.float32).numpy()
-            if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (3, 4):
-                arr = np.moveaxis(arr, 0, -1)
         elif isinstance(image, np.ndarray):
             arr = image
         else:
             raise _BadImage(f"unreadable image of type {type(image).__name__}; expected PIL, numpy or torch")
+        if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
+            arr = np.moveaxis(arr, 0, -1)  # channels first, as tensors come
         if arr.ndim == 2 or (arr.ndim == 3 and arr.shape[-1] == 1):
             raise _BadImage(f"grayscale image (shape {tuple(arr.shape)}); expected 3 colour channels")
         if arr.ndim != 3 or arr.shape[-1] not in (3, 4):
@@ -180,12 +181,10 @@ def check(c: Constraint, scene: _Scene) -> bool:
         return False
     if t == "bigger":
         return P.bigger(x.box, y.box)
-    if t == "same_colour":
-        return x.colour == y.colour
-    if t == "different_colour":
-        return x.colour != y.colour
+    if t in ("same_colour", "different_colour"):  # an unnamed colour is neither the same nor different
+        return x.colour is not None and y.colour is not None and (x.colour == y.colour) == (t == "same_colour")
     if t == "same_shape":
-        return x.shape == y.shape
+        return x.shape is not None and x.shape == y.shape
     if t == "left_of":
         return P.left_of(x.box, y.box)
     if t == "right_of":
