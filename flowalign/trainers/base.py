@@ -38,6 +38,8 @@ class GroupTrainerConfig(Section):
 
     name: str
     max_steps: int = Field(100, ge=1)
+    #: also stop once this many minutes were spent training (evaluations excluded); None: no limit
+    max_minutes: float | None = Field(None, gt=0)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(1e-4, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -110,6 +112,7 @@ class GroupTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
         self.ema = EMA(self.params, tcfg.ema_decay, tcfg.ema_every) if tcfg.ema_decay > 0 else None
         self.step = 0
+        self.train_seconds = 0.0
         self.logger = RunLogger(
             run_dir, enabled=accelerator.is_main_process, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
             project=cfg.run.wandb_project, name=cfg.run.name, config=cfg.model_dump(mode="json"),
@@ -279,12 +282,14 @@ class GroupTrainer:
         try:
             if self.step == 0:
                 self.evaluate()
-            while self.step < self.tcfg.max_steps:
+            while self.step < self.tcfg.max_steps and not self.out_of_time():
                 if stop["requested"]:
                     self.save_checkpoint()
                     raise KeyboardInterrupt
                 logs = self.train_step()
+                self.train_seconds += logs["time/step"]
                 self.step += 1
+                logs["time/train_minutes"] = self.train_seconds / 60
                 if self.step % self.cfg.run.log_every == 0:
                     self.logger.log(self.step, logs)
                 bar.set_postfix(reward=f"{logs['reward/total']:.3f}", step_s=f"{logs['time/step']:.1f}")
@@ -301,6 +306,16 @@ class GroupTrainer:
         self.save_checkpoint()
         self.logger.close()
         return final
+
+    def out_of_time(self) -> bool:
+        """Whether the training-time budget is spent (the slowest rank decides, so all ranks stop together)."""
+        limit = self.tcfg.max_minutes
+        if limit is None:
+            return False
+        seconds = torch.tensor([self.train_seconds], device=self.acc.device)
+        if self.world > 1:
+            seconds = self.acc.reduce(seconds, reduction="max")
+        return float(seconds) >= limit * 60
 
     def evaluate(self) -> dict[str, Any]:
         """Held-out evaluation (EMA weights when enabled) into ``evals/step-XXXXXX/`` and the gallery."""
@@ -342,7 +357,7 @@ class GroupTrainer:
                 tmp, trainable=self.trainable_state(), optimizer=self.optimizer,
                 ema_state=self.ema.state_dict() if self.ema else None,
                 trainer_state={"step": self.step, "world_size": self.world, "trainer": self.tcfg.name,
-                               "rank_checksums": checksums},
+                               "rank_checksums": checksums, "train_seconds": self.train_seconds},
             )
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
@@ -381,6 +396,7 @@ class GroupTrainer:
             self.ema.load_state_dict(state["ema"])
         ckpt.load_rank_rng(folder, self.rank)
         self.step = int(state["trainer_state"]["step"])
+        self.train_seconds = float(state["trainer_state"].get("train_seconds", 0.0))
         self.logger.truncate_after(self.step)
         if self.acc.is_main_process:
             print(f"resumed from {folder} at step {self.step}")
