@@ -84,6 +84,8 @@ class RewardSpec(BaseModel):
 class EvalSection(Section):
     #: evaluate every N training steps (0: only before and after training)
     every: int = Field(25, ge=0)
+    #: evaluate the starting weights too (step 0)
+    at_start: bool = True
     bench: str | None = "vvr"
     level: str = "medium"
     n: int | None = Field(64, ge=1)

@@ -280,7 +280,7 @@ class GroupTrainer:
 
         previous = signal.signal(signal.SIGINT, request_stop) if threading.current_thread() is threading.main_thread() else None
         try:
-            if self.step == 0:
+            if self.step == 0 and self.cfg.eval.at_start:
                 self.evaluate()
             while self.step < self.tcfg.max_steps and not self.out_of_time():
                 if stop["requested"]:

@@ -1,0 +1,68 @@
+"""Sweep RL settings on the embedded tiny model: each variant trains for a fixed CPU-time budget from the
+same starting weights and is evaluated on the same held-out split. Writes a markdown table and a plot.
+
+    python scripts/sweep_tiny_rl.py --minutes 6 --out runs/sweep [--only NAME ...]
+
+The variants are the record of what was tried for the main job (docs/tiny_rl.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flowalign.config import load_config  # noqa: E402
+from flowalign.train import train  # noqa: E402
+
+BASE = "configs/tiny/flow_grpo_vvr.yaml"
+VARIANTS: dict[str, list[str]] = {
+    "lora_r16_lr3e-4": ["model.finetune=lora", "trainer.lr=3e-4"],
+    "lora_r16_lr1e-3": ["model.finetune=lora", "trainer.lr=1e-3"],
+    "full_lr1e-4": ["model.finetune=full", "trainer.lr=1e-4"],
+    "full_lr3e-5": ["model.finetune=full", "trainer.lr=3e-5"],
+    "full_lr1e-4_epochs2_clip0.2": ["model.finetune=full", "trainer.lr=1e-4", "trainer.inner_epochs=2",
+                                    "trainer.clip_range=0.2"],
+    "full_lr1e-4_steps3": ["model.finetune=full", "trainer.lr=1e-4", "trainer.steps_per_chunk=3"],
+    "flash_full_lr1e-4": ["model.finetune=full", "trainer.name=flash_grpo", "trainer.lr=1e-4"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=BASE)
+    parser.add_argument("--minutes", type=float, default=6.0)
+    parser.add_argument("--out", default="runs/sweep")
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--eval-n", type=int, default=96)
+    args = parser.parse_args()
+    out = Path(args.out)
+    results_path = out / "results.jsonl"
+    done = {json.loads(line)["name"] for line in results_path.read_text().splitlines()} if results_path.exists() else set()
+    for name, overrides in VARIANTS.items():
+        if (args.only and name not in args.only) or name in done:
+            continue
+        cfg = load_config(args.config, [
+            f"run.output_dir={out / name}", f"run.name={name}", "run.checkpoint_every=100000", "eval.every=0",
+            f"eval.n={args.eval_n}", "eval.gallery=false", "trainer.max_steps=100000",
+            f"trainer.max_minutes={args.minutes}", *overrides,
+        ])
+        final = train(cfg)
+        before = json.loads((out / name / "evals" / "step-000000" / "metrics.json").read_text())
+        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "reward/total" in r]
+        result = {"name": name, "overrides": overrides, "minutes": args.minutes, "steps": len(steps),
+                  "acc_before": before["accuracy"], "acc_after": final["accuracy"],
+                  "score_before": before["mean_score"], "score_after": final["mean_score"],
+                  "curve": [(r["time/train_minutes"], r["reward/total"]) for r in steps]}
+        out.mkdir(parents=True, exist_ok=True)
+        with open(results_path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"{name}: accuracy {result['acc_before']:.3f} -> {result['acc_after']:.3f} in {len(steps)} steps")
+
+
+if __name__ == "__main__":
+    main()
