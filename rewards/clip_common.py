@@ -1,0 +1,140 @@
+"""CLIP plumbing shared by the CLIP-based rewards: torch preprocessing and open_clip loading.
+
+Preprocessing is done with torch ops (resize, centre crop, normalise) instead of the PIL transforms
+the models ship with, so gradients reach the pixels and nothing leaves the device.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from flowalign.errors import UserError
+
+_WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
+#: what an error asks for when open_clip weights are missing (rewards with special weights say more)
+WEIGHTS_HINT = "a checkpoint file or an open_clip tag such as 'openai'"
+
+
+def clip_preprocess(
+    images: torch.Tensor,
+    size: int | Sequence[int],
+    mean: Sequence[float],
+    std: Sequence[float],
+    resize_mode: str = "shortest",
+    interpolation: str = "bicubic",
+) -> torch.Tensor:
+    """``(B, 3, H, W)`` in [0, 1] → ``(B, 3, h, w)`` normalised model input, differentiable.
+
+    ``resize_mode="shortest"`` scales the shortest side to the target and centre-crops (CLIP's
+    ``Resize`` + ``CenterCrop``); ``"squash"`` resizes straight to the target. Resampling is
+    antialiased like PIL's, so large generated images are downsampled without aliasing. Works in
+    float32 (CPU antialiased bicubic has no bf16 kernel); cast the result to the model dtype.
+    """
+    th, tw = (size, size) if isinstance(size, int) else tuple(size)
+    h, w = images.shape[-2:]
+    x = images.float()
+    if resize_mode == "shortest":
+        # output sizes and crop offsets computed as torchvision's Resize / CenterCrop do
+        if th / h >= tw / w:
+            nh, nw = th, max(tw, int(th * w / h))
+        else:
+            nh, nw = max(th, int(tw * h / w)), tw
+        if (nh, nw) != (h, w):
+            x = F.interpolate(x, size=(nh, nw), mode=interpolation, align_corners=False, antialias=True)
+        top, left = int(round((nh - th) / 2.0)), int(round((nw - tw) / 2.0))
+        x = x[..., top : top + th, left : left + tw]
+    elif resize_mode == "squash":
+        if (th, tw) != (h, w):
+            x = F.interpolate(x, size=(th, tw), mode=interpolation, align_corners=False, antialias=True)
+    else:
+        raise UserError(f"CLIP preprocessing: resize_mode={resize_mode!r} is not supported; use 'shortest' or 'squash'")
+    mean_t = torch.tensor(mean, dtype=x.dtype, device=x.device)[:, None, None]
+    std_t = torch.tensor(std, dtype=x.dtype, device=x.device)[:, None, None]
+    return (x - mean_t) / std_t
+
+
+def unique_rows(items: list[str]) -> tuple[list[str], torch.Tensor]:
+    """Distinct items in first-seen order and, per item, its row among them (``(N,)`` long).
+
+    A GRPO batch repeats each prompt G times; encoding each distinct prompt once saves G-1 passes.
+    """
+    distinct = list(dict.fromkeys(items))
+    row = {p: i for i, p in enumerate(distinct)}
+    return distinct, torch.tensor([row[p] for p in items], dtype=torch.long)
+
+
+class OpenCLIP:
+    """A frozen open_clip model with its tokenizer and preprocessing, in ``dtype``.
+
+    ``model``: an open_clip architecture name (``"ViT-L-14-quickgelu"``), ``"local-dir:/folder"``
+    (``open_clip_config.json`` + weights, open_clip's own format) or ``"hf-hub:org/repo"``.
+    ``pretrained``: for a named architecture, a checkpoint file or an open_clip tag (``"openai"``;
+    fetched by open_clip, so it must be cached when offline); ignored for ``local-dir:``/``hf-hub:``.
+    ``random_init=True`` builds the architecture with random weights and reads no weights at all.
+    """
+
+    def __init__(self, who: str, model: str, pretrained: str | None, random_init: bool, dtype: torch.dtype,
+                 weights_hint: str = WEIGHTS_HINT):
+        import open_clip
+
+        schema = model.split(":", 1)[0] if model.startswith(("local-dir:", "hf-hub:")) else None
+        if schema == "local-dir":
+            folder = Path(model.split(":", 1)[1])
+            if not (folder / "open_clip_config.json").is_file():
+                raise UserError(
+                    f"{who} reward: model={model!r}: no open_clip_config.json in {folder}; give a folder in"
+                    " open_clip's format (open_clip_config.json + open_clip_model.safetensors)"
+                )
+        elif schema is None:
+            if model.replace("/", "-") not in open_clip.list_models():
+                raise UserError(
+                    f"{who} reward: model={model!r} is not an open_clip architecture; use a name from"
+                    " open_clip.list_models(), 'local-dir:<folder>' or 'hf-hub:<repo>'"
+                )
+            if not random_init:
+                if pretrained is None:
+                    raise UserError(f"{who} reward: pretrained is not set; give {weights_hint}, or random_init=True")
+                looks_like_path = os.sep in pretrained or pretrained.endswith(_WEIGHT_SUFFIXES)
+                if looks_like_path and not os.path.isfile(pretrained):
+                    raise UserError(f"{who} reward: pretrained={pretrained!r}: no such file; give {weights_hint}")
+        try:
+            net = open_clip.create_model(
+                model,
+                pretrained=None if random_init or schema else pretrained,
+                load_weights=not random_init,
+                require_pretrained=not random_init,
+                pretrained_text=False,  # never fetch separate text-tower weights behind the user's back
+            )
+        except (RuntimeError, OSError, ValueError) as e:
+            raise UserError(
+                f"{who} reward: could not load open_clip model={model!r} pretrained={pretrained!r} ({e});"
+                " offline, give pretrained=<local checkpoint file> or model='local-dir:<folder>', or random_init=True"
+            ) from e
+        self.model = net.to(dtype).eval().requires_grad_(False)
+        self.tokenizer: Callable[[list[str]], torch.Tensor] = open_clip.get_tokenizer(model)
+        self.preprocess_cfg = open_clip.get_model_preprocess_cfg(net)
+        self.dtype = dtype
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the joint embedding space."""
+        return int(self.model.visual.output_dim)
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable."""
+        cfg = self.preprocess_cfg
+        x = clip_preprocess(images, cfg["size"], cfg["mean"], cfg["std"], cfg.get("resize_mode", "shortest"),
+                            cfg.get("interpolation", "bicubic"))
+        return F.normalize(self.model.encode_image(x.to(self.dtype)).float(), dim=-1)
+
+    @torch.no_grad()
+    def encode_texts(self, prompts: list[str], device: torch.device, batch_size: int) -> torch.Tensor:
+        """Unit-norm text embeddings ``(N, D)`` float32 (frozen: no gradient)."""
+        tokens = self.tokenizer(prompts).to(device)
+        feats = [self.model.encode_text(tokens[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
+        return F.normalize(torch.cat(feats).float(), dim=-1)

@@ -1,0 +1,131 @@
+"""What the image rewards share: input checks and the batched, device/dtype-aware scoring loop.
+
+:class:`BatchedImageReward` is the base of the model-backed rewards (CLIP score, aesthetic,
+preference models, LPIPS). A subclass provides ``context`` (per-sample conditioning such as text
+embeddings or reference images, computed once per call) and ``score_batch`` (one batch of images and
+its context rows to scores); the base validates the input, moves everything to the compute device,
+splits the batch and masks non-finite samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flowalign.errors import UserError
+from flowalign.protocols import RewardOutput
+
+# decoders clamp to [0, 1]; a little slack admits bf16 rounding and interpolation overshoot
+RANGE_TOLERANCE = 1e-3
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, who: str) -> torch.dtype:
+    """``"fp32"``/``"bf16"``/``"fp16"`` (or their long names, or a ``torch.dtype``) → ``torch.dtype``."""
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise UserError(f"{who} reward: dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+
+
+def check_images(samples: Any, who: str) -> None:
+    """Raise :class:`UserError` unless ``samples`` is a float ``(B, 3, H, W)`` tensor in [0, 1].
+
+    Non-finite values are allowed here: they make their sample invalid rather than the call fail.
+    """
+    if not isinstance(samples, torch.Tensor):
+        raise UserError(f"{who} reward: samples must be a torch.Tensor (B, 3, H, W); got {type(samples).__name__}")
+    if samples.ndim == 5:
+        raise UserError(
+            f"{who} reward scores images (B, 3, H, W); got a video batch of shape {tuple(samples.shape)}:"
+            f" use rewards.video.per_frame({who!r}) or the '{who}_video' reward"
+        )
+    if samples.ndim != 4 or samples.shape[1] != 3:
+        raise UserError(f"{who} reward: samples must have shape (B, 3, H, W) (RGB); got {tuple(samples.shape)}")
+    if not samples.is_floating_point():
+        raise UserError(
+            f"{who} reward: samples must be float in [0, 1]; got dtype {samples.dtype}"
+            " (convert uint8 images with x.float() / 255)"
+        )
+    finite = samples.detach()[torch.isfinite(samples.detach())]
+    if finite.numel():
+        lo, hi = finite.aminmax()
+        if lo < -RANGE_TOLERANCE or hi > 1 + RANGE_TOLERANCE:
+            raise UserError(
+                f"{who} reward: samples must lie in [0, 1]; got values in [{lo.item():.3g}, {hi.item():.3g}]"
+                " (map [-1, 1] decoder outputs with (x + 1) / 2)"
+            )
+
+
+def check_lengths(n: int, prompts: list[str], metadata: list[dict[str, Any]], who: str) -> None:
+    """One prompt per sample; ``metadata`` is empty or has one dict per sample."""
+    if len(prompts) != n:
+        raise UserError(f"{who} reward: got {n} samples but {len(prompts)} prompts; give one prompt per sample")
+    if metadata and len(metadata) != n:
+        raise UserError(f"{who} reward: got {n} samples but {len(metadata)} metadata dicts; give one per sample")
+
+
+def finite_mask(samples: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` bool: the samples without NaN or infinite values."""
+    return torch.isfinite(samples.detach()).flatten(1).all(1)
+
+
+class BatchedImageReward:
+    """Base of the model-backed image rewards (see the module docstring).
+
+    Options shared by every subclass: ``batch_size`` (images per forward pass), ``device`` (None: the
+    samples' device) and ``dtype`` (model compute dtype; preprocessing and scores stay float32).
+    """
+
+    name: str
+    differentiable = True
+
+    def __init__(self, *, batch_size: int = 32, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype = "float32"):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise UserError(f"{self.name} reward: batch_size must be a positive integer, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = resolve_dtype(dtype, self.name)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The frozen networks to move to the compute device."""
+        raise NotImplementedError
+
+    def context(self, prompts: list[str], metadata: list[dict[str, Any]], samples: torch.Tensor,
+                device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Per-sample conditioning, each tensor ``(B, ...)`` on ``device``; sliced along with the images."""
+        return ()
+
+    def score_batch(self, images: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
+        """``images`` ``(b, 3, H, W)`` float32 in [0, 1] on the compute device → scores ``(b,)``."""
+        raise NotImplementedError
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
+        """``samples`` ``(B, 3, H, W)`` float in [0, 1] → ``{name: (B,) float32}`` and ``valid`` ``(B,)``.
+
+        Scores and ``valid`` live on the samples' device; gradients flow to ``samples`` when
+        ``differentiable``. A sample with non-finite values is scored on zeros and marked invalid, so
+        it cannot poison the scores of the others.
+        """
+        check_images(samples, self.name)
+        check_lengths(samples.shape[0], prompts, metadata, self.name)
+        device = self.device or samples.device
+        for module in self.modules():
+            module.to(device)
+        valid = finite_mask(samples)
+        images = torch.where(valid[:, None, None, None], samples, torch.zeros_like(samples))
+        images = images.to(device, torch.float32)
+        context = self.context(prompts, metadata, samples, device)
+        scores = torch.cat([
+            self.score_batch(images[i : i + self.batch_size], *(c[i : i + self.batch_size] for c in context))
+            for i in range(0, samples.shape[0], self.batch_size)
+        ])
+        return RewardOutput({self.name: scores.float().to(samples.device)}, valid=valid)

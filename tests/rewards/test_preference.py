@@ -1,0 +1,78 @@
+"""Preference rewards: ``pickscore`` (tiny transformers CLIPModel folder) and ``hps`` (tiny open_clip)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewards
+from flowalign.errors import UserError
+from rewards.preference import HPSScore, PickScore
+
+PROMPTS = ["a red circle", "two blue squares", "a red circle", "a green star on white"]
+
+
+@pytest.fixture(scope="module")
+def pickscore(tiny_pickscore_dir) -> PickScore:
+    return rewards.load("pickscore", model=str(tiny_pickscore_dir), processor=str(tiny_pickscore_dir))
+
+
+def test_pickscore_equals_scaled_cosine_of_the_in_memory_models_features(tiny_pickscore, pickscore, images):
+    """By hand with the model as built before saving (so loading round-trips); 64 px needs no resize."""
+    model, tok = tiny_pickscore
+    x = images(4)
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711])[:, None, None]
+    with torch.no_grad():
+        img = model.get_image_features(pixel_values=(x - mean) / std).pooler_output
+        inputs = tok(PROMPTS, padding=True, return_tensors="pt")  # PickScore's own padding
+        txt = model.get_text_features(**inputs).pooler_output
+    expected = model.logit_scale.exp() * (F.normalize(img, dim=-1) * F.normalize(txt, dim=-1)).sum(-1)
+    out = pickscore(x, PROMPTS, [])
+    assert pickscore.name == "pickscore" and pickscore.differentiable is True
+    assert out.components["pickscore"].shape == (4,) and out.components["pickscore"].dtype == torch.float32
+    torch.testing.assert_close(out.components["pickscore"], expected, atol=1e-4, rtol=1e-5)
+
+
+def test_pickscore_batching_bf16_and_gradient(tiny_pickscore_dir, pickscore, images):
+    x = images(8, seed=1)
+    prompts = PROMPTS * 2
+    ref = pickscore(x, prompts, []).components["pickscore"]
+    small = PickScore(str(tiny_pickscore_dir), str(tiny_pickscore_dir), batch_size=2)(x, prompts, [])
+    torch.testing.assert_close(small.components["pickscore"], ref, atol=1e-5, rtol=0)
+    assert torch.equal(pickscore(x, prompts, []).components["pickscore"], ref)  # deterministic
+    bf16 = PickScore(str(tiny_pickscore_dir), str(tiny_pickscore_dir), dtype="bf16")(x, prompts, [])
+    # scores are logit-scaled (x ~14 here): compare on the cosine scale
+    scale = pickscore.model.logit_scale.exp().item()
+    torch.testing.assert_close(bf16.components["pickscore"] / scale, ref / scale, atol=0.03, rtol=0)
+    xg = images(2, size=80).requires_grad_(True)
+    pickscore(xg, PROMPTS[:2], []).total.sum().backward()
+    assert torch.isfinite(xg.grad).all() and xg.grad.abs().sum() > 0
+
+
+def test_pickscore_random_init_and_missing_folders(tmp_path, tiny_pickscore_dir, pickscore, images):
+    x = images(2, seed=2)
+    random = PickScore(str(tiny_pickscore_dir), str(tiny_pickscore_dir), random_init=True)
+    assert not torch.allclose(random(x, PROMPTS[:2], []).total, pickscore(x, PROMPTS[:2], []).total)
+    with pytest.raises(UserError, match=r"(?s)could not load model=.*local folder of PickScore_v1"):
+        PickScore(model=str(tmp_path / "nothing"), processor=str(tiny_pickscore_dir))
+    with pytest.raises(UserError, match=r"(?s)could not load processor=.*tokenizer files"):
+        PickScore(model=str(tiny_pickscore_dir), processor=str(tmp_path))
+
+
+def test_hps_is_clip_score_with_hps_weights(tiny_clip_spec, images):
+    hps = rewards.load("hps", model=tiny_clip_spec)
+    clip = rewards.load("clip_score", model=tiny_clip_spec)
+    assert isinstance(hps, HPSScore) and hps.name == "hps" and hps.differentiable
+    x = images(3, seed=3)
+    out = hps(x, PROMPTS[:3], [])
+    assert set(out.components) == {"hps"}
+    torch.testing.assert_close(out.components["hps"], clip(x, PROMPTS[:3], []).components["clip_score"])
+
+
+def test_hps_needs_its_checkpoint():
+    with pytest.raises(UserError, match=r"pretrained is not set; give the HPS checkpoint file \(HPS_v2.1"):
+        HPSScore()
+    with pytest.raises(UserError, match="no such file; give the HPS checkpoint"):
+        HPSScore(pretrained="/no/HPS_v2.1_compressed.pt")
