@@ -93,3 +93,10 @@ def test_flow_grpo_fast_window_trains_only_window_steps(tmp_path, tiny_sd3_dir, 
     for chunk in t.sample(prompts, metadata, groups).chunks:
         steps = chunk.trained_steps()
         assert len(steps) == 2 and steps[1] == steps[0] + 1 and steps[0] + 2 <= 4
+
+
+def test_missing_prompt_file_and_full_finetune_with_kl(tmp_path, tiny_sd3_dir, prompt_file):
+    with pytest.raises(UserError, match="prompt file .* does not exist"):
+        build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, tmp_path / "missing.txt"))
+    with pytest.raises(UserError, match="trainer.beta"):
+        build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, "model.finetune=full", "trainer.beta=0.1"))
