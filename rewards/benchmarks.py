@@ -39,7 +39,15 @@ def _vvr(level: str, n: int | None, seed: int | None) -> Benchmark:
     return Benchmark(f"vvr-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks], load_reward("vvr"))
 
 
-_BENCHMARKS = {"vvr": _vvr}
+def _vvr_motion(level: str, n: int | None, seed: int | None) -> Benchmark:
+    from rewards.vvr_motion import load_split
+
+    tasks = load_split(level, n, seed)
+    return Benchmark(f"vvr_motion-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks],
+                     load_reward("vvr_motion"))
+
+
+_BENCHMARKS = {"vvr": _vvr, "vvr_motion": _vvr_motion}
 
 
 def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None) -> Benchmark:

@@ -1,0 +1,57 @@
+"""Deterministic prompt templates for motion tasks, lower case, no final full stop.
+
+Constraints are grouped by their subject (the ``ref``/``a`` object), in the order subjects first occur
+in the task. The first subject takes participles, the others finite verbs after "while"; a subject's
+verbs are joined by "and"; an object already named (as a subject or as a target) is "the ...":
+
+* easy: ``"a red circle moving to the right"``
+* medium: ``"a red circle moving up while a blue square stays still"``,
+  ``"an orange star moving to the left and growing"``
+* hard: ``"a blue square moving toward the green star while a yellow triangle stays still and the
+  green star shrinks"``
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rewards.vvr.prompts import _a, _the
+from rewards.vvr_motion.tasks import MotionConstraint
+
+_PATH = {"left": "to the left", "right": "to the right", "up": "up", "down": "down"}
+#: type → (participle, finite verb) phrase; ``{dir}`` and ``{b}`` are filled in
+_VERBS: dict[str, tuple[str, str]] = {
+    "moves": ("moving {dir}", "moves {dir}"),
+    "still": ("staying still", "stays still"),
+    "appears": ("appearing", "appears"),
+    "grows": ("growing", "grows"),
+    "shrinks": ("shrinking", "shrinks"),
+    "toward": ("moving toward {b}", "moves toward {b}"),
+    "away_from": ("moving away from {b}", "moves away from {b}"),
+}
+
+
+def _key(ref: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(ref.items()))
+
+
+def prompt_for(constraints: Sequence[MotionConstraint]) -> str:
+    """The task prompt (see the module docstring)."""
+    subjects: dict[tuple[tuple[str, str], ...], list[MotionConstraint]] = {}
+    for c in constraints:
+        subjects.setdefault(_key(c.refs[0]), []).append(c)
+    named: set[tuple[tuple[str, str], ...]] = set()
+    parts = []
+    for i, (key, group) in enumerate(subjects.items()):
+        subject = _the(dict(key)) if key in named else _a(dict(key))
+        named.add(key)
+        verbs = []
+        for c in group:
+            b = c.args.get("b")
+            phrase = _VERBS[c.type][i > 0].format(dir=_PATH.get(c.args.get("direction", ""), ""),
+                                                  b=_the(b) if b else "")
+            if b:
+                named.add(_key(b))
+            verbs.append(phrase)
+        parts.append(f"{subject} {' and '.join(verbs)}")
+    return parts[0] + ("" if len(parts) == 1 else " while " + " and ".join(parts[1:]))

@@ -1,0 +1,83 @@
+"""The registered video rewards: ``vvr_motion`` (verify each clip against its motion task) and
+``temporal_consistency`` (object identity stability, no task)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flowalign.errors import UserError
+from flowalign.protocols import RewardOutput
+from rewards.registry import register
+from rewards.vvr.verify import GAMMA, score
+from rewards.vvr_motion.consistency import temporal_consistency
+from rewards.vvr_motion.verify import verify
+from rewards.vvr_motion.video import batch_clips
+
+
+@register("vvr_motion")
+class VVRMotionReward:
+    """Deterministic motion reward ``R = (1-γ)·mean_j s_j + γ·Π_j s_j`` per clip.
+
+    ``metadata[i]["task"]`` holds sample ``i``'s :class:`~rewards.vvr_motion.MotionTask` (or its dict).
+    A sample without a task, or whose clip cannot be read (blank, non-finite, wrong frame count), is
+    invalid: masked, with the reason in ``info``. A malformed task raises ``ValueError``.
+    """
+
+    name = "vvr_motion"
+    differentiable = False
+
+    def __init__(self, gamma: float = GAMMA):
+        if not 0.0 <= gamma <= 1.0:
+            raise UserError(f"vvr_motion reward: gamma must lie in [0, 1], got {gamma}")
+        self.gamma = gamma
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
+        """``samples``: ``(B, F, 3, H, W)`` float in [0, 1] → components ``{"vvr_motion": (B,)}``, ``valid`` ``(B,)``."""
+        clips, finite = batch_clips(samples, self.name)
+        n = len(clips)
+        scores = torch.zeros(n, dtype=torch.float32)
+        valid = torch.zeros(n, dtype=torch.bool)
+        info: list[dict[str, Any]] = []
+        for i in range(n):
+            task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
+            if task is None:
+                info.append({"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"})
+                continue
+            if not finite[i]:
+                info.append({"constraints": [], "all_passed": False, "reason": "video has NaN or infinite values"})
+                continue
+            verdict = verify(task, clips[i])
+            info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason})
+            if verdict.valid:
+                valid[i] = True
+                scores[i] = score([p for _, p in verdict.constraints], self.gamma)
+        return RewardOutput(components={"vvr_motion": scores}, valid=valid, info=info)
+
+
+@register("temporal_consistency")
+class TemporalConsistencyReward:
+    """Frame-to-frame stability of object identity in [0, 1] (``consistency.temporal_consistency``).
+
+    Needs no task; a clip that cannot be read (blank, non-finite, a single frame) is invalid, with the
+    reason and the per-pair scores in ``info``.
+    """
+
+    name = "temporal_consistency"
+    differentiable = False
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
+        """``samples``: ``(B, F, 3, H, W)`` float in [0, 1] → components ``{"temporal_consistency": (B,)}``."""
+        clips, finite = batch_clips(samples, self.name)
+        scores = torch.zeros(len(clips), dtype=torch.float32)
+        valid = torch.zeros(len(clips), dtype=torch.bool)
+        info: list[dict[str, Any]] = []
+        for i, clip in enumerate(clips):
+            if not finite[i]:
+                info.append({"pairs": [], "reason": "video has NaN or infinite values"})
+                continue
+            result = temporal_consistency(clip)
+            info.append({"pairs": [round(p, 4) for p in result.pairs], "reason": result.reason})
+            valid[i], scores[i] = result.valid, result.score
+        return RewardOutput(components={"temporal_consistency": scores}, valid=valid, info=info)
