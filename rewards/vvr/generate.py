@@ -21,10 +21,11 @@ inside its container.
 
 Restrictions that keep every task verifiable at 64 px after JPEG and blur [derived]: sizes are
 0.20/0.27/0.36 of the image (12.8/17.3/23 px at 64 px); hexagons and pentagons are never small (at
-13 px they cannot be told from a circle); grey never shares a scene with black and white (it is their
-mix); outlined objects are large, or medium circles/squares/hexagons/pentagons, never stars; an
-overlapped object is never a star or triangle (their thin tips vanish); an inner object is small and
-differs from its container in luma.
+13 px they cannot be told from a circle); no scene holds a colour that an edge between two touching
+colours passes for (grey between black and white, brown between black and orange, orange between red
+and yellow, ...; an object always touches the background); outlined objects are large, or medium
+circles/squares/hexagons/pentagons, never stars; an overlapped object is never a star or triangle
+(their thin tips vanish); an inner object is small and differs from its container in luma.
 """
 
 from __future__ import annotations
@@ -89,12 +90,34 @@ BIGGER_GEN = 1.3  # extent ratio for "bigger" (the verifier's is 1.15)
 BETWEEN_MARGIN_GEN, BETWEEN_BAND_GEN = 0.3, 0.1  # "between": well inside the segment, near the line
 NEAREST_GEN = 0.7  # the nearest object is this much closer than any other
 REGION_GEN = 0.1  # distance of a centre from the midlines for "region"
-CONTRAST = 30.0  # ΔE00 an object colour keeps from the background
+CONTRAST = 25.0  # ΔE00 an object colour keeps from the background
 INSIDE_LUMA = 40.0  # luma difference (0-255) between an inner object and its container
 PENETRATION = 0.006  # touching objects overlap by this much (≈ 0.4 px at 64 px) so they visibly meet
 _RES = 400  # raster used to lay out structured pairs (px per image width)
 _CONTAINERS = ("circle", "square", "hexagon", "pentagon")
-_GREYS = frozenset({"black", "white", "gray"})
+MIX_DISTANCE = 30.0  # RGB distance under which a colour passes for a mix of two others
+
+
+def _near_mixes() -> dict[frozenset[str], frozenset[str]]:
+    """Colour pair → the palette colours that an anti-aliased edge between the two passes close to."""
+    rgb = {c: np.array(v, dtype=float) for c, v in PALETTE.items()}
+    table: dict[frozenset[str], frozenset[str]] = {}
+    for a in COLOURS:
+        for b in COLOURS:
+            e = rgb[b] - rgb[a]
+            if a >= b:
+                continue
+            near = set()
+            for c in COLOURS:
+                t = float(np.clip((rgb[c] - rgb[a]) @ e / (e @ e), 0, 1))
+                if c not in (a, b) and 0.15 <= t <= 0.85 and np.linalg.norm(rgb[c] - rgb[a] - t * e) < MIX_DISTANCE:
+                    near.add(c)
+            table[frozenset((a, b))] = frozenset(near)
+    return table
+
+
+#: e.g. grey for black/white, brown for black/orange, orange for red/yellow
+_NEAR_MIX = _near_mixes()
 
 
 def _ref(o: Obj, *keys: str) -> dict[str, str]:
@@ -146,6 +169,7 @@ class _Scene:
         self.inside: list[tuple[int, int]] = []  # (inner, container)
         self.touching: list[tuple[int, int]] = []
         self.overlap: list[tuple[int, int]] = []  # (top, bottom)
+        self.touch_pairs: set[frozenset[str]] = set()  # colours of objects in contact
 
     # --- descriptors -------------------------------------------------------------------------------
     def size(self) -> str:
@@ -155,19 +179,27 @@ class _Scene:
             avoid: tuple[str, ...] = ()) -> Obj:
         """An object (at the origin) whose colour+shape is new to the scene unless both are given.
 
-        ``avoid``: colours it must not take (those of a partner not yet placed, which count as present).
+        ``avoid``: colours it must not take (those of a partner not yet placed, which count as present
+        and as touching it). No colour may be what an edge between two touching colours passes for.
         """
         used = {(o.colour, o.shape) for o in self.objs}
-        # grey is the mix of black and white: the three never share a scene (background included), or a
-        # blurred black-on-white edge would read as a grey object
-        present = {o.colour for o in self.objs} | {self.background} | set(avoid)
-        clash = {c for c in _GREYS if _GREYS <= present | {c}}
+        colours = [x for x in self.colours if x not in avoid and self._clean_edges(x, avoid)]
         for _ in range(100):
-            c = colour or self.rng.choice([x for x in self.colours if x not in avoid and x not in clash])
+            if not colours and colour is None:
+                raise _Retry
+            c = colour or self.rng.choice(colours)
             s = shape or self.rng.choice(self.vocab.shapes)
             if (c, s) not in used or (colour and shape):
                 return _sized(Obj(0, s, c, "medium", True, 0.0, 0.0), size or self.size())
         raise _Retry
+
+    def _clean_edges(self, colour: str, partners: tuple[str, ...]) -> bool:
+        """Whether adding ``colour`` (touching ``partners``) keeps every edge from passing for a colour in
+        the scene: a blurred black-on-white edge is grey, black-on-orange brown, red-on-yellow orange."""
+        present = {o.colour for o in self.objs} | set(partners) | {colour, self.background}
+        edges = {frozenset((self.background, c)) for c in present - {self.background}} | self.touch_pairs
+        edges |= {frozenset((colour, p)) for p in partners}
+        return not any(_NEAR_MIX[e] & present for e in edges if len(e) == 2)
 
     # --- placement ---------------------------------------------------------------------------------
     def place(self, group: list[Obj], fix_x: float | None = None, fix_y: float | None = None,
@@ -204,6 +236,7 @@ class _Scene:
             raise _Retry
         a, b = self.place([container, inner])
         self.inside.append((b, a))
+        self.touch_pairs.add(frozenset((container.colour, inner.colour)))
 
     def add_touching(self) -> None:
         a = self.new()
@@ -226,6 +259,7 @@ class _Scene:
         b1 = at(sign * (hi - PENETRATION))
         i, j = self.place([replace(a, x=0.0, y=0.0), replace(b1, x=b1.x - 0.5, y=b1.y - 0.5)])
         self.touching.append((i, j))
+        self.touch_pairs.add(frozenset((a.colour, b.colour)))
 
     def add_overlap(self) -> None:
         # the hidden object keeps its box visible; thin star and triangle tips vanish at 64 px, so an
@@ -260,6 +294,7 @@ class _Scene:
             ):
                 i, j = self.place([replace(bottom, x=0.0, y=0.0), replace(t0, x=t0.x - 0.5, y=t0.y - 0.5)])
                 self.overlap.append((j, i))
+                self.touch_pairs.add(frozenset((bottom.colour, top.colour)))
                 return
         raise _Retry
 

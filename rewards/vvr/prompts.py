@@ -104,4 +104,6 @@ def prompt_for(constraints: Sequence[Constraint]) -> str:
     """The task prompt: the background prefix (if any), then the other clauses joined by "; "."""
     background: Any = next((c.args["colour"] for c in constraints if c.type == "background_colour"), None)
     body = "; ".join(clause(c) for c in constraints if c.type != "background_colour")
-    return f"on a {background} background, {body}" if background else body
+    if background:
+        return f"on a {background} background, {body}" if body else f"a {background} background"
+    return body

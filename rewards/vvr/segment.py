@@ -91,8 +91,6 @@ class Detection:
 
     background: str | None
     components: list[Component]
-    #: (H, W) of the working image the masks live in
-    shape: tuple[int, int]
 
 
 def _to_working(rgb: np.ndarray) -> np.ndarray:
@@ -106,6 +104,7 @@ def _to_working(rgb: np.ndarray) -> np.ndarray:
 
 
 def _background(rgb: np.ndarray) -> np.ndarray:
+    """Mean colour of the most common 4-bit-quantised colour among the 2-px border (spec: the mode)."""
     border = np.concatenate([rgb[:2].reshape(-1, 3), rgb[-2:].reshape(-1, 3), rgb[:, :2].reshape(-1, 3),
                              rgb[:, -2:].reshape(-1, 3)])
     q = (border // 16).astype(np.int64)
@@ -132,9 +131,9 @@ def _labels(rgb: np.ndarray, bg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-pixel palette index (−1: background) by unmixing, computed once per distinct colour, and
     ``(H, W, 2)`` the two colours each pixel is read as a mix of (−1: background, or a share < 10 %).
 
-    First the palette colours *present* are found: those with a solid patch (surviving a 2×2 erosion) of
-    nearly pure pixels (α > 0.8 along the background→colour line, small residual). Then every pixel is read as a mix of two
-    of {background, present colours} (the pair with the smallest residual: an anti-aliased edge, or
+    First the palette colours *present* are found: those with a solid patch (surviving a 2×2 erosion)
+    of nearly pure pixels (α > 0.8 along the background→colour line, small residual). Then every pixel
+    is read as a mix of two of {background, present colours} (the pair with the smallest residual: an anti-aliased edge, or
     the boundary of two touching objects, which would otherwise look like a third colour such as the
     dark band between blue and brown) and takes the end it is closer to; against the background the
     split uses the luma-weighted α, so JPEG's halved chroma does not blur the boundary.
@@ -341,7 +340,7 @@ def segment(rgb: np.ndarray) -> Detection:
     names = name_colours(np.array(medians))
     for c, name in zip(components, names[1:]):
         c.colour = name
-    return Detection(names[0], components, (H, W))
+    return Detection(names[0], components)
 
 
 def _paste(crop_map: np.ndarray, crop: tuple[slice, slice], hw: tuple[int, int]) -> np.ndarray:
