@@ -332,7 +332,8 @@ def train_vae(pipe, data: dict, args, out: Path) -> None:
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample()).sample
         kl = post.kl().mean() / x[0].numel()
-        loss = (rec - x).abs().mean() + F.mse_loss(rec, x) + args.vae_kl * kl
+        wgt = _fg_weight(x, args.fg_weight)
+        loss = (wgt * ((rec - x).abs() + (rec - x) ** 2)).mean() / wgt.mean() + args.vae_kl * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -386,6 +387,81 @@ def encode_latents(pipe, data: dict, out: Path, batch: int = 256) -> torch.Tenso
     return x0
 
 
+def _fg_weight(x: torch.Tensor, fg: float) -> torch.Tensor:
+    """Per-pixel loss weight: ``fg`` on pixels that differ from the corner (background) colour, else 1.
+    Objects cover a few percent of a scene; without it their colours are the last thing a VAE gets right."""
+    bg = x[:, :, :1, :1]
+    return 1.0 + (fg - 1.0) * ((x - bg).abs().amax(dim=1, keepdim=True) > 0.05).float()
+
+
+def finetune_decoder(pipe, data: dict, x0: torch.Tensor, args, out: Path) -> None:
+    """Stage 3b: decoder-only fine-tuning on the cached latents (encoder frozen, so the latents and the
+    transformer trained on them stay valid), full 64 px scenes, foreground-weighted L1 + MSE, cosine LR
+    to zero, small latent noise for robustness to imperfect samples. Fixes the colour shifts (e.g. green,
+    black) a short VAE run leaves."""
+    if not args.dec_minutes and not args.dec_steps:
+        return
+    vae = pipe.vae
+    dec = [vae.decoder] + ([vae.post_quant_conv] if vae.post_quant_conv is not None else [])
+    stage = out / "decoder"
+    if (stage / "DONE").is_file():
+        w, _ = load_ckpt(latest_ckpt(stage))
+        _load_prefixed(vae, w, "vae")
+        return
+    params = [p for m in dec for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.dec_lr, weight_decay=0.0, betas=(0.9, 0.99))
+    step, elapsed = 0, 0.0
+    ck = latest_ckpt(stage) if args.resume else None
+    if ck is not None:
+        w, st = load_ckpt(ck)
+        _load_prefixed(vae, w, "vae")
+        opt.load_state_dict(st["opt"])
+        step, elapsed = st["step"], st["elapsed"]
+        _set_rng_state(st["rng"])
+        log.info("decoder: resumed from %s (step %d, %.1f min)", ck, step, elapsed / 60)
+    budget = Budget(args.dec_minutes, args.dec_steps, elapsed)
+    shift, scale = vae.config.shift_factor, vae.config.scaling_factor
+    for p in params:
+        p.requires_grad_(True)
+    for m in dec:
+        m.train()
+    images = data["images"]
+    bar = _progress(budget.seconds, "decoder")
+    bar.update(int(elapsed))
+    ema_loss = None
+    while not budget.done(step):
+        frac = budget.fraction(step)
+        lr = args.dec_lr * 0.5 * (1 + math.cos(math.pi * frac)) * min(1.0, (step + 1) / 20)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(0, len(images), (args.dec_batch,))
+        x = images[idx].float() / 127.5 - 1.0
+        z = (x0[idx] + args.dec_noise * torch.randn_like(x0[idx])) / scale + shift
+        rec = vae.decode(z).sample
+        wgt = _fg_weight(x, args.fg_weight)
+        loss = (wgt * ((rec - x).abs() + (rec - x) ** 2)).mean() / wgt.mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        bar.n = int(budget.elapsed)
+        bar.set_postfix_str(f"step {step} loss {ema_loss:.4f} lr {lr:.1e}", refresh=False)
+        bar.update(0)
+        if step % 50 == 0:
+            log.info("decoder step %d loss %.4f lr %.1e elapsed %.1fmin", step, ema_loss, lr, budget.elapsed / 60)
+        if step % args.save_every == 0:
+            save_ckpt(stage, step, _tensors("vae", vae),
+                      {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state()})
+    bar.close()
+    vae.eval().requires_grad_(False)
+    save_ckpt(stage, step, _tensors("vae", vae),
+              {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state()})
+    (stage / "DONE").write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
+    log.info("decoder: done, %d steps in %.1f min", step, budget.elapsed / 60)
+
+
 # --------------------------------------------------------------------------------------------------
 # Stage 4: transformer + text encoders
 # --------------------------------------------------------------------------------------------------
@@ -433,11 +509,27 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
             ema.shadow[i].copy_(w[f"ema.{n}"])
         opt.load_state_dict(st["opt"])
         step, elapsed = st["step"], st["elapsed"]
+        restart_step = st.get("restart_step", 0)
         _set_rng_state(st["rng"])
         log.info("dit: resumed from %s (step %d, %.1f min)", ck, step, elapsed / 60)
-    if done:
-        return ema
+    else:
+        restart_step = 0
     budget = Budget(args.dit_minutes, args.dit_steps, elapsed)
+    if done:
+        if not (args.resume and not budget.done(step)):
+            return ema
+        # continuation: a finished stage resumed with a larger budget; LR re-warms from here
+        (stage / "DONE").unlink()
+        restart_step = step
+        log.info("dit: continuing a finished stage at step %d up to %s min / %s steps", step, args.dit_minutes,
+                 args.dit_steps)
+    weights = None
+    if args.dit_level_weights:
+        lw = parse_mix(args.dit_level_weights)
+        levels = data["levels"]
+        count = {lv: levels.count(lv) for lv in set(levels)}
+        weights = torch.tensor([lw.get(lv, 0.0) / count[lv] for lv in levels], dtype=torch.float64)
+        log.info("dit: batch level weights %s", lw)
     for name in TRAINED:
         getattr(pipe, name).train()
     bar = _progress(budget.seconds, "dit")
@@ -447,13 +539,16 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
     n = len(prompts)
     while not budget.done(step):
         frac = budget.fraction(step)
-        warm = min(1.0, (step + 1) / args.warmup)
+        warm = min(1.0, (step - restart_step + 1) / args.warmup)
         # constant LR, cosine decay to 10% over the last 30% of the budget
         cool = 1.0 if frac < 0.7 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (frac - 0.7) / 0.3))
         lr = args.lr * warm * cool
         for g in opt.param_groups:
             g["lr"] = lr
-        idx = torch.randint(0, n, (args.batch,))
+        if weights is None:
+            idx = torch.randint(0, n, (args.batch,))
+        else:
+            idx = torch.multinomial(weights, args.batch, replacement=True)
         batch_prompts = [prompts[i] if random.random() >= args.drop else "" for i in idx.tolist()]
         x = x0[idx]
         pe, _, pooled, _ = pipe.encode_prompt(
@@ -484,10 +579,12 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
                      lr, dt, budget.elapsed / 60)
         if step % args.save_every == 0:
             save_ckpt(stage, step, _dit_weights(pipe, ema, names_params),
-                      {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state()})
+                      {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state(),
+                       "restart_step": restart_step})
     bar.close()
     save_ckpt(stage, step, _dit_weights(pipe, ema, names_params),
-              {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state()})
+              {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state(),
+               "restart_step": restart_step})
     (stage / "DONE").write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
     log.info("dit: done, %d steps in %.1f min", step, budget.elapsed / 60)
     return ema
@@ -635,6 +732,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--vae-lr2", type=float, default=3e-4)
     p.add_argument("--vae-kl", type=float, default=1e-4, help="KL weight (per-pixel normalised)")
+    p.add_argument("--fg-weight", type=float, default=5.0, help="loss weight of object pixels vs background")
+    p.add_argument("--dec-minutes", type=float, default=10.0, help="decoder-only fine-tuning (stage 3b)")
+    p.add_argument("--dec-steps", type=int, default=None)
+    p.add_argument("--dec-lr", type=float, default=1e-3)
+    p.add_argument("--dec-batch", type=int, default=16)
+    p.add_argument("--dec-noise", type=float, default=0.05, help="std of noise on normalised latents")
     p.add_argument("--vae-crop", type=int, default=32, help="crop size in the first LR stage (0: full images)")
     # DiT
     p.add_argument("--dit-minutes", type=float, default=30.0)
@@ -644,6 +747,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wd", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--ema", type=float, default=0.995)
+    p.add_argument("--dit-level-weights", default=None,
+                   help="batch sampling weights per level, e.g. easy:0.6,medium:0.3,hard:0.1 (default: as rendered)")
     p.add_argument("--drop", type=float, default=0.1, help="empty-prompt rate for CFG")
     p.add_argument("--save-every", type=int, default=200)
     # sampling defaults written to flowalign.json, eval
@@ -717,6 +822,7 @@ def main(argv: list[str] | None = None) -> None:
     train_vae(pipe, data, args, out)
     pipe.vae.requires_grad_(False)
     x0 = encode_latents(pipe, data, out)
+    finetune_decoder(pipe, data, x0, args, out)
 
     # 4. transformer + text encoders
     ema = train_dit(pipe, data, x0, args, out, max_seq)

@@ -152,10 +152,10 @@ def test_pretrain_script_smoke(tmp_path):
     spec.loader.exec_module(mod)
     out, export = tmp_path / "run", tmp_path / "model"
     argv = ["--out", str(out), "--export", str(export), "--synthetic", "--n-scenes", "64", "--vae-steps", "2",
-            "--dit-steps", "2", "--vae-batch", "4", "--batch", "4", "--save-every", "1", "--demo-n", "0",
+            "--dit-steps", "2", "--dec-steps", "2", "--dec-batch", "2", "--vae-batch", "4", "--batch", "4", "--save-every", "1", "--demo-n", "0",
             "--threads", str(torch.get_num_threads())]
     mod.main(argv)
-    assert (out / "dit" / "DONE").is_file() and (out / "vae" / "DONE").is_file()
+    assert all((out / s / "DONE").is_file() for s in ("vae", "decoder", "dit"))
     assert list((out / "dit").glob("step-*/weights.safetensors"))
     pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(export)
     assert pipe.transformer.config.sample_size * pipe.vae_scale_factor == 64
