@@ -38,8 +38,12 @@ def main() -> None:
     parser.add_argument("--out", default="runs/sweep")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--eval-n", type=int, default=96)
+    parser.add_argument("--plot", default=None, help="only plot the recorded results' curves to this PNG")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.plot:
+        plot_results(out / "results.jsonl", Path(args.plot))
+        return
     results_path = out / "results.jsonl"
     done = {json.loads(line)["name"] for line in results_path.read_text().splitlines()} if results_path.exists() else set()
     for name, overrides in VARIANTS.items():
@@ -62,6 +66,29 @@ def main() -> None:
         with open(results_path, "a") as f:
             f.write(json.dumps(result) + "\n")
         print(f"{name}: accuracy {result['acc_before']:.3f} -> {result['acc_after']:.3f} in {len(steps)} steps")
+
+
+def plot_results(results_path: Path, png: Path) -> None:
+    """Training reward against training minutes, one line per variant (5-step moving average)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for line in results_path.read_text().splitlines():
+        r = json.loads(line)
+        xs, ys = zip(*r["curve"]) if r["curve"] else ((), ())
+        smooth = [sum(ys[max(0, i - 4) : i + 1]) / len(ys[max(0, i - 4) : i + 1]) for i in range(len(ys))]
+        ax.plot(xs, smooth, label=f"{r['name']} (held-out acc {r['acc_before']:.2f}->{r['acc_after']:.2f})")
+    ax.set_xlabel("training minutes (CPU)")
+    ax.set_ylabel("training reward (vvr, 5-step mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":
