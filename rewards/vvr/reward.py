@@ -24,10 +24,14 @@ class VVRReward:
     name = "vvr"
     differentiable = False
 
-    def __init__(self, gamma: float = GAMMA):
+    def __init__(self, gamma: float = GAMMA, partial_credit: bool = False):
         if not 0.0 <= gamma <= 1.0:
             raise UserError(f"vvr reward: gamma must lie in [0, 1], got {gamma}")
         self.gamma = gamma
+        #: [derived] also credit each scene object drawn with its colour and shape, so a task with one
+        #: relation (binary under the plain reward) still ranks "both objects right, wrong place" above
+        #: "nothing right". A training signal only: ``all_passed`` and benchmark accuracy are unchanged.
+        self.partial_credit = partial_credit
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         """``samples``: ``(B, 3, H, W)`` float in [0, 1] → components ``{"vvr": (B,)}``, ``valid`` ``(B,)``."""
@@ -56,5 +60,17 @@ class VVRReward:
             info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason})
             if verdict.valid:
                 valid[i] = True
-                scores[i] = score([p for _, p in verdict.constraints], self.gamma)
+                passed = [p for _, p in verdict.constraints]
+                if self.partial_credit:
+                    checks = _objects_drawn(task, verdict.detected) + passed
+                    scores[i] = (1 - self.gamma) * sum(checks) / len(checks) + self.gamma * float(verdict.all_passed)
+                else:
+                    scores[i] = score(passed, self.gamma)
         return RewardOutput(components={"vvr": scores}, valid=valid, info=info)
+
+
+def _objects_drawn(task: Any, detected: list[dict[str, Any]]) -> list[bool]:
+    """Per scene object: is some detected object of the same colour and shape there?"""
+    objects = task["objects"] if isinstance(task, dict) else [o.to_dict() for o in task.objects]
+    seen = {(d["colour"], d["shape"]) for d in detected}
+    return [(o["colour"], o["shape"]) in seen for o in objects]

@@ -55,3 +55,29 @@ def test_gamma_and_nonfinite_samples():
 def test_videos_are_refused():
     with pytest.raises(UserError, match="images"):
         VVRReward()(torch.rand(1, 2, 3, 64, 64), [""], [{}])
+
+
+def test_partial_credit_ranks_right_objects_in_the_wrong_place_above_nothing():
+    import numpy as np
+    import torch
+
+    from rewards.vvr import generate_tasks, render
+    from rewards.vvr.reward import VVRReward
+
+    task = next(t for t in generate_tasks(40, seed=3, level="medium")
+                if t.constraints[0].type in {"left_of", "right_of", "above", "below"})
+    good = torch.from_numpy(np.asarray(render(task, 64))).permute(2, 0, 1).float() / 255
+    swapped = task.to_dict()  # same objects, positions exchanged: the relation fails
+    a, b = swapped["objects"]
+    a["x"], b["x"], a["y"], b["y"] = b["x"], a["x"], b["y"], a["y"]
+    from rewards.vvr import Task
+
+    wrong_place = torch.from_numpy(np.asarray(render(Task.from_dict(swapped), 64))).permute(2, 0, 1).float() / 255
+    blank = torch.ones_like(good)
+    meta = [{"task": task.to_dict()}] * 3
+    plain = VVRReward()(torch.stack([good, wrong_place, blank]), [task.prompt] * 3, meta)
+    dense = VVRReward(partial_credit=True)(torch.stack([good, wrong_place, blank]), [task.prompt] * 3, meta)
+    assert plain.components["vvr"].tolist()[1:] == [0.0, 0.0]  # binary: no ranking below success
+    s = dense.components["vvr"].tolist()
+    assert s[0] == 1.0 and s[0] > s[1] > s[2] == 0.0
+    assert [i["all_passed"] for i in dense.info] == [True, False, False]  # accuracy is the verifier's
