@@ -1,9 +1,22 @@
 """Pretrain the embedded tiny SD3-format text-to-image model on rendered VVR scenes, on CPU.
 
-Command used for the shipped ``assets/tiny-sd3-vvr`` (see its README.md for the wall time):
+Commands that produced the shipped ``assets/tiny-sd3-vvr`` (two invocations, 47.3 + 25.1 min wall on 2 shared
+CPU cores; details, data and accuracies in its README.md):
 
+    # phase 1 (this script at commit 5936a16: no decoder stage, VAE loss without foreground weighting)
     nohup .venv/bin/python scripts/pretrain_tiny.py --out runs/pretrain-tiny --export assets/tiny-sd3-vvr \
         --vae-minutes 10 --dit-minutes 32 --seed 0 > /tmp/pretrain.log 2>&1 &
+    # phase 2 (commit 7788773): decoder fine-tuning, then the finished DiT stage continued to 52 min, easy-weighted
+    nohup .venv/bin/python scripts/pretrain_tiny.py --out runs/pretrain-tiny --export assets/tiny-sd3-vvr --resume \
+        --vae-minutes 10 --dec-minutes 5 --dit-minutes 52 --dit-level-weights easy:0.6,medium:0.3,hard:0.1 \
+        --seed 0 > /tmp/pretrain2.log 2>&1 &
+    # then flowalign.json's guidance_scale set to 3.0 (a CFG sweep on held-out easy tasks; now the --cfg default)
+
+From scratch with this version, one command does all stages in that order of data use (not bit-identical:
+VAE loss and LR schedule differ slightly from the two-phase run):
+
+    .venv/bin/python scripts/pretrain_tiny.py --out runs/pretrain-tiny --export assets/tiny-sd3-vvr \
+        --vae-minutes 10 --dec-minutes 5 --dit-minutes 52 --dit-level-weights easy:0.6,medium:0.3,hard:0.1
 
 Stages (each resumable; ``--resume`` continues from the newest complete checkpoint of the stage it
 was in, and a finished stage is never redone):
@@ -11,10 +24,13 @@ was in, and a finished stage is never redone):
 1. data     render ``--n-scenes`` VVR scenes once (seeds < 1000; ≥ 1000 are the benchmark splits) into
             a uint8 cache, a mixture of levels (``--mix easy:0.45,medium:0.4,hard:0.15``).
 2. vae      ``AutoencoderKL`` (SD3 style, f4: 64 px -> 16×16×4) on the scenes, L1 + MSE + small KL,
-            two learning-rate stages (a single high rate shifts colours); then ``shift_factor`` /
-            ``scaling_factor`` from the latent statistics (mean, 1/std).
+            two learning-rate stages (32 px crops at a high rate, then full scenes at a low rate; a single
+            high rate shifts colours); then ``shift_factor`` / ``scaling_factor`` from the latent
+            statistics (mean, 1/std).
 3. latents  encode every scene once (posterior mean), normalised as the pipeline expects:
             ``x0 = (z - shift_factor) * scaling_factor``.
+3b. decoder decoder-only fine-tuning on those latents (encoder frozen, so the latents stay valid),
+            foreground-weighted, cosine LR: fixes the colour shifts (green, black) a short VAE run leaves.
 4. dit      ``SD3Transformer2DModel`` + the three text encoders (CLIP-L, CLIP-G, T5 stand-ins) trained
             jointly with the rectified-flow loss of conventions.md: ``x_σ = (1-σ)x0 + σε``,
             target ``v = ε - x0``, ``timestep = 1000σ``, σ logit-normal(0, 1); 10% of prompts dropped to
@@ -733,7 +749,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vae-lr2", type=float, default=3e-4)
     p.add_argument("--vae-kl", type=float, default=1e-4, help="KL weight (per-pixel normalised)")
     p.add_argument("--fg-weight", type=float, default=5.0, help="loss weight of object pixels vs background")
-    p.add_argument("--dec-minutes", type=float, default=10.0, help="decoder-only fine-tuning (stage 3b)")
+    p.add_argument("--dec-minutes", type=float, default=5.0, help="decoder-only fine-tuning (stage 3b)")
     p.add_argument("--dec-steps", type=int, default=None)
     p.add_argument("--dec-lr", type=float, default=1e-3)
     p.add_argument("--dec-batch", type=int, default=16)
@@ -752,7 +768,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drop", type=float, default=0.1, help="empty-prompt rate for CFG")
     p.add_argument("--save-every", type=int, default=200)
     # sampling defaults written to flowalign.json, eval
-    p.add_argument("--cfg", type=float, default=4.0)
+    p.add_argument("--cfg", type=float, default=3.0, help="CFG scale written to flowalign.json (swept: 3 best)")
     p.add_argument("--sample-steps", type=int, default=20)
     p.add_argument("--eval-n", type=int, default=0, help="held-out tasks per level to verify after export")
     p.add_argument("--demo-n", type=int, default=16, help="training prompts sampled into OUT/samples_train_prompts.png")
