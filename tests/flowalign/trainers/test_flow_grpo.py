@@ -100,3 +100,17 @@ def test_missing_prompt_file_and_full_finetune_with_kl(tmp_path, tiny_sd3_dir, p
         build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, tmp_path / "missing.txt"))
     with pytest.raises(UserError, match="trainer.beta"):
         build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, "model.finetune=full", "trainer.beta=0.1"))
+
+
+def test_training_raises_a_pixel_reward(tmp_path, tiny_sd3_dir, prompt_file):
+    """The end-to-end property: the policy moves toward what the reward prefers (redder images)."""
+    t = build_trainer(small_config(
+        tmp_path / "red", tiny_sd3_dir, prompt_file, "model.finetune=full",
+        "trainer.beta=0", "trainer.lr=1e-3", "trainer.clip_range=0.2", "trainer.group_size=8",
+        "trainer.batch_size=8", "trainer.num_steps=6", "trainer.max_steps=30"))
+    rewards = []
+    for _ in range(30):
+        rewards.append(t.train_step()["reward/total"])
+        t.step += 1
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    assert last > first + 0.01, rewards
