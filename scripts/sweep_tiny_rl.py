@@ -28,6 +28,7 @@ VARIANTS: dict[str, list[str]] = {
                                     "trainer.clip_range=0.2"],
     "full_lr1e-4_steps3": ["model.finetune=full", "trainer.lr=1e-4", "trainer.steps_per_chunk=3"],
     "flash_full_lr1e-4": ["model.finetune=full", "trainer.name=flash_grpo", "trainer.lr=1e-4"],
+    "full_lr2e-5_1update": ["model.finetune=full", "trainer.lr=2e-5", "trainer.updates_per_epoch=1"],
 }
 
 
@@ -39,8 +40,12 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--eval-n", type=int, default=96)
     parser.add_argument("--plot", default=None, help="only plot the recorded results' curves to this PNG")
+    parser.add_argument("--record", nargs=2, metavar=("RUN_DIR", "NAME"), help="only record a finished run")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.record:
+        record_run(Path(args.record[0]), args.record[1], [], out / "results.jsonl")
+        return
     if args.plot:
         plot_results(out / "results.jsonl", Path(args.plot))
         return
@@ -54,18 +59,26 @@ def main() -> None:
             f"eval.n={args.eval_n}", "eval.gallery=false", "trainer.max_steps=100000",
             f"trainer.max_minutes={args.minutes}", *overrides,
         ])
-        final = train(cfg)
-        before = json.loads((out / name / "evals" / "step-000000" / "metrics.json").read_text())
-        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in rows if "reward/total" in r]
-        result = {"name": name, "overrides": overrides, "minutes": args.minutes, "steps": len(steps),
-                  "acc_before": before["accuracy"], "acc_after": final["accuracy"],
-                  "score_before": before["mean_score"], "score_after": final["mean_score"],
-                  "curve": [(r["time/train_minutes"], r["reward/total"]) for r in steps]}
-        out.mkdir(parents=True, exist_ok=True)
-        with open(results_path, "a") as f:
-            f.write(json.dumps(result) + "\n")
-        print(f"{name}: accuracy {result['acc_before']:.3f} -> {result['acc_after']:.3f} in {len(steps)} steps")
+        train(cfg)
+        record_run(out / name, name, overrides, results_path)
+
+
+def record_run(run_dir: Path, name: str, overrides: list[str], results_path: Path) -> dict:
+    """Append a finished run's before/after held-out accuracy and its reward curve to ``results_path``."""
+    evals = sorted((run_dir / "evals").glob("step-*"))
+    before, after = (json.loads((d / "metrics.json").read_text()) for d in (evals[0], evals[-1]))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/total" in r]
+    result = {"name": name, "overrides": overrides, "steps": len(steps),
+              "minutes": steps[-1]["time/train_minutes"] if steps else 0.0,
+              "acc_before": before["accuracy"], "acc_after": after["accuracy"],
+              "evals": [(int(d.name.split("-")[1]), json.loads((d / "metrics.json").read_text())["accuracy"]) for d in evals],
+              "curve": [(r["time/train_minutes"], r["reward/total"]) for r in steps]}
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(results_path, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    print(f"{name}: held-out accuracy {result['acc_before']:.3f} -> {result['acc_after']:.3f} in {len(steps)} steps")
+    return result
 
 
 def plot_results(results_path: Path, png: Path) -> None:
