@@ -66,13 +66,13 @@ def test_partial_credit_ranks_right_objects_in_the_wrong_place_above_nothing():
 
     task = next(t for t in generate_tasks(40, seed=3, level="medium")
                 if t.constraints[0].type in {"left_of", "right_of", "above", "below"})
-    good = torch.from_numpy(np.asarray(render(task, 64))).permute(2, 0, 1).float() / 255
+    good = torch.from_numpy(np.array(render(task, 64))).permute(2, 0, 1).float() / 255
     swapped = task.to_dict()  # same objects, positions exchanged: the relation fails
     a, b = swapped["objects"]
     a["x"], b["x"], a["y"], b["y"] = b["x"], a["x"], b["y"], a["y"]
     from rewards.vvr import Task
 
-    wrong_place = torch.from_numpy(np.asarray(render(Task.from_dict(swapped), 64))).permute(2, 0, 1).float() / 255
+    wrong_place = torch.from_numpy(np.array(render(Task.from_dict(swapped), 64))).permute(2, 0, 1).float() / 255
     blank = torch.ones_like(good)
     meta = [{"task": task.to_dict()}] * 3
     plain = VVRReward()(torch.stack([good, wrong_place, blank]), [task.prompt] * 3, meta)
