@@ -22,8 +22,16 @@ from flowalign.protocols import RewardOutput
 ENTRY_POINT_GROUP = "flowalign.rewards"
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 # modules of this package that register built-in rewards when imported
-_BUILTIN_MODULES = ("rewards.vvr", "rewards.clip_score", "rewards.aesthetic", "rewards.preference",
-                    "rewards.lpips_reward", "rewards.classic", "rewards.video", "rewards.vvr_motion")
+_BUILTIN_MODULES = (
+    "rewards.vvr",
+    "rewards.clip_score",
+    "rewards.aesthetic",
+    "rewards.preference",
+    "rewards.lpips_reward",
+    "rewards.classic",
+    "rewards.video",
+    "rewards.vvr_motion",
+)
 
 
 def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -14,7 +14,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from flowalign.errors import UserError
 
 # sub-command modules, each defining add_parser(subparsers) and run(args)
-COMMANDS = ("tiny", "sample", "evaluate", "train", "gallery")
+COMMANDS = (
+    "tiny",
+    "sample",
+    "evaluate",
+    "train",
+    "gallery",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
