@@ -9,6 +9,12 @@ from flowalign.errors import UserError
 TRAINERS = {
     "flow_grpo": "flowalign.trainers.flow_grpo:FlowGRPOTrainer",
     "flash_grpo": "flowalign.trainers.flash_grpo:FlashGRPOTrainer",
+    "diffusion_opsd": "flowalign.trainers.diffusion_opsd:DiffusionOPSDTrainer",
+    "diffusion_nft": "flowalign.trainers.diffusion_nft:DiffusionNFTTrainer",
+    "soar": "flowalign.trainers.soar:SOARTrainer",
+    "sft": "flowalign.trainers.soar:SFTTrainer",
+    "festdpo": "flowalign.trainers.festdpo:FestDPOTrainer",
+    "rg_opd": "flowalign.trainers.rg_opd:RGOPDTrainer",
 }
 
 
