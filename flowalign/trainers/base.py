@@ -10,12 +10,13 @@ rank)``, so a run resumed from a checkpoint ends at the same weights as one neve
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,6 +42,11 @@ class GroupTrainerConfig(Section):
     #: also stop once this many minutes were spent training (evaluations excluded); None: no limit
     max_minutes: float | None = Field(None, gt=0)
     lr: float = Field(1e-4, gt=0)
+    #: "cosine": decay to lr_min_ratio·lr by the end of the budget (max_steps, or max_minutes when that
+    #: ends the run first; a time-based schedule makes the LR depend on measured step times)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_min_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(1e-4, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
@@ -113,6 +119,7 @@ class GroupTrainer:
         self.ema = EMA(self.params, tcfg.ema_decay, tcfg.ema_every) if tcfg.ema_decay > 0 else None
         self.step = 0
         self.train_seconds = 0.0
+        self.lr_now = tcfg.lr
         self.logger = RunLogger(
             run_dir, enabled=accelerator.is_main_process, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
             project=cfg.run.wandb_project, name=cfg.run.name, config=cfg.model_dump(mode="json"),
@@ -206,6 +213,23 @@ class GroupTrainer:
     def loss(self, chunk: Rollout, k: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def budget_fraction(self) -> float:
+        """How much of the run's budget is spent, in [0, 1]: steps, or training minutes (slowest rank)."""
+        fraction = self.step / self.tcfg.max_steps
+        if self.tcfg.max_minutes is not None:
+            fraction = max(fraction, self.slowest_train_seconds() / (60 * self.tcfg.max_minutes))
+        return min(1.0, fraction)
+
+    def learning_rate(self, fraction: float) -> float:
+        """The LR at a budget fraction (linear warm-up over ``lr_warmup_steps``, then the schedule)."""
+        t = self.tcfg
+        lr = t.lr
+        if t.lr_schedule == "cosine":
+            lr *= t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * fraction))
+        if self.step < t.lr_warmup_steps:
+            lr *= (self.step + 1) / t.lr_warmup_steps
+        return lr
+
     def optimizer_step(self) -> float:
         """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
         if self.world > 1:
@@ -214,6 +238,8 @@ class GroupTrainer:
                     p.grad = torch.zeros_like(p)
                 p.grad = self.acc.reduce(p.grad, reduction="mean")
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_now
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -286,7 +312,9 @@ class GroupTrainer:
                 if stop["requested"]:
                     self.save_checkpoint()
                     raise KeyboardInterrupt
+                self.lr_now = self.learning_rate(self.budget_fraction())
                 logs = self.train_step()
+                logs["train/lr"] = self.lr_now
                 self.train_seconds += logs["time/step"]
                 self.step += 1
                 logs["time/train_minutes"] = self.train_seconds / 60
@@ -310,12 +338,14 @@ class GroupTrainer:
     def out_of_time(self) -> bool:
         """Whether the training-time budget is spent (the slowest rank decides, so all ranks stop together)."""
         limit = self.tcfg.max_minutes
-        if limit is None:
-            return False
+        return limit is not None and self.slowest_train_seconds() >= limit * 60
+
+    def slowest_train_seconds(self) -> float:
+        """Training seconds so far on the slowest rank (the same number on every rank)."""
         seconds = torch.tensor([self.train_seconds], device=self.acc.device)
         if self.world > 1:
             seconds = self.acc.reduce(seconds, reduction="max")
-        return float(seconds) >= limit * 60
+        return float(seconds)
 
     def evaluate(self) -> dict[str, Any]:
         """Held-out evaluation (EMA weights when enabled) into ``evals/step-XXXXXX/`` and the gallery."""

@@ -1,0 +1,49 @@
+"""The shared loop's learning-rate schedule (trainer.lr_schedule, lr_warmup_steps, lr_min_ratio)."""
+
+import json
+import math
+
+import pytest
+
+from flowalign.train import build_trainer
+
+from .conftest import small_config
+
+
+@pytest.fixture
+def cosine(tmp_path, tiny_sd3_dir, prompt_file):
+    return build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, "trainer.lr_schedule=cosine",
+                                      "trainer.lr_warmup_steps=2", "trainer.lr_min_ratio=0.2", "trainer.max_steps=4"))
+
+
+def test_cosine_schedule_with_warmup(cosine):
+    lr = cosine.tcfg.lr
+    cosine.step = 0
+    assert cosine.learning_rate(0.0) == pytest.approx(lr * 0.5)  # warm-up step 1 of 2
+    cosine.step = 2
+    assert cosine.learning_rate(0.0) == pytest.approx(lr)
+    assert cosine.learning_rate(0.5) == pytest.approx(lr * (0.2 + 0.8 * 0.5))
+    assert cosine.learning_rate(1.0) == pytest.approx(lr * 0.2)
+    values = [cosine.learning_rate(f / 10) for f in range(11)]
+    assert all(a > b for a, b in zip(values, values[1:]))
+
+
+def test_budget_fraction_takes_the_larger_of_steps_and_minutes(cosine):
+    cosine.step, cosine.train_seconds = 1, 0.0
+    assert cosine.budget_fraction() == pytest.approx(0.25)
+    cosine.tcfg.max_minutes = 1.0
+    cosine.train_seconds = 30.0
+    assert cosine.budget_fraction() == pytest.approx(0.5)
+    cosine.train_seconds = 600.0
+    assert cosine.budget_fraction() == 1.0
+
+
+def test_the_optimiser_uses_and_logs_the_scheduled_lr(cosine):
+    cosine.train()
+    rows = [json.loads(line) for line in (cosine.run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["train/lr"] for r in rows if "train/lr" in r]
+    lr = cosine.tcfg.lr
+    expected = [lr * 0.5, lr * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi / 4))), lr * 0.6,
+                lr * (0.2 + 0.8 * 0.5 * (1 + math.cos(3 * math.pi / 4)))]
+    assert logged == pytest.approx(expected)
+    assert cosine.optimizer.param_groups[0]["lr"] == pytest.approx(expected[-1])
