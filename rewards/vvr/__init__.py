@@ -16,6 +16,7 @@ from rewards.vvr.generate import (
 )
 from rewards.vvr.render import render
 from rewards.vvr.reward import VVRReward
+from rewards.vvr.soft import VVRSoftReward  # registers vvr_soft
 from rewards.vvr.tasks import CONSTRAINT_TYPES, Constraint, Obj, Task
 from rewards.vvr.verify import Verdict, verify
 
