@@ -730,7 +730,18 @@ def evaluate(folder: Path, n: int, seed: int = 0, grid_path: Path | None = None)
 
 
 def main(argv: list[str] | None = None) -> None:
+    # --family wan: the Wan-format text-to-video model (scripts/pretrain_tiny_wan.py, its own options)
+    fam = argparse.ArgumentParser(add_help=False)
+    fam.add_argument("--family", choices=("sd3", "wan"), default="sd3")
+    family, argv = fam.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if family.family == "wan":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from pretrain_tiny_wan import main as wan_main
+
+        return wan_main(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", choices=("sd3", "wan"), default="sd3",
+                   help="sd3 (this text-to-image model) or wan (tiny text-to-video: see pretrain_tiny_wan.py)")
     p.add_argument("--out", default="runs/pretrain-tiny", help="work folder (caches, checkpoints, log)")
     p.add_argument("--export", default="assets/tiny-sd3-vvr", help="final diffusers folder")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoints in --out")

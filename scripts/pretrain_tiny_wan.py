@@ -1,0 +1,555 @@
+"""Pretrain the embedded tiny Wan-format text-to-video model on rendered motion clips, on one CPU core.
+
+``scripts/pretrain_tiny.py --family wan ...`` runs this file (so does ``python scripts/pretrain_tiny_wan.py``).
+The shipped ``assets/tiny-wan-motion`` came from (details, data and accuracies in its README.md):
+
+    nice -n 10 .venv/bin/python scripts/pretrain_tiny.py --family wan --out runs/pretrain-wan \
+        --export assets/tiny-wan-motion --threads 1 --eval-n 200
+
+Stages (each resumable; ``--resume`` continues from the newest complete checkpoint of the stage it was
+in, and a finished stage is never redone), the SD3 script's recipe carried over to video:
+
+1. data     render ``--n-clips`` motion tasks of ``rewards.vvr_motion`` once (task seeds < 1000; the
+            benchmark splits use 2001-2003) as 9-frame 32 px clips into a uint8 cache, a mixture of
+            levels (``--mix easy:0.7,medium:0.3``: one object moving one way first, some medium).
+2. vae      ``AutoencoderKLWan`` (Wan 2.1's causal 3D VAE, tiny: f_s 4, f_t 2, 9×32×32 px ->
+            5×8×8×8) on random 5-frame windows of the clips (a causal VAE sees a window as a clip;
+            5 frames cost half of 9), foreground-weighted L1 + MSE + small KL, high then low LR;
+            then per-channel ``latents_mean`` / ``latents_std`` from the latent statistics.
+3. latents  encode every clip once (posterior mean), normalised as ``WanPipeline`` expects:
+            ``x0 = (z - latents_mean) / latents_std``.
+4. dit      ``WanTransformer3DModel`` + the UMT5 text encoder (word-level tokenizer of
+            ``pipelines.tiny``) trained jointly with the rectified-flow loss of conventions.md:
+            ``x_σ = (1-σ)x0 + σε``, target ``v = ε - x0``, ``timestep = 1000σ``, σ logit-normal(0, 1);
+            10% of prompts dropped to "" (the pipeline's CFG negative). Text embeddings come from
+            ``pipe.encode_prompt`` itself (grad enabled), so training sees what inference feeds. AdamW, EMA.
+5. export   a diffusers folder with the EMA weights (``WanPipeline.from_pretrained`` opens it offline;
+            ``FlowMatchEulerDiscreteScheduler``, which ``WanPipeline`` and ``pipelines.wan`` step as is),
+            ``flowalign.json`` sampling defaults and a sample strip + GIF of training prompts.
+6. eval     (optional, ``--eval-n``) the exact ``flowalign evaluate --bench vvr_motion`` code path
+            (``pipelines.load`` + ``flowalign.evaluation.evaluate``) on the held-out easy / medium splits.
+
+Checkpoints: ``OUT/<stage>/step-XXXXXX/`` (weights as safetensors, optimiser/RNG/progress as a torch
+file), written to a temp folder and renamed; only the newest two are kept (helpers shared with the SD3
+script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# on shared cores, spinning OpenMP workers stall whenever a sibling thread is descheduled
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from pretrain_tiny import (  # noqa: E402  (checkpoint, budget and EMA helpers shared with the SD3 path)
+    EMA,
+    Budget,
+    _fg_weight,
+    _load_prefixed,
+    _progress,
+    _rng_state,
+    _set_rng_state,
+    _tensors,
+    latest_ckpt,
+    load_ckpt,
+    parse_mix,
+    save_ckpt,
+    vocabulary,
+)
+
+log = logging.getLogger("pretrain_tiny_wan")
+
+# --------------------------------------------------------------------------------------------------
+# The shipped architecture (overrides for pipelines.tiny.build_tiny_wan)
+# --------------------------------------------------------------------------------------------------
+
+SIZE = 32  # px; the motion verifier passes every rendered easy / medium clip at 32 px
+NUM_FRAMES = 9  # rewards.vvr_motion's clip length (Wan's VAE takes 4k + 1 frames)
+VAE_WINDOW = 5  # frames per VAE training clip (1 + 4: one causal chunk after the first frame)
+
+
+def model_overrides(words: list[str], max_length: int) -> dict:
+    """Wan 2.1 T2V-like DiT (cross-attention to UMT5, 3-axis RoPE, qk RMS-norm across heads), 4 layers ×
+    width 128 (4 heads × 32), patch (1, 2, 2) on 5×8×8×8 latents = 80 tokens; causal 3D VAE with
+    f_s = 4, f_t = 2, z = 8; UMT5 stand-in (width 64, word-level vocabulary incl. every training word)."""
+    return dict(
+        seed=0,
+        t5_max_length=max_length,
+        t5_extra_words=tuple(words),
+        transformer=dict(patch_size=[1, 2, 2], num_attention_heads=4, attention_head_dim=32, freq_dim=64,
+                         ffn_dim=512, num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                         rope_max_seq_len=64),
+        vae=dict(base_dim=16, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+                 temperal_downsample=[False, True]),
+        text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                          relative_attention_num_buckets=16, relative_attention_max_distance=64),
+        scheduler=dict(shift=1.0),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 1: data
+# --------------------------------------------------------------------------------------------------
+
+
+def build_dataset(n: int, mix: dict[str, float], seed: int) -> dict:
+    """Render ``n`` training clips once: uint8 ``(N, 3, F, H, W)`` (the VAE's layout), prompts, levels."""
+    from tqdm import tqdm
+
+    from rewards.vvr_motion import generate_tasks, render
+
+    clips: list[np.ndarray] = []
+    prompts: list[str] = []
+    levels: list[str] = []
+    for i, (level, w) in enumerate(mix.items()):
+        k = int(round(n * w)) if i < len(mix) - 1 else n - len(clips)
+        task_seed = seed * 10 + i  # training seeds < 1000 (the benchmark splits use 2001-2003)
+        if task_seed >= 1000:
+            raise ValueError(f"--seed {seed} gives task seed {task_seed} >= 1000 (reserved for benchmarks)")
+        for t in tqdm(generate_tasks(k, seed=task_seed, level=level, num_frames=NUM_FRAMES),
+                      desc=f"render {level}", mininterval=5):
+            clips.append(render(t, size=SIZE))  # (F, H, W, 3)
+            prompts.append(t.prompt)
+            levels.append(level)
+    arr = torch.from_numpy(np.stack(clips)).permute(0, 4, 1, 2, 3).contiguous()
+    return {"clips": arr, "prompts": prompts, "levels": levels}
+
+
+def _pixels(clips: torch.Tensor) -> torch.Tensor:
+    """uint8 clips → float in [-1, 1] (the VAE's input range)."""
+    return clips.float() / 127.5 - 1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 2: VAE
+# --------------------------------------------------------------------------------------------------
+
+
+def _stage_state(opt, step: int, budget: Budget, **extra) -> dict:
+    return {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state(), **extra}
+
+
+def train_vae(pipe, data: dict, args, out: Path) -> None:
+    vae = pipe.vae
+    stage = out / "vae"
+    if (stage / "DONE").is_file():
+        w, _ = load_ckpt(latest_ckpt(stage))
+        _load_prefixed(vae, w, "vae")
+        return
+    clips = data["clips"]
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0, betas=(0.9, 0.99))
+    step, elapsed = 0, 0.0
+    ck = latest_ckpt(stage) if args.resume else None
+    if ck is not None:
+        w, st = load_ckpt(ck)
+        _load_prefixed(vae, w, "vae")
+        opt.load_state_dict(st["opt"])
+        step, elapsed = st["step"], st["elapsed"]
+        _set_rng_state(st["rng"])
+        log.info("vae: resumed from %s (step %d, %.1f min)", ck, step, elapsed / 60)
+    budget = Budget(args.vae_minutes, args.vae_steps, elapsed)
+    vae.train()
+    bar = _progress(budget.seconds, "vae")
+    bar.update(int(elapsed))
+    ema_loss = None
+    while not budget.done(step):
+        frac = budget.fraction(step)
+        # high rate, then a low rate for the last 40% (a single high rate leaves colour shifts)
+        lr = (args.vae_lr if frac < 0.6 else args.vae_lr2) * min(1.0, (step + 1) / 50)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(0, len(clips), (args.vae_batch,))
+        start = int(torch.randint(0, NUM_FRAMES - VAE_WINDOW + 1, (1,)))
+        x = _pixels(clips[idx, :, start : start + VAE_WINDOW])  # (B, 3, 5, H, W)
+        post = vae.encode(x).latent_dist
+        rec = vae.decode(post.sample()).sample
+        kl = post.kl().mean() / x[0].numel()
+        # frames folded into the batch: the SD3 script's per-frame foreground weight
+        wgt = _fg_weight(x.transpose(1, 2).flatten(0, 1), args.fg_weight).unflatten(0, (len(x), -1)).transpose(1, 2)
+        loss = (wgt * ((rec - x).abs() + (rec - x) ** 2)).mean() / wgt.mean() + args.vae_kl * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        bar.n = int(budget.elapsed)
+        bar.set_postfix_str(f"step {step} loss {ema_loss:.4f} lr {lr:.1e}", refresh=False)
+        bar.update(0)
+        if step % 25 == 0:
+            log.info("vae step %d loss %.4f kl %.3f lr %.1e elapsed %.1fmin", step, ema_loss, kl.item(), lr,
+                     budget.elapsed / 60)
+        if step % args.save_every == 0:
+            save_ckpt(stage, step, _tensors("vae", vae), _stage_state(opt, step, budget))
+    bar.close()
+    vae.eval()
+    save_ckpt(stage, step, _tensors("vae", vae), _stage_state(opt, step, budget))
+    (stage / "DONE").write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
+    log.info("vae: done, %d steps in %.1f min", step, budget.elapsed / 60)
+
+
+@torch.no_grad()
+def encode_latents(pipe, data: dict, out: Path, batch: int = 64) -> torch.Tensor:
+    """Posterior means of every clip ``(N, z, 5, 8, 8)``; sets the VAE's per-channel ``latents_mean`` /
+    ``latents_std`` from their statistics and returns the normalised latents."""
+    path = out / "latents.pt"
+    vae = pipe.vae.eval()
+    if path.is_file():
+        cache = torch.load(path)
+        vae.register_to_config(latents_mean=cache["latents_mean"], latents_std=cache["latents_std"])
+        return cache["x0"]
+    from tqdm import tqdm
+
+    clips = data["clips"]
+    zs = [vae.encode(_pixels(clips[i : i + batch])).latent_dist.mean
+          for i in tqdm(range(0, len(clips), batch), desc="encode latents", mininterval=10)]
+    z = torch.cat(zs)
+    mean = z.transpose(0, 1).flatten(1).mean(1)
+    std = z.transpose(0, 1).flatten(1).std(1)
+    vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
+                           latents_std=[round(float(v), 5) for v in std])
+    mean_t = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std_t = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    x0 = (z - mean_t) / std_t
+    rec = vae.decode(z[:32]).sample
+    err = (rec - _pixels(clips[:32])).abs().mean().item() * 127.5
+    log.info("latents: %s mean %s std %s; recon MAE %.2f/255", tuple(z.shape), vae.config.latents_mean,
+             vae.config.latents_std, err)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"x0": x0, "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std}, tmp)
+    os.replace(tmp, path)
+    return x0
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 4: transformer + text encoder
+# --------------------------------------------------------------------------------------------------
+
+TRAINED = ("transformer", "text_encoder")
+
+
+def _dit_weights(pipe, ema: EMA, names_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    w = {}
+    for name in TRAINED:
+        w.update(_tensors(name, getattr(pipe, name)))
+    for (n, _), s in zip(names_params, ema.shadow):
+        w[f"ema.{n}"] = s.detach().clone().contiguous()
+    return w
+
+
+def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int) -> EMA:
+    stage = out / "dit"
+    prompts = data["prompts"]
+    names_params = []
+    for name in TRAINED:
+        seen = set()
+        for n, p in getattr(pipe, name).named_parameters():
+            if id(p) in seen:  # UMT5 ties shared / embed_tokens
+                continue
+            seen.add(id(p))
+            names_params.append((f"{name}.{n}", p))
+    params = [p for _, p in names_params]
+    for p in params:
+        p.requires_grad_(True)
+    decay, no_decay = [], []
+    for n, p in names_params:
+        (no_decay if p.ndim < 2 or "norm" in n or "embed" in n or "shared" in n else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.99))
+    ema = EMA(params, args.ema)
+    step, elapsed = 0, 0.0
+    done = (stage / "DONE").is_file()
+    ck = latest_ckpt(stage) if (args.resume or done) else None
+    if ck is not None:
+        w, st = load_ckpt(ck)
+        for name in TRAINED:
+            _load_prefixed(getattr(pipe, name), w, name)
+        for i, (n, _) in enumerate(names_params):
+            ema.shadow[i].copy_(w[f"ema.{n}"])
+        opt.load_state_dict(st["opt"])
+        step, elapsed = st["step"], st["elapsed"]
+        _set_rng_state(st["rng"])
+        log.info("dit: resumed from %s (step %d, %.1f min)", ck, step, elapsed / 60)
+    budget = Budget(args.dit_minutes, args.dit_steps, elapsed)
+    if done:
+        return ema
+    weights = None
+    if args.dit_level_weights:
+        lw = parse_mix(args.dit_level_weights)
+        levels = data["levels"]
+        count = {lv: levels.count(lv) for lv in set(levels)}
+        weights = torch.tensor([lw.get(lv, 0.0) / count[lv] for lv in levels], dtype=torch.float64)
+        log.info("dit: batch level weights %s", lw)
+    for name in TRAINED:
+        getattr(pipe, name).train()
+    bar = _progress(budget.seconds, "dit")
+    bar.update(int(elapsed))
+    ema_loss = None
+    t_last = time.time()
+    n = len(prompts)
+    while not budget.done(step):
+        frac = budget.fraction(step)
+        warm = min(1.0, (step + 1) / args.warmup)
+        # constant LR, cosine decay to 10% over the last 30% of the budget
+        cool = 1.0 if frac < 0.7 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (frac - 0.7) / 0.3))
+        lr = args.lr * warm * cool
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(0, n, (args.batch,)) if weights is None else torch.multinomial(weights, args.batch, True)
+        batch_prompts = [prompts[i] if random.random() >= args.drop else "" for i in idx.tolist()]
+        x = x0[idx]  # (B, z, F', h, w)
+        embeds, _ = pipe.encode_prompt(prompt=batch_prompts, do_classifier_free_guidance=False,
+                                       max_sequence_length=max_seq, device=torch.device("cpu"))
+        sigma = torch.sigmoid(torch.randn(args.batch))  # logit-normal(0, 1), as SD3
+        eps = torch.randn_like(x)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        xs = (1 - s) * x + s * eps
+        v = pipe.transformer(hidden_states=xs, timestep=1000 * sigma, encoder_hidden_states=embeds,
+                             return_dict=False)[0]
+        loss = F.mse_loss(v.float(), (eps - x).float())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        ema.update(step)
+        step += 1
+        ema_loss = loss.item() if ema_loss is None else 0.98 * ema_loss + 0.02 * loss.item()
+        bar.n = int(budget.elapsed)
+        bar.set_postfix_str(f"step {step} loss {ema_loss:.4f} lr {lr:.1e}", refresh=False)
+        bar.update(0)
+        if step % 25 == 0:
+            dt = (time.time() - t_last) / 25
+            t_last = time.time()
+            log.info("dit step %d loss %.4f gnorm %.2f lr %.2e %.2fs/step elapsed %.1fmin", step, ema_loss, gn,
+                     lr, dt, budget.elapsed / 60)
+        if step % args.save_every == 0:
+            save_ckpt(stage, step, _dit_weights(pipe, ema, names_params), _stage_state(opt, step, budget))
+    bar.close()
+    save_ckpt(stage, step, _dit_weights(pipe, ema, names_params), _stage_state(opt, step, budget))
+    (stage / "DONE").write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
+    log.info("dit: done, %d steps in %.1f min", step, budget.elapsed / 60)
+    return ema
+
+
+# --------------------------------------------------------------------------------------------------
+# Export, samples, evaluation
+# --------------------------------------------------------------------------------------------------
+
+
+def sampling_defaults(args, max_seq: int) -> dict:
+    return {"family": "wan", "height": SIZE, "width": SIZE, "num_frames": NUM_FRAMES,
+            "guidance_scale": args.cfg, "num_steps": args.sample_steps, "max_sequence_length": max_seq,
+            "shift": args.shift}
+
+
+def export(pipe, ema: EMA, args, max_seq: int, folder: Path) -> None:
+    from diffusers import WanPipeline
+
+    from pipelines.tiny import write_sampling_defaults
+
+    ema.copy_to()
+    for name in TRAINED:
+        getattr(pipe, name).eval().requires_grad_(False)
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    write_sampling_defaults(tmp, **sampling_defaults(args, max_seq))
+    # keep a hand-written model card and samples if they are already there
+    if folder.exists():
+        for keep in ("README.md", "samples.png", "samples.gif"):
+            if (folder / keep).is_file() and not (tmp / keep).exists():
+                shutil.copy2(folder / keep, tmp / keep)
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    again = WanPipeline.from_pretrained(folder)  # the folder must reload as-is
+    del again
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    log.info("export: %s (%.1f MB)", folder, size / 2**20)
+
+
+def save_strip(videos: torch.Tensor, png: Path, gif: Path | None = None, cols: int = 4) -> None:
+    """``(N, F, 3, H, W)`` in [0, 1] → a PNG (one row per clip, one column per frame) and a GIF
+    (the clips tiled ``cols`` wide, playing together)."""
+    from PIL import Image
+
+    v = (videos.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2).numpy()  # (N, F, H, W, 3)
+    n, f, h, w, _ = v.shape
+    Image.fromarray(np.concatenate([np.concatenate(list(clip), axis=1) for clip in v], axis=0)).save(png)
+    if gif is not None:
+        rows = math.ceil(n / cols)
+        pad = np.full((rows * cols - n, f, h, w, 3), 255, np.uint8)
+        tiles = np.concatenate([v, pad]).reshape(rows, cols, f, h, w, 3)
+        frames = tiles.transpose(2, 0, 3, 1, 4, 5).reshape(f, rows * h, cols * w, 3)
+        frames = np.repeat(np.repeat(frames, 2, axis=1), 2, axis=2)  # 2× so a 32 px clip is visible
+        Image.fromarray(frames[0]).save(gif, save_all=True, append_images=[Image.fromarray(x) for x in frames[1:]],
+                                        duration=125, loop=0)
+
+
+def evaluate_levels(folder: Path, n: int, out: Path, levels: tuple[str, ...] = ("easy", "medium")) -> dict:
+    """``flowalign evaluate --bench vvr_motion --level L --n n`` for each level, same code path."""
+    import pipelines
+    from flowalign.evaluation import evaluate
+    from rewards.benchmarks import load_benchmark
+
+    policy = pipelines.load(str(folder))
+    results = {}
+    for level in levels:
+        bench = load_benchmark("vvr_motion", level, n)
+        t0 = time.time()
+        m = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=0, batch_size=16,
+                     out_dir=out / f"eval-{level}", progress=False)
+        results[level] = {"n": m["n"], "accuracy": m.get("accuracy"), "mean_score": m["mean_score"],
+                          "per_constraint": m.get("per_constraint"), "seconds": round(time.time() - t0, 1)}
+        log.info("eval %s: %s", level, results[level])
+    results["settings"] = dict(policy.defaults)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/pretrain-wan", help="work folder (caches, checkpoints, log)")
+    p.add_argument("--export", default="assets/tiny-wan-motion", help="final diffusers folder")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoints in --out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--n-clips", type=int, default=10000)
+    p.add_argument("--mix", default="easy:0.7,medium:0.3")
+    p.add_argument("--max-sequence-length", type=int, default=0, help="UMT5 length (0: longest prompt + 2)")
+    # VAE
+    p.add_argument("--vae-minutes", type=float, default=9.0)
+    p.add_argument("--vae-steps", type=int, default=None)
+    p.add_argument("--vae-batch", type=int, default=8)
+    p.add_argument("--vae-lr", type=float, default=2e-3)
+    p.add_argument("--vae-lr2", type=float, default=5e-4)
+    p.add_argument("--vae-kl", type=float, default=1e-4, help="KL weight (per-pixel normalised)")
+    p.add_argument("--fg-weight", type=float, default=5.0, help="loss weight of object pixels vs background")
+    # DiT
+    p.add_argument("--dit-minutes", type=float, default=26.0)
+    p.add_argument("--dit-steps", type=int, default=None)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--wd", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--ema", type=float, default=0.995)
+    p.add_argument("--dit-level-weights", default=None, help="batch sampling weights per level (default: as rendered)")
+    p.add_argument("--drop", type=float, default=0.1, help="empty-prompt rate for CFG")
+    p.add_argument("--save-every", type=int, default=200)
+    # sampling defaults written to flowalign.json, eval
+    p.add_argument("--cfg", type=float, default=4.0, help="CFG scale written to flowalign.json")
+    p.add_argument("--shift", type=float, default=1.0, help="sampling shift written to flowalign.json")
+    p.add_argument("--sample-steps", type=int, default=20)
+    p.add_argument("--eval-n", type=int, default=0, help="held-out tasks per level (easy, medium) after export")
+    p.add_argument("--demo-n", type=int, default=8, help="training prompts sampled into OUT/samples_train_prompts.*")
+    p.add_argument("--eval-only", action="store_true", help="only evaluate the --export folder")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter("%(asctime)s %(message)s")
+    for h in (logging.FileHandler(out / "train.log"), logging.StreamHandler(sys.stderr)):
+        h.setFormatter(fmt)
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    import diffusers.utils.logging as dlog
+    import transformers.utils.logging as tlog
+
+    dlog.set_verbosity_error()
+    tlog.set_verbosity_error()
+    log.info("args: %s", vars(args))
+    t_start = time.time()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    if args.eval_only:
+        res = evaluate_levels(Path(args.export), args.eval_n or 200, out)
+        (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+        print(json.dumps(res, indent=2))
+        return
+
+    # 1. data
+    data_path = out / "data.pt"
+    if data_path.is_file():
+        data = torch.load(data_path, weights_only=False)
+        log.info("data: %d cached clips", len(data["prompts"]))
+    else:
+        t0 = time.time()
+        data = build_dataset(args.n_clips, parse_mix(args.mix), args.seed)
+        tmp = data_path.with_suffix(".tmp")
+        torch.save(data, tmp)
+        os.replace(tmp, data_path)
+        log.info("data: rendered %d clips %s in %.1f min", len(data["prompts"]), tuple(data["clips"].shape[1:]),
+                 (time.time() - t0) / 60)
+
+    from pipelines.tiny import build_tiny_wan, t5_tokenizer
+
+    words = vocabulary(data["prompts"])
+    max_seq = args.max_sequence_length
+    if not max_seq:
+        tok = t5_tokenizer(512, tuple(words))
+        max_seq = max(len(tok(p).input_ids) for p in set(data["prompts"])) + 2
+    log.info("max_sequence_length %d, %d prompt words", max_seq, len(words))
+    pipe = build_tiny_wan(**model_overrides(words, max_seq))
+    pipe.set_progress_bar_config(disable=True)
+    for name in ("transformer", "vae", "text_encoder"):
+        n = sum(p.numel() for p in getattr(pipe, name).parameters())
+        log.info("  %-15s %8.3fM params", name, n / 1e6)
+
+    # 2-3. VAE + latents
+    train_vae(pipe, data, args, out)
+    pipe.vae.requires_grad_(False)
+    x0 = encode_latents(pipe, data, out)
+
+    # 4. transformer + text encoder
+    ema = train_dit(pipe, data, x0, args, out, max_seq)
+
+    # 5. export
+    folder = Path(args.export)
+    export(pipe, ema, args, max_seq, folder)
+    if args.demo_n:
+        import pipelines
+        from flowalign.evaluation import sample_seeded
+
+        rng = random.Random(12345)
+        demo = [data["prompts"][i] for i in rng.sample(range(len(data["prompts"])), args.demo_n)]
+        videos = sample_seeded(pipelines.load(str(folder)), demo, seed=0, progress=False)
+        save_strip(videos, out / "samples_train_prompts.png", out / "samples_train_prompts.gif")
+        (out / "samples_train_prompts.txt").write_text("\n".join(demo) + "\n")
+    log.info("total wall time %.1f min", (time.time() - t_start) / 60)
+
+    # 6. eval
+    if args.eval_n:
+        res = evaluate_levels(folder, args.eval_n, out)
+        (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
