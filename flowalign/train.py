@@ -20,6 +20,9 @@ RESUMABLE_CHANGES = {"run.resume", "run.progress", "run.checkpoint_every", "run.
                      "trainer.max_steps", "eval.every", "run.wandb"}
 
 
+SHARDED_BACKENDS = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+
+
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in d.items():
@@ -110,6 +113,11 @@ def build_trainer(cfg: TrainConfig):
         raise UserError("trainer.beta > 0 needs reference passes with the adapter disabled, which full fine-tuning "
                         "has not got: set trainer.beta=0 or model.finetune=lora")
     acc = Accelerator(cpu=not torch.cuda.is_available())
+    if acc.distributed_type.value in SHARDED_BACKENDS:
+        # the loop averages gradients itself over replicated weights; silently ignoring a sharding
+        # request would run out of memory on the models that need it
+        raise UserError(f"the accelerate config asks for {acc.distributed_type.value}, which flowalign does not wire "
+                        "yet; launch with a multi-GPU (DDP) accelerate config or torchrun, or use LoRA to fit memory")
     run_dir = Path(cfg.run.output_dir)
     if acc.is_main_process:
         prepare_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)
