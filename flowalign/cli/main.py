@@ -20,6 +20,8 @@ COMMANDS = (
     "evaluate",
     "train",
     "gallery",
+    "train_reward",
+    "serve_judge",
 )
 
 

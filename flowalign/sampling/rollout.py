@@ -125,6 +125,8 @@ def rollout(
     initial_noise: torch.Tensor | None = None,
     decode: bool = True,
     cps_log_prob: str = "code",
+    guide: Callable[..., torch.Tensor] | None = None,
+    keep_velocities: bool = False,
 ) -> Rollout:
     """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid.
 
@@ -133,6 +135,11 @@ def rollout(
     steps are Euler ODE steps. ``guidance_scale`` defaults to the checkpoint's own default. Pass
     ``initial_noise`` ``(B, ...)`` to share noise (e.g. DanceGRPO groups) or to branch from an ODE
     prefix.
+
+    ``guide`` (e.g. :class:`flowalign.sampling.guidance.Guidance`, reward-guided sampling) maps each
+    step's velocity ``guide(v, x, σ, cond) -> v_c`` before the step. ``keep_velocities`` stores the
+    policy's velocities (before any guide) in ``extras["velocities"]`` ``(B, T, ...)`` (trainers that distil toward
+    them need no second forward pass).
     """
     prompts = _check_prompts(prompts)
     custom_step = sampler if callable(sampler) else None
@@ -152,8 +159,13 @@ def rollout(
 
     latents = [x]
     log_probs = torch.full((len(prompts), num_steps), float("nan"))
+    velocities = []
     for k in range(num_steps):
         v = policy.velocity(x, sigmas[k].item(), cond, guidance)
+        if keep_velocities:
+            velocities.append(v.float())
+        if guide is not None:
+            v = guide(v, x, sigmas[k].item(), cond)
         if custom_step is not None and mask[k]:
             out = custom_step(v, x, sigmas[k].item(), sigmas[k + 1].item(), generator, None)
         else:
@@ -178,4 +190,5 @@ def rollout(
         sampler=getattr(sampler, "__name__", "custom") if custom_step else sampler,
         noise_level=level,
         guidance_scale=guidance,
+        extras={"velocities": torch.stack(velocities, dim=1)} if keep_velocities else {},
     )

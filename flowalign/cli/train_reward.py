@@ -1,0 +1,215 @@
+"""``flowalign train-reward``: fit latent reward registers to preference pairs; writes a reward folder.
+
+Pairs come from a JSONL of images (``{"prompt", "chosen", "rejected"}``, paths relative to the file), a
+pairs file written before (``.safetensors``), or the model's own samples ranked by a benchmark's
+verifier (``--bench vvr --level medium --n N``). The folder gets ``config.json`` +
+``registers.safetensors`` (what ``--guide`` and ``trainer.latent_reward`` read), ``metrics.json``
+(pairwise accuracy per σ bin on train and held-out pairs) and ``pairs.safetensors`` (CoRe's real set).
+An interrupted run continues from ``OUT.partial/`` with ``--resume``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from flowalign.cli.common import add_model_args, load_policy
+from flowalign.errors import UserError
+from flowalign.io import atomic_dir, write_json
+from flowalign.paths import REPO_ROOT, default_model_dir
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("train-reward", help="train latent reward registers from preference pairs")
+    add_model_args(p)
+    src = p.add_argument_group("pairs (one source)")
+    src.add_argument("--pairs", default=None, help="a JSONL of {prompt, chosen, rejected} images or a saved pairs .safetensors")
+    src.add_argument("--bench", default=None, help="generate pairs from the model's samples ranked by this benchmark's verifier (vvr)")
+    src.add_argument("--level", default="medium", help="benchmark level: easy, medium or hard")
+    src.add_argument("--n", type=int, default=200, help="benchmark tasks (prompts) to sample")
+    src.add_argument("--group-size", type=int, default=4, help="samples per prompt; every differently scored pair is kept")
+    src.add_argument("--data-seed", type=int, default=0, help="seed of the freshly drawn tasks (never the held-out split)")
+    src.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
+    src.add_argument("--no-partial-credit", action="store_true", help="rank vvr samples by the plain verifier score")
+    src.add_argument("--pairs-out", default=None, help="also save the generated pairs here (.safetensors) for reuse")
+    p.add_argument("--out", required=True, help="reward folder to write")
+    p.add_argument("--registers", type=int, default=8, help="number of register tokens M")
+    p.add_argument("--layers", default="last", help="'last', 'multi' (L/2, 3L/4, L) or comma-separated block indices")
+    p.add_argument("--head-hidden", type=int, default=256)
+    p.add_argument("--train-steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--test-fraction", type=float, default=0.2, help="prompts held out for the accuracy report")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=200, help="save OUT.partial/ every N steps (resume point)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT.partial/ if it exists")
+    p.add_argument("--no-save-pairs", action="store_true", help="do not copy the pairs into the reward folder")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if bool(args.pairs) == bool(args.bench):
+        raise UserError("give exactly one pair source: --pairs FILE or --bench NAME (e.g. --bench vvr --level medium --n 200)")
+    if args.pairs and not Path(args.pairs).is_file():
+        raise UserError(f"--pairs {args.pairs}: no such file")
+    if args.pairs and Path(args.pairs).suffix not in (".jsonl", ".safetensors"):
+        raise UserError(f"--pairs {args.pairs}: use a .jsonl of images or a .safetensors pairs file")
+    for name in ("n", "group_size", "train_steps", "batch_size", "registers", "checkpoint_every"):
+        if getattr(args, name) < (2 if name == "group_size" else 1):
+            raise UserError(f"--{name.replace('_', '-')} must be >= {2 if name == 'group_size' else 1}, got {getattr(args, name)}")
+    if not 0 <= args.test_fraction < 1:
+        raise UserError(f"--test-fraction {args.test_fraction}: use a value in [0, 1)")
+    if args.lr <= 0:
+        raise UserError(f"--lr {args.lr} must be > 0")
+
+
+def _portable(path: Path) -> str:
+    """The base model as the reward folder records it: relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path.resolve())
+
+
+def _layers(text: str):
+    if text in ("last", "multi"):
+        return text
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UserError(f"--layers {text!r}: use 'last', 'multi' or comma-separated block indices like 1,3") from None
+
+
+def _pairs_from_jsonl(policy, path: Path):
+    import numpy as np
+    from PIL import Image
+
+    from flowalign.latent_preference import PreferencePairs
+    from rewards.latent_registers import encode_images
+
+    prompts, chosen, rejected = [], [], []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            files = [path.parent / row["chosen"], path.parent / row["rejected"]]
+            prompt = str(row["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise UserError(f"{path}:{line_no}: each line must be a JSON object with prompt, chosen, rejected ({err})") from err
+        for f in files:
+            if not f.is_file():
+                raise UserError(f"{path}:{line_no}: image {f} does not exist (paths are relative to the JSONL's folder)")
+        ims = [torch.from_numpy(np.asarray(Image.open(f).convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1) for f in files]
+        latents = encode_images(policy, torch.stack(ims))
+        prompts.append(prompt)
+        chosen.append(latents[0])
+        rejected.append(latents[1])
+    if not prompts:
+        raise UserError(f"{path} holds no pairs")
+    return PreferencePairs(prompts, torch.stack(chosen), torch.stack(rejected))
+
+
+def load_pairs(args: argparse.Namespace, policy):
+    """The preference pairs of ``args`` and a summary of where they came from."""
+    from flowalign.latent_preference import PreferencePairs, generate_pairs
+
+    if args.pairs:
+        path = Path(args.pairs)
+        pairs = PreferencePairs.load(path) if path.suffix == ".safetensors" else _pairs_from_jsonl(policy, path)
+        return pairs, {"source": str(path), "pairs": len(pairs)}
+    import rewards as reward_registry
+    from rewards.benchmarks import load_benchmark
+
+    bench = load_benchmark(args.bench, args.level, args.n, args.data_seed)
+    reward = bench.reward
+    if args.bench == "vvr" and not args.no_partial_credit:
+        reward = reward_registry.load("vvr", partial_credit=True)
+    pairs, info = generate_pairs(policy, bench.prompts, bench.metadata, reward, group_size=args.group_size,
+                                 num_steps=args.steps, seed=args.data_seed, progress=not args.no_progress)
+    if args.pairs_out:
+        pairs.save(args.pairs_out)
+    return pairs, {"source": f"{args.bench}/{args.level} n={args.n} seed={args.data_seed} group={args.group_size}",
+                   "labeller": reward.name + (" (partial credit)" if reward is not bench.reward else ""), **info}
+
+
+def run(args: argparse.Namespace) -> None:
+    from tqdm.auto import tqdm
+
+    from flowalign.latent_preference import PreferencePairs, fit, pairwise_accuracy
+    from rewards.latent_registers import LatentRegisters, load_frozen_transformer
+
+    _check(args)
+    out = Path(args.out)
+    partial = out.with_name(out.name + ".partial")
+    layers = _layers(args.layers)
+    policy = load_policy(args)
+    model = _portable(Path(args.model) if args.model else default_model_dir())
+    t0 = time.perf_counter()
+
+    resume = args.resume and (partial / "state.json").is_file()
+    if resume:
+        pairs = PreferencePairs.load(partial / "pairs.safetensors")
+        state = json.loads((partial / "state.json").read_text())
+        source = state["source"]
+    else:
+        pairs, source = load_pairs(args, policy)
+    train_pairs, test_pairs = pairs.split(args.test_fraction, seed=args.seed)
+    print(f"{len(pairs)} pairs ({len(train_pairs)} train, {len(test_pairs)} held out by prompt) from {source['source']}")
+
+    transformer = load_frozen_transformer(model, Path(model), policy.device, policy.dtype)
+    reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
+                             base_model=model, seed=args.seed)
+    optimizer = torch.optim.Adam(reward.parameters(), lr=args.lr)
+    start = 0
+    if resume:
+        from safetensors.torch import load_file
+
+        reward.load_state_dict(load_file(str(partial / "registers.safetensors")))
+        optimizer.load_state_dict(torch.load(partial / "optimizer.pt", weights_only=True))
+        start = int(state["step"])
+        print(f"resumed from {partial} at step {start}")
+
+    def checkpoint(step: int) -> None:
+        with atomic_dir(partial) as tmp:
+            pairs.save(tmp / "pairs.safetensors")
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in reward.state_dict().items()}, str(tmp / "registers.safetensors"))
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            (tmp / "state.json").write_text(json.dumps({"step": step, "source": source}))
+
+    if not resume:
+        checkpoint(0)  # the pairs are the expensive part: keep them before training
+    bar = tqdm(total=args.train_steps, initial=start, desc="training registers", unit="step", disable=args.no_progress)
+
+    def on_step(step: int, info: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{info['loss']:.3f}", acc=f"{info['acc_real']:.2f}")
+        if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.train_steps:
+            checkpoint(step + 1)
+
+    stats = fit(reward, train_pairs, policy.encode, steps=args.train_steps, batch_size=args.batch_size, lr=args.lr,
+                seed=args.seed, start_step=start, optimizer=optimizer, on_step=on_step)
+    bar.close()
+    metrics = {"pairs": source, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
+               "train_steps": args.train_steps, "final_train_loss": stats.get("loss"),
+               "accuracy_train": pairwise_accuracy(reward, train_pairs, policy.encode, seed=args.seed + 1)}
+    if len(test_pairs):
+        metrics["accuracy_test"] = pairwise_accuracy(reward, test_pairs, policy.encode, seed=args.seed + 1)
+    metrics["minutes"] = (time.perf_counter() - t0) / 60
+    reward.save(out, extra={"trained_on": source})
+    if not args.no_save_pairs:
+        pairs.save(out / "pairs.safetensors")
+    write_json(out / "metrics.json", metrics)
+    shutil.rmtree(partial, ignore_errors=True)
+    shown = metrics.get("accuracy_test", metrics["accuracy_train"])
+    print("pairwise accuracy (" + ("held-out" if "accuracy_test" in metrics else "train") + "): "
+          + ", ".join(f"{k} {v:.1%}" for k, v in shown.items()))
+    print(f"wrote {out}")
