@@ -1,0 +1,347 @@
+"""VLM judges as rewards: ``vlm_judge`` (a local transformers VLM) and ``vlm_judge_http`` (a served one).
+
+Both score decoded samples against their prompts in one of the modes of
+``shared/specs/vlm_judges.md``:
+
+* ``weighted`` (default): the reply is forced to start with ``prefix`` ("Score:"); from the next-token
+  log-probs over the single-token digits "1".."K" (and their leading-space variants), softmaxed over
+  those only, ``s = Σ k·p_k`` ∈ [1, K]. Deterministic, no sampling. [common practice]
+* ``yesno``: prefix "Answer:", ``s = P(Yes) / (P(Yes) + P(No))`` ∈ [0, 1].
+* ``text``: the judge writes its verdict ("Score: 4", "Alignment Score (1-5): 4", ``<answer>4</answer>``);
+  it is parsed per label, then by the first number (:func:`rewards.vlm_parse.parse_score`). [UnifiedReward]
+* ``rubric`` (Thinking Reward Model): the judge writes a JSON rubric once per prompt (cached, so every
+  member of a GRPO group is judged on the same rubric), then scores each criterion 0-10;
+  ``R = Σ w_k·s_k/10`` ∈ [0, 1]. [abstract; details derived]
+* ``pairwise``: samples sharing a prompt are compared two by two in both orders ("Better image: 1|2",
+  probability-weighted); a sample's score is its mean win probability against its group ∈ [0, 1],
+  a Bradley-Terry win rate for group-relative training. [derived]
+
+A sample whose judge call failed (unreachable server, timeout) or whose reply is not a score is
+invalid (``RewardOutput.valid`` False, the reason in ``info``), never scored 0 and never a crash;
+``stats`` counts them and a warning is logged per batch. Videos ``(B,F,3,H,W)`` are judged on
+``num_frames`` frames sampled evenly per clip, sent as images in order. Images are handed to the judge
+at their own resolution: the judge's processor resizes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from typing import Any
+
+import torch
+
+from flowalign.errors import UserError
+from flowalign.protocols import RewardOutput
+from rewards.common import RANGE_TOLERANCE, check_lengths
+from rewards.registry import register
+from rewards.vlm_backend import ChatRequest, Completion
+from rewards.vlm_parse import (Criterion, choice_from_text, choice_probs, parse_rubric, parse_score, rubric_reward,
+                               weighted_score)
+
+log = logging.getLogger("flowalign.rewards.vlm_judge")
+
+MODES = ("weighted", "yesno", "text", "rubric", "pairwise")
+
+QUESTIONS = {
+    "weighted": ('You are a strict judge of generated {media}s. Prompt: "{prompt}". How well does the {media}'
+                 " match the prompt? Rate it from 1 (not at all) to {K} (perfectly). Answer with the score only."),
+    "yesno": 'Does the {media} match the prompt "{prompt}"? Answer Yes or No.',
+    "text": ('You are a strict judge of generated {media}s. Prompt: "{prompt}". Rate how well the {media} matches'
+             " the prompt from 1 to {K}. Reply in the form \"Score: x\"."),
+    "rubric": ('Write a rubric for judging {media}s generated for the prompt "{prompt}" as JSON: a list of'
+               ' criteria, each {{"name", "description", "weight"}}, the weights summing to 1. Reply with the JSON'
+               " only."),
+    "criteria": ('Judge the {media} generated for the prompt "{prompt}" on each criterion of this rubric:\n'
+                 "{criteria}\nScore each criterion from 0 to 10 and reply with one line per criterion, in the"
+                 ' form "<name>: <score>".'),
+    "pairwise": ('Prompt: "{prompt}". Which of the two {media}s matches the prompt better, {media} 1 or'
+                 " {media} 2? Answer 1 or 2."),
+}
+PREFIXES = {"weighted": "Score:", "yesno": "Answer:", "pairwise": "Better {media}:"}
+# rubric used when the judge's rubric cannot be read (cached like a real one) [derived]
+FALLBACK_RUBRIC = [Criterion("prompt alignment", "the image shows what the prompt asks for", 1.0)]
+
+
+def _to_pil(image: torch.Tensor) -> Any:
+    """``(3, H, W)`` float in [0, 1] → PIL RGB (8-bit, as every VLM processor expects)."""
+    from PIL import Image
+
+    array = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    return Image.fromarray(array, "RGB")
+
+
+class VLMJudge:
+    """The judge on top of a backend with ``complete(list[ChatRequest]) -> list[Completion]``.
+
+    Options (all modes): ``mode`` (one of :data:`MODES`), ``scale`` K (weighted/text scores lie in
+    [1, K]; 2..9 so every score is one digit token), ``question`` (a template with ``{prompt}``,
+    ``{media}``, ``{K}`` replacing the mode's default), ``prefix`` (forced reply start),
+    ``top_logprobs`` (alternatives read per position; digits outside them count 0, ``info`` reports
+    the mass found), ``labels`` and ``max_tokens`` / ``temperature`` (text and rubric modes; 0 is
+    greedy), ``num_frames`` (videos), ``rubric_cache_size``, ``seed`` (sampling at temperature > 0).
+    """
+
+    name = "vlm_judge"
+    differentiable = False
+
+    def __init__(self, backend: Any, *, mode: str = "weighted", scale: int = 9, question: str | None = None,
+                 prefix: str | None = None, top_logprobs: int = 20, labels: list[str] | tuple[str, ...] = ("Score",),
+                 max_tokens: int = 64, temperature: float = 0.0, num_frames: int = 4,
+                 rubric_cache_size: int = 4096, seed: int | None = None):
+        who = self.name
+        if mode not in MODES:
+            raise UserError(f"{who} reward: mode={mode!r} is not one of {list(MODES)}")
+        if not isinstance(scale, int) or not 2 <= scale <= 9:
+            raise UserError(f"{who} reward: scale={scale!r} must be an integer in 2..9 (scores are single digits)")
+        for key, value, lo in (("top_logprobs", top_logprobs, 1), ("max_tokens", max_tokens, 1),
+                               ("num_frames", num_frames, 1), ("rubric_cache_size", rubric_cache_size, 1)):
+            if not isinstance(value, int) or value < lo:
+                raise UserError(f"{who} reward: {key}={value!r} must be an integer >= {lo}")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise UserError(f"{who} reward: temperature={temperature!r} must be >= 0 (0 is greedy)")
+        if isinstance(labels, str) or not labels or not all(isinstance(x, str) and x.strip() for x in labels):
+            raise UserError(f"{who} reward: labels={labels!r} must be a non-empty list of names, e.g. ['Score']")
+        if question is not None and "{prompt}" not in question:
+            raise UserError(f"{who} reward: question must contain '{{prompt}}' where the prompt goes; got {question!r}")
+        self.backend, self.mode, self.K = backend, mode, scale
+        self.question = question or QUESTIONS[mode]
+        self.prefix = prefix if prefix is not None else PREFIXES.get(mode, "")
+        self.top_logprobs, self.labels = top_logprobs, tuple(labels)
+        self.max_tokens, self.temperature, self.num_frames, self.seed = max_tokens, float(temperature), num_frames, seed
+        self.rubrics: OrderedDict[str, list[Criterion]] = OrderedDict()
+        self.rubric_cache_size = rubric_cache_size
+        self.stats: Counter[str] = Counter()
+
+    # --- inputs ------------------------------------------------------------------------------------
+
+    def _check(self, samples: Any, prompts: list[str], metadata: list[dict[str, Any]]) -> None:
+        who = self.name
+        if not isinstance(samples, torch.Tensor) or samples.ndim not in (4, 5) or samples.shape[-3] != 3:
+            shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+            raise UserError(f"{who} reward: samples must be images (B, 3, H, W) or videos (B, F, 3, H, W); got {shape}")
+        if not samples.is_floating_point():
+            raise UserError(f"{who} reward: samples must be float in [0, 1]; got {samples.dtype} (use x.float() / 255)")
+        finite = samples.detach()[torch.isfinite(samples.detach())]
+        if finite.numel() and (finite.min() < -RANGE_TOLERANCE or finite.max() > 1 + RANGE_TOLERANCE):
+            raise UserError(f"{who} reward: samples must lie in [0, 1]; got [{finite.min().item():.3g},"
+                            f" {finite.max().item():.3g}] (map [-1, 1] outputs with (x + 1) / 2)")
+        check_lengths(samples.shape[0], prompts, metadata, who)
+
+    def _media(self, sample: torch.Tensor) -> tuple[str, list[dict[str, Any]]]:
+        """One sample as message parts: an image, or ``num_frames`` evenly spaced frames of a video."""
+        if sample.ndim == 3:
+            return "image", [{"type": "image", "image": _to_pil(sample)}]
+        idx = torch.linspace(0, sample.shape[0] - 1, min(self.num_frames, sample.shape[0])).round().long()
+        parts = [{"type": "image", "image": _to_pil(sample[i])} for i in idx.tolist()]
+        return "video", parts + [{"type": "text", "text": f"These {len(parts)} images are frames of one video, in order. "}]
+
+    def _request(self, parts: list[dict[str, Any]], text: str, prefix: str, **kw: Any) -> ChatRequest:
+        kw.setdefault("seed", self.seed)
+        return ChatRequest([{"role": "user", "content": parts + [{"type": "text", "text": text}]}],
+                           assistant_prefix=prefix, **kw)
+
+    # --- scoring -----------------------------------------------------------------------------------
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
+        """``samples`` ``(B,3,H,W)`` / ``(B,F,3,H,W)`` in [0, 1] → ``{name: (B,)}`` float32 + ``valid`` ``(B,)``."""
+        self._check(samples, prompts, metadata)
+        n = samples.shape[0]
+        finite = torch.isfinite(samples.detach()).flatten(1).all(1)
+        scores = torch.full((n,), float("nan"))
+        info: list[dict[str, Any]] = [{"mode": self.mode} for _ in range(n)]
+        todo = [i for i in range(n) if finite[i]]
+        for i in range(n):
+            if not finite[i]:
+                info[i]["reason"] = "sample has NaN/inf values"
+        media = {i: self._media(samples[i]) for i in todo}
+        judge = getattr(self, f"_score_{self.mode}")
+        judge(todo, media, prompts, scores, info)
+        valid = torch.isfinite(scores)
+        self.stats["samples"] += n
+        self.stats["invalid"] += int((~valid).sum())
+        if not valid.all():
+            reasons = Counter(str(x.get("reason", ""))[:60] for x, ok in zip(info, valid.tolist()) if not ok)
+            log.warning("%s: %d/%d samples invalid (%s)", self.name, int((~valid).sum()), n,
+                        "; ".join(f"{c}x {r}" for r, c in reasons.most_common(3)))
+        return RewardOutput({self.name: scores.to(samples.device)}, valid=valid.to(samples.device), info=info)
+
+    def _failed(self, c: Completion, info: dict[str, Any]) -> bool:
+        if c.error is not None:
+            info["reason"] = f"judge call failed: {c.error}"
+            self.stats["call_failures"] += 1
+            return True
+        info["reply"] = (c.text or "")[:300]
+        return False
+
+    def _choice(self, todo: list[int], requests: list[ChatRequest], choices: list[str],
+                info: list[dict[str, Any]]) -> list[list[float] | None]:
+        out: list[list[float] | None] = []
+        for i, c in zip(todo, self.backend.complete(requests)):
+            probs = None
+            if not self._failed(c, info[i]):
+                if c.top_logprobs:
+                    probs, mass, reason = choice_probs(c.top_logprobs, c.tokens, choices)
+                    info[i]["choice_mass"] = mass
+                else:  # a server without logprobs: read the generated text instead
+                    probs, reason = choice_from_text(c.text, choices)
+                if probs is None:
+                    info[i]["reason"] = f"not a score: {reason}"
+                    self.stats["parse_failures"] += 1
+            out.append(probs)
+        return out
+
+    def _score_weighted(self, todo, media, prompts, scores, info) -> None:
+        requests = [self._weighted_request(media[i], prompts[i]) for i in todo]
+        for i, probs in zip(todo, self._choice(todo, requests, [str(k) for k in range(1, self.K + 1)], info)):
+            if probs is not None:
+                info[i]["probs"] = probs
+                scores[i] = weighted_score(probs)
+
+    def _weighted_request(self, media: tuple[str, list], prompt: str) -> ChatRequest:
+        kind, parts = media
+        text = self.question.format(prompt=prompt, media=kind, K=self.K)
+        # two positions: a whitespace token may come before the digit (see choice_probs)
+        return self._request(parts, text, self.prefix.format(media=kind), max_tokens=2, temperature=0.0,
+                             top_logprobs=self.top_logprobs)
+
+    def _score_yesno(self, todo, media, prompts, scores, info) -> None:
+        requests = [self._weighted_request(media[i], prompts[i]) for i in todo]
+        for i, probs in zip(todo, self._choice(todo, requests, ["yes", "no"], info)):
+            if probs is not None:
+                info[i]["probs"] = probs
+                scores[i] = probs[0]
+
+    def _score_text(self, todo, media, prompts, scores, info) -> None:
+        requests = []
+        for i in todo:
+            kind, parts = media[i]
+            requests.append(self._request(parts, self.question.format(prompt=prompts[i], media=kind, K=self.K),
+                                          self.prefix.format(media=kind), max_tokens=self.max_tokens,
+                                          temperature=self.temperature))
+        for i, c in zip(todo, self.backend.complete(requests)):
+            if self._failed(c, info[i]):
+                continue
+            parsed = parse_score(self.prefix + (c.text or ""), self.labels, (1, self.K))
+            if parsed.ok:
+                scores[i], info[i]["values"] = parsed.score, parsed.values
+            else:
+                info[i]["reason"] = f"not a score: {parsed.reason}"
+                self.stats["parse_failures"] += 1
+
+    # --- rubric (TRM) ------------------------------------------------------------------------------
+
+    def rubric_for(self, prompts: list[str], kinds: list[str]) -> list[list[Criterion]]:
+        """Rubrics for ``prompts``: one judge call per prompt not yet cached (LRU of ``rubric_cache_size``)."""
+        missing = list(dict.fromkeys(p for p in prompts if p not in self.rubrics))
+        kind_of = dict(zip(prompts, kinds))
+        if missing:
+            requests = [self._request([], self.question.format(prompt=p, media=kind_of[p], K=self.K), "",
+                                      max_tokens=max(self.max_tokens, 256), temperature=self.temperature)
+                        for p in missing]
+            self.stats["rubric_calls"] += len(missing)
+            for p, c in zip(missing, self.backend.complete(requests)):
+                rubric, reason = parse_rubric(c.text) if c.error is None else (None, c.error)
+                if rubric is None:
+                    # the same fallback for the whole group keeps its members comparable
+                    self.stats["rubric_failures"] += 1
+                    log.warning("%s: rubric for %r unreadable (%s); using the fallback rubric", self.name, p,
+                                reason[:120])
+                    rubric = FALLBACK_RUBRIC
+                self.rubrics[p] = rubric
+                while len(self.rubrics) > self.rubric_cache_size:
+                    self.rubrics.popitem(last=False)
+        for p in prompts:
+            self.rubrics.move_to_end(p)
+        return [self.rubrics[p] for p in prompts]
+
+    def _score_rubric(self, todo, media, prompts, scores, info) -> None:
+        rubrics = self.rubric_for([prompts[i] for i in todo], [media[i][0] for i in todo])
+        requests = []
+        for i, rubric in zip(todo, rubrics):
+            kind, parts = media[i]
+            lines = "\n".join(f"- {c.name} (weight {c.weight:.2f}): {c.description}" for c in rubric)
+            text = QUESTIONS["criteria"].format(prompt=prompts[i], media=kind, criteria=lines)
+            requests.append(self._request(parts, text, "", max_tokens=max(self.max_tokens, 16 * len(rubric)),
+                                          temperature=self.temperature))
+        for i, rubric, c in zip(todo, rubrics, self.backend.complete(requests)):
+            info[i]["rubric"] = [c_.__dict__ for c_ in rubric]
+            if self._failed(c, info[i]):
+                continue
+            names = [c_.name for c_ in rubric]
+            parsed = parse_score(c.text, names, (0, 10), require_all=True)
+            if parsed.ok:
+                info[i]["values"] = parsed.values
+                scores[i] = rubric_reward(rubric, parsed.values)
+            else:
+                info[i]["reason"] = f"not a score: {parsed.reason}"
+                self.stats["parse_failures"] += 1
+
+    # --- pairwise ----------------------------------------------------------------------------------
+
+    def _score_pairwise(self, todo, media, prompts, scores, info) -> None:
+        groups: dict[str, list[int]] = {}
+        for i in todo:
+            groups.setdefault(prompts[i], []).append(i)
+        pairs = [(a, b) for g in groups.values() for a in g for b in g if a != b]  # both orders: no position bias
+        requests = []
+        for a, b in pairs:
+            kind = media[a][0]
+            text = self.question.format(prompt=prompts[a], media=kind, K=self.K)
+            parts = ([{"type": "text", "text": f"{kind.capitalize()} 1:"}] + media[a][1]
+                     + [{"type": "text", "text": f"{kind.capitalize()} 2:"}] + media[b][1])
+            requests.append(self._request(parts, text, self.prefix.format(media=kind), max_tokens=2,
+                                          temperature=0.0, top_logprobs=self.top_logprobs))
+        scratch: list[dict[str, Any]] = [{} for _ in pairs]
+        wins: dict[int, list[float]] = {i: [] for i in todo}
+        for (a, b), probs, s in zip(pairs, self._choice(list(range(len(pairs))), requests, ["1", "2"], scratch),
+                                    scratch):
+            if probs is None:
+                info[a].setdefault("reason", s.get("reason", "comparison failed"))
+                continue
+            wins[a].append(probs[0])
+            wins[b].append(probs[1])
+        for i in todo:
+            if len(groups[prompts[i]]) < 2:
+                info[i]["reason"] = "pairwise mode needs at least 2 samples per prompt"
+            elif len(wins[i]) == 2 * (len(groups[prompts[i]]) - 1):  # every comparison of i was read
+                scores[i] = sum(wins[i]) / len(wins[i])
+                info[i].pop("reason", None)
+            else:
+                info[i].setdefault("reason", "a comparison failed")
+
+
+@register("vlm_judge")
+class LocalVLMJudge(VLMJudge):
+    """A judge running in this process: ``model`` is a local transformers VLM folder (Qwen2.5-VL,
+    Qwen3-VL, ...); ``device``, ``dtype`` (fp32/bf16/fp16) and ``batch_size`` (requests per forward)
+    as for the other rewards; the judge options as :class:`VLMJudge`."""
+
+    name = "vlm_judge"
+
+    def __init__(self, model: str, *, device: str = "cpu", dtype: str = "fp32", batch_size: int = 8,
+                 **options: Any):
+        from rewards.vlm_backend import LocalVLM
+
+        backend = LocalVLM(model, device=device, dtype=dtype, batch_size=batch_size)
+        super().__init__(backend, **options)
+
+
+@register("vlm_judge_http")
+class HTTPVLMJudge(VLMJudge):
+    """A judge behind an OpenAI-compatible server (vLLM, SGLang, ``flowalign serve-judge``).
+
+    ``url`` (e.g. ``http://127.0.0.1:8000/v1``), ``model`` (the served name; None: the first of
+    ``/v1/models``), ``api_key``, ``timeout`` (seconds per attempt), ``retries``, ``backoff`` (seconds,
+    doubled per retry), ``concurrency`` (requests in flight); the judge options as :class:`VLMJudge`.
+    """
+
+    name = "vlm_judge_http"
+
+    def __init__(self, url: str, model: str | None = None, *, api_key: str | None = None, timeout: float = 60.0,
+                 retries: int = 3, backoff: float = 1.0, concurrency: int = 8, **options: Any):
+        from rewards.vlm_http import OpenAIChatClient
+
+        client = OpenAIChatClient(url, model, api_key=api_key, timeout=timeout, retries=retries, backoff=backoff,
+                                  concurrency=concurrency)
+        super().__init__(client, **options)
