@@ -112,12 +112,11 @@ def to_chat_reply(c: Completion, model: str, logprobs: bool) -> dict[str, Any]:
     if logprobs:
         content = []
         for pos, top in enumerate(c.top_logprobs):
-            token = c.tokens[pos] if pos < len(c.tokens) else max(top, key=top.get)
-            alts = sorted(top.items(), key=lambda kv: -kv[1])
-            content.append({"token": token, "logprob": top.get(token, alts[0][1]),
-                            "bytes": list(token.encode("utf-8")),
+            token = c.tokens[pos] if pos < len(c.tokens) else top[0][0]  # past the text: the stop token
+            logprob = next((lp for t, lp in top if t == token), top[0][1])
+            content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-                                             for t, lp in alts]})
+                                             for t, lp in top]})
         choice["logprobs"] = {"content": content}
     n_out = len(c.tokens)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

@@ -42,11 +42,12 @@ class ChatRequest:
 @dataclass
 class Completion:
     """A reply: ``text`` (None on failure, with ``error``), the chosen ``tokens`` and, when asked,
-    ``top_logprobs`` per generated position (token text → log-prob under the model, before temperature)."""
+    ``top_logprobs`` per generated position: ``(token text, log-prob)`` pairs, most likely first, one per
+    token id (two ids may share a text), log-probs under the model before temperature."""
 
     text: str | None
     tokens: list[str] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
     finish_reason: str = "stop"
     error: str | None = None
     prompt_tokens: int = 0
@@ -69,11 +70,6 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             out.append({"role": m["role"], "content": m["content"]})
     return out
-
-
-def _merge_logprob(d: dict[str, float], key: str, value: float) -> None:
-    # two ids can decode to one text (partial UTF-8 bytes): their probabilities add
-    d[key] = value if key not in d else float(torch.logaddexp(torch.tensor(d[key]), torch.tensor(value)))
 
 
 class LocalVLM:
@@ -169,15 +165,12 @@ class LocalVLM:
             length = next((t for t, tok in enumerate(ids) if tok in self._eos), None)
             finish = "stop" if length is not None else "length"
             length = len(ids) if length is None else length
-            tops: list[dict[str, float]] = []
+            tops: list[list[tuple[str, float]]] = []
             if r0.top_logprobs > 0:
                 for t in range(min(length + (finish == "stop"), len(logps))):
                     values, top_ids = logps[t][b].topk(min(r0.top_logprobs, logps[t].shape[-1]))
-                    top: dict[str, float] = {}
-                    for v, j in zip(values.tolist(), top_ids.tolist()):
-                        if math.isfinite(v):
-                            _merge_logprob(top, self.token_text(j), v)
-                    tops.append(top)
+                    tops.append([(self.token_text(j), v) for v, j in zip(values.tolist(), top_ids.tolist())
+                                 if math.isfinite(v)])
             completions.append(Completion(
                 text=self.tokenizer.decode(ids[:length], skip_special_tokens=True),
                 tokens=[self.token_text(j) for j in ids[:length]], top_logprobs=tops, finish_reason=finish,

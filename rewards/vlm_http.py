@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import math
 import os
 import threading
 import time
@@ -184,15 +183,12 @@ def parse_chat_reply(data: dict) -> Completion:
     except (KeyError, IndexError, TypeError) as e:
         raise RuntimeError(f"not a chat-completions reply: {json.dumps(data)[:200]}") from e
     tokens: list[str] = []
-    tops: list[dict[str, float]] = []
+    tops: list[list[tuple[str, float]]] = []
     for pos in ((choice.get("logprobs") or {}).get("content") or []):
         tokens.append(pos.get("token", ""))
-        top: dict[str, float] = {}
-        for t in pos.get("top_logprobs") or []:
-            # two token ids may decode to one text: their probabilities add
-            lp = float(t["logprob"])
-            top[t["token"]] = lp if t["token"] not in top else math.log(math.exp(top[t["token"]]) + math.exp(lp))
-        top.setdefault(pos.get("token", ""), float(pos.get("logprob", float("-inf"))))
+        top = [(t["token"], float(t["logprob"])) for t in pos.get("top_logprobs") or []]
+        if not any(t == tokens[-1] for t, _ in top):  # asked without top_logprobs: the chosen token alone
+            top.append((tokens[-1], float(pos.get("logprob", float("-inf")))))
         tops.append(top)
     usage = data.get("usage") or {}
     return Completion(text=text if isinstance(text, str) else "", tokens=tokens, top_logprobs=tops,

@@ -110,16 +110,16 @@ def _clip(text: str, n: int = 80) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def choice_probs(positions: list[dict[str, float]], chosen: list[str], choices: list[str]
+def choice_probs(positions: list[list[tuple[str, float]]], chosen: list[str], choices: list[str]
                  ) -> tuple[list[float] | None, float, str]:
     """Probabilities of the single-token answers ``choices`` at the reply's start, renormalised.
 
-    ``positions[i]`` maps token text → log-prob at generated position ``i`` (top-N alternatives);
+    ``positions[i]`` lists ``(token text, log-prob)`` alternatives (top-N) at generated position ``i``;
     ``chosen[i]`` is the token greedy decoding took there. An answer token matches a choice when its
     text, stripped of whitespace and compared case-insensitively, equals it, so ``"7"`` and ``" 7"``
     (the leading-space variant) pool their mass. When the first token was whitespace alone (Qwen
-    writes ``"Score: 7"`` as ``":" "Ġ" "7"``) the answer is read one position later, weighted by that
-    whitespace's probability: ``P(k) ∝ P₀(k) + P₀(␣)·P₁(k)`` [derived]. Choices outside the top-N
+    writes ``"Score: 7"`` as ``":" "Ġ" "7"``) the answer is read one position later too, weighted by
+    that whitespace's probability: ``P(k) ∝ P₀(k) + P₀(␣)·P₁(k)`` [derived]. Choices outside the top-N
     count as 0; the mass found before renormalising is returned so callers can report it.
     Returns ``(probs | None, mass, reason)``.
     """
@@ -127,14 +127,14 @@ def choice_probs(positions: list[dict[str, float]], chosen: list[str], choices: 
     mass = [0.0] * len(choices)
     weight = 1.0
     for i, top in enumerate(positions[:2]):
-        for token, logprob in top.items():
+        for token, logprob in top:
             t = token.strip().lower()
             if t in keys and math.isfinite(logprob):
                 mass[keys.index(t)] += weight * math.exp(logprob)
-        if i < len(chosen) and chosen[i] and not chosen[i].strip() and chosen[i] in top:
-            weight *= math.exp(top[chosen[i]])  # continue past a whitespace-only token
-        else:
+        taken = [lp for t, lp in top if i < len(chosen) and t == chosen[i]]
+        if not (taken and chosen[i] and not chosen[i].strip()):
             break
+        weight *= math.exp(max(taken))  # continue past a whitespace-only token
     total = sum(mass)
     if not total > 0:
         return None, 0.0, f"none of {choices} among the judge's top next tokens (first: {chosen[:1]!r})"

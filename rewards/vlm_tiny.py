@@ -19,6 +19,7 @@ image), so a judge call costs milliseconds on a CPU.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -86,15 +87,11 @@ def tiny_vlm_tokenizer(vocab_size: int = 640):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
     )
     bpe.train_from_iterator([_CORPUS] * 8, trainer=trainer)
-    state = bpe.model
     vocab = dict(bpe.get_vocab())
-    import json
-
-    merges = json.loads(bpe.to_str())["model"]["merges"]
+    merges = json.loads(bpe.to_str())["model"]["merges"]  # the trained model's merges, in rank order
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges]
     for t in SPECIAL_TOKENS:
         vocab[t] = len(vocab)
-    del state
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
                          pad_token="<|endoftext|>", model_max_length=4096)
     tok.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
