@@ -6,6 +6,7 @@ import argparse
 import json
 
 from flowalign.cli.common import add_model_args, load_policy
+from flowalign.cli.sample import add_guide_args, load_guidance
 from flowalign.evaluation import evaluate
 from flowalign.paths import default_model_dir
 
@@ -22,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out", required=True, help="output folder")
+    add_guide_args(p)
     return p
 
 
@@ -30,8 +32,15 @@ def run(args: argparse.Namespace) -> None:
 
     bench = load_benchmark(args.bench, args.level, args.n, args.seed)
     policy = load_policy(args)
+    guide = load_guidance(args, policy)
+    labels = {}
+    if guide is not None:
+        from flowalign.sampling.guidance import GuidedPolicy
+
+        policy = GuidedPolicy(policy, guide)  # every sampling step of the evaluation is reward-guided
+        labels = {"guide": args.guide, "guide_scale": args.guide_scale, "guide_window": args.guide_window}
     metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
-                       out_dir=args.out, labels={"bench": bench.name, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter})
+                       out_dir=args.out, labels={"bench": bench.name, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
     print(json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
     print(f"wrote {args.out}/metrics.json")

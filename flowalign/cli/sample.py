@@ -23,7 +23,33 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output file: .png for images, .mp4 or .gif for videos")
+    add_guide_args(p)
     return p
+
+
+def add_guide_args(p: argparse.ArgumentParser) -> None:
+    """RGS options shared with ``evaluate``: a latent reward folder and its scale κ."""
+    p.add_argument("--guide", default=None, metavar="REWARD_DIR",
+                   help="reward-guided sampling with this latent reward folder (flowalign train-reward)")
+    p.add_argument("--guide-scale", type=float, default=0.05, help="κ: v_c = v - κ·‖v‖·g/‖g‖ (0 = plain sampling)")
+    p.add_argument("--guide-window", type=float, nargs=2, default=None, metavar=("SIGMA_LO", "SIGMA_HI"),
+                   help="guide only the steps with σ in [SIGMA_LO, SIGMA_HI]")
+
+
+def load_guidance(args: argparse.Namespace, policy):
+    """The :class:`Guidance` of ``--guide`` (None without it); checked before any sampling."""
+    if args.guide is None:
+        if args.guide_window is not None:
+            raise UserError("--guide-window needs --guide REWARD_DIR")
+        return None
+    from flowalign.sampling.guidance import Guidance, load_latent_reward
+
+    if args.guide_scale < 0:
+        raise UserError(f"--guide-scale {args.guide_scale} must be >= 0")
+    if not Path(args.guide).is_dir():
+        raise UserError(f"--guide {args.guide}: no such folder; give a reward folder written by flowalign train-reward")
+    reward = load_latent_reward(args.guide, device=policy.device, dtype=policy.dtype)
+    return Guidance(reward, args.guide_scale, tuple(args.guide_window) if args.guide_window else None)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -37,9 +63,10 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--out {out.name}: {policy.family} is a video model; write .mp4 or .gif")
     if not policy.is_video and suffix in VIDEO_SUFFIXES:
         raise UserError(f"--out {out.name}: {policy.family} is an image model; write .png")
+    guide = load_guidance(args, policy)
     steps = args.steps or int(policy.defaults.get("num_steps", 20))
     result = rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler, noise_level=args.noise_level,
-                     guidance_scale=args.guidance, generator=torch.Generator().manual_seed(args.seed))
+                     guidance_scale=args.guidance, generator=torch.Generator().manual_seed(args.seed), guide=guide)
     sample = result.samples[0]
     written = save_video(sample, out) if policy.is_video else save_image(sample, out)
     print(f"wrote {written}")

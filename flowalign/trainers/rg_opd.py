@@ -1,0 +1,251 @@
+"""RG-OPD: reward-gradient on-policy distillation, with CoRe reward refits (``specs/latent_rewards.md``).
+
+[derived from the abstracts] Each step, per visited state ``(x_σ, σ)`` of an ODE rollout of θ_old:
+
+    g  = ∇_x r_ψ(x_σ, σ, c)                        (latent reward frozen; gradient w.r.t. the input)
+    λ  = κ‖v_old‖ / (‖g‖ + 1e-8)                     (magnitude match, per sample)
+    v* = sg(v_old − λ·g)                             (toward data is −v: subtracting g climbs r_ψ)
+    L  = mean‖v_θ − v*‖²  (+ anchor·mean‖v_θ − v_ref‖²)
+
+K inner optimiser steps from θ = θ_old, then θ_old ← θ (the next step rolls out with the new weights).
+
+CoRe (``trainer.core``): every ``core.every`` steps the registers are refit with
+``L_RM = L_BT(real pairs) + μ·L_BT(this step's samples paired by the pixel reward in rewards:) +
+anchor·mean(r_ψ − r_ψ,prev)²``, so the generator cannot walk off the latent reward's support.
+The shared loop is unchanged: this file overrides the rollout (ODE, velocities kept), scoring (the latent
+score is logged), the update, and checkpoints (which carry the refit reward).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, field_validator
+
+from flowalign.config import Section
+from flowalign.errors import UserError
+from flowalign.latent_preference import PreferencePairs, fit
+from flowalign.paths import REPO_ROOT
+from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, StepBatch, derived_seed
+
+REWARD_FILE = "latent_reward.safetensors"
+
+
+class CoReConfig(Section):
+    """``trainer.core``: co-evolving latent reward refits."""
+
+    #: refit the registers after every N generator steps
+    every: int = Field(5, ge=1)
+    #: Bradley-Terry minibatch steps per refit
+    steps: int = Field(20, ge=1)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    #: weight μ of the generator's own pairs (labelled by the pixel reward)
+    mu: float = Field(0.5, ge=0)
+    #: weight of mean (r_ψ − r_ψ,prev)² on the real pairs (prev: the reward before this refit)
+    anchor: float = Field(1.0, ge=0)
+    #: real preference pairs (default: pairs.safetensors in the latent reward folder)
+    real_pairs: str | None = None
+    #: a generated pair needs this pixel-reward margin
+    min_margin: float = Field(1e-6, ge=0)
+
+
+class RGOPDConfig(GroupTrainerConfig):
+    name: Literal["rg_opd"] = "rg_opd"
+    #: latent reward folder (flowalign train-reward)
+    latent_reward: str
+    #: κ: the target moves each velocity by κ‖v_old‖ along −∇r
+    kappa: float = Field(0.05, ge=0)
+    #: K optimiser steps on one rollout batch before θ_old ← θ
+    inner_steps: int = Field(1, ge=1)
+    #: visited states distilled per chunk: a random subset of this many rollout steps (0: every step)
+    steps_per_chunk: int = Field(0, ge=0)
+    #: weight of mean‖v_θ − v_ref‖² to the adapter-disabled reference (LoRA only; spec: 1e-4)
+    anchor: float = Field(0.0, ge=0)
+    core: CoReConfig | None = None
+    group_size: int = Field(4, ge=2)
+
+    @field_validator("latent_reward")
+    @classmethod
+    def _folder(cls, value: str) -> str:
+        if not (reward_folder(value) / "config.json").is_file():
+            raise ValueError(f"{value!r} is not a latent reward folder (no config.json); write one with flowalign train-reward")
+        return value
+
+
+def reward_folder(path: str) -> Path:
+    """A latent reward folder as configs name it: as given, else relative to the repository."""
+    p = Path(path)
+    if not p.exists() and not p.is_absolute() and (REPO_ROOT / p).exists():
+        return REPO_ROOT / p
+    return p
+
+
+def distillation_target(v_old: torch.Tensor, grad: torch.Tensor, kappa: float) -> torch.Tensor:
+    """``v* = sg(v_old − λ·g)`` with ``λ = κ‖v_old‖/(‖g‖+1e-8)`` per sample; ``(B, ...)`` float32."""
+    b = v_old.shape[0]
+    lam = kappa * v_old.float().reshape(b, -1).norm(dim=1) / (grad.float().reshape(b, -1).norm(dim=1) + 1e-8)
+    return (v_old.float() - lam.view(b, *([1] * (v_old.ndim - 1))) * grad.float()).detach()
+
+
+def rg_opd_loss(v_theta: torch.Tensor, v_star: torch.Tensor, v_ref: torch.Tensor | None = None,
+                anchor: float = 0.0) -> torch.Tensor:
+    """``mean‖v_θ − v*‖² (+ anchor·mean‖v_θ − v_ref‖²)`` (scalar; means over every element)."""
+    loss = ((v_theta.float() - v_star) ** 2).mean()
+    if v_ref is not None and anchor > 0:
+        loss = loss + anchor * ((v_theta.float() - v_ref.float()) ** 2).mean()
+    return loss
+
+
+class RGOPDTrainer(GroupTrainer):
+    Config = RGOPDConfig
+    tcfg: RGOPDConfig
+    sampler = "ode"
+
+    def __init__(self, cfg, tcfg: RGOPDConfig, policy, *args: Any, **kwargs: Any):
+        if tcfg.anchor > 0 and cfg.model.finetune == "full":
+            raise UserError("trainer.anchor > 0 needs the adapter-disabled reference, which full fine-tuning has not "
+                            "got: set trainer.anchor=0 or model.finetune=lora")
+        super().__init__(cfg, tcfg, policy, *args, **kwargs)
+        folder = reward_folder(tcfg.latent_reward)
+        self.latent_reward = load_latent_reward(folder, device=policy.device, dtype=policy.dtype)
+        self.real_pairs: PreferencePairs | None = None
+        if tcfg.core is not None:
+            if self.world > 1:
+                raise UserError("trainer.core refits the registers on one process; run CoRe without multi-process launch")
+            if not isinstance(self.latent_reward, torch.nn.Module):
+                raise UserError(f"trainer.core needs a trainable latent reward (a torch module); {tcfg.latent_reward} is not")
+            path = tcfg.core.real_pairs or str(folder / "pairs.safetensors")
+            self.real_pairs = PreferencePairs.load(path)
+        self._pixel_scores: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ phases
+    def rollout_chunk(self, prompts, metadata, generator, **kw) -> Rollout:
+        """ODE rollouts of θ_old keeping the velocities, so v_old costs no second forward."""
+        return super().rollout_chunk(prompts, metadata, generator, keep_velocities=True, **kw)
+
+    def score(self, batch: StepBatch):
+        """The pixel rewards (logged; CoRe's labels) and the latent score of the final samples."""
+        components, valid, logs = super().score(batch)
+        weights = torch.tensor([w for _, w, _ in self.rewards])
+        self._pixel_scores = torch.where(valid, components @ weights, torch.full((len(valid),), float("nan")))
+        with torch.no_grad():
+            latent = torch.cat([self.latent_reward.score(c.final_latents, 0.0, c.cond).float().cpu() for c in batch.chunks])
+        logs["latent/score"] = latent.mean().item()
+        return components, valid, logs
+
+    def visited_states(self, batch: StepBatch, generator: torch.Generator) -> list[tuple[int, int]]:
+        """``(chunk, step)`` pairs to distil: every rollout step, or ``steps_per_chunk`` random ones per chunk."""
+        units = []
+        for i, chunk in enumerate(batch.chunks):
+            steps = list(range(chunk.num_steps))
+            if 0 < self.tcfg.steps_per_chunk < len(steps):
+                steps = sorted(torch.randperm(len(steps), generator=generator)[: self.tcfg.steps_per_chunk].tolist())
+            units += [(i, k) for k in steps]
+        return units
+
+    def update(self, batch: StepBatch, adv: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+        """Targets from θ_old once, then K optimiser steps; a CoRe refit when due."""
+        units = self.visited_states(batch, generator)
+        targets, stats = {}, {"lambda": [], "latent_score_visited": [], "target_shift": []}
+        for i, k in units:
+            chunk = batch.chunks[i]
+            x, sigma, v_old = chunk.latents[:, k], chunk.sigmas[k].item(), chunk.extras["velocities"][:, k]
+            grad, r = reward_gradient(self.latent_reward, x, sigma, chunk.cond)
+            targets[i, k] = distillation_target(v_old, grad.to(v_old.device), self.tcfg.kappa)
+            b = v_old.shape[0]
+            stats["lambda"].append((self.tcfg.kappa * v_old.reshape(b, -1).norm(dim=1) / (grad.reshape(b, -1).norm(dim=1) + 1e-8)).mean().item())
+            stats["latent_score_visited"].append(r.mean().item())
+            stats["target_shift"].append(((targets[i, k] - v_old) ** 2).mean().item())
+        for _ in range(self.tcfg.inner_steps):
+            losses = []
+            for i, k in units:
+                loss = self.loss_at(batch.chunks[i], k, targets[i, k])
+                (loss / len(units)).backward()
+                losses.append(loss.item())
+            stats.setdefault("distill_loss", []).append(float(np.mean(losses)))
+            stats.setdefault("grad_norm", []).append(self.optimizer_step())
+        out = {k: float(np.mean(v)) for k, v in stats.items() if v}
+        if self.tcfg.core is not None and (self.step + 1) % self.tcfg.core.every == 0:
+            out.update({f"core_{k}": v for k, v in self.refit_reward(batch).items()})
+        return out
+
+    def loss_at(self, chunk: Rollout, k: int, target: torch.Tensor) -> torch.Tensor:
+        x, sigma = chunk.latents[:, k], chunk.sigmas[k].item()
+        v = self.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
+        v_ref = None
+        if self.tcfg.anchor > 0:
+            with torch.no_grad(), self.policy.adapter_disabled():
+                v_ref = self.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
+        return rg_opd_loss(v, target.to(v.device), v_ref, self.tcfg.anchor)
+
+    # ------------------------------------------------------------------ CoRe
+    def generated_pairs(self, batch: StepBatch) -> PreferencePairs | None:
+        """Within each prompt group, every pair of samples whose pixel rewards differ (chosen = higher)."""
+        x0 = torch.cat([c.final_latents.float().cpu() for c in batch.chunks])
+        scores, prompts, groups = self._pixel_scores, batch.prompts, batch.groups
+        chosen, rejected, names, margins = [], [], [], []
+        for g in torch.unique(groups).tolist():
+            idx = (groups == g).nonzero().flatten().tolist()
+            for a in idx:
+                for b in idx:
+                    d = float(scores[a] - scores[b])
+                    if np.isfinite(d) and d > self.tcfg.core.min_margin:
+                        chosen.append(x0[a])
+                        rejected.append(x0[b])
+                        names.append(prompts[a])
+                        margins.append(d)
+        if not names:
+            return None
+        return PreferencePairs(names, torch.stack(chosen), torch.stack(rejected), torch.tensor(margins))
+
+    def refit_reward(self, batch: StepBatch) -> dict[str, float]:
+        """CoRe: ``core.steps`` minibatches of L_RM on the real pairs and this step's generated pairs."""
+        core = self.tcfg.core
+        generated = self.generated_pairs(batch)
+        self.latent_reward.train()
+        stats = fit(self.latent_reward, self.real_pairs, self.policy.encode, steps=core.steps, batch_size=core.batch_size,
+                    lr=core.lr, seed=derived_seed(self.cfg.run.seed, self.step, 7), generated=generated, mu=core.mu,
+                    anchor=core.anchor)
+        self.latent_reward.eval()
+        stats["generated_pairs"] = float(len(generated) if generated is not None else 0)
+        return stats
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """The shared checkpoint plus, with CoRe, the refit reward's weights (``latent_reward.safetensors``)."""
+        final = super().save_checkpoint()
+        if self.tcfg.core is not None and self.acc.is_main_process:
+            from safetensors.torch import save_file
+
+            from flowalign.io import atomic_path
+
+            state = {k: v.detach().float().cpu().contiguous() for k, v in self.latent_reward.state_dict().items()}
+            with atomic_path(final / REWARD_FILE) as tmp:
+                save_file(state, str(tmp))
+        return final
+
+    def maybe_resume(self) -> None:
+        super().maybe_resume()
+        if self.tcfg.core is None or self.step == 0:
+            return
+        from flowalign import checkpoint as ckpt
+
+        resume = self.cfg.run.resume
+        folder = ckpt.latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
+        if not (folder / REWARD_FILE).is_file():
+            raise UserError(f"{folder} has no {REWARD_FILE} (the run was stopped while saving it): delete that "
+                            "checkpoint folder to resume from the one before")
+        from safetensors.torch import load_file
+
+        self.latent_reward.load_state_dict(load_file(str(folder / REWARD_FILE)))
+
+    def train(self) -> dict[str, Any]:
+        final = super().train()
+        if self.tcfg.core is not None and self.acc.is_main_process and hasattr(self.latent_reward, "save"):
+            self.latent_reward.save(self.run_dir / "latent_reward")  # the co-evolved reward, as a reward folder
+        return final
