@@ -9,9 +9,10 @@ FastAPI + uvicorn (the optional extra ``serve``). Endpoints:
   ``continue_final_message`` / ``add_generation_prompt`` to force the start of the reply. ``n`` > 1
   and streaming are refused with 400.
 
-Requests run one at a time on the model (a lock in :class:`rewards.vlm_backend.LocalVLM`); FastAPI
-answers them from its thread pool, so many clients may wait at once. Errors come back in OpenAI's
-shape ``{"error": {"message", "type", "code"}}``.
+Concurrent requests are batched: FastAPI answers each from its thread pool and hands it to a
+:class:`MicroBatcher`, whose worker waits up to ``max_wait`` seconds for up to ``batch_size``
+requests and runs them as one batch (left padding) on the model. Errors come back in OpenAI's shape
+``{"error": {"message", "type", "code"}}``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import queue
 import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Any
 
 from rewards.vlm_backend import ChatRequest, Completion, LocalVLM
@@ -125,14 +128,54 @@ def to_chat_reply(c: Completion, model: str, logprobs: bool) -> dict[str, Any]:
                       "total_tokens": c.prompt_tokens + n_out}}
 
 
-def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs: int = 20):
-    """The FastAPI app serving ``vlm``."""
+class MicroBatcher:
+    """Collects requests from many threads into batches for :meth:`LocalVLM.complete`.
+
+    ``submit`` blocks until its completion is ready. The worker takes the first waiting request, then
+    whatever else arrives within ``max_wait`` seconds, up to ``batch_size`` requests.
+    """
+
+    def __init__(self, vlm: LocalVLM, *, batch_size: int | None = None, max_wait: float = 0.005):
+        self.vlm, self.max_wait = vlm, max_wait
+        self.batch_size = batch_size or vlm.batch_size
+        self.queue: queue.Queue[tuple[ChatRequest, Future]] = queue.Queue()
+        self.batches: list[int] = []  # sizes of the batches run (for logs and tests)
+        threading.Thread(target=self._work, daemon=True, name="judge-batcher").start()
+
+    def submit(self, request: ChatRequest) -> Completion:
+        future: Future = Future()
+        self.queue.put((request, future))
+        return future.result()
+
+    def _work(self) -> None:
+        while True:
+            items = [self.queue.get()]
+            deadline = time.monotonic() + self.max_wait
+            while len(items) < self.batch_size:
+                try:
+                    items.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            self.batches.append(len(items))
+            try:
+                results = self.vlm.complete([r for r, _ in items])
+                for (_, future), result in zip(items, results):
+                    future.set_result(result)
+            except Exception as e:  # the whole batch failed: every waiting request gets the error
+                for _, future in items:
+                    future.set_exception(e)
+
+
+def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs: int = 20,
+               max_wait: float = 0.005):
+    """The FastAPI app serving ``vlm`` (``app.state.batcher`` holds its :class:`MicroBatcher`)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
     name = model_name or vlm.name
     app = FastAPI(title="flowalign judge", version="1")
+    app.state.batcher = batcher = MicroBatcher(vlm, max_wait=max_wait)
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -154,7 +197,7 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
         if body.get("model") not in (None, name):
             return error(404, f"model {body.get('model')!r} is not served here; use {name!r}", "not_found_error")
         try:
-            completion = vlm.complete([request])[0]
+            completion = batcher.submit(request)
         except Exception as e:  # a failed forward is the server's fault, reported, not a dead server
             return error(500, f"{type(e).__name__}: {e}", "server_error")
         return to_chat_reply(completion, name, bool(body.get("logprobs")))
@@ -179,6 +222,7 @@ class BackgroundServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
         import uvicorn
 
+        self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))

@@ -79,7 +79,8 @@ class VLMJudge:
     ``{media}``, ``{K}`` replacing the mode's default), ``prefix`` (forced reply start),
     ``top_logprobs`` (alternatives read per position; digits outside them count 0, ``info`` reports
     the mass found), ``labels`` and ``max_tokens`` / ``temperature`` (text and rubric modes; 0 is
-    greedy), ``num_frames`` (videos), ``rubric_cache_size``, ``seed`` (sampling at temperature > 0).
+    greedy), ``num_frames`` (videos), ``rubric_cache_size`` and ``rubric_tokens`` (the rubric reply's
+    length), ``seed`` (sampling at temperature > 0).
     """
 
     name = "vlm_judge"
@@ -88,14 +89,15 @@ class VLMJudge:
     def __init__(self, backend: Any, *, mode: str = "weighted", scale: int = 9, question: str | None = None,
                  prefix: str | None = None, top_logprobs: int = 20, labels: list[str] | tuple[str, ...] = ("Score",),
                  max_tokens: int = 64, temperature: float = 0.0, num_frames: int = 4,
-                 rubric_cache_size: int = 4096, seed: int | None = None):
+                 rubric_cache_size: int = 4096, rubric_tokens: int = 512, seed: int | None = None):
         who = self.name
         if mode not in MODES:
             raise UserError(f"{who} reward: mode={mode!r} is not one of {list(MODES)}")
         if not isinstance(scale, int) or not 2 <= scale <= 9:
             raise UserError(f"{who} reward: scale={scale!r} must be an integer in 2..9 (scores are single digits)")
         for key, value, lo in (("top_logprobs", top_logprobs, 1), ("max_tokens", max_tokens, 1),
-                               ("num_frames", num_frames, 1), ("rubric_cache_size", rubric_cache_size, 1)):
+                               ("num_frames", num_frames, 1), ("rubric_cache_size", rubric_cache_size, 1),
+                               ("rubric_tokens", rubric_tokens, 1)):
             if not isinstance(value, int) or value < lo:
                 raise UserError(f"{who} reward: {key}={value!r} must be an integer >= {lo}")
         if not isinstance(temperature, (int, float)) or temperature < 0:
@@ -110,7 +112,7 @@ class VLMJudge:
         self.top_logprobs, self.labels = top_logprobs, tuple(labels)
         self.max_tokens, self.temperature, self.num_frames, self.seed = max_tokens, float(temperature), num_frames, seed
         self.rubrics: OrderedDict[str, list[Criterion]] = OrderedDict()
-        self.rubric_cache_size = rubric_cache_size
+        self.rubric_cache_size, self.rubric_tokens = rubric_cache_size, rubric_tokens
         self.stats: Counter[str] = Counter()
 
     # --- inputs ------------------------------------------------------------------------------------
@@ -161,7 +163,7 @@ class VLMJudge:
         self.stats["samples"] += n
         self.stats["invalid"] += int((~valid).sum())
         if not valid.all():
-            reasons = Counter(str(x.get("reason", ""))[:60] for x, ok in zip(info, valid.tolist()) if not ok)
+            reasons = Counter(str(x.get("reason", ""))[:100] for x, ok in zip(info, valid.tolist()) if not ok)
             log.warning("%s: %d/%d samples invalid (%s)", self.name, int((~valid).sum()), n,
                         "; ".join(f"{c}x {r}" for r, c in reasons.most_common(3)))
         return RewardOutput({self.name: scores.to(samples.device)}, valid=valid.to(samples.device), info=info)
@@ -237,7 +239,7 @@ class VLMJudge:
         kind_of = dict(zip(prompts, kinds))
         if missing:
             requests = [self._request([], self.question.format(prompt=p, media=kind_of[p], K=self.K), "",
-                                      max_tokens=max(self.max_tokens, 256), temperature=self.temperature)
+                                      max_tokens=self.rubric_tokens, temperature=self.temperature)
                         for p in missing]
             self.stats["rubric_calls"] += len(missing)
             for p, c in zip(missing, self.backend.complete(requests)):

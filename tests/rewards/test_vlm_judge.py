@@ -228,7 +228,7 @@ def test_a_reply_that_is_not_a_score_is_invalid_and_counted(vlm_dir: Path):
 
 
 def test_rubric_once_per_prompt_for_a_whole_group(vlm_dir: Path):
-    j = LocalVLMJudge(str(vlm_dir), mode="rubric", max_tokens=8)
+    j = LocalVLMJudge(str(vlm_dir), mode="rubric", max_tokens=8, rubric_tokens=24)
     spy = j.backend = Spy(j.backend)
     prompts = ["a red circle"] * 3 + ["a blue square"] * 3  # two GRPO groups of 3
     out = j(smooth_images(6), prompts, [])
