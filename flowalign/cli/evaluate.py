@@ -6,7 +6,7 @@ import argparse
 import json
 
 from flowalign.cli.common import add_model_args, load_policy
-from flowalign.cli.sample import add_guide_args, load_guidance
+from flowalign.cli.sample import add_guide_args, check_guide_args, load_guidance
 from flowalign.evaluation import evaluate
 from flowalign.paths import default_model_dir
 
@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> None:
     from rewards.benchmarks import load_benchmark
 
     bench = load_benchmark(args.bench, args.level, args.n, args.seed)
+    check_guide_args(args)
     policy = load_policy(args)
     guide = load_guidance(args, policy)
     labels = {}

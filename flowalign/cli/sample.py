@@ -36,18 +36,25 @@ def add_guide_args(p: argparse.ArgumentParser) -> None:
                    help="guide only the steps with σ in [SIGMA_LO, SIGMA_HI]")
 
 
-def load_guidance(args: argparse.Namespace, policy):
-    """The :class:`Guidance` of ``--guide`` (None without it); checked before any sampling."""
+def check_guide_args(args: argparse.Namespace) -> None:
+    """The ``--guide*`` options, checked before a model is loaded."""
     if args.guide is None:
         if args.guide_window is not None:
             raise UserError("--guide-window needs --guide REWARD_DIR")
-        return None
-    from flowalign.sampling.guidance import Guidance, load_latent_reward
-
+        return
     if args.guide_scale < 0:
         raise UserError(f"--guide-scale {args.guide_scale} must be >= 0")
     if not Path(args.guide).is_dir():
         raise UserError(f"--guide {args.guide}: no such folder; give a reward folder written by flowalign train-reward")
+
+
+def load_guidance(args: argparse.Namespace, policy):
+    """The :class:`Guidance` of ``--guide`` (None without it)."""
+    check_guide_args(args)
+    if args.guide is None:
+        return None
+    from flowalign.sampling.guidance import Guidance, load_latent_reward
+
     reward = load_latent_reward(args.guide, device=policy.device, dtype=policy.dtype)
     return Guidance(reward, args.guide_scale, tuple(args.guide_window) if args.guide_window else None)
 
@@ -58,6 +65,7 @@ def run(args: argparse.Namespace) -> None:
     if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
         raise UserError(f"--out {out.name}: unknown file type; use .png for image models, .mp4/.gif for video models")
     check_sampler(args.sampler, args.noise_level)
+    check_guide_args(args)
     policy = load_policy(args)
     if policy.is_video and suffix in IMAGE_SUFFIXES:
         raise UserError(f"--out {out.name}: {policy.family} is a video model; write .mp4 or .gif")

@@ -71,9 +71,9 @@ class RGOPDConfig(GroupTrainerConfig):
 
     @field_validator("latent_reward")
     @classmethod
-    def _folder(cls, value: str) -> str:
-        if not (reward_folder(value) / "config.json").is_file():
-            raise ValueError(f"{value!r} is not a latent reward folder (no config.json); write one with flowalign train-reward")
+    def _named(cls, value: str) -> str:
+        if not str(value).strip():
+            raise ValueError("give the latent reward folder written by flowalign train-reward")
         return value
 
 
@@ -107,6 +107,9 @@ class RGOPDTrainer(GroupTrainer):
     sampler = "ode"
 
     def __init__(self, cfg, tcfg: RGOPDConfig, policy, *args: Any, **kwargs: Any):
+        if not (reward_folder(tcfg.latent_reward) / "config.json").is_file():
+            raise UserError(f"trainer.latent_reward={tcfg.latent_reward}: not a latent reward folder (no config.json); "
+                            "write one with `flowalign train-reward --out DIR` first")
         if tcfg.anchor > 0 and cfg.model.finetune == "full":
             raise UserError("trainer.anchor > 0 needs the adapter-disabled reference, which full fine-tuning has not "
                             "got: set trainer.anchor=0 or model.finetune=lora")
