@@ -233,6 +233,30 @@ class SD3Policy:
             images.append((image.float() / 2 + 0.5).clamp(0, 1))
         return torch.cat(images)
 
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, 3, H, W)`` float in [0, 1] at the model's resolution → latents ``(B, C, h, w)`` float32.
+
+        The inverse of :meth:`decode`: the VAE posterior *mean* (deterministic, so a pair's latent never
+        depends on the batch or the RNG), normalised as the pipeline expects, ``x0 = (z - shift)·scale``.
+        Encoded one image at a time: float kernels are not batch-invariant, and a latent that changed
+        with its batch-mates would break bit-identical resume.
+        """
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise UserError(f"encode_images expects images (B, 3, H, W), got shape {tuple(images.shape)}")
+        size = (int(self.defaults["height"]), int(self.defaults["width"]))
+        if tuple(images.shape[-2:]) != size:
+            raise UserError(f"encode_images: images are {tuple(images.shape[-2:])} px but the model samples at "
+                            f"{size}; resize them to height x width first")
+        scale = self.vae.config.scaling_factor
+        shift = self.vae.config.shift_factor or 0.0
+        out = []
+        for image in images:
+            x = (image[None].to(self.device, self.vae.dtype) * 2 - 1)
+            z = self.vae.encode(x).latent_dist.mean
+            out.append(((z.float() - shift) * scale))
+        return torch.cat(out)
+
     # ------------------------------------------------------------------ adapters
 
     def adapter_disabled(self) -> AbstractContextManager[None]:

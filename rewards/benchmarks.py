@@ -59,3 +59,30 @@ def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: i
     if n is not None and n < 1:
         raise UserError(f"--n must be a positive number of tasks, got {n}")
     return _BENCHMARKS[name](level, n, seed)
+
+
+def _render_vvr(metadata: dict[str, Any], size: int):
+    from rewards.vvr import render
+
+    if "task" not in metadata:
+        raise UserError("a vvr training item has no 'task' in its metadata; draw tasks with data.bench: vvr")
+    return render(metadata["task"], size=size)
+
+
+_RENDERERS = {"vvr": _render_vvr}
+
+
+def render_task(name: str, metadata: dict[str, Any], size: int):
+    """The ground-truth image of one benchmark task, ``(3, size, size)`` float32 in [0, 1].
+
+    Benchmarks whose tasks are programmatic scenes can render them, which gives real (image, caption)
+    pairs for reward-free trainers (SOAR, SFT) without a dataset on disk.
+    """
+    import numpy as np
+    import torch
+
+    if name not in _RENDERERS:
+        raise UserError(f"benchmark {name!r} cannot render its tasks to images (only {', '.join(_RENDERERS)}); "
+                        "give image/caption pairs with trainer.pairs instead")
+    image = np.asarray(_RENDERERS[name](metadata, size).convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(image.copy()).permute(2, 0, 1)

@@ -1,0 +1,269 @@
+"""SOAR (arXiv 2604.12617): reward-free self-correction on real (image, caption) pairs; SFT is λ = 0.
+
+Read against ``shared/specs/soar.md``. Per pair (x0, c):
+
+    x_σ = (1-σ)·x0 + σ·ε,   σ ~ logit-normal                         (on-trajectory state)
+    L_base = mean‖v_θ(x_σ,σ,c) - (ε - x0)‖²                          (plain flow-matching SFT)
+    x̂ = x_σ + (σ'-σ)·v̂,  v̂ = CFG(w_cfg) under no_grad,  σ' = max(σ - 1/K, 0)   (one rollout step)
+    z_j = α_j·x̂ + (1-α_j)·ε,  σ̃_j ~ U[σ',1],  α_j = (1-σ̃_j)/(1-σ')  (re-noise toward the same ε)
+    v*_j = (z_j - x0)/max(σ̃_j, σ_min)                               (lands exactly on x0)
+    L = L_base + λ·(1/N)·Σ_j mean‖v_θ(z_j,σ̃_j,c) - sg(v*_j)‖²
+
+The loop is the shared one (checkpoints, resume, EMA, evaluation, logging); only ``train_step`` differs:
+there is no rollout group and no reward. Pairs come from ``trainer.pairs`` (a folder or JSONL of image +
+caption) or, for a benchmark of programmatic scenes (``data.bench: vvr``), from rendering each training
+task at the model's resolution. [derived] choices: σ is drawn as in SD3 pre-training (sigmoid of a normal,
+no shift), the N corrections of a pair share its x̂ and run as one batched pass, and the σ̃ draws use their
+own generator so that the (ε, σ) of a step do not depend on N or λ.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from flowalign.data import PromptSet
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, derived_seed
+
+Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SOARConfig(GroupTrainerConfig):
+    name: Literal["soar"] = "soar"
+    #: the rollout step is 1/K (match the inference step count)
+    K: int = Field(30, ge=1)
+    #: CFG scale of the stop-gradient rollout step
+    w_cfg: float = Field(4.5, ge=1)
+    #: re-noised correction states per pair
+    N: int = Field(4, ge=0)
+    #: weight λ of the correction loss (0: plain flow-matching SFT)
+    lam: float = Field(1.0, ge=0)
+    sigma_min: float = Field(0.05, gt=0, le=1)
+    #: σ = sigmoid(logit_mean + logit_std·n), n ~ N(0,1) (SD3's training density)
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    #: fraction of captions replaced by "" (keeps the unconditional branch that CFG needs)
+    caption_dropout: float = Field(0.0, ge=0, lt=1)
+    #: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None: render data.bench tasks
+    pairs: str | None = None
+    #: pairs per optimiser step on each rank
+    batch_size: int = Field(8, ge=1)
+    #: pairs per forward/backward (gradients accumulate); None: the whole batch at once
+    micro_batch: int | None = Field(None, ge=1)
+    #: latents kept in memory (encoding a pair once per run, not once per epoch)
+    latent_cache: int = Field(50000, ge=0)
+
+
+class SFTConfig(SOARConfig):
+    """Plain flow-matching SFT: SOAR with λ = 0 and no correction passes."""
+
+    name: Literal["sft"] = "sft"  # type: ignore[assignment]
+    lam: float = Field(0.0, ge=0, le=0)
+    N: int = Field(0, ge=0, le=0)
+
+
+# ---------------------------------------------------------------------------------------------- the math
+
+
+def sample_sigmas(n: int, generator: torch.Generator, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """``(n,)`` training noise levels from the logit-normal density of SD3."""
+    return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+
+
+def _col(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-sample ``(B,)`` value broadcast against ``(B, ...)``."""
+    return t.to(like).reshape(-1, *([1] * (like.ndim - 1)))
+
+
+@torch.no_grad()
+def off_trajectory_state(guided: Velocity, x_sigma: torch.Tensor, sigma: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stop-gradient Euler step of the current model: ``x̂ (B, ...)`` at ``σ' = max(σ - 1/K, 0)`` ``(B,)``."""
+    sigma_prime = (sigma - 1.0 / K).clamp(min=0.0)
+    x_hat = x_sigma + _col(sigma_prime - sigma, x_sigma) * guided(x_sigma, sigma)
+    return x_hat, sigma_prime
+
+
+def correction_targets(
+    x0: torch.Tensor, eps: torch.Tensor, x_hat: torch.Tensor, sigma_prime: torch.Tensor, sigma_tilde: torch.Tensor,
+    sigma_min: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-noised states ``z`` and targets ``v*``, both ``(N, B, ...)``, for ``σ̃ (N, B)``.
+
+    ``z = α·x̂ + (1-α)·ε`` with ``α = (1-σ̃)/(1-σ')``: the straight line from x̂ back toward the *same* ε,
+    so for an exact x̂ the state is on the data's own path and ``v* = ε - x0``.
+    """
+    alpha = ((1 - sigma_tilde) / (1 - sigma_prime)[None]).reshape(*sigma_tilde.shape, *([1] * (x0.ndim - 1)))
+    z = alpha * x_hat[None] + (1 - alpha) * eps[None]
+    denom = sigma_tilde.clamp(min=sigma_min).reshape(alpha.shape)
+    return z, (z - x0[None]) / denom
+
+
+def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``mean‖a - b‖²``: per-sample mean over the non-batch elements, then over the batch."""
+    return (a - b).pow(2).flatten(1).mean(1).mean()
+
+
+def soar_loss(
+    velocity: Velocity, guided: Velocity, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor,
+    u: torch.Tensor, *, K: int, lam: float, sigma_min: float, rollout: Callable = off_trajectory_state,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The SOAR loss of a batch of pairs (``N = u.shape[0]`` corrections; N = 0 is plain SFT).
+
+    ``velocity(x, σ)`` is the trained model's conditional velocity (with gradient) for a batch of ``B``
+    or ``N·B`` states (j-major); ``guided(x, σ)`` its CFG velocity for the rollout step. ``x0, eps``:
+    ``(B, ...)``; ``sigma (B,)``; ``u (N, B)`` uniform draws that place ``σ̃ = σ' + u·(1-σ')``.
+    ``rollout``: how x̂ is made (:func:`off_trajectory_state`; a test swaps in a detached clone of it).
+    """
+    x_sigma = (1 - _col(sigma, x0)) * x0 + _col(sigma, x0) * eps
+    base = mse(velocity(x_sigma, sigma), eps - x0)
+    info = {"loss_base": base.item()}
+    if u.shape[0] == 0:
+        return base, info
+    x_hat, sigma_prime = rollout(guided, x_sigma, sigma, K)
+    sigma_tilde = sigma_prime[None] + u * (1 - sigma_prime[None])
+    z, v_star = correction_targets(x0, eps, x_hat, sigma_prime, sigma_tilde, sigma_min)
+    n, b = sigma_tilde.shape
+    corr = mse(velocity(z.reshape(n * b, *x0.shape[1:]), sigma_tilde.reshape(-1)),
+               v_star.detach().reshape(n * b, *x0.shape[1:]))
+    info["loss_corr"] = corr.item()
+    # the rollout error e = x̂ - x̂_on: the part of the target SFT does not see
+    on = (1 - _col(sigma_prime, x0)) * x0 + _col(sigma_prime, x0) * eps
+    info["rollout_error"] = (x_hat - on).flatten(1).norm(dim=1).mean().item()
+    return base + lam * corr, info
+
+
+def cost_per_pair(N: int, w_cfg: float) -> tuple[int, int]:
+    """Transformer work per pair and step: ``(sample-passes, units)`` with a forward = 1 unit and a
+    forward + backward = 3: base (3) + the no-grad rollout step (1, or 2 with CFG) + N corrections (3 each).
+    SOAR at N=4 with CFG costs 17 units to SFT's 3, so SFT gets 17/3 as many steps at equal compute."""
+    if N == 0:
+        return 1, 3
+    rollout = 2 if w_cfg > 1 else 1
+    return 1 + rollout + N, 3 + rollout + 3 * N
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+
+class SOARTrainer(GroupTrainer):
+    """Flow-matching on (image, caption) pairs with SOAR's self-correction term; no rollouts, no reward."""
+
+    Config = SOARConfig
+    tcfg: SOARConfig
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pairs, self.bench = self._pair_source()
+        self._latents: OrderedDict[int, torch.Tensor] = OrderedDict()
+        if self.tcfg.N > 0 and self.tcfg.w_cfg > 1 and float(self.policy.defaults.get("guidance_scale", 1)) <= 1:
+            raise UserError(f"trainer.w_cfg={self.tcfg.w_cfg} needs CFG negatives, but the model's guidance_scale is "
+                            f"{self.policy.defaults.get('guidance_scale')}: set model.defaults.guidance_scale > 1 or "
+                            "trainer.w_cfg=1")
+        if not hasattr(self.policy, "encode_images"):
+            raise UserError(f"the {self.policy.family} policy cannot encode images to latents (no encode_images); "
+                            "SOAR/SFT need it")
+        self.latents([self.pairs_indices(0)[0]])  # one pair end to end: bad data fails before training
+
+    def _pair_source(self) -> tuple[PromptSet, str | None]:
+        """The (image, caption) pairs: ``trainer.pairs`` on disk, or the training tasks of a renderable bench."""
+        if self.tcfg.pairs:
+            from flowalign.pairs import read_caption_pairs
+
+            return read_caption_pairs(self.tcfg.pairs), None
+        bench = self.cfg.data.bench
+        if self.cfg.data.prompts or not bench:
+            raise UserError(f"trainer.name={self.tcfg.name} trains on (image, caption) pairs, not prompts: set "
+                            "trainer.pairs to a folder or JSONL of image/caption pairs, or data.bench: vvr (rendered "
+                            "scenes)")
+        return self.data, bench
+
+    def pairs_indices(self, step: int) -> list[int]:
+        b = self.tcfg.batch_size
+        return self.pairs.batch_indices(self.cfg.run.seed, step, b * self.world)[self.rank * b : (self.rank + 1) * b]
+
+    def latents(self, indices: list[int]) -> torch.Tensor:
+        """``(B, C, h, w)`` clean latents x0 of the pairs, encoded once each (posterior mean) and cached."""
+        h, w = int(self.policy.defaults["height"]), int(self.policy.defaults["width"])
+        out = []
+        for i in indices:
+            if i not in self._latents:
+                meta = self.pairs.metadata[i]
+                if self.bench is not None:
+                    if h != w:
+                        raise UserError(f"rendered {self.bench} scenes are square but the model samples {h}x{w}: set "
+                                        "model.defaults height = width")
+                    from rewards.benchmarks import render_task
+
+                    image = render_task(self.bench, meta, h)
+                else:
+                    from flowalign.pairs import load_image
+
+                    image = load_image(meta["image"], h, w)
+                self._latents[i] = self.policy.encode_images(image[None])[0].cpu()
+                while len(self._latents) > self.tcfg.latent_cache:
+                    self._latents.popitem(last=False)
+            out.append(self._latents[i])
+        return torch.stack(out).to(self.policy.device)
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        tc = self.tcfg
+        indices = self.pairs_indices(self.step)
+        x0 = self.latents(indices)
+        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank, 2))
+        keep = torch.rand(len(indices), generator=generator) >= tc.caption_dropout
+        prompts = [self.pairs.prompts[i] if k else "" for i, k in zip(indices, keep.tolist())]
+        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        sigma = sample_sigmas(len(indices), generator, tc.logit_mean, tc.logit_std).to(x0)
+        # σ̃ draws from their own stream: SOAR and SFT see the same (ε, σ) at every step
+        u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank, 3))
+        u = torch.rand(tc.N, len(indices), generator=u_gen).to(x0)
+        cond_all = self.policy.encode(prompts)
+        t_data = time.perf_counter()
+
+        stats: dict[str, list[float]] = {}
+        mb = tc.micro_batch or len(indices)
+        for s in range(0, len(indices), mb):
+            part = slice(s, s + mb)
+            cond = cond_all[part]
+            loss, info = soar_loss(self._velocity(cond, 1.0), self._velocity(cond, tc.w_cfg), x0[part], eps[part],
+                                   sigma[part], u[:, part], K=tc.K, lam=tc.lam, sigma_min=tc.sigma_min)
+            (loss * (x0[part].shape[0] / len(indices))).backward()
+            info["loss"] = loss.item()
+            for k, v in info.items():
+                stats.setdefault(k, []).append(v)
+        grad_norm = self.optimizer_step()
+        passes, units = (c * len(indices) * self.world for c in cost_per_pair(tc.N, tc.w_cfg))
+        return {
+            "reward/total": float("nan"),  # reward-free
+            **{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
+            "train/grad_norm": grad_norm,
+            "cost/forward_passes": passes,
+            "cost/units_total": units * (self.step + 1),
+            "time/data": t_data - t0,
+            "time/update": time.perf_counter() - t_data,
+            "time/step": time.perf_counter() - t0,
+        }
+
+    def _velocity(self, cond: Conditioning, guidance: float) -> Velocity:
+        """``v(x, σ)`` for a batch of ``B`` states or ``n·B`` (j-major) sharing ``cond``'s B captions."""
+
+        def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            c = cond if x.shape[0] == len(cond) else Conditioning.cat([cond] * (x.shape[0] // len(cond)))
+            return self.policy.velocity(x, sigma, c, guidance)
+
+        return v
+
+
+class SFTTrainer(SOARTrainer):
+    """Plain flow-matching SFT on the same pairs, noise and σ draws as SOAR (λ = 0, no correction passes)."""
+
+    Config = SFTConfig
+    tcfg: SFTConfig
