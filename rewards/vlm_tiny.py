@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_tiny_vlm", "tiny_vlm_tokenizer", "QWEN_VL_CHAT_TEMPLATE", "SPECIAL_TOKENS"]
+__all__ = ["build_tiny_vlm", "tiny_vlm_tokenizer", "QWEN_VL_CHAT_TEMPLATE", "SPECIAL_TOKENS", "FAMILIES"]
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -99,53 +101,63 @@ def tiny_vlm_tokenizer(vocab_size: int = 640):
     return tok
 
 
-def build_tiny_vlm(out_dir: str | os.PathLike | None = None, *, seed: int = 0, max_pixels: int = 56 * 56,
-                   **text_overrides: Any):
-    """Build (and with ``out_dir``, save) a tiny Qwen2.5-VL model, its processor and tokenizer.
+def build_tiny_vlm(out_dir: str | os.PathLike | None = None, *, family: str = "qwen2_5_vl", seed: int = 0,
+                   max_pixels: int | None = None, **text_overrides: Any):
+    """Build (and with ``out_dir``, save) a tiny Qwen2.5-VL (``family="qwen2_5_vl"``) or Qwen3-VL
+    (``"qwen3_vl"``) model, its processor and tokenizer.
 
     Returns ``(model, processor)``; the model is in eval mode, float32, weights initialised under
-    ``torch.manual_seed(seed)`` inside a forked RNG (the caller's RNG is untouched).
+    ``torch.manual_seed(seed)`` inside a forked RNG (the caller's RNG is untouched). ``max_pixels``
+    caps the processor's resizing (default: 2x2 merged patches, 4 visual tokens per image).
     ``text_overrides`` change the decoder config (``num_hidden_layers``, ``hidden_size``, ...).
     """
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
-                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    import transformers
 
+    if family not in FAMILIES:
+        raise ValueError(f"build_tiny_vlm: family={family!r}; use one of {FAMILIES}")
     tok = tiny_vlm_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     hidden, heads = text_overrides.pop("hidden_size", 64), text_overrides.pop("num_attention_heads", 4)
     head_dim = hidden // heads
     # Qwen's M-RoPE splits the rotary half-dimension into (temporal, height, width) sections
-    t_sec = head_dim // 2 - 2 * (head_dim // 2 // 3)
+    hw = head_dim // 2 // 3
+    mrope = [head_dim // 2 - 2 * hw, hw, hw]
+    patch = 14 if family == "qwen2_5_vl" else 16
     text = {
         "vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 2 * hidden,
-        "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": 2,
-        "max_position_embeddings": 4096, "rope_parameters": {
-            "rope_type": "default", "rope_theta": 10000.0,
-            "mrope_section": [t_sec, head_dim // 2 // 3, head_dim // 2 // 3]},
+        "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope,
+                            **({"mrope_interleaved": True} if family == "qwen3_vl" else {})},
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"], **text_overrides,
     }
-    vision = {
-        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
-        "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56, "out_hidden_size": hidden,
-        "fullatt_block_indexes": [1],
-    }
-    config = Qwen2_5_VLConfig(
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": patch,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": hidden}
+    if family == "qwen2_5_vl":
+        text.pop("head_dim")
+        vision.update(window_size=56, fullatt_block_indexes=[1])
+        names = ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
+                 "Qwen2VLVideoProcessor")
+    else:
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+        names = ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "Qwen3VLVideoProcessor")
+    config_cls, model_cls, processor_cls, video_cls = (getattr(transformers, n) for n in names)
+    config = config_cls(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).eval()
+        model = model_cls(config).eval()
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    size = {"shortest_edge": 28 * 28, "longest_edge": max_pixels}
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
-        video_processor=Qwen2VLVideoProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
-        tokenizer=tok, chat_template=QWEN_VL_CHAT_TEMPLATE,
-    )
+    factor = patch * 2
+    size = {"shortest_edge": factor * factor, "longest_edge": max_pixels or (2 * factor) ** 2}
+    kw = dict(size=size, patch_size=patch, temporal_patch_size=2, merge_size=2)
+    processor = processor_cls(image_processor=transformers.Qwen2VLImageProcessor(**kw), video_processor=video_cls(**kw),
+                              tokenizer=tok, chat_template=QWEN_VL_CHAT_TEMPLATE)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -158,6 +158,18 @@ def test_tiny_vlm_loads_with_auto_classes(vlm_dir: Path):
         [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], add_generation_prompt=True, tokenize=False)
 
 
+def test_qwen3_vl_judge(tmp_path: Path):
+    """The same judge code on the other model class the spec names (Qwen3-VL: deepstack, 16 px patches)."""
+    from rewards.vlm_tiny import build_tiny_vlm
+
+    build_tiny_vlm(tmp_path, family="qwen3_vl")
+    j = LocalVLMJudge(str(tmp_path), mode="weighted", scale=5, top_logprobs=ALL)
+    assert type(j.backend.model).__name__ == "Qwen3VLForConditionalGeneration"
+    a, b = j(smooth_images(2), ["a red circle"] * 2, []), j(smooth_images(2), ["a red circle"] * 2, [])
+    s = a.components["vlm_judge"]
+    assert a.valid.all() and ((s >= 1) & (s <= 5)).all() and torch.equal(s, b.components["vlm_judge"])
+
+
 # --------------------------------------------------------------------------------------------------
 # Local judge
 # --------------------------------------------------------------------------------------------------
