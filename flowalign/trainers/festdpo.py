@@ -1,0 +1,340 @@
+"""FestDPO: DPO for few-step generators with sample-based (kernel density) likelihoods.
+
+Read against ``shared/specs/festdpo.md`` [abstract only; the rest derived from DPO, arXiv 2305.18290].
+Per prompt c and step:
+
+    z_1..z_K common noises;  X_k = ϕ(G_θ(z_k,c)) (with gradient),  X_k^ref = sg(ϕ(G_ref(z_k,c)))
+    h² = median_{i≠j}‖X_i^ref - X_j^ref‖² / (2·log(K+1))          (detached; fixed for the run by default)
+    log p̂(y) = logsumexp_k(-‖ϕ(y) - X_k‖²/(2h²)) - log K
+    r̂_θ(y) = β·[log p̂_θ(y) - log p̂_ref(y)],   L = -E log σ(r̂_θ(y_w) - r̂_θ(y_l))
+
+``G`` is the policy's own ODE sampler with ``num_steps`` Euler steps (any count; 2-4 is the few-step
+regime), differentiated through every step. Pairs come from a JSONL of (prompt, chosen, rejected) images
+(``trainer.pairs``) or online: the K samples themselves are scored by the run's rewards, labelled by
+Bradley-Terry sampling, and each y_i is scored leave-one-out (X_i left out of both KDEs), so no extra
+sampling pass is spent. The reference is the adapter-disabled policy (LoRA) or a frozen copy of the
+trainable tensors (full fine-tuning). ϕ: the x0 latent average-pooled to ``feature_size`` (default), the
+whole latent, or the decoded image pooled to ``feature_size``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, field_validator
+
+from flowalign.data import PromptSet
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from flowalign.sampling import euler_step
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, derived_seed
+
+#: fewer reference samples than this give a median of too few distances to set a bandwidth
+MIN_K = 8
+
+
+class FestDPOConfig(GroupTrainerConfig):
+    name: Literal["festdpo"] = "festdpo"
+    #: samples per prompt for the KDEs (common random numbers for policy and reference)
+    K: int = 32
+    #: DPO temperature β (named apart from ``beta``, which the loop reads as a KL weight)
+    dpo_beta: float = Field(1.0, gt=0)
+    lr: float = Field(1e-5, gt=0)
+    #: Euler steps of the few-step sampler that is trained (and differentiated through)
+    num_steps: int = Field(4, ge=1)
+    feature: Literal["latent_pool", "latent", "pixels"] = "latent_pool"
+    feature_size: int = Field(8, ge=1)
+    #: ``fixed``: h² from the reference once per run; ``per_step``: from each prompt's reference samples
+    bandwidth: Literal["fixed", "per_step"] = "fixed"
+    #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
+    pairs: str | None = None
+    #: online: labelled pairs per prompt, drawn among the K scored samples
+    pairs_per_prompt: int = Field(8, ge=1)
+    #: online: P(i ≻ j) = σ((r_i - r_j)/bt_temperature)
+    bt_temperature: float = Field(1.0, gt=0)
+    #: samples per backward pass (the loss is taken on detached features first, then backpropagated in
+    #: chunks of regenerated samples: K samples need not fit in memory with their graphs); None: all K
+    chunk: int | None = Field(None, ge=1)
+
+    @field_validator("K")
+    @classmethod
+    def _enough_for_bandwidth(cls, k: int) -> int:
+        if k < MIN_K:
+            raise ValueError(f"K={k} is too small to set the KDE bandwidth (median of K(K-1)/2 reference "
+                             f"distances); use K >= {MIN_K} (the spec: 32-64)")
+        return k
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+def kde_bandwidth(x_ref: torch.Tensor) -> torch.Tensor:
+    """Median-heuristic ``h²`` (0-d, detached) from reference features ``(K, D)``."""
+    k = x_ref.shape[0]
+    if k < 2:
+        raise ValueError(f"the bandwidth needs at least 2 reference samples, got {k}")
+    x = x_ref.detach().double()
+    i, j = torch.triu_indices(k, k, offset=1)
+    d2 = (x[i] - x[j]).pow(2).sum(-1)
+    return (d2.quantile(0.5) / (2 * math.log(k + 1))).float()
+
+
+def kde_log_density(y: torch.Tensor, x: torch.Tensor, h2: torch.Tensor | float,
+                    exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """``log p̂(y)`` ``(M,)`` of points ``y (M, D)`` under the Gaussian KDE of samples ``x (K, D)``.
+
+    ``exclude (M,)``: for each y, the index of a sample left out of its KDE (leave-one-out for a y
+    that is itself one of the samples), or -1.
+    """
+    d2 = (y[:, None, :] - x[None, :, :]).pow(2).sum(-1)  # (M, K); exact, unlike cdist's matmul form
+    k = x.shape[0]
+    logits = -d2 / (2 * h2)
+    if exclude is not None:
+        drop = F.one_hot(exclude.clamp(min=0), k).bool() & (exclude >= 0)[:, None]
+        logits = logits.masked_fill(drop, float("-inf"))
+        count = k - (exclude >= 0).to(logits)
+        return torch.logsumexp(logits, dim=1) - torch.log(count)
+    return torch.logsumexp(logits, dim=1) - math.log(k)
+
+
+def festdpo_loss(
+    x: torch.Tensor, x_ref: torch.Tensor, y_w: torch.Tensor, y_l: torch.Tensor, h2: torch.Tensor | float,
+    beta: float, exclude_w: torch.Tensor | None = None, exclude_l: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO loss ``-mean log σ(r̂(y_w) - r̂(y_l))`` of M pairs ``y_w, y_l (M, D)`` for one prompt.
+
+    ``x (K, D)``: the policy's features (with gradient); ``x_ref (K, D)``: the reference's from the same
+    noises. Only ``x`` carries gradient: ``x_ref``, ``y`` and ``h²`` are detached here whatever is passed.
+    ``exclude_*``: leave-one-out indices (see :func:`kde_log_density`), the same for θ and ref.
+    """
+    h2 = h2.detach() if isinstance(h2, torch.Tensor) else h2
+    x_ref, y_w, y_l = x_ref.detach(), y_w.detach(), y_l.detach()
+
+    def reward(y: torch.Tensor, exclude: torch.Tensor | None) -> torch.Tensor:
+        return beta * (kde_log_density(y, x, h2, exclude) - kde_log_density(y, x_ref, h2, exclude))
+
+    margin = reward(y_w, exclude_w) - reward(y_l, exclude_l)
+    loss = -F.logsigmoid(margin).mean()
+    return loss, {"dpo_loss": loss.item(), "margin": margin.mean().item(),
+                  "pref_accuracy": (margin > 0).float().mean().item()}
+
+
+def bradley_terry_pairs(
+    rewards: torch.Tensor, valid: torch.Tensor, generator: torch.Generator, temperature: float, max_pairs: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labelled pairs among scored samples: indices ``(winners, losers)``, each ``(M,)``, M ≤ max_pairs.
+
+    Pairs (i, j) with both rewards valid and different are drawn in random order; ``i`` wins with
+    probability ``σ((r_i - r_j)/temperature)`` (Bradley-Terry sampling). Ties carry no preference and
+    are left out [derived].
+    """
+    n = rewards.shape[0]
+    i, j = torch.triu_indices(n, n, offset=1)
+    keep = valid[i] & valid[j] & (rewards[i] != rewards[j])
+    i, j = i[keep], j[keep]
+    order = torch.randperm(i.shape[0], generator=generator)[:max_pairs]
+    i, j = i[order], j[order]
+    p_i = torch.sigmoid((rewards[i] - rewards[j]).double() / temperature)
+    i_wins = torch.rand(i.shape[0], generator=generator, dtype=torch.float64) < p_i
+    return torch.where(i_wins, i, j), torch.where(i_wins, j, i)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+
+class FestDPOTrainer(GroupTrainer):
+    """DPO on the policy's few-step sampler with KDE likelihoods (see the module docstring)."""
+
+    Config = FestDPOConfig
+    tcfg: FestDPOConfig
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        tc = self.tcfg
+        self.offline: PromptSet | None = None
+        if tc.pairs:
+            from flowalign.pairs import read_preference_pairs
+
+            self.offline = read_preference_pairs(tc.pairs)  # every image checked here, before compute
+            if tc.feature != "pixels" and not hasattr(self.policy, "encode_images"):
+                raise UserError(f"offline pairs with trainer.feature={tc.feature} need the {self.policy.family} policy "
+                                "to encode images (no encode_images): use trainer.feature=pixels")
+        latent_ndim = self.policy.initial_noise(1, torch.Generator().manual_seed(0)).ndim - 1
+        if tc.feature == "latent_pool" and latent_ndim not in (3, 4):
+            raise UserError(f"trainer.feature=latent_pool pools (C,H,W) or (C,F,H,W) latents, but the "
+                            f"{self.policy.family} policy's latents have {latent_ndim} dims: use feature=latent or pixels")
+        # the reference of a full fine-tune: the starting trainable tensors (copied before any resume)
+        self.frozen = None if self.cfg.model.finetune == "lora" else [p.detach().clone() for p in self.params]
+        self._h2: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ pieces
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """Inside: the policy is the reference (adapter off, or the frozen starting weights swapped in)."""
+        if self.frozen is None:
+            with self.policy.adapter_disabled():
+                yield
+            return
+        live = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, f in zip(self.params, self.frozen):
+                p.copy_(f)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, v in zip(self.params, live):
+                    p.copy_(v)
+
+    def generate(self, z: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The few-step sampler ``G(z, c)``: ``num_steps`` Euler steps on the policy's grid → x0 ``(B, ...)``."""
+        sigmas = self.policy.sigmas(self.tcfg.num_steps).float()
+        guidance = float(self.tcfg.guidance_scale or self.policy.defaults.get("guidance_scale", 1.0))
+        x = z
+        for k in range(len(sigmas) - 1):
+            v = self.policy.velocity(x, sigmas[k].item(), cond, guidance)
+            x = euler_step(v, x, sigmas[k].item(), sigmas[k + 1].item()).prev_sample
+        return x
+
+    def features(self, x0: torch.Tensor) -> torch.Tensor:
+        """ϕ of latents ``(B, ...)`` → ``(B, D)`` float32 (differentiable)."""
+        kind, s = self.tcfg.feature, self.tcfg.feature_size
+        if kind == "latent":
+            return x0.float().flatten(1)
+        if kind == "pixels":
+            return self.image_features(self.policy.decode(x0))
+        pool = F.adaptive_avg_pool2d if x0.ndim == 4 else F.adaptive_avg_pool3d
+        size = s if x0.ndim == 4 else (x0.shape[2], s, s)
+        return pool(x0.float(), size).flatten(1)
+
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """ϕ of images ``(B, 3, H, W)`` in [0, 1] (offline pairs) → ``(B, D)``."""
+        if self.tcfg.feature == "pixels":
+            return F.adaptive_avg_pool2d(images.float(), self.tcfg.feature_size).flatten(1)
+        return self.features(self.policy.encode_images(images))
+
+    def bandwidth(self, x_ref: torch.Tensor) -> torch.Tensor:
+        """``h²`` for a prompt: this prompt's reference samples, or (``fixed``) one value for the run."""
+        if self.tcfg.bandwidth == "per_step":
+            return kde_bandwidth(x_ref)
+        if self._h2 is None:
+            self._h2 = self.calibrate_bandwidth()
+        return self._h2
+
+    @torch.no_grad()
+    def calibrate_bandwidth(self) -> torch.Tensor:
+        """The run's fixed ``h²``: the median over the first step's prompts of their reference bandwidths.
+
+        A pure function of the frozen reference and the run seed, so a resumed run recomputes the same
+        value and every rank gets the same one.
+        """
+        prompts = self.prompt_source()
+        idx = prompts.batch_indices(self.cfg.run.seed, 0, self.tcfg.prompts_per_step)
+        values = []
+        for gid, i in enumerate(idx):
+            z = self.policy.initial_noise(self.tcfg.K, torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, gid, 7)))
+            with self.reference():
+                x_ref = self.features(self.generate(z, self.policy.encode([prompts.prompts[i]] * self.tcfg.K)))
+            values.append(kde_bandwidth(x_ref))
+        return torch.stack(values).median()
+
+    def prompt_source(self) -> PromptSet:
+        return self.offline if self.offline is not None else self.data
+
+    def score_samples(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted reward total ``(B,)`` and validity ``(B,)`` of decoded samples."""
+        total, valid = torch.zeros(len(prompts)), torch.ones(len(prompts), dtype=torch.bool)
+        for _, weight, reward in self.rewards:
+            out = reward(samples, prompts, metadata)
+            value = out.total.float().cpu()
+            valid &= out.valid.cpu() & torch.isfinite(value)
+            total += weight * torch.nan_to_num(value)
+        return total, valid
+
+    def preference_pairs(self, x0: torch.Tensor, x: torch.Tensor, prompt: str, meta: dict,
+                         generator: torch.Generator) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor]:
+        """``y_w, y_l (M, D)`` (+ leave-one-out indices online), or None when the prompt gives no pair; and
+        the valid online rewards of the K samples (empty offline)."""
+        if self.offline is not None:
+            from flowalign.pairs import load_image
+
+            h, w = int(self.policy.defaults["height"]), int(self.policy.defaults["width"])
+            images = torch.stack([load_image(meta[k], h, w) for k in ("chosen", "rejected")]).to(self.policy.device)
+            with torch.no_grad():
+                y = self.image_features(images)
+            return {"y_w": y[:1], "y_l": y[1:]}, torch.zeros(0)
+        with torch.no_grad():
+            samples = self.policy.decode(x0.detach())
+        rewards, valid = self.score_samples(samples, [prompt] * len(samples), [meta] * len(samples))
+        win, lose = bradley_terry_pairs(rewards, valid, generator, self.tcfg.bt_temperature, self.tcfg.pairs_per_prompt)
+        if win.numel() == 0:
+            return None, rewards[valid]
+        win, lose = win.to(x.device), lose.to(x.device)
+        return {"y_w": x[win].detach(), "y_l": x[lose].detach(), "exclude_w": win, "exclude_l": lose}, rewards[valid]
+
+    # ------------------------------------------------------------------ step
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        tc = self.tcfg
+        source = self.prompt_source()
+        p = tc.prompts_per_step
+        idx = source.batch_indices(self.cfg.run.seed, self.step, p * self.world)[self.rank * p : (self.rank + 1) * p]
+        stats: dict[str, list[float]] = {}
+        scored: list[torch.Tensor] = []
+        used = 0
+        for n, i in enumerate(idx):
+            prompt, meta = source.prompts[i], source.metadata[i]
+            gid = self.rank * p + n
+            generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, gid))
+            z = self.policy.initial_noise(tc.K, generator)
+            cond = self.policy.encode([prompt] * tc.K)
+            with torch.no_grad(), self.reference():
+                x_ref = self.features(self.generate(z, cond))
+            h2 = self.bandwidth(x_ref)
+            chunked = tc.chunk is not None and tc.chunk < tc.K
+            with torch.set_grad_enabled(not chunked):
+                x0 = self.generate(z, cond)
+                x = self.features(x0)
+            pairs, rewards = self.preference_pairs(x0, x, prompt, meta, generator)
+            scored.append(rewards)
+            if pairs is None:
+                continue
+            used += 1
+            if chunked:
+                x = x.detach().requires_grad_()
+            loss, info = festdpo_loss(x, x_ref, pairs["y_w"], pairs["y_l"], h2, tc.dpo_beta,
+                                      pairs.get("exclude_w"), pairs.get("exclude_l"))
+            if chunked:
+                (grad,) = torch.autograd.grad(loss, x)
+                for s in range(0, tc.K, tc.chunk):
+                    part = slice(s, s + tc.chunk)
+                    self.features(self.generate(z[part], cond[part])).backward(grad[part] / p)
+            else:
+                (loss / p).backward()
+            info["h2"] = float(h2)
+            info["pairs"] = float(pairs["y_w"].shape[0])
+            for k, v in info.items():
+                stats.setdefault(k, []).append(v)
+        t_update = time.perf_counter()
+        if used:
+            grad_norm = self.optimizer_step()
+        else:  # no prompt gave a preference: no update (weight decay alone would move the weights)
+            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm = 0.0
+        rewards = torch.cat(scored) if scored else torch.zeros(0)
+        return {
+            "reward/total": rewards.mean().item() if rewards.numel() else float("nan"),
+            **{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
+            "train/prompts_with_pairs": float(used),
+            "train/grad_norm": grad_norm,
+            "time/optimizer": time.perf_counter() - t_update,
+            "time/step": time.perf_counter() - t0,
+        }
