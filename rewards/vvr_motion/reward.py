@@ -22,7 +22,8 @@ class VVRMotionReward:
 
     ``metadata[i]["task"]`` holds sample ``i``'s :class:`~rewards.vvr_motion.MotionTask` (or its dict).
     A sample without a task, or whose clip cannot be read (blank, non-finite, wrong frame count), is
-    invalid: masked, with the reason in ``info``. A malformed task raises ``ValueError``.
+    invalid: masked, with the reason in ``info``. ``info[i]["tracks"]`` lists each named object's track
+    (found per frame, centres, areas). A malformed task raises ``ValueError``.
     """
 
     name = "vvr_motion"
@@ -49,7 +50,9 @@ class VVRMotionReward:
                 info.append({"constraints": [], "all_passed": False, "reason": "video has NaN or infinite values"})
                 continue
             verdict = verify(task, clips[i])
-            info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason})
+            # tracks: where each named object was found per frame, so a per-clip verdict says why it failed
+            info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason,
+                         "tracks": verdict.detected})
             if verdict.valid:
                 valid[i] = True
                 scores[i] = score([p for _, p in verdict.constraints], self.gamma)

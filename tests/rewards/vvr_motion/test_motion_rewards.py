@@ -39,6 +39,10 @@ def test_vvr_motion_scores_valid_mask_and_info():
     assert out.valid.dtype == torch.bool and out.valid.tolist() == [True, False, True, False]
     assert s[0] == 1.0 and out.info[0]["all_passed"]
     assert [k for k, _ in out.info[0]["constraints"]] == [c.type for c in tasks[0].constraints]
+    # per-clip tracks: one per object the constraints name, with a found flag per frame
+    named = {tuple(sorted(r.items())) for c in tasks[0].constraints for r in c.refs}
+    assert {tuple(sorted(t["ref"].items())) for t in out.info[0]["tracks"]} == named
+    assert all(len(t["found"]) == 9 for t in out.info[0]["tracks"])
     assert "blank" in out.info[1]["reason"] and s[1] == 0.0
     assert 0.0 <= s[2] < 1.0 and not out.info[2]["all_passed"]
     assert "no 'task'" in out.info[3]["reason"] and len(out.info) == 4
