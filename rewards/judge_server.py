@@ -115,7 +115,7 @@ def to_chat_reply(c: Completion, model: str, logprobs: bool) -> dict[str, Any]:
     if logprobs:
         content = []
         for pos, top in enumerate(c.top_logprobs):
-            token = c.tokens[pos] if pos < len(c.tokens) else top[0][0]  # past the text: the stop token
+            token = c.tokens[pos] if pos < len(c.tokens) else top[0][0]
             logprob = next((lp for t, lp in top if t == token), top[0][1])
             content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}

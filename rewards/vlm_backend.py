@@ -41,7 +41,8 @@ class ChatRequest:
 
 @dataclass
 class Completion:
-    """A reply: ``text`` (None on failure, with ``error``), the chosen ``tokens`` and, when asked,
+    """A reply: ``text`` (None on failure, with ``error``), the generated ``tokens`` (the stop token
+    included) and, when asked,
     ``top_logprobs`` per generated position: ``(token text, log-prob)`` pairs, most likely first, one per
     token id (two ids may share a text), log-probs under the model before temperature."""
 
@@ -151,9 +152,13 @@ class LocalVLM:
             kwargs.update(temperature=float(r0.temperature), top_k=None, top_p=None)
         else:  # greedy: drop sampling defaults a checkpoint's generation_config may carry
             kwargs.update(temperature=None, top_k=None, top_p=None)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            if sampling and r0.seed is not None:
+        if sampling and r0.seed is not None:  # a seeded request: reproducible, the global RNG untouched
+            cuda = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+                if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
                 torch.manual_seed(r0.seed)
+                gen = self.model.generate(**inputs, **kwargs)
+        else:
             gen = self.model.generate(**inputs, **kwargs)
         n_prompt = inputs["input_ids"].shape[1]
         new = gen.sequences[:, n_prompt:].cpu()
@@ -165,15 +170,16 @@ class LocalVLM:
             length = next((t for t, tok in enumerate(ids) if tok in self._eos), None)
             finish = "stop" if length is not None else "length"
             length = len(ids) if length is None else length
+            n_tokens = min(length + (finish == "stop"), len(logps))  # the stop token is a generated token too
             tops: list[list[tuple[str, float]]] = []
             if r0.top_logprobs > 0:
-                for t in range(min(length + (finish == "stop"), len(logps))):
+                for t in range(n_tokens):
                     values, top_ids = logps[t][b].topk(min(r0.top_logprobs, logps[t].shape[-1]))
                     tops.append([(self.token_text(j), v) for v, j in zip(values.tolist(), top_ids.tolist())
                                  if math.isfinite(v)])
             completions.append(Completion(
                 text=self.tokenizer.decode(ids[:length], skip_special_tokens=True),
-                tokens=[self.token_text(j) for j in ids[:length]], top_logprobs=tops, finish_reason=finish,
+                tokens=[self.token_text(j) for j in ids[:n_tokens]], top_logprobs=tops, finish_reason=finish,
                 prompt_tokens=int(prompt_lens[b]),
             ))
         return completions

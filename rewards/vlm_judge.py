@@ -106,6 +106,12 @@ class VLMJudge:
             raise UserError(f"{who} reward: labels={labels!r} must be a non-empty list of names, e.g. ['Score']")
         if question is not None and "{prompt}" not in question:
             raise UserError(f"{who} reward: question must contain '{{prompt}}' where the prompt goes; got {question!r}")
+        if question is not None:
+            try:
+                question.format(prompt="p", media="image", K=scale)
+            except (KeyError, IndexError, ValueError) as e:
+                raise UserError(f"{who} reward: question={question!r} has an unknown placeholder ({e}); use only"
+                                " {prompt}, {media}, {K}, and {{ }} for literal braces") from e
         self.backend, self.mode, self.K = backend, mode, scale
         self.question = question or QUESTIONS[mode]
         self.prefix = prefix if prefix is not None else PREFIXES.get(mode, "")

@@ -195,6 +195,44 @@ def test_weighted_score_matches_a_direct_forward_pass(judge: LocalVLMJudge):
         assert out.components["vlm_judge"][i].item() == pytest.approx((torch.arange(1, 10) * p).sum().item(), abs=1e-4)
 
 
+def test_digits_after_a_lone_space_token_are_read_one_position_later(vlm_dir: Path):
+    """Qwen writes "Score: 7" as ":" "Ġ" "7". Raise the tiny judge's "Ġ" logit after "Score:" so that greedy
+    decoding takes it; the score must then be P(k) ∝ P₀(k) + P₀(Ġ)·P₁(k), checked against two direct
+    forward passes."""
+    j = LocalVLMJudge(str(vlm_dir), mode="weighted", top_logprobs=ALL)
+    vlm = j.backend
+    request = j._weighted_request(j._media(smooth_images(1)[0]), "a red circle")
+    image = request.messages[0]["content"][0]["image"]
+    ws = vlm.tokenizer.convert_tokens_to_ids("Ġ")
+    digits = [vlm.tokenizer.convert_tokens_to_ids(str(k)) for k in range(1, 10)]
+
+    def next_token(text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = {}
+
+        def keep_input(module, args, output) -> None:  # the final hidden state the logits are read from
+            seen["h"] = args[0].reshape(-1, args[0].shape[-1])[-1]
+
+        hook = vlm.model.lm_head.register_forward_hook(keep_input)
+        with torch.no_grad():
+            logits = vlm.model(**vlm.processor(text=[text], images=[image], return_tensors="pt")).logits[0, -1]
+        hook.remove()
+        return torch.softmax(logits.float(), 0), seen["h"]
+
+    prompt = vlm.render(request)
+    assert prompt.endswith("Score:")
+    _, h = next_token(prompt)
+    with torch.no_grad():
+        vlm.model.lm_head.weight[ws] += 20 * h / h.norm() ** 2  # +20 on the "Ġ" logit at this position
+    p0, _ = next_token(prompt)
+    p1, _ = next_token(prompt + " ")
+    assert int(p0.argmax()) == ws
+    mass = p0[digits] + p0[ws] * p1[digits]
+    out = j(smooth_images(1), ["a red circle"], [])
+    assert out.valid.all()
+    assert torch.allclose(torch.tensor(out.info[0]["probs"]), (mass / mass.sum()).double().float(), atol=1e-5)
+    assert out.info[0]["choice_mass"] == pytest.approx(mass.sum().item(), rel=1e-4)
+
+
 @pytest.mark.parametrize("scale", [2, 5, 9])
 def test_weighted_scores_lie_in_1_to_K(vlm_dir: Path, scale: int):
     j = LocalVLMJudge(str(vlm_dir), mode="weighted", scale=scale, top_logprobs=ALL)
@@ -313,6 +351,8 @@ def test_registry_and_bad_input(vlm_dir: Path, tmp_path: Path):
         LocalVLMJudge(str(vlm_dir), scale=10)
     with pytest.raises(UserError, match="question"):
         LocalVLMJudge(str(vlm_dir), question="Rate this image")
+    with pytest.raises(UserError, match="placeholder"):
+        LocalVLMJudge(str(vlm_dir), question='Rate {prompt} as {"score": x}')
     with pytest.raises(UserError, match="labels"):
         LocalVLMJudge(str(vlm_dir), mode="text", labels="Score")
     with pytest.raises(UserError, match=r"\[0, 1\]"):
