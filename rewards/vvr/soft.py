@@ -5,7 +5,8 @@ thresholds and connected components with no gradient. This surrogate scores the 
 metadata with smooth stand-ins [derived], and the hard verifier stays the judge of accuracy:
 
 * **soft colour masks** — each pixel's CIELAB colour against the palette centres,
-  ``p_k = softmax_k(−ΔE76(pixel, k)² / τ²)``: a ``(K, H, W)`` membership per palette colour.
+  ``p_k ∝ (1 + ΔE76(pixel, k)²/τ²)^−4``: a ``(K, H, W)`` membership per palette colour (heavy-tailed,
+  so a pixel of no palette colour still has a gradient toward each).
 * **descriptors → masks** — a reference ``{"colour", "shape"}`` selects the colours of the scene
   objects it matches (its own colour when named), so a shape-only reference ("two stars") reads the
   colours the task's scene gives those stars. Shape itself is not measured (only through the area a
@@ -38,6 +39,7 @@ from rewards.vvr.predicates import _MEDIUM_LARGE, _SMALL_MEDIUM
 from rewards.vvr.tasks import Constraint, Obj, Task, as_task
 from rewards.vvr.verify import GAMMA
 
+KERNEL_POWER = 4  # tail of the colour kernel (larger: sharper, closer to a softmax)
 EM_STEPS = 4  # soft k-means steps that split a colour mask among the scene objects of that colour
 EM_SCALE = 0.12  # their spatial scale (image fractions)
 WORK = 128  # larger images are average-pooled to at most this many pixels a side (as the verifier)
@@ -63,7 +65,10 @@ def colour_memberships(images: torch.Tensor, temperature: float) -> torch.Tensor
     """``(B, 3, H, W)`` in [0, 1] → soft palette memberships ``(B, K, H, W)`` summing to 1 per pixel."""
     lab = srgb_to_lab(images)
     d2 = ((lab[:, None] - _LAB.to(lab)[None, :, :, None, None]) ** 2).sum(2)  # (B, K, H, W)
-    return torch.softmax(-d2 / temperature**2, dim=1)
+    # a heavy-tailed (Student-t-like) kernel instead of exp(−d²/τ²): as sharp near a palette centre, but a
+    # pixel far from every centre still has a (small) gradient toward each colour instead of exp's underflow
+    w = (1 + d2 / temperature**2) ** -KERNEL_POWER
+    return w / w.sum(1, keepdim=True)
 
 
 def object_area(o: Obj) -> float:
@@ -185,8 +190,9 @@ class _SoftScene:
 
     # ------------------------------------------------------------ smooth tests
     def gt(self, value: torch.Tensor, threshold: float, width: float) -> torch.Tensor:
-        """Smooth ``value > threshold``."""
-        return torch.sigmoid((value - threshold) / width)
+        """Smooth ``value > threshold``: ``½ + atan(x)/π`` (a Cauchy CDF, whose tails never underflow, so a
+        sample far from passing still has a gradient, unlike a sigmoid's)."""
+        return 0.5 + torch.atan((value - threshold) / width) / math.pi
 
     def exists(self, ref: Mapping[str, str]) -> torch.Tensor:
         return self.gt(self.count(ref), 0.5, 0.15)
@@ -213,10 +219,10 @@ class _SoftScene:
             return 1 - self.exists(a["ref"])
         if t in ("count_shape", "count_colour", "count_colour_shape"):
             n = self.count({k: a[k] for k in ("colour", "shape") if k in a})
-            return torch.exp(-0.5 * ((n - a["n"]) / 0.5) ** 2)
+            return _bump((n - a["n"]) / 0.5)
         if t == "total_count":
             fg = 1 - self.p[_INDEX[self.task.background]]
-            return torch.exp(-0.5 * ((fg.mean() / self.unit_all - a["n"]) / 0.5) ** 2)
+            return _bump((fg.mean() / self.unit_all - a["n"]) / 0.5)
         if t == "at_least":
             return self.gt(self.count(a["ref"]), a["n"] - 0.5, 0.15)
         if t == "at_most":
@@ -224,7 +230,7 @@ class _SoftScene:
         if t == "more_than":
             return self.gt(self.count(a["a"]) - self.count(a["b"]), 0.5, 0.15)
         if t == "equal_count":
-            return torch.exp(-0.5 * ((self.count(a["a"]) - self.count(a["b"])) / 0.5) ** 2)
+            return _bump((self.count(a["a"]) - self.count(a["b"])) / 0.5)
         if t == "background_colour":
             border = torch.cat([self.p[_INDEX[a["colour"]], [0, -1]].flatten(), self.p[_INDEX[a["colour"]], :, [0, -1]].flatten()])
             return self.gt(border.mean(), 0.5, 0.1)
@@ -300,10 +306,15 @@ class _SoftScene:
         if t == "inside":
             return 1 - self.gt(d, max(ry - rx, 0.02), self.t)
         if t == "touching":
-            return torch.exp(-0.5 * ((d - (rx + ry)) / (2 * self.t)) ** 2)
+            return _bump((d - (rx + ry)) / (2 * self.t))
         if t == "overlapping":
             return (1 - self.gt(d, 0.8 * (rx + ry), self.t)) * self.gt(d, abs(ry - rx), self.t)
         raise ValueError(f"unknown constraint type {t!r}")
+
+
+def _bump(x: torch.Tensor) -> torch.Tensor:
+    """Smooth ``x ≈ 0`` in (0, 1]: ``1/(1 + x²)`` (heavy-tailed for the same reason as ``gt``)."""
+    return 1 / (1 + x**2)
 
 
 def _log_area(scene: _SoftScene, ref: Mapping[str, str], extent: float) -> float:

@@ -1,0 +1,74 @@
+"""DiffusionNFT (the baseline of shared/specs/diffusion_opsd.md): its loss and a short real run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowalign import checkpoint as ckpt
+from flowalign.train import build_trainer
+from flowalign.trainers.diffusion_nft import nft_loss
+from flowalign.trainers.diffusion_opsd import opsd_loss
+
+from .conftest import small_config
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.3])
+def test_nft_gradient_vanishes_at_theta_equals_phi_and_r_half_while_opsd_does_not(beta):
+    g = torch.Generator().manual_seed(0)
+    v_phi, target, z_q, a = (torch.randn(3, 16, generator=g) for _ in range(4))
+    half = torch.full((3,), 0.5)
+    v_theta = v_phi.clone().requires_grad_(True)
+    nft_loss(v_theta, v_phi, target, half, beta)[0].sum().backward()
+    if beta == 1.0:  # v⁺ = v_θ and v⁻ = 2v_φ − v_θ are exact: the two halves cancel bit for bit
+        assert torch.equal(v_theta.grad, torch.zeros_like(v_theta))
+    else:
+        torch.testing.assert_close(v_theta.grad, torch.zeros_like(v_theta), atol=1e-6, rtol=0)
+    # OPSD at the same point: the targets differ from the anchor, so the gradient does not vanish
+    sigma = 0.3
+    y0 = z_q - sigma * v_phi
+    v_theta = v_phi.clone().requires_grad_(True)
+    opsd_loss(v_theta, v_phi, z_q, sigma, y0 + 0.1 * a, y0 - 0.1 * a, half, beta, 5.0)[0].sum().backward()
+    assert v_theta.grad.norm() > 1e-3
+
+
+def test_nft_loss_moves_v_theta_toward_the_data_velocity_for_good_samples():
+    """r = 1: the fit pulls v⁺ (= v_θ at β=1) to v = ε − x; r = 0 pushes v⁻ there, so v_θ moves away."""
+    g = torch.Generator().manual_seed(1)
+    v_phi, target = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    for r_value, closer in ((1.0, True), (0.0, False)):
+        v_theta = v_phi.clone().requires_grad_(True)
+        nft_loss(v_theta, v_phi, target, torch.full((2,), r_value), 1.0)[0].sum().backward()
+        stepped = v_phi - 0.01 * v_theta.grad
+        assert (((stepped - target).norm(dim=1) < (v_phi - target).norm(dim=1)) == closer).all()
+
+
+def test_real_units_at_theta_equals_phi_and_r_half_give_exactly_zero_gradient(tmp_path, tiny_sd3_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "z", tiny_sd3_dir, prompt_file, "trainer.name=diffusion_nft",
+                                   "trainer.timesteps_per_sample=2"))
+    prompts, metadata, groups = t.step_prompts(0)
+    chunk = t.sample(prompts, metadata, groups).chunks[0]
+    with t.behaviour.swapped_in():
+        units = t.prepare(chunk, torch.full((len(chunk),), 0.5), torch.ones(len(chunk), dtype=torch.bool),
+                          torch.Generator().manual_seed(0))
+    assert len(units) == 2 and units[0].tensors["t"] != units[1].tensors["t"]
+    for unit in units:
+        loss, _ = t.fit_loss(unit)
+        loss.sum().backward()
+    assert all(p.grad is None or torch.equal(p.grad, torch.zeros_like(p)) for p in t.params)
+
+
+def test_short_run_with_a_non_differentiable_reward_checkpoints_phi(tmp_path, tiny_sd3_dir, prompt_file):
+    """NFT takes any reward (the redness function has no gradient); φ is saved with the run and
+    one update with λ = 0 makes φ equal θ."""
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=diffusion_nft",
+                                   "trainer.timesteps_per_sample=2", "trainer.behaviour_rate=0",
+                                   "run.checkpoint_every=1"))
+    before = [p.detach().clone() for p in t.params]
+    t.train()
+    assert any(not torch.equal(b, p) for b, p in zip(before, t.params))
+    assert all(torch.equal(phi, p.detach()) for phi, p in zip(t.behaviour.tensors, t.params))
+    saved = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "r"))["trainable"]
+    live = t.trainable_state()
+    assert set(live) == set(saved) and any(k.startswith("behaviour.") for k in saved)
+    assert all(torch.equal(saved[k], v.detach().cpu()) for k, v in live.items())

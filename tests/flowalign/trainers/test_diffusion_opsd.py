@@ -1,0 +1,167 @@
+"""DiffusionOPSD: the spec's properties (shared/specs/diffusion_opsd.md) on closed forms and the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowalign import checkpoint as ckpt
+from flowalign.errors import UserError
+from flowalign.train import build_trainer
+from flowalign.trainers.diffusion_opsd import (
+    BehaviourWeights,
+    bounded_targets,
+    mirrored_velocities,
+    opsd_loss,
+    query_index,
+    reward_weight,
+)
+
+from .conftest import small_config
+
+SOFT = "rewards=[{name: vvr_soft}]"
+
+
+def vvr_run(tmp_path, tiny_sd3_dir, *extra):
+    """A seconds-long OPSD run on VVR tasks (metadata for vvr_soft) on the tiny random SD3 model."""
+    return small_config(tmp_path, tiny_sd3_dir, tmp_path / "unused.txt", "data.prompts=null", "data.bench=vvr",
+                        "data.level=medium", "data.n=16", SOFT, "trainer.name=diffusion_opsd", *extra)
+
+
+def test_linear_reward_targets_and_fixed_point():
+    """Identity decoder, R(y) = ⟨a, y⟩: y± = y0 ± ρ‖y0‖·â, and fitting drives x̂0_θ(z_q) to
+    y0 + (ρ‖y0‖/β)·â whatever r (a sign error or a w that is not detached moves the fixed point)."""
+    g = torch.Generator().manual_seed(0)
+    b, d, sigma, rho = 3, 16, 0.3, 0.1
+    z_q = torch.randn(b, d, generator=g)
+    v_phi = torch.randn(b, d, generator=g)
+    y0 = z_q - sigma * v_phi
+    a = torch.randn(b, d, generator=g)
+    a_hat = a / a.norm(dim=1, keepdim=True)
+    y_pos, y_neg = bounded_targets(y0, lambda y: a.clone(), rho=rho, n=2, eta=1.0)
+    radius = rho * y0.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(y_pos, y0 + radius * a_hat)
+    torch.testing.assert_close(y_neg, y0 - radius * a_hat)
+    for beta in (1.0, 0.5):
+        for r_value in (0.0, 0.3, 1.0):
+            v_theta = v_phi.clone().requires_grad_(True)
+            opt = torch.optim.Adam([v_theta], lr=1e-2)
+            r = torch.full((b,), r_value)
+            for _ in range(1500):
+                loss, _ = opsd_loss(v_theta, v_phi, z_q, sigma, y_pos, y_neg, r, beta, a_max=5.0)
+                opt.zero_grad()
+                loss.mean().backward()
+                opt.step()
+            x0_theta = z_q - sigma * v_theta.detach()
+            torch.testing.assert_close(x0_theta, y0 + radius * a_hat / beta, atol=2e-3, rtol=0)
+
+
+def test_targets_stay_in_the_budget_ball_for_a_curved_reward():
+    g = torch.Generator().manual_seed(1)
+    y0 = torch.randn(4, 8, generator=g)
+    centre = torch.randn(4, 8, generator=g)
+    y_pos, y_neg = bounded_targets(y0, lambda y: -(y - centre), rho=0.2, n=3, eta=2.0)  # ∇ of −½‖y−c‖²
+    budget = 0.2 * y0.norm(dim=1)
+    assert ((y_pos - y0).norm(dim=1) <= budget * (1 + 1e-5)).all()
+    assert ((y_neg - y0).norm(dim=1) <= budget * (1 + 1e-5)).all()
+    # ascent gets closer to the reward's peak than descent
+    assert ((y_pos - centre).norm(dim=1) < (y_neg - centre).norm(dim=1)).all()
+
+
+def test_delta_identity():
+    """With Δ = x̂0_θ − y0: ŷ⁺ = y0 + βΔ and ŷ⁻ = y0 − βΔ."""
+    g = torch.Generator().manual_seed(2)
+    z_q, v_phi, v_theta = (torch.randn(2, 3, 4, 4, generator=g) for _ in range(3))
+    sigma, beta = 0.278, 0.7
+    y0, x0_theta = z_q - sigma * v_phi, z_q - sigma * v_theta
+    v_pos, v_neg = mirrored_velocities(v_theta, v_phi, beta)
+    torch.testing.assert_close(z_q - sigma * v_pos, y0 + beta * (x0_theta - y0))
+    torch.testing.assert_close(z_q - sigma * v_neg, y0 - beta * (x0_theta - y0))
+
+
+@pytest.mark.parametrize("r_value", [0.0, 0.5, 1.0])
+def test_gradient_at_theta_equals_phi_is_antiparallel_to_the_ascent(r_value):
+    """At θ = φ, ∂L/∂x̂0_θ points against y⁺ − y0 for every r, including r = ½ (where NFT's vanishes)."""
+    g = torch.Generator().manual_seed(3)
+    z_q, v_phi, a = (torch.randn(2, 32, generator=g) for _ in range(3))
+    sigma = 0.4
+    y0 = z_q - sigma * v_phi
+    y_pos, y_neg = bounded_targets(y0, lambda y: a.clone(), rho=0.1, n=2, eta=1.0)
+    x0_theta = y0.clone().requires_grad_(True)  # x̂0_θ = z_q − σ·v_θ with v_θ = v_φ
+    v_theta = (z_q - x0_theta) / sigma
+    loss, _ = opsd_loss(v_theta, v_phi, z_q, sigma, y_pos, y_neg, torch.full((2,), r_value), 1.0, 5.0)
+    loss.sum().backward()
+    cos = torch.nn.functional.cosine_similarity(x0_theta.grad, y_pos - y0, dim=1)
+    torch.testing.assert_close(cos, -torch.ones(2))
+
+
+def test_reward_weight_and_query_index():
+    torch.testing.assert_close(reward_weight(torch.tensor([-9.0, -5.0, 0.0, 2.5, 7.0]), 5.0),
+                               torch.tensor([0.0, 0.0, 0.5, 0.75, 1.0]))
+    sigmas = torch.tensor([1.0, 0.8, 0.5, 0.3, 0.1, 0.0])
+    assert query_index(sigmas, 0.278) == 3
+    assert query_index(sigmas, 0.99) == 1 and query_index(sigmas, 0.0) == 4  # never the noise, never σ=0
+
+
+def test_refresh_with_lambda_zero_copies_theta_exactly():
+    p = torch.nn.Parameter(torch.randn(5, 3))
+    phi = BehaviourWeights([p])
+    with torch.no_grad():
+        p.add_(torch.randn(5, 3))
+    phi.refresh(0.3)
+    assert not torch.equal(phi.tensors[0], p.detach())
+    phi.refresh(0.0)
+    assert torch.equal(phi.tensors[0], p.detach())
+    with phi.swapped_in():
+        assert torch.equal(p.detach(), phi.tensors[0])
+
+
+def test_a_non_differentiable_reward_is_refused_naming_the_differentiable_ones(tmp_path, tiny_sd3_dir):
+    with pytest.raises(UserError, match="differentiable.*vvr_soft"):
+        build_trainer(vvr_run(tmp_path / "bad", tiny_sd3_dir, "rewards=[{name: vvr}]"))
+
+
+def test_targets_carry_no_parameter_gradient_and_the_update_moves_theta(tmp_path, tiny_sd3_dir):
+    t = build_trainer(vvr_run(tmp_path / "run", tiny_sd3_dir, "trainer.behaviour_rate=0"))
+    prompts, metadata, groups = t.step_prompts(0)
+    chunk = t.sample(prompts, metadata, groups).chunks[0]
+    with t.behaviour.swapped_in():
+        (unit,) = t.prepare(chunk, torch.full((len(chunk),), 0.5), torch.ones(len(chunk), dtype=torch.bool),
+                            torch.Generator().manual_seed(0))
+    assert all(p.grad is None for p in t.policy.transformer.parameters())
+    x = unit.tensors
+    assert not torch.equal(x["y_pos"], x["y0"]) and not torch.equal(x["y_neg"], x["y0"])
+    # at θ = φ and r = ½ the OPSD loss still has a gradient (toward the reward-ascent side)
+    loss, _ = t.fit_loss(unit)
+    loss.mean().backward()
+    assert sum(float(p.grad.abs().sum()) for p in t.params if p.grad is not None) > 0
+    t.optimizer.zero_grad(set_to_none=True)
+
+    before = [p.detach().clone() for p in t.params]
+    logs = t.train_step()
+    assert logs["train/behaviour_lambda"] == 0.0 and torch.isfinite(torch.tensor(logs["train/loss"]))
+    assert any(not torch.equal(b, p) for b, p in zip(before, t.params))
+    # one refresh with λ = 0 makes φ equal θ exactly
+    assert all(torch.equal(phi, p.detach()) for phi, p in zip(t.behaviour.tensors, t.params))
+
+
+def test_short_run_checkpoints_phi_and_resumes(tmp_path, tiny_sd3_dir):
+    run = ["run.checkpoint_every=1", "trainer.max_steps=2", "trainer.behaviour_rate=0.3", "trainer.ema_decay=0.9"]
+    first = build_trainer(vvr_run(tmp_path / "r", tiny_sd3_dir, *run))
+    first.train()
+    folder = ckpt.latest_checkpoint(tmp_path / "r")
+    saved = ckpt.load_checkpoint(folder)["trainable"]
+    assert {f"behaviour.{n}" for n in first.trainable_state() if not n.startswith("behaviour.")} <= set(saved)
+    assert int(saved["behaviour.optimizer_steps"].item()) == 2
+    # with λ > 0, φ lags θ: both are in the checkpoint and differ
+    names = [n for n in saved if not n.startswith("behaviour.")]
+    assert any(not torch.equal(saved[n], saved[f"behaviour.{n}"]) for n in names)
+
+    resumed = build_trainer(vvr_run(tmp_path / "r", tiny_sd3_dir, *run[:1], "trainer.max_steps=3", *run[2:]))
+    resumed.maybe_resume()
+    assert resumed.step == 2 and resumed.optimizer_steps == 2
+    live = resumed.trainable_state()
+    for n in names:
+        assert torch.equal(live[f"behaviour.{n}"], saved[f"behaviour.{n}"]) and torch.equal(live[n], saved[n])
+    logs = resumed.train_step()
+    assert logs["train/behaviour_lambda"] == pytest.approx(min(0.3 * 3, 0.5))
