@@ -4,8 +4,8 @@ Images travel as base64 PNG data URLs. A forced reply prefix is sent the way vLL
 ``flowalign serve-judge``) take it: a final assistant message with ``continue_final_message: true``
 and ``add_generation_prompt: false``. Requests run concurrently (``concurrency`` threads); each
 attempt has a hard deadline (``timeout`` seconds for connect + the whole reply), failed attempts are
-retried with exponential backoff (``backoff · 2^attempt`` seconds) on connection errors, timeouts,
-429 and 5xx, and a request that still fails comes back as a :class:`Completion` with ``error`` set,
+retried with exponential backoff (``backoff · 2^attempt`` seconds, or the server's ``Retry-After``
+up to ``timeout``) on connection errors, timeouts, 429 and 5xx, and a request that still fails comes back as a :class:`Completion` with ``error`` set,
 so a dead server costs at most ``(retries+1)·timeout + backoff·(2^retries − 1)`` seconds per request
 and never hangs a run.
 """
@@ -30,7 +30,11 @@ _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
 class _Retryable(Exception):
-    pass
+    """A failure worth another attempt; ``wait``: the server's Retry-After, in seconds, if it sent one."""
+
+    def __init__(self, message: str, wait: float | None = None):
+        super().__init__(message)
+        self.wait = wait
 
 
 def image_data_url(image: Any) -> str:
@@ -106,7 +110,11 @@ class OpenAIChatClient:
             raise _Retryable(f"{type(e).__name__}: {e}") from e
         data = b"".join(chunks)
         if r.status_code in _RETRY_STATUS:
-            raise _Retryable(f"HTTP {r.status_code}: {data[:200].decode('utf-8', 'replace')}")
+            try:
+                wait = float(r.headers.get("Retry-After", ""))
+            except ValueError:
+                wait = None
+            raise _Retryable(f"HTTP {r.status_code}: {data[:200].decode('utf-8', 'replace')}", wait)
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {data[:300].decode('utf-8', 'replace')}")
         try:
@@ -132,7 +140,10 @@ class OpenAIChatClient:
                 last = str(e)
                 if attempt < self.retries:
                     self._count("retries")
-                    time.sleep(self.backoff * 2**attempt)
+                    delay = self.backoff * 2**attempt
+                    if e.wait is not None:  # an overloaded server's Retry-After, capped by the request timeout
+                        delay = max(delay, min(e.wait, self.timeout))
+                    time.sleep(delay)
         self._unreachable = last[:200]
         raise RuntimeError(f"{self.base}{path} failed after {self.retries + 1} attempts: {last}")
 

@@ -14,7 +14,7 @@ Both score decoded samples against their prompts in one of the modes of
   ``R = Σ w_k·s_k/10`` ∈ [0, 1]. [abstract; details derived]
 * ``pairwise``: samples sharing a prompt are compared two by two in both orders ("Better image: 1|2",
   probability-weighted); a sample's score is its mean win probability against its group ∈ [0, 1],
-  a Bradley-Terry win rate for group-relative training. [derived]
+  a Bradley-Terry win rate for group-relative training. A group of G costs G(G−1) judge calls. [derived]
 
 A sample whose judge call failed (unreachable server, timeout) or whose reply is not a score is
 invalid (``RewardOutput.valid`` False, the reason in ``info``), never scored 0 and never a crash;
