@@ -106,6 +106,12 @@ class VLMJudge:
             raise UserError(f"{who} reward: labels={labels!r} must be a non-empty list of names, e.g. ['Score']")
         if question is not None and "{prompt}" not in question:
             raise UserError(f"{who} reward: question must contain '{{prompt}}' where the prompt goes; got {question!r}")
+        if prefix is not None:
+            try:
+                prefix.format(media="image")
+            except (KeyError, IndexError, ValueError) as e:
+                raise UserError(f"{who} reward: prefix={prefix!r} has an unknown placeholder ({e}); only {{media}}"
+                                " may appear, and {{ }} for literal braces") from e
         if question is not None:
             try:
                 question.format(prompt="p", media="image", K=scale)

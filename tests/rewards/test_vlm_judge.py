@@ -353,6 +353,8 @@ def test_registry_and_bad_input(vlm_dir: Path, tmp_path: Path):
         LocalVLMJudge(str(vlm_dir), question="Rate this image")
     with pytest.raises(UserError, match="placeholder"):
         LocalVLMJudge(str(vlm_dir), question='Rate {prompt} as {"score": x}')
+    with pytest.raises(UserError, match="prefix="):
+        LocalVLMJudge(str(vlm_dir), prefix="{score}:")
     with pytest.raises(UserError, match="labels"):
         LocalVLMJudge(str(vlm_dir), mode="text", labels="Score")
     with pytest.raises(UserError, match=r"\[0, 1\]"):
