@@ -84,6 +84,10 @@ class OpenAIChatClient:
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.session = requests.Session()
+        # one pooled connection per thread in flight (urllib3's pool is thread-safe)
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
         self.stats = {"requests": 0, "attempts": 0, "retries": 0, "failed": 0}
         self._lock, self._model_lock = threading.Lock(), threading.Lock()
         self._unreachable: str | None = None  # set when a request of the current batch ran out of retries
