@@ -164,6 +164,7 @@ class GroupTrainer:
             columns.append(torch.where(ok, value, torch.zeros_like(value)))
             valid &= ok
             logs[f"reward/{name}"] = value[ok].mean().item() if ok.any() else float("nan")
+            logs[f"reward/{name}_invalid_fraction"] = 1.0 - ok.float().mean().item()
         return torch.stack(columns, dim=1), valid, logs
 
     def advantages(self, components: torch.Tensor, valid: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,7 @@ def test_invalid_rewards_are_masked_and_counted(tmp_path, tiny_sd3_dir, prompt_f
     t = build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, prompt_file, reward))
     logs = t.train_step()
     assert logs["reward/invalid_fraction"] == 0.25
+    assert logs["reward/tests.flowalign.trainers.toy_rewards:sometimes_nan_invalid_fraction"] == 0.25
     t = build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, reward, "run.max_invalid_fraction=0.1"))
     with pytest.raises(UserError, match="invalid rewards"):
         t.train_step()
