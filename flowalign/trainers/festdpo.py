@@ -324,7 +324,10 @@ class FestDPOTrainer(GroupTrainer):
             for k, v in info.items():
                 stats.setdefault(k, []).append(v)
         t_update = time.perf_counter()
-        if used:
+        total_used = used
+        if self.world > 1:  # every rank must take the same branch (the optimiser step reduces gradients)
+            total_used = int(self.acc.reduce(torch.tensor([used], device=self.acc.device), reduction="sum").item())
+        if total_used:
             grad_norm = self.optimizer_step()
         else:  # no prompt gave a preference: no update (weight decay alone would move the weights)
             self.optimizer.zero_grad(set_to_none=True)

@@ -58,7 +58,7 @@ class SOARConfig(GroupTrainerConfig):
     #: pairs per forward/backward (gradients accumulate); None: the whole batch at once
     micro_batch: int | None = Field(None, ge=1)
     #: latents kept in memory (encoding a pair once per run, not once per epoch)
-    latent_cache: int = Field(50000, ge=0)
+    latent_cache: int = Field(50000, ge=1)
 
 
 class SFTConfig(SOARConfig):
