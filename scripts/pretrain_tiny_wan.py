@@ -99,7 +99,7 @@ def model_overrides(words: list[str], max_length: int) -> dict:
         transformer=dict(patch_size=[1, 2, 2], num_attention_heads=4, attention_head_dim=32, freq_dim=64,
                          ffn_dim=512, num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                          rope_max_seq_len=64),
-        vae=dict(base_dim=16, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+        vae=dict(base_dim=12, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
                  temperal_downsample=[False, True]),
         text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                           relative_attention_num_buckets=16, relative_attention_max_distance=64),
@@ -149,6 +149,33 @@ def _stage_state(opt, step: int, budget: Budget, **extra) -> dict:
     return {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state(), **extra}
 
 
+@torch.no_grad()
+def inflate_(vae) -> None:
+    """Start the causal 3D VAE as a per-frame image autoencoder [derived; the usual 2D → 3D "inflation"]:
+    every causal conv's past taps are zero (only the current frame counts), the encoder's temporal
+    downsampling keeps the last frame of each pair and the decoder's temporal upsampling repeats the
+    current frame twice. Past taps stay trainable, so video training then learns the temporal mixing
+    (in-between frames); a random init instead mixes random past features into every frame, and 340
+    steps from it reconstructed no clip the verifier passes."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResample
+
+    time_convs = set()
+    for m in vae.modules():
+        if isinstance(m, WanResample) and hasattr(m, "time_conv"):
+            tc = m.time_conv
+            time_convs.add(id(tc))
+            c = tc.in_channels
+            tc.weight.zero_()
+            tc.bias.zero_()
+            eye = torch.eye(c)
+            tc.weight[:c, :, -1, 0, 0] = eye  # downsample: (c → c); upsample: first of the two frames
+            if tc.out_channels == 2 * c:  # upsample3d: the second frame too
+                tc.weight[c:, :, -1, 0, 0] = eye
+    for m in vae.modules():
+        if isinstance(m, WanCausalConv3d) and id(m) not in time_convs and m.kernel_size[0] > 1:
+            m.weight[:, :, :-1] = 0
+
+
 def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     """``AutoencoderKLWan._decode`` (frame by frame through the causal cache) without its final clamp
     to [-1, 1]: clamped outputs pass no gradient, and a freshly initialised decoder that starts near
@@ -173,6 +200,7 @@ def train_vae(pipe, data: dict, args, out: Path) -> None:
         _load_prefixed(vae, w, "vae")
         return
     clips = data["clips"]
+    inflate_(vae)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0, betas=(0.9, 0.99))
     step, elapsed = 0, 0.0
     ck = latest_ckpt(stage) if args.resume else None
@@ -190,8 +218,9 @@ def train_vae(pipe, data: dict, args, out: Path) -> None:
     ema_loss = None
     while not budget.done(step):
         frac = budget.fraction(step)
-        # high rate, then a low rate for the last 40% (a single high rate leaves colour shifts)
-        lr = (args.vae_lr if frac < 0.6 else args.vae_lr2) * min(1.0, (step + 1) / 50)
+        # high rate, then a cosine down to the low rate over the last 30% (a single high rate leaves colour shifts)
+        cool = 1.0 if frac < 0.7 else 0.5 * (1 + math.cos(math.pi * (frac - 0.7) / 0.3))
+        lr = (args.vae_lr2 + (args.vae_lr - args.vae_lr2) * cool) * min(1.0, (step + 1) / 20)
         for g in opt.param_groups:
             g["lr"] = lr
         idx = torch.randint(0, len(clips), (args.vae_batch,))
@@ -255,6 +284,72 @@ def encode_latents(pipe, data: dict, out: Path, batch: int = 64) -> torch.Tensor
     torch.save({"x0": x0, "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std}, tmp)
     os.replace(tmp, path)
     return x0
+
+
+def finetune_decoder(pipe, data: dict, x0: torch.Tensor, args, out: Path) -> None:
+    """Stage 5: decoder-only fine-tuning on the cached latents, whole 9-frame clips (encoder frozen, so the
+    latents and the transformer trained on them stay valid), foreground-weighted L1 + MSE, cosine LR to
+    zero, small latent noise for robustness to imperfect samples (the SD3 script's stage 3b)."""
+    if not args.dec_minutes and not args.dec_steps:
+        return
+    vae = pipe.vae
+    stage = out / "decoder"
+    if (stage / "DONE").is_file():
+        w, _ = load_ckpt(latest_ckpt(stage))
+        _load_prefixed(vae, w, "vae")
+        return
+    dec = [vae.decoder, vae.post_quant_conv]
+    params = [p for m in dec for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.dec_lr, weight_decay=0.0, betas=(0.9, 0.99))
+    step, elapsed = 0, 0.0
+    ck = latest_ckpt(stage) if args.resume else None
+    if ck is not None:
+        w, st = load_ckpt(ck)
+        _load_prefixed(vae, w, "vae")
+        opt.load_state_dict(st["opt"])
+        step, elapsed = st["step"], st["elapsed"]
+        _set_rng_state(st["rng"])
+        log.info("decoder: resumed from %s (step %d, %.1f min)", ck, step, elapsed / 60)
+    budget = Budget(args.dec_minutes, args.dec_steps, elapsed)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    for p in params:
+        p.requires_grad_(True)
+    for m in dec:
+        m.train()
+    clips = data["clips"]
+    bar = _progress(budget.seconds, "decoder")
+    bar.update(int(elapsed))
+    ema_loss = None
+    while not budget.done(step):
+        frac = budget.fraction(step)
+        lr = args.dec_lr * 0.5 * (1 + math.cos(math.pi * frac)) * min(1.0, (step + 1) / 20)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(0, len(clips), (args.vae_batch,))
+        x = _pixels(clips[idx])
+        z = (x0[idx] + args.dec_noise * torch.randn_like(x0[idx])) * std + mean
+        rec = decode_unclamped(vae, z)
+        wgt = _fg_weight(x.transpose(1, 2).flatten(0, 1), args.fg_weight).unflatten(0, (len(x), -1)).transpose(1, 2)
+        loss = (wgt * ((rec - x).abs() + (rec - x) ** 2)).mean() / wgt.mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        bar.n = int(budget.elapsed)
+        bar.set_postfix_str(f"step {step} loss {ema_loss:.4f} lr {lr:.1e}", refresh=False)
+        bar.update(0)
+        if step % 25 == 0:
+            log.info("decoder step %d loss %.4f lr %.1e elapsed %.1fmin", step, ema_loss, lr, budget.elapsed / 60)
+        if step % args.save_every == 0:
+            save_ckpt(stage, step, _tensors("vae", vae), _stage_state(opt, step, budget))
+    bar.close()
+    vae.eval().requires_grad_(False)
+    save_ckpt(stage, step, _tensors("vae", vae), _stage_state(opt, step, budget))
+    (stage / "DONE").write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
+    log.info("decoder: done, %d steps in %.1f min", step, budget.elapsed / 60)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -467,15 +562,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mix", default="easy:0.7,medium:0.3")
     p.add_argument("--max-sequence-length", type=int, default=0, help="UMT5 length (0: longest prompt + 2)")
     # VAE
-    p.add_argument("--vae-minutes", type=float, default=10.0)
+    p.add_argument("--vae-minutes", type=float, default=12.0)
     p.add_argument("--vae-steps", type=int, default=None)
     p.add_argument("--vae-batch", type=int, default=8)
-    p.add_argument("--vae-lr", type=float, default=2e-3)
-    p.add_argument("--vae-lr2", type=float, default=5e-4)
+    p.add_argument("--vae-lr", type=float, default=3e-3)
+    p.add_argument("--vae-lr2", type=float, default=3e-4)
     p.add_argument("--vae-kl", type=float, default=1e-4, help="KL weight (per-pixel normalised)")
     p.add_argument("--fg-weight", type=float, default=5.0, help="loss weight of object pixels vs background")
+    p.add_argument("--dec-minutes", type=float, default=6.0, help="decoder-only fine-tuning after the DiT")
+    p.add_argument("--dec-steps", type=int, default=None)
+    p.add_argument("--dec-lr", type=float, default=1e-3)
+    p.add_argument("--dec-noise", type=float, default=0.05, help="std of noise on normalised latents")
     # DiT
-    p.add_argument("--dit-minutes", type=float, default=25.0)
+    p.add_argument("--dit-minutes", type=float, default=22.0)
     p.add_argument("--dit-steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -559,7 +658,10 @@ def main(argv: list[str] | None = None) -> None:
     # 4. transformer + text encoder
     ema = train_dit(pipe, data, x0, args, out, max_seq)
 
-    # 5. export
+    # 5. decoder fine-tuning on the same latents (after the DiT: it does not change them)
+    finetune_decoder(pipe, data, x0, args, out)
+
+    # 6. export
     folder = Path(args.export)
     export(pipe, ema, args, max_seq, folder)
     if args.demo_n:
@@ -573,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
         (out / "samples_train_prompts.txt").write_text("\n".join(demo) + "\n")
     log.info("total wall time %.1f min", (time.time() - t_start) / 60)
 
-    # 6. eval
+    # 7. eval
     if args.eval_n:
         res = evaluate_levels(folder, args.eval_n, out)
         (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
