@@ -21,6 +21,7 @@ overrides only what a training unit is and its loss.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal
@@ -208,6 +209,16 @@ class SelfDistillTrainer(GroupTrainer):
     def check_rewards(self) -> None:
         """Refuse rewards the method cannot use, before any compute is spent (NFT takes any)."""
 
+    def train_step(self) -> dict[str, float]:
+        """The shared step, also logging this process's CPU time (``time/cpu_minutes``, cumulative over
+        training steps since start or resume): on a shared machine wall-clock time depends on the
+        neighbours, CPU time much less, so methods are compared on both."""
+        start = time.process_time()
+        logs = super().train_step()
+        self.train_cpu_seconds = getattr(self, "train_cpu_seconds", 0.0) + time.process_time() - start
+        logs["time/cpu_minutes"] = self.train_cpu_seconds / 60
+        return logs
+
     # ------------------------------------------------------------ phases of the shared loop
     def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor) -> StepBatch:
         """Grouped ODE rollouts with the behaviour weights φ."""
@@ -229,7 +240,7 @@ class SelfDistillTrainer(GroupTrainer):
         units = [u for u in units if u.keep.any()]
         stats: dict[str, list[float]] = {}
         total = sum(int(u.keep.sum()) for u in units)
-        for _ in range(self.tcfg.fit_steps if units else 0):
+        for _ in range(self.tcfg.fit_steps):  # every rank steps, even one whose samples were all invalid
             for u in units:
                 per_sample, info = self.fit_loss(u)
                 (per_sample[u.keep].sum() / total).backward()  # the mean over kept (sample, unit) pairs
