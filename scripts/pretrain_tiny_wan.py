@@ -196,9 +196,20 @@ def train_vae(pipe, data: dict, args, out: Path) -> None:
     vae = pipe.vae
     stage = out / "vae"
     if (stage / "DONE").is_file():
-        w, _ = load_ckpt(latest_ckpt(stage))
+        w, st = load_ckpt(latest_ckpt(stage))
         _load_prefixed(vae, w, "vae")
-        return
+        if not (args.resume and not Budget(args.vae_minutes, args.vae_steps, st["elapsed"]).done(st["step"])):
+            return
+        # continuation with a larger budget: the latents and everything trained on them are stale
+        (stage / "DONE").unlink()
+        for stale in ("latents.pt", "dit", "decoder"):
+            path = out / stale
+            if path.is_dir():
+                shutil.move(path, out / f"{stale}.stale-{int(time.time())}")
+            elif path.exists():
+                path.unlink()
+        log.info("vae: continuing a finished stage at step %d up to %s min; latents, dit, decoder redone",
+                 st["step"], args.vae_minutes)
     clips = data["clips"]
     inflate_(vae)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0, betas=(0.9, 0.99))
