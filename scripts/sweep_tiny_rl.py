@@ -29,6 +29,11 @@ VARIANTS: dict[str, list[str]] = {
     "full_lr1e-4_steps3": ["model.finetune=full", "trainer.lr=1e-4", "trainer.steps_per_chunk=3"],
     "flash_full_lr1e-4": ["model.finetune=full", "trainer.name=flash_grpo", "trainer.lr=1e-4"],
     "full_lr2e-5_1update": ["model.finetune=full", "trainer.lr=2e-5", "trainer.updates_per_epoch=1"],
+    # the shipped main job since 00:10 on 2026-11-30: a short run with the LR annealed to 10 %
+    "full_lr5e-5_cosine_80steps": ["trainer.lr=5e-5", "trainer.lr_schedule=cosine", "trainer.lr_warmup_steps=5",
+                                   "trainer.max_steps=80"],
+    "flash_lr5e-5_cosine_80steps": ["trainer.name=flash_grpo", "trainer.steps_per_chunk=0", "trainer.lr=5e-5",
+                                    "trainer.lr_schedule=cosine", "trainer.lr_warmup_steps=5", "trainer.max_steps=80"],
 }
 
 
