@@ -52,6 +52,9 @@ class FestDPOConfig(GroupTrainerConfig):
     feature_size: int = Field(8, ge=1)
     #: ``fixed``: h² from the reference once per run; ``per_step``: from each prompt's reference samples
     bandwidth: Literal["fixed", "per_step"] = "fixed"
+    #: h² = bandwidth_scale × the median heuristic [derived knob]: wider kernels keep the likelihood ratio
+    #: smooth when one update moves the samples further than the reference's own spread
+    bandwidth_scale: float = Field(1.0, gt=0)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
     pairs: str | None = None
     #: online: labelled pairs per prompt, drawn among the K scored samples
@@ -223,9 +226,9 @@ class FestDPOTrainer(GroupTrainer):
     def bandwidth(self, x_ref: torch.Tensor) -> torch.Tensor:
         """``h²`` for a prompt: this prompt's reference samples, or (``fixed``) one value for the run."""
         if self.tcfg.bandwidth == "per_step":
-            return kde_bandwidth(x_ref)
+            return self.tcfg.bandwidth_scale * kde_bandwidth(x_ref)
         if self._h2 is None:
-            self._h2 = self.calibrate_bandwidth()
+            self._h2 = self.tcfg.bandwidth_scale * self.calibrate_bandwidth()
         return self._h2
 
     @torch.no_grad()
