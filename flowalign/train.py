@@ -17,7 +17,7 @@ from flowalign.trainers import get_trainer
 
 # keys that may change when a run is resumed (everything else must match the saved config)
 RESUMABLE_CHANGES = {"run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
-                     "trainer.max_steps", "eval.every", "run.wandb"}
+                     "trainer.max_steps", "trainer.max_minutes", "eval.every", "run.wandb"}
 
 
 SHARDED_BACKENDS = ("FSDP", "DEEPSPEED", "MEGATRON_LM")

@@ -321,7 +321,7 @@ class GroupTrainer:
                 logs["time/train_minutes"] = self.train_seconds / 60
                 if self.step % self.cfg.run.log_every == 0:
                     self.logger.log(self.step, logs)
-                bar.set_postfix(reward=f"{logs['reward/total']:.3f}", step_s=f"{logs['time/step']:.1f}")
+                bar.set_postfix(reward=f"{logs.get('reward/total', float('nan')):.3f}", step_s=f"{logs['time/step']:.1f}")
                 bar.update(1)
                 if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.tcfg.max_steps:
                     self.evaluate()
