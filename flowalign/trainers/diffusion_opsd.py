@@ -177,7 +177,7 @@ def opsd_loss(
 
 @dataclass
 class FitUnit:
-    """What the θ-phase of one chunk needs, computed once per outer iteration under φ (all detached)."""
+    """What one θ-phase backward pass needs, computed once per outer iteration under φ (all detached)."""
 
     chunk: Rollout
     r: torch.Tensor  # (B,)
@@ -204,6 +204,7 @@ class SelfDistillTrainer(GroupTrainer):
         self.check_rewards()
         self.behaviour = BehaviourWeights(self.params)
         self.optimizer_steps = 0
+        self._steps_buf = torch.zeros(1, dtype=torch.float64)  # optimizer_steps as a checkpointable tensor
         self._valid: torch.Tensor | None = None
 
     def check_rewards(self) -> None:
@@ -269,19 +270,15 @@ class SelfDistillTrainer(GroupTrainer):
         names = list(live)
         state = dict(live)
         state.update({f"behaviour.{n}": t for n, t in zip(names, self.behaviour.tensors)})
-        state["behaviour.optimizer_steps"] = self._steps_tensor
+        self._steps_buf.fill_(float(self.optimizer_steps))
+        state["behaviour.optimizer_steps"] = self._steps_buf  # s of λ_s
         return state
 
-    @property
-    def _steps_tensor(self) -> torch.Tensor:
-        if not hasattr(self, "_steps_buf"):
-            self._steps_buf = torch.zeros(1, dtype=torch.float64)
-        self._steps_buf.fill_(float(self.optimizer_steps))
-        return self._steps_buf
-
     def maybe_resume(self) -> None:
+        """The shared resume copies saved tensors into :meth:`trainable_state`'s, φ's and s's included."""
+        self._steps_buf.fill_(-1.0)
         super().maybe_resume()
-        if hasattr(self, "_steps_buf"):  # filled in place by the resume copy
+        if self._steps_buf.item() >= 0:
             self.optimizer_steps = int(self._steps_buf.item())
 
 
