@@ -14,6 +14,10 @@ One outer iteration [code]:
 6. K optimiser updates on these fixed targets ("finite fitting").
 7. Behaviour refresh ``φ ← λ_s·φ + (1−λ_s)·θ``, ``λ_s = min(0.001·s, 0.5)``.
 
+[derived] choices: ``k_q`` also stays below ``T`` (σ = 0 has nothing to denoise); samples with an invalid
+reward are left out of the fit rather than trained at r = ½; the refresh runs once per outer iteration
+after its K updates, with s counting optimiser steps; the spec's β is the config field ``mirror_beta``.
+
 The pieces DiffusionNFT shares (config, behaviour weights, mirrored velocities, ``r``, the fitting loop
 and refresh, checkpoints holding φ) live here in :class:`SelfDistillTrainer`; ``diffusion_nft.py``
 overrides only what a training unit is and its loss.
@@ -290,6 +294,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
         """OPSD ascends ``∇_y R``: every reward must be differentiable (checked before any sampling)."""
         bad = [name for name, _, reward in self.rewards if not getattr(reward, "differentiable", False)]
         if bad:
+            # lazily, on the error path only: the core meets rewards through the registry, never at import
             from rewards.registry import _REGISTRY, available
 
             ok = [n for n in available() if getattr(_REGISTRY.get(n), "differentiable", False) is True]
