@@ -90,7 +90,8 @@ def main() -> None:
         groups[f"model-{level}"] = (images, tasks)
     rng = random.Random(args.seed)
     half = args.n_render // 2
-    rendered = generate_tasks(half, seed=args.seed + 1, level="medium") + generate_tasks(args.n_render - half, seed=args.seed + 1, level="hard")
+    rendered = (generate_tasks(half, seed=args.seed + 1, level="medium")
+                + generate_tasks(args.n_render - half, seed=args.seed + 1, level="hard"))
     groups["render-correct"] = (_pixels([render(t, size) for t in rendered]), rendered)
     groups["render-mutated"] = (_pixels([render(mutate(t, rng), size) for t in rendered]), rendered)
 

@@ -37,7 +37,7 @@ class DiffusionNFTConfig(SelfDistillConfig):
 def nft_loss(
     v_theta: torch.Tensor, v_phi: torch.Tensor, target: torch.Tensor, r: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-sample NFT loss ``(B,)``: ``r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)²`` with ``v = ε − x_i`` (``target``)."""
+    """Per-sample NFT loss ``(B,)``: ``r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)²``, ``target`` = ``v = ε − x_i``."""
     v_pos, v_neg = mirrored_velocities(v_theta, v_phi.detach(), beta)
     pos = per_sample_mean((v_pos - target) ** 2)
     neg = per_sample_mean((v_neg - target) ** 2)

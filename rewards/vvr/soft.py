@@ -232,7 +232,8 @@ class _SoftScene:
         if t == "equal_count":
             return _bump((self.count(a["a"]) - self.count(a["b"])) / 0.5)
         if t == "background_colour":
-            border = torch.cat([self.p[_INDEX[a["colour"]], [0, -1]].flatten(), self.p[_INDEX[a["colour"]], :, [0, -1]].flatten()])
+            p = self.p[_INDEX[a["colour"]]]
+            border = torch.cat([p[[0, -1]].flatten(), p[:, [0, -1]].flatten()])
             return self.gt(border.mean(), 0.5, 0.1)
         refs = [a[k] for k in ("ref", "a", "b", "c") if k in a]
         present = torch.stack([self.exists(r) for r in refs]).prod()
@@ -300,7 +301,8 @@ class _SoftScene:
             rel = p - b
             frac = (rel * seg).sum() / length2
             off = (rel[0] * seg[1] - rel[1] * seg[0]).abs() / length2.sqrt()
-            return self.gt(frac, 0.15, 0.05) * (1 - self.gt(frac, 0.85, 0.05)) * (1 - self.gt(off, 0.25 * length2.sqrt(), self.t))
+            on_segment = self.gt(frac, 0.15, 0.05) * (1 - self.gt(frac, 0.85, 0.05))
+            return on_segment * (1 - self.gt(off, 0.25 * length2.sqrt(), self.t))
         d = self.distance(x, y)
         rx, ry = self.radius(x), self.radius(y)
         if t == "inside":
