@@ -11,6 +11,7 @@ from flowalign.config import validate_section
 from flowalign.data import read_prompt_file
 from flowalign.errors import UserError
 from flowalign.latent_preference import PreferencePairs
+from flowalign.sampling import reward_gradient
 from flowalign.train import build_trainer
 from flowalign.trainers.rg_opd import RGOPDConfig, RGOPDTrainer, distillation_target
 
@@ -49,8 +50,6 @@ def test_zero_kappa_gives_zero_gradient_at_theta_old(tmp_path, tiny_sd3_dir, pro
     for kappa, expect_zero in ((0.0, True), (0.05, False)):
         for k in range(chunk.num_steps):
             x = chunk.latents[:, k]
-            from flowalign.sampling import reward_gradient
-
             grad, _ = reward_gradient(trainer.latent_reward, x, chunk.sigmas[k].item(), chunk.cond)
             target = distillation_target(chunk.extras["velocities"][:, k], grad, kappa)
             trainer.loss_at(chunk, k, target).backward()
