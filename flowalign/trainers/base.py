@@ -390,12 +390,16 @@ class GroupTrainer:
                 trainer_state={"step": self.step, "world_size": self.world, "trainer": self.tcfg.name,
                                "rank_checksums": checksums, "train_seconds": self.train_seconds},
             )
+            self.write_checkpoint_extras(tmp)
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             ckpt.finalise(tmp, final)
             ckpt.prune(self.run_dir, self.cfg.run.keep_checkpoints)
         self.acc.wait_for_everyone()
         return final
+
+    def write_checkpoint_extras(self, folder: Path) -> None:
+        """Trainer-specific files (main process), written before the checkpoint is marked complete."""
 
     def rank_checksums(self) -> list[float]:
         """Sum of the trainable weights on every rank; ranks that diverged are an error, not a warning."""

@@ -219,18 +219,13 @@ class RGOPDTrainer(GroupTrainer):
         return stats
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        """The shared checkpoint plus, with CoRe, the refit reward's weights (``latent_reward.safetensors``)."""
-        final = super().save_checkpoint()
-        if self.tcfg.core is not None and self.acc.is_main_process:
+    def write_checkpoint_extras(self, folder: Path) -> None:
+        """With CoRe, the refit reward's weights (``latent_reward.safetensors``) are part of the checkpoint."""
+        if self.tcfg.core is not None:
             from safetensors.torch import save_file
 
-            from flowalign.io import atomic_path
-
             state = {k: v.detach().float().cpu().contiguous() for k, v in self.latent_reward.state_dict().items()}
-            with atomic_path(final / REWARD_FILE) as tmp:
-                save_file(state, str(tmp))
-        return final
+            save_file(state, str(folder / REWARD_FILE))
 
     def maybe_resume(self) -> None:
         super().maybe_resume()
@@ -241,8 +236,7 @@ class RGOPDTrainer(GroupTrainer):
         resume = self.cfg.run.resume
         folder = ckpt.latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
         if not (folder / REWARD_FILE).is_file():
-            raise UserError(f"{folder} has no {REWARD_FILE} (the run was stopped while saving it): delete that "
-                            "checkpoint folder to resume from the one before")
+            raise UserError(f"{folder} has no {REWARD_FILE}: it was not written by a CoRe run (trainer.core)")
         from safetensors.torch import load_file
 
         self.latent_reward.load_state_dict(load_file(str(folder / REWARD_FILE)))
