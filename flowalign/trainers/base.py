@@ -323,7 +323,8 @@ class GroupTrainer:
                     self.logger.log(self.step, logs)
                 bar.set_postfix(reward=f"{logs.get('reward/total', float('nan')):.3f}", step_s=f"{logs['time/step']:.1f}")
                 bar.update(1)
-                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.tcfg.max_steps:
+                last = self.step >= self.tcfg.max_steps or self.out_of_time()  # the final evaluation follows
+                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and not last:
                     self.evaluate()
                 if self.step % self.cfg.run.checkpoint_every == 0:
                     self.save_checkpoint()
