@@ -75,6 +75,12 @@ def available() -> list[str]:
     return sorted(names)
 
 
+def differentiable() -> list[str]:
+    """Names of the registered rewards whose scores pass gradients to the samples (``differentiable = True``)."""
+    _import_builtins()
+    return sorted(n for n, obj in _REGISTRY.items() if getattr(obj, "differentiable", False) is True)
+
+
 def _resolve(spec: str) -> tuple[str, Callable[..., Any]]:
     if ":" in spec:
         module_name, _, attr = spec.partition(":")

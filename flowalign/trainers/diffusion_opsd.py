@@ -295,9 +295,9 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
         bad = [name for name, _, reward in self.rewards if not getattr(reward, "differentiable", False)]
         if bad:
             # lazily, on the error path only: the core meets rewards through the registry, never at import
-            from rewards.registry import _REGISTRY, available
+            from rewards.registry import differentiable
 
-            ok = [n for n in available() if getattr(_REGISTRY.get(n), "differentiable", False) is True]
+            ok = differentiable()
             raise UserError(
                 f"rewards: diffusion_opsd needs differentiable rewards but {', '.join(map(repr, bad))} is not; "
                 f"use one of {', '.join(ok)} (e.g. vvr_soft for VVR tasks), or trainer.name=diffusion_nft"
