@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import AbstractContextManager
 
 import torch
+
+from flowalign.weight_swap import swapped_in
 
 
 class EMA:
@@ -24,19 +25,9 @@ class EMA:
         for s, p in zip(self.shadow, self.params):
             s.lerp_(p.detach(), 1 - self.decay)
 
-    @contextmanager
-    def swapped_in(self) -> Iterator[None]:
+    def swapped_in(self) -> AbstractContextManager[None]:
         """Temporarily load the averaged weights into the live parameters."""
-        backup = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(self.params, backup):
-                    p.copy_(b)
+        return swapped_in(self.params, self.shadow)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"shadow.{i}": s for i, s in enumerate(self.shadow)} | {

@@ -26,9 +26,9 @@ overrides only what a training unit is and its loss.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from flowalign.errors import UserError
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, StepBatch
+from flowalign.weight_swap import swapped_in
 
 
 class SelfDistillConfig(GroupTrainerConfig):
@@ -85,19 +86,9 @@ class BehaviourWeights:
         self.params = list(params)
         self.tensors = [p.detach().clone() for p in self.params]
 
-    @contextmanager
-    def swapped_in(self) -> Iterator[None]:
+    def swapped_in(self) -> AbstractContextManager[None]:
         """The live parameters hold φ inside (θ is restored after, even on error)."""
-        theta = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, phi in zip(self.params, self.tensors):
-                p.copy_(phi)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, t in zip(self.params, theta):
-                    p.copy_(t)
+        return swapped_in(self.params, self.tensors)
 
     @torch.no_grad()
     def refresh(self, lam: float) -> None:

@@ -34,6 +34,7 @@ from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from flowalign.sampling import euler_step
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, derived_seed
+from flowalign.weight_swap import swapped_in
 
 #: fewer reference samples than this give a median of too few distances to set a bandwidth
 MIN_K = 8
@@ -185,16 +186,8 @@ class FestDPOTrainer(GroupTrainer):
             with self.policy.adapter_disabled():
                 yield
             return
-        live = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, f in zip(self.params, self.frozen):
-                p.copy_(f)
-        try:
+        with swapped_in(self.params, self.frozen):
             yield
-        finally:
-            with torch.no_grad():
-                for p, v in zip(self.params, live):
-                    p.copy_(v)
 
     def generate(self, z: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The few-step sampler ``G(z, c)``: ``num_steps`` Euler steps on the policy's grid → x0 ``(B, ...)``."""
