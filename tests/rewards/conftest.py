@@ -94,3 +94,13 @@ def _images(n: int, size: int = 64, seed: int = 0) -> torch.Tensor:
 def images():
     """``images(n, size=64, seed=0)``: smooth random RGB images ``(n, 3, size, size)`` in [0, 1]."""
     return _images
+
+
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2.5-VL folder built offline, shared by the judge and server tests."""
+    from rewards.vlm_tiny import build_tiny_vlm
+
+    folder = tmp_path_factory.mktemp("tiny-vlm")
+    build_tiny_vlm(folder)
+    return folder

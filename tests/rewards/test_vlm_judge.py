@@ -23,15 +23,6 @@ ALL = 10_000  # top_logprobs covering the tiny vocabulary: the weighted score is
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rewards.vlm_tiny import build_tiny_vlm
-
-    folder = tmp_path_factory.mktemp("tiny-vlm")
-    build_tiny_vlm(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def judge(vlm_dir: Path) -> LocalVLMJudge:
     return LocalVLMJudge(str(vlm_dir), mode="weighted", top_logprobs=ALL)
 
