@@ -109,9 +109,7 @@ def build_trainer(cfg: TrainConfig):
 
     trainer_cls = get_trainer(str(cfg.trainer.get("name", "flow_grpo")))
     tcfg = validate_section(trainer_cls.Config, cfg.trainer, "trainer.")
-    if cfg.model.finetune == "full" and getattr(tcfg, "beta", 0) > 0:
-        raise UserError("trainer.beta > 0 needs reference passes with the adapter disabled, which full fine-tuning "
-                        "has not got: set trainer.beta=0 or model.finetune=lora")
+    trainer_cls.check_config(cfg, tcfg)  # before anything is written
     acc = Accelerator(cpu=not torch.cuda.is_available())
     if acc.distributed_type.value in SHARDED_BACKENDS:
         # the loop averages gradients itself over replicated weights; silently ignoring a sharding

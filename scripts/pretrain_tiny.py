@@ -374,8 +374,9 @@ def train_vae(pipe, data: dict, args, out: Path) -> None:
 
 
 @torch.no_grad()
-def encode_latents(pipe, data: dict, out: Path, batch: int = 256) -> torch.Tensor:
-    """Posterior means of every scene; sets the VAE's shift/scaling factors from their statistics."""
+def encode_latents(pipe, data: dict, out: Path, batch: int = 256, keep_factors: bool = False) -> torch.Tensor:
+    """Posterior means of every scene; sets the VAE's shift/scaling factors from their statistics
+    (``keep_factors``: a pretrained VAE keeps its own, which its transformer was trained with)."""
     path = out / "latents.pt"
     vae = pipe.vae.eval()
     if path.is_file():
@@ -390,8 +391,11 @@ def encode_latents(pipe, data: dict, out: Path, batch: int = 256) -> torch.Tenso
         x = images[i : i + batch].float() / 127.5 - 1.0
         zs.append(vae.encode(x).latent_dist.mean)
     z = torch.cat(zs)
-    shift, scale = float(z.mean()), float(1.0 / z.std())
-    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    if keep_factors:
+        shift, scale = float(vae.config.shift_factor), float(vae.config.scaling_factor)
+    else:
+        shift, scale = float(z.mean()), float(1.0 / z.std())
+        vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     x0 = (z - shift) * scale
     rec = vae.decode(z[:64]).sample
     err = (rec - (images[:64].float() / 127.5 - 1)).abs().mean().item() * 127.5
@@ -483,6 +487,40 @@ def finetune_decoder(pipe, data: dict, x0: torch.Tensor, args, out: Path) -> Non
 # --------------------------------------------------------------------------------------------------
 
 TRAINED = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def deepen_transformer(old, num_layers: int):
+    """A deeper copy of an ``SD3Transformer2DModel`` that computes exactly the same function.
+
+    Old block ``k`` of ``L`` goes to position ``(k + 1)·num_layers/L − 1`` (so the last, context-pre-only
+    block stays last); the new blocks in between get zero adaLN modulation (DiT's adaLN-Zero), which
+    makes a joint block the identity on both streams until training moves its gates. Everything else
+    (patch and time/text embeddings, output head) is copied.
+    """
+    from diffusers import SD3Transformer2DModel
+
+    L = old.config.num_layers
+    if num_layers < L or num_layers % L:
+        raise ValueError(f"--num-layers {num_layers}: must be a multiple of the initial model's {L} layers")
+    new = SD3Transformer2DModel.from_config({**old.config, "num_layers": num_layers})
+    placed = {(k + 1) * num_layers // L - 1: k for k in range(L)}
+    state = {}
+    for name, t in old.state_dict().items():
+        if name.startswith("transformer_blocks."):
+            k = int(name.split(".")[1])
+            j = next(j for j, kk in placed.items() if kk == k)
+            name = f"transformer_blocks.{j}." + name.split(".", 2)[2]
+        state[name] = t
+    with torch.no_grad():
+        for j, block in enumerate(new.transformer_blocks):
+            if j in placed:
+                continue
+            for norm in (block.norm1, block.norm1_context):
+                norm.linear.weight.zero_()
+                norm.linear.bias.zero_()
+            state.update({f"transformer_blocks.{j}.{n}": t for n, t in block.state_dict().items()})
+    new.load_state_dict(state, strict=True)
+    return new
 
 
 def _dit_weights(pipe, ema: EMA, names_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
@@ -726,6 +764,27 @@ def evaluate(folder: Path, n: int, seed: int = 0, grid_path: Path | None = None)
     return results
 
 
+def continue_from(folder: Path, data: dict, args, out: Path):
+    """Stage 4 only, from a pretrained folder: its VAE encodes the new scenes with its own latent
+    factors, its tokenizers stay, its transformer (deepened with ``--num-layers``) and text encoders
+    keep training. Resumable like the from-scratch path (the DiT stage's checkpoints hold every
+    trained weight, the deepened transformer's included)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    if args.num_layers and args.num_layers != pipe.transformer.config.num_layers:
+        log.info("deepening the transformer %d -> %d joint blocks (new blocks start as the identity)",
+                 pipe.transformer.config.num_layers, args.num_layers)
+        pipe.transformer = deepen_transformer(pipe.transformer, args.num_layers)
+    for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        log.info("  %-15s %8.3fM params", name, sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e6)
+    pipe.vae.requires_grad_(False)
+    x0 = encode_latents(pipe, data, out, keep_factors=True)
+    max_seq = json.loads((folder / "flowalign.json").read_text())["max_sequence_length"]
+    return pipe, train_dit(pipe, data, x0, args, out, max_seq)
+
+
 # --------------------------------------------------------------------------------------------------
 
 
@@ -784,6 +843,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-n", type=int, default=0, help="held-out tasks per level to verify after export")
     p.add_argument("--demo-n", type=int, default=16, help="training prompts sampled into OUT/samples_train_prompts.png")
     p.add_argument("--eval-only", action="store_true", help="only evaluate the --export folder")
+    p.add_argument("--init-from", default=None,
+                   help="continue from a pretrained folder (e.g. assets/tiny-sd3-vvr): its VAE and tokenizers "
+                        "are kept as they are (no VAE stages), the transformer and text encoders train on "
+                        "freshly rendered scenes")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="with --init-from: deepen the transformer to this many joint blocks (a multiple of its "
+                        "own), the new ones starting as the identity")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -828,6 +894,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.save(data, tmp)
         os.replace(tmp, data_path)
         log.info("data: rendered %d scenes in %.1f min", len(data["prompts"]), (time.time() - t0) / 60)
+
+    if args.init_from:
+        pipe, ema = continue_from(Path(args.init_from), data, args, out)
+        max_seq = json.loads((Path(args.init_from) / "flowalign.json").read_text())["max_sequence_length"]
+        folder = Path(args.export)
+        export(pipe, ema, args, max_seq, folder)
+        log.info("total wall time %.1f min", (time.time() - t_start) / 60)
+        if args.eval_n:
+            res = evaluate(folder, args.eval_n, seed=0, grid_path=out / "samples_heldout.png")
+            (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+        return
 
     from pipelines.tiny import build_tiny_sd3, clip_tokenizer
 

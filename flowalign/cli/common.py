@@ -12,6 +12,9 @@ from flowalign.paths import default_model_dir
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="diffusers model folder (default: the embedded tiny model)")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder or a checkpoints/step-XXXXXX folder")
+    p.add_argument("--ema", action="store_true",
+                   help="with a checkpoint folder as --adapter: use its EMA weights (what training evaluated "
+                        "when trainer.ema_decay > 0) instead of the live ones")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
 
@@ -26,6 +29,10 @@ def load_policy(args: argparse.Namespace):
         if not Path(args.adapter).exists():
             raise UserError(f"--adapter {args.adapter}: no such folder; give a saved adapter or a checkpoints/step-XXXXXX folder")
         load_weights(policy, Path(args.adapter))
+        if getattr(args, "ema", False):
+            load_ema_weights(policy, Path(args.adapter))
+    elif getattr(args, "ema", False):
+        raise UserError("--ema needs --adapter: a checkpoints/step-XXXXXX folder of a run with trainer.ema_decay > 0")
     return policy
 
 
@@ -41,3 +48,33 @@ def load_weights(policy, folder: Path) -> None:
             raise UserError(f"--adapter {folder}: its weights do not match this model ({len(unexpected)} unknown tensors)")
         return
     policy.load_adapter(folder)
+
+
+def load_ema_weights(policy, folder: Path) -> None:
+    """Copy a checkpoint's EMA shadow weights into the policy's trained parameters.
+
+    ``ema.safetensors`` stores the shadows by position (``shadow.i``) in the order the trainer walked
+    ``policy.trainable.named_parameters()``, restricted to the trained ones, which are exactly the names
+    in ``trainable.safetensors``; the same walk here pairs each shadow with its parameter.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not (folder / "ema.safetensors").exists():
+        raise UserError(f"--ema: {folder} has no ema.safetensors (the run had trainer.ema_decay=0, or this is not "
+                        "a checkpoints/step-XXXXXX folder); drop --ema to use its live weights")
+    with safe_open(str(folder / "trainable.safetensors"), "pt") as f:
+        trained = set(f.keys())
+    params = [(n, p) for n, p in policy.trainable.named_parameters() if n in trained]
+    shadow = load_file(str(folder / "ema.safetensors"))
+    count = sum(1 for k in shadow if k.startswith("shadow."))
+    if len(params) != len(trained) or count != len(params):
+        raise UserError(f"--ema: {folder} holds {count} EMA tensors for {len(trained)} trained weights, but this model "
+                        f"has {len(params)} of them; load it with the settings it was trained with")
+    with torch.no_grad():
+        for i, (name, p) in enumerate(params):
+            s = shadow[f"shadow.{i}"]
+            if s.shape != p.shape:
+                raise UserError(f"--ema: shadow {i} has shape {tuple(s.shape)} but {name} has {tuple(p.shape)}")
+            p.copy_(s.to(p))

@@ -125,6 +125,11 @@ class GroupTrainer:
             project=cfg.run.wandb_project, name=cfg.run.name, config=cfg.model_dump(mode="json"),
         )
 
+    @classmethod
+    def check_config(cls, cfg: TrainConfig, tcfg: GroupTrainerConfig) -> None:
+        """Refuse (``UserError``) settings this trainer cannot honour with the rest of ``cfg``, e.g. a
+        reference-model term under full fine-tuning; called before the run folder is touched."""
+
     # ------------------------------------------------------------------ phases
     sampler: Any = "flow_grpo"
     noise_level: float | None = None

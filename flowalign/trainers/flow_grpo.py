@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from flowalign.errors import UserError
 from flowalign.sampling import Rollout, sde_step
 from flowalign.sampling.windows import random_window_start
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig
@@ -61,6 +62,12 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
 class FlowGRPOTrainer(GroupTrainer):
     Config = FlowGRPOConfig
     tcfg: FlowGRPOConfig
+
+    @classmethod
+    def check_config(cls, cfg, tcfg) -> None:
+        if tcfg.beta > 0 and cfg.model.finetune == "full":
+            raise UserError("trainer.beta > 0 needs reference passes with the adapter disabled, which full "
+                            "fine-tuning has not got: set trainer.beta=0 or model.finetune=lora")
 
     @property
     def sampler(self) -> str:  # type: ignore[override]

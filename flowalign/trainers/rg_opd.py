@@ -106,13 +106,16 @@ class RGOPDTrainer(GroupTrainer):
     tcfg: RGOPDConfig
     sampler = "ode"
 
+    @classmethod
+    def check_config(cls, cfg, tcfg: RGOPDConfig) -> None:
+        if tcfg.anchor > 0 and cfg.model.finetune == "full":
+            raise UserError("trainer.anchor > 0 needs the adapter-disabled reference, which full fine-tuning has not "
+                            "got: set trainer.anchor=0 or model.finetune=lora")
+
     def __init__(self, cfg, tcfg: RGOPDConfig, policy, *args: Any, **kwargs: Any):
         if not (reward_folder(tcfg.latent_reward) / "config.json").is_file():
             raise UserError(f"trainer.latent_reward={tcfg.latent_reward}: not a latent reward folder (no config.json); "
                             "write one with `flowalign train-reward --out DIR` first")
-        if tcfg.anchor > 0 and cfg.model.finetune == "full":
-            raise UserError("trainer.anchor > 0 needs the adapter-disabled reference, which full fine-tuning has not "
-                            "got: set trainer.anchor=0 or model.finetune=lora")
         super().__init__(cfg, tcfg, policy, *args, **kwargs)
         folder = reward_folder(tcfg.latent_reward)
         self.latent_reward = load_latent_reward(folder, device=policy.device, dtype=policy.dtype)

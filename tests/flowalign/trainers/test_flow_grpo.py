@@ -101,6 +101,7 @@ def test_missing_prompt_file_and_full_finetune_with_kl(tmp_path, tiny_sd3_dir, p
         build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, tmp_path / "missing.txt"))
     with pytest.raises(UserError, match="trainer.beta"):
         build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, "model.finetune=full", "trainer.beta=0.1"))
+    assert not (tmp_path / "b").exists()  # refused before the run folder is written
 
 
 def test_training_raises_a_pixel_reward(tmp_path, tiny_sd3_dir, prompt_file):
