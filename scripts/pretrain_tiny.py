@@ -502,14 +502,15 @@ def deepen_transformer(old, num_layers: int):
     L = old.config.num_layers
     if num_layers < L or num_layers % L:
         raise ValueError(f"--num-layers {num_layers}: must be a multiple of the initial model's {L} layers")
-    new = SD3Transformer2DModel.from_config({**old.config, "num_layers": num_layers})
     placed = {(k + 1) * num_layers // L - 1: k for k in range(L)}
+    at = {k: j for j, k in placed.items()}
+    dual = sorted(at[k] for k in old.config.dual_attention_layers or ())  # SD3.5-Medium-style blocks move too
+    new = SD3Transformer2DModel.from_config({**old.config, "num_layers": num_layers, "dual_attention_layers": dual})
     state = {}
     for name, t in old.state_dict().items():
         if name.startswith("transformer_blocks."):
             k = int(name.split(".")[1])
-            j = next(j for j, kk in placed.items() if kk == k)
-            name = f"transformer_blocks.{j}." + name.split(".", 2)[2]
+            name = f"transformer_blocks.{at[k]}." + name.split(".", 2)[2]
         state[name] = t
     with torch.no_grad():
         for j, block in enumerate(new.transformer_blocks):
