@@ -1,27 +1,15 @@
 """scripts/pretrain_tiny.py: growing a pretrained transformer (``--init-from --num-layers``) keeps its function
 exactly, and the grown blocks are the identity only until their gates train."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from pipelines.tiny import build_tiny_sd3
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _module(name: str):
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.scripts import load_script
 
 
-pretrain = _module("pretrain_tiny")
+pretrain = load_script("pretrain_tiny")
 
 
 def _inputs(tr, batch=2):

@@ -1,27 +1,16 @@
 """scripts/pretrain_tiny.py --family wan (scripts/pretrain_tiny_wan.py): the VAE helpers it relies on, and the
 whole script end to end on a few clips (export reloads offline, resume is a no-op)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import torch
 from diffusers import WanPipeline
 from safetensors.torch import load_file
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from tests.scripts import load_script
 
 
-def _module(name: str):
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-wan = _module("pretrain_tiny_wan")
+wan = load_script("pretrain_tiny_wan")
 
 
 def _vae():
@@ -64,7 +53,7 @@ def test_unclamped_decode_is_the_vae_decode_before_its_clamp():
 
 
 def test_family_wan_end_to_end_and_resume_is_a_no_op(tmp_path):
-    mod = _module("pretrain_tiny")
+    mod = load_script("pretrain_tiny")
     out, export = tmp_path / "run", tmp_path / "model"
     argv = ["--family", "wan", "--out", str(out), "--export", str(export), "--n-clips", "24", "--vae-steps", "2",
             "--dit-steps", "2", "--dec-steps", "1", "--vae-batch", "2", "--batch", "4", "--save-every", "1",
