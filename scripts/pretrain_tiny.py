@@ -610,6 +610,16 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
             prompt=batch_prompts, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
             max_sequence_length=max_seq, device=torch.device("cpu"),
         )
+        if args.pooled_drop > 0:
+            # the pooled CLIP vector conditions every token through adaLN and is a shortcut that a
+            # one-object prompt can be drawn from; without it the model must read the token sequence
+            # through attention, which is where two objects' colours and shapes are bound to them
+            _, _, empty_pooled, _ = pipe.encode_prompt(
+                prompt=[""], prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
+                max_sequence_length=max_seq, device=torch.device("cpu"),
+            )
+            hide = torch.rand(args.batch) < args.pooled_drop
+            pooled = torch.where(hide[:, None], empty_pooled.expand_as(pooled), pooled)
         sigma = torch.sigmoid(torch.randn(args.batch))  # logit-normal(0, 1), as SD3
         eps = torch.randn_like(x)
         s = sigma.view(-1, 1, 1, 1)
@@ -837,6 +847,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dit-level-weights", default=None,
                    help="batch sampling weights per level, e.g. easy:0.6,medium:0.3,hard:0.1 (default: as rendered)")
     p.add_argument("--drop", type=float, default=0.1, help="empty-prompt rate for CFG")
+    p.add_argument("--pooled-drop", type=float, default=0.0,
+                   help="rate at which only the pooled text vector is replaced by the empty prompt's, so the "
+                        "transformer learns to read the prompt's tokens (multi-object binding)")
     p.add_argument("--save-every", type=int, default=200)
     # sampling defaults written to flowalign.json, eval
     p.add_argument("--cfg", type=float, default=3.0, help="CFG scale written to flowalign.json (swept: 3 best)")
