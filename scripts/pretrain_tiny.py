@@ -11,6 +11,11 @@ CPU cores; details, data and accuracies in its README.md):
         --vae-minutes 10 --dec-minutes 5 --dit-minutes 52 --dit-level-weights easy:0.6,medium:0.3,hard:0.1 \
         --seed 0 > /tmp/pretrain2.log 2>&1 &
     # then flowalign.json's guidance_scale set to 3.0 (a CFG sweep on held-out easy tasks; now the --cfg default)
+    # phase 3 (2026-11-30): deepened to 8 blocks, fresh scenes, then the pooled text vector hidden half the
+    # time (--pooled-drop); the exact two invocations are in the model card
+    .venv/bin/python scripts/pretrain_tiny.py --init-from PHASE2_FOLDER --num-layers 8 --out runs/pretrain-v3 \
+        --export runs/tiny-sd3-vvr-v3 --n-scenes 60000 --mix easy:0.3,medium:0.45,hard:0.25 --seed 1 \
+        --dit-minutes 73 --lr 5e-4 --pooled-drop 0.5 --eval-n 200   # (pooled drop from step 1,200 in the shipped run)
 
 From scratch with this version, one command does all stages in that order of data use (not bit-identical:
 VAE loss and LR schedule differ slightly from the two-phase run):
