@@ -28,9 +28,12 @@ class VVRReward:
         if not 0.0 <= gamma <= 1.0:
             raise UserError(f"vvr reward: gamma must lie in [0, 1], got {gamma}")
         self.gamma = gamma
-        #: [derived] also credit each scene object drawn with its colour and shape, so a task with one
-        #: relation (binary under the plain reward) still ranks "both objects right, wrong place" above
-        #: "nothing right". A training signal only: ``all_passed`` and benchmark accuracy are unchanged.
+        #: [derived] also credit each object the prompt names (a constraint's reference, or a count's
+        #: colour/shape) when some detected object matches it, so a task with one relation (binary under
+        #: the plain reward) still ranks "both objects right, wrong place" above "nothing right". Only
+        #: what the prompt says is credited: the scene's unnamed attributes (the shapes behind "exactly
+        #: two yellow objects") are not knowable from the prompt and would be reward noise. A training
+        #: signal only: ``all_passed`` and benchmark accuracy are unchanged.
         self.partial_credit = partial_credit
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
@@ -62,15 +65,35 @@ class VVRReward:
                 valid[i] = True
                 passed = [p for _, p in verdict.constraints]
                 if self.partial_credit:
-                    checks = _objects_drawn(task, verdict.detected) + passed
+                    checks = _named_objects_drawn(task, verdict.detected) + passed
                     scores[i] = (1 - self.gamma) * sum(checks) / len(checks) + self.gamma * float(verdict.all_passed)
                 else:
                     scores[i] = score(passed, self.gamma)
         return RewardOutput(components={"vvr": scores}, valid=valid, info=info)
 
 
-def _objects_drawn(task: Any, detected: list[dict[str, Any]]) -> list[bool]:
-    """Per scene object: is some detected object of the same colour and shape there?"""
-    objects = task["objects"] if isinstance(task, dict) else [o.to_dict() for o in task.objects]
-    seen = {(d["colour"], d["shape"]) for d in detected}
-    return [(o["colour"], o["shape"]) in seen for o in objects]
+#: constraints whose reference must not be drawn (or not too often): no credit for drawing it
+_NOT_CREDITED = frozenset({"absent", "at_most"})
+
+
+def _named_objects_drawn(task: Any, detected: list[dict[str, Any]]) -> list[bool]:
+    """Per object description the prompt names (deduplicated): does some detected object match it?
+
+    Descriptions are the constraints' references (``ref``/``a``/``b``/``c``: colour and/or shape) and
+    the counted descriptor of ``count_colour``/``count_shape``/``count_colour_shape``; ``total_count``
+    names none, and the references of ``absent``/``at_most`` are not credited.
+    """
+    constraints = task["constraints"] if isinstance(task, dict) else [c.to_dict() for c in task.constraints]
+    named: list[tuple[str | None, str | None]] = []
+    for c in constraints:
+        if c["type"] in _NOT_CREDITED:
+            continue
+        refs = [c[k] for k in ("ref", "a", "b", "c") if isinstance(c.get(k), dict)]
+        if c["type"].startswith("count_"):
+            refs.append({k: c[k] for k in ("colour", "shape") if k in c})
+        for r in refs:
+            key = (r.get("colour"), r.get("shape"))
+            if key != (None, None) and key not in named:
+                named.append(key)
+    return [any((colour is None or d["colour"] == colour) and (shape is None or d["shape"] == shape) for d in detected)
+            for colour, shape in named]

@@ -81,3 +81,27 @@ def test_partial_credit_ranks_right_objects_in_the_wrong_place_above_nothing():
     s = dense.components["vvr"].tolist()
     assert s[0] == 1.0 and s[0] > s[1] > s[2] == 0.0
     assert [i["all_passed"] for i in dense.info] == [True, False, False]  # accuracy is the verifier's
+
+
+def test_partial_credit_only_for_what_the_prompt_names():
+    """"exactly two yellow objects" names a colour, not shapes: drawing the scene's hidden shapes earns
+    nothing beyond drawing any yellow object; "exactly three objects" names nothing to credit."""
+    from rewards.vvr import Task
+    from rewards.vvr.reward import _named_objects_drawn
+
+    def task(constraints):
+        return Task.from_dict({"objects": [
+            {"id": 0, "colour": "yellow", "shape": "star", "size": "medium", "x": 0.3, "y": 0.5, "filled": True},
+            {"id": 1, "colour": "yellow", "shape": "circle", "size": "medium", "x": 0.7, "y": 0.5, "filled": True}],
+            "constraints": constraints, "background": "white"})
+
+    yellow_squares = [{"colour": "yellow", "shape": "square"}] * 2
+    count = task([{"type": "count_colour", "colour": "yellow", "n": 2}])
+    assert _named_objects_drawn(count, yellow_squares) == [True]  # the hidden star/circle do not matter
+    assert _named_objects_drawn(count, [{"colour": "red", "shape": "star"}]) == [False]
+    assert _named_objects_drawn(task([{"type": "total_count", "n": 2}]), yellow_squares) == []
+    relation = task([{"type": "left_of", "a": {"colour": "yellow", "shape": "star"},
+                      "b": {"colour": "yellow", "shape": "circle"}}])
+    assert _named_objects_drawn(relation, [{"colour": "yellow", "shape": "star"}]) == [True, False]
+    absent = task([{"type": "absent", "ref": {"colour": "yellow", "shape": "star"}}])
+    assert _named_objects_drawn(absent, [{"colour": "yellow", "shape": "star"}]) == []
