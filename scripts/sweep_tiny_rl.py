@@ -34,6 +34,9 @@ VARIANTS: dict[str, list[str]] = {
                                    "trainer.max_steps=80"],
     "flash_lr5e-5_cosine_80steps": ["trainer.name=flash_grpo", "trainer.steps_per_chunk=0", "trainer.lr=5e-5",
                                     "trainer.lr_schedule=cosine", "trainer.lr_warmup_steps=5", "trainer.max_steps=80"],
+    # session 4, on the 8-block base with the named-object partial credit (the shipped config, gentler rate)
+    "full_lr2e-5_cosine_80steps": ["trainer.lr=2e-5", "trainer.lr_schedule=cosine", "trainer.lr_warmup_steps=5",
+                                   "trainer.max_steps=80"],
 }
 
 
