@@ -9,7 +9,8 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.registry import register
-from rewards.vvr.verify import GAMMA, score, verify
+from rewards.vvr.tasks import as_task
+from rewards.vvr.verify import GAMMA, matches, score, verify
 
 
 @register("vvr")
@@ -81,19 +82,15 @@ def _named_objects_drawn(task: Any, detected: list[dict[str, Any]]) -> list[bool
 
     Descriptions are the constraints' references (``ref``/``a``/``b``/``c``: colour and/or shape) and
     the counted descriptor of ``count_colour``/``count_shape``/``count_colour_shape``; ``total_count``
-    names none, and the references of ``absent``/``at_most`` are not credited.
+    names none, and the references of ``absent``/``at_most`` are not credited. Matching is the
+    verifier's own (:func:`~rewards.vvr.verify.matches`).
     """
-    constraints = task["constraints"] if isinstance(task, dict) else [c.to_dict() for c in task.constraints]
-    named: list[tuple[str | None, str | None]] = []
-    for c in constraints:
-        if c["type"] in _NOT_CREDITED:
+    named: list[dict[str, str]] = []
+    for c in as_task(task).constraints:
+        if c.type in _NOT_CREDITED:
             continue
-        refs = [c[k] for k in ("ref", "a", "b", "c") if isinstance(c.get(k), dict)]
-        if c["type"].startswith("count_"):
-            refs.append({k: c[k] for k in ("colour", "shape") if k in c})
-        for r in refs:
-            key = (r.get("colour"), r.get("shape"))
-            if key != (None, None) and key not in named:
-                named.append(key)
-    return [any((colour is None or d["colour"] == colour) and (shape is None or d["shape"] == shape) for d in detected)
-            for colour, shape in named]
+        refs = [c.args[k] for k in ("ref", "a", "b", "c") if k in c.args]
+        if c.type.startswith("count_"):
+            refs.append({k: c.args[k] for k in ("colour", "shape") if k in c.args})
+        named += [r for r in refs if r and r not in named]
+    return [any(matches(r, d["colour"], d["shape"]) for d in detected) for r in named]

@@ -96,6 +96,11 @@ def _as_rgb(image: Any) -> np.ndarray:
     return arr
 
 
+def matches(ref: Mapping[str, str], colour: str | None, shape: str | None) -> bool:
+    """Whether an object of ``colour``/``shape`` fits a descriptor (it names a colour, a shape, or both)."""
+    return ref.get("colour", colour) == colour and ref.get("shape", shape) == shape
+
+
 class _Scene:
     """Detected objects with the lookups the constraint checks need."""
 
@@ -104,8 +109,7 @@ class _Scene:
         self.objs = det.components
 
     def find(self, ref: Mapping[str, str]) -> list[Component]:
-        return [o for o in self.objs
-                if ref.get("colour", o.colour) == o.colour and ref.get("shape", o.shape) == o.shape]
+        return [o for o in self.objs if matches(ref, o.colour, o.shape)]
 
     def one(self, ref: Mapping[str, str]) -> Component | None:
         found = self.find(ref)
