@@ -133,6 +133,26 @@ def prune(run_dir: str | Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def ema_by_name(folder: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A checkpoint's EMA weights keyed by parameter name.
+
+    ``ema.safetensors`` holds ``shadow.i`` in the order of the trainer's parameters: ``module``'s
+    ``named_parameters()`` walk restricted to the trained ones, whose names are ``trainable.safetensors``'
+    keys. The same walk over the same model pairs them again; a mismatch raises ``ValueError``.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "trainable.safetensors"), "pt") as f:
+        trained = set(f.keys())
+    names = [n for n, _ in module.named_parameters() if n in trained]
+    shadow = load_file(str(folder / "ema.safetensors"))
+    count = sum(1 for k in shadow if k.startswith("shadow."))
+    if len(names) != len(trained) or count != len(names):
+        raise ValueError(f"{folder} holds {count} EMA tensors for {len(trained)} trained weights, but the model has "
+                         f"{len(names)} of them")
+    return {n: shadow[f"shadow.{i}"] for i, n in enumerate(names)}
+
+
 def load_checkpoint(folder: Path) -> dict[str, Any]:
     """Read everything rank-independent from a complete checkpoint folder."""
     out: dict[str, Any] = {

@@ -51,30 +51,21 @@ def load_weights(policy, folder: Path) -> None:
 
 
 def load_ema_weights(policy, folder: Path) -> None:
-    """Copy a checkpoint's EMA shadow weights into the policy's trained parameters.
-
-    ``ema.safetensors`` stores the shadows by position (``shadow.i``) in the order the trainer walked
-    ``policy.trainable.named_parameters()``, restricted to the trained ones, which are exactly the names
-    in ``trainable.safetensors``; the same walk here pairs each shadow with its parameter.
-    """
+    """Copy a checkpoint's EMA weights (:func:`flowalign.checkpoint.ema_by_name`) into the policy."""
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+
+    from flowalign.checkpoint import ema_by_name
 
     if not (folder / "ema.safetensors").exists():
         raise UserError(f"--ema: {folder} has no ema.safetensors (the run had trainer.ema_decay=0, or this is not "
                         "a checkpoints/step-XXXXXX folder); drop --ema to use its live weights")
-    with safe_open(str(folder / "trainable.safetensors"), "pt") as f:
-        trained = set(f.keys())
-    params = [(n, p) for n, p in policy.trainable.named_parameters() if n in trained]
-    shadow = load_file(str(folder / "ema.safetensors"))
-    count = sum(1 for k in shadow if k.startswith("shadow."))
-    if len(params) != len(trained) or count != len(params):
-        raise UserError(f"--ema: {folder} holds {count} EMA tensors for {len(trained)} trained weights, but this model "
-                        f"has {len(params)} of them; load it with the settings it was trained with")
+    try:
+        state = ema_by_name(folder, policy.trainable)
+    except ValueError as err:
+        raise UserError(f"--ema: {err}; load the model with the settings it was trained with") from None
+    params = dict(policy.trainable.named_parameters())
     with torch.no_grad():
-        for i, (name, p) in enumerate(params):
-            s = shadow[f"shadow.{i}"]
-            if s.shape != p.shape:
-                raise UserError(f"--ema: shadow {i} has shape {tuple(s.shape)} but {name} has {tuple(p.shape)}")
-            p.copy_(s.to(p))
+        for name, value in state.items():
+            if value.shape != params[name].shape:
+                raise UserError(f"--ema: {name} has shape {tuple(params[name].shape)} but its EMA {tuple(value.shape)}")
+            params[name].copy_(value.to(params[name]))
