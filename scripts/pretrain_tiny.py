@@ -798,7 +798,7 @@ def continue_from(folder: Path, data: dict, args, out: Path):
     pipe.vae.requires_grad_(False)
     x0 = encode_latents(pipe, data, out, keep_factors=True)
     max_seq = json.loads((folder / "flowalign.json").read_text())["max_sequence_length"]
-    return pipe, train_dit(pipe, data, x0, args, out, max_seq)
+    return pipe, train_dit(pipe, data, x0, args, out, max_seq), max_seq
 
 
 # --------------------------------------------------------------------------------------------------
@@ -915,8 +915,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("data: rendered %d scenes in %.1f min", len(data["prompts"]), (time.time() - t0) / 60)
 
     if args.init_from:
-        pipe, ema = continue_from(Path(args.init_from), data, args, out)
-        max_seq = json.loads((Path(args.init_from) / "flowalign.json").read_text())["max_sequence_length"]
+        pipe, ema, max_seq = continue_from(Path(args.init_from), data, args, out)
         folder = Path(args.export)
         export(pipe, ema, args, max_seq, folder)
         log.info("total wall time %.1f min", (time.time() - t_start) / 60)
