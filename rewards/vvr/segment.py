@@ -257,7 +257,10 @@ def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, i
 
     def soft_iou(t: np.ndarray) -> np.ndarray:
         t = _denoise(t) * valid
-        return np.minimum(target, t).sum((1, 2)) / np.maximum(target, t).sum((1, 2))
+        inter, union = np.minimum(target, t).sum((1, 2)), np.maximum(target, t).sum((1, 2))
+        # a blob fainter than the JPEG noise squashes to nothing; against an equally empty template that
+        # is 0/0, which must read as no match (a NaN would win argmax)
+        return np.divide(inter, union, out=np.zeros_like(inter), where=union > 0)
 
     iou = soft_iou(sharp)
     # blurred templates only for the three best sharp matches (the blur comparisons cost the most)

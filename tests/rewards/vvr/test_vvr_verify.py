@@ -307,3 +307,15 @@ def test_verify_time_is_printed():
         for t, im in zip(tasks, images):
             verify(t, im)
         print(f"\nverify: {(time.perf_counter() - t0) / len(tasks) * 1e3:.1f} ms per {size} px hard scene")
+
+
+def test_a_blob_fainter_than_the_noise_matches_no_shape():
+    """A faint smudge squashes to nothing; 0/0 against empty templates once gave NaN IoUs (seen on a tiny
+    model's hard sample), and a NaN would win the argmax."""
+    from rewards.vvr.segment import _classify
+
+    cover = np.zeros((12, 13))
+    cover[4:9, 12] = [0.04, 0.05, 0.07, 0.06, 0.06]  # half a pixel of colour, all below the noise floor
+    with np.errstate(invalid="raise", divide="raise"):
+        shape, _, _ = _classify(cover, np.ones_like(cover, dtype=bool), (2, 10, 2, 11))
+    assert shape is None
