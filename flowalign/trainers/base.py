@@ -61,6 +61,10 @@ class GroupTrainerConfig(Section):
     inner_epochs: int = Field(1, ge=1)
     #: optimiser steps per pass over the batch (gradients accumulate over samples x trained steps)
     updates_per_epoch: int = Field(1, ge=1)
+    #: DanceGRPO's grouping: every rollout of a prompt group starts from the same initial noise, so the
+    #: rewards within a group differ only through the SDE steps the loss trains (not through x_T, which
+    #: no log-probability credits)
+    shared_initial_noise: bool = False
     advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
     adv_clip: float = Field(5.0, gt=0)
     ema_decay: float = Field(0.0, ge=0, lt=1)
@@ -147,7 +151,18 @@ class GroupTrainer:
     def sample_group(self, gid: int, prompts: list[str], metadata: list[dict], generator: torch.Generator) -> list[Rollout]:
         """One prompt group in chunks of ``batch_size`` (a chunk never spans two groups)."""
         b = self.tcfg.batch_size
-        return [self.rollout_chunk(prompts[i : i + b], metadata[i : i + b], generator) for i in range(0, len(prompts), b)]
+        noise = self.group_initial_noise(len(prompts), generator)
+        return [self.rollout_chunk(prompts[i : i + b], metadata[i : i + b], generator,
+                                   initial_noise=None if noise is None else noise[i : i + b])
+                for i in range(0, len(prompts), b)]
+
+    def group_initial_noise(self, n: int, generator: torch.Generator) -> torch.Tensor | None:
+        """One ``x_T`` repeated ``(n, ...)`` for a group under ``shared_initial_noise``; ``None`` (each
+        rollout draws its own) otherwise."""
+        if not self.tcfg.shared_initial_noise:
+            return None
+        noise = self.policy.initial_noise(1, generator)
+        return noise.expand(n, *noise.shape[1:]).clone()
 
     def rollout_chunk(self, prompts: list[str], metadata: list[dict], generator: torch.Generator, **kw: Any) -> Rollout:
         return rollout(self.policy, prompts, num_steps=self.tcfg.num_steps, sampler=kw.pop("sampler", self.sampler),

@@ -96,6 +96,26 @@ def test_flow_grpo_fast_window_trains_only_window_steps(tmp_path, tiny_sd3_dir, 
         assert len(steps) == 2 and steps[1] == steps[0] + 1 and steps[0] + 2 <= 4
 
 
+@pytest.mark.parametrize("name", ["flow_grpo", "flash_grpo"])
+def test_shared_initial_noise_is_one_x_T_per_group(tmp_path, tiny_sd3_dir, prompt_file, name):
+    """Every rollout of a group starts from the same x_T (different groups from different ones), across
+    chunks; the SDE steps still make the samples differ. Off (the default), each rollout draws its own."""
+    for shared in (True, False):
+        t = build_trainer(small_config(tmp_path / f"{name}{shared}", tiny_sd3_dir, prompt_file, f"trainer.name={name}",
+                                       "trainer.batch_size=2", f"trainer.shared_initial_noise={shared}"))
+        prompts, metadata, groups = t.step_prompts(0)
+        batch = t.sample(prompts, metadata, groups)
+        x_T = torch.cat([c.latents[:, 0] for c in batch.chunks])
+        final = torch.cat([c.latents[:, -1] for c in batch.chunks])
+        firsts = []
+        for g in torch.unique(groups):
+            members = x_T[groups == g]
+            assert torch.equal(members[0], members[1]) == shared
+            assert not torch.equal(final[groups == g][0], final[groups == g][1])
+            firsts.append(members[0])
+        assert not torch.equal(firsts[0], firsts[1])
+
+
 def test_missing_prompt_file_and_full_finetune_with_kl(tmp_path, tiny_sd3_dir, prompt_file):
     with pytest.raises(UserError, match="prompt file .* does not exist"):
         build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, tmp_path / "missing.txt"))
