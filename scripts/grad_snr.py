@@ -48,9 +48,13 @@ def batch_gradients(trainer, prompts, metadata, groups, step: int) -> dict[int, 
     return per_step
 
 
+def pairwise_cosines(vectors: list[torch.Tensor]) -> list[float]:
+    return [torch.nn.functional.cosine_similarity(a, b, dim=0).item() for a, b in itertools.combinations(vectors, 2)]
+
+
 def mean_cosine(vectors: list[torch.Tensor]) -> float:
-    pairs = list(itertools.combinations(vectors, 2))
-    return sum(torch.nn.functional.cosine_similarity(a, b, dim=0).item() for a, b in pairs) / len(pairs)
+    cosines = pairwise_cosines(vectors)
+    return sum(cosines) / len(cosines)
 
 
 def main() -> None:
@@ -59,18 +63,24 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--batches", type=int, default=6)
     parser.add_argument("--out", default="runs/grad_snr", help="run folder (the trainer writes its config there)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     cfg = load_config(args.config, [f"run.output_dir={args.out}", "run.resume=never", "eval.at_start=false",
                                     "trainer.steps_per_chunk=0", *args.overrides])
     trainer = build_trainer(cfg)
     prompts, metadata, groups = trainer.step_prompts(0)
     grads = [batch_gradients(trainer, prompts, metadata, groups, step=b) for b in range(args.batches)]
+    if any(not g for g in grads):  # every group of a batch had equal rewards: no gradient to compare
+        raise SystemExit(f"{sum(not g for g in grads)} of {args.batches} batches had no non-zero advantage; "
+                         "use more prompts per step (trainer.prompts_per_step) or a graded reward")
     steps = sorted(set.intersection(*(set(g) for g in grads)))
     totals = [sum(g[k] for k in steps) for g in grads]
-    cos = mean_cosine(totals)
+    cosines = pairwise_cosines(totals)
+    cos = sum(cosines) / len(cosines)
     n = len(prompts)
     report = {
         "samples_per_batch": n, "batches": args.batches, "cosine": cos,
+        # spread of the pairs (they share batches, so this understates the error of the mean a little)
+        "cosine_pair_std": float(torch.tensor(cosines).std()),
         "snr": (max(cos, 0.0) / (1 - cos)) ** 0.5,
         "samples_for_snr_1": n * (1 - cos) / cos if cos > 0 else float("inf"),
         "per_step": {k: {"grad_norm": sum(g[k].norm().item() for g in grads) / len(grads),
