@@ -1,0 +1,21 @@
+"""scripts/grad_snr.py: batches for the same prompts differ only in their rollout noise."""
+
+import torch
+
+from flowalign.train import build_trainer
+from .conftest import small_config
+from tests.scripts import load_script
+
+
+def test_batches_share_prompts_and_differ_in_noise(tmp_path, tiny_sd3_dir, prompt_file):
+    snr = load_script("grad_snr")
+    t = build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file))
+    prompts, metadata, groups = t.step_prompts(0)
+    first = snr.batch_gradients(t, prompts, metadata, groups, step=0)
+    again = snr.batch_gradients(t, prompts, metadata, groups, step=0)
+    other = snr.batch_gradients(t, prompts, metadata, groups, step=1)
+    assert sorted(first) == [0, 1]  # the trainer's trained steps: ⌊0.99·3⌋ of the 3 SDE steps of a 4-step rollout
+    for k in first:
+        assert torch.allclose(first[k], again[k], atol=1e-7)  # same noise, same gradient; weights untouched
+        assert snr.mean_cosine([first[k], other[k]]) < 0.99
+    assert abs(snr.mean_cosine([first[0], first[0], 2 * first[0]]) - 1) < 1e-6
