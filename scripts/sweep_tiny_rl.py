@@ -37,6 +37,17 @@ VARIANTS: dict[str, list[str]] = {
     # session 4, on the 8-block base with the named-object partial credit (the shipped config, gentler rate)
     "full_lr2e-5_cosine_80steps": ["trainer.lr=2e-5", "trainer.lr_schedule=cosine", "trainer.lr_warmup_steps=5",
                                    "trainer.max_steps=80"],
+    # session 5 (the shipped config: lr 5e-5, cosine, 80 steps), evaluated with --eval-n 500
+    "s5_window3": ["trainer.sde_window=3", "trainer.max_steps=80"],
+    "s5_window3_lr1e-4": ["trainer.sde_window=3", "trainer.lr=1e-4", "trainer.max_steps=80"],
+    "s5_shared_noise": ["trainer.shared_initial_noise=true", "trainer.max_steps=80"],
+    "s5_flash_shared_noise": ["trainer.name=flash_grpo", "trainer.steps_per_chunk=0", "trainer.shared_initial_noise=true",
+                              "trainer.max_steps=80"],
+    "s5_p16_lr1e-4_30steps": ["trainer.prompts_per_step=16", "trainer.lr=1e-4", "trainer.lr_warmup_steps=2",
+                              "trainer.max_steps=30"],
+    # four fixed training tasks: does the training reward rise at all?
+    "s5_overfit4_lr5e-5": ["data.n=4", "trainer.max_steps=40"],
+    "s5_overfit4_lr2e-4": ["data.n=4", "trainer.lr=2e-4", "trainer.max_steps=40"],
 }
 
 
