@@ -148,21 +148,18 @@ class GroupTrainer:
             chunks += self.sample_group(gid, [prompts[i] for i in idx], [metadata[i] for i in idx], generator)
         return StepBatch(chunks, groups)
 
-    def sample_group(self, gid: int, prompts: list[str], metadata: list[dict], generator: torch.Generator) -> list[Rollout]:
-        """One prompt group in chunks of ``batch_size`` (a chunk never spans two groups)."""
+    def sample_group(self, gid: int, prompts: list[str], metadata: list[dict], generator: torch.Generator,
+                     **kw: Any) -> list[Rollout]:
+        """One prompt group in chunks of ``batch_size`` (a chunk never spans two groups); ``kw`` goes to
+        every chunk's rollout. Under ``shared_initial_noise`` the whole group starts from one ``x_T``."""
         b = self.tcfg.batch_size
-        noise = self.group_initial_noise(len(prompts), generator)
+        noise = None
+        if self.tcfg.shared_initial_noise:
+            x_T = self.policy.initial_noise(1, generator)
+            noise = x_T.expand(len(prompts), *x_T.shape[1:]).clone()
         return [self.rollout_chunk(prompts[i : i + b], metadata[i : i + b], generator,
-                                   initial_noise=None if noise is None else noise[i : i + b])
+                                   initial_noise=None if noise is None else noise[i : i + b], **kw)
                 for i in range(0, len(prompts), b)]
-
-    def group_initial_noise(self, n: int, generator: torch.Generator) -> torch.Tensor | None:
-        """One ``x_T`` repeated ``(n, ...)`` for a group under ``shared_initial_noise``; ``None`` (each
-        rollout draws its own) otherwise."""
-        if not self.tcfg.shared_initial_noise:
-            return None
-        noise = self.policy.initial_noise(1, generator)
-        return noise.expand(n, *noise.shape[1:]).clone()
 
     def rollout_chunk(self, prompts: list[str], metadata: list[dict], generator: torch.Generator, **kw: Any) -> Rollout:
         return rollout(self.policy, prompts, num_steps=self.tcfg.num_steps, sampler=kw.pop("sampler", self.sampler),

@@ -74,14 +74,10 @@ class FlashGRPOTrainer(FlowGRPOTrainer):
         """The whole group shares ``k_c``: ODE everywhere except one SDE step there."""
         sigmas = self.policy.sigmas(self.tcfg.num_steps).float().cpu()
         k = self.iso_temporal_step(gid)
-        noise = self.group_initial_noise(len(prompts), generator)
-        chunks = []
-        for i in range(0, len(prompts), b := self.tcfg.batch_size):
-            chunk = self.rollout_chunk(prompts[i : i + b], metadata[i : i + b], generator, sampler=self.step_fn(sigmas, k),
-                                       sde_window=(k, 1), initial_noise=None if noise is None else noise[i : i + b])
+        chunks = super().sample_group(gid, prompts, metadata, generator, sampler=self.step_fn(sigmas, k), sde_window=(k, 1))
+        for chunk in chunks:
             chunk.extras["k"] = k
             chunk.extras["inv_c"] = torch.full((len(chunk),), 1.0 / rectification_coefficient(sigmas, k))
-            chunks.append(chunk)
         return chunks
 
     def _set_rectification_weights(self, chunks) -> None:
