@@ -164,8 +164,11 @@ def run(args: argparse.Namespace) -> None:
     print(f"{len(pairs)} pairs ({len(train_pairs)} train, {len(test_pairs)} held out by prompt) from {source['source']}")
 
     transformer = load_frozen_transformer(model, Path(model), policy.device, policy.dtype)
+    # FLUX scores packed latents: the registers need the latent grid (and the guidance value) the policy samples at
+    family_options = ({"latent_hw": list(policy.latent_hw), "guidance": policy.defaults.get("guidance_scale")}
+                      if policy.family == "flux" else None)
     reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
-                             base_model=model, seed=args.seed)
+                             base_model=model, seed=args.seed, family_options=family_options)
     optimizer = torch.optim.Adam(reward.parameters(), lr=args.lr)
     start = 0
     if resume:

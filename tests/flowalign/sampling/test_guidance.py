@@ -1,6 +1,7 @@
 """RGS (reward-guided sampling): the properties of ``specs/latent_rewards.md``.
 
-κ = 0 reproduces the plain sampler bit for bit (on the tiny SD3 model with real latent registers);
+κ = 0 reproduces the plain sampler bit for bit (on the tiny SD3, FLUX and Wan models with real latent
+registers);
 ‖v_c − v‖ = κ‖v‖ exactly; with a linear reward the final reward rises with small κ (exact Gaussian flow).
 """
 
@@ -25,19 +26,23 @@ class LinearReward:
         return (x.flatten(1) * self.a.flatten()).sum(1)
 
 
-@pytest.fixture(scope="module")
-def sd3_and_registers(tiny_sd3_dir, tmp_path_factory):
+def _policy_and_registers(model_dir, folder):
     from rewards.latent_registers import LatentRegisters, load_frozen_transformer
 
-    policy = pipelines.load(tiny_sd3_dir)
-    folder = tmp_path_factory.mktemp("lrr") / "reward"
-    LatentRegisters(load_frozen_transformer(str(tiny_sd3_dir), tiny_sd3_dir), num_registers=4, head_hidden=16,
-                    base_model=str(tiny_sd3_dir)).save(folder)
+    policy = pipelines.load(model_dir)
+    LatentRegisters(load_frozen_transformer(str(model_dir), model_dir), num_registers=4, head_hidden=16,
+                    base_model=str(model_dir)).save(folder)
     return policy, load_latent_reward(folder)
 
 
-def test_zero_scale_is_bit_identical_to_plain_sampling(sd3_and_registers):
-    policy, reward = sd3_and_registers
+@pytest.fixture(scope="module")
+def sd3_and_registers(tiny_sd3_dir, tmp_path_factory):
+    return _policy_and_registers(tiny_sd3_dir, tmp_path_factory.mktemp("lrr") / "reward")
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "wan"])
+def test_zero_scale_is_bit_identical_to_plain_sampling(family, tiny_model_dir, tmp_path):
+    policy, reward = _policy_and_registers(tiny_model_dir(family), tmp_path / "reward")
     prompts = ["a red circle", "a blue square"]
     for sampler in ("ode", "flow_grpo"):
         plain = rollout(policy, prompts, num_steps=4, sampler=sampler, generator=torch.Generator().manual_seed(1))

@@ -42,8 +42,16 @@ def _rg_opd(tmp_path, model, prompts, reward_dir, *extra):
                         "trainer.num_steps=3", *extra)
 
 
-def test_zero_kappa_gives_zero_gradient_at_theta_old(tmp_path, tiny_sd3_dir, prompt_file, lrr_dir):
-    trainer = build_trainer(_rg_opd(tmp_path, tiny_sd3_dir, prompt_file, lrr_dir, "trainer.kappa=0"))
+@pytest.mark.parametrize("family", ["sd3", "wan"])
+def test_zero_kappa_gives_zero_gradient_at_theta_old(family, tmp_path, tiny_model_dir, prompt_file, lrr_dir):
+    from rewards.latent_registers import LatentRegisters, load_frozen_transformer
+
+    model = tiny_model_dir(family)
+    if family != "sd3":  # the same trainer on video: registers on the Wan transformer
+        lrr_dir = tmp_path / "reward"
+        LatentRegisters(load_frozen_transformer(str(model), model), num_registers=4, head_hidden=16,
+                        base_model=str(model)).save(lrr_dir)
+    trainer = build_trainer(_rg_opd(tmp_path, model, prompt_file, lrr_dir, "trainer.kappa=0"))
     prompts, metadata, groups = trainer.step_prompts(0)
     batch = trainer.sample(prompts, metadata, groups)
     chunk = batch.chunks[0]

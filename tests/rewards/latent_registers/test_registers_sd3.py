@@ -146,9 +146,9 @@ def test_save_load_round_trip(policy, reward, tmp_path):
         torch.testing.assert_close(loaded.score(x, sigma, cond), expected, atol=0, rtol=0)
 
 
-def test_bad_input(policy, reward, tiny_flux_dir, tmp_path):
-    with pytest.raises(UserError, match="SD3"):
-        LatentRegisters(pipelines.load(tiny_flux_dir).transformer)
+def test_bad_input(policy, reward, tmp_path):
+    with pytest.raises(UserError, match="latent registers support SD3Transformer2DModel"):
+        LatentRegisters(torch.nn.Linear(2, 2))
     with pytest.raises(UserError, match="layers"):
         resolve_layers([5], 2)
     assert resolve_layers("multi", 24) == [11, 17, 23] and resolve_layers([-1], 4) == [3]

@@ -1,28 +1,19 @@
 """Latent Reward Registers: a reward read from noisy latents through a frozen DiT (``specs/latent_rewards.md``).
 
-M learnable register tokens ride along a FROZEN SD3 transformer as a read-only path: register queries
-attend to every token of each block, image and text queries never see a register. The generator is
-therefore untouched (its velocity is bit-identical with and without the registers), and the reward costs
-one DiT forward plus a thin stream of M tokens.
+M learnable register tokens ride along a FROZEN transformer (SD3 / SD3.5, FLUX.1, Wan 2.1 / 2.2) as a
+read-only path: register queries attend to every token of each block, image, video and text queries
+never see a register. The generator is therefore untouched (its velocity is bit-identical with and
+without the registers), and the reward costs one DiT forward plus a thin stream of M tokens.
 
-Implementation (the spec's "cheap equivalent"): the transformer runs its own, unmodified ``forward``;
-a forward pre-hook on each joint block reads that block's inputs ``(hidden_states,
-encoder_hidden_states, temb)`` and advances the register stream through the block with the block's own
-frozen weights:
+Implementation (the spec's "cheap equivalent"): the transformer runs its own, unmodified ``forward``; a
+forward pre-hook on each block reads that block's inputs and advances the register stream through the
+block with the block's own frozen weights. What "through the block" means is the family's business:
+``sd3.py``, ``flux.py``, ``wan.py`` (each reads top to bottom, one block type at a time). Under RoPE
+(FLUX, Wan) the registers take the identity rotation.
 
-    K,V_img = to_k/to_v(norm1(h_img, temb))        K,V_txt = add_k/add_v(norm1_context(h_txt, temb))
-    q, K,V_reg = to_q/to_k/to_v(norm1(reg, temb))                 (image-stream weights [derived])
-    reg += gate_msa · to_out(attn(q, [K_img; K_txt; K_reg], [V_img; V_txt; V_reg]))
-    reg += gate_msa2 · to_out(attn2(q2, [K2_img; K2_reg], ...))     (SD3.5 dual-attention blocks)
-    reg += gate_mlp · ff(norm2(reg)·(1+scale_mlp) + shift_mlp)
-
-Registers carry no positional embedding (SD3 adds position at patch embedding only). The head is
-``r = MLP(LN(concat_l mean_m reg_l))`` over the chosen layers (default: the last block). Only the
-registers and the head are parameters of this module; the transformer is held outside the module tree,
-frozen, so ``parameters()`` / ``state_dict()`` are exactly the trainable reward.
-
-FLUX and Wan: the same path applies (their single-stream blocks use one weight set; under RoPE the
-registers take the identity rotation) but is not implemented yet; loading one raises a UserError.
+The head is ``r = MLP(LN(concat_l mean_m reg_l))`` over the chosen layers (default: the last block).
+Only the registers and the head are parameters of this module; the transformer is held outside the
+module tree, frozen, so ``parameters()`` / ``state_dict()`` are exactly the trainable reward.
 """
 
 from __future__ import annotations
@@ -39,76 +30,17 @@ from flowalign.errors import UserError
 from flowalign.io import atomic_dir
 from flowalign.paths import REPO_ROOT
 from flowalign.protocols import Conditioning
+from rewards.latent_registers.flux import FluxRegisters
+from rewards.latent_registers.sd3 import SD3Registers
+from rewards.latent_registers.wan import WanRegisters
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "registers.safetensors"
 CLASS_PATH = "rewards.latent_registers:LatentRegisters"
 FORMAT_VERSION = 1
-
-
-def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """``(B, N, H·d)`` → ``(B, H, N, d)``."""
-    b, n, _ = t.shape
-    return t.view(b, n, heads, -1).transpose(1, 2)
-
-
-def _keys_values(attn: nn.Module, h: torch.Tensor, context: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """K (normed as the joint processor norms it) and V of already-modulated tokens ``h``, in heads layout."""
-    if context:
-        k, v, norm = attn.add_k_proj(h), attn.add_v_proj(h), attn.norm_added_k
-    else:
-        k, v, norm = attn.to_k(h), attn.to_v(h), attn.norm_k
-    k, v = _heads(k, attn.heads), _heads(v, attn.heads)
-    return (norm(k) if norm is not None else k), v
-
-
-def _register_attention(attn: nn.Module, reg: torch.Tensor, others: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Register queries over ``[others...; registers]`` keys/values, projected out: ``(B, M, D)``."""
-    q = _heads(attn.to_q(reg), attn.heads)
-    if attn.norm_q is not None:
-        q = attn.norm_q(q)
-    k_reg, v_reg = _keys_values(attn, reg, context=False)
-    keys = torch.cat([k for k, _ in others] + [k_reg], dim=2)
-    values = torch.cat([v for _, v in others] + [v_reg], dim=2)
-    out = F.scaled_dot_product_attention(q, keys, values)
-    out = out.transpose(1, 2).reshape(reg.shape[0], reg.shape[1], -1).to(q.dtype)
-    return attn.to_out[0](out)
-
-
-def sd3_register_block(block: nn.Module, reg: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor,
-                       temb: torch.Tensor) -> torch.Tensor:
-    """Advance registers ``(B, M, D)`` through one SD3 ``JointTransformerBlock`` given its inputs.
-
-    ``hidden (B, N, D)``, ``context (B, L, D)``, ``temb (B, D)`` are exactly what the block received, so
-    the register keys see the same K,V the block's own image and text queries saw.
-    """
-    dual = block.use_dual_attention
-    if dual:
-        n_reg, gate_msa, shift_mlp, scale_mlp, gate_mlp, n_reg2, gate_msa2 = block.norm1(reg, emb=temb)
-        n_img, *_rest = block.norm1(hidden, emb=temb)
-        n_img2 = _rest[4]
-    else:
-        n_reg, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(reg, emb=temb)
-        n_img = block.norm1(hidden, emb=temb)[0]
-    if block.context_pre_only:
-        n_txt = block.norm1_context(context, temb)
-    else:
-        n_txt = block.norm1_context(context, emb=temb)[0]
-    others = [_keys_values(block.attn, n_img, context=False), _keys_values(block.attn, n_txt, context=True)]
-    reg = reg + gate_msa.unsqueeze(1) * _register_attention(block.attn, n_reg, others)
-    if dual:
-        others2 = [_keys_values(block.attn2, n_img2, context=False)]
-        reg = reg + gate_msa2.unsqueeze(1) * _register_attention(block.attn2, n_reg2, others2)
-    normed = block.norm2(reg) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-    return reg + gate_mlp.unsqueeze(1) * block.ff(normed)
-
-
-def _block_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(hidden_states, encoder_hidden_states, temb)`` however the block was called."""
-    names = ("hidden_states", "encoder_hidden_states", "temb")
-    bound = dict(zip(names, args))
-    bound.update({k: kwargs[k] for k in names if k in kwargs})
-    return bound["hidden_states"], bound["encoder_hidden_states"], bound["temb"]
+#: transformer class name → the family that knows how registers pass its blocks
+FAMILIES = {"SD3Transformer2DModel": SD3Registers, "FluxTransformer2DModel": FluxRegisters,
+            "WanTransformer3DModel": WanRegisters}
 
 
 def resolve_layers(layers: str | Sequence[int], num_layers: int) -> list[int]:
@@ -126,30 +58,32 @@ def resolve_layers(layers: str | Sequence[int], num_layers: int) -> list[int]:
 
 
 class LatentRegisters(nn.Module):
-    """A :class:`flowalign.protocols.LatentReward` ``score(x, σ, cond) -> (B,)`` on a frozen SD3 DiT.
+    """A :class:`flowalign.protocols.LatentReward` ``score(x, σ, cond) -> (B,)`` on a frozen DiT.
 
-    ``transformer``: a diffusers ``SD3Transformer2DModel`` (frozen here: its parameters stop requiring
-    grad). ``cond.tensors`` must hold ``prompt_embeds (B, L, J)`` and ``pooled_prompt_embeds (B, P)`` as
-    the SD3 policy encodes them. ``x``: latents ``(B, C, h, w)`` in the policy's convention.
+    ``transformer``: a diffusers ``SD3Transformer2DModel``, ``FluxTransformer2DModel`` or
+    ``WanTransformer3DModel`` (frozen here: its parameters stop requiring grad). ``x``: latents in that
+    family's policy convention (SD3 ``(B, C, h, w)``, FLUX packed ``(B, seq, 4C)``, Wan ``(B, C, F, h, w)``);
+    ``cond``: the same family's policy encoding. ``family_options``: FLUX's ``latent_hw`` and ``guidance``.
     """
 
     def __init__(self, transformer: nn.Module, *, num_registers: int = 8, layers: str | Sequence[int] = "last",
-                 head_hidden: int = 256, base_model: str | None = None, seed: int = 0):
+                 head_hidden: int = 256, base_model: str | None = None, seed: int = 0,
+                 family_options: dict[str, Any] | None = None):
         super().__init__()
-        family = type(transformer).__name__
-        if family != "SD3Transformer2DModel":
-            raise UserError(
-                f"latent registers support SD3 transformers (SD3Transformer2DModel); got {family}. FLUX and Wan "
-                "(same read-only path, identity RoPE on the registers) are not implemented yet")
+        kind = type(transformer).__name__
+        if kind not in FAMILIES:
+            raise UserError(f"latent registers support {', '.join(FAMILIES)}; got {kind}")
         if num_registers < 1:
             raise UserError(f"num_registers={num_registers}: use at least 1 register")
         transformer.requires_grad_(False).eval()
         transformer.gradient_checkpointing = False  # a checkpointed block would re-run the hooks
         self.__dict__["transformer"] = transformer  # outside the module tree: not ours to train or save
+        self.__dict__["family"] = FAMILIES[kind](transformer, family_options or {})
         dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        self.layers = resolve_layers(layers, transformer.config.num_layers)
+        self.layers = resolve_layers(layers, len(self.family.blocks()))
         self.base_model = base_model
-        self.options = {"num_registers": num_registers, "layers": self.layers, "head_hidden": head_hidden}
+        self.options = {"num_registers": num_registers, "layers": self.layers, "head_hidden": head_hidden,
+                        **{k: v for k, v in self.family.options().items() if v is not None}}
         gen = torch.Generator().manual_seed(seed)
         # distinct random registers: identical ones would receive identical updates forever
         self.registers = nn.Parameter(torch.randn(num_registers, dim, generator=gen))
@@ -163,31 +97,23 @@ class LatentRegisters(nn.Module):
     # ------------------------------------------------------------------ scoring
     def forward_with_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One DiT pass: the frozen model's velocity ``(B, C, h, w)`` (float32, no CFG) and the reward ``(B,)``."""
-        tr = self.transformer
-        device, dtype = self.registers.device, next(tr.parameters()).dtype
+        """One DiT pass: the frozen model's velocity (float32, no CFG, shaped like ``x``) and the reward ``(B,)``."""
+        device, dtype = self.registers.device, next(self.transformer.parameters()).dtype
         b = x.shape[0]
-        if "prompt_embeds" not in cond.tensors or "pooled_prompt_embeds" not in cond.tensors:
-            raise UserError("latent registers need SD3 conditioning (prompt_embeds, pooled_prompt_embeds): "
-                            "encode the prompts with an SD3 policy")
         if len(cond) != b:
             raise ValueError(f"score: x has batch {b} but cond has {len(cond)} prompts")
-        timestep = torch.as_tensor(sigma, dtype=torch.float32, device=device).flatten().expand(b) * 1000.0
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=device).flatten().expand(b)
         state = {"reg": self.registers.to(dtype).unsqueeze(0).expand(b, -1, -1), "feats": {}}
 
         def advance(index: int, block: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden, context, temb = _block_inputs(args, kwargs)
-            state["reg"] = sd3_register_block(block, state["reg"], hidden, context, temb)
+            state["reg"] = self.family.advance(block, state["reg"], args, kwargs)
             if index in self.layers:
                 state["feats"][index] = state["reg"].float().mean(1)
 
         handles = [blk.register_forward_pre_hook(lambda m, a, k, i=i: advance(i, m, a, k), with_kwargs=True)
-                   for i, blk in enumerate(tr.transformer_blocks)]
+                   for i, blk in enumerate(self.family.blocks())]
         try:
-            velocity = tr(hidden_states=x.to(device, dtype), timestep=timestep,
-                          encoder_hidden_states=cond.tensors["prompt_embeds"].to(device, dtype),
-                          pooled_projections=cond.tensors["pooled_prompt_embeds"].to(device, dtype),
-                          return_dict=False)[0].float()
+            velocity = self.family.velocity(x, sigma, cond)
         finally:
             for h in handles:
                 h.remove()
@@ -207,7 +133,7 @@ class LatentRegisters(nn.Module):
         from safetensors.torch import save_file
 
         directory = Path(directory)
-        config = {"class": CLASS_PATH, "format_version": FORMAT_VERSION, "family": "sd3",
+        config = {"class": CLASS_PATH, "format_version": FORMAT_VERSION, "family": self.family.name,
                   "base_model": self.base_model, "dim": int(self.registers.shape[1]), **self.options, **(extra or {})}
         with atomic_dir(directory) as tmp:
             state = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
@@ -225,8 +151,13 @@ class LatentRegisters(nn.Module):
         config = read_config(directory)
         if transformer is None:
             transformer = load_frozen_transformer(config.get("base_model"), directory, device, dtype)
+        family = FAMILIES.get(type(transformer).__name__)
+        if family is not None and config.get("family", "sd3") != family.name:
+            raise UserError(f"{directory}: registers trained on a {config.get('family')!r} transformer cannot read a "
+                            f"{family.name!r} one; load them on the base model they were trained on")
         reward = cls(transformer, num_registers=int(config["num_registers"]), layers=config["layers"],
-                     head_hidden=int(config["head_hidden"]), base_model=config.get("base_model"))
+                     head_hidden=int(config["head_hidden"]), base_model=config.get("base_model"),
+                     family_options={k: config[k] for k in ("latent_hw", "guidance") if k in config})
         dim = reward.registers.shape[1]
         if int(config.get("dim", dim)) != dim:
             raise UserError(f"{directory}: registers of width {config['dim']} do not fit this transformer (width {dim}); "
@@ -260,11 +191,18 @@ def resolve_base_model(path: str | None, directory: Path) -> Path:
 def load_frozen_transformer(path: str | None, directory: Path, device: str | torch.device = "cpu",
                             dtype: torch.dtype | None = None) -> nn.Module:
     """The base model's transformer alone, frozen: the reward's own copy, so a policy that trains its
-    transformer (LoRA or full) never moves the reward."""
-    from diffusers import SD3Transformer2DModel
+    transformer (LoRA or full) never moves the reward. The class is the one the folder's
+    ``transformer/config.json`` names (SD3, FLUX or Wan)."""
+    import diffusers
 
     folder = resolve_base_model(path, directory)
-    model = SD3Transformer2DModel.from_pretrained(str(folder), subfolder="transformer", torch_dtype=dtype or torch.float32)
+    try:
+        kind = json.loads((folder / "transformer" / "config.json").read_text())["_class_name"]
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{folder / 'transformer' / 'config.json'} does not name its transformer class ({err})") from err
+    if kind not in FAMILIES:
+        raise UserError(f"base_model {path!r} has a {kind}; latent registers support {', '.join(FAMILIES)}")
+    model = getattr(diffusers, kind).from_pretrained(str(folder), subfolder="transformer", torch_dtype=dtype or torch.float32)
     return model.to(device).requires_grad_(False).eval()
 
 

@@ -1,0 +1,16 @@
+"""Latent Reward Registers (``specs/latent_rewards.md``): the reward module, its files, and one file per DiT
+family saying how the register stream passes that family's blocks (``sd3.py``, ``flux.py``, ``wan.py``)."""
+
+from rewards.latent_registers.registers import (
+    CLASS_PATH,
+    FAMILIES,
+    LatentRegisters,
+    encode_images,
+    load_frozen_transformer,
+    read_config,
+    resolve_base_model,
+    resolve_layers,
+)
+
+__all__ = ["CLASS_PATH", "FAMILIES", "LatentRegisters", "encode_images", "load_frozen_transformer", "read_config",
+           "resolve_base_model", "resolve_layers"]
