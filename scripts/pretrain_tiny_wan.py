@@ -313,10 +313,16 @@ def finetune_decoder(pipe, data: dict, x0: torch.Tensor, args, out: Path) -> Non
         return
     vae = pipe.vae
     stage = out / "decoder"
-    if (stage / "DONE").is_file():
-        w, _ = load_ckpt(latest_ckpt(stage))
+    done = (stage / "DONE").is_file()
+    if done:
+        w, st = load_ckpt(latest_ckpt(stage))
         _load_prefixed(vae, w, "vae")
-        return
+        if not (args.resume and not Budget(args.dec_minutes, args.dec_steps, st["elapsed"]).done(st["step"])):
+            return
+        # continuation with a larger budget: the encoder is frozen, so the latents and the DiT stay valid;
+        # the cosine restarts from where the longer budget puts it
+        (stage / "DONE").unlink()
+        log.info("decoder: continuing a finished stage at step %d up to %s min", st["step"], args.dec_minutes)
     dec = [vae.decoder, vae.post_quant_conv]
     params = [p for m in dec for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=args.dec_lr, weight_decay=0.0, betas=(0.9, 0.99))
