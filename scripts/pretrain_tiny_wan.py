@@ -96,19 +96,23 @@ NUM_FRAMES = 9  # rewards.vvr_motion's clip length (Wan's VAE takes 4k + 1 frame
 VAE_WINDOW = 5  # frames per VAE training clip (1 + 4: one causal chunk after the first frame)
 
 
-def model_overrides(words: list[str], max_length: int) -> dict:
+def model_overrides(words: list[str], max_length: int, *, vae_dim_mult: tuple[int, ...] = (1, 2, 2),
+                    z_dim: int = 8, patch: tuple[int, int, int] = (1, 2, 2)) -> dict:
     """Wan 2.1 T2V-like DiT (cross-attention to UMT5, 3-axis RoPE, qk RMS-norm across heads), 4 layers ×
-    width 128 (4 heads × 32), patch (1, 2, 2) on 5×8×8×8 latents = 80 tokens; causal 3D VAE with
-    f_s = 4, f_t = 2, z = 8; UMT5 stand-in (width 64, word-level vocabulary incl. every training word)."""
+    width 128 (4 heads × 32); causal 3D VAE with f_t = 2 (the last level halves time), f_s =
+    2^(levels - 1); UMT5 stand-in (width 64, word-level vocabulary incl. every training word).
+    Defaults: f_s 4, z 8, patch (1, 2, 2) on 5×8×8×8 latents = 80 tokens; ``vae_dim_mult=(1, 2), z_dim=4,
+    patch=(1, 4, 4)``: f_s 2 on 5×4×16×16 latents, also 80 tokens (the decoder draws 2× finer detail)."""
+    temporal = [False] * (len(vae_dim_mult) - 2) + [True]
     return dict(
         seed=0,
         t5_max_length=max_length,
         t5_extra_words=tuple(words),
-        transformer=dict(patch_size=[1, 2, 2], num_attention_heads=4, attention_head_dim=32, freq_dim=64,
+        transformer=dict(patch_size=list(patch), num_attention_heads=4, attention_head_dim=32, freq_dim=64,
                          ffn_dim=512, num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
                          rope_max_seq_len=64),
-        vae=dict(base_dim=12, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
-                 temperal_downsample=[False, True]),
+        vae=dict(base_dim=12, z_dim=z_dim, dim_mult=list(vae_dim_mult), num_res_blocks=1, attn_scales=[],
+                 temperal_downsample=temporal),
         text_encoder=dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                           relative_attention_num_buckets=16, relative_attention_max_distance=64),
         scheduler=dict(shift=1.0),
@@ -570,7 +574,34 @@ def evaluate_levels(folder: Path, n: int, out: Path, levels: tuple[str, ...] = (
                           "per_constraint": m.get("per_constraint"), "seconds": round(time.time() - t0, 1)}
         log.info("eval %s: %s", level, results[level])
     results["settings"] = dict(policy.defaults)
+    for level in levels:
+        results[level]["vae_ceiling"] = vae_ceiling(policy.pipe.vae, level, min(n, 48))
+        log.info("vae ceiling %s: %s", level, results[level]["vae_ceiling"])
     return results
+
+
+@torch.no_grad()
+def vae_ceiling(vae, level: str, n: int) -> dict:
+    """What a perfect transformer could reach through this VAE: the first ``n`` held-out clips of ``level``
+    rendered, encoded (posterior mean), decoded and verified. ``shapes``: passes per named shape."""
+    from rewards.benchmarks import load_benchmark
+    from rewards.vvr_motion import render, verify
+
+    bench = load_benchmark("vvr_motion", level, n)
+    passed, shapes = 0, {}
+    for meta in bench.metadata:
+        task = meta["task"]
+        clip = torch.from_numpy(np.asarray(render(task, size=SIZE))).permute(3, 0, 1, 2)[None]
+        rec = vae.decode(vae.encode(_pixels(clip)).latent_dist.mean).sample[0]
+        frames = ((rec.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 3, 0).numpy()
+        ok = verify(task, frames).all_passed
+        passed += ok
+        c = task["constraints"][0]
+        shape = c.get("ref", {}).get("shape", "?")  # the first constraint's object (toward/away_from name two)
+        good, total = shapes.get(shape, (0, 0))
+        shapes[shape] = (good + ok, total + 1)
+    return {"n": len(bench.metadata), "accuracy": passed / max(1, len(bench.metadata)),
+            "shapes": {k: f"{g}/{t}" for k, (g, t) in sorted(shapes.items())}}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -587,6 +618,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mix", default="easy:0.7,medium:0.3")
     p.add_argument("--max-sequence-length", type=int, default=0, help="UMT5 length (0: longest prompt + 2)")
     # VAE
+    p.add_argument("--vae-dim-mult", default="1,2,2", help="VAE levels (spatial factor 2^(levels-1)), e.g. 1,2 for f_s 2")
+    p.add_argument("--z-dim", type=int, default=8, help="VAE latent channels")
+    p.add_argument("--patch", default="1,2,2", help="DiT patch (t,h,w), e.g. 1,4,4 with --vae-dim-mult 1,2")
     p.add_argument("--vae-minutes", type=float, default=12.0)
     p.add_argument("--vae-steps", type=int, default=None)
     p.add_argument("--vae-batch", type=int, default=8)
@@ -669,7 +703,9 @@ def main(argv: list[str] | None = None) -> None:
         tok = t5_tokenizer(512, tuple(words))
         max_seq = max(len(tok(p).input_ids) for p in set(data["prompts"])) + 2
     log.info("max_sequence_length %d, %d prompt words", max_seq, len(words))
-    pipe = build_tiny_wan(**model_overrides(words, max_seq))
+    ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
+    pipe = build_tiny_wan(**model_overrides(words, max_seq, vae_dim_mult=ints(args.vae_dim_mult), z_dim=args.z_dim,
+                                            patch=ints(args.patch)))
     pipe.set_progress_bar_config(disable=True)
     for name in ("transformer", "vae", "text_encoder"):
         n = sum(p.numel() for p in getattr(pipe, name).parameters())
