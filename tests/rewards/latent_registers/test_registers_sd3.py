@@ -1,6 +1,6 @@
-"""Latent Reward Registers on a tiny random SD3 transformer (with an SD3.5 dual-attention block):
-the properties of ``specs/latent_rewards.md`` and the equivalence of the cheap path to the spec's
-definition (registers appended to the token sequence, masked so no image/text query sees them)."""
+"""Latent registers on SD3 (a tiny random transformer with an SD3.5 dual-attention block): the cheap path
+equals the spec's definition (registers appended to the token sequence, masked so no image/text query
+sees them), and bad input. The shared properties are in ``test_registers_properties.py``."""
 
 import copy
 
@@ -11,66 +11,19 @@ import torch.nn.functional as F
 import pipelines
 from flowalign.errors import UserError
 from flowalign.sampling import load_latent_reward
-from rewards.latent_registers import LatentRegisters, load_frozen_transformer, resolve_layers
+from rewards.latent_registers import LatentRegisters, resolve_layers
+
+from .conftest import family_inputs, make_registers
 
 
-@pytest.fixture(scope="module")
-def policy(tiny_sd3_dir):
-    return pipelines.load(tiny_sd3_dir)
+@pytest.fixture
+def policy(policies):
+    return policies("sd3")
 
 
 @pytest.fixture
 def reward(policy, tiny_sd3_dir):
-    tr = load_frozen_transformer(str(tiny_sd3_dir), tiny_sd3_dir)
-    return LatentRegisters(tr, num_registers=4, layers="multi", head_hidden=16, base_model=str(tiny_sd3_dir), seed=3)
-
-
-def _inputs(policy, b=3, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, *policy.latent_shape, generator=gen)
-    cond = policy.encode(["a red circle", "a blue square", "two green stars"][:b])
-    sigma = torch.tensor([0.9, 0.5, 0.2][:b])
-    return x, sigma, cond
-
-
-def _plain_velocity(tr, x, sigma, cond):
-    return tr(hidden_states=x, timestep=sigma * 1000.0, encoder_hidden_states=cond.tensors["prompt_embeds"],
-              pooled_projections=cond.tensors["pooled_prompt_embeds"], return_dict=False)[0]
-
-
-def test_velocity_with_registers_is_bit_identical_to_without(policy, reward):
-    x, sigma, cond = _inputs(policy)
-    assert reward.transformer.config.dual_attention_layers  # the SD3.5 block kind is covered
-    with torch.no_grad():
-        v_reg, score = reward.forward_with_velocity(x, sigma, cond)
-        v_plain = _plain_velocity(reward.transformer, x, sigma, cond)
-    torch.testing.assert_close(v_reg, v_plain, atol=0, rtol=0)
-    assert score.shape == (3,) and torch.isfinite(score).all()
-    # the hooks are gone afterwards
-    assert all(not blk._forward_pre_hooks for blk in reward.transformer.transformer_blocks)
-
-
-def test_reward_gradient_reaches_x_and_registers_but_no_dit_parameter(policy, reward):
-    x, sigma, cond = _inputs(policy)
-    x.requires_grad_(True)
-    reward.score(x, sigma, cond).sum().backward()
-    assert x.grad is not None and x.grad.abs().sum() > 0
-    assert reward.registers.grad.abs().sum() > 0 and all(p.grad is not None for p in reward.head.parameters())
-    assert all(p.grad is None for p in reward.transformer.parameters())
-    # only registers and head are this module's parameters (what an optimiser and a checkpoint see)
-    assert {n.split(".")[0] for n, _ in reward.named_parameters()} == {"registers", "head"}
-
-
-def test_reward_is_invariant_to_permuting_registers_and_depends_on_them(policy, reward):
-    x, sigma, cond = _inputs(policy)
-    with torch.no_grad():
-        before = reward.score(x, sigma, cond)
-        reward.registers.copy_(reward.registers[torch.tensor([2, 0, 3, 1])])
-        permuted = reward.score(x, sigma, cond)
-        reward.registers[0].mul_(-1.0)
-        changed = reward.score(x, sigma, cond)
-    torch.testing.assert_close(permuted, before, atol=1e-5, rtol=1e-5)
-    assert (changed - before).abs().max() > 1e-4  # the registers do matter
+    return make_registers("sd3", tiny_sd3_dir, policy, num_registers=4)
 
 
 class _MaskedJointAttention:
@@ -105,7 +58,7 @@ class _MaskedJointAttention:
 
 def test_cheap_path_equals_registers_appended_to_the_sequence(policy, reward):
     """The spec's definition: registers are extra image-stream tokens, masked out of every other query."""
-    x, sigma, cond = _inputs(policy)
+    x, sigma, cond = family_inputs(policy)
     tr = copy.deepcopy(reward.transformer)
     n_img = (x.shape[-1] // tr.config.patch_size) * (x.shape[-2] // tr.config.patch_size)
     m = reward.registers.shape[0]
@@ -133,19 +86,6 @@ def test_cheap_path_equals_registers_appended_to_the_sequence(policy, reward):
     torch.testing.assert_close(v_cheap, velocity, atol=1e-5, rtol=1e-4)  # the generator never saw them
 
 
-def test_save_load_round_trip(policy, reward, tmp_path):
-    x, sigma, cond = _inputs(policy)
-    with torch.no_grad():
-        reward.registers.add_(0.1)  # not the initialisation a fresh load would reproduce by itself
-        expected = reward.score(x, sigma, cond)
-    reward.save(tmp_path / "r")
-    loaded = load_latent_reward(tmp_path / "r")  # by the folder's config.json, as --guide loads it
-    assert isinstance(loaded, LatentRegisters) and loaded.layers == reward.layers
-    assert loaded.transformer is not reward.transformer  # its own frozen copy of the base model
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.score(x, sigma, cond), expected, atol=0, rtol=0)
-
-
 def test_bad_input(policy, reward, tmp_path):
     with pytest.raises(UserError, match="latent registers support SD3Transformer2DModel"):
         LatentRegisters(torch.nn.Linear(2, 2))
@@ -154,7 +94,7 @@ def test_bad_input(policy, reward, tmp_path):
     assert resolve_layers("multi", 24) == [11, 17, 23] and resolve_layers([-1], 4) == [3]
     with pytest.raises(UserError, match="latent reward folder"):
         load_latent_reward(tmp_path)
-    x, sigma, cond = _inputs(policy)
+    x, sigma, cond = family_inputs(policy)
     from flowalign.protocols import Conditioning
 
     with pytest.raises(UserError, match="prompt_embeds"):

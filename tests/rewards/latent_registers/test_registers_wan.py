@@ -1,6 +1,6 @@
-"""Latent Reward Registers on a tiny random Wan transformer: the spec's properties, and the cheap path
-against the definition (registers appended to the video tokens with the identity rotation, masked so no
-video query sees them, run through the real blocks)."""
+"""Latent registers on Wan (a tiny random transformer): the cheap path equals the definition (registers
+appended to the video tokens with the identity rotation, masked so no video query sees them, run through
+the real blocks), and bad input. The shared properties are in ``test_registers_properties.py``."""
 
 import copy
 
@@ -8,57 +8,20 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-import pipelines
 from flowalign.errors import UserError
-from flowalign.sampling import load_latent_reward
 from rewards.latent_registers import LatentRegisters, load_frozen_transformer
 
-
-@pytest.fixture(scope="module")
-def policy(tiny_wan_dir):
-    return pipelines.load(tiny_wan_dir)
+from .conftest import family_inputs, make_registers
 
 
 @pytest.fixture
-def reward(tiny_wan_dir):
-    tr = load_frozen_transformer(str(tiny_wan_dir), tiny_wan_dir)
-    return LatentRegisters(tr, num_registers=3, layers="multi", head_hidden=16, base_model=str(tiny_wan_dir), seed=1)
+def policy(policies):
+    return policies("wan")
 
 
-def _inputs(policy, b=3, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, *policy.latent_shape, generator=gen)
-    cond = policy.encode(["a red circle moving up", "a blue square moving left", "a green star"][:b])
-    return x, torch.tensor([0.9, 0.5, 0.2][:b]), cond
-
-
-def test_velocity_with_registers_is_bit_identical_to_the_policy_velocity(policy, reward):
-    x, sigma, cond = _inputs(policy)
-    assert x.ndim == 5
-    with torch.no_grad():
-        v_reg, score = reward.forward_with_velocity(x, sigma, cond)
-        v_plain = policy.velocity(x, sigma, cond, guidance=1.0)
-    torch.testing.assert_close(v_reg, v_plain, atol=0, rtol=0)
-    assert score.shape == (3,) and torch.isfinite(score).all()
-    assert all(not blk._forward_pre_hooks for blk in reward.transformer.blocks)
-
-
-def test_gradient_reaches_x_and_registers_but_no_dit_parameter(policy, reward):
-    x, sigma, cond = _inputs(policy)
-    x.requires_grad_(True)
-    reward.score(x, sigma, cond).sum().backward()
-    assert x.grad is not None and x.grad.abs().sum() > 0
-    assert reward.registers.grad.abs().sum() > 0
-    assert all(p.grad is None for p in reward.transformer.parameters())
-
-
-def test_invariant_to_permuting_registers(policy, reward):
-    x, sigma, cond = _inputs(policy)
-    with torch.no_grad():
-        before = reward.score(x, sigma, cond)
-        reward.registers.copy_(reward.registers[torch.tensor([2, 0, 1])])
-        permuted = reward.score(x, sigma, cond)
-    torch.testing.assert_close(permuted, before, atol=1e-5, rtol=1e-5)
+@pytest.fixture
+def reward(policy, tiny_wan_dir):
+    return make_registers("wan", tiny_wan_dir, policy)
 
 
 class _MaskedSelfAttention(WanAttnProcessor):
@@ -76,7 +39,7 @@ class _MaskedSelfAttention(WanAttnProcessor):
 
 
 def test_cheap_path_equals_registers_appended_to_the_video_tokens(policy, reward):
-    x, sigma, cond = _inputs(policy)
+    x, sigma, cond = family_inputs(policy)
     tr = copy.deepcopy(reward.transformer)
     m = reward.registers.shape[0]
     with torch.no_grad():
@@ -99,20 +62,8 @@ def test_cheap_path_equals_registers_appended_to_the_video_tokens(policy, reward
     torch.testing.assert_close(score, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_save_load_round_trip_by_family(policy, reward, tmp_path):
-    x, sigma, cond = _inputs(policy)
-    with torch.no_grad():
-        reward.registers.add_(0.1)
-        expected = reward.score(x, sigma, cond)
-    reward.save(tmp_path / "r")
-    loaded = load_latent_reward(tmp_path / "r")
-    assert type(loaded.transformer).__name__ == "WanTransformer3DModel"
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.score(x, sigma, cond), expected, atol=0, rtol=0)
-
-
 def test_bad_input(policy, reward, tiny_sd3_dir, tmp_path):
-    x, sigma, cond = _inputs(policy)
+    x, sigma, cond = family_inputs(policy)
     with pytest.raises(UserError, match="video latents"):
         reward.score(x[:, :, 0], sigma, cond)
     from flowalign.protocols import Conditioning
