@@ -53,13 +53,11 @@ def test_model_is_small_in_safetensors_with_a_model_card():
     assert "pretrain_tiny.py --family wan" in card and "easy" in card
 
 
-def test_it_draws_the_prompted_objects_on_held_out_tasks():
-    # trained, not just saved: the verifier finds the prompted object (colour + shape) in some frames of
-    # these held-out clips. An untrained model draws no coloured shapes at all (found nowhere). The shipped
-    # model passes few whole motion tasks (README: 5 % of easy ones), so this is the property
-    # it does have (7 of these 12 clips when it was exported; at least 3 must still be)
+def test_it_passes_held_out_motion_tasks():
+    # trained, not just saved: whole easy motion tasks (right colour + shape in >= 80 % of the frames,
+    # moving the prompted way) pass on held-out prompts. 7 of these 12 passed when it was exported (74 % of
+    # 200 in the model card); the previous, weaker version passed none of them
     tasks = load_split("easy", 12)
     videos = sample_seeded(pipelines.load(MODEL), [t.prompt for t in tasks], seed=0, progress=False)
-    # frames (of 9) in which each clip's single named object is found
-    found = [track["found"].count("1") for t, v in zip(tasks, videos) for track in verify(t, v).detected]
-    assert sum(f > 0 for f in found) >= 3, found
+    passed = [verify(t, v).all_passed for t, v in zip(tasks, videos)]
+    assert sum(passed) >= 5, passed
