@@ -52,12 +52,17 @@ def test_unclamped_decode_is_the_vae_decode_before_its_clamp():
     assert torch.allclose(ours.clamp(-1, 1), theirs, atol=1e-5)
 
 
+def _tiny_run_argv(out, export) -> list[str]:
+    """The whole script on 24 clips with a step or two per stage."""
+    return ["--family", "wan", "--out", str(out), "--export", str(export), "--n-clips", "24", "--vae-steps", "2",
+            "--dit-steps", "2", "--dec-steps", "1", "--vae-batch", "2", "--batch", "4", "--save-every", "1",
+            "--demo-n", "0", "--threads", str(torch.get_num_threads())]
+
+
 def test_family_wan_end_to_end_and_resume_is_a_no_op(tmp_path):
     mod = load_script("pretrain_tiny")
     out, export = tmp_path / "run", tmp_path / "model"
-    argv = ["--family", "wan", "--out", str(out), "--export", str(export), "--n-clips", "24", "--vae-steps", "2",
-            "--dit-steps", "2", "--dec-steps", "1", "--vae-batch", "2", "--batch", "4", "--save-every", "1",
-            "--demo-n", "0", "--threads", str(torch.get_num_threads())]
+    argv = _tiny_run_argv(out, export)
     mod.main(argv)
     assert all((out / s / "DONE").is_file() for s in ("vae", "decoder", "dit"))
     defaults = json.loads((export / "flowalign.json").read_text())
@@ -68,3 +73,19 @@ def test_family_wan_end_to_end_and_resume_is_a_no_op(tmp_path):
     mod.main(argv + ["--resume"])
     after = load_file(str(export / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_resumed_with_a_larger_decoder_budget_the_decoder_continues_and_nothing_else_moves(tmp_path):
+    mod = load_script("pretrain_tiny")
+    out, export = tmp_path / "run", tmp_path / "model"
+    argv = _tiny_run_argv(out, export)
+    mod.main(argv)
+    first = {name: load_file(str(export / name / "diffusion_pytorch_model.safetensors")) for name in ("transformer", "vae")}
+    latents = torch.load(out / "latents.pt")["x0"]
+    mod.main(argv + ["--dec-steps", "3", "--resume"])  # the later flag wins
+    assert json.loads((out / "decoder" / "DONE").read_text())["step"] == 3
+    again = {name: load_file(str(export / name / "diffusion_pytorch_model.safetensors")) for name in ("transformer", "vae")}
+    assert all(torch.equal(first["transformer"][k], again["transformer"][k]) for k in first["transformer"])
+    assert torch.equal(torch.load(out / "latents.pt")["x0"], latents)  # the encoder (and so the latents) stayed
+    moved = {k for k in first["vae"] if not torch.equal(first["vae"][k], again["vae"][k])}
+    assert moved and all(k.startswith(("decoder.", "post_quant_conv.")) for k in moved), sorted(moved)[:5]

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
     from flowalign.latent_preference import PreferencePairs, fit, pairwise_accuracy
-    from rewards.latent_registers import LatentRegisters, load_frozen_transformer
+    from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
 
     _check(args)
     out = Path(args.out)
@@ -164,11 +164,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"{len(pairs)} pairs ({len(train_pairs)} train, {len(test_pairs)} held out by prompt) from {source['source']}")
 
     transformer = load_frozen_transformer(model, Path(model), policy.device, policy.dtype)
-    # FLUX scores packed latents: the registers need the latent grid (and the guidance value) the policy samples at
-    family_options = ({"latent_hw": list(policy.latent_hw), "guidance": policy.defaults.get("guidance_scale")}
-                      if policy.family == "flux" else None)
     reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
-                             base_model=model, seed=args.seed, family_options=family_options)
+                             base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy))
     optimizer = torch.optim.Adam(reward.parameters(), lr=args.lr)
     start = 0
     if resume:

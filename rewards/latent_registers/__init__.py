@@ -6,11 +6,12 @@ from rewards.latent_registers.registers import (
     FAMILIES,
     LatentRegisters,
     encode_images,
+    family_options_for,
     load_frozen_transformer,
     read_config,
     resolve_base_model,
     resolve_layers,
 )
 
-__all__ = ["CLASS_PATH", "FAMILIES", "LatentRegisters", "encode_images", "load_frozen_transformer", "read_config",
+__all__ = ["CLASS_PATH", "FAMILIES", "LatentRegisters", "encode_images", "family_options_for", "load_frozen_transformer", "read_config",
            "resolve_base_model", "resolve_layers"]

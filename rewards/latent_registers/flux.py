@@ -30,8 +30,10 @@ from torch import nn
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
+from rewards.latent_registers.family import RegisterFamily, block_inputs
 
 CLASS_NAME = "FluxTransformer2DModel"
+BLOCK_INPUTS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb")
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
@@ -84,14 +86,7 @@ def flux_single_register_block(block: nn.Module, reg: torch.Tensor, hidden: torc
     return reg + gate.unsqueeze(1) * block.proj_out(mixed)
 
 
-def _block_inputs(args: tuple, kwargs: dict) -> tuple[Any, ...]:
-    names = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb")
-    bound = dict(zip(names, args))
-    bound.update({k: kwargs[k] for k in names if k in kwargs})
-    return tuple(bound.get(n) for n in names)
-
-
-class FluxRegisters:
+class FluxRegisters(RegisterFamily):
     """The FLUX family for :class:`~rewards.latent_registers.LatentRegisters`.
 
     Options: ``latent_hw`` (the unpacked latent's ``(h, w)``; default square from the token count) and
@@ -102,10 +97,15 @@ class FluxRegisters:
     name = "flux"
 
     def __init__(self, transformer: nn.Module, options: dict[str, Any]):
-        self.transformer = transformer
+        super().__init__(transformer, options)
         self.latent_hw = tuple(options["latent_hw"]) if options.get("latent_hw") else None
         self.guidance = float(options.get("guidance") or 3.5) if transformer.config.guidance_embeds else None
         self.double = set(map(id, transformer.transformer_blocks))
+
+    @staticmethod
+    def options_from_policy(policy: Any) -> dict[str, Any]:
+        """What the reward must score at to match ``policy``: its latent grid and guidance value."""
+        return {"latent_hw": list(policy.latent_hw), "guidance": policy.defaults.get("guidance_scale")}
 
     def options(self) -> dict[str, Any]:
         return {"latent_hw": list(self.latent_hw) if self.latent_hw else None, "guidance": self.guidance}
@@ -115,7 +115,7 @@ class FluxRegisters:
 
     def advance(self, block: nn.Module, reg: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         step = flux_double_register_block if id(block) in self.double else flux_single_register_block
-        return step(block, reg, *_block_inputs(args, kwargs))
+        return step(block, reg, *block_inputs(BLOCK_INPUTS, args, kwargs))
 
     def _token_grid(self, seq: int) -> tuple[int, int]:
         if self.latent_hw:

@@ -30,17 +30,23 @@ from flowalign.errors import UserError
 from flowalign.io import atomic_dir
 from flowalign.paths import REPO_ROOT
 from flowalign.protocols import Conditioning
-from rewards.latent_registers.flux import FluxRegisters
-from rewards.latent_registers.sd3 import SD3Registers
-from rewards.latent_registers.wan import WanRegisters
+from rewards.latent_registers import flux, sd3, wan
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "registers.safetensors"
 CLASS_PATH = "rewards.latent_registers:LatentRegisters"
 FORMAT_VERSION = 1
 #: transformer class name → the family that knows how registers pass its blocks
-FAMILIES = {"SD3Transformer2DModel": SD3Registers, "FluxTransformer2DModel": FluxRegisters,
-            "WanTransformer3DModel": WanRegisters}
+FAMILIES = {sd3.CLASS_NAME: sd3.SD3Registers, flux.CLASS_NAME: flux.FluxRegisters, wan.CLASS_NAME: wan.WanRegisters}
+
+
+def family_options_for(transformer: nn.Module, policy: Any) -> dict[str, Any]:
+    """The family options (``LatentRegisters(family_options=...)``) that make registers on ``transformer``
+    score latents exactly as ``policy`` samples them (FLUX: its latent grid and guidance; others: none)."""
+    kind = type(transformer).__name__
+    if kind not in FAMILIES:
+        raise UserError(f"latent registers support {', '.join(FAMILIES)}; got {kind}")
+    return FAMILIES[kind].options_from_policy(policy)
 
 
 def resolve_layers(layers: str | Sequence[int], num_layers: int) -> list[int]:

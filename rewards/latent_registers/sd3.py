@@ -22,8 +22,10 @@ from torch import nn
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
+from rewards.latent_registers.family import RegisterFamily, block_inputs
 
 CLASS_NAME = "SD3Transformer2DModel"
+BLOCK_INPUTS = ("hidden_states", "encoder_hidden_states", "temb")
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
@@ -84,30 +86,16 @@ def sd3_register_block(block: nn.Module, reg: torch.Tensor, hidden: torch.Tensor
     return reg + gate_mlp.unsqueeze(1) * block.ff(normed)
 
 
-def _block_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(hidden_states, encoder_hidden_states, temb)`` however the block was called."""
-    names = ("hidden_states", "encoder_hidden_states", "temb")
-    bound = dict(zip(names, args))
-    bound.update({k: kwargs[k] for k in names if k in kwargs})
-    return bound["hidden_states"], bound["encoder_hidden_states"], bound["temb"]
-
-
-class SD3Registers:
+class SD3Registers(RegisterFamily):
     """The SD3 family for :class:`~rewards.latent_registers.LatentRegisters`."""
 
     name = "sd3"
-
-    def __init__(self, transformer: nn.Module, options: dict[str, Any]):
-        self.transformer = transformer
-
-    def options(self) -> dict[str, Any]:
-        return {}
 
     def blocks(self) -> list[nn.Module]:
         return list(self.transformer.transformer_blocks)
 
     def advance(self, block: nn.Module, reg: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        return sd3_register_block(block, reg, *_block_inputs(args, kwargs))
+        return sd3_register_block(block, reg, *block_inputs(BLOCK_INPUTS, args, kwargs))
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The frozen DiT's plain forward (no CFG) on ``x (B, C, h, w)``; ``sigma (B,)``."""

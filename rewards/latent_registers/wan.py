@@ -25,8 +25,10 @@ from torch import nn
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
+from rewards.latent_registers.family import RegisterFamily, block_inputs
 
 CLASS_NAME = "WanTransformer3DModel"
+BLOCK_INPUTS = ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb")
 
 
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -80,14 +82,7 @@ def wan_register_block(block: nn.Module, reg: torch.Tensor, hidden: torch.Tensor
     return (reg.float() + block.ffn(n_reg).float() * c_gate).type_as(reg)
 
 
-def _block_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
-    names = ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb")
-    bound = dict(zip(names, args))
-    bound.update({k: kwargs[k] for k in names if k in kwargs})
-    return tuple(bound[n] for n in names)
-
-
-class WanRegisters:
+class WanRegisters(RegisterFamily):
     """The Wan family for :class:`~rewards.latent_registers.LatentRegisters`; ``x`` is ``(B, C, F', h, w)``."""
 
     name = "wan"
@@ -100,16 +95,13 @@ class WanRegisters:
             if getattr(blk.attn1, "fused_projections", False) or getattr(blk.attn2, "fused_projections", False):
                 raise UserError("latent registers need unfused Wan attention projections: call "
                                 "transformer.unfuse_qkv_projections() first")
-        self.transformer = transformer
-
-    def options(self) -> dict[str, Any]:
-        return {}
+        super().__init__(transformer, options)
 
     def blocks(self) -> list[nn.Module]:
         return list(self.transformer.blocks)
 
     def advance(self, block: nn.Module, reg: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        return wan_register_block(block, reg, *_block_inputs(args, kwargs))
+        return wan_register_block(block, reg, *block_inputs(BLOCK_INPUTS, args, kwargs))
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The frozen DiT's plain forward (no CFG) on ``x (B, C, F', h, w)``; ``sigma (B,)``."""

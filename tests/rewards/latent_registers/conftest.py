@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pipelines
-from rewards.latent_registers import LatentRegisters, load_frozen_transformer
+from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
 
 PROMPTS = ["a red circle moving up", "a blue square", "two green stars"]
 
@@ -23,10 +23,23 @@ def policies(tiny_model_dir):
 
 
 def make_registers(family: str, model_dir, policy, num_registers: int = 3) -> LatentRegisters:
-    options = {"latent_hw": list(policy.latent_hw), "guidance": 3.5} if family == "flux" else None
+    transformer = load_frozen_transformer(str(model_dir), model_dir)
     layers = {"sd3": "multi", "flux": [0, 1], "wan": "multi"}[family]
-    return LatentRegisters(load_frozen_transformer(str(model_dir), model_dir), num_registers=num_registers,
-                           layers=layers, head_hidden=16, base_model=str(model_dir), seed=3, family_options=options)
+    return LatentRegisters(transformer, num_registers=num_registers, layers=layers, head_hidden=16,
+                           base_model=str(model_dir), seed=3, family_options=family_options_for(transformer, policy))
+
+
+@pytest.fixture
+def policy(request, policies):
+    """The tiny policy of the test module's ``FAMILY``."""
+    return policies(request.module.FAMILY)
+
+
+@pytest.fixture
+def reward(request, policy, tiny_model_dir):
+    """Random registers on the frozen transformer of the test module's ``FAMILY`` (SD3: 4 registers)."""
+    family = request.module.FAMILY
+    return make_registers(family, tiny_model_dir(family), policy, num_registers=4 if family == "sd3" else 3)
 
 
 def family_inputs(policy, b: int = 3, seed: int = 0):

@@ -12,17 +12,10 @@ from diffusers import FluxPipeline
 from flowalign.errors import UserError
 from flowalign.sampling import load_latent_reward
 
-from .conftest import family_inputs, make_registers
+from .conftest import family_inputs
 
 
-@pytest.fixture
-def policy(policies):
-    return policies("flux")
-
-
-@pytest.fixture
-def reward(policy, tiny_flux_dir):
-    return make_registers("flux", tiny_flux_dir, policy)
+FAMILY = "flux"
 
 
 def test_cheap_path_equals_registers_appended_to_the_image_tokens(policy, reward):

@@ -8,22 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pipelines
 from flowalign.errors import UserError
 from flowalign.sampling import load_latent_reward
 from rewards.latent_registers import LatentRegisters, resolve_layers
 
-from .conftest import family_inputs, make_registers
+from .conftest import family_inputs
 
 
-@pytest.fixture
-def policy(policies):
-    return policies("sd3")
-
-
-@pytest.fixture
-def reward(policy, tiny_sd3_dir):
-    return make_registers("sd3", tiny_sd3_dir, policy, num_registers=4)
+FAMILY = "sd3"
 
 
 class _MaskedJointAttention:

@@ -11,17 +11,10 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from flowalign.errors import UserError
 from rewards.latent_registers import LatentRegisters, load_frozen_transformer
 
-from .conftest import family_inputs, make_registers
+from .conftest import family_inputs
 
 
-@pytest.fixture
-def policy(policies):
-    return policies("wan")
-
-
-@pytest.fixture
-def reward(policy, tiny_wan_dir):
-    return make_registers("wan", tiny_wan_dir, policy)
+FAMILY = "wan"
 
 
 class _MaskedSelfAttention(WanAttnProcessor):
