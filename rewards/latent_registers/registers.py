@@ -214,15 +214,13 @@ def load_frozen_transformer(path: str | None, directory: Path, device: str | tor
 
 @torch.no_grad()
 def encode_images(policy: Any, images: torch.Tensor) -> torch.Tensor:
-    """Pixels ``(B, 3, H, W)`` in [0, 1] → clean latents ``(B, C, H/f, W/f)`` float32 in the SD3 policy's
-    convention (the inverse of its ``decode``: VAE posterior mean, shift, scale)."""
-    vae = getattr(policy, "vae", None)
-    if vae is None or getattr(policy, "family", None) != "sd3":
+    """Pixels ``(B, 3, H, W)`` in [0, 1], any size → clean latents ``(B, C, h, w)`` float32 in the SD3 policy's
+    convention: resized to the model's resolution, then the policy's own ``encode_images`` (VAE posterior
+    mean, shift, scale; the inverse of its ``decode``)."""
+    if getattr(policy, "family", None) != "sd3" or not hasattr(policy, "encode_images"):
         raise UserError("preference pairs from image files need an SD3 model (its VAE encodes them); "
                         f"got family {getattr(policy, 'family', '?')!r}")
     h, w = int(policy.defaults["height"]), int(policy.defaults["width"])
     if tuple(images.shape[-2:]) != (h, w):
         images = F.interpolate(images.float(), size=(h, w), mode="bilinear", antialias=True, align_corners=False)
-    z = vae.encode((images.to(policy.device, vae.dtype) * 2 - 1)).latent_dist.mean
-    shift = vae.config.shift_factor or 0.0
-    return ((z.float() - shift) * vae.config.scaling_factor).cpu()
+    return policy.encode_images(images).cpu()
