@@ -57,6 +57,19 @@ def mean_cosine(vectors: list[torch.Tensor]) -> float:
     return sum(cosines) / len(cosines)
 
 
+def module_groups(trainer) -> dict[str, list[tuple[int, int]]]:
+    """Slices of the flattened gradient per module group (``blocks.N.attn2``, ``condition_embedder``, ...)."""
+    names = {id(p): n for n, p in trainer.policy.trainable.named_parameters()}
+    groups: dict[str, list[tuple[int, int]]] = {}
+    offset = 0
+    for p in trainer.params:
+        parts = names.get(id(p), "?").split(".")
+        key = ".".join(parts[:3] if parts[0] in ("blocks", "transformer_blocks", "single_transformer_blocks") else parts[:1])
+        groups.setdefault(key, []).append((offset, offset + p.numel()))
+        offset += p.numel()
+    return groups
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
@@ -72,8 +85,10 @@ def main() -> None:
     if any(not g for g in grads):  # every group of a batch had equal rewards: no gradient to compare
         raise SystemExit(f"{sum(not g for g in grads)} of {args.batches} batches had no non-zero advantage; "
                          "use more prompts per step (trainer.prompts_per_step) or a graded reward")
+    # Flash-GRPO trains one step per group, drawn afresh per batch: compare whole gradients, and per-step
+    # figures only for the steps every batch trained
+    totals = [sum(g.values()) for g in grads]
     steps = sorted(set.intersection(*(set(g) for g in grads)))
-    totals = [sum(g[k] for k in steps) for g in grads]
     cosines = pairwise_cosines(totals)
     cos = sum(cosines) / len(cosines)
     n = len(prompts)
@@ -86,6 +101,12 @@ def main() -> None:
         "per_step": {k: {"grad_norm": sum(g[k].norm().item() for g in grads) / len(grads),
                          "cosine": mean_cosine([g[k] for g in grads])} for k in steps},
     }
+    # where the signal is: the cosine between batches restricted to each module group's parameters
+    report["per_module"] = {}
+    for key, spans in module_groups(trainer).items():
+        parts = [torch.cat([t[a:b] for a, b in spans]) for t in totals]
+        report["per_module"][key] = {"params": int(parts[0].numel()), "cosine": mean_cosine(parts),
+                                     "grad_norm": sum(v.norm().item() for v in parts) / len(parts)}
     print(json.dumps(report, indent=2))
     (Path(args.out) / "grad_snr.json").write_text(json.dumps(report, indent=2))
 

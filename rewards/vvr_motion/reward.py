@@ -12,6 +12,8 @@ from flowalign.protocols import RewardOutput
 from rewards.registry import register
 from rewards.vvr.verify import GAMMA, score
 from rewards.vvr_motion.consistency import temporal_consistency
+from rewards.vvr_motion.graded import graded_credits
+from rewards.vvr_motion.tasks import as_task
 from rewards.vvr_motion.verify import verify
 from rewards.vvr_motion.video import batch_clips
 
@@ -29,10 +31,14 @@ class VVRMotionReward:
     name = "vvr_motion"
     differentiable = False
 
-    def __init__(self, gamma: float = GAMMA):
+    def __init__(self, gamma: float = GAMMA, partial_credit: bool = False):
         if not 0.0 <= gamma <= 1.0:
             raise UserError(f"vvr_motion reward: gamma must lie in [0, 1], got {gamma}")
         self.gamma = gamma
+        #: a failed constraint earns its graded credit (``graded.py``: presence × how far and how steadily
+        #: it went) instead of 0, so "moved the right way, not far enough" ranks above "did not move". A
+        #: training signal only: ``all_passed`` and benchmark accuracy are unchanged.
+        self.partial_credit = partial_credit
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         """``samples``: ``(B, F, 3, H, W)`` float in [0, 1] → components ``{"vvr_motion": (B,)}``, ``valid`` ``(B,)``."""
@@ -55,7 +61,12 @@ class VVRMotionReward:
                          "tracks": verdict.detected})
             if verdict.valid:
                 valid[i] = True
-                scores[i] = score([p for _, p in verdict.constraints], self.gamma)
+                passed = [p for _, p in verdict.constraints]
+                if self.partial_credit:
+                    credits = graded_credits(as_task(task).constraints, passed, verdict.detected)
+                    scores[i] = (1 - self.gamma) * sum(credits) / len(credits) + self.gamma * float(verdict.all_passed)
+                else:
+                    scores[i] = score(passed, self.gamma)
         return RewardOutput(components={"vvr_motion": scores}, valid=valid, info=info)
 
 
