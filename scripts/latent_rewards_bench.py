@@ -1,6 +1,7 @@
 """Measurements for docs/latent_rewards.md (latent reward registers, RGS, RG-OPD, CoRe) on the tiny model.
 
     python scripts/latent_rewards_bench.py merge OUT.safetensors PAIRS.safetensors...
+    python scripts/latent_rewards_bench.py split PAIRS.safetensors TRAIN.safetensors TEST.safetensors [--test-fraction 0.2]
     python scripts/latent_rewards_bench.py rgs --reward DIR --kappa 0.1 [--n 96] [--window 0.2 1.0] [--record FILE]
     python scripts/latent_rewards_bench.py curves RUN_DIR...      # held-out accuracy, latent score vs minutes
 
@@ -30,6 +31,17 @@ def merge(args: argparse.Namespace) -> None:
     merged = PreferencePairs.cat(parts)
     merged.save(args.out)
     print(f"{len(merged)} pairs ({len(set(merged.prompts))} prompts) -> {args.out}")
+
+
+def split(args: argparse.Namespace) -> None:
+    """The prompt split ``train-reward`` makes by itself (same fraction and seed), written out, so that
+    registers trained on other pairs are scored on exactly the held-out pairs of earlier runs."""
+    from flowalign.latent_preference import PreferencePairs
+
+    train, test = PreferencePairs.load(args.pairs).split(args.test_fraction, seed=args.seed)
+    train.save(args.train)
+    test.save(args.test)
+    print(f"{len(train)} train pairs -> {args.train}; {len(test)} held-out pairs ({len(set(test.prompts))} prompts) -> {args.test}")
 
 
 def rgs(args: argparse.Namespace) -> None:
@@ -90,6 +102,12 @@ def main() -> None:
     m = sub.add_parser("merge")
     m.add_argument("out")
     m.add_argument("inputs", nargs="+")
+    sp = sub.add_parser("split")
+    sp.add_argument("pairs")
+    sp.add_argument("train")
+    sp.add_argument("test")
+    sp.add_argument("--test-fraction", type=float, default=0.2)
+    sp.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("rgs")
     r.add_argument("--reward", required=True)
     r.add_argument("--kappa", type=float, required=True)
@@ -99,7 +117,7 @@ def main() -> None:
     c = sub.add_parser("curves")
     c.add_argument("runs", nargs="+")
     args = p.parse_args()
-    {"merge": merge, "rgs": rgs, "curves": curves}[args.cmd](args)
+    {"merge": merge, "split": split, "rgs": rgs, "curves": curves}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("train-reward", help="train latent reward registers from preference pairs")
     add_model_args(p)
     src = p.add_argument_group("pairs (one source)")
-    src.add_argument("--pairs", default=None, help="a JSONL of {prompt, chosen, rejected} images or a saved pairs .safetensors")
+    src.add_argument("--pairs", nargs="+", default=None,
+                     help="JSONL files of {prompt, chosen, rejected} images and/or saved pairs .safetensors (merged)")
     src.add_argument("--bench", default=None, help="generate pairs from the model's samples ranked by this benchmark's verifier (vvr)")
     src.add_argument("--level", default="medium", help="benchmark level: easy, medium or hard")
     src.add_argument("--n", type=int, default=200, help="benchmark tasks (prompts) to sample")
@@ -45,6 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--test-fraction", type=float, default=0.2, help="prompts held out for the accuracy report")
+    p.add_argument("--eval-pairs", nargs="+", default=None,
+                   help="held-out pairs (JSONL / .safetensors) to report accuracy on instead of a prompt split of --pairs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=200, help="save OUT.partial/ every N steps (resume point)")
     p.add_argument("--resume", action="store_true", help="continue from OUT.partial/ if it exists")
@@ -56,10 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     if bool(args.pairs) == bool(args.bench):
         raise UserError("give exactly one pair source: --pairs FILE or --bench NAME (e.g. --bench vvr --level medium --n 200)")
-    if args.pairs and not Path(args.pairs).is_file():
-        raise UserError(f"--pairs {args.pairs}: no such file")
-    if args.pairs and Path(args.pairs).suffix not in (".jsonl", ".safetensors"):
-        raise UserError(f"--pairs {args.pairs}: use a .jsonl of images or a .safetensors pairs file")
+    for flag, files in (("--pairs", args.pairs), ("--eval-pairs", args.eval_pairs)):
+        for f in files or []:
+            if not Path(f).is_file():
+                raise UserError(f"{flag} {f}: no such file")
+            if Path(f).suffix not in (".jsonl", ".safetensors"):
+                raise UserError(f"{flag} {f}: use a .jsonl of images or a .safetensors pairs file")
     for name in ("n", "group_size", "train_steps", "batch_size", "registers", "checkpoint_every"):
         if getattr(args, name) < (2 if name == "group_size" else 1):
             raise UserError(f"--{name.replace('_', '-')} must be >= {2 if name == 'group_size' else 1}, got {getattr(args, name)}")
@@ -86,34 +91,46 @@ def _layers(text: str):
         raise UserError(f"--layers {text!r}: use 'last', 'multi' or comma-separated block indices like 1,3") from None
 
 
-def _pairs_from_jsonl(policy, path: Path):
+def _pairs_from_jsonl(policy, path: Path, batch: int = 64):
     import numpy as np
     from PIL import Image
 
     from flowalign.latent_preference import PreferencePairs
     from rewards.latent_registers import encode_images
 
-    prompts, chosen, rejected = [], [], []
+    prompts, files, margins = [], [], []
     for line_no, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            files = [path.parent / row["chosen"], path.parent / row["rejected"]]
+            pair = [path.parent / row["chosen"], path.parent / row["rejected"]]
             prompt = str(row["prompt"])
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise UserError(f"{path}:{line_no}: each line must be a JSON object with prompt, chosen, rejected ({err})") from err
-        for f in files:
+        for f in pair:
             if not f.is_file():
                 raise UserError(f"{path}:{line_no}: image {f} does not exist (paths are relative to the JSONL's folder)")
-        ims = [torch.from_numpy(np.asarray(Image.open(f).convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1) for f in files]
-        latents = encode_images(policy, torch.stack(ims))
         prompts.append(prompt)
-        chosen.append(latents[0])
-        rejected.append(latents[1])
+        files += pair
+        margins.append(float(row.get("margin", 1.0)))
     if not prompts:
         raise UserError(f"{path} holds no pairs")
-    return PreferencePairs(prompts, torch.stack(chosen), torch.stack(rejected))
+    latents = []
+    for i in range(0, len(files), batch):  # chosen, rejected interleaved
+        ims = [torch.from_numpy(np.asarray(Image.open(f).convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
+               for f in files[i : i + batch]]
+        latents.append(encode_images(policy, torch.stack(ims)))
+    latents = torch.cat(latents)
+    return PreferencePairs(prompts, latents[0::2], latents[1::2], torch.tensor(margins))
+
+
+def _load_pair_files(policy, files: list[str]):
+    from flowalign.latent_preference import PreferencePairs
+
+    parts = [PreferencePairs.load(f) if Path(f).suffix == ".safetensors" else _pairs_from_jsonl(policy, Path(f))
+             for f in files]
+    return parts[0] if len(parts) == 1 else PreferencePairs.cat(parts)
 
 
 def load_pairs(args: argparse.Namespace, policy):
@@ -121,9 +138,8 @@ def load_pairs(args: argparse.Namespace, policy):
     from flowalign.latent_preference import PreferencePairs, generate_pairs
 
     if args.pairs:
-        path = Path(args.pairs)
-        pairs = PreferencePairs.load(path) if path.suffix == ".safetensors" else _pairs_from_jsonl(policy, path)
-        return pairs, {"source": str(path), "pairs": len(pairs)}
+        pairs = _load_pair_files(policy, args.pairs)
+        return pairs, {"source": " + ".join(args.pairs), "pairs": len(pairs)}
     import rewards as reward_registry
     from rewards.benchmarks import load_benchmark
 
@@ -160,8 +176,13 @@ def run(args: argparse.Namespace) -> None:
         source = state["source"]
     else:
         pairs, source = load_pairs(args, policy)
-    train_pairs, test_pairs = pairs.split(args.test_fraction, seed=args.seed)
-    print(f"{len(pairs)} pairs ({len(train_pairs)} train, {len(test_pairs)} held out by prompt) from {source['source']}")
+    if args.eval_pairs:
+        train_pairs, test_pairs = pairs, _load_pair_files(policy, args.eval_pairs)
+        print(f"{len(pairs)} training pairs from {source['source']}; {len(test_pairs)} held-out pairs from "
+              + " + ".join(args.eval_pairs))
+    else:
+        train_pairs, test_pairs = pairs.split(args.test_fraction, seed=args.seed)
+        print(f"{len(pairs)} pairs ({len(train_pairs)} train, {len(test_pairs)} held out by prompt) from {source['source']}")
 
     transformer = load_frozen_transformer(model, Path(model), policy.device, policy.dtype)
     reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
@@ -203,6 +224,12 @@ def run(args: argparse.Namespace) -> None:
                "accuracy_train": pairwise_accuracy(reward, train_pairs, policy.encode, seed=args.seed + 1)}
     if len(test_pairs):
         metrics["accuracy_test"] = pairwise_accuracy(reward, test_pairs, policy.encode, seed=args.seed + 1)
+        seen = set(train_pairs.prompts)
+        unseen = [i for i, p in enumerate(test_pairs.prompts) if p not in seen]
+        if 0 < len(unseen) < len(test_pairs):  # --eval-pairs may share prompts with the training pairs
+            metrics["test_pairs_unseen_prompts"] = len(unseen)
+            metrics["accuracy_test_unseen_prompts"] = pairwise_accuracy(reward, test_pairs.select(unseen), policy.encode,
+                                                                        seed=args.seed + 1)
     metrics["minutes"] = (time.perf_counter() - t0) / 60
     reward.save(out, extra={"trained_on": source})
     if not args.no_save_pairs:

@@ -52,6 +52,24 @@ def test_train_reward_from_image_pairs_learns_them(trained):
     assert metrics["final_train_loss"] < 0.6931  # below chance (log 2)
 
 
+def test_several_pair_files_train_and_eval_pairs_are_held_out(trained, image_pairs, tiny_sd3_dir, tmp_path):
+    """``--pairs`` merges JSONL and saved pairs; ``--eval-pairs`` replaces the prompt split, and pairs whose
+    prompts never occur in training are also scored on their own."""
+    rows = [json.loads(line) for line in image_pairs.read_text().splitlines()][:4]
+    for r in rows[2:]:
+        r["prompt"] = "a circle no training pair names"
+    held_out = image_pairs.parent / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "lrr"
+    code = main(["train-reward", "--model", str(tiny_sd3_dir), "--pairs", str(image_pairs), str(trained / "pairs.safetensors"),
+                 "--eval-pairs", str(held_out), "--out", str(out), "--registers", "2", "--head-hidden", "16",
+                 "--train-steps", "3", "--batch-size", "4", "--no-progress"])
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["train_pairs"] == 16 and metrics["test_pairs"] == 4  # nothing of --pairs held out
+    assert metrics["test_pairs_unseen_prompts"] == 2 and "sigma=0.50" in metrics["accuracy_test_unseen_prompts"]
+
+
 def test_guide_zero_is_plain_sampling_and_evaluate_takes_a_guide(trained, tiny_sd3_dir, tmp_path, capsys):
     base = ["sample", "--model", str(tiny_sd3_dir), "--prompt", "a red circle", "--steps", "3", "--seed", "2"]
     assert run(base + ["--out", str(tmp_path / "plain.png")], capsys)[0] == 0
@@ -70,6 +88,7 @@ def test_guide_zero_is_plain_sampling_and_evaluate_takes_a_guide(trained, tiny_s
     (["train-reward", "--out", "o"], "exactly one"),
     (["train-reward", "--pairs", "/nonexistent.jsonl", "--out", "o"], "no such file"),
     (["train-reward", "--bench", "vvr", "--group-size", "1", "--out", "o"], "--group-size"),
+    (["train-reward", "--bench", "vvr", "--eval-pairs", "/nonexistent.safetensors", "--out", "o"], "--eval-pairs"),
     (["sample", "--prompt", "p", "--guide", "/nonexistent", "--out", "x.png"], "no such folder"),
     (["sample", "--prompt", "p", "--guide-window", "0.2", "0.5", "--out", "x.png"], "--guide-window needs"),
 ])
