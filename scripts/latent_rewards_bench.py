@@ -2,6 +2,7 @@
 
     python scripts/latent_rewards_bench.py merge OUT.safetensors PAIRS.safetensors...
     python scripts/latent_rewards_bench.py split PAIRS.safetensors TRAIN.safetensors TEST.safetensors [--test-fraction 0.2]
+    python scripts/latent_rewards_bench.py by-failure --pairs TEST.safetensors REWARD_DIR... [--sigma 0.5]
     python scripts/latent_rewards_bench.py rgs --reward DIR --kappa 0.1 [--n 96] [--window 0.2 1.0] [--record FILE]
     python scripts/latent_rewards_bench.py curves RUN_DIR...      # held-out accuracy, latent score vs minutes
 
@@ -42,6 +43,49 @@ def split(args: argparse.Namespace) -> None:
     train.save(args.train)
     test.save(args.test)
     print(f"{len(train)} train pairs -> {args.train}; {len(test)} held-out pairs ({len(set(test.prompts))} prompts) -> {args.test}")
+
+
+def failure_kind(policy, pairs, i: int) -> str:
+    """What is wrong with pair ``i``'s rejected sample, as the VVR segmenter sees it (one-object prompts);
+    "two-object prompt" for the rest."""
+    from rewards.vvr.segment import segment
+
+    prompt = pairs.prompts[i]
+    if not prompt.startswith(("a ", "an ")):
+        return "two-object prompt"
+    colour = prompt.split()[1]
+    image = policy.decode(pairs.rejected[i : i + 1])[0]
+    found = segment((image.permute(1, 2, 0).clamp(0, 1).numpy() * 255).astype("uint8")).components
+    if not found:
+        return "no object"
+    return "right colour, wrong shape" if any(c.colour == colour for c in found) else "wrong colour"
+
+
+def by_failure(args: argparse.Namespace) -> None:
+    """Held-out pairwise accuracy at one σ, split by what is wrong with the rejected sample."""
+    import numpy as np
+
+    import pipelines
+    from flowalign.latent_preference import PreferencePairs, noised_scores
+    from rewards.latent_registers import LatentRegisters
+
+    policy = pipelines.load(args.model)
+    pairs = PreferencePairs.load(args.pairs)
+    with torch.no_grad():
+        kinds = np.array([failure_kind(policy, pairs, i) for i in range(len(pairs))])
+    noise = torch.randn(pairs.chosen.shape, generator=torch.Generator().manual_seed(1))
+    for directory in args.rewards:
+        reward = LatentRegisters.load(directory)
+        right = []
+        with torch.no_grad():
+            for start in range(0, len(pairs), 32):
+                idx = list(range(start, min(start + 32, len(pairs))))
+                part = pairs.select(idx)
+                r_w, r_l = noised_scores(reward, part, policy.encode(part.prompts), torch.full((len(idx),), args.sigma), noise[idx])
+                right += ((r_w > r_l).float() + 0.5 * (r_w == r_l).float()).tolist()
+        right = np.array(right)
+        for kind in sorted(set(kinds)):
+            print(f"{directory}  {kind}: {int((kinds == kind).sum())} pairs, {100 * right[kinds == kind].mean():.1f} %")
 
 
 def rgs(args: argparse.Namespace) -> None:
@@ -108,6 +152,11 @@ def main() -> None:
     sp.add_argument("test")
     sp.add_argument("--test-fraction", type=float, default=0.2)
     sp.add_argument("--seed", type=int, default=0)
+    b = sub.add_parser("by-failure")
+    b.add_argument("rewards", nargs="+")
+    b.add_argument("--pairs", required=True)
+    b.add_argument("--model", default="assets/tiny-sd3-vvr")
+    b.add_argument("--sigma", type=float, default=0.5)
     r = sub.add_parser("rgs")
     r.add_argument("--reward", required=True)
     r.add_argument("--kappa", type=float, required=True)
@@ -117,7 +166,7 @@ def main() -> None:
     c = sub.add_parser("curves")
     c.add_argument("runs", nargs="+")
     args = p.parse_args()
-    {"merge": merge, "split": split, "rgs": rgs, "curves": curves}[args.cmd](args)
+    {"merge": merge, "split": split, "by-failure": by_failure, "rgs": rgs, "curves": curves}[args.cmd](args)
 
 
 if __name__ == "__main__":
