@@ -20,7 +20,8 @@ from rewards.vvr_motion.video import batch_clips
 
 @register("vvr_motion")
 class VVRMotionReward:
-    """Deterministic motion reward ``R = (1-γ)·mean_j s_j + γ·Π_j s_j`` per clip.
+    """Deterministic motion reward ``R = (1-γ)·mean_j s_j + γ·Π_j s_j`` per clip; with ``partial_credit``
+    a failed constraint's ``s_j`` is its graded credit in [0, 1) (``graded.py``) instead of 0.
 
     ``metadata[i]["task"]`` holds sample ``i``'s :class:`~rewards.vvr_motion.MotionTask` (or its dict).
     A sample without a task, or whose clip cannot be read (blank, non-finite, wrong frame count), is
