@@ -116,6 +116,8 @@ def rgs(args: argparse.Namespace) -> None:
            "accuracy": sum(bool(i["all_passed"]) for i in plain.info) / args.n,
            "partial_credit": partial.total.mean().item(), "latent_score": score.mean().item(), "minutes": minutes}
     print(json.dumps(row))
+    if args.per_task:  # per-task verdicts, for a paired comparison of two κ on the same noise
+        Path(args.per_task).write_text(json.dumps([bool(i["all_passed"]) for i in plain.info]))
     if args.record:
         with open(args.record, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -163,6 +165,7 @@ def main() -> None:
     r.add_argument("--n", type=int, default=96)
     r.add_argument("--window", type=float, nargs=2, default=None)
     r.add_argument("--record", default=None)
+    r.add_argument("--per-task", default=None, help="write each task's all-passed verdict (JSON list) here")
     c = sub.add_parser("curves")
     c.add_argument("runs", nargs="+")
     args = p.parse_args()
