@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,29 +22,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rewards.vvr.geometry import SIZES  # noqa: E402
-from rewards.vvr.palette import COLOURS  # noqa: E402
+from rewards.vvr.near_miss import mutate_scene  # noqa: E402
+
+
+#: the mutations of the "render-mutated" subset, in the order the measured run drew them
+MUTATED = ("position", "colour", "size", "drop")
 
 
 def _pixels(images) -> torch.Tensor:
     return torch.stack([torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255 for im in images])
-
-
-def mutate(task, rng: random.Random):
-    """The task with one scene object changed (the constraints stay as they were)."""
-    objs = list(task.objects)
-    i = rng.randrange(len(objs))
-    o = objs[i]
-    kind = rng.choice(["move", "recolour", "resize", "drop"] if len(objs) > 1 else ["move", "recolour", "resize"])
-    if kind == "drop":
-        objs.pop(i)
-    elif kind == "move":
-        objs[i] = replace(o, x=rng.uniform(0.15, 0.85), y=rng.uniform(0.15, 0.85))
-    elif kind == "recolour":
-        objs[i] = replace(o, colour=rng.choice([c for c in COLOURS if c not in (o.colour, task.background)]))
-    else:
-        objs[i] = replace(o, size=rng.choice([s for s in SIZES if s != o.size]))
-    return replace(task, objects=tuple(objs))
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -93,7 +78,7 @@ def main() -> None:
     rendered = (generate_tasks(half, seed=args.seed + 1, level="medium")
                 + generate_tasks(args.n_render - half, seed=args.seed + 1, level="hard"))
     groups["render-correct"] = (_pixels([render(t, size) for t in rendered]), rendered)
-    groups["render-mutated"] = (_pixels([render(mutate(t, rng), size) for t in rendered]), rendered)
+    groups["render-mutated"] = (_pixels([render(mutate_scene(t, rng, kinds=MUTATED), size) for t in rendered]), rendered)
 
     rows = {}
     all_soft, all_hard, all_pass = [], [], []

@@ -120,12 +120,15 @@ def _pairs_from_jsonl(policy, path: Path, batch: int = 64):
         margins.append(float(row.get("margin", 1.0)))
     if not prompts:
         raise UserError(f"{path} holds no pairs")
+    # an image may serve several pairs (one chosen scene against several near misses): encode it once
+    position = {f: k for k, f in enumerate(dict.fromkeys(files))}
+    unique = list(position)
     latents = []
-    for i in range(0, len(files), batch):  # chosen, rejected interleaved
+    for i in range(0, len(unique), batch):
         ims = [torch.from_numpy(np.asarray(Image.open(f).convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
-               for f in files[i : i + batch]]
+               for f in unique[i : i + batch]]
         latents.append(encode_images(policy, torch.stack(ims)))
-    latents = torch.cat(latents)
+    latents = torch.cat(latents)[torch.tensor([position[f] for f in files])]  # chosen, rejected interleaved
     return PreferencePairs(prompts, latents[0::2], latents[1::2], torch.tensor(margins))
 
 

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from flowalign.cli.main import main
@@ -68,6 +69,21 @@ def test_several_pair_files_train_and_eval_pairs_are_held_out(trained, image_pai
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_pairs"] == 16 and metrics["test_pairs"] == 4  # nothing of --pairs held out
     assert metrics["test_pairs_unseen_prompts"] == 2 and "sigma=0.50" in metrics["accuracy_test_unseen_prompts"]
+
+
+def test_an_image_shared_by_several_pairs_keeps_every_pair_aligned(image_pairs, tiny_sd3_dir):
+    import pipelines
+    from flowalign.cli.train_reward import _pairs_from_jsonl
+
+    rows = [json.loads(line) for line in image_pairs.read_text().splitlines()][:3]
+    rows[1]["chosen"] = rows[0]["chosen"]  # one chosen scene against two rejected ones
+    shared = image_pairs.parent / "shared.jsonl"
+    shared.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    policy = pipelines.load(str(tiny_sd3_dir))
+    pairs = _pairs_from_jsonl(policy, shared, batch=2)  # batches smaller than the file list
+    alone = _pairs_from_jsonl(policy, image_pairs, batch=64)
+    assert torch.equal(pairs.chosen[0], pairs.chosen[1]) and torch.allclose(pairs.chosen[0], alone.chosen[0], atol=1e-6)
+    assert torch.allclose(pairs.rejected, alone.rejected[:3], atol=1e-6) and torch.allclose(pairs.chosen[2], alone.chosen[2], atol=1e-6)
 
 
 def test_guide_zero_is_plain_sampling_and_evaluate_takes_a_guide(trained, tiny_sd3_dir, tmp_path, capsys):
