@@ -22,8 +22,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rewards.vvr_motion.tasks import MotionConstraint
-from rewards.vvr_motion.verify import _AXIS, AREA_RATIO, STILL_TOL, _key, travel_threshold
+from rewards.vvr_motion.tasks import MotionConstraint, ref_key
+from rewards.vvr_motion.verify import AREA_RATIO, DIRECTION_AXIS, STILL_TOL, travel_threshold
 
 
 def _track_arrays(summary: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -49,7 +49,7 @@ def _how_far(amount: float, threshold: float) -> float:
 
 def constraint_credit(c: MotionConstraint, tracks: Mapping[Any, Mapping[str, Any]]) -> float:
     """Credit in [0, 1] of constraint ``c`` that the verifier failed; ``tracks`` by descriptor key."""
-    arrays = [_track_arrays(tracks[_key(r)]) for r in c.refs]
+    arrays = [_track_arrays(tracks[ref_key(r)]) for r in c.refs]
     presence = float(np.prod([found.mean() if len(found) else 0.0 for found, _, _ in arrays]))
     found, centres, areas = arrays[0]
     if c.type == "appears":
@@ -62,7 +62,7 @@ def constraint_credit(c: MotionConstraint, tracks: Mapping[Any, Mapping[str, Any
     if c.type == "moves":
         if len(centres) < 2:
             return 0.0
-        axis, sign = _AXIS[c.args["direction"]]
+        axis, sign = DIRECTION_AXIS[c.args["direction"]]
         along = sign * (centres[-1, axis] - centres[0, axis])
         far = _how_far(along, travel_threshold(_extent(areas)))
         return presence * 0.5 * (far + _share_positive(sign * np.diff(centres[:, axis])))
@@ -73,7 +73,7 @@ def constraint_credit(c: MotionConstraint, tracks: Mapping[Any, Mapping[str, Any
         far = _how_far(sign * np.log(areas[-1] / areas[0]), np.log(AREA_RATIO))
         return presence * 0.5 * (far + _share_positive(sign * np.diff(areas)))
     if c.type in ("toward", "away_from"):
-        a, b = (tracks[_key(r)]["centre"] for r in c.refs[:2])
+        a, b = (tracks[ref_key(r)]["centre"] for r in c.refs[:2])
         pairs = [(pa, pb) for pa, pb in zip(a, b) if pa is not None and pb is not None]
         if len(pairs) < 2:
             return 0.0
@@ -88,5 +88,5 @@ def graded_credits(constraints: Sequence[MotionConstraint], passed: Sequence[boo
                    detected: Sequence[Mapping[str, Any]]) -> list[float]:
     """Per constraint: 1 if the verifier passed it, else :func:`constraint_credit` from the verdict's
     ``detected`` track summaries."""
-    tracks = {_key(s["ref"]): s for s in detected}
+    tracks = {ref_key(s["ref"]): s for s in detected}
     return [1.0 if ok else constraint_credit(c, tracks) for c, ok in zip(constraints, passed)]

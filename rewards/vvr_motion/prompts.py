@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rewards.vvr.prompts import _a, _the
-from rewards.vvr_motion.tasks import MotionConstraint
+from rewards.vvr_motion.tasks import MotionConstraint, ref_key
 
 _PATH = {"left": "to the left", "right": "to the right", "up": "up", "down": "down"}
 #: type → (participle, finite verb) phrase; ``{dir}`` and ``{b}`` are filled in
@@ -31,15 +31,11 @@ _VERBS: dict[str, tuple[str, str]] = {
 }
 
 
-def _key(ref: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted(ref.items()))
-
-
 def prompt_for(constraints: Sequence[MotionConstraint]) -> str:
     """The task prompt (see the module docstring)."""
     subjects: dict[tuple[tuple[str, str], ...], list[MotionConstraint]] = {}
     for c in constraints:
-        subjects.setdefault(_key(c.refs[0]), []).append(c)
+        subjects.setdefault(ref_key(c.refs[0]), []).append(c)
     named: set[tuple[tuple[str, str], ...]] = set()
     parts = []
     for i, (key, group) in enumerate(subjects.items()):
@@ -51,7 +47,7 @@ def prompt_for(constraints: Sequence[MotionConstraint]) -> str:
             phrase = _VERBS[c.type][i > 0].format(dir=_PATH.get(c.args.get("direction", ""), ""),
                                                   b=_the(b) if b else "")
             if b:
-                named.add(_key(b))
+                named.add(ref_key(b))
             verbs.append(phrase)
         parts.append(f"{subject} {' and '.join(verbs)}")
     return parts[0] + ("" if len(parts) == 1 else " while " + " and ".join(parts[1:]))

@@ -145,6 +145,12 @@ class MotionConstraint:
         return MotionConstraint(ctype, args)
 
 
+def ref_key(ref: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """A hashable key for an object descriptor (``{"colour": .., "shape": ..}``): the same object in every
+    constraint that names it maps to the same key."""
+    return tuple(sorted(ref.items()))
+
+
 @dataclass(frozen=True)
 class MotionTask:
     """A moving scene plus constraints true in it, checked on clips of ``num_frames`` frames."""

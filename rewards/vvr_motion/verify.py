@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from rewards.vvr.verify import Verdict, score
-from rewards.vvr_motion.tasks import MotionConstraint, MotionTask, as_task
+from rewards.vvr_motion.tasks import MotionConstraint, MotionTask, as_task, ref_key
 from rewards.vvr_motion.track import Track, detect
 from rewards.vvr_motion.video import BadVideo, as_clip
 
@@ -41,7 +41,7 @@ DOMINANCE = 2.0  # along-axis displacement over across-axis displacement, for mo
 MONOTONE = 0.75  # share of steps (of frame pairs, for sizes) that must go the constrained way
 STILL_TOL = 0.04  # largest distance of a still object's centre from its median centre
 AREA_RATIO = 1.3  # area change of grows / shrinks
-_AXIS = {"left": (0, -1.0), "right": (0, 1.0), "up": (1, -1.0), "down": (1, 1.0)}
+DIRECTION_AXIS = {"left": (0, -1.0), "right": (0, 1.0), "up": (1, -1.0), "down": (1, 1.0)}
 
 
 def travel_threshold(extent: float) -> float:
@@ -64,7 +64,7 @@ def _moves(tr: Track, direction: str) -> bool:
     _, centres, _ = tr.points()
     if len(centres) < 2:
         return False
-    axis, sign = _AXIS[direction]
+    axis, sign = DIRECTION_AXIS[direction]
     net = centres[-1] - centres[0]
     along, across = sign * net[axis], abs(net[1 - axis])
     return (along >= travel_threshold(tr.extent()) and along >= DOMINANCE * across
@@ -100,18 +100,14 @@ def _appears(tr: Track) -> bool:
     return first is not None and first > 0 and bool(tr.found[-1]) and tr.steady(first)
 
 
-def _key(ref: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted(ref.items()))
-
-
 def check(c: MotionConstraint, tracks: dict[Any, Track], appearing: set[Any]) -> bool:
     """Whether constraint ``c`` holds on the ``tracks`` (by descriptor key); ``appearing``: keys of
     objects the task says appear (steady from their first sighting rather than from frame 0)."""
-    objs = [tracks[_key(r)] for r in c.refs]
+    objs = [tracks[ref_key(r)] for r in c.refs]
     if c.type == "appears":
         return _appears(objs[0])
     for r, tr in zip(c.refs, objs):
-        start = (tr.first() or 0) if _key(r) in appearing else 0
+        start = (tr.first() or 0) if ref_key(r) in appearing else 0
         if not tr.steady(start):
             return False
     if c.type == "moves":
@@ -147,8 +143,8 @@ def verify(task: MotionTask | Mapping[str, Any], video: Any) -> Verdict:
     tracks: dict[Any, Track] = {}
     for c in task.constraints:
         for r in c.refs:
-            tracks.setdefault(_key(r), Track.follow(r, scenes))
-    appearing = {_key(c.refs[0]) for c in task.constraints if c.type == "appears"}
+            tracks.setdefault(ref_key(r), Track.follow(r, scenes))
+    appearing = {ref_key(c.refs[0]) for c in task.constraints if c.type == "appears"}
     passed = [bool(check(c, tracks, appearing)) for c in task.constraints]
     return Verdict([(c.type, p) for c, p in zip(task.constraints, passed)], score(passed), all(passed),
                    detected=[t.summary() for t in tracks.values()])
