@@ -60,6 +60,7 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -529,23 +530,58 @@ def deepen_transformer(old, num_layers: int):
     return new
 
 
-def _dit_weights(pipe, ema: EMA, names_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+def _dit_weights(pipe, trained: tuple[str, ...], ema: EMA,
+                 names_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
     w = {}
-    for name in TRAINED:
+    for name in trained:
         w.update(_tensors(name, getattr(pipe, name)))
     for (n, _), s in zip(names_params, ema.shadow):
         w[f"ema.{n}"] = s.detach().clone().contiguous()
     return w
 
 
-def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int) -> EMA:
+def _stage_state(opt, step: int, budget: Budget, **extra) -> dict:
+    return {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state(), **extra}
+
+
+def sd3_conditioning(pipe, args, max_seq: int) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """``prompts → transformer kwargs`` for SD3: the token sequence and the pooled vector, both from
+    ``pipe.encode_prompt`` with gradients on (training sees exactly what inference feeds the transformer)."""
+
+    def encode(prompts: list[str]) -> dict[str, torch.Tensor]:
+        pe, _, pooled, _ = pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
+            max_sequence_length=max_seq, device=torch.device("cpu"),
+        )
+        if args.pooled_drop > 0:
+            # the pooled CLIP vector conditions every token through adaLN and is a shortcut that a
+            # one-object prompt can be drawn from; without it the model must read the token sequence
+            # through attention, which is where two objects' colours and shapes are bound to them
+            _, _, empty_pooled, _ = pipe.encode_prompt(
+                prompt=[""], prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
+                max_sequence_length=max_seq, device=torch.device("cpu"),
+            )
+            hide = torch.rand(len(prompts)) < args.pooled_drop
+            pooled = torch.where(hide[:, None], empty_pooled.expand_as(pooled), pooled)
+        return {"encoder_hidden_states": pe, "pooled_projections": pooled}
+
+    return encode
+
+
+def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int, *,
+              trained: tuple[str, ...] = TRAINED,
+              conditioning: Callable[[list[str]], dict[str, torch.Tensor]] | None = None) -> EMA:
+    """Rectified-flow training of the transformer and text encoders (``trained``) on cached latents
+    ``x0 (N, ...)``; ``conditioning`` turns a batch of prompts into the transformer's text kwargs (SD3's by
+    default; the Wan script passes its own). Resumable; returns the EMA of the trained weights."""
+    conditioning = conditioning or sd3_conditioning(pipe, args, max_seq)
     stage = out / "dit"
     prompts = data["prompts"]
     names_params = []
-    for name in TRAINED:
+    for name in trained:
         seen = set()
         for n, p in getattr(pipe, name).named_parameters():
-            if id(p) in seen:
+            if id(p) in seen:  # tied weights (UMT5's shared / embed_tokens) train once
                 continue
             seen.add(id(p))
             names_params.append((f"{name}.{n}", p))
@@ -563,7 +599,7 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
     ck = latest_ckpt(stage) if (args.resume or done) else None
     if ck is not None:
         w, st = load_ckpt(ck)
-        for name in TRAINED:
+        for name in trained:
             _load_prefixed(getattr(pipe, name), w, name)
         for i, (n, _) in enumerate(names_params):
             ema.shadow[i].copy_(w[f"ema.{n}"])
@@ -578,7 +614,7 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
     if done:
         if not (args.resume and not budget.done(step)):
             return ema
-        # continuation: a finished stage resumed with a larger budget; LR re-warms from here
+        # continuation: a finished stage resumed with a larger budget; the LR re-warms from here
         (stage / "DONE").unlink()
         restart_step = step
         log.info("dit: continuing a finished stage at step %d up to %s min / %s steps", step, args.dit_minutes,
@@ -590,7 +626,7 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
         count = {lv: levels.count(lv) for lv in set(levels)}
         weights = torch.tensor([lw.get(lv, 0.0) / count[lv] for lv in levels], dtype=torch.float64)
         log.info("dit: batch level weights %s", lw)
-    for name in TRAINED:
+    for name in trained:
         getattr(pipe, name).train()
     bar = _progress(budget.seconds, "dit")
     bar.update(int(elapsed))
@@ -605,32 +641,15 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
         lr = args.lr * warm * cool
         for g in opt.param_groups:
             g["lr"] = lr
-        if weights is None:
-            idx = torch.randint(0, n, (args.batch,))
-        else:
-            idx = torch.multinomial(weights, args.batch, replacement=True)
+        idx = torch.randint(0, n, (args.batch,)) if weights is None else torch.multinomial(weights, args.batch, True)
         batch_prompts = [prompts[i] if random.random() >= args.drop else "" for i in idx.tolist()]
-        x = x0[idx]
-        pe, _, pooled, _ = pipe.encode_prompt(
-            prompt=batch_prompts, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
-            max_sequence_length=max_seq, device=torch.device("cpu"),
-        )
-        if args.pooled_drop > 0:
-            # the pooled CLIP vector conditions every token through adaLN and is a shortcut that a
-            # one-object prompt can be drawn from; without it the model must read the token sequence
-            # through attention, which is where two objects' colours and shapes are bound to them
-            _, _, empty_pooled, _ = pipe.encode_prompt(
-                prompt=[""], prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
-                max_sequence_length=max_seq, device=torch.device("cpu"),
-            )
-            hide = torch.rand(args.batch) < args.pooled_drop
-            pooled = torch.where(hide[:, None], empty_pooled.expand_as(pooled), pooled)
+        x = x0[idx]  # (B, C, H, W) images or (B, C, F, H, W) videos
+        cond = conditioning(batch_prompts)
         sigma = torch.sigmoid(torch.randn(args.batch))  # logit-normal(0, 1), as SD3
         eps = torch.randn_like(x)
-        s = sigma.view(-1, 1, 1, 1)
+        s = sigma.view(-1, *[1] * (x.ndim - 1))
         xs = (1 - s) * x + s * eps
-        v = pipe.transformer(hidden_states=xs, timestep=1000 * sigma, encoder_hidden_states=pe,
-                             pooled_projections=pooled, return_dict=False)[0]
+        v = pipe.transformer(hidden_states=xs, timestep=1000 * sigma, **cond, return_dict=False)[0]
         loss = F.mse_loss(v.float(), (eps - x).float())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -648,13 +667,11 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int)
             log.info("dit step %d loss %.4f gnorm %.2f lr %.2e %.2fs/step elapsed %.1fmin", step, ema_loss, gn,
                      lr, dt, budget.elapsed / 60)
         if step % args.save_every == 0:
-            save_ckpt(stage, step, _dit_weights(pipe, ema, names_params),
-                      {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state(),
-                       "restart_step": restart_step})
+            save_ckpt(stage, step, _dit_weights(pipe, trained, ema, names_params),
+                      _stage_state(opt, step, budget, restart_step=restart_step))
     bar.close()
-    save_ckpt(stage, step, _dit_weights(pipe, ema, names_params),
-              {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state(),
-               "restart_step": restart_step})
+    save_ckpt(stage, step, _dit_weights(pipe, trained, ema, names_params),
+              _stage_state(opt, step, budget, restart_step=restart_step))
     (stage / "DONE").write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
     log.info("dit: done, %d steps in %.1f min", step, budget.elapsed / 60)
     return ema

@@ -55,6 +55,7 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,25 +65,25 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from pretrain_tiny import (  # noqa: E402  (checkpoint, budget and EMA helpers shared with the SD3 path)
+from pretrain_tiny import (  # noqa: E402  (checkpoint, budget, EMA and DiT-stage code shared with the SD3 path)
     EMA,
     Budget,
     _fg_weight,
     _load_prefixed,
     _progress,
-    _rng_state,
     _set_rng_state,
+    _stage_state,
     _tensors,
     latest_ckpt,
     load_ckpt,
     parse_mix,
     save_ckpt,
+    train_dit,
     vocabulary,
 )
 
@@ -157,10 +158,6 @@ def _pixels(clips: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # Stage 2: VAE
 # --------------------------------------------------------------------------------------------------
-
-
-def _stage_state(opt, step: int, budget: Budget, **extra) -> dict:
-    return {"opt": opt.state_dict(), "step": step, "elapsed": budget.elapsed, "rng": _rng_state(), **extra}
 
 
 @torch.no_grad()
@@ -390,118 +387,16 @@ def finetune_decoder(pipe, data: dict, x0: torch.Tensor, args, out: Path) -> Non
 TRAINED = ("transformer", "text_encoder")
 
 
-def _dit_weights(pipe, ema: EMA, names_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
-    w = {}
-    for name in TRAINED:
-        w.update(_tensors(name, getattr(pipe, name)))
-    for (n, _), s in zip(names_params, ema.shadow):
-        w[f"ema.{n}"] = s.detach().clone().contiguous()
-    return w
+def wan_conditioning(pipe, max_seq: int) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """``prompts → transformer kwargs`` for Wan: the UMT5 token states from ``pipe.encode_prompt`` (with
+    gradients on, so training sees exactly what inference feeds the transformer)."""
 
-
-def train_dit(pipe, data: dict, x0: torch.Tensor, args, out: Path, max_seq: int) -> EMA:
-    stage = out / "dit"
-    prompts = data["prompts"]
-    names_params = []
-    for name in TRAINED:
-        seen = set()
-        for n, p in getattr(pipe, name).named_parameters():
-            if id(p) in seen:  # UMT5 ties shared / embed_tokens
-                continue
-            seen.add(id(p))
-            names_params.append((f"{name}.{n}", p))
-    params = [p for _, p in names_params]
-    for p in params:
-        p.requires_grad_(True)
-    decay, no_decay = [], []
-    for n, p in names_params:
-        (no_decay if p.ndim < 2 or "norm" in n or "embed" in n or "shared" in n else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.99))
-    ema = EMA(params, args.ema)
-    step, elapsed = 0, 0.0
-    done = (stage / "DONE").is_file()
-    ck = latest_ckpt(stage) if (args.resume or done) else None
-    if ck is not None:
-        w, st = load_ckpt(ck)
-        for name in TRAINED:
-            _load_prefixed(getattr(pipe, name), w, name)
-        for i, (n, _) in enumerate(names_params):
-            ema.shadow[i].copy_(w[f"ema.{n}"])
-        opt.load_state_dict(st["opt"])
-        step, elapsed = st["step"], st["elapsed"]
-        restart_step = st.get("restart_step", 0)
-        _set_rng_state(st["rng"])
-        log.info("dit: resumed from %s (step %d, %.1f min)", ck, step, elapsed / 60)
-    else:
-        restart_step = 0
-    budget = Budget(args.dit_minutes, args.dit_steps, elapsed)
-    if done:
-        if not (args.resume and not budget.done(step)):
-            return ema
-        # continuation: a finished stage resumed with a larger budget; the LR re-warms from here
-        (stage / "DONE").unlink()
-        restart_step = step
-        log.info("dit: continuing a finished stage at step %d up to %s min / %s steps", step, args.dit_minutes,
-                 args.dit_steps)
-    weights = None
-    if args.dit_level_weights:
-        lw = parse_mix(args.dit_level_weights)
-        levels = data["levels"]
-        count = {lv: levels.count(lv) for lv in set(levels)}
-        weights = torch.tensor([lw.get(lv, 0.0) / count[lv] for lv in levels], dtype=torch.float64)
-        log.info("dit: batch level weights %s", lw)
-    for name in TRAINED:
-        getattr(pipe, name).train()
-    bar = _progress(budget.seconds, "dit")
-    bar.update(int(elapsed))
-    ema_loss = None
-    t_last = time.time()
-    n = len(prompts)
-    while not budget.done(step):
-        frac = budget.fraction(step)
-        warm = min(1.0, (step - restart_step + 1) / args.warmup)
-        # constant LR, cosine decay to 10% over the last 30% of the budget
-        cool = 1.0 if frac < 0.7 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (frac - 0.7) / 0.3))
-        lr = args.lr * warm * cool
-        for g in opt.param_groups:
-            g["lr"] = lr
-        idx = torch.randint(0, n, (args.batch,)) if weights is None else torch.multinomial(weights, args.batch, True)
-        batch_prompts = [prompts[i] if random.random() >= args.drop else "" for i in idx.tolist()]
-        x = x0[idx]  # (B, z, F', h, w)
-        embeds, _ = pipe.encode_prompt(prompt=batch_prompts, do_classifier_free_guidance=False,
+    def encode(prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
                                        max_sequence_length=max_seq, device=torch.device("cpu"))
-        sigma = torch.sigmoid(torch.randn(args.batch))  # logit-normal(0, 1), as SD3
-        eps = torch.randn_like(x)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        xs = (1 - s) * x + s * eps
-        v = pipe.transformer(hidden_states=xs, timestep=1000 * sigma, encoder_hidden_states=embeds,
-                             return_dict=False)[0]
-        loss = F.mse_loss(v.float(), (eps - x).float())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        ema.update(step)
-        step += 1
-        ema_loss = loss.item() if ema_loss is None else 0.98 * ema_loss + 0.02 * loss.item()
-        bar.n = int(budget.elapsed)
-        bar.set_postfix_str(f"step {step} loss {ema_loss:.4f} lr {lr:.1e}", refresh=False)
-        bar.update(0)
-        if step % 25 == 0:
-            dt = (time.time() - t_last) / 25
-            t_last = time.time()
-            log.info("dit step %d loss %.4f gnorm %.2f lr %.2e %.2fs/step elapsed %.1fmin", step, ema_loss, gn,
-                     lr, dt, budget.elapsed / 60)
-        if step % args.save_every == 0:
-            save_ckpt(stage, step, _dit_weights(pipe, ema, names_params),
-                      _stage_state(opt, step, budget, restart_step=restart_step))
-    bar.close()
-    save_ckpt(stage, step, _dit_weights(pipe, ema, names_params),
-              _stage_state(opt, step, budget, restart_step=restart_step))
-    (stage / "DONE").write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
-    log.info("dit: done, %d steps in %.1f min", step, budget.elapsed / 60)
-    return ema
+        return {"encoder_hidden_states": embeds}
+
+    return encode
 
 
 # --------------------------------------------------------------------------------------------------
@@ -719,7 +614,8 @@ def main(argv: list[str] | None = None) -> None:
     x0 = encode_latents(pipe, data, out)
 
     # 4. transformer + text encoder
-    ema = train_dit(pipe, data, x0, args, out, max_seq)
+    ema = train_dit(pipe, data, x0, args, out, max_seq, trained=TRAINED,
+                    conditioning=wan_conditioning(pipe, max_seq))
 
     # 5. decoder fine-tuning on the same latents (after the DiT: it does not change them)
     finetune_decoder(pipe, data, x0, args, out)
