@@ -81,16 +81,37 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
+def checked_choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
+    """``value`` if it is one of ``allowed``, else a ``ValueError`` naming ``where`` and the allowed values."""
     if value not in allowed:
         raise ValueError(f"{where}: {value!r} is not allowed; allowed values: {', '.join(allowed)}")
     return value
 
 
-def _ref(value: Any, where: str) -> dict[str, str]:
+def checked_ref(value: Any, where: str) -> dict[str, str]:
+    """An object descriptor ``{"colour"?, "shape"?}`` checked against the palette and the shapes."""
     if not isinstance(value, Mapping) or not value or set(value) - {"colour", "shape"}:
         raise ValueError(f"{where}: a reference must be a dict with keys 'colour' and/or 'shape', got {value!r}")
-    return {k: _choice(value[k], _CHOICES[k], f"{where}.{k}") for k in ("colour", "shape") if k in value}
+    return {k: checked_choice(value[k], _CHOICES[k], f"{where}.{k}") for k in ("colour", "shape") if k in value}
+
+
+def checked_fields(d: Any, where: str, schema: Mapping[str, tuple[str, ...]], what: str = "constraint"
+                   ) -> tuple[str, tuple[str, ...]]:
+    """The ``type`` of the constraint dict ``d`` and its field names, once both are checked against
+    ``schema`` (type → field names): a ``ValueError`` names the bad field and what is allowed."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{where}: a constraint must be a dict, got {d!r}")
+    ctype = d.get("type")
+    if ctype not in schema:
+        raise ValueError(f"{where}.type: unknown {what} type {ctype!r}; allowed: {', '.join(schema)}")
+    names = schema[ctype]
+    extra = set(d) - set(names) - {"type"}
+    if extra:
+        raise ValueError(f"{where}: unexpected field(s) {sorted(extra)} for {ctype!r}; expected {list(names)}")
+    for name in names:
+        if name not in d:
+            raise ValueError(f"{where}: {ctype!r} needs field {name!r} (fields: {list(names)})")
+    return ctype, names
 
 
 @dataclass(frozen=True)
@@ -131,9 +152,9 @@ class Obj:
             raise ValueError(f"{where}.filled: must be true or false, got {filled!r}")
         return Obj(
             oid,
-            _choice(d.get("shape"), SHAPES, f"{where}.shape"),
-            _choice(d.get("colour"), COLOURS, f"{where}.colour"),
-            _choice(d.get("size"), SIZES, f"{where}.size"),
+            checked_choice(d.get("shape"), SHAPES, f"{where}.shape"),
+            checked_choice(d.get("colour"), COLOURS, f"{where}.colour"),
+            checked_choice(d.get("size"), SIZES, f"{where}.size"),
             filled, x, y,
         )
 
@@ -150,24 +171,12 @@ class Constraint:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any], where: str = "constraint") -> "Constraint":
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: a constraint must be a dict, got {d!r}")
-        ctype = d.get("type")
-        if ctype not in CONSTRAINT_ARGS:
-            raise ValueError(
-                f"{where}.type: unknown constraint type {ctype!r}; allowed: {', '.join(CONSTRAINT_TYPES)}"
-            )
-        names = CONSTRAINT_ARGS[ctype]
-        extra = set(d) - set(names) - {"type"}
-        if extra:
-            raise ValueError(f"{where}: unexpected field(s) {sorted(extra)} for {ctype!r}; expected {list(names)}")
+        ctype, names = checked_fields(d, where, CONSTRAINT_ARGS)
         args: dict[str, Any] = {}
         for name in names:
-            if name not in d:
-                raise ValueError(f"{where}: {ctype!r} needs field {name!r} (fields: {list(names)})")
             v, w = d[name], f"{where}.{name}"
             if name in _REF_ARGS:
-                args[name] = _ref(v, w)
+                args[name] = checked_ref(v, w)
             elif name == "n":
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise ValueError(f"{w}: must be an integer >= 0, got {v!r}")
@@ -177,7 +186,7 @@ class Constraint:
                     raise ValueError(f"{w}: must be true or false, got {v!r}")
                 args[name] = v
             else:
-                args[name] = _choice(v, _CHOICES[name], w)
+                args[name] = checked_choice(v, _CHOICES[name], w)
         return Constraint(ctype, args)
 
 
@@ -220,8 +229,8 @@ class Task:
         level = d.get("level", "hard")
         return Task(
             id=str(d.get("id", "")),
-            level=_choice(level, LEVELS, "task.level"),
-            background=_choice(d.get("background", "white"), COLOURS, "task.background"),
+            level=checked_choice(level, LEVELS, "task.level"),
+            background=checked_choice(d.get("background", "white"), COLOURS, "task.background"),
             objects=tuple(Obj.from_dict(o, f"objects[{i}]") for i, o in enumerate(d.get("objects", []))),
             constraints=tuple(Constraint.from_dict(c, f"constraints[{i}]") for i, c in enumerate(constraints)),
         )

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from rewards.vvr.geometry import SIZE_EXTENT, SIZES, box_size
 from rewards.vvr.palette import COLOURS
 from rewards.vvr.predicates import Box
-from rewards.vvr.tasks import LEVELS, Obj, _choice, _ref
+from rewards.vvr.tasks import LEVELS, Obj, checked_choice, checked_fields, checked_ref
 
 #: frames per clip by default: Wan's VAE needs F = 4k + 1, and the tiny video model makes 9
 NUM_FRAMES = 9
@@ -102,7 +102,7 @@ class MotionObj:
             start,
             _unit(d.get("end_x", start.x), f"{where}.end_x"),
             _unit(d.get("end_y", start.y), f"{where}.end_y"),
-            _choice(d.get("end_size", start.size), SIZES, f"{where}.end_size"),
+            checked_choice(d.get("end_size", start.size), SIZES, f"{where}.end_size"),
             _unit(d.get("appear", 0.0), f"{where}.appear", upper_open=True),
         )
 
@@ -125,23 +125,9 @@ class MotionConstraint:
     @staticmethod
     def from_dict(d: Mapping[str, Any], where: str = "constraint") -> "MotionConstraint":
         """Validate and build; raises ``ValueError`` naming the bad field and the allowed values."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: a constraint must be a dict, got {d!r}")
-        ctype = d.get("type")
-        if ctype not in CONSTRAINT_ARGS:
-            raise ValueError(
-                f"{where}.type: unknown motion constraint type {ctype!r}; allowed: {', '.join(CONSTRAINT_TYPES)}"
-            )
-        names = CONSTRAINT_ARGS[ctype]
-        extra = set(d) - set(names) - {"type"}
-        if extra:
-            raise ValueError(f"{where}: unexpected field(s) {sorted(extra)} for {ctype!r}; expected {list(names)}")
-        args: dict[str, Any] = {}
-        for name in names:
-            if name not in d:
-                raise ValueError(f"{where}: {ctype!r} needs field {name!r} (fields: {list(names)})")
-            w = f"{where}.{name}"
-            args[name] = _ref(d[name], w) if name in _REF_ARGS else _choice(d[name], MOTION_DIRECTIONS, w)
+        ctype, names = checked_fields(d, where, CONSTRAINT_ARGS, what="motion constraint")
+        args = {name: checked_ref(d[name], f"{where}.{name}") if name in _REF_ARGS
+                else checked_choice(d[name], MOTION_DIRECTIONS, f"{where}.{name}") for name in names}
         return MotionConstraint(ctype, args)
 
 
@@ -198,9 +184,9 @@ class MotionTask:
             raise ValueError(f"task.objects: must be a list of objects, got {objects!r}")
         return MotionTask(
             id=str(d.get("id", "")),
-            level=_choice(d.get("level", "hard"), LEVELS, "task.level"),
+            level=checked_choice(d.get("level", "hard"), LEVELS, "task.level"),
             num_frames=_frames(d.get("num_frames", NUM_FRAMES), "task.num_frames"),
-            background=_choice(d.get("background", "white"), COLOURS, "task.background"),
+            background=checked_choice(d.get("background", "white"), COLOURS, "task.background"),
             objects=tuple(MotionObj.from_dict(o, f"objects[{i}]") for i, o in enumerate(objects)),
             constraints=tuple(MotionConstraint.from_dict(c, f"constraints[{i}]") for i, c in enumerate(constraints)),
         )
