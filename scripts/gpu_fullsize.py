@@ -160,6 +160,7 @@ def run_recipe(family: str, folder: Path, run_dir: Path, *, is_smoke: bool) -> d
             if '"time/step"' in line][-1]
     out = {"load_s": t_load, "sample_s": step["time/sample"], "reward_s": step["time/reward"],
            "update_s": step["time/update"], "step_s": step["time/step"],
+           "grad_norm": step.get("train/grad_norm"), "zero_adv_fraction": step.get("zero_adv_fraction"),
            "final_eval_s": t_train - step["time/step"], "eval_num_steps": cfg.eval.num_steps,
            "train_num_steps": cfg.trainer.get("num_steps"), "defaults": dict(trainer.policy.defaults),
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}

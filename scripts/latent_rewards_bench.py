@@ -45,17 +45,15 @@ def split(args: argparse.Namespace) -> None:
     print(f"{len(train)} train pairs -> {args.train}; {len(test)} held-out pairs ({len(set(test.prompts))} prompts) -> {args.test}")
 
 
-def failure_kind(policy, pairs, i: int) -> str:
-    """What is wrong with pair ``i``'s rejected sample, as the VVR segmenter sees it (one-object prompts);
-    "two-object prompt" for the rest."""
+def failure_kind(prompt: str, rejected: torch.Tensor) -> str:
+    """What is wrong with a pair's decoded rejected sample ``(3, H, W)`` in [0, 1], as the VVR segmenter sees
+    it (one-object prompts, "a <colour> <shape>"); "two-object prompt" for the rest."""
     from rewards.vvr.segment import segment
 
-    prompt = pairs.prompts[i]
     if not prompt.startswith(("a ", "an ")):
         return "two-object prompt"
     colour = prompt.split()[1]
-    image = policy.decode(pairs.rejected[i : i + 1])[0]
-    found = segment((image.permute(1, 2, 0).clamp(0, 1).numpy() * 255).astype("uint8")).components
+    found = segment((rejected.permute(1, 2, 0).clamp(0, 1).numpy() * 255).astype("uint8")).components
     if not found:
         return "no object"
     return "right colour, wrong shape" if any(c.colour == colour for c in found) else "wrong colour"
@@ -71,8 +69,9 @@ def by_failure(args: argparse.Namespace) -> None:
 
     policy = pipelines.load(args.model)
     pairs = PreferencePairs.load(args.pairs)
-    with torch.no_grad():
-        kinds = np.array([failure_kind(policy, pairs, i) for i in range(len(pairs))])
+    with torch.no_grad():  # the policy decodes in batches of its own decode_batch_size
+        rejected = policy.decode(pairs.rejected).cpu()
+    kinds = np.array([failure_kind(p, image) for p, image in zip(pairs.prompts, rejected)])
     noise = torch.randn(pairs.chosen.shape, generator=torch.Generator().manual_seed(1))
     for directory in args.rewards:
         reward = LatentRegisters.load(directory)

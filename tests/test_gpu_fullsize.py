@@ -34,5 +34,6 @@ def test_smoke_run_times_a_real_update_and_writes_its_json(tmp_path):
     row = json.loads(out.read_text())["families"]["sd3"]
     assert rc == 0 and "error" not in row, row
     assert row["update_s"] > 0.01  # the update ran (a group of equal rewards would have skipped it)
+    assert row["zero_adv_fraction"] < 1 and row["grad_norm"] > 0  # and it had a gradient to apply
     assert row["step_s"] >= row["sample_s"] + row["update_s"] and row["final_eval_s"] > 0
     assert not (tmp_path / "work" / "sd3-model").exists()  # one model folder on disk at a time

@@ -53,9 +53,11 @@ def test_train_reward_from_image_pairs_learns_them(trained):
     assert metrics["final_train_loss"] < 0.6931  # below chance (log 2)
 
 
-def test_several_pair_files_train_and_eval_pairs_are_held_out(trained, image_pairs, tiny_sd3_dir, tmp_path):
+def test_several_pair_files_train_and_eval_pairs_are_held_out(trained, image_pairs, tiny_sd3_dir, tmp_path, monkeypatch):
     """``--pairs`` merges JSONL and saved pairs; ``--eval-pairs`` replaces the prompt split, and pairs whose
-    prompts never occur in training are also scored on their own."""
+    prompts never occur in training are also scored on their own. The train accuracy of a set larger than
+    ``TRAIN_ACCURACY_PAIRS`` is taken on a subset of that size."""
+    monkeypatch.setattr("flowalign.cli.train_reward.TRAIN_ACCURACY_PAIRS", 5)
     rows = [json.loads(line) for line in image_pairs.read_text().splitlines()][:4]
     for r in rows[2:]:
         r["prompt"] = "a circle no training pair names"
@@ -68,6 +70,7 @@ def test_several_pair_files_train_and_eval_pairs_are_held_out(trained, image_pai
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_pairs"] == 16 and metrics["test_pairs"] == 4  # nothing of --pairs held out
+    assert metrics["accuracy_train_pairs"] == 5
     assert metrics["test_pairs_unseen_prompts"] == 2 and "sigma=0.50" in metrics["accuracy_test_unseen_prompts"]
 
 
