@@ -798,9 +798,9 @@ def evaluate(folder: Path, n: int, seed: int = 0, grid_path: Path | None = None)
 
 
 def continue_from(folder: Path, data: dict, args, out: Path):
-    """Stage 4 only, from a pretrained folder: its VAE encodes the new scenes with its own latent
-    factors, its tokenizers stay, its transformer (deepened with ``--num-layers``) and text encoders
-    keep training. Resumable like the from-scratch path (the DiT stage's checkpoints hold every
+    """Stage 4 (and, with ``--dec-minutes``, stage 3b) from a pretrained folder: its VAE encodes the new
+    scenes with its own latent factors, its tokenizers stay, its transformer (deepened with
+    ``--num-layers``) and text encoders keep training, its decoder optionally too. Resumable like the from-scratch path (the DiT stage's checkpoints hold every
     trained weight, the deepened transformer's included)."""
     from diffusers import StableDiffusion3Pipeline
 
@@ -814,6 +814,8 @@ def continue_from(folder: Path, data: dict, args, out: Path):
         log.info("  %-15s %8.3fM params", name, sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e6)
     pipe.vae.requires_grad_(False)
     x0 = encode_latents(pipe, data, out, keep_factors=True)
+    # the encoder stays frozen, so the latents (and the transformer trained on them) keep their meaning
+    finetune_decoder(pipe, data, x0, args, out)
     max_seq = json.loads((folder / "flowalign.json").read_text())["max_sequence_length"]
     return pipe, train_dit(pipe, data, x0, args, out, max_seq), max_seq
 
@@ -852,7 +854,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vae-lr2", type=float, default=3e-4)
     p.add_argument("--vae-kl", type=float, default=1e-4, help="KL weight (per-pixel normalised)")
     p.add_argument("--fg-weight", type=float, default=5.0, help="loss weight of object pixels vs background")
-    p.add_argument("--dec-minutes", type=float, default=5.0, help="decoder-only fine-tuning (stage 3b)")
+    p.add_argument("--dec-minutes", type=float, default=None,
+                   help="decoder-only fine-tuning (stage 3b; default 5 from scratch, none with --init-from)")
     p.add_argument("--dec-steps", type=int, default=None)
     p.add_argument("--dec-lr", type=float, default=1e-3)
     p.add_argument("--dec-batch", type=int, default=16)
@@ -905,6 +908,8 @@ def main(argv: list[str] | None = None) -> None:
 
     dlog.set_verbosity_error()  # no per-step CLIP truncation warnings for the few over-long hard prompts
     tlog.set_verbosity_error()
+    if args.dec_minutes is None:
+        args.dec_minutes = 0.0 if args.init_from else 5.0
     log.info("args: %s", vars(args))
     t_start = time.time()
     random.seed(args.seed)

@@ -102,3 +102,49 @@ def test_dit_stage_trains_the_text_side_too_resumes_as_a_no_op_and_continues(tmp
     pretrain.train_dit(again, data, x0, _dit_args(resume=True, dit_steps=3), tmp_path, max_seq)  # a larger budget
     assert json.loads((tmp_path / "dit" / "DONE").read_text())["step"] == 3
     assert any(not torch.equal(v, again.transformer.state_dict()[k]) for k, v in trained.items())
+
+
+# ------------------------------------------------------------------ decoder-only fine-tuning (stage 3b)
+
+
+def test_decoder_stage_trains_the_decoder_only_so_the_latents_keep_their_meaning(tmp_path):
+    import argparse
+
+    pipe = _tiny_pipe()
+    vae = pipe.vae.eval()
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (4, 3, 32, 32), generator=g, dtype=torch.uint8)
+    with torch.no_grad():
+        z = vae.encode(images.float() / 127.5 - 1).latent_dist.mean
+    x0 = (z - vae.config.shift_factor) * vae.config.scaling_factor
+    enc_start = {k: v.clone() for k, v in vae.encoder.state_dict().items()}
+    dec_start = {k: v.clone() for k, v in vae.decoder.state_dict().items()}
+    args = argparse.Namespace(dec_minutes=None, dec_steps=2, dec_lr=1e-3, dec_batch=2, dec_noise=0.05,
+                              fg_weight=5.0, resume=False, save_every=1)
+    pretrain.finetune_decoder(pipe, {"images": images}, x0, args, tmp_path)
+    assert json.loads((tmp_path / "decoder" / "DONE").read_text())["step"] == 2
+    assert all(torch.equal(v, vae.encoder.state_dict()[k]) for k, v in enc_start.items())
+    assert any(not torch.equal(v, vae.decoder.state_dict()[k]) for k, v in dec_start.items())
+    assert not any(p.requires_grad for p in vae.parameters())
+
+    again = _tiny_pipe()  # a later run (e.g. --resume) loads the finished decoder instead of training again
+    pretrain.finetune_decoder(again, {"images": images}, x0, args, tmp_path)
+    assert all(torch.equal(v, again.vae.decoder.state_dict()[k]) for k, v in vae.decoder.state_dict().items())
+
+
+def test_continuing_a_pretrained_folder_skips_the_decoder_stage_unless_asked(tmp_path, monkeypatch):
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def stop_at_the_stages(folder, data, args, out):
+        seen.append(args.dec_minutes)
+        raise Stop
+
+    monkeypatch.setattr(pretrain, "continue_from", stop_at_the_stages)
+    monkeypatch.setattr(pretrain, "build_dataset", lambda *a, **k: {"prompts": []})
+    for i, extra in enumerate(([], ["--dec-minutes", "15"])):
+        with pytest.raises(Stop):
+            pretrain.main(["--init-from", "x", "--out", str(tmp_path / str(i)), "--export", str(tmp_path / "e")] + extra)
+    assert seen == [0.0, 15.0]
