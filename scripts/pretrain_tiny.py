@@ -800,8 +800,9 @@ def evaluate(folder: Path, n: int, seed: int = 0, grid_path: Path | None = None)
 def continue_from(folder: Path, data: dict, args, out: Path):
     """Stage 4 (and, with ``--dec-minutes``, stage 3b) from a pretrained folder: its VAE encodes the new
     scenes with its own latent factors, its tokenizers stay, its transformer (deepened with
-    ``--num-layers``) and text encoders keep training, its decoder optionally too. Resumable like the from-scratch path (the DiT stage's checkpoints hold every
-    trained weight, the deepened transformer's included)."""
+    ``--num-layers``) and text encoders keep training, its decoder optionally too. Resumable like the
+    from-scratch path (the DiT stage's checkpoints hold every trained weight, the deepened transformer's
+    included)."""
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(folder)
