@@ -152,6 +152,26 @@ def bounded_targets(
     return out[0], out[1]
 
 
+def pixel_reward_gradient(policy, rewards, prompts: list[str], metadata: list[dict], checkpointing: bool = True):
+    """``y ↦ ∇_y Σ_j w_j R_j(D(y), c)`` ``(B, ...)``: through the VAE decoder (checkpointed), never θ.
+
+    ``rewards`` is a list of ``(name, weight, reward)``; invalid samples contribute no gradient.
+    """
+
+    def grad_fn(y: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            y = y.detach().requires_grad_(True)
+            images = checkpoint(policy.decode, y, use_reentrant=False) if checkpointing else policy.decode(y)
+            total = torch.zeros(len(prompts), device=images.device)
+            for _, weight, reward in rewards:
+                out = reward(images, prompts, metadata)
+                total = total + weight * torch.where(out.valid.to(images.device), out.total.to(images.device), 0.0)
+            (g,) = torch.autograd.grad(total.sum(), y, allow_unused=True)
+        return torch.zeros_like(y) if g is None else g.detach()
+
+    return grad_fn
+
+
 def opsd_loss(
     v_theta: torch.Tensor, v_phi: torch.Tensor, z_q: torch.Tensor, sigma_q: float, y_pos: torch.Tensor,
     y_neg: torch.Tensor, r: torch.Tensor, beta: float, a_max: float,
@@ -295,24 +315,9 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
             )
 
     def reward_gradient(self, chunk: Rollout):
-        """``y ↦ ∇_y Σ_j w_j R_j(D(y), c)`` ``(B, ...)``: through the VAE decoder (checkpointed), never θ."""
-        prompts, metadata = chunk.prompts, chunk.metadata
-
-        def grad_fn(y: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad():
-                y = y.detach().requires_grad_(True)
-                if self.tcfg.decoder_checkpointing:
-                    images = checkpoint(self.policy.decode, y, use_reentrant=False)
-                else:
-                    images = self.policy.decode(y)
-                total = torch.zeros(len(prompts), device=images.device)
-                for _, weight, reward in self.rewards:
-                    out = reward(images, prompts, metadata)
-                    total = total + weight * torch.where(out.valid.to(images.device), out.total.to(images.device), 0.0)
-                (g,) = torch.autograd.grad(total.sum(), y, allow_unused=True)
-            return torch.zeros_like(y) if g is None else g.detach()
-
-        return grad_fn
+        """``y ↦ ∇_y Σ_j w_j R_j(D(y), c)`` for this chunk's prompts (see :func:`pixel_reward_gradient`)."""
+        return pixel_reward_gradient(self.policy, self.rewards, chunk.prompts, chunk.metadata,
+                                     self.tcfg.decoder_checkpointing)
 
     def prepare(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """Query state, anchor ``y0`` and targets ``y±`` under φ (the caller swapped φ in)."""

@@ -61,9 +61,8 @@ def srgb_to_lab(rgb: torch.Tensor) -> torch.Tensor:
     return torch.stack([116 * f[:, 1] - 16, 500 * (f[:, 0] - f[:, 1]), 200 * (f[:, 1] - f[:, 2])], 1)
 
 
-def colour_memberships(images: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``(B, 3, H, W)`` in [0, 1] → soft palette memberships ``(B, K, H, W)`` summing to 1 per pixel."""
-    lab = srgb_to_lab(images)
+def colour_memberships(lab: torch.Tensor, temperature: float) -> torch.Tensor:
+    """CIELAB ``(B, 3, H, W)`` → soft palette memberships ``(B, K, H, W)`` summing to 1 per pixel."""
     d2 = ((lab[:, None] - _LAB.to(lab)[None, :, :, None, None]) ** 2).sum(2)  # (B, K, H, W)
     # a heavy-tailed (Student-t-like) kernel instead of exp(−d²/τ²): as sharp near a palette centre, but a
     # pixel far from every centre still has a (small) gradient toward each colour instead of exp's underflow
@@ -88,8 +87,8 @@ def _matches(ref: Mapping[str, str], o: Obj) -> bool:
 class _SoftScene:
     """One sample's soft masks plus the task's scene objects, with the soft measurements of descriptors."""
 
-    def __init__(self, member: torch.Tensor, task: Task, sharpness: float):
-        self.p, self.task, self.t = member, task, sharpness  # p: (K, H, W)
+    def __init__(self, member: torch.Tensor, task: Task, sharpness: float, count_gradients: bool = True):
+        self.p, self.task, self.t, self.count_gradients = member, task, sharpness, count_gradients  # p: (K, H, W)
         h, w = member.shape[-2:]
         self.ys = (torch.arange(h, dtype=member.dtype, device=member.device) + 0.5) / h
         self.xs = (torch.arange(w, dtype=member.dtype, device=member.device) + 0.5) / w
@@ -211,7 +210,12 @@ class _SoftScene:
 
     # ------------------------------------------------------------ constraints
     def score(self, c: Constraint) -> torch.Tensor:
-        """``s ∈ (0, 1)`` for one constraint (a smooth version of ``verify.check``)."""
+        """``s ∈ (0, 1)`` for one constraint (a smooth version of ``verify.check``). Without count
+        gradients, counts and the presence factor of relations keep their value but pass no gradient."""
+        s = self._score(c)
+        return s if self.count_gradients or c.type not in COUNT_TYPES else s.detach()
+
+    def _score(self, c: Constraint) -> torch.Tensor:
         t, a = c.type, c.args
         if t == "exists":
             return self.exists(a["ref"])
@@ -237,7 +241,7 @@ class _SoftScene:
             return self.gt(border.mean(), 0.5, 0.1)
         refs = [a[k] for k in ("ref", "a", "b", "c") if k in a]
         present = torch.stack([self.exists(r) for r in refs]).prod()
-        return present * self.relation(c, refs)
+        return (present if self.count_gradients else present.detach()) * self.relation(c, refs)
 
     def relation(self, c: Constraint, refs: list[Mapping[str, str]]) -> torch.Tensor:
         """The smooth predicate of a constraint on referenced objects (their presence is scored apart)."""
@@ -314,6 +318,12 @@ class _SoftScene:
         raise ValueError(f"unknown constraint type {t!r}")
 
 
+#: constraints scored from soft masses: their gradient grows or shrinks objects rather than adding or
+#: removing one (what the verifier's component count would need)
+COUNT_TYPES = frozenset({"exists", "absent", "count_shape", "count_colour", "count_colour_shape", "total_count",
+                         "at_least", "at_most", "more_than", "equal_count"})
+
+
 def _bump(x: torch.Tensor) -> torch.Tensor:
     """Smooth ``x ≈ 0`` in (0, 1]: ``1/(1 + x²)`` (heavy-tailed for the same reason as ``gt``)."""
     return 1 / (1 + x**2)
@@ -335,18 +345,23 @@ class VVRSoftReward:
     ``{"vvr_soft": (B,)}`` differentiable in ``samples``. ``metadata[i]["task"]`` is the VVR task (a
     :class:`~rewards.vvr.Task` or its dict); a sample without one, or with non-finite pixels, is invalid
     (score 0, no gradient). ``temperature`` is the colour softmax's ΔE76 scale; ``sharpness`` the width
-    of the positional sigmoids in image fractions.
+    of the positional sigmoids in image fractions. ``count_gradients=False`` keeps every score but cuts
+    the gradient of counts and of relations' presence factors: a count read from soft mass is raised by
+    growing objects, not by adding one, and ascending it lowered the verifier's score
+    (``scripts/opsd_targets.py``, docs/opsd_nft.md).
     """
 
     name = "vvr_soft"
     differentiable = True
 
-    def __init__(self, gamma: float = GAMMA, temperature: float = 12.0, sharpness: float = 0.03):
+    def __init__(self, gamma: float = GAMMA, temperature: float = 12.0, sharpness: float = 0.03,
+                 count_gradients: bool = True):
         if not 0.0 <= gamma <= 1.0:
             raise UserError(f"vvr_soft reward: gamma must lie in [0, 1], got {gamma}")
         if temperature <= 0 or sharpness <= 0:
             raise UserError(f"vvr_soft reward: temperature and sharpness must be > 0, got {temperature}, {sharpness}")
         self.gamma, self.temperature, self.sharpness = gamma, temperature, sharpness
+        self.count_gradients = count_gradients
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         if samples.ndim != 4 or samples.shape[1] != 3:
@@ -356,7 +371,8 @@ class VVRSoftReward:
         if max(x.shape[-2:]) > WORK:
             x = F.adaptive_avg_pool2d(x, [max(1, round(s * WORK / max(x.shape[-2:]))) for s in x.shape[-2:]])
         finite = torch.isfinite(x).flatten(1).all(1)
-        member = colour_memberships(torch.where(finite[:, None, None, None], x, torch.zeros_like(x)), self.temperature)
+        member = colour_memberships(srgb_to_lab(torch.where(finite[:, None, None, None], x, torch.zeros_like(x))),
+                                    self.temperature)
         scores, valid, info = [], torch.zeros(n, dtype=torch.bool), []
         for i in range(n):
             task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
@@ -364,7 +380,7 @@ class VVRSoftReward:
                 scores.append(member[i].sum() * 0.0)  # keeps the graph connected; no gradient
                 info.append({"reason": f"metadata[{i}] has no 'task'" if task is None else "image has NaN or infinite values"})
                 continue
-            scene = _SoftScene(member[i], as_task(task), self.sharpness)
+            scene = _SoftScene(member[i], as_task(task), self.sharpness, self.count_gradients)
             s = torch.stack([scene.score(c) for c in scene.task.constraints])
             scores.append((1 - self.gamma) * s.mean() + self.gamma * s.prod())
             valid[i] = True

@@ -148,3 +148,20 @@ def test_batch_dtype_size_and_invalid_samples():
         reward(torch.rand(1, 2, 3, 64, 64), [""], [{}])
     with pytest.raises(UserError, match="gamma"):
         VVRSoftReward(gamma=1.5)
+
+
+def test_without_count_gradients_counts_keep_their_value_and_pass_no_gradient():
+    """``count_gradients=False``: a count's soft mass gradient grows or shrinks objects instead of adding
+    or removing one, so it is cut — the scores are unchanged, a count task has exactly zero gradient, and
+    a relation still has one (through the centroids, not through its objects' presence)."""
+    count = _task([_obj(0, "circle", "red", "medium", 0.3, 0.5)], COUNT)
+    left = _task([_obj(0, "circle", "red", "medium", 0.75, 0.5), _obj(1, "square", "blue", "medium", 0.25, 0.5)], LEFT)
+    meta = [{"task": count}, {"task": left}]
+    x = torch.stack([_image(count), _image(left)]).requires_grad_(True)
+    full = rewards.load("vvr_soft")(x, ["", ""], meta).components["vvr_soft"]
+    cut = rewards.load("vvr_soft", count_gradients=False)(x, ["", ""], meta).components["vvr_soft"]
+    torch.testing.assert_close(cut, full)
+    (g_full,) = torch.autograd.grad(full.sum(), x)
+    (g_cut,) = torch.autograd.grad(cut.sum(), x)
+    assert g_full[0].abs().sum() > 0 and g_cut[0].abs().sum() == 0
+    assert g_cut[1].abs().sum() > 0 and not torch.equal(g_cut[1], g_full[1])
