@@ -166,6 +166,8 @@ def pixel_reward_gradient(policy, rewards, prompts: list[str], metadata: list[di
             for _, weight, reward in rewards:
                 out = reward(images, prompts, metadata)
                 total = total + weight * torch.where(out.valid.to(images.device), out.total.to(images.device), 0.0)
+            if not total.requires_grad:  # e.g. a batch of counts under vvr_soft(count_gradients=False)
+                return torch.zeros_like(y)
             (g,) = torch.autograd.grad(total.sum(), y, allow_unused=True)
         return torch.zeros_like(y) if g is None else g.detach()
 

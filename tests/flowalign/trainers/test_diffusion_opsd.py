@@ -17,6 +17,8 @@ from flowalign.trainers.diffusion_opsd import (
     reward_weight,
 )
 
+from rewards.vvr import generate_tasks
+
 from .conftest import small_config
 
 SOFT = "rewards=[{name: vvr_soft}]"
@@ -165,3 +167,15 @@ def test_short_run_checkpoints_phi_and_resumes(tmp_path, tiny_sd3_dir):
         assert torch.equal(live[f"behaviour.{n}"], saved[f"behaviour.{n}"]) and torch.equal(live[n], saved[n])
     logs = resumed.train_step()
     assert logs["train/behaviour_lambda"] == pytest.approx(min(0.3 * 3, 0.5))
+
+
+def test_a_batch_with_no_reward_gradient_gets_targets_equal_to_the_anchor(tmp_path, tiny_sd3_dir):
+    """Counts under ``vvr_soft(count_gradients=False)`` pass no gradient: a chunk of count tasks gets
+    ``y± = y0`` (nothing to move toward) instead of an autograd error mid-run."""
+    t = build_trainer(vvr_run(tmp_path / "run", tiny_sd3_dir, "rewards=[{name: vvr_soft, count_gradients: false}]"))
+    tasks = [task for task in generate_tasks(60, seed=3, level="medium") if task.constraints[0].type.startswith("count")][:4]
+    chunk = t.rollout_chunk([task.prompt for task in tasks], [{"task": task} for task in tasks],
+                            torch.Generator().manual_seed(0))
+    with t.behaviour.swapped_in():
+        (unit,) = t.prepare(chunk, torch.full((4,), 0.5), torch.ones(4, dtype=torch.bool), torch.Generator().manual_seed(0))
+    assert torch.equal(unit.tensors["y_pos"], unit.tensors["y0"]) and torch.equal(unit.tensors["y_neg"], unit.tensors["y0"])
