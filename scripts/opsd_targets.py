@@ -24,6 +24,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def anchor_and_targets(policy, rewards: list, chunk, *, sigma_star: float, rho: float, ascent_steps: int,
+                       eta: float = 1.0, anchor: str = "query") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y0, y⁺, y⁻)`` ``(B, ...)`` for one rollout ``chunk``, built as ``DiffusionOPSDTrainer.prepare`` builds
+    them (``anchor="query"``) or from the rollout's final latents (``"final"``). ``rewards``: ``(name,
+    weight, reward)`` triples, as a trainer holds them."""
+    from flowalign.trainers.diffusion_opsd import bounded_targets, pixel_reward_gradient, query_index
+
+    if anchor == "query":
+        k = query_index(chunk.sigmas, sigma_star)
+        sigma_q, z_q = chunk.sigmas[k].item(), chunk.latents[:, k].to(policy.device)
+        with torch.no_grad():
+            y0 = z_q - sigma_q * policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale)
+    else:
+        y0 = chunk.final_latents.to(policy.device)
+    grad_fn = pixel_reward_gradient(policy, rewards, chunk.prompts, chunk.metadata)
+    y_pos, y_neg = bounded_targets(y0, grad_fn, rho, ascent_steps, eta)
+    return y0, y_pos, y_neg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="assets/tiny-sd3-vvr")
@@ -49,7 +68,6 @@ def main() -> None:
     from flowalign.io import write_json
     from flowalign.sampling import rollout
     from flowalign.train import resolve_model_path
-    from flowalign.trainers.diffusion_opsd import bounded_targets, pixel_reward_gradient, query_index
     from rewards.vvr import generate_tasks
 
     torch.manual_seed(0)
@@ -68,15 +86,9 @@ def main() -> None:
         gen = torch.Generator().manual_seed(args.seed * 100_003 + start)
         with torch.no_grad():
             r = rollout(policy, prompts, num_steps=args.steps, sampler="ode", generator=gen, metadata=meta, decode=False)
-            if args.anchor == "query":
-                k = query_index(r.sigmas, args.sigma_star)
-                sigma_q, z_q = r.sigmas[k].item(), r.latents[:, k]
-                y0 = z_q - sigma_q * policy.velocity(z_q, sigma_q, r.cond, r.guidance_scale)
-            else:
-                y0 = r.final_latents
-        grad_fn = pixel_reward_gradient(policy, [(args.reward, 1.0, soft)], prompts, meta)
         for rho in args.rho:
-            y_pos, y_neg = bounded_targets(y0, grad_fn, rho, args.ascent_steps, 1.0)
+            y0, y_pos, y_neg = anchor_and_targets(policy, [(args.reward, 1.0, soft)], r, sigma_star=args.sigma_star,
+                                                  rho=rho, ascent_steps=args.ascent_steps, anchor=args.anchor)
             for name, y in zip(names, (y_neg, y0, y_pos)):
                 with torch.no_grad():
                     images = policy.decode(y)
