@@ -24,30 +24,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def anchor_and_targets(policy, rewards: list, chunk, *, sigma_star: float, rho: float, ascent_steps: int,
-                       eta: float = 1.0, anchor: str = "query") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y0, y⁺, y⁻)`` ``(B, ...)`` for one rollout ``chunk``, built as ``DiffusionOPSDTrainer.prepare`` builds
-    them (``anchor="query"``) or from the rollout's final latents (``"final"``). ``rewards``: ``(name,
-    weight, reward)`` triples, as a trainer holds them."""
-    from flowalign.trainers.diffusion_opsd import bounded_targets, pixel_reward_gradient, query_index
+def anchor(policy, chunk, *, sigma_star: float, where: str = "query") -> torch.Tensor:
+    """``y0`` ``(B, ...)``: the trainer's anchor at the query state (``"query"``, via the trainer's own
+    :func:`query_anchor`), or the rollout's final latents (``"final"``)."""
+    from flowalign.trainers.diffusion_opsd import query_anchor
 
-    if anchor == "query":
-        k = query_index(chunk.sigmas, sigma_star)
-        sigma_q, z_q = chunk.sigmas[k].item(), chunk.latents[:, k].to(policy.device)
-        with torch.no_grad():
-            y0 = z_q - sigma_q * policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale)
-    else:
-        y0 = chunk.final_latents.to(policy.device)
+    return query_anchor(policy, chunk, sigma_star)[3] if where == "query" else chunk.final_latents.to(policy.device)
+
+
+def targets(policy, rewards: list, chunk, y0: torch.Tensor, *, rho: float, ascent_steps: int,
+            eta: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y⁺, y⁻)`` from ``y0`` exactly as ``DiffusionOPSDTrainer.prepare`` builds them. ``rewards``:
+    ``(name, weight, reward)`` triples, as a trainer holds them."""
+    from flowalign.trainers.diffusion_opsd import bounded_targets, pixel_reward_gradient
+
     grad_fn = pixel_reward_gradient(policy, rewards, chunk.prompts, chunk.metadata)
-    y_pos, y_neg = bounded_targets(y0, grad_fn, rho, ascent_steps, eta)
-    return y0, y_pos, y_neg
+    return bounded_targets(y0, grad_fn, rho, ascent_steps, eta)
+
+
+def score(policy, y: torch.Tensor, soft, judge, prompts: list[str], meta: list[dict]) -> dict[str, list]:
+    """Decode latents ``y`` once; the verifier's partial-credit score and verdict, and the reward's score."""
+    with torch.no_grad():
+        images = policy.decode(y)
+        s = soft(images, prompts, meta).total
+    h = judge(images, prompts, meta)
+    return {"vvr": h.total.tolist(), "passed": [bool(i["all_passed"]) for i in h.info], "soft": s.tolist()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="assets/tiny-sd3-vvr")
     ap.add_argument("--reward", default="vvr_soft", help="a registered differentiable reward")
-    ap.add_argument("--reward-options", default="{}", help='JSON keyword arguments of the reward, e.g. \'{"foreground_gate": true}\'')
+    ap.add_argument("--reward-options", default="{}", help='JSON keyword arguments of the reward, e.g. \'{"count_gradients": false}\'')
     ap.add_argument("--level", default="medium")
     ap.add_argument("--n", type=int, default=96)
     ap.add_argument("--seed", type=int, default=7, help="task and noise seed (< 1000: never a held-out split)")
@@ -86,17 +94,14 @@ def main() -> None:
         gen = torch.Generator().manual_seed(args.seed * 100_003 + start)
         with torch.no_grad():
             r = rollout(policy, prompts, num_steps=args.steps, sampler="ode", generator=gen, metadata=meta, decode=False)
+        y0 = anchor(policy, r, sigma_star=args.sigma_star, where=args.anchor)
+        scored = {"y0": score(policy, y0, soft, judge, prompts, meta)}  # y0 does not depend on ρ: decoded once
         for rho in args.rho:
-            y0, y_pos, y_neg = anchor_and_targets(policy, [(args.reward, 1.0, soft)], r, sigma_star=args.sigma_star,
-                                                  rho=rho, ascent_steps=args.ascent_steps, anchor=args.anchor)
-            for name, y in zip(names, (y_neg, y0, y_pos)):
-                with torch.no_grad():
-                    images = policy.decode(y)
-                    s = soft(images, prompts, meta).total
-                h = judge(images, prompts, meta)
-                res[rho][name]["vvr"] += h.total.tolist()
-                res[rho][name]["passed"] += [bool(i["all_passed"]) for i in h.info]
-                res[rho][name]["soft"] += s.tolist()
+            y_pos, y_neg = targets(policy, [(args.reward, 1.0, soft)], r, y0, rho=rho, ascent_steps=args.ascent_steps)
+            scored["y+"], scored["y-"] = (score(policy, y, soft, judge, prompts, meta) for y in (y_pos, y_neg))
+            for name in names:
+                for key in ("vvr", "passed", "soft"):
+                    res[rho][name][key] += scored[name][key]
         print(f"{start + len(chunk)}/{len(tasks)} tasks", flush=True)
 
     summary = {}

@@ -152,6 +152,17 @@ def bounded_targets(
     return out[0], out[1]
 
 
+@torch.no_grad()
+def query_anchor(policy, chunk: Rollout, sigma_star: float) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(σ_q, z_q, v(z_q), y0 = z_q − σ_q·v(z_q))`` of a rollout at its query state (``z_q``, ``v``, ``y0``:
+    ``(B, ...)``); the velocity is the live weights' (the trainer swaps φ in first)."""
+    k = query_index(chunk.sigmas, sigma_star)
+    sigma_q = chunk.sigmas[k].item()
+    z_q = chunk.latents[:, k].to(policy.device)
+    v = policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale)
+    return sigma_q, z_q, v, z_q - sigma_q * v
+
+
 def pixel_reward_gradient(policy, rewards, prompts: list[str], metadata: list[dict], checkpointing: bool = True):
     """``y ↦ ∇_y Σ_j w_j R_j(D(y), c)`` ``(B, ...)``: through the VAE decoder (checkpointed), never θ.
 
@@ -324,12 +335,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
     def prepare(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """Query state, anchor ``y0`` and targets ``y±`` under φ (the caller swapped φ in)."""
         t = self.tcfg
-        k = query_index(chunk.sigmas, t.sigma_star)
-        sigma_q = chunk.sigmas[k].item()
-        z_q = chunk.latents[:, k].to(self.policy.device)
-        with torch.no_grad():
-            v_phi = self.policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale)
-        y0 = z_q - sigma_q * v_phi
+        sigma_q, z_q, v_phi, y0 = query_anchor(self.policy, chunk, t.sigma_star)
         y_pos, y_neg = bounded_targets(y0, self.reward_gradient(chunk), t.rho, t.ascent_steps, t.eta)
         return [FitUnit(chunk, r.to(y0.device), keep,
                         {"z_q": z_q, "sigma_q": sigma_q, "v_phi": v_phi, "y0": y0, "y_pos": y_pos, "y_neg": y_neg})]

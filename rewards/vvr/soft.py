@@ -61,8 +61,9 @@ def srgb_to_lab(rgb: torch.Tensor) -> torch.Tensor:
     return torch.stack([116 * f[:, 1] - 16, 500 * (f[:, 0] - f[:, 1]), 200 * (f[:, 1] - f[:, 2])], 1)
 
 
-def colour_memberships(lab: torch.Tensor, temperature: float) -> torch.Tensor:
-    """CIELAB ``(B, 3, H, W)`` → soft palette memberships ``(B, K, H, W)`` summing to 1 per pixel."""
+def colour_memberships(images: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``(B, 3, H, W)`` in [0, 1] → soft palette memberships ``(B, K, H, W)`` summing to 1 per pixel."""
+    lab = srgb_to_lab(images)
     d2 = ((lab[:, None] - _LAB.to(lab)[None, :, :, None, None]) ** 2).sum(2)  # (B, K, H, W)
     # a heavy-tailed (Student-t-like) kernel instead of exp(−d²/τ²): as sharp near a palette centre, but a
     # pixel far from every centre still has a (small) gradient toward each colour instead of exp's underflow
@@ -371,8 +372,7 @@ class VVRSoftReward:
         if max(x.shape[-2:]) > WORK:
             x = F.adaptive_avg_pool2d(x, [max(1, round(s * WORK / max(x.shape[-2:]))) for s in x.shape[-2:]])
         finite = torch.isfinite(x).flatten(1).all(1)
-        member = colour_memberships(srgb_to_lab(torch.where(finite[:, None, None, None], x, torch.zeros_like(x))),
-                                    self.temperature)
+        member = colour_memberships(torch.where(finite[:, None, None, None], x, torch.zeros_like(x)), self.temperature)
         scores, valid, info = [], torch.zeros(n, dtype=torch.bool), []
         for i in range(n):
             task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None

@@ -16,12 +16,10 @@ def test_the_scripts_targets_are_the_trainers(tmp_path, tiny_sd3_dir):
     with t.behaviour.swapped_in():
         (unit,) = t.prepare(chunk, torch.full((len(chunk),), 0.5), torch.ones(len(chunk), dtype=torch.bool),
                             torch.Generator().manual_seed(0))
-    y0, y_pos, y_neg = script.anchor_and_targets(t.policy, t.rewards, chunk, sigma_star=t.tcfg.sigma_star,
-                                                 rho=0.2, ascent_steps=3)
+    y0 = script.anchor(t.policy, chunk, sigma_star=t.tcfg.sigma_star)
+    y_pos, y_neg = script.targets(t.policy, t.rewards, chunk, y0, rho=0.2, ascent_steps=3)
     for ours, theirs in ((y0, "y0"), (y_pos, "y_pos"), (y_neg, "y_neg")):
         torch.testing.assert_close(ours, unit.tensors[theirs], atol=1e-6, rtol=0)
     assert not torch.allclose(y_pos, y0)  # a real ascent, not the anchor handed back
     # the "final" anchor starts from the rollout's last latent instead
-    final, _, _ = script.anchor_and_targets(t.policy, t.rewards, chunk, sigma_star=0.278, rho=0.2, ascent_steps=3,
-                                            anchor="final")
-    torch.testing.assert_close(final, chunk.final_latents)
+    torch.testing.assert_close(script.anchor(t.policy, chunk, sigma_star=0.278, where="final"), chunk.final_latents)
