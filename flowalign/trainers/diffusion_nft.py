@@ -32,6 +32,10 @@ class DiffusionNFTConfig(SelfDistillConfig):
     #: noised copies of each endpoint per update, at distinct sampler timesteps σ_0..σ_{T-1} drawn per
     #: chunk (0: every timestep of the grid, the paper's "~all sampler timesteps")
     timesteps_per_sample: int = Field(0, ge=0)
+    #: CFG scale of v_θ and v_φ in the fit. None: the rollout's (the policy's guided velocity is fitted);
+    #: 1.0: the conditional velocity alone, the quantity whose flow-matching target ``ε − x_i`` is
+    #: (the paper's CFG-free training; rollouts keep their CFG either way)
+    fit_guidance: float | None = Field(None, ge=1.0)
 
 
 def nft_loss(
@@ -55,17 +59,21 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
         n = self.tcfg.timesteps_per_sample
         picked = (torch.randperm(len(sigmas), generator=generator)[:n].sort().values if 0 < n < len(sigmas)
                   else torch.arange(len(sigmas)))
+        guidance = self.fit_guidance(chunk)
         units = []
         for k in picked.tolist():
             t = sigmas[k].item()
             eps = torch.randn(x0.shape, generator=generator).to(x0)
             x_t = (1 - t) * x0 + t * eps
             with torch.no_grad():
-                v_phi = self.policy.velocity(x_t, t, chunk.cond, chunk.guidance_scale)
+                v_phi = self.policy.velocity(x_t, t, chunk.cond, guidance)
             units.append(FitUnit(chunk, r.to(x0.device), keep, {"t": t, "x_t": x_t, "v_phi": v_phi, "target": eps - x0}))
         return units
 
+    def fit_guidance(self, chunk: Rollout) -> float:
+        return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance
+
     def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
         x = unit.tensors
-        v_theta = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, unit.chunk.guidance_scale)
+        v_theta = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, self.fit_guidance(unit.chunk))
         return nft_loss(v_theta, x["v_phi"], x["target"], unit.r, self.tcfg.mirror_beta)

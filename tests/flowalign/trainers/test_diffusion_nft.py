@@ -72,3 +72,29 @@ def test_short_run_with_a_non_differentiable_reward_checkpoints_phi(tmp_path, ti
     live = t.trainable_state()
     assert set(live) == set(saved) and any(k.startswith("behaviour.") for k in saved)
     assert all(torch.equal(saved[k], v.detach().cpu()) for k, v in live.items())
+
+
+@pytest.mark.parametrize("fit_guidance", [None, 1.0])
+def test_fit_guidance_one_fits_the_conditional_velocity_alone(tmp_path, tiny_sd3_dir, prompt_file, fit_guidance):
+    """``trainer.fit_guidance=1``: the fit never sees the CFG negatives (its v_θ and v_φ are the conditional
+    velocity, whose flow-matching target ε − x_i is); unset, it fits the rollout's guided velocity."""
+    extra = ["trainer.name=diffusion_nft", "trainer.timesteps_per_sample=1"]
+    if fit_guidance is not None:
+        extra.append(f"trainer.fit_guidance={fit_guidance}")
+    t = build_trainer(small_config(tmp_path / "g", tiny_sd3_dir, prompt_file, *extra))
+    prompts, metadata, groups = t.step_prompts(0)
+    chunk = t.sample(prompts, metadata, groups).chunks[0]
+    assert chunk.guidance_scale > 1  # the rollout itself is guided either way
+    r = torch.linspace(0, 1, len(chunk))
+
+    def fit_loss() -> torch.Tensor:
+        with t.behaviour.swapped_in():
+            units = t.prepare(chunk, r, torch.ones(len(chunk), dtype=torch.bool), torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            return torch.stack([t.fit_loss(u)[0] for u in units])
+
+    before = fit_loss()
+    for key in ("negative_prompt_embeds", "negative_pooled_prompt_embeds"):
+        chunk.cond.tensors[key] = chunk.cond.tensors[key] + 1.0
+    after = fit_loss()
+    assert torch.equal(before, after) == (fit_guidance == 1.0)
