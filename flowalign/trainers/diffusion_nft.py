@@ -32,10 +32,11 @@ class DiffusionNFTConfig(SelfDistillConfig):
     #: noised copies of each endpoint per update, at distinct sampler timesteps σ_0..σ_{T-1} drawn per
     #: chunk (0: every timestep of the grid, the paper's "~all sampler timesteps")
     timesteps_per_sample: int = Field(0, ge=0)
-    #: CFG scale of v_θ and v_φ in the fit. None: the rollout's (the policy's guided velocity is fitted);
-    #: 1.0: the conditional velocity alone, the quantity whose flow-matching target ``ε − x_i`` is
-    #: (the paper's CFG-free training; rollouts keep their CFG either way)
-    fit_guidance: float | None = Field(None, ge=1.0)
+    #: CFG scale of v_θ and v_φ in the fit. 1.0 (default): the conditional velocity alone, the quantity
+    #: whose flow-matching target ``ε − x_i`` is (the paper's CFG-free training); None: the rollout's
+    #: scale, fitting the guided velocity (on the tiny model that wrecked it: docs/opsd_nft.md, session 11).
+    #: Rollouts keep their CFG either way.
+    fit_guidance: float | None = Field(1.0, ge=1.0)
 
 
 def nft_loss(

@@ -76,11 +76,11 @@ def test_short_run_with_a_non_differentiable_reward_checkpoints_phi(tmp_path, ti
 
 @pytest.mark.parametrize("fit_guidance", [None, 1.0])
 def test_fit_guidance_one_fits_the_conditional_velocity_alone(tmp_path, tiny_sd3_dir, prompt_file, fit_guidance):
-    """``trainer.fit_guidance=1``: the fit never sees the CFG negatives (its v_θ and v_φ are the conditional
-    velocity, whose flow-matching target ε − x_i is); unset, it fits the rollout's guided velocity."""
+    """``trainer.fit_guidance=1`` (the default): the fit never sees the CFG negatives (its v_θ and v_φ are the
+    conditional velocity, whose flow-matching target ε − x_i is); null: it fits the rollout's guided velocity."""
     extra = ["trainer.name=diffusion_nft", "trainer.timesteps_per_sample=1"]
-    if fit_guidance is not None:
-        extra.append(f"trainer.fit_guidance={fit_guidance}")
+    if fit_guidance is None:  # 1.0 is the default
+        extra.append("trainer.fit_guidance=null")
     t = build_trainer(small_config(tmp_path / "g", tiny_sd3_dir, prompt_file, *extra))
     prompts, metadata, groups = t.step_prompts(0)
     chunk = t.sample(prompts, metadata, groups).chunks[0]
