@@ -12,6 +12,7 @@ import json
 import random
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,16 @@ def prune(run_dir: str | Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+#: keys of ``trainable.safetensors`` under this prefix are trainer state kept beside the weights for resume
+#: (DiffusionNFT/OPSD's behaviour weights φ), not weights that a model loads
+TRAINER_STATE_PREFIX = "behaviour."
+
+
+def weight_names(keys: Iterable[str]) -> list[str]:
+    """The keys of ``trainable.safetensors`` that are model weights (trainer state left out)."""
+    return [k for k in keys if not k.startswith(TRAINER_STATE_PREFIX)]
+
+
 def ema_by_name(folder: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A checkpoint's EMA weights keyed by parameter name.
 
@@ -143,7 +154,7 @@ def ema_by_name(folder: Path, module: torch.nn.Module) -> dict[str, torch.Tensor
     from safetensors import safe_open
 
     with safe_open(str(folder / "trainable.safetensors"), "pt") as f:
-        trained = set(f.keys())
+        trained = set(weight_names(f.keys()))
     names = [n for n, _ in module.named_parameters() if n in trained]
     shadow = load_file(str(folder / "ema.safetensors"))
     count = sum(1 for k in shadow if k.startswith("shadow."))

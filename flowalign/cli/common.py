@@ -42,7 +42,10 @@ def load_weights(policy, folder: Path) -> None:
     if full.exists() and not any(folder.glob("*lora*.safetensors")):
         from safetensors.torch import load_file
 
+        from flowalign.checkpoint import weight_names
+
         state = load_file(str(full))
+        state = {k: state[k] for k in weight_names(state)}
         missing, unexpected = policy.trainable.load_state_dict(state, strict=False)
         if unexpected or len(state) == 0:
             raise UserError(f"--adapter {folder}: its weights do not match this model ({len(unexpected)} unknown tensors)")

@@ -35,6 +35,7 @@ import torch
 from pydantic import Field
 from torch.utils.checkpoint import checkpoint
 
+from flowalign.checkpoint import TRAINER_STATE_PREFIX
 from flowalign.errors import UserError
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, StepBatch
@@ -297,9 +298,9 @@ class SelfDistillTrainer(GroupTrainer):
         live = super().trainable_state()
         names = list(live)
         state = dict(live)
-        state.update({f"behaviour.{n}": t for n, t in zip(names, self.behaviour.tensors)})
+        state.update({f"{TRAINER_STATE_PREFIX}{n}": t for n, t in zip(names, self.behaviour.tensors)})
         self._steps_buf.fill_(float(self.optimizer_steps))
-        state["behaviour.optimizer_steps"] = self._steps_buf  # s of λ_s
+        state[f"{TRAINER_STATE_PREFIX}optimizer_steps"] = self._steps_buf  # s of λ_s
         return state
 
     def maybe_resume(self) -> None:

@@ -48,3 +48,23 @@ def test_ema_without_checkpoint_or_shadow_is_refused(tmp_path, tiny_sd3_dir, pro
     trainer.train()
     with pytest.raises(UserError, match="no ema.safetensors"):
         load_policy(_args(tiny_sd3_dir, tmp_path / "run" / "checkpoints" / "step-000002", ema=True))
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_a_self_distillation_checkpoint_loads_its_theta_not_phi(tmp_path, tiny_sd3_dir, prompt_file, finetune):
+    """NFT/OPSD checkpoints hold the behaviour weights φ beside θ (``behaviour.*``) for resume; ``--adapter``
+    loads θ and its EMA, and ignores φ."""
+    extra = ["trainer.name=diffusion_nft", "trainer.timesteps_per_sample=1", "trainer.ema_decay=0.5",
+             "trainer.ema_every=1", "run.checkpoint_every=2", f"model.finetune={finetune}"]
+    trainer = build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, *extra))
+    trainer.train()
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
+    theta = {n: p.detach().clone() for n, p in trainer.policy.trainable.named_parameters() if p.requires_grad}
+    phi = dict(zip(theta, trainer.behaviour.tensors))
+    assert any(not torch.equal(theta[n], phi[n]) for n in theta)  # φ trails θ: loading φ would be caught
+    with trainer.ema.swapped_in():
+        ema = {n: p.detach().clone() for n, p in trainer.policy.trainable.named_parameters() if p.requires_grad}
+    for use_ema, expected in ((False, theta), (True, ema)):
+        got = dict(load_policy(_args(tiny_sd3_dir, ckpt, ema=use_ema)).trainable.named_parameters())
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name].detach(), value, atol=0, rtol=0)
