@@ -229,12 +229,14 @@ def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, i
     a = np.where(valid, cover, 0.0)
     ys, xs = np.indices(a.shape) + 0.5
     area = a.sum()
+    y0, y1, x0, x1 = bbox
+    if area <= 0:  # every pixel of the object is claimed by others: no shape can be read (and moments are 0/0)
+        return None, (float(x0), float(y0), float(x1), float(y1)), np.zeros_like(a)
     mx, my = (a * xs).sum() / area, (a * ys).sum() / area
     var_x, var_y = (a * (xs - mx) ** 2).sum() / area, (a * (ys - my) ** 2).sum() / area
     moment_aspect = math.sqrt(max(var_x, 0.1) / max(var_y, 0.1))
     soft = _soft_box(a, bbox)
     aspect = (soft[2] - soft[0]) / (soft[3] - soft[1])
-    y0, y1, x0, x1 = bbox
     occluded = not valid[max(0, y0 - 1):y1 + 1, max(0, x0 - 1):x1 + 1].all()
     placements: list[tuple[str, tuple[float, float, float, float]]] = []
     for shape in SHAPES:

@@ -319,3 +319,19 @@ def test_a_blob_fainter_than_the_noise_matches_no_shape():
     with np.errstate(invalid="raise", divide="raise"):
         shape, _, _ = _classify(cover, np.ones_like(cover, dtype=bool), (2, 10, 2, 11))
     assert shape is None
+
+
+def test_an_object_hidden_on_every_pixel_reads_as_no_shape_without_nan():
+    """An object whose every pixel is claimed by others has zero visible area: no shape, no 0/0 warning."""
+    import warnings
+
+    import numpy as np
+
+    from rewards.vvr.segment import _classify
+
+    cover = np.zeros((12, 12))
+    cover[3:9, 3:9] = 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shape, box, template = _classify(cover, np.zeros_like(cover, dtype=bool), (3, 9, 3, 9))
+    assert shape is None and box == (3.0, 3.0, 9.0, 9.0) and not template.any()
