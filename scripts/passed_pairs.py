@@ -13,25 +13,21 @@ of the SFT/SOAR trainer reads. Prints how many samples each folder gave.
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def passed_rows(folder: Path, min_score: float | None) -> list[dict]:
-    """``{"image", "prompt"}`` rows of ``folder``'s valid samples that passed (or scored ≥ ``min_score``)."""
-    results = folder / "results.jsonl"
-    if not results.is_file():
-        raise SystemExit(f"{folder}: no results.jsonl; give folders written by `flowalign evaluate --out`")
-    rows = []
-    for line in results.read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        keep = r["all_passed"] if min_score is None else r["score"] >= min_score
-        if r["valid"] and keep:
-            rows.append({"image": str((folder / r["file"]).resolve()), "prompt": r["prompt"]})
-    return rows
+from win_rate import read  # noqa: E402
+
+from flowalign.io import write_jsonl  # noqa: E402
+
+
+def passed_rows(folder: Path, results: list[dict], min_score: float | None) -> list[dict]:
+    """``{"image", "prompt"}`` rows of the valid samples in ``results`` (``folder``'s ``results.jsonl``,
+    as :func:`win_rate.read` gives it) that passed, or scored ≥ ``min_score``."""
+    return [{"image": str((folder / r["file"]).resolve()), "prompt": r["prompt"]} for r in results
+            if r["valid"] and (r["all_passed"] if min_score is None else r["score"] >= min_score)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,16 +39,15 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for folder in args.folders:
-        kept = passed_rows(folder, args.min_score)
-        total = sum(1 for line in (folder / "results.jsonl").read_text().splitlines() if line.strip())
-        print(f"{folder}: {len(kept)} of {total} samples kept")
+        if not (folder / "results.jsonl").is_file():
+            raise SystemExit(f"{folder}: no results.jsonl; give folders written by `flowalign evaluate --out`")
+        results = read(folder)
+        kept = passed_rows(folder, results, args.min_score)
+        print(f"{folder}: {len(kept)} of {len(results)} samples kept")
         rows += kept
     if not rows:
         raise SystemExit("no sample passed; nothing to write")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, args.out)
+    write_jsonl(args.out, rows)
     print(f"{args.out}: {len(rows)} pairs")
 
 
