@@ -24,12 +24,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def anchor(policy, chunk, *, sigma_star: float, where: str = "query") -> torch.Tensor:
+def anchor(policy, chunk, *, sigma_star: float, where: str = "query", guidance: float | None = None) -> torch.Tensor:
     """``y0`` ``(B, ...)``: the trainer's anchor at the query state (``"query"``, via the trainer's own
     :func:`query_anchor`), or the rollout's final latents (``"final"``)."""
     from flowalign.trainers.diffusion_opsd import query_anchor
 
-    return query_anchor(policy, chunk, sigma_star)[3] if where == "query" else chunk.final_latents.to(policy.device)
+    return query_anchor(policy, chunk, sigma_star, guidance)[3] if where == "query" else chunk.final_latents.to(policy.device)
 
 
 def targets(policy, rewards: list, chunk, y0: torch.Tensor, *, rho: float, ascent_steps: int,
@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--sigma-star", type=float, default=0.278)
     ap.add_argument("--anchor", choices=["query", "final"], default="query",
                     help="y0 at the query state (the trainer's) or the rollout's final latent")
+    ap.add_argument("--fit-guidance", type=float, default=None,
+                    help="CFG scale of the anchor's velocity (the trainer's trainer.fit_guidance; default: the rollout's)")
     ap.add_argument("--rho", type=float, nargs="+", default=[0.1, 0.3])
     ap.add_argument("--ascent-steps", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -94,7 +96,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(args.seed * 100_003 + start)
         with torch.no_grad():
             r = rollout(policy, prompts, num_steps=args.steps, sampler="ode", generator=gen, metadata=meta, decode=False)
-        y0 = anchor(policy, r, sigma_star=args.sigma_star, where=args.anchor)
+        y0 = anchor(policy, r, sigma_star=args.sigma_star, where=args.anchor, guidance=args.fit_guidance)
         scored = {"y0": score(policy, y0, soft, judge, prompts, meta)}  # y0 does not depend on ρ: decoded once
         for rho in args.rho:
             y_pos, y_neg = targets(policy, [(args.reward, 1.0, soft)], r, y0, rho=rho, ascent_steps=args.ascent_steps)

@@ -32,10 +32,9 @@ class DiffusionNFTConfig(SelfDistillConfig):
     #: noised copies of each endpoint per update, at distinct sampler timesteps σ_0..σ_{T-1} drawn per
     #: chunk (0: every timestep of the grid, the paper's "~all sampler timesteps")
     timesteps_per_sample: int = Field(0, ge=0)
-    #: CFG scale of v_θ and v_φ in the fit. 1.0 (default): the conditional velocity alone, the quantity
-    #: whose flow-matching target ``ε − x_i`` is (the paper's CFG-free training); None: the rollout's
-    #: scale, fitting the guided velocity (on the tiny model that wrecked it: docs/opsd_nft.md, session 11).
-    #: Rollouts keep their CFG either way.
+    #: 1.0 here: the conditional velocity is the quantity whose flow-matching target ``ε − x_i`` is (the
+    #: paper's CFG-free training); None fits the guided velocity, which wrecked the tiny model
+    #: (docs/opsd_nft.md, session 11)
     fit_guidance: float | None = Field(1.0, ge=1.0)
 
 
@@ -70,9 +69,6 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
                 v_phi = self.policy.velocity(x_t, t, chunk.cond, guidance)
             units.append(FitUnit(chunk, r.to(x0.device), keep, {"t": t, "x_t": x_t, "v_phi": v_phi, "target": eps - x0}))
         return units
-
-    def fit_guidance(self, chunk: Rollout) -> float:
-        return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance
 
     def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
         x = unit.tensors

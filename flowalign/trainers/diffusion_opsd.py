@@ -61,6 +61,11 @@ class SelfDistillConfig(GroupTrainerConfig):
     #: the separate EMA of θ used for evaluation and checkpoints
     ema_decay: float = Field(0.9, ge=0, lt=1)
     ema_every: int = Field(1, ge=1)
+    #: CFG scale of every velocity the fit reads (v_θ, v_φ and, for OPSD, the anchor's). None: the
+    #: rollout's scale (OPSD's spec: "same CFG as the rollout"); 1.0: the conditional velocity alone, so the
+    #: unconditional branch is not pushed through the CFG formula (NFT's default; docs/opsd_nft.md,
+    #: session 11). Rollouts keep their CFG either way.
+    fit_guidance: float | None = Field(None, ge=1.0)
 
 
 class DiffusionOPSDConfig(SelfDistillConfig):
@@ -154,13 +159,15 @@ def bounded_targets(
 
 
 @torch.no_grad()
-def query_anchor(policy, chunk: Rollout, sigma_star: float) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+def query_anchor(policy, chunk: Rollout, sigma_star: float, guidance: float | None = None
+                 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(σ_q, z_q, v(z_q), y0 = z_q − σ_q·v(z_q))`` of a rollout at its query state (``z_q``, ``v``, ``y0``:
-    ``(B, ...)``); the velocity is the live weights' (the trainer swaps φ in first)."""
+    ``(B, ...)``); the velocity is the live weights' (the trainer swaps φ in first), at CFG ``guidance``
+    (None: the rollout's)."""
     k = query_index(chunk.sigmas, sigma_star)
     sigma_q = chunk.sigmas[k].item()
     z_q = chunk.latents[:, k].to(policy.device)
-    v = policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale)
+    v = policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale if guidance is None else guidance)
     return sigma_q, z_q, v, z_q - sigma_q * v
 
 
@@ -292,6 +299,10 @@ class SelfDistillTrainer(GroupTrainer):
     def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def fit_guidance(self, chunk: Rollout) -> float:
+        """The CFG scale of the velocities the fit reads (``trainer.fit_guidance``, else the rollout's)."""
+        return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance
+
     # ------------------------------------------------------------ checkpoints hold φ too
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """θ's tensors plus φ's (``behaviour.<name>``) and the optimiser-step count, so resume restores both."""
@@ -336,13 +347,13 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
     def prepare(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """Query state, anchor ``y0`` and targets ``y±`` under φ (the caller swapped φ in)."""
         t = self.tcfg
-        sigma_q, z_q, v_phi, y0 = query_anchor(self.policy, chunk, t.sigma_star)
+        sigma_q, z_q, v_phi, y0 = query_anchor(self.policy, chunk, t.sigma_star, self.fit_guidance(chunk))
         y_pos, y_neg = bounded_targets(y0, self.reward_gradient(chunk), t.rho, t.ascent_steps, t.eta)
         return [FitUnit(chunk, r.to(y0.device), keep,
                         {"z_q": z_q, "sigma_q": sigma_q, "v_phi": v_phi, "y0": y0, "y_pos": y_pos, "y_neg": y_neg})]
 
     def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
         x = unit.tensors
-        v_theta = self.policy.velocity(x["z_q"], x["sigma_q"], unit.chunk.cond, unit.chunk.guidance_scale)
+        v_theta = self.policy.velocity(x["z_q"], x["sigma_q"], unit.chunk.cond, self.fit_guidance(unit.chunk))
         return opsd_loss(v_theta, x["v_phi"], x["z_q"], x["sigma_q"], x["y_pos"], x["y_neg"], unit.r,
                          self.tcfg.mirror_beta, self.tcfg.adv_clip)

@@ -56,11 +56,11 @@ OUTLINE_BG_FRACTION = 0.12
 _EIGHT = np.ones((3, 3), dtype=bool)
 _SQUARE2 = np.ones((2, 2), dtype=bool)
 # sRGB → (Y, Cb, Cr) (JPEG's BT.601) with chroma weighted down to 0.3
-_LUMA_WEIGHTED = np.diag([1.0, 0.3, 0.3]) @ np.array(
+LUMA_WEIGHTED = np.diag([1.0, 0.3, 0.3]) @ np.array(
     [[0.299, 0.587, 0.114], [-0.168736, -0.331264, 0.5], [0.5, -0.418688, -0.081312]]
 )
 # rectangles and ellipses may be drawn either way round by a generator
-_FREE_ASPECT = {"rectangle", "ellipse"}
+FREE_ASPECT = {"rectangle", "ellipse"}
 
 
 @dataclass
@@ -177,8 +177,8 @@ def _labels(rgb: np.ndarray, bg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             # on a collinear tie (grey is half-way between black and white) prefer the purer reading
             r += 0.02 * np.minimum(beta, 1 - beta) * np.linalg.norm(e)
             if i == 0:  # against the background, split on the luma-weighted α
-                ew = e @ _LUMA_WEIGHTED.T
-                beta = np.clip((colours - ends[0]) @ _LUMA_WEIGHTED.T @ ew / (ew @ ew), 0.0, 1.0)
+                ew = e @ LUMA_WEIGHTED.T
+                beta = np.clip((colours - ends[0]) @ LUMA_WEIGHTED.T @ ew / (ew @ ew), 0.0, 1.0)
             better = r < best_r
             best_r[better] = r[better]
             label[better] = np.where(beta[better] >= 0.5, names[j], names[i])
@@ -241,7 +241,7 @@ def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, i
     placements: list[tuple[str, tuple[float, float, float, float]]] = []
     for shape in SHAPES:
         rho, ox, oy = MOMENTS[shape]
-        asp = moment_aspect if shape in _FREE_ASPECT else ASPECT[shape]
+        asp = moment_aspect if shape in FREE_ASPECT else ASPECT[shape]
         h = math.sqrt(area / (rho * asp))
         w = asp * h
         cx, cy = mx - ox * w, my - oy * h
@@ -252,7 +252,7 @@ def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, i
     penalty = np.empty(len(placements))
     for i, (shape, _) in enumerate(placements):
         miss = abs(math.log(aspect / ASPECT[shape]))
-        if shape in _FREE_ASPECT:
+        if shape in FREE_ASPECT:
             miss = min(miss, abs(math.log(aspect * ASPECT[shape])))
         penalty[i] = ASPECT_WEIGHT * miss
     target = _denoise(a) * valid
@@ -287,8 +287,8 @@ def _majority(labels: np.ndarray, foreground: np.ndarray) -> np.ndarray:
 
 def _cover(pixels: np.ndarray, colour: np.ndarray, under: np.ndarray) -> np.ndarray:
     """Coverage α of ``colour`` in ``pixels`` read as mixes with the colour ``under`` it (luma-weighted)."""
-    v = (colour - under) @ _LUMA_WEIGHTED.T
-    return np.clip((pixels - under) @ _LUMA_WEIGHTED.T @ v / (v @ v), 0.0, 1.0)
+    v = (colour - under) @ LUMA_WEIGHTED.T
+    return np.clip((pixels - under) @ LUMA_WEIGHTED.T @ v / (v @ v), 0.0, 1.0)
 
 
 def segment(rgb: np.ndarray) -> Detection:

@@ -16,6 +16,11 @@ metadata with smooth stand-ins [derived], and the hard verifier stays the judge 
 * **relations via soft centroids** — mass-weighted centroids, compared with the verifier's margins
   through sigmoids of width ``t`` (image fractions).
 * **sizes via mass** — a log-area comparison against the size class's expected area.
+* **shapes via templates** (``shapes=True``) — the verifier's own test, softened: each shape's
+  template is placed on an object's soft mask by its moments (as ``segment._classify`` does), and the
+  named shape must beat every other shape's soft IoU ``Σmin/Σmax`` less the same aspect penalty; the
+  placement is held fixed, so the gradient moves pixels toward the named template and away from the
+  closest rival (a circle drawn so that it reads as a hexagon gets rounder).
 
 Each constraint gets ``s_j ∈ (0, 1)``; the reward is the verifier's form
 ``(1−γ)·mean_j s_j + γ·Π_j s_j`` in [0, 1]. How well it ranks samples against the verifier is measured
@@ -33,17 +38,22 @@ import torch.nn.functional as F
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.registry import register
-from rewards.vvr.geometry import MOMENTS, SIZE_EXTENT, STROKE, box_size
-from rewards.vvr.palette import COLOURS, PALETTE_LAB
+from rewards.vvr.geometry import ASPECT, MOMENTS, SHAPES, SIZE_EXTENT, STROKE, box_size, coverages
+from rewards.vvr.palette import COLOURS, PALETTE_LAB, PALETTE_RGB
 from rewards.vvr.predicates import _MEDIUM_LARGE, _SMALL_MEDIUM
+from rewards.vvr.segment import LUMA_WEIGHTED, ASPECT_WEIGHT, FREE_ASPECT
 from rewards.vvr.tasks import Constraint, Obj, Task, as_task
 from rewards.vvr.verify import GAMMA
 
 KERNEL_POWER = 4  # tail of the colour kernel (larger: sharper, closer to a softmax)
+PROFILE_FLOOR = 0.05  # coverage below this is noise to the box's extent (a whole row of it would widen it)
+SHAPE_WIDTH = 0.02  # width of the shape margin's smooth step (soft-IoU units)
 EM_STEPS = 4  # soft k-means steps that split a colour mask among the scene objects of that colour
 EM_SCALE = 0.12  # their spatial scale (image fractions)
 WORK = 128  # larger images are average-pooled to at most this many pixels a side (as the verifier)
 _LAB = torch.tensor(PALETTE_LAB, dtype=torch.float32)  # (K, 3)
+_RGB = torch.tensor(PALETTE_RGB / 255, dtype=torch.float32)  # (K, 3) in [0, 1]
+_LUMA = torch.tensor(LUMA_WEIGHTED, dtype=torch.float32)  # the verifier's coverage metric
 _INDEX = {c: i for i, c in enumerate(COLOURS)}
 # sRGB → XYZ (D65), rows normalised by the white point so XYZ/white is a single matrix product
 _M = torch.tensor([[0.4124564, 0.3575761, 0.1804375], [0.2126729, 0.7151522, 0.0721750],
@@ -88,8 +98,10 @@ def _matches(ref: Mapping[str, str], o: Obj) -> bool:
 class _SoftScene:
     """One sample's soft masks plus the task's scene objects, with the soft measurements of descriptors."""
 
-    def __init__(self, member: torch.Tensor, task: Task, sharpness: float, count_gradients: bool = True):
+    def __init__(self, member: torch.Tensor, task: Task, sharpness: float, count_gradients: bool = True,
+                 shapes: bool = False, image: torch.Tensor | None = None):
         self.p, self.task, self.t, self.count_gradients = member, task, sharpness, count_gradients  # p: (K, H, W)
+        self.shapes, self.image = shapes, image  # image: (3, H, W) in [0, 1], read by the shape term
         h, w = member.shape[-2:]
         self.ys = (torch.arange(h, dtype=member.dtype, device=member.device) + 0.5) / h
         self.xs = (torch.arange(w, dtype=member.dtype, device=member.device) + 0.5) / w
@@ -195,7 +207,71 @@ class _SoftScene:
         return 0.5 + torch.atan((value - threshold) / width) / math.pi
 
     def exists(self, ref: Mapping[str, str]) -> torch.Tensor:
-        return self.gt(self.count(ref), 0.5, 0.15)
+        present = self.gt(self.count(ref), 0.5, 0.15)
+        if not self.count_gradients:
+            present = present.detach()
+        if not (self.shapes and "shape" in ref):
+            return present
+        found = self.matching(ref)
+        if not found:  # an absent descriptor: the count alone says whether its colour shows
+            return present
+        reads = torch.stack([self.shape_read(i, ref["shape"]) for i in found]).max()
+        return present * reads
+
+    def coverage(self, i: int) -> torch.Tensor:
+        """``(H, W)`` coverage α of scene object ``i`` as the verifier reads it: each pixel unmixed as
+        ``α·colour + (1−α)·background`` (luma-weighted, ``segment._cover``), with pixels of the scene's other
+        colours left out and a colour shared with other scene objects split by the EM masks. Linear in
+        the pixels, so (unlike a colour membership, which a small shade change can halve) it cannot be
+        lowered without the verifier seeing the change."""
+        o = self.task.objects[i]
+        weights = _LUMA.to(self.image)
+        under = _RGB[_INDEX[self.task.background]].to(self.image)
+        v = (_RGB[_INDEX[o.colour]].to(self.image) - under) @ weights.T
+        alpha = (torch.einsum("chw,dc->hwd", self.image - under[:, None, None], weights) @ v / (v @ v)).clamp(0, 1)
+        others = sorted({p.colour for p in self.task.objects} - {o.colour, self.task.background})
+        if others:
+            alpha = alpha * (1 - self.p[[_INDEX[c] for c in others]].sum(0)).clamp(0, 1)
+        if sum(p.colour == o.colour for p in self.task.objects) > 1:
+            alpha = alpha * (self.obj_masks[i] / self.p[_INDEX[o.colour]].clamp(min=1e-6)).clamp(0, 1)
+        return alpha
+
+    def shape_read(self, i: int, shape: str) -> torch.Tensor:
+        """Smooth "the verifier reads scene object ``i`` as ``shape``" in (0, 1): ``gt`` of the margin of the
+        named template's score over the best other shape's (soft IoU less the aspect penalty) on the
+        object's :meth:`coverage`. Templates are placed from its detached moments; a coverage of under
+        one pixel reads as nothing (½, no gradient)."""
+        m = self.coverage(i)
+        a = m.detach().double()
+        area = float(a.sum())
+        if area < 1.0:
+            return (m.sum() * 0.0).detach() + 0.5
+        ys, xs = torch.meshgrid(*(torch.arange(n, dtype=a.dtype) + 0.5 for n in a.shape), indexing="ij")
+        mx, my = float((a * xs).sum() / area), float((a * ys).sum() / area)
+        var_x, var_y = float((a * (xs - mx) ** 2).sum() / area), float((a * (ys - my) ** 2).sum() / area)
+        moment_aspect = math.sqrt(max(var_x, 0.1) / max(var_y, 0.1))
+        # the verifier's aspect is its sub-pixel box's; the extents of the (squashed) row and column
+        # profiles are that box's width and height, and keep a gradient (a hexagon's box is 0.87 wide)
+        squash = ((m - PROFILE_FLOOR) / (1 - PROFILE_FLOOR)).clamp(0, 1)
+        aspect = squash.amax(0).sum() / squash.amax(1).sum().clamp(min=1.0)
+        placements, penalty = [], []
+        for s in SHAPES:
+            rho, ox, oy = MOMENTS[s]
+            asp = moment_aspect if s in FREE_ASPECT else ASPECT[s]
+            h = math.sqrt(area / (rho * asp))
+            w = asp * h
+            cx, cy = mx - ox * w, my - oy * h
+            placements.append((s, (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)))
+            miss = (aspect.clamp(min=1e-3) / ASPECT[s]).log().abs()
+            if s in FREE_ASPECT:
+                miss = torch.minimum(miss, (aspect.clamp(min=1e-3) * ASPECT[s]).log().abs())
+            penalty.append(ASPECT_WEIGHT * miss)
+        t = torch.from_numpy(coverages(placements, tuple(a.shape))).to(m)
+        iou = torch.minimum(m[None], t).flatten(1).sum(1) / torch.maximum(m[None], t).flatten(1).sum(1).clamp(min=1e-6)
+        score = iou - torch.stack(penalty)
+        k = SHAPES.index(shape)
+        rival = torch.cat([score[:k], score[k + 1:]]).max()
+        return self.gt(score[k] - rival, 0.0, SHAPE_WIDTH)
 
     def left(self, a: Mapping[str, str], b: Mapping[str, str], axis: int) -> torch.Tensor:
         """Smooth verifier left-of (axis 0) / above (axis 1): ``c_a < c_b − 0.1·(w_a + w_b)``."""
@@ -214,7 +290,8 @@ class _SoftScene:
         """``s ∈ (0, 1)`` for one constraint (a smooth version of ``verify.check``). Without count
         gradients, counts and the presence factor of relations keep their value but pass no gradient."""
         s = self._score(c)
-        return s if self.count_gradients or c.type not in COUNT_TYPES else s.detach()
+        # exists (and so absent, and relations' presence) cuts its own mass gradient, keeping the shape term's
+        return s if self.count_gradients or c.type not in COUNT_TYPES - {"exists", "absent"} else s.detach()
 
     def _score(self, c: Constraint) -> torch.Tensor:
         t, a = c.type, c.args
@@ -242,7 +319,7 @@ class _SoftScene:
             return self.gt(border.mean(), 0.5, 0.1)
         refs = [a[k] for k in ("ref", "a", "b", "c") if k in a]
         present = torch.stack([self.exists(r) for r in refs]).prod()
-        return (present if self.count_gradients else present.detach()) * self.relation(c, refs)
+        return present * self.relation(c, refs)
 
     def relation(self, c: Constraint, refs: list[Mapping[str, str]]) -> torch.Tensor:
         """The smooth predicate of a constraint on referenced objects (their presence is scored apart)."""
@@ -349,20 +426,21 @@ class VVRSoftReward:
     of the positional sigmoids in image fractions. ``count_gradients=False`` keeps every score but cuts
     the gradient of counts and of relations' presence factors: a count read from soft mass is raised by
     growing objects, not by adding one, and ascending it lowered the verifier's score
-    (``scripts/opsd_targets.py``, docs/opsd_nft.md).
+    (``scripts/opsd_targets.py``, docs/opsd_nft.md). ``shapes=True`` also scores (and passes the
+    gradient of) whether each named shape reads as that shape, by the verifier's template test.
     """
 
     name = "vvr_soft"
     differentiable = True
 
     def __init__(self, gamma: float = GAMMA, temperature: float = 12.0, sharpness: float = 0.03,
-                 count_gradients: bool = True):
+                 count_gradients: bool = True, shapes: bool = False):
         if not 0.0 <= gamma <= 1.0:
             raise UserError(f"vvr_soft reward: gamma must lie in [0, 1], got {gamma}")
         if temperature <= 0 or sharpness <= 0:
             raise UserError(f"vvr_soft reward: temperature and sharpness must be > 0, got {temperature}, {sharpness}")
         self.gamma, self.temperature, self.sharpness = gamma, temperature, sharpness
-        self.count_gradients = count_gradients
+        self.count_gradients, self.shapes = count_gradients, shapes
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         if samples.ndim != 4 or samples.shape[1] != 3:
@@ -380,7 +458,7 @@ class VVRSoftReward:
                 scores.append(member[i].sum() * 0.0)  # keeps the graph connected; no gradient
                 info.append({"reason": f"metadata[{i}] has no 'task'" if task is None else "image has NaN or infinite values"})
                 continue
-            scene = _SoftScene(member[i], as_task(task), self.sharpness, self.count_gradients)
+            scene = _SoftScene(member[i], as_task(task), self.sharpness, self.count_gradients, self.shapes, x[i])
             s = torch.stack([scene.score(c) for c in scene.task.constraints])
             scores.append((1 - self.gamma) * s.mean() + self.gamma * s.prod())
             valid[i] = True

@@ -179,3 +179,27 @@ def test_a_batch_with_no_reward_gradient_gets_targets_equal_to_the_anchor(tmp_pa
     with t.behaviour.swapped_in():
         (unit,) = t.prepare(chunk, torch.full((4,), 0.5), torch.ones(4, dtype=torch.bool), torch.Generator().manual_seed(0))
     assert torch.equal(unit.tensors["y_pos"], unit.tensors["y0"]) and torch.equal(unit.tensors["y_neg"], unit.tensors["y0"])
+
+
+@pytest.mark.parametrize("fit_guidance", [None, 1.0])
+def test_fit_guidance_one_reads_the_conditional_velocity_alone(tmp_path, tiny_sd3_dir, fit_guidance):
+    """``trainer.fit_guidance=1``: the anchor, the targets and the fit never see the CFG negatives; null (the
+    default, the spec's "same CFG as the rollout"): they do. The rollout is guided either way."""
+    extra = [] if fit_guidance is None else ["trainer.fit_guidance=1.0"]
+    t = build_trainer(vvr_run(tmp_path / "g", tiny_sd3_dir, *extra))
+    prompts, metadata, groups = t.step_prompts(0)
+    chunk = t.sample(prompts, metadata, groups).chunks[0]
+    assert chunk.guidance_scale > 1
+    r = torch.linspace(0, 1, len(chunk))
+
+    def anchor_and_loss() -> tuple[torch.Tensor, torch.Tensor]:
+        with t.behaviour.swapped_in():
+            (unit,) = t.prepare(chunk, r, torch.ones(len(chunk), dtype=torch.bool), torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            return unit.tensors["y0"], t.fit_loss(unit)[0]
+
+    y0, loss = anchor_and_loss()
+    for key in ("negative_prompt_embeds", "negative_pooled_prompt_embeds"):
+        chunk.cond.tensors[key] = chunk.cond.tensors[key] + 1.0
+    y0_after, loss_after = anchor_and_loss()
+    assert torch.equal(y0, y0_after) == torch.equal(loss, loss_after) == (fit_guidance == 1.0)
