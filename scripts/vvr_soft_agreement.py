@@ -13,6 +13,7 @@ rewards over all samples and per subset, and the ROC AUC of ``vvr_soft`` for the
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--n-model", type=int, default=150, help="model samples per level (medium, hard)")
     ap.add_argument("--n-render", type=int, default=100, help="correct renders (half medium, half hard); as many mutated")
     ap.add_argument("--seed", type=int, default=7, help="task seed (< 1000: never a held-out split)")
+    ap.add_argument("--reward-options", default="{}", help='JSON keyword arguments of vvr_soft, e.g. \'{"shapes": true}\'')
     ap.add_argument("--out", default="runs/vvr_soft_agreement.json")
     args = ap.parse_args()
 
@@ -64,7 +66,7 @@ def main() -> None:
     from rewards.vvr import generate_tasks, render
 
     torch.manual_seed(0)
-    soft, hard = rewards.load("vvr_soft"), rewards.load("vvr")
+    soft, hard = rewards.load("vvr_soft", **json.loads(args.reward_options)), rewards.load("vvr")
     groups: dict[str, tuple[torch.Tensor, list]] = {}
     policy = pipelines.load(resolve_model_path(args.model))
     size = int(policy.defaults["height"])
