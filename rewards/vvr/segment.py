@@ -211,6 +211,26 @@ def _denoise(x: np.ndarray) -> np.ndarray:
     return np.clip((x - DENOISE) / (1 - 2 * DENOISE), 0.0, 1.0)
 
 
+def placements_by_moments(a: np.ndarray) -> list[tuple[str, tuple[float, float, float, float]]]:
+    """Each shape's box ``(x0, y0, x1, y1)`` (pixels) on a coverage map ``a`` ``(H, W)`` of positive total,
+    placed by moments: the same area and centroid, and for rectangles and ellipses the same second-moment
+    aspect (robust to blunted tips and noisy edges)."""
+    ys, xs = np.indices(a.shape) + 0.5
+    area = a.sum()
+    mx, my = (a * xs).sum() / area, (a * ys).sum() / area
+    var_x, var_y = (a * (xs - mx) ** 2).sum() / area, (a * (ys - my) ** 2).sum() / area
+    moment_aspect = math.sqrt(max(var_x, 0.1) / max(var_y, 0.1))
+    placements = []
+    for shape in SHAPES:
+        rho, ox, oy = MOMENTS[shape]
+        asp = moment_aspect if shape in FREE_ASPECT else ASPECT[shape]
+        h = math.sqrt(area / (rho * asp))
+        w = asp * h
+        cx, cy = mx - ox * w, my - oy * h
+        placements.append((shape, (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)))
+    return placements
+
+
 def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, int]
               ) -> tuple[str | None, tuple[float, float, float, float], np.ndarray]:
     """Best-matching shape of an object's coverage map (a padded crop) → (shape, box, template).
@@ -227,27 +247,18 @@ def _classify(cover: np.ndarray, valid: np.ndarray, bbox: tuple[int, int, int, i
     Returns the winning template's coverage map.
     """
     a = np.where(valid, cover, 0.0)
-    ys, xs = np.indices(a.shape) + 0.5
     area = a.sum()
     y0, y1, x0, x1 = bbox
     if area <= 0:  # every pixel of the object is claimed by others: no shape can be read (and moments are 0/0)
         return None, (float(x0), float(y0), float(x1), float(y1)), np.zeros_like(a)
-    mx, my = (a * xs).sum() / area, (a * ys).sum() / area
-    var_x, var_y = (a * (xs - mx) ** 2).sum() / area, (a * (ys - my) ** 2).sum() / area
-    moment_aspect = math.sqrt(max(var_x, 0.1) / max(var_y, 0.1))
     soft = _soft_box(a, bbox)
     aspect = (soft[2] - soft[0]) / (soft[3] - soft[1])
     occluded = not valid[max(0, y0 - 1):y1 + 1, max(0, x0 - 1):x1 + 1].all()
     placements: list[tuple[str, tuple[float, float, float, float]]] = []
-    for shape in SHAPES:
-        rho, ox, oy = MOMENTS[shape]
-        asp = moment_aspect if shape in FREE_ASPECT else ASPECT[shape]
-        h = math.sqrt(area / (rho * asp))
-        w = asp * h
-        cx, cy = mx - ox * w, my - oy * h
-        placements.append((shape, (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)))
+    for placed in placements_by_moments(a):
+        placements.append(placed)
         if occluded:
-            placements.append((shape, soft))
+            placements.append((placed[0], soft))
     sharp = coverages(placements, a.shape)
     penalty = np.empty(len(placements))
     for i, (shape, _) in enumerate(placements):

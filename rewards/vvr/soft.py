@@ -41,7 +41,7 @@ from rewards.registry import register
 from rewards.vvr.geometry import ASPECT, MOMENTS, SHAPES, SIZE_EXTENT, STROKE, box_size, coverages
 from rewards.vvr.palette import COLOURS, PALETTE_LAB, PALETTE_RGB
 from rewards.vvr.predicates import _MEDIUM_LARGE, _SMALL_MEDIUM
-from rewards.vvr.segment import LUMA_WEIGHTED, ASPECT_WEIGHT, FREE_ASPECT
+from rewards.vvr.segment import ASPECT_WEIGHT, FREE_ASPECT, LUMA_WEIGHTED, placements_by_moments
 from rewards.vvr.tasks import Constraint, Obj, Task, as_task
 from rewards.vvr.verify import GAMMA
 
@@ -242,26 +242,16 @@ class _SoftScene:
         object's :meth:`coverage`. Templates are placed from its detached moments; a coverage of under
         one pixel reads as nothing (½, no gradient)."""
         m = self.coverage(i)
-        a = m.detach().double()
-        area = float(a.sum())
-        if area < 1.0:
+        a = m.detach().double().cpu().numpy()
+        if a.sum() < 1.0:
             return (m.sum() * 0.0).detach() + 0.5
-        ys, xs = torch.meshgrid(*(torch.arange(n, dtype=a.dtype) + 0.5 for n in a.shape), indexing="ij")
-        mx, my = float((a * xs).sum() / area), float((a * ys).sum() / area)
-        var_x, var_y = float((a * (xs - mx) ** 2).sum() / area), float((a * (ys - my) ** 2).sum() / area)
-        moment_aspect = math.sqrt(max(var_x, 0.1) / max(var_y, 0.1))
         # the verifier's aspect is its sub-pixel box's; the extents of the (squashed) row and column
         # profiles are that box's width and height, and keep a gradient (a hexagon's box is 0.87 wide)
         squash = ((m - PROFILE_FLOOR) / (1 - PROFILE_FLOOR)).clamp(0, 1)
         aspect = squash.amax(0).sum() / squash.amax(1).sum().clamp(min=1.0)
-        placements, penalty = [], []
+        placements = placements_by_moments(a)
+        penalty = []
         for s in SHAPES:
-            rho, ox, oy = MOMENTS[s]
-            asp = moment_aspect if s in FREE_ASPECT else ASPECT[s]
-            h = math.sqrt(area / (rho * asp))
-            w = asp * h
-            cx, cy = mx - ox * w, my - oy * h
-            placements.append((s, (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)))
             miss = (aspect.clamp(min=1e-3) / ASPECT[s]).log().abs()
             if s in FREE_ASPECT:
                 miss = torch.minimum(miss, (aspect.clamp(min=1e-3) * ASPECT[s]).log().abs())
