@@ -9,18 +9,19 @@ metadata with smooth stand-ins [derived], and the hard verifier stays the judge 
   so a pixel of no palette colour still has a gradient toward each).
 * **descriptors → masks** — a reference ``{"colour", "shape"}`` selects the colours of the scene
   objects it matches (its own colour when named), so a shape-only reference ("two stars") reads the
-  colours the task's scene gives those stars. Shape itself is not measured (only through the area a
-  shape of that size class covers).
+  colours the task's scene gives those stars. Masks do not measure shape (only through the area a
+  shape of that size class covers); the optional shape term below does.
 * **soft counts via mass** — ``N = (mass(mask) − expected area of same-coloured non-matching
   objects) / mean area of a matching object``; areas come from the scene's objects (shape, size class).
 * **relations via soft centroids** — mass-weighted centroids, compared with the verifier's margins
   through sigmoids of width ``t`` (image fractions).
 * **sizes via mass** — a log-area comparison against the size class's expected area.
-* **shapes via templates** (``shapes=True``) — the verifier's own test, softened: each shape's
-  template is placed on an object's soft mask by its moments (as ``segment._classify`` does), and the
-  named shape must beat every other shape's soft IoU ``Σmin/Σmax`` less the same aspect penalty; the
-  placement is held fixed, so the gradient moves pixels toward the named template and away from the
-  closest rival (a circle drawn so that it reads as a hexagon gets rounder).
+* **shapes via templates** (``shapes=True``) — the verifier's own test, softened: on the object's
+  coverage (unmixed from the pixels as ``segment._cover`` does) each shape's template is placed by
+  moments (``segment.placements_by_moments``, the verifier's placement), and the named shape must beat
+  every other shape's soft IoU ``Σmin/Σmax`` less the same aspect penalty; the placement is held fixed,
+  so the gradient moves pixels toward the named template and away from the closest rival (a circle
+  drawn so that it reads as a hexagon gets rounder).
 
 Each constraint gets ``s_j ∈ (0, 1)``; the reward is the verifier's form
 ``(1−γ)·mean_j s_j + γ·Π_j s_j`` in [0, 1]. How well it ranks samples against the verifier is measured
@@ -98,10 +99,10 @@ def _matches(ref: Mapping[str, str], o: Obj) -> bool:
 class _SoftScene:
     """One sample's soft masks plus the task's scene objects, with the soft measurements of descriptors."""
 
-    def __init__(self, member: torch.Tensor, task: Task, sharpness: float, count_gradients: bool = True,
-                 shapes: bool = False, image: torch.Tensor | None = None):
+    def __init__(self, image: torch.Tensor, member: torch.Tensor, task: Task, sharpness: float,
+                 count_gradients: bool = True, shapes: bool = False):
         self.p, self.task, self.t, self.count_gradients = member, task, sharpness, count_gradients  # p: (K, H, W)
-        self.shapes, self.image = shapes, image  # image: (3, H, W) in [0, 1], read by the shape term
+        self.shapes, self.image = shapes, image  # image: (3, H, W) in [0, 1], unmixed by the shape term
         h, w = member.shape[-2:]
         self.ys = (torch.arange(h, dtype=member.dtype, device=member.device) + 0.5) / h
         self.xs = (torch.arange(w, dtype=member.dtype, device=member.device) + 0.5) / w
@@ -448,7 +449,7 @@ class VVRSoftReward:
                 scores.append(member[i].sum() * 0.0)  # keeps the graph connected; no gradient
                 info.append({"reason": f"metadata[{i}] has no 'task'" if task is None else "image has NaN or infinite values"})
                 continue
-            scene = _SoftScene(member[i], as_task(task), self.sharpness, self.count_gradients, self.shapes, x[i])
+            scene = _SoftScene(x[i], member[i], as_task(task), self.sharpness, self.count_gradients, self.shapes)
             s = torch.stack([scene.score(c) for c in scene.task.constraints])
             scores.append((1 - self.gamma) * s.mean() + self.gamma * s.prod())
             valid[i] = True
