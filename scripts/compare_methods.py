@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from win_rate import read  # noqa: E402
+from win_rate import read, sign_test_p  # noqa: E402
 
 
 def train_minutes(eval_dir: Path) -> float:
@@ -33,12 +33,6 @@ def train_minutes(eval_dir: Path) -> float:
         if rec.get("step", 0) <= step and "time/train_minutes" in rec:
             minutes = rec["time/train_minutes"]
     return minutes
-
-
-def sign_test(wins: int, losses: int) -> float:
-    from scipy.stats import binomtest
-
-    return float(binomtest(wins, wins + losses).pvalue) if wins + losses else 1.0
 
 
 def main() -> None:
@@ -61,7 +55,7 @@ def main() -> None:
             raise SystemExit(f"{folder}: not the base's split; evaluate both on the same tasks")
         b = np.array([r["all_passed"] for r in trained])
         wins, losses = int((b & ~a).sum()), int((a & ~b).sum())
-        rows.append((name, train_minutes(Path(folder)), b.mean(), wins, losses, sign_test(wins, losses)))
+        rows.append((name, train_minutes(Path(folder)), b.mean(), wins, losses, sign_test_p(wins, losses)))
 
     print(f"| method | training minutes | held-out accuracy ({len(a)}) | vs base W / L | sign test p |")
     print("|---|---|---|---|---|")
