@@ -10,14 +10,16 @@
 K inner optimiser steps from θ = θ_old, then θ_old ← θ (the next step rolls out with the new weights).
 
 CoRe (``trainer.core``): every ``core.every`` steps the registers are refit with
-``L_RM = L_BT(real pairs) + μ·L_BT(this step's samples paired by the pixel reward in rewards:) +
-anchor·mean(r_ψ − r_ψ,prev)²``, so the generator cannot walk off the latent reward's support.
+``L_RM = L_BT(real pairs) + μ·L_BT(generated pairs) + anchor·mean(r_ψ − r_ψ,prev)²``, so the generator
+cannot walk off the latent reward's support. The generated pairs are the generator's own samples of the
+last ``core.buffer_steps`` steps, paired within prompt groups by the pixel reward in ``rewards:``.
 The shared loop is unchanged: this file overrides the rollout (ODE, velocities kept), scoring (the latent
 score is logged), the update, and checkpoints (which carry the refit reward).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +35,7 @@ from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, StepBatch, derived_seed
 
 REWARD_FILE = "latent_reward.safetensors"
+BUFFER_FILE = "core_pairs.safetensors"
 
 
 class CoReConfig(Section):
@@ -52,6 +55,9 @@ class CoReConfig(Section):
     real_pairs: str | None = None
     #: a generated pair needs this pixel-reward margin
     min_margin: float = Field(1e-6, ge=0)
+    #: refits learn from the generated pairs of the last N generator steps (default: ``every``, i.e. every
+    #: step since the previous refit); a longer buffer gives each refit more pairs from more prompts
+    buffer_steps: int | None = Field(None, ge=1)
 
 
 class RGOPDConfig(GroupTrainerConfig):
@@ -128,6 +134,8 @@ class RGOPDTrainer(GroupTrainer):
             path = tcfg.core.real_pairs or str(folder / "pairs.safetensors")
             self.real_pairs = PreferencePairs.load(path)
         self._pixel_scores: torch.Tensor | None = None
+        #: CoRe's generated pairs, one entry per generator step that gave any: (step, pairs)
+        self.core_buffer: list[tuple[int, PreferencePairs]] = []
 
     # ------------------------------------------------------------------ phases
     def rollout_chunk(self, prompts, metadata, generator, **kw) -> Rollout:
@@ -176,8 +184,10 @@ class RGOPDTrainer(GroupTrainer):
             stats.setdefault("distill_loss", []).append(float(np.mean(losses)))
             stats.setdefault("grad_norm", []).append(self.optimizer_step())
         out = {k: float(np.mean(v)) for k, v in stats.items() if v}
-        if self.tcfg.core is not None and (self.step + 1) % self.tcfg.core.every == 0:
-            out.update({f"core_{k}": v for k, v in self.refit_reward(batch).items()})
+        if self.tcfg.core is not None:
+            self.remember_generated_pairs(batch)
+            if (self.step + 1) % self.tcfg.core.every == 0:
+                out.update({f"core_{k}": v for k, v in self.refit_reward().items()})
         return out
 
     def loss_at(self, chunk: Rollout, k: int, target: torch.Tensor) -> torch.Tensor:
@@ -209,10 +219,18 @@ class RGOPDTrainer(GroupTrainer):
             return None
         return PreferencePairs(names, torch.stack(chosen), torch.stack(rejected), torch.tensor(margins))
 
-    def refit_reward(self, batch: StepBatch) -> dict[str, float]:
-        """CoRe: ``core.steps`` minibatches of L_RM on the real pairs and this step's generated pairs."""
+    def remember_generated_pairs(self, batch: StepBatch) -> None:
+        """Add this step's generated pairs to the buffer; forget those older than ``core.buffer_steps``."""
+        pairs = self.generated_pairs(batch)
+        if pairs is not None:
+            self.core_buffer.append((self.step, pairs))
+        keep = self.tcfg.core.buffer_steps or self.tcfg.core.every
+        self.core_buffer = [(s, p) for s, p in self.core_buffer if s > self.step - keep]
+
+    def refit_reward(self) -> dict[str, float]:
+        """CoRe: ``core.steps`` minibatches of L_RM on the real pairs and the buffered generated pairs."""
         core = self.tcfg.core
-        generated = self.generated_pairs(batch)
+        generated = PreferencePairs.cat([p for _, p in self.core_buffer]) if self.core_buffer else None
         self.latent_reward.train()
         stats = fit(self.latent_reward, self.real_pairs, self.policy.encode, steps=core.steps, batch_size=core.batch_size,
                     lr=core.lr, seed=derived_seed(self.cfg.run.seed, self.step, 7), generated=generated, mu=core.mu,
@@ -223,12 +241,19 @@ class RGOPDTrainer(GroupTrainer):
 
     # ------------------------------------------------------------------ checkpoints
     def write_checkpoint_extras(self, folder: Path) -> None:
-        """With CoRe, the refit reward's weights (``latent_reward.safetensors``) are part of the checkpoint."""
+        """With CoRe, the refit reward's weights (``latent_reward.safetensors``) and the buffered generated
+        pairs (``core_pairs.safetensors``, with the step of each) are part of the checkpoint."""
         if self.tcfg.core is not None:
             from safetensors.torch import save_file
 
             state = {k: v.detach().float().cpu().contiguous() for k, v in self.latent_reward.state_dict().items()}
             save_file(state, str(folder / REWARD_FILE))
+            if self.core_buffer:
+                pairs = PreferencePairs.cat([p for _, p in self.core_buffer])
+                steps = torch.cat([torch.full((len(p),), s) for s, p in self.core_buffer])
+                save_file({"chosen": pairs.chosen.contiguous(), "rejected": pairs.rejected.contiguous(),
+                           "margin": pairs.margin.float().contiguous(), "step": steps.contiguous()},
+                          str(folder / BUFFER_FILE), metadata={"prompts": json.dumps(pairs.prompts)})
 
     def maybe_resume(self) -> None:
         super().maybe_resume()
@@ -243,6 +268,16 @@ class RGOPDTrainer(GroupTrainer):
         from safetensors.torch import load_file
 
         self.latent_reward.load_state_dict(load_file(str(folder / REWARD_FILE)))
+        self.core_buffer = []
+        if (folder / BUFFER_FILE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(folder / BUFFER_FILE), "pt") as f:
+                prompts = json.loads(f.metadata()["prompts"])
+                steps = f.get_tensor("step")
+                pairs = PreferencePairs(prompts, f.get_tensor("chosen"), f.get_tensor("rejected"), f.get_tensor("margin"))
+            for s in sorted(set(steps.tolist())):
+                self.core_buffer.append((int(s), pairs.select((steps == s).nonzero().flatten())))
 
     def train(self) -> dict[str, Any]:
         final = super().train()

@@ -95,7 +95,9 @@ def test_linear_reward_on_a_toy_flow_distils_the_shift(tmp_path, prompt_file):
 
 
 def test_core_run_refits_registers_checkpoints_them_and_resumes_bit_identically(tmp_path, tiny_sd3_dir, prompt_file, lrr_dir):
-    core = ("trainer.core={every: 1, steps: 2, batch_size: 4}", "trainer.kappa=0.1", "run.checkpoint_every=1")
+    """The refit reward and the buffer of generated pairs (two steps' worth) are both restored on resume:
+    the second refit of a resumed run reads the first step's pairs from the checkpoint."""
+    core = ("trainer.core={every: 1, steps: 2, batch_size: 4, buffer_steps: 2}", "trainer.kappa=0.1", "run.checkpoint_every=1")
     start = load_file(str(lrr_dir / "registers.safetensors"))
 
     straight = build_trainer(_rg_opd(tmp_path / "a", tiny_sd3_dir, prompt_file, lrr_dir, *core, "trainer.max_steps=2"))
@@ -107,12 +109,17 @@ def test_core_run_refits_registers_checkpoints_them_and_resumes_bit_identically(
     assert (tmp_path / "a" / "run" / "latent_reward" / "config.json").exists()
     logged = [json.loads(line) for line in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "latent/score" in logged[0] and "train/core_bt_real" in logged[0]
+    buffered = [s for s, _ in straight.core_buffer]
+    assert buffered == [0, 1] and logged[1]["train/core_generated_pairs"] > logged[0]["train/core_generated_pairs"]
 
     first = build_trainer(_rg_opd(tmp_path / "b", tiny_sd3_dir, prompt_file, lrr_dir, *core, "trainer.max_steps=1"))
     first.train()
     resumed = build_trainer(_rg_opd(tmp_path / "b", tiny_sd3_dir, prompt_file, lrr_dir, *core, "trainer.max_steps=2"))
     resumed.train()
     assert resumed.step == 2
+    assert [s for s, _ in resumed.core_buffer] == buffered
+    for (_, a), (_, b) in zip(resumed.core_buffer, straight.core_buffer):
+        assert a.prompts == b.prompts and torch.equal(a.chosen, b.chosen) and torch.equal(a.rejected, b.rejected)
     for name, p in straight.trainable_state().items():
         torch.testing.assert_close(resumed.trainable_state()[name], p, atol=0, rtol=0)
     torch.testing.assert_close(resumed.latent_reward.registers, straight.latent_reward.registers, atol=0, rtol=0)
