@@ -60,6 +60,7 @@ def group_of(row: dict, by: str) -> str:
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict:
+    """Paired wins / ties / losses of scores ``b`` against ``a`` (same prompts), their rates and sign test."""
     wins, losses = int((b > a).sum()), int((b < a).sum())
     ties = len(a) - wins - losses
     return {"n": len(a), "wins": wins, "ties": ties, "losses": losses,
@@ -96,6 +97,7 @@ def main() -> None:
         for group in sorted(set(groups)):
             mask = groups == group
             print(json.dumps({args.by: group} | compare(a[mask], b[mask])))
+
 
 if __name__ == "__main__":
     main()

@@ -36,18 +36,3 @@ def test_table_counts_paired_wins_and_losses(tmp_path):
     assert "| X | 2.0 | 60.0 % | 2 / 1 |" in out.stdout and "| base | 0 | 40.0 % |" in out.stdout
     assert (tmp_path / "plot.png").stat().st_size > 0
 
-
-def test_win_rate_groups_prompts_by_the_shape_they_name(tmp_path):
-    base = _eval_dir(tmp_path / "base", [True, True, False, True])
-    trained = _eval_dir(tmp_path / "trained", [True, False, True, True])
-    for folder in (base, trained):  # prompts that name shapes, as the easy split's do
-        rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
-        for row, prompt in zip(rows, ["a red star", "a blue star", "a red circle", "two squares"]):
-            row["prompt"], row["constraints"] = prompt, [["exists", row["all_passed"]]]
-        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "win_rate.py"), str(base), str(trained), "--by", "shape"],
-                         capture_output=True, text=True, check=True)
-    total, *groups = [json.loads(line) for line in out.stdout.splitlines()]
-    assert (total["wins"], total["losses"], total["ties"]) == (1, 1, 2)
-    by_shape = {g["shape"]: (g["n"], g["wins"], g["losses"]) for g in groups}
-    assert by_shape == {"circle": (1, 1, 0), "square": (1, 0, 0), "star": (2, 0, 1)}

@@ -19,7 +19,6 @@ score is logged), the update, and checkpoints (which carry the refit reward).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,7 +34,7 @@ from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, StepBatch, derived_seed
 
 REWARD_FILE = "latent_reward.safetensors"
-BUFFER_FILE = "core_pairs.safetensors"
+BUFFER_DIR = "core_pairs"  # one PreferencePairs file per generator step: step-000012.safetensors
 
 
 class CoReConfig(Section):
@@ -242,18 +241,15 @@ class RGOPDTrainer(GroupTrainer):
     # ------------------------------------------------------------------ checkpoints
     def write_checkpoint_extras(self, folder: Path) -> None:
         """With CoRe, the refit reward's weights (``latent_reward.safetensors``) and the buffered generated
-        pairs (``core_pairs.safetensors``, with the step of each) are part of the checkpoint."""
+        pairs (``core_pairs/step-N.safetensors``, one file per generator step) are part of the checkpoint."""
         if self.tcfg.core is not None:
             from safetensors.torch import save_file
 
             state = {k: v.detach().float().cpu().contiguous() for k, v in self.latent_reward.state_dict().items()}
             save_file(state, str(folder / REWARD_FILE))
-            if self.core_buffer:
-                pairs = PreferencePairs.cat([p for _, p in self.core_buffer])
-                steps = torch.cat([torch.full((len(p),), s) for s, p in self.core_buffer])
-                save_file({"chosen": pairs.chosen.contiguous(), "rejected": pairs.rejected.contiguous(),
-                           "margin": pairs.margin.float().contiguous(), "step": steps.contiguous()},
-                          str(folder / BUFFER_FILE), metadata={"prompts": json.dumps(pairs.prompts)})
+            for step, pairs in self.core_buffer:
+                (folder / BUFFER_DIR).mkdir(exist_ok=True)
+                pairs.save(folder / BUFFER_DIR / f"step-{step:06d}.safetensors")
 
     def maybe_resume(self) -> None:
         super().maybe_resume()
@@ -268,16 +264,8 @@ class RGOPDTrainer(GroupTrainer):
         from safetensors.torch import load_file
 
         self.latent_reward.load_state_dict(load_file(str(folder / REWARD_FILE)))
-        self.core_buffer = []
-        if (folder / BUFFER_FILE).is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(folder / BUFFER_FILE), "pt") as f:
-                prompts = json.loads(f.metadata()["prompts"])
-                steps = f.get_tensor("step")
-                pairs = PreferencePairs(prompts, f.get_tensor("chosen"), f.get_tensor("rejected"), f.get_tensor("margin"))
-            for s in sorted(set(steps.tolist())):
-                self.core_buffer.append((int(s), pairs.select((steps == s).nonzero().flatten())))
+        self.core_buffer = [(int(f.stem.split("-")[1]), PreferencePairs.load(f))
+                            for f in sorted((folder / BUFFER_DIR).glob("step-*.safetensors"))]
 
     def train(self) -> dict[str, Any]:
         final = super().train()
