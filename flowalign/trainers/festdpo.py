@@ -125,8 +125,9 @@ def festdpo_loss(
 
     margin = reward(y_w, exclude_w) - reward(y_l, exclude_l)
     loss = -F.logsigmoid(margin).mean()
-    return loss, {"dpo_loss": loss.item(), "margin": margin.mean().item(),
-                  "pref_accuracy": (margin > 0).float().mean().item()}
+    # a tied margin (policy = reference, e.g. the first step) ranks neither way: half, not wrong
+    accuracy = ((margin > 0).float() + 0.5 * (margin == 0).float()).mean()
+    return loss, {"dpo_loss": loss.item(), "margin": margin.mean().item(), "pref_accuracy": accuracy.item()}
 
 
 def bradley_terry_pairs(

@@ -83,8 +83,9 @@ def test_gradient_flows_only_through_the_policy_samples():
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert x_ref.grad is None and y_w.grad is None and y_l.grad is None
     # θ = ref: every implicit reward is 0, the loss is log 2
-    same, _ = festdpo_loss(x_ref, x_ref, y_w, y_l, 0.7, 1.0)
+    same, info = festdpo_loss(x_ref, x_ref, y_w, y_l, 0.7, 1.0)
     assert same.item() == pytest.approx(math.log(2), abs=1e-7)
+    assert info["pref_accuracy"] == 0.5  # a tied margin ranks neither way
 
 
 def test_leave_one_out_density_drops_exactly_that_sample():
