@@ -3,9 +3,11 @@
     python scripts/compare_methods.py --base runs/s9/v5-medium --png docs/phase5_methods.png \
         "Flow-GRPO=runs/s10/flow_grpo_p5/evals/step-000047" "SOAR=runs/s10/soar_p5/evals/step-000100" ...
 
-Each ``NAME=EVAL_DIR`` is a run's final evaluation (``<run>/evals/step-N``, written by the training loop with
+Each ``NAME=EVAL_DIR`` is a run's evaluation (``<run>/evals/step-N``, written by the training loop with
 the same split and noise as ``flowalign evaluate --out`` wrote ``--base``). The training minutes come from
-the run's ``metrics.jsonl`` (``time/train_minutes`` at step N). Prints a markdown table — accuracy, task-by-task
+the run's ``metrics.jsonl`` (``time/train_minutes`` at step N); ``NAME=EVAL_DIR@MINUTES`` gives them for a
+checkpoint evaluated apart (``flowalign evaluate --adapter <run>/checkpoints/step-N --out EVAL_DIR``).
+A NAME given several times is one run (or seed) at several budgets: its points are joined into a curve. Prints a markdown table — accuracy, task-by-task
 wins and losses against the base and a two-sided sign test — and plots accuracy against training minutes
 with the base's ±1 standard-error band, so a reader sees at once which points are outside the noise.
 """
@@ -47,15 +49,17 @@ def main() -> None:
     a = np.array([r["all_passed"] for r in base])
     rows = []
     for item in args.runs:
-        name, _, folder = item.partition("=")
-        if not folder:
-            raise SystemExit(f"{item!r}: give NAME=EVAL_DIR")
+        name, _, target = item.partition("=")
+        if not target:
+            raise SystemExit(f"{item!r}: give NAME=EVAL_DIR or NAME=EVAL_DIR@MINUTES")
+        folder, at, given = target.partition("@")
         trained = read(Path(folder))
         if [r["prompt"] for r in trained] != [r["prompt"] for r in base]:
             raise SystemExit(f"{folder}: not the base's split; evaluate both on the same tasks")
         b = np.array([r["all_passed"] for r in trained])
         wins, losses = int((b & ~a).sum()), int((a & ~b).sum())
-        rows.append((name, train_minutes(Path(folder)), b.mean(), wins, losses, sign_test_p(wins, losses)))
+        minutes = float(given) if at else train_minutes(Path(folder))
+        rows.append((name, minutes, b.mean(), wins, losses, sign_test_p(wins, losses)))
 
     print(f"| method | training minutes | held-out accuracy ({len(a)}) | vs base W / L | sign test p |")
     print("|---|---|---|---|---|")
@@ -74,10 +78,12 @@ def main() -> None:
         right = max(m for _, m, *_ in rows if np.isfinite(m)) * 1.15
         ax.axhspan(100 * (a.mean() - se), 100 * (a.mean() + se), color="0.85", label="base ± one evaluation's s.e.")
         ax.axhline(100 * a.mean(), color="0.4", ls="--", lw=1)
-        for name, minutes, acc, wins, losses, _ in rows:
-            ax.scatter([minutes], [100 * acc], s=36, zorder=3)
-            ax.annotate(f"{name} ({wins}/{losses})", (minutes, 100 * acc), textcoords="offset points",
-                        xytext=(5, 4), fontsize=8)
+        for name in dict.fromkeys(r[0] for r in rows):  # first-seen order
+            points = sorted((m, 100 * acc, w, l) for n, m, acc, w, l, _ in rows if n == name)
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            ax.plot(xs, ys, marker="o", ms=6, lw=1.2, zorder=3)
+            m, acc, w, l = points[-1]  # label the run's last budget
+            ax.annotate(f"{name} ({w}/{l})", (m, acc), textcoords="offset points", xytext=(5, 4), fontsize=8)
         ax.set_xlim(0, right)
         ax.set_xlabel("training minutes (one CPU thread)")
         ax.set_ylabel("held-out accuracy (%)")

@@ -36,3 +36,16 @@ def test_table_counts_paired_wins_and_losses(tmp_path):
     assert "| X | 2.0 | 60.0 % | 2 / 1 |" in out.stdout and "| base | 0 | 40.0 % |" in out.stdout
     assert (tmp_path / "plot.png").stat().st_size > 0
 
+
+
+def test_minutes_given_after_at_and_a_repeated_name_is_one_curve(tmp_path):
+    base = _eval_dir(tmp_path / "base", [False, False, False, False])
+    early = _eval_dir(tmp_path / "early", [True, False, False, False])  # a checkpoint evaluated apart
+    run = tmp_path / "run"
+    late = _eval_dir(run / "evals" / "step-000009", [True, True, True, False])
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 9, "time/train_minutes": 8.0}) + "\n")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_methods.py"), "--base", str(base),
+                          "--png", str(tmp_path / "plot.png"), f"A={early}@2.5", f"A={late}"],
+                         capture_output=True, text=True, check=True)
+    assert "| A | 2.5 | 25.0 % | 1 / 0 |" in out.stdout and "| A | 8.0 | 75.0 % | 3 / 0 |" in out.stdout
+    assert (tmp_path / "plot.png").stat().st_size > 0

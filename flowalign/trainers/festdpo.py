@@ -56,6 +56,10 @@ class FestDPOConfig(GroupTrainerConfig):
     #: h² = bandwidth_scale × the median heuristic [derived knob]: wider kernels keep the likelihood ratio
     #: smooth when one update moves the samples further than the reference's own spread
     bandwidth_scale: float = Field(1.0, gt=0)
+    #: a fixed h² for the run instead of the median heuristic (``bandwidth_scale`` still multiplies it)
+    #: [derived knob]: the heuristic's value depends on which prompts the first step draws (on the tiny
+    #: model one prompt's reference spread is 1,000× another's), so a run can pin it
+    bandwidth_h2: float | None = Field(None, gt=0)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
     pairs: str | None = None
     #: online: labelled pairs per prompt, drawn among the K scored samples
@@ -222,7 +226,8 @@ class FestDPOTrainer(GroupTrainer):
         if self.tcfg.bandwidth == "per_step":
             return self.tcfg.bandwidth_scale * kde_bandwidth(x_ref)
         if self._h2 is None:
-            self._h2 = self.tcfg.bandwidth_scale * self.calibrate_bandwidth()
+            h2 = torch.tensor(self.tcfg.bandwidth_h2) if self.tcfg.bandwidth_h2 else self.calibrate_bandwidth()
+            self._h2 = self.tcfg.bandwidth_scale * h2
         return self._h2
 
     @torch.no_grad()

@@ -212,3 +212,13 @@ def test_chunked_backward_gives_the_full_gradient(tmp_path, tiny_sd3_dir, prompt
     assert sum(g.abs().sum() for g in grads[0]) > 0
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_a_pinned_bandwidth_replaces_the_median_heuristic(tmp_path, tiny_sd3_dir, prompt_file):
+    t = build_trainer(load_config(None, _fest_run(tmp_path, tiny_sd3_dir, prompt_file, "full",
+                                                  "trainer.bandwidth_h2=8.0", "trainer.bandwidth_scale=2.0")))
+    heuristic = t.calibrate_bandwidth()
+    assert t.bandwidth(None).item() == pytest.approx(16.0)  # scale × the pinned value, not the heuristic's
+    assert heuristic.item() != pytest.approx(8.0)
+    logs = t.train_step()
+    assert logs["train/h2"] == pytest.approx(16.0)
