@@ -78,12 +78,14 @@ def main() -> None:
         right = max(m for _, m, *_ in rows if np.isfinite(m)) * 1.15
         ax.axhspan(100 * (a.mean() - se), 100 * (a.mean() + se), color="0.85", label="base ± one evaluation's s.e.")
         ax.axhline(100 * a.mean(), color="0.4", ls="--", lw=1)
-        for name in dict.fromkeys(r[0] for r in rows):  # first-seen order
+        names = list(dict.fromkeys(r[0] for r in rows))  # first-seen order
+        colours = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors  # no colour twice
+        for name, colour in zip(names, colours):
             points = sorted((m, 100 * acc, w, l) for n, m, acc, w, l, _ in rows if n == name)
             xs, ys = [p[0] for p in points], [p[1] for p in points]
-            ax.plot(xs, ys, marker="o", ms=6, lw=1.2, zorder=3)
+            ax.plot(xs, ys, marker="o", ms=6, lw=1.2, zorder=3, color=colour)
             m, acc, w, l = points[-1]  # label the run's last budget
-            ax.annotate(f"{name} ({w}/{l})", (m, acc), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            ax.annotate(f"{name} ({w}/{l})", (m, acc), textcoords="offset points", xytext=(5, 4), fontsize=8, color=colour)
         ax.set_xlim(0, right)
         ax.set_xlabel("training minutes (one CPU thread)")
         ax.set_ylabel("held-out accuracy (%)")
