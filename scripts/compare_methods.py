@@ -7,9 +7,10 @@ Each ``NAME=EVAL_DIR`` is a run's evaluation (``<run>/evals/step-N``, written by
 the same split and noise as ``flowalign evaluate --out`` wrote ``--base``). The training minutes come from
 the run's ``metrics.jsonl`` (``time/train_minutes`` at step N); ``NAME=EVAL_DIR@MINUTES`` gives them for a
 checkpoint evaluated apart (``flowalign evaluate --adapter <run>/checkpoints/step-N --out EVAL_DIR``).
-A NAME given several times is one run (or seed) at several budgets: its points are joined into a curve. Prints a markdown table — accuracy, task-by-task
-wins and losses against the base and a two-sided sign test — and plots accuracy against training minutes
-with the base's ±1 standard-error band, so a reader sees at once which points are outside the noise.
+A NAME given several times is one run (or seed) at several budgets: its points are joined into a curve.
+Prints a markdown table — accuracy, task-by-task wins and losses against the base and a two-sided sign
+test — and plots accuracy against training minutes with the base's ±1 standard-error band, so a reader
+sees at once which points are outside the noise.
 """
 
 from __future__ import annotations

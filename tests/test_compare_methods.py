@@ -37,7 +37,6 @@ def test_table_counts_paired_wins_and_losses(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
-
 def test_minutes_given_after_at_and_a_repeated_name_is_one_curve(tmp_path):
     base = _eval_dir(tmp_path / "base", [False, False, False, False])
     early = _eval_dir(tmp_path / "early", [True, False, False, False])  # a checkpoint evaluated apart

@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
@@ -77,6 +77,13 @@ class FestDPOConfig(GroupTrainerConfig):
             raise ValueError(f"K={k} is too small to set the KDE bandwidth (median of K(K-1)/2 reference "
                              f"distances); use K >= {MIN_K} (the spec: 32-64)")
         return k
+
+    @model_validator(mode="after")
+    def _pinned_bandwidth_is_fixed(self) -> "FestDPOConfig":
+        if self.bandwidth_h2 is not None and self.bandwidth == "per_step":
+            raise ValueError("trainer.bandwidth_h2 pins one h² for the run, but trainer.bandwidth=per_step sets "
+                             "one per prompt: use bandwidth=fixed, or drop bandwidth_h2")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -226,7 +233,7 @@ class FestDPOTrainer(GroupTrainer):
         if self.tcfg.bandwidth == "per_step":
             return self.tcfg.bandwidth_scale * kde_bandwidth(x_ref)
         if self._h2 is None:
-            h2 = torch.tensor(self.tcfg.bandwidth_h2) if self.tcfg.bandwidth_h2 else self.calibrate_bandwidth()
+            h2 = torch.tensor(self.tcfg.bandwidth_h2) if self.tcfg.bandwidth_h2 is not None else self.calibrate_bandwidth()
             self._h2 = self.tcfg.bandwidth_scale * h2
         return self._h2
 

@@ -247,8 +247,9 @@ class RGOPDTrainer(GroupTrainer):
 
             state = {k: v.detach().float().cpu().contiguous() for k, v in self.latent_reward.state_dict().items()}
             save_file(state, str(folder / REWARD_FILE))
-            for step, pairs in self.core_buffer:
+            if self.core_buffer:
                 (folder / BUFFER_DIR).mkdir(exist_ok=True)
+            for step, pairs in self.core_buffer:
                 pairs.save(folder / BUFFER_DIR / f"step-{step:06d}.safetensors")
 
     def maybe_resume(self) -> None:

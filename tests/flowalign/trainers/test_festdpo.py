@@ -150,6 +150,9 @@ def test_at_the_start_policy_equals_reference_and_the_bandwidth_stays_fixed(tmp_
 def test_bad_input_is_refused_before_training(tmp_path, tiny_sd3_dir, prompt_file):
     with pytest.raises(UserError, match="K=4 is too small"):
         build_trainer(load_config(None, _fest_run(tmp_path, tiny_sd3_dir, prompt_file, "k", "trainer.K=4")))
+    with pytest.raises(UserError, match="bandwidth_h2 pins one h"):
+        build_trainer(load_config(None, _fest_run(tmp_path, tiny_sd3_dir, prompt_file, "b", "trainer.bandwidth_h2=1.0",
+                                                  "trainer.bandwidth=per_step")))
     img = tmp_path / "w.png"
     Image.new("RGB", (32, 32), (255, 0, 0)).save(img)
     pairs = tmp_path / "prefs.jsonl"
