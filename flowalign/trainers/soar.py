@@ -169,6 +169,11 @@ class SOARTrainer(GroupTrainer):
         if not hasattr(self.policy, "encode_images"):
             raise UserError(f"the {self.policy.family} policy cannot encode images to latents (no encode_images); "
                             "SOAR/SFT need it")
+        inference_steps = self.cfg.eval.num_steps or self.policy.defaults.get("num_steps")
+        if self.tcfg.N > 0 and inference_steps and int(inference_steps) != self.tcfg.K and self.rank == 0:
+            # not an error: a run may train for one sampler and be judged with another on purpose
+            print(f"warning: trainer.K={self.tcfg.K} but the model samples with {inference_steps} steps; SOAR corrects "
+                  f"the one-step error of a K-step sampler, so trainer.K={inference_steps} trains for that sampler")
         self.latents([self.pairs_indices(0)[0]])  # one pair end to end: bad data fails before training
 
     def _pair_source(self) -> tuple[PromptSet, str | None]:

@@ -135,6 +135,17 @@ def test_soar_without_pairs_is_refused(tmp_path, tiny_sd3_dir, prompt_file):
                                                   f"trainer.pairs={folder}")))
 
 
+def test_a_rollout_step_that_does_not_match_the_sampler_is_flagged(tmp_path, tiny_sd3_dir, capsys):
+    """K is the inference step count (the spec): a K that differs from the steps the model samples with
+    is named at start-up, with the value to set; a matching K, and SFT (no rollout step), say nothing."""
+    build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "k", "trainer.name=soar", "trainer.N=1")))
+    assert "trainer.K=10 but the model samples with 20 steps" in capsys.readouterr().out
+    build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "m", "trainer.name=soar", "trainer.N=1",
+                                              "eval.num_steps=10")))
+    build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "s", "trainer.name=sft")))
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_soar_trains_on_rendered_vvr_scenes_and_resumes(tmp_path, tiny_sd3_dir):
     """2 steps, a checkpoint every step, then a resumed run to 3 steps ends where an uninterrupted run does."""
     first = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "r", "trainer.name=soar",
