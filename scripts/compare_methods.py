@@ -69,34 +69,41 @@ def main() -> None:
         print(f"| {name} | {minutes:.1f} | {100 * acc:.1f} % | {wins} / {losses} | {p:.2f} |")
 
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        se = np.sqrt(a.mean() * (1 - a.mean()) / len(a))
-        fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        right = max(m for _, m, *_ in rows if np.isfinite(m)) * 1.15
-        ax.axhspan(100 * (a.mean() - se), 100 * (a.mean() + se), color="0.85", label="base ± one evaluation's s.e.")
-        ax.axhline(100 * a.mean(), color="0.4", ls="--", lw=1)
-        names = list(dict.fromkeys(r[0] for r in rows))  # first-seen order
-        colours = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors  # no colour twice
-        for name, colour in zip(names, colours):
-            points = sorted((m, 100 * acc, w, l) for n, m, acc, w, l, _ in rows if n == name)
-            xs, ys = [p[0] for p in points], [p[1] for p in points]
-            ax.plot(xs, ys, marker="o", ms=6, lw=1.2, zorder=3, color=colour)
-            m, acc, w, l = points[-1]  # label the run's last budget
-            ax.annotate(f"{name} ({w}/{l})", (m, acc), textcoords="offset points", xytext=(5, 4), fontsize=8, color=colour)
-        ax.set_xlim(0, right)
-        ax.set_xlabel("training minutes (one CPU thread)")
-        ax.set_ylabel("held-out accuracy (%)")
-        ax.set_title(args.title, fontsize=10)
-        ax.legend(loc="lower left", fontsize=8)
-        fig.tight_layout()
+        fig = plot(rows, a, args.title)
         args.png.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.png, dpi=120)
         print(f"wrote {args.png}")
 
+
+def plot(rows: list[tuple], base_passed: np.ndarray, title: str):
+    """Accuracy against training minutes: one line per NAME (its budgets joined), one colour each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = base_passed
+    se = np.sqrt(a.mean() * (1 - a.mean()) / len(a))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    right = max(m for _, m, *_ in rows if np.isfinite(m)) * 1.15
+    ax.axhspan(100 * (a.mean() - se), 100 * (a.mean() + se), color="0.85", label="base ± one evaluation's s.e.")
+    ax.axhline(100 * a.mean(), color="0.4", ls="--", lw=1)
+    names = list(dict.fromkeys(r[0] for r in rows))  # first-seen order
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors  # distinct up to 20 methods
+    for i, name in enumerate(names):
+        colour = palette[i % len(palette)]  # past 20 colours repeat; no method is left out
+        points = sorted((m, 100 * acc, w, l) for n, m, acc, w, l, _ in rows if n == name)
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        ax.plot(xs, ys, marker="o", ms=6, lw=1.2, zorder=3, color=colour, gid=name)
+        m, acc, w, l = points[-1]  # label the run's last budget
+        ax.annotate(f"{name} ({w}/{l})", (m, acc), textcoords="offset points", xytext=(5, 4), fontsize=8, color=colour)
+    ax.set_xlim(0, right)
+    ax.set_xlabel("training minutes (one CPU thread)")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    return fig
 
 if __name__ == "__main__":
     main()

@@ -48,3 +48,19 @@ def test_minutes_given_after_at_and_a_repeated_name_is_one_curve(tmp_path):
                          capture_output=True, text=True, check=True)
     assert "| A | 2.5 | 25.0 % | 1 / 0 |" in out.stdout and "| A | 8.0 | 75.0 % | 3 / 0 |" in out.stdout
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_plot_draws_every_method_once_with_its_budgets_joined():
+    import numpy as np
+
+    plot = load_script("compare_methods").plot
+    base = np.array([True, False, False, False])
+    rows = [("A", 2.5, 0.25, 1, 0, 1.0), ("B", 4.0, 0.5, 1, 0, 1.0), ("A", 8.0, 0.75, 2, 0, 0.5)]
+    lines = {ln.get_gid(): ln for ln in plot(rows, base, "t").axes[0].get_lines() if ln.get_gid()}
+    assert sorted(lines) == ["A", "B"]
+    assert list(lines["A"].get_xdata()) == [2.5, 8.0] and list(lines["A"].get_ydata()) == [25.0, 75.0]
+    assert lines["A"].get_color() != lines["B"].get_color()
+    many = [(f"M{i}", float(i + 1), 0.5, 1, 0, 1.0) for i in range(23)]  # more methods than colours
+    drawn = [ln for ln in plot(many, base, "t").axes[0].get_lines() if ln.get_gid()]
+    assert len(drawn) == 23
+    assert len({tuple(ln.get_color()) for ln in drawn[:20]}) == 20

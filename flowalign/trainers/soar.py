@@ -170,7 +170,7 @@ class SOARTrainer(GroupTrainer):
             raise UserError(f"the {self.policy.family} policy cannot encode images to latents (no encode_images); "
                             "SOAR/SFT need it")
         inference_steps = self.cfg.eval.num_steps or self.policy.defaults.get("num_steps")
-        if self.tcfg.N > 0 and inference_steps and int(inference_steps) != self.tcfg.K and self.rank == 0:
+        if self.tcfg.N > 0 and inference_steps and int(inference_steps) != self.tcfg.K and self.acc.is_main_process:
             # not an error: a run may train for one sampler and be judged with another on purpose
             print(f"warning: trainer.K={self.tcfg.K} but the model samples with {inference_steps} steps; SOAR corrects "
                   f"the one-step error of a K-step sampler, so trainer.K={inference_steps} trains for that sampler")
