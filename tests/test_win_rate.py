@@ -5,9 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_compare_methods import _eval_dir
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _eval_dir(folder: Path, passed: list[bool]) -> Path:
+    """An evaluation folder as ``flowalign evaluate`` writes it, reduced to its ``results.jsonl``."""
+    folder.mkdir(parents=True)
+    rows = [{"index": i, "prompt": f"task {i}", "score": float(p), "all_passed": p} for i, p in enumerate(passed)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
 
 
 def test_win_rate_groups_prompts_by_the_shape_they_name(tmp_path):
