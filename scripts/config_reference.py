@@ -63,6 +63,8 @@ FALLBACK = {
     "eval.num_steps": "sampling steps at evaluation (null: the model's default)",
     "eval.batch_size": "samples per evaluation batch",
     "eval.gallery": "rebuild `gallery/index.html` after each evaluation",
+    "parallel.strategy": "`ddp`: every rank holds the whole model, gradients averaged; `fsdp`: FSDP2 shards weights, "
+                         "gradients and optimiser state",
     "trainer.name": "which trainer runs (see the sections below)",
     "trainer.max_steps": "stop after this many training steps",
     "trainer.group_size": "samples per prompt (a group: advantages compare its members)",
