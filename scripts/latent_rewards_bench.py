@@ -92,7 +92,7 @@ def rgs(args: argparse.Namespace) -> None:
     import rewards
     from flowalign.evaluation import sample_seeded
     from flowalign.sampling import Guidance, GuidedPolicy, load_latent_reward
-    from rewards.benchmarks import load_benchmark
+    from flowalign.benchmarks import load_benchmark
 
     torch.set_num_threads(1)
     policy = pipelines.load("assets/tiny-sd3-vvr")

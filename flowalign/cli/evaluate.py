@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from rewards.benchmarks import load_benchmark
+    from flowalign.benchmarks import load_benchmark
 
     bench = load_benchmark(args.bench, args.level, args.n, args.seed)
     check_guide_args(args)
