@@ -5,7 +5,8 @@
 ``(level, n, seed, **options) -> Benchmark`` registered under the plugin kind ``benchmarks``
 (:mod:`flowalign.plugins`); one whose tasks are programmatic scenes may also register a renderer
 ``(metadata, size) -> PIL image`` under ``renderers``, which gives reward-free trainers (SOAR, SFT)
-real (image, caption) pairs without a dataset on disk.
+real (image, caption) pairs without a dataset on disk. A video benchmark's renderer returns its clip as a
+uint8 array ``(F, H, W, 3)``.
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: i
 
 
 def render_task(name: str, metadata: dict[str, Any], size: int) -> torch.Tensor:
-    """The ground-truth image of one task of benchmark ``name``: ``(3, size, size)`` float32 in [0, 1]."""
+    """The ground truth of one task of benchmark ``name``, float32 in [0, 1]: an image ``(3, size, size)``
+    or a clip ``(F, 3, size, size)``."""
     import numpy as np
 
     known = targets("renderers")
     if name not in known:
-        raise UserError(f"benchmark {name!r} cannot render its tasks to images (only {', '.join(sorted(known))}); "
+        raise UserError(f"benchmark {name!r} cannot render its tasks (only {', '.join(sorted(known))}); "
                         "give image/caption pairs with trainer.pairs instead")
-    image = np.asarray(load_target(known[name])(metadata, size).convert("RGB"), dtype=np.float32) / 255.0
-    return torch.from_numpy(image.copy()).permute(2, 0, 1)
+    rendered = load_target(known[name])(metadata, size)
+    pixels = np.asarray(rendered if isinstance(rendered, np.ndarray) else rendered.convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(pixels / 255.0).movedim(-1, -3).contiguous()

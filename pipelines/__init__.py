@@ -23,7 +23,7 @@ __all__ = ["PLUGINS", "FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect
 
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml
-PLUGINS = {"commands": {"tiny": "pipelines.cli.tiny"}}
+PLUGINS = {"commands": {"tiny": "pipelines.cli.tiny", "pretrain-tiny": "pipelines.pretrain.cli"}}
 
 #: family name → policy class
 FAMILIES: dict[str, type] = {"sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy}

@@ -7,7 +7,7 @@ from rewards.registry import available, differentiable, load, register
 PLUGINS = {
     "commands": {"serve-judge": "rewards.cli.serve_judge", "train-reward": "rewards.cli.train_reward"},
     "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion"},
-    "renderers": {"vvr": "rewards.benchmarks:render_vvr"},
+    "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},
 }
 
 __all__ = ["PLUGINS", "available", "differentiable", "load", "register"]

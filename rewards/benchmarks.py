@@ -56,3 +56,12 @@ def render_vvr(metadata: dict[str, Any], size: int):
     if "task" not in metadata:
         raise UserError("a vvr training item has no 'task' in its metadata; draw tasks with data.bench: vvr")
     return render(metadata["task"], size=size)
+
+
+def render_vvr_motion(metadata: dict[str, Any], size: int):
+    """The clip of one VVR-motion task, uint8 ``(F, size, size, 3)``."""
+    from rewards.vvr_motion import render
+
+    if "task" not in metadata:
+        raise UserError("a vvr_motion item has no 'task' in its metadata; draw tasks with data.bench: vvr_motion")
+    return render(metadata["task"], size=size)

@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flowalign.config import load_config  # noqa: E402
 from flowalign.train import build_trainer  # noqa: E402

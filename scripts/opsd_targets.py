@@ -15,13 +15,10 @@ breaks against ``y0``. The reward's own score of each is printed too (it should 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def anchor(policy, chunk, *, sigma_star: float, where: str = "query", guidance: float | None = None) -> torch.Tensor:

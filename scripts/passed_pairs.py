@@ -13,10 +13,8 @@ of the SFT/SOAR trainer reads. Prints how many samples each folder gave.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from win_rate import read  # noqa: E402
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flowalign.config import load_config  # noqa: E402
 from flowalign.train import train  # noqa: E402

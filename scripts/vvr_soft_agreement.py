@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rewards.vvr.near_miss import mutate_scene  # noqa: E402
 

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipelines
 import rewards
@@ -112,11 +113,25 @@ def test_a_benchmark_and_renderer_from_an_installed_package(tmp_path, monkeypatc
     assert image.shape == (3, 8, 8) and image[0].min() == 1.0 and image[2].max() == 0.0
 
 
+def test_the_built_in_renderers_give_images_and_clips_in_unit_range():
+    import numpy as np
+
+    from rewards.vvr import generate_tasks, render
+
+    task = generate_tasks(1, seed=3, level="easy")[0]
+    image = render_task("vvr", {"task": task.to_dict()}, 32)
+    expected = np.asarray(render(task, size=32).convert("RGB"), dtype=np.float32) / 255
+    assert image.shape == (3, 32, 32) and torch.equal(image, torch.from_numpy(expected).permute(2, 0, 1))
+    motion = load_benchmark("vvr_motion", "easy", n=1, seed=5)
+    clip = render_task("vvr_motion", motion.metadata[0], 16)
+    assert clip.shape == (9, 3, 16, 16) and 0 <= clip.min() and clip.max() <= 1 and clip.std() > 0
+
+
 def test_unknown_names_are_user_errors():
     with pytest.raises(UserError, match="unknown benchmark 'nope'.*vvr"):
         load_benchmark("nope")
-    with pytest.raises(UserError, match="cannot render.*only vvr"):
-        render_task("vvr_motion", {}, 8)
+    with pytest.raises(UserError, match="cannot render.*only vvr, vvr_motion"):
+        render_task("dots", {}, 8)
     with pytest.raises(UserError, match="--n must be a positive"):
         load_benchmark("vvr", n=0)
     with pytest.raises(UserError, match="unknown level 'extreme'"):
