@@ -124,11 +124,15 @@ def main() -> None:
         for name in names:
             print(f"{rho:5.2f} {name:>6s} {row[name]['vvr']:8.3f} {row[name]['accuracy']:6.3f} {row[name]['soft']:9.3f}"
                   + (f"   {row['fixed']}/{row['broken']}, {row['vvr_up']}/{row['vvr_down']}" if name == "y+" else ""))
-    for rho in args.rho:
-        print(f"ρ {rho}: y+ against y0 by constraint type (n, vvr y0 → y+, fixed/broken)")
-        for kind, d in summary[str(rho)]["by_constraint"].items():
-            print(f"  {kind:22s} {d['n']:4d}  {d['vvr_y0']:.3f} → {d['vvr_y+']:.3f}  {d['fixed']}/{d['broken']}")
+    print_by_constraint(summary)
     write_json(args.out, {"args": vars(args), "by_rho": summary})
+
+
+def print_by_constraint(summary: dict) -> None:
+    for rho, row in summary.items():
+        print(f"ρ {rho}: y+ against y0 by constraint type (n, vvr y0 → y+, fixed/broken)")
+        for kind, d in row["by_constraint"].items():
+            print(f"  {kind:22s} {d['n']:4d}  {d['vvr_y0']:.3f} → {d['vvr_y+']:.3f}  {d['fixed']}/{d['broken']}")
 
 
 if __name__ == "__main__":

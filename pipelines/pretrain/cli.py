@@ -16,10 +16,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pipelines.pretrain.run import FAMILIES
 
     p = sub.add_parser("pretrain-tiny", help="pretrain a tiny SD3 (image) or Wan (video) model on rendered scenes",
-                       description=__doc__.split("\n\n")[0])
+                       description="Pretrain a tiny world's model on CPU, in resumable stages (VAE, decoder, "
+                                   "transformer), then export it as a diffusers folder.")
     families = p.add_subparsers(dest="family", required=True, metavar="FAMILY")
     for name, family in FAMILIES.items():
-        f = families.add_parser(name, help=family.__doc__.split("\n")[0], description=family.__doc__)
+        f = families.add_parser(name, help=family.HELP, description=family.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
         add_common_arguments(f, family.DEFAULTS)
         family.add_arguments(f)
     return p

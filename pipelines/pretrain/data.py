@@ -49,6 +49,11 @@ def vocabulary(prompts: list[str]) -> list[str]:
     return sorted(w for w in words if w)
 
 
+def longest_prompt(tokenizer, prompts: list[str]) -> int:
+    """The most tokens ``tokenizer`` makes of one of ``prompts``."""
+    return max(len(tokenizer(p).input_ids) for p in prompts)
+
+
 def level_counts(n: int, mix: dict[str, float]) -> list[tuple[str, int]]:
     """``n`` split over the levels by weight (the last level takes the rounding remainder)."""
     counts, used = [], 0

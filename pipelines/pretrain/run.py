@@ -23,7 +23,7 @@ from flowalign.io import write_json
 from pipelines.pretrain import export as export_
 from pipelines.pretrain import sd3, wan
 from pipelines.pretrain.autoencoder import encode_latents, finetune_decoder, train_vae
-from pipelines.pretrain.data import cached, parse_mix, render_benchmark, synthetic_scenes
+from pipelines.pretrain.data import cached, parse_mix, render_benchmark, synthetic_scenes, vocabulary
 from pipelines.pretrain.dit import train_dit
 
 log = logging.getLogger("flowalign.pretrain")
@@ -75,7 +75,12 @@ def redo_after_vae(out: Path) -> None:
 def train(family, data: dict, args: argparse.Namespace, out: Path):
     """Every training stage in order → ``(pipe, ema, max_sequence_length)``."""
     pretrained = getattr(args, "init_from", None)
-    pipe, max_seq = family.load_pretrained(Path(pretrained), args) if pretrained else family.build(data, args)
+    if pretrained:
+        pipe, max_seq = family.load_pretrained(Path(pretrained), args)
+    else:
+        words = vocabulary(data["prompts"])
+        log.info("%d prompt words", len(words))
+        pipe, max_seq = family.build(words, data["prompts"], args)
     pipe.set_progress_bar_config(disable=True)
     for name in family.COMPONENTS:
         log.info("  %-15s %8.3fM params", name, sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e6)

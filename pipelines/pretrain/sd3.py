@@ -27,6 +27,7 @@ from pipelines.pretrain.data import to_unit
 
 log = logging.getLogger("flowalign.pretrain")
 
+HELP = "the SD3-format text-to-image model on rendered vvr scenes (assets/tiny-sd3-vvr)"
 NAME, BENCH, PIPELINE = "sd3", "vvr", "StableDiffusion3Pipeline"
 TRAINED = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -75,19 +76,17 @@ def model_overrides(words: list[str], clip_max_length: int, t5_max_length: int, 
     )
 
 
-def build(data: dict, args: argparse.Namespace):
-    """A fresh pipeline sized for ``data``'s prompts → ``(pipe, max_sequence_length)``."""
-    from pipelines.pretrain.data import vocabulary
+def build(words: list[str], prompts: list[str], args: argparse.Namespace):
+    """A fresh pipeline whose tokenizers know ``words`` and fit ``prompts`` → ``(pipe, max_sequence_length)``."""
+    from pipelines.pretrain.data import longest_prompt
     from pipelines.tiny import build_tiny_sd3, clip_tokenizer
 
-    words = vocabulary(data["prompts"])
     clip_len = args.clip_max_length
-    if not clip_len:
-        tok = clip_tokenizer(16384, 1000)
-        longest = max(len(tok(p).input_ids) for p in data["prompts"][:: max(1, len(data["prompts"]) // 5000)])
-        clip_len = int(math.ceil((longest + 4) / 8) * 8)
+    if not clip_len:  # the longest of (at most) 5,000 prompts, in whole multiples of 8 tokens
+        sampled = prompts[:: max(1, len(prompts) // 5000)]
+        clip_len = int(math.ceil((longest_prompt(clip_tokenizer(16384, 1000), sampled) + 4) / 8) * 8)
     max_seq = args.max_sequence_length or clip_len
-    log.info("clip_max_length %d, max_sequence_length %d, %d prompt words", clip_len, max_seq, len(words))
+    log.info("clip_max_length %d, max_sequence_length %d", clip_len, max_seq)
     return build_tiny_sd3(**model_overrides(words, clip_len, max_seq, args.size)), max_seq
 
 

@@ -25,6 +25,7 @@ from pipelines.pretrain.data import to_unit
 
 log = logging.getLogger("flowalign.pretrain")
 
+HELP = "the Wan-format text-to-video model on rendered vvr_motion clips (assets/tiny-wan-motion)"
 NAME, BENCH, PIPELINE = "wan", "vvr_motion", "WanPipeline"
 TRAINED = ("transformer", "text_encoder")
 COMPONENTS = ("transformer", "vae", "text_encoder")
@@ -64,19 +65,15 @@ def model_overrides(words: list[str], max_length: int, *, vae_dim_mult: tuple[in
     )
 
 
-def build(data: dict, args: argparse.Namespace):
-    """A fresh pipeline sized for ``data``'s prompts → ``(pipe, max_sequence_length)``."""
-    from pipelines.pretrain.data import vocabulary
+def build(words: list[str], prompts: list[str], args: argparse.Namespace):
+    """A fresh pipeline (its VAE inflated) whose tokenizer knows ``words`` → ``(pipe, max_sequence_length)``."""
+    from pipelines.pretrain.data import longest_prompt
     from pipelines.tiny import build_tiny_wan, t5_tokenizer
 
-    words = vocabulary(data["prompts"])
-    max_seq = args.max_sequence_length
-    if not max_seq:
-        tok = t5_tokenizer(512, tuple(words))
-        max_seq = max(len(tok(p).input_ids) for p in set(data["prompts"])) + 2
-    log.info("max_sequence_length %d, %d prompt words", max_seq, len(words))
-    ints = [tuple(int(v) for v in text.split(",")) for text in (args.vae_dim_mult, args.patch)]
-    pipe = build_tiny_wan(**model_overrides(words, max_seq, vae_dim_mult=ints[0], z_dim=args.z_dim, patch=ints[1]))
+    max_seq = args.max_sequence_length or longest_prompt(t5_tokenizer(512, tuple(words)), sorted(set(prompts))) + 2
+    log.info("max_sequence_length %d", max_seq)
+    dim_mult, patch = (tuple(int(v) for v in text.split(",")) for text in (args.vae_dim_mult, args.patch))
+    pipe = build_tiny_wan(**model_overrides(words, max_seq, vae_dim_mult=dim_mult, z_dim=args.z_dim, patch=patch))
     inflate_(pipe.vae)
     return pipe, max_seq
 
