@@ -35,6 +35,15 @@ def builtin_targets(kind: str) -> dict[str, str]:
     return found
 
 
+def builtin_target(kind: str, name: str) -> str | None:
+    """The built-in target of ``name``, importing only the packages up to the one that has it."""
+    for package in BUILTIN_PACKAGES:
+        table = getattr(importlib.import_module(package), "PLUGINS", {})
+        if name in table.get(kind, {}):
+            return table[kind][name]
+    return None
+
+
 def targets(kind: str) -> dict[str, str]:
     """``name → target`` of every contribution of ``kind``: built-in ones first, then entry points
     (an installed package may add names; a built-in name that an entry point repeats keeps its target)."""

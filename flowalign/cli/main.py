@@ -39,11 +39,11 @@ def command_target(name: str) -> str | None:
     Looked up in that order so that running a command imports as little as possible."""
     from importlib.metadata import entry_points
 
-    from flowalign.plugins import builtin_targets
+    from flowalign.plugins import builtin_target
 
     found = core_commands().get(name)
     found = found or next((ep.value for ep in entry_points(group="flowalign.commands") if ep.name == name), None)
-    return found or builtin_targets("commands").get(name)
+    return found or builtin_target("commands", name)
 
 
 def all_commands() -> dict[str, str]:

@@ -61,6 +61,21 @@ def test_running_a_core_command_imports_no_other_command():
     assert done.stdout.strip().splitlines()[-1] == "['flowalign.cli.main', 'flowalign.cli.train']"
 
 
+def test_a_rewards_command_does_not_import_the_model_families():
+    code = textwrap.dedent("""
+        import sys
+        from flowalign.cli.main import main
+        try:
+            main(["serve-judge", "--help"])
+        except SystemExit:
+            pass
+        print(sorted(m for m in sys.modules if m.startswith("pipelines")), "rewards.cli.serve_judge" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[] True"
+
+
 def test_core_commands_are_the_modules_of_the_cli_package():
     found = core_commands()
     assert found["train"] == "flowalign.cli.train" and "main" not in found and "common" not in found

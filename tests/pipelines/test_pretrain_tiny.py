@@ -72,6 +72,13 @@ def test_a_run_resumed_after_a_kill_ends_bit_exactly_where_an_uninterrupted_one_
     assert main(run_argv(resumed, tmp_path / "model-b", "--resume")) == 0
     assert all(torch.equal(exported(tmp_path / "model-b")[k], reference[k]) for k in reference)
 
+    # a finished VAE given a larger budget continues; what was trained on its latents is set aside and redone
+    assert main(run_argv(resumed, tmp_path / "model-b", "--resume", "--vae-steps", "25")) == 0
+    assert json.loads((resumed / "vae" / "DONE").read_text())["step"] == 25
+    assert {p.name.split(".stale-")[0] for p in resumed.glob("*.stale-*")} == {"dit", "decoder"}
+    assert len(losses(resumed / "dit")) == 20 and len(losses(resumed / "vae")) == 25
+    assert not torch.equal(exported(tmp_path / "model-b")["vae/decoder.conv_out.weight"], reference["vae/decoder.conv_out.weight"])
+
 
 def test_bad_budgets_are_one_line_errors(tmp_path, capsys):
     assert main(run_argv(tmp_path, tmp_path / "m", "--dit-steps", "0")) == 2
