@@ -10,10 +10,14 @@ from flowalign.weight_swap import swapped_in
 
 
 class EMA:
-    """``shadow ← decay·shadow + (1−decay)·param`` every ``every`` optimiser steps (Flow-GRPO: 0.9 / 8)."""
+    """``shadow ← decay·shadow + (1−decay)·param`` every ``every`` optimiser steps (Flow-GRPO: 0.9 / 8).
 
-    def __init__(self, params: list[torch.nn.Parameter], decay: float, every: int = 1):
-        self.params, self.decay, self.every = list(params), decay, every
+    ``warmup``: the decay of update ``n`` is ``min(decay, (1 + n) / (10 + n))``, so a model trained from
+    scratch is not averaged with its random initialisation for the first ~1/(1−decay) steps.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, every: int = 1, warmup: bool = False):
+        self.params, self.decay, self.every, self.warmup = list(params), decay, every, warmup
         self.shadow = [p.detach().clone() for p in self.params]
         self.num_updates = 0
 
@@ -22,8 +26,12 @@ class EMA:
         self.num_updates += 1
         if self.num_updates % self.every:
             return
+        decay = self.decay
+        if self.warmup:
+            n = self.num_updates - 1
+            decay = min(decay, (1 + n) / (10 + n))
         for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach(), 1 - self.decay)
+            s.lerp_(p.detach(), 1 - decay)
 
     def swapped_in(self) -> AbstractContextManager[None]:
         """Temporarily load the averaged weights into the live parameters."""

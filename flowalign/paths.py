@@ -14,5 +14,5 @@ def assets_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The embedded default model, pretrained by ``scripts/pretrain_tiny.py``."""
+    """The embedded default model, pretrained by ``flowalign pretrain-tiny sd3``."""
     return assets_dir() / "tiny-sd3-vvr"

@@ -61,7 +61,7 @@ def load_train_data(cfg: TrainConfig) -> PromptSet:
         return read_prompt_file(cfg.data.prompts)
     if not cfg.data.bench:
         raise UserError("data needs either data.prompts (a .txt/.jsonl file) or data.bench (e.g. vvr)")
-    from rewards.benchmarks import load_benchmark
+    from flowalign.benchmarks import load_benchmark
 
     levels = [cfg.data.level] if isinstance(cfg.data.level, str) else list(cfg.data.level)
     prompts, metadata = [], []
@@ -74,7 +74,7 @@ def load_train_data(cfg: TrainConfig) -> PromptSet:
 
 def make_evaluator(cfg: TrainConfig):
     """A function ``(policy, out_dir) -> metrics`` over the held-out split, or None."""
-    from rewards.benchmarks import load_benchmark
+    from flowalign.benchmarks import load_benchmark
 
     from flowalign.evaluation import evaluate
 

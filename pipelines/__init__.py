@@ -19,7 +19,11 @@ from pipelines.flux import FluxPolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
 
-__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
+__all__ = ["PLUGINS", "FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
+
+#: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
+#: as the ``flowalign.*`` entry points in pyproject.toml
+PLUGINS = {"commands": {"tiny": "pipelines.cli.tiny", "pretrain-tiny": "pipelines.pretrain.cli"}}
 
 #: family name → policy class
 FAMILIES: dict[str, type] = {"sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy}

@@ -1,5 +1,13 @@
 """Reward functions and models; each implements :class:`flowalign.protocols.Reward`."""
 
-from rewards.registry import available, load, register
+from rewards.registry import available, differentiable, load, register
 
-__all__ = ["available", "load", "register"]
+#: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
+#: as the ``flowalign.*`` entry points in pyproject.toml, read by the core without importing the modules
+PLUGINS = {
+    "commands": {"serve-judge": "rewards.cli.serve_judge", "train-reward": "rewards.cli.train_reward"},
+    "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion"},
+    "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},
+}
+
+__all__ = ["PLUGINS", "available", "differentiable", "load", "register"]

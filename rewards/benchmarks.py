@@ -1,15 +1,16 @@
 """Benchmarks by name: the prompts, per-sample metadata and reward of an evaluation split.
 
-``flowalign evaluate --bench NAME`` reaches these through :func:`load_benchmark`; the core never knows
-what a VVR task is.
+The loaders and renderers here are what ``PLUGINS`` in ``rewards/__init__.py`` (and the
+``flowalign.benchmarks`` / ``flowalign.renderers`` entry points) name; ``flowalign evaluate --bench NAME``
+reaches them through :func:`flowalign.benchmarks.load_benchmark`, so the core never knows what a VVR task is.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
+from flowalign.benchmarks import Benchmark
 from flowalign.errors import UserError
 from flowalign.paths import assets_dir
 from rewards.registry import load as load_reward
@@ -17,15 +18,14 @@ from rewards.registry import load as load_reward
 LEVELS = ("easy", "medium", "hard")
 
 
-@dataclass
-class Benchmark:
-    name: str
-    prompts: list[str]
-    metadata: list[dict[str, Any]]
-    reward: Any
+def check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
 
 
-def _vvr(level: str, n: int | None, seed: int | None) -> Benchmark:
+def load_vvr(level: str, n: int | None, seed: int | None) -> Benchmark:
+    """A VVR image split: the shipped ``assets/vvr/<level>.jsonl`` or a fresh one drawn with ``seed``."""
+    check_level(level)
     from rewards.vvr import Task, generate_tasks
 
     if seed is not None:  # a fresh split, not the shipped one
@@ -39,7 +39,9 @@ def _vvr(level: str, n: int | None, seed: int | None) -> Benchmark:
     return Benchmark(f"vvr-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks], load_reward("vvr"))
 
 
-def _vvr_motion(level: str, n: int | None, seed: int | None) -> Benchmark:
+def load_vvr_motion(level: str, n: int | None, seed: int | None) -> Benchmark:
+    """A VVR-motion video split (see :func:`rewards.vvr_motion.load_split`)."""
+    check_level(level)
     from rewards.vvr_motion import load_split
 
     tasks = load_split(level, n, seed)
@@ -47,21 +49,8 @@ def _vvr_motion(level: str, n: int | None, seed: int | None) -> Benchmark:
                      load_reward("vvr_motion"))
 
 
-_BENCHMARKS = {"vvr": _vvr, "vvr_motion": _vvr_motion}
-
-
-def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None) -> Benchmark:
-    """The split ``name``/``level``: the shipped file, or a fresh one drawn with ``seed``."""
-    if name not in _BENCHMARKS:
-        raise UserError(f"unknown benchmark {name!r}; choose one of {', '.join(_BENCHMARKS)}")
-    if level not in LEVELS:
-        raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
-    if n is not None and n < 1:
-        raise UserError(f"--n must be a positive number of tasks, got {n}")
-    return _BENCHMARKS[name](level, n, seed)
-
-
-def _render_vvr(metadata: dict[str, Any], size: int):
+def render_vvr(metadata: dict[str, Any], size: int):
+    """The scene of one VVR task as a PIL image (what :func:`flowalign.benchmarks.render_task` converts)."""
     from rewards.vvr import render
 
     if "task" not in metadata:
@@ -69,20 +58,10 @@ def _render_vvr(metadata: dict[str, Any], size: int):
     return render(metadata["task"], size=size)
 
 
-_RENDERERS = {"vvr": _render_vvr}
+def render_vvr_motion(metadata: dict[str, Any], size: int):
+    """The clip of one VVR-motion task, uint8 ``(F, size, size, 3)``."""
+    from rewards.vvr_motion import render
 
-
-def render_task(name: str, metadata: dict[str, Any], size: int):
-    """The ground-truth image of one benchmark task, ``(3, size, size)`` float32 in [0, 1].
-
-    Benchmarks whose tasks are programmatic scenes can render them, which gives real (image, caption)
-    pairs for reward-free trainers (SOAR, SFT) without a dataset on disk.
-    """
-    import numpy as np
-    import torch
-
-    if name not in _RENDERERS:
-        raise UserError(f"benchmark {name!r} cannot render its tasks to images (only {', '.join(_RENDERERS)}); "
-                        "give image/caption pairs with trainer.pairs instead")
-    image = np.asarray(_RENDERERS[name](metadata, size).convert("RGB"), dtype=np.float32) / 255.0
-    return torch.from_numpy(image.copy()).permute(2, 0, 1)
+    if "task" not in metadata:
+        raise UserError("a vvr_motion item has no 'task' in its metadata; draw tasks with data.bench: vvr_motion")
+    return render(metadata["task"], size=size)

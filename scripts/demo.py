@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flowalign.config import load_config  # noqa: E402
 from flowalign.errors import UserError  # noqa: E402

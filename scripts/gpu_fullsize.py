@@ -25,7 +25,6 @@ import inspect
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 # ------------------------------------------------------------------------------------------- architectures
 

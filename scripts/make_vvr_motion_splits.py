@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rewards.vvr_motion import SPLIT_SEEDS, generate_tasks  # noqa: E402
 from rewards.vvr_motion.splits import SPLIT_SIZE  # noqa: E402

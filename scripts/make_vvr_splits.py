@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rewards.vvr import generate_tasks  # noqa: E402
 

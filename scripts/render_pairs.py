@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flowalign.io import atomic_path  # noqa: E402
 from rewards.vvr import generate_tasks  # noqa: E402

@@ -30,7 +30,7 @@ def partial_credit(folder: Path, rows: list[dict], bench: str, level: str, n: in
     from PIL import Image
 
     import rewards
-    from rewards.benchmarks import load_benchmark
+    from flowalign.benchmarks import load_benchmark
 
     split = load_benchmark(bench, level, n, seed)
     if [r["prompt"] for r in rows] != split.prompts[: len(rows)]:

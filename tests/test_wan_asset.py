@@ -50,7 +50,7 @@ def test_model_is_small_in_safetensors_with_a_model_card():
     weights = [p for p in files if p.suffix in {".bin", ".pt", ".pth", ".ckpt", ".safetensors"}]
     assert weights and all(p.suffix == ".safetensors" for p in weights)
     card = (MODEL / "README.md").read_text()
-    assert "pretrain_tiny.py --family wan" in card and "easy" in card
+    assert "flowalign pretrain-tiny wan" in card and "easy" in card
 
 
 def test_it_passes_held_out_motion_tasks():

@@ -19,6 +19,51 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling steps and CFG scale, each defaulting to the model's own (``flowalign.json``)."""
+    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
+    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+
+
+def add_guide_args(p: argparse.ArgumentParser) -> None:
+    """RGS options of ``sample`` and ``evaluate``: a latent reward folder and its scale κ."""
+    p.add_argument("--guide", default=None, metavar="REWARD_DIR",
+                   help="reward-guided sampling with this latent reward folder (flowalign train-reward)")
+    p.add_argument("--guide-scale", type=float, default=0.05, help="κ: v_c = v - κ·‖v‖·g/‖g‖ (0 = plain sampling)")
+    p.add_argument("--guide-window", type=float, nargs=2, default=None, metavar=("SIGMA_LO", "SIGMA_HI"),
+                   help="guide only the steps with σ in [SIGMA_LO, SIGMA_HI]")
+
+
+def check_guide_args(args: argparse.Namespace) -> None:
+    """The ``--guide*`` options, checked before a model is loaded."""
+    if args.guide is None:
+        if args.guide_window is not None:
+            raise UserError("--guide-window needs --guide REWARD_DIR")
+        return
+    if args.guide_scale < 0:
+        raise UserError(f"--guide-scale {args.guide_scale} must be >= 0")
+    if not Path(args.guide).is_dir():
+        raise UserError(f"--guide {args.guide}: no such folder; give a reward folder written by flowalign train-reward")
+
+
+def load_guidance(args: argparse.Namespace, policy):
+    """The :class:`Guidance` of ``--guide`` (None without it)."""
+    check_guide_args(args)
+    if args.guide is None:
+        return None
+    from flowalign.sampling.guidance import Guidance, load_latent_reward
+
+    reward = load_latent_reward(args.guide, device=policy.device, dtype=policy.dtype)
+    return Guidance(reward, args.guide_scale, tuple(args.guide_window) if args.guide_window else None)
+
+
+def load_guided_policy(args: argparse.Namespace):
+    """``--model`` / ``--adapter`` and the ``--guide`` reward (None without it), options checked first."""
+    check_guide_args(args)
+    policy = load_policy(args)
+    return policy, load_guidance(args, policy)
+
+
 def load_policy(args: argparse.Namespace):
     """Load ``--model`` (and ``--adapter``) through the pipelines registry."""
     import pipelines

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowalign.cli.common import add_model_args, load_policy
-from flowalign.cli.sample import add_guide_args, check_guide_args, load_guidance
+from flowalign.cli.common import add_guide_args, add_model_args, add_sampling_args, load_guided_policy
 from flowalign.evaluation import evaluate
 from flowalign.paths import default_model_dir
 
@@ -19,8 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=None, help="number of tasks (default: the whole split)")
     p.add_argument("--seed", type=int, default=None,
                    help="draw a fresh split with this seed instead of the shipped one (also seeds the noise)")
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
-    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+    add_sampling_args(p)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out", required=True, help="output folder")
     add_guide_args(p)
@@ -28,12 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from rewards.benchmarks import load_benchmark
+    from flowalign.benchmarks import load_benchmark
 
     bench = load_benchmark(args.bench, args.level, args.n, args.seed)
-    check_guide_args(args)
-    policy = load_policy(args)
-    guide = load_guidance(args, policy)
+    policy, guide = load_guided_policy(args)
     labels = {}
     if guide is not None:
         from flowalign.sampling.guidance import GuidedPolicy

@@ -109,7 +109,7 @@ def _sample_columns(args: argparse.Namespace, folder: Path) -> tuple[list[Path],
         raise UserError("--model needs --prompts FILE (one prompt per line, or JSONL with prompt and task)")
     prompts, metadata = read_prompts(Path(args.prompts))
     if args.reward is not None:
-        from rewards import load as load_reward
+        from flowalign.plugins import load_reward
 
         reward = load_reward(args.reward)
     else:

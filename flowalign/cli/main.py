@@ -1,10 +1,20 @@
-"""Entry point of the ``flowalign`` console script (and ``python -m flowalign``)."""
+"""Entry point of the ``flowalign`` console script (and ``python -m flowalign``).
+
+A sub-command is a module with ``add_parser(subparsers) -> ArgumentParser`` and ``run(args)``. The core's
+own are the modules of this package (``flowalign/cli/<name>.py`` is the command ``<name>`` with ``_`` as
+``-``); the other packages contribute theirs as plugins of kind ``commands`` (:mod:`flowalign.plugins`:
+entry points of the group ``flowalign.commands``, or the built-in ``PLUGINS`` tables), e.g.
+``serve-judge`` from ``rewards`` and ``tiny`` from ``pipelines``. A command's module is imported only
+when that command runs (or when ``--help`` lists them all).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import pkgutil
 import sys
+from pathlib import Path
 from typing import Sequence
 
 # On shared CPU cores, OpenMP workers that spin while a sibling thread is descheduled make steps several
@@ -13,32 +23,63 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowalign.errors import UserError
 
-# sub-command modules, each defining add_parser(subparsers) and run(args)
-COMMANDS = (
-    "tiny",
-    "sample",
-    "evaluate",
-    "train",
-    "gallery",
-    "train_reward",
-    "serve_judge",
-)
+#: modules of this package that are not commands
+NOT_COMMANDS = {"main", "common"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import importlib
+def core_commands() -> dict[str, str]:
+    """``name → module`` of the core's own commands, found on disk without importing them."""
+    folder = str(Path(__file__).resolve().parent)
+    return {info.name.replace("_", "-"): f"flowalign.cli.{info.name}" for info in pkgutil.iter_modules([folder])
+            if info.name not in NOT_COMMANDS and not info.name.startswith("_")}
+
+
+def command_target(name: str) -> str | None:
+    """The module of command ``name``: the core's, else an entry point's, else a built-in plugin's.
+    Looked up in that order so that running a command imports as little as possible."""
+    from importlib.metadata import entry_points
+
+    from flowalign.plugins import builtin_target
+
+    found = core_commands().get(name)
+    found = found or next((ep.value for ep in entry_points(group="flowalign.commands") if ep.name == name), None)
+    return found or builtin_target("commands", name)
+
+
+def all_commands() -> dict[str, str]:
+    """``name → module`` of every command (the core's win a name clash), sorted by name."""
+    from flowalign.plugins import targets
+
+    found = {**targets("commands"), **core_commands()}
+    return dict(sorted(found.items()))
+
+
+def build_parser(commands: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser with the sub-commands ``commands`` (default: all of them, each module imported)."""
+    from flowalign.plugins import load_target
 
     parser = argparse.ArgumentParser(prog="flowalign", description="Align flow-matching generators with RL.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
-        module = importlib.import_module(f"flowalign.cli.{name}")
-        module.add_parser(sub).set_defaults(_run=module.run)
+    for name, target in (all_commands() if commands is None else commands).items():
+        module = load_target(target)
+        p = module.add_parser(sub)
+        if name not in sub.choices or sub.choices[name] is not p:
+            raise RuntimeError(f"command module {target} must add a sub-parser named {name!r}")
+        p.set_defaults(_run=module.run)
     return parser
 
 
+def parser_for(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """Only the named command's module is imported; ``--help``, typos and no command get them all."""
+    name = argv[0] if argv and not argv[0].startswith("-") else None
+    target = command_target(name) if name else None
+    return build_parser({name: target} if target else None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        args = parser_for(argv).parse_args(argv)
         args._run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

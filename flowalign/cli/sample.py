@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flowalign.cli.common import add_model_args, load_policy
+from flowalign.cli.common import add_guide_args, add_model_args, add_sampling_args, load_guided_policy
 from flowalign.errors import UserError
 from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_image, save_video
 from flowalign.sampling import SAMPLER_KINDS, check_sampler, rollout
@@ -17,46 +17,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="sample one prompt to an image or video file")
     add_model_args(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
+    add_sampling_args(p)
     p.add_argument("--sampler", default="ode", choices=SAMPLER_KINDS)
     p.add_argument("--noise-level", type=float, default=None, help="a for flow_grpo, eta for cps/dance")
-    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output file: .png for images, .mp4 or .gif for videos")
     add_guide_args(p)
     return p
-
-
-def add_guide_args(p: argparse.ArgumentParser) -> None:
-    """RGS options shared with ``evaluate``: a latent reward folder and its scale κ."""
-    p.add_argument("--guide", default=None, metavar="REWARD_DIR",
-                   help="reward-guided sampling with this latent reward folder (flowalign train-reward)")
-    p.add_argument("--guide-scale", type=float, default=0.05, help="κ: v_c = v - κ·‖v‖·g/‖g‖ (0 = plain sampling)")
-    p.add_argument("--guide-window", type=float, nargs=2, default=None, metavar=("SIGMA_LO", "SIGMA_HI"),
-                   help="guide only the steps with σ in [SIGMA_LO, SIGMA_HI]")
-
-
-def check_guide_args(args: argparse.Namespace) -> None:
-    """The ``--guide*`` options, checked before a model is loaded."""
-    if args.guide is None:
-        if args.guide_window is not None:
-            raise UserError("--guide-window needs --guide REWARD_DIR")
-        return
-    if args.guide_scale < 0:
-        raise UserError(f"--guide-scale {args.guide_scale} must be >= 0")
-    if not Path(args.guide).is_dir():
-        raise UserError(f"--guide {args.guide}: no such folder; give a reward folder written by flowalign train-reward")
-
-
-def load_guidance(args: argparse.Namespace, policy):
-    """The :class:`Guidance` of ``--guide`` (None without it)."""
-    check_guide_args(args)
-    if args.guide is None:
-        return None
-    from flowalign.sampling.guidance import Guidance, load_latent_reward
-
-    reward = load_latent_reward(args.guide, device=policy.device, dtype=policy.dtype)
-    return Guidance(reward, args.guide_scale, tuple(args.guide_window) if args.guide_window else None)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -65,13 +32,11 @@ def run(args: argparse.Namespace) -> None:
     if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
         raise UserError(f"--out {out.name}: unknown file type; use .png for image models, .mp4/.gif for video models")
     check_sampler(args.sampler, args.noise_level)
-    check_guide_args(args)
-    policy = load_policy(args)
+    policy, guide = load_guided_policy(args)
     if policy.is_video and suffix in IMAGE_SUFFIXES:
         raise UserError(f"--out {out.name}: {policy.family} is a video model; write .mp4 or .gif")
     if not policy.is_video and suffix in VIDEO_SUFFIXES:
         raise UserError(f"--out {out.name}: {policy.family} is an image model; write .png")
-    guide = load_guidance(args, policy)
     steps = args.steps or int(policy.defaults.get("num_steps", 20))
     result = rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler, noise_level=args.noise_level,
                      guidance_scale=args.guidance, generator=torch.Generator().manual_seed(args.seed), guide=guide)

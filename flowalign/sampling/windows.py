@@ -1,13 +1,11 @@
 """SDE windows: which steps of a rollout are stochastic (and therefore trained).
 
-Flow-GRPO-Fast draws a random window start per prompt; MixGRPO slides it progressively. Steps outside
-the window run the deterministic ODE. The final step (σ' = 0) is never stochastic: CPS has τ = 0 there
-and the Flow-GRPO authors leave it deterministic and untrained.
+Flow-GRPO-Fast draws a random window start per prompt. Steps outside the window run the deterministic
+ODE. The final step (σ' = 0) is never stochastic: CPS has τ = 0 there and the Flow-GRPO authors leave it
+deterministic and untrained.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -49,23 +47,3 @@ def random_window_start(
     if last < low:
         raise ValueError(f"no room for an SDE window of width {width} in steps {low}..{high} of {num_steps}")
     return int(torch.randint(low, last + 1, (1,), generator=generator).item())
-
-
-@dataclass
-class ProgressiveWindow:
-    """MixGRPO's sliding window: start at ``start`` and move by ``stride`` every ``every`` iterations,
-    wrapping to 0 once the window would pass step ``num_steps − 2``."""
-
-    num_steps: int = 25
-    width: int = 4
-    every: int = 25
-    stride: int = 1
-    start: int = 0
-
-    def start_at(self, iteration: int) -> int:
-        """Window start for a training iteration (pure: resuming needs no extra state)."""
-        positions = self.num_steps - 1 - self.width + 1  # starts whose window ends by step T-2
-        return (self.start + (iteration // self.every) * self.stride) % positions
-
-    def window(self, iteration: int) -> tuple[int, int]:
-        return self.start_at(iteration), self.width

@@ -333,7 +333,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
         bad = [name for name, _, reward in self.rewards if not getattr(reward, "differentiable", False)]
         if bad:
             # lazily, on the error path only: the core meets rewards through the registry, never at import
-            from rewards.registry import differentiable
+            from flowalign.plugins import differentiable_rewards as differentiable
 
             ok = differentiable()
             raise UserError(

@@ -204,7 +204,7 @@ class SOARTrainer(GroupTrainer):
                     if h != w:
                         raise UserError(f"rendered {self.bench} scenes are square but the model samples {h}x{w}: set "
                                         "model.defaults height = width")
-                    from rewards.benchmarks import render_task
+                    from flowalign.benchmarks import render_task
 
                     image = render_task(self.bench, meta, h)
                 else:

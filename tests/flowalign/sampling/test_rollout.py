@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowalign.errors import UserError
-from flowalign.sampling import ProgressiveWindow, random_window_start, rollout, sde_step_mask
+from flowalign.sampling import random_window_start, rollout, sde_step_mask
 
 from .gaussian_policy import GaussianPolicy
 
@@ -44,16 +44,6 @@ def test_random_window_in_range_and_seeded():
     assert starts <= set(range(0, 4)) and len(starts) > 1
     g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     assert random_window_start(10, 3, g1) == random_window_start(10, 3, g2)
-
-
-def test_progressive_window_slides_and_wraps():
-    w = ProgressiveWindow(num_steps=25, width=4, every=25, stride=1)
-    assert w.start_at(0) == 0 and w.start_at(24) == 0 and w.start_at(25) == 1
-    last_start = 25 - 1 - 4  # window ends at step T-2
-    assert w.start_at(25 * last_start) == last_start
-    assert w.start_at(25 * (last_start + 1)) == 0
-    for it in range(0, 25 * 30, 25):
-        sde_step_mask(25, w.window(it))  # every position is a valid window
 
 
 @pytest.mark.parametrize("prompts", ["a prompt", [1, 2], []])

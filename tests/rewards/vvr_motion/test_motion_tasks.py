@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rewards.benchmarks import load_benchmark
+from flowalign.benchmarks import load_benchmark
 from rewards.vvr import EASY_COLOURS, EASY_SHAPES, VOCABULARIES
 from rewards.vvr_motion import (
     CONSTRAINT_TYPES,

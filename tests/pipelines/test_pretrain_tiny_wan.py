@@ -1,5 +1,6 @@
-"""scripts/pretrain_tiny.py --family wan (scripts/pretrain_tiny_wan.py): the VAE helpers it relies on, and the
-whole script end to end on a few clips (export reloads offline, resume is a no-op)."""
+"""``flowalign pretrain-tiny wan``: the video VAE helpers it relies on, and the whole run end to end on a few
+16-px clips (the export reloads offline, resuming a finished run is a no-op, a larger decoder budget
+moves the decoder only)."""
 
 import json
 
@@ -7,15 +8,12 @@ import torch
 from diffusers import WanPipeline
 from safetensors.torch import load_file
 
-from tests.scripts import load_script
-
-
-wan = load_script("pretrain_tiny_wan")
+from flowalign.cli.main import main
+from pipelines.pretrain import wan
+from pipelines.tiny import build_tiny_wan
 
 
 def _vae():
-    from pipelines.tiny import build_tiny_wan
-
     return build_tiny_wan(**wan.model_overrides([], 16)).vae.eval()
 
 
@@ -52,40 +50,39 @@ def test_unclamped_decode_is_the_vae_decode_before_its_clamp():
     assert torch.allclose(ours.clamp(-1, 1), theirs, atol=1e-5)
 
 
-def _tiny_run_argv(out, export) -> list[str]:
-    """The whole script on 24 clips with a step or two per stage."""
-    return ["--family", "wan", "--out", str(out), "--export", str(export), "--n-clips", "24", "--vae-steps", "2",
-            "--dit-steps", "2", "--dec-steps", "1", "--vae-batch", "2", "--batch", "4", "--save-every", "1",
-            "--demo-n", "0", "--threads", str(torch.get_num_threads())]
+def _argv(out, export) -> list[str]:
+    """The whole run on 24 rendered vvr_motion clips at 16 px with a step or two per stage."""
+    return ["pretrain-tiny", "wan", "--out", str(out), "--export", str(export), "--size", "16", "--n-clips", "24",
+            "--vae-steps", "2", "--dit-steps", "2", "--dec-steps", "1", "--vae-batch", "2", "--batch", "4",
+            "--save-every", "1", "--demo-n", "0", "--threads", str(torch.get_num_threads())]
 
 
-def test_family_wan_end_to_end_and_resume_is_a_no_op(tmp_path):
-    mod = load_script("pretrain_tiny")
+def _weights(export):
+    return {name: load_file(str(export / name / "diffusion_pytorch_model.safetensors")) for name in ("transformer", "vae")}
+
+
+def test_end_to_end_resume_is_a_no_op_and_a_larger_decoder_budget_moves_the_decoder_only(tmp_path):
     out, export = tmp_path / "run", tmp_path / "model"
-    argv = _tiny_run_argv(out, export)
-    mod.main(argv)
+    argv = _argv(out, export)
+    assert main(argv) == 0
     assert all((out / s / "DONE").is_file() for s in ("vae", "decoder", "dit"))
+    data = json.loads((out / "data.json").read_text())
+    assert len(data["prompts"]) == 24 and set(data["levels"]) == {"easy", "medium"}
     defaults = json.loads((export / "flowalign.json").read_text())
-    assert defaults["family"] == "wan" and defaults["num_frames"] == 9 and defaults["height"] == 32
+    assert defaults["family"] == "wan" and defaults["num_frames"] == 9 and defaults["height"] == 16
     pipe = WanPipeline.from_pretrained(export)
     assert pipe.vae.config.scale_factor_temporal == 2 and len(pipe.vae.config.latents_std) == 4
-    before = load_file(str(export / "transformer" / "diffusion_pytorch_model.safetensors"))
-    mod.main(argv + ["--resume"])
-    after = load_file(str(export / "transformer" / "diffusion_pytorch_model.safetensors"))
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    first = _weights(export)
+    latents = load_file(str(out / "latents.safetensors"))["x0"]
 
+    assert main(argv + ["--resume"]) == 0  # every stage finished: nothing moves
+    again = _weights(export)
+    assert all(torch.equal(first[n][k], again[n][k]) for n in first for k in first[n])
 
-def test_resumed_with_a_larger_decoder_budget_the_decoder_continues_and_nothing_else_moves(tmp_path):
-    mod = load_script("pretrain_tiny")
-    out, export = tmp_path / "run", tmp_path / "model"
-    argv = _tiny_run_argv(out, export)
-    mod.main(argv)
-    first = {name: load_file(str(export / name / "diffusion_pytorch_model.safetensors")) for name in ("transformer", "vae")}
-    latents = torch.load(out / "latents.pt")["x0"]
-    mod.main(argv + ["--dec-steps", "3", "--resume"])  # the later flag wins
+    assert main(argv + ["--dec-steps", "3", "--resume"]) == 0  # the later flag wins
     assert json.loads((out / "decoder" / "DONE").read_text())["step"] == 3
-    again = {name: load_file(str(export / name / "diffusion_pytorch_model.safetensors")) for name in ("transformer", "vae")}
+    again = _weights(export)
     assert all(torch.equal(first["transformer"][k], again["transformer"][k]) for k in first["transformer"])
-    assert torch.equal(torch.load(out / "latents.pt")["x0"], latents)  # the encoder (and so the latents) stayed
+    assert torch.equal(load_file(str(out / "latents.safetensors"))["x0"], latents)  # the encoder stayed
     moved = {k for k in first["vae"] if not torch.equal(first["vae"][k], again["vae"][k])}
     assert moved and all(k.startswith(("decoder.", "post_quant_conv.")) for k in moved), sorted(moved)[:5]

@@ -57,7 +57,7 @@ def test_several_pair_files_train_and_eval_pairs_are_held_out(trained, image_pai
     """``--pairs`` merges JSONL and saved pairs; ``--eval-pairs`` replaces the prompt split, and pairs whose
     prompts never occur in training are also scored on their own. The train accuracy of a set larger than
     ``TRAIN_ACCURACY_PAIRS`` is taken on a subset of that size."""
-    monkeypatch.setattr("flowalign.cli.train_reward.TRAIN_ACCURACY_PAIRS", 5)
+    monkeypatch.setattr("rewards.cli.train_reward.TRAIN_ACCURACY_PAIRS", 5)
     rows = [json.loads(line) for line in image_pairs.read_text().splitlines()][:4]
     for r in rows[2:]:
         r["prompt"] = "a circle no training pair names"
@@ -76,15 +76,15 @@ def test_several_pair_files_train_and_eval_pairs_are_held_out(trained, image_pai
 
 def test_an_image_shared_by_several_pairs_keeps_every_pair_aligned(image_pairs, tiny_sd3_dir):
     import pipelines
-    from flowalign.cli.train_reward import _pairs_from_jsonl
+    from rewards.cli.train_reward import pairs_from_jsonl
 
     rows = [json.loads(line) for line in image_pairs.read_text().splitlines()][:3]
     rows[1]["chosen"] = rows[0]["chosen"]  # one chosen scene against two rejected ones
     shared = image_pairs.parent / "shared.jsonl"
     shared.write_text("".join(json.dumps(r) + "\n" for r in rows))
     policy = pipelines.load(str(tiny_sd3_dir))
-    pairs = _pairs_from_jsonl(policy, shared, batch=2)  # batches smaller than the file list
-    alone = _pairs_from_jsonl(policy, image_pairs, batch=64)
+    pairs = pairs_from_jsonl(policy, shared, batch=2)  # batches smaller than the file list
+    alone = pairs_from_jsonl(policy, image_pairs, batch=64)
     assert torch.equal(pairs.chosen[0], pairs.chosen[1]) and torch.allclose(pairs.chosen[0], alone.chosen[0], atol=1e-6)
     assert torch.allclose(pairs.rejected, alone.rejected[:3], atol=1e-6) and torch.allclose(pairs.chosen[2], alone.chosen[2], atol=1e-6)
 

@@ -16,8 +16,6 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
 from flowalign.cli.common import add_model_args, load_policy
 from flowalign.errors import UserError
 from flowalign.io import atomic_dir, write_json
@@ -95,8 +93,9 @@ def _layers(text: str):
         raise UserError(f"--layers {text!r}: use 'last', 'multi' or comma-separated block indices like 1,3") from None
 
 
-def _pairs_from_jsonl(policy, path: Path, batch: int = 64):
+def pairs_from_jsonl(policy, path: Path, batch: int = 64):
     import numpy as np
+    import torch
     from PIL import Image
 
     from flowalign.latent_preference import PreferencePairs
@@ -132,10 +131,10 @@ def _pairs_from_jsonl(policy, path: Path, batch: int = 64):
     return PreferencePairs(prompts, latents[0::2], latents[1::2], torch.tensor(margins))
 
 
-def _load_pair_files(policy, files: list[str]):
+def load_pair_files(policy, files: list[str]):
     from flowalign.latent_preference import PreferencePairs
 
-    parts = [PreferencePairs.load(f) if Path(f).suffix == ".safetensors" else _pairs_from_jsonl(policy, Path(f))
+    parts = [PreferencePairs.load(f) if Path(f).suffix == ".safetensors" else pairs_from_jsonl(policy, Path(f))
              for f in files]
     return parts[0] if len(parts) == 1 else PreferencePairs.cat(parts)
 
@@ -145,15 +144,15 @@ def load_pairs(args: argparse.Namespace, policy):
     from flowalign.latent_preference import PreferencePairs, generate_pairs
 
     if args.pairs:
-        pairs = _load_pair_files(policy, args.pairs)
+        pairs = load_pair_files(policy, args.pairs)
         return pairs, {"source": " + ".join(args.pairs), "pairs": len(pairs)}
-    import rewards as reward_registry
-    from rewards.benchmarks import load_benchmark
+    from flowalign.benchmarks import load_benchmark
+    from rewards.registry import load as load_reward
 
     bench = load_benchmark(args.bench, args.level, args.n, args.data_seed)
     reward = bench.reward
     if args.bench == "vvr" and not args.no_partial_credit:
-        reward = reward_registry.load("vvr", partial_credit=True)
+        reward = load_reward("vvr", partial_credit=True)
     pairs, info = generate_pairs(policy, bench.prompts, bench.metadata, reward, group_size=args.group_size,
                                  num_steps=args.steps, seed=args.data_seed, progress=not args.no_progress)
     if args.pairs_out:
@@ -162,53 +161,62 @@ def load_pairs(args: argparse.Namespace, policy):
                    "labeller": reward.name + (" (partial credit)" if reward is not bench.reward else ""), **info}
 
 
-def run(args: argparse.Namespace) -> None:
-    from tqdm.auto import tqdm
-
-    from flowalign.latent_preference import PreferencePairs, fit, pairwise_accuracy
-    from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
-
-    _check(args)
-    out = Path(args.out)
-    partial = out.with_name(out.name + ".partial")
-    layers = _layers(args.layers)
-    policy = load_policy(args)
-    model = _portable(Path(args.model) if args.model else default_model_dir())
-    t0 = time.perf_counter()
-
-    resume = args.resume and (partial / "state.json").is_file()
-    if resume:
-        pairs = PreferencePairs.load(partial / "pairs.safetensors")
-        state = json.loads((partial / "state.json").read_text())
-        source = state["source"]
-    else:
-        pairs, source = load_pairs(args, policy)
+def split_pairs(args: argparse.Namespace, pairs, policy, source: dict) -> tuple:
+    """Training and held-out pairs: ``--eval-pairs`` files, or a split of ``pairs`` by prompt."""
     if args.eval_pairs:
-        train_pairs, test_pairs = pairs, _load_pair_files(policy, args.eval_pairs)
+        train_pairs, test_pairs = pairs, load_pair_files(policy, args.eval_pairs)
         print(f"{len(pairs)} training pairs from {source['source']}; {len(test_pairs)} held-out pairs from "
               + " + ".join(args.eval_pairs))
     else:
         train_pairs, test_pairs = pairs.split(args.test_fraction, seed=args.seed)
         print(f"{len(pairs)} pairs ({len(train_pairs)} train, {len(test_pairs)} held out by prompt) from {source['source']}")
+    return train_pairs, test_pairs
 
-    transformer = load_frozen_transformer(model, Path(model), policy.device, policy.dtype)
-    reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
-                             base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy))
+
+def accuracy_report(args: argparse.Namespace, reward, encode, train_pairs, test_pairs) -> dict:
+    """Pairwise accuracy per σ bin on (a subset of) the training pairs and on the held-out ones."""
+    import torch
+
+    from flowalign.latent_preference import pairwise_accuracy
+
+    # how well the pairs were fitted; a random subset of a large set says the same at a fraction of the cost
+    fit_check = train_pairs
+    if len(train_pairs) > TRAIN_ACCURACY_PAIRS:
+        order = torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(args.seed))
+        fit_check = train_pairs.select(order[:TRAIN_ACCURACY_PAIRS])
+    metrics = {"accuracy_train": pairwise_accuracy(reward, fit_check, encode, seed=args.seed + 1),
+               "accuracy_train_pairs": len(fit_check)}
+    if len(test_pairs):
+        metrics["accuracy_test"] = pairwise_accuracy(reward, test_pairs, encode, seed=args.seed + 1)
+        seen = set(train_pairs.prompts)
+        unseen = [i for i, p in enumerate(test_pairs.prompts) if p not in seen]
+        if 0 < len(unseen) < len(test_pairs):  # --eval-pairs may share prompts with the training pairs
+            metrics["test_pairs_unseen_prompts"] = len(unseen)
+            metrics["accuracy_test_unseen_prompts"] = pairwise_accuracy(reward, test_pairs.select(unseen), encode,
+                                                                        seed=args.seed + 1)
+    return metrics
+
+
+def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: dict, partial: Path,
+                  encode, resume: bool) -> dict:
+    """Train ``reward`` on ``train_pairs``, checkpointing into ``partial`` (resumed from it when asked)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tqdm.auto import tqdm
+
+    from flowalign.latent_preference import fit
+
     optimizer = torch.optim.Adam(reward.parameters(), lr=args.lr)
     start = 0
     if resume:
-        from safetensors.torch import load_file
-
         reward.load_state_dict(load_file(str(partial / "registers.safetensors")))
         optimizer.load_state_dict(torch.load(partial / "optimizer.pt", weights_only=True))
-        start = int(state["step"])
+        start = int(json.loads((partial / "state.json").read_text())["step"])
         print(f"resumed from {partial} at step {start}")
 
     def checkpoint(step: int) -> None:
         with atomic_dir(partial) as tmp:
             pairs.save(tmp / "pairs.safetensors")
-            from safetensors.torch import save_file
-
             save_file({k: v.detach().cpu().contiguous() for k, v in reward.state_dict().items()}, str(tmp / "registers.safetensors"))
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             (tmp / "state.json").write_text(json.dumps({"step": step, "source": source}))
@@ -223,25 +231,38 @@ def run(args: argparse.Namespace) -> None:
         if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.train_steps:
             checkpoint(step + 1)
 
-    stats = fit(reward, train_pairs, policy.encode, steps=args.train_steps, batch_size=args.batch_size, lr=args.lr,
+    stats = fit(reward, train_pairs, encode, steps=args.train_steps, batch_size=args.batch_size, lr=args.lr,
                 seed=args.seed, start_step=start, optimizer=optimizer, on_step=on_step)
     bar.close()
-    # how well the pairs were fitted; a random subset of a large set says the same at a fraction of the cost
-    fit_check = train_pairs
-    if len(train_pairs) > TRAIN_ACCURACY_PAIRS:
-        fit_check = train_pairs.select(torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(args.seed))[:TRAIN_ACCURACY_PAIRS])
+    return stats
+
+
+def run(args: argparse.Namespace) -> None:
+    from flowalign.latent_preference import PreferencePairs
+    from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
+
+    _check(args)
+    out = Path(args.out)
+    partial = out.with_name(out.name + ".partial")
+    layers = _layers(args.layers)
+    policy = load_policy(args)
+    model = _portable(Path(args.model) if args.model else default_model_dir())
+    t0 = time.perf_counter()
+
+    resume = args.resume and (partial / "state.json").is_file()
+    if resume:
+        pairs = PreferencePairs.load(partial / "pairs.safetensors")
+        source = json.loads((partial / "state.json").read_text())["source"]
+    else:
+        pairs, source = load_pairs(args, policy)
+    train_pairs, test_pairs = split_pairs(args, pairs, policy, source)
+    transformer = load_frozen_transformer(model, Path(model), policy.device, policy.dtype)
+    reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
+                             base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy))
+    stats = fit_registers(args, reward, pairs, train_pairs, source, partial, policy.encode, resume)
     metrics = {"pairs": source, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
                "train_steps": args.train_steps, "final_train_loss": stats.get("loss"),
-               "accuracy_train": pairwise_accuracy(reward, fit_check, policy.encode, seed=args.seed + 1),
-               "accuracy_train_pairs": len(fit_check)}
-    if len(test_pairs):
-        metrics["accuracy_test"] = pairwise_accuracy(reward, test_pairs, policy.encode, seed=args.seed + 1)
-        seen = set(train_pairs.prompts)
-        unseen = [i for i, p in enumerate(test_pairs.prompts) if p not in seen]
-        if 0 < len(unseen) < len(test_pairs):  # --eval-pairs may share prompts with the training pairs
-            metrics["test_pairs_unseen_prompts"] = len(unseen)
-            metrics["accuracy_test_unseen_prompts"] = pairwise_accuracy(reward, test_pairs.select(unseen), policy.encode,
-                                                                        seed=args.seed + 1)
+               **accuracy_report(args, reward, policy.encode, train_pairs, test_pairs)}
     metrics["minutes"] = (time.perf_counter() - t0) / 60
     reward.save(out, extra={"trained_on": source})
     if not args.no_save_pairs:

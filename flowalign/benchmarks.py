@@ -1,0 +1,59 @@
+"""Benchmarks by name: the prompts, per-sample metadata and reward of an evaluation split.
+
+``flowalign evaluate --bench NAME``, ``data.bench`` and ``eval.bench`` reach a benchmark through
+:func:`load_benchmark`; the core never knows what a VVR task is. A benchmark is a loader
+``(level, n, seed, **options) -> Benchmark`` registered under the plugin kind ``benchmarks``
+(:mod:`flowalign.plugins`); one whose tasks are programmatic scenes may also register a renderer
+``(metadata, size) -> PIL image`` under ``renderers``, which gives reward-free trainers (SOAR, SFT)
+real (image, caption) pairs without a dataset on disk. A video benchmark's renderer returns its clip as a
+uint8 array ``(F, H, W, 3)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowalign.errors import UserError
+from flowalign.plugins import load_target, targets
+
+
+@dataclass
+class Benchmark:
+    """One split: ``prompts[i]`` with ``metadata[i]`` (e.g. ``{"task": {...}}``), scored by ``reward``."""
+
+    name: str
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    reward: Any
+
+
+def available_benchmarks() -> list[str]:
+    return sorted(targets("benchmarks"))
+
+
+def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None,
+                   **options: Any) -> Benchmark:
+    """The split ``name``/``level``: the shipped one, or a fresh one drawn with ``seed``."""
+    known = targets("benchmarks")
+    if name not in known:
+        raise UserError(f"unknown benchmark {name!r}; choose one of {', '.join(sorted(known))}")
+    if n is not None and n < 1:
+        raise UserError(f"--n must be a positive number of tasks, got {n}")
+    return load_target(known[name])(level, n, seed, **options)
+
+
+def render_task(name: str, metadata: dict[str, Any], size: int) -> torch.Tensor:
+    """The ground truth of one task of benchmark ``name``, float32 in [0, 1]: an image ``(3, size, size)``
+    or a clip ``(F, 3, size, size)``."""
+    import numpy as np
+
+    known = targets("renderers")
+    if name not in known:
+        raise UserError(f"benchmark {name!r} cannot render its tasks (only {', '.join(sorted(known))}); "
+                        "give image/caption pairs with trainer.pairs instead")
+    rendered = load_target(known[name])(metadata, size)
+    pixels = np.asarray(rendered if isinstance(rendered, np.ndarray) else rendered.convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(pixels / 255.0).movedim(-1, -3).contiguous()
