@@ -31,16 +31,16 @@ from flowalign.train import build_trainer  # noqa: E402
 
 def batch_gradients(trainer, prompts, metadata, groups, step: int) -> dict[int, torch.Tensor]:
     """Flattened gradient of the trainer's loss per trained SDE step ``{k: (P,)}`` for one fresh batch."""
-    trainer.step = step  # the rollout noise is seeded by (run seed, step, group)
-    batch = trainer.sample(prompts, metadata, groups)
-    components, valid, _ = trainer.score(batch)
-    adv = trainer.advantages(components, valid, groups)
+    from flowalign.trainers.flow_grpo import StepUnit
+
+    trainer.step = step  # the rollout noise is seeded by (run seed, step, group, member)
+    batch = trainer.group_batch(prompts, metadata, groups)
     per_step: dict[int, torch.Tensor] = {}
-    for chunk, a in zip(batch.chunks, torch.split(adv, [len(c) for c in batch.chunks])):
+    for i, (chunk, a) in enumerate(zip(batch.chunks, batch.per_chunk(batch.advantages))):
         if not a.abs().sum() > 0:
             continue
         for k in trainer.trained_steps(chunk):
-            loss, _ = trainer.loss(chunk, k, a)
+            loss, _ = trainer.loss(batch, StepUnit(i, k, 1, 0))
             loss.backward()
             grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in trainer.params])
             per_step[k] = per_step.get(k, 0) + grad / len(batch.chunks)

@@ -14,7 +14,7 @@ def test_batches_share_prompts_and_differ_in_noise(tmp_path, tiny_sd3_dir, promp
     first = snr.batch_gradients(t, prompts, metadata, groups, step=0)
     again = snr.batch_gradients(t, prompts, metadata, groups, step=0)
     other = snr.batch_gradients(t, prompts, metadata, groups, step=1)
-    assert sorted(first) == [0, 1]  # the trainer's trained steps: ⌊0.99·3⌋ of the 3 SDE steps of a 4-step rollout
+    assert sorted(first) == [0, 1, 2]  # the trainer's trained steps: the first ⌊0.99·4⌋ of a 4-step rollout
     for k in first:
         assert torch.allclose(first[k], again[k], atol=1e-7)  # same noise, same gradient; weights untouched
         assert snr.mean_cosine([first[k], other[k]]) < 0.99
@@ -29,10 +29,9 @@ def test_the_measured_gradient_is_the_one_the_trainer_applies(tmp_path, tiny_sd3
     prompts, metadata, groups = t.step_prompts(0)
     measured = sum(snr.batch_gradients(t, prompts, metadata, groups, step=0).values())
     t.step = 0
-    batch = t.sample(prompts, metadata, groups)
-    adv = t.advantages(*t.score(batch)[:2], groups)
+    batch = t.group_batch(prompts, metadata, groups)
     applied = []
     t.optimizer_step = lambda: applied.append(torch.cat([p.grad.flatten() for p in t.params])) or 0.0
-    t.update(batch, adv, torch.Generator().manual_seed(0))
+    t.update(batch, torch.Generator().manual_seed(0))
     assert len(applied) == 1
     assert snr.mean_cosine([measured, applied[0]]) > 1 - 1e-5
