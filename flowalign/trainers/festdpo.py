@@ -193,6 +193,11 @@ class FestDPOTrainer(GroupTrainer):
     Config = FestDPOConfig
     tcfg: FestDPOConfig
 
+    @classmethod
+    def check_config(cls, cfg, tcfg: FestDPOConfig) -> None:
+        if not tcfg.pairs:  # offline preference pairs carry their own labels: rewards: [] is fine there
+            super().check_config(cfg, tcfg)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         tc = self.tcfg

@@ -13,6 +13,7 @@ from flowalign.data import read_prompt_file
 from flowalign.errors import UserError
 from flowalign.reward_set import RewardSet
 from flowalign.train import build_trainer
+from flowalign.trainers import get_trainer
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 
 from .conftest import small_config, small_run
@@ -114,3 +115,12 @@ def test_reward_free_trainers_accept_no_rewards_and_the_others_refuse(tmp_path, 
     with pytest.raises(UserError, match="at least one reward"):
         build_trainer(load_config(None, small_run(tmp_path / "grpo", tiny_sd3_dir, prompt_file, "rewards=[]")))
     assert not (tmp_path / "grpo").exists()  # refused before the run folder is written
+
+
+def test_festdpo_needs_rewards_only_to_label_its_own_samples(tmp_path, tiny_sd3_dir, prompt_file):
+    festdpo = get_trainer("festdpo")
+    cfg = load_config(None, small_run(tmp_path / "f", tiny_sd3_dir, prompt_file, "rewards=[]", "trainer.name=festdpo"))
+    online = validate_section(festdpo.Config, cfg.trainer, "trainer.")
+    with pytest.raises(UserError, match="at least one reward"):
+        festdpo.check_config(cfg, online)
+    festdpo.check_config(cfg, online.model_copy(update={"pairs": "prefs.jsonl"}))  # offline labels: no reward needed
