@@ -3,7 +3,8 @@
 Rollouts run in batches of ``trainer.batch_size`` samples whatever the group size (a batch may hold
 several prompt groups; only samples whose :class:`Sampling` is equal share one). Every sample draws its
 initial noise and SDE noise from its own generator keyed by ``(run seed, step, group, member)``, so a
-sample is the same whatever the batching or the rank layout. Rewards of batch i are scored in a worker
+sample is the same whatever the batching or the rank layout (up to the last-bit rounding of CPU kernels
+that some batch sizes pick: ~1e-6 between a sample alone and in company). Rewards of batch i are scored in a worker
 thread while batch i+1 samples, so a slow reward costs ``max(sample, reward)``, not the sum.
 """
 
