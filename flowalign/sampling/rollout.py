@@ -158,17 +158,9 @@ def rollout(
     if len(meta) != len(prompts):
         raise UserError(f"metadata has {len(meta)} entries for {len(prompts)} prompts; give one dict per prompt")
 
-    if generators is not None and len(generators) != len(prompts):
-        raise UserError(f"generators has {len(generators)} entries for {len(prompts)} prompts; give one per prompt")
     cond = policy.encode(prompts)
     sigmas = policy.sigmas(num_steps).float()
-    if initial_noise is not None:
-        x = initial_noise.float()
-    elif generators is not None:
-        x = torch.cat([policy.initial_noise(1, g) for g in generators])
-    else:
-        x = policy.initial_noise(len(prompts), generator)
-    x = x.to(policy.device)
+    x = _start(policy, len(prompts), initial_noise, generator, generators)
     # CPS has τ = 0 on the step to σ' = 0: that step stays an ODE step whatever ``sde_last_step`` says
     last = sde_last_step and sampler != "cps"
     mask = sde_step_mask(num_steps, sde_window, last) if sampler != "ode" else torch.zeros(num_steps, dtype=torch.bool)
@@ -182,12 +174,8 @@ def rollout(
             velocities.append(v.float())
         if guide is not None:
             v = guide(v, x, sigmas[k].item(), cond)
-        if custom_step is not None and mask[k]:
-            step = custom_step
-        else:
-            def step(v, x, sigma, sigma_next, gen, prev, kind=sampler if mask[k] else "ode"):
-                return sde_step(kind, v, x, sigma, sigma_next, noise_level=level, generator=gen, prev_sample=prev,
-                                cps_log_prob=cps_log_prob)
+        step = custom_step if custom_step is not None and mask[k] else _kind_step(
+            sampler if mask[k] else "ode", level, cps_log_prob)
         if generators is not None and mask[k]:
             out = _per_sample_noise_step(step, v, x, sigmas[k].item(), sigmas[k + 1].item(), generators)
         else:
@@ -211,6 +199,30 @@ def rollout(
         guidance_scale=guidance,
         velocities=torch.stack(velocities, dim=1) if keep_velocities else None,
     )
+
+
+def _start(policy: FlowPolicy, n: int, initial_noise: torch.Tensor | None, generator: torch.Generator | None,
+           generators: Sequence[torch.Generator] | None) -> torch.Tensor:
+    """``x_T`` ``(n, ...)`` on the policy's device: as given, one draw per sample generator, or one batch draw."""
+    if generators is not None and len(generators) != n:
+        raise UserError(f"generators has {len(generators)} entries for {n} prompts; give one per prompt")
+    if initial_noise is not None:
+        x = initial_noise.float()
+    elif generators is not None:
+        x = torch.cat([policy.initial_noise(1, g) for g in generators])
+    else:
+        x = policy.initial_noise(n, generator)
+    return x.to(policy.device)
+
+
+def _kind_step(kind: str, level: float, cps_log_prob: str) -> StepFn:
+    """:func:`sde_step` of one sampler kind in the :data:`StepFn` form."""
+
+    def step(v, x, sigma, sigma_next, generator, prev_sample):
+        return sde_step(kind, v, x, sigma, sigma_next, noise_level=level, generator=generator, prev_sample=prev_sample,
+                        cps_log_prob=cps_log_prob)
+
+    return step
 
 
 def _per_sample_noise_step(step: StepFn, v: torch.Tensor, x: torch.Tensor, sigma: float, sigma_next: float,
