@@ -186,7 +186,6 @@ class PreferenceBatch:
     logs: dict[str, Any] = field(default_factory=dict)
 
 
-
 class FestDPOTrainer(GroupTrainer):
     """DPO on the policy's few-step sampler with KDE likelihoods (see the module docstring)."""
 

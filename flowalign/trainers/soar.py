@@ -167,7 +167,6 @@ class PairBatch:
     logs: dict[str, float] = field(default_factory=dict)
 
 
-
 class SOARTrainer(GroupTrainer):
     """Flow-matching on (image, caption) pairs with SOAR's self-correction term; no rollouts, no reward."""
 
