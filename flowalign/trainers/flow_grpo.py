@@ -76,7 +76,13 @@ def guided_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Con
     """``v = v_u + w·(v_c − v_u)`` ``(B, ...)``. ``cfg_grad="detached"``: ``v_u`` under ``no_grad`` (its own
     forward), so the backward pass runs through the conditional branch only; ``"full"`` (or a model
     without CFG negatives): the policy's own guided velocity."""
-    uncond = cond.unconditional() if cfg_grad == "detached" and guidance > 1 else None
+    if cfg_grad == "full" or guidance <= 1:
+        return policy.velocity(x, sigma, cond, guidance)
+    if hasattr(policy, "unconditional_velocity"):  # the family runs the conditional half alone itself
+        with torch.no_grad():
+            v_u = policy.unconditional_velocity(x, sigma, cond)
+        return policy.velocity(x, sigma, cond, guidance, uncond=v_u)
+    uncond = cond.unconditional()
     if uncond is None:
         return policy.velocity(x, sigma, cond, guidance)
     with torch.no_grad():
