@@ -1,4 +1,4 @@
-"""Advantage strategies for group-sampled trainers (``shared/specs/flow_grpo.md``).
+"""Advantage strategies for group-sampled trainers (``docs/methods/flow_grpo.md``).
 
 All take rewards of the whole gathered batch (every rank's samples) with a group id per sample and return
 one advantage per sample. Selected by ``trainer.advantage``: ``group`` | ``global_std`` | ``gdpo`` |

@@ -100,17 +100,11 @@ class TrainConfig(Section):
     run: RunSection = RunSection()
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
+    #: may be empty for a trainer that learns without a reward (SOAR, SFT); the trainer checks
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="vvr")])
     #: validated by the trainer named in ``trainer.name``
     trainer: dict[str, Any] = Field(default_factory=lambda: {"name": "flow_grpo"})
     eval: EvalSection = EvalSection()
-
-    @field_validator("rewards")
-    @classmethod
-    def _some_reward(cls, v: list[RewardSpec]) -> list[RewardSpec]:
-        if not v:
-            raise ValueError("give at least one reward, e.g. rewards='[{name: vvr}]'")
-        return v
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

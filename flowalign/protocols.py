@@ -47,6 +47,20 @@ class Conditioning:
         idx = [i for i in range(len(self)) for _ in range(repeats)]
         return self[idx]
 
+    def unconditional(self) -> "Conditioning | None":
+        """The CFG negatives as a conditioning of their own, or None when there are none.
+
+        Model families name the negative of a tensor ``<key>`` ``negative_<key>``; the result holds
+        ``<key> = negative_<key>`` (and the negatives again), so ``velocity(x, σ, cond.unconditional(), 1)``
+        is the unconditional branch of ``velocity(x, σ, cond, w)``.
+        """
+        pairs = {k: v for k, v in self.tensors.items() if f"negative_{k}" in self.tensors}
+        if not pairs:
+            return None
+        tensors = dict(self.tensors)
+        tensors.update({k: self.tensors[f"negative_{k}"] for k in pairs})
+        return Conditioning(tensors, [""] * len(self.prompts) if self.prompts else [])
+
     def to(self, device: torch.device | str) -> "Conditioning":
         return Conditioning({k: v.to(device) for k, v in self.tensors.items()}, list(self.prompts))
 

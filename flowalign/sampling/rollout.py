@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,7 +25,8 @@ class Rollout:
     ``sigmas`` ``(T+1,)``; ``log_probs`` ``(B, T)`` log-probabilities stored at sampling time (NaN on
     ODE steps); ``sde_mask`` ``(T,)`` bool; ``samples`` decoded ``(B,3,H,W)`` or ``(B,F,3,H,W)`` in
     [0,1] (``None`` when not decoded); ``cond`` the conditioning used; ``guidance_scale`` and ``sampler``
-    record how they were drawn so trainers re-evaluate the same distribution.
+    record how they were drawn so trainers re-evaluate the same distribution; ``velocities``
+    ``(B, T, ...)`` the policy's velocity at every step when the rollout kept them (else ``None``).
     """
 
     prompts: list[str]
@@ -39,7 +40,7 @@ class Rollout:
     sampler: str = "ode"
     noise_level: float = 0.0
     guidance_scale: float = 1.0
-    extras: dict[str, Any] = field(default_factory=dict)
+    velocities: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -76,7 +77,7 @@ class Rollout:
             sampler=self.sampler,
             noise_level=self.noise_level,
             guidance_scale=self.guidance_scale,
-            extras=dict(self.extras),
+            velocities=None if self.velocities is None else self.velocities[idx],
         )
 
     __getitem__ = select
@@ -127,19 +128,25 @@ def rollout(
     cps_log_prob: str = "code",
     guide: Callable[..., torch.Tensor] | None = None,
     keep_velocities: bool = False,
+    generators: Sequence[torch.Generator] | None = None,
+    sde_last_step: bool = False,
 ) -> Rollout:
     """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid.
 
     SDE steps (``sampler``: a kind of :func:`sde_step` or a custom step function, on the steps of
-    ``sde_window``) store their log-probabilities; all other
+    ``sde_window``; the step to σ = 0 only with ``sde_last_step``) store their log-probabilities; all other
     steps are Euler ODE steps. ``guidance_scale`` defaults to the checkpoint's own default. Pass
     ``initial_noise`` ``(B, ...)`` to share noise (e.g. DanceGRPO groups) or to branch from an ODE
     prefix.
 
     ``guide`` (e.g. :class:`flowalign.sampling.guidance.Guidance`, reward-guided sampling) maps each
     step's velocity ``guide(v, x, σ, cond) -> v_c`` before the step. ``keep_velocities`` stores the
-    policy's velocities (before any guide) in ``extras["velocities"]`` ``(B, T, ...)`` (trainers that distil toward
+    policy's velocities (before any guide) in ``velocities`` ``(B, T, ...)`` (trainers that distil toward
     them need no second forward pass).
+
+    ``generators`` (one per sample) draws each sample's initial noise and SDE noise from its own stream,
+    so a sample does not depend on which others share its batch (or rank); ``generator`` draws the
+    whole batch's noise from one stream.
     """
     prompts = _check_prompts(prompts)
     custom_step = sampler if callable(sampler) else None
@@ -153,9 +160,10 @@ def rollout(
 
     cond = policy.encode(prompts)
     sigmas = policy.sigmas(num_steps).float()
-    x = policy.initial_noise(len(prompts), generator) if initial_noise is None else initial_noise.float()
-    x = x.to(policy.device)
-    mask = sde_step_mask(num_steps, sde_window) if sampler != "ode" else torch.zeros(num_steps, dtype=torch.bool)
+    x = _start(policy, len(prompts), initial_noise, generator, generators)
+    # CPS has τ = 0 on the step to σ' = 0: that step stays an ODE step whatever ``sde_last_step`` says
+    last = sde_last_step and sampler != "cps"
+    mask = sde_step_mask(num_steps, sde_window, last) if sampler != "ode" else torch.zeros(num_steps, dtype=torch.bool)
 
     latents = [x]
     log_probs = torch.full((len(prompts), num_steps), float("nan"))
@@ -166,13 +174,12 @@ def rollout(
             velocities.append(v.float())
         if guide is not None:
             v = guide(v, x, sigmas[k].item(), cond)
-        if custom_step is not None and mask[k]:
-            out = custom_step(v, x, sigmas[k].item(), sigmas[k + 1].item(), generator, None)
+        step = custom_step if custom_step is not None and mask[k] else _kind_step(
+            sampler if mask[k] else "ode", level, cps_log_prob)
+        if generators is not None and mask[k]:
+            out = _per_sample_noise_step(step, v, x, sigmas[k].item(), sigmas[k + 1].item(), generators)
         else:
-            out = sde_step(
-                sampler if mask[k] else "ode", v, x, sigmas[k].item(), sigmas[k + 1].item(),
-                noise_level=level, generator=generator, cps_log_prob=cps_log_prob,
-            )
+            out = step(v, x, sigmas[k].item(), sigmas[k + 1].item(), generator, None)
         x = out.prev_sample
         latents.append(x)
         log_probs[:, k] = out.log_prob.cpu()
@@ -190,5 +197,40 @@ def rollout(
         sampler=getattr(sampler, "__name__", "custom") if custom_step else sampler,
         noise_level=level,
         guidance_scale=guidance,
-        extras={"velocities": torch.stack(velocities, dim=1)} if keep_velocities else {},
+        velocities=torch.stack(velocities, dim=1) if keep_velocities else None,
     )
+
+
+def _start(policy: FlowPolicy, n: int, initial_noise: torch.Tensor | None, generator: torch.Generator | None,
+           generators: Sequence[torch.Generator] | None) -> torch.Tensor:
+    """``x_T`` ``(n, ...)`` on the policy's device: as given, one draw per sample generator, or one batch draw."""
+    if generators is not None and len(generators) != n:
+        raise UserError(f"generators has {len(generators)} entries for {n} prompts; give one per prompt")
+    if initial_noise is not None:
+        x = initial_noise.float()
+    elif generators is not None:
+        x = torch.cat([policy.initial_noise(1, g) for g in generators])
+    else:
+        x = policy.initial_noise(n, generator)
+    return x.to(policy.device)
+
+
+def _kind_step(kind: str, level: float, cps_log_prob: str) -> StepFn:
+    """:func:`sde_step` of one sampler kind in the :data:`StepFn` form."""
+
+    def step(v, x, sigma, sigma_next, generator, prev_sample):
+        return sde_step(kind, v, x, sigma, sigma_next, noise_level=level, generator=generator, prev_sample=prev_sample,
+                        cps_log_prob=cps_log_prob)
+
+    return step
+
+
+def _per_sample_noise_step(step: StepFn, v: torch.Tensor, x: torch.Tensor, sigma: float, sigma_next: float,
+                           generators: Sequence[torch.Generator]) -> StepOutput:
+    """One stochastic step whose noise ``ξ_i`` comes from sample i's own generator: the step's Gaussian
+    ``(μ, τ)`` first (evaluated at a placeholder), then ``x' = μ + τ·ξ`` and its log-probability,
+    exactly as the step computes them when it draws the noise itself."""
+    gaussian = step(v, x, sigma, sigma_next, None, x)
+    noise = torch.stack([torch.randn(x.shape[1:], generator=g, dtype=torch.float32) for g in generators])
+    x_next = gaussian.mean + gaussian.std * noise.to(gaussian.mean.device)
+    return step(v, x, sigma, sigma_next, None, x_next)

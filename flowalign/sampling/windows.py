@@ -1,8 +1,8 @@
 """SDE windows: which steps of a rollout are stochastic (and therefore trained).
 
 Flow-GRPO-Fast draws a random window start per prompt. Steps outside the window run the deterministic
-ODE. The final step (σ' = 0) is never stochastic: CPS has τ = 0 there and the Flow-GRPO authors leave it
-deterministic and untrained.
+ODE. The final step (σ' = 0) is deterministic unless asked for (``last=True``): CPS has τ = 0 there,
+while the Flow-GRPO authors' sampler keeps it stochastic (and, with ``timestep_fraction`` 0.99, untrained).
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 
 
-def sde_step_mask(num_steps: int, window: tuple[int, int] | torch.Tensor | None = None) -> torch.Tensor:
+def sde_step_mask(num_steps: int, window: tuple[int, int] | torch.Tensor | None = None,
+                  last: bool = False) -> torch.Tensor:
     """Bool mask ``(num_steps,)`` of the SDE steps.
 
     ``window`` is ``None`` (every step but the last), ``(start, width)`` (steps ``start … start+width-1``),
-    or an explicit bool mask. The last step is always excluded.
+    or an explicit bool mask. The last step is excluded unless ``last`` (then a ``None`` window is every
+    step, and an explicit mask is kept as given).
     """
     if window is None:
         mask = torch.ones(num_steps, dtype=torch.bool)
@@ -31,7 +33,10 @@ def sde_step_mask(num_steps: int, window: tuple[int, int] | torch.Tensor | None 
             )
         mask = torch.zeros(num_steps, dtype=torch.bool)
         mask[start : start + width] = True
-    mask[num_steps - 1] = False
+    if window is None or not isinstance(window, torch.Tensor):
+        mask[num_steps - 1] = last and window is None
+    elif not last:
+        mask[num_steps - 1] = False
     return mask
 
 

@@ -1,41 +1,74 @@
-"""The shared training loop: prompts → grouped rollouts → rewards → advantages → update.
+"""The trainer contract and the shared training loop.
 
-A trainer subclasses :class:`GroupTrainer` and overrides only the phases it changes (usually ``sample``
-and ``loss``). The loop owns the rest: distributed set-up, deterministic batches, reward masking,
-gradient accumulation and clipping, EMA, evaluation, logging, checkpoints and resume.
+The loop owns everything around an algorithm: data (a step's prompts or pairs), rollouts, rewards,
+advantages, the optimiser and its schedule, gradient averaging and clipping, EMA, evaluation, logging,
+checkpoints and resume. A trainer subclasses :class:`GroupTrainer` and supplies a few named hooks:
 
-Determinism: the prompts and the sampling noise of a step are pure functions of ``(run.seed, step,
-rank)``, so a run resumed from a checkpoint ends at the same weights as one never interrupted.
+``collect(step) -> batch``
+    Everything a step learns from, computed without parameter gradients. The default is the loop's
+    group batch (:class:`StepBatch`): the step's prompts, rollouts in batches of ``batch_size``, rewards
+    (scored while the next batch samples) and advantages. A trainer changes how a group is rolled out
+    through ``sampling(group) -> Sampling`` or wraps the default (e.g. to roll out with other weights);
+    a trainer that learns from something else returns its own batch object with a ``logs`` dict.
+``plan(batch, generator) -> Plan``
+    The optimiser steps of this batch: a list of steps, each a list of loss units (whatever the trainer's
+    ``loss`` reads: a (rollout, timestep) pair, a fitting target, a micro-batch), plus logs. Work that
+    cannot change across the steps (targets, reference velocities) is done here, once per batch.
+``loss(batch, unit) -> (loss, info)``
+    The scalar the loop backpropagates for one unit (already weighted within its step, e.g. divided by
+    the step's unit count), and scalars to log (averaged over units).
+``finish(batch) -> logs``
+    After the optimiser steps of a batch (e.g. a behaviour-policy refresh, a reward refit).
+``state_dict() / load_state_dict(state)``
+    What the trainer keeps between steps (tensors and JSON values); the loop saves it in every checkpoint
+    and hands it back on resume, so resume stays bit-exact.
+
+Hooks hand each other data only through their arguments and return values (batch fields, plan units),
+never through attributes set on the trainer. A trainer file reads top to bottom: its config, its loss
+as a pure function with the formula in the docstring, then the hooks. ``docs/guide/adding-a-trainer.md``
+walks through writing one.
+
+Determinism: the prompts and every sample's noise are pure functions of ``(run.seed, step, group,
+member)``, so a run resumed from a checkpoint ends at the same weights as one never interrupted, and
+samples do not depend on the batch size or the rank layout.
 """
 
 from __future__ import annotations
 
-import math
-import signal
-import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
-from tqdm.auto import tqdm
 
-from flowalign import checkpoint as ckpt
-from flowalign.advantages import compute_advantages
 from flowalign.config import Section, TrainConfig
 from flowalign.data import PromptSet
-from flowalign.ema import EMA
 from flowalign.errors import UserError
 from flowalign.logger import RunLogger
-from flowalign.protocols import FlowPolicy, RewardOutput
-from flowalign.sampling import Rollout, rollout
+from flowalign.protocols import FlowPolicy
+from flowalign.reward_set import RewardSet
+from flowalign.trainers import checkpointing, loop
+from flowalign.trainers.optim import optimiser_step, scheduled_lr, setup_optimisation
+from flowalign.trainers.rollouts import (
+    Sampling,
+    StepBatch,
+    check_invalid,
+    derived_seed,
+    gathered_advantages,
+    reward_logs,
+    rollout_batches,
+    sample_and_score,
+    sample_slots,
+)
+
+__all__ = ["GroupTrainer", "GroupTrainerConfig", "Plan", "Sampling", "StepBatch", "derived_seed"]
 
 
 class GroupTrainerConfig(Section):
-    """Options every group-sampling trainer shares (``trainer:`` section)."""
+    """Options every trainer shares (``trainer:`` section)."""
 
     name: str
     max_steps: int = Field(100, ge=1)
@@ -53,7 +86,8 @@ class GroupTrainerConfig(Section):
     #: prompts per step on each rank; each is sampled group_size times
     prompts_per_step: int = Field(4, ge=1)
     group_size: int = Field(8, ge=2)
-    #: rollout chunk = training chunk (outputs depend on batch size, so they must match)
+    #: samples per rollout batch = per training batch, whatever the group size (outputs depend on the
+    #: batch size, so the two match)
     batch_size: int = Field(8, ge=1)
     #: rollout steps T (evaluation uses eval.num_steps or the model's default)
     num_steps: int = Field(10, ge=2)
@@ -65,6 +99,7 @@ class GroupTrainerConfig(Section):
     #: rewards within a group differ only through the SDE steps the loss trains (not through x_T, which
     #: no log-probability credits)
     shared_initial_noise: bool = False
+    #: global_std (the Flow-GRPO default): per-prompt mean, std over the whole gathered batch
     advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
     adv_clip: float = Field(5.0, gt=0)
     ema_decay: float = Field(0.0, ge=0, lt=1)
@@ -72,164 +107,165 @@ class GroupTrainerConfig(Section):
 
 
 @dataclass
-class StepBatch:
-    """One step's rollouts on this rank, kept as the chunks they were sampled in."""
+class Plan:
+    """The optimiser steps of one batch (each a list of loss units) and what planning them logged."""
 
-    chunks: list[Rollout]
-    groups: torch.Tensor  # (N,) global group id of each sample
-
-    @property
-    def samples(self) -> torch.Tensor:
-        return torch.cat([c.samples for c in self.chunks])
-
-    @property
-    def prompts(self) -> list[str]:
-        return [p for c in self.chunks for p in c.prompts]
-
-    @property
-    def metadata(self) -> list[dict[str, Any]]:
-        return [m for c in self.chunks for m in c.metadata]
-
-
-def derived_seed(*parts: int) -> int:
-    """A 63-bit seed from integers, stable across processes (no ``hash()``)."""
-    return int(np.random.SeedSequence([abs(int(p)) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
+    steps: list[list[Any]]
+    logs: dict[str, float] = field(default_factory=dict)
 
 
 class GroupTrainer:
-    """Rollout → reward → advantage → update, with the bookkeeping around it."""
+    """The loop, with the group-rollout ``collect`` as the default; subclasses supply the other hooks."""
 
     Config: type[GroupTrainerConfig] = GroupTrainerConfig
+    #: False for trainers that learn without a reward (``rewards: []`` accepted)
+    needs_rewards: bool = True
+    sampler: Any = "flow_grpo"
+    noise_level: float | None = None
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        tcfg: GroupTrainerConfig,
-        policy: FlowPolicy,
-        rewards: list[tuple[str, float, Any]],
-        data: PromptSet,
-        evaluator: Any,
-        accelerator: Any,
-        run_dir: Path,
-    ):
+    def __init__(self, cfg: TrainConfig, tcfg: GroupTrainerConfig, policy: FlowPolicy, rewards: Any,
+                 data: PromptSet, evaluator: Any, accelerator: Any, run_dir: Path):
         self.cfg, self.tcfg, self.policy = cfg, tcfg, policy
         self.rewards, self.data, self.evaluator = rewards, data, evaluator
         self.acc, self.run_dir = accelerator, run_dir
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.params = [p for p in policy.trainable.parameters() if p.requires_grad]
-        if not self.params:
-            raise UserError("the policy has no trainable parameters; set model.finetune to lora or full")
-        self.optimizer = torch.optim.AdamW(self.params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
-        self.ema = EMA(self.params, tcfg.ema_decay, tcfg.ema_every) if tcfg.ema_decay > 0 else None
+        self.optimisation = setup_optimisation(policy, tcfg)
+        self.params, self.optimizer, self.ema = (self.optimisation.params, self.optimisation.optimizer,
+                                                 self.optimisation.ema)
         self.step = 0
         self.train_seconds = 0.0
+        #: this process's CPU seconds in training steps since start or resume (logged as time/cpu_minutes:
+        #: on a shared machine wall-clock time depends on the neighbours, CPU time much less)
+        self.train_cpu_seconds = 0.0
         self.lr_now = tcfg.lr
         self.logger = RunLogger(
             run_dir, enabled=accelerator.is_main_process, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
             project=cfg.run.wandb_project, name=cfg.run.name, config=cfg.model_dump(mode="json"),
         )
 
+    @property
+    def rewards(self) -> RewardSet:
+        return self._rewards
+
+    @rewards.setter
+    def rewards(self, value: Any) -> None:
+        self._rewards = RewardSet.of(value)
+
     @classmethod
     def check_config(cls, cfg: TrainConfig, tcfg: GroupTrainerConfig) -> None:
         """Refuse (``UserError``) settings this trainer cannot honour with the rest of ``cfg``, e.g. a
         reference-model term under full fine-tuning; called before the run folder is touched."""
+        if cls.needs_rewards and not cfg.rewards:
+            raise UserError(f"trainer.name={tcfg.name} learns from rewards: give at least one reward, e.g. "
+                            "rewards='[{name: vvr}]'")
 
-    # ------------------------------------------------------------------ phases
-    sampler: Any = "flow_grpo"
-    noise_level: float | None = None
+    # ------------------------------------------------------------------ hooks
+    def sampling(self, group: int) -> Sampling:
+        """How a prompt group is rolled out (default: the trainer's sampler on every step but the last)."""
+        return Sampling(self.sampler, self.noise_level)
 
-    def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor) -> StepBatch:
-        """Grouped SDE rollouts. Each group's noise comes from its own generator seeded by (run seed,
-        step, group id), so samples do not depend on how groups are spread over ranks."""
-        chunks = []
-        for gid in torch.unique_consecutive(groups).tolist():
-            idx = (groups == gid).nonzero().flatten().tolist()
-            generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, gid))
-            chunks += self.sample_group(gid, [prompts[i] for i in idx], [metadata[i] for i in idx], generator)
-        return StepBatch(chunks, groups)
+    def collect(self, step: int) -> Any:
+        """The step's batch (default: prompts → rollouts → rewards → advantages, a :class:`StepBatch`)."""
+        prompts, metadata, groups = self.step_prompts(step)
+        prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(self.tcfg.group_size)
+        return self.group_batch(prompts, metadata, groups, prompt_ids, step)
 
-    def sample_group(self, gid: int, prompts: list[str], metadata: list[dict], generator: torch.Generator,
-                     **kw: Any) -> list[Rollout]:
-        """One prompt group in chunks of ``batch_size`` (a chunk never spans two groups); ``kw`` goes to
-        every chunk's rollout. Under ``shared_initial_noise`` the whole group starts from one ``x_T``."""
-        b = self.tcfg.batch_size
-        noise = None
-        if self.tcfg.shared_initial_noise:
-            x_T = self.policy.initial_noise(1, generator)
-            noise = x_T.expand(len(prompts), *x_T.shape[1:]).clone()
-        return [self.rollout_chunk(prompts[i : i + b], metadata[i : i + b], generator,
-                                   initial_noise=None if noise is None else noise[i : i + b], **kw)
-                for i in range(0, len(prompts), b)]
-
-    def rollout_chunk(self, prompts: list[str], metadata: list[dict], generator: torch.Generator, **kw: Any) -> Rollout:
-        return rollout(self.policy, prompts, num_steps=self.tcfg.num_steps, sampler=kw.pop("sampler", self.sampler),
-                       noise_level=self.noise_level, guidance_scale=self.tcfg.guidance_scale, generator=generator,
-                       metadata=metadata, **kw)
-
-    def score(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Weighted reward components ``(N, M)``, a validity mask ``(N,)`` and per-reward means."""
-        samples, prompts, metadata = batch.samples, batch.prompts, batch.metadata
-        columns, valid, logs = [], torch.ones(len(prompts), dtype=torch.bool), {}
-        for name, _, reward in self.rewards:
-            try:
-                out: RewardOutput = reward(samples, prompts, metadata)
-                value = out.total.float().cpu()
-                ok = out.valid.cpu() & torch.isfinite(value)
-            except Exception as e:  # a reward that raises invalidates the batch's samples, not the run
-                print(f"warning: reward {name!r} raised {type(e).__name__}: {e}")
-                value, ok = torch.zeros(len(prompts)), torch.zeros(len(prompts), dtype=torch.bool)
-            columns.append(torch.where(ok, value, torch.zeros_like(value)))
-            valid &= ok
-            logs[f"reward/{name}"] = value[ok].mean().item() if ok.any() else float("nan")
-            logs[f"reward/{name}_invalid_fraction"] = 1.0 - ok.float().mean().item()
-        return torch.stack(columns, dim=1), valid, logs
-
-    def advantages(self, components: torch.Tensor, valid: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """Advantages from rewards gathered over all ranks; invalid samples get 0 (dropped)."""
-        comps, ok, gids = (self.acc.gather(t.to(self.acc.device)).cpu() for t in (components, valid, groups))
-        weights = torch.tensor([w for _, w, _ in self.rewards])
-        # an invalid sample takes its group's valid mean, so it neither moves nor receives the statistics
-        filled = comps.clone()
-        for g in torch.unique(gids):
-            members = gids == g
-            good = members & ok
-            if good.any():
-                filled[members & ~ok] = comps[good].mean(0)
-        adv = compute_advantages(self.tcfg.advantage, filled, weights, gids, clip=self.tcfg.adv_clip)
-        adv[~ok] = 0.0
-        n = components.shape[0]
-        return adv[self.rank * n : (self.rank + 1) * n]
-
-    def update(self, batch: StepBatch, adv: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
-        """Inner epochs over the chunks; one optimiser step per ``1/updates_per_epoch`` of the batch."""
-        stats: dict[str, list[float]] = {}
-        sizes = [len(c) for c in batch.chunks]
-        adv_chunks = list(torch.split(adv, sizes))
-        for _ in range(self.tcfg.inner_epochs):
-            order = torch.randperm(len(batch.chunks), generator=generator).tolist()
-            active = [i for i in order if adv_chunks[i].abs().sum() > 0]
-            if not active:
-                continue
-            parts = [p for p in np.array_split(np.array(active), self.tcfg.updates_per_epoch) if len(p)]
-            for part in parts:
-                units = self.loss_units(batch, part.tolist(), generator)
-                for i, k in units:
-                    loss, info = self.loss(batch.chunks[i], k, adv_chunks[i])
-                    (loss / len(units)).backward()
-                    for key, value in info.items():
-                        stats.setdefault(key, []).append(value)
-                stats.setdefault("grad_norm", []).append(self.optimizer_step())
-        return {k: float(np.mean(v)) for k, v in stats.items()}
-
-    def loss_units(self, batch: StepBatch, chunk_ids: list[int], generator: torch.Generator) -> list[tuple[int, int]]:
-        """The (chunk, step) pairs one optimiser step accumulates over."""
-        return [(i, k) for i in chunk_ids for k in self.trained_steps(batch.chunks[i])]
-
-    def trained_steps(self, chunk: Rollout) -> list[int]:
-        return chunk.trained_steps()
-
-    def loss(self, chunk: Rollout, k: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def plan(self, batch: Any, generator: torch.Generator) -> Plan:
+        """The optimiser steps of ``batch``, each a list of units for :meth:`loss`."""
         raise NotImplementedError
+
+    def loss(self, batch: Any, unit: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The scalar to backpropagate for ``unit`` (weighted within its step) and scalars to log."""
+        raise NotImplementedError
+
+    def finish(self, batch: Any) -> dict[str, float]:
+        """After the batch's optimiser steps; returns scalars to log."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the trainer keeps between steps: tensors and JSON values, saved in every checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (called on resume)."""
+
+    # ------------------------------------------------------------------ the loop's batch
+    def step_indices(self, step: int) -> list[int]:
+        """This rank's prompts of a step, as indices into the data."""
+        p = self.tcfg.prompts_per_step
+        return self.data.batch_indices(self.cfg.run.seed, step, p * self.world)[self.rank * p : (self.rank + 1) * p]
+
+    def step_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
+        """This rank's prompts of a step, each repeated group_size times, with global group ids."""
+        p, g = self.tcfg.prompts_per_step, self.tcfg.group_size
+        idx = self.step_indices(step)
+        prompts = [self.data.prompts[i] for i in idx for _ in range(g)]
+        metadata = [self.data.metadata[i] for i in idx for _ in range(g)]
+        groups = torch.arange(self.rank * p, (self.rank + 1) * p).repeat_interleave(g)
+        return prompts, metadata, groups
+
+    def group_batch(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
+                    prompt_ids: torch.Tensor | None = None, step: int | None = None) -> StepBatch:
+        """Rollouts of these prompts (the noise of ``step``, default the current one), their rewards and
+        advantages."""
+        step = self.step if step is None else step
+        batch = self.sample(prompts, metadata, groups, prompt_ids, step)
+        check_invalid(batch.scores, step, self.cfg.run.max_invalid_fraction)
+        t = time.perf_counter()
+        batch.advantages = gathered_advantages(self.tcfg.advantage, batch.scores, batch.prompt_ids, self.acc,
+                                               self.tcfg.adv_clip)
+        batch.logs.update(reward_logs(batch.scores, batch.advantages, self.acc))
+        batch.logs["time/reward"] += time.perf_counter() - t
+        return batch
+
+    def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
+               prompt_ids: torch.Tensor | None = None, step: int | None = None) -> StepBatch:
+        """Rollouts in batches of ``batch_size``, scored as they come (``scores``, ``logs`` time/*).
+        ``prompt_ids`` (the prompts' data indices; default: the group ids) group the advantages."""
+        prompt_ids = groups.clone() if prompt_ids is None else prompt_ids
+        step = self.step if step is None else step
+        slots = sample_slots(self.policy, prompts, metadata, groups, prompt_ids, self.cfg.run.seed, step,
+                             self.tcfg.shared_initial_noise)
+        sampling = {g: self.sampling(g) for g in dict.fromkeys(groups.tolist())}
+        batches = rollout_batches(slots, sampling, self.tcfg.batch_size)
+        chunks, scores, times = sample_and_score(self.policy, self.rewards, batches, sampling, self.tcfg.num_steps,
+                                                 self.tcfg.guidance_scale)
+        order = [s for b in batches for s in b]
+        return StepBatch(chunks, torch.tensor([s.group for s in order]), torch.tensor([s.prompt_id for s in order]),
+                         scores, logs=dict(times))
+
+    # ------------------------------------------------------------------ one step
+    def update(self, batch: Any, generator: torch.Generator) -> dict[str, float]:
+        """The plan's optimiser steps: every unit's loss backpropagated, then one optimiser step each."""
+        plan = self.plan(batch, generator)
+        stats: dict[str, list[float]] = {}
+        for units in plan.steps:
+            for unit in units:
+                loss, info = self.loss(batch, unit)
+                loss.backward()
+                for key, value in info.items():
+                    stats.setdefault(key, []).append(value)
+            stats.setdefault("grad_norm", []).append(self.optimizer_step())
+        return {**plan.logs, **{k: float(np.mean(v)) for k, v in stats.items()}, **self.finish(batch)}
+
+    def train_step(self) -> dict[str, float]:
+        """collect → plan → losses and optimiser steps → finish; the step's log line."""
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        batch = self.collect(self.step)
+        t_update = time.perf_counter()
+        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank, 1))
+        stats = self.update(batch, generator)
+        now = time.perf_counter()
+        self.train_cpu_seconds += time.process_time() - cpu0
+        return {**batch.logs, "time/update": now - t_update, "time/step": now - t0,
+                "time/cpu_minutes": self.train_cpu_seconds / 60, **{f"train/{k}": v for k, v in stats.items()}}
+
+    def optimizer_step(self) -> float:
+        """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
+        return optimiser_step(self.optimisation, self.acc, self.lr_now, self.tcfg.grad_clip)
+
+    def learning_rate(self, fraction: float) -> float:
+        return scheduled_lr(self.tcfg, self.step, fraction)
 
     def budget_fraction(self) -> float:
         """How much of the run's budget is spent, in [0, 1]: steps, or training minutes (slowest rank)."""
@@ -238,186 +274,36 @@ class GroupTrainer:
             fraction = max(fraction, self.slowest_train_seconds() / (60 * self.tcfg.max_minutes))
         return min(1.0, fraction)
 
-    def learning_rate(self, fraction: float) -> float:
-        """The LR at a budget fraction (linear warm-up over ``lr_warmup_steps``, then the schedule)."""
-        t = self.tcfg
-        lr = t.lr
-        if t.lr_schedule == "cosine":
-            lr *= t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * fraction))
-        if self.step < t.lr_warmup_steps:
-            lr *= (self.step + 1) / t.lr_warmup_steps
-        return lr
-
-    def optimizer_step(self) -> float:
-        """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
-        if self.world > 1:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad = self.acc.reduce(p.grad, reduction="mean")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.grad_clip)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_now
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self.ema.update()
-        return float(norm)
-
-    # ------------------------------------------------------------------ loop
-    def step_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
-        """This rank's prompts of a step, each repeated group_size times, with global group ids."""
-        p, g = self.tcfg.prompts_per_step, self.tcfg.group_size
-        idx = self.data.batch_indices(self.cfg.run.seed, step, p * self.world)[self.rank * p : (self.rank + 1) * p]
-        prompts = [self.data.prompts[i] for i in idx for _ in range(g)]
-        metadata = [self.data.metadata[i] for i in idx for _ in range(g)]
-        groups = torch.arange(self.rank * p, (self.rank + 1) * p).repeat_interleave(g)
-        return prompts, metadata, groups
-
-    def train_step(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        prompts, metadata, groups = self.step_prompts(self.step)
-        batch = self.sample(prompts, metadata, groups)
-        t_sample = time.perf_counter()
-        components, valid, reward_logs = self.score(batch)
-        invalid = 1.0 - valid.float().mean().item()
-        if invalid > self.cfg.run.max_invalid_fraction:
-            raise UserError(
-                f"step {self.step}: {invalid:.0%} of the samples have invalid rewards (limit "
-                f"run.max_invalid_fraction={self.cfg.run.max_invalid_fraction}); check the reward"
-            )
-        adv = self.advantages(components, valid, groups)
-        t_reward = time.perf_counter()
-        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank, 1))
-        stats = self.update(batch, adv, generator)
-        total = components @ torch.tensor([w for _, w, _ in self.rewards])
-        all_total, all_valid = (self.acc.gather(t.to(self.acc.device)).cpu() for t in (total, valid))
-        logs = {
-            "reward/total": all_total[all_valid].mean().item() if all_valid.any() else float("nan"),
-            **reward_logs,
-            "reward/invalid_fraction": invalid,
-            "zero_adv_fraction": (adv == 0).float().mean().item(),
-            "time/sample": t_sample - t0,
-            "time/reward": t_reward - t_sample,
-            "time/update": time.perf_counter() - t_reward,
-            "time/step": time.perf_counter() - t0,
-            **{f"train/{k}": v for k, v in stats.items()},
-        }
-        return logs
-
-    def train(self) -> dict[str, Any]:
-        """Run until ``trainer.max_steps``.
-
-        Ctrl-C finishes the step in flight, saves a checkpoint and raises KeyboardInterrupt (a second
-        Ctrl-C stops at once): a checkpoint never holds half an update.
-        """
-        self.maybe_resume()
-        bar = tqdm(total=self.tcfg.max_steps, initial=self.step, desc="training", unit="step",
-                   disable=not (self.acc.is_main_process and self.cfg.run.progress))
-        stop = {"requested": False}
-
-        def request_stop(signum, frame):
-            if stop["requested"]:
-                raise KeyboardInterrupt
-            stop["requested"] = True
-            print("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)")
-
-        previous = signal.signal(signal.SIGINT, request_stop) if threading.current_thread() is threading.main_thread() else None
-        try:
-            if self.step == 0 and self.cfg.eval.at_start:
-                self.evaluate()
-            while self.step < self.tcfg.max_steps and not self.out_of_time():
-                if stop["requested"]:
-                    self.save_checkpoint()
-                    raise KeyboardInterrupt
-                self.lr_now = self.learning_rate(self.budget_fraction())
-                logs = self.train_step()
-                logs["train/lr"] = self.lr_now
-                self.train_seconds += logs["time/step"]
-                self.step += 1
-                logs["time/train_minutes"] = self.train_seconds / 60
-                if self.step % self.cfg.run.log_every == 0:
-                    self.logger.log(self.step, logs)
-                bar.set_postfix(reward=f"{logs.get('reward/total', float('nan')):.3f}", step_s=f"{logs['time/step']:.1f}")
-                bar.update(1)
-                last = self.step >= self.tcfg.max_steps or self.out_of_time()  # the final evaluation follows
-                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and not last:
-                    self.evaluate()
-                if self.step % self.cfg.run.checkpoint_every == 0:
-                    self.save_checkpoint()
-        finally:
-            bar.close()
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-        final = self.evaluate()
-        self.save_checkpoint()
-        self.logger.close()
-        return final
-
     def out_of_time(self) -> bool:
         """Whether the training-time budget is spent (the slowest rank decides, so all ranks stop together)."""
         limit = self.tcfg.max_minutes
         return limit is not None and self.slowest_train_seconds() >= limit * 60
 
     def slowest_train_seconds(self) -> float:
-        """Training seconds so far on the slowest rank (the same number on every rank)."""
         seconds = torch.tensor([self.train_seconds], device=self.acc.device)
         if self.world > 1:
             seconds = self.acc.reduce(seconds, reduction="max")
         return float(seconds)
 
-    def evaluate(self) -> dict[str, Any]:
-        """Held-out evaluation (EMA weights when enabled) into ``evals/step-XXXXXX/`` and the gallery."""
-        if self.evaluator is None:
-            return {}
-        metrics: dict[str, Any] = {}
-        if self.acc.is_main_process:
-            out_dir = self.run_dir / "evals" / ckpt.step_dir_name(self.step)
-            if self.ema is not None and self.step > 0:
-                with self.ema.swapped_in():
-                    metrics = self.evaluator(self.policy, out_dir)
-            else:
-                metrics = self.evaluator(self.policy, out_dir)
-            scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            self.logger.log(self.step, scalars)
-        self.acc.wait_for_everyone()
-        return metrics
+    # ------------------------------------------------------------------ run, evaluate, checkpoints
+    def train(self) -> dict[str, Any]:
+        """Run until ``trainer.max_steps`` (see :func:`flowalign.trainers.loop.run`)."""
+        return loop.run(self)
 
-    # ------------------------------------------------------------------ checkpoints
+    def evaluate(self) -> dict[str, Any]:
+        return loop.evaluate(self)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p for n, p in self.policy.trainable.named_parameters() if p.requires_grad}
+        """The trainable weights by name, plus the trainer's state tensors (checkpoint prefix)."""
+        weights = {n: p for n, p in self.policy.trainable.named_parameters() if p.requires_grad}
+        own, _ = checkpointing.split_state(self.state_dict())
+        return {**weights, **own}
 
     def save_checkpoint(self) -> Path:
-        final = self.run_dir / "checkpoints" / ckpt.step_dir_name(self.step)
-        tmp = self.run_dir / "checkpoints" / f".tmp-{ckpt.step_dir_name(self.step)}"
-        if self.acc.is_main_process:
-            if tmp.exists():
-                import shutil
+        return checkpointing.save(self)
 
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self.acc.wait_for_everyone()
-        checksums = self.rank_checksums()
-        ckpt.save_rank_rng(tmp, self.rank)
-        if self.acc.is_main_process:
-            if self.cfg.model.finetune == "lora":
-                self.policy.save_adapter(tmp)
-            ckpt.write_checkpoint_files(
-                tmp, trainable=self.trainable_state(), optimizer=self.optimizer,
-                ema_state=self.ema.state_dict() if self.ema else None,
-                trainer_state={"step": self.step, "world_size": self.world, "trainer": self.tcfg.name,
-                               "rank_checksums": checksums, "train_seconds": self.train_seconds},
-            )
-            self.write_checkpoint_extras(tmp)
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            ckpt.finalise(tmp, final)
-            ckpt.prune(self.run_dir, self.cfg.run.keep_checkpoints)
-        self.acc.wait_for_everyone()
-        return final
-
-    def write_checkpoint_extras(self, folder: Path) -> None:
-        """Trainer-specific files (main process), written before the checkpoint is marked complete."""
+    def maybe_resume(self) -> None:
+        checkpointing.resume(self)
 
     def rank_checksums(self) -> list[float]:
         """Sum of the trainable weights on every rank; ranks that diverged are an error, not a warning."""
@@ -426,30 +312,3 @@ class GroupTrainer:
         if len(set(sums)) > 1:
             raise RuntimeError(f"step {self.step}: ranks hold different weights (checksums {sums})")
         return sums
-
-    def maybe_resume(self) -> None:
-        resume = self.cfg.run.resume
-        if resume == "never":
-            return
-        folder = ckpt.latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
-        if folder is None:
-            return
-        if not (folder / ckpt.COMPLETE).exists():
-            raise UserError(f"run.resume={resume}: {folder} is not a complete checkpoint folder (no {ckpt.COMPLETE})")
-        state = ckpt.load_checkpoint(folder)
-        live = self.trainable_state()
-        missing = set(live) - set(state["trainable"])
-        if missing:
-            raise UserError(f"checkpoint {folder} does not match this model ({len(missing)} trainable tensors missing)")
-        with torch.no_grad():
-            for name, p in live.items():
-                p.copy_(state["trainable"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
-        ckpt.load_rank_rng(folder, self.rank)
-        self.step = int(state["trainer_state"]["step"])
-        self.train_seconds = float(state["trainer_state"].get("train_seconds", 0.0))
-        self.logger.truncate_after(self.step)
-        if self.acc.is_main_process:
-            print(f"resumed from {folder} at step {self.step}")

@@ -1,8 +1,8 @@
 """DiffusionNFT (arXiv 2509.16117): the baseline DiffusionOPSD is measured against
-(``shared/specs/diffusion_opsd.md``, "DiffusionNFT").
+(``docs/methods/diffusion_opsd.md``, "DiffusionNFT").
 
 Same behaviour policy φ, ODE rollouts, mirrored velocities ``v±``, reward weight ``r`` and soft refresh
-as OPSD (all imported from ``diffusion_opsd``); what differs is the training signal: each rollout
+as OPSD (all from ``self_distill.py``); what differs is the training signal: each rollout
 endpoint ``x_i`` is forward-noised, ``x_t = (1−t)·x_i + t·ε``, at the sampler's timesteps, and
 
     L = E[ r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)² ],   v = ε − x_i,
@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 
 from flowalign.sampling import Rollout
-from flowalign.trainers.diffusion_opsd import (
+from flowalign.trainers.self_distill import (
     FitUnit,
     SelfDistillConfig,
     SelfDistillTrainer,
@@ -34,7 +34,7 @@ class DiffusionNFTConfig(SelfDistillConfig):
     timesteps_per_sample: int = Field(0, ge=0)
     #: 1.0 here: the conditional velocity is the quantity whose flow-matching target ``ε − x_i`` is (the
     #: paper's CFG-free training); None fits the guided velocity, which wrecked the tiny model
-    #: (docs/opsd_nft.md, session 11)
+    #: (docs/opsd_nft.md)
     fit_guidance: float | None = Field(1.0, ge=1.0)
 
 

@@ -1,4 +1,4 @@
-"""DiffusionOPSD: on-policy self-distillation toward reward-gradient targets (``shared/specs/diffusion_opsd.md``).
+"""DiffusionOPSD: on-policy self-distillation toward reward-gradient targets (``docs/methods/diffusion_opsd.md``).
 
 One outer iteration [code]:
 
@@ -20,54 +20,31 @@ after its K updates, with s counting optimiser steps; the spec's β is the confi
 ``trainer.fit_guidance`` (default null: the spec's "same CFG as the rollout") optionally reads every
 velocity of steps 3-5 at another CFG scale, 1.0 being the conditional velocity alone (NFT's default).
 
-The pieces DiffusionNFT shares (config, behaviour weights, mirrored velocities, ``r``, the fitting loop
-and refresh, checkpoints holding φ) live here in :class:`SelfDistillTrainer`; ``diffusion_nft.py``
-overrides only what a training unit is and its loss.
+Steps 1, 2, 6 and 7 and the mirrored velocities are shared with DiffusionNFT (``self_distill.py``); this
+file holds the config, the targets, the loss and the two hooks that define a fit unit and its loss.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-import numpy as np
 import torch
 from pydantic import Field
 from torch.utils.checkpoint import checkpoint
 
-from flowalign.checkpoint import TRAINER_STATE_PREFIX
 from flowalign.errors import UserError
+from flowalign.reward_set import RewardSet
 from flowalign.sampling import Rollout
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, StepBatch
-from flowalign.weight_swap import swapped_in
-
-
-class SelfDistillConfig(GroupTrainerConfig):
-    """Options DiffusionOPSD and DiffusionNFT share ([code] defaults; scale the group down on tiny models)."""
-
-    lr: float = Field(3e-4, gt=0)
-    group_size: int = Field(24, ge=2)
-    advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
-    #: A_max: advantages are clipped to ±A_max and mapped to r = A/(2·A_max) + 1/2
-    adv_clip: float = Field(5.0, gt=0)
-    #: the spec's β of the mirrored velocities v± (0.1 for a 3-reward mix); not named ``beta``, which
-    #: flowalign reads as a KL-to-reference weight (refused with full fine-tuning)
-    mirror_beta: float = Field(1.0, gt=0)
-    #: K optimiser updates per outer iteration on its fixed targets
-    fit_steps: int = Field(1, ge=1)
-    #: λ_s = min(behaviour_rate·s, behaviour_max), s = optimiser steps so far
-    behaviour_rate: float = Field(0.001, ge=0)
-    behaviour_max: float = Field(0.5, ge=0, le=1)
-    #: the separate EMA of θ used for evaluation and checkpoints
-    ema_decay: float = Field(0.9, ge=0, lt=1)
-    ema_every: int = Field(1, ge=1)
-    #: CFG scale of every velocity the fit reads (v_θ, v_φ and, for OPSD, the anchor's). None: the
-    #: rollout's scale (OPSD's spec: "same CFG as the rollout"); 1.0: the conditional velocity alone, so the
-    #: unconditional branch is not pushed through the CFG formula (NFT's default; docs/opsd_nft.md,
-    #: session 11). Rollouts keep their CFG either way.
-    fit_guidance: float | None = Field(None, ge=1.0)
+from flowalign.trainers.self_distill import (  # noqa: F401  (re-exported: the shared pieces)
+    BehaviourWeights,
+    FitUnit,
+    SelfDistillConfig,
+    SelfDistillTrainer,
+    behaviour_lambda,
+    mirrored_velocities,
+    per_sample_mean,
+    reward_weight,
+)
 
 
 class DiffusionOPSDConfig(SelfDistillConfig):
@@ -83,49 +60,7 @@ class DiffusionOPSDConfig(SelfDistillConfig):
     decoder_checkpointing: bool = True
 
 
-# ---------------------------------------------------------------------------------------------- pieces
-
-
-class BehaviourWeights:
-    """φ: a second set of the trainable tensors (the LoRA adapter, or the full weights of a tiny model),
-    swapped into the live parameters when the behaviour policy runs — no second model copy."""
-
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.params = list(params)
-        self.tensors = [p.detach().clone() for p in self.params]
-
-    def swapped_in(self) -> AbstractContextManager[None]:
-        """The live parameters hold φ inside (θ is restored after, even on error)."""
-        return swapped_in(self.params, self.tensors)
-
-    @torch.no_grad()
-    def refresh(self, lam: float) -> None:
-        """``φ ← λ·φ + (1−λ)·θ`` (λ = 0 copies θ exactly)."""
-        for phi, p in zip(self.tensors, self.params):
-            if lam == 0:
-                phi.copy_(p.detach())
-            else:
-                phi.mul_(lam).add_(p.detach(), alpha=1 - lam)
-
-
-def behaviour_lambda(step: int, rate: float, cap: float) -> float:
-    """``λ_s = min(rate·s, cap)`` [code]."""
-    return min(rate * step, cap)
-
-
-def reward_weight(adv: torch.Tensor, a_max: float) -> torch.Tensor:
-    """``r = clip(clip(A, −A_max, A_max)/(2·A_max) + 1/2, 0, 1)`` ``(B,)``."""
-    return (adv.clamp(-a_max, a_max) / (2 * a_max) + 0.5).clamp(0, 1)
-
-
-def mirrored_velocities(v_theta: torch.Tensor, v_phi: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``v⁺ = β·v_θ + (1−β)·v_φ`` and ``v⁻ = (1+β)·v_φ − β·v_θ`` (``v_φ`` detached by the caller)."""
-    return beta * v_theta + (1 - beta) * v_phi, (1 + beta) * v_phi - beta * v_theta
-
-
-def per_sample_mean(x: torch.Tensor) -> torch.Tensor:
-    """``mean(·)`` over the non-batch elements: ``(B, ...)`` → ``(B,)``."""
-    return x.flatten(1).mean(1)
+# ---------------------------------------------------------------------------------------------- the loss
 
 
 def query_index(sigmas: torch.Tensor, sigma_star: float) -> int:
@@ -176,17 +111,16 @@ def query_anchor(policy, chunk: Rollout, sigma_star: float, guidance: float | No
 def pixel_reward_gradient(policy, rewards, prompts: list[str], metadata: list[dict], checkpointing: bool = True):
     """``y ↦ ∇_y Σ_j w_j R_j(D(y), c)`` ``(B, ...)``: through the VAE decoder (checkpointed), never θ.
 
-    ``rewards`` is a list of ``(name, weight, reward)``; invalid samples contribute no gradient.
+    ``rewards``: a :class:`RewardSet` (or its ``(name, weight, reward)`` triples); invalid samples
+    contribute no gradient.
     """
+    rewards = RewardSet.of(rewards)
 
     def grad_fn(y: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             y = y.detach().requires_grad_(True)
             images = checkpoint(policy.decode, y, use_reentrant=False) if checkpointing else policy.decode(y)
-            total = torch.zeros(len(prompts), device=images.device)
-            for _, weight, reward in rewards:
-                out = reward(images, prompts, metadata)
-                total = total + weight * torch.where(out.valid.to(images.device), out.total.to(images.device), 0.0)
+            total = rewards.weighted_total(images, prompts, metadata)
             if not total.requires_grad:  # e.g. a batch of counts under vvr_soft(count_gradients=False)
                 return torch.zeros_like(y)
             (g,) = torch.autograd.grad(total.sum(), y, allow_unused=True)
@@ -213,115 +147,7 @@ def opsd_loss(
     return loss, {"loss_pos": pos.mean().item(), "loss_neg": neg.mean().item()}
 
 
-@dataclass
-class FitUnit:
-    """What one θ-phase backward pass needs, computed once per outer iteration under φ (all detached)."""
-
-    chunk: Rollout
-    r: torch.Tensor  # (B,)
-    keep: torch.Tensor  # (B,) bool: samples with a valid reward
-    tensors: dict[str, Any]
-
-
-# ---------------------------------------------------------------------------------------------- loop
-
-
-class SelfDistillTrainer(GroupTrainer):
-    """The loop OPSD and NFT share: φ-rollouts, targets under φ, K fitting updates, behaviour refresh.
-
-    Subclasses define :meth:`prepare` (φ phase of one chunk, no parameter gradient → fit units) and
-    :meth:`fit_loss` (θ phase of one unit: per-sample loss ``(B,)``, one backward pass each).
-    """
-
-    Config = SelfDistillConfig
-    tcfg: SelfDistillConfig
-    sampler = "ode"
-
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
-        self.check_rewards()
-        self.behaviour = BehaviourWeights(self.params)
-        self.optimizer_steps = 0
-        self._steps_buf = torch.zeros(1, dtype=torch.float64)  # optimizer_steps as a checkpointable tensor
-        self._valid: torch.Tensor | None = None
-
-    def check_rewards(self) -> None:
-        """Refuse rewards the method cannot use, before any compute is spent (NFT takes any)."""
-
-    def train_step(self) -> dict[str, float]:
-        """The shared step, also logging this process's CPU time (``time/cpu_minutes``, cumulative over
-        training steps since start or resume): on a shared machine wall-clock time depends on the
-        neighbours, CPU time much less, so methods are compared on both."""
-        start = time.process_time()
-        logs = super().train_step()
-        self.train_cpu_seconds = getattr(self, "train_cpu_seconds", 0.0) + time.process_time() - start
-        logs["time/cpu_minutes"] = self.train_cpu_seconds / 60
-        return logs
-
-    # ------------------------------------------------------------ phases of the shared loop
-    def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor) -> StepBatch:
-        """Grouped ODE rollouts with the behaviour weights φ."""
-        with self.behaviour.swapped_in():
-            return super().sample(prompts, metadata, groups)
-
-    def advantages(self, components: torch.Tensor, valid: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        self._valid = valid  # samples with invalid rewards are left out of the fit (not trained at r=½)
-        return super().advantages(components, valid, groups)
-
-    def update(self, batch: StepBatch, adv: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
-        """Targets under φ once, then K optimiser steps fitting them, then ``φ ← λφ + (1−λ)θ``."""
-        sizes = [len(c) for c in batch.chunks]
-        valid = self._valid if self._valid is not None else torch.ones(sum(sizes), dtype=torch.bool)
-        r_all = reward_weight(adv.float(), self.tcfg.adv_clip)
-        with self.behaviour.swapped_in():
-            units = [u for c, r, ok in zip(batch.chunks, torch.split(r_all, sizes), torch.split(valid, sizes))
-                     for u in self.prepare(c, r, ok, generator)]
-        units = [u for u in units if u.keep.any()]
-        stats: dict[str, list[float]] = {}
-        total = sum(int(u.keep.sum()) for u in units)
-        for _ in range(self.tcfg.fit_steps):  # every rank steps, even one whose samples were all invalid
-            for u in units:
-                per_sample, info = self.fit_loss(u)
-                (per_sample[u.keep].sum() / total).backward()  # the mean over kept (sample, unit) pairs
-                for key, value in info.items():
-                    stats.setdefault(key, []).append(value)
-                stats.setdefault("loss", []).append(per_sample[u.keep].mean().item())
-            stats.setdefault("grad_norm", []).append(self.optimizer_step())
-            self.optimizer_steps += 1
-        lam = behaviour_lambda(self.optimizer_steps, self.tcfg.behaviour_rate, self.tcfg.behaviour_max)
-        self.behaviour.refresh(lam)
-        stats["behaviour_lambda"] = [lam]
-        stats["r_mean"] = [r_all[valid].mean().item() if valid.any() else float("nan")]
-        return {k: float(np.mean(v)) for k, v in stats.items()}
-
-    def prepare(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
-        """The fixed targets of one chunk under φ (one unit per backward pass)."""
-        raise NotImplementedError
-
-    def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        raise NotImplementedError
-
-    def fit_guidance(self, chunk: Rollout) -> float:
-        """The CFG scale of the velocities the fit reads (``trainer.fit_guidance``, else the rollout's)."""
-        return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance
-
-    # ------------------------------------------------------------ checkpoints hold φ too
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        """θ's tensors plus φ's (``behaviour.<name>``) and the optimiser-step count, so resume restores both."""
-        live = super().trainable_state()
-        names = list(live)
-        state = dict(live)
-        state.update({f"{TRAINER_STATE_PREFIX}{n}": t for n, t in zip(names, self.behaviour.tensors)})
-        self._steps_buf.fill_(float(self.optimizer_steps))
-        state[f"{TRAINER_STATE_PREFIX}optimizer_steps"] = self._steps_buf  # s of λ_s
-        return state
-
-    def maybe_resume(self) -> None:
-        """The shared resume copies saved tensors into :meth:`trainable_state`'s, φ's and s's included."""
-        self._steps_buf.fill_(-1.0)
-        super().maybe_resume()
-        if self._steps_buf.item() >= 0:
-            self.optimizer_steps = int(self._steps_buf.item())
+# ---------------------------------------------------------------------------------------------- hooks
 
 
 class DiffusionOPSDTrainer(SelfDistillTrainer):
@@ -330,7 +156,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
 
     def check_rewards(self) -> None:
         """OPSD ascends ``∇_y R``: every reward must be differentiable (checked before any sampling)."""
-        bad = [name for name, _, reward in self.rewards if not getattr(reward, "differentiable", False)]
+        bad = self.rewards.not_differentiable()
         if bad:
             # lazily, on the error path only: the core meets rewards through the registry, never at import
             from flowalign.plugins import differentiable_rewards as differentiable

@@ -1,6 +1,6 @@
 """FestDPO: DPO for few-step generators with sample-based (kernel density) likelihoods.
 
-Read against ``shared/specs/festdpo.md`` [abstract only; the rest derived from DPO, arXiv 2305.18290].
+Read against ``docs/methods/festdpo.md`` [abstract only; the rest derived from DPO, arXiv 2305.18290].
 Per prompt c and step:
 
     z_1..z_K common noises;  X_k = ϕ(G_θ(z_k,c)) (with gradient),  X_k^ref = sg(ϕ(G_ref(z_k,c)))
@@ -12,7 +12,10 @@ Per prompt c and step:
 regime), differentiated through every step. Pairs come from a JSONL of (prompt, chosen, rejected) images
 (``trainer.pairs``) or online: the K samples themselves are scored by the run's rewards, labelled by
 Bradley-Terry sampling, and each y_i is scored leave-one-out (X_i left out of both KDEs), so no extra
-sampling pass is spent. The reference is the adapter-disabled policy (LoRA) or a frozen copy of the
+sampling pass is spent. The hooks: ``collect`` draws each prompt's samples and labels (no parameter
+gradient) and takes ``∂L/∂X`` of the loss on the detached features; ``plan`` makes one optimiser step of
+regenerated chunks, whose ``loss`` is ``⟨ϕ(G_θ(z_chunk,c)), ∂L/∂X_chunk⟩`` (the same gradient as
+back-propagating L through all K samples at once, without holding their graphs). The reference is the adapter-disabled policy (LoRA) or a frozen copy of the
 trainable tensors (full fine-tuning). ϕ: the x0 latent average-pooled to ``feature_size`` (default), the
 whole latent, or the decoded image pooled to ``feature_size``.
 """
@@ -23,7 +26,8 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +37,7 @@ from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from flowalign.sampling import euler_step
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, derived_seed
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 from flowalign.weight_swap import swapped_in
 
 #: fewer reference samples than this give a median of too few distances to set a bandwidth
@@ -161,7 +165,25 @@ def bradley_terry_pairs(
     return torch.where(i_wins, i, j), torch.where(i_wins, j, i)
 
 
-# ---------------------------------------------------------------------------------------------- trainer
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass
+class ChunkUnit:
+    """K' of a prompt's common noises ``z``, their conditioning and ``∂L/∂X`` of their features ``(K', D)``."""
+
+    z: torch.Tensor
+    cond: Conditioning
+    grad: torch.Tensor
+
+
+@dataclass
+class PreferenceBatch:
+    """A step's regenerable chunks (prompts with a preference pair only) and its logs."""
+
+    units: list[ChunkUnit]
+    prompts_with_pairs: int
+    logs: dict[str, Any] = field(default_factory=dict)
 
 
 class FestDPOTrainer(GroupTrainer):
@@ -169,6 +191,11 @@ class FestDPOTrainer(GroupTrainer):
 
     Config = FestDPOConfig
     tcfg: FestDPOConfig
+
+    @classmethod
+    def check_config(cls, cfg, tcfg: FestDPOConfig) -> None:
+        if not tcfg.pairs:  # offline preference pairs carry their own labels: rewards: [] is fine there
+            super().check_config(cfg, tcfg)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -257,16 +284,6 @@ class FestDPOTrainer(GroupTrainer):
     def prompt_source(self) -> PromptSet:
         return self.offline if self.offline is not None else self.data
 
-    def score_samples(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weighted reward total ``(B,)`` and validity ``(B,)`` of decoded samples."""
-        total, valid = torch.zeros(len(prompts)), torch.ones(len(prompts), dtype=torch.bool)
-        for _, weight, reward in self.rewards:
-            out = reward(samples, prompts, metadata)
-            value = out.total.float().cpu()
-            valid &= out.valid.cpu() & torch.isfinite(value)
-            total += weight * torch.nan_to_num(value)
-        return total, valid
-
     def preference_pairs(self, x0: torch.Tensor, x: torch.Tensor, prompt: str, meta: dict,
                          generator: torch.Generator) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor]:
         """``y_w, y_l (M, D)`` (+ leave-one-out indices online), or None when the prompt gives no pair; and
@@ -281,72 +298,65 @@ class FestDPOTrainer(GroupTrainer):
             return {"y_w": y[:1], "y_l": y[1:]}, torch.zeros(0)
         with torch.no_grad():
             samples = self.policy.decode(x0.detach())
-        rewards, valid = self.score_samples(samples, [prompt] * len(samples), [meta] * len(samples))
+        scores = self.rewards.score(samples, [prompt] * len(samples), [meta] * len(samples))
+        rewards, valid = scores.total, scores.valid
         win, lose = bradley_terry_pairs(rewards, valid, generator, self.tcfg.bt_temperature, self.tcfg.pairs_per_prompt)
         if win.numel() == 0:
             return None, rewards[valid]
         win, lose = win.to(x.device), lose.to(x.device)
         return {"y_w": x[win].detach(), "y_l": x[lose].detach(), "exclude_w": win, "exclude_l": lose}, rewards[valid]
 
-    # ------------------------------------------------------------------ step
+    # ------------------------------------------------------------------ hooks
 
-    def train_step(self) -> dict[str, float]:
+    def collect(self, step: int) -> PreferenceBatch:
+        """Per prompt: K common noises, the reference's features and h², the policy's samples (no grad),
+        their preference pairs, and ``∂L/∂X`` of the DPO loss (divided by the prompts per step)."""
         t0 = time.perf_counter()
         tc = self.tcfg
         source = self.prompt_source()
         p = tc.prompts_per_step
-        idx = source.batch_indices(self.cfg.run.seed, self.step, p * self.world)[self.rank * p : (self.rank + 1) * p]
+        idx = source.batch_indices(self.cfg.run.seed, step, p * self.world)[self.rank * p : (self.rank + 1) * p]
         stats: dict[str, list[float]] = {}
         scored: list[torch.Tensor] = []
-        used = 0
+        units: list[ChunkUnit] = []
         for n, i in enumerate(idx):
             prompt, meta = source.prompts[i], source.metadata[i]
-            gid = self.rank * p + n
-            generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, gid))
+            generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank * p + n))
             z = self.policy.initial_noise(tc.K, generator)
             cond = self.policy.encode([prompt] * tc.K)
             with torch.no_grad(), self.reference():
                 x_ref = self.features(self.generate(z, cond))
             h2 = self.bandwidth(x_ref)
-            chunked = tc.chunk is not None and tc.chunk < tc.K
-            with torch.set_grad_enabled(not chunked):
+            with torch.no_grad():
                 x0 = self.generate(z, cond)
                 x = self.features(x0)
             pairs, rewards = self.preference_pairs(x0, x, prompt, meta, generator)
             scored.append(rewards)
             if pairs is None:
                 continue
-            used += 1
-            if chunked:
-                x = x.detach().requires_grad_()
+            x = x.detach().requires_grad_()
             loss, info = festdpo_loss(x, x_ref, pairs["y_w"], pairs["y_l"], h2, tc.dpo_beta,
                                       pairs.get("exclude_w"), pairs.get("exclude_l"))
-            if chunked:
-                (grad,) = torch.autograd.grad(loss, x)
-                for s in range(0, tc.K, tc.chunk):
-                    part = slice(s, s + tc.chunk)
-                    self.features(self.generate(z[part], cond[part])).backward(grad[part] / p)
-            else:
-                (loss / p).backward()
-            info["h2"] = float(h2)
-            info["pairs"] = float(pairs["y_w"].shape[0])
-            for k, v in info.items():
+            (grad,) = torch.autograd.grad(loss / p, x)
+            size = tc.chunk or tc.K
+            units += [ChunkUnit(z[s : s + size], cond[s : s + size], grad[s : s + size]) for s in range(0, tc.K, size)]
+            for k, v in {**info, "h2": float(h2), "pairs": float(pairs["y_w"].shape[0])}.items():
                 stats.setdefault(k, []).append(v)
-        t_update = time.perf_counter()
-        total_used = used
-        if self.world > 1:  # every rank must take the same branch (the optimiser step reduces gradients)
-            total_used = int(self.acc.reduce(torch.tensor([used], device=self.acc.device), reduction="sum").item())
-        if total_used:
-            grad_norm = self.optimizer_step()
-        else:  # no prompt gave a preference: no update (weight decay alone would move the weights)
-            self.optimizer.zero_grad(set_to_none=True)
-            grad_norm = 0.0
         rewards = torch.cat(scored) if scored else torch.zeros(0)
-        return {
-            "reward/total": rewards.mean().item() if rewards.numel() else float("nan"),
-            **{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
-            "train/prompts_with_pairs": float(used),
-            "train/grad_norm": grad_norm,
-            "time/optimizer": time.perf_counter() - t_update,
-            "time/step": time.perf_counter() - t0,
-        }
+        used = len(stats.get("pairs", []))  # prompts that gave a preference pair
+        logs = {"reward/total": rewards.mean().item() if rewards.numel() else float("nan"),
+                **{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
+                "train/prompts_with_pairs": float(used), "time/sample": time.perf_counter() - t0}
+        return PreferenceBatch(units, used, logs)
+
+    def plan(self, batch: PreferenceBatch, generator: torch.Generator) -> Plan:
+        """One optimiser step over every regenerated chunk, or none when no prompt on any rank gave a
+        preference (weight decay alone would move the weights)."""
+        used = batch.prompts_with_pairs
+        if self.world > 1:  # every rank must take the same branch (the optimiser step reduces gradients)
+            used = int(self.acc.reduce(torch.tensor([used], device=self.acc.device), reduction="sum").item())
+        return Plan([batch.units] if used else [])
+
+    def loss(self, batch: PreferenceBatch, unit: ChunkUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        """``⟨ϕ(G_θ(z, c)), ∂L/∂X⟩``: its gradient in θ is the chunk's share of the DPO loss's."""
+        return (self.features(self.generate(unit.z, unit.cond)) * unit.grad).sum(), {}

@@ -1,7 +1,8 @@
-"""Flow-GRPO (arXiv 2505.05470): GRPO on the per-step Gaussians of an SDE rollout.
+"""Flow-GRPO (arXiv 2505.05470): GRPO on the per-step Gaussians of an SDE rollout (``docs/methods/flow_grpo.md``).
 
-Read against ``shared/specs/flow_grpo.md``. The loop (rollouts, rewards, advantages, accumulation) is the
-shared one; this file holds the config and the loss:
+The loop collects the batch (grouped SDE rollouts with stored log-probs, rewards, advantages); this file
+holds the config, the loss and three hooks: how a group is sampled, which (rollout, step) units each
+optimiser step accumulates, and the loss of one unit:
 
     r = exp(ℓ_k(θ) − ℓ_k(θ_old))
     L = mean_{i,k} max(−A_i·r, −A_i·clip(r, 1−ε, 1+ε)) + β·KL(μ_θ ‖ μ_ref)
@@ -9,15 +10,18 @@ shared one; this file holds the config and the loss:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
 from flowalign.errors import UserError
-from flowalign.sampling import Rollout, sde_step
+from flowalign.protocols import Conditioning, FlowPolicy
+from flowalign.sampling import Rollout, StepOutput, sde_step
 from flowalign.sampling.windows import random_window_start
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
 
 
 class FlowGRPOConfig(GroupTrainerConfig):
@@ -29,12 +33,20 @@ class FlowGRPOConfig(GroupTrainerConfig):
     clip_range: float = Field(1e-4, gt=0)
     beta: float = Field(0.04, ge=0)
     kl_mode: Literal["code", "exact"] = "code"
-    #: train the first ⌊fraction·T⌋ SDE steps of each rollout
+    #: train the first ⌊fraction·T⌋ of the T rollout steps (0.99 × 10 → steps 0…8), as the authors count
     timestep_fraction: float = Field(0.99, gt=0, le=1)
-    #: Flow-GRPO-Fast: SDE only on a random window of this width in steps [0, T/2) (0: every step)
+    #: the step to σ = 0 is stochastic, as in the authors' sampler (it is trained only at fraction 1)
+    sde_last_step: bool = True
+    #: gradient through CFG's unconditional branch: "detached" (the authors' loss; backward through the
+    #: conditional branch only) or "full"
+    cfg_grad: Literal["detached", "full"] = "detached"
+    #: Flow-GRPO-Fast: SDE only on a random window of this width in steps [0, T/2), one per prompt (0: every step)
     sde_window: int = Field(0, ge=0)
     #: train a random subset of this many of the trained steps per chunk and epoch (0: all of them)
     steps_per_chunk: int = Field(0, ge=0)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
 
 
 def ppo_clip_loss(
@@ -59,12 +71,46 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
     return sq.flatten(1).mean(1) * sigma_gap
 
 
+def guided_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Conditioning, guidance: float,
+                    cfg_grad: str) -> torch.Tensor:
+    """``v = v_u + w·(v_c − v_u)`` ``(B, ...)``. ``cfg_grad="detached"``: ``v_u`` under ``no_grad`` (its own
+    forward), so the backward pass runs through the conditional branch only; ``"full"`` (or a model
+    without CFG negatives): the policy's own guided velocity."""
+    if cfg_grad == "full" or guidance <= 1:
+        return policy.velocity(x, sigma, cond, guidance)
+    if hasattr(policy, "unconditional_velocity"):  # the family runs the conditional half alone itself
+        with torch.no_grad():
+            v_u = policy.unconditional_velocity(x, sigma, cond)
+        return policy.velocity(x, sigma, cond, guidance, uncond=v_u)
+    uncond = cond.unconditional()
+    if uncond is None:
+        return policy.velocity(x, sigma, cond, guidance)
+    with torch.no_grad():
+        v_u = policy.velocity(x, sigma, uncond, 1.0)
+    v_c = policy.velocity(x, sigma, cond, 1.0)
+    return v_u + guidance * (v_c - v_u)
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass(frozen=True)
+class StepUnit:
+    """Rollout batch ``chunk`` at timestep ``k``, one of ``of`` units of optimiser step ``update``."""
+
+    chunk: int
+    k: int
+    of: int
+    update: int
+
+
 class FlowGRPOTrainer(GroupTrainer):
     Config = FlowGRPOConfig
     tcfg: FlowGRPOConfig
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
+        super().check_config(cfg, tcfg)
         if tcfg.beta > 0 and cfg.model.finetune == "full":
             raise UserError("trainer.beta > 0 needs reference passes with the adapter disabled, which full "
                             "fine-tuning has not got: set trainer.beta=0 or model.finetune=lora")
@@ -77,50 +123,80 @@ class FlowGRPOTrainer(GroupTrainer):
     def noise_level(self) -> float:  # type: ignore[override]
         return self.tcfg.noise_level
 
-    def rollout_chunk(self, prompts, metadata, generator, **kw):
-        """SDE rollouts; with ``sde_window`` each chunk draws its own Flow-GRPO-Fast window."""
+    def sampling(self, group: int) -> Sampling:
+        """SDE on every step (Flow-GRPO-Fast: on a window drawn per prompt group, seeded by (seed, step, group))."""
+        window = None
         if self.tcfg.sde_window:
-            start = random_window_start(self.tcfg.num_steps, self.tcfg.sde_window, generator)
-            kw["sde_window"] = (start, self.tcfg.sde_window)
-        return super().rollout_chunk(prompts, metadata, generator, cps_log_prob=self.tcfg.cps_log_prob, **kw)
-
-    def loss_units(self, batch, chunk_ids, generator):
-        """All trained steps of each chunk, or a random subset of ``steps_per_chunk`` of them."""
-        units = []
-        for i in chunk_ids:
-            steps = self.trained_steps(batch.chunks[i])
-            if 0 < self.tcfg.steps_per_chunk < len(steps):
-                pick = torch.randperm(len(steps), generator=generator)[: self.tcfg.steps_per_chunk]
-                steps = [steps[j] for j in sorted(pick.tolist())]
-            units += [(i, k) for k in steps]
-        return units
+            g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, group, 11))
+            window = (random_window_start(self.tcfg.num_steps, self.tcfg.sde_window, g), self.tcfg.sde_window)
+        return Sampling(self.sampler, self.noise_level, window, self.tcfg.sde_last_step,
+                        cps_log_prob=self.tcfg.cps_log_prob)
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
+        """The stochastic steps among the first ⌊timestep_fraction·T⌋ steps (at least the first one)."""
         steps = chunk.trained_steps()
-        return steps[: max(1, int(self.tcfg.timestep_fraction * len(steps)))]
+        limit = max(1, int(self.tcfg.timestep_fraction * chunk.num_steps))
+        return [k for k in steps if k < limit] or steps[:1]
 
-    def step_distribution(self, chunk: Rollout, k: int, velocity: torch.Tensor):
+    def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
+        """Inner epochs over the chunks with a non-zero advantage, ``updates_per_epoch`` optimiser steps
+        each; every step accumulates over its chunks × trained steps (``steps_per_chunk``: a random subset)."""
+        adv = batch.per_chunk(batch.advantages)
+        steps: list[list[StepUnit]] = []
+        for _ in range(self.tcfg.inner_epochs):
+            order = torch.randperm(len(batch.chunks), generator=generator).tolist()
+            active = [i for i in order if adv[i].abs().sum() > 0]
+            for part in [p for p in np.array_split(np.array(active, dtype=int), self.tcfg.updates_per_epoch) if len(p)]:
+                pairs = [(i, k) for i in part.tolist() for k in self.chosen_steps(batch.chunks[i], generator)]
+                steps.append([StepUnit(i, k, len(pairs), len(steps)) for i, k in pairs])
+        return Plan(steps)
+
+    def chosen_steps(self, chunk: Rollout, generator: torch.Generator) -> list[int]:
+        steps = self.trained_steps(chunk)
+        if 0 < self.tcfg.steps_per_chunk < len(steps):
+            pick = torch.randperm(len(steps), generator=generator)[: self.tcfg.steps_per_chunk]
+            steps = [steps[j] for j in sorted(pick.tolist())]
+        return steps
+
+    def step_distribution(self, chunk: Rollout, k: int, velocity: torch.Tensor) -> StepOutput:
+        """The rollout's Gaussian at step ``k`` under ``velocity``, with the stored ``x_{k+1}``'s log-prob."""
         x_k, x_next, _ = chunk.step(k)
         return sde_step(self.sampler, velocity, x_k, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item(),
                         noise_level=self.noise_level, prev_sample=x_next, cps_log_prob=self.tcfg.cps_log_prob)
 
-    def loss(self, chunk: Rollout, k: int, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def reference_mean(self, batch: StepBatch, i: int, k: int) -> torch.Tensor:
+        """``μ_ref`` of chunk ``i`` at step ``k`` (adapter disabled, no grad), computed once per batch."""
+        if (i, k) not in batch.kl_reference:
+            chunk = batch.chunks[i]
+            x_k = chunk.step(k)[0]
+            with torch.no_grad(), self.policy.adapter_disabled():
+                v = self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+                batch.kl_reference[i, k] = self.step_distribution(chunk, k, v).mean
+        return batch.kl_reference[i, k]
+
+    def loss(self, batch: StepBatch, unit: StepUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        chunk, k = batch.chunks[unit.chunk], unit.k
+        adv = batch.per_chunk(batch.advantages)[unit.chunk]
+        weight = None if batch.weights is None else batch.per_chunk(batch.weights)[unit.chunk]
         x_k, _, old_log_prob = chunk.step(k)
-        sigma = chunk.sigmas[k].item()
-        v = self.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
+        v = guided_velocity(self.policy, x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale,
+                            self.tcfg.cfg_grad)
         out = self.step_distribution(chunk, k, v)
-        weight = chunk.extras.get("weight")  # per-sample loss weights (Flash-GRPO's rectification)
-        per_sample, ratio, clipped = ppo_clip_loss(out.log_prob, old_log_prob.to(out.log_prob), adv.to(out.log_prob),
-                                                   self.tcfg.clip_range, weight)
+        adv, old_log_prob = adv.to(out.log_prob), old_log_prob.to(out.log_prob)
+        per_sample, ratio, clipped = ppo_clip_loss(out.log_prob, old_log_prob, adv, self.tcfg.clip_range,
+                                                   None if weight is None else weight.to(out.log_prob))
         active = adv != 0  # samples with zero advantage are dropped from the mean
         loss = per_sample[active].mean()
-        info = {"ratio": ratio.mean().item(), "clip_frac": clipped[active].float().mean().item(),
+        deviation = (ratio.detach() - 1).abs()[active].mean().item()
+        clip_frac = clipped[active].float().mean().item()
+        info = {"ratio": ratio.mean().item(), "ratio_dev": deviation, "clip_frac": clip_frac,
                 "policy_loss": loss.item()}
+        if unit.update > 0:  # after the batch's first optimiser step: where the trust region acts
+            info.update({"ratio_dev_late": deviation, "clip_frac_late": clip_frac})
         if self.tcfg.beta > 0:
-            with torch.no_grad(), self.policy.adapter_disabled():
-                ref = self.step_distribution(chunk, k, self.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale))
             gap = chunk.sigmas[k].item() - chunk.sigmas[k + 1].item()
-            kl = gaussian_mean_kl(out.mean, ref.mean, out.std, gap, self.tcfg.kl_mode)[active].mean()
+            ref = self.reference_mean(batch, unit.chunk, k)
+            kl = gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode)[active].mean()
             loss = loss + self.tcfg.beta * kl
             info["kl"] = kl.item()
-        return loss, info
+        return loss / unit.of, info

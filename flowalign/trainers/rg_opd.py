@@ -13,12 +13,14 @@ CoRe (``trainer.core``): every ``core.every`` steps the registers are refit with
 ``L_RM = L_BT(real pairs) + μ·L_BT(generated pairs) + anchor·mean(r_ψ − r_ψ,prev)²``, so the generator
 cannot walk off the latent reward's support. The generated pairs are the generator's own samples of the
 last ``core.buffer_steps`` steps, paired within prompt groups by the pixel reward in ``rewards:``.
-The shared loop is unchanged: this file overrides the rollout (ODE, velocities kept), scoring (the latent
-score is logged), the update, and checkpoints (which carry the refit reward).
+The loop is the shared one; the hooks: ODE rollouts keeping their velocities (``sampling``), the latent
+score logged (``collect``), the targets built once per batch and K optimiser steps on them (``plan``,
+``loss``), the CoRe refit (``finish``), and the refit reward and pair buffer as the trainer's state.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,10 +33,7 @@ from flowalign.errors import UserError
 from flowalign.latent_preference import PreferencePairs, fit
 from flowalign.paths import REPO_ROOT
 from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, StepBatch, derived_seed
-
-REWARD_FILE = "latent_reward.safetensors"
-BUFFER_DIR = "core_pairs"  # one PreferencePairs file per generator step: step-000012.safetensors
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
 
 
 class CoReConfig(Section):
@@ -106,6 +105,17 @@ def rg_opd_loss(v_theta: torch.Tensor, v_star: torch.Tensor, v_ref: torch.Tensor
     return loss
 
 
+@dataclass(frozen=True)
+class DistilUnit:
+    """Rollout batch ``chunk`` at visited step ``k`` with its fixed target ``v*``; one of ``of`` units of
+    an optimiser step."""
+
+    chunk: int
+    k: int
+    target: torch.Tensor
+    of: int
+
+
 class RGOPDTrainer(GroupTrainer):
     Config = RGOPDConfig
     tcfg: RGOPDConfig
@@ -113,6 +123,7 @@ class RGOPDTrainer(GroupTrainer):
 
     @classmethod
     def check_config(cls, cfg, tcfg: RGOPDConfig) -> None:
+        super().check_config(cfg, tcfg)
         if tcfg.anchor > 0 and cfg.model.finetune == "full":
             raise UserError("trainer.anchor > 0 needs the adapter-disabled reference, which full fine-tuning has not "
                             "got: set trainer.anchor=0 or model.finetune=lora")
@@ -132,24 +143,21 @@ class RGOPDTrainer(GroupTrainer):
                 raise UserError(f"trainer.core needs a trainable latent reward (a torch module); {tcfg.latent_reward} is not")
             path = tcfg.core.real_pairs or str(folder / "pairs.safetensors")
             self.real_pairs = PreferencePairs.load(path)
-        self._pixel_scores: torch.Tensor | None = None
-        #: CoRe's generated pairs, one entry per generator step that gave any: (step, pairs)
+        #: CoRe's generated pairs, one entry per generator step that gave any: (step, pairs) (trainer state)
         self.core_buffer: list[tuple[int, PreferencePairs]] = []
 
-    # ------------------------------------------------------------------ phases
-    def rollout_chunk(self, prompts, metadata, generator, **kw) -> Rollout:
+    # ------------------------------------------------------------------ hooks
+    def sampling(self, group: int) -> Sampling:
         """ODE rollouts of θ_old keeping the velocities, so v_old costs no second forward."""
-        return super().rollout_chunk(prompts, metadata, generator, keep_velocities=True, **kw)
+        return Sampling("ode", keep_velocities=True)
 
-    def score(self, batch: StepBatch):
-        """The pixel rewards (logged; CoRe's labels) and the latent score of the final samples."""
-        components, valid, logs = super().score(batch)
-        weights = torch.tensor([w for _, w, _ in self.rewards])
-        self._pixel_scores = torch.where(valid, components @ weights, torch.full((len(valid),), float("nan")))
+    def collect(self, step: int) -> StepBatch:
+        """The loop's batch (pixel rewards: logged, and CoRe's labels), plus the latent score of the samples."""
+        batch = super().collect(step)
         with torch.no_grad():
             latent = torch.cat([self.latent_reward.score(c.final_latents, 0.0, c.cond).float().cpu() for c in batch.chunks])
-        logs["latent/score"] = latent.mean().item()
-        return components, valid, logs
+        batch.logs["latent/score"] = latent.mean().item()
+        return batch
 
     def visited_states(self, batch: StepBatch, generator: torch.Generator) -> list[tuple[int, int]]:
         """``(chunk, step)`` pairs to distil: every rollout step, or ``steps_per_chunk`` random ones per chunk."""
@@ -161,33 +169,25 @@ class RGOPDTrainer(GroupTrainer):
             units += [(i, k) for k in steps]
         return units
 
-    def update(self, batch: StepBatch, adv: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
-        """Targets from θ_old once, then K optimiser steps; a CoRe refit when due."""
-        units = self.visited_states(batch, generator)
-        targets, stats = {}, {"lambda": [], "latent_score_visited": [], "target_shift": []}
-        for i, k in units:
+    def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
+        """Targets from θ_old once, then ``inner_steps`` optimiser steps on them."""
+        pairs = self.visited_states(batch, generator)
+        units, stats = [], {"lambda": [], "latent_score_visited": [], "target_shift": []}
+        for i, k in pairs:
             chunk = batch.chunks[i]
-            x, sigma, v_old = chunk.latents[:, k], chunk.sigmas[k].item(), chunk.extras["velocities"][:, k]
+            x, sigma, v_old = chunk.latents[:, k], chunk.sigmas[k].item(), chunk.velocities[:, k]
             grad, r = reward_gradient(self.latent_reward, x, sigma, chunk.cond)
-            targets[i, k] = distillation_target(v_old, grad.to(v_old.device), self.tcfg.kappa)
+            target = distillation_target(v_old, grad.to(v_old.device), self.tcfg.kappa)
+            units.append(DistilUnit(i, k, target, len(pairs)))
             b = v_old.shape[0]
             stats["lambda"].append((self.tcfg.kappa * v_old.reshape(b, -1).norm(dim=1) / (grad.reshape(b, -1).norm(dim=1) + 1e-8)).mean().item())
             stats["latent_score_visited"].append(r.mean().item())
-            stats["target_shift"].append(((targets[i, k] - v_old) ** 2).mean().item())
-        for _ in range(self.tcfg.inner_steps):
-            losses = []
-            for i, k in units:
-                loss = self.loss_at(batch.chunks[i], k, targets[i, k])
-                (loss / len(units)).backward()
-                losses.append(loss.item())
-            stats.setdefault("distill_loss", []).append(float(np.mean(losses)))
-            stats.setdefault("grad_norm", []).append(self.optimizer_step())
-        out = {k: float(np.mean(v)) for k, v in stats.items() if v}
-        if self.tcfg.core is not None:
-            self.remember_generated_pairs(batch)
-            if (self.step + 1) % self.tcfg.core.every == 0:
-                out.update({f"core_{k}": v for k, v in self.refit_reward().items()})
-        return out
+            stats["target_shift"].append(((target - v_old) ** 2).mean().item())
+        return Plan([units] * self.tcfg.inner_steps, {k: float(np.mean(v)) for k, v in stats.items() if v})
+
+    def loss(self, batch: StepBatch, unit: DistilUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = self.loss_at(batch.chunks[unit.chunk], unit.k, unit.target)
+        return loss / unit.of, {"distill_loss": loss.item()}
 
     def loss_at(self, chunk: Rollout, k: int, target: torch.Tensor) -> torch.Tensor:
         x, sigma = chunk.latents[:, k], chunk.sigmas[k].item()
@@ -198,11 +198,48 @@ class RGOPDTrainer(GroupTrainer):
                 v_ref = self.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
         return rg_opd_loss(v, target.to(v.device), v_ref, self.tcfg.anchor)
 
+    def finish(self, batch: StepBatch) -> dict[str, float]:
+        """With CoRe: remember this step's generated pairs; refit the registers when due (and write the
+        co-evolved reward as a reward folder, ``latent_reward/``)."""
+        if self.tcfg.core is None:
+            return {}
+        self.remember_generated_pairs(batch)
+        if (self.step + 1) % self.tcfg.core.every:
+            return {}
+        out = {f"core_{k}": v for k, v in self.refit_reward().items()}
+        if self.acc.is_main_process and hasattr(self.latent_reward, "save"):
+            self.latent_reward.save(self.run_dir / "latent_reward")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """With CoRe: the refit reward's tensors and the buffered generated pairs."""
+        if self.tcfg.core is None:
+            return {}
+        state: dict[str, Any] = {f"latent_reward.{k}": v for k, v in self.latent_reward.state_dict().items()}
+        for step, pairs in self.core_buffer:
+            state.update({f"core.{step}.chosen": pairs.chosen, f"core.{step}.rejected": pairs.rejected,
+                          f"core.{step}.margin": pairs.margin})
+        state["core_prompts"] = {str(step): pairs.prompts for step, pairs in self.core_buffer}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.tcfg.core is None:
+            return
+        prefix = "latent_reward."
+        self.latent_reward.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        self.core_buffer = [
+            (int(step), PreferencePairs(prompts, state[f"core.{step}.chosen"], state[f"core.{step}.rejected"],
+                                        state[f"core.{step}.margin"]))
+            for step, prompts in sorted(state.get("core_prompts", {}).items(), key=lambda kv: int(kv[0]))
+        ]
+
     # ------------------------------------------------------------------ CoRe
     def generated_pairs(self, batch: StepBatch) -> PreferencePairs | None:
         """Within each prompt group, every pair of samples whose pixel rewards differ (chosen = higher)."""
         x0 = torch.cat([c.final_latents.float().cpu() for c in batch.chunks])
-        scores, prompts, groups = self._pixel_scores, batch.prompts, batch.groups
+        valid = batch.scores.valid
+        scores = torch.where(valid, batch.scores.total, torch.full((len(valid),), float("nan")))
+        prompts, groups = batch.prompts, batch.groups
         chosen, rejected, names, margins = [], [], [], []
         for g in torch.unique(groups).tolist():
             idx = (groups == g).nonzero().flatten().tolist()
@@ -237,39 +274,3 @@ class RGOPDTrainer(GroupTrainer):
         self.latent_reward.eval()
         stats["generated_pairs"] = float(len(generated) if generated is not None else 0)
         return stats
-
-    # ------------------------------------------------------------------ checkpoints
-    def write_checkpoint_extras(self, folder: Path) -> None:
-        """With CoRe, the refit reward's weights (``latent_reward.safetensors``) and the buffered generated
-        pairs (``core_pairs/step-N.safetensors``, one file per generator step) are part of the checkpoint."""
-        if self.tcfg.core is not None:
-            from safetensors.torch import save_file
-
-            state = {k: v.detach().float().cpu().contiguous() for k, v in self.latent_reward.state_dict().items()}
-            save_file(state, str(folder / REWARD_FILE))
-            if self.core_buffer:
-                (folder / BUFFER_DIR).mkdir(exist_ok=True)
-            for step, pairs in self.core_buffer:
-                pairs.save(folder / BUFFER_DIR / f"step-{step:06d}.safetensors")
-
-    def maybe_resume(self) -> None:
-        super().maybe_resume()
-        if self.tcfg.core is None or self.step == 0:
-            return
-        from flowalign import checkpoint as ckpt
-
-        resume = self.cfg.run.resume
-        folder = ckpt.latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
-        if not (folder / REWARD_FILE).is_file():
-            raise UserError(f"{folder} has no {REWARD_FILE}: it was not written by a CoRe run (trainer.core)")
-        from safetensors.torch import load_file
-
-        self.latent_reward.load_state_dict(load_file(str(folder / REWARD_FILE)))
-        self.core_buffer = [(int(f.stem.split("-")[1]), PreferencePairs.load(f))
-                            for f in sorted((folder / BUFFER_DIR).glob("step-*.safetensors"))]
-
-    def train(self) -> dict[str, Any]:
-        final = super().train()
-        if self.tcfg.core is not None and self.acc.is_main_process and hasattr(self.latent_reward, "save"):
-            self.latent_reward.save(self.run_dir / "latent_reward")  # the co-evolved reward, as a reward folder
-        return final

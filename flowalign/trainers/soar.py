@@ -1,6 +1,6 @@
 """SOAR (arXiv 2604.12617): reward-free self-correction on real (image, caption) pairs; SFT is λ = 0.
 
-Read against ``shared/specs/soar.md``. Per pair (x0, c):
+Read against ``docs/methods/soar.md``. Per pair (x0, c):
 
     x_σ = (1-σ)·x0 + σ·ε,   σ ~ logit-normal                         (on-trajectory state)
     L_base = mean‖v_θ(x_σ,σ,c) - (ε - x0)‖²                          (plain flow-matching SFT)
@@ -9,8 +9,9 @@ Read against ``shared/specs/soar.md``. Per pair (x0, c):
     v*_j = (z_j - x0)/max(σ̃_j, σ_min)                               (lands exactly on x0)
     L = L_base + λ·(1/N)·Σ_j mean‖v_θ(z_j,σ̃_j,c) - sg(v*_j)‖²
 
-The loop is the shared one (checkpoints, resume, EMA, evaluation, logging); only ``train_step`` differs:
-there is no rollout group and no reward. Pairs come from ``trainer.pairs`` (a folder or JSONL of image +
+The loop is the shared one (checkpoints, resume, EMA, evaluation, logging); the hooks: ``collect`` draws a
+batch of pairs with their noise and σ (no rollout group, no reward: ``rewards: []`` is accepted), ``plan``
+splits it into micro-batches of one optimiser step, ``loss`` is :func:`soar_loss` of a micro-batch. Pairs come from ``trainer.pairs`` (a folder or JSONL of image +
 caption) or, for a benchmark of programmatic scenes (``data.bench: vvr``), from rendering each training
 task at the model's resolution. [derived] choices: σ is drawn as in SD3 pre-training (sigmoid of a normal,
 no shift), the N corrections of a pair share its x̂ and run as one batched pass, and the σ̃ draws use their
@@ -22,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -30,7 +32,7 @@ from pydantic import Field
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, derived_seed
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -149,7 +151,20 @@ def cost_per_pair(N: int, w_cfg: float) -> tuple[int, int]:
     return 1 + rollout + N, 3 + rollout + 3 * N
 
 
-# ---------------------------------------------------------------------------------------------- trainer
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass
+class PairBatch:
+    """A step's (image, caption) pairs: clean latents ``x0``, noise ``eps`` ``(B, ...)``, ``sigma`` ``(B,)``,
+    correction draws ``u`` ``(N, B)``, the captions' conditioning, and the step's logs."""
+
+    x0: torch.Tensor
+    eps: torch.Tensor
+    sigma: torch.Tensor
+    u: torch.Tensor
+    cond: Conditioning
+    logs: dict[str, float] = field(default_factory=dict)
 
 
 class SOARTrainer(GroupTrainer):
@@ -157,6 +172,7 @@ class SOARTrainer(GroupTrainer):
 
     Config = SOARConfig
     tcfg: SOARConfig
+    needs_rewards = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -217,45 +233,41 @@ class SOARTrainer(GroupTrainer):
             out.append(self._latents[i])
         return torch.stack(out).to(self.policy.device)
 
-    def train_step(self) -> dict[str, float]:
+    def collect(self, step: int) -> PairBatch:
+        """This rank's pairs of the step, their captions (some dropped), ε, σ and the correction draws."""
         t0 = time.perf_counter()
         tc = self.tcfg
-        indices = self.pairs_indices(self.step)
+        indices = self.pairs_indices(step)
         x0 = self.latents(indices)
-        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank, 2))
+        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank, 2))
         keep = torch.rand(len(indices), generator=generator) >= tc.caption_dropout
         prompts = [self.pairs.prompts[i] if k else "" for i, k in zip(indices, keep.tolist())]
         eps = torch.randn(x0.shape, generator=generator).to(x0)
         sigma = sample_sigmas(len(indices), generator, tc.logit_mean, tc.logit_std).to(x0)
         # σ̃ draws from their own stream: SOAR and SFT see the same (ε, σ) at every step
-        u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank, 3))
+        u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank, 3))
         u = torch.rand(tc.N, len(indices), generator=u_gen).to(x0)
-        cond_all = self.policy.encode(prompts)
-        t_data = time.perf_counter()
-
-        stats: dict[str, list[float]] = {}
-        mb = tc.micro_batch or len(indices)
-        for s in range(0, len(indices), mb):
-            part = slice(s, s + mb)
-            cond = cond_all[part]
-            loss, info = soar_loss(self._velocity(cond, 1.0), self._velocity(cond, tc.w_cfg), x0[part], eps[part],
-                                   sigma[part], u[:, part], K=tc.K, lam=tc.lam, sigma_min=tc.sigma_min)
-            (loss * (x0[part].shape[0] / len(indices))).backward()
-            info["loss"] = loss.item()
-            for k, v in info.items():
-                stats.setdefault(k, []).append(v)
-        grad_norm = self.optimizer_step()
+        cond = self.policy.encode(prompts)
         passes, units = (c * len(indices) * self.world for c in cost_per_pair(tc.N, tc.w_cfg))
-        return {
-            "reward/total": float("nan"),  # reward-free
-            **{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
-            "train/grad_norm": grad_norm,
-            "cost/forward_passes": passes,
-            "cost/units_total": units * (self.step + 1),
-            "time/data": t_data - t0,
-            "time/update": time.perf_counter() - t_data,
-            "time/step": time.perf_counter() - t0,
-        }
+        logs = {"reward/total": float("nan"), "cost/forward_passes": passes, "cost/units_total": units * (step + 1),
+                "time/data": time.perf_counter() - t0}
+        return PairBatch(x0, eps, sigma, u, cond, logs)
+
+    def plan(self, batch: PairBatch, generator: torch.Generator) -> Plan:
+        """One optimiser step over the batch, in micro-batches of ``micro_batch`` pairs."""
+        n = batch.x0.shape[0]
+        mb = self.tcfg.micro_batch or n
+        return Plan([[slice(s, s + mb) for s in range(0, n, mb)]])
+
+    def loss(self, batch: PairBatch, part: slice) -> tuple[torch.Tensor, dict[str, float]]:
+        """The SOAR loss of a micro-batch, weighted by its share of the batch."""
+        tc = self.tcfg
+        cond = batch.cond[part]
+        x0 = batch.x0[part]
+        loss, info = soar_loss(self._velocity(cond, 1.0), self._velocity(cond, tc.w_cfg), x0, batch.eps[part],
+                               batch.sigma[part], batch.u[:, part], K=tc.K, lam=tc.lam, sigma_min=tc.sigma_min)
+        info["loss"] = loss.item()
+        return loss * (x0.shape[0] / batch.x0.shape[0]), info
 
     def _velocity(self, cond: Conditioning, guidance: float) -> Velocity:
         """``v(x, σ)`` for a batch of ``B`` states or ``n·B`` (j-major) sharing ``cond``'s B captions."""

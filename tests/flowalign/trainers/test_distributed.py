@@ -1,5 +1,6 @@
 """Two CPU processes under torchrun: ranks end with identical weights, and the gathered group statistics
-(and so the update) match a single process holding all the groups."""
+(and so the update) match a single process holding all the groups, batched differently: samples do not
+depend on the rank layout or the batching."""
 
 import json
 import os
@@ -26,7 +27,9 @@ def test_two_ranks_match_one_process(tmp_path, tiny_sd3_dir, prompt_file):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
-    single = run_cli(["train", "/dev/null", *small_run(single_dir, tiny_sd3_dir, prompt_file, "trainer.prompts_per_step=2")])
+    # one process holding both groups in one rollout batch of 8 (the ranks roll out one group of 4 each)
+    single = run_cli(["train", "/dev/null", *small_run(single_dir, tiny_sd3_dir, prompt_file, "trainer.prompts_per_step=2",
+                                                       "trainer.batch_size=8")])
     out, _ = single.communicate(timeout=300)
     assert single.returncode == 0, out
 

@@ -16,16 +16,15 @@ def _trainer(tmp_path, model, prompts, *extra):
 
 def test_group_members_share_one_sde_step_and_mean_weight_is_one(tmp_path, tiny_sd3_dir, prompt_file):
     t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "trainer.batch_size=2")
-    prompts, metadata, groups = t.step_prompts(0)
-    batch = t.sample(prompts, metadata, groups)
+    batch = t.collect(0)
     ks = {}
-    for chunk, gid in zip(batch.chunks, groups[::2].tolist()):
-        assert chunk.trained_steps() == [chunk.extras["k"]]
-        assert 0 <= chunk.extras["k"] < 6
-        ks.setdefault(gid, set()).add(chunk.extras["k"])
-    assert all(len(v) == 1 for v in ks.values())  # one k per group, across its chunks
-    weights = torch.cat([c.extras["weight"] for c in batch.chunks])
-    assert abs(weights.mean().item() - 1.0) < 1e-6
+    for chunk, gids in zip(batch.chunks, batch.per_chunk(batch.groups)):
+        (k,) = chunk.trained_steps()  # one SDE step per rollout, the one trained
+        assert 0 <= k < 6
+        for gid in gids.tolist():
+            ks.setdefault(gid, set()).add(k)
+    assert all(len(v) == 1 for v in ks.values()) and len(ks) == 4  # one k per group, across its batches
+    assert abs(batch.weights.mean().item() - 1.0) < 1e-6
 
 
 def test_rectification_coefficient_is_the_velocity_gain_of_the_step(tiny_sd3_dir):

@@ -59,7 +59,7 @@ def test_zero_kappa_gives_zero_gradient_at_theta_old(family, tmp_path, tiny_mode
         for k in range(chunk.num_steps):
             x = chunk.latents[:, k]
             grad, _ = reward_gradient(trainer.latent_reward, x, chunk.sigmas[k].item(), chunk.cond)
-            target = distillation_target(chunk.extras["velocities"][:, k], grad, kappa)
+            target = distillation_target(chunk.velocities[:, k], grad, kappa)
             trainer.loss_at(chunk, k, target).backward()
         norms = [p.grad.abs().max().item() for p in trainer.params if p.grad is not None]
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -87,8 +87,9 @@ def test_linear_reward_on_a_toy_flow_distils_the_shift(tmp_path, prompt_file):
     trainer = RGOPDTrainer(cfg, tcfg, policy, [], read_prompt_file(prompt_file), None, Accelerator(cpu=True), tmp_path / "run")
     prompts, metadata, groups = trainer.step_prompts(0)
     batch = trainer.sample(prompts, metadata, groups)
-    v_old = torch.cat([c.extras["velocities"] for c in batch.chunks])  # (N, T, D) at θ_old (b = 0)
-    trainer.update(batch, torch.zeros(len(prompts)), torch.Generator().manual_seed(0))
+    v_old = torch.cat([c.velocities for c in batch.chunks])  # (N, T, D) at θ_old (b = 0)
+    batch.advantages = torch.zeros(len(prompts))
+    trainer.update(batch, torch.Generator().manual_seed(0))
     a_hat = torch.tensor(direction) / torch.tensor(direction).norm()
     expected = -0.05 * v_old.norm(dim=-1).mean() * a_hat
     torch.testing.assert_close(policy.trainable.bias.detach(), expected, rtol=2e-2, atol=1e-4)
@@ -103,9 +104,10 @@ def test_core_run_refits_registers_checkpoints_them_and_resumes_bit_identically(
     straight = build_trainer(_rg_opd(tmp_path / "a", tiny_sd3_dir, prompt_file, lrr_dir, *core, "trainer.max_steps=2"))
     straight.train()
     ck = tmp_path / "a" / "run" / "checkpoints" / "step-000002"
-    saved = load_file(str(ck / "latent_reward.safetensors"))
-    assert not torch.equal(saved["registers"], start["registers"])  # CoRe did refit them
-    torch.testing.assert_close(saved["registers"], straight.latent_reward.registers.detach(), atol=0, rtol=0)
+    saved = load_file(str(ck / "trainable.safetensors"))  # the trainer's state rides with the weights
+    assert not torch.equal(saved["behaviour.latent_reward.registers"], start["registers"])  # CoRe did refit them
+    torch.testing.assert_close(saved["behaviour.latent_reward.registers"], straight.latent_reward.registers.detach(),
+                               atol=0, rtol=0)
     assert (tmp_path / "a" / "run" / "latent_reward" / "config.json").exists()
     logged = [json.loads(line) for line in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "latent/score" in logged[0] and "train/core_bt_real" in logged[0]

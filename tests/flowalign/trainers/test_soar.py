@@ -64,7 +64,7 @@ def test_target_minus_sft_target_is_alpha_e_over_sigma_tilde():
 def _soar_run(tmp_path, model, name, *extra):
     return [f"run.output_dir={tmp_path / name}", f"model.path={model}", "model.finetune=full", "data.bench=vvr",
             "data.level=medium", "data.n=32", "eval.bench=null", "run.progress=false", "run.tensorboard=false",
-            "trainer.max_steps=2", "trainer.batch_size=4", "trainer.lr=1e-3", "trainer.K=10", *extra]
+            "trainer.max_steps=2", "trainer.batch_size=4", "trainer.lr=1e-3", "trainer.K=10", "rewards=[]", *extra]
 
 
 def _grads(trainer):

@@ -13,3 +13,18 @@ def sometimes_nan(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
     r = redness(samples, prompts, metadata)
     r[::4] = float("nan")
     return r
+
+
+#: (start, end) perf_counter times of every ``slow_redness`` call, in call order
+SLOW_CALLS: list[tuple[float, float]] = []
+
+
+def slow_redness(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
+    """``redness`` after 0.4 s (a judge behind a network call), recording when each call ran."""
+    import time
+
+    start = time.perf_counter()
+    time.sleep(0.4)
+    out = redness(samples, prompts, metadata)
+    SLOW_CALLS.append((start, time.perf_counter()))
+    return out

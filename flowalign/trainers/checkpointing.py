@@ -1,0 +1,95 @@
+"""The loop's checkpoints: weights, optimiser, EMA, RNG states, and the trainer's own state.
+
+A trainer's :meth:`state_dict` is stored with the weights: its tensors in ``trainable.safetensors``
+under the ``behaviour.`` prefix (so tools that read weights skip them), everything else (ints, lists,
+strings) in ``trainer_state.json`` under ``"hooks"``. Resume restores both, then hands the trainer its
+state back through :meth:`load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowalign import checkpoint as ckpt
+from flowalign.errors import UserError
+
+
+def split_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A trainer state → (tensors under the checkpoint prefix, the JSON rest)."""
+    tensors = {f"{ckpt.TRAINER_STATE_PREFIX}{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    rest = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    return tensors, rest
+
+
+def save(trainer: Any) -> Path:
+    """Write ``checkpoints/step-N/`` atomically (every rank takes part; the main process writes)."""
+    acc, step = trainer.acc, trainer.step
+    final = trainer.run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    tmp = trainer.run_dir / "checkpoints" / f".tmp-{ckpt.step_dir_name(step)}"
+    if acc.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    checksums = trainer.rank_checksums()
+    ckpt.save_rank_rng(tmp, trainer.rank)
+    if acc.is_main_process:
+        if trainer.cfg.model.finetune == "lora":
+            trainer.policy.save_adapter(tmp)
+        _, hooks = split_state(trainer.state_dict())
+        ckpt.write_checkpoint_files(
+            tmp, trainable=trainer.trainable_state(), optimizer=trainer.optimizer,
+            ema_state=trainer.ema.state_dict() if trainer.ema else None,
+            trainer_state={"step": step, "world_size": trainer.world, "trainer": trainer.tcfg.name,
+                           "rank_checksums": checksums, "train_seconds": trainer.train_seconds, "hooks": hooks},
+        )
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        ckpt.finalise(tmp, final)
+        ckpt.prune(trainer.run_dir, trainer.cfg.run.keep_checkpoints)
+    acc.wait_for_everyone()
+    return final
+
+
+def resume_folder(trainer: Any) -> Path | None:
+    """The checkpoint ``run.resume`` names (``auto``: the latest complete one), or None."""
+    resume = trainer.cfg.run.resume
+    if resume == "never":
+        return None
+    folder = ckpt.latest_checkpoint(trainer.run_dir) if resume == "auto" else Path(resume)
+    if folder is None:
+        return None
+    if not (folder / ckpt.COMPLETE).exists():
+        raise UserError(f"run.resume={resume}: {folder} is not a complete checkpoint folder (no {ckpt.COMPLETE})")
+    return folder
+
+
+def resume(trainer: Any) -> None:
+    """Restore weights, optimiser, EMA, RNG, step and the trainer's state from ``run.resume``."""
+    folder = resume_folder(trainer)
+    if folder is None:
+        return
+    state = ckpt.load_checkpoint(folder)
+    live = trainer.trainable_state()
+    missing = set(live) - set(state["trainable"])
+    if missing:
+        raise UserError(f"checkpoint {folder} does not match this model ({len(missing)} trainable tensors missing)")
+    with torch.no_grad():
+        for name, p in live.items():
+            p.copy_(state["trainable"][name])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    if trainer.ema is not None and state["ema"] is not None:
+        trainer.ema.load_state_dict(state["ema"])
+    ckpt.load_rank_rng(folder, trainer.rank)
+    trainer.step = int(state["trainer_state"]["step"])
+    trainer.train_seconds = float(state["trainer_state"].get("train_seconds", 0.0))
+    prefix = ckpt.TRAINER_STATE_PREFIX
+    own = {k[len(prefix):]: v for k, v in state["trainable"].items() if k.startswith(prefix)}
+    trainer.load_state_dict({**state["trainer_state"].get("hooks", {}), **own})
+    trainer.logger.truncate_after(trainer.step)
+    if trainer.acc.is_main_process:
+        print(f"resumed from {folder} at step {trainer.step}")

@@ -1,0 +1,85 @@
+"""Running a trainer: steps until the budget is spent, evaluations, logs, checkpoints, Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from flowalign import checkpoint as ckpt
+
+
+def run(trainer: Any) -> dict[str, Any]:
+    """Resume if asked, then train until ``trainer.max_steps`` or ``max_minutes``; evaluate and save.
+
+    Ctrl-C finishes the step in flight, saves a checkpoint and raises KeyboardInterrupt (a second
+    Ctrl-C stops at once): a checkpoint never holds half an update.
+    """
+    t = trainer
+    t.maybe_resume()
+    bar = tqdm(total=t.tcfg.max_steps, initial=t.step, desc="training", unit="step",
+               disable=not (t.acc.is_main_process and t.cfg.run.progress))
+    stop = {"requested": False}
+
+    def request_stop(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)")
+
+    previous = signal.signal(signal.SIGINT, request_stop) if threading.current_thread() is threading.main_thread() else None
+    try:
+        if t.step == 0 and t.cfg.eval.at_start:
+            t.evaluate()
+        while t.step < t.tcfg.max_steps and not t.out_of_time():
+            if stop["requested"]:
+                t.save_checkpoint()
+                raise KeyboardInterrupt
+            one_step(t, bar)
+    finally:
+        bar.close()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    final = t.evaluate()
+    t.save_checkpoint()
+    t.logger.close()
+    return final
+
+
+def one_step(t: Any, bar: Any) -> None:
+    """A training step with its bookkeeping: LR, log line, evaluation and checkpoint when due."""
+    t.lr_now = t.learning_rate(t.budget_fraction())
+    logs = t.train_step()
+    logs["train/lr"] = t.lr_now
+    t.train_seconds += logs["time/step"]
+    t.step += 1
+    logs["time/train_minutes"] = t.train_seconds / 60
+    if t.step % t.cfg.run.log_every == 0:
+        t.logger.log(t.step, logs)
+    bar.set_postfix(reward=f"{logs.get('reward/total', float('nan')):.3f}", step_s=f"{logs['time/step']:.1f}")
+    bar.update(1)
+    last = t.step >= t.tcfg.max_steps or t.out_of_time()  # the final evaluation follows
+    if t.cfg.eval.every and t.step % t.cfg.eval.every == 0 and not last:
+        t.evaluate()
+    if t.step % t.cfg.run.checkpoint_every == 0:
+        t.save_checkpoint()
+
+
+def evaluate(t: Any) -> dict[str, Any]:
+    """Held-out evaluation (EMA weights when enabled) into ``evals/step-XXXXXX/`` and the gallery."""
+    if t.evaluator is None:
+        return {}
+    metrics: dict[str, Any] = {}
+    if t.acc.is_main_process:
+        out_dir = t.run_dir / "evals" / ckpt.step_dir_name(t.step)
+        if t.ema is not None and t.step > 0:
+            with t.ema.swapped_in():
+                metrics = t.evaluator(t.policy, out_dir)
+        else:
+            metrics = t.evaluator(t.policy, out_dir)
+        scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        t.logger.log(t.step, scalars)
+    t.acc.wait_for_everyone()
+    return metrics

@@ -1,0 +1,186 @@
+"""The loop's default batch: a step's prompts → grouped rollouts → rewards → advantages.
+
+Rollouts run in batches of ``trainer.batch_size`` samples whatever the group size (a batch may hold
+several prompt groups; only samples whose :class:`Sampling` is equal share one). Every sample draws its
+initial noise and SDE noise from its own generator keyed by ``(run seed, step, group, member)``, so a
+sample is the same whatever the batching or the rank layout (up to the last-bit rounding of CPU kernels
+that some batch sizes pick: ~1e-6 between a sample alone and in company). Rewards of batch i are scored in a worker
+thread while batch i+1 samples, so a slow reward costs ``max(sample, reward)``, not the sum.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from flowalign.advantages import compute_advantages
+from flowalign.errors import UserError
+from flowalign.reward_set import RewardScores, RewardSet
+from flowalign.sampling import Rollout, rollout
+
+
+def derived_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, stable across processes (no ``hash()``)."""
+    return int(np.random.SeedSequence([abs(int(p)) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one prompt group is rolled out (samples share a rollout batch only when these are equal).
+
+    ``sampler``: a kind of :func:`flowalign.sampling.sde_step` or a step function (compare it by value,
+    e.g. a frozen dataclass, so equal groups batch together); ``sde_window``: ``(start, width)`` or None
+    (every step); ``sde_last_step``: whether the step to σ = 0 is stochastic too.
+    """
+
+    sampler: str | Callable[..., Any] = "flow_grpo"
+    noise_level: float | None = None
+    sde_window: tuple[int, int] | None = None
+    sde_last_step: bool = False
+    keep_velocities: bool = False
+    cps_log_prob: str = "code"
+
+
+@dataclass
+class StepBatch:
+    """One step's rollouts on this rank, in the batches they were sampled in, and what the loop learnt
+    about them.
+
+    ``groups (N,)``: global group id of each sample (batch order); ``prompt_ids (N,)``: the prompt's
+    index in the data (advantages are normalised per prompt); ``scores``: rewards; ``advantages (N,)``
+    (0 for invalid samples); ``weights (N,)``: per-sample loss weights a trainer sets in ``collect``
+    (None: 1); ``kl_reference``: reference quantities a trainer computes once per batch, by unit;
+    ``logs``: scalars for the step's log line.
+    """
+
+    chunks: list[Rollout]
+    groups: torch.Tensor
+    prompt_ids: torch.Tensor | None = None
+    scores: RewardScores | None = None
+    advantages: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    kl_reference: dict[Any, torch.Tensor] = field(default_factory=dict)
+    logs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> torch.Tensor:
+        return torch.cat([c.samples for c in self.chunks])
+
+    @property
+    def prompts(self) -> list[str]:
+        return [p for c in self.chunks for p in c.prompts]
+
+    @property
+    def metadata(self) -> list[dict[str, Any]]:
+        return [m for c in self.chunks for m in c.metadata]
+
+    def per_chunk(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Split a per-sample tensor ``(N, ...)`` by chunk."""
+        return list(torch.split(values, [len(c) for c in self.chunks]))
+
+
+@dataclass
+class SampleSlot:
+    """One sample to draw: its prompt, group, member index and generator."""
+
+    prompt: str
+    metadata: dict[str, Any]
+    group: int
+    prompt_id: int
+    generator: torch.Generator
+    initial_noise: torch.Tensor | None
+
+
+def rollout_batches(slots: list[SampleSlot], sampling: dict[int, Sampling], batch_size: int) -> list[list[SampleSlot]]:
+    """Consecutive samples of equal :class:`Sampling` in batches of at most ``batch_size``."""
+    buckets: dict[Sampling, list[SampleSlot]] = {}
+    for slot in slots:
+        buckets.setdefault(sampling[slot.group], []).append(slot)
+    return [bucket[i : i + batch_size] for bucket in buckets.values() for i in range(0, len(bucket), batch_size)]
+
+
+def sample_slots(policy: Any, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
+                 prompt_ids: torch.Tensor, seed: int, step: int, shared_initial_noise: bool) -> list[SampleSlot]:
+    """A generator per sample keyed by (seed, step, group, member); under ``shared_initial_noise`` one
+    ``x_T`` per group, from the group's own generator."""
+    slots, member, shared = [], {}, {}
+    for prompt, meta, gid, pid in zip(prompts, metadata, groups.tolist(), prompt_ids.tolist()):
+        m = member[gid] = member.get(gid, -1) + 1
+        noise = None
+        if shared_initial_noise:
+            if gid not in shared:
+                shared[gid] = policy.initial_noise(1, torch.Generator().manual_seed(derived_seed(seed, step, gid)))
+            noise = shared[gid]
+        g = torch.Generator().manual_seed(derived_seed(seed, step, gid, m, 5))
+        slots.append(SampleSlot(prompt, meta, gid, pid, g, noise))
+    return slots
+
+
+def roll_out(policy: Any, batch: list[SampleSlot], how: Sampling, num_steps: int, guidance: float | None) -> Rollout:
+    """One rollout batch."""
+    noise = [s.initial_noise for s in batch]
+    return rollout(policy, [s.prompt for s in batch], num_steps=num_steps, sampler=how.sampler,
+                   noise_level=how.noise_level, guidance_scale=guidance, sde_window=how.sde_window,
+                   metadata=[s.metadata for s in batch], generators=[s.generator for s in batch],
+                   initial_noise=None if noise[0] is None else torch.cat(noise), cps_log_prob=how.cps_log_prob,
+                   keep_velocities=how.keep_velocities, sde_last_step=how.sde_last_step)
+
+
+def sample_and_score(policy: Any, rewards: RewardSet, batches: list[list[SampleSlot]], sampling: dict[int, Sampling],
+                     num_steps: int, guidance: float | None) -> tuple[list[Rollout], RewardScores, dict[str, float]]:
+    """Every batch rolled out in turn while a worker thread scores the previous ones.
+
+    Returns the rollouts, their scores (rollout order) and ``time/sample`` (until the last batch is
+    drawn) and ``time/reward`` (waiting for the scores after that)."""
+    t0 = time.perf_counter()
+    chunks: list[Rollout] = []
+    pending: list[Future] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewards") as pool:
+        for batch in batches:
+            chunk = roll_out(policy, batch, sampling[batch[0].group], num_steps, guidance)
+            chunks.append(chunk)
+            pending.append(pool.submit(rewards.score, chunk.samples, chunk.prompts, chunk.metadata))
+        t_sample = time.perf_counter()
+        scores = RewardScores.cat([f.result() for f in pending])
+    return chunks, scores, {"time/sample": t_sample - t0, "time/reward": time.perf_counter() - t_sample}
+
+
+def gathered_advantages(kind: str, scores: RewardScores, prompt_ids: torch.Tensor, acc: Any, clip: float) -> torch.Tensor:
+    """Advantages ``(N,)`` of this rank's samples from every rank's rewards, normalised per prompt;
+    invalid samples get 0 (they take their prompt's valid mean, so they neither move nor receive the
+    statistics)."""
+    comps, ok, pids = (acc.gather(t.to(acc.device)).cpu() for t in (scores.values, scores.valid, prompt_ids))
+    filled = comps.clone()
+    for p in torch.unique(pids):
+        members = pids == p
+        good = members & ok
+        if good.any():
+            filled[members & ~ok] = comps[good].mean(0)
+    adv = compute_advantages(kind, filled, scores.weights, pids, clip=clip)
+    adv[~ok] = 0.0
+    n = len(scores)
+    return adv[acc.process_index * n : (acc.process_index + 1) * n]
+
+
+def reward_logs(scores: RewardScores, adv: torch.Tensor, acc: Any) -> dict[str, float]:
+    """``reward/total`` over every rank's valid samples, per-reward means, invalid and zero-advantage
+    fractions."""
+    total, valid = (acc.gather(t.to(acc.device)).cpu() for t in (scores.total, scores.valid))
+    return {
+        "reward/total": total[valid].mean().item() if valid.any() else float("nan"),
+        **scores.logs(),
+        "reward/invalid_fraction": 1.0 - scores.valid.float().mean().item(),
+        "zero_adv_fraction": (adv == 0).float().mean().item(),
+    }
+
+
+def check_invalid(scores: RewardScores, step: int, limit: float) -> None:
+    invalid = 1.0 - scores.valid.float().mean().item()
+    if invalid > limit:
+        raise UserError(f"step {step}: {invalid:.0%} of the samples have invalid rewards (limit "
+                        f"run.max_invalid_fraction={limit}); check the reward")

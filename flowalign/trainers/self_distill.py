@@ -1,0 +1,195 @@
+"""Self-distillation toward a behaviour policy φ: what DiffusionOPSD and DiffusionNFT share
+(``docs/methods/diffusion_opsd.md``).
+
+One outer iteration: ODE rollouts with the behaviour weights φ (no grad), rewards and advantages (the
+loop's), a reward weight ``r = clip(A, ±A_max)/(2·A_max) + 1/2`` per sample, fixed fitting targets built
+once under φ (:meth:`SelfDistillTrainer.prepare`, one fit unit per backward pass), ``fit_steps``
+optimiser updates on them (the loss of a unit: :meth:`SelfDistillTrainer.fit_loss`, averaged over
+every kept (sample, unit) pair), then the behaviour refresh ``φ ← λ_s·φ + (1−λ_s)·θ`` with
+``λ_s = min(rate·s, cap)``, s counting optimiser steps. Mirrored velocities around ``v_φ``:
+
+    v⁺ = β·v_θ + (1−β)·v_φ,   v⁻ = (1+β)·v_φ − β·v_θ
+
+Samples with an invalid reward are left out of the fit (not trained at r = ½). φ and s are the
+trainer's state (saved in every checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from flowalign.sampling import Rollout
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
+from flowalign.weight_swap import swapped_in
+
+
+class SelfDistillConfig(GroupTrainerConfig):
+    """Options DiffusionOPSD and DiffusionNFT share ([code] defaults; scale the group down on tiny models)."""
+
+    lr: float = Field(3e-4, gt=0)
+    group_size: int = Field(24, ge=2)
+    advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
+    #: A_max: advantages are clipped to ±A_max and mapped to r = A/(2·A_max) + 1/2
+    adv_clip: float = Field(5.0, gt=0)
+    #: the spec's β of the mirrored velocities v± (0.1 for a 3-reward mix); not named ``beta``, which
+    #: flowalign reads as a KL-to-reference weight (refused with full fine-tuning)
+    mirror_beta: float = Field(1.0, gt=0)
+    #: K optimiser updates per outer iteration on its fixed targets
+    fit_steps: int = Field(1, ge=1)
+    #: λ_s = min(behaviour_rate·s, behaviour_max), s = optimiser steps so far
+    behaviour_rate: float = Field(0.001, ge=0)
+    behaviour_max: float = Field(0.5, ge=0, le=1)
+    #: the separate EMA of θ used for evaluation and checkpoints
+    ema_decay: float = Field(0.9, ge=0, lt=1)
+    ema_every: int = Field(1, ge=1)
+    #: CFG scale of every velocity the fit reads (v_θ, v_φ and, for OPSD, the anchor's). None: the
+    #: rollout's scale (OPSD's spec: "same CFG as the rollout"); 1.0: the conditional velocity alone, so the
+    #: unconditional branch is not pushed through the CFG formula (NFT's default;
+    #: docs/opsd_nft.md). Rollouts keep their CFG either way.
+    fit_guidance: float | None = Field(None, ge=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+class BehaviourWeights:
+    """φ: a second set of the trainable tensors (the LoRA adapter, or the full weights of a tiny model),
+    swapped into the live parameters when the behaviour policy runs — no second model copy."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = list(params)
+        self.tensors = [p.detach().clone() for p in self.params]
+
+    def swapped_in(self) -> AbstractContextManager[None]:
+        """The live parameters hold φ inside (θ is restored after, even on error)."""
+        return swapped_in(self.params, self.tensors)
+
+    @torch.no_grad()
+    def refresh(self, lam: float) -> None:
+        """``φ ← λ·φ + (1−λ)·θ`` (λ = 0 copies θ exactly)."""
+        for phi, p in zip(self.tensors, self.params):
+            if lam == 0:
+                phi.copy_(p.detach())
+            else:
+                phi.mul_(lam).add_(p.detach(), alpha=1 - lam)
+
+
+def behaviour_lambda(step: int, rate: float, cap: float) -> float:
+    """``λ_s = min(rate·s, cap)`` [code]."""
+    return min(rate * step, cap)
+
+
+def reward_weight(adv: torch.Tensor, a_max: float) -> torch.Tensor:
+    """``r = clip(clip(A, −A_max, A_max)/(2·A_max) + 1/2, 0, 1)`` ``(B,)``."""
+    return (adv.clamp(-a_max, a_max) / (2 * a_max) + 0.5).clamp(0, 1)
+
+
+def mirrored_velocities(v_theta: torch.Tensor, v_phi: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v⁺ = β·v_θ + (1−β)·v_φ`` and ``v⁻ = (1+β)·v_φ − β·v_θ`` (``v_φ`` detached by the caller)."""
+    return beta * v_theta + (1 - beta) * v_phi, (1 + beta) * v_phi - beta * v_theta
+
+
+def per_sample_mean(x: torch.Tensor) -> torch.Tensor:
+    """``mean(·)`` over the non-batch elements: ``(B, ...)`` → ``(B,)``."""
+    return x.flatten(1).mean(1)
+
+
+@dataclass
+class FitUnit:
+    """What one θ-phase backward pass needs, computed once per outer iteration under φ (all detached).
+
+    ``total``: kept (sample, unit) pairs of the whole batch, the mean's denominator (set by the plan).
+    """
+
+    chunk: Rollout
+    r: torch.Tensor  # (B,)
+    keep: torch.Tensor  # (B,) bool: samples with a valid reward
+    tensors: dict[str, Any]
+    total: int = 1
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+class SelfDistillTrainer(GroupTrainer):
+    """The hooks OPSD and NFT share: φ-rollouts, targets under φ, K fitting updates, behaviour refresh.
+
+    Subclasses define :meth:`prepare` (φ phase of one chunk, no parameter gradient → fit units) and
+    :meth:`fit_loss` (θ phase of one unit: per-sample loss ``(B,)``).
+    """
+
+    Config = SelfDistillConfig
+    tcfg: SelfDistillConfig
+    sampler = "ode"
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.check_rewards()
+        self.behaviour = BehaviourWeights(self.params)
+        #: s of λ_s: optimiser steps so far (trainer state)
+        self.optimizer_steps = 0
+
+    def check_rewards(self) -> None:
+        """Refuse rewards the method cannot use, before any compute is spent (NFT takes any)."""
+
+    def collect(self, step: int) -> StepBatch:
+        """The loop's batch, rolled out with the behaviour weights φ."""
+        with self.behaviour.swapped_in():
+            return super().collect(step)
+
+    def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
+        """Targets under φ once, then ``fit_steps`` optimiser steps over the same units (every rank
+        steps, even one whose samples were all invalid)."""
+        valid = batch.scores.valid
+        r_all = reward_weight(batch.advantages.float(), self.tcfg.adv_clip)
+        with self.behaviour.swapped_in():
+            units = [u for c, r, ok in zip(batch.chunks, batch.per_chunk(r_all), batch.per_chunk(valid))
+                     for u in self.prepare(c, r, ok, generator)]
+        units = [u for u in units if u.keep.any()]
+        total = sum(int(u.keep.sum()) for u in units)
+        units = [dataclasses.replace(u, total=total) for u in units]
+        r_mean = r_all[valid].mean().item() if valid.any() else float("nan")
+        return Plan([units] * self.tcfg.fit_steps, {"r_mean": r_mean})
+
+    def loss(self, batch: StepBatch, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        per_sample, info = self.fit_loss(unit)
+        kept = per_sample[unit.keep]
+        return kept.sum() / unit.total, {**info, "loss": kept.mean().item()}
+
+    def finish(self, batch: StepBatch) -> dict[str, float]:
+        """``φ ← λφ + (1−λ)θ`` once the fitting updates are done."""
+        self.optimizer_steps += self.tcfg.fit_steps
+        lam = behaviour_lambda(self.optimizer_steps, self.tcfg.behaviour_rate, self.tcfg.behaviour_max)
+        self.behaviour.refresh(lam)
+        return {"behaviour_lambda": lam}
+
+    def state_dict(self) -> dict[str, Any]:
+        """φ's tensors by parameter name, and s."""
+        names = [n for n, p in self.policy.trainable.named_parameters() if p.requires_grad]
+        return {**dict(zip(names, self.behaviour.tensors)), "optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = [n for n, p in self.policy.trainable.named_parameters() if p.requires_grad]
+        with torch.no_grad():
+            for name, phi in zip(names, self.behaviour.tensors):
+                if name in state:
+                    phi.copy_(state[name])
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+
+    def prepare(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
+        """The fixed targets of one chunk under φ (one unit per backward pass)."""
+        raise NotImplementedError
+
+    def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-sample loss ``(B,)`` of one unit, and scalars to log."""
+        raise NotImplementedError
+
+    def fit_guidance(self, chunk: Rollout) -> float:
+        """The CFG scale of the velocities the fit reads (``trainer.fit_guidance``, else the rollout's)."""
+        return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance

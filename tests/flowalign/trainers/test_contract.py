@@ -1,0 +1,126 @@
+"""The trainer contract: a trainer written here through the documented hooks only (collect, plan, loss,
+finish, state_dict/load_state_dict) trains on the tiny model, checkpoints, and resumes bit-exactly."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from flowalign.config import load_config, validate_section
+from flowalign.data import read_prompt_file
+from flowalign.errors import UserError
+from flowalign.reward_set import RewardSet
+from flowalign.train import build_trainer
+from flowalign.trainers import get_trainer
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+
+from .conftest import small_config, small_run
+
+
+class ToyConfig(GroupTrainerConfig):
+    name: Literal["toy"] = "toy"
+    micro_batches: int = 2
+
+
+def toy_loss(v: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``mean‖v − target‖²`` (flow matching toward a fixed latent)."""
+    return ((v - target) ** 2).mean()
+
+
+@dataclass
+class ToyBatch:
+    x: torch.Tensor
+    sigma: float
+    target: torch.Tensor
+    cond: object
+    logs: dict = field(default_factory=dict)
+
+
+class ToyTrainer(GroupTrainer):
+    """Flow matching of noised zero latents, two optimiser steps per batch; counts the samples it saw."""
+
+    Config = ToyConfig
+    needs_rewards = False
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.seen = 0
+        self.running = torch.zeros(())
+
+    def collect(self, step):
+        g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, 9))
+        prompts = [self.data.prompts[i] for i in self.data.batch_indices(self.cfg.run.seed, step, 4)]
+        eps = self.policy.initial_noise(4, g)
+        sigma = float(torch.rand((), generator=g)) * 0.8 + 0.1
+        return ToyBatch(sigma * eps, sigma, eps, self.policy.encode(prompts), {"toy/sigma": sigma})
+
+    def plan(self, batch, generator):
+        parts = torch.randperm(4, generator=generator).tensor_split(self.tcfg.micro_batches)
+        return Plan([[p] for p in parts])
+
+    def loss(self, batch, unit):
+        v = self.policy.velocity(batch.x[unit], batch.sigma, batch.cond[unit.tolist()], 1.0)
+        loss = toy_loss(v, batch.target[unit])
+        return loss, {"loss": loss.item()}
+
+    def finish(self, batch):
+        self.seen += len(batch.x)
+        self.running = 0.5 * self.running + 0.5 * batch.target.mean()
+        return {"seen": float(self.seen)}
+
+    def state_dict(self):
+        return {"seen": self.seen, "running": self.running}
+
+    def load_state_dict(self, state):
+        self.seen, self.running = int(state["seen"]), state["running"].clone()
+
+
+def _toy(run_dir, model_dir, prompt_file, *extra):
+    import pipelines
+
+    torch.manual_seed(0)
+    cfg = small_config(run_dir, model_dir, prompt_file, "model.finetune=full", "rewards=[]",
+                       "run.checkpoint_every=1", "trainer.lr=1e-3", "trainer.ema_decay=0.9",
+                       "trainer.ema_every=1", *extra)
+    tcfg = validate_section(ToyConfig, {**cfg.trainer, "name": "toy"}, "trainer.")
+    ToyTrainer.check_config(cfg, tcfg)
+    policy = pipelines.load(model_dir, full_finetune=True)
+    run_dir.mkdir(parents=True, exist_ok=True)  # what flowalign.train.prepare_run_dir does for a registered trainer
+    return ToyTrainer(cfg, tcfg, policy, [], read_prompt_file(prompt_file), None, Accelerator(cpu=True), run_dir)
+
+
+def test_a_toy_trainer_trains_checkpoints_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
+    first = _toy(tmp_path / "r", tiny_sd3_dir, prompt_file)
+    before = [p.detach().clone() for p in first.params]
+    first.train()  # 2 steps
+    assert first.step == 2 and first.seen == 8
+    assert not all(torch.equal(a, b) for a, b in zip(before, first.params))
+    resumed = _toy(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.max_steps=3")
+    resumed.train()
+    straight = _toy(tmp_path / "s", tiny_sd3_dir, prompt_file, "trainer.max_steps=3")
+    straight.train()
+    assert resumed.step == straight.step == 3 and resumed.seen == straight.seen == 12
+    assert torch.equal(resumed.running, straight.running)
+    for a, b in zip(resumed.params, straight.params):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, straight.ema.shadow))
+
+
+def test_reward_free_trainers_accept_no_rewards_and_the_others_refuse(tmp_path, tiny_sd3_dir, prompt_file):
+    assert len(RewardSet([])) == 0
+    scores = RewardSet([]).score(torch.zeros(3, 3, 4, 4), ["a"] * 3, [{}] * 3)
+    assert scores.valid.all() and torch.equal(scores.total, torch.zeros(3))
+    with pytest.raises(UserError, match="at least one reward"):
+        build_trainer(load_config(None, small_run(tmp_path / "grpo", tiny_sd3_dir, prompt_file, "rewards=[]")))
+    assert not (tmp_path / "grpo").exists()  # refused before the run folder is written
+
+
+def test_festdpo_needs_rewards_only_to_label_its_own_samples(tmp_path, tiny_sd3_dir, prompt_file):
+    festdpo = get_trainer("festdpo")
+    cfg = load_config(None, small_run(tmp_path / "f", tiny_sd3_dir, prompt_file, "rewards=[]", "trainer.name=festdpo"))
+    online = validate_section(festdpo.Config, cfg.trainer, "trainer.")
+    with pytest.raises(UserError, match="at least one reward"):
+        festdpo.check_config(cfg, online)
+    festdpo.check_config(cfg, online.model_copy(update={"pairs": "prefs.jsonl"}))  # offline labels: no reward needed
