@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from flowalign.errors import UserError
@@ -101,25 +102,44 @@ def has_adapter(transformer: torch.nn.Module) -> bool:
     )
 
 
+def tuner_layers(transformer: torch.nn.Module) -> tuple[list[BaseTunerLayer], list[torch.nn.Parameter]]:
+    """The peft LoRA layers inside ``transformer`` and their tensors, found by one walk and remembered
+    on the module (keyed by the adapter's config object, so an adapter added later is found again)."""
+    key = transformer.peft_config.get(ADAPTER_NAME) if has_adapter(transformer) else None
+    cached = transformer.__dict__.get("_flowalign_tuner_layers")
+    if cached is None or cached[0] is not key:
+        layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+        cached = (key, layers, [p for layer in layers for p in layer.parameters()])
+        transformer.__dict__["_flowalign_tuner_layers"] = cached
+    return cached[1], cached[2]
+
+
 @contextmanager
 def adapter_disabled(transformer: torch.nn.Module) -> Iterator[None]:
     """Run the base model: adapters off inside, back on after (even on error).
 
-    peft's enable/disable toggles ``requires_grad`` on adapter tensors (enable sets them trainable),
-    so the flags are saved and restored: an adapter loaded frozen for evaluation stays frozen.
+    Toggles only the LoRA layers themselves (remembered by :func:`tuner_layers`): diffusers'
+    ``disable_adapters()`` / ``enable_adapters()`` walk every module and look up the installed peft
+    version on each call, which cost as much as a small model's forward pass (KL reference passes toggle
+    once per trained step). peft's per-layer toggle changes ``requires_grad`` on the adapter tensors
+    (enabling makes them trainable), so their flags are saved and restored: an adapter loaded frozen for
+    evaluation stays frozen.
     """
     if not has_adapter(transformer):
         raise UserError(
             "reference passes need an adapter to switch off: train with lora={...}, or keep a separate "
             "reference copy of the model when fine-tuning full weights"
         )
-    flags = [(p, p.requires_grad) for p in transformer.parameters()]
-    transformer.disable_adapters()
+    layers, params = tuner_layers(transformer)
+    flags = [p.requires_grad for p in params]
+    for layer in layers:
+        layer.enable_adapters(False)
     try:
         yield
     finally:
-        transformer.enable_adapters()
-        for p, flag in flags:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p, flag in zip(params, flags):
             p.requires_grad_(flag)
 
 
