@@ -10,7 +10,7 @@ One adapter per policy, always named ``"default"`` (peft's and diffusers' defaul
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +238,32 @@ def load_adapter(pipe: Any, transformer: torch.nn.Module, directory: str | Path)
     for p, flag in flags:
         p.requires_grad_(flag)
     return file
+
+
+class AdapterMethods:
+    """The adapter methods of the :class:`flowalign.protocols.FlowPolicy` protocol, for a policy with
+    ``pipe`` (a diffusers pipeline, whose class defines the LoRA file format), ``transformer`` and
+    ``options`` (:class:`pipelines._common.PolicyOptions`)."""
+
+    pipe: Any
+    transformer: torch.nn.Module
+    options: Any
+
+    @property
+    def full_finetune(self) -> bool:
+        """Whether every transformer weight trains (then there is no adapter to save, load or disable)."""
+        return bool(self.options.full_finetune)
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which ``velocity`` is the base model's (LoRA switched off)."""
+        return adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that the pipeline's ``load_lora_weights`` reads."""
+        save_adapter(type(self.pipe), self.transformer, directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
+        if self.full_finetune:
+            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
+        load_adapter(self.pipe, self.transformer, directory)
