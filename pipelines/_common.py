@@ -196,20 +196,36 @@ def text_encoders(pipe: Any) -> list[torch.nn.Module]:
     return [m for name, m in pipe.components.items() if name.startswith("text_encoder") and m is not None]
 
 
-def cfg_batch(cond: Conditioning, keys: list[str], encoded_guidance: float, device: torch.device,
-              dtype: torch.dtype) -> list[torch.Tensor]:
-    """``[negative; positive]`` ``(2B, ...)`` for each of ``keys``: CFG's two halves as one transformer
-    batch. ``encoded_guidance`` is the guidance scale the conditioning was encoded with (named in the
-    error when the negatives are missing)."""
+def _require_negatives(cond: Conditioning, keys: list[str], encoded_guidance: float) -> None:
     if any(f"negative_{k}" not in cond.tensors for k in keys):
         raise UserError(
             f"guidance > 1 needs CFG negatives, but cond was encoded with guidance_scale={encoded_guidance}: "
             "set defaults['guidance_scale'] > 1 before encode()"
         )
+
+
+def cfg_batch(cond: Conditioning, keys: list[str], encoded_guidance: float, device: torch.device,
+              dtype: torch.dtype) -> list[torch.Tensor]:
+    """``[negative; positive]`` ``(2B, ...)`` for each of ``keys``: CFG's two halves as one transformer
+    batch. ``encoded_guidance`` is the guidance scale the conditioning was encoded with (named in the
+    error when the negatives are missing)."""
+    _require_negatives(cond, keys, encoded_guidance)
     return [torch.cat([cond.tensors[f"negative_{k}"], cond.tensors[k]]).to(device, dtype) for k in keys]
 
 
-def cfg_combine(out: torch.Tensor, guidance: float) -> torch.Tensor:
-    """``v_u + w·(v_c − v_u)`` float32 ``(B, ...)`` from a ``[uncond; cond]`` output ``(2B, ...)``."""
-    v_uncond, v_cond = out.float().chunk(2)
+def negative_conditioning(cond: Conditioning, keys: list[str], encoded_guidance: float) -> Conditioning:
+    """The CFG negatives of ``cond`` as a conditioning of their own (for the unconditional velocity)."""
+    _require_negatives(cond, keys, encoded_guidance)
+    return Conditioning({k: cond.tensors[f"negative_{k}"] for k in keys}, [""] * len(cond))
+
+
+def cfg_mix(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance: float) -> torch.Tensor:
+    """``v_u + w·(v_c − v_u)`` float32 ``(B, ...)``."""
+    v_uncond, v_cond = v_uncond.float(), v_cond.float()
     return v_uncond + guidance * (v_cond - v_uncond)
+
+
+def cfg_combine(out: torch.Tensor, guidance: float) -> torch.Tensor:
+    """:func:`cfg_mix` of a ``[uncond; cond]`` transformer output ``(2B, ...)``."""
+    v_uncond, v_cond = out.chunk(2)
+    return cfg_mix(v_uncond, v_cond, guidance)
