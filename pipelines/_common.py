@@ -34,6 +34,13 @@ def check_prompts(prompts: Any) -> list[str]:
     return list(prompts)
 
 
+def batch_size(x: torch.Tensor, cond: Conditioning) -> int:
+    """B, the batch of ``x`` ``(B, ...)``, checked against the conditioning's."""
+    if len(cond) != x.shape[0]:
+        raise ValueError(f"velocity: x has batch {x.shape[0]} but cond has {len(cond)} prompts")
+    return x.shape[0]
+
+
 def sigma_batch(sigma: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
     """σ as a float32 ``(B,)`` tensor on ``device`` (σ a float, a 0-d or a ``(B,)`` tensor)."""
     s = torch.as_tensor(sigma, dtype=torch.float32, device=device).flatten()
@@ -220,7 +227,15 @@ def negative_conditioning(cond: Conditioning, keys: list[str], encoded_guidance:
 
 
 def cfg_mix(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance: float) -> torch.Tensor:
-    """``v_u + w·(v_c − v_u)`` float32 ``(B, ...)``."""
+    """``v_u + w·(v_c − v_u)`` float32 ``(B, ...)``.
+
+    A policy's ``velocity(x, σ, cond, w, uncond=v_u)`` calls this with a ``v_u`` computed beforehand
+    (``unconditional_velocity``, under ``no_grad`` or stored by a rollout): only the conditional half
+    runs, as one forward of batch B, and only it carries gradients. That is the unconditional branch
+    detached, as Flow-GRPO's reference trains, without paying a backward through the ``[uncond; cond]``
+    batch. It is bit-identical to the batched pass only when the rollout computed its velocities the
+    same way (float kernels are not batch-invariant).
+    """
     v_uncond, v_cond = v_uncond.float(), v_cond.float()
     return v_uncond + guidance * (v_cond - v_uncond)
 

@@ -25,8 +25,9 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_multiple, check_prompts, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, sigma_batch, stack_rows, text_encoders
+from pipelines._common import PolicyOptions, PromptCache, batch_size, check_multiple, check_prompts, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, sigma_batch, stack_rows
+from pipelines._common import text_encoders
 
 #: LoRA targets when ``lora`` gives none: the attention projections of the double-stream blocks (image
 #: to_* and text add_* / to_add_out) and of the single-stream blocks (to_q/k/v), as diffusers' FLUX recipe.
@@ -123,9 +124,7 @@ class FluxPolicy(lora_utils.AdapterMethods):
         FLUX's transformer takes σ itself and multiplies by 1000 inside (the pipeline passes ``t/1000``),
         so the model sees ``timestep = 1000·σ`` like the other families.
         """
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if x.shape[1:] != torch.Size(self.latent_shape):
             raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
         if self.guidance_embeds:

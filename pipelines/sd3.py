@@ -21,9 +21,9 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, cfg_batch, cfg_combine, cfg_mix, check_multiple, check_prompts
-from pipelines._common import gaussian_noise, load_frozen_pipeline, make_trainable, merge_defaults, sigma_batch
-from pipelines._common import negative_conditioning, stack_rows, text_encoders
+from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
+from pipelines._common import check_multiple, check_prompts, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, stack_rows, text_encoders
 
 #: LoRA targets when ``lora`` gives none: every attention projection of the joint (MMDiT) blocks, image
 #: stream (to_*) and text stream (add_* / to_add_out), as in Flow-GRPO's and diffusers' SD3 recipes.
@@ -122,16 +122,10 @@ class SD3Policy(lora_utils.AdapterMethods):
         """``v(x, σ | c)`` float32 ``(B, C, h, w)``; CFG ``v_u + w(v_c - v_u)`` by one batched pass when w > 1.
 
         ``sigma``: a float or a ``(B,)`` tensor; the transformer gets ``timestep = 1000·σ``.
-        ``uncond``: the unconditional velocity ``v_u`` ``(B, ...)`` computed beforehand
-        (:meth:`unconditional_velocity`, under ``no_grad`` or stored by a rollout). Only the conditional
-        half then runs, as one forward of batch B, and only it carries gradients: the unconditional
-        branch detached, as Flow-GRPO's reference trains, without a backward through the ``[uncond;
-        cond]`` batch. Bit-identical to the batched pass only when the rollout computed its velocities
-        the same way (float kernels are not batch-invariant).
+        ``uncond``: a precomputed unconditional velocity (:meth:`unconditional_velocity`); only the
+        conditional half then runs, see :func:`pipelines._common.cfg_mix`.
         """
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if uncond is not None and guidance > 1:  # only the conditional half runs (and carries gradients)
             return cfg_mix(uncond, self.velocity(x, sigma, cond, 1.0), guidance)
         timestep = sigma_batch(sigma, b, self.device) * 1000.0

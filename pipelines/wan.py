@@ -29,9 +29,9 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, cfg_batch, cfg_combine, cfg_mix, check_multiple, check_prompts
-from pipelines._common import gaussian_noise, load_frozen_pipeline, make_trainable, merge_defaults, sigma_batch
-from pipelines._common import negative_conditioning, stack_rows, text_encoders
+from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
+from pipelines._common import check_multiple, check_prompts, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, stack_rows, text_encoders
 
 #: LoRA targets when ``lora`` gives none: the self- (attn1) and cross-attention (attn2) projections of
 #: every Wan block, as in diffusers'/finetrainers' Wan LoRA recipes.
@@ -145,20 +145,14 @@ class WanPolicy(lora_utils.AdapterMethods):
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float,
         *, uncond: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')``; CFG by one batched [uncond; cond] pass when w > 1.
+        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')``; CFG by one batched [uncond; cond] pass when w > 1,
+        or by the conditional pass alone given ``uncond`` (:meth:`unconditional_velocity`, see
+        :func:`pipelines._common.cfg_mix`).
 
         ``sigma``: a float or ``(B,)``; ``timestep = 1000·σ`` (per token for Wan 2.2-TI2V's
         ``expand_timesteps``, where every token of a text-to-video sample has the same σ).
-        ``uncond``: the unconditional velocity ``v_u`` ``(B, ...)`` computed beforehand
-        (:meth:`unconditional_velocity`, under ``no_grad`` or stored by a rollout). Only the conditional
-        half then runs, as one forward of batch B, and only it carries gradients: the unconditional
-        branch detached, as Flow-GRPO's reference trains, without a backward through the ``[uncond;
-        cond]`` batch. Bit-identical to the batched pass only when the rollout computed its velocities
-        the same way (float kernels are not batch-invariant).
         """
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if uncond is not None and guidance > 1:  # only the conditional half runs (and carries gradients)
             return cfg_mix(uncond, self.velocity(x, sigma, cond, 1.0), guidance)
         timestep = sigma_batch(sigma, b, self.device) * 1000.0
