@@ -1,4 +1,6 @@
-"""Small helpers the SD3, FLUX and Wan policies share (prompt checks, σ → timestep, prompt cache).
+"""Small helpers the family policies share: their options, the constructor steps every family takes
+(load the pipeline frozen, merge sampling defaults, set up training), prompt checks, σ → timestep and
+the per-prompt embedding cache.
 
 Kept deliberately thin: everything model-specific stays in the family files.
 """
@@ -7,15 +9,17 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
 from pipelines.tiny import read_sampling_defaults
-
 
 
 def check_prompts(prompts: Any) -> list[str]:
@@ -30,6 +34,13 @@ def check_prompts(prompts: Any) -> list[str]:
     return list(prompts)
 
 
+def batch_size(x: torch.Tensor, cond: Conditioning) -> int:
+    """B, the batch of ``x`` ``(B, ...)``, checked against the conditioning's."""
+    if len(cond) != x.shape[0]:
+        raise ValueError(f"velocity: x has batch {x.shape[0]} but cond has {len(cond)} prompts")
+    return x.shape[0]
+
+
 def sigma_batch(sigma: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
     """σ as a float32 ``(B,)`` tensor on ``device`` (σ a float, a 0-d or a ``(B,)`` tensor)."""
     s = torch.as_tensor(sigma, dtype=torch.float32, device=device).flatten()
@@ -38,6 +49,13 @@ def sigma_batch(sigma: float | torch.Tensor, batch: int, device: torch.device) -
     if s.numel() != batch:
         raise ValueError(f"sigma has {s.numel()} values for a batch of {batch}")
     return s
+
+
+def gaussian_noise(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Standard normal float32 noise of ``shape`` on ``device``, drawn on the generator's device (CPU when
+    None) as diffusers' ``randn_tensor`` does, so a seed gives the pipeline's own latents."""
+    rand_device = generator.device if generator is not None else torch.device("cpu")
+    return torch.randn(shape, generator=generator, device=rand_device, dtype=torch.float32).to(device)
 
 
 def sampling_defaults(path: str | Path) -> dict[str, Any]:
@@ -53,8 +71,14 @@ class PromptCache:
     """Per-prompt text embeddings, least recently used evicted beyond ``max_size`` prompts.
 
     Training reuses a prompt set over and over; the text encoders (T5-XXL for SD3/FLUX, UMT5 for Wan)
-    cost more than a transformer step, so each prompt string is encoded once. Rows are stored on the
-    policy's device in the model dtype (SD3.5: ~2.7 MB per prompt in bf16).
+    cost more than a transformer step, so each prompt string is encoded once (the CFG negative, the
+    empty prompt, too). Rows are stored on the policy's device in the model dtype (SD3.5: ~2.7 MB per
+    prompt in bf16).
+
+    The rows stay valid only while the ``encoders`` are frozen and unchanged: while any of their
+    tensors requires grad (the text encoder is being trained) nothing is cached and embeddings carry
+    gradients; when their weights changed in place (an optimiser step, ``load_state_dict``) or were
+    replaced, the rows are dropped. Checked on every lookup from the tensors' version counters.
 
     Each new prompt is encoded on its own (a batch of one), so its embedding is a function of the string
     alone. Float kernels are not batch-invariant: batched with other prompts, the same prompt can come
@@ -63,9 +87,23 @@ class PromptCache:
     (tests/flowalign/trainers/test_resume.py) when new prompts were encoded 32 at a time.
     """
 
-    def __init__(self, max_size: int = 1024) -> None:
+    def __init__(self, max_size: int = 1024, encoders: Sequence[torch.nn.Module] = ()) -> None:
         self.max_size = max_size
+        self.encoders = [m for m in encoders if m is not None]
         self.rows: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self._weights_seen: list[tuple[int, int]] | None = None
+
+    def usable(self) -> bool:
+        """False while an encoder trains; drops the rows when the encoders' weights changed since last use."""
+        params = [p for m in self.encoders for p in m.parameters()]
+        if any(p.requires_grad for p in params):
+            self.rows.clear()
+            return False
+        seen = [(id(p), p._version) for p in params]
+        if seen != self._weights_seen:
+            self.rows.clear()
+            self._weights_seen = seen
+        return True
 
     def lookup(
         self, prompts: list[str], encode: Callable[[list[str]], dict[str, torch.Tensor]]
@@ -75,13 +113,13 @@ class PromptCache:
         Returned rows are per prompt, without a batch dimension.
         """
         wanted = list(dict.fromkeys(prompts))
-        missing = [p for p in wanted if p not in self.rows]
+        if not self.usable():
+            return {p: {k: v[0] for k, v in encode([p]).items()} for p in wanted}
         found = {p: self.rows[p] for p in wanted if p in self.rows}
-        for p in missing:
-            with torch.no_grad():
-                out = encode([p])
-            found[p] = {k: v[0] for k, v in out.items()}
         for p in wanted:
+            if p not in found:
+                with torch.no_grad():
+                    found[p] = {k: v[0] for k, v in encode([p]).items()}
             self.rows[p] = found[p]
             self.rows.move_to_end(p)
         while len(self.rows) > self.max_size:
@@ -92,3 +130,117 @@ class PromptCache:
 def stack_rows(rows: dict[str, dict[str, torch.Tensor]], prompts: list[str], keys: list[str]) -> dict[str, torch.Tensor]:
     """``{key: (B, ...)}`` from per-prompt rows, in the order of ``prompts``."""
     return {k: torch.stack([rows[p][k] for p in prompts]) for k in keys}
+
+
+@dataclass
+class PolicyOptions:
+    """The keyword options every family policy takes (``pipelines.load`` passes them through).
+
+    ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
+    ``full_finetune`` trains every transformer weight; neither: frozen. ``defaults`` override the
+    sampling defaults (over the folder's ``flowalign.json``).
+    """
+
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.float32
+    lora: dict[str, Any] | None = None
+    full_finetune: bool = False
+    gradient_checkpointing: bool = False
+    defaults: dict[str, Any] | None = None
+    prompt_cache_size: int = 1024
+    decode_batch_size: int = 8
+
+    @classmethod
+    def parse(cls, options: dict[str, Any], **family_defaults: Any) -> PolicyOptions:
+        """Options over the family's own defaults; unknown names and contradictory training options are
+        refused here, before minutes of loading a real checkpoint."""
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        if unknown:
+            raise UserError(f"unknown policy option(s) {unknown}: allowed are {sorted(f.name for f in fields(cls))}")
+        opts = cls(**{**family_defaults, **options})
+        lora_utils.check_options(opts.lora, opts.full_finetune)
+        return opts
+
+
+def load_frozen_pipeline(pipeline_class: type, path: str | Path, options: PolicyOptions, **kwargs: Any) -> Any:
+    """``pipeline_class.from_pretrained(path)`` in the options' dtype on their device, progress bar off,
+    every component frozen (:func:`pipelines.lora.freeze`); ``kwargs`` go to ``from_pretrained``."""
+    pipe = pipeline_class.from_pretrained(str(path), dtype=options.dtype, **kwargs).to(torch.device(options.device))
+    pipe.set_progress_bar_config(disable=True)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            lora_utils.freeze(module)
+    return pipe
+
+
+def merge_defaults(builtin: dict[str, Any], path: str | Path, caller: dict[str, Any] | None) -> dict[str, Any]:
+    """Sampling defaults: what the checkpoint itself implies, then ``flowalign.json``, then the caller's."""
+    return {**builtin, **sampling_defaults(path), **(caller or {})}
+
+
+def check_multiple(defaults: dict[str, Any], multiples: dict[str, int], model: str) -> None:
+    """Refuse a default (``height``, ``width``) that is not a multiple of what ``model`` needs."""
+    for key, multiple in multiples.items():
+        if int(defaults[key]) % multiple:
+            raise UserError(f"{key}={defaults[key]} must be a multiple of {multiple} for {model}")
+
+
+def make_trainable(transformer: torch.nn.Module, options: PolicyOptions, default_targets: list[str]) -> torch.nn.Module:
+    """LoRA, full fine-tuning or frozen as the options ask (:func:`pipelines.lora.setup_training`);
+    returns the module whose ``requires_grad`` parameters the trainer optimises."""
+    lora_utils.setup_training(
+        transformer,
+        lora=options.lora,
+        full_finetune=options.full_finetune,
+        default_targets=default_targets,
+        gradient_checkpointing=options.gradient_checkpointing,
+    )
+    return transformer
+
+
+def text_encoders(pipe: Any) -> list[torch.nn.Module]:
+    """The pipeline's text encoders (``text_encoder``, ``text_encoder_2``, ...), for the prompt cache."""
+    return [m for name, m in pipe.components.items() if name.startswith("text_encoder") and m is not None]
+
+
+def _require_negatives(cond: Conditioning, keys: list[str], encoded_guidance: float) -> None:
+    if any(f"negative_{k}" not in cond.tensors for k in keys):
+        raise UserError(
+            f"guidance > 1 needs CFG negatives, but cond was encoded with guidance_scale={encoded_guidance}: "
+            "set defaults['guidance_scale'] > 1 before encode()"
+        )
+
+
+def cfg_batch(cond: Conditioning, keys: list[str], encoded_guidance: float, device: torch.device,
+              dtype: torch.dtype) -> list[torch.Tensor]:
+    """``[negative; positive]`` ``(2B, ...)`` for each of ``keys``: CFG's two halves as one transformer
+    batch. ``encoded_guidance`` is the guidance scale the conditioning was encoded with (named in the
+    error when the negatives are missing)."""
+    _require_negatives(cond, keys, encoded_guidance)
+    return [torch.cat([cond.tensors[f"negative_{k}"], cond.tensors[k]]).to(device, dtype) for k in keys]
+
+
+def negative_conditioning(cond: Conditioning, keys: list[str], encoded_guidance: float) -> Conditioning:
+    """The CFG negatives of ``cond`` as a conditioning of their own (for the unconditional velocity)."""
+    _require_negatives(cond, keys, encoded_guidance)
+    return Conditioning({k: cond.tensors[f"negative_{k}"] for k in keys}, [""] * len(cond))
+
+
+def cfg_mix(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance: float) -> torch.Tensor:
+    """``v_u + w·(v_c − v_u)`` float32 ``(B, ...)``.
+
+    A policy's ``velocity(x, σ, cond, w, uncond=v_u)`` calls this with a ``v_u`` computed beforehand
+    (``unconditional_velocity``, under ``no_grad`` or stored by a rollout): only the conditional half
+    runs, as one forward of batch B, and only it carries gradients. That is the unconditional branch
+    detached, as Flow-GRPO's reference trains, without paying a backward through the ``[uncond; cond]``
+    batch. It is bit-identical to the batched pass only when the rollout computed its velocities the
+    same way (float kernels are not batch-invariant).
+    """
+    v_uncond, v_cond = v_uncond.float(), v_cond.float()
+    return v_uncond + guidance * (v_cond - v_uncond)
+
+
+def cfg_combine(out: torch.Tensor, guidance: float) -> torch.Tensor:
+    """:func:`cfg_mix` of a ``[uncond; cond]`` transformer output ``(2B, ...)``."""
+    v_uncond, v_cond = out.chunk(2)
+    return cfg_mix(v_uncond, v_cond, guidance)

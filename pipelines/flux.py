@@ -14,7 +14,6 @@ has no guidance input and takes none (``guidance`` ≤ 1 is required there).
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,16 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+from pipelines._common import PolicyOptions, PromptCache, batch_size, check_multiple, check_prompts, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, sigma_batch, stack_rows
+from pipelines._common import text_encoders
 
 #: LoRA targets when ``lora`` gives none: the attention projections of the double-stream blocks (image
 #: to_* and text add_* / to_add_out) and of the single-stream blocks (to_q/k/v), as diffusers' FLUX recipe.
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
-class FluxPolicy:
+class FluxPolicy(lora_utils.AdapterMethods):
     """FLUX.1 text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` (T5) and ``pooled_prompt_embeds (B, P)`` (CLIP),
@@ -43,69 +44,31 @@ class FluxPolicy:
     family = "flux"
     is_video = False
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        lora: dict[str, Any] | None = None,
-        full_finetune: bool = False,
-        gradient_checkpointing: bool = False,
-        defaults: dict[str, Any] | None = None,
-        prompt_cache_size: int = 1024,
-        decode_batch_size: int = 8,
-    ) -> None:
-        lora_utils.check_options(lora, full_finetune)  # before minutes of loading a real checkpoint
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
-        self.pipe.set_progress_bar_config(disable=True)
-        for module in self.pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                lora_utils.freeze(module)
-        self.transformer = self.pipe.transformer
-        self.vae = self.pipe.vae
-        self.vae_scale_factor = self.pipe.vae_scale_factor
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
+        self.options = opts = PolicyOptions.parse(options)
+        self.device, self.dtype = torch.device(opts.device), opts.dtype
+        self.pipe = load_frozen_pipeline(FluxPipeline, path, opts)
+        self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+        self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
 
-        # Sampling defaults: the checkpoint's, then flowalign.json, then the caller's. FLUX.1-dev
-        # (guidance embedding): 28 steps at guidance 3.5, T5 length 512; schnell: 4 steps, 256 tokens.
+        # FLUX.1-dev (guidance embedding): 28 steps at guidance 3.5, T5 length 512; schnell: 4 steps, 256 tokens.
+        self.vae_scale_factor = self.pipe.vae_scale_factor
         side = self.pipe.default_sample_size * self.vae_scale_factor
-        self.defaults: dict[str, Any] = {
-            "height": side,
-            "width": side,
-            "num_frames": None,
-            "guidance_scale": 3.5 if self.guidance_embeds else 0.0,
-            "num_steps": 28 if self.guidance_embeds else 4,
-            "max_sequence_length": 512 if self.guidance_embeds else 256,
-            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
-        }
-        self.defaults.update(sampling_defaults(path))
-        self.defaults.update(defaults or {})
+        dev = self.guidance_embeds
+        builtin = {"height": side, "width": side, "num_frames": None, "guidance_scale": 3.5 if dev else 0.0,
+                   "num_steps": 28 if dev else 4, "max_sequence_length": 512 if dev else 256,
+                   "shift": float(self.pipe.scheduler.config.get("shift", 1.0))}
+        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
         multiple = self.vae_scale_factor * 2  # latents are packed in 2×2 patches
-        for key in ("height", "width"):
-            if int(self.defaults[key]) % multiple:
-                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this FLUX model")
+        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this FLUX model")
 
         # The policy's own scheduler copy; `shift` only matters when dynamic shifting is off (schnell).
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
-        )
+            self.pipe.scheduler.config, shift=float(self.defaults["shift"]))
 
-        lora_utils.setup_training(
-            self.transformer,
-            lora=lora,
-            full_finetune=full_finetune,
-            default_targets=DEFAULT_LORA_TARGETS,
-            gradient_checkpointing=gradient_checkpointing,
-        )
-        self.full_finetune = full_finetune
-        #: the module the trainer optimises (its ``requires_grad`` parameters)
-        self.trainable: torch.nn.Module = self.transformer
-
-        self.decode_batch_size = decode_batch_size
-        self._cache = PromptCache(prompt_cache_size)
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
 
     # ------------------------------------------------------------------ shapes
 
@@ -149,9 +112,8 @@ class FluxPolicy:
         """
         h, w = self.latent_hw
         c = self.transformer.config.in_channels // 4
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        noise = torch.randn((n, c, h, w), generator=generator, device=rand_device, dtype=torch.float32)
-        return FluxPipeline._pack_latents(noise, n, c, h, w).to(self.device)
+        noise = gaussian_noise((n, c, h, w), generator, self.device)
+        return FluxPipeline._pack_latents(noise, n, c, h, w)
 
     def velocity(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
@@ -162,9 +124,7 @@ class FluxPolicy:
         FLUX's transformer takes σ itself and multiplies by 1000 inside (the pipeline passes ``t/1000``),
         so the model sees ``timestep = 1000·σ`` like the other families.
         """
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if x.shape[1:] != torch.Size(self.latent_shape):
             raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
         if self.guidance_embeds:
@@ -226,25 +186,9 @@ class FluxPolicy:
         scale = self.vae.config.scaling_factor
         shift = self.vae.config.shift_factor or 0.0
         images = []
-        for chunk in x0.split(self.decode_batch_size):
+        for chunk in x0.split(self.options.decode_batch_size):
             z = FluxPipeline._unpack_latents(chunk.to(self.device), height, width, self.vae_scale_factor)
             z = z.to(self.vae.dtype) / scale + shift
             image = self.vae.decode(z, return_dict=False)[0]
             images.append((image.float() / 2 + 0.5).clamp(0, 1))
         return torch.cat(images)
-
-    # ------------------------------------------------------------------ adapters
-
-    def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
-        return lora_utils.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: str | Path) -> None:
-        """Write ``pytorch_lora_weights.safetensors`` that ``FluxPipeline.load_lora_weights`` reads."""
-        lora_utils.save_adapter(FluxPipeline, self.transformer, directory)
-
-    def load_adapter(self, directory: str | Path) -> None:
-        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
-        if self.full_finetune:
-            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
-        lora_utils.load_adapter(self.pipe, self.transformer, directory)

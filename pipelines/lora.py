@@ -10,13 +10,14 @@ One adapter per policy, always named ``"default"`` (peft's and diffusers' defaul
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from flowalign.errors import UserError
@@ -101,25 +102,44 @@ def has_adapter(transformer: torch.nn.Module) -> bool:
     )
 
 
+def tuner_layers(transformer: torch.nn.Module) -> tuple[list[BaseTunerLayer], list[torch.nn.Parameter]]:
+    """The peft LoRA layers inside ``transformer`` and their tensors, found by one walk and remembered
+    on the module (keyed by the adapter's config object, so an adapter added later is found again)."""
+    key = transformer.peft_config.get(ADAPTER_NAME) if has_adapter(transformer) else None
+    cached = transformer.__dict__.get("_flowalign_tuner_layers")
+    if cached is None or cached[0] is not key:
+        layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+        cached = (key, layers, [p for layer in layers for p in layer.parameters()])
+        transformer.__dict__["_flowalign_tuner_layers"] = cached
+    return cached[1], cached[2]
+
+
 @contextmanager
 def adapter_disabled(transformer: torch.nn.Module) -> Iterator[None]:
     """Run the base model: adapters off inside, back on after (even on error).
 
-    peft's enable/disable toggles ``requires_grad`` on adapter tensors (enable sets them trainable),
-    so the flags are saved and restored: an adapter loaded frozen for evaluation stays frozen.
+    Toggles only the LoRA layers themselves (remembered by :func:`tuner_layers`): diffusers'
+    ``disable_adapters()`` / ``enable_adapters()`` walk every module and look up the installed peft
+    version on each call, which cost as much as a small model's forward pass (KL reference passes toggle
+    once per trained step). peft's per-layer toggle changes ``requires_grad`` on the adapter tensors
+    (enabling makes them trainable), so their flags are saved and restored: an adapter loaded frozen for
+    evaluation stays frozen.
     """
     if not has_adapter(transformer):
         raise UserError(
             "reference passes need an adapter to switch off: train with lora={...}, or keep a separate "
             "reference copy of the model when fine-tuning full weights"
         )
-    flags = [(p, p.requires_grad) for p in transformer.parameters()]
-    transformer.disable_adapters()
+    layers, params = tuner_layers(transformer)
+    flags = [p.requires_grad for p in params]
+    for layer in layers:
+        layer.enable_adapters(False)
     try:
         yield
     finally:
-        transformer.enable_adapters()
-        for p, flag in flags:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p, flag in zip(params, flags):
             p.requires_grad_(flag)
 
 
@@ -218,3 +238,32 @@ def load_adapter(pipe: Any, transformer: torch.nn.Module, directory: str | Path)
     for p, flag in flags:
         p.requires_grad_(flag)
     return file
+
+
+class AdapterMethods:
+    """The adapter methods of the :class:`flowalign.protocols.FlowPolicy` protocol, for a policy with
+    ``pipe`` (a diffusers pipeline, whose class defines the LoRA file format), ``transformer`` and
+    ``options`` (:class:`pipelines._common.PolicyOptions`)."""
+
+    pipe: Any
+    transformer: torch.nn.Module
+    options: Any
+
+    @property
+    def full_finetune(self) -> bool:
+        """Whether every transformer weight trains (then there is no adapter to save, load or disable)."""
+        return bool(self.options.full_finetune)
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which ``velocity`` is the base model's (LoRA switched off)."""
+        return adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that the pipeline's ``load_lora_weights`` reads."""
+        save_adapter(type(self.pipe), self.transformer, directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
+        if self.full_finetune:
+            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
+        load_adapter(self.pipe, self.transformer, directory)

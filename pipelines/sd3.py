@@ -11,7 +11,6 @@ rectified-flow velocity ``v = ε - x0`` in flowalign's convention: the scheduler
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,16 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
+from pipelines._common import check_multiple, check_prompts, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, stack_rows, text_encoders
 
 #: LoRA targets when ``lora`` gives none: every attention projection of the joint (MMDiT) blocks, image
 #: stream (to_*) and text stream (add_* / to_add_out), as in Flow-GRPO's and diffusers' SD3 recipes.
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
-class SD3Policy:
+class SD3Policy(lora_utils.AdapterMethods):
     """SD3 / SD3.5 text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, 77+L, D)``, ``pooled_prompt_embeds (B, P)`` and, when
@@ -40,69 +41,29 @@ class SD3Policy:
     family = "sd3"
     is_video = False
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        lora: dict[str, Any] | None = None,
-        full_finetune: bool = False,
-        gradient_checkpointing: bool = False,
-        defaults: dict[str, Any] | None = None,
-        prompt_cache_size: int = 1024,
-        decode_batch_size: int = 8,
-    ) -> None:
-        lora_utils.check_options(lora, full_finetune)  # before minutes of loading a real checkpoint
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
-        self.pipe.set_progress_bar_config(disable=True)
-        for module in self.pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                lora_utils.freeze(module)
-        self.transformer = self.pipe.transformer
-        self.vae = self.pipe.vae
-        self.vae_scale_factor = self.pipe.vae_scale_factor
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
+        self.options = opts = PolicyOptions.parse(options)
+        self.device, self.dtype = torch.device(opts.device), opts.dtype
+        self.pipe = load_frozen_pipeline(StableDiffusion3Pipeline, path, opts)
+        self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
+        self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
 
-        # Sampling defaults: what the checkpoint itself implies, then flowalign.json, then the caller.
         # SD3.5-Medium's recommended settings (model card): 40 steps, CFG 4.5; T5 length as the pipeline.
+        self.vae_scale_factor = self.pipe.vae_scale_factor
         side = self.pipe.default_sample_size * self.vae_scale_factor
-        self.defaults: dict[str, Any] = {
-            "height": side,
-            "width": side,
-            "num_frames": None,
-            "guidance_scale": 4.5,
-            "num_steps": 40,
-            "max_sequence_length": 256,
-            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
-        }
-        self.defaults.update(sampling_defaults(path))
-        self.defaults.update(defaults or {})
+        builtin = {"height": side, "width": side, "num_frames": None, "guidance_scale": 4.5, "num_steps": 40,
+                   "max_sequence_length": 256, "shift": float(self.pipe.scheduler.config.get("shift", 1.0))}
+        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
         multiple = self.vae_scale_factor * self.transformer.config.patch_size
-        for key in ("height", "width"):
-            if int(self.defaults[key]) % multiple:
-                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this SD3 model")
+        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this SD3 model")
 
         # The policy's own scheduler (the pipeline keeps its own untouched); a `shift` in the defaults
         # is the scheduler's `shift` config value, not a re-derivation of the schedule.
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
-        )
+            self.pipe.scheduler.config, shift=float(self.defaults["shift"]))
 
-        lora_utils.setup_training(
-            self.transformer,
-            lora=lora,
-            full_finetune=full_finetune,
-            default_targets=DEFAULT_LORA_TARGETS,
-            gradient_checkpointing=gradient_checkpointing,
-        )
-        self.full_finetune = full_finetune
-        #: the module the trainer optimises (its ``requires_grad`` parameters)
-        self.trainable: torch.nn.Module = self.transformer
-
-        self.decode_batch_size = decode_batch_size
-        self._cache = PromptCache(prompt_cache_size)
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
 
     # ------------------------------------------------------------------ shapes
 
@@ -152,48 +113,43 @@ class SD3Policy:
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Pure noise ``(n, C, H/f, W/f)`` float32 on ``device``, drawn on the generator's device
         (CPU when None) as diffusers' ``randn_tensor`` does, so seeds match ``pipe(generator=...)``."""
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        noise = torch.randn((n, *self.latent_shape), generator=generator, device=rand_device, dtype=torch.float32)
-        return noise.to(self.device)
+        return gaussian_noise((n, *self.latent_shape), generator, self.device)
 
     def velocity(
-        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float,
+        *, uncond: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``v(x, σ | c)`` float32 ``(B, C, h, w)``; CFG ``v_u + w(v_c - v_u)`` by one batched pass when w > 1.
 
         ``sigma``: a float or a ``(B,)`` tensor; the transformer gets ``timestep = 1000·σ``.
+        ``uncond``: a precomputed unconditional velocity (:meth:`unconditional_velocity`); only the
+        conditional half then runs, see :func:`pipelines._common.cfg_mix`.
         """
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
+        if uncond is not None and guidance > 1:  # only the conditional half runs (and carries gradients)
+            return cfg_mix(uncond, self.velocity(x, sigma, cond, 1.0), guidance)
         timestep = sigma_batch(sigma, b, self.device) * 1000.0
         hidden = x.to(self.device, self.dtype)
-        embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
-        pooled = cond.tensors["pooled_prompt_embeds"].to(self.device, self.dtype)
+        keys = ["prompt_embeds", "pooled_prompt_embeds"]
         cfg = guidance > 1
-        if cfg:
-            if "negative_prompt_embeds" not in cond.tensors:
-                raise UserError(
-                    f"guidance={guidance} needs CFG negatives, but cond was encoded with "
-                    f"guidance_scale={self.defaults['guidance_scale']}: set defaults['guidance_scale'] > 1 "
-                    "before encode()"
-                )
-            # [uncond; cond] in one forward, as the pipeline does
-            hidden = torch.cat([hidden, hidden])
-            timestep = torch.cat([timestep, timestep])
-            embeds = torch.cat([cond.tensors["negative_prompt_embeds"].to(self.device, self.dtype), embeds])
-            pooled = torch.cat([cond.tensors["negative_pooled_prompt_embeds"].to(self.device, self.dtype), pooled])
+        if cfg:  # [uncond; cond] in one forward, as the pipeline does
+            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
+            embeds, pooled = cfg_batch(cond, keys, self.defaults["guidance_scale"], self.device, self.dtype)
+        else:
+            embeds, pooled = (cond.tensors[k].to(self.device, self.dtype) for k in keys)
         out = self.transformer(
             hidden_states=hidden,
             timestep=timestep,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
             return_dict=False,
-        )[0].float()
-        if cfg:
-            v_uncond, v_cond = out.chunk(2)
-            return v_uncond + guidance * (v_cond - v_uncond)
-        return out
+        )[0]
+        return cfg_combine(out, guidance) if cfg else out.float()
+
+    def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The CFG negative's velocity ``v_u`` float32 (one forward of batch B), for ``velocity(..., uncond=v_u)``."""
+        negatives = negative_conditioning(cond, ["prompt_embeds", "pooled_prompt_embeds"], self.defaults["guidance_scale"])
+        return self.velocity(x, sigma, negatives, 1.0)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0, with the model's shift.
@@ -227,7 +183,7 @@ class SD3Policy:
         scale = self.vae.config.scaling_factor
         shift = self.vae.config.shift_factor or 0.0
         images = []
-        for chunk in x0.split(self.decode_batch_size):
+        for chunk in x0.split(self.options.decode_batch_size):
             z = chunk.to(self.device, self.vae.dtype) / scale + shift
             image = self.vae.decode(z, return_dict=False)[0]
             images.append((image.float() / 2 + 0.5).clamp(0, 1))
@@ -256,19 +212,3 @@ class SD3Policy:
             z = self.vae.encode(x).latent_dist.mean
             out.append(((z.float() - shift) * scale))
         return torch.cat(out)
-
-    # ------------------------------------------------------------------ adapters
-
-    def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
-        return lora_utils.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: str | Path) -> None:
-        """Write ``pytorch_lora_weights.safetensors`` that ``StableDiffusion3Pipeline.load_lora_weights`` reads."""
-        lora_utils.save_adapter(StableDiffusion3Pipeline, self.transformer, directory)
-
-    def load_adapter(self, directory: str | Path) -> None:
-        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
-        if self.full_finetune:
-            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
-        lora_utils.load_adapter(self.pipe, self.transformer, directory)

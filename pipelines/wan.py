@@ -19,7 +19,6 @@ Checkpoints (like the tiny ones) that ship a ``FlowMatchEulerDiscreteScheduler``
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +29,16 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
+from pipelines._common import check_multiple, check_prompts, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, stack_rows, text_encoders
 
 #: LoRA targets when ``lora`` gives none: the self- (attn1) and cross-attention (attn2) projections of
 #: every Wan block, as in diffusers'/finetrainers' Wan LoRA recipes.
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-class WanPolicy:
+class WanPolicy(lora_utils.AdapterMethods):
     """Wan 2.1 text-to-video policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` (UMT5, zero past each prompt's length) and,
@@ -48,33 +49,18 @@ class WanPolicy:
     family = "wan"
     is_video = True
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        lora: dict[str, Any] | None = None,
-        full_finetune: bool = False,
-        gradient_checkpointing: bool = False,
-        defaults: dict[str, Any] | None = None,
-        prompt_cache_size: int = 1024,
-        decode_batch_size: int = 2,
-    ) -> None:
-        lora_utils.check_options(lora, full_finetune)  # before minutes of loading a real checkpoint
-        self.device = torch.device(device)
-        self.dtype = dtype
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...);
+        ``decode_batch_size`` defaults to 2 videos."""
+        self.options = opts = PolicyOptions.parse(options, decode_batch_size=2)
+        self.device, self.dtype = torch.device(opts.device), opts.dtype
         vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
-        self.pipe = WanPipeline.from_pretrained(str(path), vae=vae, dtype=dtype).to(self.device)
-        self.pipe.set_progress_bar_config(disable=True)
+        self.pipe = load_frozen_pipeline(WanPipeline, path, opts, vae=vae)
         if self.pipe.transformer_2 is not None or self.pipe.transformer is None:
             raise UserError(
                 f"{path}: two-expert Wan 2.2 checkpoints (transformer_2) are not supported; "
                 "use a single-transformer Wan 2.1 / 2.2-TI2V folder"
             )
-        for module in self.pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                lora_utils.freeze(module)
         self.transformer = self.pipe.transformer
         self.vae = self.pipe.vae
         self.scale_t = self.pipe.vae_scale_factor_temporal
@@ -92,23 +78,12 @@ class WanPolicy:
             )
         ckpt_shift = float(config.get(shift_key, 1.0))
 
-        # Sampling defaults: Wan 2.1 T2V at 480p (the pipeline's defaults), then flowalign.json, then
-        # the caller's. 81 frames, 50 steps, CFG 5.0, UMT5 length 512.
-        self.defaults: dict[str, Any] = {
-            "height": 480,
-            "width": 832,
-            "num_frames": 81,
-            "guidance_scale": 5.0,
-            "num_steps": 50,
-            "max_sequence_length": 512,
-            "shift": ckpt_shift,
-        }
-        self.defaults.update(sampling_defaults(path))
-        self.defaults.update(defaults or {})
+        # Wan 2.1 T2V at 480p (the pipeline's defaults): 81 frames, 50 steps, CFG 5.0, UMT5 length 512.
+        builtin = {"height": 480, "width": 832, "num_frames": 81, "guidance_scale": 5.0, "num_steps": 50,
+                   "max_sequence_length": 512, "shift": ckpt_shift}
+        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
         _, ph, pw = self.transformer.config.patch_size
-        for key, p in (("height", ph), ("width", pw)):
-            if int(self.defaults[key]) % (self.scale_s * p):
-                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {self.scale_s * p} for this Wan model")
+        check_multiple(self.defaults, {"height": self.scale_s * ph, "width": self.scale_s * pw}, "this Wan model")
         if (int(self.defaults["num_frames"]) - 1) % self.scale_t:
             raise UserError(
                 f"num_frames={self.defaults['num_frames']}: num_frames - 1 must be a multiple of {self.scale_t} "
@@ -119,19 +94,8 @@ class WanPolicy:
         # a `shift` in the defaults replaces the config's shift / flow_shift value.
         self.scheduler = type(self.pipe.scheduler).from_config(config, **{shift_key: float(self.defaults["shift"])})
 
-        lora_utils.setup_training(
-            self.transformer,
-            lora=lora,
-            full_finetune=full_finetune,
-            default_targets=DEFAULT_LORA_TARGETS,
-            gradient_checkpointing=gradient_checkpointing,
-        )
-        self.full_finetune = full_finetune
-        #: the module the trainer optimises (its ``requires_grad`` parameters)
-        self.trainable: torch.nn.Module = self.transformer
-
-        self.decode_batch_size = decode_batch_size
-        self._cache = PromptCache(prompt_cache_size)
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
+        self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
 
     # ------------------------------------------------------------------ shapes
 
@@ -175,47 +139,43 @@ class WanPolicy:
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Pure noise ``(n, C, F', H', W')`` float32 on ``device``, drawn on the generator's device
         (CPU when None) like ``WanPipeline.prepare_latents``."""
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        noise = torch.randn((n, *self.latent_shape), generator=generator, device=rand_device, dtype=torch.float32)
-        return noise.to(self.device)
+        return gaussian_noise((n, *self.latent_shape), generator, self.device)
 
     def velocity(
-        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float,
+        *, uncond: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')``; CFG by one batched [uncond; cond] pass when w > 1.
+        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')``; CFG by one batched [uncond; cond] pass when w > 1,
+        or by the conditional pass alone given ``uncond`` (:meth:`unconditional_velocity`, see
+        :func:`pipelines._common.cfg_mix`).
 
         ``sigma``: a float or ``(B,)``; ``timestep = 1000·σ`` (per token for Wan 2.2-TI2V's
         ``expand_timesteps``, where every token of a text-to-video sample has the same σ).
         """
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
+        if uncond is not None and guidance > 1:  # only the conditional half runs (and carries gradients)
+            return cfg_mix(uncond, self.velocity(x, sigma, cond, 1.0), guidance)
         timestep = sigma_batch(sigma, b, self.device) * 1000.0
         if self.pipe.config.get("expand_timesteps", False):
             pt, ph, pw = self.transformer.config.patch_size
             tokens = (x.shape[2] // pt) * (x.shape[3] // ph) * (x.shape[4] // pw)
             timestep = timestep[:, None].expand(b, tokens)
         hidden = x.to(self.device, self.dtype)
-        embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
         cfg = guidance > 1
-        if cfg:
-            if "negative_prompt_embeds" not in cond.tensors:
-                raise UserError(
-                    f"guidance={guidance} needs CFG negatives, but cond was encoded with "
-                    f"guidance_scale={self.defaults['guidance_scale']}: set defaults['guidance_scale'] > 1 "
-                    "before encode()"
-                )
-            # the pipeline runs cond and uncond as two passes; one batched pass gives the same values
-            hidden = torch.cat([hidden, hidden])
-            timestep = torch.cat([timestep, timestep])
-            embeds = torch.cat([cond.tensors["negative_prompt_embeds"].to(self.device, self.dtype), embeds])
+        if cfg:  # the pipeline runs cond and uncond as two passes; one batched pass gives the same values
+            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
+            (embeds,) = cfg_batch(cond, ["prompt_embeds"], self.defaults["guidance_scale"], self.device, self.dtype)
+        else:
+            embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
         out = self.transformer(
             hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
-        )[0].float()
-        if cfg:
-            v_uncond, v_cond = out.chunk(2)
-            return v_uncond + guidance * (v_cond - v_uncond)
-        return out
+        )[0]
+        return cfg_combine(out, guidance) if cfg else out.float()
+
+    def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The CFG negative's velocity ``v_u`` float32 (one forward of batch B), for ``velocity(..., uncond=v_u)``."""
+        negatives = negative_conditioning(cond, ["prompt_embeds"], self.defaults["guidance_scale"])
+        return self.velocity(x, sigma, negatives, 1.0)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The checkpoint scheduler's grid ``(num_steps+1,)`` float32, 1 → 0, shift included.
@@ -255,24 +215,8 @@ class WanPolicy:
         mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
         std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
         videos = []
-        for chunk in x0.split(self.decode_batch_size):
+        for chunk in x0.split(self.options.decode_batch_size):
             z = chunk.to(self.device, torch.float32) * std + mean
             video = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W)
             videos.append((video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4))
         return torch.cat(videos)
-
-    # ------------------------------------------------------------------ adapters
-
-    def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
-        return lora_utils.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: str | Path) -> None:
-        """Write ``pytorch_lora_weights.safetensors`` that ``WanPipeline.load_lora_weights`` reads."""
-        lora_utils.save_adapter(WanPipeline, self.transformer, directory)
-
-    def load_adapter(self, directory: str | Path) -> None:
-        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
-        if self.full_finetune:
-            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
-        lora_utils.load_adapter(self.pipe, self.transformer, directory)

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 import pipelines
+from pipelines import lora as lora_utils
 from flowalign.errors import UserError
 
 LORA = {"rank": 4, "alpha": 8}
@@ -81,6 +82,27 @@ def test_adapter_disabled_is_the_base_model(trained):
     torch.testing.assert_close(v_off, v_base, rtol=0, atol=1e-6)
     torch.testing.assert_close(v_on, trained["v_adapted"], rtol=0, atol=1e-6)
     assert [p.requires_grad for p in policy.transformer.parameters()] == flags, "requires_grad restored"
+
+
+def test_adapter_disabled_finds_an_adapter_loaded_after_first_use(trained, tmp_path):
+    """The LoRA layers are remembered between calls; an adapter loaded into a frozen policy afterwards is
+    found (its outputs switch off to the base model's) and stays frozen."""
+    trained["policy"].save_adapter(tmp_path / "adapter")
+    frozen = pipelines.load(trained["folder"])
+    x, cond, w = trained["x"], trained["cond"], trained["w"]
+    with pytest.raises(UserError, match="reference"):
+        with frozen.adapter_disabled():
+            pass
+    assert lora_utils.tuner_layers(frozen.transformer) == ([], [])  # remembered: no LoRA layers yet
+    with torch.no_grad():
+        v_base = frozen.velocity(x, 0.6, cond, w)
+        frozen.load_adapter(tmp_path / "adapter")
+        with frozen.adapter_disabled():
+            v_off = frozen.velocity(x, 0.6, cond, w)
+        v_on = frozen.velocity(x, 0.6, cond, w)
+    torch.testing.assert_close(v_off, v_base, rtol=0, atol=0)
+    torch.testing.assert_close(v_on, trained["v_adapted"], rtol=0, atol=1e-5)
+    assert not any(p.requires_grad for p in frozen.transformer.parameters())
 
 
 def test_saved_adapter_loads_with_diffusers_load_lora_weights(trained, tmp_path):

@@ -132,3 +132,28 @@ def test_unipc_checkpoint_uses_its_own_sigma_grid(tiny_wan_dir, tmp_path):
 def test_bad_num_frames_is_a_user_error(tiny_wan_dir):
     with pytest.raises(UserError, match="num_frames"):
         pipelines.load(tiny_wan_dir, defaults={"num_frames": 4})
+
+
+def test_velocity_with_a_given_uncond_runs_the_conditional_half_only(policy):
+    """``velocity(..., uncond=v_u)`` is CFG with the stored unconditional velocity: exactly
+    ``v_u + w(v_c - v_u)`` with the conditional pass alone, equal to the batched pass up to float noise;
+    ``v_u`` is the empty prompt's velocity."""
+    cond = policy.encode(["a red circle", "two blue squares"])
+    x = policy.initial_noise(2, torch.Generator().manual_seed(0))
+    w = 4.5
+    calls = []
+    hook = policy.transformer.register_forward_hook(lambda m, a, out: calls.append(1))
+    try:
+        with torch.no_grad():
+            v_u = policy.unconditional_velocity(x, 0.7, cond)
+            v_c = policy.velocity(x, 0.7, cond, 1.0)
+            batched = policy.velocity(x, 0.7, cond, w)
+            n = len(calls)
+            split = policy.velocity(x, 0.7, cond, w, uncond=v_u)
+            assert len(calls) == n + 1, "one forward: the conditional half"
+            empty = policy.velocity(x, 0.7, policy.encode(["", ""]), 1.0)
+    finally:
+        hook.remove()
+    assert torch.equal(split, v_u + w * (v_c - v_u))
+    assert torch.equal(v_u, empty)
+    torch.testing.assert_close(split, batched, rtol=1e-5, atol=1e-5)

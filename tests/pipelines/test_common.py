@@ -1,0 +1,86 @@
+"""The helpers every family shares: the per-prompt embedding cache and the policy options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipelines
+from flowalign.errors import UserError
+
+PROMPTS = ["a red circle", "two blue squares"]
+
+
+@pytest.fixture
+def policy(tiny_sd3_dir):
+    return pipelines.load(tiny_sd3_dir)
+
+
+def encoder_calls(policy) -> list[int]:
+    calls: list[int] = []
+    policy.pipe.text_encoder_3.register_forward_hook(lambda *a: calls.append(1))
+    return calls
+
+
+def test_cached_embeddings_are_the_pipelines_own(policy):
+    """Cached rows (and the CFG negative, the empty prompt) equal what the pipeline's encode_prompt gives."""
+    max_len = int(policy.defaults["max_sequence_length"])
+    policy.encode(PROMPTS)
+    cond = policy.encode(PROMPTS)  # served from the cache
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            embeds, negative, pooled, negative_pooled = policy.pipe.encode_prompt(
+                prompt=[prompt], prompt_2=None, prompt_3=None, max_sequence_length=max_len,
+                do_classifier_free_guidance=True,
+            )
+            assert torch.equal(cond.tensors["prompt_embeds"][i], embeds[0])
+            assert torch.equal(cond.tensors["pooled_prompt_embeds"][i], pooled[0])
+            assert torch.equal(cond.tensors["negative_prompt_embeds"][i], negative[0])
+            assert torch.equal(cond.tensors["negative_pooled_prompt_embeds"][i], negative_pooled[0])
+
+
+def test_negative_prompt_is_encoded_once(policy):
+    calls = encoder_calls(policy)
+    policy.encode([PROMPTS[0]])
+    assert len(calls) == 2  # the prompt and the empty negative
+    policy.encode([PROMPTS[1]])
+    assert len(calls) == 3  # only the new prompt
+
+
+def test_a_training_text_encoder_bypasses_the_cache_and_a_changed_one_refreshes_it(policy):
+    before = policy.encode(PROMPTS).tensors["prompt_embeds"]
+    encoder = policy.pipe.text_encoder_3
+    encoder.requires_grad_(True)
+    calls = encoder_calls(policy)
+    trained = policy.encode(PROMPTS).tensors["prompt_embeds"]
+    policy.encode(PROMPTS)
+    assert len(calls) == 2 * (len(PROMPTS) + 1), "no cache while the text encoder trains"
+    assert trained.requires_grad, "embeddings carry gradients to the text encoder"
+    optimiser = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    trained.pow(2).mean().backward()
+    optimiser.step()
+    encoder.requires_grad_(False)
+    after = policy.encode(PROMPTS).tensors["prompt_embeds"]
+    assert not after.requires_grad
+    assert not torch.equal(after, before), "rows from the old weights were dropped"
+    n = len(calls)
+    assert torch.equal(policy.encode(PROMPTS).tensors["prompt_embeds"], after)
+    assert len(calls) == n, "frozen again: cached again"
+
+
+def test_weights_loaded_in_place_refresh_the_cache(policy):
+    before = policy.encode(PROMPTS).tensors["pooled_prompt_embeds"]
+    encoder = policy.pipe.text_encoder
+    state = {k: v * 1.5 for k, v in encoder.state_dict().items()}
+    encoder.load_state_dict(state)
+    after = policy.encode(PROMPTS).tensors["pooled_prompt_embeds"]
+    assert not torch.equal(after, before)
+
+
+def test_unknown_policy_option_is_refused(tiny_sd3_dir):
+    from pipelines.sd3 import SD3Policy
+
+    with pytest.raises(UserError, match="decode_batch"):
+        SD3Policy(tiny_sd3_dir, decode_batchsize=4)
+    with pytest.raises(UserError, match="multiple of"):
+        pipelines.load(tiny_sd3_dir, defaults={"height": 33})
