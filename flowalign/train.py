@@ -97,7 +97,7 @@ def _write_gallery(run_dir: Path, title: str) -> None:
     from flowalign.gallery import gallery_from_run, write_gallery
 
     columns, rows = gallery_from_run(run_dir)
-    write_gallery(run_dir / "gallery", columns, rows, title=title)
+    write_gallery(run_dir / "gallery", columns, rows, title=title, overwrite=True)  # the run's own folder
 
 
 def build_trainer(cfg: TrainConfig):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -20,9 +19,12 @@ import torch
 
 from flowalign.cli.common import add_model_args, load_policy
 from flowalign.errors import UserError
-from flowalign.io import atomic_dir, write_json
+from flowalign.io import atomic_dir, check_out_dir, remove_owned, write_json
 from flowalign.paths import REPO_ROOT, default_model_dir
 
+
+#: the writer name of ``OUT.partial/`` (the resume folder), whose files only this command removes
+PARTIAL = "train-reward-partial"
 
 #: training pairs scored for the train-accuracy report (a random subset when there are more)
 TRAIN_ACCURACY_PAIRS = 1024
@@ -43,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--no-partial-credit", action="store_true", help="rank vvr samples by the plain verifier score")
     src.add_argument("--pairs-out", default=None, help="also save the generated pairs here (.safetensors) for reuse")
     p.add_argument("--out", required=True, help="reward folder to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that holds no earlier reward (only the files this command "
+                        "writes are replaced; other files are kept)")
     p.add_argument("--registers", type=int, default=8, help="number of register tokens M")
     p.add_argument("--layers", default="last", help="'last', 'multi' (L/2, 3L/4, L) or comma-separated block indices")
     p.add_argument("--head-hidden", type=int, default=256)
@@ -170,7 +175,9 @@ def run(args: argparse.Namespace) -> None:
 
     _check(args)
     out = Path(args.out)
-    partial = out.with_name(out.name + ".partial")
+    partial = out.with_name(out.resolve().name + ".partial")
+    check_out_dir(out, writer="train-reward", overwrite=args.overwrite)  # before anything is sampled or trained
+    check_out_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag="--out (its resume folder)")
     layers = _layers(args.layers)
     policy = load_policy(args)
     model = _portable(Path(args.model) if args.model else default_model_dir())
@@ -205,7 +212,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"resumed from {partial} at step {start}")
 
     def checkpoint(step: int) -> None:
-        with atomic_dir(partial) as tmp:
+        with atomic_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag="--out (its resume folder)") as tmp:
             pairs.save(tmp / "pairs.safetensors")
             from safetensors.torch import save_file
 
@@ -243,11 +250,12 @@ def run(args: argparse.Namespace) -> None:
             metrics["accuracy_test_unseen_prompts"] = pairwise_accuracy(reward, test_pairs.select(unseen), policy.encode,
                                                                         seed=args.seed + 1)
     metrics["minutes"] = (time.perf_counter() - t0) / 60
-    reward.save(out, extra={"trained_on": source})
-    if not args.no_save_pairs:
-        pairs.save(out / "pairs.safetensors")
-    write_json(out / "metrics.json", metrics)
-    shutil.rmtree(partial, ignore_errors=True)
+    with atomic_dir(out, writer="train-reward", overwrite=args.overwrite) as tmp:
+        reward.write_files(tmp, extra={"trained_on": source})
+        if not args.no_save_pairs:
+            pairs.save(tmp / "pairs.safetensors")
+        write_json(tmp / "metrics.json", metrics)
+    remove_owned(partial, PARTIAL)
     shown = metrics.get("accuracy_test", metrics["accuracy_train"])
     print("pairwise accuracy (" + ("held-out" if "accuracy_test" in metrics else "train") + "): "
           + ", ".join(f"{k} {v:.1%}" for k, v in shown.items()))
