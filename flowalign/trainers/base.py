@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from flowalign import checkpoint as ckpt
 from flowalign.advantages import compute_advantages
+from flowalign.checkpoint_manifest import resume_folder
 from flowalign.config import Section, TrainConfig
 from flowalign.data import PromptSet
 from flowalign.ema import EMA
@@ -431,11 +432,10 @@ class GroupTrainer:
         resume = self.cfg.run.resume
         if resume == "never":
             return
-        folder = ckpt.latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
+        folder = resume_folder(self.run_dir, resume, main=self.acc.is_main_process)  # newest that verifies
         if folder is None:
+            self.logger.truncate_after(-1)  # a run killed before its first checkpoint starts over
             return
-        if not (folder / ckpt.COMPLETE).exists():
-            raise UserError(f"run.resume={resume}: {folder} is not a complete checkpoint folder (no {ckpt.COMPLETE})")
         state = ckpt.load_checkpoint(folder)
         live = self.trainable_state()
         missing = set(live) - set(state["trainable"])
