@@ -13,10 +13,12 @@ from flowalign.data import PromptSet, read_prompt_file
 from flowalign.errors import UserError
 from flowalign.io import write_json
 from flowalign.paths import REPO_ROOT
+from flowalign.run_lock import run_lock
 from flowalign.trainers import get_trainer
 
-# keys that may change when a run is resumed (everything else must match the saved config)
-RESUMABLE_CHANGES = {"run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
+# keys that may change when a run is resumed (everything else must match the saved config); the folder
+# itself may have been moved or copied
+RESUMABLE_CHANGES = {"run.output_dir", "run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
                      "trainer.max_steps", "trainer.max_minutes", "eval.every", "run.wandb"}
 
 
@@ -135,8 +137,9 @@ def build_trainer(cfg: TrainConfig):
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train per ``cfg``; returns the final evaluation metrics."""
-    trainer = build_trainer(cfg)
-    final = trainer.train()
-    if trainer.acc.is_main_process and final:
-        write_json(trainer.run_dir / "final_metrics.json", final)
+    with run_lock(Path(cfg.run.output_dir)):  # a second live run on the folder refuses
+        trainer = build_trainer(cfg)
+        final = trainer.train()
+        if trainer.acc.is_main_process and final:
+            write_json(trainer.run_dir / "final_metrics.json", final)
     return final
