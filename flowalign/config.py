@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from flowalign.errors import UserError
+from flowalign.finite import non_finite_key
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors, values are validated on assignment too."""
+    """A config section: unknown keys are errors, values are validated on assignment too, numbers must
+    be finite and ``true``/``false`` is not a number."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bool_is_not_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            raise ValueError("expected a number, not true/false")
+        return value
 
 
 class RunSection(Section):
@@ -39,6 +50,12 @@ class RunSection(Section):
     #: stop with an error when more than this fraction of a batch has invalid rewards
     max_invalid_fraction: float = Field(0.5, ge=0.0, le=1.0)
     progress: bool = True
+
+
+def _numeric(annotation: Any) -> bool:
+    """``int``, ``float`` or an optional one (the annotations a YAML ``true`` must not satisfy as 1)."""
+    args = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in (Union, UnionType) else [annotation]
+    return bool(args) and all(a in (int, float) for a in args)
 
 
 class LoraSection(Section):
@@ -72,7 +89,7 @@ class DataSection(Section):
 class RewardSpec(BaseModel):
     """One reward of the weighted sum; keys other than ``name`` and ``weight`` are its options."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     name: str
     weight: float = 1.0
 
@@ -104,6 +121,15 @@ class TrainConfig(Section):
     #: validated by the trainer named in ``trainer.name``
     trainer: dict[str, Any] = Field(default_factory=lambda: {"name": "flow_grpo"})
     eval: EvalSection = EvalSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite(cls, data: Any) -> Any:
+        """Free-form parts (reward options, ``model.defaults``, the trainer section) hold finite numbers too."""
+        bad = non_finite_key(data)
+        if bad:
+            raise ValueError(f"{bad[0]}: {bad[1]} is not a finite number; give a finite value")
+        return data
 
     @field_validator("rewards")
     @classmethod
@@ -144,8 +170,10 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], prefix
         if e["type"] == "extra_forbidden":
             fields = _fields_at(model, loc[:-1])
             lines.append(f"{where}: unknown key{_suggest(loc[-1], fields)}")
+        elif not loc:  # a whole-config check names its key itself
+            lines.append(e["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "; ".join(lines)
 
 

@@ -29,6 +29,7 @@ from flowalign.checkpoint_manifest import resume_folder
 from flowalign.config import Section, TrainConfig
 from flowalign.data import PromptSet
 from flowalign.ema import EMA
+from flowalign.finite import check_training_finite
 from flowalign.errors import UserError
 from flowalign.logger import RunLogger
 from flowalign.protocols import FlowPolicy, RewardOutput
@@ -283,6 +284,7 @@ class GroupTrainer:
         components, valid, reward_logs = self.score(batch)
         invalid = 1.0 - valid.float().mean().item()
         if invalid > self.cfg.run.max_invalid_fraction:
+            check_training_finite(self.step + 1, {}, {"sampled outputs": batch.samples}, self.run_dir)  # diverged?
             raise UserError(
                 f"step {self.step}: {invalid:.0%} of the samples have invalid rewards (limit "
                 f"run.max_invalid_fraction={self.cfg.run.max_invalid_fraction}); check the reward"
@@ -333,6 +335,7 @@ class GroupTrainer:
                     raise KeyboardInterrupt
                 self.lr_now = self.learning_rate(self.budget_fraction())
                 logs = self.train_step()
+                check_training_finite(self.step + 1, logs, self.weights_by_label(), self.run_dir)  # before any save
                 logs["train/lr"] = self.lr_now
                 self.train_seconds += logs["time/step"]
                 self.step += 1
@@ -388,7 +391,11 @@ class GroupTrainer:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.policy.trainable.named_parameters() if p.requires_grad}
 
+    def weights_by_label(self) -> dict[str, torch.Tensor]:
+        return {f"weight {n}": p for n, p in self.trainable_state().items()}
+
     def save_checkpoint(self) -> Path:
+        check_training_finite(self.step, {}, self.weights_by_label(), self.run_dir)  # never a NaN checkpoint
         final = self.run_dir / "checkpoints" / ckpt.step_dir_name(self.step)
         tmp = self.run_dir / "checkpoints" / f".tmp-{ckpt.step_dir_name(self.step)}"
         if self.acc.is_main_process:
