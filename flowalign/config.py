@@ -145,7 +145,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise UserError(f"override {item!r} is not key=value (e.g. trainer.lr=1e-4)")
-        value = yaml.safe_load(raw) if raw != "" else None
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+            raise UserError(f"override {key}: {raw!r} is not valid YAML ({problem}); quote text values, "
+                            f"e.g. {key}='\"...\"', and close brackets") from None
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -193,10 +198,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise UserError(f"config file {path} does not exist; pass a YAML file such as configs/tiny/flow_grpo_vvr.yaml")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(read_text_file(path, "config file", "a YAML file such as configs/tiny/flow_grpo_vvr.yaml")) or {}
         except yaml.YAMLError as e:
             raise UserError(f"config file {path} is not valid YAML: {e}") from e
         if not isinstance(data, dict):
@@ -206,6 +209,19 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         return TrainConfig.model_validate(data)
     except ValidationError as e:
         raise UserError(f"invalid config: {format_validation_error(e, TrainConfig)}") from None
+
+
+def read_text_file(path: Path, what: str, example: str) -> str:
+    """The UTF-8 text of ``path``, or a one-line ``UserError`` for a missing file, a folder or other bytes."""
+    if not path.exists():
+        raise UserError(f"{what} {path} does not exist; pass {example}")
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder, not a file; pass {example}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                        "save it as UTF-8") from None
 
 
 def validate_section(section: type[BaseModel], data: dict[str, Any], prefix: str) -> Any:

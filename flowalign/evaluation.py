@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from flowalign.io import atomic_dir, write_json, write_jsonl
 from flowalign.media import save_image, save_poster, save_video
 from flowalign.protocols import FlowPolicy, Reward
+from flowalign.reward_check import check_reward_output
 from flowalign.sampling import rollout
 
 
@@ -81,7 +82,8 @@ def evaluate(
     the metrics."""
     samples = sample_seeded(policy, prompts, seed=seed, num_steps=num_steps, guidance_scale=guidance_scale,
                             batch_size=batch_size, progress=progress, desc="evaluating")
-    scored = reward(samples, prompts, metadata)
+    scored = check_reward_output(getattr(reward, "name", type(reward).__name__), reward(samples, prompts, metadata),
+                                 len(prompts))
     metrics = {**(labels or {}), **summarise(scored, len(prompts))}
     if out_dir is not None:
         with atomic_dir(out_dir, writer="evaluate", overwrite=overwrite) as out:

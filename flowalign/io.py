@@ -73,10 +73,26 @@ def check_out_dir(path: str | Path, *, writer: str, overwrite: bool, flag: str =
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file; give a folder to write")
+    _probe_writable(path, flag)
     if overwrite or not path.is_dir():
         return
     if not (path / marker_name(writer)).is_file():
         _refuse_foreign(path, foreign_entries(path, writer), flag)
+
+
+def _probe_writable(path: Path, flag: str) -> None:
+    """Fail before any work when the nearest existing folder of ``path`` takes no files (read-only,
+    ``/proc``, no permission); the probe is an unnamed temporary file, gone when closed."""
+    from flowalign.errors import UserError
+
+    existing = next(p for p in [path.absolute(), *path.absolute().parents] if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "a part of the path is a file", str(existing))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror}: {existing}); choose a writable folder") from None
 
 
 def _refuse_foreign(path: Path, foreign: list[str], flag: str) -> None:

@@ -25,6 +25,7 @@ class RunLogger:
                  name: str, config: dict[str, Any]):
         self.enabled = enabled
         self.tb = self.wandb = None
+        self.already_logged: set[tuple[int, tuple[str, ...]]] = set()
         if not enabled:
             return
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -53,11 +54,17 @@ class RunLogger:
                 print(f"warning: {self.metrics_path}:{number} is a torn row ({line[:60]!r}); dropped", file=sys.stderr)
             elif row is not None and row.get("step", 0) <= step:
                 kept.append(line)
+                if row.get("step", 0) == step:  # e.g. the final evaluation of a run killed before it ended
+                    self.already_logged.add((step, tuple(sorted(row))))
         with atomic_path(self.metrics_path) as tmp:
             tmp.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
+            return
+        row_id = (step, tuple(sorted(["step", *scalars])))
+        if row_id in self.already_logged:  # the same row of the step resumed from: logged once only
+            self.already_logged.discard(row_id)
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, **scalars}) + "\n")

@@ -63,7 +63,10 @@ def _try_create(lock: Path, me: dict[str, Any]) -> bool:
 
 def acquire(run_dir: Path) -> Path:
     """Take ``run_dir``'s lock (creating the folder) or raise ``UserError`` naming the live owner."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"run.output_dir {run_dir}: cannot create it ({e.strerror}); choose a writable folder") from None
     lock = run_dir / LOCK_NAME
     me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
           "since": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowalign.cli.common import add_model_args, load_policy
+from flowalign.cli.common import add_model_args, check_positive, load_policy
 from flowalign.cli.sample import add_guide_args, check_guide_args, load_guidance
 from flowalign.evaluation import evaluate
 from flowalign.io import check_out_dir
@@ -34,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     from rewards.benchmarks import load_benchmark
 
+    check_positive(args, "steps", "batch_size", "n")
     bench = load_benchmark(args.bench, args.level, args.n, args.seed)
     check_guide_args(args)
     check_out_dir(args.out, writer="evaluate", overwrite=args.overwrite)  # before the model is loaded

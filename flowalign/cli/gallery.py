@@ -11,12 +11,14 @@ from typing import Any
 
 import torch
 
-from flowalign.cli.common import load_policy
+from flowalign.cli.common import check_positive, load_policy
+from flowalign.config import read_text_file
 from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.gallery import gallery_from_evals, gallery_from_run, write_gallery
 from flowalign.io import MARKER_PREFIX, check_out_dir
 from flowalign.protocols import RewardOutput
+from flowalign.reward_check import check_reward_metadata
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -48,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
+    check_positive(args, "steps", "batch_size")
     if args.run is not None:
         run_dir = Path(args.run)
         columns, rows = gallery_from_run(run_dir)
@@ -94,10 +97,10 @@ def _labels(given: list[str] | None, defaults: list[str], what: str) -> list[str
 def read_prompts(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """Prompts and per-prompt metadata from a text file (one prompt per line) or JSONL
     (``{"prompt": ..., "task": {...}}`` per line; a task becomes the metadata ``{"task": ...}``)."""
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--prompts {path}: no such file; give a text file with one prompt per line")
     prompts, metadata = [], []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for line_no, line in enumerate(read_text_file(path, "--prompts", "a text file with one prompt per line").splitlines(), 1):
         line = line.strip()
         if not line:
             continue
@@ -126,6 +129,7 @@ def _sample_columns(args: argparse.Namespace, folder: Path) -> tuple[list[Path],
         from rewards import load as load_reward
 
         reward = load_reward(args.reward)
+        check_reward_metadata(args.reward, reward, metadata, f"--prompts {args.prompts}")
     else:
         reward = Unscored()
     dirs, labels = [], []

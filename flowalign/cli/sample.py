@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flowalign.cli.common import add_model_args, load_policy
+from flowalign.cli.common import add_model_args, check_positive, load_policy
 from flowalign.errors import UserError
 from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_image, save_video
 from flowalign.sampling import SAMPLER_KINDS, check_sampler, rollout
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--out {out.name}: unknown file type; use .png for image models, .mp4/.gif for video models")
     check_sampler(args.sampler, args.noise_level)
     check_guide_args(args)
+    check_positive(args, "steps")
     policy = load_policy(args)
     if policy.is_video and suffix in IMAGE_SUFFIXES:
         raise UserError(f"--out {out.name}: {policy.family} is a video model; write .mp4 or .gif")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from flowalign.cli.common import add_model_args, load_policy
+from flowalign.cli.common import add_model_args, check_positive, load_policy
+from flowalign.config import read_text_file
 from flowalign.errors import UserError
 from flowalign.io import atomic_dir, check_out_dir, remove_owned, write_json
 from flowalign.paths import REPO_ROOT, default_model_dir
@@ -108,7 +109,8 @@ def _pairs_from_jsonl(policy, path: Path, batch: int = 64):
     from rewards.latent_registers import encode_images
 
     prompts, files, margins = [], [], []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+    text = read_text_file(path, "--pairs", "a .jsonl of {prompt, chosen, rejected} images")
+    for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -174,6 +176,7 @@ def run(args: argparse.Namespace) -> None:
     from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
 
     _check(args)
+    check_positive(args, "steps")
     out = Path(args.out)
     partial = out.with_name(out.resolve().name + ".partial")
     check_out_dir(out, writer="train-reward", overwrite=args.overwrite)  # before anything is sampled or trained

@@ -33,6 +33,7 @@ from flowalign.finite import check_training_finite
 from flowalign.errors import UserError
 from flowalign.logger import RunLogger
 from flowalign.protocols import FlowPolicy, RewardOutput
+from flowalign.reward_check import check_reward_output
 from flowalign.sampling import Rollout, rollout
 
 
@@ -174,9 +175,11 @@ class GroupTrainer:
         columns, valid, logs = [], torch.ones(len(prompts), dtype=torch.bool), {}
         for name, _, reward in self.rewards:
             try:
-                out: RewardOutput = reward(samples, prompts, metadata)
+                out: RewardOutput = check_reward_output(name, reward(samples, prompts, metadata), len(prompts))
                 value = out.total.float().cpu()
                 ok = out.valid.cpu() & torch.isfinite(value)
+            except UserError:  # a reward that returns the wrong thing fails every batch: say so once
+                raise
             except Exception as e:  # a reward that raises invalidates the batch's samples, not the run
                 print(f"warning: reward {name!r} raised {type(e).__name__}: {e}")
                 value, ok = torch.zeros(len(prompts)), torch.zeros(len(prompts), dtype=torch.bool)

@@ -72,3 +72,5 @@ def test_a_second_live_train_on_the_folder_refuses(tmp_path, capsys, tiny_sd3_di
     assert (run_dir / LOCK_NAME).exists()  # left by the kill: stale now
     assert main(["train", "/dev/null", *small_run(run_dir, tiny_sd3_dir, prompt_file, "trainer.max_steps=1")]) == 0
     assert "stale lock" in capsys.readouterr().err and not (run_dir / LOCK_NAME).exists()
+    # killed before its first checkpoint: the rerun started over and logged each step once
+    assert [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
