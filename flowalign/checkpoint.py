@@ -125,8 +125,13 @@ def finalise(tmp: Path, final: Path) -> None:
 
     write_manifest(tmp, skip={COMPLETE})
     (tmp / COMPLETE).write_text("ok\n")
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the same step saved again (the final save): swap by renames, the old one deleted last
+        old = final.with_name(f".tmp-old-{final.name}")  # pruned like any temporary folder if a kill strands it
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return
     tmp.rename(final)
 
 

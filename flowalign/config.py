@@ -54,7 +54,8 @@ class RunSection(Section):
 
 def _numeric(annotation: Any) -> bool:
     """``int``, ``float`` or an optional one (the annotations a YAML ``true`` must not satisfy as 1)."""
-    args = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in (Union, UnionType) else [annotation]
+    union = get_origin(annotation) in (Union, UnionType)
+    args = [a for a in get_args(annotation) if a is not type(None)] if union else [annotation]
     return bool(args) and all(a in (int, float) for a in args)
 
 
@@ -199,7 +200,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         path = Path(path)
         try:
-            data = yaml.safe_load(read_text_file(path, "config file", "a YAML file such as configs/tiny/flow_grpo_vvr.yaml")) or {}
+            text = read_text_file(path, "config file", "a YAML file such as configs/tiny/flow_grpo_vvr.yaml")
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise UserError(f"config file {path} is not valid YAML: {e}") from e
         if not isinstance(data, dict):

@@ -30,13 +30,16 @@ def non_finite_key(data: Any, prefix: str = "") -> tuple[str, float] | None:
     return None
 
 
-def _watched(key: str) -> bool:
-    """Logged quantities that make the next weights meaningless when they are not finite."""
-    return key.startswith("train/") and ("loss" in key or key == "train/grad_norm")
+def weight_labels(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Trained tensors keyed as :func:`check_training_finite` names them."""
+    return {f"weight {n}": p for n, p in named.items()}
 
 
 def check_training_finite(step: int, logs: dict[str, float], tensors: dict[str, torch.Tensor], run_dir: Path) -> None:
-    """Raise ``UserError`` naming the step and the first non-finite loss, gradient norm or tensor.
+    """Raise ``UserError`` naming the step and the non-finite gradient norm or tensor (and losses, if any).
+
+    The decision rests on quantities every rank shares (the all-reduced gradient norm, the replicated
+    weights), so all ranks stop at the same step; a rank's own non-finite losses only explain it.
 
     Args:
         step: the step just trained (1-based, as logged).
@@ -44,11 +47,15 @@ def check_training_finite(step: int, logs: dict[str, float], tensors: dict[str, 
         tensors: tensors that must be finite, by what to call them (``"weight <name>"``, ``"sampled outputs"``).
         run_dir: the run folder (its newest checkpoint is named as the one to resume from).
     """
-    bad = next((f"{k} ({v})" for k, v in logs.items() if _watched(k) and not math.isfinite(v)), None)
+    norm = logs.get("train/grad_norm", 0.0)
+    bad = None if math.isfinite(norm) else f"train/grad_norm ({norm})"
     if bad is None:
         bad = next((label for label, t in tensors.items() if not torch.isfinite(t.detach()).all()), None)
     if bad is None:
         return
+    losses = [f"{k} ({v})" for k, v in logs.items() if k.startswith("train/") and "loss" in k and not math.isfinite(v)]
+    if losses:
+        bad += f" after {', '.join(losses)}"
     from flowalign.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(run_dir)

@@ -92,7 +92,8 @@ def _probe_writable(path: Path, flag: str) -> None:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise UserError(f"{flag} {path}: cannot write there ({e.strerror}: {existing}); choose a writable folder") from None
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror}: {existing}); "
+                        "choose a writable folder") from None
 
 
 def _refuse_foreign(path: Path, foreign: list[str], flag: str) -> None:

@@ -66,7 +66,8 @@ def acquire(run_dir: Path) -> Path:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"run.output_dir {run_dir}: cannot create it ({e.strerror}); choose a writable folder") from None
+        raise UserError(f"run.output_dir {run_dir}: cannot create it ({e.strerror}); "
+                        "choose a writable folder") from None
     lock = run_dir / LOCK_NAME
     me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
           "since": time.strftime("%Y-%m-%d %H:%M:%S")}

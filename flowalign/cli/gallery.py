@@ -100,7 +100,8 @@ def read_prompts(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     if not path.exists():
         raise UserError(f"--prompts {path}: no such file; give a text file with one prompt per line")
     prompts, metadata = [], []
-    for line_no, line in enumerate(read_text_file(path, "--prompts", "a text file with one prompt per line").splitlines(), 1):
+    text = read_text_file(path, "--prompts", "a text file with one prompt per line")
+    for line_no, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line:
             continue

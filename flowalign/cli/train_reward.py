@@ -25,7 +25,7 @@ from flowalign.paths import REPO_ROOT, default_model_dir
 
 
 #: the writer name of ``OUT.partial/`` (the resume folder), whose files only this command removes
-PARTIAL = "train-reward-partial"
+PARTIAL, PARTIAL_FLAG = "train-reward-partial", "--out (its resume folder)"
 
 #: training pairs scored for the train-accuracy report (a random subset when there are more)
 TRAIN_ACCURACY_PAIRS = 1024
@@ -82,6 +82,16 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--test-fraction {args.test_fraction}: use a value in [0, 1)")
     if args.lr <= 0:
         raise UserError(f"--lr {args.lr} must be > 0")
+    check_positive(args, "steps")
+
+
+def _out_folders(args: argparse.Namespace) -> tuple[Path, Path]:
+    """``--out`` and its resume folder ``OUT.partial``, refused before anything is sampled or trained."""
+    out = Path(args.out)
+    partial = out.with_name(out.resolve().name + ".partial")
+    check_out_dir(out, writer="train-reward", overwrite=args.overwrite)
+    check_out_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag=PARTIAL_FLAG)
+    return out, partial
 
 
 def _portable(path: Path) -> str:
@@ -176,11 +186,7 @@ def run(args: argparse.Namespace) -> None:
     from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
 
     _check(args)
-    check_positive(args, "steps")
-    out = Path(args.out)
-    partial = out.with_name(out.resolve().name + ".partial")
-    check_out_dir(out, writer="train-reward", overwrite=args.overwrite)  # before anything is sampled or trained
-    check_out_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag="--out (its resume folder)")
+    out, partial = _out_folders(args)
     layers = _layers(args.layers)
     policy = load_policy(args)
     model = _portable(Path(args.model) if args.model else default_model_dir())
@@ -215,7 +221,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"resumed from {partial} at step {start}")
 
     def checkpoint(step: int) -> None:
-        with atomic_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag="--out (its resume folder)") as tmp:
+        with atomic_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag=PARTIAL_FLAG) as tmp:
             pairs.save(tmp / "pairs.safetensors")
             from safetensors.torch import save_file
 

@@ -29,8 +29,8 @@ from flowalign.checkpoint_manifest import resume_folder
 from flowalign.config import Section, TrainConfig
 from flowalign.data import PromptSet
 from flowalign.ema import EMA
-from flowalign.finite import check_training_finite
 from flowalign.errors import UserError
+from flowalign.finite import check_training_finite, weight_labels
 from flowalign.logger import RunLogger
 from flowalign.protocols import FlowPolicy, RewardOutput
 from flowalign.reward_check import check_reward_output
@@ -338,7 +338,7 @@ class GroupTrainer:
                     raise KeyboardInterrupt
                 self.lr_now = self.learning_rate(self.budget_fraction())
                 logs = self.train_step()
-                check_training_finite(self.step + 1, logs, self.weights_by_label(), self.run_dir)  # before any save
+                check_training_finite(self.step + 1, logs, weight_labels(self.trainable_state()), self.run_dir)
                 logs["train/lr"] = self.lr_now
                 self.train_seconds += logs["time/step"]
                 self.step += 1
@@ -394,11 +394,8 @@ class GroupTrainer:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.policy.trainable.named_parameters() if p.requires_grad}
 
-    def weights_by_label(self) -> dict[str, torch.Tensor]:
-        return {f"weight {n}": p for n, p in self.trainable_state().items()}
-
     def save_checkpoint(self) -> Path:
-        check_training_finite(self.step, {}, self.weights_by_label(), self.run_dir)  # never a NaN checkpoint
+        check_training_finite(self.step, {}, weight_labels(self.trainable_state()), self.run_dir)  # never NaN
         final = self.run_dir / "checkpoints" / ckpt.step_dir_name(self.step)
         tmp = self.run_dir / "checkpoints" / f".tmp-{ckpt.step_dir_name(self.step)}"
         if self.acc.is_main_process:

@@ -39,8 +39,10 @@ def test_non_finite_helpers_name_the_first_bad_quantity(tmp_path):
     assert non_finite_key({"a": [1.0, {"b": 2.0}], "c": "inf"}) is None
     assert non_finite_key({"a": [1.0, {"b": float("nan")}]})[0] == "a[1].b"
     check_training_finite(3, {"train/loss": 0.5, "reward/x": float("nan")}, {"weight w": torch.ones(2)}, tmp_path)
-    with pytest.raises(UserError, match=r"step 3: non-finite train/loss \(nan\).*no checkpoint was written"):
-        check_training_finite(3, {"train/loss": float("nan")}, {"weight w": torch.ones(2)}, tmp_path)
+    nan = float("nan")
+    with pytest.raises(UserError, match=r"step 3: non-finite train/grad_norm \(nan\) after train/loss \(nan\).*no "
+                                        r"checkpoint was written"):
+        check_training_finite(3, {"train/loss": nan, "train/grad_norm": nan}, {"weight w": torch.ones(2)}, tmp_path)
     with pytest.raises(UserError, match="step 3: non-finite weight w"):
         check_training_finite(3, {"train/grad_norm": 1.0}, {"weight w": torch.tensor([1.0, float("inf")])}, tmp_path)
 
