@@ -97,7 +97,10 @@ def release(lock: Path) -> None:
     if owner is not None and owner["pid"] == os.getpid() and owner.get("host") == socket.gethostname():
         lock.unlink(missing_ok=True)
     if lock.parent.is_dir() and not any(lock.parent.iterdir()):
-        lock.parent.rmdir()
+        try:
+            lock.parent.rmdir()
+        except OSError:  # e.g. the working folder itself
+            pass
 
 
 @contextmanager
