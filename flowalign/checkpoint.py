@@ -3,7 +3,9 @@
 A folder holds the adapter where diffusers' ``load_lora_weights`` reads it (``pytorch_lora_weights.safetensors``;
 full fine-tunes save ``trainable.safetensors`` instead), the exact trainable tensors for resuming, the
 optimiser, the EMA, every rank's RNG states and ``trainer_state.json``. All tensors are safetensors;
-``COMPLETE`` is written last, so a folder without it (a kill mid-write) is never resumed from.
+``manifest.json`` (every file's size and SHA-256, :mod:`flowalign.checkpoint_manifest`) and ``COMPLETE``
+are written last, so a folder without them (a kill mid-write) or that no longer matches its manifest (a
+damaged disk, a truncated copy) is never resumed from.
 """
 
 from __future__ import annotations
@@ -118,10 +120,18 @@ def write_checkpoint_files(
 
 
 def finalise(tmp: Path, final: Path) -> None:
-    """Mark complete and move into place in one rename."""
+    """Record the manifest (sizes, checksums), mark complete and move into place in one rename."""
+    from flowalign.checkpoint_manifest import write_manifest
+
+    write_manifest(tmp, skip={COMPLETE})
     (tmp / COMPLETE).write_text("ok\n")
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the same step saved again (the final save): swap by renames, the old one deleted last
+        old = final.with_name(f".tmp-old-{final.name}")  # pruned like any temporary folder if a kill strands it
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return
     tmp.rename(final)
 
 

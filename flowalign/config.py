@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from flowalign.errors import UserError
+from flowalign.finite import non_finite_key
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors, values are validated on assignment too."""
+    """A config section: unknown keys are errors, values are validated on assignment too, numbers must
+    be finite and ``true``/``false`` is not a number."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bool_is_not_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            raise ValueError("expected a number, not true/false")
+        return value
 
 
 class RunSection(Section):
@@ -39,6 +50,13 @@ class RunSection(Section):
     #: stop with an error when more than this fraction of a batch has invalid rewards
     max_invalid_fraction: float = Field(0.5, ge=0.0, le=1.0)
     progress: bool = True
+
+
+def _numeric(annotation: Any) -> bool:
+    """``int``, ``float`` or an optional one (the annotations a YAML ``true`` must not satisfy as 1)."""
+    union = get_origin(annotation) in (Union, UnionType)
+    args = [a for a in get_args(annotation) if a is not type(None)] if union else [annotation]
+    return bool(args) and all(a in (int, float) for a in args)
 
 
 class LoraSection(Section):
@@ -72,7 +90,7 @@ class DataSection(Section):
 class RewardSpec(BaseModel):
     """One reward of the weighted sum; keys other than ``name`` and ``weight`` are its options."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     name: str
     weight: float = 1.0
 
@@ -106,6 +124,15 @@ class TrainConfig(Section):
     trainer: dict[str, Any] = Field(default_factory=lambda: {"name": "flow_grpo"})
     eval: EvalSection = EvalSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _finite(cls, data: Any) -> Any:
+        """Free-form parts (reward options, ``model.defaults``, the trainer section) hold finite numbers too."""
+        bad = non_finite_key(data)
+        if bad:
+            raise ValueError(f"{bad[0]}: {bad[1]} is not a finite number; give a finite value")
+        return data
+
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides in place; each value is read as YAML (``lr=1e-4``, ``x='[1,2]'``)."""
@@ -113,7 +140,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise UserError(f"override {item!r} is not key=value (e.g. trainer.lr=1e-4)")
-        value = yaml.safe_load(raw) if raw != "" else None
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+            raise UserError(f"override {key}: {raw!r} is not valid YAML ({problem}); quote text values, "
+                            f"e.g. {key}='\"...\"', and close brackets") from None
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -138,8 +170,10 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], prefix
         if e["type"] == "extra_forbidden":
             fields = _fields_at(model, loc[:-1])
             lines.append(f"{where}: unknown key{_suggest(loc[-1], fields)}")
+        elif not loc:  # a whole-config check names its key itself
+            lines.append(e["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "; ".join(lines)
 
 
@@ -159,10 +193,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise UserError(f"config file {path} does not exist; pass a YAML file such as configs/tiny/flow_grpo_vvr.yaml")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            text = read_text_file(path, "config file", "a YAML file such as configs/tiny/flow_grpo_vvr.yaml")
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise UserError(f"config file {path} is not valid YAML: {e}") from e
         if not isinstance(data, dict):
@@ -172,6 +205,19 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         return TrainConfig.model_validate(data)
     except ValidationError as e:
         raise UserError(f"invalid config: {format_validation_error(e, TrainConfig)}") from None
+
+
+def read_text_file(path: Path, what: str, example: str) -> str:
+    """The UTF-8 text of ``path``, or a one-line ``UserError`` for a missing file, a folder or other bytes."""
+    if not path.exists():
+        raise UserError(f"{what} {path} does not exist; pass {example}")
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder, not a file; pass {example}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                        "save it as UTF-8") from None
 
 
 def validate_section(section: type[BaseModel], data: dict[str, Any], prefix: str) -> Any:

@@ -37,10 +37,11 @@ class PromptSet:
 
 def read_prompt_file(path: str | Path) -> PromptSet:
     """``.txt``: one prompt a line; ``.jsonl``: ``{"prompt": ..., <metadata>...}`` a line (e.g. a VVR ``task``)."""
+    from flowalign.config import read_text_file
+
     path = Path(path)
-    if not path.exists():
-        raise UserError(f"prompt file {path} does not exist; give a .txt (one prompt a line) or .jsonl file")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    text = read_text_file(path, "prompt file", "a .txt (one prompt a line) or .jsonl file")
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise UserError(f"prompt file {path} is empty")
     if path.suffix == ".jsonl":

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from flowalign.io import write_json, write_jsonl
+from flowalign.io import atomic_dir, write_json, write_jsonl
 from flowalign.media import save_image, save_poster, save_video
 from flowalign.protocols import FlowPolicy, Reward
+from flowalign.reward_check import check_reward_output
 from flowalign.sampling import rollout
 
 
@@ -73,24 +74,28 @@ def evaluate(
     save_samples: bool = True,
     progress: bool = True,
     labels: dict[str, Any] | None = None,
+    overwrite: bool = True,
 ) -> dict[str, Any]:
     """Sample every prompt once, score with ``reward`` and write ``metrics.json``, ``results.jsonl`` and
-    ``samples/`` under ``out_dir`` (if given). Returns the metrics."""
+    ``samples/`` under ``out_dir`` (if given), all at once (:func:`flowalign.io.atomic_dir`: other files
+    there are kept; ``overwrite=False`` refuses a non-empty folder without an earlier evaluation). Returns
+    the metrics."""
     samples = sample_seeded(policy, prompts, seed=seed, num_steps=num_steps, guidance_scale=guidance_scale,
                             batch_size=batch_size, progress=progress, desc="evaluating")
-    scored = reward(samples, prompts, metadata)
+    scored = check_reward_output(getattr(reward, "name", type(reward).__name__), reward(samples, prompts, metadata),
+                                 len(prompts))
     metrics = {**(labels or {}), **summarise(scored, len(prompts))}
     if out_dir is not None:
-        out = Path(out_dir)
-        rows = []
-        for i, prompt in enumerate(prompts):
-            row = {"index": i, "prompt": prompt, "valid": bool(scored.valid[i]),
-                   "score": float(scored.total[i]), **(scored.info[i] if scored.info else {})}
-            if save_samples:
-                row["file"] = _save_sample(samples[i], out / "samples", i)
-            rows.append(row)
-        write_jsonl(out / "results.jsonl", rows)
-        write_json(out / "metrics.json", metrics)
+        with atomic_dir(out_dir, writer="evaluate", overwrite=overwrite) as out:
+            rows = []
+            for i, prompt in enumerate(prompts):
+                row = {"index": i, "prompt": prompt, "valid": bool(scored.valid[i]),
+                       "score": float(scored.total[i]), **(scored.info[i] if scored.info else {})}
+                if save_samples:
+                    row["file"] = _save_sample(samples[i], out / "samples", i)
+                rows.append(row)
+            write_jsonl(out / "results.jsonl", rows)
+            write_json(out / "metrics.json", metrics)
     return metrics
 
 

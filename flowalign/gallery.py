@@ -165,8 +165,10 @@ def _cell(folder: Path, row: dict[str, Any], score_name: str | None, where: str)
 # --------------------------------------------------------------------------------------------- writing
 
 
-def write_gallery(out_dir: Path, columns: list[str], rows: list[GalleryRow], *, title: str) -> Path:
-    """Write the gallery folder ``out_dir`` atomically (it replaces any old one); returns its index.html."""
+def write_gallery(out_dir: Path, columns: list[str], rows: list[GalleryRow], *, title: str,
+                  overwrite: bool = False) -> Path:
+    """Write ``index.html`` and ``media/`` into ``out_dir`` atomically (replacing an earlier gallery there,
+    never other files; a non-empty folder without one needs ``overwrite``); returns its index.html."""
     out_dir = Path(out_dir)
     if not columns:
         raise UserError("a gallery needs at least one column (checkpoint or adapter)")
@@ -175,7 +177,7 @@ def write_gallery(out_dir: Path, columns: list[str], rows: list[GalleryRow], *, 
     for row in rows:
         if len(row.cells) != len(columns):
             raise UserError(f"prompt {row.prompt!r} has {len(row.cells)} cells for {len(columns)} columns; give one per column")
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, writer="gallery", overwrite=overwrite) as tmp:
         rendered = [[_place_media(tmp, c, r, cell) for c, cell in enumerate(row.cells)] for r, row in enumerate(rows)]
         with atomic_path(tmp / "index.html") as page:
             page.write_text(render_page(title, columns, rows, rendered), encoding="utf-8")

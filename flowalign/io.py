@@ -36,17 +36,147 @@ def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-@contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder beside ``path``; on success it replaces ``path`` in one rename."""
+#: hidden names inside an output folder that belong to the writing machinery, never to the user
+TMP_PREFIX, OLD_PREFIX, MARKER_PREFIX = ".flowalign-tmp-", ".flowalign-old-", ".flowalign-"
+
+
+def marker_name(writer: str) -> str:
+    """The file that lists what ``writer`` (e.g. ``gallery``) put into a folder."""
+    return f"{MARKER_PREFIX}{writer}.json"
+
+
+def owned_entries(path: Path, writer: str) -> set[str]:
+    """Top-level names ``writer`` wrote into ``path`` before (empty when it never did)."""
+    try:
+        return set(json.loads((path / marker_name(writer)).read_text())["entries"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _machinery(name: str) -> bool:
+    return name.startswith(MARKER_PREFIX)
+
+
+def foreign_entries(path: Path, writer: str) -> list[str]:
+    """Top-level names in ``path`` that ``writer`` did not write (other writers' markers excepted)."""
+    if not path.is_dir():
+        return []
+    owned = owned_entries(path, writer)
+    return sorted(p.name for p in path.iterdir() if p.name not in owned and not _machinery(p.name))
+
+
+def check_out_dir(path: str | Path, *, writer: str, overwrite: bool, flag: str = "--out") -> None:
+    """Refuse (``UserError``) a folder ``writer`` may not write into: a file, or a non-empty folder it did
+    not write before (unless ``overwrite``). Call it before expensive work; :func:`atomic_dir` repeats it."""
+    from flowalign.errors import UserError
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file; give a folder to write")
+    _probe_writable(path, flag)
+    if overwrite or not path.is_dir():
+        return
+    if not (path / marker_name(writer)).is_file():
+        _refuse_foreign(path, foreign_entries(path, writer), flag)
+
+
+def _probe_writable(path: Path, flag: str) -> None:
+    """Fail before any work when the nearest existing folder of ``path`` takes no files (read-only,
+    ``/proc``, no permission); the probe is an unnamed temporary file, gone when closed."""
+    from flowalign.errors import UserError
+
+    existing = next(p for p in [path.absolute(), *path.absolute().parents] if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "a part of the path is a file", str(existing))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror}: {existing}); "
+                        "choose a writable folder") from None
+
+
+def _refuse_foreign(path: Path, foreign: list[str], flag: str) -> None:
+    from flowalign.errors import UserError
+
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise UserError(f"{flag} {path} holds files this command did not write ({shown}); choose a new or empty "
+                        f"folder, or add --overwrite to replace only the files it writes (the others are kept)")
+
+
+@contextmanager
+def atomic_dir(path: str | Path, *, writer: str, overwrite: bool = False, flag: str = "--out") -> Iterator[Path]:
+    """Yield an empty temporary folder; on success its entries replace their namesakes in ``path``.
+
+    Nothing ``writer`` did not write is ever removed: a new folder appears in one rename; into an existing
+    one each entry is swapped in by rename and the entries ``writer`` wrote before (listed in its marker
+    file, :func:`marker_name`) are dropped, while every other file stays. A non-empty folder that
+    ``writer`` never wrote to is refused unless ``overwrite`` (which still only replaces the names it
+    writes). A failure inside the block leaves ``path`` untouched.
+    """
+    path = Path(path)
+    check_out_dir(path, writer=writer, overwrite=overwrite, flag=flag)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.resolve().name}.tmp-", dir=path.parent))
+        try:
+            yield tmp
+            _write_marker(tmp, writer, sorted(p.name for p in tmp.iterdir()))
+            os.replace(tmp, path)  # a folder appearing since the check makes this fail, never merge
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    _drop_leftovers(path)
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=path))
     try:
         yield tmp
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        _swap_in(tmp, path, writer, overwrite, flag)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_marker(folder: Path, writer: str, entries: list[str]) -> None:
+    write_json(folder / marker_name(writer), {"writer": writer, "entries": entries})
+
+
+def _swap_in(tmp: Path, path: Path, writer: str, overwrite: bool, flag: str) -> None:
+    """Move ``tmp``'s entries into ``path``; the old owned ones go to a trash folder deleted last."""
+    new = sorted(p.name for p in tmp.iterdir())
+    if not overwrite:  # its earlier output may sit beside a user's file of a name it now writes
+        _refuse_foreign(path, sorted(set(new) & set(foreign_entries(path, writer))), flag)
+    replaced = sorted((owned_entries(path, writer) | set(new)) - {marker_name(writer)})
+    # a kill from here on leaves every name it may have touched listed as owned: the rerun replaces them
+    _write_marker(path, writer, replaced)
+    trash = Path(tempfile.mkdtemp(prefix=OLD_PREFIX, dir=path))
+    for name in replaced:
+        if (path / name).exists() or (path / name).is_symlink():
+            os.replace(path / name, trash / name)
+        if name in new:
+            os.replace(tmp / name, path / name)
+    _write_marker(path, writer, new)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _drop_leftovers(path: Path) -> None:
+    """Temporary and trash folders of an earlier write that was killed (their names are ours)."""
+    for p in path.iterdir():
+        if p.is_dir() and (p.name.startswith(TMP_PREFIX) or p.name.startswith(OLD_PREFIX)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def remove_owned(path: str | Path, writer: str) -> None:
+    """Delete what ``writer`` wrote into ``path`` (and ``path`` itself once empty); other files stay."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    for name in owned_entries(path, writer):
+        target = path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+    (path / marker_name(writer)).unlink(missing_ok=True)
+    _drop_leftovers(path)
+    if not any(path.iterdir()):
+        path.rmdir()

@@ -7,6 +7,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flowalign.io import atomic_path
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
 
 class RunLogger:
     """Writes scalars from rank 0; other ranks get a logger that does nothing."""
@@ -15,6 +25,7 @@ class RunLogger:
                  name: str, config: dict[str, Any]):
         self.enabled = enabled
         self.tb = self.wandb = None
+        self.already_logged: set[tuple[int, tuple[str, ...]]] = set()
         if not enabled:
             return
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -32,15 +43,28 @@ class RunLogger:
                 self.wandb = wandb_lib.init(project=project, name=name, config=config, dir=str(run_dir), resume="allow")
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows logged after ``step`` (a resumed run re-logs them)."""
+        """Drop rows logged after ``step`` (a resumed run re-logs them; -1 drops all), and a line torn by
+        a kill mid-write, with a warning."""
         if not self.enabled or not self.metrics_path.exists():
             return
-        rows = [line for line in self.metrics_path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        for number, line in enumerate(self.metrics_path.read_text(errors="replace").splitlines(), 1):
+            row = _parse(line)
+            if row is None and line.strip():
+                print(f"warning: {self.metrics_path}:{number} is a torn row ({line[:60]!r}); dropped", file=sys.stderr)
+            elif row is not None and row.get("step", 0) <= step:
+                kept.append(line)
+                if row.get("step", 0) == step:  # e.g. the final evaluation of a run killed before it ended
+                    self.already_logged.add((step, tuple(sorted(row))))
+        with atomic_path(self.metrics_path) as tmp:
+            tmp.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
+            return
+        row_id = (step, tuple(sorted(["step", *scalars])))
+        if row_id in self.already_logged:  # the same row of the step resumed from: logged once only
+            self.already_logged.discard(row_id)
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, **scalars}) + "\n")

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from flowalign.errors import UserError
 from flowalign.protocols import Reward, RewardOutput
+from flowalign.reward_check import check_reward_output
 
 
 @dataclass
@@ -95,14 +97,17 @@ class RewardSet:
     @torch.no_grad()
     def score(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardScores:
         """Every reward on decoded samples ``(N, 3, H, W)`` or ``(N, F, 3, H, W)``; never raises for a
-        reward's failure (its samples are marked invalid and a warning printed)."""
+        reward's failure (its samples are marked invalid and a warning printed), only for a reward that
+        returns the wrong kind of output (``UserError``)."""
         n = len(prompts)
         columns, oks = [], []
         for name, _, reward in self.entries:
             try:
-                out: RewardOutput = reward(samples, prompts, metadata)
+                out: RewardOutput = check_reward_output(name, reward(samples, prompts, metadata), n)
                 value = out.total.float().cpu()
                 ok = out.valid.cpu().bool() & torch.isfinite(value)
+            except UserError:  # a reward that returns the wrong thing fails every batch: say so once
+                raise
             except Exception as e:  # a reward that raises invalidates the batch's samples, not the run
                 print(f"warning: reward {name!r} raised {type(e).__name__}: {e}")
                 value, ok = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
@@ -116,8 +121,8 @@ class RewardSet:
         """``(N,)`` ``Σ_m w_m·R_m`` with gradients to ``samples`` where the rewards have them; invalid
         components count 0 (they give no gradient)."""
         total = torch.zeros(len(prompts), device=samples.device)
-        for _, weight, reward in self.entries:
-            out = reward(samples, prompts, metadata)
+        for name, weight, reward in self.entries:
+            out = check_reward_output(name, reward(samples, prompts, metadata), len(prompts))
             value = out.total.to(samples.device)
             total = total + weight * torch.where(out.valid.to(samples.device), value, 0.0)
         return total

@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from flowalign.checkpoint import latest_checkpoint
+from flowalign.checkpoint_manifest import damage
 from flowalign.config import TrainConfig, dump_config, validate_section
 from flowalign.data import PromptSet, read_prompt_file
+from flowalign.disk_space import explain_full_disk
 from flowalign.errors import UserError
 from flowalign.io import write_json
 from flowalign.paths import REPO_ROOT
+from flowalign.reward_check import check_reward_metadata
+from flowalign.run_lock import run_lock
 from flowalign.trainers import get_trainer
 
-# keys that may change when a run is resumed (everything else must match the saved config)
-RESUMABLE_CHANGES = {"run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
+# keys that may change when a run is resumed (everything else must match the saved config); the folder
+# itself may have been moved or copied
+RESUMABLE_CHANGES = {"run.output_dir", "run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
                      "trainer.max_steps", "trainer.max_minutes", "eval.every", "run.wandb"}
 
 
 SHARDED_BACKENDS = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+#: written after the final checkpoint: the run is finished
+FINAL_METRICS = "final_metrics.json"
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -33,6 +42,12 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def prepare_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
     """Refuse a folder that holds another run; write the resolved config."""
+    check_run_dir(run_dir, resolved_yaml, resume)
+    write_run_config(run_dir, resolved_yaml)
+
+
+def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
+    """Refuse (``UserError``) a folder that holds another run's config, or any run with ``resume=never``."""
     saved = run_dir / "config.yaml"
     if saved.exists():
         if resume == "never":
@@ -42,10 +57,14 @@ def prepare_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
         if changed:
             raise UserError(f"{run_dir} holds another run's config (differs in {', '.join(changed[:5])}); "
                             "choose another run.output_dir, or delete the folder to start over")
-    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_run_config(run_dir: Path, resolved_yaml: str) -> None:
+    """``config.yaml``, written once the run is built (a failed start leaves none to block the rerun)."""
     from flowalign.io import atomic_path
 
-    with atomic_path(saved) as tmp:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(run_dir / "config.yaml") as tmp:
         tmp.write_text(resolved_yaml)
 
 
@@ -97,7 +116,7 @@ def _write_gallery(run_dir: Path, title: str) -> None:
     from flowalign.gallery import gallery_from_run, write_gallery
 
     columns, rows = gallery_from_run(run_dir)
-    write_gallery(run_dir / "gallery", columns, rows, title=title)
+    write_gallery(run_dir / "gallery", columns, rows, title=title, overwrite=True)  # the run's own folder
 
 
 def build_trainer(cfg: TrainConfig):
@@ -118,8 +137,7 @@ def build_trainer(cfg: TrainConfig):
                         "yet; launch with a multi-GPU (DDP) accelerate config or torchrun, or use LoRA to fit memory")
     run_dir = Path(cfg.run.output_dir)
     if acc.is_main_process:
-        prepare_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)
-    acc.wait_for_everyone()
+        check_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)
     torch.manual_seed(cfg.run.seed)  # the same adapter initialisation on every rank
 
     model_path = resolve_model_path(cfg.model.path)
@@ -129,14 +147,49 @@ def build_trainer(cfg: TrainConfig):
                             gradient_checkpointing=cfg.model.gradient_checkpointing)
     loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
     data = load_train_data(cfg)
+    for name, _, reward in loaded:
+        check_reward_metadata(name, reward, data.metadata, f"data.prompts={cfg.data.prompts}" if cfg.data.prompts
+                              else f"data.bench={cfg.data.bench}")
     evaluator = make_evaluator(cfg) if cfg.eval.bench else None
-    return trainer_cls(cfg, tcfg, policy, loaded, data, evaluator, acc, run_dir)
+    trainer = trainer_cls(cfg, tcfg, policy, loaded, data, evaluator, acc, run_dir)
+    if acc.is_main_process:
+        write_run_config(run_dir, dump_config(cfg, tcfg))
+    acc.wait_for_everyone()
+    return trainer
+
+
+def finished_metrics(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The final metrics of the run in ``run.output_dir`` when it already finished under ``cfg``'s budget
+    (its newest checkpoint reached ``trainer.max_steps`` or ``max_minutes``), else None."""
+    run_dir = Path(cfg.run.output_dir)
+    final_path, newest = run_dir / FINAL_METRICS, latest_checkpoint(run_dir)
+    if cfg.run.resume != "auto" or not final_path.is_file() or newest is None or damage(newest) is not None:
+        return None  # a damaged newest checkpoint: resume falls back and trains again
+    trainer_cls = get_trainer(str(cfg.trainer.get("name", "flow_grpo")))
+    tcfg = validate_section(trainer_cls.Config, cfg.trainer, "trainer.")
+    check_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)  # another run's config still refuses
+    try:
+        state = json.loads((newest / "trainer_state.json").read_text())
+        final = json.loads(final_path.read_text())
+    except (OSError, ValueError):
+        return None
+    minutes = getattr(tcfg, "max_minutes", None)
+    done = state.get("step", 0) >= getattr(tcfg, "max_steps", float("inf")) or (
+        minutes is not None and state.get("train_seconds", 0.0) >= 60 * minutes)
+    return final if done and isinstance(final, dict) else None
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train per ``cfg``; returns the final evaluation metrics."""
-    trainer = build_trainer(cfg)
-    final = trainer.train()
-    if trainer.acc.is_main_process and final:
-        write_json(trainer.run_dir / "final_metrics.json", final)
+    """Train per ``cfg``; returns the final evaluation metrics (those on file for a finished run)."""
+    with run_lock(Path(cfg.run.output_dir)):  # a second live run on the folder refuses
+        final = finished_metrics(cfg)
+        if final is not None:
+            print(f"{cfg.run.output_dir} already finished (final metrics in {FINAL_METRICS}); raise trainer.max_steps "
+                  "to train it further")
+            return final
+        trainer = build_trainer(cfg)
+        with explain_full_disk(trainer.run_dir, trainer.params, cfg.run.keep_checkpoints):
+            final = trainer.train()
+        if trainer.acc.is_main_process:
+            write_json(trainer.run_dir / FINAL_METRICS, final)  # also marks the run finished
     return final

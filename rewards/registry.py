@@ -103,6 +103,31 @@ def _resolve(spec: str) -> tuple[str, Callable[..., Any]]:
 def load(spec: str, **options: Any) -> Any:
     """Instantiate the reward named ``spec`` with ``options`` (a class is called, a function wrapped)."""
     name, obj = _resolve(spec)
+    _check_options(spec, obj, options)
     if isinstance(obj, type):
-        return obj(**options)
+        try:
+            return obj(**options)
+        except TypeError as e:  # options passed on through **kwargs to a base class
+            if "unexpected keyword argument" not in str(e):
+                raise
+            raise UserError(f"reward {spec!r} does not take that option ({e}); check the reward's options") from None
     return FunctionReward(name, obj, **options)
+
+
+def _check_options(spec: str, obj: Callable[..., Any], options: dict[str, Any]) -> None:
+    """Refuse options the reward does not take, naming the ones it does (before it is built)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin or C callable: let it report for itself
+        return
+    params = list(signature.parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    fixed = 0 if isinstance(obj, type) else 3  # a function reward's (samples, prompts, metadata)
+    known = [p.name for p in params[fixed:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise UserError(f"reward {spec!r} has no option {', '.join(map(repr, unknown))}; "
+                        f"it takes {', '.join(known) if known else 'no options'}")

@@ -64,6 +64,16 @@ def load_guided_policy(args: argparse.Namespace):
     return policy, load_guidance(args, policy)
 
 
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Integer options that must be >= 1 when given (0 is an error, not "use the default")."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            default = " (leave it out for the default)" if name in ("steps", "n") else ""
+            raise UserError(f"{flag} {value}: give an integer >= 1{default}")
+
+
 def load_policy(args: argparse.Namespace):
     """Load ``--model`` (and ``--adapter``) through the pipelines registry."""
     import pipelines
@@ -73,7 +83,7 @@ def load_policy(args: argparse.Namespace):
     if args.adapter:
         if not Path(args.adapter).exists():
             raise UserError(f"--adapter {args.adapter}: no such folder; give a saved adapter or a checkpoints/step-XXXXXX folder")
-        load_weights(policy, Path(args.adapter))
+        load_adapter_checked(policy, Path(args.adapter))
         if getattr(args, "ema", False):
             load_ema_weights(policy, Path(args.adapter))
     elif getattr(args, "ema", False):
@@ -81,10 +91,27 @@ def load_policy(args: argparse.Namespace):
     return policy
 
 
+def load_adapter_checked(policy, path: Path) -> None:
+    """:func:`load_weights`, with a damaged checkpoint or unreadable file reported in one line."""
+    from flowalign.checkpoint_manifest import MANIFEST, damage
+
+    if path.is_dir() and (path / MANIFEST).is_file() and (reason := damage(path)):
+        raise UserError(f"--adapter {path}: the checkpoint is damaged ({reason}); use another checkpoint")
+    try:
+        load_weights(policy, path)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors, peft and diffusers each raise their own kinds
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise UserError(f"--adapter {path}: cannot read its weights ({type(e).__name__}: {first}); it is damaged "
+                        "or not an adapter; give a folder written by training or save_adapter") from None
+
+
 def load_weights(policy, folder: Path) -> None:
     """A LoRA adapter (a saved adapter or a LoRA checkpoint), or a full fine-tune's checkpoint."""
     full = folder / "trainable.safetensors"
     if full.exists() and not any(folder.glob("*lora*.safetensors")):
+        _refuse_lora_without_its_file(folder, full)
         from safetensors.torch import load_file
 
         from flowalign.checkpoint import weight_names
@@ -96,6 +123,18 @@ def load_weights(policy, folder: Path) -> None:
             raise UserError(f"--adapter {folder}: its weights do not match this model ({len(unexpected)} unknown tensors)")
         return
     policy.load_adapter(folder)
+
+
+def _refuse_lora_without_its_file(folder: Path, full: Path) -> None:
+    """A LoRA run's checkpoint keeps the adapter in its own file; without it the exact trainable tensors
+    cannot be matched to a model that has no LoRA layers."""
+    from safetensors import safe_open
+
+    with safe_open(str(full), "pt") as f:
+        lora = any("lora_" in k for k in f.keys())
+    if lora:
+        raise UserError(f"--adapter {folder}: this LoRA checkpoint is missing its LoRA file "
+                        "(pytorch_lora_weights.safetensors); restore it, or use another checkpoint")
 
 
 def load_ema_weights(policy, folder: Path) -> None:

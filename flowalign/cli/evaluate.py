@@ -5,8 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowalign.cli.common import add_guide_args, add_model_args, add_sampling_args, load_guided_policy
+from flowalign.cli.common import (
+    add_guide_args,
+    add_model_args,
+    add_sampling_args,
+    check_guide_args,
+    check_positive,
+    load_guided_policy,
+)
 from flowalign.evaluation import evaluate
+from flowalign.io import check_out_dir
 from flowalign.paths import default_model_dir
 
 
@@ -21,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that holds no earlier evaluation (only metrics.json, "
+                        "results.jsonl and samples/ are replaced; other files are kept)")
     add_guide_args(p)
     return p
 
@@ -28,7 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     from flowalign.benchmarks import load_benchmark
 
+    check_positive(args, "steps", "batch_size", "n")
     bench = load_benchmark(args.bench, args.level, args.n, args.seed)
+    check_guide_args(args)
+    check_out_dir(args.out, writer="evaluate", overwrite=args.overwrite)  # before the model is loaded
     policy, guide = load_guided_policy(args)
     labels = {}
     if guide is not None:
@@ -38,6 +52,6 @@ def run(args: argparse.Namespace) -> None:
         labels = {"guide": args.guide, "guide_scale": args.guide_scale, "guide_window": args.guide_window}
     metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
-                       out_dir=args.out, labels={"bench": bench.name, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
+                       out_dir=args.out, overwrite=args.overwrite, labels={"bench": bench.name, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
     print(json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
     print(f"wrote {args.out}/metrics.json")

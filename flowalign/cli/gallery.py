@@ -11,11 +11,14 @@ from typing import Any
 
 import torch
 
-from flowalign.cli.common import load_policy
+from flowalign.cli.common import check_positive, load_policy
+from flowalign.config import read_text_file
 from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.gallery import gallery_from_evals, gallery_from_run, write_gallery
+from flowalign.io import MARKER_PREFIX, check_out_dir
 from flowalign.protocols import RewardOutput
+from flowalign.reward_check import check_reward_metadata
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,33 +43,47 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--labels", nargs="+", default=None, help="column labels (default: folder names, 'base' for --model)")
     p.add_argument("--title", default=None, help="page title (default: the run's or output folder's name)")
     p.add_argument("--out", default=None, help="gallery folder to write (default with --run: RUN/gallery)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that holds no earlier gallery (only index.html and media/ "
+                        "are replaced; other files are kept)")
     return p
 
 
 def run(args: argparse.Namespace) -> None:
+    check_positive(args, "steps", "batch_size")
     if args.run is not None:
         run_dir = Path(args.run)
         columns, rows = gallery_from_run(run_dir)
         out = Path(args.out) if args.out else run_dir / "gallery"
+        overwrite = args.overwrite or args.out is None  # RUN/gallery is the run's own (training writes it too)
         title = args.title or run_dir.resolve().name
     else:
         if args.out is None:
             raise UserError("--out is required with --evals and --model; name the gallery folder to write")
-        out = Path(args.out)
+        out, overwrite = Path(args.out), args.overwrite
+        check_out_dir(out, writer="gallery", overwrite=overwrite)  # before any sampling
         title = args.title or out.resolve().name
         if args.evals is not None:
             dirs = [Path(d) for d in args.evals]
             columns, rows = gallery_from_evals(dirs, _labels(args.labels, [d.name for d in dirs], "--evals folders"))
         else:
-            # the evaluations only feed the gallery, which copies their media: keep them beside it
-            # (same file system, so media are hard-linked) and drop them afterwards
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(prefix=f".{out.name}.evals-", dir=out.parent) as tmp:
+            # the evaluations only feed the gallery, which copies their media: keep them on its file system
+            # (media are hard-linked) under a name of ours, and drop them afterwards
+            with tempfile.TemporaryDirectory(**_scratch(out)) as tmp:
                 dirs, defaults = _sample_columns(args, Path(tmp))
                 columns, rows = gallery_from_evals(dirs, _labels(args.labels, defaults, "columns (base + adapters)"))
-                print(write_gallery(out, columns, rows, title=title))
+                print(write_gallery(out, columns, rows, title=title, overwrite=overwrite))
             return
-    print(write_gallery(out, columns, rows, title=title))
+    print(write_gallery(out, columns, rows, title=title, overwrite=overwrite))
+
+
+def _scratch(out: Path) -> dict[str, str]:
+    """Where the sampled columns wait: inside ``out`` when it exists (a hidden name the gallery ignores),
+    else beside it."""
+    if out.is_dir():
+        return {"prefix": f"{MARKER_PREFIX}evals-", "dir": str(out)}
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    return {"prefix": f".{out.resolve().name}.evals-", "dir": str(out.resolve().parent)}
 
 
 def _labels(given: list[str] | None, defaults: list[str], what: str) -> list[str]:
@@ -80,10 +97,11 @@ def _labels(given: list[str] | None, defaults: list[str], what: str) -> list[str
 def read_prompts(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """Prompts and per-prompt metadata from a text file (one prompt per line) or JSONL
     (``{"prompt": ..., "task": {...}}`` per line; a task becomes the metadata ``{"task": ...}``)."""
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--prompts {path}: no such file; give a text file with one prompt per line")
     prompts, metadata = [], []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    text = read_text_file(path, "--prompts", "a text file with one prompt per line")
+    for line_no, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line:
             continue
@@ -112,6 +130,7 @@ def _sample_columns(args: argparse.Namespace, folder: Path) -> tuple[list[Path],
         from flowalign.plugins import load_reward
 
         reward = load_reward(args.reward)
+        check_reward_metadata(args.reward, reward, metadata, f"--prompts {args.prompts}")
     else:
         reward = Unscored()
     dirs, labels = [], []

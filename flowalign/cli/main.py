@@ -11,6 +11,7 @@ when that command runs (or when ``--help`` lists them all).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import pkgutil
 import sys
@@ -25,6 +26,18 @@ from flowalign.errors import UserError
 
 #: modules of this package that are not commands
 NOT_COMMANDS = {"main", "common"}
+
+
+#: errors of the file system a user can fix (a path, permissions, space), with the fix
+FILE_SYSTEM_ERRORS = {
+    errno.ENOENT: "; check the path (a folder under it cannot be created)",
+    errno.EACCES: "; choose a folder you may write to",
+    errno.EPERM: "; choose a folder you may write to",
+    errno.EROFS: " (a read-only file system); choose a writable folder",
+    errno.ENOSPC: "; free space on that device or write elsewhere",
+    errno.EDQUOT: "; free space in your quota or write elsewhere",
+    errno.ENOTDIR: "; a part of the path is a file, not a folder",
+}
 
 
 def core_commands() -> dict[str, str]:
@@ -83,6 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args._run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in FILE_SYSTEM_ERRORS:
+            raise
+        print(f"error: {e.strerror}: {e.filename or 'a file'}{FILE_SYSTEM_ERRORS[e.errno]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

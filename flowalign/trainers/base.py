@@ -210,7 +210,7 @@ class GroupTrainer:
         advantages."""
         step = self.step if step is None else step
         batch = self.sample(prompts, metadata, groups, prompt_ids, step)
-        check_invalid(batch.scores, step, self.cfg.run.max_invalid_fraction)
+        check_invalid(batch.scores, step, self.cfg.run.max_invalid_fraction, batch.samples, self.run_dir)
         t = time.perf_counter()
         batch.advantages = gathered_advantages(self.tcfg.advantage, batch.scores, batch.prompt_ids, self.acc,
                                                self.tcfg.adv_clip)

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from flowalign import checkpoint as ckpt
+from flowalign import checkpoint_manifest
 from flowalign.errors import UserError
+from flowalign.finite import check_training_finite, weight_labels
 
 
 def split_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -28,6 +30,7 @@ def split_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[st
 def save(trainer: Any) -> Path:
     """Write ``checkpoints/step-N/`` atomically (every rank takes part; the main process writes)."""
     acc, step = trainer.acc, trainer.step
+    check_training_finite(step, {}, weight_labels(trainer.trainable_state()), trainer.run_dir)  # never NaN
     final = trainer.run_dir / "checkpoints" / ckpt.step_dir_name(step)
     tmp = trainer.run_dir / "checkpoints" / f".tmp-{ckpt.step_dir_name(step)}"
     if acc.is_main_process:
@@ -56,22 +59,21 @@ def save(trainer: Any) -> Path:
 
 
 def resume_folder(trainer: Any) -> Path | None:
-    """The checkpoint ``run.resume`` names (``auto``: the latest complete one), or None."""
+    """The checkpoint ``run.resume`` names (``auto``: the newest one that verifies against its
+    manifest), or None."""
     resume = trainer.cfg.run.resume
     if resume == "never":
         return None
-    folder = ckpt.latest_checkpoint(trainer.run_dir) if resume == "auto" else Path(resume)
-    if folder is None:
-        return None
-    if not (folder / ckpt.COMPLETE).exists():
-        raise UserError(f"run.resume={resume}: {folder} is not a complete checkpoint folder (no {ckpt.COMPLETE})")
-    return folder
+    return checkpoint_manifest.resume_folder(trainer.run_dir, resume, main=trainer.acc.is_main_process)
 
 
 def resume(trainer: Any) -> None:
     """Restore weights, optimiser, EMA, RNG, step and the trainer's state from ``run.resume``."""
+    if trainer.cfg.run.resume == "never":
+        return
     folder = resume_folder(trainer)
     if folder is None:
+        trainer.logger.truncate_after(-1)  # a run killed before its first checkpoint starts over
         return
     state = ckpt.load_checkpoint(folder)
     live = trainer.trainable_state()

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from flowalign import checkpoint as ckpt
+from flowalign.finite import check_training_finite, weight_labels
 
 
 def run(trainer: Any) -> dict[str, Any]:
@@ -52,6 +53,7 @@ def one_step(t: Any, bar: Any) -> None:
     """A training step with its bookkeeping: LR, log line, evaluation and checkpoint when due."""
     t.lr_now = t.learning_rate(t.budget_fraction())
     logs = t.train_step()
+    check_training_finite(t.step + 1, logs, weight_labels(t.trainable_state()), t.run_dir)
     logs["train/lr"] = t.lr_now
     t.train_seconds += logs["time/step"]
     t.step += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 
 from flowalign.advantages import compute_advantages
 from flowalign.errors import UserError
+from flowalign.finite import check_training_finite
 from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.sampling import Rollout, rollout
 
@@ -179,8 +181,13 @@ def reward_logs(scores: RewardScores, adv: torch.Tensor, acc: Any) -> dict[str, 
     }
 
 
-def check_invalid(scores: RewardScores, step: int, limit: float) -> None:
+def check_invalid(scores: RewardScores, step: int, limit: float, samples: torch.Tensor | None = None,
+                  run_dir: Path | None = None) -> None:
+    """Refuse a batch with more than ``limit`` invalid rewards; non-finite ``samples`` (a diverged
+    policy) are named as the cause first."""
     invalid = 1.0 - scores.valid.float().mean().item()
     if invalid > limit:
+        if samples is not None and run_dir is not None:
+            check_training_finite(step + 1, {}, {"sampled outputs": samples}, run_dir)  # diverged?
         raise UserError(f"step {step}: {invalid:.0%} of the samples have invalid rewards (limit "
                         f"run.max_invalid_fraction={limit}); check the reward")

@@ -27,12 +27,13 @@ KEPT = ("README.md", "samples.png", "samples.gif")
 
 
 def export(pipe, ema: EMA, pipeline_class: str, defaults: dict, folder: Path) -> None:
-    """Save ``pipe`` with the EMA weights swapped in to ``folder`` (replaced in one rename) and reload it."""
+    """Save ``pipe`` with the EMA weights swapped in to ``folder`` (its files swapped in by renames) and reload it."""
     import diffusers
 
     from pipelines.tiny import write_sampling_defaults
 
-    with atomic_dir(folder) as tmp:
+    # the model folder is this export's own: its files are replaced, other files (a model card) stay
+    with atomic_dir(folder, writer="pretrain-export", overwrite=True) as tmp:
         with ema.swapped_in():
             pipe.save_pretrained(tmp, safe_serialization=True)
         write_sampling_defaults(tmp, **defaults)

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
-from flowalign.cli.common import add_model_args, load_policy
+from flowalign.cli.common import add_model_args, check_positive, load_policy
+from flowalign.config import read_text_file
 from flowalign.errors import UserError
-from flowalign.io import atomic_dir, write_json
+from flowalign.io import atomic_dir, check_out_dir, remove_owned, write_json
 from flowalign.paths import REPO_ROOT, default_model_dir
 
+
+#: the writer name of ``OUT.partial/`` (the resume folder), whose files only this command removes
+PARTIAL, PARTIAL_FLAG = "train-reward-partial", "--out (its resume folder)"
 
 #: training pairs scored for the train-accuracy report (a random subset when there are more)
 TRAIN_ACCURACY_PAIRS = 1024
@@ -41,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--no-partial-credit", action="store_true", help="rank vvr samples by the plain verifier score")
     src.add_argument("--pairs-out", default=None, help="also save the generated pairs here (.safetensors) for reuse")
     p.add_argument("--out", required=True, help="reward folder to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that holds no earlier reward (only the files this command "
+                        "writes are replaced; other files are kept)")
     p.add_argument("--registers", type=int, default=8, help="number of register tokens M")
     p.add_argument("--layers", default="last", help="'last', 'multi' (L/2, 3L/4, L) or comma-separated block indices")
     p.add_argument("--head-hidden", type=int, default=256)
@@ -74,6 +80,16 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--test-fraction {args.test_fraction}: use a value in [0, 1)")
     if args.lr <= 0:
         raise UserError(f"--lr {args.lr} must be > 0")
+    check_positive(args, "steps")
+
+
+def _out_folders(args: argparse.Namespace) -> tuple[Path, Path]:
+    """``--out`` and its resume folder ``OUT.partial``, refused before anything is sampled or trained."""
+    out = Path(args.out)
+    partial = out.with_name(out.resolve().name + ".partial")
+    check_out_dir(out, writer="train-reward", overwrite=args.overwrite)
+    check_out_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag=PARTIAL_FLAG)
+    return out, partial
 
 
 def _portable(path: Path) -> str:
@@ -102,7 +118,8 @@ def pairs_from_jsonl(policy, path: Path, batch: int = 64):
     from rewards.latent_registers import encode_images
 
     prompts, files, margins = [], [], []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+    text = read_text_file(path, "--pairs", "a .jsonl of {prompt, chosen, rejected} images")
+    for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -215,7 +232,7 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
         print(f"resumed from {partial} at step {start}")
 
     def checkpoint(step: int) -> None:
-        with atomic_dir(partial) as tmp:
+        with atomic_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag=PARTIAL_FLAG) as tmp:
             pairs.save(tmp / "pairs.safetensors")
             save_file({k: v.detach().cpu().contiguous() for k, v in reward.state_dict().items()}, str(tmp / "registers.safetensors"))
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -242,8 +259,7 @@ def run(args: argparse.Namespace) -> None:
     from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
 
     _check(args)
-    out = Path(args.out)
-    partial = out.with_name(out.name + ".partial")
+    out, partial = _out_folders(args)
     layers = _layers(args.layers)
     policy = load_policy(args)
     model = _portable(Path(args.model) if args.model else default_model_dir())
@@ -264,11 +280,12 @@ def run(args: argparse.Namespace) -> None:
                "train_steps": args.train_steps, "final_train_loss": stats.get("loss"),
                **accuracy_report(args, reward, policy.encode, train_pairs, test_pairs)}
     metrics["minutes"] = (time.perf_counter() - t0) / 60
-    reward.save(out, extra={"trained_on": source})
-    if not args.no_save_pairs:
-        pairs.save(out / "pairs.safetensors")
-    write_json(out / "metrics.json", metrics)
-    shutil.rmtree(partial, ignore_errors=True)
+    with atomic_dir(out, writer="train-reward", overwrite=args.overwrite) as tmp:
+        reward.write_files(tmp, extra={"trained_on": source})
+        if not args.no_save_pairs:
+            pairs.save(tmp / "pairs.safetensors")
+        write_json(tmp / "metrics.json", metrics)
+    remove_owned(partial, PARTIAL)
     shown = metrics.get("accuracy_test", metrics["accuracy_train"])
     print("pairwise accuracy (" + ("held-out" if "accuracy_test" in metrics else "train") + "): "
           + ", ".join(f"{k} {v:.1%}" for k, v in shown.items()))

@@ -134,18 +134,24 @@ class LatentRegisters(nn.Module):
         return self.score(x, sigma, cond)
 
     # ------------------------------------------------------------------ files
-    def save(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """``config.json`` + ``registers.safetensors`` into ``directory`` (replaced in one rename)."""
+    def save(self, directory: str | Path, extra: dict[str, Any] | None = None, *, overwrite: bool = True) -> Path:
+        """``config.json`` + ``registers.safetensors`` into ``directory``, swapped in atomically
+        (:func:`flowalign.io.atomic_dir`: other files there are kept; ``overwrite=False`` refuses a
+        non-empty folder that holds no earlier save)."""
+        directory = Path(directory)
+        with atomic_dir(directory, writer="latent-registers", overwrite=overwrite) as tmp:
+            self.write_files(tmp, extra)
+        return directory
+
+    def write_files(self, folder: Path, extra: dict[str, Any] | None = None) -> None:
+        """Write ``config.json`` and ``registers.safetensors`` into an existing ``folder`` (no atomicity)."""
         from safetensors.torch import save_file
 
-        directory = Path(directory)
         config = {"class": CLASS_PATH, "format_version": FORMAT_VERSION, "family": self.family.name,
                   "base_model": self.base_model, "dim": int(self.registers.shape[1]), **self.options, **(extra or {})}
-        with atomic_dir(directory) as tmp:
-            state = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
-            save_file(state, str(tmp / WEIGHTS_NAME))
-            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        return directory
+        state = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(Path(folder) / WEIGHTS_NAME))
+        (Path(folder) / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | Path, *, transformer: nn.Module | None = None, device: str | torch.device = "cpu",

@@ -24,6 +24,8 @@ class VVRReward:
 
     name = "vvr"
     differentiable = False
+    #: per-prompt metadata this reward scores against (checked before any sampling)
+    requires_metadata = ("task",)
 
     def __init__(self, gamma: float = GAMMA, partial_credit: bool = False):
         if not 0.0 <= gamma <= 1.0:

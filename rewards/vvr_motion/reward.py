@@ -30,6 +30,8 @@ class VVRMotionReward:
     """
 
     name = "vvr_motion"
+    #: per-prompt metadata this reward scores against (checked before any sampling)
+    requires_metadata = ("task",)
     differentiable = False
 
     def __init__(self, gamma: float = GAMMA, partial_credit: bool = False):

@@ -1,0 +1,76 @@
+"""Output folders: written atomically, and nothing the writer did not write is ever removed."""
+
+import json
+
+import pytest
+
+from flowalign.errors import UserError
+from flowalign.io import atomic_dir, check_out_dir, marker_name, owned_entries, remove_owned
+
+
+def _write(path, files, **kw):
+    with atomic_dir(path, writer="demo", **kw) as tmp:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+
+
+def test_new_folder_appears_whole_with_its_marker(tmp_path):
+    out = tmp_path / "a" / "b"
+    _write(out, {"x.txt": "1", "y.txt": "2"})
+    assert sorted(p.name for p in out.iterdir()) == sorted(["x.txt", "y.txt", marker_name("demo")])
+    assert owned_entries(out, "demo") == {"x.txt", "y.txt"}
+    assert [p.name for p in tmp_path.iterdir()] == ["a"] and [p.name for p in (tmp_path / "a").iterdir()] == ["b"]
+
+
+def test_foreign_folder_is_refused_and_untouched(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="--overwrite") as err:
+        _write(tmp_path, {"x.txt": "1"})
+    assert "notes.txt" in str(err.value) and len(str(err.value).splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_overwrite_and_reruns_replace_only_owned_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    _write(tmp_path, {"x.txt": "1", "old.txt": "stale"}, overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "x.txt").read_text() == "1"
+    _write(tmp_path, {"x.txt": "2"})  # its own earlier output: no --overwrite needed
+    assert (tmp_path / "x.txt").read_text() == "2" and not (tmp_path / "old.txt").exists()
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert json.loads((tmp_path / marker_name("demo")).read_text())["entries"] == ["x.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["notes.txt", "x.txt", marker_name("demo")])
+
+
+def test_a_user_file_named_like_new_output_needs_overwrite(tmp_path):
+    _write(tmp_path, {"x.txt": "1"})
+    (tmp_path / "y.txt").write_text("mine")
+    with pytest.raises(UserError, match="y.txt"):
+        _write(tmp_path, {"x.txt": "2", "y.txt": "theirs"})
+    assert (tmp_path / "x.txt").read_text() == "1" and (tmp_path / "y.txt").read_text() == "mine"
+
+
+def test_failure_inside_leaves_the_folder_as_it_was(tmp_path):
+    _write(tmp_path, {"x.txt": "1"})
+    with pytest.raises(RuntimeError):
+        with atomic_dir(tmp_path, writer="demo") as tmp:
+            (tmp / "x.txt").write_text("half")
+            raise RuntimeError("killed")
+    assert (tmp_path / "x.txt").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["x.txt", marker_name("demo")])
+
+
+def test_leftovers_of_a_killed_write_are_cleaned_and_other_writers_coexist(tmp_path):
+    _write(tmp_path, {"x.txt": "1"})
+    (tmp_path / ".flowalign-old-abc").mkdir()
+    with atomic_dir(tmp_path, writer="other", overwrite=True) as tmp:  # "demo"'s files are foreign to it
+        (tmp / "z.txt").write_text("z")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["x.txt", "z.txt", marker_name("demo"), marker_name("other")])
+    remove_owned(tmp_path, "demo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["z.txt", marker_name("other")])
+
+
+def test_a_file_is_not_a_folder(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        check_out_dir(tmp_path / "f", writer="demo", overwrite=True)

@@ -1,0 +1,76 @@
+"""One live ``train`` per run folder: a second one refuses in one line; a dead owner's lock is taken over."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from flowalign.cli.main import main
+from flowalign.errors import UserError
+from flowalign.run_lock import LOCK_NAME, acquire, release
+from tests.flowalign.trainers.conftest import prompt_file, run_cli, small_run  # noqa: F401 (a fixture)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _lock(folder, **owner):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "since": "then", **owner}))
+
+
+def test_a_dead_or_reused_pid_is_stale_and_taken_over(tmp_path, capsys):
+    _lock(tmp_path / "a", pid=_dead_pid())
+    lock = acquire(tmp_path / "a")
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert "stale lock" in capsys.readouterr().err
+    release(lock)
+    assert not (tmp_path / "a").exists()  # nothing else was written: the folder goes too
+    _lock(tmp_path / "b", pid=os.getppid(), start="0")  # a live pid that started at another time: reused
+    release(acquire(tmp_path / "b"))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / LOCK_NAME).write_text('{"pid": 12')  # torn by a kill mid-write
+    release(acquire(tmp_path / "c"))
+
+
+def test_a_live_owner_or_another_host_refuses(tmp_path):
+    _lock(tmp_path / "a", pid=os.getppid())
+    with pytest.raises(UserError, match="in use by another flowalign train") as err:
+        acquire(tmp_path / "a")
+    assert str(os.getppid()) in str(err.value) and len(str(err.value).splitlines()) == 1
+    _lock(tmp_path / "b", pid=1, host="elsewhere")
+    with pytest.raises(UserError, match="delete .*train.lock"):
+        acquire(tmp_path / "b")
+
+
+def test_a_second_live_train_on_the_folder_refuses(tmp_path, capsys, tiny_sd3_dir, prompt_file):
+    run_dir = tmp_path / "r"
+    args = ["train", "/dev/null", *small_run(run_dir, tiny_sd3_dir, prompt_file, "trainer.max_steps=200",
+                                              "run.checkpoint_every=1000")]
+    first = run_cli(args)
+    try:
+        deadline = time.time() + 120
+        while not (run_dir / "metrics.jsonl").exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, first.communicate()[0]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "in use by another flowalign train" in err and f"pid {first.pid}" in err
+        assert len(err.strip().splitlines()) == 1
+        rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(r)["step"] for r in rows] == list(range(1, len(rows) + 1))  # not interleaved
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert (run_dir / LOCK_NAME).exists()  # left by the kill: stale now
+    assert main(["train", "/dev/null", *small_run(run_dir, tiny_sd3_dir, prompt_file, "trainer.max_steps=1")]) == 0
+    assert "stale lock" in capsys.readouterr().err and not (run_dir / LOCK_NAME).exists()
+    # killed before its first checkpoint: the rerun started over and logged each step once
+    assert [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
