@@ -16,18 +16,22 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import FlowPolicy
 from pipelines.flux import FluxPolicy
+from pipelines.qwen_image import QwenImagePolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
 
 __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
 
 #: family name → policy class
-FAMILIES: dict[str, type] = {"sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy}
+FAMILIES: dict[str, type] = {
+    "sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy, "qwen_image": QwenImagePolicy,
+}
 #: diffusers ``model_index.json`` ``_class_name`` → family name
 PIPELINE_FAMILIES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
     "WanPipeline": "wan",
+    "QwenImagePipeline": "qwen_image",
 }
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

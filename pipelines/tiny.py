@@ -49,7 +49,9 @@ __all__ = [
     "SAMPLING_DEFAULTS_FILE",
 ]
 
-FAMILIES = ("sd3", "flux", "wan")
+from pipelines.tiny_twins import TWINS, twin_module  # noqa: E402  (names only; builders load on use)
+
+FAMILIES = ("sd3", "flux", "wan", *TWINS)
 SAMPLING_DEFAULTS_FILE = "flowalign.json"
 
 # --------------------------------------------------------------------------------------------------
@@ -572,9 +574,11 @@ SAMPLING_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def build_tiny(family: str, **overrides):
-    """Build the tiny pipeline of ``family`` ("sd3", "flux" or "wan")."""
+    """Build the tiny pipeline of ``family`` (one of :data:`FAMILIES`; twins in :mod:`pipelines.tiny_twins`)."""
+    if family in TWINS:
+        return twin_module(family).build(**overrides)
     if family not in _BUILDERS:
-        raise ValueError(f"family={family!r}: expected one of {list(_BUILDERS)}")
+        raise ValueError(f"family={family!r}: expected one of {list(FAMILIES)}")
     return _BUILDERS[family](**overrides)
 
 
@@ -604,7 +608,8 @@ def save_tiny(family: str, out_dir: str | os.PathLike, *, sampling: dict[str, An
     ``flowalign.json``; returns the pipeline. ``sampling`` updates the family's sampling defaults."""
     pipe = build_tiny(family, **overrides)
     pipe.save_pretrained(out_dir, safe_serialization=True)
-    defaults = {"family": family, **SAMPLING_DEFAULTS[family]}
+    sampling_table = twin_module(family).SAMPLING if family in TWINS else SAMPLING_DEFAULTS[family]
+    defaults = {"family": family, **sampling_table}
     if family in ("sd3", "flux") and "height" in overrides:
         defaults["height"] = defaults["width"] = overrides["height"]
     defaults["shift"] = float(pipe.scheduler.config.shift)
