@@ -16,6 +16,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import FlowPolicy
 from pipelines.flux import FluxPolicy
+from pipelines.flux2 import Flux2Policy
 from pipelines.qwen_image import QwenImagePolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
@@ -25,6 +26,7 @@ __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "
 #: family name → policy class
 FAMILIES: dict[str, type] = {
     "sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy, "qwen_image": QwenImagePolicy,
+    "flux2": Flux2Policy,
 }
 #: diffusers ``model_index.json`` ``_class_name`` → family name
 PIPELINE_FAMILIES: dict[str, str] = {
@@ -32,6 +34,8 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "FluxPipeline": "flux",
     "WanPipeline": "wan",
     "QwenImagePipeline": "qwen_image",
+    "Flux2Pipeline": "flux2",
+    "Flux2KleinPipeline": "flux2",
 }
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
