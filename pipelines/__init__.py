@@ -20,6 +20,7 @@ from pipelines.flux2 import Flux2Policy
 from pipelines.qwen_image import QwenImagePolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
+from pipelines.zimage import ZImagePolicy
 
 __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
 
@@ -27,6 +28,7 @@ __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "
 FAMILIES: dict[str, type] = {
     "sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy, "qwen_image": QwenImagePolicy,
     "flux2": Flux2Policy,
+    "zimage": ZImagePolicy,
 }
 #: diffusers ``model_index.json`` ``_class_name`` → family name
 PIPELINE_FAMILIES: dict[str, str] = {
@@ -36,6 +38,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "QwenImagePipeline": "qwen_image",
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
+    "ZImagePipeline": "zimage",
 }
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
