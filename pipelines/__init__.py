@@ -20,6 +20,7 @@ from pipelines.flux2 import Flux2Policy
 from pipelines.qwen_image import QwenImagePolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
+from pipelines.wan22 import Wan22Policy
 from pipelines.zimage import ZImagePolicy
 
 __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
@@ -88,6 +89,12 @@ def detect_family(path: str | Path) -> str:
     return PIPELINE_FAMILIES[class_name]
 
 
+def _has_second_expert(path: str | Path) -> bool:
+    """True when ``model_index.json`` names a ``transformer_2`` component (Wan 2.2-A14B)."""
+    entry = json.loads((Path(path) / "model_index.json").read_text()).get("transformer_2")
+    return bool(entry) and entry[0] is not None
+
+
 def load(
     path: str | Path,
     family: str | None = None,
@@ -119,6 +126,9 @@ def load(
     unknown = sorted(set(kw) - POLICY_OPTIONS)
     if unknown:
         raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are {sorted(POLICY_OPTIONS)}")
-    return FAMILIES[detected](
+    policy_class = FAMILIES[detected]
+    if detected == "wan" and _has_second_expert(path):
+        policy_class = Wan22Policy  # Wan 2.2-A14B: high- and low-noise experts
+    return policy_class(
         path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw
     )

@@ -47,6 +47,8 @@ class WanPolicy:
 
     family = "wan"
     is_video = True
+    #: Wan 2.2-A14B's high/low-noise experts are handled by the subclass in ``pipelines/wan22.py``
+    two_experts = False
 
     def __init__(
         self,
@@ -67,10 +69,10 @@ class WanPolicy:
         vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
         self.pipe = WanPipeline.from_pretrained(str(path), vae=vae, dtype=dtype).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
-        if self.pipe.transformer_2 is not None or self.pipe.transformer is None:
+        if (self.pipe.transformer_2 is not None and not self.two_experts) or self.pipe.transformer is None:
             raise UserError(
-                f"{path}: two-expert Wan 2.2 checkpoints (transformer_2) are not supported; "
-                "use a single-transformer Wan 2.1 / 2.2-TI2V folder"
+                f"{path}: two-expert Wan 2.2 checkpoints (transformer_2) load as pipelines.wan22.Wan22Policy "
+                "(pipelines.load picks it); WanPolicy takes a single-transformer Wan 2.1 / 2.2-TI2V folder"
             )
         for module in self.pipe.components.values():
             if isinstance(module, torch.nn.Module):
