@@ -17,6 +17,7 @@ from flowalign.errors import UserError
 from flowalign.protocols import FlowPolicy
 from pipelines.flux import FluxPolicy
 from pipelines.flux2 import Flux2Policy
+from pipelines.kontext import KontextPolicy
 from pipelines.qwen_image import QwenImagePolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
@@ -30,6 +31,7 @@ FAMILIES: dict[str, type] = {
     "sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy, "qwen_image": QwenImagePolicy,
     "flux2": Flux2Policy,
     "zimage": ZImagePolicy,
+    "kontext": KontextPolicy,
 }
 #: diffusers ``model_index.json`` ``_class_name`` → family name
 PIPELINE_FAMILIES: dict[str, str] = {
@@ -40,6 +42,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
     "ZImagePipeline": "zimage",
+    "FluxKontextPipeline": "kontext",
 }
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

@@ -42,6 +42,8 @@ class FluxPolicy:
 
     family = "flux"
     is_video = False
+    #: the diffusers pipeline loaded (FLUX.1 Kontext's subclass swaps in ``FluxKontextPipeline``)
+    pipeline_class: type = FluxPipeline
 
     def __init__(
         self,
@@ -59,7 +61,7 @@ class FluxPolicy:
         lora_utils.check_options(lora, full_finetune)  # before minutes of loading a real checkpoint
         self.device = torch.device(device)
         self.dtype = dtype
-        self.pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
+        self.pipe = self.pipeline_class.from_pretrained(str(path), dtype=dtype).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         for module in self.pipe.components.values():
             if isinstance(module, torch.nn.Module):

@@ -16,6 +16,7 @@ TWINS: dict[str, str] = {
     "flux2": "flux2",
     "zimage": "zimage",
     "wan22": "wan22",
+    "kontext": "kontext",
 }
 
 

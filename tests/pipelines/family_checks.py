@@ -7,6 +7,7 @@ full fine-tuning, and the saved LoRA read back by the diffusers pipeline's own `
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -27,15 +28,31 @@ def ode(policy, x: torch.Tensor, cond, grid: torch.Tensor, guidance: float) -> t
     return x
 
 
-def prompt_file(tmp_path: Path) -> Path:
-    path = tmp_path / "prompts.txt"
-    path.write_text("a red circle\na blue square\na green star\na yellow triangle\n")
+def prompt_file(tmp_path: Path, images: bool = False) -> Path:
+    """Four prompts; with ``images``, a JSONL file whose rows name a 32² input PNG (relative paths)."""
+    prompts = ["a red circle", "a blue square", "a green star", "a yellow triangle"]
+    if not images:
+        path = tmp_path / "prompts.txt"
+        path.write_text("".join(p + "\n" for p in prompts))
+        return path
+    from PIL import Image
+
+    (tmp_path / "inputs").mkdir(exist_ok=True)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        colour = [(220, 30, 30), (30, 30, 220), (30, 200, 30), (230, 220, 30)][i]
+        image = Image.new("RGB", (32, 32), (255, 255, 255))
+        image.paste(colour, (8 + i, 8, 20 + i, 20))
+        image.save(tmp_path / "inputs" / f"{i}.png")
+        rows.append(json.dumps({"prompt": f"make {prompt} purple", "image": f"inputs/{i}.png"}))
+    path = tmp_path / "edits.jsonl"
+    path.write_text("\n".join(rows) + "\n")
     return path
 
 
-def check_ratio_one(folder: Path, tmp_path: Path, *extra: str) -> None:
+def check_ratio_one(folder: Path, tmp_path: Path, *extra: str, images: bool = False) -> None:
     """Stored SDE transitions re-evaluate to ratio 1 (log-prob difference ~0) with a fresh forward pass."""
-    t = build_trainer(small_config(tmp_path / "ratio", folder, prompt_file(tmp_path), "trainer.beta=0.04",
+    t = build_trainer(small_config(tmp_path / "ratio", folder, prompt_file(tmp_path, images), "trainer.beta=0.04",
                                    "trainer.num_steps=3", *extra))
     prompts, metadata, groups = t.step_prompts(0)
     batch = t.sample(prompts, metadata, groups)
@@ -52,10 +69,10 @@ def check_ratio_one(folder: Path, tmp_path: Path, *extra: str) -> None:
     assert checked > 0
 
 
-def check_two_training_steps(folder: Path, tmp_path: Path, finetune: str, *extra: str) -> None:
+def check_two_training_steps(folder: Path, tmp_path: Path, finetune: str, *extra: str, images: bool = False) -> None:
     """Two optimiser steps through the trainer move the trained weights (and only those under LoRA)."""
     kl = ["trainer.beta=0.04"] if finetune == "lora" else ["trainer.beta=0"]
-    t = build_trainer(small_config(tmp_path / f"train-{finetune}", folder, prompt_file(tmp_path),
+    t = build_trainer(small_config(tmp_path / f"train-{finetune}", folder, prompt_file(tmp_path, images),
                                    f"model.finetune={finetune}", "trainer.num_steps=3", "trainer.lr=1e-2", *kl, *extra))
     trained = {n: p.detach().clone() for n, p in t.policy.trainable.named_parameters() if p.requires_grad}
     frozen = {n: p.detach().clone() for n, p in t.policy.trainable.named_parameters() if not p.requires_grad}
@@ -84,11 +101,11 @@ def perturbed_lora_policy(folder: Path, **kw):
     return policy
 
 
-def check_lora_loads_with_diffusers(folder: Path, tmp_path: Path, load_into_pipe=None) -> None:
+def check_lora_loads_with_diffusers(folder: Path, tmp_path: Path, load_into_pipe=None, images=None) -> None:
     """``save_adapter`` writes what ``pipe.load_lora_weights`` reads: the loaded model has our velocity."""
     policy = perturbed_lora_policy(folder)
     w = float(policy.defaults["guidance_scale"])
-    cond = policy.encode(PROMPTS)
+    cond = policy.encode(PROMPTS) if images is None else policy.encode(PROMPTS, images=images)
     x = policy.initial_noise(2, torch.Generator().manual_seed(1))
     with torch.no_grad():
         v_ours = policy.velocity(x, 0.6, cond, w)
