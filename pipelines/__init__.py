@@ -22,6 +22,7 @@ from pipelines.qwen_image import QwenImagePolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
 from pipelines.wan22 import Wan22Policy
+from pipelines.wan_i2v import WanI2VPolicy
 from pipelines.zimage import ZImagePolicy
 
 __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
@@ -38,6 +39,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
     "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
     "QwenImagePipeline": "qwen_image",
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
@@ -92,10 +94,13 @@ def detect_family(path: str | Path) -> str:
     return PIPELINE_FAMILIES[class_name]
 
 
-def _has_second_expert(path: str | Path) -> bool:
-    """True when ``model_index.json`` names a ``transformer_2`` component (Wan 2.2-A14B)."""
-    entry = json.loads((Path(path) / "model_index.json").read_text()).get("transformer_2")
-    return bool(entry) and entry[0] is not None
+def _wan_policy_class(path: str | Path) -> type:
+    """Wan 2.1 / TI2V (one transformer), Wan 2.2-A14B (``transformer_2``: two experts) or image-to-video."""
+    index = json.loads((Path(path) / "model_index.json").read_text())
+    if index.get("_class_name") == "WanImageToVideoPipeline":
+        return WanI2VPolicy
+    entry = index.get("transformer_2")
+    return Wan22Policy if entry and entry[0] is not None else WanPolicy
 
 
 def load(
@@ -129,9 +134,7 @@ def load(
     unknown = sorted(set(kw) - POLICY_OPTIONS)
     if unknown:
         raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are {sorted(POLICY_OPTIONS)}")
-    policy_class = FAMILIES[detected]
-    if detected == "wan" and _has_second_expert(path):
-        policy_class = Wan22Policy  # Wan 2.2-A14B: high- and low-noise experts
+    policy_class = _wan_policy_class(path) if detected == "wan" else FAMILIES[detected]
     return policy_class(
         path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw
     )

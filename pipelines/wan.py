@@ -49,6 +49,8 @@ class WanPolicy:
     is_video = True
     #: Wan 2.2-A14B's high/low-noise experts are handled by the subclass in ``pipelines/wan22.py``
     two_experts = False
+    #: the diffusers pipeline loaded (image-to-video: ``WanImageToVideoPipeline``, ``pipelines/wan_i2v.py``)
+    pipeline_class: type = WanPipeline
 
     def __init__(
         self,
@@ -67,7 +69,7 @@ class WanPolicy:
         self.device = torch.device(device)
         self.dtype = dtype
         vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
-        self.pipe = WanPipeline.from_pretrained(str(path), vae=vae, dtype=dtype).to(self.device)
+        self.pipe = self.pipeline_class.from_pretrained(str(path), vae=vae, dtype=dtype).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         if (self.pipe.transformer_2 is not None and not self.two_experts) or self.pipe.transformer is None:
             raise UserError(

@@ -82,13 +82,19 @@ class Wan22Policy(WanPolicy):
             if not bool(mask.any()):
                 continue
             idx = mask.nonzero().flatten()
-            with self._serving(expert):
-                v = super().velocity(x[idx], s[idx], cond[idx.tolist()], w)
+            v = self.expert_velocity(expert, x[idx], s[idx], cond[idx.tolist()], w)
             if bool(mask.all()):
                 return v
             out = torch.zeros_like(x, dtype=torch.float32) if out is None else out
             out[idx] = v
         return out
+
+    def expert_velocity(
+        self, expert: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """Wan 2.1's velocity (CFG included) computed by ``expert``."""
+        with self._serving(expert):
+            return super().velocity(x, sigma, cond, guidance)
 
     # ------------------------------------------------------------------ adapters
 

@@ -17,6 +17,7 @@ TWINS: dict[str, str] = {
     "zimage": "zimage",
     "wan22": "wan22",
     "kontext": "kontext",
+    "wan_i2v": "wan_i2v",
 }
 
 

@@ -46,6 +46,11 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any], float]] = {
         "patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
         "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
         "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}, 14e9),
+    # Wan-AI/Wan2.2-I2V-A14B-Diffusers: each expert; input = latent + 4 mask channels + first-frame latent
+    "wan22_i2v_a14b_expert": ("WanTransformer3DModel", {
+        "patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 36,
+        "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+        "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}, 14e9),
     # Wan-AI/Wan2.2-TI2V-5B-Diffusers: one transformer over the 48-channel Wan 2.2 VAE
     "wan22_ti2v_5b": ("WanTransformer3DModel", {
         "patch_size": [1, 2, 2], "num_attention_heads": 24, "attention_head_dim": 128, "in_channels": 48,
