@@ -47,7 +47,24 @@ def _vvr_motion(level: str, n: int | None, seed: int | None) -> Benchmark:
                      load_reward("vvr_motion"))
 
 
-_BENCHMARKS = {"vvr": _vvr, "vvr_motion": _vvr_motion}
+def _vvr_edit(level: str, n: int | None, seed: int | None) -> Benchmark:
+    """Editing: each prompt's metadata carries the task and its rendered source scene as the input ``image``.
+
+    Seeds below 1000 draw training tasks (held-out compositions excluded), as ``data.bench`` passes them;
+    no seed reads the shipped test split, another seed draws a fresh held-out one."""
+    from rewards.vvr_edit import generate_edit_tasks, load_split, render_source
+
+    if seed is not None and seed < 1000:
+        tasks = generate_edit_tasks(n or 500, seed=seed, level=level, heldout="exclude")
+    else:
+        tasks = load_split(level, "test", n, seed)
+    metadata = [{"task": t.to_dict(), "image": render_source(t, size=EDIT_IMAGE_SIZE)} for t in tasks]
+    return Benchmark(f"vvr_edit-{level}", [t.prompt for t in tasks], metadata, load_reward("vvr_edit"))
+
+
+#: side of the rendered source scenes handed to editing models (they resize to their own resolution)
+EDIT_IMAGE_SIZE = 256
+_BENCHMARKS = {"vvr": _vvr, "vvr_motion": _vvr_motion, "vvr_edit": _vvr_edit}
 
 
 def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None) -> Benchmark:

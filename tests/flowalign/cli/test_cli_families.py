@@ -60,3 +60,18 @@ def test_sample_image_changes_the_edit_and_is_required(tmp_path, capsys):
     code, _, err = run(["sample", "--model", str(sd3), "--prompt", "x", "--image", str(tmp_path / "inputs" / "0.png"),
                         "--out", str(tmp_path / "z.png")], capsys)
     assert code != 0 and "--image" in err
+
+
+def test_evaluate_an_editing_model_on_vvr_edit(tmp_path, capsys):
+    import json
+
+    model = tmp_path / "kontext"
+    run(["tiny", "kontext", "--out", str(model)], capsys)
+    out = tmp_path / "eval"
+    code, _, err = run(["evaluate", "--model", str(model), "--bench", "vvr_edit", "--level", "easy", "--n", "2",
+                        "--steps", "2", "--out", str(out)], capsys)
+    assert code == 0, err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["bench"] == "vvr_edit-easy" and metrics["n"] == 2 and "accuracy" in metrics
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {c for c, _ in rows[0]["constraints"]} >= {"total_count"} and (out / rows[0]["file"]).is_file()
