@@ -19,6 +19,7 @@ from pipelines.flux import FluxPolicy
 from pipelines.flux2 import Flux2Policy
 from pipelines.kontext import KontextPolicy
 from pipelines.qwen_image import QwenImagePolicy
+from pipelines.qwen_image_edit import QwenImageEditPolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
 from pipelines.wan22 import Wan22Policy
@@ -33,6 +34,7 @@ FAMILIES: dict[str, type] = {
     "flux2": Flux2Policy,
     "zimage": ZImagePolicy,
     "kontext": KontextPolicy,
+    "qwen_image_edit": QwenImageEditPolicy,
 }
 #: diffusers ``model_index.json`` ``_class_name`` → family name
 PIPELINE_FAMILIES: dict[str, str] = {
@@ -45,6 +47,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "Flux2KleinPipeline": "flux2",
     "ZImagePipeline": "zimage",
     "FluxKontextPipeline": "kontext",
+    "QwenImageEditPipeline": "qwen_image_edit",
 }
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

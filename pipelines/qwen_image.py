@@ -146,14 +146,24 @@ class QwenImagePolicy:
         noise = torch.randn((n, 1, c, h, w), generator=generator, device=rand_device, dtype=torch.float32)
         return QwenImagePipeline._pack_latents(noise, n, c, h, w).to(self.device)
 
-    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _context(self, cond: Conditioning) -> tuple[torch.Tensor, tuple[int, int]] | None:
+        """Extra image tokens after the noisy ones (Qwen-Image-Edit's input image); none for text-to-image."""
+        return None
+
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                 context: tuple[torch.Tensor, tuple[int, int]] | None = None) -> torch.Tensor:
         h, w = self.latent_hw
         embeds, mask = trim(embeds.to(self.device, self.dtype), mask.to(self.device))
-        return self.transformer(
-            hidden_states=x.to(self.device, self.dtype), timestep=sigma.to(self.dtype), guidance=None,
+        hidden, shapes = x.to(self.device, self.dtype), [(1, h // 2, w // 2)]
+        if context is not None:  # the context's tokens ride along; their output is dropped
+            hidden = torch.cat([hidden, context[0].to(self.device, self.dtype)], dim=1)
+            shapes.append((1, context[1][0] // 2, context[1][1] // 2))
+        out = self.transformer(
+            hidden_states=hidden, timestep=sigma.to(self.dtype), guidance=None,
             encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0], return_dict=False,
-        )[0].float()
+            img_shapes=[shapes] * x.shape[0], return_dict=False,
+        )[0]
+        return out[:, : x.shape[1]].float()
 
     def velocity(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
@@ -166,14 +176,16 @@ class QwenImagePolicy:
             raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
         s = sigma_batch(sigma, b, self.device)
         embeds, mask = cond.tensors["prompt_embeds"], cond.tensors["prompt_embeds_mask"]
+        context = self._context(cond)
         if guidance <= 1:
-            return self._forward(x, s, embeds, mask)
+            return self._forward(x, s, embeds, mask, context)
         if "negative_prompt_embeds" not in cond.tensors:
             raise UserError(f"guidance={guidance} needs the negative prompt, but cond was encoded with guidance_scale="
                             f"{self.defaults['guidance_scale']}: set defaults['guidance_scale'] > 1 before encode()")
         out = self._forward(
             torch.cat([x, x]), torch.cat([s, s]), torch.cat([embeds, cond.tensors["negative_prompt_embeds"]]),
             torch.cat([mask, cond.tensors["negative_prompt_embeds_mask"]]),
+            None if context is None else (torch.cat([context[0], context[0]]), context[1]),
         )
         v_cond, v_neg = out.chunk(2)
         return true_cfg(v_cond, v_neg, guidance)

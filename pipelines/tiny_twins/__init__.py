@@ -18,6 +18,7 @@ TWINS: dict[str, str] = {
     "wan22": "wan22",
     "kontext": "kontext",
     "wan_i2v": "wan_i2v",
+    "qwen_image_edit": "qwen_image_edit",
 }
 
 

@@ -12,7 +12,7 @@ from tests.flowalign.trainers.conftest import small_run
 from tests.pipelines.family_checks import prompt_file
 
 FAMILIES = {"qwen_image": ".png", "flux2": ".png", "zimage": ".png", "wan22": ".mp4", "kontext": ".png",
-            "wan_i2v": ".mp4"}
+            "wan_i2v": ".mp4", "qwen_image_edit": ".png"}
 
 
 def run(argv, capsys):
@@ -25,7 +25,7 @@ def run(argv, capsys):
 def test_tiny_sample_and_train_from_the_cli(family, tmp_path, capsys):
     model = tmp_path / family
     assert run(["tiny", family, "--out", str(model)], capsys)[0] == 0
-    edits = family in ("kontext", "wan_i2v")  # these take an input image
+    edits = family in ("kontext", "wan_i2v", "qwen_image_edit")  # these take an input image
     prompts = prompt_file(tmp_path, images=edits)
     image = ["--image", str(tmp_path / "inputs" / "0.png")] if edits else []
     out = tmp_path / f"sample{FAMILIES[family]}"
