@@ -1,8 +1,12 @@
 """Model families as :class:`flowalign.protocols.FlowPolicy` implementations, loaded by name.
 
-``load(path)`` opens a diffusers pipeline folder (a real SD3.5 / FLUX.1 / Wan 2.1 checkpoint or a tiny
-one from :mod:`pipelines.tiny`), detects its family from ``model_index.json`` and returns the family's
-policy. One file per family (``sd3.py``, ``flux.py``, ``wan.py``); shared peft helpers in ``lora.py``.
+``load(path)`` opens a diffusers pipeline folder (a real checkpoint or a tiny one from :mod:`pipelines.tiny`),
+detects its family from ``model_index.json`` and returns the family's policy. One file per family:
+``sd3.py`` (SD3 / SD3.5), ``flux.py`` (FLUX.1), ``kontext.py`` (FLUX.1 Kontext, editing), ``flux2.py``
+(FLUX.2 dev / klein), ``qwen_image.py`` and ``qwen_image_edit.py``, ``zimage.py`` (Z-Image), ``wan.py``
+(Wan 2.1 / 2.2-TI2V) with ``wan22.py`` (Wan 2.2-A14B's two experts) and ``wan_i2v.py`` (Wan 2.2 I2V); shared
+peft helpers in ``lora.py``. Editing and image-to-video policies take a per-prompt input image
+(``input_images = True``, see :mod:`flowalign.sampling.inputs`).
 """
 
 from __future__ import annotations
@@ -118,8 +122,8 @@ def load(
 ) -> FlowPolicy:
     """Load the diffusers folder ``path`` as its family's policy.
 
-    ``family``: ``"sd3" | "flux" | "wan"``, detected from ``model_index.json`` when None (and checked
-    against it when given). ``dtype``: ``torch.float32`` / ``"fp32"`` on CPU; ``"bf16"`` (or fp16) on GPU.
+    ``family``: a key of :data:`FAMILIES` (``"sd3"``, ``"flux"``, ``"wan"``, ``"qwen_image"``, ...), detected
+    from ``model_index.json`` when None (and checked against it when given). ``dtype``: ``torch.float32`` / ``"fp32"`` on CPU; ``"bf16"`` (or fp16) on GPU.
     ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
     ``full_finetune=True`` trains every transformer weight instead; neither: frozen (sampling/eval).
     ``kw``: ``gradient_checkpointing``, ``defaults`` (sampling defaults over ``flowalign.json``),

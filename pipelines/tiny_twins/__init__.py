@@ -1,8 +1,9 @@
-"""Tiny twins of today's released models, one builder module per family (see :mod:`pipelines.tiny`).
+"""Tiny builders, one module per family (see :mod:`pipelines.tiny`).
 
-Each module has ``build(**overrides)`` returning a diffusers pipeline of the real classes with the
-published configs shrunk, and ``SAMPLING`` (the ``flowalign.json`` sampling defaults written next to it).
-Modules are imported on use, so ``pipelines.tiny`` can list the names without loading them.
+``sd3``, ``flux1`` and ``wan`` hold the original ``build_tiny_*`` builders; the twins of :data:`TWINS` each
+have ``build(**overrides)`` returning a diffusers pipeline of the real classes with the published configs
+(:mod:`pipelines.tiny_twins.published`) shrunk, and ``SAMPLING`` (the ``flowalign.json`` defaults written next
+to it). Twin modules are imported on use, so ``pipelines.tiny`` can list their names without loading them.
 """
 
 from __future__ import annotations

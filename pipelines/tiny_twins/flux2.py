@@ -39,7 +39,7 @@ def build(**overrides):
     from diffusers import Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipelines.tiny import _check_keys, _merge, _seeded, _vae_blocks
+    from pipelines.tiny_twins.base import _check_keys, _merge, _seeded, _vae_blocks
 
     _check_keys("flux2", overrides, set(DEFAULTS))
     tok = qwen_tokenizer()

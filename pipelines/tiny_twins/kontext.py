@@ -14,7 +14,7 @@ def build(**overrides):
     """A tiny ``FluxKontextPipeline`` (same overrides as ``build_tiny_flux``)."""
     from diffusers import FluxKontextPipeline
 
-    from pipelines.tiny import build_tiny_flux
+    from pipelines.tiny_twins.flux1 import build_tiny_flux
 
     base = build_tiny_flux(**overrides)
     pipe = FluxKontextPipeline(**{k: v for k, v in base.components.items() if k not in ("image_encoder", "feature_extractor")})

@@ -56,7 +56,7 @@ def build(pipeline_class: Any = None, **overrides):
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from diffusers import QwenImageTransformer2DModel
 
-    from pipelines.tiny import _check_keys, _merge, _seeded
+    from pipelines.tiny_twins.base import _check_keys, _merge, _seeded
 
     _check_keys("qwen_image", overrides, set(DEFAULTS))
     tok = qwen_tokenizer()

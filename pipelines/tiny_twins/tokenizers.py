@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
 def _vocab_merges() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     from open_clip.tokenizer import bytes_to_unicode
 
-    from pipelines.tiny import _T5_WORDS
+    from pipelines.tiny_tokenizers import _T5_WORDS
 
     symbols = list(bytes_to_unicode().values())
     tokens = list(symbols)

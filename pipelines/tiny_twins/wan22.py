@@ -17,7 +17,8 @@ def build(boundary_ratio: float = BOUNDARY_RATIO, **overrides):
     """A tiny two-expert ``WanPipeline``: the experts share the config, not the weights (seeds differ)."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
-    from pipelines.tiny import _seeded, build_tiny_wan
+    from pipelines.tiny_twins.base import _seeded
+    from pipelines.tiny_twins.wan import build_tiny_wan
 
     base = build_tiny_wan(**overrides)
     with _seeded(int(overrides.get("seed", 0)) + 1):

@@ -16,7 +16,8 @@ def build(boundary_ratio: float = BOUNDARY_RATIO, **overrides):
     """A tiny two-expert ``WanImageToVideoPipeline`` (``in_channels = C + f_t + C``)."""
     from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
 
-    from pipelines.tiny import _seeded, build_tiny_wan
+    from pipelines.tiny_twins.base import _seeded
+    from pipelines.tiny_twins.wan import build_tiny_wan
 
     base = build_tiny_wan(**overrides)
     z = base.vae.config.z_dim

@@ -36,7 +36,7 @@ def build(**overrides):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from pipelines.tiny import _check_keys, _merge, _seeded, _vae_blocks
+    from pipelines.tiny_twins.base import _check_keys, _merge, _seeded, _vae_blocks
 
     _check_keys("zimage", overrides, set(DEFAULTS))
     tok = qwen_tokenizer()
