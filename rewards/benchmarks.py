@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from flowalign.errors import UserError
@@ -58,7 +59,8 @@ def _vvr_edit(level: str, n: int | None, seed: int | None) -> Benchmark:
         tasks = generate_edit_tasks(n or 500, seed=seed, level=level, heldout="exclude")
     else:
         tasks = load_split(level, "test", n, seed)
-    metadata = [{"task": t.to_dict(), "image": render_source(t, size=EDIT_IMAGE_SIZE)} for t in tasks]
+    # rendered on use: thousands of training draws would otherwise hold their images in memory
+    metadata = [{"task": t.to_dict(), "image": partial(render_source, t, size=EDIT_IMAGE_SIZE)} for t in tasks]
     return Benchmark(f"vvr_edit-{level}", [t.prompt for t in tasks], metadata, load_reward("vvr_edit"))
 
 

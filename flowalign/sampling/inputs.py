@@ -1,7 +1,7 @@
 """Per-prompt input images (editing, image-to-video): read them and hand them to the policies that take them.
 
-A prompt's conditioning image travels in its metadata as ``metadata["image"]`` (a path, a PIL image or a
-``(3, H, W)`` tensor in [0, 1]); :func:`flowalign.data.read_prompt_file` resolves JSONL ``image`` paths
+A prompt's conditioning image travels in its metadata as ``metadata["image"]`` (a path, a PIL image, a
+``(3, H, W)`` tensor in [0, 1], or a callable rendering one on use); :func:`flowalign.data.read_prompt_file` resolves JSONL ``image`` paths
 against the file's folder. Policies that condition on an image set ``input_images = True`` and take
 ``encode(prompts, images=[...])``; every other policy is called as before, ``encode(prompts)``.
 """
@@ -21,7 +21,10 @@ from flowalign.protocols import Conditioning
 
 
 def load_input_image(source: Any) -> torch.Tensor:
-    """A conditioning image as ``(3, H, W)`` float32 in [0, 1] from a path, a PIL image or a tensor."""
+    """A conditioning image as ``(3, H, W)`` float32 in [0, 1] from a path, a PIL image, a tensor, or a
+    zero-argument callable returning one of these (an image rendered on use, e.g. a benchmark's scene)."""
+    if callable(source) and not isinstance(source, (torch.Tensor, Image.Image)):
+        source = source()
     if isinstance(source, torch.Tensor):
         image = source.detach().float().cpu()
         if image.ndim != 3 or image.shape[0] != 3:

@@ -145,12 +145,13 @@ def test_heldout_compositions_split_training_from_evaluation():
 def test_reward_and_benchmark():
     bench = load_benchmark("vvr_edit", "easy", n=4)
     assert bench.name == "vvr_edit-easy" and bench.reward.name == "vvr_edit"
-    assert all(isinstance(m["image"], Image.Image) and "task" in m for m in bench.metadata)
+    # the source scene, rendered on use
+    assert all(isinstance(m["image"](), Image.Image) and "task" in m for m in bench.metadata)
     tasks = [EditTask.from_dict(m["task"]) for m in bench.metadata]
     good = torch.stack([to_tensor(render_result(t)) for t in tasks])
     out = bench.reward(good.float(), bench.prompts, bench.metadata)
     assert out.valid.all() and torch.equal(out.components["vvr_edit"], torch.ones(4))
-    src = torch.stack([to_tensor(m["image"].resize((64, 64))) for m in bench.metadata])
+    src = torch.stack([to_tensor(m["image"]().resize((64, 64))) for m in bench.metadata])
     out = rewards.load("vvr_edit")(src.float(), bench.prompts, bench.metadata)
     assert (out.components["vvr_edit"] < 1).all() and not any(i["all_passed"] for i in out.info)
     training = load_benchmark("vvr_edit", "easy", n=4, seed=0)
