@@ -116,3 +116,22 @@ def test_saved_lora_loads_with_diffusers(folder, tmp_path):
 @pytest.mark.parametrize("name", ["flux2_dev", "flux2_klein_4b", "flux2_klein_9b"])
 def test_published_sizes_on_the_meta_device(name):
     checks.check_meta_size(name)
+
+
+def test_guidance_distilled_transformer_takes_the_scale_as_an_embedding(tiny_model_dir):
+    """FLUX.2-dev's path: ``guidance_embeds`` → one forward with the scale embedded, no negatives."""
+    policy = pipelines.load(tiny_model_dir("flux2", transformer={"guidance_embeds": True}))
+    assert policy.guidance_embeds and not policy.cfg
+    cond = policy.encode(PROMPTS)
+    assert set(cond.tensors) == {"prompt_embeds"}
+    x = policy.initial_noise(2, torch.Generator().manual_seed(2))
+    calls = []
+    hook = policy.transformer.register_forward_hook(lambda m, a, kw, o: calls.append(kw), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            v_low, v_high = policy.velocity(x, 0.6, cond, 2.0), policy.velocity(x, 0.6, cond, 5.0)
+    finally:
+        hook.remove()
+    assert len(calls) == 2 and calls[1]["hidden_states"].shape[0] == 2
+    assert torch.equal(calls[1]["guidance"], torch.full((2,), 5.0))
+    assert not torch.allclose(v_low, v_high)
