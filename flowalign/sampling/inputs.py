@@ -45,6 +45,9 @@ def load_input_image(source: Any) -> torch.Tensor:
 def encode_prompts(policy: Any, prompts: list[str], metadata: Sequence[dict[str, Any]]) -> Conditioning:
     """``policy.encode`` with each prompt's ``metadata["image"]`` when the policy conditions on images."""
     if not getattr(policy, "input_images", False):
+        if any(m.get("image") is not None for m in metadata):
+            raise UserError(f"the prompts carry input images (metadata 'image'), but {policy.family} models take none: "
+                            "use an editing (kontext, qwen_image_edit) or image-to-video model")
         return policy.encode(prompts)
     images = [m.get("image") for m in metadata]
     missing = [i for i, image in enumerate(images) if image is None]

@@ -75,3 +75,11 @@ def test_evaluate_an_editing_model_on_vvr_edit(tmp_path, capsys):
     assert metrics["bench"] == "vvr_edit-easy" and metrics["n"] == 2 and "accuracy" in metrics
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {c for c, _ in rows[0]["constraints"]} >= {"total_count"} and (out / rows[0]["file"]).is_file()
+
+
+def test_an_editing_benchmark_refuses_a_text_to_image_model(tmp_path, capsys):
+    model = tmp_path / "sd3"
+    run(["tiny", "sd3", "--out", str(model)], capsys)
+    code, _, err = run(["evaluate", "--model", str(model), "--bench", "vvr_edit", "--n", "1", "--out",
+                        str(tmp_path / "e")], capsys)
+    assert code != 0 and "input images" in err and "Traceback" not in err
