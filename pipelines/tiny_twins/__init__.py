@@ -15,6 +15,7 @@ from types import ModuleType
 TWINS: dict[str, str] = {
     "qwen_image": "qwen_image",
     "flux2": "flux2",
+    "flux2_dev": "flux2_dev",
     "zimage": "zimage",
     "wan22": "wan22",
     "kontext": "kontext",

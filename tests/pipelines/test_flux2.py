@@ -118,12 +118,15 @@ def test_published_sizes_on_the_meta_device(name):
     checks.check_meta_size(name)
 
 
-def test_guidance_distilled_transformer_takes_the_scale_as_an_embedding(tiny_model_dir):
-    """FLUX.2-dev's path: ``guidance_embeds`` → one forward with the scale embedded, no negatives."""
-    policy = pipelines.load(tiny_model_dir("flux2", transformer={"guidance_embeds": True}))
-    assert policy.guidance_embeds and not policy.cfg
+
+def test_dev_twin_mistral_text_and_embedded_guidance_reproduce_flux2_pipeline(tiny_model_dir):
+    """FLUX.2-dev's path: Mistral-3 features through the Pixtral processor's chat template, the guidance scale
+    as an embedding (one forward, no negatives), and ``Flux2Pipeline``'s own packed latents."""
+    policy = pipelines.load(tiny_model_dir("flux2_dev"))
+    assert type(policy.pipe).__name__ == "Flux2Pipeline" and policy.guidance_embeds and not policy.cfg
+    assert type(policy.pipe.text_encoder).__name__ == "Mistral3ForConditionalGeneration"
     cond = policy.encode(PROMPTS)
-    assert set(cond.tensors) == {"prompt_embeds"}
+    assert set(cond.tensors) == {"prompt_embeds"} and cond.tensors["prompt_embeds"].shape == (2, 48, 96)
     x = policy.initial_noise(2, torch.Generator().manual_seed(2))
     calls = []
     hook = policy.transformer.register_forward_hook(lambda m, a, kw, o: calls.append(kw), with_kwargs=True)
@@ -135,3 +138,10 @@ def test_guidance_distilled_transformer_takes_the_scale_as_an_embedding(tiny_mod
     assert len(calls) == 2 and calls[1]["hidden_states"].shape[0] == 2
     assert torch.equal(calls[1]["guidance"], torch.full((2,), 5.0))
     assert not torch.allclose(v_low, v_high)
+    ours = checks.ode(policy, x, cond, policy.sigmas(3), 4.0)
+    h, w = policy.token_hw
+    with torch.no_grad():
+        theirs = policy.pipe(prompt=PROMPTS, guidance_scale=4.0, height=32, width=32, num_inference_steps=3,
+                             max_sequence_length=48, text_encoder_out_layers=(1, 2, 3),
+                             latents=x.permute(0, 2, 1).reshape(2, -1, h, w), output_type="latent").images
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)  # dev returns the packed tokens
