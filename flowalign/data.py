@@ -59,7 +59,8 @@ def read_prompt_file(path: str | Path) -> PromptSet:
             prompts.append(row.pop("prompt"))
             if "image" in row:  # an input image (editing, image-to-video), relative to the file
                 if not isinstance(row["image"], str) or not row["image"]:
-                    raise UserError(f'{path}:{i}: "image" must be a path string relative to {path.name}, got {row["image"]!r}')
+                    raise UserError(f'{path}:{i}: "image" must be a path string relative to {path.name}, '
+                                    f'got {row["image"]!r}')
                 row["image"] = str((path.parent / row["image"]).resolve())
             metadata.append(row)
         return PromptSet(prompts, metadata)

@@ -123,7 +123,8 @@ def load(
     """Load the diffusers folder ``path`` as its family's policy.
 
     ``family``: a key of :data:`FAMILIES` (``"sd3"``, ``"flux"``, ``"wan"``, ``"qwen_image"``, ...), detected
-    from ``model_index.json`` when None (and checked against it when given). ``dtype``: ``torch.float32`` / ``"fp32"`` on CPU; ``"bf16"`` (or fp16) on GPU.
+    from ``model_index.json`` when None (and checked against it when given).
+    ``dtype``: ``torch.float32`` / ``"fp32"`` on CPU; ``"bf16"`` (or fp16) on GPU.
     ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
     ``full_finetune=True`` trains every transformer weight instead; neither: frozen (sampling/eval).
     ``kw``: ``gradient_checkpointing``, ``defaults`` (sampling defaults over ``flowalign.json``),

@@ -1,4 +1,7 @@
-"""``flowalign tiny FAMILY --out DIR`` (FAMILY: sd3, flux, wan or a twin of :mod:`pipelines.tiny_twins`): write a tiny, randomly initialised diffusers folder."""
+"""``flowalign tiny FAMILY --out DIR``: write a tiny, randomly initialised diffusers folder.
+
+FAMILY: sd3, flux, wan or a twin of :mod:`pipelines.tiny_twins` (qwen_image, flux2, zimage, wan22, ...).
+"""
 
 from __future__ import annotations
 

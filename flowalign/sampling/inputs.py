@@ -1,9 +1,10 @@
 """Per-prompt input images (editing, image-to-video): read them and hand them to the policies that take them.
 
 A prompt's conditioning image travels in its metadata as ``metadata["image"]`` (a path, a PIL image, a
-``(3, H, W)`` tensor in [0, 1], or a callable rendering one on use); :func:`flowalign.data.read_prompt_file` resolves JSONL ``image`` paths
-against the file's folder. Policies that condition on an image set ``input_images = True`` and take
-``encode(prompts, images=[...])``; every other policy is called as before, ``encode(prompts)``.
+``(3, H, W)`` tensor in [0, 1], or a callable rendering one on use); :func:`flowalign.data.read_prompt_file`
+resolves JSONL ``image`` paths against the file's folder. Policies that condition on an image set
+``input_images = True`` and take ``encode(prompts, images=[...])``; every other policy is called as before,
+``encode(prompts)``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from flowalign.cli.main import main
 from tests.flowalign.trainers.conftest import small_run
 from tests.pipelines.family_checks import prompt_file
 
-FAMILIES = {"qwen_image": ".png", "flux2": ".png", "flux2_dev": ".png", "zimage": ".png", "wan22": ".mp4", "kontext": ".png",
+FAMILIES = {"qwen_image": ".png", "flux2": ".png", "flux2_dev": ".png", "zimage": ".png", "wan22": ".mp4",
+            "kontext": ".png",
             "wan_i2v": ".mp4", "qwen_image_edit": ".png"}
 
 
