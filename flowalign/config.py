@@ -68,7 +68,7 @@ class LoraSection(Section):
 class ModelSection(Section):
     #: a local diffusers folder (relative paths are resolved against the working directory)
     path: str = "assets/tiny-sd3-vvr"
-    family: Literal["sd3", "flux", "wan"] | None = None
+    family: Literal["sd3", "flux", "wan", "qwen_image", "flux2", "zimage", "kontext", "qwen_image_edit"] | None = None
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraSection = LoraSection()

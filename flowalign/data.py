@@ -36,7 +36,11 @@ class PromptSet:
 
 
 def read_prompt_file(path: str | Path) -> PromptSet:
-    """``.txt``: one prompt a line; ``.jsonl``: ``{"prompt": ..., <metadata>...}`` a line (e.g. a VVR ``task``)."""
+    """``.txt``: one prompt a line; ``.jsonl``: ``{"prompt": ..., <metadata>...}`` a line (e.g. a VVR ``task``).
+
+    A JSONL ``image`` field (the input image of an editing or image-to-video prompt) is a path relative to the
+    file; it is stored resolved in the prompt's metadata.
+    """
     from flowalign.config import read_text_file
 
     path = Path(path)
@@ -54,6 +58,11 @@ def read_prompt_file(path: str | Path) -> PromptSet:
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise UserError(f'{path}:{i}: each line needs a "prompt" string')
             prompts.append(row.pop("prompt"))
+            if "image" in row:  # an input image (editing, image-to-video), relative to the file
+                if not isinstance(row["image"], str) or not row["image"]:
+                    raise UserError(f'{path}:{i}: "image" must be a path string relative to {path.name}, '
+                                    f'got {row["image"]!r}')
+                row["image"] = str((path.parent / row["image"]).resolve())
             metadata.append(row)
         return PromptSet(prompts, metadata)
     return PromptSet([line.strip() for line in lines], [{} for _ in lines])

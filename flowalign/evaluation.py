@@ -26,15 +26,19 @@ def sample_seeded(
     batch_size: int = 16,
     progress: bool = True,
     desc: str = "sampling",
+    metadata: list[dict[str, Any]] | None = None,
 ) -> torch.Tensor:
     """ODE samples, one per prompt; sample ``i`` always gets the noise of ``seed + i`` (so checkpoints
-    compared side by side see identical noise whatever the batch size). Returns decoded samples."""
+    compared side by side see identical noise whatever the batch size). Returns decoded samples.
+    ``metadata`` (one dict per prompt) carries per-prompt inputs such as an editing model's ``image``."""
     steps = int(num_steps or policy.defaults.get("num_steps", 20))
     out = []
     for start in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress, unit="batch"):
         chunk = prompts[start : start + batch_size]
         noise = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(seed + start + i)) for i in range(len(chunk))])
-        r = rollout(policy, chunk, num_steps=steps, sampler="ode", guidance_scale=guidance_scale, initial_noise=noise)
+        meta = None if metadata is None else metadata[start : start + batch_size]
+        r = rollout(policy, chunk, num_steps=steps, sampler="ode", guidance_scale=guidance_scale, initial_noise=noise,
+                    metadata=meta)
         out.append(r.samples.cpu())
     return torch.cat(out)
 
@@ -81,7 +85,7 @@ def evaluate(
     there are kept; ``overwrite=False`` refuses a non-empty folder without an earlier evaluation). Returns
     the metrics."""
     samples = sample_seeded(policy, prompts, seed=seed, num_steps=num_steps, guidance_scale=guidance_scale,
-                            batch_size=batch_size, progress=progress, desc="evaluating")
+                            batch_size=batch_size, progress=progress, desc="evaluating", metadata=metadata)
     scored = check_reward_output(getattr(reward, "name", type(reward).__name__), reward(samples, prompts, metadata),
                                  len(prompts))
     metrics = {**(labels or {}), **summarise(scored, len(prompts))}

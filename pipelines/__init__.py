@@ -1,8 +1,12 @@
 """Model families as :class:`flowalign.protocols.FlowPolicy` implementations, loaded by name.
 
-``load(path)`` opens a diffusers pipeline folder (a real SD3.5 / FLUX.1 / Wan 2.1 checkpoint or a tiny
-one from :mod:`pipelines.tiny`), detects its family from ``model_index.json`` and returns the family's
-policy. One file per family (``sd3.py``, ``flux.py``, ``wan.py``); shared peft helpers in ``lora.py``.
+``load(path)`` opens a diffusers pipeline folder (a real checkpoint or a tiny one from :mod:`pipelines.tiny`),
+detects its family from ``model_index.json`` and returns the family's policy. One file per family:
+``sd3.py`` (SD3 / SD3.5), ``flux.py`` (FLUX.1), ``kontext.py`` (FLUX.1 Kontext, editing), ``flux2.py``
+(FLUX.2 dev / klein), ``qwen_image.py`` and ``qwen_image_edit.py``, ``zimage.py`` (Z-Image), ``wan.py``
+(Wan 2.1 / 2.2-TI2V) with ``wan22.py`` (Wan 2.2-A14B's two experts) and ``wan_i2v.py`` (Wan 2.2 I2V); shared
+peft helpers in ``lora.py``. Editing and image-to-video policies take a per-prompt input image
+(``input_images = True``, see :mod:`flowalign.sampling.inputs`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,15 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import FlowPolicy
 from pipelines.flux import FluxPolicy
+from pipelines.flux2 import Flux2Policy
+from pipelines.kontext import KontextPolicy
+from pipelines.qwen_image import QwenImagePolicy
+from pipelines.qwen_image_edit import QwenImageEditPolicy
 from pipelines.sd3 import SD3Policy
 from pipelines.wan import WanPolicy
+from pipelines.wan22 import Wan22Policy
+from pipelines.wan_i2v import WanI2VPolicy
+from pipelines.zimage import ZImagePolicy
 
 __all__ = ["PLUGINS", "FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
 
@@ -26,12 +37,25 @@ __all__ = ["PLUGINS", "FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect
 PLUGINS = {"commands": {"tiny": "pipelines.cli.tiny", "pretrain-tiny": "pipelines.pretrain.cli"}}
 
 #: family name → policy class
-FAMILIES: dict[str, type] = {"sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy}
+FAMILIES: dict[str, type] = {
+    "sd3": SD3Policy, "flux": FluxPolicy, "wan": WanPolicy, "qwen_image": QwenImagePolicy,
+    "flux2": Flux2Policy,
+    "zimage": ZImagePolicy,
+    "kontext": KontextPolicy,
+    "qwen_image_edit": QwenImageEditPolicy,
+}
 #: diffusers ``model_index.json`` ``_class_name`` → family name
 PIPELINE_FAMILIES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
     "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
+    "QwenImagePipeline": "qwen_image",
+    "Flux2Pipeline": "flux2",
+    "Flux2KleinPipeline": "flux2",
+    "ZImagePipeline": "zimage",
+    "FluxKontextPipeline": "kontext",
+    "QwenImageEditPipeline": "qwen_image_edit",
 }
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -81,6 +105,15 @@ def detect_family(path: str | Path) -> str:
     return PIPELINE_FAMILIES[class_name]
 
 
+def _wan_policy_class(path: str | Path) -> type:
+    """Wan 2.1 / TI2V (one transformer), Wan 2.2-A14B (``transformer_2``: two experts) or image-to-video."""
+    index = json.loads((Path(path) / "model_index.json").read_text())
+    if index.get("_class_name") == "WanImageToVideoPipeline":
+        return WanI2VPolicy
+    entry = index.get("transformer_2")
+    return Wan22Policy if entry and entry[0] is not None else WanPolicy
+
+
 def load(
     path: str | Path,
     family: str | None = None,
@@ -93,8 +126,9 @@ def load(
 ) -> FlowPolicy:
     """Load the diffusers folder ``path`` as its family's policy.
 
-    ``family``: ``"sd3" | "flux" | "wan"``, detected from ``model_index.json`` when None (and checked
-    against it when given). ``dtype``: ``torch.float32`` / ``"fp32"`` on CPU; ``"bf16"`` (or fp16) on GPU.
+    ``family``: a key of :data:`FAMILIES` (``"sd3"``, ``"flux"``, ``"wan"``, ``"qwen_image"``, ...), detected
+    from ``model_index.json`` when None (and checked against it when given).
+    ``dtype``: ``torch.float32`` / ``"fp32"`` on CPU; ``"bf16"`` (or fp16) on GPU.
     ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
     ``full_finetune=True`` trains every transformer weight instead; neither: frozen (sampling/eval).
     ``kw``: ``gradient_checkpointing``, ``defaults`` (sampling defaults over ``flowalign.json``),
@@ -112,6 +146,7 @@ def load(
     unknown = sorted(set(kw) - POLICY_OPTIONS)
     if unknown:
         raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are {sorted(POLICY_OPTIONS)}")
-    return FAMILIES[detected](
+    policy_class = _wan_policy_class(path) if detected == "wan" else FAMILIES[detected]
+    return policy_class(
         path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw
     )

@@ -43,12 +43,14 @@ class FluxPolicy(lora_utils.AdapterMethods):
 
     family = "flux"
     is_video = False
+    #: the diffusers pipeline loaded (FLUX.1 Kontext's subclass swaps in ``FluxKontextPipeline``)
+    pipeline_class: type = FluxPipeline
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
         self.options = opts = PolicyOptions.parse(options)
         self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_frozen_pipeline(FluxPipeline, path, opts)
+        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts)
         self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))

@@ -48,6 +48,10 @@ class WanPolicy(lora_utils.AdapterMethods):
 
     family = "wan"
     is_video = True
+    #: Wan 2.2-A14B's high/low-noise experts are handled by the subclass in ``pipelines/wan22.py``
+    two_experts = False
+    #: the diffusers pipeline loaded (image-to-video: ``WanImageToVideoPipeline``, ``pipelines/wan_i2v.py``)
+    pipeline_class: type = WanPipeline
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...);
@@ -55,11 +59,11 @@ class WanPolicy(lora_utils.AdapterMethods):
         self.options = opts = PolicyOptions.parse(options, decode_batch_size=2)
         self.device, self.dtype = torch.device(opts.device), opts.dtype
         vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
-        self.pipe = load_frozen_pipeline(WanPipeline, path, opts, vae=vae)
-        if self.pipe.transformer_2 is not None or self.pipe.transformer is None:
+        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts, vae=vae)
+        if (self.pipe.transformer_2 is not None and not self.two_experts) or self.pipe.transformer is None:
             raise UserError(
-                f"{path}: two-expert Wan 2.2 checkpoints (transformer_2) are not supported; "
-                "use a single-transformer Wan 2.1 / 2.2-TI2V folder"
+                f"{path}: two-expert Wan 2.2 checkpoints (transformer_2) load as pipelines.wan22.Wan22Policy "
+                "(pipelines.load picks it); WanPolicy takes a single-transformer Wan 2.1 / 2.2-TI2V folder"
             )
         self.transformer = self.pipe.transformer
         self.vae = self.pipe.vae

@@ -6,7 +6,8 @@ from rewards.registry import available, differentiable, load, register
 #: as the ``flowalign.*`` entry points in pyproject.toml, read by the core without importing the modules
 PLUGINS = {
     "commands": {"serve-judge": "rewards.cli.serve_judge", "train-reward": "rewards.cli.train_reward"},
-    "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion"},
+    "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion",
+                   "vvr_edit": "rewards.benchmarks:load_vvr_edit"},
     "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},
 }
 

@@ -8,6 +8,7 @@ reaches them through :func:`flowalign.benchmarks.load_benchmark`, so the core ne
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 from flowalign.benchmarks import Benchmark
@@ -47,6 +48,27 @@ def load_vvr_motion(level: str, n: int | None, seed: int | None) -> Benchmark:
     tasks = load_split(level, n, seed)
     return Benchmark(f"vvr_motion-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks],
                      load_reward("vvr_motion"))
+
+
+def load_vvr_edit(level: str, n: int | None, seed: int | None) -> Benchmark:
+    """Editing: each prompt's metadata carries the task and its rendered source scene as the input ``image``.
+
+    Seeds below 1000 draw training tasks (held-out compositions excluded), as ``data.bench`` passes them;
+    no seed reads the shipped test split, another seed draws a fresh held-out one."""
+    check_level(level)
+    from rewards.vvr_edit import generate_edit_tasks, load_split, render_source
+
+    if seed is not None and seed < 1000:
+        tasks = generate_edit_tasks(n or 500, seed=seed, level=level, heldout="exclude")
+    else:
+        tasks = load_split(level, "test", n, seed)
+    # rendered on use: thousands of training draws would otherwise hold their images in memory
+    metadata = [{"task": t.to_dict(), "image": partial(render_source, t, size=EDIT_IMAGE_SIZE)} for t in tasks]
+    return Benchmark(f"vvr_edit-{level}", [t.prompt for t in tasks], metadata, load_reward("vvr_edit"))
+
+
+#: side of the rendered source scenes handed to editing models (they resize to their own resolution)
+EDIT_IMAGE_SIZE = 256
 
 
 def render_vvr(metadata: dict[str, Any], size: int):

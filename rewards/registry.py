@@ -31,6 +31,7 @@ _BUILTIN_MODULES = (
     "rewards.classic",
     "rewards.video",
     "rewards.vvr_motion",
+    "rewards.vvr_edit",
     "rewards.vlm_judge",
 )
 

@@ -19,4 +19,5 @@ def test_shipped_config_validates(path):
 
 def test_there_are_tiny_and_real_recipes():
     names = {p.parent.name for p in CONFIGS}
-    assert {"tiny", "sd3.5-medium", "flux.1-dev", "wan2.1-1.3b"} <= names
+    assert {"tiny", "sd3.5-medium", "flux.1-dev", "wan2.1-1.3b", "qwen-image", "flux.2-klein", "wan2.2-a14b",
+            "flux.1-kontext"} <= names

@@ -21,7 +21,7 @@ from flowalign.paths import default_model_dir
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="evaluate on a benchmark split (metrics.json, samples, verdicts)")
     add_model_args(p)
-    p.add_argument("--bench", default="vvr", help="benchmark name: vvr (images) or vvr_motion (videos)")
+    p.add_argument("--bench", default="vvr", help="benchmark name: vvr (images), vvr_motion (videos) or vvr_edit (editing models)")
     p.add_argument("--level", default="easy", help="easy, medium or hard")
     p.add_argument("--n", type=int, default=None, help="number of tasks (default: the whole split)")
     p.add_argument("--seed", type=int, default=None,

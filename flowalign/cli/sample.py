@@ -21,6 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--sampler", default="ode", choices=SAMPLER_KINDS)
     p.add_argument("--noise-level", type=float, default=None, help="a for flow_grpo, eta for cps/dance")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image", default=None, metavar="PATH",
+                   help="input image of an editing (FLUX.1 Kontext, Qwen-Image-Edit) or image-to-video model")
     p.add_argument("--out", required=True, help="output file: .png for images, .mp4 or .gif for videos")
     add_guide_args(p)
     return p
@@ -38,9 +40,15 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--out {out.name}: {policy.family} is a video model; write .mp4 or .gif")
     if not policy.is_video and suffix in VIDEO_SUFFIXES:
         raise UserError(f"--out {out.name}: {policy.family} is an image model; write .png")
+    if args.image is not None and not getattr(policy, "input_images", False):
+        raise UserError(f"--image: {policy.family} models take no input image; drop --image or use an editing / "
+                        "image-to-video model")
+    if args.image is not None and not Path(args.image).is_file():
+        raise UserError(f"--image {args.image}: no such file; give a PNG or JPEG")
     steps = args.steps or int(policy.defaults.get("num_steps", 20))
     result = rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler, noise_level=args.noise_level,
-                     guidance_scale=args.guidance, generator=torch.Generator().manual_seed(args.seed), guide=guide)
+                     guidance_scale=args.guidance, generator=torch.Generator().manual_seed(args.seed), guide=guide,
+                     metadata=[{"image": args.image}] if args.image is not None else None)
     sample = result.samples[0]
     written = save_video(sample, out) if policy.is_video else save_image(sample, out)
     print(f"wrote {written}")

@@ -9,6 +9,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, FlowPolicy
+from flowalign.sampling.inputs import encode_prompts
 from flowalign.sampling.steps import SAMPLER_KINDS, StepOutput, sde_step
 from flowalign.sampling.windows import sde_step_mask
 
@@ -158,7 +159,7 @@ def rollout(
     if len(meta) != len(prompts):
         raise UserError(f"metadata has {len(meta)} entries for {len(prompts)} prompts; give one dict per prompt")
 
-    cond = policy.encode(prompts)
+    cond = encode_prompts(policy, prompts, meta)  # with metadata['image'] for image-conditioned policies
     sigmas = policy.sigmas(num_steps).float()
     x = _start(policy, len(prompts), initial_noise, generator, generators)
     # CPS has τ = 0 on the step to σ' = 0: that step stays an ODE step whatever ``sde_last_step`` says

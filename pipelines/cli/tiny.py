@@ -1,4 +1,7 @@
-"""``flowalign tiny {sd3,flux,wan} --out DIR``: write a tiny, randomly initialised diffusers folder."""
+"""``flowalign tiny FAMILY --out DIR``: write a tiny, randomly initialised diffusers folder.
+
+FAMILY: sd3, flux, wan or a twin of :mod:`pipelines.tiny_twins` (qwen_image, flux2, zimage, wan22, ...).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,9 @@ import argparse
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("tiny", help="build a tiny architecture-faithful model folder (offline)")
-    p.add_argument("family", choices=["sd3", "flux", "wan"])
+    from pipelines.tiny import FAMILIES
+
+    p.add_argument("family", choices=list(FAMILIES))
     p.add_argument("--out", required=True, help="folder to write (diffusers format)")
     p.add_argument("--seed", type=int, default=0)
     return p

@@ -1,0 +1,236 @@
+"""FLUX.2 (dev and [klein]) as a :class:`flowalign.protocols.FlowPolicy`.
+
+Wraps diffusers' ``Flux2Pipeline`` (dev: Mistral-Small-3.1 text features, guidance-distilled) or
+``Flux2KleinPipeline`` (klein: Qwen3 text features; base with CFG, distilled without) as their ``__call__``
+uses them: ``Flux2Transformer2DModel`` over packed tokens, ``AutoencoderKLFlux2``, and the scheduler's
+exponential dynamic shift with FLUX.2's empirical ``mu`` (a function of token count *and* step count).
+
+* Text: the stacked hidden states of three encoder layers (``text_encoder_out_layers``; dev 10/20/30,
+  klein 9/18/27), padded to ``max_sequence_length``; token ids rebuilt per forward (all 4-axis, ``l`` = index).
+* Latents: the VAE's 2×2-patchified, batch-normalised latents as tokens ``(B, (h/2)·(w/2), 4·C)``
+  (C = 32, f = 8 for the releases); :meth:`Flux2Policy.to_vae_latents` undoes the normalisation and the
+  patchify exactly as the pipeline before decoding (its ``output_type="latent"`` output).
+* Guidance: dev takes the scale as an *embedding* (one pass, no negative; guidance distillation); klein base
+  runs CFG against the empty prompt when ``guidance > 1``; distilled klein takes no guidance.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+
+#: LoRA targets when ``lora`` gives none: the double-stream attention projections (image and text) and the
+#: single-stream blocks' fused QKV+MLP input projection, as in diffusers' FLUX.2 LoRA training script.
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                        "to_qkv_mlp_proj"]
+PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
+
+
+class Flux2Policy:
+    """FLUX.2 text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
+
+    ``Conditioning.tensors``: ``prompt_embeds (B, L, 3·D_text)`` and, for klein base with
+    ``defaults["guidance_scale"] > 1``, ``negative_prompt_embeds`` of the empty prompt.
+    """
+
+    family = "flux2"
+    is_video = False
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        lora: dict[str, Any] | None = None,
+        full_finetune: bool = False,
+        gradient_checkpointing: bool = False,
+        defaults: dict[str, Any] | None = None,
+        prompt_cache_size: int = 1024,
+        decode_batch_size: int = 8,
+    ) -> None:
+        lora_utils.check_options(lora, full_finetune)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        class_name = json.loads((Path(path) / "model_index.json").read_text())["_class_name"]
+        if class_name not in PIPELINES:
+            raise UserError(f"{path}: {class_name} is not a FLUX.2 pipeline ({', '.join(PIPELINES)})")
+        self.pipeline_class = getattr(diffusers, class_name)
+        self.pipe = self.pipeline_class.from_pretrained(str(path), dtype=dtype).to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        for module in self.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                lora_utils.freeze(module)
+        self.transformer = self.pipe.transformer
+        self.vae = self.pipe.vae
+        self.vae_scale_factor = self.pipe.vae_scale_factor
+        self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+        self.distilled = bool(self.pipe.config.get("is_distilled", False))
+        layers = inspect.signature(self.pipe.encode_prompt).parameters["text_encoder_out_layers"].default
+        # model cards: dev 50 steps at embedded guidance 4; klein base 50 steps CFG 4; distilled klein 4 steps
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        self.defaults: dict[str, Any] = {
+            "height": side, "width": side, "num_frames": None,
+            "guidance_scale": 1.0 if self.distilled else 4.0, "num_steps": 4 if self.distilled else 50,
+            "max_sequence_length": 512, "text_encoder_out_layers": list(layers),
+            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+        }
+        self.defaults.update(sampling_defaults(path))
+        self.defaults.update(defaults or {})
+        multiple = self.vae_scale_factor * 2
+        for key in ("height", "width"):
+            if int(self.defaults[key]) % multiple:
+                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this FLUX.2 model")
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
+        )
+        lora_utils.setup_training(self.transformer, lora=lora, full_finetune=full_finetune,
+                                  default_targets=DEFAULT_LORA_TARGETS, gradient_checkpointing=gradient_checkpointing)
+        self.full_finetune = full_finetune
+        self.trainable: torch.nn.Module = self.transformer
+        self.decode_batch_size = decode_batch_size
+        self._cache = PromptCache(prompt_cache_size)
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def token_hw(self) -> tuple[int, int]:
+        """Token grid ``(h/2, w/2)`` of one image."""
+        f = self.vae_scale_factor * 2
+        return int(self.defaults["height"]) // f, int(self.defaults["width"]) // f
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        """Packed ``(seq, 4·C)`` of one sample."""
+        h, w = self.token_hw
+        return h * w, self.transformer.config.in_channels
+
+    @property
+    def cfg(self) -> bool:
+        """True when this checkpoint guides by CFG (klein base), not by embedding or not at all."""
+        return not self.guidance_embeds and not self.distilled
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """Stacked text-encoder layers through the pipeline's ``encode_prompt``, cached per prompt string."""
+        prompts = check_prompts(prompts)
+        cfg = self.cfg and float(self.defaults["guidance_scale"]) > 1
+        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
+        tensors = stack_rows(rows, prompts, ["prompt_embeds"])
+        if cfg:
+            tensors["negative_prompt_embeds"] = stack_rows(rows, [""] * len(prompts), ["prompt_embeds"])["prompt_embeds"]
+        return Conditioning(tensors, prompts)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=int(self.defaults["max_sequence_length"]),
+            text_encoder_out_layers=tuple(self.defaults["text_encoder_out_layers"]),
+        )
+        return {"prompt_embeds": embeds.to(self.dtype)}
+
+    # ------------------------------------------------------------------ flow
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise ``(n, seq, 4·C)`` float32, drawn ``(n, 4·C, h/2, w/2)`` and packed as ``prepare_latents``."""
+        h, w = self.token_hw
+        rand_device = generator.device if generator is not None else torch.device("cpu")
+        shape = (n, self.transformer.config.in_channels, h, w)
+        noise = torch.randn(shape, generator=generator, device=rand_device, dtype=torch.float32)
+        return self.pipeline_class._pack_latents(noise).to(self.device)
+
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, guidance: torch.Tensor | None):
+        h, w = self.token_hw
+        b = x.shape[0]
+        img_ids = self.pipeline_class._prepare_latent_ids(x.new_empty(b, 1, h, w)).to(self.device)
+        embeds = embeds.to(self.device, self.dtype)
+        txt_ids = self.pipeline_class._prepare_text_ids(embeds).to(self.device)
+        return self.transformer(
+            hidden_states=x.to(self.device, self.dtype), timestep=sigma.to(self.dtype), guidance=guidance,
+            encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
+        )[0].float()
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``: embedded guidance (dev), CFG by one batched pass
+        (klein base, w > 1) or neither (distilled klein, which refuses w > 1)."""
+        b = x.shape[0]
+        if len(cond) != b:
+            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        if x.shape[1:] != torch.Size(self.latent_shape):
+            raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
+        s = sigma_batch(sigma, b, self.device)
+        embeds = cond.tensors["prompt_embeds"]
+        if self.guidance_embeds:
+            return self._forward(x, s, embeds, torch.full((b,), float(guidance), device=self.device))
+        if self.distilled and guidance > 1:
+            raise UserError(f"guidance={guidance}: this FLUX.2 klein checkpoint is distilled and takes no "
+                            "guidance; use guidance_scale <= 1")
+        if guidance <= 1:
+            return self._forward(x, s, embeds, None)
+        if "negative_prompt_embeds" not in cond.tensors:
+            raise UserError(f"guidance={guidance} needs CFG negatives, but cond was encoded with guidance_scale="
+                            f"{self.defaults['guidance_scale']}: set defaults['guidance_scale'] > 1 before encode()")
+        out = self._forward(torch.cat([x, x]), torch.cat([s, s]),
+                            torch.cat([cond.tensors["negative_prompt_embeds"], embeds]), None)
+        v_uncond, v_cond = out.chunk(2)
+        return v_uncond + guidance * (v_cond - v_uncond)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0: ``linspace(1, 1/n, n)`` shifted with
+        ``mu = compute_empirical_mu(tokens, n)``, as both FLUX.2 pipelines set it."""
+        n = int(num_steps)
+        if n < 1:
+            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        mu = compute_empirical_mu(image_seq_len=self.latent_shape[0], num_steps=n)
+        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device="cpu", mu=mu)
+        return self.scheduler.sigmas.to(torch.float32).clone()
+
+    def to_vae_latents(self, x0: torch.Tensor) -> torch.Tensor:
+        """Tokens ``(B, seq, 4·C)`` → the VAE's latents ``(B, C, h, w)``: batch-norm undone, 2×2 unpatchified
+        (what the pipeline returns for ``output_type="latent"``)."""
+        h, w = self.token_hw
+        z = x0.to(self.device).float().permute(0, 2, 1).reshape(x0.shape[0], -1, h, w)
+        bn = self.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).float()
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1).float() + self.vae.config.batch_norm_eps)
+        return self.pipeline_class._unpatchify_latents(z * std + mean)
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Tokens ``(B, seq, 4·C)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
+        images = []
+        for chunk in x0.split(self.decode_batch_size):
+            image = self.vae.decode(self.to_vae_latents(chunk).to(self.vae.dtype), return_dict=False)[0]
+            images.append((image.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(images)
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
+        return lora_utils.adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that the FLUX.2 pipelines' ``load_lora_weights`` read."""
+        lora_utils.save_adapter(self.pipeline_class, self.transformer, directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
+        if self.full_finetune:
+            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
+        lora_utils.load_adapter(self.pipe, self.transformer, directory)

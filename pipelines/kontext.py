@@ -1,0 +1,89 @@
+"""FLUX.1 Kontext (image editing) as a :class:`flowalign.protocols.FlowPolicy`, on top of :class:`FluxPolicy`.
+
+``FluxKontextPipeline`` is FLUX.1-dev's model fed, after the noisy target tokens, the packed VAE latents of the
+input image (its *context*), with position ids whose first axis is 1 instead of 0; the transformer's output
+for the context tokens is dropped. Text, guidance embedding (2.5 by default for Kontext-dev), σ grid (``mu``
+from the *target* token count) and decoding are FLUX.1's.
+
+The input image reaches :meth:`KontextPolicy.encode` as ``images=[...]`` (see
+:mod:`flowalign.sampling.inputs`), is resized to the output size, encoded with the VAE's posterior mode
+(as the pipeline's ``sample_mode="argmax"``), normalised ``(z - shift)·scale`` and packed; it is part of the
+``Conditioning`` (``image_latents (B, seq, 4·C)``), so trainers slice and repeat it with the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers import FluxKontextPipeline
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from flowalign.sampling.inputs import load_input_image
+from pipelines._common import sampling_defaults, sigma_batch
+from pipelines.flux import FluxPolicy
+
+
+class KontextPolicy(FluxPolicy):
+    """FLUX.1 Kontext editing policy: ``encode(prompts, images)`` adds ``image_latents`` to the conditioning."""
+
+    family = "kontext"
+    pipeline_class = FluxKontextPipeline
+    #: rollouts pass each prompt's ``metadata["image"]`` to :meth:`encode`
+    input_images = True
+
+    def __init__(self, path: Any, *, defaults: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(path, defaults=defaults, **kw)
+        # FLUX.1-Kontext-dev's model card: guidance 2.5 (not FLUX.1-dev's 3.5) unless flowalign.json / caller say
+        if "guidance_scale" not in {**sampling_defaults(path), **(defaults or {})}:
+            self.defaults["guidance_scale"] = 2.5
+
+    def encode(self, prompts: list[str], images: list[Any] | None = None) -> Conditioning:
+        """Text as FLUX.1 plus ``image_latents (B, seq, 4·C)``, one input image per prompt."""
+        cond = super().encode(prompts)
+        if images is None or len(images) != len(cond):
+            raise UserError(f"FLUX.1 Kontext edits an input image: give one image per prompt ({len(cond)} prompts, "
+                            f"{0 if images is None else len(images)} images)")
+        with torch.no_grad():
+            latents = torch.cat([self.encode_image(load_input_image(image)) for image in images])
+        return Conditioning({**cond.tensors, "image_latents": latents}, cond.prompts)
+
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
+        """One image ``(3, H, W)`` in [0, 1] → packed context latents ``(1, seq, 4·C)`` float32 at the output size."""
+        height, width = int(self.defaults["height"]), int(self.defaults["width"])
+        if tuple(image.shape[-2:]) != (height, width):
+            image = F.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True,
+                                  align_corners=False)[0].clamp(0, 1)
+        pixels = (image[None] * 2 - 1).to(self.device, self.vae.dtype)
+        z = self.vae.encode(pixels).latent_dist.mode()
+        z = (z.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+        c, h, w = z.shape[1:]
+        return FluxKontextPipeline._pack_latents(z, 1, c, h, w)
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """``v(x, σ | c, image)`` float32 ``(B, seq, 4·C)``: target and context tokens in one sequence,
+        the context's output dropped; guidance through the embedding as FLUX.1-dev."""
+        b = x.shape[0]
+        if len(cond) != b:
+            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        if "image_latents" not in cond.tensors:
+            raise UserError("FLUX.1 Kontext velocity needs cond from encode(prompts, images=...)")
+        context = cond.tensors["image_latents"].to(self.device, self.dtype)
+        h, w = self.latent_hw
+        ids = FluxKontextPipeline._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        context_ids = FluxKontextPipeline._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        context_ids[..., 0] = 1  # the context image's first position axis, as the pipeline marks it
+        embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
+        guidance_vec = torch.full((b,), float(guidance), device=self.device) if self.guidance_embeds else None
+        out = self.transformer(
+            hidden_states=torch.cat([x.to(self.device, self.dtype), context], dim=1),
+            timestep=sigma_batch(sigma, b, self.device), guidance=guidance_vec,
+            pooled_projections=cond.tensors["pooled_prompt_embeds"].to(self.device, self.dtype),
+            encoder_hidden_states=embeds, txt_ids=torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype),
+            img_ids=torch.cat([ids, context_ids], dim=0), return_dict=False,
+        )[0]
+        return out[:, : x.shape[1]].float()

@@ -1,0 +1,238 @@
+"""Qwen-Image as a :class:`flowalign.protocols.FlowPolicy`.
+
+Wraps diffusers' ``QwenImagePipeline`` (``QwenImageTransformer2DModel``: 60 MMDiT blocks over Qwen2.5-VL-7B
+hidden states; the single-frame causal 3D ``AutoencoderKLQwenImage``; ``FlowMatchEulerDiscreteScheduler``
+with exponential dynamic shift and ``shift_terminal``) as the pipeline's ``__call__`` uses it.
+
+* Text: the VL encoder's last hidden state under Qwen-Image's system template, template tokens dropped,
+  one row per prompt at its own length (no padding in the cache); batches are padded with a mask.
+* Latents are packed 2×2 patches ``(B, (h/2)·(w/2), 4·C)`` (C = 16, f = 8), normalised per channel with
+  the VAE's ``latents_mean`` / ``latents_std``; the transformer takes σ as its timestep.
+* Guidance is *true* CFG against a negative prompt (``defaults["negative_prompt"]``, the model card's
+  ``" "``) with Qwen-Image's norm rescale: ``v = ṽ·‖v_c‖/‖ṽ‖`` per token, ``ṽ = v_n + w(v_c - v_n)``,
+  applied when ``guidance > 1`` (the pipeline's ``true_cfg_scale``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch
+from pipelines._varlen import pad_rows, trim
+
+#: LoRA targets when ``lora`` gives none: the image (to_*) and text (add_* / to_add_out) attention
+#: projections of every MMDiT block, as in diffusers' and DiffSynth's Qwen-Image LoRA recipes.
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def true_cfg(v_cond: torch.Tensor, v_neg: torch.Tensor, scale: float) -> torch.Tensor:
+    """Qwen-Image's true CFG ``(B, seq, D)``: the guided velocity rescaled to the conditional one's norm per token."""
+    guided = v_neg + scale * (v_cond - v_neg)
+    return guided * (v_cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+
+
+class QwenImagePolicy:
+    """Qwen-Image text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
+
+    ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` and ``prompt_embeds_mask (B, L)`` (``L`` =
+    ``max_sequence_length``, zero-padded) and, when ``defaults["guidance_scale"] > 1``, the same two for the
+    negative prompt (``negative_*``).
+    """
+
+    family = "qwen_image"
+    is_video = False
+    pipeline_class: type = QwenImagePipeline
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        lora: dict[str, Any] | None = None,
+        full_finetune: bool = False,
+        gradient_checkpointing: bool = False,
+        defaults: dict[str, Any] | None = None,
+        prompt_cache_size: int = 1024,
+        decode_batch_size: int = 8,
+    ) -> None:
+        lora_utils.check_options(lora, full_finetune)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.pipe = self.pipeline_class.from_pretrained(str(path), dtype=dtype).to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        for module in self.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                lora_utils.freeze(module)
+        self.transformer = self.pipe.transformer
+        self.vae = self.pipe.vae
+        self.vae_scale_factor = self.pipe.vae_scale_factor
+        # Qwen-Image model card: true CFG 4.0 with negative prompt " ", 50 steps; the pipeline's 1024² default
+        side = self.pipe.default_sample_size * self.vae_scale_factor
+        self.defaults: dict[str, Any] = {
+            "height": side, "width": side, "num_frames": None, "guidance_scale": 4.0, "num_steps": 50,
+            "max_sequence_length": 512, "negative_prompt": " ",
+            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+        }
+        self.defaults.update(sampling_defaults(path))
+        self.defaults.update(defaults or {})
+        multiple = self.vae_scale_factor * 2
+        for key in ("height", "width"):
+            if int(self.defaults[key]) % multiple:
+                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this Qwen-Image model")
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
+        )
+        lora_utils.setup_training(self.transformer, lora=lora, full_finetune=full_finetune,
+                                  default_targets=DEFAULT_LORA_TARGETS, gradient_checkpointing=gradient_checkpointing)
+        self.full_finetune = full_finetune
+        self.trainable: torch.nn.Module = self.transformer
+        self.decode_batch_size = decode_batch_size
+        self._cache = PromptCache(prompt_cache_size)
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        """Unpacked latent ``(h, w)`` (even, as the pipeline rounds them)."""
+        f = self.vae_scale_factor
+        return 2 * (int(self.defaults["height"]) // (f * 2)), 2 * (int(self.defaults["width"]) // (f * 2))
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        """Packed ``(seq, 4·C)`` of one sample."""
+        h, w = self.latent_hw
+        return (h // 2) * (w // 2), self.transformer.config.in_channels
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """Qwen2.5-VL embeddings through the pipeline's ``encode_prompt``, cached per prompt string."""
+        prompts = check_prompts(prompts)
+        negative = str(self.defaults.get("negative_prompt") or " ")
+        cfg = float(self.defaults["guidance_scale"]) > 1
+        rows = self._cache.lookup(prompts + [negative] if cfg else prompts, self._encode_batch)
+        length = int(self.defaults["max_sequence_length"])
+        embeds, mask = pad_rows([rows[p]["prompt_embeds"] for p in prompts], length)
+        tensors = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        if cfg:
+            neg, neg_mask = pad_rows([rows[negative]["prompt_embeds"]] * len(prompts), length)
+            tensors.update(negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask)
+        return Conditioning(tensors, prompts)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=int(self.defaults["max_sequence_length"])
+        )
+        return {"prompt_embeds": embeds.to(self.dtype)}  # one prompt: no padding, mask all ones
+
+    # ------------------------------------------------------------------ flow
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise, packed ``(n, seq, 4·C)`` float32, drawn ``(n, 1, C, h, w)`` as ``prepare_latents``."""
+        h, w = self.latent_hw
+        c = self.transformer.config.in_channels // 4
+        rand_device = generator.device if generator is not None else torch.device("cpu")
+        noise = torch.randn((n, 1, c, h, w), generator=generator, device=rand_device, dtype=torch.float32)
+        return QwenImagePipeline._pack_latents(noise, n, c, h, w).to(self.device)
+
+    def _context(self, cond: Conditioning) -> tuple[torch.Tensor, tuple[int, int]] | None:
+        """Extra image tokens after the noisy ones (Qwen-Image-Edit's input image); none for text-to-image."""
+        return None
+
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
+                 context: tuple[torch.Tensor, tuple[int, int]] | None = None) -> torch.Tensor:
+        h, w = self.latent_hw
+        embeds, mask = trim(embeds.to(self.device, self.dtype), mask.to(self.device))
+        hidden, shapes = x.to(self.device, self.dtype), [(1, h // 2, w // 2)]
+        if context is not None:  # the context's tokens ride along; their output is dropped
+            hidden = torch.cat([hidden, context[0].to(self.device, self.dtype)], dim=1)
+            shapes.append((1, context[1][0] // 2, context[1][1] // 2))
+        out = self.transformer(
+            hidden_states=hidden, timestep=sigma.to(self.dtype), guidance=None,
+            encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+            img_shapes=[shapes] * x.shape[0], return_dict=False,
+        )[0]
+        return out[:, : x.shape[1]].float()
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``; true CFG (norm-rescaled) by one batched pass when w > 1."""
+        b = x.shape[0]
+        if len(cond) != b:
+            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        if x.shape[1:] != torch.Size(self.latent_shape):
+            raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
+        s = sigma_batch(sigma, b, self.device)
+        embeds, mask = cond.tensors["prompt_embeds"], cond.tensors["prompt_embeds_mask"]
+        context = self._context(cond)
+        if guidance <= 1:
+            return self._forward(x, s, embeds, mask, context)
+        if "negative_prompt_embeds" not in cond.tensors:
+            raise UserError(f"guidance={guidance} needs the negative prompt, but cond was encoded with guidance_scale="
+                            f"{self.defaults['guidance_scale']}: set defaults['guidance_scale'] > 1 before encode()")
+        out = self._forward(
+            torch.cat([x, x]), torch.cat([s, s]), torch.cat([embeds, cond.tensors["negative_prompt_embeds"]]),
+            torch.cat([mask, cond.tensors["negative_prompt_embeds_mask"]]),
+            None if context is None else (torch.cat([context[0], context[0]]), context[1]),
+        )
+        v_cond, v_neg = out.chunk(2)
+        return true_cfg(v_cond, v_neg, guidance)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0, as ``QwenImagePipeline`` sets it:
+        ``linspace(1, 1/n, n)`` through the exponential dynamic shift (``mu`` from the token count) and
+        ``shift_terminal``."""
+        n = int(num_steps)
+        if n < 1:
+            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        config = self.scheduler.config
+        mu = calculate_shift(self.latent_shape[0], config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device="cpu", mu=mu)
+        grid = self.scheduler.sigmas.to(torch.float32).clone()
+        if not torch.isfinite(grid).all():  # shift_terminal stretches a one-point grid by 0/0
+            raise UserError(f"num_steps={n} gives no valid grid with this scheduler's shift_terminal: use >= 2 steps")
+        return grid
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Packed latents ``(B, seq, 4·C)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
+        height, width = int(self.defaults["height"]), int(self.defaults["width"])
+        z_dim = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
+        std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
+        images = []
+        for chunk in x0.split(self.decode_batch_size):
+            z = QwenImagePipeline._unpack_latents(chunk.to(self.device), height, width, self.vae_scale_factor)
+            z = z.float() * std + mean
+            image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0][:, :, 0]
+            images.append((image.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(images)
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
+        return lora_utils.adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that ``QwenImagePipeline.load_lora_weights`` reads."""
+        lora_utils.save_adapter(QwenImagePipeline, self.transformer, directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
+        if self.full_finetune:
+            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
+        lora_utils.load_adapter(self.pipe, self.transformer, directory)

@@ -1,0 +1,121 @@
+"""Tiny FLUX.1-dev pipeline: guidance embedding, double + single stream blocks, CLIP-L + T5 stand-ins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipelines.tiny_twins.base import _check_keys, _clip_config, _merge, _seeded, _vae_blocks
+from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
+
+
+
+FLUX_DEFAULTS: dict[str, Any] = {
+    "seed": 0,
+    "clip_vocab_size": 2048,
+    "clip_max_length": 77,
+    "t5_max_length": 32,
+    "t5_extra_words": (),
+    # FLUX.1-dev-like: guidance embedding, double + single stream blocks, 3-axis RoPE
+    "transformer": {
+        "patch_size": 1,
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "guidance_embeds": True,
+        "axes_dims_rope": [4, 6, 6],
+    },
+    "vae": {
+        "in_channels": 3,
+        "out_channels": 3,
+        "block_out_channels": [16, 32, 32],
+        "layers_per_block": 1,
+        "latent_channels": 4,
+        "norm_num_groups": 8,
+        "scaling_factor": 0.3611,
+        "shift_factor": 0.1159,
+        "use_quant_conv": False,
+        "use_post_quant_conv": False,
+        "mid_block_add_attention": True,
+    },
+    "text_encoder": {  # CLIP-L stand-in (pooled output only)
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "projection_dim": 32,
+        "hidden_act": "quick_gelu",
+    },
+    "text_encoder_2": {  # T5-XXL stand-in
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 32,
+        "feed_forward_proj": "gated-gelu",
+        "dropout_rate": 0.0,
+    },
+    # FLUX.1's scheduler config: resolution-dependent (dynamic) shift
+    "scheduler": {
+        "num_train_timesteps": 1000,
+        "shift": 3.0,
+        "use_dynamic_shifting": True,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+    },
+}
+
+
+def build_tiny_flux(**overrides):
+    """A tiny ``FluxPipeline`` (FLUX.1-dev-like: guidance embedding; CLIP-L + T5 stand-ins).
+
+    Overrides as :func:`build_tiny_sd3` with components ``transformer``, ``vae``, ``text_encoder``
+    (CLIP), ``text_encoder_2`` (T5), ``scheduler``. ``in_channels`` = 4 × VAE latent channels
+    (2×2 packing), ``joint_attention_dim`` = T5 ``d_model``, ``pooled_projection_dim`` = CLIP hidden.
+    The pipeline's default height is 128 × VAE factor, so pass ``height``/``width`` when calling.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    _check_keys("flux", overrides, set(FLUX_DEFAULTS))
+    o = {k: overrides.get(k, v) for k, v in FLUX_DEFAULTS.items() if not isinstance(v, dict)}
+    vae_cfg = _merge(FLUX_DEFAULTS["vae"], overrides.get("vae"))
+    vae_cfg = {**_vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    tok = clip_tokenizer(o["clip_vocab_size"], o["clip_max_length"])
+    tok_2 = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
+    c1 = _clip_config(_merge(FLUX_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)
+    t5 = _merge(FLUX_DEFAULTS["text_encoder_2"], overrides.get("text_encoder_2"))
+    t5.setdefault("vocab_size", len(tok_2))
+    t5.setdefault("pad_token_id", tok_2.pad_token_id)
+    t5.setdefault("eos_token_id", tok_2.eos_token_id)
+    t5.setdefault("decoder_start_token_id", tok_2.pad_token_id)
+    tr = _merge(FLUX_DEFAULTS["transformer"], overrides.get("transformer"))
+    tr.setdefault("in_channels", 4 * vae_cfg["latent_channels"])
+    tr.setdefault("joint_attention_dim", t5["d_model"])
+    tr.setdefault("pooled_projection_dim", c1["hidden_size"])
+    tr["axes_dims_rope"] = tuple(tr["axes_dims_rope"])
+    if sum(tr["axes_dims_rope"]) != tr["attention_head_dim"]:
+        raise ValueError(f"transformer.axes_dims_rope {tr['axes_dims_rope']} must sum to attention_head_dim")
+    sched = _merge(FLUX_DEFAULTS["scheduler"], overrides.get("scheduler"))
+
+    with _seeded(o["seed"]):
+        transformer = FluxTransformer2DModel(**tr)
+        vae = AutoencoderKL(**vae_cfg)
+        te = CLIPTextModel(CLIPTextConfig(**c1))
+        te_2 = T5EncoderModel(T5Config(**t5))
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**sched),
+        vae=vae,
+        text_encoder=te.eval(),
+        tokenizer=tok,
+        text_encoder_2=te_2.eval(),
+        tokenizer_2=tok_2,
+        transformer=transformer,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+

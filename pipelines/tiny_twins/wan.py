@@ -1,0 +1,94 @@
+"""Tiny Wan 2.1 T2V pipeline: 3D DiT with cross-attention, causal 3D VAE, UMT5 stand-in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipelines.tiny_twins.base import _check_keys, _merge, _seeded
+from pipelines.tiny_tokenizers import t5_tokenizer
+
+
+
+WAN_DEFAULTS: dict[str, Any] = {
+    "seed": 0,
+    "t5_max_length": 32,
+    "t5_extra_words": (),
+    "transformer": {
+        "patch_size": [1, 2, 2],
+        "num_attention_heads": 2,
+        "attention_head_dim": 24,  # RoPE splits it t/h/w = 8/8/8
+        "freq_dim": 32,
+        "ffn_dim": 64,
+        "num_layers": 2,
+        "cross_attn_norm": True,
+        "qk_norm": "rms_norm_across_heads",
+        "rope_max_seq_len": 64,
+    },
+    # Wan 2.1 causal 3D VAE, f_t = 2 ** sum(temperal_downsample), f_s = 2 ** len(temperal_downsample)
+    "vae": {
+        "base_dim": 8,
+        "z_dim": 4,
+        "dim_mult": [1, 2, 2],
+        "num_res_blocks": 1,
+        "attn_scales": [],
+        "temperal_downsample": [False, True],
+    },
+    "text_encoder": {  # UMT5-XXL stand-in
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 32,
+        "feed_forward_proj": "gated-gelu",
+        "dropout_rate": 0.0,
+    },
+    "scheduler": {"num_train_timesteps": 1000, "shift": 3.0},
+}
+
+
+def build_tiny_wan(**overrides):
+    """A tiny ``WanPipeline`` (Wan 2.1 T2V-like: 3D DiT with cross-attention, causal 3D VAE, UMT5).
+
+    Overrides as :func:`build_tiny_sd3` with components ``transformer``, ``vae``, ``text_encoder``,
+    ``scheduler``. ``num_frames - 1`` must be divisible by the VAE's temporal factor (2 by default).
+    """
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    _check_keys("wan", overrides, set(WAN_DEFAULTS))
+    o = {k: overrides.get(k, v) for k, v in WAN_DEFAULTS.items() if not isinstance(v, dict)}
+    vae_cfg = _merge(WAN_DEFAULTS["vae"], overrides.get("vae"))
+    z = vae_cfg["z_dim"]
+    vae_cfg.setdefault("latents_mean", [0.0] * z)
+    vae_cfg.setdefault("latents_std", [1.0] * z)
+    vae_cfg.setdefault("scale_factor_temporal", 2 ** sum(bool(t) for t in vae_cfg["temperal_downsample"]))
+    vae_cfg.setdefault("scale_factor_spatial", 2 ** len(vae_cfg["temperal_downsample"]))
+    tok = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
+    te = _merge(WAN_DEFAULTS["text_encoder"], overrides.get("text_encoder"))
+    te.setdefault("vocab_size", len(tok))
+    te.setdefault("pad_token_id", tok.pad_token_id)
+    te.setdefault("eos_token_id", tok.eos_token_id)
+    te.setdefault("decoder_start_token_id", tok.pad_token_id)
+    tr = _merge(WAN_DEFAULTS["transformer"], overrides.get("transformer"))
+    tr.setdefault("in_channels", z)
+    tr.setdefault("out_channels", z)
+    tr.setdefault("text_dim", te["d_model"])
+    tr["patch_size"] = tuple(tr["patch_size"])
+    sched = _merge(WAN_DEFAULTS["scheduler"], overrides.get("scheduler"))
+
+    with _seeded(o["seed"]):
+        transformer = WanTransformer3DModel(**tr)
+        vae = AutoencoderKLWan(**vae_cfg)
+        text_encoder = UMT5EncoderModel(UMT5Config(**te))
+    pipe = WanPipeline(
+        tokenizer=tok,
+        text_encoder=text_encoder.eval(),
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(**sched),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+

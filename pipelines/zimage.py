@@ -1,0 +1,192 @@
+"""Z-Image as a :class:`flowalign.protocols.FlowPolicy`.
+
+Wraps diffusers' ``ZImagePipeline`` (``ZImageTransformer2DModel``: a *single-stream* DiT, image and caption
+tokens concatenated through every block after separate refiner blocks; a ``Qwen3Model`` text encoder, its
+second-to-last hidden state; the FLUX.1 ``AutoencoderKL``) as the pipeline's ``__call__`` uses it.
+
+Three conventions differ from the other families and are translated here, so trainers see the usual ones:
+
+* the transformer takes ``t = 1 - σ`` and predicts ``x0 - ε`` (the pipeline negates it): the velocity here is
+  ``-output``;
+* it takes lists (one ``(C, 1, h, w)`` latent and one ``(L_i, D)`` caption per sample, captions at their own
+  lengths): captions are stored padded with a mask and cut back per sample;
+* the pipeline's ``guidance_scale`` ``w`` means ``v_c + w(v_c - v_u)`` (CFG off at 0): flowalign's guidance
+  ``g`` is the usual ``v_u + g(v_c - v_u)``, i.e. ``g = 1 + w`` (Z-Image-Turbo: ``w = 0`` → ``g = 1``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch
+from pipelines._varlen import pad_rows, unpad
+
+#: LoRA targets when ``lora`` gives none: the attention projections of every single-stream and refiner block
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+class ZImagePolicy:
+    """Z-Image text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
+
+    ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` + ``prompt_embeds_mask (B, L)`` (``L`` =
+    ``max_sequence_length``) and, when ``defaults["guidance_scale"] > 1``, the empty prompt's (``negative_*``).
+    """
+
+    family = "zimage"
+    is_video = False
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        lora: dict[str, Any] | None = None,
+        full_finetune: bool = False,
+        gradient_checkpointing: bool = False,
+        defaults: dict[str, Any] | None = None,
+        prompt_cache_size: int = 1024,
+        decode_batch_size: int = 8,
+    ) -> None:
+        lora_utils.check_options(lora, full_finetune)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.pipe = ZImagePipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        for module in self.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                lora_utils.freeze(module)
+        self.transformer = self.pipe.transformer
+        self.vae = self.pipe.vae
+        self.vae_scale_factor = self.pipe.vae_scale_factor
+        # Z-Image-Turbo model card: 1024², 9 scheduler steps, guidance_scale 0 (g = 1, no CFG)
+        self.defaults: dict[str, Any] = {
+            "height": 1024, "width": 1024, "num_frames": None, "guidance_scale": 1.0, "num_steps": 9,
+            "max_sequence_length": 512, "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+        }
+        self.defaults.update(sampling_defaults(path))
+        self.defaults.update(defaults or {})
+        multiple = self.vae_scale_factor * 2
+        for key in ("height", "width"):
+            if int(self.defaults[key]) % multiple:
+                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this Z-Image model")
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
+        )
+        lora_utils.setup_training(self.transformer, lora=lora, full_finetune=full_finetune,
+                                  default_targets=DEFAULT_LORA_TARGETS, gradient_checkpointing=gradient_checkpointing)
+        self.full_finetune = full_finetune
+        self.trainable: torch.nn.Module = self.transformer
+        self.decode_batch_size = decode_batch_size
+        self._cache = PromptCache(prompt_cache_size)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """``(C, h, w)`` of one sample (h, w even, as the pipeline rounds them)."""
+        f = self.vae_scale_factor * 2
+        return (self.transformer.config.in_channels, 2 * (int(self.defaults["height"]) // f),
+                2 * (int(self.defaults["width"]) // f))
+
+    # ------------------------------------------------------------------ text
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """Qwen3 caption features through the pipeline's ``encode_prompt``, cached per prompt string."""
+        prompts = check_prompts(prompts)
+        cfg = float(self.defaults["guidance_scale"]) > 1
+        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
+        length = int(self.defaults["max_sequence_length"])
+        embeds, mask = pad_rows([rows[p]["prompt_embeds"] for p in prompts], length)
+        tensors = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        if cfg:
+            neg, neg_mask = pad_rows([rows[""]["prompt_embeds"]] * len(prompts), length)
+            tensors.update(negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask)
+        return Conditioning(tensors, prompts)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(  # the pipeline templates the list in place: pass a copy
+            prompt=list(prompts), device=self.device, do_classifier_free_guidance=False,
+            max_sequence_length=int(self.defaults["max_sequence_length"]),
+        )
+        return {"prompt_embeds": embeds[0][None].to(self.dtype)}
+
+    # ------------------------------------------------------------------ flow
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise ``(n, C, h, w)`` float32, drawn on the generator's device as ``prepare_latents``."""
+        rand_device = generator.device if generator is not None else torch.device("cpu")
+        noise = torch.randn((n, *self.latent_shape), generator=generator, device=rand_device, dtype=torch.float32)
+        return noise.to(self.device)
+
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
+        latents = list(x.to(self.device, self.dtype).unsqueeze(2).unbind(0))
+        captions = unpad(embeds.to(self.device, self.dtype), mask.to(self.device))
+        out = self.transformer(latents, (1 - sigma).to(self.dtype), captions, return_dict=False)[0]
+        return -torch.stack([o.float() for o in out]).squeeze(2)  # the model predicts x0 - ε
+
+    def velocity(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> torch.Tensor:
+        """``v(x, σ | c)`` float32 ``(B, C, h, w)``; CFG ``v_u + g(v_c - v_u)`` in one list pass when g > 1."""
+        b = x.shape[0]
+        if len(cond) != b:
+            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        s = sigma_batch(sigma, b, self.device)
+        embeds, mask = cond.tensors["prompt_embeds"], cond.tensors["prompt_embeds_mask"]
+        if guidance <= 1:
+            return self._forward(x, s, embeds, mask)
+        if "negative_prompt_embeds" not in cond.tensors:
+            raise UserError(f"guidance={guidance} needs CFG negatives, but cond was encoded with guidance_scale="
+                            f"{self.defaults['guidance_scale']}: set defaults['guidance_scale'] > 1 before encode()")
+        out = self._forward(torch.cat([x, x]), torch.cat([s, s]),
+                            torch.cat([embeds, cond.tensors["negative_prompt_embeds"]]),
+                            torch.cat([mask, cond.tensors["negative_prompt_embeds_mask"]]))
+        v_cond, v_uncond = out.chunk(2)
+        return v_uncond + guidance * (v_cond - v_uncond)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0: Z-Image's default sigmas and ``mu`` as the
+        pipeline passes them (``mu`` only acts under ``use_dynamic_shifting``; Turbo's static shift is 3)."""
+        n = int(num_steps)
+        if n < 1:
+            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        config = self.scheduler.config
+        _, h, w = self.latent_shape
+        mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        self.scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(n), device="cpu", mu=mu)
+        return self.scheduler.sigmas.to(torch.float32).clone()
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
+        scale, shift = self.vae.config.scaling_factor, self.vae.config.shift_factor or 0.0
+        images = []
+        for chunk in x0.split(self.decode_batch_size):
+            image = self.vae.decode(chunk.to(self.device, self.vae.dtype) / scale + shift, return_dict=False)[0]
+            images.append((image.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(images)
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
+        return lora_utils.adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that ``ZImagePipeline.load_lora_weights`` reads."""
+        lora_utils.save_adapter(ZImagePipeline, self.transformer, directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
+        if self.full_finetune:
+            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
+        lora_utils.load_adapter(self.pipe, self.transformer, directory)

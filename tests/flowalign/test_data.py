@@ -1,0 +1,27 @@
+"""Prompt files: a JSONL ``image`` (input image of an editing / image-to-video prompt) is resolved against the file."""
+
+import pytest
+
+from flowalign.data import read_prompt_file
+from flowalign.errors import UserError
+
+
+def test_jsonl_image_paths_are_relative_to_the_file(tmp_path, monkeypatch):
+    folder = tmp_path / "set"
+    (folder / "inputs").mkdir(parents=True)
+    (folder / "inputs" / "a.png").write_bytes(b"")
+    path = folder / "edits.jsonl"
+    path.write_text('{"prompt": "make it blue", "image": "inputs/a.png", "level": "easy"}\n{"prompt": "plain"}\n')
+    monkeypatch.chdir(tmp_path)  # resolution must not depend on the working directory
+    data = read_prompt_file("set/edits.jsonl")
+    assert data.prompts == ["make it blue", "plain"]
+    assert data.metadata[0] == {"image": str((folder / "inputs" / "a.png").resolve()), "level": "easy"}
+    assert data.metadata[1] == {}
+
+
+@pytest.mark.parametrize("value", ['""', "3", "null"])
+def test_bad_image_field_is_a_user_error(tmp_path, value):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "x", "image": %s}\n' % value)
+    with pytest.raises(UserError, match='bad.jsonl:1: "image" must be a path string'):
+        read_prompt_file(path)

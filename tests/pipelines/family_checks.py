@@ -1,0 +1,132 @@
+"""Checks every model family must pass, shared by the per-family test files.
+
+Each takes a tiny model folder and runs the real code paths: the trainer's own sampling and re-evaluation
+(ratio 1 on the first on-policy pass), two optimiser steps through ``build_trainer`` with LoRA and with
+full fine-tuning, and the saved LoRA read back by the diffusers pipeline's own ``load_lora_weights``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import pipelines
+from flowalign.train import build_trainer
+from tests.flowalign.trainers.conftest import small_config
+
+LORA = {"rank": 4, "alpha": 8}
+PROMPTS = ["exactly two red circles", "a blue square left of a green triangle"]
+
+
+def ode(policy, x: torch.Tensor, cond, grid: torch.Tensor, guidance: float) -> torch.Tensor:
+    """Euler over ``grid``: x ← x + (σ' - σ)·v (the convention every family's velocity follows)."""
+    with torch.no_grad():
+        for k in range(len(grid) - 1):
+            x = x + (grid[k + 1] - grid[k]) * policy.velocity(x, grid[k], cond, guidance)
+    return x
+
+
+def prompt_file(tmp_path: Path, images: bool = False) -> Path:
+    """Four prompts; with ``images``, a JSONL file whose rows name a 32² input PNG (relative paths)."""
+    prompts = ["a red circle", "a blue square", "a green star", "a yellow triangle"]
+    if not images:
+        path = tmp_path / "prompts.txt"
+        path.write_text("".join(p + "\n" for p in prompts))
+        return path
+    from PIL import Image
+
+    (tmp_path / "inputs").mkdir(exist_ok=True)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        colour = [(220, 30, 30), (30, 30, 220), (30, 200, 30), (230, 220, 30)][i]
+        image = Image.new("RGB", (32, 32), (255, 255, 255))
+        image.paste(colour, (8 + i, 8, 20 + i, 20))
+        image.save(tmp_path / "inputs" / f"{i}.png")
+        rows.append(json.dumps({"prompt": f"make {prompt} purple", "image": f"inputs/{i}.png"}))
+    path = tmp_path / "edits.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def check_ratio_one(folder: Path, tmp_path: Path, *extra: str, images: bool = False) -> None:
+    """Stored SDE transitions re-evaluate to ratio 1 (log-prob difference ~0) with a fresh forward pass."""
+    t = build_trainer(small_config(tmp_path / "ratio", folder, prompt_file(tmp_path, images), "trainer.beta=0.04",
+                                   "trainer.num_steps=3", *extra))
+    prompts, metadata, groups = t.step_prompts(0)
+    batch = t.sample(prompts, metadata, groups)
+    checked = 0
+    with torch.no_grad():
+        for chunk in batch.chunks:
+            for k in t.trained_steps(chunk):
+                x_k, _, stored = chunk.step(k)
+                v = t.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+                again = t.step_distribution(chunk, k, v)
+                assert torch.isfinite(stored).all()
+                torch.testing.assert_close(again.log_prob, stored, rtol=0, atol=1e-4)
+                checked += 1
+    assert checked > 0
+
+
+def check_two_training_steps(folder: Path, tmp_path: Path, finetune: str, *extra: str, images: bool = False) -> None:
+    """Two optimiser steps through the trainer move the trained weights (and only those under LoRA)."""
+    kl = ["trainer.beta=0.04"] if finetune == "lora" else ["trainer.beta=0"]
+    t = build_trainer(small_config(tmp_path / f"train-{finetune}", folder, prompt_file(tmp_path, images),
+                                   f"model.finetune={finetune}", "trainer.num_steps=3", "trainer.lr=1e-2", *kl, *extra))
+    trained = {n: p.detach().clone() for n, p in t.policy.trainable.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in t.policy.trainable.named_parameters() if not p.requires_grad}
+    assert trained
+    if finetune == "lora":
+        assert all("lora_" in n for n in trained)
+    else:
+        assert not frozen
+    for _ in range(2):
+        metrics = t.train_step()
+        t.step += 1
+        assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values() if isinstance(v, (int, float)))
+    after = dict(t.policy.trainable.named_parameters())
+    assert any(not torch.equal(after[n], trained[n]) for n in trained), "two steps left every weight unchanged"
+    assert all(torch.equal(after[n], frozen[n]) for n in frozen), "a frozen weight moved"
+
+
+def perturbed_lora_policy(folder: Path, **kw):
+    """A LoRA policy whose adapter is moved off zero (so it changes the velocity)."""
+    policy = pipelines.load(folder, lora=LORA, **kw)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.trainable.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return policy
+
+
+def check_lora_loads_with_diffusers(folder: Path, tmp_path: Path, load_into_pipe=None, images=None) -> None:
+    """``save_adapter`` writes what ``pipe.load_lora_weights`` reads: the loaded model has our velocity."""
+    policy = perturbed_lora_policy(folder)
+    w = float(policy.defaults["guidance_scale"])
+    cond = policy.encode(PROMPTS) if images is None else policy.encode(PROMPTS, images=images)
+    x = policy.initial_noise(2, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        v_ours = policy.velocity(x, 0.6, cond, w)
+    policy.save_adapter(tmp_path / "adapter")
+    fresh = pipelines.load(folder)
+    with torch.no_grad():
+        v_base = fresh.velocity(x, 0.6, cond, w)
+    assert not torch.allclose(v_base, v_ours, atol=1e-4), "the perturbed adapter must change the velocity"
+    if load_into_pipe is None:
+        fresh.pipe.load_lora_weights(str(tmp_path / "adapter"))  # exactly what a diffusers user runs
+    else:
+        load_into_pipe(fresh.pipe, tmp_path / "adapter")
+    with torch.no_grad():
+        v_loaded = fresh.velocity(x, 0.6, cond, w)
+    torch.testing.assert_close(v_loaded, v_ours, rtol=1e-5, atol=1e-5)
+
+
+def check_meta_size(name: str) -> None:
+    """The published config instantiated on the meta device has the published size (within 5%)."""
+    from pipelines.tiny_twins.published import PUBLISHED, count_parameters
+
+    class_name, config, size = PUBLISHED[name]
+    n = count_parameters(class_name, config)
+    assert abs(n - size) / size < 0.05, f"{name}: {n / 1e9:.2f}B parameters, published {size / 1e9:.0f}B"
