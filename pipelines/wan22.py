@@ -28,7 +28,7 @@ from diffusers import WanPipeline
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import sigma_batch
+from pipelines._common import cfg_mix, sigma_batch
 from pipelines.wan import DEFAULT_LORA_TARGETS, WanPolicy
 
 #: file of the low-noise expert's LoRA, next to the high-noise expert's ``pytorch_lora_weights.safetensors``
@@ -69,9 +69,11 @@ class Wan22Policy(WanPolicy):
             self.transformer = self.high_noise
 
     def velocity(
-        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float,
+        *, uncond: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')`` from the expert serving each sample's σ."""
+        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')`` from the expert serving each sample's σ; with
+        ``uncond`` (:meth:`unconditional_velocity`) only the conditional half runs, as in Wan 2.1."""
         b = x.shape[0]
         s = sigma_batch(sigma, b, self.device)
         high = self.uses_high_noise_expert(s, b)
@@ -82,7 +84,10 @@ class Wan22Policy(WanPolicy):
             if not bool(mask.any()):
                 continue
             idx = mask.nonzero().flatten()
-            v = self.expert_velocity(expert, x[idx], s[idx], cond[idx.tolist()], w)
+            if uncond is not None and w > 1:
+                v = cfg_mix(uncond[idx], self.expert_velocity(expert, x[idx], s[idx], cond[idx.tolist()], 1.0), w)
+            else:
+                v = self.expert_velocity(expert, x[idx], s[idx], cond[idx.tolist()], w)
             if bool(mask.all()):
                 return v
             out = torch.zeros_like(x, dtype=torch.float32) if out is None else out

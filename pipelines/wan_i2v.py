@@ -19,7 +19,7 @@ from diffusers import WanImageToVideoPipeline
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
-from pipelines._common import sigma_batch
+from pipelines._common import negative_conditioning, sigma_batch
 from pipelines.wan22 import Wan22Policy
 
 
@@ -65,6 +65,14 @@ class WanI2VPolicy(Wan22Policy):
             self.device, None, zeros,
         )
         return condition.float()
+
+    def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The CFG negative's velocity float32: the negative prompt on the same first frame (the frame is not
+        what CFG drops)."""
+        negatives = negative_conditioning(cond, ["prompt_embeds"], self.defaults["guidance_scale"])
+        if "image_condition" in cond.tensors:
+            negatives.tensors["image_condition"] = cond.tensors["image_condition"]
+        return self.velocity(x, sigma, negatives, 1.0)
 
     def expert_velocity(
         self, expert: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance: float
