@@ -389,6 +389,8 @@ def bench_train(args: argparse.Namespace) -> None:
         if rep:
             ours.append(o)
             theirs.append(b)
+        print(f"  {'warm-up' if not rep else f'repetition {rep}'}: flowalign {o['wall']:.2f} s, bare loop {b['wall']:.2f} s",
+              flush=True)
     med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in
            (("flowalign", ours), ("bare loop", theirs))}
     ratios = [b["wall"] / o["wall"] for o, b in zip(ours, theirs)]
