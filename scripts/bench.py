@@ -2,7 +2,6 @@
 
     python scripts/bench.py rollout [--model DIR] [--steps 20] [--repeats 7]
     python scripts/bench.py train [--repeats 7] [--slow-reward] [--profile FILE]
-    python scripts/bench.py curves [--minutes 10] [--out runs/bench-curves]
 
 ``rollout``: ``flowalign.sampling.rollout`` (ODE, decode included) against the diffusers pipeline's own
 ``__call__`` on the same folder, same steps and seed, alternating, median of the repeats; target ratio
@@ -16,7 +15,7 @@ steps, fp32. The two alternate; the medians and the median of the paired ratios 
 toolkit overhead: the share of an iteration outside model forward/backward passes, the VAE decode and
 the reward. ``--slow-reward`` makes the reward sleep 0.5 s per call (a remote judge).
 
-``curves``: reward against wall-clock time for Flow-GRPO and Flash-GRPO on the main job, saved as a PNG.
+Reward against wall-clock time for Flow-GRPO and Flash-GRPO on the main job: ``scripts/bench_curves.py``.
 """
 
 from __future__ import annotations
@@ -26,13 +25,14 @@ import math
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.bench_timing import SPANS, instrument, redness, slow_redness  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> list[float]:
@@ -114,82 +114,6 @@ PROMPTS = ["a red circle", "a blue square", "a green star", "a yellow triangle"]
 SETTING = dict(group=2, steps=10, guidance=4.5, noise_level=0.7, rank=8, alpha=16.0, beta=0.04,
                clip_range=1e-4, timestep_fraction=0.99, lr=1e-4, adv_clip=5.0)
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-
-
-class Intervals:
-    """Wall-clock intervals in which "model or reward" work ran (any thread); ``busy`` is their union."""
-
-    def __init__(self):
-        self.spans: list[tuple[float, float]] = []
-        self.lock = threading.Lock()
-        self.starts = threading.local()
-        self.grad_timesteps: set[float] = set()
-
-    def add(self, t0: float, t1: float) -> None:
-        with self.lock:
-            self.spans.append((t0, t1))
-
-    def wrap(self, fn):
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.add(t0, time.perf_counter())
-
-        return timed
-
-    def hook(self, module: torch.nn.Module, count_trained: bool = False) -> None:
-        """Time every forward of ``module``; with ``count_trained``, note the timesteps run under grad."""
-
-        def pre(mod, args, kwargs):
-            self.starts.__dict__.setdefault("stack", []).append(time.perf_counter())
-            if count_trained and torch.is_grad_enabled() and "timestep" in kwargs:
-                self.grad_timesteps.update(kwargs["timestep"].flatten().tolist())
-
-        def post(mod, args, kwargs, out):
-            self.add(self.starts.stack.pop(), time.perf_counter())
-
-        module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, with_kwargs=True)
-
-    def busy(self, t0: float, t1: float) -> float:
-        with self.lock:
-            spans = sorted((max(a, t0), min(b, t1)) for a, b in self.spans if b > t0 and a < t1)
-        total, end = 0.0, t0
-        for a, b in spans:
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        return total
-
-
-SPANS = Intervals()
-SLOW_REWARD_SECONDS = 0.5
-
-
-def redness(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
-    """Mean red minus mean green/blue ``(B,)``: a cheap pixel reward (timed as reward work)."""
-    t0 = time.perf_counter()
-    out = samples[:, 0].flatten(1).mean(1) - samples[:, 1:].flatten(1).mean(1)
-    SPANS.add(t0, time.perf_counter())
-    return out
-
-
-def slow_redness(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
-    """:func:`redness` after a 0.5 s sleep per call: a remote judge's latency."""
-    t0 = time.perf_counter()
-    time.sleep(SLOW_REWARD_SECONDS)
-    SPANS.add(t0, time.perf_counter())
-    return redness(samples, prompts, metadata)
-
-
-def instrument(pipe, transformer: torch.nn.Module) -> None:
-    """Time the transformer and text encoders (forward hooks) and the VAE decode of one pipeline."""
-    SPANS.hook(transformer, count_trained=True)
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-        SPANS.hook(getattr(pipe, name))
-    pipe.vae.decode = SPANS.wrap(pipe.vae.decode)
 
 
 def build_tiny_folder(out: Path) -> Path:
@@ -368,12 +292,11 @@ def timed(iteration, *args) -> dict[str, float]:
 
 
 def bench_train(args: argparse.Namespace) -> None:
-    sys.modules.setdefault("scripts.bench", sys.modules[__name__])  # the reward spec below names this file
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     folder = build_tiny_folder(out)
     reward = slow_redness if args.slow_reward else redness
-    trainer = build_flowalign(folder, out / "flowalign", f"scripts.bench:{reward.__name__}")
+    trainer = build_flowalign(folder, out / "flowalign", f"scripts.bench_timing:{reward.__name__}")
     bare = BareFlowGRPO(folder, reward)
     torch.Tensor.backward = SPANS.wrap(torch.Tensor.backward)  # both sides' backward passes are model work
     torch.autograd.backward = SPANS.wrap(torch.autograd.backward)
@@ -389,6 +312,8 @@ def bench_train(args: argparse.Namespace) -> None:
         if rep:
             ours.append(o)
             theirs.append(b)
+        print(f"  {'warm-up' if not rep else f'repetition {rep}'}: flowalign {o['wall']:.2f} s, bare loop {b['wall']:.2f} s",
+              flush=True)
     med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in
            (("flowalign", ours), ("bare loop", theirs))}
     ratios = [b["wall"] / o["wall"] for o, b in zip(ours, theirs)]
@@ -412,64 +337,6 @@ def bench_train(args: argparse.Namespace) -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-# --------------------------------------------------------------------------------------------------
-# curves: reward against wall-clock on the main job
-# --------------------------------------------------------------------------------------------------
-
-
-def _main_job(args: argparse.Namespace, trainer: str, run_dir: Path, *extra: str):
-    from flowalign.config import load_config
-    from flowalign.train import build_trainer
-
-    overrides = [f"run.output_dir={run_dir}", "run.resume=never", "run.progress=false", "run.checkpoint_every=100000",
-                 f"trainer.name={trainer}", "eval.bench=null", *extra]
-    if run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)
-    return build_trainer(load_config(args.config, overrides))
-
-
-def bench_curves(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    curves = {}
-    for name in ("flow_grpo", "flash_grpo"):
-        t = _main_job(args, name, out / name)
-        t0, points = time.perf_counter(), []
-        while time.perf_counter() - t0 < args.minutes * 60:
-            logs = t.train_step()
-            t.step += 1
-            points.append((time.perf_counter() - t0, logs["reward/total"]))
-        curves[name] = points
-        print(f"{name}: {len(points)} steps in {args.minutes} min, last-5 mean reward "
-              f"{statistics.mean(r for _, r in points[-5:]):.3f}")
-    _plot(curves, out / "reward_vs_time.png")
-
-
-def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, points in curves.items():
-        xs = [t / 60 for t, _ in points]
-        ys = [r for _, r in points]
-        smooth = [statistics.mean(ys[max(0, i - 4) : i + 1]) for i in range(len(ys))]
-        ax.plot(xs, ys, alpha=0.25)
-        ax.plot(xs, smooth, label=name, color=ax.lines[-1].get_color())
-    ax.set_xlabel("wall-clock minutes (2 CPU cores)")
-    ax.set_ylabel("training reward (vvr)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -486,13 +353,8 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="then cProfile this many flowalign iterations into FILE")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/bench-train")
-    p = sub.add_parser("curves")
-    p.add_argument("--config", default="configs/tiny/flow_grpo_vvr.yaml")
-    p.add_argument("--minutes", type=float, default=10.0, help="wall-clock per trainer")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="runs/bench-curves")
     args = parser.parse_args()
-    {"rollout": bench_rollout, "train": bench_train, "curves": bench_curves}[args.bench](args)
+    {"rollout": bench_rollout, "train": bench_train}[args.bench](args)
 
 
 if __name__ == "__main__":
