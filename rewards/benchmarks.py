@@ -6,15 +6,16 @@ what a VVR task is.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from flowalign.errors import UserError
-from flowalign.paths import assets_dir
 from rewards.registry import load as load_reward
 
 LEVELS = ("easy", "medium", "hard")
+#: the shipped splits; training tasks come from :func:`training_tasks`
+SPLITS = ("validation", "test")
+TRAIN = "train"
 
 
 @dataclass
@@ -23,42 +24,56 @@ class Benchmark:
     prompts: list[str]
     metadata: list[dict[str, Any]]
     reward: Any
+    split: str = "test"
 
 
-def _vvr(level: str, n: int | None, seed: int | None) -> Benchmark:
-    from rewards.vvr import Task, generate_tasks
+def _vvr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+    from rewards.vvr import generate_tasks, load_split
 
-    if seed is not None:  # a fresh split, not the shipped one
-        tasks = generate_tasks(n or 500, seed=seed, level=level)
+    if split == TRAIN:
+        tasks = generate_tasks(n or 500, seed=seed or 0, level=level)
     else:
-        path = assets_dir() / "vvr" / f"{level}.jsonl"
-        if not path.exists():
-            raise UserError(f"benchmark split {path} is missing; regenerate it with scripts/make_vvr_splits.py or pass --seed")
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        tasks = [Task.from_dict(d) for d in lines][: n or None]
-    return Benchmark(f"vvr-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks], load_reward("vvr"))
+        tasks = load_split(level, split, n, seed)
+    return Benchmark(f"vvr-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks],
+                     load_reward("vvr"), split)
 
 
-def _vvr_motion(level: str, n: int | None, seed: int | None) -> Benchmark:
-    from rewards.vvr_motion import load_split
+def _vvr_motion(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+    from rewards.vvr_motion import generate_tasks, load_split
 
-    tasks = load_split(level, n, seed)
+    if split == TRAIN:
+        tasks = generate_tasks(n or 500, seed=seed or 0, level=level)
+    else:
+        tasks = load_split(level, split, n, seed)
     return Benchmark(f"vvr_motion-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks],
-                     load_reward("vvr_motion"))
+                     load_reward("vvr_motion"), split)
 
 
 _BENCHMARKS = {"vvr": _vvr, "vvr_motion": _vvr_motion}
 
 
-def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None) -> Benchmark:
-    """The split ``name``/``level``: the shipped file, or a fresh one drawn with ``seed``."""
+def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None,
+                   split: str = "test") -> Benchmark:
+    """The ``split`` ("validation" | "test") of ``name``/``level``: the shipped file, or a fresh one of that
+    split's distribution drawn with ``seed``."""
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r} for --split / eval.split; choose one of {', '.join(SPLITS)}")
+    return _load(name, level, n, seed, split)
+
+
+def training_tasks(name: str, level: str = "easy", n: int | None = None, seed: int = 0) -> Benchmark:
+    """``n`` (default 500) tasks as training draws them with ``seed`` (held-out compositions excluded)."""
+    return _load(name, level, n, seed, TRAIN)
+
+
+def _load(name: str, level: str, n: int | None, seed: int | None, split: str) -> Benchmark:
     if name not in _BENCHMARKS:
         raise UserError(f"unknown benchmark {name!r}; choose one of {', '.join(_BENCHMARKS)}")
     if level not in LEVELS:
         raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
     if n is not None and n < 1:
         raise UserError(f"--n must be a positive number of tasks, got {n}")
-    return _BENCHMARKS[name](level, n, seed)
+    return _BENCHMARKS[name](level, split, n, seed)
 
 
 def _render_vvr(metadata: dict[str, Any], size: int):

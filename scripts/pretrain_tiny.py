@@ -43,7 +43,7 @@ was in, and a finished stage is never redone):
             (grad enabled), so training sees exactly what inference feeds the transformer. AdamW, EMA.
 5. export   a diffusers folder with the EMA weights (``StableDiffusion3Pipeline.from_pretrained``
             opens it offline), ``flowalign.json`` sampling defaults, a sample grid and a model card.
-6. eval     (optional, ``--eval-n``) verifier accuracy on the held-out ``assets/vvr/<level>.jsonl``.
+6. eval     (optional, ``--eval-n``) verifier accuracy on the validation split ``assets/vvr/<level>/validation.jsonl``.
 
 Checkpoints: ``OUT/<stage>/step-XXXXXX/`` (weights as safetensors, optimiser/RNG/progress as a torch
 file), written to a temp folder and renamed; only the newest two are kept.
@@ -741,23 +741,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def heldout_tasks(level: str, n: int) -> tuple[list, str]:
-    """The first ``n`` tasks of ``assets/vvr/<level>.jsonl``, else ``generate_tasks(n, seed=1000)``
-    (seeds >= 1000 are never used for training)."""
-    from rewards.vvr import generate_tasks
-    from rewards.vvr.tasks import as_task
+    """The first ``n`` tasks of the shipped validation split ``assets/vvr/<level>/validation.jsonl``
+    (the test split is read once per reported result, not while building a model)."""
+    from rewards.vvr import load_split
 
-    split = REPO / "assets" / "vvr" / f"{level}.jsonl"
-    if split.is_file():
-        tasks = []
-        with open(split) as f:
-            for line in f:
-                if line.strip():
-                    d = json.loads(line)
-                    tasks.append(as_task(d.get("task", d)))
-                if len(tasks) >= n:
-                    break
-        return tasks, str(split.relative_to(REPO))
-    return generate_tasks(n, seed=1000, level=level), f"generate_tasks({n}, seed=1000, level={level!r})"
+    return load_split(level, "validation", n), f"assets/vvr/{level}/validation.jsonl"
 
 
 def evaluate(folder: Path, n: int, seed: int = 0, grid_path: Path | None = None) -> dict:

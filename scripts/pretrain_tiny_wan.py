@@ -463,7 +463,7 @@ def evaluate_levels(folder: Path, n: int, out: Path, levels: tuple[str, ...] = (
     policy = pipelines.load(str(folder))
     results = {}
     for level in levels:
-        bench = load_benchmark("vvr_motion", level, n)
+        bench = load_benchmark("vvr_motion", level, n, split="validation")
         t0 = time.time()
         m = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=0, batch_size=16,
                      out_dir=out / f"eval-{level}", progress=False)
@@ -484,7 +484,7 @@ def vae_ceiling(vae, level: str, n: int) -> dict:
     from rewards.benchmarks import load_benchmark
     from rewards.vvr_motion import render, verify
 
-    bench = load_benchmark("vvr_motion", level, n)
+    bench = load_benchmark("vvr_motion", level, n, split="validation")
     passed, shapes = 0, {}
     for meta in bench.metadata:
         task = meta["task"]

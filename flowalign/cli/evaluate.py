@@ -16,9 +16,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--bench", default="vvr", help="benchmark name: vvr (images) or vvr_motion (videos)")
     p.add_argument("--level", default="easy", help="easy, medium or hard")
+    p.add_argument("--split", default="test",
+                   help="validation (choose settings on it) or test (held-out compositions; report results on it)")
     p.add_argument("--n", type=int, default=None, help="number of tasks (default: the whole split)")
     p.add_argument("--seed", type=int, default=None,
-                   help="draw a fresh split with this seed instead of the shipped one (also seeds the noise)")
+                   help="draw a fresh split of the same distribution with this seed instead of the shipped one (also seeds the noise)")
     p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
     p.add_argument("--batch-size", type=int, default=16)
@@ -30,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     from rewards.benchmarks import load_benchmark
 
-    bench = load_benchmark(args.bench, args.level, args.n, args.seed)
+    bench = load_benchmark(args.bench, args.level, args.n, args.seed, split=args.split)
     check_guide_args(args)
     policy = load_policy(args)
     guide = load_guidance(args, policy)
@@ -42,6 +44,6 @@ def run(args: argparse.Namespace) -> None:
         labels = {"guide": args.guide, "guide_scale": args.guide_scale, "guide_window": args.guide_window}
     metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
-                       out_dir=args.out, labels={"bench": bench.name, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
+                       out_dir=args.out, labels={"bench": bench.name, "split": bench.split, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
     print(json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
     print(f"wrote {args.out}/metrics.json")

@@ -148,9 +148,9 @@ def load_pairs(args: argparse.Namespace, policy):
         pairs = _load_pair_files(policy, args.pairs)
         return pairs, {"source": " + ".join(args.pairs), "pairs": len(pairs)}
     import rewards as reward_registry
-    from rewards.benchmarks import load_benchmark
+    from rewards.benchmarks import training_tasks
 
-    bench = load_benchmark(args.bench, args.level, args.n, args.data_seed)
+    bench = training_tasks(args.bench, args.level, args.n, args.data_seed)
     reward = bench.reward
     if args.bench == "vvr" and not args.no_partial_credit:
         reward = reward_registry.load("vvr", partial_credit=True)
