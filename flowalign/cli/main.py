@@ -18,6 +18,7 @@ COMMANDS = (
     "tiny",
     "sample",
     "evaluate",
+    "compare",
     "train",
     "gallery",
     "train_reward",
