@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from win_rate import read, sign_test_p  # noqa: E402
+from flowalign.cli.compare import read_results as read, sign_test_p  # noqa: E402
 
 
 def train_minutes(eval_dir: Path) -> float:

@@ -16,16 +16,15 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from win_rate import read  # noqa: E402
-
+from flowalign.cli.compare import read_results as read  # noqa: E402
 from flowalign.io import write_jsonl  # noqa: E402
 
 
 def passed_rows(folder: Path, results: list[dict], min_score: float | None) -> list[dict]:
     """``{"image", "prompt"}`` rows of the valid samples in ``results`` (``folder``'s ``results.jsonl``,
-    as :func:`win_rate.read` gives it) that passed, or scored ≥ ``min_score``."""
+    as :func:`flowalign.cli.compare.read_results` gives it) that passed, or scored ≥ ``min_score``."""
     return [{"image": str((folder / r["file"]).resolve()), "prompt": r["prompt"]} for r in results
             if r["valid"] and (r["all_passed"] if min_score is None else r["score"] >= min_score)]
 
