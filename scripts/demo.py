@@ -59,7 +59,8 @@ def evaluate_on_test(cfg: TrainConfig, out: Path, n: int, checkpoint: Path | Non
     ema = checkpoint is not None and float(cfg.trainer.get("ema_decay", 0.0)) > 0
     policy = load_policy(SimpleNamespace(model=str(resolve_model_path(cfg.model.path)), device="cpu", dtype="fp32",
                                          adapter=str(checkpoint) if checkpoint else None, ema=ema))
-    evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=0, batch_size=cfg.eval.batch_size,
+    evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=0, num_steps=cfg.eval.num_steps,
+             batch_size=cfg.eval.batch_size,
              out_dir=out, progress=True, labels={"bench": bench.name, "split": bench.split, "seed": 0,
                                                  "reward": bench.reward.name, "model": cfg.model.path,
                                                  "adapter": str(checkpoint) if checkpoint else None})
