@@ -5,7 +5,7 @@ both got the same noise, so prompt by prompt B wins, ties or loses against A on 
 Prints one JSON line: wins / ties / losses, the win rate ``(wins + ties/2) / n``, ``wins / (wins +
 losses)``, a two-sided exact sign test on the decided prompts, and both means. ``--by constraint`` or
 ``--by shape`` adds one line per group of prompts (the task's constraint types, or the shapes its prompt
-names): where a change gained and where it lost.
+names, as the reward lists them): where a change gained and where it lost.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--on", choices=("score", "passed"), default="score",
                    help="compare the verifier's score (default) or whether every constraint passed")
     p.add_argument("--by", choices=("constraint", "shape"), default=None,
-                   help="also compare per group of prompts: by the task's constraint types or the shapes named")
+                   help="also compare per group of prompts: by the task's constraint types or the shapes it names")
     return p
 
 
@@ -58,20 +58,12 @@ def paired(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
             "a_mean": float(a.mean()), "b_mean": float(b.mean())}
 
 
-def shapes_named(prompt: str) -> list[str]:
-    """The shape words of a prompt, singular ("two squares" → ["square"])."""
-    # the shape vocabulary belongs to the VVR benchmark; the grouping only reads the prompt text
-    from rewards.vvr.geometry import SHAPES
-
-    words = prompt.replace(",", " ").replace(";", " ").split()
-    return sorted({w if w in SHAPES else w[:-1] for w in words} & set(SHAPES))
-
-
 def group_of(row: dict[str, Any], by: str) -> str:
-    """The constraint types of a result row, or the shapes its prompt names ("-" for none)."""
+    """The constraint types of a result row, or the shapes its task names (rewards that know shapes, such
+    as VVR, list them in ``shapes``); "-" for none."""
     if by == "constraint":
         return "+".join(sorted({name for name, _ in row.get("constraints", [])})) or "-"
-    return "+".join(shapes_named(row["prompt"])) or "-"
+    return "+".join(sorted(row.get("shapes", []))) or "-"
 
 
 def scores(rows: list[dict[str, Any]], on: str) -> np.ndarray:
