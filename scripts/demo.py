@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+# as the flowalign command does: OpenMP workers that spin while a sibling is descheduled make steps many
+# times slower on busy cores; must precede torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flowalign.config import TrainConfig, load_config  # noqa: E402
