@@ -36,7 +36,26 @@ import random
 
 from rewards.vvr.candidates import candidates
 from rewards.vvr.heldout import is_heldout
-from rewards.vvr.scene import Retry, Scene, can_outline, matches, ref_of, sized  # noqa: F401  (can_outline re-exported)
+from rewards.vvr.scene import (  # noqa: F401  (the layout margins and can_outline are re-exported)
+    ALIGN_GEN,
+    BETWEEN_BAND_GEN,
+    BETWEEN_MARGIN_GEN,
+    BIGGER_GEN,
+    CONTRAST,
+    EDGE,
+    GAP,
+    INSIDE_LUMA,
+    K_GEN,
+    NEAREST_GEN,
+    PENETRATION,
+    REGION_GEN,
+    Retry,
+    Scene,
+    can_outline,
+    matches,
+    ref_of,
+    sized,
+)
 from rewards.vvr.tasks import CONSTRAINT_TYPES, LEVELS, Constraint, Task
 from rewards.vvr.vocabulary import (  # noqa: F401  (re-exported: the public names of this module)
     EASY_COLOURS,

@@ -52,7 +52,7 @@ from rewards.vvr_motion.tasks import (
     MotionConstraint,
     MotionObj,
     MotionTask,
-    _frames,
+    checked_frames,
 )
 
 MOVE_TRAVEL = (0.25, 0.45)  # axis moves: distance travelled (image fractions)
@@ -272,7 +272,7 @@ def generate_tasks(n: int, *, seed: int, level: str, num_frames: int = NUM_FRAME
     2001-2003 (test) and 2101-2103 (validation).
     """
     _check_level(level)
-    frames = _frames(num_frames, "num_frames")
+    frames = checked_frames(num_frames, "num_frames")
     return [_draw(level, seed, i, frames, exclude_heldout) for i in range(n)]
 
 
@@ -280,7 +280,7 @@ def generate_heldout_tasks(n: int, *, seed: int, level: str, num_frames: int = N
     """``n`` motion tasks of ``level`` that hold a held-out composition: the draws ``generate_tasks``
     excludes (task ids keep the draw's index)."""
     _check_level(level)
-    frames = _frames(num_frames, "num_frames")
+    frames = checked_frames(num_frames, "num_frames")
     tasks: list[MotionTask] = []
     i = 0
     while len(tasks) < n:
