@@ -2,7 +2,7 @@
 
 ``flowalign evaluate --bench NAME``, ``data.bench`` and ``eval.bench`` reach a benchmark through
 :func:`load_benchmark`; the core never knows what a VVR task is. A benchmark is a loader
-``(level, n, seed, **options) -> Benchmark`` registered under the plugin kind ``benchmarks``
+``(level, split, n, seed) -> Benchmark`` registered under the plugin kind ``benchmarks``
 (:mod:`flowalign.plugins`); one whose tasks are programmatic scenes may also register a renderer
 ``(metadata, size) -> PIL image`` under ``renderers``, which gives reward-free trainers (SOAR, SFT)
 real (image, caption) pairs without a dataset on disk. A video benchmark's renderer returns its clip as a
@@ -28,6 +28,13 @@ class Benchmark:
     prompts: list[str]
     metadata: list[dict[str, Any]]
     reward: Any
+    split: str = "test"
+
+
+#: the shipped evaluation splits: choices are made on ``validation``, ``test`` is read once per result
+SPLITS = ("validation", "test")
+#: what a loader is asked for to draw training tasks (held-out test compositions excluded)
+TRAIN = "train"
 
 
 def available_benchmarks() -> list[str]:
@@ -35,14 +42,26 @@ def available_benchmarks() -> list[str]:
 
 
 def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None,
-                   **options: Any) -> Benchmark:
-    """The split ``name``/``level``: the shipped one, or a fresh one drawn with ``seed``."""
+                   split: str = "test") -> Benchmark:
+    """The ``split`` ("validation" | "test") of ``name``/``level``: the shipped file, or a fresh one of that
+    split's distribution drawn with ``seed``."""
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r} for --split / eval.split; choose one of {', '.join(SPLITS)}")
+    return _load(name, level, n, seed, split)
+
+
+def training_tasks(name: str, level: str = "easy", n: int | None = None, seed: int = 0) -> Benchmark:
+    """``n`` (default 500) tasks as training draws them with ``seed`` (held-out compositions excluded)."""
+    return _load(name, level, n, seed, TRAIN)
+
+
+def _load(name: str, level: str, n: int | None, seed: int | None, split: str) -> Benchmark:
     known = targets("benchmarks")
     if name not in known:
         raise UserError(f"unknown benchmark {name!r}; choose one of {', '.join(sorted(known))}")
     if n is not None and n < 1:
         raise UserError(f"--n must be a positive number of tasks, got {n}")
-    return load_target(known[name])(level, n, seed, **options)
+    return load_target(known[name])(level, split, n, seed)
 
 
 def render_task(name: str, metadata: dict[str, Any], size: int) -> torch.Tensor:

@@ -107,7 +107,9 @@ class EvalSection(Section):
     bench: str | None = "vvr"
     level: str = "medium"
     n: int | None = Field(64, ge=1)
-    #: None: the shipped held-out split; an int: a fresh split drawn with that seed
+    #: which split to evaluate on: validation (the default, so nothing is tuned on test) or test
+    split: Literal["validation", "test"] = "validation"
+    #: None: the shipped split; an int: a fresh split of the same distribution drawn with that seed
     seed: int | None = None
     num_steps: int | None = None
     batch_size: int = Field(16, ge=1)

@@ -80,29 +80,29 @@ def load_train_data(cfg: TrainConfig) -> PromptSet:
         return read_prompt_file(cfg.data.prompts)
     if not cfg.data.bench:
         raise UserError("data needs either data.prompts (a .txt/.jsonl file) or data.bench (e.g. vvr)")
-    from flowalign.benchmarks import load_benchmark
+    from flowalign.benchmarks import training_tasks
 
     levels = [cfg.data.level] if isinstance(cfg.data.level, str) else list(cfg.data.level)
     prompts, metadata = [], []
     for i, level in enumerate(levels):
-        bench = load_benchmark(cfg.data.bench, level, cfg.data.n, seed=cfg.data.seed + i)
+        bench = training_tasks(cfg.data.bench, level, cfg.data.n, seed=cfg.data.seed + i)
         prompts += bench.prompts
         metadata += bench.metadata
     return PromptSet(prompts, metadata)
 
 
 def make_evaluator(cfg: TrainConfig):
-    """A function ``(policy, out_dir) -> metrics`` over the held-out split, or None."""
+    """A function ``(policy, out_dir) -> metrics`` over the ``eval.split`` split (validation by default)."""
     from flowalign.benchmarks import load_benchmark
 
     from flowalign.evaluation import evaluate
 
-    bench = load_benchmark(cfg.eval.bench, cfg.eval.level, cfg.eval.n, cfg.eval.seed)
+    bench = load_benchmark(cfg.eval.bench, cfg.eval.level, cfg.eval.n, cfg.eval.seed, split=cfg.eval.split)
 
     def run(policy, out_dir: Path) -> dict[str, Any]:
         metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=cfg.eval.seed or 0,
                            num_steps=cfg.eval.num_steps, batch_size=cfg.eval.batch_size, out_dir=out_dir,
-                           progress=False, labels={"bench": bench.name, "seed": cfg.eval.seed or 0,
+                           progress=False, labels={"bench": bench.name, "split": bench.split, "seed": cfg.eval.seed or 0,
                                                    "reward": bench.reward.name})
         if cfg.eval.gallery:
             _write_gallery(out_dir.parent.parent, f"{cfg.run.name}: {bench.name}")

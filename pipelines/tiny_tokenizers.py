@@ -70,7 +70,7 @@ def clip_tokenizer(vocab_size: int | None = 4096, model_max_length: int = 77, pa
 
 
 # Word-level vocabulary for the tiny T5 / UMT5 tokenizers: the VVR prompt grammar plus common words.
-_T5_WORDS = """
+T5_WORDS = """
 a an the of on in at to and or with without is are be as by for from into onto over under than then that
 this these those there their its it one two three four five six seven eight nine ten zero no none not
 exactly only just each every all both any some more most less least fewer many several single pair
@@ -94,7 +94,7 @@ _T5_CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789
 
 @lru_cache(maxsize=4)
 def _t5_vocab(extra_words: tuple[str, ...] = ()) -> tuple[tuple[str, float], ...]:
-    words = list(dict.fromkeys(_T5_WORDS + list(extra_words)))
+    words = list(dict.fromkeys(T5_WORDS + list(extra_words)))
     words = list(dict.fromkeys(words + [w.capitalize() for w in words]))
     vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -6.0)]
     # whole words beat character spellings: one piece at -5 vs >= 2 pieces at -12 each

@@ -7,16 +7,16 @@ reaches them through :func:`flowalign.benchmarks.load_benchmark`, so the core ne
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from typing import Any
 
-from flowalign.benchmarks import Benchmark
+from flowalign.benchmarks import TRAIN, Benchmark
 from flowalign.errors import UserError
-from flowalign.paths import assets_dir
 from rewards.registry import load as load_reward
 
 LEVELS = ("easy", "medium", "hard")
+#: side of the rendered source scenes handed to editing models (they resize to their own resolution)
+EDIT_IMAGE_SIZE = 256
 
 
 def check_level(level: str) -> None:
@@ -24,51 +24,39 @@ def check_level(level: str) -> None:
         raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
 
 
-def load_vvr(level: str, n: int | None, seed: int | None) -> Benchmark:
-    """A VVR image split: the shipped ``assets/vvr/<level>.jsonl`` or a fresh one drawn with ``seed``."""
+def load_vvr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+    """A VVR image split (``validation`` / ``test``: the shipped file, or a fresh one drawn with ``seed``), or
+    training draws (``train``: held-out compositions excluded)."""
     check_level(level)
-    from rewards.vvr import Task, generate_tasks
+    from rewards.vvr import generate_tasks, load_split
 
-    if seed is not None:  # a fresh split, not the shipped one
-        tasks = generate_tasks(n or 500, seed=seed, level=level)
-    else:
-        path = assets_dir() / "vvr" / f"{level}.jsonl"
-        if not path.exists():
-            raise UserError(f"benchmark split {path} is missing; regenerate it with scripts/make_vvr_splits.py or pass --seed")
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        tasks = [Task.from_dict(d) for d in lines][: n or None]
-    return Benchmark(f"vvr-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks], load_reward("vvr"))
+    tasks = generate_tasks(n or 500, seed=seed or 0, level=level) if split == TRAIN else load_split(level, split, n, seed)
+    return Benchmark(f"vvr-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks],
+                     load_reward("vvr"), split)
 
 
-def load_vvr_motion(level: str, n: int | None, seed: int | None) -> Benchmark:
-    """A VVR-motion video split (see :func:`rewards.vvr_motion.load_split`)."""
+def load_vvr_motion(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+    """A VVR-motion video split, or training draws (see :func:`load_vvr`)."""
     check_level(level)
-    from rewards.vvr_motion import load_split
+    from rewards.vvr_motion import generate_tasks, load_split
 
-    tasks = load_split(level, n, seed)
+    tasks = generate_tasks(n or 500, seed=seed or 0, level=level) if split == TRAIN else load_split(level, split, n, seed)
     return Benchmark(f"vvr_motion-{level}", [t.prompt for t in tasks], [{"task": t.to_dict()} for t in tasks],
-                     load_reward("vvr_motion"))
+                     load_reward("vvr_motion"), split)
 
 
-def load_vvr_edit(level: str, n: int | None, seed: int | None) -> Benchmark:
-    """Editing: each prompt's metadata carries the task and its rendered source scene as the input ``image``.
-
-    Seeds below 1000 draw training tasks (held-out compositions excluded), as ``data.bench`` passes them;
-    no seed reads the shipped test split, another seed draws a fresh held-out one."""
+def load_vvr_edit(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+    """Editing: each prompt's metadata carries the task and its rendered source scene as the input ``image``
+    (rendered on use: thousands of training draws would otherwise hold their images in memory)."""
     check_level(level)
     from rewards.vvr_edit import generate_edit_tasks, load_split, render_source
 
-    if seed is not None and seed < 1000:
-        tasks = generate_edit_tasks(n or 500, seed=seed, level=level, heldout="exclude")
+    if split == TRAIN:
+        tasks = generate_edit_tasks(n or 500, seed=seed or 0, level=level, heldout="exclude")
     else:
-        tasks = load_split(level, "test", n, seed)
-    # rendered on use: thousands of training draws would otherwise hold their images in memory
+        tasks = load_split(level, split, n, seed)
     metadata = [{"task": t.to_dict(), "image": partial(render_source, t, size=EDIT_IMAGE_SIZE)} for t in tasks]
-    return Benchmark(f"vvr_edit-{level}", [t.prompt for t in tasks], metadata, load_reward("vvr_edit"))
-
-
-#: side of the rendered source scenes handed to editing models (they resize to their own resolution)
-EDIT_IMAGE_SIZE = 256
+    return Benchmark(f"vvr_edit-{level}", [t.prompt for t in tasks], metadata, load_reward("vvr_edit"), split)
 
 
 def render_vvr(metadata: dict[str, Any], size: int):

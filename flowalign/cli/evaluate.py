@@ -23,9 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--bench", default="vvr", help="benchmark name: vvr (images), vvr_motion (videos) or vvr_edit (editing models)")
     p.add_argument("--level", default="easy", help="easy, medium or hard")
+    p.add_argument("--split", default="test",
+                   help="validation (choose settings on it) or test (held-out compositions; report results on it)")
     p.add_argument("--n", type=int, default=None, help="number of tasks (default: the whole split)")
     p.add_argument("--seed", type=int, default=None,
-                   help="draw a fresh split with this seed instead of the shipped one (also seeds the noise)")
+                   help="draw a fresh split of the same distribution with this seed instead of the shipped one (also seeds the noise)")
     add_sampling_args(p)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out", required=True, help="output folder")
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> None:
     from flowalign.benchmarks import load_benchmark
 
     check_positive(args, "steps", "batch_size", "n")
-    bench = load_benchmark(args.bench, args.level, args.n, args.seed)
+    bench = load_benchmark(args.bench, args.level, args.n, args.seed, split=args.split)
     check_guide_args(args)
     check_out_dir(args.out, writer="evaluate", overwrite=args.overwrite)  # before the model is loaded
     policy, guide = load_guided_policy(args)
@@ -52,6 +54,6 @@ def run(args: argparse.Namespace) -> None:
         labels = {"guide": args.guide, "guide_scale": args.guide_scale, "guide_window": args.guide_window}
     metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
-                       out_dir=args.out, overwrite=args.overwrite, labels={"bench": bench.name, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
+                       out_dir=args.out, overwrite=args.overwrite, labels={"bench": bench.name, "split": bench.split, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
     print(json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
     print(f"wrote {args.out}/metrics.json")

@@ -70,7 +70,7 @@ def render_benchmark(bench: str, n: int, mix: dict[str, float], seed: int, size:
     video VAE's layout), prompts and levels."""
     from tqdm import tqdm
 
-    from flowalign.benchmarks import load_benchmark, render_task
+    from flowalign.benchmarks import render_task, training_tasks
 
     pixels, prompts, levels = [], [], []
     for i, (level, k) in enumerate(level_counts(n, mix)):
@@ -79,7 +79,7 @@ def render_benchmark(bench: str, n: int, mix: dict[str, float], seed: int, size:
             raise UserError(f"--seed {seed} gives task seed {task_seed} >= {HELD_OUT_SEEDS} (reserved for benchmarks)")
         if k == 0:
             continue
-        split = load_benchmark(bench, level, k, seed=task_seed)
+        split = training_tasks(bench, level, k, seed=task_seed)
         for prompt, meta in tqdm(list(zip(split.prompts, split.metadata)), desc=f"render {level}", mininterval=5):
             pixels.append((render_task(bench, meta, size) * 255).round().to(torch.uint8))
             prompts.append(prompt)

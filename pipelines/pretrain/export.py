@@ -85,7 +85,7 @@ def evaluate_levels(folder: Path, bench: str, levels: tuple[str, ...], n: int, o
     policy = pipelines.load(folder)
     results: dict = {}
     for level in levels:
-        split = load_benchmark(bench, level, n)
+        split = load_benchmark(bench, level, n, split="validation")
         t0 = time.time()
         m = evaluate(policy, split.prompts, split.metadata, split.reward, seed=0, batch_size=16,
                      out_dir=out / f"eval-{level}", progress=False)
@@ -103,7 +103,7 @@ def vae_ceiling(vae, bench: str, level: str, n: int, size: int) -> dict:
     per named shape of each task's first constraint."""
     from flowalign.benchmarks import load_benchmark, render_task
 
-    split = load_benchmark(bench, level, n)
+    split = load_benchmark(bench, level, n, split="validation")
     decoded = []
     for meta in split.metadata:
         x = render_task(bench, meta, size).movedim(-3, 0)[None] * 2 - 1  # (1, 3, F, H, W) in [-1, 1]

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
+def merge(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for k, v in (over or {}).items():
         out[k] = v
     return out
 
 
-class _seeded:
+class seeded:
     """Fork the global torch RNG, seed it, restore it on exit."""
 
     def __init__(self, seed: int):
@@ -30,13 +30,13 @@ class _seeded:
         return self._ctx.__exit__(*exc)
 
 
-def _check_keys(family: str, overrides: dict[str, Any], allowed: set[str]) -> None:
+def check_keys(family: str, overrides: dict[str, Any], allowed: set[str]) -> None:
     bad = sorted(set(overrides) - allowed)
     if bad:
         raise TypeError(f"build_tiny_{family}: unknown override(s) {bad}; allowed: {sorted(allowed)}")
 
 
-def _vae_blocks(block_out_channels) -> dict[str, Any]:
+def vae_blocks(block_out_channels) -> dict[str, Any]:
     n = len(block_out_channels)
     return {
         "down_block_types": ["DownEncoderBlock2D"] * n,
@@ -45,7 +45,7 @@ def _vae_blocks(block_out_channels) -> dict[str, Any]:
     }
 
 
-def _clip_config(cfg: dict[str, Any], tok) -> dict[str, Any]:
+def clip_config(cfg: dict[str, Any], tok) -> dict[str, Any]:
     cfg = dict(cfg)
     cfg.setdefault("vocab_size", len(tok))
     cfg.setdefault("max_position_embeddings", tok.model_max_length)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.tiny_twins.base import _check_keys, _clip_config, _merge, _seeded, _vae_blocks
+from pipelines.tiny_twins.base import check_keys, clip_config, merge, seeded, vae_blocks
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 
@@ -81,28 +81,28 @@ def build_tiny_flux(**overrides):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    _check_keys("flux", overrides, set(FLUX_DEFAULTS))
+    check_keys("flux", overrides, set(FLUX_DEFAULTS))
     o = {k: overrides.get(k, v) for k, v in FLUX_DEFAULTS.items() if not isinstance(v, dict)}
-    vae_cfg = _merge(FLUX_DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**_vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    vae_cfg = merge(FLUX_DEFAULTS["vae"], overrides.get("vae"))
+    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
     tok = clip_tokenizer(o["clip_vocab_size"], o["clip_max_length"])
     tok_2 = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
-    c1 = _clip_config(_merge(FLUX_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)
-    t5 = _merge(FLUX_DEFAULTS["text_encoder_2"], overrides.get("text_encoder_2"))
+    c1 = clip_config(merge(FLUX_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)
+    t5 = merge(FLUX_DEFAULTS["text_encoder_2"], overrides.get("text_encoder_2"))
     t5.setdefault("vocab_size", len(tok_2))
     t5.setdefault("pad_token_id", tok_2.pad_token_id)
     t5.setdefault("eos_token_id", tok_2.eos_token_id)
     t5.setdefault("decoder_start_token_id", tok_2.pad_token_id)
-    tr = _merge(FLUX_DEFAULTS["transformer"], overrides.get("transformer"))
+    tr = merge(FLUX_DEFAULTS["transformer"], overrides.get("transformer"))
     tr.setdefault("in_channels", 4 * vae_cfg["latent_channels"])
     tr.setdefault("joint_attention_dim", t5["d_model"])
     tr.setdefault("pooled_projection_dim", c1["hidden_size"])
     tr["axes_dims_rope"] = tuple(tr["axes_dims_rope"])
     if sum(tr["axes_dims_rope"]) != tr["attention_head_dim"]:
         raise ValueError(f"transformer.axes_dims_rope {tr['axes_dims_rope']} must sum to attention_head_dim")
-    sched = _merge(FLUX_DEFAULTS["scheduler"], overrides.get("scheduler"))
+    sched = merge(FLUX_DEFAULTS["scheduler"], overrides.get("scheduler"))
 
-    with _seeded(o["seed"]):
+    with seeded(o["seed"]):
         transformer = FluxTransformer2DModel(**tr)
         vae = AutoencoderKL(**vae_cfg)
         te = CLIPTextModel(CLIPTextConfig(**c1))

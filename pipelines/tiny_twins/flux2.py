@@ -39,16 +39,16 @@ def build(**overrides):
     from diffusers import Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipelines.tiny_twins.base import _check_keys, _merge, _seeded, _vae_blocks
+    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_blocks
 
-    _check_keys("flux2", overrides, set(DEFAULTS))
+    check_keys("flux2", overrides, set(DEFAULTS))
     tok = qwen_tokenizer()
-    te_cfg = _merge(DEFAULTS["text_encoder"], overrides.get("text_encoder"))
-    vae_cfg = _merge(DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**_vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
-    tr = {**published_config("flux2_klein_4b"), **_merge(DEFAULTS["transformer"], overrides.get("transformer"))}
+    te_cfg = merge(DEFAULTS["text_encoder"], overrides.get("text_encoder"))
+    vae_cfg = merge(DEFAULTS["vae"], overrides.get("vae"))
+    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    tr = {**published_config("flux2_klein_4b"), **merge(DEFAULTS["transformer"], overrides.get("transformer"))}
     tr.update(in_channels=4 * vae_cfg["latent_channels"], joint_attention_dim=3 * te_cfg["hidden_size"])
-    with _seeded(overrides.get("seed", DEFAULTS["seed"])):
+    with seeded(overrides.get("seed", DEFAULTS["seed"])):
         transformer = Flux2Transformer2DModel(**tr)
         vae = AutoencoderKLFlux2(**vae_cfg)
         channels = vae.bn.running_mean.numel()
@@ -57,7 +57,7 @@ def build(**overrides):
         te = Qwen3ForCausalLM(Qwen3Config(**te_cfg, vocab_size=len(tok), bos_token_id=None,
                                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
     pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_merge(DEFAULTS["scheduler"], overrides.get("scheduler"))),
+        scheduler=FlowMatchEulerDiscreteScheduler(**merge(DEFAULTS["scheduler"], overrides.get("scheduler"))),
         vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer,
         is_distilled=bool(overrides.get("is_distilled", DEFAULTS["is_distilled"])),
     )

@@ -32,9 +32,9 @@ def processor():
     """A ``PixtralProcessor`` over a byte-level BPE ``LlamaTokenizer`` with Mistral's control tokens, offline."""
     from transformers import AddedToken, LlamaTokenizer, PixtralImageProcessor, PixtralProcessor
 
-    from pipelines.tiny_twins.tokenizers import _vocab_merges
+    from pipelines.tiny_twins.tokenizers import vocab_merges
 
-    vocab, merges = _vocab_merges()
+    vocab, merges = vocab_merges()
     vocab = dict(vocab)
     for special in MISTRAL_SPECIALS:
         vocab[special] = len(vocab)
@@ -50,9 +50,9 @@ def build(**overrides):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from pipelines.tiny_twins.base import _check_keys, _merge, _seeded, _vae_blocks
+    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_blocks
 
-    _check_keys("flux2_dev", overrides, {"seed", "transformer", "vae", "scheduler"})
+    check_keys("flux2_dev", overrides, {"seed", "transformer", "vae", "scheduler"})
     proc = processor()
     tok = proc.tokenizer
     text = {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
@@ -60,18 +60,18 @@ def build(**overrides):
             "max_position_embeddings": 512}
     vision = {"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
               "num_attention_heads": 2, "head_dim": 8, "patch_size": 16, "image_size": 64}
-    vae_cfg = _merge(_KLEIN["vae"], overrides.get("vae"))
-    vae_cfg = {**_vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
-    tr = {**published_config("flux2_dev"), **_merge(_KLEIN["transformer"], overrides.get("transformer"))}
+    vae_cfg = merge(_KLEIN["vae"], overrides.get("vae"))
+    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    tr = {**published_config("flux2_dev"), **merge(_KLEIN["transformer"], overrides.get("transformer"))}
     tr.update(in_channels=4 * vae_cfg["latent_channels"], joint_attention_dim=3 * text["hidden_size"])
-    with _seeded(overrides.get("seed", 0)):
+    with seeded(overrides.get("seed", 0)):
         transformer = Flux2Transformer2DModel(**tr)
         vae = AutoencoderKLFlux2(**vae_cfg)
         config = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=1,
                                 image_token_index=tok.convert_tokens_to_ids("[IMG]"))
         te = Mistral3ForConditionalGeneration(config).eval()
     pipe = Flux2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_merge(_KLEIN["scheduler"], overrides.get("scheduler"))),
+        scheduler=FlowMatchEulerDiscreteScheduler(**merge(_KLEIN["scheduler"], overrides.get("scheduler"))),
         vae=vae, text_encoder=te, tokenizer=proc, transformer=transformer,
     )
     pipe.set_progress_bar_config(disable=True)

@@ -56,24 +56,24 @@ def build(pipeline_class: Any = None, **overrides):
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from diffusers import QwenImageTransformer2DModel
 
-    from pipelines.tiny_twins.base import _check_keys, _merge, _seeded
+    from pipelines.tiny_twins.base import check_keys, merge, seeded
 
-    _check_keys("qwen_image", overrides, set(DEFAULTS))
+    check_keys("qwen_image", overrides, set(DEFAULTS))
     tok = qwen_tokenizer()
-    te_cfg = _merge(DEFAULTS["text_encoder"], overrides.get("text_encoder"))
-    vae_cfg = _merge(DEFAULTS["vae"], overrides.get("vae"))
+    te_cfg = merge(DEFAULTS["text_encoder"], overrides.get("text_encoder"))
+    vae_cfg = merge(DEFAULTS["vae"], overrides.get("vae"))
     z = vae_cfg["z_dim"]
     vae_cfg.setdefault("latents_mean", [0.1 * (i % 3) for i in range(z)])
     vae_cfg.setdefault("latents_std", [1.0 + 0.25 * (i % 2) for i in range(z)])
-    tr = {**published_config("qwen_image"), **_merge(DEFAULTS["transformer"], overrides.get("transformer"))}
+    tr = {**published_config("qwen_image"), **merge(DEFAULTS["transformer"], overrides.get("transformer"))}
     tr.update(in_channels=4 * z, out_channels=z, joint_attention_dim=te_cfg["hidden_size"])
-    with _seeded(overrides.get("seed", DEFAULTS["seed"])):
+    with seeded(overrides.get("seed", DEFAULTS["seed"])):
         transformer = QwenImageTransformer2DModel(**tr)
         vae = AutoencoderKLQwenImage(**vae_cfg)
-        te = text_encoder(te_cfg, _merge(DEFAULTS["vision"], overrides.get("vision")), tok)
+        te = text_encoder(te_cfg, merge(DEFAULTS["vision"], overrides.get("vision")), tok)
     cls = pipeline_class or QwenImagePipeline
     pipe = cls(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_merge(DEFAULTS["scheduler"], overrides.get("scheduler"))),
+        scheduler=FlowMatchEulerDiscreteScheduler(**merge(DEFAULTS["scheduler"], overrides.get("scheduler"))),
         vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer,
     )
     pipe.set_progress_bar_config(disable=True)

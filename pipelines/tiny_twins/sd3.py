@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.tiny_twins.base import _check_keys, _clip_config, _merge, _seeded, _vae_blocks
+from pipelines.tiny_twins.base import check_keys, clip_config, merge, seeded, vae_blocks
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 
@@ -92,19 +92,19 @@ def build_tiny_sd3(**overrides):
     )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    _check_keys("sd3", overrides, set(SD3_DEFAULTS))
+    check_keys("sd3", overrides, set(SD3_DEFAULTS))
     o = {k: overrides.get(k, v) for k, v in SD3_DEFAULTS.items() if not isinstance(v, dict)}
-    vae_cfg = _merge(SD3_DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**_vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    vae_cfg = merge(SD3_DEFAULTS["vae"], overrides.get("vae"))
+    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
     f = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
     vae_cfg.setdefault("sample_size", o["height"])
 
     tok = clip_tokenizer(o["clip_vocab_size"], o["clip_max_length"])
     tok_2 = clip_tokenizer(o["clip_vocab_size"], o["clip_max_length"], pad_token="!")
     tok_3 = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
-    c1 = _clip_config(_merge(SD3_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)
-    c2 = _clip_config(_merge(SD3_DEFAULTS["text_encoder_2"], overrides.get("text_encoder_2")), tok_2)
-    t5 = _merge(SD3_DEFAULTS["text_encoder_3"], overrides.get("text_encoder_3"))
+    c1 = clip_config(merge(SD3_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)
+    c2 = clip_config(merge(SD3_DEFAULTS["text_encoder_2"], overrides.get("text_encoder_2")), tok_2)
+    t5 = merge(SD3_DEFAULTS["text_encoder_3"], overrides.get("text_encoder_3"))
     t5.setdefault("vocab_size", len(tok_3))
     t5.setdefault("pad_token_id", tok_3.pad_token_id)
     t5.setdefault("eos_token_id", tok_3.eos_token_id)
@@ -114,14 +114,14 @@ def build_tiny_sd3(**overrides):
             f"text_encoder_3.d_model={t5['d_model']} must be >= the summed CLIP hidden sizes "
             f"{c1['hidden_size']}+{c2['hidden_size']} (SD3 pads the CLIP states to the T5 width)"
         )
-    tr = _merge(SD3_DEFAULTS["transformer"], overrides.get("transformer"))
+    tr = merge(SD3_DEFAULTS["transformer"], overrides.get("transformer"))
     tr.setdefault("sample_size", o["height"] // f)
     tr.setdefault("joint_attention_dim", t5["d_model"])
     tr.setdefault("pooled_projection_dim", c1["projection_dim"] + c2["projection_dim"])
     tr["dual_attention_layers"] = tuple(tr.get("dual_attention_layers") or ())
-    sched = _merge(SD3_DEFAULTS["scheduler"], overrides.get("scheduler"))
+    sched = merge(SD3_DEFAULTS["scheduler"], overrides.get("scheduler"))
 
-    with _seeded(o["seed"]):
+    with seeded(o["seed"]):
         transformer = SD3Transformer2DModel(**tr)
         vae = AutoencoderKL(**vae_cfg)
         te = CLIPTextModelWithProjection(CLIPTextConfig(**c1))

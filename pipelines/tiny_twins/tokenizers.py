@@ -27,16 +27,16 @@ CHAT_TEMPLATE = (
 
 
 @lru_cache(maxsize=2)
-def _vocab_merges() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
+def vocab_merges() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     from open_clip.tokenizer import bytes_to_unicode
 
-    from pipelines.tiny_tokenizers import _T5_WORDS
+    from pipelines.tiny_tokenizers import T5_WORDS
 
     symbols = list(bytes_to_unicode().values())
     tokens = list(symbols)
     merges: list[tuple[str, str]] = []
     seen = set(tokens)
-    for word in dict.fromkeys(_T5_WORDS):
+    for word in dict.fromkeys(T5_WORDS):
         for piece in (word, "Ġ" + word):
             acc = piece[0]
             for ch in piece[1:]:
@@ -53,7 +53,7 @@ def qwen_tokenizer(model_max_length: int = 1024):
     """A ``Qwen2Tokenizer`` (byte-level BPE + ChatML specials + chat template), built offline."""
     from transformers import AddedToken, Qwen2Tokenizer
 
-    vocab, merges = _vocab_merges()
+    vocab, merges = vocab_merges()
     vocab = dict(vocab)
     for special in SPECIALS:
         vocab[special] = len(vocab)

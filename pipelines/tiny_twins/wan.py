@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.tiny_twins.base import _check_keys, _merge, _seeded
+from pipelines.tiny_twins.base import check_keys, merge, seeded
 from pipelines.tiny_tokenizers import t5_tokenizer
 
 
@@ -57,28 +57,28 @@ def build_tiny_wan(**overrides):
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    _check_keys("wan", overrides, set(WAN_DEFAULTS))
+    check_keys("wan", overrides, set(WAN_DEFAULTS))
     o = {k: overrides.get(k, v) for k, v in WAN_DEFAULTS.items() if not isinstance(v, dict)}
-    vae_cfg = _merge(WAN_DEFAULTS["vae"], overrides.get("vae"))
+    vae_cfg = merge(WAN_DEFAULTS["vae"], overrides.get("vae"))
     z = vae_cfg["z_dim"]
     vae_cfg.setdefault("latents_mean", [0.0] * z)
     vae_cfg.setdefault("latents_std", [1.0] * z)
     vae_cfg.setdefault("scale_factor_temporal", 2 ** sum(bool(t) for t in vae_cfg["temperal_downsample"]))
     vae_cfg.setdefault("scale_factor_spatial", 2 ** len(vae_cfg["temperal_downsample"]))
     tok = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
-    te = _merge(WAN_DEFAULTS["text_encoder"], overrides.get("text_encoder"))
+    te = merge(WAN_DEFAULTS["text_encoder"], overrides.get("text_encoder"))
     te.setdefault("vocab_size", len(tok))
     te.setdefault("pad_token_id", tok.pad_token_id)
     te.setdefault("eos_token_id", tok.eos_token_id)
     te.setdefault("decoder_start_token_id", tok.pad_token_id)
-    tr = _merge(WAN_DEFAULTS["transformer"], overrides.get("transformer"))
+    tr = merge(WAN_DEFAULTS["transformer"], overrides.get("transformer"))
     tr.setdefault("in_channels", z)
     tr.setdefault("out_channels", z)
     tr.setdefault("text_dim", te["d_model"])
     tr["patch_size"] = tuple(tr["patch_size"])
-    sched = _merge(WAN_DEFAULTS["scheduler"], overrides.get("scheduler"))
+    sched = merge(WAN_DEFAULTS["scheduler"], overrides.get("scheduler"))
 
-    with _seeded(o["seed"]):
+    with seeded(o["seed"]):
         transformer = WanTransformer3DModel(**tr)
         vae = AutoencoderKLWan(**vae_cfg)
         text_encoder = UMT5EncoderModel(UMT5Config(**te))

@@ -17,11 +17,11 @@ def build(boundary_ratio: float = BOUNDARY_RATIO, **overrides):
     """A tiny two-expert ``WanPipeline``: the experts share the config, not the weights (seeds differ)."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
-    from pipelines.tiny_twins.base import _seeded
+    from pipelines.tiny_twins.base import seeded
     from pipelines.tiny_twins.wan import build_tiny_wan
 
     base = build_tiny_wan(**overrides)
-    with _seeded(int(overrides.get("seed", 0)) + 1):
+    with seeded(int(overrides.get("seed", 0)) + 1):
         transformer_2 = WanTransformer3DModel(**base.transformer.config)
     pipe = WanPipeline(
         tokenizer=base.tokenizer, text_encoder=base.text_encoder, transformer=base.transformer, vae=base.vae,

@@ -16,7 +16,7 @@ def build(boundary_ratio: float = BOUNDARY_RATIO, **overrides):
     """A tiny two-expert ``WanImageToVideoPipeline`` (``in_channels = C + f_t + C``)."""
     from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
 
-    from pipelines.tiny_twins.base import _seeded
+    from pipelines.tiny_twins.base import seeded
     from pipelines.tiny_twins.wan import build_tiny_wan
 
     base = build_tiny_wan(**overrides)
@@ -24,9 +24,9 @@ def build(boundary_ratio: float = BOUNDARY_RATIO, **overrides):
     config = {**base.transformer.config, "in_channels": 2 * z + base.vae_scale_factor_temporal, "out_channels": z}
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     seed = int(overrides.get("seed", 0))
-    with _seeded(seed + 2):
+    with seeded(seed + 2):
         transformer = WanTransformer3DModel(**config)
-    with _seeded(seed + 3):
+    with seeded(seed + 3):
         transformer_2 = WanTransformer3DModel(**config)
     pipe = WanImageToVideoPipeline(
         tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae, scheduler=base.scheduler,

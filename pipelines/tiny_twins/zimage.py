@@ -36,22 +36,22 @@ def build(**overrides):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from pipelines.tiny_twins.base import _check_keys, _merge, _seeded, _vae_blocks
+    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_blocks
 
-    _check_keys("zimage", overrides, set(DEFAULTS))
+    check_keys("zimage", overrides, set(DEFAULTS))
     tok = qwen_tokenizer()
-    te_cfg = _merge(DEFAULTS["text_encoder"], overrides.get("text_encoder"))
-    vae_cfg = _merge(DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**_vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
-    tr = {**published_config("zimage"), **_merge(DEFAULTS["transformer"], overrides.get("transformer"))}
+    te_cfg = merge(DEFAULTS["text_encoder"], overrides.get("text_encoder"))
+    vae_cfg = merge(DEFAULTS["vae"], overrides.get("vae"))
+    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    tr = {**published_config("zimage"), **merge(DEFAULTS["transformer"], overrides.get("transformer"))}
     tr.update(in_channels=vae_cfg["latent_channels"], cap_feat_dim=te_cfg["hidden_size"])
-    with _seeded(overrides.get("seed", DEFAULTS["seed"])):
+    with seeded(overrides.get("seed", DEFAULTS["seed"])):
         transformer = ZImageTransformer2DModel(**tr)
         vae = AutoencoderKL(**vae_cfg)
         te = Qwen3Model(Qwen3Config(**te_cfg, vocab_size=len(tok), bos_token_id=None,
                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
     pipe = ZImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_merge(DEFAULTS["scheduler"], overrides.get("scheduler"))),
+        scheduler=FlowMatchEulerDiscreteScheduler(**merge(DEFAULTS["scheduler"], overrides.get("scheduler"))),
         vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer,
     )
     pipe.set_progress_bar_config(disable=True)

@@ -163,10 +163,10 @@ def load_pairs(args: argparse.Namespace, policy):
     if args.pairs:
         pairs = load_pair_files(policy, args.pairs)
         return pairs, {"source": " + ".join(args.pairs), "pairs": len(pairs)}
-    from flowalign.benchmarks import load_benchmark
+    from flowalign.benchmarks import training_tasks
     from rewards.registry import load as load_reward
 
-    bench = load_benchmark(args.bench, args.level, args.n, args.data_seed)
+    bench = training_tasks(args.bench, args.level, args.n, args.data_seed)
     reward = bench.reward
     if args.bench == "vvr" and not args.no_partial_credit:
         reward = load_reward("vvr", partial_credit=True)

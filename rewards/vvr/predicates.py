@@ -27,13 +27,13 @@ class Box(NamedTuple):
 
 
 # size class boundaries halfway (geometrically) between the rendered extents
-_SMALL_MEDIUM = math.sqrt(SIZE_EXTENT["small"] * SIZE_EXTENT["medium"])
-_MEDIUM_LARGE = math.sqrt(SIZE_EXTENT["medium"] * SIZE_EXTENT["large"])
+SMALL_MEDIUM = math.sqrt(SIZE_EXTENT["small"] * SIZE_EXTENT["medium"])
+MEDIUM_LARGE = math.sqrt(SIZE_EXTENT["medium"] * SIZE_EXTENT["large"])
 
 
 def size_class(extent: float) -> str:
     """Size class of a box extent (longer side / image width)."""
-    return "small" if extent < _SMALL_MEDIUM else "medium" if extent < _MEDIUM_LARGE else "large"
+    return "small" if extent < SMALL_MEDIUM else "medium" if extent < MEDIUM_LARGE else "large"
 
 
 def left_of(a: Box, b: Box, k: float = 0.1) -> bool:

@@ -12,9 +12,14 @@ in the constraint list.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-from rewards.vvr.tasks import Constraint
+
+class Clause(Protocol):
+    """What a prompt is made from: a constraint's ``type`` and ``args`` (``rewards.vvr.tasks.Constraint``)."""
+
+    type: str
+    args: Mapping[str, Any]
 
 _NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 _PLURAL = {"circle": "circles", "square": "squares", "rectangle": "rectangles", "triangle": "triangles",
@@ -32,12 +37,14 @@ def noun(ref: Mapping[str, str], plural: bool = False) -> str:
     return f"{ref['colour']} {head}" if "colour" in ref else head
 
 
-def _a(ref: Mapping[str, str]) -> str:
+def indefinite(ref: Mapping[str, str]) -> str:
+    """"a red circle", "an orange star": the descriptor with its indefinite article."""
     text = noun(ref)
     return ("an " if text[0] in "aeiou" else "a ") + text
 
 
-def _the(ref: Mapping[str, str]) -> str:
+def definite(ref: Mapping[str, str]) -> str:
+    """"the red circle": the descriptor with the definite article."""
     return "the " + noun(ref)
 
 
@@ -51,11 +58,11 @@ _RELATION_WORDS = {
 }
 
 
-def clause(c: Constraint) -> str:
+def clause(c: Clause) -> str:
     """The prompt clause for one constraint."""
     t, a = c.type, c.args
     if t == "exists":
-        return _a(a["ref"])
+        return indefinite(a["ref"])
     if t == "absent":
         return f"no {noun(a['ref'], plural=True)}"
     if t in ("count_shape", "count_colour", "count_colour_shape"):
@@ -72,35 +79,35 @@ def clause(c: Constraint) -> str:
     if t == "equal_count":
         return f"as many {noun(a['a'], True)} as {noun(a['b'], True)}"
     if t == "colour_of":
-        return f"{_the(a['ref'])} is {a['colour']}"
+        return f"{definite(a['ref'])} is {a['colour']}"
     if t == "shape_of":
-        return f"{_the(a['ref'])} is {_a({'shape': a['shape']})}"
+        return f"{definite(a['ref'])} is {indefinite({'shape': a['shape']})}"
     if t == "size_class":
-        return f"{_the(a['ref'])} is {a['size']}"
+        return f"{definite(a['ref'])} is {a['size']}"
     if t in _RELATION_WORDS:
-        return f"{_the(a['a'])} {_RELATION_WORDS[t]} {_the(a['b'])}"
+        return f"{definite(a['a'])} {_RELATION_WORDS[t]} {definite(a['b'])}"
     if t == "same_colour":
-        return f"{_the(a['a'])} and {_the(a['b'])} are the same colour"
+        return f"{definite(a['a'])} and {definite(a['b'])} are the same colour"
     if t == "different_colour":
-        return f"{_the(a['a'])} and {_the(a['b'])} are different colours"
+        return f"{definite(a['a'])} and {definite(a['b'])} are different colours"
     if t == "same_shape":
-        return f"{_the(a['a'])} and {_the(a['b'])} are the same shape"
+        return f"{definite(a['a'])} and {definite(a['b'])} are the same shape"
     if t == "filled":
-        return f"{_the(a['ref'])} is {'filled' if a['filled'] else 'outlined'}"
+        return f"{definite(a['ref'])} is {'filled' if a['filled'] else 'outlined'}"
     if t in ("horizontally_aligned", "vertically_aligned"):
-        return f"{_the(a['a'])} and {_the(a['b'])} are {t.split('_')[0]} aligned"
+        return f"{definite(a['a'])} and {definite(a['b'])} are {t.split('_')[0]} aligned"
     if t == "between":
-        return f"{_the(a['a'])} is between {_the(a['b'])} and {_the(a['c'])}"
+        return f"{definite(a['a'])} is between {definite(a['b'])} and {definite(a['c'])}"
     if t == "nearest_to":
-        return f"the object nearest to {_the(a['a'])} is {_the(a['b'])}"
+        return f"the object nearest to {definite(a['a'])} is {definite(a['b'])}"
     if t == "extremal":
-        return f"{_the(a['ref'])} is the {a['direction']} object"
+        return f"{definite(a['ref'])} is the {a['direction']} object"
     if t == "region":
-        return f"{_the(a['ref'])} is in the {a['region'].replace('-', ' ')}"
+        return f"{definite(a['ref'])} is in the {a['region'].replace('-', ' ')}"
     raise ValueError(f"no prompt template for constraint type {t!r}")
 
 
-def prompt_for(constraints: Sequence[Constraint]) -> str:
+def prompt_for(constraints: Sequence[Clause]) -> str:
     """The task prompt: the background prefix (if any), then the other clauses joined by "; "."""
     background: Any = next((c.args["colour"] for c in constraints if c.type == "background_colour"), None)
     body = "; ".join(clause(c) for c in constraints if c.type != "background_colour")

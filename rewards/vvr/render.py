@@ -18,7 +18,7 @@ from rewards.vvr.tasks import Obj, Task, as_task
 
 SUPERSAMPLE = 4
 # the supersampled canvas is capped so that 512-1024 px renders stay fast (≥ 2× supersampling there)
-_MAX_CANVAS = 2048
+MAX_CANVAS = 2048
 
 
 def object_box(obj: Obj, size: float) -> tuple[float, float, float, float]:
@@ -30,7 +30,7 @@ def object_box(obj: Obj, size: float) -> tuple[float, float, float, float]:
 def render(task: Task | Mapping[str, Any], size: int = 128) -> Image.Image:
     """The task's scene as a ``size``×``size`` RGB image."""
     task = as_task(task)
-    k = max(1, min(SUPERSAMPLE, _MAX_CANVAS // size))
+    k = max(1, min(SUPERSAMPLE, MAX_CANVAS // size))
     canvas = size * k
     img = Image.new("RGB", (canvas, canvas), PALETTE[task.background])
     draw = ImageDraw.Draw(img)

@@ -63,7 +63,8 @@ class VVRReward:
                 info.append({"constraints": [], "all_passed": False, "reason": "image has NaN or infinite values"})
                 continue
             verdict = verify(task, pixels[i])
-            info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason})
+            info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason,
+                         "shapes": shapes_named(task)})
             if verdict.valid:
                 valid[i] = True
                 passed = [p for _, p in verdict.constraints]
@@ -73,6 +74,13 @@ class VVRReward:
                 else:
                     scores[i] = score(passed, self.gamma)
         return RewardOutput(components={"vvr": scores}, valid=valid, info=info)
+
+
+def shapes_named(task: Any) -> list[str]:
+    """The shapes a task's constraints name, sorted (what ``flowalign compare --by shape`` groups by)."""
+    shapes = {r["shape"] for c in as_task(task).constraints for k, r in c.args.items()
+              if k in ("ref", "a", "b", "c") and "shape" in r}
+    return sorted(shapes | {c.args["shape"] for c in as_task(task).constraints if "shape" in c.args})
 
 
 #: constraints whose reference must not be drawn (or not too often): no credit for drawing it

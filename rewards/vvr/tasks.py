@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from rewards.vvr.geometry import SHAPES, SIZE_EXTENT, SIZES, box_size
 from rewards.vvr.palette import COLOURS
 from rewards.vvr.predicates import Box
+from rewards.vvr.prompts import prompt_for
 
 LEVELS: tuple[str, ...] = ("easy", "medium", "hard")
 DIRECTIONS: tuple[str, ...] = ("leftmost", "rightmost", "topmost", "bottommost")
@@ -203,8 +204,6 @@ class Task:
     @property
     def prompt(self) -> str:
         """The deterministic prompt text (see ``rewards.vvr.prompts``)."""
-        from rewards.vvr.prompts import prompt_for
-
         return prompt_for(self.constraints)
 
     def to_dict(self) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def matches(ref: Mapping[str, str], colour: str | None, shape: str | None) -> bo
     return ref.get("colour", colour) == colour and ref.get("shape", shape) == shape
 
 
-class _Scene:
+class DetectedScene:
     """Detected objects with the lookups the constraint checks need."""
 
     def __init__(self, det: Detection):
@@ -141,7 +141,7 @@ def _overlapping(a: Component, b: Component) -> bool:
     return _share(a, b) >= CONTACT_SHARE and not _inside(a, b) and not _inside(b, a)
 
 
-def check(c: Constraint, scene: _Scene) -> bool:
+def check(c: Constraint, scene: DetectedScene) -> bool:
     """Whether the detected scene satisfies constraint ``c``."""
     t, a = c.type, c.args
     n_of = lambda ref: len(scene.find(ref))  # noqa: E731
@@ -234,7 +234,7 @@ def verify(task: Task | Mapping[str, Any], image: Any) -> Verdict:
         rgb = _as_rgb(image)
     except _BadImage as e:
         return Verdict([(c.type, False) for c in task.constraints], 0.0, False, valid=False, reason=str(e))
-    scene = _Scene(segment(rgb))
+    scene = DetectedScene(segment(rgb))
     passed = [bool(check(c, scene)) for c in task.constraints]
     detected = [{"colour": o.colour, "shape": o.shape, "filled": o.filled, "box": tuple(round(float(v), 3) for v in o.box)}
                 for o in scene.objs]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from rewards.vvr.verify import _Scene
+from rewards.vvr.verify import DetectedScene
 from rewards.vvr_motion.track import detect
 from rewards.vvr_motion.video import BadVideo, as_clip
 
@@ -38,7 +38,7 @@ class Consistency:
     pairs: list[float] = field(default_factory=list)
 
 
-def pair_score(a: _Scene, b: _Scene) -> float:
+def pair_score(a: DetectedScene, b: DetectedScene) -> float:
     """Share of objects matched between two consecutive frames (see the module docstring)."""
     if not a.objs and not b.objs:
         return 1.0

@@ -4,11 +4,12 @@ Task ``i`` of ``generate_tasks(n, seed=s, level=l)`` draws its *plan* (object co
 shapes, sizes, directions, distances, appearance times) from ``random.Random("vvr_motion:l:s:i")`` and
 its *layout* (start positions) from ``random.Random("vvr_motion:l:s:i:layout")`` (string seeds hash
 with SHA-512, not ``hash()``), so tasks are identical across runs and processes and a longer list starts
-with the shorter one. A plan whose paths do not fit is laid out again (up to ``LAYOUTS_PER_PLAN``
-times) before a new plan is drawn, so crowded plans (three objects, long moves) are not
-under-represented.
+with the shorter one. A plan that holds a held-out composition (``rewards.vvr_motion.heldout``) is
+drawn again for training; :func:`generate_heldout_tasks` keeps only those (the test splits). A plan
+whose paths do not fit is laid out again (up to ``LAYOUTS_PER_PLAN`` times) before a new plan is drawn,
+so crowded plans (three objects, long moves) are not under-represented.
 
-Levels [derived from the video issue]:
+Levels [derived]:
 
 * easy: one filled medium object of VVR's easy vocabulary moving left/right/up/down:
   "a red circle moving to the right".
@@ -39,17 +40,19 @@ from typing import Callable
 
 import numpy as np
 
-from rewards.vvr.generate import EDGE, GAP, VOCABULARIES, Vocabulary, _gap, _Retry
 from rewards.vvr.geometry import NOT_SMALL, SIZE_EXTENT
 from rewards.vvr.predicates import Box
+from rewards.vvr.scene import EDGE, GAP, Retry, box_gap
 from rewards.vvr.tasks import LEVELS, Obj
+from rewards.vvr.vocabulary import VOCABULARIES, Vocabulary
+from rewards.vvr_motion.heldout import is_heldout
 from rewards.vvr_motion.tasks import (
     MOTION_DIRECTIONS,
     NUM_FRAMES,
     MotionConstraint,
     MotionObj,
     MotionTask,
-    _frames,
+    checked_frames,
 )
 
 MOVE_TRAVEL = (0.25, 0.45)  # axis moves: distance travelled (image fractions)
@@ -106,7 +109,7 @@ class _Clip:
         if not (_inside(cand.box(0.0)) and _inside(cand.box(1.0))):
             return False
         for t in _CHECK_TIMES:
-            if cand.visible(t) and any(o.visible(t) and _gap(cand.box(t), o.box(t)) < GAP for o in others):
+            if cand.visible(t) and any(o.visible(t) and box_gap(cand.box(t), o.box(t)) < GAP for o in others):
                 return False
         return True
 
@@ -122,7 +125,7 @@ class _Clip:
             else:
                 self.objs.extend(placed)
                 return placed
-        raise _Retry
+        raise Retry
 
     def anywhere(self) -> tuple[float, float]:
         return self.layout.uniform(0.1, 0.9), self.layout.uniform(0.1, 0.9)
@@ -232,31 +235,57 @@ def _hard(rng: random.Random, layout: random.Random) -> tuple[list[MotionObj], l
 _BUILDERS = {"easy": _easy, "medium": _medium, "hard": _hard}
 
 
-def generate_tasks(n: int, *, seed: int, level: str, num_frames: int = NUM_FRAMES) -> list[MotionTask]:
+def _draw(level: str, seed: int, i: int, frames: int, exclude_heldout: bool) -> MotionTask:
+    """Task ``i`` of ``level`` for ``seed``; with ``exclude_heldout`` a held-out plan is drawn again."""
+    rng = random.Random(f"vvr_motion:{level}:{seed}:{i}")
+    layout = random.Random(f"vvr_motion:{level}:{seed}:{i}:layout")
+    plan, failed = rng.getstate(), 0
+    for _ in range(1000):
+        rng.setstate(plan)
+        try:
+            objs, constraints = _BUILDERS[level](rng, layout)
+        except Retry:
+            failed += 1
+            if failed % LAYOUTS_PER_PLAN == 0:
+                plan = rng.getstate()  # a new plan after LAYOUTS_PER_PLAN failed layouts
+            continue
+        if exclude_heldout and is_heldout(constraints):
+            plan, failed = rng.getstate(), 0
+            continue
+        objs = [replace(o, start=replace(o.start, id=k)) for k, o in enumerate(objs)]  # ids in paint order
+        return MotionTask(f"motion-{level}-{seed}-{i}", level, frames, "white", tuple(objs), tuple(constraints))
+    raise RuntimeError(f"could not generate motion task {level}-{seed}-{i}")  # pragma: no cover
+
+
+def _check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"level: {level!r} is not allowed; allowed values: {', '.join(LEVELS)}")
+
+
+def generate_tasks(n: int, *, seed: int, level: str, num_frames: int = NUM_FRAMES,
+                   exclude_heldout: bool = True) -> list[MotionTask]:
     """``n`` motion tasks of ``level`` ("easy" | "medium" | "hard"), deterministic for ``seed``.
 
     ``num_frames`` is the clip length the tasks are checked at (the motion itself is in normalised
-    time). Seeds < 1000 are reserved for training; the benchmark splits use 2001-2003
-    (``scripts/make_vvr_motion_splits.py``).
+    time). ``exclude_heldout`` (the default, for training data) redraws every task that holds a held-out
+    composition (``rewards.vvr_motion.heldout``). Seeds < 1000 are for training; the shipped splits use
+    2001-2003 (test) and 2101-2103 (validation).
     """
-    if level not in LEVELS:
-        raise ValueError(f"level: {level!r} is not allowed; allowed values: {', '.join(LEVELS)}")
-    frames = _frames(num_frames, "num_frames")
-    tasks = []
-    for i in range(n):
-        rng = random.Random(f"vvr_motion:{level}:{seed}:{i}")
-        layout = random.Random(f"vvr_motion:{level}:{seed}:{i}:layout")
-        for attempt in range(1000):
-            if attempt % LAYOUTS_PER_PLAN == 0:
-                plan = rng.getstate()  # a new plan (the first, or after LAYOUTS_PER_PLAN failed layouts)
-            rng.setstate(plan)
-            try:
-                objs, constraints = _BUILDERS[level](rng, layout)
-                break
-            except _Retry:
-                continue
-        else:  # pragma: no cover - the builders succeed within a few tries
-            raise RuntimeError(f"could not generate motion task {level}-{seed}-{i}")
-        objs = [replace(o, start=replace(o.start, id=k)) for k, o in enumerate(objs)]  # ids in paint order
-        tasks.append(MotionTask(f"motion-{level}-{seed}-{i}", level, frames, "white", tuple(objs), tuple(constraints)))
+    _check_level(level)
+    frames = checked_frames(num_frames, "num_frames")
+    return [_draw(level, seed, i, frames, exclude_heldout) for i in range(n)]
+
+
+def generate_heldout_tasks(n: int, *, seed: int, level: str, num_frames: int = NUM_FRAMES) -> list[MotionTask]:
+    """``n`` motion tasks of ``level`` that hold a held-out composition: the draws ``generate_tasks``
+    excludes (task ids keep the draw's index)."""
+    _check_level(level)
+    frames = checked_frames(num_frames, "num_frames")
+    tasks: list[MotionTask] = []
+    i = 0
+    while len(tasks) < n:
+        task = _draw(level, seed, i, frames, exclude_heldout=False)
+        if is_heldout(task.constraints):
+            tasks.append(task)
+        i += 1
     return tasks

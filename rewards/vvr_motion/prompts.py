@@ -13,10 +13,26 @@ verbs are joined by "and"; an object already named (as a subject or as a target)
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-from rewards.vvr.prompts import _a, _the
-from rewards.vvr_motion.tasks import MotionConstraint, ref_key
+from rewards.vvr.prompts import definite, indefinite
+
+
+class MotionClause(Protocol):
+    """What a prompt is made from (``rewards.vvr_motion.tasks.MotionConstraint``)."""
+
+    type: str
+    args: Mapping[str, Any]
+
+    @property
+    def refs(self) -> list[dict[str, str]]: ...
+
+
+def ref_key(ref: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """A hashable key for an object descriptor (``{"colour": .., "shape": ..}``): the same object in every
+    constraint that names it maps to the same key."""
+    return tuple(sorted(ref.items()))
+
 
 _PATH = {"left": "to the left", "right": "to the right", "up": "up", "down": "down"}
 #: type → (participle, finite verb) phrase; ``{dir}`` and ``{b}`` are filled in
@@ -31,21 +47,21 @@ _VERBS: dict[str, tuple[str, str]] = {
 }
 
 
-def prompt_for(constraints: Sequence[MotionConstraint]) -> str:
+def prompt_for(constraints: Sequence[MotionClause]) -> str:
     """The task prompt (see the module docstring)."""
-    subjects: dict[tuple[tuple[str, str], ...], list[MotionConstraint]] = {}
+    subjects: dict[tuple[tuple[str, str], ...], list[MotionClause]] = {}
     for c in constraints:
         subjects.setdefault(ref_key(c.refs[0]), []).append(c)
     named: set[tuple[tuple[str, str], ...]] = set()
     parts = []
     for i, (key, group) in enumerate(subjects.items()):
-        subject = _the(dict(key)) if key in named else _a(dict(key))
+        subject = definite(dict(key)) if key in named else indefinite(dict(key))
         named.add(key)
         verbs = []
         for c in group:
             b = c.args.get("b")
             phrase = _VERBS[c.type][i > 0].format(dir=_PATH.get(c.args.get("direction", ""), ""),
-                                                  b=_the(b) if b else "")
+                                                  b=definite(b) if b else "")
             if b:
                 named.add(ref_key(b))
             verbs.append(phrase)

@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 
 from rewards.vvr.geometry import STROKE, draw_shape
 from rewards.vvr.palette import PALETTE
-from rewards.vvr.render import _MAX_CANVAS, SUPERSAMPLE
+from rewards.vvr.render import MAX_CANVAS, SUPERSAMPLE
 from rewards.vvr_motion.tasks import MotionTask, as_task
 
 
@@ -27,7 +27,7 @@ def frame_times(num_frames: int) -> np.ndarray:
 def render(task: MotionTask | Mapping[str, Any], size: int = 64, num_frames: int | None = None) -> np.ndarray:
     """The task as a clip ``(F, size, size, 3)`` uint8; ``F`` is ``num_frames`` or the task's own."""
     task = as_task(task)
-    k = max(1, min(SUPERSAMPLE, _MAX_CANVAS // size))
+    k = max(1, min(SUPERSAMPLE, MAX_CANVAS // size))
     canvas = size * k
     frames = []
     for t in frame_times(num_frames or task.num_frames):

@@ -1,4 +1,9 @@
-"""The shipped motion benchmark splits: ``assets/vvr_motion/{easy,medium,hard}.jsonl``, or fresh ones."""
+"""The shipped motion benchmark splits, ``assets/vvr_motion/<level>/{validation,test}.jsonl``, or fresh ones.
+
+``test`` holds only tasks with a held-out composition (``rewards.vvr_motion.heldout``), which the
+training generator never produces; ``validation`` is drawn from the training distribution with its own
+seeds. Both are disjoint by construction.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,38 @@ import json
 
 from flowalign.errors import UserError
 from flowalign.paths import assets_dir
-from rewards.vvr_motion.generate import generate_tasks
+from rewards.vvr.splits import SPLITS, check_split
+from rewards.vvr.tasks import LEVELS
+from rewards.vvr_motion.generate import generate_heldout_tasks, generate_tasks
 from rewards.vvr_motion.tasks import MotionTask
 
-#: benchmark seed per level (≥ 1000: seeds < 1000 belong to training; VVR's images use 1001-1003)
-SPLIT_SEEDS: dict[str, int] = {"easy": 2001, "medium": 2002, "hard": 2003}
+__all__ = ["SPLITS", "SPLIT_SEEDS", "SPLIT_SIZE", "draw_split", "load_split"]
+
+#: split → level → seed (≥ 1000: seeds < 1000 belong to training; VVR's images use 1001-1103)
+SPLIT_SEEDS: dict[str, dict[str, int]] = {
+    "test": {"easy": 2001, "medium": 2002, "hard": 2003},
+    "validation": {"easy": 2101, "medium": 2102, "hard": 2103},
+}
 SPLIT_SIZE = 500
 
 
-def load_split(level: str, n: int | None = None, seed: int | None = None) -> list[MotionTask]:
-    """The first ``n`` (default all) tasks of the shipped ``level`` split, or ``n`` (default 500) fresh
-    tasks drawn with ``seed`` when one is given."""
+def draw_split(level: str, split: str, n: int = SPLIT_SIZE, seed: int | None = None) -> list[MotionTask]:
+    """``n`` fresh tasks of ``split``'s distribution drawn with ``seed`` (default: the shipped split's)."""
+    seed = SPLIT_SEEDS[check_split(split)][level] if seed is None else seed
+    if split == "test":
+        return generate_heldout_tasks(n, seed=seed, level=level)
+    return generate_tasks(n, seed=seed, level=level)
+
+
+def load_split(level: str, split: str = "test", n: int | None = None, seed: int | None = None) -> list[MotionTask]:
+    """The first ``n`` (default all) tasks of the shipped ``level``/``split`` file, or ``n`` (default 500)
+    fresh tasks of that split's distribution drawn with ``seed`` when one is given."""
+    check_split(split)
+    if level not in LEVELS:
+        raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
     if seed is not None:
-        return generate_tasks(n or SPLIT_SIZE, seed=seed, level=level)
-    path = assets_dir() / "vvr_motion" / f"{level}.jsonl"
+        return draw_split(level, split, n or SPLIT_SIZE, seed)
+    path = assets_dir() / "vvr_motion" / level / f"{split}.jsonl"
     if not path.exists():
         raise UserError(f"benchmark split {path} is missing; regenerate it with scripts/make_vvr_motion_splits.py"
                         " or pass --seed")

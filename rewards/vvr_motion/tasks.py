@@ -22,13 +22,14 @@ Seven constraint types:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from rewards.vvr.geometry import SIZE_EXTENT, SIZES, box_size
 from rewards.vvr.palette import COLOURS
 from rewards.vvr.predicates import Box
 from rewards.vvr.tasks import LEVELS, Obj, checked_choice, checked_fields, checked_ref
+from rewards.vvr_motion.prompts import prompt_for, ref_key  # noqa: F401  (ref_key re-exported)
 
 #: frames per clip by default: Wan's VAE needs F = 4k + 1, and the tiny video model makes 9
 NUM_FRAMES = 9
@@ -131,12 +132,6 @@ class MotionConstraint:
         return MotionConstraint(ctype, args)
 
 
-def ref_key(ref: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """A hashable key for an object descriptor (``{"colour": .., "shape": ..}``): the same object in every
-    constraint that names it maps to the same key."""
-    return tuple(sorted(ref.items()))
-
-
 @dataclass(frozen=True)
 class MotionTask:
     """A moving scene plus constraints true in it, checked on clips of ``num_frames`` frames."""
@@ -151,13 +146,7 @@ class MotionTask:
     @property
     def prompt(self) -> str:
         """The deterministic prompt text (see ``rewards.vvr_motion.prompts``)."""
-        from rewards.vvr_motion.prompts import prompt_for
-
         return prompt_for(self.constraints)
-
-    def with_frames(self, num_frames: int) -> "MotionTask":
-        """The same motion checked on clips of ``num_frames`` frames (a longer or shorter video model)."""
-        return replace(self, num_frames=_frames(num_frames, "num_frames"))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form; ``prompt`` is included for readers and ignored by :meth:`from_dict`."""
@@ -185,14 +174,15 @@ class MotionTask:
         return MotionTask(
             id=str(d.get("id", "")),
             level=checked_choice(d.get("level", "hard"), LEVELS, "task.level"),
-            num_frames=_frames(d.get("num_frames", NUM_FRAMES), "task.num_frames"),
+            num_frames=checked_frames(d.get("num_frames", NUM_FRAMES), "task.num_frames"),
             background=checked_choice(d.get("background", "white"), COLOURS, "task.background"),
             objects=tuple(MotionObj.from_dict(o, f"objects[{i}]") for i, o in enumerate(objects)),
             constraints=tuple(MotionConstraint.from_dict(c, f"constraints[{i}]") for i, c in enumerate(constraints)),
         )
 
 
-def _frames(value: Any, where: str) -> int:
+def checked_frames(value: Any, where: str) -> int:
+    """``value`` if it is a valid clip length (an int ≥ ``MIN_FRAMES``), else a ``ValueError`` naming ``where``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < MIN_FRAMES:
         raise ValueError(f"{where}: must be an integer >= {MIN_FRAMES} (Wan-style models use 4k+1), got {value!r}")
     return value

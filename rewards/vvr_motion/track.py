@@ -18,7 +18,7 @@ import numpy as np
 
 from rewards.vvr.predicates import Box
 from rewards.vvr.segment import segment
-from rewards.vvr.verify import _Scene
+from rewards.vvr.verify import DetectedScene
 
 FRAGMENT_RATIO = 4.0
 PERSIST = 0.8  # an object must be found in ≥ this share of the frames it should be in
@@ -27,9 +27,9 @@ PERSIST = 0.8  # an object must be found in ≥ this share of the frames it shou
 FLICKER_RUN = 2
 
 
-def detect(clip: np.ndarray) -> list[_Scene]:
+def detect(clip: np.ndarray) -> list[DetectedScene]:
     """``(F, H, W, 3)`` uint8 → the VVR scene detected in each frame (about 10 ms a frame)."""
-    return [_Scene(segment(frame)) for frame in clip]
+    return [DetectedScene(segment(frame)) for frame in clip]
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Track:
     boxes: list[Box | None]
 
     @staticmethod
-    def follow(ref: Mapping[str, str], scenes: list[_Scene]) -> "Track":
+    def follow(ref: Mapping[str, str], scenes: list[DetectedScene]) -> "Track":
         boxes = []
         for scene in scenes:
             matches = sorted(scene.find(ref), key=lambda c: c.area, reverse=True)

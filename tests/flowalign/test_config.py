@@ -23,12 +23,18 @@ def test_overrides_are_read_as_yaml(tmp_path):
     ("run.seed=abc", "run.seed"),
     ("run.max_invalid_fraction=1.5", "run.max_invalid_fraction"),
     ("eval.evry=3", "did you mean 'every'"),
+    ("eval.split=train", "eval.split: Input should be 'validation' or 'test'"),
     ("nonsense", "key=value"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(UserError) as info:
         load_config(None, [override])
     assert message in str(info.value)
+
+
+def test_training_evaluates_on_validation_unless_asked():
+    assert load_config(None, []).eval.split == "validation"
+    assert load_config(None, ["eval.split=test"]).eval.split == "test"
 
 
 def test_trainer_section_is_validated_by_its_trainer():

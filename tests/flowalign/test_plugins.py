@@ -114,7 +114,7 @@ def test_a_benchmark_and_renderer_from_an_installed_package(tmp_path, monkeypatc
         from PIL import Image
         from flowalign.benchmarks import Benchmark
 
-        def load(level, n, seed, **options):
+        def load(level, split, n, seed):
             prompts = [f"{level} prompt {i}" for i in range(n or 3)]
             return Benchmark(f"dots-{level}", prompts, [{"i": i} for i in range(len(prompts))], reward=None)
 

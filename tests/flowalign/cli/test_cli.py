@@ -47,6 +47,7 @@ def test_video_model_writes_mp4_and_refuses_png(tmp_path, capsys, tiny_wan_dir):
     (["sample", "--prompt", "p", "--out", "x.txt"], "unknown file type"),
     (["evaluate", "--bench", "geneval", "--out", "o"], "unknown benchmark"),
     (["evaluate", "--level", "impossible", "--out", "o"], "unknown level"),
+    (["evaluate", "--split", "train", "--out", "o"], "choose one of validation, test"),
     (["train", "/nonexistent.yaml"], "does not exist"),
 ])
 def test_user_errors_are_one_line_without_traceback(argv, needle, capsys):
@@ -71,3 +72,22 @@ def test_evaluate_writes_metrics_samples_and_verdicts(tmp_path, capsys, tiny_sd3
     assert metrics["per_constraint"] and all(0 <= v <= 1 for v in metrics["per_constraint"].values())
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all((out / r["file"]).exists() and "constraints" in r for r in rows)
+
+
+def test_evaluate_split_picks_the_shipped_file_and_is_recorded(tmp_path, capsys, tiny_sd3_dir):
+    from rewards.vvr import is_heldout, load_split
+
+    prompts = {}
+    for split in ("validation", "test"):
+        out = tmp_path / split
+        code, stdout, _ = run(["evaluate", "--model", str(tiny_sd3_dir), "--level", "easy", "--split", split,
+                               "--n", "2", "--steps", "2", "--out", str(out)], capsys)
+        assert code == 0, stdout
+        assert json.loads((out / "metrics.json").read_text())["split"] == split
+        prompts[split] = [json.loads(line)["prompt"] for line in (out / "results.jsonl").read_text().splitlines()]
+        assert prompts[split] == [t.prompt for t in load_split("easy", split, 2)]
+    assert not set(prompts["validation"]) & set(prompts["test"])
+    assert all(is_heldout(t.constraints) for t in load_split("easy", "test", 2))
+    code, _, _ = run(["evaluate", "--model", str(tiny_sd3_dir), "--level", "easy", "--n", "1", "--steps", "2",
+                      "--out", str(tmp_path / "default")], capsys)
+    assert code == 0 and json.loads((tmp_path / "default" / "metrics.json").read_text())["split"] == "test"

@@ -9,7 +9,7 @@ import torch
 import rewards
 from flowalign.errors import UserError
 from flowalign.protocols import Reward, RewardOutput
-from rewards.vvr import VVRReward, generate_tasks, render
+from rewards.vvr import Task, VVRReward, generate_tasks, render
 
 
 def _batch(tasks, size=64):
@@ -105,3 +105,14 @@ def test_partial_credit_only_for_what_the_prompt_names():
     assert _named_objects_drawn(relation, [{"colour": "yellow", "shape": "star"}]) == [True, False]
     absent = task([{"type": "absent", "ref": {"colour": "yellow", "shape": "star"}}])
     assert _named_objects_drawn(absent, [{"colour": "yellow", "shape": "star"}]) == []
+
+
+def test_info_lists_the_shapes_the_task_names():
+    from rewards.vvr.reward import shapes_named
+
+    task = Task.from_dict({"constraints": [
+        {"type": "left_of", "a": {"colour": "red", "shape": "star"}, "b": {"colour": "blue", "shape": "circle"}},
+        {"type": "count_shape", "shape": "hexagon", "n": 0}, {"type": "count_colour", "colour": "red", "n": 1}]})
+    assert shapes_named(task) == ["circle", "hexagon", "star"]
+    out = VVRReward()(torch.zeros(1, 3, 64, 64), [task.prompt], [{"task": task.to_dict()}])
+    assert out.info[0]["shapes"] == ["circle", "hexagon", "star"]

@@ -15,7 +15,7 @@ from PIL import Image, ImageFilter
 
 import rewards
 from flowalign.paths import assets_dir
-from rewards.benchmarks import load_benchmark
+from flowalign.benchmarks import load_benchmark, training_tasks
 from rewards.vvr import render
 from rewards.vvr_edit import (EDIT_KINDS, HELDOUT_PAIRS, EditTask, generate_edit_tasks, load_split, render_result,
                               render_source, verify_edit)
@@ -154,5 +154,5 @@ def test_reward_and_benchmark():
     src = torch.stack([to_tensor(m["image"]().resize((64, 64))) for m in bench.metadata])
     out = rewards.load("vvr_edit")(src.float(), bench.prompts, bench.metadata)
     assert (out.components["vvr_edit"] < 1).all() and not any(i["all_passed"] for i in out.info)
-    training = load_benchmark("vvr_edit", "easy", n=4, seed=0)
+    training = training_tasks("vvr_edit", "easy", n=4, seed=0)
     assert [m["task"]["id"] for m in training.metadata] != [m["task"]["id"] for m in bench.metadata]

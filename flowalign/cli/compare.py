@@ -1,0 +1,90 @@
+"""``flowalign compare A B``: paired wins and losses of evaluation B against evaluation A.
+
+Each folder is what ``flowalign evaluate --out`` (or a run's ``evals/step-XXXXXX``) writes. Sample ``i`` of
+both got the same noise, so prompt by prompt B wins, ties or loses against A on the verifier's score.
+Prints one JSON line: wins / ties / losses, the win rate ``(wins + ties/2) / n``, ``wins / (wins +
+losses)``, a two-sided exact sign test on the decided prompts, and both means. ``--by constraint`` or
+``--by shape`` adds one line per group of prompts (the task's constraint types, or the shapes its prompt
+names, as the reward lists them): where a change gained and where it lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flowalign.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("compare", help="paired wins/losses of evaluation B against evaluation A (same noise)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a", type=Path, help="evaluation folder A (e.g. the base model)")
+    p.add_argument("b", type=Path, help="evaluation folder B (e.g. the fine-tuned model)")
+    p.add_argument("--on", choices=("score", "passed"), default="score",
+                   help="compare the verifier's score (default) or whether every constraint passed")
+    p.add_argument("--by", choices=("constraint", "shape"), default=None,
+                   help="also compare per group of prompts: by the task's constraint types or the shapes it names")
+    return p
+
+
+def read_results(folder: Path) -> list[dict[str, Any]]:
+    """The rows of ``folder/results.jsonl`` (one per sample, in prompt order)."""
+    path = Path(folder) / "results.jsonl"
+    if not path.is_file():
+        raise UserError(f"{folder}: no results.jsonl; give a folder written by flowalign evaluate --out or a run's evals/step-XXXXXX")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test of wins against losses (ties left out); 1.0 when nothing was decided."""
+    from scipy.stats import binomtest
+
+    return float(binomtest(wins, wins + losses).pvalue) if wins + losses else 1.0
+
+
+def paired(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    """Paired wins / ties / losses of scores ``b`` against ``a`` (``(n,)`` each, same prompts and noise)."""
+    wins, losses = int((b > a).sum()), int((b < a).sum())
+    ties = len(a) - wins - losses
+    return {"n": len(a), "wins": wins, "ties": ties, "losses": losses,
+            "win_rate": (wins + ties / 2) / len(a) if len(a) else float("nan"),
+            "wins_over_decided": wins / (wins + losses) if wins + losses else float("nan"),
+            "sign_test_p": sign_test_p(wins, losses),
+            "a_mean": float(a.mean()), "b_mean": float(b.mean())}
+
+
+def group_of(row: dict[str, Any], by: str) -> str:
+    """The constraint types of a result row, or the shapes its task names (rewards that know shapes, such
+    as VVR, list them in ``shapes``); "-" for none."""
+    if by == "constraint":
+        return "+".join(sorted({name for name, _ in row.get("constraints", [])})) or "-"
+    return "+".join(sorted(row.get("shapes", []))) or "-"
+
+
+def scores(rows: list[dict[str, Any]], on: str) -> np.ndarray:
+    if on == "passed":
+        return np.array([float(bool(r.get("all_passed", False))) for r in rows])
+    return np.array([float(r["score"]) for r in rows])
+
+
+def compare(a_rows: list[dict[str, Any]], b_rows: list[dict[str, Any]], on: str = "score",
+            by: str | None = None) -> list[dict[str, Any]]:
+    """The overall comparison, then one per group when ``by`` is given."""
+    if [r["prompt"] for r in a_rows] != [r["prompt"] for r in b_rows]:
+        raise UserError("the two evaluations hold different prompts; evaluate both on the same split, n and seed")
+    a, b = scores(a_rows, on), scores(b_rows, on)
+    out = [paired(a, b) | {"on": on}]
+    if by:
+        groups = np.array([group_of(row, by) for row in a_rows])
+        out += [{by: g} | paired(a[groups == g], b[groups == g]) for g in sorted(set(groups))]
+    return out
+
+
+def run(args: argparse.Namespace) -> None:
+    for line in compare(read_results(args.a), read_results(args.b), args.on, args.by):
+        print(json.dumps(line))

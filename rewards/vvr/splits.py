@@ -1,0 +1,57 @@
+"""The shipped VVR benchmark splits, ``assets/vvr/<level>/{validation,test}.jsonl``, or fresh ones.
+
+* ``test``: tasks that hold a held-out composition (``rewards.vvr.heldout``), which the training
+  generator never produces; read once per result.
+* ``validation``: tasks from the training distribution (``generate_tasks`` as training draws them) with
+  their own seeds; settings are chosen on it.
+
+Both are disjoint by construction: every test task is held out and no validation task is.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flowalign.errors import UserError
+from flowalign.paths import assets_dir
+from rewards.vvr.generate import generate_heldout_tasks, generate_tasks
+from rewards.vvr.tasks import LEVELS, Task
+
+SPLITS: tuple[str, ...] = ("validation", "test")
+#: split → level → seed (≥ 1000: seeds < 1000 belong to training)
+SPLIT_SEEDS: dict[str, dict[str, int]] = {
+    "test": {"easy": 1001, "medium": 1002, "hard": 1003},
+    "validation": {"easy": 1101, "medium": 1102, "hard": 1103},
+}
+SPLIT_SIZE = 500
+
+
+def check_split(split: str) -> str:
+    """``split`` if it is a benchmark split, else a one-line ``UserError`` listing the choices."""
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r} for --split / eval.split; choose one of {', '.join(SPLITS)}")
+    return split
+
+
+def draw_split(level: str, split: str, n: int = SPLIT_SIZE, seed: int | None = None) -> list[Task]:
+    """``n`` fresh tasks of ``split``'s distribution (held-out compositions for test), drawn with
+    ``seed`` (default: the shipped split's seed, which reproduces the shipped file)."""
+    seed = SPLIT_SEEDS[check_split(split)][level] if seed is None else seed
+    if split == "test":
+        return generate_heldout_tasks(n, seed=seed, level=level)
+    return generate_tasks(n, seed=seed, level=level)
+
+
+def load_split(level: str, split: str = "test", n: int | None = None, seed: int | None = None) -> list[Task]:
+    """The first ``n`` (default all) tasks of the shipped ``level``/``split`` file, or ``n`` (default 500)
+    fresh tasks of that split's distribution drawn with ``seed`` when one is given."""
+    check_split(split)
+    if level not in LEVELS:
+        raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
+    if seed is not None:
+        return draw_split(level, split, n or SPLIT_SIZE, seed)
+    path = assets_dir() / "vvr" / level / f"{split}.jsonl"
+    if not path.exists():
+        raise UserError(f"benchmark split {path} is missing; regenerate it with scripts/make_vvr_splits.py or pass --seed")
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [Task.from_dict(d) for d in lines][: n or None]

@@ -1,0 +1,54 @@
+"""``flowalign compare A B``: paired wins and losses, overall and per group of prompts."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowalign.cli.compare import compare, read_results, sign_test_p
+from flowalign.cli.main import main
+
+
+def eval_dir(folder: Path, passed: list[bool], prompts: list[str] | None = None,
+             shapes: list[list[str]] | None = None) -> Path:
+    """A folder as ``flowalign evaluate --out`` writes it (results only)."""
+    folder.mkdir(parents=True)
+    prompts = prompts or [f"task {i}" for i in range(len(passed))]
+    shapes = shapes or [[] for _ in passed]
+    rows = [{"index": i, "prompt": q, "score": float(p), "all_passed": p, "constraints": [["exists", p]], "shapes": s}
+            for i, (p, q, s) in enumerate(zip(passed, prompts, shapes))]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_groups_prompts_by_the_shape_they_name(tmp_path, capsys):
+    prompts = ["a red star", "a blue star", "a red circle", "exactly two squares"]
+    shapes = [["star"], ["star"], ["circle"], ["square"]]
+    base = eval_dir(tmp_path / "base", [True, True, False, True], prompts, shapes)
+    tuned = eval_dir(tmp_path / "tuned", [True, False, True, True], prompts, shapes)
+    assert main(["compare", str(base), str(tuned), "--by", "shape"]) == 0
+    total, *groups = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (total["wins"], total["losses"], total["ties"], total["n"]) == (1, 1, 2, 4)
+    assert total["a_mean"] == 0.75 and total["b_mean"] == 0.75 and total["win_rate"] == 0.5
+    by_shape = {g["shape"]: (g["n"], g["wins"], g["losses"]) for g in groups}
+    assert by_shape == {"circle": (1, 1, 0), "square": (1, 0, 0), "star": (2, 0, 1)}
+
+
+def test_sign_test_and_constraint_groups(tmp_path):
+    base = read_results(eval_dir(tmp_path / "a", [False] * 10))
+    tuned = read_results(eval_dir(tmp_path / "b", [True] * 9 + [False]))
+    total, group = compare(base, tuned, on="passed", by="constraint")
+    assert (total["wins"], total["losses"]) == (9, 0) and total["wins_over_decided"] == 1.0
+    assert total["sign_test_p"] == pytest.approx(2 * 0.5 ** 9) == sign_test_p(9, 0)
+    assert group["constraint"] == "exists" and group["n"] == 10
+    assert sign_test_p(0, 0) == 1.0
+
+
+def test_different_prompts_or_missing_results_are_one_line_errors(tmp_path, capsys):
+    a = eval_dir(tmp_path / "a", [True], ["a red star"])
+    b = eval_dir(tmp_path / "b", [True], ["a blue star"])
+    assert main(["compare", str(a), str(b)]) == 2
+    assert "different prompts" in capsys.readouterr().err
+    assert main(["compare", str(a), str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "no results.jsonl" in err and len(err.strip().splitlines()) == 1
