@@ -1,4 +1,4 @@
-"""Preference pairs for latent rewards and the Bradley-Terry fit (``specs/latent_rewards.md``).
+"""Preference pairs for latent rewards and the Bradley-Terry fit (``docs/methods/latent_registers.md``).
 
 A pair is (prompt, x0_w, x0_l): the clean latents of a chosen and a rejected sample. Training noises
 both with ONE shared ε at a σ ~ U(0,1) per pair, ``x_σ = (1-σ)·x0 + σ·ε``, and minimises
@@ -23,7 +23,7 @@ from flowalign.io import atomic_path
 from flowalign.protocols import Conditioning, FlowPolicy, Reward
 
 Encode = Callable[[list[str]], Conditioning]
-#: σ bins of the accuracy report (the spec's "per σ bin"); each pair is scored at every bin's centre
+#: σ bins of the accuracy report (the method page's "per σ bin"); each pair is scored at every bin's centre
 DEFAULT_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 

@@ -77,7 +77,7 @@ class Conditioning:
 class FlowPolicy(Protocol):
     """A rectified-flow generator as trainers see it (one implementation per model family).
 
-    Conventions (``shared/specs/conventions.md``): ``x_σ = (1-σ)·x0 + σ·ε``, velocity ``v = ε - x0``,
+    Conventions (``docs/methods/conventions.md``): ``x_σ = (1-σ)·x0 + σ·ε``, velocity ``v = ε - x0``,
     σ=1 is noise. Latents are whatever the family uses (``B,C,H,W`` images, ``B,C,F,H,W`` video,
     packed tokens for FLUX); trainers never look inside.
     """

@@ -1,7 +1,7 @@
 """VLM judges as rewards: ``vlm_judge`` (a local transformers VLM) and ``vlm_judge_http`` (a served one).
 
 Both score decoded samples against their prompts in one of the modes of
-``shared/specs/vlm_judges.md``:
+``docs/methods/vlm_judges.md``:
 
 * ``weighted`` (default): the reply is forced to start with ``prefix`` ("Score:"); from the next-token
   log-probs over the single-token digits "1".."K" (and their leading-space variants), softmaxed over

@@ -1,7 +1,7 @@
 """Reading a VLM judge's answers: text scores, next-token score distributions and JSON rubrics.
 
 Pure functions on strings and ``{token_text: logprob}`` dicts, shared by the local judge and the
-HTTP client (``shared/specs/vlm_judges.md``). A failure is returned as ``(None, reason)``, never as a
+HTTP client (``docs/methods/vlm_judges.md``). A failure is returned as ``(None, reason)``, never as a
 score of 0 and never as an exception: the caller marks the sample invalid.
 """
 

@@ -15,7 +15,7 @@ steps, fp32. The two alternate; the medians and the median of the paired ratios 
 toolkit overhead: the share of an iteration outside model forward/backward passes, the VAE decode and
 the reward. ``--slow-reward`` makes the reward sleep 0.5 s per call (a remote judge).
 
-Reward against wall-clock time for Flow-GRPO and Flash-GRPO on the main job: ``scripts/bench_curves.py``.
+Reward against wall-clock time for Flow-GRPO and Flash-GRPO with the shipped tiny configs: ``scripts/bench_curves.py``.
 """
 
 from __future__ import annotations

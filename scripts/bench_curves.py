@@ -1,4 +1,4 @@
-"""Reward against wall-clock time for Flow-GRPO and Flash-GRPO on the main job, in one run, as a PNG.
+"""Reward against wall-clock time for Flow-GRPO and Flash-GRPO with the shipped tiny configs, in one run, as a PNG.
 
     python scripts/bench_curves.py [--minutes 10] [--out runs/bench-curves]
 """

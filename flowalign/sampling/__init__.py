@@ -1,4 +1,4 @@
-"""Step math and the rollout loop (``shared/specs/samplers.md``).
+"""Step math and the rollout loop (``docs/methods/samplers.md``).
 
 Public entry points: :func:`sde_step` (one step of ``"ode" | "flow_grpo" | "cps" | "dance"``) and
 :func:`rollout` (the sampling loop returning a :class:`Rollout`).

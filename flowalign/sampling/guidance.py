@@ -1,4 +1,4 @@
-"""RGS: reward-guided sampling with a latent reward, no training (``specs/latent_rewards.md``) [derived].
+"""RGS: reward-guided sampling with a latent reward, no training (``docs/methods/latent_registers.md``) [derived].
 
 Each step the velocity is bent against the reward gradient with its size tied to the velocity's own:
 

@@ -1,4 +1,4 @@
-"""Pure step math of the rollout samplers (``shared/specs/samplers.md``), in diffusers' ``step()`` habit.
+"""Pure step math of the rollout samplers (``docs/methods/samplers.md``), in diffusers' ``step()`` habit.
 
 One step maps ``x_k`` at ``σ_k`` to ``x_{k+1}`` at ``σ_{k+1} < σ_k`` given the velocity ``v``. Every
 function works in float32 whatever the model's dtype (bf16 overflows in the log-prob), accepts σ as a

@@ -34,7 +34,7 @@ class DiffusionNFTConfig(SelfDistillConfig):
     timesteps_per_sample: int = Field(0, ge=0)
     #: 1.0 here: the conditional velocity is the quantity whose flow-matching target ``ε − x_i`` is (the
     #: paper's CFG-free training); None fits the guided velocity, which wrecked the tiny model
-    #: (docs/opsd_nft.md)
+    #: (docs/results.md)
     fit_guidance: float | None = Field(1.0, ge=1.0)
 
 

@@ -16,8 +16,8 @@ One outer iteration [code]:
 
 [derived] choices: ``k_q`` also stays below ``T`` (σ = 0 has nothing to denoise); samples with an invalid
 reward are left out of the fit rather than trained at r = ½; the refresh runs once per outer iteration
-after its K updates, with s counting optimiser steps; the spec's β is the config field ``mirror_beta``.
-``trainer.fit_guidance`` (default null: the spec's "same CFG as the rollout") optionally reads every
+after its K updates, with s counting optimiser steps; the method page's β is the config field ``mirror_beta``.
+``trainer.fit_guidance`` (default null: the method page's "same CFG as the rollout") optionally reads every
 velocity of steps 3-5 at another CFG scale, 1.0 being the conditional velocity alone (NFT's default).
 
 Steps 1, 2, 6 and 7 and the mirrored velocities are shared with DiffusionNFT (``self_distill.py``); this

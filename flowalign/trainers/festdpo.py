@@ -79,7 +79,7 @@ class FestDPOConfig(GroupTrainerConfig):
     def _enough_for_bandwidth(cls, k: int) -> int:
         if k < MIN_K:
             raise ValueError(f"K={k} is too small to set the KDE bandwidth (median of K(K-1)/2 reference "
-                             f"distances); use K >= {MIN_K} (the spec: 32-64)")
+                             f"distances); use K >= {MIN_K} (the method page: 32-64)")
         return k
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""RG-OPD: reward-gradient on-policy distillation, with CoRe reward refits (``specs/latent_rewards.md``).
+"""RG-OPD: reward-gradient on-policy distillation, with CoRe reward refits (``docs/methods/latent_registers.md``).
 
 [derived from the abstracts] Each step, per visited state ``(x_σ, σ)`` of an ODE rollout of θ_old:
 
@@ -68,7 +68,7 @@ class RGOPDConfig(GroupTrainerConfig):
     inner_steps: int = Field(1, ge=1)
     #: visited states distilled per chunk: a random subset of this many rollout steps (0: every step)
     steps_per_chunk: int = Field(0, ge=0)
-    #: weight of mean‖v_θ − v_ref‖² to the adapter-disabled reference (LoRA only; spec: 1e-4)
+    #: weight of mean‖v_θ − v_ref‖² to the adapter-disabled reference (LoRA only; the paper's 1e-4)
     anchor: float = Field(0.0, ge=0)
     core: CoReConfig | None = None
     group_size: int = Field(4, ge=2)

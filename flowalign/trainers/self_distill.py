@@ -37,7 +37,7 @@ class SelfDistillConfig(GroupTrainerConfig):
     advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
     #: A_max: advantages are clipped to ±A_max and mapped to r = A/(2·A_max) + 1/2
     adv_clip: float = Field(5.0, gt=0)
-    #: the spec's β of the mirrored velocities v± (0.1 for a 3-reward mix); not named ``beta``, which
+    #: the method page's β of the mirrored velocities v± (0.1 for a 3-reward mix); not named ``beta``, which
     #: flowalign reads as a KL-to-reference weight (refused with full fine-tuning)
     mirror_beta: float = Field(1.0, gt=0)
     #: K optimiser updates per outer iteration on its fixed targets
@@ -49,9 +49,9 @@ class SelfDistillConfig(GroupTrainerConfig):
     ema_decay: float = Field(0.9, ge=0, lt=1)
     ema_every: int = Field(1, ge=1)
     #: CFG scale of every velocity the fit reads (v_θ, v_φ and, for OPSD, the anchor's). None: the
-    #: rollout's scale (OPSD's spec: "same CFG as the rollout"); 1.0: the conditional velocity alone, so the
+    #: rollout's scale (OPSD's paper: "same CFG as the rollout"); 1.0: the conditional velocity alone, so the
     #: unconditional branch is not pushed through the CFG formula (NFT's default;
-    #: docs/opsd_nft.md). Rollouts keep their CFG either way.
+    #: docs/results.md). Rollouts keep their CFG either way.
     fit_guidance: float | None = Field(None, ge=1.0)
 
 

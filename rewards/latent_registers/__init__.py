@@ -1,4 +1,4 @@
-"""Latent Reward Registers (``specs/latent_rewards.md``): the reward module, its files, and one file per DiT
+"""Latent Reward Registers (``docs/methods/latent_registers.md``): the reward module, its files, and one file per DiT
 family saying how the register stream passes that family's blocks (``sd3.py``, ``flux.py``, ``wan.py``)."""
 
 from rewards.latent_registers.registers import (

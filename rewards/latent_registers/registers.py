@@ -1,11 +1,11 @@
-"""Latent Reward Registers: a reward read from noisy latents through a frozen DiT (``specs/latent_rewards.md``).
+"""Latent Reward Registers: a reward read from noisy latents through a frozen DiT (``docs/methods/latent_registers.md``).
 
 M learnable register tokens ride along a FROZEN transformer (SD3 / SD3.5, FLUX.1, Wan 2.1 / 2.2) as a
 read-only path: register queries attend to every token of each block, image, video and text queries
 never see a register. The generator is therefore untouched (its velocity is bit-identical with and
 without the registers), and the reward costs one DiT forward plus a thin stream of M tokens.
 
-Implementation (the spec's "cheap equivalent"): the transformer runs its own, unmodified ``forward``; a
+Implementation (the method page's "cheap equivalent"): the transformer runs its own, unmodified ``forward``; a
 forward pre-hook on each block reads that block's inputs and advances the register stream through the
 block with the block's own frozen weights. What "through the block" means is the family's business:
 ``sd3.py``, ``flux.py``, ``wan.py`` (each reads top to bottom, one block type at a time). Under RoPE

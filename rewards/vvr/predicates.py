@@ -1,7 +1,7 @@
 """Box-level spatial predicates shared by the task generator and the verifier.
 
 Positions are image fractions (x right, y down, both in [0, 1]); ``w``/``h`` are box sizes in the same
-unit. The verifier calls these with the spec's thresholds (the defaults); the generator calls them with
+unit. The verifier calls these with the method page's thresholds (the defaults); the generator calls them with
 stricter margins, so a constraint it emits holds with room to spare after blur, JPEG and resizing.
 """
 

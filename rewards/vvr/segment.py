@@ -1,6 +1,6 @@
 """Image → detected objects: background, colour labels, connected components, shape, fill.
 
-Deterministic, no learned parts; numpy + scipy.ndimage only. Follows the spec's verifier steps with
+Deterministic, no learned parts; numpy + scipy.ndimage only. Follows the method page's verifier steps with
 these documented deviations [derived]:
 
 1. Images larger than ``WORK`` px are box-filtered down to it (a box filter keeps pixel values exact
@@ -16,12 +16,12 @@ these documented deviations [derived]:
    "pink", a blurred black/white edge not "grey", the seam of touching blue and brown not "black"),
    and the mask boundary sits where the shape's boundary is (coverage α ≥ 0.5, measured on luma
    mostly: JPEG keeps luma sharp and halves chroma). Foreground pixels are also > ΔE00 12 from the
-   background (spec). A component's *name* is, as in the spec, the palette colour nearest (ΔE00 < 25)
+   background (method page). A component's *name* is, as in the method page, the palette colour nearest (ΔE00 < 25)
    to its median interior colour.
-4. A 5×5 majority vote over the foreground labels replaces the spec's per-colour 3×3 opening: it
+4. A 5×5 majority vote over the foreground labels replaces the method page's per-colour 3×3 opening: it
    removes JPEG chroma noise without cutting off the sharp tips of stars and triangles (which an
-   opening does, shrinking their boxes). Then, per colour, a 3×3 closing (spec), 8-connected
-   components; components under 0.2 % of the image are dropped (spec).
+   opening does, shrinking their boxes). Then, per colour, a 3×3 closing (method page), 8-connected
+   components; components under 0.2 % of the image are dropped (method page).
 5. Shape by soft template matching rather than contour vertex counts (which confuse circles and
    hexagons at 13 px): each shape's anti-aliased template is fitted to the object's coverage map
    (:func:`_classify`). An object lying inside another is seen against that object's colour; pixels
@@ -44,9 +44,9 @@ from rewards.vvr.palette import COLOURS, PALETTE_LAB, PALETTE_RGB, delta_e00, sr
 from rewards.vvr.predicates import Box
 
 WORK = 128  # larger images are reduced to this (px, longer side); smaller ones are used as they are
-FG_DELTA_E = 12.0  # foreground: farther than this from the background (spec)
-NAME_DELTA_E = 25.0  # a colour is named when this close to a palette centre (spec)
-MIN_AREA = 0.002  # components smaller than this fraction of the image are dropped (spec)
+FG_DELTA_E = 12.0  # foreground: farther than this from the background (method page)
+NAME_DELTA_E = 25.0  # a colour is named when this close to a palette centre (method page)
+MIN_AREA = 0.002  # components smaller than this fraction of the image are dropped (method page)
 PURE_RESIDUAL = 30.0  # RGB distance from the background→colour line of a nearly pure pixel
 MIN_SHAPE_SCORE = 0.6
 ASPECT_WEIGHT = 0.25

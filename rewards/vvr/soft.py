@@ -25,7 +25,7 @@ metadata with smooth stand-ins [derived], and the hard verifier stays the judge 
 
 Each constraint gets ``s_j ∈ (0, 1)``; the reward is the verifier's form
 ``(1−γ)·mean_j s_j + γ·Π_j s_j`` in [0, 1]. How well it ranks samples against the verifier is measured
-by ``scripts/vvr_soft_agreement.py`` (``docs/rewards.md``).
+in ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class VVRSoftReward:
     of the positional sigmoids in image fractions. ``count_gradients=False`` keeps every score but cuts
     the gradient of counts and of relations' presence factors: a count read from soft mass is raised by
     growing objects, not by adding one, and ascending it lowered the verifier's score
-    (``scripts/opsd_targets.py``, docs/opsd_nft.md). ``shapes=True`` also scores (and passes the
+    (``docs/results.md``). ``shapes=True`` also scores (and passes the
     gradient of) whether each named shape reads as that shape, by the verifier's template test.
     """
 

@@ -11,7 +11,7 @@ Constraint arguments (all JSON values):
 * ``n`` int ≥ 0, ``colour`` a palette name, ``shape`` a shape name, ``size`` a size class, ``filled``
   bool, ``direction`` an extremal direction, ``region`` a quadrant.
 
-32 constraint types (the spec's list has 34 names once bigger/smaller and left/right are split; we
+32 constraint types (the method page's list has 34 names once bigger/smaller and left/right are split; we
 keep 32 [derived]): ``smaller`` is ``bigger`` with its arguments swapped, and ``separated`` (neither
 touching nor overlapping) is the default state of any two generated objects, so it carries no
 information beyond ``touching``/``overlapping``; both are dropped.

@@ -5,16 +5,16 @@ must match exactly one object, otherwise its constraint fails; counts count matc
 Mask predicates, in working pixels (the image, reduced to at most ``segment.WORK`` = 128 px) [derived
 where noted]:
 
-* inside(A, B): ≥ 95 % of A's mask lies in B's hole-filled mask (spec).
+* inside(A, B): ≥ 95 % of A's mask lies in B's hole-filled mask (method page).
 * touching(A, B): A's mask dilated by 2 px (3 px from 96 px up) meets B's, and the
   objects' full shapes (matched anti-aliased templates, which include hidden parts) share < 20 % of
-  the smaller one [derived from the spec's "IoU < 0.05": relative to the smaller object, so a small
+  the smaller one [derived from the method page's "IoU < 0.05": relative to the smaller object, so a small
   object lying on a big one is not "touching", and looser, since at 64 px one pixel row is 8-10 % of
   a small object and a fitted template may be a pixel off].
 * overlapping(A, B): the full shapes share ≥ 20 % of the smaller one [derived], and neither is inside
   the other (the generator overlaps by ≥ 35 %).
 
-Box predicates (left-of, aligned, between, ...) are in ``predicates`` with the spec's thresholds; size
+Box predicates (left-of, aligned, between, ...) are in ``predicates`` with the method page's thresholds; size
 classes use the box extent (longer side), not the area fraction, so a star and a square of one size
 class agree [derived]. Every detected object counts for ``total_count``, ``nearest_to`` and
 ``extremal`` (which compare against all other objects), whether or not its shape was recognised.
@@ -130,7 +130,7 @@ def _inside(a: Component, b: Component) -> bool:
 
 
 def _touching(a: Component, b: Component) -> bool:
-    reach = 3 if max(a.mask.shape) >= 96 else 2  # the spec's 2 px at 64 px, a little less than scaled
+    reach = 3 if max(a.mask.shape) >= 96 else 2  # the method page's 2 px at 64 px, a little less than scaled
     ys, xs = np.nonzero(a.mask)
     sl = (slice(max(0, ys.min() - reach), ys.max() + reach + 1), slice(max(0, xs.min() - reach), xs.max() + reach + 1))
     near = ndimage.binary_dilation(a.mask[sl], np.ones((3, 3), bool), iterations=reach)

@@ -1,4 +1,4 @@
-"""Advantage strategies (shared/specs/flow_grpo.md)."""
+"""Advantage strategies (docs/methods/flow_grpo.md)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""VLM judges (shared/specs/vlm_judges.md) on a tiny random Qwen2.5-VL built offline.
+"""VLM judges (docs/methods/vlm_judges.md) on a tiny random Qwen2.5-VL built offline.
 
 The parser, the weighted-score arithmetic and the rubric reading are checked on tables of replies;
 the judge itself runs the real transformers model: weighted scores against a direct forward pass,
@@ -150,7 +150,7 @@ def test_tiny_vlm_loads_with_auto_classes(vlm_dir: Path):
 
 
 def test_qwen3_vl_judge(tmp_path: Path):
-    """The same judge code on the other model class the spec names (Qwen3-VL: deepstack, 16 px patches)."""
+    """The same judge code on the other model class the method page names (Qwen3-VL: deepstack, 16 px patches)."""
     from rewards.vlm_tiny import build_tiny_vlm
 
     build_tiny_vlm(tmp_path, family="qwen3_vl")

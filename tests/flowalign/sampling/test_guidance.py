@@ -1,4 +1,4 @@
-"""RGS (reward-guided sampling): the properties of ``specs/latent_rewards.md``.
+"""RGS (reward-guided sampling): the properties of ``docs/methods/latent_registers.md``.
 
 κ = 0 reproduces the plain sampler bit for bit (on the tiny SD3, FLUX and Wan models with real latent
 registers);

@@ -1,4 +1,4 @@
-"""Properties of the sampler steps (shared/specs/samplers.md)."""
+"""Properties of the sampler steps (docs/methods/samplers.md)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""DiffusionNFT (the baseline of shared/specs/diffusion_opsd.md): its loss and a short real run."""
+"""DiffusionNFT (the baseline of docs/methods/diffusion_opsd.md): its loss and a short real run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DiffusionOPSD: the spec's properties (shared/specs/diffusion_opsd.md) on closed forms and the tiny model."""
+"""DiffusionOPSD: the method page's properties (docs/methods/diffusion_opsd.md) on closed forms and the tiny model."""
 
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def test_a_batch_with_no_reward_gradient_gets_targets_equal_to_the_anchor(tmp_pa
 @pytest.mark.parametrize("fit_guidance", [None, 1.0])
 def test_fit_guidance_one_reads_the_conditional_velocity_alone(tmp_path, tiny_sd3_dir, fit_guidance):
     """``trainer.fit_guidance=1``: the anchor, the targets and the fit never see the CFG negatives; null (the
-    default, the spec's "same CFG as the rollout"): they do. The rollout is guided either way."""
+    default, the method page's "same CFG as the rollout"): they do. The rollout is guided either way."""
     extra = [] if fit_guidance is None else ["trainer.fit_guidance=1.0"]
     t = build_trainer(vvr_run(tmp_path / "g", tiny_sd3_dir, *extra))
     prompts, metadata, groups = t.step_prompts(0)

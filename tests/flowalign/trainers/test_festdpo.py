@@ -1,4 +1,4 @@
-"""FestDPO (shared/specs/festdpo.md): the toy optima of the abstract, trained with the trainer's own loss;
+"""FestDPO (docs/methods/festdpo.md): the toy optima of the abstract, trained with the trainer's own loss;
 the KDE pieces; θ = ref gives log 2; bad input; short real runs (online and offline pairs) with resume."""
 
 import json

@@ -1,4 +1,4 @@
-"""Flash-GRPO: iso-temporal groups and temporal gradient rectification (shared/specs/flow_grpo.md)."""
+"""Flash-GRPO: iso-temporal groups and temporal gradient rectification (docs/methods/flow_grpo.md)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Flow-GRPO on the tiny SD3 model: the spec's properties (shared/specs/flow_grpo.md)."""
+"""Flow-GRPO on the tiny SD3 model: the method page's properties (docs/methods/flow_grpo.md)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""RG-OPD and CoRe: the properties of ``specs/latent_rewards.md`` on a toy flow and on the tiny SD3 model."""
+"""RG-OPD and CoRe: the properties of ``docs/methods/latent_registers.md`` on a toy flow and on the tiny SD3 model."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""SOAR and SFT (shared/specs/soar.md): the target identities, λ=0 ≡ SFT, no gradient through the rollout,
+"""SOAR and SFT (docs/methods/soar.md): the target identities, λ=0 ≡ SFT, no gradient through the rollout,
 bad input, and short real runs on the tiny model (rendered VVR pairs and pairs from a folder)."""
 
 import json
@@ -136,7 +136,7 @@ def test_soar_without_pairs_is_refused(tmp_path, tiny_sd3_dir, prompt_file):
 
 
 def test_a_rollout_step_that_does_not_match_the_sampler_is_flagged(tmp_path, tiny_sd3_dir, capsys):
-    """K is the inference step count (the spec): a K that differs from the steps the model samples with
+    """K is the inference step count (the method page): a K that differs from the steps the model samples with
     is named at start-up, with the value to set; a matching K, and SFT (no rollout step), say nothing."""
     build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "k", "trainer.name=soar", "trainer.N=1")))
     assert "trainer.K=10 but the model samples with 20 steps" in capsys.readouterr().out

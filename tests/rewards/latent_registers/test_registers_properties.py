@@ -1,4 +1,4 @@
-"""The properties ``specs/latent_rewards.md`` asks of latent registers, on each DiT family: the frozen
+"""The properties ``docs/methods/latent_registers.md`` asks of latent registers, on each DiT family: the frozen
 model's velocity is untouched (fp32, atol 0), gradients reach x and the registers but no DiT parameter,
 the reward is invariant to permuting registers (and depends on them), and a saved reward reloads by its
 folder alone to the same scores."""

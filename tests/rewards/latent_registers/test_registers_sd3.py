@@ -1,5 +1,5 @@
 """Latent registers on SD3 (a tiny random transformer with an SD3.5 dual-attention block): the cheap path
-equals the spec's definition (registers appended to the token sequence, masked so no image/text query
+equals the method page's definition (registers appended to the token sequence, masked so no image/text query
 sees them), and bad input. The shared properties are in ``test_registers_properties.py``."""
 
 import copy
@@ -49,7 +49,7 @@ class _MaskedJointAttention:
 
 
 def test_cheap_path_equals_registers_appended_to_the_sequence(policy, reward):
-    """The spec's definition: registers are extra image-stream tokens, masked out of every other query."""
+    """The method page's definition: registers are extra image-stream tokens, masked out of every other query."""
     x, sigma, cond = family_inputs(policy)
     tr = copy.deepcopy(reward.transformer)
     n_img = (x.shape[-1] // tr.config.patch_size) * (x.shape[-2] // tr.config.patch_size)

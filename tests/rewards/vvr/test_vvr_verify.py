@@ -1,4 +1,4 @@
-"""VVR verifier properties (spec): soundness, specificity, determinism, bad input, speed."""
+"""VVR verifier properties (method page): soundness, specificity, determinism, bad input, speed."""
 
 from __future__ import annotations
 
