@@ -1,8 +1,8 @@
 """Run configs: YAML → typed, validated objects, with dotted ``key=value`` overrides.
 
-Every run has the same sections (``run``, ``model``, ``data``, ``rewards``, ``trainer``, ``eval``). The
-``trainer`` section is validated by the chosen trainer's own config class, so each algorithm keeps its
-options next to its loss. Errors name the field, the bad value and the fix (with "did you mean" for
+Every run has the same sections (``run``, ``model``, ``data``, ``rewards``, ``trainer``, ``eval``,
+``parallel``). The ``trainer`` section is validated by the chosen trainer's own config class, so each
+algorithm keeps its options next to its loss. Errors name the field, the bad value and the fix (with "did you mean" for
 misspelt keys).
 """
 
@@ -59,6 +59,26 @@ class ModelSection(Section):
     defaults: dict[str, Any] = Field(default_factory=dict)
 
 
+class ParallelSection(Section):
+    """How ranks share the work (``torchrun`` / ``accelerate launch``); one process ignores all but ``strategy``.
+
+    ``ddp``: every rank holds the whole model and optimiser, gradients are averaged. ``fsdp``: torch
+    FSDP2 shards the trained transformer's weights, gradients and optimiser state over the ranks
+    (block by block), see docs/guide/multi-gpu.md.
+    """
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    #: fsdp: keep the sharded parameters and the optimiser state in CPU memory (the optimiser steps on CPU)
+    cpu_offload: bool = False
+    #: fsdp: free each block's gathered weights after its forward (gathered again for backward)
+    reshard_after_forward: bool = True
+    #: fsdp: ``bf16`` gathers weights and computes in bf16, reduces gradients in fp32; the stored shards
+    #: (and the optimiser state) keep model.dtype, so use model.dtype=fp32 for fp32 master weights
+    mixed_precision: Literal["no", "bf16"] = "no"
+    #: a collective waiting longer than this (a rank died or hangs) stops the run with an error
+    timeout_s: float = Field(1800.0, gt=0)
+
+
 class DataSection(Section):
     """Training prompts: a text/JSONL file (``prompts``) or tasks drawn from a benchmark generator."""
 
@@ -104,6 +124,7 @@ class TrainConfig(Section):
     #: validated by the trainer named in ``trainer.name``
     trainer: dict[str, Any] = Field(default_factory=lambda: {"name": "flow_grpo"})
     eval: EvalSection = EvalSection()
+    parallel: ParallelSection = ParallelSection()
 
     @field_validator("rewards")
     @classmethod

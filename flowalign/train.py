@@ -12,12 +12,16 @@ from flowalign.config import TrainConfig, dump_config, validate_section
 from flowalign.data import PromptSet, read_prompt_file
 from flowalign.errors import UserError
 from flowalign.io import write_json
+from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
 from flowalign.trainers import get_trainer
 
 # keys that may change when a run is resumed (everything else must match the saved config)
 RESUMABLE_CHANGES = {"run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
-                     "trainer.max_steps", "trainer.max_minutes", "eval.every", "run.wandb"}
+                     "trainer.max_steps", "trainer.max_minutes", "eval.every", "run.wandb",
+                     # the layout over ranks may change: checkpoints are consolidated
+                     "parallel.strategy", "parallel.cpu_offload", "parallel.reshard_after_forward",
+                     "parallel.timeout_s"}
 
 
 SHARDED_BACKENDS = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
@@ -110,12 +114,12 @@ def build_trainer(cfg: TrainConfig):
     trainer_cls = get_trainer(str(cfg.trainer.get("name", "flow_grpo")))
     tcfg = validate_section(trainer_cls.Config, cfg.trainer, "trainer.")
     trainer_cls.check_config(cfg, tcfg)  # before anything is written
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(cfg.parallel))
     if acc.distributed_type.value in SHARDED_BACKENDS:
-        # the loop averages gradients itself over replicated weights; silently ignoring a sharding
-        # request would run out of memory on the models that need it
-        raise UserError(f"the accelerate config asks for {acc.distributed_type.value}, which flowalign does not wire "
-                        "yet; launch with a multi-GPU (DDP) accelerate config or torchrun, or use LoRA to fit memory")
+        # flowalign shards with torch FSDP2 itself (parallel.strategy); silently ignoring the accelerate
+        # config's own sharding request would run out of memory on the models that need it
+        raise UserError(f"the accelerate config asks for {acc.distributed_type.value}: launch with a multi-GPU "
+                        "accelerate config (distributed_type: MULTI_GPU) or torchrun and set parallel.strategy=fsdp")
     run_dir = Path(cfg.run.output_dir)
     if acc.is_main_process:
         prepare_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)

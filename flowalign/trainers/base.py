@@ -30,6 +30,7 @@ from flowalign.data import PromptSet
 from flowalign.ema import EMA
 from flowalign.errors import UserError
 from flowalign.logger import RunLogger
+from flowalign.parallel import Parallel
 from flowalign.protocols import FlowPolicy, RewardOutput
 from flowalign.sampling import Rollout, rollout
 
@@ -116,6 +117,8 @@ class GroupTrainer:
         self.rewards, self.data, self.evaluator = rewards, data, evaluator
         self.acc, self.run_dir = accelerator, run_dir
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.parallel = Parallel(cfg.parallel, self.world, self.rank, accelerator.device)
+        self.parallel.shard(policy.trainable)  # fsdp: before the parameters are collected (they become shards)
         self.params = [p for p in policy.trainable.parameters() if p.requires_grad]
         if not self.params:
             raise UserError("the policy has no trainable parameters; set model.finetune to lora or full")
@@ -250,19 +253,19 @@ class GroupTrainer:
 
     def optimizer_step(self) -> float:
         """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
-        if self.world > 1:
+        if self.world > 1 and not self.parallel.sharded:  # fsdp reduce-scatters gradients during backward
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 p.grad = self.acc.reduce(p.grad, reduction="mean")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.grad_clip)
+        norm = self.parallel.clip_grad_norm(self.params, self.tcfg.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_now
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update()
-        return float(norm)
+        return norm
 
     # ------------------------------------------------------------------ loop
     def step_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
@@ -371,13 +374,15 @@ class GroupTrainer:
         if self.evaluator is None:
             return {}
         metrics: dict[str, Any] = {}
-        if self.acc.is_main_process:
-            out_dir = self.run_dir / "evals" / ckpt.step_dir_name(self.step)
-            if self.ema is not None and self.step > 0:
-                with self.ema.swapped_in():
+        if self.acc.is_main_process or self.parallel.sharded:  # fsdp: every rank joins every forward
+            with self.parallel.rank_folder(self.run_dir) as folder:  # other ranks write to a scratch folder
+                out_dir = folder / "evals" / ckpt.step_dir_name(self.step)
+                if self.ema is not None and self.step > 0:
+                    with self.ema.swapped_in():
+                        metrics = self.evaluator(self.policy, out_dir)
+                else:
                     metrics = self.evaluator(self.policy, out_dir)
-            else:
-                metrics = self.evaluator(self.policy, out_dir)
+        if self.acc.is_main_process:
             scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.logger.log(self.step, scalars)
         self.acc.wait_for_everyone()
@@ -399,12 +404,17 @@ class GroupTrainer:
         self.acc.wait_for_everyone()
         checksums = self.rank_checksums()
         ckpt.save_rank_rng(tmp, self.rank)
+        # fsdp: every rank takes part in gathering full tensors and writes its optimiser shard
+        trainable = self.parallel.gather(self.trainable_state())
+        ema_state = self.parallel.gather(self.ema.state_dict()) if self.ema else None
+        sharded_optimizer = self.parallel.save_optimizer(tmp, self.policy.trainable, self.optimizer)
+        if self.cfg.model.finetune == "lora" and (self.acc.is_main_process or self.parallel.sharded):
+            with self.parallel.rank_folder(tmp) as folder:
+                self.policy.save_adapter(folder)
         if self.acc.is_main_process:
-            if self.cfg.model.finetune == "lora":
-                self.policy.save_adapter(tmp)
             ckpt.write_checkpoint_files(
-                tmp, trainable=self.trainable_state(), optimizer=self.optimizer,
-                ema_state=self.ema.state_dict() if self.ema else None,
+                tmp, trainable=trainable, optimizer=None if sharded_optimizer else self.optimizer,
+                ema_state=ema_state,
                 trainer_state={"step": self.step, "world_size": self.world, "trainer": self.tcfg.name,
                                "rank_checksums": checksums, "train_seconds": self.train_seconds},
             )
@@ -421,7 +431,7 @@ class GroupTrainer:
 
     def rank_checksums(self) -> list[float]:
         """Sum of the trainable weights on every rank; ranks that diverged are an error, not a warning."""
-        local = torch.stack([p.detach().double().sum() for p in self.params]).sum().reshape(1)
+        local = self.parallel.checksum(self.params)
         sums = self.acc.gather(local.to(self.acc.device)).cpu().tolist()
         if len(set(sums)) > 1:
             raise RuntimeError(f"step {self.step}: ranks hold different weights (checksums {sums})")
@@ -441,12 +451,13 @@ class GroupTrainer:
         missing = set(live) - set(state["trainable"])
         if missing:
             raise UserError(f"checkpoint {folder} does not match this model ({len(missing)} trainable tensors missing)")
+        saved = self.parallel.place_like(state["trainable"], live)  # fsdp: this rank's shards
         with torch.no_grad():
             for name, p in live.items():
-                p.copy_(state["trainable"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+                p.copy_(saved[name])
+        self.parallel.load_optimizer(folder, self.policy.trainable, self.optimizer, state["optimizer"])
         if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
+            self.ema.load_state_dict(self.parallel.place_like(state["ema"], self.ema.state_dict()))
         ckpt.load_rank_rng(folder, self.rank)
         self.step = int(state["trainer_state"]["step"])
         self.train_seconds = float(state["trainer_state"].get("train_seconds", 0.0))
