@@ -181,3 +181,31 @@ class Parallel:
     def place_like(self, saved: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full ``saved`` tensors laid out like their ``live`` namesakes (see :meth:`place`)."""
         return {k: self.place(v, live[k]) if k in live else v for k, v in saved.items()}
+
+    @contextmanager
+    def explain_failures(self) -> Iterator[None]:
+        """A collective that fails because another rank died or stalled past ``parallel.timeout_s``
+        becomes a one-line error saying so (and how to continue), instead of a backend traceback."""
+        try:
+            yield
+        except (torch.distributed.DistError, RuntimeError) as err:
+            if self.world < 2 or not is_collective_failure(err):
+                raise
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise UserError(
+                f"rank {self.rank}: lost contact with the other ranks ({first}); a rank died or stalled longer than "
+                f"parallel.timeout_s={self.cfg.timeout_s:g}: relaunch with run.resume=auto to continue from the last "
+                "complete checkpoint") from err
+
+
+#: words of the errors torch's process groups raise when a peer is gone or a collective timed out
+_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out", "timeout",
+                     "processgroup", "tcpstore", "socket")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a process-group failure (a lost peer or a timed-out collective)."""
+    if isinstance(err, torch.distributed.DistError):
+        return True
+    text = str(err).lower()
+    return any(word in text for word in _COLLECTIVE_WORDS)

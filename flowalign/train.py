@@ -140,7 +140,8 @@ def build_trainer(cfg: TrainConfig):
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train per ``cfg``; returns the final evaluation metrics."""
     trainer = build_trainer(cfg)
-    final = trainer.train()
+    with trainer.parallel.explain_failures():
+        final = trainer.train()
     if trainer.acc.is_main_process and final:
         write_json(trainer.run_dir / "final_metrics.json", final)
     return final
