@@ -19,6 +19,7 @@ COMMANDS = (
     "sample",
     "evaluate",
     "train",
+    "plan",
     "gallery",
     "train_reward",
     "serve_judge",
