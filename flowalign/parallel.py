@@ -116,6 +116,15 @@ class Parallel:
             torch.distributed.all_reduce(total)
         return total
 
+    def padded(self, items: list[Any], fill: Any) -> list[Any]:
+        """``items`` filled up with ``fill`` to the longest list of any rank (fsdp), so every rank runs as
+        many forwards and optimiser steps; unchanged under ddp."""
+        if not self.sharded:
+            return list(items)
+        most = torch.tensor([len(items)], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return list(items) + [fill] * (int(most) - len(items))
+
     # ------------------------------------------------------------------ checkpoints
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full CPU tensors of ``tensors`` (sharded ones gathered) on the main rank, ``{}`` elsewhere.

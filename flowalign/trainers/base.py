@@ -211,13 +211,18 @@ class GroupTrainer:
         for _ in range(self.tcfg.inner_epochs):
             order = torch.randperm(len(batch.chunks), generator=generator).tolist()
             active = [i for i in order if adv_chunks[i].abs().sum() > 0]
-            if not active:
+            if not active and not self.parallel.sharded:
                 continue
-            parts = [p for p in np.array_split(np.array(active), self.tcfg.updates_per_epoch) if len(p)]
-            for part in parts:
-                units = self.loss_units(batch, part.tolist(), generator)
-                for i, k in units:
+            parts = [p for p in np.array_split(np.array(active, dtype=int), self.tcfg.updates_per_epoch) if len(p)]
+            for part in self.parallel.padded(parts, np.array([], dtype=int)):  # fsdp: as many steps on every rank
+                units = self.loss_units(batch, part.tolist(), generator) if len(part) else []
+                # fsdp: every forward is a collective, so a rank with fewer units runs zero-weighted ones
+                filler = self.parallel.padded(units, (order[0], self.trained_steps(batch.chunks[order[0]])[0]))
+                for n, (i, k) in enumerate(filler):
                     loss, info = self.loss(batch.chunks[i], k, adv_chunks[i])
+                    if n >= len(units):
+                        (loss * 0).backward()
+                        continue
                     (loss / len(units)).backward()
                     for key, value in info.items():
                         stats.setdefault(key, []).append(value)

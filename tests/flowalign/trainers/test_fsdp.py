@@ -200,3 +200,23 @@ def test_a_killed_rank_stops_the_other_with_a_clear_error_and_the_run_resumes(tm
     out = torchrun(args[3:])
     assert "resumed from" in out
     assert (run / "checkpoints" / "step-000006" / "COMPLETE").exists()
+
+
+def test_a_rank_whose_groups_all_have_zero_advantage_keeps_step_with_the_others(tmp_path, tiny_sd3_dir):
+    """One prompt per rank, and only the red one is rewarded: the other rank has nothing to train on but
+    must still join every sharded forward and optimiser step (its shard's gradient comes from its peer)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    reward = "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:redness_of_red_prompts'}]"
+    extra = (reward, "trainer.advantage=group", "parallel.timeout_s=60")
+    torchrun(["train", "/dev/null", *small_run(tmp_path / "fsdp", tiny_sd3_dir, prompts, FSDP, *extra,
+                                               "trainer.prompts_per_step=1")])
+    single(["train", "/dev/null", *small_run(tmp_path / "single", tiny_sd3_dir, prompts, *extra)])
+    # both prompts make up every step (one per rank): each rank's group is rewarded wholly or not at all
+    rows = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["zero_adv_fraction"] == 0.5 for r in rows)
+    # the blue rank adds zero gradients, so the ranks' average is half the single process's gradient: AdamW
+    # divides the scale out up to its eps and the clipping, so the weights agree closely but not to 1e-5
+    fsdp, one = weights(tmp_path / "fsdp", 2), weights(tmp_path / "single", 2)
+    assert max_diff(fsdp, one) < 1e-3
+    assert max(v.abs().max().item() for k, v in fsdp.items() if "lora_B" in k) > 1e-3  # and they did move

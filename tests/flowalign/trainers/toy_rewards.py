@@ -13,3 +13,9 @@ def sometimes_nan(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
     r = redness(samples, prompts, metadata)
     r[::4] = float("nan")
     return r
+
+
+def redness_of_red_prompts(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
+    """``redness`` for prompts that name red, 0 for the others (their groups get zero advantages)."""
+    r = redness(samples, prompts, metadata)
+    return torch.where(torch.tensor(["red" in p for p in prompts]), r, torch.zeros_like(r))
