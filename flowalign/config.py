@@ -55,6 +55,8 @@ class ModelSection(Section):
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraSection = LoraSection()
     gradient_checkpointing: bool = False
+    #: attention kernels through diffusers' dispatcher: native (torch SDPA) or a CUDA package's
+    attention_backend: Literal["native", "flash", "_flash_3", "sage", "xformers"] = "native"
     #: sampling defaults over the folder's own (height, width, num_frames, guidance_scale, num_steps, ...)
     defaults: dict[str, Any] = Field(default_factory=dict)
 

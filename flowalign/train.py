@@ -109,6 +109,7 @@ def build_trainer(cfg: TrainConfig):
     from accelerate import Accelerator
 
     import pipelines
+    import pipelines.memory
     import rewards as reward_registry
 
     trainer_cls = get_trainer(str(cfg.trainer.get("name", "flow_grpo")))
@@ -131,6 +132,7 @@ def build_trainer(cfg: TrainConfig):
     policy = pipelines.load(model_path, cfg.model.family, device=acc.device, dtype=cfg.model.dtype, lora=lora,
                             full_finetune=cfg.model.finetune == "full", defaults=cfg.model.defaults or None,
                             gradient_checkpointing=cfg.model.gradient_checkpointing)
+    pipelines.memory.set_attention_backend(policy.trainable, cfg.model.attention_backend, acc.device)
     loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
     data = load_train_data(cfg)
     evaluator = make_evaluator(cfg) if cfg.eval.bench else None

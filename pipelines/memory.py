@@ -1,5 +1,6 @@
-"""Memory helpers that know each family's shapes: the transformer's inputs for a batch at a resolution
-(what ``flowalign plan`` runs on the meta device to count activations).
+"""Memory and speed controls that know the model side: the transformer's inputs for a batch at a
+resolution (what ``flowalign plan`` runs on the meta device to count activations), and the attention
+backend of diffusers' dispatcher (``model.attention_backend``).
 
 The shapes follow each policy's own ``velocity`` call: SD3 ``(B, C, H/8, W/8)`` latents with CLIP+T5
 text ``(B, 77+L, D)``; FLUX packed ``(B, (H/16)·(W/16), 4C)`` tokens, T5 text ``(B, L, D)`` and position
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from flowalign.errors import UserError
 
 #: pixel-space defaults when a config names no resolution (each model's own default size)
 DEFAULT_SIZE = {"sd3": {"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 256},
@@ -46,3 +49,29 @@ def transformer_inputs(family: str, config: Any, batch: int, size: dict[str, Any
         return dict(hidden_states=new(batch, config.in_channels, frames, h, w), timestep=t,
                     encoder_hidden_states=new(batch, text, config.text_dim), return_dict=False)
     raise ValueError(f"no input shapes for family {family!r}")
+
+
+#: ``model.attention_backend`` → the package diffusers' attention dispatcher needs for it
+ATTENTION_BACKENDS = {"native": None, "flash": "flash-attn", "_flash_3": "flash-attn 3 (flash_attn_interface)",
+                      "sage": "sageattention", "xformers": "xformers"}
+
+
+def set_attention_backend(transformer: torch.nn.Module, backend: str, device: str | torch.device) -> None:
+    """Route the transformer's attention through diffusers' dispatcher to ``backend``.
+
+    ``native`` (torch SDPA) is diffusers' default and changes nothing. The others are CUDA kernels from
+    separate packages (``xformers`` is the ``gpu`` extra); a missing package or a non-CUDA device is a
+    one-line error, not a failure at the first forward.
+    """
+    if backend == "native":
+        return
+    if backend not in ATTENTION_BACKENDS:
+        raise UserError(f"model.attention_backend={backend!r} is unknown: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if torch.device(device).type != "cuda":
+        raise UserError(f"model.attention_backend={backend} runs on CUDA GPUs only but this run is on "
+                        f"{torch.device(device).type}: use model.attention_backend=native")
+    try:
+        transformer.set_attention_backend(backend)
+    except (RuntimeError, ValueError) as err:
+        raise UserError(f"model.attention_backend={backend} is not usable here ({str(err).splitlines()[0][:160]}): "
+                        f"install {ATTENTION_BACKENDS[backend]} or use model.attention_backend=native") from err
