@@ -57,6 +57,9 @@ class ModelSection(Section):
     gradient_checkpointing: bool = False
     #: attention kernels through diffusers' dispatcher: native (torch SDPA) or a CUDA package's
     attention_backend: Literal["native", "flash", "_flash_3", "sage", "xformers"] = "native"
+    #: samples the VAE decodes at once (None: the family's default, 8 for images, 2 for video); 1 decodes
+    #: one video at a time, the least memory a long clip's decode can take
+    decode_batch_size: int | None = Field(None, ge=1)
     #: sampling defaults over the folder's own (height, width, num_frames, guidance_scale, num_steps, ...)
     defaults: dict[str, Any] = Field(default_factory=dict)
 

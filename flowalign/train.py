@@ -131,7 +131,8 @@ def build_trainer(cfg: TrainConfig):
     lora = cfg.model.lora.model_dump() if cfg.model.finetune == "lora" else None
     policy = pipelines.load(model_path, cfg.model.family, device=acc.device, dtype=cfg.model.dtype, lora=lora,
                             full_finetune=cfg.model.finetune == "full", defaults=cfg.model.defaults or None,
-                            gradient_checkpointing=cfg.model.gradient_checkpointing)
+                            gradient_checkpointing=cfg.model.gradient_checkpointing,
+                            **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
     pipelines.memory.set_attention_backend(policy.trainable, cfg.model.attention_backend, acc.device)
     loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
     data = load_train_data(cfg)

@@ -63,3 +63,29 @@ def test_gradient_checkpointing_leaves_the_gradients_unchanged(tiny_sd3_dir):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7) for n in grads[0])
     assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
+def test_video_decodes_in_slices_of_decode_batch_size_with_the_same_pixels(tiny_wan_dir):
+    whole = pipelines.load(tiny_wan_dir, decode_batch_size=4)
+    sliced = pipelines.load(tiny_wan_dir, decode_batch_size=1)
+    calls = {"whole": [], "sliced": []}
+    for name, policy in (("whole", whole), ("sliced", sliced)):  # Wan's causal decoder runs once per latent frame
+        policy.vae.decoder.register_forward_hook(lambda m, args, out, name=name: calls[name].append(args[0].shape[0]))
+    x0 = whole.initial_noise(3, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = whole.decode(x0), sliced.decode(x0)
+    assert set(calls["whole"]) == {3} and set(calls["sliced"]) == {1}
+    assert len(calls["sliced"]) == 3 * len(calls["whole"]) and a.shape == b.shape and a.shape[0] == 3
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_decode_batch_size_reaches_the_policy_from_the_config(tmp_path, tiny_wan_dir):
+    from flowalign.config import load_config
+    from flowalign.train import build_trainer
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\n")
+    cfg = load_config(None, [f"model.path={tiny_wan_dir}", f"data.prompts={prompts}", "eval.bench=null",
+                             f"run.output_dir={tmp_path / 'run'}", "run.tensorboard=false", "model.decode_batch_size=1",
+                             "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:redness'}]"])
+    assert build_trainer(cfg).policy.decode_batch_size == 1
