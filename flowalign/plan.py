@@ -164,7 +164,14 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
 
     family = cfg.model.family or pipelines.detect_family(folder)
     models = build_on_meta(folder)
-    transformer = models["transformer"].to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.model.dtype]))
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its warning about casting a loaded model does not apply to meta tensors
+    try:
+        transformer = models["transformer"].to(pipelines.parse_dtype(cfg.model.dtype))
+    finally:
+        diffusers_logging.set_verbosity(level)
     blocks = block_modules(transformer)
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     if cfg.model.finetune == "lora":
