@@ -99,3 +99,39 @@ def test_each_of_two_ranks_holds_about_half_of_the_weights_and_optimiser_state(t
         frozen_too = [r[mode]["all_transformer"] for r in ranks]  # under LoRA the frozen base is sharded as well
         assert sum(frozen_too) == ranks[0][mode]["transformer_total"]
         assert all(n <= 0.6 * ranks[0][mode]["transformer_total"] for n in frozen_too)
+
+
+def _options_step(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """One rank: a LoRA step (forward, backward, clipped norm, AdamW, a reference pass) under each option."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import pipelines
+
+    norms = {}
+    for name, opts in {"default": {}, "cpu_offload": {"cpu_offload": True}, "bf16": {"mixed_precision": "bf16"},
+                       "keep_gathered": {"reshard_after_forward": False}}.items():
+        torch.manual_seed(0)
+        policy = pipelines.load(model_dir, lora={"rank": 4})
+        parallel = Parallel(ParallelSection(strategy="fsdp", **opts), world, rank, torch.device("cpu"))
+        parallel.shard(policy.trainable)
+        params = [p for p in policy.trainable.parameters() if p.requires_grad]
+        cond = policy.encode(["a red circle"])
+        x = policy.initial_noise(1, torch.Generator().manual_seed(0))
+        policy.velocity(x, 0.5, cond, 1.0).square().mean().backward()
+        norms[name] = parallel.clip_grad_norm(params, 1.0)
+        torch.optim.AdamW(params, lr=1e-3).step()
+        with torch.no_grad(), policy.adapter_disabled():
+            policy.velocity(x, 0.5, cond, 1.0)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(norms))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_cpu_offload_bf16_and_kept_gathered_weights_train_like_the_default(tiny_sd3_dir, tmp_path):
+    mp.spawn(_options_step, args=(2, _free_port(), str(tiny_sd3_dir), str(tmp_path)), nprocs=2)
+    norms = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert norms[0] == norms[1]  # the clipped norm is the whole model's, the same on both ranks
+    n = norms[0]
+    assert n["default"] > 0 and n["cpu_offload"] == n["default"] and n["keep_gathered"] == n["default"]
+    assert n["bf16"] != n["default"] and n["bf16"] == pytest.approx(n["default"], rel=0.05)  # bf16 compute
