@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -116,14 +116,15 @@ class Parallel:
             torch.distributed.all_reduce(total)
         return total
 
-    def padded(self, items: list[Any], fill: Any) -> list[Any]:
-        """``items`` filled up with ``fill`` to the longest list of any rank (fsdp), so every rank runs as
-        many forwards and optimiser steps; unchanged under ddp."""
+    def padded(self, items: list[Any], fill: Callable[[], Any]) -> list[Any]:
+        """``items`` filled up with ``fill()`` to the longest list of any rank (fsdp), so every rank runs as
+        many forwards and optimiser steps; unchanged under ddp (``fill`` is not called)."""
         if not self.sharded:
             return list(items)
         most = torch.tensor([len(items)], dtype=torch.int64, device=self.device)
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        return list(items) + [fill] * (int(most) - len(items))
+        missing = int(most) - len(items)
+        return list(items) + ([fill()] * missing if missing else [])
 
     # ------------------------------------------------------------------ checkpoints
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

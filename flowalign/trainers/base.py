@@ -214,10 +214,10 @@ class GroupTrainer:
             if not active and not self.parallel.sharded:
                 continue
             parts = [p for p in np.array_split(np.array(active, dtype=int), self.tcfg.updates_per_epoch) if len(p)]
-            for part in self.parallel.padded(parts, np.array([], dtype=int)):  # fsdp: as many steps on every rank
+            for part in self.parallel.padded(parts, lambda: np.array([], dtype=int)):  # fsdp: as many steps per rank
                 units = self.loss_units(batch, part.tolist(), generator) if len(part) else []
                 # fsdp: every forward is a collective, so a rank with fewer units runs zero-weighted ones
-                filler = self.parallel.padded(units, (order[0], self.trained_steps(batch.chunks[order[0]])[0]))
+                filler = self.parallel.padded(units, lambda: (order[0], self.trained_steps(batch.chunks[order[0]])[0]))
                 for n, (i, k) in enumerate(filler):
                     loss, info = self.loss(batch.chunks[i], k, adv_chunks[i])
                     if n >= len(units):
