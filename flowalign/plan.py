@@ -60,6 +60,7 @@ class Settings:
     gradient_checkpointing: bool
     batch_size: int
     extra_copies: int
+    offload_text_encoders: bool = False
     changes: list[str] = field(default_factory=list)
 
 
@@ -210,7 +211,8 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         "gradients": model.trainable * train_bytes / n,
         "optimiser state (AdamW)": 2 * model.trainable * train_bytes / n * on_gpu,
         "reference / EMA copies": s.extra_copies * model.trainable * train_bytes / n,
-        "frozen text encoders + VAE": sum(v for k, v in model.params.items() if k != "transformer") * w,
+        "frozen text encoders + VAE": sum(v for k, v in model.params.items() if k != "transformer"
+                                          and not (s.offload_text_encoders and k.startswith("text_encoder"))) * w,
         "activations": s.batch_size * (model.activations_checkpointed if s.gradient_checkpointing else model.activations),
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,
     }
@@ -221,6 +223,8 @@ def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
     candidates: list[tuple[str, Settings]] = []
     if not s.gradient_checkpointing:
         candidates.append(("model.gradient_checkpointing=true", replace(s, gradient_checkpointing=True)))
+    if not s.offload_text_encoders:
+        candidates.append(("model.offload_text_encoders=true", replace(s, offload_text_encoders=True)))
     if s.strategy == "ddp" and s.gpus > 1:
         candidates.append(("parallel.strategy=fsdp", replace(s, strategy="fsdp")))
     if s.strategy == "fsdp" and not s.cpu_offload:
@@ -241,7 +245,8 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int) -> Settings:
     extra = {"always": 1, "full": int(cfg.model.finetune == "full")}.get(EXTRA_COPIES.get(name, ""), 0)
     extra += int(float(cfg.trainer.get("ema_decay", 0) or 0) > 0)
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
-                    cfg.model.gradient_checkpointing, int(cfg.trainer.get("batch_size", 8)), extra)
+                    cfg.model.gradient_checkpointing, int(cfg.trainer.get("batch_size", 8)), extra,
+                    cfg.model.offload_text_encoders)
 
 
 def human(n: float, unit: str = "") -> str:

@@ -134,6 +134,8 @@ def build_trainer(cfg: TrainConfig):
                             gradient_checkpointing=cfg.model.gradient_checkpointing,
                             **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
     pipelines.memory.set_attention_backend(policy.trainable, cfg.model.attention_backend, acc.device)
+    if cfg.model.offload_text_encoders:
+        pipelines.memory.offload_text_encoders(policy)
     loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
     data = load_train_data(cfg)
     evaluator = make_evaluator(cfg) if cfg.eval.bench else None

@@ -79,7 +79,7 @@ def test_video_decodes_in_slices_of_decode_batch_size_with_the_same_pixels(tiny_
     assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_decode_batch_size_reaches_the_policy_from_the_config(tmp_path, tiny_wan_dir):
+def test_decode_batch_size_and_text_encoder_offload_reach_the_policy_from_the_config(tmp_path, tiny_wan_dir):
     from flowalign.config import load_config
     from flowalign.train import build_trainer
 
@@ -87,5 +87,24 @@ def test_decode_batch_size_reaches_the_policy_from_the_config(tmp_path, tiny_wan
     prompts.write_text("a red circle\n")
     cfg = load_config(None, [f"model.path={tiny_wan_dir}", f"data.prompts={prompts}", "eval.bench=null",
                              f"run.output_dir={tmp_path / 'run'}", "run.tensorboard=false", "model.decode_batch_size=1",
+                             "model.offload_text_encoders=true",
                              "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:redness'}]"])
-    assert build_trainer(cfg).policy.decode_batch_size == 1
+    policy = build_trainer(cfg).policy
+    assert policy.decode_batch_size == 1
+    assert all(p.device.type == "meta" for p in policy.pipe.text_encoder.parameters())
+
+
+@pytest.mark.parametrize("family", ["sd3", "wan"])
+def test_offloaded_text_encoders_leave_the_device_and_encode_the_same(tiny_model_dir, family):
+    from pipelines.memory import offload_text_encoders
+
+    folder = tiny_model_dir(family)
+    reference = pipelines.load(folder).encode(["a red circle", "a blue square"])
+    policy = pipelines.load(folder)
+    names = offload_text_encoders(policy)
+    assert names and all(n.startswith("text_encoder") for n in names)
+    for name in names:  # nothing of the encoders stays on the device between uses
+        assert all(p.device.type == "meta" for p in policy.pipe.components[name].parameters())
+    out = policy.encode(["a red circle", "a blue square"])
+    assert out.tensors.keys() == reference.tensors.keys()
+    assert all(torch.equal(out.tensors[k], reference.tensors[k]) for k in out.tensors)
