@@ -67,6 +67,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 #: keyword options the policies take besides device / dtype / lora / full_finetune
 POLICY_OPTIONS = {"gradient_checkpointing", "defaults", "prompt_cache_size", "decode_batch_size"}
+#: options every family takes through :func:`load`, applied to the built policy by :mod:`pipelines.memory`
+MEMORY_OPTIONS = {"attention_backend", "offload_text_encoders"}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -132,7 +134,8 @@ def load(
     ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
     ``full_finetune=True`` trains every transformer weight instead; neither: frozen (sampling/eval).
     ``kw``: ``gradient_checkpointing``, ``defaults`` (sampling defaults over ``flowalign.json``),
-    ``prompt_cache_size``, ``decode_batch_size``.
+    ``prompt_cache_size``, ``decode_batch_size``; ``attention_backend`` and ``offload_text_encoders``
+    (every family, see :func:`pipelines.memory.apply_memory_options`).
     """
     torch_dtype = parse_dtype(dtype)
     detected = detect_family(path)
@@ -143,10 +146,16 @@ def load(
             raise UserError(
                 f"family={family!r} but {str(path)!r} holds a {detected!r} pipeline: drop family= or pass {detected!r}"
             )
-    unknown = sorted(set(kw) - POLICY_OPTIONS)
+    unknown = sorted(set(kw) - POLICY_OPTIONS - MEMORY_OPTIONS)
     if unknown:
-        raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are {sorted(POLICY_OPTIONS)}")
+        raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are "
+                        f"{sorted(POLICY_OPTIONS | MEMORY_OPTIONS)}")
+    memory = {k: kw.pop(k) for k in MEMORY_OPTIONS & set(kw)}
     policy_class = _wan_policy_class(path) if detected == "wan" else FAMILIES[detected]
-    return policy_class(
+    policy = policy_class(
         path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw
     )
+    from pipelines.memory import apply_memory_options
+
+    apply_memory_options(policy, **memory)
+    return policy

@@ -151,6 +151,10 @@ class FlowGRPOTrainer(GroupTrainer):
                 steps.append([StepUnit(i, k, len(pairs), len(steps)) for i, k in pairs])
         return Plan(steps)
 
+    def filler(self, batch: StepBatch) -> StepUnit:
+        """The first chunk's first trained step (fsdp padding; its loss is multiplied by 0)."""
+        return StepUnit(0, self.trained_steps(batch.chunks[0])[0], 1, 0)
+
     def chosen_steps(self, chunk: Rollout, generator: torch.Generator) -> list[int]:
         steps = self.trained_steps(chunk)
         if 0 < self.tcfg.steps_per_chunk < len(steps):
