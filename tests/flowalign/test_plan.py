@@ -84,6 +84,8 @@ def test_activation_estimate_is_within_30_percent_of_the_measured_peak(tiny_mode
 def test_plan_prints_counts_memory_per_strategy_and_the_smallest_change_that_fits():
     out = subprocess.run([sys.executable, "-m", "flowalign", "plan", str(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml"),
                           f"model.path={ARCH / 'flux.1-dev'}", "model.dtype=bf16", "trainer.batch_size=1",
+                          # the tiny recipe trains a LoRA now: this checks the full fine-tune's rows
+                          "model.finetune=full", "trainer.beta=0", "trainer.ema_decay=0",
                           "--gpus", "8", "--gpu-memory", "80"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout

@@ -90,7 +90,7 @@ def test_decode_batch_size_and_text_encoder_offload_reach_the_policy_from_the_co
                              "model.offload_text_encoders=true",
                              "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:redness'}]"])
     policy = build_trainer(cfg).policy
-    assert policy.decode_batch_size == 1
+    assert policy.options.decode_batch_size == 1
     assert all(p.device.type == "meta" for p in policy.pipe.text_encoder.parameters())
 
 

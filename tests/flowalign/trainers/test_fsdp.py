@@ -59,6 +59,7 @@ def copy_run(src: Path, dst: Path, drop_step: int) -> None:
     """A copy of a run folder (its saved config pointing at the copy) without one checkpoint."""
     shutil.copytree(src, dst)
     shutil.rmtree(dst / "checkpoints" / f"step-{drop_step:06d}")
+    (dst / "final_metrics.json").unlink(missing_ok=True)  # cut short: not a finished run, so it resumes
     cfg = yaml.safe_load((dst / "config.yaml").read_text())
     cfg["run"]["output_dir"] = str(dst)
     (dst / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
