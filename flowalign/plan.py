@@ -159,7 +159,6 @@ def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inpu
 def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     """Parameter counts and activation bytes of the config's model, built on the meta device."""
     import pipelines
-    from pipelines import memory
 
     from flowalign.parallel import block_modules
 
@@ -180,11 +179,11 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
         trainable = lora_parameters(transformer, targets, cfg.model.lora.rank)
     else:
         trainable = params["transformer"]
-    size = {**memory.DEFAULT_SIZE[family], **_folder_defaults(folder), **(cfg.model.defaults or {})}
+    size = {**pipelines.DEFAULT_SIZE[family], **_folder_defaults(folder), **(cfg.model.defaults or {})}
     tcfg = cfg.trainer
     guidance = tcfg.get("guidance_scale") or size.get("guidance_scale") or (4.5 if family == "sd3" else 5.0)
-    batch = int(tcfg.get("batch_size", 8)) * (2 if family in memory.CFG_FAMILIES and float(guidance) > 1 else 1)
-    inputs = memory.transformer_inputs(family, transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
+    batch = int(tcfg.get("batch_size", 8)) * (2 if family in pipelines.CFG_FAMILIES and float(guidance) > 1 else 1)
+    inputs = pipelines.transformer_inputs(family, transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
     act, act_gc = saved_activation_bytes(transformer, blocks, inputs)
     per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
     return Model(family, params, trainable, max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),

@@ -22,6 +22,8 @@ from flowalign.protocols import FlowPolicy
 from pipelines.flux import FluxPolicy
 from pipelines.flux2 import Flux2Policy
 from pipelines.kontext import KontextPolicy
+# what flowalign plan runs on the meta device, and the memory options of load (the core's way in)
+from pipelines.memory import CFG_FAMILIES, DEFAULT_SIZE, apply_memory_options, transformer_inputs
 from pipelines.qwen_image import QwenImagePolicy
 from pipelines.qwen_image_edit import QwenImageEditPolicy
 from pipelines.sd3 import SD3Policy
@@ -30,7 +32,8 @@ from pipelines.wan22 import Wan22Policy
 from pipelines.wan_i2v import WanI2VPolicy
 from pipelines.zimage import ZImagePolicy
 
-__all__ = ["PLUGINS", "FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
+__all__ = ["PLUGINS", "FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype",
+           "CFG_FAMILIES", "DEFAULT_SIZE", "apply_memory_options", "transformer_inputs"]
 
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml
@@ -155,7 +158,5 @@ def load(
     policy = policy_class(
         path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw
     )
-    from pipelines.memory import apply_memory_options
-
     apply_memory_options(policy, **memory)
     return policy
