@@ -183,7 +183,8 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     tcfg = cfg.trainer
     guidance = tcfg.get("guidance_scale") or size.get("guidance_scale") or (4.5 if family == "sd3" else 5.0)
     batch = int(tcfg.get("batch_size", 8)) * (2 if family in pipelines.CFG_FAMILIES and float(guidance) > 1 else 1)
-    inputs = pipelines.transformer_inputs(family, transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
+    inputs = pipelines.transformer_inputs(family, transformer.config, batch, size,
+                                          dtype=next(transformer.parameters()).dtype)
     act, act_gc = saved_activation_bytes(transformer, blocks, inputs)
     per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
     return Model(family, params, trainable, max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
