@@ -108,3 +108,16 @@ def test_offloaded_text_encoders_leave_the_device_and_encode_the_same(tiny_model
     out = policy.encode(["a red circle", "a blue square"])
     assert out.tensors.keys() == reference.tensors.keys()
     assert all(torch.equal(out.tensors[k], reference.tensors[k]) for k in out.tensors)
+
+
+@pytest.mark.parametrize("family", ["sd3", "zimage"])
+def test_load_applies_the_memory_options_to_every_family(tiny_model_dir, family):
+    """Z-Image builds its policy without the shared PolicyOptions: load applies the options after it."""
+    folder = tiny_model_dir(family)
+    policy = pipelines.load(folder, offload_text_encoders=True)
+    encoders = [m for n, m in policy.pipe.components.items() if n.startswith("text_encoder") and m is not None]
+    assert encoders and all(p.device.type == "meta" for m in encoders for p in m.parameters())
+    with pytest.raises(UserError, match="model.attention_backend=flash runs on CUDA"):
+        pipelines.load(folder, attention_backend="flash")
+    with pytest.raises(UserError, match="unknown option"):
+        pipelines.load(folder, attention_backends="flash")
