@@ -105,15 +105,19 @@ def write_checkpoint_files(
     folder: Path,
     *,
     trainable: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     ema_state: dict[str, torch.Tensor] | None,
     trainer_state: dict[str, Any],
 ) -> None:
-    """Rank-0 part of a checkpoint (the adapter itself is written by the policy's ``save_adapter``)."""
+    """Rank-0 part of a checkpoint (the adapter itself is written by the policy's ``save_adapter``).
+
+    ``optimizer`` None: its state was written elsewhere (sharded, ``optimizer/``, by every rank).
+    """
     save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(folder / "trainable.safetensors"))
-    opt_tensors, opt_meta = optimizer_to_tensors(optimizer)
-    save_file(opt_tensors, str(folder / "optimizer.safetensors"))
-    write_json(folder / "optimizer.json", opt_meta)
+    if optimizer is not None:
+        opt_tensors, opt_meta = optimizer_to_tensors(optimizer)
+        save_file(opt_tensors, str(folder / "optimizer.safetensors"))
+        write_json(folder / "optimizer.json", opt_meta)
     if ema_state is not None:
         save_file({k: v.detach().cpu().contiguous() for k, v in ema_state.items()}, str(folder / "ema.safetensors"))
     write_json(folder / "trainer_state.json", trainer_state)
@@ -178,9 +182,10 @@ def load_checkpoint(folder: Path) -> dict[str, Any]:
     """Read everything rank-independent from a complete checkpoint folder."""
     out: dict[str, Any] = {
         "trainable": load_file(str(folder / "trainable.safetensors")),
+        # None when the optimiser state is sharded (``optimizer/``, read by flowalign.parallel)
         "optimizer": optimizer_from_tensors(
             load_file(str(folder / "optimizer.safetensors")), json.loads((folder / "optimizer.json").read_text())
-        ),
+        ) if (folder / "optimizer.safetensors").exists() else None,
         "trainer_state": json.loads((folder / "trainer_state.json").read_text()),
         "ema": load_file(str(folder / "ema.safetensors")) if (folder / "ema.safetensors").exists() else None,
     }

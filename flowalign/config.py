@@ -1,8 +1,8 @@
 """Run configs: YAML → typed, validated objects, with dotted ``key=value`` overrides.
 
-Every run has the same sections (``run``, ``model``, ``data``, ``rewards``, ``trainer``, ``eval``). The
-``trainer`` section is validated by the chosen trainer's own config class, so each algorithm keeps its
-options next to its loss. Errors name the field, the bad value and the fix (with "did you mean" for
+Every run has the same sections (``run``, ``model``, ``data``, ``rewards``, ``trainer``, ``eval``,
+``parallel``). The ``trainer`` section is validated by the chosen trainer's own config class, so each
+algorithm keeps its options next to its loss. Errors name the field, the bad value and the fix (with "did you mean" for
 misspelt keys).
 """
 
@@ -73,8 +73,36 @@ class ModelSection(Section):
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraSection = LoraSection()
     gradient_checkpointing: bool = False
+    #: attention kernels through diffusers' dispatcher: native (torch SDPA) or a CUDA package's
+    attention_backend: Literal["native", "flash", "_flash_3", "sage", "xformers"] = "native"
+    #: samples the VAE decodes at once (None: the family's default, 8 for images, 2 for video); 1 decodes
+    #: one video at a time, the least memory a long clip's decode can take
+    decode_batch_size: int | None = Field(None, ge=1)
+    #: keep the text encoders in CPU memory, on the device only while a new prompt is encoded (embeddings
+    #: are cached per prompt): frees T5-XXL's ~9.5 GB (bf16) of device memory for the transformer
+    offload_text_encoders: bool = False
     #: sampling defaults over the folder's own (height, width, num_frames, guidance_scale, num_steps, ...)
     defaults: dict[str, Any] = Field(default_factory=dict)
+
+
+class ParallelSection(Section):
+    """How ranks share the work (``torchrun`` / ``accelerate launch``); one process ignores all but ``strategy``.
+
+    ``ddp``: every rank holds the whole model and optimiser, gradients are averaged. ``fsdp``: torch
+    FSDP2 shards the trained transformer's weights, gradients and optimiser state over the ranks
+    (block by block), see docs/guide/multi-gpu.md.
+    """
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    #: fsdp: keep the sharded parameters and the optimiser state in CPU memory (the optimiser steps on CPU)
+    cpu_offload: bool = False
+    #: fsdp: free each block's gathered weights after its forward (gathered again for backward)
+    reshard_after_forward: bool = True
+    #: fsdp: ``bf16`` gathers weights and computes in bf16, reduces gradients in fp32; the stored shards
+    #: (and the optimiser state) keep model.dtype, so use model.dtype=fp32 for fp32 master weights
+    mixed_precision: Literal["no", "bf16"] = "no"
+    #: a collective waiting longer than this (a rank died or hangs) stops the run with an error
+    timeout_s: float = Field(1800.0, gt=0)
 
 
 class DataSection(Section):
@@ -125,6 +153,7 @@ class TrainConfig(Section):
     #: validated by the trainer named in ``trainer.name``
     trainer: dict[str, Any] = Field(default_factory=lambda: {"name": "flow_grpo"})
     eval: EvalSection = EvalSection()
+    parallel: ParallelSection = ParallelSection()
 
     @model_validator(mode="before")
     @classmethod

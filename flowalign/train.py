@@ -16,15 +16,18 @@ from flowalign.data import PromptSet, read_prompt_file
 from flowalign.disk_space import explain_full_disk
 from flowalign.errors import UserError
 from flowalign.io import write_json
+from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
 from flowalign.reward_check import check_reward_metadata
 from flowalign.run_lock import run_lock
 from flowalign.trainers import get_trainer
 
 # keys that may change when a run is resumed (everything else must match the saved config); the folder
-# itself may have been moved or copied
+# itself may have been moved or copied, and the layout over ranks may change (checkpoints are consolidated)
 RESUMABLE_CHANGES = {"run.output_dir", "run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
-                     "trainer.max_steps", "trainer.max_minutes", "eval.every", "run.wandb"}
+                     "trainer.max_steps", "trainer.max_minutes", "eval.every", "run.wandb",
+                     "parallel.strategy", "parallel.cpu_offload", "parallel.reshard_after_forward",
+                     "parallel.timeout_s"}
 
 
 SHARDED_BACKENDS = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
@@ -129,12 +132,12 @@ def build_trainer(cfg: TrainConfig):
     trainer_cls = get_trainer(str(cfg.trainer.get("name", "flow_grpo")))
     tcfg = validate_section(trainer_cls.Config, cfg.trainer, "trainer.")
     trainer_cls.check_config(cfg, tcfg)  # before anything is written
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(cfg.parallel))
     if acc.distributed_type.value in SHARDED_BACKENDS:
-        # the loop averages gradients itself over replicated weights; silently ignoring a sharding
-        # request would run out of memory on the models that need it
-        raise UserError(f"the accelerate config asks for {acc.distributed_type.value}, which flowalign does not wire "
-                        "yet; launch with a multi-GPU (DDP) accelerate config or torchrun, or use LoRA to fit memory")
+        # flowalign shards with torch FSDP2 itself (parallel.strategy); silently ignoring the accelerate
+        # config's own sharding request would run out of memory on the models that need it
+        raise UserError(f"the accelerate config asks for {acc.distributed_type.value}: launch with a multi-GPU "
+                        "accelerate config (distributed_type: MULTI_GPU) or torchrun and set parallel.strategy=fsdp")
     run_dir = Path(cfg.run.output_dir)
     if acc.is_main_process:
         check_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)
@@ -144,7 +147,10 @@ def build_trainer(cfg: TrainConfig):
     lora = cfg.model.lora.model_dump() if cfg.model.finetune == "lora" else None
     policy = pipelines.load(model_path, cfg.model.family, device=acc.device, dtype=cfg.model.dtype, lora=lora,
                             full_finetune=cfg.model.finetune == "full", defaults=cfg.model.defaults or None,
-                            gradient_checkpointing=cfg.model.gradient_checkpointing)
+                            gradient_checkpointing=cfg.model.gradient_checkpointing,
+                            attention_backend=cfg.model.attention_backend,
+                            offload_text_encoders=cfg.model.offload_text_encoders,
+                            **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
     loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
     data = load_train_data(cfg)
     for name, _, reward in loaded:
@@ -188,7 +194,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                   "to train it further")
             return final
         trainer = build_trainer(cfg)
-        with explain_full_disk(trainer.run_dir, trainer.params, cfg.run.keep_checkpoints):
+        with explain_full_disk(trainer.run_dir, trainer.params, cfg.run.keep_checkpoints), \
+                trainer.parallel.explain_failures():
             final = trainer.train()
         if trainer.acc.is_main_process:
             write_json(trainer.run_dir / FINAL_METRICS, final)  # also marks the run finished

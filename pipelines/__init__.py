@@ -22,6 +22,8 @@ from flowalign.protocols import FlowPolicy
 from pipelines.flux import FluxPolicy
 from pipelines.flux2 import Flux2Policy
 from pipelines.kontext import KontextPolicy
+# what flowalign plan runs on the meta device, and the memory options of load (the core's way in)
+from pipelines.memory import CFG_FAMILIES, DEFAULT_SIZE, apply_memory_options, transformer_inputs
 from pipelines.qwen_image import QwenImagePolicy
 from pipelines.qwen_image_edit import QwenImageEditPolicy
 from pipelines.sd3 import SD3Policy
@@ -30,7 +32,8 @@ from pipelines.wan22 import Wan22Policy
 from pipelines.wan_i2v import WanI2VPolicy
 from pipelines.zimage import ZImagePolicy
 
-__all__ = ["PLUGINS", "FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype"]
+__all__ = ["PLUGINS", "FAMILIES", "PIPELINE_FAMILIES", "DTYPES", "load", "detect_family", "parse_dtype",
+           "CFG_FAMILIES", "DEFAULT_SIZE", "apply_memory_options", "transformer_inputs"]
 
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml
@@ -67,6 +70,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 #: keyword options the policies take besides device / dtype / lora / full_finetune
 POLICY_OPTIONS = {"gradient_checkpointing", "defaults", "prompt_cache_size", "decode_batch_size"}
+#: options every family takes through :func:`load`, applied to the built policy by :mod:`pipelines.memory`
+MEMORY_OPTIONS = {"attention_backend", "offload_text_encoders"}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -132,7 +137,8 @@ def load(
     ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
     ``full_finetune=True`` trains every transformer weight instead; neither: frozen (sampling/eval).
     ``kw``: ``gradient_checkpointing``, ``defaults`` (sampling defaults over ``flowalign.json``),
-    ``prompt_cache_size``, ``decode_batch_size``.
+    ``prompt_cache_size``, ``decode_batch_size``; ``attention_backend`` and ``offload_text_encoders``
+    (every family, see :func:`pipelines.memory.apply_memory_options`).
     """
     torch_dtype = parse_dtype(dtype)
     detected = detect_family(path)
@@ -143,10 +149,14 @@ def load(
             raise UserError(
                 f"family={family!r} but {str(path)!r} holds a {detected!r} pipeline: drop family= or pass {detected!r}"
             )
-    unknown = sorted(set(kw) - POLICY_OPTIONS)
+    unknown = sorted(set(kw) - POLICY_OPTIONS - MEMORY_OPTIONS)
     if unknown:
-        raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are {sorted(POLICY_OPTIONS)}")
+        raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are "
+                        f"{sorted(POLICY_OPTIONS | MEMORY_OPTIONS)}")
+    memory = {k: kw.pop(k) for k in MEMORY_OPTIONS & set(kw)}
     policy_class = _wan_policy_class(path) if detected == "wan" else FAMILIES[detected]
-    return policy_class(
+    policy = policy_class(
         path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw
     )
+    apply_memory_options(policy, **memory)
+    return policy

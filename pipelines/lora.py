@@ -19,6 +19,7 @@ from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from flowalign.errors import UserError
 
@@ -148,6 +149,7 @@ def save_adapter(pipeline_class: type, transformer: torch.nn.Module, directory: 
 
     The LoraConfig (rank, alpha, targets) goes into the safetensors metadata the way diffusers'
     training scripts write it, so ``load_lora_weights`` rebuilds the same scaling ``alpha/rank``.
+    A transformer sharded over ranks (FSDP2) is gathered first: then every rank calls this.
     """
     if not has_adapter(transformer):
         raise UserError(
@@ -156,9 +158,12 @@ def save_adapter(pipeline_class: type, transformer: torch.nn.Module, directory: 
         )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    layers = get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
+    # a transformer sharded with FSDP2 holds DTensor shards: gather full tensors (every rank must call)
+    layers = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in layers.items()}
     pipeline_class.save_lora_weights(
         directory,
-        transformer_lora_layers=get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME),
+        transformer_lora_layers=layers,
         transformer_lora_adapter_metadata=transformer.peft_config[ADAPTER_NAME].to_dict(),
         weight_name=LORA_WEIGHT_NAME,
     )

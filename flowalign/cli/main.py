@@ -89,10 +89,22 @@ def parser_for(argv: Sequence[str]) -> argparse.ArgumentParser:
     return build_parser({name: target} if target else None)
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser``'s reading of ``argv``; key=value overrides may also follow the options
+    (``flowalign plan CFG --gpus 8 model.dtype=bf16``)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all("=" in e and not e.startswith("-")
+                                                                          for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser_for(argv).parse_args(argv)
+        args = parse(parser_for(argv), argv)
         args._run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -48,6 +48,7 @@ from flowalign.config import Section, TrainConfig
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.logger import RunLogger
+from flowalign.parallel import Parallel
 from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardSet
 from flowalign.trainers import checkpointing, loop
@@ -129,7 +130,8 @@ class GroupTrainer:
         self.rewards, self.data, self.evaluator = rewards, data, evaluator
         self.acc, self.run_dir = accelerator, run_dir
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.optimisation = setup_optimisation(policy, tcfg)
+        self.parallel = Parallel(cfg.parallel, self.world, self.rank, accelerator.device)
+        self.optimisation = setup_optimisation(policy, tcfg, self.parallel)  # fsdp: shards before collecting
         self.params, self.optimizer, self.ema = (self.optimisation.params, self.optimisation.optimizer,
                                                  self.optimisation.ema)
         self.step = 0
@@ -177,6 +179,12 @@ class GroupTrainer:
     def loss(self, batch: Any, unit: Any) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar to backpropagate for ``unit`` (weighted within its step) and scalars to log."""
         raise NotImplementedError
+
+    def filler(self, batch: Any) -> Any:
+        """A unit :meth:`loss` can run on ``batch`` (its loss is multiplied by 0): under fsdp a rank with
+        fewer units than its peers runs these, since every forward is a collective."""
+        raise NotImplementedError(f"{type(self).__name__} has no filler unit, needed by parallel.strategy=fsdp "
+                                  "when a rank has nothing to train on")
 
     def finish(self, batch: Any) -> dict[str, float]:
         """After the batch's optimiser steps; returns scalars to log."""
@@ -239,9 +247,16 @@ class GroupTrainer:
         """The plan's optimiser steps: every unit's loss backpropagated, then one optimiser step each."""
         plan = self.plan(batch, generator)
         stats: dict[str, list[float]] = {}
-        for units in plan.steps:
-            for unit in units:
+        own = [unit for units in plan.steps for unit in units]
+        fill = (lambda: own[0]) if own else (lambda: self.filler(batch))
+        # fsdp: every rank runs as many optimiser steps and forward/backward passes (each one is a collective)
+        for units in self.parallel.padded(plan.steps, list):
+            padded = self.parallel.padded(units, fill)
+            for n, unit in enumerate(padded):
                 loss, info = self.loss(batch, unit)
+                if n >= len(units):
+                    (loss * 0).backward()  # a padding pass: same collectives, no gradient
+                    continue
                 loss.backward()
                 for key, value in info.items():
                     stats.setdefault(key, []).append(value)
@@ -307,7 +322,7 @@ class GroupTrainer:
 
     def rank_checksums(self) -> list[float]:
         """Sum of the trainable weights on every rank; ranks that diverged are an error, not a warning."""
-        local = torch.stack([p.detach().double().sum() for p in self.params]).sum().reshape(1)
+        local = self.parallel.checksum(self.params)
         sums = self.acc.gather(local.to(self.acc.device)).cpu().tolist()
         if len(set(sums)) > 1:
             raise RuntimeError(f"step {self.step}: ranks hold different weights (checksums {sums})")

@@ -40,13 +40,19 @@ def save(trainer: Any) -> Path:
     acc.wait_for_everyone()
     checksums = trainer.rank_checksums()
     ckpt.save_rank_rng(tmp, trainer.rank)
+    parallel = trainer.parallel
+    # fsdp: every rank takes part in gathering full tensors and writes its optimiser shard
+    trainable = parallel.gather(trainer.trainable_state())
+    ema_state = parallel.gather(trainer.ema.state_dict()) if trainer.ema else None
+    sharded_optimizer = parallel.save_optimizer(tmp, trainer.policy.trainable, trainer.optimizer)
+    if trainer.cfg.model.finetune == "lora" and (acc.is_main_process or parallel.sharded):
+        with parallel.rank_folder(tmp) as folder:  # gathering the adapter is a collective too
+            trainer.policy.save_adapter(folder)
     if acc.is_main_process:
-        if trainer.cfg.model.finetune == "lora":
-            trainer.policy.save_adapter(tmp)
         _, hooks = split_state(trainer.state_dict())
         ckpt.write_checkpoint_files(
-            tmp, trainable=trainer.trainable_state(), optimizer=trainer.optimizer,
-            ema_state=trainer.ema.state_dict() if trainer.ema else None,
+            tmp, trainable=trainable, optimizer=None if sharded_optimizer else trainer.optimizer,
+            ema_state=ema_state,
             trainer_state={"step": step, "world_size": trainer.world, "trainer": trainer.tcfg.name,
                            "rank_checksums": checksums, "train_seconds": trainer.train_seconds, "hooks": hooks},
         )
@@ -80,12 +86,14 @@ def resume(trainer: Any) -> None:
     missing = set(live) - set(state["trainable"])
     if missing:
         raise UserError(f"checkpoint {folder} does not match this model ({len(missing)} trainable tensors missing)")
+    parallel = trainer.parallel
+    saved = parallel.place_like(state["trainable"], live)  # fsdp: this rank's shards
     with torch.no_grad():
         for name, p in live.items():
-            p.copy_(state["trainable"][name])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+            p.copy_(saved[name])
+    parallel.load_optimizer(folder, trainer.policy.trainable, trainer.optimizer, state["optimizer"])
     if trainer.ema is not None and state["ema"] is not None:
-        trainer.ema.load_state_dict(state["ema"])
+        trainer.ema.load_state_dict(parallel.place_like(state["ema"], trainer.ema.state_dict()))
     ckpt.load_rank_rng(folder, trainer.rank)
     trainer.step = int(state["trainer_state"]["step"])
     trainer.train_seconds = float(state["trainer_state"].get("train_seconds", 0.0))

@@ -151,6 +151,10 @@ class FlowGRPOTrainer(GroupTrainer):
                 steps.append([StepUnit(i, k, len(pairs), len(steps)) for i, k in pairs])
         return Plan(steps)
 
+    def filler(self, batch: StepBatch) -> StepUnit:
+        """The first chunk's first trained step (fsdp padding; its loss is multiplied by 0)."""
+        return StepUnit(0, self.trained_steps(batch.chunks[0])[0], 1, 0)
+
     def chosen_steps(self, chunk: Rollout, generator: torch.Generator) -> list[int]:
         steps = self.trained_steps(chunk)
         if 0 < self.tcfg.steps_per_chunk < len(steps):
@@ -165,8 +169,12 @@ class FlowGRPOTrainer(GroupTrainer):
                         noise_level=self.noise_level, prev_sample=x_next, cps_log_prob=self.tcfg.cps_log_prob)
 
     def reference_mean(self, batch: StepBatch, i: int, k: int) -> torch.Tensor:
-        """``μ_ref`` of chunk ``i`` at step ``k`` (adapter disabled, no grad), computed once per batch."""
-        if (i, k) not in batch.kl_reference:
+        """``μ_ref`` of chunk ``i`` at step ``k`` (adapter disabled, no grad), computed once per batch.
+
+        Under fsdp it is computed on every call: a forward is a collective, so every unit must run the
+        same passes on every rank, whichever units a rank has seen before (padding units repeat one).
+        """
+        if (i, k) not in batch.kl_reference or self.parallel.sharded:
             chunk = batch.chunks[i]
             x_k = chunk.step(k)[0]
             with torch.no_grad(), self.policy.adapter_disabled():

@@ -74,13 +74,15 @@ def evaluate(t: Any) -> dict[str, Any]:
     if t.evaluator is None:
         return {}
     metrics: dict[str, Any] = {}
-    if t.acc.is_main_process:
-        out_dir = t.run_dir / "evals" / ckpt.step_dir_name(t.step)
-        if t.ema is not None and t.step > 0:
-            with t.ema.swapped_in():
+    if t.acc.is_main_process or t.parallel.sharded:  # fsdp: every rank joins every forward
+        with t.parallel.rank_folder(t.run_dir) as folder:  # other ranks write to a scratch folder
+            out_dir = folder / "evals" / ckpt.step_dir_name(t.step)
+            if t.ema is not None and t.step > 0:
+                with t.ema.swapped_in():
+                    metrics = t.evaluator(t.policy, out_dir)
+            else:
                 metrics = t.evaluator(t.policy, out_dir)
-        else:
-            metrics = t.evaluator(t.policy, out_dir)
+    if t.acc.is_main_process:
         scalars = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         t.logger.log(t.step, scalars)
     t.acc.wait_for_everyone()

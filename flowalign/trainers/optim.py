@@ -15,6 +15,7 @@ import torch
 
 from flowalign.ema import EMA
 from flowalign.errors import UserError
+from flowalign.parallel import Parallel
 from flowalign.protocols import FlowPolicy
 
 
@@ -25,17 +26,20 @@ class Optimisation:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     ema: EMA | None
+    #: how the weights are spread over ranks (replicated or FSDP2 shards)
+    parallel: Parallel
 
 
-def setup_optimisation(policy: FlowPolicy, tcfg: Any) -> Optimisation:
+def setup_optimisation(policy: FlowPolicy, tcfg: Any, parallel: Parallel) -> Optimisation:
     """AdamW over the policy's ``requires_grad`` parameters (``tcfg``: lr, betas, weight_decay,
-    ema_decay, ema_every)."""
+    ema_decay, ema_every); under fsdp the transformer is sharded first, so they are this rank's shards."""
+    parallel.shard(policy.trainable)
     params = [p for p in policy.trainable.parameters() if p.requires_grad]
     if not params:
         raise UserError("the policy has no trainable parameters; set model.finetune to lora or full")
     optimizer = torch.optim.AdamW(params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
     ema = EMA(params, tcfg.ema_decay, tcfg.ema_every) if tcfg.ema_decay > 0 else None
-    return Optimisation(params, optimizer, ema)
+    return Optimisation(params, optimizer, ema, parallel)
 
 
 def scheduled_lr(tcfg: Any, step: int, fraction: float) -> float:
@@ -52,16 +56,16 @@ def scheduled_lr(tcfg: Any, step: int, fraction: float) -> float:
 def optimiser_step(opt: Optimisation, accelerator: Any, lr: float, grad_clip: float) -> float:
     """Average gradients over ranks, clip to ``grad_clip``, step at ``lr``, update the EMA; returns the
     pre-clip gradient norm."""
-    if accelerator.num_processes > 1:
+    if accelerator.num_processes > 1 and not opt.parallel.sharded:  # fsdp reduce-scatters during backward
         for p in opt.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad = accelerator.reduce(p.grad, reduction="mean")
-    norm = torch.nn.utils.clip_grad_norm_(opt.params, grad_clip)
+    norm = opt.parallel.clip_grad_norm(opt.params, grad_clip)
     for group in opt.optimizer.param_groups:
         group["lr"] = lr
     opt.optimizer.step()
     opt.optimizer.zero_grad(set_to_none=True)
     if opt.ema is not None:
         opt.ema.update()
-    return float(norm)
+    return norm

@@ -28,3 +28,9 @@ def slow_redness(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
     out = redness(samples, prompts, metadata)
     SLOW_CALLS.append((start, time.perf_counter()))
     return out
+
+
+def redness_of_red_prompts(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
+    """``redness`` for prompts that name red, 0 for the others (their groups get zero advantages)."""
+    r = redness(samples, prompts, metadata)
+    return torch.where(torch.tensor(["red" in p for p in prompts]), r, torch.zeros_like(r))

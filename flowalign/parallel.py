@@ -1,0 +1,221 @@
+"""Work shared over ranks: replicated weights (``ddp``) or torch FSDP2 sharding (``fsdp``).
+
+``ddp`` keeps the whole model and optimiser on every rank and the loop averages gradients itself.
+``fsdp`` calls ``torch.distributed.fsdp.fully_shard`` on every transformer block, then on the
+transformer: each rank stores ``1/N`` of every weight, gradient and optimiser tensor, gathers a block's
+weights just before the block runs and reduce-scatters (averages) its gradients right after backward.
+The module keeps its identity, so the policy's own ``self.transformer(...)`` call runs sharded.
+
+Under ``fsdp`` every forward is a collective: all ranks must run the same passes in the same order.
+Checkpoints stay consolidated (full tensors gathered to rank 0) and the optimiser state goes through
+``torch.distributed.checkpoint`` (one shard file per rank, re-sharded on load to any rank count).
+"""
+
+from __future__ import annotations
+
+import datetime
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowalign.config import ParallelSection
+from flowalign.errors import UserError
+
+#: attribute names of the repeated-block lists of diffusers transformers (SD3/FLUX: transformer_blocks,
+#: FLUX: single_transformer_blocks, Wan: blocks), used when a model names no ``_no_split_modules``
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
+#: subfolder of a checkpoint holding the sharded optimiser state
+OPTIMIZER_DIR = "optimizer"
+
+
+def accelerator_kwargs(cfg: ParallelSection) -> list[Any]:
+    """``Accelerator(kwargs_handlers=...)`` giving collectives the configured timeout."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.timeout_s))]
+
+
+def block_modules(module: nn.Module) -> list[nn.Module]:
+    """The transformer's repeated blocks, each one FSDP unit.
+
+    diffusers names its block classes in ``_no_split_modules`` (``JointTransformerBlock``,
+    ``FluxTransformerBlock`` + ``FluxSingleTransformerBlock``, ``WanTransformerBlock``); a model without
+    it falls back to the usual block-list attributes (:data:`BLOCK_LISTS`).
+    """
+    names = set(getattr(module, "_no_split_modules", None) or [])
+    found = [m for m in module.modules() if m is not module and type(m).__name__ in names]
+    if found:
+        return found
+    lists = [getattr(module, n) for n in BLOCK_LISTS if isinstance(getattr(module, n, None), nn.ModuleList)]
+    return [block for blocks in lists for block in blocks]
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class Parallel:
+    """The strategy of a run and the few operations whose meaning depends on it."""
+
+    def __init__(self, cfg: ParallelSection, world: int, rank: int, device: torch.device):
+        self.cfg, self.world, self.rank, self.device = cfg, world, rank, torch.device(device)
+        if cfg.strategy == "fsdp" and world < 2:
+            raise UserError("parallel.strategy=fsdp needs several processes but this run has 1: launch with "
+                            "torchrun --nproc_per_node N (N >= 2), or set parallel.strategy=ddp")
+
+    @property
+    def sharded(self) -> bool:
+        return self.cfg.strategy == "fsdp"
+
+    # ------------------------------------------------------------------ set-up
+    def shard(self, module: nn.Module) -> nn.Module:
+        """``fully_shard`` each block, then the root (in place; returns ``module``). No-op under ddp."""
+        if not self.sharded:
+            return module
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if self.cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cfg.cpu_offload else OffloadPolicy()
+        kw = dict(mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        blocks = block_modules(module)
+        if not blocks:
+            print(f"warning: {type(module).__name__} has no block list to shard one by one; sharding it as one "
+                  "unit (every forward gathers all of its weights at once)")
+        for block in blocks:
+            fully_shard(block, **kw)
+        fully_shard(module, **kw)
+        return module
+
+    # ------------------------------------------------------------------ update
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """Clip to ``max_norm`` over all ranks' gradients; the pre-clip norm (same on every rank)."""
+        if not self.sharded:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if is_dtensor(norm):
+            norm = norm.full_tensor()  # the shards' partial norms combined
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+
+    def checksum(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """``(1,)`` float64 sum of the weights: this rank's copy (ddp), or the whole sharded model (fsdp)."""
+        local = [p.to_local() if is_dtensor(p) else p for p in params]
+        total = torch.stack([t.detach().double().sum() for t in local]).sum().reshape(1)
+        if self.sharded:
+            torch.distributed.all_reduce(total)
+        return total
+
+    def padded(self, items: list[Any], fill: Callable[[], Any]) -> list[Any]:
+        """``items`` filled up with ``fill()`` to the longest list of any rank (fsdp), so every rank runs as
+        many forwards and optimiser steps; unchanged under ddp (``fill`` is not called)."""
+        if not self.sharded:
+            return list(items)
+        most = torch.tensor([len(items)], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        missing = int(most) - len(items)
+        return list(items) + ([fill()] * missing if missing else [])
+
+    # ------------------------------------------------------------------ checkpoints
+    def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full CPU tensors of ``tensors`` (sharded ones gathered) on the main rank, ``{}`` elsewhere.
+
+        A collective under fsdp: every rank calls it with the same keys in the same order.
+        """
+        out = {}
+        for name, t in tensors.items():
+            full = t.detach().full_tensor() if is_dtensor(t) else t.detach()
+            if self.rank == 0:
+                out[name] = full.cpu().contiguous()
+        return out
+
+    def place(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``full`` laid out as ``like`` (this rank's shard of it when ``like`` is sharded), ready for ``copy_``."""
+        if not is_dtensor(like):
+            return full
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+    def save_optimizer(self, folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Write the sharded optimiser state to ``folder/optimizer/`` (fsdp, every rank); False under ddp."""
+        if not self.sharded:
+            return False
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, checkpoint_id=str(folder / OPTIMIZER_DIR))
+        return True
+
+    def load_optimizer(self, folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer,
+                       indexed: dict[str, Any] | None) -> None:
+        """Restore the optimiser from either layout: the sharded ``optimizer/`` folder (any rank count,
+        re-sharded by ``torch.distributed.checkpoint``) or the single-file state keyed by parameter index."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
+
+        if (folder / OPTIMIZER_DIR).is_dir():
+            import torch.distributed.checkpoint as dcp
+
+            state = {"optimizer": get_optimizer_state_dict(module, optimizer)}  # allocates, then filled in place
+            dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR))
+            set_optimizer_state_dict(module, optimizer, state["optimizer"])
+        elif not self.sharded:
+            optimizer.load_state_dict(indexed)
+        else:  # a single-process checkpoint: parameter i of the trained ones is the i-th name
+            names = [n for n, p in module.named_parameters() if p.requires_grad]
+            full = {"state": {names[int(i)]: s for i, s in indexed["state"].items()},
+                    "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in indexed["param_groups"]]}
+            set_optimizer_state_dict(module, optimizer, full, options=StateDictOptions(full_state_dict=True))
+
+    @contextmanager
+    def rank_folder(self, run_dir: Path) -> Iterator[Path]:
+        """``run_dir`` on the main rank; a scratch folder, deleted after, on the others (their copies of
+        work every rank must run under fsdp, such as evaluation, are not kept)."""
+        if self.rank == 0:
+            yield run_dir
+            return
+        with tempfile.TemporaryDirectory(prefix="flowalign-rank") as tmp:
+            yield Path(tmp)
+
+    def place_like(self, saved: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full ``saved`` tensors laid out like their ``live`` namesakes (see :meth:`place`)."""
+        return {k: self.place(v, live[k]) if k in live else v for k, v in saved.items()}
+
+    @contextmanager
+    def explain_failures(self) -> Iterator[None]:
+        """A collective that fails because another rank died or stalled past ``parallel.timeout_s``
+        becomes a one-line error saying so (and how to continue), instead of a backend traceback."""
+        try:
+            yield
+        except (torch.distributed.DistError, RuntimeError) as err:
+            if self.world < 2 or not is_collective_failure(err):
+                raise
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise UserError(
+                f"rank {self.rank}: lost contact with the other ranks ({first}); a rank died or stalled longer than "
+                f"parallel.timeout_s={self.cfg.timeout_s:g}: relaunch with run.resume=auto to continue from the last "
+                "complete checkpoint") from err
+
+
+#: words of the errors torch's process groups raise when a peer is gone or a collective timed out
+_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out", "timeout",
+                     "processgroup", "tcpstore", "socket")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a process-group failure (a lost peer or a timed-out collective)."""
+    if isinstance(err, torch.distributed.DistError):
+        return True
+    text = str(err).lower()
+    return any(word in text for word in _COLLECTIVE_WORDS)

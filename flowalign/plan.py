@@ -1,0 +1,287 @@
+"""``flowalign plan``: memory per rank of a run, estimated on the meta device before any GPU is rented.
+
+Every model of the config's diffusers folder is built from its ``config.json`` on the meta device (no
+weights are read, so a folder of configs is enough). Per rank and per strategy the plan adds up:
+
+- weights of the trained transformer (sharded ``1/N`` under fsdp, plus the two blocks being gathered),
+- gradients and AdamW's two moments of the trained tensors (sharded under fsdp; on CPU with cpu_offload),
+- extra copies of the trained tensors some trainers keep (a frozen reference for a full fine-tune of
+  FEST-DPO, DiffusionNFT/OPSD's behaviour weights, the EMA),
+- the frozen text encoders and VAE (whole on every rank),
+- activations: a forward of the transformer on meta tensors for the config's batch and resolution,
+  counting what autograd saves for backward (attention as memory-efficient kernels keep it: no S×S
+  matrix), plus the largest block's share for the backward in flight.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowalign.config import TrainConfig
+from flowalign.errors import UserError
+
+GB = 1e9
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: CUDA context, allocator fragmentation and kernels' workspaces: a flat allowance per rank
+OVERHEAD_BYTES = 2.0 * GB
+#: trainers that keep one more copy of the trained tensors: always, or only under full fine-tuning (a
+#: LoRA's reference is the adapter switched off, no copy)
+EXTRA_COPIES = {"festdpo": "full", "diffusion_nft": "always", "diffusion_opsd": "always"}
+
+
+@dataclass
+class Model:
+    """Parameter counts of a pipeline folder's models, and what the trained transformer needs."""
+
+    family: str
+    params: dict[str, int]  # component → parameters
+    trainable: int  # trained parameters (the LoRA's, or the transformer's)
+    largest_block: int  # parameters of the largest transformer block
+    activations: float  # bytes saved for backward at the config's batch, without gradient checkpointing
+    activations_checkpointed: float  # the same with gradient checkpointing
+
+
+@dataclass
+class Settings:
+    """What the memory depends on (one strategy, one GPU count)."""
+
+    strategy: str
+    gpus: int
+    cpu_offload: bool
+    finetune: str
+    dtype: str
+    gradient_checkpointing: bool
+    batch_size: int
+    extra_copies: int
+    offload_text_encoders: bool = False
+    changes: list[str] = field(default_factory=list)
+
+
+def build_on_meta(folder: Path) -> dict[str, nn.Module]:
+    """Every ``torch.nn.Module`` of a diffusers folder (``model_index.json``) built on the meta device."""
+    index = json.loads((folder / "model_index.json").read_text())
+    models = {}
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or None in entry or not (folder / name).is_dir():
+            continue
+        library, class_name = entry
+        cls = getattr(importlib.import_module(library), class_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            continue  # schedulers, tokenizers
+        with torch.device("meta"):
+            if library == "diffusers":
+                models[name] = cls.from_config(cls.load_config(str(folder / name)))
+            else:
+                models[name] = cls(cls.config_class.from_pretrained(str(folder / name)))
+    if "transformer" not in models:
+        raise UserError(f"model.path {folder} has no transformer/config.json: pass a diffusers pipeline folder")
+    return models
+
+
+def lora_parameters(module: nn.Module, targets: list[str], rank: int) -> int:
+    """Parameters a LoRA of ``rank`` adds on the linear layers named by ``targets`` (peft's suffix match)."""
+    total = 0
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            total += rank * (m.in_features + m.out_features)
+    return total
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Stands in for SDPA on meta tensors, saving what memory-efficient kernels save (q, k, v, out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _AttentionAsFlash(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
+            return _FlashAttention.apply(q, k, v)
+        return func(*args, **kwargs)
+
+
+def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inputs: dict[str, Any]) -> tuple[float, float]:
+    """``(saved, checkpointed)`` bytes of one forward: everything autograd keeps for backward (each
+    storage once, weights excluded) plus the largest block's share again (its gradients in flight); and
+    the same under gradient checkpointing (every block's inputs, plus one block recomputed)."""
+    weights = {p.untyped_storage()._cdata for p in transformer.parameters()}
+    saved: dict[int, int] = {}
+    per_block: dict[int, int] = {}
+    block_inputs = [0]
+    current = [None]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in weights and key not in saved:
+            saved[key] = storage.nbytes()
+            if current[0] is not None:
+                per_block[current[0]] = per_block.get(current[0], 0) + storage.nbytes()
+        return t
+
+    def enter(i):
+        def hook(module, args, kwargs):
+            current[0] = i
+            block_inputs[0] += sum(a.nbytes for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
+        return hook
+
+    handles = [b.register_forward_pre_hook(enter(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        transformer.requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _AttentionAsFlash():
+            transformer(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    largest = max(per_block.values(), default=0)
+    outside = sum(saved.values()) - sum(per_block.values())
+    return sum(saved.values()) + largest, outside + block_inputs[0] + 2 * largest
+
+
+def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
+    """Parameter counts and activation bytes of the config's model, built on the meta device."""
+    import pipelines
+
+    from flowalign.parallel import block_modules
+
+    family = cfg.model.family or pipelines.detect_family(folder)
+    models = build_on_meta(folder)
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its warning about casting a loaded model does not apply to meta tensors
+    try:
+        transformer = models["transformer"].to(pipelines.parse_dtype(cfg.model.dtype))
+    finally:
+        diffusers_logging.set_verbosity(level)
+    blocks = block_modules(transformer)
+    params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    if cfg.model.finetune == "lora":
+        targets = cfg.model.lora.target_modules or importlib.import_module(pipelines.FAMILIES[family].__module__).DEFAULT_LORA_TARGETS
+        trainable = lora_parameters(transformer, targets, cfg.model.lora.rank)
+    else:
+        trainable = params["transformer"]
+    size = {**pipelines.DEFAULT_SIZE[family], **_folder_defaults(folder), **(cfg.model.defaults or {})}
+    tcfg = cfg.trainer
+    guidance = tcfg.get("guidance_scale") or size.get("guidance_scale") or (4.5 if family == "sd3" else 5.0)
+    batch = int(tcfg.get("batch_size", 8)) * (2 if family in pipelines.CFG_FAMILIES and float(guidance) > 1 else 1)
+    inputs = pipelines.transformer_inputs(family, transformer.config, batch, size,
+                                          dtype=next(transformer.parameters()).dtype)
+    act, act_gc = saved_activation_bytes(transformer, blocks, inputs)
+    per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
+    return Model(family, params, trainable, max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
+                 act / per_sample, act_gc / per_sample)
+
+
+def _folder_defaults(folder: Path) -> dict[str, Any]:
+    path = folder / "flowalign.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return {k: v for k, v in data.items() if k in ("height", "width", "num_frames", "max_sequence_length", "guidance_scale") and v}
+
+
+def memory_rows(model: Model, s: Settings) -> dict[str, float]:
+    """Bytes per rank by kind for one strategy (see the module docstring)."""
+    n = s.gpus if s.strategy == "fsdp" else 1
+    w = BYTES[s.dtype]
+    train_bytes = 4 if s.finetune == "lora" else w  # LoRA tensors are kept in fp32
+    base = model.params["transformer"] * w
+    gathered = 2 * model.largest_block * w if s.strategy == "fsdp" else 0
+    on_gpu = 0 if (s.cpu_offload and s.strategy == "fsdp") else 1
+    lora = model.trainable * 4 if s.finetune == "lora" else 0
+    return {
+        "weights (trained model)": (base + lora) / n * on_gpu + gathered,
+        "gradients": model.trainable * train_bytes / n,
+        "optimiser state (AdamW)": 2 * model.trainable * train_bytes / n * on_gpu,
+        "reference / EMA copies": s.extra_copies * model.trainable * train_bytes / n,
+        "frozen text encoders + VAE": sum(v for k, v in model.params.items() if k != "transformer"
+                                          and not (s.offload_text_encoders and k.startswith("text_encoder"))) * w,
+        "activations": s.batch_size * (model.activations_checkpointed if s.gradient_checkpointing else model.activations),
+        "overhead (CUDA context, allocator)": OVERHEAD_BYTES,
+    }
+
+
+def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
+    """The first single change (least disruptive first) after which the run fits, or None."""
+    candidates: list[tuple[str, Settings]] = []
+    if not s.gradient_checkpointing:
+        candidates.append(("model.gradient_checkpointing=true", replace(s, gradient_checkpointing=True)))
+    if not s.offload_text_encoders:
+        candidates.append(("model.offload_text_encoders=true", replace(s, offload_text_encoders=True)))
+    if s.strategy == "ddp" and s.gpus > 1:
+        candidates.append(("parallel.strategy=fsdp", replace(s, strategy="fsdp")))
+    if s.strategy == "fsdp" and not s.cpu_offload:
+        candidates.append(("parallel.cpu_offload=true", replace(s, cpu_offload=True)))
+    b = s.batch_size // 2
+    while b >= 1:
+        candidates.append((f"trainer.batch_size={b}", replace(s, batch_size=b)))
+        b //= 2
+    candidates.append((f"--gpus {s.gpus * 2} with parallel.strategy=fsdp", replace(s, strategy="fsdp", gpus=s.gpus * 2)))
+    for text, changed in candidates:
+        if sum(memory_rows(model, changed).values()) <= limit:
+            return text
+    return None
+
+
+def settings(cfg: TrainConfig, strategy: str, gpus: int) -> Settings:
+    name = str(cfg.trainer.get("name", "flow_grpo"))
+    extra = {"always": 1, "full": int(cfg.model.finetune == "full")}.get(EXTRA_COPIES.get(name, ""), 0)
+    extra += int(float(cfg.trainer.get("ema_decay", 0) or 0) > 0)
+    return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
+                    cfg.model.gradient_checkpointing, int(cfg.trainer.get("batch_size", 8)), extra,
+                    cfg.model.offload_text_encoders)
+
+
+def human(n: float, unit: str = "") -> str:
+    """``11.90B`` / ``83.65M`` for counts, ``23.8 GB`` for bytes."""
+    if unit == "GB":
+        return f"{n / GB:.1f} GB"
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}"
+    return str(int(n))
+
+
+def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float) -> str:
+    """The report ``flowalign plan`` prints: components, then memory per rank for ddp and fsdp, verdicts."""
+    model = inspect_model(cfg, folder)
+    lines = [f"model {folder} ({model.family}), finetune {cfg.model.finetune}, dtype {cfg.model.dtype}, "
+             f"trainer {cfg.trainer.get('name', 'flow_grpo')}, batch {int(cfg.trainer.get('batch_size', 8))} per rank"]
+    for name, count in model.params.items():
+        role = f"trained: {human(model.trainable)}" if name == "transformer" else "frozen"
+        lines.append(f"  {name:<16} {human(count):>8}  ({role})")
+    strategies = ["ddp", "fsdp"] if gpus > 1 else ["ddp"]
+    rows = {s: memory_rows(model, settings(cfg, s, gpus)) for s in strategies}
+    limit = gpu_memory_gb * GB
+    lines.append(f"memory per rank on {gpus} GPU(s) of {gpu_memory_gb:g} GB"
+                 + ("" if gpus > 1 else " (fsdp needs 2 or more)"))
+    lines.append(f"  {'':<36}" + "".join(f"{s:>12}" for s in strategies))
+    for kind in rows[strategies[0]]:
+        lines.append(f"  {kind:<36}" + "".join(f"{human(rows[s][kind], 'GB'):>12}" for s in strategies))
+    totals = {s: sum(r.values()) for s, r in rows.items()}
+    lines.append(f"  {'total':<36}" + "".join(f"{human(totals[s], 'GB'):>12}" for s in strategies))
+    for s in strategies:
+        if totals[s] <= limit:
+            lines.append(f"{s}: fits ({human(limit - totals[s], 'GB')} to spare)")
+        else:
+            fix = smallest_fix(model, settings(cfg, s, gpus), limit)
+            lines.append(f"{s}: does not fit; " + (f"smallest change that fits: {fix}" if fix else
+                                                    "no single change fits (use more or larger GPUs, or LoRA)"))
+    return "\n".join(lines)

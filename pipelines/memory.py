@@ -1,0 +1,106 @@
+"""Memory and speed controls that know the model side: the transformer's inputs for a batch at a
+resolution (what ``flowalign plan`` runs on the meta device to count activations), and the attention
+backend of diffusers' dispatcher (``model.attention_backend``).
+
+The shapes follow each policy's own ``velocity`` call: SD3 ``(B, C, H/8, W/8)`` latents with CLIP+T5
+text ``(B, 77+L, D)``; FLUX packed ``(B, (H/16)·(W/16), 4C)`` tokens, T5 text ``(B, L, D)`` and position
+ids; Wan ``(B, C, 1+(F-1)/4, H/8, W/8)`` video latents with UMT5 text ``(B, L, D)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flowalign.errors import UserError
+
+#: pixel-space defaults when a config names no resolution (each model's own default size)
+DEFAULT_SIZE = {"sd3": {"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 256},
+                "flux": {"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 512},
+                "wan": {"height": 480, "width": 832, "num_frames": 81, "max_sequence_length": 512}}
+#: families whose guidance is classifier-free (a guided pass runs the batch twice)
+CFG_FAMILIES = {"sd3", "wan"}
+#: VAE downsampling in space (all three families) and, for Wan, in time
+SPATIAL, TEMPORAL = 8, 4
+
+
+def transformer_inputs(family: str, config: Any, batch: int, size: dict[str, Any], *,
+                       device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Keyword inputs of the family's transformer for ``batch`` samples at ``size`` (height, width,
+    num_frames, max_sequence_length), as its policy passes them."""
+    h, w = int(size["height"]) // SPATIAL, int(size["width"]) // SPATIAL
+    text = int(size.get("max_sequence_length") or DEFAULT_SIZE[family]["max_sequence_length"])
+    new = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
+    t = torch.full((batch,), 500.0, device=device)
+    if family == "sd3":
+        return dict(hidden_states=new(batch, config.in_channels, h, w), timestep=t,
+                    encoder_hidden_states=new(batch, 77 + text, config.joint_attention_dim),
+                    pooled_projections=new(batch, config.pooled_projection_dim), return_dict=False)
+    if family == "flux":
+        tokens = (h // 2) * (w // 2)
+        return dict(hidden_states=new(batch, tokens, config.in_channels), timestep=t / 1000,
+                    guidance=torch.full((batch,), 3.5, device=device) if config.guidance_embeds else None,
+                    pooled_projections=new(batch, config.pooled_projection_dim),
+                    encoder_hidden_states=new(batch, text, config.joint_attention_dim),
+                    txt_ids=new(text, 3), img_ids=new(tokens, 3), return_dict=False)
+    if family == "wan":
+        frames = 1 + (int(size.get("num_frames") or 1) - 1) // TEMPORAL
+        return dict(hidden_states=new(batch, config.in_channels, frames, h, w), timestep=t,
+                    encoder_hidden_states=new(batch, text, config.text_dim), return_dict=False)
+    raise ValueError(f"no input shapes for family {family!r}")
+
+
+#: ``model.attention_backend`` → the package diffusers' attention dispatcher needs for it
+ATTENTION_BACKENDS = {"native": None, "flash": "flash-attn", "_flash_3": "flash-attn 3 (flash_attn_interface)",
+                      "sage": "sageattention", "xformers": "xformers"}
+
+
+def set_attention_backend(transformer: torch.nn.Module, backend: str, device: str | torch.device) -> None:
+    """Route the transformer's attention through diffusers' dispatcher to ``backend``.
+
+    ``native`` (torch SDPA) is diffusers' default and changes nothing. The others are CUDA kernels from
+    separate packages (``xformers`` is the ``gpu`` extra); a missing package or a non-CUDA device is a
+    one-line error, not a failure at the first forward.
+    """
+    if backend == "native":
+        return
+    if backend not in ATTENTION_BACKENDS:
+        raise UserError(f"model.attention_backend={backend!r} is unknown: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if torch.device(device).type != "cuda":
+        raise UserError(f"model.attention_backend={backend} runs on CUDA GPUs only but this run is on "
+                        f"{torch.device(device).type}: use model.attention_backend=native")
+    try:
+        transformer.set_attention_backend(backend)
+    except (RuntimeError, ValueError) as err:
+        raise UserError(f"model.attention_backend={backend} is not usable here ({str(err).splitlines()[0][:160]}): "
+                        f"install {ATTENTION_BACKENDS[backend]} or use model.attention_backend=native") from err
+
+
+def offload_text_encoders(policy: Any) -> list[str]:
+    """Keep the pipeline's text encoders in CPU memory, on the policy's device only while they encode.
+
+    The policies cache each prompt's embeddings, so the encoders run once per new prompt; between
+    those runs their weights (T5-XXL: 9.5 GB in bf16) no longer take device memory. accelerate's
+    ``cpu_offload`` leaves meta tensors in the module and moves each layer's weights in for its forward.
+    Returns the names of the offloaded components.
+    """
+    from accelerate import cpu_offload
+
+    names = []
+    for name, module in policy.pipe.components.items():
+        if name.startswith("text_encoder") and isinstance(module, torch.nn.Module):
+            cpu_offload(module, execution_device=policy.device)
+            names.append(name)
+    return names
+
+
+_offload = offload_text_encoders  # the option of the same name shadows it below
+
+
+def apply_memory_options(policy: Any, attention_backend: str = "native", offload_text_encoders: bool = False) -> None:
+    """The memory options of :func:`pipelines.load` on a built policy of any family: the attention
+    backend of its trainable transformer, its text encoders kept in CPU memory."""
+    set_attention_backend(policy.trainable, attention_backend, policy.device)
+    if offload_text_encoders:
+        _offload(policy)

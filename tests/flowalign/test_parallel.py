@@ -1,0 +1,137 @@
+"""flowalign.parallel: the strategy config, the blocks FSDP wraps, and what each rank holds once sharded
+(two gloo processes on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flowalign.config import ParallelSection, load_config
+from flowalign.errors import UserError
+from flowalign.parallel import Parallel, block_modules, is_collective_failure
+
+
+def test_an_unknown_strategy_is_a_one_line_error_naming_the_field():
+    with pytest.raises(UserError) as err:
+        load_config(None, ["parallel.strategy=zero3"])
+    message = str(err.value)
+    assert "parallel.strategy" in message and "zero3" in message and "fsdp" in message and "\n" not in message
+
+
+def test_fsdp_on_one_process_is_a_one_line_error():
+    with pytest.raises(UserError) as err:
+        Parallel(ParallelSection(strategy="fsdp"), world=1, rank=0, device=torch.device("cpu"))
+    assert "parallel.strategy=fsdp" in str(err.value) and "torchrun" in str(err.value) and "\n" not in str(err.value)
+    Parallel(ParallelSection(strategy="ddp"), world=1, rank=0, device=torch.device("cpu"))  # the default is fine
+
+
+@pytest.mark.parametrize("family,lists", [("sd3", ["transformer_blocks"]),
+                                          ("flux", ["transformer_blocks", "single_transformer_blocks"]),
+                                          ("wan", ["blocks"])])
+def test_every_transformer_block_of_each_family_is_one_unit(tiny_model_dir, family, lists):
+    import pipelines
+
+    policy = pipelines.load(tiny_model_dir(family))
+    blocks = block_modules(policy.transformer)
+    expected = [b for name in lists for b in getattr(policy.transformer, name)]
+    assert len(blocks) == len(expected) > 0 and {id(b) for b in blocks} == {id(b) for b in expected}
+
+
+def test_collective_failures_are_told_apart_from_other_errors():
+    assert is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert is_collective_failure(dist.DistBackendError("anything"))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _count_shards(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """One rank: shard the tiny SD3 transformer (LoRA, then full weights), take one optimiser step and
+    record this rank's share of the trained parameters and of the optimiser state."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import pipelines
+
+    result = {}
+    for mode in ("lora", "full"):
+        torch.manual_seed(0)
+        policy = pipelines.load(model_dir, lora={"rank": 4} if mode == "lora" else None, full_finetune=mode == "full")
+        full = sum(p.numel() for p in policy.trainable.parameters() if p.requires_grad)
+        Parallel(ParallelSection(strategy="fsdp"), world, rank, torch.device("cpu")).shard(policy.trainable)
+        params = [p for p in policy.trainable.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        cond = policy.encode(["a red circle"])
+        x = policy.initial_noise(1, torch.Generator().manual_seed(0))
+        policy.velocity(x, 0.5, cond, 1.0).square().mean().backward()
+        optimizer.step()
+        local = sum(p.to_local().numel() for p in params)
+        state = sum(v.to_local().numel() for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+        result[mode] = {"full": full, "local": local, "state": state,
+                        "all_transformer": sum(p.to_local().numel() for p in policy.trainable.parameters())}
+        result[mode]["transformer_total"] = sum(p.numel() for p in policy.trainable.parameters())
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_each_of_two_ranks_holds_about_half_of_the_weights_and_optimiser_state(tiny_sd3_dir, tmp_path):
+    mp.spawn(_count_shards, args=(2, _free_port(), str(tiny_sd3_dir), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for mode in ("lora", "full"):
+        full = ranks[0][mode]["full"]
+        locals_ = [r[mode]["local"] for r in ranks]
+        assert sum(locals_) == full  # the shards tile the trained weights exactly once
+        assert all(0.4 * full <= n <= 0.6 * full for n in locals_), (mode, locals_, full)
+        states = [r[mode]["state"] for r in ranks]
+        assert states == [2 * n for n in locals_]  # AdamW's two moments, each the size of the rank's shard
+        frozen_too = [r[mode]["all_transformer"] for r in ranks]  # under LoRA the frozen base is sharded as well
+        assert sum(frozen_too) == ranks[0][mode]["transformer_total"]
+        assert all(n <= 0.6 * ranks[0][mode]["transformer_total"] for n in frozen_too)
+
+
+def _options_step(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """One rank: a LoRA step (forward, backward, clipped norm, AdamW, a reference pass) under each option."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import pipelines
+
+    norms = {}
+    for name, opts in {"default": {}, "cpu_offload": {"cpu_offload": True}, "bf16": {"mixed_precision": "bf16"},
+                       "keep_gathered": {"reshard_after_forward": False}}.items():
+        torch.manual_seed(0)
+        policy = pipelines.load(model_dir, lora={"rank": 4})
+        parallel = Parallel(ParallelSection(strategy="fsdp", **opts), world, rank, torch.device("cpu"))
+        parallel.shard(policy.trainable)
+        params = [p for p in policy.trainable.parameters() if p.requires_grad]
+        cond = policy.encode(["a red circle"])
+        x = policy.initial_noise(1, torch.Generator().manual_seed(0))
+        policy.velocity(x, 0.5, cond, 1.0).square().mean().backward()
+        norms[name] = parallel.clip_grad_norm(params, 1.0)
+        torch.optim.AdamW(params, lr=1e-3).step()
+        with torch.no_grad(), policy.adapter_disabled():
+            policy.velocity(x, 0.5, cond, 1.0)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(norms))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_cpu_offload_bf16_and_kept_gathered_weights_train_like_the_default(tiny_sd3_dir, tmp_path):
+    mp.spawn(_options_step, args=(2, _free_port(), str(tiny_sd3_dir), str(tmp_path)), nprocs=2)
+    norms = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert norms[0] == norms[1]  # the clipped norm is the whole model's, the same on both ranks
+    n = norms[0]
+    assert n["default"] > 0 and n["cpu_offload"] == n["default"] and n["keep_gathered"] == n["default"]
+    assert n["bf16"] != n["default"] and n["bf16"] == pytest.approx(n["default"], rel=0.05)  # bf16 compute

@@ -1,0 +1,104 @@
+"""flowalign plan: parameter counts of the published architectures (meta device, configs only), the
+activation estimate against the peak memory of a real forward+backward on CPU, and the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flowalign.config import load_config
+from flowalign.paths import REPO_ROOT
+from flowalign.plan import build_on_meta, inspect_model, lora_parameters, plan_text
+
+ARCH = REPO_ROOT / "assets" / "architectures"
+
+
+@pytest.mark.parametrize("name,published,tolerance", [
+    ("sd3.5-medium", 2.24e9, 0.01),   # MMDiT-X transformer of the 2.5B SD3.5-Medium pipeline
+    ("flux.1-dev", 11.90e9, 0.005),   # "a 12 billion parameter rectified flow transformer"
+    ("wan2.1-14b", 14.0e9, 0.03),     # Wan2.1-T2V-14B
+])
+def test_transformer_parameter_counts_match_the_published_sizes(name, published, tolerance):
+    params = sum(p.numel() for p in build_on_meta(ARCH / name)["transformer"].parameters())
+    assert abs(params - published) / published < tolerance, params
+
+
+def test_text_encoders_are_counted_on_the_meta_device_too():
+    models = build_on_meta(ARCH / "flux.1-dev")
+    assert all(p.is_meta for m in models.values() for p in m.parameters())
+    t5 = sum(p.numel() for p in models["text_encoder_2"].parameters())
+    assert abs(t5 - 4.76e9) / 4.76e9 < 0.01  # the T5-XXL encoder
+
+
+def test_lora_parameters_count_rank_times_in_plus_out_of_each_targeted_linear():
+    layer = torch.nn.Sequential()
+    layer.add_module("to_q", torch.nn.Linear(10, 20))
+    layer.add_module("ff", torch.nn.Linear(20, 30))
+    assert lora_parameters(layer, ["to_q"], rank=4) == 4 * (10 + 20)
+    assert lora_parameters(layer, ["to_q", "ff"], rank=2) == 2 * 30 + 2 * 50
+
+
+#: a forward+backward of a tiny transformer in a fresh process, printing how far the resident set grew at its
+#: peak (Linux: VmHWM restarted by clear_refs) less the weights' gradients; a fixed mmap threshold makes
+#: every large tensor its own mapping, returned on free, so the resident set follows the live tensors
+MEASURE = """
+import gc, json, sys, torch
+import diffusers
+from pipelines.memory import transformer_inputs
+torch.set_num_threads(1)
+family, folder, batch, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+cls = {"sd3": diffusers.SD3Transformer2DModel, "flux": diffusers.FluxTransformer2DModel}[family]
+transformer = cls.from_pretrained(folder + "/transformer")
+inputs = transformer_inputs(family, transformer.config, batch, size, device="cpu")
+def read(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+base = read("VmRSS")
+transformer(**inputs)[0].square().mean().backward()
+print(read("VmHWM") - base - sum(p.numel() * p.element_size() for p in transformer.parameters()))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="peak resident memory read from /proc")
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_activation_estimate_is_within_30_percent_of_the_measured_peak(tiny_model_dir, family):
+    folder = tiny_model_dir(family)
+    batch, size = 16, {"height": 256, "width": 256, "max_sequence_length": 32}
+    cfg = load_config(None, [f"model.path={folder}", f"trainer.batch_size={batch}", "trainer.guidance_scale=1",
+                             f"model.defaults={json.dumps(size)}", "model.finetune=full"])
+    estimate = inspect_model(cfg, folder).activations * batch
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-c", MEASURE, family, str(folder), str(batch), json.dumps(size)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = int(out.stdout.strip().splitlines()[-1])
+    assert estimate > 20e6 and abs(estimate - measured) / measured < 0.3, (estimate / 1e6, measured / 1e6)
+
+
+def test_plan_prints_counts_memory_per_strategy_and_the_smallest_change_that_fits():
+    out = subprocess.run([sys.executable, "-m", "flowalign", "plan", str(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml"),
+                          f"model.path={ARCH / 'flux.1-dev'}", "model.dtype=bf16", "trainer.batch_size=1",
+                          # the tiny recipe trains a LoRA now: this checks the full fine-tune's rows
+                          "model.finetune=full", "trainer.beta=0", "trainer.ema_decay=0",
+                          "--gpus", "8", "--gpu-memory", "80"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    counts = {line.split()[0]: line.split()[1] for line in text.splitlines() if line.startswith("  ")}
+    assert counts["transformer"] == "11.90B" and counts["text_encoder_2"] == "4.76B"
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ")}
+    ddp, fsdp = (float(x) for x in rows["gradients"].split()[1::2])
+    assert ddp == pytest.approx(23.8, abs=0.1) and fsdp == pytest.approx(23.8 / 8, abs=0.1)  # bf16 grads, sharded /8
+    assert "ddp: does not fit" in text  # 11.9B full fine-tune replicated: weights+grads+AdamW alone are 190 GB
+    assert "fsdp: fits" in text or "fsdp: does not fit; smallest change that fits" in text
+
+
+def test_plan_refuses_a_folder_without_model_index(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "flowalign", "plan", "/dev/null", f"model.path={tmp_path}"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert out.returncode == 2 and "model_index.json" in out.stderr and len(out.stderr.strip().splitlines()) == 1
