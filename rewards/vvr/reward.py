@@ -28,9 +28,7 @@ class VVRReward:
     requires_metadata = ("task",)
 
     def __init__(self, gamma: float = GAMMA, partial_credit: bool = False):
-        if not 0.0 <= gamma <= 1.0:
-            raise UserError(f"vvr reward: gamma must lie in [0, 1], got {gamma}")
-        self.gamma = gamma
+        self.gamma = checked_gamma(gamma, self.name)
         #: [derived] also credit each object the prompt names (a constraint's reference, or a count's
         #: colour/shape) when some detected object matches it, so a task with one relation (binary under
         #: the plain reward) still ranks "both objects right, wrong place" above "nothing right". Only
@@ -55,12 +53,9 @@ class VVRReward:
         valid = torch.zeros(n, dtype=torch.bool)
         info: list[dict[str, Any]] = []
         for i in range(n):
-            task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
-            if task is None:
-                info.append({"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"})
-                continue
-            if not finite[i]:
-                info.append({"constraints": [], "all_passed": False, "reason": "image has NaN or infinite values"})
+            task, invalid = task_or_invalid(metadata, i, finite[i], "image")
+            if invalid is not None:
+                info.append(invalid)
                 continue
             verdict = verify(task, pixels[i])
             info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason,
@@ -70,10 +65,35 @@ class VVRReward:
                 passed = [p for _, p in verdict.constraints]
                 if self.partial_credit:
                     checks = _named_objects_drawn(task, verdict.detected) + passed
-                    scores[i] = (1 - self.gamma) * sum(checks) / len(checks) + self.gamma * float(verdict.all_passed)
+                    scores[i] = blended_score(checks, verdict.all_passed, self.gamma)
                 else:
                     scores[i] = score(passed, self.gamma)
         return RewardOutput(components={"vvr": scores}, valid=valid, info=info)
+
+
+def checked_gamma(gamma: float, reward: str) -> float:
+    """``gamma`` if it lies in [0, 1], else a ``UserError`` naming the ``reward``."""
+    if not 0.0 <= gamma <= 1.0:
+        raise UserError(f"{reward} reward: gamma must lie in [0, 1], got {gamma}")
+    return gamma
+
+
+def task_or_invalid(
+    metadata: list[dict[str, Any]], i: int, finite: bool, what: str
+) -> tuple[Any, dict[str, Any] | None]:
+    """Sample ``i``'s task and ``None``, or ``None`` and the ``info`` entry saying why the sample is invalid
+    (no task in its metadata, or its ``what`` — "image", "video" — is not ``finite``)."""
+    task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
+    if task is None:
+        return None, {"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"}
+    if not finite:
+        return None, {"constraints": [], "all_passed": False, "reason": f"{what} has NaN or infinite values"}
+    return task, None
+
+
+def blended_score(credits: list[float], all_passed: bool, gamma: float) -> float:
+    """The partial-credit reward ``(1-γ)·mean(credits) + γ·all_passed``."""
+    return (1 - gamma) * sum(credits) / len(credits) + gamma * float(all_passed)
 
 
 def shapes_named(task: Any) -> list[str]:
