@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -52,11 +52,7 @@ class VVRReward:
         scores = torch.zeros(n, dtype=torch.float32)
         valid = torch.zeros(n, dtype=torch.bool)
         info: list[dict[str, Any]] = []
-        for i in range(n):
-            task, invalid = task_or_invalid(metadata, i, finite[i], "image")
-            if invalid is not None:
-                info.append(invalid)
-                continue
+        for i, task in tasks_to_score(metadata, finite, "image", info):
             verdict = verify(task, pixels[i])
             info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason,
                          "shapes": shapes_named(task)})
@@ -78,17 +74,19 @@ def checked_gamma(gamma: float, reward: str) -> float:
     return gamma
 
 
-def task_or_invalid(
-    metadata: list[dict[str, Any]], i: int, finite: bool, what: str
-) -> tuple[Any, dict[str, Any] | None]:
-    """Sample ``i``'s task and ``None``, or ``None`` and the ``info`` entry saying why the sample is invalid
-    (no task in its metadata, or its ``what`` — "image", "video" — is not ``finite``)."""
-    task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
-    if task is None:
-        return None, {"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"}
-    if not finite:
-        return None, {"constraints": [], "all_passed": False, "reason": f"{what} has NaN or infinite values"}
-    return task, None
+def tasks_to_score(
+    metadata: list[dict[str, Any]], finite: list[bool], what: str, info: list[dict[str, Any]]
+) -> Iterator[tuple[int, Any]]:
+    """``(i, task)`` for each sample ``i`` that can be verified; for any other one (no task in its metadata,
+    or its ``what`` — "image", "video" — is not ``finite``) appends to ``info`` the entry saying why."""
+    for i, ok in enumerate(finite):
+        task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
+        if task is None:
+            info.append({"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"})
+        elif not ok:
+            info.append({"constraints": [], "all_passed": False, "reason": f"{what} has NaN or infinite values"})
+        else:
+            yield i, task
 
 
 def blended_score(credits: list[float], all_passed: bool, gamma: float) -> float:

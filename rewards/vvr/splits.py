@@ -38,10 +38,26 @@ def check_split(split: str) -> str:
 def draw_split(level: str, split: str, n: int = SPLIT_SIZE, seed: int | None = None) -> list[Task]:
     """``n`` fresh tasks of ``split``'s distribution (held-out compositions for test), drawn with
     ``seed`` (default: the shipped split's seed, which reproduces the shipped file)."""
-    seed = SPLIT_SEEDS[check_split(split)][level] if seed is None else seed
+    return draw_benchmark_split(SPLIT_SEEDS, level, split, n, seed, generate=generate_tasks,
+                                generate_heldout=generate_heldout_tasks)
+
+
+def draw_benchmark_split(
+    seeds: dict[str, dict[str, int]],
+    level: str,
+    split: str,
+    n: int,
+    seed: int | None,
+    *,
+    generate: Callable[..., list[T]],
+    generate_heldout: Callable[..., list[T]],
+) -> list[T]:
+    """``draw_split`` of a task family: ``n`` tasks from ``generate_heldout`` (test) or ``generate``
+    (validation), drawn with ``seed`` (default: ``seeds[split][level]``, the shipped split's)."""
+    seed = seeds[check_split(split)][level] if seed is None else seed
     if split == "test":
-        return generate_heldout_tasks(n, seed=seed, level=level)
-    return generate_tasks(n, seed=seed, level=level)
+        return generate_heldout(n, seed=seed, level=level)
+    return generate(n, seed=seed, level=level)
 
 
 def load_split(level: str, split: str = "test", n: int | None = None, seed: int | None = None) -> list[Task]:

@@ -9,7 +9,7 @@ import torch
 
 from flowalign.protocols import RewardOutput
 from rewards.registry import register
-from rewards.vvr.reward import blended_score, checked_gamma, task_or_invalid
+from rewards.vvr.reward import blended_score, checked_gamma, tasks_to_score
 from rewards.vvr.verify import GAMMA, score
 from rewards.vvr_motion.consistency import temporal_consistency
 from rewards.vvr_motion.graded import graded_credits
@@ -48,11 +48,7 @@ class VVRMotionReward:
         scores = torch.zeros(n, dtype=torch.float32)
         valid = torch.zeros(n, dtype=torch.bool)
         info: list[dict[str, Any]] = []
-        for i in range(n):
-            task, invalid = task_or_invalid(metadata, i, finite[i], "video")
-            if invalid is not None:
-                info.append(invalid)
-                continue
+        for i, task in tasks_to_score(metadata, finite, "video", info):
             verdict = verify(task, clips[i])
             # tracks: where each named object was found per frame, so a per-clip verdict says why it failed
             info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason,

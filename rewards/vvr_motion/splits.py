@@ -7,7 +7,7 @@ seeds. Both are disjoint by construction.
 
 from __future__ import annotations
 
-from rewards.vvr.splits import SPLITS, check_split, load_benchmark_split
+from rewards.vvr.splits import SPLITS, draw_benchmark_split, load_benchmark_split
 from rewards.vvr_motion.generate import generate_heldout_tasks, generate_tasks
 from rewards.vvr_motion.tasks import MotionTask
 
@@ -23,10 +23,8 @@ SPLIT_SIZE = 500
 
 def draw_split(level: str, split: str, n: int = SPLIT_SIZE, seed: int | None = None) -> list[MotionTask]:
     """``n`` fresh tasks of ``split``'s distribution drawn with ``seed`` (default: the shipped split's)."""
-    seed = SPLIT_SEEDS[check_split(split)][level] if seed is None else seed
-    if split == "test":
-        return generate_heldout_tasks(n, seed=seed, level=level)
-    return generate_tasks(n, seed=seed, level=level)
+    return draw_benchmark_split(SPLIT_SEEDS, level, split, n, seed, generate=generate_tasks,
+                                generate_heldout=generate_heldout_tasks)
 
 
 def load_split(level: str, split: str = "test", n: int | None = None, seed: int | None = None) -> list[MotionTask]:
