@@ -166,25 +166,15 @@ def rollout(
     last = sde_last_step and sampler != "cps"
     mask = sde_step_mask(num_steps, sde_window, last) if sampler != "ode" else torch.zeros(num_steps, dtype=torch.bool)
 
-    latents = [x]
-    log_probs = torch.full((len(prompts), num_steps), float("nan"))
-    velocities = []
-    for k in range(num_steps):
-        v = policy.velocity(x, sigmas[k].item(), cond, guidance)
-        if keep_velocities:
-            velocities.append(v.float())
-        if guide is not None:
-            v = guide(v, x, sigmas[k].item(), cond)
-        step = custom_step if custom_step is not None and mask[k] else _kind_step(
-            sampler if mask[k] else "ode", level, cps_log_prob)
-        if generators is not None and mask[k]:
-            out = _per_sample_noise_step(step, v, x, sigmas[k].item(), sigmas[k + 1].item(), generators)
-        else:
-            out = step(v, x, sigmas[k].item(), sigmas[k + 1].item(), generator, None)
-        x = out.prev_sample
-        latents.append(x)
-        log_probs[:, k] = out.log_prob.cpu()
+    def step_at(k: int) -> StepFn:
+        if custom_step is not None and mask[k]:
+            return custom_step
+        return _kind_step(sampler if mask[k] else "ode", level, cps_log_prob)
 
+    latents, log_probs, velocities = _integrate(
+        policy, x, sigmas, cond, guidance, mask, step_at, generator=generator, generators=generators,
+        guide=guide, keep_velocities=keep_velocities)
+    x = latents[-1]
     samples = policy.decode(x) if decode else None
     return Rollout(
         prompts=prompts,
@@ -200,6 +190,45 @@ def rollout(
         guidance_scale=guidance,
         velocities=torch.stack(velocities, dim=1) if keep_velocities else None,
     )
+
+
+def _integrate(
+    policy: FlowPolicy,
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: Any,
+    guidance: float,
+    mask: torch.Tensor,
+    step_at: Callable[[int], StepFn],
+    *,
+    generator: torch.Generator | None,
+    generators: Sequence[torch.Generator] | None,
+    guide: Callable[..., torch.Tensor] | None,
+    keep_velocities: bool,
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """Run the ``len(mask)`` steps from ``x`` ``(B, ...)`` along ``sigmas``, step ``k`` with ``step_at(k)``.
+
+    Returns the latents ``[x_0, ..., x_T]`` (each ``(B, ...)``), the log-probs ``(B, T)`` (NaN on ODE
+    steps) and, with ``keep_velocities``, the policy's velocities before any guide (else empty).
+    """
+    latents = [x]
+    log_probs = torch.full((x.shape[0], len(mask)), float("nan"))
+    velocities = []
+    for k in range(len(mask)):
+        v = policy.velocity(x, sigmas[k].item(), cond, guidance)
+        if keep_velocities:
+            velocities.append(v.float())
+        if guide is not None:
+            v = guide(v, x, sigmas[k].item(), cond)
+        step = step_at(k)
+        if generators is not None and mask[k]:
+            out = _per_sample_noise_step(step, v, x, sigmas[k].item(), sigmas[k + 1].item(), generators)
+        else:
+            out = step(v, x, sigmas[k].item(), sigmas[k + 1].item(), generator, None)
+        x = out.prev_sample
+        latents.append(x)
+        log_probs[:, k] = out.log_prob.cpu()
+    return latents, log_probs, velocities
 
 
 def _start(policy: FlowPolicy, n: int, initial_noise: torch.Tensor | None, generator: torch.Generator | None,

@@ -20,6 +20,10 @@ import torch
 
 SamplerKind = Literal["ode", "flow_grpo", "cps", "dance"]
 SAMPLER_KINDS: tuple[str, ...] = ("ode", "flow_grpo", "cps", "dance")
+#: a noise level σ: one float for the batch or a ``(B,)`` tensor
+Sigma = float | torch.Tensor
+#: how CPS scores a transition (see :func:`cps_step`)
+LogProbMode = Literal["code", "gaussian"]
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -118,15 +122,9 @@ def flow_grpo_diffusion(
 
 
 def cps_step(
-    velocity: torch.Tensor,
-    sample: torch.Tensor,
-    sigma: float | torch.Tensor,
-    sigma_next: float | torch.Tensor,
-    *,
-    eta: float,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    log_prob_mode: Literal["code", "gaussian"] = "code",
+    velocity: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sigma_next: Sigma, *, eta: float,
+    generator: torch.Generator | None = None, prev_sample: torch.Tensor | None = None,
+    log_prob_mode: LogProbMode = "code",
 ) -> StepOutput:
     """Coefficients-preserving sampling step (CPS, arXiv 2509.05952).
 
@@ -153,16 +151,9 @@ def cps_step(
 
 
 def sde_step(
-    kind: SamplerKind,
-    velocity: torch.Tensor,
-    sample: torch.Tensor,
-    sigma: float | torch.Tensor,
-    sigma_next: float | torch.Tensor,
-    *,
-    noise_level: float,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    cps_log_prob: Literal["code", "gaussian"] = "code",
+    kind: SamplerKind, velocity: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sigma_next: Sigma, *,
+    noise_level: float, generator: torch.Generator | None = None, prev_sample: torch.Tensor | None = None,
+    cps_log_prob: LogProbMode = "code",
 ) -> StepOutput:
     """One rollout step of the sampler ``kind`` (``"ode" | "flow_grpo" | "cps" | "dance"``).
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -28,9 +28,7 @@ class VVRReward:
     requires_metadata = ("task",)
 
     def __init__(self, gamma: float = GAMMA, partial_credit: bool = False):
-        if not 0.0 <= gamma <= 1.0:
-            raise UserError(f"vvr reward: gamma must lie in [0, 1], got {gamma}")
-        self.gamma = gamma
+        self.gamma = checked_gamma(gamma, self.name)
         #: [derived] also credit each object the prompt names (a constraint's reference, or a count's
         #: colour/shape) when some detected object matches it, so a task with one relation (binary under
         #: the plain reward) still ranks "both objects right, wrong place" above "nothing right". Only
@@ -54,14 +52,7 @@ class VVRReward:
         scores = torch.zeros(n, dtype=torch.float32)
         valid = torch.zeros(n, dtype=torch.bool)
         info: list[dict[str, Any]] = []
-        for i in range(n):
-            task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
-            if task is None:
-                info.append({"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"})
-                continue
-            if not finite[i]:
-                info.append({"constraints": [], "all_passed": False, "reason": "image has NaN or infinite values"})
-                continue
+        for i, task in tasks_to_score(metadata, finite, "image", info):
             verdict = verify(task, pixels[i])
             info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason,
                          "shapes": shapes_named(task)})
@@ -70,10 +61,37 @@ class VVRReward:
                 passed = [p for _, p in verdict.constraints]
                 if self.partial_credit:
                     checks = _named_objects_drawn(task, verdict.detected) + passed
-                    scores[i] = (1 - self.gamma) * sum(checks) / len(checks) + self.gamma * float(verdict.all_passed)
+                    scores[i] = blended_score(checks, verdict.all_passed, self.gamma)
                 else:
                     scores[i] = score(passed, self.gamma)
         return RewardOutput(components={"vvr": scores}, valid=valid, info=info)
+
+
+def checked_gamma(gamma: float, reward: str) -> float:
+    """``gamma`` if it lies in [0, 1], else a ``UserError`` naming the ``reward``."""
+    if not 0.0 <= gamma <= 1.0:
+        raise UserError(f"{reward} reward: gamma must lie in [0, 1], got {gamma}")
+    return gamma
+
+
+def tasks_to_score(
+    metadata: list[dict[str, Any]], finite: list[bool], what: str, info: list[dict[str, Any]]
+) -> Iterator[tuple[int, Any]]:
+    """``(i, task)`` for each sample ``i`` that can be verified; for any other one (no task in its metadata,
+    or its ``what`` — "image", "video" — is not ``finite``) appends to ``info`` the entry saying why."""
+    for i, ok in enumerate(finite):
+        task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
+        if task is None:
+            info.append({"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"})
+        elif not ok:
+            info.append({"constraints": [], "all_passed": False, "reason": f"{what} has NaN or infinite values"})
+        else:
+            yield i, task
+
+
+def blended_score(credits: list[float], all_passed: bool, gamma: float) -> float:
+    """The partial-credit reward ``(1-γ)·mean(credits) + γ·all_passed``."""
+    return (1 - gamma) * sum(credits) / len(credits) + gamma * float(all_passed)
 
 
 def shapes_named(task: Any) -> list[str]:

@@ -11,6 +11,7 @@ Both are disjoint by construction: every test task is held out and no validation
 from __future__ import annotations
 
 import json
+from typing import Any, Callable, TypeVar
 
 from flowalign.errors import UserError
 from flowalign.paths import assets_dir
@@ -24,6 +25,7 @@ SPLIT_SEEDS: dict[str, dict[str, int]] = {
     "validation": {"easy": 1101, "medium": 1102, "hard": 1103},
 }
 SPLIT_SIZE = 500
+T = TypeVar("T")
 
 
 def check_split(split: str) -> str:
@@ -36,22 +38,55 @@ def check_split(split: str) -> str:
 def draw_split(level: str, split: str, n: int = SPLIT_SIZE, seed: int | None = None) -> list[Task]:
     """``n`` fresh tasks of ``split``'s distribution (held-out compositions for test), drawn with
     ``seed`` (default: the shipped split's seed, which reproduces the shipped file)."""
-    seed = SPLIT_SEEDS[check_split(split)][level] if seed is None else seed
+    return draw_benchmark_split(SPLIT_SEEDS, level, split, n, seed, generate=generate_tasks,
+                                generate_heldout=generate_heldout_tasks)
+
+
+def draw_benchmark_split(
+    seeds: dict[str, dict[str, int]],
+    level: str,
+    split: str,
+    n: int,
+    seed: int | None,
+    *,
+    generate: Callable[..., list[T]],
+    generate_heldout: Callable[..., list[T]],
+) -> list[T]:
+    """``draw_split`` of a task family: ``n`` tasks from ``generate_heldout`` (test) or ``generate``
+    (validation), drawn with ``seed`` (default: ``seeds[split][level]``, the shipped split's)."""
+    seed = seeds[check_split(split)][level] if seed is None else seed
     if split == "test":
-        return generate_heldout_tasks(n, seed=seed, level=level)
-    return generate_tasks(n, seed=seed, level=level)
+        return generate_heldout(n, seed=seed, level=level)
+    return generate(n, seed=seed, level=level)
 
 
 def load_split(level: str, split: str = "test", n: int | None = None, seed: int | None = None) -> list[Task]:
     """The first ``n`` (default all) tasks of the shipped ``level``/``split`` file, or ``n`` (default 500)
     fresh tasks of that split's distribution drawn with ``seed`` when one is given."""
+    return load_benchmark_split("vvr", level, split, n, seed, draw=draw_split, from_dict=Task.from_dict)
+
+
+def load_benchmark_split(
+    name: str,
+    level: str,
+    split: str,
+    n: int | None,
+    seed: int | None,
+    *,
+    draw: Callable[[str, str, int, int], list[T]],
+    from_dict: Callable[[dict[str, Any]], T],
+) -> list[T]:
+    """``load_split`` of the task family ``name`` (``"vvr"``, ``"vvr_motion"``): with a ``seed``,
+    ``draw(level, split, n or SPLIT_SIZE, seed)``; else the first ``n`` (default all) tasks of
+    ``assets/<name>/<level>/<split>.jsonl``, each built with ``from_dict``."""
     check_split(split)
     if level not in LEVELS:
         raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
     if seed is not None:
-        return draw_split(level, split, n or SPLIT_SIZE, seed)
-    path = assets_dir() / "vvr" / level / f"{split}.jsonl"
+        return draw(level, split, n or SPLIT_SIZE, seed)
+    path = assets_dir() / name / level / f"{split}.jsonl"
     if not path.exists():
-        raise UserError(f"benchmark split {path} is missing; regenerate it with scripts/make_vvr_splits.py or pass --seed")
+        raise UserError(f"benchmark split {path} is missing; regenerate it with scripts/make_{name}_splits.py"
+                        " or pass --seed")
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Task.from_dict(d) for d in lines][: n or None]
+    return [from_dict(d) for d in lines][: n or None]

@@ -192,13 +192,20 @@ class Constraint:
 
 
 @dataclass(frozen=True)
-class Task:
-    """A scene plus constraints true in it; ``objects`` are in paint order (later ones on top)."""
+class SceneTask:
+    """What every VVR task kind starts with: an id, a level, a background and ``objects`` in paint order
+    (later ones on top). :class:`Task` adds constraints, ``rewards.vvr_edit.EditTask`` an edit."""
 
     id: str
     level: str
     background: str
     objects: tuple[Obj, ...]
+
+
+@dataclass(frozen=True)
+class Task(SceneTask):
+    """A scene plus constraints true in it; ``objects`` are in paint order (later ones on top)."""
+
     constraints: tuple[Constraint, ...]
 
     @property
@@ -208,23 +215,12 @@ class Task:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form; ``prompt`` is included for readers and ignored by :meth:`from_dict`."""
-        return {
-            "id": self.id,
-            "level": self.level,
-            "background": self.background,
-            "objects": [o.to_dict() for o in self.objects],
-            "constraints": [c.to_dict() for c in self.constraints],
-            "prompt": self.prompt,
-        }
+        return task_dict(self)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "Task":
         """Validate and build; raises ``ValueError`` naming the bad field and the allowed values."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"task: expected a dict, got {type(d).__name__}")
-        constraints = d.get("constraints")
-        if not isinstance(constraints, (list, tuple)) or not constraints:
-            raise ValueError("task.constraints: must be a non-empty list of constraints")
+        constraints = checked_constraint_list(d, "constraints")
         level = d.get("level", "hard")
         return Task(
             id=str(d.get("id", "")),
@@ -233,6 +229,31 @@ class Task:
             objects=tuple(Obj.from_dict(o, f"objects[{i}]") for i, o in enumerate(d.get("objects", []))),
             constraints=tuple(Constraint.from_dict(c, f"constraints[{i}]") for i, c in enumerate(constraints)),
         )
+
+
+def task_dict(task: Any, **extra: Any) -> dict[str, Any]:
+    """The JSON form of a constrained task (:class:`Task`, ``rewards.vvr_motion.MotionTask``): ``id``, ``level``,
+    the kind's own ``extra`` fields, ``background``, ``objects``, ``constraints`` and the ``prompt``."""
+    return {
+        "id": task.id,
+        "level": task.level,
+        **extra,
+        "background": task.background,
+        "objects": [o.to_dict() for o in task.objects],
+        "constraints": [c.to_dict() for c in task.constraints],
+        "prompt": task.prompt,
+    }
+
+
+def checked_constraint_list(d: Any, what: str) -> list | tuple:
+    """The constraints of a task dict ``d``; a ``ValueError`` unless ``d`` is a dict with a non-empty list of
+    ``what`` (e.g. ``"constraints"``) under ``"constraints"``."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"task: expected a dict, got {type(d).__name__}")
+    constraints = d.get("constraints")
+    if not isinstance(constraints, (list, tuple)) or not constraints:
+        raise ValueError(f"task.constraints: must be a non-empty list of {what}")
+    return constraints
 
 
 def as_task(task: "Task | Mapping[str, Any]") -> Task:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from rewards.vvr import Obj
+from rewards.vvr.tasks import SceneTask
 
 EDIT_KINDS: tuple[str, ...] = ("recolour", "move", "remove", "add")
 RELATIONS: tuple[str, ...] = ("left_of", "right_of", "above", "below")
@@ -38,13 +39,9 @@ def describe(obj: Obj) -> str:
 
 
 @dataclass(frozen=True)
-class EditTask:
+class EditTask(SceneTask):
     """A source scene, an edit, and the edited scene (see the module docstring)."""
 
-    id: str
-    level: str
-    background: str
-    objects: tuple[Obj, ...]
     edit: Mapping[str, Any]
     result: tuple[Obj, ...]
 

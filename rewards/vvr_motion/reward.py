@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.registry import register
+from rewards.vvr.reward import blended_score, checked_gamma, tasks_to_score
 from rewards.vvr.verify import GAMMA, score
 from rewards.vvr_motion.consistency import temporal_consistency
 from rewards.vvr_motion.graded import graded_credits
@@ -35,9 +35,7 @@ class VVRMotionReward:
     differentiable = False
 
     def __init__(self, gamma: float = GAMMA, partial_credit: bool = False):
-        if not 0.0 <= gamma <= 1.0:
-            raise UserError(f"vvr_motion reward: gamma must lie in [0, 1], got {gamma}")
-        self.gamma = gamma
+        self.gamma = checked_gamma(gamma, self.name)
         #: a failed constraint earns its graded credit (``graded.py``: presence × how far and how steadily
         #: it went) instead of 0, so "moved the right way, not far enough" ranks above "did not move". A
         #: training signal only: ``all_passed`` and benchmark accuracy are unchanged.
@@ -50,14 +48,7 @@ class VVRMotionReward:
         scores = torch.zeros(n, dtype=torch.float32)
         valid = torch.zeros(n, dtype=torch.bool)
         info: list[dict[str, Any]] = []
-        for i in range(n):
-            task = metadata[i].get("task") if i < len(metadata) and metadata[i] else None
-            if task is None:
-                info.append({"constraints": [], "all_passed": False, "reason": f"metadata[{i}] has no 'task'"})
-                continue
-            if not finite[i]:
-                info.append({"constraints": [], "all_passed": False, "reason": "video has NaN or infinite values"})
-                continue
+        for i, task in tasks_to_score(metadata, finite, "video", info):
             verdict = verify(task, clips[i])
             # tracks: where each named object was found per frame, so a per-clip verdict says why it failed
             info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason,
@@ -67,7 +58,7 @@ class VVRMotionReward:
                 passed = [p for _, p in verdict.constraints]
                 if self.partial_credit:
                     credits = graded_credits(as_task(task).constraints, passed, verdict.detected)
-                    scores[i] = (1 - self.gamma) * sum(credits) / len(credits) + self.gamma * float(verdict.all_passed)
+                    scores[i] = blended_score(credits, verdict.all_passed, self.gamma)
                 else:
                     scores[i] = score(passed, self.gamma)
         return RewardOutput(components={"vvr_motion": scores}, valid=valid, info=info)

@@ -7,12 +7,7 @@ seeds. Both are disjoint by construction.
 
 from __future__ import annotations
 
-import json
-
-from flowalign.errors import UserError
-from flowalign.paths import assets_dir
-from rewards.vvr.splits import SPLITS, check_split
-from rewards.vvr.tasks import LEVELS
+from rewards.vvr.splits import SPLITS, draw_benchmark_split, load_benchmark_split
 from rewards.vvr_motion.generate import generate_heldout_tasks, generate_tasks
 from rewards.vvr_motion.tasks import MotionTask
 
@@ -28,23 +23,11 @@ SPLIT_SIZE = 500
 
 def draw_split(level: str, split: str, n: int = SPLIT_SIZE, seed: int | None = None) -> list[MotionTask]:
     """``n`` fresh tasks of ``split``'s distribution drawn with ``seed`` (default: the shipped split's)."""
-    seed = SPLIT_SEEDS[check_split(split)][level] if seed is None else seed
-    if split == "test":
-        return generate_heldout_tasks(n, seed=seed, level=level)
-    return generate_tasks(n, seed=seed, level=level)
+    return draw_benchmark_split(SPLIT_SEEDS, level, split, n, seed, generate=generate_tasks,
+                                generate_heldout=generate_heldout_tasks)
 
 
 def load_split(level: str, split: str = "test", n: int | None = None, seed: int | None = None) -> list[MotionTask]:
     """The first ``n`` (default all) tasks of the shipped ``level``/``split`` file, or ``n`` (default 500)
     fresh tasks of that split's distribution drawn with ``seed`` when one is given."""
-    check_split(split)
-    if level not in LEVELS:
-        raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
-    if seed is not None:
-        return draw_split(level, split, n or SPLIT_SIZE, seed)
-    path = assets_dir() / "vvr_motion" / level / f"{split}.jsonl"
-    if not path.exists():
-        raise UserError(f"benchmark split {path} is missing; regenerate it with scripts/make_vvr_motion_splits.py"
-                        " or pass --seed")
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [MotionTask.from_dict(d) for d in lines][: n or None]
+    return load_benchmark_split("vvr_motion", level, split, n, seed, draw=draw_split, from_dict=MotionTask.from_dict)

@@ -28,7 +28,15 @@ from typing import Any, Mapping
 from rewards.vvr.geometry import SIZE_EXTENT, SIZES, box_size
 from rewards.vvr.palette import COLOURS
 from rewards.vvr.predicates import Box
-from rewards.vvr.tasks import LEVELS, Obj, checked_choice, checked_fields, checked_ref
+from rewards.vvr.tasks import (
+    LEVELS,
+    Obj,
+    checked_choice,
+    checked_constraint_list,
+    checked_fields,
+    checked_ref,
+    task_dict,
+)
 from rewards.vvr_motion.prompts import prompt_for, ref_key  # noqa: F401  (ref_key re-exported)
 
 #: frames per clip by default: Wan's VAE needs F = 4k + 1, and the tiny video model makes 9
@@ -150,24 +158,12 @@ class MotionTask:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form; ``prompt`` is included for readers and ignored by :meth:`from_dict`."""
-        return {
-            "id": self.id,
-            "level": self.level,
-            "num_frames": self.num_frames,
-            "background": self.background,
-            "objects": [o.to_dict() for o in self.objects],
-            "constraints": [c.to_dict() for c in self.constraints],
-            "prompt": self.prompt,
-        }
+        return task_dict(self, num_frames=self.num_frames)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "MotionTask":
         """Validate and build; raises ``ValueError`` naming the bad field and the allowed values."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"task: expected a dict, got {type(d).__name__}")
-        constraints = d.get("constraints")
-        if not isinstance(constraints, (list, tuple)) or not constraints:
-            raise ValueError("task.constraints: must be a non-empty list of motion constraints")
+        constraints = checked_constraint_list(d, "motion constraints")
         objects = d.get("objects", [])
         if not isinstance(objects, (list, tuple)):
             raise ValueError(f"task.objects: must be a list of objects, got {objects!r}")
