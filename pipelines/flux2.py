@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import json
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,8 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+from pipelines._common import PolicyOptions, PromptCache, check_multiple, check_prompts, load_frozen_pipeline
+from pipelines._common import make_trainable, merge_defaults, sigma_batch, stack_rows
 
 #: LoRA targets when ``lora`` gives none: the double-stream attention projections (image and text) and the
 #: single-stream blocks' fused QKV+MLP input projection, as in diffusers' FLUX.2 LoRA training script.
@@ -40,7 +40,7 @@ DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
 
 
-class Flux2Policy:
+class Flux2Policy(lora_utils.AdapterMethods):
     """FLUX.2 text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, L, 3·D_text)`` and, for klein base with
@@ -50,31 +50,15 @@ class Flux2Policy:
     family = "flux2"
     is_video = False
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        lora: dict[str, Any] | None = None,
-        full_finetune: bool = False,
-        gradient_checkpointing: bool = False,
-        defaults: dict[str, Any] | None = None,
-        prompt_cache_size: int = 1024,
-        decode_batch_size: int = 8,
-    ) -> None:
-        lora_utils.check_options(lora, full_finetune)
-        self.device = torch.device(device)
-        self.dtype = dtype
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
+        self.options = opts = PolicyOptions.parse(options)
+        self.device, self.dtype = torch.device(opts.device), opts.dtype
         class_name = json.loads((Path(path) / "model_index.json").read_text())["_class_name"]
         if class_name not in PIPELINES:
             raise UserError(f"{path}: {class_name} is not a FLUX.2 pipeline ({', '.join(PIPELINES)})")
         self.pipeline_class = getattr(diffusers, class_name)
-        self.pipe = self.pipeline_class.from_pretrained(str(path), dtype=dtype).to(self.device)
-        self.pipe.set_progress_bar_config(disable=True)
-        for module in self.pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                lora_utils.freeze(module)
+        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts)
         self.transformer = self.pipe.transformer
         self.vae = self.pipe.vae
         self.vae_scale_factor = self.pipe.vae_scale_factor
@@ -83,27 +67,20 @@ class Flux2Policy:
         layers = inspect.signature(self.pipe.encode_prompt).parameters["text_encoder_out_layers"].default
         # model cards: dev 50 steps at embedded guidance 4; klein base 50 steps CFG 4; distilled klein 4 steps
         side = self.pipe.default_sample_size * self.vae_scale_factor
-        self.defaults: dict[str, Any] = {
+        builtin = {
             "height": side, "width": side, "num_frames": None,
             "guidance_scale": 1.0 if self.distilled else 4.0, "num_steps": 4 if self.distilled else 50,
             "max_sequence_length": 512, "text_encoder_out_layers": list(layers),
             "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
         }
-        self.defaults.update(sampling_defaults(path))
-        self.defaults.update(defaults or {})
-        multiple = self.vae_scale_factor * 2
-        for key in ("height", "width"):
-            if int(self.defaults[key]) % multiple:
-                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this FLUX.2 model")
+        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
+        multiple = self.vae_scale_factor * 2  # the transformer takes 2×2 latent patches
+        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this FLUX.2 model")
         self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             self.pipe.scheduler.config, shift=float(self.defaults["shift"])
         )
-        lora_utils.setup_training(self.transformer, lora=lora, full_finetune=full_finetune,
-                                  default_targets=DEFAULT_LORA_TARGETS, gradient_checkpointing=gradient_checkpointing)
-        self.full_finetune = full_finetune
-        self.trainable: torch.nn.Module = self.transformer
-        self.decode_batch_size = decode_batch_size
-        self._cache = PromptCache(prompt_cache_size)
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
+        self._cache = PromptCache(opts.prompt_cache_size)
 
     # ------------------------------------------------------------------ shapes
 
@@ -214,23 +191,7 @@ class Flux2Policy:
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Tokens ``(B, seq, 4·C)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
         images = []
-        for chunk in x0.split(self.decode_batch_size):
+        for chunk in x0.split(self.options.decode_batch_size):
             image = self.vae.decode(self.to_vae_latents(chunk).to(self.vae.dtype), return_dict=False)[0]
             images.append((image.float() / 2 + 0.5).clamp(0, 1))
         return torch.cat(images)
-
-    # ------------------------------------------------------------------ adapters
-
-    def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
-        return lora_utils.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: str | Path) -> None:
-        """Write ``pytorch_lora_weights.safetensors`` that the FLUX.2 pipelines' ``load_lora_weights`` read."""
-        lora_utils.save_adapter(self.pipeline_class, self.transformer, directory)
-
-    def load_adapter(self, directory: str | Path) -> None:
-        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
-        if self.full_finetune:
-            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
-        lora_utils.load_adapter(self.pipe, self.transformer, directory)
