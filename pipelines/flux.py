@@ -19,14 +19,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, batch_size, check_multiple, check_prompts, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, sigma_batch, stack_rows
+from pipelines._common import PolicyOptions, PromptCache, batch_size, check_prompts, check_side_multiple
+from pipelines._common import gaussian_noise, load_frozen_pipeline, make_trainable, merge_defaults, own_scheduler
+from pipelines._common import packed_latent_hw, packed_latent_shape, scheduler_shift, sigma_batch, stack_rows
 from pipelines._common import text_encoders
 
 #: LoRA targets when ``lora`` gives none: the attention projections of the double-stream blocks (image
@@ -61,14 +62,12 @@ class FluxPolicy(lora_utils.AdapterMethods):
         dev = self.guidance_embeds
         builtin = {"height": side, "width": side, "num_frames": None, "guidance_scale": 3.5 if dev else 0.0,
                    "num_steps": 28 if dev else 4, "max_sequence_length": 512 if dev else 256,
-                   "shift": float(self.pipe.scheduler.config.get("shift", 1.0))}
+                   "shift": scheduler_shift(self.pipe)}
         self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
-        multiple = self.vae_scale_factor * 2  # latents are packed in 2×2 patches
-        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this FLUX model")
+        check_side_multiple(self.defaults, self.vae_scale_factor * 2, "this FLUX model")  # 2×2 latent patches
 
         # The policy's own scheduler copy; `shift` only matters when dynamic shifting is off (schnell).
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"]))
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
 
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
 
@@ -77,14 +76,12 @@ class FluxPolicy(lora_utils.AdapterMethods):
     @property
     def latent_hw(self) -> tuple[int, int]:
         """Unpacked latent ``(h, w)``: even, as the pipeline rounds them for 2×2 packing."""
-        f = self.vae_scale_factor
-        return 2 * (int(self.defaults["height"]) // (f * 2)), 2 * (int(self.defaults["width"]) // (f * 2))
+        return packed_latent_hw(self.defaults, self.vae_scale_factor)
 
     @property
     def latent_shape(self) -> tuple[int, int]:
         """Packed ``(seq, 4·C)`` of one sample, ``seq = (h/2)·(w/2)``."""
-        h, w = self.latent_hw
-        return (h // 2) * (w // 2), self.transformer.config.in_channels
+        return packed_latent_shape(self.defaults, self.vae_scale_factor, self.transformer.config.in_channels)
 
     # ------------------------------------------------------------------ text
 

@@ -24,14 +24,14 @@ from typing import Any
 import diffusers
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_multiple, check_prompts, load_frozen_pipeline
-from pipelines._common import make_trainable, merge_defaults, sigma_batch, stack_rows
+from pipelines._common import PolicyOptions, PromptCache, check_prompts, check_side_multiple
+from pipelines._common import encode_with_empty_negative, load_frozen_pipeline, make_trainable, merge_defaults
+from pipelines._common import own_scheduler, scheduler_shift, sigma_batch
 
 #: LoRA targets when ``lora`` gives none: the double-stream attention projections (image and text) and the
 #: single-stream blocks' fused QKV+MLP input projection, as in diffusers' FLUX.2 LoRA training script.
@@ -71,14 +71,11 @@ class Flux2Policy(lora_utils.AdapterMethods):
             "height": side, "width": side, "num_frames": None,
             "guidance_scale": 1.0 if self.distilled else 4.0, "num_steps": 4 if self.distilled else 50,
             "max_sequence_length": 512, "text_encoder_out_layers": list(layers),
-            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+            "shift": scheduler_shift(self.pipe),
         }
         self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
-        multiple = self.vae_scale_factor * 2  # the transformer takes 2×2 latent patches
-        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this FLUX.2 model")
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
-        )
+        check_side_multiple(self.defaults, self.vae_scale_factor * 2, "this FLUX.2 model")  # 2×2 latent patches
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         self._cache = PromptCache(opts.prompt_cache_size)
 
@@ -107,11 +104,7 @@ class Flux2Policy(lora_utils.AdapterMethods):
         """Stacked text-encoder layers through the pipeline's ``encode_prompt``, cached per prompt string."""
         prompts = check_prompts(prompts)
         cfg = self.cfg and float(self.defaults["guidance_scale"]) > 1
-        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
-        tensors = stack_rows(rows, prompts, ["prompt_embeds"])
-        if cfg:
-            tensors["negative_prompt_embeds"] = stack_rows(rows, [""] * len(prompts), ["prompt_embeds"])["prompt_embeds"]
-        return Conditioning(tensors, prompts)
+        return encode_with_empty_negative(self._cache, prompts, self._encode_batch, cfg)
 
     def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _ = self.pipe.encode_prompt(

@@ -20,14 +20,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_multiple, check_prompts, load_frozen_pipeline
-from pipelines._common import make_trainable, merge_defaults, sigma_batch
+from pipelines._common import PolicyOptions, PromptCache, check_prompts, check_side_multiple, load_frozen_pipeline
+from pipelines._common import make_trainable, merge_defaults, own_scheduler, packed_latent_hw, packed_latent_shape
+from pipelines._common import scheduler_shift, sigma_batch
 from pipelines._varlen import pad_rows, trim
 
 #: LoRA targets when ``lora`` gives none: the image (to_*) and text (add_* / to_add_out) attention
@@ -66,14 +67,11 @@ class QwenImagePolicy(lora_utils.AdapterMethods):
         builtin = {
             "height": side, "width": side, "num_frames": None, "guidance_scale": 4.0, "num_steps": 50,
             "max_sequence_length": 512, "negative_prompt": " ",
-            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+            "shift": scheduler_shift(self.pipe),
         }
         self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
-        multiple = self.vae_scale_factor * 2  # the transformer takes 2×2 latent patches
-        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this Qwen-Image model")
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
-        )
+        check_side_multiple(self.defaults, self.vae_scale_factor * 2, "this Qwen-Image model")  # 2×2 latent patches
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         self._cache = PromptCache(opts.prompt_cache_size)
 
@@ -82,14 +80,12 @@ class QwenImagePolicy(lora_utils.AdapterMethods):
     @property
     def latent_hw(self) -> tuple[int, int]:
         """Unpacked latent ``(h, w)`` (even, as the pipeline rounds them)."""
-        f = self.vae_scale_factor
-        return 2 * (int(self.defaults["height"]) // (f * 2)), 2 * (int(self.defaults["width"]) // (f * 2))
+        return packed_latent_hw(self.defaults, self.vae_scale_factor)
 
     @property
     def latent_shape(self) -> tuple[int, int]:
         """Packed ``(seq, 4·C)`` of one sample."""
-        h, w = self.latent_hw
-        return (h // 2) * (w // 2), self.transformer.config.in_channels
+        return packed_latent_shape(self.defaults, self.vae_scale_factor, self.transformer.config.in_channels)
 
     # ------------------------------------------------------------------ text
 

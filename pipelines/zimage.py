@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+from diffusers import ZImagePipeline
 from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_multiple, check_prompts, load_frozen_pipeline
-from pipelines._common import make_trainable, merge_defaults, sigma_batch
+from pipelines._common import PolicyOptions, PromptCache, check_prompts, check_side_multiple, load_frozen_pipeline
+from pipelines._common import make_trainable, merge_defaults, own_scheduler, scheduler_shift, sigma_batch
 from pipelines._varlen import pad_rows, unpad
 
 #: LoRA targets when ``lora`` gives none: the attention projections of every single-stream and refiner block
@@ -55,14 +55,11 @@ class ZImagePolicy(lora_utils.AdapterMethods):
         # Z-Image-Turbo model card: 1024², 9 scheduler steps, guidance_scale 0 (g = 1, no CFG)
         builtin = {
             "height": 1024, "width": 1024, "num_frames": None, "guidance_scale": 1.0, "num_steps": 9,
-            "max_sequence_length": 512, "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+            "max_sequence_length": 512, "shift": scheduler_shift(self.pipe),
         }
         self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
-        multiple = self.vae_scale_factor * 2  # the transformer takes 2×2 latent patches
-        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this Z-Image model")
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
-        )
+        check_side_multiple(self.defaults, self.vae_scale_factor * 2, "this Z-Image model")  # 2×2 latent patches
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         self._cache = PromptCache(opts.prompt_cache_size)
 
