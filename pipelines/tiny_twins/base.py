@@ -45,25 +45,28 @@ def vae_blocks(block_out_channels) -> dict[str, Any]:
     }
 
 
+def vae_config(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
+    """An ``AutoencoderKL`` config: ``over`` merged into ``base``, block types filled in per channel level."""
+    cfg = merge(base, over)
+    return {**vae_blocks(cfg["block_out_channels"]), **cfg}
+
+
+def with_defaults(cfg: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """A copy of ``cfg`` with ``values`` filled in where ``cfg`` has none (derived fields an override may set)."""
+    return {**cfg, **{k: v for k, v in values.items() if k not in cfg}}
+
+
 def clip_config(cfg: dict[str, Any], tok) -> dict[str, Any]:
-    cfg = dict(cfg)
-    cfg.setdefault("vocab_size", len(tok))
-    cfg.setdefault("max_position_embeddings", tok.model_max_length)
-    cfg.setdefault("bos_token_id", tok.bos_token_id)
-    cfg.setdefault("eos_token_id", tok.eos_token_id)
-    cfg.setdefault("pad_token_id", tok.pad_token_id)
-    return cfg
+    """A CLIP stand-in config with the vocabulary, length and token ids of ``tok`` filled in unless given."""
+    return with_defaults(cfg, vocab_size=len(tok), max_position_embeddings=tok.model_max_length,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
 
 def t5_config(cfg: dict[str, Any], tok) -> dict[str, Any]:
     """A T5 / UMT5 stand-in config with the token ids and vocabulary of ``tok`` filled in unless given."""
-    cfg = dict(cfg)
-    cfg.setdefault("vocab_size", len(tok))
-    cfg.setdefault("pad_token_id", tok.pad_token_id)
-    cfg.setdefault("eos_token_id", tok.eos_token_id)
-    cfg.setdefault("decoder_start_token_id", tok.pad_token_id)
-    return cfg
+    return with_defaults(cfg, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         decoder_start_token_id=tok.pad_token_id)
 
 
 def scalar_options(family: str, defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.tiny_twins.base import CLIP_L_STANDIN, T5_STANDIN, clip_config, merge, scalar_options, sd_vae_standin
-from pipelines.tiny_twins.base import seeded, t5_config, vae_blocks
+from pipelines.tiny_twins.base import seeded, t5_config, vae_config
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 
@@ -54,8 +54,7 @@ def build_tiny_flux(**overrides):
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     o = scalar_options("flux", FLUX_DEFAULTS, overrides)
-    vae_cfg = merge(FLUX_DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    vae_cfg = vae_config(FLUX_DEFAULTS["vae"], overrides.get("vae"))
     tok = clip_tokenizer(o["clip_vocab_size"], o["clip_max_length"])
     tok_2 = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
     c1 = clip_config(merge(FLUX_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)

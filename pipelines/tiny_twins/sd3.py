@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.tiny_twins.base import CLIP_L_STANDIN, T5_STANDIN, clip_config, merge, scalar_options, sd_vae_standin
-from pipelines.tiny_twins.base import seeded, t5_config, vae_blocks
+from pipelines.tiny_twins.base import seeded, t5_config, vae_config
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 
@@ -66,8 +66,7 @@ def build_tiny_sd3(**overrides):
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     o = scalar_options("sd3", SD3_DEFAULTS, overrides)
-    vae_cfg = merge(SD3_DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    vae_cfg = vae_config(SD3_DEFAULTS["vae"], overrides.get("vae"))
     f = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
     vae_cfg.setdefault("sample_size", o["height"])
 
