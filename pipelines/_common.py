@@ -191,6 +191,14 @@ def check_side_multiple(defaults: dict[str, Any], multiple: int, model: str) -> 
     check_multiple(defaults, {"height": multiple, "width": multiple}, model)
 
 
+def sized_defaults(builtin: dict[str, Any], path: str | Path, caller: dict[str, Any] | None, multiple: int,
+                   model: str) -> dict[str, Any]:
+    """:func:`merge_defaults`, then :func:`check_side_multiple`: ``height``, ``width`` multiples of ``multiple``."""
+    defaults = merge_defaults(builtin, path, caller)
+    check_side_multiple(defaults, multiple, model)
+    return defaults
+
+
 def scheduler_shift(pipe: Any) -> float:
     """The ``shift`` of the pipeline's scheduler config (1.0 when it has none): the built-in default."""
     return float(pipe.scheduler.config.get("shift", 1.0))
@@ -202,17 +210,25 @@ def own_scheduler(pipe: Any, shift: float) -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=float(shift))
 
 
-def packed_latent_hw(defaults: dict[str, Any], vae_scale_factor: int) -> tuple[int, int]:
-    """Unpacked latent ``(h, w)`` for the defaults' ``height``, ``width``: even, as the FLUX-style pipelines
-    round them for 2×2 packing."""
-    f = vae_scale_factor * 2
-    return 2 * (int(defaults["height"]) // f), 2 * (int(defaults["width"]) // f)
+class PackedLatents:
+    """The latent shapes of a family whose transformer takes 2×2 latent patches packed as tokens
+    (FLUX.1, Qwen-Image), for a policy with ``defaults``, ``vae_scale_factor`` and ``transformer``."""
 
+    defaults: dict[str, Any]
+    vae_scale_factor: int
+    transformer: torch.nn.Module
 
-def packed_latent_shape(defaults: dict[str, Any], vae_scale_factor: int, in_channels: int) -> tuple[int, int]:
-    """Packed ``(seq, 4·C)`` of one sample, ``seq = (h/2)·(w/2)`` (``in_channels`` = 4·C)."""
-    h, w = packed_latent_hw(defaults, vae_scale_factor)
-    return (h // 2) * (w // 2), in_channels
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        """Unpacked latent ``(h, w)``: even, as the pipeline rounds them for 2×2 packing."""
+        f = self.vae_scale_factor * 2
+        return 2 * (int(self.defaults["height"]) // f), 2 * (int(self.defaults["width"]) // f)
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        """Packed ``(seq, 4·C)`` of one sample, ``seq = (h/2)·(w/2)``."""
+        h, w = self.latent_hw
+        return (h // 2) * (w // 2), self.transformer.config.in_channels
 
 
 def make_trainable(transformer: torch.nn.Module, options: PolicyOptions, default_targets: list[str]) -> torch.nn.Module:

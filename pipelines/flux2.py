@@ -29,9 +29,9 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_prompts, check_side_multiple
-from pipelines._common import encode_with_empty_negative, load_frozen_pipeline, make_trainable, merge_defaults
-from pipelines._common import own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import PolicyOptions, PromptCache, check_prompts, encode_with_empty_negative
+from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import sized_defaults
 
 #: LoRA targets when ``lora`` gives none: the double-stream attention projections (image and text) and the
 #: single-stream blocks' fused QKV+MLP input projection, as in diffusers' FLUX.2 LoRA training script.
@@ -73,8 +73,8 @@ class Flux2Policy(lora_utils.AdapterMethods):
             "max_sequence_length": 512, "text_encoder_out_layers": list(layers),
             "shift": scheduler_shift(self.pipe),
         }
-        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
-        check_side_multiple(self.defaults, self.vae_scale_factor * 2, "this FLUX.2 model")  # 2×2 latent patches
+        multiple = self.vae_scale_factor * 2  # 2×2 latent patches
+        self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this FLUX.2 model")
         self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         self._cache = PromptCache(opts.prompt_cache_size)

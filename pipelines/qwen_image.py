@@ -26,9 +26,8 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_prompts, check_side_multiple, load_frozen_pipeline
-from pipelines._common import make_trainable, merge_defaults, own_scheduler, packed_latent_hw, packed_latent_shape
-from pipelines._common import scheduler_shift, sigma_batch
+from pipelines._common import PackedLatents, PolicyOptions, PromptCache, check_prompts, load_frozen_pipeline
+from pipelines._common import make_trainable, own_scheduler, scheduler_shift, sigma_batch, sized_defaults
 from pipelines._varlen import pad_rows, trim
 
 #: LoRA targets when ``lora`` gives none: the image (to_*) and text (add_* / to_add_out) attention
@@ -42,7 +41,7 @@ def true_cfg(v_cond: torch.Tensor, v_neg: torch.Tensor, scale: float) -> torch.T
     return guided * (v_cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
 
-class QwenImagePolicy(lora_utils.AdapterMethods):
+class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
     """Qwen-Image text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` and ``prompt_embeds_mask (B, L)`` (``L`` =
@@ -69,23 +68,11 @@ class QwenImagePolicy(lora_utils.AdapterMethods):
             "max_sequence_length": 512, "negative_prompt": " ",
             "shift": scheduler_shift(self.pipe),
         }
-        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
-        check_side_multiple(self.defaults, self.vae_scale_factor * 2, "this Qwen-Image model")  # 2×2 latent patches
+        multiple = self.vae_scale_factor * 2  # 2×2 latent patches
+        self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this Qwen-Image model")
         self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         self._cache = PromptCache(opts.prompt_cache_size)
-
-    # ------------------------------------------------------------------ shapes
-
-    @property
-    def latent_hw(self) -> tuple[int, int]:
-        """Unpacked latent ``(h, w)`` (even, as the pipeline rounds them)."""
-        return packed_latent_hw(self.defaults, self.vae_scale_factor)
-
-    @property
-    def latent_shape(self) -> tuple[int, int]:
-        """Packed ``(seq, 4·C)`` of one sample."""
-        return packed_latent_shape(self.defaults, self.vae_scale_factor, self.transformer.config.in_channels)
 
     # ------------------------------------------------------------------ text
 

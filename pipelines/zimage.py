@@ -26,8 +26,8 @@ from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_de
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_prompts, check_side_multiple, load_frozen_pipeline
-from pipelines._common import make_trainable, merge_defaults, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import PolicyOptions, PromptCache, check_prompts, load_frozen_pipeline, make_trainable
+from pipelines._common import own_scheduler, scheduler_shift, sigma_batch, sized_defaults
 from pipelines._varlen import pad_rows, unpad
 
 #: LoRA targets when ``lora`` gives none: the attention projections of every single-stream and refiner block
@@ -57,8 +57,8 @@ class ZImagePolicy(lora_utils.AdapterMethods):
             "height": 1024, "width": 1024, "num_frames": None, "guidance_scale": 1.0, "num_steps": 9,
             "max_sequence_length": 512, "shift": scheduler_shift(self.pipe),
         }
-        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
-        check_side_multiple(self.defaults, self.vae_scale_factor * 2, "this Z-Image model")  # 2×2 latent patches
+        multiple = self.vae_scale_factor * 2  # 2×2 latent patches
+        self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this Z-Image model")
         self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         self._cache = PromptCache(opts.prompt_cache_size)
