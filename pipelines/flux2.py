@@ -29,9 +29,9 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_prompts, encode_with_empty_negative
-from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
-from pipelines._common import sized_defaults
+from pipelines._common import PolicyOptions, PromptCache, batch_size, check_prompts, encode_with_empty_negative
+from pipelines._common import gaussian_noise, load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift
+from pipelines._common import sigma_batch, sized_defaults
 
 #: LoRA targets when ``lora`` gives none: the double-stream attention projections (image and text) and the
 #: single-stream blocks' fused QKV+MLP input projection, as in diffusers' FLUX.2 LoRA training script.
@@ -118,10 +118,8 @@ class Flux2Policy(lora_utils.AdapterMethods):
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Pure noise ``(n, seq, 4·C)`` float32, drawn ``(n, 4·C, h/2, w/2)`` and packed as ``prepare_latents``."""
         h, w = self.token_hw
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        shape = (n, self.transformer.config.in_channels, h, w)
-        noise = torch.randn(shape, generator=generator, device=rand_device, dtype=torch.float32)
-        return self.pipeline_class._pack_latents(noise).to(self.device)
+        noise = gaussian_noise((n, self.transformer.config.in_channels, h, w), generator, self.device)
+        return self.pipeline_class._pack_latents(noise)
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, guidance: torch.Tensor | None):
         h, w = self.token_hw
@@ -139,9 +137,7 @@ class Flux2Policy(lora_utils.AdapterMethods):
     ) -> torch.Tensor:
         """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``: embedded guidance (dev), CFG by one batched pass
         (klein base, w > 1) or neither (distilled klein, which refuses w > 1)."""
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if x.shape[1:] != torch.Size(self.latent_shape):
             raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
         s = sigma_batch(sigma, b, self.device)

@@ -26,8 +26,9 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PackedLatents, PolicyOptions, PromptCache, check_prompts, load_frozen_pipeline
-from pipelines._common import make_trainable, own_scheduler, scheduler_shift, sigma_batch, sized_defaults
+from pipelines._common import PackedLatents, PolicyOptions, PromptCache, batch_size, check_prompts, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import sized_defaults
 from pipelines._varlen import pad_rows, trim
 
 #: LoRA targets when ``lora`` gives none: the image (to_*) and text (add_* / to_add_out) attention
@@ -102,9 +103,8 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
         """Pure noise, packed ``(n, seq, 4·C)`` float32, drawn ``(n, 1, C, h, w)`` as ``prepare_latents``."""
         h, w = self.latent_hw
         c = self.transformer.config.in_channels // 4
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        noise = torch.randn((n, 1, c, h, w), generator=generator, device=rand_device, dtype=torch.float32)
-        return QwenImagePipeline._pack_latents(noise, n, c, h, w).to(self.device)
+        noise = gaussian_noise((n, 1, c, h, w), generator, self.device)
+        return QwenImagePipeline._pack_latents(noise, n, c, h, w)
 
     def _context(self, cond: Conditioning) -> tuple[torch.Tensor, tuple[int, int]] | None:
         """Extra image tokens after the noisy ones (Qwen-Image-Edit's input image); none for text-to-image."""
@@ -129,9 +129,7 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
     ) -> torch.Tensor:
         """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``; true CFG (norm-rescaled) by one batched pass when w > 1."""
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if x.shape[1:] != torch.Size(self.latent_shape):
             raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
         s = sigma_batch(sigma, b, self.device)

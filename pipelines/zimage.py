@@ -26,8 +26,9 @@ from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_de
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, check_prompts, load_frozen_pipeline, make_trainable
-from pipelines._common import own_scheduler, scheduler_shift, sigma_batch, sized_defaults
+from pipelines._common import PolicyOptions, PromptCache, batch_size, check_prompts, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import sized_defaults
 from pipelines._varlen import pad_rows, unpad
 
 #: LoRA targets when ``lora`` gives none: the attention projections of every single-stream and refiner block
@@ -96,9 +97,7 @@ class ZImagePolicy(lora_utils.AdapterMethods):
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Pure noise ``(n, C, h, w)`` float32, drawn on the generator's device as ``prepare_latents``."""
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        noise = torch.randn((n, *self.latent_shape), generator=generator, device=rand_device, dtype=torch.float32)
-        return noise.to(self.device)
+        return gaussian_noise((n, *self.latent_shape), generator, self.device)
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
         latents = list(x.to(self.device, self.dtype).unsqueeze(2).unbind(0))
@@ -110,9 +109,7 @@ class ZImagePolicy(lora_utils.AdapterMethods):
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
     ) -> torch.Tensor:
         """``v(x, σ | c)`` float32 ``(B, C, h, w)``; CFG ``v_u + g(v_c - v_u)`` in one list pass when g > 1."""
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         s = sigma_batch(sigma, b, self.device)
         embeds, mask = cond.tensors["prompt_embeds"], cond.tensors["prompt_embeds_mask"]
         if guidance <= 1:
