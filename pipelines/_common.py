@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
@@ -185,6 +186,51 @@ def check_multiple(defaults: dict[str, Any], multiples: dict[str, int], model: s
             raise UserError(f"{key}={defaults[key]} must be a multiple of {multiple} for {model}")
 
 
+def check_side_multiple(defaults: dict[str, Any], multiple: int, model: str) -> None:
+    """Refuse a default ``height`` or ``width`` that is not a multiple of ``multiple`` (VAE factor × patch)."""
+    check_multiple(defaults, {"height": multiple, "width": multiple}, model)
+
+
+def sized_defaults(builtin: dict[str, Any], path: str | Path, caller: dict[str, Any] | None, multiple: int,
+                   model: str) -> dict[str, Any]:
+    """:func:`merge_defaults`, then :func:`check_side_multiple`: ``height``, ``width`` multiples of ``multiple``."""
+    defaults = merge_defaults(builtin, path, caller)
+    check_side_multiple(defaults, multiple, model)
+    return defaults
+
+
+def scheduler_shift(pipe: Any) -> float:
+    """The ``shift`` of the pipeline's scheduler config (1.0 when it has none): the built-in default."""
+    return float(pipe.scheduler.config.get("shift", 1.0))
+
+
+def own_scheduler(pipe: Any, shift: float) -> FlowMatchEulerDiscreteScheduler:
+    """The policy's own copy of the pipeline's flow-matching scheduler with ``shift`` set (the pipeline
+    keeps its own untouched)."""
+    return FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=float(shift))
+
+
+class PackedLatents:
+    """The latent shapes of a family whose transformer takes 2×2 latent patches packed as tokens
+    (FLUX.1, Qwen-Image), for a policy with ``defaults``, ``vae_scale_factor`` and ``transformer``."""
+
+    defaults: dict[str, Any]
+    vae_scale_factor: int
+    transformer: torch.nn.Module
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        """Unpacked latent ``(h, w)``: even, as the pipeline rounds them for 2×2 packing."""
+        f = self.vae_scale_factor * 2
+        return 2 * (int(self.defaults["height"]) // f), 2 * (int(self.defaults["width"]) // f)
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        """Packed ``(seq, 4·C)`` of one sample, ``seq = (h/2)·(w/2)``."""
+        h, w = self.latent_hw
+        return (h // 2) * (w // 2), self.transformer.config.in_channels
+
+
 def make_trainable(transformer: torch.nn.Module, options: PolicyOptions, default_targets: list[str]) -> torch.nn.Module:
     """LoRA, full fine-tuning or frozen as the options ask (:func:`pipelines.lora.setup_training`);
     returns the module whose ``requires_grad`` parameters the trainer optimises."""
@@ -224,6 +270,17 @@ def negative_conditioning(cond: Conditioning, keys: list[str], encoded_guidance:
     """The CFG negatives of ``cond`` as a conditioning of their own (for the unconditional velocity)."""
     _require_negatives(cond, keys, encoded_guidance)
     return Conditioning({k: cond.tensors[f"negative_{k}"] for k in keys}, [""] * len(cond))
+
+
+def encode_with_empty_negative(cache: PromptCache, prompts: list[str],
+                               encode: Callable[[list[str]], dict[str, torch.Tensor]], cfg: bool) -> Conditioning:
+    """``prompt_embeds (B, ...)`` of ``prompts`` from ``cache`` and, when ``cfg``, the empty prompt's as
+    ``negative_prompt_embeds`` (encoded once, repeated B times)."""
+    rows = cache.lookup(prompts + [""] if cfg else prompts, encode)
+    tensors = stack_rows(rows, prompts, ["prompt_embeds"])
+    if cfg:
+        tensors["negative_prompt_embeds"] = stack_rows(rows, [""] * len(prompts), ["prompt_embeds"])["prompt_embeds"]
+    return Conditioning(tensors, prompts)
 
 
 def cfg_mix(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance: float) -> torch.Tensor:

@@ -19,22 +19,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, batch_size, check_multiple, check_prompts, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, sigma_batch, stack_rows
-from pipelines._common import text_encoders
+from pipelines._common import PackedLatents, PolicyOptions, PromptCache, batch_size, check_prompts, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import sized_defaults, stack_rows, text_encoders
 
 #: LoRA targets when ``lora`` gives none: the attention projections of the double-stream blocks (image
 #: to_* and text add_* / to_add_out) and of the single-stream blocks (to_q/k/v), as diffusers' FLUX recipe.
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
-class FluxPolicy(lora_utils.AdapterMethods):
+class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
     """FLUX.1 text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` (T5) and ``pooled_prompt_embeds (B, P)`` (CLIP),
@@ -61,30 +61,14 @@ class FluxPolicy(lora_utils.AdapterMethods):
         dev = self.guidance_embeds
         builtin = {"height": side, "width": side, "num_frames": None, "guidance_scale": 3.5 if dev else 0.0,
                    "num_steps": 28 if dev else 4, "max_sequence_length": 512 if dev else 256,
-                   "shift": float(self.pipe.scheduler.config.get("shift", 1.0))}
-        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
-        multiple = self.vae_scale_factor * 2  # latents are packed in 2×2 patches
-        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this FLUX model")
+                   "shift": scheduler_shift(self.pipe)}
+        multiple = self.vae_scale_factor * 2  # 2×2 latent patches
+        self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this FLUX model")
 
         # The policy's own scheduler copy; `shift` only matters when dynamic shifting is off (schnell).
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"]))
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
 
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
-
-    # ------------------------------------------------------------------ shapes
-
-    @property
-    def latent_hw(self) -> tuple[int, int]:
-        """Unpacked latent ``(h, w)``: even, as the pipeline rounds them for 2×2 packing."""
-        f = self.vae_scale_factor
-        return 2 * (int(self.defaults["height"]) // (f * 2)), 2 * (int(self.defaults["width"]) // (f * 2))
-
-    @property
-    def latent_shape(self) -> tuple[int, int]:
-        """Packed ``(seq, 4·C)`` of one sample, ``seq = (h/2)·(w/2)``."""
-        h, w = self.latent_hw
-        return (h // 2) * (w // 2), self.transformer.config.in_channels
 
     # ------------------------------------------------------------------ text
 

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import inspect
 import json
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import diffusers
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch, stack_rows
+from pipelines._common import PolicyOptions, PromptCache, batch_size, check_prompts, encode_with_empty_negative
+from pipelines._common import gaussian_noise, load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift
+from pipelines._common import sigma_batch, sized_defaults
 
 #: LoRA targets when ``lora`` gives none: the double-stream attention projections (image and text) and the
 #: single-stream blocks' fused QKV+MLP input projection, as in diffusers' FLUX.2 LoRA training script.
@@ -40,7 +40,7 @@ DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
 
 
-class Flux2Policy:
+class Flux2Policy(lora_utils.AdapterMethods):
     """FLUX.2 text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, L, 3·D_text)`` and, for klein base with
@@ -50,31 +50,15 @@ class Flux2Policy:
     family = "flux2"
     is_video = False
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        lora: dict[str, Any] | None = None,
-        full_finetune: bool = False,
-        gradient_checkpointing: bool = False,
-        defaults: dict[str, Any] | None = None,
-        prompt_cache_size: int = 1024,
-        decode_batch_size: int = 8,
-    ) -> None:
-        lora_utils.check_options(lora, full_finetune)
-        self.device = torch.device(device)
-        self.dtype = dtype
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
+        self.options = opts = PolicyOptions.parse(options)
+        self.device, self.dtype = torch.device(opts.device), opts.dtype
         class_name = json.loads((Path(path) / "model_index.json").read_text())["_class_name"]
         if class_name not in PIPELINES:
             raise UserError(f"{path}: {class_name} is not a FLUX.2 pipeline ({', '.join(PIPELINES)})")
         self.pipeline_class = getattr(diffusers, class_name)
-        self.pipe = self.pipeline_class.from_pretrained(str(path), dtype=dtype).to(self.device)
-        self.pipe.set_progress_bar_config(disable=True)
-        for module in self.pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                lora_utils.freeze(module)
+        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts)
         self.transformer = self.pipe.transformer
         self.vae = self.pipe.vae
         self.vae_scale_factor = self.pipe.vae_scale_factor
@@ -83,27 +67,17 @@ class Flux2Policy:
         layers = inspect.signature(self.pipe.encode_prompt).parameters["text_encoder_out_layers"].default
         # model cards: dev 50 steps at embedded guidance 4; klein base 50 steps CFG 4; distilled klein 4 steps
         side = self.pipe.default_sample_size * self.vae_scale_factor
-        self.defaults: dict[str, Any] = {
+        builtin = {
             "height": side, "width": side, "num_frames": None,
             "guidance_scale": 1.0 if self.distilled else 4.0, "num_steps": 4 if self.distilled else 50,
             "max_sequence_length": 512, "text_encoder_out_layers": list(layers),
-            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+            "shift": scheduler_shift(self.pipe),
         }
-        self.defaults.update(sampling_defaults(path))
-        self.defaults.update(defaults or {})
-        multiple = self.vae_scale_factor * 2
-        for key in ("height", "width"):
-            if int(self.defaults[key]) % multiple:
-                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this FLUX.2 model")
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
-        )
-        lora_utils.setup_training(self.transformer, lora=lora, full_finetune=full_finetune,
-                                  default_targets=DEFAULT_LORA_TARGETS, gradient_checkpointing=gradient_checkpointing)
-        self.full_finetune = full_finetune
-        self.trainable: torch.nn.Module = self.transformer
-        self.decode_batch_size = decode_batch_size
-        self._cache = PromptCache(prompt_cache_size)
+        multiple = self.vae_scale_factor * 2  # 2×2 latent patches
+        self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this FLUX.2 model")
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
+        self._cache = PromptCache(opts.prompt_cache_size)
 
     # ------------------------------------------------------------------ shapes
 
@@ -130,11 +104,7 @@ class Flux2Policy:
         """Stacked text-encoder layers through the pipeline's ``encode_prompt``, cached per prompt string."""
         prompts = check_prompts(prompts)
         cfg = self.cfg and float(self.defaults["guidance_scale"]) > 1
-        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
-        tensors = stack_rows(rows, prompts, ["prompt_embeds"])
-        if cfg:
-            tensors["negative_prompt_embeds"] = stack_rows(rows, [""] * len(prompts), ["prompt_embeds"])["prompt_embeds"]
-        return Conditioning(tensors, prompts)
+        return encode_with_empty_negative(self._cache, prompts, self._encode_batch, cfg)
 
     def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _ = self.pipe.encode_prompt(
@@ -148,10 +118,8 @@ class Flux2Policy:
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Pure noise ``(n, seq, 4·C)`` float32, drawn ``(n, 4·C, h/2, w/2)`` and packed as ``prepare_latents``."""
         h, w = self.token_hw
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        shape = (n, self.transformer.config.in_channels, h, w)
-        noise = torch.randn(shape, generator=generator, device=rand_device, dtype=torch.float32)
-        return self.pipeline_class._pack_latents(noise).to(self.device)
+        noise = gaussian_noise((n, self.transformer.config.in_channels, h, w), generator, self.device)
+        return self.pipeline_class._pack_latents(noise)
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, guidance: torch.Tensor | None):
         h, w = self.token_hw
@@ -169,9 +137,7 @@ class Flux2Policy:
     ) -> torch.Tensor:
         """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``: embedded guidance (dev), CFG by one batched pass
         (klein base, w > 1) or neither (distilled klein, which refuses w > 1)."""
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if x.shape[1:] != torch.Size(self.latent_shape):
             raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
         s = sigma_batch(sigma, b, self.device)
@@ -214,23 +180,7 @@ class Flux2Policy:
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Tokens ``(B, seq, 4·C)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
         images = []
-        for chunk in x0.split(self.decode_batch_size):
+        for chunk in x0.split(self.options.decode_batch_size):
             image = self.vae.decode(self.to_vae_latents(chunk).to(self.vae.dtype), return_dict=False)[0]
             images.append((image.float() / 2 + 0.5).clamp(0, 1))
         return torch.cat(images)
-
-    # ------------------------------------------------------------------ adapters
-
-    def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
-        return lora_utils.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: str | Path) -> None:
-        """Write ``pytorch_lora_weights.safetensors`` that the FLUX.2 pipelines' ``load_lora_weights`` read."""
-        lora_utils.save_adapter(self.pipeline_class, self.transformer, directory)
-
-    def load_adapter(self, directory: str | Path) -> None:
-        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
-        if self.full_finetune:
-            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
-        lora_utils.load_adapter(self.pipe, self.transformer, directory)

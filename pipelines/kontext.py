@@ -22,7 +22,7 @@ from diffusers import FluxKontextPipeline
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
-from pipelines._common import sampling_defaults, sigma_batch
+from pipelines._common import batch_size, sampling_defaults, sigma_batch
 from pipelines.flux import FluxPolicy
 
 
@@ -67,9 +67,7 @@ class KontextPolicy(FluxPolicy):
     ) -> torch.Tensor:
         """``v(x, σ | c, image)`` float32 ``(B, seq, 4·C)``: target and context tokens in one sequence,
         the context's output dropped; guidance through the embedding as FLUX.1-dev."""
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if "image_latents" not in cond.tensors:
             raise UserError("FLUX.1 Kontext velocity needs cond from encode(prompts, images=...)")
         context = cond.tensors["image_latents"].to(self.device, self.dtype)

@@ -15,19 +15,20 @@ with exponential dynamic shift and ``shift_terminal``) as the pipeline's ``__cal
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch
+from pipelines._common import PackedLatents, PolicyOptions, PromptCache, batch_size, check_prompts, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import sized_defaults
 from pipelines._varlen import pad_rows, trim
 
 #: LoRA targets when ``lora`` gives none: the image (to_*) and text (add_* / to_add_out) attention
@@ -41,7 +42,7 @@ def true_cfg(v_cond: torch.Tensor, v_neg: torch.Tensor, scale: float) -> torch.T
     return guided * (v_cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
 
-class QwenImagePolicy:
+class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
     """Qwen-Image text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` and ``prompt_embeds_mask (B, L)`` (``L`` =
@@ -53,66 +54,26 @@ class QwenImagePolicy:
     is_video = False
     pipeline_class: type = QwenImagePipeline
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        lora: dict[str, Any] | None = None,
-        full_finetune: bool = False,
-        gradient_checkpointing: bool = False,
-        defaults: dict[str, Any] | None = None,
-        prompt_cache_size: int = 1024,
-        decode_batch_size: int = 8,
-    ) -> None:
-        lora_utils.check_options(lora, full_finetune)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.pipe = self.pipeline_class.from_pretrained(str(path), dtype=dtype).to(self.device)
-        self.pipe.set_progress_bar_config(disable=True)
-        for module in self.pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                lora_utils.freeze(module)
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
+        self.options = opts = PolicyOptions.parse(options)
+        self.device, self.dtype = torch.device(opts.device), opts.dtype
+        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts)
         self.transformer = self.pipe.transformer
         self.vae = self.pipe.vae
         self.vae_scale_factor = self.pipe.vae_scale_factor
         # Qwen-Image model card: true CFG 4.0 with negative prompt " ", 50 steps; the pipeline's 1024² default
         side = self.pipe.default_sample_size * self.vae_scale_factor
-        self.defaults: dict[str, Any] = {
+        builtin = {
             "height": side, "width": side, "num_frames": None, "guidance_scale": 4.0, "num_steps": 50,
             "max_sequence_length": 512, "negative_prompt": " ",
-            "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+            "shift": scheduler_shift(self.pipe),
         }
-        self.defaults.update(sampling_defaults(path))
-        self.defaults.update(defaults or {})
-        multiple = self.vae_scale_factor * 2
-        for key in ("height", "width"):
-            if int(self.defaults[key]) % multiple:
-                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this Qwen-Image model")
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
-        )
-        lora_utils.setup_training(self.transformer, lora=lora, full_finetune=full_finetune,
-                                  default_targets=DEFAULT_LORA_TARGETS, gradient_checkpointing=gradient_checkpointing)
-        self.full_finetune = full_finetune
-        self.trainable: torch.nn.Module = self.transformer
-        self.decode_batch_size = decode_batch_size
-        self._cache = PromptCache(prompt_cache_size)
-
-    # ------------------------------------------------------------------ shapes
-
-    @property
-    def latent_hw(self) -> tuple[int, int]:
-        """Unpacked latent ``(h, w)`` (even, as the pipeline rounds them)."""
-        f = self.vae_scale_factor
-        return 2 * (int(self.defaults["height"]) // (f * 2)), 2 * (int(self.defaults["width"]) // (f * 2))
-
-    @property
-    def latent_shape(self) -> tuple[int, int]:
-        """Packed ``(seq, 4·C)`` of one sample."""
-        h, w = self.latent_hw
-        return (h // 2) * (w // 2), self.transformer.config.in_channels
+        multiple = self.vae_scale_factor * 2  # 2×2 latent patches
+        self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this Qwen-Image model")
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
+        self._cache = PromptCache(opts.prompt_cache_size)
 
     # ------------------------------------------------------------------ text
 
@@ -142,9 +103,8 @@ class QwenImagePolicy:
         """Pure noise, packed ``(n, seq, 4·C)`` float32, drawn ``(n, 1, C, h, w)`` as ``prepare_latents``."""
         h, w = self.latent_hw
         c = self.transformer.config.in_channels // 4
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        noise = torch.randn((n, 1, c, h, w), generator=generator, device=rand_device, dtype=torch.float32)
-        return QwenImagePipeline._pack_latents(noise, n, c, h, w).to(self.device)
+        noise = gaussian_noise((n, 1, c, h, w), generator, self.device)
+        return QwenImagePipeline._pack_latents(noise, n, c, h, w)
 
     def _context(self, cond: Conditioning) -> tuple[torch.Tensor, tuple[int, int]] | None:
         """Extra image tokens after the noisy ones (Qwen-Image-Edit's input image); none for text-to-image."""
@@ -169,9 +129,7 @@ class QwenImagePolicy:
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
     ) -> torch.Tensor:
         """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``; true CFG (norm-rescaled) by one batched pass when w > 1."""
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         if x.shape[1:] != torch.Size(self.latent_shape):
             raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
         s = sigma_batch(sigma, b, self.device)
@@ -214,25 +172,9 @@ class QwenImagePolicy:
         mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
         std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
         images = []
-        for chunk in x0.split(self.decode_batch_size):
+        for chunk in x0.split(self.options.decode_batch_size):
             z = QwenImagePipeline._unpack_latents(chunk.to(self.device), height, width, self.vae_scale_factor)
             z = z.float() * std + mean
             image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0][:, :, 0]
             images.append((image.float() / 2 + 0.5).clamp(0, 1))
         return torch.cat(images)
-
-    # ------------------------------------------------------------------ adapters
-
-    def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
-        return lora_utils.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: str | Path) -> None:
-        """Write ``pytorch_lora_weights.safetensors`` that ``QwenImagePipeline.load_lora_weights`` reads."""
-        lora_utils.save_adapter(QwenImagePipeline, self.transformer, directory)
-
-    def load_adapter(self, directory: str | Path) -> None:
-        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
-        if self.full_finetune:
-            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
-        lora_utils.load_adapter(self.pipe, self.transformer, directory)

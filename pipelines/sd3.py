@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
-from pipelines._common import check_multiple, check_prompts, gaussian_noise, load_frozen_pipeline, make_trainable
-from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, stack_rows, text_encoders
+from pipelines._common import check_prompts, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import negative_conditioning, own_scheduler, scheduler_shift, sigma_batch, sized_defaults
+from pipelines._common import stack_rows, text_encoders
 
 #: LoRA targets when ``lora`` gives none: every attention projection of the joint (MMDiT) blocks, image
 #: stream (to_*) and text stream (add_* / to_add_out), as in Flow-GRPO's and diffusers' SD3 recipes.
@@ -53,15 +54,13 @@ class SD3Policy(lora_utils.AdapterMethods):
         self.vae_scale_factor = self.pipe.vae_scale_factor
         side = self.pipe.default_sample_size * self.vae_scale_factor
         builtin = {"height": side, "width": side, "num_frames": None, "guidance_scale": 4.5, "num_steps": 40,
-                   "max_sequence_length": 256, "shift": float(self.pipe.scheduler.config.get("shift", 1.0))}
-        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
+                   "max_sequence_length": 256, "shift": scheduler_shift(self.pipe)}
         multiple = self.vae_scale_factor * self.transformer.config.patch_size
-        check_multiple(self.defaults, {"height": multiple, "width": multiple}, "this SD3 model")
+        self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this SD3 model")
 
         # The policy's own scheduler (the pipeline keeps its own untouched); a `shift` in the defaults
         # is the scheduler's `shift` config value, not a re-derivation of the schedule.
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"]))
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
 
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
 

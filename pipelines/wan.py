@@ -30,8 +30,9 @@ from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
-from pipelines._common import check_multiple, check_prompts, gaussian_noise, load_frozen_pipeline, make_trainable
-from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, stack_rows, text_encoders
+from pipelines._common import check_multiple, check_prompts, encode_with_empty_negative, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, negative_conditioning
+from pipelines._common import sigma_batch, text_encoders
 
 #: LoRA targets when ``lora`` gives none: the self- (attn1) and cross-attention (attn2) projections of
 #: every Wan block, as in diffusers'/finetrainers' Wan LoRA recipes.
@@ -122,11 +123,7 @@ class WanPolicy(lora_utils.AdapterMethods):
         """
         prompts = check_prompts(prompts)
         cfg = float(self.defaults["guidance_scale"]) > 1
-        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
-        tensors = stack_rows(rows, prompts, ["prompt_embeds"])
-        if cfg:
-            tensors["negative_prompt_embeds"] = stack_rows(rows, [""] * len(prompts), ["prompt_embeds"])["prompt_embeds"]
-        return Conditioning(tensors, prompts)
+        return encode_with_empty_negative(self._cache, prompts, self._encode_batch, cfg)
 
     def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _ = self.pipe.encode_prompt(

@@ -16,25 +16,26 @@ Three conventions differ from the other families and are translated here, so tra
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+from diffusers import ZImagePipeline
 from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PromptCache, check_prompts, sampling_defaults, sigma_batch
+from pipelines._common import PolicyOptions, PromptCache, batch_size, check_prompts, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import sized_defaults
 from pipelines._varlen import pad_rows, unpad
 
 #: LoRA targets when ``lora`` gives none: the attention projections of every single-stream and refiner block
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-class ZImagePolicy:
+class ZImagePolicy(lora_utils.AdapterMethods):
     """Z-Image text-to-image policy (see :class:`flowalign.protocols.FlowPolicy`).
 
     ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` + ``prompt_embeds_mask (B, L)`` (``L`` =
@@ -44,50 +45,24 @@ class ZImagePolicy:
     family = "zimage"
     is_video = False
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        lora: dict[str, Any] | None = None,
-        full_finetune: bool = False,
-        gradient_checkpointing: bool = False,
-        defaults: dict[str, Any] | None = None,
-        prompt_cache_size: int = 1024,
-        decode_batch_size: int = 8,
-    ) -> None:
-        lora_utils.check_options(lora, full_finetune)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.pipe = ZImagePipeline.from_pretrained(str(path), dtype=dtype).to(self.device)
-        self.pipe.set_progress_bar_config(disable=True)
-        for module in self.pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                lora_utils.freeze(module)
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
+        self.options = opts = PolicyOptions.parse(options)
+        self.device, self.dtype = torch.device(opts.device), opts.dtype
+        self.pipe = load_frozen_pipeline(ZImagePipeline, path, opts)
         self.transformer = self.pipe.transformer
         self.vae = self.pipe.vae
         self.vae_scale_factor = self.pipe.vae_scale_factor
         # Z-Image-Turbo model card: 1024², 9 scheduler steps, guidance_scale 0 (g = 1, no CFG)
-        self.defaults: dict[str, Any] = {
+        builtin = {
             "height": 1024, "width": 1024, "num_frames": None, "guidance_scale": 1.0, "num_steps": 9,
-            "max_sequence_length": 512, "shift": float(self.pipe.scheduler.config.get("shift", 1.0)),
+            "max_sequence_length": 512, "shift": scheduler_shift(self.pipe),
         }
-        self.defaults.update(sampling_defaults(path))
-        self.defaults.update(defaults or {})
-        multiple = self.vae_scale_factor * 2
-        for key in ("height", "width"):
-            if int(self.defaults[key]) % multiple:
-                raise UserError(f"{key}={self.defaults[key]} must be a multiple of {multiple} for this Z-Image model")
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            self.pipe.scheduler.config, shift=float(self.defaults["shift"])
-        )
-        lora_utils.setup_training(self.transformer, lora=lora, full_finetune=full_finetune,
-                                  default_targets=DEFAULT_LORA_TARGETS, gradient_checkpointing=gradient_checkpointing)
-        self.full_finetune = full_finetune
-        self.trainable: torch.nn.Module = self.transformer
-        self.decode_batch_size = decode_batch_size
-        self._cache = PromptCache(prompt_cache_size)
+        multiple = self.vae_scale_factor * 2  # 2×2 latent patches
+        self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this Z-Image model")
+        self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
+        self._cache = PromptCache(opts.prompt_cache_size)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -122,9 +97,7 @@ class ZImagePolicy:
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Pure noise ``(n, C, h, w)`` float32, drawn on the generator's device as ``prepare_latents``."""
-        rand_device = generator.device if generator is not None else torch.device("cpu")
-        noise = torch.randn((n, *self.latent_shape), generator=generator, device=rand_device, dtype=torch.float32)
-        return noise.to(self.device)
+        return gaussian_noise((n, *self.latent_shape), generator, self.device)
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
         latents = list(x.to(self.device, self.dtype).unsqueeze(2).unbind(0))
@@ -136,9 +109,7 @@ class ZImagePolicy:
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
     ) -> torch.Tensor:
         """``v(x, σ | c)`` float32 ``(B, C, h, w)``; CFG ``v_u + g(v_c - v_u)`` in one list pass when g > 1."""
-        b = x.shape[0]
-        if len(cond) != b:
-            raise ValueError(f"velocity: x has batch {b} but cond has {len(cond)} prompts")
+        b = batch_size(x, cond)
         s = sigma_batch(sigma, b, self.device)
         embeds, mask = cond.tensors["prompt_embeds"], cond.tensors["prompt_embeds_mask"]
         if guidance <= 1:
@@ -170,23 +141,7 @@ class ZImagePolicy:
         """Latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
         scale, shift = self.vae.config.scaling_factor, self.vae.config.shift_factor or 0.0
         images = []
-        for chunk in x0.split(self.decode_batch_size):
+        for chunk in x0.split(self.options.decode_batch_size):
             image = self.vae.decode(chunk.to(self.device, self.vae.dtype) / scale + shift, return_dict=False)[0]
             images.append((image.float() / 2 + 0.5).clamp(0, 1))
         return torch.cat(images)
-
-    # ------------------------------------------------------------------ adapters
-
-    def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which :meth:`velocity` is the base model's (LoRA switched off)."""
-        return lora_utils.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: str | Path) -> None:
-        """Write ``pytorch_lora_weights.safetensors`` that ``ZImagePipeline.load_lora_weights`` reads."""
-        lora_utils.save_adapter(ZImagePipeline, self.transformer, directory)
-
-    def load_adapter(self, directory: str | Path) -> None:
-        """Load a LoRA saved by :meth:`save_adapter` (or a trainer checkpoint folder holding one)."""
-        if self.full_finetune:
-            raise UserError("load_adapter: this policy fine-tunes full weights; load it with lora={...} or none")
-        lora_utils.load_adapter(self.pipe, self.transformer, directory)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.tiny_twins.base import check_keys, clip_config, merge, seeded, vae_blocks
+from pipelines.tiny_twins.base import CLIP_L_STANDIN, T5_STANDIN, clip_config, merge, scalar_options, sd_vae_standin
+from pipelines.tiny_twins.base import seeded, t5_config, vae_config
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 
@@ -25,38 +26,9 @@ FLUX_DEFAULTS: dict[str, Any] = {
         "guidance_embeds": True,
         "axes_dims_rope": [4, 6, 6],
     },
-    "vae": {
-        "in_channels": 3,
-        "out_channels": 3,
-        "block_out_channels": [16, 32, 32],
-        "layers_per_block": 1,
-        "latent_channels": 4,
-        "norm_num_groups": 8,
-        "scaling_factor": 0.3611,
-        "shift_factor": 0.1159,
-        "use_quant_conv": False,
-        "use_post_quant_conv": False,
-        "mid_block_add_attention": True,
-    },
-    "text_encoder": {  # CLIP-L stand-in (pooled output only)
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "projection_dim": 32,
-        "hidden_act": "quick_gelu",
-    },
-    "text_encoder_2": {  # T5-XXL stand-in
-        "d_model": 32,
-        "d_kv": 8,
-        "d_ff": 64,
-        "num_layers": 2,
-        "num_heads": 4,
-        "relative_attention_num_buckets": 8,
-        "relative_attention_max_distance": 32,
-        "feed_forward_proj": "gated-gelu",
-        "dropout_rate": 0.0,
-    },
+    "vae": sd_vae_standin(scaling_factor=0.3611, shift_factor=0.1159),
+    "text_encoder": dict(CLIP_L_STANDIN),  # pooled output only
+    "text_encoder_2": dict(T5_STANDIN),  # T5-XXL stand-in
     # FLUX.1's scheduler config: resolution-dependent (dynamic) shift
     "scheduler": {
         "num_train_timesteps": 1000,
@@ -81,18 +53,12 @@ def build_tiny_flux(**overrides):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    check_keys("flux", overrides, set(FLUX_DEFAULTS))
-    o = {k: overrides.get(k, v) for k, v in FLUX_DEFAULTS.items() if not isinstance(v, dict)}
-    vae_cfg = merge(FLUX_DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    o = scalar_options("flux", FLUX_DEFAULTS, overrides)
+    vae_cfg = vae_config(FLUX_DEFAULTS["vae"], overrides.get("vae"))
     tok = clip_tokenizer(o["clip_vocab_size"], o["clip_max_length"])
     tok_2 = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
     c1 = clip_config(merge(FLUX_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)
-    t5 = merge(FLUX_DEFAULTS["text_encoder_2"], overrides.get("text_encoder_2"))
-    t5.setdefault("vocab_size", len(tok_2))
-    t5.setdefault("pad_token_id", tok_2.pad_token_id)
-    t5.setdefault("eos_token_id", tok_2.eos_token_id)
-    t5.setdefault("decoder_start_token_id", tok_2.pad_token_id)
+    t5 = t5_config(merge(FLUX_DEFAULTS["text_encoder_2"], overrides.get("text_encoder_2")), tok_2)
     tr = merge(FLUX_DEFAULTS["transformer"], overrides.get("transformer"))
     tr.setdefault("in_channels", 4 * vae_cfg["latent_channels"])
     tr.setdefault("joint_attention_dim", t5["d_model"])

@@ -39,13 +39,12 @@ def build(**overrides):
     from diffusers import Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_blocks
+    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_config
 
     check_keys("flux2", overrides, set(DEFAULTS))
     tok = qwen_tokenizer()
     te_cfg = merge(DEFAULTS["text_encoder"], overrides.get("text_encoder"))
-    vae_cfg = merge(DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    vae_cfg = vae_config(DEFAULTS["vae"], overrides.get("vae"))
     tr = {**published_config("flux2_klein_4b"), **merge(DEFAULTS["transformer"], overrides.get("transformer"))}
     tr.update(in_channels=4 * vae_cfg["latent_channels"], joint_attention_dim=3 * te_cfg["hidden_size"])
     with seeded(overrides.get("seed", DEFAULTS["seed"])):

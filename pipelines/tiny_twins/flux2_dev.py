@@ -50,7 +50,7 @@ def build(**overrides):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_blocks
+    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_config
 
     check_keys("flux2_dev", overrides, {"seed", "transformer", "vae", "scheduler"})
     proc = processor()
@@ -60,8 +60,7 @@ def build(**overrides):
             "max_position_embeddings": 512}
     vision = {"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
               "num_attention_heads": 2, "head_dim": 8, "patch_size": 16, "image_size": 64}
-    vae_cfg = merge(_KLEIN["vae"], overrides.get("vae"))
-    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    vae_cfg = vae_config(_KLEIN["vae"], overrides.get("vae"))
     tr = {**published_config("flux2_dev"), **merge(_KLEIN["transformer"], overrides.get("transformer"))}
     tr.update(in_channels=4 * vae_cfg["latent_channels"], joint_attention_dim=3 * text["hidden_size"])
     with seeded(overrides.get("seed", 0)):

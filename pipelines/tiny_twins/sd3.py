@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.tiny_twins.base import check_keys, clip_config, merge, seeded, vae_blocks
+from pipelines.tiny_twins.base import CLIP_L_STANDIN, T5_STANDIN, clip_config, merge, scalar_options, sd_vae_standin
+from pipelines.tiny_twins.base import seeded, t5_config, vae_config
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 
@@ -30,27 +31,8 @@ SD3_DEFAULTS: dict[str, Any] = {
         "dual_attention_layers": [0],
     },
     # SD3-style VAE: no quant convs, scaling + shift factor; f = 2 ** (len(block_out_channels) - 1)
-    "vae": {
-        "in_channels": 3,
-        "out_channels": 3,
-        "block_out_channels": [16, 32, 32],
-        "layers_per_block": 1,
-        "latent_channels": 4,
-        "norm_num_groups": 8,
-        "scaling_factor": 1.5305,
-        "shift_factor": 0.0609,
-        "use_quant_conv": False,
-        "use_post_quant_conv": False,
-        "mid_block_add_attention": True,
-    },
-    "text_encoder": {  # CLIP-L stand-in
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "projection_dim": 32,
-        "hidden_act": "quick_gelu",
-    },
+    "vae": sd_vae_standin(scaling_factor=1.5305, shift_factor=0.0609),
+    "text_encoder": dict(CLIP_L_STANDIN),  # CLIP-L stand-in
     "text_encoder_2": {  # CLIP-G stand-in
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -59,17 +41,8 @@ SD3_DEFAULTS: dict[str, Any] = {
         "projection_dim": 32,
         "hidden_act": "gelu",
     },
-    "text_encoder_3": {  # T5-XXL stand-in; d_model >= sum of CLIP hidden sizes (SD3 pads CLIP to it)
-        "d_model": 64,
-        "d_kv": 16,
-        "d_ff": 128,
-        "num_layers": 2,
-        "num_heads": 4,
-        "relative_attention_num_buckets": 8,
-        "relative_attention_max_distance": 32,
-        "feed_forward_proj": "gated-gelu",
-        "dropout_rate": 0.0,
-    },
+    # T5-XXL stand-in, widened: d_model >= sum of CLIP hidden sizes (SD3 pads CLIP to it)
+    "text_encoder_3": {**T5_STANDIN, "d_model": 64, "d_kv": 16, "d_ff": 128},
     "scheduler": {"num_train_timesteps": 1000, "shift": 3.0},
 }
 
@@ -92,10 +65,8 @@ def build_tiny_sd3(**overrides):
     )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    check_keys("sd3", overrides, set(SD3_DEFAULTS))
-    o = {k: overrides.get(k, v) for k, v in SD3_DEFAULTS.items() if not isinstance(v, dict)}
-    vae_cfg = merge(SD3_DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    o = scalar_options("sd3", SD3_DEFAULTS, overrides)
+    vae_cfg = vae_config(SD3_DEFAULTS["vae"], overrides.get("vae"))
     f = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
     vae_cfg.setdefault("sample_size", o["height"])
 
@@ -104,11 +75,7 @@ def build_tiny_sd3(**overrides):
     tok_3 = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
     c1 = clip_config(merge(SD3_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)
     c2 = clip_config(merge(SD3_DEFAULTS["text_encoder_2"], overrides.get("text_encoder_2")), tok_2)
-    t5 = merge(SD3_DEFAULTS["text_encoder_3"], overrides.get("text_encoder_3"))
-    t5.setdefault("vocab_size", len(tok_3))
-    t5.setdefault("pad_token_id", tok_3.pad_token_id)
-    t5.setdefault("eos_token_id", tok_3.eos_token_id)
-    t5.setdefault("decoder_start_token_id", tok_3.pad_token_id)
+    t5 = t5_config(merge(SD3_DEFAULTS["text_encoder_3"], overrides.get("text_encoder_3")), tok_3)
     if t5["d_model"] < c1["hidden_size"] + c2["hidden_size"]:
         raise ValueError(
             f"text_encoder_3.d_model={t5['d_model']} must be >= the summed CLIP hidden sizes "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.tiny_twins.base import check_keys, merge, seeded
+from pipelines.tiny_twins.base import T5_STANDIN, merge, scalar_options, seeded, t5_config
 from pipelines.tiny_tokenizers import t5_tokenizer
 
 
@@ -33,17 +33,7 @@ WAN_DEFAULTS: dict[str, Any] = {
         "attn_scales": [],
         "temperal_downsample": [False, True],
     },
-    "text_encoder": {  # UMT5-XXL stand-in
-        "d_model": 32,
-        "d_kv": 8,
-        "d_ff": 64,
-        "num_layers": 2,
-        "num_heads": 4,
-        "relative_attention_num_buckets": 8,
-        "relative_attention_max_distance": 32,
-        "feed_forward_proj": "gated-gelu",
-        "dropout_rate": 0.0,
-    },
+    "text_encoder": dict(T5_STANDIN),  # UMT5-XXL stand-in
     "scheduler": {"num_train_timesteps": 1000, "shift": 3.0},
 }
 
@@ -57,8 +47,7 @@ def build_tiny_wan(**overrides):
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    check_keys("wan", overrides, set(WAN_DEFAULTS))
-    o = {k: overrides.get(k, v) for k, v in WAN_DEFAULTS.items() if not isinstance(v, dict)}
+    o = scalar_options("wan", WAN_DEFAULTS, overrides)
     vae_cfg = merge(WAN_DEFAULTS["vae"], overrides.get("vae"))
     z = vae_cfg["z_dim"]
     vae_cfg.setdefault("latents_mean", [0.0] * z)
@@ -66,11 +55,7 @@ def build_tiny_wan(**overrides):
     vae_cfg.setdefault("scale_factor_temporal", 2 ** sum(bool(t) for t in vae_cfg["temperal_downsample"]))
     vae_cfg.setdefault("scale_factor_spatial", 2 ** len(vae_cfg["temperal_downsample"]))
     tok = t5_tokenizer(o["t5_max_length"], tuple(o["t5_extra_words"]))
-    te = merge(WAN_DEFAULTS["text_encoder"], overrides.get("text_encoder"))
-    te.setdefault("vocab_size", len(tok))
-    te.setdefault("pad_token_id", tok.pad_token_id)
-    te.setdefault("eos_token_id", tok.eos_token_id)
-    te.setdefault("decoder_start_token_id", tok.pad_token_id)
+    te = t5_config(merge(WAN_DEFAULTS["text_encoder"], overrides.get("text_encoder")), tok)
     tr = merge(WAN_DEFAULTS["transformer"], overrides.get("transformer"))
     tr.setdefault("in_channels", z)
     tr.setdefault("out_channels", z)

@@ -36,13 +36,12 @@ def build(**overrides):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_blocks
+    from pipelines.tiny_twins.base import check_keys, merge, seeded, vae_config
 
     check_keys("zimage", overrides, set(DEFAULTS))
     tok = qwen_tokenizer()
     te_cfg = merge(DEFAULTS["text_encoder"], overrides.get("text_encoder"))
-    vae_cfg = merge(DEFAULTS["vae"], overrides.get("vae"))
-    vae_cfg = {**vae_blocks(vae_cfg["block_out_channels"]), **vae_cfg}
+    vae_cfg = vae_config(DEFAULTS["vae"], overrides.get("vae"))
     tr = {**published_config("zimage"), **merge(DEFAULTS["transformer"], overrides.get("transformer"))}
     tr.update(in_channels=vae_cfg["latent_channels"], cap_feat_dim=te_cfg["hidden_size"])
     with seeded(overrides.get("seed", DEFAULTS["seed"])):
