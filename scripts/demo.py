@@ -27,7 +27,7 @@ from flowalign.config import TrainConfig, load_config  # noqa: E402
 from flowalign.errors import UserError  # noqa: E402
 
 #: seconds per training step and per evaluated sample on 2 cores (for the time estimate only)
-STEP_SECONDS, SAMPLE_SECONDS = 7.0, 0.35
+STEP_SECONDS, SAMPLE_SECONDS = 12.5, 0.36
 
 
 def plan(cfg: TrainConfig, n_test: int) -> str:
