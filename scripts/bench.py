@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts.bench_timing import SPANS, instrument, redness, slow_redness  # noqa: E402
+from bench_timing import SPANS, instrument, redness, slow_redness  # noqa: E402
+from pipelines.pretrain.sd3 import model_overrides  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> list[float]:
@@ -94,22 +93,9 @@ def bench_rollout(args: argparse.Namespace) -> None:
 # train: the setting both sides run
 # --------------------------------------------------------------------------------------------------
 
-#: the 4-block tiny SD3 (2.30M-parameter transformer, 64 px) as ``pipelines.tiny.save_tiny`` overrides
-TINY_SD3_2M = dict(
-    seed=0, height=64, clip_vocab_size=16384, t5_max_length=48,
-    transformer=dict(patch_size=2, in_channels=4, out_channels=4, num_layers=4, attention_head_dim=32,
-                     num_attention_heads=4, caption_projection_dim=128, pos_embed_max_size=16,
-                     qk_norm="rms_norm", dual_attention_layers=[]),
-    vae=dict(block_out_channels=[32, 64, 64], layers_per_block=1, latent_channels=4, norm_num_groups=16,
-             scaling_factor=1.0, shift_factor=0.0, mid_block_add_attention=True),
-    text_encoder=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      projection_dim=64),
-    text_encoder_2=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        projection_dim=64),
-    text_encoder_3=dict(d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
-                        relative_attention_num_buckets=16, relative_attention_max_distance=64),
-    scheduler=dict(shift=1.0),
-)
+#: the 4-block tiny SD3 (2.30M-parameter transformer, 64 px): the shipped architecture as
+#: ``pipelines.tiny.save_tiny`` overrides, from the pretraining code that defines it
+TINY_SD3_2M = model_overrides([], clip_max_length=77, t5_max_length=48)
 PROMPTS = ["a red circle", "a blue square", "a green star", "a yellow triangle"]
 SETTING = dict(group=2, steps=10, guidance=4.5, noise_level=0.7, rank=8, alpha=16.0, beta=0.04,
                clip_range=1e-4, timestep_fraction=0.99, lr=1e-4, adv_clip=5.0)
@@ -296,7 +282,7 @@ def bench_train(args: argparse.Namespace) -> None:
     out = Path(args.out)
     folder = build_tiny_folder(out)
     reward = slow_redness if args.slow_reward else redness
-    trainer = build_flowalign(folder, out / "flowalign", f"scripts.bench_timing:{reward.__name__}")
+    trainer = build_flowalign(folder, out / "flowalign", f"bench_timing:{reward.__name__}")
     bare = BareFlowGRPO(folder, reward)
     torch.Tensor.backward = SPANS.wrap(torch.Tensor.backward)  # both sides' backward passes are model work
     torch.autograd.backward = SPANS.wrap(torch.autograd.backward)

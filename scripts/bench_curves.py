@@ -13,8 +13,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def _main_job(args: argparse.Namespace, trainer: str, run_dir: Path, *extra: str):
     from flowalign.config import load_config

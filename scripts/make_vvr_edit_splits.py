@@ -13,8 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from rewards.vvr_edit import SPLIT_SEEDS, generate_edit_tasks  # noqa: E402
 from rewards.vvr_edit.generate import LEVELS  # noqa: E402
 from rewards.vvr_edit.splits import SPLIT_SIZE  # noqa: E402
