@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 # as the flowalign command does: OpenMP workers that spin while a sibling is descheduled make steps many
 # times slower on busy cores; must precede torch
@@ -26,15 +26,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from flowalign.config import TrainConfig, load_config  # noqa: E402
 from flowalign.errors import UserError  # noqa: E402
 
-#: seconds per training step and per evaluated sample on 2 cores (for the time estimate only)
-STEP_SECONDS, SAMPLE_SECONDS = 12.5, 0.36
+#: seconds per training step, per evaluated sample, and per sample of the two concurrent test
+#: evaluations, on 2 cores (for the time estimate only)
+STEP_SECONDS, SAMPLE_SECONDS, PAIRED_SAMPLE_SECONDS = 12.5, 0.36, 0.27
 
 
 def plan(cfg: TrainConfig, n_test: int) -> str:
     """What the demo will do and roughly how long it takes."""
     steps = int(cfg.trainer["max_steps"])
     evals = (steps // cfg.eval.every if cfg.eval.every else 1) * (cfg.eval.n or 500)
-    minutes = (steps * STEP_SECONDS + (evals + 2 * n_test) * SAMPLE_SECONDS) / 60
+    minutes = (steps * STEP_SECONDS + evals * SAMPLE_SECONDS + 2 * n_test * PAIRED_SAMPLE_SECONDS) / 60
     return (f"demo: fine-tune {cfg.model.path} with {cfg.trainer['name']} on {cfg.eval.bench} "
             f"{'/'.join([cfg.data.level] if isinstance(cfg.data.level, str) else cfg.data.level)} tasks for {steps} steps "
             f"(validation checks on {cfg.eval.n} tasks), then score the base and the tuned model on the {n_test} "
@@ -49,25 +50,43 @@ def finished(run_dir: Path, steps: int) -> Path | None:
     return final if (run_dir / "evals" / step_dir_name(steps) / "metrics.json").is_file() and final.is_dir() else None
 
 
-def evaluate_on_test(cfg: TrainConfig, out: Path, n: int, checkpoint: Path | None) -> Path:
-    """The test-split evaluation of the base model (``checkpoint`` None) or a checkpoint's EMA weights."""
-    if (out / "metrics.json").is_file():
-        return out
-    from flowalign.cli.common import load_policy
-    from flowalign.evaluation import evaluate
+def test_command(cfg: TrainConfig, out: Path, n: int, checkpoint: Path | None) -> list[str]:
+    """``flowalign evaluate`` on the test split for the base model (``checkpoint`` None) or a checkpoint's
+    EMA weights (what training evaluates), with the same noise per prompt for both."""
     from flowalign.train import resolve_model_path
-    from flowalign.benchmarks import load_benchmark
 
-    bench = load_benchmark(cfg.eval.bench, cfg.eval.level, n, None, split="test")
-    ema = checkpoint is not None and float(cfg.trainer.get("ema_decay", 0.0)) > 0
-    policy = load_policy(SimpleNamespace(model=str(resolve_model_path(cfg.model.path)), device="cpu", dtype="fp32",
-                                         adapter=str(checkpoint) if checkpoint else None, ema=ema))
-    evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=0, num_steps=cfg.eval.num_steps,
-             batch_size=cfg.eval.batch_size,
-             out_dir=out, progress=True, labels={"bench": bench.name, "split": bench.split, "seed": 0,
-                                                 "reward": bench.reward.name, "model": cfg.model.path,
-                                                 "adapter": str(checkpoint) if checkpoint else None})
-    return out
+    cmd = ["flowalign", "evaluate", "--model", str(resolve_model_path(cfg.model.path)), "--bench", cfg.eval.bench,
+           "--level", str(cfg.eval.level), "--split", "test", "--n", str(n), "--batch-size", str(cfg.eval.batch_size),
+           "--out", str(out), "--overwrite"]
+    if cfg.eval.num_steps:
+        cmd += ["--steps", str(cfg.eval.num_steps)]
+    if checkpoint is not None:
+        cmd += ["--adapter", str(checkpoint)] + (["--ema"] if float(cfg.trainer.get("ema_decay", 0.0)) > 0 else [])
+    return cmd
+
+
+def evaluate_base_and_tuned(cfg: TrainConfig, out: Path, n: int, checkpoint: Path) -> tuple[Path, Path]:
+    """Both test evaluations at once, one process and one thread each: about 30% faster on 2 cores than one
+    after the other on two threads (the tiny model's kernels are too small to split well). The tuned
+    model's progress bar is shown; the base model's log goes to ``out/base.log``."""
+    jobs = {name: (out / name, ckpt) for name, ckpt in (("base", None), (checkpoint.name, checkpoint))}
+    todo = {name: job for name, job in jobs.items() if not (job[0] / "metrics.json").is_file()}
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for name, (folder, ckpt) in todo.items():
+        cmd = test_command(cfg, folder, n, ckpt)
+        print("demo: " + " ".join(cmd), flush=True)
+        log = open(out / f"{name}.log", "w") if ckpt is None else None
+        argv = [sys.executable, "-m", "flowalign.cli.main", *cmd[1:]]
+        procs[name] = (subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log), log)
+    for name, (proc, log) in procs.items():
+        if proc.wait() != 0:
+            raise UserError(f"the test evaluation {jobs[name][0]} failed (exit {proc.returncode})"
+                            + (f"; its log: {out / (name + '.log')}" if log else ""))
+        if log:
+            log.close()
+    return jobs["base"][0], jobs[checkpoint.name][0]
 
 
 def summary(base: Path, tuned: Path) -> str:
@@ -105,8 +124,7 @@ def run_demo(config: str, overrides: list[str], n_test: int) -> str:
             raise UserError(f"{run_dir} did not reach step {steps}; run the demo again to continue it")
     else:
         print(f"demo: reusing the finished run in {run_dir}")
-    base = evaluate_on_test(cfg, run_dir / "test" / "base", n_test, None)
-    tuned = evaluate_on_test(cfg, run_dir / "test" / checkpoint.name, n_test, checkpoint)
+    base, tuned = evaluate_base_and_tuned(cfg, run_dir / "test", n_test, checkpoint)
     gallery = write_test_gallery(run_dir, base, tuned)
     print(f"demo: {(time.time() - t0) / 60:.1f} minutes; gallery (base vs tuned on test): {gallery.resolve()}")
     return summary(base, tuned)
