@@ -17,7 +17,8 @@ from flowalign.errors import UserError
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pipelines.pretrain.run import FAMILIES
 
-    p = sub.add_parser("pretrain-tiny", help="pretrain a tiny SD3 (image), Wan (video) or Kontext (editing) model on rendered scenes",
+    p = sub.add_parser("pretrain-tiny",
+                       help="pretrain a tiny SD3 (image), Wan (video) or Kontext (editing) model on rendered scenes",
                        description="Pretrain a tiny world's model on CPU, in resumable stages (VAE, decoder, "
                                    "transformer), then export it as a diffusers folder.")
     families = p.add_subparsers(dest="family", required=True, metavar="FAMILY")

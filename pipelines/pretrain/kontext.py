@@ -196,7 +196,8 @@ def set_latent_factors(vae, z: torch.Tensor, keep: bool = True) -> torch.Tensor:
 
 
 def conditioning(pipe, args: argparse.Namespace, max_seq: int):
-    """``prompts → transformer kwargs``: T5 tokens and the pooled CLIP vector from ``encode_prompt`` (with gradients)."""
+    """``prompts → transformer kwargs``: T5 tokens and the pooled CLIP vector from ``encode_prompt``
+    (with gradients)."""
 
     def encode(prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=torch.device("cpu"),
