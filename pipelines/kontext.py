@@ -52,10 +52,7 @@ class KontextPolicy(FluxPolicy):
 
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
         """One image ``(3, H, W)`` in [0, 1] → packed context latents ``(1, seq, 4·C)`` float32 at the output size."""
-        height, width = int(self.defaults["height"]), int(self.defaults["width"])
-        if tuple(image.shape[-2:]) != (height, width):
-            image = F.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True,
-                                  align_corners=False)[0].clamp(0, 1)
+        image = resize_input(image, int(self.defaults["height"]), int(self.defaults["width"]))
         pixels = (image[None] * 2 - 1).to(self.device, self.vae.dtype)
         z = self.vae.encode(pixels).latent_dist.mode()
         z = (z.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
@@ -85,3 +82,12 @@ class KontextPolicy(FluxPolicy):
             img_ids=torch.cat([ids, context_ids], dim=0), return_dict=False,
         )[0]
         return out[:, : x.shape[1]].float()
+
+
+def resize_input(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """An input image ``(3, H, W)`` in [0, 1] at the output size (bilinear, antialiased), as the policy
+    encodes it; the tiny model's pretraining prepares its source images with it too."""
+    if tuple(image.shape[-2:]) == (height, width):
+        return image
+    return F.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True,
+                         align_corners=False)[0].clamp(0, 1)

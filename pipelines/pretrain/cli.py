@@ -1,8 +1,10 @@
-"""``flowalign pretrain-tiny {sd3,wan} --out DIR --export FOLDER``: pretrain a tiny world's model on CPU.
+"""``flowalign pretrain-tiny {sd3,wan,kontext} --out DIR --export FOLDER``: pretrain a tiny world's model on CPU.
 
 ``sd3``: the SD3-format text-to-image model on rendered ``vvr`` scenes (``assets/tiny-sd3-vvr``); ``wan``:
-the Wan-format text-to-video model on rendered ``vvr_motion`` clips (``assets/tiny-wan-motion``). The
-model cards in those folders record the exact commands that made them.
+the Wan-format text-to-video model on rendered ``vvr_motion`` clips (``assets/tiny-wan-motion``);
+``kontext``: the FLUX.1-Kontext-format editing model on rendered ``vvr_edit`` pairs, reusing the tiny SD3
+model's VAE and text encoders (``assets/tiny-kontext-vvr-edit``). The model cards in those folders record
+the exact commands that made them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from flowalign.errors import UserError
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pipelines.pretrain.run import FAMILIES
 
-    p = sub.add_parser("pretrain-tiny", help="pretrain a tiny SD3 (image) or Wan (video) model on rendered scenes",
+    p = sub.add_parser("pretrain-tiny",
+                       help="pretrain a tiny SD3 (image), Wan (video) or Kontext (editing) model on rendered scenes",
                        description="Pretrain a tiny world's model on CPU, in resumable stages (VAE, decoder, "
                                    "transformer), then export it as a diffusers folder.")
     families = p.add_subparsers(dest="family", required=True, metavar="FAMILY")
@@ -28,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def add_common_arguments(p: argparse.ArgumentParser, d: dict) -> None:
-    """The options of both families; ``d``: the family's defaults."""
+    """The options of every family; ``d``: the family's defaults."""
     p.add_argument("--out", default=d["out"], help="work folder (caches, stage checkpoints, train.log)")
     p.add_argument("--export", default=d["export"], help="final diffusers folder")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoints in --out")
@@ -63,7 +66,7 @@ def add_common_arguments(p: argparse.ArgumentParser, d: dict) -> None:
     dit.add_argument("--ema", type=float, default=0.995)
     dit.add_argument("--dit-level-weights", default=None,
                      help="batch sampling weights per level, e.g. easy:0.6,medium:0.3,hard:0.1 (default: as rendered)")
-    dit.add_argument("--drop", type=float, default=0.1, help="empty-prompt rate for CFG")
+    dit.add_argument("--drop", type=float, default=d.get("drop", 0.1), help="empty-prompt rate for CFG")
     p.add_argument("--save-every", type=int, default=200, help="steps between stage checkpoints")
     after = p.add_argument_group("export and evaluation")
     after.add_argument("--cfg", type=float, default=d["cfg"], help="CFG scale written to flowalign.json")
@@ -81,10 +84,17 @@ def check(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} {value}: give a positive integer")
     for stage in ("vae", "dit"):
+        if stage == "vae" and getattr(args, "init_from", None):
+            continue  # a pretrained VAE is kept as it is: no VAE stage
         if not getattr(args, f"{stage}_steps") and not getattr(args, f"{stage}_minutes") and not args.eval_only:
             raise UserError(f"--{stage}-minutes / --{stage}-steps: the {stage} stage needs a budget")
     if args.size % 16:
         raise UserError(f"--size {args.size}: use a multiple of 16 (the VAE and patch factors divide it)")
+    from pipelines.pretrain.run import FAMILIES
+
+    family_check = getattr(FAMILIES.get(getattr(args, "family", None)), "check", None)
+    if family_check is not None:
+        family_check(args)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -64,6 +64,15 @@ def level_counts(n: int, mix: dict[str, float]) -> list[tuple[str, int]]:
     return counts
 
 
+def task_seed(seed: int, level_index: int) -> int:
+    """The task seed of the ``level_index``-th level of the mix for run seed ``seed``: ``10·seed + i``,
+    refused when it reaches the benchmarks' evaluation seeds."""
+    value = seed * 10 + level_index
+    if value >= HELD_OUT_SEEDS:
+        raise UserError(f"--seed {seed} gives task seed {value} >= {HELD_OUT_SEEDS} (reserved for benchmarks)")
+    return value
+
+
 def render_benchmark(bench: str, n: int, mix: dict[str, float], seed: int, size: int) -> dict:
     """``n`` freshly drawn tasks of ``bench``, level ``i`` of the mix with task seed ``10·seed + i``,
     rendered at ``size`` px: uint8 pixels ``(N, 3, H, W)`` (images) or ``(N, 3, F, H, W)`` (clips, the
@@ -74,12 +83,10 @@ def render_benchmark(bench: str, n: int, mix: dict[str, float], seed: int, size:
 
     pixels, prompts, levels = [], [], []
     for i, (level, k) in enumerate(level_counts(n, mix)):
-        task_seed = seed * 10 + i
-        if task_seed >= HELD_OUT_SEEDS:
-            raise UserError(f"--seed {seed} gives task seed {task_seed} >= {HELD_OUT_SEEDS} (reserved for benchmarks)")
+        seed_i = task_seed(seed, i)
         if k == 0:
             continue
-        split = training_tasks(bench, level, k, seed=task_seed)
+        split = training_tasks(bench, level, k, seed=seed_i)
         for prompt, meta in tqdm(list(zip(split.prompts, split.metadata)), desc=f"render {level}", mininterval=5):
             pixels.append((render_task(bench, meta, size) * 255).round().to(torch.uint8))
             prompts.append(prompt)

@@ -24,6 +24,8 @@ from pipelines.pretrain.stage import LRSchedule, Stage, run_stage
 
 #: ``prompts → the transformer's text keyword arguments`` (with gradients)
 Conditioning = Callable[[list[str]], dict[str, torch.Tensor]]
+#: ``(transformer, items' clean latents, text kwargs) → loss`` (an editing family's items are pairs)
+FlowLoss = Callable[[torch.nn.Module, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
 def named_trainable(pipe, trained: tuple[str, ...]) -> list[tuple[str, torch.nn.Parameter]]:
@@ -66,9 +68,11 @@ def flow_matching_loss(transformer: torch.nn.Module, x: torch.Tensor, cond: dict
 
 
 def train_dit(pipe, data: dict, x0: torch.Tensor, args: argparse.Namespace, out: Path, trained: tuple[str, ...],
-              conditioning: Conditioning) -> EMA:
+              conditioning: Conditioning, flow_loss: FlowLoss | None = None) -> EMA:
     """Stage ``dit`` on cached latents ``x0 (N, ...)`` of ``data``'s prompts; returns the EMA of the
-    trained weights (what the export writes)."""
+    trained weights (what the export writes). ``flow_loss``: :func:`flow_matching_loss` unless a family
+    feeds its transformer otherwise."""
+    flow_loss = flow_loss or flow_matching_loss
     named = named_trainable(pipe, trained)
     params = [p for _, p in named]
     for p in params:
@@ -84,7 +88,7 @@ def train_dit(pipe, data: dict, x0: torch.Tensor, args: argparse.Namespace, out:
         idx = (torch.randint(0, len(prompts), (args.batch,)) if weights is None
                else torch.multinomial(weights, args.batch, True))
         batch_prompts = [prompts[i] if random.random() >= args.drop else "" for i in idx.tolist()]
-        return flow_matching_loss(pipe.transformer, x0[idx], conditioning(batch_prompts)), {}
+        return flow_loss(pipe.transformer, x0[idx], conditioning(batch_prompts)), {}
 
     for name in trained:
         getattr(pipe, name).train()

@@ -21,14 +21,14 @@ import torch
 
 from flowalign.io import write_json
 from pipelines.pretrain import export as export_
-from pipelines.pretrain import sd3, wan
+from pipelines.pretrain import kontext, sd3, wan
 from pipelines.pretrain.autoencoder import encode_latents, finetune_decoder, train_vae
 from pipelines.pretrain.data import cached, parse_mix, render_benchmark, synthetic_scenes, vocabulary
-from pipelines.pretrain.dit import train_dit
+from pipelines.pretrain.dit import flow_matching_loss, train_dit
 
 log = logging.getLogger("flowalign.pretrain")
 
-FAMILIES = {"sd3": sd3, "wan": wan}
+FAMILIES = {"sd3": sd3, "wan": wan, "kontext": kontext}
 
 
 def setup(args: argparse.Namespace, out: Path) -> None:
@@ -56,6 +56,8 @@ def setup(args: argparse.Namespace, out: Path) -> None:
 
 
 def load_data(family, args: argparse.Namespace, out: Path) -> dict:
+    if hasattr(family, "load_data"):  # a family whose items are not one rendered task each (edit pairs)
+        return family.load_data(args, out)
     if getattr(args, "synthetic", False):
         return cached(out, lambda: synthetic_scenes(args.n_scenes, args.seed, args.size))
     return cached(out, lambda: render_benchmark(family.BENCH, args.n_scenes, parse_mix(args.mix), args.seed, args.size))
@@ -76,7 +78,7 @@ def train(family, data: dict, args: argparse.Namespace, out: Path):
     """Every training stage in order → ``(pipe, ema, max_sequence_length)``."""
     pretrained = getattr(args, "init_from", None)
     if pretrained:
-        pipe, max_seq = family.load_pretrained(Path(pretrained), args)
+        pipe, max_seq = family.load_pretrained(Path(pretrained), args, data["prompts"])
     else:
         words = vocabulary(data["prompts"])
         log.info("%d prompt words", len(words))
@@ -92,7 +94,10 @@ def train(family, data: dict, args: argparse.Namespace, out: Path):
                         lambda z: family.set_latent_factors(pipe.vae, z, keep=bool(pretrained)))
     if not family.DECODER_AFTER_DIT:
         finetune_decoder(pipe.vae, data["pixels"], x0, args, out, recipe)
-    ema = train_dit(pipe, data, x0, args, out, family.TRAINED, family.conditioning(pipe, args, max_seq))
+    per_item = getattr(family, "IMAGES_PER_ITEM", 1)  # an editing item: its images' latents side by side
+    items = x0.unflatten(0, (-1, per_item)) if per_item > 1 else x0
+    ema = train_dit(pipe, data, items, args, out, family.TRAINED, family.conditioning(pipe, args, max_seq),
+                    getattr(family, "flow_loss", flow_matching_loss))
     if family.DECODER_AFTER_DIT:
         finetune_decoder(pipe.vae, data["pixels"], x0, args, out, recipe)
     return pipe, ema, max_seq
@@ -113,6 +118,13 @@ def evaluate(family, folder: Path, n: int, out: Path) -> dict:
     return results
 
 
+def sample_training_prompts(folder: Path, data: dict, args: argparse.Namespace, out: Path) -> None:
+    """``OUT/samples_train_prompts.png``: the exported model's samples of ``--demo-n`` training prompts."""
+    rng = random.Random(12345)
+    demo = [data["prompts"][i] for i in rng.sample(range(len(data["prompts"])), args.demo_n)]
+    export_.sample_prompts(folder, demo, out / "samples_train_prompts.png")
+
+
 def run(args: argparse.Namespace) -> None:
     """``flowalign pretrain-tiny FAMILY ...`` (see :mod:`pipelines.pretrain.cli` for the options)."""
     family = FAMILIES[args.family]
@@ -128,9 +140,7 @@ def run(args: argparse.Namespace) -> None:
     pipe, ema, max_seq = train(family, data, args, out)
     export_.export(pipe, ema, family.PIPELINE, family.sampling_defaults(args, max_seq), folder)
     if args.demo_n:
-        rng = random.Random(12345)
-        demo = [data["prompts"][i] for i in rng.sample(range(len(data["prompts"])), args.demo_n)]
-        export_.sample_prompts(folder, demo, out / "samples_train_prompts.png")
+        getattr(family, "demo", sample_training_prompts)(folder, data, args, out)
     log.info("total wall time %.1f min", (time.time() - t_start) / 60)
     if args.eval_n:
         evaluate(family, folder, args.eval_n, out)

@@ -90,8 +90,9 @@ def build(words: list[str], prompts: list[str], args: argparse.Namespace):
     return build_tiny_sd3(**model_overrides(words, clip_len, max_seq, args.size)), max_seq
 
 
-def load_pretrained(folder: Path, args: argparse.Namespace):
-    """``--init-from``: the pretrained pipeline (deepened with ``--num-layers``) → ``(pipe, max_sequence_length)``."""
+def load_pretrained(folder: Path, args: argparse.Namespace, prompts: list[str] | None = None):
+    """``--init-from``: the pretrained pipeline (deepened with ``--num-layers``) → ``(pipe, max_sequence_length)``;
+    its tokenizers stay as they are, whatever the ``prompts``."""
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(folder)
