@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowalign.config import TrainConfig, load_config  # noqa: E402
 from flowalign.errors import UserError  # noqa: E402
+from measure import evaluate_command  # noqa: E402
 
 #: seconds per training step, per evaluated sample, and per sample of the two concurrent test
 #: evaluations, on 2 cores (for the time estimate only)
@@ -50,21 +51,6 @@ def finished(run_dir: Path, steps: int) -> Path | None:
     return final if (run_dir / "evals" / step_dir_name(steps) / "metrics.json").is_file() and final.is_dir() else None
 
 
-def test_command(cfg: TrainConfig, out: Path, n: int, checkpoint: Path | None) -> list[str]:
-    """``flowalign evaluate`` on the test split for the base model (``checkpoint`` None) or a checkpoint's
-    EMA weights (what training evaluates), with the same noise per prompt for both."""
-    from flowalign.train import resolve_model_path
-
-    cmd = ["flowalign", "evaluate", "--model", str(resolve_model_path(cfg.model.path)), "--bench", cfg.eval.bench,
-           "--level", str(cfg.eval.level), "--split", "test", "--n", str(n), "--batch-size", str(cfg.eval.batch_size),
-           "--out", str(out), "--overwrite"]
-    if cfg.eval.num_steps:
-        cmd += ["--steps", str(cfg.eval.num_steps)]
-    if checkpoint is not None:
-        cmd += ["--adapter", str(checkpoint)] + (["--ema"] if float(cfg.trainer.get("ema_decay", 0.0)) > 0 else [])
-    return cmd
-
-
 def evaluate_base_and_tuned(cfg: TrainConfig, out: Path, n: int, checkpoint: Path) -> tuple[Path, Path]:
     """Both test evaluations at once, one process and one thread each: about 30% faster on 2 cores than one
     after the other on two threads (the tiny model's kernels are too small to split well). The tuned
@@ -75,10 +61,10 @@ def evaluate_base_and_tuned(cfg: TrainConfig, out: Path, n: int, checkpoint: Pat
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {}
     for name, (folder, ckpt) in todo.items():
-        cmd = test_command(cfg, folder, n, ckpt)
-        print("demo: " + " ".join(cmd), flush=True)
+        cmd = evaluate_command(cfg, folder, ckpt, n)
+        print("demo: flowalign " + " ".join(cmd), flush=True)
         log = open(out / f"{name}.log", "w") if ckpt is None else None
-        argv = [sys.executable, "-m", "flowalign.cli.main", *cmd[1:]]
+        argv = [sys.executable, "-m", "flowalign", *cmd]
         procs[name] = (subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log), log)
     for name, (proc, log) in procs.items():
         if proc.wait() != 0:

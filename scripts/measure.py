@@ -39,16 +39,26 @@ def run(cmd: list[str], threads: int, log: Path) -> None:
             raise SystemExit(f"measure: failed, see {log}")
 
 
+def evaluate_command(cfg, out: Path, checkpoint: Path | None, n: int | None = None) -> list[str]:
+    """``flowalign evaluate`` on ``cfg``'s test split for the base model (``checkpoint`` None) or a
+    checkpoint's EMA weights (what training evaluates), noise seed 0, so every sample pairs with the base's."""
+    from flowalign.train import resolve_model_path
+
+    cmd = ["evaluate", "--model", str(resolve_model_path(cfg.model.path)), "--bench", cfg.eval.bench, "--level", str(cfg.eval.level),
+           "--split", "test", "--batch-size", str(cfg.eval.batch_size), "--out", str(out), "--overwrite"]
+    if n is not None:
+        cmd += ["--n", str(n)]
+    if cfg.eval.num_steps:
+        cmd += ["--steps", str(cfg.eval.num_steps)]
+    if checkpoint is not None:
+        cmd += ["--adapter", str(checkpoint)] + (["--ema"] if float(cfg.trainer.get("ema_decay", 0.0)) > 0 else [])
+    return cmd
+
+
 def test_eval(cfg, out: Path, threads: int, checkpoint: Path | None) -> Path:
     """The test-split evaluation of the base model or of ``checkpoint`` (reused when finished)."""
     if not (out / "metrics.json").is_file():
-        cmd = ["evaluate", "--model", str(cfg.model.path), "--bench", cfg.eval.bench, "--level", str(cfg.eval.level),
-               "--split", "test", "--batch-size", str(cfg.eval.batch_size), "--out", str(out), "--overwrite"]
-        if cfg.eval.num_steps:
-            cmd += ["--steps", str(cfg.eval.num_steps)]
-        if checkpoint is not None:
-            cmd += ["--adapter", str(checkpoint)] + (["--ema"] if float(cfg.trainer.get("ema_decay", 0.0)) > 0 else [])
-        run(cmd, threads, out.parent / f"{out.name}.log")
+        run(evaluate_command(cfg, out, checkpoint), threads, out.parent / f"{out.name}.log")
     return out
 
 

@@ -68,11 +68,10 @@ def flow_matching_loss(transformer: torch.nn.Module, x: torch.Tensor, cond: dict
 
 
 def train_dit(pipe, data: dict, x0: torch.Tensor, args: argparse.Namespace, out: Path, trained: tuple[str, ...],
-              conditioning: Conditioning, flow_loss: FlowLoss | None = None) -> EMA:
+              conditioning: Conditioning, flow_loss: FlowLoss = flow_matching_loss) -> EMA:
     """Stage ``dit`` on cached latents ``x0 (N, ...)`` of ``data``'s prompts; returns the EMA of the
-    trained weights (what the export writes). ``flow_loss``: :func:`flow_matching_loss` unless a family
-    feeds its transformer otherwise."""
-    flow_loss = flow_loss or flow_matching_loss
+    trained weights (what the export writes). ``flow_loss``: a family that feeds its transformer
+    otherwise (an editing family's items are pairs) gives its own."""
     named = named_trainable(pipe, trained)
     params = [p for _, p in named]
     for p in params:
