@@ -18,6 +18,20 @@ from tests.flowalign.trainers.conftest import small_config
 
 LORA = {"rank": 4, "alpha": 8}
 PROMPTS = ["exactly two red circles", "a blue square left of a green triangle"]
+#: editing instructions for :func:`edit_inputs`
+EDIT_PROMPTS = ["make the red square blue", "remove the square"]
+
+
+def edit_inputs() -> list:
+    """Two 32 px input images for an editing family: a red and a green square at different places."""
+    from PIL import Image
+
+    images = []
+    for i, colour in enumerate([(220, 30, 30), (30, 200, 30)]):
+        image = Image.new("RGB", (32, 32), (250, 250, 250))
+        image.paste(colour, (6 + 4 * i, 8, 22, 24))
+        images.append(image)
+    return images
 
 
 def ode(policy, x: torch.Tensor, cond, grid: torch.Tensor, guidance: float) -> torch.Tensor:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from PIL import Image
 
 import pipelines
 from flowalign.errors import UserError
@@ -14,16 +13,8 @@ from flowalign.sampling import rollout
 from flowalign.sampling.inputs import load_input_image
 from tests.pipelines import family_checks as checks
 
-PROMPTS = ["make the red square blue", "remove the square"]
-
-
-def inputs() -> list[Image.Image]:
-    images = []
-    for i, colour in enumerate([(220, 30, 30), (30, 200, 30)]):
-        image = Image.new("RGB", (32, 32), (250, 250, 250))
-        image.paste(colour, (6 + 4 * i, 8, 22, 24))
-        images.append(image)
-    return images
+PROMPTS = checks.EDIT_PROMPTS
+inputs = checks.edit_inputs
 
 
 @pytest.fixture(scope="module")
