@@ -80,6 +80,11 @@ class FlowPolicy(Protocol):
     Conventions (``docs/methods/conventions.md``): ``x_σ = (1-σ)·x0 + σ·ε``, velocity ``v = ε - x0``,
     σ=1 is noise. Latents are whatever the family uses (``B,C,H,W`` images, ``B,C,F,H,W`` video,
     packed tokens for FLUX); trainers never look inside.
+
+    Optional, for CFG families that have them: ``unconditional_velocity(x, σ, cond) -> v_u`` with
+    ``velocity(..., uncond=v_u)`` (the conditional half alone: a detached unconditional branch), and
+    ``velocity_and_unconditional(x, σ, cond, w) -> (v, v_u)`` (one batched pass; rollouts that keep
+    ``v_u`` for a trainer).
     """
 
     family: str

@@ -124,26 +124,36 @@ class SD3Policy(lora_utils.AdapterMethods):
         ``uncond``: a precomputed unconditional velocity (:meth:`unconditional_velocity`); only the
         conditional half then runs, see :func:`pipelines._common.cfg_mix`.
         """
-        b = batch_size(x, cond)
-        if uncond is not None and guidance > 1:  # only the conditional half runs (and carries gradients)
-            return cfg_mix(uncond, self.velocity(x, sigma, cond, 1.0), guidance)
-        timestep = sigma_batch(sigma, b, self.device) * 1000.0
-        hidden = x.to(self.device, self.dtype)
-        keys = ["prompt_embeds", "pooled_prompt_embeds"]
-        cfg = guidance > 1
-        if cfg:  # [uncond; cond] in one forward, as the pipeline does
-            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
-            embeds, pooled = cfg_batch(cond, keys, self.defaults["guidance_scale"], self.device, self.dtype)
-        else:
-            embeds, pooled = (cond.tensors[k].to(self.device, self.dtype) for k in keys)
-        out = self.transformer(
-            hidden_states=hidden,
+        if guidance > 1:
+            if uncond is not None:  # only the conditional half runs (and carries gradients)
+                return cfg_mix(uncond, self.velocity(x, sigma, cond, 1.0), guidance)
+            return self.velocity_and_unconditional(x, sigma, cond, guidance)[0]
+        batch_size(x, cond)
+        out = self._transformer(x, sigma, [cond.tensors[k] for k in ("prompt_embeds", "pooled_prompt_embeds")])
+        return out.float()
+
+    def velocity_and_unconditional(
+        self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CFG's guided velocity ``v`` and its unconditional branch ``v_u``, float32 ``(B, C, h, w)`` each,
+        from one forward of ``[uncond; cond]`` (2B rows) as the pipeline batches it."""
+        embeds, pooled = cfg_batch(cond, ["prompt_embeds", "pooled_prompt_embeds"], self.defaults["guidance_scale"],
+                                   self.device, self.dtype)
+        sigmas = sigma_batch(sigma, batch_size(x, cond), self.device)
+        out = self._transformer(torch.cat([x, x]), torch.cat([sigmas, sigmas]), [embeds, pooled])
+        return cfg_combine(out, guidance), out.chunk(2)[0].float()
+
+    def _transformer(self, x: torch.Tensor, sigma: float | torch.Tensor, text: list[torch.Tensor]) -> torch.Tensor:
+        """The transformer's raw output ``(B, C, h, w)`` at ``timestep = 1000·σ`` for text ``[embeds, pooled]``."""
+        timestep = sigma_batch(sigma, x.shape[0], self.device) * 1000.0
+        embeds, pooled = (t.to(self.device, self.dtype) for t in text)
+        return self.transformer(
+            hidden_states=x.to(self.device, self.dtype),
             timestep=timestep,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
             return_dict=False,
         )[0]
-        return cfg_combine(out, guidance) if cfg else out.float()
 
     def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The CFG negative's velocity ``v_u`` float32 (one forward of batch B), for ``velocity(..., uncond=v_u)``."""

@@ -27,7 +27,9 @@ class Rollout:
     ODE steps); ``sde_mask`` ``(T,)`` bool; ``samples`` decoded ``(B,3,H,W)`` or ``(B,F,3,H,W)`` in
     [0,1] (``None`` when not decoded); ``cond`` the conditioning used; ``guidance_scale`` and ``sampler``
     record how they were drawn so trainers re-evaluate the same distribution; ``velocities``
-    ``(B, T, ...)`` the policy's velocity at every step when the rollout kept them (else ``None``).
+    ``(B, T, ...)`` the policy's velocity at every step when the rollout kept them (else ``None``);
+    ``unconditional_velocities`` ``(B, T, ...)`` CFG's unconditional branch ``v_u`` at every step when
+    the rollout kept it (else ``None``).
     """
 
     prompts: list[str]
@@ -42,6 +44,7 @@ class Rollout:
     noise_level: float = 0.0
     guidance_scale: float = 1.0
     velocities: torch.Tensor | None = None
+    unconditional_velocities: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -79,6 +82,7 @@ class Rollout:
             noise_level=self.noise_level,
             guidance_scale=self.guidance_scale,
             velocities=None if self.velocities is None else self.velocities[idx],
+            unconditional_velocities=None if self.unconditional_velocities is None else self.unconditional_velocities[idx],
         )
 
     __getitem__ = select
@@ -131,6 +135,7 @@ def rollout(
     keep_velocities: bool = False,
     generators: Sequence[torch.Generator] | None = None,
     sde_last_step: bool = False,
+    keep_unconditional: bool = False,
 ) -> Rollout:
     """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid.
 
@@ -143,7 +148,10 @@ def rollout(
     ``guide`` (e.g. :class:`flowalign.sampling.guidance.Guidance`, reward-guided sampling) maps each
     step's velocity ``guide(v, x, σ, cond) -> v_c`` before the step. ``keep_velocities`` stores the
     policy's velocities (before any guide) in ``velocities`` ``(B, T, ...)`` (trainers that distil toward
-    them need no second forward pass).
+    them need no second forward pass). ``keep_unconditional`` (CFG with a policy that has
+    ``velocity_and_unconditional``) also stores CFG's unconditional branch ``v_u`` of each step's batched
+    pass in ``unconditional_velocities``: a trainer whose loss detaches that branch reuses it while its
+    weights are still the sampling weights.
 
     ``generators`` (one per sample) draws each sample's initial noise and SDE noise from its own stream,
     so a sample does not depend on which others share its batch (or rank); ``generator`` draws the
@@ -171,9 +179,10 @@ def rollout(
             return custom_step
         return _kind_step(sampler if mask[k] else "ode", level, cps_log_prob)
 
-    latents, log_probs, velocities = _integrate(
+    keep_unconditional = keep_unconditional and guidance > 1 and hasattr(policy, "velocity_and_unconditional")
+    latents, log_probs, velocities, unconditional = _integrate(
         policy, x, sigmas, cond, guidance, mask, step_at, generator=generator, generators=generators,
-        guide=guide, keep_velocities=keep_velocities)
+        guide=guide, keep_velocities=keep_velocities, keep_unconditional=keep_unconditional)
     x = latents[-1]
     samples = policy.decode(x) if decode else None
     return Rollout(
@@ -189,6 +198,7 @@ def rollout(
         noise_level=level,
         guidance_scale=guidance,
         velocities=torch.stack(velocities, dim=1) if keep_velocities else None,
+        unconditional_velocities=torch.stack(unconditional, dim=1) if keep_unconditional else None,
     )
 
 
@@ -205,17 +215,23 @@ def _integrate(
     generators: Sequence[torch.Generator] | None,
     guide: Callable[..., torch.Tensor] | None,
     keep_velocities: bool,
-) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    keep_unconditional: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run the ``len(mask)`` steps from ``x`` ``(B, ...)`` along ``sigmas``, step ``k`` with ``step_at(k)``.
 
     Returns the latents ``[x_0, ..., x_T]`` (each ``(B, ...)``), the log-probs ``(B, T)`` (NaN on ODE
-    steps) and, with ``keep_velocities``, the policy's velocities before any guide (else empty).
+    steps), with ``keep_velocities`` the policy's velocities before any guide and with
+    ``keep_unconditional`` the unconditional velocities (else empty lists).
     """
     latents = [x]
     log_probs = torch.full((x.shape[0], len(mask)), float("nan"))
-    velocities = []
+    velocities, unconditional = [], []
     for k in range(len(mask)):
-        v = policy.velocity(x, sigmas[k].item(), cond, guidance)
+        if keep_unconditional:
+            v, v_u = policy.velocity_and_unconditional(x, sigmas[k].item(), cond, guidance)
+            unconditional.append(v_u)
+        else:
+            v = policy.velocity(x, sigmas[k].item(), cond, guidance)
         if keep_velocities:
             velocities.append(v.float())
         if guide is not None:
@@ -228,7 +244,7 @@ def _integrate(
         x = out.prev_sample
         latents.append(x)
         log_probs[:, k] = out.log_prob.cpu()
-    return latents, log_probs, velocities
+    return latents, log_probs, velocities, unconditional
 
 
 def _start(policy: FlowPolicy, n: int, initial_noise: torch.Tensor | None, generator: torch.Generator | None,

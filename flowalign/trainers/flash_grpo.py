@@ -74,7 +74,8 @@ class FlashGRPOTrainer(FlowGRPOTrainer):
         """The whole group shares ``k_c``: ODE everywhere except one SDE step there."""
         k = self.iso_temporal_step(group)
         sigmas = self.policy.sigmas(self.tcfg.num_steps).float().cpu()
-        return Sampling(FlashStep(flash_diffusion(sigmas, k)), sde_window=(k, 1))
+        return Sampling(FlashStep(flash_diffusion(sigmas, k)), sde_window=(k, 1),
+                        keep_unconditional=self.reuses_unconditional)
 
     def collect(self, step: int) -> StepBatch:
         """The loop's batch with ``weights`` ``ω_i = (1/c_{k_i}) / mean over all ranks' samples of 1/c_k``

@@ -130,7 +130,15 @@ class FlowGRPOTrainer(GroupTrainer):
             g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, group, 11))
             window = (random_window_start(self.tcfg.num_steps, self.tcfg.sde_window, g), self.tcfg.sde_window)
         return Sampling(self.sampler, self.noise_level, window, self.tcfg.sde_last_step,
-                        cps_log_prob=self.tcfg.cps_log_prob)
+                        cps_log_prob=self.tcfg.cps_log_prob, keep_unconditional=self.reuses_unconditional)
+
+    @property
+    def reuses_unconditional(self) -> bool:
+        """Whether rollouts keep CFG's unconditional velocities for the batch's first optimiser step.
+
+        With the branch detached (``cfg_grad="detached"``) and the weights still those that sampled, the
+        loss's ``v_u`` is the rollout's: reusing it saves one no-grad forward per trained unit."""
+        return self.tcfg.cfg_grad == "detached"
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
         """The stochastic steps among the first ⌊timestep_fraction·T⌋ steps (at least the first one)."""
@@ -182,14 +190,22 @@ class FlowGRPOTrainer(GroupTrainer):
                 batch.kl_reference[i, k] = self.step_distribution(chunk, k, v).mean
         return batch.kl_reference[i, k]
 
+    def policy_velocity(self, chunk: Rollout, k: int, sampling_weights: bool) -> torch.Tensor:
+        """The policy's guided velocity at the rollout's ``x_k`` ``(B, ...)``, with gradients. While the
+        weights are still those that sampled (``sampling_weights``: the batch's first optimiser step), a
+        detached ``v_u`` is the one the rollout stored: only the conditional half runs."""
+        x_k, sigma = chunk.step(k)[0], chunk.sigmas[k].item()
+        stored = chunk.unconditional_velocities
+        if sampling_weights and stored is not None and self.tcfg.cfg_grad == "detached":
+            return self.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale, uncond=stored[:, k])
+        return guided_velocity(self.policy, x_k, sigma, chunk.cond, chunk.guidance_scale, self.tcfg.cfg_grad)
+
     def loss(self, batch: StepBatch, unit: StepUnit) -> tuple[torch.Tensor, dict[str, float]]:
         chunk, k = batch.chunks[unit.chunk], unit.k
         adv = batch.per_chunk(batch.advantages)[unit.chunk]
         weight = None if batch.weights is None else batch.per_chunk(batch.weights)[unit.chunk]
         x_k, _, old_log_prob = chunk.step(k)
-        v = guided_velocity(self.policy, x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale,
-                            self.tcfg.cfg_grad)
-        out = self.step_distribution(chunk, k, v)
+        out = self.step_distribution(chunk, k, self.policy_velocity(chunk, k, unit.update == 0))
         adv, old_log_prob = adv.to(out.log_prob), old_log_prob.to(out.log_prob)
         per_sample, ratio, clipped = ppo_clip_loss(out.log_prob, old_log_prob, adv, self.tcfg.clip_range,
                                                    None if weight is None else weight.to(out.log_prob))

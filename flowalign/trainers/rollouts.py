@@ -37,7 +37,8 @@ class Sampling:
 
     ``sampler``: a kind of :func:`flowalign.sampling.sde_step` or a step function (compare it by value,
     e.g. a frozen dataclass, so equal groups batch together); ``sde_window``: ``(start, width)`` or None
-    (every step); ``sde_last_step``: whether the step to σ = 0 is stochastic too.
+    (every step); ``sde_last_step``: whether the step to σ = 0 is stochastic too; ``keep_velocities``,
+    ``keep_unconditional``: what the rollout stores besides latents and log-probs (see :func:`rollout`).
     """
 
     sampler: str | Callable[..., Any] = "flow_grpo"
@@ -46,6 +47,7 @@ class Sampling:
     sde_last_step: bool = False
     keep_velocities: bool = False
     cps_log_prob: str = "code"
+    keep_unconditional: bool = False
 
 
 @dataclass
@@ -130,7 +132,8 @@ def roll_out(policy: Any, batch: list[SampleSlot], how: Sampling, num_steps: int
                    noise_level=how.noise_level, guidance_scale=guidance, sde_window=how.sde_window,
                    metadata=[s.metadata for s in batch], generators=[s.generator for s in batch],
                    initial_noise=None if noise[0] is None else torch.cat(noise), cps_log_prob=how.cps_log_prob,
-                   keep_velocities=how.keep_velocities, sde_last_step=how.sde_last_step)
+                   keep_velocities=how.keep_velocities, sde_last_step=how.sde_last_step,
+                   keep_unconditional=how.keep_unconditional)
 
 
 def sample_and_score(policy: Any, rewards: RewardSet, batches: list[list[SampleSlot]], sampling: dict[int, Sampling],

@@ -77,6 +77,39 @@ def test_each_cfg_grad_setting_trains_with_ratio_one_on_the_first_pass(tmp_path,
     assert sum(p.grad.abs().sum() for p in t.params if p.grad is not None) > 0
 
 
+def test_the_first_optimiser_step_reuses_the_rollouts_unconditional_velocities(tmp_path, tiny_sd3_dir, prompt_file):
+    t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "reuse", "trainer.num_steps=4")
+    batch = t.collect(0)
+    chunk = batch.chunks[0]
+    stored = chunk.unconditional_velocities
+    assert stored is not None and stored.shape[:2] == (len(chunk), chunk.num_steps)
+    with torch.no_grad():  # what the rollout kept is the unconditional branch at every step
+        for k in range(chunk.num_steps):
+            v_u = t.policy.unconditional_velocity(chunk.latents[:, k], chunk.sigmas[k].item(), chunk.cond)
+            assert torch.equal(stored[:, k], v_u)
+
+    calls = []
+    own = t.policy.unconditional_velocity
+    t.policy.unconditional_velocity = lambda *a: calls.append(1) or own(*a)
+
+    def loss_and_grads(update):
+        t.optimizer.zero_grad(set_to_none=True)
+        loss, info = t.loss(batch, StepUnit(0, 1, 1, update))
+        loss.backward()
+        return loss.item(), info, [p.grad.clone() for p in t.params]
+
+    first, info, g_first = loss_and_grads(0)  # the sampling weights: v_u comes from the rollout
+    assert calls == [] and info["ratio"] == 1.0 and info["ratio_dev"] == 0.0
+    later, _, g_later = loss_and_grads(1)  # after an optimiser step v_u must be recomputed
+    assert calls == [1]
+    assert first == pytest.approx(later, rel=1e-5)  # (same weights here: the two paths compute one loss)
+    for a, b in zip(g_first, g_later):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+    full = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "full", "trainer.cfg_grad=full")
+    assert full.collect(0).chunks[0].unconditional_velocities is None  # full backpropagates through v_u
+
+
 def test_advantages_are_normalised_per_prompt_with_the_global_std(tmp_path, tiny_sd3_dir):
     one = tmp_path / "one.txt"
     one.write_text("a red circle\n")  # both groups of the step draw the same prompt
