@@ -27,16 +27,17 @@ from flowalign.config import TrainConfig, load_config  # noqa: E402
 from flowalign.errors import UserError  # noqa: E402
 from measure import evaluate_command  # noqa: E402
 
-#: seconds per training step, per evaluated sample, and per sample of the two concurrent test
-#: evaluations, on 2 cores (for the time estimate only)
-STEP_SECONDS, SAMPLE_SECONDS, PAIRED_SAMPLE_SECONDS = 12.5, 0.36, 0.27
+#: seconds per rollout of a training step, per evaluated sample, and per sample of the two concurrent
+#: test evaluations, on 2 cores (for the time estimate only)
+ROLLOUT_SECONDS, SAMPLE_SECONDS, PAIRED_SAMPLE_SECONDS = 0.39, 0.36, 0.27
 
 
 def plan(cfg: TrainConfig, n_test: int) -> str:
     """What the demo will do and roughly how long it takes."""
     steps = int(cfg.trainer["max_steps"])
+    rollouts = int(cfg.trainer.get("prompts_per_step", 1)) * int(cfg.trainer.get("group_size", 1))
     evals = (steps // cfg.eval.every if cfg.eval.every else 1) * (cfg.eval.n or 500)
-    minutes = (steps * STEP_SECONDS + evals * SAMPLE_SECONDS + 2 * n_test * PAIRED_SAMPLE_SECONDS) / 60
+    minutes = (steps * rollouts * ROLLOUT_SECONDS + evals * SAMPLE_SECONDS + 2 * n_test * PAIRED_SAMPLE_SECONDS) / 60
     return (f"demo: fine-tune {cfg.model.path} with {cfg.trainer['name']} on {cfg.eval.bench} "
             f"{'/'.join([cfg.data.level] if isinstance(cfg.data.level, str) else cfg.data.level)} tasks for {steps} steps "
             f"(validation checks on {cfg.eval.n} tasks), then score the base and the tuned model on the {n_test} "
