@@ -128,7 +128,7 @@ class SD3Policy(lora_utils.AdapterMethods):
             if uncond is not None:  # only the conditional half runs (and carries gradients)
                 return cfg_mix(uncond, self.velocity(x, sigma, cond, 1.0), guidance)
             return self.velocity_and_unconditional(x, sigma, cond, guidance)[0]
-        batch_size(x, cond)
+        batch_size(x, cond)  # x and cond must agree
         out = self._transformer(x, sigma, [cond.tensors[k] for k in ("prompt_embeds", "pooled_prompt_embeds")])
         return out.float()
 
