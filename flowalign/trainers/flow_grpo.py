@@ -72,15 +72,18 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
 
 
 def guided_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Conditioning, guidance: float,
-                    cfg_grad: str) -> torch.Tensor:
+                    cfg_grad: str, stored_uncond: torch.Tensor | None = None) -> torch.Tensor:
     """``v = v_u + w·(v_c − v_u)`` ``(B, ...)``. ``cfg_grad="detached"``: ``v_u`` under ``no_grad`` (its own
-    forward), so the backward pass runs through the conditional branch only; ``"full"`` (or a model
-    without CFG negatives): the policy's own guided velocity."""
+    forward, or ``stored_uncond`` when the caller has it for these weights), so the backward pass runs
+    through the conditional branch only; ``"full"`` (or a model without CFG negatives): the policy's own
+    guided velocity."""
     if cfg_grad == "full" or guidance <= 1:
         return policy.velocity(x, sigma, cond, guidance)
-    if hasattr(policy, "unconditional_velocity"):  # the family runs the conditional half alone itself
-        with torch.no_grad():
-            v_u = policy.unconditional_velocity(x, sigma, cond)
+    if stored_uncond is not None or hasattr(policy, "unconditional_velocity"):  # the conditional half alone
+        v_u = stored_uncond
+        if v_u is None:
+            with torch.no_grad():
+                v_u = policy.unconditional_velocity(x, sigma, cond)
         return policy.velocity(x, sigma, cond, guidance, uncond=v_u)
     uncond = cond.unconditional()
     if uncond is None:
@@ -194,11 +197,10 @@ class FlowGRPOTrainer(GroupTrainer):
         """The policy's guided velocity at the rollout's ``x_k`` ``(B, ...)``, with gradients. While the
         weights are still those that sampled (``sampling_weights``: the batch's first optimiser step), a
         detached ``v_u`` is the one the rollout stored: only the conditional half runs."""
-        x_k, sigma = chunk.step(k)[0], chunk.sigmas[k].item()
         stored = chunk.unconditional_velocities
-        if sampling_weights and stored is not None and self.tcfg.cfg_grad == "detached":
-            return self.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale, uncond=stored[:, k])
-        return guided_velocity(self.policy, x_k, sigma, chunk.cond, chunk.guidance_scale, self.tcfg.cfg_grad)
+        return guided_velocity(self.policy, chunk.step(k)[0], chunk.sigmas[k].item(), chunk.cond,
+                               chunk.guidance_scale, self.tcfg.cfg_grad,
+                               stored[:, k] if sampling_weights and stored is not None else None)
 
     def loss(self, batch: StepBatch, unit: StepUnit) -> tuple[torch.Tensor, dict[str, float]]:
         chunk, k = batch.chunks[unit.chunk], unit.k
