@@ -29,7 +29,7 @@ from measure import evaluate_command  # noqa: E402
 
 #: seconds per rollout of a training step, per evaluated sample, and per sample of the two concurrent
 #: test evaluations, on 2 cores (for the time estimate only)
-ROLLOUT_SECONDS, SAMPLE_SECONDS, PAIRED_SAMPLE_SECONDS = 0.39, 0.36, 0.27
+ROLLOUT_SECONDS, SAMPLE_SECONDS, PAIRED_SAMPLE_SECONDS = 0.31, 0.36, 0.27
 
 
 def plan(cfg: TrainConfig, n_test: int) -> str:
