@@ -73,7 +73,7 @@ def start_test_evaluation(cfg: TrainConfig, folder: Path, checkpoint: Path | Non
         return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
     with open(folder.parent / f"{folder.name}.log", "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
-    try:  # before the child starts its worker threads, which inherit the priority
+    try:  # right after the start: the child's OpenMP workers, created at its first kernel seconds later, inherit it
         os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
     except (AttributeError, OSError):
         pass
