@@ -4,19 +4,88 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where ``/proc`` tells it (other threads may be
+    creating files meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def temp_prefix(name: str, kind: str = "tmp") -> str:
+    """The start of a temporary's hidden name beside ``name``, without the pid that :func:`with_pid` adds."""
+    return f".{name}.{kind}-"
+
+
+def with_pid(prefix: str) -> str:
+    """``prefix`` and this process's pid: a killed writer's leftover (swept by :func:`sweep_stale`) is told
+    apart from a live one's."""
+    return f"{prefix}{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale(folder: Path, prefix: str) -> None:
+    """Remove the temporaries ``PREFIX<pid>-*`` in ``folder`` whose writing process is gone (a kill
+    mid-write strands them); a live writer's stay."""
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)-")
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        m = pattern.match(p.name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _plain_mode(fd: int, kind: str, like: Path | None = None) -> None:
+    """``mkstemp``/``mkdtemp`` create 0600/0700: give the file (``"file"``) or folder the mode a plain
+    ``open``/``mkdir`` would (0666/0777 less the umask), or the mode of the file it replaces, so that a
+    gallery stays readable by a web server and a shared folder by its group."""
+    try:
+        mode = stat.S_IMODE(os.stat(like).st_mode) if like is not None else None
+    except OSError:
+        mode = None
+    os.chmod(fd, mode if mode is not None else (0o666 if kind == "file" else 0o777) & ~umask())
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is renamed onto ``path``."""
+    """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` (with the mode of the
+    file it replaces, else the umask's)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    sweep_stale(path.parent, temp_prefix(path.name))
+    fd, tmp = tempfile.mkstemp(prefix=with_pid(temp_prefix(path.name)), suffix=path.suffix, dir=path.parent)
+    _plain_mode(fd, "file", like=path)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -77,7 +146,7 @@ def check_out_dir(path: str | Path, *, writer: str, overwrite: bool, flag: str =
     if overwrite or not path.is_dir():
         return
     if not (path / marker_name(writer)).is_file():
-        _refuse_foreign(path, foreign_entries(path, writer), flag)
+        refuse_foreign(path, foreign_entries(path, writer), flag)
 
 
 def _probe_writable(path: Path, flag: str) -> None:
@@ -96,7 +165,20 @@ def _probe_writable(path: Path, flag: str) -> None:
                         "choose a writable folder") from None
 
 
-def _refuse_foreign(path: Path, foreign: list[str], flag: str) -> None:
+def check_out_file(path: str | Path, *, overwrite: bool, flag: str = "--out") -> None:
+    """Refuse (``UserError``) an output file that exists (unless ``overwrite``) or is a folder, and a folder
+    that takes no files; call it before expensive work."""
+    from flowalign.errors import UserError
+
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file name to write")
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise UserError(f"{flag} {path} already exists; choose another name, or add --overwrite to replace it")
+    _probe_writable(path.parent, flag)
+
+
+def refuse_foreign(path: Path, foreign: list[str], flag: str) -> None:
     from flowalign.errors import UserError
 
     if foreign:
@@ -112,14 +194,18 @@ def atomic_dir(path: str | Path, *, writer: str, overwrite: bool = False, flag: 
     Nothing ``writer`` did not write is ever removed: a new folder appears in one rename; into an existing
     one each entry is swapped in by rename and the entries ``writer`` wrote before (listed in its marker
     file, :func:`marker_name`) are dropped, while every other file stays. A non-empty folder that
-    ``writer`` never wrote to is refused unless ``overwrite`` (which still only replaces the names it
-    writes). A failure inside the block leaves ``path`` untouched.
+    ``writer`` never wrote to is refused unless ``overwrite`` (which still only replaces the files it
+    writes: into a sub-folder of the user's of a name it writes, its files are merged, the user's others
+    kept). A failure inside the block leaves ``path`` untouched.
     """
     path = Path(path)
     check_out_dir(path, writer=writer, overwrite=overwrite, flag=flag)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.resolve().name}.tmp-", dir=path.parent))
+        name = path.resolve().name
+        sweep_stale(path.parent, temp_prefix(name))
+        tmp = Path(tempfile.mkdtemp(prefix=with_pid(temp_prefix(name)), dir=path.parent))
+        os.chmod(tmp, 0o777 & ~umask())  # it becomes ``path``: a plain folder's mode
         try:
             yield tmp
             _write_marker(tmp, writer, sorted(p.name for p in tmp.iterdir()))
@@ -144,18 +230,40 @@ def _swap_in(tmp: Path, path: Path, writer: str, overwrite: bool, flag: str) -> 
     """Move ``tmp``'s entries into ``path``; the old owned ones go to a trash folder deleted last."""
     new = sorted(p.name for p in tmp.iterdir())
     if not overwrite:  # its earlier output may sit beside a user's file of a name it now writes
-        _refuse_foreign(path, sorted(set(new) & set(foreign_entries(path, writer))), flag)
-    replaced = sorted((owned_entries(path, writer) | set(new)) - {marker_name(writer)})
+        refuse_foreign(path, sorted(set(new) & set(foreign_entries(path, writer))), flag)
+    owned = owned_entries(path, writer)
+    # a user's folder of a name it writes (only with ``overwrite``): its files go in, the user's others stay
+    merged = {n for n in new if n not in owned and _real_dir(path / n) and _real_dir(tmp / n)}
+    replaced = sorted((owned | set(new)) - {marker_name(writer)} - merged)
     # a kill from here on leaves every name it may have touched listed as owned: the rerun replaces them
     _write_marker(path, writer, replaced)
     trash = Path(tempfile.mkdtemp(prefix=OLD_PREFIX, dir=path))
+    for name in sorted(merged):
+        _merge(tmp / name, path / name, trash / name)
     for name in replaced:
         if (path / name).exists() or (path / name).is_symlink():
             os.replace(path / name, trash / name)
         if name in new:
             os.replace(tmp / name, path / name)
-    _write_marker(path, writer, new)
+    _write_marker(path, writer, sorted(set(new) - merged))
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _merge(src: Path, dest: Path, trash: Path) -> None:
+    """Move ``src``'s files into the existing folder ``dest``; a namesake goes to ``trash``, the rest stays."""
+    for child in sorted(src.iterdir()):
+        target = dest / child.name
+        if _real_dir(child) and _real_dir(target):
+            _merge(child, target, trash / child.name)
+            continue
+        if target.exists() or target.is_symlink():
+            trash.mkdir(parents=True, exist_ok=True)
+            os.replace(target, trash / child.name)
+        os.replace(child, target)
 
 
 def _drop_leftovers(path: Path) -> None:

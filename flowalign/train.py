@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +18,12 @@ from flowalign.config import TrainConfig, dump_config, validate_section
 from flowalign.data import PromptSet, read_prompt_file
 from flowalign.disk_space import explain_full_disk
 from flowalign.errors import UserError
-from flowalign.io import write_json
+from flowalign.io import OLD_PREFIX, TMP_PREFIX, foreign_entries, marker_name, refuse_foreign, write_json
 from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
 from flowalign.reward_check import check_reward_metadata
-from flowalign.run_lock import run_lock
+from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
+from flowalign.signals import exit_on_sigterm
 from flowalign.trainers import get_trainer
 
 # keys that may change when a run is resumed (everything else must match the saved config); the folder
@@ -185,9 +189,54 @@ def finished_metrics(cfg: TrainConfig) -> dict[str, Any] | None:
     return final if done and isinstance(final, dict) else None
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train per ``cfg``; returns the final evaluation metrics (those on file for a finished run)."""
-    with run_lock(Path(cfg.run.output_dir)):  # a second live run on the folder refuses
+def claim_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse (``UserError``) a non-empty ``run_dir`` that no run wrote to (neither its ``config.yaml`` nor
+    its marker) unless ``overwrite``; then mark it as a run's (a start that fails before ``config.yaml``
+    still leaves the folder recognised) and sweep the temporaries a killed run left behind."""
+    marker = run_dir / marker_name(RUN_WRITER)
+    if not overwrite and not (run_dir / "config.yaml").exists() and not marker.exists():
+        refuse_foreign(run_dir, [n for n in foreign_entries(run_dir, RUN_WRITER) if n != LOCK_NAME],
+                       "run.output_dir")
+    if not marker.exists():
+        write_json(marker, {"writer": RUN_WRITER, "entries": []})
+    sweep_run_temporaries(run_dir)
+
+
+def sweep_run_temporaries(run_dir: Path) -> None:
+    """The temporaries of a run killed mid-write (checkpoints, evaluations, the gallery, logs). Only
+    under the run's lock: every process writing into the folder is this one."""
+    for folder in [run_dir, run_dir / "checkpoints", run_dir / "evals", run_dir / "gallery",
+                   *(run_dir / "evals").glob("step-*")]:
+        if not folder.is_dir():
+            continue
+        for p in folder.iterdir():
+            if not _temporary(folder, p.name):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+#: temporaries of :mod:`flowalign.io`'s writers (``.NAME.tmp-PID-...``), of checkpoints and, named without
+#: the pid by older versions, of evaluations
+_TEMPORARY = {"checkpoints": re.compile(r"^\.tmp-"), "evals": re.compile(r"^\.step-\d{6}\.tmp-")}
+_WRITER_TEMPORARY = re.compile(r"^\..+\.tmp-\d+-")
+
+
+def _temporary(folder: Path, name: str) -> bool:
+    if name.startswith((TMP_PREFIX, OLD_PREFIX)) or _WRITER_TEMPORARY.match(name):
+        return True
+    pattern = _TEMPORARY.get(folder.name)
+    return pattern is not None and pattern.match(name) is not None
+
+
+def train(cfg: TrainConfig, overwrite: bool = False) -> dict[str, Any]:
+    """Train per ``cfg``; returns the final evaluation metrics (those on file for a finished run).
+    ``overwrite``: train in a non-empty ``run.output_dir`` that holds no run (its other files are kept)."""
+    with run_lock(Path(cfg.run.output_dir)), exit_on_sigterm():  # a second live run on the folder refuses
+        if int(os.environ.get("RANK", "0")) == 0:
+            claim_run_dir(Path(cfg.run.output_dir), overwrite)
         final = finished_metrics(cfg)
         if final is not None:
             print(f"{cfg.run.output_dir} already finished (final metrics in {FINAL_METRICS}); raise trainer.max_steps "

@@ -16,7 +16,7 @@ from flowalign.config import read_text_file
 from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.gallery import gallery_from_evals, gallery_from_run, write_gallery
-from flowalign.io import MARKER_PREFIX, check_out_dir
+from flowalign.io import MARKER_PREFIX, check_out_dir, sweep_stale, temp_prefix, with_pid
 from flowalign.protocols import RewardOutput
 from flowalign.reward_check import check_reward_metadata
 
@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> None:
         run_dir = Path(args.run)
         columns, rows = gallery_from_run(run_dir)
         out = Path(args.out) if args.out else run_dir / "gallery"
-        overwrite = args.overwrite or args.out is None  # RUN/gallery is the run's own (training writes it too)
+        overwrite = args.overwrite  # RUN/gallery written by training is recognised by its marker
+        check_out_dir(out, writer="gallery", overwrite=overwrite)
         title = args.title or run_dir.resolve().name
     else:
         if args.out is None:
@@ -79,11 +80,14 @@ def run(args: argparse.Namespace) -> None:
 
 def _scratch(out: Path) -> dict[str, str]:
     """Where the sampled columns wait: inside ``out`` when it exists (a hidden name the gallery ignores),
-    else beside it."""
+    else beside it; named with the pid so that a killed run's scratch is swept by the next."""
     if out.is_dir():
-        return {"prefix": f"{MARKER_PREFIX}evals-", "dir": str(out)}
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    return {"prefix": f".{out.resolve().name}.evals-", "dir": str(out.resolve().parent)}
+        folder, prefix = out, f"{MARKER_PREFIX}evals-"
+    else:
+        folder, prefix = out.resolve().parent, temp_prefix(out.resolve().name, "evals")
+        folder.mkdir(parents=True, exist_ok=True)
+    sweep_stale(folder, prefix)
+    return {"prefix": with_pid(prefix), "dir": str(folder)}
 
 
 def _labels(given: list[str] | None, defaults: list[str], what: str) -> list[str]:

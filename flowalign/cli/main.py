@@ -23,6 +23,7 @@ from typing import Sequence
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowalign.errors import UserError
+from flowalign.signals import EXIT_CODE as TERMINATED_EXIT, Terminated
 
 #: modules of this package that are not commands
 NOT_COMMANDS = {"main", "common"}
@@ -117,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"terminated: {e}", file=sys.stderr)
+        return TERMINATED_EXIT
     return 0
 
 

@@ -9,6 +9,7 @@ import torch
 
 from flowalign.cli.common import add_guide_args, add_model_args, add_sampling_args, check_positive, load_guided_policy
 from flowalign.errors import UserError
+from flowalign.io import check_out_file
 from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_image, save_video
 from flowalign.sampling import SAMPLER_KINDS, check_sampler, rollout
 
@@ -24,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--image", default=None, metavar="PATH",
                    help="input image of an editing (FLUX.1 Kontext, Qwen-Image-Edit) or image-to-video model")
     p.add_argument("--out", required=True, help="output file: .png for images, .mp4 or .gif for videos")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     add_guide_args(p)
     return p
 
@@ -33,6 +35,7 @@ def run(args: argparse.Namespace) -> None:
     suffix = out.suffix.lower()
     if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
         raise UserError(f"--out {out.name}: unknown file type; use .png for image models, .mp4/.gif for video models")
+    check_out_file(out, overwrite=args.overwrite)  # before the model is loaded
     check_sampler(args.sampler, args.noise_level)
     check_positive(args, "steps")
     policy, guide = load_guided_policy(args)

@@ -1,4 +1,7 @@
-"""``flowalign train CONFIG.yaml [key=value ...]``: fine-tune a generator with a reward."""
+"""``flowalign train CONFIG.yaml [key=value ...]``: fine-tune a generator with a reward.
+
+SIGTERM (what schedulers send) finishes the step in flight, saves a checkpoint, releases the run's lock
+and exits with code 143 (:mod:`flowalign.signals`); rerunning the command resumes."""
 
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train from a YAML config with key=value overrides")
     p.add_argument("config", help="YAML run config, e.g. configs/tiny/flow_grpo_vvr.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides read as YAML, e.g. trainer.lr=1e-4")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train in a non-empty run.output_dir that holds no run (only the run's own files are "
+                        "written there; other files are kept)")
     return p
 
 
@@ -18,6 +24,6 @@ def run(args: argparse.Namespace) -> None:
     from flowalign.train import train
 
     cfg = load_config(args.config, args.overrides)
-    final = train(cfg)
+    final = train(cfg, overwrite=args.overwrite)
     if final:
         print(json.dumps({k: v for k, v in final.items() if not isinstance(v, dict)}, indent=2))

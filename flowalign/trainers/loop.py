@@ -1,4 +1,4 @@
-"""Running a trainer: steps until the budget is spent, evaluations, logs, checkpoints, Ctrl-C."""
+"""Running a trainer: steps until the budget is spent, evaluations, logs, checkpoints, Ctrl-C and SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,47 +10,64 @@ from tqdm.auto import tqdm
 
 from flowalign import checkpoint as ckpt
 from flowalign.finite import check_training_finite, weight_labels
+from flowalign.signals import Terminated
 
 
 def run(trainer: Any) -> dict[str, Any]:
-    """Resume if asked, then train until ``trainer.max_steps`` or ``max_minutes``; evaluate and save.
+    """Resume if asked, then train until ``trainer.max_steps`` or ``max_minutes``; save, then evaluate.
 
-    Ctrl-C finishes the step in flight, saves a checkpoint and raises KeyboardInterrupt (a second
-    Ctrl-C stops at once): a checkpoint never holds half an update.
+    The final checkpoint comes before the final evaluation, so a kill during it loses no training. Ctrl-C
+    (SIGINT) and SIGTERM (what schedulers send) finish the step in flight and save a checkpoint, then raise
+    KeyboardInterrupt / :class:`flowalign.signals.Terminated` (a second signal stops at once): a
+    checkpoint never holds half an update.
     """
     t = trainer
     t.maybe_resume()
     bar = tqdm(total=t.tcfg.max_steps, initial=t.step, desc="training", unit="step",
                disable=not (t.acc.is_main_process and t.cfg.run.progress))
-    stop = {"requested": False}
+    stop: dict[str, int | None] = {"signal": None}
 
     def request_stop(signum, frame):
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        print("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)")
+        if stop["signal"] is not None:
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated("SIGTERM received twice; stopped "
+                                                                               "without saving")
+        stop["signal"] = signum
+        if signum == signal.SIGINT:
+            print("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)")
 
-    previous = signal.signal(signal.SIGINT, request_stop) if threading.current_thread() is threading.main_thread() else None
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    saved_at = None  # the step of the checkpoint saved last by this loop
     try:
         if t.step == 0 and t.cfg.eval.at_start:
             t.evaluate()
-        while t.step < t.tcfg.max_steps and not t.out_of_time():
-            if stop["requested"]:
-                t.save_checkpoint()
-                raise KeyboardInterrupt
-            one_step(t, bar)
+        while t.step < t.tcfg.max_steps and not t.out_of_time() and stop["signal"] is None:
+            if one_step(t, bar):
+                saved_at = t.step
+        if saved_at != t.step:
+            t.save_checkpoint()
+        if stop["signal"] is not None:
+            _stopped(t, stop["signal"])
     finally:
         bar.close()
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     final = t.evaluate()
-    t.save_checkpoint()
     t.logger.close()
     return final
 
 
-def one_step(t: Any, bar: Any) -> None:
-    """A training step with its bookkeeping: LR, log line, evaluation and checkpoint when due."""
+def _stopped(t: Any, signum: int) -> None:
+    """Raise what the signal asked for, the checkpoint of this step saved."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    where = t.run_dir / "checkpoints" / ckpt.step_dir_name(t.step)
+    raise Terminated(f"SIGTERM received; saved {where} at step {t.step} (rerun the same command to resume)")
+
+
+def one_step(t: Any, bar: Any) -> bool:
+    """A training step with its bookkeeping: LR, log line, evaluation and checkpoint when due; True when
+    it saved a checkpoint."""
     t.lr_now = t.learning_rate(t.budget_fraction())
     logs = t.train_step()
     check_training_finite(t.step + 1, logs, weight_labels(t.trainable_state()), t.run_dir)
@@ -67,6 +84,8 @@ def one_step(t: Any, bar: Any) -> None:
         t.evaluate()
     if t.step % t.cfg.run.checkpoint_every == 0:
         t.save_checkpoint()
+        return True
+    return False
 
 
 def evaluate(t: Any) -> dict[str, Any]:

@@ -1,11 +1,16 @@
 """``flowalign tiny FAMILY --out DIR``: write a tiny, randomly initialised diffusers folder.
 
 FAMILY: sd3, flux, wan or a twin of :mod:`pipelines.tiny_twins` (qwen_image, flux2, zimage, wan22, ...).
+A folder holding other files (a model's weights, say) is refused without ``--overwrite``; the folder
+it wrote before is its own (its marker file lists the entries it replaces).
 """
 
 from __future__ import annotations
 
 import argparse
+
+#: the writer name of the folders this command writes (:func:`flowalign.io.atomic_dir`)
+WRITER = "tiny"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -15,11 +20,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("family", choices=list(FAMILIES))
     p.add_argument("--out", required=True, help="folder to write (diffusers format)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out this command did not write (only the model's files are "
+                        "replaced; other files are kept)")
     return p
 
 
 def run(args: argparse.Namespace) -> None:
+    from flowalign.io import atomic_dir, check_out_dir
     from pipelines.tiny import save_tiny
 
-    save_tiny(args.family, args.out, seed=args.seed)
+    check_out_dir(args.out, writer=WRITER, overwrite=args.overwrite)  # before the model is built
+    with atomic_dir(args.out, writer=WRITER, overwrite=args.overwrite) as tmp:
+        save_tiny(args.family, tmp, seed=args.seed)
     print(f"wrote tiny {args.family} model to {args.out}")

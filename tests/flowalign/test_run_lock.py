@@ -74,3 +74,40 @@ def test_a_second_live_train_on_the_folder_refuses(tmp_path, capsys, tiny_sd3_di
     assert "stale lock" in capsys.readouterr().err and not (run_dir / LOCK_NAME).exists()
     # killed before its first checkpoint: the rerun started over and logged each step once
     assert [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def _race(run_dir, start, held, results):
+    """One contender: try the lock when all are ready, report, and hold it until every one has tried."""
+    import contextlib
+    import io
+
+    start.wait()
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            lock = acquire(run_dir)
+        except UserError:
+            lock = None
+    results.put(lock is not None)
+    held.wait()
+    if lock is not None:
+        release(lock)
+
+
+def test_racing_takeovers_of_a_stale_lock_give_one_owner(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    contenders, trials = 4, 20
+    owners = []
+    for trial in range(trials):
+        run_dir = tmp_path / f"r{trial}"
+        _lock(run_dir, pid=_dead_pid())
+        start, held, results = ctx.Barrier(contenders), ctx.Barrier(contenders), ctx.Queue()
+        procs = [ctx.Process(target=_race, args=(run_dir, start, held, results)) for _ in range(contenders)]
+        for p in procs:
+            p.start()
+        owners.append(sum(results.get(timeout=60) for _ in procs))
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    assert owners == [1] * trials
