@@ -90,7 +90,17 @@ def resume_folder(run_dir: Path, resume: str, *, main: bool) -> Path | None:
         if reason is None:
             return folder
         if main:
-            print(f"warning: skipping checkpoint {folder.name}: {reason}; kept as {folder.name}{DAMAGED}",
-                  file=sys.stderr)
-            folder.rename(folder.with_name(folder.name + DAMAGED))
+            kept = damaged_name(folder)
+            print(f"warning: skipping checkpoint {folder.name}: {reason}; kept as {kept.name}", file=sys.stderr)
+            folder.rename(kept)
     return None
+
+
+def damaged_name(folder: Path) -> Path:
+    """A free name to keep a damaged ``folder`` under: ``step-N.damaged``, else ``step-N.damaged-2``, ...
+    (the same step may be damaged again after the run redid it)."""
+    candidate, n = folder.with_name(folder.name + DAMAGED), 1
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = folder.with_name(f"{folder.name}{DAMAGED}-{n}")
+    return candidate

@@ -64,6 +64,19 @@ def test_auto_resume_skips_a_damaged_newest_checkpoint(name, finished, tmp_path,
         resume_folder(run_dir, str(folder), main=True)
 
 
+def test_a_step_damaged_a_second_time_is_kept_beside_the_first(finished, tmp_path, capsys):
+    run_dir = shutil.copytree(finished, tmp_path / "r")
+    checkpoints = run_dir / "checkpoints"
+    for i in range(3):  # damaged, redone by the resumed run, damaged again
+        if i:
+            shutil.copytree(finished / "checkpoints" / "step-000003", checkpoints / "step-000003")
+        _truncate(checkpoints / "step-000003" / "trainable.safetensors")
+        assert resume_folder(run_dir, "auto", main=True) == checkpoints / "step-000002"
+    assert sorted(p.name for p in checkpoints.glob("step-000003*")) == [
+        "step-000003.damaged", "step-000003.damaged-2", "step-000003.damaged-3"]
+    assert "kept as step-000003.damaged-3" in capsys.readouterr().err
+
+
 def test_checkpoints_without_a_manifest_still_resume_unless_they_do_not_load(finished, tmp_path, capsys):
     run_dir = shutil.copytree(finished, tmp_path / "r")
     for folder in ckpt.list_checkpoints(run_dir):
