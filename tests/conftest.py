@@ -48,3 +48,27 @@ def tiny_flux_dir(tiny_model_dir: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_wan_dir(tiny_model_dir: Callable[..., Path]) -> Path:
     return tiny_model_dir("wan")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Callable[[int], Path]:
+    """``small_disk(kib) -> Path``: a real file system of ``kib`` KiB (a tmpfs) that fills up like a full
+    disk, with the errors real writers raise; skipped where mounting is not permitted."""
+    import shutil
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def mount(kib: int) -> Path:
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        if shutil.which("mount") is None or os.geteuid() != 0 or subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={kib}k,mode=777", "tmpfs", str(folder)],
+                capture_output=True).returncode:
+            pytest.skip("needs a small real file system: mounting a tmpfs is not permitted here")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

@@ -221,6 +221,8 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
     from safetensors.torch import load_file, save_file
     from tqdm.auto import tqdm
 
+    from flowalign.disk_space import explain_no_space
+
     from flowalign.latent_preference import fit
 
     optimizer = torch.optim.Adam(reward.parameters(), lr=args.lr)
@@ -232,7 +234,8 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
         print(f"resumed from {partial} at step {start}")
 
     def checkpoint(step: int) -> None:
-        with atomic_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag=PARTIAL_FLAG) as tmp:
+        with explain_no_space(partial, saved_bytes(reward, pairs), f"the resume point of step {step}"), \
+                atomic_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag=PARTIAL_FLAG) as tmp:
             pairs.save(tmp / "pairs.safetensors")
             save_file({k: v.detach().cpu().contiguous() for k, v in reward.state_dict().items()}, str(tmp / "registers.safetensors"))
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -254,7 +257,15 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
     return stats
 
 
+def saved_bytes(reward, pairs) -> int:
+    """About what a resume point takes on disk: the pairs, the registers and Adam's two moments."""
+    from flowalign.disk_space import tensor_bytes
+
+    return 3 * tensor_bytes(reward.state_dict().values()) + 4 * (pairs.chosen.numel() * 2 + pairs.margin.numel())
+
+
 def run(args: argparse.Namespace) -> None:
+    from flowalign.disk_space import explain_no_space
     from flowalign.latent_preference import PreferencePairs
     from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
 
@@ -280,7 +291,8 @@ def run(args: argparse.Namespace) -> None:
                "train_steps": args.train_steps, "final_train_loss": stats.get("loss"),
                **accuracy_report(args, reward, policy.encode, train_pairs, test_pairs)}
     metrics["minutes"] = (time.perf_counter() - t0) / 60
-    with atomic_dir(out, writer="train-reward", overwrite=args.overwrite) as tmp:
+    with explain_no_space(out, saved_bytes(reward, pairs), "the reward folder"), \
+            atomic_dir(out, writer="train-reward", overwrite=args.overwrite) as tmp:
         reward.write_files(tmp, extra={"trained_on": source})
         if not args.no_save_pairs:
             pairs.save(tmp / "pairs.safetensors")
