@@ -1,6 +1,9 @@
 """Output folders: written atomically, and nothing the writer did not write is ever removed."""
 
 import json
+import os
+import stat
+import subprocess
 
 import pytest
 
@@ -74,3 +77,54 @@ def test_a_file_is_not_a_folder(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         check_out_dir(tmp_path / "f", writer="demo", overwrite=True)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_outputs_get_the_modes_of_plain_files_under_the_umask(tmp_path, mask):
+    from flowalign.io import atomic_path
+
+    previous = os.umask(mask)
+    try:
+        with atomic_path(tmp_path / "f.txt") as tmp:
+            tmp.write_text("x")
+        _write(tmp_path / "new", {"x.txt": "1"})
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "f.txt").stat().st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o777 & ~mask
+    (tmp_path / "f.txt").chmod(0o640)
+    with atomic_path(tmp_path / "f.txt") as tmp:  # a replaced file keeps its own mode
+        tmp.write_text("y")
+    assert stat.S_IMODE((tmp_path / "f.txt").stat().st_mode) == 0o640
+
+
+def test_temporaries_of_a_killed_writer_are_swept_and_a_live_ones_kept(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = tmp_path / f".out.tmp-{dead.pid}-abc", tmp_path / f".out.tmp-{os.getpid()}-xyz"
+    stale.mkdir()
+    (stale / "half.bin").write_text("x")
+    live.mkdir()
+    (tmp_path / f".f.txt.tmp-{dead.pid}-q.txt").write_text("torn")
+    _write(tmp_path / "out", {"x.txt": "1"})
+    from flowalign.io import atomic_path
+
+    with atomic_path(tmp_path / "f.txt") as tmp:
+        tmp.write_text("whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", "f.txt", live.name])
+
+
+def test_overwrite_keeps_a_users_files_inside_a_folder_of_a_name_it_writes(tmp_path):
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "photo.jpg").write_text("holiday")
+    (tmp_path / "index.html").write_text("mine")
+    with pytest.raises(UserError, match="--overwrite"):
+        _write(tmp_path, {"index.html": "gallery"})
+    with atomic_dir(tmp_path, writer="demo", overwrite=True) as tmp:
+        (tmp / "index.html").write_text("gallery")
+        (tmp / "media" / "c00").mkdir(parents=True)
+        (tmp / "media" / "c00" / "0.png").write_text("sample")
+    assert (tmp_path / "media" / "photo.jpg").read_text() == "holiday"
+    assert (tmp_path / "media" / "c00" / "0.png").read_text() == "sample"
+    assert (tmp_path / "index.html").read_text() == "gallery"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".flowalign-") and p.is_dir()]

@@ -101,18 +101,78 @@ def test_out_dot_and_a_run_folder_lose_nothing(tmp_path, capsys, evaluation, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "runs"]  # nothing written beside it
 
 
-def test_tiny_sample_and_train_keep_a_sentinel(tmp_path, capsys, tiny_sd3_dir):
+def _snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_tiny_refuses_a_model_folder_it_did_not_write(tmp_path, capsys, tiny_sd3_dir):
+    import shutil
+
+    weights = shutil.copytree(tiny_sd3_dir, tmp_path / "m")  # another model's folder (flowalign.json and all)
+    before = _snapshot(weights)
+    code, _, err = run(["tiny", "sd3", "--out", weights], capsys)
+    assert code == 2 and str(weights) in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert _snapshot(weights) == before
     model = _with_sentinel(tmp_path / "model")
-    assert run(["tiny", "sd3", "--out", model], capsys)[0] == 0
+    assert run(["tiny", "sd3", "--out", model], capsys)[0] == 2
+    assert run(["tiny", "sd3", "--out", model, "--overwrite"], capsys)[0] == 0
     assert _sentinel_intact(model) and (model / "model_index.json").is_file()
-    pics = _with_sentinel(tmp_path / "pics")
-    assert run(["sample", "--model", tiny_sd3_dir, "--prompt", "p", "--steps", "2", "--out", pics / "a.png"], capsys)[0] == 0
-    assert _sentinel_intact(pics) and (pics / "a.png").is_file()
+    assert run(["tiny", "sd3", "--out", model, "--seed", "1"], capsys)[0] == 0  # its own folder: no question
+
+
+def test_sample_refuses_an_existing_file_and_keeps_its_mode(tmp_path, capsys, tiny_sd3_dir):
+    import stat
+
+    photo = tmp_path / "holiday.png"
+    photo.write_bytes(b"a photo")
+    photo.chmod(0o644)
+    argv = ["sample", "--model", tiny_sd3_dir, "--prompt", "p", "--steps", "2", "--out", photo]
+    code, _, err = run(argv, capsys)
+    assert code == 2 and str(photo) in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert photo.read_bytes() == b"a photo"
+    assert run([*argv, "--overwrite"], capsys)[0] == 0
+    assert photo.read_bytes() != b"a photo" and stat.S_IMODE(photo.stat().st_mode) == 0o644
+
+
+def test_train_refuses_a_folder_of_user_files_and_overwrite_keeps_them(tmp_path, capsys, tiny_sd3_dir):
     from tests.flowalign.trainers.conftest import small_run
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n")
-    run_dir = _with_sentinel(tmp_path / "run")
-    code, _, err = run(["train", "/dev/null", *small_run(run_dir, tiny_sd3_dir, prompts, "trainer.max_steps=1")], capsys)
+    run_dir = tmp_path / "photos"
+    for name in ("metrics.jsonl", "gallery/index.html", "gallery/media/photo.jpg",
+                 "evals/step-000001/samples/00000.png"):
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(f"user's {name}")
+    before = _snapshot(run_dir)
+    argv = ["train", "/dev/null", *small_run(run_dir, tiny_sd3_dir, prompts, "trainer.max_steps=1")]
+    code, _, err = run(argv, capsys)
+    assert code == 2 and f"run.output_dir {run_dir}" in err and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1
+    assert _snapshot(run_dir) == before and not (run_dir / "train.lock").exists()
+    code, _, err = run([*argv, "--overwrite"], capsys)
     assert code == 0, err
-    assert _sentinel_intact(run_dir) and (run_dir / "checkpoints" / "step-000001" / "COMPLETE").is_file()
+    assert (run_dir / "checkpoints" / "step-000001" / "COMPLETE").is_file()
+    after = _snapshot(run_dir)
+    assert {k: after[k] for k in before if k != "metrics.jsonl"} == {k: v for k, v in before.items() if k != "metrics.jsonl"}
+    code, out, err = run([*argv[:-1], "trainer.max_steps=2"], capsys)  # the run's own folder now: resumed
+    assert code == 0 and "resumed from" in out, err
+    assert (run_dir / "checkpoints" / "step-000002" / "COMPLETE").is_file()
+
+
+def test_gallery_of_a_run_keeps_user_files_in_its_gallery_folder(tmp_path, capsys, evaluation):
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(evaluation, run_dir / "evals" / "step-000001")
+    (run_dir / "gallery" / "media").mkdir(parents=True)
+    (run_dir / "gallery" / "media" / "photo.jpg").write_text("holiday")
+    code, _, err = run(["gallery", "--run", run_dir], capsys)
+    assert code == 2 and "--overwrite" in err and "media" in err
+    assert sorted(p.name for p in (run_dir / "gallery" / "media").iterdir()) == ["photo.jpg"]
+    assert run(["gallery", "--run", run_dir, "--overwrite"], capsys)[0] == 0
+    assert (run_dir / "gallery" / "media" / "photo.jpg").read_text() == "holiday"
+    assert (run_dir / "gallery" / "index.html").is_file()
+    assert run(["gallery", "--run", run_dir], capsys)[0] == 2  # media/ is still the user's folder
+    assert run(["gallery", "--run", run_dir, "--overwrite"], capsys)[0] == 0
+    assert (run_dir / "gallery" / "media" / "photo.jpg").read_text() == "holiday"
