@@ -111,3 +111,31 @@ def test_racing_takeovers_of_a_stale_lock_give_one_owner(tmp_path):
             p.join(timeout=60)
             assert p.exitcode == 0
     assert owners == [1] * trials
+
+
+def test_sigterm_saves_the_step_releases_the_lock_and_exits_143(tmp_path, tiny_sd3_dir, prompt_file):
+    from flowalign import checkpoint as ckpt
+
+    run_dir = tmp_path / "r"
+    args = ["train", "/dev/null", *small_run(run_dir, tiny_sd3_dir, prompt_file, "trainer.max_steps=200",
+                                              "run.checkpoint_every=1000")]
+    proc = run_cli(args)
+    deadline = time.time() + 120
+    while not (run_dir / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out
+    saved = ckpt.latest_checkpoint(run_dir)
+    assert saved is not None and f"terminated: SIGTERM received; saved {saved}" in out
+    assert not (run_dir / LOCK_NAME).exists() and not [p for p in run_dir.rglob("*") if ".tmp-" in p.name]
+    step = json.loads((saved / "trainer_state.json").read_text())["step"]
+    assert [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, step + 1))
+    # what a SIGKILL strands is swept by the next start (the lock says every writer there was this run's)
+    stale = [run_dir / "evals" / ".step-000001.tmp-abc", run_dir / "checkpoints" / ".tmp-step-000009",
+             run_dir / f".config.yaml.tmp-{_dead_pid()}-x"]
+    for folder in stale:
+        folder.mkdir(parents=True)
+    assert main([*args[:-2], f"trainer.max_steps={step + 1}", "run.checkpoint_every=1000"]) == 0
+    assert not [p for p in stale if p.exists()]
