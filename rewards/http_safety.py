@@ -176,20 +176,25 @@ def uvicorn_config(app: Any, limits: Limits, **kwargs: Any) -> Any:
                 self._header_timer = None
 
         def _headers_too_slow(self) -> None:
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a request is being answered (its body has its own deadline)
             if not self.transport.is_closing():
                 self.transport.write(too_slow)
                 self.transport.close()
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
+        def _note_request(self) -> None:
             if self.cycle is not None and self.cycle is not self._seen_cycle:  # a new request's headers are in
                 self._seen_cycle = self.cycle
                 self._disarm()  # from here the body deadline (guard) applies
 
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._note_request()
+
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request on this kept-alive connection
+            self._arm()  # for the next request on this kept-alive connection; armed first because
+            super().on_response_complete()  # a pipelined request already received starts in here
+            self._note_request()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
