@@ -121,6 +121,8 @@ class RewardSpec(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     name: str
     weight: float = 1.0
+    #: seconds one call may take; a call still running then is abandoned and its batch invalid (None: no limit)
+    timeout_s: float | None = Field(None, gt=0)
 
     @property
     def options(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@ metadata is the reward's or the data's mistake, reported in one line, never a ma
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -45,3 +46,23 @@ def check_reward_metadata(name: str, reward: Any, metadata: list[dict[str, Any]]
         if missing:
             raise UserError(f"reward {name!r} needs a {key!r} for every prompt, but {missing} of the {len(metadata)} "
                             f"prompts of {source} have none; give each line a \"{key}\"")
+
+
+def _task_frames(meta: dict[str, Any] | None) -> int | None:
+    """The frame count a prompt's task is checked at (``task["num_frames"]``, e.g. a motion task's), if any."""
+    task = (meta or {}).get("task")
+    n = task.get("num_frames") if isinstance(task, dict) else getattr(task, "num_frames", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def check_frame_count(num_frames: int | None, metadata: list[dict[str, Any]], source: str) -> None:
+    """Refuse prompts whose tasks are checked on clips of another length than the model samples
+    (``num_frames``; None: images), before any sampling: every such sample would be invalid."""
+    counts = Counter(n for n in map(_task_frames, metadata) if n is not None and n != num_frames)
+    if not counts:
+        return
+    frames, count = counts.most_common(1)[0]
+    made = f"{num_frames}-frame clips" if num_frames else "images"
+    raise UserError(f"{count} of the {len(metadata)} prompts of {source} are tasks checked on {frames}-frame clips, "
+                    f"but the model samples {made}: set model.defaults.num_frames={frames}"
+                    + ("" if num_frames else " with a video model"))

@@ -6,12 +6,22 @@ loop's scoring, advantages, DiffusionOPSD's reward gradient, FestDPO's preferenc
 
     total_i = Σ_m w_m · R_m(x_i)   over the rewards valid for sample i; sample i is valid when every R_m is.
 
-A reward that raises, or returns a non-finite value, marks those samples invalid (masked, never scored
-zero). An empty set (reward-free trainers such as SOAR and SFT) scores every sample valid with total 0.
+A reward that raises (anything but ``KeyboardInterrupt``: a plug-in's ``SystemExit`` too), or returns a
+non-finite value, marks those samples invalid (masked, never scored zero), each with a reason
+(``RewardScores.reasons``: the reward's own ``info[i]["reason"]`` when it gives one). An empty set
+(reward-free trainers such as SOAR and SFT) scores every sample valid with total 0.
+
+A reward given ``timeout_s`` (any reward of a config's ``rewards:`` list takes it) runs each call in a
+worker thread (:class:`TimeLimited`); a call that has not returned by then is abandoned and its batch
+is invalid. A Python thread cannot be killed: the abandoned call goes on in the background until it
+returns, and until it does the reward's next calls are refused (invalid at once) rather than stacked
+on top of it.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +38,20 @@ class RewardScores:
     """Scores of ``N`` samples under ``M`` rewards.
 
     ``values (N, M)`` float32 raw reward values (0 where invalid); ``ok (N, M)`` bool validity per
-    reward; ``weights (M,)``; ``names`` the M reward names.
+    reward; ``weights (M,)``; ``names`` the M reward names; ``reasons`` per sample, why it is invalid
+    (``"<reward>: <reason>"``, the first invalid reward's) or ``""``.
     """
 
     values: torch.Tensor
     ok: torch.Tensor
     weights: torch.Tensor
     names: list[str]
+    reasons: list[str] | None = None
+
+    def commonest_reason(self) -> tuple[str, int] | None:
+        """The reason most invalid samples share, and how many share it (None when all are valid)."""
+        reasons = [r for r, ok in zip(self.reasons or [""] * len(self), self.valid.tolist()) if not ok]
+        return Counter(r or "no reason given" for r in reasons).most_common(1)[0] if reasons else None
 
     def __len__(self) -> int:
         return self.values.shape[0]
@@ -62,7 +79,8 @@ class RewardScores:
     def cat(parts: list["RewardScores"]) -> "RewardScores":
         """Scores of consecutive batches as one."""
         return RewardScores(torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
-                            parts[0].weights, parts[0].names)
+                            parts[0].weights, parts[0].names,
+                            [r for p in parts for r in (p.reasons or [""] * len(p))])
 
 
 class RewardSet:
@@ -100,29 +118,100 @@ class RewardSet:
         reward's failure (its samples are marked invalid and a warning printed), only for a reward that
         returns the wrong kind of output (``UserError``)."""
         n = len(prompts)
-        columns, oks = [], []
+        columns, oks, reasons = [], [], [""] * n
         for name, _, reward in self.entries:
             try:
                 out: RewardOutput = check_reward_output(name, reward(samples, prompts, metadata), n)
                 value = out.total.float().cpu()
                 ok = out.valid.cpu().bool() & torch.isfinite(value)
-            except UserError:  # a reward that returns the wrong thing fails every batch: say so once
+                why = [_reason(out, i, value) for i in range(n)]
+            except (UserError, KeyboardInterrupt):  # a reward that returns the wrong thing fails every batch: say so once
                 raise
-            except Exception as e:  # a reward that raises invalidates the batch's samples, not the run
-                print(f"warning: reward {name!r} raised {type(e).__name__}: {e}")
-                value, ok = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+            except BaseException as e:  # raised, timed out, even SystemExit: the batch's samples, not the run
+                message = f"raised {type(e).__name__}: {e}" if not isinstance(e, RewardTimeout) else str(e)
+                print(f"warning: reward {name!r} {message}; its batch of {n} samples is invalid", flush=True)
+                value, ok, why = torch.zeros(n), torch.zeros(n, dtype=torch.bool), [message] * n
+            for i in range(n):
+                if not ok[i] and not reasons[i]:
+                    reasons[i] = f"{name}: {why[i]}"
             columns.append(torch.where(ok, value, torch.zeros_like(value)))
             oks.append(ok)
         values = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
         ok = torch.stack(oks, dim=1) if oks else torch.ones(n, 0, dtype=torch.bool)
-        return RewardScores(values, ok, self.weights, self.names)
+        return RewardScores(values, ok, self.weights, self.names, reasons)
 
     def weighted_total(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> torch.Tensor:
         """``(N,)`` ``Σ_m w_m·R_m`` with gradients to ``samples`` where the rewards have them; invalid
         components count 0 (they give no gradient)."""
         total = torch.zeros(len(prompts), device=samples.device)
         for name, weight, reward in self.entries:
-            out = check_reward_output(name, reward(samples, prompts, metadata), len(prompts))
+            try:
+                out = check_reward_output(name, reward(samples, prompts, metadata), len(prompts))
+            except (Exception, KeyboardInterrupt):
+                raise
+            except BaseException as e:  # a plug-in's SystemExit would end the run without a word
+                raise RuntimeError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
             value = out.total.to(samples.device)
             total = total + weight * torch.where(out.valid.to(samples.device), value, 0.0)
         return total
+
+
+def _reason(out: RewardOutput, i: int, value: torch.Tensor) -> str:
+    """Why sample ``i`` of ``out`` is invalid: the reward's own ``info[i]["reason"]``, else what is seen."""
+    info = out.info[i] if i < len(out.info) and isinstance(out.info[i], dict) else {}
+    if info.get("reason"):
+        return str(info["reason"])
+    return "a non-finite value" if not torch.isfinite(value[i]) else "marked invalid (no reason in its info)"
+
+
+class RewardTimeout(Exception):
+    """A reward call that did not return within its ``timeout_s``."""
+
+
+class TimeLimited:
+    """``reward`` whose calls are abandoned after ``timeout_s`` seconds (raising :class:`RewardTimeout`).
+
+    Each call runs in a daemon thread (it cannot hold up the process's exit), under the caller's grad
+    mode. A thread cannot be stopped: an abandoned call runs on until it returns, and while it does, new
+    calls raise :class:`RewardTimeout` at once instead of starting a second one beside it. Every other
+    attribute (``name``, ``differentiable``, ``requires_metadata``, ...) is the reward's.
+    """
+
+    def __init__(self, name: str, reward: Reward, timeout_s: float):
+        self._name, self._reward, self._timeout_s = name, reward, float(timeout_s)
+        self._abandoned: threading.Thread | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # own state not set yet (copy, pickle): no recursion into _reward
+            raise AttributeError(attr)
+        return getattr(self._reward, attr)
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> Any:
+        if self._abandoned is not None and self._abandoned.is_alive():
+            raise RewardTimeout(f"was not called: its previous call, abandoned after timeout_s={self._timeout_s:g} s, "
+                                "is still running")
+        result: dict[str, Any] = {}
+        grad = torch.is_grad_enabled()
+
+        def work() -> None:
+            try:
+                with torch.set_grad_enabled(grad):
+                    result["out"] = self._reward(samples, prompts, metadata)
+            except BaseException as e:  # handed to the caller, which decides what it means
+                result["error"] = e
+
+        thread = threading.Thread(target=work, name=f"reward-{self._name}", daemon=True)
+        thread.start()
+        thread.join(self._timeout_s)
+        if thread.is_alive():
+            self._abandoned = thread
+            raise RewardTimeout(f"did not return within timeout_s={self._timeout_s:g} s (the call is abandoned; "
+                                "raise the reward's timeout_s if it is just slow)")
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
+
+
+def time_limited(name: str, reward: Reward, timeout_s: float | None) -> Reward:
+    """``reward`` under :class:`TimeLimited` when ``timeout_s`` is given, else ``reward`` itself."""
+    return reward if timeout_s is None else TimeLimited(name, reward, timeout_s)

@@ -21,7 +21,8 @@ from flowalign.errors import UserError
 from flowalign.io import OLD_PREFIX, TMP_PREFIX, foreign_entries, marker_name, refuse_foreign, write_json
 from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
-from flowalign.reward_check import check_reward_metadata
+from flowalign.reward_check import check_frame_count, check_reward_metadata
+from flowalign.reward_set import time_limited
 from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
 from flowalign.signals import exit_on_sigterm
 from flowalign.trainers import get_trainer
@@ -115,6 +116,7 @@ def make_evaluator(cfg: TrainConfig):
             _write_gallery(out_dir.parent.parent, f"{cfg.run.name}: {bench.name}")
         return metrics
 
+    run.metadata = bench.metadata  # checked against the model before training (check_frame_count)
     return run
 
 
@@ -155,12 +157,18 @@ def build_trainer(cfg: TrainConfig):
                             attention_backend=cfg.model.attention_backend,
                             offload_text_encoders=cfg.model.offload_text_encoders,
                             **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
-    loaded = [(spec.name, spec.weight, reward_registry.load(spec.name, **spec.options)) for spec in cfg.rewards]
+    loaded = [(spec.name, spec.weight, time_limited(spec.name, reward_registry.load(spec.name, **spec.options),
+                                                     spec.timeout_s)) for spec in cfg.rewards]
     data = load_train_data(cfg)
     for name, _, reward in loaded:
         check_reward_metadata(name, reward, data.metadata, f"data.prompts={cfg.data.prompts}" if cfg.data.prompts
                               else f"data.bench={cfg.data.bench}")
+    frames = policy.defaults.get("num_frames")
+    check_frame_count(frames, data.metadata, f"data.bench={cfg.data.bench}" if not cfg.data.prompts
+                      else f"data.prompts={cfg.data.prompts}")
     evaluator = make_evaluator(cfg) if cfg.eval.bench else None
+    if evaluator is not None:
+        check_frame_count(frames, getattr(evaluator, "metadata", []), f"eval.bench={cfg.eval.bench}")
     trainer = trainer_cls(cfg, tcfg, policy, loaded, data, evaluator, acc, run_dir)
     if acc.is_main_process:
         write_run_config(run_dir, dump_config(cfg, tcfg))

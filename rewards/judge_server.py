@@ -8,18 +8,20 @@ FastAPI + uvicorn (the optional extra ``serve``). Endpoints:
   (0 = greedy), ``seed``, ``logprobs`` / ``top_logprobs`` (at most ``max_top_logprobs``), and vLLM's
   ``continue_final_message`` / ``add_generation_prompt`` to force the start of the reply. ``n`` > 1
   and streaming are refused with 400.
+* ``GET /health``: ``{"status": "ok"}``, the one path that needs no key.
 
 Concurrent requests are batched: FastAPI answers each from its thread pool and hands it to a
 :class:`MicroBatcher`, whose worker waits up to ``max_wait`` seconds for up to ``batch_size``
-requests and runs them as one batch (left padding) on the model. Errors come back in OpenAI's shape
-``{"error": {"message", "type", "code"}}``.
+requests and runs them as one batch (left padding) on the model. The server is guarded by
+:mod:`rewards.http_safety` (bearer key, body and pixel caps, header and body deadlines); every error
+comes back in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad input,
+401 key, 404 unknown model or path, 408 too slow, 413 too large, 500 only for a failure of the server.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
 import queue
 import socket
 import threading
@@ -28,32 +30,30 @@ import uuid
 from concurrent.futures import Future
 from typing import Any
 
+from rewards.http_safety import BadRequest, Limits, PixelBudget, error_body, open_image, uvicorn_config
 from rewards.vlm_backend import ChatRequest, Completion, LocalVLM
 
+#: seeds a request may give (torch generators take 64-bit seeds; JSON integers can be any size)
+MAX_SEED = 2**63 - 1
 
-class BadRequest(Exception):
-    """A request the server refuses (HTTP 400) with a message naming the field."""
 
-
-def decode_image_url(url: str) -> Any:
-    """A ``data:image/...;base64,...`` URL → PIL RGB image."""
-    from PIL import Image, UnidentifiedImageError
-
+def decode_image_url(url: str, budget: PixelBudget, where: str = "image_url.url") -> Any:
+    """A ``data:image/...;base64,...`` URL → PIL RGB image, decoded only if its size fits ``budget``."""
     if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
-        raise BadRequest("image_url.url must be a base64 data URL (data:image/png;base64,...);"
-                         " this server fetches no remote images")
+        raise BadRequest(f"{where} must be a base64 data URL (data:image/png;base64,...);"
+                         " this server fetches no remote images", param=where)
     try:
         raw = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
-        return Image.open(io.BytesIO(raw)).convert("RGB")
-    except (binascii.Error, UnidentifiedImageError, OSError) as e:
-        raise BadRequest(f"image_url.url does not hold a readable image ({e})") from e
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(f"{where} is not valid base64 ({e})", param=where) from e
+    return open_image(raw, budget, where)
 
 
-def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+def _content(content: Any, where: str, budget: PixelBudget) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or a list of parts")
+        raise BadRequest(f"{where}.content must be a string or a list of parts", param=f"{where}.content")
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -62,48 +62,56 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
         elif kind == "image_url":
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
-            parts.append({"type": "image", "image": decode_image_url(url)})
+            parts.append({"type": "image", "image": decode_image_url(url, budget, f"{where}.content[{j}].image_url.url")})
         else:
-            raise BadRequest(f"{where}.content[{j}]: unsupported part type {kind!r} (use 'text' or 'image_url')")
+            raise BadRequest(f"{where}.content[{j}]: unsupported part type {kind!r} (use 'text' or 'image_url')",
+                             param=f"{where}.content[{j}].type")
     return parts
 
 
-def to_chat_request(body: dict[str, Any], max_top_logprobs: int) -> ChatRequest:
-    """A chat-completions JSON body → :class:`ChatRequest` (raises :class:`BadRequest`)."""
+def _integer(body: dict[str, Any], key: str, default: Any, lo: int, hi: int) -> Any:
+    """``body[key]`` if it is an integer in ``lo..hi`` (a JSON ``true`` is no integer), else :class:`BadRequest`."""
+    value = body.get(key, default)
+    if value is default and default is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise BadRequest(f"{key}={value!r} must be an integer in {lo}..{hi}", param=key)
+    return value
+
+
+def to_chat_request(body: dict[str, Any], max_top_logprobs: int, limits: Limits = Limits()) -> ChatRequest:
+    """A chat-completions JSON body → :class:`ChatRequest` (raises :class:`BadRequest`); its images may hold
+    at most ``limits.max_image_pixels`` each and ``limits.max_request_pixels`` together."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list")
+        raise BadRequest("messages must be a non-empty list", param="messages")
+    _integer(body, "n", 1, 1, 1)
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported", param="stream")
+    budget = PixelBudget(limits)
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise BadRequest(f"messages[{i}].role must be 'system', 'user' or 'assistant'")
-        out.append({"role": m["role"], "content": _content(m.get("content", ""), f"messages[{i}]")})
-    if body.get("n", 1) != 1:
-        raise BadRequest("n must be 1")
-    if body.get("stream"):
-        raise BadRequest("stream=true is not supported")
+            raise BadRequest(f"messages[{i}].role must be 'system', 'user' or 'assistant'", param=f"messages[{i}].role")
+        out.append({"role": m["role"], "content": _content(m.get("content", ""), f"messages[{i}]", budget)})
     prefix = ""
     if body.get("continue_final_message"):
         if out[-1]["role"] != "assistant" or not isinstance(out[-1]["content"], str):
-            raise BadRequest("continue_final_message needs a final assistant message with text content")
+            raise BadRequest("continue_final_message needs a final assistant message with text content",
+                             param="continue_final_message")
         if body.get("add_generation_prompt", True) is not False:
-            raise BadRequest("continue_final_message requires add_generation_prompt=false")
+            raise BadRequest("continue_final_message requires add_generation_prompt=false", param="add_generation_prompt")
         prefix = out.pop()["content"]
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 8192:
-        raise BadRequest(f"max_tokens={max_tokens!r} must be an integer in 1..8192")
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _integer(body, key, 16, 1, 8192)
     temperature = body.get("temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
-        raise BadRequest(f"temperature={temperature!r} must be a number in [0, 2]")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+        raise BadRequest(f"temperature={temperature!r} must be a number in [0, 2]", param="temperature")
     top = 0
     if body.get("logprobs"):
-        top = body.get("top_logprobs", 0) or 0
-        if not isinstance(top, int) or not 0 <= top <= max_top_logprobs:
-            raise BadRequest(f"top_logprobs={top!r} must be an integer in 0..{max_top_logprobs}")
+        top = _integer(body, "top_logprobs", 0, 0, max_top_logprobs) if body.get("top_logprobs") is not None else 0
         top = max(top, 1)  # the chosen token's own log-prob is always reported
-    seed = body.get("seed")
-    if seed is not None and not isinstance(seed, int):
-        raise BadRequest(f"seed={seed!r} must be an integer")
+    seed = _integer(body, "seed", None, 0, MAX_SEED)
     return ChatRequest(out, assistant_prefix=prefix, max_tokens=max_tokens, temperature=float(temperature),
                        top_logprobs=top, seed=seed)
 
@@ -167,18 +175,21 @@ class MicroBatcher:
 
 
 def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs: int = 20,
-               max_wait: float = 0.005):
-    """The FastAPI app serving ``vlm`` (``app.state.batcher`` holds its :class:`MicroBatcher`)."""
+               max_wait: float = 0.005, limits: Limits = Limits()):
+    """The FastAPI app serving ``vlm`` (``app.state.batcher`` holds its :class:`MicroBatcher`,
+    ``app.state.limits`` the bounds :class:`BackgroundServer` and :func:`serve` enforce)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
 
     name = model_name or vlm.name
-    app = FastAPI(title="flowalign judge", version="1")
+    app = FastAPI(title="flowalign judge", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher = batcher = MicroBatcher(vlm, max_wait=max_wait)
+    app.state.limits = limits
 
-    def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param, code), status_code=status)
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -190,45 +201,51 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
 
     @app.post("/v1/chat/completions")
     def chat(body: dict[str, Any]) -> Any:  # sync: FastAPI runs it in its thread pool
-        try:
-            request = to_chat_request(body, max_top_logprobs)
-        except BadRequest as e:
-            return error(400, str(e))
         if body.get("model") not in (None, name):
-            return error(404, f"model {body.get('model')!r} is not served here; use {name!r}", "not_found_error")
+            return error(404, f"model {body.get('model')!r} is not served here; use {name!r}", "model", "model_not_found")
+        try:
+            request = to_chat_request(body, max_top_logprobs, limits)
+        except BadRequest as e:
+            return error(e.status, str(e), e.param, e.code)
         try:
             completion = batcher.submit(request)
         except Exception as e:  # a failed forward is the server's fault, reported, not a dead server
-            return error(500, f"{type(e).__name__}: {e}", "server_error")
+            return error(500, f"{type(e).__name__}: {e}")
         return to_chat_reply(completion, name, bool(body.get("logprobs")))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
         return error(400, f"the body must be a chat-completions JSON object ({str(e.errors())[:200]})")
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
+        return error(e.status_code, str(e.detail))
+
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return error(500, f"{type(e).__name__}: {e}", "server_error")
+        return error(500, f"{type(e).__name__}: {e}")
 
     return app
 
 
 class BackgroundServer:
-    """Run an ASGI ``app`` with uvicorn in a daemon thread (tests, notebooks, in-process judges).
+    """Run an ASGI ``app`` with uvicorn in a daemon thread (tests, notebooks, in-process judges), guarded
+    by ``limits`` (default: the app's ``state.limits``, as :func:`create_app` sets them).
 
     ``port=0`` picks a free port; ``url`` is then ``http://host:port/v1``. ``stop()`` shuts it down.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None):
         import uvicorn
 
         self.app = app
+        limits = limits or getattr(getattr(app, "state", None), "limits", None) or Limits()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self, timeout: float = 30.0) -> "BackgroundServer":
@@ -253,11 +270,13 @@ class BackgroundServer:
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu", dtype: str = "fp32",
-          batch_size: int = 8, model_name: str | None = None, max_top_logprobs: int = 20) -> None:
+          batch_size: int = 8, model_name: str | None = None, max_top_logprobs: int = 20,
+          limits: Limits = Limits()) -> None:
     """Load ``model`` and serve it until interrupted (the ``serve-judge`` command)."""
     import uvicorn
 
     vlm = LocalVLM(model, device=device, dtype=dtype, batch_size=batch_size)
-    app = create_app(vlm, model_name=model_name, max_top_logprobs=max_top_logprobs)
-    print(f"serving {model_name or vlm.name} on http://{host}:{port}/v1 (OpenAI chat completions)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    app = create_app(vlm, model_name=model_name, max_top_logprobs=max_top_logprobs, limits=limits)
+    auth = "a key required" if limits.api_key else "no key"
+    print(f"serving {model_name or vlm.name} on http://{host}:{port}/v1 (OpenAI chat completions, {auth})", flush=True)
+    uvicorn.Server(uvicorn_config(app, limits, host=host, port=port, log_level="info")).run()

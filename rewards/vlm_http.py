@@ -24,6 +24,7 @@ from typing import Any
 import requests
 
 from flowalign.errors import UserError
+from rewards.http_safety import API_KEY_ENV
 from rewards.vlm_backend import ChatRequest, Completion
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -63,7 +64,8 @@ class OpenAIChatClient:
     """``complete(requests)`` against ``{url}/chat/completions`` (``url`` with or without ``/v1``).
 
     ``model``: the served model's name; None asks ``/v1/models`` once and takes the first.
-    ``api_key``: sent as a bearer token (default: ``$OPENAI_API_KEY`` when set).
+    ``api_key``: sent as a bearer token (default: ``$FLOWALIGN_API_KEY``, the key ``serve-judge`` reads,
+    else ``$OPENAI_API_KEY``, when set).
     """
 
     def __init__(self, url: str, model: str | None = None, *, api_key: str | None = None, timeout: float = 60.0,
@@ -81,7 +83,7 @@ class OpenAIChatClient:
         self.base = url if url.endswith("/v1") else url + "/v1"
         self.model, self.timeout, self.retries, self.backoff = model, float(timeout), retries, float(backoff)
         self.concurrency = concurrency
-        key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or os.environ.get("OPENAI_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.session = requests.Session()
         # one pooled connection per thread in flight (urllib3's pool is thread-safe)
@@ -119,6 +121,9 @@ class OpenAIChatClient:
             except ValueError:
                 wait = None
             raise _Retryable(f"HTTP {r.status_code}: {data[:200].decode('utf-8', 'replace')}", wait)
+        if r.status_code == 401:  # not worth a retry: the same key fails again
+            raise RuntimeError(f"HTTP 401: the server wants a key; set ${API_KEY_ENV} (or the reward's api_key) to the "
+                               f"key it was started with ({data[:200].decode('utf-8', 'replace')})")
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {data[:300].decode('utf-8', 'replace')}")
         try:

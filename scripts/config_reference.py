@@ -321,7 +321,7 @@ def render() -> str:
         title = f"{name} (a list; each item)" if is_list else name
         note = ""
         if is_list:
-            note = ("A weighted sum of rewards. Keys other than `name` and `weight` are the reward's own options "
+            note = ("A weighted sum of rewards. Keys other than `name`, `weight` and `timeout_s` are the reward's own options "
                     f"(see [rewards](rewards.md)). Default: `{default_text(TrainConfig.model_fields[name])}`.")
         lines += _section(title, sub, name, note=note)
     lines += trainer_sections()

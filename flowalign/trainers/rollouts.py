@@ -186,11 +186,14 @@ def reward_logs(scores: RewardScores, adv: torch.Tensor, acc: Any) -> dict[str, 
 
 def check_invalid(scores: RewardScores, step: int, limit: float, samples: torch.Tensor | None = None,
                   run_dir: Path | None = None) -> None:
-    """Refuse a batch with more than ``limit`` invalid rewards; non-finite ``samples`` (a diverged
-    policy) are named as the cause first."""
+    """Refuse a batch with more than ``limit`` invalid rewards, naming the reason most of them share (the
+    reward's own, e.g. a wrong frame count and its fix); non-finite ``samples`` (a diverged policy) are
+    named as the cause first."""
     invalid = 1.0 - scores.valid.float().mean().item()
     if invalid > limit:
         if samples is not None and run_dir is not None:
             check_training_finite(step + 1, {}, {"sampled outputs": samples}, run_dir)  # diverged?
+        reason, count = scores.commonest_reason() or ("no reason given", 0)
         raise UserError(f"step {step}: {invalid:.0%} of the samples have invalid rewards (limit "
-                        f"run.max_invalid_fraction={limit}); check the reward")
+                        f"run.max_invalid_fraction={limit}); the commonest reason ({count} of "
+                        f"{int((~scores.valid).sum())}): {reason}")

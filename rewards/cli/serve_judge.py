@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from flowalign.errors import UserError
+from rewards.http_safety import add_safety_flags, limits_from
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -18,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
     p.add_argument("--served-name", default=None, help="model name clients use (default: the folder's name)")
     p.add_argument("--max-top-logprobs", type=int, default=20, help="largest top_logprobs a request may ask for")
+    add_safety_flags(p)
     return p
 
 
@@ -28,6 +30,7 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--model {args.model}: not a model folder (no config.json); give a local transformers VLM folder")
     if args.max_top_logprobs < 1:
         raise UserError(f"--max-top-logprobs {args.max_top_logprobs}: give an integer >= 1")
+    limits = limits_from(args, "serve-judge")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -36,4 +39,4 @@ def run(args: argparse.Namespace) -> None:
     from rewards.judge_server import serve
 
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          batch_size=args.batch_size, model_name=args.served_name, max_top_logprobs=args.max_top_logprobs)
+          batch_size=args.batch_size, model_name=args.served_name, max_top_logprobs=args.max_top_logprobs, limits=limits)

@@ -138,7 +138,8 @@ def verify(task: MotionTask | Mapping[str, Any], video: Any) -> Verdict:
     except BadVideo as e:
         return invalid(str(e))
     if len(clip) != task.num_frames:
-        return invalid(f"wrong frame count: the task expects {task.num_frames} frames, got {len(clip)}")
+        return invalid(f"wrong frame count: the task expects {task.num_frames} frames, got {len(clip)}: "
+                       f"sample {task.num_frames}-frame clips (model.defaults.num_frames={task.num_frames})")
     scenes = detect(clip)
     tracks: dict[Any, Track] = {}
     for c in task.constraints:
