@@ -10,14 +10,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train from a YAML config with key=value overrides")
     p.add_argument("config", help="YAML run config, e.g. configs/tiny/flow_grpo_vvr.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides read as YAML, e.g. trainer.lr=1e-4")
+    p.add_argument("--check", action="store_true",
+                   help="check the whole config (every section, the trainer's too, rewards, data, model folder) "
+                        "and stop before loading weights")
     return p
 
 
 def run(args: argparse.Namespace) -> None:
     from flowalign.config import load_config
-    from flowalign.train import train
+    from flowalign.train import check_run, train
 
     cfg = load_config(args.config, args.overrides)
+    if args.check:
+        trainer_cls, tcfg = check_run(cfg)
+        print(f"{args.config}: config OK (trainer {tcfg.name}, {len(cfg.rewards)} reward(s), model {cfg.model.path}, "
+              f"output {cfg.run.output_dir}); nothing was loaded or written")
+        return
     final = train(cfg)
     if final:
         print(json.dumps({k: v for k, v in final.items() if not isinstance(v, dict)}, indent=2))
