@@ -264,6 +264,6 @@ def validate_section(section: type[BaseModel], data: dict[str, Any], prefix: str
 def dump_config(cfg: TrainConfig, trainer_cfg: BaseModel | None = None) -> str:
     """The resolved config as YAML (the trainer section with all its defaults filled in)."""
     data = cfg.model_dump(mode="json")
-    if trainer_cfg is not None:
-        data["trainer"] = trainer_cfg.model_dump(mode="json")
+    if trainer_cfg is not None:  # with the user's spelling of the name (a path or entry point stays one)
+        data["trainer"] = {**trainer_cfg.model_dump(mode="json"), "name": cfg.trainer.get("name", trainer_cfg.name)}
     return yaml.safe_dump(data, sort_keys=False)

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 import yaml
 
+from flowalign.benchmarks import available_benchmarks
 from flowalign.checkpoint import latest_checkpoint
 from flowalign.checkpoint_manifest import damage
-from flowalign.config import TrainConfig, dump_config, validate_section
+from flowalign.config import TrainConfig, dump_config
 from flowalign.data import PromptSet, read_prompt_file
 from flowalign.disk_space import explain_full_disk
 from flowalign.errors import UserError
@@ -25,7 +26,7 @@ from flowalign.reward_check import check_frame_count, check_reward_metadata
 from flowalign.reward_set import time_limited
 from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
 from flowalign.signals import exit_on_sigterm
-from flowalign.trainers import get_trainer
+from flowalign.trainers import trainer_config
 
 # keys that may change when a run is resumed (everything else must match the saved config); the folder
 # itself may have been moved or copied, and the layout over ranks may change (checkpoints are consolidated)
@@ -128,6 +129,30 @@ def _write_gallery(run_dir: Path, title: str) -> None:
     write_gallery(run_dir / "gallery", columns, rows, title=title, overwrite=True)  # the run's own folder
 
 
+def check_run(cfg: TrainConfig) -> tuple[type, Any]:
+    """Every check of a run that needs no weights, in the order a run would meet them; returns the
+    trainer class and its validated section. What ``flowalign train --check`` and ``flowalign plan`` run,
+    and what a run runs before it touches its folder.
+
+    The trainer section (unknown keys with a did-you-mean) and the trainer's own refusals, each reward's
+    name and options, the training prompts, the evaluation benchmark and the model folder."""
+    import rewards as reward_registry
+
+    trainer_cls, tcfg = trainer_config(cfg.trainer)
+    trainer_cls.check_config(cfg, tcfg)
+    for spec in cfg.rewards:
+        reward_registry.check(spec.name, **spec.options)
+    load_train_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"n": 1})}))  # names and levels, not n tasks
+    if cfg.eval.bench and cfg.eval.bench not in available_benchmarks():
+        raise UserError(f"eval.bench={cfg.eval.bench} is not a benchmark; choose one of "
+                        f"{', '.join(available_benchmarks())}, or eval.bench=null for no evaluation")
+    folder = resolve_model_path(cfg.model.path)
+    if not (folder / "model_index.json").is_file():
+        raise UserError(f"model.path {folder} is not a diffusers folder (no model_index.json): pass the model's "
+                        "folder, or one of assets/architectures/* (configs only, for flowalign plan)")
+    return trainer_cls, tcfg
+
+
 def build_trainer(cfg: TrainConfig):
     """Everything a run needs (accelerator, run folder, policy, rewards, data, evaluator) → the trainer."""
     from accelerate import Accelerator
@@ -135,9 +160,7 @@ def build_trainer(cfg: TrainConfig):
     import pipelines
     import rewards as reward_registry
 
-    trainer_cls = get_trainer(str(cfg.trainer.get("name", "flow_grpo")))
-    tcfg = validate_section(trainer_cls.Config, cfg.trainer, "trainer.")
-    trainer_cls.check_config(cfg, tcfg)  # before anything is written
+    trainer_cls, tcfg = check_run(cfg)  # before anything is written
     acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(cfg.parallel))
     if acc.distributed_type.value in SHARDED_BACKENDS:
         # flowalign shards with torch FSDP2 itself (parallel.strategy); silently ignoring the accelerate
@@ -183,8 +206,7 @@ def finished_metrics(cfg: TrainConfig) -> dict[str, Any] | None:
     final_path, newest = run_dir / FINAL_METRICS, latest_checkpoint(run_dir)
     if cfg.run.resume != "auto" or not final_path.is_file() or newest is None or damage(newest) is not None:
         return None  # a damaged newest checkpoint: resume falls back and trains again
-    trainer_cls = get_trainer(str(cfg.trainer.get("name", "flow_grpo")))
-    tcfg = validate_section(trainer_cls.Config, cfg.trainer, "trainer.")
+    _, tcfg = trainer_config(cfg.trainer)
     check_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)  # another run's config still refuses
     try:
         state = json.loads((newest / "trainer_state.json").read_text())

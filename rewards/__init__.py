@@ -1,6 +1,6 @@
 """Reward functions and models; each implements :class:`flowalign.protocols.Reward`."""
 
-from rewards.registry import available, differentiable, load, register
+from rewards.registry import available, check, differentiable, load, register
 
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml, read by the core without importing the modules
@@ -11,4 +11,4 @@ PLUGINS = {
     "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},
 }
 
-__all__ = ["PLUGINS", "available", "differentiable", "load", "register"]
+__all__ = ["PLUGINS", "available", "check", "differentiable", "load", "register"]

@@ -115,6 +115,12 @@ def load(spec: str, **options: Any) -> Any:
     return FunctionReward(name, obj, **options)
 
 
+def check(spec: str, **options: Any) -> None:
+    """Refuse (``UserError``) an unknown reward or an option it does not take, without building it (no weights
+    are read): what ``flowalign train --check`` and ``flowalign plan`` ask of every reward of a config."""
+    _check_options(spec, _resolve(spec)[1], options)
+
+
 def _check_options(spec: str, obj: Callable[..., Any], options: dict[str, Any]) -> None:
     """Refuse options the reward does not take, naming the ones it does (before it is built)."""
     import inspect

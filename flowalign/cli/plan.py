@@ -18,15 +18,12 @@ def run(args: argparse.Namespace) -> None:
     from flowalign.config import load_config
     from flowalign.errors import UserError
     from flowalign.plan import plan_text
-    from flowalign.train import resolve_model_path
+    from flowalign.train import check_run, resolve_model_path
 
     if args.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {args.gpus}")
     if args.gpu_memory <= 0:
         raise UserError(f"--gpu-memory must be a positive number of GB, got {args.gpu_memory}")
     cfg = load_config(args.config, args.overrides)
-    folder = resolve_model_path(cfg.model.path)
-    if not (folder / "model_index.json").is_file():
-        raise UserError(f"model.path {folder} is not a diffusers folder (no model_index.json): pass the model's "
-                        "folder, or one of assets/architectures/* (configs only) with model.path=...")
-    print(plan_text(cfg, folder, args.gpus, args.gpu_memory))
+    check_run(cfg)  # the whole config, the trainer's section included, as a run would check it
+    print(plan_text(cfg, resolve_model_path(cfg.model.path), args.gpus, args.gpu_memory))

@@ -16,14 +16,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="train in a non-empty run.output_dir that holds no run (only the run's own files are "
                         "written there; other files are kept)")
+    p.add_argument("--check", action="store_true",
+                   help="check the whole config (every section, the trainer's too, rewards, data, model folder) "
+                        "and stop before loading weights")
     return p
 
 
 def run(args: argparse.Namespace) -> None:
     from flowalign.config import load_config
-    from flowalign.train import train
+    from flowalign.train import check_run, train
 
     cfg = load_config(args.config, args.overrides)
+    if args.check:
+        trainer_cls, tcfg = check_run(cfg)
+        print(f"{args.config}: config OK (trainer {tcfg.name}, {len(cfg.rewards)} reward(s), model {cfg.model.path}, "
+              f"output {cfg.run.output_dir}); nothing was loaded or written")
+        return
     final = train(cfg, overwrite=args.overwrite)
     if final:
         print(json.dumps({k: v for k, v in final.items() if not isinstance(v, dict)}, indent=2))

@@ -1,10 +1,23 @@
-"""Trainers by name: ``trainer.name`` in a run config picks one (imported lazily)."""
+"""Trainers by name: ``trainer.name`` in a run config picks one (imported lazily).
+
+A name is looked up, in order, among the built-in trainers (:data:`TRAINERS`), the entry-point group
+``flowalign.trainers`` of every installed distribution (how another package adds a trainer), and as a
+``package.module:Class`` path (a trainer in the user's own code, no packaging needed)::
+
+    trainer:
+      name: my_lab.trainers:MyTrainer   # a GroupTrainer subclass with its own Config
+"""
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from importlib.metadata import entry_points
+from typing import Any
 
 from flowalign.errors import UserError
+
+ENTRY_POINT_GROUP = "flowalign.trainers"
 
 TRAINERS = {
     "flow_grpo": "flowalign.trainers.flow_grpo:FlowGRPOTrainer",
@@ -18,8 +31,47 @@ TRAINERS = {
 }
 
 
+def registered() -> dict[str, str]:
+    """``name → "module:Class"`` of every trainer known by name: built-in first, then entry points
+    (an entry point cannot replace a built-in name)."""
+    found = dict(TRAINERS)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
 def get_trainer(name: str) -> type:
-    if name not in TRAINERS:
-        raise UserError(f"unknown trainer {name!r} (trainer.name); choose one of {', '.join(TRAINERS)}")
-    module, _, attr = TRAINERS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    """The trainer class that ``trainer.name`` names (a registered name or ``package.module:Class``)."""
+    known = registered()
+    target = known.get(name) or (name if ":" in name else None)
+    if target is None:
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UserError(f"unknown trainer {name!r} (trainer.name); {hint}choose one of {', '.join(known)}, "
+                        "or give 'package.module:Class'")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError(f"trainer.name={name}: cannot import {module_name!r} ({err}); check the spelling and "
+                        "that it is installed") from err
+    cls = getattr(module, attr, None)
+    if not isinstance(cls, type) or not isinstance(getattr(cls, "Config", None), type):
+        raise UserError(f"trainer.name={name}: {target!r} is not a trainer class (a GroupTrainer subclass with "
+                        "a Config); see docs/guide/adding-a-trainer.md")
+    return cls
+
+
+def trainer_config(section: dict[str, Any]) -> tuple[type, Any]:
+    """The trainer class named by a config's ``trainer`` section and the section validated by its ``Config``
+    (errors name the field, with a did-you-mean for unknown keys).
+
+    A trainer given by path or entry point declares its own short name in ``Config.name``; the section is
+    validated under that name, and the user's spelling is what the resolved config keeps."""
+    from flowalign.config import validate_section
+
+    name = str(section.get("name", "flow_grpo"))
+    cls = get_trainer(name)
+    field = cls.Config.model_fields.get("name")
+    declared = name if field is None or field.is_required() else field.default
+    return cls, validate_section(cls.Config, {**section, "name": declared}, "trainer.")
