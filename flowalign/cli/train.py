@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
+
+from flowalign import strict_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -20,4 +21,4 @@ def run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     final = train(cfg)
     if final:
-        print(json.dumps({k: v for k, v in final.items() if not isinstance(v, dict)}, indent=2))
+        print(strict_json.dumps({k: v for k, v in final.items() if not isinstance(v, dict)}, indent=2))
