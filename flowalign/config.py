@@ -40,8 +40,7 @@ class Section(BaseModel):
 class RunSection(Section):
     name: str = "run"
     output_dir: str = "runs/run"
-    #: seeds the prompts' order, the noise and the adapter's initialisation (torch and numpy take 63 bits)
-    seed: int = Field(0, ge=0, le=MAX_SEED)
+    seed: int = Field(0, ge=0, le=MAX_SEED)  # torch's and numpy's generators take 63 bits
     #: ``auto`` (newest complete checkpoint, if any), ``never``, or a checkpoint folder
     resume: str = "auto"
     checkpoint_every: int = Field(50, ge=1)

@@ -76,7 +76,7 @@ class GroupTrainerConfig(Section):
     max_steps: int = Field(100, ge=1)
     #: also stop once this many minutes were spent training (evaluations excluded); None: no limit
     max_minutes: float | None = Field(None, gt=0)
-    #: at most 1 (real rates are 1e-6 to 1e-2; a larger one blows the weights up in a step)
+    #: AdamW learning rate; at most 1 (real ones are 1e-6 to 1e-2, a larger one blows the weights up in a step)
     lr: float = Field(1e-4, gt=0, le=MAX_LR)
     #: "cosine": decay to lr_min_ratio·lr by the end of the budget (max_steps, or max_minutes when that
     #: ends the run first; a time-based schedule makes the LR depend on measured step times)
