@@ -113,8 +113,7 @@ class DataSection(Section):
     prompts: str | None = None
     bench: str | None = "vvr"
     level: str | list[str] = "medium"
-    #: benchmark tasks to draw (each is built in memory; the bound only stops a typo)
-    n: int = Field(2000, ge=1, le=MAX_TASKS)
+    n: int = Field(2000, ge=1, le=MAX_TASKS)  # each task is built in memory: the bound only stops a typo
     seed: int = Field(0, ge=0, le=MAX_SEED,
                       description="task seed; benchmark splits use seeds >= 1000, keep training below")
 
