@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from flowalign.errors import UserError
 from flowalign.finite import non_finite_key
+from flowalign.limits import MAX_BATCH, MAX_CONFIG_BYTES, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS
+from flowalign.yaml_load import load_yaml, yaml_problem
 
 
 class Section(BaseModel):
@@ -30,7 +32,7 @@ class Section(BaseModel):
     @classmethod
     def _bool_is_not_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+        if isinstance(value, bool) and field is not None and numeric_annotation(field.annotation):
             raise ValueError("expected a number, not true/false")
         return value
 
@@ -38,7 +40,7 @@ class Section(BaseModel):
 class RunSection(Section):
     name: str = "run"
     output_dir: str = "runs/run"
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)  # torch's and numpy's generators take 63 bits
     #: ``auto`` (newest complete checkpoint, if any), ``never``, or a checkpoint folder
     resume: str = "auto"
     checkpoint_every: int = Field(50, ge=1)
@@ -52,7 +54,7 @@ class RunSection(Section):
     progress: bool = True
 
 
-def _numeric(annotation: Any) -> bool:
+def numeric_annotation(annotation: Any) -> bool:
     """``int``, ``float`` or an optional one (the annotations a YAML ``true`` must not satisfy as 1)."""
     union = get_origin(annotation) in (Union, UnionType)
     args = [a for a in get_args(annotation) if a is not type(None)] if union else [annotation]
@@ -111,8 +113,9 @@ class DataSection(Section):
     prompts: str | None = None
     bench: str | None = "vvr"
     level: str | list[str] = "medium"
-    n: int = Field(2000, ge=1)
-    seed: int = Field(0, ge=0, description="task seed; benchmark splits use seeds >= 1000, keep training below")
+    n: int = Field(2000, ge=1, le=MAX_TASKS)  # each task is built in memory: the bound only stops a typo
+    seed: int = Field(0, ge=0, le=MAX_SEED,
+                      description="task seed; benchmark splits use seeds >= 1000, keep training below")
 
 
 class RewardSpec(BaseModel):
@@ -136,13 +139,13 @@ class EvalSection(Section):
     at_start: bool = True
     bench: str | None = "vvr"
     level: str = "medium"
-    n: int | None = Field(64, ge=1)
+    n: int | None = Field(64, ge=1, le=MAX_TASKS)
     #: which split to evaluate on: validation (the default, so nothing is tuned on test) or test
     split: Literal["validation", "test"] = "validation"
     #: None: the shipped split; an int: a fresh split of the same distribution drawn with that seed
-    seed: int | None = None
-    num_steps: int | None = None
-    batch_size: int = Field(16, ge=1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    num_steps: int | None = Field(None, ge=1, le=MAX_SAMPLING_STEPS)
+    batch_size: int = Field(16, ge=1, le=MAX_BATCH)
     gallery: bool = True
 
 
@@ -174,9 +177,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key:
             raise UserError(f"override {item!r} is not key=value (e.g. trainer.lr=1e-4)")
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = load_yaml(raw, f"override {key}") if raw != "" else None
         except yaml.YAMLError as e:
-            problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+            problem = yaml_problem(e)
             raise UserError(f"override {key}: {raw!r} is not valid YAML ({problem}); quote text values, "
                             f"e.g. {key}='\"...\"', and close brackets") from None
         node = data
@@ -227,10 +230,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         path = Path(path)
         try:
-            text = read_text_file(path, "config file", "a YAML file such as configs/tiny/flow_grpo_vvr.yaml")
-            data = yaml.safe_load(text) or {}
+            text = read_text_file(path, "config file", "a YAML file such as configs/tiny/flow_grpo_vvr.yaml",
+                                  max_bytes=MAX_CONFIG_BYTES)
+            data = load_yaml(text, f"config file {path}") or {}
         except yaml.YAMLError as e:
-            raise UserError(f"config file {path} is not valid YAML: {e}") from e
+            raise UserError(f"config file {path} is not valid YAML ({yaml_problem(e)}); fix that line") from None
         if not isinstance(data, dict):
             raise UserError(f"config file {path} must hold a mapping of sections (run, model, trainer, ...)")
     apply_overrides(data, overrides or [])
@@ -240,12 +244,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise UserError(f"invalid config: {format_validation_error(e, TrainConfig)}") from None
 
 
-def read_text_file(path: Path, what: str, example: str) -> str:
-    """The UTF-8 text of ``path``, or a one-line ``UserError`` for a missing file, a folder or other bytes."""
+def read_text_file(path: Path, what: str, example: str, max_bytes: int | None = None) -> str:
+    """The UTF-8 text of ``path``, or a one-line ``UserError`` for a missing file, a folder, other bytes or
+    (with ``max_bytes``) a file larger than that, refused before it is read."""
     if not path.exists():
         raise UserError(f"{what} {path} does not exist; pass {example}")
     if path.is_dir():
         raise UserError(f"{what} {path} is a folder, not a file; pass {example}")
+    if max_bytes is not None and path.stat().st_size > max_bytes:
+        raise UserError(f"{what} {path} is {path.stat().st_size / 2**20:.1f} MiB, more than the "
+                        f"{max_bytes / 2**20:.0f} MiB such a file can be; pass {example}")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from flowalign.errors import UserError
+from flowalign.limits import MAX_PROMPT_CHARS
 
 
 @dataclass
@@ -33,6 +34,15 @@ class PromptSet:
             perm = np.random.default_rng([seed, epoch]).permutation(n)
             out.append(int(perm[offset]))
         return out
+
+
+def check_prompt_length(prompt: str, where: str) -> None:
+    """Refuse a prompt longer than :data:`flowalign.limits.MAX_PROMPT_CHARS` (``where`` names it: a file's
+    line, an option): text encoders read a few thousand characters at most, and tokenising megabytes
+    would spend memory and minutes on text that is cut off anyway."""
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise UserError(f"{where}: a prompt of {len(prompt):,} characters ({prompt[:30]!r}...); give at most "
+                        f"{MAX_PROMPT_CHARS:,} (text encoders read only the first few thousand)")
 
 
 def read_prompt_file(path: str | Path) -> PromptSet:
@@ -57,6 +67,7 @@ def read_prompt_file(path: str | Path) -> PromptSet:
                 raise UserError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise UserError(f'{path}:{i}: each line needs a "prompt" string')
+            check_prompt_length(row["prompt"], f"{path}:{i}")
             prompts.append(row.pop("prompt"))
             if "image" in row:  # an input image (editing, image-to-video), relative to the file
                 if not isinstance(row["image"], str) or not row["image"]:
@@ -65,4 +76,7 @@ def read_prompt_file(path: str | Path) -> PromptSet:
                 row["image"] = str((path.parent / row["image"]).resolve())
             metadata.append(row)
         return PromptSet(prompts, metadata)
-    return PromptSet([line.strip() for line in lines], [{} for _ in lines])
+    prompts = [line.strip() for line in lines]
+    for i, prompt in enumerate(prompts, 1):
+        check_prompt_length(prompt, f"{path}: prompt {i}")
+    return PromptSet(prompts, [{} for _ in lines])

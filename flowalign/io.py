@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from flowalign import strict_json
+
 
 def umask() -> int:
     """The process's umask, read without changing it where ``/proc`` tells it (other threads may be
@@ -97,12 +99,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 def write_json(path: str | Path, data: Any) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+        tmp.write_text(strict_json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.write_text("".join(strict_json.dumps(r) + "\n" for r in rows))
 
 
 #: hidden names inside an output folder that belong to the writing machinery, never to the user

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flowalign import strict_json
 from flowalign.io import atomic_path
 
 
@@ -67,7 +68,7 @@ class RunLogger:
             self.already_logged.discard(row_id)
             return
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps({"step": step, **scalars}) + "\n")
+            f.write(strict_json.dumps({"step": step, **scalars}) + "\n")
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)

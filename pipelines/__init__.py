@@ -21,6 +21,7 @@ from flowalign.errors import UserError
 from flowalign.protocols import FlowPolicy
 from pipelines.flux import FluxPolicy
 from pipelines.flux2 import Flux2Policy
+from pipelines.folder_check import check_model_folder
 from pipelines.kontext import KontextPolicy
 # what flowalign plan runs on the meta device, and the memory options of load (the core's way in)
 from pipelines.memory import CFG_FAMILIES, DEFAULT_SIZE, apply_memory_options, transformer_inputs
@@ -153,6 +154,7 @@ def load(
     if unknown:
         raise UserError(f"pipelines.load got unknown option(s) {unknown}: allowed are "
                         f"{sorted(POLICY_OPTIONS | MEMORY_OPTIONS)}")
+    check_model_folder(path)  # a missing or damaged part in one line, before diffusers reads it
     memory = {k: kw.pop(k) for k in MEMORY_OPTIONS & set(kw)}
     policy_class = _wan_policy_class(path) if detected == "wan" else FAMILIES[detected]
     policy = policy_class(

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from flowalign.data import check_prompt_length
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines import prompt_warnings
 from pipelines.tiny import read_sampling_defaults
 
 
@@ -32,6 +34,9 @@ def check_prompts(prompts: Any) -> list[str]:
     bad = sorted({type(p).__name__ for p in prompts if not isinstance(p, str)})
     if bad:
         raise UserError(f"prompts must hold only strings, found {', '.join(bad)}")
+    for i, prompt in enumerate(prompts):
+        check_prompt_length(prompt, f"prompts[{i}]")
+    prompt_warnings.install()  # one short line for a prompt the text encoders cut, not one per encoder
     return list(prompts)
 
 

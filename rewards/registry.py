@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from flowalign.config import numeric_annotation
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 
@@ -129,6 +130,7 @@ def _check_options(spec: str, obj: Callable[..., Any], options: dict[str, Any]) 
         signature = inspect.signature(obj)
     except (TypeError, ValueError):  # a builtin or C callable: let it report for itself
         return
+    _refuse_bools_for_numbers(spec, obj, options)
     params = list(signature.parameters.values())
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return
@@ -138,3 +140,18 @@ def _check_options(spec: str, obj: Callable[..., Any], options: dict[str, Any]) 
     if unknown:
         raise UserError(f"reward {spec!r} has no option {', '.join(map(repr, unknown))}; "
                         f"it takes {', '.join(known) if known else 'no options'}")
+
+
+def _refuse_bools_for_numbers(spec: str, obj: Callable[..., Any], options: dict[str, Any]) -> None:
+    """YAML's ``true`` is a Python int (1): refuse it for an option annotated as a number (``max_tokens:
+    true`` would otherwise ask for one token)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(obj, eval_str=True)
+    except Exception:  # noqa: BLE001 - an annotation that cannot be evaluated: nothing to check against
+        return
+    for name, value in options.items():
+        param = signature.parameters.get(name)
+        if isinstance(value, bool) and param is not None and numeric_annotation(param.annotation):
+            raise UserError(f"reward {spec!r}: {name}={value} must be a number, not true/false")

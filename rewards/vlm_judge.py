@@ -93,12 +93,12 @@ class VLMJudge:
         who = self.name
         if mode not in MODES:
             raise UserError(f"{who} reward: mode={mode!r} is not one of {list(MODES)}")
-        if not isinstance(scale, int) or not 2 <= scale <= 9:
+        if isinstance(scale, bool) or not isinstance(scale, int) or not 2 <= scale <= 9:
             raise UserError(f"{who} reward: scale={scale!r} must be an integer in 2..9 (scores are single digits)")
         for key, value, lo in (("top_logprobs", top_logprobs, 1), ("max_tokens", max_tokens, 1),
                                ("num_frames", num_frames, 1), ("rubric_cache_size", rubric_cache_size, 1),
                                ("rubric_tokens", rubric_tokens, 1)):
-            if not isinstance(value, int) or value < lo:
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise UserError(f"{who} reward: {key}={value!r} must be an integer >= {lo}")
         if not isinstance(temperature, (int, float)) or temperature < 0:
             raise UserError(f"{who} reward: temperature={temperature!r} must be >= 0 (0 is greedy)")

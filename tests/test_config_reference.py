@@ -36,7 +36,7 @@ def test_every_section_and_trainer_option_is_documented_with_a_meaning():
     assert ref.missing_meanings() == [], "give these fields a #: comment or Field(description=...)"
     # an option of one trainer appears with its own default, not the shared one
     opsd = get_trainer("diffusion_opsd").Config
-    assert f"| `group_size` | `int` (≥ 2) | `{opsd.model_fields['group_size'].default}` |" in text
+    assert f"| `group_size` | `int` (≥ 2, ≤ 1024) | `{opsd.model_fields['group_size'].default}` |" in text
 
 
 def test_meaning_prefers_description_then_comment_of_the_declaring_class():

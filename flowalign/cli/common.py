@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from flowalign.errors import UserError
+from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS
 from flowalign.paths import default_model_dir
 
 
@@ -64,20 +65,52 @@ def load_guided_policy(args: argparse.Namespace):
     return policy, load_guidance(args, policy)
 
 
+#: upper bounds of integer options, checked before any memory is spent on them (see flowalign.limits)
+INT_BOUNDS = {"steps": MAX_SAMPLING_STEPS, "n": MAX_TASKS, "batch_size": MAX_BATCH, "group_size": MAX_GROUP_SIZE}
+
+
 def check_positive(args: argparse.Namespace, *names: str) -> None:
-    """Integer options that must be >= 1 when given (0 is an error, not "use the default")."""
+    """Integer options that must be >= 1 when given (0 is an error, not "use the default"), and at most
+    their bound in :data:`INT_BOUNDS`; the seeds ``--seed`` / ``--data-seed`` must lie in 0..2**63-1."""
     for name in names:
         value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
         if value is not None and value < 1:
-            flag = "--" + name.replace("_", "-")
             default = " (leave it out for the default)" if name in ("steps", "n") else ""
             raise UserError(f"{flag} {value}: give an integer >= 1{default}")
+        if value is not None and name in INT_BOUNDS and value > INT_BOUNDS[name]:
+            raise UserError(f"{flag} {value}: give an integer <= {INT_BOUNDS[name]:,} (a bound far above real use)")
+    for name in ("seed", "data_seed"):
+        value = getattr(args, name, None)
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise UserError(f"--{name.replace('_', '-')} {value}: give an integer in 0..{MAX_SEED}")
+
+
+def check_device(device: str) -> None:
+    """``--device``: a torch device this machine has, refused in one line before a model is loaded."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise UserError(f"--device {device}: no CUDA GPU is visible on this machine; use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise UserError(f"--device {device}: this machine shows {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device}: Apple's MPS is not available here; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device {device}: use cpu, cuda or cuda:N")
 
 
 def load_policy(args: argparse.Namespace):
     """Load ``--model`` (and ``--adapter``) through the pipelines registry."""
     import pipelines
 
+    check_device(args.device)
     model = Path(args.model) if args.model else default_model_dir()
     policy = pipelines.load(model, device=args.device, dtype=args.dtype)
     if args.adapter:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from flowalign import strict_json
 from flowalign.errors import UserError
 
 
@@ -37,7 +38,20 @@ def read_results(folder: Path) -> list[dict[str, Any]]:
     path = Path(folder) / "results.jsonl"
     if not path.is_file():
         raise UserError(f"{folder}: no results.jsonl; give a folder written by flowalign evaluate --out or a run's evals/step-XXXXXX")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{number}: not a complete JSON row ({e.msg}; the file was cut off or edited); "
+                            "rerun flowalign evaluate --out for that folder") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "score" not in row:
+            raise UserError(f"{path}:{number}: a row needs a prompt and a score; give a folder written by "
+                            "flowalign evaluate --out")
+        rows.append(row)
+    return rows
 
 
 def sign_test_p(wins: int, losses: int) -> float:
@@ -69,7 +83,8 @@ def group_of(row: dict[str, Any], by: str) -> str:
 def scores(rows: list[dict[str, Any]], on: str) -> np.ndarray:
     if on == "passed":
         return np.array([float(bool(r.get("all_passed", False))) for r in rows])
-    return np.array([float(r["score"]) for r in rows])
+    # an invalid sample's score is written as null (JSON has no NaN); NaN never wins or loses
+    return np.array([float("nan") if r["score"] is None else float(r["score"]) for r in rows])
 
 
 def compare(a_rows: list[dict[str, Any]], b_rows: list[dict[str, Any]], on: str = "score",
@@ -87,4 +102,4 @@ def compare(a_rows: list[dict[str, Any]], b_rows: list[dict[str, Any]], on: str 
 
 def run(args: argparse.Namespace) -> None:
     for line in compare(read_results(args.a), read_results(args.b), args.on, args.by):
-        print(json.dumps(line))
+        print(strict_json.dumps(line))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from flowalign import strict_json
 from flowalign.cli.common import (
     add_guide_args,
     add_model_args,
@@ -55,5 +55,5 @@ def run(args: argparse.Namespace) -> None:
     metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
                        out_dir=args.out, overwrite=args.overwrite, labels={"bench": bench.name, "split": bench.split, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
-    print(json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
+    print(strict_json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
     print(f"wrote {args.out}/metrics.json")

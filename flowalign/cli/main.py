@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import pkgutil
 import sys
@@ -99,7 +100,17 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    refuse_non_finite(args)
     return args
+
+
+def refuse_non_finite(args: argparse.Namespace) -> None:
+    """argparse's ``float`` reads ``nan`` and ``inf``; no option means either (a NaN guidance scale would
+    score black images), so they are refused here for every command."""
+    for name, value in vars(args).items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise UserError(f"--{name.replace('_', '-')} {value}: give a finite number")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

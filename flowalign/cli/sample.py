@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from flowalign.cli.common import add_guide_args, add_model_args, add_sampling_args, check_positive, load_guided_policy
+from flowalign.data import check_prompt_length
 from flowalign.errors import UserError
 from flowalign.io import check_out_file
 from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_image, save_video
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> None:
     if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
         raise UserError(f"--out {out.name}: unknown file type; use .png for image models, .mp4/.gif for video models")
     check_out_file(out, overwrite=args.overwrite)  # before the model is loaded
+    check_prompt_length(args.prompt, "--prompt")
     check_sampler(args.sampler, args.noise_level)
     check_positive(args, "steps")
     policy, guide = load_guided_policy(args)

@@ -6,7 +6,8 @@ and exits with code 143 (:mod:`flowalign.signals`); rerunning the command resume
 from __future__ import annotations
 
 import argparse
-import json
+
+from flowalign import strict_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -34,4 +35,4 @@ def run(args: argparse.Namespace) -> None:
         return
     final = train(cfg, overwrite=args.overwrite)
     if final:
-        print(json.dumps({k: v for k, v in final.items() if not isinstance(v, dict)}, indent=2))
+        print(strict_json.dumps({k: v for k, v in final.items() if not isinstance(v, dict)}, indent=2))

@@ -42,11 +42,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from flowalign.config import Section, TrainConfig
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
+from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.logger import RunLogger
 from flowalign.parallel import Parallel
 from flowalign.protocols import FlowPolicy
@@ -75,23 +76,25 @@ class GroupTrainerConfig(Section):
     max_steps: int = Field(100, ge=1)
     #: also stop once this many minutes were spent training (evaluations excluded); None: no limit
     max_minutes: float | None = Field(None, gt=0)
-    lr: float = Field(1e-4, gt=0)
+    #: AdamW learning rate; at most 1 (real ones are 1e-6 to 1e-2, a larger one blows the weights up in a step)
+    lr: float = Field(1e-4, gt=0, le=MAX_LR)
     #: "cosine": decay to lr_min_ratio·lr by the end of the budget (max_steps, or max_minutes when that
     #: ends the run first; a time-based schedule makes the LR depend on measured step times)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0)
     lr_min_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(1e-4, ge=0)
+    #: Adam's (β1, β2), each in [0, 1)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     #: prompts per step on each rank; each is sampled group_size times
-    prompts_per_step: int = Field(4, ge=1)
-    group_size: int = Field(8, ge=2)
+    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
     #: samples per rollout batch = per training batch, whatever the group size (outputs depend on the
     #: batch size, so the two match)
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH)
     #: rollout steps T (evaluation uses eval.num_steps or the model's default)
-    num_steps: int = Field(10, ge=2)
+    num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
     guidance_scale: float | None = None
     inner_epochs: int = Field(1, ge=1)
     #: optimiser steps per pass over the batch (gradients accumulate over samples x trained steps)
@@ -105,6 +108,13 @@ class GroupTrainerConfig(Section):
     adv_clip: float = Field(5.0, gt=0)
     ema_decay: float = Field(0.0, ge=0, lt=1)
     ema_every: int = Field(8, ge=1)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_below_one(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("each of Adam's betas must be in [0, 1), e.g. [0.9, 0.999]")
+        return betas
 
 
 @dataclass

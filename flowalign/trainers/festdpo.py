@@ -35,6 +35,7 @@ from pydantic import Field, field_validator, model_validator
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
+from flowalign.limits import MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
 from flowalign.sampling import euler_step
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
@@ -47,12 +48,12 @@ MIN_K = 8
 class FestDPOConfig(GroupTrainerConfig):
     name: Literal["festdpo"] = "festdpo"
     #: samples per prompt for the KDEs (common random numbers for policy and reference)
-    K: int = 32
+    K: int = Field(32, ge=1, le=MAX_GROUP_SIZE)
     #: DPO temperature β (named apart from ``beta``, which the loop reads as a KL weight)
     dpo_beta: float = Field(1.0, gt=0)
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, le=MAX_LR)
     #: Euler steps of the few-step sampler that is trained (and differentiated through)
-    num_steps: int = Field(4, ge=1)
+    num_steps: int = Field(4, ge=1, le=MAX_SAMPLING_STEPS)
     feature: Literal["latent_pool", "latent", "pixels"] = "latent_pool"
     feature_size: int = Field(8, ge=1)
     #: ``fixed``: h² from the reference once per run; ``per_step``: from each prompt's reference samples

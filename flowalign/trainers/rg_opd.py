@@ -31,6 +31,7 @@ from pydantic import Field, field_validator
 from flowalign.config import Section
 from flowalign.errors import UserError
 from flowalign.latent_preference import PreferencePairs, fit
+from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR
 from flowalign.paths import REPO_ROOT
 from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
@@ -43,8 +44,8 @@ class CoReConfig(Section):
     every: int = Field(5, ge=1)
     #: Bradley-Terry minibatch steps per refit
     steps: int = Field(20, ge=1)
-    batch_size: int = Field(16, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(16, ge=1, le=MAX_BATCH)
+    lr: float = Field(1e-3, gt=0, le=MAX_LR)
     #: weight μ of the generator's own pairs (labelled by the pixel reward)
     mu: float = Field(0.5, ge=0)
     #: weight of mean (r_ψ − r_ψ,prev)² on the real pairs (prev: the reward before this refit)
@@ -71,7 +72,7 @@ class RGOPDConfig(GroupTrainerConfig):
     #: weight of mean‖v_θ − v_ref‖² to the adapter-disabled reference (LoRA only; the paper's 1e-4)
     anchor: float = Field(0.0, ge=0)
     core: CoReConfig | None = None
-    group_size: int = Field(4, ge=2)
+    group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE)
 
     @field_validator("latent_reward")
     @classmethod

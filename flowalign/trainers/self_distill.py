@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
+from flowalign.limits import MAX_GROUP_SIZE, MAX_LR
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
 from flowalign.weight_swap import swapped_in
@@ -32,8 +33,8 @@ from flowalign.weight_swap import swapped_in
 class SelfDistillConfig(GroupTrainerConfig):
     """Options DiffusionOPSD and DiffusionNFT share ([code] defaults; scale the group down on tiny models)."""
 
-    lr: float = Field(3e-4, gt=0)
-    group_size: int = Field(24, ge=2)
+    lr: float = Field(3e-4, gt=0, le=MAX_LR)
+    group_size: int = Field(24, ge=2, le=MAX_GROUP_SIZE)
     advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
     #: A_max: advantages are clipped to ±A_max and mapped to r = A/(2·A_max) + 1/2
     adv_clip: float = Field(5.0, gt=0)

@@ -31,6 +31,7 @@ from pydantic import Field
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
+from flowalign.limits import MAX_BATCH, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 
@@ -40,7 +41,7 @@ Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class SOARConfig(GroupTrainerConfig):
     name: Literal["soar"] = "soar"
     #: the rollout step is 1/K (match the inference step count)
-    K: int = Field(30, ge=1)
+    K: int = Field(30, ge=1, le=MAX_SAMPLING_STEPS)
     #: CFG scale of the stop-gradient rollout step
     w_cfg: float = Field(4.5, ge=1)
     #: re-noised correction states per pair
@@ -56,7 +57,7 @@ class SOARConfig(GroupTrainerConfig):
     #: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None: render data.bench tasks
     pairs: str | None = None
     #: pairs per optimiser step on each rank
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH)
     #: pairs per forward/backward (gradients accumulate); None: the whole batch at once
     micro_batch: int | None = Field(None, ge=1)
     #: latents kept in memory (encoding a pair once per run, not once per epoch)

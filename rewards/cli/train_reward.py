@@ -19,6 +19,7 @@ from flowalign.cli.common import add_model_args, check_positive, load_policy
 from flowalign.config import read_text_file
 from flowalign.errors import UserError
 from flowalign.io import atomic_dir, check_out_dir, remove_owned, write_json
+from flowalign.limits import MAX_LR
 from flowalign.paths import REPO_ROOT, default_model_dir
 
 
@@ -73,20 +74,22 @@ def _check(args: argparse.Namespace) -> None:
                 raise UserError(f"{flag} {f}: no such file")
             if Path(f).suffix not in (".jsonl", ".safetensors"):
                 raise UserError(f"{flag} {f}: use a .jsonl of images or a .safetensors pairs file")
-    for name in ("n", "group_size", "train_steps", "batch_size", "registers", "checkpoint_every"):
+    for name in ("n", "group_size", "train_steps", "batch_size", "registers", "head_hidden", "checkpoint_every"):
         if getattr(args, name) < (2 if name == "group_size" else 1):
             raise UserError(f"--{name.replace('_', '-')} must be >= {2 if name == 'group_size' else 1}, got {getattr(args, name)}")
     if not 0 <= args.test_fraction < 1:
         raise UserError(f"--test-fraction {args.test_fraction}: use a value in [0, 1)")
-    if args.lr <= 0:
-        raise UserError(f"--lr {args.lr} must be > 0")
-    check_positive(args, "steps")
+    if not 0 < args.lr <= MAX_LR:
+        raise UserError(f"--lr {args.lr}: give a learning rate in (0, {MAX_LR:g}] (e.g. the default 1e-3)")
+    check_positive(args, "steps", "n", "group_size", "batch_size")
 
 
 def _out_folders(args: argparse.Namespace) -> tuple[Path, Path]:
     """``--out`` and its resume folder ``OUT.partial``, refused before anything is sampled or trained."""
     out = Path(args.out)
-    partial = out.with_name(out.resolve().name + ".partial")
+    if not out.resolve().name:
+        raise UserError(f"--out {args.out}: give a folder below the file system's root")
+    partial = out.resolve().with_name(out.resolve().name + ".partial")
     check_out_dir(out, writer="train-reward", overwrite=args.overwrite)
     check_out_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag=PARTIAL_FLAG)
     return out, partial

@@ -60,3 +60,37 @@ def test_output_folder_of_another_run_is_refused(tmp_path):
         prepare_run_dir(tmp_path, "run:\n  seed: 1\n", "never")
     assert "seed: 1" in (tmp_path / "config.yaml").read_text()  # nothing overwritten
     assert cfg.run.seed == 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ("run.seed=-1", "run.seed: Input should be greater than or equal to 0"),
+    (f"run.seed={10**23}", "run.seed: Input should be less than or equal to 9223372036854775807"),
+    ("data.n=1000000000000", "data.n: Input should be less than or equal to 1000000"),
+    ("eval.num_steps=0", "eval.num_steps: Input should be greater than or equal to 1"),
+])
+def test_unbounded_run_values_are_refused(override, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("trainer,override,message", [
+    ("flow_grpo", "trainer.betas=[1.5, 0.9]", "trainer.betas: each of Adam's betas must be in [0, 1)"),
+    ("flow_grpo", "trainer.lr=1.0e30", "trainer.lr: Input should be less than or equal to 1"),
+    ("flow_grpo", "trainer.group_size=1000000000", "trainer.group_size: Input should be less than or equal to 1024"),
+    ("flow_grpo", "trainer.num_steps=100000000", "trainer.num_steps: Input should be less than or equal to 1000"),
+    ("flash_grpo", "trainer.num_steps=100000000", "trainer.num_steps: Input should be less than or equal to 1000"),
+    ("diffusion_nft", "trainer.lr=2.0", "trainer.lr: Input should be less than or equal to 1"),
+    ("festdpo", "trainer.K=true", "trainer.K: expected a number, not true/false"),
+])
+def test_unbounded_trainer_values_are_refused(trainer, override, message):
+    cfg = load_config(None, [f"trainer.name={trainer}", override])
+    with pytest.raises(UserError) as info:
+        validate_section(get_trainer(trainer).Config, cfg.trainer, "trainer.")
+    assert message in str(info.value)
+
+
+def test_real_values_pass_the_bounds():
+    cfg = load_config(None, ["run.seed=4294967295", "data.n=100000", "trainer.lr=0.01", "trainer.betas=[0.0, 0.99]",
+                             "trainer.group_size=64", "trainer.num_steps=100"])
+    tcfg = validate_section(get_trainer("flow_grpo").Config, cfg.trainer, "trainer.")
+    assert tcfg.betas == (0.0, 0.99) and tcfg.group_size == 64

@@ -1,5 +1,7 @@
 """Prompt files: a JSONL ``image`` (input image of an editing / image-to-video prompt) is resolved against the file."""
 
+import json
+
 import pytest
 
 from flowalign.data import read_prompt_file
@@ -25,3 +27,18 @@ def test_bad_image_field_is_a_user_error(tmp_path, value):
     path.write_text('{"prompt": "x", "image": %s}\n' % value)
     with pytest.raises(UserError, match='bad.jsonl:1: "image" must be a path string'):
         read_prompt_file(path)
+
+
+def test_a_prompt_over_the_bound_names_its_line(tmp_path):
+    from flowalign.limits import MAX_PROMPT_CHARS
+
+    txt = tmp_path / "p.txt"
+    txt.write_text("a red circle\n" + "x" * (MAX_PROMPT_CHARS + 1) + "\n")
+    with pytest.raises(UserError, match="p.txt: prompt 2: a prompt of 20,001 characters"):
+        read_prompt_file(txt)
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "y" * (MAX_PROMPT_CHARS + 1)}) + "\n")
+    with pytest.raises(UserError, match="p.jsonl:1: a prompt of 20,001 characters"):
+        read_prompt_file(jsonl)
+    txt.write_text("z" * MAX_PROMPT_CHARS + "\n")
+    assert len(read_prompt_file(txt).prompts[0]) == MAX_PROMPT_CHARS

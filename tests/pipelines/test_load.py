@@ -106,3 +106,33 @@ def test_errors_are_one_line(tmp_path):
     with pytest.raises(UserError) as info:
         pipelines.load(tmp_path / "nope")
     assert "\n" not in str(info.value)
+
+
+def test_a_tokenizer_listed_but_missing_is_refused_not_skipped(tiny_sd3_dir, tmp_path):
+    """Without tokenizer_2/ diffusers would load and sample other images; the folder is refused."""
+    broken = tmp_path / "m"
+    shutil.copytree(tiny_sd3_dir, broken)
+    shutil.rmtree(broken / "tokenizer_2")
+    with pytest.raises(UserError, match=r"model folder .*m: tokenizer_2/ is missing \(model_index.json lists a "
+                                        r"CLIPTokenizer\)"):
+        pipelines.load(broken)
+
+
+def test_a_truncated_weights_file_or_config_is_named(tiny_sd3_dir, tmp_path):
+    broken = tmp_path / "m"
+    shutil.copytree(tiny_sd3_dir, broken)
+    weights = broken / "vae" / "diffusion_pytorch_model.safetensors"
+    full = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(full - 1)
+    with pytest.raises(UserError, match=f"vae/diffusion_pytorch_model.safetensors is {full - 1:,} bytes but its "
+                                        f"header lays out {full:,}"):
+        pipelines.load(broken)
+    shutil.copy(tiny_sd3_dir / "vae" / "diffusion_pytorch_model.safetensors", weights)
+    (broken / "scheduler" / "scheduler_config.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(UserError, match="scheduler/scheduler_config.json is damaged \\(not UTF-8 text\\)"):
+        pipelines.load(broken)
+    (broken / "scheduler" / "scheduler_config.json").write_text("{}")
+    weights.write_bytes(b"\x00" * 4)
+    with pytest.raises(UserError, match="not a readable safetensors file"):
+        pipelines.load(broken)

@@ -84,3 +84,10 @@ def test_entry_point_of_an_installed_package(tmp_path, monkeypatch):
     out = rewards.load("darkness")(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
     assert out.total.tolist() == [1.0, 1.0]
     sys.modules.pop("plugin_scores", None)
+
+
+def test_true_is_not_a_number_for_a_numeric_option():
+    """YAML's ``true`` is Python's 1: ``quality: true`` must not mean JPEG quality 1."""
+    with pytest.raises(UserError, match="reward 'jpeg_compressibility': quality=True must be a number, not true/false"):
+        rewards.load("jpeg_compressibility", quality=True)
+    assert rewards.load("jpeg_compressibility", quality=90).quality == 90

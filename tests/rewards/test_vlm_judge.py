@@ -340,6 +340,8 @@ def test_registry_and_bad_input(vlm_dir: Path, tmp_path: Path):
         LocalVLMJudge(str(vlm_dir), mode="weigthed")
     with pytest.raises(UserError, match="scale="):
         LocalVLMJudge(str(vlm_dir), scale=10)
+    with pytest.raises(UserError, match="max_tokens=True must be an integer"):  # YAML's true is not 1 token
+        LocalVLMJudge(str(vlm_dir), mode="text", max_tokens=True)
     with pytest.raises(UserError, match="question"):
         LocalVLMJudge(str(vlm_dir), question="Rate this image")
     with pytest.raises(UserError, match="placeholder"):

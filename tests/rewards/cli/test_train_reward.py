@@ -114,3 +114,27 @@ def test_guide_zero_is_plain_sampling_and_evaluate_takes_a_guide(trained, tiny_s
 def test_user_errors(argv, needle, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--lr", "nan"], "--lr nan: give a finite number"),
+    (["--lr", "1e30"], "--lr 1e+30: give a learning rate in (0, 1]"),
+    (["--n", str(10**12)], "--n 1000000000000: give an integer <= 1,000,000"),
+    (["--group-size", str(10**9)], "--group-size 1000000000: give an integer <= 1,024"),
+    (["--head-hidden", "0"], "--head-hidden must be >= 1"),
+])
+def test_out_of_range_options_are_refused_before_sampling(extra, needle, tmp_path, capsys):
+    code, _, err = run(["train-reward", "--bench", "vvr", "--out", str(tmp_path / "o"), *extra], capsys)
+    assert code == 2 and needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_dot_is_the_working_folder(image_pairs, tiny_sd3_dir, tmp_path, monkeypatch, capsys):
+    """``--out .`` names the working folder (its resume folder sits beside it), not a path without a name."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    code, _, err = run(["train-reward", "--model", str(tiny_sd3_dir), "--pairs", str(image_pairs), "--out", ".",
+                        "--overwrite", "--layers", "first"], capsys)
+    assert code == 2 and "--layers 'first'" in err and "Traceback" not in err, err  # got past --out
+    assert not (tmp_path / "work.partial").exists()
