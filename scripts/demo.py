@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowalign.config import TrainConfig, load_config  # noqa: E402
 from flowalign.errors import UserError  # noqa: E402
+from flowalign.train import claim_run_dir  # noqa: E402
 from measure import evaluate_command  # noqa: E402
 
 #: seconds per rollout of a training step and per evaluated sample on 2 cores (for the time estimate only;
@@ -115,6 +116,7 @@ def run_demo(config: str, overrides: list[str], n_test: int) -> str:
     print(plan(cfg, n_test), flush=True)
     t0 = time.time()
     test_dir = run_dir / "test"
+    claim_run_dir(run_dir, overwrite=False)  # the run's folder before the base evaluation writes into it
     base_proc = start_test_evaluation(cfg, test_dir / "base", None, n_test, background=True)
     try:
         checkpoint = finished(run_dir, steps)

@@ -6,6 +6,7 @@ import signal
 import threading
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from flowalign import checkpoint as ckpt
@@ -41,13 +42,16 @@ def run(trainer: Any) -> dict[str, Any]:
     try:
         if t.step == 0 and t.cfg.eval.at_start:
             t.evaluate()
-        while t.step < t.tcfg.max_steps and not t.out_of_time() and stop["signal"] is None:
+        while t.step < t.tcfg.max_steps and not t.out_of_time():
+            if agreed_signal(t, stop["signal"]) is not None:
+                break
             if one_step(t, bar):
                 saved_at = t.step
         if saved_at != t.step:
             t.save_checkpoint()
-        if stop["signal"] is not None:
-            _stopped(t, stop["signal"])
+        agreed = agreed_signal(t, stop["signal"])  # also one that came during the last step
+        if agreed is not None:
+            _stopped(t, agreed)
     finally:
         bar.close()
         for s, handler in previous.items():
@@ -55,6 +59,15 @@ def run(trainer: Any) -> dict[str, Any]:
     final = t.evaluate()
     t.logger.close()
     return final
+
+
+def agreed_signal(t: Any, local: int | None) -> int | None:
+    """The signal any rank has received, the same on every rank: a scheduler's SIGTERM reaches the ranks at
+    slightly different times, and saving a checkpoint is a collective, so all ranks stop after one step."""
+    if t.world == 1:
+        return local
+    flag = torch.tensor([local or 0], device=t.acc.device)
+    return int(t.acc.reduce(flag, reduction="max")) or None
 
 
 def _stopped(t: Any, signum: int) -> None:
