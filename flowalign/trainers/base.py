@@ -204,9 +204,10 @@ class GroupTrainer:
         """The scalar to backpropagate for ``unit`` (weighted within its step) and scalars to log."""
         raise NotImplementedError
 
-    def filler(self, batch: Any) -> Any:
-        """A unit :meth:`loss` can run on ``batch`` (its loss is multiplied by 0): under fsdp a rank with
-        fewer units than its peers runs these, since every forward is a collective."""
+    def filler(self, batch: Any, update: int) -> Any:
+        """A unit of optimiser step ``update`` that :meth:`loss` can run on ``batch`` (its loss is multiplied
+        by 0), running the same forward passes as the step's other units: under fsdp a rank with no unit
+        in a step its peers train in runs these, since every forward is a collective."""
         raise NotImplementedError(f"{type(self).__name__} has no filler unit, needed by parallel.strategy=fsdp "
                                   "when a rank has nothing to train on")
 
@@ -276,13 +277,12 @@ class GroupTrainer:
         """The plan's optimiser steps: every unit's loss backpropagated, then one optimiser step each."""
         plan = self.plan(batch, generator)
         stats: dict[str, list[float]] = {}
-        own = [unit for units in plan.steps for unit in units]
-        fill = (lambda: own[0]) if own else (lambda: self.filler(batch))
         # the optimiser step averages gradients over ranks: a global plan's weights make that a sum
         scale = self.world if plan.global_weights else 1
-        # fsdp: every rank runs as many optimiser steps and forward/backward passes (each one is a collective)
-        for units in self.parallel.padded(plan.steps, list):
-            padded = self.parallel.padded(units, fill)
+        # fsdp: every rank runs as many optimiser steps and forward/backward passes (each one is a collective),
+        # padding with a unit of the same step (a unit's passes may depend on its step)
+        for update, units in enumerate(self.parallel.padded(plan.steps, list)):
+            padded = self.parallel.padded(units, lambda: units[0] if units else self.filler(batch, update))
             for n, unit in enumerate(padded):
                 loss, info = self.loss(batch, unit)
                 if n >= len(units):

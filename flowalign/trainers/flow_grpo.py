@@ -195,9 +195,10 @@ class FlowGRPOTrainer(GroupTrainer):
         return Plan([[StepUnit(c.index, k, len(pairs), n) for c, k in pairs if c.rank == self.rank]
                      for n, pairs in enumerate(steps)], global_weights=True)
 
-    def filler(self, batch: StepBatch) -> StepUnit:
-        """The first chunk's first trained step (fsdp padding; its loss is multiplied by 0)."""
-        return StepUnit(0, self.trained_steps(batch.chunks[0])[0], 1, 0)
+    def filler(self, batch: StepBatch, update: int) -> StepUnit:
+        """The first chunk's first trained step in optimiser step ``update`` (fsdp padding; its loss is
+        multiplied by 0)."""
+        return StepUnit(0, self.trained_steps(batch.chunks[0])[0], 1, update)
 
     def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
         """The chunk's trained steps in ``epoch``: all, or ``steps_per_chunk`` drawn from a generator keyed by
