@@ -24,7 +24,7 @@ def keep_reference(policy: Any, parallel: Parallel, offload: bool) -> nn.Module:
     if not hasattr(policy, "keep_reference"):
         raise UserError(f"the {getattr(policy, 'family', type(policy).__name__)} policy keeps no reference copy for "
                         "full fine-tuning: use model.finetune=lora (the reference is the adapter switched off) or "
-                        "drop the reference term")
+                        "drop the reference term (trainer.beta=0 for flow_grpo, trainer.anchor=0 for rg_opd)")
     device = torch.device(policy.device)
     copy = policy.keep_reference(torch.device("cpu") if offload else device)
     if parallel.sharded:
