@@ -75,8 +75,9 @@ class Parallel:
         return self.cfg.strategy == "fsdp"
 
     # ------------------------------------------------------------------ set-up
-    def shard(self, module: nn.Module) -> nn.Module:
-        """``fully_shard`` each block, then the root (in place; returns ``module``). No-op under ddp."""
+    def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
+        """``fully_shard`` each block, then the root (in place; returns ``module``). No-op under ddp.
+        ``offload``: keep the shards in CPU memory (default: ``parallel.cpu_offload``)."""
         if not self.sharded:
             return module
         from torch.distributed.device_mesh import init_device_mesh
@@ -85,7 +86,8 @@ class Parallel:
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if self.cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cfg.cpu_offload else OffloadPolicy()
+        offload = self.cfg.cpu_offload if offload is None else offload
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
         kw = dict(mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=mp, offload_policy=offload)
         blocks = block_modules(module)
         if not blocks:
@@ -125,6 +127,18 @@ class Parallel:
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
         missing = int(most) - len(items)
         return list(items) + ([fill()] * missing if missing else [])
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` in one process. A collective."""
+        if self.world < 2:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def total(self, n: int) -> int:
+        """``n`` summed over ranks (a collective when there are several)."""
+        return int(sum(self.gather_objects(int(n))))
 
     # ------------------------------------------------------------------ checkpoints
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

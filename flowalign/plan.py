@@ -6,7 +6,7 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
 - weights of the trained transformer (sharded ``1/N`` under fsdp, plus the two blocks being gathered),
 - gradients and AdamW's two moments of the trained tensors (sharded under fsdp; on CPU with cpu_offload),
 - extra copies of the trained tensors some trainers keep (a frozen reference for a full fine-tune of
-  FEST-DPO, DiffusionNFT/OPSD's behaviour weights, the EMA),
+  FEST-DPO, or of Flow-GRPO with a KL term unless offloaded, DiffusionNFT/OPSD's behaviour weights, the EMA),
 - the frozen text encoders and VAE (whole on every rank),
 - activations: a forward of the transformer on meta tensors for the config's batch and resolution,
   counting what autograd saves for backward (attention as memory-efficient kernels keep it: no S×S
@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowalign.config import TrainConfig
+from flowalign.config import TrainConfig, validate_section
 from flowalign.errors import UserError
+from flowalign.trainers import TRAINERS, get_trainer
 
 GB = 1e9
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -244,9 +245,20 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int) -> Settings:
     name = str(cfg.trainer.get("name", "flow_grpo"))
     extra = {"always": 1, "full": int(cfg.model.finetune == "full")}.get(EXTRA_COPIES.get(name, ""), 0)
     extra += int(float(cfg.trainer.get("ema_decay", 0) or 0) > 0)
+    extra += reference_copy(cfg, name)
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
                     cfg.model.gradient_checkpointing, int(cfg.trainer.get("batch_size", 8)), extra,
                     cfg.model.offload_text_encoders)
+
+
+def reference_copy(cfg: TrainConfig, name: str) -> int:
+    """1 when the trainer keeps a frozen reference copy of a full fine-tune on the GPU (e.g. Flow-GRPO's
+    KL term; ``trainer.reference_offload`` keeps it in CPU memory), else 0."""
+    if name not in TRAINERS:
+        return 0
+    trainer = get_trainer(name)
+    tcfg = validate_section(trainer.Config, cfg.trainer, "trainer.")
+    return int(trainer.needs_reference(cfg, tcfg) and not tcfg.reference_offload)
 
 
 def human(n: float, unit: str = "") -> str:

@@ -117,7 +117,9 @@ class FlowPolicy(Protocol):
         ...
 
     def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which ``velocity`` is the base model's (reference passes, no second copy)."""
+        """Context in which ``velocity`` is the base model's (reference passes, no second copy). Under full
+        fine-tuning a policy may offer ``keep_reference(device) -> nn.Module``: it keeps a frozen copy of
+        its trained modules, which ``adapter_disabled()`` then runs (:mod:`flowalign.trainers.reference`)."""
         ...
 
     def save_adapter(self, directory: str | Path) -> None:

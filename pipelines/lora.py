@@ -9,6 +9,7 @@ One adapter per policy, always named ``"default"`` (peft's and diffusers' defaul
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -144,6 +145,31 @@ def adapter_disabled(transformer: torch.nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
+def frozen_copy(objects: Any, tensors_of: torch.nn.Module, device: torch.device | str) -> Any:
+    """A deep copy of ``objects`` (modules, or containers of them) whose parameters and buffers, those of
+    ``tensors_of``, are frozen copies on ``device``, copied tensor by tensor: a copy to the CPU never needs
+    room for a whole second model on the accelerator. Modules shared within ``objects`` stay shared."""
+    memo: dict[int, Any] = {}
+    for t in tensors_of.parameters():
+        memo[id(t)] = torch.nn.Parameter(t.detach().to(device, copy=True), requires_grad=False)
+    for t in tensors_of.buffers():
+        memo[id(t)] = t.detach().to(device, copy=True)
+    return copy.deepcopy(objects, memo)
+
+
+@contextmanager
+def swapped_attributes(obj: Any, values: dict[str, Any]) -> Iterator[None]:
+    """Inside, ``obj``'s attributes named in ``values`` are those values; restored after, even on error."""
+    saved = {name: getattr(obj, name) for name in values}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
 def save_adapter(pipeline_class: type, transformer: torch.nn.Module, directory: str | Path) -> Path:
     """Write the adapter as ``<directory>/pytorch_lora_weights.safetensors`` in diffusers' format.
 
@@ -259,8 +285,25 @@ class AdapterMethods:
         """Whether every transformer weight trains (then there is no adapter to save, load or disable)."""
         return bool(self.options.full_finetune)
 
+    #: the policy's attributes that hold trained modules (swapped for their frozen copies by the reference)
+    trained_modules: tuple[str, ...] = ("transformer",)
+    #: frozen copies by attribute name, once :meth:`keep_reference` made them (full fine-tuning)
+    reference_modules: dict[str, torch.nn.Module] | None = None
+
+    def keep_reference(self, device: torch.device | str) -> torch.nn.Module:
+        """Keep a frozen copy of the trained weights as they are now, on ``device``, which
+        :meth:`adapter_disabled` then runs: the reference model of full fine-tuning, which has no adapter
+        to switch off. Returns the copy laid out like ``trainable`` (so it can be sharded the same way)."""
+        live = {name: getattr(self, name) for name in self.trained_modules}
+        copied, self.reference_modules = frozen_copy((self.trainable, live), self.trainable, device)
+        freeze(copied)
+        return copied
+
     def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Context in which ``velocity`` is the base model's (LoRA switched off)."""
+        """Context in which ``velocity`` is the base model's: LoRA switched off, or under full
+        fine-tuning the frozen copy of :meth:`keep_reference` in the trained model's place."""
+        if self.reference_modules is not None:
+            return swapped_attributes(self, self.reference_modules)
         return adapter_disabled(self.transformer)
 
     def save_adapter(self, directory: str | Path) -> None:

@@ -103,9 +103,17 @@ class Wan22Policy(WanPolicy):
 
     # ------------------------------------------------------------------ adapters
 
+    #: both experts are trained; ``transformer`` is the high-noise one between calls
+    trained_modules = ("transformer", "high_noise", "transformer_2")
+
     @contextmanager
     def adapter_disabled(self) -> Iterator[None]:
-        """Both experts' LoRA switched off (the base model's velocity)."""
+        """Both experts' LoRA switched off (the base model's velocity), or under full fine-tuning both
+        experts' frozen copies (:meth:`keep_reference`) in their place."""
+        if self.reference_modules is not None:
+            with lora_utils.swapped_attributes(self, self.reference_modules):
+                yield
+            return
         with ExitStack() as stack:
             stack.enter_context(lora_utils.adapter_disabled(self.high_noise))
             stack.enter_context(lora_utils.adapter_disabled(self.transformer_2))

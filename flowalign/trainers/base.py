@@ -14,6 +14,11 @@ checkpoints and resume. A trainer subclasses :class:`GroupTrainer` and supplies 
     The optimiser steps of this batch: a list of steps, each a list of loss units (whatever the trainer's
     ``loss`` reads: a (rollout, timestep) pair, a fitting target, a micro-batch), plus logs. Work that
     cannot change across the steps (targets, reference velocities) is done here, once per batch.
+    ``generator`` is the same on every rank (seeded by the run seed and the step): draw from it only
+    what every rank draws alike; a choice about one rollout comes from :meth:`GroupTrainer.keyed_generator`
+    keyed by the rollout's identity, as its noise is. A plan with ``global_weights`` weights each unit
+    within its step over ALL ranks (e.g. divided by the step's unit count on every rank together); the
+    loop then sums the ranks' gradients, so N ranks compute the single process's gradient.
 ``loss(batch, unit) -> (loss, info)``
     The scalar the loop backpropagates for one unit (already weighted within its step, e.g. divided by
     the step's unit count), and scalars to log (averaged over units).
@@ -30,7 +35,11 @@ walks through writing one.
 
 Determinism: the prompts and every sample's noise are pure functions of ``(run.seed, step, group,
 member)``, so a run resumed from a checkpoint ends at the same weights as one never interrupted, and
-samples do not depend on the batch size or the rank layout.
+samples do not depend on the batch size or the rank layout. Trainers whose plan is global (Flow-GRPO,
+Flash-GRPO, DiffusionNFT/OPSD, RG-OPD) also take the same optimiser steps on the same units whatever the
+rank layout: N ranks × P prompts end at the weights of one process × N·P prompts (up to reduction order)
+when the rollout batches are the same in both layouts (``batch_size`` divides ``group_size``, or divides
+``prompts_per_step × group_size`` when all groups are sampled alike).
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardSet
 from flowalign.trainers import checkpointing, loop
 from flowalign.trainers.optim import optimiser_step, scheduled_lr, setup_optimisation
+from flowalign.trainers.reference import keep_reference
 from flowalign.trainers.rollouts import (
     Sampling,
     StepBatch,
@@ -108,6 +118,9 @@ class GroupTrainerConfig(Section):
     adv_clip: float = Field(5.0, gt=0)
     ema_decay: float = Field(0.0, ge=0, lt=1)
     ema_every: int = Field(8, ge=1)
+    #: full fine-tuning with a reference term (e.g. flow_grpo's beta > 0) keeps a frozen copy of the
+    #: transformer; true: keep it in CPU memory, moved to the GPU block by block for reference passes
+    reference_offload: bool = False
 
     @field_validator("betas")
     @classmethod
@@ -123,6 +136,9 @@ class Plan:
 
     steps: list[list[Any]]
     logs: dict[str, float] = field(default_factory=dict)
+    #: True: every rank has the same steps (some possibly empty here), and each unit is weighted within
+    #: its step over all ranks' units; the loop sums the ranks' gradients instead of averaging them
+    global_weights: bool = False
 
 
 class GroupTrainer:
@@ -141,6 +157,8 @@ class GroupTrainer:
         self.acc, self.run_dir = accelerator, run_dir
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.parallel = Parallel(cfg.parallel, self.world, self.rank, accelerator.device)
+        if self.needs_reference(cfg, tcfg):  # copied from the starting weights, before sharding and any resume
+            keep_reference(policy, self.parallel, tcfg.reference_offload)
         self.optimisation = setup_optimisation(policy, tcfg, self.parallel)  # fsdp: shards before collecting
         self.params, self.optimizer, self.ema = (self.optimisation.params, self.optimisation.optimizer,
                                                  self.optimisation.ema)
@@ -171,6 +189,12 @@ class GroupTrainer:
             raise UserError(f"trainer.name={tcfg.name} learns from rewards: give at least one reward, e.g. "
                             "rewards='[{name: vvr}]'")
 
+    @classmethod
+    def needs_reference(cls, cfg: TrainConfig, tcfg: GroupTrainerConfig) -> bool:
+        """Whether reference passes (``policy.adapter_disabled()``) run under full fine-tuning, so the policy
+        keeps a frozen copy of its starting weights (:mod:`flowalign.trainers.reference`)."""
+        return False
+
     # ------------------------------------------------------------------ hooks
     def sampling(self, group: int) -> Sampling:
         """How a prompt group is rolled out (default: the trainer's sampler on every step but the last)."""
@@ -190,15 +214,21 @@ class GroupTrainer:
         """The scalar to backpropagate for ``unit`` (weighted within its step) and scalars to log."""
         raise NotImplementedError
 
-    def filler(self, batch: Any) -> Any:
-        """A unit :meth:`loss` can run on ``batch`` (its loss is multiplied by 0): under fsdp a rank with
-        fewer units than its peers runs these, since every forward is a collective."""
+    def filler(self, batch: Any, update: int) -> Any:
+        """A unit of optimiser step ``update`` that :meth:`loss` can run on ``batch`` (its loss is multiplied
+        by 0), running the same forward passes as the step's other units: under fsdp a rank with no unit
+        in a step its peers train in runs these, since every forward is a collective."""
         raise NotImplementedError(f"{type(self).__name__} has no filler unit, needed by parallel.strategy=fsdp "
                                   "when a rank has nothing to train on")
 
     def finish(self, batch: Any) -> dict[str, float]:
         """After the batch's optimiser steps; returns scalars to log."""
         return {}
+
+    def keyed_generator(self, *key: int) -> torch.Generator:
+        """A generator for the current step keyed like the noise, ``(run.seed, step, *key)``: a draw about
+        one rollout (key it by its group and member) is the same whichever rank or batch holds it."""
+        return torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, *key))
 
     def state_dict(self) -> dict[str, Any]:
         """What the trainer keeps between steps: tensors and JSON values, saved in every checkpoint."""
@@ -257,17 +287,18 @@ class GroupTrainer:
         """The plan's optimiser steps: every unit's loss backpropagated, then one optimiser step each."""
         plan = self.plan(batch, generator)
         stats: dict[str, list[float]] = {}
-        own = [unit for units in plan.steps for unit in units]
-        fill = (lambda: own[0]) if own else (lambda: self.filler(batch))
-        # fsdp: every rank runs as many optimiser steps and forward/backward passes (each one is a collective)
-        for units in self.parallel.padded(plan.steps, list):
-            padded = self.parallel.padded(units, fill)
+        # the optimiser step averages gradients over ranks: a global plan's weights make that a sum
+        scale = self.world if plan.global_weights else 1
+        # fsdp: every rank runs as many optimiser steps and forward/backward passes (each one is a collective),
+        # padding with a unit of the same step (a unit's passes may depend on its step)
+        for update, units in enumerate(self.parallel.padded(plan.steps, list)):
+            padded = self.parallel.padded(units, lambda: units[0] if units else self.filler(batch, update))
             for n, unit in enumerate(padded):
                 loss, info = self.loss(batch, unit)
                 if n >= len(units):
                     (loss * 0).backward()  # a padding pass: same collectives, no gradient
                     continue
-                loss.backward()
+                (loss * scale).backward()
                 for key, value in info.items():
                     stats.setdefault(key, []).append(value)
             stats.setdefault("grad_norm", []).append(self.optimizer_step())
@@ -278,7 +309,7 @@ class GroupTrainer:
         t0, cpu0 = time.perf_counter(), time.process_time()
         batch = self.collect(self.step)
         t_update = time.perf_counter()
-        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, self.rank, 1))
+        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, 1))  # every rank's
         stats = self.update(batch, generator)
         now = time.perf_counter()
         self.train_cpu_seconds += time.process_time() - cpu0

@@ -11,13 +11,12 @@ optimiser step accumulates, and the loss of one unit:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling import Rollout, StepOutput, sde_step
 from flowalign.sampling.windows import random_window_start
@@ -97,9 +96,43 @@ def guided_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Con
 # ---------------------------------------------------------------------------------------------- hooks
 
 
+@dataclass(frozen=True, order=True)
+class ChunkRef:
+    """One rollout batch of the global batch, as every rank sees it: ``key`` (group, member) of its first
+    sample (its identity in any rank layout), the ``rank`` holding it and its ``index`` there, whether any
+    sample has a non-zero advantage, and its trainable steps."""
+
+    key: tuple[int, int]
+    rank: int
+    index: int
+    active: bool
+    steps: tuple[int, ...]
+
+
+def global_plan(chunks: list[ChunkRef], inner_epochs: int, updates_per_epoch: int, generator: torch.Generator,
+                chosen: Callable[[ChunkRef, int], list[int]]) -> list[list[tuple[ChunkRef, int]]]:
+    """The optimiser steps over every rank's chunks, each a list of (chunk, trained step) pairs.
+
+    Per inner epoch the chunks, in key order, are permuted by ``generator`` (the same on every rank), the
+    active ones split into ``updates_per_epoch`` steps, and ``chosen(chunk, epoch)`` picks each chunk's
+    trained steps. Neither depends on which rank holds a chunk, so every rank computes the same plan,
+    and so does one process holding all the chunks.
+    """
+    chunks = sorted(chunks)
+    steps: list[list[tuple[ChunkRef, int]]] = []
+    for epoch in range(inner_epochs):
+        order = torch.randperm(len(chunks), generator=generator).tolist()
+        active = [chunks[i] for i in order if chunks[i].active]
+        for part in np.array_split(np.arange(len(active)), updates_per_epoch):
+            if len(part):
+                steps.append([(active[j], k) for j in part.tolist() for k in chosen(active[j], epoch)])
+    return steps
+
+
 @dataclass(frozen=True)
 class StepUnit:
-    """Rollout batch ``chunk`` at timestep ``k``, one of ``of`` units of optimiser step ``update``."""
+    """Rollout batch ``chunk`` (this rank's index) at timestep ``k``, one of ``of`` units (over all ranks)
+    of optimiser step ``update``."""
 
     chunk: int
     k: int
@@ -112,11 +145,9 @@ class FlowGRPOTrainer(GroupTrainer):
     tcfg: FlowGRPOConfig
 
     @classmethod
-    def check_config(cls, cfg, tcfg) -> None:
-        super().check_config(cfg, tcfg)
-        if tcfg.beta > 0 and cfg.model.finetune == "full":
-            raise UserError("trainer.beta > 0 needs reference passes with the adapter disabled, which full "
-                            "fine-tuning has not got: set trainer.beta=0 or model.finetune=lora")
+    def needs_reference(cls, cfg, tcfg) -> bool:
+        """The KL term's ``μ_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
+        return tcfg.beta > 0 and cfg.model.finetune == "full"
 
     @property
     def sampler(self) -> str:  # type: ignore[override]
@@ -151,26 +182,31 @@ class FlowGRPOTrainer(GroupTrainer):
 
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
         """Inner epochs over the chunks with a non-zero advantage, ``updates_per_epoch`` optimiser steps
-        each; every step accumulates over its chunks × trained steps (``steps_per_chunk``: a random subset)."""
+        each; every step accumulates over its chunks × trained steps (``steps_per_chunk``: a random subset).
+
+        The plan is global (:func:`global_plan` over every rank's chunks): each rank runs its own chunks'
+        units, each weighted by 1 / the step's unit count over all ranks, so N ranks take the single
+        process's optimiser steps."""
         adv = batch.per_chunk(batch.advantages)
-        steps: list[list[StepUnit]] = []
-        for _ in range(self.tcfg.inner_epochs):
-            order = torch.randperm(len(batch.chunks), generator=generator).tolist()
-            active = [i for i in order if adv[i].abs().sum() > 0]
-            for part in [p for p in np.array_split(np.array(active, dtype=int), self.tcfg.updates_per_epoch) if len(p)]:
-                pairs = [(i, k) for i in part.tolist() for k in self.chosen_steps(batch.chunks[i], generator)]
-                steps.append([StepUnit(i, k, len(pairs), len(steps)) for i, k in pairs])
-        return Plan(steps)
+        local = [ChunkRef(key, self.rank, i, bool(adv[i].abs().sum() > 0), tuple(self.trained_steps(c)))
+                 for i, (key, c) in enumerate(zip(batch.chunk_keys(), batch.chunks))]
+        chunks = [c for refs in self.parallel.gather_objects(local) for c in refs]
+        steps = global_plan(chunks, self.tcfg.inner_epochs, self.tcfg.updates_per_epoch, generator, self.chosen_steps)
+        return Plan([[StepUnit(c.index, k, len(pairs), n) for c, k in pairs if c.rank == self.rank]
+                     for n, pairs in enumerate(steps)], global_weights=True)
 
-    def filler(self, batch: StepBatch) -> StepUnit:
-        """The first chunk's first trained step (fsdp padding; its loss is multiplied by 0)."""
-        return StepUnit(0, self.trained_steps(batch.chunks[0])[0], 1, 0)
+    def filler(self, batch: StepBatch, update: int) -> StepUnit:
+        """The first chunk's first trained step in optimiser step ``update`` (fsdp padding; its loss is
+        multiplied by 0)."""
+        return StepUnit(0, self.trained_steps(batch.chunks[0])[0], 1, update)
 
-    def chosen_steps(self, chunk: Rollout, generator: torch.Generator) -> list[int]:
-        steps = self.trained_steps(chunk)
+    def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
+        """The chunk's trained steps in ``epoch``: all, or ``steps_per_chunk`` drawn from a generator keyed by
+        the chunk's identity and the epoch (the same whichever rank holds the chunk)."""
+        steps = list(chunk.steps)
         if 0 < self.tcfg.steps_per_chunk < len(steps):
-            pick = torch.randperm(len(steps), generator=generator)[: self.tcfg.steps_per_chunk]
-            steps = [steps[j] for j in sorted(pick.tolist())]
+            pick = torch.randperm(len(steps), generator=self.keyed_generator(*chunk.key, epoch, 17))
+            steps = [steps[j] for j in sorted(pick[: self.tcfg.steps_per_chunk].tolist())]
         return steps
 
     def step_distribution(self, chunk: Rollout, k: int, velocity: torch.Tensor) -> StepOutput:

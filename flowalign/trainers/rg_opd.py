@@ -123,11 +123,9 @@ class RGOPDTrainer(GroupTrainer):
     sampler = "ode"
 
     @classmethod
-    def check_config(cls, cfg, tcfg: RGOPDConfig) -> None:
-        super().check_config(cfg, tcfg)
-        if tcfg.anchor > 0 and cfg.model.finetune == "full":
-            raise UserError("trainer.anchor > 0 needs the adapter-disabled reference, which full fine-tuning has not "
-                            "got: set trainer.anchor=0 or model.finetune=lora")
+    def needs_reference(cls, cfg, tcfg: RGOPDConfig) -> bool:
+        """The anchor's ``v_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
+        return tcfg.anchor > 0 and cfg.model.finetune == "full"
 
     def __init__(self, cfg, tcfg: RGOPDConfig, policy, *args: Any, **kwargs: Any):
         if not (reward_folder(tcfg.latent_reward) / "config.json").is_file():
@@ -160,31 +158,36 @@ class RGOPDTrainer(GroupTrainer):
         batch.logs["latent/score"] = latent.mean().item()
         return batch
 
-    def visited_states(self, batch: StepBatch, generator: torch.Generator) -> list[tuple[int, int]]:
-        """``(chunk, step)`` pairs to distil: every rollout step, or ``steps_per_chunk`` random ones per chunk."""
+    def visited_states(self, batch: StepBatch) -> list[tuple[int, int]]:
+        """``(chunk, step)`` pairs to distil: every rollout step, or ``steps_per_chunk`` random ones per chunk
+        (drawn by a generator keyed by the chunk's identity: the same whichever rank holds it)."""
         units = []
-        for i, chunk in enumerate(batch.chunks):
+        for i, (chunk, key) in enumerate(zip(batch.chunks, batch.chunk_keys())):
             steps = list(range(chunk.num_steps))
             if 0 < self.tcfg.steps_per_chunk < len(steps):
-                steps = sorted(torch.randperm(len(steps), generator=generator)[: self.tcfg.steps_per_chunk].tolist())
+                pick = torch.randperm(len(steps), generator=self.keyed_generator(*key, 19))
+                steps = sorted(pick[: self.tcfg.steps_per_chunk].tolist())
             units += [(i, k) for k in steps]
         return units
 
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
-        """Targets from θ_old once, then ``inner_steps`` optimiser steps on them."""
-        pairs = self.visited_states(batch, generator)
+        """Targets from θ_old once, then ``inner_steps`` optimiser steps on them, each unit weighted by
+        1 / the number of units over all ranks (a global plan)."""
+        pairs = self.visited_states(batch)
+        total = self.parallel.total(len(pairs))
         units, stats = [], {"lambda": [], "latent_score_visited": [], "target_shift": []}
         for i, k in pairs:
             chunk = batch.chunks[i]
             x, sigma, v_old = chunk.latents[:, k], chunk.sigmas[k].item(), chunk.velocities[:, k]
             grad, r = reward_gradient(self.latent_reward, x, sigma, chunk.cond)
             target = distillation_target(v_old, grad.to(v_old.device), self.tcfg.kappa)
-            units.append(DistilUnit(i, k, target, len(pairs)))
+            units.append(DistilUnit(i, k, target, total))
             b = v_old.shape[0]
             stats["lambda"].append((self.tcfg.kappa * v_old.reshape(b, -1).norm(dim=1) / (grad.reshape(b, -1).norm(dim=1) + 1e-8)).mean().item())
             stats["latent_score_visited"].append(r.mean().item())
             stats["target_shift"].append(((target - v_old) ** 2).mean().item())
-        return Plan([units] * self.tcfg.inner_steps, {k: float(np.mean(v)) for k, v in stats.items() if v})
+        return Plan([units] * self.tcfg.inner_steps, {k: float(np.mean(v)) for k, v in stats.items() if v},
+                    global_weights=True)
 
     def loss(self, batch: StepBatch, unit: DistilUnit) -> tuple[torch.Tensor, dict[str, float]]:
         loss = self.loss_at(batch.chunks[unit.chunk], unit.k, unit.target)

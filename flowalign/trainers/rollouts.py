@@ -83,6 +83,16 @@ class StepBatch:
     def metadata(self) -> list[dict[str, Any]]:
         return [m for c in self.chunks for m in c.metadata]
 
+    def chunk_keys(self) -> list[tuple[int, int]]:
+        """Each chunk's identity whatever the rank layout: ``(group, member)`` of its first sample."""
+        seen: dict[int, int] = {}
+        members = []
+        for g in self.groups.tolist():
+            members.append(seen.get(g, 0))
+            seen[g] = members[-1] + 1
+        starts = np.cumsum([0] + [len(c) for c in self.chunks[:-1]])
+        return [(int(self.groups[s]), members[s]) for s in starts.tolist()]
+
     def per_chunk(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a per-sample tensor ``(N, ...)`` by chunk."""
         return list(torch.split(values, [len(c) for c in self.chunks]))

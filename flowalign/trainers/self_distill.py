@@ -146,17 +146,19 @@ class SelfDistillTrainer(GroupTrainer):
 
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
         """Targets under φ once, then ``fit_steps`` optimiser steps over the same units (every rank
-        steps, even one whose samples were all invalid)."""
+        steps, even one whose samples were all invalid). A global plan: each chunk draws from a generator
+        keyed by its identity, and the mean runs over every rank's kept samples."""
         valid = batch.scores.valid
         r_all = reward_weight(batch.advantages.float(), self.tcfg.adv_clip)
         with self.behaviour.swapped_in():
-            units = [u for c, r, ok in zip(batch.chunks, batch.per_chunk(r_all), batch.per_chunk(valid))
-                     for u in self.prepare(c, r, ok, generator)]
+            units = [u for c, key, r, ok in zip(batch.chunks, batch.chunk_keys(), batch.per_chunk(r_all),
+                                                batch.per_chunk(valid))
+                     for u in self.prepare(c, r, ok, self.keyed_generator(*key, 23))]
         units = [u for u in units if u.keep.any()]
-        total = sum(int(u.keep.sum()) for u in units)
+        total = self.parallel.total(sum(int(u.keep.sum()) for u in units))
         units = [dataclasses.replace(u, total=total) for u in units]
         r_mean = r_all[valid].mean().item() if valid.any() else float("nan")
-        return Plan([units] * self.tcfg.fit_steps, {"r_mean": r_mean})
+        return Plan([units] * self.tcfg.fit_steps, {"r_mean": r_mean}, global_weights=True)
 
     def loss(self, batch: StepBatch, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
         per_sample, info = self.fit_loss(unit)

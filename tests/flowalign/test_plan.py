@@ -13,7 +13,7 @@ import torch
 
 from flowalign.config import load_config
 from flowalign.paths import REPO_ROOT
-from flowalign.plan import build_on_meta, inspect_model, lora_parameters, plan_text
+from flowalign.plan import build_on_meta, inspect_model, lora_parameters, plan_text, settings
 
 ARCH = REPO_ROOT / "assets" / "architectures"
 
@@ -102,3 +102,14 @@ def test_plan_refuses_a_folder_without_model_index(tmp_path):
     out = subprocess.run([sys.executable, "-m", "flowalign", "plan", "/dev/null", f"model.path={tmp_path}"],
                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert out.returncode == 2 and "model_index.json" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("overrides,copies", [
+    (("model.finetune=full", "trainer.beta=0.04"), 1),  # Flow-GRPO's KL reference: a frozen transformer copy
+    (("model.finetune=full", "trainer.beta=0.04", "trainer.reference_offload=true"), 0),  # in CPU memory
+    (("model.finetune=full", "trainer.beta=0"), 0),
+    (("model.finetune=lora", "trainer.beta=0.04"), 0),  # the adapter switched off: no copy
+])
+def test_plan_counts_the_reference_copy_of_a_full_fine_tune_with_kl(overrides, copies):
+    cfg = load_config(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml", ["trainer.ema_decay=0", *overrides])
+    assert settings(cfg, "fsdp", 2).extra_copies == copies

@@ -116,12 +116,36 @@ def test_shared_initial_noise_is_one_x_T_per_group(tmp_path, tiny_sd3_dir, promp
         assert not torch.equal(firsts[0], firsts[1])
 
 
-def test_missing_prompt_file_and_full_finetune_with_kl(tmp_path, tiny_sd3_dir, prompt_file):
+def test_missing_prompt_file(tmp_path, tiny_sd3_dir):
     with pytest.raises(UserError, match="prompt file .* does not exist"):
         build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, tmp_path / "missing.txt"))
-    with pytest.raises(UserError, match="trainer.beta"):
-        build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, "model.finetune=full", "trainer.beta=0.1"))
-    assert not (tmp_path / "b").exists()  # refused before the run folder is written
+    assert not (tmp_path / "a").exists()  # refused before the run folder is written
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_full_fine_tuning_with_kl_runs_a_frozen_copy_of_the_starting_weights(tmp_path, tiny_sd3_dir, prompt_file,
+                                                                            offload):
+    t = build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, "model.finetune=full",
+                                   "trainer.beta=0.1", "trainer.clip_range=0.2", "trainer.updates_per_epoch=2",
+                                   f"trainer.reference_offload={offload}"))
+    batch = t.collect(0)
+    chunk = batch.chunks[0]
+    x, sigma = chunk.latents[:, 1], chunk.sigmas[1].item()
+    velocity = lambda: t.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
+    with torch.no_grad():
+        start = velocity()
+        with t.policy.adapter_disabled():
+            assert torch.equal(velocity(), start)  # the copy is the policy's starting weights
+    logs = t.update(batch, torch.Generator().manual_seed(0))
+    assert logs["kl"] > 0  # the second update's policy moved away from the reference
+    with torch.no_grad():
+        assert not torch.allclose(velocity(), start)  # trained (every weight: no adapter)
+        with t.policy.adapter_disabled():
+            assert torch.equal(velocity(), start)  # the reference did not move
+        assert not torch.allclose(velocity(), start)  # and the trained weights are back after
+    reference = t.policy.reference_modules["transformer"]
+    live = {id(p) for p in t.params}
+    assert all(not p.requires_grad and id(p) not in live for p in reference.parameters())
 
 
 def test_training_raises_a_pixel_reward(tmp_path, tiny_sd3_dir, prompt_file):

@@ -138,17 +138,6 @@ def test_a_checkpoint_moves_between_two_sharded_ranks_and_one_process(lora_runs,
         assert torch.equal(m1, m2) and torch.equal(v1, v2) and s1 == s2 == 2
 
 
-def test_full_fine_tuning_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd3_dir, prompt_file):
-    extra = ("model.finetune=full", "trainer.beta=0")
-    torchrun(["train", "/dev/null", *small_run(tmp_path / "fsdp", tiny_sd3_dir, prompt_file, FSDP, *extra,
-                                               "trainer.prompts_per_step=1")])
-    single(["train", "/dev/null", *small_run(tmp_path / "single", tiny_sd3_dir, prompt_file, *extra)])
-    fsdp, one = weights(tmp_path / "fsdp", 2), weights(tmp_path / "single", 2)
-    assert max_diff(fsdp, one) < 1e-5
-    start = load_file(str(next((tiny_sd3_dir / "transformer").glob("*.safetensors"))))
-    assert max((fsdp[k] - start[k]).abs().max().item() for k in fsdp) > 1e-4  # the weights moved
-
-
 def test_festdpo_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd3_dir, prompt_file):
     torchrun(["train", "/dev/null", *small_run(tmp_path / "fsdp", tiny_sd3_dir, prompt_file, FSDP, *FEST,
                                                "trainer.prompts_per_step=1")])
@@ -158,8 +147,8 @@ def test_festdpo_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd
 
 def test_diffusion_nft_under_fsdp_ends_at_the_replicated_weights_and_evaluates_on_every_rank(tmp_path, tiny_sd3_dir,
                                                                                              prompt_file):
-    """DiffusionNFT's update depends on the rank layout (its per-rank generators), so the reference is the
-    same two ranks with replicated weights; the final evaluation runs sharded too (every rank joins)."""
+    """Sharded and replicated ranks end at the same weights; the final evaluation runs sharded too (every
+    rank joins)."""
     evals = ("eval.bench=vvr", "eval.level=easy", "eval.n=2", "eval.batch_size=2", "eval.num_steps=2",
              "eval.at_start=false", "eval.gallery=false")
     for strategy in ("fsdp", "ddp"):
@@ -216,8 +205,8 @@ def test_a_rank_whose_groups_all_have_zero_advantage_keeps_step_with_the_others(
     # both prompts make up every step (one per rank): each rank's group is rewarded wholly or not at all
     rows = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["zero_adv_fraction"] == 0.5 for r in rows)
-    # the blue rank adds zero gradients, so the ranks' average is half the single process's gradient: AdamW
-    # divides the scale out up to its eps and the clipping, so the weights agree closely but not to 1e-5
+    # the blue rank adds zero gradients: the ranks' gradients are summed (each unit weighted by the global
+    # unit count), so the update is the single process's, not half of it
     fsdp, one = weights(tmp_path / "fsdp", 2), weights(tmp_path / "single", 2)
-    assert max_diff(fsdp, one) < 1e-3
+    assert max_diff(fsdp, one) < 1e-5
     assert max(v.abs().max().item() for k, v in fsdp.items() if "lora_B" in k) > 1e-3  # and they did move

@@ -1,0 +1,94 @@
+"""N ranks are the single-process algorithm: 2 CPU ranks × 1 prompt take the optimiser steps of one
+process × 2 prompts (same rewards, gradient norms and weights), under ddp and fsdp, for LoRA and full
+fine-tuning (whose KL reference is a frozen copy), with a random subset of trained steps per rollout
+(``steps_per_chunk``) and two optimiser steps per batch; and the global plan that makes it so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowalign.trainers.base import derived_seed
+from flowalign.trainers.flow_grpo import ChunkRef, global_plan
+
+from .conftest import small_run
+from .test_fsdp import TORCHRUN, max_diff, optimizer_moments, single, torchrun, weights
+
+# rollout batches of 2 (4 per step in all, 2 per optimiser step), 2 of the 3 trainable steps drawn per rollout
+LAYOUT_ARGS = ("trainer.steps_per_chunk=2", "trainer.updates_per_epoch=2", "trainer.advantage=global_std",
+               "trainer.batch_size=2", "trainer.beta=0.04", "trainer.clip_range=0.2")
+FINETUNE = {"lora": ("model.finetune=lora",), "full": ("model.finetune=full", "trainer.lr=1e-4")}
+
+
+def test_the_global_plan_is_the_same_for_any_rank_layout():
+    """Chunks spread over 1, 2 or 4 ranks (in any local order) give the same optimiser steps, each chunk
+    in one of them; a rank's own units are its chunks' share of every step."""
+    keys = [(g, m) for g in range(4) for m in (0, 2)]
+    active = {k: k != (1, 2) for k in keys}  # one rollout batch has zero advantage: never trained
+
+    def chosen(chunk: ChunkRef, epoch: int) -> list[int]:  # keyed by the chunk, like the trainer's
+        g = torch.Generator().manual_seed(derived_seed(0, 3, *chunk.key, epoch, 17))
+        return sorted(torch.randperm(len(chunk.steps), generator=g)[:2].tolist())
+
+    def plan(ranks: int) -> list[list[tuple[tuple[int, int], int, int]]]:
+        per_rank = [keys[r::ranks][::-1] for r in range(ranks)]  # interleaved and reversed: order must not matter
+        refs = [ChunkRef(k, r, i, active[k], (0, 1, 2, 3)) for r, ks in enumerate(per_rank) for i, k in enumerate(ks)]
+        steps = global_plan(refs, 2, 3, torch.Generator().manual_seed(5), chosen)
+        return [[(c.key, c.rank, k) for c, k in step] for step in steps]
+
+    one = plan(1)
+    assert len(one) == 6  # 2 epochs × 3 optimiser steps
+    for epoch in (one[:3], one[3:]):
+        trained = [key for step in epoch for key, _, _ in step]
+        assert sorted(set(trained)) == sorted(k for k in keys if active[k]) and len(trained) == 2 * 7
+    for ranks in (2, 4):
+        layout = plan(ranks)
+        assert [[(key, k) for key, _, k in step] for step in layout] == [[(key, k) for key, _, k in step] for step in one]
+        assert all(rank == keys.index(key) % ranks for step in layout for key, rank, _ in step)
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, tiny_sd3_dir, prompt_file):
+    """Runs by (finetune, strategy), made when first asked for: "single" is one process × 2 prompts."""
+    root = tmp_path_factory.mktemp("layout")
+    made: dict[tuple[str, str], Path] = {}
+
+    def run(finetune: str, strategy: str) -> Path:
+        if (finetune, strategy) not in made:
+            folder = root / f"{finetune}-{strategy}"
+            args = ["train", "/dev/null", *small_run(folder, tiny_sd3_dir, prompt_file, *LAYOUT_ARGS, *FINETUNE[finetune])]
+            if strategy == "single":
+                single(args)
+            else:
+                torchrun([*args, f"parallel.strategy={strategy}", "trainer.prompts_per_step=1"])
+            made[finetune, strategy] = folder
+        return made[finetune, strategy]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun missing")
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_take_the_single_process_steps(layout_runs, tiny_sd3_dir, finetune, strategy):
+    ranks, one = layout_runs(finetune, strategy), layout_runs(finetune, "single")
+    rows = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                        if "train/grad_norm" in line]
+    assert len(rows(ranks)) == len(rows(one)) == 2
+    for a, b in zip(rows(ranks), rows(one)):
+        assert a["reward/total"] == pytest.approx(b["reward/total"], abs=1e-6)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], abs=1e-5)
+        assert b["train/kl"] > 0  # the KL term ran: after the first optimiser step the policy left its reference
+    assert max_diff(weights(ranks, 2), weights(one, 2)) < 1e-5
+    assert {s for _, _, s in optimizer_moments(one / "checkpoints" / "step-000002")} == {4.0}  # 2 steps × 2 updates
+    start = load_file(str(next((tiny_sd3_dir / "transformer").glob("*.safetensors"))))
+    moved = weights(one, 2)
+    if finetune == "full":
+        assert max((moved[k] - start[k]).abs().max().item() for k in moved) > 1e-5
+    else:  # LoRA's B starts at zero
+        assert max(v.abs().max().item() for k, v in moved.items() if "lora_B" in k) > 0
