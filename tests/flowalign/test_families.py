@@ -83,9 +83,10 @@ def code_tokens(path: Path) -> list[tuple[int, str]]:
 
 def test_the_core_names_no_concrete_family():
     """Outside docstrings and comments, flowalign/ never spells a registered family or tiny model name (the
-    shipped assets' folder names, e.g. the default model's, are file names and are left out)."""
+    shipped assets' folder names, e.g. the default model's or an architecture's, are file names: left out)."""
     names = set(SPECS) | set(twins())
-    assets = sorted((p.name for p in (REPO_ROOT / "assets").iterdir()), key=len, reverse=True)
+    folders = [*(REPO_ROOT / "assets").iterdir(), *ARCH.iterdir()]
+    assets = sorted((p.name for p in folders), key=len, reverse=True)
     word = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
                       + r")(?![A-Za-z0-9_])")
     hits = []
