@@ -241,6 +241,15 @@ def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return z.reshape(b, channels // 4, h, w)
 
 
+def resize_input(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """An input image ``(3, H, W)`` in [0, 1] at the output size (bilinear, antialiased), as the editing and
+    image-to-video policies encode it; the tiny editing model's pretraining prepares its source images with it."""
+    if tuple(image.shape[-2:]) == (height, width):
+        return image
+    return torch.nn.functional.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True,
+                                           align_corners=False)[0].clamp(0, 1)
+
+
 def vae_unscale(vae: Any, z: torch.Tensor) -> torch.Tensor:
     """Model-space latents → the VAE's: ``z / scaling_factor + shift_factor`` in the VAE's dtype."""
     return z.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)

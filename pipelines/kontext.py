@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from diffusers import FluxKontextPipeline
 
 from flowalign.errors import UserError
@@ -24,7 +23,7 @@ from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
 from pipelines import flux
-from pipelines._common import batch_size, pack_2x2, sampling_defaults, sigma_batch
+from pipelines._common import batch_size, pack_2x2, resize_input, sampling_defaults, sigma_batch
 from pipelines.flux import FluxPolicy
 
 
@@ -83,15 +82,6 @@ class KontextPolicy(FluxPolicy):
             img_ids=torch.cat([ids, context_ids], dim=0), return_dict=False,
         )[0]
         return out[:, : x.shape[1]].float()
-
-
-def resize_input(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """An input image ``(3, H, W)`` in [0, 1] at the output size (bilinear, antialiased), as the policy
-    encodes it; the tiny model's pretraining prepares its source images with it too."""
-    if tuple(image.shape[-2:]) == (height, width):
-        return image
-    return F.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True,
-                         align_corners=False)[0].clamp(0, 1)
 
 
 def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: Any = "meta",
