@@ -227,9 +227,11 @@ def check_num_steps(num_steps: int) -> int:
 
 
 def pack_2x2(z: torch.Tensor) -> torch.Tensor:
-    """Latents ``(B, C, h, w)`` (or ``(B, C, 1, h, w)``, one frame) → tokens ``(B, (h/2)·(w/2), 4·C)`` of 2×2
-    patches, channel-major within a patch: the packing of FLUX.1's and Qwen-Image's pipelines."""
-    b, c, h, w = z.shape[0], z.shape[1], z.shape[-2], z.shape[-1]
+    """Latents ``(B, C, h, w)`` (or one frame, ``(B, C, 1, h, w)`` or ``(B, 1, C, h, w)``) → tokens
+    ``(B, (h/2)·(w/2), 4·C)`` of 2×2 patches, channel-major within a patch: the packing of FLUX.1's and
+    Qwen-Image's pipelines."""
+    b, h, w = z.shape[0], z.shape[-2], z.shape[-1]
+    c = z.numel() // (b * h * w)  # the frame axis (size 1) may sit before or after the channels
     z = z.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return z.reshape(b, (h // 2) * (w // 2), c * 4)
 

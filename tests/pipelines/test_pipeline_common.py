@@ -96,5 +96,6 @@ def test_2x2_packing_is_the_pipelines_own_and_unpacking_inverts_it():
     tokens = pack_2x2(z)
     assert torch.equal(tokens, FluxPipeline._pack_latents(z, 3, 4, 6, 10))
     assert torch.equal(pack_2x2(z[:, :, None]), QwenImagePipeline._pack_latents(z[:, :, None], 3, 4, 6, 10))
+    assert torch.equal(pack_2x2(z[:, None]), QwenImagePipeline._pack_latents(z[:, None], 3, 4, 6, 10))  # its noise
     assert torch.equal(unpack_2x2(tokens, 6, 10), z)
     assert torch.equal(unpack_2x2(tokens, 6, 10), FluxPipeline._unpack_latents(tokens, 48, 80, 8))
