@@ -70,7 +70,9 @@ class LoraSection(Section):
 class ModelSection(Section):
     #: a local diffusers folder (relative paths are resolved against the working directory)
     path: str = "assets/tiny-sd3-vvr"
-    family: Literal["sd3", "flux", "wan", "qwen_image", "flux2", "zimage", "kontext", "qwen_image_edit"] | None = None
+    #: a registered model family (sd3, flux, kontext, flux2, qwen_image, qwen_image_edit, zimage, wan, or one an
+    #: installed package registers); null: detected from the folder's model_index.json
+    family: str | None = None
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraSection = LoraSection()
@@ -85,6 +87,18 @@ class ModelSection(Section):
     offload_text_encoders: bool = False
     #: sampling defaults over the folder's own (height, width, num_frames, guidance_scale, num_steps, ...)
     defaults: dict[str, Any] = Field(default_factory=dict)
+
+
+    @field_validator("family")
+    @classmethod
+    def _registered_family(cls, value: str | None) -> str | None:
+        if value is not None:
+            from flowalign import families
+
+            known = families.names()
+            if value not in known:
+                raise ValueError(f"unknown family; registered families are {', '.join(known)}")
+        return value
 
 
 class ParallelSection(Section):

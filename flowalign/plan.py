@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowalign.config import TrainConfig, validate_section
+from flowalign import families
+from flowalign.config import TrainConfig
 from flowalign.errors import UserError
-from flowalign.trainers import TRAINERS, get_trainer
+from flowalign.trainers import trainer_config
 
 GB = 1e9
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -158,12 +159,13 @@ def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inpu
 
 
 def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
-    """Parameter counts and activation bytes of the config's model, built on the meta device."""
+    """Parameter counts and activation bytes of the config's model, built on the meta device; the family's
+    spec (:mod:`flowalign.families`) gives its default size, guidance, LoRA targets and transformer inputs."""
     import pipelines
 
     from flowalign.parallel import block_modules
 
-    family = cfg.model.family or pipelines.detect_family(folder)
+    spec = families.detect(folder) if cfg.model.family is None else families.get(cfg.model.family, "model.family")
     models = build_on_meta(folder)
     from diffusers.utils import logging as diffusers_logging
 
@@ -176,19 +178,19 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     blocks = block_modules(transformer)
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     if cfg.model.finetune == "lora":
-        targets = cfg.model.lora.target_modules or importlib.import_module(pipelines.FAMILIES[family].__module__).DEFAULT_LORA_TARGETS
+        targets = cfg.model.lora.target_modules or list(spec.lora_targets)
         trainable = lora_parameters(transformer, targets, cfg.model.lora.rank)
     else:
         trainable = params["transformer"]
-    size = {**pipelines.DEFAULT_SIZE[family], **_folder_defaults(folder), **(cfg.model.defaults or {})}
+    size = {**spec.size, **_folder_defaults(folder), **{k: v for k, v in (cfg.model.defaults or {}).items() if v is not None}}
     tcfg = cfg.trainer
-    guidance = tcfg.get("guidance_scale") or size.get("guidance_scale") or (4.5 if family == "sd3" else 5.0)
-    batch = int(tcfg.get("batch_size", 8)) * (2 if family in pipelines.CFG_FAMILIES and float(guidance) > 1 else 1)
-    inputs = pipelines.transformer_inputs(family, transformer.config, batch, size,
-                                          dtype=next(transformer.parameters()).dtype)
+    guidance = tcfg.get("guidance_scale") or size.get("guidance_scale") or spec.guidance
+    twice = spec.guidance_kind(transformer.config) in ("cfg", "true_cfg") and float(guidance) > 1
+    batch = int(tcfg.get("batch_size", 8)) * (2 if twice else 1)
+    inputs = spec.transformer_inputs(transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
     act, act_gc = saved_activation_bytes(transformer, blocks, inputs)
     per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
-    return Model(family, params, trainable, max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
+    return Model(spec.name, params, trainable, max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
                  act / per_sample, act_gc / per_sample)
 
 
@@ -254,10 +256,7 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int) -> Settings:
 def reference_copy(cfg: TrainConfig, name: str) -> int:
     """1 when the trainer keeps a frozen reference copy of a full fine-tune on the GPU (e.g. Flow-GRPO's
     KL term; ``trainer.reference_offload`` keeps it in CPU memory), else 0."""
-    if name not in TRAINERS:
-        return 0
-    trainer = get_trainer(name)
-    tcfg = validate_section(trainer.Config, cfg.trainer, "trainer.")
+    trainer, tcfg = trainer_config(cfg.trainer)
     return int(trainer.needs_reference(cfg, tcfg) and not tcfg.reference_offload)
 
 

@@ -10,7 +10,7 @@ imported only when that name is used:
   that pyproject.toml declares as entry points, so a source checkout works before it is installed again).
 
 Kinds: ``commands`` (:mod:`flowalign.cli.main`), ``benchmarks`` and ``renderers``
-(:mod:`flowalign.benchmarks`).
+(:mod:`flowalign.benchmarks`), ``families`` (:mod:`flowalign.families`: model-family specs).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flowalign.errors import UserError
 
 #: the repository's own packages whose ``PLUGINS`` tables the core reads
 BUILTIN_PACKAGES = ("rewards", "pipelines")
-KINDS = ("commands", "benchmarks", "renderers")
+KINDS = ("commands", "benchmarks", "renderers", "families")
 
 
 def builtin_targets(kind: str) -> dict[str, str]:

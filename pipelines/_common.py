@@ -215,6 +215,69 @@ def own_scheduler(pipe: Any, shift: float) -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=float(shift))
 
 
+#: LoRA targets of a joint-attention (MMDiT) block: the image stream's attention projections (to_*) and the
+#: text stream's (add_* / to_add_out), as diffusers' SD3, FLUX and Qwen-Image LoRA recipes target them
+JOINT_ATTENTION_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                                "to_add_out"]
+#: LoRA targets of a block with one attention stream (self- and cross-attention projections alike)
+ATTENTION_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def check_num_steps(num_steps: int) -> int:
+    """``num_steps`` as an int, refused below 1 (a σ grid needs at least one step)."""
+    n = int(num_steps)
+    if n < 1:
+        raise UserError(f"num_steps must be >= 1, got {num_steps}")
+    return n
+
+
+def pack_2x2(z: torch.Tensor) -> torch.Tensor:
+    """Latents ``(B, C, h, w)`` (or one frame, ``(B, C, 1, h, w)`` or ``(B, 1, C, h, w)``) → tokens
+    ``(B, (h/2)·(w/2), 4·C)`` of 2×2 patches, channel-major within a patch: the packing of FLUX.1's and
+    Qwen-Image's pipelines."""
+    b, h, w = z.shape[0], z.shape[-2], z.shape[-1]
+    c = z.numel() // (b * h * w)  # the frame axis (size 1) may sit before or after the channels
+    z = z.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return z.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of :func:`pack_2x2`: tokens ``(B, (h/2)·(w/2), 4·C)`` → latents ``(B, C, h, w)``."""
+    b, _, channels = tokens.shape
+    z = tokens.reshape(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return z.reshape(b, channels // 4, h, w)
+
+
+def resize_input(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """An input image ``(3, H, W)`` in [0, 1] at the output size (bilinear, antialiased), as the editing and
+    image-to-video policies encode it; the tiny editing model's pretraining prepares its source images with it."""
+    if tuple(image.shape[-2:]) == (height, width):
+        return image
+    return torch.nn.functional.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True,
+                                           align_corners=False)[0].clamp(0, 1)
+
+
+def vae_unscale(vae: Any, z: torch.Tensor) -> torch.Tensor:
+    """Model-space latents → the VAE's: ``z / scaling_factor + shift_factor`` in the VAE's dtype."""
+    return z.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+
+
+def decode_in_chunks(vae: Any, x0: torch.Tensor, chunk_size: int,
+                     to_vae_latents: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``vae.decode`` of ``to_vae_latents(chunk)`` for chunks of ``chunk_size`` samples of ``x0``, as float32
+    in [0, 1] (``(B, 3, ...)``, concatenated). Differentiable in ``x0``: the VAE is frozen, not detached."""
+    out = []
+    for chunk in x0.split(chunk_size):
+        decoded = vae.decode(to_vae_latents(chunk), return_dict=False)[0]
+        out.append((decoded.float() / 2 + 0.5).clamp(0, 1))
+    return torch.cat(out)
+
+
+def zeros_factory(device: str | torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """``new(*shape)``: zeros on ``device`` in ``dtype`` (the planner's stand-in inputs, meta by default)."""
+    return lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)
+
+
 class PackedLatents:
     """The latent shapes of a family whose transformer takes 2×2 latent patches packed as tokens
     (FLUX.1, Qwen-Image), for a policy with ``defaults``, ``vae_scale_factor`` and ``transformer``."""

@@ -23,15 +23,17 @@ from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from flowalign.errors import UserError
+from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PackedLatents, PolicyOptions, PromptCache, batch_size, check_prompts, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
-from pipelines._common import sized_defaults, stack_rows, text_encoders
+from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PolicyOptions, PromptCache, batch_size
+from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, gaussian_noise, load_frozen_pipeline
+from pipelines._common import make_trainable, own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults
+from pipelines._common import stack_rows, text_encoders, unpack_2x2, vae_unscale, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the attention projections of the double-stream blocks (image
 #: to_* and text add_* / to_add_out) and of the single-stream blocks (to_q/k/v), as diffusers' FLUX recipe.
-DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+DEFAULT_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
 class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
@@ -98,8 +100,7 @@ class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
         """
         h, w = self.latent_hw
         c = self.transformer.config.in_channels // 4
-        noise = gaussian_noise((n, c, h, w), generator, self.device)
-        return FluxPipeline._pack_latents(noise, n, c, h, w)
+        return pack_2x2(gaussian_noise((n, c, h, w), generator, self.device))
 
     def velocity(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
@@ -145,9 +146,7 @@ class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
         sequence length through diffusers' ``calculate_shift`` (used when the config has
         ``use_dynamic_shifting``, FLUX.1-dev; schnell's static config ignores it).
         """
-        n = int(num_steps)
-        if n < 1:
-            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        n = check_num_steps(num_steps)
         config = self.scheduler.config
         base = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / n, n)
         mu = calculate_shift(
@@ -168,13 +167,31 @@ class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
 
         Differentiable in ``x0``; wrap in ``torch.no_grad()`` when only the pixels are needed.
         """
-        height, width = int(self.defaults["height"]), int(self.defaults["width"])
-        scale = self.vae.config.scaling_factor
-        shift = self.vae.config.shift_factor or 0.0
-        images = []
-        for chunk in x0.split(self.options.decode_batch_size):
-            z = FluxPipeline._unpack_latents(chunk.to(self.device), height, width, self.vae_scale_factor)
-            z = z.to(self.vae.dtype) / scale + shift
-            image = self.vae.decode(z, return_dict=False)[0]
-            images.append((image.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(images)
+        h, w = self.latent_hw
+        return decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
+                                lambda chunk: vae_unscale(self.vae, unpack_2x2(chunk.to(self.device), h, w)))
+
+
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
+                       dtype: torch.dtype = torch.float32, context_images: int = 0) -> dict[str, Any]:
+    """The transformer's inputs as :meth:`FluxPolicy.velocity` passes them: packed tokens ``(B, (H/16)·(W/16),
+    4·C)`` (followed by ``context_images`` more images' tokens, FLUX.1 Kontext), T5 text ``(B, L, D)``, pooled
+    CLIP ``(B, P)``, position ids, and the guidance embedding's scale when the checkpoint has one."""
+    new = zeros_factory(device, dtype)
+    tokens = (int(size["height"]) // 16) * (int(size["width"]) // 16) * (1 + context_images)
+    text = int(size["max_sequence_length"])
+    return dict(hidden_states=new(batch, tokens, config.in_channels), timestep=torch.full((batch,), 0.5, device=device),
+                guidance=torch.full((batch,), 3.5, device=device) if config.guidance_embeds else None,
+                pooled_projections=new(batch, config.pooled_projection_dim),
+                encoder_hidden_states=new(batch, text, config.joint_attention_dim),
+                txt_ids=new(text, 3), img_ids=new(tokens, 3), return_dict=False)
+
+
+SPEC = FamilySpec(
+    name="flux", policy=FluxPolicy, pipelines=("FluxPipeline",), transformers=("FluxTransformer2DModel",),
+    lora_targets=tuple(DEFAULT_LORA_TARGETS),
+    # FLUX.1-dev's model card: 1024², 28 steps at embedded guidance 3.5, T5 length 512
+    size={"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 512}, num_steps=28, guidance=3.5,
+    cfg="embedded", transformer_inputs=transformer_inputs, tiny={"flux": "pipelines.tiny_twins.flux1"},
+    architectures=("flux.1-dev",),
+)

@@ -27,16 +27,17 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
 from flowalign.errors import UserError
+from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, batch_size, check_prompts, encode_with_empty_negative
-from pipelines._common import gaussian_noise, load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift
-from pipelines._common import sigma_batch, sized_defaults
+from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, check_num_steps
+from pipelines._common import check_prompts, decode_in_chunks, encode_with_empty_negative, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import sized_defaults, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the double-stream attention projections (image and text) and the
 #: single-stream blocks' fused QKV+MLP input projection, as in diffusers' FLUX.2 LoRA training script.
-DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                        "to_qkv_mlp_proj"]
+DEFAULT_LORA_TARGETS = [*JOINT_ATTENTION_LORA_TARGETS, "to_qkv_mlp_proj"]
 PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
 
 
@@ -119,7 +120,7 @@ class Flux2Policy(lora_utils.AdapterMethods):
         """Pure noise ``(n, seq, 4·C)`` float32, drawn ``(n, 4·C, h/2, w/2)`` and packed as ``prepare_latents``."""
         h, w = self.token_hw
         noise = gaussian_noise((n, self.transformer.config.in_channels, h, w), generator, self.device)
-        return self.pipeline_class._pack_latents(noise)
+        return noise.flatten(2).permute(0, 2, 1)  # (n, C, h, w) → (n, h·w, C) tokens, as the pipeline packs
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, guidance: torch.Tensor | None):
         h, w = self.token_hw
@@ -160,9 +161,7 @@ class Flux2Policy(lora_utils.AdapterMethods):
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0: ``linspace(1, 1/n, n)`` shifted with
         ``mu = compute_empirical_mu(tokens, n)``, as both FLUX.2 pipelines set it."""
-        n = int(num_steps)
-        if n < 1:
-            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        n = check_num_steps(num_steps)
         mu = compute_empirical_mu(image_seq_len=self.latent_shape[0], num_steps=n)
         self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device="cpu", mu=mu)
         return self.scheduler.sigmas.to(torch.float32).clone()
@@ -179,8 +178,28 @@ class Flux2Policy(lora_utils.AdapterMethods):
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Tokens ``(B, seq, 4·C)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
-        images = []
-        for chunk in x0.split(self.options.decode_batch_size):
-            image = self.vae.decode(self.to_vae_latents(chunk).to(self.vae.dtype), return_dict=False)[0]
-            images.append((image.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(images)
+        return decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
+                                lambda chunk: self.to_vae_latents(chunk).to(self.vae.dtype))
+
+
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
+                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The transformer's inputs as :meth:`Flux2Policy.velocity` passes them: tokens ``(B, (H/16)·(W/16), 4·C)``,
+    stacked text features ``(B, L, 3·D)``, 4-axis position ids, the guidance scale when embedded (dev)."""
+    new = zeros_factory(device, dtype)
+    tokens, text = (int(size["height"]) // 16) * (int(size["width"]) // 16), int(size["max_sequence_length"])
+    return dict(hidden_states=new(batch, tokens, config.in_channels), timestep=torch.full((batch,), 0.5, device=device),
+                guidance=torch.full((batch,), 4.0, device=device) if config.guidance_embeds else None,
+                encoder_hidden_states=new(batch, text, config.joint_attention_dim),
+                txt_ids=new(batch, text, 4), img_ids=new(batch, tokens, 4), return_dict=False)
+
+
+SPEC = FamilySpec(
+    name="flux2", policy=Flux2Policy, pipelines=PIPELINES, transformers=("Flux2Transformer2DModel",),
+    lora_targets=tuple(DEFAULT_LORA_TARGETS),
+    # the model cards: 1024², 50 steps at guidance 4 (embedded for dev, CFG for klein base)
+    size={"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 512}, num_steps=50, guidance=4.0,
+    cfg=lambda config: "embedded" if config.guidance_embeds else "cfg", transformer_inputs=transformer_inputs,
+    tiny={"flux2": "pipelines.tiny_twins.flux2", "flux2_dev": "pipelines.tiny_twins.flux2_dev"},
+    architectures=("flux.2-dev", "flux.2-klein"),
+)

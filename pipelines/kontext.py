@@ -16,13 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from diffusers import FluxKontextPipeline
 
 from flowalign.errors import UserError
+from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
-from pipelines._common import batch_size, sampling_defaults, sigma_batch
+from pipelines import flux
+from pipelines._common import batch_size, pack_2x2, resize_input, sampling_defaults, sigma_batch
 from pipelines.flux import FluxPolicy
 
 
@@ -56,8 +57,7 @@ class KontextPolicy(FluxPolicy):
         pixels = (image[None] * 2 - 1).to(self.device, self.vae.dtype)
         z = self.vae.encode(pixels).latent_dist.mode()
         z = (z.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
-        c, h, w = z.shape[1:]
-        return FluxKontextPipeline._pack_latents(z, 1, c, h, w)
+        return pack_2x2(z)
 
     def velocity(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
@@ -84,10 +84,17 @@ class KontextPolicy(FluxPolicy):
         return out[:, : x.shape[1]].float()
 
 
-def resize_input(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """An input image ``(3, H, W)`` in [0, 1] at the output size (bilinear, antialiased), as the policy
-    encodes it; the tiny model's pretraining prepares its source images with it too."""
-    if tuple(image.shape[-2:]) == (height, width):
-        return image
-    return F.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True,
-                         align_corners=False)[0].clamp(0, 1)
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: Any = "meta",
+                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """FLUX.1's inputs with the input image's tokens after the noisy ones (:meth:`KontextPolicy.velocity`)."""
+    return flux.transformer_inputs(config, batch, size, device=device, dtype=dtype, context_images=1)
+
+
+SPEC = FamilySpec(
+    name="kontext", policy=KontextPolicy, pipelines=("FluxKontextPipeline",), transformers=("FluxTransformer2DModel",),
+    lora_targets=flux.SPEC.lora_targets,
+    # FLUX.1-Kontext-dev's model card: 1024², 28 steps at embedded guidance 2.5
+    size={"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 512}, num_steps=28, guidance=2.5,
+    cfg="embedded", transformer_inputs=transformer_inputs, tiny={"kontext": "pipelines.tiny_twins.kontext"},
+    architectures=("flux.1-kontext",),
+)

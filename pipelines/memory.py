@@ -1,10 +1,7 @@
 """Memory and speed controls that know the model side: the transformer's inputs for a batch at a
-resolution (what ``flowalign plan`` runs on the meta device to count activations), and the attention
-backend of diffusers' dispatcher (``model.attention_backend``).
-
-The shapes follow each policy's own ``velocity`` call: SD3 ``(B, C, H/8, W/8)`` latents with CLIP+T5
-text ``(B, 77+L, D)``; FLUX packed ``(B, (H/16)·(W/16), 4C)`` tokens, T5 text ``(B, L, D)`` and position
-ids; Wan ``(B, C, 1+(F-1)/4, H/8, W/8)`` video latents with UMT5 text ``(B, L, D)``.
+resolution (what ``flowalign plan`` runs on the meta device to count activations: each family's
+``transformer_inputs``, declared in its spec), and the attention backend of diffusers' dispatcher
+(``model.attention_backend``).
 """
 
 from __future__ import annotations
@@ -13,42 +10,17 @@ from typing import Any
 
 import torch
 
+from flowalign import families
 from flowalign.errors import UserError
-
-#: pixel-space defaults when a config names no resolution (each model's own default size)
-DEFAULT_SIZE = {"sd3": {"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 256},
-                "flux": {"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 512},
-                "wan": {"height": 480, "width": 832, "num_frames": 81, "max_sequence_length": 512}}
-#: families whose guidance is classifier-free (a guided pass runs the batch twice)
-CFG_FAMILIES = {"sd3", "wan"}
-#: VAE downsampling in space (all three families) and, for Wan, in time
-SPATIAL, TEMPORAL = 8, 4
 
 
 def transformer_inputs(family: str, config: Any, batch: int, size: dict[str, Any], *,
                        device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Keyword inputs of the family's transformer for ``batch`` samples at ``size`` (height, width,
-    num_frames, max_sequence_length), as its policy passes them."""
-    h, w = int(size["height"]) // SPATIAL, int(size["width"]) // SPATIAL
-    text = int(size.get("max_sequence_length") or DEFAULT_SIZE[family]["max_sequence_length"])
-    new = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731
-    t = torch.full((batch,), 500.0, device=device)
-    if family == "sd3":
-        return dict(hidden_states=new(batch, config.in_channels, h, w), timestep=t,
-                    encoder_hidden_states=new(batch, 77 + text, config.joint_attention_dim),
-                    pooled_projections=new(batch, config.pooled_projection_dim), return_dict=False)
-    if family == "flux":
-        tokens = (h // 2) * (w // 2)
-        return dict(hidden_states=new(batch, tokens, config.in_channels), timestep=t / 1000,
-                    guidance=torch.full((batch,), 3.5, device=device) if config.guidance_embeds else None,
-                    pooled_projections=new(batch, config.pooled_projection_dim),
-                    encoder_hidden_states=new(batch, text, config.joint_attention_dim),
-                    txt_ids=new(text, 3), img_ids=new(tokens, 3), return_dict=False)
-    if family == "wan":
-        frames = 1 + (int(size.get("num_frames") or 1) - 1) // TEMPORAL
-        return dict(hidden_states=new(batch, config.in_channels, frames, h, w), timestep=t,
-                    encoder_hidden_states=new(batch, text, config.text_dim), return_dict=False)
-    raise ValueError(f"no input shapes for family {family!r}")
+    num_frames, max_sequence_length; a missing or null one is the family's default), as its policy passes them."""
+    spec = families.get(family)
+    merged = {**spec.size, **{k: v for k, v in size.items() if v is not None}}
+    return spec.transformer_inputs(config, batch, merged, device=device, dtype=dtype)
 
 
 #: ``model.attention_backend`` → the package diffusers' attention dispatcher needs for it

@@ -24,16 +24,18 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from flowalign.errors import UserError
+from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PackedLatents, PolicyOptions, PromptCache, batch_size, check_prompts, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
-from pipelines._common import sized_defaults
+from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PolicyOptions, PromptCache, batch_size
+from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, gaussian_noise, load_frozen_pipeline
+from pipelines._common import make_trainable, own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults
+from pipelines._common import unpack_2x2, zeros_factory
 from pipelines._varlen import pad_rows, trim
 
 #: LoRA targets when ``lora`` gives none: the image (to_*) and text (add_* / to_add_out) attention
 #: projections of every MMDiT block, as in diffusers' and DiffSynth's Qwen-Image LoRA recipes.
-DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+DEFAULT_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
 def true_cfg(v_cond: torch.Tensor, v_neg: torch.Tensor, scale: float) -> torch.Tensor:
@@ -103,8 +105,7 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
         """Pure noise, packed ``(n, seq, 4·C)`` float32, drawn ``(n, 1, C, h, w)`` as ``prepare_latents``."""
         h, w = self.latent_hw
         c = self.transformer.config.in_channels // 4
-        noise = gaussian_noise((n, 1, c, h, w), generator, self.device)
-        return QwenImagePipeline._pack_latents(noise, n, c, h, w)
+        return pack_2x2(gaussian_noise((n, 1, c, h, w), generator, self.device))
 
     def _context(self, cond: Conditioning) -> tuple[torch.Tensor, tuple[int, int]] | None:
         """Extra image tokens after the noisy ones (Qwen-Image-Edit's input image); none for text-to-image."""
@@ -152,9 +153,7 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
         """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0, as ``QwenImagePipeline`` sets it:
         ``linspace(1, 1/n, n)`` through the exponential dynamic shift (``mu`` from the token count) and
         ``shift_terminal``."""
-        n = int(num_steps)
-        if n < 1:
-            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        n = check_num_steps(num_steps)
         config = self.scheduler.config
         mu = calculate_shift(self.latent_shape[0], config.get("base_image_seq_len", 256),
                              config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
@@ -167,14 +166,36 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Packed latents ``(B, seq, 4·C)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
-        height, width = int(self.defaults["height"]), int(self.defaults["width"])
+        h, w = self.latent_hw
         z_dim = self.vae.config.z_dim
         mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
         std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
-        images = []
-        for chunk in x0.split(self.options.decode_batch_size):
-            z = QwenImagePipeline._unpack_latents(chunk.to(self.device), height, width, self.vae_scale_factor)
-            z = z.float() * std + mean
-            image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0][:, :, 0]
-            images.append((image.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(images)
+
+        def to_vae(chunk: torch.Tensor) -> torch.Tensor:  # one-frame video latents, de-normalised
+            return (unpack_2x2(chunk.to(self.device), h, w)[:, :, None].float() * std + mean).to(self.vae.dtype)
+
+        return decode_in_chunks(self.vae, x0, self.options.decode_batch_size, to_vae)[:, :, 0]
+
+
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
+                       dtype: torch.dtype = torch.float32, context_images: int = 0) -> dict[str, Any]:
+    """The transformer's inputs as :meth:`QwenImagePolicy.velocity` passes them: packed tokens ``(B, (H/16)·(W/16),
+    4·C)`` (followed by ``context_images`` more images' tokens, Qwen-Image-Edit), VL text ``(B, L, D)`` with its
+    mask, and each sample's image shapes for the RoPE."""
+    new = zeros_factory(device, dtype)
+    grid = (1, int(size["height"]) // 16, int(size["width"]) // 16)
+    tokens, text = grid[1] * grid[2] * (1 + context_images), int(size["max_sequence_length"])
+    return dict(hidden_states=new(batch, tokens, config.in_channels), timestep=torch.full((batch,), 0.5, device=device),
+                guidance=None, encoder_hidden_states=new(batch, text, config.joint_attention_dim),
+                encoder_hidden_states_mask=torch.ones(batch, text, device=device, dtype=torch.long),
+                img_shapes=[[grid] * (1 + context_images)] * batch, return_dict=False)
+
+
+SPEC = FamilySpec(
+    name="qwen_image", policy=QwenImagePolicy, pipelines=("QwenImagePipeline",),
+    transformers=("QwenImageTransformer2DModel",), lora_targets=tuple(DEFAULT_LORA_TARGETS),
+    # Qwen-Image's model card: true CFG 4.0 against the negative prompt " ", 50 steps; the pipeline's 1024²
+    size={"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 512}, num_steps=50, guidance=4.0,
+    cfg="true_cfg", transformer_inputs=transformer_inputs, tiny={"qwen_image": "pipelines.tiny_twins.qwen_image"},
+    architectures=("qwen-image",),
+)

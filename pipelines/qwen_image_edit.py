@@ -24,8 +24,11 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dime
 from PIL import Image
 
 from flowalign.errors import UserError
+from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
+from pipelines import qwen_image
+from pipelines._common import pack_2x2
 from pipelines._varlen import pad_rows
 from pipelines.qwen_image import QwenImagePolicy
 
@@ -99,10 +102,25 @@ class QwenImageEditPolicy(QwenImagePolicy):
         std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, c, 1, 1, 1)
         z = (z - mean) / std
         h, w = z.shape[-2:]
-        return QwenImageEditPipeline._pack_latents(z, 1, c, h, w), (h, w)
+        return pack_2x2(z), (h, w)
 
     def _context(self, cond: Conditioning) -> tuple[torch.Tensor, tuple[int, int]]:
         if "image_latents" not in cond.tensors:
             raise UserError("Qwen-Image-Edit velocity needs cond from encode(prompts, images=...)")
         h, w = cond.tensors["image_hw"][0].tolist()
         return cond.tensors["image_latents"], (int(h), int(w))
+
+
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: Any = "meta",
+                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Qwen-Image's inputs with the input image's tokens after the noisy ones (at the output size; the
+    pipeline's condition area is 1024², the default output size)."""
+    return qwen_image.transformer_inputs(config, batch, size, device=device, dtype=dtype, context_images=1)
+
+
+SPEC = FamilySpec(
+    name="qwen_image_edit", policy=QwenImageEditPolicy, pipelines=("QwenImageEditPipeline",),
+    transformers=qwen_image.SPEC.transformers, lora_targets=qwen_image.SPEC.lora_targets, size=qwen_image.SPEC.size,
+    num_steps=50, guidance=4.0, cfg="true_cfg", transformer_inputs=transformer_inputs,
+    tiny={"qwen_image_edit": "pipelines.tiny_twins.qwen_image_edit"}, architectures=("qwen-image-edit",),
+)

@@ -19,16 +19,18 @@ from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
 from flowalign.errors import UserError
+from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
-from pipelines._common import check_prompts, gaussian_noise, load_frozen_pipeline, make_trainable
-from pipelines._common import negative_conditioning, own_scheduler, scheduler_shift, sigma_batch, sized_defaults
-from pipelines._common import stack_rows, text_encoders
+from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, check_num_steps, check_prompts, decode_in_chunks
+from pipelines._common import gaussian_noise, load_frozen_pipeline, make_trainable, negative_conditioning
+from pipelines._common import own_scheduler, scheduler_shift, sigma_batch, sized_defaults, stack_rows, text_encoders
+from pipelines._common import vae_unscale, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: every attention projection of the joint (MMDiT) blocks, image
 #: stream (to_*) and text stream (add_* / to_add_out), as in Flow-GRPO's and diffusers' SD3 recipes.
-DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+DEFAULT_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
 class SD3Policy(lora_utils.AdapterMethods):
@@ -41,12 +43,14 @@ class SD3Policy(lora_utils.AdapterMethods):
 
     family = "sd3"
     is_video = False
+    #: the diffusers pipeline loaded (a family built on SD3 may subclass with its own)
+    pipeline_class: type = StableDiffusion3Pipeline
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
         self.options = opts = PolicyOptions.parse(options)
         self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_frozen_pipeline(StableDiffusion3Pipeline, path, opts)
+        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts)
         self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
         self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
 
@@ -166,8 +170,7 @@ class SD3Policy(lora_utils.AdapterMethods):
         SD3.5 configs without dynamic shifting use the static ``shift``; a config with
         ``use_dynamic_shifting`` gets ``mu`` from the image sequence length as the pipeline computes it.
         """
-        if int(num_steps) < 1:
-            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        num_steps = check_num_steps(num_steps)
         kwargs = {}
         config = self.scheduler.config
         if config.get("use_dynamic_shifting", False):
@@ -189,14 +192,8 @@ class SD3Policy(lora_utils.AdapterMethods):
         Differentiable in ``x0`` (the VAE is frozen, not detached); wrap in ``torch.no_grad()`` when
         only the pixels are needed.
         """
-        scale = self.vae.config.scaling_factor
-        shift = self.vae.config.shift_factor or 0.0
-        images = []
-        for chunk in x0.split(self.options.decode_batch_size):
-            z = chunk.to(self.device, self.vae.dtype) / scale + shift
-            image = self.vae.decode(z, return_dict=False)[0]
-            images.append((image.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(images)
+        return decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
+                                lambda chunk: vae_unscale(self.vae, chunk.to(self.device)))
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -221,3 +218,24 @@ class SD3Policy(lora_utils.AdapterMethods):
             z = self.vae.encode(x).latent_dist.mean
             out.append(((z.float() - shift) * scale))
         return torch.cat(out)
+
+
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
+                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The MMDiT's inputs as :meth:`SD3Policy.velocity` passes them: latents ``(B, C, H/8, W/8)``, CLIP + T5
+    text ``(B, 77 + L, D)``, pooled CLIP ``(B, P)``."""
+    new = zeros_factory(device, dtype)
+    h, w = int(size["height"]) // 8, int(size["width"]) // 8
+    return dict(hidden_states=new(batch, config.in_channels, h, w), timestep=torch.full((batch,), 500.0, device=device),
+                encoder_hidden_states=new(batch, 77 + int(size["max_sequence_length"]), config.joint_attention_dim),
+                pooled_projections=new(batch, config.pooled_projection_dim), return_dict=False)
+
+
+SPEC = FamilySpec(
+    name="sd3", policy=SD3Policy, pipelines=("StableDiffusion3Pipeline",), transformers=("SD3Transformer2DModel",),
+    lora_targets=tuple(DEFAULT_LORA_TARGETS),
+    # SD3.5-Medium's model card: 1024², 40 steps, CFG 4.5; the pipeline's T5 length
+    size={"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 256}, num_steps=40, guidance=4.5,
+    cfg="cfg", transformer_inputs=transformer_inputs, tiny={"sd3": "pipelines.tiny_twins.sd3"},
+    architectures=("sd3.5-medium",),
+)

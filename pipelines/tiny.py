@@ -18,24 +18,27 @@ the sampling defaults that ``pipelines.load()`` reads (:func:`write_sampling_def
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from flowalign import families
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
-from pipelines.tiny_twins import TWINS, twin_module
 from pipelines.tiny_twins.flux1 import FLUX_DEFAULTS, build_tiny_flux
 from pipelines.tiny_twins.sd3 import SD3_DEFAULTS, build_tiny_sd3
 from pipelines.tiny_twins.wan import WAN_DEFAULTS, build_tiny_wan
 
 __all__ = [
-    "FAMILIES",
+    "twins",
     "build_tiny",
     "build_tiny_sd3",
     "build_tiny_flux",
     "build_tiny_wan",
     "save_tiny",
+    "sampling_defaults",
     "write_sampling_defaults",
     "read_sampling_defaults",
     "clip_tokenizer",
@@ -46,30 +49,30 @@ __all__ = [
     "WAN_DEFAULTS",
 ]
 
-FAMILIES = ("sd3", "flux", "wan", *TWINS)
 SAMPLING_DEFAULTS_FILE = "flowalign.json"
 
 
-_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_wan}
+def twins() -> dict[str, str]:
+    """Tiny model name → its builder module, over every registered family (:mod:`flowalign.families`)."""
+    return {name: module for spec in families.registry().values() for name, module in spec.tiny.items()}
 
-#: Sampling defaults written next to each tiny model (``flowalign.json``), per family.
-SAMPLING_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sd3": {"height": 32, "width": 32, "num_frames": None, "guidance_scale": 4.0, "num_steps": 20,
-            "max_sequence_length": 32, "shift": 3.0},
-    "flux": {"height": 32, "width": 32, "num_frames": None, "guidance_scale": 3.5, "num_steps": 20,
-             "max_sequence_length": 32, "shift": 3.0},
-    "wan": {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 5.0, "num_steps": 20,
-            "max_sequence_length": 32, "shift": 3.0},
-}
+
+def twin_module(name: str) -> ModuleType:
+    """The builder module of the tiny model ``name``: ``build(**overrides)`` and ``SAMPLING``."""
+    known = twins()
+    if name not in known:
+        raise ValueError(f"family={name!r}: expected one of {list(known)}")
+    return importlib.import_module(known[name])
 
 
 def build_tiny(family: str, **overrides):
-    """Build the tiny pipeline of ``family`` (one of :data:`FAMILIES`; twins in :mod:`pipelines.tiny_twins`)."""
-    if family in TWINS:
-        return twin_module(family).build(**overrides)
-    if family not in _BUILDERS:
-        raise ValueError(f"family={family!r}: expected one of {list(FAMILIES)}")
-    return _BUILDERS[family](**overrides)
+    """Build the tiny pipeline ``family`` (a name of :func:`twins`; one per family and variant)."""
+    return twin_module(family).build(**overrides)
+
+
+def sampling_defaults(family: str) -> dict[str, Any]:
+    """The ``flowalign.json`` defaults of the tiny model ``family`` (a copy)."""
+    return dict(twin_module(family).SAMPLING)
 
 
 def write_sampling_defaults(out_dir: str | os.PathLike, **defaults: Any) -> Path:
@@ -98,9 +101,8 @@ def save_tiny(family: str, out_dir: str | os.PathLike, *, sampling: dict[str, An
     ``flowalign.json``; returns the pipeline. ``sampling`` updates the family's sampling defaults."""
     pipe = build_tiny(family, **overrides)
     pipe.save_pretrained(out_dir, safe_serialization=True)
-    sampling_table = twin_module(family).SAMPLING if family in TWINS else SAMPLING_DEFAULTS[family]
-    defaults = {"family": family, **sampling_table}
-    if family in ("sd3", "flux") and "height" in overrides:
+    defaults = {"family": family, **sampling_defaults(family)}
+    if "height" in overrides:  # a builder that takes the image side (SD3, FLUX.1) samples at it
         defaults["height"] = defaults["width"] = overrides["height"]
     defaults["shift"] = float(pipe.scheduler.config.shift)
     defaults.update(sampling or {})

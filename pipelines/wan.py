@@ -27,16 +27,17 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMu
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from flowalign.errors import UserError
+from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
-from pipelines._common import check_multiple, check_prompts, encode_with_empty_negative, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, negative_conditioning
-from pipelines._common import sigma_batch, text_encoders
+from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine
+from pipelines._common import cfg_mix, check_multiple, check_num_steps, check_prompts, decode_in_chunks
+from pipelines._common import encode_with_empty_negative, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, text_encoders, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the self- (attn1) and cross-attention (attn2) projections of
 #: every Wan block, as in diffusers'/finetrainers' Wan LoRA recipes.
-DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+DEFAULT_LORA_TARGETS = ATTENTION_LORA_TARGETS
 
 
 class WanPolicy(lora_utils.AdapterMethods):
@@ -185,9 +186,7 @@ class WanPolicy(lora_utils.AdapterMethods):
         docstring). A config with ``use_dynamic_shifting`` (no released Wan has one) gets ``mu`` from the
         video token count through diffusers' ``calculate_shift``, as FLUX does for images. [derived]
         """
-        n = int(num_steps)
-        if n < 1:
-            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        n = check_num_steps(num_steps)
         kwargs = {}
         config = self.scheduler.config
         if config.get("use_dynamic_shifting", False):
@@ -215,9 +214,46 @@ class WanPolicy(lora_utils.AdapterMethods):
         z_dim = self.vae.config.z_dim
         mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
         std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
-        videos = []
-        for chunk in x0.split(self.options.decode_batch_size):
-            z = chunk.to(self.device, torch.float32) * std + mean
-            video = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]  # (B, 3, F, H, W)
-            videos.append((video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4))
-        return torch.cat(videos)
+        videos = decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
+                                  lambda chunk: (chunk.to(self.device, torch.float32) * std + mean).to(self.vae.dtype))
+        return videos.permute(0, 2, 1, 3, 4).contiguous()  # (B, 3, F, H, W) → (B, F, 3, H, W)
+
+
+def policy_for(index: dict[str, Any]) -> type:
+    """Wan 2.1 / 2.2-TI2V (one transformer), Wan 2.2-A14B (``transformer_2``: two experts) or image-to-video,
+    from the folder's ``model_index.json``. The subclasses import this module, so they are imported here."""
+    if index.get("_class_name") == "WanImageToVideoPipeline":
+        from pipelines.wan_i2v import WanI2VPolicy
+
+        return WanI2VPolicy
+    entry = index.get("transformer_2")
+    if entry and entry[0] is not None:
+        from pipelines.wan22 import Wan22Policy
+
+        return Wan22Policy
+    return WanPolicy
+
+
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
+                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """One expert's inputs as :meth:`WanPolicy.velocity` passes them: video latents ``(B, C, 1 + (F-1)/4, H/8,
+    W/8)`` (image-to-video: the first-frame condition's channels included in ``in_channels``), UMT5 text
+    ``(B, L, D)``."""
+    new = zeros_factory(device, dtype)
+    frames = 1 + (int(size["num_frames"] or 1) - 1) // 4
+    h, w = int(size["height"]) // 8, int(size["width"]) // 8
+    return dict(hidden_states=new(batch, config.in_channels, frames, h, w),
+                timestep=torch.full((batch,), 500.0, device=device),
+                encoder_hidden_states=new(batch, int(size["max_sequence_length"]), config.text_dim), return_dict=False)
+
+
+SPEC = FamilySpec(
+    name="wan", policy=WanPolicy, policy_for=policy_for, pipelines=("WanPipeline", "WanImageToVideoPipeline"),
+    transformers=("WanTransformer3DModel",), lora_targets=tuple(DEFAULT_LORA_TARGETS),
+    # Wan 2.1 T2V at 480p (the pipeline's defaults): 81 frames, 50 steps, CFG 5.0, UMT5 length 512
+    size={"height": 480, "width": 832, "num_frames": 81, "max_sequence_length": 512}, num_steps=50, guidance=5.0,
+    cfg="cfg", transformer_inputs=transformer_inputs,
+    tiny={"wan": "pipelines.tiny_twins.wan", "wan22": "pipelines.tiny_twins.wan22",
+          "wan_i2v": "pipelines.tiny_twins.wan_i2v"},
+    architectures=("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b"),
+)

@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from diffusers import WanImageToVideoPipeline
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
-from pipelines._common import negative_conditioning, sigma_batch
+from pipelines._common import negative_conditioning, resize_input, sigma_batch
 from pipelines.wan22 import Wan22Policy
 
 
@@ -55,9 +54,7 @@ class WanI2VPolicy(Wan22Policy):
     def frame_condition(self, image: torch.Tensor) -> torch.Tensor:
         """One frame ``(3, H, W)`` in [0, 1] → ``(1, f_t + C, F', H', W')`` through the pipeline's ``prepare_latents``."""
         height, width = int(self.defaults["height"]), int(self.defaults["width"])
-        if tuple(image.shape[-2:]) != (height, width):
-            image = F.interpolate(image[None], size=(height, width), mode="bilinear", antialias=True,
-                                  align_corners=False)[0].clamp(0, 1)
+        image = resize_input(image, height, width)
         pixels = (image[None] * 2 - 1).to(self.device, torch.float32)
         zeros = torch.zeros((1, *self.latent_shape), device=self.device)  # passed as latents: no noise is drawn
         _, condition = self.pipe.prepare_latents(

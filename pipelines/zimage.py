@@ -24,15 +24,16 @@ from diffusers import ZImagePipeline
 from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
 
 from flowalign.errors import UserError
+from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, batch_size, check_prompts, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
-from pipelines._common import sized_defaults
+from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, check_num_steps
+from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import own_scheduler, scheduler_shift, sigma_batch, sized_defaults, vae_unscale, zeros_factory
 from pipelines._varlen import pad_rows, unpad
 
 #: LoRA targets when ``lora`` gives none: the attention projections of every single-stream and refiner block
-DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+DEFAULT_LORA_TARGETS = ATTENTION_LORA_TARGETS
 
 
 class ZImagePolicy(lora_utils.AdapterMethods):
@@ -126,9 +127,7 @@ class ZImagePolicy(lora_utils.AdapterMethods):
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0: Z-Image's default sigmas and ``mu`` as the
         pipeline passes them (``mu`` only acts under ``use_dynamic_shifting``; Turbo's static shift is 3)."""
-        n = int(num_steps)
-        if n < 1:
-            raise UserError(f"num_steps must be >= 1, got {num_steps}")
+        n = check_num_steps(num_steps)
         config = self.scheduler.config
         _, h, w = self.latent_shape
         mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
@@ -139,9 +138,26 @@ class ZImagePolicy(lora_utils.AdapterMethods):
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
-        scale, shift = self.vae.config.scaling_factor, self.vae.config.shift_factor or 0.0
-        images = []
-        for chunk in x0.split(self.options.decode_batch_size):
-            image = self.vae.decode(chunk.to(self.device, self.vae.dtype) / scale + shift, return_dict=False)[0]
-            images.append((image.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(images)
+        return decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
+                                lambda chunk: vae_unscale(self.vae, chunk.to(self.device)))
+
+
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
+                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The transformer's inputs as :meth:`ZImagePolicy.velocity` passes them: one ``(C, 1, H/8, W/8)`` latent and
+    one ``(L, D)`` caption per sample, ``t = 1 - σ``."""
+    new = zeros_factory(device, dtype)
+    h, w = 2 * (int(size["height"]) // 16), 2 * (int(size["width"]) // 16)
+    text = int(size["max_sequence_length"])
+    return dict(x=[new(config.in_channels, 1, h, w) for _ in range(batch)], t=torch.full((batch,), 0.5, device=device),
+                cap_feats=[new(text, config.cap_feat_dim) for _ in range(batch)], return_dict=False)
+
+
+SPEC = FamilySpec(
+    name="zimage", policy=ZImagePolicy, pipelines=("ZImagePipeline",), transformers=("ZImageTransformer2DModel",),
+    lora_targets=tuple(DEFAULT_LORA_TARGETS),
+    # Z-Image-Turbo's model card: 1024², 9 steps, no CFG
+    size={"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 512}, num_steps=9, guidance=1.0,
+    cfg="cfg", transformer_inputs=transformer_inputs, tiny={"zimage": "pipelines.tiny_twins.zimage"},
+    architectures=("z-image-turbo",),
+)

@@ -41,7 +41,7 @@ FALLBACK = {
     "run.wandb": "log to Weights & Biases (needs the `wandb` package)",
     "run.wandb_project": "the W&B project name",
     "run.progress": "show a progress bar",
-    "model.family": "`sd3`, `flux` or `wan`; null: read from the folder's `model_index.json`",
+    "model.family": "a registered family (`flowalign.families`); null: read from the folder's `model_index.json`",
     "model.dtype": "weights' dtype (step math always runs in float32)",
     "model.finetune": "train a LoRA adapter or the full transformer",
     "model.lora": "the LoRA adapter (used when `finetune: lora`)",

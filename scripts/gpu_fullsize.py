@@ -121,9 +121,9 @@ def build_folder(family: str, folder: Path, *, is_smoke: bool, device: str) -> d
         shutil.rmtree(folder)
     pipe.save_pretrained(folder, safe_serialization=True)
     if is_smoke:
-        from pipelines.tiny import SAMPLING_DEFAULTS
+        from pipelines.tiny import sampling_defaults
 
-        write_sampling_defaults(folder, **SAMPLING_DEFAULTS[family])
+        write_sampling_defaults(folder, **sampling_defaults(family))
     del pipe
     gc.collect()
     if torch.cuda.is_available():

@@ -7,8 +7,9 @@ import argparse
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="estimate parameters and memory per rank of a config (meta device, no weights)")
-    p.add_argument("config", help="YAML run config, e.g. configs/flux.1-dev/flow_grpo_fsdp_full.yaml")
-    p.add_argument("overrides", nargs="*", help="dotted overrides read as YAML, e.g. model.path=... trainer.batch_size=2")
+    p.add_argument("config", help="YAML run config, e.g. configs/flux.1-dev/flow_grpo_vvr_fsdp_full.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides read as YAML, e.g. model.path=... trainer.batch_size=2; "
+                   "model.path=assets/architectures/NAME plans a published model from its configs alone")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs (ranks) the run would use")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="memory of one GPU in GB (default 80)")
     return p

@@ -48,7 +48,7 @@ def encode_prompts(policy: Any, prompts: list[str], metadata: Sequence[dict[str,
     if not getattr(policy, "input_images", False):
         if any(m.get("image") is not None for m in metadata):
             raise UserError(f"the prompts carry input images (metadata 'image'), but {policy.family} models take none: "
-                            "use an editing (kontext, qwen_image_edit) or image-to-video model")
+                            "use an editing or image-to-video model (a family whose policy takes input images)")
         return policy.encode(prompts)
     images = [m.get("image") for m in metadata]
     missing = [i for i, image in enumerate(images) if image is None]

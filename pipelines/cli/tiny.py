@@ -15,9 +15,9 @@ WRITER = "tiny"
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("tiny", help="build a tiny architecture-faithful model folder (offline)")
-    from pipelines.tiny import FAMILIES
+    from pipelines.tiny import twins
 
-    p.add_argument("family", choices=list(FAMILIES))
+    p.add_argument("family", choices=list(twins()))
     p.add_argument("--out", required=True, help="folder to write (diffusers format)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true",

@@ -102,7 +102,7 @@ def render_pairs(n: int, mix: dict[str, float], seed: int, size: int) -> dict:
     from tqdm import tqdm
 
     from flowalign.sampling.inputs import load_input_image
-    from pipelines.kontext import resize_input
+    from pipelines._common import resize_input
     from pipelines.pretrain.data import level_counts, task_seed
     # an edit pair needs both renders of a task; the benchmark registry's renderers give one image per task
     from rewards.benchmarks import EDIT_IMAGE_SIZE

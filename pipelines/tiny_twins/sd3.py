@@ -108,3 +108,9 @@ def build_tiny_sd3(**overrides):
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
+
+#: the sampling defaults written next to the tiny model (``flowalign.json``)
+SAMPLING: dict[str, Any] = {"height": 32, "width": 32, "num_frames": None, "guidance_scale": 4.0, "num_steps": 20,
+                            "max_sequence_length": 32, "shift": 3.0}
+#: the builder :func:`pipelines.tiny.build_tiny` calls
+build = build_tiny_sd3

@@ -22,10 +22,30 @@ ARCH = REPO_ROOT / "assets" / "architectures"
     ("sd3.5-medium", 2.24e9, 0.01),   # MMDiT-X transformer of the 2.5B SD3.5-Medium pipeline
     ("flux.1-dev", 11.90e9, 0.005),   # "a 12 billion parameter rectified flow transformer"
     ("wan2.1-14b", 14.0e9, 0.03),     # Wan2.1-T2V-14B
+    ("wan2.1-1.3b", 1.42e9, 0.01),    # Wan2.1-T2V-1.3B ("1.3B"; 1.42B counted on the Hub)
+    ("flux.1-kontext", 11.90e9, 0.005),  # FLUX.1-Kontext-dev: FLUX.1-dev's transformer
+    ("qwen-image", 20e9, 0.03),       # Qwen-Image: "a 20B MMDiT"
+    ("qwen-image-edit", 20e9, 0.03),  # Qwen-Image-Edit: the same transformer
+    ("flux.2-dev", 32e9, 0.01),       # FLUX.2-dev: "a 32 billion parameter rectified flow transformer"
+    ("flux.2-klein", 4e9, 0.04),      # FLUX.2-klein-base-4B
+    ("z-image-turbo", 6e9, 0.03),     # Z-Image-Turbo: "6B"
+    ("wan2.2-a14b", 14e9, 0.03),      # Wan2.2-T2V-A14B: each of the two 14B experts
 ])
 def test_transformer_parameter_counts_match_the_published_sizes(name, published, tolerance):
     params = sum(p.numel() for p in build_on_meta(ARCH / name)["transformer"].parameters())
     assert abs(params - published) / published < tolerance, params
+
+
+@pytest.mark.parametrize("name,component,published", [
+    ("qwen-image", "text_encoder", 8.29e9),     # Qwen2.5-VL-7B-Instruct (language model + vision tower)
+    ("flux.2-dev", "text_encoder", 24.0e9),     # Mistral-Small-3.1-24B
+    ("flux.2-klein", "text_encoder", 4.02e9),   # Qwen3-4B
+    ("z-image-turbo", "text_encoder", 4.02e9),  # Qwen3-4B
+    ("wan2.2-a14b", "transformer_2", 14e9),     # the low-noise expert
+])
+def test_other_components_match_the_published_sizes(name, component, published):
+    params = sum(p.numel() for p in build_on_meta(ARCH / name)[component].parameters())
+    assert abs(params - published) / published < 0.03, params
 
 
 def test_text_encoders_are_counted_on_the_meta_device_too():

@@ -84,3 +84,18 @@ def test_unknown_policy_option_is_refused(tiny_sd3_dir):
         SD3Policy(tiny_sd3_dir, decode_batchsize=4)
     with pytest.raises(UserError, match="multiple of"):
         pipelines.load(tiny_sd3_dir, defaults={"height": 33})
+
+
+def test_2x2_packing_is_the_pipelines_own_and_unpacking_inverts_it():
+    """pack_2x2 / unpack_2x2 replace FLUX.1's and Qwen-Image's private packing: the same tokens, bit for bit."""
+    from diffusers import FluxPipeline, QwenImagePipeline
+
+    from pipelines._common import pack_2x2, unpack_2x2
+
+    z = torch.randn(3, 4, 6, 10, generator=torch.Generator().manual_seed(0))
+    tokens = pack_2x2(z)
+    assert torch.equal(tokens, FluxPipeline._pack_latents(z, 3, 4, 6, 10))
+    assert torch.equal(pack_2x2(z[:, :, None]), QwenImagePipeline._pack_latents(z[:, :, None], 3, 4, 6, 10))
+    assert torch.equal(pack_2x2(z[:, None]), QwenImagePipeline._pack_latents(z[:, None], 3, 4, 6, 10))  # its noise
+    assert torch.equal(unpack_2x2(tokens, 6, 10), z)
+    assert torch.equal(unpack_2x2(tokens, 6, 10), FluxPipeline._unpack_latents(tokens, 48, 80, 8))
