@@ -10,6 +10,7 @@ the exact commands that made them.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from flowalign.errors import UserError
 
@@ -34,6 +35,9 @@ def add_common_arguments(p: argparse.ArgumentParser, d: dict) -> None:
     """The options of every family; ``d``: the family's defaults."""
     p.add_argument("--out", default=d["out"], help="work folder (caches, stage checkpoints, train.log)")
     p.add_argument("--export", default=d["export"], help="final diffusers folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="export into a folder that holds files no export wrote (e.g. to regenerate a shipped model in "
+                        "assets/); only the model's files are replaced, a model card is kept")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoints in --out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=d["threads"])
@@ -88,6 +92,10 @@ def check(args: argparse.Namespace) -> None:
             continue  # a pretrained VAE is kept as it is: no VAE stage
         if not getattr(args, f"{stage}_steps") and not getattr(args, f"{stage}_minutes") and not args.eval_only:
             raise UserError(f"--{stage}-minutes / --{stage}-steps: the {stage} stage needs a budget")
+    if not args.eval_only:
+        from pipelines.pretrain.export import check_export_folder
+
+        check_export_folder(Path(args.export), args.overwrite)
     if args.size % 16:
         raise UserError(f"--size {args.size}: use a multiple of 16 (the VAE and patch factors divide it)")
     from pipelines.pretrain.run import FAMILIES

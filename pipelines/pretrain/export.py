@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from flowalign.ema import EMA
-from flowalign.io import atomic_dir
+from flowalign.io import atomic_dir, check_out_dir
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -26,14 +26,24 @@ log = logging.getLogger("flowalign.pretrain")
 KEPT = ("README.md", "samples.png", "samples.gif")
 
 
-def export(pipe, ema: EMA, pipeline_class: str, defaults: dict, folder: Path) -> None:
+#: the writer name of an exported folder's marker (a folder an export wrote is replaced without --overwrite)
+WRITER = "pretrain-export"
+
+
+def check_export_folder(folder: Path, overwrite: bool) -> None:
+    """Refuse (before hours of training) an ``--export`` folder with files no export wrote, e.g. a shipped
+    asset or another model, unless ``--overwrite``."""
+    check_out_dir(folder, writer=WRITER, overwrite=overwrite, flag="--export")
+
+
+def export(pipe, ema: EMA, pipeline_class: str, defaults: dict, folder: Path, overwrite: bool = False) -> None:
     """Save ``pipe`` with the EMA weights swapped in to ``folder`` (its files swapped in by renames) and reload it."""
     import diffusers
 
     from pipelines.tiny import write_sampling_defaults
 
-    # the model folder is this export's own: its files are replaced, other files (a model card) stay
-    with atomic_dir(folder, writer="pretrain-export", overwrite=True) as tmp:
+    # only the export's own files are replaced; other files (a model card) stay
+    with atomic_dir(folder, writer=WRITER, overwrite=overwrite, flag="--export") as tmp:
         with ema.swapped_in():
             pipe.save_pretrained(tmp, safe_serialization=True)
         write_sampling_defaults(tmp, **defaults)

@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> None:
         return
     data = load_data(family, args, out)
     pipe, ema, max_seq = train(family, data, args, out)
-    export_.export(pipe, ema, family.PIPELINE, family.sampling_defaults(args, max_seq), folder)
+    export_.export(pipe, ema, family.PIPELINE, family.sampling_defaults(args, max_seq), folder,
+                    overwrite=args.overwrite)
     if args.demo_n:
         getattr(family, "demo", sample_training_prompts)(folder, data, args, out)
     log.info("total wall time %.1f min", (time.time() - t_start) / 60)

@@ -236,3 +236,17 @@ def test_continuing_a_pretrained_folder_skips_the_decoder_stage_unless_asked(tmp
         with pytest.raises(Stop):
             main(argv + ["--out", str(tmp_path / str(i)), *extra])
     assert seen == [0.0, 15.0, 5.0]
+
+
+def test_an_export_folder_with_files_no_export_wrote_is_refused_before_training(tmp_path, capsys):
+    """Hours of training must not end by replacing a shipped model or a user's folder: the export folder is
+    checked first; ``--overwrite`` lets an export replace only the model's files."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    (model / "notes.txt").write_text("mine")
+    assert main(run_argv(tmp_path / "work", model)) == 2
+    err = capsys.readouterr().err
+    assert "--export" in err and "--overwrite" in err and "Traceback" not in err
+    assert not (tmp_path / "work").exists()  # refused before any stage ran
+    assert (model / "model_index.json").read_text() == "{}"
