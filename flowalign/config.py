@@ -133,13 +133,20 @@ class DataSection(Section):
 
 
 class RewardSpec(BaseModel):
-    """One reward of the weighted sum; keys other than ``name`` and ``weight`` are its options."""
+    """One reward of the weighted sum; keys other than ``name`` and ``weight`` are its options (a bare name
+    stands for ``{name: NAME}``)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     name: str
     weight: float = 1.0
     #: seconds one call may take; a call still running then is abandoned and its batch invalid (None: no limit)
     timeout_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, data: Any) -> Any:
+        """A bare name (``rewards: [pickscore]``) is a reward with its default options."""
+        return {"name": data} if isinstance(data, str) else data
 
     @property
     def options(self) -> dict[str, Any]:
