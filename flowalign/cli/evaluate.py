@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
                   "rewards": panel.names, **model, **labels}
     else:
         labels = {"bench": source.name, "split": source.split, "seed": args.seed or 0, "reward": source.reward.name,
-                  **model, **labels}
+                  **({"rewards": panel.names} if panel else {}), **model, **labels}
     metrics = evaluate(policy, source.prompts, source.metadata, getattr(source, "reward", None), seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
                        out_dir=args.out, overwrite=args.overwrite, labels=labels, panel=panel)

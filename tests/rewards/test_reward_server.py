@@ -8,7 +8,12 @@ stopped, a socket that accepts and never answers, a reward that raises, a wrong 
 from __future__ import annotations
 
 import base64
+import os
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -75,6 +80,37 @@ def test_stopped_server_masks_the_batch_and_a_run_goes_on(capsys):
     assert "samples are invalid" in err and "Traceback" not in err
 
 
+def test_the_command_serves_until_killed(tmp_path):
+    """``flowalign serve-reward`` as a user starts it; then the process is killed, as a crashed GPU box is."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "FLOWALIGN_API_KEY": "k3y"}
+    proc = subprocess.Popen([sys.executable, "-m", "flowalign", "serve-reward", "{name: saturation}", "--port", str(port)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # until it listens (or has died)
+            try:
+                if requests.get(url + "/health", timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+        remote = rewards.load("remote", url=url, api_key="k3y", timeout=5)
+        x = images(3, seed=4)
+        torch.testing.assert_close(remote(x, ["a"] * 3, []).total, rewards.load("saturation")(x, ["a"] * 3, []).total,
+                                   atol=1e-5, rtol=0)
+        assert requests.get(url + "/v1/reward", headers={"Authorization": "Bearer k3y"}, timeout=5).json()["name"] == \
+            "saturation"
+    finally:
+        proc.kill()
+        proc.wait()
+    out = remote(x, ["a"] * 3, [])
+    assert not out.valid.any() and url in out.info[0]["reason"]
+
+
 def test_a_server_that_never_answers_times_out():
     with socket.socket() as sock:  # accepts connections (the kernel's backlog) and never replies
         sock.bind(("127.0.0.1", 0))
@@ -114,6 +150,15 @@ def test_bad_requests_are_refused_with_the_reason(saturation_server):
     for body, needle in cases:
         r = requests.post(url, json=body, timeout=10)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], (needle, r.text)
+
+
+def test_video_reward_served_with_float32_clips_equals_in_process():
+    clips = torch.rand(2, 3, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    local = rewards.load("saturation_video")(clips, ["a", "b"], [])
+    with serve(rewards.load("saturation_video"), "saturation_video") as srv:
+        out = rewards.load("remote", url=base(srv))(clips, ["a", "b"], [])
+    assert list(out.components) == list(local.components)
+    torch.testing.assert_close(out.total, local.total, atol=1e-5, rtol=0)
 
 
 def test_videos_travel_as_mp4_frames():
