@@ -133,7 +133,8 @@ class DataSection(Section):
 
 
 class RewardSpec(BaseModel):
-    """One reward of the weighted sum; keys other than ``name`` and ``weight`` are its options."""
+    """One reward of the weighted sum; keys other than ``name`` and ``weight`` are its options (a bare name
+    stands for ``{name: NAME}``)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     name: str
@@ -141,9 +142,35 @@ class RewardSpec(BaseModel):
     #: seconds one call may take; a call still running then is abandoned and its batch invalid (None: no limit)
     timeout_s: float | None = Field(None, gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, data: Any) -> Any:
+        """A bare name (``rewards: [pickscore]``) is a reward with its default options."""
+        return {"name": data} if isinstance(data, str) else data
+
     @property
     def options(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+
+def reward_spec_from_text(text: str, option: str) -> RewardSpec:
+    """A reward given on the command line (``--reward``, ``serve-reward SPEC``): a name (``pickscore``,
+    ``pkg.module:attr``) or the YAML mapping a config's ``rewards:`` list holds
+    (``"{name: pickscore, path: /weights/pickscore}"``)."""
+    try:
+        data = load_yaml(text, option)
+    except yaml.YAMLError as e:
+        raise UserError(f"{option} {text!r} is not valid YAML ({yaml_problem(e)}); give a reward name or a "
+                        "mapping such as \"{name: pickscore, path: /weights/pickscore}\"") from None
+    if isinstance(data, str):
+        data = {"name": data}
+    if not isinstance(data, dict):
+        raise UserError(f"{option} {text!r}: give a reward name or a mapping with a name, e.g. "
+                        "\"{name: pickscore, path: /weights/pickscore}\"")
+    try:
+        return RewardSpec.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"{option} {text!r}: {format_validation_error(e, RewardSpec)}") from None
 
 
 class EvalSection(Section):
@@ -161,6 +188,9 @@ class EvalSection(Section):
     num_steps: int | None = Field(None, ge=1, le=MAX_SAMPLING_STEPS)
     batch_size: int = Field(16, ge=1, le=MAX_BATCH)
     gallery: bool = True
+    #: a held-out panel of rewards (the ``rewards:`` list's form) scored on every evaluation's samples,
+    #: logged as ``eval/<name>``: rewards the run does not train on, to see it game the one it does
+    rewards: list[RewardSpec] = Field(default_factory=list)
 
 
 class TrainConfig(Section):

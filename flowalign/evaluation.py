@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from flowalign.eval_panel import score_panel, tag_accuracy
 from flowalign.io import atomic_dir, write_json, write_jsonl
 from flowalign.media import save_image, save_poster, save_video
 from flowalign.protocols import FlowPolicy, Reward
 from flowalign.reward_check import check_reward_output
+from flowalign.reward_set import RewardSet
 from flowalign.sampling import rollout
 
 
@@ -43,9 +45,10 @@ def sample_seeded(
     return torch.cat(out)
 
 
-def summarise(rewards_out: Any, n: int) -> dict[str, Any]:
+def summarise(rewards_out: Any, n: int, metadata: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``mean_score``, ``valid_fraction`` and, when the reward reports verdicts, ``accuracy`` (all
-    constraints passed) and ``per_constraint`` accuracy."""
+    constraints passed) and ``per_constraint`` accuracy; with ``metadata`` whose prompts carry a ``tag``,
+    ``accuracy/<tag>`` (:func:`flowalign.eval_panel.tag_accuracy`)."""
     valid = rewards_out.valid
     total = rewards_out.total
     metrics: dict[str, Any] = {
@@ -61,6 +64,8 @@ def summarise(rewards_out: Any, n: int) -> dict[str, Any]:
             for ctype, passed in info.get("constraints", []):
                 per[ctype].append(bool(passed))
         metrics["per_constraint"] = {k: sum(v) / len(v) for k, v in sorted(per.items())}
+    if metadata is not None:
+        metrics.update(tag_accuracy(total.detach().float().cpu(), valid.cpu().bool(), metadata))
     return metrics
 
 
@@ -68,7 +73,7 @@ def evaluate(
     policy: FlowPolicy,
     prompts: list[str],
     metadata: list[dict[str, Any]],
-    reward: Reward,
+    reward: Reward | None,
     *,
     seed: int = 0,
     num_steps: int | None = None,
@@ -79,25 +84,47 @@ def evaluate(
     progress: bool = True,
     labels: dict[str, Any] | None = None,
     overwrite: bool = True,
+    panel: RewardSet | None = None,
 ) -> dict[str, Any]:
     """Sample every prompt once, score with ``reward`` and write ``metrics.json``, ``results.jsonl`` and
     ``samples/`` under ``out_dir`` (if given), all at once (:func:`flowalign.io.atomic_dir`: other files
     there are kept; ``overwrite=False`` refuses a non-empty folder without an earlier evaluation). Returns
-    the metrics."""
+    the metrics.
+
+    ``panel``: more rewards scored on the same samples (:func:`flowalign.eval_panel.score_panel`): their
+    means with 95% intervals in the metrics, each sample's in its row's ``scores``. Without ``reward``,
+    the panel's first reward gives each row's ``score`` and the tag accuracies."""
+    if reward is None and not panel:
+        raise ValueError("evaluate needs a reward or a panel of rewards")
     samples = sample_seeded(policy, prompts, seed=seed, num_steps=num_steps, guidance_scale=guidance_scale,
                             batch_size=batch_size, progress=progress, desc="evaluating", metadata=metadata)
-    scored = check_reward_output(getattr(reward, "name", type(reward).__name__), reward(samples, prompts, metadata),
-                                 len(prompts))
-    metrics = {**(labels or {}), **summarise(scored, len(prompts))}
+    metrics = dict(labels or {})
+    rows: list[dict[str, Any]] = [{"index": i, "prompt": prompt} for i, prompt in enumerate(prompts)]
+    if reward is not None:
+        scored = check_reward_output(getattr(reward, "name", type(reward).__name__), reward(samples, prompts, metadata),
+                                     len(prompts))
+        metrics.update(summarise(scored, len(prompts), metadata))
+        for i, row in enumerate(rows):
+            row.update({"valid": bool(scored.valid[i]), "score": float(scored.total[i]),
+                        **(scored.info[i] if scored.info else {})})
+    if panel:
+        panel_metrics, panel_rows = score_panel(panel, samples, prompts, metadata)
+        metrics.update(panel_metrics)
+        first = panel.names[0]
+        for row, extra in zip(rows, panel_rows):
+            if reward is None:  # the first reward of the panel is the evaluation's score
+                row.update({"valid": extra["scores"][first] is not None, "score": extra["scores"][first]})
+            row.update(extra)
+        if reward is None:
+            metrics.setdefault("reward", first)
+            metrics.setdefault("n", len(prompts))
+            values = torch.tensor([float("nan") if r["score"] is None else r["score"] for r in rows])
+            metrics.update(tag_accuracy(values.nan_to_num(0.0), ~values.isnan(), metadata))
     if out_dir is not None:
         with atomic_dir(out_dir, writer="evaluate", overwrite=overwrite) as out:
-            rows = []
-            for i, prompt in enumerate(prompts):
-                row = {"index": i, "prompt": prompt, "valid": bool(scored.valid[i]),
-                       "score": float(scored.total[i]), **(scored.info[i] if scored.info else {})}
-                if save_samples:
+            if save_samples:
+                for i, row in enumerate(rows):
                     row["file"] = _save_sample(samples[i], out / "samples", i)
-                rows.append(row)
             write_jsonl(out / "results.jsonl", rows)
             write_json(out / "metrics.json", metrics)
     return metrics

@@ -152,10 +152,16 @@ def _cell(folder: Path, row: dict[str, Any], score_name: str | None, where: str)
     score = row.get("score")
     valid = row.get("valid", True) and isinstance(score, (int, float)) and math.isfinite(score)
     constraints = row.get("constraints")
+    scores = {score_name: float(score)} if score_name is not None and valid else {}
+    # a panel of rewards (evaluate --reward, eval.rewards) adds one score per reward; the summary table
+    # then shows each reward's mean per column, e.g. per training step
+    panel = row.get("scores") if isinstance(row.get("scores"), dict) else {}
+    scores.update({str(k): float(v) for k, v in panel.items() if str(k) not in scores
+                   and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
     return GalleryCell(
         media=media,
         poster=poster if media.suffix.lower() not in IMAGE_SUFFIXES and poster.is_file() else None,
-        scores={score_name: float(score)} if score_name is not None and valid else {},
+        scores=scores,
         constraints=[(str(t), bool(p)) for t, p in constraints] if constraints is not None else None,
         all_passed=None if row.get("all_passed") is None else bool(row["all_passed"]),
         reason=str(row.get("reason") or ""),

@@ -215,3 +215,35 @@ class TimeLimited:
 def time_limited(name: str, reward: Reward, timeout_s: float | None) -> Reward:
     """``reward`` under :class:`TimeLimited` when ``timeout_s`` is given, else ``reward`` itself."""
     return reward if timeout_s is None else TimeLimited(name, reward, timeout_s)
+
+
+def load_panel(specs: Iterable[Any], where: str) -> RewardSet:
+    """Rewards scored side by side (``evaluate --reward``, ``eval.rewards``), each under its name, or its
+    ``label`` option when one is given (two variants of one reward need two labels); weights play no part.
+    ``specs``: :class:`flowalign.config.RewardSpec` objects; ``where`` names the option in errors."""
+    from flowalign.plugins import load_reward
+
+    entries, seen = [], set()
+    for spec in specs:
+        options = spec.options
+        label = str(options.pop("label", spec.name))
+        if label in seen:
+            raise UserError(f"{where}: reward {label!r} is given twice; give the second a label "
+                            f"(e.g. {{name: {spec.name}, label: {spec.name}_b, ...}})")
+        seen.add(label)
+        entries.append((label, 1.0, time_limited(label, load_reward(spec.name, **options), spec.timeout_s)))
+    return RewardSet(entries)
+
+
+def check_panel(specs: Iterable[Any], where: str) -> None:
+    """:func:`load_panel`'s refusals (unknown rewards, options, repeated names) without building a reward."""
+    import rewards
+
+    seen = set()
+    for spec in specs:
+        options = spec.options
+        label = str(options.pop("label", spec.name))
+        if label in seen:
+            raise UserError(f"{where}: reward {label!r} is given twice; give the second a label")
+        seen.add(label)
+        rewards.check(spec.name, **options)

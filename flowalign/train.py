@@ -23,7 +23,7 @@ from flowalign.io import OLD_PREFIX, TMP_PREFIX, foreign_entries, marker_name, r
 from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
 from flowalign.reward_check import check_frame_count, check_reward_metadata
-from flowalign.reward_set import time_limited
+from flowalign.reward_set import check_panel, load_panel, time_limited
 from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
 from flowalign.signals import exit_on_sigterm
 from flowalign.trainers import trainer_config
@@ -31,7 +31,7 @@ from flowalign.trainers import trainer_config
 # keys that may change when a run is resumed (everything else must match the saved config); the folder
 # itself may have been moved or copied, and the layout over ranks may change (checkpoints are consolidated)
 RESUMABLE_CHANGES = {"run.output_dir", "run.resume", "run.progress", "run.checkpoint_every", "run.keep_checkpoints",
-                     "trainer.max_steps", "trainer.max_minutes", "eval.every", "run.wandb",
+                     "trainer.max_steps", "trainer.max_minutes", "eval.every", "eval.rewards", "run.wandb",
                      "parallel.strategy", "parallel.cpu_offload", "parallel.reshard_after_forward",
                      "parallel.timeout_s"}
 
@@ -107,12 +107,14 @@ def make_evaluator(cfg: TrainConfig):
     from flowalign.evaluation import evaluate
 
     bench = load_benchmark(cfg.eval.bench, cfg.eval.level, cfg.eval.n, cfg.eval.seed, split=cfg.eval.split)
+    # the held-out panel: scored on the same samples, logged as eval/<name> (the loop logs every number)
+    panel = load_panel(cfg.eval.rewards, "eval.rewards") if cfg.eval.rewards else None
 
     def run(policy, out_dir: Path) -> dict[str, Any]:
         metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=cfg.eval.seed or 0,
                            num_steps=cfg.eval.num_steps, batch_size=cfg.eval.batch_size, out_dir=out_dir,
                            progress=False, labels={"bench": bench.name, "split": bench.split, "seed": cfg.eval.seed or 0,
-                                                   "reward": bench.reward.name})
+                                                   "reward": bench.reward.name}, panel=panel)
         if cfg.eval.gallery:
             _write_gallery(out_dir.parent.parent, f"{cfg.run.name}: {bench.name}")
         return metrics
@@ -146,6 +148,10 @@ def check_run(cfg: TrainConfig) -> tuple[type, Any]:
     if cfg.eval.bench and cfg.eval.bench not in available_benchmarks():
         raise UserError(f"eval.bench={cfg.eval.bench} is not a benchmark; choose one of "
                         f"{', '.join(available_benchmarks())}, or eval.bench=null for no evaluation")
+    if cfg.eval.rewards and not cfg.eval.bench:
+        raise UserError("eval.rewards scores the samples of the evaluation, but eval.bench=null turns it off; set "
+                        "eval.bench (e.g. vvr) or drop eval.rewards")
+    check_panel(cfg.eval.rewards, "eval.rewards")
     folder = resolve_model_path(cfg.model.path)
     if not (folder / "model_index.json").is_file():
         raise UserError(f"model.path {folder} is not a diffusers folder (no model_index.json): pass the model's "

@@ -61,6 +61,9 @@ FALLBACK = {
     "eval.num_steps": "sampling steps at evaluation (null: the model's default)",
     "eval.batch_size": "samples per evaluation batch",
     "eval.gallery": "rebuild `gallery/index.html` after each evaluation",
+    "eval.rewards.name": "a registered reward name, `module:function`, or an entry-point name (a `label:` option "
+                         "names its column instead)",
+    "eval.rewards.weight": "unused: the panel's rewards are reported side by side, never summed",
     "parallel.strategy": "`ddp`: every rank holds the whole model, gradients averaged; `fsdp`: FSDP2 shards weights, "
                          "gradients and optimiser state",
     "trainer.name": "which trainer runs (see the sections below)",

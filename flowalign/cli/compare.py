@@ -1,9 +1,11 @@
 """``flowalign compare A B``: paired wins and losses of evaluation B against evaluation A.
 
 Each folder is what ``flowalign evaluate --out`` (or a run's ``evals/step-XXXXXX``) writes. Sample ``i`` of
-both got the same noise, so prompt by prompt B wins, ties or loses against A on the verifier's score.
+both got the same noise, so prompt by prompt B wins, ties or loses against A on the verifier's score (or,
+with ``--reward NAME``, on that reward of an evaluation with ``--reward``s).
 Prints one JSON line: wins / ties / losses, the win rate ``(wins + ties/2) / n``, ``wins / (wins +
-losses)``, a two-sided exact sign test on the decided prompts, and both means. ``--by constraint`` or
+losses)``, a two-sided exact sign test on the decided prompts, both means, and for continuous scores the
+paired difference ``B - A`` (its mean with a 95% interval) and a Wilcoxon signed-rank test. ``--by constraint`` or
 ``--by shape`` adds one line per group of prompts (the task's constraint types, or the shapes its prompt
 names, as the reward lists them): where a change gained and where it lost.
 """
@@ -28,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("b", type=Path, help="evaluation folder B (e.g. the fine-tuned model)")
     p.add_argument("--on", choices=("score", "passed"), default="score",
                    help="compare the verifier's score (default) or whether every constraint passed")
+    p.add_argument("--reward", default=None, metavar="NAME",
+                   help="compare this reward's per-sample scores (an evaluation with --reward NAME, or a run's "
+                        "eval.rewards); default: each row's score")
     p.add_argument("--by", choices=("constraint", "shape"), default=None,
                    help="also compare per group of prompts: by the task's constraint types or the shapes it names")
     return p
@@ -62,14 +67,32 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 
 def paired(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    """Paired wins / ties / losses of scores ``b`` against ``a`` (``(n,)`` each, same prompts and noise)."""
+    """Paired wins / ties / losses of scores ``b`` against ``a`` (``(n,)`` each, same prompts and noise),
+    and the differences ``b - a`` over the pairs both scored (:func:`differences`)."""
     wins, losses = int((b > a).sum()), int((b < a).sum())
     ties = len(a) - wins - losses
     return {"n": len(a), "wins": wins, "ties": ties, "losses": losses,
             "win_rate": (wins + ties / 2) / len(a) if len(a) else float("nan"),
             "wins_over_decided": wins / (wins + losses) if wins + losses else float("nan"),
             "sign_test_p": sign_test_p(wins, losses),
-            "a_mean": float(a.mean()), "b_mean": float(b.mean())}
+            "a_mean": float(a.mean()), "b_mean": float(b.mean()),
+            **differences(a, b)}
+
+
+def differences(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    """``mean_diff`` of ``b - a`` with its 95% Student-t interval, and the two-sided Wilcoxon signed-rank
+    p-value (zero differences left out; 1.0 when none is left), over the ``n_paired`` pairs both scored."""
+    from scipy.stats import wilcoxon
+
+    from flowalign.eval_panel import mean_ci
+
+    both = np.isfinite(a) & np.isfinite(b)
+    d = (b - a)[both]
+    mean, low, high = mean_ci(d.tolist())
+    decided = d[d != 0]
+    p = float(wilcoxon(decided).pvalue) if len(decided) else 1.0
+    return {"n_paired": int(both.sum()), "mean_diff": mean, "diff_ci95_low": low, "diff_ci95_high": high,
+            "wilcoxon_p": p}
 
 
 def group_of(row: dict[str, Any], by: str) -> str:
@@ -80,20 +103,29 @@ def group_of(row: dict[str, Any], by: str) -> str:
     return "+".join(sorted(row.get("shapes", []))) or "-"
 
 
-def scores(rows: list[dict[str, Any]], on: str) -> np.ndarray:
+def scores(rows: list[dict[str, Any]], on: str, reward: str | None = None) -> np.ndarray:
     if on == "passed":
         return np.array([float(bool(r.get("all_passed", False))) for r in rows])
+    if reward is not None:
+        if not any(reward in (r.get("scores") or {}) for r in rows):
+            known = sorted({k for r in rows for k in (r.get("scores") or {})})
+            raise UserError(f"--reward {reward}: the evaluation scored no such reward"
+                            + (f"; it has {', '.join(known)}" if known else "; evaluate with --reward to score rewards"))
+        values = [(r.get("scores") or {}).get(reward) for r in rows]
+        return np.array([float("nan") if v is None else float(v) for v in values])
     # an invalid sample's score is written as null (JSON has no NaN); NaN never wins or loses
     return np.array([float("nan") if r["score"] is None else float(r["score"]) for r in rows])
 
 
 def compare(a_rows: list[dict[str, Any]], b_rows: list[dict[str, Any]], on: str = "score",
-            by: str | None = None) -> list[dict[str, Any]]:
+            by: str | None = None, reward: str | None = None) -> list[dict[str, Any]]:
     """The overall comparison, then one per group when ``by`` is given."""
     if [r["prompt"] for r in a_rows] != [r["prompt"] for r in b_rows]:
         raise UserError("the two evaluations hold different prompts; evaluate both on the same split, n and seed")
-    a, b = scores(a_rows, on), scores(b_rows, on)
-    out = [paired(a, b) | {"on": on}]
+    if reward is not None and on != "score":
+        raise UserError("--reward compares a reward's scores; leave out --on passed")
+    a, b = scores(a_rows, on, reward), scores(b_rows, on, reward)
+    out = [paired(a, b) | {"on": on} | ({"reward": reward} if reward else {})]
     if by:
         groups = np.array([group_of(row, by) for row in a_rows])
         out += [{by: g} | paired(a[groups == g], b[groups == g]) for g in sorted(set(groups))]
@@ -101,5 +133,5 @@ def compare(a_rows: list[dict[str, Any]], b_rows: list[dict[str, Any]], on: str 
 
 
 def run(args: argparse.Namespace) -> None:
-    for line in compare(read_results(args.a), read_results(args.b), args.on, args.by):
+    for line in compare(read_results(args.a), read_results(args.b), args.on, args.by, args.reward):
         print(strict_json.dumps(line))

@@ -1,4 +1,5 @@
-"""``flowalign evaluate``: score a model (and adapter) on a benchmark split; writes metrics.json."""
+"""``flowalign evaluate``: score a model (and adapter) on a benchmark split, or on a prompt file with any
+rewards (``--prompts FILE --reward SPEC ...``); writes metrics.json, results.jsonl and the samples."""
 
 from __future__ import annotations
 
@@ -13,15 +14,26 @@ from flowalign.cli.common import (
     check_positive,
     load_guided_policy,
 )
+from flowalign.data import PromptSet, read_prompt_file
+from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.io import check_out_dir
 from flowalign.paths import default_model_dir
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("evaluate", help="evaluate on a benchmark split (metrics.json, samples, verdicts)")
+    p = sub.add_parser("evaluate", help="evaluate on a benchmark split or a prompt file with any rewards "
+                                        "(metrics.json, samples, verdicts)")
     add_model_args(p)
-    p.add_argument("--bench", default="vvr", help="benchmark name: vvr (images), vvr_motion (videos) or vvr_edit (editing models)")
+    p.add_argument("--bench", default=None,
+                   help="benchmark name (default vvr): vvr (images), vvr_motion (videos), vvr_edit (editing models), ...")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="evaluate on this prompt file instead of a benchmark: .txt (one prompt a line) or .jsonl "
+                        "(a \"prompt\" per line, the rest its metadata, e.g. GenEval's metadata files); needs --reward")
+    p.add_argument("--reward", action="append", default=[], metavar="SPEC",
+                   help="a reward to score the samples with (repeatable): a name, or the YAML mapping of a config's "
+                        "rewards: list, e.g. \"{name: pickscore, path: /weights/pickscore}\"; each gets its mean with "
+                        "a 95%% interval in metrics.json and its score per sample in results.jsonl")
     p.add_argument("--level", default="easy", help="easy, medium or hard")
     p.add_argument("--split", default="test",
                    help="validation (choose settings on it) or test (held-out compositions; report results on it)")
@@ -39,12 +51,24 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    from flowalign.benchmarks import load_benchmark
+    from flowalign.config import reward_spec_from_text
+    from flowalign.reward_set import load_panel
 
     check_positive(args, "steps", "batch_size", "n")
-    bench = load_benchmark(args.bench, args.level, args.n, args.seed, split=args.split)
+    specs = [reward_spec_from_text(text, "--reward") for text in args.reward]
+    if args.prompts is not None:
+        if args.bench is not None:
+            raise UserError("give --prompts FILE or --bench NAME, not both")
+        if not specs:
+            raise UserError("--prompts needs at least one --reward to score the samples with, e.g. --reward brightness")
+        source = _prompt_source(args)
+    else:
+        from flowalign.benchmarks import load_benchmark
+
+        source = load_benchmark(args.bench or "vvr", args.level, args.n, args.seed, split=args.split)
     check_guide_args(args)
     check_out_dir(args.out, writer="evaluate", overwrite=args.overwrite)  # before the model is loaded
+    panel = load_panel(specs, "--reward") if specs else None
     policy, guide = load_guided_policy(args)
     labels = {}
     if guide is not None:
@@ -52,8 +76,23 @@ def run(args: argparse.Namespace) -> None:
 
         policy = GuidedPolicy(policy, guide)  # every sampling step of the evaluation is reward-guided
         labels = {"guide": args.guide, "guide_scale": args.guide_scale, "guide_window": args.guide_window}
-    metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=args.seed or 0,
+    model = {"model": str(args.model or default_model_dir()), "adapter": args.adapter}
+    if args.prompts is not None:
+        labels = {"prompts": str(args.prompts), "seed": args.seed or 0, "reward": panel.names[0],
+                  "rewards": panel.names, **model, **labels}
+    else:
+        labels = {"bench": source.name, "split": source.split, "seed": args.seed or 0, "reward": source.reward.name,
+                  **({"rewards": panel.names} if panel else {}), **model, **labels}
+    metrics = evaluate(policy, source.prompts, source.metadata, getattr(source, "reward", None), seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
-                       out_dir=args.out, overwrite=args.overwrite, labels={"bench": bench.name, "split": bench.split, "seed": args.seed or 0, "reward": bench.reward.name, "model": str(args.model or default_model_dir()), "adapter": args.adapter, **labels})
+                       out_dir=args.out, overwrite=args.overwrite, labels=labels, panel=panel)
     print(strict_json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
     print(f"wrote {args.out}/metrics.json")
+
+
+def _prompt_source(args: argparse.Namespace) -> PromptSet:
+    """``--prompts`` (its first ``--n``), read before any model is loaded."""
+    prompts = read_prompt_file(args.prompts)
+    if args.n is not None:
+        prompts = PromptSet(prompts.prompts[: args.n], prompts.metadata[: args.n])
+    return prompts

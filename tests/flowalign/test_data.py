@@ -42,3 +42,20 @@ def test_a_prompt_over_the_bound_names_its_line(tmp_path):
         read_prompt_file(jsonl)
     txt.write_text("z" * MAX_PROMPT_CHARS + "\n")
     assert len(read_prompt_file(txt).prompts[0]) == MAX_PROMPT_CHARS
+
+
+def test_geneval_metadata_and_plain_text_prompt_sets_are_read_as_they_are(tmp_path):
+    # GenEval's metadata file: each line is the sample's metadata, its "prompt" the prompt
+    rows = [{"tag": "counting", "include": [{"class": "dog", "count": 2}], "prompt": "a photo of two dogs"},
+            {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "exclude": [],
+             "prompt": "a photo of a red car"}]
+    path = tmp_path / "evaluation_metadata.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = read_prompt_file(path)
+    assert prompts.prompts == ["a photo of two dogs", "a photo of a red car"]
+    assert prompts.metadata == [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
+    # a plain list (OCR, PickScore prompt sets): one prompt a line, blank lines and edge spaces dropped
+    text = tmp_path / "test.txt"
+    text.write_text('A sign that says "OPEN"\n\n  a cat on a mat  \n')
+    plain = read_prompt_file(text)
+    assert plain.prompts == ['A sign that says "OPEN"', "a cat on a mat"] and plain.metadata == [{}, {}]

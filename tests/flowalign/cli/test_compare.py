@@ -52,3 +52,34 @@ def test_different_prompts_or_missing_results_are_one_line_errors(tmp_path, caps
     assert main(["compare", str(a), str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert "no results.jsonl" in err and len(err.strip().splitlines()) == 1
+
+
+def scored_dir(folder: Path, values: dict[str, list[float | None]]) -> Path:
+    """A folder as ``flowalign evaluate --prompts F --reward ...`` writes it: per-sample ``scores``."""
+    folder.mkdir(parents=True)
+    names = list(values)
+    n = len(values[names[0]])
+    rows = [{"index": i, "prompt": f"p{i}", "score": values[names[0]][i],
+             "scores": {k: values[k][i] for k in names}} for i in range(n)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_continuous_reward_gets_paired_differences_interval_and_wilcoxon(tmp_path, capsys):
+    from scipy.stats import ttest_rel, wilcoxon
+
+    a = [0.10, 0.40, 0.35, 0.80, 0.55, 0.20, None]
+    b = [0.30, 0.45, 0.30, 0.95, 0.70, 0.20, 0.9]  # the last pair: A invalid, left out of the differences
+    base = scored_dir(tmp_path / "a", {"brightness": [0.0] * 7, "pickscore": a})
+    tuned = scored_dir(tmp_path / "b", {"brightness": [0.0] * 7, "pickscore": b})
+    assert main(["compare", str(base), str(tuned), "--reward", "pickscore"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    d = [y - x for x, y in zip(a[:6], b[:6])]
+    assert line["reward"] == "pickscore" and line["n_paired"] == 6
+    assert (line["wins"], line["losses"], line["ties"]) == (4, 1, 2)
+    assert line["mean_diff"] == pytest.approx(sum(d) / 6)
+    # the interval is the paired t-test's: its p-value is 0.05 exactly at the interval's bound
+    assert ttest_rel([x + line["diff_ci95_low"] for x in a[:6]], b[:6]).pvalue == pytest.approx(0.05)
+    assert line["wilcoxon_p"] == pytest.approx(wilcoxon([x for x in d if x != 0]).pvalue)
+    assert main(["compare", str(base), str(tuned), "--reward", "hpsv3"]) == 2
+    assert "has brightness, pickscore" in capsys.readouterr().err

@@ -1,0 +1,53 @@
+"""``flowalign evaluate --prompts FILE --reward SPEC ...``: any prompt set scored by any rewards, with
+per-reward 95% intervals, per-sample scores, per-tag accuracy and a gallery of the result."""
+
+import json
+
+import pytest
+
+from flowalign.cli.main import main
+from flowalign.eval_panel import mean_ci
+from flowalign.gallery import gallery_from_evals
+
+
+def test_prompt_file_scored_by_two_rewards(tmp_path, capsys, tiny_sd3_dir):
+    prompts = tmp_path / "metadata.jsonl"
+    tags = ["single_object", "counting", "counting"]
+    prompts.write_text("".join(json.dumps({"tag": t, "include": [], "prompt": f"prompt {i}"}) + "\n"
+                               for i, t in enumerate(tags)))
+    out = tmp_path / "eval"
+    code = main(["evaluate", "--model", str(tiny_sd3_dir), "--prompts", str(prompts), "--reward", "brightness",
+                 "--reward", "{name: jpeg_compressibility, quality: 80}", "--steps", "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    metrics = json.loads((out / "metrics.json").read_text())
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert metrics["rewards"] == ["brightness", "jpeg_compressibility"] and metrics["n"] == 3
+    for name in metrics["rewards"]:
+        values = [r["scores"][name] for r in rows]
+        mean, low, high = mean_ci(values)
+        assert metrics[name] == pytest.approx(mean) and metrics[f"{name}/valid_fraction"] == 1.0
+        assert (metrics[f"{name}/ci95_low"], metrics[f"{name}/ci95_high"]) == pytest.approx((low, high))
+        assert low < mean < high
+    # the first reward is each row's score; tags give GenEval's per-tag accuracy and its mean over tags
+    assert [r["score"] for r in rows] == [r["scores"]["brightness"] for r in rows]
+    counting = (rows[1]["score"] + rows[2]["score"]) / 2
+    assert metrics["accuracy/counting"] == pytest.approx(counting)
+    assert metrics["accuracy/single_object"] == pytest.approx(rows[0]["score"])
+    assert metrics["accuracy/overall"] == pytest.approx((counting + rows[0]["score"]) / 2)
+    # the gallery shows every reward of the panel
+    _, gallery_rows = gallery_from_evals([out], ["tiny"])
+    assert set(gallery_rows[0].cells[0].scores) == {"brightness", "jpeg_compressibility"}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--prompts", "p.txt"], "needs at least one --reward"),
+    (["--prompts", "p.txt", "--bench", "vvr", "--reward", "brightness"], "not both"),
+    (["--bench", "vvr", "--reward", "{name: brightness"], "not valid YAML"),
+    (["--bench", "vvr", "--reward", "brightness", "--reward", "brightness"], "given twice"),
+])
+def test_bad_reward_options_are_one_line(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("a cat\n")
+    assert main(["evaluate", *argv, "--out", "o"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
