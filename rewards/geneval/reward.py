@@ -92,11 +92,13 @@ class GenEvalReward:
         scores = torch.zeros(n, dtype=torch.float32)
         info = []
         for i in range(n):
+            if not valid[i]:  # a non-finite sample is masked, never judged
+                info.append({"tag": metadata[i]["tag"], "all_passed": False, "reason": "non-finite sample"})
+                continue
             verdict = self._judge(pixels[i], detections[i], metadata[i])
             scores[i] = verdict.partial if self.score == "partial" else float(verdict.correct)
             info.append({"tag": metadata[i]["tag"], "all_passed": verdict.correct, "strict": float(verdict.correct),
                          "partial": verdict.partial, "constraints": verdict.checks, "reason": "; ".join(verdict.reasons)})
-        scores = torch.where(valid, scores, torch.zeros_like(scores))
         return RewardOutput({self.name: scores.to(samples.device)}, valid=valid.to(samples.device), info=info)
 
     def _judge(self, image: np.ndarray, detections: list[rules.Detection], meta: Mapping[str, Any]) -> rules.Verdict:
