@@ -56,7 +56,8 @@ class ClipColours:
         crops = []
         for det in detections:
             shown = picture if det.mask is None else Image.composite(picture, canvas, Image.fromarray(det.mask))
-            crops.append(shown.crop(tuple(round(v) for v in det.box)))
+            x0, y0, x1, y1 = (round(v) for v in det.box)
+            crops.append(shown.crop((x0, y0, max(x1, x0 + 1), max(y1, y0 + 1))))  # a degenerate box: one pixel
         pixels = self.processor(images=crops, return_tensors="pt")["pixel_values"]
         feats = self.model.get_image_features(pixel_values=pixels.to(self.model.device, self.model.dtype)).pooler_output
         logits = torch.nn.functional.normalize(feats.float(), dim=-1) @ self._head(cls).T

@@ -104,7 +104,7 @@ class Owlv2Detector:
         out = self.model(**inputs)
         # OWLv2 pads each image to a square (bottom and right): boxes are relative to that square
         sides = [(max(im.shape[:2]),) * 2 for im in images]
-        results = self.processor.post_process_object_detection(out, threshold=min_score, target_sizes=sides)
+        results = self.processor.post_process_grounded_object_detection(out, threshold=min_score, target_sizes=sides)
         detections = []
         for image, names, res in zip(images, queries, results):
             h, w = image.shape[:2]

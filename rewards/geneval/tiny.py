@@ -55,3 +55,24 @@ def save_tiny_geneval(out: Path, seed: int = 0) -> dict[str, Path]:
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(paths["clip_path"])
     return paths
+
+
+def save_tiny_owlv2(out: Path, seed: int = 0) -> Path:
+    """A random tiny ``Owlv2ForObjectDetection`` and its processor in ``out`` (for ``detector: owlv2``)."""
+    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+
+    from pipelines.tiny import clip_tokenizer
+
+    tok = clip_tokenizer(vocab_size=1024, model_max_length=16)
+    text = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 16, "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 64, "patch_size": 16}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32)).eval()
+    out = Path(out)
+    model.save_pretrained(out)
+    Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": 64, "width": 64}), tokenizer=tok).save_pretrained(out)
+    return out

@@ -73,3 +73,15 @@ def test_bad_metadata_is_one_line(tiny_geneval, decoded):
     with pytest.raises(UserError, match=r"position must be \[relation, index of an earlier include\]"):
         reward(decoded[:1], PROMPTS[:1], [{"tag": "position", "include": [{"class": "dog", "count": 1,
                                                                            "position": ["left of", 0]}]}])
+
+
+def test_owlv2_detector_scores_any_class(tiny_geneval, decoded, tmp_path):
+    from rewards.geneval.tiny import save_tiny_owlv2
+
+    reward = rewards.load("geneval", detector="owlv2", path=str(save_tiny_owlv2(tmp_path / "owl")),
+                          clip_path=tiny_geneval["clip_path"], threshold=0.0, counting_threshold=0.0)
+    meta = [{"tag": "colors", "include": [{"class": "unicorn", "count": 1, "color": "red"}]}] + META[1:]
+    out = reward(decoded, PROMPTS, meta)
+    assert out.components["geneval"].shape == (3,) and torch.isfinite(out.components["geneval"]).all()
+    assert torch.equal(out.components["geneval"], reward(decoded, PROMPTS, meta).components["geneval"])
+    assert ("count", True) in out.info[0]["constraints"]  # every query box passes a zero threshold
