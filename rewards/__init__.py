@@ -8,7 +8,8 @@ PLUGINS = {
     "commands": {"serve-judge": "rewards.cli.serve_judge", "train-reward": "rewards.cli.train_reward",
                  "serve-reward": "rewards.cli.serve_reward"},
     "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion",
-                   "vvr_edit": "rewards.benchmarks:load_vvr_edit"},
+                   "vvr_edit": "rewards.benchmarks:load_vvr_edit",
+                   "geneval": "rewards.benchmarks:load_geneval"},
     "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},
 }
 

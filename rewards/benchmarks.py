@@ -75,3 +75,48 @@ def render_vvr_motion(metadata: dict[str, Any], size: int):
     if "task" not in metadata:
         raise UserError("a vvr_motion item has no 'task' in its metadata; draw tasks with data.bench: vvr_motion")
     return render(metadata["task"], size=size)
+
+
+#: where the ``geneval`` benchmark's reward finds its weights (a benchmark loader takes no reward options)
+GENEVAL_ENV = {"path": "FLOWALIGN_GENEVAL_PATH", "clip_path": "FLOWALIGN_GENEVAL_CLIP_PATH"}
+
+
+class DeferredGenEval:
+    """The ``geneval`` reward with ``score: strict`` (so mean scores are GenEval accuracies), built on its first
+    call from the folders named by ``$FLOWALIGN_GENEVAL_PATH`` and ``$FLOWALIGN_GENEVAL_CLIP_PATH``: training
+    draws never score with it, and an evaluation split checks the folders exist when it is loaded."""
+
+    name = "geneval"
+    differentiable = False
+    requires_metadata = ("tag", "include")
+
+    def __init__(self, check: bool):
+        import os
+
+        self.options = {option: os.environ.get(var) for option, var in GENEVAL_ENV.items()}
+        self._reward = None
+        if check:
+            for option, var in GENEVAL_ENV.items():
+                value = self.options[option]
+                if not value or not os.path.isdir(value):
+                    what = ("a download of facebook/mask2former-swin-small-coco-instance" if option == "path"
+                            else "a download of openai/clip-vit-large-patch14")
+                    raise UserError(f"benchmark geneval scores with the geneval reward: set {var} to {what} "
+                                    f"(now {value!r})")
+
+    def __call__(self, samples, prompts, metadata):
+        if self._reward is None:
+            self._reward = load_reward("geneval", score="strict", **self.options)
+        return self._reward(samples, prompts, metadata)
+
+
+def load_geneval(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+    """The GenEval-style split (``level`` does not apply: GenEval has one), or training draws (``train``:
+    held-out compositions excluded). Each prompt's metadata is its GenEval metadata line."""
+    check_level(level)
+    from rewards.geneval.prompts import generate_tasks
+    from rewards.geneval.splits import load_split
+
+    tasks = generate_tasks(n or 500, seed=seed or 0) if split == TRAIN else load_split(split, n, seed)
+    metadata = [{k: v for k, v in t.items() if k != "prompt"} for t in tasks]
+    return Benchmark("geneval", [t["prompt"] for t in tasks], metadata, DeferredGenEval(check=split != TRAIN), split)

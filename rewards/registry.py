@@ -35,6 +35,7 @@ _BUILTIN_MODULES = (
     "rewards.vvr_edit",
     "rewards.vlm_judge",
     "rewards.remote",
+    "rewards.geneval",
 )
 
 

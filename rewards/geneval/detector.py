@@ -1,0 +1,118 @@
+"""The detectors behind the ``geneval`` reward, each loaded with transformers from a local folder.
+
+* :class:`Mask2FormerDetector`: ``Mask2FormerForUniversalSegmentation`` (the architecture GenEval evaluates
+  with) over the 80 COCO classes. Its instance post-processing is mmdetection's, which GenEval ran: class
+  probabilities of every (query, class) pair, the top 100, each scored ``class prob × mean mask prob`` inside
+  its mask, masks at the original image size, boxes around the masks. (transformers' own
+  ``post_process_instance_segmentation`` resizes to a fixed 384 px before cropping the padding, so it is not
+  used.)
+* :class:`Owlv2Detector`: ``Owlv2ForObjectDetection``, open-vocabulary, for classes outside COCO; boxes only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rewards.geneval.rules import Detection
+from rewards.geneval.vocabulary import CLASSES
+
+#: detections kept per image before the rules' thresholds (mmdetection's ``max_per_image`` for Mask2Former)
+MAX_PER_IMAGE = 100
+
+
+class Mask2FormerDetector:
+    """A COCO instance-segmentation Mask2Former and its image processor from ``path``."""
+
+    def __init__(self, path: Path, dtype: torch.dtype):
+        from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
+
+        self.model = Mask2FormerForUniversalSegmentation.from_pretrained(path).to(dtype).eval().requires_grad_(False)
+        self.processor = AutoImageProcessor.from_pretrained(path)
+        id2label = self.model.config.id2label
+        # an 80-class model is COCO's, in COCO's order: use GenEval's spelling of each class
+        self.labels = list(CLASSES) if len(id2label) == len(CLASSES) else [id2label[i] for i in range(len(id2label))]
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    @torch.no_grad()
+    def __call__(self, images: Sequence[np.ndarray], min_score: float, queries: Sequence[Sequence[str]] | None = None
+                 ) -> list[list[Detection]]:
+        """``images`` uint8 ``(H, W, 3)`` → per image, its detections scoring above ``min_score``."""
+        device, dtype = self.model.device, self.model.dtype
+        inputs = self.processor(images=list(images), return_tensors="pt")
+        pixel_values = inputs["pixel_values"].to(device, dtype)
+        pixel_mask = inputs["pixel_mask"].to(device)
+        out = self.model(pixel_values=pixel_values, pixel_mask=pixel_mask)
+        return [self._instances(out.class_queries_logits[i].float(), out.masks_queries_logits[i].float(),
+                                pixel_mask[i], tuple(pixel_values.shape[-2:]), image.shape[:2], min_score)
+                for i, image in enumerate(images)]
+
+    def _instances(self, class_logits: torch.Tensor, mask_logits: torch.Tensor, pixel_mask: torch.Tensor,
+                   padded: tuple[int, int], size: tuple[int, int], min_score: float) -> list[Detection]:
+        num_classes = class_logits.shape[-1] - 1
+        probs = class_logits.softmax(-1)[:, :-1].flatten()
+        top, index = probs.topk(min(MAX_PER_IMAGE, probs.numel()))
+        queries, labels = index // num_classes, index % num_classes
+        # only the queries among the top pairs are upsampled: padded input size, padding cropped, original size
+        distinct, row = torch.unique(queries, return_inverse=True)
+        logits = F.interpolate(mask_logits[distinct][None], size=padded, mode="bilinear", align_corners=False)[0]
+        h, w = int(pixel_mask.any(1).sum()), int(pixel_mask.any(0).sum())
+        logits = F.interpolate(logits[None, :, :h, :w], size=size, mode="bilinear", align_corners=False)[0]
+        binary = logits > 0
+        mask_score = (logits.sigmoid() * binary).flatten(1).sum(1) / (binary.flatten(1).sum(1) + 1e-6)
+        scores = top * mask_score[row]
+        out = []
+        for k in torch.nonzero(scores > min_score).flatten().tolist():
+            mask = binary[row[k]]
+            cols, rows = torch.nonzero(mask.any(0)).flatten(), torch.nonzero(mask.any(1)).flatten()
+            if not len(cols):
+                continue
+            box = (float(cols[0]), float(rows[0]), float(cols[-1] + 1), float(rows[-1] + 1))
+            out.append(Detection(self.labels[int(labels[k])], float(scores[k]), box, mask.cpu().numpy()))
+        return out
+
+
+class Owlv2Detector:
+    """An OWLv2 open-vocabulary detector and its processor from ``path``; each image is queried with the
+    classes its prompt names (``"a photo of a <class>"``, OWL-ViT's query form)."""
+
+    def __init__(self, path: Path, dtype: torch.dtype):
+        from transformers import AutoProcessor, Owlv2ForObjectDetection
+
+        self.model = Owlv2ForObjectDetection.from_pretrained(path).to(dtype).eval().requires_grad_(False)
+        self.processor = AutoProcessor.from_pretrained(path)
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    @torch.no_grad()
+    def __call__(self, images: Sequence[np.ndarray], min_score: float, queries: Sequence[Sequence[str]] | None = None
+                 ) -> list[list[Detection]]:
+        assert queries is not None, "OWLv2 needs the classes to look for"
+        device, dtype = self.model.device, self.model.dtype
+        texts = [[f"a photo of a {c}" for c in q] for q in queries]
+        inputs = self.processor(text=texts, images=list(images), return_tensors="pt")
+        inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in inputs.items()}
+        out = self.model(**inputs)
+        # OWLv2 pads each image to a square (bottom and right): boxes are relative to that square
+        sides = [(max(im.shape[:2]),) * 2 for im in images]
+        results = self.processor.post_process_grounded_object_detection(out, threshold=min_score, target_sizes=sides)
+        detections = []
+        for image, names, res in zip(images, queries, results):
+            h, w = image.shape[:2]
+            dets = []
+            for score, label, box in zip(res["scores"].tolist(), res["labels"].tolist(), res["boxes"].tolist()):
+                if label < len(names):  # padded query slots of a shorter query list
+                    x0, y0, x1, y1 = box
+                    dets.append(Detection(names[label], float(score),
+                                          (max(x0, 0.0), max(y0, 0.0), min(x1, float(w)), min(y1, float(h)))))
+            detections.append(dets)
+        return detections

@@ -1,0 +1,78 @@
+"""A random, architecture-faithful ``geneval`` folder pair for offline tests of the real loaders.
+
+``save_tiny_geneval(out)`` writes ``out/detector`` (a ``Mask2FormerForUniversalSegmentation`` with a
+tiny four-stage Swin backbone, 80 COCO labels, and its ``Mask2FormerImageProcessor``) and ``out/clip`` (a
+``CLIPModel`` with a CLIP tokenizer and image processor), each with ``save_pretrained``: what
+``rewards.load("geneval", path=out/"detector", clip_path=out/"clip")`` reads from the real downloads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rewards.geneval.vocabulary import CLASSES
+
+
+def save_tiny_geneval(out: Path, seed: int = 0) -> dict[str, Path]:
+    """Write the tiny detector and CLIP under ``out``; returns ``{"path": ..., "clip_path": ...}``."""
+    from transformers import (
+        CLIPConfig,
+        CLIPImageProcessor,
+        CLIPModel,
+        CLIPProcessor,
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        Mask2FormerImageProcessor,
+        SwinConfig,
+    )
+
+    from pipelines.tiny import clip_tokenizer
+
+    out = Path(out)
+    backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
+                          window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
+    config = Mask2FormerConfig(
+        backbone_config=backbone, feature_size=32, mask_feature_size=32, hidden_dim=32, encoder_feedforward_dim=32,
+        dim_feedforward=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2, num_queries=10, num_labels=len(CLASSES),
+        id2label=dict(enumerate(CLASSES)), label2id={c: i for i, c in enumerate(CLASSES)})
+    tok = clip_tokenizer(vocab_size=1024, model_max_length=32)
+    text = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 32, "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 16}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        detector = Mask2FormerForUniversalSegmentation(config).eval()
+        clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    paths = {"path": out / "detector", "clip_path": out / "clip"}
+    detector.save_pretrained(paths["path"])
+    Mask2FormerImageProcessor(size={"shortest_edge": 64, "longest_edge": 128}, size_divisor=32,
+                              ignore_index=255).save_pretrained(paths["path"])
+    clip.save_pretrained(paths["clip_path"])
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(paths["clip_path"])
+    return paths
+
+
+def save_tiny_owlv2(out: Path, seed: int = 0) -> Path:
+    """A random tiny ``Owlv2ForObjectDetection`` and its processor in ``out`` (for ``detector: owlv2``)."""
+    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+
+    from pipelines.tiny import clip_tokenizer
+
+    tok = clip_tokenizer(vocab_size=1024, model_max_length=16)
+    text = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 16, "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 64, "patch_size": 16}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32)).eval()
+    out = Path(out)
+    model.save_pretrained(out)
+    Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": 64, "width": 64}), tokenizer=tok).save_pretrained(out)
+    return out

@@ -1,0 +1,87 @@
+"""The geneval reward through its real loaders, on a tiny random Mask2Former + CLIP, scoring real decoded
+samples of the tiny SD3 model."""
+
+import pytest
+import torch
+
+import pipelines
+import rewards
+from flowalign.errors import UserError
+from flowalign.paths import default_model_dir
+from flowalign.sampling import rollout
+from rewards.geneval.tiny import save_tiny_geneval
+
+META = [
+    {"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "red"}]},
+    {"tag": "position", "include": [{"class": "car", "count": 1}, {"class": "dog", "count": 1, "position": ["left of", 0]}]},
+    {"tag": "counting", "include": [{"class": "cup", "count": 2}], "exclude": [{"class": "cup", "count": 3}]},
+]
+PROMPTS = ["a photo of a red dog", "a photo of a dog left of a car", "a photo of two cups"]
+
+
+@pytest.fixture(scope="module")
+def tiny_geneval(tmp_path_factory):
+    return {k: str(v) for k, v in save_tiny_geneval(tmp_path_factory.mktemp("tiny-geneval")).items()}
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    policy = pipelines.load(default_model_dir())
+    out = rollout(policy, PROMPTS, num_steps=2, sampler="ode", generator=torch.Generator().manual_seed(0))
+    return out.samples.float().clamp(0, 1)
+
+
+def test_scores_real_samples_finite_deterministic(tiny_geneval, decoded):
+    # thresholds at 0 so the random detector's detections reach the colour and position rules
+    reward = rewards.load("geneval", threshold=0.0, counting_threshold=0.0, **tiny_geneval)
+    first = reward(decoded, PROMPTS, META)
+    again = reward(decoded, PROMPTS, META)
+    score = first.components["geneval"]
+    assert score.shape == (3,) and torch.isfinite(score).all() and first.valid.all()
+    assert torch.equal(score, again.components["geneval"])
+    assert [i["tag"] for i in first.info] == ["colors", "position", "counting"]
+    assert any(kind == "colour" for kind, _ in first.info[0]["constraints"])  # the CLIP colour path ran
+    assert [i["partial"] for i in first.info] == pytest.approx(score.tolist())
+
+
+def test_strict_score_is_genevals_verdict_and_nonfinite_is_invalid(tiny_geneval, decoded):
+    reward = rewards.load("geneval", score="strict", **tiny_geneval)
+    samples = decoded.clone()
+    samples[1] = float("nan")
+    out = reward(samples, PROMPTS, META)
+    assert out.valid.tolist() == [True, False, True]
+    expected = [float(info["all_passed"]) if ok else 0.0 for info, ok in zip(out.info, out.valid.tolist())]
+    assert out.components["geneval"].tolist() == expected
+
+
+def test_missing_or_wrong_path_is_one_line(tiny_geneval, tmp_path):
+    with pytest.raises(UserError, match="path is not set; download .*facebook/mask2former-swin-small-coco-instance"):
+        rewards.load("geneval", clip_path=tiny_geneval["clip_path"])
+    with pytest.raises(UserError, match="clip_path=.* is not a folder; download .*clip-vit-large-patch14"):
+        rewards.load("geneval", path=tiny_geneval["path"], clip_path=str(tmp_path / "nothing"))
+    with pytest.raises(UserError, match="detector='yolo'"):
+        rewards.load("geneval", detector="yolo", **tiny_geneval)
+
+
+def test_bad_metadata_is_one_line(tiny_geneval, decoded):
+    reward = rewards.load("geneval", **tiny_geneval)
+    bad = {"tag": "colors", "include": [{"class": "unicorn", "count": 1}]}
+    with pytest.raises(UserError, match=r"include\[0\].class 'unicorn' is not a class of the detector.*owlv2"):
+        reward(decoded[:1], PROMPTS[:1], [bad])
+    with pytest.raises(UserError, match="'tag' must be one of"):
+        reward(decoded[:1], PROMPTS[:1], [{"include": []}])
+    with pytest.raises(UserError, match=r"position must be \[relation, index of an earlier include\]"):
+        reward(decoded[:1], PROMPTS[:1], [{"tag": "position", "include": [{"class": "dog", "count": 1,
+                                                                           "position": ["left of", 0]}]}])
+
+
+def test_owlv2_detector_scores_any_class(tiny_geneval, decoded, tmp_path):
+    from rewards.geneval.tiny import save_tiny_owlv2
+
+    reward = rewards.load("geneval", detector="owlv2", path=str(save_tiny_owlv2(tmp_path / "owl")),
+                          clip_path=tiny_geneval["clip_path"], threshold=0.0, counting_threshold=0.0)
+    meta = [{"tag": "colors", "include": [{"class": "unicorn", "count": 1, "color": "red"}]}] + META[1:]
+    out = reward(decoded, PROMPTS, meta)
+    assert out.components["geneval"].shape == (3,) and torch.isfinite(out.components["geneval"]).all()
+    assert torch.equal(out.components["geneval"], reward(decoded, PROMPTS, meta).components["geneval"])
+    assert ("count", True) in out.info[0]["constraints"]  # every query box passes a zero threshold
