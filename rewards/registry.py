@@ -34,6 +34,9 @@ _BUILTIN_MODULES = (
     "rewards.vvr_motion",
     "rewards.vvr_edit",
     "rewards.vlm_judge",
+    "rewards.hpsv3",
+    "rewards.unified_reward",
+    "rewards.videoalign",
 )
 
 
