@@ -133,6 +133,9 @@ class UnifiedReward:
             from rewards.vlm_backend import LocalVLM
 
             folder = local_path(path, self.name, "path", DOWNLOAD)
+            if not (folder / "config.json").is_file():
+                raise UserError(f"unified_reward reward: path={str(path)!r} is not a model folder (no config.json);"
+                                f" download {DOWNLOAD}")
             self.backend = LocalVLM(folder, device=self.device or "cpu", dtype=dtype, batch_size=batch_size)
             self.local = True
 

@@ -169,3 +169,11 @@ def test_a_missing_path_is_one_line_naming_the_reward_the_option_and_the_downloa
     if name != "unified_reward":
         with pytest.raises(UserError, match=f"{name} reward: set path:"):
             rewards.load(name)
+
+
+@pytest.mark.parametrize("name,match", [("hpsv3", "holds no HPSv3.safetensors"), ("videoalign", "has no model_config.json"),
+                                        ("unified_reward", "is not a model folder")])
+def test_a_folder_without_the_reward_files_is_one_line(name, match, tmp_path):
+    with pytest.raises(UserError, match=match) as e:
+        rewards.load(name, path=str(tmp_path))
+    assert "\n" not in str(e.value)
