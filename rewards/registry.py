@@ -36,6 +36,9 @@ _BUILTIN_MODULES = (
     "rewards.vlm_judge",
     "rewards.remote",
     "rewards.geneval",
+    "rewards.hpsv3",
+    "rewards.unified_reward",
+    "rewards.videoalign",
 )
 
 

@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["build_tiny_vlm", "tiny_vlm_tokenizer", "QWEN_VL_CHAT_TEMPLATE", "SPECIAL_TOKENS", "FAMILIES"]
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl")
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -103,8 +103,9 @@ def tiny_vlm_tokenizer(vocab_size: int = 640):
 
 def build_tiny_vlm(out_dir: str | os.PathLike | None = None, *, family: str = "qwen2_5_vl", seed: int = 0,
                    max_pixels: int | None = None, **text_overrides: Any):
-    """Build (and with ``out_dir``, save) a tiny Qwen2.5-VL (``family="qwen2_5_vl"``) or Qwen3-VL
-    (``"qwen3_vl"``) model, its processor and tokenizer.
+    """Build (and with ``out_dir``, save) a tiny Qwen2.5-VL (``family="qwen2_5_vl"``), Qwen3-VL
+    (``"qwen3_vl"``) or Qwen2-VL (``"qwen2_vl"``, the base of HPSv3 and VideoAlign) model, its processor
+    and tokenizer.
 
     Returns ``(model, processor)``; the model is in eval mode, float32, weights initialised under
     ``torch.manual_seed(seed)`` inside a forked RNG (the caller's RNG is untouched). ``max_pixels``
@@ -122,7 +123,7 @@ def build_tiny_vlm(out_dir: str | os.PathLike | None = None, *, family: str = "q
     # Qwen's M-RoPE splits the rotary half-dimension into (temporal, height, width) sections
     hw = head_dim // 2 // 3
     mrope = [head_dim // 2 - 2 * hw, hw, hw]
-    patch = 14 if family == "qwen2_5_vl" else 16
+    patch = 16 if family == "qwen3_vl" else 14
     text = {
         "vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 2 * hidden,
         "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": head_dim,
@@ -134,7 +135,12 @@ def build_tiny_vlm(out_dir: str | os.PathLike | None = None, *, family: str = "q
     }
     vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": patch,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": hidden}
-    if family == "qwen2_5_vl":
+    if family == "qwen2_vl":  # Qwen2-VL's vision tower: embed_dim wide, merged to the decoder's hidden size
+        text.pop("head_dim")
+        vision = {"depth": 2, "embed_dim": 32, "hidden_size": hidden, "mlp_ratio": 2, "num_heads": 2,
+                  "patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2}
+        names = ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "Qwen2VLVideoProcessor")
+    elif family == "qwen2_5_vl":
         text.pop("head_dim")
         vision.update(window_size=56, fullatt_block_indexes=[1])
         names = ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
