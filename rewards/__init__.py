@@ -5,7 +5,8 @@ from rewards.registry import available, check, differentiable, load, register
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml, read by the core without importing the modules
 PLUGINS = {
-    "commands": {"serve-judge": "rewards.cli.serve_judge", "train-reward": "rewards.cli.train_reward"},
+    "commands": {"serve-judge": "rewards.cli.serve_judge", "train-reward": "rewards.cli.train_reward",
+                 "tiny-reward": "rewards.cli.tiny_reward"},
     "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion",
                    "vvr_edit": "rewards.benchmarks:load_vvr_edit"},
     "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},

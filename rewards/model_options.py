@@ -29,12 +29,13 @@ def weights_path(who: str, path: str | Path | None, *, download: str, option: st
                  kind: str = "any") -> Path:
     """``path`` as a :class:`~pathlib.Path` that exists, else one line naming the reward, the option and
     what to download. ``kind``: ``"folder"``, ``"file"`` or ``"any"`` (either)."""
-    fix = f"download {download} and give its local {'folder' if kind == 'folder' else 'file' if kind == 'file' else 'path'}"
+    noun = {"folder": "folder", "file": "file"}.get(kind, "folder or file")
+    fix = f"download {download} and set {option}: to the downloaded {noun}"
     if path is None or str(path) == "":
-        raise UserError(f"{who} reward: {option} is not set; {fix} as {option}:")
+        raise UserError(f"{who} reward: {option} is not set; {fix}")
     p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(f"{who} reward: {option}={str(path)!r} does not exist; {fix} as {option}:")
+        raise UserError(f"{who} reward: {option}={str(path)!r} does not exist; {fix}")
     if kind == "folder" and not p.is_dir():
         raise UserError(f"{who} reward: {option}={str(path)!r} is a file; give the folder of {download}")
     if kind == "file" and not p.is_file():
