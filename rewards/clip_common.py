@@ -157,7 +157,8 @@ class HFCLIP:
         try:
             net = CLIPModel(CLIPConfig.from_pretrained(path)) if random_init else CLIPModel.from_pretrained(path)
         except (OSError, ValueError) as e:
-            raise UserError(f"{who} reward: {option}={str(path)!r} is not a transformers CLIP folder ({e}); give the "
+            raise UserError(f"{who} reward: {option}={str(path)!r} is not a transformers CLIP folder "
+                            f"({str(e).splitlines()[0]}); give the "
                             "downloaded folder (config.json + model.safetensors)") from None
         processor_path = processor_path or path
         try:
@@ -165,7 +166,7 @@ class HFCLIP:
             image_processor = CLIPImageProcessor.from_pretrained(processor_path)
         except (OSError, ValueError) as e:  # ValueError: a folder without tokenizer files
             raise UserError(f"{who} reward: {str(processor_path)!r} has no CLIP tokenizer files or "
-                            f"preprocessor_config.json ({e}); give processor_path: the folder holding them") from None
+                            "preprocessor_config.json; give processor_path: the folder holding them") from None
         self.model = net.to(dtype).eval().requires_grad_(False)
         crop = image_processor.crop_size
         self.size = (crop["height"], crop["width"])
