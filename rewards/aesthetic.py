@@ -9,9 +9,14 @@ import torch
 from torch import nn
 
 from flowalign.errors import UserError
-from rewards.clip_common import OpenCLIP
+from rewards.clip_common import OpenCLIP, load_clip
 from rewards.common import BatchedImageReward
+from rewards.model_options import deprecated, weights_path
 from rewards.registry import register
+
+
+HEAD_DOWNLOAD = "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-aesthetic-predictor)"
+CLIP_DOWNLOAD = "openai/clip-vit-large-patch14"
 
 
 class AestheticHead(nn.Module):
@@ -38,12 +43,7 @@ class AestheticHead(nn.Module):
 
 def load_head_state(path: str | Path) -> dict[str, torch.Tensor]:
     """State dict of a head saved as ``.safetensors`` or as a torch pickle (``.pth``/``.pt``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(
-            f"aesthetic reward: head_path={str(path)!r}: no such file; give the LAION aesthetic head"
-            " (sac+logos+ava1-l14-linearMSE.pth) or random_init=True"
-        )
+    path = weights_path("aesthetic", path, download=HEAD_DOWNLOAD, kind="file")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -52,35 +52,65 @@ def load_head_state(path: str | Path) -> dict[str, torch.Tensor]:
     return state.get("state_dict", state)
 
 
+def head_file(folder: Path) -> Path:
+    """The one head file (``*.pth``/``*.pt``/``*.safetensors``) at the top of ``folder``."""
+    found = sorted(p for p in folder.iterdir() if p.suffix in (".pth", ".pt", ".safetensors") and p.is_file())
+    if len(found) != 1:
+        raise UserError(f"aesthetic reward: path={str(folder)!r} must hold exactly one head file (.pth or "
+                        f".safetensors), found {len(found)}; give the head file itself as path:")
+    return found[0]
+
+
 @register("aesthetic")
 class AestheticScore(BatchedImageReward):
-    """``score_i = head(normalise(E_img(x_i)))``: the LAION aesthetic score, differentiable in the samples.
+    """``score_i = head(normalise(E_img(x_i)))``: the LAION aesthetic score (AVA 1-10 scale), as Flow-GRPO's
+    and the improved-aesthetic-predictor's scorers compute it; differentiable in the samples.
 
-    Options: ``head_path`` (the head's ``.pth``/``.safetensors``), ``model``/``pretrained`` (the CLIP
-    backbone the head was trained on; default OpenAI ViT-L/14), ``random_init`` (random backbone and
-    head, nothing read), ``batch_size``, ``device``, ``dtype``.
+    Options: ``path`` (the head file ``sac+logos+ava1-l14-linearMSE.pth``, or a folder holding it and the
+    CLIP model as ``clip/``), ``clip_path`` (the CLIP ViT-L/14 the head was trained on:
+    ``openai/clip-vit-large-patch14``, a transformers or open_clip folder or an open_clip checkpoint file;
+    default ``path``'s ``clip/``), ``clip_arch`` (the open_clip architecture of a checkpoint file),
+    ``random_init`` (random backbone and head, nothing read), ``batch_size``, ``device``, ``dtype``.
+    Deprecated: ``head_path`` (→ ``path``), ``model``/``pretrained`` (→ ``clip_path``).
     """
 
     name = "aesthetic"
 
-    def __init__(self, head_path: str | None = None, model: str = "ViT-L-14-quickgelu",
-                 pretrained: str | None = "openai", *, random_init: bool = False, **options: Any):
+    def __init__(self, path: str | None = None, *, clip_path: str | None = None,
+                 clip_arch: str = "ViT-L-14-quickgelu", head_path: str | None = None, model: str | None = None,
+                 pretrained: str | None = None, random_init: bool = False, **options: Any):
         super().__init__(**options)
-        if head_path is None and not random_init:
-            raise UserError(
-                "aesthetic reward: head_path is not set; give the LAION aesthetic head file"
-                " (sac+logos+ava1-l14-linearMSE.pth), or random_init=True"
-            )
-        self.clip = OpenCLIP(self.name, model, pretrained, random_init, self.dtype)
+        if head_path is not None:
+            deprecated(self.name, "head_path", "path:")
+            path = path or head_path
+        self.clip: Any
+        if model is not None or pretrained is not None:  # the open_clip options of earlier versions
+            for old, value in (("model", model), ("pretrained", pretrained)):
+                if value is not None:
+                    deprecated(self.name, old, "clip_path:")
+            self.clip = OpenCLIP(self.name, model or clip_arch, pretrained, random_init, self.dtype, CLIP_DOWNLOAD)
+        elif random_init and path is None and clip_path is None:
+            self.clip = OpenCLIP(self.name, clip_arch, None, True, self.dtype, CLIP_DOWNLOAD)
+        else:
+            given = weights_path(self.name, path, download=HEAD_DOWNLOAD)
+            if clip_path is None and given.is_dir() and (given / "clip").is_dir():
+                clip_path = str(given / "clip")
+            if clip_path is None:
+                raise UserError(f"aesthetic reward: clip_path is not set; download {CLIP_DOWNLOAD} and give its "
+                                "local folder as clip_path: (or put it beside the head as path/clip)")
+            self.clip = load_clip(self.name, clip_path, arch=clip_arch, dtype=self.dtype, download=CLIP_DOWNLOAD,
+                                  option="clip_path", random_init=random_init)
         self.head = AestheticHead(self.clip.embed_dim)
         if not random_init:
+            given = weights_path(self.name, path, download=HEAD_DOWNLOAD)
+            head = head_file(given) if given.is_dir() else given
             try:
-                self.head.load_state_dict(load_head_state(head_path))
+                self.head.load_state_dict(load_head_state(head))
             except RuntimeError as e:  # wrong keys or shapes: a head for another backbone or format
                 raise UserError(
-                    f"aesthetic reward: head_path={head_path!r} is not a LAION aesthetic MLP for a"
-                    f" {self.clip.embed_dim}-d CLIP embedding: {e}"
-                ) from e
+                    f"aesthetic reward: path={str(head)!r} is not a LAION aesthetic MLP for a"
+                    f" {self.clip.embed_dim}-d CLIP embedding: {str(e).splitlines()[0]}"
+                ) from None
         self.head = self.head.to(self.dtype).eval().requires_grad_(False)
 
     def modules(self) -> list[torch.nn.Module]:

@@ -27,11 +27,13 @@ def clip_preprocess(
     std: Sequence[float],
     resize_mode: str = "shortest",
     interpolation: str = "bicubic",
+    shortest_edge: int | None = None,
 ) -> torch.Tensor:
     """``(B, 3, H, W)`` in [0, 1] → ``(B, 3, h, w)`` normalised model input, differentiable.
 
     ``resize_mode="shortest"`` scales the shortest side to the target and centre-crops (CLIP's
-    ``Resize`` + ``CenterCrop``); ``"squash"`` resizes straight to the target. Resampling is
+    ``Resize`` + ``CenterCrop``), or to ``shortest_edge`` first where a processor resizes beyond its crop
+    (DINOv2: 256 then a 224 crop); ``"squash"`` resizes straight to the target. Resampling is
     antialiased like PIL's, so large generated images are downsampled without aliasing. Works in
     float32 (CPU antialiased bicubic has no bf16 kernel); cast the result to the model dtype.
     """
@@ -40,7 +42,9 @@ def clip_preprocess(
     x = images.float()
     if resize_mode == "shortest":
         # output sizes and crop offsets computed as torchvision's Resize / CenterCrop do
-        if th / h >= tw / w:
+        if shortest_edge is not None:  # transformers' get_resize_output_image_size: int(edge · long / short)
+            nh, nw = (shortest_edge, int(shortest_edge * w / h)) if h <= w else (int(shortest_edge * h / w), shortest_edge)
+        elif th / h >= tw / w:
             nh, nw = th, max(tw, int(th * w / h))
         else:
             nh, nw = max(th, int(tw * h / w)), tw
@@ -138,3 +142,85 @@ class OpenCLIP:
         tokens = self.tokenizer(prompts).to(device)
         feats = [self.model.encode_text(tokens[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
         return F.normalize(torch.cat(feats).float(), dim=-1)
+
+
+class HFCLIP:
+    """A frozen transformers ``CLIPModel`` folder (``config.json`` + weights) with its tokenizer and the
+    crop, mean and std of its ``preprocessor_config.json`` (read from ``processor_path``, default the
+    folder itself), in ``dtype``; the same interface as :class:`OpenCLIP`. ``random_init=True`` builds
+    the architecture of its ``config.json`` with random weights."""
+
+    def __init__(self, who: str, path: Path, processor_path: Path | None, dtype: torch.dtype,
+                 random_init: bool = False, option: str = "path"):
+        from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+        try:
+            net = CLIPModel(CLIPConfig.from_pretrained(path)) if random_init else CLIPModel.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{who} reward: {option}={str(path)!r} is not a transformers CLIP folder "
+                            f"({str(e).splitlines()[0]}); give the "
+                            "downloaded folder (config.json + model.safetensors)") from None
+        processor_path = processor_path or path
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(processor_path)
+            image_processor = CLIPImageProcessor.from_pretrained(processor_path)
+        except (OSError, ValueError) as e:  # ValueError: a folder without tokenizer files
+            raise UserError(f"{who} reward: {str(processor_path)!r} has no CLIP tokenizer files or "
+                            "preprocessor_config.json; give processor_path: the folder holding them") from None
+        self.model = net.to(dtype).eval().requires_grad_(False)
+        crop = image_processor.crop_size
+        self.size = (crop["height"], crop["width"])
+        self.mean, self.std = image_processor.image_mean, image_processor.image_std
+        self.max_length = self.model.config.text_config.max_position_embeddings
+        self.dtype = dtype
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.model.config.projection_dim)
+
+    @property
+    def logit_scale(self) -> torch.Tensor:
+        """``exp(logit_scale)``, the learned temperature (PickScore multiplies its cosine by it)."""
+        return self.model.logit_scale.float().exp()
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; preprocessed as
+        ``CLIPImageProcessor`` does (shortest side to the crop, bicubic, centre crop, normalise)."""
+        x = clip_preprocess(images, self.size, self.mean, self.std).to(self.dtype)
+        return F.normalize(_features(self.model.get_image_features(pixel_values=x)).float(), dim=-1)
+
+    @torch.no_grad()
+    def encode_texts(self, prompts: list[str], device: torch.device, batch_size: int) -> torch.Tensor:
+        """Unit-norm text embeddings ``(N, D)`` float32 (frozen: no gradient)."""
+        # fixed-length padding: an embedding never depends on which prompts share its batch
+        tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.max_length,
+                                return_tensors="pt").to(device)
+        feats = [_features(self.model.get_text_features(input_ids=tokens["input_ids"][i : i + batch_size],
+                                                        attention_mask=tokens["attention_mask"][i : i + batch_size]))
+                 for i in range(0, len(prompts), batch_size)]
+        return F.normalize(torch.cat(feats).float(), dim=-1)
+
+
+def _features(out: torch.Tensor | object) -> torch.Tensor:
+    """``get_*_features`` returns a tensor in older transformers and an output with ``pooler_output`` in newer."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+def load_clip(who: str, path: str | Path | None, *, arch: str, dtype: torch.dtype, download: str,
+              option: str = "path", processor_path: str | Path | None = None,
+              random_init: bool = False) -> OpenCLIP | HFCLIP:
+    """A CLIP model from ``path`` as downloaded: a transformers folder (``config.json``), an open_clip folder
+    (``open_clip_config.json``), or an open_clip checkpoint file of the architecture ``arch``."""
+    from rewards.model_options import weights_path
+
+    p = weights_path(who, path, download=download, option=option)
+    if p.is_file():
+        return OpenCLIP(who, arch, str(p), random_init, dtype, weights_hint=download)
+    if (p / "open_clip_config.json").is_file():
+        return OpenCLIP(who, f"local-dir:{p}", None, random_init, dtype, weights_hint=download)
+    if (p / "config.json").is_file():
+        proc = weights_path(who, processor_path, download="the CLIP processor folder",
+                            option="processor_path") if processor_path is not None else None
+        return HFCLIP(who, p, proc, dtype, random_init, option)
+    raise UserError(f"{who} reward: {option}={str(p)!r} holds neither config.json (transformers) nor "
+                    f"open_clip_config.json (open_clip); give the folder of {download}")

@@ -6,28 +6,46 @@ from typing import Any
 
 import torch
 
-from rewards.clip_common import WEIGHTS_HINT, OpenCLIP, unique_rows
+from rewards.clip_common import OpenCLIP, load_clip, unique_rows
 from rewards.common import BatchedImageReward
+from rewards.model_options import deprecated
 from rewards.registry import register
 
 
 @register("clip_score")
 class CLIPScore(BatchedImageReward):
-    """``score_i = cos(E_img(x_i), E_txt(prompt_i))`` in [-1, 1] with an open_clip model.
+    """``score_i = cos(E_img(x_i), E_txt(prompt_i))`` in [-1, 1] with a CLIP model.
 
-    Options: ``model`` (open_clip architecture, ``local-dir:<folder>`` or ``hf-hub:<repo>``;
-    default OpenAI CLIP ViT-L/14), ``pretrained`` (checkpoint file or open_clip tag), ``random_init``
-    (random weights, nothing read), plus ``batch_size``, ``device``, ``dtype`` (see
-    :class:`~rewards.common.BatchedImageReward`). Differentiable in the samples.
+    Options: ``path`` (the downloaded weights: a transformers CLIP folder such as
+    ``openai/clip-vit-large-patch14``, an open_clip folder with ``open_clip_config.json``, or an open_clip
+    checkpoint file of the architecture ``arch``, default ``ViT-L-14-quickgelu``), ``processor_path`` (a
+    transformers folder's tokenizer and preprocessor config, when not inside ``path``), ``random_init``
+    (the architecture with random weights), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
+    ``model`` (architecture, ``local-dir:`` or ``hf-hub:``) and ``pretrained`` (file or open_clip tag).
+    Differentiable in the samples.
     """
 
     name = "clip_score"
-    weights_hint = WEIGHTS_HINT
+    #: what to download, as the missing-path line says it
+    download = "a CLIP model (e.g. openai/clip-vit-large-patch14)"
+    default_arch = "ViT-L-14-quickgelu"
 
-    def __init__(self, model: str = "ViT-L-14-quickgelu", pretrained: str | None = "openai", *,
-                 random_init: bool = False, **options: Any):
+    def __init__(self, path: str | None = None, *, arch: str | None = None, processor_path: str | None = None,
+                 model: str | None = None, pretrained: str | None = None, random_init: bool = False,
+                 **options: Any):
         super().__init__(**options)
-        self.clip = OpenCLIP(self.name, model, pretrained, random_init, self.dtype, self.weights_hint)
+        self.clip: Any
+        if path is None and random_init and model is None:  # an open_clip architecture, nothing read
+            self.clip = OpenCLIP(self.name, arch or self.default_arch, None, True, self.dtype, self.download)
+        elif model is not None or pretrained is not None:  # the open_clip options of earlier versions
+            for old, value in (("model", model), ("pretrained", pretrained)):
+                if value is not None:
+                    deprecated(self.name, old, "path: (the downloaded folder or checkpoint file) and arch:")
+            self.clip = OpenCLIP(self.name, model or arch or self.default_arch, pretrained, random_init,
+                                      self.dtype, self.download)
+        else:
+            self.clip = load_clip(self.name, path, arch=arch or self.default_arch, dtype=self.dtype,
+                                  download=self.download, processor_path=processor_path, random_init=random_init)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.clip.model]

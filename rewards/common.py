@@ -15,25 +15,10 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
+from rewards.model_options import compute_device, resolve_batch_size, resolve_device, resolve_dtype
 
 # decoders clamp to [0, 1]; a little slack admits bf16 rounding and interpolation overshoot
 RANGE_TOLERANCE = 1e-3
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype, who: str) -> torch.dtype:
-    """``"fp32"``/``"bf16"``/``"fp16"`` (or their long names, or a ``torch.dtype``) → ``torch.dtype``."""
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise UserError(f"{who} reward: dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-
 
 def check_images(samples: Any, who: str) -> None:
     """Raise :class:`UserError` unless ``samples`` is a float ``(B, 3, H, W)`` tensor in [0, 1].
@@ -89,10 +74,8 @@ class BatchedImageReward:
 
     def __init__(self, *, batch_size: int = 32, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "float32"):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise UserError(f"{self.name} reward: batch_size must be a positive integer, got {batch_size!r}")
-        self.batch_size = batch_size
-        self.device = torch.device(device) if device is not None else None
+        self.batch_size = resolve_batch_size(batch_size, self.name)
+        self.device = resolve_device(device, self.name)
         self.dtype = resolve_dtype(dtype, self.name)
 
     def modules(self) -> list[torch.nn.Module]:
@@ -117,7 +100,7 @@ class BatchedImageReward:
         """
         check_images(samples, self.name)
         check_lengths(samples.shape[0], prompts, metadata, self.name)
-        device = self.device or samples.device
+        device = compute_device(self.device, samples)
         for module in self.modules():
             module.to(device)
         valid = finite_mask(samples)

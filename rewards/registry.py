@@ -28,6 +28,7 @@ _BUILTIN_MODULES = (
     "rewards.clip_score",
     "rewards.aesthetic",
     "rewards.preference",
+    "rewards.image_similarity",
     "rewards.lpips_reward",
     "rewards.classic",
     "rewards.video",

@@ -8,13 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# A ViT-B-style open_clip CLIP shrunk to 64 px, 2 layers; the text tower keeps CLIP's 49,408-token
-# vocabulary because open_clip's tokenizer is the full BPE.
-TINY_OPEN_CLIP = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "head_width": 32, "patch_size": 16},
-    "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
-}
+from rewards.tiny_rewards import TINY_OPEN_CLIP
 
 
 @pytest.fixture(scope="session")

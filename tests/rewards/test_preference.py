@@ -15,11 +15,12 @@ PROMPTS = ["a red circle", "two blue squares", "a red circle", "a green star on 
 
 @pytest.fixture(scope="module")
 def pickscore(tiny_pickscore_dir) -> PickScore:
-    return rewards.load("pickscore", model=str(tiny_pickscore_dir), processor=str(tiny_pickscore_dir))
+    return rewards.load("pickscore", path=str(tiny_pickscore_dir), form="logit")
 
 
 def test_pickscore_equals_scaled_cosine_of_the_in_memory_models_features(tiny_pickscore, pickscore, images):
-    """By hand with the model as built before saving (so loading round-trips); 64 px needs no resize."""
+    """By hand with the model as built before saving (so loading round-trips); 64 px needs no resize.
+    ``form: logit`` is the paper's score ``exp(logit_scale)·cos``."""
     model, tok = tiny_pickscore
     x = images(4)
     mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
@@ -39,10 +40,10 @@ def test_pickscore_batching_bf16_and_gradient(tiny_pickscore_dir, pickscore, ima
     x = images(8, seed=1)
     prompts = PROMPTS * 2
     ref = pickscore(x, prompts, []).components["pickscore"]
-    small = PickScore(str(tiny_pickscore_dir), str(tiny_pickscore_dir), batch_size=2)(x, prompts, [])
+    small = PickScore(str(tiny_pickscore_dir), form="logit", batch_size=2)(x, prompts, [])
     torch.testing.assert_close(small.components["pickscore"], ref, atol=1e-5, rtol=0)
     assert torch.equal(pickscore(x, prompts, []).components["pickscore"], ref)  # deterministic
-    bf16 = PickScore(str(tiny_pickscore_dir), str(tiny_pickscore_dir), dtype="bf16")(x, prompts, [])
+    bf16 = PickScore(str(tiny_pickscore_dir), form="logit", dtype="bf16")(x, prompts, [])
     # scores are logit-scaled (x ~14 here): compare on the cosine scale
     scale = pickscore.model.logit_scale.exp().item()
     torch.testing.assert_close(bf16.components["pickscore"] / scale, ref / scale, atol=0.03, rtol=0)
@@ -53,12 +54,12 @@ def test_pickscore_batching_bf16_and_gradient(tiny_pickscore_dir, pickscore, ima
 
 def test_pickscore_random_init_and_missing_folders(tmp_path, tiny_pickscore_dir, pickscore, images):
     x = images(2, seed=2)
-    random = PickScore(str(tiny_pickscore_dir), str(tiny_pickscore_dir), random_init=True)
+    random = PickScore(str(tiny_pickscore_dir), form="logit", random_init=True)
     assert not torch.allclose(random(x, PROMPTS[:2], []).total, pickscore(x, PROMPTS[:2], []).total)
-    with pytest.raises(UserError, match=r"(?s)could not load model=.*local folder of PickScore_v1"):
-        PickScore(model=str(tmp_path / "nothing"), processor=str(tiny_pickscore_dir))
-    with pytest.raises(UserError, match=r"(?s)could not load processor=.*tokenizer files"):
-        PickScore(model=str(tiny_pickscore_dir), processor=str(tmp_path))
+    with pytest.raises(UserError, match=r"path='.*nothing' does not exist; download yuvalkirstain/PickScore_v1"):
+        PickScore(path=str(tmp_path / "nothing"))
+    with pytest.raises(UserError, match=r"has no CLIP tokenizer files.*give processor_path"):
+        PickScore(path=str(tiny_pickscore_dir), processor_path=str(tmp_path))
 
 
 def test_hps_is_clip_score_with_hps_weights(tiny_clip_spec, images):
@@ -72,7 +73,9 @@ def test_hps_is_clip_score_with_hps_weights(tiny_clip_spec, images):
 
 
 def test_hps_needs_its_checkpoint():
-    with pytest.raises(UserError, match=r"pretrained is not set; give the HPS checkpoint file \(HPS_v2.1"):
+    with pytest.raises(UserError, match=r"hps reward: path is not set; download HPS_v2.1_compressed.pt \(xswu/HPSv2\)"):
         HPSScore()
-    with pytest.raises(UserError, match="no such file; give the HPS checkpoint"):
+    with pytest.raises(UserError, match="does not exist; download HPS_v2.1"):
+        HPSScore(path="/no/HPS_v2.1_compressed.pt")
+    with pytest.raises(UserError, match="no such file; give HPS_v2.1"):  # the deprecated option still checks
         HPSScore(pretrained="/no/HPS_v2.1_compressed.pt")

@@ -1,0 +1,102 @@
+"""Tiny, randomly initialised weights of every model reward, in the formats their cards ship.
+
+``TINY_BUILDERS[name](folder)`` writes into an empty ``folder`` what ``rewards.load(name, path=folder)``
+loads: the reward's real classes with tiny configs, saved as the real downloads are (``save_pretrained``
+folders, open_clip's ``open_clip_config.json`` + safetensors, the aesthetic head's state dict), so each
+reward's real loading code runs offline (tests, ``flowalign tiny-reward``, demos). A reward module adds one
+entry. Weights are drawn from a fixed seed: the same folder on every machine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+#: image side of the tiny vision towers: real samples are resized to it as to 224 for the real models
+TINY_IMAGE = 64
+
+# A ViT-B-style open_clip CLIP shrunk to 64 px and 2 layers; the text tower keeps CLIP's 49,408-token
+# vocabulary because open_clip's tokenizer is the full BPE.
+TINY_OPEN_CLIP = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": TINY_IMAGE, "layers": 2, "width": 64, "head_width": 32, "patch_size": 16},
+    "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+def save_tiny_open_clip(folder: Path, seed: int = 0) -> None:
+    """An open_clip ``CLIP`` as open_clip's ``local-dir:`` reads it (``clip_score``, ``hps``)."""
+    import open_clip
+    from safetensors.torch import save_file
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = open_clip.CLIP(**TINY_OPEN_CLIP).eval()
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY_OPEN_CLIP}))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "open_clip_model.safetensors")
+
+
+def save_tiny_hf_clip(folder: Path, seed: int = 0) -> None:
+    """A transformers ``CLIPModel`` with its tokenizer and ``preprocessor_config.json`` in one folder, as
+    ``yuvalkirstain/PickScore_v1`` ships (``pickscore``)."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    # the byte-level CLIP BPE the tiny pipelines use (real merges, a truncated vocabulary)
+    from pipelines.tiny_tokenizers import clip_tokenizer
+
+    tok = clip_tokenizer(vocab_size=1024, model_max_length=32)
+    text = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "max_position_embeddings": 32, "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": TINY_IMAGE, "patch_size": 16}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).eval()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    CLIPImageProcessor(size={"shortest_edge": TINY_IMAGE},
+                       crop_size={"height": TINY_IMAGE, "width": TINY_IMAGE}).save_pretrained(folder)
+
+
+def save_tiny_aesthetic(folder: Path, seed: int = 0) -> None:
+    """The LAION aesthetic MLP head (``head.safetensors``) beside its CLIP backbone (``clip/``)."""
+    from safetensors.torch import save_file
+
+    from rewards.aesthetic import AestheticHead
+
+    (folder / "clip").mkdir()
+    save_tiny_open_clip(folder / "clip", seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        head = AestheticHead(TINY_OPEN_CLIP["embed_dim"])
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, folder / "head.safetensors")
+
+
+def save_tiny_dinov2(folder: Path, seed: int = 0) -> None:
+    """A transformers ``Dinov2Model`` with its ``BitImageProcessor`` config, as facebook/dinov2-base ships
+    (``image_similarity``): the real processor's resize-then-crop, scaled to the tiny image side."""
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
+                          image_size=TINY_IMAGE, patch_size=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Dinov2Model(config).eval()
+    model.save_pretrained(folder)
+    BitImageProcessor(size={"shortest_edge": TINY_IMAGE * 8 // 7}, crop_size={"height": TINY_IMAGE, "width": TINY_IMAGE},
+                      do_center_crop=True, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+                      resample=3, do_convert_rgb=True).save_pretrained(folder)
+
+
+#: reward name → the function writing its tiny folder (``rewards.load(name, path=folder)`` loads it)
+TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
+    "pickscore": save_tiny_hf_clip,
+    "hps": save_tiny_open_clip,
+    "clip_score": save_tiny_open_clip,
+    "aesthetic": save_tiny_aesthetic,
+    "image_similarity": save_tiny_dinov2,
+}
