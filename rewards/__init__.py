@@ -7,7 +7,8 @@ from rewards.registry import available, check, differentiable, load, register
 PLUGINS = {
     "commands": {"serve-judge": "rewards.cli.serve_judge", "train-reward": "rewards.cli.train_reward"},
     "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion",
-                   "vvr_edit": "rewards.benchmarks:load_vvr_edit"},
+                   "vvr_edit": "rewards.benchmarks:load_vvr_edit",
+                   "ocr": "rewards.benchmarks:load_ocr"},
     "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},
 }
 

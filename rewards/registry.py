@@ -34,6 +34,7 @@ _BUILTIN_MODULES = (
     "rewards.vvr_motion",
     "rewards.vvr_edit",
     "rewards.vlm_judge",
+    "rewards.ocr",
 )
 
 
