@@ -25,7 +25,7 @@ from flowalign.errors import UserError
 GOT_MAX_NEW_TOKENS = 128
 GOT_WEIGHTS = "the GOT-OCR 2.0 transformers folder (stepfun-ai/GOT-OCR-2.0-hf)"
 PADDLE_WEIGHTS = ("a folder with PaddleOCR's English inference models as det/ and rec/ "
-                  "(e.g. en_PP-OCRv4_det_infer, en_PP-OCRv4_rec_infer)")
+                  "(PaddleOCR 2.x: en_PP-OCRv3_det_infer, en_PP-OCRv4_rec_infer)")
 
 
 class Engine(Protocol):
@@ -104,7 +104,7 @@ class PaddleOCR:
             from paddleocr import PaddleOCR as Paddle
         except ImportError:
             raise UserError("ocr reward: engine paddleocr needs the paddleocr package "
-                            "(pip install paddleocr paddlepaddle), or use engine: tesseract") from None
+                            "2.x (pip install paddleocr==2.9.1 paddlepaddle, as Flow-GRPO), or use engine: tesseract") from None
         use_gpu = device is not None and torch.device(device).type == "cuda"
         self.ocr = Paddle(use_angle_cls=False, lang="en", use_gpu=use_gpu, show_log=False,
                           det_model_dir=str(folder / "det"), rec_model_dir=str(folder / "rec"))
