@@ -144,6 +144,8 @@ def test_bad_options_are_one_line():
         rewards.load("ocr", engine="easyocr")
     with pytest.raises(UserError, match="batch_size must be a positive integer"):
         rewards.load("ocr", batch_size=0)
+    with pytest.raises(UserError, match="engine tesseract takes no path"):
+        rewards.load("ocr", engine="tesseract", path="/weights/got-ocr2")
 
 
 def test_no_training_prompt_holds_a_test_pair_and_every_word_and_template_trains():
