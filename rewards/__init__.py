@@ -9,7 +9,7 @@ PLUGINS = {
                  "serve-reward": "rewards.cli.serve_reward", "tiny-reward": "rewards.cli.tiny_reward"},
     "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion",
                    "vvr_edit": "rewards.benchmarks:load_vvr_edit",
-                   "geneval": "rewards.benchmarks:load_geneval"},
+                   "geneval": "rewards.benchmarks:load_geneval", "ocr": "rewards.benchmarks:load_ocr"},
     "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},
 }
 

@@ -59,6 +59,20 @@ def load_vvr_edit(level: str, split: str, n: int | None, seed: int | None) -> Be
     return Benchmark(f"vvr_edit-{level}", [t.prompt for t in tasks], metadata, load_reward("vvr_edit"), split)
 
 
+def load_ocr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+    """An OCR split (the level is the number of quoted words), scored by the ``ocr`` reward with its default
+    engine (tesseract), or training draws (see :func:`load_vvr`), which build no reward: training scores
+    with the config's own ``rewards``, whose engine need not be tesseract."""
+    check_level(level)
+    from rewards.ocr import generate_tasks, load_split
+
+    if split == TRAIN:
+        tasks, reward = generate_tasks(n or 500, seed=seed or 0, level=level), None
+    else:
+        tasks, reward = load_split(level, split, n, seed), load_reward("ocr")
+    return Benchmark(f"ocr-{level}", [t.prompt for t in tasks], [t.metadata() for t in tasks], reward, split)
+
+
 def render_vvr(metadata: dict[str, Any], size: int):
     """The scene of one VVR task as a PIL image (what :func:`flowalign.benchmarks.render_task` converts)."""
     from rewards.vvr import render

@@ -40,6 +40,7 @@ _BUILTIN_MODULES = (
     "rewards.hpsv3",
     "rewards.unified_reward",
     "rewards.videoalign",
+    "rewards.ocr",
 )
 
 

@@ -1,0 +1,86 @@
+"""The ``ocr`` reward: how well an image renders the text its prompt quotes (Flow-GRPO's OCR reward)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from PIL import Image
+
+from flowalign.errors import UserError
+from flowalign.protocols import RewardOutput
+from rewards.common import check_images, check_lengths, finite_mask, resolve_dtype
+from rewards.ocr.engines import make_engine
+from rewards.ocr.score import ocr_score, target_text
+from rewards.registry import register
+
+
+def to_pil(image: torch.Tensor) -> Image.Image:
+    """``(3, H, W)`` float in [0, 1] → an 8-bit RGB PIL image."""
+    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return Image.fromarray(pixels.permute(1, 2, 0).cpu().numpy())
+
+
+@register("ocr")
+class OCRReward:
+    """Score ``1`` when the prompt's quoted text (``metadata["text"]`` if given) appears in the text an OCR
+    engine reads from the image, else ``1 - min(edit distance, n) / n`` (lower case, spaces removed;
+    :mod:`rewards.ocr.score`). Options: ``engine`` (``tesseract``, ``got_ocr2`` or ``paddleocr``), ``path``
+    (the model engines' local weights), ``device`` (default: the samples'), ``dtype`` and ``batch_size``
+    (images per engine call). A sample is invalid, with a reason in its info, when its prompt quotes no
+    text, its pixels are not finite or the engine fails on it. Not differentiable.
+    """
+
+    name = "ocr"
+    differentiable = False
+
+    def __init__(self, engine: str = "tesseract", path: str | None = None, device: str | None = None,
+                 dtype: str = "float32", batch_size: int = 8):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise UserError(f"ocr reward: batch_size must be a positive integer, got {batch_size!r}")
+        if engine == "tesseract" and path is not None:
+            raise UserError("ocr reward: engine tesseract takes no path (it uses the installed tesseract program); "
+                            "remove path or choose engine: got_ocr2 or paddleocr")
+        self.batch_size = batch_size
+        self.device = torch.device(device) if device is not None else None
+        self.engine = make_engine(engine, path, self.device, resolve_dtype(dtype, self.name))
+
+    def _read(self, images: list[Image.Image], device: torch.device) -> list[str | Exception]:
+        """The engine's text for each image, or the exception it raised on that image alone."""
+        try:
+            return list(self.engine.read(images, device))
+        except Exception as e:  # noqa: BLE001 - that sample is invalid; in a batch, find which images fail
+            if len(images) == 1:
+                return [e]
+        return [self._read([image], device)[0] for image in images]
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
+        """``samples`` ``(B, 3, H, W)`` float in [0, 1] → ``{"ocr": (B,)}``, ``valid`` and per-sample info
+        (``target``, ``recognised``, ``all_passed``: the target was read exactly, ``reason`` when invalid)."""
+        check_images(samples, self.name)
+        check_lengths(samples.shape[0], prompts, metadata, self.name)
+        n = samples.shape[0]
+        finite = finite_mask(samples).tolist()
+        targets = [target_text(p, metadata[i] if metadata else None) for i, p in enumerate(prompts)]
+        infos: list[dict[str, Any]] = [{"target": t, "all_passed": False} for t in targets]
+        for i in range(n):
+            if not targets[i] or not targets[i].strip():
+                infos[i]["reason"] = "the prompt quotes no text to render (and its metadata has no 'text')"
+            elif not finite[i]:
+                infos[i]["reason"] = "non-finite pixels"
+        todo = [i for i in range(n) if "reason" not in infos[i]]
+        device = self.device or samples.device
+        for start in range(0, len(todo), self.batch_size):
+            chunk = todo[start : start + self.batch_size]
+            for i, text in zip(chunk, self._read([to_pil(samples[i]) for i in chunk], device)):
+                if isinstance(text, Exception):
+                    infos[i]["reason"] = f"the OCR engine failed: {type(text).__name__}: {text}"[:300]
+                else:
+                    infos[i]["recognised"] = " ".join(text.split())  # one line for logs and galleries
+        scores = torch.zeros(n, dtype=torch.float32)
+        for i, info in enumerate(infos):
+            if "recognised" in info:
+                scores[i] = ocr_score(info["recognised"], info["target"])
+                info["all_passed"] = bool(scores[i] == 1.0)
+        valid = torch.tensor(["reason" not in info for info in infos], dtype=torch.bool)
+        return RewardOutput({self.name: scores.to(samples.device)}, valid=valid.to(samples.device), info=infos)
