@@ -99,4 +99,16 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "clip_score": save_tiny_open_clip,
     "aesthetic": save_tiny_aesthetic,
     "image_similarity": save_tiny_dinov2,
+    "geneval": lambda out: _builder("rewards.geneval.tiny:save_tiny_geneval")(out),
+    "hpsv3": lambda out: _builder("rewards.hpsv3:save_tiny_hpsv3")(out),
+    "unified_reward": lambda out: _builder("rewards.unified_reward:save_tiny_unified_reward")(out),
+    "videoalign": lambda out: _builder("rewards.videoalign:save_tiny_videoalign")(out),
 }
+
+
+def _builder(target: str) -> Callable[[Path], object]:
+    """A builder that lives beside its reward, imported only when used."""
+    import importlib
+
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -8,6 +8,7 @@ it wrote before is its own (its marker file lists the entries it replaces).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 #: the writer name of the folders this command writes (:func:`flowalign.io.atomic_dir`)
 WRITER = "tiny-reward"
@@ -31,5 +32,9 @@ def run(args: argparse.Namespace) -> None:
 
     check_out_dir(args.out, writer=WRITER, overwrite=args.overwrite)  # before the model is built
     with atomic_dir(args.out, writer=WRITER, overwrite=args.overwrite) as tmp:
-        TINY_BUILDERS[args.name](tmp)
-    print(f"wrote tiny {args.name} reward weights to {args.out} (load with path: {args.out})")
+        built = TINY_BUILDERS[args.name](tmp)
+        # a builder may return the reward's options (several folders, e.g. a detector and a CLIP)
+        options = {k: Path(args.out) / Path(v).relative_to(tmp) for k, v in built.items()} \
+            if isinstance(built, dict) else {"path": Path(args.out)}
+    spec = ", ".join(f"{k}: {v}" for k, v in options.items())
+    print(f"wrote tiny {args.name} reward weights to {args.out} (load with {{name: {args.name}, {spec}}})")

@@ -189,3 +189,15 @@ def test_image_similarity_with_the_clip_backbone(tiny_reward_dir, images):
     torch.testing.assert_close(got.total, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(UserError, match="backbone='siglip' is not known"):
         rewards.load("image_similarity", path=folder, backbone="siglip")
+
+
+def test_tiny_reward_of_a_reward_with_several_folders_prints_the_options_that_load_it(tmp_path, capsys):
+    """GenEval's detector and CLIP are two downloads: the command says which option takes which folder,
+    and those options load the reward."""
+    out = tmp_path / "geneval"
+    assert main(["tiny-reward", "geneval", "--out", str(out)]) == 0
+    line = capsys.readouterr().out
+    assert f"path: {out / 'detector'}" in line and f"clip_path: {out / 'clip'}" in line
+    reward = rewards.load("geneval", path=str(out / "detector"), clip_path=str(out / "clip"))
+    assert callable(reward)
+    assert {"hpsv3", "unified_reward", "videoalign"} <= set(TINY_BUILDERS)
