@@ -70,7 +70,7 @@ from flowalign.parallel import Parallel
 from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.trainers import checkpointing, loop
-from flowalign.trainers.optim import optimiser_step, scheduled_lr, setup_optimisation
+from flowalign.trainers.optim import optimizer_step, scheduled_lr, setup_optimisation
 from flowalign.trainers.reference import keep_reference
 from flowalign.trainers.rollouts import (
     Sampling,
@@ -376,7 +376,7 @@ class GroupTrainer:
 
     def optimizer_step(self) -> float:
         """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
-        return optimiser_step(self.optimisation, self.acc, self.lr_now, self.tcfg.grad_clip)
+        return optimizer_step(self.optimisation, self.acc, self.lr_now, self.tcfg.grad_clip)
 
     def learning_rate(self, fraction: float) -> float:
         return scheduled_lr(self.tcfg, self.step, fraction)

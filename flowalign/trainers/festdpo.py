@@ -63,8 +63,8 @@ class FestDPOConfig(GroupTrainerConfig):
     #: smooth when one update moves the samples further than the reference's own spread
     bandwidth_scale: float = Field(1.0, gt=0)
     #: a fixed h² for the run instead of the median heuristic (``bandwidth_scale`` still multiplies it)
-    #: [derived knob]: the heuristic's value depends on which prompts the first step draws (on the tiny
-    #: model one prompt's reference spread is 1,000× another's), so a run can pin it
+    #: [derived knob]: the heuristic's value depends on which prompts the first step draws (prompts'
+    #: reference spreads can differ by orders of magnitude), so a run can pin it
     bandwidth_h2: float | None = Field(None, gt=0)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
     pairs: str | None = None

@@ -77,7 +77,7 @@ def test_each_cfg_grad_setting_trains_with_ratio_one_on_the_first_pass(tmp_path,
     assert sum(p.grad.abs().sum() for p in t.params if p.grad is not None) > 0
 
 
-def test_the_first_optimiser_step_reuses_the_rollouts_unconditional_velocities(tmp_path, tiny_sd3_dir, prompt_file):
+def test_the_first_optimizer_step_reuses_the_rollouts_unconditional_velocities(tmp_path, tiny_sd3_dir, prompt_file):
     t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "reuse", "trainer.num_steps=4")
     batch = t.collect(0)
     chunk = batch.chunks[0]
