@@ -29,7 +29,15 @@ checkpoints and resume. A trainer subclasses :class:`GroupTrainer` and supplies 
     and hands it back on resume, so resume stays bit-exact.
 
 Hooks hand each other data only through their arguments and return values (batch fields, plan units),
-never through attributes set on the trainer. A trainer file reads top to bottom: its config, its loss
+never through attributes set on the trainer; ``loss`` reads its batch and unit and changes neither (work
+done once per batch belongs in ``plan``, carried by the units). A trainer that needs more than the
+loop's :class:`StepBatch` returns its own batch type or unit type rather than adding fields to it.
+
+What the hooks may use from the loop: :meth:`GroupTrainer.step_indices` (a step's share of a data set on
+this rank), :meth:`GroupTrainer.keyed_generator`, the collectives :meth:`GroupTrainer.gather`,
+:meth:`GroupTrainer.gather_objects` and :meth:`GroupTrainer.total` (every rank calls them at the same
+point; one process gets its own values back), and :meth:`GroupTrainer.reward_logs`, the one way a step
+logs ``reward/total`` (over every rank's valid samples; a trainer that scores nothing logs none). A trainer file reads top to bottom: its config, its loss
 as a pure function with the formula in the docstring, then the hooks. ``docs/guide/adding-a-trainer.md``
 walks through writing one.
 
@@ -47,11 +55,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from flowalign.config import Section, TrainConfig
 from flowalign.data import PromptSet
@@ -60,9 +68,9 @@ from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STE
 from flowalign.logger import RunLogger
 from flowalign.parallel import Parallel
 from flowalign.protocols import FlowPolicy
-from flowalign.reward_set import RewardSet
+from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.trainers import checkpointing, loop
-from flowalign.trainers.optim import optimiser_step, scheduled_lr, setup_optimisation
+from flowalign.trainers.optim import optimizer_step, scheduled_lr, setup_optimisation
 from flowalign.trainers.reference import keep_reference
 from flowalign.trainers.rollouts import (
     Sampling,
@@ -79,8 +87,15 @@ from flowalign.trainers.rollouts import (
 __all__ = ["GroupTrainer", "GroupTrainerConfig", "Plan", "Sampling", "StepBatch", "derived_seed"]
 
 
+#: former keys already reported in this process (one deprecation line each, however often a config is read)
+_REPORTED_RENAMES: set[tuple[str, str]] = set()
+
+
 class GroupTrainerConfig(Section):
     """Options every trainer shares (``trainer:`` section)."""
+
+    #: ``{former key: key}`` of renamed options: a former key is still read, with one deprecation line
+    renamed: ClassVar[dict[str, str]] = {}
 
     name: str
     max_steps: int = Field(100, ge=1)
@@ -121,6 +136,25 @@ class GroupTrainerConfig(Section):
     #: full fine-tuning with a reference term (e.g. flow_grpo's beta > 0) keeps a frozen copy of the
     #: transformer; true: keep it in CPU memory, moved to the GPU block by block for reference passes
     reference_offload: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_keys(cls, data: Any) -> Any:
+        """Read each former key of :attr:`renamed` as its new name (saying so once); both given: an error."""
+        if not isinstance(data, dict) or not any(old in data for old in cls.renamed):
+            return data
+        data = dict(data)
+        for old, new in cls.renamed.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"trainer.{old} and trainer.{new} are the same option ({old} is its former name): "
+                                 f"give only trainer.{new}")
+            data[new] = data.pop(old)
+            if (cls.__name__, old) not in _REPORTED_RENAMES:
+                _REPORTED_RENAMES.add((cls.__name__, old))
+                print(f"warning: trainer.{old} is deprecated and will be removed: write trainer.{new} (same meaning)")
+        return data
 
     @field_validator("betas")
     @classmethod
@@ -237,11 +271,34 @@ class GroupTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (called on resume)."""
 
+    # ------------------------------------------------------------------ for the hooks: data and collectives
+    def step_indices(self, step: int, data: PromptSet | None = None, count: int | None = None) -> list[int]:
+        """This rank's ``count`` items of a step (default ``prompts_per_step``) as indices into ``data``
+        (default the prompts): rank r takes items ``r·count … (r+1)·count − 1`` of the step's global draw, so
+        N ranks together hold what one process drawing ``N·count`` holds."""
+        data = self.data if data is None else data
+        n = self.tcfg.prompts_per_step if count is None else count
+        return data.batch_indices(self.cfg.run.seed, step, n * self.world)[self.rank * n : (self.rank + 1) * n]
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``values`` (the same shape on each) concatenated along dim 0 in rank order, on the
+        CPU; ``values`` itself in one process. A collective."""
+        return self.acc.gather(values.to(self.acc.device)).cpu()
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order; ``[obj]`` in one process. A collective."""
+        return self.parallel.gather_objects(obj)
+
+    def total(self, n: int) -> int:
+        """``n`` summed over ranks. A collective."""
+        return self.parallel.total(n)
+
+    def reward_logs(self, scores: RewardScores) -> dict[str, float]:
+        """``reward/total`` (the mean over every rank's valid samples), the per-reward means and the invalid
+        fraction of this step's ``scores``: how every trainer logs its rewards. A collective."""
+        return reward_logs(scores, self.acc)
+
     # ------------------------------------------------------------------ the loop's batch
-    def step_indices(self, step: int) -> list[int]:
-        """This rank's prompts of a step, as indices into the data."""
-        p = self.tcfg.prompts_per_step
-        return self.data.batch_indices(self.cfg.run.seed, step, p * self.world)[self.rank * p : (self.rank + 1) * p]
 
     def step_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
         """This rank's prompts of a step, each repeated group_size times, with global group ids."""
@@ -262,7 +319,8 @@ class GroupTrainer:
         t = time.perf_counter()
         batch.advantages = gathered_advantages(self.tcfg.advantage, batch.scores, batch.prompt_ids, self.acc,
                                                self.tcfg.adv_clip)
-        batch.logs.update(reward_logs(batch.scores, batch.advantages, self.acc))
+        batch.logs.update(self.reward_logs(batch.scores))
+        batch.logs["zero_adv_fraction"] = (batch.advantages == 0).float().mean().item()
         batch.logs["time/reward"] += time.perf_counter() - t
         return batch
 
@@ -318,7 +376,7 @@ class GroupTrainer:
 
     def optimizer_step(self) -> float:
         """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
-        return optimiser_step(self.optimisation, self.acc, self.lr_now, self.tcfg.grad_clip)
+        return optimizer_step(self.optimisation, self.acc, self.lr_now, self.tcfg.grad_clip)
 
     def learning_rate(self, fraction: float) -> float:
         return scheduled_lr(self.tcfg, self.step, fraction)

@@ -37,6 +37,7 @@ from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
+from flowalign.reward_set import RewardScores
 from flowalign.sampling import euler_step
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 from flowalign.weight_swap import swapped_in
@@ -62,8 +63,8 @@ class FestDPOConfig(GroupTrainerConfig):
     #: smooth when one update moves the samples further than the reference's own spread
     bandwidth_scale: float = Field(1.0, gt=0)
     #: a fixed h² for the run instead of the median heuristic (``bandwidth_scale`` still multiplies it)
-    #: [derived knob]: the heuristic's value depends on which prompts the first step draws (on the tiny
-    #: model one prompt's reference spread is 1,000× another's), so a run can pin it
+    #: [derived knob]: the heuristic's value depends on which prompts the first step draws (prompts'
+    #: reference spreads can differ by orders of magnitude), so a run can pin it
     bandwidth_h2: float | None = Field(None, gt=0)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
     pairs: str | None = None
@@ -286,9 +287,9 @@ class FestDPOTrainer(GroupTrainer):
         return self.offline if self.offline is not None else self.data
 
     def preference_pairs(self, x0: torch.Tensor, x: torch.Tensor, prompt: str, meta: dict,
-                         generator: torch.Generator) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor]:
+                         generator: torch.Generator) -> tuple[dict[str, torch.Tensor] | None, RewardScores | None]:
         """``y_w, y_l (M, D)`` (+ leave-one-out indices online), or None when the prompt gives no pair; and
-        the valid online rewards of the K samples (empty offline)."""
+        the online scores of the K samples (None offline)."""
         if self.offline is not None:
             from flowalign.pairs import load_image
 
@@ -296,16 +297,16 @@ class FestDPOTrainer(GroupTrainer):
             images = torch.stack([load_image(meta[k], h, w) for k in ("chosen", "rejected")]).to(self.policy.device)
             with torch.no_grad():
                 y = self.image_features(images)
-            return {"y_w": y[:1], "y_l": y[1:]}, torch.zeros(0)
+            return {"y_w": y[:1], "y_l": y[1:]}, None
         with torch.no_grad():
             samples = self.policy.decode(x0.detach())
         scores = self.rewards.score(samples, [prompt] * len(samples), [meta] * len(samples))
         rewards, valid = scores.total, scores.valid
         win, lose = bradley_terry_pairs(rewards, valid, generator, self.tcfg.bt_temperature, self.tcfg.pairs_per_prompt)
         if win.numel() == 0:
-            return None, rewards[valid]
+            return None, scores
         win, lose = win.to(x.device), lose.to(x.device)
-        return {"y_w": x[win].detach(), "y_l": x[lose].detach(), "exclude_w": win, "exclude_l": lose}, rewards[valid]
+        return {"y_w": x[win].detach(), "y_l": x[lose].detach(), "exclude_w": win, "exclude_l": lose}, scores
 
     # ------------------------------------------------------------------ hooks
 
@@ -316,9 +317,9 @@ class FestDPOTrainer(GroupTrainer):
         tc = self.tcfg
         source = self.prompt_source()
         p = tc.prompts_per_step
-        idx = source.batch_indices(self.cfg.run.seed, step, p * self.world)[self.rank * p : (self.rank + 1) * p]
+        idx = self.step_indices(step, source)
         stats: dict[str, list[float]] = {}
-        scored: list[torch.Tensor] = []
+        scored: list[RewardScores] = []
         units: list[ChunkUnit] = []
         for n, i in enumerate(idx):
             prompt, meta = source.prompts[i], source.metadata[i]
@@ -331,8 +332,9 @@ class FestDPOTrainer(GroupTrainer):
             with torch.no_grad():
                 x0 = self.generate(z, cond)
                 x = self.features(x0)
-            pairs, rewards = self.preference_pairs(x0, x, prompt, meta, generator)
-            scored.append(rewards)
+            pairs, scores = self.preference_pairs(x0, x, prompt, meta, generator)
+            if scores is not None:
+                scored.append(scores)
             if pairs is None:
                 continue
             x = x.detach().requires_grad_()
@@ -343,9 +345,8 @@ class FestDPOTrainer(GroupTrainer):
             units += [ChunkUnit(z[s : s + size], cond[s : s + size], grad[s : s + size]) for s in range(0, tc.K, size)]
             for k, v in {**info, "h2": float(h2), "pairs": float(pairs["y_w"].shape[0])}.items():
                 stats.setdefault(k, []).append(v)
-        rewards = torch.cat(scored) if scored else torch.zeros(0)
         used = len(stats.get("pairs", []))  # prompts that gave a preference pair
-        logs = {"reward/total": rewards.mean().item() if rewards.numel() else float("nan"),
+        logs = {**(self.reward_logs(RewardScores.cat(scored)) if scored else {}),  # offline pairs: no reward
                 **{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
                 "train/prompts_with_pairs": float(used), "time/sample": time.perf_counter() - t0}
         return PreferenceBatch(units, used, logs)
@@ -353,10 +354,8 @@ class FestDPOTrainer(GroupTrainer):
     def plan(self, batch: PreferenceBatch, generator: torch.Generator) -> Plan:
         """One optimiser step over every regenerated chunk, or none when no prompt on any rank gave a
         preference (weight decay alone would move the weights)."""
-        used = batch.prompts_with_pairs
-        if self.world > 1:  # every rank must take the same branch (the optimiser step reduces gradients)
-            used = int(self.acc.reduce(torch.tensor([used], device=self.acc.device), reduction="sum").item())
-        return Plan([batch.units] if used else [])
+        # every rank must take the same branch (the optimiser step reduces gradients)
+        return Plan([batch.units] if self.total(batch.prompts_with_pairs) else [])
 
     def loss(self, batch: PreferenceBatch, unit: ChunkUnit) -> tuple[torch.Tensor, dict[str, float]]:
         """``⟨ϕ(G_θ(z, c)), ∂L/∂X⟩``: its gradient in θ is the chunk's share of the DPO loss's."""

@@ -6,7 +6,7 @@ once and shared by the whole group; each member runs the ODE from its own noise 
 trained. Because ``∂ℓ/∂v = −ξ·c_k`` with ``c_k = |γ_k|/τ_k`` for a Gaussian step ``μ = αx + γv``, steps
 far apart in σ get very different gradient scales; each sample's loss is weighted by
 ``ω_i = (1/c_{k_i}) / mean_all(1/c_k)`` so the per-timestep gradient norms are flat across k. The loss
-is Flow-GRPO's with these weights; the hooks here choose the sampling and set the weights.
+is Flow-GRPO's with these weights; the hooks here choose the sampling and the weights.
 """
 
 from __future__ import annotations
@@ -78,15 +78,14 @@ class FlashGRPOTrainer(FlowGRPOTrainer):
         return Sampling(FlashStep(flash_diffusion(sigmas, k)), sde_window=(k, 1),
                         keep_unconditional=self.reuses_unconditional)
 
-    def collect(self, step: int) -> StepBatch:
-        """The loop's batch with ``weights`` ``ω_i = (1/c_{k_i}) / mean over all ranks' samples of 1/c_k``
-        (mean ω = 1; all ones without ``rectify``)."""
-        batch = super().collect(step)
+    def sample_weights(self, batch: StepBatch) -> torch.Tensor | None:
+        """``ω_i = (1/c_{k_i}) / mean over all ranks' samples of 1/c_k`` ``(N,)`` (mean ω = 1); None (every
+        sample weighs 1) without ``rectify``."""
+        if not self.tcfg.rectify:
+            return None
         inv_c = torch.cat([torch.full((len(c),), 1.0 / rectification_coefficient(c.sigmas, c.trained_steps()[0]))
                            for c in batch.chunks])
-        mean_inv_c = self.acc.gather(inv_c.to(self.acc.device)).float().mean().cpu()
-        batch.weights = inv_c / mean_inv_c if self.tcfg.rectify else torch.ones_like(inv_c)
-        return batch
+        return inv_c / self.gather(inv_c).float().mean()
 
     def step_distribution(self, chunk, k, velocity) -> StepOutput:
         x_k, x_next, _ = chunk.step(k)

@@ -10,7 +10,7 @@ optimiser step accumulates, and the loss of one unit:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import numpy as np
@@ -132,12 +132,15 @@ def global_plan(chunks: list[ChunkRef], inner_epochs: int, updates_per_epoch: in
 @dataclass(frozen=True)
 class StepUnit:
     """Rollout batch ``chunk`` (this rank's index) at timestep ``k``, one of ``of`` units (over all ranks)
-    of optimiser step ``update``."""
+    of optimiser step ``update``; what the plan computed for it once per batch: per-sample loss ``weight``
+    ``(B,)`` (None: 1) and the reference's step mean ``reference`` (None: computed by the loss)."""
 
     chunk: int
     k: int
     of: int
     update: int
+    weight: torch.Tensor | None = field(default=None, compare=False)
+    reference: torch.Tensor | None = field(default=None, compare=False)
 
 
 class FlowGRPOTrainer(GroupTrainer):
@@ -186,14 +189,30 @@ class FlowGRPOTrainer(GroupTrainer):
 
         The plan is global (:func:`global_plan` over every rank's chunks): each rank runs its own chunks'
         units, each weighted by 1 / the step's unit count over all ranks, so N ranks take the single
-        process's optimiser steps."""
+        process's optimiser steps. Each unit carries its chunk's :meth:`sample_weights` and, with a KL
+        term, the reference's mean at its step (computed here once per (chunk, step); under fsdp the loss
+        computes it, since every forward is a collective and ranks hold different units)."""
         adv = batch.per_chunk(batch.advantages)
         local = [ChunkRef(key, self.rank, i, bool(adv[i].abs().sum() > 0), tuple(self.trained_steps(c)))
                  for i, (key, c) in enumerate(zip(batch.chunk_keys(), batch.chunks))]
-        chunks = [c for refs in self.parallel.gather_objects(local) for c in refs]
+        chunks = [c for refs in self.gather_objects(local) for c in refs]
         steps = global_plan(chunks, self.tcfg.inner_epochs, self.tcfg.updates_per_epoch, generator, self.chosen_steps)
-        return Plan([[StepUnit(c.index, k, len(pairs), n) for c, k in pairs if c.rank == self.rank]
-                     for n, pairs in enumerate(steps)], global_weights=True)
+        weights = self.sample_weights(batch)
+        per_chunk = [None] * len(batch.chunks) if weights is None else batch.per_chunk(weights)
+        references: dict[tuple[int, int], torch.Tensor] = {}
+        units = []
+        for n, pairs in enumerate(steps):
+            mine = [(c.index, k) for c, k in pairs if c.rank == self.rank]
+            if self.tcfg.beta > 0 and not self.parallel.sharded:
+                for key in mine:
+                    if key not in references:
+                        references[key] = self.reference_mean(batch.chunks[key[0]], key[1])
+            units.append([StepUnit(i, k, len(pairs), n, per_chunk[i], references.get((i, k))) for i, k in mine])
+        return Plan(units, global_weights=True)
+
+    def sample_weights(self, batch: StepBatch) -> torch.Tensor | None:
+        """Per-sample loss weights ``(N,)`` of the batch (None: every sample weighs 1)."""
+        return None
 
     def filler(self, batch: StepBatch, update: int) -> StepUnit:
         """The first chunk's first trained step in optimiser step ``update`` (fsdp padding; its loss is
@@ -215,19 +234,13 @@ class FlowGRPOTrainer(GroupTrainer):
         return sde_step(self.sampler, velocity, x_k, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item(),
                         noise_level=self.noise_level, prev_sample=x_next, cps_log_prob=self.tcfg.cps_log_prob)
 
-    def reference_mean(self, batch: StepBatch, i: int, k: int) -> torch.Tensor:
-        """``μ_ref`` of chunk ``i`` at step ``k`` (adapter disabled, no grad), computed once per batch.
-
-        Under fsdp it is computed on every call: a forward is a collective, so every unit must run the
-        same passes on every rank, whichever units a rank has seen before (padding units repeat one).
-        """
-        if (i, k) not in batch.kl_reference or self.parallel.sharded:
-            chunk = batch.chunks[i]
-            x_k = chunk.step(k)[0]
-            with torch.no_grad(), self.policy.adapter_disabled():
-                v = self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
-                batch.kl_reference[i, k] = self.step_distribution(chunk, k, v).mean
-        return batch.kl_reference[i, k]
+    def reference_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
+        """``μ_ref`` of ``chunk`` at step ``k``: the step's Gaussian mean under the reference (adapter
+        disabled, or the frozen starting weights), no grad."""
+        x_k = chunk.step(k)[0]
+        with torch.no_grad(), self.policy.adapter_disabled():
+            v = self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+            return self.step_distribution(chunk, k, v).mean
 
     def policy_velocity(self, chunk: Rollout, k: int, sampling_weights: bool) -> torch.Tensor:
         """The policy's guided velocity at the rollout's ``x_k`` ``(B, ...)``, with gradients. While the
@@ -240,8 +253,7 @@ class FlowGRPOTrainer(GroupTrainer):
 
     def loss(self, batch: StepBatch, unit: StepUnit) -> tuple[torch.Tensor, dict[str, float]]:
         chunk, k = batch.chunks[unit.chunk], unit.k
-        adv = batch.per_chunk(batch.advantages)[unit.chunk]
-        weight = None if batch.weights is None else batch.per_chunk(batch.weights)[unit.chunk]
+        adv, weight = batch.per_chunk(batch.advantages)[unit.chunk], unit.weight
         x_k, _, old_log_prob = chunk.step(k)
         out = self.step_distribution(chunk, k, self.policy_velocity(chunk, k, unit.update == 0))
         adv, old_log_prob = adv.to(out.log_prob), old_log_prob.to(out.log_prob)
@@ -257,7 +269,7 @@ class FlowGRPOTrainer(GroupTrainer):
             info.update({"ratio_dev_late": deviation, "clip_frac_late": clip_frac})
         if self.tcfg.beta > 0:
             gap = chunk.sigmas[k].item() - chunk.sigmas[k + 1].item()
-            ref = self.reference_mean(batch, unit.chunk, k)
+            ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)
             kl = gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode)[active].mean()
             loss = loss + self.tcfg.beta * kl
             info["kl"] = kl.item()

@@ -53,7 +53,7 @@ def scheduled_lr(tcfg: Any, step: int, fraction: float) -> float:
     return lr
 
 
-def optimiser_step(opt: Optimisation, accelerator: Any, lr: float, grad_clip: float) -> float:
+def optimizer_step(opt: Optimisation, accelerator: Any, lr: float, grad_clip: float) -> float:
     """Average gradients over ranks, clip to ``grad_clip``, step at ``lr``, update the EMA; returns the
     pre-clip gradient norm."""
     if accelerator.num_processes > 1 and not opt.parallel.sharded:  # fsdp reduce-scatters during backward

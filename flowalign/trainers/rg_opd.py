@@ -174,7 +174,7 @@ class RGOPDTrainer(GroupTrainer):
         """Targets from θ_old once, then ``inner_steps`` optimiser steps on them, each unit weighted by
         1 / the number of units over all ranks (a global plan)."""
         pairs = self.visited_states(batch)
-        total = self.parallel.total(len(pairs))
+        total = self.total(len(pairs))
         units, stats = [], {"lambda": [], "latent_score_visited": [], "target_shift": []}
         for i, k in pairs:
             chunk = batch.chunks[i]

@@ -57,9 +57,8 @@ class StepBatch:
 
     ``groups (N,)``: global group id of each sample (batch order); ``prompt_ids (N,)``: the prompt's
     index in the data (advantages are normalised per prompt); ``scores``: rewards; ``advantages (N,)``
-    (0 for invalid samples); ``weights (N,)``: per-sample loss weights a trainer sets in ``collect``
-    (None: 1); ``kl_reference``: reference quantities a trainer computes once per batch, by unit;
-    ``logs``: scalars for the step's log line.
+    (0 for invalid samples); ``logs``: scalars for the step's log line. The loop fills it; trainers read
+    it (what one computes per batch travels in its plan's units or its own batch type).
     """
 
     chunks: list[Rollout]
@@ -67,8 +66,6 @@ class StepBatch:
     prompt_ids: torch.Tensor | None = None
     scores: RewardScores | None = None
     advantages: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-    kl_reference: dict[Any, torch.Tensor] = field(default_factory=dict)
     logs: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -182,15 +179,13 @@ def gathered_advantages(kind: str, scores: RewardScores, prompt_ids: torch.Tenso
     return adv[acc.process_index * n : (acc.process_index + 1) * n]
 
 
-def reward_logs(scores: RewardScores, adv: torch.Tensor, acc: Any) -> dict[str, float]:
-    """``reward/total`` over every rank's valid samples, per-reward means, invalid and zero-advantage
-    fractions."""
+def reward_logs(scores: RewardScores, acc: Any) -> dict[str, float]:
+    """``reward/total`` over every rank's valid samples, per-reward means and the invalid fraction."""
     total, valid = (acc.gather(t.to(acc.device)).cpu() for t in (scores.total, scores.valid))
     return {
         "reward/total": total[valid].mean().item() if valid.any() else float("nan"),
         **scores.logs(),
         "reward/invalid_fraction": 1.0 - scores.valid.float().mean().item(),
-        "zero_adv_fraction": (adv == 0).float().mean().item(),
     }
 
 

@@ -155,7 +155,7 @@ class SelfDistillTrainer(GroupTrainer):
                                                 batch.per_chunk(valid))
                      for u in self.prepare(c, r, ok, self.keyed_generator(*key, 23))]
         units = [u for u in units if u.keep.any()]
-        total = self.parallel.total(sum(int(u.keep.sum()) for u in units))
+        total = self.total(sum(int(u.keep.sum()) for u in units))
         units = [dataclasses.replace(u, total=total) for u in units]
         r_mean = r_all[valid].mean().item() if valid.any() else float("nan")
         return Plan([units] * self.tcfg.fit_steps, {"r_mean": r_mean}, global_weights=True)

@@ -9,13 +9,17 @@ Read against ``docs/methods/soar.md``. Per pair (x0, c):
     v*_j = (z_j - x0)/max(σ̃_j, σ_min)                               (lands exactly on x0)
     L = L_base + λ·(1/N)·Σ_j mean‖v_θ(z_j,σ̃_j,c) - sg(v*_j)‖²
 
-The loop is the shared one (checkpoints, resume, EMA, evaluation, logging); the hooks: ``collect`` draws a
-batch of pairs with their noise and σ (no rollout group, no reward: ``rewards: []`` is accepted), ``plan``
-splits it into micro-batches of one optimiser step, ``loss`` is :func:`soar_loss` of a micro-batch. Pairs come from ``trainer.pairs`` (a folder or JSONL of image +
-caption) or, for a benchmark of programmatic scenes (``data.bench: vvr``), from rendering each training
-task at the model's resolution. [derived] choices: σ is drawn as in SD3 pre-training (sigmoid of a normal,
-no shift), the N corrections of a pair share its x̂ and run as one batched pass, and the σ̃ draws use their
-own generator so that the (ε, σ) of a step do not depend on N or λ.
+The options name the symbols: K = ``rollout_steps``, w_cfg = ``rollout_guidance``, N = ``corrections``,
+λ = ``correction_weight``. The loop is the shared one (checkpoints, resume, EMA, evaluation, logging); the
+hooks: ``collect`` draws the step's ``pairs_per_step`` pairs with their noise and σ (no rollout group, no
+reward: ``rewards: []`` is accepted), ``plan`` splits them into batches of ``batch_size`` pairs (one
+optimiser step), ``loss`` is :func:`soar_loss` of a batch. Pairs come from ``trainer.pairs`` (a folder or
+JSONL of image + caption) or, for a benchmark of programmatic scenes (``data.bench: vvr``), from rendering
+each training task at the model's resolution. A pair's caption dropout, ε, σ and σ̃ draws are keyed by its
+place in the step's global draw, as a rollout's noise is, so N ranks draw what one process draws.
+[derived] choices: σ is drawn as in SD3 pre-training (sigmoid of a normal, no shift), the N corrections of
+a pair share its x̂ and run as one batched pass, and the σ̃ draws use their own generator so that the
+(ε, σ) of a step do not depend on N or λ.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
@@ -39,15 +43,17 @@ Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SOARConfig(GroupTrainerConfig):
+    renamed = {"K": "rollout_steps", "w_cfg": "rollout_guidance", "N": "corrections", "lam": "correction_weight"}
+
     name: Literal["soar"] = "soar"
-    #: the rollout step is 1/K (match the inference step count)
-    K: int = Field(30, ge=1, le=MAX_SAMPLING_STEPS)
-    #: CFG scale of the stop-gradient rollout step
-    w_cfg: float = Field(4.5, ge=1)
-    #: re-noised correction states per pair
-    N: int = Field(4, ge=0)
-    #: weight λ of the correction loss (0: plain flow-matching SFT)
-    lam: float = Field(1.0, ge=0)
+    #: K: the rollout step is 1/K (match the inference step count)
+    rollout_steps: int = Field(30, ge=1, le=MAX_SAMPLING_STEPS)
+    #: w_cfg: CFG scale of the stop-gradient rollout step
+    rollout_guidance: float = Field(4.5, ge=1)
+    #: N: re-noised correction states per pair
+    corrections: int = Field(4, ge=0)
+    #: λ: weight of the correction loss (0: plain flow-matching SFT)
+    correction_weight: float = Field(1.0, ge=0)
     sigma_min: float = Field(0.05, gt=0, le=1)
     #: σ = sigmoid(logit_mean + logit_std·n), n ~ N(0,1) (SD3's training density)
     logit_mean: float = 0.0
@@ -56,20 +62,44 @@ class SOARConfig(GroupTrainerConfig):
     caption_dropout: float = Field(0.0, ge=0, lt=1)
     #: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None: render data.bench tasks
     pairs: str | None = None
-    #: pairs per optimiser step on each rank
+    #: pairs per optimiser step on each rank; None: batch_size (one forward/backward per step)
+    pairs_per_step: int | None = Field(None, ge=1, le=MAX_BATCH)
+    #: pairs per forward/backward, the training batch (gradients accumulate over a step's batches)
     batch_size: int = Field(8, ge=1, le=MAX_BATCH)
-    #: pairs per forward/backward (gradients accumulate); None: the whole batch at once
-    micro_batch: int | None = Field(None, ge=1)
     #: latents kept in memory (encoding a pair once per run, not once per epoch)
     latent_cache: int = Field(50000, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_micro_batch(cls, data: Any) -> Any:
+        """``micro_batch`` (pairs per forward/backward) came with ``batch_size`` meaning pairs per step; both
+        are read in that sense, and said once."""
+        if not isinstance(data, dict) or "micro_batch" not in data:
+            return data
+        if "pairs_per_step" in data:
+            raise ValueError("trainer.micro_batch is the former trainer.batch_size: with trainer.pairs_per_step, "
+                             "give the pairs per forward/backward as trainer.batch_size")
+        data = dict(data)
+        micro = data.pop("micro_batch")
+        per_step = data.pop("batch_size", cls.model_fields["batch_size"].default)
+        data.update(pairs_per_step=per_step, batch_size=per_step if micro is None else micro)
+        print(f"warning: trainer.micro_batch is deprecated and will be removed: write trainer.pairs_per_step: {per_step} "
+              f"(pairs per step, formerly batch_size) and trainer.batch_size: {data['batch_size']} (pairs per "
+              "forward/backward, formerly micro_batch)")
+        return data
+
+    @property
+    def step_pairs(self) -> int:
+        """Pairs per optimiser step on each rank."""
+        return self.pairs_per_step or self.batch_size
 
 
 class SFTConfig(SOARConfig):
     """Plain flow-matching SFT: SOAR with λ = 0 and no correction passes."""
 
     name: Literal["sft"] = "sft"  # type: ignore[assignment]
-    lam: float = Field(0.0, ge=0, le=0)
-    N: int = Field(0, ge=0, le=0)
+    correction_weight: float = Field(0.0, ge=0, le=0)
+    corrections: int = Field(0, ge=0, le=0)
 
 
 # ---------------------------------------------------------------------------------------------- the math
@@ -177,23 +207,26 @@ class SOARTrainer(GroupTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pairs, self.bench = self._pair_source()
-        self._latents: OrderedDict[int, torch.Tensor] = OrderedDict()
-        if self.tcfg.N > 0 and self.tcfg.w_cfg > 1 and float(self.policy.defaults.get("guidance_scale", 1)) <= 1:
-            raise UserError(f"trainer.w_cfg={self.tcfg.w_cfg} needs CFG negatives, but the model's guidance_scale is "
-                            f"{self.policy.defaults.get('guidance_scale')}: set model.defaults.guidance_scale > 1 or "
-                            "trainer.w_cfg=1")
+        tc = self.tcfg
+        self.pairs, self.bench = self.pair_source()
+        #: clean latents by pair index, least recently used first (at most ``latent_cache``)
+        self.encoded: OrderedDict[int, torch.Tensor] = OrderedDict()
+        if tc.corrections > 0 and tc.rollout_guidance > 1 and float(self.policy.defaults.get("guidance_scale", 1)) <= 1:
+            raise UserError(f"trainer.rollout_guidance={tc.rollout_guidance} needs CFG negatives, but the model's "
+                            f"guidance_scale is {self.policy.defaults.get('guidance_scale')}: set "
+                            "model.defaults.guidance_scale > 1 or trainer.rollout_guidance=1")
         if not hasattr(self.policy, "encode_images"):
             raise UserError(f"the {self.policy.family} policy cannot encode images to latents (no encode_images); "
                             "SOAR/SFT need it")
         inference_steps = self.cfg.eval.num_steps or self.policy.defaults.get("num_steps")
-        if self.tcfg.N > 0 and inference_steps and int(inference_steps) != self.tcfg.K and self.acc.is_main_process:
+        if tc.corrections > 0 and inference_steps and int(inference_steps) != tc.rollout_steps and self.acc.is_main_process:
             # not an error: a run may train for one sampler and be judged with another on purpose
-            print(f"warning: trainer.K={self.tcfg.K} but the model samples with {inference_steps} steps; SOAR corrects "
-                  f"the one-step error of a K-step sampler, so trainer.K={inference_steps} trains for that sampler")
-        self.latents([self.pairs_indices(0)[0]])  # one pair end to end: bad data fails before training
+            print(f"warning: trainer.rollout_steps={tc.rollout_steps} but the model samples with {inference_steps} "
+                  "steps; SOAR corrects the one-step error of a K-step sampler, so "
+                  f"trainer.rollout_steps={inference_steps} trains for that sampler")
+        self.latents(self.step_pairs(0)[:1])  # one pair end to end: bad data fails before training
 
-    def _pair_source(self) -> tuple[PromptSet, str | None]:
+    def pair_source(self) -> tuple[PromptSet, str | None]:
         """The (image, caption) pairs: ``trainer.pairs`` on disk, or the training tasks of a renderable bench."""
         if self.tcfg.pairs:
             from flowalign.pairs import read_caption_pairs
@@ -206,16 +239,16 @@ class SOARTrainer(GroupTrainer):
                             "scenes)")
         return self.data, bench
 
-    def pairs_indices(self, step: int) -> list[int]:
-        b = self.tcfg.batch_size
-        return self.pairs.batch_indices(self.cfg.run.seed, step, b * self.world)[self.rank * b : (self.rank + 1) * b]
+    def step_pairs(self, step: int) -> list[int]:
+        """This rank's pairs of a step, as indices into :attr:`pairs`."""
+        return self.step_indices(step, self.pairs, self.tcfg.step_pairs)
 
     def latents(self, indices: list[int]) -> torch.Tensor:
         """``(B, C, h, w)`` clean latents x0 of the pairs, encoded once each (posterior mean) and cached."""
         h, w = int(self.policy.defaults["height"]), int(self.policy.defaults["width"])
         out = []
         for i in indices:
-            if i not in self._latents:
+            if i not in self.encoded:
                 meta = self.pairs.metadata[i]
                 if self.bench is not None:
                     if h != w:
@@ -228,49 +261,53 @@ class SOARTrainer(GroupTrainer):
                     from flowalign.pairs import load_image
 
                     image = load_image(meta["image"], h, w)
-                self._latents[i] = self.policy.encode_images(image[None])[0].cpu()
-                while len(self._latents) > self.tcfg.latent_cache:
-                    self._latents.popitem(last=False)
-            out.append(self._latents[i])
+                self.encoded[i] = self.policy.encode_images(image[None])[0].cpu()
+                while len(self.encoded) > self.tcfg.latent_cache:
+                    self.encoded.popitem(last=False)
+            out.append(self.encoded[i])
         return torch.stack(out).to(self.policy.device)
 
     def collect(self, step: int) -> PairBatch:
-        """This rank's pairs of the step, their captions (some dropped), ε, σ and the correction draws."""
+        """This rank's pairs of the step, their captions (some dropped), ε, σ and the correction draws, each
+        pair's from generators keyed by its place ``j`` in the step's global draw."""
         t0 = time.perf_counter()
         tc = self.tcfg
-        indices = self.pairs_indices(step)
+        indices = self.step_pairs(step)
         x0 = self.latents(indices)
-        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank, 2))
-        keep = torch.rand(len(indices), generator=generator) >= tc.caption_dropout
-        prompts = [self.pairs.prompts[i] if k else "" for i, k in zip(indices, keep.tolist())]
-        eps = torch.randn(x0.shape, generator=generator).to(x0)
-        sigma = sample_sigmas(len(indices), generator, tc.logit_mean, tc.logit_std).to(x0)
-        # σ̃ draws from their own stream: SOAR and SFT see the same (ε, σ) at every step
-        u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank, 3))
-        u = torch.rand(tc.N, len(indices), generator=u_gen).to(x0)
+        first = self.rank * tc.step_pairs
+        keep, eps, sigma, u = [], [], [], []
+        for j in range(first, first + len(indices)):
+            generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 2))
+            keep.append(bool(torch.rand(1, generator=generator) >= tc.caption_dropout))
+            eps.append(torch.randn(x0.shape[1:], generator=generator))
+            sigma.append(sample_sigmas(1, generator, tc.logit_mean, tc.logit_std))
+            # σ̃ draws from their own stream: SOAR and SFT see the same (ε, σ) at every step
+            u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 3))
+            u.append(torch.rand(tc.corrections, generator=u_gen))
+        prompts = [self.pairs.prompts[i] if k else "" for i, k in zip(indices, keep)]
         cond = self.policy.encode(prompts)
-        passes, units = (c * len(indices) * self.world for c in cost_per_pair(tc.N, tc.w_cfg))
-        logs = {"reward/total": float("nan"), "cost/forward_passes": passes, "cost/units_total": units * (step + 1),
+        passes, units = (c * len(indices) * self.world for c in cost_per_pair(tc.corrections, tc.rollout_guidance))
+        logs = {"cost/forward_passes": passes, "cost/units_total": units * (step + 1),
                 "time/data": time.perf_counter() - t0}
-        return PairBatch(x0, eps, sigma, u, cond, logs)
+        return PairBatch(x0, torch.stack(eps).to(x0), torch.cat(sigma).to(x0), torch.stack(u, 1).to(x0), cond, logs)
 
     def plan(self, batch: PairBatch, generator: torch.Generator) -> Plan:
-        """One optimiser step over the batch, in micro-batches of ``micro_batch`` pairs."""
-        n = batch.x0.shape[0]
-        mb = self.tcfg.micro_batch or n
-        return Plan([[slice(s, s + mb) for s in range(0, n, mb)]])
+        """One optimiser step over the pairs, in batches of ``batch_size``."""
+        n, size = batch.x0.shape[0], self.tcfg.batch_size
+        return Plan([[slice(s, s + size) for s in range(0, n, size)]])
 
     def loss(self, batch: PairBatch, part: slice) -> tuple[torch.Tensor, dict[str, float]]:
         """The SOAR loss of a micro-batch, weighted by its share of the batch."""
         tc = self.tcfg
         cond = batch.cond[part]
         x0 = batch.x0[part]
-        loss, info = soar_loss(self._velocity(cond, 1.0), self._velocity(cond, tc.w_cfg), x0, batch.eps[part],
-                               batch.sigma[part], batch.u[:, part], K=tc.K, lam=tc.lam, sigma_min=tc.sigma_min)
+        loss, info = soar_loss(self.velocity(cond, 1.0), self.velocity(cond, tc.rollout_guidance), x0,
+                               batch.eps[part], batch.sigma[part], batch.u[:, part], K=tc.rollout_steps,
+                               lam=tc.correction_weight, sigma_min=tc.sigma_min)
         info["loss"] = loss.item()
         return loss * (x0.shape[0] / batch.x0.shape[0]), info
 
-    def _velocity(self, cond: Conditioning, guidance: float) -> Velocity:
+    def velocity(self, cond: Conditioning, guidance: float) -> Velocity:
         """``v(x, σ)`` for a batch of ``B`` states or ``n·B`` (j-major) sharing ``cond``'s B captions."""
 
         def v(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

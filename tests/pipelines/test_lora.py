@@ -64,7 +64,7 @@ def test_fresh_adapter_is_the_identity_and_the_step_moves_it(trained):
     assert not torch.allclose(trained["v_adapted"], v_base, atol=1e-4)
 
 
-def test_base_weights_bit_identical_after_an_optimiser_step(trained):
+def test_base_weights_bit_identical_after_an_optimizer_step(trained):
     after = base_params(trained["policy"].transformer)
     assert after.keys() == trained["before"].keys()
     assert all(torch.equal(after[n], trained["before"][n]) for n in after)

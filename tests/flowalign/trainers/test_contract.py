@@ -1,6 +1,8 @@
 """The trainer contract: a trainer written here through the documented hooks only (collect, plan, loss,
 finish, state_dict/load_state_dict) trains on the tiny model, checkpoints, and resumes bit-exactly."""
 
+import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,10 +15,11 @@ from flowalign.data import read_prompt_file
 from flowalign.errors import UserError
 from flowalign.reward_set import RewardSet
 from flowalign.train import build_trainer
-from flowalign.trainers import get_trainer
+from flowalign.trainers import TRAINERS, get_trainer
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 
 from .conftest import small_config, small_run
+from .test_rg_opd import lrr_dir  # noqa: F401  (a fixture)
 
 
 class ToyConfig(GroupTrainerConfig):
@@ -124,3 +127,37 @@ def test_festdpo_needs_rewards_only_to_label_its_own_samples(tmp_path, tiny_sd3_
     with pytest.raises(UserError, match="at least one reward"):
         festdpo.check_config(cfg, online)
     festdpo.check_config(cfg, online.model_copy(update={"pairs": "prefs.jsonl"}))  # offline labels: no reward needed
+
+
+#: what each built-in trainer needs for a one-step run on the tiny model (besides conftest's small_run)
+VVR = ("data.prompts=null", "data.bench=vvr", "data.level=medium", "data.n=16")
+ONE_STEP = {
+    "flow_grpo": (),
+    "flash_grpo": ("trainer.num_steps=4",),
+    "diffusion_nft": (),
+    "diffusion_opsd": (*VVR, "rewards=[{name: vvr_soft}]"),
+    "rg_opd": ("trainer.num_steps=3",),
+    "festdpo": ("trainer.K=8", "trainer.num_steps=2", "trainer.prompts_per_step=1"),
+    "soar": (*VVR, "rewards=[]", "model.finetune=full", "trainer.corrections=1", "trainer.rollout_steps=4"),
+    "sft": (*VVR, "rewards=[]", "model.finetune=full"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_every_trainer_logs_reward_total_over_all_ranks_or_not_at_all(name, tmp_path, tiny_sd3_dir, prompt_file,
+                                                                      lrr_dir):
+    """``reward/total`` comes from the loop's :meth:`GroupTrainer.reward_logs` (every rank's valid samples),
+    in the same step's log line as the per-reward means it weighs; a trainer without rewards logs none
+    (no placeholder). Collectives go through the loop's hooks: no trainer file makes its own."""
+    assert set(ONE_STEP) == set(TRAINERS)  # a new built-in trainer gets a line here
+    extra = ONE_STEP[name] + ((f"trainer.latent_reward={lrr_dir}",) if name == "rg_opd" else ())
+    t = build_trainer(small_config(tmp_path / name, tiny_sd3_dir, prompt_file, f"trainer.name={name}", *extra))
+    logs = t.train_step()
+    if t.cfg.rewards:  # one reward of weight 1: the total is its mean
+        (mean,) = [k for k in logs if k.startswith("reward/") and "invalid" not in k and k != "reward/total"]
+        assert logs["reward/total"] == pytest.approx(logs[mean], abs=1e-6)
+    else:
+        assert not any(k.startswith("reward/") for k in logs)
+    source = inspect.getsource(sys.modules[type(t).__module__])
+    for own in ('"reward/total"', "acc.gather", "acc.reduce", "torch.distributed", "parallel.gather", "parallel.total"):
+        assert own not in source, f"{name}: {own} in the trainer's file; use GroupTrainer's hook"

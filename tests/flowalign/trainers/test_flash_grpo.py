@@ -24,7 +24,7 @@ def test_group_members_share_one_sde_step_and_mean_weight_is_one(tmp_path, tiny_
         for gid in gids.tolist():
             ks.setdefault(gid, set()).add(k)
     assert all(len(v) == 1 for v in ks.values()) and len(ks) == 4  # one k per group, across its batches
-    assert abs(batch.weights.mean().item() - 1.0) < 1e-6
+    assert abs(t.sample_weights(batch).mean().item() - 1.0) < 1e-6
 
 
 def test_rectification_coefficient_is_the_velocity_gain_of_the_step(tiny_sd3_dir):

@@ -64,7 +64,7 @@ def test_target_minus_sft_target_is_alpha_e_over_sigma_tilde():
 def _soar_run(tmp_path, model, name, *extra):
     return [f"run.output_dir={tmp_path / name}", f"model.path={model}", "model.finetune=full", "data.bench=vvr",
             "data.level=medium", "data.n=32", "eval.bench=null", "run.progress=false", "run.tensorboard=false",
-            "trainer.max_steps=2", "trainer.batch_size=4", "trainer.lr=1e-3", "trainer.K=10", "rewards=[]", *extra]
+            "trainer.max_steps=2", "trainer.batch_size=4", "trainer.lr=1e-3", "trainer.rollout_steps=10", "rewards=[]", *extra]
 
 
 def _grads(trainer):
@@ -77,7 +77,7 @@ def test_lambda_zero_gives_bit_identical_gradients_to_sft(tmp_path, tiny_sd3_dir
     """SOAR with λ=0 still runs its N correction passes; they must not change a single gradient bit
     (nor the ε, σ and captions the base loss sees)."""
     soar = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "soar", "trainer.name=soar",
-                                                     "trainer.lam=0", "trainer.N=3",
+                                                     "trainer.correction_weight=0", "trainer.corrections=3",
                                                      "trainer.caption_dropout=0.25")))
     sft = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "sft", "trainer.name=sft",
                                                     "trainer.caption_dropout=0.25")))
@@ -86,7 +86,7 @@ def test_lambda_zero_gives_bit_identical_gradients_to_sft(tmp_path, tiny_sd3_dir
     assert sum(x.abs().sum() for x in a) > 0
     # and λ > 0 does change them (the test can fail)
     lam1 = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "soar1", "trainer.name=soar",
-                                                     "trainer.N=3", "trainer.caption_dropout=0.25")))
+                                                     "trainer.corrections=3", "trainer.caption_dropout=0.25")))
     c = _grads(lam1)
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
@@ -138,9 +138,9 @@ def test_soar_without_pairs_is_refused(tmp_path, tiny_sd3_dir, prompt_file):
 def test_a_rollout_step_that_does_not_match_the_sampler_is_flagged(tmp_path, tiny_sd3_dir, capsys):
     """K is the inference step count (the method page): a K that differs from the steps the model samples with
     is named at start-up, with the value to set; a matching K, and SFT (no rollout step), say nothing."""
-    build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "k", "trainer.name=soar", "trainer.N=1")))
-    assert "trainer.K=10 but the model samples with 20 steps" in capsys.readouterr().out
-    build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "m", "trainer.name=soar", "trainer.N=1",
+    build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "k", "trainer.name=soar", "trainer.corrections=1")))
+    assert "trainer.rollout_steps=10 but the model samples with 20 steps" in capsys.readouterr().out
+    build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "m", "trainer.name=soar", "trainer.corrections=1",
                                               "eval.num_steps=10")))
     build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "s", "trainer.name=sft")))
     assert "warning" not in capsys.readouterr().out
@@ -149,7 +149,7 @@ def test_a_rollout_step_that_does_not_match_the_sampler_is_flagged(tmp_path, tin
 def test_soar_trains_on_rendered_vvr_scenes_and_resumes(tmp_path, tiny_sd3_dir):
     """2 steps, a checkpoint every step, then a resumed run to 3 steps ends where an uninterrupted run does."""
     first = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "r", "trainer.name=soar",
-                                                      "trainer.N=2", "run.checkpoint_every=1")))
+                                                      "trainer.corrections=2", "run.checkpoint_every=1")))
     before = [p.detach().clone() for p in first.params]
     first.train()
     assert (tmp_path / "r" / "checkpoints" / "step-000002" / "trainable.safetensors").exists()
@@ -158,11 +158,11 @@ def test_soar_trains_on_rendered_vvr_scenes_and_resumes(tmp_path, tiny_sd3_dir):
     assert rows[0]["train/loss_corr"] > 0 and rows[0]["cost/forward_passes"] == 4 * (1 + 2 + 2)
 
     resumed = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "r", "trainer.name=soar",
-                                                        "trainer.N=2", "run.checkpoint_every=1",
+                                                        "trainer.corrections=2", "run.checkpoint_every=1",
                                                         "trainer.max_steps=3")))
     resumed.train()
     straight = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "s", "trainer.name=soar",
-                                                         "trainer.N=2", "trainer.max_steps=3")))
+                                                         "trainer.corrections=2", "trainer.max_steps=3")))
     straight.train()
     assert resumed.step == straight.step == 3
     for x, y in zip(resumed.params, straight.params):
@@ -184,4 +184,47 @@ def test_sft_trains_on_a_folder_and_a_jsonl_of_pairs(tmp_path, tiny_sd3_dir):
                                                       f"trainer.pairs={source}", "trainer.max_steps=1")))
         assert t.pairs.prompts == ["a red circle", "a blue square", "a green star"]
         t.train()
-        assert t.step == 1 and len(t._latents) == 3
+        assert t.step == 1 and len(t.encoded) == 3
+
+
+def test_former_option_names_are_read_with_one_deprecation_line_each(capsys, monkeypatch):
+    from flowalign.trainers import base, trainer_config
+
+    monkeypatch.setattr(base, "_REPORTED_RENAMES", set())
+    former = {"name": "soar", "K": 8, "w_cfg": 3.0, "N": 2, "lam": 0.5}
+    for _ in range(2):  # a config is read more than once (check, then the run): said once
+        _, tcfg = trainer_config(former)
+    assert (tcfg.rollout_steps, tcfg.rollout_guidance, tcfg.corrections, tcfg.correction_weight) == (8, 3.0, 2, 0.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(lines) == sorted(f"warning: trainer.{old} is deprecated and will be removed: write trainer.{new} "
+                                   "(same meaning)" for old, new in [("K", "rollout_steps"), ("w_cfg", "rollout_guidance"),
+                                                                     ("N", "corrections"), ("lam", "correction_weight")])
+    with pytest.raises(UserError, match="trainer.K and trainer.rollout_steps are the same option"):
+        trainer_config({"name": "soar", "K": 8, "rollout_steps": 8})
+    # micro_batch came with batch_size meaning pairs per step: both keep that meaning
+    _, old = trainer_config({"name": "sft", "batch_size": 8, "micro_batch": 2})
+    assert (old.step_pairs, old.batch_size) == (8, 2)
+    assert "trainer.pairs_per_step: 8" in capsys.readouterr().out
+    _, whole = trainer_config({"name": "sft", "batch_size": 6})  # no micro_batch: one forward per step, as before
+    assert (whole.step_pairs, whole.batch_size) == (6, 6)
+
+
+def test_two_ranks_draw_the_pairs_and_noise_of_one_process(tmp_path, tiny_sd3_dir):
+    """A pair's caption dropout, ε, σ and σ̃ are keyed by its place in the step's global draw: ranks 0 and 1
+    of 2 (2 pairs each) hold what one process drawing 4 pairs holds, and a step's 4 pairs in 2 batches
+    of 2 are one optimiser step."""
+    args = ("trainer.name=soar", "trainer.corrections=2", "trainer.caption_dropout=0.5")
+    one = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "one", *args)))
+    whole = one.collect(1)
+    ranks = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "two", *args, "trainer.pairs_per_step=2",
+                                                      "trainer.batch_size=1")))
+    parts = []
+    for rank in (0, 1):  # the draws of each rank of a 2-process run (collect makes no collective call)
+        ranks.rank, ranks.world = rank, 2
+        parts.append(ranks.collect(1))
+    assert [p for part in parts for p in part.cond.prompts] == whole.cond.prompts
+    assert "" in whole.cond.prompts and len(set(whole.cond.prompts)) > 1  # some captions dropped, not all
+    for name in ("x0", "eps", "sigma"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name))
+    assert torch.equal(torch.cat([p.u for p in parts], 1), whole.u)
+    assert ranks.plan(parts[0], torch.Generator()).steps == [[slice(0, 1), slice(1, 2)]]
