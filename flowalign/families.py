@@ -36,12 +36,13 @@ class FamilySpec:
     ``transformers``: their transformer classes. ``lora_targets``: the LoRA's default target modules.
     ``size``: the published default ``height``, ``width``, ``num_frames`` (None for images) and
     ``max_sequence_length``; ``num_steps`` and ``guidance`` the published sampling defaults.
-    ``cfg``: one of :data:`CFG_KINDS`, or a function of the transformer's config giving one (a family whose
-    checkpoints differ). ``transformer_inputs(config, batch, size, device=, dtype=)``: the transformer's
+    ``cfg``: one of :data:`CFG_KINDS`, or a function of the transformer's config and the folder's
+    ``model_index.json`` giving one (a family whose checkpoints differ). ``transformer_inputs(config, batch, size, device=, dtype=)``: the transformer's
     keyword inputs for ``batch`` samples at ``size``, as the policy passes them (what ``flowalign plan`` runs
     on the meta device). ``tiny``: tiny twin name → module with ``build(**overrides)`` and ``SAMPLING``
     (the ``flowalign.json`` defaults). ``architectures``: folders under ``assets/architectures/`` holding the
-    published configs (no weights), for planning without a download.
+    published configs (no weights), for planning without a download. ``trained``: the folder's components
+    the policy trains, of those the folder has (e.g. both experts of a two-expert model).
     """
 
     name: str
@@ -52,11 +53,12 @@ class FamilySpec:
     size: Mapping[str, Any]
     num_steps: int
     guidance: float
-    cfg: str | Callable[[Any], str]
+    cfg: str | Callable[[Any, dict[str, Any]], str]
     transformer_inputs: Callable[..., dict[str, Any]]
     tiny: Mapping[str, str] = field(default_factory=dict)
     architectures: tuple[str, ...] = ()
     policy_for: Callable[[dict[str, Any]], Callable[..., Any]] | None = None
+    trained: tuple[str, ...] = ("transformer",)
 
     def __post_init__(self) -> None:
         missing = [k for k in SIZE_KEYS if k not in self.size]
@@ -69,9 +71,9 @@ class FamilySpec:
     def is_video(self) -> bool:
         return self.size["num_frames"] is not None
 
-    def guidance_kind(self, transformer_config: Any) -> str:
-        """The :data:`CFG_KINDS` entry of a checkpoint with this transformer config."""
-        return self.cfg(transformer_config) if callable(self.cfg) else self.cfg
+    def guidance_kind(self, transformer_config: Any, index: dict[str, Any]) -> str:
+        """The :data:`CFG_KINDS` entry of a checkpoint with this transformer config and ``model_index.json``."""
+        return self.cfg(transformer_config, index) if callable(self.cfg) else self.cfg
 
     def policy_class(self, index: dict[str, Any]) -> Callable[..., Any]:
         """The policy class for a folder whose ``model_index.json`` is ``index``."""

@@ -1,4 +1,5 @@
-"""Work shared over ranks: replicated weights (``ddp``) or torch FSDP2 sharding (``fsdp``).
+"""Work shared over ranks: replicated weights (:class:`DDP`) or torch FSDP2 sharding (:class:`FSDP`), one
+strategy object per run (:func:`strategy`) whose methods are the operations that differ.
 
 ``ddp`` keeps the whole model and optimiser on every rank and the loop averages gradients itself.
 ``fsdp`` calls ``torch.distributed.fsdp.fully_shard`` on every transformer block, then on the
@@ -61,73 +62,59 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def strategy(cfg: ParallelSection, world: int, rank: int, device: torch.device | str) -> Parallel:
+    """The run's strategy object: :class:`FSDP` for ``parallel.strategy=fsdp``, else :class:`DDP`."""
+    return (FSDP if cfg.strategy == "fsdp" else DDP)(cfg, world, rank, device)
+
+
 class Parallel:
-    """The strategy of a run and the few operations whose meaning depends on it."""
+    """How the ranks of a run share the work: what both strategies do alike (gathering objects and
+    tensors, rank folders, failures), and the operations each strategy defines (:class:`DDP`, :class:`FSDP`)."""
 
-    def __init__(self, cfg: ParallelSection, world: int, rank: int, device: torch.device):
+    #: whether each rank holds only a shard of the weights (then every forward is a collective)
+    sharded: bool = False
+
+    def __init__(self, cfg: ParallelSection, world: int, rank: int, device: torch.device | str):
         self.cfg, self.world, self.rank, self.device = cfg, world, rank, torch.device(device)
-        if cfg.strategy == "fsdp" and world < 2:
-            raise UserError("parallel.strategy=fsdp needs several processes but this run has 1: launch with "
-                            "torchrun --nproc_per_node N (N >= 2), or set parallel.strategy=ddp")
 
-    @property
-    def sharded(self) -> bool:
-        return self.cfg.strategy == "fsdp"
-
-    # ------------------------------------------------------------------ set-up
+    # ------------------------------------------------------------------ what the strategies define
     def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
-        """``fully_shard`` each block, then the root (in place; returns ``module``). No-op under ddp.
-        ``offload``: keep the shards in CPU memory (default: ``parallel.cpu_offload``)."""
-        if not self.sharded:
-            return module
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        """Lay ``module`` out over the ranks (in place; returns ``module``)."""
+        raise NotImplementedError
 
-        mesh = init_device_mesh(self.device.type, (self.world,))
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if self.cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
-        offload = self.cfg.cpu_offload if offload is None else offload
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-        kw = dict(mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=mp, offload_policy=offload)
-        blocks = block_modules(module)
-        if not blocks:
-            print(f"warning: {type(module).__name__} has no block list to shard one by one; sharding it as one "
-                  "unit (every forward gathers all of its weights at once)")
-        for block in blocks:
-            fully_shard(block, **kw)
-        fully_shard(module, **kw)
-        return module
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Make every rank's gradients the average over ranks (before clipping)."""
+        raise NotImplementedError
 
-    # ------------------------------------------------------------------ update
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
         """Clip to ``max_norm`` over all ranks' gradients; the pre-clip norm (same on every rank)."""
-        if not self.sharded:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        if is_dtensor(norm):
-            norm = norm.full_tensor()  # the shards' partial norms combined
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return float(norm)
+        raise NotImplementedError
 
     def checksum(self, params: list[nn.Parameter]) -> torch.Tensor:
         """``(1,)`` float64 sum of the weights: this rank's copy (ddp), or the whole sharded model (fsdp)."""
-        local = [p.to_local() if is_dtensor(p) else p for p in params]
-        total = torch.stack([t.detach().double().sum() for t in local]).sum().reshape(1)
-        if self.sharded:
-            torch.distributed.all_reduce(total)
-        return total
+        raise NotImplementedError
 
     def padded(self, items: list[Any], fill: Callable[[], Any]) -> list[Any]:
-        """``items`` filled up with ``fill()`` to the longest list of any rank (fsdp), so every rank runs as
-        many forwards and optimiser steps; unchanged under ddp (``fill`` is not called)."""
-        if not self.sharded:
-            return list(items)
-        most = torch.tensor([len(items)], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        missing = int(most) - len(items)
-        return list(items) + ([fill()] * missing if missing else [])
+        """``items``, filled up with ``fill()`` where every rank must run as many forwards and optimiser
+        steps (fsdp)."""
+        raise NotImplementedError
 
+    def takes_part(self) -> bool:
+        """Whether this rank runs work whose result only the main rank keeps (evaluation, writing the
+        adapter): the main rank alone, or every rank when forwards and gathers are collectives (fsdp)."""
+        raise NotImplementedError
+
+    def save_optimizer(self, folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Write the optimiser state to ``folder/optimizer/`` on every rank (fsdp); False when it goes in
+        the checkpoint's single file instead (ddp: the main process writes it)."""
+        raise NotImplementedError
+
+    def load_indexed_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                               indexed: dict[str, Any]) -> None:
+        """Restore a single-file optimiser state (keyed by parameter index)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` in one process. A collective."""
         if self.world < 2:
@@ -140,7 +127,6 @@ class Parallel:
         """``n`` summed over ranks (a collective when there are several)."""
         return int(sum(self.gather_objects(int(n))))
 
-    # ------------------------------------------------------------------ checkpoints
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full CPU tensors of ``tensors`` (sharded ones gathered) on the main rank, ``{}`` elsewhere.
 
@@ -161,36 +147,23 @@ class Parallel:
 
         return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
 
-    def save_optimizer(self, folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """Write the sharded optimiser state to ``folder/optimizer/`` (fsdp, every rank); False under ddp."""
-        if not self.sharded:
-            return False
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, checkpoint_id=str(folder / OPTIMIZER_DIR))
-        return True
+    def place_like(self, saved: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full ``saved`` tensors laid out like their ``live`` namesakes (see :meth:`place`)."""
+        return {k: self.place(v, live[k]) if k in live else v for k, v in saved.items()}
 
     def load_optimizer(self, folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer,
                        indexed: dict[str, Any] | None) -> None:
         """Restore the optimiser from either layout: the sharded ``optimizer/`` folder (any rank count,
         re-sharded by ``torch.distributed.checkpoint``) or the single-file state keyed by parameter index."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
+        if not (folder / OPTIMIZER_DIR).is_dir():
+            self.load_indexed_optimizer(module, optimizer, indexed)
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-        if (folder / OPTIMIZER_DIR).is_dir():
-            import torch.distributed.checkpoint as dcp
-
-            state = {"optimizer": get_optimizer_state_dict(module, optimizer)}  # allocates, then filled in place
-            dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR))
-            set_optimizer_state_dict(module, optimizer, state["optimizer"])
-        elif not self.sharded:
-            optimizer.load_state_dict(indexed)
-        else:  # a single-process checkpoint: parameter i of the trained ones is the i-th name
-            names = [n for n, p in module.named_parameters() if p.requires_grad]
-            full = {"state": {names[int(i)]: s for i, s in indexed["state"].items()},
-                    "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in indexed["param_groups"]]}
-            set_optimizer_state_dict(module, optimizer, full, options=StateDictOptions(full_state_dict=True))
+        state = {"optimizer": get_optimizer_state_dict(module, optimizer)}  # allocates, then filled in place
+        dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR))
+        set_optimizer_state_dict(module, optimizer, state["optimizer"])
 
     @contextmanager
     def rank_folder(self, run_dir: Path) -> Iterator[Path]:
@@ -201,10 +174,6 @@ class Parallel:
             return
         with tempfile.TemporaryDirectory(prefix="flowalign-rank") as tmp:
             yield Path(tmp)
-
-    def place_like(self, saved: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full ``saved`` tensors laid out like their ``live`` namesakes (see :meth:`place`)."""
-        return {k: self.place(v, live[k]) if k in live else v for k, v in saved.items()}
 
     @contextmanager
     def explain_failures(self) -> Iterator[None]:
@@ -220,6 +189,118 @@ class Parallel:
                 f"rank {self.rank}: lost contact with the other ranks ({first}); a rank died or stalled longer than "
                 f"parallel.timeout_s={self.cfg.timeout_s:g}: relaunch with run.resume=auto to continue from the last "
                 "complete checkpoint") from err
+
+
+class DDP(Parallel):
+    """Replicated weights: every rank holds the whole model and optimiser; gradients are averaged here."""
+
+    def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
+        return module
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        if self.world < 2:
+            return
+        for p in params:
+            grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+            torch.distributed.all_reduce(grad, torch.distributed.ReduceOp.SUM)
+            grad /= self.world
+            p.grad = grad
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def checksum(self, params: list[nn.Parameter]) -> torch.Tensor:
+        return torch.stack([p.detach().double().sum() for p in params]).sum().reshape(1)
+
+    def padded(self, items: list[Any], fill: Callable[[], Any]) -> list[Any]:
+        return list(items)  # a rank's forwards are its own: nothing to fill (``fill`` is not called)
+
+    def takes_part(self) -> bool:
+        return self.rank == 0
+
+    def save_optimizer(self, folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        return False
+
+    def load_indexed_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                               indexed: dict[str, Any]) -> None:
+        optimizer.load_state_dict(indexed)
+
+
+class FSDP(Parallel):
+    """torch FSDP2: each rank stores ``1/N`` of every weight, gradient and optimiser tensor."""
+
+    sharded = True
+
+    def __init__(self, cfg: ParallelSection, world: int, rank: int, device: torch.device | str):
+        if world < 2:
+            raise UserError("parallel.strategy=fsdp needs several processes but this run has 1: launch with "
+                            "torchrun --nproc_per_node N (N >= 2), or set parallel.strategy=ddp")
+        super().__init__(cfg, world, rank, device)
+
+    def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
+        """``fully_shard`` each block, then the root. ``offload``: keep the shards in CPU memory (default:
+        ``parallel.cpu_offload``)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if self.cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
+        offload = self.cfg.cpu_offload if offload is None else offload
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+        kw = dict(mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        blocks = block_modules(module)
+        if not blocks:
+            print(f"warning: {type(module).__name__} has no block list to shard one by one; sharding it as one "
+                  "unit (every forward gathers all of its weights at once)")
+        for block in blocks:
+            fully_shard(block, **kw)
+        fully_shard(module, **kw)
+        return module
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        pass  # FSDP reduce-scatters (averages) each block's gradients during backward
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if is_dtensor(norm):
+            norm = norm.full_tensor()  # the shards' partial norms combined
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+
+    def checksum(self, params: list[nn.Parameter]) -> torch.Tensor:
+        local = [p.to_local() if is_dtensor(p) else p for p in params]
+        total = torch.stack([t.detach().double().sum() for t in local]).sum().reshape(1)
+        torch.distributed.all_reduce(total)
+        return total
+
+    def padded(self, items: list[Any], fill: Callable[[], Any]) -> list[Any]:
+        """``items`` filled up with ``fill()`` to the longest list of any rank: every forward is a collective."""
+        most = torch.tensor([len(items)], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        missing = int(most) - len(items)
+        return list(items) + ([fill()] * missing if missing else [])
+
+    def takes_part(self) -> bool:
+        return True
+
+    def save_optimizer(self, folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, checkpoint_id=str(folder / OPTIMIZER_DIR))
+        return True
+
+    def load_indexed_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                               indexed: dict[str, Any]) -> None:
+        """A single-process checkpoint: parameter i of the trained ones is the i-th name."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = [n for n, p in module.named_parameters() if p.requires_grad]
+        full = {"state": {names[int(i)]: s for i, s in indexed["state"].items()},
+                "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in indexed["param_groups"]]}
+        set_optimizer_state_dict(module, optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
 #: words of the errors torch's process groups raise when a peer is gone or a collective timed out

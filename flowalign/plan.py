@@ -3,7 +3,8 @@
 Every model of the config's diffusers folder is built from its ``config.json`` on the meta device (no
 weights are read, so a folder of configs is enough). Per rank and per strategy the plan adds up:
 
-- weights of the trained transformer (sharded ``1/N`` under fsdp, plus the two blocks being gathered),
+- weights of the trained models (the transformer; both experts of a two-expert model: the family spec's
+  ``trained``), sharded ``1/N`` under fsdp, plus the two blocks being gathered,
 - gradients and AdamW's two moments of the trained tensors (sharded under fsdp; on CPU with cpu_offload),
 - extra copies of the trained tensors some trainers keep (a frozen reference for a full fine-tune of
   FEST-DPO, or of Flow-GRPO with a KL term unless offloaded, DiffusionNFT/OPSD's behaviour weights, the EMA),
@@ -44,10 +45,20 @@ class Model:
 
     family: str
     params: dict[str, int]  # component → parameters
-    trainable: int  # trained parameters (the LoRA's, or the transformer's)
-    largest_block: int  # parameters of the largest transformer block
+    trained: dict[str, int]  # trained component → its trained parameters (the LoRA's, or all of them)
+    largest_block: int  # parameters of the largest block of the trained models
     activations: float  # bytes saved for backward at the config's batch, without gradient checkpointing
     activations_checkpointed: float  # the same with gradient checkpointing
+
+    @property
+    def trainable(self) -> int:
+        """Trained parameters over every trained component."""
+        return sum(self.trained.values())
+
+    @property
+    def trained_weights(self) -> int:
+        """Parameters of the trained components (their base weights, under a LoRA too)."""
+        return sum(self.params[c] for c in self.trained)
 
 
 @dataclass
@@ -167,31 +178,34 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
 
     spec = families.detect(folder) if cfg.model.family is None else families.get(cfg.model.family, "model.family")
     models = build_on_meta(folder)
+    names = [c for c in spec.trained if c in models]
     from diffusers.utils import logging as diffusers_logging
 
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # its warning about casting a loaded model does not apply to meta tensors
     try:
-        transformer = models["transformer"].to(pipelines.parse_dtype(cfg.model.dtype))
+        for name in names:
+            models[name] = models[name].to(pipelines.parse_dtype(cfg.model.dtype))
     finally:
         diffusers_logging.set_verbosity(level)
+    transformer = models["transformer"]  # one step's forward runs one of the trained models
     blocks = block_modules(transformer)
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     if cfg.model.finetune == "lora":
         targets = cfg.model.lora.target_modules or list(spec.lora_targets)
-        trainable = lora_parameters(transformer, targets, cfg.model.lora.rank)
+        trained = {c: lora_parameters(models[c], targets, cfg.model.lora.rank) for c in names}
     else:
-        trainable = params["transformer"]
+        trained = {c: params[c] for c in names}
+    largest = max((sum(p.numel() for p in b.parameters()) for c in names for b in block_modules(models[c])), default=0)
     size = {**spec.size, **_folder_defaults(folder), **{k: v for k, v in (cfg.model.defaults or {}).items() if v is not None}}
     tcfg = cfg.trainer
     guidance = tcfg.get("guidance_scale") or size.get("guidance_scale") or spec.guidance
-    twice = spec.guidance_kind(transformer.config) in ("cfg", "true_cfg") and float(guidance) > 1
+    twice = spec.guidance_kind(transformer.config, families.read_index(folder)) in ("cfg", "true_cfg") and float(guidance) > 1
     batch = int(tcfg.get("batch_size", 8)) * (2 if twice else 1)
     inputs = spec.transformer_inputs(transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
     act, act_gc = saved_activation_bytes(transformer, blocks, inputs)
     per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
-    return Model(spec.name, params, trainable, max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
-                 act / per_sample, act_gc / per_sample)
+    return Model(spec.name, params, trained, largest, act / per_sample, act_gc / per_sample)
 
 
 def _folder_defaults(folder: Path) -> dict[str, Any]:
@@ -205,7 +219,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
     n = s.gpus if s.strategy == "fsdp" else 1
     w = BYTES[s.dtype]
     train_bytes = 4 if s.finetune == "lora" else w  # LoRA tensors are kept in fp32
-    base = model.params["transformer"] * w
+    base = model.trained_weights * w
     gathered = 2 * model.largest_block * w if s.strategy == "fsdp" else 0
     on_gpu = 0 if (s.cpu_offload and s.strategy == "fsdp") else 1
     lora = model.trainable * 4 if s.finetune == "lora" else 0
@@ -214,7 +228,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         "gradients": model.trainable * train_bytes / n,
         "optimiser state (AdamW)": 2 * model.trainable * train_bytes / n * on_gpu,
         "reference / EMA copies": s.extra_copies * model.trainable * train_bytes / n,
-        "frozen text encoders + VAE": sum(v for k, v in model.params.items() if k != "transformer"
+        "frozen text encoders + VAE": sum(v for k, v in model.params.items() if k not in model.trained
                                           and not (s.offload_text_encoders and k.startswith("text_encoder"))) * w,
         "activations": s.batch_size * (model.activations_checkpointed if s.gradient_checkpointing else model.activations),
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,
@@ -276,7 +290,7 @@ def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float) -
     lines = [f"model {folder} ({model.family}), finetune {cfg.model.finetune}, dtype {cfg.model.dtype}, "
              f"trainer {cfg.trainer.get('name', 'flow_grpo')}, batch {int(cfg.trainer.get('batch_size', 8))} per rank"]
     for name, count in model.params.items():
-        role = f"trained: {human(model.trainable)}" if name == "transformer" else "frozen"
+        role = f"trained: {human(model.trained[name])}" if name in model.trained else "frozen"
         lines.append(f"  {name:<16} {human(count):>8}  ({role})")
     strategies = ["ddp", "fsdp"] if gpus > 1 else ["ddp"]
     rows = {s: memory_rows(model, settings(cfg, s, gpus)) for s in strategies}

@@ -194,12 +194,20 @@ def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device:
                 txt_ids=new(batch, text, 4), img_ids=new(batch, tokens, 4), return_dict=False)
 
 
+def guidance_kind(config: Any, index: dict[str, Any]) -> str:
+    """dev embeds the scale; klein base runs CFG; the distilled klein (``is_distilled``) takes no guidance."""
+    if config.guidance_embeds:
+        return "embedded"
+    return "none" if index.get("is_distilled", False) else "cfg"
+
+
 SPEC = FamilySpec(
     name="flux2", policy=Flux2Policy, pipelines=PIPELINES, transformers=("Flux2Transformer2DModel",),
     lora_targets=tuple(DEFAULT_LORA_TARGETS),
-    # the model cards: 1024², 50 steps at guidance 4 (embedded for dev, CFG for klein base)
+    # the model cards: 1024², 50 steps at guidance 4 (embedded for dev, CFG for klein base, none for the
+    # distilled klein, which Flux2Policy refuses to guide)
     size={"height": 1024, "width": 1024, "num_frames": None, "max_sequence_length": 512}, num_steps=50, guidance=4.0,
-    cfg=lambda config: "embedded" if config.guidance_embeds else "cfg", transformer_inputs=transformer_inputs,
+    cfg=guidance_kind, transformer_inputs=transformer_inputs,
     tiny={"flux2": "pipelines.tiny_twins.flux2", "flux2_dev": "pipelines.tiny_twins.flux2_dev"},
     architectures=("flux.2-dev", "flux.2-klein"),
 )

@@ -256,4 +256,5 @@ SPEC = FamilySpec(
     tiny={"wan": "pipelines.tiny_twins.wan", "wan22": "pipelines.tiny_twins.wan22",
           "wan_i2v": "pipelines.tiny_twins.wan_i2v"},
     architectures=("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b"),
+    trained=("transformer", "transformer_2"),  # Wan 2.2 A14B: both experts (Wan22Policy.trainable)
 )

@@ -66,11 +66,11 @@ from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.logger import RunLogger
-from flowalign.parallel import Parallel
+from flowalign.parallel import strategy
 from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.trainers import checkpointing, loop
-from flowalign.trainers.optim import optimizer_step, scheduled_lr, setup_optimisation
+from flowalign.trainers.optim import setup_optimisation
 from flowalign.trainers.reference import keep_reference
 from flowalign.trainers.rollouts import (
     Sampling,
@@ -190,22 +190,29 @@ class GroupTrainer:
         self.rewards, self.data, self.evaluator = rewards, data, evaluator
         self.acc, self.run_dir = accelerator, run_dir
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.parallel = Parallel(cfg.parallel, self.world, self.rank, accelerator.device)
+        self.parallel = strategy(cfg.parallel, self.world, self.rank, accelerator.device)
         if self.needs_reference(cfg, tcfg):  # copied from the starting weights, before sharding and any resume
             keep_reference(policy, self.parallel, tcfg.reference_offload)
         self.optimisation = setup_optimisation(policy, tcfg, self.parallel)  # fsdp: shards before collecting
         self.params, self.optimizer, self.ema = (self.optimisation.params, self.optimisation.optimizer,
                                                  self.optimisation.ema)
-        self.step = 0
         self.train_seconds = 0.0
         #: this process's CPU seconds in training steps since start or resume (logged as time/cpu_minutes:
         #: on a shared machine wall-clock time depends on the neighbours, CPU time much less)
         self.train_cpu_seconds = 0.0
-        self.lr_now = tcfg.lr
         self.logger = RunLogger(
             run_dir, enabled=accelerator.is_main_process, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
             project=cfg.run.wandb_project, name=cfg.run.name, config=cfg.model_dump(mode="json"),
         )
+
+    @property
+    def step(self) -> int:
+        """Training steps done (kept with the optimiser and its schedule, in :attr:`optimisation`)."""
+        return self.optimisation.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.optimisation.step = value
 
     @property
     def rewards(self) -> RewardSet:
@@ -376,10 +383,7 @@ class GroupTrainer:
 
     def optimizer_step(self) -> float:
         """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
-        return optimizer_step(self.optimisation, self.acc, self.lr_now, self.tcfg.grad_clip)
-
-    def learning_rate(self, fraction: float) -> float:
-        return scheduled_lr(self.tcfg, self.step, fraction)
+        return self.optimisation.optimizer_step()
 
     def budget_fraction(self) -> float:
         """How much of the run's budget is spent, in [0, 1]: steps, or training minutes (slowest rank)."""

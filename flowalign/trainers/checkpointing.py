@@ -45,8 +45,8 @@ def save(trainer: Any) -> Path:
     trainable = parallel.gather(trainer.trainable_state())
     ema_state = parallel.gather(trainer.ema.state_dict()) if trainer.ema else None
     sharded_optimizer = parallel.save_optimizer(tmp, trainer.policy.trainable, trainer.optimizer)
-    if trainer.cfg.model.finetune == "lora" and (acc.is_main_process or parallel.sharded):
-        with parallel.rank_folder(tmp) as folder:  # gathering the adapter is a collective too
+    if trainer.cfg.model.finetune == "lora" and parallel.takes_part():  # fsdp: gathering it is a collective
+        with parallel.rank_folder(tmp) as folder:
             trainer.policy.save_adapter(folder)
     if acc.is_main_process:
         _, hooks = split_state(trainer.state_dict())

@@ -81,10 +81,10 @@ def _stopped(t: Any, signum: int) -> None:
 def one_step(t: Any, bar: Any) -> bool:
     """A training step with its bookkeeping: LR, log line, evaluation and checkpoint when due; True when
     it saved a checkpoint."""
-    t.lr_now = t.learning_rate(t.budget_fraction())
+    t.optimisation.begin_step(t.budget_fraction())  # the schedule sets this step's LR in the optimiser
     logs = t.train_step()
     check_training_finite(t.step + 1, logs, weight_labels(t.trainable_state()), t.run_dir)
-    logs["train/lr"] = t.lr_now
+    logs["train/lr"] = t.optimisation.schedule.lr
     t.train_seconds += logs["time/step"]
     t.step += 1
     logs["time/train_minutes"] = t.train_seconds / 60
@@ -106,7 +106,7 @@ def evaluate(t: Any) -> dict[str, Any]:
     if t.evaluator is None:
         return {}
     metrics: dict[str, Any] = {}
-    if t.acc.is_main_process or t.parallel.sharded:  # fsdp: every rank joins every forward
+    if t.parallel.takes_part():  # fsdp: every rank joins every forward
         with t.parallel.rank_folder(t.run_dir) as folder:  # other ranks write to a scratch folder
             out_dir = folder / "evals" / ckpt.step_dir_name(t.step)
             if t.ema is not None and t.step > 0:

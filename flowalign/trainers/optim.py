@@ -1,14 +1,15 @@
-"""What the loop optimises and how: the trainable parameters, AdamW, the EMA, the LR schedule and one
-optimiser step (gradients averaged over ranks, clipped, stepped, EMA updated).
+"""What the loop optimises and where it stands: the trainable parameters, AdamW, the EMA, the learning-rate
+schedule and the step counter, and one optimiser step (gradients reduced over ranks, clipped, stepped,
+EMA updated).
 
 :func:`setup_optimisation` is the one place where the model's trainable tensors meet the optimiser, so
-a sharding or offloading scheme hooks in there.
+a sharding or offloading scheme hooks in there (through the run's :class:`flowalign.parallel.Parallel`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,52 +21,85 @@ from flowalign.protocols import FlowPolicy
 
 
 @dataclass
+class Schedule:
+    """The learning rate: ``trainer.lr`` with its warm-up and decay, and the rate of the step in flight.
+
+    The one place the LR lives: :meth:`begin_step` computes it, writes it into the optimiser's parameter
+    groups and keeps it as :attr:`lr` (what ``train/lr`` logs).
+    """
+
+    base: float
+    kind: str = "constant"
+    warmup_steps: int = 0
+    min_ratio: float = 0.1
+    #: the LR of the current step (``base`` until the first step begins)
+    lr: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lr = self.base
+
+    @classmethod
+    def of(cls, tcfg: Any) -> Schedule:
+        """The schedule of a trainer config (``lr``, ``lr_schedule``, ``lr_warmup_steps``, ``lr_min_ratio``)."""
+        return cls(tcfg.lr, tcfg.lr_schedule, tcfg.lr_warmup_steps, tcfg.lr_min_ratio)
+
+    def at(self, step: int, fraction: float) -> float:
+        """The LR of ``step`` at a budget fraction in [0, 1]: linear warm-up over ``warmup_steps``, then
+        constant or cosine down to ``min_ratio·base``."""
+        lr = self.base
+        if self.kind == "cosine":
+            lr *= self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * fraction))
+        if step < self.warmup_steps:
+            lr *= (step + 1) / self.warmup_steps
+        return lr
+
+    def begin_step(self, optimizer: torch.optim.Optimizer, step: int, fraction: float) -> float:
+        """Set the LR of ``step`` (:meth:`at`) in ``optimizer`` and keep it as :attr:`lr`; returns it."""
+        self.lr = self.at(step, fraction)
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+        return self.lr
+
+
+@dataclass
 class Optimisation:
-    """The trainable tensors, their optimiser and (``ema_decay > 0``) their EMA."""
+    """The trainable tensors, their optimiser, (``ema_decay > 0``) their EMA, the LR schedule and the count
+    of training steps done: the state a checkpoint saves and resume restores."""
 
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     ema: EMA | None
     #: how the weights are spread over ranks (replicated or FSDP2 shards)
     parallel: Parallel
+    schedule: Schedule
+    grad_clip: float
+    #: training steps done (the schedule's, the noise's and the checkpoints' step)
+    step: int = 0
+
+    def begin_step(self, fraction: float) -> float:
+        """The LR of the coming step at budget ``fraction``, set in the optimiser (see :class:`Schedule`)."""
+        return self.schedule.begin_step(self.optimizer, self.step, fraction)
+
+    def optimizer_step(self) -> float:
+        """Reduce gradients over ranks, clip to ``grad_clip``, step at the schedule's LR, update the EMA;
+        returns the pre-clip gradient norm."""
+        self.parallel.reduce_gradients(self.params)
+        norm = self.parallel.clip_grad_norm(self.params, self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        return norm
 
 
 def setup_optimisation(policy: FlowPolicy, tcfg: Any, parallel: Parallel) -> Optimisation:
-    """AdamW over the policy's ``requires_grad`` parameters (``tcfg``: lr, betas, weight_decay,
-    ema_decay, ema_every); under fsdp the transformer is sharded first, so they are this rank's shards."""
+    """AdamW over the policy's ``requires_grad`` parameters (``tcfg``: lr and its schedule, betas,
+    weight_decay, grad_clip, ema_decay, ema_every); under fsdp the transformer is sharded first, so they
+    are this rank's shards."""
     parallel.shard(policy.trainable)
     params = [p for p in policy.trainable.parameters() if p.requires_grad]
     if not params:
         raise UserError("the policy has no trainable parameters; set model.finetune to lora or full")
     optimizer = torch.optim.AdamW(params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
     ema = EMA(params, tcfg.ema_decay, tcfg.ema_every) if tcfg.ema_decay > 0 else None
-    return Optimisation(params, optimizer, ema, parallel)
-
-
-def scheduled_lr(tcfg: Any, step: int, fraction: float) -> float:
-    """The LR at a budget fraction in [0, 1]: linear warm-up over ``lr_warmup_steps``, then constant or
-    cosine down to ``lr_min_ratio·lr``."""
-    lr = tcfg.lr
-    if tcfg.lr_schedule == "cosine":
-        lr *= tcfg.lr_min_ratio + (1 - tcfg.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * fraction))
-    if step < tcfg.lr_warmup_steps:
-        lr *= (step + 1) / tcfg.lr_warmup_steps
-    return lr
-
-
-def optimizer_step(opt: Optimisation, accelerator: Any, lr: float, grad_clip: float) -> float:
-    """Average gradients over ranks, clip to ``grad_clip``, step at ``lr``, update the EMA; returns the
-    pre-clip gradient norm."""
-    if accelerator.num_processes > 1 and not opt.parallel.sharded:  # fsdp reduce-scatters during backward
-        for p in opt.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad = accelerator.reduce(p.grad, reduction="mean")
-    norm = opt.parallel.clip_grad_norm(opt.params, grad_clip)
-    for group in opt.optimizer.param_groups:
-        group["lr"] = lr
-    opt.optimizer.step()
-    opt.optimizer.zero_grad(set_to_none=True)
-    if opt.ema is not None:
-        opt.ema.update()
-    return norm
+    return Optimisation(params, optimizer, ema, parallel, Schedule.of(tcfg), tcfg.grad_clip)

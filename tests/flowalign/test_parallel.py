@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from flowalign.config import ParallelSection, load_config
 from flowalign.errors import UserError
-from flowalign.parallel import Parallel, block_modules, is_collective_failure
+from flowalign.parallel import DDP, FSDP, block_modules, is_collective_failure, strategy
 
 
 def test_an_unknown_strategy_is_a_one_line_error_naming_the_field():
@@ -27,9 +27,20 @@ def test_an_unknown_strategy_is_a_one_line_error_naming_the_field():
 
 def test_fsdp_on_one_process_is_a_one_line_error():
     with pytest.raises(UserError) as err:
-        Parallel(ParallelSection(strategy="fsdp"), world=1, rank=0, device=torch.device("cpu"))
+        strategy(ParallelSection(strategy="fsdp"), world=1, rank=0, device=torch.device("cpu"))
     assert "parallel.strategy=fsdp" in str(err.value) and "torchrun" in str(err.value) and "\n" not in str(err.value)
-    Parallel(ParallelSection(strategy="ddp"), world=1, rank=0, device=torch.device("cpu"))  # the default is fine
+    strategy(ParallelSection(strategy="ddp"), world=1, rank=0, device=torch.device("cpu"))  # the default is fine
+
+
+def test_the_strategy_object_follows_parallel_strategy_and_ddp_needs_no_collectives():
+    assert isinstance(strategy(ParallelSection(strategy="fsdp"), 2, 1, "cpu"), FSDP)  # no collective to build it
+    ddp = strategy(ParallelSection(strategy="ddp"), world=2, rank=1, device="cpu")
+    assert isinstance(ddp, DDP) and not ddp.sharded and not ddp.takes_part()  # only the main rank evaluates
+    assert ddp.padded([1, 2], fill=lambda: pytest.fail("ddp pads nothing")) == [1, 2]
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.full((3,), 4.0)
+    assert ddp.clip_grad_norm([w], max_norm=1.0) == pytest.approx(48 ** 0.5) and w.grad.norm() == pytest.approx(1.0)
+    assert ddp.checksum([w]).item() == 3.0
 
 
 @pytest.mark.parametrize("family,lists", [("sd3", ["transformer_blocks"]),
@@ -69,7 +80,7 @@ def _count_shards(rank: int, world: int, port: int, model_dir: str, out: str) ->
         torch.manual_seed(0)
         policy = pipelines.load(model_dir, lora={"rank": 4} if mode == "lora" else None, full_finetune=mode == "full")
         full = sum(p.numel() for p in policy.trainable.parameters() if p.requires_grad)
-        Parallel(ParallelSection(strategy="fsdp"), world, rank, torch.device("cpu")).shard(policy.trainable)
+        strategy(ParallelSection(strategy="fsdp"), world, rank, torch.device("cpu")).shard(policy.trainable)
         params = [p for p in policy.trainable.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-3)
         cond = policy.encode(["a red circle"])
@@ -113,7 +124,7 @@ def _options_step(rank: int, world: int, port: int, model_dir: str, out: str) ->
                        "keep_gathered": {"reshard_after_forward": False}}.items():
         torch.manual_seed(0)
         policy = pipelines.load(model_dir, lora={"rank": 4})
-        parallel = Parallel(ParallelSection(strategy="fsdp", **opts), world, rank, torch.device("cpu"))
+        parallel = strategy(ParallelSection(strategy="fsdp", **opts), world, rank, torch.device("cpu"))
         parallel.shard(policy.trainable)
         params = [p for p in policy.trainable.parameters() if p.requires_grad]
         cond = policy.encode(["a red circle"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -133,3 +134,32 @@ def test_plan_refuses_a_folder_without_model_index(tmp_path):
 def test_plan_counts_the_reference_copy_of_a_full_fine_tune_with_kl(overrides, copies):
     cfg = load_config(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml", ["trainer.ema_decay=0", *overrides])
     assert settings(cfg, "fsdp", 2).extra_copies == copies
+
+
+def _small(folder, *overrides):
+    """A config sizing one tiny sample (the meta forward stays cheap) of ``folder``'s model."""
+    size = {"height": 64, "width": 64, "num_frames": 5, "max_sequence_length": 16}
+    return load_config(None, [f"model.path={folder}", "trainer.batch_size=1", f"model.defaults={json.dumps(size)}",
+                              *overrides])
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_plan_counts_both_wan22_experts_as_trained(finetune):
+    model = inspect_model(_small(ARCH / "wan2.2-a14b", f"model.finetune={finetune}"), ARCH / "wan2.2-a14b")
+    assert set(model.trained) == {"transformer", "transformer_2"}  # Wan22Policy trains both experts
+    assert model.trained["transformer_2"] == model.trained["transformer"] > 0
+    assert model.trained_weights == model.params["transformer"] + model.params["transformer_2"]
+    rows = plan_text(_small(ARCH / "wan2.2-a14b", f"model.finetune={finetune}"), ARCH / "wan2.2-a14b", 2, 141)
+    assert "transformer_2" in rows and "frozen" not in next(l for l in rows.splitlines() if "transformer_2" in l)
+
+
+def test_a_distilled_flux2_klein_is_sized_without_cfg(tmp_path):
+    distilled = tmp_path / "klein-distilled"
+    shutil.copytree(ARCH / "flux.2-klein", distilled)
+    index = json.loads((distilled / "model_index.json").read_text())
+    (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    base = [inspect_model(_small(ARCH / "flux.2-klein", f"trainer.guidance_scale={g}"), ARCH / "flux.2-klein")
+            for g in (1, 4)]
+    assert base[1].activations == pytest.approx(2 * base[0].activations, rel=0.01)  # klein base: CFG doubles it
+    # the distilled checkpoint takes no guidance (Flux2Policy refuses w > 1): one pass whatever the scale
+    assert inspect_model(_small(distilled, "trainer.guidance_scale=4"), distilled).activations == base[0].activations

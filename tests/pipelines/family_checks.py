@@ -139,8 +139,8 @@ def check_lora_loads_with_diffusers(folder: Path, tmp_path: Path, load_into_pipe
 
 def check_meta_size(name: str) -> None:
     """The published config instantiated on the meta device has the published size (within 5%)."""
-    from pipelines.tiny_twins.published import PUBLISHED, count_parameters
+    from pipelines.tiny_twins.published import PUBLISHED, count_parameters, published_class, published_config
 
-    class_name, config, size = PUBLISHED[name]
-    n = count_parameters(class_name, config)
+    size = PUBLISHED[name][1]
+    n = count_parameters(published_class(name), published_config(name))
     assert abs(n - size) / size < 0.05, f"{name}: {n / 1e9:.2f}B parameters, published {size / 1e9:.0f}B"

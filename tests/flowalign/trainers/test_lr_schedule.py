@@ -17,15 +17,21 @@ def cosine(tmp_path, tiny_sd3_dir, prompt_file):
 
 
 def test_cosine_schedule_with_warmup(cosine):
-    lr = cosine.tcfg.lr
-    cosine.step = 0
-    assert cosine.learning_rate(0.0) == pytest.approx(lr * 0.5)  # warm-up step 1 of 2
-    cosine.step = 2
-    assert cosine.learning_rate(0.0) == pytest.approx(lr)
-    assert cosine.learning_rate(0.5) == pytest.approx(lr * (0.2 + 0.8 * 0.5))
-    assert cosine.learning_rate(1.0) == pytest.approx(lr * 0.2)
-    values = [cosine.learning_rate(f / 10) for f in range(11)]
+    lr, schedule = cosine.tcfg.lr, cosine.optimisation.schedule
+    assert schedule.at(0, 0.0) == pytest.approx(lr * 0.5)  # warm-up step 1 of 2
+    assert schedule.at(2, 0.0) == pytest.approx(lr)
+    assert schedule.at(2, 0.5) == pytest.approx(lr * (0.2 + 0.8 * 0.5))
+    assert schedule.at(2, 1.0) == pytest.approx(lr * 0.2)
+    values = [schedule.at(2, f / 10) for f in range(11)]
     assert all(a > b for a, b in zip(values, values[1:]))
+
+
+def test_beginning_a_step_sets_the_lr_in_the_optimiser_at_the_trainers_step(cosine):
+    cosine.step = 1  # the step counter lives with the schedule: the trainer's step is the optimisation's
+    assert cosine.optimisation.step == 1
+    lr = cosine.optimisation.begin_step(0.0)
+    assert lr == pytest.approx(cosine.tcfg.lr) == cosine.optimisation.schedule.lr  # warm-up step 2 of 2
+    assert {g["lr"] for g in cosine.optimizer.param_groups} == {lr}
 
 
 def test_budget_fraction_takes_the_larger_of_steps_and_minutes(cosine):
