@@ -98,3 +98,20 @@ def compute_advantages(
     else:
         raise ValueError(f"unknown advantage kind {kind!r}; choose one of {', '.join(ADVANTAGE_KINDS)}")
     return adv.clamp(-clip, clip)
+
+
+def best_worst_mask(advantages: torch.Tensor, groups: torch.Tensor, keep: int) -> torch.Tensor:
+    """DanceGRPO's best-of-n subset: within each group, the ``keep // 2`` samples of highest and the ``keep // 2``
+    of lowest advantage ``(N,)`` bool (ties broken by position, so every rank picks alike). A group of at most
+    ``keep`` samples is kept whole."""
+    mask = torch.zeros_like(advantages, dtype=torch.bool)
+    half = keep // 2
+    for g in torch.unique(groups):
+        members = (groups == g).nonzero().flatten()
+        if len(members) <= keep:
+            mask[members] = True
+            continue
+        order = members[torch.sort(advantages[members], stable=True).indices]
+        mask[order[:half]] = True
+        mask[order[len(order) - half:]] = True
+    return mask

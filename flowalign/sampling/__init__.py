@@ -16,10 +16,11 @@ from flowalign.sampling.steps import (
     gaussian_log_prob,
     sde_step,
 )
-from flowalign.sampling.windows import random_window_start, sde_step_mask
+from flowalign.sampling.windows import random_window_start, sde_step_mask, sliding_window
 
 __all__ = [
     "SAMPLER_KINDS", "Guidance", "GuidedPolicy", "Rollout", "StepOutput", "check_sampler", "cps_step",
     "euler_step", "flow_grpo_diffusion", "flow_sde_step", "gaussian_log_prob", "guide_velocity",
     "load_latent_reward", "random_window_start", "reward_gradient", "rollout", "sde_step", "sde_step_mask",
+    "sliding_window",
 ]

@@ -52,3 +52,21 @@ def random_window_start(
     if last < low:
         raise ValueError(f"no room for an SDE window of width {width} in steps {low}..{high} of {num_steps}")
     return int(torch.randint(low, last + 1, (1,), generator=generator).item())
+
+
+def sliding_window(step: int, num_steps: int, width: int, shift_interval: int, stride: int = 1) -> tuple[int, int]:
+    """MixGRPO's progressive SDE window ``(start, width)`` at training step ``step`` (0-based).
+
+    The window starts at step 0 and moves ``stride`` steps later every ``shift_interval`` training steps; past
+    the last start it rolls back to 0 (the authors' ``roll_back``). As the authors bound it, the window covers
+    ``[start, min(start + width, T − 2))``, so it narrows near the end and never touches the last two steps;
+    the starts are ``0, stride, 2·stride, … ≤ T − 3`` (a start of ``T − 2`` would leave it empty). A pure
+    function of the step: the same on every rank, and after a resume.
+    """
+    if num_steps < 3:
+        raise ValueError(f"a sliding SDE window needs at least 3 sampling steps, got {num_steps}")
+    if width < 1 or shift_interval < 1 or stride < 1:
+        raise ValueError("sliding window width, shift_interval and stride must each be >= 1")
+    starts = (num_steps - 3) // stride + 1
+    start = (step // shift_interval) % starts * stride
+    return start, min(start + width, num_steps - 2) - start

@@ -28,6 +28,9 @@ TRAINERS = {
     "sft": "flowalign.trainers.soar:SFTTrainer",
     "festdpo": "flowalign.trainers.festdpo:FestDPOTrainer",
     "rg_opd": "flowalign.trainers.rg_opd:RGOPDTrainer",
+    "dance_grpo": "flowalign.trainers.dance_grpo:DanceGRPOTrainer",
+    "mix_grpo": "flowalign.trainers.mix_grpo:MixGRPOTrainer",
+    "grpo_guard": "flowalign.trainers.grpo_guard:GRPOGuardTrainer",
 }
 
 

@@ -251,14 +251,20 @@ class FlowGRPOTrainer(GroupTrainer):
                                chunk.guidance_scale, self.tcfg.cfg_grad,
                                stored[:, k] if sampling_weights and stored is not None else None)
 
+    def surrogate(self, chunk: Rollout, k: int, out: StepOutput, old_log_prob: torch.Tensor, adv: torch.Tensor,
+                  weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-sample clipped surrogate of step ``k`` ``(B,)``, its ratio and clipped flag (a hook:
+        GRPO-Guard normalises the ratio here)."""
+        return ppo_clip_loss(out.log_prob, old_log_prob, adv, self.tcfg.clip_range, weight)
+
     def loss(self, batch: StepBatch, unit: StepUnit) -> tuple[torch.Tensor, dict[str, float]]:
         chunk, k = batch.chunks[unit.chunk], unit.k
         adv, weight = batch.per_chunk(batch.advantages)[unit.chunk], unit.weight
         x_k, _, old_log_prob = chunk.step(k)
         out = self.step_distribution(chunk, k, self.policy_velocity(chunk, k, unit.update == 0))
         adv, old_log_prob = adv.to(out.log_prob), old_log_prob.to(out.log_prob)
-        per_sample, ratio, clipped = ppo_clip_loss(out.log_prob, old_log_prob, adv, self.tcfg.clip_range,
-                                                   None if weight is None else weight.to(out.log_prob))
+        per_sample, ratio, clipped = self.surrogate(chunk, k, out, old_log_prob, adv,
+                                                    None if weight is None else weight.to(out.log_prob))
         active = adv != 0  # samples with zero advantage are dropped from the mean
         loss = per_sample[active].mean()
         deviation = (ratio.detach() - 1).abs()[active].mean().item()

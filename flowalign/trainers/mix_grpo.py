@@ -1,0 +1,65 @@
+"""MixGRPO (arXiv 2507.21802): Flow-GRPO on a sliding window of SDE steps (``docs/methods/mix_grpo.md``).
+
+Every rollout runs the ODE except on a window of ``window_size`` consecutive steps, where it runs the
+Flow-GRPO SDE; only those steps are trained, with Flow-GRPO's loss. The window is the same for every
+prompt and moves ``window_stride`` steps later every ``shift_interval`` training steps, rolling back to the
+first step at the end (:func:`flowalign.sampling.windows.sliding_window`): a function of the training step
+alone, so every rank and a resumed run place it alike.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from flowalign.errors import UserError
+from flowalign.sampling import Rollout, sliding_window
+from flowalign.trainers.base import Sampling, StepBatch
+from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
+
+
+class MixGRPOConfig(FlowGRPOConfig):
+    name: Literal["mix_grpo"] = "mix_grpo"  # type: ignore[assignment]
+    clip_range: float = Field(1e-4, gt=0)
+    beta: float = Field(0.0, ge=0)
+    shared_initial_noise: bool = True
+    #: SDE (and trained) steps per rollout (the authors' group_size 4)
+    window_size: int = Field(4, ge=1)
+    #: training steps before the window moves (the authors' iters_per_group 25)
+    shift_interval: int = Field(25, ge=1)
+    #: steps the window moves each time (the authors' prog_overlap_step 1)
+    window_stride: int = Field(1, ge=1)
+
+
+class MixGRPOTrainer(FlowGRPOTrainer):
+    Config = MixGRPOConfig
+    tcfg: MixGRPOConfig
+
+    @classmethod
+    def check_config(cls, cfg, tcfg) -> None:
+        super().check_config(cfg, tcfg)
+        if tcfg.sde_window:
+            raise UserError("trainer.sde_window: mix_grpo places its own window (trainer.window_size, "
+                            "shift_interval, window_stride); remove sde_window")
+        if tcfg.num_steps < 3:
+            raise UserError(f"trainer.num_steps={tcfg.num_steps}: mix_grpo's window needs at least 3 steps")
+
+    def window(self, step: int) -> tuple[int, int]:
+        """``(start, width)`` of the SDE window at training step ``step``."""
+        t = self.tcfg
+        return sliding_window(step, t.num_steps, t.window_size, t.shift_interval, t.window_stride)
+
+    def sampling(self, group: int) -> Sampling:
+        """ODE everywhere but the window of the current step (the same for every group)."""
+        return Sampling(self.sampler, self.noise_level, self.window(self.step), False,
+                        cps_log_prob=self.tcfg.cps_log_prob, keep_unconditional=self.reuses_unconditional)
+
+    def collect(self, step: int) -> StepBatch:
+        batch = super().collect(step)
+        batch.logs["window_start"] = float(self.window(step)[0])
+        return batch
+
+    def trained_steps(self, chunk: Rollout) -> list[int]:
+        """Every step of the window (``timestep_fraction`` does not apply)."""
+        return chunk.trained_steps()
