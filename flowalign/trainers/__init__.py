@@ -28,6 +28,9 @@ TRAINERS = {
     "sft": "flowalign.trainers.soar:SFTTrainer",
     "festdpo": "flowalign.trainers.festdpo:FestDPOTrainer",
     "rg_opd": "flowalign.trainers.rg_opd:RGOPDTrainer",
+    "awm": "flowalign.trainers.awm:AWMTrainer",
+    "dgpo": "flowalign.trainers.dgpo:DGPOTrainer",
+    "diffusion_dpo": "flowalign.trainers.diffusion_dpo:DiffusionDPOTrainer",
 }
 
 
