@@ -34,6 +34,7 @@ class AWMConfig(GroupTrainerConfig):
     timestep_fraction: float = Field(0.9, gt=0, le=1)
     #: w(t) of ℓ: "uniform" (ℓ = −MSE) or "ghuber" (ℓ = −t·(MSE^p − 10⁻¹⁰ᵖ)/p)
     weighting: Literal["uniform", "ghuber"] = "ghuber"
+    #: p of the "ghuber" weighting
     ghuber_power: float = Field(0.25, gt=0, le=1)
     clip_range: float = Field(1.0, gt=0)
     #: A_max: advantages are clipped to ±adv_clip and rescaled to ±A_max

@@ -35,6 +35,7 @@ class DGPOConfig(GroupTrainerConfig):
     dpo_beta: float = Field(100.0, gt=0)
     #: grid steps trained per batch, one optimiser step each, drawn without replacement from 0 … last_step
     train_timesteps: int = Field(4, ge=1)
+    #: the last grid index the trained steps are drawn from (0 is pure noise)
     last_step: int = Field(6, ge=0)
     #: one forward-process noise per prompt group (false: one per sample)
     shared_noise: bool = True
