@@ -31,6 +31,9 @@ TRAINERS = {
     "dance_grpo": "flowalign.trainers.dance_grpo:DanceGRPOTrainer",
     "mix_grpo": "flowalign.trainers.mix_grpo:MixGRPOTrainer",
     "grpo_guard": "flowalign.trainers.grpo_guard:GRPOGuardTrainer",
+    "awm": "flowalign.trainers.awm:AWMTrainer",
+    "dgpo": "flowalign.trainers.dgpo:DGPOTrainer",
+    "diffusion_dpo": "flowalign.trainers.diffusion_dpo:DiffusionDPOTrainer",
 }
 
 

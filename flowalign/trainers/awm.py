@@ -1,0 +1,200 @@
+"""Advantage Weighted Matching (AWM, arXiv 2509.25050; ``docs/methods/awm.md``).
+
+ODE rollouts, the loop's advantages, then the pretraining loss on the rollouts' own endpoints: each
+endpoint ``x0`` is re-noised at ``train_timesteps`` steps of the rollout grid (one per stratum of the
+first ``timestep_fraction`` of it), ``x_t = (1−t)·x0 + t·ε``, and with ``ℓ = −w(t)·mean(v_θ(x_t) − (ε − x0))²``
+
+    Â = clip(A, ±A_clip)·A_max/A_clip,   r = exp(ℓ − ℓ_old)
+    L = mean_{i,t} max(−Â_i·r, −Â_i·clip(r, 1−ε, 1+ε)) + β·mean_{i,t} mean(v_θ − v_ref)²
+
+On-policy (one optimiser step per batch) ``ℓ_old = sg(ℓ)``, so r = 1 and ∇L = mean Â·∇MSE: the
+flow-matching loss weighted by the advantage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from flowalign.limits import MAX_LR
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
+from flowalign.trainers.flow_grpo import ChunkRef, global_plan, ppo_clip_loss
+from flowalign.trainers.self_distill import per_sample_mean
+
+
+class AWMConfig(GroupTrainerConfig):
+    name: Literal["awm"] = "awm"
+    lr: float = Field(3e-4, gt=0, le=MAX_LR)
+    #: re-noised copies of each endpoint per update, one per stratum of the trained grid steps
+    train_timesteps: int = Field(6, ge=1)
+    #: grid steps 1 … ⌊fraction·T⌋ are trained (step 0, pure noise, is left out)
+    timestep_fraction: float = Field(0.9, gt=0, le=1)
+    #: w(t) of ℓ: "uniform" (ℓ = −MSE) or "ghuber" (ℓ = −t·(MSE^p − 10⁻¹⁰ᵖ)/p)
+    weighting: Literal["uniform", "ghuber"] = "ghuber"
+    #: p of the "ghuber" weighting
+    ghuber_power: float = Field(0.25, gt=0, le=1)
+    clip_range: float = Field(1.0, gt=0)
+    #: A_max: advantages are clipped to ±adv_clip and rescaled to ±A_max
+    advantage_max: float = Field(1.0, gt=0)
+    #: weight of the velocity-space KL to the reference (the adapter switched off / the frozen copy)
+    beta: float = Field(0.003, ge=0)
+    #: CFG scale of v_θ and v_ref in the loss; None: the rollout's (the authors train with the sampling CFG)
+    fit_guidance: float | None = Field(None, ge=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+def advantage_weights(adv: torch.Tensor, adv_clip: float, advantage_max: float) -> torch.Tensor:
+    """AWM's per-sample weights ``Â = clip(A, ±A_clip)·A_max/A_clip`` ``(B,)``."""
+    return adv.clamp(-adv_clip, adv_clip) * (advantage_max / adv_clip)
+
+
+def matching_log_prob(v: torch.Tensor, target: torch.Tensor, t: float, weighting: str, power: float) -> torch.Tensor:
+    """``ℓ (B,)``: ``−mean(v − target)²`` ("uniform") or ``−t·((MSE + 10⁻¹⁰)^p − 10⁻¹⁰ᵖ)/p`` ("ghuber")."""
+    mse = per_sample_mean((v - target) ** 2)
+    if weighting == "uniform":
+        return -mse
+    return -((mse + 1e-10) ** power - 1e-10**power) * t / power
+
+
+def awm_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor | None, weights: torch.Tensor, clip_range: float,
+             kl: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """``mean_i max(−Â_i·r_i, −Â_i·clip(r_i, 1±ε)) + β·mean_i kl_i`` with ``r = exp(ℓ − ℓ_old)``
+    (``ℓ_old`` None: on-policy, ``sg(ℓ)``, r = 1 exactly)."""
+    old = log_prob.detach() if old_log_prob is None else old_log_prob
+    per_sample, ratio, clipped = ppo_clip_loss(log_prob, old, weights, clip_range)
+    loss = per_sample.mean()
+    info = {"policy_loss": loss.item(), "ratio": ratio.mean().item(), "clip_frac": clipped.float().mean().item()}
+    if kl is not None and beta > 0:
+        loss = loss + beta * kl.mean()
+        info["kl"] = kl.mean().item()
+    return loss, info
+
+
+def stratified_steps(num_steps: int, fraction: float, n: int, u: torch.Tensor) -> list[int]:
+    """Grid steps to train: stratum s of ``[1, ⌊fraction·T⌋]`` (integer bounds of ``linspace(1, ⌊fT⌋, n+1)``)
+    contributes ``lower_s + ⌊u_s·(upper_s − lower_s)⌋``, ``u ~ U[0,1)^n`` (the authors' "discrete_wo_init")."""
+    top = max(1, min(num_steps - 1, int(num_steps * fraction)))
+    bounds = torch.linspace(1, top, n + 1).long()
+    lower, upper = bounds[:-1], bounds[1:]
+    return (lower + (u * (upper - lower)).long()).tolist()
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass(frozen=True)
+class MatchUnit:
+    """Chunk ``chunk`` (this rank's index) re-noised at grid step ``k`` with noise ``eps``; ``old``: ℓ under
+    the sampling weights (None on-policy); one of ``of`` units of optimiser step ``update``."""
+
+    chunk: int
+    k: int
+    eps: torch.Tensor
+    old: torch.Tensor | None
+    of: int
+    update: int
+
+
+def sample_keys(batch: StepBatch) -> list[tuple[int, int]]:
+    """``(group, member)`` of every sample of the batch, in batch order (its identity in any rank layout)."""
+    seen: dict[int, int] = {}
+    keys = []
+    for g in batch.groups.tolist():
+        keys.append((g, seen.get(g, 0)))
+        seen[g] = keys[-1][1] + 1
+    return keys
+
+
+class AWMTrainer(GroupTrainer):
+    Config = AWMConfig
+    tcfg: AWMConfig
+    sampler = "ode"
+
+    @classmethod
+    def needs_reference(cls, cfg, tcfg) -> bool:
+        return tcfg.beta > 0 and cfg.model.finetune == "full"
+
+    def guidance(self, chunk) -> float:
+        return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance
+
+    def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
+        """Global, as Flow-GRPO's (:func:`global_plan`): per epoch the chunks with a non-zero advantage in
+        ``updates_per_epoch`` optimiser steps, each chunk × its ``train_timesteps`` re-noised copies. A
+        chunk's grid steps and every sample's noise come from generators keyed by their identity and the
+        epoch. With more than one optimiser step, ℓ_old is taken now, under the sampling weights."""
+        n = self.tcfg.train_timesteps
+        adv = batch.per_chunk(batch.advantages)
+        local = [ChunkRef(key, self.rank, i, bool(adv[i].abs().sum() > 0), tuple(range(n)))
+                 for i, key in enumerate(batch.chunk_keys())]
+        chunks = [c for refs in self.parallel.gather_objects(local) for c in refs]
+        steps = global_plan(chunks, self.tcfg.inner_epochs, self.tcfg.updates_per_epoch, generator,
+                            lambda c, e: list(c.steps))
+        keys = batch.per_chunk(torch.tensor(sample_keys(batch)))
+        off_policy = len(steps) > 1
+        draws: dict[tuple[int, int], tuple[list[int], torch.Tensor]] = {}
+        plan = []
+        for update, pairs in enumerate(steps):
+            units = []
+            for c, s in pairs:
+                if c.rank != self.rank:
+                    continue
+                epoch = update // self.tcfg.updates_per_epoch
+                if (c.index, epoch) not in draws:
+                    draws[c.index, epoch] = self.draws(batch, c.index, keys[c.index], epoch)
+                ks, eps = draws[c.index, epoch]
+                old = self.log_prob(batch, c.index, ks[s], eps[:, s]).detach() if off_policy else None
+                units.append(MatchUnit(c.index, ks[s], eps[:, s], old, len(pairs), update))
+            plan.append(units)
+        return Plan(plan, global_weights=True)
+
+    def draws(self, batch: StepBatch, i: int, keys: torch.Tensor, epoch: int) -> tuple[list[int], torch.Tensor]:
+        """Chunk ``i``'s trained grid steps (keyed by its first sample) and each sample's noises ``(B, n, ...)``."""
+        chunk, n = batch.chunks[i], self.tcfg.train_timesteps
+        g, m = keys[0].tolist()
+        u = torch.rand(n, generator=self.keyed_generator(g, m, epoch, 37))
+        ks = stratified_steps(chunk.num_steps, self.tcfg.timestep_fraction, n, u)
+        shape = chunk.final_latents.shape[1:]
+        eps = torch.stack([torch.randn((n, *shape), generator=self.keyed_generator(*key.tolist(), epoch, 41))
+                           for key in keys])
+        return ks, eps
+
+    def velocity(self, batch: StepBatch, i: int, k: int, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``v_θ`` at the re-noised endpoints of chunk ``i`` (grid step ``k``), the target ``ε − x0`` and t."""
+        chunk = batch.chunks[i]
+        x0 = chunk.final_latents.to(self.policy.device)
+        eps = eps.to(x0)
+        t = chunk.sigmas[k].item()
+        x_t = (1 - t) * x0 + t * eps
+        return self.policy.velocity(x_t, t, chunk.cond, self.guidance(chunk)), eps - x0, t
+
+    def log_prob(self, batch: StepBatch, i: int, k: int, eps: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            v, target, t = self.velocity(batch, i, k, eps)
+        return matching_log_prob(v, target, t, self.tcfg.weighting, self.tcfg.ghuber_power)
+
+    def filler(self, batch: StepBatch, update: int) -> MatchUnit:
+        shape = batch.chunks[0].final_latents.shape
+        return MatchUnit(0, 1, torch.zeros(shape), None, 1, update)
+
+    def loss(self, batch: StepBatch, unit: MatchUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        chunk = batch.chunks[unit.chunk]
+        v, target, t = self.velocity(batch, unit.chunk, unit.k, unit.eps)
+        log_prob = matching_log_prob(v, target, t, self.tcfg.weighting, self.tcfg.ghuber_power)
+        adv = batch.per_chunk(batch.advantages)[unit.chunk].to(v)
+        weights = advantage_weights(adv, self.tcfg.adv_clip, self.tcfg.advantage_max)
+        kl = None
+        if self.tcfg.beta > 0:
+            x0 = chunk.final_latents.to(v)
+            x_t = (1 - t) * x0 + t * unit.eps.to(v)
+            with torch.no_grad(), self.policy.adapter_disabled():
+                v_ref = self.policy.velocity(x_t, t, chunk.cond, self.guidance(chunk))
+            kl = per_sample_mean((v - v_ref) ** 2)
+        old = None if unit.old is None else unit.old.to(log_prob)
+        loss, info = awm_loss(log_prob, old, weights, self.tcfg.clip_range, kl, self.tcfg.beta)
+        info["mse"] = per_sample_mean((v.detach() - target) ** 2).mean().item()
+        return loss / unit.of, info

@@ -1,0 +1,186 @@
+"""DGPO, Direct Group Preference Optimization (arXiv 2510.08425; ``docs/methods/dgpo.md``).
+
+ODE rollouts (with or without CFG), the loop's advantages, then a DPO over groups rather than pairs:
+each rollout endpoint ``x0`` is re-noised, ``x_t = (1−t)·x0 + t·ε`` with one ε per prompt group, and
+with the denoising losses ``d_i = mean(v_θ(x_t) − (ε − x0))²`` (conditional velocity) and ``d_i^ref``
+(the reference, at ``reference_guidance``) a group g scores
+
+    S_g = (β/G)·Σ_{i∈g} A_i·(d_i − d_i^ref),      L_g = −log σ(−S_g)
+
+(the advantage-weighted implicit rewards ``−β(d_i − d_i^ref)`` of the group's samples prefer its
+positive half to its negative half). The backward pass uses the authors' surrogate of the same gradient,
+``σ(sg S_g)·A_i·d_i`` averaged over the samples (= G/β × ∇L_g summed), where ``d_i`` is detached on a
+sample whose ratio ``exp(d_old − d)`` already left ``1 ± clip_range`` on its advantage's side; plus
+``β_KL·mean(v_θ − v_ref)²``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from flowalign.limits import MAX_LR
+from flowalign.protocols import Conditioning
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
+from flowalign.trainers.self_distill import per_sample_mean
+
+
+class DGPOConfig(GroupTrainerConfig):
+    name: Literal["dgpo"] = "dgpo"
+    lr: float = Field(3e-4, gt=0, le=MAX_LR)
+    #: β of the group DPO
+    dpo_beta: float = Field(100.0, gt=0)
+    #: grid steps trained per batch, one optimiser step each, drawn without replacement from 0 … last_step
+    train_timesteps: int = Field(4, ge=1)
+    #: the last grid index the trained steps are drawn from (0 is pure noise)
+    last_step: int = Field(6, ge=0)
+    #: one forward-process noise per prompt group (false: one per sample)
+    shared_noise: bool = True
+    #: a sample's d_i stops training once exp(d_old − d_i) leaves 1 ± clip_range on its advantage's side (0: off)
+    clip_range: float = Field(0.01, ge=0)
+    #: weight of mean(v_θ − v_ref)² (the adapter switched off / the frozen copy)
+    beta: float = Field(0.02, ge=0)
+    #: CFG scale of the reference velocity: 1 with CFG rollouts, the CFG scale with CFG-free rollouts
+    reference_guidance: float = Field(1.0, ge=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+def group_scores(d: torch.Tensor, d_ref: torch.Tensor, adv: torch.Tensor, groups: torch.Tensor, beta: float,
+                 group_size: int) -> torch.Tensor:
+    """``S_g = (β/G)·Σ_{i∈g} A_i·(d_i − d_i^ref)`` per sample (its group's score) ``(B,)``; ``groups``
+    are indices 0 … n_groups−1."""
+    n = int(groups.max()) + 1
+    sums = torch.zeros(n, dtype=d.dtype, device=d.device).scatter_add_(0, groups, adv * beta * (d - d_ref) / group_size)
+    return sums[groups]
+
+
+def dgpo_loss(d: torch.Tensor, d_ref: torch.Tensor, adv: torch.Tensor, groups: torch.Tensor, beta: float,
+              group_size: int) -> torch.Tensor:
+    """Per-sample surrogate ``σ(sg S_g)·A_i·d_i`` ``(B,)``: summed, its gradient is
+    ``(G/β)·Σ_g ∇(−log σ(−S_g))`` (the group DPO loss's)."""
+    weight = torch.sigmoid(group_scores(d.detach(), d_ref, adv, groups, beta, group_size))
+    return weight * adv * d
+
+
+def clipped_denoising_loss(d: torch.Tensor, d_old: torch.Tensor, adv: torch.Tensor, clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d`` detached where ``r = exp(d_old − d)`` is past ``1+ε`` (A > 0) or below ``1−ε`` (A ≤ 0); and the mask."""
+    ratio = torch.exp(d_old - d.detach())
+    clip = torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
+    return torch.where(clip, d.detach(), d), clip
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass(frozen=True)
+class GroupUnit:
+    """Chunks ``chunks`` (this rank's indices; whole prompt groups) re-noised at grid step ``k``: noise
+    ``eps (N, ...)``, reference losses ``d_ref (N,)`` and velocities ``v_ref`` (for the KL; None at β=0),
+    ``d_old (N,)`` under the batch's sampling weights (None without clipping); ``total``: samples of the
+    optimiser step over all ranks."""
+
+    chunks: tuple[int, ...]
+    k: int
+    eps: torch.Tensor
+    d_ref: torch.Tensor
+    v_ref: torch.Tensor | None
+    d_old: torch.Tensor | None
+    total: int
+
+
+def group_blocks(batch: StepBatch) -> list[tuple[int, ...]]:
+    """Consecutive chunks that together hold whole prompt groups (no group split between two blocks)."""
+    blocks: list[tuple[int, ...]] = []
+    current: list[int] = []
+    start = 0
+    for i, chunk in enumerate(batch.chunks):
+        current.append(i)
+        end = start + len(chunk)
+        if end == len(batch.groups) or batch.groups[end] != batch.groups[end - 1]:
+            blocks.append(tuple(current))
+            current = []
+        start = end
+    return blocks
+
+
+class DGPOTrainer(GroupTrainer):
+    Config = DGPOConfig
+    tcfg: DGPOConfig
+    sampler = "ode"
+
+    @classmethod
+    def needs_reference(cls, cfg, tcfg) -> bool:
+        return cfg.model.finetune == "full"  # d_ref always needs the reference
+
+    def block(self, batch: StepBatch, chunks: tuple[int, ...]) -> tuple[torch.Tensor, Conditioning, torch.Tensor]:
+        """The block's endpoints ``(N, ...)``, conditioning and global group ids."""
+        x0 = torch.cat([batch.chunks[i].final_latents for i in chunks]).to(self.policy.device)
+        cond = Conditioning.cat([batch.chunks[i].cond for i in chunks])
+        start = sum(len(c) for c in batch.chunks[: chunks[0]])
+        return x0, cond, batch.groups[start : start + len(x0)]
+
+    def noise(self, groups: torch.Tensor, members: list[int], k: int, shape: torch.Size) -> torch.Tensor:
+        """ε per sample at grid step ``k``: one per group (``shared_noise``) or per sample, keyed by identity."""
+        if self.tcfg.shared_noise:
+            return torch.stack([torch.randn(shape, generator=self.keyed_generator(g, k, 43)) for g in groups.tolist()])
+        return torch.stack([torch.randn(shape, generator=self.keyed_generator(g, m, k, 43))
+                            for g, m in zip(groups.tolist(), members)])
+
+    def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
+        """Per epoch, ``train_timesteps`` grid steps drawn alike on every rank, one optimiser step each over
+        every block of whole groups; reference losses (and, for clipping, the sampling weights' losses)
+        computed here once."""
+        tc = self.tcfg
+        last = min(tc.last_step, batch.chunks[0].num_steps - 1)
+        members, seen = [], {}
+        for g in batch.groups.tolist():
+            members.append(seen.get(g, 0))
+            seen[g] = members[-1] + 1
+        total = self.parallel.total(sum(len(c) for c in batch.chunks))
+        steps = []
+        for _ in range(tc.inner_epochs):
+            ks = torch.randperm(last + 1, generator=generator)[: tc.train_timesteps].tolist()
+            for k in ks:
+                units = []
+                for chunks in group_blocks(batch):
+                    x0, cond, groups = self.block(batch, chunks)
+                    start = sum(len(c) for c in batch.chunks[: chunks[0]])
+                    eps = self.noise(groups, members[start : start + len(x0)], k, x0.shape[1:]).to(x0)
+                    sigma = batch.chunks[chunks[0]].sigmas[k].item()
+                    x_t, target = (1 - sigma) * x0 + sigma * eps, eps - x0
+                    with torch.no_grad():
+                        with self.policy.adapter_disabled():
+                            v_ref = self.policy.velocity(x_t, sigma, cond, tc.reference_guidance)
+                        d_old = (per_sample_mean((self.policy.velocity(x_t, sigma, cond, 1.0) - target) ** 2)
+                                 if tc.clip_range > 0 else None)
+                    units.append(GroupUnit(chunks, k, eps, per_sample_mean((v_ref - target) ** 2),
+                                           v_ref if tc.beta > 0 else None, d_old, total))
+                steps.append(units)
+        return Plan(steps, global_weights=True)
+
+    def loss(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        tc = self.tcfg
+        x0, cond, groups = self.block(batch, unit.chunks)
+        sigma = batch.chunks[unit.chunks[0]].sigmas[unit.k].item()
+        eps = unit.eps.to(x0)
+        v = self.policy.velocity((1 - sigma) * x0 + sigma * eps, sigma, cond, 1.0)
+        d = per_sample_mean((v - (eps - x0)) ** 2)
+        adv = torch.cat(batch.per_chunk(batch.advantages)[unit.chunks[0] : unit.chunks[-1] + 1]).to(d)
+        info: dict[str, float] = {"dsm": d.mean().item()}
+        if unit.d_old is not None:
+            d, clipped = clipped_denoising_loss(d, unit.d_old.to(d), adv, tc.clip_range)
+            info["clip_frac"] = clipped.float().mean().item()
+        _, local = torch.unique(groups, return_inverse=True)
+        per_sample = dgpo_loss(d, unit.d_ref.to(d), adv, local, tc.dpo_beta, tc.group_size)
+        loss = per_sample.sum() / unit.total
+        info["policy_loss"] = per_sample.mean().item()
+        if unit.v_ref is not None:
+            kl = per_sample_mean((v - unit.v_ref.to(v)) ** 2)
+            loss = loss + tc.beta * kl.sum() / unit.total
+            info["kl"] = kl.mean().item()
+        return loss, info

@@ -1,0 +1,196 @@
+"""Diffusion-DPO ("Diffusion Model Alignment Using Direct Preference Optimization", arXiv 2311.12908;
+``docs/methods/diffusion_dpo.md``), in its flow-matching form.
+
+A preference pair (x0ʷ ≻ x0ˡ, prompt c) is noised at one shared t with one shared ε,
+``x_t = (1−t)·x0 + t·ε``; with the velocity errors ``e(x0) = mean(v(x_t, t | c) − (ε − x0))²`` of the
+policy and of the reference (the adapter switched off, or the frozen copy under full fine-tuning)
+
+    Δ = [e_θ(x0ʷ) − e_ref(x0ʷ)] − [e_θ(x0ˡ) − e_ref(x0ˡ)],      L = −log σ(−β·Δ/2)
+
+(the DDPM ε-MSE of the paper replaced by the flow's velocity MSE). Pairs come from a Pick-a-Pic-style
+JSONL (``trainer.pairs``: prompt, chosen and rejected image paths, encoded with the policy's VAE) or
+online: each prompt group's best and worst rollout under the run's rewards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from flowalign.data import PromptSet
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch, derived_seed
+from flowalign.trainers.self_distill import per_sample_mean
+
+
+class DiffusionDPOConfig(GroupTrainerConfig):
+    name: Literal["diffusion_dpo"] = "diffusion_dpo"
+    #: β of the DPO (large: the per-pair error differences are ~1e-3)
+    dpo_beta: float = Field(2000.0, gt=0)
+    #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
+    pairs: str | None = None
+    #: t of each pair: "logit_normal" (σ(n), n ~ N(0, 1)) or "uniform" on (0, 1)
+    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+def diffusion_dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_w: torch.Tensor, ref_l: torch.Tensor,
+                       beta: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-pair ``−log σ(−β/2·[(e_θʷ − e_refʷ) − (e_θˡ − e_refˡ)])`` ``(P,)``; the references are detached."""
+    delta = (err_w - ref_w.detach()) - (err_l - ref_l.detach())
+    inside = -0.5 * beta * delta
+    loss = -F.logsigmoid(inside)
+    accuracy = ((inside > 0).float() + 0.5 * (inside == 0).float()).mean()
+    return loss, {"dpo_loss": loss.mean().item(), "implicit_acc": accuracy.item(), "margin": inside.mean().item()}
+
+
+def pair_timesteps(n: int, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """``n`` flow times in (0, 1): logit-normal σ(N(0,1)) or uniform."""
+    if kind == "uniform":
+        return torch.rand(n, generator=generator).clamp(1e-4, 1 - 1e-4)
+    return torch.sigmoid(torch.randn(n, generator=generator))
+
+
+def best_and_worst(rewards: torch.Tensor, valid: torch.Tensor) -> tuple[int, int] | None:
+    """Indices (best, worst) of a group's valid rewards, or None when fewer than two differ."""
+    idx = valid.nonzero().flatten()
+    if len(idx) < 2 or rewards[idx].max() == rewards[idx].min():
+        return None
+    r = rewards[idx]
+    return int(idx[r.argmax()]), int(idx[r.argmin()])
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass
+class PairBatch:
+    """One step's preference pairs on this rank: endpoints ``x_w, x_l (P, ...)``, conditioning, a seed per
+    pair (its identity in any rank layout), and logs."""
+
+    x_w: torch.Tensor
+    x_l: torch.Tensor
+    cond: Conditioning | None
+    seeds: list[int]
+    logs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PairUnit:
+    """Pairs ``index`` of the batch with their t, ε and reference errors; ``total`` pairs over all ranks."""
+
+    index: tuple[int, ...]
+    t: torch.Tensor
+    eps: torch.Tensor
+    ref_w: torch.Tensor
+    ref_l: torch.Tensor
+    total: int
+
+
+class DiffusionDPOTrainer(GroupTrainer):
+    Config = DiffusionDPOConfig
+    tcfg: DiffusionDPOConfig
+    sampler = "ode"
+
+    @classmethod
+    def check_config(cls, cfg, tcfg: DiffusionDPOConfig) -> None:
+        if not tcfg.pairs:  # offline pairs carry their labels: rewards: [] is fine there
+            super().check_config(cfg, tcfg)
+
+    @classmethod
+    def needs_reference(cls, cfg, tcfg) -> bool:
+        return cfg.model.finetune == "full"
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.offline: PromptSet | None = None
+        if self.tcfg.pairs:
+            from flowalign.pairs import read_preference_pairs
+
+            self.offline = read_preference_pairs(self.tcfg.pairs)  # every image checked before compute
+            if not hasattr(self.policy, "encode_images"):
+                raise UserError(f"trainer.pairs: the {self.policy.family} policy cannot encode images (no "
+                                "encode_images); use online pairs (drop trainer.pairs) or an image model")
+
+    # ------------------------------------------------------------------ pairs
+
+    def collect(self, step: int) -> PairBatch:
+        return self.offline_pairs(step) if self.offline is not None else self.online_pairs(step)
+
+    def offline_pairs(self, step: int) -> PairBatch:
+        """This rank's share of the step's preference triples, encoded with the policy's VAE."""
+        from flowalign.pairs import load_image
+
+        p = self.tcfg.prompts_per_step
+        idx = self.offline.batch_indices(self.cfg.run.seed, step, p * self.world)[self.rank * p : (self.rank + 1) * p]
+        h, w = int(self.policy.defaults["height"]), int(self.policy.defaults["width"])
+        meta = [self.offline.metadata[i] for i in idx]
+        images = {k: torch.stack([load_image(m[k], h, w) for m in meta]).to(self.policy.device) for k in ("chosen", "rejected")}
+        x_w, x_l = self.policy.encode_images(images["chosen"]), self.policy.encode_images(images["rejected"])
+        cond = self.policy.encode([self.offline.prompts[i] for i in idx])
+        seeds = [derived_seed(self.cfg.run.seed, step, self.rank * p + n, 47) for n in range(len(idx))]
+        return PairBatch(x_w.float(), x_l.float(), cond, seeds, {"train/pairs": float(len(idx))})
+
+    def online_pairs(self, step: int) -> PairBatch:
+        """The loop's group rollouts; per group, its best and worst valid sample."""
+        batch: StepBatch = super().collect(step)
+        x0 = torch.cat([c.final_latents for c in batch.chunks])
+        cond = Conditioning.cat([c.cond for c in batch.chunks])
+        total, valid = batch.scores.total, batch.scores.valid
+        win, lose, seeds = [], [], []
+        for g in dict.fromkeys(batch.groups.tolist()):
+            members = (batch.groups == g).nonzero().flatten()
+            pick = best_and_worst(total[members], valid[members])
+            if pick is not None:
+                win.append(int(members[pick[0]]))
+                lose.append(int(members[pick[1]]))
+                seeds.append(derived_seed(self.cfg.run.seed, step, g, 47))
+        logs = {**batch.logs, "train/pairs": float(len(win))}
+        if not win:
+            return PairBatch(x0[:0], x0[:0], None, [], logs)
+        return PairBatch(x0[win], x0[lose], cond[win], seeds, logs)
+
+    # ------------------------------------------------------------------ hooks
+
+    def errors(self, batch: PairBatch, index: tuple[int, ...], t: torch.Tensor,
+               eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``e(x0ʷ), e(x0ˡ)`` ``(P,)`` of the current velocity (both halves in one pass)."""
+        idx = list(index)
+        x0 = torch.cat([batch.x_w[idx], batch.x_l[idx]]).to(self.policy.device)
+        eps2, t2 = torch.cat([eps, eps]).to(x0), torch.cat([t, t]).to(x0)
+        tb = t2.view(-1, *[1] * (x0.ndim - 1))
+        cond = batch.cond[idx + idx]
+        v = self.policy.velocity((1 - tb) * x0 + tb * eps2, t2, cond, 1.0)
+        err = per_sample_mean((v - (eps2 - x0)) ** 2)
+        return err[: len(idx)], err[len(idx) :]
+
+    def plan(self, batch: PairBatch, generator: torch.Generator) -> Plan:
+        """Micro-batches of ``batch_size`` pairs, each pair's t and ε from its own seed, reference errors
+        once; ``inner_epochs`` optimiser steps over all of them, weighted over every rank's pairs."""
+        n = len(batch.seeds)
+        total = self.parallel.total(n)
+        units = []
+        shape = batch.x_w.shape[1:]
+        for s in range(0, n, self.tcfg.batch_size):
+            index = tuple(range(s, min(n, s + self.tcfg.batch_size)))
+            gens = [torch.Generator().manual_seed(batch.seeds[i]) for i in index]
+            t = torch.cat([pair_timesteps(1, self.tcfg.timestep_sampling, g) for g in gens])
+            eps = torch.stack([torch.randn(shape, generator=g) for g in gens])
+            with torch.no_grad(), self.policy.adapter_disabled():
+                ref_w, ref_l = self.errors(batch, index, t, eps)
+            units.append(PairUnit(index, t, eps, ref_w, ref_l, total))
+        return Plan([units] * self.tcfg.inner_epochs if total else [], global_weights=True)
+
+    def loss(self, batch: PairBatch, unit: PairUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        err_w, err_l = self.errors(batch, unit.index, unit.t, unit.eps)
+        per_pair, info = diffusion_dpo_loss(err_w, err_l, unit.ref_w.to(err_w), unit.ref_l.to(err_l),
+                                            self.tcfg.dpo_beta)
+        return per_pair.sum() / unit.total, info
+
