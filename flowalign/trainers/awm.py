@@ -131,7 +131,7 @@ class AWMTrainer(GroupTrainer):
         adv = batch.per_chunk(batch.advantages)
         local = [ChunkRef(key, self.rank, i, bool(adv[i].abs().sum() > 0), tuple(range(n)))
                  for i, key in enumerate(batch.chunk_keys())]
-        chunks = [c for refs in self.parallel.gather_objects(local) for c in refs]
+        chunks = [c for refs in self.gather_objects(local) for c in refs]
         steps = global_plan(chunks, self.tcfg.inner_epochs, self.tcfg.updates_per_epoch, generator,
                             lambda c, e: list(c.steps))
         keys = batch.per_chunk(torch.tensor(sample_keys(batch)))

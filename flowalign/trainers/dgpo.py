@@ -141,7 +141,7 @@ class DGPOTrainer(GroupTrainer):
         for g in batch.groups.tolist():
             members.append(seen.get(g, 0))
             seen[g] = members[-1] + 1
-        total = self.parallel.total(sum(len(c) for c in batch.chunks))
+        total = self.total(sum(len(c) for c in batch.chunks))
         steps = []
         for _ in range(tc.inner_epochs):
             ks = torch.randperm(last + 1, generator=generator)[: tc.train_timesteps].tolist()

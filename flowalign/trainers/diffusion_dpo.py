@@ -175,7 +175,7 @@ class DiffusionDPOTrainer(GroupTrainer):
         """Micro-batches of ``batch_size`` pairs, each pair's t and ε from its own seed, reference errors
         once; ``inner_epochs`` optimiser steps over all of them, weighted over every rank's pairs."""
         n = len(batch.seeds)
-        total = self.parallel.total(n)
+        total = self.total(n)
         units = []
         shape = batch.x_w.shape[1:]
         for s in range(0, n, self.tcfg.batch_size):

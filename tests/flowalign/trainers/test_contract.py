@@ -140,6 +140,12 @@ ONE_STEP = {
     "festdpo": ("trainer.K=8", "trainer.num_steps=2", "trainer.prompts_per_step=1"),
     "soar": (*VVR, "rewards=[]", "model.finetune=full", "trainer.corrections=1", "trainer.rollout_steps=4"),
     "sft": (*VVR, "rewards=[]", "model.finetune=full"),
+    "dance_grpo": (),
+    "mix_grpo": (),
+    "grpo_guard": (),
+    "awm": (),
+    "dgpo": (),
+    "diffusion_dpo": (),
 }
 
 
