@@ -2,7 +2,9 @@
 
 ``flowalign evaluate --bench NAME``, ``data.bench`` and ``eval.bench`` reach a benchmark through
 :func:`load_benchmark`; the core never knows what a VVR task is. A benchmark is a loader
-``(level, split, n, seed) -> Benchmark`` registered under the plugin kind ``benchmarks``
+``(level, split, n, seed) -> Benchmark`` registered under the plugin kind ``benchmarks``; one whose reward
+takes options (e.g. the weights folders of a model reward) also accepts ``reward_options`` (a dict,
+``eval.reward_options`` / ``evaluate --reward-option``)
 (:mod:`flowalign.plugins`); one whose tasks are programmatic scenes may also register a renderer
 ``(metadata, size) -> PIL image`` under ``renderers``, which gives reward-free trainers (SOAR, SFT)
 real (image, caption) pairs without a dataset on disk. A video benchmark's renderer returns its clip as a
@@ -11,6 +13,7 @@ uint8 array ``(F, H, W, 3)``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +45,12 @@ def available_benchmarks() -> list[str]:
 
 
 def load_benchmark(name: str, level: str = "easy", n: int | None = None, seed: int | None = None,
-                   split: str = "test") -> Benchmark:
+                   split: str = "test", reward_options: dict[str, Any] | None = None) -> Benchmark:
     """The ``split`` ("validation" | "test") of ``name``/``level``: the shipped file, or a fresh one of that
-    split's distribution drawn with ``seed``."""
+    split's distribution drawn with ``seed``; ``reward_options`` go to the benchmark's reward."""
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r} for --split / eval.split; choose one of {', '.join(SPLITS)}")
-    return _load(name, level, n, seed, split)
+    return _load(name, level, n, seed, split, reward_options)
 
 
 def training_tasks(name: str, level: str = "easy", n: int | None = None, seed: int = 0) -> Benchmark:
@@ -55,13 +58,20 @@ def training_tasks(name: str, level: str = "easy", n: int | None = None, seed: i
     return _load(name, level, n, seed, TRAIN)
 
 
-def _load(name: str, level: str, n: int | None, seed: int | None, split: str) -> Benchmark:
+def _load(name: str, level: str, n: int | None, seed: int | None, split: str,
+          reward_options: dict[str, Any] | None = None) -> Benchmark:
     known = targets("benchmarks")
     if name not in known:
         raise UserError(f"unknown benchmark {name!r}; choose one of {', '.join(sorted(known))}")
     if n is not None and n < 1:
         raise UserError(f"--n must be a positive number of tasks, got {n}")
-    return load_target(known[name])(level, split, n, seed)
+    loader = load_target(known[name])
+    if not reward_options:
+        return loader(level, split, n, seed)
+    if "reward_options" not in inspect.signature(loader).parameters:
+        raise UserError(f"benchmark {name!r} takes no reward options (got {', '.join(sorted(reward_options))}); "
+                        "drop --reward-option / eval.reward_options")
+    return loader(level, split, n, seed, reward_options=dict(reward_options))
 
 
 def render_task(name: str, metadata: dict[str, Any], size: int) -> torch.Tensor:

@@ -179,6 +179,10 @@ class EvalSection(Section):
     #: evaluate the starting weights too (step 0)
     at_start: bool = True
     bench: str | None = "vvr"
+    #: a prompt file (as data.prompts reads) evaluated instead of eval.bench, scored by eval.rewards
+    prompts: str | None = None
+    #: options of the benchmark's own reward (e.g. geneval's path and clip_path)
+    reward_options: dict[str, Any] = Field(default_factory=dict)
     level: str = "medium"
     n: int | None = Field(64, ge=1, le=MAX_TASKS)
     #: which split to evaluate on: validation (the default, so nothing is tuned on test) or test

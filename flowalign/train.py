@@ -101,25 +101,35 @@ def load_train_data(cfg: TrainConfig) -> PromptSet:
 
 
 def make_evaluator(cfg: TrainConfig):
-    """A function ``(policy, out_dir) -> metrics`` over the ``eval.split`` split (validation by default)."""
+    """A function ``(policy, out_dir) -> metrics`` over the ``eval.split`` split (validation by default), or
+    over the first ``eval.n`` prompts of ``eval.prompts``, scored by the panel ``eval.rewards`` alone."""
     from flowalign.benchmarks import load_benchmark
 
     from flowalign.evaluation import evaluate
 
-    bench = load_benchmark(cfg.eval.bench, cfg.eval.level, cfg.eval.n, cfg.eval.seed, split=cfg.eval.split)
     # the held-out panel: scored on the same samples, logged as eval/<name> (the loop logs every number)
     panel = load_panel(cfg.eval.rewards, "eval.rewards") if cfg.eval.rewards else None
+    seed = cfg.eval.seed or 0
+    if cfg.eval.prompts:
+        source = read_prompt_file(cfg.eval.prompts)
+        prompts, metadata, reward = source.prompts[: cfg.eval.n], source.metadata[: cfg.eval.n], None
+        labels = {"prompts": cfg.eval.prompts, "seed": seed, "reward": panel.names[0], "rewards": panel.names}
+        title = Path(cfg.eval.prompts).name
+    else:
+        bench = load_benchmark(cfg.eval.bench, cfg.eval.level, cfg.eval.n, cfg.eval.seed, split=cfg.eval.split,
+                               reward_options=cfg.eval.reward_options)
+        prompts, metadata, reward = bench.prompts, bench.metadata, bench.reward
+        labels = {"bench": bench.name, "split": bench.split, "seed": seed, "reward": bench.reward.name}
+        title = bench.name
 
     def run(policy, out_dir: Path) -> dict[str, Any]:
-        metrics = evaluate(policy, bench.prompts, bench.metadata, bench.reward, seed=cfg.eval.seed or 0,
-                           num_steps=cfg.eval.num_steps, batch_size=cfg.eval.batch_size, out_dir=out_dir,
-                           progress=False, labels={"bench": bench.name, "split": bench.split, "seed": cfg.eval.seed or 0,
-                                                   "reward": bench.reward.name}, panel=panel)
+        metrics = evaluate(policy, prompts, metadata, reward, seed=seed, num_steps=cfg.eval.num_steps,
+                           batch_size=cfg.eval.batch_size, out_dir=out_dir, progress=False, labels=labels, panel=panel)
         if cfg.eval.gallery:
-            _write_gallery(out_dir.parent.parent, f"{cfg.run.name}: {bench.name}")
+            _write_gallery(out_dir.parent.parent, f"{cfg.run.name}: {title}")
         return metrics
 
-    run.metadata = bench.metadata  # checked against the model before training (check_frame_count)
+    run.metadata = metadata  # checked against the model before training (check_frame_count)
     return run
 
 
@@ -145,12 +155,18 @@ def check_run(cfg: TrainConfig) -> tuple[type, Any]:
     for spec in cfg.rewards:
         reward_registry.check(spec.name, **spec.options)
     load_train_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"n": 1})}))  # names and levels, not n tasks
-    if cfg.eval.bench and cfg.eval.bench not in available_benchmarks():
+    if cfg.eval.prompts:
+        read_prompt_file(cfg.eval.prompts)  # a missing or malformed file fails here, not at the first evaluation
+        if not cfg.eval.rewards:
+            raise UserError(f"eval.prompts={cfg.eval.prompts} has no verifier of its own: list the rewards to score "
+                            "it with in eval.rewards (e.g. [pickscore, hpsv3]), or use eval.bench")
+    elif cfg.eval.bench and cfg.eval.bench not in available_benchmarks():
         raise UserError(f"eval.bench={cfg.eval.bench} is not a benchmark; choose one of "
                         f"{', '.join(available_benchmarks())}, or eval.bench=null for no evaluation")
-    if cfg.eval.rewards and not cfg.eval.bench:
-        raise UserError("eval.rewards scores the samples of the evaluation, but eval.bench=null turns it off; set "
-                        "eval.bench (e.g. vvr) or drop eval.rewards")
+    if cfg.eval.rewards and not (cfg.eval.bench or cfg.eval.prompts):
+        raise UserError("eval.rewards scores the samples of the evaluation, but eval.bench=null (and no eval.prompts) turns it "
+                        "off; set "
+                        "eval.bench (e.g. vvr) or eval.prompts, or drop eval.rewards")
     check_panel(cfg.eval.rewards, "eval.rewards")
     folder = resolve_model_path(cfg.model.path)
     if not (folder / "model_index.json").is_file():
@@ -195,9 +211,10 @@ def build_trainer(cfg: TrainConfig):
     frames = policy.defaults.get("num_frames")
     check_frame_count(frames, data.metadata, f"data.bench={cfg.data.bench}" if not cfg.data.prompts
                       else f"data.prompts={cfg.data.prompts}")
-    evaluator = make_evaluator(cfg) if cfg.eval.bench else None
+    evaluator = make_evaluator(cfg) if cfg.eval.bench or cfg.eval.prompts else None
     if evaluator is not None:
-        check_frame_count(frames, getattr(evaluator, "metadata", []), f"eval.bench={cfg.eval.bench}")
+        check_frame_count(frames, getattr(evaluator, "metadata", []), f"eval.prompts={cfg.eval.prompts}"
+                          if cfg.eval.prompts else f"eval.bench={cfg.eval.bench}")
     trainer = trainer_cls(cfg, tcfg, policy, loaded, data, evaluator, acc, run_dir)
     if acc.is_main_process:
         write_run_config(run_dir, dump_config(cfg, tcfg))

@@ -91,46 +91,53 @@ def render_vvr_motion(metadata: dict[str, Any], size: int):
     return render(metadata["task"], size=size)
 
 
-#: where the ``geneval`` benchmark's reward finds its weights (a benchmark loader takes no reward options)
+#: the fallback for the ``geneval`` benchmark's weight folders when its reward options do not name them
 GENEVAL_ENV = {"path": "FLOWALIGN_GENEVAL_PATH", "clip_path": "FLOWALIGN_GENEVAL_CLIP_PATH"}
+GENEVAL_DOWNLOADS = {"path": "a download of facebook/mask2former-swin-small-coco-instance",
+                     "clip_path": "a download of openai/clip-vit-large-patch14"}
 
 
 class DeferredGenEval:
     """The ``geneval`` reward with ``score: strict`` (so mean scores are GenEval accuracies), built on its first
-    call from the folders named by ``$FLOWALIGN_GENEVAL_PATH`` and ``$FLOWALIGN_GENEVAL_CLIP_PATH``: training
+    call with ``options`` (``eval.reward_options`` / ``evaluate --reward-option``); ``path`` and ``clip_path``
+    not given there are read from ``$FLOWALIGN_GENEVAL_PATH`` / ``$FLOWALIGN_GENEVAL_CLIP_PATH``. Training
     draws never score with it, and an evaluation split checks the folders exist when it is loaded."""
 
     name = "geneval"
     differentiable = False
     requires_metadata = ("tag", "include")
 
-    def __init__(self, check: bool):
+    def __init__(self, check: bool, options: dict[str, Any] | None = None):
         import os
 
-        self.options = {option: os.environ.get(var) for option, var in GENEVAL_ENV.items()}
+        self.options = {"score": "strict", **(options or {})}
+        for option, var in GENEVAL_ENV.items():
+            if self.options.get(option) is None and os.environ.get(var):
+                self.options[option] = os.environ[var]
         self._reward = None
         if check:
             for option, var in GENEVAL_ENV.items():
-                value = self.options[option]
-                if not value or not os.path.isdir(value):
-                    what = ("a download of facebook/mask2former-swin-small-coco-instance" if option == "path"
-                            else "a download of openai/clip-vit-large-patch14")
-                    raise UserError(f"benchmark geneval scores with the geneval reward: set {var} to {what} "
-                                    f"(now {value!r})")
+                value = self.options.get(option)
+                if not value or not os.path.isdir(str(value)):
+                    raise UserError(f"benchmark geneval scores with the geneval reward: set its {option} to "
+                                    f"{GENEVAL_DOWNLOADS[option]} (now {value!r}) with --reward-option "
+                                    f"{option}=DIR or eval.reward_options.{option} (or ${var})")
 
     def __call__(self, samples, prompts, metadata):
         if self._reward is None:
-            self._reward = load_reward("geneval", score="strict", **self.options)
+            self._reward = load_reward("geneval", **self.options)
         return self._reward(samples, prompts, metadata)
 
 
-def load_geneval(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+def load_geneval(level: str, split: str, n: int | None, seed: int | None,
+                 reward_options: dict[str, Any] | None = None) -> Benchmark:
     """The GenEval-style split (``level`` does not apply: GenEval has one), or training draws (``train``:
-    held-out compositions excluded). Each prompt's metadata is its GenEval metadata line."""
+    held-out compositions excluded). Each prompt's metadata is its GenEval metadata line. ``reward_options``:
+    the ``geneval`` reward's options (``path``, ``clip_path``, ``device``, ...)."""
     check_level(level)
     from rewards.geneval.prompts import generate_tasks
     from rewards.geneval.splits import load_split
 
     tasks = generate_tasks(n or 500, seed=seed or 0) if split == TRAIN else load_split(split, n, seed)
     metadata = [{k: v for k, v in t.items() if k != "prompt"} for t in tasks]
-    return Benchmark("geneval", [t["prompt"] for t in tasks], metadata, DeferredGenEval(check=split != TRAIN), split)
+    return Benchmark("geneval", [t["prompt"] for t in tasks], metadata, DeferredGenEval(check=split != TRAIN, options=reward_options), split)

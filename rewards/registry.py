@@ -29,6 +29,7 @@ _BUILTIN_MODULES = (
     "rewards.aesthetic",
     "rewards.preference",
     "rewards.image_similarity",
+    "rewards.imagereward",
     "rewards.lpips_reward",
     "rewards.classic",
     "rewards.video",

@@ -100,6 +100,7 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "aesthetic": save_tiny_aesthetic,
     "image_similarity": save_tiny_dinov2,
     "geneval": lambda out: _builder("rewards.geneval.tiny:save_tiny_geneval")(out),
+    "imagereward": lambda out: _builder("rewards.imagereward:save_tiny_imagereward")(out),
     "hpsv3": lambda out: _builder("rewards.hpsv3:save_tiny_hpsv3")(out),
     "unified_reward": lambda out: _builder("rewards.unified_reward:save_tiny_unified_reward")(out),
     "videoalign": lambda out: _builder("rewards.videoalign:save_tiny_videoalign")(out),

@@ -56,6 +56,9 @@ FALLBACK = {
     "rewards.name": "a registered reward name, `module:function`, or an entry-point name",
     "rewards.weight": "the reward's weight in the weighted sum",
     "eval.bench": "benchmark of the held-out evaluation (null: no evaluation)",
+    "eval.prompts": "a prompt file (`.txt` or `.jsonl`, as `data.prompts` reads) evaluated instead of `bench`, "
+                    "its first `n` prompts scored by `eval.rewards` (e.g. PickScore's held-out prompts)",
+    "eval.reward_options": "options of the benchmark's own reward, e.g. `{path: DIR, clip_path: DIR}` for `geneval`",
     "eval.level": "task level of the evaluation",
     "eval.n": "number of evaluation tasks (null: the whole split)",
     "eval.num_steps": "sampling steps at evaluation (null: the model's default)",

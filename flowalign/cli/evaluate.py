@@ -25,8 +25,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="evaluate on a benchmark split or a prompt file with any rewards "
                                         "(metrics.json, samples, verdicts)")
     add_model_args(p)
+    from flowalign.benchmarks import available_benchmarks
+
     p.add_argument("--bench", default=None,
-                   help="benchmark name (default vvr): vvr (images), vvr_motion (videos), vvr_edit (editing models), ...")
+                   help=f"benchmark name (default vvr): {', '.join(available_benchmarks())}")
+    p.add_argument("--reward-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the benchmark's own reward (repeatable; VALUE read as YAML), e.g. for geneval "
+                        "--reward-option path=/weights/mask2former --reward-option clip_path=/weights/clip")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="evaluate on this prompt file instead of a benchmark: .txt (one prompt a line) or .jsonl "
                         "(a \"prompt\" per line, the rest its metadata, e.g. GenEval's metadata files); needs --reward")
@@ -59,13 +64,17 @@ def run(args: argparse.Namespace) -> None:
     if args.prompts is not None:
         if args.bench is not None:
             raise UserError("give --prompts FILE or --bench NAME, not both")
+        if args.reward_option:
+            raise UserError("--reward-option sets options of a benchmark's reward; with --prompts give each reward's "
+                            "options in its --reward mapping, e.g. \"{name: pickscore, path: /weights/pickscore}\"")
         if not specs:
             raise UserError("--prompts needs at least one --reward to score the samples with, e.g. --reward brightness")
         source = _prompt_source(args)
     else:
         from flowalign.benchmarks import load_benchmark
 
-        source = load_benchmark(args.bench or "vvr", args.level, args.n, args.seed, split=args.split)
+        source = load_benchmark(args.bench or "vvr", args.level, args.n, args.seed, split=args.split,
+                                reward_options=_reward_options(args.reward_option))
     check_guide_args(args)
     check_out_dir(args.out, writer="evaluate", overwrite=args.overwrite)  # before the model is loaded
     panel = load_panel(specs, "--reward") if specs else None
@@ -96,3 +105,21 @@ def _prompt_source(args: argparse.Namespace) -> PromptSet:
     if args.n is not None:
         prompts = PromptSet(prompts.prompts[: args.n], prompts.metadata[: args.n])
     return prompts
+
+
+def _reward_options(items: list[str]) -> dict[str, object]:
+    """``--reward-option KEY=VALUE`` items as a mapping, each value read as YAML (``batch_size=8`` is a number)."""
+    import yaml
+
+    from flowalign.yaml_load import load_yaml
+
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--reward-option {item!r} is not KEY=VALUE (e.g. --reward-option path=/weights/mask2former)")
+        try:
+            options[key.strip()] = load_yaml(raw, f"--reward-option {key}") if raw else None
+        except yaml.YAMLError:
+            raise UserError(f"--reward-option {key}: {raw!r} is not valid YAML; quote a text value") from None
+    return options

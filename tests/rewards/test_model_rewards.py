@@ -16,7 +16,7 @@ from flowalign.cli.main import main
 from flowalign.errors import UserError
 from rewards.tiny_rewards import TINY_BUILDERS
 
-MINE = ["pickscore", "hps", "clip_score", "aesthetic", "image_similarity"]
+MINE = ["pickscore", "hps", "clip_score", "aesthetic", "image_similarity", "imagereward"]
 PROMPTS = ["a red circle", "two blue squares", "a red circle"]
 
 
@@ -201,3 +201,24 @@ def test_tiny_reward_of_a_reward_with_several_folders_prints_the_options_that_lo
     reward = rewards.load("geneval", path=str(out / "detector"), clip_path=str(out / "clip"))
     assert callable(reward)
     assert {"hpsv3", "unified_reward", "videoalign"} <= set(TINY_BUILDERS)
+
+
+def test_imagereward_loads_the_checkpoint_file_too_and_names_a_missing_config(tiny_reward_dir, decoded, tmp_path):
+    """``path:`` may be the folder or ``ImageReward.pt`` itself (its ``med_config.json`` beside it); the score
+    is differentiable in the samples (ReFL ascends it); a checkpoint without its config is one line."""
+    import shutil
+
+    folder = tiny_reward_dir("imagereward")
+    by_folder = rewards.load("imagereward", path=str(folder))
+    by_file = rewards.load("imagereward", path=str(folder / "ImageReward.pt"))
+    x = decoded.clone().requires_grad_(True)
+    score = by_folder(x, PROMPTS, []).total
+    torch.testing.assert_close(by_file(decoded, PROMPTS, []).total, score.detach())
+    score.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(folder / "ImageReward.pt", lone / "ImageReward.pt")
+    with pytest.raises(UserError) as err:
+        rewards.load("imagereward", path=str(lone))
+    assert "\n" not in str(err.value) and "has no med_config.json; download THUDM/ImageReward" in str(err.value)

@@ -51,3 +51,31 @@ def test_bad_reward_options_are_one_line(argv, needle, tmp_path, capsys, monkeyp
     assert main(["evaluate", *argv, "--out", "o"]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--bench", "geneval", "--reward-option", "path"], "is not KEY=VALUE"),
+    (["--bench", "vvr", "--reward-option", "path=/weights"], "benchmark 'vvr' takes no reward options"),
+    (["--prompts", "p.txt", "--reward", "brightness", "--reward-option", "path=/w"], "give each reward's options"),
+])
+def test_bad_benchmark_reward_options_are_one_line(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("a cat\n")
+    assert main(["evaluate", *argv, "--out", "o"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_and_guide_list_every_registered_benchmark(capsys):
+    """The ``--bench`` help is built from the registry; the guide's benchmark table names each one."""
+    from flowalign.benchmarks import available_benchmarks
+    from flowalign.paths import REPO_ROOT
+
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    guide = (REPO_ROOT / "docs" / "guide" / "evaluation.md").read_text()
+    assert {"vvr", "vvr_motion", "vvr_edit", "geneval", "ocr"} <= set(available_benchmarks())
+    for name in available_benchmarks():
+        assert name in help_text.split("benchmark name (default vvr):")[1].split("--")[0]
+        assert f"\n| `{name}` |" in guide

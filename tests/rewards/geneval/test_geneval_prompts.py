@@ -44,7 +44,8 @@ def test_benchmark_metadata_are_geneval_lines(monkeypatch, tmp_path):
     train = training_tasks("geneval", n=12, seed=0)
     assert len(train.prompts) == 12 and all("prompt" not in m and m["tag"] in TAGS for m in train.metadata)
     monkeypatch.delenv("FLOWALIGN_GENEVAL_PATH", raising=False)
-    with pytest.raises(UserError, match="set FLOWALIGN_GENEVAL_PATH to a download of facebook/mask2former"):
+    with pytest.raises(UserError, match=r"set its path to a download of facebook/mask2former.* with --reward-option "
+                                        r"path=DIR or eval.reward_options.path \(or \$FLOWALIGN_GENEVAL_PATH\)"):
         load_benchmark("geneval", split="validation")
     monkeypatch.setenv("FLOWALIGN_GENEVAL_PATH", str(tmp_path))
     monkeypatch.setenv("FLOWALIGN_GENEVAL_CLIP_PATH", str(tmp_path))
@@ -67,3 +68,24 @@ def test_an_original_geneval_metadata_file_reads_unchanged(tmp_path):
     assert prompts.metadata == [{k: v for k, v in line.items() if k != "prompt"} for line in lines]
     for meta in prompts.metadata:
         check_metadata(meta, set(CLASSES), "line")
+
+
+def test_the_benchmark_reward_takes_its_options_from_reward_options_before_the_environment(monkeypatch, tmp_path,
+                                                                                          images):
+    """``eval.reward_options`` / ``--reward-option`` reach the geneval reward through ``load_benchmark``: the
+    tiny folders they name score the split's samples though the environment names nothing (or a wrong folder)."""
+    from rewards.tiny_rewards import TINY_BUILDERS
+
+    options = TINY_BUILDERS["geneval"](tmp_path / "weights")
+    monkeypatch.setenv("FLOWALIGN_GENEVAL_PATH", str(tmp_path / "elsewhere"))
+    monkeypatch.delenv("FLOWALIGN_GENEVAL_CLIP_PATH", raising=False)
+    given = {k: str(v) for k, v in options.items()}
+    bench = load_benchmark("geneval", n=2, split="test", reward_options={**given, "batch_size": 1})
+    out = bench.reward(images(2), bench.prompts, bench.metadata)
+    assert out.components["geneval"].shape == (2,) and bench.reward.options["path"] == given["path"]
+    assert set(out.components["geneval"].tolist()) <= {0.0, 1.0}  # score: strict, GenEval's accuracy
+    monkeypatch.setenv("FLOWALIGN_GENEVAL_CLIP_PATH", given["clip_path"])  # the fallback still works
+    assert load_benchmark("geneval", n=1, split="test", reward_options={"path": given["path"]}).reward.options[
+        "clip_path"] == given["clip_path"]
+    with pytest.raises(UserError, match="benchmark 'vvr' takes no reward options \\(got path\\)"):
+        load_benchmark("vvr", n=1, reward_options={"path": given["path"]})

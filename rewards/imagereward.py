@@ -1,0 +1,244 @@
+"""``imagereward``: ImageReward, a BLIP-based human-preference model (arXiv 2304.05977).
+
+The reference (THUDM/ImageReward) is BLIP's ViT image encoder, BLIP's BERT text encoder cross-attending
+to the image tokens, and an MLP on the text's first token: ``score = (MLP(h_cls) − mean) / std`` with the
+mean and std the authors published. Its checkpoint ``ImageReward.pt`` is a state dict of that model
+(``blip.visual_encoder.*``, timm ViT names; ``blip.text_encoder.*``, BLIP's ``med.py`` BERT names;
+``mlp.layers.*``). transformers' ``BlipVisionModel`` and ``BlipTextModel`` are the same networks (its
+BLIP ports), so the checkpoint is loaded into them with a key rename, and nothing of the reference's code
+is needed. The ViT's shape is read from the checkpoint's tensors (BLIP's ViTs have 64-wide heads); the text
+encoder's from the ``med_config.json`` shipped beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowalign.errors import UserError
+from rewards.clip_common import clip_preprocess
+from rewards.common import BatchedImageReward
+from rewards.model_options import weights_path
+from rewards.registry import register
+
+DOWNLOAD = "THUDM/ImageReward (ImageReward.pt and med_config.json)"
+TOKENIZER_DOWNLOAD = "google-bert/bert-base-uncased (its tokenizer files)"
+CHECKPOINT = "ImageReward.pt"
+MED_CONFIG = "med_config.json"
+#: the reference's normalisation of the raw MLP output (ImageReward.py, ``self.mean`` / ``self.std``)
+MEAN, STD = 0.16717362830052426, 1.0333394966054072
+#: prompts are padded / truncated to this many tokens, as the reference tokenises them
+MAX_TOKENS = 35
+# BLIP's preprocessing: CLIP's mean and std after a bicubic resize of the shortest side and a centre crop
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+#: the Linear layers of the reference's MLP head (``mlp.layers.N``; the others are dropouts, off at inference)
+HEAD_LINEARS = (0, 2, 4, 6, 7)
+# timm ViT names (BLIP's vit.py) → transformers BlipVisionModel names
+_VISION_RENAMES = (
+    (r"^cls_token$", "embeddings.class_embedding"),
+    (r"^pos_embed$", "embeddings.position_embedding"),
+    (r"^patch_embed\.proj\.", "embeddings.patch_embedding."),
+    (r"^blocks\.(\d+)\.norm1\.", r"encoder.layers.\1.layer_norm1."),
+    (r"^blocks\.(\d+)\.norm2\.", r"encoder.layers.\1.layer_norm2."),
+    (r"^blocks\.(\d+)\.attn\.qkv\.", r"encoder.layers.\1.self_attn.qkv."),
+    (r"^blocks\.(\d+)\.attn\.proj\.", r"encoder.layers.\1.self_attn.projection."),
+    (r"^blocks\.(\d+)\.mlp\.", r"encoder.layers.\1.mlp."),
+    (r"^norm\.", "post_layernorm."),
+)
+
+
+def imagereward_head(width: int) -> nn.Sequential:
+    """The reference's MLP: ``width → 1024 → 128 → 64 → 16 → 1``, Linear layers only (its ReLUs are commented
+    out) with dropouts between, at the same indices so the checkpoint's ``mlp.layers.N`` keys load."""
+    return nn.Sequential(nn.Linear(width, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+
+
+def _section(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def vision_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``blip.visual_encoder.*`` of the checkpoint under transformers' ``BlipVisionModel`` names."""
+    out = {}
+    for key, value in _section(state, "blip.visual_encoder.").items():
+        for pattern, repl in _VISION_RENAMES:
+            key, hits = re.subn(pattern, repl, key)
+            if hits:
+                break
+        out[key] = value
+    return out
+
+
+def _files(who: str, path: Any) -> tuple[Path, Path]:
+    """The checkpoint file and its ``med_config.json``: ``path`` is the folder holding both, or the file
+    with the config beside it."""
+    p = weights_path(who, path, download=DOWNLOAD)
+    checkpoint = p / CHECKPOINT if p.is_dir() else p
+    config = checkpoint.parent / MED_CONFIG
+    for f in (checkpoint, config):
+        if not f.is_file():
+            raise UserError(f"{who} reward: path={str(path)!r} has no {f.name}; download {DOWNLOAD} into one "
+                            "folder and set path: to it")
+    return checkpoint, config
+
+
+class ImageRewardModel(nn.Module):
+    """BLIP's ViT (``vision``), its cross-attending text encoder (``text``) and the MLP head (``head``)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], med: dict[str, Any], random_init: bool):
+        from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+
+        super().__init__()
+        vis = vision_state(state)
+        width = vis["embeddings.class_embedding"].shape[-1]
+        patch = vis["embeddings.patch_embedding.weight"].shape[-1]
+        grid = round((vis["embeddings.position_embedding"].shape[1] - 1) ** 0.5)
+        layers = 1 + max(int(k.split(".")[2]) for k in vis if k.startswith("encoder.layers."))
+        self.vision = BlipVisionModel(BlipVisionConfig(
+            hidden_size=width, intermediate_size=vis["encoder.layers.0.mlp.fc1.weight"].shape[0],
+            num_hidden_layers=layers, num_attention_heads=width // 64, image_size=grid * patch, patch_size=patch,
+            layer_norm_eps=1e-6, hidden_act="gelu"))  # timm ViT's LayerNorm eps and exact GELU
+        # is_decoder builds the cross-attention layers (transformers ties them to it); the encoder still runs
+        # bidirectionally because forward is called with is_decoder=False
+        self.text = BlipTextModel(BlipTextConfig(
+            vocab_size=med["vocab_size"], hidden_size=med["hidden_size"],
+            encoder_hidden_size=width, intermediate_size=med["intermediate_size"],
+            num_hidden_layers=med["num_hidden_layers"], num_attention_heads=med["num_attention_heads"],
+            max_position_embeddings=med["max_position_embeddings"], hidden_act=med.get("hidden_act", "gelu"),
+            layer_norm_eps=med.get("layer_norm_eps", 1e-12), pad_token_id=med.get("pad_token_id", 0),
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_decoder=True,
+            bos_token_id=None, eos_token_id=None, sep_token_id=None), add_pooling_layer=False)
+        self.head = imagereward_head(med["hidden_size"])
+        self.image_size = grid * patch
+        if random_init:
+            return
+        text = {k: v for k, v in _section(state, "blip.text_encoder.").items() if not k.endswith("position_ids")}
+        head = _section(state, "mlp.layers.")
+        for part, sd in ((self.vision, vis), (self.text, text), (self.head, head)):
+            missing, unexpected = part.load_state_dict(sd, strict=False)
+            missing = [k for k in missing if not k.endswith("position_ids")]
+            if missing or unexpected:
+                raise UserError(f"imagereward reward: {CHECKPOINT} does not match the ImageReward architecture "
+                                f"(missing {missing[:3]}, unexpected {unexpected[:3]}); give the checkpoint of {DOWNLOAD}")
+
+    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Raw head outputs ``(b,)`` float32."""
+        image = self.vision(pixel_values=pixels).last_hidden_state
+        ones = torch.ones(image.shape[:-1], dtype=torch.long, device=image.device)
+        hidden = self.text(input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image,
+                           encoder_attention_mask=ones, is_decoder=False).last_hidden_state
+        return self.head(hidden[:, 0].float()).squeeze(-1)
+
+
+@register("imagereward")
+class ImageReward(BatchedImageReward):
+    """``score_i = (MLP(BLIP(x_i, prompt_i)) − 0.16717) / 1.03334``, ImageReward's standardised reward (about
+    −2..2; 0 is the mean over its training comparisons).
+
+    Options: ``path`` (a folder with ``ImageReward.pt`` and ``med_config.json`` from THUDM/ImageReward, or the
+    ``.pt`` file with the config beside it), ``tokenizer_path`` (the bert-base-uncased tokenizer the reference
+    uses; default ``path``'s folder when it holds one), ``random_init``, ``batch_size``, ``device``, ``dtype``.
+    Differentiable in the samples (ImageReward's ReFL ascends it).
+    """
+
+    name = "imagereward"
+
+    def __init__(self, path: str | None = None, *, tokenizer_path: str | None = None, random_init: bool = False,
+                 **options: Any):
+        from transformers import AutoTokenizer
+
+        super().__init__(**options)
+        checkpoint, config = _files(self.name, path)
+        folder = checkpoint.parent if tokenizer_path is None else weights_path(
+            self.name, tokenizer_path, download=TOKENIZER_DOWNLOAD, option="tokenizer_path", kind="folder")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError):
+            raise UserError(f"imagereward reward: no BERT tokenizer in {str(folder)!r}; download "
+                            f"{TOKENIZER_DOWNLOAD} and set tokenizer_path: to the folder") from None
+        # the reference's BLIP tokenizer: bert-base-uncased plus [DEC] and [ENC] (its vocabulary of 30524)
+        self.tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
+        try:
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+            med = json.loads(config.read_text())
+        except (RuntimeError, OSError, ValueError) as e:
+            raise UserError(f"imagereward reward: cannot read {checkpoint} / {config} ({str(e).splitlines()[0]}); "
+                            f"give the files of {DOWNLOAD}") from None
+        if "blip.visual_encoder.cls_token" not in state:
+            raise UserError(f"imagereward reward: {checkpoint} is not an ImageReward checkpoint (no "
+                            f"blip.visual_encoder.*); give the {CHECKPOINT} of {DOWNLOAD}")
+        if len(self.tokenizer) > med.get("vocab_size", 0):
+            raise UserError(f"imagereward reward: the tokenizer in {str(folder)!r} has {len(self.tokenizer)} tokens but "
+                            f"{MED_CONFIG} says {med.get('vocab_size')}; give tokenizer_path: {TOKENIZER_DOWNLOAD}")
+        self.model = ImageRewardModel(state, med, random_init).to(self.dtype).eval()
+        self.model.head.float()  # the head reads float32 features, as the reference's .float()
+        self.model.requires_grad_(False)
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    def context(self, prompts: list[str], metadata: list[dict[str, Any]], samples: torch.Tensor,
+                device: torch.device) -> tuple[torch.Tensor, ...]:
+        tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=MAX_TOKENS,
+                                return_tensors="pt")
+        return tokens["input_ids"].to(device), tokens["attention_mask"].to(device)
+
+    def score_batch(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        size = self.model.image_size
+        x = clip_preprocess(images, size, CLIP_MEAN, CLIP_STD).to(self.dtype)
+        return (self.model(x, input_ids, attention_mask) - MEAN) / STD
+
+
+def save_tiny_imagereward(out: Path, seed: int = 0) -> Path:
+    """An ImageReward folder as THUDM/ImageReward ships it (``ImageReward.pt`` with the reference's key names,
+    ``med_config.json``), a tiny ViT and BERT, and a small WordPiece tokenizer in place of bert-base-uncased's."""
+    from transformers import BertTokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    words = ["a", "an", "the", "of", "on", "and", "in", "with", "red", "blue", "green", "circle", "square",
+             "squares", "two", "three", "cat", "dog", "photo", "painting"]
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'\"-")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, *chars, *("##" + c for c in chars if c.isalnum())]
+    (out / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+    tokenizer = BertTokenizer(str(out / "vocab.txt"), do_lower_case=True)
+    tokenizer.save_pretrained(out)
+    med = {"architectures": ["BertModel"], "hidden_act": "gelu", "hidden_size": 32, "intermediate_size": 64,
+           "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 2,
+           "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(tokenizer) + 2,
+           "encoder_width": 128, "add_cross_attention": True}
+    (out / MED_CONFIG).write_text(json.dumps(med, indent=2))
+    # the checkpoint's own layout: a timm ViT (128 wide, 2 heads of 64, 16 px patches of 64 px images)
+    width, grid, patch = 128, 4, 16
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    state = {"blip.visual_encoder.cls_token": rnd(1, 1, width),
+             "blip.visual_encoder.pos_embed": rnd(1, grid * grid + 1, width),
+             "blip.visual_encoder.patch_embed.proj.weight": rnd(width, 3, patch, patch),
+             "blip.visual_encoder.patch_embed.proj.bias": rnd(width),
+             "blip.visual_encoder.norm.weight": 1 + rnd(width), "blip.visual_encoder.norm.bias": rnd(width)}
+    for i in range(2):
+        b = f"blip.visual_encoder.blocks.{i}."
+        state.update({b + "norm1.weight": 1 + rnd(width), b + "norm1.bias": rnd(width),
+                      b + "attn.qkv.weight": rnd(3 * width, width), b + "attn.qkv.bias": rnd(3 * width),
+                      b + "attn.proj.weight": rnd(width, width), b + "attn.proj.bias": rnd(width),
+                      b + "norm2.weight": 1 + rnd(width), b + "norm2.bias": rnd(width),
+                      b + "mlp.fc1.weight": rnd(4 * width, width), b + "mlp.fc1.bias": rnd(4 * width),
+                      b + "mlp.fc2.weight": rnd(width, 4 * width), b + "mlp.fc2.bias": rnd(width)})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ImageRewardModel(state, med, random_init=True)
+    state.update({f"blip.text_encoder.{k}": v for k, v in model.text.state_dict().items() if "position_ids" not in k})
+    state.update({f"mlp.layers.{k}": v for k, v in model.head.state_dict().items()})
+    torch.save({k: v.contiguous() for k, v in state.items()}, out / CHECKPOINT)
+    return out
