@@ -27,10 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -108,8 +107,7 @@ def _folder(root: Path, name: str, write: Callable[[Path], None]) -> str:
     return str(folder)
 
 
-@dataclass(frozen=True)
-class Case:
+class Case(NamedTuple):
     name: str
     arch: str
     #: the reward's options at real size (random weights) in a scratch folder
