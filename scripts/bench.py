@@ -324,6 +324,7 @@ def bench_train(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["rewards"]: sys.exit(__import__("bench_rewards").main(sys.argv[2:]))  # noqa: E701
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="bench", required=True)
     p = sub.add_parser("rollout")

@@ -24,10 +24,11 @@ TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", "a phot
 
 
 class ClipColours:
-    def __init__(self, path: Path, dtype: torch.dtype):
-        from transformers import AutoProcessor, CLIPModel
+    def __init__(self, path: Path, dtype: torch.dtype, random_init: bool = False):
+        from transformers import AutoProcessor, CLIPConfig, CLIPModel
 
-        self.model = CLIPModel.from_pretrained(path).to(dtype).eval().requires_grad_(False)
+        net = CLIPModel(CLIPConfig.from_pretrained(path)) if random_init else CLIPModel.from_pretrained(path)
+        self.model = net.to(dtype).eval().requires_grad_(False)
         self.processor = AutoProcessor.from_pretrained(path)
         self._heads: dict[str, torch.Tensor] = {}
 

@@ -28,10 +28,12 @@ MAX_PER_IMAGE = 100
 class Mask2FormerDetector:
     """A COCO instance-segmentation Mask2Former and its image processor from ``path``."""
 
-    def __init__(self, path: Path, dtype: torch.dtype):
-        from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
+    def __init__(self, path: Path, dtype: torch.dtype, random_init: bool = False):
+        from transformers import AutoImageProcessor, Mask2FormerConfig, Mask2FormerForUniversalSegmentation
 
-        self.model = Mask2FormerForUniversalSegmentation.from_pretrained(path).to(dtype).eval().requires_grad_(False)
+        net = (Mask2FormerForUniversalSegmentation(Mask2FormerConfig.from_pretrained(path)) if random_init
+               else Mask2FormerForUniversalSegmentation.from_pretrained(path))
+        self.model = net.to(dtype).eval().requires_grad_(False)
         self.processor = AutoImageProcessor.from_pretrained(path)
         id2label = self.model.config.id2label
         # an 80-class model is COCO's, in COCO's order: use GenEval's spelling of each class
@@ -83,10 +85,12 @@ class Owlv2Detector:
     """An OWLv2 open-vocabulary detector and its processor from ``path``; each image is queried with the
     classes its prompt names (``"a photo of a <class>"``, OWL-ViT's query form)."""
 
-    def __init__(self, path: Path, dtype: torch.dtype):
-        from transformers import AutoProcessor, Owlv2ForObjectDetection
+    def __init__(self, path: Path, dtype: torch.dtype, random_init: bool = False):
+        from transformers import AutoProcessor, Owlv2Config, Owlv2ForObjectDetection
 
-        self.model = Owlv2ForObjectDetection.from_pretrained(path).to(dtype).eval().requires_grad_(False)
+        net = (Owlv2ForObjectDetection(Owlv2Config.from_pretrained(path)) if random_init
+               else Owlv2ForObjectDetection.from_pretrained(path))
+        self.model = net.to(dtype).eval().requires_grad_(False)
         self.processor = AutoProcessor.from_pretrained(path)
 
     @property

@@ -42,7 +42,7 @@ class GenEvalReward:
                  score: str = "partial", device: str | None = None, dtype: str = "float32", batch_size: int = 16,
                  threshold: float | None = None, counting_threshold: float | None = None,
                  nms_threshold: float | None = None, max_objects: int = rules.MAX_OBJECTS,
-                 position_threshold: float = rules.POSITION_THRESHOLD):
+                 position_threshold: float = rules.POSITION_THRESHOLD, random_init: bool = False):
         if detector not in DETECTORS:
             raise UserError(f"geneval reward: detector={detector!r} is not supported; use one of {', '.join(DETECTORS)}")
         if score not in SCORES:
@@ -62,8 +62,9 @@ class GenEvalReward:
         from rewards.geneval.colour import ClipColours
         from rewards.geneval.detector import Mask2FormerDetector, Owlv2Detector
 
-        self.detector = (Mask2FormerDetector if detector == "mask2former" else Owlv2Detector)(detector_dir, torch_dtype)
-        self.colours = ClipColours(clip_dir, torch_dtype)
+        self.detector = (Mask2FormerDetector if detector == "mask2former" else Owlv2Detector)(detector_dir, torch_dtype,
+                                                                                                random_init)
+        self.colours = ClipColours(clip_dir, torch_dtype, random_init)
         #: classes the detector can name (None: open vocabulary)
         self.classes = set(self.detector.labels) if detector == "mask2former" else None
 

@@ -85,3 +85,21 @@ def test_owlv2_detector_scores_any_class(tiny_geneval, decoded, tmp_path):
     assert out.components["geneval"].shape == (3,) and torch.isfinite(out.components["geneval"]).all()
     assert torch.equal(out.components["geneval"], reward(decoded, PROMPTS, meta).components["geneval"])
     assert ("count", True) in out.info[0]["constraints"]  # every query box passes a zero threshold
+
+
+def test_random_init_builds_from_the_configs_alone(tiny_geneval, decoded, tmp_path):
+    # the folders without their weight files: random_init reads config.json and the processor files only
+    import shutil
+
+    folders = {}
+    for key, src in tiny_geneval.items():
+        folders[key] = shutil.copytree(src, tmp_path / key)
+        for weights in folders[key].glob("*.safetensors"):
+            weights.unlink()
+    reward = rewards.load("geneval", threshold=0.0, counting_threshold=0.0, random_init=True,
+                          **{k: str(v) for k, v in folders.items()})
+    loaded = rewards.load("geneval", **tiny_geneval)
+    assert type(reward.detector.model) is type(loaded.detector.model)
+    assert sum(p.numel() for p in reward.colours.model.parameters()) == sum(p.numel() for p in loaded.colours.model.parameters())
+    score = reward(decoded, PROMPTS, META).components["geneval"]
+    assert score.shape == (3,) and torch.isfinite(score).all()
