@@ -112,3 +112,11 @@ class BatchedImageReward:
             for i in range(0, samples.shape[0], self.batch_size)
         ])
         return RewardOutput({self.name: scores.float().to(samples.device)}, valid=valid)
+
+
+def to_pil(image: torch.Tensor) -> Any:
+    """``(3, H, W)`` float in [0, 1] → an 8-bit RGB PIL image (what OCR engines and VLM processors read)."""
+    from PIL import Image
+
+    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return Image.fromarray(pixels.permute(1, 2, 0).cpu().numpy(), "RGB")

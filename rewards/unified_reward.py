@@ -140,9 +140,9 @@ class UnifiedReward:
             self.local = True
 
     def _pil(self, image: torch.Tensor) -> Any:
-        from rewards.vlm_judge import _to_pil
+        from rewards.common import to_pil
 
-        pil = _to_pil(image)
+        pil = to_pil(image)
         return pil.resize((self.image_size, self.image_size)) if self.image_size else pil
 
     def _ask(self, images: list[Any], text: str) -> ChatRequest:

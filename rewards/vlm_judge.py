@@ -33,7 +33,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.common import RANGE_TOLERANCE, check_lengths
+from rewards.common import RANGE_TOLERANCE, check_lengths, to_pil
 from rewards.registry import register
 from rewards.vlm_backend import ChatRequest, Completion
 from rewards.vlm_parse import (Criterion, choice_from_text, choice_probs, parse_rubric, parse_score, rubric_reward,
@@ -61,14 +61,6 @@ QUESTIONS = {
 PREFIXES = {"weighted": "Score:", "yesno": "Answer:", "pairwise": "Better {media}:"}
 # rubric used when the judge's rubric cannot be read (cached like a real one) [derived]
 FALLBACK_RUBRIC = [Criterion("prompt alignment", "the image shows what the prompt asks for", 1.0)]
-
-
-def _to_pil(image: torch.Tensor) -> Any:
-    """``(3, H, W)`` float in [0, 1] → PIL RGB (8-bit, as every VLM processor expects)."""
-    from PIL import Image
-
-    array = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    return Image.fromarray(array, "RGB")
 
 
 class VLMJudge:
@@ -145,9 +137,9 @@ class VLMJudge:
     def _media(self, sample: torch.Tensor) -> tuple[str, list[dict[str, Any]]]:
         """One sample as message parts: an image, or ``num_frames`` evenly spaced frames of a video."""
         if sample.ndim == 3:
-            return "image", [{"type": "image", "image": _to_pil(sample)}]
+            return "image", [{"type": "image", "image": to_pil(sample)}]
         idx = torch.linspace(0, sample.shape[0] - 1, min(self.num_frames, sample.shape[0])).round().long()
-        parts = [{"type": "image", "image": _to_pil(sample[i])} for i in idx.tolist()]
+        parts = [{"type": "image", "image": to_pil(sample[i])} for i in idx.tolist()]
         return "video", parts + [{"type": "text", "text": f"These {len(parts)} images are frames of one video, in order. "}]
 
     def _request(self, parts: list[dict[str, Any]], text: str, prefix: str, **kw: Any) -> ChatRequest:

@@ -9,16 +9,10 @@ from PIL import Image
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.common import check_images, check_lengths, finite_mask, resolve_dtype
+from rewards.common import check_images, check_lengths, finite_mask, resolve_dtype, to_pil
 from rewards.ocr.engines import make_engine
 from rewards.ocr.score import ocr_score, target_text
 from rewards.registry import register
-
-
-def to_pil(image: torch.Tensor) -> Image.Image:
-    """``(3, H, W)`` float in [0, 1] → an 8-bit RGB PIL image."""
-    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return Image.fromarray(pixels.permute(1, 2, 0).cpu().numpy())
 
 
 @register("ocr")

@@ -45,7 +45,7 @@ def test_video_model_writes_mp4_and_refuses_png(tmp_path, capsys, tiny_wan_dir):
     (["sample", "--model", "/nonexistent/model", "--prompt", "p", "--out", "x.png"], "does not exist"),
     (["sample", "--prompt", "p", "--sampler", "cps", "--noise-level", "3", "--out", "x.png"], "out of range"),
     (["sample", "--prompt", "p", "--out", "x.txt"], "unknown file type"),
-    (["evaluate", "--bench", "geneval", "--out", "o"], "unknown benchmark"),
+    (["evaluate", "--bench", "no_such_bench", "--out", "o"], "unknown benchmark"),
     (["evaluate", "--level", "impossible", "--out", "o"], "unknown level"),
     (["evaluate", "--split", "train", "--out", "o"], "choose one of validation, test"),
     (["train", "/nonexistent.yaml"], "does not exist"),
