@@ -43,6 +43,8 @@ def test_the_family_lists_name_every_registered_family(doc):
 
 
 def test_the_bench_option_lists_every_registered_benchmark():
-    row = next(line for line in (REPO / "docs/guide/evaluation.md").read_text().splitlines()
-               if line.startswith("| `--bench`"))
-    assert [b for b in available_benchmarks() if f"`{b}`" not in row] == []
+    """The evaluation guide's benchmark table has a row for each (the option's help is generated)."""
+    lines = (REPO / "docs/guide/evaluation.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| `--bench` | prompts"))
+    rows = [line for line in lines[start + 2:] if line.startswith("| `")]
+    assert [b for b in available_benchmarks() if not any(r.startswith(f"| `{b}` ") for r in rows)] == []

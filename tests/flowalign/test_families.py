@@ -55,10 +55,11 @@ def test_plan_sizes_every_recipe(recipe, tmp_path, capsys):
     folder = recipe_model(recipe)
     assert folder.is_dir(), f"{recipe}: no model folder and no assets/architectures/{recipe.parent.name}"
     overrides = [f"model.path={folder}"]
-    prompts = load_config(recipe).data.prompts
-    if prompts and prompts.startswith("/path/to/"):  # a download the user points at, as model.path is
-        (tmp_path / "prompts.txt").write_text("a photo of a cat\n")
-        overrides.append(f"data.prompts={tmp_path / 'prompts.txt'}")
+    cfg = load_config(recipe)
+    (tmp_path / "prompts.txt").write_text("a photo of a cat\n")
+    for key, prompts in (("data.prompts", cfg.data.prompts), ("eval.prompts", cfg.eval.prompts)):
+        if prompts and prompts.startswith("/path/to/"):  # a download the user points at, as model.path is
+            overrides.append(f"{key}={tmp_path / 'prompts.txt'}")
     code = main(["plan", str(recipe), *overrides, "--gpus", "8", "--gpu-memory", "80"])
     out = capsys.readouterr()
     assert code == 0 and "Traceback" not in out.err, out.err[-2000:]
