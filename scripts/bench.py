@@ -1,7 +1,8 @@
 """Benchmarks (ratios measured in one run; never timed assertions in tests).
 
     python scripts/bench.py rollout [--model DIR] [--steps 20] [--repeats 7]
-    python scripts/bench.py train [--repeats 7] [--slow-reward] [--profile FILE]
+    python scripts/bench.py train [--repeats 7] [--threads 2] [--reference-src DIR] [--model DIR]
+                                 [--slow-reward] [--batch-size 8] [--no-bare] [--profile FILE]
 
 ``rollout``: ``flowalign.sampling.rollout`` (ODE, decode included) against the diffusers pipeline's own
 ``__call__`` on the same folder, same steps and seed, alternating, median of the repeats; target ratio
@@ -13,7 +14,10 @@ transformer, 64 px) and the same work: 8 samples (4 prompts × 2), 10 SDE steps 
 CFG 4.5, LoRA r8, KL β 0.04 to the adapter-disabled model, one clipped-ratio pass over ⌊0.99·10⌋ = 9
 steps, fp32. The two alternate; the medians and the median of the paired ratios are printed, with the
 toolkit overhead: the share of an iteration outside model forward/backward passes, the VAE decode and
-the reward. ``--slow-reward`` makes the reward sleep 0.5 s per call (a remote judge).
+the reward. ``--slow-reward`` makes the reward sleep 0.5 s per call (a remote judge) and prints the
+iteration against max(sampling + training, scoring). ``--reference-src DIR`` (a source tree of the
+reference implementation, github.com/yifan123/flow_grpo) adds a third side driven by that code's own
+functions (``scripts/bench_reference.py``); the ratio against it is printed first, the bare loop's second.
 
 Reward against wall-clock time for Flow-GRPO and Flash-GRPO with the shipped tiny configs: ``scripts/bench_curves.py``.
 """
