@@ -118,31 +118,30 @@ def tuner_layers(transformer: torch.nn.Module) -> tuple[list[BaseTunerLayer], li
 
 @contextmanager
 def adapter_disabled(transformer: torch.nn.Module) -> Iterator[None]:
-    """Run the base model: adapters off inside, back on after (even on error).
+    """Run the base model: adapters off inside, back as they were after (even on error).
 
-    Toggles only the LoRA layers themselves (remembered by :func:`tuner_layers`): diffusers'
+    Flips only the LoRA layers' own switch (the layers remembered by :func:`tuner_layers`): diffusers'
     ``disable_adapters()`` / ``enable_adapters()`` walk every module and look up the installed peft
-    version on each call, which cost as much as a small model's forward pass (KL reference passes toggle
-    once per trained step). peft's per-layer toggle changes ``requires_grad`` on the adapter tensors
-    (enabling makes them trainable), so their flags are saved and restored: an adapter loaded frozen for
-    evaluation stays frozen.
+    version on each call, and peft's per-layer ``enable_adapters`` also rewrites every adapter tensor's
+    ``requires_grad`` (enabling makes them trainable). A LoRA layer's forward reads only its
+    ``_disable_adapters`` flag, so that flag alone is set and restored: the tensors' flags are never
+    touched (an adapter loaded frozen stays frozen) and a layer switched off before stays off. KL reference
+    passes toggle once per trained step, so this is per-step overhead.
     """
     if not has_adapter(transformer):
         raise UserError(
             "reference passes need an adapter to switch off: train with lora={...}, or keep a separate "
             "reference copy of the model when fine-tuning full weights"
         )
-    layers, params = tuner_layers(transformer)
-    flags = [p.requires_grad for p in params]
+    layers, _ = tuner_layers(transformer)
+    before = [layer._disable_adapters for layer in layers]
     for layer in layers:
-        layer.enable_adapters(False)
+        layer._disable_adapters = True
     try:
         yield
     finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-        for p, flag in zip(params, flags):
-            p.requires_grad_(flag)
+        for layer, off in zip(layers, before):
+            layer._disable_adapters = off
 
 
 def frozen_copy(objects: Any, tensors_of: torch.nn.Module, device: torch.device | str) -> Any:

@@ -1,7 +1,8 @@
 """Benchmarks (ratios measured in one run; never timed assertions in tests).
 
     python scripts/bench.py rollout [--model DIR] [--steps 20] [--repeats 7]
-    python scripts/bench.py train [--repeats 7] [--slow-reward] [--profile FILE]
+    python scripts/bench.py train [--repeats 7] [--threads 2] [--reference-src DIR] [--model DIR]
+                                 [--slow-reward] [--batch-size 8] [--no-bare] [--profile FILE]
 
 ``rollout``: ``flowalign.sampling.rollout`` (ODE, decode included) against the diffusers pipeline's own
 ``__call__`` on the same folder, same steps and seed, alternating, median of the repeats; target ratio
@@ -13,7 +14,10 @@ transformer, 64 px) and the same work: 8 samples (4 prompts × 2), 10 SDE steps 
 CFG 4.5, LoRA r8, KL β 0.04 to the adapter-disabled model, one clipped-ratio pass over ⌊0.99·10⌋ = 9
 steps, fp32. The two alternate; the medians and the median of the paired ratios are printed, with the
 toolkit overhead: the share of an iteration outside model forward/backward passes, the VAE decode and
-the reward. ``--slow-reward`` makes the reward sleep 0.5 s per call (a remote judge).
+the reward. ``--slow-reward`` makes the reward sleep 0.5 s per call (a remote judge) and prints the
+iteration against max(sampling + training, scoring). ``--reference-src DIR`` (a source tree of the
+reference implementation, github.com/yifan123/flow_grpo) adds a third side driven by that code's own
+functions (``scripts/bench_reference.py``); the ratio against it is printed first, the bare loop's second.
 
 Reward against wall-clock time for Flow-GRPO and Flash-GRPO with the shipped tiny configs: ``scripts/bench_curves.py``.
 """
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench_timing import SPANS, instrument, redness, slow_redness  # noqa: E402
+from bench_timing import SLOW_REWARD_SECONDS, SPANS, instrument, redness, slow_redness  # noqa: E402
 from pipelines.pretrain.sd3 import model_overrides  # noqa: E402
 
 
@@ -226,7 +230,7 @@ class BareFlowGRPO:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_flowalign(folder: Path, out: Path, reward_name: str):
+def build_flowalign(folder: Path, out: Path, reward_name: str, batch_size: int = 8):
     """flowalign's Flow-GRPO trainer through its public config + ``build_trainer``, on the setting above."""
     from flowalign.config import load_config
     from flowalign.train import build_trainer
@@ -239,10 +243,13 @@ def build_flowalign(folder: Path, out: Path, reward_name: str):
     overrides = [
         f"run.output_dir={out / 'run'}", "run.resume=never", "run.progress=false", "run.tensorboard=false",
         "run.checkpoint_every=1000000", f"model.path={folder}", "model.finetune=lora", f"model.lora.rank={s['rank']}",
-        f"model.lora.alpha={s['alpha']}", f"data.prompts={prompt_file}", f"rewards=[{{name: '{reward_name}'}}]",
+        f"model.lora.alpha={s['alpha']}", f"data.prompts={prompt_file}",
+        # the setting's size and schedule, whatever the folder's own defaults (--model may be any SD3 folder)
+        f"model.defaults={{height: 64, width: 64, max_sequence_length: 48, num_steps: {s['steps']}, "
+        f"guidance_scale: {s['guidance']}}}", f"rewards=[{{name: '{reward_name}'}}]",
         "eval.bench=null", "trainer.name=flow_grpo", "trainer.max_steps=1000000",
         f"trainer.prompts_per_step={len(PROMPTS)}", f"trainer.group_size={s['group']}",
-        f"trainer.batch_size={len(PROMPTS) * s['group']}", f"trainer.num_steps={s['steps']}",
+        f"trainer.batch_size={batch_size}", f"trainer.num_steps={s['steps']}",
         f"trainer.guidance_scale={s['guidance']}", f"trainer.noise_level={s['noise_level']}",
         f"trainer.beta={s['beta']}", "trainer.kl_mode=code", f"trainer.clip_range={s['clip_range']}",
         f"trainer.timestep_fraction={s['timestep_fraction']}", "trainer.inner_epochs=1", "trainer.updates_per_epoch=1",
@@ -260,59 +267,99 @@ def build_flowalign(folder: Path, out: Path, reward_name: str):
     return trainer
 
 
+#: flowalign's last step log (``time/sample``, ``time/reward``, ``time/update``): the slow-reward check reads it
+LAST_LOGS: list[dict[str, float]] = []
+
+
 def flowalign_iteration(trainer) -> tuple[float, float]:
     logs = trainer.train_step()
     trainer.step += 1
+    LAST_LOGS.append(logs)
     return logs["time/step"] - logs["time/update"], logs["time/update"]
 
 
 def timed(iteration, *args) -> dict[str, float]:
     """One iteration: rollout, training pass, wall time, toolkit overhead share, trained steps."""
     SPANS.grad_timesteps.clear()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     rollout_s, train_s = iteration(*args)
     t1 = time.perf_counter()
     wall = t1 - t0
-    return dict(rollout=rollout_s, train=train_s, wall=wall, overhead=(wall - SPANS.busy(t0, t1)) / wall,
+    # CPU seconds of this process (every thread): on a machine other jobs load, the work done, where the
+    # wall time also counts the waits for a core
+    return dict(rollout=rollout_s, train=train_s, wall=wall, cpu=time.process_time() - cpu0,
+                overhead=(wall - SPANS.busy(t0, t1)) / wall,
                 trained=len(SPANS.grad_timesteps))
+
+
+def _loadavg() -> float:
+    """The machine's 1-minute load average (other engineers' jobs included), recorded with each repetition."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 def bench_train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    folder = build_tiny_folder(out)
+    folder = Path(args.model) if args.model else build_tiny_folder(out)
     reward = slow_redness if args.slow_reward else redness
-    trainer = build_flowalign(folder, out / "flowalign", f"bench_timing:{reward.__name__}")
-    bare = BareFlowGRPO(folder, reward)
+    trainer = build_flowalign(folder, out / "flowalign", f"bench_timing:{reward.__name__}", args.batch_size)
+    sides = {"flowalign": (flowalign_iteration, lambda rep: (trainer,))}
+    if args.reference_src:
+        from bench_reference import ReferenceFlowGRPO
+
+        ref = ReferenceFlowGRPO(Path(args.reference_src), folder, reward, SETTING, PROMPTS, LORA_TARGETS)
+        sides["reference"] = (ref.iteration, lambda rep: (rep,))
+    if not args.no_bare:
+        bare = BareFlowGRPO(folder, reward)
+        sides["bare loop"] = (bare.iteration, lambda rep: (rep,))
     torch.Tensor.backward = SPANS.wrap(torch.Tensor.backward)  # both sides' backward passes are model work
     torch.autograd.backward = SPANS.wrap(torch.autograd.backward)
-    n_params = sum(p.numel() for p in bare.pipe.transformer.parameters() if not p.requires_grad)
-    ours, theirs = [], []
-    for rep in range(args.repeats + 1):  # the first pair warms up
-        if rep % 2:  # alternate which side goes first
-            b = timed(bare.iteration, rep)
-            o = timed(flowalign_iteration, trainer)
-        else:
-            o = timed(flowalign_iteration, trainer)
-            b = timed(bare.iteration, rep)
+    n_params = sum(p.numel() for p in trainer.policy.transformer.parameters() if not p.requires_grad)
+    rows: dict[str, list[dict]] = {name: [] for name in sides}
+    names = list(sides)
+    for rep in range(args.repeats + 1):  # the first round warms up
+        order = names[rep % len(names):] + names[:rep % len(names)]  # rotate which side goes first
+        got = {}
+        for name in order:
+            fn, fn_args = sides[name]
+            got[name] = timed(fn, *fn_args(rep))
+            if name == "flowalign" and args.slow_reward:
+                # the best the step can do: sampling and training on the main thread, scoring beside them
+                logs, calls = LAST_LOGS[-1], math.ceil(len(PROMPTS) * SETTING["group"] / args.batch_size)
+                got[name]["bound"] = max(logs["time/sample"] + logs["time/update"], calls * SLOW_REWARD_SECONDS)
+            got[name]["load"] = _loadavg()
         if rep:
-            ours.append(o)
-            theirs.append(b)
-        print(f"  {'warm-up' if not rep else f'repetition {rep}'}: flowalign {o['wall']:.2f} s, bare loop {b['wall']:.2f} s",
+            for name in names:
+                rows[name].append(got[name])
+        print(f"  {'warm-up' if not rep else f'repetition {rep}'}: "
+              + ", ".join(f"{n} {got[n]['wall']:.2f} s" for n in names) + f"  (load average {_loadavg():.2f})",
               flush=True)
-    med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in
-           (("flowalign", ours), ("bare loop", theirs))}
-    ratios = [b["wall"] / o["wall"] for o, b in zip(ours, theirs)]
-    print(f"tiny SD3 {folder} ({n_params / 1e6:.2f}M-parameter transformer, 64 px), 8 samples = 4 prompts x 2, "
-          f"10 SDE steps, CFG 4.5, LoRA r8, KL beta 0.04, {args.threads} threads, fp32, "
-          f"reward {reward.__name__}; medians of {args.repeats} interleaved repetitions")
-    print("| | rollout | training pass | iteration | trained steps | toolkit overhead |")
-    print("|---|---|---|---|---|---|")
-    for name, m in med.items():
-        print(f"| {name} | {m['rollout']:.2f} s | {m['train']:.2f} s | {m['wall']:.2f} s | {m['trained']:.0f} "
-              f"| {m['overhead']:.1%} |")
-    print(f"speed vs bare loop (bare / flowalign iteration): median of paired ratios {statistics.median(ratios):.2f} "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.25)")
+    loads = [r["load"] for r in rows["flowalign"]]
+    print(f"SD3 {folder} ({n_params / 1e6:.2f}M-parameter transformer, 64 px), 8 samples = 4 prompts x 2, "
+          f"10 SDE steps, CFG 4.5, LoRA r8, KL beta 0.04, {args.threads} threads, fp32, reward {reward.__name__}, "
+          f"trainer.batch_size {args.batch_size}; {args.repeats} interleaved repetitions; "
+          f"1-min load average {min(loads):.2f}-{max(loads):.2f}")
+    print("| | rollout (min / median) | training pass (min / median) | iteration (min / median) | trained steps "
+          "| CPU seconds (min) | toolkit overhead (median) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, rs in rows.items():
+        col = {k: (min(r[k] for r in rs), statistics.median(r[k] for r in rs)) for k in rs[0]}
+        print(f"| {name} | {col['rollout'][0]:.2f} / {col['rollout'][1]:.2f} s | {col['train'][0]:.2f} / "
+              f"{col['train'][1]:.2f} s | {col['wall'][0]:.2f} / {col['wall'][1]:.2f} s | {col['trained'][1]:.0f} "
+              f"| {col['cpu'][0]:.2f} s | {col['overhead'][1]:.1%} |")
+    fa_min = min(r["wall"] for r in rows["flowalign"])
+    for name in names[1:]:
+        ratios = [b["wall"] / o["wall"] for o, b in zip(rows["flowalign"], rows[name])]
+        print(f"speed vs {name} ({name} / flowalign iteration): ratio of minima "
+              f"{min(r['wall'] for r in rows[name]) / fa_min:.2f}, median of paired ratios "
+              f"{statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.25); "
+              f"ratio of CPU-second minima {min(r['cpu'] for r in rows[name]) / min(r['cpu'] for r in rows['flowalign']):.2f}")
+    if args.slow_reward:
+        walls, bounds = [r["wall"] for r in rows["flowalign"]], [r["bound"] for r in rows["flowalign"]]
+        print(f"flowalign with a {SLOW_REWARD_SECONDS} s reward, trainer.batch_size {args.batch_size}: iteration "
+              f"{min(walls):.2f} s (min) against max(sampling + training, scoring) {min(bounds):.2f} s: "
+              f"{min(walls) / min(bounds) - 1:+.1%}; median of paired "
+              f"{statistics.median(w / b - 1 for w, b in zip(walls, bounds)):+.1%} (target <= +5%)")
     if args.profile:
         import cProfile
         import pstats
@@ -340,6 +387,12 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="then cProfile this many flowalign iterations into FILE")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/bench-train")
+    p.add_argument("--reference-src", default=None,
+                   help="a flow_grpo source tree: also time the reference's own functions (scripts/bench_reference.py)")
+    p.add_argument("--model", default=None,
+                   help="an SD3 diffusers folder to run the setting on (default: the tiny one built under --out)")
+    p.add_argument("--no-bare", action="store_true", help="leave the bare loop out")
+    p.add_argument("--batch-size", type=int, default=8, help="flowalign's trainer.batch_size (8: one batch a step)")
     args = parser.parse_args()
     {"rollout": bench_rollout, "train": bench_train}[args.bench](args)
 

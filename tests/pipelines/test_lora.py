@@ -84,6 +84,25 @@ def test_adapter_disabled_is_the_base_model(trained):
     assert [p.requires_grad for p in policy.transformer.parameters()] == flags, "requires_grad restored"
 
 
+def test_adapter_disabled_restores_each_layer_as_it_was(trained):
+    """Leaving the context switches back on only the layers it switched off: a layer the caller had
+    switched off stays off, and no adapter tensor's requires_grad changes, inside or after."""
+    policy = trained["policy"]
+    layers, _ = lora_utils.tuner_layers(policy.transformer)
+    flags = [p.requires_grad for p in policy.transformer.parameters()]
+    layers[0].enable_adapters(False)  # the caller's own switch (peft's API), before the context
+    flags_off = [p.requires_grad for p in policy.transformer.parameters()]
+    try:
+        with policy.adapter_disabled():
+            assert all(layer.disable_adapters for layer in layers)
+            assert [p.requires_grad for p in policy.transformer.parameters()] == flags_off
+        assert layers[0].disable_adapters and not any(layer.disable_adapters for layer in layers[1:])
+        assert [p.requires_grad for p in policy.transformer.parameters()] == flags_off
+    finally:
+        layers[0].enable_adapters(True)
+    assert [p.requires_grad for p in policy.transformer.parameters()] == flags
+
+
 def test_adapter_disabled_finds_an_adapter_loaded_after_first_use(trained, tmp_path):
     """The LoRA layers are remembered between calls; an adapter loaded into a frozen policy afterwards is
     found (its outputs switch off to the base model's) and stays frozen."""
