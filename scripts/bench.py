@@ -3,6 +3,7 @@
     python scripts/bench.py rollout [--model DIR] [--steps 20] [--repeats 7]
     python scripts/bench.py train [--repeats 7] [--threads 2] [--reference-src DIR] [--model DIR]
                                  [--slow-reward] [--batch-size 8] [--no-bare] [--profile FILE]
+    python scripts/bench.py rewards [...]   (reward throughput: scripts/bench_rewards.py --help)
 
 ``rollout``: ``flowalign.sampling.rollout`` (ODE, decode included) against the diffusers pipeline's own
 ``__call__`` on the same folder, same steps and seed, alternating, median of the repeats; target ratio
@@ -371,7 +372,10 @@ def bench_train(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["rewards"]: sys.exit(__import__("bench_rewards").main(sys.argv[2:]))  # noqa: E701
+    if sys.argv[1:2] == ["rewards"]:  # its own options: scripts/bench_rewards.py
+        import bench_rewards
+
+        sys.exit(bench_rewards.main(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="bench", required=True)
     p = sub.add_parser("rollout")
