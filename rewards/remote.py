@@ -20,14 +20,13 @@ import json
 import math
 import os
 import sys
-import time
 from typing import Any
 
 import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.http_safety import API_KEY_ENV
+from rewards.http_safety import API_KEY_ENV, read_reply
 from rewards.registry import register
 from rewards.reward_wire import ENCODINGS, bytes_per_sample, encode_samples
 
@@ -95,26 +94,19 @@ class RemoteReward:
         """One request with a hard deadline on the whole reply (a trickling server cannot stall it)."""
         import requests
 
-        deadline = time.monotonic() + self.timeout
         try:
-            r = self.session.post(self.url + path, json=body, headers=self.headers, stream=True,
-                                  timeout=(self.timeout, self.timeout))
-            chunks = []
-            for chunk in r.iter_content(65536):
-                chunks.append(chunk)
-                if time.monotonic() > deadline:
-                    r.close()
-                    raise RemoteError(f"no complete reply within timeout={self.timeout:g} s")
+            status, _, data = read_reply(self.session, "POST", self.url + path, body, self.headers, self.timeout)
+        except TimeoutError as e:
+            raise RemoteError(str(e)) from e
         except (requests.ConnectionError, requests.Timeout) as e:
             raise RemoteError(f"no reply within timeout={self.timeout:g} s ({type(e).__name__})") from e
-        data = b"".join(chunks)
-        if r.status_code != 200:
+        if status != 200:
             try:
                 message = json.loads(data)["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = data[:200].decode("utf-8", "replace")
-            hint = f" (set ${API_KEY_ENV} or the reward's api_key)" if r.status_code == 401 else ""
-            raise RemoteError(f"HTTP {r.status_code}: {message}{hint}")
+            hint = f" (set ${API_KEY_ENV} or the reward's api_key)" if status == 401 else ""
+            raise RemoteError(f"HTTP {status}: {message}{hint}")
         try:
             return json.loads(data)
         except ValueError as e:

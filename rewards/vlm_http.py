@@ -24,7 +24,7 @@ from typing import Any
 import requests
 
 from flowalign.errors import UserError
-from rewards.http_safety import API_KEY_ENV
+from rewards.http_safety import API_KEY_ENV, read_reply
 from rewards.vlm_backend import ChatRequest, Completion
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -102,30 +102,24 @@ class OpenAIChatClient:
 
     def _attempt(self, method: str, path: str, body: dict | None) -> dict:
         """One HTTP exchange with a hard deadline on the whole reply (a trickling server cannot stall it)."""
-        deadline = time.monotonic() + self.timeout
         try:
-            r = self.session.request(method, self.base + path, json=body, headers=self.headers, stream=True,
-                                     timeout=(self.timeout, self.timeout))
-            chunks = []
-            for chunk in r.iter_content(65536):
-                chunks.append(chunk)
-                if time.monotonic() > deadline:
-                    r.close()
-                    raise _Retryable(f"no complete reply within timeout={self.timeout:g}s")
+            status, headers, data = read_reply(self.session, method, self.base + path, body, self.headers,
+                                               self.timeout)
+        except TimeoutError as e:
+            raise _Retryable(str(e)) from e
         except (requests.ConnectionError, requests.Timeout) as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from e
-        data = b"".join(chunks)
-        if r.status_code in _RETRY_STATUS:
+        if status in _RETRY_STATUS:
             try:
-                wait = float(r.headers.get("Retry-After", ""))
+                wait = float(headers.get("Retry-After", ""))
             except ValueError:
                 wait = None
-            raise _Retryable(f"HTTP {r.status_code}: {data[:200].decode('utf-8', 'replace')}", wait)
-        if r.status_code == 401:  # not worth a retry: the same key fails again
+            raise _Retryable(f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}", wait)
+        if status == 401:  # not worth a retry: the same key fails again
             raise RuntimeError(f"HTTP 401: the server wants a key; set ${API_KEY_ENV} (or the reward's api_key) to the "
                                f"key it was started with ({data[:200].decode('utf-8', 'replace')})")
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {data[:300].decode('utf-8', 'replace')}")
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:300].decode('utf-8', 'replace')}")
         try:
             return json.loads(data)
         except json.JSONDecodeError as e:
