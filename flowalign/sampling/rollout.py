@@ -202,6 +202,17 @@ def rollout(
     )
 
 
+@torch.no_grad()
+def continue_ode(policy: FlowPolicy, x: torch.Tensor, sigmas: torch.Tensor, cond: Any, guidance: float) -> torch.Tensor:
+    """Euler ODE steps from ``x`` ``(B, ...)`` at ``sigmas[0]`` along ``sigmas`` to ``sigmas[-1]``: the final
+    latents ``(B, ...)`` (how a state branched off a trajectory mid-way is finished with the ODE sampler)."""
+    mask = torch.zeros(len(sigmas) - 1, dtype=torch.bool)
+    ode = _kind_step("ode", 0.0, "code")
+    latents, *_ = _integrate(policy, x.to(policy.device), sigmas.float(), cond, guidance, mask, lambda k: ode,
+                             generator=None, generators=None, guide=None, keep_velocities=False)
+    return latents[-1]
+
+
 def _integrate(
     policy: FlowPolicy,
     x: torch.Tensor,

@@ -34,6 +34,7 @@ TRAINERS = {
     "awm": "flowalign.trainers.awm:AWMTrainer",
     "dgpo": "flowalign.trainers.dgpo:DGPOTrainer",
     "diffusion_dpo": "flowalign.trainers.diffusion_dpo:DiffusionDPOTrainer",
+    "self_opd": "flowalign.trainers.self_opd:SelfOPDTrainer",
 }
 
 

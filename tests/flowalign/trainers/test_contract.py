@@ -146,6 +146,7 @@ ONE_STEP = {
     "awm": (),
     "dgpo": (),
     "diffusion_dpo": (),
+    "self_opd": ("trainer.branches=2",),
 }
 
 

@@ -1,0 +1,237 @@
+"""Self-OPD: teacher-free on-policy distillation from the policy's own branches (``docs/methods/self_opd.md``).
+
+Per prompt, one ODE rollout of the current weights θ_old (the trunk); at ``branch_steps`` sampled steps k
+its state ``x_k`` is branched:
+
+    x_det = x_k + (σ_{k+1} − σ_k)·v_old                     (the deterministic next state: the trunk itself)
+    x^j   = μ_old + τ·ξ_j,  j = 1 … K                       (the Flow-GRPO SDE step at x_k, ξ_j ~ N(0, I))
+
+every branch is finished with the ODE sampler and scored; the deterministic branch's reward is the
+baseline (the self-reference). With M rewards of weights w_m, each normalised on its own and fused at
+the score level:
+
+    d^m_j = R^m(x^j) − R^m(x_det),   A_j = clip(Σ_m w_m · d^m_j / (sqrt(mean_j (d^m_j)²) + ε), ±A_clip)
+
+The student's step mean ``μ_θ`` at ``x_k`` is pulled toward branches with A_j > 0 and pushed from those
+with A_j < 0 (:func:`pull_push_loss`, SDE-variance normalised by τ²), each push attenuated by how much its
+direction agrees with the pull (:func:`pull_push_weights`):
+
+    L = (1/K) Σ_j ω_j · mean_D(μ_θ − x^j)² / (2τ²)
+
+At θ = θ_old the gradient is ``−(1/(K·τ·D)) Σ_j ω_j ξ_j · ∂μ/∂θ``: descent moves μ along the
+advantage-weighted branch noise. K = 1 is a pairwise comparison with the self-reference (A = ±1 up to ε):
+distillation toward the one candidate when it beats the deterministic branch, repulsion from it otherwise.
+The hooks: the trunk, the branches and their rewards (``collect``), the attenuation and a global plan of
+(prompt, step) units (``plan``), the loss of one unit (``loss``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from flowalign.limits import MAX_GROUP_SIZE
+from flowalign.reward_set import RewardScores
+from flowalign.sampling import continue_ode, sde_step
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
+from flowalign.trainers.rollouts import check_invalid
+
+
+class SelfOPDConfig(GroupTrainerConfig):
+    name: Literal["self_opd"] = "self_opd"
+    #: K: SDE candidates branched off each sampled state (1: a pairwise comparison with the deterministic branch)
+    branches: int = Field(4, ge=1, le=MAX_GROUP_SIZE)
+    #: sampled states branched per prompt and step (distinct steps of the trunk)
+    branch_steps: int = Field(1, ge=1)
+    #: branched steps are drawn from {0 … ⌊T·max_step_fraction⌋ − 1}, and never the step to σ = 0
+    max_step_fraction: float = Field(0.5, gt=0, le=1)
+    #: a of the Flow-GRPO SDE step that draws the candidates (0.7 on SD3.5)
+    noise_level: float = Field(0.7, gt=0, le=2)
+    #: scale each push by 1 − max(0, cos(its branch offset, the pull direction)); false: pushes at full weight
+    attenuation: bool = True
+    #: ε of the advantage normalisation sqrt(mean d²) + ε
+    adv_eps: float = Field(1e-4, gt=0)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+def self_reference_advantages(values: torch.Tensor, valid: torch.Tensor, base: torch.Tensor, base_valid: bool,
+                              weights: torch.Tensor, eps: float = 1e-4, clip: float = 5.0) -> torch.Tensor:
+    """The K branches' advantages ``(K,)`` against the deterministic branch.
+
+    ``values (K, M)``: each branch's M rewards; ``valid (K,)``; ``base (M,)``: the deterministic branch's;
+    ``weights (M,)``. Per reward ``Â^m_j = d^m_j / (sqrt(mean_{valid j} (d^m_j)²) + ε)`` with
+    ``d^m_j = R^m_j − R^m_base``, then ``A_j = clip(Σ_m w_m Â^m_j, ±clip)``; an invalid branch gets 0, and
+    every branch gets 0 when the baseline is invalid (nothing to compare with).
+    """
+    k = values.shape[0]
+    if not base_valid or not valid.any():
+        return torch.zeros(k)
+    d = (values.float() - base.float()[None]) * valid[:, None]
+    scale = (d.pow(2).sum(0) / valid.sum()).sqrt() + eps
+    adv = (d / scale[None]) @ weights.float()
+    return torch.where(valid, adv.clamp(-clip, clip), torch.zeros(k))
+
+
+def pull_push_weights(advantages: torch.Tensor, offsets: torch.Tensor, attenuate: bool = True) -> torch.Tensor:
+    """``ω (K,)``: ``A_j`` for a pulling branch (A_j > 0), ``A_j·(1 − max(0, cos(δ_j, p)))`` for a pushing one,
+    with ``δ_j = x^j − μ_old`` ``(K, ...)`` the branch offsets and ``p = Σ_{A_i>0} A_i δ_i`` the pull
+    direction: a push that would also drive the student away from where the winners lie is attenuated
+    (with no winner, p = 0 and every push keeps its weight)."""
+    adv = advantages.float()
+    if not attenuate:
+        return adv.clone()
+    flat = offsets.float().flatten(1)
+    pull = (adv.clamp(min=0)[:, None] * flat).sum(0)
+    if pull.norm() == 0:
+        return adv.clone()
+    cos = torch.nn.functional.cosine_similarity(flat, pull[None], dim=1)
+    return torch.where(adv < 0, adv * (1 - cos.clamp(min=0)), adv)
+
+
+def pull_push_loss(mean: torch.Tensor, branches: torch.Tensor, std: float | torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """``L = (1/K) Σ_j ω_j · mean_D(μ_θ − x^j)² / (2τ²)`` (scalar): ``mean (1, ...)`` the student's step mean,
+    ``branches (K, ...)`` the candidates ``x^j``, ``std`` τ of the step that drew them, ``weights (K,)``."""
+    sq = (mean.float() - branches.float()).pow(2).flatten(1).mean(1) / (2 * torch.as_tensor(std).float() ** 2)
+    return (weights.to(sq) * sq).mean()
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass(frozen=True)
+class BranchSet:
+    """Trunk sample ``sample`` of rollout batch ``chunk`` branched at step ``k``: the state ``x_k (1, ...)``,
+    the old step mean ``mean (1, ...)`` and std ``std``, the K candidates ``branches (K, ...)`` and their
+    advantages ``(K,)``; ``key``: (group, k), its identity in any rank layout."""
+
+    chunk: int
+    sample: int
+    k: int
+    key: tuple[int, int]
+    x_k: torch.Tensor = field(compare=False)
+    mean: torch.Tensor = field(compare=False)
+    std: float = field(compare=False)
+    branches: torch.Tensor = field(compare=False)
+    advantages: torch.Tensor = field(compare=False)
+
+
+@dataclass
+class BranchBatch:
+    """A step's trunks (the loop's :class:`StepBatch` of ODE rollouts, scored: the deterministic branches) and
+    their branch sets."""
+
+    trunk: StepBatch
+    sets: list[BranchSet]
+    logs: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PullPushUnit:
+    """A branch set with its pull-push weights ``ω (K,)``; one of ``of`` units over all ranks."""
+
+    set: BranchSet
+    weights: torch.Tensor
+    of: int
+
+
+class SelfOPDTrainer(GroupTrainer):
+    Config = SelfOPDConfig
+    tcfg: SelfOPDConfig
+    sampler = "ode"
+
+    def sampling(self, group: int) -> Sampling:
+        """Trunks: ODE rollouts keeping their velocities (v_old at the branched states needs no forward)."""
+        return Sampling("ode", keep_velocities=True)
+
+    def branched_steps(self, group: int, step: int) -> list[int]:
+        """The steps where group ``group``'s trunk is branched, keyed by (seed, step, group): the same on any rank."""
+        high = max(1, min(self.tcfg.num_steps - 1, int(self.tcfg.num_steps * self.tcfg.max_step_fraction)))
+        g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, group, 23))
+        return sorted(torch.randperm(high, generator=g)[: self.tcfg.branch_steps].tolist())
+
+    def collect(self, step: int) -> BranchBatch:
+        """One trunk per prompt (scored: the baselines), then K candidates at each branched step, finished
+        by the ODE and scored; advantages against the trunk's reward."""
+        idx = self.step_indices(step)
+        p = self.tcfg.prompts_per_step
+        groups = torch.arange(self.rank * p, (self.rank + 1) * p)
+        prompts = [self.data.prompts[i] for i in idx]
+        metadata = [self.data.metadata[i] for i in idx]
+        trunk = self.sample(prompts, metadata, groups, torch.tensor(idx), step)
+        check_invalid(trunk.scores, step, self.cfg.run.max_invalid_fraction, trunk.samples, self.run_dir)
+        trunk.logs.update(self.reward_logs(trunk.scores))
+        sets, branch_scores = [], []
+        n = 0
+        for c, chunk in enumerate(trunk.chunks):
+            for i in range(len(chunk)):
+                group = int(trunk.groups[n])
+                for k in self.branched_steps(group, step):
+                    branch_set, scores = self.branch(trunk, c, i, k, group, n, step)
+                    sets.append(branch_set)
+                    branch_scores.append(scores)
+                n += 1
+        scores = RewardScores.cat(branch_scores)
+        check_invalid(scores, step, self.cfg.run.max_invalid_fraction)
+        adv = torch.cat([s.advantages for s in sets])
+        trunk.logs.update({"branch/reward": scores.total[scores.valid].mean().item() if scores.valid.any() else float("nan"),
+                           "branch/adv_abs": adv.abs().mean().item(),
+                           "zero_adv_fraction": (adv == 0).float().mean().item()})
+        return BranchBatch(trunk, sets, trunk.logs)
+
+    @torch.no_grad()
+    def branch(self, trunk: StepBatch, c: int, i: int, k: int, group: int, n: int, step: int
+               ) -> tuple[BranchSet, RewardScores]:
+        """Trunk sample ``i`` of chunk ``c`` (sample ``n`` of the batch) branched at step ``k``: K SDE candidates,
+        each with its own noise keyed by (seed, step, group, k, j), finished in ODE batches of ``batch_size``."""
+        chunk, t = trunk.chunks[c], self.tcfg
+        x_k, v = chunk.latents[i : i + 1, k], chunk.velocities[i : i + 1, k]
+        sigma, sigma_next = chunk.sigmas[k].item(), chunk.sigmas[k + 1].item()
+        gaussian = sde_step("flow_grpo", v, x_k, sigma, sigma_next, noise_level=t.noise_level, prev_sample=x_k)
+        noise = torch.stack([torch.randn(x_k.shape[1:], generator=torch.Generator().manual_seed(
+            derived_seed(self.cfg.run.seed, step, group, k, j, 29))) for j in range(t.branches)])
+        std = float(gaussian.std.flatten()[0])
+        branches = gaussian.mean + std * noise.to(gaussian.mean)
+        finals = torch.cat([continue_ode(self.policy, part, chunk.sigmas[k + 1 :], chunk.cond[[i] * len(part)],
+                                         chunk.guidance_scale) for part in branches.split(t.batch_size)])
+        prompts, metadata = [chunk.prompts[i]] * t.branches, [chunk.metadata[i]] * t.branches
+        scores = self.rewards.score(self.policy.decode(finals), prompts, metadata)
+        base = trunk.scores
+        adv = self_reference_advantages(scores.values, scores.valid, base.values[n], bool(base.valid[n]),
+                                        scores.weights, t.adv_eps, t.adv_clip)
+        return BranchSet(c, i, k, (group, k), x_k.cpu(), gaussian.mean.cpu(), std, branches.cpu(), adv), scores
+
+    def plan(self, batch: BranchBatch, generator: torch.Generator) -> Plan:
+        """Every branch set with a non-zero advantage and its pull-push weights (fixed at θ_old), in each of
+        ``inner_epochs`` optimiser steps, each unit weighted by 1 / the number of units over all ranks."""
+        units = []
+        for s in batch.sets:
+            if s.advantages.abs().sum() > 0:
+                weights = pull_push_weights(s.advantages, s.branches - s.mean, self.tcfg.attenuation)
+                units.append(PullPushUnit(s, weights, 0))
+        total = self.total(len(units))
+        units = [dataclasses.replace(u, of=total) for u in units]
+        return Plan([units] * self.tcfg.inner_epochs if total else [], global_weights=True)
+
+    def filler(self, batch: BranchBatch, update: int) -> PullPushUnit:
+        """The first branch set with zero weights (fsdp padding; its loss is multiplied by 0)."""
+        s = batch.sets[0]
+        return PullPushUnit(s, torch.zeros(len(s.advantages)), 1)
+
+    def loss(self, batch: BranchBatch, unit: PullPushUnit) -> tuple[torch.Tensor, dict[str, Any]]:
+        s = unit.set
+        chunk = batch.trunk.chunks[s.chunk]
+        x_k = s.x_k.to(self.policy.device)
+        sigma, sigma_next = chunk.sigmas[s.k].item(), chunk.sigmas[s.k + 1].item()
+        v = self.policy.velocity(x_k, sigma, chunk.cond[[s.sample]], chunk.guidance_scale)
+        mean = sde_step("flow_grpo", v, x_k, sigma, sigma_next, noise_level=self.tcfg.noise_level,
+                        prev_sample=x_k).mean
+        loss = pull_push_loss(mean, s.branches.to(mean), s.std, unit.weights)
+        info = {"pull_push_loss": loss.item(), "mean_shift": (mean.detach().cpu() - s.mean).pow(2).mean().item()}
+        return loss / unit.of, info

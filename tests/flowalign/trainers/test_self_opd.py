@@ -1,0 +1,177 @@
+"""Self-OPD: the self-reference advantages, the pull-push objective and its attenuation, K = 1, the trunk as
+the baseline on the tiny model, learning on a toy flow, and bit-exact resume (docs/methods/self_opd.md)."""
+
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from flowalign.config import validate_section
+from flowalign.data import read_prompt_file
+from flowalign.protocols import RewardOutput
+from flowalign.sampling import continue_ode, euler_step, gaussian_log_prob, rollout
+from flowalign.train import build_trainer
+from flowalign.trainers.base import derived_seed
+from flowalign.trainers.self_opd import (
+    SelfOPDConfig,
+    SelfOPDTrainer,
+    pull_push_loss,
+    pull_push_weights,
+    self_reference_advantages,
+)
+
+from .conftest import small_config
+from .resume_check import assert_trains_and_resumes_bit_exactly
+from .toy_latent import BiasedGaussianPolicy
+
+ALL = torch.ones(3, dtype=torch.bool)
+
+
+def test_advantages_are_measured_from_the_deterministic_branch():
+    values, base, w = torch.tensor([[0.7], [0.5], [0.2]]), torch.tensor([0.5]), torch.tensor([1.0])
+    adv = self_reference_advantages(values, ALL, base, True, w, eps=0.0)
+    d = torch.tensor([0.2, 0.0, -0.3])
+    torch.testing.assert_close(adv, d / d.pow(2).mean().sqrt())
+    assert adv[1] == 0  # as good as the baseline: no signal, even though it is above the branches' mean
+    # a constant added to every reward (baseline included) changes nothing; moving the baseline alone does
+    torch.testing.assert_close(self_reference_advantages(values + 3, ALL, base + 3, True, w, eps=0.0), adv)
+    moved = self_reference_advantages(values, ALL, torch.tensor([0.2]), True, w, eps=0.0)
+    assert moved[2] == 0 and (moved[:2] > 0).all()
+    # without a valid baseline nothing is compared; an invalid branch gets 0 and leaves the scale alone
+    assert torch.equal(self_reference_advantages(values, ALL, base, False, w), torch.zeros(3))
+    valid = torch.tensor([True, True, False])
+    part = self_reference_advantages(values, valid, base, True, w, eps=0.0)
+    assert part[2] == 0 and part[0] == pytest.approx(0.2 / math.sqrt(0.04 / 2))
+
+
+def test_rewards_are_normalised_each_on_its_own_before_they_are_fused():
+    """Score-level fusion: a reward on a 1000× larger scale does not drown the other one."""
+    values = torch.tensor([[1.0, 0.001], [0.0, -0.002], [-1.0, 0.003]])
+    base, w = torch.zeros(2), torch.tensor([1.0, 1.0])
+    fused = self_reference_advantages(values, ALL, base, True, w, eps=0.0)
+    rescaled = values * torch.tensor([1.0, 1000.0])
+    torch.testing.assert_close(self_reference_advantages(rescaled, ALL, base, True, w, eps=0.0), fused)
+    one = lambda m: self_reference_advantages(values[:, m : m + 1], ALL, base[m : m + 1], True, w[:1], eps=0.0)
+    torch.testing.assert_close(fused, one(0) + one(1))
+
+
+def _grad_of_mean(mean_old, branches, std, weights):
+    mean = mean_old.clone().requires_grad_(True)
+    pull_push_loss(mean, branches, std, weights).backward()
+    return mean.grad
+
+
+def test_the_pull_push_sign_follows_the_advantage():
+    """One gradient step on μ moves it toward a branch of positive advantage and away from one of negative."""
+    torch.manual_seed(0)
+    mean_old, std = torch.zeros(1, 16), 0.3
+    branch = mean_old + std * torch.randn(1, 16)
+    for a in (1.5, -0.7):
+        g = _grad_of_mean(mean_old, branch, std, torch.tensor([a]))
+        stepped = mean_old - 1e-2 * g
+        closer = (stepped - branch).norm() < (mean_old - branch).norm()
+        assert closer == (a > 0)
+        # SDE-variance normalisation: the gradient is −A·ξ/(τ·D), so its size does not grow as τ shrinks
+        xi = (branch - mean_old) / std
+        torch.testing.assert_close(g, -a * xi / (std * 16))
+
+
+def test_a_branch_with_zero_advantage_contributes_nothing():
+    torch.manual_seed(1)
+    mean_old, std = torch.zeros(1, 8), 0.5
+    branches = mean_old + std * torch.randn(3, 8)
+    adv = torch.tensor([1.0, 0.0, -1.0])
+    g = _grad_of_mean(mean_old, branches, std, pull_push_weights(adv, branches - mean_old))
+    moved = branches.clone()
+    moved[1] = torch.randn(8) * 10  # wherever the zero-advantage branch lies
+    assert torch.equal(g, _grad_of_mean(mean_old, moved, std, pull_push_weights(adv, moved - mean_old)))
+
+
+def test_pushes_are_attenuated_by_their_agreement_with_the_pull():
+    e1, e2 = torch.eye(2)
+    offsets = torch.stack([e1, e1, -e1, e2, (e1 + e2) / math.sqrt(2)])
+    adv = torch.tensor([2.0, -1.0, -1.0, -1.0, -1.0])
+    w = pull_push_weights(adv, offsets)
+    torch.testing.assert_close(w, torch.tensor([2.0, 0.0, -1.0, -1.0, -(1 - 1 / math.sqrt(2))]))
+    assert torch.equal(pull_push_weights(adv, offsets, attenuate=False), adv)
+    losers = torch.tensor([-1.0, -0.5])  # no winner: nothing to agree with, every push at full weight
+    assert torch.equal(pull_push_weights(losers, offsets[:2]), losers)
+
+
+def test_one_branch_is_a_pairwise_comparison_with_the_self_reference():
+    """K = 1: A = ±1 (up to ε) and the loss is the Gaussian likelihood of the one candidate, maximised when it
+    beats the deterministic branch (distillation toward it) and minimised when it loses."""
+    base, w = torch.tensor([0.0]), torch.tensor([1.0])
+    for reward, sign in ((0.3, 1.0), (-0.01, -1.0)):
+        adv = self_reference_advantages(torch.tensor([[reward]]), torch.ones(1, dtype=torch.bool), base, True, w)
+        assert adv.item() == pytest.approx(sign, abs=1e-2)
+        torch.manual_seed(2)
+        mean_old, std = torch.zeros(1, 6), 0.4
+        branch = mean_old + std * torch.randn(1, 6)
+        weights = pull_push_weights(adv, branch - mean_old)
+        assert torch.equal(weights, adv)  # nothing to attenuate against
+        g = _grad_of_mean(mean_old, branch, std, weights)
+        mean = mean_old.clone().requires_grad_(True)
+        (-gaussian_log_prob(branch, mean, torch.tensor(std))).sum().backward()
+        torch.testing.assert_close(g, adv * mean.grad)
+
+
+@pytest.fixture
+def tiny_trainer(tmp_path, tiny_sd3_dir, prompt_file):
+    return build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=self_opd",
+                                      "trainer.branches=3", "trainer.branch_steps=2"))
+
+
+def test_the_baseline_is_the_policys_own_ode_sample_and_branches_leave_its_state(tiny_trainer):
+    t = tiny_trainer
+    batch = t.collect(0)
+    trunk = batch.trunk
+    assert len(batch.sets) == 2 * t.tcfg.prompts_per_step and {s.k for s in batch.sets} <= {0, 1}
+    # the trunk (whose reward is the baseline) is the plain ODE sample of the same initial noise
+    seeds = [derived_seed(t.cfg.run.seed, 0, g, 0, 5) for g in trunk.groups.tolist()]  # the loop's keying
+    noise = torch.cat([t.policy.initial_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
+    plain = rollout(t.policy, trunk.prompts, num_steps=t.tcfg.num_steps, sampler="ode", initial_noise=noise)
+    torch.testing.assert_close(trunk.chunks[0].final_latents, plain.final_latents, atol=1e-5, rtol=0)
+    for s in batch.sets:
+        chunk = trunk.chunks[s.chunk]
+        assert torch.equal(s.x_k, chunk.latents[s.sample : s.sample + 1, s.k])
+        # the deterministic next state, finished by the ODE, is the trunk's own sample
+        det = euler_step(chunk.velocities[s.sample : s.sample + 1, s.k], s.x_k, chunk.sigmas[s.k].item(),
+                         chunk.sigmas[s.k + 1].item()).prev_sample
+        end = continue_ode(t.policy, det, chunk.sigmas[s.k + 1 :], chunk.cond[[s.sample]], chunk.guidance_scale)
+        torch.testing.assert_close(end, chunk.final_latents[s.sample : s.sample + 1], atol=1e-5, rtol=0)
+        assert s.branches.shape[0] == 3 and not torch.equal(s.branches[0], s.branches[1])
+    assert (torch.cat([s.advantages for s in batch.sets]) != 0).any()
+
+
+def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
+    assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=self_opd",
+                                          "trainer.branches=2")
+
+
+def linear_reward(samples, prompts, metadata):
+    """``⟨a, x⟩`` with a = (1, −1, 0.5, 0) (the toy flow decodes to its latents)."""
+    value = (samples * torch.tensor([1.0, -1.0, 0.5, 0.0])).sum(1)
+    return RewardOutput({"linear": value}, torch.ones(len(value), dtype=torch.bool))
+
+
+def test_on_a_toy_flow_the_velocity_moves_so_that_the_reward_rises(tmp_path, prompt_file):
+    """Exact Gaussian flow with one trainable velocity offset b: increasing ⟨a, x0⟩ means b moves along −a
+    (the velocity points toward the noise)."""
+    cfg = small_config(tmp_path / "run", tmp_path, prompt_file, "trainer.name=self_opd")
+    tcfg = validate_section(SelfOPDConfig, {"name": "self_opd", "branches": 8, "branch_steps": 3, "num_steps": 6,
+                                            "prompts_per_step": 4, "lr": 3e-2, "weight_decay": 0.0,
+                                            "max_step_fraction": 1.0}, "trainer.")
+    policy = BiasedGaussianPolicy(dim=4)
+    trainer = SelfOPDTrainer(cfg, tcfg, policy, [("linear", 1.0, linear_reward)], read_prompt_file(prompt_file),
+                             None, Accelerator(cpu=True), tmp_path / "run")
+    rewards = []
+    for _ in range(15):
+        logs = trainer.train_step()
+        trainer.step += 1
+        rewards.append(logs["reward/total"])
+    a = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    b = policy.trainable.bias.detach()
+    assert torch.nn.functional.cosine_similarity(b, -a, dim=0) > 0.8, b
+    assert sum(rewards[-3:]) > sum(rewards[:3]) + 0.5
