@@ -1,7 +1,7 @@
 """Self-OPD: teacher-free on-policy distillation from the policy's own branches (``docs/methods/self_opd.md``).
 
-Per prompt, one ODE rollout of the current weights θ_old (the trunk); at ``branch_steps`` sampled steps k
-its state ``x_k`` is branched:
+Per prompt, one ODE rollout of the current weights θ_old (the trunk); at ``branch_steps`` steps k, drawn
+per training step and shared by its prompts, the trunk's state ``x_k`` is branched:
 
     x_det = x_k + (σ_{k+1} − σ_k)·v_old                     (the deterministic next state: the trunk itself)
     x^j   = μ_old + τ·ξ_j,  j = 1 … K                       (the Flow-GRPO SDE step at x_k, ξ_j ~ N(0, I))
@@ -150,10 +150,12 @@ class SelfOPDTrainer(GroupTrainer):
         """Trunks: ODE rollouts keeping their velocities (v_old at the branched states needs no forward)."""
         return Sampling("ode", keep_velocities=True)
 
-    def branched_steps(self, group: int, step: int) -> list[int]:
-        """The steps where group ``group``'s trunk is branched, keyed by (seed, step, group): the same on any rank."""
+    def branched_steps(self, step: int) -> list[int]:
+        """The steps where every trunk of training step ``step`` is branched, keyed by (seed, step): the same
+        for every prompt and rank, so every rank runs the same number of ODE passes (under fsdp each
+        forward is a collective)."""
         high = max(1, min(self.tcfg.num_steps - 1, int(self.tcfg.num_steps * self.tcfg.max_step_fraction)))
-        g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, group, 23))
+        g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, 23))
         return sorted(torch.randperm(high, generator=g)[: self.tcfg.branch_steps].tolist())
 
     def collect(self, step: int) -> BranchBatch:
@@ -172,7 +174,7 @@ class SelfOPDTrainer(GroupTrainer):
         for c, chunk in enumerate(trunk.chunks):
             for i in range(len(chunk)):
                 group = int(trunk.groups[n])
-                for k in self.branched_steps(group, step):
+                for k in self.branched_steps(step):
                     branch_set, scores = self.branch(trunk, c, i, k, group, n, step)
                     sets.append(branch_set)
                     branch_scores.append(scores)

@@ -145,6 +145,17 @@ def test_festdpo_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd
     assert max_diff(weights(tmp_path / "fsdp", 2), weights(tmp_path / "single", 2)) < 1e-5
 
 
+def test_self_opd_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd3_dir, prompt_file):
+    """Two sharded ranks × 1 prompt and one process × 2 prompts: the same branches, advantages and weights."""
+    opd = ("trainer.name=self_opd", "trainer.branches=2", "trainer.branch_steps=1")
+    torchrun(["train", "/dev/null", *small_run(tmp_path / "fsdp", tiny_sd3_dir, prompt_file, FSDP, *opd,
+                                               "trainer.prompts_per_step=1")])
+    single(["train", "/dev/null", *small_run(tmp_path / "single", tiny_sd3_dir, prompt_file, *opd)])
+    fsdp, one = weights(tmp_path / "fsdp", 2), weights(tmp_path / "single", 2)
+    assert max_diff(fsdp, one) < 1e-5
+    assert max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 0  # B starts at zero: it moved
+
+
 def test_diffusion_nft_under_fsdp_ends_at_the_replicated_weights_and_evaluates_on_every_rank(tmp_path, tiny_sd3_dir,
                                                                                              prompt_file):
     """Sharded and replicated ranks end at the same weights; the final evaluation runs sharded too (every

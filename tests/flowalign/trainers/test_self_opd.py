@@ -7,7 +7,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from flowalign.config import validate_section
+from flowalign.config import load_config, validate_section
 from flowalign.data import read_prompt_file
 from flowalign.protocols import RewardOutput
 from flowalign.sampling import continue_ode, euler_step, gaussian_log_prob, rollout
@@ -21,7 +21,7 @@ from flowalign.trainers.self_opd import (
     self_reference_advantages,
 )
 
-from .conftest import small_config
+from .conftest import REPO, small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly
 from .toy_latent import BiasedGaussianPolicy
 
@@ -175,3 +175,13 @@ def test_on_a_toy_flow_the_velocity_moves_so_that_the_reward_rises(tmp_path, pro
     b = policy.trainable.bias.detach()
     assert torch.nn.functional.cosine_similarity(b, -a, dim=0) > 0.8, b
     assert sum(rewards[-3:]) > sum(rewards[:3]) + 0.5
+
+
+def test_the_tiny_recipe_trains_two_steps(tmp_path):
+    recipe = REPO / "configs" / "tiny" / "self_opd_vvr.yaml"
+    cfg = load_config(recipe, [f"run.output_dir={tmp_path / 'r'}", "run.progress=false", "eval.bench=null",
+                               "data.n=8", "trainer.max_steps=2", "trainer.prompts_per_step=1", "trainer.num_steps=4",
+                               "trainer.branches=2", "trainer.branch_steps=1"])
+    trainer = build_trainer(cfg)
+    trainer.train()
+    assert trainer.step == 2 and (tmp_path / "r" / "checkpoints" / "step-000002").is_dir()
