@@ -55,13 +55,34 @@ def prepare_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
     write_run_config(run_dir, resolved_yaml)
 
 
+#: sections every config a run saves has (a user's notes or partial config named config.yaml lacks some)
+RUN_SECTIONS = ("run", "model", "trainer")
+
+
+def saved_run_config(run_dir: Path) -> dict[str, Any] | None:
+    """The config a run saved as ``run_dir/config.yaml`` (None when there is no such file). Refuses
+    (``UserError``) a ``config.yaml`` that no run wrote: it is the user's, and the folder is not a run's."""
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return None
+    try:
+        data: Any = yaml.safe_load(saved.read_text())
+        why = "it has no run, model and trainer sections"
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        data, why = None, f"it is not readable YAML: {str(e).splitlines()[0]}"
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in RUN_SECTIONS):
+        raise UserError(f"run.output_dir {run_dir} holds a config.yaml that no run wrote ({why}); choose another "
+                        "run.output_dir (a run saves its own config.yaml there)")
+    return data
+
+
 def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
     """Refuse (``UserError``) a folder that holds another run's config, or any run with ``resume=never``."""
-    saved = run_dir / "config.yaml"
-    if saved.exists():
+    saved = saved_run_config(run_dir)
+    if saved is not None:
         if resume == "never":
             raise UserError(f"{run_dir} already holds a run; choose another run.output_dir or set run.resume=auto to continue it")
-        old, new = _flatten(yaml.safe_load(saved.read_text())), _flatten(yaml.safe_load(resolved_yaml))
+        old, new = _flatten(saved), _flatten(yaml.safe_load(resolved_yaml))
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
         if changed:
             raise UserError(f"{run_dir} holds another run's config (differs in {', '.join(changed[:5])}); "
@@ -247,7 +268,8 @@ def claim_run_dir(run_dir: Path, overwrite: bool) -> None:
     its marker) unless ``overwrite``; then mark it as a run's (a start that fails before ``config.yaml``
     still leaves the folder recognised) and sweep the temporaries a killed run left behind."""
     marker = run_dir / marker_name(RUN_WRITER)
-    if not overwrite and not (run_dir / "config.yaml").exists() and not marker.exists():
+    saved = saved_run_config(run_dir)  # a user's own config.yaml refuses before anything is written
+    if not overwrite and saved is None and not marker.exists():
         refuse_foreign(run_dir, [n for n in foreign_entries(run_dir, RUN_WRITER) if n != LOCK_NAME],
                        "run.output_dir")
     if not marker.exists():

@@ -38,6 +38,7 @@ __all__ = [
     "build_tiny_flux",
     "build_tiny_wan",
     "save_tiny",
+    "pipeline_bytes",
     "sampling_defaults",
     "write_sampling_defaults",
     "read_sampling_defaults",
@@ -75,6 +76,14 @@ def sampling_defaults(family: str) -> dict[str, Any]:
     return dict(twin_module(family).SAMPLING)
 
 
+def pipeline_bytes(pipe: Any) -> int:
+    """The bytes of every tensor of ``pipe``'s model components: about what its saved weights take."""
+    from flowalign.disk_space import tensor_bytes
+
+    modules = [c for c in pipe.components.values() if hasattr(c, "state_dict")]
+    return sum(tensor_bytes(m.state_dict().values()) for m in modules)
+
+
 def write_sampling_defaults(out_dir: str | os.PathLike, **defaults: Any) -> Path:
     """Write ``flowalign.json`` (sampling defaults that ``pipelines.load()`` reads) into ``out_dir``.
 
@@ -96,10 +105,12 @@ def read_sampling_defaults(folder: str | os.PathLike) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def save_tiny(family: str, out_dir: str | os.PathLike, *, sampling: dict[str, Any] | None = None, **overrides):
-    """Build a tiny ``family`` pipeline, save it as a diffusers folder (safetensors) plus
-    ``flowalign.json``; returns the pipeline. ``sampling`` updates the family's sampling defaults."""
-    pipe = build_tiny(family, **overrides)
+def save_tiny(family: str, out_dir: str | os.PathLike, *, sampling: dict[str, Any] | None = None, pipe: Any = None,
+              **overrides):
+    """Build a tiny ``family`` pipeline (or take ``pipe``, built by :func:`build_tiny` with ``overrides``),
+    save it as a diffusers folder (safetensors) plus ``flowalign.json``; returns the pipeline. ``sampling``
+    updates the family's sampling defaults."""
+    pipe = build_tiny(family, **overrides) if pipe is None else pipe
     pipe.save_pretrained(out_dir, safe_serialization=True)
     defaults = {"family": family, **sampling_defaults(family)}
     if "height" in overrides:  # a builder that takes the image side (SD3, FLUX.1) samples at it

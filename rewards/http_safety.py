@@ -61,6 +61,8 @@ class Limits:
     max_request_pixels: int = 4 * 4096 * 4096
     #: connections served at once (more are answered 503); bounds memory to ~ this × max_body_bytes
     max_connections: int = 64
+    #: the command whose flags the refusals name (``serve-judge --max-body-mb``, ``serve-reward ...``)
+    command: str = "serve-judge"
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -108,7 +110,7 @@ def guard(app: Callable, limits: Limits) -> Callable:
                                      f"(the key the server was started with, e.g. from ${API_KEY_ENV})",
                                 "invalid_api_key")
         too_large = (f"request body over the server's limit of {limits.max_body_bytes} bytes "
-                     "(serve-judge --max-body-mb); send fewer or smaller images")
+                     f"({limits.command} --max-body-mb); send fewer or smaller images")
         try:
             declared = int(headers.get(b"content-length", b"0"))
         except ValueError:
@@ -124,7 +126,7 @@ def guard(app: Callable, limits: Limits) -> Callable:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 return await refuse(408, f"the request body did not arrive within {limits.body_timeout_s:g} s "
-                                         "(serve-judge --body-timeout)", "request_timeout")
+                                         f"({limits.command} --body-timeout)", "request_timeout")
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
@@ -154,8 +156,8 @@ def uvicorn_config(app: Any, limits: Limits, **kwargs: Any) -> Any:
     import uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    headers, body = _error_response(408, f"the request headers did not arrive within {limits.header_timeout_s:g} s",
-                                    "request_timeout")
+    headers, body = _error_response(408, f"the request headers did not arrive within {limits.header_timeout_s:g} s "
+                                         f"({limits.command} --header-timeout)", "request_timeout")
     too_slow = b"HTTP/1.1 408 Request Timeout\r\n" + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"\r\n" + body
 
     class HeaderDeadline(H11Protocol):
@@ -290,7 +292,7 @@ def limits_from(args: Any, command: str) -> Limits:
     check_bind(args.host, key, args.insecure_no_auth, command)
     return Limits(api_key=key, max_body_bytes=int(args.max_body_mb * 2**20), header_timeout_s=args.header_timeout,
                   body_timeout_s=args.body_timeout, max_image_pixels=args.max_image_pixels,
-                  max_request_pixels=args.max_request_pixels, max_connections=args.max_connections)
+                  max_request_pixels=args.max_request_pixels, max_connections=args.max_connections, command=command)
 
 
 def check_bind(host: str, api_key: str | None, insecure_no_auth: bool, command: str) -> None:

@@ -35,7 +35,7 @@ def score_reply(name: str, out: Any, n: int) -> dict[str, Any]:
     return {"name": name, "components": components, "valid": valid, "reasons": reasons}
 
 
-def create_app(reward: Any, *, name: str, spec: Any = None, device: str = "cpu", limits: Limits = Limits()):
+def create_app(reward: Any, *, name: str, spec: Any = None, device: str = "cpu", limits: Limits = Limits(command="serve-reward")):
     """The FastAPI app serving ``reward`` (samples are moved to ``device`` before scoring)."""
     import torch
     from fastapi import FastAPI, Request

@@ -156,15 +156,22 @@ def _image(raw: bytes, budget: PixelBudget, where: str) -> torch.Tensor:
 
 
 def _video(raw: bytes, budget: PixelBudget, where: str) -> torch.Tensor:
-    """MP4 bytes → ``(F, 3, H, W)`` uint8, each frame counted against ``budget`` before the next is decoded."""
+    """MP4 bytes → ``(F, 3, H, W)`` uint8. The frame size the stream declares is counted against ``budget``
+    before any frame is read (a small file can declare frames of billions of pixels), and each further
+    frame before it is kept."""
     import imageio.v3 as iio
     import numpy as np
 
     frames = []
     try:
-        for frame in iio.imiter(raw, extension=".mp4"):
-            budget.take(frame.shape[1], frame.shape[0], 1, where)
-            frames.append(torch.from_numpy(np.ascontiguousarray(frame[..., :3])).permute(2, 0, 1))
+        # ffmpeg's reader: opened, it has read the stream's header and no frame yet; closed, ffmpeg is stopped
+        with iio.imopen(raw, "r", extension=".mp4") as video, video.legacy_get_reader() as reader:
+            width, height = reader.get_meta_data()["size"]
+            budget.take(width, height, 1, where)  # the first frame, before it is read
+            for frame in reader:
+                if frames:
+                    budget.take(frame.shape[1], frame.shape[0], 1, where)
+                frames.append(torch.from_numpy(np.ascontiguousarray(frame[..., :3])).permute(2, 0, 1))
     except BadRequest:
         raise
     except Exception as e:  # noqa: BLE001 - the video decoders raise many kinds for bad bytes

@@ -27,10 +27,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from flowalign.disk_space import explain_no_space
     from flowalign.io import atomic_dir, check_out_dir
-    from pipelines.tiny import save_tiny
+    from pipelines.tiny import build_tiny, pipeline_bytes, save_tiny
 
     check_out_dir(args.out, writer=WRITER, overwrite=args.overwrite)  # before the model is built
-    with atomic_dir(args.out, writer=WRITER, overwrite=args.overwrite) as tmp:
-        save_tiny(args.family, tmp, seed=args.seed)
+    pipe = build_tiny(args.family, seed=args.seed)
+    # the writers' own "no space" errors (safetensors' among them) become one line; atomic_dir removes its
+    # temporary folder on the way out, so a full disk leaves the --out folder as it was
+    with explain_no_space(Path(args.out), pipeline_bytes(pipe), f"the tiny {args.family} model"), \
+            atomic_dir(args.out, writer=WRITER, overwrite=args.overwrite) as tmp:
+        save_tiny(args.family, tmp, seed=args.seed, pipe=pipe)
     print(f"wrote tiny {args.family} model to {args.out}")

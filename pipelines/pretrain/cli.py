@@ -37,7 +37,8 @@ def add_common_arguments(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--export", default=d["export"], help="final diffusers folder")
     p.add_argument("--overwrite", action="store_true",
                    help="export into a folder that holds files no export wrote (e.g. to regenerate a shipped model in "
-                        "assets/); only the model's files are replaced, a model card is kept")
+                        "assets/), or work in an --out folder of other files; only the model's (the work's) files "
+                        "are replaced, a model card is kept")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoints in --out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=d["threads"])
@@ -92,6 +93,9 @@ def check(args: argparse.Namespace) -> None:
             continue  # a pretrained VAE is kept as it is: no VAE stage
         if not getattr(args, f"{stage}_steps") and not getattr(args, f"{stage}_minutes") and not args.eval_only:
             raise UserError(f"--{stage}-minutes / --{stage}-steps: the {stage} stage needs a budget")
+    from pipelines.pretrain.work_folder import check_work_folder
+
+    check_work_folder(Path(args.out), args.overwrite)
     if not args.eval_only:
         from pipelines.pretrain.export import check_export_folder
 

@@ -25,6 +25,7 @@ from pipelines.pretrain import kontext, sd3, wan
 from pipelines.pretrain.autoencoder import encode_latents, finetune_decoder, train_vae
 from pipelines.pretrain.data import cached, parse_mix, render_benchmark, synthetic_scenes, vocabulary
 from pipelines.pretrain.dit import flow_matching_loss, train_dit
+from pipelines.pretrain.work_folder import claim_work_folder
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -34,7 +35,7 @@ FAMILIES = {"sd3": sd3, "wan": wan, "kontext": kontext}
 def setup(args: argparse.Namespace, out: Path) -> None:
     """Threads, seeds and the log (``OUT/train.log`` and stderr)."""
     torch.set_num_threads(args.threads)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_work_folder(out)  # checked by the command's argument check
     for h in list(log.handlers):
         log.removeHandler(h)
         h.close()

@@ -52,12 +52,13 @@ def test_missing_config_file(tmp_path):
 
 def test_output_folder_of_another_run_is_refused(tmp_path):
     cfg = load_config(None, ["run.seed=1"])
-    prepare_run_dir(tmp_path, "run:\n  seed: 1\n", "auto")
-    prepare_run_dir(tmp_path, "run:\n  seed: 1\ntrainer:\n  max_steps: 9\n", "auto")  # resumable change
+    saved = lambda seed, steps=8: f"run:\n  seed: {seed}\nmodel:\n  path: m\ntrainer:\n  max_steps: {steps}\n"
+    prepare_run_dir(tmp_path, saved(1), "auto")
+    prepare_run_dir(tmp_path, saved(1, steps=9), "auto")  # resumable change
     with pytest.raises(UserError, match="holds another run's config \\(differs in run.seed"):
-        prepare_run_dir(tmp_path, "run:\n  seed: 2\n", "auto")
+        prepare_run_dir(tmp_path, saved(2), "auto")
     with pytest.raises(UserError, match="already holds a run"):
-        prepare_run_dir(tmp_path, "run:\n  seed: 1\n", "never")
+        prepare_run_dir(tmp_path, saved(1), "never")
     assert "seed: 1" in (tmp_path / "config.yaml").read_text()  # nothing overwritten
     assert cfg.run.seed == 1
 

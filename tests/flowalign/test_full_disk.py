@@ -51,3 +51,16 @@ def test_train_reward_on_a_full_disk_names_its_folder(small_disk, tiny_sd3_dir, 
     line = _error(err)
     assert f"no space left on the device of {disk / 'reward.partial'}" in line and "it needs about" in line
     assert sorted(p.name for p in disk.iterdir()) == []  # the temporary folder went
+
+
+def test_tiny_on_a_full_disk_names_its_folder_and_leaves_it_as_it_was(small_disk, capsys):
+    disk = small_disk(100)  # the tiny SD3 folder (~1 MB of safetensors) does not fit
+    (disk / "m").mkdir()
+    (disk / "m" / "notes.txt").write_text("a user's file")
+    code = main(["tiny", "sd3", "--out", str(disk / "m"), "--overwrite"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = _error(err)
+    assert f"no space left on the device of {disk / 'm'} (writing the tiny sd3 model)" in line
+    assert "it needs about" in line and "MB free" in line
+    assert sorted(str(p.relative_to(disk)) for p in disk.rglob("*")) == ["m", "m/notes.txt"]  # no temporary left

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowalign.cli.main import main
+from flowalign.paths import default_model_dir
 from pipelines.pretrain import run as pretrain_run
 from pipelines.pretrain import sd3
 from pipelines.pretrain.autoencoder import finetune_decoder
@@ -250,3 +251,17 @@ def test_an_export_folder_with_files_no_export_wrote_is_refused_before_training(
     assert "--export" in err and "--overwrite" in err and "Traceback" not in err
     assert not (tmp_path / "work").exists()  # refused before any stage ran
     assert (model / "model_index.json").read_text() == "{}"
+
+
+def test_a_work_folder_of_a_users_files_is_refused_before_training(tmp_path, capsys):
+    """``--out`` is where stages checkpoint into ``vae/``, ``dit/``, ``decoder/`` and move stale ones aside:
+    a folder pretraining never worked in (a model folder given by mistake, a user's notes) is refused first,
+    and nothing is written there."""
+    model = shutil.copytree(default_model_dir(), tmp_path / "model")  # --out and --export mixed up
+    before = sorted(str(p.relative_to(model)) for p in model.rglob("*"))
+    assert main(run_argv(model, tmp_path / "export")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {model}" in err and "--overwrite" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(str(p.relative_to(model)) for p in model.rglob("*")) == before
+    assert not (tmp_path / "export").exists()

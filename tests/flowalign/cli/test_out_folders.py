@@ -176,3 +176,24 @@ def test_gallery_of_a_run_keeps_user_files_in_its_gallery_folder(tmp_path, capsy
     assert run(["gallery", "--run", run_dir], capsys)[0] == 2  # media/ is still the user's folder
     assert run(["gallery", "--run", run_dir, "--overwrite"], capsys)[0] == 0
     assert (run_dir / "gallery" / "media" / "photo.jpg").read_text() == "holiday"
+
+
+@pytest.mark.parametrize("text", ["hello: world\n", "just some notes\n", "a: [\n", "trainer:\n  name: flow_grpo\n"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_train_refuses_a_config_yaml_no_run_wrote(tmp_path, capsys, tiny_sd3_dir, text, overwrite):
+    """A user's own config.yaml (notes, broken YAML, a partial config) does not make a folder a run's:
+    one line naming the file, and the folder stays exactly as it was (no marker, no lock)."""
+    from tests.flowalign.trainers.conftest import small_run
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    run_dir = tmp_path / "project"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(text)
+    (run_dir / "photo.jpg").write_text("holiday")
+    argv = ["train", "/dev/null", *small_run(run_dir, tiny_sd3_dir, prompts, "trainer.max_steps=1")]
+    code, _, err = run([*argv, *(["--overwrite"] if overwrite else [])], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"run.output_dir {run_dir}" in err and "config.yaml" in err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "photo.jpg"]
+    assert (run_dir / "config.yaml").read_text() == text
