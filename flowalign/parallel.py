@@ -56,6 +56,26 @@ def block_modules(module: nn.Module) -> list[nn.Module]:
     return [block for blocks in lists for block in blocks]
 
 
+def stream_blocks(module: nn.Module, device: torch.device) -> None:
+    """``module`` (in CPU memory) runs on ``device`` holding one block there at a time: everything but its
+    blocks moves to ``device``; each block moves there just before its forward and back just after."""
+    blocks = block_modules(module)
+    in_blocks = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
+    for t in (*module.parameters(), *module.buffers()):
+        if id(t) not in in_blocks:
+            t.data = t.data.to(device)
+
+    def load(block: nn.Module, args: Any) -> None:
+        block.to(device)
+
+    def unload(block: nn.Module, args: Any, out: Any) -> None:
+        block.to("cpu")
+
+    for block in blocks:
+        block.register_forward_pre_hook(load)
+        block.register_forward_hook(unload)
+
+
 def is_dtensor(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -80,6 +100,12 @@ class Parallel:
     # ------------------------------------------------------------------ what the strategies define
     def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
         """Lay ``module`` out over the ranks (in place; returns ``module``)."""
+        raise NotImplementedError
+
+    def place_frozen(self, module: nn.Module, device: torch.device, offload: bool) -> nn.Module:
+        """Lay out a frozen copy of the trained modules (full fine-tuning's reference) as the policy is laid
+        out: ``module`` is on the policy's ``device``, or in CPU memory when ``offload`` (then kept there
+        between its forwards). In place; returns ``module``."""
         raise NotImplementedError
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
@@ -197,6 +223,12 @@ class DDP(Parallel):
     def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
         return module
 
+    def place_frozen(self, module: nn.Module, device: torch.device, offload: bool) -> nn.Module:
+        """Each rank holds the whole copy; offloaded, its blocks visit ``device`` one at a time."""
+        if offload:
+            stream_blocks(module, device)
+        return module
+
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         if self.world < 2:
             return
@@ -257,6 +289,11 @@ class FSDP(Parallel):
             fully_shard(block, **kw)
         fully_shard(module, **kw)
         return module
+
+    def place_frozen(self, module: nn.Module, device: torch.device, offload: bool) -> nn.Module:
+        """Sharded like the policy (``1/N`` per rank, gathered block by block); offloaded, the shards stay in
+        CPU memory (FSDP2's CPU offload)."""
+        return self.shard(module, offload=offload)
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         pass  # FSDP reduce-scatters (averages) each block's gradients during backward

@@ -241,6 +241,24 @@ def pack_2x2(z: torch.Tensor) -> torch.Tensor:
     return z.reshape(b, (h // 2) * (w // 2), c * 4)
 
 
+# Copied from diffusers.pipelines.flux.pipeline_flux.FluxPipeline._prepare_latent_image_ids
+def latent_image_ids(height: int, width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """Position ids ``(height·width, 3)`` of a ``height × width`` token grid: ``(0, row, column)`` per token,
+    row-major, as FLUX.1's pipelines give the transformer (``img_ids``). A copy of diffusers' private static
+    method, so that no family calls a private name; a test keeps the two identical."""
+    latent_image_ids = torch.zeros(height, width, 3)
+    latent_image_ids[..., 1] = latent_image_ids[..., 1] + torch.arange(height)[:, None]
+    latent_image_ids[..., 2] = latent_image_ids[..., 2] + torch.arange(width)[None, :]
+
+    latent_image_id_height, latent_image_id_width, latent_image_id_channels = latent_image_ids.shape
+
+    latent_image_ids = latent_image_ids.reshape(
+        latent_image_id_height * latent_image_id_width, latent_image_id_channels
+    )
+
+    return latent_image_ids.to(device=device, dtype=dtype)
+
+
 def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """The inverse of :func:`pack_2x2`: tokens ``(B, (h/2)·(w/2), 4·C)`` → latents ``(B, C, h, w)``."""
     b, _, channels = tokens.shape

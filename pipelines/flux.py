@@ -29,7 +29,7 @@ from pipelines import lora as lora_utils
 from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PolicyOptions, PromptCache, batch_size
 from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, gaussian_noise, load_frozen_pipeline
 from pipelines._common import make_trainable, own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults
-from pipelines._common import stack_rows, text_encoders, unpack_2x2, vae_unscale, zeros_factory
+from pipelines._common import latent_image_ids, stack_rows, text_encoders, unpack_2x2, vae_unscale, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the attention projections of the double-stream blocks (image
 #: to_* and text add_* / to_add_out) and of the single-stream blocks (to_q/k/v), as diffusers' FLUX recipe.
@@ -125,7 +125,7 @@ class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
             guidance_vec = None
         embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
         h, w = self.latent_hw
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        img_ids = latent_image_ids(h // 2, w // 2, self.device, self.dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
         out = self.transformer(
             hidden_states=x.to(self.device, self.dtype),

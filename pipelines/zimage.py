@@ -136,6 +136,7 @@ class ZImagePolicy(lora_utils.AdapterMethods):
         self.scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(n), device="cpu", mu=mu)
         return self.scheduler.sigmas.to(torch.float32).clone()
 
+    # Copied from pipelines.sd3.SD3Policy.decode
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
         return decode_in_chunks(self.vae, x0, self.options.decode_batch_size,

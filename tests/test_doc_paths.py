@@ -42,6 +42,14 @@ def test_the_family_lists_name_every_registered_family(doc):
     assert [f for f in families.names() if f"`{f}`" not in text] == []
 
 
+def test_the_model_family_meaning_names_every_registered_family():
+    """The configuration reference's ``model.family`` row (generated from flowalign/config.py's comment)."""
+    lines = (REPO / "docs/guide/configuration.md").read_text().splitlines()
+    (row,) = [line for line in lines if line.startswith("| `family` |")]
+    listed = set(re.findall(r"\w+", row))
+    assert [f for f in families.names() if f not in listed] == []
+
+
 def test_the_bench_option_lists_every_registered_benchmark():
     """The evaluation guide's benchmark table has a row for each (the option's help is generated)."""
     lines = (REPO / "docs/guide/evaluation.md").read_text().splitlines()

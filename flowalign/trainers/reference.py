@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from flowalign.errors import UserError
-from flowalign.parallel import Parallel, block_modules
+from flowalign.parallel import Parallel
 
 
 def keep_reference(policy: Any, parallel: Parallel, offload: bool) -> nn.Module:
@@ -27,28 +27,5 @@ def keep_reference(policy: Any, parallel: Parallel, offload: bool) -> nn.Module:
                         "drop the reference term (trainer.beta=0 for flow_grpo, trainer.anchor=0 for rg_opd)")
     device = torch.device(policy.device)
     copy = policy.keep_reference(torch.device("cpu") if offload else device)
-    if parallel.sharded:
-        parallel.shard(copy, offload=offload)
-    elif offload:
-        stream_blocks(copy, device)
-    return copy
+    return parallel.place_frozen(copy, device, offload)
 
-
-def stream_blocks(module: nn.Module, device: torch.device) -> None:
-    """``module`` (in CPU memory) runs on ``device`` holding one block there at a time: everything but its
-    blocks moves to ``device``; each block moves there just before its forward and back just after."""
-    blocks = block_modules(module)
-    in_blocks = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
-    for t in (*module.parameters(), *module.buffers()):
-        if id(t) not in in_blocks:
-            t.data = t.data.to(device)
-
-    def load(block: nn.Module, args: Any) -> None:
-        block.to(device)
-
-    def unload(block: nn.Module, args: Any, out: Any) -> None:
-        block.to("cpu")
-
-    for block in blocks:
-        block.register_forward_pre_hook(load)
-        block.register_forward_hook(unload)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from flowalign.errors import UserError
+from pipelines._common import latent_image_ids, pack_2x2
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -207,34 +208,24 @@ def conditioning(pipe, args: argparse.Namespace, max_seq: int):
     return encode
 
 
-def pack(z: torch.Tensor) -> torch.Tensor:
-    """Latents ``(B, C, h, w)`` → tokens ``(B, (h/2)·(w/2), 4·C)`` (FLUX's 2×2 packing)."""
-    from diffusers import FluxKontextPipeline
-
-    b, c, h, w = z.shape
-    return FluxKontextPipeline._pack_latents(z, b, c, h, w)
-
-
 def flow_loss(transformer: torch.nn.Module, pair: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
     """Rectified-flow loss of the target latents of ``pair (B, 2, C, h, w)`` (source, target), with the
     source as context tokens (see the module docstring); σ logit-normal(0, 1)."""
-    from diffusers import FluxKontextPipeline
-
     source, target = pair[:, 0], pair[:, 1]
     b, _, h, w = target.shape
     sigma = torch.sigmoid(torch.randn(b))
     eps = torch.randn(target.shape)
     s = sigma.view(-1, 1, 1, 1)
-    noisy = pack((1 - s) * target + s * eps)
-    ids = FluxKontextPipeline._prepare_latent_image_ids(b, h // 2, w // 2, torch.device("cpu"), torch.float32)
+    noisy = pack_2x2((1 - s) * target + s * eps)
+    ids = latent_image_ids(h // 2, w // 2, "cpu", torch.float32)
     context_ids = ids.clone()
     context_ids[..., 0] = 1  # the context image's first position axis, as the pipeline marks it
     embeds = cond["encoder_hidden_states"]
-    out = transformer(hidden_states=torch.cat([noisy, pack(source)], dim=1), timestep=sigma, guidance=None,
+    out = transformer(hidden_states=torch.cat([noisy, pack_2x2(source)], dim=1), timestep=sigma, guidance=None,
                       pooled_projections=cond["pooled_projections"], encoder_hidden_states=embeds,
                       txt_ids=torch.zeros(embeds.shape[1], 3), img_ids=torch.cat([ids, context_ids]),
                       return_dict=False)[0]
-    return F.mse_loss(out[:, : noisy.shape[1]].float(), pack(eps - target).float())
+    return F.mse_loss(out[:, : noisy.shape[1]].float(), pack_2x2(eps - target).float())
 
 
 # ------------------------------------------------------------------ export

@@ -37,6 +37,23 @@ BLOCK_INPUTS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
+# Copied from diffusers.pipelines.flux.pipeline_flux.FluxPipeline._prepare_latent_image_ids
+def latent_image_ids(height: int, width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """Position ids ``(height·width, 3)`` of the token grid, ``(0, row, column)`` per token, as FLUX.1's
+    pipeline gives the transformer (a copy of diffusers' private static method; a test keeps it identical)."""
+    latent_image_ids = torch.zeros(height, width, 3)
+    latent_image_ids[..., 1] = latent_image_ids[..., 1] + torch.arange(height)[:, None]
+    latent_image_ids[..., 2] = latent_image_ids[..., 2] + torch.arange(width)[None, :]
+
+    latent_image_id_height, latent_image_id_width, latent_image_id_channels = latent_image_ids.shape
+
+    latent_image_ids = latent_image_ids.reshape(
+        latent_image_id_height * latent_image_id_width, latent_image_id_channels
+    )
+
+    return latent_image_ids.to(device=device, dtype=dtype)
+
+
 def _tokens(attn: nn.Module, t: torch.Tensor) -> torch.Tensor:
     """``(B, N, H·d)`` → ``(B, N, H, d)`` (FLUX's processor layout)."""
     return t.unflatten(-1, (-1, attn.head_dim))
@@ -132,8 +149,6 @@ class FluxRegisters(RegisterFamily):
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The frozen DiT's plain forward on packed ``x (B, seq, 4C)``; ``sigma (B,)``."""
-        from diffusers import FluxPipeline
-
         if any(k not in cond.tensors for k in COND_KEYS):
             raise UserError("latent registers on FLUX need FLUX conditioning (prompt_embeds, pooled_prompt_embeds): "
                             "encode the prompts with a FLUX policy")
@@ -147,5 +162,5 @@ class FluxRegisters(RegisterFamily):
         # FLUX's transformer multiplies the timestep by 1000 itself
         return tr(hidden_states=x.to(device, dtype), timestep=sigma, guidance=guidance,
                   pooled_projections=cond.tensors["pooled_prompt_embeds"].to(device, dtype),
-                  encoder_hidden_states=embeds, img_ids=FluxPipeline._prepare_latent_image_ids(b, h2, w2, device, dtype),
+                  encoder_hidden_states=embeds, img_ids=latent_image_ids(h2, w2, device, dtype),
                   txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype), return_dict=False)[0].float()

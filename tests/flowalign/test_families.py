@@ -66,6 +66,20 @@ def test_plan_sizes_every_recipe(recipe, tmp_path, capsys):
     assert "memory per rank" in out.out and "  transformer " in out.out
 
 
+#: published architectures that no recipe folder is named after (FLUX.2-dev, Z-Image, Qwen-Image-Edit):
+#: planned with the tiny recipe, as `flowalign plan CONFIG model.path=assets/architectures/NAME` documents
+UNRECIPED = sorted(a.name for a in ARCH.iterdir() if a.is_dir() and not (REPO_ROOT / "configs" / a.name).is_dir())
+
+
+@pytest.mark.parametrize("arch", UNRECIPED)
+def test_plan_sizes_every_architecture_without_a_recipe(arch, capsys):
+    code = main(["plan", str(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml"), f"model.path={ARCH / arch}",
+                 "trainer.batch_size=1", "--gpus", "8", "--gpu-memory", "141"])
+    out = capsys.readouterr()
+    assert code == 0 and "Traceback" not in out.err, out.err[-2000:]
+    assert f"({families.detect(ARCH / arch).name})" in out.out.splitlines()[0] and "memory per rank" in out.out
+
+
 @pytest.mark.parametrize("tiny", list(twins()))
 def test_plan_sizes_every_tiny_model(tiny, tiny_model_dir, capsys):
     folder = tiny_model_dir(tiny)

@@ -43,6 +43,39 @@ def test_the_strategy_object_follows_parallel_strategy_and_ddp_needs_no_collecti
     assert ddp.checksum([w]).item() == 3.0
 
 
+class _Blocks(torch.nn.Module):
+    """A stem and two blocks (found through ``BLOCK_LISTS``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Linear(2, 2)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_ddp_keeps_a_frozen_copy_whole_and_offloaded_streams_its_blocks_one_at_a_time():
+    """On CPU the device moves cannot be seen; what can: an offloaded copy's blocks (and only its blocks)
+    get the load/unload hooks around their own forward, a kept one none, and both compute the same."""
+    ddp = strategy(ParallelSection(strategy="ddp"), world=1, rank=0, device="cpu")
+    torch.manual_seed(0)
+    kept = _Blocks()
+    offloaded = _Blocks()
+    offloaded.load_state_dict(kept.state_dict())
+    assert ddp.place_frozen(kept, torch.device("cpu"), offload=False) is kept
+    assert ddp.place_frozen(offloaded, torch.device("cpu"), offload=True) is offloaded
+    hooks = lambda m: (len(m._forward_pre_hooks), len(m._forward_hooks))  # noqa: E731
+    assert all(hooks(m) == (0, 0) for m in kept.modules())
+    assert [hooks(m) for m in offloaded.blocks] == [(1, 1), (1, 1)]
+    assert hooks(offloaded) == hooks(offloaded.stem) == (0, 0)  # the stem stays on the device
+    x = torch.randn(3, 2)
+    assert torch.equal(offloaded(x), kept(x))
+
+
 @pytest.mark.parametrize("family,lists", [("sd3", ["transformer_blocks"]),
                                           ("flux", ["transformer_blocks", "single_transformer_blocks"]),
                                           ("wan", ["blocks"])])
@@ -92,6 +125,13 @@ def _count_shards(rank: int, world: int, port: int, model_dir: str, out: str) ->
         result[mode] = {"full": full, "local": local, "state": state,
                         "all_transformer": sum(p.to_local().numel() for p in policy.trainable.parameters())}
         result[mode]["transformer_total"] = sum(p.numel() for p in policy.trainable.parameters())
+    # full fine-tuning's frozen reference copy is laid out as the policy is: 1/N of it per rank
+    policy = pipelines.load(model_dir, full_finetune=True)
+    copy = policy.keep_reference(torch.device("cpu"))
+    parallel = strategy(ParallelSection(strategy="fsdp"), world, rank, torch.device("cpu"))
+    assert parallel.place_frozen(copy, torch.device("cpu"), offload=False) is copy
+    result["reference"] = {"local": sum(p.to_local().numel() for p in copy.parameters()),
+                           "total": sum(p.numel() for p in copy.parameters())}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -110,6 +150,9 @@ def test_each_of_two_ranks_holds_about_half_of_the_weights_and_optimiser_state(t
         frozen_too = [r[mode]["all_transformer"] for r in ranks]  # under LoRA the frozen base is sharded as well
         assert sum(frozen_too) == ranks[0][mode]["transformer_total"]
         assert all(n <= 0.6 * ranks[0][mode]["transformer_total"] for n in frozen_too)
+    reference = [r["reference"]["local"] for r in ranks]
+    assert sum(reference) == ranks[0]["reference"]["total"] == ranks[0]["full"]["full"]
+    assert all(0.4 * ranks[0]["reference"]["total"] <= n <= 0.6 * ranks[0]["reference"]["total"] for n in reference)
 
 
 def _options_step(rank: int, world: int, port: int, model_dir: str, out: str) -> None:

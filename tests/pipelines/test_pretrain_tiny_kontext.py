@@ -17,6 +17,7 @@ import pipelines
 from flowalign.cli.main import main
 from flowalign.paths import assets_dir
 from flowalign.protocols import Conditioning
+from pipelines._common import pack_2x2
 from pipelines.pretrain import kontext
 from pipelines.pretrain.stage import losses
 
@@ -99,11 +100,11 @@ def test_the_training_loss_feeds_the_transformer_as_the_policy_samples(run):
     s = sigma.view(-1, 1, 1, 1)
     source, target = pair[:, 0], pair[:, 1]
     cond = Conditioning({"prompt_embeds": text["encoder_hidden_states"],
-                         "pooled_prompt_embeds": text["pooled_projections"], "image_latents": kontext.pack(source)},
+                         "pooled_prompt_embeds": text["pooled_projections"], "image_latents": pack_2x2(source)},
                         prompts)
     with torch.no_grad():
-        v = policy.velocity(kontext.pack((1 - s) * target + s * eps), sigma, cond, 1.0)
-    torch.testing.assert_close(loss, torch.nn.functional.mse_loss(v, kontext.pack(eps - target)))
+        v = policy.velocity(pack_2x2((1 - s) * target + s * eps), sigma, cond, 1.0)
+    torch.testing.assert_close(loss, torch.nn.functional.mse_loss(v, pack_2x2(eps - target)))
     # the source really is context: another source changes the loss
     torch.manual_seed(3)
     with torch.no_grad():

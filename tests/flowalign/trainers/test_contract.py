@@ -150,16 +150,71 @@ ONE_STEP = {
 }
 
 
+def state_of(obj, depth: int = 0):
+    """What ``obj`` holds, copied so that a later change shows: tensors cloned; dataclasses, mappings,
+    sequences and plain objects walked (modules and functions are not data: left out)."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.detach().clone())
+    if depth > 8 or isinstance(obj, torch.nn.Module) or callable(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: state_of(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [state_of(v, depth + 1) for v in obj]
+    if isinstance(obj, (int, float, str, bool, type(None))):
+        return obj
+    if hasattr(obj, "__dict__"):
+        return {k: state_of(v, depth + 1) for k, v in vars(obj).items()}
+    return obj
+
+
+def same_state(a, b) -> bool:
+    if isinstance(a, tuple) and a[:1] == ("tensor",):
+        return isinstance(b, tuple) and a[1].shape == b[1].shape and a[1].dtype == b[1].dtype and bool(
+            ((a[1] == b[1]) | (a[1].isnan() & b[1].isnan()) if a[1].is_floating_point() else a[1] == b[1]).all())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a:
+        return b != b  # NaN equals itself here
+    return a is b or (type(a) is type(b) and isinstance(a, (int, float, str, bool, type(None))) and a == b)
+
+
+def test_the_state_check_sees_a_changed_field():
+    batch = ToyBatch(torch.zeros(2), 0.5, torch.ones(2), None, {"a": 1.0})
+    before = state_of(batch)
+    assert same_state(before, state_of(batch))
+    batch.target[0] = 3.0
+    assert not same_state(before, state_of(batch))
+    batch.target[0], batch.logs["b"] = 1.0, 2.0
+    assert not same_state(before, state_of(batch))
+    unscored = state_of(torch.full((2,), float("nan")))  # a NaN that stays is no change
+    assert same_state(unscored, state_of(torch.full((2,), float("nan"))))
+    assert not same_state(unscored, state_of(torch.tensor([float("nan"), 0.0])))
+
+
 @pytest.mark.parametrize("name", sorted(TRAINERS))
 def test_every_trainer_logs_reward_total_over_all_ranks_or_not_at_all(name, tmp_path, tiny_sd3_dir, prompt_file,
                                                                       lrr_dir):
     """``reward/total`` comes from the loop's :meth:`GroupTrainer.reward_logs` (every rank's valid samples),
     in the same step's log line as the per-reward means it weighs; a trainer without rewards logs none
-    (no placeholder). Collectives go through the loop's hooks: no trainer file makes its own."""
+    (no placeholder). Collectives go through the loop's hooks: no trainer file makes its own. ``loss()``
+    changes neither its batch nor its unit."""
     assert set(ONE_STEP) == set(TRAINERS)  # a new built-in trainer gets a line here
     extra = ONE_STEP[name] + ((f"trainer.latent_reward={lrr_dir}",) if name == "rg_opd" else ())
     t = build_trainer(small_config(tmp_path / name, tiny_sd3_dir, prompt_file, f"trainer.name={name}", *extra))
+    own_loss, calls = t.loss, []
+
+    def loss_that_must_not_mutate(batch, unit):
+        before = state_of((batch, unit))
+        out = own_loss(batch, unit)
+        calls.append(same_state(before, state_of((batch, unit))))
+        return out
+
+    t.loss = loss_that_must_not_mutate
     logs = t.train_step()
+    assert calls and all(calls), f"{name}: loss() changed its batch or unit; do that work once in plan()"
     if t.cfg.rewards:  # one reward of weight 1: the total is its mean
         (mean,) = [k for k in logs if k.startswith("reward/") and "invalid" not in k and k != "reward/total"]
         assert logs["reward/total"] == pytest.approx(logs[mean], abs=1e-6)
