@@ -43,9 +43,10 @@ def reward_metrics(name: str, values: torch.Tensor, ok: torch.Tensor) -> dict[st
 
 
 def tag_accuracy(values: torch.Tensor, ok: torch.Tensor, metadata: list[dict[str, Any]]) -> dict[str, float]:
-    """``accuracy/<tag>``: the mean score of each metadata ``tag``'s prompts (an invalid sample counts as
-    failed, as GenEval counts an unreadable image), and ``accuracy/overall``, the mean over tags (GenEval's
-    overall score). Empty unless every prompt has a string ``tag``."""
+    """``accuracy/<tag>``: the mean of ``values`` ``(N,)`` over each metadata ``tag``'s prompts (an invalid
+    sample counts as failed, as GenEval counts an unreadable image), and ``accuracy/overall``, the mean over
+    tags (GenEval's overall score). Empty unless every prompt has a string ``tag``. Give a reward's verdicts
+    (``RewardScores.passed``) where it has them: a partial score's mean is not an accuracy."""
     tags = [m.get("tag") if isinstance(m, dict) else None for m in metadata]
     if not tags or not all(isinstance(t, str) for t in tags):
         return {}
@@ -61,15 +62,20 @@ def score_panel(panel: Any, samples: torch.Tensor, prompts: list[str],
                 metadata: list[dict[str, Any]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Score ``samples`` with every reward of ``panel`` (a reward's failure masks its samples, see
     :meth:`RewardSet.score`). Returns the metrics of each reward (:func:`reward_metrics`) and, per sample,
-    ``{"scores": {name: value or None}}`` and, for a sample some reward found invalid, ``panel_reason``."""
+    ``{"scores": {name: value or None}}``, ``{"passed": {name: verdict}}`` for the rewards that give verdicts
+    (``<name>/accuracy`` in the metrics) and, for a sample some reward found invalid, ``panel_reason``."""
     scored = panel.score(samples, prompts, metadata)
     metrics: dict[str, float] = {}
     for m, name in enumerate(scored.names):
         metrics.update(reward_metrics(name, scored.values[:, m], scored.ok[:, m]))
+        if name in scored.passed:
+            metrics[f"{name}/accuracy"] = scored.passed[name].float().mean().item()
     rows = []
     for i in range(len(prompts)):
         row: dict[str, Any] = {"scores": {name: float(scored.values[i, m]) if scored.ok[i, m] else None
                                           for m, name in enumerate(scored.names)}}
+        if scored.passed:
+            row["passed"] = {name: bool(verdicts[i]) for name, verdicts in scored.passed.items()}
         if not scored.valid[i] and scored.reasons:
             row["panel_reason"] = scored.reasons[i]  # "<reward>: <why>", the first invalid reward's
         rows.append(row)

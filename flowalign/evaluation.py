@@ -48,7 +48,8 @@ def sample_seeded(
 def summarise(rewards_out: Any, n: int, metadata: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``mean_score``, ``valid_fraction`` and, when the reward reports verdicts, ``accuracy`` (all
     constraints passed) and ``per_constraint`` accuracy; with ``metadata`` whose prompts carry a ``tag``,
-    ``accuracy/<tag>`` (:func:`flowalign.eval_panel.tag_accuracy`)."""
+    ``accuracy/<tag>`` (:func:`flowalign.eval_panel.tag_accuracy`): of the verdicts where the reward gives
+    them, else of its scores."""
     valid = rewards_out.valid
     total = rewards_out.total
     metrics: dict[str, Any] = {
@@ -65,7 +66,9 @@ def summarise(rewards_out: Any, n: int, metadata: list[dict[str, Any]] | None = 
                 per[ctype].append(bool(passed))
         metrics["per_constraint"] = {k: sum(v) / len(v) for k, v in sorted(per.items())}
     if metadata is not None:
-        metrics.update(tag_accuracy(total.detach().float().cpu(), valid.cpu().bool(), metadata))
+        verdicts = [bool(i["all_passed"]) for i in infos] if "accuracy" in metrics else None
+        values = total.detach().float().cpu() if verdicts is None else torch.tensor(verdicts, dtype=torch.float32)
+        metrics.update(tag_accuracy(values, valid.cpu().bool(), metadata))
     return metrics
 
 
@@ -111,15 +114,22 @@ def evaluate(
         panel_metrics, panel_rows = score_panel(panel, samples, prompts, metadata)
         metrics.update(panel_metrics)
         first = panel.names[0]
+        judged = reward is None and first in panel_rows[0].get("passed", {})  # the first reward gives verdicts
         for row, extra in zip(rows, panel_rows):
-            if reward is None:  # the first reward of the panel is the evaluation's score
+            if reward is None:  # the first reward of the panel is the evaluation's score (and verdict)
                 row.update({"valid": extra["scores"][first] is not None, "score": extra["scores"][first]})
+                if judged:
+                    row["all_passed"] = extra["passed"][first]
             row.update(extra)
         if reward is None:
             metrics.setdefault("reward", first)
             metrics.setdefault("n", len(prompts))
             values = torch.tensor([float("nan") if r["score"] is None else r["score"] for r in rows])
-            metrics.update(tag_accuracy(values.nan_to_num(0.0), ~values.isnan(), metadata))
+            ok = ~values.isnan()
+            if judged:  # e.g. GenEval trained on its partial score: its accuracy is still the strict verdict's
+                values = torch.tensor([float(r["all_passed"]) for r in rows])
+                metrics["accuracy"] = values.mean().item()
+            metrics.update(tag_accuracy(values.nan_to_num(0.0), ok, metadata))
     if out_dir is not None:
         with atomic_dir(out_dir, writer="evaluate", overwrite=overwrite) as out:
             if save_samples:

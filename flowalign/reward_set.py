@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +47,9 @@ class RewardScores:
     weights: torch.Tensor
     names: list[str]
     reasons: list[str] | None = None
+    #: reward name → ``(N,)`` bool verdicts, for each reward whose ``info`` gives every sample ``all_passed``
+    #: (a benchmark's pass/fail, e.g. GenEval's strict verdict beside a partial score); False where invalid
+    passed: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def commonest_reason(self) -> tuple[str, int] | None:
         """The reason most invalid samples share, and how many share it (None when all are valid)."""
@@ -78,9 +81,13 @@ class RewardScores:
     @staticmethod
     def cat(parts: list["RewardScores"]) -> "RewardScores":
         """Scores of consecutive batches as one."""
+        # a batch whose reward failed has no verdicts: its samples are invalid, so they count as failed
+        verdicts = dict.fromkeys(name for p in parts for name in p.passed)
+        passed = {name: torch.cat([p.passed.get(name, torch.zeros(len(p), dtype=torch.bool)) for p in parts])
+                  for name in verdicts}
         return RewardScores(torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
                             parts[0].weights, parts[0].names,
-                            [r for p in parts for r in (p.reasons or [""] * len(p))])
+                            [r for p in parts for r in (p.reasons or [""] * len(p))], passed)
 
 
 class RewardSet:
@@ -119,12 +126,15 @@ class RewardSet:
         returns the wrong kind of output (``UserError``)."""
         n = len(prompts)
         columns, oks, reasons = [], [], [""] * n
+        passed: dict[str, torch.Tensor] = {}
         for name, _, reward in self.entries:
             try:
                 out: RewardOutput = check_reward_output(name, reward(samples, prompts, metadata), n)
                 value = out.total.float().cpu()
                 ok = out.valid.cpu().bool() & torch.isfinite(value)
                 why = [_reason(out, i, value) for i in range(n)]
+                if _has_verdicts(out, n):
+                    passed[name] = torch.tensor([bool(info["all_passed"]) for info in out.info]) & ok
             except (UserError, KeyboardInterrupt):  # a reward that returns the wrong thing fails every batch: say so once
                 raise
             except BaseException as e:  # raised, timed out, even SystemExit: the batch's samples, not the run
@@ -138,7 +148,7 @@ class RewardSet:
             oks.append(ok)
         values = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
         ok = torch.stack(oks, dim=1) if oks else torch.ones(n, 0, dtype=torch.bool)
-        return RewardScores(values, ok, self.weights, self.names, reasons)
+        return RewardScores(values, ok, self.weights, self.names, reasons, passed)
 
     def weighted_total(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> torch.Tensor:
         """``(N,)`` ``Σ_m w_m·R_m`` with gradients to ``samples`` where the rewards have them; invalid
@@ -154,6 +164,11 @@ class RewardSet:
             value = out.total.to(samples.device)
             total = total + weight * torch.where(out.valid.to(samples.device), value, 0.0)
         return total
+
+
+def _has_verdicts(out: RewardOutput, n: int) -> bool:
+    """Whether ``out`` gives each of its ``n`` samples a pass/fail verdict (``info[i]["all_passed"]``)."""
+    return len(out.info) == n and all(isinstance(info, dict) and "all_passed" in info for info in out.info)
 
 
 def _reason(out: RewardOutput, i: int, value: torch.Tensor) -> str:

@@ -41,10 +41,13 @@ class PickScore(BatchedImageReward):
     - ``logit``: ``exp(logit_scale)·c_i``, about 15-25 (the PickScore paper's score);
     - ``cosine``: ``c_i`` (DanceGRPO's form).
 
+    ``scale`` (a positive number) sets the divisor of ``exp(logit_scale)·c_i`` itself: ``scale: 26`` is the
+    ``flow_grpo`` form, ``scale: 1`` the ``logit`` form; it is refused beside ``form: cosine``.
+
     A transformers ``CLIPModel``. Options: ``path`` (the downloaded ``yuvalkirstain/PickScore_v1`` folder),
     ``processor_path`` (the folder with the tokenizer and ``preprocessor_config.json`` when ``path`` lacks them:
     ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``), ``form``, ``random_init`` (the architecture of ``path``'s
-    ``config.json`` with random weights), ``batch_size``, ``device``, ``dtype``. Deprecated: ``model``
+    ``config.json`` with random weights), ``scale``, ``batch_size``, ``device``, ``dtype``. Deprecated: ``model``
     (→ ``path``), ``processor`` (→ ``processor_path``). Differentiable in the samples.
     """
 
@@ -52,11 +55,18 @@ class PickScore(BatchedImageReward):
     download = "yuvalkirstain/PickScore_v1 (the model folder)"
 
     def __init__(self, path: str | None = None, *, processor_path: str | None = None, form: str = "flow_grpo",
-                 model: str | None = None, processor: str | None = None, random_init: bool = False,
-                 **options: Any):
+                 scale: float | None = None, model: str | None = None, processor: str | None = None,
+                 random_init: bool = False, **options: Any):
         super().__init__(**options)
         if form not in PICKSCORE_FORMS:
             raise UserError(f"pickscore reward: form={form!r} is not known; use one of {', '.join(PICKSCORE_FORMS)}")
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+                raise UserError(f"pickscore reward: scale={scale!r} must be a positive number "
+                                "(26: Flow-GRPO's divisor; 1: the paper's logit)")
+            if form == "cosine":
+                raise UserError("pickscore reward: scale divides exp(logit_scale)·cos, which form: cosine does not use; "
+                                "remove scale or form")
         if model is not None:
             deprecated(self.name, "model", "path:")
             path = path or model
@@ -69,7 +79,7 @@ class PickScore(BatchedImageReward):
             option="processor_path", kind="folder")
         self.clip = HFCLIP(self.name, folder, proc, self.dtype, random_init)
         self.model = self.clip.model
-        self.divisor = PICKSCORE_FORMS[form]
+        self.divisor = PICKSCORE_FORMS[form] if scale is None else float(scale)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.model]

@@ -1,7 +1,8 @@
 """Tiny, randomly initialised weights of every model reward, in the formats their cards ship.
 
 ``TINY_BUILDERS[name](folder)`` writes into an empty ``folder`` what ``rewards.load(name, path=folder)``
-loads: the reward's real classes with tiny configs, saved as the real downloads are (``save_pretrained``
+loads (a builder that needs more options, such as a second folder or the ``ocr`` reward's ``engine``,
+returns them): the reward's real classes with tiny configs, saved as the real downloads are (``save_pretrained``
 folders, open_clip's ``open_clip_config.json`` + safetensors, the aesthetic head's state dict), so each
 reward's real loading code runs offline (tests, ``flowalign tiny-reward``, demos). A reward module adds one
 entry. Weights are drawn from a fixed seed: the same folder on every machine.
@@ -104,6 +105,8 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "hpsv3": lambda out: _builder("rewards.hpsv3:save_tiny_hpsv3")(out),
     "unified_reward": lambda out: _builder("rewards.unified_reward:save_tiny_unified_reward")(out),
     "videoalign": lambda out: _builder("rewards.videoalign:save_tiny_videoalign")(out),
+    # the model engine (GOT-OCR 2.0); tesseract and paddleocr read no transformers folder
+    "ocr": lambda out: _builder("rewards.ocr.tiny:save_tiny_got_ocr2")(out),
 }
 
 

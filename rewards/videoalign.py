@@ -158,6 +158,16 @@ class VideoAlign:
         scale = float(peft.get("lora_alpha", 1)) / float(peft.get("lora_r", 1)) if peft.get("lora_enable") else 1.0
         load_reward_state(self.model, self.head, state, lora_scale=scale, complete=False, who=self.name)
 
+    @property
+    def videos_kwargs(self) -> dict[str, bool]:
+        """The video processor's options: frames arrive sampled and resized as qwen_vl_utils does (``_video``).
+        VideoAlign gives qwen_vl_utils an explicit per-frame ``max_pixels``, which overrides its total-video
+        budget, so the processor's own budget (``cap_pixels_per_frame``, in transformers that have it) is off."""
+        kwargs = {"do_rescale": True, "do_sample_frames": False}
+        if hasattr(self.processor.video_processor, "cap_pixels_per_frame"):
+            kwargs["cap_pixels_per_frame"] = False
+        return kwargs
+
     def _video(self, clip: torch.Tensor) -> torch.Tensor:
         """One clip ``(F, 3, H, W)`` in [0, 1] → the frames VideoAlign reads, ``(n, 3, h, w)`` float in 0..255."""
         from torchvision.transforms.functional import InterpolationMode, resize
@@ -191,7 +201,7 @@ class VideoAlign:
                         for p in prompts[i : i + self.batch_size]]
             texts = [self.processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
             inputs = self.processor(text=texts, videos=videos, padding=True, return_tensors="pt",
-                                    videos_kwargs={"do_rescale": True, "do_sample_frames": False})
+                                    videos_kwargs=self.videos_kwargs)
             inputs = {k: v.to(device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
             inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(self.dtype)
             states = special_token_states(self.model, inputs, self.token_ids)  # (b, 3, D)

@@ -33,8 +33,9 @@ def run(args: argparse.Namespace) -> None:
     check_out_dir(args.out, writer=WRITER, overwrite=args.overwrite)  # before the model is built
     with atomic_dir(args.out, writer=WRITER, overwrite=args.overwrite) as tmp:
         built = TINY_BUILDERS[args.name](tmp)
-        # a builder may return the reward's options (several folders, e.g. a detector and a CLIP)
-        options = {k: Path(args.out) / Path(v).relative_to(tmp) for k, v in built.items()} \
+        # a builder may return the reward's options (several folders, e.g. a detector and a CLIP; an engine):
+        # its folders are inside tmp, which becomes --out
+        options = {k: Path(args.out) / v.relative_to(tmp) if isinstance(v, Path) else v for k, v in built.items()} \
             if isinstance(built, dict) else {"path": Path(args.out)}
     spec = ", ".join(f"{k}: {v}" for k, v in options.items())
     print(f"wrote tiny {args.name} reward weights to {args.out} (load with {{name: {args.name}, {spec}}})")

@@ -132,6 +132,15 @@ def test_pickscore_forms_match_the_hand_computed_formulas(tiny_reward_dir, image
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(UserError, match="form='raw' is not known; use one of flow_grpo, logit, cosine"):
         rewards.load("pickscore", path=str(folder), form="raw")
+    # scale: the divisor itself (26 is Flow-GRPO's, 1 the paper's logit; any other divides the logit)
+    for divisor, want in ((26, expected["flow_grpo"]), (1, expected["logit"]), (100.0, scale * cosine / 100)):
+        got = rewards.load("pickscore", path=str(folder), scale=divisor)(x, PROMPTS, []).total
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for bad, needle in (({"scale": 0}, "scale=0 must be a positive number"),
+                        ({"scale": -26}, "scale=-26 must be a positive number"),
+                        ({"scale": 26, "form": "cosine"}, "form: cosine does not use")):
+        with pytest.raises(UserError, match=needle):
+            rewards.load("pickscore", path=str(folder), **bad)
 
 
 def test_aesthetic_equals_the_head_on_the_normalised_clip_embedding(tiny_reward_dir, images):

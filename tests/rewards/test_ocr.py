@@ -106,32 +106,13 @@ def test_a_model_engine_without_its_weights_is_one_line(tmp_path, engine, hint):
         assert "\n" not in message and message.startswith("ocr reward") and "path" in message and hint in message
 
 
-def _tiny_got_ocr2(folder: Path) -> Path:
-    """A random GOT-OCR 2.0 folder of the real classes (byte-level tokenizer with GOT's special tokens; 1024 px
-    input, so the vision tower yields the processor's 256 image tokens; windowed attention only, to be fast)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (GotOcr2Config, GotOcr2ForConditionalGeneration, GotOcr2ImageProcessor, GotOcr2Processor,
-                              PreTrainedTokenizerFast)
+def test_got_ocr2_loads_a_tiny_reward_folder_and_scores_real_samples(tmp_path, capsys):
+    from flowalign.cli.main import main
 
-    bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<img>", "</img>", "<imgpad>"]})
-    config = GotOcr2Config(
-        vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=1024,
-                           patch_size=16, window_size=4, global_attn_indexes=[], use_rel_pos=False, mlp_dim=64),
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512),
-        image_token_index=tokenizer.convert_tokens_to_ids("<imgpad>"))
-    torch.manual_seed(0)
-    GotOcr2ForConditionalGeneration(config).save_pretrained(folder)
-    GotOcr2Processor(image_processor=GotOcr2ImageProcessor(size={"height": 1024, "width": 1024}),
-                     tokenizer=tokenizer).save_pretrained(folder)
-    return folder
-
-
-def test_got_ocr2_loads_a_local_folder_and_scores_real_samples(tmp_path):
-    reward = rewards.load("ocr", engine="got_ocr2", path=str(_tiny_got_ocr2(tmp_path / "got")), batch_size=2)
+    out = tmp_path / "got"
+    assert main(["tiny-reward", "ocr", "--out", str(out)]) == 0
+    assert f"(load with {{name: ocr, engine: got_ocr2, path: {out}}})" in capsys.readouterr().out
+    reward = rewards.load("ocr", engine="got_ocr2", path=str(out), batch_size=2)
     samples, prompts = torch.rand(3, 3, 96, 96, generator=torch.Generator().manual_seed(0)), ['"OPEN"', '"EXIT"', '"TEA"']
     first, second = reward(samples, prompts, []), reward(samples, prompts, [])
     score = first.components["ocr"]

@@ -79,3 +79,39 @@ def test_help_and_guide_list_every_registered_benchmark(capsys):
     for name in available_benchmarks():
         assert name in help_text.split("benchmark name (default vvr):")[1].split("--")[0]
         assert f"\n| `{name}` |" in guide
+
+
+def test_geneval_metadata_scored_by_geneval_reports_accuracy_of_its_verdicts(tmp_path, capsys, tiny_sd3_dir):
+    """GenEval's metadata file scored by the geneval reward (default score: partial, what Flow-GRPO trains on):
+    ``accuracy/<tag>`` is the share of strict verdicts per tag, not the mean partial score. Thresholds at 0
+    keep every detection of the random detector, so an object found twice passes strictly with a partial
+    score of 0: the two differ."""
+    out_tiny = tmp_path / "tiny-geneval"
+    assert main(["tiny-reward", "geneval", "--out", str(out_tiny)]) == 0
+    lines = [
+        {"tag": "single_object", "include": [{"class": "dog", "count": 1}], "prompt": "a photo of a dog"},
+        {"tag": "counting", "include": [{"class": "cup", "count": 2}], "exclude": [{"class": "cup", "count": 3}],
+         "prompt": "a photo of two cups"},
+        {"tag": "single_object", "include": [{"class": "car", "count": 1}], "prompt": "a photo of a car"},
+    ]
+    prompts = tmp_path / "evaluation_metadata.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    spec = (f"{{name: geneval, path: {out_tiny / 'detector'}, clip_path: {out_tiny / 'clip'}, threshold: 0.0, "
+            "counting_threshold: 0.0}")
+    out = tmp_path / "eval"
+    code = main(["evaluate", "--model", str(tiny_sd3_dir), "--prompts", str(prompts), "--reward", spec,
+                 "--steps", "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    metrics = json.loads((out / "metrics.json").read_text())
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    passed = [r["passed"]["geneval"] for r in rows]
+    assert [r["all_passed"] for r in rows] == passed
+    # these samples' verdicts and partial scores disagree, so an accuracy of the scores would be caught
+    assert [float(p) for p in passed] != [r["score"] for r in rows]
+    singles = (passed[0] + passed[2]) / 2
+    assert metrics["accuracy/single_object"] == singles and metrics["accuracy/counting"] == float(passed[1])
+    assert metrics["accuracy/overall"] == pytest.approx((singles + passed[1]) / 2)
+    assert metrics["accuracy"] == pytest.approx(sum(passed) / 3) and metrics["geneval/accuracy"] == metrics["accuracy"]
+    assert metrics["geneval"] == pytest.approx(sum(r["score"] for r in rows) / 3)  # the mean stays the partial's
+    _, gallery_rows = gallery_from_evals([out], ["tiny"])
+    assert [row.cells[0].all_passed for row in gallery_rows] == passed
