@@ -10,6 +10,16 @@ checkpoints and resume. A trainer subclasses :class:`GroupTrainer` and supplies 
     (scored while the next batch samples) and advantages. A trainer changes how a group is rolled out
     through ``sampling(group) -> Sampling`` or wraps the default (e.g. to roll out with other weights);
     a trainer that learns from something else returns its own batch object with a ``logs`` dict.
+``prepare(batch, scored) -> prepared``
+    Optional: work of the update that reads no reward and no advantage (e.g. the KL reference's step
+    means at the stored latents), run on the main thread once the last rollout batch is drawn, while
+    its rewards are still being scored, so a slow reward hides it. ``batch`` is the :class:`StepBatch`
+    before scoring (``scores`` and ``advantages`` None). Work in small pieces and return as soon as
+    ``scored()`` is True: ``plan`` does whatever was not prepared, so results never depend on how much
+    was (nor on the reward's speed). No collectives inside (ranks stop at different pieces; under fsdp,
+    where every forward is one, prepare nothing). The return value reaches ``plan`` as
+    ``batch.prepared``; the default prepares nothing (None). It runs inside ``collect``, under whatever
+    ``collect`` wraps the rollouts in (e.g. swapped-in behaviour weights).
 ``plan(batch, generator) -> Plan``
     The optimiser steps of this batch: a list of steps, each a list of loss units (whatever the trainer's
     ``loss`` reads: a (rollout, timestep) pair, a fitting target, a micro-batch), plus logs. Work that
@@ -55,7 +65,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -247,6 +257,11 @@ class GroupTrainer:
         prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(self.tcfg.group_size)
         return self.group_batch(prompts, metadata, groups, prompt_ids, step)
 
+    def prepare(self, batch: StepBatch, scored: Callable[[], bool]) -> Any:
+        """Reward-independent work of the update, done while the last rewards are scored (default: none);
+        stop once ``scored()``. The result reaches :meth:`plan` as ``batch.prepared``."""
+        return None
+
     def plan(self, batch: Any, generator: torch.Generator) -> Plan:
         """The optimiser steps of ``batch``, each a list of units for :meth:`loss`."""
         raise NotImplementedError
@@ -341,11 +356,12 @@ class GroupTrainer:
                              self.tcfg.shared_initial_noise)
         sampling = {g: self.sampling(g) for g in dict.fromkeys(groups.tolist())}
         batches = rollout_batches(slots, sampling, self.tcfg.batch_size)
-        chunks, scores, times = sample_and_score(self.policy, self.rewards, batches, sampling, self.tcfg.num_steps,
-                                                 self.tcfg.guidance_scale)
         order = [s for b in batches for s in b]
-        return StepBatch(chunks, torch.tensor([s.group for s in order]), torch.tensor([s.prompt_id for s in order]),
-                         scores, logs=dict(times))
+        group_ids, ids = torch.tensor([s.group for s in order]), torch.tensor([s.prompt_id for s in order])
+        chunks, scores, times, prepared = sample_and_score(
+            self.policy, self.rewards, batches, sampling, self.tcfg.num_steps, self.tcfg.guidance_scale,
+            lambda drawn, scored: self.prepare(StepBatch(drawn, group_ids, ids), scored))
+        return StepBatch(chunks, group_ids, ids, scores, logs=dict(times), prepared=prepared)
 
     # ------------------------------------------------------------------ one step
     def update(self, batch: Any, generator: torch.Generator) -> dict[str, float]:

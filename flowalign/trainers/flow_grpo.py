@@ -183,6 +183,28 @@ class FlowGRPOTrainer(GroupTrainer):
         limit = max(1, int(self.tcfg.timestep_fraction * chunk.num_steps))
         return [k for k in steps if k < limit] or steps[:1]
 
+    def prepare(self, batch: StepBatch, scored: Callable[[], bool]) -> dict[tuple[int, int], torch.Tensor]:
+        """The KL reference's step means ``{(chunk index, k): (B, ...)}``, one (chunk, step) at a time until
+        the scores are in: chunk by chunk, the steps each trains in the first inner epoch first.
+
+        They read no advantage, and the weights are still those that sampled, so each is the mean the
+        plan would compute (bit for bit); a chunk that turns out to have no non-zero advantage had its
+        means computed in time the step would have spent waiting. Under fsdp nothing is prepared (every
+        forward is a collective, and ranks stop at different pieces)."""
+        means: dict[tuple[int, int], torch.Tensor] = {}
+        if self.tcfg.beta <= 0 or self.parallel.sharded:
+            return means
+        refs = [ChunkRef(key, self.rank, i, True, tuple(self.trained_steps(c)))
+                for i, (key, c) in enumerate(zip(batch.chunk_keys(), batch.chunks))]
+        for epoch in range(self.tcfg.inner_epochs):
+            for ref in refs:
+                for k in self.chosen_steps(ref, epoch):
+                    if scored():
+                        return means
+                    if (ref.index, k) not in means:
+                        means[ref.index, k] = self.reference_mean(batch.chunks[ref.index], k)
+        return means
+
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
         """Inner epochs over the chunks with a non-zero advantage, ``updates_per_epoch`` optimiser steps
         each; every step accumulates over its chunks × trained steps (``steps_per_chunk``: a random subset).
@@ -191,7 +213,8 @@ class FlowGRPOTrainer(GroupTrainer):
         units, each weighted by 1 / the step's unit count over all ranks, so N ranks take the single
         process's optimiser steps. Each unit carries its chunk's :meth:`sample_weights` and, with a KL
         term, the reference's mean at its step (computed here once per (chunk, step); under fsdp the loss
-        computes it, since every forward is a collective and ranks hold different units)."""
+        computes it, since every forward is a collective and ranks hold different units); those
+        :meth:`prepare` computed while the rewards were scored are taken from ``batch.prepared``."""
         adv = batch.per_chunk(batch.advantages)
         local = [ChunkRef(key, self.rank, i, bool(adv[i].abs().sum() > 0), tuple(self.trained_steps(c)))
                  for i, (key, c) in enumerate(zip(batch.chunk_keys(), batch.chunks))]
@@ -199,7 +222,7 @@ class FlowGRPOTrainer(GroupTrainer):
         steps = global_plan(chunks, self.tcfg.inner_epochs, self.tcfg.updates_per_epoch, generator, self.chosen_steps)
         weights = self.sample_weights(batch)
         per_chunk = [None] * len(batch.chunks) if weights is None else batch.per_chunk(weights)
-        references: dict[tuple[int, int], torch.Tensor] = {}
+        references: dict[tuple[int, int], torch.Tensor] = dict(batch.prepared or {})
         units = []
         for n, pairs in enumerate(steps):
             mine = [(c.index, k) for c, k in pairs if c.rank == self.rank]

@@ -5,7 +5,8 @@ several prompt groups; only samples whose :class:`Sampling` is equal share one).
 initial noise and SDE noise from its own generator keyed by ``(run seed, step, group, member)``, so a
 sample is the same whatever the batching or the rank layout (up to the last-bit rounding of CPU kernels
 that some batch sizes pick: ~1e-6 between a sample alone and in company). Rewards of batch i are scored in a worker
-thread while batch i+1 samples, so a slow reward costs ``max(sample, reward)``, not the sum.
+thread while batch i+1 samples, so a slow reward costs ``max(sample, reward)``, not the sum; while the
+last batch is scored, the trainer's ``prepare`` hook does the update's work that reads no reward.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class StepBatch:
 
     ``groups (N,)``: global group id of each sample (batch order); ``prompt_ids (N,)``: the prompt's
     index in the data (advantages are normalised per prompt); ``scores``: rewards; ``advantages (N,)``
-    (0 for invalid samples); ``logs``: scalars for the step's log line. The loop fills it; trainers read
-    it (what one computes per batch travels in its plan's units or its own batch type).
+    (0 for invalid samples); ``logs``: scalars for the step's log line; ``prepared``: what the trainer's
+    ``prepare`` hook returned while the rewards were scored (None: nothing). The loop fills it; trainers
+    read it (what one computes per batch travels in its plan's units or its own batch type).
     """
 
     chunks: list[Rollout]
@@ -67,6 +69,7 @@ class StepBatch:
     scores: RewardScores | None = None
     advantages: torch.Tensor | None = None
     logs: dict[str, float] = field(default_factory=dict)
+    prepared: Any = None
 
     @property
     def samples(self) -> torch.Tensor:
@@ -144,22 +147,34 @@ def roll_out(policy: Any, batch: list[SampleSlot], how: Sampling, num_steps: int
 
 
 def sample_and_score(policy: Any, rewards: RewardSet, batches: list[list[SampleSlot]], sampling: dict[int, Sampling],
-                     num_steps: int, guidance: float | None) -> tuple[list[Rollout], RewardScores, dict[str, float]]:
+                     num_steps: int, guidance: float | None,
+                     while_scoring: Callable[[list[Rollout], Callable[[], bool]], Any] | None = None,
+                     ) -> tuple[list[Rollout], RewardScores, dict[str, float], Any]:
     """Every batch rolled out in turn while a worker thread scores the previous ones.
 
-    Returns the rollouts, their scores (rollout order) and ``time/sample`` (until the last batch is
-    drawn) and ``time/reward`` (waiting for the scores after that)."""
+    ``while_scoring(chunks, scored)`` (optional) runs on this thread once the last batch is drawn, while
+    its rewards are still being scored; ``scored()`` turns True once every score is in.
+
+    Returns the rollouts, their scores (rollout order), ``time/sample`` (until the last batch is drawn),
+    ``time/prepare`` (in ``while_scoring``) and ``time/reward`` (waiting for the scores after that), and
+    what ``while_scoring`` returned (None without one)."""
     t0 = time.perf_counter()
     chunks: list[Rollout] = []
     pending: list[Future] = []
+    prepared = None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewards") as pool:
         for batch in batches:
             chunk = roll_out(policy, batch, sampling[batch[0].group], num_steps, guidance)
             chunks.append(chunk)
             pending.append(pool.submit(rewards.score, chunk.samples, chunk.prompts, chunk.metadata))
         t_sample = time.perf_counter()
+        if while_scoring is not None:
+            prepared = while_scoring(chunks, lambda: all(f.done() for f in pending))
+        t_prepared = time.perf_counter()
         scores = RewardScores.cat([f.result() for f in pending])
-    return chunks, scores, {"time/sample": t_sample - t0, "time/reward": time.perf_counter() - t_sample}
+    times = {"time/sample": t_sample - t0, "time/prepare": t_prepared - t_sample,
+             "time/reward": time.perf_counter() - t_prepared}
+    return chunks, scores, times, prepared
 
 
 def gathered_advantages(kind: str, scores: RewardScores, prompt_ids: torch.Tensor, acc: Any, clip: float) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Rollouts in batches of trainer.batch_size across prompt groups: samples and log-probs do not depend on
 the batching, and rewards of one batch are scored while the next one samples."""
 
+import dataclasses
 import time
 
 import pytest
@@ -57,3 +58,59 @@ def test_rewards_of_a_batch_are_scored_while_the_next_one_samples(tmp_path, tiny
     assert all(calls[i][1] <= calls[i + 1][0] for i in range(2))
     assert batch.logs["reward/total"] == pytest.approx(
         (torch.cat([toy_rewards.redness(c.samples, None, None) for c in batch.chunks])).mean().item(), abs=1e-6)
+
+
+def _reference_passes(trainer) -> list[tuple[float, float, tuple[int, int]]]:
+    """Record (start, end, (chunk id, step)) of every KL reference pass the trainer runs (the real one)."""
+    passes = []
+    reference_mean = trainer.reference_mean
+
+    def timed(chunk, k):
+        start = time.perf_counter()
+        out = reference_mean(chunk, k)
+        passes.append((start, time.perf_counter(), (id(chunk), k)))
+        return out
+
+    trainer.reference_mean = timed
+    return passes
+
+
+def test_the_kl_reference_runs_while_the_last_batch_is_scored_and_changes_no_result(tmp_path, tiny_sd3_dir,
+                                                                                     prompt_file):
+    layout = ("trainer.group_size=4", "trainer.prompts_per_step=2", "trainer.batch_size=4", "trainer.beta=0.04")
+    slow = "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:slow_redness'}]"
+    t = build_trainer(small_config(tmp_path / "slow", tiny_sd3_dir, prompt_file, slow, *layout))
+    passes = _reference_passes(t)
+    finished = []  # when each rollout batch finished sampling (its decode is the last thing it does)
+    decode = t.policy.decode
+    t.policy.decode = lambda x: (lambda out: finished.append(time.perf_counter()) or out)(decode(x))
+    toy_rewards.SLOW_CALLS.clear()
+    batch = t.collect(0)
+    calls = toy_rewards.SLOW_CALLS
+    assert len(batch.chunks) == len(calls) == len(finished) == 2
+    # every reference pass ran after the last batch was drawn and before its scores were in (the tiny
+    # model's passes take milliseconds, a reward call 0.4 s), none of them twice, and the step's log
+    # shows the time it took
+    assert passes and all(finished[-1] <= start and end <= calls[-1][1] for start, end, _ in passes)
+    assert len({key for *_, key in passes}) == len(passes) == len(batch.prepared)
+    assert batch.logs["time/prepare"] > 0
+    # the plan takes the prepared means and computes none again: they are the means it computes itself
+    plan = t.plan(batch, torch.Generator().manual_seed(0))
+    assert len(passes) == len(batch.prepared)
+    fresh = t.plan(dataclasses.replace(batch, prepared=None), torch.Generator().manual_seed(0))
+    units = [u for step in plan.steps for u in step]
+    assert units and all(u.reference is not None for u in units)
+    assert [(u.chunk, u.k) for u in units] == [(u.chunk, u.k) for step in fresh.steps for u in step]
+    assert all(torch.equal(u.reference, f.reference) for u, f in zip(units, (f for s in fresh.steps for f in s)))
+
+    # a whole step with the slow reward ends at the weights of the same step with the instant one (the
+    # same scores; its scores are in at once, so its plan computes all or nearly all the means)
+    def trained(trainer):
+        trainer.train_step()
+        return {n: p.detach().clone() for n, p in trainer.policy.trainable.named_parameters() if p.requires_grad}
+
+    fast = build_trainer(small_config(tmp_path / "fast", tiny_sd3_dir, prompt_file, *layout))
+    slow_again = build_trainer(small_config(tmp_path / "slow2", tiny_sd3_dir, prompt_file, slow, *layout))
+    a, b = trained(slow_again), trained(fast)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert any(not torch.equal(a[n], p) for n, p in t.policy.trainable.named_parameters() if p.requires_grad)
