@@ -34,6 +34,9 @@ TRAINERS = {
     "awm": "flowalign.trainers.awm:AWMTrainer",
     "dgpo": "flowalign.trainers.dgpo:DGPOTrainer",
     "diffusion_dpo": "flowalign.trainers.diffusion_dpo:DiffusionDPOTrainer",
+    "tempflow_grpo": "flowalign.trainers.tempflow_grpo:TempFlowGRPOTrainer",
+    "pref_grpo": "flowalign.trainers.pref_grpo:PrefGRPOTrainer",
+    "gardo": "flowalign.trainers.gardo:GARDOTrainer",
 }
 
 
