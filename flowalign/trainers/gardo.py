@@ -44,10 +44,13 @@ class GARDOConfig(FlowGRPOConfig):
     gate: bool = True
     #: p, the gated fraction of the samples with u ≥ 0, at the start
     gate_fraction: float = Field(0.1, gt=0, le=1)
+    #: the least p may shrink to
     gate_min: float = Field(0.02, gt=0, le=1)
+    #: the most p may grow to
     gate_max: float = Field(0.2, gt=0, le=1)
     #: p's relative change when the batch's mean disagreement leaves the range of the last gate_window
     gate_rate: float = Field(0.1, ge=0, lt=1)
+    #: how many past batches' mean disagreements p is compared with
     gate_window: int = Field(20, ge=1)
     #: a step whose mean KL exceeds this takes a new reference snapshot (the authors tune it per task)
     kl_threshold: float = Field(3e-4, gt=0)
