@@ -114,7 +114,8 @@ class RewardSet:
     @property
     def pairwise(self) -> torch.Tensor:
         """``(M,)`` bool: which rewards are pairwise judges (their value is a within-prompt win rate)."""
-        return torch.tensor([bool(getattr(r, "pairwise", False)) for _, _, r in self.entries], dtype=torch.bool)
+        return torch.tensor([bool(getattr(r, "pairwise", False)) for _, _, r in self.entries],
+                            dtype=torch.bool)
 
     def not_differentiable(self) -> list[str]:
         """Names of the rewards through which no gradient flows to the samples."""

@@ -21,7 +21,7 @@ from flowalign.sampling.windows import random_window_start, sde_step_mask, slidi
 
 __all__ = [
     "SAMPLER_KINDS", "Guidance", "GuidedPolicy", "Rollout", "StepOutput", "branch_candidates", "check_sampler",
-    "cps_step", "draw_branch_step", "euler_step", "flow_grpo_diffusion", "flow_sde_step", "gaussian_log_prob", "guide_velocity",
-    "load_latent_reward", "noise_aware_weights", "random_window_start", "reward_gradient", "rollout", "sde_step", "sde_step_mask",
-    "sliding_window",
+    "cps_step", "draw_branch_step", "euler_step", "flow_grpo_diffusion", "flow_sde_step", "gaussian_log_prob",
+    "guide_velocity", "load_latent_reward", "noise_aware_weights", "random_window_start", "reward_gradient",
+    "rollout", "sde_step", "sde_step_mask", "sliding_window",
 ]

@@ -93,4 +93,5 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
     def surrogate(self, chunk: Rollout, k: int, out: StepOutput, old_log_prob: torch.Tensor, adv: torch.Tensor,
                   weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         scaled = adv if weight is None else adv * weight
-        return weighted_clip_loss(out.log_prob, old_log_prob, scaled, self.tcfg.clip_range, self.step_weight(chunk, k))
+        return weighted_clip_loss(out.log_prob, old_log_prob, scaled, self.tcfg.clip_range,
+                                  self.step_weight(chunk, k))
