@@ -75,6 +75,21 @@ def win_rates(
     return out
 
 
+def preference_win_rates(components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor,
+                         judged: torch.Tensor | None = None) -> torch.Tensor:
+    """Pref-GRPO's reward ``W (N,)``: each reward's within-group win rate, weight-summed,
+    ``W_i = Σ_m w_m·W^(m)_i``.
+
+    ``components`` ``(N, M)``; ``judged`` ``(M,)`` bool marks rewards that already are within-group win rates
+    (a pairwise judge, e.g. UnifiedReward-Think: ``W^(m) = R^(m)``); any other reward's pairwise preference is
+    the comparison of its scores (:func:`win_rates`).
+    """
+    judged = torch.zeros(components.shape[1], dtype=torch.bool) if judged is None else judged
+    columns = [components[:, m].float() if judged[m] else win_rates(components[:, m], groups)
+               for m in range(components.shape[1])]
+    return torch.stack(columns, dim=1) @ weights.float()
+
+
 def compute_advantages(
     kind: AdvantageKind,
     components: torch.Tensor,
@@ -83,9 +98,12 @@ def compute_advantages(
     *,
     clip: float = 5.0,
     eps: float = 1e-4,
+    judged: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
-    ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards."""
+    ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards; ``win_rate``
+    normalises within each group the win rates of :func:`preference_win_rates` (``judged``: which rewards
+    are pairwise judges already)."""
     total = components.float() @ weights.float()
     if kind == "group":
         adv = group_advantages(total, groups, std="group", eps=eps)
@@ -94,7 +112,7 @@ def compute_advantages(
     elif kind == "gdpo":
         adv = gdpo_advantages(components, weights, groups, eps=eps)
     elif kind == "win_rate":
-        adv = group_advantages(win_rates(total, groups), groups, std="group", eps=eps)
+        adv = group_advantages(preference_win_rates(components, weights, groups, judged), groups, std="group", eps=eps)
     else:
         raise ValueError(f"unknown advantage kind {kind!r}; choose one of {', '.join(ADVANTAGE_KINDS)}")
     return adv.clamp(-clip, clip)
@@ -115,3 +133,26 @@ def best_worst_mask(advantages: torch.Tensor, groups: torch.Tensor, keep: int) -
         mask[order[:half]] = True
         mask[order[len(order) - half:]] = True
     return mask
+
+
+def diversity_scaled(advantages: torch.Tensor, features: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """GARDO's diversity-aware advantages ``(N,)``: a positive advantage is multiplied by ``d_i / mean_g d``,
+    where ``d_i = min_{j≠i} (1 − cos(f_i, f_j))`` is sample i's cosine distance to its nearest neighbour in
+    its group (``features`` ``(N, D)``); other advantages are kept. A group whose samples all coincide
+    (``mean_g d = 0``) or has one member is kept as it is."""
+    out = advantages.clone().float()
+    unit = torch.nn.functional.normalize(features.flatten(1).float(), dim=1)
+    for g in torch.unique(groups):
+        members = (groups == g).nonzero().flatten()
+        if len(members) < 2:
+            continue
+        f = unit[members]
+        distance = 1 - (f @ f.T).clamp(-1, 1)
+        distance.fill_diagonal_(float("inf"))
+        nearest = distance.min(dim=1).values
+        mean = nearest.mean()
+        if mean <= 0:
+            continue
+        adv = out[members]
+        out[members] = torch.where(adv > 0, adv * nearest / mean, adv)
+    return out

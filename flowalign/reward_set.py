@@ -39,7 +39,9 @@ class RewardScores:
 
     ``values (N, M)`` float32 raw reward values (0 where invalid); ``ok (N, M)`` bool validity per
     reward; ``weights (M,)``; ``names`` the M reward names; ``reasons`` per sample, why it is invalid
-    (``"<reward>: <reason>"``, the first invalid reward's) or ``""``.
+    (``"<reward>: <reason>"``, the first invalid reward's) or ``""``; ``pairwise (M,)`` bool: the reward is
+    a pairwise judge whose value already is a win rate among the samples sharing a prompt (a reward
+    declares it with a true ``pairwise`` attribute; None: none is).
     """
 
     values: torch.Tensor
@@ -50,6 +52,7 @@ class RewardScores:
     #: reward name → ``(N,)`` bool verdicts, for each reward whose ``info`` gives every sample ``all_passed``
     #: (a benchmark's pass/fail, e.g. GenEval's strict verdict beside a partial score); False where invalid
     passed: dict[str, torch.Tensor] = field(default_factory=dict)
+    pairwise: torch.Tensor | None = None
 
     def commonest_reason(self) -> tuple[str, int] | None:
         """The reason most invalid samples share, and how many share it (None when all are valid)."""
@@ -87,7 +90,7 @@ class RewardScores:
                   for name in verdicts}
         return RewardScores(torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
                             parts[0].weights, parts[0].names,
-                            [r for p in parts for r in (p.reasons or [""] * len(p))], passed)
+                            [r for p in parts for r in (p.reasons or [""] * len(p))], passed, parts[0].pairwise)
 
 
 class RewardSet:
@@ -114,6 +117,12 @@ class RewardSet:
     def weights(self) -> torch.Tensor:
         """``(M,)`` float32."""
         return torch.tensor([w for _, w, _ in self.entries], dtype=torch.float32)
+
+    @property
+    def pairwise(self) -> torch.Tensor:
+        """``(M,)`` bool: which rewards are pairwise judges (their value is a within-prompt win rate)."""
+        return torch.tensor([bool(getattr(r, "pairwise", False)) for _, _, r in self.entries],
+                            dtype=torch.bool)
 
     def not_differentiable(self) -> list[str]:
         """Names of the rewards through which no gradient flows to the samples."""
@@ -148,7 +157,7 @@ class RewardSet:
             oks.append(ok)
         values = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
         ok = torch.stack(oks, dim=1) if oks else torch.ones(n, 0, dtype=torch.bool)
-        return RewardScores(values, ok, self.weights, self.names, reasons, passed)
+        return RewardScores(values, ok, self.weights, self.names, reasons, passed, self.pairwise)
 
     def weighted_total(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> torch.Tensor:
         """``(N,)`` ``Σ_m w_m·R_m`` with gradients to ``samples`` where the rewards have them; invalid

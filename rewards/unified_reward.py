@@ -121,6 +121,8 @@ class UnifiedReward:
             raise UserError("unified_reward reward: give either path: (the local folder of " + DOWNLOAD + ") or url:"
                             " (an OpenAI-compatible server serving it), not both")
         self.mode, self.image_size, self.normalize = mode, image_size, normalize
+        #: think_pairwise scores are win rates among the samples sharing a prompt (Pref-GRPO's reward)
+        self.pairwise = mode == "think_pairwise"
         self.max_tokens, self.both_orders = max_tokens, both_orders
         self.device = torch.device(device) if device is not None else None
         if url is not None:

@@ -111,6 +111,8 @@ class VLMJudge:
                 raise UserError(f"{who} reward: question={question!r} has an unknown placeholder ({e}); use only"
                                 " {prompt}, {media}, {K}, and {{ }} for literal braces") from e
         self.backend, self.mode, self.K = backend, mode, scale
+        #: pairwise scores are win rates among the samples sharing a prompt (a judge for pref_grpo)
+        self.pairwise = mode == "pairwise"
         self.question = question or QUESTIONS[mode]
         self.prefix = prefix if prefix is not None else PREFIXES.get(mode, "")
         self.top_logprobs, self.labels = top_logprobs, tuple(labels)

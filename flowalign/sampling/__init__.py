@@ -4,6 +4,7 @@ Public entry points: :func:`sde_step` (one step of ``"ode" | "flow_grpo" | "cps"
 :func:`rollout` (the sampling loop returning a :class:`Rollout`).
 """
 
+from flowalign.sampling.branching import branch_candidates, draw_branch_step, noise_aware_weights
 from flowalign.sampling.guidance import Guidance, GuidedPolicy, guide_velocity, load_latent_reward, reward_gradient
 from flowalign.sampling.rollout import Rollout, check_sampler, continue_ode, rollout
 from flowalign.sampling.steps import (
@@ -19,8 +20,8 @@ from flowalign.sampling.steps import (
 from flowalign.sampling.windows import random_window_start, sde_step_mask, sliding_window
 
 __all__ = [
-    "SAMPLER_KINDS", "Guidance", "GuidedPolicy", "Rollout", "StepOutput", "check_sampler", "continue_ode", "cps_step",
-    "euler_step", "flow_grpo_diffusion", "flow_sde_step", "gaussian_log_prob", "guide_velocity",
-    "load_latent_reward", "random_window_start", "reward_gradient", "rollout", "sde_step", "sde_step_mask",
-    "sliding_window",
+    "SAMPLER_KINDS", "Guidance", "GuidedPolicy", "Rollout", "StepOutput", "branch_candidates", "check_sampler",
+    "continue_ode", "cps_step", "draw_branch_step", "euler_step", "flow_grpo_diffusion", "flow_sde_step", "gaussian_log_prob",
+    "guide_velocity", "load_latent_reward", "noise_aware_weights", "random_window_start", "reward_gradient",
+    "rollout", "sde_step", "sde_step_mask", "sliding_window",
 ]

@@ -35,6 +35,9 @@ TRAINERS = {
     "dgpo": "flowalign.trainers.dgpo:DGPOTrainer",
     "diffusion_dpo": "flowalign.trainers.diffusion_dpo:DiffusionDPOTrainer",
     "self_opd": "flowalign.trainers.self_opd:SelfOPDTrainer",
+    "tempflow_grpo": "flowalign.trainers.tempflow_grpo:TempFlowGRPOTrainer",
+    "pref_grpo": "flowalign.trainers.pref_grpo:PrefGRPOTrainer",
+    "gardo": "flowalign.trainers.gardo:GARDOTrainer",
 }
 
 

@@ -280,6 +280,11 @@ class FlowGRPOTrainer(GroupTrainer):
         GRPO-Guard normalises the ratio here)."""
         return ppo_clip_loss(out.log_prob, old_log_prob, adv, self.tcfg.clip_range, weight)
 
+    def kl_penalty(self, batch: StepBatch, unit: StepUnit, kl: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """The unit's KL term from the per-sample KL ``(B,)``: its mean over the ``active`` samples (a hook:
+        GARDO gates it to its uncertain samples)."""
+        return kl[active].mean()
+
     def loss(self, batch: StepBatch, unit: StepUnit) -> tuple[torch.Tensor, dict[str, float]]:
         chunk, k = batch.chunks[unit.chunk], unit.k
         adv, weight = batch.per_chunk(batch.advantages)[unit.chunk], unit.weight
@@ -299,7 +304,7 @@ class FlowGRPOTrainer(GroupTrainer):
         if self.tcfg.beta > 0:
             gap = chunk.sigmas[k].item() - chunk.sigmas[k + 1].item()
             ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)
-            kl = gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode)[active].mean()
+            kl = self.kl_penalty(batch, unit, gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode), active)
             loss = loss + self.tcfg.beta * kl
             info["kl"] = kl.item()
         return loss / unit.of, info

@@ -188,7 +188,7 @@ def gathered_advantages(kind: str, scores: RewardScores, prompt_ids: torch.Tenso
         good = members & ok
         if good.any():
             filled[members & ~ok] = comps[good].mean(0)
-    adv = compute_advantages(kind, filled, scores.weights, pids, clip=clip)
+    adv = compute_advantages(kind, filled, scores.weights, pids, clip=clip, judged=scores.pairwise)
     adv[~ok] = 0.0
     n = len(scores)
     return adv[acc.process_index * n : (acc.process_index + 1) * n]

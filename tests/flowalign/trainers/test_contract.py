@@ -147,6 +147,9 @@ ONE_STEP = {
     "dgpo": (),
     "diffusion_dpo": (),
     "self_opd": ("trainer.branches=2",),
+    "tempflow_grpo": (),
+    "pref_grpo": (),
+    "gardo": ("trainer.gate=false",),  # one reward: the gate's auxiliary comparison is tested in test_gardo
 }
 
 

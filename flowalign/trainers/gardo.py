@@ -1,0 +1,223 @@
+"""GARDO (arXiv 2512.24138): Flow-GRPO with gated, adaptive regularisation and diversity-aware advantages
+(``docs/methods/gardo.md``).
+
+Three changes to Flow-GRPO, as the authors' code makes them:
+
+- **gated KL**: the KL term applies only to the samples whose proxy reward is least trusted. With
+  ``rank(·)`` the 1-based rank over the gathered batch (1 = highest), a sample's disagreement is
+  ``u_i = rank_main(i) − mean_a rank_a(i)`` (main = the proxy reward, a = the auxiliary rewards); among the
+  ``u ≥ 0`` the top ``p`` fraction (``u_i > quantile_{1−p}``) is gated. ``p`` adapts: ×(1 + rate) when the
+  batch's mean ``u≥0`` exceeds every one of the last ``window`` batches', ×(1 − rate) when below all, kept
+  in ``[gate_min, gate_max]``;
+- **adaptive reference**: the KL's reference ``θ_ref`` is a snapshot of the policy, taken again when a
+  step's mean KL exceeds ``kl_threshold`` or ``reset_every`` steps after the last snapshot;
+- **diversity-aware advantages** (:func:`flowalign.advantages.diversity_scaled`): a positive advantage is
+  scaled by the sample's nearest-neighbour feature distance in its group over the group's mean.
+
+    L = mean_{i,k} max(−Â_i·r, −Â_i·clip(r, 1−ε, 1+ε)) + β·mean_{i gated, k} KL(μ_θ ‖ μ_θref)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from flowalign.advantages import diversity_scaled
+from flowalign.errors import UserError
+from flowalign.sampling import Rollout
+from flowalign.trainers.base import StepBatch
+from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepUnit
+from flowalign.weight_swap import swapped_in
+
+
+class GARDOConfig(FlowGRPOConfig):
+    name: Literal["gardo"] = "gardo"  # type: ignore[assignment]
+    sampler: Literal["flow_grpo"] = "flow_grpo"  # type: ignore[assignment]
+    #: the proxy reward whose advantages train (its name in rewards:); None: the first. The other rewards
+    #: are the auxiliaries the gate compares it with (give them weight 0 to train on the proxy alone)
+    main_reward: str | None = None
+    #: false: the KL applies to every sample (an adaptive reference alone)
+    gate: bool = True
+    #: p, the gated fraction of the samples with u ≥ 0, at the start
+    gate_fraction: float = Field(0.1, gt=0, le=1)
+    #: the least p may shrink to
+    gate_min: float = Field(0.02, gt=0, le=1)
+    #: the most p may grow to
+    gate_max: float = Field(0.2, gt=0, le=1)
+    #: p's relative change when the batch's mean disagreement leaves the range of the last gate_window
+    gate_rate: float = Field(0.1, ge=0, lt=1)
+    #: how many past batches' mean disagreements p is compared with
+    gate_window: int = Field(20, ge=1)
+    #: a step whose mean KL exceeds this takes a new reference snapshot (the authors tune it per task)
+    kl_threshold: float = Field(3e-4, gt=0)
+    #: training steps after which the reference is refreshed anyway
+    reset_every: int = Field(15, ge=1)
+    #: scale positive advantages by the sample's distance to its group (features: the final latents)
+    diversity: bool = True
+
+
+# ---------------------------------------------------------------------------------------------- the pieces
+
+
+def rank_disagreement(main: torch.Tensor, auxiliary: torch.Tensor) -> torch.Tensor:
+    """``u (N,)``: the rank of each sample under ``main`` ``(N,)`` minus its mean rank under the auxiliary
+    rewards ``(N, A)``; ranks are 1-based over the batch, 1 for the highest value (ties by position)."""
+    def ranks(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(len(x))
+        out[torch.sort(x.float(), descending=True, stable=True).indices] = torch.arange(1, len(x) + 1).float()
+        return out
+
+    return ranks(main) - torch.stack([ranks(auxiliary[:, a]) for a in range(auxiliary.shape[1])]).mean(0)
+
+
+def gate_mask(u: torch.Tensor, fraction: float) -> torch.Tensor:
+    """``(N,)`` bool: ``u_i > q``, ``q`` the ``1 − fraction`` quantile (linear) of the non-negative ``u``
+    (none gated when no ``u`` is non-negative)."""
+    nonneg = u[u >= 0]
+    if not len(nonneg):
+        return torch.zeros_like(u, dtype=torch.bool)
+    return u > torch.quantile(nonneg.double(), 1 - fraction).float()
+
+
+def next_gate_fraction(fraction: float, history: list[float], level: float, base: float, low: float,
+                       high: float, rate: float, window: int) -> tuple[float, list[float]]:
+    """The gated fraction after a batch whose mean non-negative disagreement is ``level``, and the updated
+    history of levels: ``base`` at the first batch; ×(1 + rate) above every level of ``history``,
+    ×(1 − rate) below all; clipped to ``[low, high]``; the history keeps its last ``window`` levels."""
+    if not history:
+        fraction = base
+    elif level > max(history):
+        fraction *= 1 + rate
+    elif level < min(history):
+        fraction *= 1 - rate
+    return float(np.clip(fraction, low, high)), (history + [level])[-window:]
+
+
+def gated_kl(kl: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
+    """The KL term of one unit: the mean of ``kl`` ``(B,)`` over the ``gated`` samples, 0 when none is."""
+    return kl[gated].mean() if gated.any() else kl.sum() * 0
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass
+class GatedBatch(StepBatch):
+    """The loop's batch with each sample's KL ``gate`` ``(N,)`` and the gate controller's state after it
+    (``gate_state``: committed by :meth:`GARDOTrainer.finish`)."""
+
+    gate: torch.Tensor | None = None
+    gate_state: dict[str, Any] = field(default_factory=dict)
+
+
+class GARDOTrainer(FlowGRPOTrainer):
+    Config = GARDOConfig
+    tcfg: GARDOConfig
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        #: θ_ref: a snapshot of the trainable weights (the starting ones until the first refresh)
+        self.reference = [p.detach().clone() for p in self.params]
+        self.last_refresh = 0
+        self.gate_fraction, self.gate_history = self.tcfg.gate_fraction, []
+
+    @classmethod
+    def needs_reference(cls, cfg, tcfg) -> bool:
+        return False  # the reference is GARDO's own snapshot, not the starting weights
+
+    @classmethod
+    def check_config(cls, cfg, tcfg) -> None:
+        super().check_config(cfg, tcfg)
+        names = [r.name for r in cfg.rewards]
+        if tcfg.main_reward is not None and tcfg.main_reward not in names:
+            raise UserError(f"trainer.main_reward={tcfg.main_reward!r} is not one of the run's rewards "
+                            f"({', '.join(names)}); name one of them, or null for the first")
+        if tcfg.gate and tcfg.beta > 0 and len(names) < 2:
+            raise UserError("trainer.gate: gardo gates its KL by comparing the main reward with auxiliary rewards;"
+                            " add one (e.g. rewards='[{name: vvr}, {name: vvr_soft, weight: 0}]') or set "
+                            "trainer.gate=false")
+        if not tcfg.gate_min <= tcfg.gate_fraction <= tcfg.gate_max:
+            raise UserError(f"trainer.gate_fraction={tcfg.gate_fraction} must lie within trainer.gate_min="
+                            f"{tcfg.gate_min} … trainer.gate_max={tcfg.gate_max}")
+        if cfg.parallel.strategy == "fsdp":
+            raise UserError("parallel.strategy=fsdp: gardo keeps a snapshot of the whole trainable weights as its "
+                            "reference, not written for sharded weights yet; use parallel.strategy=ddp")
+
+    def main_index(self, names: list[str]) -> int:
+        return 0 if self.tcfg.main_reward is None else names.index(self.tcfg.main_reward)
+
+    def collect(self, step: int) -> GatedBatch:
+        """The loop's batch, its positive advantages scaled by diversity, and each sample's KL gate."""
+        batch = super().collect(step)
+        if self.tcfg.diversity:
+            features = torch.cat([c.final_latents for c in batch.chunks])
+            scaled = diversity_scaled(batch.advantages, features, batch.prompt_ids)
+            batch.advantages = scaled.clamp(-self.tcfg.adv_clip, self.tcfg.adv_clip)
+        gate, state, logs = self.gate_batch(batch)
+        batch.logs.update(logs)
+        return GatedBatch(**{f.name: getattr(batch, f.name) for f in fields(StepBatch)}, gate=gate, gate_state=state)
+
+    def gate_batch(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, Any], dict[str, float]]:
+        """This rank's gate ``(N,)``, decided on every rank's rewards, and the controller's next state."""
+        n = len(batch.scores)
+        if not self.tcfg.gate or self.tcfg.beta == 0:
+            return torch.ones(n, dtype=torch.bool), {}, {}
+        values = self.gather(batch.scores.values)
+        valid = self.gather(batch.scores.valid.float()).bool()
+        m = self.main_index(batch.scores.names)
+        aux = [a for a in range(values.shape[1]) if a != m]
+        u = torch.full((len(values),), -1.0)
+        u[valid] = rank_disagreement(values[valid, m], values[valid][:, aux])
+        nonneg = u[valid & (u >= 0)]
+        level = nonneg.mean().item() if len(nonneg) else 0.0
+        t = self.tcfg
+        fraction, history = next_gate_fraction(self.gate_fraction, self.gate_history, level, t.gate_fraction,
+                                               t.gate_min, t.gate_max, t.gate_rate, t.gate_window)
+        gate = gate_mask(u, fraction) & valid
+        mine = gate[self.rank * n : (self.rank + 1) * n]
+        return mine, {"fraction": fraction, "history": history}, {
+            "gate/fraction": fraction, "gate/gated": gate.float().mean().item(), "gate/disagreement": level}
+
+    def kl_penalty(self, batch: GatedBatch, unit: StepUnit, kl: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        gate = batch.per_chunk(batch.gate)[unit.chunk].to(active.device)
+        return gated_kl(kl, active & gate)
+
+    def reference_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
+        """``μ_ref`` at step ``k``: the step's Gaussian mean under the reference snapshot θ_ref, no grad."""
+        x_k = chunk.step(k)[0]
+        with torch.no_grad(), swapped_in(self.params, self.reference):
+            v = self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+            return self.step_distribution(chunk, k, v).mean
+
+    def update(self, batch: GatedBatch, generator: torch.Generator) -> dict[str, float]:
+        """Flow-GRPO's optimiser steps, then the reference refresh: a new snapshot when the step's mean KL
+        (over every rank's units) exceeded ``kl_threshold`` or ``reset_every`` steps have passed since the
+        last one (decided alike on every rank)."""
+        logs = super().update(batch, generator)
+        if self.tcfg.beta > 0:
+            kl = self.gather(torch.tensor([logs.get("kl", float("nan"))], dtype=torch.float64))
+            mean_kl = float(np.nanmean(kl.numpy())) if not torch.isnan(kl).all() else 0.0
+            after = self.step + 1
+            if mean_kl > self.tcfg.kl_threshold or after - self.last_refresh > self.tcfg.reset_every:
+                self.reference = [p.detach().clone() for p in self.params]
+                self.last_refresh = after
+            logs["reference_age"] = float(after - self.last_refresh)
+        return logs
+
+    def finish(self, batch: GatedBatch) -> dict[str, float]:
+        if batch.gate_state:
+            self.gate_fraction, self.gate_history = batch.gate_state["fraction"], batch.gate_state["history"]
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**{f"reference.{i}": t for i, t in enumerate(self.reference)}, "last_refresh": self.last_refresh,
+                "gate_fraction": self.gate_fraction, "gate_history": list(self.gate_history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reference = [state[f"reference.{i}"].clone().to(p) for i, p in enumerate(self.params)]
+        self.last_refresh = int(state["last_refresh"])
+        self.gate_fraction, self.gate_history = float(state["gate_fraction"]), [float(x) for x in state["gate_history"]]

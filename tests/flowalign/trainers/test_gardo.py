@@ -1,0 +1,96 @@
+"""GARDO: the gated KL, the adaptive reference and diversity-scaled advantages (docs/methods/gardo.md)."""
+
+import pytest
+import torch
+
+from flowalign.advantages import diversity_scaled
+from flowalign.config import load_config
+from flowalign.errors import UserError
+from flowalign.train import build_trainer, check_run
+from flowalign.trainers.gardo import gate_mask, gated_kl, next_gate_fraction, rank_disagreement
+
+from .conftest import REDNESS, small_config, small_run
+from .resume_check import assert_trains_and_resumes_bit_exactly
+
+TWO_REWARDS = f"rewards=[{{name: '{REDNESS}'}}, {{name: brightness, weight: 0}}]"
+
+
+def test_rank_disagreement_and_the_gate_by_hand():
+    """main (4, 3, 2, 1) ranks (1, 2, 3, 4); the auxiliary ranks (4, 3, 2, 1) and (3, 4, 1, 2): mean
+    (3.5, 3.5, 1.5, 1.5) → u = (−2.5, −1.5, 1.5, 2.5). Among u ≥ 0 = (1.5, 2.5) the 0.5-quantile is 2.0:
+    only the last sample is gated (the one the proxy ranks lowest against the auxiliaries)."""
+    main = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    aux = torch.tensor([[1.0, 2.0], [2.0, 1.0], [3.0, 4.0], [4.0, 3.0]])
+    u = rank_disagreement(main, aux)
+    torch.testing.assert_close(u, torch.tensor([-2.5, -1.5, 1.5, 2.5]))
+    assert gate_mask(u, 0.5).tolist() == [False, False, False, True]
+    assert not gate_mask(torch.tensor([-1.0, -2.0]), 0.5).any()
+
+
+def test_the_gated_fraction_adapts_to_the_disagreement_history():
+    f, h = next_gate_fraction(0.5, [], 3.0, 0.1, 0.02, 0.2, 0.1, 3)
+    assert (f, h) == (0.1, [3.0])  # the first batch starts at the base
+    f, h = next_gate_fraction(f, h, 4.0, 0.1, 0.02, 0.2, 0.1, 3)
+    assert f == pytest.approx(0.11) and h == [3.0, 4.0]  # above every level: × 1.1
+    f, h = next_gate_fraction(f, h, 3.5, 0.1, 0.02, 0.2, 0.1, 3)
+    assert f == pytest.approx(0.11)  # within the range: kept
+    f, h = next_gate_fraction(f, h, 1.0, 0.1, 0.02, 0.2, 0.1, 3)
+    assert f == pytest.approx(0.099) and h == [4.0, 3.5, 1.0]  # below all: × 0.9; the window keeps 3
+    assert next_gate_fraction(0.2, [1.0], 9.0, 0.1, 0.02, 0.2, 0.1, 3)[0] == 0.2  # clipped to gate_max
+
+
+def test_the_gated_kl_and_its_gradient_by_hand():
+    """mean over the gated samples: ∂/∂kl_i = 1/|G| for gated i, 0 otherwise; none gated: 0, no gradient."""
+    kl = torch.tensor([0.2, 0.4, 0.6, 0.8], requires_grad=True)
+    gated = torch.tensor([True, False, True, False])
+    value = gated_kl(kl, gated)
+    value.backward()
+    assert value.item() == pytest.approx(0.4) and kl.grad.tolist() == [0.5, 0.0, 0.5, 0.0]
+    assert gated_kl(kl, torch.zeros(4, dtype=torch.bool)).item() == 0.0
+
+
+def test_diversity_scales_only_positive_advantages_by_nearest_distance():
+    """Features e1, e1, e2 (group 0): nearest cosine distances (0, 0, 1), mean 1/3 → positive advantages
+    × (0, 0, 3); the negative one is kept; group 1 (one sample) is kept whole."""
+    features = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    out = diversity_scaled(adv, features, torch.tensor([0, 0, 0, 1]))
+    torch.testing.assert_close(out, torch.tensor([0.0, -1.0, 1.5, 2.0]))
+
+
+def test_the_kl_is_to_the_snapshot_and_a_large_kl_refreshes_it(tmp_path, tiny_sd3_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS,
+                                   "trainer.kl_threshold=1e-30", "trainer.updates_per_epoch=2",
+                                   "trainer.gate_fraction=0.2", "trainer.clip_range=0.2"))
+    batch = t.collect(0)
+    assert batch.gate.dtype == torch.bool and 0 < int(batch.gate.sum()) < len(batch.gate)
+    chunk = batch.chunks[0]
+    k = t.trained_steps(chunk)[0]
+    with torch.no_grad():  # on-policy and at the start: the snapshot is the policy, μ_ref = μ_θ, ratio 1
+        out = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
+    torch.testing.assert_close(t.reference_mean(chunk, k), out.mean)
+    assert torch.equal(out.log_prob, chunk.step(k)[2])
+    start = [r.clone() for r in t.reference]
+    logs = t.update(batch, torch.Generator().manual_seed(0))
+    assert logs["kl"] > 0  # the second optimiser step moved away from the snapshot
+    assert any(not torch.equal(a, b) for a, b in zip(start, t.reference))  # a new snapshot ...
+    assert all(torch.equal(r, p) for r, p in zip(t.reference, t.params))  # refreshed to the updated weights
+    assert t.last_refresh == 1 and logs["reference_age"] == 0
+    assert t.gate_fraction == batch.gate_state["fraction"]  # the controller's state committed by finish
+
+
+def test_a_gate_needs_an_auxiliary_reward_and_main_reward_names_one(tmp_path, tiny_sd3_dir, prompt_file):
+    base = small_run(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=gardo")
+    with pytest.raises(UserError, match="auxiliary rewards"):
+        check_run(load_config(None, base))
+    with pytest.raises(UserError, match="main_reward='nope'"):
+        check_run(load_config(None, [*base, TWO_REWARDS, "trainer.main_reward=nope"]))
+    check_run(load_config(None, [*base, "trainer.gate=false"]))
+
+
+def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
+    """The snapshot, its age and the gate controller travel in the checkpoint (reset_every=1: a refresh
+    at the step the cut run stops)."""
+    assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS,
+                                          "trainer.updates_per_epoch=2", "trainer.reset_every=1",
+                                          "trainer.clip_range=0.2")
