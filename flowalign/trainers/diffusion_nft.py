@@ -52,7 +52,7 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
     Config = DiffusionNFTConfig
     tcfg: DiffusionNFTConfig
 
-    def prepare(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
+    def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """One unit per chosen timestep: the noised endpoints and ``v_φ`` there (the caller swapped φ in)."""
         x0 = chunk.final_latents.to(self.policy.device)
         sigmas = chunk.sigmas[:-1]  # σ = 0 is the clean sample: nothing to learn there

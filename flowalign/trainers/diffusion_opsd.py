@@ -172,7 +172,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
         return pixel_reward_gradient(self.policy, self.rewards, chunk.prompts, chunk.metadata,
                                      self.tcfg.decoder_checkpointing)
 
-    def prepare(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
+    def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """Query state, anchor ``y0`` and targets ``y±`` under φ (the caller swapped φ in)."""
         t = self.tcfg
         sigma_q, z_q, v_phi, y0 = query_anchor(self.policy, chunk, t.sigma_star, self.fit_guidance(chunk))

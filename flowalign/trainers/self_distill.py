@@ -3,7 +3,7 @@
 
 One outer iteration: ODE rollouts with the behaviour weights φ (no grad), rewards and advantages (the
 loop's), a reward weight ``r = clip(A, ±A_max)/(2·A_max) + 1/2`` per sample, fixed fitting targets built
-once under φ (:meth:`SelfDistillTrainer.prepare`, one fit unit per backward pass), ``fit_steps``
+once under φ (:meth:`SelfDistillTrainer.fit_units`, one fit unit per backward pass), ``fit_steps``
 optimiser updates on them (the loss of a unit: :meth:`SelfDistillTrainer.fit_loss`, averaged over
 every kept (sample, unit) pair), then the behaviour refresh ``φ ← λ_s·φ + (1−λ_s)·θ`` with
 ``λ_s = min(rate·s, cap)``, s counting optimiser steps. Mirrored velocities around ``v_φ``:
@@ -121,7 +121,7 @@ class FitUnit:
 class SelfDistillTrainer(GroupTrainer):
     """The hooks OPSD and NFT share: φ-rollouts, targets under φ, K fitting updates, behaviour refresh.
 
-    Subclasses define :meth:`prepare` (φ phase of one chunk, no parameter gradient → fit units) and
+    Subclasses define :meth:`fit_units` (φ phase of one chunk, no parameter gradient → fit units) and
     :meth:`fit_loss` (θ phase of one unit: per-sample loss ``(B,)``).
     """
 
@@ -153,7 +153,7 @@ class SelfDistillTrainer(GroupTrainer):
         with self.behaviour.swapped_in():
             units = [u for c, key, r, ok in zip(batch.chunks, batch.chunk_keys(), batch.per_chunk(r_all),
                                                 batch.per_chunk(valid))
-                     for u in self.prepare(c, r, ok, self.keyed_generator(*key, 23))]
+                     for u in self.fit_units(c, r, ok, self.keyed_generator(*key, 23))]
         units = [u for u in units if u.keep.any()]
         total = self.total(sum(int(u.keep.sum()) for u in units))
         units = [dataclasses.replace(u, total=total) for u in units]
@@ -185,7 +185,7 @@ class SelfDistillTrainer(GroupTrainer):
                     phi.copy_(state[name])
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
 
-    def prepare(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
+    def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """The fixed targets of one chunk under φ (one unit per backward pass)."""
         raise NotImplementedError
 

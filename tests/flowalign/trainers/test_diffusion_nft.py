@@ -49,7 +49,7 @@ def test_real_units_at_theta_equals_phi_and_r_half_give_exactly_zero_gradient(tm
     prompts, metadata, groups = t.step_prompts(0)
     chunk = t.sample(prompts, metadata, groups).chunks[0]
     with t.behaviour.swapped_in():
-        units = t.prepare(chunk, torch.full((len(chunk),), 0.5), torch.ones(len(chunk), dtype=torch.bool),
+        units = t.fit_units(chunk, torch.full((len(chunk),), 0.5), torch.ones(len(chunk), dtype=torch.bool),
                           torch.Generator().manual_seed(0))
     assert len(units) == 2 and units[0].tensors["t"] != units[1].tensors["t"]
     for unit in units:
@@ -89,7 +89,7 @@ def test_fit_guidance_one_fits_the_conditional_velocity_alone(tmp_path, tiny_sd3
 
     def fit_loss() -> torch.Tensor:
         with t.behaviour.swapped_in():
-            units = t.prepare(chunk, r, torch.ones(len(chunk), dtype=torch.bool), torch.Generator().manual_seed(0))
+            units = t.fit_units(chunk, r, torch.ones(len(chunk), dtype=torch.bool), torch.Generator().manual_seed(0))
         with torch.no_grad():
             return torch.stack([t.fit_loss(u)[0] for u in units])
 

@@ -128,7 +128,7 @@ def test_targets_carry_no_parameter_gradient_and_the_update_moves_theta(tmp_path
     prompts, metadata, groups = t.step_prompts(0)
     chunk = t.sample(prompts, metadata, groups).chunks[0]
     with t.behaviour.swapped_in():
-        (unit,) = t.prepare(chunk, torch.full((len(chunk),), 0.5), torch.ones(len(chunk), dtype=torch.bool),
+        (unit,) = t.fit_units(chunk, torch.full((len(chunk),), 0.5), torch.ones(len(chunk), dtype=torch.bool),
                             torch.Generator().manual_seed(0))
     assert all(p.grad is None for p in t.policy.transformer.parameters())
     x = unit.tensors
@@ -176,7 +176,7 @@ def test_a_batch_with_no_reward_gradient_gets_targets_equal_to_the_anchor(tmp_pa
     tasks = [task for task in generate_tasks(60, seed=3, level="medium") if task.constraints[0].type.startswith("count")][:4]
     (chunk,) = t.sample([task.prompt for task in tasks], [{"task": task} for task in tasks], torch.zeros(4, dtype=torch.long)).chunks
     with t.behaviour.swapped_in():
-        (unit,) = t.prepare(chunk, torch.full((4,), 0.5), torch.ones(4, dtype=torch.bool), torch.Generator().manual_seed(0))
+        (unit,) = t.fit_units(chunk, torch.full((4,), 0.5), torch.ones(4, dtype=torch.bool), torch.Generator().manual_seed(0))
     assert torch.equal(unit.tensors["y_pos"], unit.tensors["y0"]) and torch.equal(unit.tensors["y_neg"], unit.tensors["y0"])
 
 
@@ -193,7 +193,7 @@ def test_fit_guidance_one_reads_the_conditional_velocity_alone(tmp_path, tiny_sd
 
     def anchor_and_loss() -> tuple[torch.Tensor, torch.Tensor]:
         with t.behaviour.swapped_in():
-            (unit,) = t.prepare(chunk, r, torch.ones(len(chunk), dtype=torch.bool), torch.Generator().manual_seed(0))
+            (unit,) = t.fit_units(chunk, r, torch.ones(len(chunk), dtype=torch.bool), torch.Generator().manual_seed(0))
         with torch.no_grad():
             return unit.tensors["y0"], t.fit_loss(unit)[0]
 
