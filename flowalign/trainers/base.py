@@ -111,6 +111,9 @@ class GroupTrainerConfig(Section):
     max_steps: int = Field(100, ge=1)
     #: also stop once this many minutes were spent training (evaluations excluded); None: no limit
     max_minutes: float | None = Field(None, gt=0)
+    #: what max_minutes counts: "wall" seconds, or "cpu" seconds of this process (all its threads), so a
+    #: run sharing its cores with other work still trains the same compute (time/cpu_minutes in the logs)
+    budget_clock: Literal["wall", "cpu"] = "wall"
     #: AdamW learning rate; at most 1 (real ones are 1e-6 to 1e-2, a larger one blows the weights up in a step)
     lr: float = Field(1e-4, gt=0, le=MAX_LR)
     #: "cosine": decay to lr_min_ratio·lr by the end of the budget (max_steps, or max_minutes when that
@@ -392,9 +395,9 @@ class GroupTrainer:
         t_update = time.perf_counter()
         generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, 1))  # every rank's
         stats = self.update(batch, generator)
-        now = time.perf_counter()
-        self.train_cpu_seconds += time.process_time() - cpu0
-        return {**batch.logs, "time/update": now - t_update, "time/step": now - t0,
+        now, cpu = time.perf_counter(), time.process_time() - cpu0
+        self.train_cpu_seconds += cpu
+        return {**batch.logs, "time/update": now - t_update, "time/step": now - t0, "time/step_cpu": cpu,
                 "time/cpu_minutes": self.train_cpu_seconds / 60, **{f"train/{k}": v for k, v in stats.items()}}
 
     def optimizer_step(self) -> float:

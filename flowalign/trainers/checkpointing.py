@@ -54,7 +54,8 @@ def save(trainer: Any) -> Path:
             tmp, trainable=trainable, optimizer=None if sharded_optimizer else trainer.optimizer,
             ema_state=ema_state,
             trainer_state={"step": step, "world_size": trainer.world, "trainer": trainer.tcfg.name,
-                           "rank_checksums": checksums, "train_seconds": trainer.train_seconds, "hooks": hooks},
+                           "rank_checksums": checksums, "train_seconds": trainer.train_seconds,
+                           "train_cpu_seconds": trainer.train_cpu_seconds, "hooks": hooks},
         )
     acc.wait_for_everyone()
     if acc.is_main_process:
@@ -97,6 +98,7 @@ def resume(trainer: Any) -> None:
     ckpt.load_rank_rng(folder, trainer.rank)
     trainer.step = int(state["trainer_state"]["step"])
     trainer.train_seconds = float(state["trainer_state"].get("train_seconds", 0.0))
+    trainer.train_cpu_seconds = float(state["trainer_state"].get("train_cpu_seconds", 0.0))
     prefix = ckpt.TRAINER_STATE_PREFIX
     own = {k[len(prefix):]: v for k, v in state["trainable"].items() if k.startswith(prefix)}
     trainer.load_state_dict({**state["trainer_state"].get("hooks", {}), **own})

@@ -85,7 +85,7 @@ def one_step(t: Any, bar: Any) -> bool:
     logs = t.train_step()
     check_training_finite(t.step + 1, logs, weight_labels(t.trainable_state()), t.run_dir)
     logs["train/lr"] = t.optimisation.schedule.lr
-    t.train_seconds += logs["time/step"]
+    t.train_seconds += logs["time/step_cpu" if t.tcfg.budget_clock == "cpu" else "time/step"]  # the budget's clock
     t.step += 1
     logs["time/train_minutes"] = t.train_seconds / 60
     if t.step % t.cfg.run.log_every == 0:
