@@ -38,12 +38,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(vlm_dir: Path):
+def serving(args: list[str], env: dict[str, str]):
+    """Start ``python -m flowalign ARGS --port P``, wait for its /health, yield (process, url, port), stop it."""
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{API_KEY_ENV: KEY})
-    proc = subprocess.Popen([sys.executable, "-m", "flowalign", "serve-judge", "--model", str(vlm_dir), "--port",
-                             str(port), "--max-body-mb", "1", "--header-timeout", "1", "--body-timeout", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "flowalign", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -59,6 +57,13 @@ def server(vlm_dir: Path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(vlm_dir: Path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{API_KEY_ENV: KEY})
+    yield from serving(["serve-judge", "--model", str(vlm_dir), "--max-body-mb", "1", "--header-timeout", "1",
+                        "--body-timeout", "1"], env)
 
 
 def peak_rss_kb(pid: int) -> int:

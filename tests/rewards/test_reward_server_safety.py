@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch
 
 from rewards.http_safety import API_KEY_ENV, Limits, PixelBudget
 from rewards.reward_wire import decode_request, encode_samples
-from tests.rewards.test_http_safety import (PATIENCE, _free_port, openai_error, peak_rss_kb, png_bomb, raw_exchange,
+from tests.rewards.test_http_safety import (PATIENCE, openai_error, peak_rss_kb, png_bomb, raw_exchange, serving,
                                             status_of)
 
 KEY = "reward-key-0123456789"
@@ -31,27 +29,10 @@ MAX_IMAGE_PIXELS = 128 * 128
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo), **{API_KEY_ENV: KEY})
-    proc = subprocess.Popen([sys.executable, "-m", "flowalign", "serve-reward", "{name: saturation}", "--port", str(port),
-                             "--max-body-mb", "1", "--header-timeout", "1", "--body-timeout", "1",
-                             "--max-image-pixels", str(MAX_IMAGE_PIXELS)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                requests.get(url + "/health", timeout=1)
-                break
-            except requests.RequestException:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
-                time.sleep(0.2)
-        yield proc, url, port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    yield from serving(["serve-reward", "{name: saturation}", "--max-body-mb", "1", "--header-timeout", "1",
+                        "--body-timeout", "1", "--max-image-pixels", str(MAX_IMAGE_PIXELS)], env)
 
 
 def score(url: str, body: dict, key: str | None = KEY) -> requests.Response:
