@@ -12,6 +12,10 @@ Both score decoded samples against their prompts in one of the modes of
 * ``rubric`` (Thinking Reward Model): the judge writes a JSON rubric once per prompt (cached, so every
   member of a GRPO group is judged on the same rubric), then scores each criterion 0-10;
   ``R = Σ w_k·s_k/10`` ∈ [0, 1]. [abstract; details derived]
+* ``think`` (TRM's three stages in full): the same cached rubric per prompt; the judge then writes an
+  assessment of the sample against each criterion and ends with one overall verdict ``Score: x`` (0-10);
+  ``R = x/10`` ∈ [0, 1]. A reply without the assessment or without the final score is invalid
+  (:func:`rewards.vlm_parse.parse_thinking`). [abstract; reply format derived]
 * ``pairwise``: samples sharing a prompt are compared two by two in both orders ("Better image: 1|2",
   probability-weighted); a sample's score is its mean win probability against its group ∈ [0, 1],
   a Bradley-Terry win rate for group-relative training. A group of G costs G(G−1) judge calls. [derived]
@@ -36,12 +40,12 @@ from flowalign.protocols import RewardOutput
 from rewards.common import RANGE_TOLERANCE, check_lengths, to_pil
 from rewards.registry import register
 from rewards.vlm_backend import ChatRequest, Completion
-from rewards.vlm_parse import (Criterion, choice_from_text, choice_probs, parse_rubric, parse_score, rubric_reward,
-                               weighted_score)
+from rewards.vlm_parse import (Criterion, choice_from_text, choice_probs, parse_rubric, parse_score, parse_thinking,
+                               rubric_reward, weighted_score)
 
 log = logging.getLogger("flowalign.rewards.vlm_judge")
 
-MODES = ("weighted", "yesno", "text", "rubric", "pairwise")
+MODES = ("weighted", "yesno", "text", "rubric", "think", "pairwise")
 
 QUESTIONS = {
     "weighted": ('You are a strict judge of generated {media}s. Prompt: "{prompt}". How well does the {media}'
@@ -55,6 +59,9 @@ QUESTIONS = {
     "criteria": ('Judge the {media} generated for the prompt "{prompt}" on each criterion of this rubric:\n'
                  "{criteria}\nScore each criterion from 0 to 10 and reply with one line per criterion, in the"
                  ' form "<name>: <score>".'),
+    "assess": ('Judge the {media} generated for the prompt "{prompt}" against this rubric:\n{criteria}\n'
+               'Think first: write "Assessment:" and, for each criterion, what the {media} shows and how well it'
+               ' meets it. Then end with the overall score from 0 to 10 on its own line, as "Score: x".'),
     "pairwise": ('Prompt: "{prompt}". Which of the two {media}s matches the prompt better, {media} 1 or'
                  " {media} 2? Answer 1 or 2."),
 }
@@ -70,7 +77,7 @@ class VLMJudge:
     [1, K]; 2..9 so every score is one digit token), ``question`` (a template with ``{prompt}``,
     ``{media}``, ``{K}`` replacing the mode's default), ``prefix`` (forced reply start),
     ``top_logprobs`` (alternatives read per position; digits outside them count 0, ``info`` reports
-    the mass found), ``labels`` and ``max_tokens`` / ``temperature`` (text and rubric modes; 0 is
+    the mass found), ``labels`` and ``max_tokens`` / ``temperature`` (text, rubric and think modes; 0 is
     greedy), ``num_frames`` (videos), ``rubric_cache_size`` and ``rubric_tokens`` (the rubric reply's
     length), ``seed`` (sampling at temperature > 0).
     """
@@ -113,7 +120,8 @@ class VLMJudge:
         self.backend, self.mode, self.K = backend, mode, scale
         #: pairwise scores are win rates among the samples sharing a prompt (a judge for pref_grpo)
         self.pairwise = mode == "pairwise"
-        self.question = question or QUESTIONS[mode]
+        # the think mode's rubric is written as the rubric mode's is
+        self.question = question or QUESTIONS["rubric" if mode == "think" else mode]
         self.prefix = prefix if prefix is not None else PREFIXES.get(mode, "")
         self.top_logprobs, self.labels = top_logprobs, tuple(labels)
         self.max_tokens, self.temperature, self.num_frames, self.seed = max_tokens, float(temperature), num_frames, seed
@@ -263,24 +271,38 @@ class VLMJudge:
             self.rubrics.move_to_end(p)
         return [self.rubrics[p] for p in prompts]
 
-    def _score_rubric(self, todo, media, prompts, scores, info) -> None:
+    def _judged_on_rubrics(self, todo, media, prompts, info, template: str, tokens_per_criterion: int):
+        """``(i, rubric, completion)`` for each sample: the prompt's cached rubric, then one judge call on
+        ``QUESTIONS[template]`` listing its criteria (failed calls already marked in ``info``)."""
         rubrics = self.rubric_for([prompts[i] for i in todo], [media[i][0] for i in todo])
         requests = []
         for i, rubric in zip(todo, rubrics):
             kind, parts = media[i]
             lines = "\n".join(f"- {c.name} (weight {c.weight:.2f}): {c.description}" for c in rubric)
-            text = QUESTIONS["criteria"].format(prompt=prompts[i], media=kind, criteria=lines)
-            requests.append(self._request(parts, text, "", max_tokens=max(self.max_tokens, 16 * len(rubric)),
-                                          temperature=self.temperature))
+            text = QUESTIONS[template].format(prompt=prompts[i], media=kind, criteria=lines)
+            requests.append(self._request(parts, text, "", temperature=self.temperature,
+                                          max_tokens=max(self.max_tokens, tokens_per_criterion * len(rubric))))
         for i, rubric, c in zip(todo, rubrics, self.backend.complete(requests)):
             info[i]["rubric"] = [c_.__dict__ for c_ in rubric]
-            if self._failed(c, info[i]):
-                continue
-            names = [c_.name for c_ in rubric]
-            parsed = parse_score(c.text, names, (0, 10), require_all=True)
+            if not self._failed(c, info[i]):
+                yield i, rubric, c
+
+    def _score_rubric(self, todo, media, prompts, scores, info) -> None:
+        for i, rubric, c in self._judged_on_rubrics(todo, media, prompts, info, "criteria", 16):
+            parsed = parse_score(c.text, [c_.name for c_ in rubric], (0, 10), require_all=True)
             if parsed.ok:
                 info[i]["values"] = parsed.values
                 scores[i] = rubric_reward(rubric, parsed.values)
+            else:
+                info[i]["reason"] = f"not a score: {parsed.reason}"
+                self.stats["parse_failures"] += 1
+
+    def _score_think(self, todo, media, prompts, scores, info) -> None:
+        for i, _, c in self._judged_on_rubrics(todo, media, prompts, info, "assess", 48):
+            parsed = parse_thinking(c.text)
+            if parsed.ok:
+                info[i]["assessment"], info[i]["verdict"] = parsed.assessment[:300], parsed.score
+                scores[i] = parsed.score / 10.0
             else:
                 info[i]["reason"] = f"not a score: {parsed.reason}"
                 self.stats["parse_failures"] += 1

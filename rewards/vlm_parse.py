@@ -217,3 +217,53 @@ def parse_rubric(text: str | None, max_criteria: int = 8) -> tuple[list[Criterio
 def rubric_reward(criteria: list[Criterion], scores: dict[str, float], top: float = 10.0) -> float:
     """``R = Σ_k w_k · s_k / top`` (scores per criterion on 0..top, weights summing to 1)."""
     return float(sum(c.weight * scores[c.name] / top for c in criteria))
+
+
+@dataclass
+class ParsedThinking:
+    """A thinking judge's reply: its ``assessment`` text and final ``score`` (0..10), or a ``reason``."""
+
+    score: float | None
+    assessment: str
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.score is not None
+
+
+_ASSESSMENT = re.compile(r"(?<![A-Za-z])[*_#\s]*assessment[*_\s]*:", re.I)
+
+
+def parse_thinking(text: str | None, top: float = 10.0) -> ParsedThinking:
+    """A TRM-style reply (assessment against the rubric, then the verdict) → score on ``[0, top]``.
+
+    The assessment is the ``<think>…</think>`` block or the text after an ``Assessment:`` heading; the
+    verdict is the *last* ``Score: x`` after it. A reply without an assessment, without a final score, or
+    with one outside ``[0, top]`` has no score: the reasoning is the point of the mode, and the first
+    number of a free-text assessment (``parse_score``'s fallback) is not a verdict.
+    """
+    if text is None or not text.strip():
+        return ParsedThinking(None, "", "empty reply")
+    think = re.search(r"<think>(.*?)</think>", text, re.S | re.I)
+    if think:
+        assessment, rest = think.group(1), text[think.end():]
+    else:
+        heading = _ASSESSMENT.search(text)
+        if heading is None:
+            return ParsedThinking(None, "", f"no assessment (an 'Assessment:' section or <think>) in {_clip(text)!r}")
+        assessment = rest = text[heading.end():]
+    verdicts = list(_label_pattern("Score").finditer(rest))
+    if not verdicts:
+        return ParsedThinking(None, assessment.strip(), f"no final 'Score: x' after the assessment in {_clip(text)!r}")
+    last = verdicts[-1]
+    if not think:
+        assessment = rest[: last.start()]
+    assessment = assessment.strip()
+    if not re.search(r"[A-Za-z]{2,}", assessment):
+        return ParsedThinking(None, assessment, f"the assessment before the score is empty in {_clip(text)!r}")
+    x = _value(last.group(1), last.group(2), top)
+    if not 0 <= x <= top:
+        return ParsedThinking(None, assessment, f"score {x:g} outside [0, {top:g}]")
+    return ParsedThinking(x, assessment)
+

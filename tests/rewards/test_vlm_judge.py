@@ -358,3 +358,84 @@ def test_registry_and_bad_input(vlm_dir: Path, tmp_path: Path):
         rewards.load("vlm_judge_http", url="localhost:8000")
     with pytest.raises(UserError, match="timeout="):
         rewards.load("vlm_judge_http", url="http://127.0.0.1:1/v1", timeout=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Thinking judge (TRM): rubric → assessment → score
+# --------------------------------------------------------------------------------------------------
+
+THINK_TABLE = [
+    # reply, expected verdict on 0..10 (None: invalid)
+    ("Assessment:\n- colour: the circle is red.\n- shape: round, as asked.\nScore: 8", 8.0),
+    ("**Assessment:** the shape is a square, not a circle; colour right.\n**Score:** 3.5", 3.5),
+    # the assessment mentions per-criterion numbers; the verdict is the last score
+    ("Assessment: colour score is 9, shape score is 2, so overall weak.\nFinal Score: 4/10", 4.0),
+    ("<think>The rubric asks for a red circle. The image shows a red disc.</think>Score: 9", 9.0),
+    ("Score: 7", None),  # a verdict without reasoning: not this mode's reply
+    ("Assessment: the circle is red and round.", None),  # no verdict
+    ("Assessment:\nScore: 6", None),  # an empty assessment
+    ("Assessment: nothing matches.\nScore: 12", None),  # outside 0..10
+    ("", None),
+    ("The image has 2 circles, it looks fine", None),
+]
+
+
+@pytest.mark.parametrize("reply,expected", THINK_TABLE)
+def test_parse_thinking(reply, expected):
+    from rewards.vlm_parse import parse_thinking
+
+    parsed = parse_thinking(reply)
+    if expected is None:
+        assert not parsed.ok and parsed.reason, reply
+    else:
+        assert parsed.ok and parsed.score == pytest.approx(expected) and parsed.assessment, reply
+
+
+class Recorded:
+    """A backend replaying recorded replies in order; keeps the requests it was given."""
+
+    def __init__(self, replies):
+        from rewards.vlm_backend import Completion
+
+        self.replies = [Completion(text=r) if isinstance(r, str) else r for r in replies]
+        self.calls = []
+
+    def complete(self, requests):
+        self.calls.append(list(requests))
+        out, self.replies = self.replies[: len(requests)], self.replies[len(requests):]
+        return out
+
+
+def test_think_mode_writes_the_rubric_once_then_assesses_each_sample_against_it():
+    from rewards.vlm_backend import Completion
+    from rewards.vlm_judge import VLMJudge
+
+    rubric = '[{"name": "colour", "description": "is it red", "weight": 0.5}, {"name": "shape", "weight": 0.5}]'
+    replies = [rubric,
+               "Assessment:\n- colour: red.\n- shape: a circle.\nScore: 9",
+               "Assessment: colour wrong (blue), shape right.\nScore: 5",
+               "It looks good. 7",  # no assessment, no verdict: invalid, not 0
+               Completion(text=None, error="timeout")]
+    j = VLMJudge(Recorded(replies), mode="think")
+    out = j(smooth_images(4), ["a red circle"] * 4, [])
+    calls = j.backend.calls
+    assert [len(c) for c in calls] == [1, 4]  # one rubric call for the group, then one call per sample
+    assert "JSON" in calls[0][0].messages[0]["content"][-1]["text"]
+    assess = calls[1][0].messages[0]["content"][-1]["text"]
+    assert "colour (weight 0.50): is it red" in assess and "Assessment:" in assess and "Score: x" in assess
+    s = out.components["vlm_judge"]
+    assert out.valid.tolist() == [True, True, False, False]
+    assert s[:2].tolist() == pytest.approx([0.9, 0.5]) and torch.isnan(s[2:]).all()
+    assert "assessment" in out.info[2]["reason"] and "timeout" in out.info[3]["reason"]
+    assert out.info[0]["assessment"].startswith("- colour: red") and out.info[0]["verdict"] == 9
+    assert j.stats["parse_failures"] == 1 and j.stats["call_failures"] == 1 and j.stats["rubric_calls"] == 1
+
+
+def test_think_mode_on_the_tiny_vlm(vlm_dir: Path):
+    """The real model path: the random tiny judge's gibberish is no assessment, so every sample is invalid
+    with its reason (none scored 0), and a group shares one rubric call."""
+    j = LocalVLMJudge(str(vlm_dir), mode="think", max_tokens=8, rubric_tokens=16)
+    out = j(smooth_images(3), ["a red circle"] * 3, [])
+    assert j.stats["rubric_calls"] == 1 and not out.valid.any()
+    assert torch.isnan(out.components["vlm_judge"]).all()
+    assert all("not a score" in x["reason"] and "reply" in x for x in out.info)
