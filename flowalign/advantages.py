@@ -2,7 +2,7 @@
 
 All take rewards of the whole gathered batch (every rank's samples) with a group id per sample and return
 one advantage per sample. Selected by ``trainer.advantage``: ``group`` | ``global_std`` | ``gdpo`` |
-``win_rate``.
+``win_rate`` | ``dual`` (PD-GRPO's pointwise and pairwise groups, mixed by ``pairwise_weight``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Callable, Literal
 
 import torch
 
-AdvantageKind = Literal["group", "global_std", "gdpo", "win_rate"]
-ADVANTAGE_KINDS = ("group", "global_std", "gdpo", "win_rate")
+AdvantageKind = Literal["group", "global_std", "gdpo", "win_rate", "dual"]
+ADVANTAGE_KINDS = ("group", "global_std", "gdpo", "win_rate", "dual")
 
 
 def _group_mean_std(values: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +90,27 @@ def preference_win_rates(components: torch.Tensor, weights: torch.Tensor, groups
     return torch.stack(columns, dim=1) @ weights.float()
 
 
+def dual_group_advantages(components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor,
+                          pairwise_weight: float, judged: torch.Tensor | None = None, *,
+                          eps: float = 1e-4) -> torch.Tensor:
+    """PD-GRPO's advantages ``(N,)``: one group-relative advantage from pointwise scores and one from pairwise
+    win rates, mixed, ``A = (1 − λ)·A_point + λ·A_pair`` with ``λ = pairwise_weight``:
+
+    - ``A_point = (R − mean_g R)/(std_g R + eps)``, ``R = Σ_m w_m r^(m)`` over the pointwise rewards (those
+      not ``judged``; all of them if every reward is a pairwise judge);
+    - ``A_pair = (W − mean_g W)/(std_g W + eps)`` on the win rates of :func:`preference_win_rates` (a
+      pairwise judge's value as it is, any other reward's scores compared two by two).
+
+    The pairwise group sees only who beats whom (it cannot blow up a small gap nor shrink a large one); the
+    pointwise group keeps how much better. λ = 0 is Flow-GRPO's ``group`` advantage, λ = 1 Pref-GRPO's.
+    """
+    judged = torch.zeros(components.shape[1], dtype=torch.bool) if judged is None else judged
+    point = ~judged if (~judged).any() else torch.ones_like(judged)
+    a_point = group_advantages(components[:, point].float() @ weights[point].float(), groups, std="group", eps=eps)
+    a_pair = group_advantages(preference_win_rates(components, weights, groups, judged), groups, std="group", eps=eps)
+    return (1.0 - pairwise_weight) * a_point + pairwise_weight * a_pair
+
+
 def compute_advantages(
     kind: AdvantageKind,
     components: torch.Tensor,
@@ -99,11 +120,13 @@ def compute_advantages(
     clip: float = 5.0,
     eps: float = 1e-4,
     judged: torch.Tensor | None = None,
+    pairwise_weight: float = 0.5,
 ) -> torch.Tensor:
     """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
     ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards; ``win_rate``
     normalises within each group the win rates of :func:`preference_win_rates` (``judged``: which rewards
-    are pairwise judges already)."""
+    are pairwise judges already); ``dual`` mixes a pointwise and a pairwise group by ``pairwise_weight``
+    (:func:`dual_group_advantages`)."""
     total = components.float() @ weights.float()
     if kind == "group":
         adv = group_advantages(total, groups, std="group", eps=eps)
@@ -113,6 +136,8 @@ def compute_advantages(
         adv = gdpo_advantages(components, weights, groups, eps=eps)
     elif kind == "win_rate":
         adv = group_advantages(preference_win_rates(components, weights, groups, judged), groups, std="group", eps=eps)
+    elif kind == "dual":
+        adv = dual_group_advantages(components, weights, groups, pairwise_weight, judged, eps=eps)
     else:
         raise ValueError(f"unknown advantage kind {kind!r}; choose one of {', '.join(ADVANTAGE_KINDS)}")
     return adv.clamp(-clip, clip)

@@ -38,6 +38,7 @@ TRAINERS = {
     "tempflow_grpo": "flowalign.trainers.tempflow_grpo:TempFlowGRPOTrainer",
     "pref_grpo": "flowalign.trainers.pref_grpo:PrefGRPOTrainer",
     "gardo": "flowalign.trainers.gardo:GARDOTrainer",
+    "pd_grpo": "flowalign.trainers.pd_grpo:PDGRPOTrainer",
 }
 
 

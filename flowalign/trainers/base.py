@@ -343,11 +343,15 @@ class GroupTrainer:
         check_invalid(batch.scores, step, self.cfg.run.max_invalid_fraction, batch.samples, self.run_dir)
         t = time.perf_counter()
         batch.advantages = gathered_advantages(self.tcfg.advantage, batch.scores, batch.prompt_ids, self.acc,
-                                               self.tcfg.adv_clip)
+                                               self.tcfg.adv_clip, **self.advantage_options())
         batch.logs.update(self.reward_logs(batch.scores))
         batch.logs["zero_adv_fraction"] = (batch.advantages == 0).float().mean().item()
         batch.logs["time/reward"] += time.perf_counter() - t
         return batch
+
+    def advantage_options(self) -> dict[str, Any]:
+        """Options of ``trainer.advantage`` beyond its kind (see ``compute_advantages``); none by default."""
+        return {}
 
     def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
                prompt_ids: torch.Tensor | None = None, step: int | None = None) -> StepBatch:

@@ -38,7 +38,12 @@ class PrefGRPOTrainer(DanceGRPOTrainer):
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
-        if tcfg.batch_size % tcfg.group_size:
-            raise UserError(f"trainer.batch_size={tcfg.batch_size} must be a multiple of trainer.group_size="
-                            f"{tcfg.group_size}: a pairwise judge compares the samples of one rollout batch, so "
-                            f"each batch must hold whole groups (e.g. batch_size={tcfg.group_size})")
+        check_whole_groups(tcfg)
+
+
+def check_whole_groups(tcfg) -> None:
+    """A pairwise judge compares the samples of one rollout batch: each batch must hold whole groups."""
+    if tcfg.batch_size % tcfg.group_size:
+        raise UserError(f"trainer.batch_size={tcfg.batch_size} must be a multiple of trainer.group_size="
+                        f"{tcfg.group_size}: a pairwise judge compares the samples of one rollout batch, so "
+                        f"each batch must hold whole groups (e.g. batch_size={tcfg.group_size})")

@@ -177,10 +177,11 @@ def sample_and_score(policy: Any, rewards: RewardSet, batches: list[list[SampleS
     return chunks, scores, times, prepared
 
 
-def gathered_advantages(kind: str, scores: RewardScores, prompt_ids: torch.Tensor, acc: Any, clip: float) -> torch.Tensor:
+def gathered_advantages(kind: str, scores: RewardScores, prompt_ids: torch.Tensor, acc: Any, clip: float,
+                        **options: Any) -> torch.Tensor:
     """Advantages ``(N,)`` of this rank's samples from every rank's rewards, normalised per prompt;
     invalid samples get 0 (they take their prompt's valid mean, so they neither move nor receive the
-    statistics)."""
+    statistics). ``options`` go to :func:`flowalign.advantages.compute_advantages` (e.g. ``pairwise_weight``)."""
     comps, ok, pids = (acc.gather(t.to(acc.device)).cpu() for t in (scores.values, scores.valid, prompt_ids))
     filled = comps.clone()
     for p in torch.unique(pids):
@@ -188,7 +189,7 @@ def gathered_advantages(kind: str, scores: RewardScores, prompt_ids: torch.Tenso
         good = members & ok
         if good.any():
             filled[members & ~ok] = comps[good].mean(0)
-    adv = compute_advantages(kind, filled, scores.weights, pids, clip=clip, judged=scores.pairwise)
+    adv = compute_advantages(kind, filled, scores.weights, pids, clip=clip, judged=scores.pairwise, **options)
     adv[~ok] = 0.0
     n = len(scores)
     return adv[acc.process_index * n : (acc.process_index + 1) * n]

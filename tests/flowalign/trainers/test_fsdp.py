@@ -156,6 +156,19 @@ def test_self_opd_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_s
     assert max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 0  # B starts at zero: it moved
 
 
+@pytest.mark.parametrize("trainer", ["pd_grpo", "mix_grpo", "grpo_guard", "awm", "dgpo", "diffusion_dpo"])
+def test_baseline_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd3_dir, prompt_file, trainer):
+    """Two sharded ranks × 1 prompt and one process × 2 prompts: the same rollouts, advantages (or pairs) and
+    weights, for each baseline whose loss or advantage is its own."""
+    extra = (f"trainer.name={trainer}", *(("trainer.window_size=2",) if trainer == "mix_grpo" else ()))
+    torchrun(["train", "/dev/null", *small_run(tmp_path / "fsdp", tiny_sd3_dir, prompt_file, FSDP, *extra,
+                                               "trainer.prompts_per_step=1")])
+    single(["train", "/dev/null", *small_run(tmp_path / "single", tiny_sd3_dir, prompt_file, *extra)])
+    fsdp, one = weights(tmp_path / "fsdp", 2), weights(tmp_path / "single", 2)
+    assert max_diff(fsdp, one) < 1e-5
+    assert max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 0  # B starts at zero: it moved
+
+
 def test_diffusion_nft_under_fsdp_ends_at_the_replicated_weights_and_evaluates_on_every_rank(tmp_path, tiny_sd3_dir,
                                                                                              prompt_file):
     """Sharded and replicated ranks end at the same weights; the final evaluation runs sharded too (every

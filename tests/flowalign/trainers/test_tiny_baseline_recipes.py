@@ -1,4 +1,4 @@
-"""The shipped tiny recipes of tempflow_grpo, pref_grpo and gardo train two steps on the embedded model as
+"""The shipped tiny recipes of tempflow_grpo, pref_grpo, gardo and pd_grpo train two steps on the embedded model as
 written (only the sizes shrunk), with the settings that make each method itself."""
 
 from pathlib import Path
@@ -15,7 +15,7 @@ SMALL = ("trainer.max_steps=2", "trainer.max_minutes=null", "trainer.prompts_per
          "run.tensorboard=false", "run.checkpoint_every=2", "data.n=16")
 
 
-@pytest.mark.parametrize("name", ["tempflow_grpo", "pref_grpo", "gardo"])
+@pytest.mark.parametrize("name", ["tempflow_grpo", "pref_grpo", "gardo", "pd_grpo"])
 def test_the_tiny_recipe_trains_two_steps(name, tmp_path):
     overrides = [f"run.output_dir={tmp_path / name}", f"model.path={REPO / 'assets' / 'tiny-sd3-vvr'}", *SMALL]
     if name == "tempflow_grpo":
@@ -31,3 +31,5 @@ def test_the_tiny_recipe_trains_two_steps(name, tmp_path):
         assert t.tcfg.main_reward == "vvr" and [n for n, _, _ in t.rewards] == ["vvr", "vvr_soft"]
     if name == "pref_grpo":
         assert t.tcfg.advantage == "win_rate" and t.tcfg.shared_initial_noise
+    if name == "pd_grpo":
+        assert t.tcfg.advantage == "dual" and t.tcfg.pairwise_weight == 0.5
