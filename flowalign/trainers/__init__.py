@@ -39,6 +39,7 @@ TRAINERS = {
     "pref_grpo": "flowalign.trainers.pref_grpo:PrefGRPOTrainer",
     "gardo": "flowalign.trainers.gardo:GARDOTrainer",
     "pd_grpo": "flowalign.trainers.pd_grpo:PDGRPOTrainer",
+    "seppo": "flowalign.trainers.seppo:SePPOTrainer",
 }
 
 

@@ -110,14 +110,19 @@ class DiffusionDPOTrainer(GroupTrainer):
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
-        self.offline: PromptSet | None = None
-        if self.tcfg.pairs:
-            from flowalign.pairs import read_preference_pairs
+        self.offline = self.offline_pair_set()
 
-            self.offline = read_preference_pairs(self.tcfg.pairs)  # every image checked before compute
-            if not hasattr(self.policy, "encode_images"):
-                raise UserError(f"trainer.pairs: the {self.policy.family} policy cannot encode images (no "
-                                "encode_images); use online pairs (drop trainer.pairs) or an image model")
+    def offline_pair_set(self) -> PromptSet | None:
+        """The preference triples of ``trainer.pairs``, every image checked before compute (None: online)."""
+        if not self.tcfg.pairs:
+            return None
+        from flowalign.pairs import read_preference_pairs
+
+        offline = read_preference_pairs(self.tcfg.pairs)
+        if not hasattr(self.policy, "encode_images"):
+            raise UserError(f"trainer.pairs: the {self.policy.family} policy cannot encode images (no "
+                            "encode_images); use online pairs (drop trainer.pairs) or an image model")
+        return offline
 
     # ------------------------------------------------------------------ pairs
 
@@ -183,10 +188,15 @@ class DiffusionDPOTrainer(GroupTrainer):
             gens = [torch.Generator().manual_seed(batch.seeds[i]) for i in index]
             t = torch.cat([pair_timesteps(1, self.tcfg.timestep_sampling, g) for g in gens])
             eps = torch.stack([torch.randn(shape, generator=g) for g in gens])
-            with torch.no_grad(), self.policy.adapter_disabled():
-                ref_w, ref_l = self.errors(batch, index, t, eps)
+            ref_w, ref_l = self.reference_errors(batch, index, t, eps)
             units.append(PairUnit(index, t, eps, ref_w, ref_l, total))
         return Plan([units] * self.tcfg.inner_epochs if total else [], global_weights=True)
+
+    def reference_errors(self, batch: PairBatch, index: tuple[int, ...], t: torch.Tensor,
+                         eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``e_ref(x0ʷ), e_ref(x0ˡ)`` ``(P,)`` under the reference: the adapter switched off (or the frozen copy)."""
+        with torch.no_grad(), self.policy.adapter_disabled():
+            return self.errors(batch, index, t, eps)
 
     def loss(self, batch: PairBatch, unit: PairUnit) -> tuple[torch.Tensor, dict[str, float]]:
         err_w, err_l = self.errors(batch, unit.index, unit.t, unit.eps)

@@ -25,7 +25,6 @@ a pair share its x̂ and run as one batched pass, and the σ̃ draws use their o
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,6 +37,7 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_BATCH, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+from flowalign.trainers.pair_images import PairImages
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -208,16 +208,12 @@ class SOARTrainer(GroupTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         tc = self.tcfg
-        self.pairs, self.bench = self.pair_source()
-        #: clean latents by pair index, least recently used first (at most ``latent_cache``)
-        self.encoded: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.images = PairImages(self.policy, self.cfg, self.data, tc.pairs, tc.name, tc.latent_cache)
+        self.pairs = self.images.pairs
         if tc.corrections > 0 and tc.rollout_guidance > 1 and float(self.policy.defaults.get("guidance_scale", 1)) <= 1:
             raise UserError(f"trainer.rollout_guidance={tc.rollout_guidance} needs CFG negatives, but the model's "
                             f"guidance_scale is {self.policy.defaults.get('guidance_scale')}: set "
                             "model.defaults.guidance_scale > 1 or trainer.rollout_guidance=1")
-        if not hasattr(self.policy, "encode_images"):
-            raise UserError(f"the {self.policy.family} policy cannot encode images to latents (no encode_images); "
-                            "SOAR/SFT need it")
         inference_steps = self.cfg.eval.num_steps or self.policy.defaults.get("num_steps")
         if tc.corrections > 0 and inference_steps and int(inference_steps) != tc.rollout_steps and self.acc.is_main_process:
             # not an error: a run may train for one sampler and be judged with another on purpose
@@ -226,46 +222,18 @@ class SOARTrainer(GroupTrainer):
                   f"trainer.rollout_steps={inference_steps} trains for that sampler")
         self.latents(self.step_pairs(0)[:1])  # one pair end to end: bad data fails before training
 
-    def pair_source(self) -> tuple[PromptSet, str | None]:
-        """The (image, caption) pairs: ``trainer.pairs`` on disk, or the training tasks of a renderable bench."""
-        if self.tcfg.pairs:
-            from flowalign.pairs import read_caption_pairs
+    @property
+    def encoded(self):
+        """The cache of encoded pairs (see :class:`PairImages`)."""
+        return self.images.encoded
 
-            return read_caption_pairs(self.tcfg.pairs), None
-        bench = self.cfg.data.bench
-        if self.cfg.data.prompts or not bench:
-            raise UserError(f"trainer.name={self.tcfg.name} trains on (image, caption) pairs, not prompts: set "
-                            "trainer.pairs to a folder or JSONL of image/caption pairs, or data.bench: vvr (rendered "
-                            "scenes)")
-        return self.data, bench
+    def latents(self, indices: list[int]) -> torch.Tensor:
+        """``(B, C, h, w)`` clean latents x0 of the pairs, encoded once each and cached."""
+        return self.images.latents(indices)
 
     def step_pairs(self, step: int) -> list[int]:
         """This rank's pairs of a step, as indices into :attr:`pairs`."""
         return self.step_indices(step, self.pairs, self.tcfg.step_pairs)
-
-    def latents(self, indices: list[int]) -> torch.Tensor:
-        """``(B, C, h, w)`` clean latents x0 of the pairs, encoded once each (posterior mean) and cached."""
-        h, w = int(self.policy.defaults["height"]), int(self.policy.defaults["width"])
-        out = []
-        for i in indices:
-            if i not in self.encoded:
-                meta = self.pairs.metadata[i]
-                if self.bench is not None:
-                    if h != w:
-                        raise UserError(f"rendered {self.bench} scenes are square but the model samples {h}x{w}: set "
-                                        "model.defaults height = width")
-                    from flowalign.benchmarks import render_task
-
-                    image = render_task(self.bench, meta, h)
-                else:
-                    from flowalign.pairs import load_image
-
-                    image = load_image(meta["image"], h, w)
-                self.encoded[i] = self.policy.encode_images(image[None])[0].cpu()
-                while len(self.encoded) > self.tcfg.latent_cache:
-                    self.encoded.popitem(last=False)
-            out.append(self.encoded[i])
-        return torch.stack(out).to(self.policy.device)
 
     def collect(self, step: int) -> PairBatch:
         """This rank's pairs of the step, their captions (some dropped), ε, σ and the correction draws, each

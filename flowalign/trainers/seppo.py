@@ -1,0 +1,191 @@
+"""SePPO (*SePPO: Semi-Policy Preference Optimization for Diffusion Alignment*, arXiv 2410.05255), in its
+flow-matching form (``docs/methods/seppo.md``).
+
+No reward model and no human pairs: only "winning" images x0ʷ (image-caption pairs on disk, or the
+rendered scenes of a programmatic benchmark). The "losing" image of each pair is the sample x0ʳ that a
+stored *previous checkpoint* (the reference, θ_ref) draws for the same caption. Both are noised at one
+shared t with one shared ε and scored by velocity errors ``e(x0) = mean(v(x_t, t | c) − (ε − x0))²`` of
+the policy θ and of θ_ref:
+
+    s = +1 if e_θ(x0ʷ) < e_ref(x0ʷ) else −1                               (anchor criterion)
+    Δ = [e_θ(x0ʷ) − e_ref(x0ʷ)] − s·[e_θ(x0ʳ) − e_ref(x0ʳ)],      L = −log σ(−β·Δ/2)
+
+The winning image is the anchor: where the policy already fits it better than the reference does, the
+policy has moved past the reference, so the reference's sample is likely worse and is pushed away (s = +1,
+Diffusion-DPO with x0ʳ as the loser); otherwise the reference sample may be as good as what the policy
+makes and is learnt towards (s = −1). The references are checkpoints of the trainable weights taken every
+``reference_every`` steps (the starting weights first, at most ``max_references`` kept); each step uses
+one, drawn at random among them (``reference_selection: random``, which widens the policy space the
+samples explore) or the newest (``latest``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from flowalign.trainers.base import GroupTrainerConfig, derived_seed
+from flowalign.trainers.diffusion_dpo import DiffusionDPOTrainer, PairBatch, PairUnit
+from flowalign.trainers.pair_images import PairImages
+from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
+from flowalign.weight_swap import swapped_in
+
+
+class SePPOConfig(GroupTrainerConfig):
+    name: Literal["seppo"] = "seppo"
+    #: β of the DPO-style loss (large: the per-pair error differences are ~1e-3; as diffusion_dpo)
+    dpo_beta: float = Field(2000.0, gt=0)
+    #: the winning images: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None:
+    #: the rendered scenes of data.bench (a rendered scene satisfies its prompt by construction)
+    pairs: str | None = None
+    #: t of each pair: "logit_normal" (σ(n), n ~ N(0, 1)) or "uniform" on (0, 1)
+    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    #: a reference checkpoint of the trainable weights is stored every this many steps
+    reference_every: int = Field(10, ge=1)
+    #: stored reference checkpoints kept in memory (the oldest dropped first)
+    max_references: int = Field(8, ge=1)
+    #: which stored checkpoint is a step's reference: drawn uniformly ("random") or the newest ("latest")
+    reference_selection: Literal["random", "latest"] = "random"
+    #: false: every reference sample is a negative (s = +1 always; Diffusion-DPO against the reference's samples)
+    anchor: bool = True
+    #: winning-image latents kept in memory (each encoded once per run)
+    latent_cache: int = Field(50000, ge=1)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+def anchor_signs(err_w: torch.Tensor, ref_w: torch.Tensor) -> torch.Tensor:
+    """Per-pair sign ``(P,)``: +1 (the reference sample is a negative) where ``e_θ(x0ʷ) < e_ref(x0ʷ)``, else −1."""
+    return torch.where(err_w.detach() < ref_w.detach(), 1.0, -1.0).to(err_w.dtype)
+
+
+def seppo_loss(err_w: torch.Tensor, err_r: torch.Tensor, ref_w: torch.Tensor, ref_r: torch.Tensor, beta: float,
+               anchor: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-pair ``−log σ(−β/2·[(e_θʷ − e_refʷ) − s·(e_θʳ − e_refʳ)])`` ``(P,)``.
+
+    ``err_*`` / ``ref_*`` ``(P,)``: velocity errors of the policy / the reference checkpoint on the winning
+    image (w) and on the reference's own sample (r); ``s = anchor_signs(err_w, ref_w)`` (all +1 without
+    ``anchor``: then this is the Diffusion-DPO loss with x0ʳ as the losing image). References detached.
+    """
+    signs = anchor_signs(err_w, ref_w) if anchor else torch.ones_like(err_w)
+    delta = (err_w - ref_w.detach()) - signs * (err_r - ref_r.detach())
+    inside = -0.5 * beta * delta
+    loss = -F.logsigmoid(inside)
+    return loss, {"seppo_loss": loss.mean().item(), "negative_frac": (signs > 0).float().mean().item(),
+                  "margin": inside.mean().item()}
+
+
+def pick_reference(steps: list[int], how: str, generator: torch.Generator) -> int:
+    """Index into the stored checkpoints (taken at ``steps``, oldest first): the newest, or uniform."""
+    if how == "latest" or len(steps) == 1:
+        return len(steps) - 1
+    return int(torch.randint(len(steps), (1,), generator=generator))
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass
+class SePPOBatch(PairBatch):
+    """Diffusion-DPO's pair batch with ``x_l`` the reference's samples and the reference weights used."""
+
+    reference: list[torch.Tensor] = field(default_factory=list)
+
+
+class SePPOTrainer(DiffusionDPOTrainer):
+    Config = SePPOConfig
+    tcfg: SePPOConfig
+    needs_rewards = False
+
+    @classmethod
+    def check_config(cls, cfg, tcfg) -> None:
+        pass  # no reward: the winning images and the reference's own samples make the pairs
+
+    @classmethod
+    def needs_reference(cls, cfg, tcfg) -> bool:
+        return False  # the references are SePPO's stored checkpoints, not the adapter switched off
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        tc = self.tcfg
+        self.images = PairImages(self.policy, self.cfg, self.data, tc.pairs, tc.name, tc.latent_cache)
+        #: stored reference checkpoints (copies of the trainable weights) and the steps they were taken at
+        self.references: list[list[torch.Tensor]] = [[p.detach().clone() for p in self.params]]
+        self.reference_steps: list[int] = [0]
+        self.images.latents(self.step_pairs(0)[:1])  # one winning image end to end: bad data fails first
+
+    def offline_pair_set(self) -> None:
+        return None  # trainer.pairs holds winning images with captions, not preference triples
+
+    def step_pairs(self, step: int) -> list[int]:
+        """This rank's winning images of a step (``prompts_per_step`` of them), as indices into the pairs."""
+        return self.step_indices(step, self.images.pairs, self.tcfg.prompts_per_step)
+
+    def collect(self, step: int) -> SePPOBatch:
+        """This rank's winning images, the step's reference checkpoint, and that checkpoint's own ODE sample
+        for each caption (the losing side)."""
+        tc, p = self.tcfg, self.tcfg.prompts_per_step
+        indices = self.step_pairs(step)
+        prompts = [self.images.pairs.prompts[i] for i in indices]
+        metadata = [self.images.pairs.metadata[i] for i in indices]
+        pick = pick_reference(self.reference_steps, tc.reference_selection,
+                              torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, 61)))
+        reference = self.references[pick]
+        x_r = self.reference_samples(reference, prompts, metadata, step)
+        x_w = self.images.latents(indices).to(x_r)
+        seeds = [derived_seed(self.cfg.run.seed, step, self.rank * p + n, 47) for n in range(len(indices))]
+        logs = {"train/pairs": float(len(indices)), "reference/step": float(self.reference_steps[pick]),
+                "reference/age": float(step - self.reference_steps[pick]),
+                "reference/stored": float(len(self.references))}
+        return SePPOBatch(x_w, x_r, self.policy.encode(prompts), seeds, logs, reference=reference)
+
+    @torch.no_grad()
+    def reference_samples(self, reference: list[torch.Tensor], prompts: list[str], metadata: list[dict],
+                          step: int) -> torch.Tensor:
+        """``(P, ...)`` final latents the reference checkpoint samples for ``prompts`` (ODE, the run's steps
+        and guidance), each from a generator keyed by its place in the step's global draw."""
+        p = self.tcfg.prompts_per_step
+        groups = torch.arange(self.rank * p, self.rank * p + len(prompts))
+        slots = sample_slots(self.policy, prompts, metadata, groups, groups, self.cfg.run.seed, step, False)
+        sampling = {int(g): self.sampling(int(g)) for g in groups}
+        with swapped_in(self.params, reference):
+            chunks = [roll_out(self.policy, b, sampling[b[0].group], self.tcfg.num_steps, self.tcfg.guidance_scale)
+                      for b in rollout_batches(slots, sampling, self.tcfg.batch_size)]
+        return torch.cat([c.final_latents for c in chunks]).float()
+
+    def reference_errors(self, batch: SePPOBatch, index: tuple[int, ...], t: torch.Tensor,
+                         eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``e_ref(x0ʷ), e_ref(x0ʳ)`` under the step's reference checkpoint."""
+        with torch.no_grad(), swapped_in(self.params, batch.reference):
+            return self.errors(batch, index, t, eps)
+
+    def loss(self, batch: SePPOBatch, unit: PairUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        err_w, err_r = self.errors(batch, unit.index, unit.t, unit.eps)
+        per_pair, info = seppo_loss(err_w, err_r, unit.ref_w.to(err_w), unit.ref_l.to(err_r), self.tcfg.dpo_beta,
+                                    self.tcfg.anchor)
+        return per_pair.sum() / unit.total, info
+
+    def update(self, batch: SePPOBatch, generator: torch.Generator) -> dict[str, float]:
+        """The optimiser steps, then a new reference checkpoint every ``reference_every`` steps."""
+        logs = super().update(batch, generator)
+        after = self.step + 1
+        if after % self.tcfg.reference_every == 0:
+            self.references.append([p.detach().clone() for p in self.params])
+            self.reference_steps.append(after)
+            if len(self.references) > self.tcfg.max_references:
+                del self.references[0], self.reference_steps[0]
+        return logs
+
+    def state_dict(self) -> dict[str, Any]:
+        tensors = {f"reference.{k}.{i}": t for k, ref in enumerate(self.references) for i, t in enumerate(ref)}
+        return {**tensors, "reference_steps": list(self.reference_steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reference_steps = [int(s) for s in state["reference_steps"]]
+        self.references = [[self.parallel.place(state[f"reference.{k}.{i}"], p).clone() for i, p in enumerate(self.params)]
+                           for k in range(len(self.reference_steps))]
