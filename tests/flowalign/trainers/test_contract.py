@@ -150,6 +150,8 @@ ONE_STEP = {
     "tempflow_grpo": (),
     "pref_grpo": (),
     "gardo": ("trainer.gate=false",),  # one reward: the gate's auxiliary comparison is tested in test_gardo
+    "pd_grpo": (),
+    "seppo": (*VVR, "rewards=[]", "trainer.reference_every=1"),
 }
 
 
