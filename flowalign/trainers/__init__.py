@@ -40,6 +40,7 @@ TRAINERS = {
     "gardo": "flowalign.trainers.gardo:GARDOTrainer",
     "pd_grpo": "flowalign.trainers.pd_grpo:PDGRPOTrainer",
     "seppo": "flowalign.trainers.seppo:SePPOTrainer",
+    "fav": "flowalign.trainers.fav:FAVTrainer",
 }
 
 

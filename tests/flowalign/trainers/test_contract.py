@@ -152,6 +152,7 @@ ONE_STEP = {
     "gardo": ("trainer.gate=false",),  # one reward: the gate's auxiliary comparison is tested in test_gardo
     "pd_grpo": (),
     "seppo": (*VVR, "rewards=[]", "trainer.reference_every=1"),
+    "fav": (*VVR, "rewards=[{name: vvr_soft}]"),
 }
 
 

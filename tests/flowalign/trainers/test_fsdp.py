@@ -162,6 +162,7 @@ BASELINES = {
     "diffusion_dpo": ("trainer.dpo_beta=1.0",),
     "seppo": ("data.prompts=null", "data.bench=vvr", "data.level=easy", "data.n=16", "rewards=[]",
               "trainer.dpo_beta=1.0", "trainer.reference_every=1"),
+    "fav": ("data.prompts=null", "data.bench=vvr", "data.level=easy", "data.n=16", "rewards=[{name: vvr_soft}]"),
 }
 
 

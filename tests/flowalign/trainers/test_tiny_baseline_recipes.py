@@ -1,4 +1,4 @@
-"""The shipped tiny recipes of tempflow_grpo, pref_grpo, gardo, pd_grpo and seppo train two steps on the embedded model as
+"""The shipped tiny recipes of tempflow_grpo, pref_grpo, gardo, pd_grpo, seppo and fav train two steps on the embedded model as
 written (only the sizes shrunk), with the settings that make each method itself."""
 
 from pathlib import Path
@@ -15,7 +15,7 @@ SMALL = ("trainer.max_steps=2", "trainer.max_minutes=null", "trainer.prompts_per
          "run.tensorboard=false", "run.checkpoint_every=2", "data.n=16")
 
 
-@pytest.mark.parametrize("name", ["tempflow_grpo", "pref_grpo", "gardo", "pd_grpo", "seppo"])
+@pytest.mark.parametrize("name", ["tempflow_grpo", "pref_grpo", "gardo", "pd_grpo", "seppo", "fav"])
 def test_the_tiny_recipe_trains_two_steps(name, tmp_path):
     overrides = [f"run.output_dir={tmp_path / name}", f"model.path={REPO / 'assets' / 'tiny-sd3-vvr'}", *SMALL]
     if name == "tempflow_grpo":
@@ -35,3 +35,5 @@ def test_the_tiny_recipe_trains_two_steps(name, tmp_path):
         assert t.tcfg.advantage == "dual" and t.tcfg.pairwise_weight == 0.5
     if name == "seppo":
         assert t.reference_steps == [0] and t.tcfg.anchor and t.tcfg.reference_selection == "random"
+    if name == "fav":
+        assert t.tcfg.num_steps == 4 and t.cfg.eval.num_steps == 4 and t.tcfg.betas == (0.9, 0.95)

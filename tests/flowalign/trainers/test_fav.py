@@ -1,0 +1,132 @@
+"""FAV: SVGD on sample particles toward the reward-tilted reference, amortised into the generator by
+fixed-point regression (docs/methods/fav.md)."""
+
+import pytest
+import torch
+
+from flowalign.config import load_config
+from flowalign.errors import UserError
+from flowalign.train import build_trainer
+from flowalign.trainers.fav import euler_sample, fixed_point_loss, kde_score, particles, svgd_velocity
+
+from .conftest import small_config, small_run
+from .resume_check import assert_trains_and_resumes_bit_exactly
+
+VVR = ("trainer.name=fav", "data.prompts=null", "data.bench=vvr", "data.level=easy", "data.n=16",
+       "rewards=[{name: vvr_soft}]")
+
+
+def test_kde_score_is_the_gradient_of_the_log_kernel_density():
+    g = torch.Generator().manual_seed(0)
+    x, ref = torch.randn(5, 3, generator=g), torch.randn(40, 3, generator=g)
+    temps = [0.3, 2.0]
+    xr = x.clone().requires_grad_(True)
+    d2 = torch.cdist(xr, ref) ** 2
+    log_density = torch.logsumexp(torch.cat([-d2 / t for t in temps], dim=1), dim=1)
+    (want,) = torch.autograd.grad(log_density.sum(), xr)
+    torch.testing.assert_close(kde_score(x, ref, temps), want)
+
+
+def test_svgd_velocity_matches_its_definition():
+    """φ(x_i) = (1/N) Σ_j [k(x_j, x_i) s(x_j) + ∇_{x_j} k(x_j, x_i)], the kernel gradient by autograd."""
+    g = torch.Generator().manual_seed(1)
+    x, s = torch.randn(6, 2, generator=g), torch.randn(6, 2, generator=g)
+    temps = [0.5, 1.5]
+    want = torch.zeros_like(x)
+    for i in range(6):
+        for j in range(6):
+            xj = x[j].clone().requires_grad_(True)
+            k = sum(torch.exp(-((xj - x[i]) ** 2).sum() / t) for t in temps)
+            (dk,) = torch.autograd.grad(k, xj)
+            want[i] += k.detach() * s[j] + dk
+    torch.testing.assert_close(svgd_velocity(x, s, temps), want / 6)
+    torch.testing.assert_close(svgd_velocity(x, s, temps, repulsion=0.0),
+                               sum(torch.exp(-torch.cdist(x, x) ** 2 / t) for t in temps) @ s / 6)
+
+
+def _svgd(beta: float, repulsion: float = 1.0):
+    g = torch.Generator().manual_seed(0)
+    ref = 2 + torch.randn(1000, 1, generator=g)  # the reference: N(2, 1)
+    x = -1 + 0.3 * torch.randn(150, 1, generator=g)  # particles start far away and narrow
+    for _ in range(400):
+        score = kde_score(x, ref, [0.1]) + beta * torch.ones_like(x)  # r(x) = x: ∇r = 1
+        x = x + 0.25 * svgd_velocity(x, score, [0.2], repulsion)
+    return ref, x
+
+
+def test_svgd_with_a_flat_reward_leaves_the_particles_distributed_as_the_reference():
+    """Target = the reference's kernel density (N(2, 1) widened by the kernel's variance t/2 = 0.05)."""
+    ref, x = _svgd(beta=0.0)
+    assert x.mean().item() == pytest.approx(ref.mean().item(), abs=0.08)
+    assert x.std().item() == pytest.approx((ref.var().item() + 0.05) ** 0.5, abs=0.08)
+    _, collapsed = _svgd(beta=0.0, repulsion=0.0)  # without the repulsive term the particles bunch up
+    assert collapsed.std().item() < 0.5 * x.std().item()
+
+
+def test_svgd_with_a_linear_reward_reaches_the_tilted_gaussian():
+    """p_ref·exp(β·x) for a Gaussian p_ref shifts its mean by β·variance and keeps its width."""
+    ref, x = _svgd(beta=0.5)
+    var = ref.var().item() + 0.05
+    assert x.mean().item() == pytest.approx(ref.mean().item() + 0.5 * var, abs=0.08)
+    assert x.std().item() == pytest.approx(var**0.5, abs=0.08)
+
+
+def test_the_fixed_point_regression_moves_the_generator_onto_the_particles():
+    """With the particles themselves as the generator's weights, one SGD step on the regression with
+    lr = N·D/2 lands exactly on x + φ; a linear sample-only generator G(z) = a·z + b (no likelihood)
+    trained by the same loss moves its samples toward the tilted target."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.nn.Parameter(torch.randn(8, 3, generator=g))
+    phi = torch.randn(8, 3, generator=g)
+    before = x.detach().clone()
+    (fixed_point_loss(x, phi).sum() / 8).backward()
+    with torch.no_grad():
+        x -= (8 * 3 / 2) * x.grad
+    torch.testing.assert_close(x.detach(), before + phi)
+
+    a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([a, b], lr=0.5)
+    for step in range(150):
+        z = torch.randn(128, 1, generator=g)
+        ref = torch.randn(512, 1, generator=g)  # the frozen generator at a = 1, b = 0: N(0, 1)
+        samples = a * z + b
+        score = kde_score(samples.detach(), ref, [0.1]) + 0.5  # β = 0.5, r(x) = x
+        phi = svgd_velocity(samples.detach(), score, [0.3])
+        opt.zero_grad()
+        fixed_point_loss(samples, phi).mean().backward()
+        opt.step()
+    assert b.item() == pytest.approx(0.5 * 1.05, abs=0.12)  # the tilted mean β·(1 + t/2)
+    assert a.item() == pytest.approx(1.0, abs=0.15)  # and about the reference's width
+
+
+def _trainer(tmp_path, tiny_sd3_dir, prompt_file, name="r", *extra):
+    torch.manual_seed(0)
+    return build_trainer(small_config(tmp_path / name, tiny_sd3_dir, prompt_file, *VVR, *extra))
+
+
+def test_a_training_step_moves_the_few_step_samples_along_the_svgd_direction(tmp_path, tiny_sd3_dir, prompt_file):
+    t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "r", "trainer.lr=3e-4")
+    assert t.tcfg.num_steps == 4  # the few-step sampler by default
+    batch = t.collect(0)
+    x0 = particles(t.generate(batch.noise, batch.cond)).float()
+    # the loss regenerates the particles the directions were computed at, bit for bit
+    sigmas = t.policy.sigmas(4).float()
+    again = particles(euler_sample(t.policy, batch.noise[:4], sigmas, batch.cond[:4], t.guidance())).float()
+    assert torch.equal(again.detach(), x0[:4])
+    before = fixed_point_loss(x0, batch.velocity).mean()
+    t.update(batch, torch.Generator().manual_seed(0))
+    x1 = particles(t.generate(batch.noise, batch.cond)).float()
+    assert ((x1 - x0) * batch.velocity).sum() > 0
+    assert ((x1 - (x0 + batch.velocity)) ** 2).mean(1).mean() < before
+    assert batch.logs["reward/total"] == batch.logs["reward/total"]  # the reward was scored (not NaN)
+
+
+def test_a_non_differentiable_reward_is_refused_unless_beta_is_zero(tmp_path, tiny_sd3_dir, prompt_file):
+    args = (*VVR, "rewards=[{name: vvr}]")
+    with pytest.raises(UserError, match="differentiable"):
+        build_trainer(load_config(None, small_run(tmp_path / "a", tiny_sd3_dir, prompt_file, *args)))
+    build_trainer(load_config(None, small_run(tmp_path / "b", tiny_sd3_dir, prompt_file, *args, "trainer.beta=0")))
+
+
+def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
+    assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, *VVR)
