@@ -41,6 +41,7 @@ TRAINERS = {
     "pd_grpo": "flowalign.trainers.pd_grpo:PDGRPOTrainer",
     "seppo": "flowalign.trainers.seppo:SePPOTrainer",
     "fav": "flowalign.trainers.fav:FAVTrainer",
+    "flow_opd": "flowalign.trainers.flow_opd:FlowOPDTrainer",
 }
 
 

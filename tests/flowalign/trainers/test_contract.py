@@ -153,6 +153,7 @@ ONE_STEP = {
     "pd_grpo": (),
     "seppo": (*VVR, "rewards=[]", "trainer.reference_every=1"),
     "fav": (*VVR, "rewards=[{name: vvr_soft}]"),
+    "flow_opd": ("trainer.cold_start_steps=0", "trainer.group_size=1"),  # its teacher: the student's own adapter
 }
 
 
@@ -209,6 +210,11 @@ def test_every_trainer_logs_reward_total_over_all_ranks_or_not_at_all(name, tmp_
     changes neither its batch nor its unit."""
     assert set(ONE_STEP) == set(TRAINERS)  # a new built-in trainer gets a line here
     extra = ONE_STEP[name] + ((f"trainer.latent_reward={lrr_dir}",) if name == "rg_opd" else ())
+    if name == "flow_opd":
+        torch.manual_seed(0)
+        build_trainer(small_config(tmp_path / "teacher", tiny_sd3_dir, prompt_file)).policy.save_adapter(
+            tmp_path / "teacher-adapter")
+        extra += (f"trainer.teachers=[{{adapter: {tmp_path / 'teacher-adapter'}}}]",)
     t = build_trainer(small_config(tmp_path / name, tiny_sd3_dir, prompt_file, f"trainer.name={name}", *extra))
     own_loss, calls = t.loss, []
 
