@@ -10,6 +10,7 @@ One adapter per policy, always named ``"default"`` (peft's and diffusers' defaul
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -240,15 +241,22 @@ def load_adapter(pipe: Any, transformer: torch.nn.Module, directory: str | Path)
     )
     prefix = f"{type(pipe).transformer_name}."
     state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    # diffusers keys the saved LoraConfig by component: "transformer.r", "transformer.lora_alpha"
+    saved = (metadata.get(f"{prefix}r"), metadata.get(f"{prefix}lora_alpha")) if metadata else None
+    copy_into_adapter(transformer, state_dict, saved, file)
+    return file
+
+
+def copy_into_adapter(transformer: torch.nn.Module, state_dict: dict[str, torch.Tensor],
+                      saved: tuple[Any, Any] | None, file: Path) -> None:
+    """Copy a saved adapter's tensors (keys relative to ``transformer``) into its existing adapter in place,
+    refusing another rank/alpha (``saved``, when the file says) or other target modules."""
     config = transformer.peft_config[ADAPTER_NAME]
-    if metadata:
-        # diffusers keys the saved LoraConfig by component: "transformer.r", "transformer.lora_alpha"
-        saved = (metadata.get(f"{prefix}r"), metadata.get(f"{prefix}lora_alpha"))
-        if saved != (config.r, config.lora_alpha):
-            raise UserError(
-                f"adapter {str(file)!r} has rank/alpha {saved} but this policy's LoRA has "
-                f"{(config.r, config.lora_alpha)}: load the policy with the lora settings it was trained with"
-            )
+    if saved is not None and saved != (config.r, config.lora_alpha):
+        raise UserError(
+            f"adapter {str(file)!r} has rank/alpha {saved} but this policy's LoRA has "
+            f"{(config.r, config.lora_alpha)}: load the policy with the lora settings it was trained with"
+        )
     expected = set(get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME))
     if set(state_dict) != expected:
         missing, extra = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
@@ -267,6 +275,52 @@ def load_adapter(pipe: Any, transformer: torch.nn.Module, directory: str | Path)
         ) from err
     for p, flag in flags:
         p.requires_grad_(flag)
+
+
+# ------------------------------------------------------------------ pipelines without a LoRA loader
+#
+# Some diffusers pipelines (HunyuanVideo15Pipeline in diffusers 0.42) have no ``load_lora_weights``; their
+# transformer's own PeftAdapterMixin is then how diffusers loads a LoRA: ``transformer.load_lora_adapter(dir)``.
+# These two functions write and read that format, the one the pipelines' ``save_lora_weights`` writes: keys and
+# the LoraConfig (JSON in the safetensors metadata) under ``transformer.``, ``load_lora_adapter``'s default prefix.
+
+
+def save_model_adapter(transformer: torch.nn.Module, directory: str | Path) -> Path:
+    """Write ``<directory>/pytorch_lora_weights.safetensors`` that ``transformer.load_lora_adapter(directory)``
+    reads (gathered first under FSDP2: then every rank calls this)."""
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+    from safetensors.torch import save_file
+
+    if not has_adapter(transformer):
+        raise UserError("save_adapter needs a LoRA adapter: this policy has none (load it with lora={...})")
+    layers = get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
+    layers = {f"transformer.{k}": (v.full_tensor() if isinstance(v, DTensor) else v).contiguous()
+              for k, v in layers.items()}
+    # the LoraConfig keyed by component ("transformer.r", ...), as the pipelines' save_lora_weights writes it
+    config = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v
+              for k, v in transformer.peft_config[ADAPTER_NAME].to_dict().items()}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    file = directory / LORA_WEIGHT_NAME
+    save_file(layers, str(file), metadata={"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, sort_keys=True)})
+    return file
+
+
+def load_model_adapter(transformer: torch.nn.Module, directory: str | Path) -> Path:
+    """Load a :func:`save_model_adapter` file: in place into an existing adapter, or through diffusers'
+    ``transformer.load_lora_adapter`` (then frozen) into a transformer without one."""
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+    from safetensors import safe_open
+
+    file = find_lora_file(directory)
+    if not has_adapter(transformer):
+        transformer.load_lora_adapter(str(file.parent), weight_name=file.name, adapter_name=ADAPTER_NAME)
+        freeze(transformer)
+        return file
+    with safe_open(str(file), "pt") as f:
+        meta = json.loads((f.metadata() or {}).get(LORA_ADAPTER_METADATA_KEY, "null"))
+        state = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
+    copy_into_adapter(transformer, state, (meta["transformer.r"], meta["transformer.lora_alpha"]) if meta else None, file)
     return file
 
 
