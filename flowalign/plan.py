@@ -203,7 +203,13 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     twice = spec.guidance_kind(transformer.config, families.read_index(folder)) in ("cfg", "true_cfg") and float(guidance) > 1
     batch = int(tcfg.get("batch_size", 8)) * (2 if twice else 1)
     inputs = spec.transformer_inputs(transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
-    act, act_gc = saved_activation_bytes(transformer, blocks, inputs)
+    try:
+        act, act_gc = saved_activation_bytes(transformer, blocks, inputs)
+    except (RuntimeError, NotImplementedError) as err:  # a value-dependent op (.item(), boolean indexing)
+        raise UserError(f"flowalign plan cannot size the {spec.name} transformer on the meta device: its forward "
+                        f"depends on tensor values ({str(err).splitlines()[0][:100]}); HunyuanVideo 1.5 gathers "
+                        "its text and image tokens by boolean masks. Size the run on a GPU with a real "
+                        "forward instead") from None
     per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
     return Model(spec.name, params, trained, largest, act / per_sample, act_gc / per_sample)
 

@@ -132,3 +132,14 @@ def test_the_saved_lora_loads_in_place_into_an_existing_adapter(folder, tmp_path
         torch.testing.assert_close(other.velocity(x, 0.5, cond, 1.0), trained.velocity(x, 0.5, cond, 1.0))
     with pytest.raises(UserError, match="rank/alpha"):
         pipelines.load(folder, lora={"rank": 2, "alpha": 8}).load_adapter(tmp_path / "adapter")
+
+
+def test_plan_says_why_it_cannot_size_this_transformer_on_the_meta_device():
+    """Its forward gathers tokens by boolean masks (value-dependent sizes): the planner refuses clearly."""
+    from flowalign.config import load_config
+    from flowalign.plan import plan_text
+
+    folder = REPO_ROOT / "assets" / "architectures" / "hunyuan-video-1.5-480p"
+    cfg = load_config(REPO_ROOT / "configs" / "wan2.1-1.3b" / "flow_grpo_motion.yaml", [f"model.path={folder}"])
+    with pytest.raises(UserError, match="meta device: its forward depends on tensor values"):
+        plan_text(cfg, folder, gpus=1, gpu_memory_gb=80)
