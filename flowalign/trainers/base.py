@@ -188,6 +188,21 @@ class Plan:
     global_weights: bool = False
 
 
+@dataclass(frozen=True)
+class SliceUnit:
+    """Samples ``index`` of a batch, weighted over the ``total`` samples of every rank."""
+
+    index: slice
+    total: int
+
+
+def slice_plan(trainer: "GroupTrainer", n: int) -> Plan:
+    """One optimiser step over ``n`` samples of this rank, in :class:`SliceUnit` micro-batches of ``batch_size``
+    (a collective: the total counts every rank's samples)."""
+    b, total = trainer.tcfg.batch_size, trainer.total(n)
+    return Plan([[SliceUnit(slice(s, s + b), total) for s in range(0, n, b)]], global_weights=True)
+
+
 class GroupTrainer:
     """The loop, with the group-rollout ``collect`` as the default; subclasses supply the other hooks."""
 

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
 from flowalign.trainers.diffusion_opsd import pixel_reward_gradient
 
 
@@ -115,12 +115,6 @@ class ParticleBatch:
     logs: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class ParticleUnit:
-    index: slice
-    total: int
-
-
 class FAVTrainer(GroupTrainer):
     Config = FAVConfig
     tcfg: FAVConfig
@@ -186,11 +180,9 @@ class FAVTrainer(GroupTrainer):
 
     def plan(self, batch: ParticleBatch, generator: torch.Generator) -> Plan:
         """One optimiser step over every particle, in micro-batches of ``batch_size``."""
-        n, b = len(batch.noise), self.tcfg.batch_size
-        total = self.total(n)
-        return Plan([[ParticleUnit(slice(s, s + b), total) for s in range(0, n, b)]], global_weights=True)
+        return slice_plan(self, len(batch.noise))
 
-    def loss(self, batch: ParticleBatch, unit: ParticleUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: ParticleBatch, unit: SliceUnit) -> tuple[torch.Tensor, dict[str, float]]:
         """The fixed-point regression of a micro-batch: the particles regenerated with gradients (the same
         noise and weights, so the same values) pulled toward ``x + φ``."""
         sigmas = self.policy.sigmas(self.tcfg.num_steps).float()

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
 from flowalign.trainers.diffusion_dpo import pair_timesteps
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
 from flowalign.trainers.self_distill import per_sample_mean
@@ -105,12 +105,6 @@ class DistillBatch:
     #: the CFG scale the student's velocity is read at (the teachers' in distillation; 1 in the cold start)
     guidance: float
     logs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class DistillUnit:
-    index: slice
-    total: int
 
 
 class FlowOPDTrainer(GroupTrainer):
@@ -257,11 +251,10 @@ class FlowOPDTrainer(GroupTrainer):
         return logs
 
     def plan(self, batch: DistillBatch, generator: torch.Generator) -> Plan:
-        n, b = len(batch.x), self.tcfg.batch_size
-        total = self.total(n)
-        return Plan([[DistillUnit(slice(s, s + b), total) for s in range(0, n, b)]], global_weights=True)
+        """One optimiser step over every sample, in micro-batches of ``batch_size``."""
+        return slice_plan(self, len(batch.x))
 
-    def loss(self, batch: DistillBatch, unit: DistillUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: DistillBatch, unit: SliceUnit) -> tuple[torch.Tensor, dict[str, float]]:
         """The unit's samples at each of their states, averaged over the states."""
         i = unit.index
         x, sigma, cond = batch.x[i], batch.sigma[i], batch.cond[i]

@@ -32,7 +32,6 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_BATCH, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning

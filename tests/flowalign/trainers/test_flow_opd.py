@@ -51,9 +51,9 @@ def test_distillation_loss_on_a_known_answer():
 
 
 def per_sample_losses(t, batch):
-    from flowalign.trainers.flow_opd import DistillUnit
+    from flowalign.trainers.base import SliceUnit
 
-    return [t.loss(batch, DistillUnit(slice(n, n + 1), 1))[0].item() for n in range(len(batch.x))]
+    return [t.loss(batch, SliceUnit(slice(n, n + 1), 1))[0].item() for n in range(len(batch.x))]
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_loss(tmp_path, tiny_sd3_dir, prompt_file, teachers):
