@@ -129,9 +129,6 @@ class FlowOPDTrainer(GroupTrainer):
                     re.compile(t.match)
                 except re.error as e:
                     raise UserError(f"trainer.teachers[{i}].match={t.match!r} is not a regular expression ({e})")
-            if not Path(t.adapter).exists():
-                raise UserError(f"trainer.teachers[{i}].adapter={t.adapter!r} does not exist; train the teacher "
-                                "first (stage 1) and give its checkpoint folder, e.g. runs/<name>/checkpoints/step-N")
 
     def __init__(self, cfg, tcfg, policy, *args: Any, **kw: Any):
         # the teachers' weights are read into the unsharded policy, before the loop shards it
@@ -287,7 +284,11 @@ def read_weights(policy: Any, named: dict[str, torch.nn.Parameter], folder: str)
 
 
 def teacher_checkpoint(path: Path) -> Path:
-    """A run folder's newest checkpoint that verifies; any other folder as it is."""
+    """A run folder's newest checkpoint that verifies; any other folder as it is. (Checked here, when training
+    starts, not with the config: ``flowalign plan`` and ``--check`` of a stage-2 run work before stage 1.)"""
+    if not path.exists():
+        raise UserError(f"trainer.teachers: adapter {str(path)!r} does not exist; train the teacher first (stage 1) "
+                        "and give its run folder or checkpoint, e.g. runs/<name>/checkpoints/step-N")
     if not (path / "checkpoints").is_dir():
         return path
     from flowalign.checkpoint_manifest import resume_folder

@@ -71,11 +71,25 @@ def test_plan_sizes_every_recipe(recipe, tmp_path, capsys):
 UNRECIPED = sorted(a.name for a in ARCH.iterdir() if a.is_dir() and not (REPO_ROOT / "configs" / a.name).is_dir())
 
 
+#: families whose transformer's forward depends on tensor values (boolean token gathers): the meta-device
+#: planner refuses them with the reason, which these tests check instead of a plan
+VALUE_DEPENDENT = {"hunyuan_video15"}
+
+
+def refused_as_value_dependent(folder: Path, code: int, err: str) -> bool:
+    if families.detect(folder).name not in VALUE_DEPENDENT:
+        return False
+    assert code != 0 and "depends on tensor values" in err and "Traceback" not in err, err[-2000:]
+    return True
+
+
 @pytest.mark.parametrize("arch", UNRECIPED)
 def test_plan_sizes_every_architecture_without_a_recipe(arch, capsys):
     code = main(["plan", str(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml"), f"model.path={ARCH / arch}",
                  "trainer.batch_size=1", "--gpus", "8", "--gpu-memory", "141"])
     out = capsys.readouterr()
+    if refused_as_value_dependent(ARCH / arch, code, out.err):
+        return
     assert code == 0 and "Traceback" not in out.err, out.err[-2000:]
     assert f"({families.detect(ARCH / arch).name})" in out.out.splitlines()[0] and "memory per rank" in out.out
 
@@ -85,6 +99,8 @@ def test_plan_sizes_every_tiny_model(tiny, tiny_model_dir, capsys):
     folder = tiny_model_dir(tiny)
     code = main(["plan", str(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml"), f"model.path={folder}"])
     out = capsys.readouterr()
+    if refused_as_value_dependent(folder, code, out.err):
+        return
     assert code == 0, out.err[-2000:]
     assert f"({families.detect(folder).name})" in out.out.splitlines()[0]
 

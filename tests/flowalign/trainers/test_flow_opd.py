@@ -96,8 +96,14 @@ def test_the_cold_start_fits_the_teachers_samples_then_distillation_begins(tmp_p
     assert warm.logs["stage"] == 1 and warm.x.shape[1] == t.tcfg.num_steps and warm.v_anchor is not None
 
 
-@pytest.mark.parametrize("bad,match", [("[{adapter: /no/such/run}]", "does not exist"),
-                                       ("[{adapter: ADAPTER, reward: ocr}]", "not one of the run's rewards"),
+def test_a_missing_teacher_is_named_when_training_starts(tmp_path, tiny_sd3_dir, prompt_file):
+    check_run(load_config(None, small_run(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
+                                          "trainer.teachers=[{adapter: /no/such/run}]")))  # plan, --check: fine
+    with pytest.raises(UserError, match="/no/such/run.* does not exist; train the teacher first"):
+        opd(tmp_path / "t", tiny_sd3_dir, prompt_file, "[{adapter: /no/such/run}]")
+
+
+@pytest.mark.parametrize("bad,match", [("[{adapter: ADAPTER, reward: ocr}]", "not one of the run's rewards"),
                                        ("[{adapter: ADAPTER, match: '(unclosed'}]", "not a regular expression")])
 def test_bad_teachers_name_the_field(tmp_path, tiny_sd3_dir, prompt_file, teachers, bad, match):
     spec = bad.replace("ADAPTER", str(teachers["same"]))
