@@ -152,9 +152,11 @@ class FlowOPDTrainer(GroupTrainer):
 
     def velocity_under(self, weights: list[torch.Tensor] | None, x: torch.Tensor, sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
-        """``v(x, σ)`` ``(B, ...)`` under ``weights`` (None: the anchor), no gradient."""
+        """``v`` ``(B, S, ...)`` at each of the ``S`` states ``x (B, S, ...)``, ``sigma (B, S)``, under ``weights``
+        (None: the anchor), no gradient; the weights are swapped in once for all states."""
         with torch.no_grad(), (self.anchor_weights() if weights is None else swapped_in(self.params, weights)):
-            return self.policy.velocity(x, sigma, cond, self.guidance())
+            return torch.stack([self.policy.velocity(x[:, s], sigma[:, s], cond, self.guidance())
+                                for s in range(x.shape[1])], dim=1)
 
     def guidance(self) -> float:
         g = self.tcfg.guidance_scale
@@ -222,12 +224,11 @@ class FlowOPDTrainer(GroupTrainer):
         x = torch.stack([latents[n, picks[n]] for n in range(len(prompts))]).to(self.policy.device)
         sigma = sigmas[picks].to(x)
         v_teacher, v_anchor = torch.zeros_like(x), torch.zeros_like(x) if self.tcfg.anchor_weight > 0 else None
-        for s in range(x.shape[1]):
-            for i in sorted(set(routed_to.tolist()) - {-1}):
-                m = (routed_to == i).nonzero().flatten()
-                v_teacher[m, s] = self.velocity_under(self.teachers[i], x[m, s], sigma[m, s], cond[m])
-            if v_anchor is not None:
-                v_anchor[:, s] = self.velocity_under(None, x[:, s], sigma[:, s], cond)
+        for i in sorted(set(routed_to.tolist()) - {-1}):
+            m = (routed_to == i).nonzero().flatten()
+            v_teacher[m] = self.velocity_under(self.teachers[i], x[m], sigma[m], cond[m])
+        if v_anchor is not None:
+            v_anchor = self.velocity_under(None, x, sigma, cond)
         logs: dict[str, Any] = {"stage": 1.0}
         if len(self.rewards):
             scores = self.rewards.score(torch.cat([c.samples for c in chunks]), prompts, metadata)
