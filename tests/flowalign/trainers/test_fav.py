@@ -1,6 +1,8 @@
 """FAV: SVGD on sample particles toward the reward-tilted reference, amortised into the generator by
 fixed-point regression (docs/methods/fav.md)."""
 
+import math
+
 import pytest
 import torch
 
@@ -118,7 +120,7 @@ def test_a_training_step_moves_the_few_step_samples_along_the_svgd_direction(tmp
     x1 = particles(t.generate(batch.noise, batch.cond)).float()
     assert ((x1 - x0) * batch.velocity).sum() > 0
     assert ((x1 - (x0 + batch.velocity)) ** 2).mean(1).mean() < before
-    assert batch.logs["reward/total"] == batch.logs["reward/total"]  # the reward was scored (not NaN)
+    assert math.isfinite(batch.logs["reward/total"]) and "reward/vvr_soft" in batch.logs  # scored and logged
 
 
 def test_a_non_differentiable_reward_is_refused_unless_beta_is_zero(tmp_path, tiny_sd3_dir, prompt_file):
