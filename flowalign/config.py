@@ -119,6 +119,12 @@ class ParallelSection(Section):
     mixed_precision: Literal["no", "bf16"] = "no"
     #: a collective waiting longer than this (a rank died or hangs) stops the run with an error
     timeout_s: float = Field(1800.0, gt=0)
+    #: split each sample's tokens over this many processes (diffusers' context parallelism): N processes are
+    #: N/S data ranks × S sequence ranks, each holding 1/S of a block's activations; see docs/guide/multi-gpu.md
+    sequence_parallel: int = Field(1, ge=1)
+    #: how attention sees every token: ``ulysses`` (all-to-all of heads; the degree must divide the head count)
+    #: or ``ring`` (key/value blocks passed around; needs a backend returning log-sum-exp, e.g. flash)
+    sequence_parallel_attention: Literal["ulysses", "ring"] = "ulysses"
 
 
 class DataSection(Section):

@@ -7,6 +7,9 @@ transformer: each rank stores ``1/N`` of every weight, gradient and optimiser te
 weights just before the block runs and reduce-scatters (averages) its gradients right after backward.
 The module keeps its identity, so the policy's own ``self.transformer(...)`` call runs sharded.
 
+``parallel.sequence_parallel: S`` composes with either: each data rank's samples are split token-wise over
+``S`` processes (:mod:`flowalign.sequence_parallel`), ``fsdp`` then shards over all processes.
+
 Under ``fsdp`` every forward is a collective: all ranks must run the same passes in the same order.
 Checkpoints stay consolidated (full tensors gathered to rank 0) and the optimiser state goes through
 ``torch.distributed.checkpoint`` (one shard file per rank, re-sharded on load to any rank count).
@@ -26,6 +29,7 @@ from torch import nn
 
 from flowalign.config import ParallelSection
 from flowalign.errors import UserError
+from flowalign.sequence_parallel import MESH_DIMS, Layout, device_mesh, split_sequences
 
 #: attribute names of the repeated-block lists of diffusers transformers (SD3/FLUX: transformer_blocks,
 #: FLUX: single_transformer_blocks, Wan: blocks), used when a model names no ``_no_split_modules``
@@ -96,6 +100,23 @@ class Parallel:
 
     def __init__(self, cfg: ParallelSection, world: int, rank: int, device: torch.device | str):
         self.cfg, self.world, self.rank, self.device = cfg, world, rank, torch.device(device)
+        #: data ranks × sequence ranks (one sequence rank per data rank without sequence parallelism)
+        self.layout = Layout.of(cfg.sequence_parallel, world, rank)
+        self._mesh: Any = None
+
+    @property
+    def mesh(self) -> Any:
+        """The ``(data, ring, ulysses)`` device mesh of sequence parallelism (built once, a collective)."""
+        if self._mesh is None:
+            self._mesh = device_mesh(self.layout, self.device.type, self.cfg.sequence_parallel_attention)
+        return self._mesh
+
+    def split_sequences(self, module: nn.Module) -> nn.Module:
+        """With ``parallel.sequence_parallel`` > 1, ``module``'s tokens split over each data rank's sequence
+        ranks (in place; returns ``module``)."""
+        if self.layout.sequence > 1:
+            split_sequences(module, self.mesh, self.cfg.sequence_parallel_attention)
+        return module
 
     # ------------------------------------------------------------------ what the strategies define
     def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
@@ -142,15 +163,16 @@ class Parallel:
 
     # ------------------------------------------------------------------ shared
     def gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` in one process. A collective."""
+        """Every data rank's ``obj`` (picklable), in rank order; ``[obj]`` in one process. A collective (of
+        all processes: a data rank's sequence ranks hold the same ``obj``, kept once)."""
         if self.world < 2:
             return [obj]
         out: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(out, obj)
-        return out
+        return out[:: self.layout.sequence]
 
     def total(self, n: int) -> int:
-        """``n`` summed over ranks (a collective when there are several)."""
+        """``n`` summed over data ranks (a collective when there are several processes)."""
         return int(sum(self.gather_objects(int(n))))
 
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -221,21 +243,23 @@ class DDP(Parallel):
     """Replicated weights: every rank holds the whole model and optimiser; gradients are averaged here."""
 
     def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
-        return module
+        return self.split_sequences(module)
 
     def place_frozen(self, module: nn.Module, device: torch.device, offload: bool) -> nn.Module:
         """Each rank holds the whole copy; offloaded, its blocks visit ``device`` one at a time."""
         if offload:
             stream_blocks(module, device)
-        return module
+        return self.split_sequences(module)
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """The sum over all processes, divided by the data ranks: a data rank's sequence ranks each hold their
+        tokens' share of its gradient."""
         if self.world < 2:
             return
         for p in params:
             grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
             torch.distributed.all_reduce(grad, torch.distributed.ReduceOp.SUM)
-            grad /= self.world
+            grad /= self.layout.data_world
             p.grad = grad
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
@@ -248,7 +272,7 @@ class DDP(Parallel):
         return list(items)  # a rank's forwards are its own: nothing to fill (``fill`` is not called)
 
     def takes_part(self) -> bool:
-        return self.rank == 0
+        return self.layout.data_rank == 0  # with sequence parallelism its forwards are its sequence ranks' collectives
 
     def save_optimizer(self, folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         return False
@@ -268,6 +292,7 @@ class FSDP(Parallel):
             raise UserError("parallel.strategy=fsdp needs several processes but this run has 1: launch with "
                             "torchrun --nproc_per_node N (N >= 2), or set parallel.strategy=ddp")
         super().__init__(cfg, world, rank, device)
+        self._shard_mesh: Any = None
 
     def shard(self, module: nn.Module, offload: bool | None = None) -> nn.Module:
         """``fully_shard`` each block, then the root. ``offload``: keep the shards in CPU memory (default:
@@ -275,7 +300,11 @@ class FSDP(Parallel):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        mesh = init_device_mesh(self.device.type, (self.world,))
+        self.split_sequences(module)
+        if self._shard_mesh is None:  # sequence parallelism: sharded over every process, data and sequence ranks
+            self._shard_mesh = (self.mesh[MESH_DIMS]._flatten("shard") if self.layout.sequence > 1
+                                else init_device_mesh(self.device.type, (self.world,)))
+        mesh = self._shard_mesh
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if self.cfg.mixed_precision == "bf16" else MixedPrecisionPolicy())
         offload = self.cfg.cpu_offload if offload is None else offload
@@ -296,7 +325,13 @@ class FSDP(Parallel):
         return self.shard(module, offload=offload)
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
-        pass  # FSDP reduce-scatters (averages) each block's gradients during backward
+        """FSDP reduce-scatters (averages over all processes) each block's gradients during backward; a data
+        rank's gradient is its sequence ranks' sum, so that average is ``1/S`` of the mean over data ranks.
+        (Gloo has no pre-scaled sum for FSDP's own divide factor: the factor is applied here.)"""
+        if self.layout.sequence > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(self.layout.sequence)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
         grads = [p.grad for p in params if p.grad is not None]

@@ -11,7 +11,12 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
 - the frozen text encoders and VAE (whole on every rank),
 - activations: a forward of the transformer on meta tensors for the config's batch and resolution,
   counting what autograd saves for backward (attention as memory-efficient kernels keep it: no S×S
-  matrix), plus the largest block's share for the backward in flight.
+  matrix), plus the largest block's share for the backward in flight. With ``parallel.sequence_parallel:
+  S`` every rank holds ``1/S`` of the tokens inside the blocks (diffusers splits them before the first
+  block and gathers after the last), so what the blocks save is divided by ``S``; what lies outside them
+  (embeddings, the gathered output) stays whole. Tensors of text tokens alone that the model's plan does
+  not split (Wan's cross-attention keys and values) are whole on every rank too, so the split estimate is
+  low by their share: 3 % of Wan's block bytes at 2 latent frames, less for longer videos (tested).
 """
 
 from __future__ import annotations
@@ -47,8 +52,7 @@ class Model:
     params: dict[str, int]  # component → parameters
     trained: dict[str, int]  # trained component → its trained parameters (the LoRA's, or all of them)
     largest_block: int  # parameters of the largest block of the trained models
-    activations: float  # bytes saved for backward at the config's batch, without gradient checkpointing
-    activations_checkpointed: float  # the same with gradient checkpointing
+    activations: "Activations"  # bytes saved for backward, per sample of the trainer's batch
 
     @property
     def trainable(self) -> int:
@@ -59,6 +63,24 @@ class Model:
     def trained_weights(self) -> int:
         """Parameters of the trained components (their base weights, under a LoRA too)."""
         return sum(self.params[c] for c in self.trained)
+
+
+@dataclass
+class Activations:
+    """Bytes one forward saves for backward (per sample), split by where the tokens are whole."""
+
+    outside: float  # outside the blocks (embeddings, output head): whole on every rank
+    in_blocks: float  # inside all blocks: split over sequence ranks
+    largest_block: float  # the largest block's share (again, for its gradients in flight)
+    block_inputs: float  # every block's inputs: what gradient checkpointing keeps
+
+    def per_rank(self, checkpointed: bool, sequence_parallel: int = 1) -> float:
+        """Saved bytes per rank: every block's inputs and one block recomputed under gradient
+        checkpointing, else all of it; the blocks' part divided over ``sequence_parallel`` ranks."""
+        s = sequence_parallel
+        if checkpointed:
+            return self.outside + (self.block_inputs + 2 * self.largest_block) / s
+        return self.outside + (self.in_blocks + self.largest_block) / s
 
 
 @dataclass
@@ -74,6 +96,7 @@ class Settings:
     batch_size: int
     extra_copies: int
     offload_text_encoders: bool = False
+    sequence_parallel: int = 1
     changes: list[str] = field(default_factory=list)
 
 
@@ -131,10 +154,9 @@ class _AttentionAsFlash(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inputs: dict[str, Any]) -> tuple[float, float]:
-    """``(saved, checkpointed)`` bytes of one forward: everything autograd keeps for backward (each
-    storage once, weights excluded) plus the largest block's share again (its gradients in flight); and
-    the same under gradient checkpointing (every block's inputs, plus one block recomputed)."""
+def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inputs: dict[str, Any]) -> Activations:
+    """What one forward saves for backward (each storage once, weights excluded), inside and outside the
+    blocks, the largest block's share and every block's inputs."""
     weights = {p.untyped_storage()._cdata for p in transformer.parameters()}
     saved: dict[int, int] = {}
     per_block: dict[int, int] = {}
@@ -164,9 +186,8 @@ def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inpu
     finally:
         for h in handles:
             h.remove()
-    largest = max(per_block.values(), default=0)
-    outside = sum(saved.values()) - sum(per_block.values())
-    return sum(saved.values()) + largest, outside + block_inputs[0] + 2 * largest
+    in_blocks = sum(per_block.values())
+    return Activations(sum(saved.values()) - in_blocks, in_blocks, max(per_block.values(), default=0), block_inputs[0])
 
 
 def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
@@ -204,14 +225,16 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     batch = int(tcfg.get("batch_size", 8)) * (2 if twice else 1)
     inputs = spec.transformer_inputs(transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
     try:
-        act, act_gc = saved_activation_bytes(transformer, blocks, inputs)
+        act = saved_activation_bytes(transformer, blocks, inputs)
     except (RuntimeError, NotImplementedError) as err:  # a value-dependent op (.item(), boolean indexing)
         raise UserError(f"flowalign plan cannot size the {spec.name} transformer on the meta device: its forward "
                         f"depends on tensor values ({str(err).splitlines()[0][:100]}); HunyuanVideo 1.5 gathers "
                         "its text and image tokens by boolean masks. Size the run on a GPU with a real "
                         "forward instead") from None
     per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
-    return Model(spec.name, params, trained, largest, act / per_sample, act_gc / per_sample)
+    per = lambda v: v / per_sample
+    return Model(spec.name, params, trained, largest, Activations(per(act.outside), per(act.in_blocks),
+                                                                  per(act.largest_block), per(act.block_inputs)))
 
 
 def _folder_defaults(folder: Path) -> dict[str, Any]:
@@ -236,7 +259,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         "reference / EMA copies": s.extra_copies * model.trainable * train_bytes / n,
         "frozen text encoders + VAE": sum(v for k, v in model.params.items() if k not in model.trained
                                           and not (s.offload_text_encoders and k.startswith("text_encoder"))) * w,
-        "activations": s.batch_size * (model.activations_checkpointed if s.gradient_checkpointing else model.activations),
+        "activations": s.batch_size * model.activations.per_rank(s.gradient_checkpointing, s.sequence_parallel),
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,
     }
 
@@ -256,6 +279,10 @@ def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
     while b >= 1:
         candidates.append((f"trainer.batch_size={b}", replace(s, batch_size=b)))
         b //= 2
+    degree = 2 * s.sequence_parallel
+    while s.gpus % degree == 0:  # each sample's tokens over more of the GPUs
+        candidates.append((f"parallel.sequence_parallel={degree}", replace(s, sequence_parallel=degree)))
+        degree *= 2
     candidates.append((f"--gpus {s.gpus * 2} with parallel.strategy=fsdp", replace(s, strategy="fsdp", gpus=s.gpus * 2)))
     for text, changed in candidates:
         if sum(memory_rows(model, changed).values()) <= limit:
@@ -270,7 +297,7 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int) -> Settings:
     extra += reference_copy(cfg, name)
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
                     cfg.model.gradient_checkpointing, int(cfg.trainer.get("batch_size", 8)), extra,
-                    cfg.model.offload_text_encoders)
+                    cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel)
 
 
 def reference_copy(cfg: TrainConfig, name: str) -> int:
@@ -293,8 +320,12 @@ def human(n: float, unit: str = "") -> str:
 def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float) -> str:
     """The report ``flowalign plan`` prints: components, then memory per rank for ddp and fsdp, verdicts."""
     model = inspect_model(cfg, folder)
+    sp = cfg.parallel.sequence_parallel
+    if gpus % sp:
+        raise UserError(f"parallel.sequence_parallel={sp} must divide --gpus {gpus}")
     lines = [f"model {folder} ({model.family}), finetune {cfg.model.finetune}, dtype {cfg.model.dtype}, "
-             f"trainer {cfg.trainer.get('name', 'flow_grpo')}, batch {int(cfg.trainer.get('batch_size', 8))} per rank"]
+             f"trainer {cfg.trainer.get('name', 'flow_grpo')}, batch {int(cfg.trainer.get('batch_size', 8))} per rank"
+             + (f", tokens split over {sp} sequence ranks" if sp > 1 else "")]
     for name, count in model.params.items():
         role = f"trained: {human(model.trained[name])}" if name in model.trained else "frozen"
         lines.append(f"  {name:<16} {human(count):>8}  ({role})")

@@ -77,6 +77,7 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.logger import RunLogger
 from flowalign.parallel import strategy
+from flowalign.sequence_parallel import DataRanks
 from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.trainers import checkpointing, loop
@@ -216,9 +217,11 @@ class GroupTrainer:
                  data: PromptSet, evaluator: Any, accelerator: Any, run_dir: Path):
         self.cfg, self.tcfg, self.policy = cfg, tcfg, policy
         self.rewards, self.data, self.evaluator = rewards, data, evaluator
-        self.acc, self.run_dir = accelerator, run_dir
-        self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.parallel = strategy(cfg.parallel, self.world, self.rank, accelerator.device)
+        self.run_dir = run_dir
+        self.parallel = strategy(cfg.parallel, accelerator.num_processes, accelerator.process_index, accelerator.device)
+        # the trainer's ranks are data ranks: with sequence parallelism several processes share one's samples
+        self.acc = DataRanks(accelerator, self.parallel.layout) if self.parallel.layout.sequence > 1 else accelerator
+        self.rank, self.world = self.parallel.layout.data_rank, self.parallel.layout.data_world
         if self.needs_reference(cfg, tcfg):  # copied from the starting weights, before sharding and any resume
             keep_reference(policy, self.parallel, tcfg.reference_offload)
         self.optimisation = setup_optimisation(policy, tcfg, self.parallel)  # fsdp: shards before collecting
@@ -437,7 +440,7 @@ class GroupTrainer:
 
     def slowest_train_seconds(self) -> float:
         seconds = torch.tensor([self.train_seconds], device=self.acc.device)
-        if self.world > 1:
+        if self.parallel.world > 1:  # every process, sequence ranks too: they must stop at the same step
             seconds = self.acc.reduce(seconds, reduction="max")
         return float(seconds)
 

@@ -39,7 +39,7 @@ def save(trainer: Any) -> Path:
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
     checksums = trainer.rank_checksums()
-    ckpt.save_rank_rng(tmp, trainer.rank)
+    ckpt.save_rank_rng(tmp, trainer.parallel.rank)  # each process's own
     parallel = trainer.parallel
     # fsdp: every rank takes part in gathering full tensors and writes its optimiser shard
     trainable = parallel.gather(trainer.trainable_state())
@@ -53,7 +53,7 @@ def save(trainer: Any) -> Path:
         ckpt.write_checkpoint_files(
             tmp, trainable=trainable, optimizer=None if sharded_optimizer else trainer.optimizer,
             ema_state=ema_state,
-            trainer_state={"step": step, "world_size": trainer.world, "trainer": trainer.tcfg.name,
+            trainer_state={"step": step, "world_size": trainer.parallel.world, "trainer": trainer.tcfg.name,
                            "rank_checksums": checksums, "train_seconds": trainer.train_seconds,
                            "train_cpu_seconds": trainer.train_cpu_seconds, "hooks": hooks},
         )
@@ -95,7 +95,7 @@ def resume(trainer: Any) -> None:
     parallel.load_optimizer(folder, trainer.policy.trainable, trainer.optimizer, state["optimizer"])
     if trainer.ema is not None and state["ema"] is not None:
         trainer.ema.load_state_dict(parallel.place_like(state["ema"], trainer.ema.state_dict()))
-    ckpt.load_rank_rng(folder, trainer.rank)
+    ckpt.load_rank_rng(folder, trainer.parallel.rank)
     trainer.step = int(state["trainer_state"]["step"])
     trainer.train_seconds = float(state["trainer_state"].get("train_seconds", 0.0))
     trainer.train_cpu_seconds = float(state["trainer_state"].get("train_cpu_seconds", 0.0))

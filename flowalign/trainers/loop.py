@@ -64,7 +64,7 @@ def run(trainer: Any) -> dict[str, Any]:
 def agreed_signal(t: Any, local: int | None) -> int | None:
     """The signal any rank has received, the same on every rank: a scheduler's SIGTERM reaches the ranks at
     slightly different times, and saving a checkpoint is a collective, so all ranks stop after one step."""
-    if t.world == 1:
+    if t.parallel.world == 1:
         return local
     flag = torch.tensor([local or 0], device=t.acc.device)
     return int(t.acc.reduce(flag, reduction="max")) or None

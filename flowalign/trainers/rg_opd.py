@@ -136,7 +136,7 @@ class RGOPDTrainer(GroupTrainer):
         self.latent_reward = load_latent_reward(folder, device=policy.device, dtype=policy.dtype)
         self.real_pairs: PreferencePairs | None = None
         if tcfg.core is not None:
-            if self.world > 1:
+            if self.parallel.world > 1:
                 raise UserError("trainer.core refits the registers on one process; run CoRe without multi-process launch")
             if not isinstance(self.latent_reward, torch.nn.Module):
                 raise UserError(f"trainer.core needs a trainable latent reward (a torch module); {tcfg.latent_reward} is not")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flowalign.config import load_config
+from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
 from flowalign.plan import build_on_meta, inspect_model, lora_parameters, plan_text, settings
 
@@ -93,7 +94,7 @@ def test_activation_estimate_is_within_30_percent_of_the_measured_peak(tiny_mode
     batch, size = 16, {"height": 256, "width": 256, "max_sequence_length": 32}
     cfg = load_config(None, [f"model.path={folder}", f"trainer.batch_size={batch}", "trainer.guidance_scale=1",
                              f"model.defaults={json.dumps(size)}", "model.finetune=full"])
-    estimate = inspect_model(cfg, folder).activations * batch
+    estimate = inspect_model(cfg, folder).activations.per_rank(checkpointed=False) * batch
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     out = subprocess.run([sys.executable, "-c", MEASURE, family, str(folder), str(batch), json.dumps(size)],
                          capture_output=True, text=True, env=env, timeout=300)
@@ -160,6 +161,26 @@ def test_a_distilled_flux2_klein_is_sized_without_cfg(tmp_path):
     (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
     base = [inspect_model(_small(ARCH / "flux.2-klein", f"trainer.guidance_scale={g}"), ARCH / "flux.2-klein")
             for g in (1, 4)]
-    assert base[1].activations == pytest.approx(2 * base[0].activations, rel=0.01)  # klein base: CFG doubles it
+    saved = lambda model: model.activations.per_rank(checkpointed=False)
+    assert saved(base[1]) == pytest.approx(2 * saved(base[0]), rel=0.01)  # klein base: CFG doubles it
     # the distilled checkpoint takes no guidance (Flux2Policy refuses w > 1): one pass whatever the scale
-    assert inspect_model(_small(distilled, "trainer.guidance_scale=4"), distilled).activations == base[0].activations
+    assert saved(inspect_model(_small(distilled, "trainer.guidance_scale=4"), distilled)) == saved(base[0])
+
+
+def test_sequence_parallel_divides_what_the_blocks_save_and_nothing_else():
+    """Wan's blocks save bytes nearly in proportion to their video tokens (twice the latent frames: 1.94 times
+    the bytes, the rest is the cross-attention's text keys and values, which every rank holds whole), which
+    is why S sequence ranks each hold about 1/S of them; the embeddings and output outside the blocks stay whole."""
+    frames = {n: inspect_model(_small(ARCH / "wan2.1-1.3b", f'model.defaults={{height: 64, width: 64, num_frames: {n}, '
+                                                            'max_sequence_length: 16}'), ARCH / "wan2.1-1.3b").activations
+              for n in (5, 13)}  # 2 and 4 latent frames
+    assert 1.9 * frames[5].in_blocks < frames[13].in_blocks <= 2 * frames[5].in_blocks
+    act = frames[13]
+    assert act.in_blocks > 10 * act.outside > 0
+    for checkpointed in (False, True):
+        whole, split = act.per_rank(checkpointed), act.per_rank(checkpointed, sequence_parallel=4)
+        assert split < whole and split - act.outside == pytest.approx((whole - act.outside) / 4)
+    cfg = _small(ARCH / "wan2.1-1.3b", "parallel.sequence_parallel=2", "model.finetune=full")
+    assert "tokens split over 2 sequence ranks" in plan_text(cfg, ARCH / "wan2.1-1.3b", 2, 80)
+    with pytest.raises(UserError, match="must divide --gpus 3"):
+        plan_text(cfg, ARCH / "wan2.1-1.3b", 3, 80)
