@@ -165,11 +165,15 @@ class Parallel:
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every data rank's ``obj`` (picklable), in rank order; ``[obj]`` in one process. A collective (of
         all processes: a data rank's sequence ranks hold the same ``obj``, kept once)."""
+        return self.every_process(obj)[:: self.layout.sequence]
+
+    def every_process(self, obj: Any) -> list[Any]:
+        """Every process's ``obj`` (picklable), sequence ranks included, in rank order. A collective."""
         if self.world < 2:
             return [obj]
         out: list[Any] = [None] * self.world
         torch.distributed.all_gather_object(out, obj)
-        return out[:: self.layout.sequence]
+        return out
 
     def total(self, n: int) -> int:
         """``n`` summed over data ranks (a collective when there are several processes)."""

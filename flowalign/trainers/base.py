@@ -465,9 +465,9 @@ class GroupTrainer:
         checkpointing.resume(self)
 
     def rank_checksums(self) -> list[float]:
-        """Sum of the trainable weights on every rank; ranks that diverged are an error, not a warning."""
-        local = self.parallel.checksum(self.params)
-        sums = self.acc.gather(local.to(self.acc.device)).cpu().tolist()
+        """Sum of the trainable weights on every process (sequence ranks too); processes that diverged are an
+        error, not a warning."""
+        sums = self.parallel.every_process(float(self.parallel.checksum(self.params)))
         if len(set(sums)) > 1:
             raise RuntimeError(f"step {self.step}: ranks hold different weights (checksums {sums})")
         return sums
