@@ -45,7 +45,8 @@ def test_a_transformer_without_a_context_parallel_plan_is_refused(tiny_model_dir
         split_sequences(transformer, mesh=None, attention="ulysses")
 
 
-def test_one_process_with_sequence_parallelism_is_refused_before_anything_is_written(tmp_path):
+def test_one_process_with_sequence_parallelism_is_refused_before_training(tmp_path):
+    """The layout is checked when the trainer is built: a clear error, no step taken, no checkpoint."""
     cfg = load_config(REPO_ROOT / RUN[0], [*RUN[1:], f"run.output_dir={tmp_path / 'run'}",
                                             "parallel.sequence_parallel=2"])
     from flowalign.train import train
