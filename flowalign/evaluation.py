@@ -15,7 +15,7 @@ from flowalign.media import save_image, save_poster, save_video
 from flowalign.protocols import FlowPolicy, Reward
 from flowalign.reward_check import check_reward_output
 from flowalign.reward_set import RewardSet
-from flowalign.sampling import rollout
+from flowalign.sampling import rollout, stream_rollout
 
 
 def sample_seeded(
@@ -39,8 +39,9 @@ def sample_seeded(
         chunk = prompts[start : start + batch_size]
         noise = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(seed + start + i)) for i in range(len(chunk))])
         meta = None if metadata is None else metadata[start : start + batch_size]
-        r = rollout(policy, chunk, num_steps=steps, sampler="ode", guidance_scale=guidance_scale, initial_noise=noise,
-                    metadata=meta)
+        sample = stream_rollout if getattr(policy, "streaming", False) else rollout  # chunk by chunk, or whole
+        r = sample(policy, chunk, num_steps=steps, sampler="ode", guidance_scale=guidance_scale, initial_noise=noise,
+                   metadata=meta)
         out.append(r.samples.cpu())
     return torch.cat(out)
 

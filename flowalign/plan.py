@@ -226,11 +226,13 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     inputs = spec.transformer_inputs(transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
     try:
         act = saved_activation_bytes(transformer, blocks, inputs)
-    except (RuntimeError, NotImplementedError) as err:  # a value-dependent op (.item(), boolean indexing)
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        # a value-dependent op (.item(), boolean token gathers) or a kernel with no meta implementation
+        # (flex attention's block-causal masks)
         raise UserError(f"flowalign plan cannot size the {spec.name} transformer on the meta device: its forward "
-                        f"depends on tensor values ({str(err).splitlines()[0][:100]}); HunyuanVideo 1.5 gathers "
-                        "its text and image tokens by boolean masks. Size the run on a GPU with a real "
-                        "forward instead") from None
+                        f"depends on tensor values or on kernels the meta device lacks "
+                        f"({str(err).splitlines()[0][:100]}). Size the run on a GPU with a real forward "
+                        "instead") from None
     per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
     per = lambda v: v / per_sample
     return Model(spec.name, params, trained, largest, Activations(per(act.outside), per(act.in_blocks),

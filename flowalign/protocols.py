@@ -127,6 +127,37 @@ class FlowPolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class StreamingPolicy(FlowPolicy, Protocol):
+    """A streaming (autoregressive) video generator: a video is a sequence of chunks of latent frames, each
+    denoised while attending to the clean chunks before it through a KV cache
+    (:mod:`flowalign.sampling.streaming` samples it; ``streaming`` is True).
+
+    The cache is a value: ``empty_cache(batch, guidance)`` makes one of no chunks; ``append_chunks(cache, clean,
+    cond, guidance)`` returns a new one holding the clean chunks ``0..k`` of ``clean`` ``(B, C, F_{≤k}, H, W)``
+    and leaves ``cache`` as it was; caches have ``num_chunks``, ``batch``, ``select(index)`` and
+    ``repeat_interleave(n)`` (forking), as :class:`Conditioning` has.
+    """
+
+    streaming: bool
+    #: latent frames per chunk, in stream order
+    chunk_frames: list[int]
+
+    def chunk_slice(self, k: int) -> slice:
+        """The latent frames of chunk ``k`` along the frame axis of ``(B, C, F, H, W)``."""
+        ...
+
+    def empty_cache(self, batch: int, guidance: float) -> Any: ...
+
+    def chunk_velocity(self, x_chunk: torch.Tensor, sigma: float, sigma_next: float, cache: Any, cond: Conditioning,
+                       guidance: float) -> torch.Tensor:
+        """The velocity (mean velocity ``σ → σ'`` for a flow-map model) ``(B, C, f_k, H, W)`` float32 of chunk
+        ``k = cache.num_chunks`` at ``x_chunk``; the step is ``x' = x + (σ' − σ)·v``."""
+        ...
+
+    def append_chunks(self, cache: Any, clean: torch.Tensor, cond: Conditioning, guidance: float) -> Any: ...
+
+
 @dataclass
 class RewardOutput:
     """Named per-sample reward components ``(B,)`` float32 and a ``valid`` mask ``(B,)`` bool.

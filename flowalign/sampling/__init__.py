@@ -1,7 +1,8 @@
 """Step math and the rollout loop (``docs/methods/samplers.md``).
 
 Public entry points: :func:`sde_step` (one step of ``"ode" | "flow_grpo" | "cps" | "dance"``) and
-:func:`rollout` (the sampling loop returning a :class:`Rollout`).
+:func:`rollout` (the sampling loop returning a :class:`Rollout`); streaming video policies are sampled chunk by
+chunk by :func:`stream_rollout` (a :class:`StreamRollout`).
 """
 
 from flowalign.sampling.branching import branch_candidates, draw_branch_step, noise_aware_weights
@@ -17,11 +18,12 @@ from flowalign.sampling.steps import (
     gaussian_log_prob,
     sde_step,
 )
+from flowalign.sampling.streaming import StreamPrefix, StreamRollout, stream_rollout
 from flowalign.sampling.windows import random_window_start, sde_step_mask, sliding_window
 
 __all__ = [
     "SAMPLER_KINDS", "Guidance", "GuidedPolicy", "Rollout", "StepOutput", "branch_candidates", "check_sampler",
     "continue_ode", "cps_step", "draw_branch_step", "euler_step", "flow_grpo_diffusion", "flow_sde_step", "gaussian_log_prob",
     "guide_velocity", "load_latent_reward", "noise_aware_weights", "random_window_start", "reward_gradient",
-    "rollout", "sde_step", "sde_step_mask", "sliding_window",
+    "rollout", "sde_step", "sde_step_mask", "sliding_window", "StreamPrefix", "StreamRollout", "stream_rollout",
 ]

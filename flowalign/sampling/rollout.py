@@ -158,6 +158,9 @@ def rollout(
     whole batch's noise from one stream.
     """
     prompts = _check_prompts(prompts)
+    if getattr(policy, "streaming", False):
+        raise UserError(f"{policy.family} generates video chunk by chunk with a KV cache: sample it with "
+                        "flowalign.sampling.streaming.stream_rollout and train it with a streaming trainer")
     custom_step = sampler if callable(sampler) else None
     level = 0.0 if custom_step else check_sampler(sampler, noise_level)
     if num_steps < 1:

@@ -1,0 +1,313 @@
+"""AnyFlow-FAR streaming text-to-video as a :class:`flowalign.protocols.StreamingPolicy`.
+
+Wraps diffusers' ``AnyFlowFARPipeline`` (``AnyFlowFARTransformer3DModel``: a causal Wan 2.1 DiT with FAR's
+chunk-wise block-causal attention, a compressed patch embedding for far context and AnyFlow's dual-timestep
+flow-map embedding; UMT5 text; ``AutoencoderKLWan``) as its ``__call__`` runs, chunk by chunk:
+
+* The video latents ``(B, C, F', H', W')`` (as Wan: ``F' = (F-1)/f_t + 1``) are split along frames by
+  ``chunk_partition`` (the released checkpoints: 21 latent frames as ``1 + 3·6 + 2``); the initial noise is
+  drawn for the whole video at once, as ``prepare_latents`` draws it.
+* Chunk k is denoised on its own from its slice of the noise, over the flow-map scheduler's grid
+  (``FlowMapEulerDiscreteScheduler``: ``linspace(1, 0, n+1)`` shifted), every step a jump from σ to the next
+  σ' along the predicted *mean* velocity ``u(x, t=1000σ, r=1000σ')``: ``x' = x + (σ' − σ)·u``. The
+  transformer sees only that chunk's tokens and attends to the earlier chunks through the KV cache.
+* After a chunk is finished, the cache is re-encoded from every clean chunk so far (timestep 0), as the
+  pipeline's ``encode_kv_cache`` does; chunks beyond ``full_chunk_limit`` enter it in compressed form.
+* CFG ``u_u + w(u_c − u_u)`` against the empty prompt, with the cache held for both halves
+  (``[uncond; cond]`` along the batch, the pipeline's order).
+
+The KV cache is a first-class value here (:class:`KVCache`): rollouts keep the cache each chunk started
+from, and trainers fork a stream at a chunk by repeating that cache. Caches are never written in place once made: appending a
+chunk returns a new cache, so forks stay independent.
+
+The FlowPolicy half (``velocity`` over a whole video) is the transformer's causal training path: every chunk
+at the same σ attending to the earlier chunks' noisy tokens through FAR's block mask. It is the model's
+function, but not how the stream is sampled; streaming trainers use :meth:`chunk_velocity`, and
+``flowalign.sampling.streaming`` samples every streaming policy chunk by chunk (evaluation included).
+
+LoRA: the pipeline mixes in ``WanLoraLoaderMixin``, so adapters are saved where its ``load_lora_weights``
+reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AnyFlowFARPipeline, AutoencoderKLWan, FlowMapEulerDiscreteScheduler
+from diffusers.models.transformers.transformer_anyflow_far import AnyFlowCausalAttnProcessor
+
+from flowalign.errors import UserError
+from flowalign.families import FamilySpec
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch
+from pipelines._common import cfg_combine, check_multiple, check_num_steps, check_prompts, decode_in_chunks
+from pipelines._common import encode_with_empty_negative, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, zeros_factory, text_encoders
+
+#: the self- and cross-attention projections of every block, as for Wan
+DEFAULT_LORA_TARGETS = ATTENTION_LORA_TARGETS
+
+
+class MaskFreeReadsOnSDPA(AnyFlowCausalAttnProcessor):
+    """The causal self-attention processor with its mask-free calls (a chunk reading the KV cache) dispatched to
+    scaled-dot-product attention instead of flex attention: torch's flex attention has no backward on CPU,
+    and without a block mask both compute the same softmax attention over the same (padded) keys. Calls
+    with a block mask (cache writes, the causal whole-video pass) stay on flex attention."""
+
+    _SUPPORTED_BACKENDS = (*AnyFlowCausalAttnProcessor._SUPPORTED_BACKENDS, "native")
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: Any = None, **kwargs: Any) -> torch.Tensor:
+        self._attention_backend = "flex" if attention_mask is not None else "native"
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+
+
+def read_cache_with_sdpa(transformer: torch.nn.Module) -> None:
+    """Give every causal self-attention of ``transformer`` a :class:`MaskFreeReadsOnSDPA` processor."""
+    for module in transformer.modules():
+        if type(getattr(module, "processor", None)) is AnyFlowCausalAttnProcessor:
+            module.set_processor(MaskFreeReadsOnSDPA())
+
+
+@dataclass
+class KVCache:
+    """The transformer's key/value cache after ``num_chunks`` clean chunks, for a batch of streams.
+
+    ``layers[i]``: block i's ``{"full_cache", "compressed_cache"}``, each ``(2, B', heads, tokens, head_dim)``
+    (keys and values; diffusers' layout) with ``B' = 2B`` under CFG (``[uncond; cond]``) and ``B`` otherwise.
+    """
+
+    layers: dict[int, dict[str, torch.Tensor]]
+    num_chunks: int
+    batch: int
+    cfg: bool
+
+    def _rows(self, index: list[int]) -> list[int]:
+        return index + [self.batch + i for i in index] if self.cfg else index
+
+    def select(self, index: list[int] | torch.Tensor) -> "KVCache":
+        """The caches of some streams, in the given order (repeat an index to fork a stream)."""
+        idx = torch.as_tensor(index, dtype=torch.long).flatten().tolist()
+        rows = torch.tensor(self._rows(idx), dtype=torch.long)
+        layers = {i: {k: t.index_select(1, rows.to(t.device)) for k, t in layer.items()} for i, layer in self.layers.items()}
+        return KVCache(layers, self.num_chunks, len(idx), self.cfg)
+
+    def repeat_interleave(self, repeats: int) -> "KVCache":
+        """Each stream's cache ``repeats`` times in place: a group of forks sharing one history."""
+        return self.select([i for i in range(self.batch) for _ in range(repeats)])
+
+
+
+class AnyFlowFARPolicy(lora_utils.AdapterMethods):
+    """AnyFlow-FAR streaming text-to-video policy (see :class:`flowalign.protocols.StreamingPolicy`).
+
+    ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` (UMT5) and, when ``guidance_scale > 1``,
+    ``negative_prompt_embeds`` of the empty prompt.
+    """
+
+    family = "anyflow_far"
+    is_video = True
+    streaming = True
+
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` defaults to 2 videos."""
+        self.options = opts = PolicyOptions.parse(options, decode_batch_size=2)
+        self.device, self.dtype = torch.device(opts.device), opts.dtype
+        vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
+        self.pipe = load_frozen_pipeline(AnyFlowFARPipeline, path, opts, vae=vae)
+        if not isinstance(self.pipe.scheduler, FlowMapEulerDiscreteScheduler):
+            raise UserError(f"{path}: scheduler {type(self.pipe.scheduler).__name__} is not supported; AnyFlow-FAR "
+                            "folders ship FlowMapEulerDiscreteScheduler")
+        self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
+        self.scale_t, self.scale_s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        config = self.transformer.config
+        # the pipeline's defaults: 480 x 832, 81 frames, the transformer's chunk partition; the released
+        # distilled checkpoints sample in 4 flow-map steps without CFG
+        builtin = {"height": 480, "width": 832, "num_frames": 81, "num_steps": 4, "guidance_scale": 1.0,
+                   "max_sequence_length": 512, "shift": float(self.pipe.scheduler.config.shift),
+                   "chunk_partition": list(config.chunk_partition)}
+        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
+        _, ph, pw = config.compressed_patch_size
+        check_multiple(self.defaults, {"height": self.scale_s * ph, "width": self.scale_s * pw}, "this AnyFlow-FAR model")
+        if (int(self.defaults["num_frames"]) - 1) % self.scale_t:
+            raise UserError(f"num_frames={self.defaults['num_frames']}: num_frames - 1 must be a multiple of "
+                            f"{self.scale_t} (the VAE's temporal factor)")
+        self.chunk_frames: list[int] = [int(c) for c in self.defaults["chunk_partition"]]
+        frames = self.latent_shape[1]
+        if sum(self.chunk_frames) != frames or min(self.chunk_frames) < 1:
+            raise UserError(f"chunk_partition={self.chunk_frames} must split the {frames} latent frames of "
+                            f"num_frames={self.defaults['num_frames']} into chunks of at least one frame: give "
+                            "defaults.chunk_partition summing to (num_frames - 1) / "
+                            f"{self.scale_t} + 1")
+        self.scheduler = FlowMapEulerDiscreteScheduler.from_config(self.pipe.scheduler.config,
+                                                                   shift=float(self.defaults["shift"]))
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
+        if self.device.type == "cpu" and (opts.lora or opts.full_finetune):
+            read_cache_with_sdpa(self.transformer)  # training on CPU: flex attention cannot differentiate there
+        self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
+
+    # ------------------------------------------------------------------ shapes and text
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        """``(C, F', H', W')`` of one video at the default size."""
+        return (self.transformer.config.in_channels, (int(self.defaults["num_frames"]) - 1) // self.scale_t + 1,
+                int(self.defaults["height"]) // self.scale_s, int(self.defaults["width"]) // self.scale_s)
+
+    def chunk_slice(self, k: int) -> slice:
+        """The latent frames of chunk ``k`` (``x[:, :, chunk_slice(k)]``)."""
+        start = sum(self.chunk_frames[:k])
+        return slice(start, start + self.chunk_frames[k])
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """UMT5 embeddings through the pipeline's own ``encode_prompt``, cached per prompt string; the CFG
+        negative is the empty prompt."""
+        prompts = check_prompts(prompts)
+        return encode_with_empty_negative(self._cache, prompts, self._encode_batch,
+                                          float(self.defaults["guidance_scale"]) > 1)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
+                                            max_sequence_length=int(self.defaults["max_sequence_length"]),
+                                            device=self.device, dtype=self.dtype)
+        return {"prompt_embeds": embeds}
+
+    def _text(self, cond: Conditioning, cfg: bool) -> torch.Tensor:
+        if cfg:
+            (embeds,) = cfg_batch(cond, ["prompt_embeds"], self.defaults["guidance_scale"], self.device, self.dtype)
+            return embeds
+        return cond.tensors["prompt_embeds"].to(self.device, self.dtype)
+
+    # ------------------------------------------------------------------ the stream
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise ``(n, C, F', H', W')`` float32 for the whole video, drawn as ``prepare_latents`` draws it."""
+        return gaussian_noise((n, *self.latent_shape), generator, self.device)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """``(num_steps+1,)`` float32, 1 → 0: the flow-map scheduler's shifted grid (every chunk uses it)."""
+        self.scheduler.set_timesteps(check_num_steps(num_steps), device="cpu")
+        return self.scheduler.sigmas.to(torch.float32).clone()
+
+    def empty_cache(self, batch: int, guidance: float) -> KVCache:
+        """A cache of no chunks for ``batch`` streams, sized as the pipeline sizes it for this video."""
+        c = self.transformer.config
+        _, _, h, w = self.latent_shape
+        full_tokens = (h // c.patch_size[1]) * (w // c.patch_size[2])
+        compressed_tokens = (h // c.compressed_patch_size[1]) * (w // c.compressed_patch_size[2])
+        longest, chunks = max(self.chunk_frames), len(self.chunk_frames)
+        rows = 2 * batch if guidance > 1 else batch
+        new = zeros_factory(self.device, self.dtype)
+        layers = {i: {"full_cache": new(2, rows, c.num_attention_heads, c.full_chunk_limit * longest * full_tokens,
+                                        c.attention_head_dim),
+                      "compressed_cache": new(2, rows, c.num_attention_heads,
+                                              (chunks - c.full_chunk_limit + 1) * longest * compressed_tokens,
+                                              c.attention_head_dim)}
+                  for i in range(c.num_layers)}
+        return KVCache(layers, 0, batch, guidance > 1)
+
+    def chunk_velocity(self, x_chunk: torch.Tensor, sigma: float, sigma_next: float, cache: KVCache,
+                       cond: Conditioning, guidance: float) -> torch.Tensor:
+        """The mean velocity ``u(x, σ → σ')`` float32 ``(B, C, f_k, H', W')`` of chunk ``k = cache.num_chunks``,
+        attending to the cached chunks; CFG inside when ``guidance > 1``.
+        Differentiable in the transformer's weights (the cache is a constant)."""
+        b, cfg = batch_size(x_chunk, cond), guidance > 1
+        if cache.batch != b or cache.cfg != cfg:
+            raise UserError(f"chunk_velocity: the cache holds {cache.batch} streams "
+                            f"({'with' if cache.cfg else 'without'} CFG) for {b} chunks at guidance {guidance}: "
+                            "make the cache with empty_cache(batch, guidance) and the same guidance")
+        k = cache.num_chunks
+        if x_chunk.shape[2] != self.chunk_frames[k]:
+            raise UserError(f"chunk_velocity: chunk {k} has {self.chunk_frames[k]} latent frames, got {x_chunk.shape[2]}")
+        hidden = x_chunk.to(self.device, self.dtype).permute(0, 2, 1, 3, 4)  # (B, f, C, H, W), the FAR layout
+        t = sigma_batch(sigma, b, self.device) * 1000.0
+        r = sigma_batch(sigma_next, b, self.device) * 1000.0
+        if cfg:
+            hidden, t, r = torch.cat([hidden, hidden]), torch.cat([t, t]), torch.cat([r, r])
+        frames = hidden.shape[1]
+        out, _ = self.transformer(
+            hidden_states=hidden, timestep=t[:, None].expand(-1, frames), r_timestep=r[:, None].expand(-1, frames),
+            encoder_hidden_states=self._text(cond, cfg), chunk_partition=self.chunk_frames[:k + 1],
+            kv_cache=cache.layers, kv_cache_flag={"num_cached_chunks": k, "is_cache_step": False}, return_dict=False)
+        out = out.permute(0, 2, 1, 3, 4)
+        return cfg_combine(out, guidance) if cfg else out.float()
+
+    @torch.no_grad()
+    def append_chunks(self, cache: KVCache, clean: torch.Tensor, cond: Conditioning, guidance: float) -> KVCache:
+        """A new cache of the clean chunks ``0..k`` in ``clean`` ``(B, C, F_{≤k}, H', W')``, re-encoded at
+        timestep 0 as the pipeline's ``encode_kv_cache`` does (``cache``, of chunks ``0..k-1``, is left as it is)."""
+        k = cache.num_chunks
+        partition = self.chunk_frames[:k + 1]
+        if clean.shape[2] != sum(partition):
+            raise UserError(f"append_chunks: chunks 0..{k} have {sum(partition)} latent frames, got {clean.shape[2]}")
+        cfg = guidance > 1
+        hidden = clean.to(self.device, self.dtype).permute(0, 2, 1, 3, 4)
+        if cfg:
+            hidden = torch.cat([hidden, hidden])
+        zeros = torch.zeros(hidden.shape[0], hidden.shape[1], device=self.device)
+        layers = {i: {name: t.clone() for name, t in layer.items()} for i, layer in cache.layers.items()}
+        mask = self.transformer.build_attention_mask(chunk_partition=partition, height=hidden.shape[-2],
+                                                     width=hidden.shape[-1], device=self.device, mode="cache")
+        self.transformer(hidden_states=hidden, timestep=zeros, r_timestep=zeros,
+                         encoder_hidden_states=self._text(cond, cfg), chunk_partition=partition,
+                         attention_mask=mask, kv_cache=layers,
+                         kv_cache_flag={"num_cached_chunks": k, "is_cache_step": True}, return_dict=False)
+        return KVCache(layers, k + 1, cache.batch, cache.cfg)
+
+    # ------------------------------------------------------------------ the FlowPolicy half
+
+    def velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float) -> torch.Tensor:
+        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')`` of the whole video at one σ through the causal
+        training path (instantaneous velocity: ``r = t``); see the module docstring for why sampling does
+        not use it."""
+        b, cfg = batch_size(x, cond), guidance > 1
+        hidden = x.to(self.device, self.dtype).permute(0, 2, 1, 3, 4)
+        t = sigma_batch(sigma, b, self.device) * 1000.0
+        if cfg:
+            hidden, t = torch.cat([hidden, hidden]), torch.cat([t, t])
+        t = t[:, None].expand(-1, hidden.shape[1])
+        out = self.transformer(hidden_states=hidden, timestep=t, r_timestep=t, encoder_hidden_states=self._text(cond, cfg),
+                               chunk_partition=self.chunk_frames, return_dict=False)[0]
+        out = out.permute(0, 2, 1, 3, 4)
+        return cfg_combine(out, guidance) if cfg else out.float()
+
+    def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The CFG negative's :meth:`velocity` float32 (one forward of batch B)."""
+        return self.velocity(x, sigma, negative_conditioning(cond, ["prompt_embeds"], self.defaults["guidance_scale"]), 1.0)
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Latents ``(B, C, F', H', W')`` → videos ``(B, F, 3, H, W)`` float32 in [0, 1], de-normalised with the
+        VAE's ``latents_mean`` / ``latents_std`` as the pipeline does; differentiable in ``x0``."""
+        z_dim = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, z_dim, 1, 1, 1)
+        std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, z_dim, 1, 1, 1)
+        videos = decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
+                                  lambda chunk: (chunk.to(self.device, torch.float32) * std + mean).to(self.vae.dtype))
+        return videos.permute(0, 2, 1, 3, 4).contiguous()
+
+
+def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
+                       dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The whole-video causal pass of :meth:`AnyFlowFARPolicy.velocity`: latents ``(B, 1 + (F-1)/4, C, H/8, W/8)``
+    in the FAR layout, per-frame timesteps, UMT5 text ``(B, L, D)``, the config's chunk partition."""
+    new = zeros_factory(device, dtype)
+    frames = 1 + (int(size["num_frames"] or 1) - 1) // 4
+    h, w = int(size["height"]) // 8, int(size["width"]) // 8
+    t = torch.full((batch, frames), 500.0, device=device)
+    return dict(hidden_states=new(batch, frames, config.in_channels, h, w), timestep=t, r_timestep=t,
+                encoder_hidden_states=new(batch, int(size["max_sequence_length"]), config.text_dim),
+                chunk_partition=list(config.chunk_partition), return_dict=False)
+
+
+SPEC = FamilySpec(
+    name="anyflow_far", policy=AnyFlowFARPolicy, pipelines=("AnyFlowFARPipeline",),
+    transformers=("AnyFlowFARTransformer3DModel",), lora_targets=tuple(DEFAULT_LORA_TARGETS),
+    # the pipeline's defaults: 480 x 832, 81 frames; the distilled checkpoints: 4 flow-map steps, no CFG
+    size={"height": 480, "width": 832, "num_frames": 81, "max_sequence_length": 512}, num_steps=4, guidance=1.0,
+    cfg="cfg", transformer_inputs=transformer_inputs, tiny={"anyflow_far": "pipelines.tiny_twins.anyflow_far"},
+    architectures=("anyflow-far-wan2.1-1.3b",),
+)
