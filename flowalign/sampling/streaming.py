@@ -75,12 +75,15 @@ class StreamRollout:
         """The clean video latents ``(B, C, F, H, W)``."""
         return torch.cat([c[:, -1] for c in self.chunks], dim=2)
 
-    def prefix(self, k: int) -> StreamPrefix:
-        """The state chunk ``k`` started from: the clean chunks before it and its cache."""
+    def prefix(self, k: int, rows: Sequence[int] | None = None) -> StreamPrefix:
+        """The state chunk ``k`` started from (of the streams ``rows``, default all): the clean chunks before it
+        and its cache."""
         if not self.start <= k < self.num_chunks:
             raise UserError(f"prefix: chunk {k} was not sampled by this rollout (chunks {self.start}..{self.num_chunks - 1})")
         clean = self.final_latents[:, :, :sum(c.shape[3] for c in self.chunks[:k])]
-        return StreamPrefix(clean, self.caches[k])
+        if rows is None:
+            return StreamPrefix(clean, self.caches[k])
+        return StreamPrefix(clean[list(rows)], self.caches[k].select(list(rows)))
 
     def step(self, k: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x_i, x_{i+1}, stored log_prob)`` of chunk ``k``'s step ``i``: ``(B, C, f_k, H, W)`` twice and ``(B,)``."""

@@ -42,6 +42,7 @@ TRAINERS = {
     "seppo": "flowalign.trainers.seppo:SePPOTrainer",
     "fav": "flowalign.trainers.fav:FAVTrainer",
     "flow_opd": "flowalign.trainers.flow_opd:FlowOPDTrainer",
+    "ar_copo": "flowalign.trainers.ar_copo:ARCoPOTrainer",
 }
 
 

@@ -154,7 +154,10 @@ ONE_STEP = {
     "seppo": (*VVR, "rewards=[]", "trainer.reference_every=1"),
     "fav": (*VVR, "rewards=[{name: vvr_soft}]"),
     "flow_opd": ("trainer.cold_start_steps=0", "trainer.group_size=1"),  # its teacher: the student's own adapter
+    "ar_copo": ("trainer.num_steps=2",),
 }
+#: trainers of streaming video models run on the tiny streaming twin instead of the tiny SD3
+STREAMING = {"ar_copo"}
 
 
 def state_of(obj, depth: int = 0):
@@ -203,7 +206,7 @@ def test_the_state_check_sees_a_changed_field():
 
 @pytest.mark.parametrize("name", sorted(TRAINERS))
 def test_every_trainer_logs_reward_total_over_all_ranks_or_not_at_all(name, tmp_path, tiny_sd3_dir, prompt_file,
-                                                                      lrr_dir):
+                                                                      lrr_dir, tiny_model_dir):
     """``reward/total`` comes from the loop's :meth:`GroupTrainer.reward_logs` (every rank's valid samples),
     in the same step's log line as the per-reward means it weighs; a trainer without rewards logs none
     (no placeholder). Collectives go through the loop's hooks: no trainer file makes its own. ``loss()``
@@ -215,7 +218,8 @@ def test_every_trainer_logs_reward_total_over_all_ranks_or_not_at_all(name, tmp_
         build_trainer(small_config(tmp_path / "teacher", tiny_sd3_dir, prompt_file)).policy.save_adapter(
             tmp_path / "teacher-adapter")
         extra += (f"trainer.teachers=[{{adapter: {tmp_path / 'teacher-adapter'}}}]",)
-    t = build_trainer(small_config(tmp_path / name, tiny_sd3_dir, prompt_file, f"trainer.name={name}", *extra))
+    model = tiny_model_dir("anyflow_far") if name in STREAMING else tiny_sd3_dir
+    t = build_trainer(small_config(tmp_path / name, model, prompt_file, f"trainer.name={name}", *extra))
     own_loss, calls = t.loss, []
 
     def loss_that_must_not_mutate(batch, unit):

@@ -22,7 +22,8 @@ TOY = "tests.flowalign.trainers.test_contract:ToyTrainer"
 @pytest.mark.parametrize("name", sorted(TRAINERS))
 def test_every_registered_trainer_names_itself_and_its_tiny_recipe_checks(name, tmp_path):
     cls = get_trainer(name)
-    recipe = Path(__file__).resolve().parents[3] / "configs" / "tiny" / f"{name}_vvr.yaml"
+    tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny"
+    recipe = tiny / f"{name}_vvr.yaml" if (tiny / f"{name}_vvr.yaml").is_file() else tiny / f"{name}_motion.yaml"
     cfg = load_config(recipe, [f"run.output_dir={tmp_path / 'r'}"])
     got_cls, tcfg = check_run(cfg)
     assert got_cls is cls and tcfg.name == name  # the Config's declared name is its registry key
