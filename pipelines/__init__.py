@@ -5,7 +5,7 @@ detects its family from ``model_index.json`` and returns the family's policy. On
 declaring its :class:`flowalign.families.FamilySpec` as ``SPEC``: ``sd3.py`` (SD3 / SD3.5), ``flux.py``
 (FLUX.1), ``kontext.py`` (FLUX.1 Kontext, editing), ``flux2.py`` (FLUX.2 dev / klein), ``qwen_image.py`` and
 ``qwen_image_edit.py``, ``zimage.py`` (Z-Image), ``wan.py`` (Wan 2.1 / 2.2-TI2V) with ``wan22.py`` (Wan
-2.2-A14B's two experts) and ``wan_i2v.py`` (Wan 2.2 I2V), ``hunyuan_video15.py`` (HunyuanVideo 1.5); shared helpers in ``_common.py``, peft helpers in
+2.2-A14B's two experts) and ``wan_i2v.py`` (Wan 2.2 I2V), ``hunyuan_video15.py`` (HunyuanVideo 1.5), ``ltx2.py`` (LTX-2 text to video with audio); shared helpers in ``_common.py``, peft helpers in
 ``lora.py``. Editing and image-to-video policies take a per-prompt input image (``input_images = True``, see
 :mod:`flowalign.sampling.inputs`).
 
@@ -45,6 +45,7 @@ PLUGINS = {
         "zimage": "pipelines.zimage:SPEC",
         "wan": "pipelines.wan:SPEC",
         "hunyuan_video15": "pipelines.hunyuan_video15:SPEC",
+        "ltx2": "pipelines.ltx2:SPEC",
     },
 }
 
