@@ -245,6 +245,10 @@ class LTX2Policy(lora_utils.AdapterMethods):
         config = self.scheduler.config
         mu = calculate_shift(f * h * w, config.get("base_image_seq_len", 1024), config.get("max_image_seq_len", 4096),
                              config.get("base_shift", 0.95), config.get("max_shift", 2.05))
+        if n < 2 and self.scheduler.config.get("shift_terminal"):
+            # the stretch to shift_terminal divides by 1 - σ_last, which is 0 for a one-step grid (NaN in the pipeline too)
+            raise UserError(f"num_steps={num_steps}: this LTX-2 scheduler stretches its grid to end at "
+                            f"shift_terminal={self.scheduler.config.shift_terminal}, which needs num_steps >= 2")
         self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=mu, device="cpu")
         return self.scheduler.sigmas.to(torch.float32).clone()
 

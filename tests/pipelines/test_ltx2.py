@@ -70,7 +70,7 @@ def test_decode_is_differentiable(policy):
 
 def test_sigmas_are_the_pipelines_own(policy):
     tokens = int(np.prod(policy.video_grid))
-    for n in (1, 4, 10):
+    for n in (2, 4, 10):
         ref = copy.deepcopy(policy.pipe.scheduler)
         config = ref.config
         mu = calculate_shift(tokens, config.base_image_seq_len, config.max_image_seq_len, config.base_shift,
@@ -80,6 +80,9 @@ def test_sigmas_are_the_pipelines_own(policy):
         assert torch.equal(grid, ref.sigmas.float()) and grid[0] == 1 and grid[-1] == 0
     # the shift is dynamic and stretched to end at shift_terminal = 0.1 before the final 0
     assert torch.isclose(policy.sigmas(4)[-2], torch.tensor(0.1))
+    # one step cannot be stretched (the scheduler divides by zero): refused rather than a NaN grid
+    with pytest.raises(UserError, match="num_steps=1"):
+        policy.sigmas(1)
 
 
 def test_cfg_is_the_manual_combination_per_stream(policy):
