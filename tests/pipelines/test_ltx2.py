@@ -163,8 +163,8 @@ def test_bad_height_is_a_user_error(folder):
 def test_published_sizes_on_the_meta_device():
     models = build_on_meta(REPO_ROOT / "assets" / "architectures" / "ltx-2")
     count = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
-    # "LTX-2 19B": the audio-video transformer (~14B video stream + ~5B audio stream and the cross-modal
-    # attention); diffusers keeps the text connectors (a further ~1.4B) outside it
+    # "ltx-2-19b": the audio-video transformer, 18.88B here; diffusers keeps the text connectors (a further
+    # 1.43B) in their own component
     assert abs(count["transformer"] - 19e9) / 19e9 < 0.02, count["transformer"]
     assert abs(count["text_encoder"] - 12.2e9) / 12.2e9 < 0.02, count["text_encoder"]  # Gemma-3-12B (with SigLIP)
 
