@@ -71,7 +71,8 @@ class ModelSection(Section):
     #: a local diffusers folder (relative paths are resolved against the working directory)
     path: str = "assets/tiny-sd3-vvr"
     #: a registered model family (sd3, flux, kontext, flux2, qwen_image, qwen_image_edit, zimage, wan,
-    #: hunyuan_video15, anyflow_far, or one an installed package registers); null: detected from the folder's model_index.json
+    #: hunyuan_video15, ltx2, anyflow_far, or one an installed package registers); null: detected from the folder's
+    #: model_index.json
     family: str | None = None
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     finetune: Literal["lora", "full"] = "lora"

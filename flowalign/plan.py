@@ -100,6 +100,15 @@ class Settings:
     changes: list[str] = field(default_factory=list)
 
 
+def _library_module(library: str) -> Any:
+    """The module a ``model_index.json`` entry names: a package (``diffusers``, ``transformers``) or, as diffusers
+    resolves it, a pipeline's own module (``["<pipeline module>", "<class>"]`` → ``diffusers.pipelines.<module>``)."""
+    try:
+        return importlib.import_module(library)
+    except ModuleNotFoundError:
+        return importlib.import_module(f"diffusers.pipelines.{library}")
+
+
 def build_on_meta(folder: Path) -> dict[str, nn.Module]:
     """Every ``torch.nn.Module`` of a diffusers folder (``model_index.json``) built on the meta device."""
     index = json.loads((folder / "model_index.json").read_text())
@@ -108,11 +117,11 @@ def build_on_meta(folder: Path) -> dict[str, nn.Module]:
         if name.startswith("_") or not isinstance(entry, list) or None in entry or not (folder / name).is_dir():
             continue
         library, class_name = entry
-        cls = getattr(importlib.import_module(library), class_name, None)
+        cls = getattr(_library_module(library), class_name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             continue  # schedulers, tokenizers
         with torch.device("meta"):
-            if library == "diffusers":
+            if library != "transformers":  # diffusers' own classes and its pipelines' modules (ConfigMixin)
                 models[name] = cls.from_config(cls.load_config(str(folder / name)))
             else:
                 models[name] = cls(cls.config_class.from_pretrained(str(folder / name)))

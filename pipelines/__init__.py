@@ -6,8 +6,9 @@ declaring its :class:`flowalign.families.FamilySpec` as ``SPEC``: ``sd3.py`` (SD
 (FLUX.1), ``kontext.py`` (FLUX.1 Kontext, editing), ``flux2.py`` (FLUX.2 dev / klein), ``qwen_image.py`` and
 ``qwen_image_edit.py``, ``zimage.py`` (Z-Image), ``wan.py`` (Wan 2.1 / 2.2-TI2V) with ``wan22.py`` (Wan
 2.2-A14B's two experts) and ``wan_i2v.py`` (Wan 2.2 I2V), ``hunyuan_video15.py`` (HunyuanVideo 1.5),
-``anyflow_far.py`` (AnyFlow-FAR, streaming chunk by chunk with a KV cache); shared helpers in ``_common.py``,
-peft helpers in ``lora.py``. Editing and image-to-video policies take a per-prompt input image (``input_images = True``, see
+``ltx2.py`` (LTX-2, text to video with audio), ``anyflow_far.py`` (AnyFlow-FAR, streaming chunk by chunk with
+a KV cache); shared helpers in ``_common.py``, peft helpers in ``lora.py``. Editing and image-to-video policies
+take a per-prompt input image (``input_images = True``, see
 :mod:`flowalign.sampling.inputs`).
 
 A family is registered by one line in ``PLUGINS["families"]`` below (and the same line in pyproject.toml's
@@ -46,6 +47,7 @@ PLUGINS = {
         "zimage": "pipelines.zimage:SPEC",
         "wan": "pipelines.wan:SPEC",
         "hunyuan_video15": "pipelines.hunyuan_video15:SPEC",
+        "ltx2": "pipelines.ltx2:SPEC",
         "anyflow_far": "pipelines.anyflow_far:SPEC",
     },
 }

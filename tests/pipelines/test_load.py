@@ -87,7 +87,7 @@ def test_unknown_pipeline_class(tmp_path):
 
 
 def test_unknown_or_mismatched_family(tiny_sd3_dir):
-    with pytest.raises(UserError, match="family=.sdxl. is unknown: known families are anyflow_far, flux, flux2, hunyuan_video15, kontext, qwen_image, qwen_image_edit, sd3, wan, zimage"):
+    with pytest.raises(UserError, match="family=.sdxl. is unknown: known families are anyflow_far, flux, flux2, hunyuan_video15, kontext, ltx2, qwen_image, qwen_image_edit, sd3, wan, zimage"):
         pipelines.load(tiny_sd3_dir, "sdxl")
     with pytest.raises(UserError, match="family='flux' but .* holds a 'sd3' pipeline"):
         pipelines.load(tiny_sd3_dir, "flux")
