@@ -123,7 +123,8 @@ class ARCoPOTrainer(GroupTrainer):
         super().__init__(*args, **kw)
         if not getattr(self.policy, "streaming", False):
             raise UserError(f"trainer.name=ar_copo forks a streaming video model chunk by chunk, but model.path holds "
-                            f"a {self.policy.family!r} model; use a streaming family (e.g. anyflow_far)")
+                            f"a {self.policy.family!r} model; use a streaming family (one whose policy generates chunk by chunk "
+                            "with a KV cache, such as AnyFlow-FAR)")
         chunks = len(self.policy.chunk_frames)
         self.fork_chunks = list(range(chunks)) if self.tcfg.fork_chunks is None else list(self.tcfg.fork_chunks)
         bad = [k for k in self.fork_chunks if not 0 <= k < chunks]
