@@ -157,6 +157,11 @@ class StreamingPolicy(FlowPolicy, Protocol):
 
     def append_chunks(self, cache: Any, clean: torch.Tensor, cond: Conditioning, guidance: float) -> Any: ...
 
+    def history_cache(self, clean: torch.Tensor, keep: Any, cond: Conditioning, guidance: float) -> Any:
+        """KV routing: the cache the next chunk reads after the clean chunks of ``clean``, holding only the
+        chunks ``keep`` (all of them: what ``append_chunks`` makes)."""
+        ...
+
 
 @dataclass
 class RewardOutput:

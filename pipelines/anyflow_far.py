@@ -31,6 +31,7 @@ reads them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,12 +80,19 @@ class KVCache:
 
     ``layers[i]``: block i's ``{"full_cache", "compressed_cache"}``, each ``(2, B', heads, tokens, head_dim)``
     (keys and values; diffusers' layout) with ``B' = 2B`` under CFG (``[uncond; cond]``) and ``B`` otherwise.
+    ``kept``: the chunks whose keys and values it holds, in stream order: all ``0..num_chunks-1`` unless the
+    history was routed (:meth:`AnyFlowFARPolicy.history_cache`).
     """
 
     layers: dict[int, dict[str, torch.Tensor]]
     num_chunks: int
     batch: int
     cfg: bool
+    kept: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kept is None:
+            self.kept = tuple(range(self.num_chunks))
 
     def _rows(self, index: list[int]) -> list[int]:
         return index + [self.batch + i for i in index] if self.cfg else index
@@ -94,7 +102,7 @@ class KVCache:
         idx = torch.as_tensor(index, dtype=torch.long).flatten().tolist()
         rows = torch.tensor(self._rows(idx), dtype=torch.long)
         layers = {i: {k: t.index_select(1, rows.to(t.device)) for k, t in layer.items()} for i, layer in self.layers.items()}
-        return KVCache(layers, self.num_chunks, len(idx), self.cfg)
+        return KVCache(layers, self.num_chunks, len(idx), self.cfg, self.kept)
 
     def repeat_interleave(self, repeats: int) -> "KVCache":
         """Each stream's cache ``repeats`` times in place: a group of forks sharing one history."""
@@ -213,7 +221,7 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
     def chunk_velocity(self, x_chunk: torch.Tensor, sigma: float, sigma_next: float, cache: KVCache,
                        cond: Conditioning, guidance: float) -> torch.Tensor:
         """The mean velocity ``u(x, σ → σ')`` float32 ``(B, C, f_k, H', W')`` of chunk ``k = cache.num_chunks``,
-        attending to the cached chunks; CFG inside when ``guidance > 1``.
+        attending to the cached chunks (``cache.kept``); CFG inside when ``guidance > 1``.
         Differentiable in the transformer's weights (the cache is a constant)."""
         b, cfg = batch_size(x_chunk, cond), guidance > 1
         if cache.batch != b or cache.cfg != cfg:
@@ -229,34 +237,55 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
         if cfg:
             hidden, t, r = torch.cat([hidden, hidden]), torch.cat([t, t]), torch.cat([r, r])
         frames = hidden.shape[1]
+        # the transformer sees the kept history chunks then this one (positions follow that sequence)
+        partition = [self.chunk_frames[j] for j in cache.kept] + [frames]
         out, _ = self.transformer(
             hidden_states=hidden, timestep=t[:, None].expand(-1, frames), r_timestep=r[:, None].expand(-1, frames),
-            encoder_hidden_states=self._text(cond, cfg), chunk_partition=self.chunk_frames[:k + 1],
-            kv_cache=cache.layers, kv_cache_flag={"num_cached_chunks": k, "is_cache_step": False}, return_dict=False)
+            encoder_hidden_states=self._text(cond, cfg), chunk_partition=partition, kv_cache=cache.layers,
+            kv_cache_flag={"num_cached_chunks": len(cache.kept), "is_cache_step": False}, return_dict=False)
         out = out.permute(0, 2, 1, 3, 4)
         return cfg_combine(out, guidance) if cfg else out.float()
 
-    @torch.no_grad()
     def append_chunks(self, cache: KVCache, clean: torch.Tensor, cond: Conditioning, guidance: float) -> KVCache:
         """A new cache of the clean chunks ``0..k`` in ``clean`` ``(B, C, F_{≤k}, H', W')``, re-encoded at
         timestep 0 as the pipeline's ``encode_kv_cache`` does (``cache``, of chunks ``0..k-1``, is left as it is)."""
         k = cache.num_chunks
-        partition = self.chunk_frames[:k + 1]
-        if clean.shape[2] != sum(partition):
-            raise UserError(f"append_chunks: chunks 0..{k} have {sum(partition)} latent frames, got {clean.shape[2]}")
+        if clean.shape[2] != sum(self.chunk_frames[:k + 1]):
+            raise UserError(f"append_chunks: chunks 0..{k} have {sum(self.chunk_frames[:k + 1])} latent frames, "
+                            f"got {clean.shape[2]}")
+        return self.history_cache(clean, range(k + 1), cond, guidance)
+
+    @torch.no_grad()
+    def history_cache(self, clean: torch.Tensor, keep: Sequence[int], cond: Conditioning, guidance: float) -> KVCache:
+        """The cache the next chunk reads after the clean chunks in ``clean`` ``(B, C, F_{<k}, H', W')``, holding
+        only the chunks ``keep`` (KV routing: the next chunk attends to that history, laid out as if it were
+        the whole stream so far). Keeping every chunk is the pipeline's own cache: the cache step re-encodes
+        every chunk it holds, so a cache is a function of the kept chunks alone."""
+        starts = [sum(self.chunk_frames[:j]) for j in range(len(self.chunk_frames) + 1)]
+        if clean.shape[2] not in starts:
+            raise UserError(f"history_cache: {clean.shape[2]} latent frames are not a whole number of chunks "
+                            f"{self.chunk_frames}")
+        k = starts.index(clean.shape[2])
+        kept = tuple(sorted({int(j) for j in keep}))
+        if any(not 0 <= j < k for j in kept):
+            raise UserError(f"history_cache: keep={list(keep)} names chunks outside the {k} chunks of the history")
         cfg = guidance > 1
-        hidden = clean.to(self.device, self.dtype).permute(0, 2, 1, 3, 4)
+        cache = self.empty_cache(clean.shape[0], guidance)
+        if not kept:
+            return KVCache(cache.layers, k, cache.batch, cache.cfg, kept)
+        partition = [self.chunk_frames[j] for j in kept]
+        frames = torch.cat([clean[:, :, self.chunk_slice(j)] for j in kept], dim=2)
+        hidden = frames.to(self.device, self.dtype).permute(0, 2, 1, 3, 4)
         if cfg:
             hidden = torch.cat([hidden, hidden])
         zeros = torch.zeros(hidden.shape[0], hidden.shape[1], device=self.device)
-        layers = {i: {name: t.clone() for name, t in layer.items()} for i, layer in cache.layers.items()}
         mask = self.transformer.build_attention_mask(chunk_partition=partition, height=hidden.shape[-2],
                                                      width=hidden.shape[-1], device=self.device, mode="cache")
         self.transformer(hidden_states=hidden, timestep=zeros, r_timestep=zeros,
                          encoder_hidden_states=self._text(cond, cfg), chunk_partition=partition,
-                         attention_mask=mask, kv_cache=layers,
-                         kv_cache_flag={"num_cached_chunks": k, "is_cache_step": True}, return_dict=False)
-        return KVCache(layers, k + 1, cache.batch, cache.cfg)
+                         attention_mask=mask, kv_cache=cache.layers,
+                         kv_cache_flag={"num_cached_chunks": len(kept) - 1, "is_cache_step": True}, return_dict=False)
+        return KVCache(cache.layers, k, cache.batch, cache.cfg, kept)
 
     # ------------------------------------------------------------------ the FlowPolicy half
 

@@ -14,7 +14,7 @@ clean chunks and that cache (repeat a rollout's prefix ``n`` times with :meth:`S
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -104,6 +104,7 @@ def stream_rollout(
     initial_noise: torch.Tensor | None = None,
     metadata: Sequence[dict[str, Any]] | None = None,
     prefix: StreamPrefix | None = None,
+    route: Callable[[int], Sequence[int]] | None = None,
     decode: bool = True,
 ) -> StreamRollout:
     """Stream ``len(prompts)`` videos chunk by chunk, ``num_steps`` steps per chunk on the policy's σ grid.
@@ -113,6 +114,8 @@ def stream_rollout(
     chunks take the policy's deterministic steps. ``initial_noise`` ``(B, C, F, H, W)``: the whole video's
     noise (chunk k denoises its slice of it), drawn by ``policy.initial_noise`` from ``generator`` when None.
     ``prefix``: start at chunk ``prefix.cache.num_chunks`` from those clean chunks and that cache (a fork).
+    ``route``: KV routing, ``route(k)`` the history chunks chunk ``k`` attends to (every earlier chunk when it
+    returns them all; the default), through the policy's ``history_cache``; a prefix's cache is used as given.
     """
     prompts = _check_prompts(prompts)
     level = check_sampler(sampler, noise_level)
@@ -158,7 +161,8 @@ def stream_rollout(
         trajectories.append(torch.stack(path, dim=1))
         clean = torch.cat([clean, x], dim=2)
         if k < chunks - 1:
-            cache = policy.append_chunks(cache, clean, cond, guidance)
+            cache = (policy.append_chunks(cache, clean, cond, guidance) if route is None
+                     else policy.history_cache(clean, route(k + 1), cond, guidance))
     result = StreamRollout(prompts=prompts, metadata=meta, chunks=trajectories, sigmas=sigmas.cpu(), log_probs=log_probs,
                            sde_chunks=stochastic, caches=caches, samples=None, cond=cond, start=start, sampler=sampler,
                            noise_level=level, guidance_scale=guidance)

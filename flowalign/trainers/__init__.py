@@ -43,6 +43,7 @@ TRAINERS = {
     "fav": "flowalign.trainers.fav:FAVTrainer",
     "flow_opd": "flowalign.trainers.flow_opd:FlowOPDTrainer",
     "ar_copo": "flowalign.trainers.ar_copo:ARCoPOTrainer",
+    "kvpo": "flowalign.trainers.kvpo:KVPOTrainer",
 }
 
 

@@ -198,3 +198,29 @@ def test_training_reads_the_cache_with_sdpa_and_gets_the_flex_result(folder, pol
     ours = stream_rollout(trained, PROMPTS, num_steps=2, initial_noise=x1, decode=False)
     flex = stream_rollout(policy, PROMPTS, num_steps=2, initial_noise=x1, decode=False)
     torch.testing.assert_close(ours.final_latents, flex.final_latents, rtol=1e-5, atol=1e-5)
+
+
+def test_a_routing_that_keeps_every_entry_is_the_pipelines_stream(policy):
+    x1 = noise(policy, seed=14)
+    routed = stream_rollout(policy, PROMPTS, num_steps=3, initial_noise=x1, route=lambda k: range(k), decode=False)
+    with torch.no_grad():
+        theirs = policy.pipe(prompt=PROMPTS, **SIZE, num_inference_steps=3, latents=x1.clone(), output_type="latent").frames
+    torch.testing.assert_close(routed.final_latents, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_routed_out_chunk_is_absent_from_what_the_next_chunk_reads(policy):
+    """Chunk 2 with chunk 1 routed out reads exactly a history of chunk 0 alone; keeping chunk 1 differs."""
+    r = stream_rollout(policy, PROMPTS, num_steps=2, initial_noise=noise(policy, seed=15), decode=False)
+    clean, cond = r.final_latents[:, :, :3], r.cond
+    x = noise(policy, seed=16)[:, :, policy.chunk_slice(2)]
+    routed = policy.history_cache(clean, [0], cond, 1.0)
+    only_first = policy.history_cache(clean[:, :, :1], [0], cond, 1.0)
+    assert routed.kept == (0,) and routed.num_chunks == 2
+    with torch.no_grad():
+        v_routed = policy.chunk_velocity(x, 0.5, 0.25, routed, cond, 1.0)
+        v_first = policy.chunk_velocity(x, 0.5, 0.25, only_first, cond, 1.0)
+        v_full = policy.chunk_velocity(x, 0.5, 0.25, r.caches[2], cond, 1.0)
+    torch.testing.assert_close(v_routed, v_first)
+    assert (v_routed - v_full).abs().max() > 1e-4
+    with pytest.raises(UserError, match="outside"):
+        policy.history_cache(clean, [2], cond, 1.0)

@@ -155,9 +155,10 @@ ONE_STEP = {
     "fav": (*VVR, "rewards=[{name: vvr_soft}]"),
     "flow_opd": ("trainer.cold_start_steps=0", "trainer.group_size=1"),  # its teacher: the student's own adapter
     "ar_copo": ("trainer.num_steps=2",),
+    "kvpo": ("trainer.num_steps=2", "trainer.keep_sink=false"),
 }
 #: trainers of streaming video models run on the tiny streaming twin instead of the tiny SD3
-STREAMING = {"ar_copo"}
+STREAMING = {"ar_copo", "kvpo"}
 
 
 def state_of(obj, depth: int = 0):

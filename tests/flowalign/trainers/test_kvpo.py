@@ -1,0 +1,84 @@
+"""KVPO: branches that attend to random subsets of their KV history, the Trajectory Velocity Energy surrogate
+policy and its clipped group-relative update (docs/methods/kvpo.md)."""
+
+import pytest
+import torch
+
+from flowalign.errors import UserError
+from flowalign.train import build_trainer
+from flowalign.trainers.ar_copo import clipped_loss
+from flowalign.trainers.kvpo import draw_routing, taken_velocities, velocity_energy
+
+from .conftest import small_config
+from .resume_check import assert_trains_and_resumes_bit_exactly
+
+STREAM = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.keep_sink=false")
+
+
+@pytest.fixture(scope="module")
+def far_dir(tiny_model_dir):
+    return tiny_model_dir("anyflow_far")
+
+
+def test_routings_keep_each_chunk_with_its_probability_and_the_sink_when_asked():
+    g = torch.Generator().manual_seed(0)
+    draws = [draw_routing(6, 0.3, False, g) for _ in range(3000)]
+    share = sum(len(d) for d in draws) / (6 * len(draws))
+    assert abs(share - 0.3) < 0.02 and all(all(0 <= j < 6 for j in d) for d in draws)
+    assert all(0 in draw_routing(6, 0.0, True, g) for _ in range(50))
+    assert draw_routing(4, 1.0, False, g) == (0, 1, 2, 3)
+
+
+def test_taken_velocities_invert_the_jumps():
+    g = torch.Generator().manual_seed(1)
+    sigmas = torch.tensor([1.0, 0.7, 0.3, 0.0])
+    x0, u = torch.randn(2, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+    states = [x0]
+    for t in range(3):
+        states.append(states[-1] + (sigmas[t + 1] - sigmas[t]) * u[:, t])
+    torch.testing.assert_close(taken_velocities(torch.stack(states, 1), sigmas), u)
+
+
+def test_the_update_moves_the_velocity_field_toward_better_branches():
+    g = torch.Generator().manual_seed(2)
+    u = torch.randn(4, 2, 6, generator=g)  # 4 branches, 2 steps
+    v = torch.randn(2, 6, generator=g, requires_grad=True)  # the policy's (shared-state stand-in) velocities
+    advantages = torch.tensor([1.5, 0.5, -0.5, -1.5])
+    energy = lambda w: velocity_energy(w.expand(4, -1, -1), u)
+    old = torch.log_softmax(-energy(v.detach()) / 0.1, 0)
+    (grad,) = torch.autograd.grad(clipped_loss(torch.log_softmax(-energy(v) / 0.1, 0), old, advantages, 0.2), v)
+    want = sum(a * 2 * (v.detach() - u[i]) / v.numel() for i, a in enumerate(advantages)) / (4 * 0.1)
+    torch.testing.assert_close(grad, want)
+    stepped = v.detach() - 0.3 * grad
+    assert energy(stepped)[0] < energy(v.detach())[0] and energy(stepped)[3] > energy(v.detach())[3]
+    (zero,) = torch.autograd.grad(clipped_loss(torch.log_softmax(-energy(v) / 0.1, 0), old, torch.zeros(4), 0.2), v)
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_a_branch_that_keeps_every_entry_has_zero_energy_and_the_first_update_has_ratio_one(tmp_path, far_dir,
+                                                                                        prompt_file):
+    t = build_trainer(small_config(tmp_path / "run", far_dir, prompt_file, *STREAM, "trainer.keep_prob=0.5"))
+    batch = t.collect(0)
+    assert len(batch.groups) == 2 and all(g.states.shape[0] == 4 for g in batch.groups)
+    kinds = [(group, i, keep == tuple(range(group.chunk))) for group in batch.groups
+             for i, keep in enumerate(group.routings)]
+    assert {whole for *_, whole in kinds} == {True, False}  # keep_prob 0.5 over 8 branches draws both kinds here
+    for group, i, whole in kinds:
+        with torch.no_grad():
+            e = t.energies(group)[i]
+        # a branch that kept everything is the policy's own trajectory; a routed history changed what it did
+        assert e < 1e-9 if whole else e > 1e-8
+    logs = t.update(batch, torch.Generator().manual_seed(0))
+    assert logs["ratio_max_deviation"] < 1e-5 and logs["grad_norm"] > 0
+
+
+def test_trains_and_resumes_bit_exactly(tmp_path, far_dir, prompt_file):
+    assert_trains_and_resumes_bit_exactly(tmp_path, far_dir, prompt_file, *STREAM)
+
+
+def test_a_model_that_cannot_route_and_a_chunk_without_history_are_refused(tmp_path, far_dir, tiny_wan_dir,
+                                                                           prompt_file):
+    with pytest.raises(UserError, match="routes a streaming"):
+        build_trainer(small_config(tmp_path / "a", tiny_wan_dir, prompt_file, *STREAM))
+    with pytest.raises(UserError, match="route_chunks"):
+        build_trainer(small_config(tmp_path / "b", far_dir, prompt_file, *STREAM, "trainer.route_chunks=[0]"))
