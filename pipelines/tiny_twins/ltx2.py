@@ -75,18 +75,11 @@ def _gemma_vocab() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     """Specials, the 256 byte pieces, ``▁`` and the ASCII letters, then whole-word merges ``▁word`` for the
     prompt words of :mod:`pipelines.tiny_tokenizers` (any text encodes: unknown characters fall back to bytes)."""
     from pipelines.tiny_tokenizers import T5_WORDS
+    from pipelines.tiny_twins.tokenizers import add_word_merges
 
     tokens = SPECIALS + [f"<0x{i:02X}>" for i in range(256)] + ["▁"] + [chr(c) for c in range(33, 127)]
-    seen, merges = set(tokens), []
-    for word in dict.fromkeys(T5_WORDS):
-        acc = "▁"
-        for ch in word:
-            merged = acc + ch
-            if merged not in seen:
-                seen.add(merged)
-                tokens.append(merged)
-                merges.append((acc, ch))
-            acc = merged
+    merges: list[tuple[str, str]] = []
+    add_word_merges(tokens, merges, ["▁" + word for word in dict.fromkeys(T5_WORDS)])
     return {t: i for i, t in enumerate(tokens)}, tuple(merges)
 
 

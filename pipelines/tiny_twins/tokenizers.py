@@ -26,6 +26,21 @@ CHAT_TEMPLATE = (
 )
 
 
+def add_word_merges(tokens: list[str], merges: list[tuple[str, str]], pieces: list[str]) -> None:
+    """Grow a BPE vocabulary in place so each of ``pieces`` encodes as one token: every prefix of a piece
+    becomes a token, merged from the prefix before it and the next character."""
+    seen = set(tokens)
+    for piece in pieces:
+        acc = piece[0]
+        for ch in piece[1:]:
+            merged = acc + ch
+            if merged not in seen:
+                seen.add(merged)
+                tokens.append(merged)
+                merges.append((acc, ch))
+            acc = merged
+
+
 @lru_cache(maxsize=2)
 def vocab_merges() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     from open_clip.tokenizer import bytes_to_unicode
@@ -35,17 +50,7 @@ def vocab_merges() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     symbols = list(bytes_to_unicode().values())
     tokens = list(symbols)
     merges: list[tuple[str, str]] = []
-    seen = set(tokens)
-    for word in dict.fromkeys(T5_WORDS):
-        for piece in (word, "Ġ" + word):
-            acc = piece[0]
-            for ch in piece[1:]:
-                merged = acc + ch
-                if merged not in seen:
-                    seen.add(merged)
-                    tokens.append(merged)
-                    merges.append((acc, ch))
-                acc = merged
+    add_word_merges(tokens, merges, [p for word in dict.fromkeys(T5_WORDS) for p in (word, "Ġ" + word)])
     return {t: i for i, t in enumerate(tokens)}, tuple(merges)
 
 
