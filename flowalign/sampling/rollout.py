@@ -92,7 +92,7 @@ class Rollout:
 StepFn = Callable[..., StepOutput]
 
 
-def _check_prompts(prompts: Any) -> list[str]:
+def check_prompts(prompts: Any) -> list[str]:
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise UserError(f"prompts must be a list of strings, got {type(prompts).__name__}; wrap a single prompt as [prompt]")
     bad = [p for p in prompts if not isinstance(p, str)]
@@ -157,7 +157,7 @@ def rollout(
     so a sample does not depend on which others share its batch (or rank); ``generator`` draws the
     whole batch's noise from one stream.
     """
-    prompts = _check_prompts(prompts)
+    prompts = check_prompts(prompts)
     if getattr(policy, "streaming", False):
         raise UserError(f"{policy.family} generates video chunk by chunk with a KV cache: sample it with "
                         "flowalign.sampling.streaming.stream_rollout and train it with a streaming trainer")

@@ -21,7 +21,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, StreamingPolicy
 from flowalign.sampling.inputs import encode_prompts
-from flowalign.sampling.rollout import _check_prompts, check_sampler
+from flowalign.sampling.rollout import check_prompts, check_sampler
 from flowalign.sampling.steps import sde_step
 
 
@@ -117,7 +117,7 @@ def stream_rollout(
     ``route``: KV routing, ``route(k)`` the history chunks chunk ``k`` attends to (every earlier chunk when it
     returns them all; the default), through the policy's ``history_cache``; a prefix's cache is used as given.
     """
-    prompts = _check_prompts(prompts)
+    prompts = check_prompts(prompts)
     level = check_sampler(sampler, noise_level)
     if num_steps < 1:
         raise UserError(f"num_steps must be >= 1, got {num_steps}")
