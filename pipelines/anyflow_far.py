@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from diffusers import AnyFlowFARPipeline, AutoencoderKLWan, FlowMapEulerDiscreteScheduler
 from diffusers.models.transformers.transformer_anyflow_far import AnyFlowCausalAttnProcessor
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from flowalign.errors import UserError
 from flowalign.families import FamilySpec
@@ -53,25 +54,46 @@ from pipelines._common import merge_defaults, negative_conditioning, sigma_batch
 DEFAULT_LORA_TARGETS = ATTENTION_LORA_TARGETS
 
 
-class MaskFreeReadsOnSDPA(AnyFlowCausalAttnProcessor):
-    """The causal self-attention processor with its mask-free calls (a chunk reading the KV cache) dispatched to
-    scaled-dot-product attention instead of flex attention: torch's flex attention has no backward on CPU,
-    and without a block mask both compute the same softmax attention over the same (padded) keys. Calls
-    with a block mask (cache writes, the causal whole-video pass) stay on flex attention."""
+class CausalAttentionOnSDPA(AnyFlowCausalAttnProcessor):
+    """The causal self-attention processor on scaled-dot-product attention instead of flex attention: torch's
+    flex attention has no backward on CPU. Mask-free calls (a chunk reading the KV cache) need no mask;
+    calls with FAR's block mask (cache writes, the causal whole-video pass, clean-context training) get it
+    as a dense boolean mask evaluated from the same ``mask_mod`` (:func:`dense_attention_mask`). Both
+    compute the same softmax attention over the same (padded) keys."""
 
     _SUPPORTED_BACKENDS = (*AnyFlowCausalAttnProcessor._SUPPORTED_BACKENDS, "native")
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._attention_backend = "native"
+        self._dense: tuple[BlockMask, torch.Tensor] | None = None  # the last mask converted (one per forward)
+
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: Any = None, **kwargs: Any) -> torch.Tensor:
-        self._attention_backend = "flex" if attention_mask is not None else "native"
+        if isinstance(attention_mask, BlockMask):
+            if self._dense is None or self._dense[0] is not attention_mask:
+                self._dense = (attention_mask, dense_attention_mask(attention_mask, hidden_states.device))
+            attention_mask = self._dense[1]
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, **kwargs)
 
 
-def read_cache_with_sdpa(transformer: torch.nn.Module) -> None:
-    """Give every causal self-attention of ``transformer`` a :class:`MaskFreeReadsOnSDPA` processor."""
+def dense_attention_mask(mask: BlockMask, device: torch.device) -> torch.Tensor:
+    """``(Q, K)`` bool: ``mask``'s token-level pattern (``True``: attend). A query row that may attend to no key
+    (the padding FAR adds up to a multiple of 128) attends to itself instead: flex attention returns zeros for
+    such rows, SDPA would return NaN, and the rows are cut off after the attention either way."""
+    q_len, kv_len = mask.seq_lengths
+    dense = create_mask(mask.mask_mod, None, None, q_len, kv_len, device=device)[0, 0]
+    empty = ~dense.any(dim=1)
+    rows = torch.nonzero(empty).flatten()
+    dense[rows, rows.clamp(max=kv_len - 1)] = True
+    return dense
+
+
+def attend_with_sdpa(transformer: torch.nn.Module) -> None:
+    """Give every causal self-attention of ``transformer`` a :class:`CausalAttentionOnSDPA` processor."""
     for module in transformer.modules():
         if type(getattr(module, "processor", None)) is AnyFlowCausalAttnProcessor:
-            module.set_processor(MaskFreeReadsOnSDPA())
+            module.set_processor(CausalAttentionOnSDPA())
 
 
 @dataclass
@@ -134,10 +156,12 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
         self.scale_t, self.scale_s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
         config = self.transformer.config
         # the pipeline's defaults: 480 x 832, 81 frames, the transformer's chunk partition; the released
-        # distilled checkpoints sample in 4 flow-map steps without CFG
+        # distilled checkpoints sample in 4 flow-map steps without CFG; a model trained as a plain flow
+        # (r = t) sets use_mean_velocity false in flowalign.json and steps with its instantaneous velocity,
+        # as the pipeline's use_mean_velocity=False does
         builtin = {"height": 480, "width": 832, "num_frames": 81, "num_steps": 4, "guidance_scale": 1.0,
                    "max_sequence_length": 512, "shift": float(self.pipe.scheduler.config.shift),
-                   "chunk_partition": list(config.chunk_partition)}
+                   "chunk_partition": list(config.chunk_partition), "use_mean_velocity": True}
         self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
         _, ph, pw = config.compressed_patch_size
         check_multiple(self.defaults, {"height": self.scale_s * ph, "width": self.scale_s * pw}, "this AnyFlow-FAR model")
@@ -155,7 +179,7 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
                                                                    shift=float(self.defaults["shift"]))
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         if self.device.type == "cpu" and (opts.lora or opts.full_finetune):
-            read_cache_with_sdpa(self.transformer)  # training on CPU: flex attention cannot differentiate there
+            attend_with_sdpa(self.transformer)  # training on CPU: flex attention cannot differentiate there
         self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
 
     # ------------------------------------------------------------------ shapes and text
@@ -203,25 +227,16 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
 
     def empty_cache(self, batch: int, guidance: float) -> KVCache:
         """A cache of no chunks for ``batch`` streams, sized as the pipeline sizes it for this video."""
-        c = self.transformer.config
-        _, _, h, w = self.latent_shape
-        full_tokens = (h // c.patch_size[1]) * (w // c.patch_size[2])
-        compressed_tokens = (h // c.compressed_patch_size[1]) * (w // c.compressed_patch_size[2])
-        longest, chunks = max(self.chunk_frames), len(self.chunk_frames)
         rows = 2 * batch if guidance > 1 else batch
-        new = zeros_factory(self.device, self.dtype)
-        layers = {i: {"full_cache": new(2, rows, c.num_attention_heads, c.full_chunk_limit * longest * full_tokens,
-                                        c.attention_head_dim),
-                      "compressed_cache": new(2, rows, c.num_attention_heads,
-                                              (chunks - c.full_chunk_limit + 1) * longest * compressed_tokens,
-                                              c.attention_head_dim)}
-                  for i in range(c.num_layers)}
+        layers = empty_cache_layers(self.transformer.config, rows, self.latent_shape[2:], self.chunk_frames,
+                                    self.device, self.dtype)
         return KVCache(layers, 0, batch, guidance > 1)
 
     def chunk_velocity(self, x_chunk: torch.Tensor, sigma: float, sigma_next: float, cache: KVCache,
                        cond: Conditioning, guidance: float) -> torch.Tensor:
         """The mean velocity ``u(x, σ → σ')`` float32 ``(B, C, f_k, H', W')`` of chunk ``k = cache.num_chunks``,
-        attending to the cached chunks (``cache.kept``); CFG inside when ``guidance > 1``.
+        attending to the cached chunks (``cache.kept``); CFG inside when ``guidance > 1``. With the default
+        ``use_mean_velocity`` false, the instantaneous velocity ``u(x, σ → σ)`` instead.
         Differentiable in the transformer's weights (the cache is a constant)."""
         b, cfg = batch_size(x_chunk, cond), guidance > 1
         if cache.batch != b or cache.cfg != cfg:
@@ -233,16 +248,12 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
             raise UserError(f"chunk_velocity: chunk {k} has {self.chunk_frames[k]} latent frames, got {x_chunk.shape[2]}")
         hidden = x_chunk.to(self.device, self.dtype).permute(0, 2, 1, 3, 4)  # (B, f, C, H, W), the FAR layout
         t = sigma_batch(sigma, b, self.device) * 1000.0
-        r = sigma_batch(sigma_next, b, self.device) * 1000.0
+        r = sigma_batch(sigma_next if self.defaults["use_mean_velocity"] else sigma, b, self.device) * 1000.0
         if cfg:
             hidden, t, r = torch.cat([hidden, hidden]), torch.cat([t, t]), torch.cat([r, r])
-        frames = hidden.shape[1]
         # the transformer sees the kept history chunks then this one (positions follow that sequence)
-        partition = [self.chunk_frames[j] for j in cache.kept] + [frames]
-        out, _ = self.transformer(
-            hidden_states=hidden, timestep=t[:, None].expand(-1, frames), r_timestep=r[:, None].expand(-1, frames),
-            encoder_hidden_states=self._text(cond, cfg), chunk_partition=partition, kv_cache=cache.layers,
-            kv_cache_flag={"num_cached_chunks": len(cache.kept), "is_cache_step": False}, return_dict=False)
+        history = [self.chunk_frames[j] for j in cache.kept]
+        out = read_cache_velocity(self.transformer, cache.layers, history, hidden, t, r, self._text(cond, cfg))
         out = out.permute(0, 2, 1, 3, 4)
         return cfg_combine(out, guidance) if cfg else out.float()
 
@@ -271,20 +282,13 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
             raise UserError(f"history_cache: keep={list(keep)} names chunks outside the {k} chunks of the history")
         cfg = guidance > 1
         cache = self.empty_cache(clean.shape[0], guidance)
-        if not kept:
-            return KVCache(cache.layers, k, cache.batch, cache.cfg, kept)
-        partition = [self.chunk_frames[j] for j in kept]
-        frames = torch.cat([clean[:, :, self.chunk_slice(j)] for j in kept], dim=2)
-        hidden = frames.to(self.device, self.dtype).permute(0, 2, 1, 3, 4)
-        if cfg:
-            hidden = torch.cat([hidden, hidden])
-        zeros = torch.zeros(hidden.shape[0], hidden.shape[1], device=self.device)
-        mask = self.transformer.build_attention_mask(chunk_partition=partition, height=hidden.shape[-2],
-                                                     width=hidden.shape[-1], device=self.device, mode="cache")
-        self.transformer(hidden_states=hidden, timestep=zeros, r_timestep=zeros,
-                         encoder_hidden_states=self._text(cond, cfg), chunk_partition=partition,
-                         attention_mask=mask, kv_cache=cache.layers,
-                         kv_cache_flag={"num_cached_chunks": len(kept) - 1, "is_cache_step": True}, return_dict=False)
+        if kept:
+            frames = torch.cat([clean[:, :, self.chunk_slice(j)] for j in kept], dim=2)
+            hidden = frames.to(self.device, self.dtype).permute(0, 2, 1, 3, 4)
+            if cfg:
+                hidden = torch.cat([hidden, hidden])
+            write_cache(self.transformer, cache.layers, [self.chunk_frames[j] for j in kept], hidden,
+                        self._text(cond, cfg))
         return KVCache(cache.layers, k, cache.batch, cache.cfg, kept)
 
     # ------------------------------------------------------------------ the FlowPolicy half
@@ -317,6 +321,49 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
         videos = decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
                                   lambda chunk: (chunk.to(self.device, torch.float32) * std + mean).to(self.vae.dtype))
         return videos.permute(0, 2, 1, 3, 4).contiguous()
+
+
+def empty_cache_layers(config: Any, rows: int, latent_hw: Sequence[int], chunk_frames: Sequence[int],
+                       device: str | torch.device, dtype: torch.dtype) -> dict[int, dict[str, torch.Tensor]]:
+    """Zeroed ``{"full_cache", "compressed_cache"}`` per block, each ``(2, rows, heads, tokens, head_dim)``, sized
+    as the pipeline sizes them: ``full_chunk_limit`` longest chunks at full resolution, the rest compressed."""
+    h, w = latent_hw
+    full_tokens = (h // config.patch_size[1]) * (w // config.patch_size[2])
+    compressed_tokens = (h // config.compressed_patch_size[1]) * (w // config.compressed_patch_size[2])
+    longest, chunks = max(chunk_frames), len(chunk_frames)
+    new = zeros_factory(device, dtype)
+    return {i: {"full_cache": new(2, rows, config.num_attention_heads, config.full_chunk_limit * longest * full_tokens,
+                                  config.attention_head_dim),
+                "compressed_cache": new(2, rows, config.num_attention_heads,
+                                        (chunks - config.full_chunk_limit + 1) * longest * compressed_tokens,
+                                        config.attention_head_dim)}
+            for i in range(config.num_layers)}
+
+
+def write_cache(transformer: torch.nn.Module, layers: dict[int, dict[str, torch.Tensor]], partition: list[int],
+                clean: torch.Tensor, text: torch.Tensor) -> None:
+    """The pipeline's cache step: the clean chunks ``clean`` ``(B, F, C, H', W')`` (FAR layout, split by
+    ``partition``) encoded at timestep 0 under the cache-mode block mask, their keys and values written into
+    ``layers``. Differentiable when gradients are on (pretraining learns the history it writes)."""
+    device = clean.device
+    zeros = torch.zeros(clean.shape[0], clean.shape[1], device=device)
+    mask = transformer.build_attention_mask(chunk_partition=partition, height=clean.shape[-2], width=clean.shape[-1],
+                                            device=device, mode="cache")
+    transformer(hidden_states=clean, timestep=zeros, r_timestep=zeros, encoder_hidden_states=text,
+                chunk_partition=partition, attention_mask=mask, kv_cache=layers,
+                kv_cache_flag={"num_cached_chunks": len(partition) - 1, "is_cache_step": True}, return_dict=False)
+
+
+def read_cache_velocity(transformer: torch.nn.Module, layers: dict[int, dict[str, torch.Tensor]], history: list[int],
+                        hidden: torch.Tensor, t: torch.Tensor, r: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """The pipeline's denoising call: the velocity ``(B, f, C, H', W')`` of one chunk ``hidden`` (FAR layout) at
+    timesteps ``t``, ``r`` ``(B,)`` (``1000σ``), attending to the cached chunks of ``history`` (their frame counts)."""
+    frames = hidden.shape[1]
+    out, _ = transformer(hidden_states=hidden, timestep=t[:, None].expand(-1, frames),
+                         r_timestep=r[:, None].expand(-1, frames), encoder_hidden_states=text,
+                         chunk_partition=[*history, frames], kv_cache=layers,
+                         kv_cache_flag={"num_cached_chunks": len(history), "is_cache_step": False}, return_dict=False)
+    return out
 
 
 def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",

@@ -71,6 +71,20 @@ def test_stream_reproduces_the_diffusers_pipeline(policy, cfg_policy, guidance):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+def test_a_plain_flow_model_steps_with_its_instantaneous_velocity_as_the_pipeline_does(folder):
+    """``use_mean_velocity: false`` (a model trained with r = t) against ``pipe(..., use_mean_velocity=False)``,
+    and a different stream from the mean-velocity default on the same noise."""
+    plain = pipelines.load(folder, defaults={"use_mean_velocity": False})
+    x1 = noise(plain, seed=5)
+    ours = stream_rollout(plain, PROMPTS, num_steps=3, initial_noise=x1, decode=False).final_latents
+    with torch.no_grad():
+        theirs = plain.pipe(prompt=PROMPTS, **SIZE, num_inference_steps=3, latents=x1.clone(), use_mean_velocity=False,
+                            output_type="latent").frames
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    mean = stream_rollout(pipelines.load(folder), PROMPTS, num_steps=3, initial_noise=x1, decode=False).final_latents
+    assert not torch.allclose(ours, mean, atol=1e-4)
+
+
 def test_a_chunk_depends_on_the_chunks_before_it_through_the_cache(policy):
     """Change chunk 0's noise only: chunk 0 and, through the cache, the later chunks change; each chunk's
     velocity at the same input differs between the two caches."""
@@ -188,12 +202,12 @@ def test_published_size_on_the_meta_device():
 def test_training_reads_the_cache_with_sdpa_and_gets_the_flex_result(folder, policy):
     """A trained policy on CPU reads the cache through SDPA (flex attention has no CPU backward): the same
     velocities as the frozen policy's flex attention, to float rounding."""
-    from pipelines.anyflow_far import MaskFreeReadsOnSDPA
+    from pipelines.anyflow_far import CausalAttentionOnSDPA
 
     trained = pipelines.load(folder, lora=LORA)  # a fresh LoRA is zero: the base model's function
     processors = {type(m.processor) for m in trained.transformer.modules() if hasattr(m, "processor")}
-    assert MaskFreeReadsOnSDPA in processors
-    assert MaskFreeReadsOnSDPA not in {type(m.processor) for m in policy.transformer.modules() if hasattr(m, "processor")}
+    assert CausalAttentionOnSDPA in processors
+    assert CausalAttentionOnSDPA not in {type(m.processor) for m in policy.transformer.modules() if hasattr(m, "processor")}
     x1 = noise(policy, seed=13)
     ours = stream_rollout(trained, PROMPTS, num_steps=2, initial_noise=x1, decode=False)
     flex = stream_rollout(policy, PROMPTS, num_steps=2, initial_noise=x1, decode=False)
