@@ -74,3 +74,23 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> Path:
 def save_poster(video: torch.Tensor, path: str | Path) -> Path:
     """The first frame of a ``(F,3,H,W)`` video as an image (gallery posters)."""
     return save_image(video[0], path)
+
+
+def load_video(path: str | Path) -> torch.Tensor:
+    """A video file (``.mp4`` through imageio-ffmpeg, ``.gif``) as ``(F, 3, H, W)`` float32 in [0, 1]."""
+    import imageio.v3 as iio
+
+    path = Path(path)
+    if path.suffix.lower() not in VIDEO_SUFFIXES:
+        raise UserError(f"cannot read a video from {path.name!r}: use .mp4 or .gif")
+    if not path.is_file():
+        raise UserError(f"video {str(path)!r} does not exist")
+    try:
+        frames = np.asarray(iio.imread(path, index=None))
+    except (OSError, ValueError, RuntimeError) as err:
+        raise UserError(f"cannot read video {str(path)!r} ({err}): write it as H.264 MP4 or GIF") from err
+    if frames.ndim == 3:  # a single greyscale or single-frame file
+        frames = frames[None]
+    if frames.shape[-1] == 4:
+        frames = frames[..., :3]
+    return torch.from_numpy(np.ascontiguousarray(frames)).float().div(255).movedim(-1, -3)

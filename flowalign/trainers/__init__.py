@@ -44,6 +44,7 @@ TRAINERS = {
     "flow_opd": "flowalign.trainers.flow_opd:FlowOPDTrainer",
     "ar_copo": "flowalign.trainers.ar_copo:ARCoPOTrainer",
     "kvpo": "flowalign.trainers.kvpo:KVPOTrainer",
+    "afd": "flowalign.trainers.afd:AFDTrainer",
 }
 
 

@@ -156,9 +156,10 @@ ONE_STEP = {
     "flow_opd": ("trainer.cold_start_steps=0", "trainer.group_size=1"),  # its teacher: the student's own adapter
     "ar_copo": ("trainer.num_steps=2",),
     "kvpo": ("trainer.num_steps=2", "trainer.keep_sink=false"),
+    "afd": ("trainer.num_steps=2", "trainer.train_timesteps=1"),  # its teacher: a second copy of the student
 }
 #: trainers of streaming video models run on the tiny streaming twin instead of the tiny SD3
-STREAMING = {"ar_copo", "kvpo"}
+STREAMING = {"ar_copo", "kvpo", "afd"}
 
 
 def state_of(obj, depth: int = 0):
@@ -220,6 +221,8 @@ def test_every_trainer_logs_reward_total_over_all_ranks_or_not_at_all(name, tmp_
             tmp_path / "teacher-adapter")
         extra += (f"trainer.teachers=[{{adapter: {tmp_path / 'teacher-adapter'}}}]",)
     model = tiny_model_dir("anyflow_far") if name in STREAMING else tiny_sd3_dir
+    if name == "afd":
+        extra += (f"trainer.teacher={{model: '{model}'}}",)
     t = build_trainer(small_config(tmp_path / name, model, prompt_file, f"trainer.name={name}", *extra))
     own_loss, calls = t.loss, []
 

@@ -1,0 +1,252 @@
+"""Adversarial Flow Distillation (AFD; ``docs/methods/afd.md``): a streaming student distilled from a black-box
+video teacher that shows only completed videos (:mod:`flowalign.teacher_videos`).
+
+Per step, for each prompt ``c``: the teacher's video ``x_T`` and ``G`` student streams ``x_S^i`` (deterministic
+ODE rollouts from different noise). A prompt-paired Bradley-Terry discriminator ``D``
+(:mod:`flowalign.video_discriminator`) takes ``disc_steps`` steps on
+
+    L_D = −mean_i log σ(D(x_T, c) − D(x_S^i, c))
+
+then scores the students. Its log-odds that student ``i`` beats the teacher, ``r_i = D(x_S^i, c) − D(x_T, c)``,
+centred per prompt, is the on-policy advantage ``A_i = clip(r_i − mean_j r_j, ±adv_clip)``. The advantage is
+turned into dense denoising-time updates by the forward process on the student's own clean latents: a chunk
+``k`` and ``σ ~ U(sigma_range)`` per draw, ``x_σ = (1 − σ)·x0_k + σ·ε``, the chunk's instantaneous velocity
+read from the KV cache of the student's own clean chunks before it, and
+
+    L = mean_{i,draws} A_i · mean_D (v_θ(x_σ, σ | x0_{<k}) − (ε − x0_k))²  +  β · mean (v_θ − v_ref)²
+
+(advantage-weighted flow matching: the velocity field is pulled toward the student videos ``D`` finds more
+teacher-like and pushed from the others). No teacher latents, scores, trajectories or step alignment are
+needed, and no reverse-chain log-probability. A discriminator at chance scores every student of a prompt
+alike: every ``A_i`` is 0 and the update is zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from flowalign.config import Section
+from flowalign.errors import UserError
+from flowalign.sampling.streaming import stream_rollout
+from flowalign.teacher_videos import ModelTeacher, VideoFolderTeacher, VideoTeacher
+from flowalign.trainers.ar_copo import GroupUnit
+from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+from flowalign.trainers.self_distill import per_sample_mean
+from flowalign.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
+
+
+class TeacherConfig(Section):
+    """``trainer.teacher``: exactly one of ``videos`` (a folder with ``videos.jsonl``) or ``model`` (a diffusers
+    folder flowalign loads)."""
+
+    #: a folder of completed videos with videos.jsonl ({"prompt": ..., "video": "file.mp4"} per line)
+    videos: str | None = None
+    #: a diffusers folder of any family flowalign loads, sampled on the training prompts
+    model: str | None = None
+    #: a model teacher's sampling steps (None: its own default)
+    num_steps: int | None = Field(None, ge=1)
+    #: a model teacher's CFG scale (None: its own default)
+    guidance_scale: float | None = Field(None, ge=1.0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TeacherConfig":
+        if (self.videos is None) == (self.model is None):
+            raise ValueError("give exactly one of trainer.teacher.videos (a folder with videos.jsonl) and "
+                             "trainer.teacher.model (a diffusers folder)")
+        return self
+
+
+class AFDConfig(GroupTrainerConfig):
+    name: Literal["afd"] = "afd"
+    #: the black-box teacher: {videos: DIR} or {model: FOLDER}
+    teacher: TeacherConfig
+    #: the student's sampler steps per chunk
+    num_steps: int = Field(4, ge=1, le=16)
+    #: G student streams per prompt, each paired with the prompt's teacher video
+    group_size: int = Field(4, ge=2)
+    #: discriminator Adam steps per training step on the step's pairs (0: a frozen discriminator)
+    disc_steps: int = Field(1, ge=0)
+    #: the discriminator's Adam learning rate
+    disc_lr: float = Field(1e-3, gt=0, le=1)
+    #: the discriminator's channel width
+    disc_width: int = Field(32, ge=4)
+    #: the side the discriminator resizes frames to
+    disc_size: int = Field(32, ge=8)
+    #: forward-process draws (chunk, σ, ε) per student video per step
+    train_timesteps: int = Field(2, ge=1)
+    #: σ of the forward-process draws, uniform in this range
+    sigma_range: tuple[float, float] = (0.05, 0.95)
+    #: weight of the velocity-space anchor to the starting weights (the adapter switched off)
+    beta: float = Field(0.0, ge=0)
+    adv_clip: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _sigma_range_inside(self) -> "AFDConfig":
+        lo, hi = self.sigma_range
+        if not 0 < lo < hi < 1:
+            raise ValueError(f"trainer.sigma_range={list(self.sigma_range)}: give 0 < low < high < 1")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- the math
+
+
+def discriminator_advantages(student: torch.Tensor, teacher: torch.Tensor, clip: float) -> torch.Tensor:
+    """``A (P, G)``: the log-odds ``r = D_S − D_T`` of students ``student (P, G)`` against their prompt's teacher
+    ``teacher (P,)``, centred per prompt and clipped to ``±clip``. Zero when ``D`` scores a prompt's students alike."""
+    r = student - teacher[:, None]
+    return (r - r.mean(dim=1, keepdim=True)).clamp(-clip, clip)
+
+
+def weighted_matching_loss(v: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """``mean_i A_i · mean_D (v_i − target_i)²`` over ``v, target (B, ...)`` and ``advantages (B,)``."""
+    return (advantages.to(v) * per_sample_mean((v - target.detach()) ** 2)).mean()
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class StudentGroup:
+    """One prompt's student streams: clean latents ``(G, C, F', H, W)`` and advantages ``(G,)``."""
+
+    prompt: str
+    group: int
+    latents: torch.Tensor
+    advantages: torch.Tensor
+
+
+@dataclass
+class StudentBatch:
+    groups: list[StudentGroup]
+    logs: dict[str, float] = field(default_factory=dict)
+
+
+class AFDTrainer(GroupTrainer):
+    Config = AFDConfig
+    tcfg: AFDConfig
+    needs_rewards = False  # rewards, if configured, are only logged
+    sampler = "ode"
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        if not getattr(self.policy, "streaming", False):
+            raise UserError(f"trainer.name=afd distils into a streaming video student, but model.path holds a "
+                            f"{self.policy.family!r} model; use a streaming family (such as AnyFlow-FAR)")
+        tc = self.tcfg.teacher
+        self.teacher: VideoTeacher = (VideoFolderTeacher(tc.videos) if tc.videos is not None else
+                                      ModelTeacher(tc.model, self.policy.device, tc.num_steps, tc.guidance_scale))
+        self.teacher.check_prompts(list(self.data.prompts))
+        with torch.random.fork_rng(devices=[]):  # the same discriminator on every rank, whatever came before
+            torch.manual_seed(derived_seed(self.cfg.run.seed, 17))
+            self.discriminator = PromptPairedDiscriminator(self.tcfg.disc_width, self.tcfg.disc_size)
+        self.disc_optimizer = torch.optim.Adam(self.discriminator.parameters(), lr=self.tcfg.disc_lr, betas=(0.5, 0.999))
+
+    def guidance(self) -> float:
+        g = self.tcfg.guidance_scale
+        return float(self.policy.defaults.get("guidance_scale", 1.0) if g is None else g)
+
+    def train_discriminator(self, teacher: torch.Tensor, student: torch.Tensor, prompts: list[str]) -> float:
+        """``disc_steps`` Adam steps on the prompt-paired pairs (``teacher`` repeated per student); every rank
+        averages its gradients with the others, so the ranks keep one discriminator."""
+        loss = torch.zeros(())
+        for _ in range(self.tcfg.disc_steps):
+            self.disc_optimizer.zero_grad(set_to_none=False)
+            loss = bradley_terry_loss(self.discriminator(teacher, prompts), self.discriminator(student, prompts))
+            loss.backward()
+            if self.world > 1:
+                for p in self.discriminator.parameters():
+                    p.grad.copy_(self.gather(p.grad[None]).mean(0))
+            self.disc_optimizer.step()
+        return float(loss)
+
+    def collect(self, step: int) -> StudentBatch:
+        tc, g, policy = self.tcfg, self.tcfg.group_size, self.policy
+        prompts, metadata, groups = self.step_prompts(step)
+        firsts = list(range(0, len(prompts), g))
+        seeds = [derived_seed(self.cfg.run.seed, step, int(groups[i]), i % g, 97) for i in range(len(prompts))]
+        noise = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
+        latents, videos = [], []
+        for start in range(0, len(prompts), tc.batch_size):
+            part = slice(start, start + tc.batch_size)
+            r = stream_rollout(policy, prompts[part], num_steps=tc.num_steps, guidance_scale=self.guidance(),
+                               initial_noise=noise[part])
+            latents.append(r.final_latents.cpu())
+            videos.append(r.samples.cpu())
+        student, latents = torch.cat(videos), torch.cat(latents)
+        teacher = self.teacher.videos([prompts[i] for i in firsts],
+                                      [derived_seed(self.cfg.run.seed, step, int(groups[i]), 98) for i in firsts])
+        if teacher.shape[1] != student.shape[1]:
+            raise UserError(f"trainer.teacher gives {teacher.shape[1]}-frame videos, the student makes "
+                            f"{student.shape[1]}: give teacher videos of the student's frame count (num_frames)")
+        paired = teacher.repeat_interleave(g, dim=0)
+        disc_loss = self.train_discriminator(paired, student, prompts)
+        with torch.no_grad():
+            d_student = self.discriminator(student, prompts).view(-1, g)
+            d_teacher = self.discriminator(teacher, [prompts[i] for i in firsts])
+        advantages = discriminator_advantages(d_student, d_teacher, tc.adv_clip)
+        batch = [StudentGroup(prompts[i], int(groups[i]), latents[i:i + g], advantages[j])
+                 for j, i in enumerate(firsts)]
+        logs = {"disc/loss": disc_loss,
+                "disc/teacher_win_prob": torch.sigmoid(d_teacher[:, None] - d_student).mean().item(),
+                "disc/accuracy": (d_teacher[:, None] > d_student).float().mean().item(),
+                "afd/advantage_abs": advantages.abs().mean().item(),
+                "zero_adv_fraction": (advantages == 0).float().mean().item()}
+        if len(self.rewards):  # a verifier to watch, not a training signal
+            logs.update(self.reward_logs(self.rewards.score(student, prompts, metadata)))
+        return StudentBatch(batch, logs)
+
+    def plan(self, batch: StudentBatch, generator: torch.Generator) -> Plan:
+        """One optimiser step over every group, a unit each."""
+        total = self.total(len(batch.groups))
+        return Plan([[GroupUnit(i, total) for i in range(len(batch.groups))]], global_weights=True)
+
+    def loss(self, batch: StudentBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        """The advantage-weighted forward-process flow-matching loss of one prompt's students."""
+        tc, policy = self.tcfg, self.policy
+        group = batch.groups[unit.index]
+        x0 = group.latents.to(policy.device)
+        n = len(x0)
+        cond = policy.encode([group.prompt] * n)
+        gen = self.keyed_generator(group.group, 99)
+        lo, hi = tc.sigma_range
+        total, mse = torch.zeros((), device=policy.device), []
+        for _ in range(tc.train_timesteps):
+            k = int(torch.randint(len(policy.chunk_frames), (1,), generator=gen))
+            sigma = lo + (hi - lo) * float(torch.rand((), generator=gen))
+            clean = x0[:, :, policy.chunk_slice(k)]
+            eps = torch.randn(clean.shape, generator=gen).to(clean)
+            noised = (1 - sigma) * clean + sigma * eps
+            cache = policy.history_cache(x0[:, :, :policy.chunk_slice(k).start], range(k), cond, 1.0)
+            v = policy.chunk_velocity(noised, sigma, sigma, cache, cond, 1.0)
+            term = weighted_matching_loss(v, eps - clean, group.advantages)
+            if tc.beta > 0:
+                with torch.no_grad(), policy.adapter_disabled():
+                    v_ref = policy.chunk_velocity(noised, sigma, sigma, cache, cond, 1.0)
+                term = term + tc.beta * ((v - v_ref) ** 2).mean()
+            total = total + term / tc.train_timesteps
+            mse.append(per_sample_mean((v.detach() - (eps - clean)) ** 2).mean().item())
+        return total / unit.total, {"afd_loss": total.item(), "matching_mse": sum(mse) / len(mse)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The discriminator and its Adam state: a resumed run continues with the same critic."""
+        state: dict[str, Any] = {f"discriminator.{k}": v.detach().clone()
+                                 for k, v in self.discriminator.state_dict().items()}
+        for i, s in self.disc_optimizer.state_dict()["state"].items():
+            state.update({f"discriminator_adam.{i}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        own = {k[len("discriminator."):]: v for k, v in state.items() if k.startswith("discriminator.")}
+        self.discriminator.load_state_dict(own)
+        adam: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            if key.startswith("discriminator_adam."):
+                _, i, name = key.split(".", 2)
+                adam.setdefault(int(i), {})[name] = value.clone()
+        groups = self.disc_optimizer.state_dict()["param_groups"]
+        self.disc_optimizer.load_state_dict({"state": adam, "param_groups": groups})
