@@ -44,7 +44,7 @@ def test_a_bad_family_is_one_line_listing_the_registered_ones():
 
 #: tiny recipes whose model is a random twin the user writes first (`flowalign tiny NAME --out PATH`, as the
 #: recipe says): no pretrained model of that family ships
-TWIN_RECIPES = {"ar_copo_motion": "anyflow_far", "kvpo_motion": "anyflow_far"}
+TWIN_RECIPES: dict[str, str] = {}
 
 
 def recipe_model(recipe: Path, tiny_model_dir) -> Path:

@@ -116,3 +116,17 @@ def test_a_short_run_exports_a_streaming_folder(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in policy.vae.state_dict().items())  # the VAE is reused frozen
     video = stream_rollout(policy, PROMPTS, num_steps=2, initial_noise=policy.initial_noise(2)).samples
     assert video.shape == (2, 9, 3, 32, 32)
+
+
+def test_the_shipped_model_streams_as_its_diffusers_pipeline_does():
+    """``assets/tiny-anyflow-far-motion`` at its ``flowalign.json`` defaults (CFG 4, instantaneous velocity)
+    against ``AnyFlowFARPipeline`` on the same noise."""
+    policy = pipelines.load(assets_dir() / "tiny-anyflow-far-motion")
+    assert policy.defaults["use_mean_velocity"] is False and policy.defaults["guidance_scale"] == 4.0
+    x1 = policy.initial_noise(2, torch.Generator().manual_seed(0))
+    ours = stream_rollout(policy, PROMPTS, num_steps=3, initial_noise=x1, decode=False).final_latents
+    with torch.no_grad():
+        theirs = policy.pipe(prompt=PROMPTS, height=32, width=32, num_frames=9, num_inference_steps=3,
+                             guidance_scale=4.0, max_sequence_length=16, use_mean_velocity=False,
+                             latents=x1.clone(), output_type="latent").frames
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)  # CFG 4 magnifies the float rounding
