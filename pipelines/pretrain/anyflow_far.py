@@ -162,14 +162,10 @@ def set_latent_factors(vae, z: torch.Tensor, keep: bool = True) -> torch.Tensor:
 
 
 def conditioning(pipe, args: argparse.Namespace, max_seq: int):
-    """``prompts → transformer kwargs``: the UMT5 token states from ``encode_prompt`` (with gradients)."""
+    """The Wan family's: the UMT5 token states from the pipeline's ``encode_prompt`` (with gradients)."""
+    from pipelines.pretrain import wan
 
-    def encode(prompts: list[str]) -> dict[str, torch.Tensor]:
-        embeds, _ = pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
-                                       max_sequence_length=max_seq, device=torch.device("cpu"))
-        return {"encoder_hidden_states": embeds}
-
-    return encode
+    return wan.conditioning(pipe, args, max_seq)
 
 
 def streamed_velocity(transformer: torch.nn.Module, clip: torch.Tensor, k: int, noisy: torch.Tensor, t: torch.Tensor,
