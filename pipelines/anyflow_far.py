@@ -63,17 +63,22 @@ class CausalAttentionOnSDPA(AnyFlowCausalAttnProcessor):
 
     _SUPPORTED_BACKENDS = (*AnyFlowCausalAttnProcessor._SUPPORTED_BACKENDS, "native")
 
+    #: the last block mask converted and its dense form, shared by every block's processor: one forward
+    #: passes the same mask to all of its blocks, so it is evaluated once, not once per block
+    _dense: tuple[BlockMask, torch.Tensor] | None = None
+
     def __init__(self) -> None:
         super().__init__()
         self._attention_backend = "native"
-        self._dense: tuple[BlockMask, torch.Tensor] | None = None  # the last mask converted (one per forward)
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: Any = None, **kwargs: Any) -> torch.Tensor:
         if isinstance(attention_mask, BlockMask):
-            if self._dense is None or self._dense[0] is not attention_mask:
-                self._dense = (attention_mask, dense_attention_mask(attention_mask, hidden_states.device))
-            attention_mask = self._dense[1]
+            last = CausalAttentionOnSDPA._dense
+            if last is None or last[0] is not attention_mask:
+                last = CausalAttentionOnSDPA._dense = (attention_mask,
+                                                       dense_attention_mask(attention_mask, hidden_states.device))
+            attention_mask = last[1]
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, **kwargs)
 
 

@@ -42,25 +42,17 @@ def test_a_bad_family_is_one_line_listing_the_registered_ones():
     assert load_config(None, ["model.family=wan"]).model.family == "wan"
 
 
-#: tiny recipes whose model is a random twin the user writes first (`flowalign tiny NAME --out PATH`, as the
-#: recipe says): no pretrained model of that family ships
-TWIN_RECIPES: dict[str, str] = {}
-
-
-def recipe_model(recipe: Path, tiny_model_dir) -> Path:
-    """The folder a recipe's plan runs on: its own model when shipped (tiny recipes), the tiny twin it names
-    (:data:`TWIN_RECIPES`), else the published architecture named like the recipe's folder
-    (configs/qwen-image/ → assets/architectures/qwen-image)."""
-    if recipe.stem in TWIN_RECIPES:
-        return tiny_model_dir(TWIN_RECIPES[recipe.stem])
+def recipe_model(recipe: Path) -> Path:
+    """The folder a recipe's plan runs on: its own model when shipped (tiny recipes), else the published
+    architecture named like the recipe's folder (configs/qwen-image/ → assets/architectures/qwen-image)."""
     cfg = load_config(recipe)
     own = REPO_ROOT / cfg.model.path
     return own if own.is_dir() else ARCH / recipe.parent.name
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[f"{p.parent.name}/{p.stem}" for p in RECIPES])
-def test_plan_sizes_every_recipe(recipe, tmp_path, capsys, tiny_model_dir):
-    folder = recipe_model(recipe, tiny_model_dir)
+def test_plan_sizes_every_recipe(recipe, tmp_path, capsys):
+    folder = recipe_model(recipe)
     assert folder.is_dir(), f"{recipe}: no model folder and no assets/architectures/{recipe.parent.name}"
     overrides = [f"model.path={folder}"]
     cfg = load_config(recipe)
