@@ -5,7 +5,8 @@ term); what DanceGRPO changes is around it:
 
 - every rollout of a prompt group starts from the same ``x_T`` (``shared_initial_noise``);
 - its SDE (sampler ``"dance"``): ``μ = x + Δ·[v − (η²/2)·∇log p]``, ``τ = η·sqrt(−Δ)``, on every step;
-- per rollout batch and epoch, ``⌊timestep_fraction·T⌋`` of the T steps drawn at random are trained;
+- per rollout batch and epoch, ``⌊timestep_fraction·(T−1)⌋`` of the first T−1 steps drawn at random are
+  trained (the authors' scripts never train the step to σ = 0);
 - optionally only the best and worst ``best_of / 2`` samples of each group are trained
   (:func:`flowalign.advantages.best_worst_mask`).
 """
@@ -33,7 +34,7 @@ class DanceGRPOConfig(FlowGRPOConfig):
     beta: float = Field(0.0, ge=0)
     shared_initial_noise: bool = True
     advantage: str = Field("group", pattern="^(group|global_std|gdpo|win_rate)$")
-    #: train ⌊fraction·T⌋ of the T steps, drawn at random per rollout batch and epoch (the authors' 0.6)
+    #: train ⌊fraction·(T−1)⌋ of the first T−1 steps, drawn at random per rollout batch and epoch (the authors' 0.6)
     timestep_fraction: float = Field(0.6, gt=0, le=1)
     #: train only the best_of/2 best and best_of/2 worst samples of each group by advantage (0: all; the
     #: authors' HunyuanVideo script: 8 of 24)
@@ -50,6 +51,9 @@ class DanceGRPOTrainer(FlowGRPOTrainer):
         if tcfg.steps_per_chunk:
             raise UserError("trainer.steps_per_chunk: dance_grpo draws its steps by trainer.timestep_fraction "
                             "(a fraction of the T steps); remove steps_per_chunk")
+        if int(tcfg.timestep_fraction * (tcfg.num_steps - 1)) < 1:
+            raise UserError(f"trainer.timestep_fraction={tcfg.timestep_fraction} trains ⌊fraction·(num_steps−1)⌋ = 0 "
+                            f"of trainer.num_steps={tcfg.num_steps} steps; raise either, e.g. num_steps: 16 with 0.6")
         if tcfg.best_of % 2:
             raise UserError(f"trainer.best_of={tcfg.best_of} must be even (half best, half worst samples), e.g. 8")
 
@@ -67,11 +71,25 @@ class DanceGRPOTrainer(FlowGRPOTrainer):
         return chunk.trained_steps()
 
     def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
-        """``⌊timestep_fraction·T⌋`` of the chunk's steps, drawn as Flow-GRPO's ``steps_per_chunk`` draws them
-        (keyed by the chunk's identity and the epoch)."""
-        steps = list(chunk.steps)
-        n = max(1, int(self.tcfg.timestep_fraction * self.tcfg.num_steps))
-        if n < len(steps):
-            pick = torch.randperm(len(steps), generator=self.keyed_generator(*chunk.key, epoch, 17))
-            steps = [steps[j] for j in sorted(pick[:n].tolist())]
-        return steps
+        """:func:`drawn_steps` of the chunk, drawn as Flow-GRPO's ``steps_per_chunk`` draws them (keyed by the
+        chunk's identity and the epoch, so the draw does not depend on the rank layout)."""
+        return drawn_steps(chunk.steps, self.tcfg.num_steps, self.tcfg.timestep_fraction,
+                           self.keyed_generator(*chunk.key, epoch, 17))
+
+
+def drawn_steps(steps: tuple[int, ...] | list[int], num_steps: int, fraction: float,
+                generator: torch.Generator) -> list[int]:
+    """The trained steps of one rollout batch: ``⌊fraction·(T−1)⌋`` of its stochastic ``steps`` before the
+    last, at random, in step order.
+
+    The authors' scripts (DanceGRPO ``train_grpo_flux.py``, Pref-GRPO ``train_flux.py``) keep the first T−1
+    transitions of a rollout (``[:, :-1]``) and train ``int((T−1)·timestep_fraction)`` of them in a random
+    order: the step to σ = 0 is sampled, never trained.
+    """
+    last = num_steps - 1
+    candidates = [k for k in steps if k < last]
+    n = int(fraction * last)
+    if n >= len(candidates):
+        return candidates
+    pick = torch.randperm(len(candidates), generator=generator)
+    return [candidates[j] for j in sorted(pick[:n].tolist())]

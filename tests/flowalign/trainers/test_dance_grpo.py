@@ -1,10 +1,14 @@
 """DanceGRPO: a preset of Flow-GRPO (docs/methods/dance_grpo.md)."""
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 
 from flowalign.advantages import best_worst_mask
 from flowalign.train import build_trainer
-from flowalign.trainers.dance_grpo import DanceGRPOTrainer
+from flowalign.trainers.dance_grpo import DanceGRPOTrainer, drawn_steps
 from flowalign.trainers.flow_grpo import FlowGRPOTrainer
 
 from .conftest import small_config
@@ -32,8 +36,32 @@ def test_shared_noise_dance_sde_and_a_random_subset_of_steps(tmp_path, tiny_sd3_
     per_chunk = {}
     for unit in plan.steps[0]:
         per_chunk.setdefault(unit.chunk, []).append(unit.k)
-    assert all(len(ks) == 3 for ks in per_chunk.values())  # ⌊0.6·5⌋ steps per rollout batch
+    assert all(len(ks) == 2 for ks in per_chunk.values())  # ⌊0.6·(5−1)⌋ steps per rollout batch
+    assert all(max(ks) < 4 for ks in per_chunk.values())  # the step to σ = 0 is sampled, never trained
     assert len({tuple(ks) for ks in per_chunk.values()}) > 1  # drawn per batch, not one fixed prefix
+
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "dance_grpo_step_selection.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"T{c['num_steps']}-f{c['fraction']}")
+def test_step_selection_equals_the_authors_scripts(case):
+    """Counts and candidate range as DanceGRPO's and Pref-GRPO's scripts compute them (known_answers/)."""
+    T, f = case["num_steps"], case["fraction"]
+    seen = set()
+    for seed in range(20):
+        steps = drawn_steps(tuple(range(T)), T, f, torch.Generator().manual_seed(seed))
+        assert len(steps) == case["train_timesteps"] and steps == sorted(set(steps))
+        assert set(steps) <= set(range(case["candidates"]))
+        seen |= set(steps)
+    if "max_trained_index" in case:
+        assert max(seen) == case["max_trained_index"] and len(seen) == case["candidates"]
+
+
+def test_a_fraction_that_trains_no_step_is_refused(tmp_path, tiny_sd3_dir, prompt_file):
+    with pytest.raises(Exception, match="timestep_fraction"):
+        build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
+                                   "trainer.num_steps=2", "trainer.timestep_fraction=0.5"))
 
 
 def test_on_policy_ratio_is_exactly_one(tmp_path, tiny_sd3_dir, prompt_file):
@@ -54,9 +82,11 @@ def test_best_of_zeroes_the_middle_samples(tmp_path, tiny_sd3_dir, prompt_file):
 
 
 def test_the_loss_is_flow_grpos(tmp_path, tiny_sd3_dir, prompt_file):
-    """With Flow-GRPO's sampler, dance_grpo's step equals flow_grpo's with the same trained-step draw."""
+    """With Flow-GRPO's sampler, dance_grpo's step equals flow_grpo's with the same trained-step draw (the
+    last step deterministic in both, so both draw from the first T−1 steps)."""
     assert DanceGRPOTrainer.loss is FlowGRPOTrainer.loss and DanceGRPOTrainer.surrogate is FlowGRPOTrainer.surrogate
     common = ("trainer.max_steps=1", "trainer.noise_level=0.7", "trainer.shared_initial_noise=true",
+              "trainer.num_steps=5", "trainer.sde_last_step=false",
               "trainer.advantage=group", "trainer.beta=0", "trainer.clip_range=1e-4")
     flow = trainer(tmp_path / "f", tiny_sd3_dir, prompt_file, *common, "trainer.timestep_fraction=1.0",
                    "trainer.steps_per_chunk=2")
