@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling import Rollout, StepOutput, sde_step
 from flowalign.sampling.windows import random_window_start
@@ -29,8 +30,8 @@ class FlowGRPOConfig(GroupTrainerConfig):
     #: a for the Flow-GRPO SDE (0.7 SD3.5, 0.9 FLUX), η for CPS (0.8)
     noise_level: float = Field(0.7, gt=0, le=2)
     cps_log_prob: Literal["code", "gaussian"] = "code"
-    clip_range: float = Field(1e-4, gt=0)
-    beta: float = Field(0.04, ge=0)
+    clip_range: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
+    beta: float = Field(0.04, ge=0, le=MAX_COEFFICIENT)
     kl_mode: Literal["code", "exact"] = "code"
     #: train the first ⌊fraction·T⌋ of the T rollout steps (0.99 × 10 → steps 0…8), as the authors count
     timestep_fraction: float = Field(0.99, gt=0, le=1)
@@ -40,9 +41,9 @@ class FlowGRPOConfig(GroupTrainerConfig):
     #: conditional branch only) or "full"
     cfg_grad: Literal["detached", "full"] = "detached"
     #: Flow-GRPO-Fast: SDE only on a random window of this width in steps [0, T/2), one per prompt (0: every step)
-    sde_window: int = Field(0, ge=0)
+    sde_window: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
     #: train a random subset of this many of the trained steps per chunk and epoch (0: all of them)
-    steps_per_chunk: int = Field(0, ge=0)
+    steps_per_chunk: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -63,11 +64,22 @@ def ppo_clip_loss(
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, sigma_gap: float,
                      mode: str) -> torch.Tensor:
     """KL between same-variance Gaussian steps ``(B,)``: exact ``Σ_D Δμ²/(2τ²)`` or the authors' coded
-    ``mean_D Δμ²/(2s²)`` with ``s² = τ²/h`` (= (h/D)·exact)."""
+    ``mean_D Δμ²/(2s²)`` with ``s² = τ²/sigma_gap`` (= (sigma_gap/D)·exact; :func:`coded_kl_gap` gives the
+    gap for each sampler)."""
     sq = ((mean - ref_mean) ** 2) / (2 * std**2)
     if mode == "exact":
         return sq.flatten(1).sum(1)
     return sq.flatten(1).mean(1) * sigma_gap
+
+
+def coded_kl_gap(sampler: str, sigma: float, sigma_next: float) -> float:
+    """The ``sigma_gap`` that makes ``gaussian_mean_kl(..., "code")`` the authors' coded KL for ``sampler``.
+
+    flow_grpo's ``train_sd3.py`` divides by ``2·std_dev_t²`` with the ``std_dev_t`` its step returns: for its SDE
+    (and DanceGRPO's) that is the diffusion coefficient, the step's noise being ``std_dev_t·sqrt(h)``, so
+    ``std_dev_t² = τ²/h``; for CPS it is the noise ``τ = σ'·sin(ηπ/2)`` itself, so no ``h``.
+    """
+    return 1.0 if sampler == "cps" else sigma - sigma_next
 
 
 def guided_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Conditioning, guidance: float,
@@ -302,7 +314,7 @@ class FlowGRPOTrainer(GroupTrainer):
         if unit.update > 0:  # after the batch's first optimiser step: where the trust region acts
             info.update({"ratio_dev_late": deviation, "clip_frac_late": clip_frac})
         if self.tcfg.beta > 0:
-            gap = chunk.sigmas[k].item() - chunk.sigmas[k + 1].item()
+            gap = coded_kl_gap(self.sampler, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item())
             ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)
             kl = self.kl_penalty(batch, unit, gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode), active)
             loss = loss + self.tcfg.beta * kl

@@ -1,11 +1,15 @@
 """Flow-GRPO on the tiny SD3 model: the method page's properties (docs/methods/flow_grpo.md)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.flow_grpo import gaussian_mean_kl, ppo_clip_loss
+from flowalign.sampling.steps import sde_step
+from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl, ppo_clip_loss
 
 from .conftest import small_config
 
@@ -160,3 +164,22 @@ def test_training_raises_a_pixel_reward(tmp_path, tiny_sd3_dir, prompt_file):
         t.step += 1
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     assert last > first + 0.005, rewards  # a 6-step mean moves ~0.0005 by noise alone
+
+
+KNOWN_KL = json.loads((Path(__file__).parent / "known_answers" / "flow_grpo_step_kl.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN_KL["cases"], ids=lambda c: f"{c['sde_type']}-step{c['step']}")
+def test_step_log_prob_and_coded_kl_equal_flow_grpos(case):
+    """flow_grpo's ``sde_step_with_logprob`` and ``train_sd3.py``'s KL on fixed tensors (known_answers/)."""
+    sampler = {"sde": "flow_grpo", "cps": "cps"}[case["sde_type"]]
+    sigmas = KNOWN_KL["sigmas"]
+    x, v, v_ref, x_next = (torch.tensor(KNOWN_KL[n]) for n in ("sample", "velocity", "velocity_ref", "prev_sample"))
+    k = case["step"]
+    out = sde_step(sampler, v, x, sigmas[k], sigmas[k + 1], noise_level=case["noise_level"], prev_sample=x_next)
+    ref = sde_step(sampler, v_ref, x, sigmas[k], sigmas[k + 1], noise_level=case["noise_level"], prev_sample=x_next)
+    torch.testing.assert_close(out.mean, torch.tensor(case["prev_sample_mean"]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out.log_prob, torch.tensor(case["log_prob"]), rtol=1e-6, atol=1e-7)
+    gap = coded_kl_gap(sampler, sigmas[k], sigmas[k + 1])
+    kl = gaussian_mean_kl(out.mean, ref.mean, out.std, gap, "code")
+    torch.testing.assert_close(kl, torch.tensor(case["kl_per_sample"]), rtol=1e-5, atol=1e-9)
