@@ -61,8 +61,8 @@ def load_vvr_edit(level: str, split: str, n: int | None, seed: int | None) -> Be
 
 def load_ocr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
     """An OCR split (the level is the number of quoted words), scored by the ``ocr`` reward with its default
-    engine (tesseract), or training draws (see :func:`load_vvr`), which build no reward: training scores
-    with the config's own ``rewards``, whose engine need not be tesseract."""
+    engine (rapidocr: PP-OCRv4 on the CPU), or training draws (see :func:`load_vvr`), which build no reward:
+    training scores with the config's own ``rewards``, whose engine may differ."""
     check_level(level)
     from rewards.ocr import generate_tasks, load_split
 

@@ -105,7 +105,7 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "hpsv3": lambda out: _builder("rewards.hpsv3:save_tiny_hpsv3")(out),
     "unified_reward": lambda out: _builder("rewards.unified_reward:save_tiny_unified_reward")(out),
     "videoalign": lambda out: _builder("rewards.videoalign:save_tiny_videoalign")(out),
-    # the model engine (GOT-OCR 2.0); tesseract and paddleocr read no transformers folder
+    # the transformers engine (GOT-OCR 2.0); rapidocr carries its models, tesseract and paddleocr read none
     "ocr": lambda out: _builder("rewards.ocr.tiny:save_tiny_got_ocr2")(out),
 }
 

@@ -1,4 +1,5 @@
-"""Session-wide test setup: offline hubs, one CPU thread, tiny model folders saved once per session."""
+"""Session-wide test setup: offline hubs, one CPU thread, tiny model folders saved once per session, and the
+``requires_program`` marker (tests/missing_programs.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# `@pytest.mark.requires_program("tesseract")`: skip where a system program is missing; and a test erroring
+# for a missing program without that marker fails with a message saying to add it
+from tests.missing_programs import pytest_configure, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401
 
 # Nothing is ever downloaded; a test that tries fails fast instead of hanging on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,8 @@
 """OCR engines: each reads a list of PIL images and returns the text it recognises in each.
 
+* ``rapidocr`` (the default): PaddleOCR's PP-OCRv4 detection and recognition models as ONNX, from the
+  ``rapidocr_onnxruntime`` wheel (a core dependency: nothing to download, no system program), run on the
+  CPU by :mod:`rewards.ocr.ppocr`.
 * ``tesseract``: the Tesseract program through ``pytesseract`` (CPU; ``apt-get install tesseract-ocr``,
   ``pip install 'flowalign[ocr]'``).
 * ``got_ocr2``: GOT-OCR 2.0 through transformers (``GotOcr2ForConditionalGeneration``) from a local
@@ -43,6 +46,28 @@ def local_folder(path: str | None, engine: str, what: str) -> Path:
     if not folder.is_dir():
         raise UserError(f"ocr reward: path={path} is not a folder; engine {engine} needs {what}")
     return folder
+
+
+class RapidOCR:
+    """PP-OCRv4 (the model family of Flow-GRPO's PaddleOCR engine) on the CPU: each image's lines, joined
+    with line breaks (all lines, whatever their confidence, as Flow-GRPO keeps them)."""
+
+    def __init__(self):
+        from rewards.ocr.ppocr import DET_MODEL, REC_MODEL, PPOCR, models_folder
+
+        folder = models_folder()
+        if folder is None or not (folder / DET_MODEL).is_file() or not (folder / REC_MODEL).is_file():
+            raise UserError("ocr reward: engine rapidocr needs the rapidocr_onnxruntime package, which carries its "
+                            "PP-OCRv4 models (pip install 'rapidocr_onnxruntime>=1.4,<2'), or choose engine: tesseract")
+        try:
+            import onnxruntime  # noqa: F401 - checked here for a one-line error, used by PPOCR
+        except ImportError:
+            raise UserError("ocr reward: engine rapidocr needs onnxruntime (pip install onnxruntime)") from None
+        # as many threads as torch was given: the tests and a trainer's reward calls share the machine
+        self.ocr = PPOCR(folder, threads=max(1, torch.get_num_threads()))
+
+    def read(self, images: list[Image.Image], device: torch.device) -> list[str]:
+        return ["\n".join(text for text, _confidence in self.ocr.read(image)) for image in images]
 
 
 class Tesseract:
@@ -104,7 +129,7 @@ class PaddleOCR:
             from paddleocr import PaddleOCR as Paddle
         except ImportError:
             raise UserError("ocr reward: engine paddleocr needs the paddleocr package "
-                            "2.x (pip install paddleocr==2.9.1 paddlepaddle, as Flow-GRPO), or use engine: tesseract") from None
+                            "2.x (pip install paddleocr==2.9.1 paddlepaddle, as Flow-GRPO), or use engine: rapidocr") from None
         use_gpu = device is not None and torch.device(device).type == "cuda"
         self.ocr = Paddle(use_angle_cls=False, lang="en", use_gpu=use_gpu, show_log=False,
                           det_model_dir=str(folder / "det"), rec_model_dir=str(folder / "rec"))
@@ -117,11 +142,13 @@ class PaddleOCR:
         return texts
 
 
-ENGINES = ("tesseract", "got_ocr2", "paddleocr")
+ENGINES = ("rapidocr", "tesseract", "got_ocr2", "paddleocr")
 
 
 def make_engine(engine: str, path: str | None, device: torch.device | None, dtype: torch.dtype) -> Engine:
     """The engine named ``engine`` (one of :data:`ENGINES`)."""
+    if engine == "rapidocr":
+        return RapidOCR()
     if engine == "tesseract":
         return Tesseract()
     if engine == "got_ocr2":

@@ -19,8 +19,9 @@ from rewards.registry import register
 class OCRReward:
     """Score ``1`` when the prompt's quoted text (``metadata["text"]`` if given) appears in the text an OCR
     engine reads from the image, else ``1 - min(edit distance, n) / n`` (lower case, spaces removed;
-    :mod:`rewards.ocr.score`). Options: ``engine`` (``tesseract``, ``got_ocr2`` or ``paddleocr``), ``path``
-    (the model engines' local weights), ``device`` (default: the samples'), ``dtype`` and ``batch_size``
+    :mod:`rewards.ocr.score`). Options: ``engine`` (``rapidocr``, the default: PP-OCRv4 from a pip wheel on
+    the CPU; ``tesseract``, ``got_ocr2`` or ``paddleocr``), ``path`` (``got_ocr2``'s and ``paddleocr``'s
+    local weights), ``device`` (default: the samples'), ``dtype`` and ``batch_size``
     (images per engine call). A sample is invalid, with a reason in its info, when its prompt quotes no
     text, its pixels are not finite or the engine fails on it. Not differentiable.
     """
@@ -28,12 +29,14 @@ class OCRReward:
     name = "ocr"
     differentiable = False
 
-    def __init__(self, engine: str = "tesseract", path: str | None = None, device: str | None = None,
+    def __init__(self, engine: str = "rapidocr", path: str | None = None, device: str | None = None,
                  dtype: str = "float32", batch_size: int = 8):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"ocr reward: batch_size must be a positive integer, got {batch_size!r}")
-        if engine == "tesseract" and path is not None:
-            raise UserError("ocr reward: engine tesseract takes no path (it uses the installed tesseract program); "
+        if engine in ("rapidocr", "tesseract") and path is not None:
+            uses = {"rapidocr": "the PP-OCRv4 models in the rapidocr_onnxruntime package",
+                    "tesseract": "the installed tesseract program"}[engine]
+            raise UserError(f"ocr reward: engine {engine} takes no path (it uses {uses}); "
                             "remove path or choose engine: got_ocr2 or paddleocr")
         self.batch_size = batch_size
         self.device = torch.device(device) if device is not None else None

@@ -1,9 +1,12 @@
-"""The ``ocr`` reward: Flow-GRPO's formula on fixed strings, known answers with tesseract on text drawn
-with a TrueType font, per-sample validity, the engines' one-line errors, and the prompt set's splits."""
+"""The ``ocr`` reward: Flow-GRPO's formula on fixed strings, known answers of the default engine (PP-OCRv4
+from the rapidocr_onnxruntime wheel, offline) and of tesseract (where installed) on text drawn with a
+TrueType font, per-sample validity, the engines' one-line errors, and the prompt set's splits."""
 
 import json
+import socket
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -27,7 +30,9 @@ from rewards.ocr import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf")  # Debian's fonts-dejavu-core
+# DejaVu Sans Bold as matplotlib ships it (a test dependency): no system font package needed
+FONT = Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans-Bold.ttf"
+TESSERACT = pytest.mark.requires_program("tesseract", install="apt-get install tesseract-ocr")
 
 
 def test_edit_distance_known_values():
@@ -57,21 +62,74 @@ def test_target_is_the_metadata_text_else_the_first_quoted_span():
     assert target_text("a sign with no text") is None
 
 
-def _drawn(text: str, size: int = 256) -> torch.Tensor:
-    """``text`` drawn in a TrueType font on a coloured card, (3, size, size) in [0, 1]."""
+def _drawn(text: str, size: int = 256, angle: float = 0) -> torch.Tensor:
+    """``text`` drawn in a TrueType font on a coloured card, turned ``angle`` degrees, (3, size, size) in [0, 1]."""
     image = Image.new("RGB", (size, size), (232, 220, 190))
-    ImageDraw.Draw(image).text((size // 2, size // 2), text, fill=(25, 25, 70), anchor="mm",
-                               font=ImageFont.truetype(str(FONT), 34))
+    ImageDraw.Draw(image).text((size // 2, size // 2), text, fill=(25, 25, 70), anchor="mm", align="center",
+                               font=ImageFont.truetype(str(FONT), 28))
+    image = image.rotate(angle, resample=Image.BICUBIC, fillcolor=(232, 220, 190))
     return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
 
 
 @pytest.fixture(scope="module")
+def rapidocr():
+    return rewards.load("ocr", batch_size=2)  # the default engine
+
+
+@pytest.fixture(scope="module")
 def tesseract():
-    if not FONT.is_file():
-        pytest.skip(f"needs the DejaVu fonts ({FONT}: apt-get install fonts-dejavu-core)")
     return rewards.load("ocr", engine="tesseract", batch_size=2)
 
 
+def test_the_default_engine_reads_rendered_text_and_scores_it_sensibly(rapidocr):
+    from rewards.ocr.engines import RapidOCR
+
+    assert isinstance(rapidocr.engine, RapidOCR)
+    texts = ["OPEN LATE", "OPEN LATE", "OPEN LATE", "COFFEE\nBREAD", "HELLO WORLD", "HELLO WORLD"]
+    angles = [0, 0, 0, 0, 20, -35]
+    samples = torch.stack([_drawn(t, angle=a) for t, a in zip(texts, angles)] + [torch.full((3, 256, 256), 0.9)])
+    # exact, one letter off ("openlate" vs "opengate": 1 - 1/8), unrelated; two lines; turned both ways; blank
+    targets = ["OPEN LATE", "OPEN GATE", "SILVER MOON", "COFFEE BREAD", "HELLO WORLD", "HELLO WORLD", "OPEN"]
+    out = rapidocr(samples, [f'a sign that says "{t}"' for t in targets], [])
+    score, info = out.components["ocr"].tolist(), out.info
+    assert out.valid.all()
+    assert info[0]["recognised"] == "OPEN LATE" and score[0] == 1.0 and info[0]["all_passed"]
+    assert score[1] == pytest.approx(1 - 1 / 8) and not info[1]["all_passed"]
+    assert score[2] <= 0.3
+    assert info[3]["recognised"] == "COFFEE BREAD" and score[3] == 1.0  # lines in reading order
+    assert score[4] == 1.0 and score[5] == 1.0  # rotated text is boxed and straightened
+    assert info[6]["recognised"] == "" and score[6] == 0.0
+
+
+def test_the_default_engine_needs_no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    out = rewards.load("ocr")(_drawn("FRESH")[None], ['a sign that says "FRESH"'], [])
+    assert out.valid.all() and out.components["ocr"].item() == 1.0
+
+
+def test_a_sample_the_engine_fails_on_is_invalid_and_its_batch_neighbours_are_scored(rapidocr, monkeypatch):
+    real, calls = rapidocr.engine.read, []
+
+    def read(images, device):  # fails on any batch holding an image with a black corner
+        calls.append(len(images))
+        if any(image.getpixel((0, 0)) == (0, 0, 0) for image in images):
+            raise ValueError("cannot read this image")
+        return real(images, device)
+
+    monkeypatch.setattr(rapidocr.engine, "read", read)
+    samples = torch.stack([_drawn("OPEN"), _drawn("EXIT")])
+    samples[1, :, 0, 0] = 0
+    out = rapidocr(samples, ['"OPEN"', '"EXIT"'], [])
+    assert calls == [2, 1, 1]  # the batch, then each image alone
+    assert out.valid.tolist() == [True, False] and out.components["ocr"][0] == 1.0
+    assert out.info[1]["reason"] == "the OCR engine failed: ValueError: cannot read this image"
+
+
+@TESSERACT
 def test_known_answers_with_tesseract(tesseract):
     nan = torch.full((3, 256, 256), float("nan"))
     samples = torch.stack([_drawn("OPEN LATE"), _drawn("HELLO WORLD"), nan, _drawn("FRESH")])
@@ -90,6 +148,7 @@ def test_known_answers_with_tesseract(tesseract):
     assert again.components["ocr"].item() == 1.0
 
 
+@TESSERACT
 def test_an_image_the_engine_fails_on_is_invalid_with_its_reason(tesseract):
     # tesseract refuses images wider than 32767 px: both fail, first as a batch, then one by one
     out = tesseract(torch.full((2, 3, 1, 40000), 0.5), ['"OPEN"', '"EXIT"'], [])
@@ -121,12 +180,23 @@ def test_got_ocr2_loads_a_tiny_reward_folder_and_scores_real_samples(tmp_path, c
 
 
 def test_bad_options_are_one_line():
-    with pytest.raises(UserError, match="unknown engine='easyocr'; choose one of tesseract, got_ocr2, paddleocr"):
+    with pytest.raises(UserError, match="unknown engine='easyocr'; choose one of rapidocr, tesseract, got_ocr2, paddleocr"):
         rewards.load("ocr", engine="easyocr")
     with pytest.raises(UserError, match="batch_size must be a positive integer"):
         rewards.load("ocr", batch_size=0)
     with pytest.raises(UserError, match="engine tesseract takes no path"):
         rewards.load("ocr", engine="tesseract", path="/weights/got-ocr2")
+    with pytest.raises(UserError, match="engine rapidocr takes no path .* rapidocr_onnxruntime package"):
+        rewards.load("ocr", path="/weights/got-ocr2")
+
+
+def test_the_default_engine_without_its_package_is_one_line(monkeypatch):
+    import rewards.ocr.ppocr
+
+    monkeypatch.setattr(rewards.ocr.ppocr, "models_folder", lambda: None)
+    with pytest.raises(UserError) as e:
+        rewards.load("ocr")
+    assert "\n" not in str(e.value) and "pip install 'rapidocr_onnxruntime" in str(e.value)
 
 
 def test_no_training_prompt_holds_a_test_pair_and_every_word_and_template_trains():
@@ -152,9 +222,12 @@ def test_shipped_splits_are_disjoint_and_match_the_generator(level):
     assert first == test[0].to_dict()
 
 
-def test_the_ocr_benchmark_is_registered(tesseract):
+def test_the_ocr_benchmark_is_registered():
+    from rewards.ocr.engines import RapidOCR
+
     bench = load_benchmark("ocr", "medium", n=3, split="validation")
     assert bench.name == "ocr-medium" and bench.reward.name == "ocr" and len(bench.prompts) == 3
+    assert isinstance(bench.reward.engine, RapidOCR)  # the default engine: the benchmark scores anywhere
     assert all(m["text"] and f'"{m["text"]}"' in p for p, m in zip(bench.prompts, bench.metadata))
     draws = training_tasks("ocr", "hard", n=200, seed=3)
     # training draws build no reward (the config's own scores them) and hold no test pair
@@ -162,7 +235,7 @@ def test_the_ocr_benchmark_is_registered(tesseract):
     assert not any(heldout_pairs(OCRTask(p, m["text"], m["template"])) for p, m in zip(draws.prompts, draws.metadata))
 
 
-def test_the_tiny_ocr_config_trains_two_steps(tmp_path, tesseract):
+def test_the_tiny_ocr_config_trains_two_steps(tmp_path):
     from flowalign.cli.main import main
 
     # the tiny model cannot draw letters: this checks the pipeline and its logs, not learning
