@@ -1,4 +1,5 @@
-"""``flowalign serve-reward SPEC --port P``: serve any registered reward over HTTP for the ``remote`` reward."""
+"""``flowalign serve-reward SPEC --port P``: serve any registered reward over HTTP for the ``remote`` reward
+(each call under the SPEC's ``timeout_s``, or the server's default deadline)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("spec", metavar="SPEC",
                    help="the reward: a name, or the YAML mapping of a config's rewards: list, e.g. "
                         "\"{name: pickscore, path: /weights/pickscore, device: cuda}\"")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--port", type=int, default=8100, help="port to listen on (0: a free one, printed at start)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; needs a key)")
     p.add_argument("--device", default="cpu", help="where received samples are put before scoring: cpu, cuda, cuda:1, ...")
     add_safety_flags(p)
@@ -41,5 +42,6 @@ def run(args: argparse.Namespace) -> None:
     from rewards.reward_server import serve
 
     reward = rewards.load(spec.name, **spec.options)
+    # each call's deadline: the SPEC's timeout_s, else the server's default (a hanging reward cannot hold it)
     serve(reward, name=spec.name, spec=spec.model_dump(mode="json"), host=args.host, port=args.port,
-          device=args.device, limits=limits)
+          device=args.device, limits=limits, timeout_s=spec.timeout_s)

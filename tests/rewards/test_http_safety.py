@@ -136,13 +136,13 @@ def test_a_decompression_bomb_is_refused_from_its_header(server):
     bomb = png_bomb(13000)  # 169 M pixels, ~0.5 GB as RGB
     assert len(bomb) < 400_000
     before = peak_rss_kb(proc.pid)
-    error = openai_error(post(url, chat_body(bomb)), 400)
+    error = openai_error(post(url, chat_body(bomb)), 413)
     assert "13000x13000" in error["message"] and "per image" in error["message"]
     assert error["param"] == "messages[0].content[0].image_url.url"
     # decoding it would have raised the peak by >= 169 MB (the 1-bit plane as bytes) + 507 MB (RGB)
     assert peak_rss_kb(proc.pid) - before < 50_000
-    # past PIL's own bomb limit it is still a 400, not a 500
-    error = openai_error(post(url, chat_body(png_bomb(30000, rows=10))), 400)  # the header is all it reads
+    # past PIL's own bomb limit it is still a 413, not a 500
+    error = openai_error(post(url, chat_body(png_bomb(30000, rows=10))), 413)  # the header is all it reads
     assert "30000x30000" in error["message"] or "too many pixels" in error["message"]
 
 

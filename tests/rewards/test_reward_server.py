@@ -139,7 +139,7 @@ def test_bad_requests_are_refused_with_the_reason(saturation_server):
     with BackgroundServer(create_app(rewards.load("saturation"), name="saturation", limits=small)) as capped:
         r = requests.post(base(capped) + "/v1/score", json={"prompts": ["a"], **encode_samples(images(1), "float32")},
                           timeout=10)
-        assert r.status_code == 400 and "pixels" in r.json()["error"]["message"]
+        assert r.status_code == 413 and "pixels" in r.json()["error"]["message"]
     cases = [
         ({"prompts": ["a", "b"], **encode_samples(images(1), "float32")}, "1 samples for 2 prompts"),
         ({"prompts": ["a"], "tensor": base64.b64encode(b"\xff" * 8 + b"{}").decode()}, "header"),

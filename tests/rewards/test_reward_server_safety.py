@@ -44,7 +44,7 @@ def test_a_png_bomb_is_refused_from_its_header(server):
     proc, url, _ = server
     bomb = png_bomb(13000)
     before = peak_rss_kb(proc.pid)
-    error = openai_error(score(url, {"prompts": ["a"], "images": [base64.b64encode(bomb).decode()]}), 400)
+    error = openai_error(score(url, {"prompts": ["a"], "images": [base64.b64encode(bomb).decode()]}), 413)
     assert "13000x13000" in error["message"] and error["param"] == "images[0]"
     assert peak_rss_kb(proc.pid) - before < 50_000  # decoding it would take > 600 MB
     # an image within the cap is scored: the refusal was the size, not the format
@@ -55,7 +55,7 @@ def test_a_png_bomb_is_refused_from_its_header(server):
 def test_video_frames_over_the_cap_are_refused_from_the_stream_header(server):
     _, url, _ = server
     big = encode_samples(torch.rand(1, 2, 3, 144, 144), "mp4")  # 20,736 pixels a frame, over 16,384
-    error = openai_error(score(url, {"prompts": ["a"], **big}), 400)
+    error = openai_error(score(url, {"prompts": ["a"], **big}), 413)
     assert "144x144" in error["message"] and "per image" in error["message"] and error["param"] == "videos[0]"
     # a clip within the cap decodes whole under the same limits (the served reward scores images, not clips)
     small = encode_samples(torch.rand(1, 2, 3, 64, 64), "mp4")
