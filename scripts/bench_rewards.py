@@ -119,7 +119,7 @@ CASES = [
     Case("saturation", "pixel statistic", lambda root: {}),
     Case("jpeg_compressibility", "PIL JPEG encode (quality 95)", lambda root: {}),
     Case("vvr", "rule-based verifier (colour segmentation)", lambda root: {}),
-    Case("ocr", "tesseract (LSTM, --psm 11)", lambda root: {"engine": "tesseract"}),
+    Case("ocr", "rapidocr: PP-OCRv4 det + rec (ONNX, onnxruntime)", lambda root: {"engine": "rapidocr"}),
     Case("lpips", "AlexNet + LPIPS linear heads", lambda root: {"net": "alex", "random_init": True}),
     Case("image_similarity", "DINOv2 ViT-B/14, 224 px",
          lambda root: {"path": _folder(root, "dinov2", write_dinov2_base), "random_init": True}),
@@ -142,7 +142,7 @@ def tiny_options(name: str, root: Path) -> dict[str, Any]:
     if name == "lpips":  # no tiny folder: its real backbone is small; random weights, nothing fetched
         return {"random_init": True}
     if name == "ocr":  # the CPU engine its row measures (its tiny folder is GOT-OCR 2.0's, a GPU engine)
-        return {"engine": "tesseract"}
+        return {"engine": "rapidocr"}
     if name not in TINY_BUILDERS:
         return {}
     folder = root / name

@@ -12,7 +12,8 @@ import torch
 
 # `@pytest.mark.requires_program("tesseract")`: skip where a system program is missing; and a test erroring
 # for a missing program without that marker fails with a message saying to add it
-from tests.missing_programs import pytest_configure, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401
+from tests.missing_programs import (  # noqa: F401 - hooks
+    pytest_collection_modifyitems, pytest_configure, pytest_runtest_makereport)
 
 # Nothing is ever downloaded; a test that tries fails fast instead of hanging on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

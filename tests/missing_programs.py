@@ -63,13 +63,14 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "command, when the system program `name` is not on PATH")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    for mark in item.iter_markers(MARKER):
-        name = mark.args[0]
-        if missing(name):
-            install = mark.kwargs.get("install")
-            pytest.skip(f"needs the {name} program, not found on PATH" + (f" ({install})" if install else ""))
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # a skip mark, not a skip raised later: the summary then names the test, and no fixture is set up for it
+    for item in items:
+        for mark in item.iter_markers(MARKER):
+            name, install = mark.args[0], mark.kwargs.get("install")
+            if missing(name):
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs the {name} program, not found on PATH" + (f" ({install})" if install else "")))
 
 
 @pytest.hookimpl(hookwrapper=True)

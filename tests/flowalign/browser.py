@@ -1,4 +1,7 @@
-"""Find and drive headless Chromium (Debian's ``chromium`` package) to check pages the way people see them."""
+"""Find and drive headless Chromium (Debian's ``chromium`` package) to check pages the way people see them.
+
+Tests using it carry ``@pytest.mark.requires_program("chromium", ...)`` (tests/missing_programs.py): they skip
+where it is not on PATH, and run where CI installs it (.ci/run)."""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-
-CHROMIUM = Path("/usr/bin/chromium")
 
 # a quiet, offline, throw-away browser: no sandbox (tests run as root in containers), no GPU, nothing
 # that phones home or touches a profile other than a fresh one per run
@@ -22,9 +23,7 @@ _TIMEOUT_S = 60
 
 
 def find_chromium() -> Path | None:
-    """``/usr/bin/chromium`` or a ``chromium`` on PATH; ``None`` when neither is installed."""
-    if CHROMIUM.is_file():
-        return CHROMIUM
+    """The ``chromium`` on PATH (what ``requires_program`` looks for); ``None`` when it is not installed."""
     found = shutil.which("chromium")
     return Path(found) if found else None
 
@@ -46,7 +45,7 @@ def render_in_chromium(html_path: Path, screenshot_path: Path | None, *, fragmen
     serialised after load; also save a PNG screenshot of the viewport to ``screenshot_path``."""
     chromium = find_chromium()
     if chromium is None:
-        raise FileNotFoundError("chromium is not installed (apt-get install -y chromium)")
+        raise FileNotFoundError("rendering a page needs the chromium program (apt-get install -y chromium)")
     url = Path(html_path).resolve().as_uri() + (f"#{fragment}" if fragment else "")
     dom = _run(chromium, [f"--virtual-time-budget={_VIRTUAL_TIME_MS}", "--dump-dom"], url)
     if screenshot_path is not None:

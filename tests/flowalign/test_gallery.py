@@ -18,7 +18,7 @@ from flowalign.errors import UserError
 from flowalign.gallery import GalleryCell, GalleryRow, gallery_from_evals, gallery_from_run, write_gallery
 from flowalign.media import save_video
 from flowalign.paths import REPO_ROOT
-from tests.flowalign.browser import find_chromium, render_in_chromium
+from tests.flowalign.browser import render_in_chromium
 from tests.flowalign.sampling.gaussian_policy import GaussianPolicy
 
 XSS = "<script>alert(1)</script>"
@@ -34,6 +34,7 @@ SCORES = {
 PASSED = {0: {0: False, 3: True}, 100: {0: True}, 200: {0: True, 3: True}}
 GAIN_ORDER = [0, 3, 2, 1]  # gains 0.7, 0.2, 0.1, -0.2
 N_IMAGES = 8 + 3  # PNG cells, plus one GIF fallback per video
+CHROMIUM = pytest.mark.requires_program("chromium", install="apt-get install -y chromium")
 
 
 class Tags(HTMLParser):
@@ -240,7 +241,7 @@ def test_cli_samples_model_and_adapters(tmp_path: Path, monkeypatch: pytest.Monk
     assert [a["value"] for a in tags.all("option")] == ["index", "prompt"]
 
 
-@pytest.mark.skipif(find_chromium() is None, reason="headless Chromium not installed (apt-get install -y chromium)")
+@CHROMIUM
 def test_page_in_headless_chromium(gallery: Path) -> None:
     screenshot = REPO_ROOT / "test-artifacts" / "gallery.png"
     body = Tags(render_in_chromium(gallery, screenshot)).all("body")[0]
@@ -262,7 +263,7 @@ def test_page_in_headless_chromium(gallery: Path) -> None:
         assert len([a for a in dom.all("img") if a["src"].endswith(".gif")]) == 3
 
 
-@pytest.mark.skipif(find_chromium() is None, reason="headless Chromium not installed (apt-get install -y chromium)")
+@CHROMIUM
 def test_gif_fallback_without_h264(gallery: Path, tmp_path: Path) -> None:
     # Chromium builds without proprietary codecs answer "" here; make this one answer the same
     copy = shutil.copytree(gallery.parent, tmp_path / "gallery")

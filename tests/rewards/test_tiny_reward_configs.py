@@ -20,8 +20,9 @@ CONFIGS = sorted(p for p in (REPO_ROOT / "configs" / "tiny").glob("flow_grpo_*.y
 
 
 def test_the_new_model_rewards_have_tiny_configs():
-    # ocr's tiny config runs the tesseract engine (tests/rewards/test_ocr.py); image_similarity scores edits
-    # against a source image, which the tiny text-to-image model has none of; the CLIP rewards predate these
+    # ocr's tiny config runs the rapidocr engine, which needs no tiny folder (tests/rewards/test_ocr.py trains
+    # it); image_similarity scores edits against a source image, which the tiny text-to-image model has none
+    # of; the CLIP rewards predate these
     have = {p.stem.removeprefix("flow_grpo_") for p in CONFIGS}
     assert have == set(TINY_BUILDERS) - {"ocr", "image_similarity", "pickscore", "hps", "clip_score", "aesthetic"}
 
