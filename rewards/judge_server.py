@@ -10,18 +10,24 @@ FastAPI + uvicorn (the optional extra ``serve``). Endpoints:
   and streaming are refused with 400.
 * ``GET /health``: ``{"status": "ok"}``, the one path that needs no key.
 
-Concurrent requests are batched: FastAPI answers each from its thread pool and hands it to a
-:class:`MicroBatcher`, whose worker waits up to ``max_wait`` seconds for up to ``batch_size``
-requests and runs them as one batch (left padding) on the model. The server is guarded by
+Concurrent requests are batched: each is parsed and its images decoded in a thread of the server's
+pool, then handed to a :class:`MicroBatcher`, whose worker waits up to ``max_wait`` seconds for up to
+``batch_size`` requests and runs them as one batch (left padding) on the model; a request waiting for
+its batch holds no thread. Images are decoded only after every other field is checked, and only once
+their bytes fit the server's :class:`rewards.http_safety.DecodeBudget` (shared by all requests; held
+until the request's completion is ready). The text of a request is capped at ``max_prompt_tokens``
+tokens (413; a prompt's cost grows with the square of its length). The server is guarded by
 :mod:`rewards.http_safety` (bearer key, body and pixel caps, header and body deadlines); every error
 comes back in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad input,
-401 key, 404 unknown model or path, 408 too slow, 413 too large, 500 only for a failure of the server.
+401 key, 404 unknown model or path, 408 too slow, 413 too large, 503 busy, 500 only for a failure of
+the server.
 """
 
-from __future__ import annotations
-
+# no "from __future__ import annotations": FastAPI reads the handler's Request annotation at runtime
+import asyncio
 import base64
 import binascii
+import json
 import queue
 import socket
 import threading
@@ -30,15 +36,26 @@ import uuid
 from concurrent.futures import Future
 from typing import Any
 
-from rewards.http_safety import BadRequest, Limits, PixelBudget, error_body, open_image, uvicorn_config
+from rewards.http_safety import (PIL_RGB_BYTES, BadRequest, DecodeBudget, Limits, PixelBudget, Reservation, bind,
+                                 decode_rgb, error_body, peek_image, url_host, uvicorn_config)
 from rewards.vlm_backend import ChatRequest, Completion, LocalVLM
 
 #: seeds a request may give (torch generators take 64-bit seeds; JSON integers can be any size)
 MAX_SEED = 2**63 - 1
+#: text tokens a request may hold by default (``serve-judge --max-prompt-tokens``)
+MAX_PROMPT_TOKENS = 8192
+#: characters per token assumed by the cheap check made before tokenizing (no tokenizer's token is longer
+#: in practice; a text past this many characters is refused without being tokenized)
+CHARS_PER_TOKEN = 16
 
 
 def decode_image_url(url: str, budget: PixelBudget, where: str = "image_url.url") -> Any:
     """A ``data:image/...;base64,...`` URL → PIL RGB image, decoded only if its size fits ``budget``."""
+    return decode_rgb(peek_image_url(url, budget, where), where)
+
+
+def peek_image_url(url: str, budget: PixelBudget, where: str = "image_url.url") -> Any:
+    """A ``data:image/...;base64,...`` URL → undecoded PIL image (its header read), charged to ``budget``."""
     if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
         raise BadRequest(f"{where} must be a base64 data URL (data:image/png;base64,...);"
                          " this server fetches no remote images", param=where)
@@ -46,7 +63,7 @@ def decode_image_url(url: str, budget: PixelBudget, where: str = "image_url.url"
         raw = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
     except (binascii.Error, ValueError) as e:
         raise BadRequest(f"{where} is not valid base64 ({e})", param=where) from e
-    return open_image(raw, budget, where)
+    return peek_image(raw, budget, where)
 
 
 def _content(content: Any, where: str, budget: PixelBudget) -> str | list[dict[str, Any]]:
@@ -62,7 +79,8 @@ def _content(content: Any, where: str, budget: PixelBudget) -> str | list[dict[s
         elif kind == "image_url":
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
-            parts.append({"type": "image", "image": decode_image_url(url, budget, f"{where}.content[{j}].image_url.url")})
+            at = f"{where}.content[{j}].image_url.url"
+            parts.append({"type": "image", "image": peek_image_url(url, budget, at), "where": at})
         else:
             raise BadRequest(f"{where}.content[{j}]: unsupported part type {kind!r} (use 'text' or 'image_url')",
                              param=f"{where}.content[{j}].type")
@@ -79,9 +97,15 @@ def _integer(body: dict[str, Any], key: str, default: Any, lo: int, hi: int) -> 
     return value
 
 
-def to_chat_request(body: dict[str, Any], max_top_logprobs: int, limits: Limits = Limits()) -> ChatRequest:
+def to_chat_request(body: dict[str, Any], max_top_logprobs: int, limits: Limits = Limits(),
+                    reservation: Reservation | None = None, max_prompt_tokens: int | None = None,
+                    count_tokens: Any = None) -> ChatRequest:
     """A chat-completions JSON body → :class:`ChatRequest` (raises :class:`BadRequest`); its images may hold
-    at most ``limits.max_image_pixels`` each and ``limits.max_request_pixels`` together."""
+    at most ``limits.max_image_pixels`` each and ``limits.max_request_pixels`` together, and its text at
+    most ``max_prompt_tokens`` tokens (None: no cap; ``count_tokens(text)`` counts them, else only the
+    characters are checked). Images are decoded last, each held in ``reservation`` first."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a chat-completions JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
@@ -112,8 +136,42 @@ def to_chat_request(body: dict[str, Any], max_top_logprobs: int, limits: Limits 
         top = _integer(body, "top_logprobs", 0, 0, max_top_logprobs) if body.get("top_logprobs") is not None else 0
         top = max(top, 1)  # the chosen token's own log-prob is always reported
     seed = _integer(body, "seed", None, 0, MAX_SEED)
+    if max_prompt_tokens is not None:
+        _check_prompt_length(out, prefix, max_prompt_tokens, count_tokens, limits.command)
+    _decode_images(out, reservation or Reservation())
     return ChatRequest(out, assistant_prefix=prefix, max_tokens=max_tokens, temperature=float(temperature),
                        top_logprobs=top, seed=seed)
+
+
+def _check_prompt_length(messages: list[dict[str, Any]], prefix: str, max_tokens: int, count_tokens: Any,
+                         command: str) -> None:
+    """413 for text over ``max_tokens`` tokens: first by its length in characters (no tokenizer run on a
+    huge text), then by its tokens."""
+    texts = [prefix] + [m["content"] if isinstance(m["content"], str) else p["text"]
+                        for m in messages for p in ([m] if isinstance(m["content"], str) else m["content"])
+                        if isinstance(m["content"], str) or p["type"] == "text"]
+    chars = sum(len(t) for t in texts)
+    refuse = (f"over the server's limit of {max_tokens} prompt tokens ({command} --max-prompt-tokens); "
+              "send a shorter prompt")
+    if chars > max_tokens * CHARS_PER_TOKEN:
+        raise BadRequest(f"the messages hold {chars} characters of text, {refuse}", param="messages", status=413,
+                         code="context_length_exceeded")
+    if count_tokens is not None:
+        tokens = count_tokens("\n".join(texts))
+        if tokens > max_tokens:
+            raise BadRequest(f"the messages hold {tokens} tokens of text, {refuse}", param="messages", status=413,
+                             code="context_length_exceeded")
+
+
+def _decode_images(messages: list[dict[str, Any]], reservation: Reservation) -> None:
+    """Decode the images :func:`_content` peeked at, in place, each held in ``reservation`` first."""
+    for m in messages:
+        if isinstance(m["content"], list):
+            for part in m["content"]:
+                if part["type"] == "image":
+                    image, where = part["image"], part.pop("where")
+                    reservation.grow(image.width * image.height * PIL_RGB_BYTES, where)
+                    part["image"] = decode_rgb(image, where)
 
 
 def to_chat_reply(c: Completion, model: str, logprobs: bool) -> dict[str, Any]:
@@ -151,9 +209,13 @@ class MicroBatcher:
         threading.Thread(target=self._work, daemon=True, name="judge-batcher").start()
 
     def submit(self, request: ChatRequest) -> Completion:
+        return self.submit_future(request).result()
+
+    def submit_future(self, request: ChatRequest) -> Future:
+        """Queue ``request``; the future holds its completion (or the error of its batch)."""
         future: Future = Future()
         self.queue.put((request, future))
-        return future.result()
+        return future
 
     def _work(self) -> None:
         while True:
@@ -169,53 +231,75 @@ class MicroBatcher:
                 results = self.vlm.complete([r for r, _ in items])
                 for (_, future), result in zip(items, results):
                     future.set_result(result)
-            except Exception as e:  # the whole batch failed: every waiting request gets the error
-                for _, future in items:
-                    future.set_exception(e)
+            except BaseException as e:  # noqa: BLE001 - the whole batch failed: every waiting request gets
+                for _, future in items:  # the error, and the worker lives on (a SystemExit must not end it)
+                    if not future.done():
+                        future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
 
 
 def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs: int = 20,
-               max_wait: float = 0.005, limits: Limits = Limits()):
+               max_wait: float = 0.005, limits: Limits = Limits(), max_prompt_tokens: int = MAX_PROMPT_TOKENS):
     """The FastAPI app serving ``vlm`` (``app.state.batcher`` holds its :class:`MicroBatcher`,
     ``app.state.limits`` the bounds :class:`BackgroundServer` and :func:`serve` enforce)."""
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
 
     name = model_name or vlm.name
     app = FastAPI(title="flowalign judge", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher = batcher = MicroBatcher(vlm, max_wait=max_wait)
     app.state.limits = limits
+    decoded = DecodeBudget(limits)
+    tokenizer = getattr(vlm, "tokenizer", None)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prepare(raw: bytes, reservation: Reservation) -> tuple[dict[str, Any], ChatRequest]:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise BadRequest(f"the body must be a chat-completions JSON object ({str(e)[:200]})") from e
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a chat-completions JSON object")
+        if body.get("model") not in (None, name):
+            raise BadRequest(f"model {str(body.get('model'))[:100]!r} is not served here; use {name!r}", "model",
+                             status=404, code="model_not_found")
+        return body, to_chat_request(body, max_top_logprobs, limits, reservation, max_prompt_tokens,
+                                     count_tokens if tokenizer is not None else None)
 
     def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
         return JSONResponse(error_body(status, message, param, code), status_code=status)
 
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "flowalign"}]}
 
     @app.get("/health")
-    def health() -> dict[str, str]:
+    async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.post("/v1/chat/completions")
-    def chat(body: dict[str, Any]) -> Any:  # sync: FastAPI runs it in its thread pool
-        if body.get("model") not in (None, name):
-            return error(404, f"model {body.get('model')!r} is not served here; use {name!r}", "model", "model_not_found")
+    async def chat(request: Request) -> Any:
+        raw = await request.body()
+        reservation = decoded.open()
         try:
-            request = to_chat_request(body, max_top_logprobs, limits)
+            body, chat_request = await run_in_threadpool(prepare, raw, reservation)
         except BadRequest as e:
+            reservation.release()
             return error(e.status, str(e), e.param, e.code)
+        except BaseException:
+            reservation.release()
+            raise
+        future = batcher.submit_future(chat_request)
+        del chat_request
+        future.add_done_callback(lambda _: reservation.release())  # the images are held until then
         try:
-            completion = batcher.submit(request)
+            completion = await asyncio.wrap_future(future)
         except Exception as e:  # a failed forward is the server's fault, reported, not a dead server
-            return error(500, f"{type(e).__name__}: {e}")
+            return error(500, f"{type(e).__name__}: {e}"[:2000])
         return to_chat_reply(completion, name, bool(body.get("logprobs")))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
-        return error(400, f"the body must be a chat-completions JSON object ({str(e.errors())[:200]})")
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
@@ -223,7 +307,7 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return error(500, f"{type(e).__name__}: {e}")
+        return error(500, f"{type(e).__name__}: {e}"[:2000])
 
     return app
 
@@ -271,12 +355,17 @@ class BackgroundServer:
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu", dtype: str = "fp32",
           batch_size: int = 8, model_name: str | None = None, max_top_logprobs: int = 20,
-          limits: Limits = Limits()) -> None:
-    """Load ``model`` and serve it until interrupted (the ``serve-judge`` command)."""
+          limits: Limits = Limits(), max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> None:
+    """Load ``model`` and serve it until interrupted (the ``serve-judge`` command); prints the address it
+    listens on (with ``port=0``, the port it was given)."""
     import uvicorn
 
     vlm = LocalVLM(model, device=device, dtype=dtype, batch_size=batch_size)
-    app = create_app(vlm, model_name=model_name, max_top_logprobs=max_top_logprobs, limits=limits)
+    app = create_app(vlm, model_name=model_name, max_top_logprobs=max_top_logprobs, limits=limits,
+                     max_prompt_tokens=max_prompt_tokens)
+    config = uvicorn_config(app, limits, host=host, port=port, log_level="info")
+    sock, port = bind(config)
     auth = "a key required" if limits.api_key else "no key"
-    print(f"serving {model_name or vlm.name} on http://{host}:{port}/v1 (OpenAI chat completions, {auth})", flush=True)
-    uvicorn.Server(uvicorn_config(app, limits, host=host, port=port, log_level="info")).run()
+    print(f"serving {model_name or vlm.name} on http://{url_host(host)}:{port}/v1 (OpenAI chat completions, {auth})",
+          flush=True)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -12,13 +12,15 @@ from rewards.http_safety import add_safety_flags, limits_from
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve-judge", help="serve a local VLM judge over OpenAI-compatible HTTP (needs the 'serve' extra)")
     p.add_argument("--model", required=True, help="local transformers VLM folder (Qwen2.5-VL, Qwen3-VL, ...)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed at start)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
     p.add_argument("--served-name", default=None, help="model name clients use (default: the folder's name)")
     p.add_argument("--max-top-logprobs", type=int, default=20, help="largest top_logprobs a request may ask for")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192,
+                   help="most tokens of text one request may hold (more: 413, before the model sees it)")
     add_safety_flags(p)
     return p
 
@@ -30,6 +32,8 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--model {args.model}: not a model folder (no config.json); give a local transformers VLM folder")
     if args.max_top_logprobs < 1:
         raise UserError(f"--max-top-logprobs {args.max_top_logprobs}: give an integer >= 1")
+    if not 1 <= args.max_prompt_tokens <= 1_000_000:
+        raise UserError(f"--max-prompt-tokens {args.max_prompt_tokens}: give an integer in 1..1000000")
     limits = limits_from(args, "serve-judge")
     try:
         import fastapi  # noqa: F401
@@ -39,4 +43,5 @@ def run(args: argparse.Namespace) -> None:
     from rewards.judge_server import serve
 
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          batch_size=args.batch_size, model_name=args.served_name, max_top_logprobs=args.max_top_logprobs, limits=limits)
+          batch_size=args.batch_size, model_name=args.served_name, max_top_logprobs=args.max_top_logprobs, limits=limits,
+          max_prompt_tokens=args.max_prompt_tokens)
