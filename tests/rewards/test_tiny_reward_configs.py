@@ -1,6 +1,6 @@
 """Each model reward's tiny config (``configs/tiny/flow_grpo_<reward>.yaml``) trains 2 steps with the weights
-folder ``flowalign tiny-reward <reward>`` writes where the config's comment says, its reward entries as
-written: the reward is loaded, scores every sample validly and is logged."""
+folder ``flowalign tiny-reward <reward>`` writes where the config's comment says (where it ships), its reward
+entries as written: the reward is loaded, scores every sample validly and is logged."""
 
 from __future__ import annotations
 
@@ -31,10 +31,15 @@ def test_the_new_model_rewards_have_tiny_configs():
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_tiny_config_trains_two_steps_on_its_tiny_reward_folder(config, tmp_path, monkeypatch, capsys):
     name = config.stem.removeprefix("flow_grpo_")
-    monkeypatch.chdir(tmp_path)  # the config's relative paths: assets/ of the repository, runs/ of this test
-    os.symlink(REPO_ROOT / "assets", tmp_path / "assets")
-    assert f"flowalign tiny-reward {name} --out runs/tiny-rewards/{name}" in config.read_text()
-    assert main(["tiny-reward", name, "--out", f"runs/tiny-rewards/{name}"]) == 0
+    # the config's relative paths: assets/ of the repository, but assets/tiny-rewards/ written here by the
+    # command the config's comment gives (the shipped folders are that command's output)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "assets").mkdir()
+    for child in (REPO_ROOT / "assets").iterdir():
+        if child.name != "tiny-rewards":
+            os.symlink(child, tmp_path / "assets" / child.name)
+    assert f"flowalign tiny-reward {name} --out assets/tiny-rewards/{name}" in config.read_text()
+    assert main(["tiny-reward", name, "--out", f"assets/tiny-rewards/{name}"]) == 0
     cfg = load_config(config)
     assert [r.name for r in cfg.rewards] == [name]
     video = "wan" in cfg.model.path
