@@ -11,15 +11,28 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from flowalign.errors import UserError
 from flowalign.finite import non_finite_key
-from flowalign.limits import MAX_BATCH, MAX_CONFIG_BYTES, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS
+from flowalign.limits import (MAX_BATCH, MAX_COEFFICIENT, MAX_CONFIG_BYTES, MAX_FRAMES, MAX_GUIDANCE, MAX_IMAGE_SIDE,
+                              MAX_KEEP_CHECKPOINTS, MAX_LORA_RANK, MAX_RANKS, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS,
+                              MAX_TIMEOUT_S, MAX_TRAIN_STEPS)
 from flowalign.yaml_load import load_yaml, yaml_problem
+
+
+#: element types of list- and tuple-valued fields, so each element carries its bounds
+#: a step (or chunk) index of the sampler's grid
+StepIndex = Annotated[int, Field(ge=0, le=MAX_SAMPLING_STEPS)]
+#: a kernel or softmax temperature (it divides, so 0 is refused)
+Temperature = Annotated[float, Field(gt=0, le=MAX_COEFFICIENT)]
+#: a fraction or a noise level σ in [0, 1]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+#: one of Adam's betas
+AdamBeta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class Section(BaseModel):
@@ -43,9 +56,9 @@ class RunSection(Section):
     seed: int = Field(0, ge=0, le=MAX_SEED)  # torch's and numpy's generators take 63 bits
     #: ``auto`` (newest complete checkpoint, if any), ``never``, or a checkpoint folder
     resume: str = "auto"
-    checkpoint_every: int = Field(50, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
-    log_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(50, ge=1, le=MAX_TRAIN_STEPS)
+    keep_checkpoints: int = Field(2, ge=1, le=MAX_KEEP_CHECKPOINTS)
+    log_every: int = Field(1, ge=1, le=MAX_TRAIN_STEPS)
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "flowalign"
@@ -62,9 +75,16 @@ def numeric_annotation(annotation: Any) -> bool:
 
 
 class LoraSection(Section):
-    rank: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
+    rank: int = Field(8, ge=1, le=MAX_LORA_RANK)
+    alpha: float = Field(16.0, gt=0, le=MAX_COEFFICIENT)
     target_modules: list[str] | None = None
+
+
+#: ``model.defaults`` keys that size or scale a sample, and their ``(low, high)`` bounds (see flowalign.limits)
+DEFAULT_BOUNDS: dict[str, tuple[float, float]] = {
+    "height": (16, MAX_IMAGE_SIDE), "width": (16, MAX_IMAGE_SIDE), "num_frames": (1, MAX_FRAMES),
+    "num_steps": (1, MAX_SAMPLING_STEPS), "guidance_scale": (0, MAX_GUIDANCE),
+}
 
 
 class ModelSection(Section):
@@ -82,13 +102,26 @@ class ModelSection(Section):
     attention_backend: Literal["native", "flash", "_flash_3", "sage", "xformers"] = "native"
     #: samples the VAE decodes at once (None: the family's default, 8 for images, 2 for video); 1 decodes
     #: one video at a time, the least memory a long clip's decode can take
-    decode_batch_size: int | None = Field(None, ge=1)
+    decode_batch_size: int | None = Field(None, ge=1, le=MAX_BATCH)
     #: keep the text encoders in CPU memory, on the device only while a new prompt is encoded (embeddings
     #: are cached per prompt): frees T5-XXL's ~9.5 GB (bf16) of device memory for the transformer
     offload_text_encoders: bool = False
     #: sampling defaults over the folder's own (height, width, num_frames, guidance_scale, num_steps, ...)
     defaults: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("defaults")
+    @classmethod
+    def _defaults_bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """The sampling defaults that size or scale a sample lie within the same bounds as their options."""
+        for key, (lo, hi) in DEFAULT_BOUNDS.items():
+            number = value.get(key)
+            if number is None:
+                continue
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise ValueError(f"{key}: expected a number, got {number!r}")
+            if not lo <= number <= hi:
+                raise ValueError(f"{key}={number!r}: give a value in {lo:g}..{hi:g}")
+        return value
 
     @field_validator("family")
     @classmethod
@@ -119,10 +152,10 @@ class ParallelSection(Section):
     #: (and the optimiser state) keep model.dtype, so use model.dtype=fp32 for fp32 master weights
     mixed_precision: Literal["no", "bf16"] = "no"
     #: a collective waiting longer than this (a rank died or hangs) stops the run with an error
-    timeout_s: float = Field(1800.0, gt=0)
+    timeout_s: float = Field(1800.0, gt=0, le=MAX_TIMEOUT_S)
     #: split each sample's tokens over this many processes (diffusers' context parallelism): N processes are
     #: N/S data ranks × S sequence ranks, each holding 1/S of a block's activations; see docs/guide/multi-gpu.md
-    sequence_parallel: int = Field(1, ge=1)
+    sequence_parallel: int = Field(1, ge=1, le=MAX_RANKS)
     #: how attention sees every token: ``ulysses`` (all-to-all of heads; the degree must divide the head count)
     #: or ``ring`` (key/value blocks passed around; needs a backend returning log-sum-exp, e.g. flash)
     sequence_parallel_attention: Literal["ulysses", "ring"] = "ulysses"
@@ -145,9 +178,10 @@ class RewardSpec(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     name: str
-    weight: float = 1.0
+    #: a negative weight penalises the reward
+    weight: float = Field(1.0, ge=-MAX_COEFFICIENT, le=MAX_COEFFICIENT)
     #: seconds one call may take; a call still running then is abandoned and its batch invalid (None: no limit)
-    timeout_s: float | None = Field(None, gt=0)
+    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
 
     @model_validator(mode="before")
     @classmethod
@@ -182,7 +216,7 @@ def reward_spec_from_text(text: str, option: str) -> RewardSpec:
 
 class EvalSection(Section):
     #: evaluate every N training steps (0: only before and after training)
-    every: int = Field(25, ge=0)
+    every: int = Field(25, ge=0, le=MAX_TRAIN_STEPS)
     #: evaluate the starting weights too (step 0)
     at_start: bool = True
     bench: str | None = "vvr"

@@ -45,6 +45,20 @@ def check_prompt_length(prompt: str, where: str) -> None:
                         f"{MAX_PROMPT_CHARS:,} (text encoders read only the first few thousand)")
 
 
+class _RepeatedKey(Exception):
+    """A JSON object names a key twice (``json`` would silently keep the last value)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook``: the object, refusing a key given twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
 def read_prompt_file(path: str | Path) -> PromptSet:
     """``.txt``: one prompt a line; ``.jsonl``: ``{"prompt": ..., <metadata>...}`` a line (e.g. a VVR ``task``).
 
@@ -62,9 +76,11 @@ def read_prompt_file(path: str | Path) -> PromptSet:
         prompts, metadata = [], []
         for i, line in enumerate(lines, 1):
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            except _RepeatedKey as e:
+                raise UserError(f"{path}:{i}: key {e.args[0]!r} is given twice in one object; keep one") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise UserError(f'{path}:{i}: each line needs a "prompt" string')
             check_prompt_length(row["prompt"], f"{path}:{i}")

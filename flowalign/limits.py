@@ -25,3 +25,63 @@ MAX_PROMPT_CHARS = 20_000
 MAX_CONFIG_BYTES = 10 * 2**20
 #: values of a YAML document once its aliases are expanded (a real config has a few hundred)
 MAX_YAML_NODES = 100_000
+
+# Every numeric config field and CLI option has a lower and an upper bound (tests/flowalign/test_bounds.py
+# walks them all). The bounds below are the shared ones, each far above any published setting.
+
+#: training steps and step intervals (max_steps, warmup, checkpoint / log / eval / EMA periods, windows):
+#: a long real run is ~10^4 steps; a period of 10^9 steps is a typo, never a setting
+MAX_TRAIN_STEPS = 10_000_000
+#: a time budget in minutes: a year
+MAX_MINUTES = 365 * 24 * 60.0
+#: optimiser updates or passes over one batch (inner_epochs, updates_per_epoch, discriminator / critic /
+#: ascent steps, corrections): the batch is split into (or repeated) that many parts in memory, and
+#: updates_per_epoch=10^9 is np.array_split into 10^9 arrays; published recipes use 1 to ~20
+MAX_UPDATES = 1024
+#: LoRA rank: the widest layer of any supported family is 5120 (Wan 14B, FLUX's 3072); a rank above a
+#: layer's width costs more memory than training the layer in full and adds nothing
+MAX_LORA_RANK = 8192
+#: width (channels) of a small network a trainer builds itself (e.g. AFD's discriminator): 4096 channels
+#: is already a billion-weight conv stack
+MAX_WIDTH = 4096
+#: classifier-free / distilled guidance scales: published ones are 1 to ~15; far above, the guided
+#: velocity leaves the latent range and decodes to a black image (``--guidance 1e30``)
+MAX_GUIDANCE = 100.0
+#: dimensionless factors of a loss (β, DPO temperatures, clip ranges, thresholds, reward weights,
+#: kernel temperatures): published ones are at most ~5e3 (Diffusion-DPO's β); a factor of 10^6 times a
+#: bf16 loss overflows or saturates its sigmoid / exp, so training only produces NaN
+MAX_COEFFICIENT = 1e6
+#: a logit-normal mean (SOAR's σ sampling): sigmoid(±20) is 0 or 1 in float32, every σ the same
+MAX_LOGIT = 20.0
+#: checkpoints kept on disk (each a full copy of the trained weights and optimiser state)
+MAX_KEEP_CHECKPOINTS = 1000
+#: copies of the trained weights a trainer keeps (references, replay groups): each is a full copy
+MAX_WEIGHT_COPIES = 1024
+#: samples kept in a trainer's cache (encoded latents): ~10^6 latents of a 1024² image fill a GPU host's RAM
+MAX_CACHE = 1_000_000
+#: seconds a wait may last (a collective, a reward call, a server deadline): a week
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: processes of one group (the sequence-parallel degree, GPUs planned): more than any cluster's world size
+MAX_RANKS = 65_536
+#: GPU memory of one device in GB (``plan --gpu-memory``): the largest today hold 192 GB
+MAX_GPU_MEMORY_GB = 4096.0
+#: side in pixels of an image or a rendered scene (height, width, ``pretrain-tiny --size``): every
+#: published model samples at most 2048; a 100000-pixel side is a 30 GB canvas
+MAX_IMAGE_SIDE = 4096
+#: frames of a video: published video models sample at most a few hundred
+MAX_FRAMES = 4096
+#: pixels of an input image read from a file (``--image``, a JSONL ``image``), checked from its header
+#: before decoding: decoding takes 3 bytes a pixel and 12 more as float32 (13000² → 1.9 GiB); the same
+#: 4096 x 4096 as the reward servers' default ``--max-image-pixels``
+MAX_IMAGE_PIXELS = 4096 * 4096
+#: TCP ports
+MAX_PORT = 65_535
+#: CPU threads of one process
+MAX_THREADS = 4096
+#: tokens of a text encoder's input (T5 / UMT5 read 512; Qwen's few thousand)
+MAX_SEQUENCE_LENGTH = 65_536
+#: side of a tiny world's rendered scenes (``pretrain-tiny --size``): every scene is held in memory on CPU
+#: (n_scenes x side² x 3 bytes, x frames for clips); the shipped models use 64
+MAX_TINY_SIDE = 1024
+#: blocks (layers) of a transformer a command builds: published ones have at most ~100
+MAX_LAYERS = 1024

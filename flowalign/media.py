@@ -1,18 +1,45 @@
-"""Writing samples a person can open: PNG images, MP4 videos (GIF fallback) and first-frame posters."""
+"""Samples a person can open: PNG images, MP4 videos (GIF fallback) and first-frame posters written, and
+image files read with their size checked before they are decoded."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from flowalign.errors import UserError
 from flowalign.io import atomic_path
+from flowalign.limits import MAX_IMAGE_PIXELS
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
+def open_image(path: str | Path, what: str) -> Image.Image:
+    """The image file ``path`` opened from its header only (``what`` names it in errors, e.g. ``--image``).
+
+    A file that is not an image, and one of more than :data:`flowalign.limits.MAX_IMAGE_PIXELS` pixels, is
+    refused in one line before a pixel is decoded: PIL reads only the header here, and decoding a 13000 x 13000
+    PNG would take 0.5 GB as bytes and 1.9 GB more as floats."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path}: no such file; give a PNG or JPEG")
+    try:
+        with warnings.catch_warnings():  # PIL's bomb warning: the size is checked below, with a clearer message
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(path)
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as err:
+        reason = "not an image file" if isinstance(err, UnidentifiedImageError) else str(err).splitlines()[0][:120]
+        raise UserError(f"{what} {path}: cannot be read as an image ({reason}); give a PNG or JPEG") from None
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        image.close()
+        raise UserError(f"{what} {path}: {width}x{height} = {width * height:,} pixels, more than the "
+                        f"{MAX_IMAGE_PIXELS:,} an input image may have; downscale it (e.g. to 1024 x 1024)")
+    return image
 
 
 def to_uint8(x: torch.Tensor) -> np.ndarray:

@@ -1,6 +1,6 @@
 """YAML for user input: ``yaml.safe_load`` that refuses a key given twice and alias bombs.
 
-A key repeated in one mapping silently keeps the last value in plain PyYAML; here it is an error naming
+A key repeated in one mapping (block or flow, ``{a: 1, a: 2}``) silently keeps the last value in plain PyYAML; here it is an error naming
 the key and both lines. Aliases (``*name``) are shared, not copied, while parsing, but every later walk
 over the data (validation, dumping) expands them: a few lines of nested aliases ("billion laughs")
 expand to billions of values. The document's expanded size is counted on the parsed node graph (linear
@@ -29,12 +29,14 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             try:
-                first = seen.setdefault(key, line)
+                first = seen.get(key)
             except TypeError:  # an unhashable key: SafeLoader reports it itself
                 continue
-            if first != line:
+            # compared by presence, not by line: a flow mapping ``{a: 1, a: 2}`` has both keys on one line
+            if first is not None:
                 raise UserError(f"{self.source}: line {line}: key {key!r} is given twice in one mapping (first "
                                 f"on line {first}); keep one")
+            seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
 

@@ -3,11 +3,57 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
+from typing import Any
 
 from flowalign.errors import UserError
-from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS
+from flowalign.limits import (MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_SEED,
+                              MAX_TASKS)
 from flowalign.paths import default_model_dir
+
+
+class Bounded:
+    """An argparse ``type`` for a number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``): a value outside,
+    or a NaN / infinity, is refused with one line naming the flag and the bound, before anything runs.
+
+    Every numeric option of every command is one of these (tests/flowalign/test_bounds.py checks), so an
+    option cannot ask for unbounded memory or time; the bounds come from :mod:`flowalign.limits`."""
+
+    def __init__(self, kind: type, lo: float, hi: float, flag: str, *, lo_open: bool = False,
+                 default_hint: bool = False) -> None:
+        self.kind, self.lo, self.hi, self.flag, self.lo_open = kind, lo, hi, flag, lo_open
+        self.default_hint = default_hint
+        self.__name__ = kind.__name__  # argparse's "invalid int value: 'x'" names the kind
+
+    def __call__(self, text: str) -> Any:
+        value = self.kind(text)  # a ValueError is argparse's own "invalid int value" message
+        where = f"{self.flag} {text}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{where}: give a finite number")
+        if self.kind is int:
+            if value < self.lo:
+                hint = " (leave it out for the default)" if self.default_hint else ""
+                if self.lo <= 0:
+                    raise UserError(f"{where}: give an integer in {self.lo}..{self.hi}{hint}")
+                raise UserError(f"{where}: give an integer >= {self.lo}{hint}")
+            if value > self.hi:
+                raise UserError(f"{where}: give an integer <= {self.hi:,} (a bound far above real use)")
+            return value
+        if value < self.lo or (self.lo_open and value == self.lo):
+            raise UserError(f"{where}: give a number {'>' if self.lo_open else '>='} {self.lo:g}")
+        if value > self.hi:
+            raise UserError(f"{where}: give a number <= {self.hi:g} (a bound far above real use)")
+        return value
+
+
+def add_number(p: Any, *names: str, type: type, lo: float, hi: float, lo_open: bool = False,
+               **kwargs: Any) -> argparse.Action:
+    """``p.add_argument(*names, **kwargs)`` with a :class:`Bounded` type: ``type`` (int or float) in
+    ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``). ``p`` may be a parser or an argument group."""
+    flag = next((n for n in names if n.startswith("--")), names[0])
+    hint = kwargs.get("default", 0) is None  # "leave it out" is the fix when leaving it out means the default
+    return p.add_argument(*names, type=Bounded(type, lo, hi, flag, lo_open=lo_open, default_hint=hint), **kwargs)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -22,16 +68,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Sampling steps and CFG scale, each defaulting to the model's own (``flowalign.json``)."""
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
-    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the model's)")
+    add_number(p, "--steps", type=int, lo=1, hi=MAX_SAMPLING_STEPS, default=None,
+               help="sampling steps (default: the model's)")
+    add_number(p, "--guidance", type=float, lo=0, hi=MAX_GUIDANCE, default=None, help="CFG scale (default: the model's)")
 
 
 def add_guide_args(p: argparse.ArgumentParser) -> None:
     """RGS options of ``sample`` and ``evaluate``: a latent reward folder and its scale κ."""
     p.add_argument("--guide", default=None, metavar="REWARD_DIR",
                    help="reward-guided sampling with this latent reward folder (flowalign train-reward)")
-    p.add_argument("--guide-scale", type=float, default=0.05, help="κ: v_c = v - κ·‖v‖·g/‖g‖ (0 = plain sampling)")
-    p.add_argument("--guide-window", type=float, nargs=2, default=None, metavar=("SIGMA_LO", "SIGMA_HI"),
+    add_number(p, "--guide-scale", type=float, lo=0, hi=MAX_COEFFICIENT, default=0.05,
+               help="κ: v_c = v - κ·‖v‖·g/‖g‖ (0 = plain sampling)")
+    add_number(p, "--guide-window", type=float, lo=0, hi=1, nargs=2, default=None, metavar=("SIGMA_LO", "SIGMA_HI"),
                    help="guide only the steps with σ in [SIGMA_LO, SIGMA_HI]")
 
 

@@ -9,6 +9,7 @@ from flowalign import strict_json
 from flowalign.cli.common import (
     add_guide_args,
     add_model_args,
+    add_number,
     add_sampling_args,
     check_guide_args,
     check_positive,
@@ -18,6 +19,7 @@ from flowalign.data import PromptSet, read_prompt_file
 from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.io import check_out_dir
+from flowalign.limits import MAX_BATCH, MAX_SEED, MAX_TASKS
 from flowalign.paths import default_model_dir
 
 
@@ -42,11 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--level", default="easy", help="easy, medium or hard")
     p.add_argument("--split", default="test",
                    help="validation (choose settings on it) or test (held-out compositions; report results on it)")
-    p.add_argument("--n", type=int, default=None, help="number of tasks (default: the whole split)")
-    p.add_argument("--seed", type=int, default=None,
+    add_number(p, "--n", type=int, lo=1, hi=MAX_TASKS, default=None, help="number of tasks (default: the whole split)")
+    add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=None,
                    help="draw a fresh split of the same distribution with this seed instead of the shipped one (also seeds the noise)")
     add_sampling_args(p)
-    p.add_argument("--batch-size", type=int, default=16)
+    add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=16)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out that holds no earlier evaluation (only metrics.json, "

@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from flowalign.cli.common import check_positive, load_policy
+from flowalign.cli.common import add_number, check_positive, load_policy
 from flowalign.config import read_text_file
 from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.gallery import gallery_from_evals, gallery_from_run, write_gallery
 from flowalign.io import MARKER_PREFIX, check_out_dir, sweep_stale, temp_prefix, with_pid
+from flowalign.limits import MAX_BATCH, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_SEED
 from flowalign.protocols import RewardOutput
 from flowalign.reward_check import check_reward_metadata
 
@@ -34,10 +35,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None,
                    help='with --model: text file, one prompt per line, or JSONL {"prompt": ..., "task": {...}} per line')
     p.add_argument("--reward", default=None, help="with --model: reward name (default: none, images only)")
-    p.add_argument("--seed", type=int, default=0, help="with --model: sample i gets the noise of seed + i")
-    p.add_argument("--steps", type=int, default=None, help="with --model: sampling steps (default: the model's)")
-    p.add_argument("--guidance", type=float, default=None, help="with --model: CFG scale (default: the model's)")
-    p.add_argument("--batch-size", type=int, default=16)
+    add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=0,
+               help="with --model: sample i gets the noise of seed + i")
+    add_number(p, "--steps", type=int, lo=1, hi=MAX_SAMPLING_STEPS, default=None,
+               help="with --model: sampling steps (default: the model's)")
+    add_number(p, "--guidance", type=float, lo=0, hi=MAX_GUIDANCE, default=None,
+               help="with --model: CFG scale (default: the model's)")
+    add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=16)
     p.add_argument("--device", default="cpu", help="with --model: cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--labels", nargs="+", default=None, help="column labels (default: folder names, 'base' for --model)")

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import torch
 
-from flowalign.cli.common import add_guide_args, add_model_args, add_sampling_args, check_positive, load_guided_policy
+from flowalign.cli.common import (add_guide_args, add_model_args, add_number, add_sampling_args, check_positive,
+                                  load_guided_policy)
 from flowalign.data import check_prompt_length
 from flowalign.errors import UserError
 from flowalign.io import check_out_file
-from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_image, save_video
+from flowalign.limits import MAX_SEED
+from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, open_image, save_image, save_video
 from flowalign.sampling import SAMPLER_KINDS, check_sampler, rollout
 
 
@@ -21,8 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     add_sampling_args(p)
     p.add_argument("--sampler", default="ode", choices=SAMPLER_KINDS)
-    p.add_argument("--noise-level", type=float, default=None, help="a for flow_grpo, eta for cps/dance")
-    p.add_argument("--seed", type=int, default=0)
+    # trainers' noise_level is at most 2 too: a larger SDE noise leaves the data's range within a step
+    add_number(p, "--noise-level", type=float, lo=0, hi=2, default=None, help="a for flow_grpo, eta for cps/dance")
+    add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=0)
     p.add_argument("--image", default=None, metavar="PATH",
                    help="input image of an editing (FLUX.1 Kontext, Qwen-Image-Edit) or image-to-video model")
     p.add_argument("--out", required=True, help="output file: .png for images, .mp4 or .gif for videos")
@@ -40,6 +43,8 @@ def run(args: argparse.Namespace) -> None:
     check_prompt_length(args.prompt, "--prompt")
     check_sampler(args.sampler, args.noise_level)
     check_positive(args, "steps")
+    if args.image is not None:  # refused from its header (not an image, too many pixels) before a model loads
+        open_image(args.image, "--image").close()
     policy, guide = load_guided_policy(args)
     if policy.is_video and suffix in IMAGE_SUFFIXES:
         raise UserError(f"--out {out.name}: {policy.family} is a video model; write .mp4 or .gif")

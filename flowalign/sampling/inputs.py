@@ -36,10 +36,18 @@ def load_input_image(source: Any) -> torch.Tensor:
         if not path.is_file():
             raise UserError(f"input image {str(path)!r} does not exist: give a PNG/JPEG path (JSONL paths are relative "
                             "to the file)")
-        source = Image.open(path)
+        from flowalign.media import open_image
+
+        source = open_image(path, "input image")  # its size checked from the header, before decoding
     if not isinstance(source, Image.Image):
         raise UserError(f"input image must be a path, a PIL image or a tensor, got {type(source).__name__}")
-    array = np.asarray(source.convert("RGB"), dtype=np.float32) / 255.0
+    try:
+        rgb = source.convert("RGB")
+    except (OSError, ValueError) as err:  # a truncated or corrupt file fails only when decoded
+        name = getattr(source, "filename", "") or "input image"
+        raise UserError(f"input image {name}: cannot be decoded ({str(err).splitlines()[0][:120]}); give a PNG or "
+                        "JPEG") from None
+    array = np.asarray(rgb, dtype=np.float32) / 255.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 

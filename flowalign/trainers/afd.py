@@ -29,8 +29,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from flowalign.config import Section
+from flowalign.config import Fraction, Section
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_IMAGE_SIDE, MAX_SAMPLING_STEPS, MAX_UPDATES, MAX_WIDTH
 from flowalign.sampling.streaming import stream_rollout
 from flowalign.teacher_videos import ModelTeacher, VideoFolderTeacher, VideoTeacher
 from flowalign.trainers.ar_copo import GroupUnit
@@ -48,9 +49,9 @@ class TeacherConfig(Section):
     #: a diffusers folder of any family flowalign loads, sampled on the training prompts
     model: str | None = None
     #: a model teacher's sampling steps (None: its own default)
-    num_steps: int | None = Field(None, ge=1)
+    num_steps: int | None = Field(None, ge=1, le=MAX_SAMPLING_STEPS)
     #: a model teacher's CFG scale (None: its own default)
-    guidance_scale: float | None = Field(None, ge=1.0)
+    guidance_scale: float | None = Field(None, ge=1.0, le=MAX_GUIDANCE)
 
     @model_validator(mode="after")
     def _one_source(self) -> "TeacherConfig":
@@ -67,22 +68,22 @@ class AFDConfig(GroupTrainerConfig):
     #: the student's sampler steps per chunk
     num_steps: int = Field(4, ge=1, le=16)
     #: G student streams per prompt, each paired with the prompt's teacher video
-    group_size: int = Field(4, ge=2)
+    group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE)
     #: discriminator Adam steps per training step on the step's pairs (0: a frozen discriminator)
-    disc_steps: int = Field(1, ge=0)
+    disc_steps: int = Field(1, ge=0, le=MAX_UPDATES)
     #: the discriminator's Adam learning rate
     disc_lr: float = Field(1e-3, gt=0, le=1)
     #: the discriminator's channel width
-    disc_width: int = Field(32, ge=4)
+    disc_width: int = Field(32, ge=4, le=MAX_WIDTH)
     #: the side the discriminator resizes frames to
-    disc_size: int = Field(32, ge=8)
+    disc_size: int = Field(32, ge=8, le=MAX_IMAGE_SIDE)
     #: forward-process draws (chunk, σ, ε) per student video per step
-    train_timesteps: int = Field(2, ge=1)
+    train_timesteps: int = Field(2, ge=1, le=MAX_SAMPLING_STEPS)
     #: σ of the forward-process draws, uniform in this range
-    sigma_range: tuple[float, float] = (0.05, 0.95)
+    sigma_range: tuple[Fraction, Fraction] = (0.05, 0.95)
     #: weight of the velocity-space anchor to the starting weights (the adapter switched off)
-    beta: float = Field(0.0, ge=0)
-    adv_clip: float = Field(2.0, gt=0)
+    beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
+    adv_clip: float = Field(2.0, gt=0, le=MAX_COEFFICIENT)
 
     @model_validator(mode="after")
     def _sigma_range_inside(self) -> "AFDConfig":

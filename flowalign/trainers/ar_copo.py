@@ -31,7 +31,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from flowalign.config import StepIndex
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_WEIGHT_COPIES
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 from flowalign.trainers.rollouts import gathered_advantages
@@ -42,19 +44,19 @@ class ARCoPOConfig(GroupTrainerConfig):
     #: the few-step sampler's jumps per chunk (the distilled releases: 4)
     num_steps: int = Field(4, ge=1, le=16)
     #: G candidates forked per prompt
-    group_size: int = Field(8, ge=2)
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
     #: β: how far a candidate's chunk noise is from the centre's (ε_i = √(1−β²)·ε_c + β·ξ_i)
     neighborhood: float = Field(0.3, gt=0, le=1)
     #: τ of the contrastive policy softmax(−d/τ), d a per-element mean squared distance
-    temperature: float = Field(0.05, gt=0)
+    temperature: float = Field(0.05, gt=0, le=MAX_COEFFICIENT)
     #: ε of the clipped ratio
-    clip_range: float = Field(0.2, gt=0)
+    clip_range: float = Field(0.2, gt=0, le=MAX_COEFFICIENT)
     #: chunks a fork may be drawn at (default: every chunk)
-    fork_chunks: list[int] | None = None
+    fork_chunks: list[StepIndex] | None = None
     #: semi-on-policy: groups of earlier steps replayed per step beside the fresh ones (0: on-policy only)
-    replay_groups: int = Field(0, ge=0)
+    replay_groups: int = Field(0, ge=0, le=MAX_WEIGHT_COPIES)
     #: groups the replay buffer keeps (the oldest leave first)
-    buffer_size: int = Field(16, ge=1)
+    buffer_size: int = Field(16, ge=1, le=MAX_WEIGHT_COPIES)
     advantage: str = Field("group", pattern="^(group|global_std|gdpo)$")
 
 

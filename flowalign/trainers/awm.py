@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_LR
+from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
 from flowalign.trainers.flow_grpo import ChunkRef, global_plan, ppo_clip_loss
 from flowalign.trainers.self_distill import per_sample_mean
@@ -29,20 +29,20 @@ class AWMConfig(GroupTrainerConfig):
     name: Literal["awm"] = "awm"
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     #: re-noised copies of each endpoint per update, one per stratum of the trained grid steps
-    train_timesteps: int = Field(6, ge=1)
+    train_timesteps: int = Field(6, ge=1, le=MAX_SAMPLING_STEPS)
     #: grid steps 1 … ⌊fraction·T⌋ are trained (step 0, pure noise, is left out)
     timestep_fraction: float = Field(0.9, gt=0, le=1)
     #: w(t) of ℓ: "uniform" (ℓ = −MSE) or "ghuber" (ℓ = −t·(MSE^p − 10⁻¹⁰ᵖ)/p)
     weighting: Literal["uniform", "ghuber"] = "ghuber"
     #: p of the "ghuber" weighting
     ghuber_power: float = Field(0.25, gt=0, le=1)
-    clip_range: float = Field(1.0, gt=0)
+    clip_range: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: A_max: advantages are clipped to ±adv_clip and rescaled to ±A_max
-    advantage_max: float = Field(1.0, gt=0)
+    advantage_max: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: weight of the velocity-space KL to the reference (the adapter switched off / the frozen copy)
-    beta: float = Field(0.003, ge=0)
+    beta: float = Field(0.003, ge=0, le=MAX_COEFFICIENT)
     #: CFG scale of v_θ and v_ref in the loss; None: the rollout's (the authors train with the sampling CFG)
-    fit_guidance: float | None = Field(None, ge=1.0)
+    fit_guidance: float | None = Field(None, ge=1.0, le=MAX_GUIDANCE)
 
 
 # ---------------------------------------------------------------------------------------------- the loss

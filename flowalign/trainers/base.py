@@ -71,10 +71,10 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from flowalign.config import Section, TrainConfig
+from flowalign.config import AdamBeta, Section, TrainConfig
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
-from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS
+from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_LR, MAX_MINUTES, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.logger import RunLogger
 from flowalign.parallel import strategy
 from flowalign.sequence_parallel import DataRanks
@@ -109,9 +109,9 @@ class GroupTrainerConfig(Section):
     renamed: ClassVar[dict[str, str]] = {}
 
     name: str
-    max_steps: int = Field(100, ge=1)
+    max_steps: int = Field(100, ge=1, le=MAX_TRAIN_STEPS)
     #: also stop once this many minutes were spent training (evaluations excluded); None: no limit
-    max_minutes: float | None = Field(None, gt=0)
+    max_minutes: float | None = Field(None, gt=0, le=MAX_MINUTES)
     #: what max_minutes counts: "wall" seconds, or "cpu" seconds of this process (all its threads), so a
     #: run sharing its cores with other work still trains the same compute (time/cpu_minutes in the logs)
     budget_clock: Literal["wall", "cpu"] = "wall"
@@ -120,12 +120,12 @@ class GroupTrainerConfig(Section):
     #: "cosine": decay to lr_min_ratio·lr by the end of the budget (max_steps, or max_minutes when that
     #: ends the run first; a time-based schedule makes the LR depend on measured step times)
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    lr_warmup_steps: int = Field(0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0, le=MAX_TRAIN_STEPS)
     lr_min_ratio: float = Field(0.1, ge=0, le=1)
-    weight_decay: float = Field(1e-4, ge=0)
+    weight_decay: float = Field(1e-4, ge=0, le=MAX_COEFFICIENT)
     #: Adam's (β1, β2), each in [0, 1)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0)
+    betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: prompts per step on each rank; each is sampled group_size times
     prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
@@ -134,19 +134,20 @@ class GroupTrainerConfig(Section):
     batch_size: int = Field(8, ge=1, le=MAX_BATCH)
     #: rollout steps T (evaluation uses eval.num_steps or the model's default)
     num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
-    guidance_scale: float | None = None
-    inner_epochs: int = Field(1, ge=1)
+    #: CFG scale of the rollouts (None: the model's default)
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
+    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     #: optimiser steps per pass over the batch (gradients accumulate over samples x trained steps)
-    updates_per_epoch: int = Field(1, ge=1)
+    updates_per_epoch: int = Field(1, ge=1, le=MAX_UPDATES)
     #: DanceGRPO's grouping: every rollout of a prompt group starts from the same initial noise, so the
     #: rewards within a group differ only through the SDE steps the loss trains (not through x_T, which
     #: no log-probability credits)
     shared_initial_noise: bool = False
     #: global_std (the Flow-GRPO default): per-prompt mean, std over the whole gathered batch
     advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
-    adv_clip: float = Field(5.0, gt=0)
+    adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
     ema_decay: float = Field(0.0, ge=0, lt=1)
-    ema_every: int = Field(8, ge=1)
+    ema_every: int = Field(8, ge=1, le=MAX_TRAIN_STEPS)
     #: full fine-tuning with a reference term (e.g. flow_grpo's beta > 0) keeps a frozen copy of the
     #: transformer; true: keep it in CPU memory, moved to the GPU block by block for reference passes
     reference_offload: bool = False
@@ -170,10 +171,11 @@ class GroupTrainerConfig(Section):
                 print(f"warning: trainer.{old} is deprecated and will be removed: write trainer.{new} (same meaning)")
         return data
 
-    @field_validator("betas")
+    @field_validator("betas", mode="before")
     @classmethod
-    def _betas_below_one(cls, betas: tuple[float, float]) -> tuple[float, float]:
-        if not all(0 <= b < 1 for b in betas):
+    def _betas_below_one(cls, betas: Any) -> Any:
+        numbers = isinstance(betas, (list, tuple)) and all(isinstance(b, (int, float)) for b in betas)
+        if numbers and not all(0 <= b < 1 for b in betas):
             raise ValueError("each of Adam's betas must be in [0, 1), e.g. [0.9, 0.999]")
         return betas
 

@@ -20,6 +20,7 @@ from pydantic import Field
 
 from flowalign.advantages import best_worst_mask
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.flow_grpo import ChunkRef, FlowGRPOConfig, FlowGRPOTrainer
@@ -30,15 +31,15 @@ class DanceGRPOConfig(FlowGRPOConfig):
     sampler: Literal["dance", "flow_grpo", "cps"] = "dance"  # type: ignore[assignment]
     #: η of the DanceGRPO SDE (0.3 FLUX, 0.25 HunyuanVideo in the authors' scripts)
     noise_level: float = Field(0.3, gt=0, le=2)
-    clip_range: float = Field(1e-4, gt=0)
-    beta: float = Field(0.0, ge=0)
+    clip_range: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
+    beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     shared_initial_noise: bool = True
     advantage: str = Field("group", pattern="^(group|global_std|gdpo|win_rate)$")
     #: train ⌊fraction·(T−1)⌋ of the first T−1 steps, drawn at random per rollout batch and epoch (the authors' 0.6)
     timestep_fraction: float = Field(0.6, gt=0, le=1)
     #: train only the best_of/2 best and best_of/2 worst samples of each group by advantage (0: all; the
     #: authors' HunyuanVideo script: 8 of 24)
-    best_of: int = Field(0, ge=0)
+    best_of: int = Field(0, ge=0, le=MAX_GROUP_SIZE)
 
 
 class DanceGRPOTrainer(FlowGRPOTrainer):

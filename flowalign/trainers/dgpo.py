@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_LR
+from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
 from flowalign.trainers.self_distill import per_sample_mean
@@ -32,19 +32,19 @@ class DGPOConfig(GroupTrainerConfig):
     name: Literal["dgpo"] = "dgpo"
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     #: β of the group DPO
-    dpo_beta: float = Field(100.0, gt=0)
+    dpo_beta: float = Field(100.0, gt=0, le=MAX_COEFFICIENT)
     #: grid steps trained per batch, one optimiser step each, drawn without replacement from 0 … last_step
-    train_timesteps: int = Field(4, ge=1)
+    train_timesteps: int = Field(4, ge=1, le=MAX_SAMPLING_STEPS)
     #: the last grid index the trained steps are drawn from (0 is pure noise)
-    last_step: int = Field(6, ge=0)
+    last_step: int = Field(6, ge=0, le=MAX_SAMPLING_STEPS)
     #: one forward-process noise per prompt group (false: one per sample)
     shared_noise: bool = True
     #: a sample's d_i stops training once exp(d_old − d_i) leaves 1 ± clip_range on its advantage's side (0: off)
-    clip_range: float = Field(0.01, ge=0)
+    clip_range: float = Field(0.01, ge=0, le=MAX_COEFFICIENT)
     #: weight of mean(v_θ − v_ref)² (the adapter switched off / the frozen copy)
-    beta: float = Field(0.02, ge=0)
+    beta: float = Field(0.02, ge=0, le=MAX_COEFFICIENT)
     #: CFG scale of the reference velocity: 1 with CFG rollouts, the CFG scale with CFG-free rollouts
-    reference_guidance: float = Field(1.0, ge=1.0)
+    reference_guidance: float = Field(1.0, ge=1.0, le=MAX_GUIDANCE)
 
 
 # ---------------------------------------------------------------------------------------------- the loss

@@ -23,6 +23,7 @@ from pydantic import Field
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch, derived_seed
 from flowalign.trainers.self_distill import per_sample_mean
@@ -31,7 +32,7 @@ from flowalign.trainers.self_distill import per_sample_mean
 class DiffusionDPOConfig(GroupTrainerConfig):
     name: Literal["diffusion_dpo"] = "diffusion_dpo"
     #: β of the DPO (large: the per-pair error differences are ~1e-3)
-    dpo_beta: float = Field(2000.0, gt=0)
+    dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
     pairs: str | None = None
     #: t of each pair: "logit_normal" (σ(n), n ~ N(0, 1)) or "uniform" on (0, 1)

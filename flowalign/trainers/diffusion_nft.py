@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from flowalign.limits import MAX_GUIDANCE, MAX_SAMPLING_STEPS
 from flowalign.sampling import Rollout
 from flowalign.trainers.self_distill import (
     FitUnit,
@@ -31,11 +32,11 @@ class DiffusionNFTConfig(SelfDistillConfig):
     name: Literal["diffusion_nft"] = "diffusion_nft"
     #: noised copies of each endpoint per update, at distinct sampler timesteps σ_0..σ_{T-1} drawn per
     #: chunk (0: every timestep of the grid, the paper's "~all sampler timesteps")
-    timesteps_per_sample: int = Field(0, ge=0)
+    timesteps_per_sample: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
     #: 1.0 here: the conditional velocity is the quantity whose flow-matching target ``ε − x_i`` is (the
     #: paper's CFG-free training); None fits the guided velocity, which wrecked the tiny model
     #: (docs/results.md)
-    fit_guidance: float | None = Field(1.0, ge=1.0)
+    fit_guidance: float | None = Field(1.0, ge=1.0, le=MAX_GUIDANCE)
 
 
 def nft_loss(

@@ -33,6 +33,7 @@ from pydantic import Field
 from torch.utils.checkpoint import checkpoint
 
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
 from flowalign.reward_set import RewardSet
 from flowalign.sampling import Rollout
 from flowalign.trainers.self_distill import (  # noqa: F401  (re-exported: the shared pieces)
@@ -52,10 +53,10 @@ class DiffusionOPSDConfig(SelfDistillConfig):
     #: σ* of the query state (0.278 SD3.5-M; 0.273 for a step-distilled model)
     sigma_star: float = Field(0.278, gt=0, lt=1)
     #: ρ: target budget b = ρ‖y0‖
-    rho: float = Field(0.10, gt=0)
+    rho: float = Field(0.10, gt=0, le=MAX_COEFFICIENT)
     #: n ascent steps per direction, each of size h = η·b/n
-    ascent_steps: int = Field(2, ge=1)
-    eta: float = Field(1.0, gt=0)
+    ascent_steps: int = Field(2, ge=1, le=MAX_UPDATES)
+    eta: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: recompute the VAE decoder's activations in the backward pass instead of storing them
     decoder_checkpointing: bool = True
 

@@ -24,7 +24,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from flowalign.config import Temperature
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
 from flowalign.trainers.diffusion_opsd import pixel_reward_gradient
@@ -35,15 +37,15 @@ class FAVConfig(GroupTrainerConfig):
     #: the few-step sampler the generator is (Euler ODE steps on the policy's sigma grid)
     num_steps: int = Field(4, ge=1, le=16)
     #: K generator particles per prompt (as many reference particles are drawn beside them)
-    group_size: int = Field(8, ge=2)
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
     #: β: the reward's weight in the target p* ∝ p_ref·exp(β·r)
-    beta: float = Field(1.0, ge=0)
+    beta: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
     #: temperatures t of the multi-scale KDE of the reference particles
-    kde_temperatures: list[float] = Field(default_factory=lambda: [0.5], min_length=1)
+    kde_temperatures: list[Temperature] = Field(default_factory=lambda: [0.5], min_length=1)
     #: temperatures t of the multi-scale Stein kernel
-    stein_temperatures: list[float] = Field(default_factory=lambda: [0.5], min_length=1)
+    stein_temperatures: list[Temperature] = Field(default_factory=lambda: [0.5], min_length=1)
     #: ρ, the weight of SVGD's repulsive term (1: standard SVGD; the authors' code: 0.5)
-    repulsion: float = Field(1.0, ge=0)
+    repulsion: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
     #: checkpoint the VAE decoder in the reward gradient (memory for compute)
     decoder_checkpointing: bool = True
 

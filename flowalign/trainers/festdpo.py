@@ -35,7 +35,7 @@ from pydantic import Field, field_validator, model_validator
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
-from flowalign.limits import MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS
+from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_IMAGE_SIDE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
 from flowalign.reward_set import RewardScores
 from flowalign.sampling import euler_step
@@ -51,30 +51,30 @@ class FestDPOConfig(GroupTrainerConfig):
     #: samples per prompt for the KDEs (common random numbers for policy and reference)
     K: int = Field(32, ge=1, le=MAX_GROUP_SIZE)
     #: DPO temperature β (named apart from ``beta``, which the loop reads as a KL weight)
-    dpo_beta: float = Field(1.0, gt=0)
+    dpo_beta: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     lr: float = Field(1e-5, gt=0, le=MAX_LR)
     #: Euler steps of the few-step sampler that is trained (and differentiated through)
     num_steps: int = Field(4, ge=1, le=MAX_SAMPLING_STEPS)
     feature: Literal["latent_pool", "latent", "pixels"] = "latent_pool"
-    feature_size: int = Field(8, ge=1)
+    feature_size: int = Field(8, ge=1, le=MAX_IMAGE_SIDE)
     #: ``fixed``: h² from the reference once per run; ``per_step``: from each prompt's reference samples
     bandwidth: Literal["fixed", "per_step"] = "fixed"
     #: h² = bandwidth_scale × the median heuristic [derived knob]: wider kernels keep the likelihood ratio
     #: smooth when one update moves the samples further than the reference's own spread
-    bandwidth_scale: float = Field(1.0, gt=0)
+    bandwidth_scale: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: a fixed h² for the run instead of the median heuristic (``bandwidth_scale`` still multiplies it)
     #: [derived knob]: the heuristic's value depends on which prompts the first step draws (prompts'
     #: reference spreads can differ by orders of magnitude), so a run can pin it
-    bandwidth_h2: float | None = Field(None, gt=0)
+    bandwidth_h2: float | None = Field(None, gt=0, le=MAX_COEFFICIENT)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
     pairs: str | None = None
     #: online: labelled pairs per prompt, drawn among the K scored samples
-    pairs_per_prompt: int = Field(8, ge=1)
+    pairs_per_prompt: int = Field(8, ge=1, le=MAX_BATCH)
     #: online: P(i ≻ j) = σ((r_i - r_j)/bt_temperature)
-    bt_temperature: float = Field(1.0, gt=0)
+    bt_temperature: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: samples per backward pass (the loss is taken on detached features first, then backpropagated in
     #: chunks of regenerated samples: K samples need not fit in memory with their graphs); None: all K
-    chunk: int | None = Field(None, ge=1)
+    chunk: int | None = Field(None, ge=1, le=MAX_BATCH)
 
     @field_validator("K")
     @classmethod

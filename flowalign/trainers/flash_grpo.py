@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_SAMPLING_STEPS
+from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
 from flowalign.sampling import StepOutput, flow_sde_step
 from flowalign.trainers.base import Sampling, StepBatch, derived_seed
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
@@ -27,8 +27,8 @@ from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 class FlashGRPOConfig(FlowGRPOConfig):
     name: Literal["flash_grpo"] = "flash_grpo"  # type: ignore[assignment]
     num_steps: int = Field(20, ge=4, le=MAX_SAMPLING_STEPS)
-    clip_range: float = Field(1e-3, gt=0)
-    beta: float = Field(0.0, ge=0)
+    clip_range: float = Field(1e-3, gt=0, le=MAX_COEFFICIENT)
+    beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     #: iso-temporal steps are drawn from {0 … ⌊T·max_step_fraction⌋ − 1}
     max_step_fraction: float = Field(0.5, gt=0, le=1)
     rectify: bool = True

@@ -30,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
 from flowalign.trainers.diffusion_dpo import pair_timesteps
@@ -55,13 +56,13 @@ class FlowOPDConfig(GroupTrainerConfig):
     #: the Manifold Anchor Regularisation teacher: a checkpoint folder, or None for the starting weights
     anchor: str | None = None
     #: λ, the anchor term's weight on every prompt (0: no anchor)
-    anchor_weight: float = Field(0.1, ge=0)
+    anchor_weight: float = Field(0.1, ge=0, le=MAX_COEFFICIENT)
     #: steps of the flow-based cold start (flow matching on the teachers' own samples) before distillation
-    cold_start_steps: int = Field(20, ge=0)
+    cold_start_steps: int = Field(20, ge=0, le=MAX_TRAIN_STEPS)
     #: visited states trained per rollout (drawn at random per sample and step); None: all num_steps
-    states_per_sample: int | None = Field(None, ge=1)
+    states_per_sample: int | None = Field(None, ge=1, le=MAX_SAMPLING_STEPS)
     #: student rollouts per prompt (no group statistics: each is distilled on its own)
-    group_size: int = Field(1, ge=1)
+    group_size: int = Field(1, ge=1, le=MAX_GROUP_SIZE)
 
 
 # ---------------------------------------------------------------------------------------------- pieces

@@ -28,6 +28,7 @@ from pydantic import Field
 
 from flowalign.advantages import diversity_scaled
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepUnit
@@ -51,11 +52,11 @@ class GARDOConfig(FlowGRPOConfig):
     #: p's relative change when the batch's mean disagreement leaves the range of the last gate_window
     gate_rate: float = Field(0.1, ge=0, lt=1)
     #: how many past batches' mean disagreements p is compared with
-    gate_window: int = Field(20, ge=1)
+    gate_window: int = Field(20, ge=1, le=MAX_TRAIN_STEPS)
     #: a step whose mean KL exceeds this takes a new reference snapshot (the authors tune it per task)
-    kl_threshold: float = Field(3e-4, gt=0)
+    kl_threshold: float = Field(3e-4, gt=0, le=MAX_COEFFICIENT)
     #: training steps after which the reference is refreshed anyway
-    reset_every: int = Field(15, ge=1)
+    reset_every: int = Field(15, ge=1, le=MAX_TRAIN_STEPS)
     #: scale positive advantages by the sample's distance to its group (features: the final latents)
     diversity: bool = True
 

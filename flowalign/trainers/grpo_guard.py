@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout, StepOutput
 from flowalign.trainers.base import Sampling
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
@@ -36,7 +37,7 @@ class GRPOGuardConfig(FlowGRPOConfig):
     ratio_norm: bool = True
     #: each step's surrogate divided by its σ gap h = σ_k − σ_{k+1}
     reweight: bool = True
-    beta: float = Field(0.0, ge=0)
+    beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
 
 
 def guard_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,

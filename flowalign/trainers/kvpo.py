@@ -30,7 +30,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from flowalign.config import StepIndex
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.ar_copo import GroupUnit, clipped_loss
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
@@ -42,17 +44,17 @@ class KVPOConfig(GroupTrainerConfig):
     #: the few-step sampler's jumps per chunk
     num_steps: int = Field(4, ge=1, le=16)
     #: G branches per prompt
-    group_size: int = Field(8, ge=2)
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
     #: probability that a history chunk stays in a branch's KV cache at the routed chunk
     keep_prob: float = Field(0.5, ge=0, le=1)
     #: always keep the first chunk (the attention sink streaming models rely on)
     keep_sink: bool = True
     #: τ of the surrogate softmax(−E/τ), E a per-element mean squared velocity difference
-    temperature: float = Field(0.05, gt=0)
+    temperature: float = Field(0.05, gt=0, le=MAX_COEFFICIENT)
     #: ε of the clipped ratio
-    clip_range: float = Field(0.2, gt=0)
+    clip_range: float = Field(0.2, gt=0, le=MAX_COEFFICIENT)
     #: chunks whose history may be routed (default: every chunk with a history, 1..K−1)
-    route_chunks: list[int] | None = None
+    route_chunks: list[StepIndex] | None = None
     advantage: str = Field("group", pattern="^(group|global_std|gdpo)$")
 
 

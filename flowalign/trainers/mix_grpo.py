@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout, sliding_window
 from flowalign.trainers.base import Sampling, StepBatch
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
@@ -21,15 +22,15 @@ from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 
 class MixGRPOConfig(FlowGRPOConfig):
     name: Literal["mix_grpo"] = "mix_grpo"  # type: ignore[assignment]
-    clip_range: float = Field(1e-4, gt=0)
-    beta: float = Field(0.0, ge=0)
+    clip_range: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
+    beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     shared_initial_noise: bool = True
     #: SDE (and trained) steps per rollout (the authors' group_size 4)
-    window_size: int = Field(4, ge=1)
+    window_size: int = Field(4, ge=1, le=MAX_SAMPLING_STEPS)
     #: training steps before the window moves (the authors' iters_per_group 25)
-    shift_interval: int = Field(25, ge=1)
+    shift_interval: int = Field(25, ge=1, le=MAX_TRAIN_STEPS)
     #: steps the window moves each time (the authors' prog_overlap_step 1)
-    window_stride: int = Field(1, ge=1)
+    window_stride: int = Field(1, ge=1, le=MAX_SAMPLING_STEPS)
 
 
 class MixGRPOTrainer(FlowGRPOTrainer):

@@ -31,7 +31,7 @@ from pydantic import Field, field_validator
 from flowalign.config import Section
 from flowalign.errors import UserError
 from flowalign.latent_preference import PreferencePairs, fit
-from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR
+from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.paths import REPO_ROOT
 from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
@@ -41,22 +41,22 @@ class CoReConfig(Section):
     """``trainer.core``: co-evolving latent reward refits."""
 
     #: refit the registers after every N generator steps
-    every: int = Field(5, ge=1)
+    every: int = Field(5, ge=1, le=MAX_TRAIN_STEPS)
     #: Bradley-Terry minibatch steps per refit
-    steps: int = Field(20, ge=1)
+    steps: int = Field(20, ge=1, le=MAX_UPDATES)
     batch_size: int = Field(16, ge=1, le=MAX_BATCH)
     lr: float = Field(1e-3, gt=0, le=MAX_LR)
     #: weight μ of the generator's own pairs (labelled by the pixel reward)
-    mu: float = Field(0.5, ge=0)
+    mu: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
     #: weight of mean (r_ψ − r_ψ,prev)² on the real pairs (prev: the reward before this refit)
-    anchor: float = Field(1.0, ge=0)
+    anchor: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
     #: real preference pairs (default: pairs.safetensors in the latent reward folder)
     real_pairs: str | None = None
     #: a generated pair needs this pixel-reward margin
-    min_margin: float = Field(1e-6, ge=0)
+    min_margin: float = Field(1e-6, ge=0, le=MAX_COEFFICIENT)
     #: refits learn from the generated pairs of the last N generator steps (default: ``every``, i.e. every
     #: step since the previous refit); a longer buffer gives each refit more pairs from more prompts
-    buffer_steps: int | None = Field(None, ge=1)
+    buffer_steps: int | None = Field(None, ge=1, le=MAX_UPDATES)
 
 
 class RGOPDConfig(GroupTrainerConfig):
@@ -64,13 +64,13 @@ class RGOPDConfig(GroupTrainerConfig):
     #: latent reward folder (flowalign train-reward)
     latent_reward: str
     #: κ: the target moves each velocity by κ‖v_old‖ along −∇r
-    kappa: float = Field(0.05, ge=0)
+    kappa: float = Field(0.05, ge=0, le=MAX_COEFFICIENT)
     #: K optimiser steps on one rollout batch before θ_old ← θ
-    inner_steps: int = Field(1, ge=1)
+    inner_steps: int = Field(1, ge=1, le=MAX_UPDATES)
     #: visited states distilled per chunk: a random subset of this many rollout steps (0: every step)
-    steps_per_chunk: int = Field(0, ge=0)
+    steps_per_chunk: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
     #: weight of mean‖v_θ − v_ref‖² to the adapter-disabled reference (LoRA only; the paper's 1e-4)
-    anchor: float = Field(0.0, ge=0)
+    anchor: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     core: CoReConfig | None = None
     group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE)
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_GROUP_SIZE, MAX_LR
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_LR, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
 from flowalign.weight_swap import swapped_in
@@ -37,23 +37,23 @@ class SelfDistillConfig(GroupTrainerConfig):
     group_size: int = Field(24, ge=2, le=MAX_GROUP_SIZE)
     advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
     #: A_max: advantages are clipped to ±A_max and mapped to r = A/(2·A_max) + 1/2
-    adv_clip: float = Field(5.0, gt=0)
+    adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
     #: the method page's β of the mirrored velocities v± (0.1 for a 3-reward mix); not named ``beta``, which
     #: flowalign reads as a KL-to-reference weight (refused with full fine-tuning)
-    mirror_beta: float = Field(1.0, gt=0)
+    mirror_beta: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: K optimiser updates per outer iteration on its fixed targets
-    fit_steps: int = Field(1, ge=1)
+    fit_steps: int = Field(1, ge=1, le=MAX_UPDATES)
     #: λ_s = min(behaviour_rate·s, behaviour_max), s = optimiser steps so far
-    behaviour_rate: float = Field(0.001, ge=0)
+    behaviour_rate: float = Field(0.001, ge=0, le=MAX_COEFFICIENT)
     behaviour_max: float = Field(0.5, ge=0, le=1)
     #: the separate EMA of θ used for evaluation and checkpoints
     ema_decay: float = Field(0.9, ge=0, lt=1)
-    ema_every: int = Field(1, ge=1)
+    ema_every: int = Field(1, ge=1, le=MAX_TRAIN_STEPS)
     #: CFG scale of every velocity the fit reads (v_θ, v_φ and, for OPSD, the anchor's). None: the
     #: rollout's scale (OPSD's paper: "same CFG as the rollout"); 1.0: the conditional velocity alone, so the
     #: unconditional branch is not pushed through the CFG formula (NFT's default;
     #: docs/results.md). Rollouts keep their CFG either way.
-    fit_guidance: float | None = Field(None, ge=1.0)
+    fit_guidance: float | None = Field(None, ge=1.0, le=MAX_GUIDANCE)
 
 
 # ---------------------------------------------------------------------------------------------- pieces

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_GROUP_SIZE
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS
 from flowalign.reward_set import RewardScores
 from flowalign.sampling import continue_ode, sde_step
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
@@ -46,7 +46,7 @@ class SelfOPDConfig(GroupTrainerConfig):
     #: K: SDE candidates branched off each sampled state (1: a pairwise comparison with the deterministic branch)
     branches: int = Field(4, ge=1, le=MAX_GROUP_SIZE)
     #: sampled states branched per prompt and step (distinct steps of the trunk)
-    branch_steps: int = Field(1, ge=1)
+    branch_steps: int = Field(1, ge=1, le=MAX_SAMPLING_STEPS)
     #: branched steps are drawn from {0 … ⌊T·max_step_fraction⌋ − 1}, and never the step to σ = 0
     max_step_fraction: float = Field(0.5, gt=0, le=1)
     #: a of the Flow-GRPO SDE step that draws the candidates (0.7 on SD3.5)
@@ -54,7 +54,7 @@ class SelfOPDConfig(GroupTrainerConfig):
     #: scale each push by 1 − max(0, cos(its branch offset, the pull direction)); false: pushes at full weight
     attenuation: bool = True
     #: ε of the advantage normalisation sqrt(mean d²) + ε
-    adv_eps: float = Field(1e-4, gt=0)
+    adv_eps: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
 
 
 # ---------------------------------------------------------------------------------------------- the loss

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from flowalign.limits import MAX_CACHE, MAX_COEFFICIENT, MAX_TRAIN_STEPS, MAX_WEIGHT_COPIES
 from flowalign.trainers.base import GroupTrainerConfig, derived_seed
 from flowalign.trainers.diffusion_dpo import DiffusionDPOTrainer, PairBatch, PairUnit
 from flowalign.trainers.pair_images import PairImages
@@ -38,22 +39,22 @@ from flowalign.weight_swap import swapped_in
 class SePPOConfig(GroupTrainerConfig):
     name: Literal["seppo"] = "seppo"
     #: β of the DPO-style loss (large: the per-pair error differences are ~1e-3; as diffusion_dpo)
-    dpo_beta: float = Field(2000.0, gt=0)
+    dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
     #: the winning images: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None:
     #: the rendered scenes of data.bench (a rendered scene satisfies its prompt by construction)
     pairs: str | None = None
     #: t of each pair: "logit_normal" (σ(n), n ~ N(0, 1)) or "uniform" on (0, 1)
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
     #: a reference checkpoint of the trainable weights is stored every this many steps
-    reference_every: int = Field(10, ge=1)
+    reference_every: int = Field(10, ge=1, le=MAX_TRAIN_STEPS)
     #: stored reference checkpoints kept in memory (the oldest dropped first)
-    max_references: int = Field(8, ge=1)
+    max_references: int = Field(8, ge=1, le=MAX_WEIGHT_COPIES)
     #: which stored checkpoint is a step's reference: drawn uniformly ("random") or the newest ("latest")
     reference_selection: Literal["random", "latest"] = "random"
     #: false: every reference sample is a negative (s = +1 always; Diffusion-DPO against the reference's samples)
     anchor: bool = True
     #: winning-image latents kept in memory (each encoded once per run)
-    latent_cache: int = Field(50000, ge=1)
+    latent_cache: int = Field(50000, ge=1, le=MAX_CACHE)
 
 
 # ---------------------------------------------------------------------------------------------- the loss

@@ -33,7 +33,7 @@ import torch
 from pydantic import Field, model_validator
 
 from flowalign.errors import UserError
-from flowalign.limits import MAX_BATCH, MAX_SAMPLING_STEPS
+from flowalign.limits import MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LOGIT, MAX_SAMPLING_STEPS, MAX_UPDATES
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 from flowalign.trainers.pair_images import PairImages
@@ -48,15 +48,15 @@ class SOARConfig(GroupTrainerConfig):
     #: K: the rollout step is 1/K (match the inference step count)
     rollout_steps: int = Field(30, ge=1, le=MAX_SAMPLING_STEPS)
     #: w_cfg: CFG scale of the stop-gradient rollout step
-    rollout_guidance: float = Field(4.5, ge=1)
+    rollout_guidance: float = Field(4.5, ge=1, le=MAX_GUIDANCE)
     #: N: re-noised correction states per pair
-    corrections: int = Field(4, ge=0)
+    corrections: int = Field(4, ge=0, le=MAX_UPDATES)
     #: λ: weight of the correction loss (0: plain flow-matching SFT)
-    correction_weight: float = Field(1.0, ge=0)
+    correction_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
     sigma_min: float = Field(0.05, gt=0, le=1)
     #: σ = sigmoid(logit_mean + logit_std·n), n ~ N(0,1) (SD3's training density)
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
+    logit_mean: float = Field(0.0, ge=-MAX_LOGIT, le=MAX_LOGIT)
+    logit_std: float = Field(1.0, gt=0, le=MAX_LOGIT)
     #: fraction of captions replaced by "" (keeps the unconditional branch that CFG needs)
     caption_dropout: float = Field(0.0, ge=0, lt=1)
     #: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None: render data.bench tasks
@@ -66,7 +66,7 @@ class SOARConfig(GroupTrainerConfig):
     #: pairs per forward/backward, the training batch (gradients accumulate over a step's batches)
     batch_size: int = Field(8, ge=1, le=MAX_BATCH)
     #: latents kept in memory (encoding a pair once per run, not once per epoch)
-    latent_cache: int = Field(50000, ge=1)
+    latent_cache: int = Field(50000, ge=1, le=MAX_CACHE)
 
     @model_validator(mode="before")
     @classmethod

@@ -17,7 +17,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from flowalign.config import StepIndex
 from flowalign.errors import UserError
+from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout, StepOutput, branch_candidates, draw_branch_step, noise_aware_weights
 from flowalign.trainers.base import Sampling, StepBatch
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, ppo_clip_loss
@@ -28,13 +30,13 @@ class TempFlowGRPOConfig(FlowGRPOConfig):
     #: the noise-aware weight needs a Gaussian step of known std
     sampler: Literal["flow_grpo", "dance"] = "flow_grpo"  # type: ignore[assignment]
     #: the steps a group may branch at (one drawn per group and training step); None: 0 … num_steps − 2
-    branch_steps: list[int] | None = None
+    branch_steps: list[StepIndex] | None = None
     #: each trained step's surrogate weighted by w_k = τ_k / mean over branch_steps of τ
     noise_weighting: bool = True
     #: a seed group: every member of a prompt group starts from the same x_T
     shared_initial_noise: bool = True
     advantage: str = Field("group", pattern="^(group|global_std|gdpo|win_rate)$")
-    beta: float = Field(0.0, ge=0)
+    beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
 
 
 def weighted_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adv: torch.Tensor, clip_range: float,

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from flowalign.cli.common import add_number
+from flowalign.limits import MAX_SEED
+
 #: the writer name of the folders this command writes (:func:`flowalign.io.atomic_dir`)
 WRITER = "tiny"
 
@@ -19,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     p.add_argument("family", choices=list(twins()))
     p.add_argument("--out", required=True, help="folder to write (diffusers format)")
-    p.add_argument("--seed", type=int, default=0)
+    add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=0)
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out this command did not write (only the model's files are "
                         "replaced; other files are kept)")

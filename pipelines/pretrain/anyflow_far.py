@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flowalign.cli.common import add_number
+from flowalign.limits import MAX_COEFFICIENT, MAX_FRAMES
 from flowalign.errors import UserError
 from pipelines.anyflow_far import empty_cache_layers, read_cache_velocity, write_cache
 
@@ -61,10 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default="assets/tiny-wan-motion",
                    help="the tiny Wan folder whose VAE, UMT5 stand-in, tokenizer and transformer weights are reused")
     p.add_argument("--chunk-partition", default="1,2,2", help="latent frames per streamed chunk (sum: 5)")
-    p.add_argument("--full-chunk-limit", type=int, default=2,
+    add_number(p, "--full-chunk-limit", type=int, lo=0, hi=MAX_FRAMES, default=2,
                    help="chunks kept at full resolution; earlier ones enter as compressed far context")
     p.add_argument("--compressed-patch", default="1,8,8", help="patch (t,h,w) of the compressed far context")
-    p.add_argument("--shift", type=float, default=1.0, help="sampling shift written to flowalign.json")
+    add_number(p, "--shift", type=float, lo=0, hi=MAX_COEFFICIENT, lo_open=True, default=1.0, help="sampling shift written to flowalign.json")
 
 
 def check(args: argparse.Namespace) -> None:

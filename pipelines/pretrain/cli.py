@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowalign.cli.common import add_number
+from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_MINUTES, MAX_SAMPLING_STEPS, MAX_SEED, MAX_SEQUENCE_LENGTH, MAX_TASKS, MAX_THREADS, MAX_TINY_SIDE, MAX_TRAIN_STEPS
 from flowalign.errors import UserError
 
 
@@ -42,44 +44,44 @@ def add_common_arguments(p: argparse.ArgumentParser, d: dict) -> None:
                         "assets/), or work in an --out folder of other files; only the model's (the work's) files "
                         "are replaced, a model card is kept")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoints in --out")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=d["threads"])
-    p.add_argument("--size", type=int, default=d["size"], help="scene side in pixels")
-    p.add_argument("--n-scenes", "--n-clips", dest="n_scenes", type=int, default=d["n_scenes"],
+    add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=0)
+    add_number(p, "--threads", type=int, lo=1, hi=MAX_THREADS, default=d["threads"])
+    add_number(p, "--size", type=int, lo=16, hi=MAX_TINY_SIDE, default=d["size"], help="scene side in pixels")
+    add_number(p, "--n-scenes", "--n-clips", dest="n_scenes", type=int, lo=1, hi=MAX_TASKS, default=d["n_scenes"],
                    help="scenes (clips) rendered once for training")
     p.add_argument("--mix", default=d["mix"], help="levels of the rendered scenes and their weights")
-    p.add_argument("--max-sequence-length", type=int, default=d["max_sequence_length"],
+    add_number(p, "--max-sequence-length", type=int, lo=0, hi=MAX_SEQUENCE_LENGTH, default=d["max_sequence_length"],
                    help="T5 / UMT5 length (sd3 default: as CLIP; wan 0: longest prompt + 2)")
     vae = p.add_argument_group("VAE and decoder")
-    vae.add_argument("--vae-minutes", type=float, default=d["vae_minutes"])
-    vae.add_argument("--vae-steps", type=int, default=None)
-    vae.add_argument("--vae-batch", type=int, default=d["vae_batch"])
-    vae.add_argument("--vae-lr", type=float, default=d["vae_lr"])
-    vae.add_argument("--vae-lr2", type=float, default=3e-4)
-    vae.add_argument("--vae-kl", type=float, default=1e-4, help="KL weight (per-pixel normalised)")
-    vae.add_argument("--fg-weight", type=float, default=5.0, help="loss weight of object pixels vs background")
-    vae.add_argument("--dec-minutes", type=float, default=d.get("dec_minutes"),
+    add_number(vae, "--vae-minutes", type=float, lo=0, hi=MAX_MINUTES, default=d["vae_minutes"])
+    add_number(vae, "--vae-steps", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=None)
+    add_number(vae, "--vae-batch", type=int, lo=1, hi=MAX_BATCH, default=d["vae_batch"])
+    add_number(vae, "--vae-lr", type=float, lo=0, hi=MAX_LR, lo_open=True, default=d["vae_lr"])
+    add_number(vae, "--vae-lr2", type=float, lo=0, hi=MAX_LR, lo_open=True, default=3e-4)
+    add_number(vae, "--vae-kl", type=float, lo=0, hi=MAX_COEFFICIENT, default=1e-4, help="KL weight (per-pixel normalised)")
+    add_number(vae, "--fg-weight", type=float, lo=0, hi=MAX_COEFFICIENT, default=5.0, help="loss weight of object pixels vs background")
+    add_number(vae, "--dec-minutes", type=float, lo=0, hi=MAX_MINUTES, default=d.get("dec_minutes"),
                      help="decoder-only fine-tuning (sd3 default: 5 from scratch, none with --init-from)")
-    vae.add_argument("--dec-steps", type=int, default=None)
-    vae.add_argument("--dec-lr", type=float, default=1e-3)
-    vae.add_argument("--dec-noise", type=float, default=0.05, help="std of noise on normalised latents")
+    add_number(vae, "--dec-steps", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=None)
+    add_number(vae, "--dec-lr", type=float, lo=0, hi=MAX_LR, lo_open=True, default=1e-3)
+    add_number(vae, "--dec-noise", type=float, lo=0, hi=MAX_COEFFICIENT, default=0.05, help="std of noise on normalised latents")
     dit = p.add_argument_group("transformer and text encoders")
-    dit.add_argument("--dit-minutes", type=float, default=d["dit_minutes"])
-    dit.add_argument("--dit-steps", type=int, default=None)
-    dit.add_argument("--batch", type=int, default=d["batch"])
-    dit.add_argument("--lr", type=float, default=1e-3)
-    dit.add_argument("--wd", type=float, default=0.01)
-    dit.add_argument("--warmup", type=int, default=100)
-    dit.add_argument("--ema", type=float, default=0.995)
+    add_number(dit, "--dit-minutes", type=float, lo=0, hi=MAX_MINUTES, default=d["dit_minutes"])
+    add_number(dit, "--dit-steps", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=None)
+    add_number(dit, "--batch", type=int, lo=1, hi=MAX_BATCH, default=d["batch"])
+    add_number(dit, "--lr", type=float, lo=0, hi=MAX_LR, lo_open=True, default=1e-3)
+    add_number(dit, "--wd", type=float, lo=0, hi=MAX_COEFFICIENT, default=0.01)
+    add_number(dit, "--warmup", type=int, lo=0, hi=MAX_TRAIN_STEPS, default=100)
+    add_number(dit, "--ema", type=float, lo=0, hi=1, default=0.995)
     dit.add_argument("--dit-level-weights", default=None,
                      help="batch sampling weights per level, e.g. easy:0.6,medium:0.3,hard:0.1 (default: as rendered)")
-    dit.add_argument("--drop", type=float, default=d.get("drop", 0.1), help="empty-prompt rate for CFG")
-    p.add_argument("--save-every", type=int, default=200, help="steps between stage checkpoints")
+    add_number(dit, "--drop", type=float, lo=0, hi=1, default=d.get("drop", 0.1), help="empty-prompt rate for CFG")
+    add_number(p, "--save-every", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=200, help="steps between stage checkpoints")
     after = p.add_argument_group("export and evaluation")
-    after.add_argument("--cfg", type=float, default=d["cfg"], help="CFG scale written to flowalign.json")
-    after.add_argument("--sample-steps", type=int, default=20)
-    after.add_argument("--eval-n", type=int, default=0, help="held-out tasks per level to evaluate after export")
-    after.add_argument("--demo-n", type=int, default=d["demo_n"],
+    add_number(after, "--cfg", type=float, lo=0, hi=MAX_GUIDANCE, default=d["cfg"], help="CFG scale written to flowalign.json")
+    add_number(after, "--sample-steps", type=int, lo=1, hi=MAX_SAMPLING_STEPS, default=20)
+    add_number(after, "--eval-n", type=int, lo=0, hi=MAX_TASKS, default=0, help="held-out tasks per level to evaluate after export")
+    add_number(after, "--demo-n", type=int, lo=0, hi=MAX_BATCH, default=d["demo_n"],
                        help="training prompts sampled into OUT/samples_train_prompts.png")
     after.add_argument("--eval-only", action="store_true", help="only evaluate the --export folder")
 

@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flowalign.cli.common import add_number
+from flowalign.limits import MAX_BATCH, MAX_LAYERS
 from flowalign.errors import UserError
 from pipelines._common import latent_image_ids, pack_2x2
 
@@ -68,10 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options only the Kontext family has."""
     p.add_argument("--init-from", default="assets/tiny-sd3-vvr",
                    help="the tiny SD3 folder whose VAE, CLIP-L and T5 stand-ins (and tokenizers) are reused")
-    p.add_argument("--num-layers", type=int, default=TRANSFORMER["num_layers"], help="double-stream blocks")
-    p.add_argument("--num-single-layers", type=int, default=TRANSFORMER["num_single_layers"],
+    add_number(p, "--num-layers", type=int, lo=1, hi=MAX_LAYERS, default=TRANSFORMER["num_layers"], help="double-stream blocks")
+    add_number(p, "--num-single-layers", type=int, lo=0, hi=MAX_LAYERS, default=TRANSFORMER["num_single_layers"],
                    help="single-stream blocks")
-    p.add_argument("--dec-batch", type=int, default=16)
+    add_number(p, "--dec-batch", type=int, lo=1, hi=MAX_BATCH, default=16)
 
 
 def check(args: argparse.Namespace) -> None:

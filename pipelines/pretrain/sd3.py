@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from flowalign.cli.common import add_number
+from flowalign.limits import MAX_BATCH, MAX_LAYERS, MAX_SEQUENCE_LENGTH, MAX_TINY_SIDE
 from pipelines.pretrain.autoencoder import AutoencoderRecipe
 from pipelines.pretrain.data import to_unit
 
@@ -41,17 +43,17 @@ DEFAULTS = dict(out="runs/pretrain-tiny", export="assets/tiny-sd3-vvr", size=64,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options only the SD3 family has."""
     p.add_argument("--synthetic", action="store_true", help="own coloured-shape scenes instead of the vvr benchmark's")
-    p.add_argument("--clip-max-length", type=int, default=48, help="CLIP tokenizer length (0: longest prompt)")
-    p.add_argument("--dec-batch", type=int, default=16)
-    p.add_argument("--vae-crop", type=int, default=32, help="crop size in the first LR stage (0: full images)")
-    p.add_argument("--pooled-drop", type=float, default=0.0,
+    add_number(p, "--clip-max-length", type=int, lo=0, hi=MAX_SEQUENCE_LENGTH, default=48, help="CLIP tokenizer length (0: longest prompt)")
+    add_number(p, "--dec-batch", type=int, lo=1, hi=MAX_BATCH, default=16)
+    add_number(p, "--vae-crop", type=int, lo=0, hi=MAX_TINY_SIDE, default=32, help="crop size in the first LR stage (0: full images)")
+    add_number(p, "--pooled-drop", type=float, lo=0, hi=1, default=0.0,
                    help="rate at which only the pooled text vector is replaced by the empty prompt's, so the "
                         "transformer learns to read the prompt's tokens (multi-object binding)")
     p.add_argument("--init-from", default=None,
                    help="continue from a pretrained folder (e.g. assets/tiny-sd3-vvr): its VAE and tokenizers "
                         "are kept as they are (no VAE stage), the transformer and text encoders train on "
                         "freshly rendered scenes")
-    p.add_argument("--num-layers", type=int, default=None,
+    add_number(p, "--num-layers", type=int, lo=1, hi=MAX_LAYERS, default=None,
                    help="with --init-from: deepen the transformer to this many joint blocks (a multiple of its "
                         "own), the new ones starting as the identity")
 

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from flowalign.cli.common import add_number
+from flowalign.limits import MAX_COEFFICIENT, MAX_WIDTH
 from pipelines.pretrain.autoencoder import AutoencoderRecipe
 from pipelines.pretrain.data import to_unit
 
@@ -41,9 +43,9 @@ DEFAULTS = dict(out="runs/pretrain-wan", export="assets/tiny-wan-motion", size=3
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options only the Wan family has."""
     p.add_argument("--vae-dim-mult", default="1,2", help="VAE levels (spatial factor 2^(levels-1)); 1,2,2: f_s 4")
-    p.add_argument("--z-dim", type=int, default=4, help="VAE latent channels")
+    add_number(p, "--z-dim", type=int, lo=1, hi=MAX_WIDTH, default=4, help="VAE latent channels")
     p.add_argument("--patch", default="1,4,4", help="DiT patch (t,h,w); 1,2,2 with --vae-dim-mult 1,2,2")
-    p.add_argument("--shift", type=float, default=1.0, help="sampling shift written to flowalign.json")
+    add_number(p, "--shift", type=float, lo=0, hi=MAX_COEFFICIENT, lo_open=True, default=1.0, help="sampling shift written to flowalign.json")
 
 
 def model_overrides(words: list[str], max_length: int, *, vae_dim_mult: tuple[int, ...] = (1, 2),
