@@ -4,6 +4,7 @@ TrueType font, per-sample validity, the engines' one-line errors, and the prompt
 
 import json
 import socket
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -62,11 +63,11 @@ def test_target_is_the_metadata_text_else_the_first_quoted_span():
     assert target_text("a sign with no text") is None
 
 
-def _drawn(text: str, size: int = 256, angle: float = 0) -> torch.Tensor:
+def _drawn(text: str, size: int = 256, angle: float = 0, font_size: int = 28) -> torch.Tensor:
     """``text`` drawn in a TrueType font on a coloured card, turned ``angle`` degrees, (3, size, size) in [0, 1]."""
     image = Image.new("RGB", (size, size), (232, 220, 190))
     ImageDraw.Draw(image).text((size // 2, size // 2), text, fill=(25, 25, 70), anchor="mm", align="center",
-                               font=ImageFont.truetype(str(FONT), 28))
+                               font=ImageFont.truetype(str(FONT), font_size))
     image = image.rotate(angle, resample=Image.BICUBIC, fillcolor=(232, 220, 190))
     return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
 
@@ -101,12 +102,16 @@ def test_the_default_engine_reads_rendered_text_and_scores_it_sensibly(rapidocr)
     assert info[6]["recognised"] == "" and score[6] == 0.0
 
 
-def test_the_default_engine_needs_no_network(monkeypatch):
+def test_the_default_engine_needs_no_network_and_no_opencv(monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError("no network in this test")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
+    # OpenCV's wheel (a dependency of rapidocr_onnxruntime, imported by its pipeline) needs the system's
+    # libGL: the engine must import neither. A None in sys.modules makes `import cv2` raise ImportError, as
+    # it does without libGL.
+    monkeypatch.setitem(sys.modules, "cv2", None)
     out = rewards.load("ocr")(_drawn("FRESH")[None], ['a sign that says "FRESH"'], [])
     assert out.valid.all() and out.components["ocr"].item() == 1.0
 
@@ -132,7 +137,7 @@ def test_a_sample_the_engine_fails_on_is_invalid_and_its_batch_neighbours_are_sc
 @TESSERACT
 def test_known_answers_with_tesseract(tesseract):
     nan = torch.full((3, 256, 256), float("nan"))
-    samples = torch.stack([_drawn("OPEN LATE"), _drawn("HELLO WORLD"), nan, _drawn("FRESH")])
+    samples = torch.stack([_drawn(t, font_size=34) for t in ("OPEN LATE", "HELLO WORLD")] + [nan, _drawn("FRESH")])
     prompts = ['a storefront sign that says "OPEN LATE"', 'a storefront sign that says "OPEN LATE"',
                'a sign that says "OPEN"', "a sign with no quoted text"]
     out = tesseract(samples, prompts, [])
