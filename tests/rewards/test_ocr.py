@@ -185,7 +185,8 @@ def test_got_ocr2_loads_a_tiny_reward_folder_and_scores_real_samples(tmp_path, c
 
 
 def test_bad_options_are_one_line():
-    with pytest.raises(UserError, match="unknown engine='easyocr'; choose one of rapidocr, tesseract, got_ocr2, paddleocr"):
+    with pytest.raises(UserError, match="unknown engine='easyocr'; choose one of rapidocr, tesseract, got_ocr2, "
+                                        "paddleocr"):
         rewards.load("ocr", engine="easyocr")
     with pytest.raises(UserError, match="batch_size must be a positive integer"):
         rewards.load("ocr", batch_size=0)
