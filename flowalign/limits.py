@@ -85,3 +85,16 @@ MAX_SEQUENCE_LENGTH = 65_536
 MAX_TINY_SIDE = 1024
 #: blocks (layers) of a transformer a command builds: published ones have at most ~100
 MAX_LAYERS = 1024
+#: a reward server's caps (serve-reward, serve-judge), each bounded in turn: a request body in MiB (read
+#: whole, ~3 copies while parsed)
+MAX_SERVER_BODY_MB = 4096.0
+#: pixels of one image a server decodes: PIL itself refuses images over ~179 M pixels
+MAX_SERVER_IMAGE_PIXELS = 2**28
+#: pixels of all the images of one request: 12 bytes each as float32 (2^32: 48 GiB)
+MAX_SERVER_REQUEST_PIXELS = 2**32
+#: MiB of decoded samples all requests in progress hold together: a large host's RAM
+MAX_SERVER_DECODED_MB = 2.0**20
+#: requests a server serves at once (each an open socket and a thread's work)
+MAX_CONNECTIONS = 65_536
+#: candidates per token a judge returns (``top_logprobs``; OpenAI's API allows 20)
+MAX_TOP_LOGPROBS = 1000

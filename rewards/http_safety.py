@@ -37,7 +37,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from flowalign.cli.common import add_number
 from flowalign.errors import UserError
+from flowalign.limits import (MAX_CONNECTIONS, MAX_SERVER_BODY_MB, MAX_SERVER_DECODED_MB, MAX_SERVER_IMAGE_PIXELS,
+                              MAX_SERVER_REQUEST_PIXELS, MAX_TIMEOUT_S)
 
 #: the environment variable a server reads its key from, and a client sends it from
 API_KEY_ENV = "FLOWALIGN_API_KEY"
@@ -439,21 +442,21 @@ def add_safety_flags(parser: Any) -> None:
                              "a flag shows in the process list). Required with a --host beyond loopback")
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve a --host beyond loopback without a key (only on a network you trust)")
-    parser.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
+    add_number(parser, "--max-body-mb", type=float, lo=0, hi=MAX_SERVER_BODY_MB, lo_open=True, default=d.max_body_bytes / 2**20,
                         help="largest request body in MiB; a larger one gets 413 before it is read")
-    parser.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+    add_number(parser, "--max-image-pixels", type=int, lo=1, hi=MAX_SERVER_IMAGE_PIXELS, default=d.max_image_pixels,
                         help="largest image (width x height) a request may send; checked before decoding")
-    parser.add_argument("--max-request-pixels", type=int, default=d.max_request_pixels,
+    add_number(parser, "--max-request-pixels", type=int, lo=1, hi=MAX_SERVER_REQUEST_PIXELS, default=d.max_request_pixels,
                         help="most pixels of all the images of one request together")
-    parser.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+    add_number(parser, "--header-timeout", type=float, lo=0, hi=MAX_TIMEOUT_S, lo_open=True, default=d.header_timeout_s,
                         help="seconds a client has to send its request headers (then 408, disconnected)")
-    parser.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+    add_number(parser, "--body-timeout", type=float, lo=0, hi=MAX_TIMEOUT_S, lo_open=True, default=d.body_timeout_s,
                         help="seconds a client has to send its request body (then 408)")
-    parser.add_argument("--max-decoded-mb", type=float, default=d.max_decoded_bytes / 2**20,
+    add_number(parser, "--max-decoded-mb", type=float, lo=0, hi=MAX_SERVER_DECODED_MB, lo_open=True, default=d.max_decoded_bytes / 2**20,
                         help="MiB the decoded samples of all requests in progress may hold together; a request "
                              "that needs more is refused (413), one that must wait longer than "
                              f"{d.decode_wait_s:g} s for its share gets 503")
-    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+    add_number(parser, "--max-connections", type=int, lo=1, hi=MAX_CONNECTIONS, default=d.max_connections,
                         help="requests served at once (more are answered 503; /health always answers), and "
                              "idle connections kept open (the oldest idle one is closed for a newcomer)")
 

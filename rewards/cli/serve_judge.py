@@ -5,21 +5,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowalign.cli.common import add_number
 from flowalign.errors import UserError
+from flowalign.limits import MAX_BATCH, MAX_PORT, MAX_SEQUENCE_LENGTH, MAX_TOP_LOGPROBS
 from rewards.http_safety import add_safety_flags, limits_from
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve-judge", help="serve a local VLM judge over OpenAI-compatible HTTP (needs the 'serve' extra)")
     p.add_argument("--model", required=True, help="local transformers VLM folder (Qwen2.5-VL, Qwen3-VL, ...)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed at start)")
+    add_number(p, "--port", type=int, lo=0, hi=MAX_PORT, default=8000, help="port to listen on (0: a free one, printed at start)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
+    add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=8, help="requests per forward pass")
     p.add_argument("--served-name", default=None, help="model name clients use (default: the folder's name)")
-    p.add_argument("--max-top-logprobs", type=int, default=20, help="largest top_logprobs a request may ask for")
-    p.add_argument("--max-prompt-tokens", type=int, default=8192,
+    add_number(p, "--max-top-logprobs", type=int, lo=0, hi=MAX_TOP_LOGPROBS, default=20, help="largest top_logprobs a request may ask for")
+    add_number(p, "--max-prompt-tokens", type=int, lo=1, hi=MAX_SEQUENCE_LENGTH, default=8192,
                    help="most tokens of text one request may hold (more: 413, before the model sees it)")
     add_safety_flags(p)
     return p

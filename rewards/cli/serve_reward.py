@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from flowalign.cli.common import add_number
 from flowalign.errors import UserError
+from flowalign.limits import MAX_PORT
 from rewards.http_safety import add_safety_flags, limits_from
 
 
@@ -15,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("spec", metavar="SPEC",
                    help="the reward: a name, or the YAML mapping of a config's rewards: list, e.g. "
                         "\"{name: pickscore, path: /weights/pickscore, device: cuda}\"")
-    p.add_argument("--port", type=int, default=8100, help="port to listen on (0: a free one, printed at start)")
+    add_number(p, "--port", type=int, lo=0, hi=MAX_PORT, default=8100, help="port to listen on (0: a free one, printed at start)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; needs a key)")
     p.add_argument("--device", default="cpu", help="where received samples are put before scoring: cpu, cuda, cuda:1, ...")
     add_safety_flags(p)

@@ -15,11 +15,11 @@ import json
 import time
 from pathlib import Path
 
-from flowalign.cli.common import add_model_args, check_positive, load_policy
+from flowalign.cli.common import add_model_args, add_number, check_positive, load_policy
 from flowalign.config import read_text_file
 from flowalign.errors import UserError
 from flowalign.io import atomic_dir, check_out_dir, remove_owned, write_json
-from flowalign.limits import MAX_LR
+from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS, MAX_TRAIN_STEPS, MAX_WIDTH
 from flowalign.paths import REPO_ROOT, default_model_dir
 
 
@@ -38,27 +38,27 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      help="JSONL files of {prompt, chosen, rejected} images and/or saved pairs .safetensors (merged)")
     src.add_argument("--bench", default=None, help="generate pairs from the model's samples ranked by this benchmark's verifier (vvr)")
     src.add_argument("--level", default="medium", help="benchmark level: easy, medium or hard")
-    src.add_argument("--n", type=int, default=200, help="benchmark tasks (prompts) to sample")
-    src.add_argument("--group-size", type=int, default=4, help="samples per prompt; every differently scored pair is kept")
-    src.add_argument("--data-seed", type=int, default=0, help="seed of the freshly drawn tasks (never the held-out split)")
-    src.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's)")
+    add_number(src, "--n", type=int, lo=1, hi=MAX_TASKS, default=200, help="benchmark tasks (prompts) to sample")
+    add_number(src, "--group-size", type=int, lo=1, hi=MAX_GROUP_SIZE, default=4, help="samples per prompt; every differently scored pair is kept")
+    add_number(src, "--data-seed", type=int, lo=0, hi=MAX_SEED, default=0, help="seed of the freshly drawn tasks (never the held-out split)")
+    add_number(src, "--steps", type=int, lo=1, hi=MAX_SAMPLING_STEPS, default=None, help="sampling steps (default: the model's)")
     src.add_argument("--no-partial-credit", action="store_true", help="rank vvr samples by the plain verifier score")
     src.add_argument("--pairs-out", default=None, help="also save the generated pairs here (.safetensors) for reuse")
     p.add_argument("--out", required=True, help="reward folder to write")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out that holds no earlier reward (only the files this command "
                         "writes are replaced; other files are kept)")
-    p.add_argument("--registers", type=int, default=8, help="number of register tokens M")
+    add_number(p, "--registers", type=int, lo=1, hi=MAX_WIDTH, default=8, help="number of register tokens M")
     p.add_argument("--layers", default="last", help="'last', 'multi' (L/2, 3L/4, L) or comma-separated block indices")
-    p.add_argument("--head-hidden", type=int, default=256)
-    p.add_argument("--train-steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--test-fraction", type=float, default=0.2, help="prompts held out for the accuracy report")
+    add_number(p, "--head-hidden", type=int, lo=1, hi=MAX_WIDTH, default=256)
+    add_number(p, "--train-steps", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=1000)
+    add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=32)
+    add_number(p, "--lr", type=float, lo=0, hi=MAX_LR, lo_open=True, default=1e-3)
+    add_number(p, "--test-fraction", type=float, lo=0, hi=1, default=0.2, help="prompts held out for the accuracy report")
     p.add_argument("--eval-pairs", nargs="+", default=None,
                    help="held-out pairs (JSONL / .safetensors) to report accuracy on instead of a prompt split of --pairs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=200, help="save OUT.partial/ every N steps (resume point)")
+    add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=0)
+    add_number(p, "--checkpoint-every", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=200, help="save OUT.partial/ every N steps (resume point)")
     p.add_argument("--resume", action="store_true", help="continue from OUT.partial/ if it exists")
     p.add_argument("--no-save-pairs", action="store_true", help="do not copy the pairs into the reward folder")
     p.add_argument("--no-progress", action="store_true")

@@ -59,3 +59,13 @@ def test_geneval_metadata_and_plain_text_prompt_sets_are_read_as_they_are(tmp_pa
     text.write_text('A sign that says "OPEN"\n\n  a cat on a mat  \n')
     plain = read_prompt_file(text)
     assert plain.prompts == ['A sign that says "OPEN"', "a cat on a mat"] and plain.metadata == [{}, {}]
+
+
+@pytest.mark.parametrize("line,key", [('{"prompt": "a cat", "prompt": "a dog"}', "prompt"),
+                                      ('{"prompt": "a", "task": {"n": 1, "n": 2}}', "n")])
+def test_a_jsonl_key_given_twice_is_refused_with_its_line(tmp_path, line, key):
+    """``json`` keeps the last of a repeated key silently; a prompt file's line names the key instead."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(UserError, match=f"p.jsonl:2: key '{key}' is given twice in one object"):
+        read_prompt_file(path)

@@ -57,3 +57,15 @@ def test_a_syntax_error_is_one_line_with_its_line(tmp_path):
     with pytest.raises(UserError) as info:
         load_config(cfg)
     assert "not valid YAML (line" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text,line", [("{a: 1, a: 2}", 1), ("x: {a: 1,\n  b: 2, a: 3}", 2), ("- {k: 1, k: 1}", 1)])
+def test_a_key_given_twice_in_a_flow_mapping_is_refused(text, line):
+    """``{a: 1, a: 2}`` keeps its last value in plain PyYAML, both keys on one line."""
+    with pytest.raises(UserError, match=f"cfg: line {line}: key '[ak]' is given twice in one mapping"):
+        load_yaml(text, "cfg")
+
+
+def test_an_override_with_a_flow_mapping_key_given_twice_is_refused():
+    with pytest.raises(UserError, match="key 'name' is given twice"):
+        load_config(None, ["rewards=[{name: vvr, weight: 1, name: ocr}]"])

@@ -140,3 +140,67 @@ def test_compare_reads_null_scores_of_invalid_samples(tmp_path, capsys):
     row = json.loads(capsys.readouterr().out)
     assert (row["wins"], row["losses"], row["ties"]) == (0, 0, 2) and row["b_mean"] is None
     assert not math.isnan(row["a_mean"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["sample", "--prompt", "p", "--guidance", "1e30"], "--guidance 1e30: give a number <= 100"),
+    (["sample", "--prompt", "p", "--guidance", "-1"], "--guidance -1: give a number >= 0"),
+    (["sample", "--prompt", "p", "--noise-level", "50"], "--noise-level 50: give a number <= 2"),
+    (["sample", "--prompt", "p", "--guide-window", "0.1", "7"], "--guide-window 7: give a number <= 1"),
+    (["evaluate", "--guidance", "1e30"], "--guidance 1e30"),
+    (["pretrain-tiny", "sd3", "--size", "100000"], "--size 100000: give an integer <= 1,024"),
+    (["pretrain-tiny", "wan", "--dit-steps", str(10**12)], "--dit-steps 1000000000000: give an integer <= 10,000,000"),
+    (["tiny", "sd3", "--seed", "-1"], "--seed -1: give an integer in 0.."),
+    (["train-reward", "--bench", "vvr", "--registers", str(10**9)], "--registers 1000000000: give an integer <= 4,096"),
+])
+def test_out_of_bound_options_are_refused_before_anything_runs(tmp_path, capsys, argv, needle):
+    out = tmp_path / ("x.png" if argv[0] == "sample" else "o")
+    one_line_error([*argv, "--out", out], capsys, needle)
+    assert not out.exists()
+
+
+def png_header(path, width, height):
+    """A PNG whose header declares ``width x height`` with almost no pixel data (a decoded one would be
+    truncated): refusing it for its size shows the header was read and nothing decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(b"\x00" * 10)) + chunk(b"IEND", b""))
+    return path
+
+
+KONTEXT = REPO_ROOT / "assets" / "tiny-kontext-vvr-edit"
+
+
+def test_sample_refuses_a_file_that_is_no_image(tmp_path, capsys):
+    out = tmp_path / "x.png"
+    one_line_error(["sample", "--model", KONTEXT, "--prompt", "p", "--image", "/etc/passwd", "--out", out], capsys,
+                   "--image /etc/passwd: cannot be read as an image (not an image file)")
+    assert not out.exists()
+
+
+def test_sample_refuses_a_huge_image_from_its_header(tmp_path, capsys):
+    """13000 x 13000 (1.9 GiB once decoded as floats): refused from the header, before a pixel is decoded."""
+    big = png_header(tmp_path / "big.png", 13000, 13000)
+    out = tmp_path / "x.png"
+    one_line_error(["sample", "--model", KONTEXT, "--prompt", "p", "--image", big, "--out", out], capsys,
+                   "13000x13000 = 169,000,000 pixels, more than the 16,777,216")
+    assert not out.exists()
+
+
+def test_prompt_file_images_are_checked_like_image_options(tmp_path):
+    """A JSONL ``image`` reaches the editing policy through load_input_image: the same one-line refusals, and
+    a file whose header passes but whose pixels are cut short is one line too."""
+    from flowalign.errors import UserError
+    from flowalign.sampling.inputs import load_input_image
+
+    with pytest.raises(UserError, match="not an image file"):
+        load_input_image("/etc/passwd")
+    with pytest.raises(UserError, match="169,000,000 pixels"):
+        load_input_image(png_header(tmp_path / "big.png", 13000, 13000))
+    with pytest.raises(UserError, match="cannot be decoded"):
+        load_input_image(png_header(tmp_path / "small.png", 8, 8))
