@@ -68,9 +68,11 @@ class Limits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_image_pixels: int = 4096 * 4096
-    max_request_pixels: int = 4 * 4096 * 4096
+    #: one largest image (a scoring model's working memory grows with the pixels it is handed: a pixel
+    #: statistic takes ~100 bytes a pixel); ``remote``'s default 16 MiB requests hold at most a third of this
+    max_request_pixels: int = 4096 * 4096
     #: bytes the decoded samples of all requests in progress may hold at once (:class:`DecodeBudget`)
-    max_decoded_bytes: int = 2 * 2**30
+    max_decoded_bytes: int = 2**30
     #: seconds a request waits for its share of ``max_decoded_bytes`` (then 503: busy, retry)
     decode_wait_s: float = 30.0
     #: requests in progress at once (more are answered 503; ``/health`` always answers), and idle
