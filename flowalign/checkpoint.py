@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowalign.io import write_json
+from flowalign.io import plain_file_modes, write_json
 
 STEP_DIR = re.compile(r"^step-(\d{6})$")
 COMPLETE = "COMPLETE"
@@ -127,6 +127,7 @@ def finalise(tmp: Path, final: Path) -> None:
     """Record the manifest (sizes, checksums), mark complete and move into place in one rename."""
     from flowalign.checkpoint_manifest import write_manifest
 
+    plain_file_modes(tmp)  # safetensors writes 0600; the JSON beside follows the umask
     write_manifest(tmp, skip={COMPLETE})
     (tmp / COMPLETE).write_text("ok\n")
     if final.exists():  # the same step saved again (the final save): swap by renames, the old one deleted last

@@ -172,6 +172,11 @@ class DataSection(Section):
                       description="task seed; benchmark splits use seeds >= 1000, keep training below")
 
 
+#: a reward call's default deadline (seconds): far above a real reward model's batch (seconds, a minute for a
+#: large judge loading lazily), so only a hang meets it
+REWARD_TIMEOUT_S = 600.0
+
+
 class RewardSpec(BaseModel):
     """One reward of the weighted sum; keys other than ``name`` and ``weight`` are its options (a bare name
     stands for ``{name: NAME}``)."""
@@ -180,8 +185,8 @@ class RewardSpec(BaseModel):
     name: str
     #: a negative weight penalises the reward
     weight: float = Field(1.0, ge=-MAX_COEFFICIENT, le=MAX_COEFFICIENT)
-    #: seconds one call may take; a call still running then is abandoned and its batch invalid (None: no limit)
-    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+    #: seconds one call may take; a call still running then is abandoned and its batch invalid
+    timeout_s: float = Field(REWARD_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
 
     @model_validator(mode="before")
     @classmethod

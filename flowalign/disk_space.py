@@ -88,8 +88,9 @@ def explain_full_disk(run_dir: Path, params: Iterable[torch.Tensor], keep: int) 
             shutil.rmtree(partial, ignore_errors=True)
         size = checkpoint_bytes(run_dir, params)
         newest = ckpt.latest_checkpoint(run_dir)
-        kept = f"{newest} is complete and the run resumes from it" if newest else "no checkpoint was written yet"
+        kept = (f"{newest} is complete and the run resumes from it once space is freed" if newest else
+                "no checkpoint was written yet, so once space is freed the rerun starts over")
         what = getattr(e, "filename", None) or "a checkpoint"
         raise UserError(f"no space left on the device of {run_dir} (writing {what}); a checkpoint "
                         f"needs about {human(size)} and run.keep_checkpoints={keep} of them are kept (plus one being "
-                        f"written); {kept} once space is freed") from None
+                        f"written); {kept}") from None

@@ -12,9 +12,9 @@ from tqdm.auto import tqdm
 from flowalign.eval_panel import score_panel, tag_accuracy
 from flowalign.io import atomic_dir, write_json, write_jsonl
 from flowalign.media import save_image, save_poster, save_video
-from flowalign.protocols import FlowPolicy, Reward
+from flowalign.protocols import FlowPolicy, Reward, RewardOutput
 from flowalign.reward_check import check_reward_output
-from flowalign.reward_set import RewardSet
+from flowalign.reward_set import RewardSet, RewardTimeout, time_limited
 from flowalign.sampling import rollout, stream_rollout
 
 
@@ -105,8 +105,7 @@ def evaluate(
     metrics = dict(labels or {})
     rows: list[dict[str, Any]] = [{"index": i, "prompt": prompt} for i, prompt in enumerate(prompts)]
     if reward is not None:
-        scored = check_reward_output(getattr(reward, "name", type(reward).__name__), reward(samples, prompts, metadata),
-                                     len(prompts))
+        scored = score_within_deadline(reward, samples, prompts, metadata)
         metrics.update(summarise(scored, len(prompts), metadata))
         for i, row in enumerate(rows):
             row.update({"valid": bool(scored.valid[i]), "score": float(scored.total[i]),
@@ -139,6 +138,20 @@ def evaluate(
             write_jsonl(out / "results.jsonl", rows)
             write_json(out / "metrics.json", metrics)
     return metrics
+
+
+def score_within_deadline(reward: Reward, samples: torch.Tensor, prompts: list[str],
+                          metadata: list[dict[str, Any]]) -> RewardOutput:
+    """``reward`` on ``samples`` under its deadline (:func:`flowalign.reward_set.time_limited`, the default one
+    unless it has its own): a call with no answer by then leaves every sample invalid with the reason."""
+    name = getattr(reward, "name", type(reward).__name__)
+    try:
+        return check_reward_output(name, time_limited(name, reward)(samples, prompts, metadata), len(prompts))
+    except RewardTimeout as e:
+        print(f"warning: reward {name!r} {e}; its {len(prompts)} samples are invalid", flush=True)
+        n = len(prompts)
+        return RewardOutput({"score": torch.zeros(n)}, torch.zeros(n, dtype=torch.bool),
+                            [{"reason": f"{name}: {e}"} for _ in range(n)])
 
 
 def _save_sample(sample: torch.Tensor, folder: Path, index: int) -> str:

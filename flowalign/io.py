@@ -79,18 +79,31 @@ def _plain_mode(fd: int, kind: str, like: Path | None = None) -> None:
     os.chmod(fd, mode if mode is not None else (0o666 if kind == "file" else 0o777) & ~umask())
 
 
+def plain_file_modes(folder: Path) -> None:
+    """Give every ``.safetensors`` file under ``folder`` a plain file's mode (0666 less the umask):
+    safetensors writes its files 0600 (it renames a private temporary onto the name), while the JSON
+    written beside them follows the umask."""
+    mode = 0o666 & ~umask()
+    for p in Path(folder).rglob("*.safetensors"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` (with the mode of the
-    file it replaces, else the umask's)."""
+    file it replaces, else the umask's, also when the writer replaced the temporary, as safetensors does)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(path.parent, temp_prefix(path.name))
     fd, tmp = tempfile.mkstemp(prefix=with_pid(temp_prefix(path.name)), suffix=path.suffix, dir=path.parent)
     _plain_mode(fd, "file", like=path)
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
     os.close(fd)
     try:
         yield Path(tmp)
+        if os.path.isfile(tmp) and not os.path.islink(tmp):
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -210,6 +223,7 @@ def atomic_dir(path: str | Path, *, writer: str, overwrite: bool = False, flag: 
         os.chmod(tmp, 0o777 & ~umask())  # it becomes ``path``: a plain folder's mode
         try:
             yield tmp
+            plain_file_modes(tmp)
             _write_marker(tmp, writer, sorted(p.name for p in tmp.iterdir()))
             os.replace(tmp, path)  # a folder appearing since the check makes this fail, never merge
         finally:
@@ -219,6 +233,7 @@ def atomic_dir(path: str | Path, *, writer: str, overwrite: bool = False, flag: 
     tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=path))
     try:
         yield tmp
+        plain_file_modes(tmp)
         _swap_in(tmp, path, writer, overwrite, flag)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

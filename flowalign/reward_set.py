@@ -11,16 +11,18 @@ non-finite value, marks those samples invalid (masked, never scored zero), each 
 (``RewardScores.reasons``: the reward's own ``info[i]["reason"]`` when it gives one). An empty set
 (reward-free trainers such as SOAR and SFT) scores every sample valid with total 0.
 
-A reward given ``timeout_s`` (any reward of a config's ``rewards:`` list takes it) runs each call in a
-worker thread (:class:`TimeLimited`); a call that has not returned by then is abandoned and its batch
-is invalid. A Python thread cannot be killed: the abandoned call goes on in the background until it
-returns, and until it does the reward's next calls are refused (invalid at once) rather than stacked
-on top of it.
+Every reward a run or an evaluation loads runs each call in a worker thread under a deadline
+(:class:`TimeLimited`: the entry's ``timeout_s``, default :data:`flowalign.config.REWARD_TIMEOUT_S`); a
+call that has not returned by then is abandoned and its batch is invalid ("no answer within N s"). A
+Python thread cannot be killed: the abandoned call goes on in the background until it returns, and
+until it does the reward's next calls are refused (invalid at once) rather than stacked on top of it.
+SIGTERM is never a reward's failure: it ends the wait and goes on up (:mod:`flowalign.signals`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import Reward, RewardOutput
 from flowalign.reward_check import check_reward_output
+from flowalign.signals import Abandoned, Terminated, should_abandon
 
 
 @dataclass
@@ -144,8 +147,8 @@ class RewardSet:
                 why = [_reason(out, i, value) for i in range(n)]
                 if _has_verdicts(out, n):
                     passed[name] = torch.tensor([bool(info["all_passed"]) for info in out.info]) & ok
-            except (UserError, KeyboardInterrupt):  # a reward that returns the wrong thing fails every batch: say so once
-                raise
+            except (UserError, KeyboardInterrupt, Terminated):  # a wrong output fails every batch; a signal is
+                raise                                                # the user's, never the reward's failure
             except BaseException as e:  # raised, timed out, even SystemExit: the batch's samples, not the run
                 message = f"raised {type(e).__name__}: {e}" if not isinstance(e, RewardTimeout) else str(e)
                 print(f"warning: reward {name!r} {message}; its batch of {n} samples is invalid", flush=True)
@@ -166,7 +169,11 @@ class RewardSet:
         for name, weight, reward in self.entries:
             try:
                 out = check_reward_output(name, reward(samples, prompts, metadata), len(prompts))
-            except (Exception, KeyboardInterrupt):
+            except RewardTimeout as e:  # no answer: its components are invalid, they count 0
+                print(f"warning: reward {name!r} {e}; it adds nothing for this batch of {len(prompts)} samples",
+                      flush=True)
+                continue
+            except (Exception, KeyboardInterrupt, Terminated):
                 raise
             except BaseException as e:  # a plug-in's SystemExit would end the run without a word
                 raise RuntimeError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
@@ -192,13 +199,19 @@ class RewardTimeout(Exception):
     """A reward call that did not return within its ``timeout_s``."""
 
 
+#: how often a wait for a reward looks whether SIGTERM asked it to give up (seconds)
+_POLL_S = 0.05
+
+
 class TimeLimited:
     """``reward`` whose calls are abandoned after ``timeout_s`` seconds (raising :class:`RewardTimeout`).
 
     Each call runs in a daemon thread (it cannot hold up the process's exit), under the caller's grad
     mode. A thread cannot be stopped: an abandoned call runs on until it returns, and while it does, new
-    calls raise :class:`RewardTimeout` at once instead of starting a second one beside it. Every other
-    attribute (``name``, ``differentiable``, ``requires_metadata``, ...) is the reward's.
+    calls raise :class:`RewardTimeout` at once instead of starting a second one beside it. The wait also
+    gives up, raising :class:`flowalign.signals.Abandoned`, when SIGTERM asks it to
+    (:func:`flowalign.signals.should_abandon`). Every other attribute (``name``, ``differentiable``,
+    ``requires_metadata``, ...) is the reward's.
     """
 
     def __init__(self, name: str, reward: Reward, timeout_s: float):
@@ -211,6 +224,8 @@ class TimeLimited:
         return getattr(self._reward, attr)
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> Any:
+        if should_abandon():
+            raise Abandoned(self._name)
         if self._abandoned is not None and self._abandoned.is_alive():
             raise RewardTimeout(f"was not called: its previous call, abandoned after timeout_s={self._timeout_s:g} s, "
                                 "is still running")
@@ -226,19 +241,30 @@ class TimeLimited:
 
         thread = threading.Thread(target=work, name=f"reward-{self._name}", daemon=True)
         thread.start()
-        thread.join(self._timeout_s)
+        deadline = time.monotonic() + self._timeout_s
+        # in slices: a SIGTERM (its handler runs on the main thread) is seen within one, wherever this waits
+        while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+            thread.join(min(left, _POLL_S))
+            if thread.is_alive() and should_abandon():
+                self._abandoned = thread
+                raise Abandoned(self._name)
         if thread.is_alive():
             self._abandoned = thread
-            raise RewardTimeout(f"did not return within timeout_s={self._timeout_s:g} s (the call is abandoned; "
+            raise RewardTimeout(f"gave no answer within timeout_s={self._timeout_s:g} s (the call is abandoned; "
                                 "raise the reward's timeout_s if it is just slow)")
         if "error" in result:
             raise result["error"]
         return result["out"]
 
 
-def time_limited(name: str, reward: Reward, timeout_s: float | None) -> Reward:
-    """``reward`` under :class:`TimeLimited` when ``timeout_s`` is given, else ``reward`` itself."""
-    return reward if timeout_s is None else TimeLimited(name, reward, timeout_s)
+def time_limited(name: str, reward: Reward, timeout_s: float | None = None) -> Reward:
+    """``reward`` under :class:`TimeLimited` (``timeout_s`` None: the default deadline,
+    :data:`flowalign.config.REWARD_TIMEOUT_S`); a reward already under one is returned as it is."""
+    from flowalign.config import REWARD_TIMEOUT_S
+
+    if isinstance(reward, TimeLimited):
+        return reward
+    return TimeLimited(name, reward, REWARD_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
 def load_panel(specs: Iterable[Any], where: str) -> RewardSet:

@@ -76,15 +76,30 @@ def saved_run_config(run_dir: Path) -> dict[str, Any] | None:
     return data
 
 
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` flattened, with what may change on resume inside its lists taken out: a reward's deadline
+    (``timeout_s``, which changes no score a call returns in time)."""
+    flat = _flatten(config)
+    if isinstance(flat.get("rewards"), list):
+        flat["rewards"] = [{k: v for k, v in r.items() if k != "timeout_s"} if isinstance(r, dict) else r
+                           for r in flat["rewards"]]
+    return flat
+
+
 def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
-    """Refuse (``UserError``) a folder that holds another run's config, or any run with ``resume=never``."""
+    """Refuse (``UserError``) a folder that holds another run's config, or any run with ``resume=never``. A
+    run that saved no checkpoint (e.g. one stopped at step 0 by a reward outage) holds nothing to continue:
+    a changed config starts it over, with a line saying so."""
     saved = saved_run_config(run_dir)
     if saved is not None:
         if resume == "never":
             raise UserError(f"{run_dir} already holds a run; choose another run.output_dir or set run.resume=auto to continue it")
-        old, new = _flatten(saved), _flatten(yaml.safe_load(resolved_yaml))
+        old, new = _comparable(saved), _comparable(yaml.safe_load(resolved_yaml))
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
-        if changed:
+        if changed and latest_checkpoint(run_dir) is None:
+            print(f"note: {run_dir} holds a run that saved no checkpoint, with another config (differs in "
+                  f"{', '.join(changed[:5])}); starting it over with this one")
+        elif changed:
             raise UserError(f"{run_dir} holds another run's config (differs in {', '.join(changed[:5])}); "
                             "choose another run.output_dir, or delete the folder to start over")
 
@@ -139,7 +154,8 @@ def make_evaluator(cfg: TrainConfig):
     else:
         bench = load_benchmark(cfg.eval.bench, cfg.eval.level, cfg.eval.n, cfg.eval.seed, split=cfg.eval.split,
                                reward_options=cfg.eval.reward_options)
-        prompts, metadata, reward = bench.prompts, bench.metadata, bench.reward
+        # under a deadline, one wrapper for the whole run: a hung call is not stacked upon at the next evaluation
+        prompts, metadata, reward = bench.prompts, bench.metadata, time_limited(bench.reward.name, bench.reward)
         labels = {"bench": bench.name, "split": bench.split, "seed": seed, "reward": bench.reward.name}
         title = bench.name
 
@@ -175,6 +191,10 @@ def check_run(cfg: TrainConfig) -> tuple[type, Any]:
     trainer_cls.check_config(cfg, tcfg)
     for spec in cfg.rewards:
         reward_registry.check(spec.name, **spec.options)
+    if cfg.rewards and trainer_cls.needs_rewards and not any(spec.weight for spec in cfg.rewards):
+        print(f"warning: every reward has weight 0 ({', '.join(f'{s.name}: {s.weight:g}' for s in cfg.rewards)}): "
+              "the weighted total is 0 for every sample, so the run learns nothing from them; give the reward to "
+              "train on a non-zero weight (weight 0 only logs a reward)")
     load_train_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"n": 1})}))  # names and levels, not n tasks
     if cfg.eval.prompts:
         read_prompt_file(cfg.eval.prompts)  # a missing or malformed file fails here, not at the first evaluation

@@ -3,8 +3,10 @@
 Each folder is what ``flowalign evaluate --out`` (or a run's ``evals/step-XXXXXX``) writes. Sample ``i`` of
 both got the same noise, so prompt by prompt B wins, ties or loses against A on the verifier's score (or,
 with ``--reward NAME``, on that reward of an evaluation with ``--reward``s).
-Prints one JSON line: wins / ties / losses, the win rate ``(wins + ties/2) / n``, ``wins / (wins +
-losses)``, a two-sided exact sign test on the decided prompts, both means, and for continuous scores the
+Prints one JSON line: wins / ties / losses over the prompts both scored validly (``unscored``: the others,
+an invalid sample on either side, never a tie), the win rate ``(wins + ties/2) / (wins + ties + losses)``,
+``wins / (wins + losses)``, a two-sided exact sign test on the decided prompts, both means (over each
+side's valid samples), and for continuous scores the
 paired difference ``B - A`` (its mean with a 95% interval) and a Wilcoxon signed-rank test. ``--by constraint`` or
 ``--by shape`` adds one line per group of prompts (the task's constraint types, or the shapes its prompt
 names, as the reward lists them): where a change gained and where it lost.
@@ -67,16 +69,25 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 
 def paired(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    """Paired wins / ties / losses of scores ``b`` against ``a`` (``(n,)`` each, same prompts and noise),
-    and the differences ``b - a`` over the pairs both scored (:func:`differences`)."""
-    wins, losses = int((b > a).sum()), int((b < a).sum())
-    ties = len(a) - wins - losses
-    return {"n": len(a), "wins": wins, "ties": ties, "losses": losses,
-            "win_rate": (wins + ties / 2) / len(a) if len(a) else float("nan"),
+    """Paired wins / ties / losses of scores ``b`` against ``a`` (``(n,)`` each, same prompts and noise) over
+    the pairs both scored (NaN: an invalid sample, ``unscored``, neither a win nor a tie), and the
+    differences ``b - a`` over those pairs (:func:`differences`)."""
+    both = np.isfinite(a) & np.isfinite(b)
+    wins, losses = int((b[both] > a[both]).sum()), int((b[both] < a[both]).sum())
+    scored = int(both.sum())
+    ties = scored - wins - losses
+    return {"n": len(a), "wins": wins, "ties": ties, "losses": losses, "unscored": len(a) - scored,
+            "win_rate": (wins + ties / 2) / scored if scored else float("nan"),
             "wins_over_decided": wins / (wins + losses) if wins + losses else float("nan"),
             "sign_test_p": sign_test_p(wins, losses),
-            "a_mean": float(a.mean()), "b_mean": float(b.mean()),
+            "a_mean": _mean(a), "b_mean": _mean(b),
             **differences(a, b)}
+
+
+def _mean(values: np.ndarray) -> float:
+    """The mean of the valid (finite) values; NaN when there is none."""
+    valid = values[np.isfinite(values)]
+    return float(valid.mean()) if len(valid) else float("nan")
 
 
 def differences(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
@@ -125,6 +136,11 @@ def compare(a_rows: list[dict[str, Any]], b_rows: list[dict[str, Any]], on: str 
     if reward is not None and on != "score":
         raise UserError("--reward compares a reward's scores; leave out --on passed")
     a, b = scores(a_rows, on, reward), scores(b_rows, on, reward)
+    if len(a) and not (np.isfinite(a) & np.isfinite(b)).any():
+        what = f"reward {reward}" if reward else "score"
+        raise UserError(f"no prompt has a valid {what} in both evaluations (A: {int(np.isfinite(a).sum())} of "
+                        f"{len(a)} valid, B: {int(np.isfinite(b).sum())} of {len(b)}): nothing to compare; see each "
+                        "row's reason in results.jsonl (e.g. a reward that gave no answer) and evaluate again")
     out = [paired(a, b) | {"on": on} | ({"reward": reward} if reward else {})]
     if by:
         groups = np.array([group_of(row, by) for row in a_rows])

@@ -80,6 +80,8 @@ from flowalign.parallel import strategy
 from flowalign.sequence_parallel import DataRanks
 from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardScores, RewardSet
+from flowalign.signals import Abandoned, Terminated, abandonable, clear_stop
+from flowalign import checkpoint as ckpt
 from flowalign.trainers import checkpointing, loop
 from flowalign.trainers.optim import setup_optimisation
 from flowalign.trainers.reference import keep_reference
@@ -415,7 +417,8 @@ class GroupTrainer:
     def train_step(self) -> dict[str, float]:
         """collect → plan → losses and optimiser steps → finish; the step's log line."""
         t0, cpu0 = time.perf_counter(), time.process_time()
-        batch = self.collect(self.step)
+        with abandonable(self.parallel.world == 1):  # collecting changes no weight: SIGTERM may drop it
+            batch = self.collect(self.step)
         t_update = time.perf_counter()
         generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, 1))  # every rank's
         stats = self.update(batch, generator)
@@ -448,11 +451,27 @@ class GroupTrainer:
 
     # ------------------------------------------------------------------ run, evaluate, checkpoints
     def train(self) -> dict[str, Any]:
-        """Run until ``trainer.max_steps`` (see :func:`flowalign.trainers.loop.run`)."""
-        return loop.run(self)
+        """Run until ``trainer.max_steps`` (see :func:`flowalign.trainers.loop.run`). A SIGTERM that came
+        while a step's rewards or an evaluation were awaited drops that work (:mod:`flowalign.signals`):
+        the last completed step is saved, then :class:`flowalign.signals.Terminated` says where."""
+        try:
+            return loop.run(self)
+        except Abandoned as e:
+            raise Terminated(self._save_abandoned(e.reward)) from None
+        finally:
+            clear_stop()
+
+    def _save_abandoned(self, reward: str) -> str:
+        """Save the last completed step unless its checkpoint is on disk; the line saying where it is."""
+        newest = ckpt.latest_checkpoint(self.run_dir)
+        saved = newest if newest is not None and newest.name == ckpt.step_dir_name(self.step) else None
+        where = saved or self.save_checkpoint()
+        return (f"SIGTERM received; saved {where} at step {self.step} (rerun the same command to resume; the work "
+                f"in flight, waiting for reward {reward!r}, was dropped)")
 
     def evaluate(self) -> dict[str, Any]:
-        return loop.evaluate(self)
+        with abandonable(self.parallel.world == 1):  # an evaluation changes no weight: SIGTERM may drop it
+            return loop.evaluate(self)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The trainable weights by name, plus the trainer's state tensors (checkpoint prefix)."""

@@ -144,6 +144,14 @@ class FlowOPDTrainer(GroupTrainer):
         self.teachers = [[place(t[n], p) for n, p in zip(names, self.params)] for t in teachers]
         self.anchor = None if anchor is None else [place(anchor[n], p) for n, p in zip(names, self.params)]
         self.patterns = [t.match for t in tcfg.teachers]
+        # a teacher no training prompt is routed to (its match finds none, or an earlier teacher takes them
+        # all) would sit in memory unused: say so before training
+        routed = set(route(self.data.prompts, self.patterns).tolist())
+        for i, t in enumerate(tcfg.teachers):
+            if i not in routed and self.acc.is_main_process:
+                print(f"warning: trainer.teachers[{i}] ({t.adapter}, match={t.match!r}) is the first match of none "
+                      f"of the {len(self.data.prompts)} training prompts, so it is never used; fix its match (a "
+                      "regular expression searched in each prompt) or its place in the list, or drop it")
 
     def anchor_weights(self):
         """The anchor's velocity context: its weights swapped in, or the adapter switched off."""

@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowalign import checkpoint as ckpt
+from flowalign import signals
 from flowalign.finite import check_training_finite, weight_labels
 from flowalign.signals import Terminated
 
@@ -33,6 +34,8 @@ def run(trainer: Any) -> dict[str, Any]:
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated("SIGTERM received twice; stopped "
                                                                                "without saving")
         stop["signal"] = signum
+        if signum == signal.SIGTERM:
+            signals.request_stop()  # a step or evaluation awaiting a hung reward gives up (flowalign.signals)
         if signum == signal.SIGINT:
             print("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)")
 

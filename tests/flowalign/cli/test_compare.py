@@ -76,10 +76,27 @@ def test_continuous_reward_gets_paired_differences_interval_and_wilcoxon(tmp_pat
     line = json.loads(capsys.readouterr().out)
     d = [y - x for x, y in zip(a[:6], b[:6])]
     assert line["reward"] == "pickscore" and line["n_paired"] == 6
-    assert (line["wins"], line["losses"], line["ties"]) == (4, 1, 2)
+    assert (line["wins"], line["losses"], line["ties"], line["unscored"]) == (4, 1, 1, 1)
+    assert line["win_rate"] == pytest.approx(4.5 / 6)  # over the pairs both scored
     assert line["mean_diff"] == pytest.approx(sum(d) / 6)
     # the interval is the paired t-test's: its p-value is 0.05 exactly at the interval's bound
     assert ttest_rel([x + line["diff_ci95_low"] for x in a[:6]], b[:6]).pvalue == pytest.approx(0.05)
     assert line["wilcoxon_p"] == pytest.approx(wilcoxon([x for x in d if x != 0]).pvalue)
     assert main(["compare", str(base), str(tuned), "--reward", "hpsv3"]) == 2
     assert "has brightness, pickscore" in capsys.readouterr().err
+
+
+def test_evaluations_with_no_valid_score_are_refused_not_called_ties(tmp_path, capsys):
+    base = scored_dir(tmp_path / "a", {"pickscore": [None, None]})
+    tuned = scored_dir(tmp_path / "b", {"pickscore": [None, 0.5]})
+    assert main(["compare", str(base), str(tuned)]) == 2
+    err = capsys.readouterr().err
+    assert "no prompt has a valid score in both evaluations (A: 0 of 2 valid, B: 1 of 2)" in err
+    assert len(err.strip().splitlines()) == 1
+    # one pair scored: it decides, the other is unscored, never a tie
+    tuned = scored_dir(tmp_path / "c", {"pickscore": [0.4, 0.5]})
+    base = scored_dir(tmp_path / "d", {"pickscore": [None, 0.2]})
+    assert main(["compare", str(base), str(tuned)]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert (line["wins"], line["ties"], line["losses"], line["unscored"], line["win_rate"]) == (1, 0, 0, 1, 1.0)
+    assert line["a_mean"] == pytest.approx(0.2) and line["b_mean"] == pytest.approx(0.45)

@@ -117,3 +117,14 @@ def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, tea
                                           "trainer.group_size=1",
                                           f"trainer.teachers=[{{adapter: {teachers['trained']}}}]",
                                           "trainer.cold_start_steps=1", "trainer.states_per_sample=2")
+
+
+def test_a_teacher_no_prompt_is_routed_to_is_warned_about(tmp_path, tiny_sd3_dir, prompt_file, teachers, capsys):
+    same = teachers["same"]
+    opd(tmp_path / "r", tiny_sd3_dir, prompt_file,
+        f"[{{adapter: {same}, match: red}}, {{adapter: {same}, match: 'red circle'}}, {{adapter: {same}, match: purple}}]")
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: trainer.teachers[")]
+    # [1] only ever matches what [0] takes first; [2] matches nothing; [0] is used
+    assert [line[: len("warning: trainer.teachers[1]")] for line in warned] == \
+        ["warning: trainer.teachers[1]", "warning: trainer.teachers[2]"]
+    assert "match='purple') is the first match of none of the 4 training prompts" in warned[1]

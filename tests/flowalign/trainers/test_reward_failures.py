@@ -70,7 +70,7 @@ def test_a_timed_out_batch_is_invalid_and_the_next_one_scores_again(release, cap
     x = torch.rand(3, 3, 8, 8)
     first = rewards.score(x, ["a"] * 3, [{}] * 3)
     assert not first.valid.any() and first.values.eq(0).all()
-    assert "warning: reward 'stuck' did not return within timeout_s=0.2" in capsys.readouterr().out
+    assert "warning: reward 'stuck' gave no answer within timeout_s=0.2" in capsys.readouterr().out
     assert "still running" in rewards.score(x, ["a"] * 3, [{}] * 3).reasons[0]
     RELEASE.set()
     rewards.entries[0][2]._abandoned.join()  # the abandoned call returns (and is thrown away)
