@@ -209,6 +209,21 @@ def test_a_slow_body_gets_408(server):
     assert status_of(reply) == 408 and b"request body did not arrive" in reply
 
 
+def test_a_long_prompt_is_refused_before_the_model_sees_it(server):
+    _, url, _ = server
+    started = time.monotonic()
+    body = chat_body()
+    body["messages"][0]["content"][0]["text"] = "word " * 60_000  # 300,000 characters: refused untokenized
+    error = openai_error(post(url, body), 413)
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+    assert "serve-judge --max-prompt-tokens" in error["message"] and error["param"] == "messages"
+    body["messages"][0]["content"][0]["text"] = "a " * 10_000  # short in characters, over 8,192 tokens
+    error = openai_error(post(url, body), 413)
+    assert "tokens of text" in error["message"] and error["code"] == "context_length_exceeded"
+    assert time.monotonic() - started < 15  # the model would take minutes over either
+    assert post(url, chat_body()).status_code == 200
+
+
 def test_request_fields_are_validated(server):
     _, url, _ = server
     assert openai_error(post(url, chat_body(seed=2**80)), 400)["param"] == "seed"

@@ -190,19 +190,24 @@ def test_transient_503s_are_retried_with_backoff(local: LocalVLMJudge):
 def test_serve_judge_command(vlm_dir: Path, tmp_path: Path, capsys):
     assert cli_main(["serve-judge", "--model", str(tmp_path / "nope"), "--port", "8000"]) == 2
     assert "not a model folder" in capsys.readouterr().err
-    port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "flowalign", "serve-judge", "--model", str(vlm_dir), "--port",
-                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "flowalign", "serve-judge", "--model", str(vlm_dir), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        judge = HTTPVLMJudge(f"http://127.0.0.1:{port}/v1", top_logprobs=20, timeout=60, retries=0)
+        printed = ""
+        while not printed.startswith("serving "):  # the address it prints is the one it listens on
+            printed = proc.stdout.readline()
+            assert printed or proc.poll() is None, "the server exited before saying where it listens"
+        url = printed.split(" on ", 1)[1].split(" ", 1)[0]
+        assert url.startswith("http://127.0.0.1:") and not url.startswith("http://127.0.0.1:0/")
+        judge = HTTPVLMJudge(url, top_logprobs=20, timeout=60, retries=0)
         deadline = time.monotonic() + 90
         while True:
             try:
-                requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                requests.get(f"{url}/models", timeout=1)
                 break
             except requests.RequestException:  # not listening yet, or listening but still loading (read timeout)
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-2000:]
                 time.sleep(0.2)
         out = judge(images(1), ["a red circle"], [])
         assert out.info[0].get("reply") is not None  # an answer came back over HTTP (top-20 may miss the digits)
