@@ -64,3 +64,25 @@ def test_tiny_on_a_full_disk_names_its_folder_and_leaves_it_as_it_was(small_disk
     assert f"no space left on the device of {disk / 'm'} (writing the tiny sd3 model)" in line
     assert "it needs about" in line and "MB free" in line
     assert sorted(str(p.relative_to(disk)) for p in disk.rglob("*")) == ["m", "m/notes.txt"]  # no temporary left
+
+
+def test_the_full_disk_line_reads_whole_before_and_after_the_first_checkpoint(tmp_path):
+    import errno
+
+    import pytest
+    import torch
+
+    from flowalign import checkpoint as ckpt
+    from flowalign.disk_space import explain_full_disk
+    from flowalign.errors import UserError
+
+    params = [torch.zeros(256)]
+    with pytest.raises(UserError) as none_yet, explain_full_disk(tmp_path, params, keep=2):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(none_yet.value).endswith("; no checkpoint was written yet, so once space is freed the rerun starts over")
+    done = tmp_path / "checkpoints" / "step-000003"
+    done.mkdir(parents=True)
+    (done / ckpt.COMPLETE).write_text("ok\n")
+    with pytest.raises(UserError) as kept, explain_full_disk(tmp_path, params, keep=2):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(kept.value).endswith(f"; {done} is complete and the run resumes from it once space is freed")

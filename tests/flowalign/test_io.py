@@ -128,3 +128,38 @@ def test_overwrite_keeps_a_users_files_inside_a_folder_of_a_name_it_writes(tmp_p
     assert (tmp_path / "media" / "c00" / "0.png").read_text() == "sample"
     assert (tmp_path / "index.html").read_text() == "gallery"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".flowalign-") and p.is_dir()]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_safetensors_outputs_follow_the_umask_like_the_json_beside_them(tmp_path, mask):
+    """safetensors replaces the file it writes by a private (0600) one: every writer of outputs gives it back
+    the umask's mode, as the JSON beside it has."""
+    import torch
+    from safetensors.torch import save_file
+
+    from flowalign import checkpoint as ckpt
+    from flowalign.io import atomic_path, write_json
+
+    tensors = {"w": torch.zeros(2)}
+    previous = os.umask(mask)
+    try:
+        with atomic_path(tmp_path / "one.safetensors") as tmp:
+            save_file(tensors, str(tmp))
+        for folder in (tmp_path / "new", tmp_path / "new"):  # a new folder, then one written before
+            with atomic_dir(folder, writer="demo") as out:
+                save_file(tensors, str(out / "w.safetensors"))
+                write_json(out / "meta.json", {})
+        ckpt_tmp = tmp_path / "run" / "checkpoints" / ".tmp-step-000001"
+        ckpt_tmp.mkdir(parents=True)
+        ckpt.write_checkpoint_files(ckpt_tmp, trainable=tensors, optimizer=None, ema_state=tensors, trainer_state={})
+        ckpt.finalise(ckpt_tmp, tmp_path / "run" / "checkpoints" / "step-000001")
+    finally:
+        os.umask(previous)
+    written = [tmp_path / "one.safetensors", tmp_path / "new" / "w.safetensors",
+               *(tmp_path / "run" / "checkpoints" / "step-000001").glob("*.safetensors")]
+    assert len(written) == 4
+    assert {stat.S_IMODE(p.stat().st_mode) for p in written} == {0o666 & ~mask}
+    assert stat.S_IMODE((tmp_path / "new" / "meta.json").stat().st_mode) == 0o666 & ~mask
+    from flowalign.checkpoint_manifest import damage
+
+    assert damage(tmp_path / "run" / "checkpoints" / "step-000001") is None  # the manifest holds as written
