@@ -300,3 +300,15 @@ def test_the_decode_budget_refuses_what_never_fits_and_waits_for_what_will():
     second.release()
     second.release()  # idempotent
     assert budget.used == 0
+
+
+def test_whatever_an_app_raises_comes_back_as_a_json_500():
+    from rewards.judge_server import BackgroundServer
+
+    async def app(scope, receive, send):  # an ASGI app failing as no handler foresaw
+        raise OverflowError("cannot convert float infinity to integer")
+
+    with BackgroundServer(app, limits=Limits()) as server:
+        error = openai_error(requests.get(f"http://127.0.0.1:{server.port}/v1/anything", timeout=PATIENCE), 500)
+    assert error["message"] == "OverflowError: cannot convert float infinity to integer"
+    assert error["type"] == "server_error"
