@@ -1,13 +1,16 @@
 """DiffusionNFT (arXiv 2509.16117): the baseline DiffusionOPSD is measured against
-(``docs/methods/diffusion_opsd.md``, "DiffusionNFT").
+(``docs/methods/diffusion_nft.md``).
 
 Same behaviour policy φ, ODE rollouts, mirrored velocities ``v±``, reward weight ``r`` and soft refresh
-as OPSD (all from ``self_distill.py``); what differs is the training signal: each rollout
-endpoint ``x_i`` is forward-noised, ``x_t = (1−t)·x_i + t·ε``, at the sampler's timesteps, and
+as OPSD (all from ``self_distill.py``); what differs is the training signal: each rollout endpoint ``x_0``
+is forward-noised, ``x_t = (1−t)·x_0 + t·ε``, at ``⌊timestep_fraction·T⌋`` of the sampler's T timesteps
+(a fresh permutation per sample), and, as the authors' ``train_nft_sd3.py`` computes it,
 
-    L = E[ r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)² ],   v = ε − x_i,
+    x̂0± = x_t − t·v±,   w± = mean|x̂0± − x_0|  (no gradient),
+    L = (A_max/β)·[ r·mean((x̂0⁺ − x_0)²/w⁺) + (1−r)·mean((x̂0⁻ − x_0)²/w⁻) ] + β_KL·mean((v_θ − v_ref)²)
 
-so no reward gradient is needed: any reward (the verifier itself) works.
+so no reward gradient is needed: any reward (the verifier itself) works. ``loss_form: velocity`` keeps the
+plain flow-matching form ``r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)²``, ``v = ε − x_0``.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from flowalign.limits import MAX_GUIDANCE, MAX_SAMPLING_STEPS
+from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE
 from flowalign.sampling import Rollout
 from flowalign.trainers.self_distill import (
     FitUnit,
@@ -27,51 +30,113 @@ from flowalign.trainers.self_distill import (
     per_sample_mean,
 )
 
+LossForm = Literal["x0_normalised", "velocity"]
+
 
 class DiffusionNFTConfig(SelfDistillConfig):
     name: Literal["diffusion_nft"] = "diffusion_nft"
-    #: noised copies of each endpoint per update, at distinct sampler timesteps σ_0..σ_{T-1} drawn per
-    #: chunk (0: every timestep of the grid, the paper's "~all sampler timesteps")
-    timesteps_per_sample: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
-    #: 1.0 here: the conditional velocity is the quantity whose flow-matching target ``ε − x_i`` is (the
-    #: paper's CFG-free training); None fits the guided velocity, which wrecked the tiny model
-    #: (docs/results.md)
+    #: trained timesteps per sample: ⌊fraction·T⌋ of the T sampler timesteps, a fresh random permutation per
+    #: sample and update (the authors' ``train.timestep_fraction`` 0.99: 9 of 10)
+    timestep_fraction: float = Field(0.99, gt=0, le=1)
+    #: weight of the KL term ``mean (v_θ − v_ref)²`` to the starting weights (the authors' ``train.beta`` 1e-4)
+    beta: float = Field(1e-4, ge=0, le=MAX_COEFFICIENT)
+    #: ``x0_normalised``: the authors' loss (module docstring); ``velocity``: plain mean squared velocity error,
+    #: without the A_max/β scale
+    loss_form: LossForm = "x0_normalised"
+    #: 1.0 here: the conditional velocity is the quantity whose flow-matching target ``ε − x_0`` is (the
+    #: authors sample and train with ``guidance_scale 1.0``); None fits the guided velocity
     fit_guidance: float | None = Field(1.0, ge=1.0, le=MAX_GUIDANCE)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_timestep_count(cls, data):
+        if isinstance(data, dict) and "timesteps_per_sample" in data:
+            raise ValueError("trainer.timesteps_per_sample is now trainer.timestep_fraction (the fraction of the "
+                             "sampler's timesteps trained per sample, e.g. 0.99)")
+        return data
+
+
+def adaptive_x0_loss(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """``mean((x̂0 − x0)²/w)`` ``(B,)`` with ``w = max(mean|x̂0 − x0|, 1e-5)`` per sample, computed in float64 and
+    without gradient, as the authors' adaptive weighting."""
+    with torch.no_grad():
+        weight = (x0_hat.double() - x0.double()).abs().flatten(1).mean(1).clip(min=1e-5)
+    weight = weight.view(-1, *([1] * (x0.ndim - 1)))
+    return per_sample_mean((x0_hat - x0) ** 2 / weight)
 
 
 def nft_loss(
-    v_theta: torch.Tensor, v_phi: torch.Tensor, target: torch.Tensor, r: torch.Tensor, beta: float
+    v_theta: torch.Tensor, v_phi: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
+    t: torch.Tensor, r: torch.Tensor, beta: float, adv_clip: float, form: LossForm = "x0_normalised",
+    v_ref: torch.Tensor | None = None, kl_beta: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-sample NFT loss ``(B,)``: ``r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)²``, ``target`` = ``v = ε − x_i``."""
+    """Per-sample NFT loss ``(B,)``.
+
+    ``v_theta``, ``v_phi``, ``x_t``, ``x0``, ``eps``, ``v_ref``: ``(B, ...)``; ``t``, ``r``: ``(B,)``; ``beta``: the
+    mirror β; ``adv_clip``: A_max. ``x0_normalised`` (the authors'): ``(A_max/β)·[r·L⁺ + (1−r)·L⁻]`` with
+    :func:`adaptive_x0_loss` on ``x̂0± = x_t − t·v±``; ``velocity``: ``r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)²``.
+    With ``v_ref``, ``kl_beta·mean((v_θ − v_ref)²)`` is added.
+    """
     v_pos, v_neg = mirrored_velocities(v_theta, v_phi.detach(), beta)
-    pos = per_sample_mean((v_pos - target) ** 2)
-    neg = per_sample_mean((v_neg - target) ** 2)
-    return r * pos + (1 - r) * neg, {"loss_pos": pos.mean().item(), "loss_neg": neg.mean().item()}
+    if form == "velocity":
+        target = eps - x0
+        pos, neg = per_sample_mean((v_pos - target) ** 2), per_sample_mean((v_neg - target) ** 2)
+        loss = r * pos + (1 - r) * neg
+    else:
+        t = t.view(-1, *([1] * (x0.ndim - 1)))
+        pos = adaptive_x0_loss(x_t - t * v_pos, x0)
+        neg = adaptive_x0_loss(x_t - t * v_neg, x0)
+        loss = (r * pos / beta + (1 - r) * neg / beta) * adv_clip
+    info = {"loss_pos": pos.mean().item(), "loss_neg": neg.mean().item()}
+    if v_ref is not None:
+        kl = per_sample_mean((v_theta - v_ref.detach()) ** 2)
+        loss = loss + kl_beta * kl
+        info["kl"] = kl.mean().item()
+    return loss, info
+
+
+def drawn_timesteps(num_samples: int, num_timesteps: int, fraction: float,
+                    generator: torch.Generator) -> torch.Tensor:
+    """``(⌊fraction·T⌋, B)`` indices into the T sampler timesteps: row j holds each sample's j-th trained
+    timestep, the first ⌊fraction·T⌋ entries of a fresh permutation per sample (the authors' ``perms_time``)."""
+    n = max(1, int(num_timesteps * fraction))
+    perms = torch.stack([torch.randperm(num_timesteps, generator=generator) for _ in range(num_samples)])
+    return perms[:, :n].T
 
 
 class DiffusionNFTTrainer(SelfDistillTrainer):
     Config = DiffusionNFTConfig
     tcfg: DiffusionNFTConfig
 
+    @classmethod
+    def needs_reference(cls, cfg, tcfg) -> bool:
+        """The KL term's ``v_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
+        return tcfg.beta > 0 and cfg.model.finetune == "full"
+
     def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
-        """One unit per chosen timestep: the noised endpoints and ``v_φ`` there (the caller swapped φ in)."""
+        """One unit per trained timestep index: each sample noised at its own drawn timestep, and ``v_φ``
+        there (the caller swapped φ in)."""
         x0 = chunk.final_latents.to(self.policy.device)
-        sigmas = chunk.sigmas[:-1]  # σ = 0 is the clean sample: nothing to learn there
-        n = self.tcfg.timesteps_per_sample
-        picked = (torch.randperm(len(sigmas), generator=generator)[:n].sort().values if 0 < n < len(sigmas)
-                  else torch.arange(len(sigmas)))
+        sigmas = chunk.sigmas[:-1]  # the sampler's T timesteps; σ = 0 is the clean sample
         guidance = self.fit_guidance(chunk)
         units = []
-        for k in picked.tolist():
-            t = sigmas[k].item()
+        for picked in drawn_timesteps(x0.shape[0], len(sigmas), self.tcfg.timestep_fraction, generator):
+            t = sigmas[picked].to(x0)
             eps = torch.randn(x0.shape, generator=generator).to(x0)
-            x_t = (1 - t) * x0 + t * eps
+            t_b = t.view(-1, *([1] * (x0.ndim - 1)))
+            x_t = (1 - t_b) * x0 + t_b * eps
             with torch.no_grad():
                 v_phi = self.policy.velocity(x_t, t, chunk.cond, guidance)
-            units.append(FitUnit(chunk, r.to(x0.device), keep, {"t": t, "x_t": x_t, "v_phi": v_phi, "target": eps - x0}))
+            units.append(FitUnit(chunk, r.to(x0.device), keep,
+                                 {"t": t, "x_t": x_t, "x0": x0, "eps": eps, "v_phi": v_phi}))
         return units
 
     def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        x = unit.tensors
-        v_theta = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, self.fit_guidance(unit.chunk))
-        return nft_loss(v_theta, x["v_phi"], x["target"], unit.r, self.tcfg.mirror_beta)
+        x, guidance = unit.tensors, self.fit_guidance(unit.chunk)
+        v_ref = None
+        if self.tcfg.beta > 0:
+            with torch.no_grad(), self.policy.adapter_disabled():
+                v_ref = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, guidance)
+        v_theta = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, guidance)
+        return nft_loss(v_theta, x["v_phi"], x["x_t"], x["x0"], x["eps"], x["t"], unit.r, self.tcfg.mirror_beta,
+                        self.tcfg.adv_clip, self.tcfg.loss_form, v_ref, self.tcfg.beta)

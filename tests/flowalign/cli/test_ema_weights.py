@@ -54,7 +54,7 @@ def test_ema_without_checkpoint_or_shadow_is_refused(tmp_path, tiny_sd3_dir, pro
 def test_a_self_distillation_checkpoint_loads_its_theta_not_phi(tmp_path, tiny_sd3_dir, prompt_file, finetune):
     """NFT/OPSD checkpoints hold the behaviour weights φ beside θ (``behaviour.*``) for resume; ``--adapter``
     loads θ and its EMA, and ignores φ."""
-    extra = ["trainer.name=diffusion_nft", "trainer.timesteps_per_sample=1", "trainer.ema_decay=0.5",
+    extra = ["trainer.name=diffusion_nft", "trainer.timestep_fraction=0.25", "trainer.ema_decay=0.5",
              "trainer.ema_every=1", "run.checkpoint_every=2", f"model.finetune={finetune}"]
     trainer = build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, *extra))
     trainer.train()

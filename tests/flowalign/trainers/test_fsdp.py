@@ -26,7 +26,7 @@ from .conftest import REPO, run_cli, small_run
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
 FSDP = "parallel.strategy=fsdp"
-NFT = ("trainer.name=diffusion_nft", "trainer.timesteps_per_sample=2")
+NFT = ("trainer.name=diffusion_nft", "trainer.timestep_fraction=0.5")
 FEST = ("trainer.name=festdpo", "trainer.K=8", "trainer.num_steps=2", "trainer.pairs_per_prompt=4")
 
 pytestmark = [pytest.mark.slow,
