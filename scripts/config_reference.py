@@ -247,10 +247,11 @@ INTRO = """\
 A run is one YAML file with the sections below. `flowalign train CONFIG key=value ...` applies dotted
 overrides on top (each value is read as YAML: `trainer.lr=1e-4`, `'data.level=[easy, medium]'`).
 Unknown keys and out-of-range values are errors that name the field, the value and the allowed range
-(with "did you mean" for a misspelt key). A key given twice in one mapping is an error naming both lines,
-and so is a file whose aliases (`*name`) expand to more than 100,000 values or a file over 10 MiB. Counts,
-step numbers, sizes and learning rates have upper bounds (shown below) far above real use: they stop a
-typo such as `data.n=1e12` before it fills the memory. The run folder's `config.yaml` holds the resolved
+(with "did you mean" for a misspelt key). A key given twice in one mapping (`{a: 1, a: 2}` included) is an
+error naming both lines, and so is a file whose aliases (`*name`) expand to more than 100,000 values or a file
+over 10 MiB. Every number has a lower and an upper bound (shown below; `flowalign/limits.py` says why each
+is where it is), far above real use: they stop a typo such as `data.n=1e12` or
+`trainer.updates_per_epoch=1e9` before it fills the memory. The run folder's `config.yaml` holds the resolved
 config with every default filled in. How the sections fit together: [training](training.md).
 """
 
