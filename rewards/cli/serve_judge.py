@@ -34,8 +34,6 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--model {args.model}: not a model folder (no config.json); give a local transformers VLM folder")
     if args.max_top_logprobs < 1:
         raise UserError(f"--max-top-logprobs {args.max_top_logprobs}: give an integer >= 1")
-    if not 1 <= args.max_prompt_tokens <= 1_000_000:
-        raise UserError(f"--max-prompt-tokens {args.max_prompt_tokens}: give an integer in 1..1000000")
     limits = limits_from(args, "serve-judge")
     try:
         import fastapi  # noqa: F401
