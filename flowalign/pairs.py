@@ -97,7 +97,9 @@ def load_image(path: str | Path, height: int, width: int) -> torch.Tensor:
     """An image file as ``(3, height, width)`` float32 in [0, 1]: scaled to cover, then centre-cropped."""
     from PIL import Image
 
-    with Image.open(path) as im:
+    from flowalign.media import open_image
+
+    with open_image(path, "image") as im:  # not an image, or too many pixels: one line, before decoding
         im = im.convert("RGB")
         scale = max(height / im.height, width / im.width)
         size = (max(width, round(im.width * scale)), max(height, round(im.height * scale)))

@@ -115,9 +115,9 @@ def _layers(text: str):
 def pairs_from_jsonl(policy, path: Path, batch: int = 64):
     import numpy as np
     import torch
-    from PIL import Image
 
     from flowalign.latent_preference import PreferencePairs
+    from flowalign.media import open_image
     from rewards.latent_registers import encode_images
 
     prompts, files, margins = [], [], []
@@ -144,8 +144,9 @@ def pairs_from_jsonl(policy, path: Path, batch: int = 64):
     unique = list(position)
     latents = []
     for i in range(0, len(unique), batch):
-        ims = [torch.from_numpy(np.asarray(Image.open(f).convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
-               for f in unique[i : i + batch]]
+        # each file's header checked first (not an image, too many pixels: one line, before decoding)
+        ims = [torch.from_numpy(np.asarray(open_image(f, f"{path}: image").convert("RGB"), dtype=np.float32) / 255)
+               .permute(2, 0, 1) for f in unique[i : i + batch]]
         latents.append(encode_images(policy, torch.stack(ims)))
     latents = torch.cat(latents)[torch.tensor([position[f] for f in files])]  # chosen, rejected interleaved
     return PreferencePairs(prompts, latents[0::2], latents[1::2], torch.tensor(margins))

@@ -204,3 +204,14 @@ def test_prompt_file_images_are_checked_like_image_options(tmp_path):
         load_input_image(png_header(tmp_path / "big.png", 13000, 13000))
     with pytest.raises(UserError, match="cannot be decoded"):
         load_input_image(png_header(tmp_path / "small.png", 8, 8))
+
+
+def test_preference_pair_images_are_checked_from_their_header(tmp_path):
+    """The images of preference-pair files (diffusion_dpo, seppo, festdpo) are read the same way."""
+    from flowalign.errors import UserError
+    from flowalign.pairs import load_image
+
+    with pytest.raises(UserError, match="image /etc/passwd: cannot be read as an image"):
+        load_image("/etc/passwd", 32, 32)
+    with pytest.raises(UserError, match="169,000,000 pixels"):
+        load_image(png_header(tmp_path / "big.png", 13000, 13000), 32, 32)
