@@ -312,3 +312,26 @@ def test_whatever_an_app_raises_comes_back_as_a_json_500():
         error = openai_error(requests.get(f"http://127.0.0.1:{server.port}/v1/anything", timeout=PATIENCE), 500)
     assert error["message"] == "OverflowError: cannot convert float infinity to integer"
     assert error["type"] == "server_error"
+
+
+def test_requests_past_the_limit_get_503_and_health_still_answers():
+    import asyncio
+
+    from rewards.judge_server import BackgroundServer
+
+    async def app(scope, receive, send):  # every request but /health takes a second
+        if scope["path"] != "/health":
+            await asyncio.sleep(1.0)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    with BackgroundServer(app, limits=Limits(max_connections=1)) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        first = threading.Thread(target=requests.get, args=(url + "/slow",), kwargs={"timeout": PATIENCE})
+        first.start()
+        time.sleep(0.3)
+        error = openai_error(requests.get(url + "/slow", timeout=PATIENCE), 503)
+        assert "--max-connections" in error["message"] and error["code"] == "server_busy"
+        assert requests.get(url + "/health", timeout=PATIENCE).text == "done"
+        first.join()
+        assert requests.get(url + "/slow", timeout=PATIENCE).text == "done"  # its slot is free again
