@@ -43,7 +43,7 @@ def test_video_model_writes_mp4_and_refuses_png(tmp_path, capsys, tiny_wan_dir):
 
 @pytest.mark.parametrize("argv,needle", [
     (["sample", "--model", "/nonexistent/model", "--prompt", "p", "--out", "x.png"], "does not exist"),
-    (["sample", "--prompt", "p", "--sampler", "cps", "--noise-level", "3", "--out", "x.png"], "out of range"),
+    (["sample", "--prompt", "p", "--sampler", "cps", "--noise-level", "1.5", "--out", "x.png"], "out of range"),
     (["sample", "--prompt", "p", "--out", "x.txt"], "unknown file type"),
     (["evaluate", "--bench", "no_such_bench", "--out", "o"], "unknown benchmark"),
     (["evaluate", "--level", "impossible", "--out", "o"], "unknown level"),
