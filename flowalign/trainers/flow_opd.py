@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
+from flowalign.paths import REPO_ROOT
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
 from flowalign.trainers.diffusion_dpo import pair_timesteps
@@ -295,7 +296,10 @@ def read_weights(policy: Any, named: dict[str, torch.nn.Parameter], folder: str)
 
 def teacher_checkpoint(path: Path) -> Path:
     """A run folder's newest checkpoint that verifies; any other folder as it is. (Checked here, when training
-    starts, not with the config: ``flowalign plan`` and ``--check`` of a stage-2 run work before stage 1.)"""
+    starts, not with the config: ``flowalign plan`` and ``--check`` of a stage-2 run work before stage 1.)
+    A relative path that is not found from here is read from the repository, as configs name shipped assets."""
+    if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
+        path = REPO_ROOT / path
     if not path.exists():
         raise UserError(f"trainer.teachers: adapter {str(path)!r} does not exist; train the teacher first (stage 1) "
                         "and give its run folder or checkpoint, e.g. runs/<name>/checkpoints/step-N")
