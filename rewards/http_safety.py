@@ -485,19 +485,3 @@ def check_bind(host: str, api_key: str | None, insecure_no_auth: bool, command: 
     if api_key is None and not insecure_no_auth and not is_loopback(host):
         raise UserError(f"{command} --host {host} would serve anyone who can reach this machine without a key: "
                         f"set ${API_KEY_ENV} (or --api-key), or pass --insecure-no-auth on a trusted network")
-
-
-def read_reply(session: Any, method: str, url: str, body: Any, headers: dict[str, str],
-               timeout: float) -> tuple[int, Any, bytes]:
-    """``(status, headers, body)`` of one request whose whole reply must arrive within ``timeout`` seconds
-    (the clients' side: a server that trickles its reply cannot stall a training step). Raises
-    ``TimeoutError`` when it does not, and ``requests``' ``ConnectionError`` / ``Timeout`` as they come."""
-    deadline = time.monotonic() + timeout
-    r = session.request(method, url, json=body, headers=headers, stream=True, timeout=(timeout, timeout))
-    chunks = []
-    for chunk in r.iter_content(65536):
-        chunks.append(chunk)
-        if time.monotonic() > deadline:
-            r.close()
-            raise TimeoutError(f"no complete reply within timeout={timeout:g} s")
-    return r.status_code, r.headers, b"".join(chunks)

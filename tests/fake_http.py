@@ -14,10 +14,11 @@ from typing import Any, Callable
 class FakeServer:
     """``with FakeServer(handler) as srv:`` serves ``srv.url``; each request runs ``handler(srv, conn, body)``
     in its own thread (the connection is closed after it). ``srv.bodies`` holds the request bodies as JSON,
-    ``srv.sent`` the bytes the handlers wrote, ``srv.stop`` is set when the server closes."""
+    ``srv.sent`` the bytes the handlers wrote, ``srv.stop`` is set when the server closes.
+    ``read_request=False``: the handler gets the connection as it is accepted (``body`` empty)."""
 
-    def __init__(self, handler: Callable[["FakeServer", socket.socket, bytes], None]):
-        self.handler = handler
+    def __init__(self, handler: Callable[["FakeServer", socket.socket, bytes], None], read_request: bool = True):
+        self.handler, self.read_request = handler, read_request
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.1)
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
@@ -52,6 +53,8 @@ class FakeServer:
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(5)
         try:
+            if not self.read_request:
+                return self.handler(self, conn, b"")
             data = b""
             while b"\r\n\r\n" not in data:
                 chunk = conn.recv(65536)

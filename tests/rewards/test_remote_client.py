@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
+import subprocess
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ import torch
 import rewards
 from flowalign.errors import UserError
 from flowalign.reward_set import RewardSet
+from rewards import http_client
 from rewards.remote import MAX_COMPONENTS, parse_score_reply
 from tests.fake_http import FakeServer, answer, flood, reset, trickle
 
@@ -208,3 +214,57 @@ def test_parse_score_reply_reads_parts_and_a_part_lacking_a_component_is_invalid
 def test_bad_options_are_refused_in_one_line(option, value):
     with pytest.raises(UserError, match=f"remote reward: {option}="):
         rewards.load("remote", url="http://127.0.0.1:1", **{option: value})
+
+
+@pytest.fixture
+def tls_cert(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1, trusted by the client as requests would ($REQUESTS_CA_BUNDLE)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    http_client._tls_context.cache_clear()
+    yield cert, key
+    http_client._tls_context.cache_clear()
+
+
+@pytest.mark.requires_program("openssl", install="apt-get install openssl")
+def test_https_scores_and_a_trickled_tls_handshake_times_out(tls_cert):
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            raw = json.dumps(good()).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*tls_cert)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"https://127.0.0.1:{server.server_address[1]}"
+        out = rewards.load("remote", url=url, timeout=10)(images(), ["a"] * N, [])
+        assert out.valid.all() and out.components["r"].tolist() == [0.25, -3.0]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    def handshake_trickle(srv, conn, body):  # a TLS record header declaring 16 KB, then a byte at a time
+        for byte in [b"\x16", b"\x03", b"\x03", b"\x40", b"\x00"] + [b"\x02"] * 100:
+            if srv.stop.wait(0.3):
+                return
+            srv.send(conn, byte)
+
+    with FakeServer(handshake_trickle, read_request=False) as srv:
+        t0 = time.monotonic()
+        out = rewards.load("remote", url=srv.url.replace("http:", "https:"), timeout=1.0)(images(), ["a"] * N, [])
+        elapsed = time.monotonic() - t0
+    assert_masked(out, "timed out")
+    assert elapsed < 1.0 + SLACK_S, elapsed
