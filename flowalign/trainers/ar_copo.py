@@ -220,7 +220,11 @@ class ARCoPOTrainer(GroupTrainer):
         log_probs = contrastive_log_probs(y, group.candidates.to(y), self.tcfg.temperature)
         loss = clipped_loss(log_probs, group.old_log_probs.to(y), group.advantages.to(y), self.tcfg.clip_range)
         ratio = torch.exp(log_probs.detach() - group.old_log_probs.to(y))
-        return loss / unit.total, {"ar_copo_loss": loss.item(), "ratio_max_deviation": (ratio - 1).abs().max().item()}
+        deviation = (ratio - 1).abs().max().item()
+        fresh = unit.index < len(batch.groups) - int(batch.logs.get("ar_copo/replayed", 0))
+        # a fresh group's ratio is on-policy (1 up to kernel noise); a replayed one's is not
+        return loss / unit.total, {"ar_copo_loss": loss.item(),
+                                   ("ratio_dev" if fresh else "ratio_dev_replayed"): deviation}
 
     # ------------------------------------------------------------------ the buffer travels with checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -40,6 +40,11 @@ class FlowGRPOConfig(GroupTrainerConfig):
     #: gradient through CFG's unconditional branch: "detached" (the authors' loss; backward through the
     #: conditional branch only) or "full"
     cfg_grad: Literal["detached", "full"] = "detached"
+    #: the velocity of the batch's first optimiser step (the sampling weights) with ``cfg_grad: detached``:
+    #: "stored" runs the conditional half (B rows) beside the rollout's stored v_u; "batched" reruns the
+    #: rollout's ``[uncond; cond]`` forward (2B rows), so the on-policy ratio is 1 even where kernels are not
+    #: batch-invariant (GPUs), at the cost of a 2B-row forward and backward (docs/performance.md)
+    first_pass: Literal["stored", "batched"] = "stored"
     #: Flow-GRPO-Fast: SDE only on a random window of this width in steps [0, T/2), one per prompt (0: every step)
     sde_window: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
     #: train a random subset of this many of the trained steps per chunk and epoch (0: all of them)
@@ -70,6 +75,15 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
     if mode == "exact":
         return sq.flatten(1).sum(1)
     return sq.flatten(1).mean(1) * sigma_gap
+
+
+def batched_detached_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Conditioning,
+                              guidance: float) -> torch.Tensor:
+    """CFG's guided velocity ``(B, ...)`` from one ``[uncond; cond]`` forward of 2B rows, as a rollout computes
+    it, with ``cfg_grad: detached``'s gradient: ``v − (1−w)·(v_u − sg(v_u))`` has ``v``'s value bit for bit
+    and ``w·∂v_c/∂θ`` as its derivative."""
+    v, v_u = policy.velocity_and_unconditional(x, sigma, cond, guidance)
+    return v - (1 - guidance) * (v_u - v_u.detach())
 
 
 def coded_kl_gap(sampler: str, sigma: float, sigma_next: float) -> float:
@@ -282,8 +296,11 @@ class FlowGRPOTrainer(GroupTrainer):
         weights are still those that sampled (``sampling_weights``: the batch's first optimiser step), a
         detached ``v_u`` is the one the rollout stored: only the conditional half runs."""
         stored = chunk.unconditional_velocities
-        return guided_velocity(self.policy, chunk.step(k)[0], chunk.sigmas[k].item(), chunk.cond,
-                               chunk.guidance_scale, self.tcfg.cfg_grad,
+        x, sigma, w = chunk.step(k)[0], chunk.sigmas[k].item(), chunk.guidance_scale
+        if (sampling_weights and self.tcfg.first_pass == "batched" and self.tcfg.cfg_grad == "detached" and w > 1
+                and hasattr(self.policy, "velocity_and_unconditional")):
+            return batched_detached_velocity(self.policy, x, sigma, chunk.cond, w)
+        return guided_velocity(self.policy, x, sigma, chunk.cond, w, self.tcfg.cfg_grad,
                                stored[:, k] if sampling_weights and stored is not None else None)
 
     def surrogate(self, chunk: Rollout, k: int, out: StepOutput, old_log_prob: torch.Tensor, adv: torch.Tensor,
@@ -307,12 +324,13 @@ class FlowGRPOTrainer(GroupTrainer):
                                                     None if weight is None else weight.to(out.log_prob))
         active = adv != 0  # samples with zero advantage are dropped from the mean
         loss = per_sample[active].mean()
-        deviation = (ratio.detach() - 1).abs()[active].mean().item()
+        deviation = (ratio.detach() - 1).abs()[active]
         clip_frac = clipped[active].float().mean().item()
-        info = {"ratio": ratio.mean().item(), "ratio_dev": deviation, "clip_frac": clip_frac,
-                "policy_loss": loss.item()}
-        if unit.update > 0:  # after the batch's first optimiser step: where the trust region acts
-            info.update({"ratio_dev_late": deviation, "clip_frac_late": clip_frac})
+        info = {"ratio": ratio.mean().item(), "clip_frac": clip_frac, "policy_loss": loss.item()}
+        if unit.update == 0:  # the sampling weights: the on-policy ratio, 1 up to kernel noise
+            info["ratio_dev"] = deviation.max().item() if deviation.numel() else 0.0
+        else:  # after the batch's first optimiser step: where the trust region acts
+            info.update({"ratio_dev_late": deviation.mean().item(), "clip_frac_late": clip_frac})
         if self.tcfg.beta > 0:
             gap = coded_kl_gap(self.sampler, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item())
             ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)

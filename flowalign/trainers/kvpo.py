@@ -194,4 +194,4 @@ class KVPOTrainer(GroupTrainer):
         old = group.old_log_probs.to(log_probs)
         loss = clipped_loss(log_probs, old, group.advantages.to(log_probs), self.tcfg.clip_range)
         ratio = torch.exp(log_probs.detach() - old)
-        return loss / unit.total, {"kvpo_loss": loss.item(), "ratio_max_deviation": (ratio - 1).abs().max().item()}
+        return loss / unit.total, {"kvpo_loss": loss.item(), "ratio_dev": (ratio - 1).abs().max().item()}

@@ -75,7 +75,7 @@ def test_a_training_step_starts_at_ratio_one_and_moves_the_lora(tmp_path, far_di
         again = contrastive_log_probs(y.cpu(), group.candidates, t.tcfg.temperature)
         assert (again - group.old_log_probs).abs().max() < 1e-5
     logs = t.update(batch, torch.Generator().manual_seed(0))
-    assert logs["ratio_max_deviation"] < 1e-5 and logs["grad_norm"] > 0
+    assert logs["ratio_dev"] < 1e-5 and logs["grad_norm"] > 0
     after = t.trainable_state()
     assert any(not torch.equal(after[k], before[k]) for k in before)
 

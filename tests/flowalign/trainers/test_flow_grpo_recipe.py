@@ -157,3 +157,44 @@ def test_shipped_tiny_configs_keep_a_trust_region(name):
     assert cfg.model.finetune == "lora" and tcfg.beta > 0 and tcfg.ema_decay > 0
     assert tcfg.inner_epochs * tcfg.updates_per_epoch >= 2
     assert tcfg.advantage == "global_std" and tcfg.cfg_grad == "detached"
+
+
+def test_batched_first_pass_reruns_the_rollouts_forward_with_the_detached_gradient(tmp_path, tiny_sd3_dir, prompt_file):
+    """``first_pass: batched``: the first pass's velocity is the rollout's own 2B-row forward, bit for bit (ratio
+    1 on any kernels), and its gradient is ``cfg_grad: detached``'s (the conditional branch's alone)."""
+    t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "batched", "trainer.num_steps=4", "trainer.first_pass=batched")
+    batch = t.collect(0)
+    chunk = batch.chunks[0]
+    k = t.trained_steps(chunk)[0]
+    x, sigma, w = chunk.latents[:, k], chunk.sigmas[k].item(), chunk.guidance_scale
+    with torch.no_grad():
+        rollout_v = t.policy.velocity_and_unconditional(x, sigma, chunk.cond, w)[0]
+
+    def grads_of(first_pass: str):
+        t.tcfg.first_pass = first_pass
+        t.optimizer.zero_grad(set_to_none=True)
+        v = t.policy_velocity(chunk, k, True)
+        v.sum().backward()
+        return v.detach(), [p.grad.clone() for p in t.params]
+
+    v_batched, g_batched = grads_of("batched")
+    v_stored, g_stored = grads_of("stored")
+    assert torch.equal(v_batched, rollout_v)
+    torch.testing.assert_close(v_stored, v_batched, rtol=0, atol=1e-5)
+    for a, b in zip(g_batched, g_stored):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    t.tcfg.first_pass = "batched"
+    _, info = t.loss(batch, StepUnit(0, k, 1, 0))
+    assert info["ratio"] == 1.0 and info["ratio_dev"] == 0.0
+
+
+def test_ratio_dev_is_the_largest_first_pass_deviation_of_the_step(tmp_path, tiny_sd3_dir, prompt_file):
+    """``train/ratio_dev``: max |ratio − 1| over the batch's first pass (a per-step maximum, not a mean)."""
+    from flowalign.trainers.base import MAX_LOGS
+
+    assert "ratio_dev" in MAX_LOGS
+    t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "dev", "trainer.num_steps=4", "trainer.updates_per_epoch=2")
+    batch = t.collect(0)
+    k = t.trained_steps(batch.chunks[0])[0]
+    assert "ratio_dev" in t.loss(batch, StepUnit(0, k, 1, 0))[1]
+    assert "ratio_dev" not in t.loss(batch, StepUnit(0, k, 1, 1))[1]  # later passes log ratio_dev_late
