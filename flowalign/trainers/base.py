@@ -100,6 +100,10 @@ from flowalign.trainers.rollouts import (
 __all__ = ["GroupTrainer", "GroupTrainerConfig", "Plan", "Sampling", "StepBatch", "derived_seed"]
 
 
+#: logged values a step reports as the largest over its units, not the mean: ``ratio_dev`` is the on-policy
+#: ratio's largest deviation from 1 (max |ratio − 1| on the batch's first pass)
+MAX_LOGS = frozenset({"ratio_dev"})
+
 #: former keys already reported in this process (one deprecation line each, however often a config is read)
 _REPORTED_RENAMES: set[tuple[str, str]] = set()
 
@@ -412,7 +416,8 @@ class GroupTrainer:
                 for key, value in info.items():
                     stats.setdefault(key, []).append(value)
             stats.setdefault("grad_norm", []).append(self.optimizer_step())
-        return {**plan.logs, **{k: float(np.mean(v)) for k, v in stats.items()}, **self.finish(batch)}
+        merged = {k: float(np.max(v) if k in MAX_LOGS else np.mean(v)) for k, v in stats.items()}
+        return {**plan.logs, **merged, **self.finish(batch)}
 
     def train_step(self) -> dict[str, float]:
         """collect → plan → losses and optimiser steps → finish; the step's log line."""
