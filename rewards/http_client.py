@@ -36,8 +36,8 @@ _CHUNK = 64 * 1024
 
 
 class ReplyError(Exception):
-    """No usable reply. ``retryable``: a transport failure (unreachable, reset, too slow) that another
-    attempt may not meet; False for a reply that arrived but is unusable (too large, malformed)."""
+    """No usable reply. ``retryable``: a transport failure (unreachable, reset, too slow), which another
+    attempt may get past; False for a reply that arrived but is unusable (too large, malformed)."""
 
     def __init__(self, message: str, retryable: bool = False):
         super().__init__(one_line(message, 500))
