@@ -17,11 +17,23 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
   (embeddings, the gathered output) stays whole. Tensors of text tokens alone that the model's plan does
   not split (Wan's cross-attention keys and values) are whole on every rank too, so the split estimate is
   low by their share: 3 % of Wan's block bytes at 2 latent frames, less for longer videos (tested).
+- rollouts: a step's ``prompts_per_step × group_size`` samples on this rank stay on the GPU until its
+  update is done, each with its trajectory of ``num_steps + 1`` float32 latents, its log-probabilities
+  (``num_steps`` floats, kept in CPU memory by the sampler: counted anyway, they are small), the velocities
+  of every step where the trainer stores them (DiffusionOPSD-style self-distillation, RG-OPD, GRPO-Guard's
+  ratio normalisation; CFG's unconditional branch under ``cfg_grad: detached``), its text conditioning
+  (both branches under CFG) and its decoded image or video in float32. The latent is sized as the
+  transformer's input: for a model that also reads an input image's tokens (Kontext, Qwen-Image-Edit) or
+  condition channels (image-to-video) that errs high.
+
+A recipe whose ``model.path`` does not exist (the shipped recipes name a placeholder such as
+``/path/to/FLUX.1-dev``) is planned on its published architecture: ``configs/<name>/...`` on
+``assets/architectures/<name>``, said in the plan's first line. Every component's ``config.json`` is
+checked before it is built (:mod:`flowalign.component_config`): a bad value is one line naming the field.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,8 +43,10 @@ import torch
 from torch import nn
 
 from flowalign import families
+from flowalign.component_config import library_module, read_component_config
 from flowalign.config import TrainConfig
 from flowalign.errors import UserError
+from flowalign.paths import REPO_ROOT
 from flowalign.trainers import trainer_config
 
 GB = 1e9
@@ -42,6 +56,11 @@ OVERHEAD_BYTES = 2.0 * GB
 #: trainers that keep one more copy of the trained tensors: always, or only under full fine-tuning (a
 #: LoRA's reference is the adapter switched off, no copy)
 EXTRA_COPIES = {"festdpo": "full", "diffusion_nft": "always", "diffusion_opsd": "always"}
+#: trainers whose rollouts store the policy's velocity at every step (``Sampling.keep_velocities``): always,
+#: or when the named option of their section is true
+KEEPS_VELOCITIES = {"rg_opd": None, "self_opd": None, "grpo_guard": "ratio_norm"}
+#: the published architectures (configs only, no weights), one folder per released model
+ARCHITECTURES = REPO_ROOT / "assets" / "architectures"
 
 
 @dataclass
@@ -53,6 +72,8 @@ class Model:
     trained: dict[str, int]  # trained component → its trained parameters (the LoRA's, or all of them)
     largest_block: int  # parameters of the largest block of the trained models
     activations: "Activations"  # bytes saved for backward, per sample of the trainer's batch
+    rollout: "Rollout" = field(default_factory=lambda: Rollout(0, 0, 0))  # bytes one rollout sample keeps
+    cfg_doubles: bool = False  # whether the guidance runs every pass twice (CFG with a scale above 1)
 
     @property
     def trainable(self) -> int:
@@ -84,6 +105,16 @@ class Activations:
 
 
 @dataclass
+class Rollout:
+    """Bytes one rollout sample keeps on the GPU until its step's update is done, besides its latents'
+    trajectory (see :meth:`Settings.rollout_bytes`)."""
+
+    latent: float  # one latent, float32: the trajectory holds num_steps + 1, a stored velocity one more each step
+    conditioning: float  # the sample's text conditioning (both branches under CFG)
+    decoded: float  # its decoded image or video, float32
+
+
+@dataclass
 class Settings:
     """What the memory depends on (one strategy, one GPU count)."""
 
@@ -98,36 +129,78 @@ class Settings:
     offload_text_encoders: bool = False
     sequence_parallel: int = 1
     changes: list[str] = field(default_factory=list)
+    prompts_per_step: int = 0  # a step's prompts on this rank, each rolled out group_size times
+    group_size: int = 0
+    num_steps: int = 0  # rollout steps T
+    #: velocities stored per rollout step, in float32 latents (a bf16 unconditional branch counts 0.5)
+    stored_velocities: float = 0.0
 
+    @property
+    def samples(self) -> int:
+        """Rollout samples a step holds on this rank."""
+        return self.prompts_per_step * self.group_size
 
-def _library_module(library: str) -> Any:
-    """The module a ``model_index.json`` entry names: a package (``diffusers``, ``transformers``) or, as diffusers
-    resolves it, a pipeline's own module (``["<pipeline module>", "<class>"]`` → ``diffusers.pipelines.<module>``)."""
-    try:
-        return importlib.import_module(library)
-    except ModuleNotFoundError:
-        return importlib.import_module(f"diffusers.pipelines.{library}")
+    def rollout_bytes(self, rollout: Rollout) -> float:
+        """What a step's rollouts hold: per sample, ``T + 1`` latents, the stored velocities of ``T`` steps,
+        ``T`` float32 log-probabilities, the conditioning and the decoded sample."""
+        t = self.num_steps
+        per_sample = ((t + 1 + t * self.stored_velocities) * rollout.latent + 4 * t + rollout.conditioning
+                      + rollout.decoded)
+        return self.samples * per_sample
 
 
 def build_on_meta(folder: Path) -> dict[str, nn.Module]:
-    """Every ``torch.nn.Module`` of a diffusers folder (``model_index.json``) built on the meta device."""
-    index = json.loads((folder / "model_index.json").read_text())
+    """Every ``torch.nn.Module`` of a diffusers folder (``model_index.json``) built on the meta device, each
+    ``config.json`` checked first; a config the class cannot build from is one line naming it."""
+    index = families.read_index(folder)
     models = {}
     for name, entry in index.items():
-        if name.startswith("_") or not isinstance(entry, list) or None in entry or not (folder / name).is_dir():
+        if (name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or None in entry
+                or not (folder / name).is_dir()):
             continue
         library, class_name = entry
-        cls = getattr(_library_module(library), class_name, None)
+        cls = getattr(library_module(library), class_name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             continue  # schedulers, tokenizers
-        with torch.device("meta"):
-            if library != "transformers":  # diffusers' own classes and its pipelines' modules (ConfigMixin)
-                models[name] = cls.from_config(cls.load_config(str(folder / name)))
-            else:
-                models[name] = cls(cls.config_class.from_pretrained(str(folder / name)))
+        config = read_component_config(folder, name, cls)
+        try:
+            with torch.device("meta"):
+                if library != "transformers":  # diffusers' own classes and its pipelines' modules (ConfigMixin)
+                    models[name] = cls.from_config(config)
+                else:
+                    models[name] = cls(cls.config_class.from_pretrained(str(folder / name)))
+        except (TypeError, ValueError, RuntimeError, AssertionError, KeyError, IndexError, ZeroDivisionError) as err:
+            # settings that are each a number but do not fit together (e.g. heads that do not divide the width)
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            raise UserError(f"model folder {folder}: {name}/config.json does not build a {class_name} ({first}); "
+                            "fix the settings it names or restore the file from the original download") from None
     if "transformer" not in models:
         raise UserError(f"model.path {folder} has no transformer/config.json: pass a diffusers pipeline folder")
     return models
+
+
+def planning_folder(model_path: str, config_path: str | Path | None, path_given: bool) -> tuple[Path, str | None]:
+    """The folder to plan on, and the line saying so when it is not ``model.path`` itself.
+
+    A ``model.path`` that does not exist is the recipe's placeholder for a download: a recipe under
+    ``configs/<name>/`` is then planned on ``assets/architectures/<name>``. One given on the command line
+    (``path_given``) is taken as meant."""
+    from flowalign.train import resolve_model_path
+
+    folder = resolve_model_path(model_path)
+    if folder.exists() or path_given:
+        return folder, None
+    published = sorted(p.name for p in ARCHITECTURES.iterdir() if (p / "model_index.json").is_file()) \
+        if ARCHITECTURES.is_dir() else []
+    name = Path(config_path).resolve().parent.name if config_path else None
+    if name in published:
+        arch = ARCHITECTURES / name
+        shown = arch.relative_to(REPO_ROOT) if arch.is_relative_to(REPO_ROOT) else arch
+        return arch, (f"model.path {model_path} does not exist: planning on the published architecture {shown} "
+                      "(its configs, no weights)")
+    raise UserError(f"model.path {model_path} does not exist: point it at the model's diffusers folder, or plan a "
+                    f"published architecture with model.path=assets/architectures/NAME "
+                    f"({', '.join(published) or 'none shipped here'})")
 
 
 def lora_parameters(module: nn.Module, targets: list[str], rank: int) -> int:
@@ -155,12 +228,32 @@ class _FlashAttention(torch.autograd.Function):
 
 
 class _AttentionAsFlash(torch.overrides.TorchFunctionMode):
+    """SDPA and flex attention (block-causal masks, which have no meta kernel) as :class:`_FlashAttention`:
+    a flex kernel saves the same q, k, v, out and log-sum-exp."""
+
+    def __enter__(self):
+        import torch.nn.attention.flex_attention as flex
+
+        self._flex = flex, flex.flex_attention
+        flex.flex_attention = _flex_as_flash  # looked up at call time by diffusers' flex backend
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        flex, original = self._flex
+        flex.flex_attention = original
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
             q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
             return _FlashAttention.apply(q, k, v)
         return func(*args, **kwargs)
+
+
+def _flex_as_flash(query, key, value, *args, return_lse: bool = False, **kwargs):
+    out = _FlashAttention.apply(query, key, value)
+    return (out, query.new_empty(query.shape[:-1], dtype=torch.float32)) if return_lse else out
 
 
 def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inputs: dict[str, Any]) -> Activations:
@@ -227,14 +320,17 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     else:
         trained = {c: params[c] for c in names}
     largest = max((sum(p.numel() for p in b.parameters()) for c in names for b in block_modules(models[c])), default=0)
-    size = {**spec.size, **_folder_defaults(folder), **{k: v for k, v in (cfg.model.defaults or {}).items() if v is not None}}
-    tcfg = cfg.trainer
-    guidance = tcfg.get("guidance_scale") or size.get("guidance_scale") or spec.guidance
+    size = {**spec.size, **_folder_defaults(folder), **{k: v for k, v in (cfg.model.defaults or {}).items() if v is not None},
+            **_vae_scales(folder)}
+    _, tcfg = trainer_config(cfg.trainer)  # the section as the trainer reads it, its own defaults filled in
+    guidance = tcfg.guidance_scale or size.get("guidance_scale") or spec.guidance
     twice = spec.guidance_kind(transformer.config, families.read_index(folder)) in ("cfg", "true_cfg") and float(guidance) > 1
-    batch = int(tcfg.get("batch_size", 8)) * (2 if twice else 1)
+    batch = tcfg.batch_size * (2 if twice else 1)
     inputs = spec.transformer_inputs(transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
+    rollout = rollout_sample_bytes(inputs, tcfg.batch_size, size)  # before the forward consumes the inputs
+    key = _forward_key(transformer, inputs)
     try:
-        act = saved_activation_bytes(transformer, blocks, inputs)
+        act = _FORWARDS.get(key) or saved_activation_bytes(transformer, blocks, inputs)
     except (RuntimeError, NotImplementedError, ValueError) as err:
         # a value-dependent op (.item(), boolean token gathers) or a kernel with no meta implementation
         # (flex attention's block-causal masks)
@@ -242,16 +338,73 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
                         f"depends on tensor values or on kernels the meta device lacks "
                         f"({str(err).splitlines()[0][:100]}). Size the run on a GPU with a real forward "
                         "instead") from None
-    per_sample = int(tcfg.get("batch_size", 8))  # the trainer's batch (a CFG pass doubles it inside)
+    _FORWARDS[key] = act
+    while len(_FORWARDS) > 64:  # a long-lived process planning many configs keeps the newest
+        _FORWARDS.pop(next(iter(_FORWARDS)))
+    per_sample = tcfg.batch_size  # the trainer's batch (a CFG pass doubles it inside)
     per = lambda v: v / per_sample
     return Model(spec.name, params, trained, largest, Activations(per(act.outside), per(act.in_blocks),
-                                                                  per(act.largest_block), per(act.block_inputs)))
+                                                                  per(act.largest_block), per(act.block_inputs)),
+                 rollout, twice)
+
+
+#: what a meta forward saved, by :func:`_forward_key`: recipes of one model at one batch and size (a
+#: process planning several) share the forward, the costly part of a plan
+_FORWARDS: dict[tuple, Activations] = {}
+
+
+def _forward_key(transformer: nn.Module, inputs: dict[str, Any]) -> tuple:
+    """Everything a meta forward's saved bytes depend on: the class, its config, its dtype and the inputs'
+    shapes and values (non-tensors)."""
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), str(v.dtype))
+        if isinstance(v, (list, tuple)):
+            return tuple(describe(x) for x in v)
+        return repr(v)
+
+    config = json.dumps(dict(transformer.config), sort_keys=True, default=str)
+    dtype = str(next(transformer.parameters()).dtype)
+    return type(transformer).__qualname__, config, dtype, tuple((k, describe(v)) for k, v in sorted(inputs.items()))
+
+
+def rollout_sample_bytes(inputs: dict[str, Any], batch: int, size: dict[str, Any]) -> Rollout:
+    """One rollout sample's latent (the transformer's ``hidden_states``, or Z-Image's per-sample ``x``, in
+    float32), its conditioning (every other input with a row per pass: text embeddings, pooled
+    projections, masks; both CFG branches when the passes are twice the samples) and its decoded
+    ``3 × H × W`` (× frames) float32 pixels, from the inputs of ``batch`` samples."""
+    latent = inputs.get("hidden_states", inputs.get("x"))
+    tensors = latent if isinstance(latent, (list, tuple)) else [latent]
+    rows = len(tensors) if isinstance(latent, (list, tuple)) else latent.shape[0]
+    latent_floats = sum(t.numel() for t in tensors) / rows
+    conditioning = 0
+    for key, value in inputs.items():
+        if key in ("hidden_states", "x"):
+            continue
+        if isinstance(value, (list, tuple)) and len(value) == rows:  # one tensor per pass (Z-Image's captions)
+            conditioning += sum(t.nbytes for t in value if isinstance(t, torch.Tensor))
+        elif isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == rows:
+            conditioning += value.nbytes  # per-pass rows; timesteps and position ids are rebuilt at every call
+    pixels = 3 * int(size["height"]) * int(size["width"]) * int(size.get("num_frames") or 1)
+    return Rollout(4 * latent_floats, conditioning / batch, 4 * pixels)
 
 
 def _folder_defaults(folder: Path) -> dict[str, Any]:
     path = folder / "flowalign.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
     return {k: v for k, v in data.items() if k in ("height", "width", "num_frames", "max_sequence_length", "guidance_scale") and v}
+
+
+def _vae_scales(folder: Path) -> dict[str, int]:
+    """The VAE's spatial and temporal factors where its config states them (Wan's VAE; a tiny twin's
+    differ from the released 8 and 4), as ``vae_scale_spatial`` / ``vae_scale_temporal`` for the family's
+    ``transformer_inputs``."""
+    path = folder / "vae" / "config.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    if not isinstance(data, dict):
+        return {}
+    scales = {"vae_scale_spatial": data.get("scale_factor_spatial"), "vae_scale_temporal": data.get("scale_factor_temporal")}
+    return {k: v for k, v in scales.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
 
 
 def memory_rows(model: Model, s: Settings) -> dict[str, float]:
@@ -271,6 +424,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         "frozen text encoders + VAE": sum(v for k, v in model.params.items() if k not in model.trained
                                           and not (s.offload_text_encoders and k.startswith("text_encoder"))) * w,
         "activations": s.batch_size * model.activations.per_rank(s.gradient_checkpointing, s.sequence_parallel),
+        "rollouts of the step": s.rollout_bytes(model.rollout),
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,
     }
 
@@ -290,6 +444,10 @@ def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
     while b >= 1:
         candidates.append((f"trainer.batch_size={b}", replace(s, batch_size=b)))
         b //= 2
+    p = s.prompts_per_step // 2
+    while p >= 1:  # fewer rollouts held for the update
+        candidates.append((f"trainer.prompts_per_step={p}", replace(s, prompts_per_step=p)))
+        p //= 2
     degree = 2 * s.sequence_parallel
     while s.gpus % degree == 0:  # each sample's tokens over more of the GPUs
         candidates.append((f"parallel.sequence_parallel={degree}", replace(s, sequence_parallel=degree)))
@@ -301,14 +459,24 @@ def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
     return None
 
 
-def settings(cfg: TrainConfig, strategy: str, gpus: int) -> Settings:
+def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = None) -> Settings:
+    """What the memory of ``cfg`` depends on under one strategy, read from the trainer's section as the
+    trainer reads it (its own defaults filled in); ``model`` tells whether CFG doubles the passes."""
     name = str(cfg.trainer.get("name", "flow_grpo"))
+    _, tcfg = trainer_config(cfg.trainer)
     extra = {"always": 1, "full": int(cfg.model.finetune == "full")}.get(EXTRA_COPIES.get(name, ""), 0)
-    extra += int(float(cfg.trainer.get("ema_decay", 0) or 0) > 0)
+    extra += int(float(getattr(tcfg, "ema_decay", 0) or 0) > 0)
     extra += reference_copy(cfg, name)
+    option = KEEPS_VELOCITIES.get(name, False)
+    stored = float(option is None or (bool(option) and bool(getattr(tcfg, option, False))))
+    if getattr(tcfg, "cfg_grad", None) == "detached" and model is not None and model.cfg_doubles:
+        stored += BYTES[cfg.model.dtype] / 4  # CFG's unconditional branch, in the model's dtype
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
-                    cfg.model.gradient_checkpointing, int(cfg.trainer.get("batch_size", 8)), extra,
-                    cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel)
+                    cfg.model.gradient_checkpointing, tcfg.batch_size, extra,
+                    cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel,
+                    prompts_per_step=int(getattr(tcfg, "prompts_per_step", 0)),
+                    group_size=int(getattr(tcfg, "group_size", 0)), num_steps=int(getattr(tcfg, "num_steps", 0)),
+                    stored_velocities=stored)
 
 
 def reference_copy(cfg: TrainConfig, name: str) -> int:
@@ -328,20 +496,28 @@ def human(n: float, unit: str = "") -> str:
     return str(int(n))
 
 
-def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float) -> str:
-    """The report ``flowalign plan`` prints: components, then memory per rank for ddp and fsdp, verdicts."""
-    model = inspect_model(cfg, folder)
+def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float, note: str | None = None) -> str:
+    """The report ``flowalign plan`` prints: ``note`` (e.g. which published architecture stands in for
+    ``model.path``) first, components, the step's rollouts, then memory per rank for ddp and fsdp, verdicts."""
     sp = cfg.parallel.sequence_parallel
     if gpus % sp:
         raise UserError(f"parallel.sequence_parallel={sp} must divide --gpus {gpus}")
-    lines = [f"model {folder} ({model.family}), finetune {cfg.model.finetune}, dtype {cfg.model.dtype}, "
-             f"trainer {cfg.trainer.get('name', 'flow_grpo')}, batch {int(cfg.trainer.get('batch_size', 8))} per rank"
-             + (f", tokens split over {sp} sequence ranks" if sp > 1 else "")]
+    model = inspect_model(cfg, folder)
+    base = settings(cfg, "ddp", gpus, model)
+    lines = [note] if note else []
+    lines.append(f"model {folder} ({model.family}), finetune {cfg.model.finetune}, dtype {cfg.model.dtype}, "
+                 f"trainer {cfg.trainer.get('name', 'flow_grpo')}, batch {base.batch_size} per rank"
+                 + (f", tokens split over {sp} sequence ranks" if sp > 1 else ""))
     for name, count in model.params.items():
         role = f"trained: {human(model.trained[name])}" if name in model.trained else "frozen"
         lines.append(f"  {name:<16} {human(count):>8}  ({role})")
+    if base.samples:
+        one = replace(base, prompts_per_step=1, group_size=1).rollout_bytes(model.rollout)
+        lines.append(f"rollouts a step per rank: {base.prompts_per_step} prompts x {base.group_size} = {base.samples:,} "
+                     f"samples of {base.num_steps} steps, {one / 1e6:.1f} MB each (latents of every step"
+                     + (", stored velocities" if base.stored_velocities else "") + ", log-probs, conditioning, decoded)")
     strategies = ["ddp", "fsdp"] if gpus > 1 else ["ddp"]
-    rows = {s: memory_rows(model, settings(cfg, s, gpus)) for s in strategies}
+    rows = {s: memory_rows(model, settings(cfg, s, gpus, model)) for s in strategies}
     limit = gpu_memory_gb * GB
     lines.append(f"memory per rank on {gpus} GPU(s) of {gpu_memory_gb:g} GB"
                  + ("" if gpus > 1 else " (fsdp needs 2 or more)"))
@@ -354,7 +530,7 @@ def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float) -
         if totals[s] <= limit:
             lines.append(f"{s}: fits ({human(limit - totals[s], 'GB')} to spare)")
         else:
-            fix = smallest_fix(model, settings(cfg, s, gpus), limit)
+            fix = smallest_fix(model, settings(cfg, s, gpus, model), limit)
             lines.append(f"{s}: does not fit; " + (f"smallest change that fits: {fix}" if fix else
                                                     "no single change fits (use more or larger GPUs, or LoRA)"))
     return "\n".join(lines)

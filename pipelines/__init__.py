@@ -26,7 +26,7 @@ import torch
 from flowalign import families
 from flowalign.errors import UserError
 from flowalign.protocols import FlowPolicy
-from pipelines.folder_check import check_model_folder
+from pipelines.folder_check import check_model_folder, explain_shape_mismatch
 # what flowalign plan runs on the meta device, and the memory options of load (the core's way in)
 from pipelines.memory import apply_memory_options, transformer_inputs
 
@@ -122,6 +122,12 @@ def load(
     check_model_folder(path)  # a missing or damaged part in one line, before diffusers reads it
     memory = {k: kw.pop(k) for k in MEMORY_OPTIONS & set(kw)}
     policy_class = spec.policy_class(families.read_index(path))
-    policy = policy_class(path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw)
+    try:
+        policy = policy_class(path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw)
+    except ValueError as err:
+        line = explain_shape_mismatch(path, err)  # a config.json whose sizes are not its weights'
+        if line is None:
+            raise
+        raise UserError(line) from None
     apply_memory_options(policy, **memory)
     return policy

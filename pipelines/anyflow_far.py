@@ -374,10 +374,12 @@ def read_cache_velocity(transformer: torch.nn.Module, layers: dict[int, dict[str
 def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
                        dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The whole-video causal pass of :meth:`AnyFlowFARPolicy.velocity`: latents ``(B, 1 + (F-1)/4, C, H/8, W/8)``
-    in the FAR layout, per-frame timesteps, UMT5 text ``(B, L, D)``, the config's chunk partition."""
+    in the FAR layout, per-frame timesteps, UMT5 text ``(B, L, D)``, the config's chunk partition. ``size``'s
+    optional ``vae_scale_temporal`` / ``vae_scale_spatial`` replace the released VAE's 4 and 8 (a tiny twin's)."""
     new = zeros_factory(device, dtype)
-    frames = 1 + (int(size["num_frames"] or 1) - 1) // 4
-    h, w = int(size["height"]) // 8, int(size["width"]) // 8
+    f_t, f_s = int(size.get("vae_scale_temporal") or 4), int(size.get("vae_scale_spatial") or 8)
+    frames = 1 + (int(size["num_frames"] or 1) - 1) // f_t
+    h, w = int(size["height"]) // f_s, int(size["width"]) // f_s
     t = torch.full((batch, frames), 500.0, device=device)
     return dict(hidden_states=new(batch, frames, config.in_channels, h, w), timestep=t, r_timestep=t,
                 encoder_hidden_states=new(batch, int(size["max_sequence_length"]), config.text_dim),

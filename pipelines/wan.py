@@ -238,10 +238,12 @@ def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device:
                        dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """One expert's inputs as :meth:`WanPolicy.velocity` passes them: video latents ``(B, C, 1 + (F-1)/4, H/8,
     W/8)`` (image-to-video: the first-frame condition's channels included in ``in_channels``), UMT5 text
-    ``(B, L, D)``."""
+    ``(B, L, D)``. ``size``'s optional ``vae_scale_temporal`` / ``vae_scale_spatial`` replace the released
+    VAE's 4 and 8 (a tiny twin's VAE)."""
     new = zeros_factory(device, dtype)
-    frames = 1 + (int(size["num_frames"] or 1) - 1) // 4
-    h, w = int(size["height"]) // 8, int(size["width"]) // 8
+    f_t, f_s = int(size.get("vae_scale_temporal") or 4), int(size.get("vae_scale_spatial") or 8)
+    frames = 1 + (int(size["num_frames"] or 1) - 1) // f_t
+    h, w = int(size["height"]) // f_s, int(size["width"]) // f_s
     return dict(hidden_states=new(batch, config.in_channels, frames, h, w),
                 timestep=torch.full((batch,), 500.0, device=device),
                 encoder_hidden_states=new(batch, int(size["max_sequence_length"]), config.text_dim), return_dict=False)
