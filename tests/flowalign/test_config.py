@@ -55,6 +55,8 @@ def test_output_folder_of_another_run_is_refused(tmp_path):
     saved = lambda seed, steps=8: f"run:\n  seed: {seed}\nmodel:\n  path: m\ntrainer:\n  max_steps: {steps}\n"
     prepare_run_dir(tmp_path, saved(1), "auto")
     prepare_run_dir(tmp_path, saved(1, steps=9), "auto")  # resumable change
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)  # a complete checkpoint to continue from
+    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
     with pytest.raises(UserError, match="holds another run's config \\(differs in run.seed"):
         prepare_run_dir(tmp_path, saved(2), "auto")
     with pytest.raises(UserError, match="already holds a run"):
