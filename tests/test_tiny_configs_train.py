@@ -26,7 +26,9 @@ SMALL = ("trainer.max_steps=1", "trainer.max_minutes=null", "trainer.prompts_per
 FOUR_STEPS = ("trainer.num_steps=4",)
 FIT = {"dance_grpo_vvr": FOUR_STEPS, "pref_grpo_vvr": FOUR_STEPS,  # timestep_fraction trains 0 of 2 steps
        "flash_grpo_vvr": FOUR_STEPS, "flash_grpo_motion": FOUR_STEPS, "mix_grpo_vvr": FOUR_STEPS,  # their windows
-       "tempflow_grpo_vvr": ("trainer.branch_steps=null",)}  # the recipe's list is for its own 10 steps
+       "tempflow_grpo_vvr": ("trainer.branch_steps=null",),  # the recipe's list is for its own 10 steps
+       "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2"),  # its group is K (8 at least)
+       "afd_motion": ("trainer.teacher.num_steps=2",)}  # the teacher model's own 20-step videos
 
 
 def strings(node, where=""):
