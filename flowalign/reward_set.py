@@ -207,9 +207,9 @@ class TimeLimited:
     """``reward`` whose calls are abandoned after ``timeout_s`` seconds (raising :class:`RewardTimeout`).
 
     Each call runs in a daemon thread (it cannot hold up the process's exit), under the caller's grad
-    mode. A thread cannot be stopped: an abandoned call runs on until it returns, and while it does, new
-    calls raise :class:`RewardTimeout` at once instead of starting a second one beside it. The wait also
-    gives up, raising :class:`flowalign.signals.Abandoned`, when SIGTERM asks it to
+    mode and CUDA device. A thread cannot be stopped: an abandoned call runs on until it returns, and while
+    it does, new calls raise :class:`RewardTimeout` at once instead of starting a second one beside it.
+    The wait also gives up, raising :class:`flowalign.signals.Abandoned`, when SIGTERM asks it to
     (:func:`flowalign.signals.should_abandon`). Every other attribute (``name``, ``differentiable``,
     ``requires_metadata``, ...) is the reward's.
     """
@@ -231,9 +231,13 @@ class TimeLimited:
                                 "is still running")
         result: dict[str, Any] = {}
         grad = torch.is_grad_enabled()
+        # the CUDA device is per thread: a rank's reward works on the rank's device, not on cuda:0
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
         def work() -> None:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 with torch.set_grad_enabled(grad):
                     result["out"] = self._reward(samples, prompts, metadata)
             except BaseException as e:  # handed to the caller, which decides what it means
