@@ -40,7 +40,7 @@ class AWMConfig(GroupTrainerConfig):
     #: A_max: advantages are clipped to ±adv_clip and rescaled to ±A_max
     advantage_max: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: weight of the velocity-space KL to the reference (the adapter switched off / the frozen copy)
-    beta: float = Field(0.003, ge=0, le=MAX_COEFFICIENT)
+    beta: float = Field(0.001, ge=0, le=MAX_COEFFICIENT)
     #: CFG scale of v_θ and v_ref in the loss; None: the rollout's (the authors train with the sampling CFG)
     fit_guidance: float | None = Field(None, ge=1.0, le=MAX_GUIDANCE)
 
