@@ -71,6 +71,7 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from flowalign import checkpoint as ckpt
 from flowalign.config import AdamBeta, Section, TrainConfig
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
@@ -81,7 +82,6 @@ from flowalign.sequence_parallel import DataRanks
 from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.signals import Abandoned, Terminated, abandonable, clear_stop
-from flowalign import checkpoint as ckpt
 from flowalign.trainers import checkpointing, loop
 from flowalign.trainers.optim import setup_optimisation
 from flowalign.trainers.reference import keep_reference
@@ -422,8 +422,14 @@ class GroupTrainer:
     def train_step(self) -> dict[str, float]:
         """collect → plan → losses and optimiser steps → finish; the step's log line."""
         t0, cpu0 = time.perf_counter(), time.process_time()
-        with abandonable(self.parallel.world == 1):  # collecting changes no weight: SIGTERM may drop it
-            batch = self.collect(self.step)
+        alone = self.parallel.world == 1
+        with abandonable(alone):  # collecting changes no weight: SIGTERM may drop it
+            rng = ckpt.rng_state() if alone else None
+            try:
+                batch = self.collect(self.step)
+            except Abandoned:
+                ckpt.restore_rng_state(*rng)  # the dropped step's draws are undone: the resumed run makes them
+                raise
         t_update = time.perf_counter()
         generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, 1))  # every rank's
         stats = self.update(batch, generator)

@@ -171,3 +171,25 @@ def test_a_final_evaluation_cut_by_sigterm_is_not_recorded_and_the_rerun_scores_
     final = train(cfg)
     assert "already finished" not in capsys.readouterr().out
     assert final[f"{name}/valid_fraction"] == 1.0 and json.loads((run_dir / FINAL_METRICS).read_text()) == final
+
+
+def test_a_step_dropped_on_sigterm_resumes_to_the_uninterrupted_weights(tmp_path, tiny_sd3_dir, prompt_file, plugin):
+    from safetensors.torch import load_file
+
+    name, control = plugin
+    runs = {}
+    for label in ("interrupted", "straight"):
+        cfg = load_config(None, small_run(tmp_path / label, tiny_sd3_dir, prompt_file, f"rewards=[{{name: '{name}'}}]",
+                                          "run.checkpoint_every=1000"))
+        if label == "interrupted":
+            _hang_from(control, 2, sigterm=True)  # step 2's first batch: SIGTERM, then an hour's sleep
+            torch.manual_seed(0)
+            with pytest.raises(Terminated, match="saved .*step-000001 at step 1"):
+                train(cfg)
+            (control / "hang").unlink()
+        torch.manual_seed(0)
+        train(cfg)
+        runs[label] = load_file(str(ckpt.latest_checkpoint(tmp_path / label) / "trainable.safetensors"))
+    assert runs["interrupted"].keys() == runs["straight"].keys()
+    for key, value in runs["straight"].items():
+        assert torch.equal(runs["interrupted"][key], value), key
