@@ -188,12 +188,12 @@ def planning_folder(model_path: str, config_path: str | Path | None, path_given:
     from flowalign.train import resolve_model_path
 
     folder = resolve_model_path(model_path)
-    if folder.exists() or path_given:
+    if folder.exists():
         return folder, None
     published = sorted(p.name for p in ARCHITECTURES.iterdir() if (p / "model_index.json").is_file()) \
         if ARCHITECTURES.is_dir() else []
     name = Path(config_path).resolve().parent.name if config_path else None
-    if name in published:
+    if name in published and not path_given:
         arch = ARCHITECTURES / name
         shown = arch.relative_to(REPO_ROOT) if arch.is_relative_to(REPO_ROOT) else arch
         return arch, (f"model.path {model_path} does not exist: planning on the published architecture {shown} "

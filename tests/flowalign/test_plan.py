@@ -12,10 +12,14 @@ import sys
 import pytest
 import torch
 
+from dataclasses import replace
+
+from flowalign.cli.main import main
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
-from flowalign.plan import build_on_meta, inspect_model, lora_parameters, plan_text, settings
+from flowalign.plan import (GB, build_on_meta, inspect_model, lora_parameters, memory_rows, plan_text, settings,
+                            smallest_fix)
 
 ARCH = REPO_ROOT / "assets" / "architectures"
 
@@ -184,3 +188,87 @@ def test_sequence_parallel_divides_what_the_blocks_save_and_nothing_else():
     assert "tokens split over 2 sequence ranks" in plan_text(cfg, ARCH / "wan2.1-1.3b", 2, 80)
     with pytest.raises(UserError, match="must divide --gpus 3"):
         plan_text(cfg, ARCH / "wan2.1-1.3b", 3, 80)
+
+
+SD35_RECIPE = REPO_ROOT / "configs" / "sd3.5-medium" / "flow_grpo_vvr.yaml"
+
+
+def _sd35(*overrides):
+    return load_config(SD35_RECIPE, [f"model.path={ARCH / 'sd3.5-medium'}", *overrides])
+
+
+def test_a_rollout_sample_holds_its_latents_stored_velocities_log_probs_conditioning_and_pixels():
+    cfg = _sd35()
+    model = inspect_model(cfg, ARCH / "sd3.5-medium")
+    s = settings(cfg, "ddp", 1, model)
+    assert (s.prompts_per_step, s.group_size, s.num_steps) == (4, 24, 10)  # the recipe's 4 prompts x 24, T 10
+    assert s.stored_velocities == 0.5  # cfg_grad: detached keeps CFG's unconditional branch, bf16
+    latent = 16 * (512 // 8) ** 2 * 4  # float32 latent at 512 px
+    text = ((77 + 256) * 4096 + 2048) * 2 * 2  # CLIP + T5 tokens and the pooled vector, bf16, both CFG branches
+    pixels = 3 * 512 * 512 * 4  # the decoded image, float32
+    expected = 96 * ((10 + 1 + 10 * 0.5) * latent + 4 * 10 + text + pixels)
+    assert s.rollout_bytes(model.rollout) == pytest.approx(expected, rel=1e-9)
+    assert memory_rows(model, s)["rollouts of the step"] == pytest.approx(expected, rel=1e-9)
+    # the probe: 4,096 prompts x 1,024 samples a step hold 4M rollouts (54 TB) where 96 hold 1.2 GB
+    huge = replace(s, prompts_per_step=4096, group_size=1024)
+    assert sum(memory_rows(model, s).values()) < 80 * GB < sum(memory_rows(model, huge).values())
+    assert smallest_fix(model, huge, 80 * GB).startswith("trainer.prompts_per_step=")
+
+
+@pytest.mark.parametrize("overrides,verdict", [
+    (("trainer.prompts_per_step=4", "trainer.group_size=24"), "ddp: fits"),
+    (("trainer.prompts_per_step=256", "trainer.group_size=64"),
+     "ddp: does not fit; smallest change that fits: trainer.prompts_per_step="),
+])
+def test_how_many_rollouts_a_step_holds_decides_whether_it_fits(overrides, verdict, capsys):
+    rc = main(["plan", str(SD35_RECIPE), *overrides, "--gpu-memory", "80"])
+    out = capsys.readouterr().out
+    assert rc == 0 and verdict in out, out
+    assert "rollouts a step per rank: " + overrides[0].split("=")[1] + " prompts x " in out
+
+
+@pytest.mark.parametrize("recipe,stored", [
+    ("configs/sd3.5-medium/self_opd.yaml", 1.0),  # self-distillation keeps every step's velocity (float32)
+    ("configs/tiny/rg_opd_vvr.yaml", 1.0),
+    ("configs/sd3.5-medium/diffusion_nft.yaml", 0.0),
+])
+def test_trainers_that_store_velocities_count_them(recipe, stored):
+    cfg = load_config(REPO_ROOT / recipe, [f"model.path={ARCH / 'sd3.5-medium'}"])
+    assert settings(cfg, "ddp", 1).stored_velocities == stored
+
+
+def test_a_placeholder_model_path_plans_on_the_recipes_published_architecture(capsys, tmp_path):
+    assert main(["plan", str(REPO_ROOT / "configs/flux.2-klein/flow_grpo_vvr.yaml")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("model.path /path/to/FLUX.2-klein-base-4B does not exist: planning on the published architecture "
+                     "assets/architectures/flux.2-klein (its configs, no weights)")
+    # a path given on the command line is taken as meant; a recipe outside configs/<model>/ names the choices
+    assert main(["plan", str(SD35_RECIPE), "model.path=/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "model.path /no/such/model does not exist" in err and "sd3.5-medium" in err and len(err.splitlines()) == 1
+    copied = tmp_path / "my_run.yaml"
+    copied.write_text(SD35_RECIPE.read_text())
+    assert main(["plan", str(copied)]) == 2
+    err = capsys.readouterr().err
+    assert "model.path=assets/architectures/NAME" in err and "flux.1-dev" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"num_layers": -5}, "transformer/config.json: num_layers=-5 must be at least 1"),
+    ({"num_layers": "many"}, 'transformer/config.json: num_layers="many" must be a whole number'),
+    ({"attention_head_dim": 64.5}, "attention_head_dim=64.5 must be a whole number"),
+    ({"qk_norm": "bogus"}, "transformer/config.json does not build a SD3Transformer2DModel (unknown qk_norm"),
+    ([1, 2], "transformer/config.json holds a JSON list, not a mapping of settings"),
+    ('{"num_layers": 3,', "transformer/config.json is damaged (line 1"),
+])
+def test_a_bad_architecture_config_is_one_line_naming_the_field(config, message, tmp_path, capsys):
+    arch = tmp_path / "sd3.5-medium"
+    shutil.copytree(ARCH / "sd3.5-medium", arch)
+    path = arch / "transformer" / "config.json"
+    if isinstance(config, dict):
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    else:
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+    assert main(["plan", str(SD35_RECIPE), f"model.path={arch}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
