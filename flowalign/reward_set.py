@@ -134,8 +134,9 @@ class RewardSet:
     @torch.no_grad()
     def score(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardScores:
         """Every reward on decoded samples ``(N, 3, H, W)`` or ``(N, F, 3, H, W)``; never raises for a
-        reward's failure (its samples are marked invalid and a warning printed), only for a reward that
-        returns the wrong kind of output (``UserError``)."""
+        reward's failure or silence past its deadline (its samples are marked invalid and a warning
+        printed), only for a reward that returns the wrong kind of output (``UserError``); Ctrl-C and
+        SIGTERM go on up."""
         n = len(prompts)
         columns, oks, reasons = [], [], [""] * n
         passed: dict[str, torch.Tensor] = {}

@@ -193,3 +193,19 @@ def test_a_step_dropped_on_sigterm_resumes_to_the_uninterrupted_weights(tmp_path
     assert runs["interrupted"].keys() == runs["straight"].keys()
     for key, value in runs["straight"].items():
         assert torch.equal(runs["interrupted"][key], value), key
+
+
+def test_a_gradient_reward_past_its_deadline_adds_nothing_with_a_warning(plugin, capsys):
+    from rewards.registry import load
+
+    name, control = plugin
+    _hang_from(control, 0)
+    x = torch.rand(2, 3, 8, 8, requires_grad=True)
+    rewards = RewardSet([("hangs", 1.0, TimeLimited("hangs", load(name), 0.2)),
+                         ("mean", 2.0, TimeLimited("mean", load("tests.flowalign.trainers.toy_rewards:redness"), 60))])
+    total = rewards.weighted_total(x, ["a", "b"], [{}, {}])
+    expected = 2 * (x[:, 0].flatten(1).mean(1) - x[:, 1:].flatten(1).mean(1))
+    torch.testing.assert_close(total, expected)
+    total.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert "warning: reward 'hangs' gave no answer within timeout_s=0.2 s" in capsys.readouterr().out
