@@ -2,7 +2,6 @@
 never a traceback and never a result computed from them."""
 
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -138,8 +137,9 @@ def test_compare_reads_null_scores_of_invalid_samples(tmp_path, capsys):
     (b / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["compare", str(a), str(b)]) == 0
     row = json.loads(capsys.readouterr().out)
-    assert (row["wins"], row["losses"], row["ties"]) == (0, 0, 2) and row["b_mean"] is None
-    assert not math.isnan(row["a_mean"])
+    # the invalid sample is unscored, neither a tie nor a 0 in B's mean
+    assert (row["wins"], row["losses"], row["ties"], row["unscored"]) == (0, 0, 1, 1)
+    assert (row["a_mean"], row["b_mean"], row["win_rate"]) == (0.5, 1.0, 0.5)
 
 
 @pytest.mark.parametrize("argv,needle", [
