@@ -74,9 +74,8 @@ UNRECIPED = sorted(a.name for a in ARCH.iterdir() if a.is_dir() and not (REPO_RO
 
 
 #: families whose transformer's forward the meta device cannot run (HunyuanVideo 1.5 gathers tokens by boolean
-#: masks; AnyFlow-FAR's block-causal flex attention has no meta kernel): the planner refuses them with the
-#: reason, which these tests check instead of a plan
-VALUE_DEPENDENT = {"hunyuan_video15", "anyflow_far"}
+#: masks): the planner refuses them with the reason, which these tests check instead of a plan
+VALUE_DEPENDENT = {"hunyuan_video15"}
 
 
 def refused_as_value_dependent(folder: Path, code: int, err: str) -> bool:
