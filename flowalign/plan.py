@@ -323,11 +323,12 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     size = {**spec.size, **_folder_defaults(folder), **{k: v for k, v in (cfg.model.defaults or {}).items() if v is not None},
             **_vae_scales(folder)}
     _, tcfg = trainer_config(cfg.trainer)  # the section as the trainer reads it, its own defaults filled in
-    guidance = tcfg.guidance_scale or size.get("guidance_scale") or spec.guidance
+    per_sample = _batch_size(tcfg)  # the trainer's batch (a CFG pass doubles it inside)
+    guidance = getattr(tcfg, "guidance_scale", None) or size.get("guidance_scale") or spec.guidance
     twice = spec.guidance_kind(transformer.config, families.read_index(folder)) in ("cfg", "true_cfg") and float(guidance) > 1
-    batch = tcfg.batch_size * (2 if twice else 1)
+    batch = per_sample * (2 if twice else 1)
     inputs = spec.transformer_inputs(transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
-    rollout = rollout_sample_bytes(inputs, tcfg.batch_size, size)  # before the forward consumes the inputs
+    rollout = rollout_sample_bytes(inputs, per_sample, size)  # before the forward consumes the inputs
     key = _forward_key(transformer, inputs)
     try:
         act = _FORWARDS.get(key) or saved_activation_bytes(transformer, blocks, inputs)
@@ -341,7 +342,6 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     _FORWARDS[key] = act
     while len(_FORWARDS) > 64:  # a long-lived process planning many configs keeps the newest
         _FORWARDS.pop(next(iter(_FORWARDS)))
-    per_sample = tcfg.batch_size  # the trainer's batch (a CFG pass doubles it inside)
     per = lambda v: v / per_sample
     return Model(spec.name, params, trained, largest, Activations(per(act.outside), per(act.in_blocks),
                                                                   per(act.largest_block), per(act.block_inputs)),
@@ -387,6 +387,12 @@ def rollout_sample_bytes(inputs: dict[str, Any], batch: int, size: dict[str, Any
             conditioning += value.nbytes  # per-pass rows; timesteps and position ids are rebuilt at every call
     pixels = 3 * int(size["height"]) * int(size["width"]) * int(size.get("num_frames") or 1)
     return Rollout(4 * latent_floats, conditioning / batch, 4 * pixels)
+
+
+def _batch_size(tcfg: Any) -> int:
+    """Samples a training forward takes: the section's ``batch_size`` (8, the loop's default, for a trainer
+    from a package whose section has none)."""
+    return int(getattr(tcfg, "batch_size", 8))
 
 
 def _folder_defaults(folder: Path) -> dict[str, Any]:
@@ -472,7 +478,7 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = N
     if getattr(tcfg, "cfg_grad", None) == "detached" and model is not None and model.cfg_doubles:
         stored += BYTES[cfg.model.dtype] / 4  # CFG's unconditional branch, in the model's dtype
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
-                    cfg.model.gradient_checkpointing, tcfg.batch_size, extra,
+                    cfg.model.gradient_checkpointing, _batch_size(tcfg), extra,
                     cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel,
                     prompts_per_step=int(getattr(tcfg, "prompts_per_step", 0)),
                     group_size=int(getattr(tcfg, "group_size", 0)), num_steps=int(getattr(tcfg, "num_steps", 0)),
