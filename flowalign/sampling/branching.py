@@ -1,10 +1,11 @@
 """TempFlow-GRPO's temporal structure (``docs/methods/tempflow_grpo.md``): where a group branches, and how
 much each branching step weighs.
 
-A group branches at one step ``k``: every member starts from the group's ``x_T``, follows the ODE to
+A group branches at a step ``k``: every member starts from the group's ``x_T``, follows the ODE to
 ``x_k`` (the same for all members), takes one SDE step there (its own noise), and follows the ODE again
 to the end. The rewards of the group then differ only through that one stochastic step, so the group's
-advantages credit step ``k`` alone (a process reward without an intermediate reward model).
+advantages credit step ``k`` alone (a process reward without an intermediate reward model). The authors
+branch every trajectory at every candidate step; a group may also branch at one drawn step.
 
 A step's exploration is the std ``τ_k`` of its Gaussian: early, noisy steps move the sample far, late ones
 barely. The noise-aware weight of step ``k`` among the candidate steps ``K`` is ``w_k = τ_k / mean_{j∈K} τ_j``
@@ -52,8 +53,12 @@ def step_noise_std(sampler: str, sigma: float, sigma_next: float, noise_level: f
 
 
 def noise_aware_weights(sigmas: torch.Tensor, candidates: Sequence[int], sampler: str,
-                        noise_level: float) -> dict[int, float]:
-    """``{k: τ_k / mean_{j∈candidates} τ_j}`` for the candidate steps of the grid ``sigmas`` ``(T+1,)``."""
+                        noise_level: float, scale: float | None = None) -> dict[int, float]:
+    """``{k: τ_k / mean_{j∈candidates} τ_j}`` for the candidate steps of the grid ``sigmas`` ``(T+1,)``, or
+    ``{k: scale·τ_k}`` with a fixed ``scale`` (the authors' SD3.5 script: 2.25, about 1 / mean τ on its
+    10-step grid)."""
     stds = {k: step_noise_std(sampler, float(sigmas[k]), float(sigmas[k + 1]), noise_level) for k in candidates}
+    if scale is not None:
+        return {k: scale * s for k, s in stds.items()}
     mean = sum(stds.values()) / len(stds)
     return {k: s / mean for k, s in stds.items()}

@@ -1,15 +1,88 @@
-"""TempFlow-GRPO: branching at one chosen step per group and noise-aware weights (docs/methods/tempflow_grpo.md)."""
+"""TempFlow-GRPO: per-step branching (every step, the authors'; or one drawn step), noise-aware weights, and
+the authors' advantages / weights / loss as known answers (known_answers/tempflow_grpo_branching_loss.json;
+docs/methods/tempflow_grpo.md)."""
 
+import json
 import math
+from pathlib import Path
 
+import pytest
 import torch
 
+from flowalign.advantages import compute_advantages
+from flowalign.errors import UserError
 from flowalign.sampling import branch_candidates, flow_grpo_diffusion, noise_aware_weights
 from flowalign.train import build_trainer
-from flowalign.trainers.tempflow_grpo import weighted_clip_loss
+from flowalign.trainers.flow_grpo import gaussian_mean_kl
+from flowalign.trainers.tempflow_grpo import branch_groups, step_variance_kl, weighted_clip_loss
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "tempflow_grpo_branching_loss.json").read_text())
+F64 = dict(dtype=torch.float64)
+
+
+def close(actual, expected, rtol=1e-6, atol=1e-9):
+    torch.testing.assert_close(torch.as_tensor(actual, **F64), torch.as_tensor(expected, **F64), rtol=rtol, atol=atol)
+
+
+def test_branching_structure_equals_the_authors_script():
+    """SD3.5 at T = 10: the authors branch at steps 0 … T−2 (their main path's timesteps[:-1]) and train
+    exactly those (⌊0.99·10⌋ = 9 steps): flowalign's default candidates, each one trained by every_step."""
+    b = KNOWN["branching"]
+    assert branch_candidates(b["num_steps"], None) == b["branch_steps"] == b["trained_steps"]
+
+
+def test_step_std_and_weights_equal_the_authors_sde_step():
+    """τ_k (the std their SDE step returns) on SD3.5's grid; noise_weight_scale 2.25 gives their 2.25·τ_k
+    exactly, and the normalised default τ_k / mean τ is within 0.1 % of it on this grid."""
+    sigmas, steps = torch.tensor(KNOWN["sigmas"], **F64), KNOWN["branching"]["branch_steps"]
+    scale = KNOWN["weight_scale"]
+    authors = [scale * t for t in KNOWN["step_std"]]
+    scaled = noise_aware_weights(sigmas, steps, "flow_grpo", KNOWN["noise_level"], scale)
+    close([scaled[k] for k in steps], authors)
+    normalised = noise_aware_weights(sigmas, steps, "flow_grpo", KNOWN["noise_level"])
+    close([normalised[k] for k in steps], authors, rtol=2e-3)
+
+
+def test_per_prompt_and_step_advantages_equal_the_authors_tracker():
+    """The authors' (rows, T−1) reward matrix normalised per (prompt, step) column (PerPromptStatTracker,
+    per-prompt std, eps 1e-4, clamped to 5) equals compute_advantages('group') over branch_groups ids."""
+    a = KNOWN["advantages"]
+    rewards = torch.tensor(a["rewards"], **F64)
+    rows, steps = rewards.shape
+    names = sorted(set(a["prompts"]))
+    prompt = torch.tensor([names.index(p) for p in a["prompts"]]).repeat_interleave(steps)
+    step = torch.arange(steps).repeat(rows)
+    adv = compute_advantages("group", rewards.reshape(-1, 1), torch.ones(1), branch_groups(prompt, step, steps),
+                             clip=a["adv_clip"])
+    close(adv.reshape(rows, steps), a["advantages"], atol=1e-6)  # flowalign normalises in float32
+    assert (torch.tensor(a["advantages"])[18:, 4] == 0).all() and (adv.reshape(rows, steps)[18:, 4] == 0).all()
+
+
+@pytest.mark.parametrize("case", KNOWN["loss"], ids=lambda c: f"step{c['step']}")
+def test_one_training_unit_equals_the_authors_loss_and_gradient(case):
+    """policy_loss = mean 2.25·τ_k·max(−A·r, −A·clip(r)), its gradient in ℓ, the KL mean_D Δμ²/(2τ_k²) and
+    loss = policy + β·KL, fed the authors' inputs (float64)."""
+    sigmas, k = KNOWN["sigmas"], case["step"]
+    weight = noise_aware_weights(torch.tensor(sigmas, **F64), KNOWN["branching"]["branch_steps"], "flow_grpo",
+                                 KNOWN["noise_level"], KNOWN["weight_scale"])[k]
+    log_prob = torch.tensor(case["log_prob"], **F64, requires_grad=True)
+    per_sample, _, _ = weighted_clip_loss(log_prob, torch.tensor(case["old_log_prob"], **F64),
+                                          torch.tensor(case["advantages"], **F64), case["clip_range"], weight)
+    policy = per_sample.mean()
+    policy.backward()
+    close(policy.item(), case["policy_loss"])
+    close(log_prob.grad, case["policy_loss_grad_log_prob"])
+    std = torch.full((4, 1, 1, 1), case["std"], **F64)
+    coded = gaussian_mean_kl(torch.tensor(case["mean"], **F64), torch.tensor(case["ref_mean"], **F64), std,
+                             sigmas[k] - sigmas[k + 1], "code")
+    kl = step_variance_kl(coded, sigmas[k], sigmas[k + 1]).mean()
+    close(kl.item(), case["kl_loss"])
+    close(policy.item() + case["beta"] * kl.item(), case["loss"])
+    s = float(flow_grpo_diffusion(sigmas[k], sigmas[k + 1], KNOWN["noise_level"]))
+    close(s * math.sqrt(sigmas[k] - sigmas[k + 1]), case["std"])  # τ_k of flowalign's Flow-GRPO step
 
 
 def test_noise_aware_weights_are_the_step_stds_over_their_mean():
@@ -38,9 +111,63 @@ def test_the_weighted_clip_loss_and_its_gradient_by_hand():
     torch.testing.assert_close(log_prob.grad, -1.5 * adv)
 
 
-def test_groups_branch_at_one_chosen_step_from_a_shared_ode_prefix(tmp_path, tiny_sd3_dir, prompt_file):
+BRANCHED = ("trainer.name=tempflow_grpo", "trainer.num_steps=5", "trainer.branch_steps=[1, 3]",
+            "trainer.group_size=3", "trainer.batch_size=3", "trainer.beta=0")
+
+
+def test_every_step_branches_one_shared_trajectory_at_every_candidate(tmp_path, tiny_sd3_dir, prompt_file):
+    """Per prompt group: group_size branches at each candidate step, all from the group's one ODE path
+    (x_T … x_k the same for every branch of every step), each with its own noise at k; advantages normalised
+    per (prompt, step); on-policy the surrogate is −w_k·A."""
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *BRANCHED))
+    batch = t.collect(0)
+    adv = batch.per_chunk(batch.advantages)
+    by_group: dict[int, dict[int, object]] = {}
+    for i, (chunk, group) in enumerate(zip(batch.chunks, batch_groups(batch))):  # one (prompt, step) group each
+        (k,) = chunk.trained_steps()
+        by_group.setdefault(group // 2, {})[k] = chunk  # rollout group g·|K| + i: prompt group g, step K[i]
+        assert len(chunk) == 3 and torch.isnan(chunk.log_probs[:, [j for j in range(5) if j != k]]).all()
+        assert not torch.allclose(chunk.latents[0, k + 1], chunk.latents[1, k + 1])  # each branch its own noise
+        assert abs(float(adv[i].mean())) < 1e-5  # normalised within the (prompt, step) group
+        with torch.no_grad():
+            out = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
+            per_sample, ratio, _ = t.surrogate(chunk, k, out, chunk.step(k)[2], adv[i], None)
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)  # 1 up to kernel noise
+        w = noise_aware_weights(chunk.sigmas, [1, 3], "flow_grpo", 0.7)[k]
+        torch.testing.assert_close(per_sample, -w * ratio * adv[i])
+    assert sorted(by_group) == [0, 1] and all(sorted(steps) == [1, 3] for steps in by_group.values())
+    for steps in by_group.values():  # one trajectory: step 3's branches pass through step 1's x_1
+        early, late = steps[1], steps[3]
+        path = late.latents[:1, :4]
+        torch.testing.assert_close(late.latents[:, :4], path.expand_as(late.latents[:, :4]), atol=1e-6, rtol=0)
+        torch.testing.assert_close(early.latents[:, :2], path[:, :2].expand_as(early.latents[:, :2]), atol=1e-6, rtol=0)
+    assert "branch_step" not in batch.logs
+
+
+def test_every_step_on_two_ranks_is_the_single_process_batch(tmp_path, tiny_sd3_dir, prompt_file):
+    """Rank 1 of 2 (one prompt) rolls out the second prompt group of one process with two: the same
+    branches, noise and advantages (every draw is keyed by the global group)."""
+    one = build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, prompt_file, *BRANCHED))
+    rank = build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, *BRANCHED,
+                                      "trainer.prompts_per_step=1"))
+    rank.rank, rank.world = 1, 2
+    whole, half = one.collect(0), rank.collect(0)
+    mine = [i for i, g in enumerate(batch_groups(whole)) if g // 2 == 1]
+    assert len(mine) == 2 and batch_groups(half) == [batch_groups(whole)[i] for i in mine]
+    for j, i in enumerate(mine):
+        torch.testing.assert_close(half.chunks[j].latents, whole.chunks[i].latents, atol=1e-6, rtol=0)
+        torch.testing.assert_close(half.per_chunk(half.advantages)[j], whole.per_chunk(whole.advantages)[i])
+
+
+def batch_groups(batch) -> list[int]:
+    """The rollout group of each chunk."""
+    return [int(ids[0]) for ids in batch.per_chunk(batch.groups)]
+
+
+def test_one_step_groups_branch_at_one_chosen_step_from_a_shared_ode_prefix(tmp_path, tiny_sd3_dir, prompt_file):
     t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=tempflow_grpo",
-                                   "trainer.num_steps=5", "trainer.branch_steps=[1, 3]", "trainer.prompts_per_step=4"))
+                                   "trainer.branching=one_step", "trainer.num_steps=5", "trainer.branch_steps=[1, 3]",
+                                   "trainer.prompts_per_step=4", "trainer.beta=0"))
     batch = t.collect(0)
     seen = set()
     for chunk in batch.chunks:  # batch_size = group_size: one group per rollout batch
@@ -51,20 +178,22 @@ def test_groups_branch_at_one_chosen_step_from_a_shared_ode_prefix(tmp_path, tin
         prefix = chunk.latents[:, : k + 1]  # x_T … x_k: the same for every member (shared x_T, ODE)
         torch.testing.assert_close(prefix, prefix[:1].expand_as(prefix), atol=1e-6, rtol=0)
         assert not torch.allclose(chunk.latents[0, k + 1], chunk.latents[1, k + 1])  # each branch its own noise
-        with torch.no_grad():  # on-policy: the ratio is exactly 1, the surrogate is −w_k·A
-            out = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
-            adv = batch.per_chunk(batch.advantages)[batch.chunks.index(chunk)]
-            per_sample, ratio, _ = t.surrogate(chunk, k, out, chunk.step(k)[2], adv, None)
-        assert torch.equal(ratio, torch.ones_like(ratio))
-        w = noise_aware_weights(chunk.sigmas, [1, 3], "flow_grpo", 0.7)[k]
-        torch.testing.assert_close(per_sample, -w * adv)
+    assert "branch_step" in batch.logs
     again = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, "trainer.name=tempflow_grpo",
-                                       "trainer.num_steps=5", "trainer.branch_steps=[1, 3]",
-                                       "trainer.prompts_per_step=4"))
+                                       "trainer.branching=one_step", "trainer.num_steps=5",
+                                       "trainer.branch_steps=[1, 3]", "trainer.prompts_per_step=4"))
     assert [again.branch_step(g) for g in range(4)] == [t.branch_step(g) for g in range(4)]  # keyed, not random
     assert len({t.branch_step(g) for g in range(16)}) == 2  # both candidates drawn
 
 
-def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
+def test_every_step_without_a_seed_group_is_refused(tmp_path, tiny_sd3_dir, prompt_file):
+    with pytest.raises(UserError, match="trainer.shared_initial_noise"):
+        build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=tempflow_grpo",
+                                   "trainer.shared_initial_noise=false"))
+
+
+@pytest.mark.parametrize("branching", ["every_step", "one_step"])
+def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, branching):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=tempflow_grpo",
-                                          "trainer.updates_per_epoch=2", "trainer.batch_size=2")
+                                          f"trainer.branching={branching}", "trainer.updates_per_epoch=2",
+                                          "trainer.batch_size=2", "trainer.num_steps=3", "trainer.beta=0.01")
