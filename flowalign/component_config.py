@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flowalign.errors import UserError
+from flowalign.limits import MAX_MODEL_LAYERS, MAX_MODEL_SIZE
 
 #: annotations (as diffusers writes them, or as strings under postponed evaluation) of whole-number and
 #: real-number settings; the second of each pair also takes null
@@ -29,6 +30,8 @@ _FLOAT = ({"float", "<class 'float'>", "int | float", "float | int"},
           {"float | None", "Optional[float]", "typing.Optional[float]"})
 #: settings that count or size something: with a positive default, 0 builds nothing of it
 _COUNT = re.compile(r"^num_|^d_|_dims?$|channels$|heads$|layers$|_size$|^hidden_size$")
+#: settings that count layers or blocks (bounded by MAX_MODEL_LAYERS; other counts by MAX_MODEL_SIZE)
+_LAYERS = re.compile(r"layers$|blocks$|^depth$")
 #: ids and indices: -1 and 0 are ordinary values
 _ID = re.compile(r"_ids?$|_index$")
 
@@ -96,8 +99,9 @@ def check_settings(data: dict[str, Any], cls: type, where: str) -> None:
                             "fix the field or restore the file from the original download")
         if whole and _is_int(default) and default >= 0 and not _ID.search(key):
             low = 1 if default > 0 and _COUNT.search(key) else 0
-            if value < low:
-                raise UserError(f"{where}: {key}={value} must be at least {low} (e.g. {default}); "
+            high = MAX_MODEL_LAYERS if _LAYERS.search(key) else MAX_MODEL_SIZE
+            if not low <= value <= high:
+                raise UserError(f"{where}: {key}={value} must be between {low} and {high:,} (e.g. {default}); "
                                 "fix the field or restore the file from the original download")
 
 

@@ -65,6 +65,12 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_RANKS = 65_536
 #: GPU memory of one device in GB (``plan --gpu-memory``): the largest today hold 192 GB
 MAX_GPU_MEMORY_GB = 4096.0
+#: layers or blocks of one model component (``num_layers`` in a config.json): published transformers have
+#: at most ~100; a billion would take hours to build even on the meta device
+MAX_MODEL_LAYERS = 1024
+#: any other count or size in a component's config.json (widths, heads, vocabulary): the largest real
+#: ones are ~262k (vocabularies)
+MAX_MODEL_SIZE = 2**24
 #: side in pixels of an image or a rendered scene (height, width, ``pretrain-tiny --size``): every
 #: published model samples at most 2048; a 100000-pixel side is a 30 GB canvas
 MAX_IMAGE_SIDE = 4096

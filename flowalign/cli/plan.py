@@ -6,6 +6,9 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flowalign.cli.common import add_number
+from flowalign.limits import MAX_GPU_MEMORY_GB, MAX_RANKS
+
 if TYPE_CHECKING:
     from flowalign.config import TrainConfig
 
@@ -16,21 +19,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "whose model.path does not exist is planned on assets/architectures/<its configs/ folder>")
     p.add_argument("overrides", nargs="*", help="dotted overrides read as YAML, e.g. model.path=... trainer.batch_size=2; "
                    "model.path=assets/architectures/NAME plans a published model from its configs alone")
-    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (ranks) the run would use")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="memory of one GPU in GB (default 80)")
+    add_number(p, "--gpus", type=int, lo=1, hi=MAX_RANKS, default=1, help="number of GPUs (ranks) the run would use")
+    add_number(p, "--gpu-memory", type=float, lo=0, hi=MAX_GPU_MEMORY_GB, lo_open=True, default=80.0,
+               help="memory of one GPU in GB (default 80)")
     return p
 
 
 def run(args: argparse.Namespace) -> None:
     from flowalign.config import load_config
-    from flowalign.errors import UserError
     from flowalign.plan import plan_text, planning_folder
     from flowalign.train import check_run
 
-    if args.gpus < 1:
-        raise UserError(f"--gpus must be at least 1, got {args.gpus}")
-    if not 0 < args.gpu_memory < float("inf"):
-        raise UserError(f"--gpu-memory must be a positive number of GB, got {args.gpu_memory}")
     cfg = load_config(args.config, args.overrides)
     path_given = any(o.split("=", 1)[0].strip() in ("model", "model.path") for o in args.overrides)
     folder, note = planning_folder(cfg.model.path, args.config, path_given)

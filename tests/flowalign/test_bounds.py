@@ -26,11 +26,7 @@ from flowalign.trainers import registered, trainer_config
 CONFIG_UNBOUNDED: dict[str, str] = {}
 
 #: ``"command --flag"`` of numeric options that need no bound, each with its reason
-CLI_UNBOUNDED: dict[str, str] = {
-    # plan allocates nothing from these: they only scale the printed per-rank arithmetic
-    "plan --gpus": "a count the planner divides by; no memory or time is spent per GPU",
-    "plan --gpu-memory": "a number the estimate is compared with; nothing is allocated from it",
-}
+CLI_UNBOUNDED: dict[str, str] = {}
 
 
 def _bounded(metadata: list[Any]) -> tuple[bool, bool]:

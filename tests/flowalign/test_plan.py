@@ -254,7 +254,7 @@ def test_a_placeholder_model_path_plans_on_the_recipes_published_architecture(ca
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"num_layers": -5}, "transformer/config.json: num_layers=-5 must be at least 1"),
+    ({"num_layers": -5}, "transformer/config.json: num_layers=-5 must be between 1 and 1,024"),
     ({"num_layers": "many"}, 'transformer/config.json: num_layers="many" must be a whole number'),
     ({"attention_head_dim": 64.5}, "attention_head_dim=64.5 must be a whole number"),
     ({"qk_norm": "bogus"}, "transformer/config.json does not build a SD3Transformer2DModel (unknown qk_norm"),

@@ -27,9 +27,10 @@ def _copy(tmp_path, component="transformer", **changes):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"num_layers": -5}, "transformer/config.json: num_layers=-5 must be at least 1"),  # loaded silently before
+    ({"num_layers": -5}, "transformer/config.json: num_layers=-5 must be between 1 and 1,024"),  # loaded silently before
     ({"num_layers": "many"}, 'transformer/config.json: num_layers="many" must be a whole number'),
-    ({"patch_size": 0}, "transformer/config.json: patch_size=0 must be at least 1"),
+    ({"num_layers": 10**9}, "transformer/config.json: num_layers=1000000000 must be between 1 and 1,024"),
+    ({"patch_size": 0}, "transformer/config.json: patch_size=0 must be between 1 and"),
     ({"num_attention_heads": True}, "num_attention_heads=true must be a whole number"),
 ])
 def test_a_value_of_the_wrong_kind_or_range_is_refused_before_loading(tmp_path, changes, message):
@@ -73,9 +74,9 @@ def test_ids_may_be_zero_or_negative_and_counts_of_zero_default_may_be_zero():
             pass
 
     check_settings({"num_layers": 1, "pad_token_id": -1, "dropout_layers": 0, "eps": 0.0}, Config, "x")
-    with pytest.raises(UserError, match="dropout_layers=-1 must be at least 0"):
+    with pytest.raises(UserError, match="dropout_layers=-1 must be between 0 and"):
         check_settings({"dropout_layers": -1}, Config, "x")
     with pytest.raises(UserError, match='eps="small" must be a finite number'):
         check_settings({"eps": "small"}, Config, "x")
-    with pytest.raises(UserError, match="num_layers=0 must be at least 1"):
+    with pytest.raises(UserError, match="num_layers=0 must be between 1 and"):
         check_settings({"num_layers": 0}, Config, "x")
