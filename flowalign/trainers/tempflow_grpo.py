@@ -49,7 +49,8 @@ class TempFlowGRPOConfig(FlowGRPOConfig):
     #: a seed group: every member of a prompt group starts from the same x_T (every_step needs it)
     shared_initial_noise: bool = True
     advantage: str = Field("group", pattern="^(group|global_std|gdpo|win_rate)$")
-    #: the authors' pickscore_sd3_pr value (their KL divides by the step's 2τ_k², see kl_penalty)
+    #: weight β of the KL to the reference, the authors' pickscore_sd3_pr value; with kl_mode code it is their
+    #: mean_D (μ − μ_ref)² / (2τ_k²), the step's own variance
     beta: float = Field(0.001, ge=0, le=MAX_COEFFICIENT)
 
 
