@@ -48,11 +48,11 @@ def test_non_finite_helpers_name_the_first_bad_quantity(tmp_path):
 
 
 def test_a_diverging_run_stops_before_its_checkpoint_and_keeps_the_last_good_one(tmp_path, tiny_sd3_dir, prompt_file):
-    # Adam moves every weight by about lr, and the LoRA output is scaled by alpha / rank: after one step it
-    # overflows and the samples are NaN
+    # Adam moves every weight by about lr, and the LoRA output is scaled by alpha / rank (both at their
+    # bounds): after one step it overflows fp16 and the samples are NaN
     run_dir = tmp_path / "r"
     with pytest.raises(UserError, match="step 2: non-finite sampled outputs") as err:
-        train(small_config(run_dir, tiny_sd3_dir, prompt_file, "model.lora.alpha=1.0e15", "trainer.lr=1",
+        train(small_config(run_dir, tiny_sd3_dir, prompt_file, "model.lora.alpha=1.0e6", "model.dtype=fp16", "trainer.lr=1",
                            "trainer.max_steps=4", "run.checkpoint_every=1"))
     assert "step-000001" in str(err.value) and len(str(err.value).splitlines()) == 1
     assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step-000001"]
