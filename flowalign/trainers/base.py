@@ -379,14 +379,20 @@ class GroupTrainer:
         """Options of ``trainer.advantage`` beyond its kind (see ``compute_advantages``); none by default."""
         return {}
 
+    def rollout_slots(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
+                      prompt_ids: torch.Tensor, step: int) -> list:
+        """One slot per sample (its prompt, group and noise seeds) for :meth:`sample`; a trainer whose samples
+        share noise differently overrides this, not the sampling loop."""
+        return sample_slots(self.policy, prompts, metadata, groups, prompt_ids, self.cfg.run.seed, step,
+                            self.tcfg.shared_initial_noise)
+
     def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
                prompt_ids: torch.Tensor | None = None, step: int | None = None) -> StepBatch:
         """Rollouts in batches of ``batch_size``, scored as they come (``scores``, ``logs`` time/*).
         ``prompt_ids`` (the prompts' data indices; default: the group ids) group the advantages."""
         prompt_ids = groups.clone() if prompt_ids is None else prompt_ids
         step = self.step if step is None else step
-        slots = sample_slots(self.policy, prompts, metadata, groups, prompt_ids, self.cfg.run.seed, step,
-                             self.tcfg.shared_initial_noise)
+        slots = self.rollout_slots(prompts, metadata, groups, prompt_ids, step)
         sampling = {g: self.sampling(g) for g in dict.fromkeys(groups.tolist())}
         batches = rollout_batches(slots, sampling, self.tcfg.batch_size)
         order = [s for b in batches for s in b]

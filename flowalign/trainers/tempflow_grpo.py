@@ -27,7 +27,7 @@ from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout, StepOutput, branch_candidates, draw_branch_step, noise_aware_weights
 from flowalign.trainers.base import Sampling, StepBatch
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepUnit, ppo_clip_loss
-from flowalign.trainers.rollouts import rollout_batches, sample_and_score, sample_slots
+from flowalign.trainers.rollouts import sample_slots
 
 
 class TempFlowGRPOConfig(FlowGRPOConfig):
@@ -128,26 +128,16 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
         return self.group_batch(prompts, metadata, branch_groups(trajectories, steps, n),
                                 branch_groups(prompt_ids, steps, n), step)
 
-    def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
-               prompt_ids: torch.Tensor | None = None, step: int | None = None) -> StepBatch:
-        """every_step: the loop's rollouts, except that all branches of prompt group g (every step's) start from
-        its one ``x_T`` and draw their SDE noise from generators keyed by (seed, step, g, branch): the
-        trajectory is the authors' one ODE path per prompt group, whatever the batching or rank layout."""
+    def rollout_slots(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
+                      prompt_ids: torch.Tensor, step: int) -> list:
+        """every_step: all branches of prompt group g (every step's) start from its one ``x_T`` and draw their
+        SDE noise from generators keyed by (seed, step, g, branch): the trajectory is the authors' one ODE path
+        per prompt group, whatever the batching or rank layout."""
         if self.tcfg.branching == "one_step":
-            return super().sample(prompts, metadata, groups, prompt_ids, step)
-        prompt_ids = groups.clone() if prompt_ids is None else prompt_ids
-        step = self.step if step is None else step
+            return super().rollout_slots(prompts, metadata, groups, prompt_ids, step)
         slots = sample_slots(self.policy, prompts, metadata, groups // len(self.candidates), prompt_ids,
                              self.cfg.run.seed, step, True)
-        slots = [dataclasses.replace(s, group=g) for s, g in zip(slots, groups.tolist())]
-        sampling = {g: self.sampling(g) for g in dict.fromkeys(groups.tolist())}
-        batches = rollout_batches(slots, sampling, self.tcfg.batch_size)
-        order = [s for b in batches for s in b]
-        group_ids, ids = torch.tensor([s.group for s in order]), torch.tensor([s.prompt_id for s in order])
-        chunks, scores, times, prepared = sample_and_score(
-            self.policy, self.rewards, batches, sampling, self.tcfg.num_steps, self.tcfg.guidance_scale,
-            lambda drawn, scored: self.prepare(StepBatch(drawn, group_ids, ids), scored))
-        return StepBatch(chunks, group_ids, ids, scores, logs=dict(times), prepared=prepared)
+        return [dataclasses.replace(s, group=g) for s, g in zip(slots, groups.tolist())]
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
         """The branching step (``timestep_fraction`` does not apply)."""
