@@ -17,8 +17,8 @@ ADVANTAGE_KINDS = ("group", "global_std", "gdpo", "win_rate", "dual")
 
 def _group_mean_std(values: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample mean and population std of its group: ``(N,)``, ``(N,)``."""
-    _, inverse = torch.unique(groups, return_inverse=True)
-    count = torch.zeros(int(inverse.max()) + 1).index_add_(0, inverse, torch.ones_like(values))
+    _, inverse = torch.unique(groups.to(values.device), return_inverse=True)  # index_add_'s index: values' device
+    count = torch.zeros(int(inverse.max()) + 1, device=values.device).index_add_(0, inverse, torch.ones_like(values))
     mean = torch.zeros_like(count).index_add_(0, inverse, values) / count
     var = torch.zeros_like(count).index_add_(0, inverse, (values - mean[inverse]) ** 2) / count
     return mean[inverse], var.sqrt()[inverse]
@@ -166,15 +166,16 @@ def diversity_scaled(advantages: torch.Tensor, features: torch.Tensor, groups: t
     its group (``features`` ``(N, D)``); other advantages are kept. A group whose samples all coincide
     (``mean_g d = 0``) or has one member is kept as it is."""
     out = advantages.clone().float()
+    # the distances are computed where the features are (the model's device), the scaling where the advantages are
     unit = torch.nn.functional.normalize(features.flatten(1).float(), dim=1)
     for g in torch.unique(groups):
         members = (groups == g).nonzero().flatten()
         if len(members) < 2:
             continue
-        f = unit[members]
+        f = unit[members.to(unit.device)]
         distance = 1 - (f @ f.T).clamp(-1, 1)
         distance.fill_diagonal_(float("inf"))
-        nearest = distance.min(dim=1).values
+        nearest = distance.min(dim=1).values.to(out.device)
         mean = nearest.mean()
         if mean <= 0:
             continue

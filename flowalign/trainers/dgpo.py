@@ -53,7 +53,8 @@ class DGPOConfig(GroupTrainerConfig):
 def group_scores(d: torch.Tensor, d_ref: torch.Tensor, adv: torch.Tensor, groups: torch.Tensor, beta: float,
                  group_size: int) -> torch.Tensor:
     """``S_g = (β/G)·Σ_{i∈g} A_i·(d_i − d_i^ref)`` per sample (its group's score) ``(B,)``; ``groups``
-    are indices 0 … n_groups−1."""
+    are indices 0 … n_groups−1 (on any device: the batch keeps its group ids on the CPU)."""
+    groups = groups.to(d.device)  # scatter_add_ needs its index on the values' device
     n = int(groups.max()) + 1
     sums = torch.zeros(n, dtype=d.dtype, device=d.device).scatter_add_(0, groups, adv * beta * (d - d_ref) / group_size)
     return sums[groups]

@@ -1,0 +1,172 @@
+"""A device that is not the CPU, on a machine that has only a CPU: tensors that hold real CPU data but say
+they are on ``meta``, and that refuse to mix with CPU tensors the way CUDA tensors do.
+
+A CPU-only test suite cannot see a tensor made on the CPU and mixed with the model's tensors: there every
+tensor is on the CPU. Under :class:`FakeDevice`, ``torch.zeros(n, device=x.device)`` and ``t.to(device)``
+give :class:`OnDevice` tensors (the arithmetic still runs on the CPU, so values, ``.item()`` and gradients
+are real), and an operation that meets an :class:`OnDevice` tensor and a CPU tensor of one or more dimensions
+raises CUDA's ``Expected all tensors to be on the same device`` error. What CUDA accepts is accepted: a CPU
+0-dimensional tensor (a scalar) in any operation, CPU indices into a device tensor, copies between devices.
+A factory that draws on the device from a CPU generator fails as on CUDA.
+
+``meta`` is the device these tensors claim because it exists in every PyTorch build and has the device
+bookkeeping (autograd's device threads, device guards) that a made-up device lacks; no real meta tensor is
+ever created while the mode is on.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+DEVICE = torch.device("meta")
+
+aten = torch.ops.aten
+#: operations CUDA runs with a CPU tensor among device tensors: copies between devices, and CPU index
+#: tensors into a device tensor (the indexed tensor must be the device one, checked below)
+CROSS_DEVICE = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default,
+                aten._copy_from_and_resize.default, aten.lift_fresh.default, aten.lift_fresh_copy.default}
+INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor ``elem`` that reports :data:`DEVICE` as its device."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> "OnDevice":
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
+            layout=elem.layout, device=DEVICE, requires_grad=elem.requires_grad)
+        out.elem = elem
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"OnDevice({self.elem!r})"
+
+    def tolist(self) -> Any:  # PyTorch refuses it on subclasses; a CUDA tensor copies to the CPU first
+        return self.elem.tolist()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return run(func, args, kwargs or {})
+
+
+def on_device(device: Any) -> bool:
+    return device is not None and torch.device(device).type == DEVICE.type
+
+
+def _unwrap(x: Any) -> Any:
+    return x.elem if isinstance(x, OnDevice) else x
+
+
+def _argument(func, args: tuple, kwargs: dict, name: str) -> Any:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else kwargs.get(name)
+    return None
+
+
+def mixed_devices(func, args: tuple, kwargs: dict) -> str | None:
+    """Why CUDA would refuse ``func`` on these arguments (None: it would not)."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    device = [t for t in tensors if isinstance(t, OnDevice)]
+    if on_device(kwargs.get("device")):
+        generator = kwargs.get("generator")
+        if generator is not None and generator.device.type == "cpu":
+            return f"Expected a '{DEVICE.type}' device type for generator but found 'cpu' ({func})"
+    if not device or func in CROSS_DEVICE:
+        return None
+    if func in INDEXING:
+        if isinstance(args[0], OnDevice):
+            return None  # CPU indices into a device tensor: CUDA moves them
+        return f"indices should be either on cpu or on the same device as the indexed tensor (cpu) ({func})"
+    empty = [t for t in tensors if not isinstance(t, OnDevice) and t.device.type == DEVICE.type]
+    if empty:  # a factory this module does not intercept made it: add it to FROM_DATA
+        return f"a data-less {DEVICE.type} tensor of shape {tuple(empty[0].shape)} reached {func}"
+    host = [t for t in tensors if not isinstance(t, OnDevice) and t.dim() > 0]
+    if host:
+        return (f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE.type} "
+                f"and {host[0].device.type}! (when running {func}, a CPU tensor of shape {tuple(host[0].shape)})")
+    return None
+
+
+def run(func, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the CPU data, its tensor results on the fake device when an input was (or ``device=`` says so)."""
+    why = mixed_devices(func, args, kwargs)
+    if why is not None:
+        raise RuntimeError(why)
+    device = kwargs.get("device")
+    to_device = on_device(device) or (device is None and any(isinstance(t, OnDevice)
+                                                             for t in tree_flatten((args, kwargs))[0]))
+    if on_device(device):
+        kwargs = {**kwargs, "device": torch.device("cpu")}
+    out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+    schema = func._schema
+    if schema.returns and all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
+        # in place (or out=): the results are the mutated arguments themselves, whatever their device
+        mutated = [_argument(func, args, kwargs, a.name) for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        return mutated[0] if len(mutated) == 1 else tuple(mutated)
+    if not to_device:
+        return out
+    return tree_map(lambda x: OnDevice(x) if isinstance(x, torch.Tensor) and not isinstance(x, OnDevice) else x, out)
+
+
+class _Dispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return run(func, args, kwargs or {})
+
+
+#: factories that turn Python data into a tensor without going through the dispatcher on the way to ``device``
+FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor, torch.scalar_tensor}
+
+
+class _FromData(TorchFunctionMode):
+    """``torch.tensor(data, device=DEVICE)`` and its kin: made on the CPU, then moved (through the dispatcher)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FROM_DATA and on_device(kwargs.get("device")):
+            return func(*args, **{**kwargs, "device": "cpu"}).to(DEVICE)
+        return func(*args, **kwargs)
+
+
+class FakeDevice:
+    """While on, tensors made on or moved to :data:`DEVICE` are :class:`OnDevice` (real data, CUDA's rules)."""
+
+    def __enter__(self) -> "FakeDevice":
+        self._modes = _enter_modes()
+        # modes are per thread: threads started meanwhile (the reward worker) enter them at their first call
+        self._profile = threading.getprofile()
+        threading.setprofile(_in_new_thread)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        threading.setprofile(self._profile)
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+def _enter_modes() -> list[Any]:
+    modes = [_Dispatch(), _FromData()]
+    for mode in modes:
+        mode.__enter__()
+    return modes
+
+
+def _in_new_thread(frame: Any, event: str, arg: Any) -> None:
+    sys.setprofile(None)
+    _enter_modes()  # for the thread's life
+
+
+__all__ = ["DEVICE", "FakeDevice", "OnDevice", "_disable_current_modes"]

@@ -1,0 +1,103 @@
+"""Every tiny recipe takes a training step with the model on a device that is not the CPU.
+
+On a GPU, a tensor made on the CPU (``torch.tensor(...)``, ``arange``, an index, a group id) and mixed with
+the model's tensors stops a run at its first step; on a CPU-only machine the same code runs, since every
+tensor is on the CPU. So here the model's weights, and everything made on its device, are on a device that
+is not the CPU (:mod:`tests.flowalign.fake_device`: real CPU data that refuses to mix with CPU tensors the
+way CUDA does), and each recipe takes one step with a reward that differs within every group, so its update
+runs (weights change).
+
+A behavioural guard rather than a lint over tensor constructors: the bugs it is for need not construct
+anything where they fail (DGPO's ``scatter_add_`` took the batch's CPU group ids; GARDO's ``torch.where``
+mixed CPU advantages with distances computed on the device), and a lint cannot tell which CPU tensors are
+meant to stay there (generators' draws, index lists, logs). Running the code on a second device can. The
+``meta`` device with no data was not enough: the trainers read values (``.item()``, ``.tolist()``) all
+along the step.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowalign.config import load_config
+from flowalign.train import build_trainer
+
+from tests.flowalign.fake_device import DEVICE, FakeDevice, OnDevice, _disable_current_modes
+
+REDNESS = "tests.flowalign.trainers.toy_rewards:redness"
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: one step at the smallest size a recipe accepts (as tests/test_tiny_configs_train.py shrinks them), with a
+#: reward that varies within a group, so no update is skipped for equal rewards (and an auxiliary one of
+#: weight 0 for GARDO's gate)
+SMALL = ("trainer.max_steps=1", "trainer.max_minutes=null", "trainer.prompts_per_step=2", "trainer.group_size=2",
+         "trainer.batch_size=2", "trainer.num_steps=2", "eval.bench=null", "eval.prompts=null", "eval.rewards=[]",
+         "data.n=16", "run.progress=false", "run.tensorboard=false", "trainer.ema_decay=0.0",
+         f"rewards=[{{name: '{REDNESS}'}}, {{name: brightness, weight: 0}}]")
+FOUR_STEPS = ("trainer.num_steps=4",)
+FIT = {"dance_grpo_vvr": FOUR_STEPS, "pref_grpo_vvr": FOUR_STEPS, "flash_grpo_vvr": FOUR_STEPS,
+       "mix_grpo_vvr": FOUR_STEPS, "tempflow_grpo_vvr": ("trainer.branch_steps=null",),
+       "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2", "trainer.prompts_per_step=1"),
+       "gardo_vvr": ("trainer.main_reward=null",)}
+RECIPES = ["dgpo_vvr", "gardo_vvr"]
+
+
+@pytest.fixture
+def policy_on_device(monkeypatch):
+    """``pipelines.load`` loads on the CPU as usual, then moves every model of the policy to :data:`DEVICE`."""
+    import pipelines
+
+    original = pipelines.load
+
+    def load(*args, **kwargs):
+        with _disable_current_modes():  # loading itself is the CPU's business
+            policy = original(*args, **{**kwargs, "device": "cpu"})
+        for module in policy.pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.to(DEVICE)
+        policy.device = DEVICE
+        return policy
+
+    monkeypatch.setattr(pipelines, "load", load)
+
+
+def one_step_on_device(recipe: str, run_dir: Path) -> tuple[object, dict[str, float], list[torch.Tensor]]:
+    cfg = load_config(REPO / "configs" / "tiny" / f"{recipe}.yaml",
+                      [f"run.output_dir={run_dir}", *SMALL, *FIT.get(recipe, ())])
+    torch.manual_seed(0)
+    with FakeDevice():
+        trainer = build_trainer(cfg)
+        before = [p.detach().clone() for p in trainer.params]
+        logs = trainer.train_step()
+    return trainer, logs, before
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_recipe_steps_on_a_device_that_is_not_the_cpu(recipe, tmp_path, monkeypatch, policy_on_device):
+    monkeypatch.chdir(REPO)
+    trainer, logs, before = one_step_on_device(recipe, tmp_path / "run")
+    assert trainer.params and all(isinstance(p, OnDevice) and p.device == DEVICE for p in trainer.params)
+    assert math.isfinite(logs["train/grad_norm"]) and logs["train/grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))  # the update ran
+
+
+def test_the_fake_device_refuses_what_cuda_refuses():
+    with FakeDevice():
+        d = torch.ones(4, device=DEVICE)
+        cpu_index = torch.tensor([0, 1, 0, 1])
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.zeros(2, device=DEVICE).scatter_add_(0, cpu_index, d)
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.where(torch.ones(4) > 0, d, torch.zeros(4))
+        with pytest.raises(RuntimeError, match="generator"):
+            torch.randn(3, device=DEVICE, generator=torch.Generator())
+        # what CUDA accepts: CPU scalars, CPU indices into a device tensor, copies, values read back
+        out = torch.zeros(2, device=DEVICE).scatter_add_(0, cpu_index.to(DEVICE), d) * torch.tensor(2.0)
+        assert isinstance(out, OnDevice) and out.device == DEVICE
+        assert out.tolist() == [4.0, 4.0] and out[torch.tensor([1])].item() == 4.0
+        assert torch.randn(3, generator=torch.Generator().manual_seed(0)).to(DEVICE).cpu().device.type == "cpu"
