@@ -9,9 +9,15 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
 - extra copies of the trained tensors some trainers keep (a frozen reference for a full fine-tune of
   FEST-DPO, or of Flow-GRPO with a KL term unless offloaded, DiffusionNFT/OPSD's behaviour weights, the EMA),
 - the frozen text encoders and VAE (whole on every rank),
-- activations: a forward of the transformer on meta tensors for the config's batch and resolution,
-  counting what autograd saves for backward (attention as memory-efficient kernels keep it: no S×S
-  matrix), plus the largest block's share for the backward in flight. With ``parallel.sequence_parallel:
+- activations of one training forward and backward, as the trainer runs it: a forward of the transformer on
+  meta tensors for one chunk of ``trainer.batch_size`` samples at the config's resolution, counting what
+  autograd saves for backward (attention as memory-efficient kernels keep it: no S×S matrix), plus the
+  largest block's share for the backward in flight. Only the rows that carry gradients count: under CFG
+  with ``cfg_grad: detached`` (Flow-GRPO's default) the trainer backpropagates through the conditional
+  half alone (B rows, the unconditional velocity stored by the rollout or computed without grad), with
+  ``cfg_grad: full``, ``first_pass: batched`` or a trainer that calls the guided velocity itself, through
+  both (2B rows). Only the trained tensors require grad: under LoRA the frozen base weights save no input
+  for a weight gradient (a frozen linear's input is kept only where a LoRA adapter reads it). With ``parallel.sequence_parallel:
   S`` every rank holds ``1/S`` of the tokens inside the blocks (diffusers splits them before the first
   block and gathers after the last), so what the blocks save is divided by ``S``; what lies outside them
   (embeddings, the gathered output) stays whole. Tensors of text tokens alone that the model's plan does
@@ -35,11 +41,13 @@ checked before it is built (:mod:`flowalign.component_config`): a bad value is o
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch
 from torch import nn
 
 from flowalign import families
@@ -59,6 +67,13 @@ EXTRA_COPIES = {"festdpo": "full", "diffusion_nft": "always", "diffusion_opsd": 
 #: trainers whose rollouts store the policy's velocity at every step (``Sampling.keep_velocities``): always,
 #: or when the named option of their section is true
 KEEPS_VELOCITIES = {"rg_opd": None, "self_opd": None, "grpo_guard": "ratio_norm"}
+#: what the estimate has been checked against (the measured peaks: docs/performance.md, "Memory planner")
+CALIBRATION = ("calibrated on H200 measurements: SD3.5-M Flow-GRPO 512 px without gradient checkpointing, "
+               "Wan 2.1-1.3B 480x832x9 with; see docs/performance.md")
+#: samples the policies decode at once (``model.decode_batch_size`` unset): Wan's 2 videos, 8 elsewhere
+DECODE_BATCH = {"wan": 2}
+#: families whose policy loads the VAE in float32 whatever ``model.dtype`` (Wan, as WanPipeline advises)
+FLOAT32_VAE = {"wan"}
 #: the published architectures (configs only, no weights), one folder per released model
 ARCHITECTURES = REPO_ROOT / "assets" / "architectures"
 
@@ -74,6 +89,8 @@ class Model:
     activations: "Activations"  # bytes saved for backward, per sample of the trainer's batch
     rollout: "Rollout" = field(default_factory=lambda: Rollout(0, 0, 0))  # bytes one rollout sample keeps
     cfg_doubles: bool = False  # whether the guidance runs every pass twice (CFG with a scale above 1)
+    decode: float = 0.0  # bytes live at the peak of the VAE decoding one chunk of rollouts (0: not sized)
+    vae_bytes_per_param: int = 0  # the VAE's weights' element size where it differs from the model dtype
 
     @property
     def trainable(self) -> int:
@@ -256,13 +273,31 @@ def _flex_as_flash(query, key, value, *args, return_lse: bool = False, **kwargs)
     return (out, query.new_empty(query.shape[:-1], dtype=torch.float32)) if return_lse else out
 
 
+def add_lora_on_meta(transformer: nn.Module, targets: list[str], rank: int, alpha: float) -> None:
+    """The training LoRA on a meta transformer, as the policies add it (:func:`pipelines.lora.setup_training`):
+    peft's adapter on ``targets``, its tensors in float32, the base weights frozen. The forward then saves
+    what training's does: a frozen layer keeps no input for a weight gradient, and each adapted layer keeps
+    the float32 copy of its input that peft casts for the adapter (one per layer, even where ``to_q``,
+    ``to_k`` and ``to_v`` read the same input)."""
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=float(alpha), target_modules=list(targets)))
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+
+
 def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inputs: dict[str, Any]) -> Activations:
     """What one forward saves for backward (each storage once, weights excluded), inside and outside the
-    blocks, the largest block's share and every block's inputs."""
+    blocks, the largest block's share and every block's inputs (each storage once: a timestep embedding
+    or rotary table every block reads is one tensor). The transformer's parameters that require grad
+    are those training updates (all of them unless :func:`add_lora_on_meta` froze the base)."""
     weights = {p.untyped_storage()._cdata for p in transformer.parameters()}
     saved: dict[int, int] = {}
     per_block: dict[int, int] = {}
     block_inputs = [0]
+    seen_inputs: set[int] = set()
     current = [None]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -277,12 +312,16 @@ def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inpu
     def enter(i):
         def hook(module, args, kwargs):
             current[0] = i
-            block_inputs[0] += sum(a.nbytes for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
+            for a in [*args, *kwargs.values()]:
+                if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata not in seen_inputs:
+                    seen_inputs.add(a.untyped_storage()._cdata)
+                    block_inputs[0] += a.untyped_storage().nbytes()
         return hook
 
     handles = [b.register_forward_pre_hook(enter(i), with_kwargs=True) for i, b in enumerate(blocks)]
     try:
-        transformer.requires_grad_(True)
+        if not any(p.requires_grad for p in transformer.parameters()):
+            transformer.requires_grad_(True)  # a full fine-tune
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _AttentionAsFlash():
             transformer(**inputs)
     finally:
@@ -290,6 +329,81 @@ def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inpu
             h.remove()
     in_blocks = sum(per_block.values())
     return Activations(sum(saved.values()) - in_blocks, in_blocks, max(per_block.values(), default=0), block_inputs[0])
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes of tensors made inside it that were alive at once (each storage once, freed when its
+    last tensor goes): a no-grad pass's peak on the meta device, inputs and weights excluded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata
+                if key not in self.refs:
+                    self.refs[key], self.sizes[key] = 0, t.untyped_storage().nbytes()
+                    self.live += self.sizes[key]
+                    self.peak = max(self.peak, self.live)
+                self.refs[key] += 1
+                weakref.finalize(t, self._release, key)
+        return out
+
+
+def decode_peak_bytes(vae: nn.Module, latent: torch.Size | tuple[int, ...], dtype: torch.dtype) -> float:
+    """Bytes alive at the peak of ``vae.decode`` of meta latents of ``latent`` shape (no grad, the VAE in
+    ``dtype``): Wan's causal decoder keeps two frames of every convolution's input, at full resolution
+    in its last stages, so a chunk of videos can outweigh the training pass."""
+    key = (type(vae).__qualname__, json.dumps(dict(vae.config), sort_keys=True, default=str), tuple(latent), str(dtype))
+    if key not in _DECODES:
+        from diffusers.utils import logging as diffusers_logging
+
+        level = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # its advice on casting a loaded VAE does not apply to meta tensors
+        try:
+            vae = vae.to(dtype)
+        finally:
+            diffusers_logging.set_verbosity(level)
+        live = _LiveBytes()
+        with torch.no_grad(), live:
+            vae.decode(torch.zeros(*latent, device="meta", dtype=dtype), return_dict=False)
+        _DECODES[key] = float(live.peak)
+    return _DECODES[key]
+
+
+#: what a meta decode's peak was, by VAE class, config, latent shape and dtype
+_DECODES: dict[tuple, float] = {}
+
+
+def _decode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], latent: Any, samples: int) -> float:
+    """The decode's peak for one chunk of ``samples`` rollouts where the transformer reads the VAE's latents as
+    they are (``(B, C, H, W)`` or ``(B, C, F, H, W)`` with the VAE's channels: SD3, Wan text-to-video); a
+    family that packs latents into tokens, or adds condition channels, is not sized (0)."""
+    vae = models.get("vae")
+    if vae is None or not hasattr(vae, "decode") or not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5):
+        return 0.0
+    channels = getattr(vae.config, "latent_channels", None) or getattr(vae.config, "z_dim", None)
+    if latent.shape[1] != channels:
+        return 0.0
+    import pipelines
+
+    chunk = min(samples, cfg.model.decode_batch_size or DECODE_BATCH.get(spec.name, 8))
+    dtype = torch.float32 if spec.name in FLOAT32_VAE else pipelines.parse_dtype(cfg.model.dtype)
+    try:
+        return decode_peak_bytes(vae, (chunk, *latent.shape[1:]), dtype)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):
+        return 0.0  # a decoder the meta device cannot run: the plan then sizes the training pass alone
 
 
 def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
@@ -326,12 +440,26 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     per_sample = _batch_size(tcfg)  # the trainer's batch (a CFG pass doubles it inside)
     guidance = getattr(tcfg, "guidance_scale", None) or size.get("guidance_scale") or spec.guidance
     twice = spec.guidance_kind(transformer.config, families.read_index(folder)) in ("cfg", "true_cfg") and float(guidance) > 1
-    batch = per_sample * (2 if twice else 1)
-    inputs = spec.transformer_inputs(transformer.config, batch, size, dtype=next(transformer.parameters()).dtype)
-    rollout = rollout_sample_bytes(inputs, per_sample, size)  # before the forward consumes the inputs
-    key = _forward_key(transformer, inputs)
+    dtype = next(transformer.parameters()).dtype
+    both = spec.transformer_inputs(transformer.config, per_sample * (2 if twice else 1), size, dtype=dtype)
+    rollout = rollout_sample_bytes(both, per_sample, size)  # a rollout keeps both branches' conditioning
+    decode = _decode_bytes(cfg, spec, models, both.get("hidden_states"), per_sample)
+    # the rows that carry gradients in the training forward: the conditional half alone under a detached CFG
+    rows = per_sample * (2 if twice and not conditional_half_only(tcfg) else 1)
+    inputs = both if rows == per_sample * (2 if twice else 1) else \
+        spec.transformer_inputs(transformer.config, rows, size, dtype=dtype)
+    lora = None
+    if cfg.model.finetune == "lora":
+        lora = (tuple(cfg.model.lora.target_modules or spec.lora_targets), cfg.model.lora.rank, cfg.model.lora.alpha)
+    key = (*_forward_key(transformer, inputs), lora)
+    act = _FORWARDS.get(key)
+    if act is None and lora is not None:
+        if not sum(trained.values()):
+            raise UserError(f"model.lora.target_modules {list(lora[0])} match no linear layer of the {spec.name} "
+                            f"transformer: name its attention projections (default {list(spec.lora_targets)})")
+        add_lora_on_meta(transformer, list(lora[0]), lora[1], lora[2])
     try:
-        act = _FORWARDS.get(key) or saved_activation_bytes(transformer, blocks, inputs)
+        act = act or saved_activation_bytes(transformer, blocks, inputs)
     except (RuntimeError, NotImplementedError, ValueError) as err:
         # a value-dependent op (.item(), boolean token gathers) or a kernel with no meta implementation
         # (flex attention's block-causal masks)
@@ -345,7 +473,7 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     per = lambda v: v / per_sample
     return Model(spec.name, params, trained, largest, Activations(per(act.outside), per(act.in_blocks),
                                                                   per(act.largest_block), per(act.block_inputs)),
-                 rollout, twice)
+                 rollout, twice, decode, 4 if spec.name in FLOAT32_VAE else 0)
 
 
 #: what a meta forward saved, by :func:`_forward_key`: recipes of one model at one batch and size (a
@@ -389,6 +517,14 @@ def rollout_sample_bytes(inputs: dict[str, Any], batch: int, size: dict[str, Any
     return Rollout(4 * latent_floats, conditioning / batch, 4 * pixels)
 
 
+def conditional_half_only(tcfg: Any) -> bool:
+    """Whether the trainer backpropagates through CFG's conditional half alone: ``cfg_grad: detached``
+    (Flow-GRPO and the trainers built on it) takes the unconditional velocity from the rollout or from a
+    forward without grad, unless ``first_pass: batched`` reruns the rollout's ``[uncond; cond]`` batch with
+    grad. A trainer without the option calls the guided velocity itself: both halves."""
+    return getattr(tcfg, "cfg_grad", None) == "detached" and getattr(tcfg, "first_pass", "stored") != "batched"
+
+
 def _batch_size(tcfg: Any) -> int:
     """Samples a training forward takes: the section's ``batch_size`` (8, the loop's default, for a trainer
     from a package whose section has none)."""
@@ -422,17 +558,29 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
     gathered = 2 * model.largest_block * w if s.strategy == "fsdp" else 0
     on_gpu = 0 if (s.cpu_offload and s.strategy == "fsdp") else 1
     lora = model.trainable * 4 if s.finetune == "lora" else 0
+    activations = s.batch_size * model.activations.per_rank(s.gradient_checkpointing, s.sequence_parallel)
+    gradients = model.trainable * train_bytes / n
     return {
         "weights (trained model)": (base + lora) / n * on_gpu + gathered,
-        "gradients": model.trainable * train_bytes / n,
+        "gradients": gradients,
         "optimiser state (AdamW)": 2 * model.trainable * train_bytes / n * on_gpu,
         "reference / EMA copies": s.extra_copies * model.trainable * train_bytes / n,
-        "frozen text encoders + VAE": sum(v for k, v in model.params.items() if k not in model.trained
-                                          and not (s.offload_text_encoders and k.startswith("text_encoder"))) * w,
-        "activations": s.batch_size * model.activations.per_rank(s.gradient_checkpointing, s.sequence_parallel),
+        "frozen text encoders + VAE": sum(v * (model.vae_bytes_per_param or w if k == "vae" else w)
+                                          for k, v in model.params.items() if k not in model.trained
+                                          and not (s.offload_text_encoders and k.startswith("text_encoder"))),
+        "activations": activations,
+        # sampling's peak: decoding a chunk while the gradients are freed (the optimiser's state stays)
+        "VAE decode, above the update's peak": max(0.0, model.decode - activations - gradients),
         "rollouts of the step": s.rollout_bytes(model.rollout),
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,
     }
+
+
+def predicted_rows(cfg: TrainConfig, folder: Path, strategy: str = "ddp", gpus: int = 1) -> dict[str, float]:
+    """Bytes per rank by kind that ``flowalign plan`` predicts for ``cfg`` on ``folder`` (their sum is the
+    predicted peak, to set against a run's measured ``torch.cuda.max_memory_allocated``)."""
+    model = inspect_model(cfg, folder)
+    return memory_rows(model, settings(cfg, strategy, gpus, model))
 
 
 def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
@@ -532,6 +680,7 @@ def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float, n
         lines.append(f"  {kind:<36}" + "".join(f"{human(rows[s][kind], 'GB'):>12}" for s in strategies))
     totals = {s: sum(r.values()) for s, r in rows.items()}
     lines.append(f"  {'total':<36}" + "".join(f"{human(totals[s], 'GB'):>12}" for s in strategies))
+    lines.append(CALIBRATION)
     for s in strategies:
         if totals[s] <= limit:
             lines.append(f"{s}: fits ({human(limit - totals[s], 'GB')} to spare)")

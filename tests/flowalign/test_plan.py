@@ -18,8 +18,8 @@ from flowalign.cli.main import main
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
-from flowalign.plan import (GB, build_on_meta, inspect_model, lora_parameters, memory_rows, plan_text, settings,
-                            smallest_fix)
+from flowalign.plan import (CALIBRATION, GB, build_on_meta, inspect_model, lora_parameters, memory_rows, plan_text,
+                            predicted_rows, settings, smallest_fix)
 
 ARCH = REPO_ROOT / "assets" / "architectures"
 
@@ -163,12 +163,14 @@ def test_a_distilled_flux2_klein_is_sized_without_cfg(tmp_path):
     shutil.copytree(ARCH / "flux.2-klein", distilled)
     index = json.loads((distilled / "model_index.json").read_text())
     (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
-    base = [inspect_model(_small(ARCH / "flux.2-klein", f"trainer.guidance_scale={g}"), ARCH / "flux.2-klein")
-            for g in (1, 4)]
+    # cfg_grad: full backpropagates through both CFG halves (detached, the default, only the conditional one)
+    base = [inspect_model(_small(ARCH / "flux.2-klein", f"trainer.guidance_scale={g}", "trainer.cfg_grad=full"),
+                          ARCH / "flux.2-klein") for g in (1, 4)]
     saved = lambda model: model.activations.per_rank(checkpointed=False)
     assert saved(base[1]) == pytest.approx(2 * saved(base[0]), rel=0.01)  # klein base: CFG doubles it
     # the distilled checkpoint takes no guidance (Flux2Policy refuses w > 1): one pass whatever the scale
-    assert saved(inspect_model(_small(distilled, "trainer.guidance_scale=4"), distilled)) == saved(base[0])
+    assert saved(inspect_model(_small(distilled, "trainer.guidance_scale=4", "trainer.cfg_grad=full"),
+                               distilled)) == saved(base[0])
 
 
 def test_sequence_parallel_divides_what_the_blocks_save_and_nothing_else():
@@ -176,11 +178,12 @@ def test_sequence_parallel_divides_what_the_blocks_save_and_nothing_else():
     the bytes, the rest is the cross-attention's text keys and values, which every rank holds whole), which
     is why S sequence ranks each hold about 1/S of them; the embeddings and output outside the blocks stay whole."""
     frames = {n: inspect_model(_small(ARCH / "wan2.1-1.3b", f'model.defaults={{height: 64, width: 64, num_frames: {n}, '
-                                                            'max_sequence_length: 16}'), ARCH / "wan2.1-1.3b").activations
+                                                            'max_sequence_length: 16}', "model.finetune=full"),
+                                 ARCH / "wan2.1-1.3b").activations
               for n in (5, 13)}  # 2 and 4 latent frames
     assert 1.9 * frames[5].in_blocks < frames[13].in_blocks <= 2 * frames[5].in_blocks
     act = frames[13]
-    assert act.in_blocks > 10 * act.outside > 0
+    assert act.in_blocks > 10 * act.outside > 0  # a full fine-tune's patch embedding saves its input
     for checkpointed in (False, True):
         whole, split = act.per_rank(checkpointed), act.per_rank(checkpointed, sequence_parallel=4)
         assert split < whole and split - act.outside == pytest.approx((whole - act.outside) / 4)
@@ -272,3 +275,77 @@ def test_a_bad_architecture_config_is_one_line_naming_the_field(config, message,
     assert main(["plan", str(SD35_RECIPE), f"model.path={arch}"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("overrides,halves", [
+    ((), 1),  # cfg_grad: detached: the conditional half carries the gradient, v_u is stored or taken without grad
+    (("trainer.cfg_grad=full",), 2),  # the [uncond; cond] batch with grad
+    (("trainer.first_pass=batched",), 2),  # the batch's first optimiser step reruns the rollout's 2B rows
+])
+def test_the_training_forward_counts_the_rows_that_carry_gradients(overrides, halves):
+    one = inspect_model(_small(ARCH / "sd3.5-medium", "trainer.guidance_scale=1"), ARCH / "sd3.5-medium")
+    cfg = inspect_model(_small(ARCH / "sd3.5-medium", "trainer.guidance_scale=4.5", *overrides), ARCH / "sd3.5-medium")
+    saved = lambda model: model.activations.per_rank(checkpointed=False)
+    assert saved(cfg) == pytest.approx(halves * saved(one), rel=0.02)
+    assert cfg.rollout.conditioning == pytest.approx(2 * one.rollout.conditioning)  # a rollout keeps both branches
+
+
+def test_a_lora_forward_is_sized_as_the_policys_own_adapter_saves_it(tiny_model_dir):
+    """The meta forward under LoRA saves, byte for byte, what the tiny SD3 transformer saves on the CPU with the
+    adapter the policies add (pipelines.lora.setup_training, bf16 base, float32 adapter): frozen layers keep
+    no input for a weight gradient, each adapted one peft's float32 copy of its input. A full fine-tune's
+    count differs."""
+    from diffusers import SD3Transformer2DModel
+
+    from flowalign.parallel import block_modules
+    from flowalign.plan import saved_activation_bytes
+    from pipelines.lora import setup_training
+    from pipelines.memory import transformer_inputs
+    from pipelines.sd3 import DEFAULT_LORA_TARGETS
+
+    folder, size = tiny_model_dir("sd3"), {"height": 64, "width": 64, "max_sequence_length": 16}
+    common = [f"model.path={folder}", "trainer.batch_size=2", "trainer.guidance_scale=1", f"model.defaults={json.dumps(size)}",
+              "model.dtype=bf16", "model.lora.rank=4", "model.lora.alpha=8"]
+    planned = {f: inspect_model(load_config(None, [*common, f"model.finetune={f}"]), folder).activations for f in ("lora", "full")}
+    transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer").to(torch.bfloat16)
+    setup_training(transformer, lora={"rank": 4, "alpha": 8}, full_finetune=False, default_targets=DEFAULT_LORA_TARGETS)
+    real = saved_activation_bytes(transformer, block_modules(transformer),
+                                  transformer_inputs("sd3", transformer.config, 2, size, device="cpu", dtype=torch.bfloat16))
+    assert 2 * planned["lora"].in_blocks == pytest.approx(real.in_blocks, rel=0.01) and real.in_blocks > 0
+    assert 2 * planned["lora"].outside == pytest.approx(real.outside, rel=0.01)
+    assert planned["full"].in_blocks != pytest.approx(planned["lora"].in_blocks, rel=0.05)
+    cfg = _small(ARCH / "sd3.5-medium", "model.lora.target_modules=[no_such_layer]")
+    with pytest.raises(UserError, match="match no linear layer"):
+        inspect_model(cfg, ARCH / "sd3.5-medium")
+
+
+#: peak memory measured on one H200, 2026-12, torch 2.11, with the settings below:
+#: ``torch.cuda.max_memory_allocated`` over the run (GB = 1e9 bytes; docs/performance.md, "Memory planner").
+#: SD3.5-M: ``flowalign train`` steps 1-4 of Flow-GRPO, 4 prompts x 2 samples, 10 SDE steps, CFG 4.5, 512 px,
+#: LoRA r32/alpha64, KL 0.04, T5 128 tokens, no gradient checkpointing (37.9 GiB); Wan 2.1-1.3B:
+#: ``scripts/gpu_fullsize.py``, the recipe cut to 1 prompt x 4 samples, batch 4, with checkpointing (31.0 GiB)
+MEASURED_PEAKS = [
+    ("configs/sd3.5-medium/flow_grpo_vvr.yaml", "sd3.5-medium", (
+        "model.gradient_checkpointing=false", "model.lora.rank=32", "model.lora.alpha=64",
+        "model.defaults={height: 512, width: 512, max_sequence_length: 128, num_steps: 10, guidance_scale: 4.5}",
+        "trainer.prompts_per_step=4", "trainer.group_size=2", "trainer.batch_size=8", "trainer.num_steps=10",
+        "trainer.guidance_scale=4.5", "trainer.timestep_fraction=0.99", "trainer.steps_per_chunk=0",
+        "trainer.updates_per_epoch=1", "trainer.beta=0.04"), 40.7),
+    ("configs/wan2.1-1.3b/flow_grpo_motion.yaml", "wan2.1-1.3b", (
+        "trainer.prompts_per_step=1", "trainer.group_size=4", "trainer.batch_size=4"), 33.3),
+]
+
+
+@pytest.mark.parametrize("recipe,arch,overrides,measured_gb", MEASURED_PEAKS, ids=["sd3.5m-no-ckpt", "wan1.3b-ckpt"])
+def test_the_plan_predicts_the_measured_gpu_peaks_within_15_percent(recipe, arch, overrides, measured_gb):
+    cfg = load_config(REPO_ROOT / recipe, [f"model.path={ARCH / arch}", *overrides])
+    rows = predicted_rows(cfg, ARCH / arch)
+    predicted = sum(rows.values()) / GB
+    assert abs(predicted - measured_gb) / measured_gb < 0.15, {k: round(v / GB, 2) for k, v in rows.items()}
+
+
+def test_the_plan_says_what_its_estimate_is_calibrated_on(capsys):
+    assert main(["plan", str(SD35_RECIPE)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert CALIBRATION in lines and lines.index(CALIBRATION) == next(i for i, l in enumerate(lines) if l.startswith("  total")) + 1
+    assert "H200" in CALIBRATION and "docs/performance.md" in CALIBRATION
