@@ -231,8 +231,10 @@ class BareFlowGRPO:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_flowalign(folder: Path, out: Path, reward_name: str, batch_size: int = 8):
-    """flowalign's Flow-GRPO trainer through its public config + ``build_trainer``, on the setting above."""
+def build_flowalign(folder: Path, out: Path, reward_name: str, batch_size: int = 8, *, size: int = 64,
+                    max_sequence_length: int = 48, setting: dict | None = None, extra: list[str] = ()):
+    """flowalign's Flow-GRPO trainer through its public config + ``build_trainer``, on the setting above
+    (or ``setting``) at ``size`` px; ``extra``: further overrides (e.g. ``model.dtype=bf16`` on a GPU)."""
     from flowalign.config import load_config
     from flowalign.train import build_trainer
     from flowalign.trainers.flow_grpo import FlowGRPOConfig
@@ -240,13 +242,14 @@ def build_flowalign(folder: Path, out: Path, reward_name: str, batch_size: int =
     out.mkdir(parents=True, exist_ok=True)
     prompt_file = out / "prompts.txt"
     prompt_file.write_text("\n".join(PROMPTS) + "\n")
-    s = SETTING
+    s = setting or SETTING
     overrides = [
         f"run.output_dir={out / 'run'}", "run.resume=never", "run.progress=false", "run.tensorboard=false",
         "run.checkpoint_every=1000000", f"model.path={folder}", "model.finetune=lora", f"model.lora.rank={s['rank']}",
         f"model.lora.alpha={s['alpha']}", f"data.prompts={prompt_file}",
         # the setting's size and schedule, whatever the folder's own defaults (--model may be any SD3 folder)
-        f"model.defaults={{height: 64, width: 64, max_sequence_length: 48, num_steps: {s['steps']}, "
+        f"model.defaults={{height: {size}, width: {size}, max_sequence_length: {max_sequence_length}, "
+        f"num_steps: {s['steps']}, "
         f"guidance_scale: {s['guidance']}}}", f"rewards=[{{name: '{reward_name}'}}]",
         "eval.bench=null", "trainer.name=flow_grpo", "trainer.max_steps=1000000",
         f"trainer.prompts_per_step={len(PROMPTS)}", f"trainer.group_size={s['group']}",
@@ -259,6 +262,7 @@ def build_flowalign(folder: Path, out: Path, reward_name: str, batch_size: int =
     # the reference's choices, where this version of the trainer has the option
     options = {"sde_last_step": "true", "cfg_grad": "detached"}
     overrides += [f"trainer.{k}={v}" for k, v in options.items() if k in FlowGRPOConfig.model_fields]
+    overrides += list(extra)
     if (out / "run").exists():
         import shutil
 

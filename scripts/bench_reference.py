@@ -60,7 +60,11 @@ class ReferenceFlowGRPO:
     reference under ``disable_adapter()``, gradients accumulated by ``accelerate``, one optimiser step."""
 
     def __init__(self, src: Path, folder: Path, reward, setting: dict, prompts: list[str], lora_targets: list[str],
-                 max_sequence_length: int = 48):
+                 max_sequence_length: int = 48, *, device: str = "cpu", mixed_precision: str = "no",
+                 transformer_dtype: str = "fp32", size: int = 64):
+        """On a GPU, ``mixed_precision="fp16"`` is the reference as its base config ships (accelerate's fp16
+        autocast, TF32 on, the transformer's weights fp32, text encoders in fp16, the VAE fp32);
+        ``transformer_dtype="bf16"`` with ``mixed_precision="bf16"`` is a tuned reference."""
         from accelerate import Accelerator
         from diffusers import StableDiffusion3Pipeline
         from peft import LoraConfig, get_peft_model
@@ -68,16 +72,25 @@ class ReferenceFlowGRPO:
         self.fn = load_reference(src)
         self.s = setting
         self.max_len = max_sequence_length
+        self.device, self.size = torch.device(device), size
         self.n_train = int(setting["steps"] * setting["timestep_fraction"])
         self.config = types.SimpleNamespace(
             train=types.SimpleNamespace(cfg=True, clip_range=setting["clip_range"], adv_clip_max=setting["adv_clip"],
                                         beta=setting["beta"], max_grad_norm=1.0),
             sample=types.SimpleNamespace(guidance_scale=setting["guidance"], noise_level=setting["noise_level"]))
         torch.manual_seed(0)
-        self.accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=self.n_train)
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=mixed_precision,
+                                       gradient_accumulation_steps=self.n_train)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # train_sd3.py allows TF32
+        inference_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32)
         pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
         for m in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.transformer):
             m.requires_grad_(False)
+        pipe.vae.to(self.device, dtype=torch.float32)
+        for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+            m.to(self.device, dtype=inference_dtype)
+        pipe.transformer.to(self.device, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[transformer_dtype])
         pipe.set_progress_bar_config(disable=True)
         lora = LoraConfig(r=setting["rank"], lora_alpha=setting["alpha"], init_lora_weights="gaussian",
                           target_modules=lora_targets)
@@ -90,7 +103,8 @@ class ReferenceFlowGRPO:
         self.tokenizers = [pipe.tokenizer, pipe.tokenizer_2, pipe.tokenizer_3]
         self.prompts = [p for p in prompts for _ in range(setting["group"])]
         self.n_prompts = len(prompts)
-        self.neg = self.fn.compute_text_embeddings([""], self.text_encoders, self.tokenizers, self.max_len, "cpu")
+        self.neg = self.fn.compute_text_embeddings([""], self.text_encoders, self.tokenizers, self.max_len,
+                                                   self.device)
         instrument(pipe, pipe.transformer)
 
     def rollout(self, seed: int) -> dict:
@@ -98,13 +112,13 @@ class ReferenceFlowGRPO:
         torch.manual_seed(seed)
         self.pipe.transformer.eval()
         pe, ppe = self.fn.compute_text_embeddings(self.prompts, self.text_encoders, self.tokenizers, self.max_len,
-                                                  "cpu")
+                                                  self.device)
         with torch.no_grad():
             images, latents, log_probs = self.fn.pipeline_with_logprob(
                 self.pipe, prompt_embeds=pe, pooled_prompt_embeds=ppe,
                 negative_prompt_embeds=self.neg[0].repeat(n, 1, 1), negative_pooled_prompt_embeds=self.neg[1].repeat(n, 1),
                 num_inference_steps=self.s["steps"], guidance_scale=self.s["guidance"], output_type="pt",
-                height=64, width=64, noise_level=self.s["noise_level"])
+                height=self.size, width=self.size, noise_level=self.s["noise_level"])
         latents = torch.stack(latents, dim=1)
         return {"prompt_embeds": pe, "pooled_prompt_embeds": ppe, "images": images,
                 "timesteps": self.pipe.scheduler.timesteps.repeat(n, 1),
@@ -113,7 +127,7 @@ class ReferenceFlowGRPO:
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         groups = rewards.view(self.n_prompts, self.s["group"])
         adv = (groups - groups.mean(1, keepdim=True)).flatten() / (rewards.std() + 1e-4)
-        return adv.unsqueeze(1).repeat(1, self.n_train)
+        return adv.unsqueeze(1).repeat(1, self.n_train).to(self.device)
 
     def train_pass(self, sample: dict, record_ratio: bool = False) -> list[torch.Tensor]:
         """``train_sd3.py``'s inner loop over the trained steps of one batch; the ratios if asked."""
@@ -143,10 +157,14 @@ class ReferenceFlowGRPO:
 
     def iteration(self, seed: int) -> tuple[float, float]:
         """``(rollout + reward seconds, training-pass seconds)``."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
         sample = self.rollout(seed)
         rewards = self.reward(sample.pop("images"), self.prompts, [{}] * len(self.prompts)).float()
         sample["advantages"] = self.advantages(rewards)
+        sync()  # the work queued on the GPU is the phase's
         t1 = time.perf_counter()
         self.train_pass(sample)
+        sync()
         return t1 - t0, time.perf_counter() - t1

@@ -132,10 +132,9 @@ def build_folder(family: str, folder: Path, *, is_smoke: bool, device: str) -> d
             "params_m": {k: round(v / 1e6, 1) for k, v in params.items()}}
 
 
-def run_recipe(family: str, folder: Path, run_dir: Path, *, is_smoke: bool) -> dict[str, Any]:
-    """One optimiser step of the family's recipe on ``folder``, then its final one-prompt evaluation."""
+def recipe_config(family: str, folder: Path, run_dir: Path, *, is_smoke: bool, extra: list[str] = ()):
+    """The family's recipe cut to one optimiser step on ``folder`` (``extra``: further overrides, last)."""
     from flowalign.config import load_config
-    from flowalign.train import build_trainer
 
     overrides = [f"model.path={folder}", f"run.output_dir={run_dir}", "run.resume=never", "run.progress=false",
                  "run.tensorboard=false", "trainer.max_steps=1", "trainer.prompts_per_step=1",
@@ -144,7 +143,14 @@ def run_recipe(family: str, folder: Path, run_dir: Path, *, is_smoke: bool) -> d
     if is_smoke:
         overrides += ["model.dtype=fp32", f"model.defaults={SMOKE_DEFAULTS[family]}", "trainer.num_steps=2",
                       "eval.num_steps=2", "model.lora.rank=4", "model.lora.alpha=8"]
-    cfg = load_config(REPO / RECIPES[family], overrides)
+    return load_config(REPO / RECIPES[family], [*overrides, *extra])
+
+
+def run_recipe(family: str, folder: Path, run_dir: Path, *, is_smoke: bool, extra: list[str] = ()) -> dict[str, Any]:
+    """One optimiser step of the family's recipe on ``folder``, then its final one-prompt evaluation."""
+    from flowalign.train import build_trainer
+
+    cfg = recipe_config(family, folder, run_dir, is_smoke=is_smoke, extra=extra)
     shutil.rmtree(run_dir, ignore_errors=True)  # a measurement, never a resumed run
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -161,7 +167,10 @@ def run_recipe(family: str, folder: Path, run_dir: Path, *, is_smoke: bool) -> d
            "grad_norm": step.get("train/grad_norm"), "zero_adv_fraction": step.get("zero_adv_fraction"),
            "final_eval_s": t_train - step["time/step"], "eval_num_steps": cfg.eval.num_steps,
            "train_num_steps": cfg.trainer.get("num_steps"), "defaults": dict(trainer.policy.defaults),
-           "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+           "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+           # the step's own peaks (the trainer logs them per step; the run's peak above covers the evaluation too)
+           "step_peak_gib_allocated": step.get("memory/peak_gib_allocated"),
+           "step_peak_gib_reserved": step.get("memory/peak_gib_reserved")}
     del trainer
     gc.collect()
     if torch.cuda.is_available():

@@ -72,6 +72,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from flowalign import checkpoint as ckpt
+from flowalign import step_metrics
 from flowalign.config import AdamBeta, Section, TrainConfig
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
@@ -428,6 +429,7 @@ class GroupTrainer:
     def train_step(self) -> dict[str, float]:
         """collect → plan → losses and optimiser steps → finish; the step's log line."""
         t0, cpu0 = time.perf_counter(), time.process_time()
+        step_metrics.begin_step(self.acc.device)  # memory/peak_gib_* are this step's peaks
         alone = self.parallel.world == 1
         with abandonable(alone):  # collecting changes no weight: SIGTERM may drop it
             rng = ckpt.rng_state() if alone else None
@@ -442,7 +444,8 @@ class GroupTrainer:
         now, cpu = time.perf_counter(), time.process_time() - cpu0
         self.train_cpu_seconds += cpu
         return {**batch.logs, "time/update": now - t_update, "time/step": now - t0, "time/step_cpu": cpu,
-                "time/cpu_minutes": self.train_cpu_seconds / 60, **{f"train/{k}": v for k, v in stats.items()}}
+                "time/cpu_minutes": self.train_cpu_seconds / 60, **{f"train/{k}": v for k, v in stats.items()},
+                **step_metrics.step_logs(self.acc.device, now - t0, step_metrics.generated_samples(batch))}
 
     def optimizer_step(self) -> float:
         """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""

@@ -1,0 +1,91 @@
+"""scripts/gpu_check.py: its --smoke path (tiny recipes in their own processes, the planner against a measured
+run) runs on the CPU, and the per-step memory / throughput metrics reach metrics.jsonl."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowalign import step_metrics
+from flowalign.trainers.rollouts import StepBatch
+from tests.scripts import load_script
+
+check = load_script("gpu_check")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One --smoke run shared by the tests below: (return code, its JSON, its scratch folder)."""
+    tmp = tmp_path_factory.mktemp("gpu-check")
+    out, work = tmp / "check.json", tmp / "work"
+    rc = check.main(["--smoke", "--device", "cpu", "--out", str(out), "--workdir", str(work)])
+    return rc, json.loads(out.read_text()), work
+
+
+@pytest.mark.slow
+def test_smoke_trains_each_recipe_in_its_own_process_with_an_update(smoke):
+    rc, results, _ = smoke
+    rows = {r["recipe"]: r for r in results["recipes"]}
+    assert rc == 0 and set(rows) == set(check.SMOKE_RECIPES), results
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["weights_device"] == "cpu" and row["steps"] == 1
+        assert math.isfinite(row["loss"]) and row["grad_norm"] > 0  # the update ran, with a gradient
+    assert results[check.MARK] == 1 and results["versions"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_smoke_compares_the_plan_with_and_without_checkpointing(smoke):
+    _, results, _ = smoke
+    plan = {r["gradient_checkpointing"]: r for r in results["plan"]}
+    assert set(plan) == {True, False} and all(r["status"] == "ok" for r in plan.values()), results["plan"]
+    # checkpointing keeps only the blocks' inputs: the override reached the planner
+    assert 0 < plan[True]["predicted_activations_gib"] < plan[False]["predicted_activations_gib"]
+    assert all(r["measured_gib"] is None for r in plan.values())  # no CUDA allocator to read on a CPU
+    assert "side_by_side" not in results  # no --reference-src
+    table = check.table(results)
+    assert table.count("| recipe |") == 2 and table.count("| plan |") == 2
+
+
+@pytest.mark.slow
+def test_a_tiny_step_logs_its_throughput(smoke):
+    _, _, work = smoke
+    rows = [json.loads(line) for line in (work / "recipes" / "flow_grpo_vvr" / "run" / "metrics.jsonl")
+            .read_text().splitlines() if '"time/step"' in line]
+    assert len(rows) == 1
+    # 1 prompt x 2 samples (the smoke size) over the step's seconds
+    assert rows[0]["perf/samples_per_s"] == pytest.approx(2 / rows[0]["time/step"], rel=1e-6)
+    assert not any(k.startswith("memory/") for k in rows[0])  # CPU: no allocator peaks
+
+
+def test_step_metrics_count_the_group_batch():
+    batch = StepBatch(chunks=[], groups=torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert step_metrics.generated_samples(batch) == 6
+    assert step_metrics.generated_samples(object()) is None
+    assert step_metrics.step_logs("cpu", 3.0, 6) == {"perf/samples_per_s": 2.0}
+    assert step_metrics.step_logs("cpu", 3.0, None) == {}
+
+
+def test_every_recipe_gets_a_varying_reward_beside_its_own():
+    image = json.loads(check.varying_rewards(REPO / "configs/tiny/dgpo_vvr.yaml").removeprefix("rewards="))
+    video = json.loads(check.varying_rewards(REPO / "configs/tiny/flow_grpo_motion.yaml").removeprefix("rewards="))
+    assert [r["name"] for r in image] == ["vvr", "jpeg_compressibility"] and image[0]["partial_credit"] is True
+    assert [r["name"] for r in video] == ["vvr_motion", "jpeg_compressibility_video"]
+
+
+def test_flops_of_a_row_are_counted_on_the_meta_device():
+    small = check.row_flops(REPO / "assets/tiny-sd3-vvr", 64, 48)
+    large = check.row_flops(REPO / "assets/tiny-sd3-vvr", 128, 48)
+    assert small is not None and small > 0
+    assert large > small  # four times the image tokens, the same text tokens
+
+
+def test_a_file_that_is_not_an_earlier_check_is_not_overwritten(tmp_path, capsys):
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"mine": true}\n')
+    assert check.main(["--smoke", "--out", str(mine), "--parts", "recipes"]) == 2
+    assert mine.read_text() == '{"mine": true}\n'
+    assert "is not an earlier gpu_check result" in capsys.readouterr().err
