@@ -1,7 +1,7 @@
 """The check to run first whenever a GPU is at hand (about 8 minutes on one H200): one table, one JSON file.
 
     python scripts/gpu_check.py [--out gpu_check.json] [--reference-src DIR] [--device cuda]
-    python scripts/gpu_check.py --smoke --out /tmp/check.json     # the same code paths, tiny, on the CPU (tests)
+    python scripts/gpu_check.py --smoke --out smoke.json           # the same code paths, tiny, on the CPU (tests)
 
 (a) recipes: every ``configs/tiny/*.yaml`` trains 2 steps on the device from a fresh run folder, each in its
     own process (one crash, hang or CUDA error stops that recipe alone), with a JPEG-size reward beside its
