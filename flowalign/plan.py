@@ -23,6 +23,12 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
   (embeddings, the gathered output) stays whole. Tensors of text tokens alone that the model's plan does
   not split (Wan's cross-attention keys and values) are whole on every rank too, so the split estimate is
   low by their share: 3 % of Wan's block bytes at 2 latent frames, less for longer videos (tested).
+- sampling's peak where it is above the update's: the VAE decoding one chunk of a step's rollouts
+  (``model.decode_batch_size``, else the family's), run without grad on meta tensors and counting the
+  bytes alive at once; only what exceeds the update's activations and gradients is added (the two
+  phases do not overlap). Wan's causal video decoder in float32 keeps two frames of every convolution's
+  input: 15.6 GB for 2 videos at 480×832×9, more than its checkpointed training pass. Families whose
+  transformer reads packed or conditioned latents are not sized here (0).
 - rollouts: a step's ``prompts_per_step × group_size`` samples on this rank stay on the GPU until its
   update is done, each with its trajectory of ``num_steps + 1`` float32 latents, its log-probabilities
   (``num_steps`` floats, kept in CPU memory by the sampler: counted anyway, they are small), the velocities
