@@ -10,7 +10,8 @@ on it through ``flowalign.train`` exactly as a user would with the real checkpoi
 folder. The recipe is cut to one optimiser step on one prompt × 4 samples, then the final evaluation samples
 one held-out prompt at the recipe's full evaluation step count. Recorded per family: build, save and load
 seconds; the step's sampling / reward / update seconds (the trainer's own ``time/*`` logs); the final
-evaluation's seconds; and peak GPU memory (``torch.cuda.max_memory_allocated``) over the run.
+evaluation's seconds; and peak GPU memory (``torch.cuda.max_memory_allocated``) from the last step's start
+(the trainer resets the peak at every step) through the final evaluation, and the step's own peaks.
 
 Random weights cannot be downloaded and need none: timing and memory depend on shapes, not values. The
 tokenizers are the project's offline ones (real CLIP BPE, word-level T5), padded to the released
