@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
 
 DEVICE = torch.device("meta")
 
@@ -76,24 +75,45 @@ def _argument(func, args: tuple, kwargs: dict, name: str) -> Any:
     return None
 
 
-def mixed_devices(func, args: tuple, kwargs: dict) -> str | None:
+def _tensors(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an operation's arguments (lists, tuples, dicts), cheaper than a pytree walk."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _tensors(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, out)
+    return out
+
+
+def _map(fn: Any, x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if type(x) in (list, tuple):
+        return type(x)(_map(fn, y) for y in x)
+    if isinstance(x, dict):
+        return {k: _map(fn, y) for k, y in x.items()}
+    return x
+
+
+def mixed_devices(func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> str | None:
     """Why CUDA would refuse ``func`` on these arguments (None: it would not)."""
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    device = [t for t in tensors if isinstance(t, OnDevice)]
     if on_device(kwargs.get("device")):
         generator = kwargs.get("generator")
         if generator is not None and generator.device.type == "cpu":
             return f"Expected a '{DEVICE.type}' device type for generator but found 'cpu' ({func})"
-    if not device or func in CROSS_DEVICE:
+    if func in CROSS_DEVICE or not any(type(t) is OnDevice for t in tensors):
         return None
     if func in INDEXING:
         if isinstance(args[0], OnDevice):
             return None  # CPU indices into a device tensor: CUDA moves them
         return f"indices should be either on cpu or on the same device as the indexed tensor (cpu) ({func})"
-    empty = [t for t in tensors if not isinstance(t, OnDevice) and t.device.type == DEVICE.type]
+    empty = [t for t in tensors if type(t) is not OnDevice and t.device.type == DEVICE.type]
     if empty:  # a factory this module does not intercept made it: add it to FROM_DATA
         return f"a data-less {DEVICE.type} tensor of shape {tuple(empty[0].shape)} reached {func}"
-    host = [t for t in tensors if not isinstance(t, OnDevice) and t.dim() > 0]
+    host = [t for t in tensors if type(t) is not OnDevice and t.dim() > 0]
     if host:
         return (f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE.type} "
                 f"and {host[0].device.type}! (when running {func}, a CPU tensor of shape {tuple(host[0].shape)})")
@@ -102,15 +122,18 @@ def mixed_devices(func, args: tuple, kwargs: dict) -> str | None:
 
 def run(func, args: tuple, kwargs: dict) -> Any:
     """``func`` on the CPU data, its tensor results on the fake device when an input was (or ``device=`` says so)."""
-    why = mixed_devices(func, args, kwargs)
+    tensors = _tensors(args, _tensors(kwargs, []))
+    device = kwargs.get("device")
+    wrapped = any(type(t) is OnDevice for t in tensors)
+    if not wrapped and not on_device(device):
+        return func(*args, **kwargs)  # the CPU's own work
+    why = mixed_devices(func, args, kwargs, tensors)
     if why is not None:
         raise RuntimeError(why)
-    device = kwargs.get("device")
-    to_device = on_device(device) or (device is None and any(isinstance(t, OnDevice)
-                                                             for t in tree_flatten((args, kwargs))[0]))
+    to_device = on_device(device) or (device is None and wrapped)
     if on_device(device):
         kwargs = {**kwargs, "device": torch.device("cpu")}
-    out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+    out = func(*_map(_unwrap, args), **_map(_unwrap, kwargs))
     schema = func._schema
     if schema.returns and all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
         # in place (or out=): the results are the mutated arguments themselves, whatever their device
@@ -119,7 +142,7 @@ def run(func, args: tuple, kwargs: dict) -> Any:
         return mutated[0] if len(mutated) == 1 else tuple(mutated)
     if not to_device:
         return out
-    return tree_map(lambda x: OnDevice(x) if isinstance(x, torch.Tensor) and not isinstance(x, OnDevice) else x, out)
+    return _map(lambda x: x if type(x) is OnDevice else OnDevice(x), out)
 
 
 class _Dispatch(TorchDispatchMode):
@@ -165,8 +188,13 @@ def _enter_modes() -> list[Any]:
 
 
 def _in_new_thread(frame: Any, event: str, arg: Any) -> None:
-    sys.setprofile(None)
-    _enter_modes()  # for the thread's life
+    """Profile hook of a new thread: the modes on at its first call (``Thread.run``), off when that returns."""
+    modes = _enter_modes()
 
+    def leave(f: Any, ev: str, a: Any) -> None:
+        if ev == "return" and f is frame:
+            sys.setprofile(None)
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
 
-__all__ = ["DEVICE", "FakeDevice", "OnDevice", "_disable_current_modes"]
+    sys.setprofile(leave)
