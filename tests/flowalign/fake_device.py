@@ -160,6 +160,9 @@ class _FromData(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in FROM_DATA and on_device(kwargs.get("device")):
+            if args and isinstance(args[0], torch.Tensor):  # a tensor already: moved (never read as raw memory)
+                dtype = kwargs.get("dtype")
+                return args[0].to(device=DEVICE, dtype=args[0].dtype if dtype is None else dtype)
             return func(*args, **{**kwargs, "device": "cpu"}).to(DEVICE)
         return func(*args, **kwargs)
 
