@@ -51,8 +51,9 @@ FIT["afd_motion"] = (*VIDEO, "trainer.teacher.num_steps=2")
 #: the two that failed on CUDA, the GRPO family's loss paths they share and a video recipe (~1-3 s each).
 #: Also stepping here when listed: awm, dance_grpo, diffusion_dpo, diffusion_nft, festdpo, mix_grpo, pd_grpo,
 #: pref_grpo, seppo, tempflow_grpo, rg_opd, core, afd, ar_copo (some at 15-40 s). Not yet: sft, soar and kvpo
-#: end their step with non-finite weights here (finite on the CPU; the first non-finite value is in the
-#: transformer's forward); self_opd's samples are non-finite; diffusion_opsd and fav need a differentiable reward.
+#: end their step here with a non-finite loss, varying from run to run (finite on the CPU; the model's
+#: velocity alone, with or without gradients, matches the CPU's here, so the cause is still to be found);
+#: self_opd's samples score non-finite; diffusion_opsd and fav need a differentiable reward.
 RECIPES = ["dgpo_vvr", "gardo_vvr", "flow_grpo_vvr", "grpo_guard_vvr", "flash_grpo_vvr", "flow_grpo_motion"]
 
 
