@@ -42,7 +42,9 @@ class FamilySpec:
     on the meta device). ``tiny``: tiny twin name → module with ``build(**overrides)`` and ``SAMPLING``
     (the ``flowalign.json`` defaults). ``architectures``: folders under ``assets/architectures/`` holding the
     published configs (no weights), for planning without a download. ``trained``: the folder's components
-    the policy trains, of those the folder has (e.g. both experts of a two-expert model).
+    the policy trains, of those the folder has (e.g. both experts of a two-expert model). ``decode_batch``:
+    samples the policy decodes at once when ``model.decode_batch_size`` is unset; ``vae_float32``: whether
+    the policy loads its VAE in float32 whatever ``model.dtype`` (both sized by ``flowalign plan``).
     """
 
     name: str
@@ -59,6 +61,8 @@ class FamilySpec:
     architectures: tuple[str, ...] = ()
     policy_for: Callable[[dict[str, Any]], Callable[..., Any]] | None = None
     trained: tuple[str, ...] = ("transformer",)
+    decode_batch: int = 8
+    vae_float32: bool = False
 
     def __post_init__(self) -> None:
         missing = [k for k in SIZE_KEYS if k not in self.size]

@@ -76,10 +76,6 @@ KEEPS_VELOCITIES = {"rg_opd": None, "self_opd": None, "grpo_guard": "ratio_norm"
 #: what the estimate has been checked against (the measured peaks: docs/performance.md, "Memory planner")
 CALIBRATION = ("calibrated on H200 measurements: SD3.5-M Flow-GRPO 512 px without gradient checkpointing, "
                "Wan 2.1-1.3B 480x832x9 with; see docs/performance.md")
-#: samples the policies decode at once (``model.decode_batch_size`` unset): Wan's 2 videos, 8 elsewhere
-DECODE_BATCH = {"wan": 2}
-#: families whose policy loads the VAE in float32 whatever ``model.dtype`` (Wan, as WanPipeline advises)
-FLOAT32_VAE = {"wan"}
 #: the published architectures (configs only, no weights), one folder per released model
 ARCHITECTURES = REPO_ROOT / "assets" / "architectures"
 
@@ -404,8 +400,8 @@ def _decode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], lat
         return 0.0
     import pipelines
 
-    chunk = min(samples, cfg.model.decode_batch_size or DECODE_BATCH.get(spec.name, 8))
-    dtype = torch.float32 if spec.name in FLOAT32_VAE else pipelines.parse_dtype(cfg.model.dtype)
+    chunk = min(samples, cfg.model.decode_batch_size or spec.decode_batch)
+    dtype = torch.float32 if spec.vae_float32 else pipelines.parse_dtype(cfg.model.dtype)
     try:
         return decode_peak_bytes(vae, (chunk, *latent.shape[1:]), dtype)
     except (RuntimeError, NotImplementedError, ValueError, TypeError):
@@ -479,7 +475,7 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     per = lambda v: v / per_sample
     return Model(spec.name, params, trained, largest, Activations(per(act.outside), per(act.in_blocks),
                                                                   per(act.largest_block), per(act.block_inputs)),
-                 rollout, twice, decode, 4 if spec.name in FLOAT32_VAE else 0)
+                 rollout, twice, decode, 4 if spec.vae_float32 else 0)
 
 
 #: what a meta forward saved, by :func:`_forward_key`: recipes of one model at one batch and size (a

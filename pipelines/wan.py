@@ -259,4 +259,5 @@ SPEC = FamilySpec(
           "wan_i2v": "pipelines.tiny_twins.wan_i2v"},
     architectures=("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b"),
     trained=("transformer", "transformer_2"),  # Wan 2.2 A14B: both experts (Wan22Policy.trainable)
+    decode_batch=2, vae_float32=True,  # two videos at a time, the VAE in float32 as WanPipeline advises
 )
