@@ -106,6 +106,8 @@ class ForkGroup:
 class ForkBatch:
     groups: list[ForkGroup]
     logs: dict[str, float] = field(default_factory=dict)
+    #: how many of ``groups`` (the first) were sampled this step; the rest are replayed from the buffer
+    fresh: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ class ARCoPOTrainer(GroupTrainer):
         replay = self._replay(step)
         self.buffer = (self.buffer + batch)[-tc.buffer_size:]
         logs["ar_copo/replayed"] = float(len(replay))
-        return ForkBatch(batch + replay, logs)
+        return ForkBatch(batch + replay, logs, fresh=len(batch))
 
     def _replay(self, step: int) -> list[ForkGroup]:
         """``replay_groups`` groups of earlier steps drawn from the buffer (without repeats)."""
@@ -221,8 +223,7 @@ class ARCoPOTrainer(GroupTrainer):
         loss = clipped_loss(log_probs, group.old_log_probs.to(y), group.advantages.to(y), self.tcfg.clip_range)
         ratio = torch.exp(log_probs.detach() - group.old_log_probs.to(y))
         deviation = (ratio - 1).abs().max().item()
-        fresh = unit.index < len(batch.groups) - int(batch.logs.get("ar_copo/replayed", 0))
-        # a fresh group's ratio is on-policy (1 up to kernel noise); a replayed one's is not
+        fresh = unit.index < batch.fresh  # a fresh group's ratio is on-policy (1 up to kernel noise)
         return loss / unit.total, {"ar_copo_loss": loss.item(),
                                    ("ratio_dev" if fresh else "ratio_dev_replayed"): deviation}
 

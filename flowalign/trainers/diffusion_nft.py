@@ -115,7 +115,7 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
 
     def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """One unit per trained timestep index: each sample noised at its own drawn timestep, and ``v_φ``
-        there (the caller swapped φ in)."""
+        there (the caller swapped φ in), with the reference's ``v_ref`` when the KL term is on."""
         x0 = chunk.final_latents.to(self.policy.device)
         sigmas = chunk.sigmas[:-1]  # the sampler's T timesteps; σ = 0 is the clean sample
         guidance = self.fit_guidance(chunk)
@@ -127,16 +127,15 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
             x_t = (1 - t_b) * x0 + t_b * eps
             with torch.no_grad():
                 v_phi = self.policy.velocity(x_t, t, chunk.cond, guidance)
-            units.append(FitUnit(chunk, r.to(x0.device), keep,
-                                 {"t": t, "x_t": x_t, "x0": x0, "eps": eps, "v_phi": v_phi}))
+                tensors = {"t": t, "x_t": x_t, "x0": x0, "eps": eps, "v_phi": v_phi}
+                if self.tcfg.beta > 0:  # the KL's target is fixed: once here, not once per fit step
+                    with self.policy.adapter_disabled():
+                        tensors["v_ref"] = self.policy.velocity(x_t, t, chunk.cond, guidance)
+            units.append(FitUnit(chunk, r.to(x0.device), keep, tensors))
         return units
 
     def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        x, guidance = unit.tensors, self.fit_guidance(unit.chunk)
-        v_ref = None
-        if self.tcfg.beta > 0:
-            with torch.no_grad(), self.policy.adapter_disabled():
-                v_ref = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, guidance)
-        v_theta = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, guidance)
+        x = unit.tensors
+        v_theta = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, self.fit_guidance(unit.chunk))
         return nft_loss(v_theta, x["v_phi"], x["x_t"], x["x0"], x["eps"], x["t"], unit.r, self.tcfg.mirror_beta,
-                        self.tcfg.adv_clip, self.tcfg.loss_form, v_ref, self.tcfg.beta)
+                        self.tcfg.adv_clip, self.tcfg.loss_form, x.get("v_ref"), self.tcfg.beta)

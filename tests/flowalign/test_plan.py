@@ -212,7 +212,7 @@ def test_a_rollout_sample_holds_its_latents_stored_velocities_log_probs_conditio
     expected = 96 * ((10 + 1 + 10 * 0.5) * latent + 4 * 10 + text + pixels)
     assert s.rollout_bytes(model.rollout) == pytest.approx(expected, rel=1e-9)
     assert memory_rows(model, s)["rollouts of the step"] == pytest.approx(expected, rel=1e-9)
-    # the probe: 4,096 prompts x 1,024 samples a step hold 4M rollouts (54 TB) where 96 hold 1.2 GB
+    # an oversized step: 4,096 prompts x 1,024 samples a step hold 4M rollouts (54 TB) where 96 hold 1.2 GB
     huge = replace(s, prompts_per_step=4096, group_size=1024)
     assert sum(memory_rows(model, s).values()) < 80 * GB < sum(memory_rows(model, huge).values())
     assert smallest_fix(model, huge, 80 * GB).startswith("trainer.prompts_per_step=")
