@@ -12,6 +12,10 @@ positive half to its negative half). The backward pass uses the authors' surroga
 ``σ(sg S_g)·A_i·d_i`` averaged over the samples (= G/β × ∇L_g summed), where ``d_i`` is detached on a
 sample whose ratio ``exp(d_old − d)`` already left ``1 ± clip_range`` on its advantage's side; plus
 ``β_KL·mean(v_θ − v_ref)²``.
+
+As the authors' recipes do (``gradient_accumulation_steps`` = batches per epoch × trained timesteps), one
+optimiser step takes every block and every trained timestep of an epoch, the loss averaged over them
+(``step_per: epoch``); ``step_per: timestep`` steps once per trained timestep.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class DGPOConfig(GroupTrainerConfig):
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     #: β of the group DPO
     dpo_beta: float = Field(100.0, gt=0, le=MAX_COEFFICIENT)
-    #: grid steps trained per batch, one optimiser step each, drawn without replacement from 0 … last_step
+    #: grid steps trained per epoch, drawn without replacement from 0 … last_step
     train_timesteps: int = Field(4, ge=1, le=MAX_SAMPLING_STEPS)
     #: the last grid index the trained steps are drawn from (0 is pure noise)
     last_step: int = Field(6, ge=0, le=MAX_SAMPLING_STEPS)
@@ -45,6 +49,8 @@ class DGPOConfig(GroupTrainerConfig):
     beta: float = Field(0.02, ge=0, le=MAX_COEFFICIENT)
     #: CFG scale of the reference velocity: 1 with CFG rollouts, the CFG scale with CFG-free rollouts
     reference_guidance: float = Field(1.0, ge=1.0, le=MAX_GUIDANCE)
+    #: one optimiser step per epoch over all its trained timesteps (the authors'), or one per trained timestep
+    step_per: Literal["epoch", "timestep"] = "epoch"
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -75,6 +81,14 @@ def clipped_denoising_loss(d: torch.Tensor, d_old: torch.Tensor, adv: torch.Tens
     return torch.where(clip, d.detach(), d), clip
 
 
+def optimiser_steps(timesteps: list[list[int]], step_per: str) -> list[list[int]]:
+    """The grid steps each optimiser step trains, given each epoch's drawn ``timesteps``: one step per epoch
+    holding all of them (``epoch``, the authors'), or one step per timestep (``timestep``)."""
+    if step_per == "epoch":
+        return [list(ks) for ks in timesteps]
+    return [[k] for ks in timesteps for k in ks]
+
+
 # ---------------------------------------------------------------------------------------------- hooks
 
 
@@ -82,8 +96,8 @@ def clipped_denoising_loss(d: torch.Tensor, d_old: torch.Tensor, adv: torch.Tens
 class GroupUnit:
     """Chunks ``chunks`` (this rank's indices; whole prompt groups) re-noised at grid step ``k``: noise
     ``eps (N, ...)``, reference losses ``d_ref (N,)`` and velocities ``v_ref`` (for the KL; None at β=0),
-    ``d_old (N,)`` under the batch's sampling weights (None without clipping); ``total``: samples of the
-    optimiser step over all ranks."""
+    ``d_old (N,)`` under the batch's sampling weights (None without clipping); ``total``: samples × trained
+    timesteps of the optimiser step over all ranks."""
 
     chunks: tuple[int, ...]
     k: int
@@ -133,8 +147,9 @@ class DGPOTrainer(GroupTrainer):
                             for g, m in zip(groups.tolist(), members)])
 
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
-        """Per epoch, ``train_timesteps`` grid steps drawn alike on every rank, one optimiser step each over
-        every block of whole groups; reference losses (and, for clipping, the sampling weights' losses)
+        """Per epoch, ``train_timesteps`` grid steps drawn alike on every rank, trained over every block of
+        whole groups in one optimiser step (or one each, :func:`optimiser_steps`); each unit weighted by the
+        step's samples × timesteps; reference losses (and, for clipping, the sampling weights' losses)
         computed here once."""
         tc = self.tcfg
         last = min(tc.last_step, batch.chunks[0].num_steps - 1)
@@ -144,10 +159,11 @@ class DGPOTrainer(GroupTrainer):
             seen[g] = members[-1] + 1
         total = self.total(sum(len(c) for c in batch.chunks))
         steps = []
-        for _ in range(tc.inner_epochs):
-            ks = torch.randperm(last + 1, generator=generator)[: tc.train_timesteps].tolist()
+        drawn = [torch.randperm(last + 1, generator=generator)[: tc.train_timesteps].tolist()
+                 for _ in range(tc.inner_epochs)]
+        for ks in optimiser_steps(drawn, tc.step_per):
+            units = []
             for k in ks:
-                units = []
                 for chunks in group_blocks(batch):
                     x0, cond, groups = self.block(batch, chunks)
                     start = sum(len(c) for c in batch.chunks[: chunks[0]])
@@ -160,8 +176,8 @@ class DGPOTrainer(GroupTrainer):
                         d_old = (per_sample_mean((self.policy.velocity(x_t, sigma, cond, 1.0) - target) ** 2)
                                  if tc.clip_range > 0 else None)
                     units.append(GroupUnit(chunks, k, eps, per_sample_mean((v_ref - target) ** 2),
-                                           v_ref if tc.beta > 0 else None, d_old, total))
-                steps.append(units)
+                                           v_ref if tc.beta > 0 else None, d_old, total * len(ks)))
+            steps.append(units)
         return Plan(steps, global_weights=True)
 
     def loss(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, float]]:

@@ -1,18 +1,53 @@
 """DGPO (docs/methods/dgpo.md): the group preference on a hand example, the surrogate's gradient against
-the group DPO loss's, the clipping, and a short run that resumes bit-exactly (with and without CFG)."""
+the group DPO loss's, the clipping, the authors' loss as known answers (known_answers/dgpo_loss.json), one
+optimiser step per epoch, and a short run that resumes bit-exactly (with and without CFG)."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from flowalign.train import build_trainer
-from flowalign.trainers.dgpo import clipped_denoising_loss, dgpo_loss, group_scores
+from flowalign.trainers.dgpo import clipped_denoising_loss, dgpo_loss, group_scores, optimiser_steps
 
 from .conftest import small_config
+
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "dgpo_loss.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"beta{c['beta_dpo']}-clip{c['clip_range']}-kl{c['kl_beta']}")
+def test_loss_and_gradient_equal_the_authors_train_sd3_dgpo(case):
+    """``train_sd3_dgpo.py``'s loss of one timestep (clipping, group weights σ(S_g), KL) and its gradient in
+    the policy's velocity, from flowalign's pieces summed over the samples as the trainer weights them."""
+    target, v_ref, v_old, adv = (torch.tensor(KNOWN[k], dtype=torch.float64)
+                                 for k in ("target_v", "ref_v", "old_v", "advantages"))
+    v = torch.tensor(KNOWN["model_v"], dtype=torch.float64).requires_grad_(True)
+    groups, n = torch.tensor(KNOWN["groups"]), len(adv)
+    per = lambda x: x.flatten(1).mean(1)
+    d, d_ref, d_old = per((v - target) ** 2), per((v_ref - target) ** 2), per((v_old - target) ** 2)
+    if case["clip_range"] > 0:
+        d, clipped = clipped_denoising_loss(d, d_old, adv, case["clip_range"])
+        assert clipped.tolist() == case["clipped"]
+    policy = dgpo_loss(d, d_ref, adv, groups, case["beta_dpo"], KNOWN["group_size"]).sum() / n
+    loss = policy + case["kl_beta"] * per((v - v_ref) ** 2).sum() / n
+    loss.backward()
+    torch.testing.assert_close(policy.item(), case["policy_loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(v.grad, torch.tensor(case["grad_model_v"], dtype=torch.float64), rtol=1e-6, atol=1e-15)
+
+
+def test_one_optimiser_step_per_epoch_or_per_timestep():
+    """The authors accumulate every batch and trained timestep of an epoch into one step; ``timestep`` is
+    the former one step per trained timestep. Either way every (epoch, timestep) is trained once, in order."""
+    ks = [[3, 0, 5], [1, 4, 2]]
+    assert optimiser_steps(ks, "epoch") == [[3, 0, 5], [1, 4, 2]]
+    assert optimiser_steps(ks, "timestep") == [[3], [0], [5], [1], [4], [2]]
 
 
 def test_group_score_by_hand():
