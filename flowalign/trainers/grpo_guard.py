@@ -5,14 +5,17 @@ For a Gaussian step ``x' ~ N(μ, τ²)`` stored with ``x' = μ_old + τ·ξ``, F
 ratio below 1 whenever the policy moved, and its scale ``1/τ`` differs from step to step, so the clip acts
 unevenly. GRPO-Guard's ratio normalisation adds the shift back and multiplies by ``τ``:
 
-    r̃ = exp((ℓ_θ − ℓ_old + mean_D(Δμ²)/(2τ²))·τ)        (= exp(mean_D(ξ·Δμ)))
+    r̃ = exp((ℓ_θ − ℓ_old + mean_{B,D}(Δμ²)/(2τ²))·τ)
 
 and its gradient reweighting divides each step's clipped surrogate by ``h = σ_k − σ_{k+1}`` (``Δμ`` scales
 with ``h``), so no band of noise levels dominates the update:
 
     L = mean_{i,k} (1/h_k)·max(−A_i·r̃, −A_i·clip(r̃, 1−ε, 1+ε)) + β·KL
 
-``μ_old`` is the rollout's own step mean, from the velocities the rollout keeps.
+``μ_old`` is the rollout's own step mean, from the velocities the rollout keeps. The authors' code averages
+the shift ``Δμ²`` over the whole micro-batch as well as over the elements (its ``mean(dim=tuple(range(1,
+log_prob.ndim)))`` runs on a per-sample log-prob, so it reduces every dimension); here the micro-batch is the
+chunk. ``ratio_bias: sample`` takes each sample's own shift instead, so that ``r̃ = exp(mean_D(ξ·Δμ))``.
 """
 
 from __future__ import annotations
@@ -35,17 +38,24 @@ class GRPOGuardConfig(FlowGRPOConfig):
     sampler: Literal["flow_grpo"] = "flow_grpo"  # type: ignore[assignment]
     #: r̃ = exp((ℓ_θ − ℓ_old + mean(Δμ²)/(2τ²))·τ) instead of exp(ℓ_θ − ℓ_old)
     ratio_norm: bool = True
+    #: the mean of Δμ² in r̃: over the chunk's samples and elements ("batch", as the authors' code computes
+    #: it) or over each sample's own elements ("sample": r̃ = exp(mean_D(ξ·Δμ)) per sample)
+    ratio_bias: Literal["batch", "sample"] = "batch"
     #: each step's surrogate divided by its σ gap h = σ_k − σ_{k+1}
     reweight: bool = True
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
 
 
 def guard_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
-                std: torch.Tensor) -> torch.Tensor:
-    """GRPO-Guard's normalised ratio ``(B,)``: ``exp((ℓ_θ − ℓ_old + mean_D(μ_θ − μ_old)²/(2τ²))·τ)``, with
-    ``ℓ`` the per-element mean Gaussian log-densities ``(B,)``, ``μ`` ``(B, ...)`` and ``τ`` ``(B,)``."""
-    bias = ((mean - old_mean) ** 2).flatten(1).mean(1) / (2 * std**2)
-    return torch.exp((log_prob - old_log_prob + bias) * std)
+                std: torch.Tensor, bias_over: Literal["batch", "sample"] = "batch") -> torch.Tensor:
+    """GRPO-Guard's normalised ratio ``(B,)``: ``exp((ℓ_θ − ℓ_old + mean(μ_θ − μ_old)²/(2τ²))·τ)``, with
+    ``ℓ`` the per-element mean Gaussian log-densities ``(B,)``, ``μ`` ``(B, ...)`` and ``τ`` ``(B,)`` (equal
+    across the batch, one step). The mean of the shift runs over every sample and element (``"batch"``, the
+    authors' code) or over each sample's elements (``"sample"``)."""
+    shift = ((mean - old_mean) ** 2).flatten(1).mean(1)
+    if bias_over == "batch":
+        shift = shift.mean().expand_as(shift)
+    return torch.exp((log_prob - old_log_prob + shift / (2 * std**2)) * std)
 
 
 def guard_clip_loss(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float, step_weight: float,
@@ -72,7 +82,7 @@ class GRPOGuardTrainer(FlowGRPOTrainer):
             with torch.no_grad():
                 old = self.step_distribution(chunk, k, chunk.velocities[:, k].to(out.mean))
             std = out.std.flatten(1)[:, 0].expand(len(adv))
-            ratio = guard_ratio(out.log_prob, old_log_prob, out.mean, old.mean, std)
+            ratio = guard_ratio(out.log_prob, old_log_prob, out.mean, old.mean, std, self.tcfg.ratio_bias)
         else:
             ratio = torch.exp(out.log_prob - old_log_prob)
         gap = chunk.sigmas[k].item() - chunk.sigmas[k + 1].item()

@@ -1,11 +1,15 @@
 """GRPO-Guard: the normalised ratio and the per-step reweighting (docs/methods/grpo_guard.md)."""
 
+import json
 import math
+from pathlib import Path
 
+import pytest
 import torch
 
 from flowalign.sampling import flow_sde_step
 from flowalign.train import build_trainer
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.grpo_guard import guard_clip_loss, guard_ratio
 
 from .conftest import small_config
@@ -60,3 +64,30 @@ def test_on_policy_normalised_ratio_is_exactly_one_and_steps_are_reweighted(tmp_
 def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=grpo_guard",
                                           "trainer.updates_per_epoch=2")
+
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "grpo_guard_ratio_loss.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"step{c['step']}")
+def test_ratio_and_reweighted_loss_equal_the_authors(case):
+    """The authors' rationorm ratio and ``policy_loss / sqrt_dt²`` on fixed float64 tensors (known_answers/);
+    τ = sqrt_dt·std_dev_t is the step's std and sqrt_dt² the σ gap h."""
+    t = {n: torch.tensor(case[n], dtype=torch.float64)
+         for n in ("log_prob", "old_log_prob", "prev_sample_mean", "old_prev_sample_mean", "std_dev_t", "sqrt_dt")}
+    adv = torch.tensor(KNOWN["advantages"], dtype=torch.float64)
+    sigmas, k, eps = KNOWN["sigmas"], case["step"], KNOWN["clip_range"]
+    tau = t["std_dev_t"] * t["sqrt_dt"]
+    ratio = guard_ratio(t["log_prob"], t["old_log_prob"], t["prev_sample_mean"], t["old_prev_sample_mean"], tau)
+    torch.testing.assert_close(ratio, torch.tensor(case["ratio"], dtype=torch.float64), rtol=1e-6, atol=0)
+    per_sample, clipped = guard_clip_loss(ratio, adv, eps, 1.0 / (sigmas[k] - sigmas[k + 1]))
+    assert clipped.any() and not clipped.all()  # the fixture exercises both branches of the clip
+    assert math.isclose(per_sample.mean().item(), case["policy_loss"], rel_tol=1e-6)
+    # ratio_bias "sample": each sample's own shift, so r̃ = exp(mean_D(ξ·Δμ)) with x' = μ_old + τ·ξ
+    xi = (torch.tensor(case["prev_sample"], dtype=torch.float64) - t["old_prev_sample_mean"]) / tau[0]
+    own = guard_ratio(t["log_prob"], t["old_log_prob"], t["prev_sample_mean"], t["old_prev_sample_mean"], tau, "sample")
+    delta = t["prev_sample_mean"] - t["old_prev_sample_mean"]
+    torch.testing.assert_close(own, torch.exp((xi * delta).flatten(1).mean(1)), rtol=1e-9, atol=0)
+    assert not torch.allclose(own, ratio, rtol=1e-4)
+    plain, _ = guard_clip_loss(torch.exp(t["log_prob"] - t["old_log_prob"]), adv, eps, 1.0)  # both off
+    assert math.isclose(plain.mean().item(), case["policy_loss_plain"], rel_tol=1e-6)
