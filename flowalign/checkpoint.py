@@ -3,7 +3,7 @@
 A folder holds the adapter where diffusers' ``load_lora_weights`` reads it (``pytorch_lora_weights.safetensors``;
 full fine-tunes save ``trainable.safetensors`` instead), the exact trainable tensors for resuming, the
 optimiser, the EMA, every rank's RNG states and ``trainer_state.json``. All tensors are safetensors;
-``manifest.json`` (every file's size and SHA-256, :mod:`flowalign.checkpoint_manifest`) and ``COMPLETE``
+``manifest.json`` (every file's size and SHA-256, :mod:`flowalign.manifest`) and ``COMPLETE``
 are written last, so a folder without them (a kill mid-write) or that no longer matches its manifest (a
 damaged disk, a truncated copy) is never resumed from.
 """
@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowalign.io import plain_file_modes, write_json
+from flowalign.manifest import write_manifest
 
 STEP_DIR = re.compile(r"^step-(\d{6})$")
 COMPLETE = "COMPLETE"
@@ -125,8 +126,6 @@ def write_checkpoint_files(
 
 def finalise(tmp: Path, final: Path) -> None:
     """Record the manifest (sizes, checksums), mark complete and move into place in one rename."""
-    from flowalign.checkpoint_manifest import write_manifest
-
     plain_file_modes(tmp)  # safetensors writes 0600; the JSON beside follows the umask
     write_manifest(tmp, skip={COMPLETE})
     (tmp / COMPLETE).write_text("ok\n")

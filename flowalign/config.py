@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -22,6 +21,7 @@ from flowalign.limits import (MAX_BATCH, MAX_COEFFICIENT, MAX_CONFIG_BYTES, MAX_
                               MAX_KEEP_CHECKPOINTS, MAX_LORA_RANK, MAX_RANKS, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS,
                               MAX_TIMEOUT_S, MAX_TRAIN_STEPS)
 from flowalign.yaml_load import load_yaml, yaml_problem
+from flowalign.yaml_numbers import numeric_annotation
 
 
 #: element types of list- and tuple-valued fields, so each element carries its bounds
@@ -65,13 +65,6 @@ class RunSection(Section):
     #: stop with an error when more than this fraction of a batch has invalid rewards
     max_invalid_fraction: float = Field(0.5, ge=0.0, le=1.0)
     progress: bool = True
-
-
-def numeric_annotation(annotation: Any) -> bool:
-    """``int``, ``float`` or an optional one (the annotations a YAML ``true`` must not satisfy as 1)."""
-    union = get_origin(annotation) in (Union, UnionType)
-    args = [a for a in get_args(annotation) if a is not type(None)] if union else [annotation]
-    return bool(args) and all(a in (int, float) for a in args)
 
 
 class LoraSection(Section):

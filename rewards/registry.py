@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from flowalign.config import numeric_annotation
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
+from flowalign.yaml_numbers import numeric_annotation
 
 ENTRY_POINT_GROUP = "flowalign.rewards"
 _REGISTRY: dict[str, Callable[..., Any]] = {}
@@ -42,6 +42,7 @@ _BUILTIN_MODULES = (
     "rewards.unified_reward",
     "rewards.videoalign",
     "rewards.ocr",
+    "rewards.compass",
 )
 
 

@@ -21,7 +21,7 @@ FAULTS = [
     ("flowalign.checkpoint:save_file", "torn", 3),  # rng, trainable, optimizer
     ("pipelines.lora:save_adapter", "torn", 1),
     ("flowalign.checkpoint:write_json", "kill", 2),  # optimizer.json, trainer_state.json
-    ("flowalign.checkpoint_manifest:write_json", "kill", 1),
+    ("flowalign.manifest:write_json", "kill", 1),
     ("flowalign.checkpoint:finalise", "kill", 1),
     ("flowalign.evaluation:sample_seeded", "kill", 1),  # once an evaluation, every other step
     ("flowalign.logger:RunLogger.log", "torn", 1),  # a step's row (and an evaluation's)
