@@ -15,52 +15,18 @@ import math
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from flowalign.errors import UserError
+from flowalign.gallery_cells import GalleryCell, GalleryRow, Placed
 from flowalign.gallery_html import render_page
 from flowalign.io import atomic_dir, atomic_path
 from flowalign.media import IMAGE_SUFFIXES
 
 # the folder name trainers give the evaluation at a step: runs/NAME/evals/step-000100/
 STEP_DIR = re.compile(r"step-(\d{6})")
-
-
-@dataclass
-class GalleryCell:
-    """One sample: its media file (image, MP4 or GIF), scores and, when judged, the verdicts."""
-
-    media: Path
-    poster: Path | None = None
-    scores: dict[str, float] = field(default_factory=dict)
-    constraints: list[tuple[str, bool]] | None = None
-    all_passed: bool | None = None
-    reason: str = ""
-
-    @property
-    def score(self) -> float | None:
-        """The first score: the one gains, sorting and the summary's Δ use."""
-        return next(iter(self.scores.values()), None)
-
-
-@dataclass
-class GalleryRow:
-    """One prompt, sampled with the same ``seed`` in every column (``None`` where a column is missing)."""
-
-    prompt: str
-    cells: list[GalleryCell | None]
-    seed: int | None = None
-
-    @property
-    def gain(self) -> float | None:
-        """Last column's score minus the first's; ``None`` when either is missing or unscored."""
-        first, last = self.cells[0], self.cells[-1]
-        if first is None or last is None or first.score is None or last.score is None:
-            return None
-        return last.score - first.score
 
 
 # --------------------------------------------------------------------------------------------- loaders
@@ -188,15 +154,6 @@ def write_gallery(out_dir: Path, columns: list[str], rows: list[GalleryRow], *, 
         with atomic_path(tmp / "index.html") as page:
             page.write_text(render_page(title, columns, rows, rendered), encoding="utf-8")
     return out_dir / "index.html"
-
-
-@dataclass
-class Placed:
-    """Where a cell's files landed in the gallery, as paths relative to index.html."""
-
-    media: str
-    poster: str | None
-    gif: str | None  # the GIF fallback of an MP4
 
 
 def _place_media(root: Path, col: int, row: int, cell: GalleryCell | None) -> Placed | None:

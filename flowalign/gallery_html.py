@@ -7,10 +7,8 @@ scripts and tests read them exactly.
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from flowalign.gallery import GalleryCell, GalleryRow, Placed
+from flowalign.gallery_cells import GalleryCell, GalleryRow, Placed
 
 
 def _e(value: object) -> str:
