@@ -1,4 +1,5 @@
-"""The registered ``vvr_edit`` reward and the renderers of an edit task's source and reference result."""
+"""The registered ``vvr_edit`` reward, its two parts as rewards of their own (``vvr_edit.instruction``,
+``vvr_edit.preservation``), and the renderers of an edit task's source and reference result."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from rewards.vvr import render
 from rewards.vvr.verify import GAMMA, score
 from rewards.vvr_edit.tasks import EditTask, as_edit_task, scene_dict
 from rewards.vvr_edit.verify import verify_edit
+
+#: the checks that "everything not named stays" (docs/methods/vvr_edit.md); every other check is the instruction's
+PRESERVATION_CHECKS = ("total_count", "keeps")
 
 
 def render_source(task: EditTask | Mapping[str, Any], size: int = 64) -> Image.Image:
@@ -38,6 +42,8 @@ class VVREditReward:
 
     name = "vvr_edit"
     differentiable = False
+    #: which checks score: all (None), only the instruction's ("instruction") or only the preservation ones
+    part: str | None = None
 
     def __init__(self, gamma: float = GAMMA):
         if not 0.0 <= gamma <= 1.0:
@@ -61,8 +67,34 @@ class VVREditReward:
                 info.append({"constraints": [], "all_passed": False, "reason": reason})
                 continue
             verdict = verify_edit(task, pixels[i])
-            info.append({"constraints": verdict.constraints, "all_passed": verdict.all_passed, "reason": verdict.reason})
+            checks = self.scored(verdict.constraints)
+            passed = [p for _, p in checks]
+            info.append({"constraints": checks, "all_passed": verdict.valid and all(passed), "reason": verdict.reason})
             if verdict.valid:
                 valid[i] = True
-                scores[i] = score([p for _, p in verdict.constraints], self.gamma)
-        return RewardOutput(components={"vvr_edit": scores}, valid=valid, info=info)
+                scores[i] = score(passed, self.gamma)
+        return RewardOutput(components={self.name: scores}, valid=valid, info=info)
+
+    def scored(self, checks: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        """The ``(type, passed)`` checks of this reward's :attr:`part`."""
+        if self.part is None:
+            return checks
+        return [c for c in checks if (c[0] in PRESERVATION_CHECKS) == (self.part == "preservation")]
+
+
+@register("vvr_edit.instruction")
+class VVREditInstruction(VVREditReward):
+    """``vvr_edit`` over the instruction's own checks alone (recolour: the new colour exists, the old is absent;
+    move / add: the relation (and the added object); remove: absent): did the edit happen."""
+
+    name = "vvr_edit.instruction"
+    part = "instruction"
+
+
+@register("vvr_edit.preservation")
+class VVREditPreservation(VVREditReward):
+    """``vvr_edit`` over the preservation checks alone (``total_count`` and each untouched object's ``keeps``):
+    did everything the instruction does not name stay as it was."""
+
+    name = "vvr_edit.preservation"
+    part = "preservation"
