@@ -1,8 +1,14 @@
 """MixGRPO: the sliding SDE window (docs/methods/mix_grpo.md)."""
 
+import json
+import math
+from pathlib import Path
+
+import pytest
 import torch
 
-from flowalign.sampling import sliding_window
+from flowalign.sampling import sde_step, sliding_window
+from flowalign.trainers.flow_grpo import ppo_clip_loss
 from flowalign.train import build_trainer
 
 from .conftest import small_config
@@ -36,3 +42,43 @@ def test_rollouts_are_sde_only_in_the_window_of_the_step(tmp_path, tiny_sd3_dir,
 def test_trains_and_resumes_bit_exactly_as_the_window_moves(tmp_path, tiny_sd3_dir, prompt_file):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=mix_grpo",
                                           "trainer.window_size=2", "trainer.shift_interval=1")
+
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "mix_grpo_window_loss.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["schedules"], ids=lambda c: "T{sampling_steps}-w{group_size}-i{iters_per_group}-s{prog_overlap_step}".format(**c))
+def test_the_window_schedule_is_the_authors_without_their_empty_windows(case):
+    """GRPOTrainingStates' ``timesteps_train`` per training step (known_answers/): the authors' window also
+    visits a start of T − 2, where it is empty (their step trains nothing); flowalign's is their sequence with
+    those steps left out."""
+    T, width, interval, stride = (case[n] for n in ("sampling_steps", "group_size", "iters_per_group",
+                                                    "prog_overlap_step"))
+    theirs = case["timesteps_train"]
+    assert all(w or i // interval % ((T - 2) // stride + 1) * stride == T - 2 for i, w in enumerate(theirs))
+    trained = [w for w in theirs if w]
+    assert len(trained) < len(theirs)  # the fixture reaches the empty window
+    ours = [list(range(s, s + n)) for s, n in (sliding_window(i, T, width, interval, stride) for i in range(len(trained)))]
+    assert ours == trained
+
+
+def test_window_steps_and_loss_equal_the_authors():
+    """``flow_grpo_step`` and ``train_one_step``'s loss on fixed tensors (known_answers/): each window step's
+    log-prob (float32, as flowalign's steps run) and the optimiser step's loss, the sum over samples and window
+    steps of mean(max(−A·r, −A·clip(r))) / (samples · steps), in float64."""
+    sigmas, eta, window = KNOWN["sigmas"], KNOWN["eta"], KNOWN["window"]
+    x, v_old, v = (torch.tensor(KNOWN[n], dtype=torch.float64) for n in ("sample", "velocity_old", "velocity"))
+    adv = torch.tensor(KNOWN["advantages"], dtype=torch.float64).clamp(-KNOWN["adv_clip_max"], KNOWN["adv_clip_max"])
+    total, flags = 0.0, []
+    for j, (k, case) in enumerate(zip(window, KNOWN["steps"])):
+        x_next = torch.tensor(case["prev_sample"], dtype=torch.float64)
+        for velocity, name in ((v_old, "old_log_prob"), (v, "log_prob")):
+            out = sde_step("flow_grpo", velocity[:, j], x[:, j], sigmas[k], sigmas[k + 1], noise_level=eta,
+                           prev_sample=x_next)
+            torch.testing.assert_close(out.log_prob, torch.tensor(case[name]).float(), rtol=1e-5, atol=1e-6)
+        lp, old = (torch.tensor(case[n], dtype=torch.float64) for n in ("log_prob", "old_log_prob"))
+        per_sample, _, clipped = ppo_clip_loss(lp, old, adv, KNOWN["clip_range"])
+        flags.append(clipped)
+        total += per_sample.mean().item() / len(window)  # one unit per window step, each weighted 1 / units
+    assert math.isclose(total, KNOWN["total_loss"], rel_tol=1e-6)
+    assert torch.cat(flags).any() and not torch.cat(flags).all()  # the fixture exercises both sides of the clip
