@@ -9,8 +9,11 @@ PLUGINS = {
                  "serve-reward": "rewards.cli.serve_reward", "tiny-reward": "rewards.cli.tiny_reward"},
     "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion",
                    "vvr_edit": "rewards.benchmarks:load_vvr_edit",
-                   "geneval": "rewards.benchmarks:load_geneval", "ocr": "rewards.benchmarks:load_ocr"},
-    "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion"},
+                   "geneval": "rewards.benchmarks:load_geneval", "ocr": "rewards.benchmarks:load_ocr",
+                   "sr": "rewards.benchmarks:load_sr"},
+    "renderers": {"vvr_edit": "rewards.vvr_edit.reward:render_target",
+                  "vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion",
+                  "sr": "rewards.benchmarks:render_sr"},
 }
 
 __all__ = ["PLUGINS", "available", "check", "differentiable", "load", "register"]

@@ -59,6 +59,26 @@ def load_vvr_edit(level: str, split: str, n: int | None, seed: int | None) -> Be
     return Benchmark(f"vvr_edit-{level}", [t.prompt for t in tasks], metadata, load_reward("vvr_edit"), split)
 
 
+def load_sr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
+    """Super-resolution: each prompt's metadata carries the task and its LR image as the input ``image``
+    (degraded on use), the HR scene being the target; scored by ``compass_fr`` (the HR is known here)."""
+    check_level(level)
+    from rewards.sr import generate_sr_tasks, load_split, render_lr
+
+    tasks = generate_sr_tasks(n or 500, seed=seed or 0, level=level) if split == TRAIN else load_split(level, split, n, seed)
+    metadata = [{"task": t.to_dict(), "image": partial(render_lr, t)} for t in tasks]
+    return Benchmark(f"sr-{level}", [t.prompt for t in tasks], metadata, load_reward("compass_fr"), split)
+
+
+def render_sr(metadata: dict[str, Any], size: int):
+    """The HR scene of one super-resolution task (the target a flow-matching cold start trains toward)."""
+    from rewards.sr import render_hr
+
+    if "task" not in metadata:
+        raise UserError("an sr training item has no 'task' in its metadata; draw tasks with data.bench: sr")
+    return render_hr(metadata["task"], size=size)
+
+
 def load_ocr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
     """An OCR split (the level is the number of quoted words), scored by the ``ocr`` reward with its default
     engine (rapidocr: PP-OCRv4 on the CPU), or training draws (see :func:`load_vvr`), which build no reward:
