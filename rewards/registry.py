@@ -34,6 +34,7 @@ _BUILTIN_MODULES = (
     "rewards.classic",
     "rewards.video",
     "rewards.vvr_motion",
+    "rewards.motion_insight",
     "rewards.vvr_edit",
     "rewards.vlm_judge",
     "rewards.remote",
