@@ -1,26 +1,29 @@
 """Self-OPD: teacher-free on-policy distillation from the policy's own branches (``docs/methods/self_opd.md``).
 
 Per prompt, one ODE rollout of the current weights θ_old (the trunk); at ``branch_steps`` steps k, drawn
-per training step and shared by its prompts, the trunk's state ``x_k`` is branched:
+per training step and shared by its prompts (with the authors' weights ``step_weights``, early steps
+likelier), the trunk's state ``x_k`` is branched:
 
     x_det = x_k + (σ_{k+1} − σ_k)·v_old                     (the deterministic next state: the trunk itself)
     x^j   = μ_old + τ·ξ_j,  j = 1 … K                       (the Flow-GRPO SDE step at x_k, ξ_j ~ N(0, I))
 
 every branch is finished with the ODE sampler and scored; the deterministic branch's reward is the
-baseline (the self-reference). With M rewards of weights w_m, each normalised on its own and fused at
-the score level:
+baseline (the self-reference). As the authors' ``select_all_branches`` does, the M rewards are fused with
+their weights w_m first and the difference is scaled by the spread of the candidates:
 
-    d^m_j = R^m(x^j) − R^m(x_det),   A_j = clip(Σ_m w_m · d^m_j / (sqrt(mean_j (d^m_j)²) + ε), ±A_clip)
+    R_j = Σ_m w_m R^m(x^j),   A_j = (R_j − R(x_det)) / max(std_j R_j, ε)          (unbiased std over the K)
 
 The student's step mean ``μ_θ`` at ``x_k`` is pulled toward branches with A_j > 0 and pushed from those
-with A_j < 0 (:func:`pull_push_loss`, SDE-variance normalised by τ²), each push attenuated by how much its
-direction agrees with the pull (:func:`pull_push_weights`):
+with A_j < 0 (:func:`pull_push_loss`, SDE-variance normalised by τ²), each push scaled by
+``(1 − cos(δ_j, δ_best))/2``, its direction's disagreement with the best branch's, and every weight
+clipped to ``±branch_weight_clip`` (:func:`pull_push_weights`):
 
     L = (1/K) Σ_j ω_j · mean_D(μ_θ − x^j)² / (2τ²)
 
 At θ = θ_old the gradient is ``−(1/(K·τ·D)) Σ_j ω_j ξ_j · ∂μ/∂θ``: descent moves μ along the
-advantage-weighted branch noise. K = 1 is a pairwise comparison with the self-reference (A = ±1 up to ε):
-distillation toward the one candidate when it beats the deterministic branch, repulsion from it otherwise.
+advantage-weighted branch noise. With K = 1 the spread is 0 (A = ±(R_1 − R_det)/ε): the one candidate
+is pulled at full weight when it beats the deterministic branch; a losing one is its own best branch and
+gets no push.
 The hooks: the trunk, the branches and their rewards (``collect``), the attenuation and a global plan of
 (prompt, step) units (``plan``), the loss of one unit (``loss``).
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field
@@ -45,61 +48,83 @@ class SelfOPDConfig(GroupTrainerConfig):
     name: Literal["self_opd"] = "self_opd"
     #: K: SDE candidates branched off each sampled state (1: a pairwise comparison with the deterministic branch)
     branches: int = Field(4, ge=1, le=MAX_GROUP_SIZE)
-    #: sampled states branched per prompt and step (distinct steps of the trunk)
-    branch_steps: int = Field(1, ge=1, le=MAX_SAMPLING_STEPS)
+    #: sampled states branched per prompt and step (distinct steps of the trunk; the authors' timesteps_per_step)
+    branch_steps: int = Field(2, ge=1, le=MAX_SAMPLING_STEPS)
     #: branched steps are drawn from {0 … ⌊T·max_step_fraction⌋ − 1}, and never the step to σ = 0
-    max_step_fraction: float = Field(0.5, gt=0, le=1)
+    max_step_fraction: float = Field(0.99, gt=0, le=1)
+    #: relative odds of branching at step 0, 1, … (steps past the list: 0), drawn without replacement; the
+    #: authors' timestep_weights; empty: every step alike
+    step_weights: list[Annotated[float, Field(ge=0, le=MAX_COEFFICIENT)]] = Field(
+        default_factory=lambda: [10.0, 9.0, 8.0, 7.0, 6.0, 4.0, 2.0, 1.0, 0.0], max_length=MAX_SAMPLING_STEPS)
     #: a of the Flow-GRPO SDE step that draws the candidates (0.7 on SD3.5)
     noise_level: float = Field(0.7, gt=0, le=2)
-    #: scale each push by 1 − max(0, cos(its branch offset, the pull direction)); false: pushes at full weight
+    #: scale each push by (1 − cos(its branch offset, the best branch's))/2; false: pushes at full weight
     attenuation: bool = True
-    #: ε of the advantage normalisation sqrt(mean d²) + ε
+    #: the least the candidates' reward spread is taken to be, A = ΔR / max(std, adv_eps)
     adv_eps: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
+    #: every branch weight ω is clipped to ±branch_weight_clip
+    branch_weight_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
 
 
 # ---------------------------------------------------------------------------------------------- the loss
 
 
 def self_reference_advantages(values: torch.Tensor, valid: torch.Tensor, base: torch.Tensor, base_valid: bool,
-                              weights: torch.Tensor, eps: float = 1e-4, clip: float = 5.0) -> torch.Tensor:
+                              weights: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """The K branches' advantages ``(K,)`` against the deterministic branch.
 
     ``values (K, M)``: each branch's M rewards; ``valid (K,)``; ``base (M,)``: the deterministic branch's;
-    ``weights (M,)``. Per reward ``Â^m_j = d^m_j / (sqrt(mean_{valid j} (d^m_j)²) + ε)`` with
-    ``d^m_j = R^m_j − R^m_base``, then ``A_j = clip(Σ_m w_m Â^m_j, ±clip)``; an invalid branch gets 0, and
-    every branch gets 0 when the baseline is invalid (nothing to compare with).
+    ``weights (M,)``. The rewards are fused first, ``R_j = Σ_m w_m R^m_j``, then
+    ``A_j = (R_j − R_base) / max(std_{valid j} R_j, eps)`` (unbiased std; 0 below two valid branches); an
+    invalid branch gets 0, and every branch gets 0 when the baseline is invalid (nothing to compare with).
     """
     k = values.shape[0]
+    dtype = torch.promote_types(values.dtype, torch.float32)
     if not base_valid or not valid.any():
-        return torch.zeros(k)
-    d = (values.float() - base.float()[None]) * valid[:, None]
-    scale = (d.pow(2).sum(0) / valid.sum()).sqrt() + eps
-    adv = (d / scale[None]) @ weights.float()
-    return torch.where(valid, adv.clamp(-clip, clip), torch.zeros(k))
+        return torch.zeros(k, dtype=dtype)
+    w = weights.to(dtype)
+    fused, fused_base = values.to(dtype) @ w, base.to(dtype) @ w
+    spread = fused[valid].std() if int(valid.sum()) > 1 else torch.zeros((), dtype=dtype)
+    adv = (fused - fused_base) / spread.clamp(min=eps)
+    return torch.where(valid, adv, torch.zeros_like(adv))
 
 
-def pull_push_weights(advantages: torch.Tensor, offsets: torch.Tensor, attenuate: bool = True) -> torch.Tensor:
-    """``ω (K,)``: ``A_j`` for a pulling branch (A_j > 0), ``A_j·(1 − max(0, cos(δ_j, p)))`` for a pushing one,
-    with ``δ_j = x^j − μ_old`` ``(K, ...)`` the branch offsets and ``p = Σ_{A_i>0} A_i δ_i`` the pull
-    direction: a push that would also drive the student away from where the winners lie is attenuated
-    (with no winner, p = 0 and every push keeps its weight)."""
-    adv = advantages.float()
+def pull_push_weights(advantages: torch.Tensor, offsets: torch.Tensor, attenuate: bool = True,
+                      clip: float = 1.0) -> torch.Tensor:
+    """``ω (K,)``, the authors' direction-aware weights: ``A_j`` for a pulling branch (A_j ≥ 0),
+    ``A_j·(1 − cos(δ_j, δ_best))/2`` for a pushing one, with ``δ_j = x^j − μ_old`` ``(K, ...)`` the branch
+    offsets and ``best`` the branch of the highest advantage (a winner or the least bad loser); then
+    clipped to ``±clip``. A push along the best branch's direction would also drive the student away from
+    it, so it is scaled toward 0; one pointing the opposite way keeps its full weight."""
+    adv = advantages.to(torch.promote_types(advantages.dtype, torch.float32))
     if not attenuate:
-        return adv.clone()
-    flat = offsets.float().flatten(1)
-    pull = (adv.clamp(min=0)[:, None] * flat).sum(0)
-    if pull.norm() == 0:
-        return adv.clone()
-    cos = torch.nn.functional.cosine_similarity(flat, pull[None], dim=1)
-    return torch.where(adv < 0, adv * (1 - cos.clamp(min=0)), adv)
+        return adv.clamp(-clip, clip)
+    unit = torch.nn.functional.normalize(offsets.to(adv).flatten(1), dim=1)
+    cos = unit @ unit[int(adv.max(0).indices)]  # the first of tied bests, as torch.max picks it
+    return torch.where(adv < 0, adv * 0.5 * (1 - cos), adv).clamp(-clip, clip)
 
 
 def pull_push_loss(mean: torch.Tensor, branches: torch.Tensor, std: float | torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
     """``L = (1/K) Σ_j ω_j · mean_D(μ_θ − x^j)² / (2τ²)`` (scalar): ``mean (1, ...)`` the student's step mean,
     ``branches (K, ...)`` the candidates ``x^j``, ``std`` τ of the step that drew them, ``weights (K,)``."""
-    sq = (mean.float() - branches.float()).pow(2).flatten(1).mean(1) / (2 * torch.as_tensor(std).float() ** 2)
+    dtype = torch.promote_types(mean.dtype, torch.float32)
+    diff = mean.to(dtype) - branches.to(dtype)
+    sq = diff.pow(2).flatten(1).mean(1) / (2 * torch.as_tensor(std, dtype=dtype, device=diff.device) ** 2)
     return (weights.to(sq) * sq).mean()
+
+
+def branched_step_draw(high: int, count: int, weights: list[float], generator: torch.Generator) -> list[int]:
+    """``count`` distinct steps of ``0 … high−1`` (sorted), drawn without replacement with the odds ``weights``
+    (steps past the list: 0; fewer when fewer have positive odds), as the authors' ``torch.multinomial`` of
+    the normalised float32 weights; every step alike when ``weights`` is empty."""
+    if not weights:
+        return sorted(torch.randperm(high, generator=generator)[:count].tolist())
+    w = torch.tensor((list(weights) + [0.0] * high)[:high], dtype=torch.float32)
+    if not (w > 0).any():
+        return []
+    w = w / w.sum()
+    return sorted(torch.multinomial(w, min(count, int((w > 0).sum())), replacement=False, generator=generator).tolist())
 
 
 # ---------------------------------------------------------------------------------------------- hooks
@@ -156,7 +181,7 @@ class SelfOPDTrainer(GroupTrainer):
         forward is a collective)."""
         high = max(1, min(self.tcfg.num_steps - 1, int(self.tcfg.num_steps * self.tcfg.max_step_fraction)))
         g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, 23))
-        return sorted(torch.randperm(high, generator=g)[: self.tcfg.branch_steps].tolist())
+        return branched_step_draw(high, self.tcfg.branch_steps, self.tcfg.step_weights, g)
 
     def collect(self, step: int) -> BranchBatch:
         """One trunk per prompt (scored: the baselines), then K candidates at each branched step, finished
@@ -206,7 +231,7 @@ class SelfOPDTrainer(GroupTrainer):
         scores = self.rewards.score(self.policy.decode(finals), prompts, metadata)
         base = trunk.scores
         adv = self_reference_advantages(scores.values, scores.valid, base.values[n], bool(base.valid[n]),
-                                        scores.weights, t.adv_eps, t.adv_clip)
+                                        scores.weights, t.adv_eps)
         return BranchSet(c, i, k, (group, k), x_k.cpu(), gaussian.mean.cpu(), std, branches.cpu(), adv), scores
 
     def plan(self, batch: BranchBatch, generator: torch.Generator) -> Plan:
@@ -215,7 +240,8 @@ class SelfOPDTrainer(GroupTrainer):
         units = []
         for s in batch.sets:
             if s.advantages.abs().sum() > 0:
-                weights = pull_push_weights(s.advantages, s.branches - s.mean, self.tcfg.attenuation)
+                weights = pull_push_weights(s.advantages, s.branches - s.mean, self.tcfg.attenuation,
+                                            self.tcfg.branch_weight_clip)
                 units.append(PullPushUnit(s, weights, 0))
         total = self.total(len(units))
         units = [dataclasses.replace(u, of=total) for u in units]

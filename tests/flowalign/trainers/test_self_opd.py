@@ -1,7 +1,10 @@
-"""Self-OPD: the self-reference advantages, the pull-push objective and its attenuation, K = 1, the trunk as
-the baseline on the tiny model, learning on a toy flow, and bit-exact resume (docs/methods/self_opd.md)."""
+"""Self-OPD: the self-reference advantages, the pull-push objective and its attenuation, the authors' weights,
+loss and step draw as known answers (known_answers/self_opd_*.json), K = 1, the trunk as the baseline on the
+tiny model, learning on a toy flow, and bit-exact resume (docs/methods/self_opd.md)."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from flowalign.trainers.base import derived_seed
 from flowalign.trainers.self_opd import (
     SelfOPDConfig,
     SelfOPDTrainer,
+    branched_step_draw,
     pull_push_loss,
     pull_push_weights,
     self_reference_advantages,
@@ -28,11 +32,54 @@ from .toy_latent import BiasedGaussianPolicy
 ALL = torch.ones(3, dtype=torch.bool)
 
 
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "self_opd_branch_loss.json").read_text())
+DRAWS = json.loads((Path(__file__).parent / "known_answers" / "self_opd_step_draw.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"aware{c['direction_aware']}-clip{c['branch_weight_clip']}")
+def test_weights_loss_and_gradient_equal_the_authors_select_all_branches(case):
+    """Per prompt: the advantages, the direction-aware clipped weights and the per-branch regression; the
+    authors' loss is the mean over prompts and branches, flowalign's one unit per prompt."""
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)
+    mu = f64(KNOWN["mu_theta"]).requires_grad_(True)
+    branches, names = f64(KNOWN["branches"]), list(KNOWN["per_scorer"])
+    values = torch.stack([f64(KNOWN["per_scorer"][n]) for n in names], dim=-1)  # (B, K, M)
+    base = torch.stack([f64(KNOWN["ode_per_scorer"][n]) for n in names], dim=-1)  # (B, M)
+    w = f64([KNOWN["score_weights"][n] for n in names])
+    tau = KNOWN["std_dev_t"] * math.sqrt(KNOWN["abs_dt"])
+    losses = []
+    for b in range(len(mu)):
+        valid = torch.ones(values.shape[1], dtype=torch.bool)
+        adv = self_reference_advantages(values[b], valid, base[b], True, w)
+        torch.testing.assert_close(adv, f64(case["advantages"][b]), rtol=1e-6, atol=1e-12)
+        weights = pull_push_weights(adv, branches[b] - mu[b : b + 1].detach(), case["direction_aware"],
+                                    case["branch_weight_clip"])
+        torch.testing.assert_close(weights, f64(case["weights"][b]), rtol=1e-6, atol=1e-12)
+        losses.append(pull_push_loss(mu[b : b + 1], branches[b], tau, weights))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(mu.grad, f64(case["grad_mu_theta"]), rtol=1e-6, atol=1e-12)
+
+
+def test_the_branched_steps_are_drawn_with_the_authors_odds():
+    """The same generator seeds draw the same steps as the authors' ``torch.multinomial`` over their weights."""
+    high = min(DRAWS["num_steps"] - 1, int(DRAWS["num_steps"] * DRAWS["timestep_fraction"]))
+    assert SelfOPDConfig(name="self_opd").step_weights == DRAWS["timestep_weights"]
+    for d in DRAWS["draws"]:
+        drawn = branched_step_draw(high, DRAWS["timesteps_per_step"], DRAWS["timestep_weights"],
+                                   torch.Generator().manual_seed(d["seed"]))
+        assert drawn == d["train_timesteps"]
+    # a zero weight is never drawn; with fewer positive weights than asked, only those
+    assert branched_step_draw(4, 3, [0.0, 1.0, 0.0, 2.0], torch.Generator().manual_seed(0)) == [1, 3]
+    assert len(branched_step_draw(5, 3, [], torch.Generator().manual_seed(0))) == 3
+
+
 def test_advantages_are_measured_from_the_deterministic_branch():
     values, base, w = torch.tensor([[0.7], [0.5], [0.2]]), torch.tensor([0.5]), torch.tensor([1.0])
     adv = self_reference_advantages(values, ALL, base, True, w, eps=0.0)
     d = torch.tensor([0.2, 0.0, -0.3])
-    torch.testing.assert_close(adv, d / d.pow(2).mean().sqrt())
+    torch.testing.assert_close(adv, d / values[:, 0].std())
     assert adv[1] == 0  # as good as the baseline: no signal, even though it is above the branches' mean
     # a constant added to every reward (baseline included) changes nothing; moving the baseline alone does
     torch.testing.assert_close(self_reference_advantages(values + 3, ALL, base + 3, True, w, eps=0.0), adv)
@@ -42,18 +89,21 @@ def test_advantages_are_measured_from_the_deterministic_branch():
     assert torch.equal(self_reference_advantages(values, ALL, base, False, w), torch.zeros(3))
     valid = torch.tensor([True, True, False])
     part = self_reference_advantages(values, valid, base, True, w, eps=0.0)
-    assert part[2] == 0 and part[0] == pytest.approx(0.2 / math.sqrt(0.04 / 2))
+    assert part[2] == 0 and part[0] == pytest.approx(0.2 / values[:2, 0].std().item())
+    # equal candidates: the spread is floored at eps instead of dividing by 0
+    flat = self_reference_advantages(torch.full((3, 1), 0.6), ALL, base, True, w, eps=1e-4)
+    torch.testing.assert_close(flat, torch.full((3,), 0.1 / 1e-4))
 
 
-def test_rewards_are_normalised_each_on_its_own_before_they_are_fused():
-    """Score-level fusion: a reward on a 1000× larger scale does not drown the other one."""
-    values = torch.tensor([[1.0, 0.001], [0.0, -0.002], [-1.0, 0.003]])
-    base, w = torch.zeros(2), torch.tensor([1.0, 1.0])
+def test_rewards_are_fused_by_their_weights_before_they_are_scaled():
+    """The authors fuse the rewards first: the advantage of M rewards is that of their weighted sum, and a
+    common scale of all rewards cancels."""
+    values = torch.tensor([[1.0, 0.5], [0.0, -0.2], [-1.0, 0.3]])
+    base, w = torch.tensor([0.2, 0.1]), torch.tensor([1.0, 0.5])
     fused = self_reference_advantages(values, ALL, base, True, w, eps=0.0)
-    rescaled = values * torch.tensor([1.0, 1000.0])
-    torch.testing.assert_close(self_reference_advantages(rescaled, ALL, base, True, w, eps=0.0), fused)
-    one = lambda m: self_reference_advantages(values[:, m : m + 1], ALL, base[m : m + 1], True, w[:1], eps=0.0)
-    torch.testing.assert_close(fused, one(0) + one(1))
+    one = self_reference_advantages((values @ w)[:, None], ALL, (base @ w)[None], True, torch.ones(1), eps=0.0)
+    torch.testing.assert_close(fused, one)
+    torch.testing.assert_close(self_reference_advantages(values * 7, ALL, base * 7, True, w, eps=0.0), fused)
 
 
 def _grad_of_mean(mean_old, branches, std, weights):
@@ -88,33 +138,37 @@ def test_a_branch_with_zero_advantage_contributes_nothing():
     assert torch.equal(g, _grad_of_mean(mean_old, moved, std, pull_push_weights(adv, moved - mean_old)))
 
 
-def test_pushes_are_attenuated_by_their_agreement_with_the_pull():
+def test_pushes_are_attenuated_by_their_agreement_with_the_best_branch():
+    """ω = A for pulls, A·(1 − cos(δ, δ_best))/2 for pushes, then clipped to ±1 (the authors' defaults)."""
     e1, e2 = torch.eye(2)
     offsets = torch.stack([e1, e1, -e1, e2, (e1 + e2) / math.sqrt(2)])
-    adv = torch.tensor([2.0, -1.0, -1.0, -1.0, -1.0])
+    adv = torch.tensor([0.8, -1.0, -1.0, -1.0, -1.0])
     w = pull_push_weights(adv, offsets)
-    torch.testing.assert_close(w, torch.tensor([2.0, 0.0, -1.0, -1.0, -(1 - 1 / math.sqrt(2))]))
+    torch.testing.assert_close(w, torch.tensor([0.8, 0.0, -1.0, -0.5, -(1 - 1 / math.sqrt(2)) / 2]))
     assert torch.equal(pull_push_weights(adv, offsets, attenuate=False), adv)
-    losers = torch.tensor([-1.0, -0.5])  # no winner: nothing to agree with, every push at full weight
-    assert torch.equal(pull_push_weights(losers, offsets[:2]), losers)
+    # weights are clipped, after the attenuation
+    torch.testing.assert_close(pull_push_weights(adv * 3, offsets), torch.tensor([1.0, 0.0, -1.0, -1.0, -0.4393398]))
+    # no winner: the least bad branch is the best, and pushes along it are attenuated all the same
+    losers = torch.tensor([-0.2, -0.5])
+    torch.testing.assert_close(pull_push_weights(losers, offsets[[0, 2]]), torch.tensor([0.0, -0.5]))
 
 
-def test_one_branch_is_a_pairwise_comparison_with_the_self_reference():
-    """K = 1: A = ±1 (up to ε) and the loss is the Gaussian likelihood of the one candidate, maximised when it
-    beats the deterministic branch (distillation toward it) and minimised when it loses."""
+def test_one_branch_pulls_a_winner_and_leaves_a_loser_alone():
+    """K = 1: the spread is 0, so A = ΔR/ε, clipped to ω = 1 for a winner (the Gaussian likelihood of the
+    candidate is maximised: distillation toward it); a loser is its own best branch and gets ω = 0."""
     base, w = torch.tensor([0.0]), torch.tensor([1.0])
-    for reward, sign in ((0.3, 1.0), (-0.01, -1.0)):
+    for reward, expected in ((0.3, 1.0), (-0.01, 0.0)):
         adv = self_reference_advantages(torch.tensor([[reward]]), torch.ones(1, dtype=torch.bool), base, True, w)
-        assert adv.item() == pytest.approx(sign, abs=1e-2)
+        assert adv.item() == pytest.approx(reward / 1e-4)
         torch.manual_seed(2)
         mean_old, std = torch.zeros(1, 6), 0.4
         branch = mean_old + std * torch.randn(1, 6)
         weights = pull_push_weights(adv, branch - mean_old)
-        assert torch.equal(weights, adv)  # nothing to attenuate against
+        assert weights.item() == pytest.approx(expected, abs=1e-4)  # cos(δ, δ) = 1 up to rounding
         g = _grad_of_mean(mean_old, branch, std, weights)
         mean = mean_old.clone().requires_grad_(True)
         (-gaussian_log_prob(branch, mean, torch.tensor(std))).sum().backward()
-        torch.testing.assert_close(g, adv * mean.grad)
+        torch.testing.assert_close(g, weights * mean.grad)
 
 
 @pytest.fixture
@@ -127,7 +181,7 @@ def test_the_baseline_is_the_policys_own_ode_sample_and_branches_leave_its_state
     t = tiny_trainer
     batch = t.collect(0)
     trunk = batch.trunk
-    assert len(batch.sets) == 2 * t.tcfg.prompts_per_step and {s.k for s in batch.sets} <= {0, 1}
+    assert len(batch.sets) == 2 * t.tcfg.prompts_per_step and {s.k for s in batch.sets} <= {0, 1, 2}
     # the trunk (whose reward is the baseline) is the plain ODE sample of the same initial noise
     seeds = [derived_seed(t.cfg.run.seed, 0, g, 0, 5) for g in trunk.groups.tolist()]  # the loop's keying
     noise = torch.cat([t.policy.initial_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
