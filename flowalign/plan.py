@@ -6,8 +6,8 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
 - weights of the trained models (the transformer; both experts of a two-expert model: the family spec's
   ``trained``), sharded ``1/N`` under fsdp, plus the two blocks being gathered,
 - gradients and AdamW's two moments of the trained tensors (sharded under fsdp; on CPU with cpu_offload),
-- extra copies of the trained tensors some trainers keep (a frozen reference for a full fine-tune of
-  FEST-DPO, or of Flow-GRPO with a KL term unless offloaded, DiffusionNFT/OPSD's behaviour weights, the EMA),
+- the copies of weights the trainer declares (``weight_copies``: a frozen reference for a full fine-tune
+  with a reference term unless offloaded, behaviour weights, snapshots, teachers, critics), and the EMA,
 - the frozen text encoders and VAE (whole on every rank),
 - activations of one training forward and backward, as the trainer runs it: a forward of the transformer on
   meta tensors for one chunk of ``trainer.batch_size`` samples at the config's resolution, counting what
@@ -62,14 +62,12 @@ from flowalign.config import TrainConfig
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
 from flowalign.trainers import trainer_config
+from flowalign.trainers.copies import device_copies
 
 GB = 1e9
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: CUDA context, allocator fragmentation and kernels' workspaces: a flat allowance per rank
 OVERHEAD_BYTES = 2.0 * GB
-#: trainers that keep one more copy of the trained tensors: always, or only under full fine-tuning (a
-#: LoRA's reference is the adapter switched off, no copy)
-EXTRA_COPIES = {"festdpo": "full", "diffusion_nft": "always", "diffusion_opsd": "always"}
 #: trainers whose rollouts store the policy's velocity at every step (``Sampling.keep_velocities``): always,
 #: or when the named option of their section is true
 KEEPS_VELOCITIES = {"rg_opd": None, "self_opd": None, "grpo_guard": "ratio_norm"}
@@ -145,6 +143,8 @@ class Settings:
     gradient_checkpointing: bool
     batch_size: int
     extra_copies: int
+    #: copies of the whole trained models (e.g. a teacher of the student's architecture)
+    model_copies: int = 0
     offload_text_encoders: bool = False
     sequence_parallel: int = 1
     changes: list[str] = field(default_factory=list)
@@ -567,6 +567,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         "gradients": gradients,
         "optimiser state (AdamW)": 2 * model.trainable * train_bytes / n * on_gpu,
         "reference / EMA copies": s.extra_copies * model.trainable * train_bytes / n,
+        "teacher / critic models": s.model_copies * model.trained_weights * w,
         "frozen text encoders + VAE": sum(v * (model.vae_bytes_per_param or w if k == "vae" else w)
                                           for k, v in model.params.items() if k not in model.trained
                                           and not (s.offload_text_encoders and k.startswith("text_encoder"))),
@@ -619,27 +620,19 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = N
     """What the memory of ``cfg`` depends on under one strategy, read from the trainer's section as the
     trainer reads it (its own defaults filled in); ``model`` tells whether CFG doubles the passes."""
     name = str(cfg.trainer.get("name", "flow_grpo"))
-    _, tcfg = trainer_config(cfg.trainer)
-    extra = {"always": 1, "full": int(cfg.model.finetune == "full")}.get(EXTRA_COPIES.get(name, ""), 0)
-    extra += int(float(getattr(tcfg, "ema_decay", 0) or 0) > 0)
-    extra += reference_copy(cfg, name)
+    trainer, tcfg = trainer_config(cfg.trainer)
+    copies = trainer.weight_copies(cfg, tcfg)
+    extra = device_copies(copies, "trained") + int(tcfg.ema_decay > 0)
     option = KEEPS_VELOCITIES.get(name, False)
     stored = float(option is None or (bool(option) and bool(getattr(tcfg, option, False))))
     if getattr(tcfg, "cfg_grad", None) == "detached" and model is not None and model.cfg_doubles:
         stored += BYTES[cfg.model.dtype] / 4  # CFG's unconditional branch, in the model's dtype
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
-                    cfg.model.gradient_checkpointing, _batch_size(tcfg), extra,
+                    cfg.model.gradient_checkpointing, _batch_size(tcfg), extra, device_copies(copies, "model"),
                     cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel,
                     prompts_per_step=int(getattr(tcfg, "prompts_per_step", 0)),
                     group_size=int(getattr(tcfg, "group_size", 0)), num_steps=int(getattr(tcfg, "num_steps", 0)),
                     stored_velocities=stored)
-
-
-def reference_copy(cfg: TrainConfig, name: str) -> int:
-    """1 when the trainer keeps a frozen reference copy of a full fine-tune on the GPU (e.g. Flow-GRPO's
-    KL term; ``trainer.reference_offload`` keeps it in CPU memory), else 0."""
-    trainer, tcfg = trainer_config(cfg.trainer)
-    return int(trainer.needs_reference(cfg, tcfg) and not tcfg.reference_offload)
 
 
 def human(n: float, unit: str = "") -> str:

@@ -91,4 +91,16 @@ def trainer_config(section: dict[str, Any]) -> tuple[type, Any]:
     cls = get_trainer(name)
     field = cls.Config.model_fields.get("name")
     declared = name if field is None or field.is_required() else field.default
+    check_keys(cls.Config, section, declared)
     return cls, validate_section(cls.Config, {**section, "name": declared}, "trainer.")
+
+
+def check_keys(config: type, section: dict[str, Any], trainer: str) -> None:
+    """Refuse a key the trainer does not read, naming the trainer (its ``Config`` holds only what it reads)."""
+    known = set(config.model_fields) | set(getattr(config, "renamed", {})) | set(getattr(config, "refused", {}))
+    for key in section:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(config.model_fields), n=1)
+            hint = f"did you mean trainer.{close[0]}? " if close else ""
+            raise UserError(f"trainer.{key}: {trainer} has no such setting; {hint}its settings are listed in "
+                            "docs/guide/configuration.md")

@@ -1,9 +1,9 @@
 """Adversarial Flow Distillation (AFD; ``docs/methods/afd.md``): a streaming student distilled from a black-box
-video teacher that shows only completed videos (:mod:`flowalign.teacher_videos`).
+video teacher that shows only completed videos (:mod:`flowalign.trainers.parts.teacher_videos`).
 
 Per step, for each prompt ``c``: the teacher's video ``x_T`` and ``G`` student streams ``x_S^i`` (deterministic
 ODE rollouts from different noise). A prompt-paired Bradley-Terry discriminator ``D``
-(:mod:`flowalign.video_discriminator`) takes ``disc_steps`` steps on
+(:mod:`flowalign.trainers.parts.video_discriminator`) takes ``disc_steps`` steps on
 
     L_D = −mean_i log σ(D(x_T, c) − D(x_S^i, c))
 
@@ -33,11 +33,12 @@ from flowalign.config import Fraction, Section
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_IMAGE_SIDE, MAX_SAMPLING_STEPS, MAX_UPDATES, MAX_WIDTH
 from flowalign.sampling.streaming import stream_rollout
-from flowalign.teacher_videos import ModelTeacher, VideoFolderTeacher, VideoTeacher
-from flowalign.trainers.ar_copo import GroupUnit
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.teacher_videos import ModelTeacher, VideoFolderTeacher, VideoTeacher
+from flowalign.trainers.parts.units import GroupUnit
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
-from flowalign.trainers.self_distill import per_sample_mean
-from flowalign.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
+from flowalign.trainers.parts.reductions import per_sample_mean
+from flowalign.trainers.parts.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
 
 
 class TeacherConfig(Section):
@@ -61,7 +62,7 @@ class TeacherConfig(Section):
         return self
 
 
-class AFDConfig(GroupTrainerConfig):
+class AFDConfig(GroupTrainerConfig, ReferenceOptions):
     name: Literal["afd"] = "afd"
     #: the black-box teacher: {videos: DIR} or {model: FOLDER}
     teacher: TeacherConfig

@@ -36,6 +36,8 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_WEIGHT_COPIES
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+from flowalign.trainers.parts.policy_gradient import clipped_loss
+from flowalign.trainers.parts.units import GroupUnit
 from flowalign.trainers.rollouts import gathered_advantages
 
 
@@ -76,14 +78,6 @@ def contrastive_log_probs(y: torch.Tensor, candidates: torch.Tensor, temperature
     return torch.log_softmax(-d / temperature, dim=0)
 
 
-def clipped_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                 clip_range: float) -> torch.Tensor:
-    """``−mean_i min(r_i·A_i, clip(r_i, 1−ε, 1+ε)·A_i)``, ``r_i = exp(log π − log π_old)``: a scalar."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    clipped = ratio.clamp(1 - clip_range, 1 + clip_range)
-    return -torch.minimum(ratio * advantages, clipped * advantages).mean()
-
-
 # ---------------------------------------------------------------------------------------------- the trainer
 
 
@@ -108,14 +102,6 @@ class ForkBatch:
     logs: dict[str, float] = field(default_factory=dict)
     #: how many of ``groups`` (the first) were sampled this step; the rest are replayed from the buffer
     fresh: int = 0
-
-
-@dataclass(frozen=True)
-class GroupUnit:
-    """Group ``index`` of the batch, weighted over the ``total`` groups of every rank."""
-
-    index: int
-    total: int
 
 
 class ARCoPOTrainer(GroupTrainer):

@@ -20,12 +20,15 @@ import torch
 from pydantic import Field
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS
+from flowalign.trainers.options import EpochOptions, ReferenceOptions
+from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
-from flowalign.trainers.flow_grpo import ChunkRef, global_plan, ppo_clip_loss
-from flowalign.trainers.self_distill import per_sample_mean
+from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
+from flowalign.trainers.parts.reductions import per_sample_mean
 
 
-class AWMConfig(GroupTrainerConfig):
+class AWMConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     name: Literal["awm"] = "awm"
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     #: re-noised copies of each endpoint per update, one per stratum of the trained grid steps
@@ -116,8 +119,8 @@ class AWMTrainer(GroupTrainer):
     sampler = "ode"
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
-        return tcfg.beta > 0 and cfg.model.finetune == "full"
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        return full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
 
     def guidance(self, chunk) -> float:
         return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance

@@ -65,18 +65,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, Callable
 
 import numpy as np
 import torch
-from pydantic import Field, field_validator, model_validator
 
 from flowalign import checkpoint as ckpt
 from flowalign import step_metrics
-from flowalign.config import AdamBeta, Section, TrainConfig
+from flowalign.config import TrainConfig
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
-from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_LR, MAX_MINUTES, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.logger import RunLogger
 from flowalign.parallel import strategy
 from flowalign.sequence_parallel import DataRanks
@@ -84,6 +82,9 @@ from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.signals import Abandoned, Terminated, abandonable, clear_stop
 from flowalign.trainers import checkpointing, loop
+from flowalign.trainers.copies import WeightCopy, keeps_reference
+from flowalign.trainers.options import GroupTrainerConfig, TrainerConfig
+from flowalign.trainers.parts.reward_gradient import pixel_reward_gradient
 from flowalign.trainers.optim import setup_optimisation
 from flowalign.trainers.reference import keep_reference
 from flowalign.trainers.rollouts import (
@@ -98,94 +99,13 @@ from flowalign.trainers.rollouts import (
     sample_slots,
 )
 
-__all__ = ["GroupTrainer", "GroupTrainerConfig", "Plan", "Sampling", "StepBatch", "derived_seed"]
+__all__ = ["GroupTrainer", "GroupTrainerConfig", "Plan", "Sampling", "Scored", "StepBatch", "TrainerConfig", "WeightCopy",
+           "derived_seed"]
 
 
 #: logged values a step reports as the largest over its units, not the mean: ``ratio_dev`` is the on-policy
 #: ratio's largest deviation from 1 (max |ratio − 1| on the batch's first pass)
 MAX_LOGS = frozenset({"ratio_dev"})
-
-#: former keys already reported in this process (one deprecation line each, however often a config is read)
-_REPORTED_RENAMES: set[tuple[str, str]] = set()
-
-
-class GroupTrainerConfig(Section):
-    """Options every trainer shares (``trainer:`` section)."""
-
-    #: ``{former key: key}`` of renamed options: a former key is still read, with one deprecation line
-    renamed: ClassVar[dict[str, str]] = {}
-
-    name: str
-    max_steps: int = Field(100, ge=1, le=MAX_TRAIN_STEPS)
-    #: also stop once this many minutes were spent training (evaluations excluded); None: no limit
-    max_minutes: float | None = Field(None, gt=0, le=MAX_MINUTES)
-    #: what max_minutes counts: "wall" seconds, or "cpu" seconds of this process (all its threads), so a
-    #: run sharing its cores with other work still trains the same compute (time/cpu_minutes in the logs)
-    budget_clock: Literal["wall", "cpu"] = "wall"
-    #: AdamW learning rate; at most 1 (real ones are 1e-6 to 1e-2, a larger one blows the weights up in a step)
-    lr: float = Field(1e-4, gt=0, le=MAX_LR)
-    #: "cosine": decay to lr_min_ratio·lr by the end of the budget (max_steps, or max_minutes when that
-    #: ends the run first; a time-based schedule makes the LR depend on measured step times)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    lr_warmup_steps: int = Field(0, ge=0, le=MAX_TRAIN_STEPS)
-    lr_min_ratio: float = Field(0.1, ge=0, le=1)
-    weight_decay: float = Field(1e-4, ge=0, le=MAX_COEFFICIENT)
-    #: Adam's (β1, β2), each in [0, 1)
-    betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
-    #: prompts per step on each rank; each is sampled group_size times
-    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
-    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
-    #: samples per rollout batch = per training batch, whatever the group size (outputs depend on the
-    #: batch size, so the two match)
-    batch_size: int = Field(8, ge=1, le=MAX_BATCH)
-    #: rollout steps T (evaluation uses eval.num_steps or the model's default)
-    num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
-    #: CFG scale of the rollouts (None: the model's default)
-    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
-    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
-    #: optimiser steps per pass over the batch (gradients accumulate over samples x trained steps)
-    updates_per_epoch: int = Field(1, ge=1, le=MAX_UPDATES)
-    #: DanceGRPO's grouping: every rollout of a prompt group starts from the same initial noise, so the
-    #: rewards within a group differ only through the SDE steps the loss trains (not through x_T, which
-    #: no log-probability credits)
-    shared_initial_noise: bool = False
-    #: global_std (the Flow-GRPO default): per-prompt mean, std over the whole gathered batch
-    advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
-    adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
-    ema_decay: float = Field(0.0, ge=0, lt=1)
-    ema_every: int = Field(8, ge=1, le=MAX_TRAIN_STEPS)
-    #: full fine-tuning with a reference term (e.g. flow_grpo's beta > 0) keeps a frozen copy of the
-    #: transformer; true: keep it in CPU memory, moved to the GPU block by block for reference passes
-    reference_offload: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _former_keys(cls, data: Any) -> Any:
-        """Read each former key of :attr:`renamed` as its new name (saying so once); both given: an error."""
-        if not isinstance(data, dict) or not any(old in data for old in cls.renamed):
-            return data
-        data = dict(data)
-        for old, new in cls.renamed.items():
-            if old not in data:
-                continue
-            if new in data:
-                raise ValueError(f"trainer.{old} and trainer.{new} are the same option ({old} is its former name): "
-                                 f"give only trainer.{new}")
-            data[new] = data.pop(old)
-            if (cls.__name__, old) not in _REPORTED_RENAMES:
-                _REPORTED_RENAMES.add((cls.__name__, old))
-                print(f"warning: trainer.{old} is deprecated and will be removed: write trainer.{new} (same meaning)")
-        return data
-
-    @field_validator("betas", mode="before")
-    @classmethod
-    def _betas_below_one(cls, betas: Any) -> Any:
-        numbers = isinstance(betas, (list, tuple)) and all(isinstance(b, (int, float)) for b in betas)
-        if numbers and not all(0 <= b < 1 for b in betas):
-            raise ValueError("each of Adam's betas must be in [0, 1), e.g. [0.9, 0.999]")
-        return betas
-
 
 @dataclass
 class Plan:
@@ -196,6 +116,16 @@ class Plan:
     #: True: every rank has the same steps (some possibly empty here), and each unit is weighted within
     #: its step over all ranks' units; the loop sums the ranks' gradients instead of averaging them
     global_weights: bool = False
+
+
+@dataclass
+class Scored:
+    """What the scoring service returns: the rewards, advantages ``(N,)`` (None when not asked for) and
+    the step's reward logs."""
+
+    scores: RewardScores
+    advantages: torch.Tensor | None
+    logs: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -216,7 +146,7 @@ def slice_plan(trainer: "GroupTrainer", n: int) -> Plan:
 class GroupTrainer:
     """The loop, with the group-rollout ``collect`` as the default; subclasses supply the other hooks."""
 
-    Config: type[GroupTrainerConfig] = GroupTrainerConfig
+    Config: type[TrainerConfig] = GroupTrainerConfig
     #: False for trainers that learn without a reward (``rewards: []`` accepted)
     needs_rewards: bool = True
     sampler: Any = "flow_grpo"
@@ -231,8 +161,9 @@ class GroupTrainer:
         # the trainer's ranks are data ranks: with sequence parallelism several processes share one's samples
         self.acc = DataRanks(accelerator, self.parallel.layout) if self.parallel.layout.sequence > 1 else accelerator
         self.rank, self.world = self.parallel.layout.data_rank, self.parallel.layout.data_world
-        if self.needs_reference(cfg, tcfg):  # copied from the starting weights, before sharding and any resume
-            keep_reference(policy, self.parallel, tcfg.reference_offload)
+        reference = keeps_reference(self.weight_copies(cfg, tcfg))
+        if reference is not None:  # copied from the starting weights, before sharding and any resume
+            keep_reference(policy, self.parallel, reference.offloaded)
         self.optimisation = setup_optimisation(policy, tcfg, self.parallel)  # fsdp: shards before collecting
         self.params, self.optimizer, self.ema = (self.optimisation.params, self.optimisation.optimizer,
                                                  self.optimisation.ema)
@@ -263,7 +194,7 @@ class GroupTrainer:
         self._rewards = RewardSet.of(value)
 
     @classmethod
-    def check_config(cls, cfg: TrainConfig, tcfg: GroupTrainerConfig) -> None:
+    def check_config(cls, cfg: TrainConfig, tcfg: Any) -> None:
         """Refuse (``UserError``) settings this trainer cannot honour with the rest of ``cfg``, e.g. a
         reference-model term under full fine-tuning; called before the run folder is touched."""
         if cls.needs_rewards and not cfg.rewards:
@@ -271,10 +202,12 @@ class GroupTrainer:
                             "rewards='[{name: vvr}]'")
 
     @classmethod
-    def needs_reference(cls, cfg: TrainConfig, tcfg: GroupTrainerConfig) -> bool:
-        """Whether reference passes (``policy.adapter_disabled()``) run under full fine-tuning, so the policy
-        keeps a frozen copy of its starting weights (:mod:`flowalign.trainers.reference`)."""
-        return False
+    def weight_copies(cls, cfg: TrainConfig, tcfg: Any) -> list[WeightCopy]:
+        """The copies of weights this trainer holds besides the policy (:mod:`flowalign.trainers.copies`),
+        as ``cfg`` sets it up; the loop and ``flowalign plan`` both read this list. A ``reference`` copy
+        (reference passes through ``policy.adapter_disabled()`` under full fine-tuning) is kept by the loop
+        (:mod:`flowalign.trainers.reference`); the others the trainer allocates itself. Default: none."""
+        return []
 
     # ------------------------------------------------------------------ hooks
     def sampling(self, group: int) -> Sampling:
@@ -367,25 +300,65 @@ class GroupTrainer:
         advantages."""
         step = self.step if step is None else step
         batch = self.sample(prompts, metadata, groups, prompt_ids, step)
-        check_invalid(batch.scores, step, self.cfg.run.max_invalid_fraction, batch.samples, self.run_dir)
         t = time.perf_counter()
-        batch.advantages = gathered_advantages(self.tcfg.advantage, batch.scores, batch.prompt_ids, self.acc,
-                                               self.tcfg.adv_clip, **self.advantage_options())
-        batch.logs.update(self.reward_logs(batch.scores))
-        batch.logs["zero_adv_fraction"] = (batch.advantages == 0).float().mean().item()
+        scored = self.judge(batch.scores, batch.samples, batch.prompt_ids, step)
+        batch.advantages = scored.advantages
+        batch.logs.update(scored.logs)
         batch.logs["time/reward"] += time.perf_counter() - t
         return batch
+
+    # ------------------------------------------------------------------ the scoring service
+    def score(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict],
+              prompt_ids: torch.Tensor | None = None, step: int | None = None) -> Scored:
+        """Rewards of ``samples (N, C, H, W)`` or videos, checked and turned into advantages: how every
+        trainer scores what it generated (a collective).
+
+        The batch is refused when more than ``run.max_invalid_fraction`` of it is invalid; with ``prompt_ids
+        (N,)`` the advantages are the trainer's ``advantage`` kind over every rank's samples, grouped by
+        prompt (0 for invalid samples); without, none (e.g. a reward only watched, or used to label pairs).
+        ``logs``: ``reward/total``, the per-reward means, the invalid fraction (and ``zero_adv_fraction``)."""
+        t = time.perf_counter()
+        scores = self.rewards.score(samples, prompts, metadata)
+        scored = self.judge(scores, samples, prompt_ids, self.step if step is None else step)
+        scored.logs["time/reward"] = time.perf_counter() - t
+        return scored
+
+    def judge(self, scores: RewardScores, samples: torch.Tensor, prompt_ids: torch.Tensor | None,
+              step: int) -> Scored:
+        """The invalid guard, advantages and reward logs of ``scores`` already computed (see :meth:`score`)."""
+        check_invalid(scores, step, self.cfg.run.max_invalid_fraction, samples, self.run_dir)
+        logs = self.reward_logs(scores)
+        advantages = None
+        if prompt_ids is not None:
+            advantages = gathered_advantages(self.tcfg.advantage, scores, prompt_ids, self.acc, self.tcfg.adv_clip,
+                                             **self.advantage_options())
+            logs["zero_adv_fraction"] = (advantages == 0).float().mean().item()
+        return Scored(scores, advantages, logs)
+
+    def reward_gradient(self, prompts: list[str], metadata: list[dict],
+                        decoder_checkpointing: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``latents ↦ ∇ total reward`` of decoded latents for these prompts, through the VAE decoder (the
+        differentiable rewards' service; see :func:`flowalign.trainers.parts.reward_gradient.pixel_reward_gradient`)."""
+        return pixel_reward_gradient(self.policy, self.rewards, prompts, metadata, decoder_checkpointing)
+
+    def non_differentiable_rewards(self) -> list[str]:
+        """Names of the configured rewards that give no gradient (a reward-gradient trainer refuses them)."""
+        return self.rewards.not_differentiable()
 
     def advantage_options(self) -> dict[str, Any]:
         """Options of ``trainer.advantage`` beyond its kind (see ``compute_advantages``); none by default."""
         return {}
+
+    def shares_initial_noise(self) -> bool:
+        """Whether every member of a prompt group starts from the group's one ``x_T`` (default: no)."""
+        return False
 
     def rollout_slots(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
                       prompt_ids: torch.Tensor, step: int) -> list:
         """One slot per sample (its prompt, group and noise seeds) for :meth:`sample`; a trainer whose samples
         share noise differently overrides this, not the sampling loop."""
         return sample_slots(self.policy, prompts, metadata, groups, prompt_ids, self.cfg.run.seed, step,
-                            self.tcfg.shared_initial_noise)
+                            self.shares_initial_noise())
 
     def sample(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
                prompt_ids: torch.Tensor | None = None, step: int | None = None) -> StepBatch:

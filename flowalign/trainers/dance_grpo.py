@@ -23,7 +23,8 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
-from flowalign.trainers.flow_grpo import ChunkRef, FlowGRPOConfig, FlowGRPOTrainer
+from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
+from flowalign.trainers.parts.global_plan import ChunkRef
 
 
 class DanceGRPOConfig(FlowGRPOConfig):

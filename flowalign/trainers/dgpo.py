@@ -28,11 +28,13 @@ from pydantic import Field
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
+from flowalign.trainers.options import EpochOptions, ReferenceOptions
+from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
-from flowalign.trainers.self_distill import per_sample_mean
+from flowalign.trainers.parts.reductions import per_sample_mean
 
 
-class DGPOConfig(GroupTrainerConfig):
+class DGPOConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     name: Literal["dgpo"] = "dgpo"
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     #: β of the group DPO
@@ -129,8 +131,8 @@ class DGPOTrainer(GroupTrainer):
     sampler = "ode"
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
-        return cfg.model.finetune == "full"  # d_ref always needs the reference
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        return full_reference(tcfg) if cfg.model.finetune == "full" else []  # d_ref always needs the reference
 
     def block(self, batch: StepBatch, chunks: tuple[int, ...]) -> tuple[torch.Tensor, Conditioning, torch.Tensor]:
         """The block's endpoints ``(N, ...)``, conditioning and global group ids."""

@@ -25,11 +25,14 @@ from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.protocols import Conditioning
+from flowalign.trainers.options import EpochOptions, ReferenceOptions
+from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch, derived_seed
-from flowalign.trainers.self_distill import per_sample_mean
+from flowalign.trainers.parts.timesteps import pair_timesteps
+from flowalign.trainers.parts.reductions import per_sample_mean
 
 
-class DiffusionDPOConfig(GroupTrainerConfig):
+class DiffusionDPOConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     name: Literal["diffusion_dpo"] = "diffusion_dpo"
     #: β of the DPO (large: the per-pair error differences are ~1e-3)
     dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
@@ -50,13 +53,6 @@ def diffusion_dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_w: torch.Te
     loss = -F.logsigmoid(inside)
     accuracy = ((inside > 0).float() + 0.5 * (inside == 0).float()).mean()
     return loss, {"dpo_loss": loss.mean().item(), "implicit_acc": accuracy.item(), "margin": inside.mean().item()}
-
-
-def pair_timesteps(n: int, kind: str, generator: torch.Generator) -> torch.Tensor:
-    """``n`` flow times in (0, 1): logit-normal σ(N(0,1)) or uniform."""
-    if kind == "uniform":
-        return torch.rand(n, generator=generator).clamp(1e-4, 1 - 1e-4)
-    return torch.sigmoid(torch.randn(n, generator=generator))
 
 
 def best_and_worst(rewards: torch.Tensor, valid: torch.Tensor) -> tuple[int, int] | None:
@@ -106,8 +102,8 @@ class DiffusionDPOTrainer(GroupTrainer):
             super().check_config(cfg, tcfg)
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
-        return cfg.model.finetune == "full"
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        return full_reference(tcfg) if cfg.model.finetune == "full" else []
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
@@ -117,7 +113,7 @@ class DiffusionDPOTrainer(GroupTrainer):
         """The preference triples of ``trainer.pairs``, every image checked before compute (None: online)."""
         if not self.tcfg.pairs:
             return None
-        from flowalign.pairs import read_preference_pairs
+        from flowalign.trainers.parts.pairs import read_preference_pairs
 
         offline = read_preference_pairs(self.tcfg.pairs)
         if not hasattr(self.policy, "encode_images"):
@@ -132,7 +128,7 @@ class DiffusionDPOTrainer(GroupTrainer):
 
     def offline_pairs(self, step: int) -> PairBatch:
         """This rank's share of the step's preference triples, encoded with the policy's VAE."""
-        from flowalign.pairs import load_image
+        from flowalign.trainers.parts.pairs import load_image
 
         p = self.tcfg.prompts_per_step
         idx = self.offline.batch_indices(self.cfg.run.seed, step, p * self.world)[self.rank * p : (self.rank + 1) * p]

@@ -22,18 +22,15 @@ from pydantic import Field, model_validator
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE
 from flowalign.sampling import Rollout
-from flowalign.trainers.self_distill import (
-    FitUnit,
-    SelfDistillConfig,
-    SelfDistillTrainer,
-    mirrored_velocities,
-    per_sample_mean,
-)
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.copies import WeightCopy, full_reference
+from flowalign.trainers.self_distill import FitUnit, SelfDistillConfig, SelfDistillTrainer, mirrored_velocities
+from flowalign.trainers.parts.reductions import per_sample_mean
 
 LossForm = Literal["x0_normalised", "velocity"]
 
 
-class DiffusionNFTConfig(SelfDistillConfig):
+class DiffusionNFTConfig(SelfDistillConfig, ReferenceOptions):
     name: Literal["diffusion_nft"] = "diffusion_nft"
     #: trained timesteps per sample: ⌊fraction·T⌋ of the T sampler timesteps, a fresh random permutation per
     #: sample and update (the authors' ``train.timestep_fraction`` 0.99: 9 of 10)
@@ -109,9 +106,11 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
     tcfg: DiffusionNFTConfig
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
-        """The KL term's ``v_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
-        return tcfg.beta > 0 and cfg.model.finetune == "full"
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        """The behaviour weights, and the KL term's ``v_ref`` under full fine-tuning from a frozen copy of the
+        starting weights."""
+        reference = full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
+        return super().weight_copies(cfg, tcfg) + reference
 
     def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """One unit per trained timestep index: each sample noised at its own drawn timestep, and ``v_φ``

@@ -30,22 +30,13 @@ from typing import Literal
 
 import torch
 from pydantic import Field
-from torch.utils.checkpoint import checkpoint
 
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
-from flowalign.reward_set import RewardSet
 from flowalign.sampling import Rollout
-from flowalign.trainers.self_distill import (  # noqa: F401  (re-exported: the shared pieces)
-    BehaviourWeights,
-    FitUnit,
-    SelfDistillConfig,
-    SelfDistillTrainer,
-    behaviour_lambda,
-    mirrored_velocities,
-    per_sample_mean,
-    reward_weight,
-)
+from flowalign.trainers.parts.reductions import per_sample_mean
+from flowalign.trainers.parts.reward_gradient import pixel_reward_gradient
+from flowalign.trainers.self_distill import FitUnit, SelfDistillConfig, SelfDistillTrainer, mirrored_velocities
 
 
 class DiffusionOPSDConfig(SelfDistillConfig):
@@ -107,27 +98,6 @@ def query_anchor(policy, chunk: Rollout, sigma_star: float, guidance: float | No
     z_q = chunk.latents[:, k].to(policy.device)
     v = policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale if guidance is None else guidance)
     return sigma_q, z_q, v, z_q - sigma_q * v
-
-
-def pixel_reward_gradient(policy, rewards, prompts: list[str], metadata: list[dict], checkpointing: bool = True):
-    """``y ↦ ∇_y Σ_j w_j R_j(D(y), c)`` ``(B, ...)``: through the VAE decoder (checkpointed), never θ.
-
-    ``rewards``: a :class:`RewardSet` (or its ``(name, weight, reward)`` triples); invalid samples
-    contribute no gradient.
-    """
-    rewards = RewardSet.of(rewards)
-
-    def grad_fn(y: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
-            y = y.detach().requires_grad_(True)
-            images = checkpoint(policy.decode, y, use_reentrant=False) if checkpointing else policy.decode(y)
-            total = rewards.weighted_total(images, prompts, metadata)
-            if not total.requires_grad:  # e.g. a batch of counts under vvr_soft(count_gradients=False)
-                return torch.zeros_like(y)
-            (g,) = torch.autograd.grad(total.sum(), y, allow_unused=True)
-        return torch.zeros_like(y) if g is None else g.detach()
-
-    return grad_fn
 
 
 def opsd_loss(

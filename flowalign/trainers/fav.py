@@ -28,11 +28,13 @@ from flowalign.config import Temperature
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
 from flowalign.protocols import Conditioning
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
-from flowalign.trainers.diffusion_opsd import pixel_reward_gradient
+from flowalign.trainers.parts.reward_gradient import pixel_reward_gradient
 
 
-class FAVConfig(GroupTrainerConfig):
+class FAVConfig(GroupTrainerConfig, ReferenceOptions):
     name: Literal["fav"] = "fav"
     #: the few-step sampler the generator is (Euler ODE steps on the policy's sigma grid)
     num_steps: int = Field(4, ge=1, le=16)
@@ -123,8 +125,8 @@ class FAVTrainer(GroupTrainer):
     sampler = "ode"
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
-        return cfg.model.finetune == "full"  # the reference particles come from the starting weights
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        return full_reference(tcfg) if cfg.model.finetune == "full" else []  # the reference particles come from the starting weights
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)

@@ -39,14 +39,15 @@ from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_IMA
 from flowalign.protocols import Conditioning
 from flowalign.reward_set import RewardScores
 from flowalign.sampling import euler_step
+from flowalign.trainers.copies import WeightCopy, full_reference
+from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
-from flowalign.weight_swap import swapped_in
 
 #: fewer reference samples than this give a median of too few distances to set a bandwidth
 MIN_K = 8
 
 
-class FestDPOConfig(GroupTrainerConfig):
+class FestDPOConfig(GroupTrainerConfig, ReferenceOptions):
     name: Literal["festdpo"] = "festdpo"
     #: samples per prompt for the KDEs (common random numbers for policy and reference)
     K: int = Field(32, ge=1, le=MAX_GROUP_SIZE)
@@ -195,6 +196,11 @@ class FestDPOTrainer(GroupTrainer):
     tcfg: FestDPOConfig
 
     @classmethod
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        """The reference of a full fine-tune: a frozen copy of the starting weights (kept by the loop)."""
+        return full_reference(tcfg) if cfg.model.finetune == "full" else []
+
+    @classmethod
     def check_config(cls, cfg, tcfg: FestDPOConfig) -> None:
         if not tcfg.pairs:  # offline preference pairs carry their own labels: rewards: [] is fine there
             super().check_config(cfg, tcfg)
@@ -204,7 +210,7 @@ class FestDPOTrainer(GroupTrainer):
         tc = self.tcfg
         self.offline: PromptSet | None = None
         if tc.pairs:
-            from flowalign.pairs import read_preference_pairs
+            from flowalign.trainers.parts.pairs import read_preference_pairs
 
             self.offline = read_preference_pairs(tc.pairs)  # every image checked here, before compute
             if tc.feature != "pixels" and not hasattr(self.policy, "encode_images"):
@@ -214,20 +220,14 @@ class FestDPOTrainer(GroupTrainer):
         if tc.feature == "latent_pool" and latent_ndim not in (3, 4):
             raise UserError(f"trainer.feature=latent_pool pools (C,H,W) or (C,F,H,W) latents, but the "
                             f"{self.policy.family} policy's latents have {latent_ndim} dims: use feature=latent or pixels")
-        # the reference of a full fine-tune: the starting trainable tensors (copied before any resume)
-        self.frozen = None if self.cfg.model.finetune == "lora" else [p.detach().clone() for p in self.params]
         self._h2: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ pieces
 
     @contextmanager
     def reference(self) -> Iterator[None]:
-        """Inside: the policy is the reference (adapter off, or the frozen starting weights swapped in)."""
-        if self.frozen is None:
-            with self.policy.adapter_disabled():
-                yield
-            return
-        with swapped_in(self.params, self.frozen):
+        """Inside: the policy is the reference (the adapter off, or a full fine-tune's frozen starting weights)."""
+        with self.policy.adapter_disabled():
             yield
 
     def generate(self, z: torch.Tensor, cond: Conditioning) -> torch.Tensor:
@@ -291,7 +291,7 @@ class FestDPOTrainer(GroupTrainer):
         """``y_w, y_l (M, D)`` (+ leave-one-out indices online), or None when the prompt gives no pair; and
         the online scores of the K samples (None offline)."""
         if self.offline is not None:
-            from flowalign.pairs import load_image
+            from flowalign.trainers.parts.pairs import load_image
 
             h, w = int(self.policy.defaults["height"]), int(self.policy.defaults["width"])
             images = torch.stack([load_image(meta[k], h, w) for k in ("chosen", "rejected")]).to(self.policy.device)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-import numpy as np
 import torch
 from pydantic import Field
 
@@ -21,11 +20,19 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling import Rollout, StepOutput, sde_step
 from flowalign.sampling.windows import random_window_start
+from flowalign.trainers.options import EpochOptions, ReferenceOptions
+from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
+from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 
 
-class FlowGRPOConfig(GroupTrainerConfig):
+class FlowGRPOConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     name: Literal["flow_grpo"] = "flow_grpo"
+    #: DanceGRPO's grouping: every rollout of a prompt group starts from the same initial noise, so the
+    #: rewards within a group differ only through the SDE steps the loss trains (not through x_T, which
+    #: no log-probability credits)
+    shared_initial_noise: bool = False
     sampler: Literal["flow_grpo", "cps"] = "flow_grpo"
     #: a for the Flow-GRPO SDE (0.7 SD3.5, 0.9 FLUX), η for CPS (0.8)
     noise_level: float = Field(0.7, gt=0, le=2)
@@ -52,18 +59,6 @@ class FlowGRPOConfig(GroupTrainerConfig):
 
 
 # ---------------------------------------------------------------------------------------------- the loss
-
-
-def ppo_clip_loss(
-    log_prob: torch.Tensor, old_log_prob: torch.Tensor, adv: torch.Tensor, clip_range: float,
-    weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample clipped surrogate ``max(−w·A·r, −w·A·clip(r))`` ``(B,)``, with the ratio and a clipped flag."""
-    ratio = torch.exp(log_prob - old_log_prob)
-    scaled = adv if weight is None else adv * weight
-    unclipped = -scaled * ratio
-    clipped = -scaled * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped)
 
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, sigma_gap: float,
@@ -122,39 +117,6 @@ def guided_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Con
 # ---------------------------------------------------------------------------------------------- hooks
 
 
-@dataclass(frozen=True, order=True)
-class ChunkRef:
-    """One rollout batch of the global batch, as every rank sees it: ``key`` (group, member) of its first
-    sample (its identity in any rank layout), the ``rank`` holding it and its ``index`` there, whether any
-    sample has a non-zero advantage, and its trainable steps."""
-
-    key: tuple[int, int]
-    rank: int
-    index: int
-    active: bool
-    steps: tuple[int, ...]
-
-
-def global_plan(chunks: list[ChunkRef], inner_epochs: int, updates_per_epoch: int, generator: torch.Generator,
-                chosen: Callable[[ChunkRef, int], list[int]]) -> list[list[tuple[ChunkRef, int]]]:
-    """The optimiser steps over every rank's chunks, each a list of (chunk, trained step) pairs.
-
-    Per inner epoch the chunks, in key order, are permuted by ``generator`` (the same on every rank), the
-    active ones split into ``updates_per_epoch`` steps, and ``chosen(chunk, epoch)`` picks each chunk's
-    trained steps. Neither depends on which rank holds a chunk, so every rank computes the same plan,
-    and so does one process holding all the chunks.
-    """
-    chunks = sorted(chunks)
-    steps: list[list[tuple[ChunkRef, int]]] = []
-    for epoch in range(inner_epochs):
-        order = torch.randperm(len(chunks), generator=generator).tolist()
-        active = [chunks[i] for i in order if chunks[i].active]
-        for part in np.array_split(np.arange(len(active)), updates_per_epoch):
-            if len(part):
-                steps.append([(active[j], k) for j in part.tolist() for k in chosen(active[j], epoch)])
-    return steps
-
-
 @dataclass(frozen=True)
 class StepUnit:
     """Rollout batch ``chunk`` (this rank's index) at timestep ``k``, one of ``of`` units (over all ranks)
@@ -174,9 +136,12 @@ class FlowGRPOTrainer(GroupTrainer):
     tcfg: FlowGRPOConfig
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         """The KL term's ``μ_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
-        return tcfg.beta > 0 and cfg.model.finetune == "full"
+        return full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
+
+    def shares_initial_noise(self) -> bool:
+        return self.tcfg.shared_initial_noise
 
     @property
     def sampler(self) -> str:  # type: ignore[override]

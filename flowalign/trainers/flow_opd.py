@@ -33,10 +33,12 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.paths import REPO_ROOT
 from flowalign.protocols import Conditioning
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
-from flowalign.trainers.diffusion_dpo import pair_timesteps
+from flowalign.trainers.parts.timesteps import pair_timesteps
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
-from flowalign.trainers.self_distill import per_sample_mean
+from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.weight_swap import swapped_in
 
 
@@ -50,7 +52,7 @@ class Teacher(BaseModel):
     match: str | None = None
 
 
-class FlowOPDConfig(GroupTrainerConfig):
+class FlowOPDConfig(GroupTrainerConfig, ReferenceOptions):
     name: Literal["flow_opd"] = "flow_opd"
     #: the stage-1 teachers, each supervising its own domain's prompts
     teachers: list[Teacher] = Field(min_length=1)
@@ -116,8 +118,8 @@ class FlowOPDTrainer(GroupTrainer):
     sampler = "ode"
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
-        return cfg.model.finetune == "full" and tcfg.anchor is None  # the starting weights are the anchor
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        return full_reference(tcfg) if cfg.model.finetune == "full" and tcfg.anchor is None else []  # the starting weights are the anchor
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:

@@ -30,6 +30,7 @@ from flowalign.advantages import diversity_scaled
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
+from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepUnit
 from flowalign.weight_swap import swapped_in
@@ -127,8 +128,8 @@ class GARDOTrainer(FlowGRPOTrainer):
         self.gate_fraction, self.gate_history = self.tcfg.gate_fraction, []
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
-        return False  # the reference is GARDO's own snapshot, not the starting weights
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        return []  # the reference is GARDO's own snapshot, not the starting weights
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:

@@ -34,7 +34,8 @@ from flowalign.config import StepIndex
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
-from flowalign.trainers.ar_copo import GroupUnit, clipped_loss
+from flowalign.trainers.parts.units import GroupUnit
+from flowalign.trainers.parts.policy_gradient import clipped_loss
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 from flowalign.trainers.rollouts import gathered_advantages
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
-from flowalign.trainers.pref_grpo import check_whole_groups
+from flowalign.trainers.parts.groups import check_whole_groups
 
 
 class PDGRPOConfig(FlowGRPOConfig):

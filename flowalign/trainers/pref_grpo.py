@@ -18,8 +18,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from flowalign.errors import UserError
 from flowalign.trainers.dance_grpo import DanceGRPOConfig, DanceGRPOTrainer
+from flowalign.trainers.parts.groups import check_whole_groups
 
 
 class PrefGRPOConfig(DanceGRPOConfig):
@@ -41,9 +41,3 @@ class PrefGRPOTrainer(DanceGRPOTrainer):
         check_whole_groups(tcfg)
 
 
-def check_whole_groups(tcfg) -> None:
-    """A pairwise judge compares the samples of one rollout batch: each batch must hold whole groups."""
-    if tcfg.batch_size % tcfg.group_size:
-        raise UserError(f"trainer.batch_size={tcfg.batch_size} must be a multiple of trainer.group_size="
-                        f"{tcfg.group_size}: a pairwise judge compares the samples of one rollout batch, so "
-                        f"each batch must hold whole groups (e.g. batch_size={tcfg.group_size})")

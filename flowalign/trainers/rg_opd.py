@@ -30,10 +30,12 @@ from pydantic import Field, field_validator
 
 from flowalign.config import Section
 from flowalign.errors import UserError
-from flowalign.latent_preference import PreferencePairs, fit
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.latent_preference import PreferencePairs, fit
 from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.paths import REPO_ROOT
 from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
+from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
 
 
@@ -59,7 +61,7 @@ class CoReConfig(Section):
     buffer_steps: int | None = Field(None, ge=1, le=MAX_UPDATES)
 
 
-class RGOPDConfig(GroupTrainerConfig):
+class RGOPDConfig(GroupTrainerConfig, ReferenceOptions):
     name: Literal["rg_opd"] = "rg_opd"
     #: latent reward folder (flowalign train-reward)
     latent_reward: str
@@ -123,9 +125,9 @@ class RGOPDTrainer(GroupTrainer):
     sampler = "ode"
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg: RGOPDConfig) -> bool:
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         """The anchor's ``v_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
-        return tcfg.anchor > 0 and cfg.model.finetune == "full"
+        return full_reference(tcfg) if tcfg.anchor > 0 and cfg.model.finetune == "full" else []
 
     def __init__(self, cfg, tcfg: RGOPDConfig, policy, *args: Any, **kwargs: Any):
         if not (reward_folder(tcfg.latent_reward) / "config.json").is_file():

@@ -26,6 +26,7 @@ from pydantic import Field
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_LR, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.sampling import Rollout
+from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
 from flowalign.weight_swap import swapped_in
 
@@ -96,11 +97,6 @@ def mirrored_velocities(v_theta: torch.Tensor, v_phi: torch.Tensor, beta: float)
     return beta * v_theta + (1 - beta) * v_phi, (1 + beta) * v_phi - beta * v_theta
 
 
-def per_sample_mean(x: torch.Tensor) -> torch.Tensor:
-    """``mean(·)`` over the non-batch elements: ``(B, ...)`` → ``(B,)``."""
-    return x.flatten(1).mean(1)
-
-
 @dataclass
 class FitUnit:
     """What one θ-phase backward pass needs, computed once per outer iteration under φ (all detached).
@@ -128,6 +124,11 @@ class SelfDistillTrainer(GroupTrainer):
     Config = SelfDistillConfig
     tcfg: SelfDistillConfig
     sampler = "ode"
+
+    @classmethod
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        """The behaviour weights φ, a copy of the trained tensors."""
+        return [WeightCopy("behaviour")]
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)

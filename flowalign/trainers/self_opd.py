@@ -40,11 +40,12 @@ from pydantic import Field
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS
 from flowalign.reward_set import RewardScores
 from flowalign.sampling import continue_ode, sde_step
+from flowalign.trainers.options import EpochOptions
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
 from flowalign.trainers.rollouts import check_invalid
 
 
-class SelfOPDConfig(GroupTrainerConfig):
+class SelfOPDConfig(GroupTrainerConfig, EpochOptions):
     name: Literal["self_opd"] = "self_opd"
     #: K: SDE candidates branched off each sampled state (1: a pairwise comparison with the deterministic branch)
     branches: int = Field(4, ge=1, le=MAX_GROUP_SIZE)

@@ -29,14 +29,16 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from flowalign.limits import MAX_CACHE, MAX_COEFFICIENT, MAX_TRAIN_STEPS, MAX_WEIGHT_COPIES
+from flowalign.trainers.options import EpochOptions
+from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.base import GroupTrainerConfig, derived_seed
 from flowalign.trainers.diffusion_dpo import DiffusionDPOTrainer, PairBatch, PairUnit
-from flowalign.trainers.pair_images import PairImages
+from flowalign.trainers.parts.pair_images import PairImages
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
 from flowalign.weight_swap import swapped_in
 
 
-class SePPOConfig(GroupTrainerConfig):
+class SePPOConfig(GroupTrainerConfig, EpochOptions):
     name: Literal["seppo"] = "seppo"
     #: β of the DPO-style loss (large: the per-pair error differences are ~1e-3; as diffusion_dpo)
     dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
@@ -108,8 +110,8 @@ class SePPOTrainer(DiffusionDPOTrainer):
         pass  # no reward: the winning images and the reference's own samples make the pairs
 
     @classmethod
-    def needs_reference(cls, cfg, tcfg) -> bool:
-        return False  # the references are SePPO's stored checkpoints, not the adapter switched off
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        return []  # the references are SePPO's stored checkpoints, not the adapter switched off
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)

@@ -15,7 +15,8 @@ hooks: ``collect`` draws the step's ``pairs_per_step`` pairs with their noise an
 reward: ``rewards: []`` is accepted), ``plan`` splits them into batches of ``batch_size`` pairs (one
 optimiser step), ``loss`` is :func:`soar_loss` of a batch. Pairs come from ``trainer.pairs`` (a folder or
 JSONL of image + caption) or, for a benchmark of programmatic scenes (``data.bench: vvr``), from rendering
-each training task at the model's resolution. A pair's caption dropout, ε, σ and σ̃ draws are keyed by its
+each training task at the model's resolution (``vvr_edit``: the edited result, the task's input image
+conditioning an editing model). A pair's caption dropout, ε, σ and σ̃ draws are keyed by its
 place in the step's global draw, as a rollout's noise is, so N ranks draw what one process draws.
 [derived] choices: σ is drawn as in SD3 pre-training (sigmoid of a normal, no shift), the N corrections of
 a pair share its x̂ and run as one batched pass, and the σ̃ draws use their own generator so that the
@@ -35,8 +36,9 @@ from pydantic import Field, model_validator
 from flowalign.errors import UserError
 from flowalign.limits import MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LOGIT, MAX_SAMPLING_STEPS, MAX_UPDATES
 from flowalign.protocols import Conditioning
+from flowalign.sampling.inputs import encode_prompts
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
-from flowalign.trainers.pair_images import PairImages
+from flowalign.trainers.parts.pair_images import PairImages
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -252,7 +254,9 @@ class SOARTrainer(GroupTrainer):
             u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 3))
             u.append(torch.rand(tc.corrections, generator=u_gen))
         prompts = [self.pairs.prompts[i] if k else "" for i, k in zip(indices, keep)]
-        cond = self.policy.encode(prompts)
+        # an editing benchmark's pair: its input image (metadata "image") conditions, its rendered result is x0
+        metadata = [self.pairs.metadata[i] for i in indices] if self.images.bench else [{} for _ in indices]
+        cond = encode_prompts(self.policy, prompts, metadata)
         passes, units = (c * len(indices) * self.world for c in cost_per_pair(tc.corrections, tc.rollout_guidance))
         logs = {"cost/forward_passes": passes, "cost/units_total": units * (step + 1),
                 "time/data": time.perf_counter() - t0}

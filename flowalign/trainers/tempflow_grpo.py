@@ -26,7 +26,8 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout, StepOutput, branch_candidates, draw_branch_step, noise_aware_weights
 from flowalign.trainers.base import Sampling, StepBatch
-from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepUnit, ppo_clip_loss
+from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepUnit
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.rollouts import sample_slots
 
 

@@ -116,7 +116,7 @@ def pairs_from_jsonl(policy, path: Path, batch: int = 64):
     import numpy as np
     import torch
 
-    from flowalign.latent_preference import PreferencePairs
+    from flowalign.trainers.parts.latent_preference import PreferencePairs
     from flowalign.media import open_image
     from rewards.latent_registers import encode_images
 
@@ -153,7 +153,7 @@ def pairs_from_jsonl(policy, path: Path, batch: int = 64):
 
 
 def load_pair_files(policy, files: list[str]):
-    from flowalign.latent_preference import PreferencePairs
+    from flowalign.trainers.parts.latent_preference import PreferencePairs
 
     parts = [PreferencePairs.load(f) if Path(f).suffix == ".safetensors" else pairs_from_jsonl(policy, Path(f))
              for f in files]
@@ -162,7 +162,7 @@ def load_pair_files(policy, files: list[str]):
 
 def load_pairs(args: argparse.Namespace, policy):
     """The preference pairs of ``args`` and a summary of where they came from."""
-    from flowalign.latent_preference import PreferencePairs, generate_pairs
+    from flowalign.trainers.parts.latent_preference import PreferencePairs, generate_pairs
 
     if args.pairs:
         pairs = load_pair_files(policy, args.pairs)
@@ -198,7 +198,7 @@ def accuracy_report(args: argparse.Namespace, reward, encode, train_pairs, test_
     """Pairwise accuracy per σ bin on (a subset of) the training pairs and on the held-out ones."""
     import torch
 
-    from flowalign.latent_preference import pairwise_accuracy
+    from flowalign.trainers.parts.latent_preference import pairwise_accuracy
 
     # how well the pairs were fitted; a random subset of a large set says the same at a fraction of the cost
     fit_check = train_pairs
@@ -227,7 +227,7 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
 
     from flowalign.disk_space import explain_no_space
 
-    from flowalign.latent_preference import fit
+    from flowalign.trainers.parts.latent_preference import fit
 
     optimizer = torch.optim.Adam(reward.parameters(), lr=args.lr)
     start = 0
@@ -270,7 +270,7 @@ def saved_bytes(reward, pairs) -> int:
 
 def run(args: argparse.Namespace) -> None:
     from flowalign.disk_space import explain_no_space
-    from flowalign.latent_preference import PreferencePairs
+    from flowalign.trainers.parts.latent_preference import PreferencePairs
     from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
 
     _check(args)

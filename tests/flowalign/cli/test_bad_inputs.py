@@ -209,7 +209,7 @@ def test_prompt_file_images_are_checked_like_image_options(tmp_path):
 def test_preference_pair_images_are_checked_from_their_header(tmp_path):
     """The images of preference-pair files (diffusion_dpo, seppo, festdpo) are read the same way."""
     from flowalign.errors import UserError
-    from flowalign.pairs import load_image
+    from flowalign.trainers.parts.pairs import load_image
 
     with pytest.raises(UserError, match="image /etc/passwd: cannot be read as an image"):
         load_image("/etc/passwd", 32, 32)

@@ -9,10 +9,10 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.media import save_video
-from flowalign.teacher_videos import ModelTeacher, VideoFolderTeacher
+from flowalign.trainers.parts.teacher_videos import ModelTeacher, VideoFolderTeacher
 from flowalign.train import build_trainer
 from flowalign.trainers.afd import discriminator_advantages, weighted_matching_loss
-from flowalign.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
+from flowalign.trainers.parts.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly

@@ -8,7 +8,8 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.ar_copo import clipped_loss, contrastive_log_probs, neighbours
+from flowalign.trainers.ar_copo import contrastive_log_probs, neighbours
+from flowalign.trainers.parts.policy_gradient import clipped_loss
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly

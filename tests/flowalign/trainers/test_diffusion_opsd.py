@@ -8,14 +8,8 @@ import torch
 from flowalign import checkpoint as ckpt
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.diffusion_opsd import (
-    BehaviourWeights,
-    bounded_targets,
-    mirrored_velocities,
-    opsd_loss,
-    query_index,
-    reward_weight,
-)
+from flowalign.trainers.diffusion_opsd import bounded_targets, opsd_loss, query_index
+from flowalign.trainers.self_distill import BehaviourWeights, mirrored_velocities, reward_weight
 
 from rewards.vvr import generate_tasks
 

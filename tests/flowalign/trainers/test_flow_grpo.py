@@ -9,7 +9,8 @@ import torch
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.sampling.steps import sde_step
-from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl, ppo_clip_loss
+from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 
 from .conftest import small_config
 

@@ -6,7 +6,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.ar_copo import clipped_loss
+from flowalign.trainers.parts.policy_gradient import clipped_loss
 from flowalign.trainers.kvpo import draw_routing, taken_velocities, velocity_energy
 
 from .conftest import small_config

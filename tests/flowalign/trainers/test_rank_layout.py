@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowalign.trainers.base import derived_seed
-from flowalign.trainers.flow_grpo import ChunkRef, global_plan
+from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
 
 from .conftest import small_run
 from .test_fsdp import TORCHRUN, max_diff, optimizer_moments, single, torchrun, weights

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from flowalign.config import validate_section
 from flowalign.data import read_prompt_file
 from flowalign.errors import UserError
-from flowalign.latent_preference import PreferencePairs
+from flowalign.trainers.parts.latent_preference import PreferencePairs
 from flowalign.sampling import reward_gradient
 from flowalign.train import build_trainer
 from flowalign.trainers.rg_opd import RGOPDConfig, RGOPDTrainer, distillation_target

@@ -26,7 +26,7 @@ class PairImages:
                             f"trainer.name={trainer} needs it")
         self.policy, self.cache = policy, cache
         if source:
-            from flowalign.pairs import read_caption_pairs
+            from flowalign.trainers.parts.pairs import read_caption_pairs
 
             self.pairs, self.bench = read_caption_pairs(source), None
         elif cfg.data.prompts or not cfg.data.bench:
@@ -53,7 +53,7 @@ class PairImages:
 
                     image = render_task(self.bench, meta, h)
                 else:
-                    from flowalign.pairs import load_image
+                    from flowalign.trainers.parts.pairs import load_image
 
                     image = load_image(meta["image"], h, w)
                 self.encoded[i] = self.policy.encode_images(image[None])[0].cpu()

@@ -1,0 +1,127 @@
+"""The ``trainer:`` section's options, in groups a trainer's own config is assembled from.
+
+A trainer's ``Config`` holds only the options it reads: :class:`TrainerConfig` (what the loop reads for
+every trainer: the budget, the optimiser and its schedule, the EMA) plus the groups its hooks use, e.g.
+``class FlowGRPOConfig(TrainerConfig, RolloutOptions, AdvantageOptions, EpochOptions, ReferenceOptions)``.
+A key the chosen trainer does not read is an error naming the trainer
+(:func:`flowalign.trainers.trainer_config`), so a setting never silently does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from flowalign.config import AdamBeta, Section
+from flowalign.limits import (MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_LR, MAX_MINUTES,
+                              MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES)
+
+#: former keys already reported in this process (one deprecation line each, however often a config is read)
+_REPORTED_RENAMES: set[tuple[str, str]] = set()
+
+
+class TrainerConfig(Section):
+    """What the loop reads for every trainer: its name, the budget, the optimiser and its schedule, the EMA."""
+
+    #: ``{former key: key}`` of renamed options: a former key is still read, with one deprecation line
+    renamed: ClassVar[dict[str, str]] = {}
+    #: ``{former key: what to write instead}`` of options that changed meaning: refused, saying so
+    refused: ClassVar[dict[str, str]] = {}
+
+    name: str
+    max_steps: int = Field(100, ge=1, le=MAX_TRAIN_STEPS)
+    #: also stop once this many minutes were spent training (evaluations excluded); None: no limit
+    max_minutes: float | None = Field(None, gt=0, le=MAX_MINUTES)
+    #: what max_minutes counts: "wall" seconds, or "cpu" seconds of this process (all its threads), so a
+    #: run sharing its cores with other work still trains the same compute (time/cpu_minutes in the logs)
+    budget_clock: Literal["wall", "cpu"] = "wall"
+    #: AdamW learning rate; at most 1 (real ones are 1e-6 to 1e-2, a larger one blows the weights up in a step)
+    lr: float = Field(1e-4, gt=0, le=MAX_LR)
+    #: "cosine": decay to lr_min_ratio·lr by the end of the budget (max_steps, or max_minutes when that
+    #: ends the run first; a time-based schedule makes the LR depend on measured step times)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0, le=MAX_TRAIN_STEPS)
+    lr_min_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(1e-4, ge=0, le=MAX_COEFFICIENT)
+    #: Adam's (β1, β2), each in [0, 1)
+    betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
+    ema_decay: float = Field(0.0, ge=0, lt=1)
+    ema_every: int = Field(8, ge=1, le=MAX_TRAIN_STEPS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_keys(cls, data: Any) -> Any:
+        """Refuse each key of :attr:`refused`; read each former key of :attr:`renamed` as its new name
+        (saying so once); both given: an error."""
+        if not isinstance(data, dict):
+            return data
+        for old, instead in cls.refused.items():
+            if old in data:
+                raise ValueError(f"trainer.{old} is no longer an option of this trainer: {instead}")
+        if not any(old in data for old in cls.renamed):
+            return data
+        data = dict(data)
+        for old, new in cls.renamed.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"trainer.{old} and trainer.{new} are the same option ({old} is its former name): "
+                                 f"give only trainer.{new}")
+            data[new] = data.pop(old)
+            if (cls.__name__, old) not in _REPORTED_RENAMES:
+                _REPORTED_RENAMES.add((cls.__name__, old))
+                print(f"warning: trainer.{old} is deprecated and will be removed: write trainer.{new} (same meaning)")
+        return data
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_below_one(cls, betas: Any) -> Any:
+        numbers = isinstance(betas, (list, tuple)) and all(isinstance(b, (int, float)) for b in betas)
+        if numbers and not all(0 <= b < 1 for b in betas):
+            raise ValueError("each of Adam's betas must be in [0, 1), e.g. [0.9, 0.999]")
+        return betas
+
+
+class RolloutOptions(Section):
+    """The loop's group rollouts (:meth:`GroupTrainer.collect`, :meth:`GroupTrainer.sample`)."""
+
+    #: prompts per step on each rank; each is sampled group_size times
+    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
+    #: samples per rollout batch = per training batch, whatever the group size (outputs depend on the
+    #: batch size, so the two match)
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH)
+    #: rollout steps T (evaluation uses eval.num_steps or the model's default)
+    num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
+    #: CFG scale of the rollouts (None: the model's default)
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
+
+
+class AdvantageOptions(Section):
+    """How the loop's scoring service turns a group's rewards into advantages (:meth:`GroupTrainer.score`)."""
+
+    #: global_std (the Flow-GRPO default): per-prompt mean, std over the whole gathered batch
+    advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
+    adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
+
+
+class EpochOptions(Section):
+    """Several passes over one batch, each of several optimiser steps."""
+
+    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
+    #: optimiser steps per pass over the batch (gradients accumulate over samples x trained steps)
+    updates_per_epoch: int = Field(1, ge=1, le=MAX_UPDATES)
+
+
+class ReferenceOptions(Section):
+    """Where a full fine-tune's frozen reference copy lives (a trainer with a reference term)."""
+
+    #: full fine-tuning with a reference term (e.g. flow_grpo's beta > 0) keeps a frozen copy of the
+    #: transformer; true: keep it in CPU memory, moved to the GPU block by block for reference passes
+    reference_offload: bool = False
+
+
+class GroupTrainerConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
+    """A trainer learning from the loop's default batch: group rollouts, their rewards and advantages."""

@@ -1,0 +1,42 @@
+"""A plan of optimiser steps over every rank's rollout batches, the same on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, order=True)
+class ChunkRef:
+    """One rollout batch of the global batch, as every rank sees it: ``key`` (group, member) of its first
+    sample (its identity in any rank layout), the ``rank`` holding it and its ``index`` there, whether any
+    sample has a non-zero advantage, and its trainable steps."""
+
+    key: tuple[int, int]
+    rank: int
+    index: int
+    active: bool
+    steps: tuple[int, ...]
+
+
+def global_plan(chunks: list[ChunkRef], inner_epochs: int, updates_per_epoch: int, generator: torch.Generator,
+                chosen: Callable[[ChunkRef, int], list[int]]) -> list[list[tuple[ChunkRef, int]]]:
+    """The optimiser steps over every rank's chunks, each a list of (chunk, trained step) pairs.
+
+    Per inner epoch the chunks, in key order, are permuted by ``generator`` (the same on every rank), the
+    active ones split into ``updates_per_epoch`` steps, and ``chosen(chunk, epoch)`` picks each chunk's
+    trained steps. Neither depends on which rank holds a chunk, so every rank computes the same plan,
+    and so does one process holding all the chunks.
+    """
+    chunks = sorted(chunks)
+    steps: list[list[tuple[ChunkRef, int]]] = []
+    for epoch in range(inner_epochs):
+        order = torch.randperm(len(chunks), generator=generator).tolist()
+        active = [chunks[i] for i in order if chunks[i].active]
+        for part in np.array_split(np.arange(len(active)), updates_per_epoch):
+            if len(part):
+                steps.append([(active[j], k) for j in part.tolist() for k in chosen(active[j], epoch)])
+    return steps
