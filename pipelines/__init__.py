@@ -4,8 +4,8 @@
 detects its family from ``model_index.json`` and returns the family's policy. One file per family, each
 declaring its :class:`flowalign.families.FamilySpec` as ``SPEC``: ``sd3.py`` (SD3 / SD3.5), ``flux.py``
 (FLUX.1), ``kontext.py`` (FLUX.1 Kontext, editing), ``flux2.py`` (FLUX.2 dev / klein), ``qwen_image.py`` and
-``qwen_image_edit.py``, ``zimage.py`` (Z-Image), ``wan.py`` (Wan 2.1 / 2.2-TI2V) with ``wan22.py`` (Wan
-2.2-A14B's two experts) and ``wan_i2v.py`` (Wan 2.2 I2V), ``hunyuan_video15.py`` (HunyuanVideo 1.5),
+``qwen_image_edit.py``, ``zimage.py`` (Z-Image), ``wan.py`` (the Wan family: ``wan_t2v.py``, Wan 2.1 /
+2.2-TI2V; ``wan22.py``, Wan 2.2-A14B's two experts; ``wan_i2v.py``, Wan 2.2 I2V), ``hunyuan_video15.py`` (HunyuanVideo 1.5),
 ``ltx2.py`` (LTX-2, text to video with audio), ``anyflow_far.py`` (AnyFlow-FAR, streaming chunk by chunk with
 a KV cache); shared helpers in ``_common.py``, peft helpers in ``lora.py``. Editing and image-to-video policies
 take a per-prompt input image (``input_images = True``, see

@@ -29,7 +29,7 @@ from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import cfg_mix, sigma_batch
-from pipelines.wan import DEFAULT_LORA_TARGETS, WanPolicy
+from pipelines.wan_t2v import DEFAULT_LORA_TARGETS, WanPolicy
 
 #: file of the low-noise expert's LoRA, next to the high-noise expert's ``pytorch_lora_weights.safetensors``
 LORA_WEIGHT_NAME_2 = "pytorch_lora_weights_transformer_2.safetensors"
