@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from flowalign.errors import UserError
 from flowalign.finite import non_finite_key
 from flowalign.limits import (MAX_BATCH, MAX_COEFFICIENT, MAX_CONFIG_BYTES, MAX_FRAMES, MAX_GUIDANCE, MAX_IMAGE_SIDE,
-                              MAX_KEEP_CHECKPOINTS, MAX_LORA_RANK, MAX_RANKS, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS,
-                              MAX_TIMEOUT_S, MAX_TRAIN_STEPS)
+                              MAX_KEEP_CHECKPOINTS, MAX_LAYERS, MAX_LORA_RANK, MAX_RANKS, MAX_SAMPLING_STEPS, MAX_SEED,
+                              MAX_TASKS, MAX_TIMEOUT_S, MAX_TRAIN_STEPS)
 from flowalign.yaml_load import load_yaml, yaml_problem
 from flowalign.yaml_numbers import numeric_annotation
 
@@ -71,6 +71,23 @@ class LoraSection(Section):
     rank: int = Field(8, ge=1, le=MAX_LORA_RANK)
     alpha: float = Field(16.0, gt=0, le=MAX_COEFFICIENT)
     target_modules: list[str] | None = None
+    #: the transformer blocks that get the adapter (shallow LoRA), counted over its block lists in forward
+    #: order (FLUX: double-stream then single-stream blocks): "last:N" (the last N) or a list of indices
+    #: from 0; null: every block
+    blocks: str | list[Annotated[int, Field(ge=0, le=MAX_LAYERS)]] | None = None
+
+    @field_validator("blocks")
+    @classmethod
+    def _blocks_form(cls, value: str | list[int] | None) -> str | list[int] | None:
+        """``last:N`` with N in [1, MAX_LAYERS] or a non-empty list of distinct indices."""
+        if isinstance(value, str):
+            count = value.removeprefix("last:")
+            if not value.startswith("last:") or not count.isdigit() or not 1 <= int(count) <= MAX_LAYERS:
+                raise ValueError(f"model.lora.blocks {value!r}: write last:N (N from 1 to {MAX_LAYERS}, e.g. last:2) "
+                                 "or a list of block indices such as [8, 9]")
+        elif value is not None and (not value or len(set(value)) != len(value)):
+            raise ValueError(f"model.lora.blocks {value}: give a non-empty list of distinct block indices, or last:N")
+        return value
 
 
 #: ``model.defaults`` keys that size or scale a sample, and their ``(low, high)`` bounds (see flowalign.limits)
