@@ -18,10 +18,11 @@ clips, where a clean clip has no issue and each injected defect of ``defects.py`
   frames 3 and 4", "freezes from frame 3 to frame 5"); a change of the per-frame log-area step beyond
   ``SIZE_TOL`` its excess over ``SIZE_SCALE`` ("size jumps 2.1x"). Size, shape and position tolerances
   also allow for pixel quantisation (``PIXEL_NOISE``), which matters at 32 px.
-* **plausibility**: solid objects do not pass through each other. In a frame where two objects touch
-  (their masks are adjacent), the overlap is the larger of their boxes' intersection over the smaller
-  box and the share of either's expected area that is hidden; an object missing where its path runs
-  inside another's box is wholly hidden (1). Each frame's largest overlap costs ``1 / OVERLAP_SCALE``
+* **plausibility**: solid objects do not pass through each other. In a frame where two objects may
+  overlap (their boxes intersect or their masks come within 2 px), the overlap is the larger of their
+  boxes' intersection over the smaller box and the share of either's expected area (interpolated over
+  the frames where it is clear of others) that is hidden beyond pixel noise; an object missing where its
+  path runs inside another's box is wholly hidden (1). Each frame's largest overlap costs ``1 / OVERLAP_SCALE``
   per unit ("object 2 passes through object 1 in frames 3-5").
 """
 
@@ -68,6 +69,8 @@ class Issue:
     penalty: float
     frame: int
     text: str
+    #: issues with one key are one event (a jump's two accelerations, on and off): merged, costing both
+    key: str = ""
 
 
 @dataclass
@@ -207,20 +210,21 @@ def _motion_issue(t: ObjectTrack, starts: np.ndarray, v: np.ndarray, j: int, exc
         slow = [k for k in range(len(speeds)) if speeds[k] < FREEZE_SHARE * med]
         run = next((r for r in _runs(slow) if r[0] <= j + 1 and r[1] >= j), (j, j))
         a, b = int(starts[run[0]]), int(starts[run[1]]) + 1
-        return Issue(penalty, a, f"{t.label} freezes from frame {a} to frame {b}, moving before and after")
+        return Issue(penalty, a, f"{t.label} freezes from frame {a} to frame {b}, moving before and after",
+                     f"{t.index}:freeze:{a}")
     if len(speeds) > 2 and abs(before - med) != abs(after - med):
         odd = j if abs(before - med) > abs(after - med) else j + 1
     else:
         odd = j if before > after else j + 1
     fast, other = float(speeds[odd]), float(speeds[j + 1 if odd == j else j])
     f0 = int(starts[odd])
-    f1 = f0 + 1
+    f1, key = f0 + 1, f"{t.index}:step:{f0}"
     if fast >= 2 * other and other > 0.005:
-        return Issue(penalty, f0, f"{t.label} speed jumps {fast / other:.1f}x between frames {f0} and {f1}")
+        return Issue(penalty, f0, f"{t.label} speed jumps {fast / other:.1f}x between frames {f0} and {f1}", key)
     if fast >= 2 * other:
-        return Issue(penalty, f0, f"{t.label} jumps {fast:.2f} of the frame between frames {f0} and {f1}")
+        return Issue(penalty, f0, f"{t.label} jumps {fast:.2f} of the frame between frames {f0} and {f1}", key)
     if fast <= 0.5 * other:
-        return Issue(penalty, f0, f"{t.label} speed drops to {fast / other:.1f}x between frames {f0} and {f1}")
+        return Issue(penalty, f0, f"{t.label} speed drops to {fast / other:.1f}x between frames {f0} and {f1}", key)
     return Issue(penalty, int(starts[j + 1]), f"{t.label} changes direction abruptly at frame {int(starts[j + 1])}")
 
 
@@ -257,10 +261,11 @@ def _merge_motion(issues: list[Issue]) -> list[Issue]:
     """One issue per sentence: the two accelerations of one jump (on and off) name it once, costing both."""
     merged: dict[str, Issue] = {}
     for i in issues:
-        if i.text in merged:
-            merged[i.text].penalty += i.penalty
+        key = i.key or i.text
+        if key in merged:
+            merged[key].penalty += i.penalty
         else:
-            merged[i.text] = Issue(i.penalty, i.frame, i.text)
+            merged[key] = Issue(i.penalty, i.frame, i.text, key)
     return list(merged.values())
 
 
@@ -282,25 +287,33 @@ def _box_share(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return float(w * h / small) if small > 0 else 0.0
 
 
+def _near(a, b) -> bool:
+    """Two blobs that may be in each other: their boxes intersect, or their masks come within 2 px (the
+    seam of two colours can be read as neither, so touching masks need not be adjacent)."""
+    if _box_share(a.box, b.box) > 0:
+        return True
+    return bool((ndimage.binary_dilation(a.mask, iterations=2) & b.mask).any())
+
+
 def plausibility(space: MotionSpace) -> Dimension:
     n = space.num_frames
     tracks = [t for t in space.tracks if t.found.any()]
     contact: dict[tuple[int, int], dict[int, float]] = {}
-    touching = {t.index: np.zeros(n, dtype=bool) for t in tracks}
+    near = {t.index: np.zeros(n, dtype=bool) for t in tracks}
     for i, a in enumerate(tracks):
         for b in tracks[i + 1 :]:
             for f in range(n):
                 ba, bb = a.blobs[f], b.blobs[f]
-                if ba is None or bb is None:
-                    continue
-                if (ndimage.binary_dilation(ba.mask) & bb.mask).any():
-                    touching[a.index][f] = touching[b.index][f] = True
+                if ba is not None and bb is not None and _near(ba, bb):
+                    near[a.index][f] = near[b.index][f] = True
                     contact.setdefault((a.index, b.index), {})[f] = _box_share(ba.box, bb.box)
-    expected = {t.index: _expected_area(t, ~touching[t.index]) for t in tracks}
+    expected = {t.index: _expected_area(t, ~near[t.index]) for t in tracks}
     by_index = {t.index: t for t in tracks}
     for (ia, ib), frames in contact.items():
         for f in frames:
-            hidden = [max(0.0, 1.0 - by_index[k].blobs[f].area / expected[k][f]) for k in (ia, ib)]
+            # the share of each one's expected area that is hidden, beyond what pixel quantisation explains
+            hidden = [max(0.0, 1.0 - b.area / expected[k][f] - PIXEL_NOISE * 2 / math.sqrt(b.pixels))
+                      for k in (ia, ib) for b in [by_index[k].blobs[f]]]
             frames[f] = min(1.0, max(frames[f], *hidden))
     for t in tracks:  # wholly hidden: missing where its path runs inside another object's box
         for f in np.flatnonzero(~t.found):
