@@ -46,8 +46,8 @@ class FAVConfig(GroupTrainerConfig, ReferenceOptions):
     kde_temperatures: list[Temperature] = Field(default_factory=lambda: [0.5], min_length=1)
     #: temperatures t of the multi-scale Stein kernel
     stein_temperatures: list[Temperature] = Field(default_factory=lambda: [0.5], min_length=1)
-    #: ρ, the weight of SVGD's repulsive term (1: standard SVGD; the authors' code: 0.5)
-    repulsion: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: ρ, the weight of SVGD's repulsive term (0.5: the authors' loss, its kernel gradient over 2K; 1: standard SVGD)
+    repulsion: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
     #: checkpoint the VAE decoder in the reward gradient (memory for compute)
     decoder_checkpointing: bool = True
 

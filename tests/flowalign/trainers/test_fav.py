@@ -1,7 +1,10 @@
 """FAV: SVGD on sample particles toward the reward-tilted reference, amortised into the generator by
-fixed-point regression (docs/methods/fav.md)."""
+fixed-point regression, and the authors' SVGD loss as known answers (known_answers/fav_svgd_loss.json;
+docs/methods/fav.md)."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,13 +12,33 @@ import torch
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.fav import euler_sample, fixed_point_loss, kde_score, particles, svgd_velocity
+from flowalign.trainers.fav import FAVConfig, euler_sample, fixed_point_loss, kde_score, particles, svgd_velocity
 
 from .conftest import small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
 
 VVR = ("trainer.name=fav", "data.prompts=null", "data.bench=vvr", "data.level=easy", "data.n=16",
        "rewards=[{name: vvr_soft}]")
+
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "fav_svgd_loss.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"beta{c['beta']}-kde{len(c['temp_kde'])}")
+def test_score_velocity_and_loss_equal_the_authors_fav_loss_chunked(case):
+    """``fav_total_score`` then ``fav_loss_chunked`` over one prompt's K particles: the total score, the
+    Stein velocity, the loss and its gradient, with the default repulsion (the authors' ½)."""
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)
+    x, y = f64(KNOWN["gen"]), f64(KNOWN["ref"])
+    score = kde_score(x, y, case["temp_kde"]) + case["beta"] * f64(case["reward_grad"])
+    torch.testing.assert_close(score, f64(case["total_score"]), rtol=1e-6, atol=1e-12)
+    velocity = svgd_velocity(x, score, case["temp_stein"], FAVConfig(name="fav").repulsion)
+    torch.testing.assert_close(velocity, f64(case["stein_velocity"]), rtol=1e-6, atol=1e-12)
+    live = x.clone().requires_grad_(True)
+    loss = fixed_point_loss(live, velocity).mean()
+    loss.backward()
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(live.grad, f64(case["grad_gen"]), rtol=1e-6, atol=1e-12)
 
 
 def test_kde_score_is_the_gradient_of_the_log_kernel_density():
