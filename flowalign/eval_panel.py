@@ -76,6 +76,8 @@ def score_panel(panel: Any, samples: torch.Tensor, prompts: list[str],
                                           for m, name in enumerate(scored.names)}}
         if scored.passed:
             row["passed"] = {name: bool(verdicts[i]) for name, verdicts in scored.passed.items()}
+        if any(texts[i] for texts in scored.notes.values()):  # e.g. failure causes, shown by galleries
+            row["notes"] = {name: texts[i] for name, texts in scored.notes.items() if texts[i]}
         if not scored.valid[i] and scored.reasons:
             row["panel_reason"] = scored.reasons[i]  # "<reward>: <why>", the first invalid reward's
         rows.append(row)

@@ -130,7 +130,8 @@ def _cell(folder: Path, row: dict[str, Any], score_name: str | None, where: str)
         scores=scores,
         constraints=[(str(t), bool(p)) for t, p in constraints] if constraints is not None else None,
         all_passed=None if row.get("all_passed") is None else bool(row["all_passed"]),
-        reason=str(row.get("reason") or ""),
+        # else the notes of panel rewards (eval_panel's "notes": e.g. motion_insight's failure causes)
+        reason=str(row.get("reason") or "; ".join(map(str, (row.get("notes") or {}).values()))),
     )
 
 

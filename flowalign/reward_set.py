@@ -56,6 +56,9 @@ class RewardScores:
     #: (a benchmark's pass/fail, e.g. GenEval's strict verdict beside a partial score); False where invalid
     passed: dict[str, torch.Tensor] = field(default_factory=dict)
     pairwise: torch.Tensor | None = None
+    #: reward name → ``(N,)`` per-sample notes, for each reward whose ``info`` gives a sample a ``note`` (e.g.
+    #: motion_insight's failure causes): evaluations keep them beside each sample, galleries show them
+    notes: dict[str, list[str]] = field(default_factory=dict)
 
     def commonest_reason(self) -> tuple[str, int] | None:
         """The reason most invalid samples share, and how many share it (None when all are valid)."""
@@ -91,9 +94,11 @@ class RewardScores:
         verdicts = dict.fromkeys(name for p in parts for name in p.passed)
         passed = {name: torch.cat([p.passed.get(name, torch.zeros(len(p), dtype=torch.bool)) for p in parts])
                   for name in verdicts}
+        notes = {name: [t for p in parts for t in p.notes.get(name, [""] * len(p))]
+                 for name in dict.fromkeys(name for p in parts for name in p.notes)}
         return RewardScores(torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
                             parts[0].weights, parts[0].names,
-                            [r for p in parts for r in (p.reasons or [""] * len(p))], passed, parts[0].pairwise)
+                            [r for p in parts for r in (p.reasons or [""] * len(p))], passed, parts[0].pairwise, notes)
 
 
 class RewardSet:
@@ -140,6 +145,7 @@ class RewardSet:
         n = len(prompts)
         columns, oks, reasons = [], [], [""] * n
         passed: dict[str, torch.Tensor] = {}
+        notes: dict[str, list[str]] = {}
         for name, _, reward in self.entries:
             try:
                 out: RewardOutput = check_reward_output(name, reward(samples, prompts, metadata), n)
@@ -148,6 +154,8 @@ class RewardSet:
                 why = [_reason(out, i, value) for i in range(n)]
                 if _has_verdicts(out, n):
                     passed[name] = torch.tensor([bool(info["all_passed"]) for info in out.info]) & ok
+                if any(isinstance(info, dict) and info.get("note") for info in out.info):
+                    notes[name] = [str(info.get("note") or "") if isinstance(info, dict) else "" for info in out.info]
             except (UserError, KeyboardInterrupt, Terminated):  # a wrong output fails every batch; a signal is
                 raise                                                # the user's, never the reward's failure
             except BaseException as e:  # raised, timed out, even SystemExit: the batch's samples, not the run
@@ -161,7 +169,7 @@ class RewardSet:
             oks.append(ok)
         values = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
         ok = torch.stack(oks, dim=1) if oks else torch.ones(n, 0, dtype=torch.bool)
-        return RewardScores(values, ok, self.weights, self.names, reasons, passed, self.pairwise)
+        return RewardScores(values, ok, self.weights, self.names, reasons, passed, self.pairwise, notes)
 
     def weighted_total(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> torch.Tensor:
         """``(N,)`` ``Σ_m w_m·R_m`` with gradients to ``samples`` where the rewards have them; invalid

@@ -6,8 +6,9 @@ its group before summing. They share one diagnosis per batch: the last few batch
 keyed by the clips' bytes, so the three rewards of one step diagnose the batch once.
 
 Every reward puts, in each sample's ``info``: ``scores`` (the three dimensions), ``causes`` (dimension →
-cause, "" when none) and ``reason`` (the causes of its dimensions, "dimension: cause | ..."), which the
-evaluation's results and galleries show beside the video.
+cause, "" when none) and ``reason`` and ``note`` (the causes of its dimensions, "dimension: cause | ..."),
+which the evaluation's results and galleries show beside the video (``reason`` when it is the
+evaluation's reward, ``note`` through ``RewardScores.notes`` when it is one of its panel).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def sample_info(dims: dict[str, Dimension] | None, only: tuple[str, ...] = DIMEN
     if dims is None:
         return {"reason": "video has NaN or infinite values"}
     causes = {k: d.cause for k, d in dims.items()}
-    return {"scores": {k: round(d.score, 4) for k, d in dims.items()}, "causes": causes,
-            "reason": " | ".join(f"{k}: {causes[k]}" for k in only if causes[k])}
+    text = " | ".join(f"{k}: {causes[k]}" for k in only if causes[k])
+    # "reason" reaches an evaluation's row when this is its reward, "note" when it is one of its panel
+    return {"scores": {k: round(d.score, 4) for k, d in dims.items()}, "causes": causes, "reason": text, "note": text}
 
 
 @register("motion_insight")

@@ -121,3 +121,29 @@ def test_dimensions_combine_in_a_reward_set_and_mask_non_finite_clips(tasks):
     assert scored.names == [f"motion_insight.{d}" for d in DIMENSIONS]
     assert scored.ok[:, 0].tolist() == [False, True] and "NaN" in scored.reasons[0]
     assert scored.values[1, 1] < 0.8 and scored.values[1, 0] > 0.9  # the freeze costs continuity only
+
+
+def test_causes_reach_the_gallery_beside_each_video(tasks, tmp_path):
+    import json
+
+    from flowalign.eval_panel import score_panel
+    from flowalign.gallery import gallery_from_evals
+
+    x = _tensor([render(tasks[0], 32), inject("teleport", tasks[3], 0, 32)[0]])
+    meta = [{"task": tasks[0]}, {"task": tasks[3]}]
+    panel = RewardSet([(f"motion_insight.{d}", 1.0, rewards.load(f"motion_insight.{d}")) for d in DIMENSIONS])
+    _, rows = score_panel(panel, x, ["a", "b"], meta)
+    assert "notes" not in rows[0]  # a clean clip has nothing to say
+    assert "jumps" in rows[1]["notes"]["motion_insight.continuity"]
+    # an evaluation folder as evaluate() writes it, with vvr_motion's empty reason on a valid sample
+    (tmp_path / "samples").mkdir()
+    results = []
+    for i, row in enumerate(rows):
+        (tmp_path / "samples" / f"{i:05d}.mp4").write_bytes(b"\0")
+        results.append({"index": i, "prompt": "ab"[i], "valid": True, "score": 1.0, "reason": "",
+                        "file": f"samples/{i:05d}.mp4", **row})
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in results))
+    (tmp_path / "metrics.json").write_text(json.dumps({"reward": "vvr_motion"}))
+    _, gallery_rows = gallery_from_evals([tmp_path], ["step 0"])
+    assert gallery_rows[0].cells[0].reason == ""
+    assert gallery_rows[1].cells[0].reason.startswith("continuity: ") and "jumps" in gallery_rows[1].cells[0].reason
