@@ -172,17 +172,29 @@ class Flux2Policy(lora_utils.AdapterMethods):
                             f"{multiple}-px patch: give a larger image")
         return processor.preprocess(image, height=height, width=width, resize_mode="crop")
 
+    def _normalised_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels ``(1, 3, H, W)`` in [-1, 1] → the VAE's posterior mode, patchified and batch-normalised
+        ``(1, 4·C, H/2f, W/2f)`` (the pipeline's ``_encode_vae_image``)."""
+        z = self.pipeline_class._patchify_latents(self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mode())
+        bn = self.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(z.device, z.dtype)
+        return (z - mean) / std
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Target images ``(B, 3, H, W)`` in [0, 1] at the output size → clean tokens ``x0 (B, seq, 4·C)``
+        float32 (the inverse of :meth:`decode`), one at a time, for supervised fine-tuning."""
+        if images.ndim != 4 or tuple(images.shape[-2:]) != (int(self.defaults["height"]), int(self.defaults["width"])):
+            raise UserError(f"encode_images: images of shape {tuple(images.shape)}, expected (B, 3, "
+                            f"{self.defaults['height']}, {self.defaults['width']}) at the model's output size")
+        return torch.cat([self.pipeline_class._pack_latents(self._normalised_latents(image[None] * 2 - 1)).float()
+                          for image in images])
+
     def encode_references(self, sources: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """References → packed tokens ``(1, seq_r, 4·C)`` float32 and their position ids ``(1, seq_r, 4)``
         (``(10·(i+1), row, column, 0)`` for the ``i``-th), as the pipeline's ``prepare_image_latents``."""
-        latents = []
-        for source in sources:
-            pixels = self.reference_pixels(source).to(self.device, self.vae.dtype)
-            z = self.pipeline_class._patchify_latents(self.vae.encode(pixels).latent_dist.mode())
-            bn = self.vae.bn
-            mean = bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-            std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(z.device, z.dtype)
-            latents.append((z - mean) / std)
+        latents = [self._normalised_latents(self.reference_pixels(source)) for source in sources]
         ids = self.pipeline_class._prepare_image_ids(latents).to(self.device)
         tokens = torch.cat([self.pipeline_class._pack_latents(z) for z in latents], dim=1)
         return tokens.float(), ids

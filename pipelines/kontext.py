@@ -59,6 +59,12 @@ class KontextPolicy(FluxPolicy):
         z = (z.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
         return pack_2x2(z)
 
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Target images ``(B, 3, H, W)`` in [0, 1] → clean tokens ``x0 (B, seq, 4·C)`` float32, one at a time
+        (as :meth:`encode_image`: the posterior mode, normalised and packed), for supervised fine-tuning."""
+        return torch.cat([self.encode_image(image) for image in images])
+
     def velocity(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
     ) -> torch.Tensor:

@@ -11,7 +11,8 @@ PLUGINS = {
                    "vvr_edit": "rewards.benchmarks:load_vvr_edit",
                    "geneval": "rewards.benchmarks:load_geneval", "ocr": "rewards.benchmarks:load_ocr",
                    "sr": "rewards.benchmarks:load_sr"},
-    "renderers": {"vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion",
+    "renderers": {"vvr_edit": "rewards.vvr_edit.reward:render_target",
+                  "vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion",
                   "sr": "rewards.benchmarks:render_sr"},
 }
 

@@ -32,6 +32,14 @@ def render_result(task: EditTask | Mapping[str, Any], size: int = 64) -> Image.I
     return render(scene_dict(task, task.result), size=size)
 
 
+def render_target(metadata: Mapping[str, Any], size: int) -> Image.Image:
+    """The reference result of a training draw (``metadata["task"]``): the image supervised fine-tuning on
+    (source, instruction, result) triples trains toward, its source being ``metadata["image"]``."""
+    if not metadata or "task" not in metadata:
+        raise UserError("a vvr_edit training item has no 'task' in its metadata; draw tasks with data.bench: vvr_edit")
+    return render_result(metadata["task"], size=size)
+
+
 @register("vvr_edit")
 class VVREditReward:
     """``R = (1-γ)·mean + γ·all`` over the instruction and keep checks of :func:`verify_edit`, per sample.

@@ -5,6 +5,7 @@ round trip with references."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -122,3 +123,16 @@ def test_planner_counts_the_reference_tokens(policy):
     edit = transformer_inputs(config, 2, {**size, "reference_images": 2})
     assert plain["hidden_states"].shape[1] == 32 * 32 and edit["hidden_states"].shape[1] == 3 * 32 * 32
     assert edit["img_ids"].shape[1] == edit["hidden_states"].shape[1]
+
+
+def test_target_images_encode_to_the_tokens_decode_inverts(policy):
+    """``encode_images`` (supervised fine-tuning's x0) is the pipeline's reference encoding at the output size,
+    in the noise's token layout."""
+    image = references(32)[0]
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    x0 = policy.encode_images(pixels[None])
+    tokens, _ = policy.encode_references([image])
+    assert x0.shape == (1, *policy.latent_shape)
+    torch.testing.assert_close(x0, tokens, rtol=1e-5, atol=1e-5)  # the processor normalises in its own float order
+    with pytest.raises(UserError, match="output size"):
+        policy.encode_images(pixels[None, :, :16])
