@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
 from flowalign.sampling import StepOutput, flow_sde_step
@@ -32,6 +32,23 @@ class FlashGRPOConfig(FlowGRPOConfig):
     #: iso-temporal steps are drawn from {0 … ⌊T·max_step_fraction⌋ − 1}
     max_step_fraction: float = Field(0.5, gt=0, le=1)
     rectify: bool = True
+    #: where 1/c_k comes from: the model's σ grid ("grid"), or the authors' hard-coded table for steps 0-9 of
+    #: Wan 2.1's 20-step 480p grid ("wan_table", within 0.25 % of that grid's values)
+    rectify_source: Literal["grid", "wan_table"] = "grid"
+
+    @model_validator(mode="after")
+    def _table_covers_the_steps(self) -> "FlashGRPOConfig":
+        if self.rectify_source == "wan_table" and (self.num_steps != 20
+                                                   or int(self.num_steps * self.max_step_fraction) > len(WAN_TABLE)):
+            raise ValueError("trainer.rectify_source=wan_table holds steps 0-9 of a 20-step grid: set "
+                             "trainer.num_steps=20 and max_step_fraction <= 0.5, or rectify_source=grid")
+        return self
+
+
+#: the authors' ``value_dict`` (scripts/train_wanx2_1_flash.py, Shredded-Pork/Flash-GRPO at 4211013): 1/c_k
+#: for steps 0-9 of Wan 2.1's 20-step 480p grid, here by step index (their keys are their diffusers version's
+#: timesteps 999, 982, 963, …; today's UniPC grid gives 999, 982, 964, …)
+WAN_TABLE = (7.4770, 7.0414, 6.6112, 6.1867, 5.7682, 5.3559, 4.9502, 4.5513, 4.1596, 3.7754)
 
 
 def flash_diffusion(sigmas: torch.Tensor, k: int) -> float:
@@ -47,6 +64,11 @@ def rectification_coefficient(sigmas: torch.Tensor, k: int) -> float:
     s = flash_diffusion(sigmas, k)
     gamma = (1 + s**2 * (1 - sigma) / (2 * sigma)) * h
     return abs(gamma) / (s * math.sqrt(h))
+
+
+def inverse_rectification(sigmas: torch.Tensor, k: int, source: Literal["grid", "wan_table"] = "grid") -> float:
+    """``1/c_k`` of step ``k``: from the grid ``sigmas`` ``(T+1,)`` (the authors' ``coe``) or their table."""
+    return WAN_TABLE[k] if source == "wan_table" else 1.0 / rectification_coefficient(sigmas, k)
 
 
 @dataclass(frozen=True)
@@ -83,7 +105,8 @@ class FlashGRPOTrainer(FlowGRPOTrainer):
         sample weighs 1) without ``rectify``."""
         if not self.tcfg.rectify:
             return None
-        inv_c = torch.cat([torch.full((len(c),), 1.0 / rectification_coefficient(c.sigmas, c.trained_steps()[0]))
+        source = self.tcfg.rectify_source
+        inv_c = torch.cat([torch.full((len(c),), inverse_rectification(c.sigmas, c.trained_steps()[0], source))
                            for c in batch.chunks])
         return inv_c / self.gather(inv_c).float().mean()
 

@@ -1,10 +1,15 @@
 """Flash-GRPO: iso-temporal groups and temporal gradient rectification (docs/methods/flow_grpo.md)."""
 
+import json
+import math
+from pathlib import Path
+
 import torch
 
 from flowalign.sampling import flow_sde_step
 from flowalign.train import build_trainer
-from flowalign.trainers.flash_grpo import flash_diffusion, rectification_coefficient
+from flowalign.trainers.flash_grpo import FlashStep, flash_diffusion, inverse_rectification, rectification_coefficient
+from flowalign.trainers.flow_grpo import ppo_clip_loss
 
 from .conftest import small_config
 
@@ -59,3 +64,44 @@ def test_rectified_per_timestep_gradients_are_flat(tiny_sd3_dir):
         rectified.append(g.norm().item() / rectification_coefficient(sigmas, k))
     assert max(raw) / min(raw) > 2  # without rectification the scales differ a lot across k
     assert max(rectified) / min(rectified) < 1.0001
+
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "flash_grpo_rectified_loss.json").read_text())
+
+
+def test_step_noise_rectification_and_loss_equal_the_authors():
+    """``sde_step_with_logprob`` on Wan 2.1's 20-step grid and the rectified loss lines (known_answers/): the
+    noise ``s_k``, ``1/c_k`` (their ``coe``, or their table with ``rectify_source: wan_table``), the step's
+    log-prob (float32, as flowalign's steps run) and the micro-batch loss with ω = (1/c)/mean(1/c) (float64)."""
+    sigmas = torch.tensor(KNOWN["sigmas"], dtype=torch.float64)
+    for case in KNOWN["steps"]:
+        k = case["step"]
+        assert math.isclose(flash_diffusion(sigmas, k), case["std_dev_t"], rel_tol=1e-6)
+        assert math.isclose(inverse_rectification(sigmas, k), case["coe"], rel_tol=1e-6)
+        assert inverse_rectification(sigmas, k, "wan_table") == KNOWN["value_table"][k]
+        assert abs(KNOWN["value_table"][k] / case["coe"] - 1) < 2.5e-3  # the table is within 0.25 % of coe
+    b = KNOWN["batch"]
+    x, v_old, v, x_next = (torch.tensor(b[n], dtype=torch.float64) for n in ("sample", "velocity_old", "velocity",
+                                                                               "prev_sample"))
+    for i, k in enumerate(b["steps"]):
+        step = FlashStep(flash_diffusion(sigmas, k))
+        for velocity, name in ((v_old, "old_log_prob"), (v, "log_prob")):
+            out = step(velocity[i:i + 1], x[i:i + 1], sigmas[k].item(), sigmas[k + 1].item(), None, x_next[i:i + 1])
+            assert math.isclose(out.log_prob.item(), b[name][i], rel_tol=1e-5)
+    lp, old, adv = (torch.tensor(b[n], dtype=torch.float64) for n in ("log_prob", "old_log_prob", "advantages"))
+    for source, expected in (("wan_table", b["loss"]), ("grid", b["loss_with_coe"])):
+        inv_c = torch.tensor([inverse_rectification(sigmas, k, source) for k in b["steps"]], dtype=torch.float64)
+        per_sample, ratio, clipped = ppo_clip_loss(lp, old, adv, b["clip_range"], inv_c / inv_c.mean())
+        torch.testing.assert_close(ratio, torch.tensor(b["ratio"], dtype=torch.float64), rtol=1e-9, atol=0)
+        assert clipped.any() and not clipped.all()
+        assert math.isclose(per_sample.mean().item(), expected, rel_tol=1e-6)
+
+
+def test_the_authors_table_is_refused_off_its_grid():
+    import pydantic
+    import pytest
+
+    from flowalign.trainers.flash_grpo import FlashGRPOConfig
+    assert FlashGRPOConfig(rectify_source="wan_table").num_steps == 20
+    with pytest.raises(pydantic.ValidationError, match="rectify_source=wan_table"):
+        FlashGRPOConfig(rectify_source="wan_table", num_steps=12)
