@@ -1,4 +1,8 @@
-"""GARDO: the gated KL, the adaptive reference and diversity-scaled advantages (docs/methods/gardo.md)."""
+"""GARDO: the gated KL (the authors' gate as known answers, known_answers/gardo_gate.json), the adaptive
+reference and diversity-scaled advantages (docs/methods/gardo.md)."""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,30 @@ from .conftest import REDNESS, small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
 
 TWO_REWARDS = f"rewards=[{{name: '{REDNESS}'}}, {{name: brightness, weight: 0}}]"
+
+
+KNOWN_GATE = json.loads((Path(__file__).parent / "known_answers" / "gardo_gate.json").read_text())
+
+
+def test_the_gate_equals_the_authors_over_consecutive_batches():
+    """``train_sd3_grpo_gardo.py``'s disagreement u, its RiskCompensator's fraction and the gated samples,
+    batch after batch, from flowalign's three pieces and the trainer's defaults."""
+    from flowalign.trainers.gardo import GARDOConfig
+
+    t = GARDOConfig(name="gardo")
+    k = KNOWN_GATE
+    assert (t.gate_fraction, t.gate_rate, t.gate_min, t.gate_max, t.gate_window) == (
+        k["base"], k["rate"], k["low"], k["high"], k["window"])
+    fraction, history = t.gate_fraction, []
+    for batch in k["batches"]:
+        r = {name: torch.tensor(v, dtype=torch.float64) for name, v in batch["rewards"].items()}
+        u = rank_disagreement(r[k["main"]], torch.stack([r[a] for a in k["auxiliary"]], dim=1))
+        torch.testing.assert_close(u, torch.tensor(batch["u"]), rtol=0, atol=0)
+        level = u[u >= 0].mean().item()
+        fraction, history = next_gate_fraction(fraction, history, level, t.gate_fraction, t.gate_min, t.gate_max,
+                                               t.gate_rate, t.gate_window)
+        assert fraction == pytest.approx(batch["fraction"], rel=1e-12)
+        assert gate_mask(u, fraction).tolist() == batch["gate"]
 
 
 def test_rank_disagreement_and_the_gate_by_hand():
