@@ -133,7 +133,7 @@ class PromptCache:
         return found
 
 
-def stack_rows(rows: dict[str, dict[str, torch.Tensor]], prompts: list[str], keys: list[str]) -> dict[str, torch.Tensor]:
+def stack_rows(rows: dict[str, dict[str, torch.Tensor]], prompts: list[str], keys: Sequence[str]) -> dict[str, torch.Tensor]:
     """``{key: (B, ...)}`` from per-prompt rows, in the order of ``prompts``."""
     return {k: torch.stack([rows[p][k] for p in prompts]) for k in keys}
 
@@ -359,13 +359,15 @@ def negative_conditioning(cond: Conditioning, keys: list[str], encoded_guidance:
 
 
 def encode_with_empty_negative(cache: PromptCache, prompts: list[str],
-                               encode: Callable[[list[str]], dict[str, torch.Tensor]], cfg: bool) -> Conditioning:
-    """``prompt_embeds (B, ...)`` of ``prompts`` from ``cache`` and, when ``cfg``, the empty prompt's as
-    ``negative_prompt_embeds`` (encoded once, repeated B times)."""
+                               encode: Callable[[list[str]], dict[str, torch.Tensor]], cfg: bool,
+                               keys: Sequence[str] = ("prompt_embeds",)) -> Conditioning:
+    """Each of ``keys`` (``(B, ...)``, the tensors ``encode`` returns per prompt) of ``prompts`` from ``cache``
+    and, when ``cfg``, the empty prompt's as ``negative_<key>`` (encoded once, repeated B times): the CFG
+    negative of a pipeline called with ``negative_prompt=None``."""
     rows = cache.lookup(prompts + [""] if cfg else prompts, encode)
-    tensors = stack_rows(rows, prompts, ["prompt_embeds"])
+    tensors = stack_rows(rows, prompts, keys)
     if cfg:
-        tensors["negative_prompt_embeds"] = stack_rows(rows, [""] * len(prompts), ["prompt_embeds"])["prompt_embeds"]
+        tensors.update({f"negative_{k}": v for k, v in stack_rows(rows, [""] * len(prompts), keys).items()})
     return Conditioning(tensors, prompts)
 
 

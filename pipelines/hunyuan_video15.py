@@ -29,10 +29,10 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_combine, cfg_mix
-from pipelines._common import check_multiple, check_num_steps, check_prompts, decode_in_chunks, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, sigma_batch, stack_rows
-from pipelines._common import text_encoders, zeros_factory
+from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine
+from pipelines._common import cfg_mix, check_multiple, check_num_steps, check_prompts, decode_in_chunks
+from pipelines._common import encode_with_empty_negative, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, text_encoders, zeros_factory
 
 #: the attention projections of every dual-stream block (video and text streams)
 DEFAULT_LORA_TARGETS = [*ATTENTION_LORA_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -92,12 +92,8 @@ class HunyuanVideo15Policy(lora_utils.AdapterMethods):
         """Both text encoders through the pipeline's own ``encode_prompt``, cached per prompt string; the CFG
         negative is the empty prompt (the pipeline's ``negative_prompt=None``), encoded once."""
         prompts = check_prompts(prompts)
-        cfg = float(self.defaults["guidance_scale"]) > 1
-        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
-        tensors = stack_rows(rows, prompts, KEYS)
-        if cfg:
-            tensors.update({f"negative_{k}": v for k, v in stack_rows(rows, [""] * len(prompts), KEYS).items()})
-        return Conditioning(tensors, prompts)
+        return encode_with_empty_negative(self._cache, prompts, self._encode_batch,
+                                          float(self.defaults["guidance_scale"]) > 1, KEYS)
 
     def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         out = self.pipe.encode_prompt(prompt=prompts, device=self.device, dtype=self.dtype, batch_size=len(prompts))
@@ -124,9 +120,7 @@ class HunyuanVideo15Policy(lora_utils.AdapterMethods):
         cfg = guidance > 1
         if cfg:
             hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
-            self._require_negatives(cond)
-            text = {k: torch.cat([cond.tensors[f"negative_{k}"], cond.tensors[k]]).to(self.device, self.dtype)
-                    for k in KEYS}
+            text = dict(zip(KEYS, cfg_batch(cond, KEYS, self.defaults["guidance_scale"], self.device, self.dtype)))
         else:
             text = {k: cond.tensors[k].to(self.device, self.dtype) for k in KEYS}
         image_embeds = hidden.new_zeros(hidden.shape[0], self.pipe.vision_num_semantic_tokens,
@@ -139,17 +133,9 @@ class HunyuanVideo15Policy(lora_utils.AdapterMethods):
         )[0]
         return cfg_combine(out, guidance) if cfg else out.float()
 
-    def _require_negatives(self, cond: Conditioning) -> None:
-        if any(f"negative_{k}" not in cond.tensors for k in KEYS):
-            raise UserError(f"CFG needs the negative prompt's embeddings, but this conditioning was encoded with "
-                            f"guidance_scale={self.defaults['guidance_scale']} (no negatives); encode with a "
-                            "guidance_scale > 1 in the model defaults")
-
     def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The CFG negative's velocity ``v_u`` float32 (one forward of batch B)."""
-        self._require_negatives(cond)
-        negatives = Conditioning({k: cond.tensors[f"negative_{k}"] for k in KEYS}, [""] * len(cond))
-        return self.velocity(x, sigma, negatives, 1.0)
+        return self.velocity(x, sigma, negative_conditioning(cond, KEYS, self.defaults["guidance_scale"]), 1.0)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """``(num_steps+1,)`` float32, 1 → 0: ``linspace(1, 0, n+1)[:-1]`` shifted by the scheduler, as the

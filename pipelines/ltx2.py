@@ -60,8 +60,8 @@ from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_mix
-from pipelines._common import check_multiple, check_num_steps, check_prompts, gaussian_noise, load_frozen_pipeline
-from pipelines._common import make_trainable, merge_defaults, negative_conditioning, sigma_batch, stack_rows
+from pipelines._common import check_multiple, check_num_steps, check_prompts, encode_with_empty_negative, gaussian_noise
+from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, negative_conditioning, sigma_batch
 from pipelines._common import text_encoders, zeros_factory
 
 #: the attention projections of every block: video and audio self-attention (attn1, audio_attn1), their
@@ -151,12 +151,8 @@ class LTX2Policy(lora_utils.AdapterMethods):
         """Gemma 3 and the text connectors, cached per prompt string; the CFG negative is the empty prompt
         (the pipeline's ``negative_prompt=None``), encoded once."""
         prompts = check_prompts(prompts)
-        cfg = float(self.defaults["guidance_scale"]) > 1
-        rows = self._cache.lookup(prompts + [""] if cfg else prompts, self._encode_batch)
-        tensors = stack_rows(rows, prompts, KEYS)
-        if cfg:
-            tensors.update({f"negative_{k}": v for k, v in stack_rows(rows, [""] * len(prompts), KEYS).items()})
-        return Conditioning(tensors, prompts)
+        return encode_with_empty_negative(self._cache, prompts, self._encode_batch,
+                                          float(self.defaults["guidance_scale"]) > 1, KEYS)
 
     def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask, _, _ = self.pipe.encode_prompt(
@@ -192,10 +188,9 @@ class LTX2Policy(lora_utils.AdapterMethods):
             use_cross_timestep=True, return_dict=False)
         return torch.cat([v_video.float(), v_audio.float()], dim=1)
 
-    def _text(self, cond: Conditioning, negative: bool = False) -> dict[str, torch.Tensor]:
-        prefix = "negative_" if negative else ""
+    def _text(self, cond: Conditioning) -> dict[str, torch.Tensor]:
         # the mask stays integer (the pipeline passes the connectors' int64 mask)
-        return {k: cond.tensors[prefix + k].to(self.device, None if k.endswith("mask") else self.dtype) for k in KEYS}
+        return {k: cond.tensors[k].to(self.device, None if k.endswith("mask") else self.dtype) for k in KEYS}
 
     def audio_guidance(self, guidance: float) -> float:
         """The audio tokens' CFG scale when the video's is ``guidance > 1``: the ``audio_guidance_scale`` default
@@ -219,22 +214,14 @@ class LTX2Policy(lora_utils.AdapterMethods):
         timestep = sigma_batch(sigma, b, self.device) * 1000.0
         if guidance <= 1:
             return self._forward(x, timestep, self._text(cond))
-        self._require_negatives(cond)
-        pos, neg = self._text(cond), self._text(cond, negative=True)
+        pos, neg = self._text(cond), self._text(negative_conditioning(cond, KEYS, self.defaults["guidance_scale"]))
         text = {k: torch.cat([neg[k], pos[k]]) for k in KEYS}
         out = self._forward(torch.cat([x, x]), torch.cat([timestep, timestep]), text)
         v_uncond, v_cond = out.chunk(2)
         return self._guide(v_uncond, v_cond, guidance)
 
-    def _require_negatives(self, cond: Conditioning) -> None:
-        if any(f"negative_{k}" not in cond.tensors for k in KEYS):
-            raise UserError(f"CFG needs the negative prompt's embeddings, but this conditioning was encoded with "
-                            f"guidance_scale={self.defaults['guidance_scale']} (no negatives); encode with a "
-                            "guidance_scale > 1 in the model defaults")
-
     def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """The CFG negative's velocity ``v_u`` float32 ``(B, S_v + S_a, C)`` (one forward of batch B)."""
-        self._require_negatives(cond)
         return self.velocity(x, sigma, negative_conditioning(cond, KEYS, self.defaults["guidance_scale"]), 1.0)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:

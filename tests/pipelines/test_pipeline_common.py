@@ -99,3 +99,31 @@ def test_2x2_packing_is_the_pipelines_own_and_unpacking_inverts_it():
     assert torch.equal(pack_2x2(z[:, None]), QwenImagePipeline._pack_latents(z[:, None], 3, 4, 6, 10))  # its noise
     assert torch.equal(unpack_2x2(tokens, 6, 10), z)
     assert torch.equal(unpack_2x2(tokens, 6, 10), FluxPipeline._unpack_latents(tokens, 48, 80, 8))
+
+
+def test_encode_with_empty_negative_stacks_every_key_a_family_names_and_its_empty_prompt_negative():
+    """Each key is stacked in prompt order; with CFG every key gets its ``negative_`` twin, the empty prompt's
+    row repeated per prompt, and the empty prompt is encoded once however often it is asked for."""
+    from pipelines._common import PromptCache, encode_with_empty_negative
+
+    encoded: list[str] = []
+
+    def encode(prompts: list[str]) -> dict[str, torch.Tensor]:  # (B, 3) embeddings and (B, 2) masks from the text
+        encoded.extend(prompts)
+        lengths = torch.tensor([float(len(p)) for p in prompts])
+        return {"embeds": lengths[:, None] * torch.arange(1.0, 4.0), "mask": torch.stack([lengths, -lengths], 1)}
+
+    cache = PromptCache(8)
+    keys = ("embeds", "mask")
+    cond = encode_with_empty_negative(cache, PROMPTS, encode, True, keys)
+    again = encode_with_empty_negative(cache, PROMPTS[::-1], encode, True, keys)
+    assert sorted(encoded) == sorted([*PROMPTS, ""])  # each string once, the empty negative included
+    assert set(cond.tensors) == {"embeds", "mask", "negative_embeds", "negative_mask"}
+    for i, prompt in enumerate(PROMPTS):
+        assert torch.equal(cond.tensors["embeds"][i], len(prompt) * torch.arange(1.0, 4.0))
+        assert torch.equal(cond.tensors["mask"][i], torch.tensor([len(prompt), -len(prompt)], dtype=torch.float32))
+    assert torch.equal(again.tensors["embeds"], cond.tensors["embeds"].flip(0))
+    assert torch.equal(cond.tensors["negative_embeds"], torch.zeros(len(PROMPTS), 3))
+    assert cond.tensors["negative_mask"].shape == (len(PROMPTS), 2)
+    plain = encode_with_empty_negative(PromptCache(8), PROMPTS, encode, False, keys)
+    assert set(plain.tensors) == {"embeds", "mask"}
