@@ -3,6 +3,11 @@ short run that resumes bit-exactly."""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
+import pytest
 import torch
 
 from flowalign.train import build_trainer
@@ -63,3 +68,37 @@ def test_a_short_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prom
     straight = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=3"))
     straight.train()
     assert all(torch.equal(a, b) for a, b in zip(resumed.params, straight.params))
+
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "awm_matching_loss.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["draws"], ids=lambda c: "T{num_steps}-f{timestep_fraction}-n{train_timesteps}".format(**c))
+def test_stratified_steps_equal_the_authors_draw(case):
+    """main()'s 'discrete_wo_init' grid steps for the same uniforms (known_answers/)."""
+    u = torch.tensor(case["rand_u"])
+    assert stratified_steps(case["num_steps"], case["timestep_fraction"], case["train_timesteps"], u) == case["t_indices"]
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"{c['weighting']}-clip{c['clip_range']}")
+def test_matching_log_prob_and_loss_equal_the_authors(case):
+    """``compute_log_prob_awm`` and the 'exp_first' loss with the velocity-space KL on fixed float64 tensors
+    (known_answers/): ℓ per re-noised copy, and the mean over copies of each unit's loss (one unit per copy)."""
+    x0 = torch.tensor(KNOWN["clean_latents"], dtype=torch.float64)
+    eps, v_old, v, v_ref = (torch.tensor(KNOWN[n], dtype=torch.float64)
+                            for n in ("noise", "velocity_old", "velocity", "velocity_ref"))
+    weighting = {"ghuber": "ghuber", "Uniform": "uniform"}[case["weighting"]]
+    weights = advantage_weights(torch.tensor(KNOWN["advantages"], dtype=torch.float64), KNOWN["adv_clip_max"],
+                                KNOWN["advantage_max"])
+    b, total = len(x0), 0.0
+    for s, k in enumerate(KNOWN["steps"]):
+        rows, t = slice(s * b, (s + 1) * b), KNOWN["sigmas"][k]
+        target = eps[rows] - x0
+        log_prob = matching_log_prob(v[rows], target, t, weighting, KNOWN["ghuber_power"])
+        old = matching_log_prob(v_old[rows], target, t, weighting, KNOWN["ghuber_power"])
+        torch.testing.assert_close(log_prob, torch.tensor(case["log_prob"][s], dtype=torch.float64), rtol=1e-6, atol=0)
+        torch.testing.assert_close(old, torch.tensor(case["old_log_prob"][s], dtype=torch.float64), rtol=1e-6, atol=0)
+        kl = ((v[rows] - v_ref[rows]) ** 2).flatten(1).mean(1)
+        loss, info = awm_loss(log_prob, old, weights, case["clip_range"], kl, KNOWN["beta"])
+        total += loss.item() / len(KNOWN["steps"])
+    assert math.isclose(total, case["loss"], rel_tol=1e-6)
