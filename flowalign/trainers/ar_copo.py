@@ -33,18 +33,25 @@ from pydantic import Field
 
 from flowalign.config import StepIndex
 from flowalign.errors import UserError
-from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_WEIGHT_COPIES
+from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_WEIGHT_COPIES
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
+from flowalign.trainers.options import AdvantageOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import clipped_loss
 from flowalign.trainers.parts.units import GroupUnit
-from flowalign.trainers.rollouts import gathered_advantages
 
 
-class ARCoPOConfig(GroupTrainerConfig):
+class ARCoPOConfig(TrainerConfig, AdvantageOptions):
+    """AR-CoPO's own fork rollouts (not the loop's group batches: no ``batch_size``), scored into group
+    advantages."""
+
     name: Literal["ar_copo"] = "ar_copo"
+    #: prompts per step on each rank; each is forked group_size times
+    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
     #: the few-step sampler's jumps per chunk (the distilled releases: 4)
     num_steps: int = Field(4, ge=1, le=16)
+    #: CFG scale of the streams (None: the model's default)
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
     #: G candidates forked per prompt
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
     #: β: how far a candidate's chunk noise is from the centre's (ε_i = √(1−β²)·ε_c + β·ξ_i)
@@ -156,9 +163,9 @@ class ARCoPOTrainer(GroupTrainer):
             with torch.no_grad():
                 samples.append(self.policy.decode(fork.final_latents))
             candidates.append(fork.chunks[forks[j]][:, -1])
-        scores = self.rewards.score(torch.cat(samples), prompts, metadata)
         prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
-        advantages = gathered_advantages(tc.advantage, scores, prompt_ids, self.acc, tc.adv_clip)
+        scored = self.score(torch.cat(samples), prompts, metadata, prompt_ids, step)
+        advantages = scored.advantages
         batch = []
         for j, i in enumerate(firsts):
             y = center.chunks[forks[j]][j, -1]
@@ -166,8 +173,7 @@ class ARCoPOTrainer(GroupTrainer):
             center_noise = centers[j:j + 1, :, self.policy.chunk_slice(forks[j])]
             batch.append(ForkGroup(prompts[i], forks[j], prefixes[j].clean.cpu(), center_noise.cpu(),
                                    candidates[j].cpu(), advantages[i:i + g].float(), old.cpu()))
-        logs = {**self.reward_logs(scores), "ar_copo/fork_chunk": sum(forks) / len(forks),
-                "zero_adv_fraction": (advantages == 0).float().mean().item()}
+        logs = {**scored.logs, "ar_copo/fork_chunk": sum(forks) / len(forks)}
         replay = self._replay(step)
         self.buffer = (self.buffer + batch)[-tc.buffer_size:]
         logs["ar_copo/replayed"] = float(len(replay))

@@ -24,6 +24,7 @@ kept every entry is the policy's own trajectory: its energy is zero.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,18 +33,25 @@ from pydantic import Field
 
 from flowalign.config import StepIndex
 from flowalign.errors import UserError
-from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
+from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
-from flowalign.trainers.parts.units import GroupUnit
+from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
+from flowalign.trainers.options import AdvantageOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import clipped_loss
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
-from flowalign.trainers.rollouts import gathered_advantages
+from flowalign.trainers.parts.units import GroupUnit
 
 
-class KVPOConfig(GroupTrainerConfig):
+class KVPOConfig(TrainerConfig, AdvantageOptions):
+    """KVPO's own routed branches (not the loop's group batches: no ``batch_size``), scored into group
+    advantages."""
+
     name: Literal["kvpo"] = "kvpo"
+    #: prompts per step on each rank; each is branched group_size times
+    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
     #: the few-step sampler's jumps per chunk
     num_steps: int = Field(4, ge=1, le=16)
+    #: CFG scale of the streams (None: the model's default)
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
     #: G branches per prompt
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
     #: probability that a history chunk stays in a branch's KV cache at the routed chunk
@@ -150,7 +158,7 @@ class KVPOTrainer(GroupTrainer):
             derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 91))) for i in firsts])
         center = stream_rollout(policy, [prompts[i] for i in firsts], num_steps=tc.num_steps, guidance_scale=guidance,
                                 initial_noise=noise, decode=False)
-        batch, samples, kept = [], [], []
+        branched, samples, kept = [], [], []
         for j, i in enumerate(firsts):
             rng = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 93))
             k = self.route_chunks[int(torch.randint(len(self.route_chunks), (1,), generator=rng))]
@@ -167,20 +175,17 @@ class KVPOTrainer(GroupTrainer):
                 routings.append(keep)
                 states.append(branch.chunks[k][0])
                 kept.append(len(keep) / k)
-            batch.append(BranchGroup(prompts[i], k, prefix.clean.cpu(), torch.stack(states).cpu(), routings,
-                                     torch.zeros(g), torch.zeros(g)))
-        scores = self.rewards.score(torch.cat(samples), prompts, metadata)
+            branched.append((prompts[i], k, prefix.clean.cpu(), torch.stack(states).cpu(), routings))
         prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
-        advantages = gathered_advantages(tc.advantage, scores, prompt_ids, self.acc, tc.adv_clip)
-        energy = []
-        for j, group in enumerate(batch):
-            group.advantages = advantages[j * g:(j + 1) * g].float()
+        scored = self.score(torch.cat(samples), prompts, metadata, prompt_ids, step)
+        batch, energy = [], []
+        for j, parts in enumerate(branched):
+            group = BranchGroup(*parts, scored.advantages[j * g:(j + 1) * g].float(), torch.zeros(g))
             with torch.no_grad():
-                e = self.energies(group)
-            group.old_log_probs = torch.log_softmax(-e / tc.temperature, dim=0).cpu()
+                e = self.energies(group)  # π_old: the energies at the weights that sampled the branches
+            batch.append(dataclasses.replace(group, old_log_probs=torch.log_softmax(-e / tc.temperature, dim=0).cpu()))
             energy.append(e.mean().item())
-        logs = {**self.reward_logs(scores), "kvpo/kept_fraction": sum(kept) / len(kept),
-                "kvpo/energy": sum(energy) / len(energy), "zero_adv_fraction": (advantages == 0).float().mean().item()}
+        logs = {**scored.logs, "kvpo/kept_fraction": sum(kept) / len(kept), "kvpo/energy": sum(energy) / len(energy)}
         return BranchBatch(batch, logs)
 
     def plan(self, batch: BranchBatch, generator: torch.Generator) -> Plan:
