@@ -1,14 +1,17 @@
-"""Flash-GRPO: iso-temporal groups and temporal gradient rectification (docs/methods/flow_grpo.md)."""
+"""Flash-GRPO: iso-temporal groups and temporal gradient rectification (docs/methods/flash_grpo.md)."""
 
 import json
 import math
 from pathlib import Path
 
+import pydantic
+import pytest
 import torch
 
 from flowalign.sampling import flow_sde_step
 from flowalign.train import build_trainer
-from flowalign.trainers.flash_grpo import FlashStep, flash_diffusion, inverse_rectification, rectification_coefficient
+from flowalign.trainers.flash_grpo import (FlashGRPOConfig, FlashStep, flash_diffusion, inverse_rectification,
+                                           rectification_coefficient)
 from flowalign.trainers.flow_grpo import ppo_clip_loss
 
 from .conftest import small_config
@@ -98,10 +101,6 @@ def test_step_noise_rectification_and_loss_equal_the_authors():
 
 
 def test_the_authors_table_is_refused_off_its_grid():
-    import pydantic
-    import pytest
-
-    from flowalign.trainers.flash_grpo import FlashGRPOConfig
     assert FlashGRPOConfig(rectify_source="wan_table").num_steps == 20
     with pytest.raises(pydantic.ValidationError, match="rectify_source=wan_table"):
         FlashGRPOConfig(rectify_source="wan_table", num_steps=12)
