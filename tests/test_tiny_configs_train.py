@@ -16,19 +16,7 @@ from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.trainers.flow_opd import teacher_checkpoint
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIGS = sorted((REPO / "configs" / "tiny").glob("*.yaml"))
-
-SMALL = ("trainer.max_steps=1", "trainer.max_minutes=null", "trainer.prompts_per_step=1", "trainer.group_size=2",
-         "trainer.batch_size=2", "trainer.num_steps=2", "eval.bench=null", "eval.prompts=null", "eval.rewards=[]",
-         "data.n=16", "run.progress=false", "run.tensorboard=false")
-#: what a config's own settings need beside SMALL, to fit a 2-sample, 2-step rollout
-FOUR_STEPS = ("trainer.num_steps=4",)
-FIT = {"dance_grpo_vvr": FOUR_STEPS, "pref_grpo_vvr": FOUR_STEPS,  # timestep_fraction trains 0 of 2 steps
-       "flash_grpo_vvr": FOUR_STEPS, "flash_grpo_motion": FOUR_STEPS, "mix_grpo_vvr": FOUR_STEPS,  # their windows
-       "tempflow_grpo_vvr": ("trainer.branch_steps=null",),  # the recipe's list is for its own 10 steps
-       "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2"),  # its group is K (8 at least)
-       "afd_motion": ("trainer.teacher.num_steps=2",)}  # the teacher model's own 20-step videos
+from tests.tiny_recipes import CONFIGS, REPO, one_step
 
 
 def strings(node, where=""):
@@ -68,7 +56,7 @@ def test_a_shipped_teacher_is_found_from_any_folder(tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_tiny_config_trains_one_step_as_shipped(path, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the README runs configs from the repository root
-    cfg = load_config(path, [f"run.output_dir={tmp_path / 'run'}", *SMALL, *FIT.get(path.stem, ())])
+    cfg = load_config(path, one_step(path, tmp_path / "run"))
     torch.manual_seed(0)
     trainer = build_trainer(cfg)
     trainer.train()

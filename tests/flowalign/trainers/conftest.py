@@ -22,13 +22,26 @@ def prompt_file(tmp_path_factory) -> Path:
     return path
 
 
+#: the trainer settings of a seconds-long run, each given only to a trainer that has it
+SMALL_TRAINER = {"max_steps": "2", "prompts_per_step": "2", "group_size": "4", "batch_size": "4", "num_steps": "4",
+                 "lr": "1e-3"}
+
+
+def trainer_fields(overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The settings of the trainer that ``overrides`` name (``trainer.name=...``, default flow_grpo)."""
+    from flowalign.trainers import get_trainer
+
+    names = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.name=")]
+    return set(get_trainer(names[-1] if names else "flow_grpo").Config.model_fields)
+
+
 def small_run(run_dir: Path, model_dir: Path, prompt_file: Path, *extra: str) -> list[str]:
     """Overrides for a seconds-long run on the tiny model with a pixel reward and no evaluation."""
+    fields = trainer_fields(extra)
     return [
         f"run.output_dir={run_dir}", f"model.path={model_dir}", f"data.prompts={prompt_file}",
         f"rewards=[{{name: '{REDNESS}'}}]", "eval.bench=null", "run.progress=false", "run.tensorboard=false",
-        "trainer.max_steps=2", "trainer.prompts_per_step=2", "trainer.group_size=4", "trainer.batch_size=4",
-        "trainer.num_steps=4", "model.lora.rank=4", "trainer.lr=1e-3", *extra,
+        *(f"trainer.{k}={v}" for k, v in SMALL_TRAINER.items() if k in fields), "model.lora.rank=4", *extra,
     ]
 
 

@@ -2,12 +2,14 @@
 finish, state_dict/load_state_dict) trains on the tiny model, checkpoints, and resumes bit-exactly."""
 
 import inspect
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
 import pytest
 import torch
+import yaml
 from accelerate import Accelerator
 
 from flowalign.config import load_config, validate_section
@@ -18,8 +20,9 @@ from flowalign.train import build_trainer
 from flowalign.trainers import TRAINERS, get_trainer
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 
+from tests.tiny_recipes import REPO, one_step, recipe_of_each_trainer
+
 from .conftest import small_config, small_run
-from .test_rg_opd import lrr_dir  # noqa: F401  (a fixture)
 
 
 class ToyConfig(GroupTrainerConfig):
@@ -129,39 +132,6 @@ def test_festdpo_needs_rewards_only_to_label_its_own_samples(tmp_path, tiny_sd3_
     festdpo.check_config(cfg, online.model_copy(update={"pairs": "prefs.jsonl"}))  # offline labels: no reward needed
 
 
-#: what each built-in trainer needs for a one-step run on the tiny model (besides conftest's small_run)
-VVR = ("data.prompts=null", "data.bench=vvr", "data.level=medium", "data.n=16")
-ONE_STEP = {
-    "flow_grpo": (),
-    "flash_grpo": ("trainer.num_steps=4",),
-    "diffusion_nft": (),
-    "diffusion_opsd": (*VVR, "rewards=[{name: vvr_soft}]"),
-    "rg_opd": ("trainer.num_steps=3",),
-    "festdpo": ("trainer.K=8", "trainer.num_steps=2", "trainer.prompts_per_step=1"),
-    "soar": (*VVR, "rewards=[]", "model.finetune=full", "trainer.corrections=1", "trainer.rollout_steps=4"),
-    "sft": (*VVR, "rewards=[]", "model.finetune=full"),
-    "dance_grpo": (),
-    "mix_grpo": (),
-    "grpo_guard": (),
-    "awm": (),
-    "dgpo": (),
-    "diffusion_dpo": (),
-    "self_opd": ("trainer.branches=2",),
-    "tempflow_grpo": (),
-    "pref_grpo": (),
-    "gardo": ("trainer.gate=false",),  # one reward: the gate's auxiliary comparison is tested in test_gardo
-    "pd_grpo": (),
-    "seppo": (*VVR, "rewards=[]", "trainer.reference_every=1"),
-    "fav": (*VVR, "rewards=[{name: vvr_soft}]"),
-    "flow_opd": ("trainer.cold_start_steps=0", "trainer.group_size=1"),  # its teacher: the student's own adapter
-    "ar_copo": ("trainer.num_steps=2",),
-    "kvpo": ("trainer.num_steps=2", "trainer.keep_sink=false"),
-    "afd": ("trainer.num_steps=2", "trainer.train_timesteps=1"),  # its teacher: a second copy of the student
-}
-#: trainers of streaming video models run on the tiny streaming twin instead of the tiny SD3
-STREAMING = {"ar_copo", "kvpo", "afd"}
-
-
 def state_of(obj, depth: int = 0):
     """What ``obj`` holds, copied so that a later change shows: tensors cloned; dataclasses, mappings,
     sequences and plain objects walked (modules and functions are not data: left out)."""
@@ -206,25 +176,85 @@ def test_the_state_check_sees_a_changed_field():
     assert not same_state(unscored, state_of(torch.tensor([float("nan"), 0.0])))
 
 
+RECIPES = recipe_of_each_trainer()
+#: what the loop owns, not the trainer: walked past when counting the trainer's own copies of weights
+LOOP_OWNED = {"policy", "optimisation", "optimizer", "params", "ema", "_rewards", "data", "evaluator", "logger", "acc",
+              "parallel", "cfg", "tcfg", "run_dir"}
+#: what a trainer file must not call: the loop's scoring service and the strategy's collectives do it
+NOT_IN_A_TRAINER = ('"reward/total"', "acc.gather", "acc.reduce", "torch.distributed", "parallel.gather",
+                    "parallel.total", "rewards.score", "gathered_advantages", "compute_advantages", "check_invalid",
+                    "not_differentiable()", "pixel_reward_gradient(", "flowalign.cli")
+
+
+def test_every_registered_trainer_has_a_tiny_recipe():
+    """Adding a trainer is its file, its registry line, its tiny recipe and its test: the contract tests
+    below find each trainer's recipe in configs/tiny/."""
+    assert not set(TRAINERS) - set(RECIPES), f"no configs/tiny recipe for {sorted(set(TRAINERS) - set(RECIPES))}"
+
+
+def owned_tensors(obj, depth: int = 0, seen: set | None = None) -> list[torch.Tensor]:
+    """Every tensor ``obj`` holds (walking containers, dataclasses, modules and plain objects), once each."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 6:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        return [t for t in (*obj.parameters(), *obj.buffers()) if id(t) not in seen and not seen.add(id(t))]
+    if isinstance(obj, dict):
+        values = obj.values()
+    elif isinstance(obj, (list, tuple, set)):
+        values = obj
+    elif hasattr(obj, "__dict__") and not callable(obj) and not isinstance(obj, type):
+        values = vars(obj).values()
+    else:
+        return []
+    return [t for v in values for t in owned_tensors(v, depth + 1, seen)]
+
+
+def copies_held(trainer) -> dict[str, int]:
+    """Copies of weights the trainer allocated, counted from what it holds: ``trained`` (sets of tensors shaped
+    like the trained ones), ``model`` (modules as large as the trained model) and the loop's ``reference``."""
+    from collections import Counter
+
+    own = [t for k, v in vars(trainer).items() if k not in LOOP_OWNED for t in owned_tensors(v)]
+    trained = Counter(tuple(p.shape) for p in trainer.params)
+    held = Counter(tuple(t.shape) for t in own)
+    modules = [v for k, v in vars(trainer).items() if k not in LOOP_OWNED]
+    policy = trainer.policy
+    model_size = sum(p.numel() for name in getattr(policy, "trained_modules", ()) for p in
+                     getattr(policy, name).parameters())
+    whole = sum(1 for m in (x for v in modules for x in (v if isinstance(v, (list, tuple)) else [v]))
+                if isinstance(m, torch.nn.Module) and sum(p.numel() for p in m.parameters()) >= model_size > 0)
+    return {"trained": min(held[shape] // n for shape, n in trained.items()),
+            "model": whole, "reference": int(getattr(policy, "reference_modules", None) is not None)}
+
+
+def copies_declared(trainer) -> dict[str, int]:
+    copies = type(trainer).weight_copies(trainer.cfg, trainer.tcfg)
+    return {"trained": sum(c.count for c in copies if c.size == "trained" and c.kind != "reference"),
+            "model": sum(c.count for c in copies if c.size == "model"),
+            "reference": sum(c.count for c in copies if c.kind == "reference")}
+
+
 @pytest.mark.parametrize("name", sorted(TRAINERS))
-def test_every_trainer_logs_reward_total_over_all_ranks_or_not_at_all(name, tmp_path, tiny_sd3_dir, prompt_file,
-                                                                      lrr_dir, tiny_model_dir):
-    """``reward/total`` comes from the loop's :meth:`GroupTrainer.reward_logs` (every rank's valid samples),
-    in the same step's log line as the per-reward means it weighs; a trainer without rewards logs none
-    (no placeholder). Collectives go through the loop's hooks: no trainer file makes its own. ``loss()``
-    changes neither its batch nor its unit."""
-    assert set(ONE_STEP) == set(TRAINERS)  # a new built-in trainer gets a line here
-    extra = ONE_STEP[name] + ((f"trainer.latent_reward={lrr_dir}",) if name == "rg_opd" else ())
-    if name == "flow_opd":
-        torch.manual_seed(0)
-        build_trainer(small_config(tmp_path / "teacher", tiny_sd3_dir, prompt_file)).policy.save_adapter(
-            tmp_path / "teacher-adapter")
-        extra += (f"trainer.teachers=[{{adapter: {tmp_path / 'teacher-adapter'}}}]",)
-    model = tiny_model_dir("anyflow_far") if name in STREAMING else tiny_sd3_dir
-    if name == "afd":
-        extra += (f"trainer.teacher={{model: '{model}'}}",)
-    t = build_trainer(small_config(tmp_path / name, model, prompt_file, f"trainer.name={name}", *extra))
-    own_loss, calls = t.loss, []
+def test_every_trainer_keeps_the_contract(name, tmp_path, monkeypatch):
+    """Each registered trainer, one step of its tiny recipe: ``reward/total`` comes from the loop's scoring
+    service (every rank's valid samples), in the same log line as the per-reward means it weighs, and a
+    trainer without rewards logs none; its hooks read the batch and never change it (``loss()`` changes
+    neither batch nor unit); collectives and rewards go through the loop (nothing of either in the trainer's
+    file); and the copies of weights it declares (``weight_copies``, what ``plan`` counts) are the copies it holds."""
+    monkeypatch.chdir(REPO)
+    path = RECIPES[name]
+    torch.manual_seed(0)
+    overrides = one_step(path, tmp_path / "run")
+    recipe_rewards = (yaml.safe_load(path.read_text()) or {}).get("rewards") or []
+    if recipe_rewards:  # one reward that varies within every group, so each trainer's update runs
+        overrides.append("rewards=" + json.dumps([*recipe_rewards, {"name": "brightness", "weight": 1.0}]))
+    t = build_trainer(load_config(path, overrides))
+    own_loss, own_plan, own_judge = t.loss, t.plan, t.judge
+    calls, judged, planned = [], [], []
 
     def loss_that_must_not_mutate(batch, unit):
         before = state_of((batch, unit))
@@ -232,14 +262,25 @@ def test_every_trainer_logs_reward_total_over_all_ranks_or_not_at_all(name, tmp_
         calls.append(same_state(before, state_of((batch, unit))))
         return out
 
-    t.loss = loss_that_must_not_mutate
+    def plan_that_remembers(batch, generator):
+        planned.append((batch, state_of(batch)))
+        return own_plan(batch, generator)
+
+    def judge_that_counts(*args, **kw):
+        judged.append(1)
+        return own_judge(*args, **kw)
+
+    t.loss, t.plan, t.judge = loss_that_must_not_mutate, plan_that_remembers, judge_that_counts
     logs = t.train_step()
     assert calls and all(calls), f"{name}: loss() changed its batch or unit; do that work once in plan()"
-    if t.cfg.rewards:  # one reward of weight 1: the total is its mean
-        (mean,) = [k for k in logs if k.startswith("reward/") and "invalid" not in k and k != "reward/total"]
-        assert logs["reward/total"] == pytest.approx(logs[mean], abs=1e-6)
+    batch, before = planned[0]
+    assert same_state(before, state_of(batch)), f"{name}: plan/loss/finish changed the batch; hooks only read it"
+    if t.cfg.rewards:
+        assert judged, f"{name}: scored its samples without the loop's scoring service (GroupTrainer.score)"
+        assert "reward/total" in logs
     else:
         assert not any(k.startswith("reward/") for k in logs)
     source = inspect.getsource(sys.modules[type(t).__module__])
-    for own in ('"reward/total"', "acc.gather", "acc.reduce", "torch.distributed", "parallel.gather", "parallel.total"):
-        assert own not in source, f"{name}: {own} in the trainer's file; use GroupTrainer's hook"
+    for own in NOT_IN_A_TRAINER:
+        assert own not in source, f"{name}: {own} in the trainer's file; use GroupTrainer's services"
+    assert copies_held(t) == copies_declared(t), f"{name}: weight_copies declares other copies than it holds"
