@@ -7,7 +7,10 @@ from clean clips by ``1 − score`` over the defects that belong to it, and the 
 AUC table (off-diagonal AUCs near 0.5 say a defect leaves the other dimensions alone); for each defect,
 how often its dimension's cause names it (``DEFECT_WORDS``).
 
-Part 2 (``--model``, optional): the model's own samples of held-out motion prompts, verified by
+Part 3 (``--evals``, optional): evaluation folders of ``vvr_motion`` (``flowalign evaluate --out``, e.g. those
+``scripts/measure.py`` writes): each one's accuracy and the mean of each dimension over its saved clips.
+
+Part 2 (``--model``, optional): the model's own samples of held-out ``--model-level`` prompts, verified by
 ``vvr_motion``: mean dimension scores of passed vs failed clips and each dimension's AUC for telling
 them apart.
 
@@ -96,7 +99,7 @@ def injected_defects(n: int, size: int, quality: int) -> dict[str, object]:
             "examples": examples, "ms_per_clip": 1000 * seconds / clips}
 
 
-def model_agreement(model: str, n: int, size_note: str) -> dict[str, object]:
+def model_agreement(model: str, n: int, level: str) -> dict[str, object]:
     import torch
 
     import pipelines
@@ -105,7 +108,7 @@ def model_agreement(model: str, n: int, size_note: str) -> dict[str, object]:
     from rewards.motion_insight.reward import diagnose_batch
 
     torch.set_num_threads(1)
-    bench = load_benchmark("vvr_motion", "easy", n, None, split="test")
+    bench = load_benchmark("vvr_motion", level, n, None, split="test")
     policy = pipelines.load(Path(model), device="cpu", dtype=torch.float32)
     start = time.perf_counter()
     samples = sample_seeded(policy, bench.prompts, seed=0, batch_size=16, progress=False, metadata=bench.metadata)
@@ -114,7 +117,7 @@ def model_agreement(model: str, n: int, size_note: str) -> dict[str, object]:
     passed = [bool(i.get("all_passed")) and bool(v) for i, v in zip(verdict.info, verdict.valid.tolist())]
     dims = diagnose_batch(samples, bench.metadata, "motion_insight")
     scores = {d: [x[d].score if x is not None else 0.0 for x in dims] for d in DIMENSIONS}
-    out: dict[str, object] = {"n": n, "passed": sum(passed), "sample_s": sampled, "note": size_note}
+    out: dict[str, object] = {"n": n, "passed": sum(passed), "sample_s": sampled, "level": level}
     for d in DIMENSIONS:
         ok = [s for s, p in zip(scores[d], passed) if p]
         bad = [s for s, p in zip(scores[d], passed) if not p]
@@ -126,6 +129,23 @@ def model_agreement(model: str, n: int, size_note: str) -> dict[str, object]:
     return out
 
 
+def score_evals(folders: list[str], level: str) -> list[dict[str, object]]:
+    """Accuracy and mean dimensions of each evaluation folder's saved clips (tasks: the ``level`` test split)."""
+    import json
+
+    from rewards.vvr_motion.video import as_clip
+
+    out = []
+    for folder in folders:
+        rows = [json.loads(line) for line in (Path(folder) / "results.jsonl").read_text().splitlines() if line.strip()]
+        tasks = load_split(level, "test", n=max(int(r["index"]) for r in rows) + 1)
+        dims = [diagnose(build(as_clip(Path(folder) / r["file"]), tasks[int(r["index"])])) for r in rows]
+        out.append({"folder": folder, "n": len(rows),
+                    "accuracy": float(np.mean([bool(r.get("all_passed")) for r in rows])),
+                    **{d: float(np.mean([x[d].score for x in dims])) for d in DIMENSIONS}})
+    return out
+
+
 def report(part1: dict[str, object], part2: dict[str, object] | None, args: argparse.Namespace) -> str:
     lines = [f"### motion_insight diagnostics ({datetime.date.today().isoformat()})", "",
              f"`{' '.join(['.venv/bin/python', 'scripts/motion_insight_diagnostics.py', *sys.argv[1:]])}`", "",
@@ -133,7 +153,7 @@ def report(part1: dict[str, object], part2: dict[str, object] | None, args: argp
              f"JPEG q{args.jpeg}; each clip clean and with each defect it can hold "
              f"({', '.join(f'{d} {c}' for d, c in part1['counts'].items())} clips); "
              f"{part1['clean_perfect']:.0%} of clean clips have no issue in any dimension; "
-             f"{part1['ms_per_clip']:.1f} ms a clip on one core."), "",
+             f"{part1['ms_per_clip']:.1f} ms a clip (2 shared CPU cores)."), "",
              "| AUC (defective vs clean, by 1 − score) | " + " | ".join(DIMENSIONS) + " | cause names it |",
              "|---|" + "---|" * (len(DIMENSIONS) + 1)]
     for defect in DEFECTS:
@@ -144,7 +164,7 @@ def report(part1: dict[str, object], part2: dict[str, object] | None, args: argp
     lines.append("| its own defects | " + " | ".join(f"**{part1['per_dimension'][d]:.3f}**" for d in DIMENSIONS) + " | |")
     lines += ["", "Example causes: " + "; ".join(f"{d}: \"{e}\"" for d, e in part1["examples"].items())]
     if part2:
-        lines += ["", (f"On {part2['n']} samples of `{args.model}` (easy test prompts, its own 20 steps; "
+        lines += ["", (f"On {part2['n']} samples of `{args.model}` ({part2['level']} test prompts, its own 20 steps; "
                       f"{part2['passed']} pass `vvr_motion`; sampling {part2['sample_s']:.0f} s):"), "",
                   "| dimension | mean score, passed | mean score, failed | AUC passed vs failed |", "|---|---|---|---|"]
         for d in DIMENSIONS:
@@ -162,9 +182,19 @@ def main() -> None:
     p.add_argument("--jpeg", type=int, default=85, help="JPEG quality every clip goes through (0: none)")
     p.add_argument("--model", default=None, help="a motion model folder whose own samples are compared with vvr_motion")
     p.add_argument("--model-n", type=int, default=64, help="samples of --model")
+    p.add_argument("--model-level", default="easy", choices=LEVELS, help="the level of --model's prompts")
+    p.add_argument("--evals", nargs="+", default=None, help="vvr_motion evaluation folders to score (alone: part 3 only)")
+    p.add_argument("--evals-level", default="easy", choices=LEVELS, help="the motion level --evals were evaluated on")
     args = p.parse_args()
+    if args.evals:
+        print("| evaluation | clips | accuracy | " + " | ".join(DIMENSIONS) + " |")
+        print("|---|---|---|" + "---|" * len(DIMENSIONS))
+        for r in score_evals(args.evals, args.evals_level):
+            print(f"| {r['folder']} | {r['n']} | {100 * r['accuracy']:.1f} % | "
+                  + " | ".join(f"{r[d]:.3f}" for d in DIMENSIONS) + " |")
+        return
     part1 = injected_defects(args.n, args.size, args.jpeg)
-    part2 = model_agreement(args.model, args.model_n, "") if args.model else None
+    part2 = model_agreement(args.model, args.model_n, args.model_level) if args.model else None
     print(report(part1, part2, args))
 
 
