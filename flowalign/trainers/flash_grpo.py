@@ -37,7 +37,7 @@ class FlashGRPOConfig(FlowGRPOConfig):
     rectify_source: Literal["grid", "wan_table"] = "grid"
 
     @model_validator(mode="after")
-    def _table_covers_the_steps(self) -> "FlashGRPOConfig":
+    def _table_covers_the_steps(self) -> FlashGRPOConfig:
         if self.rectify_source == "wan_table" and (self.num_steps != 20
                                                    or int(self.num_steps * self.max_step_fraction) > len(WAN_TABLE)):
             raise ValueError("trainer.rectify_source=wan_table holds steps 0-9 of a 20-step grid: set "

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from flowalign.train import build_trainer
-from flowalign.trainers.awm import advantage_weights, awm_loss, matching_log_prob, stratified_steps
+from flowalign.trainers.awm import (
+    advantage_weights,
+    awm_loss,
+    matching_log_prob,
+    stratified_steps,
+)
 
 from .conftest import small_config
 
@@ -73,11 +78,13 @@ def test_a_short_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prom
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "awm_matching_loss.json").read_text())
 
 
-@pytest.mark.parametrize("case", KNOWN["draws"], ids=lambda c: "T{num_steps}-f{timestep_fraction}-n{train_timesteps}".format(**c))
+@pytest.mark.parametrize("case", KNOWN["draws"],
+                         ids=lambda c: "T{num_steps}-f{timestep_fraction}-n{train_timesteps}".format(**c))
 def test_stratified_steps_equal_the_authors_draw(case):
     """main()'s 'discrete_wo_init' grid steps for the same uniforms (known_answers/)."""
     u = torch.tensor(case["rand_u"])
-    assert stratified_steps(case["num_steps"], case["timestep_fraction"], case["train_timesteps"], u) == case["t_indices"]
+    steps = stratified_steps(case["num_steps"], case["timestep_fraction"], case["train_timesteps"], u)
+    assert steps == case["t_indices"]
 
 
 @pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"{c['weighting']}-clip{c['clip_range']}")
@@ -99,6 +106,6 @@ def test_matching_log_prob_and_loss_equal_the_authors(case):
         torch.testing.assert_close(log_prob, torch.tensor(case["log_prob"][s], dtype=torch.float64), rtol=1e-6, atol=0)
         torch.testing.assert_close(old, torch.tensor(case["old_log_prob"][s], dtype=torch.float64), rtol=1e-6, atol=0)
         kl = ((v[rows] - v_ref[rows]) ** 2).flatten(1).mean(1)
-        loss, info = awm_loss(log_prob, old, weights, case["clip_range"], kl, KNOWN["beta"])
+        loss, _ = awm_loss(log_prob, old, weights, case["clip_range"], kl, KNOWN["beta"])
         total += loss.item() / len(KNOWN["steps"])
     assert math.isclose(total, case["loss"], rel_tol=1e-6)

@@ -10,9 +10,14 @@ import torch
 
 from flowalign.sampling import flow_sde_step
 from flowalign.train import build_trainer
-from flowalign.trainers.flash_grpo import (FlashGRPOConfig, FlashStep, flash_diffusion, inverse_rectification,
-                                           rectification_coefficient)
-from flowalign.trainers.flow_grpo import ppo_clip_loss
+from flowalign.trainers.flash_grpo import (
+    FlashGRPOConfig,
+    FlashStep,
+    flash_diffusion,
+    inverse_rectification,
+    rectification_coefficient,
+)
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 
 from .conftest import small_config
 

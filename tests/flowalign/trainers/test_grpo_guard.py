@@ -9,7 +9,6 @@ import torch
 
 from flowalign.sampling import flow_sde_step
 from flowalign.train import build_trainer
-from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.grpo_guard import guard_clip_loss, guard_ratio
 
 from .conftest import small_config

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flowalign.sampling import sde_step, sliding_window
-from flowalign.trainers.flow_grpo import ppo_clip_loss
 from flowalign.train import build_trainer
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly
@@ -47,7 +47,10 @@ def test_trains_and_resumes_bit_exactly_as_the_window_moves(tmp_path, tiny_sd3_d
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "mix_grpo_window_loss.json").read_text())
 
 
-@pytest.mark.parametrize("case", KNOWN["schedules"], ids=lambda c: "T{sampling_steps}-w{group_size}-i{iters_per_group}-s{prog_overlap_step}".format(**c))
+SCHEDULE_ID = "T{sampling_steps}-w{group_size}-i{iters_per_group}-s{prog_overlap_step}"
+
+
+@pytest.mark.parametrize("case", KNOWN["schedules"], ids=lambda c: SCHEDULE_ID.format(**c))
 def test_the_window_schedule_is_the_authors_without_their_empty_windows(case):
     """GRPOTrainingStates' ``timesteps_train`` per training step (known_answers/): the authors' window also
     visits a start of T − 2, where it is empty (their step trains nothing); flowalign's is their sequence with
@@ -58,7 +61,8 @@ def test_the_window_schedule_is_the_authors_without_their_empty_windows(case):
     assert all(w or i // interval % ((T - 2) // stride + 1) * stride == T - 2 for i, w in enumerate(theirs))
     trained = [w for w in theirs if w]
     assert len(trained) < len(theirs)  # the fixture reaches the empty window
-    ours = [list(range(s, s + n)) for s, n in (sliding_window(i, T, width, interval, stride) for i in range(len(trained)))]
+    windows = (sliding_window(i, T, width, interval, stride) for i in range(len(trained)))
+    ours = [list(range(start, start + n)) for start, n in windows]
     assert ours == trained
 
 
