@@ -36,8 +36,11 @@ def _tensor(clips) -> torch.Tensor:
 def test_clean_clips_score_high_on_every_dimension(tasks, size):
     for task in tasks:
         dims = diagnose(build(render(task, size), task))
-        assert {k: round(d.score, 2) for k, d in dims.items()} == dict.fromkeys(DIMENSIONS, 1.0) or min(
-            d.score for d in dims.values()) >= 0.9, (task.id, {k: d.cause for k, d in dims.items()})
+        causes = {k: d.cause for k, d in dims.items()}
+        if size == 64:  # no issue at all
+            assert all(d.score == 1.0 for d in dims.values()) and not any(causes.values()), (task.id, causes)
+        else:  # 32 px: pixel quantisation may cost a little
+            assert all(d.score >= 0.9 for d in dims.values()), (task.id, causes)
 
 
 @pytest.mark.parametrize("defect", DEFECTS)
@@ -54,15 +57,18 @@ def test_each_defect_lowers_its_dimension_and_the_cause_names_it(tasks, defect):
     assert hit >= 4  # the defect was injected into enough clips to mean something
 
 
-@pytest.mark.parametrize("defect", ["drop", "teleport", "freeze"])
+@pytest.mark.parametrize("defect", ["drop", "swap", "freeze"])
 def test_a_defect_of_one_dimension_leaves_the_others_alone(tasks, defect):
-    injected = [(t, inject(defect, t, 0)) for t in tasks]
-    for task, (clip, what) in [(t, r) for t, r in injected if r is not None]:
-        dims = diagnose(build(clip, task))
-        others = [k for k in DIMENSIONS if k != DEFECT_DIMENSION[defect]]
-        # a teleport may land an object on another: then plausibility rightly drops too
-        if defect != "teleport":
-            assert all(dims[k].score >= 0.9 for k in others), (task.id, what, {k: dims[k].cause for k in others})
+    checked = 0
+    for task in tasks:
+        injected = inject(defect, task, 0)
+        if injected is None:
+            continue
+        dims = diagnose(build(injected[0], task))
+        others = {k: dims[k] for k in DIMENSIONS if k != DEFECT_DIMENSION[defect]}
+        assert all(d.score >= 0.9 for d in others.values()), (task.id, injected[1], {k: d.cause for k, d in others.items()})
+        checked += 1
+    assert checked >= 4
 
 
 def test_a_blank_clip_is_not_consistent_and_a_missing_object_is_named(tasks):
