@@ -101,6 +101,6 @@ def check_keys(config: type, section: dict[str, Any], trainer: str) -> None:
     for key in section:
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(config.model_fields), n=1)
-            hint = f"did you mean trainer.{close[0]}? " if close else ""
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise UserError(f"trainer.{key}: {trainer} has no such setting; {hint}its settings are listed in "
                             "docs/guide/configuration.md")

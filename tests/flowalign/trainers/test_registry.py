@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import yaml
@@ -14,6 +13,8 @@ from flowalign.errors import UserError
 from flowalign.train import build_trainer, check_run
 from flowalign.trainers import TRAINERS, get_trainer, registered, trainer_config
 
+from tests.tiny_recipes import recipe_of_each_trainer
+
 from .conftest import REDNESS, small_run
 
 TOY = "tests.flowalign.trainers.test_contract:ToyTrainer"
@@ -22,8 +23,7 @@ TOY = "tests.flowalign.trainers.test_contract:ToyTrainer"
 @pytest.mark.parametrize("name", sorted(TRAINERS))
 def test_every_registered_trainer_names_itself_and_its_tiny_recipe_checks(name, tmp_path):
     cls = get_trainer(name)
-    tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny"
-    recipe = tiny / f"{name}_vvr.yaml" if (tiny / f"{name}_vvr.yaml").is_file() else tiny / f"{name}_motion.yaml"
+    recipe = recipe_of_each_trainer()[name]
     cfg = load_config(recipe, [f"run.output_dir={tmp_path / 'r'}"])
     got_cls, tcfg = check_run(cfg)
     assert got_cls is cls and tcfg.name == name  # the Config's declared name is its registry key
@@ -84,6 +84,15 @@ def test_a_typo_in_the_trainer_section_is_refused_before_any_work(command, capsy
     code, out = _cli(capsys, *command, "/dev/null", *args)
     assert code in (0, None), out
     assert not (tmp_path / "r").exists()  # a check writes nothing
+
+
+@pytest.mark.parametrize("command", [["train"], ["train", "--check"], ["plan"]])
+def test_a_setting_the_trainer_does_not_read_is_refused_naming_the_trainer(command, capsys, tmp_path):
+    """Each trainer's config holds only what it reads: another trainer's setting is one line, not ignored."""
+    recipe = recipe_of_each_trainer()["rg_opd"]
+    code, out = _cli(capsys, *command, str(recipe), f"run.output_dir={tmp_path / 'r'}", "trainer.inner_epochs=2")
+    assert code != 0 and "trainer.inner_epochs: rg_opd has no such setting" in out and "Traceback" not in out
+    assert not (tmp_path / "r").exists()
 
 
 def test_train_check_refuses_what_a_run_would_refuse_and_loads_nothing(tmp_path, tiny_sd3_dir, prompt_file):
