@@ -14,8 +14,9 @@ with ``h``), so no band of noise levels dominates the update:
 
 ``μ_old`` is the rollout's own step mean, from the velocities the rollout keeps. The authors' code averages
 the shift ``Δμ²`` over the whole micro-batch as well as over the elements (its ``mean(dim=tuple(range(1,
-log_prob.ndim)))`` runs on a per-sample log-prob, so it reduces every dimension); here the micro-batch is the
-chunk. ``ratio_bias: sample`` takes each sample's own shift instead, so that ``r̃ = exp(mean_D(ξ·Δμ))``.
+log_prob.ndim)))`` runs on a per-sample log-prob, so it reduces every dimension); here the micro-batch is
+the chunk's samples with a non-zero advantage (the authors drop the others before batching).
+``ratio_bias: sample`` takes each sample's own shift instead, so that ``r̃ = exp(mean_D(ξ·Δμ))``.
 """
 
 from __future__ import annotations
@@ -47,14 +48,17 @@ class GRPOGuardConfig(FlowGRPOConfig):
 
 
 def guard_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
-                std: torch.Tensor, bias_over: Literal["batch", "sample"] = "batch") -> torch.Tensor:
+                std: torch.Tensor, bias_over: Literal["batch", "sample"] = "batch",
+                active: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO-Guard's normalised ratio ``(B,)``: ``exp((ℓ_θ − ℓ_old + mean(μ_θ − μ_old)²/(2τ²))·τ)``, with
     ``ℓ`` the per-element mean Gaussian log-densities ``(B,)``, ``μ`` ``(B, ...)`` and ``τ`` ``(B,)`` (equal
     across the batch, one step). The mean of the shift runs over every sample and element (``"batch"``, the
-    authors' code) or over each sample's elements (``"sample"``)."""
+    authors' code; over the ``active`` samples ``(B,)`` bool when any, as the authors drop samples with a
+    zero advantage before batching) or over each sample's elements (``"sample"``)."""
     shift = ((mean - old_mean) ** 2).flatten(1).mean(1)
     if bias_over == "batch":
-        shift = shift.mean().expand_as(shift)
+        pool = shift if active is None or not active.any() else shift[active]
+        shift = pool.mean().expand_as(shift)
     return torch.exp((log_prob - old_log_prob + shift / (2 * std**2)) * std)
 
 
@@ -72,6 +76,10 @@ class GRPOGuardTrainer(FlowGRPOTrainer):
     Config = GRPOGuardConfig
     tcfg: GRPOGuardConfig
 
+    @classmethod
+    def keeps_velocities(cls, tcfg) -> bool:
+        return tcfg.ratio_norm  # the normalised ratio reads the rollout's velocities
+
     def sampling(self, group: int) -> Sampling:
         """Flow-GRPO's, keeping each step's velocity (the old policy's step mean ``μ_old``)."""
         return dataclasses.replace(super().sampling(group), keep_velocities=self.tcfg.ratio_norm)
@@ -82,7 +90,8 @@ class GRPOGuardTrainer(FlowGRPOTrainer):
             with torch.no_grad():
                 old = self.step_distribution(chunk, k, chunk.velocities[:, k].to(out.mean))
             std = out.std.flatten(1)[:, 0].expand(len(adv))
-            ratio = guard_ratio(out.log_prob, old_log_prob, out.mean, old.mean, std, self.tcfg.ratio_bias)
+            ratio = guard_ratio(out.log_prob, old_log_prob, out.mean, old.mean, std, self.tcfg.ratio_bias,
+                                active=adv != 0)
         else:
             ratio = torch.exp(out.log_prob - old_log_prob)
         gap = chunk.sigmas[k].item() - chunk.sigmas[k + 1].item()

@@ -90,3 +90,19 @@ def test_ratio_and_reweighted_loss_equal_the_authors(case):
     assert not torch.allclose(own, ratio, rtol=1e-4)
     plain, _ = guard_clip_loss(torch.exp(t["log_prob"] - t["old_log_prob"]), adv, eps, 1.0)  # both off
     assert math.isclose(plain.mean().item(), case["policy_loss_plain"], rel_tol=1e-6)
+
+
+def test_the_batch_shift_leaves_out_samples_without_advantage():
+    """The authors drop zero-advantage samples before batching: the shift's batch mean runs over the others,
+    so an active sample's r̃ is the one it has in the batch of active samples alone."""
+    case = KNOWN["cases"][1]
+    t = {n: torch.tensor(case[n], dtype=torch.float64)
+         for n in ("log_prob", "old_log_prob", "prev_sample_mean", "old_prev_sample_mean", "std_dev_t", "sqrt_dt")}
+    args = (t["log_prob"], t["old_log_prob"], t["prev_sample_mean"], t["old_prev_sample_mean"],
+            t["std_dev_t"] * t["sqrt_dt"])
+    active = torch.tensor([True, False, True])
+    masked = guard_ratio(*args, "batch", active)
+    alone = guard_ratio(*(a[active] for a in args), "batch")
+    torch.testing.assert_close(masked[active], alone, rtol=1e-12, atol=0)
+    assert not torch.allclose(masked, guard_ratio(*args, "batch"), rtol=1e-6)
+    torch.testing.assert_close(guard_ratio(*args, "batch", torch.zeros(3, dtype=torch.bool)), guard_ratio(*args))
