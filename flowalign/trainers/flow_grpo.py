@@ -16,6 +16,7 @@ from typing import Callable, Literal
 import torch
 from pydantic import Field
 
+from flowalign.config import Section
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling import Rollout, StepOutput, sde_step
@@ -27,23 +28,17 @@ from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 
 
-class FlowGRPOConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
-    name: Literal["flow_grpo"] = "flow_grpo"
+class FlowGRPOBase(GroupTrainerConfig, EpochOptions):
+    """What every Flow-GRPO preset reads: the loop's group rollouts and epochs, the clipped surrogate, the KL
+    term and the gradient through CFG. A preset adds the groups below that its hooks read."""
+
     #: DanceGRPO's grouping: every rollout of a prompt group starts from the same initial noise, so the
     #: rewards within a group differ only through the SDE steps the loss trains (not through x_T, which
     #: no log-probability credits)
     shared_initial_noise: bool = False
-    sampler: Literal["flow_grpo", "cps"] = "flow_grpo"
-    #: a for the Flow-GRPO SDE (0.7 SD3.5, 0.9 FLUX), η for CPS (0.8)
-    noise_level: float = Field(0.7, gt=0, le=2)
-    cps_log_prob: Literal["code", "gaussian"] = "code"
     clip_range: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
     beta: float = Field(0.04, ge=0, le=MAX_COEFFICIENT)
     kl_mode: Literal["code", "exact"] = "code"
-    #: train the first ⌊fraction·T⌋ of the T rollout steps (0.99 × 10 → steps 0…8), as the authors count
-    timestep_fraction: float = Field(0.99, gt=0, le=1)
-    #: the step to σ = 0 is stochastic, as in the authors' sampler (it is trained only at fraction 1)
-    sde_last_step: bool = True
     #: gradient through CFG's unconditional branch: "detached" (the authors' loss; backward through the
     #: conditional branch only) or "full"
     cfg_grad: Literal["detached", "full"] = "detached"
@@ -52,10 +47,48 @@ class FlowGRPOConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     #: rollout's ``[uncond; cond]`` forward (2B rows), so the on-policy ratio is 1 even where kernels are not
     #: batch-invariant (GPUs), at the cost of a 2B-row forward and backward (docs/performance.md)
     first_pass: Literal["stored", "batched"] = "stored"
+
+
+class SDEOptions(Section):
+    """The rollouts' stochastic step: its sampler and noise level (a preset with its own step leaves it out)."""
+
+    sampler: Literal["flow_grpo", "cps"] = "flow_grpo"
+    #: a for the Flow-GRPO SDE (0.7 SD3.5, 0.9 FLUX), η for CPS (0.8)
+    noise_level: float = Field(0.7, gt=0, le=2)
+
+
+class CPSOptions(Section):
+    """The CPS sampler's log-probability (a preset whose sampler cannot be ``cps`` leaves it out)."""
+
+    cps_log_prob: Literal["code", "gaussian"] = "code"
+
+
+class SDEWindowOptions(Section):
+    """Which rollout steps are stochastic (a preset that places its own SDE steps leaves these out)."""
+
+    #: the step to σ = 0 is stochastic, as in the authors' sampler (it is trained only at fraction 1)
+    sde_last_step: bool = True
     #: Flow-GRPO-Fast: SDE only on a random window of this width in steps [0, T/2), one per prompt (0: every step)
     sde_window: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
+
+
+class StepFractionOptions(Section):
+    """Which stochastic steps are trained: the first fraction of the rollout's steps."""
+
+    #: train the first ⌊fraction·T⌋ of the T rollout steps (0.99 × 10 → steps 0…8), as the authors count
+    timestep_fraction: float = Field(0.99, gt=0, le=1)
+
+
+class StepSubsetOptions(Section):
+    """A random subset of a rollout batch's trained steps per inner epoch."""
+
     #: train a random subset of this many of the trained steps per chunk and epoch (0: all of them)
     steps_per_chunk: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
+
+
+class FlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, StepFractionOptions,
+                     StepSubsetOptions):
+    name: Literal["flow_grpo"] = "flow_grpo"
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -136,6 +169,13 @@ class FlowGRPOTrainer(GroupTrainer):
     tcfg: FlowGRPOConfig
 
     @classmethod
+    def grads_through_unconditional(cls, tcfg) -> bool:
+        """``cfg_grad: detached`` backpropagates through the conditional half alone (the unconditional velocity
+        stored by the rollout, or computed without grad) unless ``first_pass: batched`` reruns the rollout's
+        ``[uncond; cond]`` batch with grad."""
+        return tcfg.cfg_grad != "detached" or tcfg.first_pass == "batched"
+
+    @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         """The KL term's ``μ_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
         return full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
@@ -151,6 +191,12 @@ class FlowGRPOTrainer(GroupTrainer):
     def noise_level(self) -> float:  # type: ignore[override]
         return self.tcfg.noise_level
 
+    @property
+    def cps_log_prob(self) -> str:
+        """The CPS step's log-probability form (read only when the sampler is ``cps``, so a preset whose
+        sampler cannot be leaves ``cps_log_prob`` out of its config)."""
+        return self.tcfg.cps_log_prob if self.sampler == "cps" else "code"
+
     def sampling(self, group: int) -> Sampling:
         """SDE on every step (Flow-GRPO-Fast: on a window drawn per prompt group, seeded by (seed, step, group))."""
         window = None
@@ -158,7 +204,7 @@ class FlowGRPOTrainer(GroupTrainer):
             g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, group, 11))
             window = (random_window_start(self.tcfg.num_steps, self.tcfg.sde_window, g), self.tcfg.sde_window)
         return Sampling(self.sampler, self.noise_level, window, self.tcfg.sde_last_step,
-                        cps_log_prob=self.tcfg.cps_log_prob, keep_unconditional=self.reuses_unconditional)
+                        cps_log_prob=self.cps_log_prob, keep_unconditional=self.reuses_unconditional)
 
     @property
     def reuses_unconditional(self) -> bool:
@@ -246,7 +292,7 @@ class FlowGRPOTrainer(GroupTrainer):
         """The rollout's Gaussian at step ``k`` under ``velocity``, with the stored ``x_{k+1}``'s log-prob."""
         x_k, x_next, _ = chunk.step(k)
         return sde_step(self.sampler, velocity, x_k, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item(),
-                        noise_level=self.noise_level, prev_sample=x_next, cps_log_prob=self.tcfg.cps_log_prob)
+                        noise_level=self.noise_level, prev_sample=x_next, cps_log_prob=self.cps_log_prob)
 
     def reference_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
         """``μ_ref`` of ``chunk`` at step ``k``: the step's Gaussian mean under the reference (adapter

@@ -6,8 +6,10 @@ prompt group every sample is compared with every other, its reward is its win ra
 the group, ``A_i = (W_i − mean_g W)/(std_g W + eps)``. The comparisons come from a pairwise judge
 (a reward whose ``pairwise`` attribute is true, e.g. ``unified_reward`` with ``mode: think_pairwise``, whose
 value already is the win rate) or, for any other reward, from comparing its scores. The rest is the
-authors' DanceGRPO-based loop (:mod:`flowalign.trainers.dance_grpo`): shared initial noise per group, a
-random ``timestep_fraction`` of the steps trained, and Flow-GRPO's clipped surrogate unchanged:
+authors' DanceGRPO-based loop, a preset of Flow-GRPO as ``dance_grpo`` is: shared initial noise per group, a
+random ``timestep_fraction`` of the first T−1 steps trained (:mod:`flowalign.trainers.parts.drawn_steps`),
+optionally only each group's best and worst samples (:mod:`flowalign.trainers.parts.best_worst`), and
+Flow-GRPO's clipped surrogate unchanged:
 
     L = mean_{i,k} max(−A_i·r, −A_i·clip(r, 1−ε, 1+ε)),   r = exp(ℓ_k(θ) − ℓ_k(θ_old))
 """
@@ -18,26 +20,51 @@ from typing import Literal
 
 from pydantic import Field
 
-from flowalign.trainers.dance_grpo import DanceGRPOConfig, DanceGRPOTrainer
+from flowalign.limits import MAX_COEFFICIENT
+from flowalign.sampling import Rollout
+from flowalign.trainers.base import StepBatch
+from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.best_worst import BestWorstOptions, best_and_worst, check_best_of
+from flowalign.trainers.parts.drawn_steps import DrawnStepOptions, check_drawn_steps, drawn_steps
+from flowalign.trainers.parts.global_plan import ChunkRef
 from flowalign.trainers.parts.groups import check_whole_groups
 
 
-class PrefGRPOConfig(DanceGRPOConfig):
-    name: Literal["pref_grpo"] = "pref_grpo"  # type: ignore[assignment]
+class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, DrawnStepOptions,
+                     BestWorstOptions):
+    name: Literal["pref_grpo"] = "pref_grpo"
     #: the authors' scripts step with Flow-GRPO's SDE (grpo_step_mode flow, eta 0.7)
     sampler: Literal["flow_grpo", "dance", "cps"] = "flow_grpo"  # type: ignore[assignment]
     noise_level: float = Field(0.7, gt=0, le=2)
+    beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
+    shared_initial_noise: bool = True
     #: the method's advantage: group-normalised win rates (see the module docstring)
     advantage: Literal["win_rate"] = "win_rate"  # type: ignore[assignment]
 
 
-class PrefGRPOTrainer(DanceGRPOTrainer):
+class PrefGRPOTrainer(FlowGRPOTrainer):
     Config = PrefGRPOConfig
     tcfg: PrefGRPOConfig
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
+        check_drawn_steps(tcfg)
+        check_best_of(tcfg)
         check_whole_groups(tcfg)
 
+    def collect(self, step: int) -> StepBatch:
+        """The loop's batch; with ``best_of`` the other samples' advantages are zeroed (not trained)."""
+        batch = super().collect(step)
+        return best_and_worst(batch, self.tcfg.best_of) if self.tcfg.best_of else batch
 
+    def trained_steps(self, chunk: Rollout) -> list[int]:
+        """Every stochastic step is a candidate (the random draw is in :meth:`chosen_steps`)."""
+        return chunk.trained_steps()
+
+    def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
+        """``⌊timestep_fraction·(T−1)⌋`` of the chunk's first T−1 steps, drawn as DanceGRPO draws them (keyed by
+        the chunk's identity and the epoch)."""
+        return drawn_steps(chunk.steps, self.tcfg.num_steps, self.tcfg.timestep_fraction,
+                           self.keyed_generator(*chunk.key, epoch, 17))

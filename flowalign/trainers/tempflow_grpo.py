@@ -26,13 +26,14 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout, StepOutput, branch_candidates, draw_branch_step, noise_aware_weights
 from flowalign.trainers.base import Sampling, StepBatch
-from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepUnit
+from flowalign.trainers.flow_grpo import FlowGRPOBase, FlowGRPOTrainer, SDEOptions, StepUnit
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.global_plan import ChunkRef
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
-from flowalign.trainers.rollouts import sample_slots
 
 
-class TempFlowGRPOConfig(FlowGRPOConfig):
-    name: Literal["tempflow_grpo"] = "tempflow_grpo"  # type: ignore[assignment]
+class TempFlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions):
+    name: Literal["tempflow_grpo"] = "tempflow_grpo"
     #: the noise-aware weight needs a Gaussian step of known std
     sampler: Literal["flow_grpo", "dance"] = "flow_grpo"  # type: ignore[assignment]
     #: "every_step" (the authors'): each prompt group's trajectory branches at every step of branch_steps,
@@ -83,9 +84,6 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
-        if tcfg.sde_window or tcfg.steps_per_chunk:
-            raise UserError("trainer.sde_window / trainer.steps_per_chunk: tempflow_grpo trains its branching "
-                            "steps alone (trainer.branch_steps); remove them")
         if tcfg.branching == "every_step" and not tcfg.shared_initial_noise:
             raise UserError("trainer.shared_initial_noise: branching: every_step branches one trajectory per prompt "
                             "group, so its members share x_T; set it true (or trainer.branching=one_step)")
@@ -136,13 +134,17 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
         per prompt group, whatever the batching or rank layout."""
         if self.tcfg.branching == "one_step":
             return super().rollout_slots(prompts, metadata, groups, prompt_ids, step)
-        slots = sample_slots(self.policy, prompts, metadata, groups // len(self.candidates), prompt_ids,
-                             self.cfg.run.seed, step, True)
+        # the loop's slots of the prompt groups, x_T shared (check_config makes every_step share it)
+        slots = super().rollout_slots(prompts, metadata, groups // len(self.candidates), prompt_ids, step)
         return [dataclasses.replace(s, group=g) for s, g in zip(slots, groups.tolist())]
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
-        """The branching step (``timestep_fraction`` does not apply)."""
+        """The branching step."""
         return chunk.trained_steps()
+
+    def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
+        """The branching step, in every inner epoch."""
+        return list(chunk.steps)
 
     def step_weight(self, chunk: Rollout, k: int) -> float:
         """``w_k`` of :func:`~flowalign.sampling.branching.noise_aware_weights` (1 without noise_weighting)."""

@@ -12,6 +12,8 @@ never a sibling.
 - :mod:`.timesteps`: flow times drawn for fitting losses
 - :mod:`.units`: loss units shared by trainers
 - :mod:`.groups`: checks on how prompt groups fall into rollout batches
+- :mod:`.drawn_steps`: DanceGRPO's trained steps, a random fraction of the first T−1
+- :mod:`.best_worst`: training only each group's best and worst samples
 - :mod:`.pairs`, :mod:`.pair_images`: preference pairs and image pairs read from files
 - :mod:`.latent_preference`: preference pairs of latents and the fit of a latent reward on them
 - :mod:`.teacher_videos`, :mod:`.video_discriminator`: AFD's teachers and critic

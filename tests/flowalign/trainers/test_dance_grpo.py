@@ -7,9 +7,14 @@ import pytest
 import torch
 
 from flowalign.advantages import best_worst_mask
+from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.dance_grpo import DanceGRPOTrainer, drawn_steps
+from flowalign.trainers import trainer_config
+from flowalign.trainers.base import StepBatch
+from flowalign.trainers.dance_grpo import DanceGRPOTrainer
 from flowalign.trainers.flow_grpo import FlowGRPOTrainer
+from flowalign.trainers.parts.best_worst import best_and_worst
+from flowalign.trainers.parts.drawn_steps import drawn_steps
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly, trainer
@@ -20,6 +25,21 @@ def test_best_worst_mask_keeps_the_extremes_of_each_group():
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     assert best_worst_mask(adv, groups, 2).tolist() == [False, True, True, False, False, True, True, False]
     assert best_worst_mask(adv, groups, 4).all()  # a group no larger than best_of is kept whole
+
+
+def test_best_and_worst_is_a_new_batch_and_the_loops_is_left_as_it_was():
+    adv = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -2.0, 3.0, 0.1])
+    batch = StepBatch([], torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), advantages=adv.clone(), logs={"time/reward": 1.0})
+    kept = best_and_worst(batch, 2)
+    assert kept.advantages.tolist() == [0.0, -1.0, 2.0, 0.0, 0.0, -2.0, 3.0, 0.0]
+    assert kept.logs == {"time/reward": 1.0, "best_of_fraction": 0.5}
+    assert torch.equal(batch.advantages, adv) and batch.logs == {"time/reward": 1.0}
+
+
+def test_steps_per_chunk_is_not_a_dance_grpo_setting():
+    """The draw is timestep_fraction's: a config that also sets steps_per_chunk is refused, naming it."""
+    with pytest.raises(UserError, match="trainer.steps_per_chunk: dance_grpo has no such setting"):
+        trainer_config({"name": "dance_grpo", "steps_per_chunk": 2})
 
 
 def test_shared_noise_dance_sde_and_a_random_subset_of_steps(tmp_path, tiny_sd3_dir, prompt_file):

@@ -7,6 +7,7 @@ from flowalign.advantages import compute_advantages, group_advantages, preferenc
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer, check_run
+from flowalign.trainers import trainer_config
 
 from .conftest import small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
@@ -45,6 +46,14 @@ def test_the_batch_advantages_are_the_group_normalised_win_rates(tmp_path, tiny_
         with torch.no_grad():
             again = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
         assert torch.equal(again.log_prob, chunk.step(k)[2])
+
+
+def test_its_settings_are_dance_grpos_step_draw_and_best_of_not_steps_per_chunk():
+    """A preset of flow_grpo with DanceGRPO's step draw: steps_per_chunk is refused, naming it."""
+    _, tcfg = trainer_config({"name": "pref_grpo", "best_of": 4})
+    assert tcfg.timestep_fraction == 0.6 and tcfg.best_of == 4 and tcfg.advantage == "win_rate"
+    with pytest.raises(UserError, match="trainer.steps_per_chunk: pref_grpo has no such setting"):
+        trainer_config({"name": "pref_grpo", "steps_per_chunk": 2})
 
 
 def test_rollout_batches_must_hold_whole_groups(tmp_path, tiny_sd3_dir, prompt_file):

@@ -13,6 +13,7 @@ from flowalign.advantages import compute_advantages
 from flowalign.errors import UserError
 from flowalign.sampling import branch_candidates, flow_grpo_diffusion, noise_aware_weights
 from flowalign.train import build_trainer
+from flowalign.trainers import trainer_config
 from flowalign.trainers.flow_grpo import gaussian_mean_kl
 from flowalign.trainers.tempflow_grpo import branch_groups, step_variance_kl, weighted_clip_loss
 
@@ -197,3 +198,11 @@ def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, bra
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=tempflow_grpo",
                                           f"trainer.branching={branching}", "trainer.updates_per_epoch=2",
                                           "trainer.batch_size=2", "trainer.num_steps=3", "trainer.beta=0.01")
+
+
+@pytest.mark.parametrize("key", ["sde_window", "sde_last_step", "timestep_fraction", "steps_per_chunk", "cps_log_prob"])
+def test_settings_of_flow_grpos_steps_are_not_tempflows(key):
+    """The branching steps are the only SDE steps and the only ones trained, and the sampler is never CPS:
+    Flow-GRPO's settings of its steps are refused, naming them."""
+    with pytest.raises(UserError, match=f"trainer.{key}: tempflow_grpo has no such setting"):
+        trainer_config({"name": "tempflow_grpo", key: 1})

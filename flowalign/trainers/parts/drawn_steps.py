@@ -1,0 +1,44 @@
+"""DanceGRPO's trained steps: a random fraction of a rollout's first T−1 steps, drawn per rollout batch and
+epoch (DanceGRPO, and Pref-GRPO whose scripts are DanceGRPO's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from flowalign.config import Section
+from flowalign.errors import UserError
+
+
+class DrawnStepOptions(Section):
+    """How many of the first T−1 steps a rollout batch trains, drawn at random."""
+
+    #: train ⌊fraction·(T−1)⌋ of the first T−1 steps, drawn at random per rollout batch and epoch (the authors' 0.6)
+    timestep_fraction: float = Field(0.6, gt=0, le=1)
+
+
+def check_drawn_steps(tcfg: Any) -> None:
+    """Refuse a ``timestep_fraction`` that trains no step of ``num_steps``."""
+    if int(tcfg.timestep_fraction * (tcfg.num_steps - 1)) < 1:
+        raise UserError(f"trainer.timestep_fraction={tcfg.timestep_fraction} trains ⌊fraction·(num_steps−1)⌋ = 0 "
+                        f"of trainer.num_steps={tcfg.num_steps} steps; raise either, e.g. num_steps: 16 with 0.6")
+
+
+def drawn_steps(steps: tuple[int, ...] | list[int], num_steps: int, fraction: float,
+                generator: torch.Generator) -> list[int]:
+    """The trained steps of one rollout batch: ``⌊fraction·(T−1)⌋`` of its stochastic ``steps`` before the
+    last, at random, in step order.
+
+    The authors' scripts (DanceGRPO ``train_grpo_flux.py``, Pref-GRPO ``train_flux.py``) keep the first T−1
+    transitions of a rollout (``[:, :-1]``) and train ``int((T−1)·timestep_fraction)`` of them in a random
+    order: the step to σ = 0 is sampled, never trained.
+    """
+    last = num_steps - 1
+    candidates = [k for k in steps if k < last]
+    n = int(fraction * last)
+    if n >= len(candidates):
+        return candidates
+    pick = torch.randperm(len(candidates), generator=generator)
+    return [candidates[j] for j in sorted(pick[:n].tolist())]
