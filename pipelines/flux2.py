@@ -175,7 +175,8 @@ class Flux2Policy(lora_utils.AdapterMethods):
     def _normalised_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels ``(1, 3, H, W)`` in [-1, 1] → the VAE's posterior mode, patchified and batch-normalised
         ``(1, 4·C, H/2f, W/2f)`` (the pipeline's ``_encode_vae_image``)."""
-        z = self.pipeline_class._patchify_latents(self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mode())
+        posterior = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
+        z = self.pipeline_class._patchify_latents(posterior.mode())
         bn = self.vae.bn
         mean = bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(z.device, z.dtype)
