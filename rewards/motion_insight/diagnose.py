@@ -206,16 +206,21 @@ def _motion_issue(t: ObjectTrack, starts: np.ndarray, v: np.ndarray, j: int, exc
     med = float(np.median(speeds))
     before, after = float(speeds[j]), float(speeds[j + 1])
     penalty = excess / ACC_SCALE
-    if med >= MOVING and min(before, after) < FREEZE_SHARE * med:
-        slow = [k for k in range(len(speeds)) if speeds[k] < FREEZE_SHARE * med]
-        run = next((r for r in _runs(slow) if r[0] <= j + 1 and r[1] >= j), (j, j))
+    slow = [k for k in range(len(speeds)) if med >= MOVING and speeds[k] < FREEZE_SHARE * med]
+
+    def freeze(run: tuple[int, int]) -> Issue:
         a, b = int(starts[run[0]]), int(starts[run[1]]) + 1
         return Issue(penalty, a, f"{t.label} freezes from frame {a} to frame {b}, moving before and after",
                      f"{t.index}:freeze:{a}")
+
+    if j in slow or j + 1 in slow:
+        return freeze(next(r for r in _runs(slow) if r[0] <= j + 1 and r[1] >= j))
     if len(speeds) > 2 and abs(before - med) != abs(after - med):
         odd = j if abs(before - med) > abs(after - med) else j + 1
     else:
         odd = j if before > after else j + 1
+    if odd - 1 in slow and speeds[odd] > med:  # the catch-up after a freeze is part of it
+        return freeze(next(r for r in _runs(slow) if r[1] == odd - 1))
     fast, other = float(speeds[odd]), float(speeds[j + 1 if odd == j else j])
     f0 = int(starts[odd])
     f1, key = f0 + 1, f"{t.index}:step:{f0}"
