@@ -182,14 +182,16 @@ def consistency(space: MotionSpace, swapped: list[tuple[ObjectTrack, ObjectTrack
             fill = np.array([b.fill for b in seen])
             aspect = np.log(np.array([b.aspect for b in seen]))
             pixel = PIXEL_NOISE * 2 / np.sqrt(np.array([b.pixels for b in seen]))
-            excess = (np.maximum(0.0, np.abs(fill - np.median(fill)) - FILL_TOL - pixel) / FILL_TOL
-                      + np.maximum(0.0, np.abs(aspect - np.median(aspect)) - ASPECT_TOL - pixel) / ASPECT_TOL)
+            by_fill = np.maximum(0.0, np.abs(fill - np.median(fill)) - FILL_TOL - pixel) / FILL_TOL
+            by_aspect = np.maximum(0.0, np.abs(aspect - np.median(aspect)) - ASPECT_TOL - pixel) / ASPECT_TOL
+            excess = by_fill + by_aspect
             if excess.sum() > 0:
                 k = int(np.argmax(excess))
                 frame = int(np.flatnonzero(found)[k])
+                what = (f"fill {np.median(fill):.2f} → {fill[k]:.2f}" if by_fill[k] >= by_aspect[k] else
+                        f"aspect {math.exp(np.median(aspect)):.2f} → {math.exp(aspect[k]):.2f}")
                 issues.append(Issue(SHAPE_WEIGHT * float(excess.sum()), frame,
-                                    f"{t.label} changes shape at frame {frame} (fill {np.median(fill):.2f} → "
-                                    f"{fill[k]:.2f})"))
+                                    f"{t.label} changes shape at frame {frame} ({what})"))
     for a, b, f in swapped:
         issues.append(Issue(SWAP_WEIGHT, f, f"{a.label} and {b.label} swap identity at frame {f}"))
     return Dimension.of(issues)
