@@ -179,6 +179,25 @@ class Parallel:
         """``n`` summed over data ranks (a collective when there are several processes)."""
         return int(sum(self.gather_objects(int(n))))
 
+    def average_gradients(self, params: list[nn.Parameter]) -> None:
+        """Make the gradients of a module every process holds whole, outside the policy's layout (e.g. a
+        trainer's own critic), their mean over all processes: one all-reduce of the flattened gradients (a
+        missing one counts as zeros), nothing in one process. A data rank's sequence ranks compute the same
+        gradient from the same samples, so this is also the mean over data ranks. A collective."""
+        if self.world < 2:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.detach().reshape(-1).float() for p in params]).to(self.device)
+        torch.distributed.all_reduce(flat, torch.distributed.ReduceOp.SUM)
+        flat /= self.world
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full CPU tensors of ``tensors`` (sharded ones gathered) on the main rank, ``{}`` elsewhere.
 

@@ -33,10 +33,11 @@ from flowalign.config import Fraction, Section
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_IMAGE_SIDE, MAX_SAMPLING_STEPS, MAX_UPDATES, MAX_WIDTH
 from flowalign.sampling.streaming import stream_rollout
-from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
+from flowalign.trainers.copies import WeightCopy, full_reference
+from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.teacher_videos import ModelTeacher, VideoFolderTeacher, VideoTeacher
 from flowalign.trainers.parts.units import GroupUnit
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
 
@@ -62,7 +63,10 @@ class TeacherConfig(Section):
         return self
 
 
-class AFDConfig(GroupTrainerConfig, ReferenceOptions):
+class AFDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
+    """The loop's rollout options (its own streams; the advantages come from the discriminator, so no
+    ``advantage`` kind)."""
+
     name: Literal["afd"] = "afd"
     #: the black-box teacher: {videos: DIR} or {model: FOLDER}
     teacher: TeacherConfig
@@ -84,6 +88,7 @@ class AFDConfig(GroupTrainerConfig, ReferenceOptions):
     sigma_range: tuple[Fraction, Fraction] = (0.05, 0.95)
     #: weight of the velocity-space anchor to the starting weights (the adapter switched off)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
+    #: the discriminator's log-odds advantages are clipped to ±adv_clip
     adv_clip: float = Field(2.0, gt=0, le=MAX_COEFFICIENT)
 
     @model_validator(mode="after")
@@ -134,6 +139,14 @@ class AFDTrainer(GroupTrainer):
     needs_rewards = False  # rewards, if configured, are only logged
     sampler = "ode"
 
+    @classmethod
+    def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
+        """The anchor's reference under full fine-tuning (``beta`` > 0) and a model teacher (a whole second
+        model on the device). The discriminator is a small network of its own in CPU memory, neither the size
+        of the trained tensors nor of a model, so no copy of either."""
+        reference = full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
+        return reference + ([WeightCopy("teacher", "model")] if tcfg.teacher.model is not None else [])
+
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         if not getattr(self.policy, "streaming", False):
@@ -154,15 +167,13 @@ class AFDTrainer(GroupTrainer):
 
     def train_discriminator(self, teacher: torch.Tensor, student: torch.Tensor, prompts: list[str]) -> float:
         """``disc_steps`` Adam steps on the prompt-paired pairs (``teacher`` repeated per student); every rank
-        averages its gradients with the others, so the ranks keep one discriminator."""
+        averages its gradients with the others (the strategy's collective), so the ranks keep one discriminator."""
         loss = torch.zeros(())
         for _ in range(self.tcfg.disc_steps):
             self.disc_optimizer.zero_grad(set_to_none=False)
             loss = bradley_terry_loss(self.discriminator(teacher, prompts), self.discriminator(student, prompts))
             loss.backward()
-            if self.world > 1:
-                for p in self.discriminator.parameters():
-                    p.grad.copy_(self.gather(p.grad[None]).mean(0))
+            self.parallel.average_gradients(list(self.discriminator.parameters()))
             self.disc_optimizer.step()
         return float(loss)
 
@@ -199,7 +210,7 @@ class AFDTrainer(GroupTrainer):
                 "afd/advantage_abs": advantages.abs().mean().item(),
                 "zero_adv_fraction": (advantages == 0).float().mean().item()}
         if len(self.rewards):  # a verifier to watch, not a training signal
-            logs.update(self.reward_logs(self.rewards.score(student, prompts, metadata)))
+            logs.update(self.score(student, prompts, metadata, step=step).logs)
         return StudentBatch(batch, logs)
 
     def plan(self, batch: StudentBatch, generator: torch.Generator) -> Plan:
