@@ -68,9 +68,6 @@ GB = 1e9
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: CUDA context, allocator fragmentation and kernels' workspaces: a flat allowance per rank
 OVERHEAD_BYTES = 2.0 * GB
-#: trainers whose rollouts store the policy's velocity at every step (``Sampling.keep_velocities``): always,
-#: or when the named option of their section is true
-KEEPS_VELOCITIES = {"rg_opd": None, "self_opd": None, "grpo_guard": "ratio_norm"}
 #: what the estimate has been checked against (the measured peaks: docs/performance.md, "Memory planner")
 CALIBRATION = ("calibrated on H200 measurements: SD3.5-M Flow-GRPO 512 px without gradient checkpointing, "
                "Wan 2.1-1.3B 480x832x9 with; see docs/performance.md")
@@ -438,8 +435,8 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     largest = max((sum(p.numel() for p in b.parameters()) for c in names for b in block_modules(models[c])), default=0)
     size = {**spec.size, **_folder_defaults(folder), **{k: v for k, v in (cfg.model.defaults or {}).items() if v is not None},
             **_vae_scales(folder)}
-    _, tcfg = trainer_config(cfg.trainer)  # the section as the trainer reads it, its own defaults filled in
-    per_sample = _batch_size(tcfg)  # the trainer's batch (a CFG pass doubles it inside)
+    trainer, tcfg = trainer_config(cfg.trainer)  # the section as the trainer reads it, its own defaults filled in
+    per_sample = trainer.training_batch(tcfg)  # the trainer's batch (a CFG pass doubles it inside)
     guidance = getattr(tcfg, "guidance_scale", None) or size.get("guidance_scale") or spec.guidance
     twice = spec.guidance_kind(transformer.config, families.read_index(folder)) in ("cfg", "true_cfg") and float(guidance) > 1
     dtype = next(transformer.parameters()).dtype
@@ -447,7 +444,7 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     rollout = rollout_sample_bytes(both, per_sample, size)  # a rollout keeps both branches' conditioning
     decode = _decode_bytes(cfg, spec, models, both.get("hidden_states"), per_sample)
     # the rows that carry gradients in the training forward: the conditional half alone under a detached CFG
-    rows = per_sample * (2 if twice and not conditional_half_only(tcfg) else 1)
+    rows = per_sample * (2 if twice and trainer.grads_through_unconditional(tcfg) else 1)
     inputs = both if rows == per_sample * (2 if twice else 1) else \
         spec.transformer_inputs(transformer.config, rows, size, dtype=dtype)
     lora = None
@@ -517,20 +514,6 @@ def rollout_sample_bytes(inputs: dict[str, Any], batch: int, size: dict[str, Any
             conditioning += value.nbytes  # per-pass rows; timesteps and position ids are rebuilt at every call
     pixels = 3 * int(size["height"]) * int(size["width"]) * int(size.get("num_frames") or 1)
     return Rollout(4 * latent_floats, conditioning / batch, 4 * pixels)
-
-
-def conditional_half_only(tcfg: Any) -> bool:
-    """Whether the trainer backpropagates through CFG's conditional half alone: ``cfg_grad: detached``
-    (Flow-GRPO and the trainers built on it) takes the unconditional velocity from the rollout or from a
-    forward without grad, unless ``first_pass: batched`` reruns the rollout's ``[uncond; cond]`` batch with
-    grad. A trainer without the option calls the guided velocity itself: both halves."""
-    return getattr(tcfg, "cfg_grad", None) == "detached" and getattr(tcfg, "first_pass", "stored") != "batched"
-
-
-def _batch_size(tcfg: Any) -> int:
-    """Samples a training forward takes: the section's ``batch_size`` (8, the loop's default, for a trainer
-    from a package whose section has none)."""
-    return int(getattr(tcfg, "batch_size", 8))
 
 
 def _folder_defaults(folder: Path) -> dict[str, Any]:
@@ -619,20 +602,17 @@ def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
 def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = None) -> Settings:
     """What the memory of ``cfg`` depends on under one strategy, read from the trainer's section as the
     trainer reads it (its own defaults filled in); ``model`` tells whether CFG doubles the passes."""
-    name = str(cfg.trainer.get("name", "flow_grpo"))
     trainer, tcfg = trainer_config(cfg.trainer)
     copies = trainer.weight_copies(cfg, tcfg)
+    prompts, group, steps = trainer.rollouts_per_step(tcfg)
     extra = device_copies(copies, "trained") + int(tcfg.ema_decay > 0)
-    option = KEEPS_VELOCITIES.get(name, False)
-    stored = float(option is None or (bool(option) and bool(getattr(tcfg, option, False))))
-    if getattr(tcfg, "cfg_grad", None) == "detached" and model is not None and model.cfg_doubles:
+    stored = float(trainer.keeps_velocities(tcfg))
+    if not trainer.grads_through_unconditional(tcfg) and model is not None and model.cfg_doubles:
         stored += BYTES[cfg.model.dtype] / 4  # CFG's unconditional branch, in the model's dtype
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
-                    cfg.model.gradient_checkpointing, _batch_size(tcfg), extra, device_copies(copies, "model"),
+                    cfg.model.gradient_checkpointing, trainer.training_batch(tcfg), extra, device_copies(copies, "model"),
                     cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel,
-                    prompts_per_step=int(getattr(tcfg, "prompts_per_step", 0)),
-                    group_size=int(getattr(tcfg, "group_size", 0)), num_steps=int(getattr(tcfg, "num_steps", 0)),
-                    stored_velocities=stored)
+                    prompts_per_step=prompts, group_size=group, num_steps=steps, stored_velocities=stored)
 
 
 def human(n: float, unit: str = "") -> str:

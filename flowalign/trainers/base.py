@@ -83,7 +83,7 @@ from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.signals import Abandoned, Terminated, abandonable, clear_stop
 from flowalign.trainers import checkpointing, loop
 from flowalign.trainers.copies import WeightCopy, keeps_reference
-from flowalign.trainers.options import GroupTrainerConfig, TrainerConfig
+from flowalign.trainers.options import GroupTrainerConfig, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.reward_gradient import pixel_reward_gradient
 from flowalign.trainers.optim import setup_optimisation
 from flowalign.trainers.reference import keep_reference
@@ -192,6 +192,32 @@ class GroupTrainer:
     @rewards.setter
     def rewards(self, value: Any) -> None:
         self._rewards = RewardSet.of(value)
+
+    @classmethod
+    def training_batch(cls, tcfg: Any) -> int:
+        """Samples one training forward takes (``flowalign plan`` sizes activations by it; CFG doubles the rows
+        inside): the section's ``batch_size``, or 1 for a trainer without one."""
+        return int(getattr(tcfg, "batch_size", 1))
+
+    @classmethod
+    def rollouts_per_step(cls, tcfg: Any) -> tuple[int, int, int]:
+        """``(prompts, samples per prompt, sampling steps)`` of the rollouts a step holds on one rank, which
+        ``flowalign plan`` counts: the loop's group rollouts (``RolloutOptions``), or none (0, 0, 0)."""
+        if not isinstance(tcfg, RolloutOptions):
+            return 0, 0, 0
+        return tcfg.prompts_per_step, tcfg.group_size, tcfg.num_steps
+
+    @classmethod
+    def keeps_velocities(cls, tcfg: Any) -> bool:
+        """Whether the rollouts store the policy's velocity at every step (``Sampling.keep_velocities``),
+        which ``flowalign plan`` counts in the step's rollouts. Default: no."""
+        return False
+
+    @classmethod
+    def grads_through_unconditional(cls, tcfg: Any) -> bool:
+        """Whether CFG's unconditional half carries gradients in the training forward (the trainer calls the
+        guided velocity itself: yes, the default); ``flowalign plan`` counts the rows that do."""
+        return True
 
     @classmethod
     def check_config(cls, cfg: TrainConfig, tcfg: Any) -> None:
