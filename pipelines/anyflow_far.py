@@ -49,6 +49,7 @@ from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache
 from pipelines._common import cfg_combine, check_multiple, check_num_steps, check_prompts, decode_in_chunks
 from pipelines._common import encode_with_empty_negative, gaussian_noise, load_frozen_pipeline, make_trainable
 from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, zeros_factory, text_encoders
+from pipelines.memory import pin_processor_backend
 
 #: the self- and cross-attention projections of every block, as for Wan
 DEFAULT_LORA_TARGETS = ATTENTION_LORA_TARGETS
@@ -61,15 +62,13 @@ class CausalAttentionOnSDPA(AnyFlowCausalAttnProcessor):
     as a dense boolean mask evaluated from the same ``mask_mod`` (:func:`dense_attention_mask`). Both
     compute the same softmax attention over the same (padded) keys."""
 
-    _SUPPORTED_BACKENDS = (*AnyFlowCausalAttnProcessor._SUPPORTED_BACKENDS, "native")
-
     #: the last block mask converted and its dense form, shared by every block's processor: one forward
     #: passes the same mask to all of its blocks, so it is evaluated once, not once per block
     _dense: tuple[BlockMask, torch.Tensor] | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        self._attention_backend = "native"
+        pin_processor_backend(self, "native")  # diffusers' parent accepts flex only
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: Any = None, **kwargs: Any) -> torch.Tensor:

@@ -49,6 +49,28 @@ def set_attention_backend(transformer: torch.nn.Module, backend: str, device: st
                         f"install {ATTENTION_BACKENDS[backend]} or use model.attention_backend=native") from err
 
 
+# diffusers keeps a processor's backend in the private attribute ``_attention_backend`` (what
+# ``ModelMixin.set_attention_backend`` writes and ``dispatch_attention_fn`` is given), and a processor that runs
+# on some backends only lists them in the private ``_SUPPORTED_BACKENDS`` (AnyFlow-FAR's causal attention: flex).
+# The two functions below are the only code of ``pipelines`` that reads or writes those names, so a diffusers
+# release that renames them breaks here (tests/pipelines/test_memory.py checks them against the installed one).
+
+
+def processor_backend(processor: Any) -> str | None:
+    """The attention backend diffusers' dispatcher runs ``processor`` on (None: the active default)."""
+    backend = getattr(processor, "_attention_backend", None)
+    return None if backend is None else str(getattr(backend, "value", backend))
+
+
+def pin_processor_backend(processor: Any, backend: str) -> None:
+    """Run ``processor``'s attention on ``backend``, accepted by this instance even where its class lists the
+    backends it supports without it (the class and its other instances keep their list)."""
+    supported = getattr(processor, "_SUPPORTED_BACKENDS", None)
+    if supported is not None and backend not in supported:
+        processor._SUPPORTED_BACKENDS = (*supported, backend)
+    processor._attention_backend = backend
+
+
 def offload_text_encoders(policy: Any) -> list[str]:
     """Keep the pipeline's text encoders in CPU memory, on the policy's device only while they encode.
 

@@ -121,3 +121,24 @@ def test_load_applies_the_memory_options_to_every_family(tiny_model_dir, family)
         pipelines.load(folder, attention_backend="flash")
     with pytest.raises(UserError, match="unknown option"):
         pipelines.load(folder, attention_backends="flash")
+
+
+def test_the_processor_backend_names_are_the_ones_the_installed_diffusers_uses(tiny_wan_dir):
+    """What diffusers' own ``set_attention_backend`` writes is what :func:`processor_backend` reads, and
+    AnyFlow-FAR's causal processor (flex only, in diffusers) runs pinned to native without the class changing."""
+    from diffusers.models.transformers.transformer_anyflow_far import AnyFlowCausalAttnProcessor
+
+    from pipelines.memory import pin_processor_backend, processor_backend
+
+    policy = pipelines.load(tiny_wan_dir)  # Wan's processors go through diffusers' dispatcher
+    processors = [m.processor for m in policy.transformer.modules() if hasattr(m, "processor")]
+    assert processors and {processor_backend(p) for p in processors} == {None}  # the active default
+    policy.transformer.set_attention_backend("native")
+    assert {processor_backend(p) for p in processors} == {"native"}
+
+    flex_only, pinned = AnyFlowCausalAttnProcessor(), AnyFlowCausalAttnProcessor()
+    assert processor_backend(flex_only) == "flex" and "native" not in flex_only._SUPPORTED_BACKENDS
+    pin_processor_backend(pinned, "native")
+    assert processor_backend(pinned) == "native" and "native" in pinned._SUPPORTED_BACKENDS
+    assert "native" not in AnyFlowCausalAttnProcessor._SUPPORTED_BACKENDS  # the class keeps diffusers' list
+    assert processor_backend(AnyFlowCausalAttnProcessor()) == "flex"
