@@ -9,26 +9,16 @@ rerunning rewrites identical files.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-from flowalign.io import atomic_path
 from rewards.geneval.splits import SPLIT_SEEDS, SPLIT_SIZE, draw_split
+from split_files import split_arguments, write_split
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=SPLIT_SIZE, help="tasks per split (at most; see the test split)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "geneval")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = split_arguments(__doc__, "geneval", SPLIT_SIZE, "tasks per split (at most; see the test split)", argv)
     for split in SPLIT_SEEDS:
         tasks = draw_split(split, args.n)
-        path = args.out / f"{split}.jsonl"
-        with atomic_path(path) as tmp:
-            tmp.write_text("".join(json.dumps(t) + "\n" for t in tasks))
-        print(f"{path}: {len(tasks)} tasks (seed {SPLIT_SEEDS[split]})")
+        write_split(args.out / f"{split}.jsonl", tasks, f"{len(tasks)} tasks (seed {SPLIT_SEEDS[split]})",
+                    sort_keys=False)
 
 
 if __name__ == "__main__":

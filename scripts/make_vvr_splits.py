@@ -10,28 +10,13 @@ distribution with its own seeds. The output is deterministic: rerunning rewrites
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-
-from flowalign.io import atomic_path  # noqa: E402
-from rewards.vvr.splits import SPLIT_SEEDS, SPLIT_SIZE, draw_split  # noqa: E402
+from rewards.vvr.splits import SPLIT_SEEDS, SPLIT_SIZE, draw_split
+from split_files import split_arguments, write_level_splits
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=SPLIT_SIZE, help="tasks per split and level")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "vvr")
-    args = parser.parse_args(argv)
-    for split, seeds in SPLIT_SEEDS.items():
-        for level, seed in seeds.items():
-            tasks = draw_split(level, split, args.n, seed)
-            path = args.out / level / f"{split}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(path) as tmp:
-                tmp.write_text("".join(json.dumps(t.to_dict(), sort_keys=True) + "\n" for t in tasks))
-            print(f"{path}: {len(tasks)} tasks, {len({t.prompt for t in tasks})} distinct prompts (seed {seed})")
+    args = split_arguments(__doc__, "vvr", SPLIT_SIZE, "tasks per split and level", argv)
+    write_level_splits(args.out, SPLIT_SEEDS, draw_split, args.n)
 
 
 if __name__ == "__main__":
