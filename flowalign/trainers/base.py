@@ -46,8 +46,17 @@ loop's :class:`StepBatch` returns its own batch type or unit type rather than ad
 What the hooks may use from the loop: :meth:`GroupTrainer.step_indices` (a step's share of a data set on
 this rank), :meth:`GroupTrainer.keyed_generator`, the collectives :meth:`GroupTrainer.gather`,
 :meth:`GroupTrainer.gather_objects` and :meth:`GroupTrainer.total` (every rank calls them at the same
-point; one process gets its own values back), and :meth:`GroupTrainer.reward_logs`, the one way a step
-logs ``reward/total`` (over every rank's valid samples; a trainer that scores nothing logs none). A trainer file reads top to bottom: its config, its loss
+point; one process gets its own values back), and the scoring service: :meth:`GroupTrainer.score` (rewards
+of samples the trainer generated itself, the invalid-sample guard, advantages and the reward logs, with
+``reward/total`` over every rank's valid samples), :meth:`GroupTrainer.judge` (the same for scores already
+computed) and :meth:`GroupTrainer.reward_gradient` (differentiable rewards). No trainer calls a reward set or
+an advantage function itself; a trainer that scores nothing logs no reward.
+
+What a trainer declares about itself, read by the loop and by ``flowalign plan`` alike: its ``Config``
+(only the options it reads, assembled from :mod:`flowalign.trainers.options`), :meth:`GroupTrainer.weight_copies`
+(the copies of weights it holds) and its step's footprint (:meth:`GroupTrainer.training_batch`,
+:meth:`GroupTrainer.rollouts_per_step`, :meth:`GroupTrainer.keeps_velocities`,
+:meth:`GroupTrainer.grads_through_unconditional`). A trainer file reads top to bottom: its config, its loss
 as a pure function with the formula in the docstring, then the hooks. ``docs/guide/adding-a-trainer.md``
 walks through writing one.
 
