@@ -40,7 +40,7 @@ DECODER_AFTER_DIT = False
 IMAGES_PER_ITEM = 2
 DEFAULTS = dict(out="runs/pretrain-kontext-sr", export="assets/tiny-kontext-sr", size=64, threads=1,
                 n_scenes=3000, mix="easy:0.34,medium:0.33,hard:0.33", vae_minutes=0.0, vae_batch=32, vae_lr=2e-3,
-                dit_minutes=8.0, batch=16, cfg=1.0, demo_n=8, max_sequence_length=0, drop=0.0)
+                dit_minutes=10.0, batch=8, cfg=1.0, demo_n=8, max_sequence_length=0, drop=0.0)
 set_latent_factors, conditioning, flow_loss = kontext.set_latent_factors, kontext.conditioning, kontext.flow_loss
 
 
