@@ -26,16 +26,18 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS
+from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS, MAX_UPDATES
 from flowalign.protocols import Conditioning
-from flowalign.trainers.options import EpochOptions, ReferenceOptions
+from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
 from flowalign.trainers.parts.reductions import per_sample_mean
 
 
-class DGPOConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
+class DGPOConfig(GroupTrainerConfig, ReferenceOptions):
     name: Literal["dgpo"] = "dgpo"
+    #: passes over the batch, each drawing its own train_timesteps (its optimiser steps: step_per)
+    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     #: β of the group DPO
     dpo_beta: float = Field(100.0, gt=0, le=MAX_COEFFICIENT)

@@ -19,12 +19,14 @@ import torch
 from pydantic import Field, model_validator
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
-from flowalign.sampling import StepOutput, flow_sde_step
+from flowalign.sampling import Rollout, StepOutput, flow_sde_step
 from flowalign.trainers.base import Sampling, StepBatch, derived_seed
-from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
+from flowalign.trainers.flow_grpo import FlowGRPOBase, FlowGRPOTrainer
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.global_plan import ChunkRef
 
 
-class FlashGRPOConfig(FlowGRPOConfig):
+class FlashGRPOConfig(FlowGRPOBase, ReferenceOptions):
     name: Literal["flash_grpo"] = "flash_grpo"  # type: ignore[assignment]
     num_steps: int = Field(20, ge=4, le=MAX_SAMPLING_STEPS)
     clip_range: float = Field(1e-3, gt=0, le=MAX_COEFFICIENT)
@@ -85,6 +87,19 @@ class FlashStep:
 class FlashGRPOTrainer(FlowGRPOTrainer):
     Config = FlashGRPOConfig
     tcfg: FlashGRPOConfig
+
+    @property
+    def sampler(self) -> str:  # type: ignore[override]
+        """Its step has the Flow-GRPO form (its own noise ``s_k``): the KL's coded gap is the step's σ gap."""
+        return "flow_grpo"
+
+    def trained_steps(self, chunk: Rollout) -> list[int]:
+        """The group's one SDE step ``k_c``."""
+        return chunk.trained_steps()
+
+    def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
+        """``k_c``, in every inner epoch."""
+        return list(chunk.steps)
 
     def iso_temporal_step(self, group_id: int) -> int:
         """``k_c`` of a prompt group, seeded by (run seed, step, group id): every rank computes the same

@@ -32,11 +32,12 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
 from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.base import StepBatch
-from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepUnit
+from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions,
+                                           StepFractionOptions, StepSubsetOptions, StepUnit)
 from flowalign.weight_swap import swapped_in
 
 
-class GARDOConfig(FlowGRPOConfig):
+class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOptions, StepSubsetOptions):
     name: Literal["gardo"] = "gardo"  # type: ignore[assignment]
     sampler: Literal["flow_grpo"] = "flow_grpo"  # type: ignore[assignment]
     #: the proxy reward whose advantages train (its name in rewards:); None: the first. The other rewards
@@ -129,7 +130,9 @@ class GARDOTrainer(FlowGRPOTrainer):
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
-        return []  # the reference is GARDO's own snapshot, not the starting weights
+        """θ_ref, a snapshot of the trained weights (not the starting weights: no reference copy), held whatever
+        ``beta``."""
+        return [WeightCopy("snapshot", "trained")]
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
@@ -155,13 +158,15 @@ class GARDOTrainer(FlowGRPOTrainer):
     def collect(self, step: int) -> GatedBatch:
         """The loop's batch, its positive advantages scaled by diversity, and each sample's KL gate."""
         batch = super().collect(step)
+        advantages = batch.advantages
         if self.tcfg.diversity:
             features = torch.cat([c.final_latents for c in batch.chunks])
-            scaled = diversity_scaled(batch.advantages, features, batch.prompt_ids)
-            batch.advantages = scaled.clamp(-self.tcfg.adv_clip, self.tcfg.adv_clip)
+            scaled = diversity_scaled(advantages, features, batch.prompt_ids)
+            advantages = scaled.clamp(-self.tcfg.adv_clip, self.tcfg.adv_clip)
         gate, state, logs = self.gate_batch(batch)
-        batch.logs.update(logs)
-        return GatedBatch(**{f.name: getattr(batch, f.name) for f in fields(StepBatch)}, gate=gate, gate_state=state)
+        loops = {f.name: getattr(batch, f.name) for f in fields(StepBatch)}
+        return GatedBatch(**{**loops, "advantages": advantages, "logs": {**batch.logs, **logs}}, gate=gate,
+                          gate_state=state)
 
     def gate_batch(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, Any], dict[str, float]]:
         """This rank's gate ``(N,)``, decided on every rank's rewards, and the controller's next state."""

@@ -30,10 +30,13 @@ from pydantic import Field
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout, StepOutput
 from flowalign.trainers.base import Sampling
-from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
+from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions,
+                                           StepFractionOptions, StepSubsetOptions)
+from flowalign.trainers.options import ReferenceOptions
 
 
-class GRPOGuardConfig(FlowGRPOConfig):
+class GRPOGuardConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions, StepFractionOptions,
+                      StepSubsetOptions):
     name: Literal["grpo_guard"] = "grpo_guard"  # type: ignore[assignment]
     #: the ratio normalisation and the reweighting need a Gaussian step: the Flow-GRPO SDE
     sampler: Literal["flow_grpo"] = "flow_grpo"  # type: ignore[assignment]

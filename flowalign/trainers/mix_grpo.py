@@ -17,10 +17,11 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout, sliding_window
 from flowalign.trainers.base import Sampling, StepBatch
-from flowalign.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
+from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, StepSubsetOptions
+from flowalign.trainers.options import ReferenceOptions
 
 
-class MixGRPOConfig(FlowGRPOConfig):
+class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, StepSubsetOptions):
     name: Literal["mix_grpo"] = "mix_grpo"  # type: ignore[assignment]
     clip_range: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
@@ -40,9 +41,6 @@ class MixGRPOTrainer(FlowGRPOTrainer):
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
-        if tcfg.sde_window:
-            raise UserError("trainer.sde_window: mix_grpo places its own window (trainer.window_size, "
-                            "shift_interval, window_stride); remove sde_window")
         if tcfg.num_steps < 3:
             raise UserError(f"trainer.num_steps={tcfg.num_steps}: mix_grpo's window needs at least 3 steps")
 
