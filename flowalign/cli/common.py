@@ -11,6 +11,7 @@ from flowalign.errors import UserError
 from flowalign.limits import (MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_SEED,
                               MAX_TASKS)
 from flowalign.paths import default_model_dir
+from flowalign.saved_weights import load_adapter_checked
 
 
 class Bounded:
@@ -170,52 +171,6 @@ def load_policy(args: argparse.Namespace):
     elif getattr(args, "ema", False):
         raise UserError("--ema needs --adapter: a checkpoints/step-XXXXXX folder of a run with trainer.ema_decay > 0")
     return policy
-
-
-def load_adapter_checked(policy, path: Path) -> None:
-    """:func:`load_weights`, with a damaged checkpoint or unreadable file reported in one line."""
-    from flowalign.checkpoint_manifest import MANIFEST, damage
-
-    if path.is_dir() and (path / MANIFEST).is_file() and (reason := damage(path)):
-        raise UserError(f"--adapter {path}: the checkpoint is damaged ({reason}); use another checkpoint")
-    try:
-        load_weights(policy, path)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors, peft and diffusers each raise their own kinds
-        first = (str(e).splitlines() or [""])[0][:160]
-        raise UserError(f"--adapter {path}: cannot read its weights ({type(e).__name__}: {first}); it is damaged "
-                        "or not an adapter; give a folder written by training or save_adapter") from None
-
-
-def load_weights(policy, folder: Path) -> None:
-    """A LoRA adapter (a saved adapter or a LoRA checkpoint), or a full fine-tune's checkpoint."""
-    full = folder / "trainable.safetensors"
-    if full.exists() and not any(folder.glob("*lora*.safetensors")):
-        _refuse_lora_without_its_file(folder, full)
-        from safetensors.torch import load_file
-
-        from flowalign.checkpoint import weight_names
-
-        state = load_file(str(full))
-        state = {k: state[k] for k in weight_names(state)}
-        missing, unexpected = policy.trainable.load_state_dict(state, strict=False)
-        if unexpected or len(state) == 0:
-            raise UserError(f"--adapter {folder}: its weights do not match this model ({len(unexpected)} unknown tensors)")
-        return
-    policy.load_adapter(folder)
-
-
-def _refuse_lora_without_its_file(folder: Path, full: Path) -> None:
-    """A LoRA run's checkpoint keeps the adapter in its own file; without it the exact trainable tensors
-    cannot be matched to a model that has no LoRA layers."""
-    from safetensors import safe_open
-
-    with safe_open(str(full), "pt") as f:
-        lora = any("lora_" in k for k in f.keys())
-    if lora:
-        raise UserError(f"--adapter {folder}: this LoRA checkpoint is missing its LoRA file "
-                        "(pytorch_lora_weights.safetensors); restore it, or use another checkpoint")
 
 
 def load_ema_weights(policy, folder: Path) -> None:

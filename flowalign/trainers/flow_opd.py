@@ -33,9 +33,10 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.paths import REPO_ROOT
 from flowalign.protocols import Conditioning
-from flowalign.trainers.options import ReferenceOptions
+from flowalign.saved_weights import load_adapter_checked
+from flowalign.trainers.base import GroupTrainer, Plan, SliceUnit, derived_seed, slice_plan
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
+from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.timesteps import pair_timesteps
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
 from flowalign.trainers.parts.reductions import per_sample_mean
@@ -52,7 +53,9 @@ class Teacher(BaseModel):
     match: str | None = None
 
 
-class FlowOPDConfig(GroupTrainerConfig, ReferenceOptions):
+class FlowOPDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
+    """The loop's rollout options (each rollout distilled on its own: no advantages)."""
+
     name: Literal["flow_opd"] = "flow_opd"
     #: the stage-1 teachers, each supervising its own domain's prompts
     teachers: list[Teacher] = Field(min_length=1)
@@ -119,7 +122,12 @@ class FlowOPDTrainer(GroupTrainer):
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
-        return full_reference(tcfg) if cfg.model.finetune == "full" and tcfg.anchor is None else []  # the starting weights are the anchor
+        """The teachers (each a copy of the trained tensors, read from its checkpoint), and the anchor: a
+        checkpoint's copy likewise, or the starting weights (a full fine-tune keeps them frozen)."""
+        teachers = [WeightCopy("teacher", count=len(tcfg.teachers))]
+        if tcfg.anchor is not None:
+            return teachers + [WeightCopy("teacher")]
+        return teachers + (full_reference(tcfg) if cfg.model.finetune == "full" else [])
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
@@ -137,8 +145,9 @@ class FlowOPDTrainer(GroupTrainer):
     def __init__(self, cfg, tcfg, policy, *args: Any, **kw: Any):
         # the teachers' weights are read into the unsharded policy, before the loop shards it
         named = {n: p for n, p in policy.trainable.named_parameters() if p.requires_grad}
-        teachers = [read_weights(policy, named, t.adapter) for t in tcfg.teachers]
-        anchor = read_weights(policy, named, tcfg.anchor) if tcfg.anchor else None
+        teachers = [read_weights(policy, named, t.adapter, f"trainer.teachers[{i}].adapter")
+                    for i, t in enumerate(tcfg.teachers)]
+        anchor = read_weights(policy, named, tcfg.anchor, "trainer.anchor") if tcfg.anchor else None
         super().__init__(cfg, tcfg, policy, *args, **kw)
         names = [n for n, p in self.policy.trainable.named_parameters() if p.requires_grad]
         if len(names) != len(self.params):
@@ -243,9 +252,9 @@ class FlowOPDTrainer(GroupTrainer):
             v_anchor = self.velocity_under(None, x, sigma, cond)
         logs: dict[str, Any] = {"stage": 1.0}
         if len(self.rewards):
-            scores = self.rewards.score(torch.cat([c.samples for c in chunks]), prompts, metadata)
-            logs.update(self.reward_logs(scores))
-            logs.update(self.domain_logs(scores, routed_to))
+            scored = self.score(torch.cat([c.samples for c in chunks]), prompts, metadata, step=step)
+            logs.update(scored.logs)
+            logs.update(self.domain_logs(scored.scores, routed_to))
         return DistillBatch(x, sigma, v_teacher, v_anchor, (routed_to >= 0).float(), cond, self.guidance(), logs)
 
     def domain_logs(self, scores: Any, routed_to: torch.Tensor) -> dict[str, float]:
@@ -281,14 +290,13 @@ class FlowOPDTrainer(GroupTrainer):
 
 
 
-def read_weights(policy: Any, named: dict[str, torch.nn.Parameter], folder: str) -> dict[str, torch.Tensor]:
+def read_weights(policy: Any, named: dict[str, torch.nn.Parameter], folder: str,
+                 source: str = "trainer.teachers") -> dict[str, torch.Tensor]:
     """A teacher's trainable tensors by name: its checkpoint loaded into the live policy, copied out, and the
-    live weights put back."""
-    from flowalign.cli.common import load_adapter_checked
-
+    live weights put back (``source``: the config field that named ``folder``, for errors)."""
     live = {n: p.detach().clone() for n, p in named.items()}
     try:
-        load_adapter_checked(policy, teacher_checkpoint(Path(folder)))
+        load_adapter_checked(policy, teacher_checkpoint(Path(folder)), source)
         return {n: p.detach().clone() for n, p in named.items()}
     finally:
         with torch.no_grad():

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from flowalign.cli.common import load_adapter_checked
+from flowalign.saved_weights import load_adapter_checked
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer, check_run
