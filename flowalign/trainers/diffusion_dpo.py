@@ -23,17 +23,22 @@ from pydantic import Field
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
-from flowalign.limits import MAX_COEFFICIENT
+from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
 from flowalign.protocols import Conditioning
-from flowalign.trainers.options import EpochOptions, ReferenceOptions
+from flowalign.trainers.base import GroupTrainer, Plan, StepBatch, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch, derived_seed
-from flowalign.trainers.parts.timesteps import pair_timesteps
+from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.reductions import per_sample_mean
+from flowalign.trainers.parts.rewarded_rollouts import rewarded_rollouts
+from flowalign.trainers.parts.timesteps import pair_timesteps
 
 
-class DiffusionDPOConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
+class DiffusionDPOConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
+    """The loop's group rollouts (online pairs: a group's best and worst by reward, no advantages)."""
+
     name: Literal["diffusion_dpo"] = "diffusion_dpo"
+    #: optimiser steps over the batch's pairs (each one pass over all of them)
+    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     #: β of the DPO (large: the per-pair error differences are ~1e-3)
     dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
@@ -142,7 +147,7 @@ class DiffusionDPOTrainer(GroupTrainer):
 
     def online_pairs(self, step: int) -> PairBatch:
         """The loop's group rollouts; per group, its best and worst valid sample."""
-        batch: StepBatch = super().collect(step)
+        batch: StepBatch = rewarded_rollouts(self, step)
         x0 = torch.cat([c.final_latents for c in batch.chunks])
         cond = Conditioning.cat([c.cond for c in batch.chunks])
         total, valid = batch.scores.total, batch.scores.valid

@@ -35,20 +35,25 @@ from pydantic import Field, field_validator, model_validator
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
-from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_IMAGE_SIDE, MAX_LR, MAX_SAMPLING_STEPS
+from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_IMAGE_SIDE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
-from flowalign.reward_set import RewardScores
 from flowalign.sampling import euler_step
+from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.options import ReferenceOptions
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+from flowalign.trainers.options import ReferenceOptions, TrainerConfig
 
 #: fewer reference samples than this give a median of too few distances to set a bandwidth
 MIN_K = 8
 
 
-class FestDPOConfig(GroupTrainerConfig, ReferenceOptions):
+class FestDPOConfig(TrainerConfig, ReferenceOptions):
+    """FestDPO's own K samples per prompt (not the loop's group batches), labelled by reward, no advantages."""
+
     name: Literal["festdpo"] = "festdpo"
+    #: prompts per step on each rank (each sampled K times)
+    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
+    #: CFG scale of the few-step sampler (None: the model's default)
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
     #: samples per prompt for the KDEs (common random numbers for policy and reference)
     K: int = Field(32, ge=1, le=MAX_GROUP_SIZE)
     #: DPO temperature β (named apart from ``beta``, which the loop reads as a KL weight)
@@ -189,6 +194,22 @@ class PreferenceBatch:
     logs: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class DrawnPrompt:
+    """One prompt's draws of a step, before its pairs: the K noises ``z`` and their conditioning, the
+    reference's features ``x_ref (K, D)`` and ``h2``, the policy's samples ``x0 (K, ...)`` and features ``x (K, D)``."""
+
+    prompt: str
+    meta: dict
+    generator: torch.Generator
+    z: torch.Tensor
+    cond: Conditioning
+    x_ref: torch.Tensor
+    h2: torch.Tensor
+    x0: torch.Tensor
+    x: torch.Tensor
+
+
 class FestDPOTrainer(GroupTrainer):
     """DPO on the policy's few-step sampler with KDE likelihoods (see the module docstring)."""
 
@@ -286,10 +307,10 @@ class FestDPOTrainer(GroupTrainer):
     def prompt_source(self) -> PromptSet:
         return self.offline if self.offline is not None else self.data
 
-    def preference_pairs(self, x0: torch.Tensor, x: torch.Tensor, prompt: str, meta: dict,
-                         generator: torch.Generator) -> tuple[dict[str, torch.Tensor] | None, RewardScores | None]:
-        """``y_w, y_l (M, D)`` (+ leave-one-out indices online), or None when the prompt gives no pair; and
-        the online scores of the K samples (None offline)."""
+    def preference_pairs(self, x: torch.Tensor, meta: dict, rewards: torch.Tensor | None, valid: torch.Tensor | None,
+                         generator: torch.Generator) -> dict[str, torch.Tensor] | None:
+        """``y_w, y_l (M, D)`` (+ leave-one-out indices online), or None when the prompt gives no pair. Online:
+        drawn among the K samples (features ``x (K, D)``) by their ``rewards`` and ``valid`` ``(K,)``."""
         if self.offline is not None:
             from flowalign.trainers.parts.pairs import load_image
 
@@ -297,30 +318,25 @@ class FestDPOTrainer(GroupTrainer):
             images = torch.stack([load_image(meta[k], h, w) for k in ("chosen", "rejected")]).to(self.policy.device)
             with torch.no_grad():
                 y = self.image_features(images)
-            return {"y_w": y[:1], "y_l": y[1:]}, None
-        with torch.no_grad():
-            samples = self.policy.decode(x0.detach())
-        scores = self.rewards.score(samples, [prompt] * len(samples), [meta] * len(samples))
-        rewards, valid = scores.total, scores.valid
+            return {"y_w": y[:1], "y_l": y[1:]}
         win, lose = bradley_terry_pairs(rewards, valid, generator, self.tcfg.bt_temperature, self.tcfg.pairs_per_prompt)
         if win.numel() == 0:
-            return None, scores
+            return None
         win, lose = win.to(x.device), lose.to(x.device)
-        return {"y_w": x[win].detach(), "y_l": x[lose].detach(), "exclude_w": win, "exclude_l": lose}, scores
+        return {"y_w": x[win].detach(), "y_l": x[lose].detach(), "exclude_w": win, "exclude_l": lose}
 
     # ------------------------------------------------------------------ hooks
 
     def collect(self, step: int) -> PreferenceBatch:
-        """Per prompt: K common noises, the reference's features and h², the policy's samples (no grad),
-        their preference pairs, and ``∂L/∂X`` of the DPO loss (divided by the prompts per step)."""
+        """Per prompt: K common noises, the reference's features and h², the policy's samples (no grad); online,
+        every prompt's samples scored at once; then each prompt's preference pairs and ``∂L/∂X`` of the DPO
+        loss (divided by the prompts per step)."""
         t0 = time.perf_counter()
         tc = self.tcfg
         source = self.prompt_source()
         p = tc.prompts_per_step
         idx = self.step_indices(step, source)
-        stats: dict[str, list[float]] = {}
-        scored: list[RewardScores] = []
-        units: list[ChunkUnit] = []
+        drawn: list[DrawnPrompt] = []
         for n, i in enumerate(idx):
             prompt, meta = source.prompts[i], source.metadata[i]
             generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank * p + n))
@@ -332,23 +348,34 @@ class FestDPOTrainer(GroupTrainer):
             with torch.no_grad():
                 x0 = self.generate(z, cond)
                 x = self.features(x0)
-            pairs, scores = self.preference_pairs(x0, x, prompt, meta, generator)
-            if scores is not None:
-                scored.append(scores)
+            drawn.append(DrawnPrompt(prompt, meta, generator, z, cond, x_ref, h2, x0, x))
+        rewards = valid = None
+        logs: dict[str, Any] = {}
+        if self.offline is None:  # offline pairs carry their own labels: no reward
+            with torch.no_grad():
+                samples = torch.cat([self.policy.decode(d.x0) for d in drawn])
+            scored = self.score(samples, [d.prompt for d in drawn for _ in range(tc.K)],
+                                [d.meta for d in drawn for _ in range(tc.K)], step=step)
+            rewards, valid = scored.scores.total.view(len(drawn), tc.K), scored.scores.valid.view(len(drawn), tc.K)
+            logs.update(scored.logs)
+        stats: dict[str, list[float]] = {}
+        units: list[ChunkUnit] = []
+        for n, d in enumerate(drawn):
+            pairs = self.preference_pairs(d.x, d.meta, None if rewards is None else rewards[n],
+                                          None if valid is None else valid[n], d.generator)
             if pairs is None:
                 continue
-            x = x.detach().requires_grad_()
-            loss, info = festdpo_loss(x, x_ref, pairs["y_w"], pairs["y_l"], h2, tc.dpo_beta,
+            x = d.x.detach().requires_grad_()
+            loss, info = festdpo_loss(x, d.x_ref, pairs["y_w"], pairs["y_l"], d.h2, tc.dpo_beta,
                                       pairs.get("exclude_w"), pairs.get("exclude_l"))
             (grad,) = torch.autograd.grad(loss / p, x)
             size = tc.chunk or tc.K
-            units += [ChunkUnit(z[s : s + size], cond[s : s + size], grad[s : s + size]) for s in range(0, tc.K, size)]
-            for k, v in {**info, "h2": float(h2), "pairs": float(pairs["y_w"].shape[0])}.items():
+            units += [ChunkUnit(d.z[s : s + size], d.cond[s : s + size], grad[s : s + size]) for s in range(0, tc.K, size)]
+            for k, v in {**info, "h2": float(d.h2), "pairs": float(pairs["y_w"].shape[0])}.items():
                 stats.setdefault(k, []).append(v)
         used = len(stats.get("pairs", []))  # prompts that gave a preference pair
-        logs = {**(self.reward_logs(RewardScores.cat(scored)) if scored else {}),  # offline pairs: no reward
-                **{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
-                "train/prompts_with_pairs": float(used), "time/sample": time.perf_counter() - t0}
+        logs.update({**{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
+                     "train/prompts_with_pairs": float(used), "time/sample": time.perf_counter() - t0})
         return PreferenceBatch(units, used, logs)
 
     def plan(self, batch: PreferenceBatch, generator: torch.Generator) -> Plan:
