@@ -12,6 +12,7 @@ never a sibling.
 - :mod:`.timesteps`: flow times drawn for fitting losses
 - :mod:`.units`: loss units shared by trainers
 - :mod:`.groups`: checks on how prompt groups fall into rollout batches
+- :mod:`.rewarded_rollouts`: the loop's group rollouts with their rewards and no advantages
 - :mod:`.drawn_steps`: DanceGRPO's trained steps, a random fraction of the first T−1
 - :mod:`.best_worst`: training only each group's best and worst samples
 - :mod:`.pairs`, :mod:`.pair_images`: preference pairs and image pairs read from files
