@@ -179,6 +179,21 @@ def load_frozen_pipeline(pipeline_class: type, path: str | Path, options: Policy
     return pipe
 
 
+def load_with_float32_vae(pipeline_class: type, vae_class: type, path: str | Path, options: PolicyOptions) -> Any:
+    """:func:`load_frozen_pipeline` with the video VAE (a ``vae_class``) in float32 whatever the model dtype, as
+    diffusers' video examples load it (causal 3D convolutions lose detail in bf16)."""
+    vae = vae_class.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
+    return load_frozen_pipeline(pipeline_class, path, options, vae=vae)
+
+
+def require_scheduler(pipe: Any, scheduler_class: type, path: str | Path, model: str) -> None:
+    """Refuse a folder whose scheduler is not a ``scheduler_class`` (the one ``model``'s folders ship, whose σ
+    grid the policy reproduces)."""
+    if not isinstance(pipe.scheduler, scheduler_class):
+        raise UserError(f"{path}: scheduler {type(pipe.scheduler).__name__} is not supported; {model} folders ship "
+                        f"{scheduler_class.__name__}")
+
+
 def merge_defaults(builtin: dict[str, Any], path: str | Path, caller: dict[str, Any] | None) -> dict[str, Any]:
     """Sampling defaults: what the checkpoint itself implies, then ``flowalign.json``, then the caller's."""
     return {**builtin, **sampling_defaults(path), **(caller or {})}

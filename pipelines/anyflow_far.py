@@ -47,8 +47,9 @@ from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch
 from pipelines._common import cfg_combine, check_multiple, check_num_steps, check_prompts, decode_in_chunks
-from pipelines._common import encode_with_empty_negative, gaussian_noise, load_frozen_pipeline, make_trainable
-from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, zeros_factory, text_encoders
+from pipelines._common import encode_with_empty_negative, gaussian_noise, load_with_float32_vae, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, require_scheduler, sigma_batch, text_encoders
+from pipelines._common import zeros_factory
 from pipelines.memory import pin_processor_backend
 
 #: the self- and cross-attention projections of every block, as for Wan
@@ -151,11 +152,8 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
         """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` defaults to 2 videos."""
         self.options = opts = PolicyOptions.parse(options, decode_batch_size=2)
         self.device, self.dtype = torch.device(opts.device), opts.dtype
-        vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
-        self.pipe = load_frozen_pipeline(AnyFlowFARPipeline, path, opts, vae=vae)
-        if not isinstance(self.pipe.scheduler, FlowMapEulerDiscreteScheduler):
-            raise UserError(f"{path}: scheduler {type(self.pipe.scheduler).__name__} is not supported; AnyFlow-FAR "
-                            "folders ship FlowMapEulerDiscreteScheduler")
+        self.pipe = load_with_float32_vae(AnyFlowFARPipeline, AutoencoderKLWan, path, opts)
+        require_scheduler(self.pipe, FlowMapEulerDiscreteScheduler, path, "AnyFlow-FAR")
         self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
         self.scale_t, self.scale_s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
         config = self.transformer.config

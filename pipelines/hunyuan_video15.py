@@ -31,8 +31,9 @@ from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine
 from pipelines._common import cfg_mix, check_multiple, check_num_steps, check_prompts, decode_in_chunks
-from pipelines._common import encode_with_empty_negative, gaussian_noise, load_frozen_pipeline, make_trainable
-from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, text_encoders, zeros_factory
+from pipelines._common import encode_with_empty_negative, gaussian_noise, load_with_float32_vae, make_trainable
+from pipelines._common import merge_defaults, negative_conditioning, require_scheduler, sigma_batch, text_encoders
+from pipelines._common import zeros_factory
 
 #: the attention projections of every dual-stream block (video and text streams)
 DEFAULT_LORA_TARGETS = [*ATTENTION_LORA_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -55,11 +56,8 @@ class HunyuanVideo15Policy(lora_utils.AdapterMethods):
         """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` is 1 (see above)."""
         self.options = opts = PolicyOptions.parse({**options, "decode_batch_size": 1})
         self.device, self.dtype = torch.device(opts.device), opts.dtype
-        vae = AutoencoderKLHunyuanVideo15.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
-        self.pipe = load_frozen_pipeline(HunyuanVideo15Pipeline, path, opts, vae=vae)
-        if not isinstance(self.pipe.scheduler, FlowMatchEulerDiscreteScheduler):
-            raise UserError(f"{path}: scheduler {type(self.pipe.scheduler).__name__} is not supported; HunyuanVideo "
-                            "1.5 folders ship FlowMatchEulerDiscreteScheduler")
+        self.pipe = load_with_float32_vae(HunyuanVideo15Pipeline, AutoencoderKLHunyuanVideo15, path, opts)
+        require_scheduler(self.pipe, FlowMatchEulerDiscreteScheduler, path, "HunyuanVideo 1.5")
         self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
         self.scale_t, self.scale_s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
         # the pipeline's own defaults: its 16:9 size at the transformer's target size, 121 frames, 50 steps,

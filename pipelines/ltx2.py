@@ -61,8 +61,8 @@ from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_mix
 from pipelines._common import check_multiple, check_num_steps, check_prompts, encode_with_empty_negative, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, merge_defaults, negative_conditioning, sigma_batch
-from pipelines._common import text_encoders, zeros_factory
+from pipelines._common import load_with_float32_vae, make_trainable, merge_defaults, negative_conditioning
+from pipelines._common import require_scheduler, sigma_batch, text_encoders, zeros_factory
 
 #: the attention projections of every block: video and audio self-attention (attn1, audio_attn1), their
 #: text cross-attention (attn2, audio_attn2) and the audio↔video cross-attention
@@ -86,12 +86,8 @@ class LTX2Policy(lora_utils.AdapterMethods):
         """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` defaults to 1 video."""
         self.options = opts = PolicyOptions.parse(options, decode_batch_size=1)
         self.device, self.dtype = torch.device(opts.device), opts.dtype
-        # the video VAE in float32 whatever the model dtype, as the other video families decode
-        vae = AutoencoderKLLTX2Video.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
-        self.pipe = load_frozen_pipeline(LTX2Pipeline, path, opts, vae=vae)
-        if not isinstance(self.pipe.scheduler, FlowMatchEulerDiscreteScheduler):
-            raise UserError(f"{path}: scheduler {type(self.pipe.scheduler).__name__} is not supported; LTX-2 "
-                            "folders ship FlowMatchEulerDiscreteScheduler")
+        self.pipe = load_with_float32_vae(LTX2Pipeline, AutoencoderKLLTX2Video, path, opts)
+        require_scheduler(self.pipe, FlowMatchEulerDiscreteScheduler, path, "LTX-2")
         pipe = self.pipe
         self.transformer, self.vae, self.audio_vae = pipe.transformer, pipe.vae, pipe.audio_vae
         self.scale_t, self.scale_s = pipe.vae_temporal_compression_ratio, pipe.vae_spatial_compression_ratio

@@ -31,7 +31,7 @@ from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine
 from pipelines._common import cfg_mix, check_multiple, check_num_steps, check_prompts, decode_in_chunks
-from pipelines._common import encode_with_empty_negative, gaussian_noise, load_frozen_pipeline, make_trainable
+from pipelines._common import encode_with_empty_negative, gaussian_noise, load_with_float32_vae, make_trainable
 from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, text_encoders, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the self- (attn1) and cross-attention (attn2) projections of
@@ -59,8 +59,7 @@ class WanPolicy(lora_utils.AdapterMethods):
         ``decode_batch_size`` defaults to 2 videos."""
         self.options = opts = PolicyOptions.parse(options, decode_batch_size=2)
         self.device, self.dtype = torch.device(opts.device), opts.dtype
-        vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
-        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts, vae=vae)
+        self.pipe = load_with_float32_vae(self.pipeline_class, AutoencoderKLWan, path, opts)
         if (self.pipe.transformer_2 is not None and not self.two_experts) or self.pipe.transformer is None:
             raise UserError(
                 f"{path}: two-expert Wan 2.2 checkpoints (transformer_2) load as pipelines.wan22.Wan22Policy "

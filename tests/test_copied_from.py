@@ -82,8 +82,7 @@ def test_the_copies_are_marked():
     """The copies the families and rewards keep (a test that finds none would check nothing)."""
     targets = {(str(p.relative_to(REPO)), t) for p, _, t, _ in ALL}
     flux_ids = "diffusers.pipelines.flux.pipeline_flux.FluxPipeline._prepare_latent_image_ids"
-    assert {("pipelines/_common.py", flux_ids), ("rewards/latent_registers/flux.py", flux_ids),
-            ("pipelines/zimage.py", "pipelines.sd3.SD3Policy.decode")} <= targets
+    assert {("pipelines/_common.py", flux_ids), ("pipelines/zimage.py", "pipelines.sd3.SD3Policy.decode")} <= targets
 
 
 @pytest.mark.parametrize("path, line, target, renames", ALL,

@@ -30,28 +30,12 @@ from torch import nn
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
+from pipelines._common import latent_image_ids
 from rewards.latent_registers.family import RegisterFamily, block_inputs
 
 CLASS_NAME = "FluxTransformer2DModel"
 BLOCK_INPUTS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb")
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
-
-
-# Copied from diffusers.pipelines.flux.pipeline_flux.FluxPipeline._prepare_latent_image_ids
-def latent_image_ids(height: int, width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """Position ids ``(height·width, 3)`` of the token grid, ``(0, row, column)`` per token, as FLUX.1's
-    pipeline gives the transformer (a copy of diffusers' private static method; a test keeps it identical)."""
-    latent_image_ids = torch.zeros(height, width, 3)
-    latent_image_ids[..., 1] = latent_image_ids[..., 1] + torch.arange(height)[:, None]
-    latent_image_ids[..., 2] = latent_image_ids[..., 2] + torch.arange(width)[None, :]
-
-    latent_image_id_height, latent_image_id_width, latent_image_id_channels = latent_image_ids.shape
-
-    latent_image_ids = latent_image_ids.reshape(
-        latent_image_id_height * latent_image_id_width, latent_image_id_channels
-    )
-
-    return latent_image_ids.to(device=device, dtype=dtype)
 
 
 def _tokens(attn: nn.Module, t: torch.Tensor) -> torch.Tensor:

@@ -127,3 +127,18 @@ def test_encode_with_empty_negative_stacks_every_key_a_family_names_and_its_empt
     assert cond.tensors["negative_mask"].shape == (len(PROMPTS), 2)
     plain = encode_with_empty_negative(PromptCache(8), PROMPTS, encode, False, keys)
     assert set(plain.tensors) == {"embeds", "mask"}
+
+
+def test_a_folder_with_another_scheduler_is_refused_naming_both():
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    from pipelines._common import require_scheduler
+
+    require_scheduler(SimpleNamespace(scheduler=FlowMatchEulerDiscreteScheduler()), FlowMatchEulerDiscreteScheduler,
+                      "m", "LTX-2")
+    with pytest.raises(UserError, match="m: scheduler UniPCMultistepScheduler is not supported; LTX-2 folders ship "
+                                        "FlowMatchEulerDiscreteScheduler"):
+        require_scheduler(SimpleNamespace(scheduler=UniPCMultistepScheduler()), FlowMatchEulerDiscreteScheduler,
+                          "m", "LTX-2")
