@@ -98,6 +98,29 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code}}
 
 
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Any:
+    """:func:`error_body` as a FastAPI ``JSONResponse`` with ``status`` (fastapi is the servers' extra, so it is
+    imported here only when a server runs)."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def answer_errors_as_json(app: Any) -> None:
+    """Answer an unknown path or a wrong method (starlette's ``HTTPException``) and any exception a route lets
+    through with :func:`error_body` (the exception's text, cut to 2000 characters), as every other error of the
+    servers, instead of starlette's plain-text pages."""
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Any, e: HTTPException) -> Any:
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Any, e: Exception) -> Any:
+        return error_response(500, f"{type(e).__name__}: {e}"[:2000])
+
+
 def _error_response(status: int, message: str, code: str | None = None) -> tuple[list[tuple[bytes, bytes]], bytes]:
     body = json.dumps(error_body(status, message, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

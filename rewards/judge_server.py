@@ -36,8 +36,9 @@ import uuid
 from concurrent.futures import Future
 from typing import Any
 
-from rewards.http_safety import (PIL_RGB_BYTES, BadRequest, DecodeBudget, Limits, PixelBudget, Reservation, bind,
-                                 decode_rgb, error_body, peek_image, url_host, uvicorn_config)
+from rewards.http_safety import (PIL_RGB_BYTES, BadRequest, DecodeBudget, Limits, PixelBudget, Reservation,
+                                 answer_errors_as_json, bind, decode_rgb, error_response, peek_image, url_host,
+                                 uvicorn_config)
 from rewards.vlm_backend import ChatRequest, Completion, LocalVLM
 
 #: seeds a request may give (torch generators take 64-bit seeds; JSON integers can be any size)
@@ -242,9 +243,7 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
     """The FastAPI app serving ``vlm`` (``app.state.batcher`` holds its :class:`MicroBatcher`,
     ``app.state.limits`` the bounds :class:`BackgroundServer` and :func:`serve` enforce)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
 
     name = model_name or vlm.name
     app = FastAPI(title="flowalign judge", version="1", docs_url=None, redoc_url=None, openapi_url=None)
@@ -269,9 +268,6 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
         return body, to_chat_request(body, max_top_logprobs, limits, reservation, max_prompt_tokens,
                                      count_tokens if tokenizer is not None else None)
 
-    def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-        return JSONResponse(error_body(status, message, param, code), status_code=status)
-
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "flowalign"}]}
@@ -288,7 +284,7 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
             body, chat_request = await run_in_threadpool(prepare, raw, reservation)
         except BadRequest as e:
             reservation.release()
-            return error(e.status, str(e), e.param, e.code)
+            return error_response(e.status, str(e), e.param, e.code)
         except BaseException:
             reservation.release()
             raise
@@ -298,17 +294,10 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
         try:
             completion = await asyncio.wrap_future(future)
         except Exception as e:  # a failed forward is the server's fault, reported, not a dead server
-            return error(500, f"{type(e).__name__}: {e}"[:2000])
+            return error_response(500, f"{type(e).__name__}: {e}"[:2000])
         return to_chat_reply(completion, name, bool(body.get("logprobs")))
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
-        return error(e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return error(500, f"{type(e).__name__}: {e}"[:2000])
-
+    answer_errors_as_json(app)
     return app
 
 

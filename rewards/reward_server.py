@@ -28,8 +28,8 @@ import threading
 from typing import Any
 
 from flowalign.reward_check import check_reward_output
-from rewards.http_safety import (BadRequest, DecodeBudget, Limits, PixelBudget, Reservation, bind, error_body,
-                                 url_host, uvicorn_config)
+from rewards.http_safety import (BadRequest, DecodeBudget, Limits, PixelBudget, Reservation, answer_errors_as_json,
+                                 bind, error_body, error_response, url_host, uvicorn_config)
 from rewards.reward_wire import decode_request
 
 #: seconds a reward call may take when the SPEC gives no ``timeout_s``
@@ -160,16 +160,12 @@ def create_app(reward: Any, *, name: str, spec: Any = None, device: str = "cpu",
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
 
     app = FastAPI(title="flowalign reward", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.limits = limits
     app.state.runner = runner = RewardRunner(reward, name=name, device=device, max_abandoned=max_abandoned,
                                              timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     decoded = DecodeBudget(limits)
-
-    def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-        return JSONResponse(error_body(status, message, param, code), status_code=status)
 
     def decode(raw: bytes, reservation: Reservation) -> tuple[Any, list[str], list[dict[str, Any]]]:
         try:
@@ -200,7 +196,7 @@ def create_app(reward: Any, *, name: str, spec: Any = None, device: str = "cpu",
             samples, prompts, metadata = await run_in_threadpool(decode, raw, reservation)
         except BadRequest as e:
             reservation.release()
-            return error(e.status, str(e), e.param, e.code)
+            return error_response(e.status, str(e), e.param, e.code)
         except BaseException:
             reservation.release()
             raise
@@ -215,18 +211,11 @@ def create_app(reward: Any, *, name: str, spec: Any = None, device: str = "cpu",
         if not call.done():  # the client left: a call not started yet is dropped, a running one left to end
             if not state["started"]:
                 call.cancel()
-            return error(499, "the client disconnected")
+            return error_response(499, "the client disconnected")
         status, body = call.result()
         return JSONResponse(body, status_code=status)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
-        return error(e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return error(500, f"{type(e).__name__}: {e}"[:2000])
-
+    answer_errors_as_json(app)
     return app
 
 

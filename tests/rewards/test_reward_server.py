@@ -181,3 +181,14 @@ def test_serve_reward_refuses_in_one_line(argv, needle, capsys, monkeypatch):
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_path_and_a_wrong_method_get_the_openai_error_shape(saturation_server):
+    """Not starlette's plain-text pages: the same error object as every other refusal (``answer_errors_as_json``)."""
+    from rewards.http_safety import error_body
+
+    for response, status in [(requests.get(base(saturation_server) + "/v1/nope", timeout=10), 404),
+                             (requests.get(base(saturation_server) + "/v1/score", timeout=10), 405)]:
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["message"] and error == {**error_body(status, error["message"])["error"], "code": error["code"]}
