@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from rewards.tiny_towers import clip_style_towers
+
 #: image side of the tiny vision towers: real samples are resized to it as to 224 for the real models
 TINY_IMAGE = 64
 
@@ -49,11 +51,7 @@ def save_tiny_hf_clip(folder: Path, seed: int = 0) -> None:
     from pipelines.tiny_tokenizers import clip_tokenizer
 
     tok = clip_tokenizer(vocab_size=1024, model_max_length=32)
-    text = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "max_position_embeddings": 32, "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "image_size": TINY_IMAGE, "patch_size": 16}
+    text, vision = clip_style_towers(tok, layers=2, max_positions=32, image_size=TINY_IMAGE)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).eval()

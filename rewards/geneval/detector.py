@@ -25,7 +25,18 @@ from rewards.geneval.vocabulary import CLASSES
 MAX_PER_IMAGE = 100
 
 
-class Mask2FormerDetector:
+class FrozenDetector:
+    """A detection model loaded frozen (eval mode, no gradients) as ``self.model``, with its processor."""
+
+    model: torch.nn.Module
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """What the reward moves between devices."""
+        return [self.model]
+
+
+class Mask2FormerDetector(FrozenDetector):
     """A COCO instance-segmentation Mask2Former and its image processor from ``path``."""
 
     def __init__(self, path: Path, dtype: torch.dtype, random_init: bool = False):
@@ -38,10 +49,6 @@ class Mask2FormerDetector:
         id2label = self.model.config.id2label
         # an 80-class model is COCO's, in COCO's order: use GenEval's spelling of each class
         self.labels = list(CLASSES) if len(id2label) == len(CLASSES) else [id2label[i] for i in range(len(id2label))]
-
-    @property
-    def modules(self) -> list[torch.nn.Module]:
-        return [self.model]
 
     @torch.no_grad()
     def __call__(self, images: Sequence[np.ndarray], min_score: float, queries: Sequence[Sequence[str]] | None = None
@@ -81,7 +88,7 @@ class Mask2FormerDetector:
         return out
 
 
-class Owlv2Detector:
+class Owlv2Detector(FrozenDetector):
     """An OWLv2 open-vocabulary detector and its processor from ``path``; each image is queried with the
     classes its prompt names (``"a photo of a <class>"``, OWL-ViT's query form)."""
 
@@ -92,10 +99,6 @@ class Owlv2Detector:
                else Owlv2ForObjectDetection.from_pretrained(path))
         self.model = net.to(dtype).eval().requires_grad_(False)
         self.processor = AutoProcessor.from_pretrained(path)
-
-    @property
-    def modules(self) -> list[torch.nn.Module]:
-        return [self.model]
 
     @torch.no_grad()
     def __call__(self, images: Sequence[np.ndarray], min_score: float, queries: Sequence[Sequence[str]] | None = None

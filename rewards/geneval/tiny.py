@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rewards.geneval.vocabulary import CLASSES
+from rewards.tiny_towers import clip_style_towers
 
 
 def save_tiny_geneval(out: Path, seed: int = 0) -> dict[str, Path]:
@@ -38,11 +39,7 @@ def save_tiny_geneval(out: Path, seed: int = 0) -> dict[str, Path]:
         dim_feedforward=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2, num_queries=10, num_labels=len(CLASSES),
         id2label=dict(enumerate(CLASSES)), label2id={c: i for i, c in enumerate(CLASSES)})
     tok = clip_tokenizer(vocab_size=1024, model_max_length=32)
-    text = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "max_position_embeddings": 32, "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 32, "patch_size": 16}
+    text, vision = clip_style_towers(tok, layers=1, max_positions=32, image_size=32)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         detector = Mask2FormerForUniversalSegmentation(config).eval()
@@ -64,11 +61,7 @@ def save_tiny_owlv2(out: Path, seed: int = 0) -> Path:
     from pipelines.tiny import clip_tokenizer
 
     tok = clip_tokenizer(vocab_size=1024, model_max_length=16)
-    text = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "max_position_embeddings": 16, "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 64, "patch_size": 16}
+    text, vision = clip_style_towers(tok, layers=1, max_positions=16, image_size=64)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32)).eval()
