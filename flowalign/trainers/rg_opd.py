@@ -5,12 +5,12 @@
     g  = ∇_x r_ψ(x_σ, σ, c)                        (latent reward frozen; gradient w.r.t. the input)
     λ  = κ‖v_old‖ / (‖g‖ + 1e-8)                     (magnitude match, per sample)
     v* = sg(v_old − λ·g)                             (toward data is −v: subtracting g climbs r_ψ)
-    L  = mean‖v_θ − v*‖²  (+ anchor·mean‖v_θ − v_ref‖²)
+    L  = mean‖v_θ − v*‖²  (+ anchor_weight·mean‖v_θ − v_ref‖²)
 
 K inner optimiser steps from θ = θ_old, then θ_old ← θ (the next step rolls out with the new weights).
 
 CoRe (``trainer.core``): every ``core.every`` steps the registers are refit with
-``L_RM = L_BT(real pairs) + μ·L_BT(generated pairs) + anchor·mean(r_ψ − r_ψ,prev)²``, so the generator
+``L_RM = L_BT(real pairs) + μ·L_BT(generated pairs) + anchor_weight·mean(r_ψ − r_ψ,prev)²``, so the generator
 cannot walk off the latent reward's support. The generated pairs are the generator's own samples of the
 last ``core.buffer_steps`` steps, paired within prompt groups by the pixel reward in ``rewards:``.
 The loop is the shared one; the hooks: ODE rollouts keeping their velocities (``sampling``), the latent
@@ -20,13 +20,14 @@ score logged (``collect``), the targets built once per batch and K optimiser ste
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from flowalign.config import Section
 from flowalign.errors import UserError
@@ -35,8 +36,10 @@ from flowalign.trainers.parts.latent_preference import PreferencePairs, fit
 from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.paths import REPO_ROOT
 from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
+from flowalign.trainers.base import GroupTrainer, Plan, Sampling, StepBatch, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
+from flowalign.trainers.options import RolloutOptions, TrainerConfig
+from flowalign.trainers.parts.rewarded_rollouts import rewarded_rollouts
 
 
 class CoReConfig(Section):
@@ -51,7 +54,7 @@ class CoReConfig(Section):
     #: weight μ of the generator's own pairs (labelled by the pixel reward)
     mu: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
     #: weight of mean (r_ψ − r_ψ,prev)² on the real pairs (prev: the reward before this refit)
-    anchor: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    anchor_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
     #: real preference pairs (default: pairs.safetensors in the latent reward folder)
     real_pairs: str | None = None
     #: a generated pair needs this pixel-reward margin
@@ -60,8 +63,21 @@ class CoReConfig(Section):
     #: step since the previous refit); a longer buffer gives each refit more pairs from more prompts
     buffer_steps: int | None = Field(None, ge=1, le=MAX_UPDATES)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _former_anchor(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "anchor" in data:
+            raise ValueError("trainer.core.anchor is now trainer.core.anchor_weight (same meaning: the weight of "
+                             "staying near the previous reward)")
+        return data
 
-class RGOPDConfig(GroupTrainerConfig, ReferenceOptions):
+
+class RGOPDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
+    """The loop's group rollouts (their rewards are logged and label CoRe's pairs; no advantages)."""
+
+    refused = {"anchor": "RG-OPD's anchor weight is now trainer.anchor_weight (same meaning, the name Flow-OPD "
+                         "gives its anchor term's weight)"}
+
     name: Literal["rg_opd"] = "rg_opd"
     #: latent reward folder (flowalign train-reward)
     latent_reward: str
@@ -71,8 +87,9 @@ class RGOPDConfig(GroupTrainerConfig, ReferenceOptions):
     inner_steps: int = Field(1, ge=1, le=MAX_UPDATES)
     #: visited states distilled per chunk: a random subset of this many rollout steps (0: every step)
     steps_per_chunk: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
-    #: weight of mean‖v_θ − v_ref‖² to the adapter-disabled reference (LoRA only; the paper's 1e-4)
-    anchor: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
+    #: weight of mean‖v_θ − v_ref‖² to the starting weights (the adapter switched off, or a full fine-tune's
+    #: frozen copy; the paper's 1e-4)
+    anchor_weight: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     core: CoReConfig | None = None
     group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE)
 
@@ -100,11 +117,11 @@ def distillation_target(v_old: torch.Tensor, grad: torch.Tensor, kappa: float) -
 
 
 def rg_opd_loss(v_theta: torch.Tensor, v_star: torch.Tensor, v_ref: torch.Tensor | None = None,
-                anchor: float = 0.0) -> torch.Tensor:
-    """``mean‖v_θ − v*‖² (+ anchor·mean‖v_θ − v_ref‖²)`` (scalar; means over every element)."""
+                anchor_weight: float = 0.0) -> torch.Tensor:
+    """``mean‖v_θ − v*‖² (+ anchor_weight·mean‖v_θ − v_ref‖²)`` (scalar; means over every element)."""
     loss = ((v_theta.float() - v_star) ** 2).mean()
-    if v_ref is not None and anchor > 0:
-        loss = loss + anchor * ((v_theta.float() - v_ref.float()) ** 2).mean()
+    if v_ref is not None and anchor_weight > 0:
+        loss = loss + anchor_weight * ((v_theta.float() - v_ref.float()) ** 2).mean()
     return loss
 
 
@@ -125,9 +142,13 @@ class RGOPDTrainer(GroupTrainer):
     sampler = "ode"
 
     @classmethod
+    def keeps_velocities(cls, tcfg) -> bool:
+        return True  # the rollouts keep v at every step: the distillation's targets
+
+    @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         """The anchor's ``v_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
-        return full_reference(tcfg) if tcfg.anchor > 0 and cfg.model.finetune == "full" else []
+        return full_reference(tcfg) if tcfg.anchor_weight > 0 and cfg.model.finetune == "full" else []
 
     def __init__(self, cfg, tcfg: RGOPDConfig, policy, *args: Any, **kwargs: Any):
         if not (reward_folder(tcfg.latent_reward) / "config.json").is_file():
@@ -153,12 +174,12 @@ class RGOPDTrainer(GroupTrainer):
         return Sampling("ode", keep_velocities=True)
 
     def collect(self, step: int) -> StepBatch:
-        """The loop's batch (pixel rewards: logged, and CoRe's labels), plus the latent score of the samples."""
-        batch = super().collect(step)
+        """The loop's rollouts and pixel rewards (logged, and CoRe's labels; no advantages), plus the latent
+        score of the samples."""
+        batch = rewarded_rollouts(self, step)
         with torch.no_grad():
             latent = torch.cat([self.latent_reward.score(c.final_latents, 0.0, c.cond).float().cpu() for c in batch.chunks])
-        batch.logs["latent/score"] = latent.mean().item()
-        return batch
+        return dataclasses.replace(batch, logs={**batch.logs, "latent/score": latent.mean().item()})
 
     def visited_states(self, batch: StepBatch) -> list[tuple[int, int]]:
         """``(chunk, step)`` pairs to distil: every rollout step, or ``steps_per_chunk`` random ones per chunk
@@ -199,10 +220,10 @@ class RGOPDTrainer(GroupTrainer):
         x, sigma = chunk.latents[:, k], chunk.sigmas[k].item()
         v = self.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
         v_ref = None
-        if self.tcfg.anchor > 0:
+        if self.tcfg.anchor_weight > 0:
             with torch.no_grad(), self.policy.adapter_disabled():
                 v_ref = self.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
-        return rg_opd_loss(v, target.to(v.device), v_ref, self.tcfg.anchor)
+        return rg_opd_loss(v, target.to(v.device), v_ref, self.tcfg.anchor_weight)
 
     def finish(self, batch: StepBatch) -> dict[str, float]:
         """With CoRe: remember this step's generated pairs; refit the registers when due (and write the
@@ -276,7 +297,7 @@ class RGOPDTrainer(GroupTrainer):
         self.latent_reward.train()
         stats = fit(self.latent_reward, self.real_pairs, self.policy.encode, steps=core.steps, batch_size=core.batch_size,
                     lr=core.lr, seed=derived_seed(self.cfg.run.seed, self.step, 7), generated=generated, mu=core.mu,
-                    anchor=core.anchor)
+                    anchor=core.anchor_weight)
         self.latent_reward.eval()
         stats["generated_pairs"] = float(len(generated) if generated is not None else 0)
         return stats

@@ -28,18 +28,31 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from flowalign.limits import MAX_CACHE, MAX_COEFFICIENT, MAX_TRAIN_STEPS, MAX_WEIGHT_COPIES
-from flowalign.trainers.options import EpochOptions
+from flowalign.limits import (MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS,
+                              MAX_UPDATES, MAX_WEIGHT_COPIES)
+from flowalign.trainers.base import derived_seed
 from flowalign.trainers.copies import WeightCopy
-from flowalign.trainers.base import GroupTrainerConfig, derived_seed
+from flowalign.trainers.options import TrainerConfig
 from flowalign.trainers.diffusion_dpo import DiffusionDPOTrainer, PairBatch, PairUnit
 from flowalign.trainers.parts.pair_images import PairImages
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
 from flowalign.weight_swap import swapped_in
 
 
-class SePPOConfig(GroupTrainerConfig, EpochOptions):
+class SePPOConfig(TrainerConfig):
+    """SePPO's own rollouts (one reference sample per winning image: no groups, no rewards, no advantages)."""
+
     name: Literal["seppo"] = "seppo"
+    #: winning images per step on each rank
+    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
+    #: pairs per forward/backward, and reference samples per rollout batch
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH)
+    #: ODE steps of the reference's samples
+    num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
+    #: CFG scale of the reference's samples (None: the model's default)
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
+    #: optimiser steps over the batch's pairs (each one pass over all of them)
+    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     #: β of the DPO-style loss (large: the per-pair error differences are ~1e-3; as diffusion_dpo)
     dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
     #: the winning images: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None:
@@ -111,7 +124,10 @@ class SePPOTrainer(DiffusionDPOTrainer):
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
-        return []  # the references are SePPO's stored checkpoints, not the adapter switched off
+        """The stored reference checkpoints, copies of the trained tensors (not the adapter switched off): the
+        starting weights and one every ``reference_every`` steps, at most ``max_references`` (the most a run of
+        ``max_steps`` holds)."""
+        return [WeightCopy("snapshot", count=min(tcfg.max_references, 1 + tcfg.max_steps // tcfg.reference_every))]
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)

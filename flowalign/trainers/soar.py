@@ -37,14 +37,20 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LOGIT, MAX_SAMPLING_STEPS, MAX_UPDATES
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import encode_prompts
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, derived_seed
+from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
+from flowalign.trainers.options import TrainerConfig
 from flowalign.trainers.parts.pair_images import PairImages
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class SOARConfig(GroupTrainerConfig):
-    renamed = {"K": "rollout_steps", "w_cfg": "rollout_guidance", "N": "corrections", "lam": "correction_weight"}
+class SOARConfig(TrainerConfig):
+    """Real (image, caption) pairs: no rollout groups, no rewards, no advantages."""
+
+    #: ``micro_batch`` is the former ``batch_size`` (pairs per forward/backward), read by ``_former_micro_batch``
+    #: (which runs first: it also moves the former ``batch_size``, pairs per step, to ``pairs_per_step``)
+    renamed = {"K": "rollout_steps", "w_cfg": "rollout_guidance", "N": "corrections", "lam": "correction_weight",
+               "micro_batch": "batch_size"}
 
     name: Literal["soar"] = "soar"
     #: K: the rollout step is 1/K (match the inference step count)

@@ -132,5 +132,10 @@ def test_bad_config(tmp_path, tiny_sd3_dir, prompt_file, lrr_dir):
         build_trainer(_rg_opd(tmp_path, tiny_sd3_dir, prompt_file, tmp_path / "nowhere"))
     # full fine-tuning's anchor runs a frozen copy of the starting weights (no adapter to switch off)
     full = build_trainer(_rg_opd(tmp_path / "f", tiny_sd3_dir, prompt_file, lrr_dir, "model.finetune=full",
-                                 "trainer.anchor=1e-4"))
+                                 "trainer.anchor_weight=1e-4"))
     assert full.policy.reference_modules is not None
+    # the former name is refused with the new one (Flow-OPD's name for its anchor term's weight)
+    with pytest.raises(UserError, match="trainer.anchor_weight"):
+        build_trainer(_rg_opd(tmp_path / "a", tiny_sd3_dir, prompt_file, lrr_dir, "trainer.anchor=1e-4"))
+    with pytest.raises(UserError, match="trainer.core.anchor_weight"):
+        build_trainer(_rg_opd(tmp_path / "c", tiny_sd3_dir, prompt_file, lrr_dir, "trainer.core={anchor: 1.0}"))

@@ -188,9 +188,9 @@ def test_sft_trains_on_a_folder_and_a_jsonl_of_pairs(tmp_path, tiny_sd3_dir):
 
 
 def test_former_option_names_are_read_with_one_deprecation_line_each(capsys, monkeypatch):
-    from flowalign.trainers import base, trainer_config
+    from flowalign.trainers import options, trainer_config
 
-    monkeypatch.setattr(base, "_REPORTED_RENAMES", set())
+    monkeypatch.setattr(options, "_REPORTED_RENAMES", set())
     former = {"name": "soar", "K": 8, "w_cfg": 3.0, "N": 2, "lam": 0.5}
     for _ in range(2):  # a config is read more than once (check, then the run): said once
         _, tcfg = trainer_config(former)
