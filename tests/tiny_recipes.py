@@ -20,7 +20,8 @@ FIT = {"dance_grpo_vvr": FOUR_STEPS, "pref_grpo_vvr": FOUR_STEPS,  # timestep_fr
        "flash_grpo_vvr": FOUR_STEPS, "flash_grpo_motion": FOUR_STEPS, "mix_grpo_vvr": FOUR_STEPS,  # their windows
        "tempflow_grpo_vvr": ("trainer.branch_steps=null",),  # the recipe's list is for its own 10 steps
        "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2"),  # its group is K (8 at least)
-       "afd_motion": ("trainer.teacher.num_steps=2",)}  # the teacher model's own 20-step videos
+       "afd_motion": ("trainer.teacher.num_steps=2",),  # the teacher model's own 20-step videos
+       "flow_opd_vvr": ("trainer.cold_start_steps=0",)}  # the distillation stage, where its rewards are scored
 
 
 def trainer_name(path: Path) -> str:
