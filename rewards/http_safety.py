@@ -107,10 +107,14 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def answer_errors_as_json(app: Any) -> None:
-    """Answer an unknown path or a wrong method (starlette's ``HTTPException``) and any exception a route lets
-    through with :func:`error_body` (the exception's text, cut to 2000 characters), as every other error of the
-    servers, instead of starlette's plain-text pages."""
+    """Answer a :class:`BadRequest` with its status, an unknown path or a wrong method (starlette's
+    ``HTTPException``) and any other exception a route lets through with :func:`error_body` (the exception's
+    text, cut to 2000 characters), instead of starlette's plain-text pages."""
     from starlette.exceptions import HTTPException
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Any, e: BadRequest) -> Any:
+        return error_response(e.status, str(e), e.param, e.code)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Any, e: HTTPException) -> Any:
@@ -119,6 +123,21 @@ def answer_errors_as_json(app: Any) -> None:
     @app.exception_handler(Exception)
     async def unexpected(_: Any, e: Exception) -> Any:
         return error_response(500, f"{type(e).__name__}: {e}"[:2000])
+
+
+async def decode_body(request: Any, decoded: DecodeBudget, decode: Callable[[bytes, Reservation], Any]) -> Any:
+    """``(decode(body, reservation), reservation)``: the request's body decoded in a worker thread, the bytes it
+    decodes to held in a fresh reservation of ``decoded`` (released here when decoding fails; a
+    :class:`BadRequest` then answers through :func:`answer_errors_as_json`)."""
+    from starlette.concurrency import run_in_threadpool
+
+    raw = await request.body()
+    reservation = decoded.open()
+    try:
+        return await run_in_threadpool(decode, raw, reservation), reservation
+    except BaseException:
+        reservation.release()
+        raise
 
 
 def _error_response(status: int, message: str, code: str | None = None) -> tuple[list[tuple[bytes, bytes]], bytes]:

@@ -37,8 +37,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from rewards.http_safety import (PIL_RGB_BYTES, BadRequest, DecodeBudget, Limits, PixelBudget, Reservation,
-                                 answer_errors_as_json, bind, decode_rgb, error_response, peek_image, url_host,
-                                 uvicorn_config)
+                                 answer_errors_as_json, bind, decode_body, decode_rgb, error_response, peek_image,
+                                 url_host, uvicorn_config)
 from rewards.vlm_backend import ChatRequest, Completion, LocalVLM
 
 #: seeds a request may give (torch generators take 64-bit seeds; JSON integers can be any size)
@@ -243,7 +243,6 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
     """The FastAPI app serving ``vlm`` (``app.state.batcher`` holds its :class:`MicroBatcher`,
     ``app.state.limits`` the bounds :class:`BackgroundServer` and :func:`serve` enforce)."""
     from fastapi import FastAPI, Request
-    from starlette.concurrency import run_in_threadpool
 
     name = model_name or vlm.name
     app = FastAPI(title="flowalign judge", version="1", docs_url=None, redoc_url=None, openapi_url=None)
@@ -278,16 +277,7 @@ def create_app(vlm: LocalVLM, *, model_name: str | None = None, max_top_logprobs
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        raw = await request.body()
-        reservation = decoded.open()
-        try:
-            body, chat_request = await run_in_threadpool(prepare, raw, reservation)
-        except BadRequest as e:
-            reservation.release()
-            return error_response(e.status, str(e), e.param, e.code)
-        except BaseException:
-            reservation.release()
-            raise
+        (body, chat_request), reservation = await decode_body(request, decoded, prepare)
         future = batcher.submit_future(chat_request)
         del chat_request
         future.add_done_callback(lambda _: reservation.release())  # the images are held until then

@@ -29,7 +29,7 @@ from typing import Any
 
 from flowalign.reward_check import check_reward_output
 from rewards.http_safety import (BadRequest, DecodeBudget, Limits, PixelBudget, Reservation, answer_errors_as_json,
-                                 bind, error_body, error_response, url_host, uvicorn_config)
+                                 bind, decode_body, error_body, error_response, url_host, uvicorn_config)
 from rewards.reward_wire import decode_request
 
 #: seconds a reward call may take when the SPEC gives no ``timeout_s``
@@ -159,7 +159,6 @@ def create_app(reward: Any, *, name: str, spec: Any = None, device: str = "cpu",
     ``timeout_s`` seconds, :data:`DEFAULT_TIMEOUT_S` if None)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
-    from starlette.concurrency import run_in_threadpool
 
     app = FastAPI(title="flowalign reward", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.limits = limits
@@ -190,17 +189,7 @@ def create_app(reward: Any, *, name: str, spec: Any = None, device: str = "cpu",
         if runner.saturated:
             status, body = runner.refusal()
             return JSONResponse(body, status_code=status)
-        raw = await request.body()
-        reservation = decoded.open()
-        try:
-            samples, prompts, metadata = await run_in_threadpool(decode, raw, reservation)
-        except BadRequest as e:
-            reservation.release()
-            return error_response(e.status, str(e), e.param, e.code)
-        except BaseException:
-            reservation.release()
-            raise
-        del raw
+        (samples, prompts, metadata), reservation = await decode_body(request, decoded, decode)
         call, state = runner.start(samples, prompts, metadata, reservation, deadline)
         del samples
         gone = asyncio.ensure_future(_disconnected(request))
