@@ -163,6 +163,35 @@ class StreamingPolicy(FlowPolicy, Protocol):
         ...
 
 
+@runtime_checkable
+class UnifiedPolicy(FlowPolicy, Protocol):
+    """One model that reads images and writes text (understanding) and draws images (generation), with one
+    ``trainable`` module behind both roles (``docs/methods/umm_reflection.md``; Qwen-Image-Edit with its own
+    VL encoder writing: :mod:`pipelines.unified`).
+
+    As a :class:`FlowPolicy` it draws an image from text; ``editor`` is the same generator as a FlowPolicy
+    that takes a reference image, ``editor.encode(instructions, images=[...])`` (a revision: the text it
+    wrote is the instruction, its current image the reference). Written tokens are ids ``(B, L)``, ``-1``
+    after a sequence's end (its log-prob 0).
+    """
+
+    editor: FlowPolicy
+
+    def generate(self, images: torch.Tensor, prompts: list[str], max_new_tokens: int,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Text about ``images (B, 3, H, W)`` in [0, 1] sampled at temperature 1: tokens ``(B, L)`` and each
+        token's log-probability ``(B, L)`` float32, no grad."""
+        ...
+
+    def token_log_probs(self, images: torch.Tensor, prompts: list[str], tokens: torch.Tensor) -> torch.Tensor:
+        """``log π(tokens | image, prompt)`` ``(B, L)`` float32, with gradients (0 after a sequence's end)."""
+        ...
+
+    def decode_tokens(self, tokens: torch.Tensor) -> list[str]:
+        """Each row of ``tokens`` as text (end marker and padding dropped)."""
+        ...
+
+
 @dataclass
 class RewardOutput:
     """Named per-sample reward components ``(B,)`` float32 and a ``valid`` mask ``(B,)`` bool.

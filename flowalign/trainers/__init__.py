@@ -45,6 +45,7 @@ TRAINERS = {
     "ar_copo": "flowalign.trainers.ar_copo:ARCoPOTrainer",
     "kvpo": "flowalign.trainers.kvpo:KVPOTrainer",
     "afd": "flowalign.trainers.afd:AFDTrainer",
+    "umm_reflection": "flowalign.trainers.umm_reflection:UMMReflectionTrainer",
 }
 
 

@@ -1,0 +1,380 @@
+"""UMM-Reflection: RL over whole reflection trajectories of one unified multimodal model
+(``docs/methods/umm_reflection.md``).
+
+A trajectory of prompt ``c``: the model's first image ``I_0`` (one per prompt group, so G siblings start from
+the same image, bit for bit), then up to R rounds of
+
+    reflect:  y_r ~ π_θ(· | I_{r-1}, c)                  (text, token by token; stop phrase or empty: the end)
+    revise:   I_r ~ p_θ(· | I_{r-1}, y_r)                 (a Flow-GRPO SDE rollout, the reflection as edit
+                                                           instruction, I_{r-1} the reference image)
+
+The final image is scored; one group-relative advantage ``A_i`` per trajectory (the loop's scoring service)
+weighs every term of it, with no per-round credit:
+
+    L = (1/N) Σ_i [ w_tok · (1/|y_i|) Σ_{r,t} max(−A_i·ρ_{r,t}, −A_i·clip(ρ_{r,t}))
+                  + w_rev · (1/|K_i|) Σ_{r,k} max(−A_i·r_{r,k}, −A_i·clip(r_{r,k})) ]
+
+``ρ = π_θ(y_t | ...) / π_old``, ``r = p_θ(x_{k+1} | x_k) / p_old`` (the revision's SDE steps), ``|y_i|`` the
+trajectory's reflection tokens over all rounds, ``|K_i|`` its trained SDE steps over all revisions, N the
+trajectories of every rank. ``objective: sft`` is the cold start on the same trajectories: the best trajectory
+of each group, when its final image scores above the first, is imitated (negative log-likelihood of its
+reflections, flow matching toward its revisions), the others weigh 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK, MAX_SAMPLING_STEPS
+from flowalign.protocols import UnifiedPolicy
+from flowalign.sampling import Rollout, rollout, sde_step
+from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
+from flowalign.trainers.options import AdvantageOptions, RolloutOptions, TrainerConfig
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
+
+#: most reflection rounds of a trajectory
+MAX_ROUNDS = 64
+#: most tokens of one reflection
+MAX_REFLECTION_TOKENS = 4096
+
+
+class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
+    """``group_size`` trajectories per prompt share its first image; ``num_steps`` / ``guidance_scale`` /
+    ``batch_size``: the image rollouts (first images and revisions)."""
+
+    name: Literal["umm_reflection"] = "umm_reflection"
+    #: "rl": the trajectory-level policy gradient; "sft": the cold start (imitate each group's best trajectory)
+    objective: Literal["rl", "sft"] = "rl"
+    #: most reflect → revise rounds of a trajectory
+    rounds: int = Field(2, ge=1, le=MAX_ROUNDS)
+    #: most tokens of one reflection (its end token included)
+    max_new_tokens: int = Field(16, ge=1, le=MAX_REFLECTION_TOKENS)
+    #: a reflection containing this (case-insensitive), or an empty one, ends the trajectory: no revision
+    stop_phrase: str = Field("no change", min_length=1, max_length=200)
+    #: a of the revisions' Flow-GRPO SDE
+    noise_level: float = Field(0.7, gt=0, le=2)
+    #: ε of the clipped ratio (tokens and revision steps alike)
+    clip_range: float = Field(1e-3, gt=0, le=MAX_COEFFICIENT)
+    #: w_tok: weight of the reflection tokens' term
+    token_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: w_rev: weight of the revisions' term
+    revision_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: the language LoRA that writes reflections (rank, alpha)
+    language_lora_rank: int = Field(4, ge=1, le=MAX_LORA_RANK)
+    language_lora_alpha: float = Field(8.0, gt=0, le=MAX_COEFFICIENT)
+
+    @model_validator(mode="after")
+    def _something_trains(self) -> "UMMReflectionConfig":
+        if self.token_weight == 0 and self.revision_weight == 0:
+            raise ValueError("token_weight and revision_weight are both 0: nothing would train; set one > 0")
+        if self.num_steps > MAX_SAMPLING_STEPS:
+            raise ValueError(f"num_steps must be <= {MAX_SAMPLING_STEPS}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- the batch
+
+
+@dataclass(frozen=True)
+class Revision:
+    """The SDE rollout of one batch of revisions: trajectories ``index`` (into the step's N)."""
+
+    index: torch.Tensor
+    rollout: Rollout
+
+
+@dataclass(frozen=True)
+class Round:
+    """One reflect → revise round over the step's N trajectories.
+
+    ``images (N, 3, H, W)``: the image each reflected on; ``tokens`` / ``log_probs (N, L)``: the reflection
+    and its tokens' sampling log-probs (PAD, 0 for a trajectory that had ended); ``reflected (N,)``: the
+    trajectory was still going; ``revised (N,)``: it reflected without stopping, so it was revised."""
+
+    images: torch.Tensor
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    reflected: torch.Tensor
+    revised: torch.Tensor
+    revisions: list[Revision]
+
+
+@dataclass(frozen=True)
+class TrajectoryBatch:
+    """The step's trajectories: N = prompts × group_size, siblings adjacent. ``coefficients (N,)``: what
+    multiplies each trajectory's terms (its advantage under ``rl``, 1 or 0 under ``sft``)."""
+
+    prompts: list[str]
+    metadata: list[dict]
+    groups: torch.Tensor
+    prompt_ids: torch.Tensor
+    first: torch.Tensor
+    rounds: list[Round]
+    final: torch.Tensor
+    scores: torch.Tensor
+    advantages: torch.Tensor
+    coefficients: torch.Tensor
+    logs: dict[str, float] = field(default_factory=dict)
+
+    def token_counts(self) -> torch.Tensor:
+        """Reflection tokens of each trajectory over all rounds ``(N,)``."""
+        return sum(((r.tokens != -1) & r.reflected[:, None]).sum(1) for r in self.rounds)
+
+    def step_counts(self) -> torch.Tensor:
+        """Trained SDE steps of each trajectory over all revisions ``(N,)``."""
+        counts = torch.zeros(len(self.prompts), dtype=torch.long)
+        for r in self.rounds:
+            for rev in r.revisions:
+                counts[rev.index] += len(rev.rollout.trained_steps())
+        return counts
+
+
+@dataclass(frozen=True)
+class TokenUnit:
+    """The reflection of trajectory ``index`` in round ``round``, each token weighted ``scale``."""
+
+    index: int
+    round: int
+    scale: float
+
+
+@dataclass(frozen=True)
+class RevisionUnit:
+    """Step ``k`` of revision batch ``batch`` of round ``round``; per-sample weight ``scale (B,)``; under
+    ``sft`` the flow-matching noise ``noise`` drawn for it."""
+
+    round: int
+    batch: int
+    k: int
+    scale: torch.Tensor = field(compare=False)
+    noise: torch.Tensor | None = field(default=None, compare=False)
+
+
+def stopped(texts: list[str], stop_phrase: str) -> torch.Tensor:
+    """``(B,)`` bool: a reflection that is empty or says the stop phrase ends its trajectory."""
+    phrase = stop_phrase.lower()
+    return torch.tensor([not t.strip() or phrase in t.lower() for t in texts], dtype=torch.bool)
+
+
+def sft_coefficients(groups: torch.Tensor, first_scores: torch.Tensor, final_scores: torch.Tensor) -> torch.Tensor:
+    """``(N,)``: 1 for the best trajectory of each group (the first of equals) when its final image scores above
+    the group's first image, else 0 (the cold start imitates only trajectories that improved)."""
+    keep = torch.zeros(len(groups))
+    for g in groups.unique().tolist():
+        members = (groups == g).nonzero().flatten()
+        best = members[int(final_scores[members].argmax())]
+        if final_scores[best] > first_scores[best]:
+            keep[best] = 1.0
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+
+
+class UMMReflectionTrainer(GroupTrainer):
+    Config = UMMReflectionConfig
+    tcfg: UMMReflectionConfig
+    sampler = "flow_grpo"
+
+    def __init__(self, cfg: Any, tcfg: UMMReflectionConfig, policy: Any, *args: Any, **kw: Any) -> None:
+        from pipelines.unified import unified  # the model family that gives an editing model its VL writer
+
+        super().__init__(cfg, tcfg, unified(policy, tcfg.language_lora_rank, tcfg.language_lora_alpha), *args, **kw)
+
+    @classmethod
+    def rollouts_per_step(cls, tcfg: Any) -> tuple[int, int, int]:
+        """Each prompt's first image and its G trajectories' R revisions."""
+        return tcfg.prompts_per_step, tcfg.group_size * tcfg.rounds + 1, tcfg.num_steps
+
+    @property
+    def unified(self) -> UnifiedPolicy:
+        return self.policy
+
+    # ------------------------------------------------------------------ collect
+    def collect(self, step: int) -> TrajectoryBatch:
+        """First images (one per group) → R rounds of reflections and revisions → scores and advantages."""
+        t0 = time.perf_counter()
+        p, g = self.tcfg.prompts_per_step, self.tcfg.group_size
+        idx = self.step_indices(step)
+        prompts = [self.data.prompts[i] for i in idx for _ in range(g)]
+        metadata = [self.data.metadata[i] for i in idx for _ in range(g)]
+        groups = torch.arange(self.rank * p, (self.rank + 1) * p).repeat_interleave(g)
+        members = torch.arange(g).repeat(p)
+        prompt_ids = torch.tensor(idx).repeat_interleave(g)
+        with torch.no_grad():
+            first = self.first_images(prompts[::g], metadata[::g], groups[::g], step).repeat_interleave(g, dim=0)
+            images, active, rounds = first, torch.ones(len(prompts), dtype=torch.bool), []
+            for r in range(self.tcfg.rounds):
+                done = self.reflect_and_revise(images, active, prompts, groups, members, step, r)
+                rounds.append(done)
+                images = images.clone()
+                for rev in done.revisions:
+                    images[rev.index] = rev.rollout.samples.float()
+                active = done.revised
+        t1 = time.perf_counter()
+        steps = torch.stack([r.images for r in rounds]).flatten(0, 1)
+        watched = self.score(steps, prompts * len(rounds), metadata * len(rounds), step=step)  # each round's input
+        scored = self.score(images, prompts, metadata, prompt_ids, step)
+        before = watched.scores.total.view(len(rounds), -1)
+        final = scored.scores.total
+        coefficients = (scored.advantages if self.tcfg.objective == "rl"
+                        else sft_coefficients(groups, before[0], final))
+        logs = {**scored.logs, **self.round_logs(rounds, before, final), "time/rollout": t1 - t0}
+        logs["time/reward"] = scored.logs["time/reward"] + watched.logs["time/reward"]
+        return TrajectoryBatch(prompts, metadata, groups, prompt_ids, first, rounds, images, final,
+                               scored.advantages, coefficients, logs)
+
+    def first_images(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor, step: int) -> torch.Tensor:
+        """One image per prompt group ``(P, 3, H, W)``: the model's own ODE sample from the group's noise."""
+        out = []
+        b = self.tcfg.batch_size
+        for s in range(0, len(prompts), b):
+            gens = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, gid, 19))
+                    for gid in groups[s : s + b].tolist()]
+            drawn = rollout(self.policy, prompts[s : s + b], num_steps=self.tcfg.num_steps, sampler="ode",
+                            guidance_scale=self.tcfg.guidance_scale, generators=gens)
+            out.append(drawn.samples.float())
+        return torch.cat(out)
+
+    def reflect_and_revise(self, images: torch.Tensor, active: torch.Tensor, prompts: list[str],
+                           groups: torch.Tensor, members: torch.Tensor, step: int, r: int) -> Round:
+        """Round ``r``: the still-going trajectories write a reflection on their image; those that did not
+        stop are revised (SDE rollouts, in batches of ``batch_size``), each from its own keyed noise."""
+        n = len(prompts)
+        going = active.nonzero().flatten().tolist()
+        texts_of: dict[int, str] = {}
+        keys = [(int(groups[i]), int(members[i])) for i in range(n)]
+        tokens = torch.full((n, 1), -1, dtype=torch.long)
+        log_probs = torch.zeros(n, 1)
+        revised = torch.zeros(n, dtype=torch.bool)
+        if going:
+            gens = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, *keys[i], 23, r)) for i in going]
+            written, lp = self.unified.generate(images[going], [prompts[i] for i in going], self.tcfg.max_new_tokens,
+                                                gens)
+            tokens = torch.full((n, written.shape[1]), -1, dtype=torch.long)
+            log_probs = torch.zeros(n, written.shape[1])
+            tokens[going], log_probs[going] = written, lp
+            texts = self.unified.decode_tokens(written)
+            revised[going] = ~stopped(texts, self.tcfg.stop_phrase)
+            texts_of = dict(zip(going, texts))
+        revisions = []
+        todo = revised.nonzero().flatten()
+        for s in range(0, len(todo), self.tcfg.batch_size):
+            index = todo[s : s + self.tcfg.batch_size]
+            il = index.tolist()
+            gens = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, *keys[i], 29, r)) for i in il]
+            drawn = rollout(self.unified.editor, [self.instruction(prompts[i], texts_of[i]) for i in il],
+                            metadata=[{"image": images[i]} for i in il], num_steps=self.tcfg.num_steps,
+                            sampler=self.sampler, noise_level=self.tcfg.noise_level,
+                            guidance_scale=self.tcfg.guidance_scale, generators=gens)
+            revisions.append(Revision(index, drawn))
+        return Round(images, tokens, log_probs, active.clone(), revised, revisions)
+
+    @staticmethod
+    def instruction(prompt: str, reflection: str) -> str:
+        """The edit instruction of a revision: the reflection, after the prompt it serves (the revision reads
+        the whole context, as a unified model's does)."""
+        return f"{prompt}. {reflection}"
+
+    def round_logs(self, rounds: list[Round], before: torch.Tensor, final: torch.Tensor) -> dict[str, float]:
+        """Per round r (1-based, over every rank's trajectories): ``round{r}/reflected`` (fraction still
+        going), ``stop_rate`` (of those, how many ended), ``tokens`` (mean reflection length), ``improved``
+        (of the revised, how many scored above the image they revised, by the verifier)."""
+        after = torch.cat([before[1:], final[None]])
+        rows = []
+        for r, rnd in enumerate(rounds):
+            lengths = ((rnd.tokens != -1).sum(1) * rnd.reflected).sum()
+            up = ((after[r] > before[r]) & rnd.revised).sum()
+            rows.append(torch.stack([rnd.reflected.sum(), (rnd.reflected & ~rnd.revised).sum(), lengths,
+                                     rnd.revised.sum(), up, torch.tensor(len(rnd.reflected))]).float())
+        totals = self.gather(torch.stack(rows)[None]).sum(0)
+        logs = {}
+        for r, (reflected, stops, lengths, revised, up, n) in enumerate(totals.tolist(), start=1):
+            logs[f"round{r}/reflected"] = reflected / n
+            logs[f"round{r}/stop_rate"] = stops / reflected if reflected else 0.0
+            logs[f"round{r}/tokens"] = lengths / reflected if reflected else 0.0
+            logs[f"round{r}/improved"] = up / revised if revised else 0.0
+        return logs
+
+    # ------------------------------------------------------------------ plan and loss
+    def units(self, batch: TrajectoryBatch, total: int) -> list[TokenUnit | RevisionUnit]:
+        """Every term of every trajectory, weighted so that the units of all ranks sum to ``L`` (``total``: N
+        over every rank): a trajectory's tokens share ``w_tok / total``, its trained steps ``w_rev / total``."""
+        tokens, steps = batch.token_counts().clamp(min=1), batch.step_counts().clamp(min=1)
+        units: list[TokenUnit | RevisionUnit] = []
+        for r, rnd in enumerate(batch.rounds):
+            if self.tcfg.token_weight > 0:
+                units += [TokenUnit(i, r, self.tcfg.token_weight / (float(tokens[i]) * total))
+                          for i in rnd.reflected.nonzero().flatten().tolist() if (rnd.tokens[i] != -1).any()]
+            if self.tcfg.revision_weight > 0:
+                for b, rev in enumerate(rnd.revisions):
+                    scale = self.tcfg.revision_weight / (steps[rev.index].float() * total)
+                    for k in rev.rollout.trained_steps():
+                        noise = None
+                        if self.tcfg.objective == "sft":
+                            g = self.tcfg.group_size  # siblings are adjacent: member i mod G
+                            gens = [self.keyed_generator(int(batch.groups[i]), i % g, r, k, 31)
+                                    for i in rev.index.tolist()]
+                            x0 = rev.rollout.final_latents
+                            noise = torch.stack([torch.randn(x0.shape[1:], generator=gen) for gen in gens])
+                        units.append(RevisionUnit(r, b, k, scale, noise))
+        return units
+
+    def plan(self, batch: TrajectoryBatch, generator: torch.Generator) -> Plan:
+        """One optimiser step over the units of trajectories with a non-zero coefficient (a global plan)."""
+        units = self.units(batch, self.total(len(batch.prompts)))
+        live = batch.coefficients != 0
+
+        def useful(u: TokenUnit | RevisionUnit) -> bool:
+            if isinstance(u, TokenUnit):
+                return bool(live[u.index])
+            return bool(live[batch.rounds[u.round].revisions[u.batch].index].any())
+
+        return Plan([[u for u in units if useful(u)]], global_weights=True)
+
+    def loss(self, batch: TrajectoryBatch, unit: TokenUnit | RevisionUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        if isinstance(unit, TokenUnit):
+            return self.token_loss(batch, unit)
+        return self.revision_loss(batch, unit)
+
+    def token_loss(self, batch: TrajectoryBatch, unit: TokenUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        """``scale · Σ_t max(−A·ρ_t, −A·clip(ρ_t))`` over the reflection's tokens (``sft``: ``−scale · Σ_t log π``)."""
+        rnd, i = batch.rounds[unit.round], unit.index
+        mask = rnd.tokens[i] != -1
+        lp = self.unified.token_log_probs(rnd.images[i : i + 1], [batch.prompts[i]], rnd.tokens[i : i + 1])[0][mask]
+        coefficient = batch.coefficients[i].to(lp)
+        if self.tcfg.objective == "sft":
+            loss = -(coefficient * lp).sum() * unit.scale
+            return loss, {"token_nll": -lp.mean().item()}
+        old = rnd.log_probs[i][mask].to(lp)
+        per_token, ratio, clipped = ppo_clip_loss(lp, old, coefficient.expand_as(lp), self.tcfg.clip_range)
+        deviation = (ratio.detach() - 1).abs().max().item()
+        return per_token.sum() * unit.scale, {"token_ratio_dev": deviation, "token_clip_frac":
+                                              clipped.float().mean().item()}
+
+    def revision_loss(self, batch: TrajectoryBatch, unit: RevisionUnit) -> tuple[torch.Tensor, dict[str, float]]:
+        """``Σ_b scale_b · max(−A_b·r_b, −A_b·clip(r_b))`` at SDE step k of the revisions (``sft``: flow matching
+        of the revised image at that step's σ, ``scale_b·A_b·mean‖v − (ε − x0)‖²``)."""
+        rev = batch.rounds[unit.round].revisions[unit.batch]
+        chunk, k = rev.rollout, unit.k
+        coefficient = batch.coefficients[rev.index].float()
+        sigma, sigma_next = chunk.sigmas[k].item(), chunk.sigmas[k + 1].item()
+        if self.tcfg.objective == "sft":
+            x0 = chunk.final_latents
+            x = (1 - sigma) * x0 + sigma * unit.noise
+            v = self.unified.editor.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
+            per_sample = ((v - (unit.noise - x0).to(v)) ** 2).flatten(1).mean(1)
+            loss = (per_sample * coefficient.to(v) * unit.scale.to(v)).sum()
+            return loss, {"flow_matching": per_sample.mean().item()}
+        x_k, x_next, old = chunk.step(k)
+        v = self.unified.editor.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
+        out = sde_step(self.sampler, v, x_k, sigma, sigma_next, noise_level=self.tcfg.noise_level, prev_sample=x_next)
+        per_sample, ratio, clipped = ppo_clip_loss(out.log_prob, old.to(out.log_prob), coefficient.to(out.log_prob),
+                                                   self.tcfg.clip_range, unit.scale.to(out.log_prob))
+        deviation = (ratio.detach() - 1).abs().max().item()
+        return per_sample.sum(), {"ratio_dev": deviation, "clip_frac": clipped.float().mean().item()}

@@ -1,0 +1,205 @@
+"""A unified multimodal model as a :class:`flowalign.protocols.UnifiedPolicy`: Qwen-Image-Edit with its own
+Qwen2.5-VL encoder writing the text.
+
+Qwen-Image-Edit already holds both halves of a unified model: a vision-language model (Qwen2.5-VL: vision
+tower + language model + LM head) that reads an image with text, and a flow transformer (MMDiT) that draws
+an image conditioned on that language model's hidden states and on a reference image's latents. Here:
+
+* understanding: the VL model reads an image with a reflection prompt and *writes* text (sampled token by
+  token at temperature 1, each token's log-probability kept), through a LoRA on its language layers (the
+  ``"reflection"`` role);
+* generation: the editing policy itself (:attr:`UnifiedEditPolicy.editor`): the reflection is the edit
+  instruction, the current image the reference image; the first image of a trajectory is drawn from a
+  mid-grey canvas as reference (``encode(prompts)``: text to image).
+
+One ``trainable`` module holds both roles' weights (``flow``: the transformer's LoRA or full weights;
+``language``: the VL model, whose LoRA tensors are its only trained ones), so one optimiser, one EMA and one
+checkpoint cover both. The conditioning the transformer reads is always the *frozen* VL model's (the
+language LoRA is switched on only while writing or scoring text): prompt encodings stay cacheable, and
+the reflection weights change only what is written, as BAGEL's understanding expert changes what its
+generation expert reads only through the context it writes (``docs/methods/umm_reflection.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from PIL import Image
+
+from flowalign.errors import UserError
+from flowalign.io import atomic_path
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+
+#: what the VL model is asked about its own image (Qwen2.5-VL's chat format; ``{}`` is the prompt)
+REFLECTION_TEMPLATE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>The image should show: {}. "
+                       "What is wrong with it, and what should change? Answer 'no change' if nothing."
+                       "<|im_end|>\n<|im_start|>assistant\n")
+#: the language LoRA's targets: the language model's projections only (the vision tower's MLP has the same
+#: leaf names, hence a full-name pattern)
+LANGUAGE_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
+#: file of the language LoRA in a saved adapter folder (beside the transformer's diffusers LoRA)
+LANGUAGE_ADAPTER_FILE = "reflection_lora.safetensors"
+#: token id after a sequence's end in :meth:`UnifiedEditPolicy.generate`'s output (its log-prob is 0)
+PAD = -1
+
+
+def _pictures(images: torch.Tensor) -> list[Image.Image]:
+    """``(B, 3, H, W)`` in [0, 1] → PIL images (8-bit, as an image a model looks at)."""
+    arrays = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    return [Image.fromarray(a) for a in arrays]
+
+
+class UnifiedEditPolicy:
+    """Qwen-Image-Edit (``editor``, a :class:`pipelines.qwen_image_edit.QwenImageEditPolicy`) whose VL encoder
+    also writes text. As a :class:`flowalign.protocols.FlowPolicy` it draws text-to-image samples (the
+    editor on a blank canvas); ``editor`` revises an image; ``generate`` / ``token_log_probs`` write and
+    score reflections."""
+
+    input_images = False  # as a FlowPolicy: text to image (evaluation, first images); ``editor`` takes images
+
+    def __init__(self, editor: Any, language_lora_rank: int = 4, language_lora_alpha: float = 8.0) -> None:
+        if not getattr(editor, "input_images", False) or not hasattr(editor.pipe, "processor"):
+            raise UserError(f"a unified policy needs an editing model with a vision-language encoder (Qwen-Image-"
+                            f"Edit); model.path holds a {editor.family!r} model")
+        self.editor = editor
+        self.language = editor.pipe.text_encoder
+        self.processor = editor.pipe.processor
+        self.tokenizer = editor.pipe.tokenizer
+        self.eos_id = int(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        if not any(isinstance(m, BaseTunerLayer) for m in self.language.modules()):
+            config = LoraConfig(r=language_lora_rank, lora_alpha=language_lora_alpha, lora_dropout=0.0,
+                                target_modules=LANGUAGE_TARGETS, init_lora_weights=True)
+            inject_adapter_in_model(config, self.language, adapter_name=lora_utils.ADAPTER_NAME)
+        layers, _ = lora_utils.tuner_layers(self.language)
+        for t in self.language_adapter().values():
+            t.requires_grad_(True)
+        for layer in layers:  # off unless writing or scoring text: the transformer reads the frozen encoder
+            layer._disable_adapters = True
+        self.trainable = torch.nn.ModuleDict({"flow": editor.trainable, "language": self.language})
+
+    # ------------------------------------------------------------------ FlowPolicy: the editor's own
+    def __getattr__(self, name: str) -> Any:
+        if name in ("editor", "__setstate__"):
+            raise AttributeError(name)
+        return getattr(self.editor, name)
+
+    def blank_canvas(self) -> torch.Tensor:
+        """The reference image of a first image ``(3, H, W)``: uniform mid-grey at the output size."""
+        return torch.full((3, int(self.editor.defaults["height"]), int(self.editor.defaults["width"])), 0.5)
+
+    def encode(self, prompts: list[str], images: list[Any] | None = None) -> Conditioning:
+        """The editor's conditioning; without images, each prompt reads the blank canvas (text to image)."""
+        return self.editor.encode(prompts, images=images or [self.blank_canvas()] * len(prompts))
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """The transformer's LoRA as the editor saves it (when it has one), plus the language LoRA in
+        ``reflection_lora.safetensors``."""
+        from safetensors.torch import save_file
+
+        if lora_utils.has_adapter(self.editor.transformer):
+            self.editor.save_adapter(directory)
+        state = self.language_adapter()
+        with atomic_path(Path(directory) / LANGUAGE_ADAPTER_FILE) as tmp:
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
+
+    def language_adapter(self) -> dict[str, torch.nn.Parameter]:
+        """The language LoRA's tensors by name (the VL model's only trained ones)."""
+        return {n: t for n, t in self.language.named_parameters() if ".lora_" in n}
+
+    # ------------------------------------------------------------------ understanding: text
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """The language LoRA switched on (writing and scoring reflections), off again after."""
+        layers, _ = lora_utils.tuner_layers(self.language)
+        for layer in layers:
+            layer._disable_adapters = False
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer._disable_adapters = True
+
+    def _inputs(self, image: torch.Tensor, prompt: str) -> dict[str, torch.Tensor]:
+        picture = self.editor.condition_image(image)
+        inputs = self.processor(text=[REFLECTION_TEMPLATE.format(prompt)], images=[picture], return_tensors="pt")
+        return {k: v.to(self.editor.device) for k, v in inputs.items()}
+
+    def _logits(self, inputs: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``(L+1, V)`` float32 after the prompt and after each of ``tokens (L,)``: row ``j``
+        predicts token ``j`` (the last row, the token after them)."""
+        ids = torch.cat([inputs["input_ids"], tokens[None].to(inputs["input_ids"])], dim=1)
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        if "mm_token_type_ids" in inputs:  # the written tokens are text
+            types = inputs["mm_token_type_ids"]
+            extra["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, tokens.shape[0])], dim=1)
+        logits = self.language(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0].float()
+        return logits[inputs["input_ids"].shape[1] - 1 :]
+
+    def generate(self, images: torch.Tensor, prompts: list[str], max_new_tokens: int,
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reflections on ``images (B, 3, H, W)``: tokens ``(B, L)`` sampled at temperature 1 until
+        ``<|im_end|>`` (kept) or ``max_new_tokens`` (after a sequence's end: :data:`PAD`), and each token's
+        log-probability ``(B, L)`` float32 (0 after the end), no grad. ``generator``: one per sample (a
+        sample's text then depends on nothing else in the batch) or one for the batch."""
+        gens = list(generator) if isinstance(generator, Sequence) else [generator] * len(prompts)
+        rows, logps = [], []
+        with torch.no_grad(), self.writing():
+            for image, prompt, g in zip(images, prompts, gens):
+                inputs, tokens, lp = self._inputs(image, prompt), [], []
+                for _ in range(max_new_tokens):
+                    logits = self._logits(inputs, torch.tensor(tokens, dtype=torch.long))[-1]
+                    logp = torch.log_softmax(logits, dim=-1).cpu()
+                    token = int(torch.multinomial(logp.exp(), 1, generator=g))
+                    tokens.append(token)
+                    lp.append(float(logp[token]))
+                    if token == self.eos_id:
+                        break
+                rows.append(tokens)
+                logps.append(lp)
+        length = max(1, max(len(r) for r in rows))
+        out = torch.full((len(rows), length), PAD, dtype=torch.long)
+        log_probs = torch.zeros(len(rows), length)
+        for i, (r, lp) in enumerate(zip(rows, logps)):
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            log_probs[i, : len(lp)] = torch.tensor(lp)
+        return out, log_probs
+
+    def token_log_probs(self, images: torch.Tensor, prompts: list[str], tokens: torch.Tensor) -> torch.Tensor:
+        """``log π(token | image, prompt, earlier tokens)`` ``(B, L)`` float32 with gradients through the
+        language LoRA; 0 at :data:`PAD` positions."""
+        out = torch.zeros(tokens.shape, device=self.editor.device)
+        rows = []
+        with self.writing():
+            for i, (image, prompt) in enumerate(zip(images, prompts)):
+                n = int((tokens[i] != PAD).sum())
+                if n == 0:
+                    rows.append(out[i])
+                    continue
+                row = tokens[i, :n].to(self.editor.device)
+                logp = torch.log_softmax(self._logits(self._inputs(image, prompt), row)[:-1], dim=-1)
+                rows.append(torch.cat([logp.gather(1, row[:, None])[:, 0], out[i, n:]]))
+        return torch.stack(rows)
+
+    def decode_tokens(self, tokens: torch.Tensor) -> list[str]:
+        """Each row's text, without :data:`PAD` and ``<|im_end|>``."""
+        return [self.tokenizer.decode([t for t in row.tolist() if t not in (PAD, self.eos_id)]).strip()
+                for row in tokens]
+
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        return self.editor.adapter_disabled()
+
+
+def unified(policy: Any, language_lora_rank: int = 4, language_lora_alpha: float = 8.0) -> UnifiedEditPolicy:
+    """``policy`` as a unified policy (itself when it is one already; an editing model gets its VL writer)."""
+    if isinstance(policy, UnifiedEditPolicy):
+        return policy
+    return UnifiedEditPolicy(policy, language_lora_rank, language_lora_alpha)
