@@ -56,6 +56,12 @@ _RELATION_WORDS = {
     "left_of": "is left of", "right_of": "is right of", "above": "is above", "below": "is below",
     "inside": "is inside", "touching": "touches", "overlapping": "overlaps", "bigger": "is bigger than",
 }
+#: what a pair of objects share: "the red circle and the blue square <words>"
+_PAIR_WORDS = {
+    "same_colour": "are the same colour", "different_colour": "are different colours",
+    "same_shape": "are the same shape",
+    "horizontally_aligned": "are horizontally aligned", "vertically_aligned": "are vertically aligned",
+}
 
 
 def clause(c: Clause) -> str:
@@ -86,16 +92,10 @@ def clause(c: Clause) -> str:
         return f"{definite(a['ref'])} is {a['size']}"
     if t in _RELATION_WORDS:
         return f"{definite(a['a'])} {_RELATION_WORDS[t]} {definite(a['b'])}"
-    if t == "same_colour":
-        return f"{definite(a['a'])} and {definite(a['b'])} are the same colour"
-    if t == "different_colour":
-        return f"{definite(a['a'])} and {definite(a['b'])} are different colours"
-    if t == "same_shape":
-        return f"{definite(a['a'])} and {definite(a['b'])} are the same shape"
+    if t in _PAIR_WORDS:
+        return f"{definite(a['a'])} and {definite(a['b'])} {_PAIR_WORDS[t]}"
     if t == "filled":
         return f"{definite(a['ref'])} is {'filled' if a['filled'] else 'outlined'}"
-    if t in ("horizontally_aligned", "vertically_aligned"):
-        return f"{definite(a['a'])} and {definite(a['b'])} are {t.split('_')[0]} aligned"
     if t == "between":
         return f"{definite(a['a'])} is between {definite(a['b'])} and {definite(a['c'])}"
     if t == "nearest_to":
