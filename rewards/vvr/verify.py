@@ -141,6 +141,14 @@ def _overlapping(a: Component, b: Component) -> bool:
     return _share(a, b) >= CONTACT_SHARE and not _inside(a, b) and not _inside(b, a)
 
 
+#: pair relations read from the two boxes alone: constraint type → (predicate, whether it takes ``(y, x)``)
+_BOX_RELATIONS = {
+    "bigger": (P.bigger, False), "left_of": (P.left_of, False), "right_of": (P.left_of, True),
+    "above": (P.above, False), "below": (P.above, True),
+    "horizontally_aligned": (P.horizontally_aligned, False), "vertically_aligned": (P.vertically_aligned, False),
+}
+
+
 def check(c: Constraint, scene: DetectedScene) -> bool:
     """Whether the detected scene satisfies constraint ``c``."""
     t, a = c.type, c.args
@@ -183,24 +191,13 @@ def check(c: Constraint, scene: DetectedScene) -> bool:
     assert y is not None
     if x is y:
         return False
-    if t == "bigger":
-        return P.bigger(x.box, y.box)
+    if t in _BOX_RELATIONS:
+        predicate, swapped = _BOX_RELATIONS[t]
+        return predicate(y.box, x.box) if swapped else predicate(x.box, y.box)
     if t in ("same_colour", "different_colour"):  # an unnamed colour is neither the same nor different
         return x.colour is not None and y.colour is not None and (x.colour == y.colour) == (t == "same_colour")
     if t == "same_shape":
         return x.shape is not None and x.shape == y.shape
-    if t == "left_of":
-        return P.left_of(x.box, y.box)
-    if t == "right_of":
-        return P.left_of(y.box, x.box)
-    if t == "above":
-        return P.above(x.box, y.box)
-    if t == "below":
-        return P.above(y.box, x.box)
-    if t == "horizontally_aligned":
-        return P.horizontally_aligned(x.box, y.box)
-    if t == "vertically_aligned":
-        return P.vertically_aligned(x.box, y.box)
     if t == "nearest_to":
         return P.nearest_to(x.box, y.box, scene.others(x, y))
     if t == "between":
