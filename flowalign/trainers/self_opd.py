@@ -37,16 +37,27 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS
-from flowalign.reward_set import RewardScores
+from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_UPDATES
 from flowalign.sampling import continue_ode, sde_step
-from flowalign.trainers.options import EpochOptions
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
-from flowalign.trainers.rollouts import check_invalid
+from flowalign.trainers.base import GroupTrainer, Plan, Sampling, StepBatch, derived_seed
+from flowalign.trainers.options import TrainerConfig
 
 
-class SelfOPDConfig(GroupTrainerConfig, EpochOptions):
+class SelfOPDConfig(TrainerConfig):
+    """One ODE trunk per prompt and its branch sets (no prompt groups, no advantage kind: the advantages are
+    the method's own, against the trunk)."""
+
     name: Literal["self_opd"] = "self_opd"
+    #: prompts per step on each rank, one deterministic trunk each
+    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
+    #: trunks and branch continuations per ODE batch
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH)
+    #: ODE steps T of the trunks
+    num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
+    #: CFG scale of the trunks and branches (None: the model's default)
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
+    #: optimiser steps on the same fixed targets per training step
+    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     #: K: SDE candidates branched off each sampled state (1: a pairwise comparison with the deterministic branch)
     branches: int = Field(4, ge=1, le=MAX_GROUP_SIZE)
     #: sampled states branched per prompt and step (distinct steps of the trunk; the authors' timesteps_per_step)
@@ -186,38 +197,48 @@ class SelfOPDTrainer(GroupTrainer):
 
     def collect(self, step: int) -> BranchBatch:
         """One trunk per prompt (scored: the baselines), then K candidates at each branched step, finished
-        by the ODE and scored; advantages against the trunk's reward."""
+        by the ODE; every candidate of the step scored at once; advantages against the trunk's reward."""
         idx = self.step_indices(step)
-        p = self.tcfg.prompts_per_step
+        p, t = self.tcfg.prompts_per_step, self.tcfg
         groups = torch.arange(self.rank * p, (self.rank + 1) * p)
         prompts = [self.data.prompts[i] for i in idx]
         metadata = [self.data.metadata[i] for i in idx]
         trunk = self.sample(prompts, metadata, groups, torch.tensor(idx), step)
-        check_invalid(trunk.scores, step, self.cfg.run.max_invalid_fraction, trunk.samples, self.run_dir)
-        trunk.logs.update(self.reward_logs(trunk.scores))
-        sets, branch_scores = [], []
+        judged = self.judge(trunk.scores, trunk.samples, None, step)  # the invalid guard and the trunks' reward logs
+        trunk = dataclasses.replace(trunk, logs={**trunk.logs, **judged.logs})
+        drawn, samples = [], []
         n = 0
         for c, chunk in enumerate(trunk.chunks):
             for i in range(len(chunk)):
                 group = int(trunk.groups[n])
                 for k in self.branched_steps(step):
-                    branch_set, scores = self.branch(trunk, c, i, k, group, n, step)
-                    sets.append(branch_set)
-                    branch_scores.append(scores)
+                    branch_set, decoded = self.branch(trunk, c, i, k, group, step)
+                    drawn.append((branch_set, n))
+                    samples.append(decoded)
                 n += 1
-        scores = RewardScores.cat(branch_scores)
-        check_invalid(scores, step, self.cfg.run.max_invalid_fraction)
+        # the candidates' rewards through the scoring service (the invalid guard over all of them); the
+        # step's reward/* logs stay the trunks' (the policy's own samples)
+        branch_prompts = [trunk.chunks[s.chunk].prompts[s.sample] for s, _ in drawn for _ in range(t.branches)]
+        branch_metadata = [trunk.chunks[s.chunk].metadata[s.sample] for s, _ in drawn for _ in range(t.branches)]
+        scores = self.score(torch.cat(samples), branch_prompts, branch_metadata, step=step).scores
+        base, sets = trunk.scores, []
+        for j, (s, n) in enumerate(drawn):
+            part = slice(j * t.branches, (j + 1) * t.branches)
+            adv = self_reference_advantages(scores.values[part], scores.valid[part], base.values[n],
+                                            bool(base.valid[n]), scores.weights, t.adv_eps)
+            sets.append(dataclasses.replace(s, advantages=adv))
         adv = torch.cat([s.advantages for s in sets])
-        trunk.logs.update({"branch/reward": scores.total[scores.valid].mean().item() if scores.valid.any() else float("nan"),
-                           "branch/adv_abs": adv.abs().mean().item(),
-                           "zero_adv_fraction": (adv == 0).float().mean().item()})
-        return BranchBatch(trunk, sets, trunk.logs)
+        logs = {**trunk.logs,
+                "branch/reward": scores.total[scores.valid].mean().item() if scores.valid.any() else float("nan"),
+                "branch/adv_abs": adv.abs().mean().item(), "zero_adv_fraction": (adv == 0).float().mean().item()}
+        return BranchBatch(trunk, sets, logs)
 
     @torch.no_grad()
-    def branch(self, trunk: StepBatch, c: int, i: int, k: int, group: int, n: int, step: int
-               ) -> tuple[BranchSet, RewardScores]:
-        """Trunk sample ``i`` of chunk ``c`` (sample ``n`` of the batch) branched at step ``k``: K SDE candidates,
-        each with its own noise keyed by (seed, step, group, k, j), finished in ODE batches of ``batch_size``."""
+    def branch(self, trunk: StepBatch, c: int, i: int, k: int, group: int, step: int
+               ) -> tuple[BranchSet, torch.Tensor]:
+        """Trunk sample ``i`` of chunk ``c`` branched at step ``k``: K SDE candidates, each with its own noise keyed
+        by (seed, step, group, k, j), finished in ODE batches of ``batch_size``; the set (advantages not yet
+        known: zeros) and the candidates' decoded samples ``(K, ...)``."""
         chunk, t = trunk.chunks[c], self.tcfg
         x_k, v = chunk.latents[i : i + 1, k], chunk.velocities[i : i + 1, k]
         sigma, sigma_next = chunk.sigmas[k].item(), chunk.sigmas[k + 1].item()
@@ -228,12 +249,9 @@ class SelfOPDTrainer(GroupTrainer):
         branches = gaussian.mean + std * noise.to(gaussian.mean)
         finals = torch.cat([continue_ode(self.policy, part, chunk.sigmas[k + 1 :], chunk.cond[[i] * len(part)],
                                          chunk.guidance_scale) for part in branches.split(t.batch_size)])
-        prompts, metadata = [chunk.prompts[i]] * t.branches, [chunk.metadata[i]] * t.branches
-        scores = self.rewards.score(self.policy.decode(finals), prompts, metadata)
-        base = trunk.scores
-        adv = self_reference_advantages(scores.values, scores.valid, base.values[n], bool(base.valid[n]),
-                                        scores.weights, t.adv_eps)
-        return BranchSet(c, i, k, (group, k), x_k.cpu(), gaussian.mean.cpu(), std, branches.cpu(), adv), scores
+        branch_set = BranchSet(c, i, k, (group, k), x_k.cpu(), gaussian.mean.cpu(), std, branches.cpu(),
+                               torch.zeros(t.branches))
+        return branch_set, self.policy.decode(finals)
 
     def plan(self, batch: BranchBatch, generator: torch.Generator) -> Plan:
         """Every branch set with a non-zero advantage and its pull-push weights (fixed at θ_old), in each of
