@@ -1,9 +1,9 @@
 """FAV (*Few-step Generative Models Alignment via Sample-based Variational Inference*; ``docs/methods/fav.md``).
 
-Alignment as sampling from the reward-tilted distribution ``p*(x) ∝ p_ref(x)·exp(β·r(x))``, with nothing
-but samples of the generator and of the reference. Per prompt, ``K`` generator particles ``x_i`` and ``K``
-reference particles ``y_j`` (the few-step sampler's outputs; here the final latents scaled to unit
-per-element RMS, ``x = z.flatten()/√D``):
+Alignment as sampling from the reward-tilted distribution ``p*(x) ∝ p_ref(x)·exp(β·r(x))`` (β:
+``trainer.tilt``), with nothing but samples of the generator and of the reference. Per prompt, ``K``
+generator particles ``x_i`` and ``K`` reference particles ``y_j`` (the few-step sampler's outputs; here the
+final latents scaled to unit per-element RMS, ``x = z.flatten()/√D``):
 
     s(x)   = ∇_x log Σ_t Σ_j exp(−‖x − y_j‖²/t) + β·∇_x r(x)                  (KDE prior score + reward)
     φ(x_i) = (1/K) Σ_j [k(x_j, x_i)·s(x_j) + ρ·∇_{x_j} k(x_j, x_i)],  k = Σ_t exp(−‖·‖²/t)     (SVGD)
@@ -28,20 +28,24 @@ from flowalign.config import Temperature
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
 from flowalign.protocols import Conditioning
-from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.base import GroupTrainer, Plan, SliceUnit, derived_seed, slice_plan
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, SliceUnit, derived_seed, slice_plan
-from flowalign.trainers.parts.reward_gradient import pixel_reward_gradient
+from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
 
 
-class FAVConfig(GroupTrainerConfig, ReferenceOptions):
+class FAVConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
+    """The loop's rollout options (its own particles: no advantages)."""
+
+    refused = {"beta": "FAV's reward tilt is now trainer.tilt (same meaning: p* ∝ p_ref·exp(tilt·r)); "
+                       "flowalign's beta is always a KL weight"}
+
     name: Literal["fav"] = "fav"
     #: the few-step sampler the generator is (Euler ODE steps on the policy's sigma grid)
     num_steps: int = Field(4, ge=1, le=16)
     #: K generator particles per prompt (as many reference particles are drawn beside them)
     group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
-    #: β: the reward's weight in the target p* ∝ p_ref·exp(β·r)
-    beta: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: β of the method, the reward's tilt of the target p* ∝ p_ref·exp(β·r) (0: the reward only logs)
+    tilt: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
     #: temperatures t of the multi-scale KDE of the reference particles
     kde_temperatures: list[Temperature] = Field(default_factory=lambda: [0.5], min_length=1)
     #: temperatures t of the multi-scale Stein kernel
@@ -130,7 +134,7 @@ class FAVTrainer(GroupTrainer):
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
-        bad = self.rewards.not_differentiable() if self.tcfg.beta > 0 else []
+        bad = self.non_differentiable_rewards() if self.tcfg.tilt > 0 else []
         if bad:
             from flowalign.plugins import differentiable_rewards as differentiable
 
@@ -168,17 +172,17 @@ class FAVTrainer(GroupTrainer):
         with self.policy.adapter_disabled():
             ref = self.generate(self.noise(step, groups, 73), cond)
         with torch.no_grad():
-            scores = self.rewards.score(self.policy.decode(gen), prompts, metadata)
-        grad = (pixel_reward_gradient(self.policy, self.rewards, prompts, metadata, tc.decoder_checkpointing)(gen)
-                if tc.beta > 0 else torch.zeros_like(gen))
+            scored = self.score(self.policy.decode(gen), prompts, metadata, step=step)
+        grad = (self.reward_gradient(prompts, metadata, tc.decoder_checkpointing)(gen)
+                if tc.tilt > 0 else torch.zeros_like(gen))
         x, y = particles(gen).float(), particles(ref).float()
         reward_grad = grad.flatten(1).float() * math.sqrt(x.shape[1])  # ∇_x r for x = z/√D
         velocity = torch.zeros_like(x)
         for g in dict.fromkeys(groups.tolist()):
             m = groups == g
-            s = kde_score(x[m], y[m], tc.kde_temperatures) + tc.beta * reward_grad[m]
+            s = kde_score(x[m], y[m], tc.kde_temperatures) + tc.tilt * reward_grad[m]
             velocity[m] = svgd_velocity(x[m], s, tc.stein_temperatures, tc.repulsion)
-        logs = {**self.reward_logs(scores), "fav/velocity_norm": velocity.norm(dim=1).mean().item(),
+        logs = {**scored.logs, "fav/velocity_norm": velocity.norm(dim=1).mean().item(),
                 "fav/gen_ref_distance": (x - y).norm(dim=1).mean().item()}
         return ParticleBatch(noise, cond, velocity, logs)
 

@@ -146,11 +146,14 @@ def test_a_training_step_moves_the_few_step_samples_along_the_svgd_direction(tmp
     assert math.isfinite(batch.logs["reward/total"]) and "reward/vvr_soft" in batch.logs  # scored and logged
 
 
-def test_a_non_differentiable_reward_is_refused_unless_beta_is_zero(tmp_path, tiny_sd3_dir, prompt_file):
+def test_a_non_differentiable_reward_is_refused_unless_the_tilt_is_zero(tmp_path, tiny_sd3_dir, prompt_file):
     args = (*VVR, "rewards=[{name: vvr}]")
     with pytest.raises(UserError, match="differentiable"):
         build_trainer(load_config(None, small_run(tmp_path / "a", tiny_sd3_dir, prompt_file, *args)))
-    build_trainer(load_config(None, small_run(tmp_path / "b", tiny_sd3_dir, prompt_file, *args, "trainer.beta=0")))
+    build_trainer(load_config(None, small_run(tmp_path / "b", tiny_sd3_dir, prompt_file, *args, "trainer.tilt=0")))
+    # beta is a KL weight everywhere in flowalign: FAV's former name for its tilt is refused, naming the new one
+    with pytest.raises(UserError, match="trainer.tilt"):
+        build_trainer(load_config(None, small_run(tmp_path / "c", tiny_sd3_dir, prompt_file, *args, "trainer.beta=0")))
 
 
 def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
