@@ -35,7 +35,6 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
 from flowalign.sampling import Rollout
 from flowalign.trainers.parts.reductions import per_sample_mean
-from flowalign.trainers.parts.reward_gradient import pixel_reward_gradient
 from flowalign.trainers.self_distill import FitUnit, SelfDistillConfig, SelfDistillTrainer, mirrored_velocities
 
 
@@ -127,7 +126,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
 
     def check_rewards(self) -> None:
         """OPSD ascends ``∇_y R``: every reward must be differentiable (checked before any sampling)."""
-        bad = self.rewards.not_differentiable()
+        bad = self.non_differentiable_rewards()
         if bad:
             # lazily, on the error path only: the core meets rewards through the registry, never at import
             from flowalign.plugins import differentiable_rewards as differentiable
@@ -138,16 +137,13 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
                 f"use one of {', '.join(ok)} (e.g. vvr_soft for VVR tasks), or trainer.name=diffusion_nft"
             )
 
-    def reward_gradient(self, chunk: Rollout):
-        """``y ↦ ∇_y Σ_j w_j R_j(D(y), c)`` for this chunk's prompts (see :func:`pixel_reward_gradient`)."""
-        return pixel_reward_gradient(self.policy, self.rewards, chunk.prompts, chunk.metadata,
-                                     self.tcfg.decoder_checkpointing)
-
     def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """Query state, anchor ``y0`` and targets ``y±`` under φ (the caller swapped φ in)."""
         t = self.tcfg
         sigma_q, z_q, v_phi, y0 = query_anchor(self.policy, chunk, t.sigma_star, self.fit_guidance(chunk))
-        y_pos, y_neg = bounded_targets(y0, self.reward_gradient(chunk), t.rho, t.ascent_steps, t.eta)
+        # y ↦ ∇_y Σ_j w_j R_j(D(y), c) for this chunk's prompts, through the VAE decoder
+        gradient = self.reward_gradient(chunk.prompts, chunk.metadata, t.decoder_checkpointing)
+        y_pos, y_neg = bounded_targets(y0, gradient, t.rho, t.ascent_steps, t.eta)
         return [FitUnit(chunk, r.to(y0.device), keep,
                         {"z_q": z_q, "sigma_q": sigma_q, "v_phi": v_phi, "y0": y0, "y_pos": y_pos, "y_neg": y_neg})]
 
