@@ -1,0 +1,164 @@
+"""UMM-Reflection on the tiny Qwen-Image-Edit twin as a unified model: trajectories of reflections and revisions
+whose one advantage weighs every term, and the text side's log-probs are the model's own."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flowalign.config import load_config
+from flowalign.protocols import UnifiedPolicy
+from flowalign.train import build_trainer
+from flowalign.trainers.umm_reflection import RevisionUnit, TokenUnit, sft_coefficients, stopped
+
+from tests.tiny_recipes import REPO, one_step
+
+from .resume_check import assert_trains_and_resumes_bit_exactly
+
+RECIPE = REPO / "configs" / "tiny" / "umm_reflection_vvr.yaml"
+MODEL = REPO / "assets" / "tiny-qwen-image-edit"
+#: 2 prompts × 2 trajectories, 2 rounds of 2-token reflections; "s" ends some trajectories after round 1
+#: and one after round 2 with this seed (asserted below, so a change of the tiny model shows)
+SMALL = ("trainer.prompts_per_step=2", "trainer.max_new_tokens=2", "trainer.stop_phrase=s", "trainer.rounds=2")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A trainer of the tiny recipe and one collected batch."""
+    torch.manual_seed(0)
+    trainer = build_trainer(load_config(RECIPE, [*one_step(RECIPE, tmp_path_factory.mktemp("umm") / "run"), *SMALL]))
+    return trainer, trainer.collect(0)
+
+
+def gradients(trainer, batch, units) -> dict[str, torch.Tensor]:
+    """The summed loss's gradient of the language and the flow LoRA, flattened."""
+    trainer.policy.trainable.zero_grad(set_to_none=True)
+    for unit in units:
+        trainer.loss(batch, unit)[0].backward()
+    named = [(n, p) for n, p in trainer.policy.trainable.named_parameters() if p.requires_grad]
+    flat = lambda part: torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                   for n, p in named if n.startswith(part)])
+    return {"language": flat("language"), "flow": flat("flow")}
+
+
+def test_the_policy_is_one_model_in_both_roles(trained):
+    trainer, _ = trained
+    policy = trainer.policy
+    assert isinstance(policy, UnifiedPolicy)
+    trained_names = [n for n, p in policy.trainable.named_parameters() if p.requires_grad]
+    assert {n.split(".")[0] for n in trained_names} == {"language", "flow"}
+    assert all("lora" in n for n in trained_names)
+    # one optimiser over both roles' tensors
+    assert {id(p) for p in trainer.params} == {id(p) for p in policy.trainable.parameters() if p.requires_grad}
+
+
+def test_siblings_share_their_first_image_bit_for_bit(trained):
+    _, batch = trained
+    first = batch.first
+    assert torch.equal(batch.rounds[0].images, first)
+    assert torch.equal(first[0], first[1]) and torch.equal(first[2], first[3])
+    assert not torch.equal(first[0], first[2])  # another prompt, another image
+    # the siblings' reflections and revisions differ (their own keyed draws)
+    assert not torch.equal(batch.rounds[0].tokens[0], batch.rounds[0].tokens[1])
+
+
+def test_a_stopped_trajectory_has_no_later_terms(trained):
+    trainer, batch = trained
+    r1, r2 = batch.rounds
+    assert r1.reflected.all() and r1.revised.tolist() == [True, True, False, True]
+    assert r2.reflected.tolist() == [True, True, False, True] and r2.revised.tolist() == [True, False, False, True]
+    assert stopped(trainer.policy.decode_tokens(r1.tokens[2:3]), "s").all()
+    assert (r2.tokens[2] == -1).all() and (r2.log_probs[2] == 0).all()
+    assert torch.equal(batch.final[2], batch.first[2])  # never revised
+    units = trainer.units(batch, len(batch.prompts))
+    assert any(isinstance(u, TokenUnit) and u.index == 2 and u.round == 0 for u in units)  # its stopping reflection
+    assert not any(isinstance(u, TokenUnit) and u.index == 2 and u.round == 1 for u in units)
+    revised = [(u.round, batch.rounds[u.round].revisions[u.batch].index.tolist()) for u in units
+               if isinstance(u, RevisionUnit)]
+    assert not any(2 in idx for _, idx in revised) and not any(r == 1 and 1 in idx for r, idx in revised)
+    # its gradient is that of its round-1 reflection alone
+    only = dataclasses.replace(batch, coefficients=torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    mine = [u for u in units if isinstance(u, TokenUnit) and u.index == 2]
+    whole, first = gradients(trainer, only, units), gradients(trainer, only, mine)
+    assert torch.equal(whole["language"], first["language"]) and not whole["flow"].any()
+
+
+def test_one_advantage_weighs_every_term_of_its_trajectory(trained):
+    trainer, batch = trained
+    units = trainer.units(batch, len(batch.prompts))
+    n = len(batch.prompts)
+    per = [gradients(trainer, dataclasses.replace(batch, coefficients=torch.eye(n)[j]), units) for j in range(n)]
+    for j in (0, 1, 3):  # revised trajectories: both their reflections and their revisions train
+        assert per[j]["language"].abs().sum() > 0 and per[j]["flow"].abs().sum() > 0
+    advantages = torch.tensor([0.7, -1.3, 0.4, 0.2])
+    mixed = gradients(trainer, dataclasses.replace(batch, coefficients=advantages), units)
+    for part in ("language", "flow"):
+        expected = sum(a * g[part] for a, g in zip(advantages.tolist(), per))
+        assert torch.allclose(mixed[part], expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    zero = gradients(trainer, dataclasses.replace(batch, coefficients=torch.zeros(n)), units)
+    assert not zero["language"].any() and not zero["flow"].any()
+
+
+def test_token_log_probs_are_the_models_own_generate_scores(trained):
+    trainer, batch = trained
+    policy = trainer.policy
+    image, prompt = batch.first[0], batch.prompts[0]
+    with torch.no_grad(), policy.writing():
+        out = policy.language.generate(**policy._inputs(image, prompt), max_new_tokens=4, do_sample=False,
+                                       output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, -len(out.logits):]
+    expected = torch.stack([torch.log_softmax(l[0].float(), -1)[t] for l, t in zip(out.logits, tokens)])
+    with torch.no_grad():
+        ours = policy.token_log_probs(image[None], [prompt], tokens[None])[0]
+    assert torch.allclose(ours, expected, atol=1e-5)
+    # the rollout's stored log-probs are the scorer's on the same tokens (the tokens' on-policy ratio is 1)
+    for rnd in batch.rounds:
+        with torch.no_grad():
+            again = policy.token_log_probs(rnd.images, batch.prompts, rnd.tokens)
+        assert torch.allclose(again * rnd.reflected[:, None], rnd.log_probs, atol=1e-5)
+
+
+def test_revisions_are_on_policy(trained):
+    trainer, batch = trained
+    units = [u for u in trainer.units(batch, len(batch.prompts)) if isinstance(u, RevisionUnit)]
+    assert units
+    with torch.no_grad():
+        assert max(trainer.loss(batch, u)[1]["ratio_dev"] for u in units) < 1e-5
+
+
+def test_sft_imitates_each_groups_best_trajectory_when_it_improved():
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    first = torch.tensor([0.5, 0.5, 0.2, 0.2, 0.9, 0.9])
+    final = torch.tensor([0.4, 0.7, 0.3, 0.3, 0.1, 0.8])
+    assert sft_coefficients(groups, first, final).tolist() == [0, 1, 1, 0, 0, 0]
+
+
+def test_resumes_bit_exactly(tmp_path, prompt_file):
+    assert_trains_and_resumes_bit_exactly(
+        tmp_path, MODEL, prompt_file, "trainer.name=umm_reflection", "trainer.prompts_per_step=1",
+        "trainer.group_size=2", "trainer.batch_size=2", "trainer.num_steps=2", "trainer.max_new_tokens=2",
+        "trainer.guidance_scale=1.0", "trainer.advantage=group")
+
+
+def test_the_sft_cold_start_imitates_the_kept_trajectory(trained):
+    """``objective: sft`` on the same trajectories: the kept one's reflections by likelihood, its revisions by
+    flow matching; the others weigh nothing."""
+    trainer, batch = trained
+    rl = trainer.tcfg
+    trainer.tcfg = rl.model_copy(update={"objective": "sft"})
+    try:
+        units = trainer.units(batch, len(batch.prompts))
+        assert all(u.noise is not None for u in units if isinstance(u, RevisionUnit))
+        kept = dataclasses.replace(batch, coefficients=torch.tensor([0.0, 1.0, 0.0, 0.0]))
+        token = next(u for u in units if isinstance(u, TokenUnit) and u.index == 1)
+        with torch.no_grad():
+            lp = trainer.policy.token_log_probs(batch.rounds[0].images[1:2], batch.prompts[1:2], batch.rounds[0].tokens[1:2])
+            assert trainer.loss(kept, token)[0].item() == pytest.approx(-token.scale * lp.sum().item(), rel=1e-5)
+        grads = gradients(trainer, kept, units)
+        assert grads["language"].abs().sum() > 0 and grads["flow"].abs().sum() > 0
+        none = gradients(trainer, dataclasses.replace(batch, coefficients=torch.zeros(4)), units)
+        assert not none["language"].any() and not none["flow"].any()
+    finally:
+        trainer.tcfg = rl
