@@ -186,6 +186,20 @@ def load_with_float32_vae(pipeline_class: type, vae_class: type, path: str | Pat
     return load_frozen_pipeline(pipeline_class, path, options, vae=vae)
 
 
+def open_pipeline(policy: Any, pipeline_class: type, path: str | Path, options: dict[str, Any], *,
+                  float32_vae: type | None = None, **option_defaults: Any) -> PolicyOptions:
+    """How every family's ``__init__`` starts: ``policy.options`` (:meth:`PolicyOptions.parse` of ``options``
+    over ``option_defaults``), ``policy.device`` and ``policy.dtype`` from them, ``policy.pipe`` (the frozen
+    ``pipeline_class`` at ``path``; with ``float32_vae``, that video VAE class loaded in float32,
+    :func:`load_with_float32_vae`) and its ``transformer`` and ``vae`` on the policy. Returns the options."""
+    policy.options = opts = PolicyOptions.parse(options, **option_defaults)
+    policy.device, policy.dtype = torch.device(opts.device), opts.dtype
+    policy.pipe = (load_frozen_pipeline(pipeline_class, path, opts) if float32_vae is None
+                   else load_with_float32_vae(pipeline_class, float32_vae, path, opts))
+    policy.transformer, policy.vae = policy.pipe.transformer, policy.pipe.vae
+    return opts
+
+
 def require_scheduler(pipe: Any, scheduler_class: type, path: str | Path, model: str) -> None:
     """Refuse a folder whose scheduler is not a ``scheduler_class`` (the one ``model``'s folders ship, whose σ
     grid the policy reproduces)."""

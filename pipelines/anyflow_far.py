@@ -45,11 +45,10 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch
-from pipelines._common import cfg_combine, check_multiple, check_num_steps, check_prompts, decode_in_chunks
-from pipelines._common import encode_with_empty_negative, gaussian_noise, load_with_float32_vae, make_trainable
-from pipelines._common import merge_defaults, negative_conditioning, require_scheduler, sigma_batch, text_encoders
-from pipelines._common import zeros_factory
+from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, check_multiple
+from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, encode_with_empty_negative
+from pipelines._common import gaussian_noise, make_trainable, merge_defaults, negative_conditioning, open_pipeline
+from pipelines._common import require_scheduler, sigma_batch, text_encoders, zeros_factory
 from pipelines.memory import pin_processor_backend
 
 #: the self- and cross-attention projections of every block, as for Wan
@@ -150,11 +149,9 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` defaults to 2 videos."""
-        self.options = opts = PolicyOptions.parse(options, decode_batch_size=2)
-        self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_with_float32_vae(AnyFlowFARPipeline, AutoencoderKLWan, path, opts)
+        opts = open_pipeline(self, AnyFlowFARPipeline, path, options, float32_vae=AutoencoderKLWan,
+                             decode_batch_size=2)
         require_scheduler(self.pipe, FlowMapEulerDiscreteScheduler, path, "AnyFlow-FAR")
-        self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
         self.scale_t, self.scale_s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
         config = self.transformer.config
         # the pipeline's defaults: 480 x 832, 81 frames, the transformer's chunk partition; the released

@@ -26,10 +26,10 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PolicyOptions, PromptCache, batch_size
-from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, gaussian_noise, load_frozen_pipeline
-from pipelines._common import make_trainable, own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults
-from pipelines._common import latent_image_ids, stack_rows, text_encoders, unpack_2x2, vae_unscale, zeros_factory
+from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PromptCache, batch_size, check_num_steps
+from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, latent_image_ids, make_trainable
+from pipelines._common import open_pipeline, own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults
+from pipelines._common import stack_rows, text_encoders, unpack_2x2, vae_unscale, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the attention projections of the double-stream blocks (image
 #: to_* and text add_* / to_add_out) and of the single-stream blocks (to_q/k/v), as diffusers' FLUX recipe.
@@ -50,10 +50,7 @@ class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
-        self.options = opts = PolicyOptions.parse(options)
-        self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts)
-        self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
+        opts = open_pipeline(self, self.pipeline_class, path, options)
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
         self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
 

@@ -29,10 +29,10 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine
-from pipelines._common import cfg_mix, check_multiple, check_num_steps, check_prompts, decode_in_chunks
-from pipelines._common import encode_with_empty_negative, gaussian_noise, load_with_float32_vae, make_trainable
-from pipelines._common import merge_defaults, negative_conditioning, require_scheduler, sigma_batch, text_encoders
+from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
+from pipelines._common import check_multiple, check_num_steps, check_prompts, decode_in_chunks
+from pipelines._common import encode_with_empty_negative, gaussian_noise, make_trainable, merge_defaults
+from pipelines._common import negative_conditioning, open_pipeline, require_scheduler, sigma_batch, text_encoders
 from pipelines._common import zeros_factory
 
 #: the attention projections of every dual-stream block (video and text streams)
@@ -54,11 +54,9 @@ class HunyuanVideo15Policy(lora_utils.AdapterMethods):
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` is 1 (see above)."""
-        self.options = opts = PolicyOptions.parse({**options, "decode_batch_size": 1})
-        self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_with_float32_vae(HunyuanVideo15Pipeline, AutoencoderKLHunyuanVideo15, path, opts)
+        opts = open_pipeline(self, HunyuanVideo15Pipeline, path, {**options, "decode_batch_size": 1},
+                             float32_vae=AutoencoderKLHunyuanVideo15)
         require_scheduler(self.pipe, FlowMatchEulerDiscreteScheduler, path, "HunyuanVideo 1.5")
-        self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
         self.scale_t, self.scale_s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
         # the pipeline's own defaults: its 16:9 size at the transformer's target size, 121 frames, 50 steps,
         # the guider's scale; 1000 Qwen2.5-VL tokens (the pipeline's fixed length)

@@ -59,10 +59,10 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_mix
-from pipelines._common import check_multiple, check_num_steps, check_prompts, encode_with_empty_negative, gaussian_noise
-from pipelines._common import load_with_float32_vae, make_trainable, merge_defaults, negative_conditioning
-from pipelines._common import require_scheduler, sigma_batch, text_encoders, zeros_factory
+from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_mix, check_multiple, check_num_steps
+from pipelines._common import check_prompts, encode_with_empty_negative, gaussian_noise, make_trainable, merge_defaults
+from pipelines._common import negative_conditioning, open_pipeline, require_scheduler, sigma_batch, text_encoders
+from pipelines._common import zeros_factory
 
 #: the attention projections of every block: video and audio self-attention (attn1, audio_attn1), their
 #: text cross-attention (attn2, audio_attn2) and the audio↔video cross-attention
@@ -84,12 +84,11 @@ class LTX2Policy(lora_utils.AdapterMethods):
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` defaults to 1 video."""
-        self.options = opts = PolicyOptions.parse(options, decode_batch_size=1)
-        self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_with_float32_vae(LTX2Pipeline, AutoencoderKLLTX2Video, path, opts)
+        opts = open_pipeline(self, LTX2Pipeline, path, options, float32_vae=AutoencoderKLLTX2Video,
+                             decode_batch_size=1)
         require_scheduler(self.pipe, FlowMatchEulerDiscreteScheduler, path, "LTX-2")
         pipe = self.pipe
-        self.transformer, self.vae, self.audio_vae = pipe.transformer, pipe.vae, pipe.audio_vae
+        self.audio_vae = pipe.audio_vae
         self.scale_t, self.scale_s = pipe.vae_temporal_compression_ratio, pipe.vae_spatial_compression_ratio
         self.patch, self.patch_t = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
         self.mel_bins = self.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio

@@ -27,10 +27,10 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PolicyOptions, PromptCache, batch_size
-from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, gaussian_noise, load_frozen_pipeline
-from pipelines._common import make_trainable, own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults
-from pipelines._common import unpack_2x2, zeros_factory
+from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PromptCache, batch_size, check_num_steps
+from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, make_trainable, open_pipeline
+from pipelines._common import own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults, unpack_2x2
+from pipelines._common import zeros_factory
 from pipelines._varlen import pad_rows, trim
 
 #: LoRA targets when ``lora`` gives none: the image (to_*) and text (add_* / to_add_out) attention
@@ -58,11 +58,7 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
-        self.options = opts = PolicyOptions.parse(options)
-        self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts)
-        self.transformer = self.pipe.transformer
-        self.vae = self.pipe.vae
+        opts = open_pipeline(self, self.pipeline_class, path, options)
         self.vae_scale_factor = self.pipe.vae_scale_factor
         # Qwen-Image model card: true CFG 4.0 with negative prompt " ", 50 steps; the pipeline's 1024² default
         side = self.pipe.default_sample_size * self.vae_scale_factor

@@ -22,11 +22,10 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
-from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, check_num_steps, check_prompts, decode_in_chunks
-from pipelines._common import gaussian_noise, load_frozen_pipeline, make_trainable, negative_conditioning
-from pipelines._common import own_scheduler, scheduler_shift, sigma_batch, sized_defaults, stack_rows, text_encoders
-from pipelines._common import vae_unscale, zeros_factory
+from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
+from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, gaussian_noise, make_trainable
+from pipelines._common import negative_conditioning, open_pipeline, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import sized_defaults, stack_rows, text_encoders, vae_unscale, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: every attention projection of the joint (MMDiT) blocks, image
 #: stream (to_*) and text stream (add_* / to_add_out), as in Flow-GRPO's and diffusers' SD3 recipes.
@@ -48,10 +47,7 @@ class SD3Policy(lora_utils.AdapterMethods):
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
-        self.options = opts = PolicyOptions.parse(options)
-        self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_frozen_pipeline(self.pipeline_class, path, opts)
-        self.transformer, self.vae = self.pipe.transformer, self.pipe.vae
+        opts = open_pipeline(self, self.pipeline_class, path, options)
         self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
 
         # SD3.5-Medium's recommended settings (model card): 40 steps, CFG 4.5; T5 length as the pipeline.

@@ -29,10 +29,10 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, cfg_batch, cfg_combine
-from pipelines._common import cfg_mix, check_multiple, check_num_steps, check_prompts, decode_in_chunks
-from pipelines._common import encode_with_empty_negative, gaussian_noise, load_with_float32_vae, make_trainable
-from pipelines._common import merge_defaults, negative_conditioning, sigma_batch, text_encoders, zeros_factory
+from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
+from pipelines._common import check_multiple, check_num_steps, check_prompts, decode_in_chunks
+from pipelines._common import encode_with_empty_negative, gaussian_noise, make_trainable, merge_defaults
+from pipelines._common import negative_conditioning, open_pipeline, sigma_batch, text_encoders, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the self- (attn1) and cross-attention (attn2) projections of
 #: every Wan block, as in diffusers'/finetrainers' Wan LoRA recipes.
@@ -57,9 +57,8 @@ class WanPolicy(lora_utils.AdapterMethods):
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...);
         ``decode_batch_size`` defaults to 2 videos."""
-        self.options = opts = PolicyOptions.parse(options, decode_batch_size=2)
-        self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_with_float32_vae(self.pipeline_class, AutoencoderKLWan, path, opts)
+        opts = open_pipeline(self, self.pipeline_class, path, options, float32_vae=AutoencoderKLWan,
+                             decode_batch_size=2)
         if (self.pipe.transformer_2 is not None and not self.two_experts) or self.pipe.transformer is None:
             raise UserError(
                 f"{path}: two-expert Wan 2.2 checkpoints (transformer_2) load as pipelines.wan22.Wan22Policy "

@@ -27,9 +27,9 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, check_num_steps
-from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, load_frozen_pipeline, make_trainable
-from pipelines._common import own_scheduler, scheduler_shift, sigma_batch, sized_defaults, vae_unscale, zeros_factory
+from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, check_num_steps, check_prompts
+from pipelines._common import decode_in_chunks, gaussian_noise, make_trainable, open_pipeline, own_scheduler
+from pipelines._common import scheduler_shift, sigma_batch, sized_defaults, vae_unscale, zeros_factory
 from pipelines._varlen import pad_rows, unpad
 
 #: LoRA targets when ``lora`` gives none: the attention projections of every single-stream and refiner block
@@ -48,11 +48,7 @@ class ZImagePolicy(lora_utils.AdapterMethods):
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions` (device, dtype, lora, full_finetune, ...)."""
-        self.options = opts = PolicyOptions.parse(options)
-        self.device, self.dtype = torch.device(opts.device), opts.dtype
-        self.pipe = load_frozen_pipeline(ZImagePipeline, path, opts)
-        self.transformer = self.pipe.transformer
-        self.vae = self.pipe.vae
+        opts = open_pipeline(self, ZImagePipeline, path, options)
         self.vae_scale_factor = self.pipe.vae_scale_factor
         # Z-Image-Turbo model card: 1024², 9 scheduler steps, guidance_scale 0 (g = 1, no CFG)
         builtin = {
