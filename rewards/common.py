@@ -34,6 +34,12 @@ def check_images(samples: Any, who: str) -> None:
         )
     if samples.ndim != 4 or samples.shape[1] != 3:
         raise UserError(f"{who} reward: samples must have shape (B, 3, H, W) (RGB); got {tuple(samples.shape)}")
+    check_unit_range(samples, who)
+
+
+def check_unit_range(samples: torch.Tensor, who: str) -> None:
+    """Raise :class:`UserError` unless ``samples`` (images or videos) are float with every finite value in
+    [0, 1] (to :data:`RANGE_TOLERANCE`); non-finite values are left to make their sample invalid."""
     if not samples.is_floating_point():
         raise UserError(
             f"{who} reward: samples must be float in [0, 1]; got dtype {samples.dtype}"

@@ -20,7 +20,7 @@ from torch import nn
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.common import RANGE_TOLERANCE, check_lengths, resolve_dtype
+from rewards.common import check_lengths, check_unit_range, resolve_dtype
 from rewards.qwen_vl_reward import (build_qwen2_vl, load_reward_state, local_path, read_state, smart_resize,
                                     special_token_states, to_uint8)
 from rewards.registry import register
@@ -183,11 +183,7 @@ class VideoAlign:
         if not isinstance(samples, torch.Tensor) or samples.ndim != 5 or samples.shape[2] != 3:
             shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
             raise UserError(f"videoalign reward scores videos (B, F, 3, H, W); got {shape}")
-        if not samples.is_floating_point():
-            raise UserError(f"videoalign reward: samples must be float in [0, 1]; got {samples.dtype}")
-        finite = samples.detach()[torch.isfinite(samples.detach())]
-        if finite.numel() and (finite.min() < -RANGE_TOLERANCE or finite.max() > 1 + RANGE_TOLERANCE):
-            raise UserError("videoalign reward: samples must lie in [0, 1] (map [-1, 1] outputs with (x + 1) / 2)")
+        check_unit_range(samples, self.name)
         check_lengths(samples.shape[0], prompts, metadata, self.name)
         device = self.device or samples.device
         self.model.to(device)

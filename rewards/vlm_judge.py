@@ -37,7 +37,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.common import RANGE_TOLERANCE, check_lengths, to_pil
+from rewards.common import check_lengths, check_unit_range, to_pil
 from rewards.registry import register
 from rewards.vlm_backend import ChatRequest, Completion
 from rewards.vlm_parse import (Criterion, choice_from_text, choice_probs, parse_rubric, parse_score, parse_thinking,
@@ -136,12 +136,7 @@ class VLMJudge:
         if not isinstance(samples, torch.Tensor) or samples.ndim not in (4, 5) or samples.shape[-3] != 3:
             shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
             raise UserError(f"{who} reward: samples must be images (B, 3, H, W) or videos (B, F, 3, H, W); got {shape}")
-        if not samples.is_floating_point():
-            raise UserError(f"{who} reward: samples must be float in [0, 1]; got {samples.dtype} (use x.float() / 255)")
-        finite = samples.detach()[torch.isfinite(samples.detach())]
-        if finite.numel() and (finite.min() < -RANGE_TOLERANCE or finite.max() > 1 + RANGE_TOLERANCE):
-            raise UserError(f"{who} reward: samples must lie in [0, 1]; got [{finite.min().item():.3g},"
-                            f" {finite.max().item():.3g}] (map [-1, 1] outputs with (x + 1) / 2)")
+        check_unit_range(samples, who)
         check_lengths(samples.shape[0], prompts, metadata, who)
 
     def _media(self, sample: torch.Tensor) -> tuple[str, list[dict[str, Any]]]:

@@ -62,6 +62,17 @@ class _BadImage(Exception):
     pass
 
 
+def pixels_uint8(arr: np.ndarray) -> np.ndarray | None:
+    """``arr`` as uint8 0-255 pixels (floats are [0, 1] images unless they are clearly 0-255 ones); None when a
+    value is NaN or infinite. Images here, and the frames of :mod:`rewards.vvr_motion.video`."""
+    if arr.dtype == np.uint8:
+        return arr
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all():
+        return None
+    return np.clip(arr * (255.0 if arr.max() <= 1.0 + 1e-6 else 1.0), 0, 255).round().astype(np.uint8)
+
+
 def _as_rgb(image: Any) -> np.ndarray:
     """Any accepted image form → ``(H, W, 3)`` uint8, or ``_BadImage`` saying what is wrong."""
     if isinstance(image, Image.Image):
@@ -81,13 +92,9 @@ def _as_rgb(image: Any) -> np.ndarray:
             raise _BadImage(f"grayscale image (shape {tuple(arr.shape)}); expected 3 colour channels")
         if arr.ndim != 3 or arr.shape[-1] not in (3, 4):
             raise _BadImage(f"wrong image shape {tuple(arr.shape)}; expected (H, W, 3) or (3, H, W)")
-        arr = arr[..., :3]
-        if arr.dtype != np.uint8:
-            arr = arr.astype(np.float64)
-            if not np.isfinite(arr).all():
-                raise _BadImage("image has NaN or infinite values")
-            # floats are [0, 1] images unless they are clearly 0-255 ones
-            arr = np.clip(arr * (255.0 if arr.max() <= 1.0 + 1e-6 else 1.0), 0, 255).round().astype(np.uint8)
+        arr = pixels_uint8(arr[..., :3])
+        if arr is None:
+            raise _BadImage("image has NaN or infinite values")
     if min(arr.shape[:2]) < MIN_SIDE:
         raise _BadImage(f"image too small ({arr.shape[1]}x{arr.shape[0]}); need at least {MIN_SIDE} px")
     step = max(1, max(arr.shape[:2]) // 128)  # a strided view is enough to see a blank image

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from flowalign.errors import UserError
-from rewards.vvr.verify import MIN_SIDE
+from rewards.vvr.verify import MIN_SIDE, pixels_uint8
 
 _SINGLE_IMAGE = "a video reward needs (F,3,H,W) clips; got a single image"
 _GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
@@ -82,12 +82,9 @@ def as_clip(video: Any) -> np.ndarray:
         raise BadVideo(f"wrong video shape {tuple(arr.shape)}; expected 3 colour channels, (F,3,H,W) or (F,H,W,3)")
     if arr.shape[0] < 2:
         raise BadVideo(f"{_SINGLE_IMAGE} (a clip of {arr.shape[0]} frame)")
-    arr = arr[..., :3]
-    if arr.dtype != np.uint8:
-        arr = arr.astype(np.float64)
-        if not np.isfinite(arr).all():
-            raise BadVideo("video has NaN or infinite values")
-        arr = np.clip(arr * (255.0 if arr.max() <= 1.0 + 1e-6 else 1.0), 0, 255).round().astype(np.uint8)
+    arr = pixels_uint8(arr[..., :3])
+    if arr is None:
+        raise BadVideo("video has NaN or infinite values")
     if min(arr.shape[1:3]) < MIN_SIDE:
         raise BadVideo(f"frames too small ({arr.shape[2]}x{arr.shape[1]}); need at least {MIN_SIDE} px")
     if np.ptp(arr.reshape(-1, 3), axis=0).max() < 4:
