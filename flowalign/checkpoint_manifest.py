@@ -57,6 +57,12 @@ def resume_folder(run_dir: Path, resume: str, *, main: bool) -> Path | None:
     return None
 
 
+def resolve_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint a folder stands for: a run folder's (one with ``checkpoints/``) newest checkpoint that
+    verifies (None: none yet), any other folder itself (a checkpoint or an adapter)."""
+    return resume_folder(folder, "auto", main=False) if (folder / "checkpoints").is_dir() else folder
+
+
 def damaged_name(folder: Path) -> Path:
     """A free name to keep a damaged ``folder`` under: ``step-N.damaged``, else ``step-N.damaged-2``, ...
     (the same step may be damaged again after the run redid it)."""

@@ -32,11 +32,9 @@ def checkpoint_of(run: Path) -> Path:
     """``run`` itself if it is a checkpoint folder, else the run's newest checkpoint that verifies."""
     if not run.is_dir():
         raise UserError(f"--run {run}: no such folder; give a run folder or its checkpoints/step-XXXXXX")
-    if not (run / "checkpoints").is_dir():
-        return run
-    from flowalign.checkpoint_manifest import resume_folder
+    from flowalign.checkpoint_manifest import resolve_checkpoint
 
-    newest = resume_folder(run, "auto", main=False)
+    newest = resolve_checkpoint(run)
     if newest is None:
         raise UserError(f"--run {run}: the run has no whole checkpoint yet; train it first")
     return newest

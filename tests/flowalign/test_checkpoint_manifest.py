@@ -110,3 +110,25 @@ def test_a_torn_last_metrics_row_is_dropped_with_a_warning(tmp_path, capsys):
     logger.truncate_after(5)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
     assert "metrics.jsonl:3 is a torn row" in capsys.readouterr().err
+
+
+def test_a_run_folder_resolves_to_its_newest_whole_checkpoint_and_any_other_folder_to_itself(tmp_path):
+    from flowalign.checkpoint import COMPLETE
+    from flowalign.checkpoint_manifest import resolve_checkpoint
+    from flowalign.manifest import write_manifest
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    assert resolve_checkpoint(run) is None  # a run without a checkpoint yet
+    for step in (1, 2):
+        folder = run / "checkpoints" / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / "trainable.safetensors").write_bytes(b"weights %d" % step)
+        write_manifest(folder, skip={COMPLETE})
+        (folder / COMPLETE).write_text("ok\n")
+    assert resolve_checkpoint(run) == run / "checkpoints" / "step-000002"
+    (run / "checkpoints" / "step-000002" / "trainable.safetensors").write_bytes(b"torn")
+    assert resolve_checkpoint(run) == run / "checkpoints" / "step-000001"  # the damaged newest is passed over
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    assert resolve_checkpoint(adapter) == adapter
