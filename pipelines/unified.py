@@ -44,7 +44,8 @@ REFLECTION_TEMPLATE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_
                        "<|im_end|>\n<|im_start|>assistant\n")
 #: the language LoRA's targets: the language model's projections only (the vision tower's MLP has the same
 #: leaf names, hence a full-name pattern)
-LANGUAGE_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
+LANGUAGE_TARGETS = (r".*language_model\.layers\.\d+\."
+                    r"(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))")
 #: file of the language LoRA in a saved adapter folder (beside the transformer's diffusers LoRA)
 LANGUAGE_ADAPTER_FILE = "reflection_lora.safetensors"
 #: token id after a sequence's end in :meth:`UnifiedEditPolicy.generate`'s output (its log-prob is 0)

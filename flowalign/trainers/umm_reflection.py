@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK, MAX_SAMPLING_STEPS
+from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK
 from flowalign.protocols import UnifiedPolicy
 from flowalign.sampling import Rollout, rollout, sde_step
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
@@ -69,11 +69,9 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
     language_lora_alpha: float = Field(8.0, gt=0, le=MAX_COEFFICIENT)
 
     @model_validator(mode="after")
-    def _something_trains(self) -> "UMMReflectionConfig":
+    def _something_trains(self) -> UMMReflectionConfig:
         if self.token_weight == 0 and self.revision_weight == 0:
             raise ValueError("token_weight and revision_weight are both 0: nothing would train; set one > 0")
-        if self.num_steps > MAX_SAMPLING_STEPS:
-            raise ValueError(f"num_steps must be <= {MAX_SAMPLING_STEPS}")
         return self
 
 
@@ -182,7 +180,9 @@ class UMMReflectionTrainer(GroupTrainer):
     sampler = "flow_grpo"
 
     def __init__(self, cfg: Any, tcfg: UMMReflectionConfig, policy: Any, *args: Any, **kw: Any) -> None:
-        from pipelines.unified import unified  # the model family that gives an editing model its VL writer
+        from pipelines.unified import (
+            unified,  # the model family that gives an editing model its VL writer
+        )
 
         super().__init__(cfg, tcfg, unified(policy, tcfg.language_lora_rank, tcfg.language_lora_alpha), *args, **kw)
 
@@ -253,7 +253,8 @@ class UMMReflectionTrainer(GroupTrainer):
         log_probs = torch.zeros(n, 1)
         revised = torch.zeros(n, dtype=torch.bool)
         if going:
-            gens = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, *keys[i], 23, r)) for i in going]
+            gens = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, *keys[i], 23, r))
+                    for i in going]
             written, lp = self.unified.generate(images[going], [prompts[i] for i in going], self.tcfg.max_new_tokens,
                                                 gens)
             tokens = torch.full((n, written.shape[1]), -1, dtype=torch.long)
@@ -343,7 +344,8 @@ class UMMReflectionTrainer(GroupTrainer):
         return self.revision_loss(batch, unit)
 
     def token_loss(self, batch: TrajectoryBatch, unit: TokenUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        """``scale · Σ_t max(−A·ρ_t, −A·clip(ρ_t))`` over the reflection's tokens (``sft``: ``−scale · Σ_t log π``)."""
+        """``scale · Σ_t max(−A·ρ_t, −A·clip(ρ_t))`` over the reflection's tokens
+        (``sft``: ``−scale · Σ_t log π``)."""
         rnd, i = batch.rounds[unit.round], unit.index
         mask = rnd.tokens[i] != -1
         lp = self.unified.token_log_probs(rnd.images[i : i + 1], [batch.prompts[i]], rnd.tokens[i : i + 1])[0][mask]
@@ -358,8 +360,8 @@ class UMMReflectionTrainer(GroupTrainer):
                                               clipped.float().mean().item()}
 
     def revision_loss(self, batch: TrajectoryBatch, unit: RevisionUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        """``Σ_b scale_b · max(−A_b·r_b, −A_b·clip(r_b))`` at SDE step k of the revisions (``sft``: flow matching
-        of the revised image at that step's σ, ``scale_b·A_b·mean‖v − (ε − x0)‖²``)."""
+        """``Σ_b scale_b · max(−A_b·r_b, −A_b·clip(r_b))`` at SDE step k of the revisions (``sft``: flow
+        matching of the revised image at that step's σ, ``scale_b·A_b·mean‖v − (ε − x0)‖²``)."""
         rev = batch.rounds[unit.round].revisions[unit.batch]
         chunk, k = rev.rollout, unit.k
         coefficient = batch.coefficients[rev.index].float()
