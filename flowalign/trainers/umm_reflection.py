@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK
 from flowalign.protocols import UnifiedPolicy
 from flowalign.sampling import Rollout, rollout, sde_step
-from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
+from flowalign.trainers.base import GroupTrainer, Plan, WeightCopy, derived_seed
 from flowalign.trainers.options import AdvantageOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 
@@ -185,6 +185,12 @@ class UMMReflectionTrainer(GroupTrainer):
         )
 
         super().__init__(cfg, tcfg, unified(policy, tcfg.language_lora_rank, tcfg.language_lora_alpha), *args, **kw)
+
+    @classmethod
+    def weight_copies(cls, cfg: Any, tcfg: Any) -> list[WeightCopy]:
+        """None: no reference term (no KL), and one update per batch on the weights that sampled it, so the
+        old log-probs are the stored ones (no behaviour copy)."""
+        return []
 
     @classmethod
     def rollouts_per_step(cls, tcfg: Any) -> tuple[int, int, int]:
