@@ -20,6 +20,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from flowalign.data import check_prompt_length
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
+from flowalign.sampling.inputs import load_input_image
 from pipelines import lora as lora_utils
 from pipelines import prompt_warnings
 from pipelines.tiny import read_sampling_defaults
@@ -398,6 +399,18 @@ def encode_with_empty_negative(cache: PromptCache, prompts: list[str],
     if cfg:
         tensors.update({f"negative_{k}": v for k, v in stack_rows(rows, [""] * len(prompts), keys).items()})
     return Conditioning(tensors, prompts)
+
+
+def with_input_images(cond: Conditioning, images: list[Any] | None,
+                      encode_image: Callable[[torch.Tensor], torch.Tensor], key: str, needs: str) -> Conditioning:
+    """``cond`` plus ``key``: ``encode_image`` of each prompt's input image (read by
+    :func:`flowalign.sampling.inputs.load_input_image`, ``(3, H, W)`` in [0, 1]), concatenated on the batch axis,
+    without gradients. ``needs`` names what the images are for when their count is not one per prompt."""
+    if images is None or len(images) != len(cond):
+        raise UserError(f"{needs} per prompt ({len(cond)} prompts, {0 if images is None else len(images)} images)")
+    with torch.no_grad():
+        encoded = torch.cat([encode_image(load_input_image(image)) for image in images])
+    return Conditioning({**cond.tensors, key: encoded}, cond.prompts)
 
 
 def cfg_mix(v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance: float) -> torch.Tensor:

@@ -21,9 +21,9 @@ from diffusers import FluxKontextPipeline
 from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
-from flowalign.sampling.inputs import load_input_image
 from pipelines import flux
 from pipelines._common import batch_size, latent_image_ids, pack_2x2, resize_input, sampling_defaults, sigma_batch
+from pipelines._common import with_input_images
 from pipelines.flux import FluxPolicy
 
 
@@ -43,13 +43,8 @@ class KontextPolicy(FluxPolicy):
 
     def encode(self, prompts: list[str], images: list[Any] | None = None) -> Conditioning:
         """Text as FLUX.1 plus ``image_latents (B, seq, 4·C)``, one input image per prompt."""
-        cond = super().encode(prompts)
-        if images is None or len(images) != len(cond):
-            raise UserError(f"FLUX.1 Kontext edits an input image: give one image per prompt ({len(cond)} prompts, "
-                            f"{0 if images is None else len(images)} images)")
-        with torch.no_grad():
-            latents = torch.cat([self.encode_image(load_input_image(image)) for image in images])
-        return Conditioning({**cond.tensors, "image_latents": latents}, cond.prompts)
+        return with_input_images(super().encode(prompts), images, self.encode_image, "image_latents",
+                                 "FLUX.1 Kontext edits an input image: give one image")
 
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
         """One image ``(3, H, W)`` in [0, 1] → packed context latents ``(1, seq, 4·C)`` float32 at the output size."""

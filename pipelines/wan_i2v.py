@@ -17,8 +17,7 @@ from diffusers import WanImageToVideoPipeline
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
-from flowalign.sampling.inputs import load_input_image
-from pipelines._common import negative_conditioning, resize_input, sigma_batch
+from pipelines._common import negative_conditioning, resize_input, sigma_batch, with_input_images
 from pipelines.wan22 import Wan22Policy
 
 
@@ -43,13 +42,8 @@ class WanI2VPolicy(Wan22Policy):
 
     def encode(self, prompts: list[str], images: list[Any] | None = None) -> Conditioning:
         """UMT5 text as Wan plus ``image_condition``, one first frame per prompt."""
-        cond = super().encode(prompts)
-        if images is None or len(images) != len(cond):
-            raise UserError(f"Wan image-to-video needs a first frame per prompt ({len(cond)} prompts, "
-                            f"{0 if images is None else len(images)} images)")
-        with torch.no_grad():
-            condition = torch.cat([self.frame_condition(load_input_image(image)) for image in images])
-        return Conditioning({**cond.tensors, "image_condition": condition}, cond.prompts)
+        return with_input_images(super().encode(prompts), images, self.frame_condition, "image_condition",
+                                 "Wan image-to-video needs a first frame")
 
     def frame_condition(self, image: torch.Tensor) -> torch.Tensor:
         """One frame ``(3, H, W)`` in [0, 1] → ``(1, f_t + C, F', H', W')`` through the pipeline's ``prepare_latents``."""

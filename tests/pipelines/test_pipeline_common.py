@@ -142,3 +142,20 @@ def test_a_folder_with_another_scheduler_is_refused_naming_both():
                                         "FlowMatchEulerDiscreteScheduler"):
         require_scheduler(SimpleNamespace(scheduler=UniPCMultistepScheduler()), FlowMatchEulerDiscreteScheduler,
                           "m", "LTX-2")
+
+
+def test_input_images_join_the_conditioning_one_per_prompt_in_order():
+    from flowalign.protocols import Conditioning
+    from pipelines._common import with_input_images
+
+    cond = Conditioning({"prompt_embeds": torch.zeros(2, 4, 8)}, PROMPTS)
+    images = [torch.full((3, 4, 4), 0.25), torch.full((3, 4, 4), 0.75)]
+
+    def mean_colour(image: torch.Tensor) -> torch.Tensor:  # (3, H, W) -> (1, 3)
+        return image.mean(dim=(1, 2))[None]
+
+    joined = with_input_images(cond, images, mean_colour, "image_latents", "an edit needs an input image")
+    assert torch.equal(joined.tensors["prompt_embeds"], cond.tensors["prompt_embeds"]) and joined.prompts == PROMPTS
+    assert torch.equal(joined.tensors["image_latents"], torch.tensor([[0.25] * 3, [0.75] * 3]))
+    with pytest.raises(UserError, match=r"an edit needs an input image per prompt \(2 prompts, 1 images\)"):
+        with_input_images(cond, images[:1], mean_colour, "image_latents", "an edit needs an input image")
