@@ -62,6 +62,13 @@ class _BadImage(Exception):
     pass
 
 
+def as_array(value: Any) -> np.ndarray | None:
+    """A torch tensor (as float32 on the CPU) or numpy array as a numpy array; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", torch.float32).numpy()
+    return value if isinstance(value, np.ndarray) else None
+
+
 def pixels_uint8(arr: np.ndarray) -> np.ndarray | None:
     """``arr`` as uint8 0-255 pixels (floats are [0, 1] images unless they are clearly 0-255 ones); None when a
     value is NaN or infinite. Images here, and the frames of :mod:`rewards.vvr_motion.video`."""
@@ -80,11 +87,8 @@ def _as_rgb(image: Any) -> np.ndarray:
             raise _BadImage(f"grayscale image (PIL mode {image.mode!r}); expected an RGB image")
         arr = np.asarray(image.convert("RGB"))
     else:
-        if isinstance(image, torch.Tensor):
-            arr = image.detach().to("cpu", torch.float32).numpy()
-        elif isinstance(image, np.ndarray):
-            arr = image
-        else:
+        arr = as_array(image)
+        if arr is None:
             raise _BadImage(f"unreadable image of type {type(image).__name__}; expected PIL, numpy or torch")
         if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
             arr = np.moveaxis(arr, 0, -1)  # channels first, as tensors come

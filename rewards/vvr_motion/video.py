@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from flowalign.errors import UserError
-from rewards.vvr.verify import MIN_SIDE, pixels_uint8
+from rewards.vvr.verify import MIN_SIDE, as_array, pixels_uint8
 
 _SINGLE_IMAGE = "a video reward needs (F,3,H,W) clips; got a single image"
 _GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
@@ -41,11 +41,10 @@ def _frame(x: Any, i: int) -> np.ndarray:
         if x.mode in _GREY_MODES:
             raise BadVideo(f"frame {i} is grayscale (PIL mode {x.mode!r}); expected RGB frames")
         return np.asarray(x.convert("RGB"))
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", torch.float32).numpy()
-    if isinstance(x, np.ndarray):
-        return x
-    raise BadVideo(f"frame {i} is a {type(x).__name__}; expected PIL images or arrays")
+    arr = as_array(x)
+    if arr is None:
+        raise BadVideo(f"frame {i} is a {type(x).__name__}; expected PIL images or arrays")
+    return arr
 
 
 def as_clip(video: Any) -> np.ndarray:
@@ -62,11 +61,7 @@ def as_clip(video: Any) -> np.ndarray:
         if len(shapes) > 1:
             raise BadVideo(f"frames differ in shape: {sorted(shapes)}")
         arr = np.stack(frames)
-    elif isinstance(video, torch.Tensor):
-        arr = video.detach().to("cpu", torch.float32).numpy()
-    elif isinstance(video, np.ndarray):
-        arr = video
-    else:
+    elif (arr := as_array(video)) is None:
         raise BadVideo(f"unreadable video of type {type(video).__name__}; expected numpy, torch, PIL frames or a path")
     if arr.ndim == 2 or arr.ndim == 3 and (arr.shape[0] in (1, 3, 4) or arr.shape[-1] in (1, 3, 4)):
         raise BadVideo(f"{_SINGLE_IMAGE} of shape {tuple(arr.shape)}")
