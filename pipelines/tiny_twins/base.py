@@ -115,3 +115,11 @@ def sd_vae_standin(scaling_factor: float, shift_factor: float) -> dict[str, Any]
         "use_post_quant_conv": False,
         "mid_block_add_attention": True,
     }
+
+
+def assemble(pipeline_class: type, **components: Any) -> Any:
+    """``pipeline_class(**components)`` as ``from_pretrained`` gives a pipeline: its text encoders in eval mode,
+    the progress bar off."""
+    pipe = pipeline_class(**{k: v.eval() if k.startswith("text_encoder") else v for k, v in components.items()})
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.tiny_twins.base import CLIP_L_STANDIN, T5_STANDIN, clip_config, merge, scalar_options, sd_vae_standin
-from pipelines.tiny_twins.base import seeded, t5_config, vae_config
+from pipelines.tiny_twins.base import assemble, seeded, t5_config, vae_config
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 
@@ -73,17 +73,8 @@ def build_tiny_flux(**overrides):
         vae = AutoencoderKL(**vae_cfg)
         te = CLIPTextModel(CLIPTextConfig(**c1))
         te_2 = T5EncoderModel(T5Config(**t5))
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**sched),
-        vae=vae,
-        text_encoder=te.eval(),
-        tokenizer=tok,
-        text_encoder_2=te_2.eval(),
-        tokenizer_2=tok_2,
-        transformer=transformer,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return assemble(FluxPipeline, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**sched), vae=vae,
+                    text_encoder=te, tokenizer=tok, text_encoder_2=te_2, tokenizer_2=tok_2)
 
 
 #: the sampling defaults written next to the tiny model (``flowalign.json``)

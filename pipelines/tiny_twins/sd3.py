@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.tiny_twins.base import CLIP_L_STANDIN, T5_STANDIN, clip_config, merge, scalar_options, sd_vae_standin
-from pipelines.tiny_twins.base import seeded, t5_config, vae_config
+from pipelines.tiny_twins.base import assemble, seeded, t5_config, vae_config
 from pipelines.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 
@@ -94,19 +94,9 @@ def build_tiny_sd3(**overrides):
         te = CLIPTextModelWithProjection(CLIPTextConfig(**c1))
         te_2 = CLIPTextModelWithProjection(CLIPTextConfig(**c2))
         te_3 = T5EncoderModel(T5Config(**t5))
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(**sched),
-        vae=vae,
-        text_encoder=te.eval(),
-        tokenizer=tok,
-        text_encoder_2=te_2.eval(),
-        tokenizer_2=tok_2,
-        text_encoder_3=te_3.eval(),
-        tokenizer_3=tok_3,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return assemble(StableDiffusion3Pipeline, transformer=transformer,
+                    scheduler=FlowMatchEulerDiscreteScheduler(**sched), vae=vae, text_encoder=te, tokenizer=tok,
+                    text_encoder_2=te_2, tokenizer_2=tok_2, text_encoder_3=te_3, tokenizer_3=tok_3)
 
 
 #: the sampling defaults written next to the tiny model (``flowalign.json``)
