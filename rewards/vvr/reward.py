@@ -59,11 +59,8 @@ class VVRReward:
             if verdict.valid:
                 valid[i] = True
                 passed = [p for _, p in verdict.constraints]
-                if self.partial_credit:
-                    checks = _named_objects_drawn(task, verdict.detected) + passed
-                    scores[i] = blended_score(checks, verdict.all_passed, self.gamma)
-                else:
-                    scores[i] = score(passed, self.gamma)
+                credits = _named_objects_drawn(task, verdict.detected) + passed if self.partial_credit else None
+                scores[i] = verdict_score(passed, verdict.all_passed, self.gamma, credits)
         return RewardOutput(components={"vvr": scores}, valid=valid, info=info)
 
 
@@ -92,6 +89,12 @@ def tasks_to_score(
 def blended_score(credits: list[float], all_passed: bool, gamma: float) -> float:
     """The partial-credit reward ``(1-γ)·mean(credits) + γ·all_passed``."""
     return (1 - gamma) * sum(credits) / len(credits) + gamma * float(all_passed)
+
+
+def verdict_score(passed: list[bool], all_passed: bool, gamma: float, credits: list[float] | None) -> float:
+    """A verified sample's reward: :func:`blended_score` of its partial ``credits`` when the reward grants them
+    (not None), else :func:`rewards.vvr.verify.score` of the pass/fail checks."""
+    return blended_score(credits, all_passed, gamma) if credits is not None else score(passed, gamma)
 
 
 def shapes_named(task: Any) -> list[str]:

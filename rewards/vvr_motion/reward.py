@@ -9,8 +9,8 @@ import torch
 
 from flowalign.protocols import RewardOutput
 from rewards.registry import register
-from rewards.vvr.reward import blended_score, checked_gamma, tasks_to_score
-from rewards.vvr.verify import GAMMA, score
+from rewards.vvr.reward import checked_gamma, tasks_to_score, verdict_score
+from rewards.vvr.verify import GAMMA
 from rewards.vvr_motion.consistency import temporal_consistency
 from rewards.vvr_motion.graded import graded_credits
 from rewards.vvr_motion.tasks import as_task
@@ -56,11 +56,9 @@ class VVRMotionReward:
             if verdict.valid:
                 valid[i] = True
                 passed = [p for _, p in verdict.constraints]
-                if self.partial_credit:
-                    credits = graded_credits(as_task(task).constraints, passed, verdict.detected)
-                    scores[i] = blended_score(credits, verdict.all_passed, self.gamma)
-                else:
-                    scores[i] = score(passed, self.gamma)
+                credits = graded_credits(as_task(task).constraints, passed, verdict.detected) if self.partial_credit \
+                    else None
+                scores[i] = verdict_score(passed, verdict.all_passed, self.gamma, credits)
         return RewardOutput(components={"vvr_motion": scores}, valid=valid, info=info)
 
 
