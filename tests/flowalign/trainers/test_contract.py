@@ -214,13 +214,33 @@ def owned_tensors(obj, depth: int = 0, seen: set | None = None) -> list[torch.Te
     return [t for v in values for t in owned_tensors(v, depth + 1, seen)]
 
 
+def held_policies(obj, seen: set, depth: int = 0) -> list:
+    """The second models ``obj`` holds (policies: objects with ``trained_modules``, e.g. a teacher model inside a
+    helper), walking as :func:`owned_tensors` does."""
+    if id(obj) in seen or depth > 6 or isinstance(obj, (torch.Tensor, torch.nn.Module, type)) or callable(obj):
+        return []
+    seen.add(id(obj))
+    if hasattr(obj, "trained_modules"):
+        return [obj]
+    if isinstance(obj, dict):
+        values = obj.values()
+    elif isinstance(obj, (list, tuple, set)):
+        values = obj
+    else:
+        values = vars(obj).values() if hasattr(obj, "__dict__") else []
+    return [p for v in values for p in held_policies(v, seen, depth + 1)]
+
+
 def copies_held(trainer) -> dict[str, int]:
     """Copies of weights the trainer allocated, counted from what it holds: ``trained`` (sets of tensors shaped
-    like the trained ones), ``model`` (modules as large as the trained model) and the loop's ``reference``."""
+    like the trained ones), ``model`` (modules as large as the trained model, and second policies such as a
+    teacher model, whatever their size) and the loop's ``reference``."""
     from collections import Counter
 
     # a helper holding the policy (e.g. to encode images) holds no copy: the walk stops at what the loop owns
     loop = {id(v) for k, v in vars(trainer).items() if k in LOOP_OWNED} | {id(p) for p in trainer.params}
+    second = [p for k, v in vars(trainer).items() if k not in LOOP_OWNED for p in held_policies(v, set(loop))]
+    loop |= {id(p) for p in second}  # a second model is counted once, as a model
     own = [t for k, v in vars(trainer).items() if k not in LOOP_OWNED for t in owned_tensors(v, seen=set(loop))]
     trained = Counter(tuple(p.shape) for p in trainer.params)
     held = Counter(tuple(t.shape) for t in own)
@@ -231,7 +251,7 @@ def copies_held(trainer) -> dict[str, int]:
     whole = sum(1 for m in (x for v in modules for x in (v if isinstance(v, (list, tuple)) else [v]))
                 if isinstance(m, torch.nn.Module) and sum(p.numel() for p in m.parameters()) >= model_size > 0)
     return {"trained": min(held[shape] // n for shape, n in trained.items()),
-            "model": whole, "reference": int(getattr(policy, "reference_modules", None) is not None)}
+            "model": whole + len(second), "reference": int(getattr(policy, "reference_modules", None) is not None)}
 
 
 def copies_declared(trainer) -> dict[str, int]:
