@@ -64,8 +64,9 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
     token_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
     #: w_rev: weight of the revisions' term
     revision_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
-    #: the language LoRA that writes reflections (rank, alpha)
+    #: rank of the language LoRA that writes reflections
     language_lora_rank: int = Field(4, ge=1, le=MAX_LORA_RANK)
+    #: alpha of the language LoRA (its scale is alpha / rank)
     language_lora_alpha: float = Field(8.0, gt=0, le=MAX_COEFFICIENT)
 
     @model_validator(mode="after")
