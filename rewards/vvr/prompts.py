@@ -62,6 +62,15 @@ _PAIR_WORDS = {
     "same_shape": "are the same shape",
     "horizontally_aligned": "are horizontally aligned", "vertically_aligned": "are vertically aligned",
 }
+#: clauses about named objects: ``{ref}``, ``{a}``, ``{b}``, ``{c}`` stand for "the <colour> <shape>", every
+#: other ``{arg}`` for the constraint's value
+_OBJECT_TEMPLATES = {
+    "colour_of": "{ref} is {colour}", "size_class": "{ref} is {size}", "extremal": "{ref} is the {direction} object",
+    "between": "{a} is between {b} and {c}", "nearest_to": "the object nearest to {a} is {b}",
+    **{t: "{a} " + words + " {b}" for t, words in _RELATION_WORDS.items()},
+    **{t: "{a} and {b} " + words for t, words in _PAIR_WORDS.items()},
+}
+_OBJECT_ARGS = ("ref", "a", "b", "c")
 
 
 def clause(c: Clause) -> str:
@@ -84,24 +93,12 @@ def clause(c: Clause) -> str:
         return f"more {noun(a['a'], True)} than {noun(a['b'], True)}"
     if t == "equal_count":
         return f"as many {noun(a['a'], True)} as {noun(a['b'], True)}"
-    if t == "colour_of":
-        return f"{definite(a['ref'])} is {a['colour']}"
+    if t in _OBJECT_TEMPLATES:
+        return _OBJECT_TEMPLATES[t].format(**{k: definite(v) if k in _OBJECT_ARGS else v for k, v in a.items()})
     if t == "shape_of":
         return f"{definite(a['ref'])} is {indefinite({'shape': a['shape']})}"
-    if t == "size_class":
-        return f"{definite(a['ref'])} is {a['size']}"
-    if t in _RELATION_WORDS:
-        return f"{definite(a['a'])} {_RELATION_WORDS[t]} {definite(a['b'])}"
-    if t in _PAIR_WORDS:
-        return f"{definite(a['a'])} and {definite(a['b'])} {_PAIR_WORDS[t]}"
     if t == "filled":
         return f"{definite(a['ref'])} is {'filled' if a['filled'] else 'outlined'}"
-    if t == "between":
-        return f"{definite(a['a'])} is between {definite(a['b'])} and {definite(a['c'])}"
-    if t == "nearest_to":
-        return f"the object nearest to {definite(a['a'])} is {definite(a['b'])}"
-    if t == "extremal":
-        return f"{definite(a['ref'])} is the {a['direction']} object"
     if t == "region":
         return f"{definite(a['ref'])} is in the {a['region'].replace('-', ' ')}"
     raise ValueError(f"no prompt template for constraint type {t!r}")
