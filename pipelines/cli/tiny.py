@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from flowalign.cli.common import add_number
+from flowalign.cli.out_dir import add_out_dir_args
 from flowalign.limits import MAX_SEED
 
 #: the writer name of the folders this command writes (:func:`flowalign.io.atomic_dir`)
@@ -21,11 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pipelines.tiny import twins
 
     p.add_argument("family", choices=list(twins()))
-    p.add_argument("--out", required=True, help="folder to write (diffusers format)")
+    add_out_dir_args(p, "folder to write (diffusers format)", "only the model's files are replaced")
     add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=0)
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out this command did not write (only the model's files are "
-                        "replaced; other files are kept)")
     return p
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowalign.cli.out_dir import add_out_dir_args
+
 #: the writer name of the folders this command writes (:func:`flowalign.io.atomic_dir`)
 WRITER = "tiny-reward"
 
@@ -19,10 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-reward", help="build a tiny architecture-faithful reward-model folder (offline)")
     p.add_argument("name", choices=sorted(TINY_BUILDERS), help="the reward whose weights folder to build")
-    p.add_argument("--out", required=True, help="folder to write (give it to the reward as path:)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out this command did not write (only its files are replaced; "
-                        "other files are kept)")
+    add_out_dir_args(p, "folder to write (give it to the reward as path:)", "only its files are replaced")
     return p
 
 
