@@ -62,7 +62,7 @@ from flowalign.config import TrainConfig
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
 from flowalign.trainers import trainer_config
-from flowalign.trainers.copies import device_copies
+from flowalign.trainers.copies import device_copies, device_own_params
 
 GB = 1e9
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -150,6 +150,8 @@ class Settings:
     num_steps: int = 0  # rollout steps T
     #: velocities stored per rollout step, in float32 latents (a bf16 unconditional branch counts 0.5)
     stored_velocities: float = 0.0
+    #: parameters of networks of the trainer's own on the device (a critic), trained in float32 with Adam
+    own_params: int = 0
 
     @property
     def samples(self) -> int:
@@ -550,7 +552,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         "gradients": gradients,
         "optimiser state (AdamW)": 2 * model.trainable * train_bytes / n * on_gpu,
         "reference / EMA copies": s.extra_copies * model.trainable * train_bytes / n,
-        "teacher / critic models": s.model_copies * model.trained_weights * w,
+        "teacher / critic models": s.model_copies * model.trained_weights * w + 16 * s.own_params,
         "frozen text encoders + VAE": sum(v * (model.vae_bytes_per_param or w if k == "vae" else w)
                                           for k, v in model.params.items() if k not in model.trained
                                           and not (s.offload_text_encoders and k.startswith("text_encoder"))),
@@ -612,7 +614,8 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = N
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
                     cfg.model.gradient_checkpointing, trainer.training_batch(tcfg), extra, device_copies(copies, "model"),
                     cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel,
-                    prompts_per_step=prompts, group_size=group, num_steps=steps, stored_velocities=stored)
+                    prompts_per_step=prompts, group_size=group, num_steps=steps, stored_velocities=stored,
+                    own_params=device_own_params(copies))
 
 
 def human(n: float, unit: str = "") -> str:

@@ -99,6 +99,22 @@ class GuidedPolicy:
 
 def load_latent_reward(folder: str | Path, **kwargs: Any) -> Any:
     """The latent reward saved in ``folder`` (its ``config.json`` names the class that reads it)."""
+    reward = latent_reward_class(folder).load(Path(folder), **kwargs)
+    if not isinstance(reward, LatentReward):
+        raise UserError(f"the latent reward loaded from {folder} has no score(x, sigma, cond) method")
+    return reward
+
+
+def latent_reward_sizes(folder: str | Path) -> dict[str, int]:
+    """What loading the latent reward of ``folder`` allocates, read without loading it: ``own`` parameters of
+    its own network, ``model`` whole transformers it loads beside the policy's (its class's ``sizes(folder)``;
+    none known: both 0)."""
+    sizes = getattr(latent_reward_class(folder), "sizes", None)
+    return dict(sizes(Path(folder))) if sizes is not None else {"own": 0, "model": 0}
+
+
+def latent_reward_class(folder: str | Path) -> type:
+    """The class ``folder``'s ``config.json`` names for its latent reward."""
     folder = Path(folder)
     config = folder / "config.json"
     if not config.is_file():
@@ -114,7 +130,4 @@ def load_latent_reward(folder: str | Path, **kwargs: Any) -> Any:
         cls = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
         raise UserError(f"{config}: cannot import {target!r} ({err})") from err
-    reward = cls.load(folder, **kwargs)
-    if not isinstance(reward, LatentReward):
-        raise UserError(f"{target} loaded from {folder} has no score(x, sigma, cond) method")
-    return reward
+    return cls

@@ -141,11 +141,13 @@ class AFDTrainer(GroupTrainer):
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
-        """The anchor's reference under full fine-tuning (``beta`` > 0) and a model teacher (a whole second
-        model on the device). The discriminator is a small network of its own in CPU memory, neither the size
-        of the trained tensors nor of a model, so no copy of either."""
+        """The anchor's reference under full fine-tuning (``beta`` > 0), a model teacher (a whole second
+        model on the device) and the discriminator, a small network of its own in CPU memory."""
         reference = full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
-        return reference + ([WeightCopy("teacher", "model")] if tcfg.teacher.model is not None else [])
+        with torch.device("meta"):
+            critic = sum(p.numel() for p in PromptPairedDiscriminator(tcfg.disc_width, tcfg.disc_size).parameters())
+        return reference + ([WeightCopy("teacher", "model")] if tcfg.teacher.model is not None else []) + \
+            [WeightCopy("critic", "own", offloaded=True, params=critic)]
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)

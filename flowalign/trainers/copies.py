@@ -17,20 +17,29 @@ class WeightCopy:
 
     ``kind``: what the copy is for (``reference``: the frozen starting weights a full fine-tune's reference
     passes run, kept by the loop; ``snapshot``: an earlier state of the trained weights; ``teacher``;
-    ``critic``; ``behaviour``: the weights the rollouts are sampled with). ``size``: ``trained`` is the
+    ``critic``; ``behaviour``: the weights the rollouts are sampled with; ``reward``: a reward model the
+    trainer holds, e.g. a latent reward with its own frozen transformer). ``size``: ``trained`` is the
     size of the trained tensors (the adapter under LoRA, the transformer under full fine-tuning), ``model``
-    the whole transformer. ``offloaded``: held in CPU memory, moved to the device only for its passes.
+    the whole transformer, ``own`` a network of the trainer's own of ``params`` parameters (trained in
+    float32 with Adam: weights, gradients and two moments). ``offloaded``: held in CPU memory (moved to the
+    device only for its passes, if at all).
     """
 
-    kind: Literal["reference", "snapshot", "teacher", "critic", "behaviour"]
-    size: Literal["trained", "model"] = "trained"
+    kind: Literal["reference", "snapshot", "teacher", "critic", "behaviour", "reward"]
+    size: Literal["trained", "model", "own"] = "trained"
     count: int = 1
     offloaded: bool = False
+    params: int = 0
 
 
 def device_copies(copies: list[WeightCopy], size: str) -> int:
     """How many copies of ``size`` the device holds."""
     return sum(c.count for c in copies if c.size == size and not c.offloaded)
+
+
+def device_own_params(copies: list[WeightCopy]) -> int:
+    """Parameters of the trainer's own networks on the device."""
+    return sum(c.count * c.params for c in copies if c.size == "own" and not c.offloaded)
 
 
 def keeps_reference(copies: list[WeightCopy]) -> WeightCopy | None:

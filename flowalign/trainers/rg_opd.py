@@ -36,6 +36,7 @@ from flowalign.trainers.parts.latent_preference import PreferencePairs, fit
 from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.paths import REPO_ROOT
 from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
+from flowalign.sampling.guidance import latent_reward_sizes
 from flowalign.trainers.base import GroupTrainer, Plan, Sampling, StepBatch, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.options import RolloutOptions, TrainerConfig
@@ -147,8 +148,17 @@ class RGOPDTrainer(GroupTrainer):
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
-        """The anchor's ``v_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
-        return full_reference(tcfg) if tcfg.anchor_weight > 0 and cfg.model.finetune == "full" else []
+        """The anchor's ``v_ref`` under full fine-tuning comes from a frozen copy of the starting weights; the
+        latent reward holds its own network (refitted by CoRe) and may load its own frozen transformer (read
+        from its folder's headers; a folder not there yet declares none, and the run refuses it)."""
+        reference = full_reference(tcfg) if tcfg.anchor_weight > 0 and cfg.model.finetune == "full" else []
+        folder = reward_folder(tcfg.latent_reward)
+        if not (folder / "config.json").is_file():
+            return reference
+        sizes = latent_reward_sizes(folder)
+        reward = [WeightCopy("reward", "model", count=sizes["model"])] if sizes["model"] else []
+        own = [WeightCopy("reward", "own", params=sizes["own"])] if sizes["own"] else []
+        return reference + reward + own
 
     def __init__(self, cfg, tcfg: RGOPDConfig, policy, *args: Any, **kwargs: Any):
         if not (reward_folder(tcfg.latent_reward) / "config.json").is_file():

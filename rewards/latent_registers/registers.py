@@ -19,6 +19,7 @@ module tree, frozen, so ``parameters()`` / ``state_dict()`` are exactly the trai
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -176,6 +177,18 @@ class LatentRegisters(nn.Module):
                             "load them on the base model they were trained on")
         reward.load_state_dict(load_file(str(directory / WEIGHTS_NAME)))
         return reward.to(next(transformer.parameters()).device)
+
+
+    @classmethod
+    def sizes(cls, directory: Path) -> dict[str, int]:
+        """What :meth:`load` allocates, read from the folder's headers without loading: ``own`` trainable
+        parameters (registers and head) and ``model``: the one frozen base transformer it loads."""
+        from safetensors import safe_open
+
+        read_config(directory)
+        with safe_open(str(directory / WEIGHTS_NAME), "pt") as weights:
+            own = sum(math.prod(weights.get_slice(k).get_shape()) for k in weights.keys())
+        return {"own": int(own), "model": 1}
 
 
 def read_config(directory: Path) -> dict[str, Any]:

@@ -248,17 +248,24 @@ def copies_held(trainer) -> dict[str, int]:
     policy = trainer.policy
     model_size = sum(p.numel() for name in getattr(policy, "trained_modules", ()) for p in
                      getattr(policy, name).parameters())
-    whole = sum(1 for m in (x for v in modules for x in (v if isinstance(v, (list, tuple)) else [v]))
-                if isinstance(m, torch.nn.Module) and sum(p.numel() for p in m.parameters()) >= model_size > 0)
+    held_modules = [m for v in modules for m in (v if isinstance(v, (list, tuple)) else [v])
+                    if isinstance(m, torch.nn.Module)]
+    # a module may keep another outside its own tree (a latent reward's frozen transformer): a network too
+    hidden = [x for m in held_modules for sub in m.modules() for x in vars(sub).values()
+              if isinstance(x, torch.nn.Module) and x not in list(sub.children())]
+    networks = [sum(p.numel() for p in m.parameters()) for m in held_modules + hidden]
+    whole = sum(1 for n in networks if n >= model_size > 0)
     return {"trained": min(held[shape] // n for shape, n in trained.items()),
-            "model": whole + len(second), "reference": int(getattr(policy, "reference_modules", None) is not None)}
+            "model": whole + len(second), "reference": int(getattr(policy, "reference_modules", None) is not None),
+            "own": sorted(n for n in networks if n < model_size)}
 
 
 def copies_declared(trainer) -> dict[str, int]:
     copies = type(trainer).weight_copies(trainer.cfg, trainer.tcfg)
     return {"trained": sum(c.count for c in copies if c.size == "trained" and c.kind != "reference"),
             "model": sum(c.count for c in copies if c.size == "model"),
-            "reference": sum(c.count for c in copies if c.kind == "reference")}
+            "reference": sum(c.count for c in copies if c.kind == "reference"),
+            "own": sorted(c.params for c in copies if c.size == "own" for _ in range(c.count))}
 
 
 @pytest.mark.parametrize("name", sorted(TRAINERS))
