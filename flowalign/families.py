@@ -45,6 +45,9 @@ class FamilySpec:
     the policy trains, of those the folder has (e.g. both experts of a two-expert model). ``decode_batch``:
     samples the policy decodes at once when ``model.decode_batch_size`` is unset; ``vae_float32``: whether
     the policy loads its VAE in float32 whatever ``model.dtype`` (both sized by ``flowalign plan``).
+    ``unified``: ``"package.module:function"`` making the family's policy a
+    :class:`flowalign.protocols.UnifiedPolicy` (one model that writes about its images and revises them), or
+    None for a family that cannot write.
     """
 
     name: str
@@ -63,6 +66,7 @@ class FamilySpec:
     trained: tuple[str, ...] = ("transformer",)
     decode_batch: int = 8
     vae_float32: bool = False
+    unified: str | None = None
 
     def __post_init__(self) -> None:
         missing = [k for k in SIZE_KEYS if k not in self.size]

@@ -123,4 +123,5 @@ SPEC = FamilySpec(
     transformers=qwen_image.SPEC.transformers, lora_targets=qwen_image.SPEC.lora_targets, size=qwen_image.SPEC.size,
     num_steps=50, guidance=4.0, cfg="true_cfg", transformer_inputs=transformer_inputs,
     tiny={"qwen_image_edit": "pipelines.tiny_twins.qwen_image_edit"}, architectures=("qwen-image-edit",),
+    unified="pipelines.unified:unified",  # its text encoder, Qwen2.5-VL, also writes
 )

@@ -30,6 +30,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
+from flowalign import families, plugins
+from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK
 from flowalign.protocols import UnifiedPolicy
 from flowalign.sampling import Rollout, rollout, sde_step
@@ -181,10 +183,11 @@ class UMMReflectionTrainer(GroupTrainer):
     sampler = "flow_grpo"
 
     def __init__(self, cfg: Any, tcfg: UMMReflectionConfig, policy: Any, *args: Any, **kw: Any) -> None:
-        from pipelines.unified import (
-            unified,  # the model family that gives an editing model its VL writer
-        )
-
+        target = families.get(policy.family).unified  # the family makes its editing model write, if it can
+        if target is None:
+            raise UserError(f"trainer.name=umm_reflection needs a model that writes about its images and revises them; "
+                            f"the {policy.family} family cannot write: use a Qwen-Image-Edit folder (model.path)")
+        unified = plugins.load_target(target)
         super().__init__(cfg, tcfg, unified(policy, tcfg.language_lora_rank, tcfg.language_lora_alpha), *args, **kw)
 
     @classmethod
