@@ -183,6 +183,10 @@ class SelfOPDTrainer(GroupTrainer):
     tcfg: SelfOPDConfig
     sampler = "ode"
 
+    @classmethod
+    def keeps_velocities(cls, tcfg) -> bool:
+        return True  # the branches' targets read the policy's velocity at every step
+
     def sampling(self, group: int) -> Sampling:
         """Trunks: ODE rollouts keeping their velocities (v_old at the branched states needs no forward)."""
         return Sampling("ode", keep_velocities=True)
