@@ -27,7 +27,7 @@ from flowalign.errors import UserError
 from flowalign.signals import EXIT_CODE as TERMINATED_EXIT, Terminated
 
 #: modules of this package that are not commands
-NOT_COMMANDS = {"main", "common"}
+NOT_COMMANDS = {"main", "common", "out_dir"}
 
 
 #: errors of the file system a user can fix (a path, permissions, space), with the fix
