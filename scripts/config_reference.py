@@ -111,7 +111,8 @@ def _comment_blocks(cls: type) -> dict[str, str]:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):
         return {}
-    body = [ln for ln in lines[1:] if ln.strip()]
+    header_end = next((k for k, ln in enumerate(lines) if ln.rstrip().endswith(":")), 0)  # a class line may wrap
+    body = [ln for ln in lines[header_end + 1:] if ln.strip()]
     if not body:
         return {}
     indent = len(body[0]) - len(body[0].lstrip())
