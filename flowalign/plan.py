@@ -50,7 +50,7 @@ import json
 import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.utils._python_dispatch
@@ -571,8 +571,10 @@ def predicted_rows(cfg: TrainConfig, folder: Path, strategy: str = "ddp", gpus: 
     return memory_rows(model, settings(cfg, strategy, gpus, model))
 
 
-def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
-    """The first single change (least disruptive first) after which the run fits, or None."""
+def smallest_fix(model: Model, s: Settings, limit: float, trainer_fields: Collection[str] = ("batch_size",
+                                                                                          "prompts_per_step")) -> str | None:
+    """The first single change (least disruptive first) after which the run fits, or None; a trainer setting
+    is suggested only to a trainer that has it (``trainer_fields``)."""
     candidates: list[tuple[str, Settings]] = []
     if not s.gradient_checkpointing:
         candidates.append(("model.gradient_checkpointing=true", replace(s, gradient_checkpointing=True)))
@@ -582,11 +584,11 @@ def smallest_fix(model: Model, s: Settings, limit: float) -> str | None:
         candidates.append(("parallel.strategy=fsdp", replace(s, strategy="fsdp")))
     if s.strategy == "fsdp" and not s.cpu_offload:
         candidates.append(("parallel.cpu_offload=true", replace(s, cpu_offload=True)))
-    b = s.batch_size // 2
+    b = s.batch_size // 2 if "batch_size" in trainer_fields else 0
     while b >= 1:
         candidates.append((f"trainer.batch_size={b}", replace(s, batch_size=b)))
         b //= 2
-    p = s.prompts_per_step // 2
+    p = s.prompts_per_step // 2 if "prompts_per_step" in trainer_fields else 0
     while p >= 1:  # fewer rollouts held for the update
         candidates.append((f"trainer.prompts_per_step={p}", replace(s, prompts_per_step=p)))
         p //= 2
@@ -663,7 +665,7 @@ def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float, n
         if totals[s] <= limit:
             lines.append(f"{s}: fits ({human(limit - totals[s], 'GB')} to spare)")
         else:
-            fix = smallest_fix(model, settings(cfg, s, gpus, model), limit)
+            fix = smallest_fix(model, settings(cfg, s, gpus, model), limit, type(trainer_config(cfg.trainer)[1]).model_fields)
             lines.append(f"{s}: does not fit; " + (f"smallest change that fits: {fix}" if fix else
                                                     "no single change fits (use more or larger GPUs, or LoRA)"))
     return "\n".join(lines)
