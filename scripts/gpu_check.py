@@ -71,7 +71,8 @@ SMOKE_SIZE = ("trainer.prompts_per_step=1", "trainer.group_size=2", "trainer.bat
 SMOKE_FIT = {"dance_grpo_vvr": ("trainer.num_steps=4",), "pref_grpo_vvr": ("trainer.num_steps=4",),
              "flash_grpo_vvr": ("trainer.num_steps=4",), "flash_grpo_motion": ("trainer.num_steps=4",),
              "mix_grpo_vvr": ("trainer.num_steps=4",), "tempflow_grpo_vvr": ("trainer.branch_steps=null",),
-             "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2"), "afd_motion": ("trainer.teacher.num_steps=2",)}
+             "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2"), "afd_motion": ("trainer.teacher.num_steps=2",),
+             "flow_opd_vvr": ("trainer.cold_start_steps=0",)}
 #: --smoke's recipes: the reference trainer and one that once mixed CPU and CUDA tensors (both quick on a CPU)
 SMOKE_RECIPES = ("flow_grpo_vvr", "gardo_vvr")
 #: the JPEG term's weight: enough to separate samples a verifier scores alike, small beside the recipe's reward
@@ -92,8 +93,13 @@ def varying_rewards(recipe: Path) -> str:
 
 def recipe_overrides(recipe: Path, run_dir: Path, steps: int, smoke: bool) -> list[str]:
     overrides = [f"run.output_dir={run_dir}", f"trainer.max_steps={steps}", *QUIET, varying_rewards(recipe)]
-    if smoke:
-        overrides += [*SMOKE_SIZE, *SMOKE_FIT.get(recipe.stem, ())]
+    if smoke:  # each trainer setting only to a trainer that has it
+        from flowalign.trainers import get_trainer
+
+        name = str(((yaml.safe_load(recipe.read_text()) or {}).get("trainer") or {}).get("name", "flow_grpo"))
+        fields = get_trainer(name).Config.model_fields
+        sized = [o for o in SMOKE_SIZE if not o.startswith("trainer.") or o.split("=")[0].split(".", 1)[1] in fields]
+        overrides += [*sized, *SMOKE_FIT.get(recipe.stem, ())]
     return overrides
 
 
