@@ -40,7 +40,8 @@ def with_pid(prefix: str) -> str:
     return f"{prefix}{os.getpid()}-"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -60,7 +61,7 @@ def sweep_stale(folder: Path, prefix: str) -> None:
         return
     for p in entries:
         m = pattern.match(p.name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from flowalign.errors import UserError
-from flowalign.io import marker_name
+from flowalign.io import marker_name, pid_alive
 
 LOCK_NAME = "train.lock"
 #: the writer name of a run folder (:func:`flowalign.io.marker_name`): its marker says a run claimed it
@@ -35,12 +35,8 @@ def _start_time(pid: int) -> str | None:
 
 def _alive(owner: dict[str, Any]) -> bool:
     pid = int(owner["pid"])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:  # another user's process
-        return True
     started = owner.get("start")
     return started is None or _start_time(pid) in (None, started)
 

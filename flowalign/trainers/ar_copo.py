@@ -33,27 +33,18 @@ from pydantic import Field
 
 from flowalign.config import StepIndex
 from flowalign.errors import UserError
-from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_WEIGHT_COPIES
+from flowalign.limits import MAX_COEFFICIENT, MAX_WEIGHT_COPIES
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
-from flowalign.trainers.options import AdvantageOptions, TrainerConfig
+from flowalign.trainers.options import AdvantageOptions, StreamOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import clipped_loss
 from flowalign.trainers.parts.units import GroupUnit
 
 
-class ARCoPOConfig(TrainerConfig, AdvantageOptions):
-    """AR-CoPO's own fork rollouts (not the loop's group batches: no ``batch_size``), scored into group
-    advantages."""
+class ARCoPOConfig(TrainerConfig, StreamOptions, AdvantageOptions):
+    """AR-CoPO's own fork rollouts (``StreamOptions``), scored into group advantages."""
 
     name: Literal["ar_copo"] = "ar_copo"
-    #: prompts per step on each rank; each is forked group_size times
-    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
-    #: the few-step sampler's jumps per chunk (the distilled releases: 4)
-    num_steps: int = Field(4, ge=1, le=16)
-    #: CFG scale of the streams (None: the model's default)
-    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
-    #: G candidates forked per prompt
-    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
     #: β: how far a candidate's chunk noise is from the centre's (ε_i = √(1−β²)·ε_c + β·ξ_i)
     neighborhood: float = Field(0.3, gt=0, le=1)
     #: τ of the contrastive policy softmax(−d/τ), d a per-element mean squared distance

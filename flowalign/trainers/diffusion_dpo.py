@@ -23,22 +23,21 @@ from pydantic import Field
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
-from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
+from flowalign.limits import MAX_COEFFICIENT
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, Plan, StepBatch, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
+from flowalign.trainers.options import InnerEpochOptions, ReferenceOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.rewarded_rollouts import rewarded_rollouts
 from flowalign.trainers.parts.timesteps import pair_timesteps
 
 
-class DiffusionDPOConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
-    """The loop's group rollouts (online pairs: a group's best and worst by reward, no advantages)."""
+class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, ReferenceOptions):
+    """The loop's group rollouts (online pairs: a group's best and worst by reward, no advantages);
+    ``inner_epochs`` optimiser steps over the batch's pairs (each one pass over all of them)."""
 
     name: Literal["diffusion_dpo"] = "diffusion_dpo"
-    #: optimiser steps over the batch's pairs (each one pass over all of them)
-    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     #: β of the DPO (large: the per-pair error differences are ~1e-3)
     dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs

@@ -33,27 +33,18 @@ from pydantic import Field
 
 from flowalign.config import StepIndex
 from flowalign.errors import UserError
-from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE
+from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
-from flowalign.trainers.options import AdvantageOptions, TrainerConfig
+from flowalign.trainers.options import AdvantageOptions, StreamOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import clipped_loss
 from flowalign.trainers.parts.units import GroupUnit
 
 
-class KVPOConfig(TrainerConfig, AdvantageOptions):
-    """KVPO's own routed branches (not the loop's group batches: no ``batch_size``), scored into group
-    advantages."""
+class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions):
+    """KVPO's own routed branches (``StreamOptions``), scored into group advantages."""
 
     name: Literal["kvpo"] = "kvpo"
-    #: prompts per step on each rank; each is branched group_size times
-    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
-    #: the few-step sampler's jumps per chunk
-    num_steps: int = Field(4, ge=1, le=16)
-    #: CFG scale of the streams (None: the model's default)
-    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
-    #: G branches per prompt
-    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
     #: probability that a history chunk stays in a branch's KV cache at the routed chunk
     keep_prob: float = Field(0.5, ge=0, le=1)
     #: always keep the first chunk (the attention sink streaming models rely on)

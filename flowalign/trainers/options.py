@@ -84,19 +84,38 @@ class TrainerConfig(Section):
         return betas
 
 
-class RolloutOptions(Section):
-    """The loop's group rollouts (:meth:`GroupTrainer.collect`, :meth:`GroupTrainer.sample`)."""
+class SampleOptions(Section):
+    """A trainer's own rollouts in batches: prompts per step, batch size, sampling steps, guidance."""
 
-    #: prompts per step on each rank; each is sampled group_size times
+    #: prompts per step on each rank
     prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
-    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
-    #: samples per rollout batch = per training batch, whatever the group size (outputs depend on the
-    #: batch size, so the two match)
+    #: samples per rollout batch = per training batch (outputs depend on the batch size, so the two match)
     batch_size: int = Field(8, ge=1, le=MAX_BATCH)
     #: rollout steps T (evaluation uses eval.num_steps or the model's default)
     num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
     #: CFG scale of the rollouts (None: the model's default)
     guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
+
+
+class RolloutOptions(SampleOptions):
+    """The loop's group rollouts (:meth:`GroupTrainer.collect`, :meth:`GroupTrainer.sample`): each prompt
+    sampled ``group_size`` times, in batches of ``batch_size`` whatever the group size."""
+
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
+
+
+class StreamOptions(Section):
+    """A streaming video trainer's own group rollouts: each prompt's stream forked into ``group_size``
+    candidates at a chunk (not the loop's group batches: no ``batch_size``)."""
+
+    #: prompts per step on each rank; each is forked group_size times
+    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
+    #: the few-step sampler's jumps per chunk (the distilled releases: 4)
+    num_steps: int = Field(4, ge=1, le=16)
+    #: CFG scale of the streams (None: the model's default)
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
+    #: G candidates per prompt
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE)
 
 
 class AdvantageOptions(Section):
@@ -107,10 +126,15 @@ class AdvantageOptions(Section):
     adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
 
 
-class EpochOptions(Section):
-    """Several passes over one batch, each of several optimiser steps."""
+class InnerEpochOptions(Section):
+    """Several passes over one batch."""
 
     inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
+
+
+class EpochOptions(InnerEpochOptions):
+    """Several passes over one batch, each of several optimiser steps."""
+
     #: optimiser steps per pass over the batch (gradients accumulate over samples x trained steps)
     updates_per_epoch: int = Field(1, ge=1, le=MAX_UPDATES)
 

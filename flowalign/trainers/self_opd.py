@@ -37,27 +37,18 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_UPDATES
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS
 from flowalign.sampling import continue_ode, sde_step
 from flowalign.trainers.base import GroupTrainer, Plan, Sampling, StepBatch, derived_seed
-from flowalign.trainers.options import TrainerConfig
+from flowalign.trainers.options import InnerEpochOptions, SampleOptions, TrainerConfig
 
 
-class SelfOPDConfig(TrainerConfig):
-    """One ODE trunk per prompt and its branch sets (no prompt groups, no advantage kind: the advantages are
-    the method's own, against the trunk)."""
+class SelfOPDConfig(TrainerConfig, SampleOptions, InnerEpochOptions):
+    """One ODE trunk per prompt (``SampleOptions``: trunks and branch continuations per ODE batch, the trunks'
+    steps and guidance) and its branch sets (no prompt groups, no advantage kind: the advantages are the
+    method's own, against the trunk); ``inner_epochs`` optimiser steps on the same fixed targets."""
 
     name: Literal["self_opd"] = "self_opd"
-    #: prompts per step on each rank, one deterministic trunk each
-    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
-    #: trunks and branch continuations per ODE batch
-    batch_size: int = Field(8, ge=1, le=MAX_BATCH)
-    #: ODE steps T of the trunks
-    num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
-    #: CFG scale of the trunks and branches (None: the model's default)
-    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
-    #: optimiser steps on the same fixed targets per training step
-    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     #: K: SDE candidates branched off each sampled state (1: a pairwise comparison with the deterministic branch)
     branches: int = Field(4, ge=1, le=MAX_GROUP_SIZE)
     #: sampled states branched per prompt and step (distinct steps of the trunk; the authors' timesteps_per_step)

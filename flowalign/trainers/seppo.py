@@ -28,31 +28,22 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from flowalign.limits import (MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS,
-                              MAX_UPDATES, MAX_WEIGHT_COPIES)
+from flowalign.limits import MAX_CACHE, MAX_COEFFICIENT, MAX_TRAIN_STEPS, MAX_WEIGHT_COPIES
 from flowalign.trainers.base import derived_seed
 from flowalign.trainers.copies import WeightCopy
-from flowalign.trainers.options import TrainerConfig
+from flowalign.trainers.options import InnerEpochOptions, SampleOptions, TrainerConfig
 from flowalign.trainers.diffusion_dpo import DiffusionDPOTrainer, PairBatch, PairUnit
 from flowalign.trainers.parts.pair_images import PairImages
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
 from flowalign.weight_swap import swapped_in
 
 
-class SePPOConfig(TrainerConfig):
-    """SePPO's own rollouts (one reference sample per winning image: no groups, no rewards, no advantages)."""
+class SePPOConfig(TrainerConfig, SampleOptions, InnerEpochOptions):
+    """SePPO's own rollouts (``SampleOptions``: winning images per step, pairs per forward and reference samples
+    per rollout batch, the reference samples' ODE steps and guidance; one reference sample per winning image:
+    no groups, no rewards, no advantages); ``inner_epochs`` passes over the batch's pairs."""
 
     name: Literal["seppo"] = "seppo"
-    #: winning images per step on each rank
-    prompts_per_step: int = Field(4, ge=1, le=MAX_BATCH)
-    #: pairs per forward/backward, and reference samples per rollout batch
-    batch_size: int = Field(8, ge=1, le=MAX_BATCH)
-    #: ODE steps of the reference's samples
-    num_steps: int = Field(10, ge=2, le=MAX_SAMPLING_STEPS)
-    #: CFG scale of the reference's samples (None: the model's default)
-    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
-    #: optimiser steps over the batch's pairs (each one pass over all of them)
-    inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     #: β of the DPO-style loss (large: the per-pair error differences are ~1e-3; as diffusion_dpo)
     dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
     #: the winning images: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None:
