@@ -316,3 +316,25 @@ def test_every_trainer_keeps_the_contract(name, tmp_path, monkeypatch):
     for own in NOT_IN_A_TRAINER:
         assert own not in source, f"{name}: {own} in the trainer's file; use GroupTrainer's services"
     assert copies_held(t) == copies_declared(t), f"{name}: weight_copies declares other copies than it holds"
+
+
+#: the base methods a trainer may build on: the Flow-GRPO family's presets, DiffusionOPSD/NFT's shared
+#: self-distillation, SePPO's DPO (SFT lives in soar.py itself)
+BASE_METHODS = {"flow_grpo", "self_distill", "diffusion_dpo"}
+
+
+def test_no_trainer_imports_a_sibling_but_its_documented_base_method():
+    """The trainers folder reads in three floors: the contract and parts, base methods, presets of them."""
+    import ast
+
+    folder = REPO / "flowalign" / "trainers"
+    methods = {path.stem for path in folder.glob("*.py")} & ({t.split(":")[0].rsplit(".", 1)[1] for t in
+                                                              TRAINERS.values()} | BASE_METHODS)
+    bad = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flowalign.trainers."):
+                other = node.module.split(".")[2]
+                if other in methods and other != path.stem and (other not in BASE_METHODS or path.stem in BASE_METHODS):
+                    bad.append(f"{path.name} imports {node.module}")
+    assert not bad, bad
