@@ -1,11 +1,13 @@
 """Diffusion-DPO (docs/methods/diffusion_dpo.md): the reference term at θ = θ_ref (log 2, half the plain
 DPO direction), the loss's gradient by hand, pair selection, offline pairs from a JSONL, and a short online
-run that resumes bit-exactly."""
+run that resumes bit-exactly; the loss and its gradient equal Flow-Factory's DPO trainer
+(known_answers/diffusion_dpo_loss.json)."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +16,34 @@ from PIL import Image
 
 from flowalign.train import build_trainer
 from flowalign.trainers.diffusion_dpo import best_and_worst, diffusion_dpo_loss
+from flowalign.trainers.parts.reductions import per_sample_mean
 
 from .conftest import small_config
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "diffusion_dpo_loss.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"beta{c['beta']}")
+def test_loss_and_gradient_equal_flow_factorys_dpo_trainer(case):
+    """Flow-Factory's ``DPOTrainer.optimize`` for one timestep: per-sample velocity MSE to ``noise − x0`` of
+    the policy and the reference on the chosen and rejected latents, ``−log σ(−β/2·Δ)`` averaged over the
+    pairs (the trainer's ``sum / total`` on one rank); the gradient in the policy's predictions too."""
+    f64 = lambda k: torch.tensor(KNOWN[k], dtype=torch.float64)
+    x_w, x_l, noise = f64("chosen_latents"), f64("rejected_latents"), f64("noise")
+    pred_w, pred_l = f64("theta_w_pred").requires_grad_(True), f64("theta_l_pred").requires_grad_(True)
+    err = lambda pred, x0: per_sample_mean((pred - (noise - x0)) ** 2)
+    err_w, err_l = err(pred_w, x_w), err(pred_l, x_l)
+    ref_w, ref_l = err(f64("ref_w_pred"), x_w), err(f64("ref_l_pred"), x_l)
+    for mine, key in ((err_w, "theta_w_err"), (err_l, "theta_l_err"), (ref_w, "ref_w_err"), (ref_l, "ref_l_err")):
+        torch.testing.assert_close(mine, torch.tensor(case[key], dtype=torch.float64), rtol=1e-6, atol=0)
+    per_pair, info = diffusion_dpo_loss(err_w, err_l, ref_w, ref_l, case["beta"])
+    loss = per_pair.sum() / len(per_pair)
+    loss.backward()
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["margin"], sum(case["inside_term"]) / len(case["inside_term"]), rtol=1e-6, atol=0)
+    assert info["implicit_acc"] == case["implicit_accuracy"]
+    for pred, key in ((pred_w, "grad_theta_w_pred"), (pred_l, "grad_theta_l_pred")):
+        torch.testing.assert_close(pred.grad, torch.tensor(case[key], dtype=torch.float64), rtol=1e-6, atol=1e-15)
 
 
 def test_at_the_reference_the_loss_is_log_2_and_its_gradient_half_the_plain_direction():
