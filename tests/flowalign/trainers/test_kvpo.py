@@ -1,5 +1,9 @@
 """KVPO: branches that attend to random subsets of their KV history, the Trajectory Velocity Energy surrogate
-policy and its clipped group-relative update (docs/methods/kvpo.md)."""
+policy and its clipped group-relative update (docs/methods/kvpo.md); the surrogate and its objective against
+the authors' trainer (known_answers/kvpo_branch_objective.json)."""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from flowalign.trainers.kvpo import draw_routing, taken_velocities, velocity_ene
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly
 
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "kvpo_branch_objective.json").read_text())
 STREAM = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.keep_sink=false")
 
 
@@ -27,6 +32,41 @@ def test_routings_keep_each_chunk_with_its_probability_and_the_sink_when_asked()
     assert abs(share - 0.3) < 0.02 and all(all(0 <= j < 6 for j in d) for d in draws)
     assert all(0 in draw_routing(6, 0.0, True, g) for _ in range(50))
     assert draw_routing(4, 1.0, False, g) == (0, 1, 2, 3)
+
+
+def _f64(value) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"floor{c['log_prob_sigma_floor']}-clip{c['clip_range']}")
+def test_the_clipped_objective_over_branch_scores_equals_the_authors(case):
+    """``_compute_policy_objective_from_logits``: π = softmax of the branch scores, the clipped ratio to π_old,
+    −mean over the branches; flowalign's ``clipped_loss`` on the same scores and advantages."""
+    log_probs, old = torch.log_softmax(_f64(case["log_pi_theta"]), 0), torch.log_softmax(_f64(case["log_pi_old"]), 0)
+    torch.testing.assert_close(torch.exp(log_probs - old), _f64(case["ratio"]), rtol=1e-6, atol=0)
+    loss = clipped_loss(log_probs, old, _f64(KNOWN["advantages"]), case["clip_range"])
+    torch.testing.assert_close(loss.item(), case["total_loss"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("case", [c for c in KNOWN["cases"] if c["log_prob_sigma_floor"] == 0],
+                         ids=lambda c: f"clip{c['clip_range']}")
+def test_the_energy_policy_at_temperature_2_over_T_equals_the_authors_per_step_scores(case):
+    """Without their σ floor the authors' branch score ``−Σ_t mse(x0 − x̂0)/(2σ_t²)`` is ``−Σ_t mse_v/2 = −(T/2)·E``
+    (x0 = x_t − σ_t·v): the energy policy at τ = 2/T, taken velocities read from the states. Loss and its
+    gradient in the policy's velocities equal theirs."""
+    sigmas, states = _f64(KNOWN["sigmas"]), _f64(KNOWN["states"])
+    steps = len(sigmas) - 1
+    u = taken_velocities(states, sigmas)
+    torch.testing.assert_close(u, _f64(KNOWN["taken_u"]), rtol=1e-6, atol=1e-12)
+    v = _f64(KNOWN["policy_v"]).requires_grad_(True)
+    tau = 2 / steps
+    log_probs = torch.log_softmax(-velocity_energy(v, u) / tau, 0)
+    torch.testing.assert_close(log_probs.detach(), torch.log_softmax(_f64(case["log_pi_theta"]), 0), rtol=1e-6, atol=0)
+    old = torch.log_softmax(-velocity_energy(_f64(KNOWN["old_v"]), u) / tau, 0)
+    loss = clipped_loss(log_probs, old, _f64(KNOWN["advantages"]), case["clip_range"])
+    loss.backward()
+    torch.testing.assert_close(loss.item(), case["total_loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(v.grad, _f64(case["grad_v"]), rtol=1e-6, atol=1e-15)
 
 
 def test_taken_velocities_invert_the_jumps():
