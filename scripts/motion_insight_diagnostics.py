@@ -152,7 +152,7 @@ def report(part1: dict[str, object], part2: dict[str, object] | None, args: argp
              (f"{part1['tasks']} held-out tasks ({args.n} per level of the test splits) rendered at {args.size} px, "
              f"JPEG q{args.jpeg}; each clip clean and with each defect it can hold "
              f"({', '.join(f'{d} {c}' for d, c in part1['counts'].items())} clips); "
-             f"{part1['clean_perfect']:.0%} of clean clips have no issue in any dimension; "
+             f"{part1['clean_perfect']:.0%} of clean clips have no finding in any dimension; "
              f"{part1['ms_per_clip']:.1f} ms a clip (2 shared CPU cores)."), "",
              "| AUC (defective vs clean, by 1 − score) | " + " | ".join(DIMENSIONS) + " | cause names it |",
              "|---|" + "---|" * (len(DIMENSIONS) + 1)]

@@ -8,9 +8,9 @@ diagnosis is measured against (``scripts/motion_insight_diagnostics.py``). See
 ``docs/methods/motion_insight.md``.
 """
 
-from rewards.motion_insight.diagnose import DIMENSIONS, Dimension, Issue, diagnose
+from rewards.motion_insight.diagnose import DIMENSIONS, Dimension, Finding, diagnose
 from rewards.motion_insight.reward import DimensionReward, MotionInsightReward
 from rewards.motion_insight.space import MotionSpace, ObjectTrack, build
 
-__all__ = ["DIMENSIONS", "Dimension", "DimensionReward", "Issue", "MotionInsightReward", "MotionSpace",
+__all__ = ["DIMENSIONS", "Dimension", "DimensionReward", "Finding", "MotionInsightReward", "MotionSpace",
            "ObjectTrack", "build", "diagnose"]

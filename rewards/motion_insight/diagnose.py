@@ -1,9 +1,9 @@
 """The three dimensions of motion fidelity, each a score in [0, 1] and a failure cause, read in motion space.
 
-Every dimension sums the penalties of the issues it finds and scores ``exp(−Σ penalty)`` (1: no issue);
-its cause names the costliest issues (up to ``MAX_CAUSES``), frames numbered from 0. Positions and sizes
+Every dimension sums the penalties of the findings it finds and scores ``exp(−Σ penalty)`` (1: no finding);
+its cause names the costliest findings (up to ``MAX_CAUSES``), frames numbered from 0. Positions and sizes
 are image fractions, so the thresholds hold at any frame size [derived: set on rendered VVR motion
-clips, where a clean clip has no issue and each injected defect of ``defects.py`` one; see
+clips, where a clean clip has no finding and each injected defect of ``defects.py`` one; see
 ``scripts/motion_insight_diagnostics.py``]:
 
 * **consistency**: each object is there, one piece, looking the same, and keeps its identity (a clip
@@ -63,31 +63,31 @@ OVERLAP_SCALE = 0.5
 
 
 @dataclass
-class Issue:
+class Finding:
     """One problem found: its penalty, the frame it starts at, and the sentence that names it."""
 
     penalty: float
     frame: int
     text: str
-    #: issues with one key are one event (a jump's two accelerations, on and off): merged, costing both
+    #: findings with one key are one event (a jump's two accelerations, on and off): merged, costing both
     key: str = ""
 
 
 @dataclass
 class Dimension:
-    """A dimension's ``score`` in [0, 1], its ``issues`` and ``cause`` (the costliest issues' text, "" when none)."""
+    """A dimension's ``score`` in [0, 1], its ``findings`` and ``cause`` (the costliest findings' text, "" when none)."""
 
     score: float
-    issues: list[Issue] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
 
     @property
     def cause(self) -> str:
-        worst = sorted(self.issues, key=lambda i: -i.penalty)[:MAX_CAUSES]
+        worst = sorted(self.findings, key=lambda i: -i.penalty)[:MAX_CAUSES]
         return "; ".join(i.text for i in sorted(worst, key=lambda i: i.frame))
 
     @staticmethod
-    def of(issues: list[Issue]) -> Dimension:
-        return Dimension(float(math.exp(-sum(i.penalty for i in issues))), issues)
+    def of(findings: list[Finding]) -> Dimension:
+        return Dimension(float(math.exp(-sum(i.penalty for i in findings))), findings)
 
 
 def _runs(frames: list[int]) -> list[tuple[int, int]]:
@@ -150,16 +150,16 @@ def swaps(space: MotionSpace) -> list[tuple[ObjectTrack, ObjectTrack, int]]:
 
 
 def consistency(space: MotionSpace, swapped: list[tuple[ObjectTrack, ObjectTrack, int]]) -> Dimension:
-    issues: list[Issue] = []
+    findings: list[Finding] = []
     n = space.num_frames
     if not space.tracks:  # a blank clip is no consistent scene: it would otherwise score 1 everywhere
-        return Dimension.of([Issue(MISSING_WEIGHT, 0, "no objects found")])
+        return Dimension.of([Finding(MISSING_WEIGHT, 0, "no objects found")])
     for t in space.tracks:
         expected = list(range(min(t.expected_from, n - 1), n))
         found = t.found
         missing = [f for f in expected if not found[f]]
         if not found.any():
-            issues.append(Issue(MISSING_WEIGHT, expected[0], f"{t.label} never appears"))
+            findings.append(Finding(MISSING_WEIGHT, expected[0], f"{t.label} never appears"))
             continue
         for first, last in _runs(missing):
             share = (last - first + 1) / len(expected)
@@ -173,9 +173,9 @@ def consistency(space: MotionSpace, swapped: list[tuple[ObjectTrack, ObjectTrack
                         + (" and does not return" if last == n - 1 else
                            f" for {last - first + 1} frame{'s' if last > first else ''}")
                         + (f" (hidden by {hider.label})" if hider is not None else ""))
-            issues.append(Issue(MISSING_WEIGHT * share, first, text))
+            findings.append(Finding(MISSING_WEIGHT * share, first, text))
         for first, last in _runs(t.splits):
-            issues.append(Issue(SPLIT_WEIGHT * (last - first + 1), first,
+            findings.append(Finding(SPLIT_WEIGHT * (last - first + 1), first,
                                 f"{t.label} splits into pieces at frame {first}"))
         seen = [b for b in t.blobs if b is not None]
         if len(seen) >= 3:
@@ -190,18 +190,18 @@ def consistency(space: MotionSpace, swapped: list[tuple[ObjectTrack, ObjectTrack
                 frame = int(np.flatnonzero(found)[k])
                 what = (f"fill {np.median(fill):.2f} → {fill[k]:.2f}" if by_fill[k] >= by_aspect[k] else
                         f"aspect {math.exp(np.median(aspect)):.2f} → {math.exp(aspect[k]):.2f}")
-                issues.append(Issue(SHAPE_WEIGHT * float(excess.sum()), frame,
+                findings.append(Finding(SHAPE_WEIGHT * float(excess.sum()), frame,
                                     f"{t.label} changes shape at frame {frame} ({what})"))
     for a, b, f in swapped:
-        issues.append(Issue(SWAP_WEIGHT, f, f"{a.label} and {b.label} swap identity at frame {f}"))
-    return Dimension.of(issues)
+        findings.append(Finding(SWAP_WEIGHT, f, f"{a.label} and {b.label} swap identity at frame {f}"))
+    return Dimension.of(findings)
 
 
 # --------------------------------------------------------------------------------------------- continuity
 
 
-def _motion_issue(t: ObjectTrack, starts: np.ndarray, v: np.ndarray, j: int, excess: float) -> Issue:
-    """The issue of the acceleration between step ``j`` and ``j + 1`` of track ``t``: a freeze when a moving
+def _motion_finding(t: ObjectTrack, starts: np.ndarray, v: np.ndarray, j: int, excess: float) -> Finding:
+    """The finding of the acceleration between step ``j`` and ``j + 1`` of track ``t``: a freeze when a moving
     object stalls, else the odd one of the two steps (the one farther from the median speed; the faster one
     of two) named as a jump or a drop, or a turn when their speeds agree."""
     speeds = np.linalg.norm(v, axis=1)
@@ -210,9 +210,9 @@ def _motion_issue(t: ObjectTrack, starts: np.ndarray, v: np.ndarray, j: int, exc
     penalty = excess / ACC_SCALE
     slow = [k for k in range(len(speeds)) if med >= MOVING and speeds[k] < FREEZE_SHARE * med]
 
-    def freeze(run: tuple[int, int]) -> Issue:
+    def freeze(run: tuple[int, int]) -> Finding:
         a, b = int(starts[run[0]]), int(starts[run[1]]) + 1
-        return Issue(penalty, a, f"{t.label} freezes from frame {a} to frame {b}, moving before and after",
+        return Finding(penalty, a, f"{t.label} freezes from frame {a} to frame {b}, moving before and after",
                      f"{t.index}:freeze:{a}")
 
     if j in slow or j + 1 in slow:
@@ -227,17 +227,17 @@ def _motion_issue(t: ObjectTrack, starts: np.ndarray, v: np.ndarray, j: int, exc
     f0 = int(starts[odd])
     f1, key = f0 + 1, f"{t.index}:step:{f0}"
     if fast >= 2 * other and other > 0.005:
-        return Issue(penalty, f0, f"{t.label} speed jumps {fast / other:.1f}x between frames {f0} and {f1}", key)
+        return Finding(penalty, f0, f"{t.label} speed jumps {fast / other:.1f}x between frames {f0} and {f1}", key)
     if fast >= 2 * other:
-        return Issue(penalty, f0, f"{t.label} jumps {fast:.2f} of the frame between frames {f0} and {f1}", key)
+        return Finding(penalty, f0, f"{t.label} jumps {fast:.2f} of the frame between frames {f0} and {f1}", key)
     if fast <= 0.5 * other:
-        return Issue(penalty, f0, f"{t.label} speed drops to {fast / other:.1f}x between frames {f0} and {f1}", key)
-    return Issue(penalty, int(starts[j + 1]), f"{t.label} changes direction abruptly at frame {int(starts[j + 1])}")
+        return Finding(penalty, f0, f"{t.label} speed drops to {fast / other:.1f}x between frames {f0} and {f1}", key)
+    return Finding(penalty, int(starts[j + 1]), f"{t.label} changes direction abruptly at frame {int(starts[j + 1])}")
 
 
 def continuity(space: MotionSpace, swapped: list[tuple[ObjectTrack, ObjectTrack, int]]) -> Dimension:
-    issues: list[Issue] = []
-    skip = {(t.index, f) for a, b, f in swapped for t in (a, b)}  # a swap is an identity issue, not a jump
+    findings: list[Finding] = []
+    skip = {(t.index, f) for a, b, f in swapped for t in (a, b)}  # a swap is an identity finding, not a jump
     for t in space.tracks:
         starts, v = t.velocities()
         if len(v) < 2:
@@ -249,7 +249,7 @@ def continuity(space: MotionSpace, swapped: list[tuple[ObjectTrack, ObjectTrack,
             frames = {int(starts[j]) + 1, int(starts[j + 1]) + 1}  # the landing frames of both steps
             if any((t.index, f) in skip for f in frames):
                 continue
-            issues.append(_motion_issue(t, starts, v, int(j), float(acc[j] - tol)))
+            findings.append(_motion_finding(t, starts, v, int(j), float(acc[j] - tol)))
         idx = np.flatnonzero(t.found)
         la = t.log_areas[idx]
         growth = (la[1:] - la[:-1]) / (idx[1:] - idx[:-1])
@@ -259,20 +259,20 @@ def continuity(space: MotionSpace, swapped: list[tuple[ObjectTrack, ObjectTrack,
             if (t.index, f0 + 1) in skip or (t.index, f0) in skip:
                 continue
             ratio = math.exp(growth[j + 1])
-            issues.append(Issue((abs(growth[j + 1] - growth[j]) - size_tol) / SIZE_SCALE, f0,
+            findings.append(Finding((abs(growth[j + 1] - growth[j]) - size_tol) / SIZE_SCALE, f0,
                                 f"{t.label} size jumps {max(ratio, 1 / ratio):.1f}x between frames {f0} and {f0 + 1}"))
-    return Dimension.of(_merge_motion(issues))
+    return Dimension.of(_merge_motion(findings))
 
 
-def _merge_motion(issues: list[Issue]) -> list[Issue]:
-    """One issue per sentence: the two accelerations of one jump (on and off) name it once, costing both."""
-    merged: dict[str, Issue] = {}
-    for i in issues:
+def _merge_motion(findings: list[Finding]) -> list[Finding]:
+    """One finding per sentence: the two accelerations of one jump (on and off) name it once, costing both."""
+    merged: dict[str, Finding] = {}
+    for i in findings:
         key = i.key or i.text
         if key in merged:
             merged[key].penalty += i.penalty
         else:
-            merged[key] = Issue(i.penalty, i.frame, i.text, key)
+            merged[key] = Finding(i.penalty, i.frame, i.text, key)
     return list(merged.values())
 
 
@@ -332,7 +332,7 @@ def plausibility(space: MotionSpace) -> Dimension:
     for frames in contact.values():
         for f, overlap in frames.items():
             worst[f] = max(worst[f], overlap)
-    issues = []
+    findings = []
     for (ia, ib), frames in contact.items():
         if not any(frames.values()):
             continue
@@ -345,9 +345,9 @@ def plausibility(space: MotionSpace) -> Dimension:
         # a frame's cost goes to the pair that overlaps most there (so three objects in one frame cost once)
         cost = sum(worst[f] for f in hit if frames[f] >= worst[f]) / OVERLAP_SCALE
         span = f"frame {hit[0]}" if len(hit) == 1 else f"frames {hit[0]}-{hit[-1]}"
-        issues.append(Issue(cost, hit[0], f"{mover.label} passes through {other.label} in {span} "
+        findings.append(Finding(cost, hit[0], f"{mover.label} passes through {other.label} in {span} "
                                           f"(overlap {max(frames.values()):.0%})"))
-    return Dimension.of(issues)
+    return Dimension.of(findings)
 
 
 def diagnose(space: MotionSpace) -> dict[str, Dimension]:

@@ -37,7 +37,7 @@ def test_clean_clips_score_high_on_every_dimension(tasks, size):
     for task in tasks:
         dims = diagnose(build(render(task, size), task))
         causes = {k: d.cause for k, d in dims.items()}
-        if size == 64:  # no issue at all
+        if size == 64:  # no finding at all
             assert all(d.score == 1.0 for d in dims.values()) and not any(causes.values()), (task.id, causes)
         else:  # 32 px: pixel quantisation may cost a little
             assert all(d.score >= 0.9 for d in dims.values()), (task.id, causes)
