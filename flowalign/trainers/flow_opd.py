@@ -2,24 +2,35 @@
 (``docs/methods/flow_opd.md``).
 
 Stage 1 trains one teacher per reward with any single-reward trainer (their run folders' checkpoints are
-the teachers). Stage 2, this trainer:
+the teachers). Stage 2, this trainer, routes each prompt to the teacher of its domain (``teachers[i].match``,
+a regular expression on the prompt; the first match wins) and trains the student on its own rollouts by
+one of two objectives (``objective``):
 
-- **cold start** (the first ``cold_start_steps`` steps): each teacher samples its own domain's prompts
-  (ODE) and the student fits those samples with the flow-matching loss,
-  ``mean‖v_θ((1−t)·x0_T + t·ε, t) − (ε − x0_T)‖²``;
-- **on-policy distillation** (after): the student rolls out (ODE, ``num_steps``); each prompt is routed to
-  the teacher of its domain (``teachers[i].match``, a regular expression on the prompt; the first match
-  wins); at every visited state the routed teacher's velocity is the student's target, and a task-agnostic
-  anchor (the starting weights, or ``anchor`` weights) supervises every prompt (Manifold Anchor
-  Regularisation):
+- ``kl_reward_grpo`` (default; the authors' ``train_sd3_opd_mix.py``, ``reward_mode: kl_only``): Flow-GRPO
+  on the student's SDE rollouts with the step-wise KL to the routed teacher as the only reward. At each
+  trained step k, with ``μ``, ``μ_T`` the student's and the teacher's Gaussian step means at the stored
+  ``x_k`` and ``s`` the step's diffusion coefficient,
+
+      KL_i = mean_D (μ_i − μ_T,i)² / (2·s²)         (μ_i with its gradient: the advantage is not detached)
+      A_i  = clip(kl_scale·KL_i, −adv_clip, adv_clip)   (kl_scale −1: the negative KL)
+      L    = mean_{i,j} max(−A_i·r_j, −A_i·clip(r_j, 1−ε, 1+ε)) + β·mean_i KL(μ_i ‖ μ_anchor,i)
+
+  with ``r_j = exp(ℓ_j(θ) − ℓ_j(θ_old))``. The double mean is the authors' code: its advantages are
+  ``(B, 1)`` and its ratios ``(B,)``, so every advantage meets every ratio of the micro-batch
+  (``advantage_pairing: sample`` pairs each sample with its own ratio). The β term's anchor is ``anchor``
+  (the authors' ``mar_lora``) or the starting weights.
+- ``velocity_distillation``: a flow-matching cold start on the teachers' samples (``cold_start_steps``),
+  then regression of the student's velocity on the routed teacher's at the student's ODE states, with a
+  task-agnostic anchor on every prompt:
 
       L_i = 1[i routed] · mean_k ‖v_θ(x_k) − v_T(i)(x_k)‖² + λ · mean_k ‖v_θ(x_k) − v_A(x_k)‖²
 
-with ``λ = anchor_weight`` and both targets detached (teacher weights swapped in, no gradient).
+  with ``λ = anchor_weight`` and both targets detached (teacher weights swapped in, no gradient).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -33,13 +44,18 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.paths import REPO_ROOT
 from flowalign.protocols import Conditioning
+from flowalign.sampling import Rollout
 from flowalign.saved_weights import load_adapter_checked
-from flowalign.trainers.base import GroupTrainer, Plan, SliceUnit, derived_seed, slice_plan
+from flowalign.trainers.base import Plan, Sampling, SliceUnit, StepBatch, derived_seed, slice_plan
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
+from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions,
+                                           StepFractionOptions, StepSubsetOptions, StepUnit, coded_kl_gap,
+                                           gaussian_mean_kl)
+from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
+from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.timesteps import pair_timesteps
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
-from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.weight_swap import swapped_in
 
 
@@ -53,22 +69,48 @@ class Teacher(BaseModel):
     match: str | None = None
 
 
-class FlowOPDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
-    """The loop's rollout options (each rollout distilled on its own: no advantages)."""
+#: the options only ``objective: velocity_distillation`` reads (the cold start and the teachers are both's)
+DISTILLATION_ONLY = frozenset({"anchor_weight", "states_per_sample"})
 
-    name: Literal["flow_opd"] = "flow_opd"
+
+class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions, StepFractionOptions,
+                    StepSubsetOptions):
+    """Flow-GRPO's options (read by ``kl_reward_grpo``) and the distillation's; see the module docstring."""
+
+    name: Literal["flow_opd"] = "flow_opd"  # type: ignore[assignment]
+    #: kl_reward_grpo: Flow-GRPO with the step-wise KL to the routed teacher as the reward (the authors'
+    #: rule); velocity_distillation: regression on the teachers' velocities (cold start, anchor term)
+    objective: Literal["kl_reward_grpo", "velocity_distillation"] = "kl_reward_grpo"
     #: the stage-1 teachers, each supervising its own domain's prompts
     teachers: list[Teacher] = Field(min_length=1)
-    #: the Manifold Anchor Regularisation teacher: a checkpoint folder, or None for the starting weights
+    #: the anchor: a checkpoint folder, or None for the starting weights. kl_reward_grpo: the β term's
+    #: reference (the authors' mar_lora); velocity_distillation: the Manifold Anchor Regularisation teacher
     anchor: str | None = None
-    #: λ, the anchor term's weight on every prompt (0: no anchor)
+    #: kl_reward_grpo: the advantage is kl_scale·KL (the authors' −1: the reward is the negative KL)
+    kl_scale: float = Field(-1.0, ge=-MAX_COEFFICIENT, le=MAX_COEFFICIENT)
+    #: kl_reward_grpo: "batch" pairs every advantage with every ratio of the chunk (the authors' code: (B, 1)
+    #: advantages broadcast against (B,) ratios); "sample" pairs each sample with its own ratio
+    advantage_pairing: Literal["batch", "sample"] = "batch"
+    #: kl_reward_grpo: leave out the samples whose task advantage (rewards:, grouped by prompt) is 0, as the
+    #: authors' code does before batching (there each dataset has its own reward; here the run's rewards
+    #: score every prompt, so it is off unless they are the domains' own)
+    drop_zero_advantage: bool = False
+    #: the authors' OPD script backpropagates through both CFG branches
+    cfg_grad: Literal["detached", "full"] = "full"
+    #: the rollouts' SDE (the authors': Flow-GRPO's, a = 0.7)
+    sampler: Literal["flow_grpo"] = "flow_grpo"  # type: ignore[assignment]
+    #: student rollouts per prompt (the authors' 16; kl_reward_grpo takes no group statistics unless
+    #: drop_zero_advantage)
+    group_size: int = Field(16, ge=1, le=MAX_GROUP_SIZE)
+    #: steps of the flow-based cold start (flow matching on the teachers' samples) before the objective's
+    #: training; None: 20 under velocity_distillation, 0 under kl_reward_grpo (the authors' cold start is a
+    #: merge of the teachers' adapters before training, not a training stage)
+    cold_start_steps: int | None = Field(None, ge=0, le=MAX_TRAIN_STEPS)
+    #: velocity_distillation: λ, the anchor term's weight on every prompt (0: no anchor)
     anchor_weight: float = Field(0.1, ge=0, le=MAX_COEFFICIENT)
-    #: steps of the flow-based cold start (flow matching on the teachers' own samples) before distillation
-    cold_start_steps: int = Field(20, ge=0, le=MAX_TRAIN_STEPS)
-    #: visited states trained per rollout (drawn at random per sample and step); None: all num_steps
+    #: velocity_distillation: visited states trained per rollout (drawn at random per sample and step);
+    #: None: all num_steps
     states_per_sample: int | None = Field(None, ge=1, le=MAX_SAMPLING_STEPS)
-    #: student rollouts per prompt (no group statistics: each is distilled on its own)
-    group_size: int = Field(1, ge=1, le=MAX_GROUP_SIZE)
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -81,6 +123,37 @@ def route(prompts: list[str], patterns: list[str | None]) -> torch.Tensor:
     for prompt in prompts:
         out.append(next((i for i, c in enumerate(compiled) if c is None or c.search(prompt)), -1))
     return torch.tensor(out, dtype=torch.long)
+
+
+@dataclass
+class KLRewardLoss:
+    """:func:`kl_reward_grpo_loss`'s result: the scalar ``loss``, and per sample ``kl (B,)`` (with its gradient),
+    ``advantages (B,)``, ``ratio (B,)`` and the clipped flags (``(B, B)`` under batch pairing, else ``(B,)``)."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    advantages: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+
+
+def kl_reward_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor,
+                        teacher_mean: torch.Tensor, std: torch.Tensor, sigma_gap: float, *, kl_scale: float,
+                        adv_clip: float, clip_range: float, pairing: str = "batch",
+                        kl_mode: str = "code") -> KLRewardLoss:
+    """The authors' clipped surrogate with the step-wise KL to the teacher as the advantage, one step of ``B``
+    samples: log-probs ``(B,)``, step means ``(B, ...)``, the step's std ``τ`` broadcastable to them.
+
+        KL_i = mean_D (μ_i − μ_T,i)²/(2s²)  (s² = τ²/sigma_gap; kl_mode "exact": Σ_D (μ_i − μ_T,i)²/(2τ²))
+        A_i  = clip(kl_scale·KL_i, ±adv_clip)                        (not detached: KL carries μ's gradient)
+        L    = mean_{i,j} max(−A_i·r_j, −A_i·clip(r_j, 1±ε))  (pairing "batch"; "sample": mean_i with r_i)
+    """
+    kl = gaussian_mean_kl(mean, teacher_mean, std, sigma_gap, kl_mode)
+    adv = (kl_scale * kl).clamp(-adv_clip, adv_clip)
+    # "batch": the authors' (B, 1) advantages against (B,) ratios, an outer (B, B) surrogate
+    surrogate, ratio, clipped = ppo_clip_loss(log_prob, old_log_prob, adv[:, None] if pairing == "batch" else adv,
+                                              clip_range)
+    return KLRewardLoss(surrogate.mean(), kl, adv, ratio, clipped)
 
 
 def distillation_loss(v: torch.Tensor, v_teacher: torch.Tensor, v_anchor: torch.Tensor | None, routed: torch.Tensor,
@@ -96,6 +169,16 @@ def distillation_loss(v: torch.Tensor, v_teacher: torch.Tensor, v_anchor: torch.
 
 
 # ---------------------------------------------------------------------------------------------- hooks
+
+
+@dataclass(frozen=True)
+class TeacherUnit(StepUnit):
+    """A Flow-GRPO unit with what the KL reward reads, computed once per batch: which of the chunk's samples
+    are trained ``trained (B,)`` bool and the routed teachers' step means ``teacher (B, ...)`` (None: the loss
+    computes them, as under fsdp, where every forward is a collective)."""
+
+    trained: torch.Tensor | None = field(default=None, compare=False)
+    teacher: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -114,23 +197,36 @@ class DistillBatch:
     logs: dict[str, Any] = field(default_factory=dict)
 
 
-class FlowOPDTrainer(GroupTrainer):
+class FlowOPDTrainer(FlowGRPOTrainer):
+    """A preset of Flow-GRPO whose advantage is the KL to the routed teacher, or (``velocity_distillation``,
+    and any cold start) the distillation hooks on a :class:`DistillBatch`."""
+
     Config = FlowOPDConfig
     tcfg: FlowOPDConfig
     needs_rewards = False
-    sampler = "ode"
+
+    @classmethod
+    def distils(cls, tcfg) -> bool:
+        return tcfg.objective == "velocity_distillation"
+
+    @classmethod
+    def grads_through_unconditional(cls, tcfg) -> bool:
+        return True if cls.distils(tcfg) else super().grads_through_unconditional(tcfg)
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         """The teachers (each a copy of the trained tensors, read from its checkpoint), and the anchor: a
-        checkpoint's copy likewise, or the starting weights (a full fine-tune keeps them frozen)."""
+        checkpoint's copy likewise, or the starting weights (a full fine-tune keeps them frozen, when read:
+        always by the distillation, by kl_reward_grpo when β > 0)."""
         teachers = [WeightCopy("teacher", count=len(tcfg.teachers))]
         if tcfg.anchor is not None:
             return teachers + [WeightCopy("teacher")]
-        return teachers + (full_reference(tcfg) if cfg.model.finetune == "full" else [])
+        anchored = cls.distils(tcfg) or tcfg.beta > 0
+        return teachers + (full_reference(tcfg) if anchored and cfg.model.finetune == "full" else [])
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
+        super().check_config(cfg, tcfg)
         names = [r.name for r in cfg.rewards]
         for i, t in enumerate(tcfg.teachers):
             if t.reward is not None and t.reward not in names:
@@ -141,6 +237,17 @@ class FlowOPDTrainer(GroupTrainer):
                     re.compile(t.match)
                 except re.error as e:
                     raise UserError(f"trainer.teachers[{i}].match={t.match!r} is not a regular expression ({e})")
+        if cls.distils(tcfg):
+            return
+        if tcfg.kl_scale == 0:
+            raise UserError("trainer.kl_scale=0 makes every advantage 0 (nothing trains); the authors' value is -1")
+        if tcfg.drop_zero_advantage and (tcfg.group_size < 2 or not any(r.weight for r in cfg.rewards)):
+            raise UserError("trainer.drop_zero_advantage needs task advantages: a reward with a non-zero weight in "
+                            "rewards: and trainer.group_size >= 2; give them or set drop_zero_advantage: false")
+        unread = sorted(DISTILLATION_ONLY & tcfg.model_fields_set)
+        if unread:
+            print(f"warning: trainer.{', trainer.'.join(unread)} only apply to objective: velocity_distillation; "
+                  "objective: kl_reward_grpo does not read them")
 
     def __init__(self, cfg, tcfg, policy, *args: Any, **kw: Any):
         # the teachers' weights are read into the unsharded policy, before the loop shards it
@@ -165,11 +272,128 @@ class FlowOPDTrainer(GroupTrainer):
                       f"of the {len(self.data.prompts)} training prompts, so it is never used; fix its match (a "
                       "regular expression searched in each prompt) or its place in the list, or drop it")
 
+    @property
+    def cold_start_steps(self) -> int:
+        """The cold start's length: as set, or by default 20 under velocity_distillation and 0 under
+        kl_reward_grpo."""
+        n = self.tcfg.cold_start_steps
+        return (20 if self.distils(self.tcfg) else 0) if n is None else n
+
     def anchor_weights(self):
         """The anchor's velocity context: its weights swapped in, or the adapter switched off."""
         if self.anchor is not None:
             return swapped_in(self.params, self.anchor)
         return self.policy.adapter_disabled()
+
+    def collect(self, step: int) -> StepBatch | DistillBatch:
+        """kl_reward_grpo: the loop's group batch (its task advantages only say which samples
+        ``drop_zero_advantage`` leaves out) with the routing logged; the distillation and any cold start: a
+        :class:`DistillBatch`."""
+        if self.distils(self.tcfg) or step < self.cold_start_steps:
+            return self.distill_batch(step)
+        if len(self.rewards):
+            batch = super().collect(step)
+        else:  # nothing to score: the rollouts alone
+            prompts, metadata, groups = self.step_prompts(step)
+            prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(self.tcfg.group_size)
+            batch = self.sample(prompts, metadata, groups, prompt_ids, step)
+        routed_to = route(batch.prompts, self.patterns)
+        batch.logs.update(self.route_logs(routed_to), stage=1.0)
+        if batch.scores is not None and len(self.rewards):
+            batch.logs.update(self.domain_logs(batch.scores, routed_to))
+        return batch
+
+    def route_logs(self, routed_to: torch.Tensor) -> dict[str, float]:
+        return {f"route/teacher{i}_fraction": (routed_to == i).float().mean().item()
+                for i in range(len(self.tcfg.teachers))}
+
+    def trained(self, batch: StepBatch) -> torch.Tensor:
+        """``(N,)`` bool: the samples a teacher is routed to (and, with ``drop_zero_advantage``, whose task
+        advantage is not 0)."""
+        keep = route(batch.prompts, self.patterns) >= 0
+        if self.tcfg.drop_zero_advantage:
+            keep &= batch.advantages.cpu() != 0
+        return keep
+
+    def teacher_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
+        """``μ_T`` ``(B, ...)``: each sample's step mean at the rollout's ``x_k`` under its routed teacher's
+        weights (CFG at the rollout's scale), no grad; zeros where no teacher is routed. Each teacher runs on
+        the whole chunk (under fsdp every teacher, so all ranks run as many forwards), then its rows are kept."""
+        routed_to = route(chunk.prompts, self.patterns)
+        x_k, sigma = chunk.step(k)[0], chunk.sigmas[k].item()
+        out = torch.zeros_like(x_k)
+        wanted = range(len(self.teachers)) if self.parallel.sharded else sorted(set(routed_to.tolist()) - {-1})
+        for i in wanted:
+            with torch.no_grad(), swapped_in(self.params, self.teachers[i]):
+                v = self.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
+                mean = self.step_distribution(chunk, k, v).mean
+            rows = (routed_to == i).to(x_k.device)
+            out[rows] = mean[rows].to(out)
+        return out
+
+    def reference_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
+        """The β term's ``μ_anchor``: the anchor checkpoint's step mean (the authors' mar_lora), or Flow-GRPO's
+        reference (the starting weights)."""
+        if self.anchor is None:
+            return super().reference_mean(chunk, k)
+        x_k = chunk.step(k)[0]
+        with torch.no_grad(), swapped_in(self.params, self.anchor):
+            v = self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+            return self.step_distribution(chunk, k, v).mean
+
+    def plan(self, batch: StepBatch | DistillBatch, generator: torch.Generator) -> Plan:
+        """The distillation: one optimiser step over every sample. kl_reward_grpo: Flow-GRPO's global plan over
+        the chunks with a trained sample, each unit carrying the trained mask and (unsharded) the teachers'
+        step means, computed once per (chunk, step)."""
+        if isinstance(batch, DistillBatch):
+            return slice_plan(self, len(batch.x))
+        trained = self.trained(batch)
+        plan = super().plan(dataclasses.replace(batch, advantages=trained.float()), generator)
+        per_chunk = batch.per_chunk(trained)
+        means: dict[tuple[int, int], torch.Tensor] = {}
+        steps = []
+        for units in plan.steps:
+            step = []
+            for u in units:
+                if not self.parallel.sharded and (u.chunk, u.k) not in means:
+                    means[u.chunk, u.k] = self.teacher_mean(batch.chunks[u.chunk], u.k)
+                step.append(TeacherUnit(**{f.name: getattr(u, f.name) for f in dataclasses.fields(u)},
+                                        trained=per_chunk[u.chunk], teacher=means.get((u.chunk, u.k))))
+            steps.append(step)
+        return Plan(steps, {**plan.logs, "trained_fraction": trained.float().mean().item()}, global_weights=True)
+
+    def filler(self, batch: StepBatch, update: int) -> TeacherUnit:
+        unit = super().filler(batch, update)
+        return TeacherUnit(unit.chunk, unit.k, unit.of, unit.update, trained=batch.per_chunk(self.trained(batch))[0])
+
+    def loss(self, batch: StepBatch | DistillBatch, unit: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        if isinstance(batch, DistillBatch):
+            return self.distillation_unit_loss(batch, unit)
+        chunk, k = batch.chunks[unit.chunk], unit.k
+        _, _, old_log_prob = chunk.step(k)
+        out = self.step_distribution(chunk, k, self.policy_velocity(chunk, k, unit.update == 0))
+        teacher = unit.teacher if unit.teacher is not None else self.teacher_mean(chunk, k)
+        gap = coded_kl_gap(self.sampler, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item())
+        m = unit.trained.to(out.log_prob.device)
+        std = out.std.expand_as(out.mean)[m]
+        got = kl_reward_grpo_loss(out.log_prob[m], old_log_prob.to(out.log_prob)[m], out.mean[m], teacher.to(out.mean)[m],
+                                  std, gap, kl_scale=self.tcfg.kl_scale, adv_clip=self.tcfg.adv_clip,
+                                  clip_range=self.tcfg.clip_range, pairing=self.tcfg.advantage_pairing,
+                                  kl_mode=self.tcfg.kl_mode)
+        loss = got.loss
+        deviation = (got.ratio.detach() - 1).abs()
+        info = {"policy_loss": loss.item(), "kl_teacher": got.kl.mean().item(), "ratio": got.ratio.mean().item(),
+                "clip_frac": got.clipped.float().mean().item()}
+        if unit.update == 0:  # the sampling weights: the on-policy ratio, 1 up to kernel noise
+            info["ratio_dev"] = deviation.max().item() if deviation.numel() else 0.0
+        if self.tcfg.beta > 0:
+            ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)
+            kl = gaussian_mean_kl(out.mean[m], ref.to(out.mean)[m], std, gap, self.tcfg.kl_mode).mean()
+            loss = loss + self.tcfg.beta * kl
+            info["kl"] = kl.item()
+        return loss / unit.of, info
+
+    # ------------------------------------------------------------------ velocity distillation and the cold start
 
     def velocity_under(self, weights: list[torch.Tensor] | None, x: torch.Tensor, sigma: torch.Tensor,
                        cond: Conditioning) -> torch.Tensor:
@@ -190,19 +414,18 @@ class FlowOPDTrainer(GroupTrainer):
         n = self.tcfg.prompts_per_step * self.tcfg.group_size  # every rank holds as many
         groups = torch.tensor([self.rank * n + j for j in places])
         slots = sample_slots(self.policy, prompts, metadata, groups, groups, self.cfg.run.seed, step, False)
-        sampling = {int(g): self.sampling(int(g)) for g in groups}
+        sampling = {int(g): Sampling("ode") for g in groups}
         with torch.no_grad(), swapped_in(self.params, weights) if weights is not None else nullcontext():
             return [roll_out(self.policy, b, sampling[b[0].group], self.tcfg.num_steps, self.tcfg.guidance_scale)
                     for b in rollout_batches(slots, sampling, self.tcfg.batch_size)]
 
-    def collect(self, step: int) -> DistillBatch:
+    def distill_batch(self, step: int) -> DistillBatch:
         prompts, metadata, _ = self.step_prompts(step)
         routed_to = route(prompts, self.patterns)
         cond = self.policy.encode(prompts)
-        batch = self.cold_start(prompts, metadata, routed_to, cond, step) if step < self.tcfg.cold_start_steps \
+        batch = self.cold_start(prompts, metadata, routed_to, cond, step) if step < self.cold_start_steps \
             else self.on_policy(prompts, metadata, routed_to, cond, step)
-        for i, t in enumerate(self.tcfg.teachers):
-            batch.logs[f"route/teacher{i}_fraction"] = (routed_to == i).float().mean().item()
+        batch.logs.update(self.route_logs(routed_to))
         return batch
 
     def cold_start(self, prompts, metadata, routed_to, cond, step) -> DistillBatch:
@@ -269,11 +492,7 @@ class FlowOPDTrainer(GroupTrainer):
                 logs[f"domain/{i}/{t.reward}"] = column[m].mean().item() if m.any() else float("nan")
         return logs
 
-    def plan(self, batch: DistillBatch, generator: torch.Generator) -> Plan:
-        """One optimiser step over every sample, in micro-batches of ``batch_size``."""
-        return slice_plan(self, len(batch.x))
-
-    def loss(self, batch: DistillBatch, unit: SliceUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def distillation_unit_loss(self, batch: DistillBatch, unit: SliceUnit) -> tuple[torch.Tensor, dict[str, float]]:
         """The unit's samples at each of their states, averaged over the states."""
         i = unit.index
         x, sigma, cond = batch.x[i], batch.sigma[i], batch.cond[i]
@@ -287,7 +506,6 @@ class FlowOPDTrainer(GroupTrainer):
             for k, val in info.items():
                 stats[k] = stats.get(k, 0.0) + val / x.shape[1]
         return per.sum() / unit.total, stats
-
 
 
 def read_weights(policy: Any, named: dict[str, torch.nn.Parameter], folder: str,

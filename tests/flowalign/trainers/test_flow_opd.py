@@ -1,5 +1,11 @@
 """Flow-OPD: single-reward teachers distilled on-policy into one student, each on its own domain
-(docs/methods/flow_opd.md)."""
+(docs/methods/flow_opd.md): the authors' rule (Flow-GRPO with the step-wise KL to the routed teacher as the
+reward, ``objective: kl_reward_grpo``) and the velocity distillation."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +14,10 @@ from flowalign.saved_weights import load_adapter_checked
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer, check_run
-from flowalign.trainers.flow_opd import distillation_loss, route
+from flowalign.sampling import sde_step
+from flowalign.trainers.base import StepBatch
+from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl
+from flowalign.trainers.flow_opd import distillation_loss, kl_reward_grpo_loss, route
 
 from .conftest import small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
@@ -27,11 +36,12 @@ def teachers(tmp_path_factory, tiny_sd3_dir, prompt_file):
     return {"same": root / "same", "trained": root / "run" / "checkpoints" / "step-000001"}
 
 
-def opd(tmp_path, tiny_sd3_dir, prompt_file, teachers_yaml, *extra):
+def opd(tmp_path, tiny_sd3_dir, prompt_file, teachers_yaml, *extra, objective="velocity_distillation"):
     torch.manual_seed(0)
     return build_trainer(small_config(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
-                                      f"trainer.teachers={teachers_yaml}", "trainer.prompts_per_step=4",
-                                      "trainer.group_size=1", "trainer.batch_size=4", *extra))
+                                      f"trainer.objective={objective}", f"trainer.teachers={teachers_yaml}",
+                                      "trainer.prompts_per_step=4", "trainer.group_size=1", "trainer.batch_size=4",
+                                      *extra))
 
 
 def test_route_takes_the_first_matching_teacher():
@@ -112,9 +122,9 @@ def test_bad_teachers_name_the_field(tmp_path, tiny_sd3_dir, prompt_file, teache
                                               f"trainer.teachers={spec}")))
 
 
-def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+def test_the_distillation_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, teachers):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
-                                          "trainer.group_size=1",
+                                          "trainer.objective=velocity_distillation", "trainer.group_size=1",
                                           f"trainer.teachers=[{{adapter: {teachers['trained']}}}]",
                                           "trainer.cold_start_steps=1", "trainer.states_per_sample=2")
 
@@ -128,3 +138,167 @@ def test_a_teacher_no_prompt_is_routed_to_is_warned_about(tmp_path, tiny_sd3_dir
     assert [line[: len("warning: trainer.teachers[1]")] for line in warned] == \
         ["warning: trainer.teachers[1]", "warning: trainer.teachers[2]"]
     assert "match='purple') is the first match of none of the 4 training prompts" in warned[1]
+
+
+# ---------------------------------------------------------------------------------------------- the authors' rule
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "flow_opd_kl_reward_loss.json").read_text())
+
+
+def known(case, *names):
+    return [torch.tensor(case[n], dtype=torch.float64) for n in names]
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"step{c['step']}")
+def test_the_kl_reward_loss_equals_the_authors(case):
+    """The authors' kl_only block and GRPO loss on fixed float64 tensors (known_answers/): the KL reward, the
+    clipped advantage, the surrogate with their (B, 1) × (B,) pairing, the β term, and the gradient with
+    respect to the log-probs and the step means (their advantage is not detached)."""
+    cfg = KNOWN["cfg"]
+    log_prob, old, mean, teacher, anchor, std_dev_t, sqrt_dt = known(
+        case, "log_prob", "old_log_prob", "prev_sample_mean", "teacher_prev_sample_mean", "anchor_prev_sample_mean",
+        "std_dev_t", "sqrt_dt")
+    log_prob.requires_grad_(), mean.requires_grad_()
+    tau, gap = (std_dev_t * sqrt_dt).view(-1, 1, 1, 1), (sqrt_dt[0] ** 2).item()  # the step's std and σ gap
+    got = kl_reward_grpo_loss(log_prob, old, mean, teacher, tau, gap, kl_scale=cfg["kl_scale"],
+                              adv_clip=cfg["adv_clip_max"], clip_range=cfg["clip_range"])
+    kl = gaussian_mean_kl(mean, anchor, tau, gap, "code").mean()
+    loss = got.loss + cfg["beta"] * kl
+    close = dict(rtol=1e-6, atol=0)
+    for name, value in (("kl_reward", got.kl), ("advantages", got.advantages), ("ratio", got.ratio)):
+        torch.testing.assert_close(value, torch.tensor(case[name], dtype=torch.float64), **close, msg=name)
+    for name, value in (("policy_loss", got.loss), ("kl_loss", kl), ("loss", loss)):
+        assert math.isclose(value.item(), case[name], rel_tol=1e-6), (name, value.item(), case[name])
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, torch.tensor(case["grad_log_prob"], dtype=torch.float64), **close)
+    torch.testing.assert_close(mean.grad, torch.tensor(case["grad_prev_sample_mean"], dtype=torch.float64), **close)
+    own = kl_reward_grpo_loss(log_prob, old, mean, teacher, tau, gap, kl_scale=cfg["kl_scale"],
+                              adv_clip=cfg["adv_clip_max"], clip_range=cfg["clip_range"], pairing="sample")
+    assert math.isclose(own.loss.item(), case["policy_loss_sample_pairing"], rel_tol=1e-6)
+    assert not math.isclose(own.loss.item(), case["policy_loss"], rel_tol=1e-4)  # the pairing matters
+
+
+def test_the_known_answers_exercise_the_clamp_and_both_clip_branches():
+    cfg = KNOWN["cfg"]
+    advantages = [a for c in KNOWN["cases"] for a in c["advantages"]]
+    ratios = [r for c in KNOWN["cases"] for r in c["ratio"]]
+    assert -cfg["adv_clip_max"] in advantages and max(advantages) < 0  # one KL past adv_clip, all rewards < 0
+    eps = cfg["clip_range"]
+    assert any(r < 1 - eps for r in ratios) and any(r > 1 + eps for r in ratios) and \
+        any(abs(r - 1) <= eps for r in ratios)
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"step{c['step']}")
+def test_flowalign_steps_give_the_authors_step_means_and_kl_scale(case):
+    """The trainer's inputs to the loss: its Flow-GRPO step (float32) gives the authors' step means for the
+    policy's, the teacher's and the anchor's velocities, and τ²/coded_kl_gap is their std_dev_t²."""
+    sigmas, k = KNOWN["sigmas"], case["step"]
+    x, x_next = known(case, "sample", "sample_next")
+    assert math.isclose(coded_kl_gap("flow_grpo", sigmas[k], sigmas[k + 1]), case["sqrt_dt"][0] ** 2, rel_tol=1e-12)
+    for velocity, mean in (("velocity", "prev_sample_mean"), ("teacher_velocity", "teacher_prev_sample_mean"),
+                           ("anchor_velocity", "anchor_prev_sample_mean")):
+        out = sde_step("flow_grpo", torch.tensor(case[velocity]), x, sigmas[k], sigmas[k + 1],
+                       noise_level=KNOWN["cfg"]["noise_level"], prev_sample=x_next)
+        torch.testing.assert_close(out.mean.double(), torch.tensor(case[mean], dtype=torch.float64), rtol=1e-5,
+                                   atol=1e-6)
+    tau = out.std.flatten()[0].item()
+    assert math.isclose(tau / case["sqrt_dt"][0], case["std_dev_t"][0], rel_tol=1e-6)
+
+
+def grpo_units(t, batch):
+    plan = t.plan(batch, torch.Generator().manual_seed(0))
+    return [u for step in plan.steps for u in step]
+
+
+def test_a_teacher_equal_to_the_student_gives_zero_reward_loss_and_gradient(tmp_path, tiny_sd3_dir, prompt_file,
+                                                                            teachers):
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, f"[{{adapter: {teachers['same']}}}]", "trainer.beta=0",
+            objective="kl_reward_grpo")
+    batch = t.collect(0)
+    for unit in grpo_units(t, batch):
+        assert unit.trained.all() and unit.teacher is not None
+        loss, info = t.loss(batch, unit)
+        loss.backward()
+        assert info["kl_teacher"] < 1e-12 and abs(loss.item()) < 1e-12
+    assert max(p.grad.abs().max().item() for p in t.params if p.grad is not None) < 1e-10
+
+
+def test_the_kl_reward_routes_each_prompt_to_its_own_teacher(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """Teacher 0 (trained) owns red/blue prompts, teacher 1 (= the student) green ones, yellow has none: yellow
+    is not trained, green's KL is 0, and a red row's teacher mean is the trained teacher's own step mean."""
+    spec = f"[{{adapter: {teachers['trained']}, match: 'red|blue'}}, {{adapter: {teachers['same']}, match: green}}]"
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.beta=0", objective="kl_reward_grpo")
+    batch = t.collect(0)
+    assert batch.logs["route/teacher0_fraction"] == 0.5 and batch.logs["route/teacher1_fraction"] == 0.25
+    units = grpo_units(t, batch)
+    chunk, unit = batch.chunks[0], units[0]
+    prompts = chunk.prompts
+    assert unit.trained.tolist() == ["yellow" not in p for p in prompts]
+    out = t.step_distribution(chunk, unit.k, t.policy_velocity(chunk, unit.k, True))
+    tau, gap = out.std, coded_kl_gap("flow_grpo", chunk.sigmas[unit.k].item(), chunk.sigmas[unit.k + 1].item())
+    kl = gaussian_mean_kl(out.mean, unit.teacher, tau, gap, "code").detach()
+    by_prompt = dict(zip(prompts, kl.tolist()))
+    assert by_prompt["a red circle"] > 1e-8 and by_prompt["a blue square"] > 1e-8 and by_prompt["a green star"] < 1e-10
+    torch.manual_seed(0)
+    other = build_trainer(small_config(tmp_path / "o", tiny_sd3_dir, prompt_file))
+    load_adapter_checked(other.policy, teachers["trained"])
+    n = prompts.index("a red circle")
+    x_k = chunk.step(unit.k)[0]
+    with torch.no_grad():
+        v = other.policy.velocity(x_k, chunk.sigmas[unit.k].item(), chunk.cond, chunk.guidance_scale)
+    expected = t.step_distribution(chunk, unit.k, v).mean
+    torch.testing.assert_close(unit.teacher[n], expected[n])
+    loss, info = t.loss(batch, unit)
+    assert loss.item() > 0 and info["kl_teacher"] > 0
+
+
+def test_drop_zero_advantage_leaves_out_samples_whose_task_advantage_is_zero(tmp_path, tiny_sd3_dir, prompt_file,
+                                                                             teachers):
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, f"[{{adapter: {teachers['trained']}, match: 'red|blue|green'}}]",
+            "trainer.drop_zero_advantage=true", "trainer.group_size=2", "trainer.prompts_per_step=2",
+            objective="kl_reward_grpo")
+    batch = t.collect(0)
+    zeroed = dataclasses.replace(batch, advantages=torch.tensor([0.5, 0.0, -0.5, 0.0]))
+    routed = torch.tensor(["yellow" not in p for p in batch.prompts])
+    assert t.trained(zeroed).tolist() == (routed & torch.tensor([True, False, True, False])).tolist()
+    t.tcfg = t.tcfg.model_copy(update={"drop_zero_advantage": False})
+    assert t.trained(zeroed).tolist() == routed.tolist()
+
+
+def test_the_default_objective_is_the_authors_with_no_cold_start(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
+                                   f"trainer.teachers=[{{adapter: {teachers['same']}}}]"))
+    assert t.tcfg.objective == "kl_reward_grpo" and t.cold_start_steps == 0 and t.tcfg.cfg_grad == "full"
+    # the authors' mix_opd_8gpu values (group_size: their num_image_per_prompt; lr: their learning_rate)
+    defaults = {k: f.default for k, f in type(t.tcfg).model_fields.items()}
+    assert [defaults[k] for k in ("kl_scale", "beta", "clip_range", "adv_clip", "timestep_fraction", "noise_level",
+                                  "group_size", "lr", "advantage_pairing")] == \
+        [-1.0, 0.04, 1e-4, 5.0, 0.99, 0.7, 16, 1e-4, "batch"]
+    batch = t.collect(0)
+    assert isinstance(batch, StepBatch) and batch.logs["stage"] == 1.0
+    d = opd(tmp_path / "d", tiny_sd3_dir, prompt_file, f"[{{adapter: {teachers['same']}}}]")
+    assert d.cold_start_steps == 20
+
+
+@pytest.mark.parametrize("setting,match", [("trainer.kl_scale=0", "every advantage 0"),
+                                           ("rewards=[]", "drop_zero_advantage needs task advantages")])
+def test_settings_that_would_train_nothing_are_refused(tmp_path, tiny_sd3_dir, prompt_file, teachers, setting, match):
+    extra = ("trainer.drop_zero_advantage=true",) if setting == "rewards=[]" else ()
+    with pytest.raises(UserError, match=match):
+        check_run(load_config(None, small_run(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
+                                              f"trainer.teachers=[{{adapter: {teachers['same']}}}]", setting, *extra)))
+
+
+def test_the_kl_reward_trains_without_rewards(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, f"[{{adapter: {teachers['trained']}}}]", "rewards=[]",
+            objective="kl_reward_grpo")
+    logs = t.train_step()
+    assert not any(k.startswith("reward/") for k in logs) and logs["train/kl_teacher"] > 0
+
+
+def test_the_kl_reward_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """With an anchor checkpoint as the β term's reference (the authors' mar_lora) and two optimiser steps."""
+    assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
+                                          f"trainer.teachers=[{{adapter: {teachers['trained']}}}]",
+                                          f"trainer.anchor={teachers['same']}", "trainer.group_size=2",
+                                          "trainer.updates_per_epoch=2")
