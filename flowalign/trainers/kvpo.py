@@ -1,100 +1,116 @@
 """KVPO (*KVPO: ODE-Native GRPO for Autoregressive Video Alignment via KV Semantic Exploration*;
 ``docs/methods/kvpo.md``) for streaming policies that can route their history
-(:meth:`flowalign.protocols.StreamingPolicy.history_cache`).
+(:meth:`flowalign.protocols.StreamingPolicy.history_cache`), with the authors' training rule
+(Richard-Zhang-AI/KVPO @ 7703196) as the default.
 
-Exploration moves the *history*, not the noise. Per prompt, every branch starts from the same initial noise
-and the same deterministic stream up to a chunk ``k``; at chunk ``k`` branch ``i`` attends to a random subset
-``H_i`` of the earlier chunks' keys and values (each kept with probability ``keep_prob``, the first chunk —
-the attention sink — always with ``keep_sink``), then the stream finishes with its full history. Every branch
-is a deterministic ODE rollout under a context the model could have been given, so branches differ in what
-they continue from, not in injected noise.
+Exploration moves the *history*, not the noise. Per prompt, the deterministic stream runs once with its full
+history (the *anchor*); at a chunk ``k`` each of ``G`` branches, from the same noise and prefix, attends to a
+routed history over a window of chunks (:mod:`flowalign.trainers.parts.kv_routing`: the sink, the nearest
+chunks and older chunks drawn per branch), then finishes with its full history. Branches and anchor are
+scored; a branch's advantage is its reward against the anchor's
+(:mod:`flowalign.trainers.parts.anchor_advantages`).
 
-The policy over branches is the Trajectory Velocity Energy surrogate. With ``x_t^i`` branch ``i``'s states over
-chunk ``k``'s jumps and ``u_t^i = (x_{t+1}^i − x_t^i)/(σ_{t+1} − σ_t)`` the velocities it took, and ``v_θ`` the
-policy's velocity with the *full* history,
-
-    E_i(θ) = mean_t mean_D (v_θ(x_t^i, σ_t → σ_{t+1} | full) − sg(u_t^i))²,    π_θ(i) = softmax_i(−E_i / τ)
-    L      = −(1/G) Σ_i min(r_i·A_i, clip(r_i, 1 ± ε)·A_i),    r_i = π_θ(i) / π_old(i)
-
-With group advantages summing to zero the gradient at ``r = 1`` is ``(1/(Gτ)) Σ_i A_i ∇E_i``: the full-history
-velocity field moves toward the velocities of the branches that scored well and away from those that did
-not, in velocity space and on the states the model itself visited (no SDE surrogate). A branch whose routing
-kept every entry is the policy's own trajectory: its energy is zero.
+The policy over the branches replays each one's window under the full history
+(:mod:`flowalign.trainers.parts.branch_policy`): ``s_i = Σ_chunks Σ_t −mse(x̂0_branch − x̂0_θ)/(2·max(σ_t, 1)²)``
+(gradient through the first ``grad_steps`` steps), ``π = softmax(s)``, and the clipped ratio to ``π_old`` with a
+KL to the initial weights' ``π``, halved by the anchor slot when no branch beat the anchor. The earlier form
+(one routed chunk, each history chunk kept with ``keep_prob``; the velocity energy ``−E/τ``; group advantages;
+a symmetric clip) stays available through ``routing``, ``score``, ``advantage`` and the clip and KL options.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.config import StepIndex
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
-from flowalign.trainers.options import AdvantageOptions, StreamOptions, TrainerConfig
-from flowalign.trainers.parts.policy_gradient import clipped_loss
+from flowalign.trainers.copies import WeightCopy, full_reference
+from flowalign.trainers.options import AdvantageOptions, ReferenceOptions, StreamOptions, TrainerConfig
+from flowalign.trainers.parts.anchor_advantages import fused_anchor_advantages
+from flowalign.trainers.parts.branch_policy import branch_objective, taken_velocities, velocity_energy, x0_scores
+from flowalign.trainers.parts.kv_routing import bernoulli_routing, window_keep, window_routable, window_routings
 from flowalign.trainers.parts.units import GroupUnit
 
+#: options that only one form reads: {option: (the field choosing the form, the form that reads it)}
+FORM_OPTIONS = {"keep_prob": ("routing", "bernoulli"), "nearest_chunks": ("routing", "window"),
+                "older_chunks": ("routing", "window"), "window_chunks": ("routing", "window"),
+                "temperature": ("score", "velocity_energy"), "sigma_floor": ("score", "x0_sigma")}
 
-class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions):
-    """KVPO's own routed branches (``StreamOptions``), scored into group advantages."""
+
+class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOptions):
+    """KVPO's own routed branches (``StreamOptions``) and their anchor; the authors' rule by default."""
 
     name: Literal["kvpo"] = "kvpo"
-    #: probability that a history chunk stays in a branch's KV cache at the routed chunk
-    keep_prob: float = Field(0.5, ge=0, le=1)
+    refused = {"clip_range": "the clip is asymmetric now: give trainer.clip_low and trainer.clip_high "
+                             "(the ratio is clipped to [1 − clip_low, 1 + clip_high]; the earlier symmetric 0.2 is "
+                             "clip_low: 0.2, clip_high: 0.2)"}
+    #: "window": the authors' (sink, nearest chunks and drawn older chunks, held over window_chunks chunks);
+    #: "bernoulli": each earlier chunk kept with keep_prob, at the routed chunk only
+    routing: Literal["window", "bernoulli"] = "window"
     #: always keep the first chunk (the attention sink streaming models rely on)
     keep_sink: bool = True
-    #: τ of the surrogate softmax(−E/τ), E a per-element mean squared velocity difference
+    #: window: the most recent chunks every branch keeps (theirs: 4 frames)
+    nearest_chunks: int = Field(1, ge=0, le=64)
+    #: window: older chunks each branch draws in place of the rest of its history (theirs: 5 frames)
+    older_chunks: int = Field(2, ge=0, le=64)
+    #: window: consecutive chunks the drawn history is held for (theirs: 5 blocks), cut at the stream's end
+    window_chunks: int = Field(5, ge=1, le=64)
+    #: bernoulli: probability that a history chunk stays in a branch's KV cache
+    keep_prob: float = Field(0.5, ge=0, le=1)
+    #: "x0_sigma": the authors' Σ_t −mse(x0)/(2·max(σ_t, sigma_floor)²); "velocity_energy": −mean mse(v)/temperature
+    score: Literal["x0_sigma", "velocity_energy"] = "x0_sigma"
+    #: x0_sigma: the σ floor of the score's weights (theirs: 1, every step's x0 error weighed alike)
+    sigma_floor: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: velocity_energy: τ of softmax(−E/τ)
     temperature: float = Field(0.05, gt=0, le=MAX_COEFFICIENT)
-    #: ε of the clipped ratio
-    clip_range: float = Field(0.2, gt=0, le=MAX_COEFFICIENT)
-    #: chunks whose history may be routed (default: every chunk with a history, 1..K−1)
+    #: the first steps of each chunk whose velocities carry gradient (the rest only set the value); None: all
+    grad_steps: int | None = Field(2, ge=1, le=16)
+    #: the ratio's lower clip: r ≥ 1 − clip_low (theirs 0.1)
+    clip_low: float = Field(0.1, ge=0, lt=1)
+    #: the ratio's upper clip: r ≤ 1 + clip_high (theirs 0.2)
+    clip_high: float = Field(0.2, ge=0, le=MAX_COEFFICIENT)
+    #: β of KL(π_θ ‖ π_init) over the branches (π_init: the starting weights, the adapter switched off)
+    kl_coef: float = Field(10.0, ge=0, le=MAX_COEFFICIENT)
+    #: chunks whose history may be routed (default: every chunk the routing can change, within 1..K−1)
     route_chunks: list[StepIndex] | None = None
-    advantage: str = Field("group", pattern="^(group|global_std|gdpo)$")
+    #: "anchor": the authors' reward against the unrouted stream's, per reward, std-normalised, ±adv_clip
+    advantage: str = Field("anchor", pattern="^(anchor|group|global_std|gdpo)$")
+    adv_clip: float = Field(2.5, gt=0, le=MAX_COEFFICIENT)
 
-
-# ---------------------------------------------------------------------------------------------- the math
-
-
-def draw_routing(chunk: int, keep_prob: float, keep_sink: bool, generator: torch.Generator) -> tuple[int, ...]:
-    """The history chunks ``0..chunk−1`` one branch keeps: each with probability ``keep_prob``, chunk 0 always
-    when ``keep_sink``."""
-    kept = (torch.rand(chunk, generator=generator) < keep_prob).tolist()
-    return tuple(j for j in range(chunk) if kept[j] or (keep_sink and j == 0))
-
-
-def velocity_energy(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Trajectory Velocity Energy ``(G,)``: ``mean_{t,D} (v − sg(u))²`` of the policy's velocities ``v (G, T, ...)``
-    against the branches' own ``u (G, T, ...)``."""
-    return ((v - u.detach()) ** 2).flatten(1).mean(1)
-
-
-def taken_velocities(states: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """``u_t = (x_{t+1} − x_t)/(σ_{t+1} − σ_t)`` ``(G, T, ...)`` of deterministic trajectories ``states (G, T+1, ...)``."""
-    steps = (sigmas[1:] - sigmas[:-1]).to(states).view(1, -1, *[1] * (states.ndim - 2))
-    return (states[:, 1:] - states[:, :-1]) / steps
-
-
-# ---------------------------------------------------------------------------------------------- the trainer
+    @model_validator(mode="after")
+    def _options_of_the_chosen_form(self) -> "KVPOConfig":
+        for option, (chooser, form) in FORM_OPTIONS.items():
+            if option in self.model_fields_set and getattr(self, chooser) != form:
+                raise ValueError(f"trainer.{option} is read only with trainer.{chooser}={form} (this config has "
+                                 f"{getattr(self, chooser)}): drop it or set trainer.{chooser}={form}")
+        return self
 
 
 @dataclass
 class BranchGroup:
-    """One prompt's branches at chunk ``chunk``: the shared prefix ``(1, C, F_{<k}, H, W)``, each branch's chunk
-    states ``(G, T+1, C, f_k, H, W)`` and routing, advantages ``(G,)`` and ``log π_old (G,)``."""
+    """One prompt's branches routed from chunk ``chunk``: the shared prefix ``(1, C, F_{<k}, H, W)``, each window
+    chunk's states ``(G, T+1, C, f_c, H, W)``, the history each branch kept at ``chunk``, advantages ``(G,)``,
+    the branch logits at sampling ``(G,)`` and at the starting weights (or None), and whether a branch beat
+    the anchor."""
 
     prompt: str
     chunk: int
     prefix: torch.Tensor
-    states: torch.Tensor
+    states: list[torch.Tensor]
     routings: list[tuple[int, ...]]
     advantages: torch.Tensor
-    old_log_probs: torch.Tensor
+    old_scores: torch.Tensor
+    init_scores: torch.Tensor | None = None
+    safe: bool = True
 
 
 @dataclass
@@ -110,74 +126,163 @@ class KVPOTrainer(GroupTrainer):
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
+        tc = self.tcfg
         if not hasattr(self.policy, "history_cache"):
             raise UserError(f"trainer.name=kvpo routes a streaming video model's KV cache, but model.path holds a "
                             f"{self.policy.family!r} model; use a streaming family whose policy routes its history "
                             "(such as AnyFlow-FAR)")
         chunks = len(self.policy.chunk_frames)
-        routable = list(range(1, chunks)) if self.tcfg.route_chunks is None else list(self.tcfg.route_chunks)
+        routable = list(range(1, chunks)) if tc.route_chunks is None else list(tc.route_chunks)
         bad = [k for k in routable if not 1 <= k < chunks]
         if bad or not routable:
-            raise UserError(f"trainer.route_chunks={self.tcfg.route_chunks}: this model streams {chunks} chunks; "
+            raise UserError(f"trainer.route_chunks={tc.route_chunks}: this model streams {chunks} chunks; "
                             f"a routed chunk needs a history, so give indices in 1..{chunks - 1}")
+        if tc.routing == "window":
+            routable = [k for k in routable if window_routable(k, tc.nearest_chunks, tc.older_chunks, tc.keep_sink)]
+            if not routable:
+                raise UserError(f"trainer.older_chunks={tc.older_chunks}: no chunk of this model's {chunks} has more "
+                                f"than {tc.older_chunks} older chunks after the sink (keep_sink={tc.keep_sink}) and "
+                                f"the {tc.nearest_chunks} nearest, so routing would change nothing: lower "
+                                "trainer.older_chunks or trainer.nearest_chunks, or set trainer.keep_sink=false")
         self.route_chunks = routable
+
+    @classmethod
+    def weight_copies(cls, cfg: Any, tcfg: KVPOConfig) -> list[WeightCopy]:
+        """The KL's π_init under full fine-tuning comes from a frozen copy of the starting weights."""
+        return full_reference(tcfg) if tcfg.kl_coef > 0 and cfg.model.finetune == "full" else []
 
     def guidance(self) -> float:
         g = self.tcfg.guidance_scale
         return float(self.policy.defaults.get("guidance_scale", 1.0) if g is None else g)
 
-    def energies(self, group: BranchGroup) -> torch.Tensor:
-        """``E_i (G,)`` of the group's branches under the current weights, the full-history cache of the prefix
-        re-encoded without gradient; differentiable in the weights."""
+    @contextmanager
+    def initial_weights(self) -> Iterator[None]:
+        """Inside: the policy is the starting weights (the adapter off, or a full fine-tune's frozen copy)."""
+        with torch.no_grad(), self.policy.adapter_disabled():
+            yield
+
+    # ------------------------------------------------------------------ routing
+
+    def branch_routes(self, chunk: int, generator: torch.Generator) -> list[Callable[[int], tuple[int, ...]]]:
+        """Per branch, what chunk ``c ≥ chunk`` attends to (the full history after the routed window)."""
+        tc, g = self.tcfg, self.tcfg.group_size
+        if tc.routing == "bernoulli":
+            kept = [bernoulli_routing(chunk, tc.keep_prob, tc.keep_sink, generator) for _ in range(g)]
+            return [lambda c, keep=keep: keep if c == chunk else tuple(range(c)) for keep in kept]
+        end = chunk + self.window(chunk)
+        return [lambda c, drawn=drawn: (window_keep(c, drawn, tc.nearest_chunks, tc.keep_sink) if c < end
+                                        else tuple(range(c)))
+                for drawn in window_routings(chunk, g, tc.nearest_chunks, tc.older_chunks, tc.keep_sink, generator)]
+
+    def window(self, chunk: int) -> int:
+        """The chunks a routing at ``chunk`` holds for, and the policy replays."""
+        if self.tcfg.routing == "bernoulli":
+            return 1
+        return min(self.tcfg.window_chunks, len(self.policy.chunk_frames) - chunk)
+
+    # ------------------------------------------------------------------ the branch policy
+
+    def scores(self, group: BranchGroup, grad: bool = True) -> torch.Tensor:
+        """The branch logits ``(G,)``: each window chunk replayed under the full history (of the prefix, then the
+        policy's own clean prediction of the window chunks before it, as their replay re-caches), summed."""
         policy, guidance, tc = self.policy, self.guidance(), self.tcfg
-        cond = policy.encode([group.prompt] * len(group.states))
-        cache = policy.history_cache(group.prefix.to(policy.device), range(group.chunk), cond[[0]], guidance)
-        cache = cache.repeat_interleave(len(group.states))
+        g = len(group.routings)
+        cond = policy.encode([group.prompt] * g)
         sigmas = policy.sigmas(tc.num_steps).float()
-        states = group.states.to(policy.device)
-        v = torch.stack([policy.chunk_velocity(states[:, t], sigmas[t].item(), sigmas[t + 1].item(), cache, cond, guidance)
-                         for t in range(tc.num_steps)], dim=1)
-        return velocity_energy(v, taken_velocities(states, sigmas))
+        last = tc.num_steps - 1
+        clean = group.prefix.to(policy.device).float()
+        cache = policy.history_cache(clean, range(group.chunk), cond[[0]], guidance).repeat_interleave(g)
+        clean = clean.repeat_interleave(g, dim=0)
+        total = torch.zeros(g, device=policy.device)
+        for w, states in enumerate(group.states):
+            c = group.chunk + w
+            if w:
+                cache = policy.history_cache(clean, range(c), cond, guidance)
+            states = states.to(policy.device)
+            v = []
+            for t in range(tc.num_steps):
+                with torch.set_grad_enabled(grad and (tc.grad_steps is None or t < tc.grad_steps)):
+                    v.append(policy.chunk_velocity(states[:, t], sigmas[t].item(), sigmas[t + 1].item(), cache, cond,
+                                                   guidance))
+            v = torch.stack(v, dim=1)
+            u = taken_velocities(states, sigmas)
+            total = total + (x0_scores(v, u, sigmas, tc.sigma_floor) if tc.score == "x0_sigma"
+                             else -velocity_energy(v, u) / tc.temperature)
+            clean = torch.cat([clean, states[:, last] - sigmas[last].item() * v[:, last].detach()], dim=2)
+        return total
+
+    # ------------------------------------------------------------------ the loop's hooks
 
     def collect(self, step: int) -> BranchBatch:
-        """Per prompt: the deterministic stream to a routed chunk, G branches that attend to random subsets of
-        its history there, their rewards, advantages and ``π_old``."""
+        """Per prompt: the anchor stream, a routed chunk, G branches routed from it, rewards and advantages, and
+        the branch logits at the sampling (and starting) weights."""
         tc, g, policy, guidance = self.tcfg, self.tcfg.group_size, self.policy, self.guidance()
         prompts, metadata, groups = self.step_prompts(step)
         firsts = list(range(0, len(prompts), g))
         noise = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(
             derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 91))) for i in firsts])
-        center = stream_rollout(policy, [prompts[i] for i in firsts], num_steps=tc.num_steps, guidance_scale=guidance,
+        anchor = stream_rollout(policy, [prompts[i] for i in firsts], num_steps=tc.num_steps, guidance_scale=guidance,
                                 initial_noise=noise, decode=False)
         branched, samples, kept = [], [], []
         for j, i in enumerate(firsts):
             rng = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 93))
             k = self.route_chunks[int(torch.randint(len(self.route_chunks), (1,), generator=rng))]
-            prefix = center.prefix(k, [j])
-            cond = policy.encode([prompts[i]])
-            routings, states = [], []
-            for _ in range(g):
-                keep = draw_routing(k, tc.keep_prob, tc.keep_sink, rng)
-                routed = StreamPrefix(prefix.clean, policy.history_cache(prefix.clean, keep, cond, guidance))
+            prefix, cond = anchor.prefix(k, [j]), policy.encode([prompts[i]])
+            routes, states = self.branch_routes(k, rng), []
+            for route in routes:
+                routed = StreamPrefix(prefix.clean, policy.history_cache(prefix.clean, route(k), cond, guidance))
                 branch = stream_rollout(policy, [prompts[i]], num_steps=tc.num_steps, guidance_scale=guidance,
-                                        initial_noise=noise[j:j + 1], prefix=routed, decode=False)
+                                        initial_noise=noise[j:j + 1], prefix=routed, route=route, decode=False)
                 with torch.no_grad():
                     samples.append(policy.decode(branch.final_latents))
-                routings.append(keep)
-                states.append(branch.chunks[k][0])
-                kept.append(len(keep) / k)
-            branched.append((prompts[i], k, prefix.clean.cpu(), torch.stack(states).cpu(), routings))
-        prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
-        scored = self.score(torch.cat(samples), prompts, metadata, prompt_ids, step)
-        batch, energy = [], []
+                states.append([branch.chunks[c][0] for c in range(k, k + self.window(k))])
+                kept.append(len(route(k)) / k)
+            window = [torch.stack(chunk).cpu() for chunk in zip(*states)]
+            branched.append((prompts[i], k, prefix.clean.cpu(), window, [r(k) for r in routes]))
+        advantages, safe, logs = self.advantages(torch.cat(samples), anchor, prompts, metadata, firsts, step)
+        batch = []
         for j, parts in enumerate(branched):
-            group = BranchGroup(*parts, scored.advantages[j * g:(j + 1) * g].float(), torch.zeros(g))
+            group = BranchGroup(*parts, advantages[j * g:(j + 1) * g].float(), torch.zeros(g), safe=safe[j])
             with torch.no_grad():
-                e = self.energies(group)  # π_old: the energies at the weights that sampled the branches
-            batch.append(dataclasses.replace(group, old_log_probs=torch.log_softmax(-e / tc.temperature, dim=0).cpu()))
-            energy.append(e.mean().item())
-        logs = {**scored.logs, "kvpo/kept_fraction": sum(kept) / len(kept), "kvpo/energy": sum(energy) / len(energy)}
+                old = self.scores(group, grad=False).cpu()  # π_old: the weights that sampled the branches
+            init = None
+            if tc.kl_coef > 0:
+                with self.initial_weights():
+                    init = self.scores(group, grad=False).cpu()
+            batch.append(dataclasses.replace(group, old_scores=old, init_scores=init))
+        logs.update({"kvpo/kept_fraction": sum(kept) / len(kept),
+                     "kvpo/score": torch.stack([b.old_scores.mean() for b in batch]).mean().item()})
         return BranchBatch(batch, logs)
+
+    def advantages(self, samples: torch.Tensor, anchor: Any, prompts: list[str], metadata: list[dict],
+                   firsts: list[int], step: int) -> tuple[torch.Tensor, list[bool], dict[str, float]]:
+        """Advantages ``(N,)`` of the branch videos ``samples``, whether each group beat its anchor, and the
+        reward logs (of the branches). ``anchor``: the authors' against the anchor streams, decoded and scored
+        here; otherwise the loop's group advantages (every group then counts as having beaten its anchor)."""
+        g, tc = self.tcfg.group_size, self.tcfg
+        if tc.advantage != "anchor":
+            prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
+            scored = self.score(samples, prompts, metadata, prompt_ids, step)
+            return scored.advantages, [True] * len(firsts), scored.logs
+        scored = self.score(samples, prompts, metadata, None, step)
+        with torch.no_grad():
+            videos = self.policy.decode(anchor.final_latents)
+        # the anchors through the same scoring service (its reward logs are the branches')
+        ref = self.score(videos, [prompts[i] for i in firsts], [metadata[i] for i in firsts], None, step).scores
+        weights = scored.scores.weights.double()
+        advantages, safe = torch.zeros(len(samples), dtype=torch.float64), []
+        for j in range(len(firsts)):
+            rows = slice(j * g, (j + 1) * g)
+            values, ok = scored.scores.values[rows].double(), scored.scores.ok[rows].all(1)
+            reference = ref.values[j].double()
+            totals = (values * weights).sum(1)
+            safe.append(bool((totals[ok] > (reference * weights).sum()).any()))
+            if bool(ref.ok[j].all()) and bool(ok.any()):  # an invalid anchor or branch has no advantage
+                adv = fused_anchor_advantages(values[ok], reference, weights, 1.0, tc.adv_clip)
+                advantages[rows][ok] = adv
+        logs = {**scored.logs, "kvpo/anchor_reward": float((ref.values.double() * weights).sum(1).mean()),
+                "kvpo/beat_anchor": sum(safe) / len(safe)}
+        return advantages, safe, logs
 
     def plan(self, batch: BranchBatch, generator: torch.Generator) -> Plan:
         """One optimiser step over every group, a unit each."""
@@ -185,10 +290,9 @@ class KVPOTrainer(GroupTrainer):
         return Plan([[GroupUnit(i, total) for i in range(len(batch.groups))]], global_weights=True)
 
     def loss(self, batch: BranchBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        group = batch.groups[unit.index]
-        energy = self.energies(group)
-        log_probs = torch.log_softmax(-energy / self.tcfg.temperature, dim=0)
-        old = group.old_log_probs.to(log_probs)
-        loss = clipped_loss(log_probs, old, group.advantages.to(log_probs), self.tcfg.clip_range)
-        ratio = torch.exp(log_probs.detach() - old)
-        return loss / unit.total, {"kvpo_loss": loss.item(), "ratio_dev": (ratio - 1).abs().max().item()}
+        tc, group = self.tcfg, batch.groups[unit.index]
+        scores = self.scores(group)
+        init = None if group.init_scores is None else group.init_scores.to(scores)
+        loss, info = branch_objective(scores, group.old_scores.to(scores), group.advantages.to(scores), tc.clip_low,
+                                      tc.clip_high, tc.kl_coef, init, group.safe)
+        return loss / unit.total, {"kvpo_loss": loss.item(), **info}

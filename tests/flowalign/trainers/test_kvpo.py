@@ -1,23 +1,40 @@
-"""KVPO: branches that attend to random subsets of their KV history, the Trajectory Velocity Energy surrogate
-policy and its clipped group-relative update (docs/methods/kvpo.md); the surrogate and its objective against
-the authors' trainer (known_answers/kvpo_branch_objective.json)."""
+"""KVPO: the authors' training rule (anchor-relative advantages, the x0-space replay score with the σ floor and
+gradient steps, the asymmetric clip with a KL to the starting weights and the anchor slot, the dispersed
+routing window) against their functions (known_answers/kvpo_training_rule.json), the earlier energy form
+against their objective (known_answers/kvpo_branch_objective.json), and the trainer (docs/methods/kvpo.md)."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
+from flowalign.trainers.parts.anchor_advantages import fused_anchor_advantages, weighted_anchor_advantages
+from flowalign.trainers.parts.branch_policy import (anchor_slot_scale, branch_objective, taken_velocities,
+                                                    velocity_energy, x0_scores)
+from flowalign.trainers.parts.kv_routing import bernoulli_routing, window_keep, window_routings
 from flowalign.trainers.parts.policy_gradient import clipped_loss
-from flowalign.trainers.kvpo import draw_routing, taken_velocities, velocity_energy
 
-from .conftest import small_config
+from .conftest import REPO, run_cli, small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
 
-KNOWN = json.loads((Path(__file__).parent / "known_answers" / "kvpo_branch_objective.json").read_text())
-STREAM = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.keep_sink=false")
+HERE = Path(__file__).parent / "known_answers"
+KNOWN = json.loads((HERE / "kvpo_branch_objective.json").read_text())
+RULE = json.loads((HERE / "kvpo_training_rule.json").read_text())
+#: the authors' rule on the tiny 3-chunk model: a branch keeps one of the two chunks before chunk 2
+AUTHORS = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.keep_sink=false",
+           "trainer.nearest_chunks=0", "trainer.older_chunks=1")
+#: flowalign's earlier form: one routed chunk, each history chunk kept with keep_prob, the velocity energy
+EARLIER = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.keep_sink=false",
+           "trainer.routing=bernoulli", "trainer.score=velocity_energy", "trainer.advantage=group",
+           "trainer.clip_low=0.2", "trainer.kl_coef=0", "trainer.grad_steps=null", "trainer.adv_clip=5")
 
 
 @pytest.fixture(scope="module")
@@ -25,26 +42,104 @@ def far_dir(tiny_model_dir):
     return tiny_model_dir("anyflow_far")
 
 
-def test_routings_keep_each_chunk_with_its_probability_and_the_sink_when_asked():
-    g = torch.Generator().manual_seed(0)
-    draws = [draw_routing(6, 0.3, False, g) for _ in range(3000)]
-    share = sum(len(d) for d in draws) / (6 * len(draws))
-    assert abs(share - 0.3) < 0.02 and all(all(0 <= j < 6 for j in d) for d in draws)
-    assert all(0 in draw_routing(6, 0.0, True, g) for _ in range(50))
-    assert draw_routing(4, 1.0, False, g) == (0, 1, 2, 3)
-
-
 def _f64(value) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64)
 
 
+# ------------------------------------------------------------------------------ the authors' rule, known answers
+
+RULE_IDS = lambda c: f"{c['rewards']}-{c['old']}-floor{c['log_prob_sigma_floor']}-grad{c['log_prob_grad_steps']}-kl{c['kl_coef']}"
+
+
+@pytest.mark.parametrize("case", RULE["cases"], ids=RULE_IDS)
+def test_anchor_relative_advantages_equal_the_authors(case):
+    """Per reward ``(r − r_anchor)/std(r, r_anchor)``, weighted and summed, std-normalised, clamped to ±2.5."""
+    rewards = RULE["reward_cases"][case["rewards"]]
+    values, anchor, weights = _f64(rewards["values"]), _f64(rewards["anchor"]), _f64(RULE["weights"])
+    torch.testing.assert_close(weighted_anchor_advantages(values, anchor, weights), _f64(case["advantages_raw"]),
+                               rtol=1e-6, atol=1e-12)
+    fused = fused_anchor_advantages(values, anchor, weights, 1.0, RULE["adv_clip"])
+    torch.testing.assert_close(fused, _f64(case["advantages"]), rtol=1e-6, atol=1e-12)
+    assert bool(((values * weights).sum(1) > (anchor * weights).sum()).any()) == case["safe"]
+
+
+def _rule_scores(v: torch.Tensor, floor: float, grad_steps: int) -> torch.Tensor:
+    """The trainer's replay score on the known tensors: each window chunk's x0 score, summed; the velocities of
+    steps from ``grad_steps`` on without gradient (the trainer computes them under no_grad)."""
+    sigmas, states = _f64(RULE["sigmas"]), _f64(RULE["states"])
+    total = torch.zeros(v.shape[0], dtype=torch.float64)
+    for w in range(states.shape[1]):
+        u = taken_velocities(states[:, w], sigmas)
+        vw = torch.cat([v[:, w, :grad_steps], v[:, w, grad_steps:].detach()], dim=1)
+        total = total + x0_scores(vw, u, sigmas, floor)
+    return total
+
+
+@pytest.mark.parametrize("case", RULE["cases"], ids=RULE_IDS)
+def test_the_replay_scores_loss_and_gradient_equal_the_authors(case):
+    """Their ``_compute_trajectory_log_prob`` (σ floored, gradient through the first steps) and
+    ``_compute_policy_objective_from_logits`` (mechanism_2: asymmetric clip, KL to π_init, anchor slot): the
+    branch scores, the loss and its gradient in the policy's velocities."""
+    floor, steps = case["log_prob_sigma_floor"], case["log_prob_grad_steps"]
+    v = _f64(RULE["policy_v"]).requires_grad_(True)
+    scores = _rule_scores(v, floor, steps)
+    torch.testing.assert_close(scores.detach(), _f64(case["scores"]), rtol=1e-6, atol=1e-12)
+    old = _rule_scores(_f64(RULE["far_old_v" if case["old"] == "far" else "old_v"]), floor, steps)
+    init = _rule_scores(_f64(RULE["init_v"]), floor, steps)
+    torch.testing.assert_close(old, _f64(case["old_scores"]), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(init, _f64(case["init_scores"]), rtol=1e-6, atol=1e-12)
+    loss, info = branch_objective(scores, old, _f64(case["advantages"]), RULE["clip_low"], RULE["clip_high"],
+                                  case["kl_coef"], init, case["safe"])
+    loss.backward()
+    torch.testing.assert_close(loss.item(), case["total_loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["kl"], case["kl"], rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(1 - info["anchor_scale"], case["pi_anchor"], rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(v.grad, _f64(case["grad_v"]), rtol=1e-6, atol=1e-15)
+    # the steps from grad_steps on set the value, not the gradient
+    assert torch.equal(v.grad[:, :, steps:], torch.zeros_like(v.grad[:, :, steps:]))
+
+
+@pytest.mark.parametrize("plan", RULE["routing"], ids=lambda p: f"k{p['chunk']}-m{p['nearest']}-n{p['older']}")
+def test_the_dispersed_routings_equal_the_authors_branch_plans(plan):
+    """Their ``_build_dispersed_branch_plans`` over ``plan_perturbation``'s pool: one permutation, shifted windows."""
+    drawn = window_routings(plan["chunk"], plan["group_size"], plan["nearest"], plan["older"], plan["keep_sink"],
+                            torch.Generator().manual_seed(plan["master_seed"]))
+    assert [list(d) for d in drawn] == plan["selected"]
+
+
+def test_a_routed_window_keeps_the_sink_the_drawn_chunks_and_the_nearest_ones():
+    assert window_keep(6, (2, 3), 1, True) == (0, 2, 3, 5)
+    assert window_keep(7, (2, 3), 2, True) == (0, 2, 3, 5, 6)  # the nearest follow the chunk being generated
+    assert window_keep(3, (), 0, False) == ()
+
+
+def test_the_anchor_slot_halves_the_loss_of_a_group_that_did_not_beat_its_anchor():
+    log_pi = torch.log_softmax(torch.tensor([0.3, -1.0, 2.0]), 0)
+    assert anchor_slot_scale(log_pi, True).item() == 1.0
+    assert anchor_slot_scale(log_pi, False).item() == pytest.approx(0.5, abs=1e-7)
+
+
+# ------------------------------------------------------------------------------ the earlier form, known answers
+
+def test_routings_keep_each_chunk_with_its_probability_and_the_sink_when_asked():
+    g = torch.Generator().manual_seed(0)
+    draws = [bernoulli_routing(6, 0.3, False, g) for _ in range(3000)]
+    share = sum(len(d) for d in draws) / (6 * len(draws))
+    assert abs(share - 0.3) < 0.02 and all(all(0 <= j < 6 for j in d) for d in draws)
+    assert all(0 in bernoulli_routing(6, 0.0, True, g) for _ in range(50))
+    assert bernoulli_routing(4, 1.0, False, g) == (0, 1, 2, 3)
+
+
 @pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"floor{c['log_prob_sigma_floor']}-clip{c['clip_range']}")
 def test_the_clipped_objective_over_branch_scores_equals_the_authors(case):
-    """``_compute_policy_objective_from_logits``: π = softmax of the branch scores, the clipped ratio to π_old,
-    −mean over the branches; flowalign's ``clipped_loss`` on the same scores and advantages."""
+    """``_compute_policy_objective_from_logits`` on a safe rank without KL: flowalign's ``clipped_loss`` and
+    ``branch_objective`` with a symmetric clip on the same scores and advantages."""
     log_probs, old = torch.log_softmax(_f64(case["log_pi_theta"]), 0), torch.log_softmax(_f64(case["log_pi_old"]), 0)
     torch.testing.assert_close(torch.exp(log_probs - old), _f64(case["ratio"]), rtol=1e-6, atol=0)
     loss = clipped_loss(log_probs, old, _f64(KNOWN["advantages"]), case["clip_range"])
+    torch.testing.assert_close(loss.item(), case["total_loss"], rtol=1e-6, atol=0)
+    eps = case["clip_range"]
+    loss, _ = branch_objective(_f64(case["log_pi_theta"]), _f64(case["log_pi_old"]), _f64(KNOWN["advantages"]), eps, eps)
     torch.testing.assert_close(loss.item(), case["total_loss"], rtol=1e-6, atol=0)
 
 
@@ -52,8 +147,7 @@ def test_the_clipped_objective_over_branch_scores_equals_the_authors(case):
                          ids=lambda c: f"clip{c['clip_range']}")
 def test_the_energy_policy_at_temperature_2_over_T_equals_the_authors_per_step_scores(case):
     """Without their σ floor the authors' branch score ``−Σ_t mse(x0 − x̂0)/(2σ_t²)`` is ``−Σ_t mse_v/2 = −(T/2)·E``
-    (x0 = x_t − σ_t·v): the energy policy at τ = 2/T, taken velocities read from the states. Loss and its
-    gradient in the policy's velocities equal theirs."""
+    (x0 = x_t − σ_t·v): the energy policy at τ = 2/T, taken velocities read from the states."""
     sigmas, states = _f64(KNOWN["sigmas"]), _f64(KNOWN["states"])
     steps = len(sigmas) - 1
     u = taken_velocities(states, sigmas)
@@ -62,6 +156,7 @@ def test_the_energy_policy_at_temperature_2_over_T_equals_the_authors_per_step_s
     tau = 2 / steps
     log_probs = torch.log_softmax(-velocity_energy(v, u) / tau, 0)
     torch.testing.assert_close(log_probs.detach(), torch.log_softmax(_f64(case["log_pi_theta"]), 0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(x0_scores(v, u, sigmas, 0.0).detach(), _f64(case["log_pi_theta"]), rtol=1e-6, atol=0)
     old = torch.log_softmax(-velocity_energy(_f64(KNOWN["old_v"]), u) / tau, 0)
     loss = clipped_loss(log_probs, old, _f64(KNOWN["advantages"]), case["clip_range"])
     loss.backward()
@@ -95,30 +190,82 @@ def test_the_update_moves_the_velocity_field_toward_better_branches():
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
+# ------------------------------------------------------------------------------ the trainer
+
+def test_the_authors_rule_scores_branches_against_their_anchor(tmp_path, far_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "run", far_dir, prompt_file, *AUTHORS))
+    batch = t.collect(0)
+    assert len(batch.groups) == 2
+    for group in batch.groups:
+        assert group.chunk == 2 and {r for r in group.routings} <= {(0,), (1,)} and len(set(group.routings)) == 2
+        assert group.init_scores is not None and group.old_scores.shape == (4,)
+        assert group.advantages.abs().max() <= 2.5
+    # at the first update the adapter is off-equivalent (B = 0): π_old = π_init, ratio 1, KL 0
+    logs = t.update(batch, torch.Generator().manual_seed(0))
+    assert logs["ratio_dev"] < 1e-5 and logs["kl"] < 1e-9 and logs["grad_norm"] > 0
+    assert 0 <= batch.logs["kvpo/beat_anchor"] <= 1 and "kvpo/anchor_reward" in batch.logs
+
+
 def test_a_branch_that_keeps_every_entry_has_zero_energy_and_the_first_update_has_ratio_one(tmp_path, far_dir,
                                                                                         prompt_file):
-    t = build_trainer(small_config(tmp_path / "run", far_dir, prompt_file, *STREAM, "trainer.keep_prob=0.5"))
+    t = build_trainer(small_config(tmp_path / "run", far_dir, prompt_file, *EARLIER, "trainer.keep_prob=0.5"))
     batch = t.collect(0)
-    assert len(batch.groups) == 2 and all(g.states.shape[0] == 4 for g in batch.groups)
+    assert len(batch.groups) == 2 and all(g.states[0].shape[0] == 4 for g in batch.groups)
     kinds = [(group, i, keep == tuple(range(group.chunk))) for group in batch.groups
              for i, keep in enumerate(group.routings)]
     assert {whole for *_, whole in kinds} == {True, False}  # keep_prob 0.5 over 8 branches draws both kinds here
     for group, i, whole in kinds:
         with torch.no_grad():
-            e = t.energies(group)[i]
+            e = -t.scores(group, grad=False)[i] * t.tcfg.temperature
         # a branch that kept everything is the policy's own trajectory; a routed history changed what it did
         assert e < 1e-9 if whole else e > 1e-8
     logs = t.update(batch, torch.Generator().manual_seed(0))
     assert logs["ratio_dev"] < 1e-5 and logs["grad_norm"] > 0
 
 
-def test_trains_and_resumes_bit_exactly(tmp_path, far_dir, prompt_file):
-    assert_trains_and_resumes_bit_exactly(tmp_path, far_dir, prompt_file, *STREAM)
+@pytest.mark.parametrize("form", [AUTHORS, EARLIER], ids=["authors", "earlier"])
+def test_trains_and_resumes_bit_exactly(tmp_path, far_dir, prompt_file, form):
+    assert_trains_and_resumes_bit_exactly(tmp_path, far_dir, prompt_file, *form)
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun missing")
+def test_two_ranks_match_one_process(tmp_path, far_dir, prompt_file):
+    """Each rank streams one prompt's anchor and branches; the update equals one process holding both groups."""
+    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO),
+           "HF_HUB_OFFLINE": "1"}
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    ddp = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "flowalign", "train", "/dev/null",
+                          *small_run(ddp_dir, far_dir, prompt_file, *AUTHORS, "trainer.prompts_per_step=1")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
+    single = run_cli(["train", "/dev/null", *small_run(single_dir, far_dir, prompt_file, *AUTHORS,
+                                                       "trainer.prompts_per_step=2")])
+    out, _ = single.communicate(timeout=600)
+    assert single.returncode == 0, out
+    rows = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows(ddp_dir), rows(single_dir)):
+        assert a["reward/total"] == pytest.approx(b["reward/total"], abs=1e-6)
+    last = sorted((ddp_dir / "checkpoints").iterdir())[-1].name
+    wa = load_file(str(ddp_dir / "checkpoints" / last / "trainable.safetensors"))
+    wb = load_file(str(single_dir / "checkpoints" / last / "trainable.safetensors"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    assert max(wa[k].abs().max().item() for k in wa if "lora_B" in k) > 0
 
 
 def test_a_model_that_cannot_route_and_a_chunk_without_history_are_refused(tmp_path, far_dir, tiny_wan_dir,
                                                                            prompt_file):
     with pytest.raises(UserError, match="routes a streaming"):
-        build_trainer(small_config(tmp_path / "a", tiny_wan_dir, prompt_file, *STREAM))
+        build_trainer(small_config(tmp_path / "a", tiny_wan_dir, prompt_file, *EARLIER))
     with pytest.raises(UserError, match="route_chunks"):
-        build_trainer(small_config(tmp_path / "b", far_dir, prompt_file, *STREAM, "trainer.route_chunks=[0]"))
+        build_trainer(small_config(tmp_path / "b", far_dir, prompt_file, *EARLIER, "trainer.route_chunks=[0]"))
+    # the authors' defaults (sink, 1 nearest, 2 older chunks) leave nothing to route on a 3-chunk model
+    with pytest.raises(UserError, match="older_chunks"):
+        build_trainer(small_config(tmp_path / "c", far_dir, prompt_file, "trainer.name=kvpo", "model.finetune=lora"))
+
+
+def test_an_option_of_the_other_form_and_the_former_symmetric_clip_are_refused(tmp_path, far_dir, prompt_file):
+    with pytest.raises(Exception, match="temperature is read only with trainer.score=velocity_energy"):
+        build_trainer(small_config(tmp_path / "a", far_dir, prompt_file, *AUTHORS, "trainer.temperature=0.1"))
+    with pytest.raises(Exception, match="clip_low"):
+        build_trainer(small_config(tmp_path / "b", far_dir, prompt_file, *AUTHORS, "trainer.clip_range=0.2"))
