@@ -80,7 +80,8 @@ def bounded_targets(
             g = g0 if i == 0 else grad_fn(y)
             y = y + d * h * g / (g.flatten(1).norm(dim=1).view(shape) + 1e-12)
             off = y - y0
-            scale = (budget / off.flatten(1).norm(dim=1).view(shape).clamp(min=1e-30)).clamp(max=1.0)
+            # the authors' projection: scale min(b/(‖y − y0‖ + 1e-12), 1), so a zero step stays at y0
+            scale = (budget / (off.flatten(1).norm(dim=1).view(shape) + 1e-12)).clamp(max=1.0)
             y = y0 + off * scale
         out.append(y.detach())
     return out[0], out[1]
@@ -99,6 +100,14 @@ def query_anchor(policy, chunk: Rollout, sigma_star: float, guidance: float | No
     return sigma_q, z_q, v, z_q - sigma_q * v
 
 
+def normalised_error(y_hat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``mean((ŷ − y)²/w)`` ``(B,)`` with ``w = sg(max(mean|ŷ − y|, 1e-5))`` per sample, ``w`` in float64 as the
+    authors compute it (``ŷ``, ``y``: ``(B, ...)``; the result is float64, its gradient reaches ``ŷ`` only)."""
+    with torch.no_grad():
+        w = per_sample_mean((y_hat.double() - y.double()).abs()).clamp(min=1e-5)
+    return per_sample_mean((y_hat - y) ** 2 / w.view(-1, *([1] * (y.ndim - 1))))
+
+
 def opsd_loss(
     v_theta: torch.Tensor, v_phi: torch.Tensor, z_q: torch.Tensor, sigma_q: float, y_pos: torch.Tensor,
     y_neg: torch.Tensor, r: torch.Tensor, beta: float, a_max: float,
@@ -109,10 +118,8 @@ def opsd_loss(
     """
     v_pos, v_neg = mirrored_velocities(v_theta, v_phi.detach(), beta)
     y_hat_pos, y_hat_neg = z_q - sigma_q * v_pos, z_q - sigma_q * v_neg
-    w_pos = per_sample_mean((y_hat_pos - y_pos).abs()).clamp(min=1e-5).detach()
-    w_neg = per_sample_mean((y_hat_neg - y_neg).abs()).clamp(min=1e-5).detach()
-    pos = per_sample_mean((y_hat_pos - y_pos) ** 2) / w_pos
-    neg = per_sample_mean((y_hat_neg - y_neg) ** 2) / w_neg
+    pos = normalised_error(y_hat_pos, y_pos)
+    neg = normalised_error(y_hat_neg, y_neg)
     loss = a_max * (r * pos + (1 - r) * neg)
     return loss, {"loss_pos": pos.mean().item(), "loss_neg": neg.mean().item()}
 

@@ -2,20 +2,123 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from flowalign import checkpoint as ckpt
+from flowalign.advantages import compute_advantages
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.diffusion_opsd import bounded_targets, opsd_loss, query_index
-from flowalign.trainers.self_distill import BehaviourWeights, mirrored_velocities, reward_weight
+from flowalign.trainers.diffusion_opsd import (DiffusionOPSDConfig, DiffusionOPSDTrainer, bounded_targets, opsd_loss,
+                                               query_index)
+from flowalign.trainers.self_distill import (BehaviourWeights, FitUnit, SelfDistillTrainer, behaviour_lambda,
+                                             mirrored_velocities, reward_weight)
 
 from rewards.vvr import generate_tasks
 
 from .conftest import small_config
 
 SOFT = "rewards=[{name: vvr_soft}]"
+ANSWERS = Path(__file__).parent / "known_answers"
+#: worldbench/DiffusionOPSD's targets (the shared first gradient and _opa_tr_step), on a fixed smooth reward
+TARGETS = json.loads((ANSWERS / "diffusion_opsd_targets.json").read_text())
+#: their OPA fitting loss, its gradient, and one optimiser step accumulated over shuffled micro-batches
+LOSS = json.loads((ANSWERS / "diffusion_opsd_loss.json").read_text())
+#: their query index, global-std advantages and behaviour refresh (return_decay, decay_type 1)
+SCHEDULE = json.loads((ANSWERS / "diffusion_opsd_schedule.json").read_text())
+
+
+def _f64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _known_reward(x: torch.Tensor) -> torch.Tensor:
+    """The known answers' reward ``R_i(x) = ⟨a_i, x_i⟩ + Σ c_i·sin(2x_i) − ½⟨w, x_i⟩²`` ``(B,)``."""
+    a, c, w = _f64(TARGETS["a"]), _f64(TARGETS["c"]), _f64(TARGETS["w"])
+    return (a * x).flatten(1).sum(1) + (c * torch.sin(2 * x)).flatten(1).sum(1) - 0.5 * (w * x).flatten(1).sum(1) ** 2
+
+
+def _reward_gradient(y: torch.Tensor) -> torch.Tensor:
+    y = y.detach().requires_grad_(True)
+    return torch.autograd.grad(_known_reward(y).sum(), y)[0]
+
+
+@pytest.mark.parametrize("case", TARGETS["cases"], ids=lambda c: f"rho{c['rho']}-n{c['n_ascent']}-eta{c['eta']}")
+def test_targets_equal_the_authors_opa_tr_step(case):
+    """y⁺ and y⁻ from the same y0 and reward: normalised steps, the shared first gradient, the ball projection."""
+    y_pos, y_neg = bounded_targets(_f64(TARGETS["y0"]), _reward_gradient, case["rho"], case["n_ascent"], case["eta"])
+    torch.testing.assert_close(y_pos, _f64(case["y_plus"]), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(y_neg, _f64(case["y_minus"]), rtol=1e-6, atol=1e-12)
+
+
+def _loss_inputs() -> dict[str, torch.Tensor]:
+    return {k: _f64(LOSS[k]) for k in ("z_q", "v_old", "v_theta", "y_plus", "y_minus", "advantages")}
+
+
+@pytest.mark.parametrize("case", LOSS["cases"], ids=lambda c: f"mirror_beta{c['mirror_beta']}")
+def test_loss_and_gradient_equal_the_authors_opa_loss(case):
+    """The per-sample branches, the batch loss and its gradient in v_θ (the authors' OPA branch of the loop)."""
+    x = _loss_inputs()
+    r = reward_weight(x["advantages"], LOSS["adv_clip_max"])
+    torch.testing.assert_close(r, _f64(case["r"]), rtol=1e-12, atol=0)
+    v_theta = x["v_theta"].clone().requires_grad_(True)
+    per_sample, info = opsd_loss(v_theta, x["v_old"], x["z_q"], LOSS["sigma_q"], x["y_plus"], x["y_minus"], r,
+                                 case["mirror_beta"], LOSS["adv_clip_max"])
+    loss = per_sample.mean()
+    loss.backward()
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_pos"], _f64(case["pos_loss"]).mean().item(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_neg"], _f64(case["neg_loss"]).mean().item(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(v_theta.grad, _f64(case["grad_v_theta"]), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", LOSS["cases"], ids=lambda c: f"mirror_beta{c['mirror_beta']}")
+def test_one_step_gradient_equals_the_authors_accumulated_micro_batches(case):
+    """The trainer's hooks (fit_loss with the unit's v_φ, σ_q, r, β, A_max; loss over the step's kept samples)
+    on two fit units of three samples give the gradient the authors accumulate over their shuffled micro-batches
+    before one optimiser step."""
+    x = _loss_inputs()
+    r = reward_weight(x["advantages"], LOSS["adv_clip_max"])
+    v_theta = x["v_theta"].clone().requires_grad_(True)
+    tcfg = DiffusionOPSDConfig(mirror_beta=case["mirror_beta"], adv_clip=LOSS["adv_clip_max"])
+    hooks = SimpleNamespace(tcfg=tcfg, fit_guidance=lambda chunk: 1.0)
+    hooks.fit_loss = lambda unit: DiffusionOPSDTrainer.fit_loss(hooks, unit)
+    for rows in (slice(0, 3), slice(3, 6)):
+        tensors = {"z_q": x["z_q"][rows], "sigma_q": LOSS["sigma_q"], "v_phi": x["v_old"][rows],
+                   "y_pos": x["y_plus"][rows], "y_neg": x["y_minus"][rows]}
+        unit = FitUnit(SimpleNamespace(cond=None), r[rows], torch.ones(3, dtype=torch.bool), tensors, total=6)
+        hooks.policy = SimpleNamespace(velocity=lambda z, sigma, cond, guidance, rows=rows: v_theta[rows])
+        loss, _ = SelfDistillTrainer.loss(hooks, None, unit)
+        loss.backward()
+    torch.testing.assert_close(v_theta.grad, _f64(case["step"]["grad_v_theta"]), rtol=1e-6, atol=1e-12)
+
+
+def test_query_index_equals_the_authors():
+    """k_q on SD3.5's 10-step shift-3 grid (σ* 0.278 → k 8) and two others, σ* from 0 to 0.999."""
+    for case in SCHEDULE["query"]:
+        sigmas = torch.tensor(SCHEDULE["grids"][case["grid"]], dtype=torch.float32)
+        assert query_index(sigmas, case["sigma_star"]) == case["k_q"], case
+
+
+def test_global_std_advantages_equal_the_authors_stat_tracker():
+    """``advantage: global_std``: group mean, population std of the whole batch + 1e-4 (PerPromptStatTracker).
+    (flowalign sums the weighted rewards in float32; the relative error stays below 1e-6 here.)"""
+    known = SCHEDULE["advantage"]
+    names = sorted(set(known["prompts"]))
+    groups = torch.tensor([names.index(p) for p in known["prompts"]])
+    ours = compute_advantages("global_std", _f64(known["rewards"])[:, None], torch.ones(1), groups, clip=5.0)
+    torch.testing.assert_close(ours.double(), _f64(known["advantages"]), rtol=1e-6, atol=0)
+
+
+def test_behaviour_refresh_defaults_equal_the_authors_return_decay():
+    """λ_s of the defaults (behaviour_rate 0.001, behaviour_max 0.5) is their return_decay(s, decay_type=1)."""
+    c, known = DiffusionOPSDConfig(), SCHEDULE["return_decay_1"]
+    ours = [behaviour_lambda(s, c.behaviour_rate, c.behaviour_max) for s in known["steps"]]
+    torch.testing.assert_close(_f64(ours), _f64(known["decay"]), rtol=1e-12, atol=0)
 
 
 def vvr_run(tmp_path, tiny_sd3_dir, *extra):
