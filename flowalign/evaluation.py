@@ -33,17 +33,48 @@ def sample_seeded(
     """ODE samples, one per prompt; sample ``i`` always gets the noise of ``seed + i`` (so checkpoints
     compared side by side see identical noise whatever the batch size). Returns decoded samples.
     ``metadata`` (one dict per prompt) carries per-prompt inputs such as an editing model's ``image``."""
+    return sample_seeded_with_notes(policy, prompts, seed=seed, num_steps=num_steps, guidance_scale=guidance_scale,
+                                    batch_size=batch_size, progress=progress, desc=desc, metadata=metadata)[0]
+
+
+def sample_seeded_with_notes(
+    policy: FlowPolicy,
+    prompts: list[str],
+    *,
+    seed: int,
+    num_steps: int | None = None,
+    guidance_scale: float | None = None,
+    batch_size: int = 16,
+    progress: bool = True,
+    desc: str = "sampling",
+    metadata: list[dict[str, Any]] | None = None,
+) -> tuple[torch.Tensor, list[dict[str, str]]]:
+    """:func:`sample_seeded`, and per sample the notes its policy wrote about it (``{}`` for most policies).
+
+    A policy whose inference is more than one rollout (a unified model's reflect → revise loop) has
+    ``sample_for_evaluation(prompts, initial_noise=, seeds=, num_steps=, guidance_scale=, metadata=) ->
+    (samples, notes)``: it starts from the same noise, keys its other draws by each sample's ``seed + i``, and
+    names what it did per sample (e.g. ``{"reflections": ...}``), shown in results and galleries."""
     steps = int(num_steps or policy.defaults.get("num_steps", 20))
-    out = []
+    own = getattr(policy, "sample_for_evaluation", None)
+    out, notes = [], []
     for start in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress, unit="batch"):
         chunk = prompts[start : start + batch_size]
-        noise = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(seed + start + i)) for i in range(len(chunk))])
+        seeds = [seed + start + i for i in range(len(chunk))]
+        noise = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
         meta = None if metadata is None else metadata[start : start + batch_size]
+        if own is not None:
+            samples, said = own(chunk, initial_noise=noise, seeds=seeds, num_steps=steps,
+                                guidance_scale=guidance_scale, metadata=meta)
+            out.append(samples.cpu())
+            notes += said
+            continue
         sample = stream_rollout if getattr(policy, "streaming", False) else rollout  # chunk by chunk, or whole
         r = sample(policy, chunk, num_steps=steps, sampler="ode", guidance_scale=guidance_scale, initial_noise=noise,
                    metadata=meta)
         out.append(r.samples.cpu())
-    return torch.cat(out)
+        notes += [{} for _ in chunk]
+    return torch.cat(out), notes
 
 
 def summarise(rewards_out: Any, n: int, metadata: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -100,8 +131,9 @@ def evaluate(
     the panel's first reward gives each row's ``score`` and the tag accuracies."""
     if reward is None and not panel:
         raise ValueError("evaluate needs a reward or a panel of rewards")
-    samples = sample_seeded(policy, prompts, seed=seed, num_steps=num_steps, guidance_scale=guidance_scale,
-                            batch_size=batch_size, progress=progress, desc="evaluating", metadata=metadata)
+    samples, notes = sample_seeded_with_notes(policy, prompts, seed=seed, num_steps=num_steps,
+                                              guidance_scale=guidance_scale, batch_size=batch_size,
+                                              progress=progress, desc="evaluating", metadata=metadata)
     metrics = dict(labels or {})
     rows: list[dict[str, Any]] = [{"index": i, "prompt": prompt} for i, prompt in enumerate(prompts)]
     if reward is not None:
@@ -130,6 +162,9 @@ def evaluate(
                 values = torch.tensor([float(r["all_passed"]) for r in rows])
                 metrics["accuracy"] = values.mean().item()
             metrics.update(tag_accuracy(values.nan_to_num(0.0), ok, metadata))
+    for row, said in zip(rows, notes):  # the policy's notes beside the rewards' (galleries show them)
+        if said:
+            row["notes"] = {**said, **row.get("notes", {})}
     if out_dir is not None:
         with atomic_dir(out_dir, writer="evaluate", overwrite=overwrite) as out:
             if save_samples:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,15 +173,27 @@ class UnifiedPolicy(FlowPolicy, Protocol):
     As a :class:`FlowPolicy` it draws an image from text; ``editor`` is the same generator as a FlowPolicy
     that takes a reference image, ``editor.encode(instructions, images=[...])`` (a revision: the text it
     wrote is the instruction, its current image the reference). Written tokens are ids ``(B, L)``, ``-1``
-    after a sequence's end (its log-prob 0).
+    after a sequence's end (its log-prob 0). ``reflection`` (a :class:`flowalign.reflection.Reflection`, or
+    None for its first image alone) is what an evaluation draws: ``sample_for_evaluation`` (the hook of
+    :func:`flowalign.evaluation.sample_seeded_with_notes`) runs :func:`flowalign.reflection.sample_reflecting`.
     """
 
     editor: FlowPolicy
+    reflection: Any
 
     def generate(self, images: torch.Tensor, prompts: list[str], max_new_tokens: int,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Text about ``images (B, 3, H, W)`` in [0, 1] sampled at temperature 1: tokens ``(B, L)`` and each
-        token's log-probability ``(B, L)`` float32, no grad."""
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Text about ``images (B, 3, H, W)`` in [0, 1] drawn at ``temperature`` (0: greedy; ``generator``: one
+        per sample or one for the batch): tokens ``(B, L)`` and each token's log-probability under the model
+        (temperature 1, as :meth:`token_log_probs`) ``(B, L)`` float32, no grad."""
+        ...
+
+    def sample_for_evaluation(self, prompts: list[str], *, initial_noise: torch.Tensor, seeds: list[int],
+                              num_steps: int, guidance_scale: float | None, metadata: list[dict] | None = None
+                              ) -> tuple[torch.Tensor, list[dict[str, str]]]:
+        """An evaluation's samples and per-sample notes: the final images of the reflection loop from the
+        first images of ``initial_noise`` (or those first images when ``reflection`` is None)."""
         ...
 
     def token_log_probs(self, images: torch.Tensor, prompts: list[str], tokens: torch.Tensor) -> torch.Tensor:

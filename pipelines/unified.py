@@ -32,10 +32,13 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from flowalign.errors import UserError
 from flowalign.io import atomic_path
 from flowalign.protocols import Conditioning
+from flowalign.reflection import Reflection, sample_reflecting
+from flowalign.sampling import rollout
 from pipelines import lora as lora_utils
 
 #: what the VL model is asked about its own image (Qwen2.5-VL's chat format; ``{}`` is the prompt)
@@ -56,6 +59,41 @@ def _pictures(images: torch.Tensor) -> list[Image.Image]:
     """``(B, 3, H, W)`` in [0, 1] → PIL images (8-bit, as an image a model looks at)."""
     arrays = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
     return [Image.fromarray(a) for a in arrays]
+
+
+class _Draw(LogitsProcessor):
+    """The next token of a one-sequence ``generate``, drawn from the logits with ``generator`` at
+    ``temperature`` (0: the most likely token); every other token is masked, so greedy decoding takes it."""
+
+    def __init__(self, generator: torch.Generator | None, temperature: float) -> None:
+        self.generator, self.temperature = generator, temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logits = scores[0].float().cpu()  # the generators are CPU ones
+        if self.temperature == 0:
+            token = int(logits.argmax())
+        else:
+            token = int(torch.multinomial(torch.log_softmax(logits / self.temperature, -1).exp(), 1,
+                                          generator=self.generator))
+        drawn = torch.full_like(scores, float("-inf"))
+        drawn[0, token] = 0.0
+        return drawn
+
+
+@contextmanager
+def _plain_generation(language: Any, eos_id: int) -> Iterator[None]:
+    """``language.generate`` with no processor from the checkpoint's ``generation_config.json`` (Qwen2.5-VL's
+    ships a repetition penalty, top-k, top-p: they would change the distribution drawn from, so the stored
+    log-probs would not be the model's): greedy over :class:`_Draw`'s choice, ending at ``eos_id`` only, the
+    raw logits returned."""
+    saved = language.generation_config
+    language.generation_config = GenerationConfig(
+        do_sample=False, num_beams=1, eos_token_id=eos_id, pad_token_id=eos_id, use_cache=True,
+        output_logits=True, return_dict_in_generate=True)
+    try:
+        yield
+    finally:
+        language.generation_config = saved
 
 
 class UnifiedEditPolicy:
@@ -85,6 +123,9 @@ class UnifiedEditPolicy:
         for layer in layers:  # off unless writing or scoring text: the transformer reads the frozen encoder
             layer._disable_adapters = True
         self.trainable = torch.nn.ModuleDict({"flow": editor.trainable, "language": self.language})
+        #: how evaluation samples (:meth:`sample_for_evaluation`): the reflection loop, or None for the first
+        #: image alone (set by the trainer from its options)
+        self.reflection: Reflection | None = None
 
     # ------------------------------------------------------------------ FlowPolicy: the editor's own
     def __getattr__(self, name: str) -> Any:
@@ -99,6 +140,19 @@ class UnifiedEditPolicy:
     def encode(self, prompts: list[str], images: list[Any] | None = None) -> Conditioning:
         """The editor's conditioning; without images, each prompt reads the blank canvas (text to image)."""
         return self.editor.encode(prompts, images=images or [self.blank_canvas()] * len(prompts))
+
+    def sample_for_evaluation(self, prompts: list[str], *, initial_noise: torch.Tensor, seeds: list[int],
+                              num_steps: int, guidance_scale: float | None, metadata: list[dict] | None = None
+                              ) -> tuple[torch.Tensor, list[dict[str, str]]]:
+        """An evaluation's samples ``(B, 3, H, W)`` and per-sample notes (:func:`flowalign.evaluation.sample_seeded`):
+        the final images of the model's own reflection loop (:func:`flowalign.reflection.sample_reflecting`),
+        or with :attr:`reflection` None its first images (an ODE sample from ``initial_noise``), no notes."""
+        if self.reflection is None:
+            first = rollout(self, prompts, num_steps=num_steps, sampler="ode", guidance_scale=guidance_scale,
+                            initial_noise=initial_noise, metadata=metadata)
+            return first.samples.float(), [{} for _ in prompts]
+        return sample_reflecting(self, self.reflection, prompts, initial_noise=initial_noise, seeds=seeds,
+                                 num_steps=num_steps, guidance_scale=guidance_scale, metadata=metadata)
 
     def save_adapter(self, directory: str | Path) -> None:
         """The transformer's LoRA as the editor saves it (when it has one), plus the language LoRA in
@@ -145,34 +199,35 @@ class UnifiedEditPolicy:
         return logits[inputs["input_ids"].shape[1] - 1 :]
 
     def generate(self, images: torch.Tensor, prompts: list[str], max_new_tokens: int,
-                 generator: torch.Generator | Sequence[torch.Generator] | None = None
+                 generator: torch.Generator | Sequence[torch.Generator] | None = None, temperature: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reflections on ``images (B, 3, H, W)``: tokens ``(B, L)`` sampled at temperature 1 until
+        """Reflections on ``images (B, 3, H, W)``: tokens ``(B, L)`` drawn at ``temperature`` (0: greedy) until
         ``<|im_end|>`` (kept) or ``max_new_tokens`` (after a sequence's end: :data:`PAD`), and each token's
-        log-probability ``(B, L)`` float32 (0 after the end), no grad. ``generator``: one per sample (a
-        sample's text then depends on nothing else in the batch) or one for the batch."""
+        log-probability under the model (temperature 1, what :meth:`token_log_probs` computes) ``(B, L)``
+        float32 (0 after the end), no grad. ``generator``: one per sample (a sample's text then depends on
+        nothing else in the batch) or one for the batch.
+
+        Decoded by transformers' ``generate`` with its KV cache: the prompt and image are read once, each
+        further token costs one step; the draw is :class:`_Draw` (the only logits processor, so it sees the
+        raw logits ``generate`` reports)."""
         gens = list(generator) if isinstance(generator, Sequence) else [generator] * len(prompts)
         rows, logps = [], []
-        with torch.no_grad(), self.writing():
+        with torch.no_grad(), self.writing(), _plain_generation(self.language, self.eos_id):
             for image, prompt, g in zip(images, prompts, gens):
-                inputs, tokens, lp = self._inputs(image, prompt), [], []
-                for _ in range(max_new_tokens):
-                    logits = self._logits(inputs, torch.tensor(tokens, dtype=torch.long))[-1]
-                    logp = torch.log_softmax(logits, dim=-1).cpu()
-                    token = int(torch.multinomial(logp.exp(), 1, generator=g))
-                    tokens.append(token)
-                    lp.append(float(logp[token]))
-                    if token == self.eos_id:
-                        break
-                rows.append(tokens)
-                logps.append(lp)
+                inputs = self._inputs(image, prompt)
+                out = self.language.generate(**inputs, max_new_tokens=max_new_tokens,
+                                             logits_processor=LogitsProcessorList([_Draw(g, temperature)]))
+                tokens = out.sequences[0, inputs["input_ids"].shape[1] :].cpu()
+                logits = torch.cat(out.logits).float().cpu()  # (L, V): the raw next-token logits
+                rows.append(tokens.tolist())
+                logps.append(torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].tolist())
         length = max(1, max(len(r) for r in rows))
-        out = torch.full((len(rows), length), PAD, dtype=torch.long)
+        out_tokens = torch.full((len(rows), length), PAD, dtype=torch.long)
         log_probs = torch.zeros(len(rows), length)
         for i, (r, lp) in enumerate(zip(rows, logps)):
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            out_tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             log_probs[i, : len(lp)] = torch.tensor(lp)
-        return out, log_probs
+        return out_tokens, log_probs
 
     def token_log_probs(self, images: torch.Tensor, prompts: list[str], tokens: torch.Tensor) -> torch.Tensor:
         """``log π(token | image, prompt, earlier tokens)`` ``(B, L)`` float32 with gradients through the

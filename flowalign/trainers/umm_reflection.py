@@ -19,6 +19,10 @@ trajectory's reflection tokens over all rounds, ``|K_i|`` its trained SDE steps 
 trajectories of every rank. ``objective: sft`` is the cold start on the same trajectories: the best trajectory
 of each group, when its final image scores above the first, is imitated (negative log-likelihood of its
 reflections, flow matching toward its revisions), the others weigh 0.
+
+The loop itself is :func:`flowalign.reflection.reflect`, which evaluation runs too (the final image of the
+model's own rounds is scored, reflections at ``eval_temperature``, ODE revisions; ``eval_first_image_only``:
+the first image alone).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from flowalign import families, plugins
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK
 from flowalign.protocols import UnifiedPolicy
-from flowalign.sampling import Rollout, rollout, sde_step
+from flowalign.reflection import Reflection, Round, reflect
+from flowalign.sampling import rollout, sde_step
 from flowalign.trainers.base import GroupTrainer, Plan, WeightCopy, derived_seed
 from flowalign.trainers.options import AdvantageOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
@@ -70,6 +75,10 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
     language_lora_rank: int = Field(4, ge=1, le=MAX_LORA_RANK)
     #: alpha of the language LoRA (its scale is alpha / rank)
     language_lora_alpha: float = Field(8.0, gt=0, le=MAX_COEFFICIENT)
+    #: temperature of the reflections written in evaluation (0: greedy); training samples at 1
+    eval_temperature: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
+    #: evaluation scores the first image alone, without the reflection loop (single-shot generation)
+    eval_first_image_only: bool = False
 
     @model_validator(mode="after")
     def _something_trains(self) -> UMMReflectionConfig:
@@ -79,30 +88,6 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
 
 
 # ---------------------------------------------------------------------------------------------- the batch
-
-
-@dataclass(frozen=True)
-class Revision:
-    """The SDE rollout of one batch of revisions: trajectories ``index`` (into the step's N)."""
-
-    index: torch.Tensor
-    rollout: Rollout
-
-
-@dataclass(frozen=True)
-class Round:
-    """One reflect → revise round over the step's N trajectories.
-
-    ``images (N, 3, H, W)``: the image each reflected on; ``tokens`` / ``log_probs (N, L)``: the reflection
-    and its tokens' sampling log-probs (PAD, 0 for a trajectory that had ended); ``reflected (N,)``: the
-    trajectory was still going; ``revised (N,)``: it reflected without stopping, so it was revised."""
-
-    images: torch.Tensor
-    tokens: torch.Tensor
-    log_probs: torch.Tensor
-    reflected: torch.Tensor
-    revised: torch.Tensor
-    revisions: list[Revision]
 
 
 @dataclass(frozen=True)
@@ -156,12 +141,6 @@ class RevisionUnit:
     noise: torch.Tensor | None = field(default=None, compare=False)
 
 
-def stopped(texts: list[str], stop_phrase: str) -> torch.Tensor:
-    """``(B,)`` bool: a reflection that is empty or says the stop phrase ends its trajectory."""
-    phrase = stop_phrase.lower()
-    return torch.tensor([not t.strip() or phrase in t.lower() for t in texts], dtype=torch.bool)
-
-
 def sft_coefficients(groups: torch.Tensor, first_scores: torch.Tensor, final_scores: torch.Tensor) -> torch.Tensor:
     """``(N,)``: 1 for the best trajectory of each group (the first of equals) when its final image scores above
     the group's first image, else 0 (the cold start imitates only trajectories that improved)."""
@@ -189,6 +168,9 @@ class UMMReflectionTrainer(GroupTrainer):
                             f"the {policy.family} family cannot write: use a Qwen-Image-Edit folder (model.path)")
         unified = plugins.load_target(target)
         super().__init__(cfg, tcfg, unified(policy, tcfg.language_lora_rank, tcfg.language_lora_alpha), *args, **kw)
+        # evaluation draws what the model does at inference: its own reflection loop, no verifier
+        self.unified.reflection = None if tcfg.eval_first_image_only else Reflection(
+            tcfg.rounds, tcfg.max_new_tokens, tcfg.stop_phrase, tcfg.eval_temperature)
 
     @classmethod
     def weight_copies(cls, cfg: Any, tcfg: Any) -> list[WeightCopy]:
@@ -218,14 +200,12 @@ class UMMReflectionTrainer(GroupTrainer):
         prompt_ids = torch.tensor(idx).repeat_interleave(g)
         with torch.no_grad():
             first = self.first_images(prompts[::g], metadata[::g], groups[::g], step).repeat_interleave(g, dim=0)
-            images, active, rounds = first, torch.ones(len(prompts), dtype=torch.bool), []
-            for r in range(self.tcfg.rounds):
-                done = self.reflect_and_revise(images, active, prompts, groups, members, step, r)
-                rounds.append(done)
-                images = images.clone()
-                for rev in done.revisions:
-                    images[rev.index] = rev.rollout.samples.float()
-                active = done.revised
+        keys = list(zip(groups.tolist(), members.tolist()))
+        rounds, images = reflect(
+            self.unified, first, prompts, Reflection(self.tcfg.rounds, self.tcfg.max_new_tokens, self.tcfg.stop_phrase),
+            lambda i, salt, r: derived_seed(self.cfg.run.seed, step, *keys[i], salt, r), num_steps=self.tcfg.num_steps,
+            guidance_scale=self.tcfg.guidance_scale, batch_size=self.tcfg.batch_size, sampler=self.sampler,
+            noise_level=self.tcfg.noise_level)
         t1 = time.perf_counter()
         steps = torch.stack([r.images for r in rounds]).flatten(0, 1)
         watched = self.score(steps, prompts * len(rounds), metadata * len(rounds), step=step)  # each round's input
@@ -250,47 +230,6 @@ class UMMReflectionTrainer(GroupTrainer):
                             guidance_scale=self.tcfg.guidance_scale, generators=gens)
             out.append(drawn.samples.float())
         return torch.cat(out)
-
-    def reflect_and_revise(self, images: torch.Tensor, active: torch.Tensor, prompts: list[str],
-                           groups: torch.Tensor, members: torch.Tensor, step: int, r: int) -> Round:
-        """Round ``r``: the still-going trajectories write a reflection on their image; those that did not
-        stop are revised (SDE rollouts, in batches of ``batch_size``), each from its own keyed noise."""
-        n = len(prompts)
-        going = active.nonzero().flatten().tolist()
-        texts_of: dict[int, str] = {}
-        keys = [(int(groups[i]), int(members[i])) for i in range(n)]
-        tokens = torch.full((n, 1), -1, dtype=torch.long)
-        log_probs = torch.zeros(n, 1)
-        revised = torch.zeros(n, dtype=torch.bool)
-        if going:
-            gens = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, *keys[i], 23, r))
-                    for i in going]
-            written, lp = self.unified.generate(images[going], [prompts[i] for i in going], self.tcfg.max_new_tokens,
-                                                gens)
-            tokens = torch.full((n, written.shape[1]), -1, dtype=torch.long)
-            log_probs = torch.zeros(n, written.shape[1])
-            tokens[going], log_probs[going] = written, lp
-            texts = self.unified.decode_tokens(written)
-            revised[going] = ~stopped(texts, self.tcfg.stop_phrase)
-            texts_of = dict(zip(going, texts))
-        revisions = []
-        todo = revised.nonzero().flatten()
-        for s in range(0, len(todo), self.tcfg.batch_size):
-            index = todo[s : s + self.tcfg.batch_size]
-            il = index.tolist()
-            gens = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, *keys[i], 29, r)) for i in il]
-            drawn = rollout(self.unified.editor, [self.instruction(prompts[i], texts_of[i]) for i in il],
-                            metadata=[{"image": images[i]} for i in il], num_steps=self.tcfg.num_steps,
-                            sampler=self.sampler, noise_level=self.tcfg.noise_level,
-                            guidance_scale=self.tcfg.guidance_scale, generators=gens)
-            revisions.append(Revision(index, drawn))
-        return Round(images, tokens, log_probs, active.clone(), revised, revisions)
-
-    @staticmethod
-    def instruction(prompt: str, reflection: str) -> str:
-        """The edit instruction of a revision: the reflection, after the prompt it serves (the revision reads
-        the whole context, as a unified model's does)."""
-        return f"{prompt}. {reflection}"
 
     def round_logs(self, rounds: list[Round], before: torch.Tensor, final: torch.Tensor) -> dict[str, float]:
         """Per round r (1-based, over every rank's trajectories): ``round{r}/reflected`` (fraction still

@@ -16,13 +16,15 @@ import torch
 from safetensors.torch import load_file
 
 from flowalign.config import load_config
-from flowalign.protocols import UnifiedPolicy
+from flowalign.evaluation import evaluate
+from flowalign.gallery import gallery_from_evals
+from flowalign.protocols import RewardOutput, UnifiedPolicy
+from flowalign.reflection import Reflection, stopped
 from flowalign.train import build_trainer
 from flowalign.trainers.umm_reflection import (
     RevisionUnit,
     TokenUnit,
     sft_coefficients,
-    stopped,
 )
 from tests.tiny_recipes import REPO, one_step
 
@@ -175,6 +177,72 @@ def test_the_sft_cold_start_imitates_the_kept_trajectory(trained):
         assert not none["language"].any() and not none["flow"].any()
     finally:
         trainer.tcfg = rl
+
+
+class MeanPixel:
+    """A reward that tells an image from its revision: each sample's mean pixel."""
+
+    name = "mean_pixel"
+    differentiable = False
+
+    def __call__(self, samples, prompts, metadata):
+        return RewardOutput({"mean_pixel": samples.float().mean((1, 2, 3))}, torch.ones(len(samples), dtype=torch.bool))
+
+
+def evaluated(policy, how, prompts, metadata, out_dir):
+    """Each sample's score, its notes, and the texts the policy wrote per ``generate`` call, with ``how`` as
+    the evaluation's reflection."""
+    written, generate = [], policy.generate
+
+    def spy(images, *args, **kw):
+        out = generate(images, *args, **kw)
+        written.append(policy.decode_tokens(out[0]))
+        return out
+
+    saved, policy.reflection, policy.generate = policy.reflection, how, spy
+    try:
+        evaluate(policy, prompts, metadata, MeanPixel(), seed=5, num_steps=2, guidance_scale=1.0, batch_size=2,
+                 out_dir=out_dir, progress=False)
+    finally:
+        policy.reflection = saved
+        del policy.generate
+    rows = [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]
+    return [r["score"] for r in rows], [r.get("notes", {}).get("reflections") for r in rows], written
+
+
+def test_evaluation_scores_the_final_image_of_the_models_own_reflection_loop(trained, tmp_path):
+    trainer, _ = trained
+    policy = trainer.policy
+    # the trainer's rounds, length and stop phrase (SMALL), at the evaluation's temperature
+    assert policy.reflection == Reflection(2, 2, "s", 0.5)
+    prompts, metadata = trainer.data.prompts[:3], trainer.data.metadata[:3]
+    never = "a phrase no reflection holds"
+    first, first_notes, none = evaluated(policy, None, prompts, metadata, tmp_path / "first")
+    one, _, _ = evaluated(policy, Reflection(1, 2, never, 0.5), prompts, metadata, tmp_path / "one")
+    two, notes, written = evaluated(policy, Reflection(2, 2, never, 0.5), prompts, metadata, tmp_path / "two")
+    assert not none and first_notes == [None] * 3  # the first image alone: nothing written
+    # two rounds over batches of 2 + 1 samples, each round a reflection per sample and a revision
+    assert [len(w) for w in written] == [2, 2, 1, 1]
+    assert all(n.startswith("1: ") and " | 2: " in n for n in notes)
+    for f, o, t in zip(first, one, two):  # the score is the last revision's, not the first image's
+        assert f != pytest.approx(o, abs=1e-7) and o != pytest.approx(t, abs=1e-7)
+    # the gallery shows what was written beside each final image
+    _, rows = gallery_from_evals([tmp_path / "two"], ["two rounds"])
+    assert [r.cells[0].reason for r in rows] == notes
+    # a stop reflection ends the loop: the image it judged is final
+    stop = written[0][0]  # sample 0's first reflection
+    assert stop.strip()
+    early, early_notes, _ = evaluated(policy, Reflection(2, 2, stop, 0.5), prompts, metadata, tmp_path / "stop")
+    assert early[0] == pytest.approx(first[0], abs=1e-7) and early_notes[0] == f"1: {stop}"
+    firsts = written[0] + written[2]  # each sample's round-1 reflection
+    for i in (1, 2):  # the others go on as before, unless they happened to say it too
+        assert early[i] == pytest.approx(first[i] if stop.lower() in firsts[i].lower() else two[i], abs=1e-7)
+
+
+def test_first_image_only_evaluation_is_an_option(tmp_path_factory):
+    trainer = build_trainer(load_config(RECIPE, [*one_step(RECIPE, tmp_path_factory.mktemp("first") / "run"),
+                                                 "trainer.eval_first_image_only=true"]))
+    assert trainer.policy.reflection is None
 
 
 @pytest.mark.slow  # two torchrun processes and one more: about a minute on two CPU cores
