@@ -92,7 +92,8 @@ from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.signals import Abandoned, Terminated, abandonable, clear_stop
 from flowalign.trainers import checkpointing, loop
 from flowalign.trainers.copies import WeightCopy, keeps_reference
-from flowalign.trainers.options import GroupTrainerConfig, RolloutOptions, SampleOptions, TrainerConfig
+from flowalign.trainers.options import (GroupTrainerConfig, RolloutOptions, SampleOptions, StreamOptions,
+                                        TrainerConfig)
 from flowalign.trainers.parts.reward_gradient import pixel_reward_gradient
 from flowalign.trainers.optim import setup_optimisation
 from flowalign.trainers.reference import keep_reference
@@ -211,11 +212,16 @@ class GroupTrainer:
     @classmethod
     def rollouts_per_step(cls, tcfg: Any) -> tuple[int, int, int]:
         """``(prompts, samples per prompt, sampling steps)`` of the rollouts a step holds on one rank, which
-        ``flowalign plan`` counts: the loop's group rollouts (``RolloutOptions``), a trainer's own batches of
-        one sample per prompt (``SampleOptions``), or none (0, 0, 0)."""
-        if not isinstance(tcfg, SampleOptions):
-            return 0, 0, 0
-        return tcfg.prompts_per_step, tcfg.group_size if isinstance(tcfg, RolloutOptions) else 1, tcfg.num_steps
+        ``flowalign plan`` counts, read from the option groups the section has: the loop's group rollouts
+        (``RolloutOptions``), a streaming trainer's forks (``StreamOptions``: ``group_size`` candidates a
+        prompt), a trainer's own batches of one sample per prompt (``SampleOptions``), or none (0, 0, 0:
+        a trainer learning from data alone). A trainer whose own settings size its samples (FestDPO's
+        ``K``) says so in an override."""
+        if isinstance(tcfg, (RolloutOptions, StreamOptions)):
+            return tcfg.prompts_per_step, tcfg.group_size, tcfg.num_steps
+        if isinstance(tcfg, SampleOptions):
+            return tcfg.prompts_per_step, 1, tcfg.num_steps
+        return 0, 0, 0
 
     @classmethod
     def keeps_velocities(cls, tcfg: Any) -> bool:

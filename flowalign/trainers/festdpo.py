@@ -222,6 +222,12 @@ class FestDPOTrainer(GroupTrainer):
         return full_reference(tcfg) if cfg.model.finetune == "full" else []
 
     @classmethod
+    def rollouts_per_step(cls, tcfg: FestDPOConfig) -> tuple[int, int, int]:
+        """``K`` samples of the few-step sampler per prompt (its own settings, not an option group's): the
+        policy's samples, their noises and conditioning are held until the step's update."""
+        return tcfg.prompts_per_step, tcfg.K, tcfg.num_steps
+
+    @classmethod
     def check_config(cls, cfg, tcfg: FestDPOConfig) -> None:
         if not tcfg.pairs:  # offline preference pairs carry their own labels: rewards: [] is fine there
             super().check_config(cfg, tcfg)
