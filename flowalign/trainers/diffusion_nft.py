@@ -11,6 +11,10 @@ is forward-noised, ``x_t = (1−t)·x_0 + t·ε``, at ``⌊timestep_fraction·T�
 
 so no reward gradient is needed: any reward (the verifier itself) works. ``loss_form: velocity`` keeps the
 plain flow-matching form ``r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)²``, ``v = ε − x_0``.
+
+With ``fit_steps: K`` the step's samples are shuffled and dealt into K disjoint parts, one optimiser step on
+each (the authors' ``gradient_step_per_epoch``; ``fit_split: whole_batch`` steps K times over every sample),
+and the behaviour refresh may start flat (``behaviour_flat``, the authors' ``decay_type 2``).
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE
+from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
+from flowalign.trainers.base import StepBatch
 from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.self_distill import FitUnit, SelfDistillConfig, SelfDistillTrainer, mirrored_velocities
+from flowalign.trainers.self_distill import (FitUnit, SelfDistillConfig, SelfDistillTrainer, behaviour_lambda,
+                                             mirrored_velocities)
 from flowalign.trainers.parts.reductions import per_sample_mean
+from flowalign.trainers.parts.sample_parts import sample_keys, sample_parts
 
 LossForm = Literal["x0_normalised", "velocity"]
+FitSplit = Literal["shuffled_parts", "whole_batch"]
 
 
 class DiffusionNFTConfig(SelfDistillConfig, ReferenceOptions):
@@ -43,6 +51,22 @@ class DiffusionNFTConfig(SelfDistillConfig, ReferenceOptions):
     #: 1.0 here: the conditional velocity is the quantity whose flow-matching target ``ε − x_0`` is (the
     #: authors sample and train with ``guidance_scale 1.0``); None fits the guided velocity
     fit_guidance: float | None = Field(1.0, ge=1.0, le=MAX_GUIDANCE)
+    #: how the ``fit_steps`` optimiser steps share the step's samples. ``shuffled_parts``: shuffled and dealt
+    #: into ``fit_steps`` disjoint parts of equal size, one step on each (the authors' ``gradient_step_per_epoch``);
+    #: ``whole_batch``: every step on every sample
+    fit_split: FitSplit = "shuffled_parts"
+    #: λ = 0 (φ copies θ) for the first ``behaviour_flat`` optimiser steps, then
+    #: ``min(behaviour_rate·(s − behaviour_flat), behaviour_max)`` (the authors' ``decay_type 2``: 75)
+    behaviour_flat: int = Field(0, ge=0, le=MAX_TRAIN_STEPS)
+
+    @model_validator(mode="after")
+    def _parts_hold_samples(self):
+        samples = self.prompts_per_step * self.group_size
+        if self.fit_split == "shuffled_parts" and self.fit_steps > samples:
+            raise ValueError(f"trainer.fit_steps={self.fit_steps} parts cannot each hold one of the "
+                             f"{samples} samples a step draws (prompts_per_step × group_size); lower fit_steps "
+                             "or use trainer.fit_split=whole_batch")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -101,6 +125,20 @@ def drawn_timesteps(num_samples: int, num_timesteps: int, fraction: float,
     return perms[:, :n].T
 
 
+def forward_draws(shape: torch.Size, num_timesteps: int, fraction: float,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """What forward-noising a rollout batch of ``shape`` ``(B, ...)`` draws: the timesteps ``(n, B)`` of
+    :func:`drawn_timesteps` and then one noise ``ε`` ``(n, B, ...)`` per row of them."""
+    picked = drawn_timesteps(shape[0], num_timesteps, fraction, generator)
+    return picked, torch.stack([torch.randn(shape, generator=generator) for _ in range(len(picked))])
+
+
+def unit_samples(unit: FitUnit, index: torch.Tensor) -> FitUnit:
+    """``unit`` restricted to samples ``index`` ``(b,)`` of its chunk (every tensor of an NFT unit is per sample)."""
+    return FitUnit(unit.chunk.select(index), unit.r[index.to(unit.r.device)], unit.keep[index],
+                   {k: v[index.to(v.device)] for k, v in unit.tensors.items()})
+
+
 class DiffusionNFTTrainer(SelfDistillTrainer):
     Config = DiffusionNFTConfig
     tcfg: DiffusionNFTConfig
@@ -119,9 +157,9 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
         sigmas = chunk.sigmas[:-1]  # the sampler's T timesteps; σ = 0 is the clean sample
         guidance = self.fit_guidance(chunk)
         units = []
-        for picked in drawn_timesteps(x0.shape[0], len(sigmas), self.tcfg.timestep_fraction, generator):
+        for picked, eps in zip(*forward_draws(x0.shape, len(sigmas), self.tcfg.timestep_fraction, generator)):
             t = sigmas[picked].to(x0)
-            eps = torch.randn(x0.shape, generator=generator).to(x0)
+            eps = eps.to(x0)
             t_b = t.view(-1, *([1] * (x0.ndim - 1)))
             x_t = (1 - t_b) * x0 + t_b * eps
             with torch.no_grad():
@@ -138,3 +176,34 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
         v_theta = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, self.fit_guidance(unit.chunk))
         return nft_loss(v_theta, x["v_phi"], x["x_t"], x["x0"], x["eps"], x["t"], unit.r, self.tcfg.mirror_beta,
                         self.tcfg.adv_clip, self.tcfg.loss_form, x.get("v_ref"), self.tcfg.beta)
+
+    def fit_schedule(self, batch: StepBatch, units: list[list[FitUnit]],
+                     generator: torch.Generator) -> list[list[FitUnit]]:
+        """``shuffled_parts``: step k takes every unit restricted to the samples of part k
+        (:func:`~flowalign.trainers.parts.sample_parts.sample_parts`, over every rank's samples)."""
+        if self.tcfg.fit_split == "whole_batch" or self.tcfg.fit_steps == 1:
+            return super().fit_schedule(batch, units, generator)
+        keys = sample_keys(batch.groups)
+        part = sample_parts(keys, self.gather(keys), self.tcfg.fit_steps, generator)
+        steps: list[list[FitUnit]] = [[] for _ in range(self.tcfg.fit_steps)]
+        for chunk_units, chunk_part in zip(units, batch.per_chunk(part)):
+            for k, step in enumerate(steps):
+                index = (chunk_part == k).nonzero().flatten()
+                if len(index):
+                    step.extend(unit_samples(u, index) for u in chunk_units)
+        return steps
+
+    def refresh_lambda(self, step: int) -> float:
+        """``0`` for ``s < behaviour_flat``, then ``min(behaviour_rate·(s − behaviour_flat), behaviour_max)``."""
+        return behaviour_lambda(step, self.tcfg.behaviour_rate, self.tcfg.behaviour_max, self.tcfg.behaviour_flat)
+
+    def filler(self, batch: StepBatch, update: int) -> FitUnit:
+        """One sample of the first rollout at its first timestep, zero targets: the forward a sharded rank with
+        no sample in this step's part runs (weighted 0 by the loop)."""
+        chunk = batch.chunks[0].select([0])
+        x0 = chunk.final_latents.to(self.policy.device)
+        zeros = torch.zeros_like(x0)
+        tensors = {"t": chunk.sigmas[:1].to(x0), "x_t": x0, "x0": x0, "eps": zeros, "v_phi": zeros}
+        if self.tcfg.beta > 0:
+            tensors["v_ref"] = zeros
+        return FitUnit(chunk, torch.full((1,), 0.5).to(x0), torch.ones(1, dtype=torch.bool), tensors)

@@ -4,9 +4,10 @@
 One outer iteration: ODE rollouts with the behaviour weights φ (no grad), rewards and advantages (the
 loop's), a reward weight ``r = clip(A, ±A_max)/(2·A_max) + 1/2`` per sample, fixed fitting targets built
 once under φ (:meth:`SelfDistillTrainer.fit_units`, one fit unit per backward pass), ``fit_steps``
-optimiser updates on them (the loss of a unit: :meth:`SelfDistillTrainer.fit_loss`, averaged over
-every kept (sample, unit) pair), then the behaviour refresh ``φ ← λ_s·φ + (1−λ_s)·θ`` with
-``λ_s = min(rate·s, cap)``, s counting optimiser steps. Mirrored velocities around ``v_φ``:
+optimiser updates on them (which units each update takes: :meth:`SelfDistillTrainer.fit_schedule`, every
+unit by default; the loss of a unit: :meth:`SelfDistillTrainer.fit_loss`, averaged over the update's kept
+(sample, unit) pairs), then the behaviour refresh ``φ ← λ_s·φ + (1−λ_s)·θ`` with ``λ_s = min(rate·s, cap)``,
+s counting optimiser steps (:meth:`SelfDistillTrainer.refresh_lambda`). Mirrored velocities around ``v_φ``:
 
     v⁺ = β·v_θ + (1−β)·v_φ,   v⁻ = (1+β)·v_φ − β·v_θ
 
@@ -82,9 +83,10 @@ class BehaviourWeights:
                 phi.mul_(lam).add_(p.detach(), alpha=1 - lam)
 
 
-def behaviour_lambda(step: int, rate: float, cap: float) -> float:
-    """``λ_s = min(rate·s, cap)`` [code]."""
-    return min(rate * step, cap)
+def behaviour_lambda(step: int, rate: float, cap: float, flat: int = 0) -> float:
+    """``λ_s = min(rate·(s − flat), cap)``, and 0 for ``s < flat`` (a behaviour policy that copies θ for the
+    first ``flat`` optimiser steps) [code]."""
+    return 0.0 if step < flat else min(rate * (step - flat), cap)
 
 
 def reward_weight(adv: torch.Tensor, a_max: float) -> torch.Tensor:
@@ -146,20 +148,26 @@ class SelfDistillTrainer(GroupTrainer):
             return super().collect(step)
 
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
-        """Targets under φ once, then ``fit_steps`` optimiser steps over the same units (every rank
-        steps, even one whose samples were all invalid). A global plan: each chunk draws from a generator
-        keyed by its identity, and the mean runs over every rank's kept samples."""
+        """Targets under φ once, then ``fit_steps`` optimiser steps over the units :meth:`fit_schedule` gives
+        each (every rank steps, even one whose samples were all invalid). A global plan: each chunk draws
+        from a generator keyed by its identity, and a step's mean runs over every rank's kept samples in it."""
         valid = batch.scores.valid
         r_all = reward_weight(batch.advantages.float(), self.tcfg.adv_clip)
         with self.behaviour.swapped_in():
-            units = [u for c, key, r, ok in zip(batch.chunks, batch.chunk_keys(), batch.per_chunk(r_all),
-                                                batch.per_chunk(valid))
-                     for u in self.fit_units(c, r, ok, self.keyed_generator(*key, 23))]
-        units = [u for u in units if u.keep.any()]
-        total = self.total(sum(int(u.keep.sum()) for u in units))
-        units = [dataclasses.replace(u, total=total) for u in units]
+            units = [self.fit_units(c, r, ok, self.keyed_generator(*key, 23))
+                     for c, key, r, ok in zip(batch.chunks, batch.chunk_keys(), batch.per_chunk(r_all),
+                                              batch.per_chunk(valid))]
+        steps = [[u for u in step if u.keep.any()] for step in self.fit_schedule(batch, units, generator)]
+        totals = [self.total(sum(int(u.keep.sum()) for u in step)) for step in steps]
+        steps = [[dataclasses.replace(u, total=total) for u in step] for step, total in zip(steps, totals)]
         r_mean = r_all[valid].mean().item() if valid.any() else float("nan")
-        return Plan([units] * self.tcfg.fit_steps, {"r_mean": r_mean}, global_weights=True)
+        return Plan(steps, {"r_mean": r_mean}, global_weights=True)
+
+    def fit_schedule(self, batch: StepBatch, units: list[list[FitUnit]],
+                     generator: torch.Generator) -> list[list[FitUnit]]:
+        """The units of each of the ``fit_steps`` optimiser steps, from ``units[i]``, those of
+        ``batch.chunks[i]`` (``generator``: the same on every rank). Default: every unit in every step."""
+        return [[u for chunk in units for u in chunk]] * self.tcfg.fit_steps
 
     def loss(self, batch: StepBatch, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
         per_sample, info = self.fit_loss(unit)
@@ -169,9 +177,13 @@ class SelfDistillTrainer(GroupTrainer):
     def finish(self, batch: StepBatch) -> dict[str, float]:
         """``φ ← λφ + (1−λ)θ`` once the fitting updates are done."""
         self.optimizer_steps += self.tcfg.fit_steps
-        lam = behaviour_lambda(self.optimizer_steps, self.tcfg.behaviour_rate, self.tcfg.behaviour_max)
+        lam = self.refresh_lambda(self.optimizer_steps)
         self.behaviour.refresh(lam)
         return {"behaviour_lambda": lam}
+
+    def refresh_lambda(self, step: int) -> float:
+        """λ of the refresh after ``step`` optimiser steps: ``min(behaviour_rate·s, behaviour_max)``."""
+        return behaviour_lambda(step, self.tcfg.behaviour_rate, self.tcfg.behaviour_max)
 
     def state_dict(self) -> dict[str, Any]:
         """φ's tensors by parameter name, and s."""
