@@ -246,8 +246,9 @@ class UnifiedEditPolicy:
         return torch.stack(rows)
 
     def decode_tokens(self, tokens: torch.Tensor) -> list[str]:
-        """Each row's text, without :data:`PAD` and ``<|im_end|>``."""
-        return [self.tokenizer.decode([t for t in row.tolist() if t not in (PAD, self.eos_id)]).strip()
+        """Each row's text, without :data:`PAD` and special tokens (``<|im_end|>``; a written ``<|video_pad|>``
+        would be markup in the revision's instruction, which the editor's processor refuses)."""
+        return [self.tokenizer.decode([t for t in row.tolist() if t != PAD], skip_special_tokens=True).strip()
                 for row in tokens]
 
     def adapter_disabled(self) -> AbstractContextManager[None]:

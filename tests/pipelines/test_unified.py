@@ -81,3 +81,12 @@ def test_the_checkpoints_generation_config_changes_nothing(policy):
     finally:
         policy.language.generation_config = type(config).from_dict(saved)
     assert torch.equal(plain[0], shipped[0]) and torch.equal(plain[1], shipped[1])
+
+
+def test_written_special_tokens_are_not_markup_in_the_text(policy):
+    """A reflection is an edit instruction: a special token the model writes (an untrained one writes any) must
+    not become chat or vision markup there, which the editor's processor would refuse."""
+    special = [policy.tokenizer.convert_tokens_to_ids(t) for t in ("<|video_pad|>", "<|image_pad|>", "<|im_start|>")]
+    plain = policy.tokenizer.encode("make it red", add_special_tokens=False)
+    row = torch.tensor([[special[0], *plain, special[1], special[2], policy.eos_id, PAD]])
+    assert policy.decode_tokens(row) == ["make it red"]
