@@ -279,7 +279,7 @@ class KVPOTrainer(GroupTrainer):
             safe.append(bool((totals[ok] > (reference * weights).sum()).any()))
             if bool(ref.ok[j].all()) and bool(ok.any()):  # an invalid anchor or branch has no advantage
                 adv = fused_anchor_advantages(values[ok], reference, weights, 1.0, tc.adv_clip)
-                advantages[rows][ok] = adv
+                advantages[rows.start + ok.nonzero().flatten()] = adv
         logs = {**scored.logs, "kvpo/anchor_reward": float((ref.values.double() * weights).sum(1).mean()),
                 "kvpo/beat_anchor": sum(safe) / len(safe)}
         return advantages, safe, logs
