@@ -51,7 +51,7 @@ from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions,
                                            StepFractionOptions, StepSubsetOptions, StepUnit, coded_kl_gap,
                                            gaussian_mean_kl)
-from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.options import ReferenceOptions, SampleOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.timesteps import pair_timesteps
@@ -69,8 +69,11 @@ class Teacher(BaseModel):
     match: str | None = None
 
 
-#: the options only ``objective: velocity_distillation`` reads (the cold start and the teachers are both's)
+#: the options only ``objective: velocity_distillation`` reads
 DISTILLATION_ONLY = frozenset({"anchor_weight", "states_per_sample"})
+#: the options both objectives read: the loop's, the rollouts' sizes, the teachers, the anchor, the cold start
+BOTH_READ = frozenset(TrainerConfig.model_fields) | frozenset(SampleOptions.model_fields) | {
+    "objective", "teachers", "anchor", "cold_start_steps", "group_size", "reference_offload"}
 
 
 class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions, StepFractionOptions,
@@ -114,6 +117,13 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+
+
+def report_unread(tcfg: FlowOPDConfig, unread: set[str], objective: str) -> None:
+    """One warning line naming the options set in the config that ``objective`` does not read."""
+    if unread:
+        print(f"warning: objective: {objective} does not read trainer.{', trainer.'.join(sorted(unread))} "
+              "(set for the other objective); drop them or change trainer.objective")
 
 
 def route(prompts: list[str], patterns: list[str | None]) -> torch.Tensor:
@@ -238,16 +248,14 @@ class FlowOPDTrainer(FlowGRPOTrainer):
                 except re.error as e:
                     raise UserError(f"trainer.teachers[{i}].match={t.match!r} is not a regular expression ({e})")
         if cls.distils(tcfg):
+            report_unread(tcfg, set(tcfg.model_fields_set) - BOTH_READ - DISTILLATION_ONLY, "velocity_distillation")
             return
+        report_unread(tcfg, DISTILLATION_ONLY & tcfg.model_fields_set, "kl_reward_grpo")
         if tcfg.kl_scale == 0:
             raise UserError("trainer.kl_scale=0 makes every advantage 0 (nothing trains); the authors' value is -1")
         if tcfg.drop_zero_advantage and (tcfg.group_size < 2 or not any(r.weight for r in cfg.rewards)):
             raise UserError("trainer.drop_zero_advantage needs task advantages: a reward with a non-zero weight in "
                             "rewards: and trainer.group_size >= 2; give them or set drop_zero_advantage: false")
-        unread = sorted(DISTILLATION_ONLY & tcfg.model_fields_set)
-        if unread:
-            print(f"warning: trainer.{', trainer.'.join(unread)} only apply to objective: velocity_distillation; "
-                  "objective: kl_reward_grpo does not read them")
 
     def __init__(self, cfg, tcfg, policy, *args: Any, **kw: Any):
         # the teachers' weights are read into the unsharded policy, before the loop shards it

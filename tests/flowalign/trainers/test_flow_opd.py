@@ -302,3 +302,15 @@ def test_the_kl_reward_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, pr
                                           f"trainer.teachers=[{{adapter: {teachers['trained']}}}]",
                                           f"trainer.anchor={teachers['same']}", "trainer.group_size=2",
                                           "trainer.updates_per_epoch=2")
+
+
+@pytest.mark.parametrize("objective,other,unread", [("velocity_distillation", "trainer.clip_range=0.01", "clip_range"),
+                                                    ("kl_reward_grpo", "trainer.anchor_weight=0.5", "anchor_weight")])
+def test_an_option_of_the_other_objective_is_reported(tmp_path, tiny_sd3_dir, prompt_file, teachers, capsys,
+                                                      objective, other, unread):
+    check_run(load_config(None, small_run(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
+                                          f"trainer.objective={objective}",
+                                          f"trainer.teachers=[{{adapter: {teachers['same']}}}]", other)))
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: objective:")]
+    assert warned == [f"warning: objective: {objective} does not read trainer.{unread} (set for the other "
+                      "objective); drop them or change trainer.objective"]
