@@ -27,12 +27,17 @@ from pydantic import Field, model_validator
 from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
-from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.self_distill import (FitUnit, SelfDistillConfig, SelfDistillTrainer, behaviour_lambda,
-                                             mirrored_velocities)
+from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.sample_parts import sample_keys, sample_parts
+from flowalign.trainers.self_distill import (
+    FitUnit,
+    SelfDistillConfig,
+    SelfDistillTrainer,
+    behaviour_lambda,
+    mirrored_velocities,
+)
 
 LossForm = Literal["x0_normalised", "velocity"]
 FitSplit = Literal["shuffled_parts", "whole_batch"]

@@ -31,7 +31,10 @@ def sample_parts(mine: torch.Tensor, every: torch.Tensor, parts: int, generator:
     Returns ``(N,)`` long.
     """
     width = int(every[:, 1].max()) + 1 if len(every) else 1
-    flat = lambda keys: keys[:, 0] * width + keys[:, 1]  # noqa: E731  (one number per key, ordered as the keys)
+
+    def flat(keys: torch.Tensor) -> torch.Tensor:  # one number per key, ordered as the keys
+        return keys[:, 0] * width + keys[:, 1]
+
     ordered = torch.sort(flat(every)).values
     perm = torch.randperm(len(ordered), generator=generator)
     sizes = [len(run) for run in np.array_split(np.arange(len(ordered)), parts)]
