@@ -1,26 +1,33 @@
 """SOAR (arXiv 2604.12617): reward-free self-correction on real (image, caption) pairs; SFT is λ = 0.
 
-Read against ``docs/methods/soar.md``. Per pair (x0, c):
+Read against ``docs/methods/soar.md``; by default it computes what the authors' training script computes
+(Tencent-Hunyuan/HY-SOAR 59f0e02, ``soar/train_soar_sd3_5m.py`` with ``soar/utils/algorithm.py``, one ODE
+rollout path). Per pair (x0, c), with t ~ logit-normal and the scheduler's training grid (shift applied,
+:mod:`flowalign.trainers.parts.training_grid`):
 
-    x_σ = (1-σ)·x0 + σ·ε,   σ ~ logit-normal                         (on-trajectory state)
-    L_base = mean‖v_θ(x_σ,σ,c) - (ε - x0)‖²                          (plain flow-matching SFT)
-    x̂ = x_σ + (σ'-σ)·v̂,  v̂ = CFG(w_cfg) under no_grad,  σ' = max(σ - 1/K, 0)   (one rollout step)
-    z_j = α_j·x̂ + (1-α_j)·ε,  σ̃_j ~ U[σ',1],  α_j = (1-σ̃_j)/(1-σ')  (re-noise toward the same ε)
-    v*_j = (z_j - x0)/max(σ̃_j, σ_min)                               (lands exactly on x0)
-    L = L_base + λ·(1/N)·Σ_j mean‖v_θ(z_j,σ̃_j,c) - sg(v*_j)‖²
+    σ = grid(t),  σ' = grid(max(t - 1/K, 0)),  x_σ = (1-σ)·x0 + σ·ε          (on-trajectory state)
+    x̂ = x_σ + (σ'-σ)·v̂,  v̂ = CFG(w_cfg) of the current model, no gradient      (one rollout step)
+    σ̃_j = σ' + u_j·(1-σ'),  a_j = (σ̃_j-σ')/(1-σ'),  z_j = (1-a_j)·x̂ + a_j·ε     (re-noise toward the same ε)
+    v*_j = (z_j - x0)/σ̃_j                                                        (lands exactly on x0)
+    L = (Σ_i ‖v_θ(x_σ,σ,c) - (ε - x0)‖²_i + λ·Σ_{j,i} ‖v_θ(z_j,grid_of(σ̃_j),c) - sg(v*_j)‖²_i) / (B + λ·N·B)
+
+‖·‖²_i is a pair's mean over its elements; the model runs a correction state at the grid level the script
+maps σ̃ to (``grid_of``), the state and target use σ̃ itself. ``noise_levels: continuous`` (σ = t, σ' =
+max(σ - 1/K, 0), the model at σ̃), ``sigma_min`` (a floor under σ̃ in the target) and ``loss_average: terms``
+(L = mean base + λ·mean correction) give the form this trainer had before.
 
 The options name the symbols: K = ``rollout_steps``, w_cfg = ``rollout_guidance``, N = ``corrections``,
 λ = ``correction_weight``. The loop is the shared one (checkpoints, resume, EMA, evaluation, logging); the
-hooks: ``collect`` draws the step's ``pairs_per_step`` pairs with their noise and σ (no rollout group, no
-reward: ``rewards: []`` is accepted), ``plan`` splits them into batches of ``batch_size`` pairs (one
-optimiser step), ``loss`` is :func:`soar_loss` of a batch. Pairs come from ``trainer.pairs`` (a folder or
-JSONL of image + caption) or, for a benchmark of programmatic scenes (``data.bench: vvr``), from rendering
-each training task at the model's resolution (``vvr_edit``: the edited result, the task's input image
-conditioning an editing model). A pair's caption dropout, ε, σ and σ̃ draws are keyed by its
-place in the step's global draw, as a rollout's noise is, so N ranks draw what one process draws.
-[derived] choices: σ is drawn as in SD3 pre-training (sigmoid of a normal, no shift), the N corrections of
-a pair share its x̂ and run as one batched pass, and the σ̃ draws use their own generator so that the
-(ε, σ) of a step do not depend on N or λ.
+hooks: ``collect`` draws the step's ``pairs_per_step`` pairs with their noise and levels (no rollout
+group, no reward: ``rewards: []`` is accepted), ``plan`` splits them into batches of ``batch_size`` pairs
+(one optimiser step), ``loss`` is :func:`soar_loss` of a batch. Pairs come from ``trainer.pairs`` (a folder
+or JSONL of image + caption) or, for a benchmark of programmatic scenes (``data.bench: vvr``), from
+rendering each training task at the model's resolution (``vvr_edit``: the edited result, the task's input
+image conditioning an editing model). A pair's caption dropout, ε, t and u draws are keyed by its place
+in the step's global draw, as a rollout's noise is, so N ranks draw what one process draws.
+[derived] choices: the N corrections of a pair share its x̂ and run as one batched pass (the script runs
+them one by one: the same sum), and the u draws use their own generator so that the (ε, t) of a step do
+not depend on N or λ.
 """
 
 from __future__ import annotations
@@ -34,12 +41,14 @@ import torch
 from pydantic import Field, model_validator
 
 from flowalign.errors import UserError
-from flowalign.limits import MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LOGIT, MAX_SAMPLING_STEPS, MAX_UPDATES
+from flowalign.limits import (MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LOGIT, MAX_LR, MAX_SAMPLING_STEPS,
+                              MAX_UPDATES)
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import encode_prompts
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.options import TrainerConfig
 from flowalign.trainers.parts.pair_images import PairImages
+from flowalign.trainers.parts.training_grid import grid_sigma, grid_sigma_of, training_grid
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -53,16 +62,25 @@ class SOARConfig(TrainerConfig):
                "micro_batch": "batch_size"}
 
     name: Literal["soar"] = "soar"
-    #: K: the rollout step is 1/K (match the inference step count)
-    rollout_steps: int = Field(30, ge=1, le=MAX_SAMPLING_STEPS)
+    #: AdamW rate: the authors' 2e-5 (constant, no warm-up)
+    lr: float = Field(2e-5, gt=0, le=MAX_LR)
+    #: K: the rollout step is 1/K in training time (match the inference step count; the authors' 40)
+    rollout_steps: int = Field(40, ge=1, le=MAX_SAMPLING_STEPS)
     #: w_cfg: CFG scale of the stop-gradient rollout step
     rollout_guidance: float = Field(4.5, ge=1, le=MAX_GUIDANCE)
-    #: N: re-noised correction states per pair
-    corrections: int = Field(4, ge=0, le=MAX_UPDATES)
+    #: N: re-noised correction states per pair (the authors' trajectory_length 6)
+    corrections: int = Field(6, ge=0, le=MAX_UPDATES)
     #: λ: weight of the correction loss (0: plain flow-matching SFT)
     correction_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
-    sigma_min: float = Field(0.05, gt=0, le=1)
-    #: σ = sigmoid(logit_mean + logit_std·n), n ~ N(0,1) (SD3's training density)
+    #: scheduler_grid: t → the scheduler's shifted 1000-level grid, as the authors' script (σ never 0);
+    #: continuous: σ = t unshifted, σ' = max(σ - 1/K, 0), the model run at σ̃ itself (the former form)
+    noise_levels: Literal["scheduler_grid", "continuous"] = "scheduler_grid"
+    #: a floor under σ̃ in the target's denominator; None: none, as the authors (the grid keeps σ̃ ≥ σ(1/T))
+    sigma_min: float | None = Field(None, gt=0, le=1)
+    #: points: every base pair and every correction point weighted alike, (Σ base + λ·Σ corr)/(B + λ·N·B),
+    #: as the authors; terms: mean base + λ·mean correction (the former form: corrections weigh 1/N as much)
+    loss_average: Literal["points", "terms"] = "points"
+    #: t = sigmoid(logit_mean + logit_std·n), n ~ N(0,1) (SD3's training density)
     logit_mean: float = Field(0.0, ge=-MAX_LOGIT, le=MAX_LOGIT)
     logit_std: float = Field(1.0, gt=0, le=MAX_LOGIT)
     #: fraction of captions replaced by "" (keeps the unconditional branch that CFG needs)
@@ -95,6 +113,14 @@ class SOARConfig(TrainerConfig):
               "forward/backward, formerly micro_batch)")
         return data
 
+    @model_validator(mode="after")
+    def _continuous_levels_need_a_floor(self) -> "SOARConfig":
+        # continuous levels reach σ' = 0 and u = 0 gives σ̃ = 0: the target (z - x0)/σ̃ would divide by zero
+        if self.noise_levels == "continuous" and self.corrections > 0 and self.sigma_min is None:
+            raise ValueError("trainer.noise_levels=continuous reaches σ̃ = 0: set trainer.sigma_min (e.g. 0.05, "
+                             "its former default) or use trainer.noise_levels=scheduler_grid")
+        return self
+
     @property
     def step_pairs(self) -> int:
         """Pairs per optimiser step on each rank."""
@@ -113,70 +139,95 @@ class SFTConfig(SOARConfig):
 
 
 def sample_sigmas(n: int, generator: torch.Generator, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
-    """``(n,)`` training noise levels from the logit-normal density of SD3."""
+    """``(n,)`` training times from the logit-normal density of SD3 (1 = noise)."""
     return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
 
 
+def rollout_levels(t: torch.Tensor, K: int, grid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair's noise level σ and the rollout step's σ', both ``(B,)`` in ``t``'s dtype, from training times
+    ``t (B,)``: the step is 1/K in training time, ``t' = max(t - 1/K, 0)``; with the scheduler's ``grid``
+    ``(T,)`` both are grid levels (:func:`grid_sigma`: shifted, never 0), without it σ = t and σ' = t'."""
+    t_next = (t - 1.0 / K).clamp(min=0.0)
+    if grid is None:
+        return t, t_next
+    return grid_sigma(t, grid), grid_sigma(t_next, grid)
+
+
 def _col(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A per-sample ``(B,)`` value broadcast against ``(B, ...)``."""
+    """A per-sample ``(B,)`` value broadcast against ``(B, ...)``, in ``like``'s dtype."""
     return t.to(like).reshape(-1, *([1] * (like.ndim - 1)))
 
 
 @torch.no_grad()
-def off_trajectory_state(guided: Velocity, x_sigma: torch.Tensor, sigma: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One stop-gradient Euler step of the current model: ``x̂ (B, ...)`` at ``σ' = max(σ - 1/K, 0)`` ``(B,)``."""
-    sigma_prime = (sigma - 1.0 / K).clamp(min=0.0)
-    x_hat = x_sigma + _col(sigma_prime - sigma, x_sigma) * guided(x_sigma, sigma)
-    return x_hat, sigma_prime
+def off_trajectory_state(guided: Velocity, x_sigma: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """One stop-gradient Euler step of the current model's guided velocity: ``x̂ (B, ...)`` at ``σ' (B,)``."""
+    # σ' and σ cast before the difference, as the authors' step does: the same bits in float64
+    return x_sigma + guided(x_sigma, sigma) * (_col(sigma_next, x_sigma) - _col(sigma, x_sigma))
 
 
 def correction_targets(
     x0: torch.Tensor, eps: torch.Tensor, x_hat: torch.Tensor, sigma_prime: torch.Tensor, sigma_tilde: torch.Tensor,
-    sigma_min: float,
+    sigma_min: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-noised states ``z`` and targets ``v*``, both ``(N, B, ...)``, for ``σ̃ (N, B)``.
+    """Re-noised states ``z`` and targets ``v*``, both ``(N, B, ...)``, for ``σ̃ (N, B)`` in ``[σ', 1]``.
 
-    ``z = α·x̂ + (1-α)·ε`` with ``α = (1-σ̃)/(1-σ')``: the straight line from x̂ back toward the *same* ε,
-    so for an exact x̂ the state is on the data's own path and ``v* = ε - x0``.
+    ``z = (1-a)·x̂ + a·ε`` with ``a = (σ̃-σ')/(1-σ')``: the straight line from x̂ back toward the *same* ε, so
+    for an exact x̂ the state is on the data's own path and ``v* = (z - x0)/σ̃ = ε - x0``. ``a`` is formed in
+    the levels' dtype (float32 in training, as the authors'); ``sigma_min`` floors σ̃ in the denominator.
     """
-    alpha = ((1 - sigma_tilde) / (1 - sigma_prime)[None]).reshape(*sigma_tilde.shape, *([1] * (x0.ndim - 1)))
-    z = alpha * x_hat[None] + (1 - alpha) * eps[None]
-    denom = sigma_tilde.clamp(min=sigma_min).reshape(alpha.shape)
-    return z, (z - x0[None]) / denom
+    a = ((sigma_tilde - sigma_prime[None]) / (1.0 - sigma_prime[None]).clamp(min=1e-8)).clamp(0.0, 1.0)
+    shape = (*sigma_tilde.shape, *([1] * (x0.ndim - 1)))
+    a = a.to(x0).reshape(shape)
+    z = (1.0 - a) * x_hat[None] + a * eps[None]
+    denom = sigma_tilde if sigma_min is None else sigma_tilde.clamp(min=sigma_min)
+    return z, (z - x0[None]) / denom.to(x0).reshape(shape)
+
+
+def per_pair_mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` each row's mean of ``(a - b)²`` over its elements."""
+    return (a - b).pow(2).flatten(1).mean(1)
 
 
 def mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``mean‖a - b‖²``: per-sample mean over the non-batch elements, then over the batch."""
-    return (a - b).pow(2).flatten(1).mean(1).mean()
+    return per_pair_mse(a, b).mean()
 
 
 def soar_loss(
     velocity: Velocity, guided: Velocity, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor,
-    u: torch.Tensor, *, K: int, lam: float, sigma_min: float, rollout: Callable = off_trajectory_state,
+    sigma_next: torch.Tensor, u: torch.Tensor, *, lam: float, sigma_min: float | None = None,
+    model_sigma: Callable[[torch.Tensor], torch.Tensor] | None = None, average: str = "points",
+    rollout: Callable = off_trajectory_state,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The SOAR loss of a batch of pairs (``N = u.shape[0]`` corrections; N = 0 is plain SFT).
 
     ``velocity(x, σ)`` is the trained model's conditional velocity (with gradient) for a batch of ``B``
     or ``N·B`` states (j-major); ``guided(x, σ)`` its CFG velocity for the rollout step. ``x0, eps``:
-    ``(B, ...)``; ``sigma (B,)``; ``u (N, B)`` uniform draws that place ``σ̃ = σ' + u·(1-σ')``.
-    ``rollout``: how x̂ is made (:func:`off_trajectory_state`; a test swaps in a detached clone of it).
+    ``(B, ...)``; ``sigma, sigma_next (B,)`` from :func:`rollout_levels`; ``u (N, B)`` uniform draws that
+    place ``σ̃ = σ' + u·(1-σ')``. ``model_sigma``: the level the model runs a correction state at (the
+    scheduler grid's :func:`grid_sigma_of`; None: σ̃). ``average``: ``points`` divides the summed per-pair
+    errors, corrections weighted λ, by ``B + λ·N·B`` (the authors'); ``terms`` is mean base + λ·mean
+    correction. ``rollout``: how x̂ is made (:func:`off_trajectory_state`; a test swaps in a detached clone).
     """
     x_sigma = (1 - _col(sigma, x0)) * x0 + _col(sigma, x0) * eps
-    base = mse(velocity(x_sigma, sigma), eps - x0)
-    info = {"loss_base": base.item()}
+    base = per_pair_mse(velocity(x_sigma, sigma), eps - x0)
+    info = {"loss_base": base.mean().item()}
+    b = x0.shape[0]
     if u.shape[0] == 0:
-        return base, info
-    x_hat, sigma_prime = rollout(guided, x_sigma, sigma, K)
-    sigma_tilde = sigma_prime[None] + u * (1 - sigma_prime[None])
-    z, v_star = correction_targets(x0, eps, x_hat, sigma_prime, sigma_tilde, sigma_min)
-    n, b = sigma_tilde.shape
-    corr = mse(velocity(z.reshape(n * b, *x0.shape[1:]), sigma_tilde.reshape(-1)),
-               v_star.detach().reshape(n * b, *x0.shape[1:]))
-    info["loss_corr"] = corr.item()
+        return base.sum() / b if average == "points" else base.mean(), info
+    x_hat = rollout(guided, x_sigma, sigma, sigma_next)
+    sigma_tilde = sigma_next[None] + u * (1 - sigma_next[None])
+    z, v_star = correction_targets(x0, eps, x_hat, sigma_next, sigma_tilde, sigma_min)
+    n = sigma_tilde.shape[0]
+    at = sigma_tilde.reshape(-1) if model_sigma is None else model_sigma(sigma_tilde.reshape(-1))
+    corr = per_pair_mse(velocity(z.reshape(n * b, *x0.shape[1:]), at), v_star.detach().reshape(n * b, *x0.shape[1:]))
+    info["loss_corr"] = corr.mean().item()
     # the rollout error e = x̂ - x̂_on: the part of the target SFT does not see
-    on = (1 - _col(sigma_prime, x0)) * x0 + _col(sigma_prime, x0) * eps
+    on = (1 - _col(sigma_next, x0)) * x0 + _col(sigma_next, x0) * eps
     info["rollout_error"] = (x_hat - on).flatten(1).norm(dim=1).mean().item()
-    return base + lam * corr, info
+    if average == "points":
+        return (base.sum() + lam * corr.sum()) / (b + lam * n * b), info
+    return base.mean() + lam * corr.mean(), info
 
 
 def cost_per_pair(N: int, w_cfg: float) -> tuple[int, int]:
@@ -194,12 +245,14 @@ def cost_per_pair(N: int, w_cfg: float) -> tuple[int, int]:
 
 @dataclass
 class PairBatch:
-    """A step's (image, caption) pairs: clean latents ``x0``, noise ``eps`` ``(B, ...)``, ``sigma`` ``(B,)``,
-    correction draws ``u`` ``(N, B)``, the captions' conditioning, and the step's logs."""
+    """A step's (image, caption) pairs: clean latents ``x0``, noise ``eps`` ``(B, ...)``, the noise level
+    ``sigma`` and the rollout step's ``sigma_next`` ``(B,)`` (float32), correction draws ``u`` ``(N, B)``,
+    the captions' conditioning, and the step's logs."""
 
     x0: torch.Tensor
     eps: torch.Tensor
     sigma: torch.Tensor
+    sigma_next: torch.Tensor
     u: torch.Tensor
     cond: Conditioning
     logs: dict[str, float] = field(default_factory=dict)
@@ -217,6 +270,8 @@ class SOARTrainer(GroupTrainer):
         tc = self.tcfg
         self.images = PairImages(self.policy, self.cfg, self.data, tc.pairs, tc.name, tc.latent_cache)
         self.pairs = self.images.pairs
+        #: the scheduler's training levels (T,) float32; None: continuous levels
+        self.grid = training_grid(self.policy) if tc.noise_levels == "scheduler_grid" else None
         if tc.corrections > 0 and tc.rollout_guidance > 1 and float(self.policy.defaults.get("guidance_scale", 1)) <= 1:
             raise UserError(f"trainer.rollout_guidance={tc.rollout_guidance} needs CFG negatives, but the model's "
                             f"guidance_scale is {self.policy.defaults.get('guidance_scale')}: set "
@@ -243,20 +298,20 @@ class SOARTrainer(GroupTrainer):
         return self.step_indices(step, self.pairs, self.tcfg.step_pairs)
 
     def collect(self, step: int) -> PairBatch:
-        """This rank's pairs of the step, their captions (some dropped), ε, σ and the correction draws, each
-        pair's from generators keyed by its place ``j`` in the step's global draw."""
+        """This rank's pairs of the step, their captions (some dropped), ε, t (→ σ, σ') and the correction
+        draws, each pair's from generators keyed by its place ``j`` in the step's global draw."""
         t0 = time.perf_counter()
         tc = self.tcfg
         indices = self.step_pairs(step)
         x0 = self.latents(indices)
         first = self.rank * tc.step_pairs
-        keep, eps, sigma, u = [], [], [], []
+        keep, eps, t, u = [], [], [], []
         for j in range(first, first + len(indices)):
             generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 2))
             keep.append(bool(torch.rand(1, generator=generator) >= tc.caption_dropout))
             eps.append(torch.randn(x0.shape[1:], generator=generator))
-            sigma.append(sample_sigmas(1, generator, tc.logit_mean, tc.logit_std))
-            # σ̃ draws from their own stream: SOAR and SFT see the same (ε, σ) at every step
+            t.append(sample_sigmas(1, generator, tc.logit_mean, tc.logit_std))
+            # σ̃ draws from their own stream: SOAR and SFT see the same (ε, t) at every step
             u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 3))
             u.append(torch.rand(tc.corrections, generator=u_gen))
         prompts = [self.pairs.prompts[i] if k else "" for i, k in zip(indices, keep)]
@@ -266,7 +321,10 @@ class SOARTrainer(GroupTrainer):
         passes, units = (c * len(indices) * self.world for c in cost_per_pair(tc.corrections, tc.rollout_guidance))
         logs = {"cost/forward_passes": passes, "cost/units_total": units * (step + 1),
                 "time/data": time.perf_counter() - t0}
-        return PairBatch(x0, torch.stack(eps).to(x0), torch.cat(sigma).to(x0), torch.stack(u, 1).to(x0), cond, logs)
+        # levels in float32 on the CPU, as the authors' script forms them (the grid index is float32 arithmetic)
+        sigma, sigma_next = rollout_levels(torch.cat(t), tc.rollout_steps, self.grid)
+        return PairBatch(x0, torch.stack(eps).to(x0), sigma.to(x0.device), sigma_next.to(x0.device),
+                         torch.stack(u, 1).to(x0.device), cond, logs)
 
     def plan(self, batch: PairBatch, generator: torch.Generator) -> Plan:
         """One optimiser step over the pairs, in batches of ``batch_size``."""
@@ -278,9 +336,11 @@ class SOARTrainer(GroupTrainer):
         tc = self.tcfg
         cond = batch.cond[part]
         x0 = batch.x0[part]
+        grid = None if self.grid is None else self.grid.to(x0.device)
         loss, info = soar_loss(self.velocity(cond, 1.0), self.velocity(cond, tc.rollout_guidance), x0,
-                               batch.eps[part], batch.sigma[part], batch.u[:, part], K=tc.rollout_steps,
-                               lam=tc.correction_weight, sigma_min=tc.sigma_min)
+                               batch.eps[part], batch.sigma[part], batch.sigma_next[part], batch.u[:, part],
+                               lam=tc.correction_weight, sigma_min=tc.sigma_min, average=tc.loss_average,
+                               model_sigma=None if grid is None else lambda s: grid_sigma_of(s, grid))
         info["loss"] = loss.item()
         return loss * (x0.shape[0] / batch.x0.shape[0]), info
 

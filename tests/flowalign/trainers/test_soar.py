@@ -1,19 +1,147 @@
-"""SOAR and SFT (docs/methods/soar.md): the target identities, λ=0 ≡ SFT, no gradient through the rollout,
-bad input, and short real runs on the tiny model (rendered VVR pairs and pairs from a folder)."""
+"""SOAR and SFT (docs/methods/soar.md): one training unit, its levels and gradient equal to the authors'
+script (known_answers/soar_training_unit.json), the target identities, λ=0 ≡ SFT, no gradient through the
+rollout, bad input, and short real runs on the tiny model (rendered VVR pairs and pairs from a folder)."""
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.soar import correction_targets, off_trajectory_state, soar_loss
+from flowalign.trainers.parts.training_grid import grid_sigma_of, training_grid
+from flowalign.trainers.soar import correction_targets, off_trajectory_state, rollout_levels, soar_loss
 
 from .conftest import small_run
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "soar_training_unit.json").read_text())
+
+
+def _grid(shift):
+    """The training grid of a freshly loaded scheduler with this shift (what the authors' script indexes)."""
+    return training_grid(SimpleNamespace(scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
+                                         defaults={}))
+
+
+def _toy(A, b, P):
+    """The stand-in transformer of the known answers: ``v = (x·A)·(1 + b·timestep/1000) + pooled·P``, with
+    flowalign's policy convention ``timestep = 1000·σ`` (σ float32, as the scheduler's timesteps are)."""
+
+    def run(x, sigma, pooled):
+        timestep = sigma.to(torch.float32) * 1000.0
+        flat = x.reshape(x.shape[0], -1)
+        return ((flat @ A) * (1 + b * (timestep.to(flat.dtype)[:, None] / 1000.0)) + pooled @ P).reshape(x.shape)
+
+    return run
+
+
+def _f64(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"shift{c['shift']}-K{c['K']}-N{c['N']}-lam{c['lambda_aux']}")
+def test_one_training_unit_equals_the_authors_train_soar_sd3_5m(case):
+    """The levels, the guided rollout velocity, every correction point's state, target, model timestep and
+    error, the loss and its gradient in the stand-in transformer's weights, from flowalign's pieces."""
+    inp = case["inputs"]
+    x0, eps = _f64(inp["x0"]), _f64(inp["eps"])
+    t0, u = torch.tensor(inp["t0"], dtype=torch.float32), torch.tensor(inp["u"], dtype=torch.float32)
+    A, b, P = (_f64(inp[k]).requires_grad_(True) for k in ("A", "b", "P"))
+    cond, uncond = _f64(inp["cond_pooled"]), _f64(inp["uncond_pooled"])
+    grid = _grid(case["shift"])
+    sigma, sigma_next = rollout_levels(t0, case["K"], grid)
+    assert sigma.tolist() == case["sigma"] and sigma_next.tolist() == case["sigma_next"]  # float32, bit for bit
+    assert (sigma * 1000.0).tolist() == case["timestep"]
+    toy = _toy(A, b, P)
+    n, batch = u.shape
+
+    def velocity(x, s):
+        return toy(x, s, cond.repeat(x.shape[0] // batch, 1))
+
+    def guided(x, s):  # the script's CFG: one pass of [uncond; cond], v_u + w·(v_c - v_u)
+        v_u, v_c = toy(torch.cat([x, x]), torch.cat([s, s]), torch.cat([uncond.expand(batch, -1), cond])).chunk(2)
+        return v_u + case["cfg"] * (v_c - v_u)
+
+    if case["lambda_aux"] == 0:  # the script makes no correction point: plain flow matching, as SFT (N = 0)
+        loss, info = soar_loss(velocity, guided, x0, eps, sigma, sigma_next, u[:0], lam=0.0)
+        loss.backward()
+        torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+        for name, param in zip("AbP", (A, b, P)):
+            torch.testing.assert_close(param.grad, _f64(case["grad"][name]), rtol=1e-6, atol=1e-12)
+        return
+    x_sigma = (1 - sigma.to(x0).reshape(-1, 1, 1, 1)) * x0 + sigma.to(x0).reshape(-1, 1, 1, 1) * eps
+    torch.testing.assert_close(guided(x_sigma, sigma), _f64(case["v_cfg"]), rtol=1e-6, atol=1e-12)
+    x_hat = off_trajectory_state(guided, x_sigma, sigma, sigma_next)
+    sigma_tilde = sigma_next[None] + u * (1 - sigma_next[None])
+    assert sigma_tilde.tolist() == case["sigma_tilde"]
+    assert (grid_sigma_of(sigma_tilde.reshape(-1), grid) * 1000.0).reshape(n, batch).tolist() == case["model_timestep"]
+    z, v_star = correction_targets(x0, eps, x_hat, sigma_next, sigma_tilde)
+    torch.testing.assert_close(z, _f64(case["z"]), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(v_star, _f64(case["v_star"]), rtol=1e-6, atol=1e-12)
+
+    loss, info = soar_loss(velocity, guided, x0, eps, sigma, sigma_next, u, lam=case["lambda_aux"],
+                           model_sigma=lambda s: grid_sigma_of(s, grid))
+    loss.backward()
+    torch.testing.assert_close(info["loss_base"], case["loss_main"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_corr"], float(np.mean(case["loss_corr"])), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    for name, param in zip("AbP", (A, b, P)):
+        torch.testing.assert_close(param.grad, _f64(case["grad"][name]), rtol=1e-6, atol=1e-12)
+
+
+def test_the_grid_is_the_schedulers_and_off_grid_levels_run_where_the_script_runs_them():
+    """Every level of the shift-3 grid and every midpoint: the model level is the script's, bit for bit (about
+    a sixth of the levels go one step noisier through the script's float32 round trip, kept on purpose)."""
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    grid = _grid(3.0)
+    assert torch.equal(grid, scheduler.sigmas) and torch.equal(grid * 1000.0, scheduler.timesteps)
+    probe = torch.tensor(KNOWN["roundtrip"]["sigma"], dtype=torch.float32)
+    model = grid_sigma_of(probe, grid)
+    assert model.tolist() == KNOWN["roundtrip"]["model_sigma"]
+    assert 150 < int((model[:1000] > probe[:1000]).sum()) < 180  # the round trip moves some levels up one
+    # a policy without a scheduler: the 1000 levels with its defaults' shift
+    assert torch.equal(training_grid(SimpleNamespace(defaults={"shift": 3.0})), grid)
+
+
+def test_the_former_averaging_is_base_plus_lambda_times_the_mean_correction():
+    """``loss_average: terms`` (the former form) and ``points`` (the authors') differ by how many points the
+    corrections count: (B·base + λ·N·B·corr)/(B + λ·N·B) against base + λ·corr."""
+    case = KNOWN["cases"][0]
+    inp = case["inputs"]
+    x0, eps = _f64(inp["x0"]), _f64(inp["eps"])
+    t0, u = torch.tensor(inp["t0"], dtype=torch.float32), torch.tensor(inp["u"], dtype=torch.float32)
+    toy = _toy(*(_f64(inp[k]) for k in ("A", "b", "P")))
+    cond = _f64(inp["cond_pooled"])
+    v = lambda x, s: toy(x, s, cond.repeat(x.shape[0] // len(cond), 1))  # noqa: E731
+    sigma, sigma_next = rollout_levels(t0, case["K"], _grid(case["shift"]))
+    lam, n = 0.5, u.shape[0]
+    points, info = soar_loss(v, v, x0, eps, sigma, sigma_next, u, lam=lam)
+    terms, _ = soar_loss(v, v, x0, eps, sigma, sigma_next, u, lam=lam, average="terms")
+    torch.testing.assert_close(terms.item(), info["loss_base"] + lam * info["loss_corr"])
+    torch.testing.assert_close(points.item(), (info["loss_base"] + lam * n * info["loss_corr"]) / (1 + lam * n))
+    assert abs(points.item() - terms.item()) > 1e-3
+
+
+def test_continuous_levels_step_in_sigma_and_need_a_floor():
+    t = torch.tensor([0.05, 0.5, 0.9])
+    sigma, sigma_next = rollout_levels(t, 10, None)
+    assert torch.equal(sigma, t) and torch.allclose(sigma_next, torch.tensor([0.0, 0.4, 0.8]))
+    shifted, shifted_next = rollout_levels(t, 10, _grid(3.0))
+    assert (shifted > t).all() and shifted_next[0] > 0  # the grid shifts and never reaches σ = 0
+    from flowalign.trainers import trainer_config
+
+    with pytest.raises(UserError, match="trainer.sigma_min"):
+        trainer_config({"name": "soar", "noise_levels": "continuous"})
+    _, former = trainer_config({"name": "soar", "noise_levels": "continuous", "sigma_min": 0.05, "loss_average": "terms"})
+    assert former.sigma_min == 0.05
+    _, sft = trainer_config({"name": "sft", "noise_levels": "continuous"})  # no corrections: no target to floor
+    assert sft.sigma_min is None
 
 
 def _state(seed=0, b=6, shape=(4, 8, 8)):
@@ -28,26 +156,27 @@ def _col(t, like):
 
 
 def test_oracle_model_has_no_rollout_error_and_its_target_is_the_sft_target():
-    g, x0, eps, sigma = _state()
+    g, x0, eps, t = _state()
+    sigma, sigma_prime = rollout_levels(t, 10, _grid(3.0))
     x_sigma = (1 - _col(sigma, x0)) * x0 + _col(sigma, x0) * eps
     oracle = lambda x, s: eps - x0  # noqa: E731  the exact velocity of this pair's straight path
-    x_hat, sigma_prime = off_trajectory_state(oracle, x_sigma, sigma, K=10)
+    x_hat = off_trajectory_state(oracle, x_sigma, sigma, sigma_prime)
     on = (1 - _col(sigma_prime, x0)) * x0 + _col(sigma_prime, x0) * eps
     torch.testing.assert_close(x_hat, on, rtol=0, atol=1e-6)  # e = 0
     sigma_tilde = sigma_prime[None] + torch.rand(3, len(sigma), generator=g) * (1 - sigma_prime[None])
-    assert sigma_tilde.min() >= 0.05  # above σ_min: the identity is exact there
-    z, v_star = correction_targets(x0, eps, x_hat, sigma_prime, sigma_tilde, sigma_min=0.05)
+    z, v_star = correction_targets(x0, eps, x_hat, sigma_prime, sigma_tilde)
     torch.testing.assert_close(v_star, (eps - x0)[None].expand_as(v_star), rtol=0, atol=1e-5)
     # the same check fails for re-noising toward fresh noise: the target must reuse the pair's ε
-    _, v_fresh = correction_targets(x0, torch.randn(x0.shape, generator=g), x_hat, sigma_prime, sigma_tilde, 0.05)
+    _, v_fresh = correction_targets(x0, torch.randn(x0.shape, generator=g), x_hat, sigma_prime, sigma_tilde)
     assert (v_fresh - (eps - x0)[None]).abs().max() > 0.1
 
 
 def test_target_minus_sft_target_is_alpha_e_over_sigma_tilde():
-    g, x0, eps, sigma = _state(seed=1)
+    g, x0, eps, t = _state(seed=1)
+    sigma, sigma_prime = rollout_levels(t, 5, None)
     x_sigma = (1 - _col(sigma, x0)) * x0 + _col(sigma, x0) * eps
     v_model = torch.randn(x0.shape, generator=g)  # an imperfect model
-    x_hat, sigma_prime = off_trajectory_state(lambda x, s: v_model, x_sigma, sigma, K=5)
+    x_hat = off_trajectory_state(lambda x, s: v_model, x_sigma, sigma, sigma_prime)
     e = x_hat - ((1 - _col(sigma_prime, x0)) * x0 + _col(sigma_prime, x0) * eps)
     assert e.abs().max() > 0.05
     sigma_tilde = sigma_prime[None] + torch.rand(4, len(sigma), generator=g) * (1 - sigma_prime[None])
@@ -96,7 +225,9 @@ def test_a_detached_clone_of_the_rollout_state_leaves_gradients_unchanged(tiny_s
 
     torch.manual_seed(0)
     policy = pipelines.load(tiny_sd3_dir, full_finetune=True)
-    g, x0, eps, sigma = _state(seed=2, b=3, shape=policy.latent_shape)
+    g, x0, eps, t = _state(seed=2, b=3, shape=policy.latent_shape)
+    grid = training_grid(policy)
+    sigma, sigma_next = rollout_levels(t, 5, grid)
     cond = policy.encode(["a red circle", "a blue square", "two green stars"])
     u = torch.rand(2, 3, generator=g)
 
@@ -108,13 +239,13 @@ def test_a_detached_clone_of_the_rollout_state_leaves_gradients_unchanged(tiny_s
 
     def grads(rollout):
         policy.trainable.zero_grad()
-        loss, _ = soar_loss(velocity, guided, x0, eps, sigma, u, K=5, lam=1.0, sigma_min=0.05, rollout=rollout)
+        loss, _ = soar_loss(velocity, guided, x0, eps, sigma, sigma_next, u, lam=1.0, rollout=rollout,
+                            model_sigma=lambda s: grid_sigma_of(s, grid))
         loss.backward()
         return [p.grad.clone() for p in policy.trainable.parameters() if p.grad is not None]
 
     def detached_clone(*args):
-        x_hat, sigma_prime = off_trajectory_state(*args)
-        return x_hat.detach().clone(), sigma_prime
+        return off_trajectory_state(*args).detach().clone()
 
     a, b = grads(off_trajectory_state), grads(detached_clone)
     assert len(a) == len(b) > 0
