@@ -21,9 +21,10 @@ a symmetric clip) stays available through ``routing``, ``score``, ``advantage`` 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -34,10 +35,25 @@ from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.options import AdvantageOptions, ReferenceOptions, StreamOptions, TrainerConfig
+from flowalign.trainers.options import (
+    AdvantageOptions,
+    ReferenceOptions,
+    StreamOptions,
+    TrainerConfig,
+)
 from flowalign.trainers.parts.anchor_advantages import fused_anchor_advantages
-from flowalign.trainers.parts.branch_policy import branch_objective, taken_velocities, velocity_energy, x0_scores
-from flowalign.trainers.parts.kv_routing import bernoulli_routing, window_keep, window_routable, window_routings
+from flowalign.trainers.parts.branch_policy import (
+    branch_objective,
+    taken_velocities,
+    velocity_energy,
+    x0_scores,
+)
+from flowalign.trainers.parts.kv_routing import (
+    bernoulli_routing,
+    window_keep,
+    window_routable,
+    window_routings,
+)
 from flowalign.trainers.parts.units import GroupUnit
 
 #: options that only one form reads: {option: (the field choosing the form, the form that reads it)}
@@ -50,9 +66,9 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     """KVPO's own routed branches (``StreamOptions``) and their anchor; the authors' rule by default."""
 
     name: Literal["kvpo"] = "kvpo"
-    refused = {"clip_range": "the clip is asymmetric now: give trainer.clip_low and trainer.clip_high "
-                             "(the ratio is clipped to [1 − clip_low, 1 + clip_high]; the earlier symmetric 0.2 is "
-                             "clip_low: 0.2, clip_high: 0.2)"}
+    refused: ClassVar[dict[str, str]] = {
+        "clip_range": "the clip is asymmetric now: give trainer.clip_low and trainer.clip_high (the ratio is clipped "
+                      "to [1 − clip_low, 1 + clip_high]; the earlier symmetric 0.2 is clip_low: 0.2, clip_high: 0.2)"}
     #: "window": the authors' (sink, nearest chunks and drawn older chunks, held over window_chunks chunks);
     #: "bernoulli": each earlier chunk kept with keep_prob, at the routed chunk only
     routing: Literal["window", "bernoulli"] = "window"
@@ -87,7 +103,7 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     adv_clip: float = Field(2.5, gt=0, le=MAX_COEFFICIENT)
 
     @model_validator(mode="after")
-    def _options_of_the_chosen_form(self) -> "KVPOConfig":
+    def _options_of_the_chosen_form(self) -> KVPOConfig:
         for option, (chooser, form) in FORM_OPTIONS.items():
             if option in self.model_fields_set and getattr(self, chooser) != form:
                 raise ValueError(f"trainer.{option} is read only with trainer.{chooser}={form} (this config has "
