@@ -22,6 +22,10 @@ velocity of steps 3-5 at another CFG scale, 1.0 being the conditional velocity a
 
 Steps 1, 2, 6 and 7 and the mirrored velocities are shared with DiffusionNFT (``self_distill.py``); this
 file holds the config, the targets, the loss and the two hooks that define a fit unit and its loss.
+
+Steps 1-7 compute what worldbench/DiffusionOPSD @ 4562f0f computes (``scripts/train_opsd_ri_sd3.py``, its OPA
+path; known answers in ``tests/flowalign/trainers/known_answers/diffusion_opsd_*.json``), except the rollout
+solver: Euler here, their multistep DPM-Solver++(2) on SD3.5 (docs/methods/diffusion_opsd.md).
 """
 
 from __future__ import annotations
