@@ -39,7 +39,12 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
 from flowalign.sampling import Rollout
 from flowalign.trainers.parts.reductions import per_sample_mean
-from flowalign.trainers.self_distill import FitUnit, SelfDistillConfig, SelfDistillTrainer, mirrored_velocities
+from flowalign.trainers.self_distill import (
+    FitUnit,
+    SelfDistillConfig,
+    SelfDistillTrainer,
+    mirrored_velocities,
+)
 
 
 class DiffusionOPSDConfig(SelfDistillConfig):
