@@ -7,7 +7,10 @@ give :class:`OnDevice` tensors (the arithmetic still runs on the CPU, so values,
 are real), and an operation that meets an :class:`OnDevice` tensor and a CPU tensor of one or more dimensions
 raises CUDA's ``Expected all tensors to be on the same device`` error. What CUDA accepts is accepted: a CPU
 0-dimensional tensor (a scalar) in any operation, CPU indices into a device tensor, copies between devices.
-A factory that draws on the device from a CPU generator fails as on CUDA.
+A factory that draws on the device from a CPU generator fails as on CUDA. A list index (``x[[0, 2]]``) is
+made an index tensor here, as on CUDA, where PyTorch gives a ``meta`` tensor's index list no data; a lazily
+conjugated view (``conj()``, in the gradient of a complex product) is read as its values, as CUDA's kernels
+read it.
 
 ``meta`` is the device these tensors claim because it exists in every PyTorch build and has the device
 bookkeeping (autograd's device threads, device guards) that a made-up device lacks; no real meta tensor is
@@ -55,9 +58,39 @@ class OnDevice(torch.Tensor):
     def tolist(self) -> Any:  # PyTorch refuses it on subclasses; a CUDA tensor copies to the CPU first
         return self.elem.tolist()
 
+    # PyTorch turns an index list into a tensor on the indexed tensor's device, and for ``meta`` it makes an
+    # empty one (no data to copy): the rows picked would be garbage. A CUDA tensor's list gets its values.
+    def __getitem__(self, index: Any) -> Any:
+        return super().__getitem__(_index_lists_as_tensors(index))
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(_index_lists_as_tensors(index), value)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return run(func, args, kwargs or {})
+
+
+def _as_tuple(index: list) -> bool:
+    """Whether PyTorch reads a list index as a tuple of indices (one per dimension) rather than one index
+    list: a short list holding a sequence, tensor, slice, ``...`` or None (``treatSequenceAsTuple``)."""
+    return len(index) < 32 and any(isinstance(i, (list, tuple, torch.Tensor, slice)) or i is Ellipsis or i is None
+                                   for i in index)
+
+
+def _index_tensor(seq: list | tuple) -> torch.Tensor:
+    """A CPU index tensor of ``seq`` as PyTorch makes it: bool (a mask) or uint8 kept, any other type int64."""
+    t = torch.tensor(seq)
+    return t if t.dtype in (torch.bool, torch.uint8) else t.long()
+
+
+def _index_lists_as_tensors(index: Any) -> Any:
+    """``index`` with its lists of positions as CPU index tensors (which CUDA takes into a device tensor)."""
+    if isinstance(index, list) and not _as_tuple(index):
+        return _index_tensor(index)
+    if isinstance(index, (list, tuple)):
+        return tuple(_index_tensor(i) if isinstance(i, (list, tuple)) else i for i in index)
+    return index
 
 
 def on_device(device: Any) -> bool:
@@ -65,7 +98,12 @@ def on_device(device: Any) -> bool:
 
 
 def _unwrap(x: Any) -> Any:
-    return x.elem if isinstance(x, OnDevice) else x
+    """The CPU data of ``x``, a lazily conjugated or negated view (``conj()``, autograd's complex formulas) read
+    as its values: PyTorch calls ``__torch_dispatch__`` with its Conjugate and Negative keys off, so a CPU
+    kernel given the view itself would ignore the bit (``g * f.conj()`` would compute ``g * f``)."""
+    if not isinstance(x, OnDevice):
+        return x
+    return x.elem.resolve_conj().resolve_neg() if x.elem.is_conj() or x.elem.is_neg() else x.elem
 
 
 def _argument(func, args: tuple, kwargs: dict, name: str) -> Any:
@@ -106,13 +144,13 @@ def mixed_devices(func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) 
             return f"Expected a '{DEVICE.type}' device type for generator but found 'cpu' ({func})"
     if func in CROSS_DEVICE or not any(type(t) is OnDevice for t in tensors):
         return None
+    empty = [t for t in tensors if type(t) is not OnDevice and t.device.type == DEVICE.type]
+    if empty:  # a factory this module does not intercept made it: add it to FROM_DATA (indices too: no garbage)
+        return f"a data-less {DEVICE.type} tensor of shape {tuple(empty[0].shape)} reached {func}"
     if func in INDEXING:
         if isinstance(args[0], OnDevice):
             return None  # CPU indices into a device tensor: CUDA moves them
         return f"indices should be either on cpu or on the same device as the indexed tensor (cpu) ({func})"
-    empty = [t for t in tensors if type(t) is not OnDevice and t.device.type == DEVICE.type]
-    if empty:  # a factory this module does not intercept made it: add it to FROM_DATA
-        return f"a data-less {DEVICE.type} tensor of shape {tuple(empty[0].shape)} reached {func}"
     host = [t for t in tensors if type(t) is not OnDevice and t.dim() > 0]
     if host:
         return (f"Expected all tensors to be on the same device, but found at least two devices, {DEVICE.type} "
@@ -131,14 +169,17 @@ def run(func, args: tuple, kwargs: dict) -> Any:
     if why is not None:
         raise RuntimeError(why)
     to_device = on_device(device) or (device is None and wrapped)
+    schema = func._schema
+    mutated = [_argument(func, args, kwargs, a.name) for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    if any(isinstance(m, OnDevice) and (m.elem.is_conj() or m.elem.is_neg()) for m in mutated):
+        # _unwrap reads such a view as a copy of its values: a write into it would be lost
+        raise RuntimeError(f"{func} writes into a lazily conjugated or negated view, which the fake device does not emulate")
     if on_device(device):
         kwargs = {**kwargs, "device": torch.device("cpu")}
     out = func(*_map(_unwrap, args), **_map(_unwrap, kwargs))
-    schema = func._schema
     if schema.returns and all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
         # in place (or out=): the results are the mutated arguments themselves, whatever their device
-        mutated = [_argument(func, args, kwargs, a.name) for a in schema.arguments
-                   if a.alias_info is not None and a.alias_info.is_write]
         return mutated[0] if len(mutated) == 1 else tuple(mutated)
     if not to_device:
         return out

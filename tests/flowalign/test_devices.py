@@ -17,6 +17,7 @@ along the step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -25,8 +26,10 @@ import torch
 
 from flowalign.config import load_config
 from flowalign.train import build_trainer
+from flowalign.trainers import get_trainer
 
 from tests.flowalign.fake_device import DEVICE, FakeDevice, OnDevice, _disable_current_modes
+from tests.tiny_recipes import trainer_name
 
 REDNESS = "tests.flowalign.trainers.toy_rewards:redness"
 
@@ -48,17 +51,26 @@ VIDEO = (f"rewards=[{{name: '{REDNESS}'}}, {{name: brightness_video, weight: 0}}
 FIT.update({name: VIDEO for name in ("afd_motion", "ar_copo_motion", "kvpo_motion", "flow_grpo_motion")})
 FIT["flash_grpo_motion"] = (*VIDEO, *FOUR_STEPS)
 FIT["afd_motion"] = (*VIDEO, "trainer.teacher.num_steps=2")
-#: the two that failed on CUDA, the GRPO family's loss paths they share and a video recipe (~1-3 s each).
-#: Also stepping here when listed: awm, dance_grpo, diffusion_dpo, diffusion_nft, festdpo, mix_grpo, pd_grpo,
-#: pref_grpo, seppo, tempflow_grpo, rg_opd, core, afd, ar_copo (some at 15-40 s). Not yet: sft, soar and kvpo
-#: end their step here with a non-finite loss, varying from run to run (finite on the CPU; the model's
-#: velocity alone, with or without gradients, matches the CPU's here, so the cause is still to be found);
-#: self_opd's samples score non-finite; diffusion_opsd and fav need a differentiable reward.
-RECIPES = ["dgpo_vvr", "gardo_vvr", "flow_grpo_vvr", "grpo_guard_vvr", "flash_grpo_vvr", "flow_grpo_motion"]
+#: the two that failed on CUDA, the GRPO family's loss paths they share, a video recipe (~1-3 s each), the
+#: pair trainers (their conditioning is picked by index lists) and KVPO (its gradient passes the video
+#: model's complex rotary embedding). Also stepping here when listed: awm, dance_grpo, diffusion_dpo,
+#: diffusion_nft, festdpo, mix_grpo, pd_grpo, pref_grpo, seppo, tempflow_grpo, rg_opd, core, afd, ar_copo
+#: (some at 15-40 s). Not yet: self_opd's samples score non-finite; diffusion_opsd and fav need a
+#: differentiable reward.
+RECIPES = ["dgpo_vvr", "gardo_vvr", "flow_grpo_vvr", "grpo_guard_vvr", "flash_grpo_vvr", "flow_grpo_motion",
+           "sft_vvr", "soar_vvr", "kvpo_motion"]
+#: recipes whose step is also taken on the CPU and compared: the device must change no number, only where
+#: tensors live (the fake device once picked garbage rows for an index list, and dropped the conjugation in
+#: the rotary embedding's gradient, so a finite loss alone did not show it)
+SAME_AS_CPU = ["sft_vvr", "kvpo_motion"]
 
 
 @pytest.fixture
 def policy_on_device(monkeypatch):
+    load_policies_on_device(monkeypatch)
+
+
+def load_policies_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """``pipelines.load`` loads on the CPU as usual, then moves every model of the policy to :data:`DEVICE`."""
     import pipelines
 
@@ -88,11 +100,15 @@ def policy_on_device(monkeypatch):
         monkeypatch.setattr(base, "from_pretrained", classmethod(from_pretrained))
 
 
-def one_step_on_device(recipe: str, run_dir: Path) -> tuple[object, dict[str, float], list[torch.Tensor]]:
-    cfg = load_config(REPO / "configs" / "tiny" / f"{recipe}.yaml",
-                      [f"run.output_dir={run_dir}", *SMALL, *FIT.get(recipe, ())])
+def one_step_on_device(recipe: str, run_dir: Path, *, fake: bool = True) -> tuple[object, dict[str, float], list[torch.Tensor]]:
+    """One step of ``recipe`` under :class:`FakeDevice` (``fake``; else the same step on the CPU): the trainer,
+    its logs and the trainable weights before the step."""
+    path = REPO / "configs" / "tiny" / f"{recipe}.yaml"
+    fields = set(get_trainer(trainer_name(path)).Config.model_fields)  # each setting only to a trainer that has it
+    small = [o for o in SMALL if not o.startswith("trainer.") or o.split(".", 1)[1].split("=", 1)[0] in fields]
+    cfg = load_config(path, [f"run.output_dir={run_dir}", *small, *FIT.get(recipe, ())])
     torch.manual_seed(0)
-    with FakeDevice():
+    with FakeDevice() if fake else contextlib.nullcontext():
         trainer = build_trainer(cfg)
         before = [p.detach().clone() for p in trainer.params]
         logs = trainer.train_step()
@@ -107,6 +123,17 @@ def test_a_recipe_steps_on_a_device_that_is_not_the_cpu(recipe, tmp_path, monkey
     assert math.isfinite(logs["train/grad_norm"]) and logs["train/grad_norm"] > 0
     assert all(bool(torch.isfinite(p).all()) for p in trainer.params)
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))  # the update ran
+
+
+@pytest.mark.parametrize("recipe", SAME_AS_CPU)
+def test_a_step_on_the_device_computes_what_the_cpu_computes(recipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    _, cpu, _ = one_step_on_device(recipe, tmp_path / "cpu", fake=False)
+    load_policies_on_device(monkeypatch)
+    _, device, _ = one_step_on_device(recipe, tmp_path / "device")
+    for key in ("train/loss", "train/kvpo_loss", "train/grad_norm"):
+        if key in cpu:  # float32 kernels differ in summation order only
+            assert device[key] == pytest.approx(cpu[key], rel=1e-3), key
 
 
 def test_the_fake_device_refuses_what_cuda_refuses():
@@ -124,3 +151,34 @@ def test_the_fake_device_refuses_what_cuda_refuses():
         assert isinstance(out, OnDevice) and out.device == DEVICE
         assert out.tolist() == [4.0, 4.0] and out[torch.tensor([1])].item() == 4.0
         assert torch.randn(3, generator=torch.Generator().manual_seed(0)).to(DEVICE).cpu().device.type == "cpu"
+
+
+def test_the_fake_device_computes_what_the_cpu_computes():
+    x = torch.arange(6.0).reshape(3, 2)
+    with FakeDevice():
+        d = x.to(DEVICE)
+        # an index list: PyTorch gives a meta tensor's list no data, CUDA's gets its values
+        assert d[[0, 2]].tolist() == x[[0, 2]].tolist() and d[[True, False, True]].tolist() == x[[0, 2]].tolist()
+        assert d[[0, 2], [1, 0]].tolist() == [1.0, 4.0] and d[[]].shape == (0, 2)
+        d[[0, 2]] = torch.zeros(2, 2, device=DEVICE)
+        assert d.tolist() == [[0.0, 0.0], [2.0, 3.0], [0.0, 0.0]]
+
+    # a rotary embedding's complex product, with the conjugate its gradient takes (the CPU kernel under the
+    # fake device would ignore a lazy conjugation bit)
+    g = torch.Generator().manual_seed(0)
+    h, angles, grad = torch.randn(2, 3, 8, generator=g), torch.randn(3, 4, generator=g), torch.randn(2, 3, 8, generator=g)
+    freqs = torch.polar(torch.ones_like(angles, dtype=torch.float64), angles.double())
+
+    def rotated(device: torch.device) -> tuple[list, list]:
+        x = h.detach().clone().to(device).requires_grad_(True)
+        out = torch.view_as_real(torch.view_as_complex(x.double().unflatten(-1, (-1, 2))) * freqs.to(device))
+        out.flatten(-2).float().backward(grad.to(device))
+        return out.detach().flatten().tolist(), x.grad.flatten().tolist()
+
+    expected = rotated(torch.device("cpu"))
+    with FakeDevice():
+        got = rotated(DEVICE)
+    assert got[0] == pytest.approx(expected[0], rel=1e-6) and got[1] == pytest.approx(expected[1], rel=1e-6)
+    with FakeDevice():
+        c = torch.tensor([1 + 2j, 3 - 1j], device=DEVICE)
+        assert (torch.tensor([1 + 1j, 2 + 0j], device=DEVICE) * c.conj()).tolist() == [3 - 1j, 6 + 2j]
