@@ -130,9 +130,16 @@ def _cell(folder: Path, row: dict[str, Any], score_name: str | None, where: str)
         scores=scores,
         constraints=[(str(t), bool(p)) for t, p in constraints] if constraints is not None else None,
         all_passed=None if row.get("all_passed") is None else bool(row["all_passed"]),
-        # else the notes of panel rewards (eval_panel's "notes": e.g. motion_insight's failure causes)
-        reason=str(row.get("reason") or "; ".join(map(str, (row.get("notes") or {}).values()))),
+        # the reward's reason, then the row's notes (a panel reward's failure causes, a unified model's
+        # reflections): a reason does not hide what the sample itself recorded
+        reason="; ".join(str(v) for v in [row.get("reason"), *_notes(row)] if v),
     )
+
+
+def _notes(row: dict[str, Any]) -> list[Any]:
+    """The values of a row's ``notes`` mapping (none when it has none, or it is not a mapping)."""
+    notes = row.get("notes")
+    return list(notes.values()) if isinstance(notes, dict) else []
 
 
 # --------------------------------------------------------------------------------------------- writing

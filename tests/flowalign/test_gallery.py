@@ -121,6 +121,20 @@ def test_run_loader_orders_steps_and_matches_rows(run_dir: Path) -> None:
     assert [r.gain for r in rows] == pytest.approx([0.7, -0.2, 0.1, 0.2])
 
 
+def test_a_cell_shows_the_rewards_reason_and_the_samples_notes(tmp_path: Path) -> None:
+    """A reward's reason does not hide the row's own notes (e.g. what a unified model wrote each round)."""
+    _png(tmp_path / "samples" / "00000.png", 10)
+    rows = [{"index": i, "prompt": f"p{i}", "score": 0.5, "file": "samples/00000.png", **extra} for i, extra in
+            enumerate([{"reason": "the cube is green", "notes": {"reflections": "1: make it red"}},
+                       {"notes": {"reflections": "1: no change"}}, {"reason": "two cubes"}, {"reason": "", "notes": {}},
+                       {"notes": {"a": "first", "b": "", "c": "third"}}])]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "metrics.json").write_text(json.dumps({"seed": 0}))
+    _, loaded = gallery_from_evals([tmp_path], ["run"])
+    assert [r.cells[0].reason for r in loaded] == ["the cube is green; 1: make it red", "1: no change", "two cubes", "",
+                                                 "first; third"]
+
+
 def test_html_escapes_text(gallery: Path) -> None:
     page = gallery.read_text()
     assert XSS not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
