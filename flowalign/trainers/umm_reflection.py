@@ -8,15 +8,18 @@ the same image, bit for bit), then up to R rounds of
     revise:   I_r ~ p_θ(· | I_{r-1}, y_r)                 (a Flow-GRPO SDE rollout, the reflection as edit
                                                            instruction, I_{r-1} the reference image)
 
-The final image is scored; one group-relative advantage ``A_i`` per trajectory (the loop's scoring service)
-weighs every term of it, with no per-round credit:
+Every image state is scored; one group-relative advantage ``A_i`` per trajectory weighs every term of it.
+``credit: shaped`` (the authors' released trainer): ``A_i`` of the shaped trajectory reward of
+:mod:`flowalign.trainers.parts.reflection_credit` (final score, improvement bonus, regression and premature-stop
+penalties; z-score within the group, std floored, clipped); ``credit: final``: the trainer's ``advantage`` of
+the final image's reward alone. Then
 
-    L = (1/N) Σ_i [ w_tok · (1/|y_i|) Σ_{r,t} max(−A_i·ρ_{r,t}, −A_i·clip(ρ_{r,t}))
-                  + w_rev · (1/|K_i|) Σ_{r,k} max(−A_i·r_{r,k}, −A_i·clip(r_{r,k})) ]
+    L = Σ_i [ w_tok · (1/(N_y·T_i)) Σ_r mean_t max(−A_i·ρ_{r,t}, −A_i·clip(ρ_{r,t}, 1±ε_tok))
+            + w_rev · (1/(N_K·V_i)) Σ_r mean_k max(−A_i·r_{r,k}, −A_i·clip(r_{r,k}, 1±ε)) ]
 
-``ρ = π_θ(y_t | ...) / π_old``, ``r = p_θ(x_{k+1} | x_k) / p_old`` (the revision's SDE steps), ``|y_i|`` the
-trajectory's reflection tokens over all rounds, ``|K_i|`` its trained SDE steps over all revisions, N the
-trajectories of every rank. ``objective: sft`` is the cold start on the same trajectories: the best trajectory
+``ρ = π_θ(y_t | ...) / π_old``, ``r = p_θ(x_{k+1} | x_k) / p_old`` (the revision's SDE steps), ``T_i`` the
+trajectory's reflections, ``V_i`` its revisions, ``N_y`` / ``N_K`` the trajectories of every rank with any
+reflection / revision (the authors' per-channel trajectory means). ``objective: sft`` is the cold start on the same trajectories: the best trajectory
 of each group, when its final image scores above the first, is imitated (negative log-likelihood of its
 reflections, flow matching toward its revisions), the others weigh 0.
 
@@ -43,6 +46,12 @@ from flowalign.sampling import rollout, sde_step
 from flowalign.trainers.base import GroupTrainer, Plan, WeightCopy, derived_seed
 from flowalign.trainers.options import AdvantageOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
+from flowalign.trainers.parts.reflection_credit import (
+    ShapedCredit,
+    channel_scales,
+    shaped_advantages,
+    trajectory_rewards,
+)
 
 #: most reflection rounds of a trajectory
 MAX_ROUNDS = 64
@@ -57,16 +66,33 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
     name: Literal["umm_reflection"] = "umm_reflection"
     #: "rl": the trajectory-level policy gradient; "sft": the cold start (imitate each group's best trajectory)
     objective: Literal["rl", "sft"] = "rl"
-    #: most reflect → revise rounds of a trajectory
-    rounds: int = Field(2, ge=1, le=MAX_ROUNDS)
+    #: most reflect → revise rounds of a trajectory (the authors: 3)
+    rounds: int = Field(3, ge=1, le=MAX_ROUNDS)
     #: most tokens of one reflection (its end token included)
     max_new_tokens: int = Field(16, ge=1, le=MAX_REFLECTION_TOKENS)
     #: a reflection containing this (case-insensitive), or an empty one, ends the trajectory: no revision
     stop_phrase: str = Field("no change", min_length=1, max_length=200)
     #: a of the revisions' Flow-GRPO SDE
     noise_level: float = Field(0.7, gt=0, le=2)
-    #: ε of the clipped ratio (tokens and revision steps alike)
-    clip_range: float = Field(1e-3, gt=0, le=MAX_COEFFICIENT)
+    #: ε of the revision steps' clipped ratio (the authors' 0.1)
+    clip_range: float = Field(0.1, gt=0, le=MAX_COEFFICIENT)
+    #: ε_tok of the reflection tokens' clipped ratio (the authors' 0.2)
+    token_clip_range: float = Field(0.2, gt=0, le=MAX_COEFFICIENT)
+    #: "shaped": the authors' trajectory reward from every image state's score (below), z-scored within the
+    #: group; "final": the final image's reward through ``advantage`` / ``adv_clip`` (the paper's description)
+    credit: Literal["shaped", "final"] = "shaped"
+    #: α (shaped): weight of each round's improvement of the score
+    reflection_bonus: float = Field(0.3, ge=0, le=MAX_COEFFICIENT)
+    #: λ (shaped): weight of each round's regression of the score
+    regression_penalty: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
+    #: β (shaped): weight of the improvements beyond the largest one
+    sustained_bonus: float = Field(0.3, ge=0, le=MAX_COEFFICIENT)
+    #: p (shaped): charged when the model stopped on an image scoring below 1
+    premature_stop_penalty: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
+    #: floor of the group's reward std (shaped)
+    credit_std_floor: float = Field(0.1, gt=0, le=MAX_COEFFICIENT)
+    #: the advantage is clipped to ±credit_clip (shaped)
+    credit_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: w_tok: weight of the reflection tokens' term
     token_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
     #: w_rev: weight of the revisions' term
@@ -85,6 +111,10 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
         if self.token_weight == 0 and self.revision_weight == 0:
             raise ValueError("token_weight and revision_weight are both 0: nothing would train; set one > 0")
         return self
+
+    def shaped_credit(self) -> ShapedCredit:
+        return ShapedCredit(self.reflection_bonus, self.regression_penalty, self.sustained_bonus,
+                            self.premature_stop_penalty, self.credit_std_floor, self.credit_clip)
 
 
 # ---------------------------------------------------------------------------------------------- the batch
@@ -107,22 +137,18 @@ class TrajectoryBatch:
     coefficients: torch.Tensor
     logs: dict[str, float] = field(default_factory=dict)
 
-    def token_counts(self) -> torch.Tensor:
-        """Reflection tokens of each trajectory over all rounds ``(N,)``."""
-        return sum(((r.tokens != -1) & r.reflected[:, None]).sum(1) for r in self.rounds)
+    def turn_counts(self) -> torch.Tensor:
+        """Reflections written by each trajectory over all rounds ``(N,)`` (its stopping one included)."""
+        return sum(((r.tokens != -1).any(1) & r.reflected).long() for r in self.rounds)
 
-    def step_counts(self) -> torch.Tensor:
-        """Trained SDE steps of each trajectory over all revisions ``(N,)``."""
-        counts = torch.zeros(len(self.prompts), dtype=torch.long)
-        for r in self.rounds:
-            for rev in r.revisions:
-                counts[rev.index] += len(rev.rollout.trained_steps())
-        return counts
+    def revision_counts(self) -> torch.Tensor:
+        """Revisions of each trajectory over all rounds ``(N,)``."""
+        return sum(r.revised.long() for r in self.rounds)
 
 
 @dataclass(frozen=True)
 class TokenUnit:
-    """The reflection of trajectory ``index`` in round ``round``, each token weighted ``scale``."""
+    """The reflection of trajectory ``index`` in round ``round``, each of its tokens weighted ``scale``."""
 
     index: int
     round: int
@@ -131,7 +157,8 @@ class TokenUnit:
 
 @dataclass(frozen=True)
 class RevisionUnit:
-    """Step ``k`` of revision batch ``batch`` of round ``round``; per-sample weight ``scale (B,)``; under
+    """Step ``k`` of revision batch ``batch`` of round ``round``; per-sample weight ``scale (B,)`` (of this step);
+    under
     ``sft`` the flow-matching noise ``noise`` drawn for it."""
 
     round: int
@@ -212,12 +239,39 @@ class UMMReflectionTrainer(GroupTrainer):
         scored = self.score(images, prompts, metadata, prompt_ids, step)
         before = watched.scores.total.view(len(rounds), -1)
         final = scored.scores.total
-        coefficients = (scored.advantages if self.tcfg.objective == "rl"
-                        else sft_coefficients(groups, before[0], final))
-        logs = {**scored.logs, **self.round_logs(rounds, before, final), "time/rollout": t1 - t0}
+        advantages, logs = scored.advantages, dict(scored.logs)
+        if self.tcfg.credit == "shaped":
+            rewards, advantages = self.shaped(rounds, before, final, groups,
+                                              scored.scores.valid & watched.scores.valid.view(len(rounds), -1).all(0))
+            logs["credit/reward"] = self.gather(rewards.float()).mean().item()
+            logs["zero_adv_fraction"] = (advantages == 0).float().mean().item()
+        coefficients = advantages if self.tcfg.objective == "rl" else sft_coefficients(groups, before[0], final)
+        logs = {**logs, **self.round_logs(rounds, before, final), "time/rollout": t1 - t0}
         logs["time/reward"] = scored.logs["time/reward"] + watched.logs["time/reward"]
         return TrajectoryBatch(prompts, metadata, groups, prompt_ids, first, rounds, images, final,
-                               scored.advantages, coefficients, logs)
+                               advantages, coefficients, logs)
+
+    def shaped(self, rounds: list[Round], before: torch.Tensor, final: torch.Tensor, groups: torch.Tensor,
+               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``credit: shaped``: each trajectory's reward from the scores of its image states (``before (R, N)``:
+        each round's input, ``final (N,)``) and its advantage within its group (``groups (N,)``: siblings are
+        on one rank, so the statistics are this rank's); ``(N,)`` float32 each. A trajectory with an invalid
+        score gets 0."""
+        n = len(groups)
+        after = torch.cat([before[1:], final[None]])  # the image each round's revision left
+        states = torch.zeros(n, len(rounds) + 1, dtype=torch.float64)
+        states[:, 0] = before[0]
+        counts = torch.ones(n, dtype=torch.long)
+        stopped_early = torch.zeros(n, dtype=torch.bool)
+        for r, rnd in enumerate(rounds):
+            for i in rnd.revised.nonzero().flatten().tolist():
+                states[i, counts[i]] = after[r, i]
+                counts[i] += 1
+            stopped_early |= rnd.reflected & ~rnd.revised  # the model said it was done (not the round cap)
+        states[~valid] = 0.0  # an invalid score is neither checked nor used (its advantage is 0)
+        credit = self.tcfg.shaped_credit()
+        rewards = trajectory_rewards(states, counts, stopped_early & (final < 1), credit)
+        return rewards.float(), shaped_advantages(rewards, groups, credit, valid).float()
 
     def first_images(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor, step: int) -> torch.Tensor:
         """One image per prompt group ``(P, 3, H, W)``: the model's own ODE sample from the group's noise."""
@@ -252,19 +306,26 @@ class UMMReflectionTrainer(GroupTrainer):
         return logs
 
     # ------------------------------------------------------------------ plan and loss
-    def units(self, batch: TrajectoryBatch, total: int) -> list[TokenUnit | RevisionUnit]:
-        """Every term of every trajectory, weighted so that the units of all ranks sum to ``L`` (``total``: N
-        over every rank): a trajectory's tokens share ``w_tok / total``, its trained steps ``w_rev / total``."""
-        tokens, steps = batch.token_counts().clamp(min=1), batch.step_counts().clamp(min=1)
+    def units(self, batch: TrajectoryBatch, active: tuple[int, int] | None = None) -> list[TokenUnit | RevisionUnit]:
+        """Every term of every trajectory, weighted as the authors' trainer weighs them: a reflection's tokens
+        share its trajectory's text weight ``w_tok / (N_y · T_i)`` (their mean), a revision's trained steps
+        its flow weight ``w_rev / (N_K · V_i)`` (their mean). ``active = (N_y, N_K)``: trajectories with any
+        reflection / revision over every rank (default: this rank's)."""
+        turns, revisions = batch.turn_counts(), batch.revision_counts()
+        if active is None:
+            active = (int((turns > 0).sum()), int((revisions > 0).sum()))
+        text, flow = channel_scales(turns, active[0]), channel_scales(revisions, active[1])
         units: list[TokenUnit | RevisionUnit] = []
         for r, rnd in enumerate(batch.rounds):
             if self.tcfg.token_weight > 0:
-                units += [TokenUnit(i, r, self.tcfg.token_weight / (float(tokens[i]) * total))
-                          for i in rnd.reflected.nonzero().flatten().tolist() if (rnd.tokens[i] != -1).any()]
+                lengths = (rnd.tokens != -1).sum(1)
+                units += [TokenUnit(i, r, self.tcfg.token_weight * float(text[i]) / int(lengths[i]))
+                          for i in rnd.reflected.nonzero().flatten().tolist() if lengths[i] > 0]
             if self.tcfg.revision_weight > 0:
                 for b, rev in enumerate(rnd.revisions):
-                    scale = self.tcfg.revision_weight / (steps[rev.index].float() * total)
-                    for k in rev.rollout.trained_steps():
+                    steps = rev.rollout.trained_steps()
+                    scale = (self.tcfg.revision_weight * flow[rev.index] / max(len(steps), 1)).float()
+                    for k in steps:
                         noise = None
                         if self.tcfg.objective == "sft":
                             g = self.tcfg.group_size  # siblings are adjacent: member i mod G
@@ -277,7 +338,9 @@ class UMMReflectionTrainer(GroupTrainer):
 
     def plan(self, batch: TrajectoryBatch, generator: torch.Generator) -> Plan:
         """One optimiser step over the units of trajectories with a non-zero coefficient (a global plan)."""
-        units = self.units(batch, self.total(len(batch.prompts)))
+        here = torch.tensor([[int((batch.turn_counts() > 0).sum()), int((batch.revision_counts() > 0).sum())]])
+        text, flow = self.gather(here).sum(0).tolist()  # trajectories with any term, over every rank
+        units = self.units(batch, (int(text), int(flow)))
         live = batch.coefficients != 0
 
         def useful(u: TokenUnit | RevisionUnit) -> bool:
@@ -293,7 +356,7 @@ class UMMReflectionTrainer(GroupTrainer):
         return self.revision_loss(batch, unit)
 
     def token_loss(self, batch: TrajectoryBatch, unit: TokenUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        """``scale · Σ_t max(−A·ρ_t, −A·clip(ρ_t))`` over the reflection's tokens
+        """``scale · Σ_t max(−A·ρ_t, −A·clip(ρ_t, 1±ε_tok))`` over the reflection's tokens
         (``sft``: ``−scale · Σ_t log π``)."""
         rnd, i = batch.rounds[unit.round], unit.index
         mask = rnd.tokens[i] != -1
@@ -303,7 +366,7 @@ class UMMReflectionTrainer(GroupTrainer):
             loss = -(coefficient * lp).sum() * unit.scale
             return loss, {"token_nll": -lp.mean().item()}
         old = rnd.log_probs[i][mask].to(lp)
-        per_token, ratio, clipped = ppo_clip_loss(lp, old, coefficient.expand_as(lp), self.tcfg.clip_range)
+        per_token, ratio, clipped = ppo_clip_loss(lp, old, coefficient.expand_as(lp), self.tcfg.token_clip_range)
         deviation = (ratio.detach() - 1).abs().max().item()
         return per_token.sum() * unit.scale, {"token_ratio_dev": deviation, "token_clip_frac":
                                               clipped.float().mean().item()}

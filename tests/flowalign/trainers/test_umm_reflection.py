@@ -16,11 +16,20 @@ import torch
 from safetensors.torch import load_file
 
 from flowalign.config import load_config
+from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.gallery import gallery_from_evals
 from flowalign.protocols import RewardOutput, UnifiedPolicy
 from flowalign.reflection import Reflection, stopped
 from flowalign.train import build_trainer
+from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
+from flowalign.trainers.parts.reflection_credit import (
+    ShapedCredit,
+    channel_scales,
+    shaped_advantages,
+    trajectory_reward,
+    trajectory_rewards,
+)
 from flowalign.trainers.umm_reflection import (
     RevisionUnit,
     TokenUnit,
@@ -32,6 +41,8 @@ from .conftest import run_cli, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
 
 RECIPE = REPO / "configs" / "tiny" / "umm_reflection_vvr.yaml"
+#: the authors' functions run on fixed numbers (waltstephen/UMM-Reflection @ 8510796, float64)
+KNOWN = Path(__file__).parent / "known_answers"
 MODEL = REPO / "assets" / "tiny-qwen-image-edit"
 #: 2 prompts × 2 trajectories, 2 rounds of 2-token reflections; "s" ends some trajectories after round 1
 #: and one after round 2 with this seed (asserted below, so a change of the tiny model shows)
@@ -86,7 +97,7 @@ def test_a_stopped_trajectory_has_no_later_terms(trained):
     assert stopped(trainer.policy.decode_tokens(r1.tokens[2:3]), "s").all()
     assert (r2.tokens[2] == -1).all() and (r2.log_probs[2] == 0).all()
     assert torch.equal(batch.final[2], batch.first[2])  # never revised
-    units = trainer.units(batch, len(batch.prompts))
+    units = trainer.units(batch)
     assert any(isinstance(u, TokenUnit) and u.index == 2 and u.round == 0 for u in units)  # its stopping reflection
     assert not any(isinstance(u, TokenUnit) and u.index == 2 and u.round == 1 for u in units)
     revised = [(u.round, batch.rounds[u.round].revisions[u.batch].index.tolist()) for u in units
@@ -101,7 +112,7 @@ def test_a_stopped_trajectory_has_no_later_terms(trained):
 
 def test_one_advantage_weighs_every_term_of_its_trajectory(trained):
     trainer, batch = trained
-    units = trainer.units(batch, len(batch.prompts))
+    units = trainer.units(batch)
     n = len(batch.prompts)
     per = [gradients(trainer, dataclasses.replace(batch, coefficients=torch.eye(n)[j]), units) for j in range(n)]
     for j in (0, 1, 3):  # revised trajectories: both their reflections and their revisions train
@@ -113,6 +124,106 @@ def test_one_advantage_weighs_every_term_of_its_trajectory(trained):
         assert torch.allclose(mixed[part], expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
     zero = gradients(trainer, dataclasses.replace(batch, coefficients=torch.zeros(n)), units)
     assert not zero["language"].any() and not zero["flow"].any()
+
+
+def test_the_shaped_reward_and_advantage_are_the_authors():
+    """R(τ) of g022_whole_trajectory_reward.trajectory_reward and its group_advantages (std floor 0.1, clip 1)."""
+    data = json.loads((KNOWN / "umm_reflection_credit.json").read_text())
+    credit = ShapedCredit()
+    cases = data["rewards"]
+    for case in cases:
+        assert trajectory_reward(case["states"], case["premature_stop"], credit) == pytest.approx(case["reward"],
+                                                                                                  rel=1e-6, abs=1e-12)
+    width = max(len(c["states"]) for c in cases)  # the batched form: rows padded past their states
+    scores = torch.tensor([c["states"] + [0.5] * (width - len(c["states"])) for c in cases], dtype=torch.float64)
+    counts = torch.tensor([len(c["states"]) for c in cases])
+    premature = torch.tensor([c["premature_stop"] for c in cases])
+    expected = torch.tensor([c["reward"] for c in cases], dtype=torch.float64)
+    assert torch.allclose(trajectory_rewards(scores, counts, premature, credit), expected, rtol=1e-6, atol=1e-12)
+    for name, case in data["group_advantages"].items():
+        rewards = torch.tensor(case["rewards"], dtype=torch.float64)
+        ours = shaped_advantages(rewards, torch.zeros(len(rewards), dtype=torch.long), credit)
+        assert torch.allclose(ours, torch.tensor(case["advantages"], dtype=torch.float64), rtol=1e-6, atol=1e-12), name
+    # groups are normalised separately; an invalid member takes no part and gets 0
+    spread, narrow = (torch.tensor(data["group_advantages"][k]["rewards"], dtype=torch.float64)
+                      for k in ("spread", "narrow"))
+    both = shaped_advantages(torch.cat([spread, narrow, torch.tensor([9.0])]),
+                             torch.tensor([0] * len(spread) + [1] * len(narrow) + [1]), credit,
+                             torch.tensor([True] * (len(spread) + len(narrow)) + [False]))
+    expected = [*data["group_advantages"]["spread"]["advantages"], *data["group_advantages"]["narrow"]["advantages"], 0]
+    assert torch.allclose(both, torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-12)
+
+
+def test_a_score_outside_0_1_is_refused_by_the_shaped_credit():
+    with pytest.raises(UserError, match="trainer.credit=shaped needs rewards in \\[0, 1\\].*trainer.credit=final"):
+        trajectory_rewards(torch.tensor([[0.2, 1.5]]), torch.tensor([2]), torch.tensor([False]), ShapedCredit())
+
+
+def test_the_loss_weights_are_the_authors():
+    """A trajectory's reflections each one PPO mean (ε 0.2), its revisions each the mean over their SDE steps
+    (ε 0.1), averaged within the trajectory and over the trajectories that have any (trajectory_channel_scales,
+    clipped_text_ppo_loss, the flow learn loop): flowalign's channel_scales and ppo_clip_loss, as units() uses
+    them, give the authors' losses."""
+    data = json.loads((KNOWN / "umm_reflection_loss.json").read_text())
+    trajs = data["trajectories"]
+    text = channel_scales(torch.tensor([len(t["turns"]) for t in trajs]))
+    flow = channel_scales(torch.tensor([len(t["revisions"]) for t in trajs]))
+    assert torch.allclose(text, torch.tensor(data["text_scales"], dtype=torch.float64), rtol=1e-6, atol=0)
+    assert torch.allclose(flow, torch.tensor(data["flow_scales"], dtype=torch.float64), rtol=1e-6, atol=0)
+
+    def term(record: dict, advantage: float, scale: float, clip: float) -> torch.Tensor:
+        new, old = (torch.tensor(record[k], dtype=torch.float64) for k in ("new", "old"))
+        per, _, _ = ppo_clip_loss(new, old, torch.full_like(new, advantage), clip)
+        return per.sum() * scale / len(new)  # each token / step weighted as a TokenUnit / RevisionUnit is
+
+    text_loss = sum(term(u, t["advantage"], float(text[i]), data["text_clip"])
+                    for i, t in enumerate(trajs) for u in t["turns"])
+    flow_loss = sum(term(c, t["advantage"], float(flow[i]), data["flow_clip"])
+                    for i, t in enumerate(trajs) for c in t["revisions"])
+    assert float(text_loss) == pytest.approx(data["text_loss"], rel=1e-6)
+    assert float(flow_loss) == pytest.approx(data["flow_loss"], rel=1e-6)
+
+
+def test_units_weigh_each_reflection_and_revision_by_its_trajectorys_channel_share(trained):
+    trainer, batch = trained
+    units = trainer.units(batch)
+    turns, revisions = batch.turn_counts(), batch.revision_counts()
+    assert turns.tolist() == [2, 2, 1, 2] and revisions.tolist() == [2, 1, 0, 2]  # SMALL's stops (asserted below)
+    text, flow = channel_scales(turns), channel_scales(revisions)
+    for u in units:
+        if isinstance(u, TokenUnit):
+            n = int((batch.rounds[u.round].tokens[u.index] != -1).sum())
+            assert u.scale == pytest.approx(float(text[u.index]) / n, rel=1e-6)
+        else:
+            rev = batch.rounds[u.round].revisions[u.batch]
+            steps = len(rev.rollout.trained_steps())
+            assert torch.allclose(u.scale.double(), flow[rev.index] / steps, rtol=1e-6)
+    # each trajectory's text terms sum to 1/N_y, its flow terms to 1/N_K
+    for i in range(len(batch.prompts)):
+        words = sum(u.scale * int((batch.rounds[u.round].tokens[i] != -1).sum())
+                    for u in units if isinstance(u, TokenUnit) and u.index == i)
+        assert words == pytest.approx(1 / 4, rel=1e-6)
+
+
+def test_the_shaped_credit_reads_every_image_state_of_a_trajectory(trained):
+    """States: the first image's score, then one per revision; stopping on an image below 1 is charged; the
+    round cap is not."""
+    trainer, batch = trained
+    before = torch.tensor([[0.2, 0.2, 0.6, 0.6], [0.5, 0.1, 0.6, 0.9]])  # each round's input image, per trajectory
+    final = torch.tensor([1.0, 0.1, 0.6, 0.4])  # 1 and 2 kept their image after they stopped
+    valid = torch.tensor([True, True, True, True])
+    rewards, advantages = trainer.shaped(batch.rounds, before, final, batch.groups, valid)
+    credit = trainer.tcfg.shaped_credit()
+    expected = [trajectory_reward([0.2, 0.5, 1.0], False, credit),  # revised twice, the cap ends it
+                trajectory_reward([0.2, 0.1], True, credit),  # revised once, then stopped below 1
+                trajectory_reward([0.6], True, credit),  # stopped at once
+                trajectory_reward([0.6, 0.9, 0.4], False, credit)]
+    assert rewards.tolist() == pytest.approx(expected, rel=1e-6)
+    groups = batch.groups
+    assert torch.allclose(advantages.double(), shaped_advantages(torch.tensor(expected, dtype=torch.float64), groups,
+                                                                 credit), atol=1e-6)
+    _, masked = trainer.shaped(batch.rounds, before, final, groups, torch.tensor([True, True, False, True]))
+    assert masked[2] == 0 and masked[3] == 0  # group 1: one valid member left, nothing to compare it with
 
 
 def test_token_log_probs_are_the_models_own_generate_scores(trained):
@@ -136,7 +247,7 @@ def test_token_log_probs_are_the_models_own_generate_scores(trained):
 
 def test_revisions_are_on_policy(trained):
     trainer, batch = trained
-    units = [u for u in trainer.units(batch, len(batch.prompts)) if isinstance(u, RevisionUnit)]
+    units = [u for u in trainer.units(batch) if isinstance(u, RevisionUnit)]
     assert units
     with torch.no_grad():
         assert max(trainer.loss(batch, u)[1]["ratio_dev"] for u in units) < 1e-5
@@ -163,7 +274,7 @@ def test_the_sft_cold_start_imitates_the_kept_trajectory(trained):
     rl = trainer.tcfg
     trainer.tcfg = rl.model_copy(update={"objective": "sft"})
     try:
-        units = trainer.units(batch, len(batch.prompts))
+        units = trainer.units(batch)
         assert all(u.noise is not None for u in units if isinstance(u, RevisionUnit))
         kept = dataclasses.replace(batch, coefficients=torch.tensor([0.0, 1.0, 0.0, 0.0]))
         token = next(u for u in units if isinstance(u, TokenUnit) and u.index == 1)
