@@ -85,6 +85,8 @@ class Optimisation:
         returns the pre-clip gradient norm."""
         self.parallel.reduce_gradients(self.params)
         norm = self.parallel.clip_grad_norm(self.params, self.grad_clip)
+        if self.ema is not None:
+            self.ema.before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -94,12 +96,13 @@ class Optimisation:
 
 def setup_optimisation(policy: FlowPolicy, tcfg: Any, parallel: Parallel) -> Optimisation:
     """AdamW over the policy's ``requires_grad`` parameters (``tcfg``: lr and its schedule, betas,
-    weight_decay, grad_clip, ema_decay, ema_every); under fsdp the transformer is sharded first, so they
-    are this rank's shards."""
+    weight_decay, grad_clip and the ``ema_*`` settings); under fsdp the transformer is sharded first, so
+    they are this rank's shards."""
     parallel.shard(policy.trainable)
     params = [p for p in policy.trainable.parameters() if p.requires_grad]
     if not params:
         raise UserError("the policy has no trainable parameters; set model.finetune to lora or full")
     optimizer = torch.optim.AdamW(params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
-    ema = EMA(params, tcfg.ema_decay, tcfg.ema_every) if tcfg.ema_decay > 0 else None
+    ema = (EMA(params, tcfg.ema_decay, tcfg.ema_every, tcfg.ema_warmup, tcfg.ema_micro_batches)
+           if tcfg.ema_decay > 0 else None)
     return Optimisation(params, optimizer, ema, parallel, Schedule.of(tcfg), tcfg.grad_clip)

@@ -49,6 +49,13 @@ class TrainerConfig(Section):
     grad_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     ema_decay: float = Field(0.0, ge=0, lt=1)
     ema_every: int = Field(8, ge=1, le=MAX_TRAIN_STEPS)
+    #: true: flow_grpo's EMAModuleWrapper schedule (decay min(ema_decay, (1+s)/(10+s)) after s optimiser
+    #: steps, moving when (s+1) % ema_every == 0), as the Flow-GRPO, DiffusionNFT and DiffusionOPSD scripts
+    #: run it; false: a constant decay, moving when s % ema_every == 0
+    ema_warmup: bool = False
+    #: flow_grpo's train_sd3.py moves the average after every micro-batch (its gradient_accumulation_steps
+    #: calls per optimiser step, all but the last with the weights before the step); 1: once per step
+    ema_micro_batches: int = Field(1, ge=1, le=MAX_TRAIN_STEPS)
 
     @model_validator(mode="before")
     @classmethod

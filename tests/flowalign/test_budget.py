@@ -22,18 +22,3 @@ def test_a_budget_carries_spent_time_over_a_resume():
     assert Budget(4, None).done(4) and not Budget(4, None).done(3)
     with pytest.raises(ValueError, match="needs max_steps or max_minutes"):
         Budget(None, None)
-
-
-def test_ema_warmup_follows_the_young_weights_and_defaults_to_off():
-    p = torch.nn.Parameter(torch.zeros(3))
-    plain, warm = EMA([p], 0.99), EMA([p], 0.99, warmup=True)
-    with torch.no_grad():
-        p.fill_(1.0)
-    plain.update()
-    warm.update()
-    # update 0 averages with decay min(0.99, 1/10): 90 % of the new weights; without warm-up 1 %
-    assert torch.allclose(warm.shadow[0], torch.full((3,), 0.9))
-    assert torch.allclose(plain.shadow[0], torch.full((3,), 0.01))
-    for _ in range(2000):
-        warm.update()
-    assert torch.allclose(warm.shadow[0], torch.ones(3), atol=1e-6)
