@@ -166,7 +166,10 @@ BASELINES = {
     # each stage on its own: a cold-start step followed by a distillation step meets one gradient near Adam's
     # eps, whose last-bit difference between layouts grows to 4e-5 (measured); each stage alone matches
     "flow_opd_cold": ("trainer.cold_start_steps=2",),
-    "flow_opd": ("trainer.cold_start_steps=0",),
+    # the authors' rule pairs every advantage of a rollout chunk with every ratio in it, so a chunk's loss
+    # depends on its members: one sample per chunk keeps the two layouts' chunks equal
+    "flow_opd": ("trainer.cold_start_steps=0", "trainer.batch_size=1"),
+    "flow_opd_distill": ("trainer.cold_start_steps=0", "trainer.objective=velocity_distillation"),
 }
 
 
@@ -193,7 +196,7 @@ def test_every_baseline_under_fsdp_ends_at_the_single_process_weights(tmp_path, 
     def runs(layout: str, *extra: str) -> list[list[str]]:
         out = []
         for name, own in BASELINES.items():
-            trainer = name.removesuffix("_cold")
+            trainer = name.removesuffix("_cold").removesuffix("_distill")
             opd = ("trainer.group_size=1", "trainer.states_per_sample=2", teacher) if trainer == "flow_opd" else ()
             out.append(small_run(tmp_path / layout / name, tiny_sd3_dir, prompt_file, f"trainer.name={trainer}",
                                  *own, *opd, *extra))
