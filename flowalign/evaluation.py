@@ -18,23 +18,9 @@ from flowalign.reward_set import RewardSet, RewardTimeout, time_limited
 from flowalign.sampling import rollout, stream_rollout
 
 
-def sample_seeded(
-    policy: FlowPolicy,
-    prompts: list[str],
-    *,
-    seed: int,
-    num_steps: int | None = None,
-    guidance_scale: float | None = None,
-    batch_size: int = 16,
-    progress: bool = True,
-    desc: str = "sampling",
-    metadata: list[dict[str, Any]] | None = None,
-) -> torch.Tensor:
-    """ODE samples, one per prompt; sample ``i`` always gets the noise of ``seed + i`` (so checkpoints
-    compared side by side see identical noise whatever the batch size). Returns decoded samples.
-    ``metadata`` (one dict per prompt) carries per-prompt inputs such as an editing model's ``image``."""
-    return sample_seeded_with_notes(policy, prompts, seed=seed, num_steps=num_steps, guidance_scale=guidance_scale,
-                                    batch_size=batch_size, progress=progress, desc=desc, metadata=metadata)[0]
+def sample_seeded(policy: FlowPolicy, prompts: list[str], **options: Any) -> torch.Tensor:
+    """The decoded samples of :func:`sample_seeded_with_notes` (same keyword options), without the notes."""
+    return sample_seeded_with_notes(policy, prompts, **options)[0]
 
 
 def sample_seeded_with_notes(
@@ -49,7 +35,10 @@ def sample_seeded_with_notes(
     desc: str = "sampling",
     metadata: list[dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor, list[dict[str, str]]]:
-    """:func:`sample_seeded`, and per sample the notes its policy wrote about it (``{}`` for most policies).
+    """ODE samples, one per prompt, and per sample the notes its policy wrote about it (``{}`` for most
+    policies). Sample ``i`` always gets the noise of ``seed + i`` (so checkpoints compared side by side see
+    identical noise whatever the batch size). ``metadata`` (one dict per prompt) carries per-prompt inputs
+    such as an editing model's ``image``.
 
     A policy whose inference is more than one rollout (a unified model's reflect → revise loop) has
     ``sample_for_evaluation(prompts, initial_noise=, seeds=, num_steps=, guidance_scale=, metadata=) ->
