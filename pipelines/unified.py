@@ -165,6 +165,37 @@ class UnifiedEditPolicy:
         with atomic_path(Path(directory) / LANGUAGE_ADAPTER_FILE) as tmp:
             save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
 
+    def load_adapter(self, directory: str | Path) -> None:
+        """What :meth:`save_adapter` wrote (or a checkpoint of a run that trained this policy): the
+        transformer's LoRA when the folder has one (else a full fine-tune's ``flow.*`` tensors from
+        ``trainable.safetensors``), and the language LoRA of ``reflection_lora.safetensors``."""
+        from safetensors.torch import load_file
+
+        folder = Path(directory)
+        if (folder / lora_utils.LORA_WEIGHT_NAME).is_file():
+            self.editor.load_adapter(folder)
+        elif (folder / "trainable.safetensors").is_file():
+            state = {k[len("flow."):]: v for k, v in load_file(str(folder / "trainable.safetensors")).items()
+                     if k.startswith("flow.")}
+            _, unexpected = self.editor.trainable.load_state_dict(state, strict=False)
+            if unexpected or not state:
+                raise UserError(f"{folder}: its transformer weights do not match this model "
+                                f"({len(unexpected)} unknown tensors)")
+        language = folder / LANGUAGE_ADAPTER_FILE
+        if not language.is_file():
+            raise UserError(f"{folder} holds no {LANGUAGE_ADAPTER_FILE}: it is not a unified policy's adapter; give "
+                            "a checkpoint of a trainer.name=umm_reflection run")
+        saved, mine = load_file(str(language)), self.language_adapter()
+        if set(saved) != set(mine):
+            raise UserError(f"{language}: its language LoRA does not match this model's ({len(set(saved) ^ set(mine))} "
+                            "tensors differ); load it on the model it was trained from")
+        with torch.no_grad():
+            for name, value in saved.items():
+                if value.shape != mine[name].shape:
+                    raise UserError(f"{language}: {name} has shape {tuple(value.shape)}, this policy's "
+                                    f"{tuple(mine[name].shape)}; use the run's trainer.language_lora_rank")
+                mine[name].copy_(value.to(mine[name]))
+
     def language_adapter(self) -> dict[str, torch.nn.Parameter]:
         """The language LoRA's tensors by name (the VL model's only trained ones)."""
         return {n: t for n, t in self.language.named_parameters() if ".lora_" in n}

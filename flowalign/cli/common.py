@@ -8,8 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from flowalign.errors import UserError
-from flowalign.limits import (MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_SEED,
-                              MAX_TASKS)
+from flowalign.limits import (
+    MAX_BATCH,
+    MAX_COEFFICIENT,
+    MAX_GROUP_SIZE,
+    MAX_GUIDANCE,
+    MAX_SAMPLING_STEPS,
+    MAX_SEED,
+    MAX_TASKS,
+)
 from flowalign.paths import default_model_dir
 from flowalign.saved_weights import load_adapter_checked
 
@@ -165,12 +172,78 @@ def load_policy(args: argparse.Namespace):
     if args.adapter:
         if not Path(args.adapter).exists():
             raise UserError(f"--adapter {args.adapter}: no such folder; give a saved adapter or a checkpoints/step-XXXXXX folder")
-        load_adapter_checked(policy, Path(args.adapter))
+        policy, folder = reflecting_policy(policy, Path(args.adapter), args)
+        load_adapter_checked(policy, folder)
         if getattr(args, "ema", False):
-            load_ema_weights(policy, Path(args.adapter))
+            load_ema_weights(policy, folder)
     elif getattr(args, "ema", False):
         raise UserError("--ema needs --adapter: a checkpoints/step-XXXXXX folder of a run with trainer.ema_decay > 0")
     return policy
+
+
+def add_reflection_args(p: argparse.ArgumentParser) -> None:
+    """A unified model's reflection loop (``docs/methods/umm_reflection.md``): what an ``--adapter`` of a
+    ``trainer.name=umm_reflection`` run is evaluated with; each defaults to the run's own setting."""
+    from flowalign.trainers.umm_reflection import MAX_REFLECTION_TOKENS, MAX_ROUNDS
+
+    g = p.add_argument_group("a unified model's reflection loop (default: the adapter's run's settings)")
+    add_number(g, "--rounds", type=int, lo=1, hi=MAX_ROUNDS, default=None,
+               help="most reflect -> revise rounds (trainer.rounds)")
+    add_number(g, "--reflection-tokens", type=int, lo=1, hi=MAX_REFLECTION_TOKENS, default=None,
+               help="most tokens of one reflection (trainer.max_new_tokens)")
+    g.add_argument("--stop-phrase", default=None, help="a reflection holding it ends the loop (trainer.stop_phrase)")
+    add_number(g, "--reflection-temperature", type=float, lo=0, hi=MAX_COEFFICIENT, default=None,
+               help="temperature of the reflections, 0: greedy (trainer.eval_temperature)")
+
+
+#: the ``--`` flags of :func:`add_reflection_args` by the trainer field they stand for
+REFLECTION_FLAGS = {"rounds": "rounds", "max_new_tokens": "reflection_tokens", "stop_phrase": "stop_phrase",
+                    "eval_temperature": "reflection_temperature"}
+
+
+def reflecting_policy(policy: Any, adapter: Path, args: argparse.Namespace) -> tuple[Any, Path]:
+    """``policy`` and the folder to load ``--adapter`` from. For a family that can write
+    (``FamilySpec.unified``) and an adapter of a ``trainer.name=umm_reflection`` run (a run folder: its latest
+    checkpoint; a checkpoint inside one), or any ``--rounds`` / ``--stop-phrase`` / ... given: the family's
+    unified policy with the run's language LoRA settings, evaluating by its reflection loop (the run's
+    rounds, reflection length, stop phrase and evaluation temperature unless the flags say otherwise; the
+    run's ``eval_first_image_only`` scores the first image alone). Otherwise ``policy`` and ``adapter``."""
+    from flowalign import families, plugins
+
+    spec = families.get(policy.family)
+    flags = {field: getattr(args, flag, None) for field, flag in REFLECTION_FLAGS.items()}
+    given = {k: v for k, v in flags.items() if v is not None}
+    if spec.unified is None:
+        if given:
+            raise UserError(f"--{REFLECTION_FLAGS[next(iter(given))].replace('_', '-')}: the {policy.family} family "
+                            "cannot write about its images; these flags are for a unified model (Qwen-Image-Edit)")
+        return policy, adapter
+    from flowalign.checkpoint import latest_checkpoint
+    from flowalign.reflection import Reflection
+    from flowalign.train import saved_run_config
+    from flowalign.trainers.umm_reflection import UMMReflectionConfig
+
+    run_dir = (adapter if (adapter / "config.yaml").is_file()
+               else adapter.parent.parent if adapter.parent.name == "checkpoints" else None)
+    trainer = ((saved_run_config(run_dir) if run_dir is not None else None) or {}).get("trainer") or {}
+    if trainer.get("name") != "umm_reflection" and not given:
+        return policy, adapter
+    if adapter == run_dir:
+        adapter = latest_checkpoint(run_dir)
+        if adapter is None:
+            raise UserError(f"--adapter {run_dir}: the run saved no checkpoint yet; give one of its "
+                            "checkpoints/step-XXXXXX folders once it has")
+    defaults = {k: f.default for k, f in UMMReflectionConfig.model_fields.items()}
+    setting = {k: trainer.get(k, defaults[k]) for k in ("language_lora_rank", "language_lora_alpha",
+                                                        "eval_first_image_only", *REFLECTION_FLAGS)}
+    setting.update(given)
+    unified = plugins.load_target(spec.unified)(policy, int(setting["language_lora_rank"]),
+                                                float(setting["language_lora_alpha"]))
+    first_only = bool(setting["eval_first_image_only"]) and not given
+    unified.reflection = None if first_only else Reflection(
+        int(setting["rounds"]), int(setting["max_new_tokens"]), str(setting["stop_phrase"]),
+        float(setting["eval_temperature"]))
+    return unified, adapter
 
 
 def load_ema_weights(policy, folder: Path) -> None:

@@ -4,12 +4,14 @@ rewards (``--prompts FILE --reward SPEC ...``); writes metrics.json, results.jso
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from flowalign import strict_json
 from flowalign.cli.common import (
     add_guide_args,
     add_model_args,
     add_number,
+    add_reflection_args,
     add_sampling_args,
     check_guide_args,
     check_positive,
@@ -54,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="write into a non-empty --out that holds no earlier evaluation (only metrics.json, "
                         "results.jsonl and samples/ are replaced; other files are kept)")
     add_guide_args(p)
+    add_reflection_args(p)
     return p
 
 
@@ -82,6 +85,11 @@ def run(args: argparse.Namespace) -> None:
     panel = load_panel(specs, "--reward") if specs else None
     policy, guide = load_guided_policy(args)
     labels = {}
+    reflection = getattr(policy, "reflection", None)  # a unified model's loop (--adapter of a umm_reflection run)
+    if reflection is not None:
+        if guide is not None:
+            raise UserError("--guide steers one rollout; a unified model's reflection loop runs several: drop --guide")
+        labels = {"reflection": dataclasses.asdict(reflection)}
     if guide is not None:
         from flowalign.sampling.guidance import GuidedPolicy
 

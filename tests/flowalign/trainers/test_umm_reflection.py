@@ -3,6 +3,7 @@ whose one advantage weighs every term, and the text side's log-probs are the mod
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -15,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flowalign.cli.common import load_policy
+from flowalign.cli.main import main as cli_main
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
@@ -382,3 +385,53 @@ def test_two_ranks_match_one_process(tmp_path, prompt_file):
               for d in ("ddp", "one"))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
     assert max(wa[k].abs().max().item() for k in wa if "lora_B" in k) > 0  # the weights moved
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A one-step run of the tiny recipe whose weights moved (brightness differs between siblings' images
+    where vvr scores 0 on the untrained twin), 2 rounds of 2-token reflections that never stop."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    assert cli_main(["train", str(RECIPE), *one_step(RECIPE, out), "trainer.max_new_tokens=2", "trainer.rounds=2",
+                     "trainer.stop_phrase=a phrase no reflection holds", "rewards=[{name: brightness, weight: 1.0}]",
+                     "trainer.lr=0.01"]) == 0
+    return out
+
+
+def test_evaluate_runs_a_saved_runs_reflection_loop(saved_run, tmp_path):
+    """``flowalign evaluate --adapter RUN`` on a unified family: the unified policy with the run's language LoRA,
+    evaluated by the run's reflection loop (its rounds, length, stop phrase, evaluation temperature); a
+    checkpoint folder is the same, and the flags override the run's settings."""
+    checkpoint = saved_run / "checkpoints" / "step-000001"
+    common = ["evaluate", "--model", str(MODEL), "--bench", "vvr", "--n", "2", "--steps", "2", "--guidance", "1.0",
+              "--batch-size", "2"]
+    for name, extra in (("run", ["--adapter", str(saved_run)]), ("checkpoint", ["--adapter", str(checkpoint)]),
+                        ("one", ["--adapter", str(checkpoint), "--rounds", "1"])):
+        assert cli_main([*common, *extra, "--out", str(tmp_path / name)]) == 0, name
+    read = lambda name: [json.loads(line) for line in (tmp_path / name / "results.jsonl").read_text().splitlines()]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["reflection"] == {"rounds": 2, "max_new_tokens": 2, "stop_phrase": "a phrase no reflection holds",
+                                     "temperature": 0.5}
+    run, checkpoint_rows, one = (read(n) for n in ("run", "checkpoint", "one"))
+    assert all(r["notes"]["reflections"].startswith("1: ") and " | 2: " in r["notes"]["reflections"] for r in run)
+    assert [r["notes"] for r in run] == [r["notes"] for r in checkpoint_rows]
+    for r, c in zip(run, checkpoint_rows):  # the same final images
+        assert (tmp_path / "run" / r["file"]).read_bytes() == (tmp_path / "checkpoint" / c["file"]).read_bytes()
+    assert all(" | 2: " not in r["notes"]["reflections"] for r in one)  # --rounds 1
+    # the policy holds the checkpoint's tensors, both roles (and they moved in training)
+    args = argparse.Namespace(model=str(MODEL), adapter=str(saved_run), device="cpu", dtype="fp32", ema=False)
+    policy = load_policy(args)
+    saved = load_file(str(checkpoint / "reflection_lora.safetensors"))
+    mine = policy.language_adapter()
+    assert set(saved) == set(mine) and all(torch.equal(saved[k], mine[k].detach()) for k in saved)
+    assert max(v.abs().max().item() for k, v in saved.items() if "lora_B" in k) > 0
+    flow = {k: v for k, v in load_file(str(checkpoint / "trainable.safetensors")).items() if k.startswith("flow.")}
+    state = policy.trainable.state_dict()
+    assert flow and all(torch.equal(flow[k], state[k]) for k in flow)
+    assert max(v.abs().max().item() for k, v in flow.items() if "lora_B" in k) > 0
+
+
+def test_reflection_flags_are_refused_for_a_family_that_cannot_write(tmp_path, capsys):
+    code = cli_main(["evaluate", "--model", str(REPO / "assets" / "tiny-sd3-vvr"), "--adapter", str(tmp_path),
+                     "--rounds", "2", "--n", "1", "--out", str(tmp_path / "out")])
+    assert code == 2 and "--rounds: the sd3 family cannot write about its images" in capsys.readouterr().err
