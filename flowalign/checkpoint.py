@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowalign.io import plain_file_modes, write_json
+from flowalign.io import fsync_dir, fsync_tree, plain_file_modes, write_json
 from flowalign.manifest import write_manifest
 
 STEP_DIR = re.compile(r"^step-(\d{6})$")
@@ -125,18 +125,22 @@ def write_checkpoint_files(
 
 
 def finalise(tmp: Path, final: Path) -> None:
-    """Record the manifest (sizes, checksums), mark complete and move into place in one rename."""
+    """Record the manifest (sizes, checksums), mark complete, flush to the disk and move into place in one
+    rename."""
     plain_file_modes(tmp)  # safetensors writes 0600; the JSON beside follows the umask
     write_manifest(tmp, skip={COMPLETE})
     (tmp / COMPLETE).write_text("ok\n")
+    fsync_tree(tmp)  # a power cut after the rename must not find the step's files empty
     if final.exists():  # the same step saved again (the final save): swap by renames, the old one deleted last
         old = final.with_name(f".tmp-old-{final.name}")  # pruned like any temporary folder if a kill strands it
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
         tmp.rename(final)
+        fsync_dir(final.parent)
         shutil.rmtree(old, ignore_errors=True)
         return
     tmp.rename(final)
+    fsync_dir(final.parent)
 
 
 def prune(run_dir: str | Path, keep: int) -> None:

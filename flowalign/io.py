@@ -80,6 +80,41 @@ def _plain_mode(fd: int, kind: str, like: Path | None = None) -> None:
     os.chmod(fd, mode if mode is not None else (0o666 if kind == "file" else 0o777) & ~umask())
 
 
+def fsync_file(path: str | Path) -> None:
+    """Flush ``path``'s data to the disk: a rename onto a file's name is only as durable as the data it points
+    at (after a power cut an unflushed file can come back empty under its new name)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Flush ``folder``'s entries (a rename into it) to the disk; a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """:func:`fsync_file` every regular file under ``folder`` and :func:`fsync_dir` every folder: before the
+    rename that publishes the folder."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            p = os.path.join(root, name)
+            if os.path.isfile(p) and not os.path.islink(p):
+                fsync_file(p)
+        fsync_dir(root)
+
+
 def plain_file_modes(folder: Path) -> None:
     """Give every ``.safetensors`` file under ``folder`` a plain file's mode (0666 less the umask):
     safetensors writes its files 0600 (it renames a private temporary onto the name), while the JSON
@@ -92,8 +127,9 @@ def plain_file_modes(folder: Path) -> None:
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` (with the mode of the
-    file it replaces, else the umask's, also when the writer replaced the temporary, as safetensors does)."""
+    """Yield a temporary path beside ``path``; on success it is flushed to the disk and renamed onto ``path``
+    (with the mode of the file it replaces, else the umask's, also when the writer replaced the temporary, as
+    safetensors does). A failure inside the block leaves ``path`` as it was and no temporary behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(path.parent, temp_prefix(path.name))
@@ -105,7 +141,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         yield Path(tmp)
         if os.path.isfile(tmp) and not os.path.islink(tmp):
             os.chmod(tmp, mode)
+            fsync_file(tmp)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -203,6 +241,15 @@ def refuse_foreign(path: Path, foreign: list[str], flag: str) -> None:
                         f"folder, or add --overwrite to replace only the files it writes (the others are kept)")
 
 
+#: the temporary folders :func:`atomic_dir` has yielded and not yet published (resolved paths)
+_OPEN_DIRS: set[Path] = set()
+
+
+def _inside_open_dir(path: Path) -> bool:
+    resolved = path.resolve()
+    return any(resolved == d or d in resolved.parents for d in _OPEN_DIRS)
+
+
 @contextmanager
 def atomic_dir(path: str | Path, *, writer: str, overwrite: bool = False, flag: str = "--out") -> Iterator[Path]:
     """Yield an empty temporary folder; on success its entries replace their namesakes in ``path``.
@@ -212,9 +259,18 @@ def atomic_dir(path: str | Path, *, writer: str, overwrite: bool = False, flag: 
     file, :func:`marker_name`) are dropped, while every other file stays. A non-empty folder that
     ``writer`` never wrote to is refused unless ``overwrite`` (which still only replaces the files it
     writes: into a sub-folder of the user's of a name it writes, its files are merged, the user's others
-    kept). A failure inside the block leaves ``path`` untouched.
+    kept). A failure inside the block leaves ``path`` untouched. The files are flushed to the disk before
+    they are renamed into place.
+
+    A ``path`` inside a folder that an enclosing ``atomic_dir`` yielded is written directly: that folder is
+    new and published as a whole (a command that writes a folder through a library function that writes it
+    atomically itself).
     """
     path = Path(path)
+    if _inside_open_dir(path):
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
     check_out_dir(path, writer=writer, overwrite=overwrite, flag=flag)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,21 +279,37 @@ def atomic_dir(path: str | Path, *, writer: str, overwrite: bool = False, flag: 
         tmp = Path(tempfile.mkdtemp(prefix=with_pid(temp_prefix(name)), dir=path.parent))
         os.chmod(tmp, 0o777 & ~umask())  # it becomes ``path``: a plain folder's mode
         try:
-            yield tmp
+            with _open_dir(tmp):
+                yield tmp
             plain_file_modes(tmp)
             _write_marker(tmp, writer, sorted(p.name for p in tmp.iterdir()))
+            fsync_tree(tmp)
             os.replace(tmp, path)  # a folder appearing since the check makes this fail, never merge
+            fsync_dir(path.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return
     _drop_leftovers(path)
     tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=path))
     try:
-        yield tmp
+        with _open_dir(tmp):
+            yield tmp
         plain_file_modes(tmp)
+        fsync_tree(tmp)
         _swap_in(tmp, path, writer, overwrite, flag)
+        fsync_dir(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _open_dir(tmp: Path) -> Iterator[None]:
+    resolved = tmp.resolve()
+    _OPEN_DIRS.add(resolved)
+    try:
+        yield
+    finally:
+        _OPEN_DIRS.discard(resolved)
 
 
 def _write_marker(folder: Path, writer: str, entries: list[str]) -> None:

@@ -24,6 +24,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from flowalign.errors import UserError
+from flowalign.io import atomic_path
 
 ADAPTER_NAME = "default"
 #: diffusers' file name for LoRA weights (``save_lora_weights`` / ``load_lora_weights`` default)
@@ -335,10 +336,9 @@ def save_model_adapter(transformer: torch.nn.Module, directory: str | Path) -> P
     # the LoraConfig keyed by component ("transformer.r", ...), as the pipelines' save_lora_weights writes it
     config = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v
               for k, v in transformer.peft_config[ADAPTER_NAME].to_dict().items()}
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    file = directory / LORA_WEIGHT_NAME
-    save_file(layers, str(file), metadata={"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, sort_keys=True)})
+    file = Path(directory) / LORA_WEIGHT_NAME
+    with atomic_path(file) as tmp:
+        save_file(layers, str(tmp), metadata={"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, sort_keys=True)})
     return file
 
 

@@ -90,12 +90,11 @@ def write_sampling_defaults(out_dir: str | os.PathLike, **defaults: Any) -> Path
     Typical keys: ``family``, ``height``, ``width``, ``num_frames`` (None for images),
     ``guidance_scale``, ``num_steps``, ``max_sequence_length``, ``shift``. Written atomically.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / SAMPLING_DEFAULTS_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(defaults, indent=2) + "\n")
-    os.replace(tmp, path)
+    from flowalign.io import atomic_path
+
+    path = Path(out_dir) / SAMPLING_DEFAULTS_FILE
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(defaults, indent=2) + "\n")
     return path
 
 
@@ -106,17 +105,22 @@ def read_sampling_defaults(folder: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def save_tiny(family: str, out_dir: str | os.PathLike, *, sampling: dict[str, Any] | None = None, pipe: Any = None,
-              **overrides):
+              overwrite: bool = False, **overrides):
     """Build a tiny ``family`` pipeline (or take ``pipe``, built by :func:`build_tiny` with ``overrides``),
     save it as a diffusers folder (safetensors) plus ``flowalign.json``; returns the pipeline. ``sampling``
-    updates the family's sampling defaults."""
+    updates the family's sampling defaults. The folder is written atomically (:func:`flowalign.io.atomic_dir`,
+    writer ``save-tiny``): a failure leaves ``out_dir`` as it was, and a folder holding files it did not write
+    is refused unless ``overwrite``. Inside ``flowalign tiny``'s own atomic folder it writes straight into it."""
+    from flowalign.io import atomic_dir
+
     pipe = build_tiny(family, **overrides) if pipe is None else pipe
-    pipe.save_pretrained(out_dir, safe_serialization=True)
     defaults = {"family": family, **sampling_defaults(family)}
     if "height" in overrides:  # a builder that takes the image side (SD3, FLUX.1) samples at it
         defaults["height"] = defaults["width"] = overrides["height"]
     defaults["shift"] = float(pipe.scheduler.config.shift)
     defaults.update(sampling or {})
-    write_sampling_defaults(out_dir, **defaults)
+    with atomic_dir(out_dir, writer="save-tiny", overwrite=overwrite) as tmp:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        write_sampling_defaults(tmp, **defaults)
     return pipe
 

@@ -140,25 +140,29 @@ class HPSv3:
         return RewardOutput({self.name: mu(out).float().to(samples.device)}, valid=valid, info=info)
 
 
-def save_tiny_hpsv3(out: Path, seed: int = 0) -> Path:
+def save_tiny_hpsv3(out: Path, seed: int = 0, *, overwrite: bool = False) -> Path:
     """An HPSv3 folder with a tiny random Qwen2-VL: ``config.json``, the processor and tokenizer files of the
-    base model and ``HPSv3.safetensors`` holding every weight with the head, as the real checkpoint."""
+    base model and ``HPSv3.safetensors`` holding every weight with the head, as the real checkpoint. Written
+    atomically (:func:`flowalign.io.atomic_dir`, writer ``save-tiny-hpsv3``): a failure leaves ``out`` as it
+    was, and a folder holding files it did not write is refused unless ``overwrite``. Inside ``flowalign
+    tiny-reward``'s own atomic folder it writes straight into it."""
     from safetensors.torch import save_file
 
+    from flowalign.io import atomic_dir
     from rewards.vlm_tiny import build_tiny_vlm
 
     out = Path(out)
     model, processor = build_tiny_vlm(None, family="qwen2_vl", seed=seed)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(out)
-    processor.save_pretrained(out)
-    tokenizer = processor.tokenizer
-    tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 1)
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-        head = hpsv3_head(model.config.text_config.hidden_size)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    state.update({f"rm_head.{k}": v.contiguous() for k, v in head.state_dict().items()})
-    save_file(state, out / CHECKPOINT)
+    with atomic_dir(out, writer="save-tiny-hpsv3", overwrite=overwrite) as tmp:
+        model.config.save_pretrained(tmp)
+        processor.save_pretrained(tmp)  # the base model's tokenizer: the reward adds its token when it loads
+        tokenizer = processor.tokenizer
+        tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+            head = hpsv3_head(model.config.text_config.hidden_size)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        state.update({f"rm_head.{k}": v.contiguous() for k, v in head.state_dict().items()})
+        save_file(state, str(tmp / CHECKPOINT))
     return out

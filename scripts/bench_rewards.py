@@ -243,7 +243,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"| `{name}` | {GPU_ONLY[name]} | GPU only | | | | `scripts/bench_rewards.py --device cuda{video} "
               f"--reward \"{{name: {name}, path: DIR}}\"` |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        from flowalign.io import atomic_path
+
+        with atomic_path(args.json) as tmp:
+            tmp.write_text(json.dumps(rows, indent=1))
     return rows
 
 

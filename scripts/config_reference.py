@@ -355,8 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.out} is stale: run python scripts/config_reference.py", file=sys.stderr)
             return 1
         return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    from flowalign.io import atomic_path
+
+    with atomic_path(args.out) as tmp:
+        tmp.write_text(text)
     print(f"wrote {args.out}")
     for row in missing_meanings():
         print(f"warning: no meaning for {row.split('|')[1].strip()}", file=sys.stderr)

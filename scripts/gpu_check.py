@@ -444,10 +444,10 @@ def table(results: dict[str, Any]) -> str:
 
 def write_json(path: Path, results: dict[str, Any]) -> None:
     """Atomically (a killed check leaves the previous file or the new one, never half of one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    from flowalign.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 
 def failed(results: dict[str, Any]) -> bool:

@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU machine, or pass --smoke for the CPU check")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from flowalign.io import atomic_path
+
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                                "torch": torch.__version__, "smoke": args.smoke, "families": {}}
     for family in args.families:
@@ -203,10 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)  # FLUX is 34 GB in bf16: one folder on disk at a time
         results["families"][family] = row
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-        os.replace(tmp, args.out)
+        with atomic_path(args.out) as tmp:  # a killed run leaves the previous families' numbers whole
+            tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
         print(json.dumps({family: row}, default=str), flush=True)
     return 1 if any("error" in r for r in results["families"].values()) else 0
 

@@ -44,9 +44,11 @@ def main() -> None:
         for j, (task, chosen, rejected, margin) in enumerate(tqdm(pairs, desc=f"rendering {level} pairs", unit="pair")):
             good, bad = f"images/{task.id}.png", f"images/{task.id}-miss{j}.png"
             if good not in written:
-                chosen.save(out / good)
+                with atomic_path(out / good) as tmp:
+                    chosen.save(tmp, format="PNG")
                 written.add(good)
-            rejected.save(out / bad)
+            with atomic_path(out / bad) as tmp:
+                rejected.save(tmp, format="PNG")
             rows.append({"prompt": task.prompt, "chosen": good, "rejected": bad, "margin": round(margin, 4),
                          "task": task.to_dict()})
     with atomic_path(out / "pairs.jsonl") as tmp:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from flowalign.ema import EMA
-from flowalign.io import atomic_dir, check_out_dir
+from flowalign.io import atomic_dir, atomic_path, check_out_dir
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -65,16 +65,19 @@ def save_sheet(samples: torch.Tensor, png: Path, cols: int = 8) -> None:
         rows = math.ceil(len(v) / cols)
         pad = np.full((rows * cols - len(v), *v.shape[1:]), 255, np.uint8)
         tiles = np.concatenate([v, pad]).reshape(rows, cols, *v.shape[1:])
-        Image.fromarray(np.concatenate([np.concatenate(list(row), axis=1) for row in tiles], axis=0)).save(png)
+        with atomic_path(png) as tmp:
+            Image.fromarray(np.concatenate([np.concatenate(list(row), axis=1) for row in tiles], axis=0)).save(tmp, format="PNG")
         return
-    Image.fromarray(np.concatenate([np.concatenate(list(clip), axis=1) for clip in v], axis=0)).save(png)
+    with atomic_path(png) as tmp:
+        Image.fromarray(np.concatenate([np.concatenate(list(clip), axis=1) for clip in v], axis=0)).save(tmp, format="PNG")
     n, f, h, w, _ = v.shape
     rows = math.ceil(n / 4)
     pad = np.full((rows * 4 - n, f, h, w, 3), 255, np.uint8)
     frames = np.concatenate([v, pad]).reshape(rows, 4, f, h, w, 3).transpose(2, 0, 3, 1, 4, 5)
     frames = frames.reshape(f, rows * h, 4 * w, 3).repeat(2, axis=1).repeat(2, axis=2)  # 2x: a 32 px clip is visible
-    Image.fromarray(frames[0]).save(png.with_suffix(".gif"), save_all=True,
-                                    append_images=[Image.fromarray(x) for x in frames[1:]], duration=125, loop=0)
+    with atomic_path(png.with_suffix(".gif")) as tmp:
+        Image.fromarray(frames[0]).save(tmp, format="GIF", save_all=True,
+                                        append_images=[Image.fromarray(x) for x in frames[1:]], duration=125, loop=0)
 
 
 def sample_prompts(folder: Path, prompts: list[str], png: Path) -> None:
@@ -83,7 +86,8 @@ def sample_prompts(folder: Path, prompts: list[str], png: Path) -> None:
     from flowalign.evaluation import sample_seeded
 
     save_sheet(sample_seeded(pipelines.load(folder), prompts, seed=0, progress=False), png)
-    png.with_suffix(".txt").write_text("\n".join(prompts) + "\n")
+    with atomic_path(png.with_suffix(".txt")) as tmp:
+        tmp.write_text("\n".join(prompts) + "\n")
 
 
 def evaluate_levels(folder: Path, bench: str, levels: tuple[str, ...], n: int, out: Path) -> dict:

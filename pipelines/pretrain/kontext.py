@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from flowalign.cli.common import add_number
 from flowalign.limits import MAX_BATCH, MAX_LAYERS
 from flowalign.errors import UserError
+from flowalign.io import atomic_path
 from pipelines._common import latent_image_ids, pack_2x2
 
 log = logging.getLogger("flowalign.pretrain")
@@ -257,4 +258,5 @@ def demo(folder: Path, data: dict, args: argparse.Namespace, out: Path) -> None:
                             metadata=[{"image": image} for image in source])
     png = out / "samples_train_pairs.png"
     save_sheet(torch.stack([x for triple in zip(source, samples, target) for x in triple]), png, cols=6)
-    png.with_suffix(".txt").write_text("\n".join(prompts) + "\n")
+    with atomic_path(png.with_suffix(".txt")) as tmp:
+        tmp.write_text("\n".join(prompts) + "\n")

@@ -25,6 +25,7 @@ import torch
 from flowalign import checkpoint as ckpt
 from flowalign.budget import Budget
 from flowalign.ema import EMA
+from flowalign.io import atomic_path
 from flowalign.logger import RunLogger
 
 log = logging.getLogger("flowalign.pretrain")
@@ -147,7 +148,8 @@ def run_stage(stage: Stage, loss_fn: LossFn, lr_at: LRSchedule, *, resume: bool)
         if step % stage.save_every == 0:
             stage.save(step, budget, restart)
     stage.save(step, budget, restart)
-    (stage.folder / "DONE").write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
+    with atomic_path(stage.folder / "DONE") as tmp:
+        tmp.write_text(json.dumps({"step": step, "minutes": budget.elapsed / 60}) + "\n")
     log.info("%s: done, %d steps in %.1f min", stage.name, step, budget.elapsed / 60)
     return step
 
