@@ -52,13 +52,12 @@ FIT.update({name: VIDEO for name in ("afd_motion", "ar_copo_motion", "kvpo_motio
 FIT["flash_grpo_motion"] = (*VIDEO, *FOUR_STEPS)
 FIT["afd_motion"] = (*VIDEO, "trainer.teacher.num_steps=2")
 #: the two that failed on CUDA, the GRPO family's loss paths they share, a video recipe (~1-3 s each), the
-#: pair trainers (their conditioning is picked by index lists) and KVPO (its gradient passes the video
-#: model's complex rotary embedding). Also stepping here when listed: awm, dance_grpo, diffusion_dpo,
+#: pair trainers and Self-OPD (their conditioning is picked by index lists) and KVPO (its gradient passes the
+#: video model's complex rotary embedding). Also stepping here when listed: awm, dance_grpo, diffusion_dpo,
 #: diffusion_nft, festdpo, mix_grpo, pd_grpo, pref_grpo, seppo, tempflow_grpo, rg_opd, core, afd, ar_copo
-#: (some at 15-40 s). Not yet: self_opd's samples score non-finite; diffusion_opsd and fav need a
-#: differentiable reward.
+#: (some at 15-40 s). Not yet: diffusion_opsd and fav need a differentiable reward.
 RECIPES = ["dgpo_vvr", "gardo_vvr", "flow_grpo_vvr", "grpo_guard_vvr", "flash_grpo_vvr", "flow_grpo_motion",
-           "sft_vvr", "soar_vvr", "kvpo_motion"]
+           "sft_vvr", "soar_vvr", "self_opd_vvr", "kvpo_motion"]
 #: recipes whose step is also taken on the CPU and compared: the device must change no number, only where
 #: tensors live (the fake device once picked garbage rows for an index list, and dropped the conjugation in
 #: the rotary embedding's gradient, so a finite loss alone did not show it)
