@@ -28,7 +28,13 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
   bytes alive at once; only what exceeds the update's activations and gradients is added (the two
   phases do not overlap). Wan's causal video decoder in float32 keeps two frames of every convolution's
   input: 15.6 GB for 2 videos at 480×832×9, more than its checkpointed training pass. Families whose
-  transformer reads packed or conditioned latents are not sized here (0).
+  transformer reads packed or conditioned latents are not sized here (0). A trainer that runs passes
+  with a copy of the trained tensors swapped into the live parameters (a snapshot, behaviour weights,
+  a teacher adapter: :func:`flowalign.trainers.copies.swaps_in`; EMA weights at evaluation) holds the
+  live values on the device meanwhile, one more copy of the trained tensors (per rank, sharded under
+  fsdp, whether the swapped copy itself lives on the device or in CPU memory). Those passes run outside
+  the update, while the gradients are freed, so the live copy takes the gradients' place: it adds to
+  the sampling peak (rollouts and their decoding may run under it), and to nothing else.
 - rollouts: a step's ``prompts_per_step × group_size`` samples on this rank stay on the GPU until its
   update is done, each with its trajectory of ``num_steps + 1`` float32 latents, its log-probabilities
   (``num_steps`` floats, kept in CPU memory by the sampler: counted anyway, they are small), the velocities
@@ -62,7 +68,7 @@ from flowalign.config import TrainConfig
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
 from flowalign.trainers import trainer_config
-from flowalign.trainers.copies import device_copies, device_own_params
+from flowalign.trainers.copies import device_copies, device_own_params, swaps_in
 
 GB = 1e9
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -152,6 +158,9 @@ class Settings:
     stored_velocities: float = 0.0
     #: parameters of networks of the trainer's own on the device (a critic), trained in float32 with Adam
     own_params: int = 0
+    #: whether passes run with other trained tensors swapped into the live parameters, which keeps a copy
+    #: of the live ones on the device (:func:`flowalign.weight_swap.swapped_in`)
+    swapped_in: bool = False
 
     @property
     def samples(self) -> int:
@@ -222,7 +231,8 @@ def planning_folder(model_path: str, config_path: str | Path | None, path_given:
 
 
 def lora_parameters(module: nn.Module, targets: list[str], rank: int) -> int:
-    """Parameters a LoRA of ``rank`` adds on the linear layers named by ``targets`` (peft's suffix match)."""
+    """Parameters a LoRA of ``rank`` adds on the linear layers named by ``targets`` (peft's match: a module's
+    full name, or its suffix after a dot)."""
     total = 0
     for name, m in module.named_modules():
         if isinstance(m, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
@@ -429,9 +439,15 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     transformer = models["transformer"]  # one step's forward runs one of the trained models
     blocks = block_modules(transformer)
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    lora_targets: dict[str, list[str]] = {}
     if cfg.model.finetune == "lora":
-        targets = cfg.model.lora.target_modules or list(spec.lora_targets)
-        trained = {c: lora_parameters(models[c], targets, cfg.model.lora.rank) for c in names}
+        from pipelines.lora import block_targets
+
+        targets = list(cfg.model.lora.target_modules or spec.lora_targets)
+        # shallow LoRA (model.lora.blocks): the adapter only on the chosen blocks' layers, named as the
+        # policies name them to peft; a choice that fits no block is the policies' own one-line error
+        lora_targets = {c: block_targets(models[c], targets, cfg.model.lora.blocks) for c in names}
+        trained = {c: lora_parameters(models[c], lora_targets[c], cfg.model.lora.rank) for c in names}
     else:
         trained = {c: params[c] for c in names}
     largest = max((sum(p.numel() for p in b.parameters()) for c in names for b in block_modules(models[c])), default=0)
@@ -451,12 +467,12 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
         spec.transformer_inputs(transformer.config, rows, size, dtype=dtype)
     lora = None
     if cfg.model.finetune == "lora":
-        lora = (tuple(cfg.model.lora.target_modules or spec.lora_targets), cfg.model.lora.rank, cfg.model.lora.alpha)
+        lora = (tuple(lora_targets.get("transformer", targets)), cfg.model.lora.rank, cfg.model.lora.alpha)
     key = (*_forward_key(transformer, inputs), lora)
     act = _FORWARDS.get(key)
     if act is None and lora is not None:
         if not sum(trained.values()):
-            raise UserError(f"model.lora.target_modules {list(lora[0])} match no linear layer of the {spec.name} "
+            raise UserError(f"model.lora.target_modules {list(targets)} match no linear layer of the {spec.name} "
                             f"transformer: name its attention projections (default {list(spec.lora_targets)})")
         add_lora_on_meta(transformer, list(lora[0]), lora[1], lora[2])
     try:
@@ -547,6 +563,8 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
     lora = model.trainable * 4 if s.finetune == "lora" else 0
     activations = s.batch_size * model.activations.per_rank(s.gradient_checkpointing, s.sequence_parallel)
     gradients = model.trainable * train_bytes / n
+    # what swapped_in keeps of the live trained tensors (this rank's shards), outside the update
+    swapped = model.trainable * train_bytes / n if s.swapped_in else 0.0
     return {
         "weights (trained model)": (base + lora) / n * on_gpu + gathered,
         "gradients": gradients,
@@ -557,8 +575,9 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
                                           for k, v in model.params.items() if k not in model.trained
                                           and not (s.offload_text_encoders and k.startswith("text_encoder"))),
         "activations": activations,
-        # sampling's peak: decoding a chunk while the gradients are freed (the optimiser's state stays)
-        "VAE decode, above the update's peak": max(0.0, model.decode - activations - gradients),
+        # sampling's peak: decoding a chunk, under swapped-in weights with the live ones kept, while the
+        # gradients are freed (the optimiser's state stays)
+        "sampling, above the update's peak": max(0.0, model.decode + swapped - activations - gradients),
         "rollouts of the step": s.rollout_bytes(model.rollout),
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,
     }
@@ -611,13 +630,15 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = N
     prompts, group, steps = trainer.rollouts_per_step(tcfg)
     extra = device_copies(copies, "trained") + int(tcfg.ema_decay > 0)
     stored = float(trainer.keeps_velocities(tcfg))
+    # the EMA's weights are swapped in for evaluation, which samples and decodes too
+    swapped = swaps_in(copies) or tcfg.ema_decay > 0
     if not trainer.grads_through_unconditional(tcfg) and model is not None and model.cfg_doubles:
         stored += BYTES[cfg.model.dtype] / 4  # CFG's unconditional branch, in the model's dtype
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
                     cfg.model.gradient_checkpointing, trainer.training_batch(tcfg), extra, device_copies(copies, "model"),
                     cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel,
                     prompts_per_step=prompts, group_size=group, num_steps=steps, stored_velocities=stored,
-                    own_params=device_own_params(copies))
+                    own_params=device_own_params(copies), swapped_in=swapped)
 
 
 def human(n: float, unit: str = "") -> str:

@@ -3,6 +3,12 @@
 A trainer lists them in :meth:`flowalign.trainers.base.GroupTrainer.weight_copies`; the loop reads the
 list to keep a full fine-tune's frozen reference (and where: device or CPU memory), and ``flowalign plan``
 reads the same list to count their memory, so what is planned is what is allocated.
+
+A copy of the trained tensors other than the loop's reference (a snapshot, behaviour weights, a teacher
+adapter) is run the only way the one policy can run other trained tensors: copied into the live
+parameters by :func:`flowalign.weight_swap.swapped_in`, which keeps the live values meanwhile, one more
+device copy of the trained tensors, wherever the copy itself lives (:func:`swaps_in`). The reference is
+not: its passes run the frozen modules in the trained ones' place (``policy.adapter_disabled()``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,12 @@ def device_copies(copies: list[WeightCopy], size: str) -> int:
 def device_own_params(copies: list[WeightCopy]) -> int:
     """Parameters of the trainer's own networks on the device."""
     return sum(c.count * c.params for c in copies if c.size == "own" and not c.offloaded)
+
+
+def swaps_in(copies: list[WeightCopy]) -> bool:
+    """Whether the trainer runs passes with a copy of the trained tensors swapped into the live parameters
+    (every ``trained`` copy but the reference), holding a device copy of the live ones during them."""
+    return any(c.size == "trained" and c.kind != "reference" and c.count > 0 for c in copies)
 
 
 def keeps_reference(copies: list[WeightCopy]) -> WeightCopy | None:

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 import torch
+import torch.utils._python_dispatch
+import torch.utils._pytree
 
 from dataclasses import replace
 
@@ -18,7 +20,7 @@ from flowalign.cli.main import main
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
-from flowalign.plan import (CALIBRATION, GB, build_on_meta, inspect_model, lora_parameters, memory_rows, plan_text,
+from flowalign.plan import (BYTES, CALIBRATION, GB, build_on_meta, inspect_model, lora_parameters, memory_rows, plan_text,
                             predicted_rows, settings, smallest_fix)
 
 ARCH = REPO_ROOT / "assets" / "architectures"
@@ -349,3 +351,100 @@ def test_the_plan_says_what_its_estimate_is_calibrated_on(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert CALIBRATION in lines and lines.index(CALIBRATION) == next(i for i, l in enumerate(lines) if l.startswith("  total")) + 1
     assert "H200" in CALIBRATION and "docs/performance.md" in CALIBRATION
+
+
+@pytest.mark.parametrize("family,blocks", [("sd3", "last:1"), ("sd3", [0]), ("flux", "last:1")])
+def test_a_shallow_lora_counts_the_adapter_on_its_blocks_only(tiny_model_dir, family, blocks):
+    """With ``model.lora.blocks`` the plan's trained parameters are those of the adapter the policy really
+    adds (peft on the chosen blocks' layers), fewer than an adapter on every block; its meta forward saves
+    what the real shallow adapter's forward saves (a frozen block keeps no float32 input copy)."""
+    import pipelines
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    from flowalign.parallel import block_modules
+    from flowalign.plan import saved_activation_bytes
+    from pipelines.lora import setup_training
+    from pipelines import flux, sd3
+    from pipelines.memory import transformer_inputs
+
+    folder, size = tiny_model_dir(family), {"height": 64, "width": 64, "max_sequence_length": 16}
+    common = [f"model.path={folder}", "trainer.batch_size=2", "trainer.guidance_scale=1", f"model.defaults={json.dumps(size)}",
+              "model.dtype=bf16", "model.lora.rank=4", "model.lora.alpha=8"]
+    shallow = inspect_model(load_config(None, [*common, f"model.lora.blocks={json.dumps(blocks)}"]), folder)
+    every = inspect_model(load_config(None, common), folder)
+    policy = pipelines.load(folder, lora={"rank": 4, "alpha": 8, "blocks": blocks})
+    real = sum(p.numel() for p in policy.trainable.parameters() if p.requires_grad)
+    assert shallow.trainable == real and 0 < real < every.trainable
+    assert every.trainable == sum(p.numel() for p in pipelines.load(folder, lora={"rank": 4, "alpha": 8})
+                                  .trainable.parameters() if p.requires_grad)
+    cls, targets = {"sd3": (SD3Transformer2DModel, sd3.DEFAULT_LORA_TARGETS),
+                    "flux": (FluxTransformer2DModel, flux.DEFAULT_LORA_TARGETS)}[family]
+    transformer = cls.from_pretrained(folder / "transformer").to(torch.bfloat16)
+    setup_training(transformer, lora={"rank": 4, "alpha": 8, "blocks": blocks}, full_finetune=False,
+                   default_targets=list(targets))
+    saved = saved_activation_bytes(transformer, block_modules(transformer),
+                                   transformer_inputs(family, transformer.config, 2, size, device="cpu", dtype=torch.bfloat16))
+    assert 2 * shallow.activations.in_blocks == pytest.approx(saved.in_blocks, rel=0.01)
+    assert shallow.activations.in_blocks < every.activations.in_blocks
+
+
+@pytest.mark.parametrize("recipe,overrides,swaps", [
+    ("flow_grpo_vvr", ("trainer.ema_decay=0",), False),  # the KL reference is the adapter switched off
+    ("flow_grpo_vvr", ("trainer.ema_decay=0", "model.finetune=full", "trainer.beta=0.04"), False),  # frozen modules
+    ("flow_grpo_vvr", ("trainer.ema_decay=0.9",), True),  # evaluation samples with the EMA's weights
+    ("diffusion_nft_vvr", ("trainer.ema_decay=0",), True),  # behaviour weights sample the rollouts
+    ("gardo_vvr", ("trainer.ema_decay=0",), True),  # its KL reference is a snapshot
+    ("seppo_vvr", ("trainer.ema_decay=0",), True),  # its reference checkpoints sample the losing side
+    ("flow_opd_vvr", ("trainer.ema_decay=0",), True),  # the teachers' adapters
+])
+def test_plan_knows_which_trainers_swap_weights_into_the_live_parameters(recipe, overrides, swaps):
+    cfg = load_config(REPO_ROOT / "configs" / "tiny" / f"{recipe}.yaml", list(overrides))
+    assert settings(cfg, "ddp", 1).swapped_in is swaps
+
+
+class _NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the storages the ops run inside it make (an in-place copy or a view makes none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_plan_counts_the_live_weights_swapped_in_keeps_during_sampling(finetune, tmp_path, monkeypatch):
+    """DiffusionNFT samples with its behaviour weights swapped into the live parameters: ``swapped_in`` then
+    holds a copy of the live trained tensors, measured here on the tiny recipe's trainer, which the plan
+    adds to the sampling peak (decoding runs under it) and nowhere else: the gradients are freed then, so
+    while the decode is below the update's peak the copy changes nothing."""
+    from flowalign.train import build_trainer
+    from tests.tiny_recipes import one_step
+
+    monkeypatch.chdir(REPO_ROOT)
+    recipe = REPO_ROOT / "configs" / "tiny" / "diffusion_nft_vvr.yaml"
+    cfg = load_config(recipe, [*one_step(recipe, tmp_path / "run"), f"model.finetune={finetune}", "trainer.ema_decay=0"])
+    trainer = build_trainer(cfg)
+    with _NewStorages() as new, trainer.behaviour.swapped_in():
+        pass
+    model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
+    s = settings(cfg, "ddp", 1, model)
+    assert s.swapped_in and new.bytes == model.trainable * (4 if finetune == "lora" else BYTES[cfg.model.dtype]) > 0
+    row = "sampling, above the update's peak"
+    plain, swapping = replace(s, swapped_in=False), s
+    below = replace(model, decode=0.0)
+    assert memory_rows(below, swapping) == memory_rows(below, plain)
+    above = replace(model, decode=10 * GB)
+    assert memory_rows(above, swapping)[row] - memory_rows(above, plain)[row] == pytest.approx(new.bytes)
+    others = {k: v for k, v in memory_rows(above, swapping).items() if k != row}
+    assert others == {k: v for k, v in memory_rows(above, plain).items() if k != row}
+    # under fsdp each rank keeps its shards' live values
+    sharded = {sw: memory_rows(above, replace(s, strategy="fsdp", gpus=4, swapped_in=sw))[row] for sw in (True, False)}
+    assert sharded[True] - sharded[False] == pytest.approx(new.bytes / 4)
