@@ -1,12 +1,16 @@
-"""RGS: reward-guided sampling with a latent reward, no training (``docs/methods/latent_registers.md``) [derived].
+"""RGS: reward-guided sampling with a latent reward, no training (``docs/methods/latent_registers.md``).
 
-Each step the velocity is bent against the reward gradient with its size tied to the velocity's own:
+Guanys-dar/latent-reward-register's step (``guidance.py`` @ c22b65e, ``RewardGradientGuidance.correction``),
+written on the velocity. Each guided step adds to the sampler's own next state
 
-    g = ∇_x r_ψ(x_σ, σ, c)          v_c = v − κ·‖v‖·g/‖g‖          x ← x + (σ' − σ)·v_c
+    Δ = x_next − x = (σ' − σ)·v       c = s·rms(Δ)·g/rms(g)       x_next ← x_next + c
 
-Moving toward data goes along −v, so subtracting ``g`` climbs the reward. ``‖v_c − v‖ = κ‖v‖`` exactly
-(per sample), and κ = 0 returns ``v`` itself, so the sampler is reproduced bit for bit. An optional
-σ window ``(σ_lo, σ_hi)`` guides only the steps whose σ lies inside it.
+with ``g = ∇_x r_ψ(x_σ, σ, c)``, ``c`` dropped for a sample whose ``rms(g) ≤ 1e-6`` and clipped to
+``2·s·rms(Δ)`` (rms per sample over every element). Because ``σ' < σ``, that is the velocity
+``v_c = v − s·rms(v)·g/rms(g)`` (:func:`guide_velocity`): moving toward data goes along −v, so subtracting
+``g`` climbs the reward, ``‖v_c − v‖ = s‖v‖`` per sample, and s = 0 returns ``v`` itself (plain sampling bit
+for bit). An optional σ window ``(σ_lo, σ_hi)`` guides only the steps whose σ lies inside it (the authors
+gate with σ bands instead, ``σ > threshold``; see the method page).
 
 The reward is anything with the :class:`~flowalign.protocols.LatentReward` protocol; this core module
 never imports a concrete reward. :func:`load_latent_reward` finds one from its folder's ``config.json``
@@ -27,26 +31,65 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, LatentReward
 
+#: a sample whose reward gradient has rms at most this gets no correction (the authors' ``min_gradient_rms``)
+MIN_GRADIENT_RMS = 1e-6
+#: the correction's rms is clipped to this times ``s·rms(base)`` (the authors' ``max_scale_factor``)
+MAX_SCALE_FACTOR = 2.0
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    """float32, or float64 when given float64 (the known-answer tests run in float64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
 
 def reward_gradient(reward: LatentReward, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(∇_x r(x, σ, c), r)``: ``(B, ...)`` float32 and ``(B,)``; gradient w.r.t. the input only."""
+    """``(∇_x r(x, σ, c), r)``: ``(B, ...)`` and ``(B,)``, float32 (float64 for float64 ``x``); gradient with
+    respect to the input only (the register's ``score_and_grad``: autograd of ``r.sum()``)."""
+    dtype = _work_dtype(x)
     with torch.enable_grad():
-        x_in = x.detach().float().requires_grad_(True)
+        x_in = x.detach().to(dtype).requires_grad_(True)
         score = reward.score(x_in, sigma, cond)
         (grad,) = torch.autograd.grad(score.sum(), x_in)
-    return grad.float(), score.detach().float()
+    return grad.to(dtype), score.detach().to(dtype)
+
+
+def per_sample_rms(t: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: the root mean square of each sample of ``t`` ``(B, ...)``."""
+    return t.square().reshape(t.shape[0], -1).mean(dim=1).sqrt()
+
+
+def unit_rms(t: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``t / rms(t)`` per sample, ``(B, ...)``: the authors' per-head normalisation (``combine``) of a reward
+    gradient before the correction (so their ``min_gradient_rms`` gate acts only on an all-but-zero
+    gradient, ``rms(g) < 1e-12``)."""
+    return t / per_sample_rms(t).clamp_min(eps).view(t.shape[0], *([1] * (t.ndim - 1)))
+
+
+def reward_correction(base: torch.Tensor, grad: torch.Tensor, scale: float, eps: float = 1e-12) -> torch.Tensor:
+    """``s·rms(base)·g/rms(g)`` per sample, ``(B, ...)``: zero for a sample with ``rms(g) ≤ 1e-6``, its rms
+    clipped to ``2·s·rms(base)`` (the authors' ``correction``, ``base`` standing for their ``base_next − x``:
+    the correction is the same whether ``base`` is that step or its velocity, up to the step's sign).
+    ``grad``: the combined gradient (:func:`unit_rms` of the reward's)."""
+    dtype = _work_dtype(base)
+    base, grad = base.to(dtype), grad.to(dtype)
+    shape = (base.shape[0], *([1] * (base.ndim - 1)))
+    base_rms = per_sample_rms(base).clamp_min(eps)
+    grad_rms = per_sample_rms(grad)
+    applied = (grad_rms > MIN_GRADIENT_RMS).to(dtype)
+    correction = grad / grad_rms.clamp_min(eps).view(shape) * (scale * base_rms * applied).view(shape)
+    maximum = MAX_SCALE_FACTOR * scale * base_rms
+    clip = torch.minimum(torch.ones_like(base_rms), maximum / per_sample_rms(correction).clamp_min(eps))
+    return correction * clip.view(shape)
 
 
 def guide_velocity(v: torch.Tensor, grad: torch.Tensor, scale: float, eps: float = 1e-12) -> torch.Tensor:
-    """``v − κ‖v‖·g/‖g‖`` per sample, ``(B, ...)``; ``v`` unchanged (the same tensor) when κ = 0."""
+    """``v − s·rms(v)·g/rms(g)`` per sample (:func:`reward_correction` of :func:`unit_rms` ``g``, as the
+    authors' teacher combines its one head), ``(B, ...)``; ``v`` unchanged (the same
+    tensor) when s = 0. With ``Δ = (σ' − σ)·v``, ``x + (σ' − σ)·v_c`` is the authors' ``x + Δ + c(Δ)``."""
     if scale == 0:
         return v
-    b = v.shape[0]
-    v_norm = v.float().reshape(b, -1).norm(dim=1)
-    g_norm = grad.float().reshape(b, -1).norm(dim=1).clamp_min(eps)
-    factor = (scale * v_norm / g_norm).view(b, *([1] * (v.ndim - 1)))
-    return v.float() - factor * grad.float()
+    return v.to(_work_dtype(v)) - reward_correction(v, unit_rms(grad.to(_work_dtype(v)), eps), scale, eps)
 
 
 @dataclass

@@ -1,29 +1,33 @@
-"""RG-OPD: reward-gradient on-policy distillation, with CoRe reward refits (``docs/methods/latent_registers.md``).
+"""RG-OPD: reward-gradient on-policy distillation, with CoRe reward refits (``docs/methods/rg_opd.md``).
 
-[derived from the abstracts] Each step, per visited state ``(x_σ, σ)`` of an ODE rollout of θ_old:
+Guanys-dar/latent-reward-register's training unit (``rgopd.py`` @ 16028b7, ``guidance.py`` @ c22b65e,
+``rollout.py``, ``teacher.py``, ``flowmatch.py``). Each step θ_old rolls out with the ODE sampler; at each
+visited state ``(x_σ, σ)`` of the first ``optimized_steps`` steps (default: all but the last, their 9 of 10):
 
-    g  = ∇_x r_ψ(x_σ, σ, c)                        (latent reward frozen; gradient w.r.t. the input)
-    λ  = κ‖v_old‖ / (‖g‖ + 1e-8)                     (magnitude match, per sample)
-    v* = sg(v_old − λ·g)                             (toward data is −v: subtracting g climbs r_ψ)
-    L  = mean‖v_θ − v*‖²  (+ anchor_weight·mean‖v_θ − v_ref‖²)
+    v_b = v_ref(x_σ)  (the frozen starting weights: their ``anchor: frozen_reference``; or θ_old's, ``target_base``)
+    g   = ∇_x r_ψ(x_σ, σ, c)                          only where σ > active_sigma_min (else v* = v_b)
+    v*  = sg(v_b − κ·rms(v_b)·g/rms(g))                (``flowalign.sampling.guidance.reward_correction``)
+    L   = mean((x + dt·v_θ − (x + dt·v*))²) / 2        dt = σ' − σ: their ``rgopd_loss`` on the Euler step's
+                                                       next state, unit transition std (``loss_space``)
+       (+ anchor_weight·mean‖v_θ − v_ref‖², not in their code; 0 by default)
 
-K inner optimiser steps from θ = θ_old, then θ_old ← θ (the next step rolls out with the new weights).
+One optimiser step per visited-state index over the whole rollout batch, in trajectory order (their
+rollout loop; ``updates: per_batch`` puts every state in one step), ``inner_steps`` passes.
 
-CoRe (``trainer.core``): every ``core.every`` steps the registers are refit with
+CoRe (``trainer.core``, not in their code): every ``core.every`` steps the registers are refit with
 ``L_RM = L_BT(real pairs) + μ·L_BT(generated pairs) + anchor_weight·mean(r_ψ − r_ψ,prev)²``, so the generator
 cannot walk off the latent reward's support. The generated pairs are the generator's own samples of the
 last ``core.buffer_steps`` steps, paired within prompt groups by the pixel reward in ``rewards:``.
 The loop is the shared one; the hooks: ODE rollouts keeping their velocities (``sampling``), the latent
-score logged (``collect``), the targets built once per batch and K optimiser steps on them (``plan``,
+score logged (``collect``), the targets built once per batch and the optimiser steps on them (``plan``,
 ``loss``), the CoRe refit (``finish``), and the refit reward and pair buffer as the trainer's state.
 """
-
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -31,15 +35,33 @@ from pydantic import Field, field_validator, model_validator
 
 from flowalign.config import Section
 from flowalign.errors import UserError
-from flowalign.trainers.options import ReferenceOptions
-from flowalign.trainers.parts.latent_preference import PreferencePairs, fit
-from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
+from flowalign.limits import (
+    MAX_BATCH,
+    MAX_COEFFICIENT,
+    MAX_GROUP_SIZE,
+    MAX_LR,
+    MAX_SAMPLING_STEPS,
+    MAX_TRAIN_STEPS,
+    MAX_UPDATES,
+)
 from flowalign.paths import REPO_ROOT
 from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
-from flowalign.sampling.guidance import latent_reward_sizes
-from flowalign.trainers.base import GroupTrainer, Plan, Sampling, StepBatch, derived_seed
+from flowalign.sampling.guidance import (
+    latent_reward_sizes,
+    per_sample_rms,
+    reward_correction,
+    unit_rms,
+)
+from flowalign.trainers.base import (
+    GroupTrainer,
+    Plan,
+    Sampling,
+    StepBatch,
+    derived_seed,
+)
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.options import RolloutOptions, TrainerConfig
+from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
+from flowalign.trainers.parts.latent_preference import PreferencePairs, fit
 from flowalign.trainers.parts.rewarded_rollouts import rewarded_rollouts
 
 
@@ -76,20 +98,35 @@ class CoReConfig(Section):
 class RGOPDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
     """The loop's group rollouts (their rewards are logged and label CoRe's pairs; no advantages)."""
 
-    refused = {"anchor": "RG-OPD's anchor weight is now trainer.anchor_weight (same meaning, the name Flow-OPD "
+    refused: ClassVar[dict[str, str]] = {"anchor": "RG-OPD's anchor weight is now trainer.anchor_weight (same meaning, the name Flow-OPD "
                          "gives its anchor term's weight)"}
 
     name: Literal["rg_opd"] = "rg_opd"
     #: latent reward folder (flowalign train-reward)
     latent_reward: str
-    #: κ: the target moves each velocity by κ‖v_old‖ along −∇r
-    kappa: float = Field(0.05, ge=0, le=MAX_COEFFICIENT)
-    #: K optimiser steps on one rollout batch before θ_old ← θ
+    #: κ, the authors' ``reward_scale``: the target moves each velocity by κ·rms(v_b) along −∇r (their SD3
+    #: preset 0.4, FLUX 0.8)
+    kappa: float = Field(0.4, ge=0, le=MAX_COEFFICIENT)
+    #: the velocity the reward correction is added to: ``reference`` the frozen starting weights (the adapter
+    #: switched off, or a full fine-tune's frozen copy; the authors' ``anchor: frozen_reference``), or
+    #: ``rollout`` θ_old's velocity kept from the rollout
+    target_base: Literal["reference", "rollout"] = "reference"
+    #: the reward corrects the target only where σ > this (the authors' ``active_sigma_min`` 0.2; 0: every step)
+    active_sigma_min: float = Field(0.2, ge=0, le=1)
+    #: ``transition``: mean((dt·(v_θ − v*))²)/2, the authors' loss on the Euler step's next state;
+    #: ``velocity``: mean(v_θ − v*)²
+    loss_space: Literal["transition", "velocity"] = "transition"
+    #: distil the first N rollout steps (default: all but the last, the authors' 9 of 10)
+    optimized_steps: int | None = Field(None, ge=1, le=MAX_SAMPLING_STEPS)
+    #: ``per_state``: one optimiser step per visited-state index over the whole batch, in trajectory order
+    #: (the authors' loop); ``per_batch``: every visited state in one optimiser step
+    updates: Literal["per_state", "per_batch"] = "per_state"
+    #: passes of the plan's optimiser steps on one rollout batch before θ_old ← θ
     inner_steps: int = Field(1, ge=1, le=MAX_UPDATES)
-    #: visited states distilled per chunk: a random subset of this many rollout steps (0: every step)
+    #: visited states distilled per chunk: a random subset of this many optimised steps (0: every one)
     steps_per_chunk: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
-    #: weight of mean‖v_θ − v_ref‖² to the starting weights (the adapter switched off, or a full fine-tune's
-    #: frozen copy; the paper's 1e-4)
+    #: weight of a separate mean‖v_θ − v_ref‖² to the starting weights (not in the authors' code, whose
+    #: anchor is ``target_base: reference``)
     anchor_weight: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     core: CoReConfig | None = None
     group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE)
@@ -110,31 +147,45 @@ def reward_folder(path: str) -> Path:
     return p
 
 
-def distillation_target(v_old: torch.Tensor, grad: torch.Tensor, kappa: float) -> torch.Tensor:
-    """``v* = sg(v_old − λ·g)`` with ``λ = κ‖v_old‖/(‖g‖+1e-8)`` per sample; ``(B, ...)`` float32."""
-    b = v_old.shape[0]
-    lam = kappa * v_old.float().reshape(b, -1).norm(dim=1) / (grad.float().reshape(b, -1).norm(dim=1) + 1e-8)
-    return (v_old.float() - lam.view(b, *([1] * (v_old.ndim - 1))) * grad.float()).detach()
+def distillation_target(v_base: torch.Tensor, grad: torch.Tensor, kappa: float) -> torch.Tensor:
+    """``v* = sg(v_b − κ·rms(v_b)·ĝ)``, ``ĝ = g/rms(g)`` per sample (the authors' one-head ``combine``, then
+    their gated and clipped ``correction``), ``(B, ...)``
+    float32 (float64 for float64 inputs). ``x + dt·v*`` is their ``build_rgopd_target`` (dt < 0)."""
+    if kappa == 0:
+        return v_base.to(torch.promote_types(v_base.dtype, torch.float32)).detach()
+    dtype = torch.promote_types(v_base.dtype, torch.float32)
+    return (v_base.to(dtype) - reward_correction(v_base, unit_rms(grad.to(dtype)), kappa)).detach()
 
 
-def rg_opd_loss(v_theta: torch.Tensor, v_star: torch.Tensor, v_ref: torch.Tensor | None = None,
+def reward_active(sigma: float, kappa: float, active_sigma_min: float) -> bool:
+    """Whether the reward corrects the target at ``σ``: the authors' one-band schedule, κ for σ above the
+    threshold, else 0 (and then the reward is not evaluated)."""
+    return kappa > 0 and sigma > active_sigma_min
+
+
+def rg_opd_loss(v_theta: torch.Tensor, v_star: torch.Tensor, dt: float | None = None, v_ref: torch.Tensor | None = None,
                 anchor_weight: float = 0.0) -> torch.Tensor:
-    """``mean‖v_θ − v*‖² (+ anchor_weight·mean‖v_θ − v_ref‖²)`` (scalar; means over every element)."""
-    loss = ((v_theta.float() - v_star) ** 2).mean()
+    """Scalar. ``dt`` given: ``mean((dt·(v_θ − v*))²)/2``, the authors' ``rgopd_loss`` between the Euler step's
+    next states ``x + dt·v_θ`` and ``x + dt·v*`` with unit transition std; ``dt`` None: ``mean(v_θ − v*)²``.
+    Plus ``anchor_weight·mean(v_θ − v_ref)²`` when given. Means over every element."""
+    dtype = torch.promote_types(v_theta.dtype, torch.float32)
+    diff = v_theta.to(dtype) - v_star.to(dtype)
+    loss = (diff ** 2).mean() if dt is None else ((dt * diff) ** 2).mean() / 2
     if v_ref is not None and anchor_weight > 0:
-        loss = loss + anchor_weight * ((v_theta.float() - v_ref.float()) ** 2).mean()
+        loss = loss + anchor_weight * ((v_theta.to(dtype) - v_ref.to(dtype)) ** 2).mean()
     return loss
 
 
 @dataclass(frozen=True)
 class DistilUnit:
-    """Rollout batch ``chunk`` at visited step ``k`` with its fixed target ``v*``; one of ``of`` units of
-    an optimiser step."""
+    """Rollout batch ``chunk`` at visited step ``k`` (step size ``dt = σ_{k+1} − σ_k``) with its fixed target
+    ``v*``; one of ``of`` units of an optimiser step."""
 
     chunk: int
     k: int
     target: torch.Tensor
     of: int
+    dt: float
 
 
 class RGOPDTrainer(GroupTrainer):
@@ -151,7 +202,8 @@ class RGOPDTrainer(GroupTrainer):
         """The anchor's ``v_ref`` under full fine-tuning comes from a frozen copy of the starting weights; the
         latent reward holds its own network (refitted by CoRe) and may load its own frozen transformer (read
         from its folder's headers; a folder not there yet declares none, and the run refuses it)."""
-        reference = full_reference(tcfg) if tcfg.anchor_weight > 0 and cfg.model.finetune == "full" else []
+        uses_reference = tcfg.anchor_weight > 0 or tcfg.target_base == "reference"
+        reference = full_reference(tcfg) if uses_reference and cfg.model.finetune == "full" else []
         folder = reward_folder(tcfg.latent_reward)
         if not (folder / "config.json").is_file():
             return reference
@@ -192,48 +244,69 @@ class RGOPDTrainer(GroupTrainer):
         return dataclasses.replace(batch, logs={**batch.logs, "latent/score": latent.mean().item()})
 
     def visited_states(self, batch: StepBatch) -> list[tuple[int, int]]:
-        """``(chunk, step)`` pairs to distil: every rollout step, or ``steps_per_chunk`` random ones per chunk
-        (drawn by a generator keyed by the chunk's identity: the same whichever rank holds it)."""
+        """``(chunk, step)`` pairs to distil: the first ``optimized_steps`` (default all but the last) rollout
+        steps, or ``steps_per_chunk`` random ones of those per chunk (drawn by a generator keyed by the chunk's
+        identity: the same whichever rank holds it)."""
         units = []
         for i, (chunk, key) in enumerate(zip(batch.chunks, batch.chunk_keys())):
-            steps = list(range(chunk.num_steps))
+            optimized = self.tcfg.optimized_steps or max(chunk.num_steps - 1, 1)
+            steps = list(range(min(optimized, chunk.num_steps)))
             if 0 < self.tcfg.steps_per_chunk < len(steps):
                 pick = torch.randperm(len(steps), generator=self.keyed_generator(*key, 19))
                 steps = sorted(pick[: self.tcfg.steps_per_chunk].tolist())
             units += [(i, k) for k in steps]
         return units
 
+    def reference_velocity(self, chunk: Rollout, k: int) -> torch.Tensor:
+        """The starting weights' velocity at visited state ``k`` (no graph)."""
+        with torch.no_grad(), self.policy.adapter_disabled():
+            return self.policy.velocity(chunk.latents[:, k], chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
-        """Targets from θ_old once, then ``inner_steps`` optimiser steps on them, each unit weighted by
-        1 / the number of units over all ranks (a global plan)."""
+        """Targets once (from the frozen reference or θ_old), then the optimiser steps on them: one per
+        visited-state index in trajectory order (``per_state``) or one for all (``per_batch``), each unit
+        weighted by 1 / its step's units over all ranks (a global plan); ``inner_steps`` passes."""
         pairs = self.visited_states(batch)
-        total = self.total(len(pairs))
-        units, stats = [], {"lambda": [], "latent_score_visited": [], "target_shift": []}
+        units, stats = [], {"reward_shift": [], "latent_score_visited": [], "target_shift": [], "guided_fraction": []}
         for i, k in pairs:
             chunk = batch.chunks[i]
-            x, sigma, v_old = chunk.latents[:, k], chunk.sigmas[k].item(), chunk.velocities[:, k]
-            grad, r = reward_gradient(self.latent_reward, x, sigma, chunk.cond)
-            target = distillation_target(v_old, grad.to(v_old.device), self.tcfg.kappa)
-            units.append(DistilUnit(i, k, target, total))
-            b = v_old.shape[0]
-            stats["lambda"].append((self.tcfg.kappa * v_old.reshape(b, -1).norm(dim=1) / (grad.reshape(b, -1).norm(dim=1) + 1e-8)).mean().item())
-            stats["latent_score_visited"].append(r.mean().item())
-            stats["target_shift"].append(((target - v_old) ** 2).mean().item())
-        return Plan([units] * self.tcfg.inner_steps, {k: float(np.mean(v)) for k, v in stats.items() if v},
+            x, sigma = chunk.latents[:, k], chunk.sigmas[k].item()
+            dt = chunk.sigmas[k + 1].item() - sigma
+            base = self.reference_velocity(chunk, k) if self.tcfg.target_base == "reference" else chunk.velocities[:, k]
+            guided = reward_active(sigma, self.tcfg.kappa, self.tcfg.active_sigma_min)
+            target = base.float().detach()
+            if guided:  # outside the active band the reward is not even evaluated (the authors' sparse guidance)
+                grad, r = reward_gradient(self.latent_reward, x, sigma, chunk.cond)
+                target = distillation_target(base, grad.to(base.device), self.tcfg.kappa)
+                stats["latent_score_visited"].append(r.mean().item())
+                stats["reward_shift"].append((per_sample_rms(target - base.float()) / per_sample_rms(base.float()).clamp_min(1e-12)).mean().item())
+            stats["guided_fraction"].append(float(guided))
+            stats["target_shift"].append(((target - chunk.velocities[:, k].float()) ** 2).mean().item())
+            units.append((i, k, target, dt))
+        if self.tcfg.updates == "per_batch":
+            groups = [units]
+        else:  # every rank lists every step index, so the collectives below match across ranks
+            groups = [[u for u in units if u[1] == j] for j in range(self.tcfg.num_steps)]
+        steps = []
+        for group in groups:
+            total = self.total(len(group))
+            if total:  # a step index no rank visits gets no optimiser step
+                steps.append([DistilUnit(i, k, target, total, dt) for i, k, target, dt in group])
+        return Plan(steps * self.tcfg.inner_steps, {k: float(np.mean(v)) for k, v in stats.items() if v},
                     global_weights=True)
 
     def loss(self, batch: StepBatch, unit: DistilUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        loss = self.loss_at(batch.chunks[unit.chunk], unit.k, unit.target)
+        loss = self.loss_at(batch.chunks[unit.chunk], unit.k, unit.target, unit.dt)
         return loss / unit.of, {"distill_loss": loss.item()}
 
-    def loss_at(self, chunk: Rollout, k: int, target: torch.Tensor) -> torch.Tensor:
+    def loss_at(self, chunk: Rollout, k: int, target: torch.Tensor, dt: float | None = None) -> torch.Tensor:
         x, sigma = chunk.latents[:, k], chunk.sigmas[k].item()
+        if dt is None:
+            dt = chunk.sigmas[k + 1].item() - sigma
         v = self.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
-        v_ref = None
-        if self.tcfg.anchor_weight > 0:
-            with torch.no_grad(), self.policy.adapter_disabled():
-                v_ref = self.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
-        return rg_opd_loss(v, target.to(v.device), v_ref, self.tcfg.anchor_weight)
+        v_ref = self.reference_velocity(chunk, k) if self.tcfg.anchor_weight > 0 else None
+        return rg_opd_loss(v, target.to(v.device), dt if self.tcfg.loss_space == "transition" else None, v_ref,
+                           self.tcfg.anchor_weight)
 
     def finish(self, batch: StepBatch) -> dict[str, float]:
         """With CoRe: remember this step's generated pairs; refit the registers when due (and write the

@@ -5,12 +5,21 @@ registers);
 ‖v_c − v‖ = κ‖v‖ exactly; with a linear reward the final reward rises with small κ (exact Gaussian flow).
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 import pipelines
 from flowalign.errors import UserError
-from flowalign.sampling import Guidance, GuidedPolicy, guide_velocity, reward_gradient, rollout
+from flowalign.sampling import (
+    Guidance,
+    GuidedPolicy,
+    guide_velocity,
+    reward_gradient,
+    rollout,
+)
 from flowalign.sampling.guidance import load_latent_reward
 
 from .gaussian_policy import GaussianPolicy
@@ -99,3 +108,20 @@ def test_window_limits_the_guided_steps_and_policy_wrapper():
         Guidance(reward, -1.0)
     with pytest.raises(UserError, match="window"):
         Guidance(reward, 0.1, window=(0.6, 0.2))
+
+
+KNOWN = json.loads((Path(__file__).parents[1] / "trainers" / "known_answers" / "rg_opd_target_loss.json").read_text())
+
+
+@pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: c["name"])
+def test_guided_step_equals_the_authors_guided_step(case):
+    """Guanys-dar/latent-reward-register guidance.py @ c22b65e: ``x + dt·v_c`` is their ``guided_step`` on the
+    sampler's own step ``x + dt·v`` (one head, its gradient combined, then the gated, clipped correction), at
+    the scale their σ bands give, rtol 1e-6 in float64."""
+    f64 = {k: torch.tensor(v, dtype=torch.float64) for k, v in case["inputs"].items()}
+    x, v = f64["x"].reshape(case["shape"]), f64["v_rollout"].reshape(case["shape"])
+    grad = torch.tensor(case["outputs"]["grad"], dtype=torch.float64).reshape(case["shape"])
+    dt = case["next_sigma"] - case["sigma"]
+    v_c = guide_velocity(v, grad, case["scale_at_sigma"])
+    expected = torch.tensor(case["outputs"]["rgs_next"], dtype=torch.float64)
+    torch.testing.assert_close((x + dt * v_c).flatten(), expected, rtol=1e-6, atol=1e-12)

@@ -1,6 +1,11 @@
 """RG-OPD and CoRe: the properties of ``docs/methods/latent_registers.md`` on a toy flow and on the tiny SD3 model."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,13 +15,104 @@ from safetensors.torch import load_file
 from flowalign.config import validate_section
 from flowalign.data import read_prompt_file
 from flowalign.errors import UserError
-from flowalign.trainers.parts.latent_preference import PreferencePairs
 from flowalign.sampling import reward_gradient
 from flowalign.train import build_trainer
-from flowalign.trainers.rg_opd import RGOPDConfig, RGOPDTrainer, distillation_target
+from flowalign.trainers.parts.latent_preference import PreferencePairs
+from flowalign.trainers.rg_opd import (
+    RGOPDConfig,
+    RGOPDTrainer,
+    distillation_target,
+    reward_active,
+    rg_opd_loss,
+)
 
-from .conftest import small_config
+from .conftest import REPO, run_cli, small_config, small_run
 from .toy_latent import BiasedGaussianPolicy, LinearLatentReward
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "rg_opd_target_loss.json").read_text())
+
+
+class ToyLatentReward:
+    """The known answers' reward: ``r(x, σ) = (1 + σ)·Σ tanh(a·x) + 0.3·(x·b)²`` over the flattened sample."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        self.a, self.b = a, b
+
+    def score(self, x, sigma, cond):
+        flat = x.reshape(x.shape[0], -1)
+        return torch.tanh(self.a * flat).sum(1) * (1 + sigma) + 0.3 * (flat @ self.b) ** 2
+
+
+def _case(case):
+    shape = case["shape"]
+    f64 = {k: torch.tensor(v, dtype=torch.float64) for k, v in case["inputs"].items()}
+    d = f64["a"].numel()
+    return (f64["x"].reshape(shape), f64["v_ref"].reshape(shape), f64["v_rollout"].reshape(shape), f64["a"], f64["b"],
+            f64["W"].reshape(d, d), f64["c"], {k: torch.tensor(v, dtype=torch.float64) for k, v in case["outputs"].items()
+                                                if k != "loss"})
+
+
+@pytest.mark.parametrize("case", [c for c in KNOWN["cases"] if len(c["bands"]) == 1], ids=lambda c: c["name"])
+def test_training_unit_matches_the_authors(case):
+    """Guanys-dar/latent-reward-register (rgopd.py @ 16028b7, guidance.py @ c22b65e): the reward gradient, the
+    guided target state ``x + dt·v*`` (frozen-reference base, gated below σ = 0.2 and for a gradient of rms ≤ 1e-6),
+    the loss and its gradient in the student's weights, all at rtol 1e-6 in float64."""
+    x, v_ref, _, a, b, w, c, out = _case(case)
+    (threshold, kappa), = case["bands"]
+    tcfg = validate_section(RGOPDConfig, {"name": "rg_opd", "latent_reward": "x", "kappa": kappa,
+                                          "active_sigma_min": threshold}, "trainer.")
+    assert (tcfg.target_base, tcfg.loss_space, tcfg.updates) == ("reference", "transition", "per_state")
+    sigma, dt = case["sigma"], case["next_sigma"] - case["sigma"]
+    grad, score = reward_gradient(ToyLatentReward(a, b), x, sigma, None)
+    assert grad.dtype == torch.float64
+    torch.testing.assert_close(score, out["score"], rtol=1e-6, atol=0)
+    if case["zero_grad_sample"] is not None:  # a gradient under min_gradient_rms 1e-6 gets no correction
+        grad[case["zero_grad_sample"]] *= 1e-9
+    torch.testing.assert_close(grad.flatten(), out["grad"], rtol=1e-6, atol=0)
+    guided = reward_active(sigma, tcfg.kappa, tcfg.active_sigma_min)
+    assert guided == (case["scale_at_sigma"] > 0)
+    v_star = distillation_target(v_ref, grad, tcfg.kappa) if guided else v_ref
+    torch.testing.assert_close((x + dt * v_star).flatten(), out["target_next"], rtol=1e-6, atol=1e-12)
+    weights = w.clone().requires_grad_(True)
+    v_theta = (x.reshape(x.shape[0], -1) @ weights.T + c).reshape(x.shape)
+    loss = rg_opd_loss(v_theta, v_star, dt)
+    (grad_w,) = torch.autograd.grad(loss, weights)
+    assert loss.item() == pytest.approx(case["outputs"]["loss"], rel=1e-6)
+    torch.testing.assert_close(grad_w.flatten(), out["grad_W"], rtol=1e-6, atol=1e-12)
+
+
+def test_plan_is_one_optimiser_step_per_visited_state_toward_the_reference(tmp_path, prompt_file):
+    """The authors' loop on a toy flow: the first T − 1 states, one optimiser step each in trajectory order,
+    targets built on the velocity the policy gives with its adapter switched off, recomputed at planning (not
+    the rollout's kept velocity), uncorrected for σ ≤ active_sigma_min."""
+    direction = [1.0, -2.0, 0.5, 0.0]
+    reward_dir = LinearLatentReward.write(tmp_path / "linear", direction)
+    cfg = small_config(tmp_path / "run", tmp_path, prompt_file, "trainer.name=rg_opd")
+    tcfg = validate_section(RGOPDConfig, {"name": "rg_opd", "latent_reward": str(reward_dir), "num_steps": 6,
+                                          "prompts_per_step": 2, "group_size": 4, "batch_size": 4}, "trainer.")
+    policy = BiasedGaussianPolicy(dim=4)
+    trainer = RGOPDTrainer(cfg, tcfg, policy, [], read_prompt_file(prompt_file), None, Accelerator(cpu=True), tmp_path / "run")
+    prompts, metadata, groups = trainer.step_prompts(0)
+    batch = trainer.sample(prompts, metadata, groups)
+    with torch.no_grad():
+        policy.trainable.bias.fill_(0.3)  # the toy's adapter switch is a no-op: the reference velocity has the bias
+    steps = trainer.plan(batch, torch.Generator().manual_seed(0)).steps
+    assert [sorted({u.k for u in step}) for step in steps] == [[k] for k in range(5)]
+    a = torch.tensor(direction)
+    for step in steps:
+        for unit in step:
+            chunk = batch.chunks[unit.chunk]
+            sigma = chunk.sigmas[unit.k].item()
+            assert unit.dt == pytest.approx(chunk.sigmas[unit.k + 1].item() - sigma)
+            assert unit.of == 2  # two chunks of four samples share each state's optimiser step
+            v_base = chunk.velocities[:, unit.k] + 0.3  # the rollout ran at bias 0; the policy's bias is 0.3
+            shift = unit.target - v_base
+            if sigma > 0.2:
+                rms = v_base.pow(2).mean(1).sqrt()
+                expected = -0.4 * rms[:, None] * a / a.pow(2).mean().sqrt()
+                torch.testing.assert_close(shift, expected, rtol=1e-5, atol=1e-6)
+            else:
+                assert shift.abs().max() == 0
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +175,10 @@ def test_linear_reward_on_a_toy_flow_distils_the_shift(tmp_path, prompt_file):
     direction = [1.0, -2.0, 0.5, 0.0]
     reward_dir = LinearLatentReward.write(tmp_path / "linear", direction)
     cfg = small_config(tmp_path / "run", tmp_path, prompt_file, "trainer.name=rg_opd")
+    # the velocity-space form: θ_old's velocity as the base, every step guided and distilled in one optimiser step
     tcfg = validate_section(RGOPDConfig, {"name": "rg_opd", "latent_reward": str(reward_dir), "kappa": 0.05,
-                                          "inner_steps": 400, "lr": 3e-3, "grad_clip": 1e3, "weight_decay": 0.0,
+                                          "target_base": "rollout", "active_sigma_min": 0.0, "loss_space": "velocity",
+                                          "updates": "per_batch", "optimized_steps": 6, "inner_steps": 400, "lr": 3e-3, "grad_clip": 1e3, "weight_decay": 0.0,
                                           "num_steps": 6, "prompts_per_step": 2, "group_size": 4, "batch_size": 4},
                             "trainer.")
     policy = BiasedGaussianPolicy(dim=4)
@@ -139,3 +237,27 @@ def test_bad_config(tmp_path, tiny_sd3_dir, prompt_file, lrr_dir):
         build_trainer(_rg_opd(tmp_path / "a", tiny_sd3_dir, prompt_file, lrr_dir, "trainer.anchor=1e-4"))
     with pytest.raises(UserError, match="trainer.core.anchor_weight"):
         build_trainer(_rg_opd(tmp_path / "c", tiny_sd3_dir, prompt_file, lrr_dir, "trainer.core={anchor: 1.0}"))
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun missing")
+def test_two_ranks_take_the_single_process_steps(tmp_path, tiny_sd3_dir, prompt_file, lrr_dir):
+    """One optimiser step per visited state, each weighted over every rank's units: 2 ranks × 1 prompt end
+    with the weights of one process × 2 prompts in one rollout batch."""
+    extra = ("trainer.name=rg_opd", f"trainer.latent_reward={lrr_dir}", "trainer.active_sigma_min=0.9")
+    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    ddp = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m",
+                          "flowalign", "train", "/dev/null",
+                          *small_run(ddp_dir, tiny_sd3_dir, prompt_file, *extra, "trainer.prompts_per_step=1")],
+                         check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
+    single = run_cli(["train", "/dev/null", *small_run(single_dir, tiny_sd3_dir, prompt_file, *extra,
+                                                       "trainer.prompts_per_step=2", "trainer.batch_size=8")])
+    out, _ = single.communicate(timeout=600)
+    assert single.returncode == 0, out
+    rows = [json.loads(line) for line in (ddp_dir / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < rows[0]["train/guided_fraction"] < 1  # σ = 1 guided, the lower distilled states not
+    wa = load_file(str(ddp_dir / "checkpoints" / "step-000002" / "trainable.safetensors"))
+    wb = load_file(str(single_dir / "checkpoints" / "step-000002" / "trainable.safetensors"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    assert max(wa[k].abs().max().item() for k in wa if "lora_B" in k) > 0  # B starts at zero: the weights moved
