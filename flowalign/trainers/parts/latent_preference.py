@@ -2,7 +2,8 @@
 
 A pair is (prompt, x0_w, x0_l): the clean latents of a chosen and a rejected sample. Training noises
 both with ONE shared ε at a σ ~ U(0,1) per pair, ``x_σ = (1-σ)·x0 + σ·ε``, and minimises
-``-log σ(r(x_σ^w) - r(x_σ^l))``; sharing ε makes the difference depend on the samples, not the noise.
+``-log σ(r(x_σ^w) - r(x_σ^l))`` (or, ``loss="thurstone"``, the authors' Thurstone loss on the pair);
+sharing ε makes the difference depend on the samples, not the noise.
 Model- and reward-agnostic: a reward is any :class:`~flowalign.protocols.LatentReward` that is also a
 ``torch.nn.Module`` whose parameters are the trainable part; prompts are encoded by a callable.
 """
@@ -95,6 +96,23 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torc
     return F.softplus(-(r_chosen - r_rejected)).mean()
 
 
+def thurstone_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The authors' register loss on pairs (Guanys-dar/latent-reward-register ``losses.py``,
+    ``dina_thurstone_loss`` on groups of two): ``mean 1 − sqrt(max(Φ((r_w − r_l)/sqrt(2v + 1e-6)), 1e-6))``,
+    ``v = 2σ² + 0.05``, so a pair disagreeing at high noise costs less. ``(N,)`` each; scalar."""
+    variance = 2.0 * sigma.to(r_chosen) ** 2 + 0.05
+    margin = (r_chosen - r_rejected) / torch.sqrt(2 * variance + 1e-6)
+    probability = torch.distributions.Normal(0.0, 1.0).cdf(margin)
+    return (1.0 - torch.sqrt(probability.clamp_min(1e-6))).mean()
+
+
+#: the pair losses ``fit`` can train with: name → ``loss(r_w, r_l, σ)``
+PAIR_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "bradley_terry": lambda r_w, r_l, sigma: bradley_terry_loss(r_w, r_l),
+    "thurstone": thurstone_loss,
+}
+
+
 def noised_scores(reward: Any, pairs: PreferencePairs, cond: Conditioning, sigma: torch.Tensor, noise: torch.Tensor,
                   scorer: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores ``(N,)`` of both sides noised with ONE shared ε: ``x_σ = (1-σ)·x0 + σ·ε`` per pair.
@@ -140,18 +158,23 @@ def pairwise_accuracy(reward: Any, pairs: PreferencePairs, encode: Encode, *, bi
 
 def refit_loss(reward: Any, real: PreferencePairs, encode: Encode, generator: torch.Generator, *,
                generated: PreferencePairs | None = None, mu: float = 0.5, anchor: float = 0.0,
-               previous: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """``L_BT(real) + μ·L_BT(generated) + anchor·mean (r_ψ − r_ψ,prev)²`` on the real batch (CoRe's
-    L_RM; plain BT on real pairs when ``generated`` is None and ``anchor`` is 0)."""
+               previous: dict[str, torch.Tensor] | None = None, loss_name: str = "bradley_terry"
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """``L(real) + μ·L(generated) + anchor·mean (r_ψ − r_ψ,prev)²`` on the real batch (CoRe's L_RM; the
+    plain pair loss on real pairs when ``generated`` is None and ``anchor`` is 0). ``L``: ``loss_name`` of
+    :data:`PAIR_LOSSES` (Bradley-Terry, or the authors' Thurstone loss); the logs keep the ``bt_`` names."""
+    if loss_name not in PAIR_LOSSES:
+        raise UserError(f"pair loss {loss_name!r}: use one of {', '.join(PAIR_LOSSES)}")
+    pair_loss = PAIR_LOSSES[loss_name]
     sigma, noise = _draw(real, generator)
     cond = encode(real.prompts)
     r_w, r_l = noised_scores(reward, real, cond, sigma, noise)
-    loss = bradley_terry_loss(r_w, r_l)
+    loss = pair_loss(r_w, r_l, sigma)
     info = {"bt_real": loss.item(), "acc_real": (r_w > r_l).float().mean().item()}
     if generated is not None and len(generated) and mu > 0:
         gs, gn = _draw(generated, generator)
         g_w, g_l = noised_scores(reward, generated, encode(generated.prompts), gs, gn)
-        bt_gen = bradley_terry_loss(g_w, g_l)
+        bt_gen = pair_loss(g_w, g_l, gs)
         loss = loss + mu * bt_gen
         info.update(bt_generated=bt_gen.item(), acc_generated=(g_w > g_l).float().mean().item())
     if anchor > 0 and previous is not None:
@@ -169,9 +192,9 @@ def refit_loss(reward: Any, real: PreferencePairs, encode: Encode, generator: to
 def fit(reward: Any, pairs: PreferencePairs, encode: Encode, *, steps: int, batch_size: int = 32, lr: float = 1e-3,
         seed: int = 0, generated: PreferencePairs | None = None, mu: float = 0.5, anchor: float = 0.0,
         start_step: int = 0, optimizer: torch.optim.Optimizer | None = None,
-        on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+        on_step: Callable[[int, dict[str, float]], None] | None = None, loss: str = "bradley_terry") -> dict[str, float]:
     """Adam on the reward's parameters for ``steps`` minibatches (real pairs, plus generated pairs and
-    the anchor to the starting parameters when given). Minibatches and noise are functions of
+    the anchor to the starting parameters when given), with the pair loss ``loss`` (:data:`PAIR_LOSSES`). Minibatches and noise are functions of
     ``(seed, step)``, so a fit resumed at ``start_step`` draws what an uninterrupted one would."""
     if len(pairs) == 0:
         raise UserError("no preference pairs to train on: generate more samples (--n, --group-size) or give a pairs file")
@@ -185,12 +208,12 @@ def fit(reward: Any, pairs: PreferencePairs, encode: Encode, *, steps: int, batc
         gen_part = None
         if generated is not None and len(generated):
             gen_part = generated.select(torch.randperm(len(generated), generator=gen)[:batch_size])
-        loss, info = refit_loss(reward, pairs.select(idx), encode, gen, generated=gen_part, mu=mu, anchor=anchor,
-                                previous=previous)
+        total, info = refit_loss(reward, pairs.select(idx), encode, gen, generated=gen_part, mu=mu, anchor=anchor,
+                                 previous=previous, loss_name=loss)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         opt.step()
-        info["loss"] = loss.item()
+        info["loss"] = total.item()
         for k, v in info.items():
             stats.setdefault(k, []).append(v)
         if on_step is not None:
