@@ -22,6 +22,8 @@ TEXT_SALT, REVISION_SALT = 23, 29
 #: ``seed(i, salt, r)``: the seed of trajectory ``i``'s draw ``salt`` in round ``r`` (0-based), so a trajectory's
 #: draws depend on nothing else in its batch
 Seeds = Callable[[int, int, int], int]
+#: ``window(r)``: the SDE steps ``(start, width)`` of round ``r``'s revisions (None: every step but the last)
+Windows = Callable[[int], "tuple[int, int] | None"]
 
 
 @dataclass(frozen=True)
@@ -76,17 +78,18 @@ def instruction(prompt: str, reflection: str) -> str:
 
 def reflect(unified: UnifiedPolicy, first: torch.Tensor, prompts: list[str], how: Reflection, seeds: Seeds, *,
             num_steps: int, guidance_scale: float | None, batch_size: int, sampler: str = "ode",
-            noise_level: float | None = None) -> tuple[list[Round], torch.Tensor]:
+            noise_level: float | None = None, windows: Windows | None = None) -> tuple[list[Round], torch.Tensor]:
     """The loop from ``first (N, 3, H, W)``: returns its rounds (as many as ``how.rounds``, a round after every
     trajectory stopped included, with nothing reflected) and the final images ``(N, 3, H, W)`` (a trajectory
     that stopped keeps its last image). Revisions: rollouts of ``unified.editor`` (``sampler``, ``noise_level``,
-    ``num_steps``, ``guidance_scale``), in batches of ``batch_size``, each from its keyed noise. No grad."""
+    ``num_steps``, ``guidance_scale``; ``windows``: each round's SDE window), in batches of ``batch_size``, each
+    from its keyed noise. No grad."""
     images, active, rounds = first, torch.ones(len(prompts), dtype=torch.bool), []
     with torch.no_grad():
         for r in range(how.rounds):
             done = reflection_round(unified, images, active, prompts, r, how, seeds, num_steps=num_steps,
                                     guidance_scale=guidance_scale, batch_size=batch_size, sampler=sampler,
-                                    noise_level=noise_level)
+                                    noise_level=noise_level, window=windows(r) if windows is not None else None)
             rounds.append(done)
             images = images.clone()
             for rev in done.revisions:
@@ -97,7 +100,8 @@ def reflect(unified: UnifiedPolicy, first: torch.Tensor, prompts: list[str], how
 
 def reflection_round(unified: UnifiedPolicy, images: torch.Tensor, active: torch.Tensor, prompts: list[str], r: int,
                      how: Reflection, seeds: Seeds, *, num_steps: int, guidance_scale: float | None,
-                     batch_size: int, sampler: str, noise_level: float | None) -> Round:
+                     batch_size: int, sampler: str, noise_level: float | None,
+                     window: tuple[int, int] | None = None) -> Round:
     """Round ``r``: the still-going trajectories (``active (N,)``) write a reflection on their image; those that
     did not stop are revised."""
     n = len(prompts)
@@ -125,7 +129,8 @@ def reflection_round(unified: UnifiedPolicy, images: torch.Tensor, active: torch
         gens = [torch.Generator().manual_seed(seeds(i, REVISION_SALT, r)) for i in il]
         drawn = rollout(unified.editor, [instruction(prompts[i], texts[i]) for i in il],
                         metadata=[{"image": images[i]} for i in il], num_steps=num_steps, sampler=sampler,
-                        noise_level=noise_level, guidance_scale=guidance_scale, generators=gens)
+                        noise_level=noise_level, guidance_scale=guidance_scale, generators=gens,
+                        sde_window=window if sampler != "ode" else None)
         revisions.append(Revision(index, drawn))
     return Round(images, tokens, log_probs, texts, active.clone(), revised, revisions)
 

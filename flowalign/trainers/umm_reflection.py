@@ -17,7 +17,8 @@ the final image's reward alone. Then
     L = Σ_i [ w_tok · (1/(N_y·T_i)) Σ_r mean_t max(−A_i·ρ_{r,t}, −A_i·clip(ρ_{r,t}, 1±ε_tok))
             + w_rev · (1/(N_K·V_i)) Σ_r mean_k max(−A_i·r_{r,k}, −A_i·clip(r_{r,k}, 1±ε)) ]
 
-``ρ = π_θ(y_t | ...) / π_old``, ``r = p_θ(x_{k+1} | x_k) / p_old`` (the revision's SDE steps), ``T_i`` the
+``ρ = π_θ(y_t | ...) / π_old``, ``r = p_θ(x_{k+1} | x_k) / p_old`` (the revision's SDE steps: ``sde_window_size`` contiguous ones from the
+first half), ``T_i`` the
 trajectory's reflections, ``V_i`` its revisions, ``N_y`` / ``N_K`` the trajectories of every rank with any
 reflection / revision (the authors' per-channel trajectory means). ``objective: sft`` is the cold start on the same trajectories: the best trajectory
 of each group, when its final image scores above the first, is imitated (negative log-likelihood of its
@@ -42,7 +43,7 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK
 from flowalign.protocols import UnifiedPolicy
 from flowalign.reflection import Reflection, Round, reflect
-from flowalign.sampling import rollout, sde_step
+from flowalign.sampling import random_window_start, rollout, sde_step
 from flowalign.trainers.base import GroupTrainer, Plan, WeightCopy, derived_seed
 from flowalign.trainers.options import AdvantageOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
@@ -57,6 +58,8 @@ from flowalign.trainers.parts.reflection_credit import (
 MAX_ROUNDS = 64
 #: most tokens of one reflection
 MAX_REFLECTION_TOKENS = 4096
+#: widest SDE window of a revision
+MAX_SDE_WINDOW = 1000
 
 
 class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
@@ -74,6 +77,10 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
     stop_phrase: str = Field("no change", min_length=1, max_length=200)
     #: a of the revisions' Flow-GRPO SDE
     noise_level: float = Field(0.7, gt=0, le=2)
+    #: SDE (and trained) steps of each revision: this many contiguous steps from the first half of its
+    #: num_steps, the start drawn per round and step (the authors' 2 of the first 10 of 20); 0: every step
+    #: but the last. A rollout too short for it gets the widest window that fits
+    sde_window_size: int = Field(2, ge=0, le=MAX_SDE_WINDOW)
     #: ε of the revision steps' clipped ratio (the authors' 0.1)
     clip_range: float = Field(0.1, gt=0, le=MAX_COEFFICIENT)
     #: ε_tok of the reflection tokens' clipped ratio (the authors' 0.2)
@@ -232,7 +239,7 @@ class UMMReflectionTrainer(GroupTrainer):
             self.unified, first, prompts, Reflection(self.tcfg.rounds, self.tcfg.max_new_tokens, self.tcfg.stop_phrase),
             lambda i, salt, r: derived_seed(self.cfg.run.seed, step, *keys[i], salt, r), num_steps=self.tcfg.num_steps,
             guidance_scale=self.tcfg.guidance_scale, batch_size=self.tcfg.batch_size, sampler=self.sampler,
-            noise_level=self.tcfg.noise_level)
+            noise_level=self.tcfg.noise_level, windows=lambda r: self.revision_window(step, r))
         t1 = time.perf_counter()
         steps = torch.stack([r.images for r in rounds]).flatten(0, 1)
         watched = self.score(steps, prompts * len(rounds), metadata * len(rounds), step=step)  # each round's input
@@ -272,6 +279,17 @@ class UMMReflectionTrainer(GroupTrainer):
         credit = self.tcfg.shaped_credit()
         rewards = trajectory_rewards(states, counts, stopped_early & (final < 1), credit)
         return rewards.float(), shaped_advantages(rewards, groups, credit, valid).float()
+
+    def revision_window(self, step: int, r: int) -> tuple[int, int] | None:
+        """Round ``r``'s SDE window ``(start, width)`` at ``step``: ``sde_window_size`` contiguous steps, the start
+        drawn uniformly from the first half of the rollout, keyed by (seed, step, round) so every rank and
+        batch draws the same; a rollout too short for the width gets the widest that fits (None: size 0)."""
+        n = self.tcfg.num_steps
+        width = min(self.tcfg.sde_window_size, n - 1)
+        if width < 1:
+            return None
+        gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, r, 37))
+        return random_window_start(n, width, gen, high=max(n // 2, width)), width
 
     def first_images(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor, step: int) -> torch.Tensor:
         """One image per prompt group ``(P, 3, H, W)``: the model's own ODE sample from the group's noise."""

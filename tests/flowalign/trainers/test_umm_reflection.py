@@ -23,7 +23,7 @@ from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.gallery import gallery_from_evals
 from flowalign.protocols import RewardOutput, UnifiedPolicy
-from flowalign.reflection import Reflection, stopped
+from flowalign.reflection import Reflection, reflect, stopped
 from flowalign.train import build_trainer
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.parts.reflection_credit import (
@@ -227,6 +227,32 @@ def test_the_shaped_credit_reads_every_image_state_of_a_trajectory(trained):
                                                                  credit), atol=1e-6)
     _, masked = trainer.shaped(batch.rounds, before, final, groups, torch.tensor([True, True, False, True]))
     assert masked[2] == 0 and masked[3] == 0  # group 1: one valid member left, nothing to compare it with
+
+
+def test_revisions_train_a_window_of_two_steps_from_the_first_half(trained):
+    """The authors' SDE window: 2 contiguous steps from the first half of the revision's steps, the same for
+    every revision of a round (keyed by seed, step and round); a rollout too short for it: the widest that fits."""
+    trainer, batch = trained
+    assert trainer.tcfg.sde_window_size == 2 and trainer.tcfg.num_steps == 2  # too short: the widest that fits
+    for r, rnd in enumerate(batch.rounds):
+        assert trainer.revision_window(0, r) == (0, 1)
+        assert {tuple(rev.rollout.trained_steps()) for rev in rnd.revisions} == {(0,)}
+    # the loop's revisions are SDE on the window's steps only
+    rounds, _ = reflect(trainer.policy, batch.first[:1], batch.prompts[:1], Reflection(1, 2, "a phrase never said"),
+                        lambda i, salt, r: 7 + salt + r, num_steps=6, guidance_scale=1.0, batch_size=1,
+                        sampler="flow_grpo", noise_level=0.7, windows=lambda r: (1, 2))
+    assert rounds[0].revisions[0].rollout.trained_steps() == [1, 2]
+    wide = trainer.tcfg
+    try:
+        trainer.tcfg = wide.model_copy(update={"num_steps": 4})
+        assert {trainer.revision_window(s, r) for s in range(40) for r in range(2)} == {(0, 2)}  # one fits
+        trainer.tcfg = wide.model_copy(update={"num_steps": 20})
+        starts = {trainer.revision_window(s, 0)[0] for s in range(200)}
+        assert starts == set(range(9))  # U{0..8}: steps 0..9, the first half of 20
+        trainer.tcfg = wide.model_copy(update={"sde_window_size": 0})
+        assert trainer.revision_window(0, 0) is None
+    finally:
+        trainer.tcfg = wide
 
 
 def test_token_log_probs_are_the_models_own_generate_scores(trained):
