@@ -17,12 +17,12 @@ the final image's reward alone. Then
     L = Σ_i [ w_tok · (1/(N_y·T_i)) Σ_r mean_t max(−A_i·ρ_{r,t}, −A_i·clip(ρ_{r,t}, 1±ε_tok))
             + w_rev · (1/(N_K·V_i)) Σ_r mean_k max(−A_i·r_{r,k}, −A_i·clip(r_{r,k}, 1±ε)) ]
 
-``ρ = π_θ(y_t | ...) / π_old``, ``r = p_θ(x_{k+1} | x_k) / p_old`` (the revision's SDE steps: ``sde_window_size`` contiguous ones from the
-first half), ``T_i`` the
-trajectory's reflections, ``V_i`` its revisions, ``N_y`` / ``N_K`` the trajectories of every rank with any
-reflection / revision (the authors' per-channel trajectory means). ``objective: sft`` is the cold start on the same trajectories: the best trajectory
-of each group, when its final image scores above the first, is imitated (negative log-likelihood of its
-reflections, flow matching toward its revisions), the others weigh 0.
+``ρ = π_θ(y_t | ...) / π_old``, ``r = p_θ(x_{k+1} | x_k) / p_old`` (the revision's SDE steps:
+``sde_window_size`` contiguous ones from the first half), ``T_i`` the trajectory's reflections, ``V_i`` its
+revisions, ``N_y`` / ``N_K`` the trajectories of every rank with any reflection / revision (the authors'
+per-channel trajectory means). ``objective: sft`` is the cold start on the same trajectories, weighted alike:
+the best trajectory of each group, when its final image scores above the first, is imitated (negative
+log-likelihood of its reflections, flow matching toward its revisions), the others weigh 0.
 
 The loop itself is :func:`flowalign.reflection.reflect`, which evaluation runs too (the final image of the
 model's own rounds is scored, reflections at ``eval_temperature``, ODE revisions; ``eval_first_image_only``:
