@@ -54,6 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_number(p, "--train-steps", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=1000)
     add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=32)
     add_number(p, "--lr", type=float, lo=0, hi=MAX_LR, lo_open=True, default=1e-3)
+    p.add_argument("--loss", choices=["bradley_terry", "thurstone"], default="bradley_terry",
+                   help="pair loss: Bradley-Terry, or the registers' authors' Thurstone loss (a noisier pair costs less)")
     add_number(p, "--test-fraction", type=float, lo=0, hi=1, default=0.2, help="prompts held out for the accuracy report")
     p.add_argument("--eval-pairs", nargs="+", default=None,
                    help="held-out pairs (JSONL / .safetensors) to report accuracy on instead of a prompt split of --pairs")
@@ -256,7 +258,7 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
             checkpoint(step + 1)
 
     stats = fit(reward, train_pairs, encode, steps=args.train_steps, batch_size=args.batch_size, lr=args.lr,
-                seed=args.seed, start_step=start, optimizer=optimizer, on_step=on_step)
+                seed=args.seed, start_step=start, optimizer=optimizer, on_step=on_step, loss=args.loss)
     bar.close()
     return stats
 
@@ -292,7 +294,7 @@ def run(args: argparse.Namespace) -> None:
                              base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy))
     stats = fit_registers(args, reward, pairs, train_pairs, source, partial, policy.encode, resume)
     metrics = {"pairs": source, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
-               "train_steps": args.train_steps, "final_train_loss": stats.get("loss"),
+               "train_steps": args.train_steps, "loss": args.loss, "final_train_loss": stats.get("loss"),
                **accuracy_report(args, reward, policy.encode, train_pairs, test_pairs)}
     metrics["minutes"] = (time.perf_counter() - t0) / 60
     with explain_no_space(out, saved_bytes(reward, pairs), "the reward folder"), \

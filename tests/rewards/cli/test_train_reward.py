@@ -53,6 +53,20 @@ def test_train_reward_from_image_pairs_learns_them(trained):
     assert metrics["final_train_loss"] < 0.6931  # below chance (log 2)
 
 
+def test_the_authors_thurstone_loss_trains_the_registers(tiny_sd3_dir, image_pairs, tmp_path):
+    """``--loss thurstone``: the registers' authors' pair loss, recorded in the metrics, learns the easy pairs
+    (its chance value is 1 − sqrt(Φ(0)) = 0.293; Bradley-Terry's is log 2)."""
+    out = tmp_path / "lrr"
+    code = main(["train-reward", "--model", str(tiny_sd3_dir), "--pairs", str(image_pairs), "--out", str(out),
+                 "--registers", "4", "--head-hidden", "32", "--train-steps", "60", "--batch-size", "8", "--lr", "3e-3",
+                 "--test-fraction", "0.25", "--no-progress", "--loss", "thurstone"])
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["loss"] == "thurstone"
+    assert metrics["final_train_loss"] < 1 - 0.5 ** 0.5
+    assert metrics["accuracy_train"]["sigma=0.00"] == 1.0
+
+
 def test_several_pair_files_train_and_eval_pairs_are_held_out(trained, image_pairs, tiny_sd3_dir, tmp_path, monkeypatch):
     """``--pairs`` merges JSONL and saved pairs; ``--eval-pairs`` replaces the prompt split, and pairs whose
     prompts never occur in training are also scored on their own. The train accuracy of a set larger than
