@@ -210,12 +210,13 @@ def reflecting_policy(policy: Any, adapter: Path, args: argparse.Namespace) -> t
     run's ``eval_first_image_only`` scores the first image alone). Otherwise ``policy`` and ``adapter``."""
     from flowalign import families, plugins
 
-    spec = families.get(policy.family)
+    family = getattr(policy, "family", None)  # a policy of no registered family cannot be wrapped
+    spec = families.registry().get(family) if family in families.targets("families") else None
     flags = {field: getattr(args, flag, None) for field, flag in REFLECTION_FLAGS.items()}
     given = {k: v for k, v in flags.items() if v is not None}
-    if spec.unified is None:
+    if spec is None or spec.unified is None:
         if given:
-            raise UserError(f"--{REFLECTION_FLAGS[next(iter(given))].replace('_', '-')}: the {policy.family} family "
+            raise UserError(f"--{REFLECTION_FLAGS[next(iter(given))].replace('_', '-')}: the {family} family "
                             "cannot write about its images; these flags are for a unified model (Qwen-Image-Edit)")
         return policy, adapter
     from flowalign.checkpoint import latest_checkpoint
