@@ -51,13 +51,17 @@ def gdpo_advantages(
 
 
 def win_rates(
-    scores: torch.Tensor, groups: torch.Tensor, beats: Callable[[int, int], float] | None = None
+    scores: torch.Tensor, groups: torch.Tensor, beats: Callable[[int, int], float] | None = None,
+    decimals: int | None = None,
 ) -> torch.Tensor:
-    """Pref-GRPO: ``R_i = (1/(G−1)) Σ_{j≠i} 1[i beats j]`` within each group.
+    """Pref-GRPO: ``R_i = (1/(G−1)) Σ_{j≠i} 1[i beats j]`` within each group, ``(N,)`` from ``scores`` ``(N,)``.
 
-    ``beats(i, j)`` is a pairwise judge returning 1, 0 or 0.5 (a tie); by default scores are compared.
+    ``beats(i, j)`` is a pairwise judge returning 1, 0 or 0.5 (a tie); by default scores are compared (equal
+    scores: a tie, ½ each). Every other member of the group is compared, never the sample itself. ``decimals``
+    rounds each rate as the authors' judge reports it (``round(wins/compared, 3)``); None keeps it exact.
+    The result is float32, or float64 for float64 ``scores``.
     """
-    out = torch.zeros_like(scores, dtype=torch.float32)
+    out = torch.zeros_like(scores, dtype=torch.promote_types(scores.dtype, torch.float32))
     for g in torch.unique(groups):
         members = (groups == g).nonzero().flatten().tolist()
         if len(members) < 2:
@@ -71,7 +75,8 @@ def win_rates(
                     wins += beats(i, j)
                 else:
                     wins += 1.0 if scores[i] > scores[j] else (0.5 if scores[i] == scores[j] else 0.0)
-            out[i] = wins / (len(members) - 1)
+            rate = wins / (len(members) - 1)
+            out[i] = rate if decimals is None else round(rate, decimals)
     return out
 
 
@@ -85,9 +90,55 @@ def preference_win_rates(components: torch.Tensor, weights: torch.Tensor, groups
     the comparison of its scores (:func:`win_rates`).
     """
     judged = torch.zeros(components.shape[1], dtype=torch.bool) if judged is None else judged
-    columns = [components[:, m].float() if judged[m] else win_rates(components[:, m], groups)
+    columns = [components[:, m].float() if judged[m] else win_rates(components[:, m], groups).float()
                for m in range(components.shape[1])]
     return torch.stack(columns, dim=1) @ weights.float()
+
+
+WinRateNormalisation = Literal["per_reward", "weighted_sum"]
+
+
+def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor,
+                                   judged: torch.Tensor | None = None, *, batch_renormalise: bool = False,
+                                   eps: float = 1e-8, decimals: int = 3) -> torch.Tensor:
+    """Pref-GRPO's advantages ``(N,)`` as the authors' code computes them (CodeGoat24/Pref-GRPO,
+    ``fastvideo/rewards/dispatcher.py::compute_weighted_advantages`` with ``--use_group``):
+
+    - each reward's win rates ``W^(m)`` (a pairwise judge's value, any other reward's scores compared two by
+      two, :func:`win_rates`), rounded to ``decimals`` as their judge reports them;
+    - each normalised within its group with the unbiased std, ``A^(m) = (W^(m) − mean_g)/(std_g + eps)``;
+    - weighted after normalising, ``A = Σ_m w_m·A^(m)`` (a weight scales the advantage, it is not a share);
+    - ``batch_renormalise`` (their ``--apply_gdpo``, on in their recipes): ``A ← (A − mean A)/(std A + eps)``
+      over the whole gathered batch, unbiased std again.
+
+    ``components`` ``(N, M)``, ``weights`` ``(M,)``, ``judged`` ``(M,)`` bool. float64 in, float64 out. A group
+    of one sample has no spread (their unbiased std would be NaN): its advantage is 0.
+    """
+    judged = torch.zeros(components.shape[1], dtype=torch.bool) if judged is None else judged
+    values = components.to(torch.promote_types(components.dtype, torch.float32))
+    _, inverse = torch.unique(groups.to(values.device), return_inverse=True)
+    count = torch.zeros(int(inverse.max()) + 1, dtype=values.dtype, device=values.device).index_add_(
+        0, inverse, torch.ones(len(inverse), dtype=values.dtype, device=values.device))
+    adv = torch.zeros(len(values), dtype=values.dtype, device=values.device)
+    for m in range(values.shape[1]):
+        if judged[m]:
+            rates = torch.tensor([round(float(v), decimals) for v in values[:, m]], dtype=values.dtype,
+                                 device=values.device)
+        else:
+            rates = win_rates(values[:, m], groups, decimals=decimals)
+        mean = torch.zeros_like(count).index_add_(0, inverse, rates) / count
+        squares = torch.zeros_like(count).index_add_(0, inverse, (rates - mean[inverse]) ** 2)
+        std = (squares / (count - 1).clamp(min=1)).sqrt()  # unbiased, as torch's Tensor.std() they call
+        adv = adv + float(weights[m]) * (rates - mean[inverse]) / (std[inverse] + eps)
+    return batch_renormalised(adv, eps) if batch_renormalise else adv
+
+
+def batch_renormalised(advantages: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """The authors' ``--apply_gdpo``: ``(A − mean A)/(std A + eps)`` over the whole gathered batch ``(N,)``,
+    unbiased std. A batch of one sample has no spread (the unbiased std would be NaN): it is centred only."""
+    if advantages.numel() < 2:
+        return advantages - advantages.mean()
+    return (advantages - advantages.mean()) / (advantages.std() + eps)
 
 
 def dual_group_advantages(components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor,
@@ -121,12 +172,16 @@ def compute_advantages(
     eps: float = 1e-4,
     judged: torch.Tensor | None = None,
     pairwise_weight: float = 0.5,
+    win_rate_normalisation: WinRateNormalisation = "weighted_sum",
+    batch_renormalise: bool = False,
 ) -> torch.Tensor:
     """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
     ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards; ``win_rate``
     normalises within each group the win rates of :func:`preference_win_rates` (``judged``: which rewards
-    are pairwise judges already); ``dual`` mixes a pointwise and a pairwise group by ``pairwise_weight``
-    (:func:`dual_group_advantages`)."""
+    are pairwise judges already), or with ``win_rate_normalisation="per_reward"`` the authors' form
+    (:func:`per_reward_win_rate_advantages`); ``batch_renormalise`` (their ``--apply_gdpo``) renormalises
+    either over the batch (:func:`batch_renormalised`); ``dual`` mixes a
+    pointwise and a pairwise group by ``pairwise_weight`` (:func:`dual_group_advantages`)."""
     total = components.float() @ weights.float()
     if kind == "group":
         adv = group_advantages(total, groups, std="group", eps=eps)
@@ -134,8 +189,11 @@ def compute_advantages(
         adv = group_advantages(total, groups, std="global", eps=eps)
     elif kind == "gdpo":
         adv = gdpo_advantages(components, weights, groups, eps=eps)
+    elif kind == "win_rate" and win_rate_normalisation == "per_reward":
+        adv = per_reward_win_rate_advantages(components, weights, groups, judged, batch_renormalise=batch_renormalise)
     elif kind == "win_rate":
         adv = group_advantages(preference_win_rates(components, weights, groups, judged), groups, std="group", eps=eps)
+        adv = batch_renormalised(adv) if batch_renormalise else adv
     elif kind == "dual":
         adv = dual_group_advantages(components, weights, groups, pairwise_weight, judged, eps=eps)
     else:

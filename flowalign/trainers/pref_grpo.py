@@ -1,12 +1,15 @@
 """Pref-GRPO (arXiv 2508.20751): GRPO on pairwise-preference win rates (``docs/methods/pref_grpo.md``).
 
-The advantage changes, not the loss (:func:`flowalign.advantages.preference_win_rates`): within each
-prompt group every sample is compared with every other, its reward is its win rate
-``W_i = (1/(G−1)) Σ_{j≠i} 1[i ≻ j]`` (a tie counts ½), and the advantage is the win rate normalised within
-the group, ``A_i = (W_i − mean_g W)/(std_g W + eps)``. The comparisons come from a pairwise judge
-(a reward whose ``pairwise`` attribute is true, e.g. ``unified_reward`` with ``mode: think_pairwise``, whose
-value already is the win rate) or, for any other reward, from comparing its scores. The rest is the
-authors' DanceGRPO-based loop, a preset of Flow-GRPO as ``dance_grpo`` is: shared initial noise per group, a
+The advantage changes, not the loss (:func:`flowalign.advantages.per_reward_win_rate_advantages`, as the
+authors' ``compute_weighted_advantages``): within each prompt group every sample is compared with every other,
+each reward's value is its win rate ``W_i = round((1/(G−1)) Σ_{j≠i} 1[i ≻ j], 3)`` (a tie counts ½), each
+reward's win rates are normalised within the group, ``A^(m)_i = (W_i − mean_g W)/(std_g W + 1e-8)`` with the
+unbiased std, weighted, summed and (``batch_renormalise``, their ``--apply_gdpo``) renormalised over the
+batch. The former form is ``win_rate_normalisation: weighted_sum`` with ``batch_renormalise: false``: the
+weighted sum of win rates, unrounded, normalised per group with the population std + 1e-4. The comparisons
+come from a pairwise judge (a reward whose ``pairwise`` attribute is true, e.g. ``unified_reward`` with
+``mode: think_pairwise``, whose value already is the win rate) or, for any other reward, from comparing its
+scores. The rest is the authors' DanceGRPO-based loop, a preset of Flow-GRPO as ``dance_grpo`` is: shared initial noise per group, a
 random ``timestep_fraction`` of the first T−1 steps trained (:mod:`flowalign.trainers.parts.drawn_steps`),
 optionally only each group's best and worst samples (:mod:`flowalign.trainers.parts.best_worst`), and
 Flow-GRPO's clipped surrogate unchanged:
@@ -16,17 +19,32 @@ Flow-GRPO's clipped surrogate unchanged:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
+from flowalign.advantages import WinRateNormalisation
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
-from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
+from flowalign.trainers.flow_grpo import (
+    CPSOptions,
+    FlowGRPOBase,
+    FlowGRPOTrainer,
+    SDEOptions,
+    SDEWindowOptions,
+)
 from flowalign.trainers.options import ReferenceOptions
-from flowalign.trainers.parts.best_worst import BestWorstOptions, best_and_worst, check_best_of
-from flowalign.trainers.parts.drawn_steps import DrawnStepOptions, check_drawn_steps, drawn_steps
+from flowalign.trainers.parts.best_worst import (
+    BestWorstOptions,
+    best_and_worst,
+    check_best_of,
+)
+from flowalign.trainers.parts.drawn_steps import (
+    DrawnStepOptions,
+    check_drawn_steps,
+    drawn_steps,
+)
 from flowalign.trainers.parts.global_plan import ChunkRef
 from flowalign.trainers.parts.groups import check_whole_groups
 
@@ -41,6 +59,11 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
     shared_initial_noise: bool = True
     #: the method's advantage: group-normalised win rates (see the module docstring)
     advantage: Literal["win_rate"] = "win_rate"  # type: ignore[assignment]
+    #: per_reward: each reward's win rates normalised in its group (unbiased std + 1e-8), then weighted and
+    #: summed, as the authors' code; weighted_sum: the weighted sum of win rates normalised (population std + 1e-4)
+    win_rate_normalisation: WinRateNormalisation = "per_reward"
+    #: the advantages renormalised over the whole batch, unbiased std + 1e-8 (their --apply_gdpo, on in their recipes)
+    batch_renormalise: bool = True
 
 
 class PrefGRPOTrainer(FlowGRPOTrainer):
@@ -53,6 +76,10 @@ class PrefGRPOTrainer(FlowGRPOTrainer):
         check_drawn_steps(tcfg)
         check_best_of(tcfg)
         check_whole_groups(tcfg)
+
+    def advantage_options(self) -> dict[str, Any]:
+        return {"win_rate_normalisation": self.tcfg.win_rate_normalisation,
+                "batch_renormalise": self.tcfg.batch_renormalise}
 
     def collect(self, step: int) -> StepBatch:
         """The loop's batch; with ``best_of`` the other samples' advantages are zeroed (not trained)."""

@@ -1,8 +1,14 @@
 """Advantage strategies (docs/methods/flow_grpo.md)."""
 
+import pytest
 import torch
 
-from flowalign.advantages import compute_advantages, gdpo_advantages, group_advantages, win_rates
+from flowalign.advantages import (
+    compute_advantages,
+    gdpo_advantages,
+    group_advantages,
+    win_rates,
+)
 
 
 def test_group_advantages_use_population_std_per_group():
@@ -49,6 +55,23 @@ def test_win_rates_count_pairwise_wins_with_ties_half():
     r = torch.tensor([0.1, 0.5, 0.5, 0.9])
     g = torch.zeros(4, dtype=torch.long)
     torch.testing.assert_close(win_rates(r, g), torch.tensor([0.0, 1.5 / 3, 1.5 / 3, 1.0]))
+
+
+def test_win_rates_round_as_the_judge_reports_and_keep_float64():
+    """``decimals=3`` is the authors' ``round(wins/compared, 3)``: 1.5/3 → 0.5, 1/3 → 0.333, 2/3 → 0.667."""
+    r = torch.tensor([0.1, 0.5, 0.5, 0.9], dtype=torch.float64)
+    g = torch.zeros(4, dtype=torch.long)
+    got = win_rates(r, g, decimals=3)
+    assert got.dtype == torch.float64
+    assert got.tolist() == [0.0, 0.5, 0.5, 1.0]
+    assert win_rates(torch.tensor([0.2, 0.1, 0.3, 0.4]), g, decimals=3).tolist() == pytest.approx(
+        [0.333, 0.0, 0.667, 1.0], abs=1e-7)
+
+
+def test_a_single_sample_batch_is_centred_not_divided_by_a_nan_std():
+    one = compute_advantages("win_rate", torch.tensor([[0.3]]), torch.ones(1), torch.tensor([0]),
+                             win_rate_normalisation="per_reward", batch_renormalise=True)
+    assert one.tolist() == [0.0]
 
 
 def test_advantages_are_clipped_and_zero_for_uniform_groups():

@@ -1,9 +1,17 @@
 """Pref-GRPO: advantages from within-group pairwise win rates (docs/methods/pref_grpo.md)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from flowalign.advantages import compute_advantages, group_advantages, preference_win_rates
+from flowalign.advantages import (
+    compute_advantages,
+    group_advantages,
+    preference_win_rates,
+    win_rates,
+)
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer, check_run
@@ -11,6 +19,77 @@ from flowalign.trainers import trainer_config
 
 from .conftest import small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
+
+KNOWN = json.loads((Path(__file__).parent / "known_answers" / "pref_grpo_win_rate.json").read_text())
+
+
+def _judge(outcomes: list[list[list[float | None]]]):
+    """A pairwise judge replaying the fixture's verdicts: ``outcomes[g][i][j]`` (i < j) is 1 / 0 / ½ for image i
+    better / worse / a tie answer, None for no verdict (a tie, as the authors count it); (j, i) is its mirror."""
+    size = len(outcomes[0])
+
+    def beats(a: int, b: int) -> float:
+        g, i, j = a // size, a % size, b % size
+        o = outcomes[g][min(i, j)][max(i, j)]
+        o = 0.5 if o is None else o
+        return o if i < j else 1.0 - o
+
+    return beats
+
+
+def _columns(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The case's reward components ``(N, M)`` in float64 (a judge's column: its unrounded win rates, as
+    flowalign's pairwise judges report them; a score column: the scores), groups and judged flags."""
+    size, judged = case["group_size"], case["judged"]
+    n = len(case["win_rates"][0])
+    groups = torch.arange(n) // size
+    cols = []
+    for m, is_judge in enumerate(judged):
+        if is_judge:
+            cols.append(win_rates(torch.zeros(n, dtype=torch.float64), groups, beats=_judge(case["outcomes"])))
+        else:
+            cols.append(torch.tensor([s[0] for s in case["scores"]], dtype=torch.float64))
+    return torch.stack(cols, dim=1), groups, torch.tensor(judged)
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN["cases"]))
+def test_win_rates_are_the_authors_on_fixed_verdicts_and_scores(name):
+    """Each reward's win rates equal the authors' ``_pairwise_win_rate`` (each unordered pair once, a tie or a
+    missing verdict ½ each, ``round(wins/compared, 3)``) at CodeGoat24/Pref-GRPO @ 3e787f6."""
+    case = KNOWN["cases"][name]
+    comps, groups, _ = _columns(case)
+    for m, is_judge in enumerate(case["judged"]):
+        beats = _judge(case["outcomes"]) if is_judge else None
+        got = win_rates(comps[:, m], groups, beats=beats, decimals=3)
+        torch.testing.assert_close(got, torch.tensor(case["win_rates"][m], dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("renormalise", [False, True])
+@pytest.mark.parametrize("name", sorted(KNOWN["cases"]))
+def test_advantages_are_the_authors_compute_weighted_advantages(name, renormalise):
+    """``per_reward`` equals the authors' ``compute_weighted_advantages`` (``--use_group``; ``--apply_gdpo``
+    off / on) clamped at ``adv_clip_max`` 5, in float64 at rtol 1e-6: each reward's rounded win rates normalised
+    in its group (unbiased std + 1e-8), weighted after normalising (weight 4 gives 4x, clipped at 5), then
+    renormalised over the batch."""
+    case = KNOWN["cases"][name]
+    comps, groups, judged = _columns(case)
+    got = compute_advantages("win_rate", comps, torch.tensor(case["weights"], dtype=torch.float64), groups,
+                             judged=judged, win_rate_normalisation="per_reward", batch_renormalise=renormalise)
+    want = case["advantages_batch_renormalised" if renormalise else "advantages"]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-12)
+
+
+def test_the_former_weighted_sum_form_differs_from_the_authors():
+    """The former form (weighted sum of unrounded win rates, population std + 1e-4, no batch step) is kept as
+    an option; on the fixture it is not the authors' advantage, so the default had to change."""
+    case = KNOWN["cases"]["judge_and_scores"]
+    comps, groups, judged = _columns(case)
+    former = compute_advantages("win_rate", comps, torch.tensor(case["weights"], dtype=torch.float64), groups,
+                                judged=judged, win_rate_normalisation="weighted_sum")
+    w = preference_win_rates(comps, torch.tensor(case["weights"]), groups, judged)
+    torch.testing.assert_close(former, group_advantages(w, groups).clamp(-5, 5))
+    assert (former - torch.tensor(case["advantages_batch_renormalised"])).abs().max() > 0.1
 
 
 def test_win_rates_from_compared_scores_and_from_a_pairwise_judge():
@@ -33,11 +112,14 @@ def test_win_rates_from_compared_scores_and_from_a_pairwise_judge():
     torch.testing.assert_close(mixed, group_advantages(torch.tensor([0.2, 0.3, 1.0]), torch.tensor([0, 0, 0])))
 
 
-def test_the_batch_advantages_are_the_group_normalised_win_rates(tmp_path, tiny_sd3_dir, prompt_file):
+def test_the_batch_advantages_are_the_authors_form_by_default(tmp_path, tiny_sd3_dir, prompt_file):
     t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=pref_grpo"))
+    assert t.tcfg.win_rate_normalisation == "per_reward" and t.tcfg.batch_renormalise
     batch = t.collect(0)
-    w = preference_win_rates(batch.scores.values, batch.scores.weights, batch.prompt_ids)
-    torch.testing.assert_close(batch.advantages, group_advantages(w, batch.prompt_ids).clamp(-5, 5))
+    want = compute_advantages("win_rate", batch.scores.values, batch.scores.weights, batch.prompt_ids,
+                              win_rate_normalisation="per_reward", batch_renormalise=True)
+    torch.testing.assert_close(batch.advantages, want)
+    assert batch.advantages.std(unbiased=True).item() == pytest.approx(1.0, abs=1e-4)  # renormalised over the batch
     x_T = torch.cat([c.latents[:, 0] for c in batch.chunks])
     for g in torch.unique(batch.groups):  # the authors' shared initial noise per group
         assert all(torch.equal(x_T[batch.groups == g][0], m) for m in x_T[batch.groups == g])
@@ -46,6 +128,14 @@ def test_the_batch_advantages_are_the_group_normalised_win_rates(tmp_path, tiny_
         with torch.no_grad():
             again = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
         assert torch.equal(again.log_prob, chunk.step(k)[2])
+
+
+def test_the_former_form_is_an_option(tmp_path, tiny_sd3_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=pref_grpo",
+                                   "trainer.win_rate_normalisation=weighted_sum", "trainer.batch_renormalise=false"))
+    batch = t.collect(0)
+    w = preference_win_rates(batch.scores.values, batch.scores.weights, batch.prompt_ids)
+    torch.testing.assert_close(batch.advantages, group_advantages(w, batch.prompt_ids).clamp(-5, 5))
 
 
 def test_its_settings_are_dance_grpos_step_draw_and_best_of_not_steps_per_chunk():
