@@ -10,7 +10,9 @@ Two modes, on a local model folder (``path``) or an OpenAI-compatible server (``
   Think prompt; the ``<answer>`` says "Image 1 is better" or "Image 2 is better". A sample's score is its
   win rate over its comparisons (Pref-GRPO's pairwise reward), in [0, 1].
 
-A reply without a score or a verdict makes its sample invalid, never 0.
+A reply without a score makes its sample invalid, never 0; a pairwise reply without a verdict counts as a
+tie (half a win to each image, as Pref-GRPO's ``unifiedreward_think.py`` does; ``no_verdict: unread`` leaves
+it out), and a sample none of whose comparisons came back is invalid.
 """
 
 from __future__ import annotations
@@ -82,14 +84,19 @@ def parse_verdict(text: str | None) -> int | None:
 
 def win_rates(n: int, verdicts: list[tuple[int, int, int | None]]) -> tuple[list[float | None], list[int]]:
     """Each sample's share of won comparisons among those read: ``verdicts`` are ``(a, b, winner)`` with
-    ``winner`` 1 (a) / 2 (b) / None (unread). Returns ``(rates, comparisons read)``; None where none was read."""
-    wins, read = [0] * n, [0] * n
+    ``winner`` 1 (a) / 2 (b) / 0 (a tie: half a win each) / None (unread). Returns ``(rates, comparisons
+    read)``; None where none was read."""
+    wins, read = [0.0] * n, [0] * n
     for a, b, v in verdicts:
         if v is None:
             continue
         read[a] += 1
         read[b] += 1
-        wins[a if v == 1 else b] += 1
+        if v == 0:
+            wins[a] += 0.5
+            wins[b] += 0.5
+        else:
+            wins[a if v == 1 else b] += 1
     return [w / r if r else None for w, r in zip(wins, read)], read
 
 
@@ -100,7 +107,8 @@ class UnifiedReward:
     Options: ``path`` (a local UnifiedReward folder, run in this process) or ``url`` (an OpenAI-compatible
     server) with ``model``, ``api_key``, ``timeout``, ``retries``, ``concurrency``; ``mode``, ``image_size``
     (images are resized to a square of this side, 512 as Flow-GRPO; null keeps them), ``normalize``,
-    ``max_tokens`` (reply length), ``both_orders`` (think_pairwise: judge each pair in both orders);
+    ``max_tokens`` (reply length), ``both_orders`` (think_pairwise: judge each pair in both orders),
+    ``no_verdict`` (think_pairwise: ``tie``, half a win each as Pref-GRPO counts it, or ``unread``);
     ``device`` (None: the samples'), ``dtype`` (bf16), ``batch_size`` (requests per forward).
     """
 
@@ -110,13 +118,17 @@ class UnifiedReward:
     def __init__(self, path: str | None = None, *, url: str | None = None, model: str | None = None,
                  api_key: str | None = None, timeout: float = 120.0, retries: int = 2, concurrency: int = 8,
                  mode: str = "score", image_size: int | None = 512, normalize: bool = True, max_tokens: int = 512,
-                 both_orders: bool = False, device: str | None = None, dtype: str = "bfloat16", batch_size: int = 8):
+                 both_orders: bool = False, no_verdict: str = "tie", device: str | None = None,
+                 dtype: str = "bfloat16", batch_size: int = 8):
         if mode not in MODES:
             raise UserError(f"unified_reward reward: mode={mode!r} is not one of {list(MODES)}")
         if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 28):
             raise UserError(f"unified_reward reward: image_size={image_size!r} must be an integer >= 28 or null")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"unified_reward reward: max_tokens={max_tokens!r} must be a positive integer")
+        if no_verdict not in ("tie", "unread"):
+            raise UserError(f"unified_reward reward: no_verdict={no_verdict!r} must be 'tie' (Pref-GRPO's: half a win "
+                            "each) or 'unread' (the comparison is not counted)")
         if (path is None) == (url is None):
             raise UserError("unified_reward reward: give either path: (the local folder of " + DOWNLOAD + ") or url:"
                             " (an OpenAI-compatible server serving it), not both")
@@ -124,6 +136,9 @@ class UnifiedReward:
         #: think_pairwise scores are win rates among the samples sharing a prompt (Pref-GRPO's reward)
         self.pairwise = mode == "think_pairwise"
         self.max_tokens, self.both_orders = max_tokens, both_orders
+        #: a reply that names no winner: "tie" counts it half a win to each image (Pref-GRPO's
+        #: unifiedreward_think.py), "unread" leaves the comparison out; a failed request is always unread
+        self.no_verdict = no_verdict
         self.device = torch.device(device) if device is not None else None
         if url is not None:
             from rewards.vlm_http import OpenAIChatClient
@@ -197,7 +212,9 @@ class UnifiedReward:
             pairs += [(b, a) for a, b in pairs]
         replies = self.backend.complete([self._ask([images[a], images[b]], THINK_QUESTION.format(prompt=prompts[a]))
                                          for a, b in pairs])
-        verdicts = [(a, b, parse_verdict(c.text) if c.error is None else None) for (a, b), c in zip(pairs, replies)]
+        tie = 0 if self.no_verdict == "tie" else None
+        verdicts = [(a, b, None if c.error is not None else (parse_verdict(c.text) or tie))
+                    for (a, b), c in zip(pairs, replies)]
         rates, read = win_rates(len(scores), verdicts)
         for i in todo:
             info[i]["comparisons"] = read[i]

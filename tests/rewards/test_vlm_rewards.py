@@ -147,6 +147,23 @@ def test_unified_reward_think_pairwise_gives_win_rates_per_prompt(unified_dir, i
     assert "at least 2 samples" in out.info[2]["reason"]
 
 
+@pytest.mark.parametrize("no_verdict,expected", [("tie", [0.5, 0.5]), ("unread", [None, None])])
+def test_a_pairwise_reply_without_a_verdict_is_a_tie_or_unread(unified_dir, images, no_verdict, expected):
+    """Pref-GRPO counts an answer naming no winner as half a win to each image; ``unread`` leaves it out, and
+    a sample with no comparison read is invalid."""
+    from rewards.vlm_backend import Completion
+
+    reward = rewards.load("unified_reward", path=str(unified_dir), dtype="float32", max_tokens=16,
+                          mode="think_pairwise", no_verdict=no_verdict)
+    reward.backend.complete = lambda requests: [Completion("<answer>Both are equally good</answer>", [])
+                                                for _ in requests]
+    out = reward(images[:2], PROMPTS[:2], [])
+    if expected[0] is None:
+        assert out.valid.tolist() == [False, False]
+    else:
+        assert out.components["unified_reward"].tolist() == expected and out.valid.all()
+
+
 def test_unified_reward_parsers_and_win_rates_on_fixed_replies():
     from rewards.unified_reward import parse_final_score, parse_verdict, win_rates
 
@@ -157,6 +174,9 @@ def test_unified_reward_parsers_and_win_rates_on_fixed_replies():
     assert parse_verdict("<think>...</think> no verdict") is None
     rates, read = win_rates(3, [(0, 1, 1), (0, 2, 2), (1, 2, None)])
     assert rates == [0.5, 0.0, 1.0] and read == [2, 1, 1]
+    # Pref-GRPO's count: a reply naming no winner is half a win to each (unifiedreward_think.py)
+    rates, read = win_rates(3, [(0, 1, 1), (0, 2, 0), (1, 2, 0)])
+    assert rates == [0.75, 0.25, 0.5] and read == [2, 2, 2]
 
 
 @pytest.mark.parametrize("name,download", [("hpsv3", "HPSv3"), ("videoalign", "VideoReward"),
