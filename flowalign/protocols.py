@@ -185,8 +185,9 @@ class UnifiedPolicy(FlowPolicy, Protocol):
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Text about ``images (B, 3, H, W)`` in [0, 1] drawn at ``temperature`` (0: greedy; ``generator``: one
-        per sample or one for the batch): tokens ``(B, L)`` and each token's log-probability under the model
-        (temperature 1, as :meth:`token_log_probs`) ``(B, L)`` float32, no grad."""
+        per sample or one for the batch): tokens ``(B, L)`` and each token's log-probability in the distribution
+        it was drawn from (at ``temperature``; greedy: at 1), as :meth:`token_log_probs` at that temperature,
+        ``(B, L)`` float32, no grad."""
         ...
 
     def sample_for_evaluation(self, prompts: list[str], *, initial_noise: torch.Tensor, seeds: list[int],
@@ -196,8 +197,11 @@ class UnifiedPolicy(FlowPolicy, Protocol):
         first images of ``initial_noise`` (or those first images when ``reflection`` is None)."""
         ...
 
-    def token_log_probs(self, images: torch.Tensor, prompts: list[str], tokens: torch.Tensor) -> torch.Tensor:
-        """``log π(tokens | image, prompt)`` ``(B, L)`` float32, with gradients (0 after a sequence's end)."""
+    def token_log_probs(self, images: torch.Tensor, prompts: list[str], tokens: torch.Tensor,
+                        temperature: float = 1.0) -> torch.Tensor:
+        """``log π(tokens | image, prompt)`` at ``temperature`` (``log softmax(logits / T)``) ``(B, L)`` float32,
+        with gradients (0 after a sequence's end); inside ``adapter_disabled()`` the starting model's, in both
+        roles (the reference of a KL term)."""
         ...
 
     def decode_tokens(self, tokens: torch.Tensor) -> list[str]:

@@ -51,8 +51,9 @@ class Round:
     """One reflect → revise round over N trajectories.
 
     ``images (N, 3, H, W)``: the image each reflected on; ``tokens`` / ``log_probs (N, L)``: the reflection
-    and its tokens' log-probs under the model (-1, 0 for a trajectory that had ended); ``texts``: the
-    reflections ("" for an ended trajectory); ``reflected (N,)``: the trajectory was still going;
+    and its tokens' log-probs in the distribution they were drawn from (at the loop's temperature; -1, 0 for
+    a trajectory that had ended); ``texts``: the reflections ("" for an ended trajectory); ``reflected (N,)``:
+    the trajectory was still going;
     ``revised (N,)``: it reflected without stopping, so it was revised."""
 
     images: torch.Tensor

@@ -6,8 +6,8 @@ tower + language model + LM head) that reads an image with text, and a flow tran
 an image conditioned on that language model's hidden states and on a reference image's latents. Here:
 
 * understanding: the VL model reads an image with a reflection prompt and *writes* text (sampled token by
-  token at temperature 1, each token's log-probability kept), through a LoRA on its language layers (the
-  ``"reflection"`` role);
+  token at a temperature, each token's log-probability at that temperature kept), through a LoRA on its
+  language layers (the ``"reflection"`` role);
 * generation: the editing policy itself (:attr:`UnifiedEditPolicy.editor`): the reflection is the edit
   instruction, the current image the reference image; the first image of a trajectory is drawn from a
   mid-grey canvas as reference (``encode(prompts)``: text to image).
@@ -23,7 +23,7 @@ generation expert reads only through the context it writes (``docs/methods/umm_r
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,16 @@ LANGUAGE_TARGETS = (r".*language_model\.layers\.\d+\."
 LANGUAGE_ADAPTER_FILE = "reflection_lora.safetensors"
 #: token id after a sequence's end in :meth:`UnifiedEditPolicy.generate`'s output (its log-prob is 0)
 PAD = -1
+
+
+def tempered_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(logits / temperature)`` at ``tokens``: ``logits (L, V)``, ``tokens (L,)`` → ``(L,)`` float32
+    (float64 for float64 logits). The distribution a token drawn at ``temperature`` came from (UMM-Reflection's
+    sampler and trainer score its tokens so, old, new and reference alike); temperature 0 (greedy) scores at
+    1, the model's own."""
+    scale = temperature if temperature > 0 else 1.0
+    wide = logits if logits.dtype == torch.float64 else logits.float()
+    return torch.log_softmax(wide / scale, dim=-1).gather(1, tokens[:, None].to(logits.device))[:, 0]
 
 
 def _pictures(images: torch.Tensor) -> list[Image.Image]:
@@ -123,6 +133,8 @@ class UnifiedEditPolicy:
         for layer in layers:  # off unless writing or scoring text: the transformer reads the frozen encoder
             layer._disable_adapters = True
         self.trainable = torch.nn.ModuleDict({"flow": editor.trainable, "language": self.language})
+        #: inside :meth:`adapter_disabled`: the language LoRA stays off while scoring text (the reference)
+        self._reference = False
         #: how evaluation samples (:meth:`sample_for_evaluation`): the reflection loop, or None for the first
         #: image alone (set by the trainer from its options)
         self.reflection: Reflection | None = None
@@ -203,10 +215,11 @@ class UnifiedEditPolicy:
     # ------------------------------------------------------------------ understanding: text
     @contextmanager
     def writing(self) -> Iterator[None]:
-        """The language LoRA switched on (writing and scoring reflections), off again after."""
+        """The language LoRA switched on (writing and scoring reflections), off again after; inside
+        :meth:`adapter_disabled` it stays off (the starting model scores the text)."""
         layers, _ = lora_utils.tuner_layers(self.language)
         for layer in layers:
-            layer._disable_adapters = False
+            layer._disable_adapters = self._reference
         try:
             yield
         finally:
@@ -234,8 +247,8 @@ class UnifiedEditPolicy:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reflections on ``images (B, 3, H, W)``: tokens ``(B, L)`` drawn at ``temperature`` (0: greedy) until
         ``<|im_end|>`` (kept) or ``max_new_tokens`` (after a sequence's end: :data:`PAD`), and each token's
-        log-probability under the model (temperature 1, what :meth:`token_log_probs` computes) ``(B, L)``
-        float32 (0 after the end), no grad. ``generator``: one per sample (a sample's text then depends on
+        log-probability in the distribution it was drawn from (at ``temperature``; greedy: at 1), what
+        :meth:`token_log_probs` computes at the same temperature, ``(B, L)`` float32 (0 after the end), no grad. ``generator``: one per sample (a sample's text then depends on
         nothing else in the batch) or one for the batch.
 
         Decoded by transformers' ``generate`` with its KV cache: the prompt and image are read once, each
@@ -251,7 +264,7 @@ class UnifiedEditPolicy:
                 tokens = out.sequences[0, inputs["input_ids"].shape[1] :].cpu()
                 logits = torch.cat(out.logits).float().cpu()  # (L, V): the raw next-token logits
                 rows.append(tokens.tolist())
-                logps.append(torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].tolist())
+                logps.append(tempered_log_probs(logits, tokens, temperature).tolist())
         length = max(1, max(len(r) for r in rows))
         out_tokens = torch.full((len(rows), length), PAD, dtype=torch.long)
         log_probs = torch.zeros(len(rows), length)
@@ -260,9 +273,11 @@ class UnifiedEditPolicy:
             log_probs[i, : len(lp)] = torch.tensor(lp)
         return out_tokens, log_probs
 
-    def token_log_probs(self, images: torch.Tensor, prompts: list[str], tokens: torch.Tensor) -> torch.Tensor:
-        """``log π(token | image, prompt, earlier tokens)`` ``(B, L)`` float32 with gradients through the
-        language LoRA; 0 at :data:`PAD` positions."""
+    def token_log_probs(self, images: torch.Tensor, prompts: list[str], tokens: torch.Tensor,
+                        temperature: float = 1.0) -> torch.Tensor:
+        """``log π(token | image, prompt, earlier tokens)`` at ``temperature`` (``log softmax(logits / T)``)
+        ``(B, L)`` float32 with gradients through the language LoRA (inside :meth:`adapter_disabled`: the
+        starting model's, LoRA off); 0 at :data:`PAD` positions."""
         out = torch.zeros(tokens.shape, device=self.editor.device)
         rows = []
         with self.writing():
@@ -272,8 +287,8 @@ class UnifiedEditPolicy:
                     rows.append(out[i])
                     continue
                 row = tokens[i, :n].to(self.editor.device)
-                logp = torch.log_softmax(self._logits(self._inputs(image, prompt), row)[:-1], dim=-1)
-                rows.append(torch.cat([logp.gather(1, row[:, None])[:, 0], out[i, n:]]))
+                logp = tempered_log_probs(self._logits(self._inputs(image, prompt), row)[:-1], row, temperature)
+                rows.append(torch.cat([logp, out[i, n:]]))
         return torch.stack(rows)
 
     def decode_tokens(self, tokens: torch.Tensor) -> list[str]:
@@ -282,8 +297,16 @@ class UnifiedEditPolicy:
         return [self.tokenizer.decode([t for t in row.tolist() if t != PAD], skip_special_tokens=True).strip()
                 for row in tokens]
 
-    def adapter_disabled(self) -> AbstractContextManager[None]:
-        return self.editor.adapter_disabled()
+    @contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """The starting model in both roles (the KL terms' reference): the editor's adapter off (or its frozen
+        copy under full fine-tuning) and the language LoRA kept off while text is scored."""
+        with self.editor.adapter_disabled():
+            self._reference = True
+            try:
+                yield
+            finally:
+                self._reference = False
 
 
 def unified(policy: Any, language_lora_rank: int = 4, language_lora_alpha: float = 8.0) -> UnifiedEditPolicy:

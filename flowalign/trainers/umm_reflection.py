@@ -14,10 +14,12 @@ Every image state is scored; one group-relative advantage ``A_i`` per trajectory
 penalties; z-score within the group, std floored, clipped); ``credit: final``: the trainer's ``advantage`` of
 the final image's reward alone. Then
 
-    L = Σ_i [ w_tok · (1/(N_y·T_i)) Σ_r mean_t max(−A_i·ρ_{r,t}, −A_i·clip(ρ_{r,t}, 1±ε_tok))
-            + w_rev · (1/(N_K·V_i)) Σ_r mean_k max(−A_i·r_{r,k}, −A_i·clip(r_{r,k}, 1±ε)) ]
+    L = Σ_i [ w_tok · (1/(N_y·T_i)) Σ_r mean_t [max(−A_i·ρ_{r,t}, −A_i·clip(ρ_{r,t}, 1±ε_tok)) + β_tok·k3_{r,t}]
+            + w_rev · (1/(N_K·V_i)) Σ_r mean_k [max(−A_i·r_{r,k}, −A_i·clip(r_{r,k}, 1±ε)) + β_rev·KL_{r,k}] ]
 
-``ρ = π_θ(y_t | ...) / π_old``, ``r = p_θ(x_{k+1} | x_k) / p_old`` (the revision's SDE steps:
+``ρ = π_θ(y_t | ...) / π_old`` (reflections written and scored at ``temperature``),
+``r = p_θ(x_{k+1} | x_k) / p_old``, ``k3`` / ``KL`` the terms to the frozen starting model
+(:mod:`flowalign.trainers.parts.reference_kl`; the reference: ``adapter_disabled()``) (the revision's SDE steps:
 ``sde_window_size`` contiguous ones from the first half), ``T_i`` the trajectory's reflections, ``V_i`` its
 revisions, ``N_y`` / ``N_K`` the trajectories of every rank with any reflection / revision (the authors'
 per-channel trajectory means). ``objective: sft`` is the cold start on the same trajectories, weighted alike:
@@ -45,8 +47,15 @@ from flowalign.protocols import UnifiedPolicy
 from flowalign.reflection import Reflection, Round, reflect
 from flowalign.sampling import random_window_start, rollout, sde_step
 from flowalign.trainers.base import GroupTrainer, Plan, WeightCopy, derived_seed
-from flowalign.trainers.options import AdvantageOptions, RolloutOptions, TrainerConfig
+from flowalign.trainers.copies import full_reference
+from flowalign.trainers.options import (
+    AdvantageOptions,
+    ReferenceOptions,
+    RolloutOptions,
+    TrainerConfig,
+)
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
+from flowalign.trainers.parts.reference_kl import token_k3, transition_kl
 from flowalign.trainers.parts.reflection_credit import (
     ShapedCredit,
     channel_scales,
@@ -62,7 +71,7 @@ MAX_REFLECTION_TOKENS = 4096
 MAX_SDE_WINDOW = 1000
 
 
-class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
+class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions, ReferenceOptions):
     """``group_size`` trajectories per prompt share its first image; ``num_steps`` / ``guidance_scale`` /
     ``batch_size``: the image rollouts (first images and revisions)."""
 
@@ -85,6 +94,15 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
     clip_range: float = Field(0.1, gt=0, le=MAX_COEFFICIENT)
     #: ε_tok of the reflection tokens' clipped ratio (the authors' 0.2)
     token_clip_range: float = Field(0.2, gt=0, le=MAX_COEFFICIENT)
+    #: temperature of the reflections written in training; their log-probs (sampled, trained, reference) are
+    #: taken at it, log softmax(logits / T) (the authors' 0.9; 1: the model's own distribution)
+    temperature: float = Field(0.9, gt=0, le=MAX_COEFFICIENT)
+    #: β_tok: weight of the reflection tokens' KL to the starting model, the mean over a reflection's tokens
+    #: of the k3 estimator (the authors' 1e-4; 0: no text KL)
+    token_kl_beta: float = Field(1e-4, ge=0, le=MAX_COEFFICIENT)
+    #: β_rev: weight of the revision steps' KL to the starting model, between the two Gaussian transitions
+    #: (the authors' 1e-4; 0: no image KL)
+    revision_kl_beta: float = Field(1e-4, ge=0, le=MAX_COEFFICIENT)
     #: "shaped": the authors' trajectory reward from every image state's score (below), z-scored within the
     #: group; "final": the final image's reward through ``advantage`` / ``adv_clip`` (the paper's description)
     credit: Literal["shaped", "final"] = "shaped"
@@ -108,7 +126,7 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions):
     language_lora_rank: int = Field(4, ge=1, le=MAX_LORA_RANK)
     #: alpha of the language LoRA (its scale is alpha / rank)
     language_lora_alpha: float = Field(8.0, gt=0, le=MAX_COEFFICIENT)
-    #: temperature of the reflections written in evaluation (0: greedy); training samples at 1
+    #: temperature of the reflections written in evaluation (0: greedy); training samples at ``temperature``
     eval_temperature: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
     #: evaluation scores the first image alone, without the reflection loop (single-shot generation)
     eval_first_image_only: bool = False
@@ -208,9 +226,12 @@ class UMMReflectionTrainer(GroupTrainer):
 
     @classmethod
     def weight_copies(cls, cfg: Any, tcfg: Any) -> list[WeightCopy]:
-        """None: no reference term (no KL), and one update per batch on the weights that sampled it, so the
-        old log-probs are the stored ones (no behaviour copy)."""
-        return []
+        """The revisions' KL reference under full fine-tuning of the transformer: a frozen copy of its starting
+        weights (under LoRA the adapter switched off; the text's reference is always the language LoRA off).
+        One update per batch on the weights that sampled it, so the old log-probs are the stored ones (no
+        behaviour copy)."""
+        flow_kl = tcfg.objective == "rl" and tcfg.revision_kl_beta > 0 and tcfg.revision_weight > 0
+        return full_reference(tcfg) if flow_kl and cfg.model.finetune == "full" else []
 
     @classmethod
     def rollouts_per_step(cls, tcfg: Any) -> tuple[int, int, int]:
@@ -236,7 +257,8 @@ class UMMReflectionTrainer(GroupTrainer):
             first = self.first_images(prompts[::g], metadata[::g], groups[::g], step).repeat_interleave(g, dim=0)
         keys = list(zip(groups.tolist(), members.tolist()))
         rounds, images = reflect(
-            self.unified, first, prompts, Reflection(self.tcfg.rounds, self.tcfg.max_new_tokens, self.tcfg.stop_phrase),
+            self.unified, first, prompts,
+            Reflection(self.tcfg.rounds, self.tcfg.max_new_tokens, self.tcfg.stop_phrase, self.tcfg.temperature),
             lambda i, salt, r: derived_seed(self.cfg.run.seed, step, *keys[i], salt, r), num_steps=self.tcfg.num_steps,
             guidance_scale=self.tcfg.guidance_scale, batch_size=self.tcfg.batch_size, sampler=self.sampler,
             noise_level=self.tcfg.noise_level, windows=lambda r: self.revision_window(step, r))
@@ -354,14 +376,24 @@ class UMMReflectionTrainer(GroupTrainer):
                         units.append(RevisionUnit(r, b, k, scale, noise))
         return units
 
+    def kl_beta(self, unit: TokenUnit | RevisionUnit) -> float:
+        """The unit's KL weight to the starting model (0 under ``sft``)."""
+        if self.tcfg.objective != "rl":
+            return 0.0
+        return self.tcfg.token_kl_beta if isinstance(unit, TokenUnit) else self.tcfg.revision_kl_beta
+
     def plan(self, batch: TrajectoryBatch, generator: torch.Generator) -> Plan:
-        """One optimiser step over the units of trajectories with a non-zero coefficient (a global plan)."""
+        """One optimiser step over the units of trajectories with a non-zero coefficient, and under a KL term
+        every unit (the authors train every turn and revision, a zero advantage leaving its KL) (a global
+        plan)."""
         here = torch.tensor([[int((batch.turn_counts() > 0).sum()), int((batch.revision_counts() > 0).sum())]])
         text, flow = self.gather(here).sum(0).tolist()  # trajectories with any term, over every rank
         units = self.units(batch, (int(text), int(flow)))
         live = batch.coefficients != 0
 
         def useful(u: TokenUnit | RevisionUnit) -> bool:
+            if self.kl_beta(u) > 0:
+                return True
             if isinstance(u, TokenUnit):
                 return bool(live[u.index])
             return bool(live[batch.rounds[u.round].revisions[u.batch].index].any())
@@ -374,11 +406,14 @@ class UMMReflectionTrainer(GroupTrainer):
         return self.revision_loss(batch, unit)
 
     def token_loss(self, batch: TrajectoryBatch, unit: TokenUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        """``scale · Σ_t max(−A·ρ_t, −A·clip(ρ_t, 1±ε_tok))`` over the reflection's tokens
-        (``sft``: ``−scale · Σ_t log π``)."""
+        """``scale · Σ_t [max(−A·ρ_t, −A·clip(ρ_t, 1±ε_tok)) + β_tok·k3_t]`` over the reflection's tokens, log-probs
+        at ``temperature`` (``sft``: ``−scale · Σ_t log π``)."""
         rnd, i = batch.rounds[unit.round], unit.index
         mask = rnd.tokens[i] != -1
-        lp = self.unified.token_log_probs(rnd.images[i : i + 1], [batch.prompts[i]], rnd.tokens[i : i + 1])[0][mask]
+        args = (rnd.images[i : i + 1], [batch.prompts[i]], rnd.tokens[i : i + 1])
+        # rl: the distribution the tokens were drawn from; sft imitates them under the model's own
+        temperature = self.tcfg.temperature if self.tcfg.objective == "rl" else 1.0
+        lp = self.unified.token_log_probs(*args, temperature=temperature)[0][mask]
         coefficient = batch.coefficients[i].to(lp)
         if self.tcfg.objective == "sft":
             loss = -(coefficient * lp).sum() * unit.scale
@@ -386,11 +421,19 @@ class UMMReflectionTrainer(GroupTrainer):
         old = rnd.log_probs[i][mask].to(lp)
         per_token, ratio, clipped = ppo_clip_loss(lp, old, coefficient.expand_as(lp), self.tcfg.token_clip_range)
         deviation = (ratio.detach() - 1).abs().max().item()
-        return per_token.sum() * unit.scale, {"token_ratio_dev": deviation, "token_clip_frac":
-                                              clipped.float().mean().item()}
+        info = {"token_ratio_dev": deviation, "token_clip_frac": clipped.float().mean().item()}
+        beta = self.kl_beta(unit)
+        if beta > 0:
+            with torch.no_grad(), self.unified.adapter_disabled():
+                ref = self.unified.token_log_probs(*args, temperature=temperature)[0][mask]
+            k3 = token_k3(lp, ref)
+            per_token = per_token + beta * k3
+            info["token_kl"] = k3.mean().item()
+        return per_token.sum() * unit.scale, info
 
     def revision_loss(self, batch: TrajectoryBatch, unit: RevisionUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        """``Σ_b scale_b · max(−A_b·r_b, −A_b·clip(r_b))`` at SDE step k of the revisions (``sft``: flow
+        """``Σ_b scale_b · [max(−A_b·r_b, −A_b·clip(r_b)) + β_rev·KL_b]`` at SDE step k of the revisions, ``KL_b``
+        between the policy's and the starting model's transitions (``sft``: flow
         matching of the revised image at that step's σ, ``scale_b·A_b·mean‖v − (ε − x0)‖²``)."""
         rev = batch.rounds[unit.round].revisions[unit.batch]
         chunk, k = rev.rollout, unit.k
@@ -406,7 +449,18 @@ class UMMReflectionTrainer(GroupTrainer):
         x_k, x_next, old = chunk.step(k)
         v = self.unified.editor.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
         out = sde_step(self.sampler, v, x_k, sigma, sigma_next, noise_level=self.tcfg.noise_level, prev_sample=x_next)
+        scale = unit.scale.to(out.log_prob)
         per_sample, ratio, clipped = ppo_clip_loss(out.log_prob, old.to(out.log_prob), coefficient.to(out.log_prob),
-                                                   self.tcfg.clip_range, unit.scale.to(out.log_prob))
+                                                   self.tcfg.clip_range, scale)
         deviation = (ratio.detach() - 1).abs().max().item()
-        return per_sample.sum(), {"ratio_dev": deviation, "clip_frac": clipped.float().mean().item()}
+        info = {"ratio_dev": deviation, "clip_frac": clipped.float().mean().item()}
+        beta = self.kl_beta(unit)
+        if beta > 0:
+            with torch.no_grad(), self.unified.adapter_disabled():
+                v_ref = self.unified.editor.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
+                ref = sde_step(self.sampler, v_ref, x_k, sigma, sigma_next, noise_level=self.tcfg.noise_level,
+                               prev_sample=x_next).mean
+            kl = transition_kl(out.mean, ref, out.std)
+            per_sample = per_sample + beta * kl * scale
+            info["kl"] = kl.mean().item()
+        return per_sample.sum(), info

@@ -1,13 +1,17 @@
 """The unified policy's text side on the tiny Qwen-Image-Edit twin: reflections decoded with the KV cache are the
-ones a full forward per token writes, with the same log-probs, whatever the checkpoint's generation config."""
+ones a full forward per token writes, with the same log-probs (at the temperature they were drawn at), whatever
+the checkpoint's generation config; the reference (``adapter_disabled``) scores them with the language LoRA off."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import pipelines
-from pipelines.unified import PAD, unified
+from pipelines.unified import PAD, tempered_log_probs, unified
 from tests.tiny_recipes import REPO
 
 MODEL = REPO / "assets" / "tiny-qwen-image-edit"
@@ -17,7 +21,7 @@ PROMPTS = ["a red cube", "two cats on a mat", "a blue ball"]
 @pytest.fixture(scope="module")
 def policy():
     torch.manual_seed(0)
-    made = unified(pipelines.load(str(MODEL)))
+    made = unified(pipelines.load(str(MODEL), lora={"rank": 4, "alpha": 8.0}))  # the reference: adapters off
     with torch.no_grad():  # a language LoRA that is not zero, so the written text depends on it
         for name, t in made.language_adapter().items():
             if "lora_B" in name:
@@ -37,7 +41,7 @@ def full_prefix(policy, image: torch.Tensor, prompt: str, max_new_tokens: int, g
             else:
                 token = int(torch.multinomial(torch.log_softmax(logits / temperature, -1).exp(), 1, generator=generator))
             tokens.append(token)
-            lp.append(float(torch.log_softmax(logits, -1)[token]))
+            lp.append(float(torch.log_softmax(logits / (temperature or 1.0), -1)[token]))
             if token == policy.eos_id:
                 break
     return tokens, lp
@@ -59,10 +63,53 @@ def test_cached_reflections_are_the_full_prefix_ones(policy, temperature):
         other, _ = policy.generate(images[:1], PROMPTS[:1], 24, [torch.Generator().manual_seed(99)],
                                    temperature=temperature)
         assert not torch.equal(other[0], tokens[0])
-    # at any temperature the log-probs are the model's own, the ones training recomputes with gradients
+    # the log-probs are those of the distribution drawn from, the ones training recomputes with gradients
     with torch.no_grad():
-        again = policy.token_log_probs(images, PROMPTS, tokens)
+        again = policy.token_log_probs(images, PROMPTS, tokens, temperature=temperature or 1.0)
+        plain = policy.token_log_probs(images, PROMPTS, tokens)
     assert torch.allclose(again, log_probs, atol=1e-5)
+    if temperature not in (0.0, 1.0):
+        assert not torch.allclose(plain, log_probs, atol=1e-3)
+
+
+def test_log_probs_at_a_temperature_are_the_authors():
+    """UMM-Reflection's teacher-forced text log-probs (waltstephen/UMM-Reflection @ 8510796,
+    g008_counting.teacher_forced_text_log_probs: log_softmax(logits / temperature) at the sampled tokens;
+    their training temperature 0.9), float64, on fixed logits."""
+    data = json.loads((Path(__file__).parents[1] / "flowalign" / "trainers" / "known_answers" /
+                       "umm_reflection_kl.json").read_text())["log_probs"]
+    logits = torch.tensor(data["logits"], dtype=torch.float64)
+    tokens = torch.tensor(data["tokens"])
+    for temperature, expected in data["at"].items():
+        ours = tempered_log_probs(logits.double(), tokens, float(temperature))
+        assert torch.allclose(ours.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=0), temperature
+    assert not torch.allclose(tempered_log_probs(logits, tokens, 1.0).double(),
+                              torch.tensor(data["at"]["0.9"], dtype=torch.float64), rtol=1e-3)
+
+
+def test_the_reference_scores_text_with_the_language_lora_off(policy):
+    """Inside ``adapter_disabled()`` the text is the starting model's (the LoRA off: its B zeroed gives the
+    same), outside it the trained one's again."""
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(8))
+    tokens, _ = policy.generate(images, PROMPTS[:2], 6, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    with torch.no_grad():
+        trained = policy.token_log_probs(images, PROMPTS[:2], tokens, temperature=0.9)
+        with policy.adapter_disabled():
+            reference = policy.token_log_probs(images, PROMPTS[:2], tokens, temperature=0.9)
+        after = policy.token_log_probs(images, PROMPTS[:2], tokens, temperature=0.9)
+        saved = {n: t.clone() for n, t in policy.language_adapter().items() if "lora_B" in n}
+        try:
+            for n, t in policy.language_adapter().items():
+                if "lora_B" in n:
+                    t.zero_()
+            zeroed = policy.token_log_probs(images, PROMPTS[:2], tokens, temperature=0.9)
+        finally:
+            for n, t in policy.language_adapter().items():
+                if n in saved:
+                    t.copy_(saved[n])
+    assert torch.equal(after, trained)
+    assert not torch.allclose(reference, trained, atol=1e-3)
+    assert torch.allclose(reference, zeroed, atol=1e-6)
 
 
 def test_the_checkpoints_generation_config_changes_nothing(policy):

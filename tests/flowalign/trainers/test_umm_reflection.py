@@ -26,6 +26,7 @@ from flowalign.protocols import RewardOutput, UnifiedPolicy
 from flowalign.reflection import Reflection, reflect, stopped
 from flowalign.train import build_trainer
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
+from flowalign.trainers.parts.reference_kl import token_k3, transition_kl
 from flowalign.trainers.parts.reflection_credit import (
     ShapedCredit,
     channel_scales,
@@ -267,11 +268,77 @@ def test_token_log_probs_are_the_models_own_generate_scores(trained):
     with torch.no_grad():
         ours = policy.token_log_probs(image[None], [prompt], tokens[None])[0]
     assert torch.allclose(ours, expected, atol=1e-5)
-    # the rollout's stored log-probs are the scorer's on the same tokens (the tokens' on-policy ratio is 1)
+    # the rollout's stored log-probs are the scorer's on the same tokens at the training temperature (the
+    # tokens' on-policy ratio is 1), not the model's own at 1
+    assert trainer.tcfg.temperature == 0.9
     for rnd in batch.rounds:
         with torch.no_grad():
-            again = policy.token_log_probs(rnd.images, batch.prompts, rnd.tokens)
+            again = policy.token_log_probs(rnd.images, batch.prompts, rnd.tokens, temperature=0.9)
+            plain = policy.token_log_probs(rnd.images, batch.prompts, rnd.tokens)
         assert torch.allclose(again * rnd.reflected[:, None], rnd.log_probs, atol=1e-5)
+        assert not torch.allclose(plain * rnd.reflected[:, None], rnd.log_probs, atol=1e-3)
+
+
+def test_the_kl_terms_are_the_authors():
+    """The text KL (g008_counting.text_k3_kl_loss, bound g022_linear: β·mean_t k3(log π_θ − log π_ref), exp
+    linear above 10 nats) and the flow KL (bagel.equal_variance_transition_kl: mean_D Δμ²/(2·std_dev_t²·Δt)),
+    waltstephen/UMM-Reflection @ 8510796, float64, on fixed numbers; β 1e-4 both (G022_KL_BETA_TEXT / _FLOW)."""
+    data = json.loads((KNOWN / "umm_reflection_kl.json").read_text())
+    assert data["beta"] == 1e-4
+    for turn in data["text_kl"]:
+        new, ref = (torch.tensor(turn[k], dtype=torch.float64) for k in ("new", "reference"))
+        k3 = token_k3(new, ref)
+        assert torch.allclose(k3, torch.tensor(turn["k3"], dtype=torch.float64), rtol=1e-6, atol=0)
+        assert float(data["beta"] * k3.mean()) == pytest.approx(turn["kl_loss"], rel=1e-6)
+    assert max(max(t["k3"]) for t in data["text_kl"]) > 1e4  # one token past the linearisation
+    for step in data["flow_kl"]:
+        mean, ref = (torch.tensor(step[k], dtype=torch.float64).view(step["shape"]) for k in ("mean", "reference_mean"))
+        std = torch.tensor(step["noise_std"], dtype=torch.float64)  # τ = std_dev_t·sqrt(Δt), the step's noise
+        assert float(transition_kl(mean, ref, std)[0]) == pytest.approx(step["kl"], rel=1e-6)
+
+
+def test_the_kl_terms_pull_both_roles_toward_the_starting_model(trained):
+    """With both adapters moved off the start, a zero-advantage batch still trains: each reflection token by
+    β_tok·k3 against the LoRA-off log-probs (at the training temperature), each revision step by β_rev·KL of the
+    transitions; β 0 leaves nothing, and the plan then drops the zero-advantage trajectories' units."""
+    trainer, batch = trained
+    policy, tcfg = trainer.policy, trainer.tcfg
+    zero = dataclasses.replace(batch, coefficients=torch.zeros(len(batch.prompts)))
+    units = trainer.units(batch)
+    saved = {n: p.detach().clone() for n, p in policy.trainable.named_parameters() if "lora_B" in n}
+    try:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(4)
+            for n, p in policy.trainable.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        token = next(u for u in units if isinstance(u, TokenUnit))
+        rnd, i = batch.rounds[token.round], token.index
+        mask = rnd.tokens[i] != -1
+        with torch.no_grad():
+            args = (rnd.images[i : i + 1], batch.prompts[i : i + 1], rnd.tokens[i : i + 1])
+            lp = policy.token_log_probs(*args, temperature=0.9)[0][mask]
+            with policy.adapter_disabled():
+                ref = policy.token_log_probs(*args, temperature=0.9)[0][mask]
+            loss, info = trainer.loss(zero, token)
+        assert info["token_kl"] > 0
+        assert not torch.allclose(lp, ref, atol=1e-4)
+        expected = (tcfg.token_kl_beta * token_k3(lp.double(), ref.double())).sum() * token.scale
+        assert loss.item() == pytest.approx(float(expected), rel=1e-4) and loss.item() > 0
+        pulled = gradients(trainer, zero, units)
+        assert pulled["language"].abs().sum() > 0 and pulled["flow"].abs().sum() > 0
+        assert trainer.revision_loss(zero, next(u for u in units if isinstance(u, RevisionUnit)))[1]["kl"] > 0
+        assert len(trainer.plan(zero, torch.Generator()).steps[0]) == len(units)  # every term trains
+        trainer.tcfg = tcfg.model_copy(update={"token_kl_beta": 0.0, "revision_kl_beta": 0.0})
+        off = gradients(trainer, zero, units)
+        assert not off["language"].any() and not off["flow"].any()
+        assert trainer.plan(zero, torch.Generator()).steps[0] == []
+    finally:
+        trainer.tcfg = tcfg
+        with torch.no_grad():
+            for n, p in policy.trainable.named_parameters():
+                if n in saved:
+                    p.copy_(saved[n])
 
 
 def test_revisions_are_on_policy(trained):
