@@ -22,8 +22,9 @@ TEXT_SALT, REVISION_SALT = 23, 29
 #: ``seed(i, salt, r)``: the seed of trajectory ``i``'s draw ``salt`` in round ``r`` (0-based), so a trajectory's
 #: draws depend on nothing else in its batch
 Seeds = Callable[[int, int, int], int]
-#: ``window(r)``: the SDE steps ``(start, width)`` of round ``r``'s revisions (None: every step but the last)
-Windows = Callable[[int], "tuple[int, int] | None"]
+#: ``window(i, r)``: the SDE steps ``(start, width)`` of trajectory ``i``'s revision in round ``r`` (None: every
+#: step but the last)
+Windows = Callable[[int, int], "tuple[int, int] | None"]
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,15 @@ def reflect(unified: UnifiedPolicy, first: torch.Tensor, prompts: list[str], how
     """The loop from ``first (N, 3, H, W)``: returns its rounds (as many as ``how.rounds``, a round after every
     trajectory stopped included, with nothing reflected) and the final images ``(N, 3, H, W)`` (a trajectory
     that stopped keeps its last image). Revisions: rollouts of ``unified.editor`` (``sampler``, ``noise_level``,
-    ``num_steps``, ``guidance_scale``; ``windows``: each round's SDE window), in batches of ``batch_size``, each
+    ``num_steps``, ``guidance_scale``; ``windows``: each revision's SDE window, revisions of one window batched
+    together), in batches of ``batch_size``, each
     from its keyed noise. No grad."""
     images, active, rounds = first, torch.ones(len(prompts), dtype=torch.bool), []
     with torch.no_grad():
         for r in range(how.rounds):
             done = reflection_round(unified, images, active, prompts, r, how, seeds, num_steps=num_steps,
                                     guidance_scale=guidance_scale, batch_size=batch_size, sampler=sampler,
-                                    noise_level=noise_level, window=windows(r) if windows is not None else None)
+                                    noise_level=noise_level, windows=windows)
             rounds.append(done)
             images = images.clone()
             for rev in done.revisions:
@@ -102,9 +104,10 @@ def reflect(unified: UnifiedPolicy, first: torch.Tensor, prompts: list[str], how
 def reflection_round(unified: UnifiedPolicy, images: torch.Tensor, active: torch.Tensor, prompts: list[str], r: int,
                      how: Reflection, seeds: Seeds, *, num_steps: int, guidance_scale: float | None,
                      batch_size: int, sampler: str, noise_level: float | None,
-                     window: tuple[int, int] | None = None) -> Round:
+                     windows: Windows | None = None) -> Round:
     """Round ``r``: the still-going trajectories (``active (N,)``) write a reflection on their image; those that
-    did not stop are revised."""
+    did not stop are revised, each on its SDE window (``windows(i, r)``; one rollout holds one window, so the
+    revisions are batched by window, each from its own keyed noise whatever its batch)."""
     n = len(prompts)
     going = active.nonzero().flatten().tolist()
     texts = [""] * n
@@ -123,16 +126,19 @@ def reflection_round(unified: UnifiedPolicy, images: torch.Tensor, active: torch
         for i, text in zip(going, said):
             texts[i] = text
     revisions = []
-    todo = revised.nonzero().flatten()
-    for s in range(0, len(todo), batch_size):
-        index = todo[s : s + batch_size]
-        il = index.tolist()
-        gens = [torch.Generator().manual_seed(seeds(i, REVISION_SALT, r)) for i in il]
-        drawn = rollout(unified.editor, [instruction(prompts[i], texts[i]) for i in il],
-                        metadata=[{"image": images[i]} for i in il], num_steps=num_steps, sampler=sampler,
-                        noise_level=noise_level, guidance_scale=guidance_scale, generators=gens,
-                        sde_window=window if sampler != "ode" else None)
-        revisions.append(Revision(index, drawn))
+    by_window: dict[tuple[int, int] | None, list[int]] = {}
+    for i in revised.nonzero().flatten().tolist():
+        window = windows(i, r) if windows is not None and sampler != "ode" else None
+        by_window.setdefault(window, []).append(i)
+    for window, members in by_window.items():
+        for s in range(0, len(members), batch_size):
+            il = members[s : s + batch_size]
+            gens = [torch.Generator().manual_seed(seeds(i, REVISION_SALT, r)) for i in il]
+            drawn = rollout(unified.editor, [instruction(prompts[i], texts[i]) for i in il],
+                            metadata=[{"image": images[i]} for i in il], num_steps=num_steps, sampler=sampler,
+                            noise_level=noise_level, guidance_scale=guidance_scale, generators=gens,
+                            sde_window=window)
+            revisions.append(Revision(torch.tensor(il, dtype=torch.long), drawn))
     return Round(images, tokens, log_probs, texts, active.clone(), revised, revisions)
 
 

@@ -20,7 +20,7 @@ the final image's reward alone. Then
 ``ρ = π_θ(y_t | ...) / π_old`` (reflections written and scored at ``temperature``),
 ``r = p_θ(x_{k+1} | x_k) / p_old``, ``k3`` / ``KL`` the terms to the frozen starting model
 (:mod:`flowalign.trainers.parts.reference_kl`; the reference: ``adapter_disabled()``) (the revision's SDE steps:
-``sde_window_size`` contiguous ones from the first half), ``T_i`` the trajectory's reflections, ``V_i`` its
+``sde_window_size`` contiguous ones from the first half, drawn per revision), ``T_i`` the trajectory's reflections, ``V_i`` its
 revisions, ``N_y`` / ``N_K`` the trajectories of every rank with any reflection / revision (the authors'
 per-channel trajectory means). ``objective: sft`` is the cold start on the same trajectories, weighted alike:
 the best trajectory of each group, when its final image scores above the first, is imitated (negative
@@ -87,7 +87,7 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions, Refer
     #: a of the revisions' Flow-GRPO SDE
     noise_level: float = Field(0.7, gt=0, le=2)
     #: SDE (and trained) steps of each revision: this many contiguous steps from the first half of its
-    #: num_steps, the start drawn per round and step (the authors' 2 of the first 10 of 20); 0: every step
+    #: num_steps, the start drawn per revision (the authors' 2 of the first 10 of 20); 0: every step
     #: but the last. A rollout too short for it gets the widest window that fits
     sde_window_size: int = Field(2, ge=0, le=MAX_SDE_WINDOW)
     #: ε of the revision steps' clipped ratio (the authors' 0.1)
@@ -261,7 +261,7 @@ class UMMReflectionTrainer(GroupTrainer):
             Reflection(self.tcfg.rounds, self.tcfg.max_new_tokens, self.tcfg.stop_phrase, self.tcfg.temperature),
             lambda i, salt, r: derived_seed(self.cfg.run.seed, step, *keys[i], salt, r), num_steps=self.tcfg.num_steps,
             guidance_scale=self.tcfg.guidance_scale, batch_size=self.tcfg.batch_size, sampler=self.sampler,
-            noise_level=self.tcfg.noise_level, windows=lambda r: self.revision_window(step, r))
+            noise_level=self.tcfg.noise_level, windows=lambda i, r: self.revision_window(step, r, *keys[i]))
         t1 = time.perf_counter()
         steps = torch.stack([r.images for r in rounds]).flatten(0, 1)
         watched = self.score(steps, prompts * len(rounds), metadata * len(rounds), step=step)  # each round's input
@@ -302,15 +302,16 @@ class UMMReflectionTrainer(GroupTrainer):
         rewards = trajectory_rewards(states, counts, stopped_early & (final < 1), credit)
         return rewards.float(), shaped_advantages(rewards, groups, credit, valid).float()
 
-    def revision_window(self, step: int, r: int) -> tuple[int, int] | None:
-        """Round ``r``'s SDE window ``(start, width)`` at ``step``: ``sde_window_size`` contiguous steps, the start
-        drawn uniformly from the first half of the rollout, keyed by (seed, step, round) so every rank and
-        batch draws the same; a rollout too short for the width gets the widest that fits (None: size 0)."""
+    def revision_window(self, step: int, r: int, group: int, member: int) -> tuple[int, int] | None:
+        """The SDE window ``(start, width)`` of the revision of trajectory ``member`` of ``group`` in round ``r``
+        at ``step``: ``sde_window_size`` contiguous steps, the start drawn uniformly from the first half of the
+        rollout per revision (the authors' per repair call), keyed by (seed, step, group, member, round) so it
+        depends on no rank or batch; a rollout too short for the width gets the widest that fits (None: size 0)."""
         n = self.tcfg.num_steps
         width = min(self.tcfg.sde_window_size, n - 1)
         if width < 1:
             return None
-        gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, r, 37))
+        gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, group, member, r, 37))
         return random_window_start(n, width, gen, high=max(n // 2, width)), width
 
     def first_images(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor, step: int) -> torch.Tensor:

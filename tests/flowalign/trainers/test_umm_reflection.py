@@ -231,27 +231,33 @@ def test_the_shaped_credit_reads_every_image_state_of_a_trajectory(trained):
 
 
 def test_revisions_train_a_window_of_two_steps_from_the_first_half(trained):
-    """The authors' SDE window: 2 contiguous steps from the first half of the revision's steps, the same for
-    every revision of a round (keyed by seed, step and round); a rollout too short for it: the widest that fits."""
+    """The authors' SDE window: 2 contiguous steps from the first half of the revision's steps, drawn per revision
+    (their per repair call, keyed by seed, step, trajectory and round); a rollout too short for it: the widest that
+    fits."""
     trainer, batch = trained
     assert trainer.tcfg.sde_window_size == 2 and trainer.tcfg.num_steps == 2  # too short: the widest that fits
     for r, rnd in enumerate(batch.rounds):
-        assert trainer.revision_window(0, r) == (0, 1)
+        assert {trainer.revision_window(0, r, g, m) for g in range(2) for m in range(2)} == {(0, 1)}
         assert {tuple(rev.rollout.trained_steps()) for rev in rnd.revisions} == {(0,)}
-    # the loop's revisions are SDE on the window's steps only
-    rounds, _ = reflect(trainer.policy, batch.first[:1], batch.prompts[:1], Reflection(1, 2, "a phrase never said"),
-                        lambda i, salt, r: 7 + salt + r, num_steps=6, guidance_scale=1.0, batch_size=1,
-                        sampler="flow_grpo", noise_level=0.7, windows=lambda r: (1, 2))
-    assert rounds[0].revisions[0].rollout.trained_steps() == [1, 2]
+    # the loop's revisions are SDE on each one's window only, those of one window batched together
+    windows = {0: (1, 2), 1: (0, 2), 2: (1, 2)}
+    rounds, _ = reflect(trainer.policy, batch.first[:3], batch.prompts[:3], Reflection(1, 2, "a phrase never said"),
+                        lambda i, salt, r: 7 + 100 * i + salt + r, num_steps=6, guidance_scale=1.0, batch_size=4,
+                        sampler="flow_grpo", noise_level=0.7, windows=lambda i, r: windows[i])
+    got = {tuple(rev.index.tolist()): rev.rollout.trained_steps() for rev in rounds[0].revisions}
+    assert got == {(0, 2): [1, 2], (1,): [0, 1]}
     wide = trainer.tcfg
     try:
         trainer.tcfg = wide.model_copy(update={"num_steps": 4})
-        assert {trainer.revision_window(s, r) for s in range(40) for r in range(2)} == {(0, 2)}  # one fits
+        assert {trainer.revision_window(s, r, 0, 1) for s in range(40) for r in range(2)} == {(0, 2)}  # one fits
         trainer.tcfg = wide.model_copy(update={"num_steps": 20})
-        starts = {trainer.revision_window(s, 0)[0] for s in range(200)}
+        starts = {trainer.revision_window(s, 0, 0, 0)[0] for s in range(200)}
         assert starts == set(range(9))  # U{0..8}: steps 0..9, the first half of 20
+        # per revision: the siblings of one round draw their own windows, the same on any rank or batch
+        siblings = [trainer.revision_window(3, 1, 5, m) for m in range(8)]
+        assert len(set(siblings)) > 1 and siblings == [trainer.revision_window(3, 1, 5, m) for m in range(8)]
         trainer.tcfg = wide.model_copy(update={"sde_window_size": 0})
-        assert trainer.revision_window(0, 0) is None
+        assert trainer.revision_window(0, 0, 0, 0) is None
     finally:
         trainer.tcfg = wide
 
