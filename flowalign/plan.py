@@ -441,7 +441,7 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     lora_targets: dict[str, list[str]] = {}
     if cfg.model.finetune == "lora":
-        from pipelines.lora import block_targets
+        from flowalign.lora_blocks import block_targets
 
         targets = list(cfg.model.lora.target_modules or spec.lora_targets)
         # shallow LoRA (model.lora.blocks): the adapter only on the chosen blocks' layers, named as the

@@ -11,7 +11,7 @@ import torch
 import pipelines
 from flowalign.config import LoraSection
 from flowalign.errors import UserError
-from pipelines.lora import transformer_blocks
+from flowalign.lora_blocks import transformer_blocks
 
 LORA = {"rank": 4, "alpha": 8}
 
