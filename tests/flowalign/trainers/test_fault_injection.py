@@ -23,7 +23,7 @@ FAULTS = [
     ("flowalign.checkpoint:write_json", "kill", 2),  # optimizer.json, trainer_state.json
     ("flowalign.manifest:write_json", "kill", 1),
     ("flowalign.checkpoint:finalise", "kill", 1),
-    ("flowalign.evaluation:sample_seeded", "kill", 1),  # once an evaluation, every other step
+    ("flowalign.evaluation:sample_seeded_with_notes", "kill", 1),  # once an evaluation, every other step
     ("flowalign.logger:RunLogger.log", "torn", 1),  # a step's row (and an evaluation's)
 ]
 
