@@ -15,12 +15,15 @@ AdvantageKind = Literal["group", "global_std", "gdpo", "win_rate", "dual"]
 ADVANTAGE_KINDS = ("group", "global_std", "gdpo", "win_rate", "dual")
 
 
-def _group_mean_std(values: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample mean and population std of its group: ``(N,)``, ``(N,)``."""
+def _group_mean_std(values: torch.Tensor, groups: torch.Tensor, unbiased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample mean and std of its group: ``(N,)``, ``(N,)``; population std, or (``unbiased``) divided by
+    n − 1, which a group of one sample leaves at 0 where torch's would be NaN."""
     _, inverse = torch.unique(groups.to(values.device), return_inverse=True)  # index_add_'s index: values' device
-    count = torch.zeros(int(inverse.max()) + 1, device=values.device).index_add_(0, inverse, torch.ones_like(values))
+    count = torch.zeros(int(inverse.max()) + 1, dtype=values.dtype, device=values.device).index_add_(
+        0, inverse, torch.ones_like(values))
     mean = torch.zeros_like(count).index_add_(0, inverse, values) / count
-    var = torch.zeros_like(count).index_add_(0, inverse, (values - mean[inverse]) ** 2) / count
+    squares = torch.zeros_like(count).index_add_(0, inverse, (values - mean[inverse]) ** 2)
+    var = squares / ((count - 1).clamp(min=1) if unbiased else count)
     return mean[inverse], var.sqrt()[inverse]
 
 
@@ -116,9 +119,6 @@ def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tens
     """
     judged = torch.zeros(components.shape[1], dtype=torch.bool) if judged is None else judged
     values = components.to(torch.promote_types(components.dtype, torch.float32))
-    _, inverse = torch.unique(groups.to(values.device), return_inverse=True)
-    count = torch.zeros(int(inverse.max()) + 1, dtype=values.dtype, device=values.device).index_add_(
-        0, inverse, torch.ones(len(inverse), dtype=values.dtype, device=values.device))
     adv = torch.zeros(len(values), dtype=values.dtype, device=values.device)
     for m in range(values.shape[1]):
         if judged[m]:
@@ -126,10 +126,8 @@ def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tens
                                  device=values.device)
         else:
             rates = win_rates(values[:, m], groups, decimals=decimals)
-        mean = torch.zeros_like(count).index_add_(0, inverse, rates) / count
-        squares = torch.zeros_like(count).index_add_(0, inverse, (rates - mean[inverse]) ** 2)
-        std = (squares / (count - 1).clamp(min=1)).sqrt()  # unbiased, as torch's Tensor.std() they call
-        adv = adv + float(weights[m]) * (rates - mean[inverse]) / (std[inverse] + eps)
+        mean, std = _group_mean_std(rates, groups, unbiased=True)  # unbiased, as torch's Tensor.std() they call
+        adv = adv + float(weights[m]) * (rates - mean) / (std + eps)
     return batch_renormalised(adv, eps) if batch_renormalise else adv
 
 
