@@ -6,19 +6,23 @@ first ``timestep_fraction`` of it), ``x_t = (1−t)·x0 + t·ε``, and with ``�
 
     Â = clip(A, ±A_clip)·A_max/A_clip,   r = exp(ℓ − ℓ_old)
     L = mean_{i,t} max(−Â_i·r, −Â_i·clip(r, 1−ε, 1+ε)) + β·mean_{i,t} mean(v_θ − v_ref)²
+                                                        + β_ema·mean_{i,t} mean(v_θ − v_ema)²
 
 On-policy (one optimiser step per batch) ``ℓ_old = sg(ℓ)``, so r = 1 and ∇L = mean Â·∇MSE: the
-flow-matching loss weighted by the advantage.
+flow-matching loss weighted by the advantage. v_ref runs the starting weights; v_ema an exponential moving
+average of the trained tensors, moved after each batch's optimiser steps, ``φ ← d·φ + (1−d)·θ`` with
+``d = min(ema_kl_decay, 0.001·s)`` after s optimiser steps (the authors' adaptive KL regulariser).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
+from flowalign.ema import EMA
 from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.trainers.options import EpochOptions, ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
@@ -44,7 +48,16 @@ class AWMConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     advantage_max: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: weight of the velocity-space KL to the reference (the adapter switched off / the frozen copy)
     beta: float = Field(0.001, ge=0, le=MAX_COEFFICIENT)
-    #: CFG scale of v_θ and v_ref in the loss; None: the rollout's (the authors train with the sampling CFG)
+    #: weight of the velocity-space KL to an exponential moving average of the policy (the authors'
+    #: ``ema_beta``); 0: no average is kept
+    ema_kl_beta: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: d of that average, moved once per batch ``φ ← d·φ + (1−d)·θ`` (the authors' ``kl_ema_decay``); the
+    #: evaluation EMA (``ema_decay``) is a separate one
+    ema_kl_decay: float = Field(0.3, ge=0, lt=1)
+    #: "linear": d = min(ema_kl_decay, 0.001·s) after s optimiser steps, so the average follows the policy
+    #: closely at first (the authors'); "constant": d = ema_kl_decay from the start
+    ema_kl_decay_schedule: Literal["linear", "constant"] = "linear"
+    #: CFG scale of v_θ, v_ref and v_ema in the loss; None: the rollout's (the authors train with the sampling CFG)
     fit_guidance: float | None = Field(None, ge=1.0, le=MAX_GUIDANCE)
 
 
@@ -65,9 +78,11 @@ def matching_log_prob(v: torch.Tensor, target: torch.Tensor, t: float, weighting
 
 
 def awm_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor | None, weights: torch.Tensor, clip_range: float,
-             kl: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """``mean_i max(−Â_i·r_i, −Â_i·clip(r_i, 1±ε)) + β·mean_i kl_i`` with ``r = exp(ℓ − ℓ_old)``
-    (``ℓ_old`` None: on-policy, ``sg(ℓ)``, r = 1 exactly)."""
+             kl: torch.Tensor | None = None, beta: float = 0.0, ema_kl: torch.Tensor | None = None,
+             ema_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """``mean_i max(−Â_i·r_i, −Â_i·clip(r_i, 1±ε)) + β·mean_i kl_i + β_ema·mean_i ema_kl_i`` with
+    ``r = exp(ℓ − ℓ_old)`` (``ℓ_old`` None: on-policy, ``sg(ℓ)``, r = 1 exactly); every argument ``(B,)``,
+    ``kl``/``ema_kl`` the per-sample ``mean(v_θ − v_ref)²`` / ``mean(v_θ − v_ema)²``."""
     old = log_prob.detach() if old_log_prob is None else old_log_prob
     per_sample, ratio, clipped = ppo_clip_loss(log_prob, old, weights, clip_range)
     loss = per_sample.mean()
@@ -75,7 +90,20 @@ def awm_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor | None, weights:
     if kl is not None and beta > 0:
         loss = loss + beta * kl.mean()
         info["kl"] = kl.mean().item()
+    if ema_kl is not None and ema_beta > 0:
+        loss = loss + ema_beta * ema_kl.mean()
+        info["ema_kl"] = ema_kl.mean().item()
     return loss, info
+
+
+#: the slope of the "linear" decay schedule of the KL's moving average, per optimiser step (the authors')
+EMA_KL_RAMP = 0.001
+
+
+def ema_kl_decay_at(optimizer_steps: int, cap: float, schedule: str) -> float:
+    """d of the KL's moving average after ``optimizer_steps`` steps: ``min(cap, 0.001·s)`` ("linear") or
+    ``cap`` ("constant")."""
+    return min(cap, EMA_KL_RAMP * optimizer_steps) if schedule == "linear" else cap
 
 
 def stratified_steps(num_steps: int, fraction: float, n: int, u: torch.Tensor) -> list[int]:
@@ -120,7 +148,15 @@ class AWMTrainer(GroupTrainer):
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
-        return full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
+        """The starting weights (full fine-tuning with β > 0) and the KL's moving average of the trained
+        tensors (β_ema > 0), run swapped into the live parameters."""
+        reference = full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
+        return reference + ([WeightCopy("snapshot")] if tcfg.ema_kl_beta > 0 else [])
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        #: φ: the moving average v_ema runs (the starting trained tensors until the first batch is trained)
+        self.kl_ema = EMA(self.params, self.tcfg.ema_kl_decay) if self.tcfg.ema_kl_beta > 0 else None
 
     def guidance(self, chunk) -> float:
         return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance
@@ -186,7 +222,13 @@ class AWMTrainer(GroupTrainer):
 
     def loss(self, batch: StepBatch, unit: MatchUnit) -> tuple[torch.Tensor, dict[str, float]]:
         chunk = batch.chunks[unit.chunk]
+        ema_kl = None
+        if self.kl_ema is not None:  # before v_θ: the swap writes into the parameters v_θ's graph keeps
+            with torch.no_grad(), self.kl_ema.swapped_in():
+                v_ema = self.velocity(batch, unit.chunk, unit.k, unit.eps)[0]
         v, target, t = self.velocity(batch, unit.chunk, unit.k, unit.eps)
+        if self.kl_ema is not None:
+            ema_kl = per_sample_mean((v - v_ema) ** 2)
         log_prob = matching_log_prob(v, target, t, self.tcfg.weighting, self.tcfg.ghuber_power)
         adv = batch.per_chunk(batch.advantages)[unit.chunk].to(v)
         weights = advantage_weights(adv, self.tcfg.adv_clip, self.tcfg.advantage_max)
@@ -198,6 +240,41 @@ class AWMTrainer(GroupTrainer):
                 v_ref = self.policy.velocity(x_t, t, chunk.cond, self.guidance(chunk))
             kl = per_sample_mean((v - v_ref) ** 2)
         old = None if unit.old is None else unit.old.to(log_prob)
-        loss, info = awm_loss(log_prob, old, weights, self.tcfg.clip_range, kl, self.tcfg.beta)
+        loss, info = awm_loss(log_prob, old, weights, self.tcfg.clip_range, kl, self.tcfg.beta, ema_kl,
+                              self.tcfg.ema_kl_beta)
         info["mse"] = per_sample_mean((v.detach() - target) ** 2).mean().item()
         return loss / unit.of, info
+
+    def finish(self, batch: StepBatch) -> dict[str, float]:
+        """``φ ← d·φ + (1−d)·θ`` once the batch's optimiser steps are done, as the authors move it after each
+        of their epochs (one step's rollouts and its update); s counts ``inner_epochs × updates_per_epoch``
+        optimiser steps a batch (their global_step: one a batch in their recipes)."""
+        if self.kl_ema is None:
+            return {}
+        steps = (self.step + 1) * self.tcfg.inner_epochs * self.tcfg.updates_per_epoch
+        self.kl_ema.decay = ema_kl_decay_at(steps, self.tcfg.ema_kl_decay, self.tcfg.ema_kl_decay_schedule)
+        self.kl_ema.update()
+        return {"ema_kl_decay": self.kl_ema.decay}
+
+    def trained_names(self) -> list[str]:
+        return [n for n, p in self.policy.trainable.named_parameters() if p.requires_grad]
+
+    def state_dict(self) -> dict[str, Any]:
+        """φ's tensors by parameter name."""
+        if self.kl_ema is None:
+            return {}
+        return {f"ema_kl.{n}": s for n, s in zip(self.trained_names(), self.kl_ema.shadow, strict=True)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """φ as saved; a checkpoint written without it (``ema_kl_beta`` 0 then) starts it at the resumed
+        weights."""
+        if self.kl_ema is None:
+            return
+        names = self.trained_names()
+        missing = any(f"ema_kl.{n}" not in state for n in names)
+        with torch.no_grad():
+            for n, s, p in zip(names, self.kl_ema.shadow, self.params, strict=True):
+                s.copy_(p.detach() if missing else state[f"ema_kl.{n}"])
+        if missing and self.acc.is_main_process:
+            print("the checkpoint holds no moving average for the KL (trainer.ema_kl_beta): it starts at the "
+                  "resumed weights")

@@ -1,19 +1,25 @@
-"""AWM (docs/methods/awm.md): the weights, the loss's gradient by hand, the stratified steps, and a
-short run that resumes bit-exactly."""
+"""AWM (docs/methods/awm.md): the weights, the loss's gradient by hand, the stratified steps, the KL's
+moving average, and a short run that resumes bit-exactly."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from flowalign.checkpoint import load_checkpoint
+from flowalign.ema import EMA
 from flowalign.train import build_trainer
 from flowalign.trainers.awm import (
+    AWMConfig,
+    AWMTrainer,
     advantage_weights,
     awm_loss,
+    ema_kl_decay_at,
     matching_log_prob,
     stratified_steps,
 )
@@ -29,17 +35,17 @@ def test_weights_are_the_clipped_advantages_rescaled_to_a_max():
 
 def test_on_policy_gradient_is_the_advantage_weighted_flow_matching_gradient():
     """r = 1 exactly, and ∂L/∂v_i = Â_i·2(v_i − target_i)/(D·B) (uniform weighting); with β the KL's
-    2β(v_i − v_ref,i)/(D·B) adds."""
+    2β(v_i − v_ref,i)/(D·B) adds, with β_ema the moving average's 2β_ema(v_i − v_ema,i)/(D·B)."""
     g = torch.Generator().manual_seed(0)
-    v, target, v_ref = (torch.randn(3, 4, generator=g) for _ in range(3))
+    v, target, v_ref, v_ema = (torch.randn(3, 4, generator=g) for _ in range(4))
     w = torch.tensor([1.0, -0.5, 0.0])
     v = v.requires_grad_()
     lp = matching_log_prob(v, target, 0.7, "uniform", 0.25)
-    kl = ((v - v_ref) ** 2).mean(1)
-    loss, info = awm_loss(lp, None, w, clip_range=1.0, kl=kl, beta=0.1)
+    kl, ema_kl = ((v - v_ref) ** 2).mean(1), ((v - v_ema) ** 2).mean(1)
+    loss, info = awm_loss(lp, None, w, clip_range=1.0, kl=kl, beta=0.1, ema_kl=ema_kl, ema_beta=0.7)
     loss.backward()
-    assert info["ratio"] == 1.0
-    expected = (w[:, None] * 2 * (v - target) + 0.1 * 2 * (v - v_ref)).detach() / (4 * 3)
+    assert info["ratio"] == 1.0 and info["ema_kl"] == pytest.approx(ema_kl.mean().item())
+    expected = (w[:, None] * 2 * (v - target) + 0.1 * 2 * (v - v_ref) + 0.7 * 2 * (v - v_ema)).detach() / (4 * 3)
     torch.testing.assert_close(v.grad, expected)
 
 
@@ -61,18 +67,25 @@ def test_stratified_steps_take_one_step_per_stratum_and_never_step_zero():
 
 
 def test_a_short_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
-    """Two optimiser steps per batch: ℓ_old is taken under the sampling weights in the plan."""
+    """Two optimiser steps per batch: ℓ_old is taken under the sampling weights in the plan. The KL's moving
+    average is saved with the weights and comes back on resume (a resumed run started it over otherwise)."""
     extra = ("trainer.name=awm", "trainer.train_timesteps=2", "trainer.updates_per_epoch=2",
              "trainer.batch_size=2", "run.checkpoint_every=1")
     first = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra))
     before = [p.detach().clone() for p in first.params]
     first.train()
     assert any(not torch.equal(a, b) for a, b in zip(before, first.params))
+    # after s = 2·2 optimiser steps φ = 0.004·φ_1 + 0.996·θ: neither the starting nor the trained weights
+    assert any(not torch.equal(a, b) for a, b in zip(first.kl_ema.shadow, first.params))
+    saved = load_checkpoint(tmp_path / "r" / "checkpoints" / "step-000002")["trainable"]
+    names = first.trained_names()
+    assert all(torch.equal(saved[f"behaviour.ema_kl.{n}"], s) for n, s in zip(names, first.kl_ema.shadow))
     resumed = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=3"))
     resumed.train()
     straight = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=3"))
     straight.train()
     assert all(torch.equal(a, b) for a, b in zip(resumed.params, straight.params))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.kl_ema.shadow, straight.kl_ema.shadow))
 
 
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "awm_matching_loss.json").read_text())
@@ -109,3 +122,76 @@ def test_matching_log_prob_and_loss_equal_the_authors(case):
         loss, _ = awm_loss(log_prob, old, weights, case["clip_range"], kl, KNOWN["beta"])
         total += loss.item() / len(KNOWN["steps"])
     assert math.isclose(total, case["loss"], rel_tol=1e-6)
+
+
+EMA_KNOWN = json.loads((Path(__file__).parent / "known_answers" / "awm_ema_kl.json").read_text())
+
+
+@pytest.mark.parametrize("case", EMA_KNOWN["cases"],
+                         ids=lambda c: f"{c['weighting']}-clip{c['clip_range']}-beta{c['beta']}-ema{c['ema_beta']}")
+def test_loss_with_both_kl_terms_equals_the_authors(case):
+    """The training loop's loss with β·KL to the starting weights and ema_beta·KL to the moving average
+    ('Uniform' weights both) on fixed float64 tensors (known_answers/awm_ema_kl.json): the mean over the
+    re-noised copies of ``awm_loss``, one unit per copy."""
+    k = EMA_KNOWN
+    x0 = torch.tensor(k["clean_latents"], dtype=torch.float64)
+    eps, v_old, v, v_ref, v_ema = (torch.tensor(k[n], dtype=torch.float64) for n in
+                                   ("noise", "velocity_old", "velocity", "velocity_ref", "velocity_ema"))
+    weighting = {"ghuber": "ghuber", "Uniform": "uniform"}[case["weighting"]]
+    weights = advantage_weights(torch.tensor(k["advantages"], dtype=torch.float64), k["adv_clip_max"],
+                                k["advantage_max"])
+    b, n, total, ema_total = len(x0), len(k["steps"]), 0.0, 0.0
+    for s, step in enumerate(k["steps"]):
+        rows, t = slice(s * b, (s + 1) * b), k["sigmas"][step]
+        target = eps[rows] - x0
+        log_prob = matching_log_prob(v[rows], target, t, weighting, k["ghuber_power"])
+        old = matching_log_prob(v_old[rows], target, t, weighting, k["ghuber_power"])
+        kl = ((v[rows] - v_ref[rows]) ** 2).flatten(1).mean(1)
+        ema_kl = ((v[rows] - v_ema[rows]) ** 2).flatten(1).mean(1)
+        loss, info = awm_loss(log_prob, old, weights, case["clip_range"], kl, case["beta"], ema_kl, case["ema_beta"])
+        total += loss.item() / n
+        ema_total += info.get("ema_kl", 0.0) / n
+    assert math.isclose(total, case["loss"], rel_tol=1e-6)
+    if "ema_kl_loss" in case:
+        assert math.isclose(ema_total, case["ema_kl_loss"], rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("run", EMA_KNOWN["averages"], ids=lambda r: r["schedule"])
+def test_kl_moving_average_equals_the_authors(run):
+    """The 'ema' adapter's update after an epoch, ``φ ← d·φ + (1−d)·θ`` at the epoch's global step s
+    (``d = min(0.3, 0.001·s)`` linear, 0.3 constant), over a sequence of policies crossing the cap
+    (known_answers/awm_ema_kl.json)."""
+    params = [torch.nn.Parameter(torch.tensor(t, dtype=torch.float64)) for t in EMA_KNOWN["average_start"]]
+    average = EMA(params, run["cap"])
+    for s, theta, decay, expected in zip(run["global_steps"], EMA_KNOWN["policy"], run["decays"], run["averages"]):
+        with torch.no_grad():
+            for p, t in zip(params, theta):
+                p.copy_(torch.tensor(t, dtype=torch.float64))
+        average.decay = ema_kl_decay_at(s, run["cap"], run["schedule"])
+        assert math.isclose(average.decay, decay, rel_tol=1e-12)
+        average.update()
+        for got, want in zip(average.shadow, expected):
+            torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(("step", "updates", "decay"), [(0, 1, 0.001), (1, 1, 0.002), (298, 1, 0.299), (299, 1, 0.3),
+                                                         (0, 2, 0.002), (5000, 1, 0.3)])
+def test_the_average_moves_after_a_batch_at_the_optimiser_steps_taken(step, updates, decay):
+    """After training step ``step`` (0-based) s = (step + 1)·updates optimiser steps are taken: the authors'
+    global_step after their epoch's one update, so the first batch moves φ with d = 0.001."""
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    average = EMA(params, 0.3)
+    with torch.no_grad():
+        params[0].fill_(1.0)
+    tcfg = AWMConfig(updates_per_epoch=updates)
+    logs = AWMTrainer.finish(SimpleNamespace(kl_ema=average, step=step, tcfg=tcfg), None)
+    assert logs["ema_kl_decay"] == pytest.approx(decay)
+    torch.testing.assert_close(average.shadow[0], torch.full((3,), 1 - decay))
+
+
+def test_the_average_is_a_copy_of_the_trained_tensors_only_when_weighted():
+    cfg = SimpleNamespace(model=SimpleNamespace(finetune="lora"))
+    assert [c.kind for c in AWMTrainer.weight_copies(cfg, AWMConfig())] == ["snapshot"]
+    assert AWMTrainer.weight_copies(cfg, AWMConfig(ema_kl_beta=0)) == []
+    full = SimpleNamespace(model=SimpleNamespace(finetune="full"))
+    assert [c.kind for c in AWMTrainer.weight_copies(full, AWMConfig())] == ["reference", "snapshot"]
