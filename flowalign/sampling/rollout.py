@@ -10,7 +10,9 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling.inputs import encode_prompts
+from flowalign.sampling.ode_solvers import OdeSolver
 from flowalign.sampling.steps import SAMPLER_KINDS, StepOutput, sde_step
+from flowalign.sampling.timesteps import model_timestep, truncated
 from flowalign.sampling.windows import sde_step_mask
 
 #: noise level used when a caller passes none: a (Flow-GRPO), η (CPS), η (DanceGRPO)
@@ -122,7 +124,7 @@ def rollout(
     prompts: Sequence[str],
     *,
     num_steps: int,
-    sampler: str | StepFn = "flow_grpo",
+    sampler: str | StepFn | OdeSolver = "flow_grpo",
     noise_level: float | None = None,
     guidance_scale: float | None = None,
     sde_window: tuple[int, int] | torch.Tensor | None = None,
@@ -141,7 +143,9 @@ def rollout(
 
     SDE steps (``sampler``: a kind of :func:`sde_step` or a custom step function, on the steps of
     ``sde_window``; the step to σ = 0 only with ``sde_last_step``) store their log-probabilities; all other
-    steps are Euler ODE steps. ``guidance_scale`` defaults to the checkpoint's own default. Pass
+    steps are Euler ODE steps. An :class:`~flowalign.sampling.ode_solvers.OdeSolver` ``sampler`` integrates
+    every step with its deterministic solver on its grid, the transformer reading its timestep form (the
+    rollout's ``sigmas`` are that grid). ``guidance_scale`` defaults to the checkpoint's own default. Pass
     ``initial_noise`` ``(B, ...)`` to share noise (e.g. DanceGRPO groups) or to branch from an ODE
     prefix.
 
@@ -161,8 +165,9 @@ def rollout(
     if getattr(policy, "streaming", False):
         raise UserError(f"{policy.family} generates video chunk by chunk with a KV cache: sample it with "
                         "flowalign.sampling.streaming.stream_rollout and train it with a streaming trainer")
+    solver = sampler if isinstance(sampler, OdeSolver) else None
     custom_step = sampler if callable(sampler) else None
-    level = 0.0 if custom_step else check_sampler(sampler, noise_level)
+    level = 0.0 if custom_step or solver else check_sampler(sampler, noise_level)
     if num_steps < 1:
         raise UserError(f"num_steps must be >= 1, got {num_steps}")
     guidance = float(policy.defaults.get("guidance_scale", 1.0) if guidance_scale is None else guidance_scale)
@@ -171,21 +176,27 @@ def rollout(
         raise UserError(f"metadata has {len(meta)} entries for {len(prompts)} prompts; give one dict per prompt")
 
     cond = encode_prompts(policy, prompts, meta)  # with metadata['image'] for image-conditioned policies
-    sigmas = policy.sigmas(num_steps).float()
+    sigmas = solver.sigmas(policy.sigmas, num_steps) if solver else policy.sigmas(num_steps).float()
     x = _start(policy, len(prompts), initial_noise, generator, generators)
     # CPS has τ = 0 on the step to σ' = 0: that step stays an ODE step whatever ``sde_last_step`` says
     last = sde_last_step and sampler != "cps"
-    mask = sde_step_mask(num_steps, sde_window, last) if sampler != "ode" else torch.zeros(num_steps, dtype=torch.bool)
+    deterministic = solver is not None or sampler == "ode"
+    mask = torch.zeros(num_steps, dtype=torch.bool) if deterministic else sde_step_mask(num_steps, sde_window, last)
+    solver_step = solver.steps(sigmas) if solver else None
 
     def step_at(k: int) -> StepFn:
+        if solver_step is not None:
+            return solver_step
         if custom_step is not None and mask[k]:
             return custom_step
         return _kind_step(sampler if mask[k] else "ode", level, cps_log_prob)
 
     keep_unconditional = keep_unconditional and guidance > 1 and hasattr(policy, "velocity_and_unconditional")
-    latents, log_probs, velocities, unconditional = _integrate(
-        policy, x, sigmas, cond, guidance, mask, step_at, generator=generator, generators=generators,
-        guide=guide, keep_velocities=keep_velocities, keep_unconditional=keep_unconditional)
+    form = truncated if solver is not None and solver.timestep == "truncated" else None
+    with model_timestep(policy, form):
+        latents, log_probs, velocities, unconditional = _integrate(
+            policy, x, sigmas, cond, guidance, mask, step_at, generator=generator, generators=generators,
+            guide=guide, keep_velocities=keep_velocities, keep_unconditional=keep_unconditional)
     x = latents[-1]
     samples = policy.decode(x) if decode else None
     return Rollout(
@@ -197,7 +208,7 @@ def rollout(
         sde_mask=mask,
         samples=samples,
         cond=cond,
-        sampler=getattr(sampler, "__name__", "custom") if custom_step else sampler,
+        sampler=solver.name if solver else getattr(sampler, "__name__", "custom") if custom_step else sampler,
         noise_level=level,
         guidance_scale=guidance,
         velocities=torch.stack(velocities, dim=1) if keep_velocities else None,

@@ -13,6 +13,11 @@ positive half to its negative half). The backward pass uses the authors' surroga
 sample whose ratio ``exp(d_old − d)`` already left ``1 ± clip_range`` on its advantage's side; plus
 ``β_KL·mean(v_θ − v_ref)²``.
 
+``rollout_solver: dpm2`` samples the rollouts as the authors' SD3.5 runs do: diffusers'
+``DPMSolverMultistepScheduler`` (DPM-Solver++(2), flow prediction, the scheduler config of Sana's
+diffusers release with ``flow_shift`` 3) on that scheduler's own 10-step grid, the transformer reading its
+integer timesteps (:mod:`flowalign.sampling.ode_solvers`); ``euler`` is the policy's Euler ODE on its own grid.
+
 As the authors' recipes do (``gradient_accumulation_steps`` = batches per epoch × trained timesteps), one
 optimiser step takes every block and every trained timestep of an epoch, the loss averaged over them
 (``step_per: epoch``); ``step_per: timestep`` steps once per trained timestep.
@@ -28,6 +33,7 @@ from pydantic import Field
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS, MAX_UPDATES
 from flowalign.protocols import Conditioning
+from flowalign.sampling.ode_solvers import OdeSolver
 from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
@@ -55,6 +61,10 @@ class DGPOConfig(GroupTrainerConfig, ReferenceOptions):
     reference_guidance: float = Field(1.0, ge=1.0, le=MAX_GUIDANCE)
     #: one optimiser step per epoch over all its trained timesteps (the authors'), or one per trained timestep
     step_per: Literal["epoch", "timestep"] = "epoch"
+    #: rollout ODE solver: the policy's Euler steps on its grid, or the authors' DPM-Solver++(2) on its flow grid
+    rollout_solver: Literal["euler", "dpm2"] = "euler"
+    #: flow_shift of the dpm2 grid (theirs 3; "can be changed from 1 to 6")
+    dpm_flow_shift: float = Field(3.0, gt=0, le=MAX_COEFFICIENT)
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -127,10 +137,21 @@ def group_blocks(batch: StepBatch) -> list[tuple[int, ...]]:
     return blocks
 
 
+def rollout_sampler(tcfg: DGPOConfig) -> OdeSolver:
+    """The rollouts' solver: Euler on the policy's grid, or DPM-Solver++(2) on the scheduler's flow grid with
+    integer timesteps (the authors' ``DPMSolverMultistepScheduler`` loop)."""
+    if tcfg.rollout_solver == "euler":
+        return OdeSolver("euler")
+    return OdeSolver("dpm2", grid="flow_shift", flow_shift=tcfg.dpm_flow_shift, timestep="truncated")
+
+
 class DGPOTrainer(GroupTrainer):
     Config = DGPOConfig
     tcfg: DGPOConfig
-    sampler = "ode"
+
+    @property
+    def sampler(self) -> OdeSolver:  # type: ignore[override]
+        return rollout_sampler(self.tcfg)
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:

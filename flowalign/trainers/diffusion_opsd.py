@@ -24,8 +24,10 @@ Steps 1, 2, 6 and 7 and the mirrored velocities are shared with DiffusionNFT (``
 file holds the config, the targets, the loss and the two hooks that define a fit unit and its loss.
 
 Steps 1-7 compute what worldbench/DiffusionOPSD @ 4562f0f computes (``scripts/train_opsd_ri_sd3.py``, its OPA
-path; known answers in ``tests/flowalign/trainers/known_answers/diffusion_opsd_*.json``), except the rollout
-solver: Euler here, their multistep DPM-Solver++(2) on SD3.5 (docs/methods/diffusion_opsd.md).
+path; known answers in ``tests/flowalign/trainers/known_answers/diffusion_opsd_*.json``). ``rollout_solver: dpm2``
+samples the rollouts with their multistep DPM-Solver++(2) on the policy's grid (diffusers'
+``DPMSolverMultistepScheduler``, equal to their ``run_sampling(solver="dpm2")``: known answers in
+``tests/flowalign/sampling/known_answers/ode_solvers_dpm2.json``); ``euler`` (the default) is the Euler ODE.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pydantic import Field
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
 from flowalign.sampling import Rollout
+from flowalign.sampling.ode_solvers import OdeSolver
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.self_distill import (
     FitUnit,
@@ -58,6 +61,8 @@ class DiffusionOPSDConfig(SelfDistillConfig):
     eta: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: recompute the VAE decoder's activations in the backward pass instead of storing them
     decoder_checkpointing: bool = True
+    #: rollout ODE solver on the policy's grid: Euler, or the authors' multistep DPM-Solver++(2) (their SD3.5 runs)
+    rollout_solver: Literal["euler", "dpm2"] = "euler"
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -139,6 +144,11 @@ def opsd_loss(
 class DiffusionOPSDTrainer(SelfDistillTrainer):
     Config = DiffusionOPSDConfig
     tcfg: DiffusionOPSDConfig
+
+    @property
+    def sampler(self) -> OdeSolver:  # type: ignore[override]
+        """The φ-rollouts' solver (``rollout_solver``) on the policy's own grid."""
+        return OdeSolver(self.tcfg.rollout_solver)
 
     def check_rewards(self) -> None:
         """OPSD ascends ``∇_y R``: every reward must be differentiable (checked before any sampling)."""

@@ -103,3 +103,25 @@ def test_a_short_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prom
     straight = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=3"))
     straight.train()
     assert all(torch.equal(a, b) for a, b in zip(resumed.params, straight.params))
+
+
+def test_dpm2_rollouts_run_on_the_schedulers_flow_grid_with_integer_timesteps(tmp_path, tiny_sd3_dir, prompt_file):
+    """``rollout_solver: dpm2``: the rollouts' grid is DPMSolverMultistepScheduler's own flow grid (σ_0 < 1) and
+    the transformer reads its integer timesteps, as the authors' scheduler loop does."""
+    trainer = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dgpo",
+                                         "trainer.rollout_solver=dpm2", "trainer.num_steps=4"))
+    seen: list[torch.Tensor] = []
+    # a forward hook sees the keywords forward ran with (after every pre-hook)
+    handle = trainer.policy.transformer.register_forward_hook(
+        lambda m, a, kw, out: seen.append(kw["timestep"].detach().clone()), with_kwargs=True)
+    try:
+        batch = trainer.collect(0)
+    finally:
+        handle.remove()
+    from diffusers import DPMSolverMultistepScheduler
+
+    theirs = DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=3.0)
+    theirs.set_timesteps(4)
+    chunk = batch.chunks[0]
+    assert chunk.sampler == "dpm2" and torch.equal(chunk.sigmas, theirs.sigmas.float())
+    assert {float(t) for s in seen for t in s} == {float(t) for t in theirs.timesteps}

@@ -1,0 +1,60 @@
+"""The timestep a policy's transformer reads, changed for a block of code (``docs/methods/samplers.md``).
+
+flowalign's pipelines hand the transformer ``timestep = 1000·σ`` (float32). Some authors' pipelines cast it
+to an integer (``torch.long``), i.e. ``trunc(1000·σ)``; :func:`model_timestep` reproduces such a form
+exactly by rewriting the ``timestep`` the transformer is called with, whatever pipeline made it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from flowalign.errors import UserError
+
+#: ``timestep (B,) -> timestep (B,)``: what the transformer reads instead
+TimestepMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+def truncated(timestep: torch.Tensor) -> torch.Tensor:
+    """``trunc(t)``: the integer timestep of a pipeline that casts ``1000·σ`` (float32) to ``torch.long``."""
+    return torch.trunc(timestep)
+
+
+def fixed(value: float) -> TimestepMap:
+    """Every row reads ``value`` (e.g. ``int(1000·σ)`` computed in double precision from a Python float)."""
+    return lambda timestep: torch.full_like(timestep, float(value))
+
+
+def integer_timestep(sigma: float) -> int:
+    """``int(1000·σ)`` with σ a Python float (double precision), as ``torch.full(..., σ*1000, dtype=long)``."""
+    return int(float(sigma) * 1000)
+
+
+@contextmanager
+def model_timestep(policy: Any, form: TimestepMap | None) -> Iterator[None]:
+    """Within the block, ``policy.transformer`` reads ``form(timestep)`` in place of the pipeline's timestep
+    (``form`` None: unchanged). The transformer must take ``timestep`` as a keyword, as diffusers' do."""
+    if form is None:
+        yield
+        return
+    transformer = getattr(policy, "transformer", None)
+    if not isinstance(transformer, torch.nn.Module):
+        raise UserError(f"{getattr(policy, 'family', type(policy).__name__)} has no transformer module whose "
+                        "timestep can be set: use the continuous timestep form (timestep: continuous)")
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if "timestep" not in kwargs:
+            raise UserError(f"{type(module).__name__} is called without a timestep keyword: its timestep form "
+                            "cannot be set; use the continuous timestep form (timestep: continuous)")
+        t = kwargs["timestep"]
+        kwargs = dict(kwargs, timestep=form(t).to(t.dtype))
+        return args, kwargs
+
+    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
