@@ -2,9 +2,12 @@
 (``docs/methods/flow_opd.md``).
 
 Stage 1 trains one teacher per reward with any single-reward trainer (their run folders' checkpoints are
-the teachers). Stage 2, this trainer, routes each prompt to the teacher of its domain (``teachers[i].match``,
-a regular expression on the prompt; the first match wins) and trains the student on its own rollouts by
-one of two objectives (``objective``):
+the teachers). Stage 2, this trainer, gives each prompt a teacher (``routing``,
+:mod:`flowalign.trainers.parts.teacher_routing`): ``by_epoch`` (the authors') alternates whole steps between
+the teachers, ``teachers[i].epochs_per_cycle`` steps each in turn, a step's prompts all drawn from its
+teacher's own source (its ``prompts`` file, or its domain of the data); ``by_prompt`` sends each prompt to the
+teacher of its domain (``teachers[i].match``, a regular expression; the first match wins). It trains the
+student on its own rollouts by one of two objectives (``objective``):
 
 - ``kl_reward_grpo`` (default; the authors' ``train_sd3_opd_mix.py``, ``reward_mode: kl_only``): Flow-GRPO
   on the student's SDE rollouts with the step-wise KL to the routed teacher as the only reward. At each
@@ -40,6 +43,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.paths import REPO_ROOT
@@ -54,6 +58,7 @@ from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOpti
 from flowalign.trainers.options import ReferenceOptions, SampleOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.parts.reductions import per_sample_mean
+from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch, teacher_sources
 from flowalign.trainers.parts.timesteps import pair_timesteps
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
 from flowalign.weight_swap import swapped_in
@@ -65,15 +70,22 @@ class Teacher(BaseModel):
     adapter: str
     #: the reward this teacher was trained on (a name in rewards:; the domain's score is logged under it)
     reward: str | None = None
-    #: its domain: prompts this regular expression finds (re.search); None: every prompt
+    #: its domain: the prompts this regular expression finds (re.search) and no earlier teacher's does; None:
+    #: every prompt left
     match: str | None = None
+    #: routing: by_epoch: a prompt file (read as data.prompts) its steps draw from (the authors' dataset path);
+    #: None: its domain of data.prompts (a teacher with a file takes no data prompt)
+    prompts: str | None = None
+    #: routing: by_epoch: how many consecutive steps (the authors' epochs) it takes in each cycle (their
+    #: epochs_per_cycle)
+    epochs_per_cycle: int = Field(1, ge=1, le=MAX_TRAIN_STEPS)
 
 
 #: the options only ``objective: velocity_distillation`` reads
 DISTILLATION_ONLY = frozenset({"anchor_weight", "states_per_sample"})
 #: the options both objectives read: the loop's, the rollouts' sizes, the teachers, the anchor, the cold start
 BOTH_READ = frozenset(TrainerConfig.model_fields) | frozenset(SampleOptions.model_fields) | {
-    "objective", "teachers", "anchor", "cold_start_steps", "group_size", "reference_offload"}
+    "objective", "teachers", "routing", "anchor", "cold_start_steps", "group_size", "reference_offload"}
 
 
 class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions, StepFractionOptions,
@@ -86,6 +98,10 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
     objective: Literal["kl_reward_grpo", "velocity_distillation"] = "kl_reward_grpo"
     #: the stage-1 teachers, each supervising its own domain's prompts
     teachers: list[Teacher] = Field(min_length=1)
+    #: by_epoch: whole steps alternate between the teachers in list order, epochs_per_cycle steps each, every
+    #: prompt of a step from its teacher's source (the authors' alternate training); by_prompt: each prompt
+    #: of the data goes to the first teacher whose match finds it, so a step mixes domains
+    routing: Literal["by_epoch", "by_prompt"] = "by_epoch"
     #: the anchor: a checkpoint folder, or None for the starting weights. kl_reward_grpo: the β term's
     #: reference (the authors' mar_lora); velocity_distillation: the Manifold Anchor Regularisation teacher
     anchor: str | None = None
@@ -124,15 +140,6 @@ def report_unread(tcfg: FlowOPDConfig, unread: set[str], objective: str) -> None
     if unread:
         print(f"warning: objective: {objective} does not read trainer.{', trainer.'.join(sorted(unread))} "
               "(set for the other objective); drop them or change trainer.objective")
-
-
-def route(prompts: list[str], patterns: list[str | None]) -> torch.Tensor:
-    """``(N,)`` the index of the first teacher whose pattern finds each prompt (None matches all), −1 for none."""
-    compiled = [None if p is None else re.compile(p) for p in patterns]
-    out = []
-    for prompt in prompts:
-        out.append(next((i for i, c in enumerate(compiled) if c is None or c.search(prompt)), -1))
-    return torch.tensor(out, dtype=torch.long)
 
 
 @dataclass
@@ -247,6 +254,13 @@ class FlowOPDTrainer(FlowGRPOTrainer):
                     re.compile(t.match)
                 except re.error as e:
                     raise UserError(f"trainer.teachers[{i}].match={t.match!r} is not a regular expression ({e})")
+            unread = sorted({"prompts", "epochs_per_cycle"} & t.model_fields_set)
+            if tcfg.routing == "by_prompt" and unread:
+                raise UserError(f"trainer.teachers[{i}].{unread[0]} is read only under trainer.routing: by_epoch "
+                                "(by_prompt routes data.prompts by match); drop it or set routing: by_epoch")
+            if tcfg.routing == "by_epoch" and t.prompts is not None and t.match is not None:
+                print(f"warning: trainer.teachers[{i}].match is not read: under routing: by_epoch a teacher with "
+                      "its own prompts: file takes no prompt of data.prompts; drop the match or the file")
         if cls.distils(tcfg):
             report_unread(tcfg, set(tcfg.model_fields_set) - BOTH_READ - DISTILLATION_ONLY, "velocity_distillation")
             return
@@ -271,6 +285,10 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         self.teachers = [[place(t[n], p) for n, p in zip(names, self.params)] for t in teachers]
         self.anchor = None if anchor is None else [place(anchor[n], p) for n, p in zip(names, self.params)]
         self.patterns = [t.match for t in tcfg.teachers]
+        if tcfg.routing == "by_epoch":  # each teacher's prompts: its file, or its domain of the data
+            self.sources = teacher_sources(self.data, [t.prompts for t in tcfg.teachers], self.patterns)
+            self.shares = [t.epochs_per_cycle for t in tcfg.teachers]
+            return
         # a teacher no training prompt is routed to (its match finds none, or an earlier teacher takes them
         # all) would sit in memory unused: say so before training
         routed = set(route(self.data.prompts, self.patterns).tolist())
@@ -286,6 +304,33 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         kl_reward_grpo."""
         n = self.tcfg.cold_start_steps
         return (20 if self.distils(self.tcfg) else 0) if n is None else n
+
+    def routed(self, prompts: list[str], step: int) -> torch.Tensor:
+        """``(N,)`` each prompt's teacher at ``step`` (−1: none): the step's teacher under by_epoch, else the
+        first teacher whose match finds it."""
+        if self.tcfg.routing == "by_epoch":
+            return torch.full((len(prompts),), epoch_teacher(step, self.shares), dtype=torch.long)
+        return route(prompts, self.patterns)
+
+    def step_indices(self, step: int, data: PromptSet | None = None, count: int | None = None) -> list[int]:
+        """Under by_epoch, a step's prompts are indices into its teacher's source, which that teacher walks
+        through at its own pace (its ``teacher_epoch``-th draw); otherwise the loop's draw from the data."""
+        if data is not None or self.tcfg.routing == "by_prompt":
+            return super().step_indices(step, data, count)
+        source = self.sources[epoch_teacher(step, self.shares)]
+        return super().step_indices(teacher_epoch(step, self.shares), source, count)
+
+    def step_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
+        """This rank's prompts of a step, each repeated group_size times, with global group ids: the loop's,
+        from the step's teacher's source under by_epoch."""
+        if self.tcfg.routing == "by_prompt":
+            return super().step_prompts(step)
+        source = self.sources[epoch_teacher(step, self.shares)]
+        p, g = self.tcfg.prompts_per_step, self.tcfg.group_size
+        idx = self.step_indices(step)
+        prompts = [source.prompts[i] for i in idx for _ in range(g)]
+        metadata = [source.metadata[i] for i in idx for _ in range(g)]
+        return prompts, metadata, torch.arange(self.rank * p, (self.rank + 1) * p).repeat_interleave(g)
 
     def anchor_weights(self):
         """The anchor's velocity context: its weights swapped in, or the adapter switched off."""
@@ -305,7 +350,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
             prompts, metadata, groups = self.step_prompts(step)
             prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(self.tcfg.group_size)
             batch = self.sample(prompts, metadata, groups, prompt_ids, step)
-        routed_to = route(batch.prompts, self.patterns)
+        routed_to = self.routed(batch.prompts, step)
         batch.logs.update(self.route_logs(routed_to), stage=1.0)
         if batch.scores is not None and len(self.rewards):
             batch.logs.update(self.domain_logs(batch.scores, routed_to))
@@ -318,7 +363,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
     def trained(self, batch: StepBatch) -> torch.Tensor:
         """``(N,)`` bool: the samples a teacher is routed to (and, with ``drop_zero_advantage``, whose task
         advantage is not 0)."""
-        keep = route(batch.prompts, self.patterns) >= 0
+        keep = self.routed(batch.prompts, self.step) >= 0
         if self.tcfg.drop_zero_advantage:
             keep &= batch.advantages.cpu() != 0
         return keep
@@ -326,11 +371,13 @@ class FlowOPDTrainer(FlowGRPOTrainer):
     def teacher_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
         """``μ_T`` ``(B, ...)``: each sample's step mean at the rollout's ``x_k`` under its routed teacher's
         weights (CFG at the rollout's scale), no grad; zeros where no teacher is routed. Each teacher runs on
-        the whole chunk (under fsdp every teacher, so all ranks run as many forwards), then its rows are kept."""
-        routed_to = route(chunk.prompts, self.patterns)
+        the whole chunk, then its rows are kept; under fsdp all ranks must run as many forwards, so by_prompt
+        runs every teacher there (ranks route differently), by_epoch the step's one (the same on every rank)."""
+        routed_to = self.routed(chunk.prompts, self.step)
         x_k, sigma = chunk.step(k)[0], chunk.sigmas[k].item()
         out = torch.zeros_like(x_k)
-        wanted = range(len(self.teachers)) if self.parallel.sharded else sorted(set(routed_to.tolist()) - {-1})
+        every = self.parallel.sharded and self.tcfg.routing == "by_prompt"
+        wanted = range(len(self.teachers)) if every else sorted(set(routed_to.tolist()) - {-1})
         for i in wanted:
             with torch.no_grad(), swapped_in(self.params, self.teachers[i]):
                 v = self.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
@@ -429,7 +476,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
 
     def distill_batch(self, step: int) -> DistillBatch:
         prompts, metadata, _ = self.step_prompts(step)
-        routed_to = route(prompts, self.patterns)
+        routed_to = self.routed(prompts, step)
         cond = self.policy.encode(prompts)
         batch = self.cold_start(prompts, metadata, routed_to, cond, step) if step < self.cold_start_steps \
             else self.on_policy(prompts, metadata, routed_to, cond, step)

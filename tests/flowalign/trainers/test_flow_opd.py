@@ -17,7 +17,8 @@ from flowalign.train import build_trainer, check_run
 from flowalign.sampling import sde_step
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl
-from flowalign.trainers.flow_opd import distillation_loss, kl_reward_grpo_loss, route
+from flowalign.trainers.flow_opd import distillation_loss, kl_reward_grpo_loss
+from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch
 
 from .conftest import small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
@@ -78,7 +79,8 @@ def test_a_teacher_equal_to_the_student_gives_zero_loss(tmp_path, tiny_sd3_dir, 
 def test_each_teacher_supervises_only_its_own_domain(tmp_path, tiny_sd3_dir, prompt_file, teachers):
     """Teacher 0 (trained) owns red/blue prompts, teacher 1 (= the student) green ones, yellow has none."""
     spec = f"[{{adapter: {teachers['trained']}, match: 'red|blue'}}, {{adapter: {teachers['same']}, match: green}}]"
-    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.cold_start_steps=0", "trainer.anchor_weight=0")
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.cold_start_steps=0", "trainer.anchor_weight=0",
+            "trainer.routing=by_prompt")
     batch = t.collect(0)
     prompts = [t.data.prompts[i] for i in t.step_indices(0)]
     losses = dict(zip(prompts, per_sample_losses(t, batch)))
@@ -132,7 +134,8 @@ def test_the_distillation_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir,
 def test_a_teacher_no_prompt_is_routed_to_is_warned_about(tmp_path, tiny_sd3_dir, prompt_file, teachers, capsys):
     same = teachers["same"]
     opd(tmp_path / "r", tiny_sd3_dir, prompt_file,
-        f"[{{adapter: {same}, match: red}}, {{adapter: {same}, match: 'red circle'}}, {{adapter: {same}, match: purple}}]")
+        f"[{{adapter: {same}, match: red}}, {{adapter: {same}, match: 'red circle'}}, {{adapter: {same}, match: purple}}]",
+        "trainer.routing=by_prompt")
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: trainer.teachers[")]
     # [1] only ever matches what [0] takes first; [2] matches nothing; [0] is used
     assert [line[: len("warning: trainer.teachers[1]")] for line in warned] == \
@@ -227,7 +230,8 @@ def test_the_kl_reward_routes_each_prompt_to_its_own_teacher(tmp_path, tiny_sd3_
     """Teacher 0 (trained) owns red/blue prompts, teacher 1 (= the student) green ones, yellow has none: yellow
     is not trained, green's KL is 0, and a red row's teacher mean is the trained teacher's own step mean."""
     spec = f"[{{adapter: {teachers['trained']}, match: 'red|blue'}}, {{adapter: {teachers['same']}, match: green}}]"
-    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.beta=0", objective="kl_reward_grpo")
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.beta=0", "trainer.routing=by_prompt",
+            objective="kl_reward_grpo")
     batch = t.collect(0)
     assert batch.logs["route/teacher0_fraction"] == 0.5 and batch.logs["route/teacher1_fraction"] == 0.25
     units = grpo_units(t, batch)
@@ -256,7 +260,7 @@ def test_drop_zero_advantage_leaves_out_samples_whose_task_advantage_is_zero(tmp
                                                                              teachers):
     t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, f"[{{adapter: {teachers['trained']}, match: 'red|blue|green'}}]",
             "trainer.drop_zero_advantage=true", "trainer.group_size=2", "trainer.prompts_per_step=2",
-            objective="kl_reward_grpo")
+            "trainer.routing=by_prompt", objective="kl_reward_grpo")
     batch = t.collect(0)
     zeroed = dataclasses.replace(batch, advantages=torch.tensor([0.5, 0.0, -0.5, 0.0]))
     routed = torch.tensor(["yellow" not in p for p in batch.prompts])
@@ -269,6 +273,7 @@ def test_the_default_objective_is_the_authors_with_no_cold_start(tmp_path, tiny_
     t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
                                    f"trainer.teachers=[{{adapter: {teachers['same']}}}]"))
     assert t.tcfg.objective == "kl_reward_grpo" and t.cold_start_steps == 0 and t.tcfg.cfg_grad == "full"
+    assert t.tcfg.routing == "by_epoch"  # the authors' alternate training
     # the authors' mix_opd_8gpu values (group_size: their num_image_per_prompt; lr: their learning_rate)
     defaults = {k: f.default for k, f in type(t.tcfg).model_fields.items()}
     assert [defaults[k] for k in ("kl_scale", "beta", "clip_range", "adv_clip", "timestep_fraction", "noise_level",
@@ -297,9 +302,11 @@ def test_the_kl_reward_trains_without_rewards(tmp_path, tiny_sd3_dir, prompt_fil
 
 
 def test_the_kl_reward_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, teachers):
-    """With an anchor checkpoint as the β term's reference (the authors' mar_lora) and two optimiser steps."""
+    """With an anchor checkpoint as the β term's reference (the authors' mar_lora), two optimiser steps, and
+    two teachers alternating by epoch: the resumed step is the second teacher's."""
+    spec = f"[{{adapter: {teachers['trained']}, match: 'red|blue'}}, {{adapter: {teachers['same']}}}]"
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
-                                          f"trainer.teachers=[{{adapter: {teachers['trained']}}}]",
+                                          f"trainer.teachers={spec}",
                                           f"trainer.anchor={teachers['same']}", "trainer.group_size=2",
                                           "trainer.updates_per_epoch=2")
 
@@ -314,3 +321,67 @@ def test_an_option_of_the_other_objective_is_reported(tmp_path, tiny_sd3_dir, pr
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: objective:")]
     assert warned == [f"warning: objective: {objective} does not read trainer.{unread} (set for the other "
                       "objective); drop them or change trainer.objective"]
+
+
+# ---------------------------------------------------------------------------------------------- epoch routing
+
+EPOCHS = json.loads((Path(__file__).parent / "known_answers" / "flow_opd_epoch_routing.json").read_text())
+
+
+@pytest.mark.parametrize("case", EPOCHS["cases"], ids=lambda c: "-".join(map(str, c["epochs_per_cycle"])))
+def test_the_epoch_routing_equals_the_authors(case):
+    """Each step's teacher is the dataset the authors' get_current_dataset_idx trains that epoch on (known_answers/,
+    24 epochs; [1, 3] is their mix_opd_8gpu), and each teacher's own draw index counts its steps 0, 1, 2, ..."""
+    shares = case["epochs_per_cycle"]
+    assert [epoch_teacher(e, shares) for e in range(24)] == case["dataset_idx"]
+    for i in range(len(shares)):
+        own = [teacher_epoch(e, shares) for e in range(24) if epoch_teacher(e, shares) == i]
+        assert own == list(range(len(own))) and len(own) == 24 // sum(shares) * shares[i] + \
+            min(max(24 % sum(shares) - sum(shares[:i]), 0), shares[i])
+
+
+def test_epoch_routing_gives_each_step_one_teacher_and_its_domain(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """Teacher 0 (trained; red/blue) takes 1 step of each cycle of 3, teacher 1 (= the student; the rest) 2: each
+    step's prompts come from its teacher's domain, every sample is trained, and its KL is to that teacher."""
+    spec = (f"[{{adapter: {teachers['trained']}, match: 'red|blue'}}, "
+            f"{{adapter: {teachers['same']}, epochs_per_cycle: 2}}]")
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.beta=0", "trainer.prompts_per_step=2",
+            objective="kl_reward_grpo")
+    domains = [{"a red circle", "a blue square"}, {"a green star", "a yellow triangle"}]
+    for step, teacher in enumerate([0, 1, 1, 0]):
+        t.step = step
+        batch = t.collect(step)
+        assert set(batch.prompts) == domains[teacher], step  # 2 prompts a step: the whole 2-prompt domain
+        assert batch.logs[f"route/teacher{teacher}_fraction"] == 1.0 and batch.logs[f"route/teacher{1 - teacher}_fraction"] == 0
+        for unit in grpo_units(t, batch):
+            assert unit.trained.all()
+            _, info = t.loss(batch, unit)
+            assert (info["kl_teacher"] > 1e-8) if teacher == 0 else (info["kl_teacher"] < 1e-12), (step, unit.k)
+
+
+def test_a_teacher_draws_from_its_own_prompt_file_under_epoch_routing(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """Teacher 1 (= the student) draws its steps from its own file, whose prompts teacher 0's match (red) would
+    take when routing by prompt: under epoch routing they are teacher 1's, so their KL is 0."""
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"prompt": "a red hexagon", "task": 7}\n{"prompt": "a red ring", "task": 8}\n')
+    spec = f"[{{adapter: {teachers['trained']}, match: red}}, {{adapter: {teachers['same']}, prompts: {own}}}]"
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.prompts_per_step=2", "trainer.beta=0",
+            objective="kl_reward_grpo")
+    assert t.step_prompts(0)[0] == ["a red circle"] * 2  # teacher 0's domain: the data prompts its match finds
+    prompts, metadata, _ = t.step_prompts(1)
+    assert sorted(prompts) == ["a red hexagon", "a red ring"] and sorted(m["task"] for m in metadata) == [7, 8]
+    t.step = 1
+    batch = t.collect(1)
+    for unit in grpo_units(t, batch):
+        assert t.loss(batch, unit)[1]["kl_teacher"] < 1e-12
+
+
+@pytest.mark.parametrize("routing,spec,match", [
+    ("by_prompt", "[{adapter: ADAPTER, prompts: /some/file.txt}]", r"teachers\[0\]\.prompts is read only under"),
+    ("by_prompt", "[{adapter: ADAPTER, epochs_per_cycle: 3}]", r"teachers\[0\]\.epochs_per_cycle is read only under"),
+    ("by_epoch", "[{adapter: ADAPTER, match: purple}]", r"teachers\[0\] \(match='purple'\) has no prompt")])
+def test_routing_options_that_cannot_apply_are_refused(tmp_path, tiny_sd3_dir, prompt_file, teachers, routing, spec,
+                                                        match):
+    with pytest.raises(UserError, match=match):
+        opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec.replace("ADAPTER", str(teachers["same"])),
+            f"trainer.routing={routing}")
