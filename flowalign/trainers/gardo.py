@@ -8,32 +8,43 @@ Three changes to Flow-GRPO, as the authors' code makes them:
   ``u_i = rank_main(i) − mean_a rank_a(i)`` (main = the proxy reward, a = the auxiliary rewards); among the
   ``u ≥ 0`` the top ``p`` fraction (``u_i > quantile_{1−p}``) is gated. ``p`` adapts: ×(1 + rate) when the
   batch's mean ``u≥0`` exceeds every one of the last ``window`` batches', ×(1 − rate) when below all, kept
-  in ``[gate_min, gate_max]``;
-- **adaptive reference**: the KL's reference ``θ_ref`` is a snapshot of the policy, taken again when a
-  step's mean KL exceeds ``kl_threshold`` or ``reset_every`` steps after the last snapshot;
-- **diversity-aware advantages** (:func:`flowalign.advantages.diversity_scaled`): a positive advantage is
-  scaled by the sample's nearest-neighbour feature distance in its group over the group's mean.
+  in ``[gate_min, gate_max]``. ``gate_side: proxy_higher`` gates with ``−u`` instead: the samples the proxy
+  ranks above the auxiliaries (what the authors' prose describes; their code gates the other side);
+- **adaptive reference**: the KL's reference ``θ_ref`` is a snapshot of the policy, taken again after a
+  step one of whose optimiser steps had a mean KL above ``kl_threshold``, or ``reset_every`` steps after
+  the last snapshot;
+- **diversity-aware advantages**: ``A_i = R_i − mean_{group} R`` (not divided by a std), a positive one
+  scaled by the sample's nearest-neighbour feature distance in its group over the group's mean
+  (:func:`flowalign.advantages.diversity_scaled`).
 
     L = mean_{i,k} max(−Â_i·r, −Â_i·clip(r, 1−ε, 1+ε)) + β·mean_{i gated, k} KL(μ_θ ‖ μ_θref)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.advantages import diversity_scaled
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
-from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.base import StepBatch
-from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions,
-                                           StepFractionOptions, StepSubsetOptions, StepUnit)
+from flowalign.trainers.copies import WeightCopy
+from flowalign.trainers.flow_grpo import (
+    FlowGRPOBase,
+    FlowGRPOTrainer,
+    SDEOptions,
+    SDEWindowOptions,
+    StepFractionOptions,
+    StepSubsetOptions,
+    StepUnit,
+)
 from flowalign.weight_swap import swapped_in
 
 
@@ -45,6 +56,10 @@ class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOption
     main_reward: str | None = None
     #: false: the KL applies to every sample (an adaptive reference alone)
     gate: bool = True
+    #: which side of the disagreement is gated: "proxy_lower" (the authors' code) the samples the proxy ranks
+    #: below the auxiliaries' mean rank; "proxy_higher" those it ranks above it (a proxy reward the
+    #: auxiliaries do not back, as the authors' prose puts it; docs/methods/gardo.md)
+    gate_side: Literal["proxy_lower", "proxy_higher"] = "proxy_lower"
     #: p, the gated fraction of the samples with u ≥ 0, at the start
     gate_fraction: float = Field(0.1, gt=0, le=1)
     #: the least p may shrink to
@@ -55,12 +70,25 @@ class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOption
     gate_rate: float = Field(0.1, ge=0, lt=1)
     #: how many past batches' mean disagreements p is compared with
     gate_window: int = Field(20, ge=1, le=MAX_TRAIN_STEPS)
-    #: a step whose mean KL exceeds this takes a new reference snapshot (the authors tune it per task)
+    #: a step with an optimiser step whose mean KL exceeds this takes a new reference snapshot (the authors
+    #: tune it per task)
     kl_threshold: float = Field(3e-4, gt=0, le=MAX_COEFFICIENT)
     #: training steps after which the reference is refreshed anyway
     reset_every: int = Field(15, ge=1, le=MAX_TRAIN_STEPS)
     #: scale positive advantages by the sample's distance to its group (features: the final latents)
     diversity: bool = True
+    #: true (the authors'): the advantage is the weighted reward minus its prompt group's mean, not divided by
+    #: a std (then ±adv_clip); false: the loop's trainer.advantage normalisation
+    centred_advantage: bool = True
+
+    @model_validator(mode="after")
+    def _advantage_read_by_the_loop_form(self) -> GARDOConfig:
+        # the loop's advantage kind is unread by the authors' centred form: refuse it rather than ignore it
+        if self.centred_advantage and "advantage" in self.model_fields_set:
+            raise ValueError(f"trainer.advantage={self.advantage} is read only with trainer.centred_advantage=false "
+                             "(gardo's default is the authors' reward minus its group mean): drop it or set "
+                             "trainer.centred_advantage=false")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- the pieces
@@ -75,6 +103,14 @@ def rank_disagreement(main: torch.Tensor, auxiliary: torch.Tensor) -> torch.Tens
         return out
 
     return ranks(main) - torch.stack([ranks(auxiliary[:, a]) for a in range(auxiliary.shape[1])]).mean(0)
+
+
+def gate_score(main: torch.Tensor, auxiliary: torch.Tensor, side: str) -> torch.Tensor:
+    """``(N,)``: what the gate ranks, :func:`rank_disagreement` (``side="proxy_lower"``, the authors' code: large
+    where the proxy ``main`` ``(N,)`` ranks a sample below the auxiliaries ``(N, A)``) or its negation
+    (``"proxy_higher"``: large where the proxy ranks it above them)."""
+    u = rank_disagreement(main, auxiliary)
+    return u if side == "proxy_lower" else -u
 
 
 def gate_mask(u: torch.Tensor, fraction: float) -> torch.Tensor:
@@ -105,6 +141,24 @@ def gated_kl(kl: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
     return kl[gated].mean() if gated.any() else kl.sum() * 0
 
 
+def refresh_due(update_kls: Sequence[float], threshold: float, after: int, last: int, every: int) -> bool:
+    """Whether the reference takes a new snapshot after the step that leaves ``after`` steps done: one of its
+    optimiser steps' mean KLs ``update_kls`` exceeded ``threshold`` (the authors test every optimiser step,
+    not the step's mean), or more than ``every`` steps passed since the snapshot taken at ``last``."""
+    return any(k > threshold for k in update_kls) or after - last > every
+
+
+def centred_advantages(totals: torch.Tensor, prompt_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The authors' GARDO advantage before the diversity factor ``(N,)``: each weighted reward ``totals (N,)``
+    minus the mean of its prompt's valid samples, not divided by a std; 0 for an invalid sample."""
+    out = torch.zeros_like(totals, dtype=torch.float64)
+    for p in torch.unique(prompt_ids):
+        good = (prompt_ids == p) & valid
+        if good.any():
+            out[good] = totals[good].double() - totals[good].double().mean()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- hooks
 
 
@@ -127,6 +181,9 @@ class GARDOTrainer(FlowGRPOTrainer):
         self.reference = [p.detach().clone() for p in self.params]
         self.last_refresh = 0
         self.gate_fraction, self.gate_history = self.tcfg.gate_fraction, []
+        #: this rank's KL term summed per optimiser step of the current update, each unit's over its step's
+        #: unit count (over every rank): summed over ranks, the step's mean KL
+        self.update_kl: dict[int, float] = {}
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
@@ -156,17 +213,27 @@ class GARDOTrainer(FlowGRPOTrainer):
         return 0 if self.tcfg.main_reward is None else names.index(self.tcfg.main_reward)
 
     def collect(self, step: int) -> GatedBatch:
-        """The loop's batch, its positive advantages scaled by diversity, and each sample's KL gate."""
+        """The loop's batch with the authors' advantages (centred, positive ones scaled by diversity) and each
+        sample's KL gate."""
         batch = super().collect(step)
-        advantages = batch.advantages
+        advantages = self.centred(batch) if self.tcfg.centred_advantage else batch.advantages
         if self.tcfg.diversity:
             features = torch.cat([c.final_latents for c in batch.chunks])
-            scaled = diversity_scaled(advantages, features, batch.prompt_ids)
-            advantages = scaled.clamp(-self.tcfg.adv_clip, self.tcfg.adv_clip)
+            advantages = diversity_scaled(advantages, features, batch.prompt_ids)
+        advantages = advantages.float().clamp(-self.tcfg.adv_clip, self.tcfg.adv_clip)
         gate, state, logs = self.gate_batch(batch)
         loops = {f.name: getattr(batch, f.name) for f in fields(StepBatch)}
         return GatedBatch(**{**loops, "advantages": advantages, "logs": {**batch.logs, **logs}}, gate=gate,
                           gate_state=state)
+
+    def centred(self, batch: StepBatch) -> torch.Tensor:
+        """This rank's :func:`centred_advantages` ``(N,)``, each group's mean taken over every rank's samples of
+        its prompt (as the loop's advantages)."""
+        s = batch.scores
+        totals = self.gather(s.values.float()) @ s.weights.float()
+        valid, ids = self.gather(s.valid.float()).bool(), self.gather(batch.prompt_ids)
+        n = len(s)
+        return centred_advantages(totals, ids, valid)[self.rank * n : (self.rank + 1) * n]
 
     def gate_batch(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, Any], dict[str, float]]:
         """This rank's gate ``(N,)``, decided on every rank's rewards, and the controller's next state."""
@@ -178,7 +245,7 @@ class GARDOTrainer(FlowGRPOTrainer):
         m = self.main_index(batch.scores.names)
         aux = [a for a in range(values.shape[1]) if a != m]
         u = torch.full((len(values),), -1.0)
-        u[valid] = rank_disagreement(values[valid, m], values[valid][:, aux])
+        u[valid] = gate_score(values[valid, m], values[valid][:, aux], self.tcfg.gate_side)
         nonneg = u[valid & (u >= 0)]
         level = nonneg.mean().item() if len(nonneg) else 0.0
         t = self.tcfg
@@ -191,7 +258,9 @@ class GARDOTrainer(FlowGRPOTrainer):
 
     def kl_penalty(self, batch: GatedBatch, unit: StepUnit, kl: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         gate = batch.per_chunk(batch.gate)[unit.chunk].to(active.device)
-        return gated_kl(kl, active & gate)
+        term = gated_kl(kl, active & gate)
+        self.update_kl[unit.update] = self.update_kl.get(unit.update, 0.0) + term.item() / unit.of
+        return term
 
     def reference_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
         """``μ_ref`` at step ``k``: the step's Gaussian mean under the reference snapshot θ_ref, no grad."""
@@ -201,18 +270,23 @@ class GARDOTrainer(FlowGRPOTrainer):
             return self.step_distribution(chunk, k, v).mean
 
     def update(self, batch: GatedBatch, generator: torch.Generator) -> dict[str, float]:
-        """Flow-GRPO's optimiser steps, then the reference refresh: a new snapshot when the step's mean KL
-        (over every rank's units) exceeded ``kl_threshold`` or ``reset_every`` steps have passed since the
-        last one (decided alike on every rank)."""
+        """Flow-GRPO's optimiser steps, then the reference refresh (:func:`refresh_due`): a new snapshot when
+        one optimiser step's mean KL (over every rank's units) exceeded ``kl_threshold`` or ``reset_every``
+        steps have passed since the last one (decided alike on every rank)."""
+        self.update_kl = {}
         logs = super().update(batch, generator)
         if self.tcfg.beta > 0:
-            kl = self.gather(torch.tensor([logs.get("kl", float("nan"))], dtype=torch.float64))
-            mean_kl = float(np.nanmean(kl.numpy())) if not torch.isnan(kl).all() else 0.0
+            per_update: dict[int, float] = {}
+            for part in self.gather_objects(self.update_kl):
+                for n, value in part.items():
+                    per_update[n] = per_update.get(n, 0.0) + value
             after = self.step + 1
-            if mean_kl > self.tcfg.kl_threshold or after - self.last_refresh > self.tcfg.reset_every:
+            if refresh_due(list(per_update.values()), self.tcfg.kl_threshold, after, self.last_refresh,
+                           self.tcfg.reset_every):
                 self.reference = [p.detach().clone() for p in self.params]
                 self.last_refresh = after
             logs["reference_age"] = float(after - self.last_refresh)
+            logs["kl_update_max"] = max(per_update.values(), default=0.0)
         return logs
 
     def finish(self, batch: GatedBatch) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """GARDO: the gated KL (the authors' gate as known answers, known_answers/gardo_gate.json), the adaptive
-reference and diversity-scaled advantages (docs/methods/gardo.md)."""
+reference (known_answers/gardo_refresh.json) and the centred, diversity-scaled advantages
+(known_answers/gardo_diversity.json); docs/methods/gardo.md."""
 
 import json
 from pathlib import Path
@@ -11,7 +12,15 @@ from flowalign.advantages import diversity_scaled
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer, check_run
-from flowalign.trainers.gardo import gate_mask, gated_kl, next_gate_fraction, rank_disagreement
+from flowalign.trainers.gardo import (
+    centred_advantages,
+    gate_mask,
+    gate_score,
+    gated_kl,
+    next_gate_fraction,
+    rank_disagreement,
+    refresh_due,
+)
 
 from .conftest import REDNESS, small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
@@ -19,12 +28,15 @@ from .resume_check import assert_trains_and_resumes_bit_exactly
 TWO_REWARDS = f"rewards=[{{name: '{REDNESS}'}}, {{name: brightness, weight: 0}}]"
 
 
-KNOWN_GATE = json.loads((Path(__file__).parent / "known_answers" / "gardo_gate.json").read_text())
+KNOWN = Path(__file__).parent / "known_answers"
+KNOWN_GATE = json.loads((KNOWN / "gardo_gate.json").read_text())
+KNOWN_DIVERSITY = json.loads((KNOWN / "gardo_diversity.json").read_text())
+KNOWN_REFRESH = json.loads((KNOWN / "gardo_refresh.json").read_text())
 
 
 def test_the_gate_equals_the_authors_over_consecutive_batches():
     """``train_sd3_grpo_gardo.py``'s disagreement u, its RiskCompensator's fraction and the gated samples,
-    batch after batch, from flowalign's three pieces and the trainer's defaults."""
+    batch after batch, from flowalign's three pieces and the trainer's defaults (gate_side included)."""
     from flowalign.trainers.gardo import GARDOConfig
 
     t = GARDOConfig(name="gardo")
@@ -34,7 +46,7 @@ def test_the_gate_equals_the_authors_over_consecutive_batches():
     fraction, history = t.gate_fraction, []
     for batch in k["batches"]:
         r = {name: torch.tensor(v, dtype=torch.float64) for name, v in batch["rewards"].items()}
-        u = rank_disagreement(r[k["main"]], torch.stack([r[a] for a in k["auxiliary"]], dim=1))
+        u = gate_score(r[k["main"]], torch.stack([r[a] for a in k["auxiliary"]], dim=1), t.gate_side)
         torch.testing.assert_close(u, torch.tensor(batch["u"]), rtol=0, atol=0)
         level = u[u >= 0].mean().item()
         fraction, history = next_gate_fraction(fraction, history, level, t.gate_fraction, t.gate_min, t.gate_max,
@@ -53,6 +65,20 @@ def test_rank_disagreement_and_the_gate_by_hand():
     torch.testing.assert_close(u, torch.tensor([-2.5, -1.5, 1.5, 2.5]))
     assert gate_mask(u, 0.5).tolist() == [False, False, False, True]
     assert not gate_mask(torch.tensor([-1.0, -2.0]), 0.5).any()
+
+
+def test_the_gate_side_picks_the_samples_the_proxy_ranks_below_or_above_the_auxiliaries():
+    """Sample 0 is the proxy's best and the auxiliaries' worst (a proxy reward they do not back), sample 3 the
+    reverse: proxy ranks (1, 2, 3, 4), the auxiliaries' mean ranks (4, 2.5, 2.5, 1), u = (−3, −0.5, 0.5, 3).
+    Of the non-negative scores the upper half is gated: proxy_lower (the authors' code) gates sample 3,
+    proxy_higher sample 0."""
+    main = torch.tensor([0.9, 0.5, 0.4, 0.1])
+    aux = torch.tensor([[0.0, 0.1], [0.5, 0.6], [0.6, 0.5], [1.0, 0.9]])
+    lower, higher = gate_score(main, aux, "proxy_lower"), gate_score(main, aux, "proxy_higher")
+    torch.testing.assert_close(lower, torch.tensor([-3.0, -0.5, 0.5, 3.0]))
+    torch.testing.assert_close(higher, -lower)
+    assert gate_mask(lower, 0.5).tolist() == [False, False, False, True]
+    assert gate_mask(higher, 0.5).tolist() == [True, False, False, False]
 
 
 def test_the_gated_fraction_adapts_to_the_disagreement_history():
@@ -86,6 +112,64 @@ def test_diversity_scales_only_positive_advantages_by_nearest_distance():
     torch.testing.assert_close(out, torch.tensor([0.0, -1.0, 1.5, 2.0]))
 
 
+def test_the_diversity_advantages_equal_the_authors():
+    """Their PerPromptStatTracker(type='gardo'): (R − mean of the prompt's rewards) × (d_i / mean d) for the
+    non-negative ones, no std, from the same rewards and features (a duplicate pair: d = 0; a sample at its
+    group's mean). diversity_scaled computes in float32, hence the absolute tolerance."""
+    k = KNOWN_DIVERSITY
+    names = sorted(set(k["prompts"]))
+    ids = torch.tensor([names.index(p) for p in k["prompts"]])
+    rewards = torch.tensor(k["rewards"], dtype=torch.float64)
+    centred = centred_advantages(rewards, ids, torch.ones(len(ids), dtype=torch.bool))
+    out = diversity_scaled(centred, torch.tensor(k["features"], dtype=torch.float64), ids)
+    torch.testing.assert_close(out.double(), torch.tensor(k["advantages"], dtype=torch.float64), rtol=1e-6, atol=1e-6)
+
+
+def test_centred_advantages_by_hand():
+    """Group 0: (1, 3) → (−1, 1); group 1: (2, 5, invalid 9) → the valid mean 3.5: (−1.5, 1.5, 0)."""
+    out = centred_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0, 9.0]), torch.tensor([0, 1, 0, 1, 1]),
+                             torch.tensor([True, True, True, True, False]))
+    torch.testing.assert_close(out, torch.tensor([-1.0, -1.5, 1.0, 1.5, 0.0], dtype=torch.float64))
+
+
+def test_the_reference_refresh_equals_the_authors():
+    """Their loop copies the policy into the reference at the start of epoch e after an optimiser step of e−1
+    logged a KL above kl_thres (one step above it is enough: epoch 2's (4.5e-4, 1e-4) average 2.75e-4), or
+    when e − last > reset_freq; flowalign refreshes after the step that leaves e steps done."""
+    k = KNOWN_REFRESH
+    last, refreshed = 0, []
+    for step, kls in enumerate(k["step_kls"][:-1]):
+        if refresh_due(kls, k["kl_thres"], step + 1, last, k["reset_freq"]):
+            last = step + 1
+            refreshed.append(last)
+    assert refreshed == k["copied"]
+
+
+def test_the_trainers_advantages_are_centred_and_its_gate_takes_its_side(tmp_path, tiny_sd3_dir, prompt_file):
+    """The batch's advantages are each total reward minus its prompt's mean (no std); the gate is
+    gate_mask(gate_score(proxy, auxiliary, gate_side), fraction) on the batch's rewards, for either side."""
+    for side in ("proxy_lower", "proxy_higher"):
+        t = build_trainer(small_config(tmp_path / side, tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS,
+                                       "trainer.diversity=false", "trainer.gate_fraction=0.2",
+                                       f"trainer.gate_side={side}"))
+        batch = t.collect(0)
+        values = batch.scores.values.double()
+        totals = values @ batch.scores.weights.double()
+        expected = torch.stack([totals[i] - totals[batch.prompt_ids == batch.prompt_ids[i]].mean()
+                                for i in range(len(totals))])
+        torch.testing.assert_close(batch.advantages.double(), expected, rtol=1e-6, atol=1e-7)
+        assert totals.std() > 0 and not torch.allclose(expected, expected / totals.std())  # a std would show
+        u = gate_score(values[:, 0], values[:, 1:], side)
+        assert batch.gate.tolist() == gate_mask(u, batch.gate_state["fraction"]).tolist()
+
+
+def test_the_loops_advantage_is_refused_with_the_centred_form(tmp_path, tiny_sd3_dir, prompt_file):
+    base = small_run(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS)
+    with pytest.raises(UserError, match="centred_advantage=false"):
+        check_run(load_config(None, [*base, "trainer.advantage=global_std"]))
+    check_run(load_config(None, [*base, "trainer.advantage=global_std", "trainer.centred_advantage=false"]))
+
+
 def test_the_kl_is_to_the_snapshot_and_a_large_kl_refreshes_it(tmp_path, tiny_sd3_dir, prompt_file):
     t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS,
                                    "trainer.kl_threshold=1e-30", "trainer.updates_per_epoch=2",
@@ -101,6 +185,7 @@ def test_the_kl_is_to_the_snapshot_and_a_large_kl_refreshes_it(tmp_path, tiny_sd
     start = [r.clone() for r in t.reference]
     logs = t.update(batch, torch.Generator().manual_seed(0))
     assert logs["kl"] > 0  # the second optimiser step moved away from the snapshot
+    assert logs["kl_update_max"] >= logs["kl"]  # the refresh reads the largest optimiser step's mean
     assert any(not torch.equal(a, b) for a, b in zip(start, t.reference))  # a new snapshot ...
     assert all(torch.equal(r, p) for r, p in zip(t.reference, t.params))  # refreshed to the updated weights
     assert t.last_refresh == 1 and logs["reference_age"] == 0
