@@ -18,4 +18,5 @@ never a sibling.
 - :mod:`.pairs`, :mod:`.pair_images`: preference pairs and image pairs read from files
 - :mod:`.latent_preference`: preference pairs of latents and the fit of a latent reward on them
 - :mod:`.teacher_videos`, :mod:`.video_discriminator`: AFD's teachers and critic
+- :mod:`.teacher_routing`: which teacher supervises a prompt: by prompt (regular expressions) or by epoch (Flow-OPD's alternation)
 """
