@@ -266,15 +266,9 @@ class AWMTrainer(GroupTrainer):
         return {f"ema_kl.{n}": s for n, s in zip(self.trained_names(), self.kl_ema.shadow, strict=True)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """φ as saved; a checkpoint written without it (``ema_kl_beta`` 0 then) starts it at the resumed
-        weights."""
-        if self.kl_ema is None:
-            return
-        names = self.trained_names()
-        missing = any(f"ema_kl.{n}" not in state for n in names)
+        """φ as saved, laid out like the live average (under fsdp: this rank's shards)."""
+        live = self.state_dict()
+        saved = self.parallel.place_like({k: state[k] for k in live}, live)
         with torch.no_grad():
-            for n, s, p in zip(names, self.kl_ema.shadow, self.params, strict=True):
-                s.copy_(p.detach() if missing else state[f"ema_kl.{n}"])
-        if missing and self.acc.is_main_process:
-            print("the checkpoint holds no moving average for the KL (trainer.ema_kl_beta): it starts at the "
-                  "resumed weights")
+            for k, s in live.items():
+                s.copy_(saved[k])
