@@ -12,7 +12,7 @@ from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling.inputs import encode_prompts
 from flowalign.sampling.ode_solvers import OdeSolver
 from flowalign.sampling.steps import SAMPLER_KINDS, StepOutput, sde_step
-from flowalign.sampling.timesteps import model_timestep, truncated
+from flowalign.sampling.timesteps import TimestepMap, model_timestep, truncated
 from flowalign.sampling.windows import sde_step_mask
 
 #: noise level used when a caller passes none: a (Flow-GRPO), η (CPS), η (DanceGRPO)
@@ -193,10 +193,9 @@ def rollout(
 
     keep_unconditional = keep_unconditional and guidance > 1 and hasattr(policy, "velocity_and_unconditional")
     form = truncated if solver is not None and solver.timestep == "truncated" else None
-    with model_timestep(policy, form):
-        latents, log_probs, velocities, unconditional = _integrate(
-            policy, x, sigmas, cond, guidance, mask, step_at, generator=generator, generators=generators,
-            guide=guide, keep_velocities=keep_velocities, keep_unconditional=keep_unconditional)
+    latents, log_probs, velocities, unconditional = _integrate(
+        policy, x, sigmas, cond, guidance, mask, step_at, generator=generator, generators=generators,
+        guide=guide, keep_velocities=keep_velocities, keep_unconditional=keep_unconditional, timestep_form=form)
     x = latents[-1]
     samples = policy.decode(x) if decode else None
     return Rollout(
@@ -241,8 +240,10 @@ def _integrate(
     guide: Callable[..., torch.Tensor] | None,
     keep_velocities: bool,
     keep_unconditional: bool = False,
+    timestep_form: TimestepMap | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Run the ``len(mask)`` steps from ``x`` ``(B, ...)`` along ``sigmas``, step ``k`` with ``step_at(k)``.
+    """Run the ``len(mask)`` steps from ``x`` ``(B, ...)`` along ``sigmas``, step ``k`` with ``step_at(k)``, the
+    transformer reading ``timestep_form`` of its timestep (None: the pipeline's; :func:`model_timestep`).
 
     Returns the latents ``[x_0, ..., x_T]`` (each ``(B, ...)``), the log-probs ``(B, T)`` (NaN on ODE
     steps), with ``keep_velocities`` the policy's velocities before any guide and with
@@ -252,11 +253,12 @@ def _integrate(
     log_probs = torch.full((x.shape[0], len(mask)), float("nan"))
     velocities, unconditional = [], []
     for k in range(len(mask)):
-        if keep_unconditional:
-            v, v_u = policy.velocity_and_unconditional(x, sigmas[k].item(), cond, guidance)
-            unconditional.append(v_u)
-        else:
-            v = policy.velocity(x, sigmas[k].item(), cond, guidance)
+        with model_timestep(policy, timestep_form, sigmas[k].item()):
+            if keep_unconditional:
+                v, v_u = policy.velocity_and_unconditional(x, sigmas[k].item(), cond, guidance)
+                unconditional.append(v_u)
+            else:
+                v = policy.velocity(x, sigmas[k].item(), cond, guidance)
         if keep_velocities:
             velocities.append(v.float())
         if guide is not None:

@@ -34,9 +34,12 @@ def integer_timestep(sigma: float) -> int:
 
 
 @contextmanager
-def model_timestep(policy: Any, form: TimestepMap | None) -> Iterator[None]:
+def model_timestep(policy: Any, form: TimestepMap | None, sigma: float | None = None) -> Iterator[None]:
     """Within the block, ``policy.transformer`` reads ``form(timestep)`` in place of the pipeline's timestep
-    (``form`` None: unchanged). The transformer must take ``timestep`` as a keyword, as diffusers' do."""
+    (``form`` None: unchanged). The transformer must take ``timestep`` as a keyword, as diffusers' do.
+
+    Given the ``sigma`` of the calls, a transformer that reads another scale than ``1000·σ`` (FLUX reads σ and
+    scales it inside; an integer form would make it 0) is refused rather than fed a wrong timestep."""
     if form is None:
         yield
         return
@@ -50,6 +53,10 @@ def model_timestep(policy: Any, form: TimestepMap | None) -> Iterator[None]:
             raise UserError(f"{type(module).__name__} is called without a timestep keyword: its timestep form "
                             "cannot be set; use the continuous timestep form (timestep: continuous)")
         t = kwargs["timestep"]
+        if sigma is not None and not torch.allclose(t.float(), torch.full_like(t.float(), 1000.0 * sigma), atol=0.5):
+            raise UserError(f"{getattr(policy, 'family', type(policy).__name__)}'s transformer reads timestep "
+                            f"{t.flatten()[0].item():.6g} at sigma {sigma:.6g}, not 1000*sigma: an integer timestep "
+                            "form does not apply to it; use the continuous timestep form (timestep: continuous)")
         kwargs = dict(kwargs, timestep=form(t).to(t.dtype))
         return args, kwargs
 

@@ -28,6 +28,9 @@ path; known answers in ``tests/flowalign/trainers/known_answers/diffusion_opsd_*
 samples the rollouts with their multistep DPM-Solver++(2) on the policy's grid (diffusers'
 ``DPMSolverMultistepScheduler``, equal to their ``run_sampling(solver="dpm2")``: known answers in
 ``tests/flowalign/sampling/known_answers/ode_solvers_dpm2.json``); ``euler`` (the default) is the Euler ODE.
+``model_timestep: truncated`` (the default) gives the transformer their integer timestep at every call:
+``trunc(1000·σ)`` of the float32 product in the rollouts (their ``pipeline_with_logprob``), ``int(1000·σ_q)`` in
+double precision for the anchor and the fit (their OPA block); ``continuous`` keeps the pipeline's ``1000·σ``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
 from flowalign.sampling import Rollout
 from flowalign.sampling.ode_solvers import OdeSolver
+from flowalign.sampling.timesteps import fixed, integer_timestep, model_timestep
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.self_distill import (
     FitUnit,
@@ -63,6 +67,8 @@ class DiffusionOPSDConfig(SelfDistillConfig):
     decoder_checkpointing: bool = True
     #: rollout ODE solver on the policy's grid: Euler, or the authors' multistep DPM-Solver++(2) (their SD3.5 runs)
     rollout_solver: Literal["euler", "dpm2"] = "euler"
+    #: the transformer's timestep: their integer trunc(1000σ) ("truncated"), or the pipeline's 1000σ ("continuous")
+    model_timestep: Literal["truncated", "continuous"] = "truncated"
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -101,16 +107,24 @@ def bounded_targets(
     return out[0], out[1]
 
 
+def query_timestep(sigma_q: float, form: str):
+    """The transformer's timestep at the query state: their ``int(1000·σ_q)`` (σ_q a Python float, the product
+    in double precision, as their anchor and fit compute it) for ``"truncated"``; None (the pipeline's
+    ``1000·σ_q``) for ``"continuous"``."""
+    return fixed(integer_timestep(sigma_q)) if form == "truncated" else None
+
+
 @torch.no_grad()
-def query_anchor(policy, chunk: Rollout, sigma_star: float, guidance: float | None = None
-                 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+def query_anchor(policy, chunk: Rollout, sigma_star: float, guidance: float | None = None,
+                 timestep: str = "continuous") -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(σ_q, z_q, v(z_q), y0 = z_q − σ_q·v(z_q))`` of a rollout at its query state (``z_q``, ``v``, ``y0``:
     ``(B, ...)``); the velocity is the live weights' (the trainer swaps φ in first), at CFG ``guidance``
-    (None: the rollout's)."""
+    (None: the rollout's), the transformer reading the ``timestep`` form (:func:`query_timestep`)."""
     k = query_index(chunk.sigmas, sigma_star)
     sigma_q = chunk.sigmas[k].item()
     z_q = chunk.latents[:, k].to(policy.device)
-    v = policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale if guidance is None else guidance)
+    with model_timestep(policy, query_timestep(sigma_q, timestep), sigma_q):
+        v = policy.velocity(z_q, sigma_q, chunk.cond, chunk.guidance_scale if guidance is None else guidance)
     return sigma_q, z_q, v, z_q - sigma_q * v
 
 
@@ -147,8 +161,8 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
 
     @property
     def sampler(self) -> OdeSolver:  # type: ignore[override]
-        """The φ-rollouts' solver (``rollout_solver``) on the policy's own grid."""
-        return OdeSolver(self.tcfg.rollout_solver)
+        """The φ-rollouts' solver (``rollout_solver``) on the policy's own grid, with the ``model_timestep`` form."""
+        return OdeSolver(self.tcfg.rollout_solver, timestep=self.tcfg.model_timestep)
 
     def check_rewards(self) -> None:
         """OPSD ascends ``∇_y R``: every reward must be differentiable (checked before any sampling)."""
@@ -166,7 +180,8 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
     def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:
         """Query state, anchor ``y0`` and targets ``y±`` under φ (the caller swapped φ in)."""
         t = self.tcfg
-        sigma_q, z_q, v_phi, y0 = query_anchor(self.policy, chunk, t.sigma_star, self.fit_guidance(chunk))
+        sigma_q, z_q, v_phi, y0 = query_anchor(self.policy, chunk, t.sigma_star, self.fit_guidance(chunk),
+                                               t.model_timestep)
         # y ↦ ∇_y Σ_j w_j R_j(D(y), c) for this chunk's prompts, through the VAE decoder
         gradient = self.reward_gradient(chunk.prompts, chunk.metadata, t.decoder_checkpointing)
         y_pos, y_neg = bounded_targets(y0, gradient, t.rho, t.ascent_steps, t.eta)
@@ -175,6 +190,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
 
     def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
         x = unit.tensors
-        v_theta = self.policy.velocity(x["z_q"], x["sigma_q"], unit.chunk.cond, self.fit_guidance(unit.chunk))
+        with model_timestep(self.policy, query_timestep(x["sigma_q"], self.tcfg.model_timestep), x["sigma_q"]):
+            v_theta = self.policy.velocity(x["z_q"], x["sigma_q"], unit.chunk.cond, self.fit_guidance(unit.chunk))
         return opsd_loss(v_theta, x["v_phi"], x["z_q"], x["sigma_q"], x["y_pos"], x["y_neg"], unit.r,
                          self.tcfg.mirror_beta, self.tcfg.adv_clip)

@@ -100,7 +100,8 @@ def test_one_step_gradient_equals_the_authors_accumulated_micro_batches(case):
     x = _loss_inputs()
     r = reward_weight(x["advantages"], LOSS["adv_clip_max"])
     v_theta = x["v_theta"].clone().requires_grad_(True)
-    tcfg = DiffusionOPSDConfig(mirror_beta=case["mirror_beta"], adv_clip=LOSS["adv_clip_max"])
+    tcfg = DiffusionOPSDConfig(mirror_beta=case["mirror_beta"], adv_clip=LOSS["adv_clip_max"],
+                               model_timestep="continuous")  # the stub policy has no transformer
     hooks = SimpleNamespace(tcfg=tcfg, fit_guidance=lambda chunk: 1.0)
     hooks.fit_loss = lambda unit: DiffusionOPSDTrainer.fit_loss(hooks, unit)
     for rows in (slice(0, 3), slice(3, 6)):
@@ -346,3 +347,42 @@ def test_two_ranks_match_one_process(tmp_path, tiny_sd3_dir, prompt_file):
     assert wa.keys() == wb.keys() and any(k.startswith("behaviour.") for k in wa)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
     assert max(wa[k].abs().max().item() for k in wa if "lora_B" in k) > 0  # B starts at zero: the weights moved
+
+
+#: the timesteps their transformer reads on SD3's 10-step shift-3 grid: the rollout's (pipeline_with_logprob's
+#: torch.full([B], σ*1000, dtype=long)), the anchor's and the fit's (their OPA block's int(float(σ_q)*1000))
+TIMESTEPS = json.loads((ANSWERS / "diffusion_opsd_timesteps.json").read_text())
+
+
+@pytest.mark.parametrize("form", ["truncated", "continuous"])
+def test_the_transformer_reads_the_authors_integer_timesteps(tmp_path, tiny_sd3_dir, form):
+    """``model_timestep: truncated`` (the default): every rollout step, the anchor and the fit give the
+    transformer the authors' integer timestep; ``continuous`` gives it the pipeline's 1000·σ."""
+    extra = [] if form == "truncated" else ["trainer.model_timestep=continuous"]
+    t = build_trainer(vvr_run(tmp_path / form, tiny_sd3_dir, "trainer.num_steps=10", "trainer.fit_guidance=1.0",
+                              *extra))
+    seen: list[float] = []
+    # a forward hook sees the keywords forward ran with (after every pre-hook)
+    handle = t.policy.transformer.register_forward_hook(
+        lambda m, a, kw, out: seen.extend(sorted(set(kw["timestep"].tolist()))), with_kwargs=True)
+    try:
+        prompts, metadata, groups = t.step_prompts(0)
+        chunk = t.sample(prompts[:1], metadata[:1], groups[:1]).chunks[0]
+        rollout_seen, seen[:] = list(seen), []
+        with t.behaviour.swapped_in():
+            (unit,) = t.fit_units(chunk, torch.full((len(chunk),), 0.5), torch.ones(len(chunk), dtype=torch.bool),
+                                  torch.Generator().manual_seed(0))
+        anchor_seen, seen[:] = list(seen), []
+        t.fit_loss(unit)
+        fit_seen = list(seen)
+    finally:
+        handle.remove()
+    assert chunk.sigmas.tolist() == TIMESTEPS["sigmas"]  # the tiny model's grid is SD3.5's 10-step grid
+    assert query_index(chunk.sigmas, TIMESTEPS["sigma_star"]) == TIMESTEPS["kq"]
+    if form == "truncated":
+        assert rollout_seen == [float(x) for x in TIMESTEPS["rollout_timesteps"]]
+        assert anchor_seen == [float(TIMESTEPS["anchor_timestep"])] and fit_seen == [float(TIMESTEPS["fit_timestep"])]
+    else:
+        continuous = (chunk.sigmas[:-1] * 1000.0).tolist()
+        assert rollout_seen == continuous and anchor_seen == fit_seen == [continuous[TIMESTEPS["kq"]]]
+        assert rollout_seen != [float(x) for x in TIMESTEPS["rollout_timesteps"]]

@@ -1,0 +1,53 @@
+"""The timestep a policy's transformer reads (flowalign/sampling/timesteps.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flowalign.errors import UserError
+from flowalign.sampling.timesteps import fixed, integer_timestep, model_timestep, truncated
+
+
+class Recorder(torch.nn.Module):
+    def forward(self, *, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        return timestep
+
+
+def test_the_two_integer_forms_differ_where_the_float32_product_rounds_up():
+    """σ = 0.278 in float32 is 0.27799999713…: the float32 product 1000·σ rounds to 278.0 (trunc 278, the
+    authors' rollout form), the double-precision product is 277.99999… (int 277, their anchor and fit form)."""
+    sigma = torch.tensor(0.278)
+    assert truncated(sigma * 1000.0).item() == 278.0
+    assert integer_timestep(sigma.item()) == 277
+    assert torch.full([1], sigma * 1000, dtype=torch.long).item() == 278  # their pipeline_with_logprob
+    assert torch.full([1], float(sigma) * 1000, dtype=torch.long).item() == 277  # their OPA block
+
+
+def test_model_timestep_rewrites_the_keyword_only_inside_the_block():
+    policy = SimpleNamespace(transformer=Recorder())
+    t = torch.tensor([960.1293, 278.0488])
+    with model_timestep(policy, truncated):
+        assert policy.transformer(hidden_states=t, timestep=t).tolist() == [960.0, 278.0]
+    with model_timestep(policy, fixed(277)):
+        assert policy.transformer(hidden_states=t, timestep=t).tolist() == [277.0, 277.0]
+    assert torch.equal(policy.transformer(hidden_states=t, timestep=t), t)
+
+
+def test_a_policy_without_a_transformer_module_is_refused():
+    with pytest.raises(UserError, match="continuous"):
+        with model_timestep(SimpleNamespace(), truncated):
+            pass
+
+
+def test_a_transformer_that_reads_sigma_itself_is_refused():
+    """FLUX's transformer reads σ (it scales by 1000 inside): an integer form would feed it 0, so it is refused."""
+    policy = SimpleNamespace(transformer=Recorder(), family="flux")
+    sigma = torch.tensor([0.7, 0.7])
+    with pytest.raises(UserError, match="not 1000\\*sigma.*continuous"):
+        with model_timestep(policy, truncated, 0.7):
+            policy.transformer(hidden_states=sigma, timestep=sigma)
+    with model_timestep(policy, truncated, 0.7):
+        assert policy.transformer(hidden_states=sigma, timestep=sigma * 1000).tolist() == [700.0, 700.0]
