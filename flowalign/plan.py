@@ -42,7 +42,10 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
   ratio normalisation; CFG's unconditional branch under ``cfg_grad: detached``), its text conditioning
   (both branches under CFG) and its decoded image or video in float32. The latent is sized as the
   transformer's input: for a model that also reads an input image's tokens (Kontext, Qwen-Image-Edit) or
-  condition channels (image-to-video) that errs high.
+  condition channels (image-to-video) that errs high. A trainer whose ``collect`` is not the loop's holds
+  what :mod:`flowalign.plan_holdings` describes instead, phase by phase: Self-OPD's decoded branch
+  candidates and KVPO's anchor streams while it scores (counted with sampling's peak), Diffusion-DPO's pairs
+  (not its rollouts) through the update, and KVPO nothing then (its branches are in CPU memory).
 
 A recipe whose ``model.path`` does not exist (the shipped recipes name a placeholder such as
 ``/path/to/FLUX.1-dev``) is planned on its published architecture: ``configs/<name>/...`` on
@@ -67,6 +70,7 @@ from flowalign.component_config import library_module, read_component_config
 from flowalign.config import TrainConfig
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
+from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings, step_holdings
 from flowalign.trainers import trainer_config
 from flowalign.trainers.copies import device_copies, device_own_params, swaps_in
 
@@ -161,19 +165,43 @@ class Settings:
     #: whether passes run with other trained tensors swapped into the live parameters, which keeps a copy
     #: of the live ones on the device (:func:`flowalign.weight_swap.swapped_in`)
     swapped_in: bool = False
+    #: what a step holds per prompt, phase by phase (None: the loop's rollouts, ``group_size`` a prompt)
+    holdings: StepHoldings | None = None
 
     @property
     def samples(self) -> int:
-        """Rollout samples a step holds on this rank."""
+        """Rollout samples a step draws on this rank."""
         return self.prompts_per_step * self.group_size
 
-    def rollout_bytes(self, rollout: Rollout) -> float:
-        """What a step's rollouts hold: per sample, ``T + 1`` latents, the stored velocities of ``T`` steps,
-        ``T`` float32 log-probabilities, the conditioning and the decoded sample."""
+    def sample_bytes(self, rollout: Rollout) -> float:
+        """One rollout sample: ``T + 1`` latents, the stored velocities of ``T`` steps, ``T`` float32
+        log-probabilities, the conditioning and the decoded sample."""
         t = self.num_steps
-        per_sample = ((t + 1 + t * self.stored_velocities) * rollout.latent + 4 * t + rollout.conditioning
-                      + rollout.decoded)
-        return self.samples * per_sample
+        return (t + 1 + t * self.stored_velocities) * rollout.latent + 4 * t + rollout.conditioning + rollout.decoded
+
+    def rollout_bytes(self, rollout: Rollout) -> float:
+        """What a step's rollouts hold, all ``samples`` of them (:meth:`sample_bytes` each)."""
+        return self.samples * self.sample_bytes(rollout)
+
+    def step_holdings(self) -> StepHoldings:
+        """What the step holds per prompt (the loop's rollouts unless the trainer's are stated)."""
+        return self.holdings if self.holdings is not None else loop_holdings(self.group_size)
+
+    def holding_bytes(self, holding: Holding, rollout: Rollout) -> float:
+        """Bytes of ``holding`` over the step's prompts on this rank."""
+        per_prompt = (holding.rollouts * self.sample_bytes(rollout) + holding.latents * rollout.latent
+                      + holding.conditionings * rollout.conditioning + holding.decoded * rollout.decoded)
+        return self.prompts_per_step * per_prompt
+
+    def held_bytes(self, rollout: Rollout) -> float:
+        """What the step keeps on the device until its update is done."""
+        return self.holding_bytes(self.step_holdings().update, rollout)
+
+    def outside_update_bytes(self, rollout: Rollout, decode: float, swapped: float) -> float:
+        """The most the step holds at once while it samples and scores: each moment's holdings, plus a chunk's
+        ``decode`` peak and the ``swapped`` live copy where a decode runs (0 without moments)."""
+        return max((self.holding_bytes(m, rollout) + (decode + swapped if m.decoding else 0.0)
+                    for m in self.step_holdings().moments), default=0.0)
 
 
 def build_on_meta(folder: Path) -> dict[str, nn.Module]:
@@ -565,6 +593,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
     gradients = model.trainable * train_bytes / n
     # what swapped_in keeps of the live trained tensors (this rank's shards), outside the update
     swapped = model.trainable * train_bytes / n if s.swapped_in else 0.0
+    held = s.held_bytes(model.rollout)
     return {
         "weights (trained model)": (base + lora) / n * on_gpu + gathered,
         "gradients": gradients,
@@ -575,10 +604,12 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
                                           for k, v in model.params.items() if k not in model.trained
                                           and not (s.offload_text_encoders and k.startswith("text_encoder"))),
         "activations": activations,
-        # sampling's peak: decoding a chunk, under swapped-in weights with the live ones kept, while the
-        # gradients are freed (the optimiser's state stays)
-        "sampling, above the update's peak": max(0.0, model.decode + swapped - activations - gradients),
-        "rollouts of the step": s.rollout_bytes(model.rollout),
+        # sampling's and scoring's peak: decoding a chunk, under swapped-in weights with the live ones kept,
+        # and what a trainer's own collect holds at once, while the gradients are freed (the optimiser's
+        # state stays); above what the step keeps through the update
+        "sampling, above the update's peak": max(0.0, s.outside_update_bytes(model.rollout, model.decode, swapped)
+                                                 - held - activations - gradients),
+        "rollouts of the step": held,
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,
     }
 
@@ -628,17 +659,20 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = N
     trainer, tcfg = trainer_config(cfg.trainer)
     copies = trainer.weight_copies(cfg, tcfg)
     prompts, group, steps = trainer.rollouts_per_step(tcfg)
+    holdings = step_holdings(trainer, tcfg)
+    if holdings.samples_per_prompt is not None:
+        group = holdings.samples_per_prompt
     extra = device_copies(copies, "trained") + int(tcfg.ema_decay > 0)
     stored = float(trainer.keeps_velocities(tcfg))
     # the EMA's weights are swapped in for evaluation, which samples and decodes too
-    swapped = swaps_in(copies) or tcfg.ema_decay > 0
+    swapped = (swaps_in(copies) if holdings.swaps is None else holdings.swaps) or tcfg.ema_decay > 0
     if not trainer.grads_through_unconditional(tcfg) and model is not None and model.cfg_doubles:
         stored += BYTES[cfg.model.dtype] / 4  # CFG's unconditional branch, in the model's dtype
     return Settings(strategy, gpus, cfg.parallel.cpu_offload, cfg.model.finetune, cfg.model.dtype,
                     cfg.model.gradient_checkpointing, trainer.training_batch(tcfg), extra, device_copies(copies, "model"),
                     cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel,
                     prompts_per_step=prompts, group_size=group, num_steps=steps, stored_velocities=stored,
-                    own_params=device_own_params(copies), swapped_in=swapped)
+                    own_params=device_own_params(copies), swapped_in=swapped, holdings=holdings)
 
 
 def human(n: float, unit: str = "") -> str:

@@ -1,0 +1,275 @@
+"""flowalign plan counts what a trainer with a ``collect`` of its own holds, phase by phase
+(:mod:`flowalign.plan_holdings`): checked against the tensors one step of each trainer's tiny recipe makes on
+the CPU (Self-OPD's decoded branch candidates, KVPO's anchor streams, Diffusion-DPO's pairs, GARDO's reference
+snapshot), and the plan's rows against an analytic count of the same buffers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowalign.config import load_config
+from flowalign.paths import REPO_ROOT
+from flowalign.plan import GB, Activations, inspect_model, memory_rows, plan_text, settings
+from flowalign.plan_holdings import self_opd_branched_steps
+from flowalign.train import build_trainer
+
+from tests.tiny_recipes import one_step
+
+TINY = REPO_ROOT / "configs" / "tiny"
+SAMPLING = "sampling, above the update's peak"
+HELD = "rollouts of the step"
+
+
+def _tiny(recipe: str, tmp_path, *overrides: str):
+    path = TINY / f"{recipe}.yaml"
+    return load_config(path, [*one_step(path, tmp_path / "run"), *overrides])
+
+
+def _no_update_peak(model):
+    """The model with no activations, so the sampling row shows everything the sampling phases hold above
+    what the step keeps through the update (the gradients aside)."""
+    return replace(model, activations=Activations(0.0, 0.0, 0.0, 0.0), decode=0.0)
+
+
+def _record_decodes(trainer) -> list[int]:
+    """Bytes of every ``policy.decode`` output from now on (the policy's own decode stays in place)."""
+    seen: list[int] = []
+    decode = trainer.policy.decode
+
+    def recorded(x0):
+        out = decode(x0)
+        seen.append(out.nbytes)
+        return out
+
+    trainer.policy.decode = recorded
+    return seen
+
+
+def _record_scored(trainer) -> list[int]:
+    """Bytes of the samples each ``trainer.score`` call receives."""
+    seen: list[int] = []
+    score = trainer.score
+
+    def recorded(samples, *args, **kwargs):
+        seen.append(samples.nbytes)
+        return score(samples, *args, **kwargs)
+
+    trainer.score = recorded
+    return seen
+
+
+def _row_difference(model, s, a, b, row):
+    return memory_rows(model, a)[row] - memory_rows(model, b)[row]
+
+
+# ---------------------------------------------------------------------------------------------- Self-OPD
+
+
+def test_self_opd_counts_its_decoded_branch_candidates_at_the_scoring_peak(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _tiny("self_opd_vvr", tmp_path, "trainer.prompts_per_step=2", "trainer.branches=3",
+                "trainer.branch_steps=2", "trainer.num_steps=4", "trainer.max_step_fraction=1",
+                "trainer.ema_decay=0")
+    trainer = build_trainer(cfg)
+    decodes, scored = _record_decodes(trainer), _record_scored(trainer)
+    torch.manual_seed(0)
+    batch = trainer.collect(0)
+    model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
+    s = settings(cfg, "ddp", 1, model)
+    n = len(trainer.branched_steps(0))
+    assert n == self_opd_branched_steps(trainer.tcfg) == 2  # the planner draws as many states as the trainer
+    candidates = 2 * n * 3  # prompts x branched states x branches
+    d = model.rollout.decoded
+    # the trunks' decodes (one per prompt) and the candidates' (3 per branched state), as the plan sizes a sample
+    assert sum(decodes) == (2 + candidates) * d
+    assert scored == [candidates * d]  # every candidate scored at once: their concatenation
+    assert len(batch.sets) == 2 * n and all(not b.branches.is_cuda for b in batch.sets)
+    # through the update: the trunks alone; at the scoring peak: the candidates twice (the list, its concatenation)
+    bare = _no_update_peak(model)
+    rows = memory_rows(bare, s)
+    assert rows[HELD] == pytest.approx(s.rollout_bytes(model.rollout)) and s.samples == 2
+    grads = rows["gradients"]
+    assert rows[SAMPLING] == pytest.approx(max(0.0, 2 * candidates * d - grads))
+    # each further branch adds exactly its two decoded copies per branched state and prompt
+    more = settings(load_config(TINY / "self_opd_vvr.yaml", [*one_step(TINY / "self_opd_vvr.yaml", tmp_path / "r2"),
+                                                             "trainer.prompts_per_step=2", "trainer.branches=4",
+                                                             "trainer.branch_steps=2", "trainer.num_steps=4",
+                                                             "trainer.max_step_fraction=1", "trainer.ema_decay=0"]),
+                    "ddp", 1, model)
+    assert _row_difference(bare, s, more, s, SAMPLING) == pytest.approx(2 * 2 * n * d)
+    # the update's own peak absorbs them when it is higher
+    assert memory_rows(replace(bare, decode=0.0, activations=Activations(GB, 0, 0, 0)), s)[SAMPLING] == 0.0
+
+
+def test_self_opd_draws_no_more_states_than_have_positive_odds():
+    from flowalign.trainers.self_opd import SelfOPDConfig
+
+    tcfg = SelfOPDConfig(num_steps=10, branch_steps=4, max_step_fraction=0.5, step_weights=[1.0, 0.0, 2.0])
+    assert self_opd_branched_steps(tcfg) == 2
+    assert self_opd_branched_steps(tcfg.model_copy(update={"step_weights": []})) == 4
+    assert self_opd_branched_steps(tcfg.model_copy(update={"step_weights": [], "branch_steps": 9})) == 5
+
+
+# ---------------------------------------------------------------------------------------------- KVPO
+
+
+@pytest.mark.parametrize("advantage", ["anchor", "group"])
+def test_kvpo_counts_its_anchor_streams_beside_the_decoded_branches(advantage, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _tiny("kvpo_motion", tmp_path, "trainer.prompts_per_step=2", "trainer.group_size=3",
+                "trainer.num_steps=2", f"trainer.advantage={advantage}")
+    trainer = build_trainer(cfg)
+    module = sys.modules[type(trainer).__module__]
+    anchors = []
+    stream = module.stream_rollout
+
+    def recorded(policy, prompts, *args, **kwargs):
+        out = stream(policy, prompts, *args, **kwargs)
+        if kwargs.get("prefix") is None:
+            anchors.append(out)
+        return out
+
+    monkeypatch.setattr(module, "stream_rollout", recorded)
+    decodes, scored = _record_decodes(trainer), _record_scored(trainer)
+    torch.manual_seed(0)
+    batch = trainer.collect(0)
+    model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
+    s = settings(cfg, "ddp", 1, model)
+    # one anchor stream per prompt: every chunk's T + 1 latents, as the plan sizes a latent
+    assert len(anchors) == 1 and len(anchors[0]) == 2
+    assert sum(c.nbytes for c in anchors[0].chunks) == pytest.approx(2 * 3 * model.rollout.latent)
+    d = model.rollout.decoded
+    videos = 2 * 3 + (2 if advantage == "anchor" else 0)  # the branches', and the anchors' under the anchor advantage
+    assert sum(decodes) == pytest.approx(videos * d)
+    assert sum(scored) == pytest.approx(videos * d)
+    # the branch batch lives in CPU memory: nothing of the step is kept on the device through the update
+    assert all(not t.is_cuda for g in batch.groups for t in (g.prefix, *g.states))
+    bare = _no_update_peak(model)
+    rows = memory_rows(bare, s)
+    assert rows[HELD] == 0.0
+    anchor = 2 * (3 * model.rollout.latent + model.rollout.conditioning)
+    branch_videos = 2 * 2 * 3 * d  # kept in a list, then concatenated
+    assert rows[SAMPLING] == pytest.approx(max(0.0, anchor + branch_videos + (2 * d if advantage == "anchor" else 0)
+                                               - rows["gradients"]))
+
+
+def test_kvpo_anchor_is_counted_once_per_prompt():
+    """Doubling the prompts doubles the anchors and the branch videos, nothing else."""
+    cfg = load_config(TINY / "kvpo_motion.yaml", ["trainer.prompts_per_step=1"])
+    model = _no_update_peak(inspect_model(cfg, REPO_ROOT / cfg.model.path))
+    s = settings(cfg, "ddp", 1, model)
+    one, two = (memory_rows(model, replace(s, prompts_per_step=p))[SAMPLING] + memory_rows(model, s)["gradients"]
+                for p in (1, 2))
+    assert two == pytest.approx(2 * one) and one > 0
+
+
+# ---------------------------------------------------------------------------------------------- Diffusion-DPO
+
+
+def _pairs_file(tmp_path, n: int = 2) -> str:
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        for kind in ("chosen", "rejected"):
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(tmp_path / f"{kind}{i}.png")
+        rows.append({"prompt": f"a red circle {i}", "chosen": f"chosen{i}.png", "rejected": f"rejected{i}.png"})
+    (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(tmp_path / "prefs.jsonl")
+
+
+def _pair_bytes(batch) -> tuple[int, int]:
+    return batch.x_w.nbytes + batch.x_l.nbytes, sum(t.nbytes for t in batch.cond.tensors.values())
+
+
+def _measured_units(model, trainer, prompts: list[str]):
+    """The model with one sample's latent, conditioning and decoded sample as the policy makes them (the
+    tiny SD3's VAE halves four times, not eight, and its CLIP length is its own: the units are taken from
+    the policy so that what is compared is what the step holds, not the family's shapes)."""
+    from flowalign.plan import Rollout
+
+    rollout = trainer.sample(prompts[:1] * 2, [{}, {}], torch.tensor([0, 0]), torch.tensor([0, 0]), 0).chunks[0]
+    latent = rollout.latents[:1, 0].nbytes
+    cond = sum(t[:1].nbytes for t in rollout.cond.tensors.values())
+    return replace(model, rollout=Rollout(latent, cond, rollout.samples[:1].nbytes))
+
+
+def test_diffusion_dpo_with_offline_pairs_holds_its_pairs_not_rollouts(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _tiny("diffusion_dpo_vvr", tmp_path, "trainer.prompts_per_step=2", "trainer.group_size=8",
+                f"trainer.pairs={_pairs_file(tmp_path)}", "rewards=[]")
+    trainer = build_trainer(cfg)
+    batch = trainer.collect(0)
+    model = _no_update_peak(_measured_units(inspect_model(cfg, REPO_ROOT / cfg.model.path), trainer, ["a red circle"]))
+    s = settings(cfg, "ddp", 1, model)
+    latents, cond = _pair_bytes(batch)
+    assert len(batch.seeds) == 2
+    assert s.samples == 0  # no rollout is drawn (it was P x G)
+    rows = memory_rows(model, s)
+    assert rows[HELD] == pytest.approx(latents + cond)  # two latents and one conditioning a pair
+    assert latents == pytest.approx(2 * 2 * model.rollout.latent)
+    # while collecting: the two images of each pair at the model's size, float32, beside its latents
+    assert rows[SAMPLING] == pytest.approx(max(0.0, 2 * 2 * model.rollout.decoded - rows["gradients"]))
+    out = plan_text(cfg, REPO_ROOT / cfg.model.path, 1, 80)
+    assert "rollouts a step per rank" not in out and HELD in out
+
+
+def test_diffusion_dpo_online_keeps_the_pairs_through_the_update_and_the_rollouts_while_picking(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    # brightness varies within every group, so each prompt gives a pair
+    cfg = _tiny("diffusion_dpo_vvr", tmp_path, "trainer.prompts_per_step=2", "trainer.group_size=4",
+                "rewards=[{name: brightness, weight: 1.0}]")
+    trainer = build_trainer(cfg)
+    torch.manual_seed(0)
+    batch = trainer.collect(0)
+    model = _no_update_peak(_measured_units(inspect_model(cfg, REPO_ROOT / cfg.model.path), trainer, ["a red circle"]))
+    s = settings(cfg, "ddp", 1, model)
+    assert s.samples == 8
+    latents, cond = _pair_bytes(batch) if batch.cond is not None else (0, 0)
+    per_pair = 2 * model.rollout.latent + model.rollout.conditioning
+    assert len(batch.seeds) == 2 and latents + cond == pytest.approx(len(batch.seeds) * per_pair)  # a pair a prompt at most
+    rows = memory_rows(model, s)
+    assert rows[HELD] == pytest.approx(2 * per_pair)
+    # picking: all 8 rollouts, their final latents and conditioning concatenated, and the pairs cut from them
+    picking = s.rollout_bytes(model.rollout) + 8 * (model.rollout.latent + model.rollout.conditioning) + 2 * per_pair
+    assert rows[SAMPLING] == pytest.approx(max(0.0, picking - rows[HELD] - rows["gradients"]))
+
+
+# ---------------------------------------------------------------------------------------------- GARDO
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_gardo_reference_snapshot_is_held_all_along_and_swapped_in_only_with_a_kl(beta, tmp_path, monkeypatch):
+    """The snapshot is a copy of the trained tensors from the start, so it is counted with the copies every
+    phase holds (the update's peak included); the live copy swapped_in keeps exists only while its passes run
+    (a KL), outside the update, so it adds to the sampling peak alone."""
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _tiny("gardo_vvr", tmp_path, f"trainer.beta={beta}", "trainer.ema_decay=0")
+    trainer = build_trainer(cfg)
+    module = sys.modules[type(trainer).__module__]
+    swaps = []
+    swapped_in = module.swapped_in
+
+    def recorded(params, tensors):
+        swaps.append(sum(p.nbytes for p in params))
+        return swapped_in(params, tensors)
+
+    monkeypatch.setattr(module, "swapped_in", recorded)
+    torch.manual_seed(0)
+    trainer.train_step()
+    model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
+    s = settings(cfg, "ddp", 1, model)
+    snapshot = sum(t.nbytes for t in trainer.reference)
+    assert snapshot == model.trainable * 4  # the LoRA's tensors, float32
+    rows = memory_rows(model, s)
+    assert rows["reference / EMA copies"] == pytest.approx(snapshot)
+    assert s.swapped_in is (beta > 0) and bool(swaps) is (beta > 0)
+    assert all(b == snapshot for b in swaps)
+    above = replace(model, decode=10 * GB)
+    assert _row_difference(above, s, s, replace(s, swapped_in=False), SAMPLING) == pytest.approx(snapshot if beta else 0)
