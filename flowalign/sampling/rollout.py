@@ -15,9 +15,10 @@ from flowalign.sampling.steps import SAMPLER_KINDS, StepOutput, sde_step
 from flowalign.sampling.timesteps import TimestepMap, model_timestep, truncated
 from flowalign.sampling.windows import sde_step_mask
 
-#: noise level used when a caller passes none: a (Flow-GRPO), η (CPS), η (DanceGRPO)
-DEFAULT_NOISE_LEVEL = {"ode": 0.0, "flow_grpo": 0.7, "cps": 0.8, "dance": 0.3}
-NOISE_LEVEL_RANGE = {"flow_grpo": (0.0, 2.0), "cps": (0.0, 1.0), "dance": (0.0, 1.0), "ode": (0.0, 0.0)}
+#: noise level used when a caller passes none: a (Flow-GRPO; floored: UMM-Reflection's revisions), η (CPS), η (DanceGRPO)
+DEFAULT_NOISE_LEVEL = {"ode": 0.0, "flow_grpo": 0.7, "cps": 0.8, "dance": 0.3, "flow_grpo_floored": 1.0}
+NOISE_LEVEL_RANGE = {"flow_grpo": (0.0, 2.0), "cps": (0.0, 1.0), "dance": (0.0, 1.0), "ode": (0.0, 0.0),
+                     "flow_grpo_floored": (0.0, 2.0)}
 
 
 @dataclass

@@ -18,8 +18,10 @@ from typing import Literal
 
 import torch
 
-SamplerKind = Literal["ode", "flow_grpo", "cps", "dance"]
-SAMPLER_KINDS: tuple[str, ...] = ("ode", "flow_grpo", "cps", "dance")
+SamplerKind = Literal["ode", "flow_grpo", "cps", "dance", "flow_grpo_floored"]
+SAMPLER_KINDS: tuple[str, ...] = ("ode", "flow_grpo", "cps", "dance", "flow_grpo_floored")
+#: σ from which ``flow_grpo_floored`` floors the noise scale's denominator ``1 − σ`` at ``1 − 0.95``
+FLOOR_SIGMA = 0.95
 #: a noise level σ: one float for the batch or a ``(B,)`` tensor
 Sigma = float | torch.Tensor
 #: how CPS scores a transition (see :func:`cps_step`)
@@ -121,6 +123,27 @@ def flow_grpo_diffusion(
     return noise_level * torch.sqrt(sig / (1 - sig_tilde))
 
 
+def floored_flow_grpo_diffusion(sigma: Sigma, noise_level: float, floor: float = FLOOR_SIGMA) -> torch.Tensor:
+    """``s = a·sqrt(σ / (1 − min(σ, floor)))``: Flow-GRPO's noise scale with its denominator floored at
+    ``1 − floor`` for every ``σ ≥ floor`` (UMM-Reflection's ``r3_t_ge_0p95`` clamp), where Flow-GRPO substitutes
+    only at ``σ = 1``; ``(B,)`` or a 0-d tensor, float32."""
+    sig = torch.as_tensor(sigma, dtype=torch.float32)
+    return noise_level * torch.sqrt(sig / (1 - torch.clamp(sig, max=floor)))
+
+
+def floored_flow_sde_step(
+    velocity: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sigma_next: Sigma, *, noise_level: float,
+    generator: torch.Generator | None = None, prev_sample: torch.Tensor | None = None,
+) -> StepOutput:
+    """The Flow-GRPO SDE step (:func:`flow_sde_step`) with the floored noise scale
+    :func:`floored_flow_grpo_diffusion`, scored as UMM-Reflection scores it: ``log_prob`` is the per-element mean
+    of ``−(x' − μ)²/(2τ²)`` without ``−log τ − ½·log 2π`` (constant in θ, so ratios and KLs are unchanged)."""
+    s = floored_flow_grpo_diffusion(sigma, noise_level).to(sample.device)
+    out = flow_sde_step(velocity, sample, sigma, sigma_next, diffusion=s, generator=generator, prev_sample=prev_sample)
+    log_prob = (-((out.prev_sample - out.mean) ** 2) / (2 * out.std**2)).flatten(1).mean(1)
+    return StepOutput(out.prev_sample, log_prob, out.mean, out.std)
+
+
 def cps_step(
     velocity: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sigma_next: Sigma, *, eta: float,
     generator: torch.Generator | None = None, prev_sample: torch.Tensor | None = None,
@@ -155,9 +178,10 @@ def sde_step(
     noise_level: float, generator: torch.Generator | None = None, prev_sample: torch.Tensor | None = None,
     cps_log_prob: LogProbMode = "code",
 ) -> StepOutput:
-    """One rollout step of the sampler ``kind`` (``"ode" | "flow_grpo" | "cps" | "dance"``).
+    """One rollout step of the sampler ``kind`` (``"ode" | "flow_grpo" | "cps" | "dance" | "flow_grpo_floored"``).
 
-    ``noise_level`` is a (Flow-GRPO, default 0.7), η (CPS, 0.8) or η (DanceGRPO, 0.3). A zero noise
+    ``noise_level`` is a (Flow-GRPO, default 0.7; ``flow_grpo_floored``: :func:`floored_flow_sde_step`, 1.0),
+    η (CPS, 0.8) or η (DanceGRPO, 0.3). A zero noise
     level, a step that lands on σ'=0 with CPS, and ``"ode"`` give the deterministic Euler step with a
     NaN log-prob (a log-prob there would divide by zero).
     """
@@ -170,6 +194,9 @@ def sde_step(
     if kind == "flow_grpo":
         s = flow_grpo_diffusion(sigma, sigma_next, noise_level).to(sample.device)
         return flow_sde_step(velocity, sample, sigma, sigma_next, diffusion=s, generator=generator, prev_sample=prev_sample)
+    if kind == "flow_grpo_floored":
+        return floored_flow_sde_step(velocity, sample, sigma, sigma_next, noise_level=noise_level, generator=generator,
+                                     prev_sample=prev_sample)
     if kind == "dance":
         return flow_sde_step(
             velocity, sample, sigma, sigma_next, diffusion=noise_level, generator=generator, prev_sample=prev_sample

@@ -5,8 +5,12 @@ A trajectory of prompt ``c``: the model's first image ``I_0`` (one per prompt gr
 the same image, bit for bit), then up to R rounds of
 
     reflect:  y_r ~ π_θ(· | I_{r-1}, c)                  (text, token by token; stop phrase or empty: the end)
-    revise:   I_r ~ p_θ(· | I_{r-1}, y_r)                 (a Flow-GRPO SDE rollout, the reflection as edit
+    revise:   I_r ~ p_θ(· | I_{r-1}, y_r)                 (an SDE rollout, the reflection as edit
                                                            instruction, I_{r-1} the reference image)
+
+The revisions' SDE (``revision_sampler``) is by default the authors' flow transition (``flow_grpo_floored``,
+η = ``noise_level`` 1.0): Flow-GRPO's mean with the noise scale ``η·sqrt(σ / (1 − min(σ, 0.95)))`` and their
+log-prob (their ``g022_sde_denominator``, mode ``r3_t_ge_0p95``); ``flow_grpo`` (a 0.7) is the former.
 
 Every image state is scored; one group-relative advantage ``A_i`` per trajectory weighs every term of it.
 ``credit: shaped`` (the authors' released trainer): ``A_i`` of the shaped trajectory reward of
@@ -45,7 +49,7 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK
 from flowalign.protocols import UnifiedPolicy
 from flowalign.reflection import Reflection, Round, reflect
-from flowalign.sampling import random_window_start, rollout, sde_step
+from flowalign.sampling import check_sampler, random_window_start, rollout, sde_step
 from flowalign.trainers.base import GroupTrainer, Plan, WeightCopy, derived_seed
 from flowalign.trainers.copies import full_reference
 from flowalign.trainers.options import (
@@ -84,8 +88,12 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions, Refer
     max_new_tokens: int = Field(16, ge=1, le=MAX_REFLECTION_TOKENS)
     #: a reflection containing this (case-insensitive), or an empty one, ends the trajectory: no revision
     stop_phrase: str = Field("no change", min_length=1, max_length=200)
-    #: a of the revisions' Flow-GRPO SDE
-    noise_level: float = Field(0.7, gt=0, le=2)
+    #: the revisions' SDE step: "flow_grpo_floored" (the authors': noise scale η·sqrt(σ/(1 − min(σ, 0.95)))), or
+    #: "flow_grpo" (Flow-GRPO's a·sqrt(σ/(1 − σ)), the next σ substituted at σ = 1 only; the former)
+    revision_sampler: Literal["flow_grpo_floored", "flow_grpo"] = "flow_grpo_floored"
+    #: η / a of the revisions' SDE; null: the sampler's default (flow_grpo_floored: the authors' 1.0 for edits;
+    #: flow_grpo: 0.7)
+    noise_level: float | None = Field(None, gt=0, le=2)
     #: SDE (and trained) steps of each revision: this many contiguous steps from the first half of its
     #: num_steps, the start drawn per revision (the authors' 2 of the first 10 of 20); 0: every step
     #: but the last. A rollout too short for it gets the widest window that fits
@@ -211,7 +219,16 @@ def sft_coefficients(groups: torch.Tensor, first_scores: torch.Tensor, final_sco
 class UMMReflectionTrainer(GroupTrainer):
     Config = UMMReflectionConfig
     tcfg: UMMReflectionConfig
-    sampler = "flow_grpo"
+
+    @property
+    def sampler(self) -> str:  # type: ignore[override]
+        """The revisions' SDE step kind (``revision_sampler``)."""
+        return self.tcfg.revision_sampler
+
+    @property
+    def noise_level(self) -> float:  # type: ignore[override]
+        """η / a of the revisions' SDE: ``noise_level``, or the sampler's default."""
+        return check_sampler(self.tcfg.revision_sampler, self.tcfg.noise_level)
 
     def __init__(self, cfg: Any, tcfg: UMMReflectionConfig, policy: Any, *args: Any, **kw: Any) -> None:
         target = families.get(policy.family).unified  # the family makes its editing model write, if it can
@@ -261,7 +278,7 @@ class UMMReflectionTrainer(GroupTrainer):
             Reflection(self.tcfg.rounds, self.tcfg.max_new_tokens, self.tcfg.stop_phrase, self.tcfg.temperature),
             lambda i, salt, r: derived_seed(self.cfg.run.seed, step, *keys[i], salt, r), num_steps=self.tcfg.num_steps,
             guidance_scale=self.tcfg.guidance_scale, batch_size=self.tcfg.batch_size, sampler=self.sampler,
-            noise_level=self.tcfg.noise_level, windows=lambda i, r: self.revision_window(step, r, *keys[i]))
+            noise_level=self.noise_level, windows=lambda i, r: self.revision_window(step, r, *keys[i]))
         t1 = time.perf_counter()
         steps = torch.stack([r.images for r in rounds]).flatten(0, 1)
         watched = self.score(steps, prompts * len(rounds), metadata * len(rounds), step=step)  # each round's input
@@ -449,7 +466,7 @@ class UMMReflectionTrainer(GroupTrainer):
             return loss, {"flow_matching": per_sample.mean().item()}
         x_k, x_next, old = chunk.step(k)
         v = self.unified.editor.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
-        out = sde_step(self.sampler, v, x_k, sigma, sigma_next, noise_level=self.tcfg.noise_level, prev_sample=x_next)
+        out = sde_step(self.sampler, v, x_k, sigma, sigma_next, noise_level=self.noise_level, prev_sample=x_next)
         scale = unit.scale.to(out.log_prob)
         per_sample, ratio, clipped = ppo_clip_loss(out.log_prob, old.to(out.log_prob), coefficient.to(out.log_prob),
                                                    self.tcfg.clip_range, scale)
@@ -459,7 +476,7 @@ class UMMReflectionTrainer(GroupTrainer):
         if beta > 0:
             with torch.no_grad(), self.unified.adapter_disabled():
                 v_ref = self.unified.editor.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
-                ref = sde_step(self.sampler, v_ref, x_k, sigma, sigma_next, noise_level=self.tcfg.noise_level,
+                ref = sde_step(self.sampler, v_ref, x_k, sigma, sigma_next, noise_level=self.noise_level,
                                prev_sample=x_next).mean
             kl = transition_kl(out.mean, ref, out.std)
             per_sample = per_sample + beta * kl * scale

@@ -1,6 +1,8 @@
 """Properties of the sampler steps (docs/methods/samplers.md)."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +118,31 @@ def test_bad_kind_and_negative_noise():
         sde_step("ddpm", x, x, 0.5, 0.4, noise_level=0.5)
     with pytest.raises(ValueError, match="noise_level"):
         sde_step("flow_grpo", x, x, 0.5, 0.4, noise_level=-1)
+
+
+#: UMM-Reflection's flow transition (waltstephen/UMM-Reflection @ 8510796, third_party/flow_grpo/flow_grpo/bagel/
+#: modeling/bagel/bagel.py: g022_sde_denominator and Bagel._sde_step_with_logprob, sde_type "sde") on fixed float64
+#: tensors, with their clamp "r3_t_ge_0p95" and their former "exact_t_equals_one_sigma_max", η 1.0 and 0.7
+FLOORED = json.loads((Path(__file__).parent / "known_answers" / "floored_flow_sde_step.json").read_text())
+
+
+@pytest.mark.parametrize("case", FLOORED["cases"], ids=lambda c: f"{c['mode']}-eta{c['eta']}-s{c['sigma']:.3f}")
+def test_floored_flow_sde_step_equals_umm_reflection_transition(case):
+    """Mean, std and log-prob of ``flow_grpo_floored`` equal theirs under their clamp; their former clamp (the grid's
+    next σ substituted at σ = 1 only) is ``flow_grpo``'s noise scale, which differs from the floored one above 0.95."""
+    x, v, x_next = (torch.tensor(case[k], dtype=torch.float64) for k in ("sample", "velocity", "next_sample"))
+    kind = "flow_grpo_floored" if case["mode"] == "r3_t_ge_0p95" else "flow_grpo"
+    out = sde_step(kind, v, x, case["sigma"], case["sigma_next"], noise_level=case["eta"], prev_sample=x_next)
+    torch.testing.assert_close(out.mean.double(), torch.tensor(case["mean"], dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.std.flatten()[0].double(), torch.tensor(case["transition_std"], dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+    if kind == "flow_grpo_floored":
+        torch.testing.assert_close(out.log_prob.double(), torch.tensor(case["log_prob"], dtype=torch.float64),
+                                   rtol=1e-6, atol=1e-6)
+    else:  # flowalign's flow_grpo keeps the Gaussian's normalising terms: only −(x'−μ)²/(2τ²) is theirs
+        quadratic = out.log_prob + torch.log(out.std.flatten()[0]) + 0.5 * math.log(2 * math.pi)
+        torch.testing.assert_close(quadratic.double(), torch.tensor(case["log_prob"], dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-5)
+    floored = sde_step("flow_grpo_floored", v, x, case["sigma"], case["sigma_next"], noise_level=case["eta"],
+                       prev_sample=x_next)
+    assert torch.equal(floored.std, out.std) == (kind == "flow_grpo_floored" or not case["sigma"] >= 0.95)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from flowalign.evaluation import evaluate
 from flowalign.gallery import gallery_from_evals
 from flowalign.protocols import RewardOutput, UnifiedPolicy
 from flowalign.reflection import Reflection, reflect, stopped
+from flowalign.sampling import sde_step
 from flowalign.train import build_trainer
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.parts.reference_kl import token_k3, transition_kl
@@ -37,6 +39,7 @@ from flowalign.trainers.parts.reflection_credit import (
 from flowalign.trainers.umm_reflection import (
     RevisionUnit,
     TokenUnit,
+    UMMReflectionTrainer,
     sft_coefficients,
 )
 from tests.tiny_recipes import REPO, one_step
@@ -534,3 +537,25 @@ def test_reflection_flags_are_refused_for_a_family_that_cannot_write(tmp_path, c
     code = cli_main(["evaluate", "--model", str(REPO / "assets" / "tiny-sd3-vvr"), "--adapter", str(tmp_path),
                      "--rounds", "2", "--n", "1", "--out", str(tmp_path / "out")])
     assert code == 2 and "--rounds: the sd3 family cannot write about its images" in capsys.readouterr().err
+
+
+def test_revisions_sample_the_authors_floored_flow_transition(trained):
+    """The revisions' SDE is the authors' (``flow_grpo_floored``, η 1.0, the recipe's and the default): the stored
+    log-prob of a trained step is that step's re-evaluated at the sampling weights, and the former form
+    (``revision_sampler: flow_grpo``) takes Flow-GRPO's 0.7 when no noise level is given."""
+    trainer, batch = trained
+    assert trainer.sampler == "flow_grpo_floored" and trainer.noise_level == 1.0
+    rev = batch.rounds[0].revisions[0]
+    chunk = rev.rollout
+    assert chunk.sampler == "flow_grpo_floored" and chunk.noise_level == 1.0
+    (k,) = chunk.trained_steps()
+    x_k, x_next, stored = chunk.step(k)
+    with torch.no_grad():
+        v = trainer.unified.editor.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+    again = sde_step("flow_grpo_floored", v, x_k, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item(), noise_level=1.0,
+                     prev_sample=x_next)
+    torch.testing.assert_close(again.log_prob, stored.to(again.log_prob), rtol=1e-5, atol=1e-5)
+    former = trainer.tcfg.model_copy(update={"revision_sampler": "flow_grpo", "noise_level": None})
+    assert UMMReflectionTrainer.noise_level.fget(SimpleNamespace(tcfg=former)) == 0.7
+    assert UMMReflectionTrainer.noise_level.fget(
+        SimpleNamespace(tcfg=former.model_copy(update={"revision_sampler": "flow_grpo_floored"}))) == 1.0
