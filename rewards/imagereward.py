@@ -196,49 +196,53 @@ class ImageReward(BatchedImageReward):
         return (self.model(x, input_ids, attention_mask) - MEAN) / STD
 
 
-def save_tiny_imagereward(out: Path, seed: int = 0) -> Path:
+def save_tiny_imagereward(out: Path, seed: int = 0, *, overwrite: bool = False) -> Path:
     """An ImageReward folder as THUDM/ImageReward ships it (``ImageReward.pt`` with the reference's key names,
-    ``med_config.json``), a tiny ViT and BERT, and a small WordPiece tokenizer in place of bert-base-uncased's."""
+    ``med_config.json``), a tiny ViT and BERT, and a small WordPiece tokenizer in place of bert-base-uncased's.
+    Written atomically (:func:`flowalign.io.atomic_dir`, writer ``save-tiny-imagereward``): a failure leaves
+    ``out`` as it was, and a folder holding files it did not write is refused unless ``overwrite``."""
     from transformers import BertTokenizer
 
+    from flowalign.io import atomic_dir
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    words = ["a", "an", "the", "of", "on", "and", "in", "with", "red", "blue", "green", "circle", "square",
-             "squares", "two", "three", "cat", "dog", "photo", "painting"]
-    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'\"-")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, *chars, *("##" + c for c in chars if c.isalnum())]
-    (out / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    tokenizer = BertTokenizer(str(out / "vocab.txt"), do_lower_case=True)
-    tokenizer.save_pretrained(out)
-    med = {"architectures": ["BertModel"], "hidden_act": "gelu", "hidden_size": 32, "intermediate_size": 64,
-           "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 2,
-           "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(tokenizer) + 2,
-           "encoder_width": 128, "add_cross_attention": True}
-    (out / MED_CONFIG).write_text(json.dumps(med, indent=2))
-    # the checkpoint's own layout: a timm ViT (128 wide, 2 heads of 64, 16 px patches of 64 px images)
-    width, grid, patch = 128, 4, 16
-    g = torch.Generator().manual_seed(seed)
+    with atomic_dir(out, writer="save-tiny-imagereward", overwrite=overwrite) as tmp:
+        words = ["a", "an", "the", "of", "on", "and", "in", "with", "red", "blue", "green", "circle", "square",
+                 "squares", "two", "three", "cat", "dog", "photo", "painting"]
+        chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'\"-")
+        vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, *chars, *("##" + c for c in chars if c.isalnum())]
+        (tmp / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+        tokenizer = BertTokenizer(str(tmp / "vocab.txt"), do_lower_case=True)
+        tokenizer.save_pretrained(tmp)
+        med = {"architectures": ["BertModel"], "hidden_act": "gelu", "hidden_size": 32, "intermediate_size": 64,
+               "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 2,
+               "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(tokenizer) + 2,
+               "encoder_width": 128, "add_cross_attention": True}
+        (tmp / MED_CONFIG).write_text(json.dumps(med, indent=2))
+        # the checkpoint's own layout: a timm ViT (128 wide, 2 heads of 64, 16 px patches of 64 px images)
+        width, grid, patch = 128, 4, 16
+        g = torch.Generator().manual_seed(seed)
 
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.05
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) * 0.05
 
-    state = {"blip.visual_encoder.cls_token": rnd(1, 1, width),
-             "blip.visual_encoder.pos_embed": rnd(1, grid * grid + 1, width),
-             "blip.visual_encoder.patch_embed.proj.weight": rnd(width, 3, patch, patch),
-             "blip.visual_encoder.patch_embed.proj.bias": rnd(width),
-             "blip.visual_encoder.norm.weight": 1 + rnd(width), "blip.visual_encoder.norm.bias": rnd(width)}
-    for i in range(2):
-        b = f"blip.visual_encoder.blocks.{i}."
-        state.update({b + "norm1.weight": 1 + rnd(width), b + "norm1.bias": rnd(width),
-                      b + "attn.qkv.weight": rnd(3 * width, width), b + "attn.qkv.bias": rnd(3 * width),
-                      b + "attn.proj.weight": rnd(width, width), b + "attn.proj.bias": rnd(width),
-                      b + "norm2.weight": 1 + rnd(width), b + "norm2.bias": rnd(width),
-                      b + "mlp.fc1.weight": rnd(4 * width, width), b + "mlp.fc1.bias": rnd(4 * width),
-                      b + "mlp.fc2.weight": rnd(width, 4 * width), b + "mlp.fc2.bias": rnd(width)})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = ImageRewardModel(state, med, random_init=True)
-    state.update({f"blip.text_encoder.{k}": v for k, v in model.text.state_dict().items() if "position_ids" not in k})
-    state.update({f"mlp.layers.{k}": v for k, v in model.head.state_dict().items()})
-    torch.save({k: v.contiguous() for k, v in state.items()}, out / CHECKPOINT)
+        state = {"blip.visual_encoder.cls_token": rnd(1, 1, width),
+                 "blip.visual_encoder.pos_embed": rnd(1, grid * grid + 1, width),
+                 "blip.visual_encoder.patch_embed.proj.weight": rnd(width, 3, patch, patch),
+                 "blip.visual_encoder.patch_embed.proj.bias": rnd(width),
+                 "blip.visual_encoder.norm.weight": 1 + rnd(width), "blip.visual_encoder.norm.bias": rnd(width)}
+        for i in range(2):
+            b = f"blip.visual_encoder.blocks.{i}."
+            state.update({b + "norm1.weight": 1 + rnd(width), b + "norm1.bias": rnd(width),
+                          b + "attn.qkv.weight": rnd(3 * width, width), b + "attn.qkv.bias": rnd(3 * width),
+                          b + "attn.proj.weight": rnd(width, width), b + "attn.proj.bias": rnd(width),
+                          b + "norm2.weight": 1 + rnd(width), b + "norm2.bias": rnd(width),
+                          b + "mlp.fc1.weight": rnd(4 * width, width), b + "mlp.fc1.bias": rnd(4 * width),
+                          b + "mlp.fc2.weight": rnd(width, 4 * width), b + "mlp.fc2.bias": rnd(width)})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = ImageRewardModel(state, med, random_init=True)
+        state.update({f"blip.text_encoder.{k}": v for k, v in model.text.state_dict().items() if "position_ids" not in k})
+        state.update({f"mlp.layers.{k}": v for k, v in model.head.state_dict().items()})
+        torch.save({k: v.contiguous() for k, v in state.items()}, tmp / CHECKPOINT)
     return out

@@ -6,6 +6,10 @@ returns them): the reward's real classes with tiny configs, saved as the real do
 folders, open_clip's ``open_clip_config.json`` + safetensors, the aesthetic head's state dict), so each
 reward's real loading code runs offline (tests, ``flowalign tiny-reward``, demos). A reward module adds one
 entry. Weights are drawn from a fixed seed: the same folder on every machine.
+
+Every builder writes atomically (:func:`flowalign.io.atomic_dir`, a writer name of its own): a failure leaves
+the folder as it was, and a folder holding files the builder did not write is refused unless ``overwrite``
+(which replaces only its own files). Inside ``flowalign tiny-reward``'s atomic folder it writes straight into it.
 """
 
 from __future__ import annotations
@@ -30,22 +34,28 @@ TINY_OPEN_CLIP = {
 }
 
 
-def save_tiny_open_clip(folder: Path, seed: int = 0) -> None:
-    """An open_clip ``CLIP`` as open_clip's ``local-dir:`` reads it (``clip_score``, ``hps``)."""
+def save_tiny_open_clip(folder: Path, seed: int = 0, *, overwrite: bool = False) -> None:
+    """An open_clip ``CLIP`` as open_clip's ``local-dir:`` reads it (``clip_score``, ``hps``); written
+    atomically (writer ``save-tiny-open-clip``)."""
     import open_clip
     from safetensors.torch import save_file
+
+    from flowalign.io import atomic_dir
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = open_clip.CLIP(**TINY_OPEN_CLIP).eval()
-    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY_OPEN_CLIP}))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "open_clip_model.safetensors")
+    with atomic_dir(folder, writer="save-tiny-open-clip", overwrite=overwrite) as tmp:
+        (tmp / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY_OPEN_CLIP}))
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / "open_clip_model.safetensors")
 
 
-def save_tiny_hf_clip(folder: Path, seed: int = 0) -> None:
+def save_tiny_hf_clip(folder: Path, seed: int = 0, *, overwrite: bool = False) -> None:
     """A transformers ``CLIPModel`` with its tokenizer and ``preprocessor_config.json`` in one folder, as
-    ``yuvalkirstain/PickScore_v1`` ships (``pickscore``)."""
+    ``yuvalkirstain/PickScore_v1`` ships (``pickscore``); written atomically (writer ``save-tiny-hf-clip``)."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    from flowalign.io import atomic_dir
 
     # the byte-level CLIP BPE the tiny pipelines use (real merges, a truncated vocabulary)
     from pipelines.tiny_tokenizers import clip_tokenizer
@@ -55,40 +65,48 @@ def save_tiny_hf_clip(folder: Path, seed: int = 0) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).eval()
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    CLIPImageProcessor(size={"shortest_edge": TINY_IMAGE},
-                       crop_size={"height": TINY_IMAGE, "width": TINY_IMAGE}).save_pretrained(folder)
+    with atomic_dir(folder, writer="save-tiny-hf-clip", overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        CLIPImageProcessor(size={"shortest_edge": TINY_IMAGE},
+                           crop_size={"height": TINY_IMAGE, "width": TINY_IMAGE}).save_pretrained(tmp)
 
 
-def save_tiny_aesthetic(folder: Path, seed: int = 0) -> None:
-    """The LAION aesthetic MLP head (``head.safetensors``) beside its CLIP backbone (``clip/``)."""
+def save_tiny_aesthetic(folder: Path, seed: int = 0, *, overwrite: bool = False) -> None:
+    """The LAION aesthetic MLP head (``head.safetensors``) beside its CLIP backbone (``clip/``); written
+    atomically as one folder (writer ``save-tiny-aesthetic``)."""
     from safetensors.torch import save_file
 
+    from flowalign.io import atomic_dir
     from rewards.aesthetic import AestheticHead
 
-    (folder / "clip").mkdir()
-    save_tiny_open_clip(folder / "clip", seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
         head = AestheticHead(TINY_OPEN_CLIP["embed_dim"])
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, folder / "head.safetensors")
+    with atomic_dir(folder, writer="save-tiny-aesthetic", overwrite=overwrite) as tmp:
+        save_tiny_open_clip(tmp / "clip", seed)  # inside this atomic folder: written straight into it
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, tmp / "head.safetensors")
 
 
-def save_tiny_dinov2(folder: Path, seed: int = 0) -> None:
+def save_tiny_dinov2(folder: Path, seed: int = 0, *, overwrite: bool = False) -> None:
     """A transformers ``Dinov2Model`` with its ``BitImageProcessor`` config, as facebook/dinov2-base ships
-    (``image_similarity``): the real processor's resize-then-crop, scaled to the tiny image side."""
+    (``image_similarity``): the real processor's resize-then-crop, scaled to the tiny image side; written
+    atomically (writer ``save-tiny-dinov2``)."""
     from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    from flowalign.io import atomic_dir
 
     config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
                           image_size=TINY_IMAGE, patch_size=16)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Dinov2Model(config).eval()
-    model.save_pretrained(folder)
-    BitImageProcessor(size={"shortest_edge": TINY_IMAGE * 8 // 7}, crop_size={"height": TINY_IMAGE, "width": TINY_IMAGE},
-                      do_center_crop=True, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
-                      resample=3, do_convert_rgb=True).save_pretrained(folder)
+    with atomic_dir(folder, writer="save-tiny-dinov2", overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        BitImageProcessor(size={"shortest_edge": TINY_IMAGE * 8 // 7},
+                          crop_size={"height": TINY_IMAGE, "width": TINY_IMAGE}, do_center_crop=True,
+                          image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225], resample=3,
+                          do_convert_rgb=True).save_pretrained(tmp)
 
 
 #: reward name → the function writing its tiny folder (``rewards.load(name, path=folder)`` loads it)

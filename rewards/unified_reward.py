@@ -230,14 +230,18 @@ class UnifiedReward:
 TINY_REPLY = "Image 2 is better. Final Score:4"
 
 
-def save_tiny_unified_reward(out: Path) -> Path:
+def save_tiny_unified_reward(out: Path, *, overwrite: bool = False) -> Path:
     """A UnifiedReward folder: a tiny Qwen2.5-VL (the architecture of UnifiedReward-qwen and
     UnifiedReward-Think-qwen) with its processor and chat template, whose weights make greedy decoding write
     :data:`TINY_REPLY` after the generation prompt, so both modes read a real generated reply offline.
 
     How: the attention and MLP outputs are zeroed, so the last hidden state is the (normalised) embedding of
     the current token, and ``lm_head`` maps each token of the reply to the next (a bigram table).
+
+    Written atomically (:func:`flowalign.io.atomic_dir`, writer ``save-tiny-unified-reward``): a failure leaves
+    ``out`` as it was, and a folder holding files it did not write is refused unless ``overwrite``.
     """
+    from flowalign.io import atomic_dir
     from rewards.vlm_tiny import build_tiny_vlm
 
     model, processor = build_tiny_vlm(None, family="qwen2_5_vl")
@@ -253,7 +257,7 @@ def save_tiny_unified_reward(out: Path) -> Path:
         for state, nxt in zip(states, chain[1:]):
             model.lm_head.weight[nxt] = 50 * state / state.norm()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
+    with atomic_dir(out, writer="save-tiny-unified-reward", overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
     return out

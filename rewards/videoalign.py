@@ -210,45 +210,50 @@ class VideoAlign:
                             info=info)
 
 
-def save_tiny_videoalign(out: Path, seed: int = 0) -> Path:
+def save_tiny_videoalign(out: Path, seed: int = 0, *, overwrite: bool = False) -> Path:
     """A VideoReward folder around a tiny random Qwen2-VL, laid out as the real one: ``model_config.json``,
     ``checkpoint-1/adapter_model.safetensors`` (LoRA on every decoder linear layer, PEFT's key names of
     transformers < 4.52), ``checkpoint-1/non_lora_state_dict.pth`` (head, embeddings, vision tower) and the
-    base model in ``base/`` (named by ``model_name_or_path``)."""
+    base model in ``base/`` (named by ``model_name_or_path``). Written atomically as one folder
+    (:func:`flowalign.io.atomic_dir`, writer ``save-tiny-videoalign``): a failure leaves ``out`` as it was, and a
+    folder holding files it did not write is refused unless ``overwrite``."""
     from safetensors.torch import save_file
 
+    from flowalign.io import atomic_dir
     from rewards.vlm_tiny import build_tiny_vlm
 
     out = Path(out)
-    model, processor = build_tiny_vlm(out / "base", family="qwen2_vl", seed=seed)
-    processor.tokenizer.add_special_tokens({"additional_special_tokens": TOKENS})
-    r, alpha = 4, 8
-    lora, non_lora = {}, {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 1)
-        model.resize_token_embeddings(len(processor.tokenizer), mean_resizing=False)
-        hidden = model.config.text_config.hidden_size
-        for name, module in model.model.language_model.named_modules():
-            if isinstance(module, nn.Linear):
-                legacy = f"base_model.model.model.{name}"
-                lora[f"{legacy}.lora_A.weight"] = torch.randn(r, module.in_features) * 0.1
-                lora[f"{legacy}.lora_B.weight"] = torch.randn(module.out_features, r) * 0.1
-        non_lora["base_model.model.rm_head.weight"] = torch.randn(1, hidden) * 0.1
-    non_lora["base_model.model.model.embed_tokens.weight"] = model.model.language_model.embed_tokens.weight.detach().clone()
-    for k, v in model.model.visual.merger.state_dict().items():
-        non_lora[f"base_model.model.visual.merger.{k}"] = v.detach().clone()
-    ckpt = out / "checkpoint-1"
-    ckpt.mkdir(parents=True, exist_ok=True)
-    save_file(lora, ckpt / "adapter_model.safetensors")
-    torch.save(non_lora, ckpt / "non_lora_state_dict.pth")
-    config = {
-        "data_config": {"fps": 2.0, "max_frame_pixels": 200704, "eval_dim": list(DIMENSIONS),
-                        "prompt_template_type": "detailed_special", "sample_type": "uniform", "num_frames": None},
-        "model_config": {"model_name_or_path": "base", "output_dim": 1, "use_special_tokens": True,
-                         "reward_token": "special"},
-        "peft_lora_config": {"lora_enable": True, "vision_lora": False, "lora_r": r, "lora_alpha": alpha,
-                             "lora_namespan_exclude": ["lm_head", "rm_head", "embed_tokens", "visual"]},
-        "inference_config": {"VQ_mean": 0.1, "VQ_std": 2.0, "MQ_mean": -0.2, "MQ_std": 1.5, "TA_mean": 0.3, "TA_std": 1.2},
-    }
-    (out / "model_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with atomic_dir(out, writer="save-tiny-videoalign", overwrite=overwrite) as tmp:
+        # inside this atomic folder the base model is written straight into it
+        model, processor = build_tiny_vlm(tmp / "base", family="qwen2_vl", seed=seed)
+        processor.tokenizer.add_special_tokens({"additional_special_tokens": TOKENS})
+        r, alpha = 4, 8
+        lora, non_lora = {}, {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            model.resize_token_embeddings(len(processor.tokenizer), mean_resizing=False)
+            hidden = model.config.text_config.hidden_size
+            for name, module in model.model.language_model.named_modules():
+                if isinstance(module, nn.Linear):
+                    legacy = f"base_model.model.model.{name}"
+                    lora[f"{legacy}.lora_A.weight"] = torch.randn(r, module.in_features) * 0.1
+                    lora[f"{legacy}.lora_B.weight"] = torch.randn(module.out_features, r) * 0.1
+            non_lora["base_model.model.rm_head.weight"] = torch.randn(1, hidden) * 0.1
+        non_lora["base_model.model.model.embed_tokens.weight"] = model.model.language_model.embed_tokens.weight.detach().clone()
+        for k, v in model.model.visual.merger.state_dict().items():
+            non_lora[f"base_model.model.visual.merger.{k}"] = v.detach().clone()
+        ckpt = tmp / "checkpoint-1"
+        ckpt.mkdir(parents=True, exist_ok=True)
+        save_file(lora, ckpt / "adapter_model.safetensors")
+        torch.save(non_lora, ckpt / "non_lora_state_dict.pth")
+        config = {
+            "data_config": {"fps": 2.0, "max_frame_pixels": 200704, "eval_dim": list(DIMENSIONS),
+                            "prompt_template_type": "detailed_special", "sample_type": "uniform", "num_frames": None},
+            "model_config": {"model_name_or_path": "base", "output_dim": 1, "use_special_tokens": True,
+                             "reward_token": "special"},
+            "peft_lora_config": {"lora_enable": True, "vision_lora": False, "lora_r": r, "lora_alpha": alpha,
+                                 "lora_namespan_exclude": ["lm_head", "rm_head", "embed_tokens", "visual"]},
+            "inference_config": {"VQ_mean": 0.1, "VQ_std": 2.0, "MQ_mean": -0.2, "MQ_std": 1.5, "TA_mean": 0.3, "TA_std": 1.2},
+        }
+        (tmp / "model_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

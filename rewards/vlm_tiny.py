@@ -102,7 +102,7 @@ def tiny_vlm_tokenizer(vocab_size: int = 640):
 
 
 def build_tiny_vlm(out_dir: str | os.PathLike | None = None, *, family: str = "qwen2_5_vl", seed: int = 0,
-                   max_pixels: int | None = None, **text_overrides: Any):
+                   max_pixels: int | None = None, overwrite: bool = False, **text_overrides: Any):
     """Build (and with ``out_dir``, save) a tiny Qwen2.5-VL (``family="qwen2_5_vl"``), Qwen3-VL
     (``"qwen3_vl"``) or Qwen2-VL (``"qwen2_vl"``, the base of HPSv3 and VideoAlign) model, its processor
     and tokenizer.
@@ -110,7 +110,9 @@ def build_tiny_vlm(out_dir: str | os.PathLike | None = None, *, family: str = "q
     Returns ``(model, processor)``; the model is in eval mode, float32, weights initialised under
     ``torch.manual_seed(seed)`` inside a forked RNG (the caller's RNG is untouched). ``max_pixels``
     caps the processor's resizing (default: 2x2 merged patches, 4 visual tokens per image).
-    ``text_overrides`` change the decoder config (``num_hidden_layers``, ``hidden_size``, ...).
+    ``text_overrides`` change the decoder config (``num_hidden_layers``, ``hidden_size``, ...). The folder is
+    written atomically (:func:`flowalign.io.atomic_dir`, writer ``build-tiny-vlm``): a failure leaves it as it
+    was, and a folder holding files it did not write is refused unless ``overwrite``.
     """
     import transformers
 
@@ -165,8 +167,9 @@ def build_tiny_vlm(out_dir: str | os.PathLike | None = None, *, family: str = "q
     processor = processor_cls(image_processor=transformers.Qwen2VLImageProcessor(**kw), video_processor=video_cls(**kw),
                               tokenizer=tok, chat_template=QWEN_VL_CHAT_TEMPLATE)
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
-        processor.save_pretrained(out)
+        from flowalign.io import atomic_dir
+
+        with atomic_dir(out_dir, writer="build-tiny-vlm", overwrite=overwrite) as tmp:
+            model.save_pretrained(tmp)
+            processor.save_pretrained(tmp)
     return model, processor

@@ -16,8 +16,10 @@ from rewards.geneval.vocabulary import CLASSES
 from rewards.tiny_towers import clip_style_towers
 
 
-def save_tiny_geneval(out: Path, seed: int = 0) -> dict[str, Path]:
-    """Write the tiny detector and CLIP under ``out``; returns ``{"path": ..., "clip_path": ...}``."""
+def save_tiny_geneval(out: Path, seed: int = 0, *, overwrite: bool = False) -> dict[str, Path]:
+    """Write the tiny detector and CLIP under ``out``; returns ``{"path": ..., "clip_path": ...}``. Written
+    atomically as one folder (:func:`flowalign.io.atomic_dir`, writer ``save-tiny-geneval``): a failure leaves
+    ``out`` as it was, and a folder holding files it did not write is refused unless ``overwrite``."""
     from transformers import (
         CLIPConfig,
         CLIPImageProcessor,
@@ -29,6 +31,7 @@ def save_tiny_geneval(out: Path, seed: int = 0) -> dict[str, Path]:
         SwinConfig,
     )
 
+    from flowalign.io import atomic_dir
     from pipelines.tiny import clip_tokenizer
 
     out = Path(out)
@@ -44,20 +47,22 @@ def save_tiny_geneval(out: Path, seed: int = 0) -> dict[str, Path]:
         torch.manual_seed(seed)
         detector = Mask2FormerForUniversalSegmentation(config).eval()
         clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
-    paths = {"path": out / "detector", "clip_path": out / "clip"}
-    detector.save_pretrained(paths["path"])
-    Mask2FormerImageProcessor(size={"shortest_edge": 64, "longest_edge": 128}, size_divisor=32,
-                              ignore_index=255).save_pretrained(paths["path"])
-    clip.save_pretrained(paths["clip_path"])
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(paths["clip_path"])
-    return paths
+    with atomic_dir(out, writer="save-tiny-geneval", overwrite=overwrite) as tmp:
+        detector.save_pretrained(tmp / "detector")
+        Mask2FormerImageProcessor(size={"shortest_edge": 64, "longest_edge": 128}, size_divisor=32,
+                                  ignore_index=255).save_pretrained(tmp / "detector")
+        clip.save_pretrained(tmp / "clip")
+        image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(tmp / "clip")
+    return {"path": out / "detector", "clip_path": out / "clip"}
 
 
-def save_tiny_owlv2(out: Path, seed: int = 0) -> Path:
-    """A random tiny ``Owlv2ForObjectDetection`` and its processor in ``out`` (for ``detector: owlv2``)."""
+def save_tiny_owlv2(out: Path, seed: int = 0, *, overwrite: bool = False) -> Path:
+    """A random tiny ``Owlv2ForObjectDetection`` and its processor in ``out`` (for ``detector: owlv2``), written
+    atomically (writer ``save-tiny-owlv2``; a folder of other files refused unless ``overwrite``)."""
     from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
 
+    from flowalign.io import atomic_dir
     from pipelines.tiny import clip_tokenizer
 
     tok = clip_tokenizer(vocab_size=1024, model_max_length=16)
@@ -66,6 +71,8 @@ def save_tiny_owlv2(out: Path, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         model = Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32)).eval()
     out = Path(out)
-    model.save_pretrained(out)
-    Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": 64, "width": 64}), tokenizer=tok).save_pretrained(out)
+    with atomic_dir(out, writer="save-tiny-owlv2", overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": 64, "width": 64}),
+                       tokenizer=tok).save_pretrained(tmp)
     return out

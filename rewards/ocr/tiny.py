@@ -12,12 +12,15 @@ from pathlib import Path
 import torch
 
 
-def save_tiny_got_ocr2(out: Path, seed: int = 0) -> dict[str, object]:
+def save_tiny_got_ocr2(out: Path, seed: int = 0, *, overwrite: bool = False) -> dict[str, object]:
     """Write the tiny GOT-OCR 2.0 folder into ``out``; returns the reward options that load it
     (``{"engine": "got_ocr2", "path": out}``).
 
     A byte-level tokenizer with GOT's special tokens; a 1024 px input, so the vision tower yields the
-    processor's 256 image tokens; windowed attention only, to be fast on a CPU."""
+    processor's 256 image tokens; windowed attention only, to be fast on a CPU. Written atomically
+    (:func:`flowalign.io.atomic_dir`, writer ``save-tiny-got-ocr2``): a failure leaves ``out`` as it was, and a
+    folder holding files it did not write is refused unless ``overwrite``."""
+    from flowalign.io import atomic_dir
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import (GotOcr2Config, GotOcr2ForConditionalGeneration, GotOcr2ImageProcessor, GotOcr2Processor,
                               PreTrainedTokenizerFast)
@@ -35,7 +38,8 @@ def save_tiny_got_ocr2(out: Path, seed: int = 0) -> dict[str, object]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GotOcr2ForConditionalGeneration(config).eval()
-    model.save_pretrained(out)
-    GotOcr2Processor(image_processor=GotOcr2ImageProcessor(size={"height": 1024, "width": 1024}),
-                     tokenizer=tokenizer).save_pretrained(out)
+    with atomic_dir(out, writer="save-tiny-got-ocr2", overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        GotOcr2Processor(image_processor=GotOcr2ImageProcessor(size={"height": 1024, "width": 1024}),
+                         tokenizer=tokenizer).save_pretrained(tmp)
     return {"engine": "got_ocr2", "path": Path(out)}
