@@ -60,5 +60,7 @@ def run(args: argparse.Namespace) -> None:
                      guidance_scale=args.guidance, generator=torch.Generator().manual_seed(args.seed), guide=guide,
                      metadata=[{"image": args.image}] if args.image is not None else None)
     sample = result.samples[0]
+    # again: a file that appeared at --out while the model sampled (another process's) is not replaced unasked
+    check_out_file(out, overwrite=args.overwrite)
     written = save_video(sample, out) if policy.is_video else save_image(sample, out)
     print(f"wrote {written}")
