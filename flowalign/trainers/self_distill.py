@@ -191,11 +191,13 @@ class SelfDistillTrainer(GroupTrainer):
         return {**dict(zip(names, self.behaviour.tensors)), "optimizer_steps": self.optimizer_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """φ as saved, laid out like the live copy (under fsdp: this rank's shards), and s."""
         names = [n for n, p in self.policy.trainable.named_parameters() if p.requires_grad]
+        live = dict(zip(names, self.behaviour.tensors))
+        saved = self.parallel.place_like({k: state[k] for k in live if k in state}, live)
         with torch.no_grad():
-            for name, phi in zip(names, self.behaviour.tensors):
-                if name in state:
-                    phi.copy_(state[name])
+            for name, phi in saved.items():
+                live[name].copy_(phi)
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
 
     def fit_units(self, chunk: Rollout, r: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> list[FitUnit]:

@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from flowalign.checkpoint import load_checkpoint
+from flowalign.checkpoint import TRAINER_STATE_PREFIX, load_checkpoint
 
 from .conftest import REPO, run_cli, small_run
 
@@ -210,18 +210,44 @@ def test_every_baseline_under_fsdp_ends_at_the_single_process_weights(tmp_path, 
         assert max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 0, name  # B moved from 0
 
 
-def test_diffusion_nft_under_fsdp_ends_at_the_replicated_weights_and_evaluates_on_every_rank(tmp_path, tiny_sd3_dir,
-                                                                                             prompt_file):
-    """Sharded and replicated ranks end at the same weights; the final evaluation runs sharded too (every
-    rank joins)."""
+@pytest.fixture(scope="module")
+def nft_runs(tmp_path_factory, tiny_sd3_dir, prompt_file):
+    """DiffusionNFT on 2 sharded and 2 replicated ranks × 1 prompt, 2 steps, a checkpoint each step, and a
+    final evaluation."""
+    root = tmp_path_factory.mktemp("fsdp-nft")
+    for strategy in ("fsdp", "ddp"):
+        torchrun(["train", "/dev/null", *nft_run(root / strategy, tiny_sd3_dir, prompt_file, strategy)])
+    return root
+
+
+def nft_run(run: Path, model: Path, prompts: Path, strategy: str) -> list[str]:
     evals = ("eval.bench=vvr", "eval.level=easy", "eval.n=2", "eval.batch_size=2", "eval.num_steps=2",
              "eval.at_start=false", "eval.gallery=false")
-    for strategy in ("fsdp", "ddp"):
-        torchrun(["train", "/dev/null", *small_run(tmp_path / strategy, tiny_sd3_dir, prompt_file, *NFT, *evals,
-                                                   f"parallel.strategy={strategy}", "trainer.prompts_per_step=1")])
-    assert max_diff(weights(tmp_path / "fsdp", 2), weights(tmp_path / "ddp", 2)) < 1e-5
-    final = [json.loads((tmp_path / s / "final_metrics.json").read_text()) for s in ("fsdp", "ddp")]
+    return small_run(run, model, prompts, *NFT, *evals, f"parallel.strategy={strategy}", "trainer.prompts_per_step=1",
+                     "run.checkpoint_every=1")
+
+
+def test_diffusion_nft_under_fsdp_ends_at_the_replicated_weights_and_evaluates_on_every_rank(nft_runs):
+    """Sharded and replicated ranks end at the same weights; the final evaluation runs sharded too (every
+    rank joins)."""
+    assert max_diff(weights(nft_runs / "fsdp", 2), weights(nft_runs / "ddp", 2)) < 1e-5
+    final = [json.loads((nft_runs / s / "final_metrics.json").read_text()) for s in ("fsdp", "ddp")]
     assert final[0]["accuracy"] == final[1]["accuracy"] and final[0]["n"] == 2
+
+
+def test_diffusion_nft_resumes_under_fsdp_bit_exactly_with_its_behaviour_copy(nft_runs, tiny_sd3_dir, prompt_file):
+    """The behaviour copy φ is restored into each rank's shards: resumed from step 1, the run ends at the
+    uninterrupted run's weights and φ, bit for bit."""
+    resumed = nft_runs / "resumed"
+    copy_run(nft_runs / "fsdp", resumed, drop_step=2)
+    out = torchrun(["train", "/dev/null", *nft_run(resumed, tiny_sd3_dir, prompt_file, "fsdp")])
+    assert "resumed from" in out and "step-000001" in out
+    a, b = weights(resumed, 2), weights(nft_runs / "fsdp", 2)
+    assert a.keys() == b.keys()
+    behaviour = [k for k in a if k.startswith(TRAINER_STATE_PREFIX)]
+    assert behaviour and all(torch.equal(a[k], b[k]) for k in a)
+    # φ is not θ (λ > 0 from the first refresh), so the equality above is φ's own, not the weights' again
+    assert max_diff({k: b[k] for k in behaviour}, {k: b[k.removeprefix(TRAINER_STATE_PREFIX)] for k in behaviour}) > 0
 
 
 def _free_port() -> int:
