@@ -199,8 +199,9 @@ class Settings:
 
     def outside_update_bytes(self, rollout: Rollout, decode: float, swapped: float) -> float:
         """The most the step holds at once while it samples and scores: each moment's holdings, plus a chunk's
-        ``decode`` peak and the ``swapped`` live copy where a decode runs (0 without moments)."""
-        return max((self.holding_bytes(m, rollout) + (decode + swapped if m.decoding else 0.0)
+        ``decode`` peak and the ``swapped`` live copy where a decode runs, the live copy alone where passes run
+        under swapped-in weights without one (0 without moments)."""
+        return max((self.holding_bytes(m, rollout) + (decode + swapped if m.decoding else swapped if m.swapping else 0.0)
                     for m in self.step_holdings().moments), default=0.0)
 
 

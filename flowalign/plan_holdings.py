@@ -28,13 +28,16 @@ class Holding:
     log-probabilities, conditioning and decoded sample); ``latents``: further float32 latents;
     ``conditionings``: further text conditionings of one sample (both CFG branches where the policy encodes
     them); ``decoded``: further decoded samples (float32 pixels). ``decoding``: whether a VAE decode of one
-    chunk runs at this moment (its peak, and the live weights kept while another copy is swapped in)."""
+    chunk runs at this moment (its peak, and the live weights kept while another copy is swapped in, as at
+    evaluation under the EMA's); ``swapping``: whether passes run under swapped-in weights then, without a
+    decode (the live copy alone)."""
 
     rollouts: float = 0.0
     latents: float = 0.0
     conditionings: float = 0.0
     decoded: float = 0.0
     decoding: bool = False
+    swapping: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,15 +112,36 @@ def diffusion_dpo(tcfg: Any) -> StepHoldings:
                                Holding(rollouts=g, latents=g + 2, conditionings=g + 1)))
 
 
+def flow_grpo_reference_steps(tcfg: Any) -> int:
+    """Steps of each sample whose KL reference mean a Flow-GRPO step stores (``FlowGRPOTrainer.prepare`` and
+    ``plan``, unsharded): the trained steps (the SDE steps among the first ``⌊T·timestep_fraction⌋``, at least
+    one; an SDE window's ``sde_window`` at most), and of those at most ``steps_per_chunk`` an inner epoch."""
+    t = tcfg.num_steps
+    limit = max(1, int(tcfg.timestep_fraction * t))
+    sde = tcfg.sde_window if tcfg.sde_window else (t if tcfg.sde_last_step else t - 1)
+    steps = max(1, min(sde, limit))
+    if 0 < tcfg.steps_per_chunk < steps:
+        steps = min(steps, tcfg.steps_per_chunk * tcfg.inner_epochs)
+    return steps
+
+
 def gardo(tcfg: Any) -> StepHoldings:
     """GARDO (``flowalign/trainers/gardo.py``): the loop's rollouts, with their final latents concatenated once
     for the diversity features. Its reference snapshot is a copy of the trained tensors held all along (the
-    weight copies count it with the EMA's); with a KL (``beta > 0``) its passes run with the snapshot swapped
-    into the live parameters (the live values kept meanwhile) and its refresh holds the old and new snapshot
-    at once, both outside the update, while the gradients are freed. Without a KL neither happens."""
-    base = loop_holdings(tcfg.group_size)
-    moments = base.moments + ((Holding(rollouts=tcfg.group_size, latents=tcfg.group_size),) if tcfg.diversity else ())
-    return StepHoldings(base.update, moments, swaps=tcfg.beta > 0)
+    weight copies count it with the EMA's, in every phase). With a KL (``beta > 0``) the reference's step
+    means are computed with the snapshot swapped into the live parameters (the live values kept meanwhile)
+    while the rewards are scored and before the update (:func:`flow_grpo_reference_steps` float32 latents a
+    sample, kept through the update); its refresh after the optimiser steps holds the old and new snapshot at
+    once. Both are outside the update, while the gradients are freed. Without a KL none of this happens.
+    GARDO refuses fsdp, so the means are always stored."""
+    g = tcfg.group_size
+    base = loop_holdings(g)
+    moments = base.moments + ((Holding(rollouts=g, latents=g),) if tcfg.diversity else ())
+    if tcfg.beta <= 0:
+        return StepHoldings(base.update, moments, swaps=False)
+    means = g * flow_grpo_reference_steps(tcfg)
+    held = Holding(rollouts=g, latents=means)
+    return StepHoldings(held, (*moments, Holding(rollouts=g, latents=means, swapping=True)), swaps=True)
 
 
 #: trainer name → its step's holdings, for the trainers whose ``collect`` is not the loop's and which do not

@@ -273,3 +273,35 @@ def test_gardo_reference_snapshot_is_held_all_along_and_swapped_in_only_with_a_k
     assert all(b == snapshot for b in swaps)
     above = replace(model, decode=10 * GB)
     assert _row_difference(above, s, s, replace(s, swapped_in=False), SAMPLING) == pytest.approx(snapshot if beta else 0)
+
+
+@pytest.mark.parametrize("overrides", [(), ("trainer.timestep_fraction=0.5",),
+                                       ("trainer.steps_per_chunk=1", "trainer.updates_per_epoch=1")])
+def test_gardo_keeps_its_reference_means_through_the_update(overrides, tmp_path, monkeypatch):
+    """With a KL every sample's reference step means (float32 latents, one per trained step) are computed
+    before the update and kept through it: the plan holds as many as the trainer stores."""
+    from flowalign.plan import Rollout
+    from flowalign.plan_holdings import flow_grpo_reference_steps
+
+    monkeypatch.chdir(REPO_ROOT)
+    # brightness varies within every group: every chunk has advantages, so every chunk's means are stored
+    cfg = _tiny("gardo_vvr", tmp_path, "trainer.beta=0.04", "trainer.ema_decay=0", "trainer.prompts_per_step=2",
+                "trainer.group_size=2", "trainer.num_steps=4", "trainer.main_reward=brightness",
+                "rewards=[{name: brightness, weight: 1.0}, {name: vvr_soft, weight: 0.0}]", *overrides)
+    trainer = build_trainer(cfg)
+    torch.manual_seed(0)
+    batch = trainer.collect(0)
+    plan = trainer.plan(batch, torch.Generator().manual_seed(0))
+    stored = {id(t): t for t in (batch.prepared or {}).values()}
+    stored.update({id(u.reference): u.reference for units in plan.steps for u in units if u.reference is not None})
+    chunk = batch.chunks[0]
+    latent = chunk.latents[:1, 0].nbytes
+    n = flow_grpo_reference_steps(trainer.tcfg)
+    assert sum(t.nbytes for t in stored.values()) == 2 * 2 * n * latent
+    model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
+    model = _no_update_peak(replace(model, rollout=Rollout(latent, model.rollout.conditioning, model.rollout.decoded)))
+    s = settings(cfg, "ddp", 1, model)
+    rows = memory_rows(model, s)
+    assert rows[HELD] == pytest.approx(s.rollout_bytes(model.rollout) + 2 * 2 * n * latent)
+    # computing them runs under the swapped-in snapshot: the live copy above what the update keeps
+    assert rows[SAMPLING] == pytest.approx(max(0.0, model.trainable * 4 - rows["gradients"]))
