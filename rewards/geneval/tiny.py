@@ -60,7 +60,12 @@ def save_tiny_geneval(out: Path, seed: int = 0, *, overwrite: bool = False) -> d
 def save_tiny_owlv2(out: Path, seed: int = 0, *, overwrite: bool = False) -> Path:
     """A random tiny ``Owlv2ForObjectDetection`` and its processor in ``out`` (for ``detector: owlv2``), written
     atomically (writer ``save-tiny-owlv2``; a folder of other files refused unless ``overwrite``)."""
-    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+    from transformers import (
+        Owlv2Config,
+        Owlv2ForObjectDetection,
+        Owlv2ImageProcessor,
+        Owlv2Processor,
+    )
 
     from flowalign.io import atomic_dir
     from pipelines.tiny import clip_tokenizer

@@ -20,10 +20,16 @@ def save_tiny_got_ocr2(out: Path, seed: int = 0, *, overwrite: bool = False) -> 
     processor's 256 image tokens; windowed attention only, to be fast on a CPU. Written atomically
     (:func:`flowalign.io.atomic_dir`, writer ``save-tiny-got-ocr2``): a failure leaves ``out`` as it was, and a
     folder holding files it did not write is refused unless ``overwrite``."""
-    from flowalign.io import atomic_dir
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (GotOcr2Config, GotOcr2ForConditionalGeneration, GotOcr2ImageProcessor, GotOcr2Processor,
-                              PreTrainedTokenizerFast)
+    from transformers import (
+        GotOcr2Config,
+        GotOcr2ForConditionalGeneration,
+        GotOcr2ImageProcessor,
+        GotOcr2Processor,
+        PreTrainedTokenizerFast,
+    )
+
+    from flowalign.io import atomic_dir
 
     bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()

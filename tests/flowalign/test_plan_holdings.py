@@ -16,10 +16,16 @@ from PIL import Image
 
 from flowalign.config import load_config
 from flowalign.paths import REPO_ROOT
-from flowalign.plan import GB, Activations, inspect_model, memory_rows, plan_text, settings
+from flowalign.plan import (
+    GB,
+    Activations,
+    inspect_model,
+    memory_rows,
+    plan_text,
+    settings,
+)
 from flowalign.plan_holdings import self_opd_branched_steps
 from flowalign.train import build_trainer
-
 from tests.tiny_recipes import one_step
 
 TINY = REPO_ROOT / "configs" / "tiny"

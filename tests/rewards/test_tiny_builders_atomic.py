@@ -14,7 +14,6 @@ import torch
 import transformers
 
 from flowalign.errors import UserError
-
 from tests.flowalign.test_atomic_writers import snapshot
 
 
