@@ -90,8 +90,9 @@ def kvpo(tcfg: Any) -> StepHoldings:
     is held while its ``G`` branches are streamed one at a time and decoded; the branch videos are kept in a
     list, concatenated and scored (``2G`` decoded), and under ``advantage: anchor`` the anchors are decoded and
     scored beside them (one more each). Every branch's window states and prefix go to CPU memory: nothing of
-    the step stays on the device through the update. Not counted: the anchor's KV caches (one per chunk,
-    family-specific) and the one branch being streamed at a time."""
+    the step stays on the device through the update. Not counted: the anchor's KV caches, one per chunk, each
+    allocated whole (AnyFlow-FAR-Wan2.1-1.3B at 480×832×81 in bf16: 3.9 GB a stream, 8 chunks), which need
+    the family to size its cache, and the one branch being streamed at a time with its own caches."""
     anchor = {"latents": tcfg.num_steps + 1, "conditionings": 1}
     anchor_video = 1 if tcfg.advantage == "anchor" else 0
     return StepHoldings(Holding(), (Holding(**anchor, decoded=tcfg.group_size, decoding=True),
