@@ -98,6 +98,7 @@ class Model:
     cfg_doubles: bool = False  # whether the guidance runs every pass twice (CFG with a scale above 1)
     decode: float = 0.0  # bytes live at the peak of the VAE decoding one chunk of rollouts (0: not sized)
     vae_bytes_per_param: int = 0  # the VAE's weights' element size where it differs from the model dtype
+    encode: float = 0.0  # bytes live at the peak of the VAE encoding one image (0: not sized, or none encoded)
 
     @property
     def trainable(self) -> int:
@@ -197,12 +198,16 @@ class Settings:
         """What the step keeps on the device until its update is done."""
         return self.holding_bytes(self.step_holdings().update, rollout)
 
-    def outside_update_bytes(self, rollout: Rollout, decode: float, swapped: float) -> float:
+    def outside_update_bytes(self, rollout: Rollout, decode: float, swapped: float, encode: float = 0.0) -> float:
         """The most the step holds at once while it samples and scores: each moment's holdings, plus a chunk's
         ``decode`` peak and the ``swapped`` live copy where a decode runs, the live copy alone where passes run
-        under swapped-in weights without one (0 without moments)."""
-        return max((self.holding_bytes(m, rollout) + (decode + swapped if m.decoding else swapped if m.swapping else 0.0)
-                    for m in self.step_holdings().moments), default=0.0)
+        under swapped-in weights without one, one image's ``encode`` peak where images are encoded (0 without
+        moments)."""
+        def extra(m: Holding) -> float:
+            return ((decode + swapped if m.decoding else swapped if m.swapping else 0.0)
+                    + (encode if m.encoding else 0.0))
+
+        return max((self.holding_bytes(m, rollout) + extra(m) for m in self.step_holdings().moments), default=0.0)
 
 
 def build_on_meta(folder: Path) -> dict[str, nn.Module]:
@@ -426,6 +431,42 @@ def decode_peak_bytes(vae: nn.Module, latent: torch.Size | tuple[int, ...], dtyp
 _DECODES: dict[tuple, float] = {}
 
 
+def encode_peak_bytes(vae: nn.Module, image: tuple[int, ...], dtype: torch.dtype) -> float:
+    """Bytes alive at the peak of ``vae.encode`` of one meta image of ``image`` shape ``(1, 3, H, W)`` (no grad,
+    the VAE in ``dtype``), as a policy's ``encode_images`` encodes them: one at a time."""
+    key = ("encode", type(vae).__qualname__, json.dumps(dict(vae.config), sort_keys=True, default=str), tuple(image),
+           str(dtype))
+    if key not in _DECODES:
+        from diffusers.utils import logging as diffusers_logging
+
+        level = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()
+        try:
+            vae = vae.to(dtype)
+        finally:
+            diffusers_logging.set_verbosity(level)
+        live = _LiveBytes()
+        with torch.no_grad(), live:
+            vae.encode(torch.zeros(*image, device="meta", dtype=dtype))
+        _DECODES[key] = float(live.peak)
+    return _DECODES[key]
+
+
+def _encode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], latent: Any, size: dict[str, Any]) -> float:
+    """One image's encode peak at the model's size, for an image family whose transformer reads the VAE's
+    latents as they are (``(B, C, H, W)``); 0 for the others (not sized)."""
+    vae = models.get("vae")
+    if vae is None or not hasattr(vae, "encode") or not isinstance(latent, torch.Tensor) or latent.ndim != 4:
+        return 0.0
+    import pipelines
+
+    dtype = torch.float32 if spec.vae_float32 else pipelines.parse_dtype(cfg.model.dtype)
+    try:
+        return encode_peak_bytes(vae, (1, 3, int(size["height"]), int(size["width"])), dtype)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):
+        return 0.0
+
+
 def _decode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], latent: Any, samples: int) -> float:
     """The decode's peak for one chunk of ``samples`` rollouts where the transformer reads the VAE's latents as
     they are (``(B, C, H, W)`` or ``(B, C, F, H, W)`` with the VAE's channels: SD3, Wan text-to-video); a
@@ -490,6 +531,7 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     both = spec.transformer_inputs(transformer.config, per_sample * (2 if twice else 1), size, dtype=dtype)
     rollout = rollout_sample_bytes(both, per_sample, size)  # a rollout keeps both branches' conditioning
     decode = _decode_bytes(cfg, spec, models, both.get("hidden_states"), per_sample)
+    encodes = any(m.encoding for m in step_holdings(trainer, tcfg).moments)  # images of its own (offline pairs)
     # the rows that carry gradients in the training forward: the conditional half alone under a detached CFG
     rows = per_sample * (2 if twice and trainer.grads_through_unconditional(tcfg) else 1)
     inputs = both if rows == per_sample * (2 if twice else 1) else \
@@ -519,7 +561,8 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     per = lambda v: v / per_sample
     return Model(spec.name, params, trained, largest, Activations(per(act.outside), per(act.in_blocks),
                                                                   per(act.largest_block), per(act.block_inputs)),
-                 rollout, twice, decode, 4 if spec.vae_float32 else 0)
+                 rollout, twice, decode, 4 if spec.vae_float32 else 0,
+                 _encode_bytes(cfg, spec, models, both.get("hidden_states"), size) if encodes else 0.0)
 
 
 #: what a meta forward saved, by :func:`_forward_key`: recipes of one model at one batch and size (a
@@ -608,7 +651,8 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         # sampling's and scoring's peak: decoding a chunk, under swapped-in weights with the live ones kept,
         # and what a trainer's own collect holds at once, while the gradients are freed (the optimiser's
         # state stays); above what the step keeps through the update
-        "sampling, above the update's peak": max(0.0, s.outside_update_bytes(model.rollout, model.decode, swapped)
+        "sampling, above the update's peak": max(0.0, s.outside_update_bytes(model.rollout, model.decode, swapped,
+                                                                         model.encode)
                                                  - held - activations - gradients),
         "rollouts of the step": held,
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,

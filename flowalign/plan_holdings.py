@@ -31,7 +31,8 @@ class Holding:
     them); ``decoded``: further decoded samples (float32 pixels). ``decoding``: whether a VAE decode of one
     chunk runs at this moment (its peak, and the live weights kept while another copy is swapped in, as at
     evaluation under the EMA's); ``swapping``: whether passes run under swapped-in weights then, without a
-    decode (the live copy alone)."""
+    decode (the live copy alone); ``encoding``: whether the VAE encodes an image then (one at a time: its
+    peak)."""
 
     rollouts: float = 0.0
     latents: float = 0.0
@@ -39,6 +40,7 @@ class Holding:
     decoded: float = 0.0
     decoding: bool = False
     swapping: bool = False
+    encoding: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,13 +104,14 @@ def kvpo(tcfg: Any) -> StepHoldings:
 def diffusion_dpo(tcfg: Any) -> StepHoldings:
     """Diffusion-DPO (``flowalign/trainers/diffusion_dpo.py``): through the update, at most one pair a prompt,
     its two float32 latents and one conditioning. Offline pairs (``trainer.pairs``) draw no rollout: the two
-    images are loaded at the model's size (float32 pixels, a decoded sample's size) and encoded (the VAE
-    encoder's own peak is not sized). Online pairs are picked from the loop's ``group_size`` rollouts, which
+    images are loaded at the model's size (float32 pixels, a decoded sample's size) and encoded one at a time
+    (the VAE encoder's peak for one image). Online pairs are picked from the loop's ``group_size`` rollouts, which
     are held only while sampling and picking: the final latents and conditioning of all of them are
     concatenated there, beside the pair cut from them."""
     pair = Holding(latents=2, conditionings=1)
     if tcfg.pairs:
-        return StepHoldings(pair, (Holding(latents=2, conditionings=1, decoded=2),), samples_per_prompt=0)
+        return StepHoldings(pair, (Holding(latents=2, conditionings=1, decoded=2, encoding=True),),
+                            samples_per_prompt=0)
     g = tcfg.group_size
     return StepHoldings(pair, (Holding(rollouts=g, decoding=True),
                                Holding(rollouts=g, latents=g + 2, conditionings=g + 1)))

@@ -222,6 +222,9 @@ def test_diffusion_dpo_with_offline_pairs_holds_its_pairs_not_rollouts(tmp_path,
     assert latents == pytest.approx(2 * 2 * model.rollout.latent)
     # while collecting: the two images of each pair at the model's size, float32, beside its latents
     assert rows[SAMPLING] == pytest.approx(max(0.0, 2 * 2 * model.rollout.decoded - rows["gradients"]))
+    # and the encoder's peak for one image on top (encode_images encodes one at a time)
+    encoding = memory_rows(replace(model, encode=GB), s)[SAMPLING]
+    assert encoding == pytest.approx(2 * 2 * model.rollout.decoded + GB - rows["gradients"])
     out = plan_text(cfg, REPO_ROOT / cfg.model.path, 1, 80)
     assert "rollouts a step per rank" not in out and HELD in out
 
@@ -311,3 +314,26 @@ def test_gardo_keeps_its_reference_means_through_the_update(overrides, tmp_path,
     assert rows[HELD] == pytest.approx(s.rollout_bytes(model.rollout) + 2 * 2 * n * latent)
     # computing them runs under the swapped-in snapshot: the live copy above what the update keeps
     assert rows[SAMPLING] == pytest.approx(max(0.0, model.trainable * 4 - rows["gradients"]))
+
+
+def test_the_encode_peak_is_sized_only_for_a_trainer_that_encodes_images(tmp_path):
+    """Offline pairs encode images: one image's encoder peak, sized on the meta device as the real encoder
+    allocates it on the CPU (every tensor made during the pass, the live ones at their most); online pairs and
+    Flow-GRPO encode none (0)."""
+    from flowalign.plan import _LiveBytes, build_on_meta, encode_peak_bytes
+
+    offline = load_config(TINY / "diffusion_dpo_vvr.yaml", [f"trainer.pairs={_pairs_file(tmp_path)}", "rewards=[]"])
+    model = inspect_model(offline, REPO_ROOT / offline.model.path)
+    assert model.encode > 0
+    for recipe in ("diffusion_dpo_vvr", "flow_grpo_vvr"):
+        cfg = load_config(TINY / f"{recipe}.yaml")
+        assert inspect_model(cfg, REPO_ROOT / cfg.model.path).encode == 0.0
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(REPO_ROOT / offline.model.path / "vae").eval()
+    size = 64  # the tiny model's
+    live = _LiveBytes()
+    with torch.no_grad(), live:
+        vae.encode(torch.rand(1, 3, size, size))
+    meta = build_on_meta(REPO_ROOT / offline.model.path)["vae"]
+    assert model.encode == encode_peak_bytes(meta, (1, 3, size, size), torch.float32) == live.peak
