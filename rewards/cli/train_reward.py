@@ -18,7 +18,7 @@ from pathlib import Path
 from flowalign.cli.common import add_model_args, add_number, check_positive, load_policy
 from flowalign.config import read_text_file
 from flowalign.errors import UserError
-from flowalign.io import atomic_dir, check_out_dir, remove_owned, write_json
+from flowalign.io import atomic_dir, check_out_dir, check_out_file, remove_owned, write_json
 from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS, MAX_TRAIN_STEPS, MAX_WIDTH
 from flowalign.paths import REPO_ROOT, default_model_dir
 
@@ -94,6 +94,8 @@ def _out_folders(args: argparse.Namespace) -> tuple[Path, Path]:
     partial = out.resolve().with_name(out.resolve().name + ".partial")
     check_out_dir(out, writer="train-reward", overwrite=args.overwrite)
     check_out_dir(partial, writer=PARTIAL, overwrite=args.overwrite or args.resume, flag=PARTIAL_FLAG)
+    if args.pairs_out and not args.pairs:  # written only where the pairs are generated
+        check_out_file(args.pairs_out, overwrite=args.overwrite, flag="--pairs-out")
     return out, partial
 
 

@@ -197,3 +197,14 @@ def test_train_refuses_a_config_yaml_no_run_wrote(tmp_path, capsys, tiny_sd3_dir
     assert f"run.output_dir {run_dir}" in err and "config.yaml" in err
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "photo.jpg"]
     assert (run_dir / "config.yaml").read_text() == text
+
+
+def test_train_reward_refuses_an_existing_pairs_out_file_before_sampling(tmp_path, capsys, tiny_sd3_dir):
+    kept = tmp_path / "pairs.safetensors"
+    kept.write_bytes(b"user data")
+    argv = ["train-reward", "--model", tiny_sd3_dir, "--bench", "vvr", "--level", "easy", "--n", "2", "--group-size", "2",
+            "--steps", "2", "--registers", "2", "--head-hidden", "8", "--train-steps", "2", "--batch-size", "2",
+            "--no-progress", "--pairs-out", kept, "--out", tmp_path / "r"]
+    code, _, err = run(argv, capsys)
+    assert code == 2 and "--pairs-out" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert kept.read_bytes() == b"user data" and not (tmp_path / "r").exists()
