@@ -189,8 +189,10 @@ class Settings:
         return self.holdings if self.holdings is not None else loop_holdings(self.group_size)
 
     def holding_bytes(self, holding: Holding, rollout: Rollout) -> float:
-        """Bytes of ``holding`` over the step's prompts on this rank."""
-        per_prompt = (holding.rollouts * self.sample_bytes(rollout) + holding.latents * rollout.latent
+        """Bytes of ``holding`` over the step's prompts on this rank (its ``means`` only where the trained tensors
+        are whole: under fsdp the loss computes them as it goes)."""
+        latents = holding.latents + (holding.means if self.strategy != "fsdp" else 0.0)
+        per_prompt = (holding.rollouts * self.sample_bytes(rollout) + latents * rollout.latent
                       + holding.conditionings * rollout.conditioning + holding.decoded * rollout.decoded)
         return self.prompts_per_step * per_prompt
 
@@ -667,15 +669,17 @@ def predicted_rows(cfg: TrainConfig, folder: Path, strategy: str = "ddp", gpus: 
 
 
 def smallest_fix(model: Model, s: Settings, limit: float, trainer_fields: Collection[str] = ("batch_size",
-                                                                                          "prompts_per_step")) -> str | None:
+                                                                                          "prompts_per_step"),
+                 fsdp: bool = True) -> str | None:
     """The first single change (least disruptive first) after which the run fits, or None; a trainer setting
-    is suggested only to a trainer that has it (``trainer_fields``)."""
+    is suggested only to a trainer that has it (``trainer_fields``), and fsdp only where the trainer takes it
+    (``fsdp``: :func:`fsdp_refusal`)."""
     candidates: list[tuple[str, Settings]] = []
     if not s.gradient_checkpointing:
         candidates.append(("model.gradient_checkpointing=true", replace(s, gradient_checkpointing=True)))
     if not s.offload_text_encoders:
         candidates.append(("model.offload_text_encoders=true", replace(s, offload_text_encoders=True)))
-    if s.strategy == "ddp" and s.gpus > 1:
+    if s.strategy == "ddp" and s.gpus > 1 and fsdp:
         candidates.append(("parallel.strategy=fsdp", replace(s, strategy="fsdp")))
     if s.strategy == "fsdp" and not s.cpu_offload:
         candidates.append(("parallel.cpu_offload=true", replace(s, cpu_offload=True)))
@@ -691,11 +695,34 @@ def smallest_fix(model: Model, s: Settings, limit: float, trainer_fields: Collec
     while s.gpus % degree == 0:  # each sample's tokens over more of the GPUs
         candidates.append((f"parallel.sequence_parallel={degree}", replace(s, sequence_parallel=degree)))
         degree *= 2
-    candidates.append((f"--gpus {s.gpus * 2} with parallel.strategy=fsdp", replace(s, strategy="fsdp", gpus=s.gpus * 2)))
+    if fsdp:  # more GPUs help a ddp rank only through fsdp's shards
+        candidates.append((f"--gpus {s.gpus * 2} with parallel.strategy=fsdp",
+                           replace(s, strategy="fsdp", gpus=s.gpus * 2)))
     for text, changed in candidates:
         if sum(memory_rows(model, changed).values()) <= limit:
             return text
     return None
+
+
+def fsdp_refusal(cfg: TrainConfig) -> str | None:
+    """The trainer's own line refusing ``parallel.strategy: fsdp`` for ``cfg``, or None where it takes it: its
+    ``check_config`` (where a trainer refuses what it cannot honour) run on ``cfg`` under ddp and under fsdp,
+    refused where only fsdp is (a config the trainer refuses anyway is not the strategy's doing)."""
+    import contextlib
+    import io
+
+    trainer, tcfg = trainer_config(cfg.trainer)
+
+    def refusal(strategy: str) -> str | None:
+        changed = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"strategy": strategy})})
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its warnings are the run's to print, not the plan's
+                trainer.check_config(changed, tcfg)
+        except UserError as err:
+            return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return None
+
+    return refusal("fsdp") if refusal("ddp") is None else None
 
 
 def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = None) -> Settings:
@@ -750,7 +777,8 @@ def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float, n
         lines.append(f"rollouts a step per rank: {base.prompts_per_step} prompts x {base.group_size} = {base.samples:,} "
                      f"samples of {base.num_steps} steps, {one / 1e6:.1f} MB each (latents of every step"
                      + (", stored velocities" if base.stored_velocities else "") + ", log-probs, conditioning, decoded)")
-    strategies = ["ddp", "fsdp"] if gpus > 1 else ["ddp"]
+    refused = fsdp_refusal(cfg)
+    strategies = ["ddp", "fsdp"] if gpus > 1 and refused is None else ["ddp"]
     rows = {s: memory_rows(model, settings(cfg, s, gpus, model)) for s in strategies}
     limit = gpu_memory_gb * GB
     lines.append(f"memory per rank on {gpus} GPU(s) of {gpu_memory_gb:g} GB"
@@ -761,11 +789,14 @@ def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float, n
     totals = {s: sum(r.values()) for s, r in rows.items()}
     lines.append(f"  {'total':<36}" + "".join(f"{human(totals[s], 'GB'):>12}" for s in strategies))
     lines.append(CALIBRATION)
+    if refused:
+        lines.append(f"fsdp: not planned, the trainer refuses it ({refused})")
     for s in strategies:
         if totals[s] <= limit:
             lines.append(f"{s}: fits ({human(limit - totals[s], 'GB')} to spare)")
         else:
-            fix = smallest_fix(model, settings(cfg, s, gpus, model), limit, type(trainer_config(cfg.trainer)[1]).model_fields)
+            fix = smallest_fix(model, settings(cfg, s, gpus, model), limit, type(trainer_config(cfg.trainer)[1]).model_fields,
+                               fsdp=refused is None)
             lines.append(f"{s}: does not fit; " + (f"smallest change that fits: {fix}" if fix else
                                                     "no single change fits (use more or larger GPUs, or LoRA)"))
     return "\n".join(lines)

@@ -9,14 +9,15 @@ described here per prompt of the step on one rank, in the units the planner size
 and scoring (:attr:`StepHoldings.moments`), each counted whole; the planner adds the largest moment's excess
 over the update's own peak.
 
-A trainer states its own by a classmethod ``step_holdings(tcfg) -> StepHoldings``; for those that do not,
-the trainers whose ``collect`` differs from the loop's are described here (:data:`DESCRIBED`), read from
-their code: each entry names the tensors it counts.
+Each trainer states its own, read from its code (:meth:`flowalign.trainers.base.GroupTrainer.step_holdings`,
+the loop's default unless overridden: Self-OPD, KVPO, Diffusion-DPO, GARDO); this module holds the vocabulary
+they state it in and the counts they share. A Flow-GRPO-family trainer with a KL that states only the loop's
+default also keeps its reference step means through the update, counted here (:func:`reference_means`) from
+the option groups of its section.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +33,13 @@ class Holding:
     chunk runs at this moment (its peak, and the live weights kept while another copy is swapped in, as at
     evaluation under the EMA's); ``swapping``: whether passes run under swapped-in weights then, without a
     decode (the live copy alone); ``encoding``: whether the VAE encodes an image then (one at a time: its
-    peak)."""
+    peak). ``means``: further float32 latents kept only while the trained tensors are whole (a KL reference's
+    step means, computed once a batch; under fsdp every forward is a collective, so the loss computes each one
+    when it needs it and none is kept)."""
 
     rollouts: float = 0.0
     latents: float = 0.0
+    means: float = 0.0
     conditionings: float = 0.0
     decoded: float = 0.0
     decoding: bool = False
@@ -74,95 +78,51 @@ def self_opd_branched_steps(tcfg: Any) -> int:
     return min(tcfg.branch_steps, sum(1 for w in list(tcfg.step_weights)[:high] if w > 0))
 
 
-def self_opd(tcfg: Any) -> StepHoldings:
-    """Self-OPD (``flowalign/trainers/self_opd.py``): one ODE trunk a prompt, held through the update (its
-    velocities kept). At each of the ``n`` branched states, ``K = branches`` candidates are finished and
-    decoded on the device; their decoded samples are kept in a list until every one is drawn (the last set
-    is decoded while the others are held), then concatenated and scored: ``2·n·K`` decoded samples alive at
-    the scoring peak. The branch sets themselves go to CPU memory."""
-    candidates = self_opd_branched_steps(tcfg) * tcfg.branches
-    trunk = Holding(rollouts=1)
-    return StepHoldings(trunk, (Holding(rollouts=1, decoded=candidates, decoding=True),
-                                Holding(rollouts=1, decoded=2 * candidates)))
-
-
-def kvpo(tcfg: Any) -> StepHoldings:
-    """KVPO (``flowalign/trainers/kvpo.py``): per prompt, the anchor stream (the deterministic stream with its
-    full history: every chunk's ``T + 1`` float32 latents and its conditioning; log-probabilities in CPU memory)
-    is held while its ``G`` branches are streamed one at a time and decoded; the branch videos are kept in a
-    list, concatenated and scored (``2G`` decoded), and under ``advantage: anchor`` the anchors are decoded and
-    scored beside them (one more each). Every branch's window states and prefix go to CPU memory: nothing of
-    the step stays on the device through the update. Not counted: the anchor's KV caches, one per chunk, each
-    allocated whole (AnyFlow-FAR-Wan2.1-1.3B at 480×832×81 in bf16: 3.9 GB a stream, 8 chunks), which need
-    the family to size its cache, and the one branch being streamed at a time with its own caches."""
-    anchor = {"latents": tcfg.num_steps + 1, "conditionings": 1}
-    anchor_video = 1 if tcfg.advantage == "anchor" else 0
-    return StepHoldings(Holding(), (Holding(**anchor, decoded=tcfg.group_size, decoding=True),
-                                    Holding(**anchor, decoded=2 * tcfg.group_size + anchor_video)))
-
-
-def diffusion_dpo(tcfg: Any) -> StepHoldings:
-    """Diffusion-DPO (``flowalign/trainers/diffusion_dpo.py``): through the update, at most one pair a prompt,
-    its two float32 latents and one conditioning. Offline pairs (``trainer.pairs``) draw no rollout: the two
-    images are loaded at the model's size (float32 pixels, a decoded sample's size) and encoded one at a time
-    (the VAE encoder's peak for one image). Online pairs are picked from the loop's ``group_size`` rollouts, which
-    are held only while sampling and picking: the final latents and conditioning of all of them are
-    concatenated there, beside the pair cut from them."""
-    pair = Holding(latents=2, conditionings=1)
-    if tcfg.pairs:
-        return StepHoldings(pair, (Holding(latents=2, conditionings=1, decoded=2, encoding=True),),
-                            samples_per_prompt=0)
-    g = tcfg.group_size
-    return StepHoldings(pair, (Holding(rollouts=g, decoding=True),
-                               Holding(rollouts=g, latents=g + 2, conditionings=g + 1)))
-
-
 def flow_grpo_reference_steps(tcfg: Any) -> int:
-    """Steps of each sample whose KL reference mean a Flow-GRPO step stores (``FlowGRPOTrainer.prepare`` and
-    ``plan``, unsharded): the trained steps (the SDE steps among the first ``⌊T·timestep_fraction⌋``, at least
-    one; an SDE window's ``sde_window`` at most), and of those at most ``steps_per_chunk`` an inner epoch."""
+    """Steps of each sample whose KL reference mean a Flow-GRPO-family step stores (``FlowGRPOTrainer.prepare``
+    and ``plan``, unsharded), read from the option groups the section has, as the trainers pick them: the SDE
+    steps (every step, the step to σ = 0 unless ``sde_last_step`` is off, or an ``sde_window``; a preset that
+    places its own: MixGRPO's ``window_size``, else one, TempFlow-GRPO's branching step or Flash-GRPO's
+    ``k_c``); of those the first ``⌊T·timestep_fraction⌋`` (at least one), or DanceGRPO's draw of
+    ``⌊fraction·(T−1)⌋`` before the last; and where each epoch trains a subset (``steps_per_chunk``, the draw),
+    at most that many an inner epoch. An upper bound where epochs draw the same steps."""
+    from flowalign.trainers.flow_grpo import SDEWindowOptions, StepFractionOptions, StepSubsetOptions
+    from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
+
     t = tcfg.num_steps
-    limit = max(1, int(tcfg.timestep_fraction * t))
-    sde = tcfg.sde_window if tcfg.sde_window else (t if tcfg.sde_last_step else t - 1)
-    steps = max(1, min(sde, limit))
-    if 0 < tcfg.steps_per_chunk < steps:
-        steps = min(steps, tcfg.steps_per_chunk * tcfg.inner_epochs)
-    return steps
+    if isinstance(tcfg, SDEWindowOptions):
+        steps = tcfg.sde_window if tcfg.sde_window else (t if tcfg.sde_last_step else t - 1)
+    else:
+        steps = min(t, int(getattr(tcfg, "window_size", 1)))
+    per_epoch = steps
+    if isinstance(tcfg, DrawnStepOptions):
+        steps = min(steps, t - 1)
+        per_epoch = min(steps, int(tcfg.timestep_fraction * (t - 1)))
+    elif isinstance(tcfg, StepFractionOptions):
+        steps = per_epoch = max(1, min(steps, int(tcfg.timestep_fraction * t)))
+    if isinstance(tcfg, StepSubsetOptions) and 0 < tcfg.steps_per_chunk < steps:
+        per_epoch = tcfg.steps_per_chunk
+    return min(steps, per_epoch * tcfg.inner_epochs)
 
 
-def gardo(tcfg: Any) -> StepHoldings:
-    """GARDO (``flowalign/trainers/gardo.py``): the loop's rollouts, with their final latents concatenated once
-    for the diversity features. Its reference snapshot is a copy of the trained tensors held all along (the
-    weight copies count it with the EMA's, in every phase). With a KL (``beta > 0``) the reference's step
-    means are computed with the snapshot swapped into the live parameters (the live values kept meanwhile)
-    while the rewards are scored and before the update (:func:`flow_grpo_reference_steps` float32 latents a
-    sample, kept through the update); its refresh after the optimiser steps holds the old and new snapshot at
-    once. Both are outside the update, while the gradients are freed. Without a KL none of this happens.
-    GARDO refuses fsdp, so the means are always stored."""
-    g = tcfg.group_size
+def reference_means(trainer: type, tcfg: Any) -> StepHoldings | None:
+    """The loop's step of a Flow-GRPO-family trainer with a KL (``beta > 0``) that does not state its own
+    holdings: its rollouts, and every sample's reference step means (:func:`flow_grpo_reference_steps`
+    float32 latents), computed while the rewards are scored and in ``plan``, kept through the update; under
+    fsdp none is kept (:attr:`Holding.means`). None for any other trainer."""
+    from flowalign.trainers.base import GroupTrainer
+    from flowalign.trainers.flow_grpo import FlowGRPOTrainer
+
+    own = getattr(trainer.step_holdings, "__func__", None)
+    if not issubclass(trainer, FlowGRPOTrainer) or own is not GroupTrainer.step_holdings.__func__ or tcfg.beta <= 0:
+        return None
+    g = trainer.rollouts_per_step(tcfg)[1]
     base = loop_holdings(g)
-    moments = base.moments + ((Holding(rollouts=g, latents=g),) if tcfg.diversity else ())
-    if tcfg.beta <= 0:
-        return StepHoldings(base.update, moments, swaps=False)
-    means = g * flow_grpo_reference_steps(tcfg)
-    held = Holding(rollouts=g, latents=means)
-    return StepHoldings(held, (*moments, Holding(rollouts=g, latents=means, swapping=True)), swaps=True)
-
-
-#: trainer name → its step's holdings, for the trainers whose ``collect`` is not the loop's and which do not
-#: state their own (``step_holdings``)
-DESCRIBED: dict[str, Callable[[Any], StepHoldings]] = {
-    "self_opd": self_opd, "kvpo": kvpo, "diffusion_dpo": diffusion_dpo, "gardo": gardo}
+    return StepHoldings(Holding(rollouts=g, means=g * flow_grpo_reference_steps(tcfg)), base.moments)
 
 
 def step_holdings(trainer: type, tcfg: Any) -> StepHoldings:
-    """What a step of ``trainer`` with the section ``tcfg`` holds per prompt: the trainer's own statement
-    (``step_holdings``), else its entry in :data:`DESCRIBED`, else the loop's default for its
-    ``rollouts_per_step``."""
-    own = getattr(trainer, "step_holdings", None)
-    if callable(own):
-        return own(tcfg)
-    described = DESCRIBED.get(getattr(tcfg, "name", ""))
-    if described is not None:
-        return described(tcfg)
-    return loop_holdings(trainer.rollouts_per_step(tcfg)[1])
+    """What a step of ``trainer`` with the section ``tcfg`` holds per prompt: its own statement
+    (:meth:`flowalign.trainers.base.GroupTrainer.step_holdings`), with a Flow-GRPO-family trainer's reference
+    step means where it keeps them and states only the loop's default (:func:`reference_means`)."""
+    return reference_means(trainer, tcfg) or trainer.step_holdings(tcfg)

@@ -86,6 +86,7 @@ from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.logger import RunLogger
 from flowalign.parallel import strategy
+from flowalign.plan_holdings import StepHoldings, loop_holdings
 from flowalign.sequence_parallel import DataRanks
 from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardScores, RewardSet
@@ -250,6 +251,14 @@ class GroupTrainer:
         (reference passes through ``policy.adapter_disabled()`` under full fine-tuning) is kept by the loop
         (:mod:`flowalign.trainers.reference`); the others the trainer allocates itself. Default: none."""
         return []
+
+    @classmethod
+    def step_holdings(cls, tcfg: Any) -> StepHoldings:
+        """What a step keeps on the device per prompt, phase by phase (:mod:`flowalign.plan_holdings`): through
+        the update, and at its moments of sampling and scoring; ``flowalign plan`` reads it. Default: the loop's
+        ``collect``, its ``group_size`` rollouts a prompt held until the update is done, one chunk decoded while
+        they are. A trainer whose ``collect`` holds more or less says so in an override."""
+        return loop_holdings(cls.rollouts_per_step(tcfg)[1])
 
     # ------------------------------------------------------------------ hooks
     def sampling(self, group: int) -> Sampling:

@@ -109,6 +109,26 @@ class DiffusionDPOTrainer(GroupTrainer):
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         return full_reference(tcfg) if cfg.model.finetune == "full" else []
 
+    @classmethod
+    def step_holdings(cls, tcfg: DiffusionDPOConfig) -> Any:
+        """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). Through the update, at most one pair a prompt, its two float32 latents and one conditioning. Offline
+        pairs (``trainer.pairs``) draw no rollout: the two images are loaded at the model's size (float32
+        pixels, a decoded sample's size) and encoded one at a time (the VAE encoder's peak for one image).
+        Online pairs are picked from the loop's ``group_size`` rollouts, which are held only while sampling and
+        picking: the final latents and conditioning of all of them are concatenated there, beside the pair cut
+        from them. A subclass with a ``collect`` of its own gets the loop's default until it states its own."""
+        from flowalign.plan_holdings import Holding, StepHoldings
+
+        if cls.collect is not DiffusionDPOTrainer.collect:  # a subclass collecting its own batch (SePPO)
+            return super().step_holdings(tcfg)
+        pair = Holding(latents=2, conditionings=1)
+        if tcfg.pairs:
+            return StepHoldings(pair, (Holding(latents=2, conditionings=1, decoded=2, encoding=True),),
+                                samples_per_prompt=0)
+        g = tcfg.group_size
+        return StepHoldings(pair, (Holding(rollouts=g, decoding=True),
+                                   Holding(rollouts=g, latents=g + 2, conditionings=g + 1)))
+
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         self.offline = self.offline_pair_set()

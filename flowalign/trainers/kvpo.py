@@ -167,6 +167,23 @@ class KVPOTrainer(GroupTrainer):
         """The KL's π_init under full fine-tuning comes from a frozen copy of the starting weights."""
         return full_reference(tcfg) if tcfg.kl_coef > 0 and cfg.model.finetune == "full" else []
 
+    @classmethod
+    def step_holdings(cls, tcfg: KVPOConfig) -> Any:
+        """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). Per prompt, the anchor stream (the deterministic stream with its full history: every chunk's
+        ``T + 1`` float32 latents and its conditioning; log-probabilities in CPU memory) is held while its ``G``
+        branches are streamed one at a time and decoded; the branch videos are kept in a list, concatenated and
+        scored (``2G`` decoded), and under ``advantage: anchor`` the anchors are decoded and scored beside them
+        (one more each). Every branch's window states and prefix go to CPU memory: nothing of the step stays on
+        the device through the update. Not counted: the anchor's KV caches, one per chunk, each allocated whole
+        (AnyFlow-FAR-Wan2.1-1.3B at 480×832×81 in bf16: 3.9 GB a stream, 8 chunks), which need the family to
+        size its cache, and the one branch being streamed at a time with its own caches."""
+        from flowalign.plan_holdings import Holding, StepHoldings
+
+        anchor = {"latents": tcfg.num_steps + 1, "conditionings": 1}
+        anchor_video = 1 if tcfg.advantage == "anchor" else 0
+        return StepHoldings(Holding(), (Holding(**anchor, decoded=tcfg.group_size, decoding=True),
+                                        Holding(**anchor, decoded=2 * tcfg.group_size + anchor_video)))
+
     def guidance(self) -> float:
         g = self.tcfg.guidance_scale
         return float(self.policy.defaults.get("guidance_scale", 1.0) if g is None else g)

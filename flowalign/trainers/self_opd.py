@@ -178,6 +178,20 @@ class SelfOPDTrainer(GroupTrainer):
     def keeps_velocities(cls, tcfg) -> bool:
         return True  # the branches' targets read the policy's velocity at every step
 
+    @classmethod
+    def step_holdings(cls, tcfg: SelfOPDConfig) -> Any:
+        """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). One ODE trunk a prompt, held through the update (its velocities kept). At each of the ``n`` branched
+        states, ``K = branches`` candidates are finished and decoded on the device; their decoded samples are
+        kept in a list until every one is drawn (the last set is decoded while the others are held), then
+        concatenated and scored: ``2·n·K`` decoded samples alive at the scoring peak. The branch sets themselves
+        go to CPU memory."""
+        from flowalign.plan_holdings import Holding, StepHoldings, self_opd_branched_steps
+
+        candidates = self_opd_branched_steps(tcfg) * tcfg.branches
+        trunk = Holding(rollouts=1)
+        return StepHoldings(trunk, (Holding(rollouts=1, decoded=candidates, decoding=True),
+                                    Holding(rollouts=1, decoded=2 * candidates)))
+
     def sampling(self, group: int) -> Sampling:
         """Trunks: ODE rollouts keeping their velocities (v_old at the branched states needs no forward)."""
         return Sampling("ode", keep_velocities=True)

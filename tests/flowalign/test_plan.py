@@ -213,7 +213,11 @@ def test_a_rollout_sample_holds_its_latents_stored_velocities_log_probs_conditio
     pixels = 3 * 512 * 512 * 4  # the decoded image, float32
     expected = 96 * ((10 + 1 + 10 * 0.5) * latent + 4 * 10 + text + pixels)
     assert s.rollout_bytes(model.rollout) == pytest.approx(expected, rel=1e-9)
-    assert memory_rows(model, s)["rollouts of the step"] == pytest.approx(expected, rel=1e-9)
+    # with its KL (beta 0.04) Flow-GRPO keeps every sample's reference step means through the update: one
+    # float32 latent for each of the 9 trained steps (the first ⌊0.99·10⌋); under fsdp the loss computes them
+    means = 96 * 9 * latent
+    assert memory_rows(model, s)["rollouts of the step"] == pytest.approx(expected + means, rel=1e-9)
+    assert memory_rows(model, settings(cfg, "fsdp", 2, model))["rollouts of the step"] == pytest.approx(expected)
     # an oversized step: 4,096 prompts x 1,024 samples a step hold 4M rollouts (54 TB) where 96 hold 1.2 GB
     huge = replace(s, prompts_per_step=4096, group_size=1024)
     assert sum(memory_rows(model, s).values()) < 80 * GB < sum(memory_rows(model, huge).values())
@@ -448,3 +452,28 @@ def test_plan_counts_the_live_weights_swapped_in_keeps_during_sampling(finetune,
     # under fsdp each rank keeps its shards' live values
     sharded = {sw: memory_rows(above, replace(s, strategy="fsdp", gpus=4, swapped_in=sw))[row] for sw in (True, False)}
     assert sharded[True] - sharded[False] == pytest.approx(new.bytes / 4)
+
+
+def test_plan_suggests_no_strategy_the_trainer_refuses(monkeypatch):
+    """GARDO refuses fsdp in its check_config: its plan has no fsdp column, says why in the trainer's words, and
+    never suggests fsdp as the change that fits; Flow-GRPO, which takes it, keeps both."""
+    from flowalign.plan import fsdp_refusal
+
+    monkeypatch.chdir(REPO_ROOT)
+    gardo = load_config(REPO_ROOT / "configs" / "tiny" / "gardo_vvr.yaml")
+    refusal = fsdp_refusal(gardo)
+    assert refusal is not None and refusal.startswith("parallel.strategy=fsdp: gardo")
+    out = plan_text(gardo, REPO_ROOT / gardo.model.path, 4, 0.001)
+    assert "fsdp" not in out.split("memory per rank")[1].splitlines()[1]  # the columns: ddp alone
+    assert f"fsdp: not planned, the trainer refuses it ({refusal})" in out
+    assert "parallel.strategy=fsdp" not in out.split(refusal)[1] and "ddp: does not fit" in out
+    model = inspect_model(gardo, REPO_ROOT / gardo.model.path)
+    # the less disruptive changes already made: fsdp would be the first suggestion
+    s = replace(settings(gardo, "ddp", 4, model), gradient_checkpointing=True, offload_text_encoders=True)
+    total = sum(memory_rows(model, s).values())
+    assert smallest_fix(model, s, total - 1, fsdp=True) == "parallel.strategy=fsdp"  # what it would have said
+    fix = smallest_fix(model, s, total - 1, fsdp=False)
+    assert fix is None or "fsdp" not in fix
+    grpo = load_config(REPO_ROOT / "configs" / "tiny" / "flow_grpo_vvr.yaml")
+    assert fsdp_refusal(grpo) is None
+    assert "fsdp" in plan_text(grpo, REPO_ROOT / grpo.model.path, 4, 80).split("memory per rank")[1].splitlines()[1]

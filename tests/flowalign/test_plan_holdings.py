@@ -337,3 +337,49 @@ def test_the_encode_peak_is_sized_only_for_a_trainer_that_encodes_images(tmp_pat
         vae.encode(torch.rand(1, 3, size, size))
     meta = build_on_meta(REPO_ROOT / offline.model.path)["vae"]
     assert model.encode == encode_peak_bytes(meta, (1, 3, size, size), torch.float32) == live.peak
+
+
+# ---------------------------------------------------------------------------------------------- Flow-GRPO family
+
+
+def _stored_means(trainer, batch) -> list[torch.Tensor]:
+    """Every reference step mean the step keeps: those prepared while scoring and those ``plan`` computed."""
+    plan = trainer.plan(batch, torch.Generator().manual_seed(0))
+    stored = {id(t): t for t in (batch.prepared or {}).values()}
+    stored.update({id(u.reference): u.reference for units in plan.steps for u in units if u.reference is not None})
+    return list(stored.values())
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("flow_grpo_vvr", ()),
+    ("flow_grpo_vvr", ("trainer.timestep_fraction=0.5", "trainer.sde_last_step=false")),
+    ("dance_grpo_vvr", ()),
+    ("mix_grpo_vvr", ("trainer.window_size=2",)),
+    ("flash_grpo_vvr", ()),
+])
+def test_the_flow_grpo_family_keeps_its_reference_means_with_a_kl(recipe, overrides, tmp_path, monkeypatch):
+    """With ``beta > 0`` every sample's KL reference step means (one float32 latent per trained step) are kept
+    through the update: the plan of the same recipe with ``beta: 0`` is lower by exactly what one real step on
+    the CPU stores, and under fsdp (where the loss computes them) by nothing."""
+    from flowalign.plan import Rollout
+    from flowalign.plan_holdings import flow_grpo_reference_steps
+
+    monkeypatch.chdir(REPO_ROOT)
+    # brightness varies within every group: every chunk has advantages, so every chunk's means are stored
+    common = ("trainer.ema_decay=0", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.num_steps=4",
+              "trainer.inner_epochs=1", "rewards=[{name: brightness, weight: 1.0}]", *overrides)
+    cfg = _tiny(recipe, tmp_path, "trainer.beta=0.04", *common)
+    trainer = build_trainer(cfg)
+    torch.manual_seed(0)
+    batch = trainer.collect(0)
+    means = _stored_means(trainer, batch)
+    latent = batch.chunks[0].latents[:1, 0].nbytes
+    n = flow_grpo_reference_steps(trainer.tcfg)
+    assert len(means) and sum(t.nbytes for t in means) == 2 * 2 * n * latent
+    assert {t.dtype for t in means} == {torch.float32}
+    model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
+    model = replace(model, rollout=Rollout(latent, model.rollout.conditioning, model.rollout.decoded))
+    without = _tiny(recipe, tmp_path, "trainer.beta=0", *common)
+    for strategy, kept in (("ddp", sum(t.nbytes for t in means)), ("fsdp", 0)):
+        with_kl, no_kl = (sum(memory_rows(model, settings(c, strategy, 2, model)).values()) for c in (cfg, without))
+        assert with_kl - no_kl == pytest.approx(kept)
