@@ -42,10 +42,14 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
   ratio normalisation; CFG's unconditional branch under ``cfg_grad: detached``), its text conditioning
   (both branches under CFG) and its decoded image or video in float32. The latent is sized as the
   transformer's input: for a model that also reads an input image's tokens (Kontext, Qwen-Image-Edit) or
-  condition channels (image-to-video) that errs high. A trainer whose ``collect`` is not the loop's holds
-  what :mod:`flowalign.plan_holdings` describes instead, phase by phase: Self-OPD's decoded branch
-  candidates and KVPO's anchor streams while it scores (counted with sampling's peak), Diffusion-DPO's pairs
-  (not its rollouts) through the update, and KVPO nothing then (its branches are in CPU memory).
+  condition channels (image-to-video) that errs high. What a step holds is the trainer's own statement,
+  phase by phase (:meth:`flowalign.trainers.base.GroupTrainer.step_holdings`, in the vocabulary of
+  :mod:`flowalign.plan_holdings`): Self-OPD's decoded branch candidates and KVPO's anchor streams while it
+  scores (counted with sampling's peak), Diffusion-DPO's pairs (not its rollouts) through the update, KVPO
+  nothing then (its branches are in CPU memory), and a Flow-GRPO-family trainer with a KL its reference step
+  means (one float32 latent per trained step a sample; none under fsdp, where the loss computes them).
+- strategies: a trainer that refuses fsdp (its ``check_config``, as GARDO's) is planned under ddp alone, and
+  fsdp is never suggested to it as a fix.
 
 A recipe whose ``model.path`` does not exist (the shipped recipes name a placeholder such as
 ``/path/to/FLUX.1-dev``) is planned on its published architecture: ``configs/<name>/...`` on
