@@ -528,7 +528,7 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
         trained = {c: params[c] for c in names}
     largest = max((sum(p.numel() for p in b.parameters()) for c in names for b in block_modules(models[c])), default=0)
     size = {**spec.size, **_folder_defaults(folder), **{k: v for k, v in (cfg.model.defaults or {}).items() if v is not None},
-            **_vae_scales(folder)}
+            **_vae_scales(folder), **_text_lengths(folder)}
     trainer, tcfg = trainer_config(cfg.trainer)  # the section as the trainer reads it, its own defaults filled in
     per_sample = trainer.training_batch(tcfg)  # the trainer's batch (a CFG pass doubles it inside)
     guidance = getattr(tcfg, "guidance_scale", None) or size.get("guidance_scale") or spec.guidance
@@ -618,16 +618,39 @@ def _folder_defaults(folder: Path) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k in ("height", "width", "num_frames", "max_sequence_length", "guidance_scale") and v}
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return data if isinstance(data, dict) else {}
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def _vae_scales(folder: Path) -> dict[str, int]:
     """The VAE's spatial and temporal factors where its config states them (Wan's VAE; a tiny twin's
-    differ from the released 8 and 4), as ``vae_scale_spatial`` / ``vae_scale_temporal`` for the family's
-    ``transformer_inputs``."""
-    path = folder / "vae" / "config.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    if not isinstance(data, dict):
-        return {}
-    scales = {"vae_scale_spatial": data.get("scale_factor_spatial"), "vae_scale_temporal": data.get("scale_factor_temporal")}
-    return {k: v for k, v in scales.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
+    differ from the released 8 and 4), or, for an ``AutoencoderKL``, the spatial factor its
+    ``block_out_channels`` give as diffusers' pipelines compute it (``2^(levels − 1)``: the tiny SD3's 4, the
+    released 8), as ``vae_scale_spatial`` / ``vae_scale_temporal`` for the family's ``transformer_inputs``."""
+    data = _read_json(folder / "vae" / "config.json")
+    spatial = data.get("scale_factor_spatial")
+    levels = data.get("block_out_channels")
+    if spatial is None and isinstance(levels, list) and levels:
+        spatial = 2 ** (len(levels) - 1)
+    scales = {"vae_scale_spatial": spatial, "vae_scale_temporal": data.get("scale_factor_temporal")}
+    return {k: v for k, v in scales.items() if _positive_int(v)}
+
+
+def _text_lengths(folder: Path) -> dict[str, int]:
+    """The CLIP encoder's token count, as diffusers' SD3 pipeline pads to it: the tokenizer's
+    ``model_max_length``, else the encoder's ``max_position_embeddings`` (a folder of configs without
+    tokenizers), as ``clip_tokens`` for the family's ``transformer_inputs`` (a tiny twin's 48, the released
+    77); none where neither says."""
+    encoder = _read_json(folder / "text_encoder" / "config.json").get("max_position_embeddings")
+    tokens = _read_json(folder / "tokenizer" / "tokenizer_config.json").get("model_max_length")
+    if not _positive_int(tokens) or (_positive_int(encoder) and tokens > encoder):  # a tokenizer's "no limit"
+        tokens = encoder
+    return {"clip_tokens": tokens} if _positive_int(tokens) else {}
 
 
 def memory_rows(model: Model, s: Settings) -> dict[str, float]:

@@ -218,12 +218,15 @@ class SD3Policy(lora_utils.AdapterMethods):
 
 def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
                        dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The MMDiT's inputs as :meth:`SD3Policy.velocity` passes them: latents ``(B, C, H/8, W/8)``, CLIP + T5
-    text ``(B, 77 + L, D)``, pooled CLIP ``(B, P)``."""
+    """The MMDiT's inputs as :meth:`SD3Policy.velocity` passes them: latents ``(B, C, H/f, W/f)``, CLIP + T5
+    text ``(B, N + L, D)``, pooled CLIP ``(B, P)``. ``size``'s optional ``vae_scale_spatial`` (``f``) and
+    ``clip_tokens`` (``N``), read from the folder's VAE and tokenizer configs, replace the released VAE's 8 and
+    CLIP's 77 (a tiny twin's differ)."""
     new = zeros_factory(device, dtype)
-    h, w = int(size["height"]) // 8, int(size["width"]) // 8
+    f, clip = int(size.get("vae_scale_spatial") or 8), int(size.get("clip_tokens") or 77)
+    h, w = int(size["height"]) // f, int(size["width"]) // f
     return dict(hidden_states=new(batch, config.in_channels, h, w), timestep=torch.full((batch,), 500.0, device=device),
-                encoder_hidden_states=new(batch, 77 + int(size["max_sequence_length"]), config.joint_attention_dim),
+                encoder_hidden_states=new(batch, clip + int(size["max_sequence_length"]), config.joint_attention_dim),
                 pooled_projections=new(batch, config.pooled_projection_dim), return_dict=False)
 
 

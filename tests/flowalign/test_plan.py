@@ -93,16 +93,25 @@ print(read("VmHWM") - base - sum(p.numel() * p.element_size() for p in transform
 """
 
 
+def _as_planned(folder, size: dict) -> dict:
+    """``size`` with what the plan reads from ``folder``'s configs (its VAE's factor, CLIP's length): the real
+    forward a test measures runs at the tiny twin's own shapes, as the plan sizes them."""
+    from flowalign.plan import _text_lengths, _vae_scales
+
+    return {**size, **_vae_scales(folder), **_text_lengths(folder)}
+
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="peak resident memory read from /proc")
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_activation_estimate_is_within_30_percent_of_the_measured_peak(tiny_model_dir, family):
+@pytest.mark.parametrize("family, side", [("sd3", 128), ("flux", 256)])  # the tiny SD3's VAE halves twice, not 3 times
+def test_activation_estimate_is_within_30_percent_of_the_measured_peak(tiny_model_dir, family, side):
     folder = tiny_model_dir(family)
-    batch, size = 16, {"height": 256, "width": 256, "max_sequence_length": 32}
+    batch, size = 16, {"height": side, "width": side, "max_sequence_length": 32}
     cfg = load_config(None, [f"model.path={folder}", f"trainer.batch_size={batch}", "trainer.guidance_scale=1",
                              f"model.defaults={json.dumps(size)}", "model.finetune=full"])
     estimate = inspect_model(cfg, folder).activations.per_rank(checkpointed=False) * batch
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    out = subprocess.run([sys.executable, "-c", MEASURE, family, str(folder), str(batch), json.dumps(size)],
+    out = subprocess.run([sys.executable, "-c", MEASURE, family, str(folder), str(batch), json.dumps(_as_planned(folder, size))],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     measured = int(out.stdout.strip().splitlines()[-1])
@@ -316,7 +325,8 @@ def test_a_lora_forward_is_sized_as_the_policys_own_adapter_saves_it(tiny_model_
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer").to(torch.bfloat16)
     setup_training(transformer, lora={"rank": 4, "alpha": 8}, full_finetune=False, default_targets=DEFAULT_LORA_TARGETS)
     real = saved_activation_bytes(transformer, block_modules(transformer),
-                                  transformer_inputs("sd3", transformer.config, 2, size, device="cpu", dtype=torch.bfloat16))
+                                  transformer_inputs("sd3", transformer.config, 2, _as_planned(folder, size), device="cpu",
+                                                     dtype=torch.bfloat16))
     assert 2 * planned["lora"].in_blocks == pytest.approx(real.in_blocks, rel=0.01) and real.in_blocks > 0
     assert 2 * planned["lora"].outside == pytest.approx(real.outside, rel=0.01)
     assert planned["full"].in_blocks != pytest.approx(planned["lora"].in_blocks, rel=0.05)
@@ -387,7 +397,8 @@ def test_a_shallow_lora_counts_the_adapter_on_its_blocks_only(tiny_model_dir, fa
     setup_training(transformer, lora={"rank": 4, "alpha": 8, "blocks": blocks}, full_finetune=False,
                    default_targets=list(targets))
     saved = saved_activation_bytes(transformer, block_modules(transformer),
-                                   transformer_inputs(family, transformer.config, 2, size, device="cpu", dtype=torch.bfloat16))
+                                   transformer_inputs(family, transformer.config, 2, _as_planned(folder, size), device="cpu",
+                                                      dtype=torch.bfloat16))
     assert 2 * shallow.activations.in_blocks == pytest.approx(saved.in_blocks, rel=0.01)
     assert shallow.activations.in_blocks < every.activations.in_blocks
 
@@ -477,3 +488,25 @@ def test_plan_suggests_no_strategy_the_trainer_refuses(monkeypatch):
     grpo = load_config(REPO_ROOT / "configs" / "tiny" / "flow_grpo_vvr.yaml")
     assert fsdp_refusal(grpo) is None
     assert "fsdp" in plan_text(grpo, REPO_ROOT / grpo.model.path, 4, 80).split("memory per rank")[1].splitlines()[1]
+
+
+def test_the_tiny_sd3_plan_sizes_the_latents_and_text_its_policy_makes(tmp_path, monkeypatch):
+    """The SD3 inputs read the VAE's factor from its block_out_channels (the tiny twin's VAE halves twice: 4,
+    not the released 8) and CLIP's length from its tokenizer (48, not 77): a planned rollout sample's latent
+    and conditioning (both CFG branches) are the bytes of the ones a real tiny rollout holds."""
+    from flowalign.train import build_trainer
+    from tests.tiny_recipes import one_step
+
+    monkeypatch.chdir(REPO_ROOT)
+    path = REPO_ROOT / "configs" / "tiny" / "flow_grpo_vvr.yaml"
+    cfg = load_config(path, one_step(path, tmp_path / "run"))
+    trainer = build_trainer(cfg)
+    rollout = trainer.sample(["a red circle"] * 2, [{}, {}], torch.tensor([0, 0]), torch.tensor([0, 0]), 0).chunks[0]
+    model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
+    assert rollout.latents.dtype == torch.float32 and rollout.latents.shape[-2:] == (16, 16)  # 64 px / 4
+    assert model.rollout.latent == rollout.latents[:1, 0].nbytes
+    assert model.rollout.conditioning == sum(t[:1].nbytes for t in rollout.cond.tensors.values())
+    assert model.rollout.decoded == rollout.samples[:1].nbytes
+    # the released architecture keeps its 8 and 77
+    sd35 = inspect_model(_sd35(), ARCH / "sd3.5-medium")
+    assert sd35.rollout.latent == 16 * (512 // 8) ** 2 * 4
