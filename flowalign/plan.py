@@ -349,6 +349,9 @@ def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inpu
     per_block: dict[int, int] = {}
     block_inputs = [0]
     seen_inputs: set[int] = set()
+    # the inputs counted stay referenced until the forward ends: a freed storage's address may be reused by a
+    # later block's input, which would then be taken for one already counted (different in every process)
+    counted: list[torch.Tensor] = []
     current = [None]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -366,6 +369,7 @@ def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inpu
             for a in [*args, *kwargs.values()]:
                 if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata not in seen_inputs:
                     seen_inputs.add(a.untyped_storage()._cdata)
+                    counted.append(a)
                     block_inputs[0] += a.untyped_storage().nbytes()
         return hook
 
