@@ -74,7 +74,7 @@ from flowalign.component_config import library_module, read_component_config
 from flowalign.config import TrainConfig
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
-from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings, step_holdings
+from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings
 from flowalign.trainers import trainer_config
 from flowalign.trainers.copies import device_copies, device_own_params, swaps_in
 
@@ -541,7 +541,7 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     both = spec.transformer_inputs(transformer.config, per_sample * (2 if twice else 1), size, dtype=dtype)
     rollout = rollout_sample_bytes(both, per_sample, size)  # a rollout keeps both branches' conditioning
     decode = _decode_bytes(cfg, spec, models, both.get("hidden_states"), per_sample)
-    encodes = any(m.encoding for m in step_holdings(trainer, tcfg).moments)  # images of its own (offline pairs)
+    encodes = any(m.encoding for m in trainer.step_holdings(tcfg).moments)  # images of its own (offline pairs)
     # the rows that carry gradients in the training forward: the conditional half alone under a detached CFG
     rows = per_sample * (2 if twice and trainer.grads_through_unconditional(tcfg) else 1)
     inputs = both if rows == per_sample * (2 if twice else 1) else \
@@ -762,7 +762,7 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = N
     trainer, tcfg = trainer_config(cfg.trainer)
     copies = trainer.weight_copies(cfg, tcfg)
     prompts, group, steps = trainer.rollouts_per_step(tcfg)
-    holdings = step_holdings(trainer, tcfg)
+    holdings = trainer.step_holdings(tcfg)
     if holdings.samples_per_prompt is not None:
         group = holdings.samples_per_prompt
     extra = device_copies(copies, "trained") + int(tcfg.ema_decay > 0)

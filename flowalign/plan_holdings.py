@@ -10,10 +10,9 @@ and scoring (:attr:`StepHoldings.moments`), each counted whole; the planner adds
 over the update's own peak.
 
 Each trainer states its own, read from its code (:meth:`flowalign.trainers.base.GroupTrainer.step_holdings`,
-the loop's default unless overridden: Self-OPD, KVPO, Diffusion-DPO, GARDO); this module holds the vocabulary
-they state it in and the counts they share. A Flow-GRPO-family trainer with a KL that states only the loop's
-default also keeps its reference step means through the update, counted here (:func:`reference_means`) from
-the option groups of its section.
+the loop's default unless overridden: Self-OPD, KVPO, Diffusion-DPO, GARDO, and the Flow-GRPO family, whose
+step with a KL also keeps its reference step means, one per step :meth:`FlowGRPOTrainer.reference_steps` counts
+as each preset picks its steps); this module holds the vocabulary they state it in and the counts they share.
 """
 
 from __future__ import annotations
@@ -76,53 +75,3 @@ def self_opd_branched_steps(tcfg: Any) -> int:
     if not tcfg.step_weights:
         return min(tcfg.branch_steps, high)
     return min(tcfg.branch_steps, sum(1 for w in list(tcfg.step_weights)[:high] if w > 0))
-
-
-def flow_grpo_reference_steps(tcfg: Any) -> int:
-    """Steps of each sample whose KL reference mean a Flow-GRPO-family step stores (``FlowGRPOTrainer.prepare``
-    and ``plan``, unsharded), read from the option groups the section has, as the trainers pick them: the SDE
-    steps (every step, the step to σ = 0 unless ``sde_last_step`` is off, or an ``sde_window``; a preset that
-    places its own: MixGRPO's ``window_size``, else one, TempFlow-GRPO's branching step or Flash-GRPO's
-    ``k_c``); of those the first ``⌊T·timestep_fraction⌋`` (at least one), or DanceGRPO's draw of
-    ``⌊fraction·(T−1)⌋`` before the last; and where each epoch trains a subset (``steps_per_chunk``, the draw),
-    at most that many an inner epoch. An upper bound where epochs draw the same steps."""
-    from flowalign.trainers.flow_grpo import SDEWindowOptions, StepFractionOptions, StepSubsetOptions
-    from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
-
-    t = tcfg.num_steps
-    if isinstance(tcfg, SDEWindowOptions):
-        steps = tcfg.sde_window if tcfg.sde_window else (t if tcfg.sde_last_step else t - 1)
-    else:
-        steps = min(t, int(getattr(tcfg, "window_size", 1)))
-    per_epoch = steps
-    if isinstance(tcfg, DrawnStepOptions):
-        steps = min(steps, t - 1)
-        per_epoch = min(steps, int(tcfg.timestep_fraction * (t - 1)))
-    elif isinstance(tcfg, StepFractionOptions):
-        steps = per_epoch = max(1, min(steps, int(tcfg.timestep_fraction * t)))
-    if isinstance(tcfg, StepSubsetOptions) and 0 < tcfg.steps_per_chunk < steps:
-        per_epoch = tcfg.steps_per_chunk
-    return min(steps, per_epoch * tcfg.inner_epochs)
-
-
-def reference_means(trainer: type, tcfg: Any) -> StepHoldings | None:
-    """The loop's step of a Flow-GRPO-family trainer with a KL (``beta > 0``) that does not state its own
-    holdings: its rollouts, and every sample's reference step means (:func:`flow_grpo_reference_steps`
-    float32 latents), computed while the rewards are scored and in ``plan``, kept through the update; under
-    fsdp none is kept (:attr:`Holding.means`). None for any other trainer."""
-    from flowalign.trainers.base import GroupTrainer
-    from flowalign.trainers.flow_grpo import FlowGRPOTrainer
-
-    own = getattr(trainer.step_holdings, "__func__", None)
-    if not issubclass(trainer, FlowGRPOTrainer) or own is not GroupTrainer.step_holdings.__func__ or tcfg.beta <= 0:
-        return None
-    g = trainer.rollouts_per_step(tcfg)[1]
-    base = loop_holdings(g)
-    return StepHoldings(Holding(rollouts=g, means=g * flow_grpo_reference_steps(tcfg)), base.moments)
-
-
-def step_holdings(trainer: type, tcfg: Any) -> StepHoldings:
-    """What a step of ``trainer`` with the section ``tcfg`` holds per prompt: its own statement
-    (:meth:`flowalign.trainers.base.GroupTrainer.step_holdings`), with a Flow-GRPO-family trainer's reference
-    step means where it keeps them and states only the loop's default (:func:`reference_means`)."""
-    return reference_means(trainer, tcfg) or trainer.step_holdings(tcfg)

@@ -56,7 +56,8 @@ What a trainer declares about itself, read by the loop and by ``flowalign plan``
 (only the options it reads, assembled from :mod:`flowalign.trainers.options`), :meth:`GroupTrainer.weight_copies`
 (the copies of weights it holds) and its step's footprint (:meth:`GroupTrainer.training_batch`,
 :meth:`GroupTrainer.rollouts_per_step`, :meth:`GroupTrainer.keeps_velocities`,
-:meth:`GroupTrainer.grads_through_unconditional`). A trainer file reads top to bottom: its config, its loss
+:meth:`GroupTrainer.grads_through_unconditional`, and :meth:`GroupTrainer.step_holdings`: what a step keeps on
+the device, phase by phase, stated from its own ``collect``, ``prepare`` and ``plan``). A trainer file reads top to bottom: its config, its loss
 as a pure function with the formula in the docstring, then the hooks. ``docs/guide/adding-a-trainer.md``
 walks through writing one.
 

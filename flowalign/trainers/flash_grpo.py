@@ -88,6 +88,11 @@ class FlashGRPOTrainer(FlowGRPOTrainer):
     Config = FlashGRPOConfig
     tcfg: FlashGRPOConfig
 
+    @classmethod
+    def reference_steps(cls, tcfg: FlashGRPOConfig) -> int:
+        """The group's one SDE step ``k_c``, the same in every inner epoch."""
+        return 1
+
     @property
     def sampler(self) -> str:  # type: ignore[override]
         """Its step has the Flow-GRPO form (its own noise ``s_k``): the KL's coded gap is the step's σ gap."""

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from flowalign.config import Section
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
+from flowalign.plan_holdings import Holding, StepHoldings
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling import Rollout, StepOutput, sde_step
 from flowalign.sampling.windows import random_window_start
@@ -147,6 +148,13 @@ def guided_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Con
     return v_u + guidance * (v_c - v_u)
 
 
+def steps_over_epochs(steps: int, per_epoch: int, inner_epochs: int) -> int:
+    """Distinct steps of a rollout that ``inner_epochs`` epochs train when each picks ``per_epoch`` of its
+    ``steps`` candidates: all of them, or at most ``per_epoch`` new ones an epoch (an upper bound where epochs
+    pick the same)."""
+    return min(steps, per_epoch * inner_epochs)
+
+
 # ---------------------------------------------------------------------------------------------- hooks
 
 
@@ -179,6 +187,31 @@ class FlowGRPOTrainer(GroupTrainer):
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         """The KL term's ``μ_ref`` under full fine-tuning comes from a frozen copy of the starting weights."""
         return full_reference(tcfg) if tcfg.beta > 0 and cfg.model.finetune == "full" else []
+
+    @classmethod
+    def reference_steps(cls, tcfg) -> int:
+        """Steps of each sample whose KL reference mean a step stores (:meth:`prepare`, :meth:`plan`), as
+        :meth:`trained_steps` and :meth:`chosen_steps` pick them: of the SDE steps (every step, the step to
+        σ = 0 unless ``sde_last_step`` is off, or an ``sde_window``) the first ``⌊T·timestep_fraction⌋`` (at
+        least one), and with ``steps_per_chunk`` at most that many an inner epoch. A preset that picks its
+        steps otherwise overrides it."""
+        t = tcfg.num_steps
+        sde = tcfg.sde_window if tcfg.sde_window else (t if tcfg.sde_last_step else t - 1)
+        steps = max(1, min(sde, int(tcfg.timestep_fraction * t)))
+        per_epoch = tcfg.steps_per_chunk if 0 < tcfg.steps_per_chunk < steps else steps
+        return steps_over_epochs(steps, per_epoch, tcfg.inner_epochs)
+
+    @classmethod
+    def step_holdings(cls, tcfg) -> StepHoldings:
+        """The loop's step (its rollouts held through the update), and with a KL (``beta > 0``) every
+        sample's reference step means (:meth:`reference_steps` float32 latents), computed while the rewards
+        are scored and in :meth:`plan`, kept through the update; under fsdp the loss computes each one and
+        none is kept (:attr:`flowalign.plan_holdings.Holding.means`)."""
+        base = super().step_holdings(tcfg)
+        if tcfg.beta <= 0:
+            return base
+        g = cls.rollouts_per_step(tcfg)[1]
+        return StepHoldings(Holding(rollouts=g, means=g * cls.reference_steps(tcfg)), base.moments)
 
     def shares_initial_noise(self) -> bool:
         return self.tcfg.shared_initial_noise

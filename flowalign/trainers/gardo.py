@@ -197,18 +197,18 @@ class GARDOTrainer(FlowGRPOTrainer):
         reference snapshot is a copy of the trained tensors held all along (the weight copies count it with the
         EMA's, in every phase). With a KL (``beta > 0``) the reference's step means are computed with the
         snapshot swapped into the live parameters (the live values kept meanwhile) while the rewards are scored
-        and before the update (``flow_grpo_reference_steps`` float32 latents a sample, kept through the update);
+        and before the update (:meth:`reference_steps` float32 latents a sample, kept through the update);
         its refresh after the optimiser steps holds the old and new snapshot at once. Both are outside the
         update, while the gradients are freed. Without a KL none of this happens. GARDO refuses fsdp, so the
         means are always stored."""
-        from flowalign.plan_holdings import Holding, StepHoldings, flow_grpo_reference_steps, loop_holdings
+        from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings
 
         g = tcfg.group_size
         base = loop_holdings(g)
         moments = base.moments + ((Holding(rollouts=g, latents=g),) if tcfg.diversity else ())
         if tcfg.beta <= 0:
             return StepHoldings(base.update, moments, swaps=False)
-        means = g * flow_grpo_reference_steps(tcfg)
+        means = g * cls.reference_steps(tcfg)
         held = Holding(rollouts=g, latents=means)
         return StepHoldings(held, (*moments, Holding(rollouts=g, latents=means, swapping=True)), swaps=True)
 

@@ -17,7 +17,8 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout, sliding_window
 from flowalign.trainers.base import Sampling, StepBatch
-from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, StepSubsetOptions
+from flowalign.trainers.flow_grpo import (CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, StepSubsetOptions,
+                                           steps_over_epochs)
 from flowalign.trainers.options import ReferenceOptions
 
 
@@ -43,6 +44,13 @@ class MixGRPOTrainer(FlowGRPOTrainer):
         super().check_config(cfg, tcfg)
         if tcfg.num_steps < 3:
             raise UserError(f"trainer.num_steps={tcfg.num_steps}: mix_grpo's window needs at least 3 steps")
+
+    @classmethod
+    def reference_steps(cls, tcfg: MixGRPOConfig) -> int:
+        """The window's ``window_size`` steps (every one trained), at most ``steps_per_chunk`` an epoch."""
+        steps = min(tcfg.num_steps, tcfg.window_size)
+        per_epoch = tcfg.steps_per_chunk if 0 < tcfg.steps_per_chunk < steps else steps
+        return steps_over_epochs(steps, per_epoch, tcfg.inner_epochs)
 
     def window(self, step: int) -> tuple[int, int]:
         """``(start, width)`` of the SDE window at training step ``step``."""

@@ -27,6 +27,7 @@ from flowalign.advantages import WinRateNormalisation
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
+from flowalign.trainers.dance_grpo import drawn_reference_steps
 from flowalign.trainers.flow_grpo import (
     CPSOptions,
     FlowGRPOBase,
@@ -76,6 +77,11 @@ class PrefGRPOTrainer(FlowGRPOTrainer):
         check_drawn_steps(tcfg)
         check_best_of(tcfg)
         check_whole_groups(tcfg)
+
+    @classmethod
+    def reference_steps(cls, tcfg: PrefGRPOConfig) -> int:
+        """DanceGRPO's: ``⌊timestep_fraction·(T−1)⌋`` drawn steps an epoch (:func:`drawn_reference_steps`)."""
+        return drawn_reference_steps(tcfg)
 
     def advantage_options(self) -> dict[str, Any]:
         return {"win_rate_normalisation": self.tcfg.win_rate_normalisation,

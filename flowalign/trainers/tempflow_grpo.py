@@ -92,6 +92,11 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
         except ValueError as e:
             raise UserError(f"trainer.branch_steps: {e}, e.g. [0, 1, 2, 3]") from None
 
+    @classmethod
+    def reference_steps(cls, tcfg: TempFlowGRPOConfig) -> int:
+        """A rollout's one branching step, the same in every inner epoch."""
+        return 1
+
     @property
     def candidates(self) -> list[int]:
         return branch_candidates(self.tcfg.num_steps, self.tcfg.branch_steps)

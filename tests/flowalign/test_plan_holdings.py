@@ -290,7 +290,6 @@ def test_gardo_keeps_its_reference_means_through_the_update(overrides, tmp_path,
     """With a KL every sample's reference step means (float32 latents, one per trained step) are computed
     before the update and kept through it: the plan holds as many as the trainer stores."""
     from flowalign.plan import Rollout
-    from flowalign.plan_holdings import flow_grpo_reference_steps
 
     monkeypatch.chdir(REPO_ROOT)
     # brightness varies within every group: every chunk has advantages, so every chunk's means are stored
@@ -305,7 +304,7 @@ def test_gardo_keeps_its_reference_means_through_the_update(overrides, tmp_path,
     stored.update({id(u.reference): u.reference for units in plan.steps for u in units if u.reference is not None})
     chunk = batch.chunks[0]
     latent = chunk.latents[:1, 0].nbytes
-    n = flow_grpo_reference_steps(trainer.tcfg)
+    n = type(trainer).reference_steps(trainer.tcfg)
     assert sum(t.nbytes for t in stored.values()) == 2 * 2 * n * latent
     model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
     model = _no_update_peak(replace(model, rollout=Rollout(latent, model.rollout.conditioning, model.rollout.decoded)))
@@ -362,7 +361,6 @@ def test_the_flow_grpo_family_keeps_its_reference_means_with_a_kl(recipe, overri
     through the update: the plan of the same recipe with ``beta: 0`` is lower by exactly what one real step on
     the CPU stores, and under fsdp (where the loss computes them) by nothing."""
     from flowalign.plan import Rollout
-    from flowalign.plan_holdings import flow_grpo_reference_steps
 
     monkeypatch.chdir(REPO_ROOT)
     # brightness varies within every group: every chunk has advantages, so every chunk's means are stored
@@ -374,7 +372,7 @@ def test_the_flow_grpo_family_keeps_its_reference_means_with_a_kl(recipe, overri
     batch = trainer.collect(0)
     means = _stored_means(trainer, batch)
     latent = batch.chunks[0].latents[:1, 0].nbytes
-    n = flow_grpo_reference_steps(trainer.tcfg)
+    n = type(trainer).reference_steps(trainer.tcfg)
     assert len(means) and sum(t.nbytes for t in means) == 2 * 2 * n * latent
     assert {t.dtype for t in means} == {torch.float32}
     model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
