@@ -46,8 +46,9 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
   phase by phase (:meth:`flowalign.trainers.base.GroupTrainer.step_holdings`, in the vocabulary of
   :mod:`flowalign.plan_holdings`): Self-OPD's decoded branch candidates and KVPO's anchor streams while it
   scores (counted with sampling's peak), Diffusion-DPO's pairs (not its rollouts) through the update, KVPO
-  nothing then (its branches are in CPU memory), and a Flow-GRPO-family trainer with a KL its reference step
-  means (one float32 latent per trained step a sample; none under fsdp, where the loss computes them).
+  nothing then (its branches are in CPU memory), a Flow-GRPO-family trainer with a KL its reference step
+  means (one float32 latent per trained step a sample; none under fsdp, where the loss computes them), Flow-OPD
+  its teachers' step means beside them, or under velocity_distillation its states and targets, not rollouts.
 - strategies: a trainer that refuses fsdp (its ``check_config``, as GARDO's) is planned under ddp alone, and
   fsdp is never suggested to it as a fix.
 

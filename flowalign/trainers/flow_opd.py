@@ -47,6 +47,7 @@ from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
 from flowalign.paths import REPO_ROOT
+from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings
 from flowalign.protocols import Conditioning
 from flowalign.sampling import Rollout
 from flowalign.saved_weights import load_adapter_checked
@@ -240,6 +241,33 @@ class FlowOPDTrainer(FlowGRPOTrainer):
             return teachers + [WeightCopy("teacher")]
         anchored = cls.distils(tcfg) or tcfg.beta > 0
         return teachers + (full_reference(tcfg) if anchored and cfg.model.finetune == "full" else [])
+
+    @classmethod
+    def step_holdings(cls, tcfg: FlowOPDConfig) -> StepHoldings:
+        """What a step holds per prompt (:mod:`flowalign.plan_holdings`).
+
+        kl_reward_grpo: the loop's ``group_size`` rollouts and, per sample and trained step
+        (:meth:`reference_steps`), the routed teacher's step mean (:meth:`plan`, whatever ``beta``) and with
+        ``beta > 0`` the reference's, float32 latents kept through the update (none under fsdp, where the loss
+        computes both); the teachers' are computed with their weights swapped in (the live copy kept
+        meanwhile) beside the rollouts and the means. velocity_distillation (and a cold start): no step means;
+        the rollouts (ODE, ``group_size`` a prompt, decoded one chunk at a time) live only inside
+        :meth:`collect`, beside the prompts' conditionings, their ``T`` visited states concatenated, and the
+        :class:`DistillBatch` being filled (its states ``x``, the teachers' and, with ``anchor_weight > 0``, the
+        anchor's velocities there, ``S = states_per_sample`` a sample), the teachers' passes under their swapped-in
+        weights and the rewards scored on the concatenated decoded samples; the update keeps the batch alone."""
+        g, t = tcfg.group_size, tcfg.num_steps
+        if cls.distils(tcfg):
+            s = min(tcfg.states_per_sample or t, t)
+            batch = g * s * (2 + (tcfg.anchor_weight > 0))  # x, v_teacher, v_anchor: (B, S, ...) each
+            held = Holding(latents=batch, conditionings=g)
+            visited = Holding(rollouts=g, conditionings=g, latents=g * t + batch, swapping=True)
+            scoring = Holding(rollouts=g, conditionings=g, latents=g * t + batch, decoded=g)
+            return StepHoldings(held, (Holding(rollouts=g, conditionings=g, decoding=True), visited, scoring))
+        base = loop_holdings(g)
+        means = g * cls.reference_steps(tcfg) * (1 + (tcfg.beta > 0))  # the teachers' and the reference's
+        return StepHoldings(Holding(rollouts=g, means=means),
+                            (*base.moments, Holding(rollouts=g, means=means, swapping=True)))
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:

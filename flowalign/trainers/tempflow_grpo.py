@@ -93,6 +93,15 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
             raise UserError(f"trainer.branch_steps: {e}, e.g. [0, 1, 2, 3]") from None
 
     @classmethod
+    def rollouts_per_step(cls, tcfg: TempFlowGRPOConfig) -> tuple[int, int, int]:
+        """every_step: each prompt group rolls out ``group_size`` branches at each of its ``|K|`` branching steps,
+        ``|K|·group_size`` samples a prompt (:meth:`collect`); one_step: the loop's ``group_size``."""
+        prompts, group, steps = super().rollouts_per_step(tcfg)
+        if tcfg.branching == "every_step":
+            group *= len(branch_candidates(tcfg.num_steps, tcfg.branch_steps))
+        return prompts, group, steps
+
+    @classmethod
     def reference_steps(cls, tcfg: TempFlowGRPOConfig) -> int:
         """A rollout's one branching step, the same in every inner epoch."""
         return 1

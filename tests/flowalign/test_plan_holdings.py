@@ -381,3 +381,74 @@ def test_the_flow_grpo_family_keeps_its_reference_means_with_a_kl(recipe, overri
     for strategy, kept in (("ddp", sum(t.nbytes for t in means)), ("fsdp", 0)):
         with_kl, no_kl = (sum(memory_rows(model, settings(c, strategy, 2, model)).values()) for c in (cfg, without))
         assert with_kl - no_kl == pytest.approx(kept)
+
+
+def test_tempflow_every_step_holds_a_rollout_per_branch_and_step(tmp_path, monkeypatch):
+    """``branching: every_step`` rolls out ``group_size`` branches at each of the ``|K|`` branching steps of a
+    prompt: the plan holds as many rollouts as one real step draws (|K|·G a prompt, not G), and with a KL one
+    reference step mean each (its one SDE step)."""
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _tiny("tempflow_grpo_vvr", tmp_path, "trainer.beta=0.04", "trainer.ema_decay=0", "trainer.prompts_per_step=2",
+                "trainer.group_size=2", "trainer.num_steps=4", "trainer.branch_steps=[0, 1, 2]", "trainer.inner_epochs=1",
+                "rewards=[{name: brightness, weight: 1.0}]")
+    trainer = build_trainer(cfg)
+    torch.manual_seed(0)
+    batch = trainer.collect(0)
+    drawn = sum(len(c) for c in batch.chunks)
+    assert drawn == 2 * 3 * 2
+    means = _stored_means(trainer, batch)
+    model = _no_update_peak(_measured_units(inspect_model(cfg, REPO_ROOT / cfg.model.path), trainer, ["a red circle"]))
+    assert sum(t.nbytes for t in means) == drawn * model.rollout.latent  # one step a rollout
+    s = settings(cfg, "ddp", 1, model)
+    assert s.samples == drawn
+    rows = memory_rows(model, s)
+    assert rows[HELD] == pytest.approx(drawn * s.sample_bytes(model.rollout) + sum(t.nbytes for t in means))
+
+
+@pytest.mark.parametrize("beta", [0.04, 0.0])
+def test_flow_opd_keeps_its_teachers_step_means_through_the_update(beta, tmp_path, monkeypatch):
+    """kl_reward_grpo stores, unsharded, the routed teacher's step mean at every trained (chunk, step), whatever
+    ``beta``, and with ``beta > 0`` the reference's beside it: the plan holds as many float32 latents as one real
+    step stores, and under fsdp (where the loss computes both) none."""
+    monkeypatch.chdir(REPO_ROOT)
+    common = ("trainer.ema_decay=0", "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.batch_size=2",
+              "trainer.num_steps=4", "trainer.timestep_fraction=0.5")
+    cfg = _tiny("flow_opd_kl_vvr", tmp_path, f"trainer.beta={beta}", *common)
+    trainer = build_trainer(cfg)
+    torch.manual_seed(0)
+    batch = trainer.collect(0)
+    plan = trainer.plan(batch, torch.Generator().manual_seed(0))
+    teachers = {id(u.teacher): u.teacher for units in plan.steps for u in units if u.teacher is not None}
+    references = {id(t): t for t in (batch.prepared or {}).values()}
+    references.update({id(u.reference): u.reference for units in plan.steps for u in units if u.reference is not None})
+    stored = [*teachers.values(), *references.values()]
+    assert {t.dtype for t in stored} == {torch.float32}
+    latent = batch.chunks[0].latents[:1, 0].nbytes
+    n = type(trainer).reference_steps(trainer.tcfg)
+    assert n == 2 and sum(t.nbytes for t in teachers.values()) == 2 * 2 * n * latent
+    assert sum(t.nbytes for t in references.values()) == (2 * 2 * n * latent if beta else 0)
+    model = _no_update_peak(_measured_units(inspect_model(cfg, REPO_ROOT / cfg.model.path), trainer, ["a red circle"]))
+    for strategy, kept in (("ddp", sum(t.nbytes for t in stored)), ("fsdp", 0)):
+        s = settings(cfg, strategy, 1, model)
+        assert memory_rows(model, s)[HELD] == pytest.approx(s.rollout_bytes(model.rollout) + kept)
+
+
+def test_flow_opd_velocity_distillation_holds_its_states_and_targets_not_rollouts(tmp_path, monkeypatch):
+    """velocity_distillation stores no step mean (whatever ``beta``): through the update it keeps its batch of
+    states and targets (``x``, the teachers' and the anchor's velocities, S a sample, and the conditionings),
+    its rollouts gone with ``collect``; the plan holds exactly what one real step's batch holds."""
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _tiny("flow_opd_vvr", tmp_path, "trainer.beta=0.04", "trainer.cold_start_steps=0", "trainer.ema_decay=0",
+                "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.batch_size=2", "trainer.num_steps=4",
+                "trainer.states_per_sample=3")
+    trainer = build_trainer(cfg)
+    torch.manual_seed(0)
+    batch = trainer.collect(0)
+    assert batch.x.shape[:2] == (4, 3) and batch.v_anchor is not None
+    targets = batch.x.nbytes + batch.v_teacher.nbytes + batch.v_anchor.nbytes
+    cond = sum(t.nbytes for t in batch.cond.tensors.values())
+    model = _no_update_peak(_measured_units(inspect_model(cfg, REPO_ROOT / cfg.model.path), trainer, ["a red circle"]))
+    assert targets == 4 * 3 * 3 * model.rollout.latent and cond == 4 * model.rollout.conditioning
+    for strategy in ("ddp", "fsdp"):
+        rows = memory_rows(model, settings(cfg, strategy, 1, model))
+        assert rows[HELD] == pytest.approx(targets + cond)
