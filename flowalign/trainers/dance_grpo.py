@@ -20,11 +20,10 @@ from pydantic import Field
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
-from flowalign.trainers.flow_grpo import (CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions,
-                                           steps_over_epochs)
+from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
 from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.parts.best_worst import BestWorstOptions, best_and_worst, check_best_of
-from flowalign.trainers.parts.drawn_steps import DrawnStepOptions, check_drawn_steps, drawn_steps
+from flowalign.trainers.parts.drawn_steps import DrawnStepOptions, check_drawn_steps, drawn_reference_steps, drawn_steps
 from flowalign.trainers.parts.global_plan import ChunkRef
 
 
@@ -37,16 +36,6 @@ class DanceGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SD
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     shared_initial_noise: bool = True
     advantage: str = Field("group", pattern="^(group|global_std|gdpo|win_rate)$")
-
-
-def drawn_reference_steps(tcfg: DanceGRPOConfig | DrawnStepOptions) -> int:
-    """Steps of each sample whose KL reference mean a step stores when :func:`drawn_steps` picks them: the SDE
-    steps before the last (every step, or the ``sde_window``), ``⌊fraction·(T−1)⌋`` of them an inner epoch
-    (DanceGRPO, Pref-GRPO)."""
-    t = tcfg.num_steps
-    sde = tcfg.sde_window if tcfg.sde_window else (t if tcfg.sde_last_step else t - 1)
-    candidates = min(sde, t - 1)
-    return steps_over_epochs(candidates, min(candidates, int(tcfg.timestep_fraction * (t - 1))), tcfg.inner_epochs)
 
 
 class DanceGRPOTrainer(FlowGRPOTrainer):

@@ -27,7 +27,6 @@ from flowalign.advantages import WinRateNormalisation
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
-from flowalign.trainers.dance_grpo import drawn_reference_steps
 from flowalign.trainers.flow_grpo import (
     CPSOptions,
     FlowGRPOBase,
@@ -44,6 +43,7 @@ from flowalign.trainers.parts.best_worst import (
 from flowalign.trainers.parts.drawn_steps import (
     DrawnStepOptions,
     check_drawn_steps,
+    drawn_reference_steps,
     drawn_steps,
 )
 from flowalign.trainers.parts.global_plan import ChunkRef

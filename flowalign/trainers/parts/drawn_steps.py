@@ -42,3 +42,15 @@ def drawn_steps(steps: tuple[int, ...] | list[int], num_steps: int, fraction: fl
         return candidates
     pick = torch.randperm(len(candidates), generator=generator)
     return [candidates[j] for j in sorted(pick[:n].tolist())]
+
+
+def drawn_reference_steps(tcfg: Any) -> int:
+    """Steps of each sample whose KL reference mean a step stores when :func:`drawn_steps` picks them: the SDE
+    steps before the last (every step, or the ``sde_window``), ``⌊fraction·(T−1)⌋`` of them an inner epoch, all
+    of them at most (an upper bound where epochs pick the same). ``tcfg``: a config with
+    :class:`DrawnStepOptions`, ``num_steps``, ``sde_window``, ``sde_last_step`` and ``inner_epochs``."""
+    t = tcfg.num_steps
+    sde = tcfg.sde_window if tcfg.sde_window else (t if tcfg.sde_last_step else t - 1)
+    candidates = min(sde, t - 1)
+    per_epoch = min(candidates, int(tcfg.timestep_fraction * (t - 1)))
+    return min(candidates, per_epoch * tcfg.inner_epochs)
