@@ -421,8 +421,23 @@ def decode_peak_bytes(vae: nn.Module, latent: torch.Size | tuple[int, ...], dtyp
     """Bytes alive at the peak of ``vae.decode`` of meta latents of ``latent`` shape (no grad, the VAE in
     ``dtype``): Wan's causal decoder keeps two frames of every convolution's input, at full resolution
     in its last stages, so a chunk of videos can outweigh the training pass."""
-    key = (type(vae).__qualname__, json.dumps(dict(vae.config), sort_keys=True, default=str), tuple(latent), str(dtype))
-    if key not in _DECODES:
+    return _vae_peak_bytes(vae, "decode", tuple(latent), dtype)
+
+
+def encode_peak_bytes(vae: nn.Module, image: tuple[int, ...], dtype: torch.dtype) -> float:
+    """Bytes alive at the peak of ``vae.encode`` of one meta image of ``image`` shape ``(1, 3, H, W)`` (no grad,
+    the VAE in ``dtype``), as a policy's ``encode_images`` encodes them: one at a time."""
+    return _vae_peak_bytes(vae, "encode", tuple(image), dtype)
+
+
+#: what a meta decode's or encode's peak was, by direction, VAE class, config, input shape and dtype
+_VAE_PEAKS: dict[tuple, float] = {}
+
+
+def _vae_peak_bytes(vae: nn.Module, direction: str, shape: tuple[int, ...], dtype: torch.dtype) -> float:
+    key = (direction, type(vae).__qualname__, json.dumps(dict(vae.config), sort_keys=True, default=str), shape,
+           str(dtype))
+    if key not in _VAE_PEAKS:
         from diffusers.utils import logging as diffusers_logging
 
         level = diffusers_logging.get_verbosity()
@@ -433,34 +448,10 @@ def decode_peak_bytes(vae: nn.Module, latent: torch.Size | tuple[int, ...], dtyp
             diffusers_logging.set_verbosity(level)
         live = _LiveBytes()
         with torch.no_grad(), live:
-            vae.decode(torch.zeros(*latent, device="meta", dtype=dtype), return_dict=False)
-        _DECODES[key] = float(live.peak)
-    return _DECODES[key]
-
-
-#: what a meta decode's peak was, by VAE class, config, latent shape and dtype
-_DECODES: dict[tuple, float] = {}
-
-
-def encode_peak_bytes(vae: nn.Module, image: tuple[int, ...], dtype: torch.dtype) -> float:
-    """Bytes alive at the peak of ``vae.encode`` of one meta image of ``image`` shape ``(1, 3, H, W)`` (no grad,
-    the VAE in ``dtype``), as a policy's ``encode_images`` encodes them: one at a time."""
-    key = ("encode", type(vae).__qualname__, json.dumps(dict(vae.config), sort_keys=True, default=str), tuple(image),
-           str(dtype))
-    if key not in _DECODES:
-        from diffusers.utils import logging as diffusers_logging
-
-        level = diffusers_logging.get_verbosity()
-        diffusers_logging.set_verbosity_error()
-        try:
-            vae = vae.to(dtype)
-        finally:
-            diffusers_logging.set_verbosity(level)
-        live = _LiveBytes()
-        with torch.no_grad(), live:
-            vae.encode(torch.zeros(*image, device="meta", dtype=dtype))
-        _DECODES[key] = float(live.peak)
-    return _DECODES[key]
+            run = vae.decode if direction == "decode" else vae.encode
+            run(torch.zeros(*shape, device="meta", dtype=dtype), return_dict=False)
+        _VAE_PEAKS[key] = float(live.peak)
+    return _VAE_PEAKS[key]
 
 
 def _encode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], latent: Any, size: dict[str, Any]) -> float:
