@@ -41,21 +41,28 @@ def test_split_rows(markdown: str) -> list[dict]:
     return rows
 
 
+def short_name(method: str) -> str:
+    """A row's method cell cut to the method's name (before its first comma or parenthesis), marked when the
+    row is a former form kept beside the current one."""
+    name = re.split(r",| \(", method.replace("`", ""), maxsplit=1)[0].strip()
+    former = any(word in method for word in ("earlier", "former", "measured before", "before the authors"))
+    return f"{name} (former form)" if former else name
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12, 6))
+    fig, ax = plt.subplots(figsize=(12, 8))
     ax.axhline(0.0, color="grey", lw=1)
     markers = {"easy": "o", "medium": "s", "motion": "^"}
     for row in rows:
         level = next((k for k in ("motion", "medium", "easy") if k in row["level"]), "easy")
         x, y = row["minutes"], row["mean"] - row["base"]
         ax.errorbar(x, y, yerr=[[row["mean"] - row["lo"]], [row["hi"] - row["mean"]]], fmt=markers[level],
-                    capsize=3, label=f"{row['method']} ({row['level']})")
-        ax.annotate(row["method"], (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+                    capsize=3, label=f"{short_name(row['method'])} ({row['level']})")
     ax.set_xlabel("training minutes per seed (one thread)")
     ax.set_ylabel("test accuracy − base (points; bars: min-max over seeds)")
     ax.set_title("Held-out (test split) accuracy change against training compute, every method")
