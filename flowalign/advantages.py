@@ -28,13 +28,15 @@ def _group_mean_std(values: torch.Tensor, groups: torch.Tensor, unbiased: bool =
 
 
 def group_advantages(
-    rewards: torch.Tensor, groups: torch.Tensor, *, std: Literal["group", "global"] = "group", eps: float = 1e-4
+    rewards: torch.Tensor, groups: torch.Tensor, *, std: Literal["group", "global"] = "group", eps: float = 1e-4,
+    unbiased: bool = False,
 ) -> torch.Tensor:
     """Flow-GRPO: ``A_i = (R_i − mean_group R) / (std + eps)``, population std of the group or of the whole
-    gathered batch (``global_std``, the SD3/FLUX default)."""
-    rewards = rewards.float()
-    mean, group_std = _group_mean_std(rewards, groups)
-    scale = group_std if std == "group" else rewards.std(unbiased=False).expand_as(rewards)
+    gathered batch (``global_std``, the SD3/FLUX default); ``unbiased``: the std divided by n − 1 (DanceGRPO's
+    ``Tensor.std()``). Computed in float32, or float64 for float64 ``rewards``."""
+    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    mean, group_std = _group_mean_std(rewards, groups, unbiased)
+    scale = group_std if std == "group" else rewards.std(unbiased=unbiased).expand_as(rewards)
     return (rewards - mean) / (scale + eps)
 
 
@@ -172,6 +174,7 @@ def compute_advantages(
     pairwise_weight: float = 0.5,
     win_rate_normalisation: WinRateNormalisation = "weighted_sum",
     batch_renormalise: bool = False,
+    unbiased: bool = False,
 ) -> torch.Tensor:
     """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
     ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards; ``win_rate``
@@ -179,12 +182,13 @@ def compute_advantages(
     are pairwise judges already), or with ``win_rate_normalisation="per_reward"`` the authors' form
     (:func:`per_reward_win_rate_advantages`); ``batch_renormalise`` (their ``--apply_gdpo``) renormalises
     either over the batch (:func:`batch_renormalised`); ``dual`` mixes a
-    pointwise and a pairwise group by ``pairwise_weight`` (:func:`dual_group_advantages`)."""
+    pointwise and a pairwise group by ``pairwise_weight`` (:func:`dual_group_advantages`); ``unbiased``: the
+    ``group`` and ``global_std`` std divided by n − 1."""
     total = components.float() @ weights.float()
     if kind == "group":
-        adv = group_advantages(total, groups, std="group", eps=eps)
+        adv = group_advantages(total, groups, std="group", eps=eps, unbiased=unbiased)
     elif kind == "global_std":
-        adv = group_advantages(total, groups, std="global", eps=eps)
+        adv = group_advantages(total, groups, std="global", eps=eps, unbiased=unbiased)
     elif kind == "gdpo":
         adv = gdpo_advantages(components, weights, groups, eps=eps)
     elif kind == "win_rate" and win_rate_normalisation == "per_reward":

@@ -45,6 +45,7 @@ from flowalign.trainers.parts.drawn_steps import (
     check_drawn_steps,
     drawn_reference_steps,
     drawn_steps,
+    per_sample_batch,
 )
 from flowalign.trainers.parts.global_plan import ChunkRef
 from flowalign.trainers.parts.groups import check_whole_groups
@@ -88,9 +89,11 @@ class PrefGRPOTrainer(FlowGRPOTrainer):
                 "batch_renormalise": self.tcfg.batch_renormalise}
 
     def collect(self, step: int) -> StepBatch:
-        """The loop's batch; with ``best_of`` the other samples' advantages are zeroed (not trained)."""
+        """The loop's batch; with ``best_of`` the other samples' advantages are zeroed (not trained); with
+        ``step_draw: per_sample`` split into one-sample chunks (:func:`per_sample_batch`)."""
         batch = super().collect(step)
-        return best_and_worst(batch, self.tcfg.best_of) if self.tcfg.best_of else batch
+        batch = best_and_worst(batch, self.tcfg.best_of) if self.tcfg.best_of else batch
+        return per_sample_batch(batch) if self.tcfg.step_draw == "per_sample" else batch
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
         """Every stochastic step is a candidate (the random draw is in :meth:`chosen_steps`)."""

@@ -1,22 +1,27 @@
-"""DanceGRPO's trained steps: a random fraction of a rollout's first T−1 steps, drawn per rollout batch and
-epoch (DanceGRPO, and Pref-GRPO whose scripts are DanceGRPO's)."""
+"""DanceGRPO's trained steps: a random fraction of a rollout's first T−1 steps, drawn per sample (or per rollout
+batch) and epoch (DanceGRPO, and Pref-GRPO whose scripts are DanceGRPO's)."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from flowalign.config import Section
 from flowalign.errors import UserError
+from flowalign.trainers.rollouts import StepBatch
 
 
 class DrawnStepOptions(Section):
     """How many of the first T−1 steps a rollout batch trains, drawn at random."""
 
-    #: train ⌊fraction·(T−1)⌋ of the first T−1 steps, drawn at random per rollout batch and epoch (the authors' 0.6)
+    #: train ⌊fraction·(T−1)⌋ of the first T−1 steps, drawn at random per sample and epoch (the authors' 0.6)
     timestep_fraction: float = Field(0.6, gt=0, le=1)
+    #: per_sample: every sample draws its own steps, as the authors' per-sample ``torch.randperm`` (each trained
+    #: unit is one sample at one step); per_batch: the samples of a rollout batch share one draw (batched forwards)
+    step_draw: Literal["per_sample", "per_batch"] = "per_sample"
 
 
 def check_drawn_steps(tcfg: Any) -> None:
@@ -54,3 +59,18 @@ def drawn_reference_steps(tcfg: Any) -> int:
     candidates = min(sde, t - 1)
     per_epoch = min(candidates, int(tcfg.timestep_fraction * (t - 1)))
     return min(candidates, per_epoch * tcfg.inner_epochs)
+
+
+def per_sample_batch(batch: StepBatch) -> StepBatch:
+    """``batch`` with every rollout batch split into one-sample chunks, so that each sample draws its own steps
+    (:func:`drawn_steps` is keyed by the chunk's identity, here its one sample's (group, member)), as the
+    authors train: sample by sample, each at its own ``perms[i]``. The advantages keep their order; the
+    reference means ``prepare`` computed per rollout batch, ``{(chunk, k): (B, ...)}``, are split alike."""
+    chunks, starts = [], []
+    for chunk in batch.chunks:
+        starts.append(len(chunks))
+        chunks.extend(chunk.select([j]) for j in range(len(chunk)))
+    prepared = batch.prepared
+    if prepared:
+        prepared = {(starts[i] + j, k): mean[j:j + 1] for (i, k), mean in prepared.items() for j in range(len(mean))}
+    return dataclasses.replace(batch, chunks=chunks, prepared=prepared)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowalign.advantages import best_worst_mask
+from flowalign.advantages import best_worst_mask, group_advantages
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.trainers import trainer_config
@@ -14,7 +14,7 @@ from flowalign.trainers.base import StepBatch
 from flowalign.trainers.dance_grpo import DanceGRPOTrainer
 from flowalign.trainers.flow_grpo import FlowGRPOTrainer
 from flowalign.trainers.parts.best_worst import best_and_worst
-from flowalign.trainers.parts.drawn_steps import drawn_steps
+from flowalign.trainers.parts.drawn_steps import drawn_steps, per_sample_batch
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly, trainer
@@ -42,7 +42,15 @@ def test_steps_per_chunk_is_not_a_dance_grpo_setting():
         trainer_config({"name": "dance_grpo", "steps_per_chunk": 2})
 
 
-def test_shared_noise_dance_sde_and_a_random_subset_of_steps(tmp_path, tiny_sd3_dir, prompt_file):
+def _drawn(plan) -> dict[int, list[int]]:
+    """The trained steps of each chunk in the plan's first optimiser step."""
+    per_chunk: dict[int, list[int]] = {}
+    for unit in plan.steps[0]:
+        per_chunk.setdefault(unit.chunk, []).append(unit.k)
+    return per_chunk
+
+
+def test_shared_noise_dance_sde_and_a_random_subset_of_steps_per_sample(tmp_path, tiny_sd3_dir, prompt_file):
     t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
                                    "trainer.batch_size=2", "trainer.num_steps=5"))
     batch = t.collect(0)
@@ -52,13 +60,80 @@ def test_shared_noise_dance_sde_and_a_random_subset_of_steps(tmp_path, tiny_sd3_
         assert all(torch.equal(members[0], m) for m in members)  # one x_T per group
     chunk = batch.chunks[0]
     assert chunk.sampler == "dance" and chunk.trained_steps() == [0, 1, 2, 3, 4]  # SDE on every step
-    plan = t.plan(batch, torch.Generator().manual_seed(0))
-    per_chunk = {}
-    for unit in plan.steps[0]:
-        per_chunk.setdefault(unit.chunk, []).append(unit.k)
-    assert all(len(ks) == 2 for ks in per_chunk.values())  # ⌊0.6·(5−1)⌋ steps per rollout batch
-    assert all(max(ks) < 4 for ks in per_chunk.values())  # the step to σ = 0 is sampled, never trained
+    assert all(len(c) == 1 for c in batch.chunks) and len(batch.chunks) == len(batch.groups)  # one sample each
+    per_sample = _drawn(t.plan(batch, torch.Generator().manual_seed(0)))
+    assert len(per_sample) == int((batch.advantages != 0).sum())  # every sample with an advantage trains
+    assert all(len(ks) == 2 for ks in per_sample.values())  # ⌊0.6·(5−1)⌋ steps per sample
+    assert all(max(ks) < 4 for ks in per_sample.values())  # the step to σ = 0 is sampled, never trained
+    assert len({tuple(ks) for ks in per_sample.values()}) > 1  # drawn per sample, not one fixed prefix
+
+
+def test_per_batch_draw_shares_one_draw_across_a_rollout_batch(tmp_path, tiny_sd3_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
+                                   "trainer.batch_size=2", "trainer.num_steps=5", "trainer.step_draw=per_batch"))
+    batch = t.collect(0)
+    assert all(len(c) == 2 for c in batch.chunks)
+    per_chunk = _drawn(t.plan(batch, torch.Generator().manual_seed(0)))
+    assert all(len(ks) == 2 and max(ks) < 4 for ks in per_chunk.values())
     assert len({tuple(ks) for ks in per_chunk.values()}) > 1  # drawn per batch, not one fixed prefix
+
+
+def test_per_sample_batch_keeps_every_sample_its_advantage_and_reference_mean(tmp_path, tiny_sd3_dir, prompt_file):
+    """Splitting a batch into one-sample chunks keeps the samples, their order, advantages and (with a KL) the
+    reference means ``prepare`` computed per rollout batch, row for row."""
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
+                                   "trainer.batch_size=2", "trainer.num_steps=3", "trainer.step_draw=per_batch"))
+    batch = t.collect(0)
+    means = {(i, k): t.reference_mean(c, k) for i, c in enumerate(batch.chunks) for k in (0, 1)}
+    split = per_sample_batch(replace_prepared(batch, means))
+    assert torch.equal(split.samples, batch.samples) and split.prompts == batch.prompts
+    assert [len(c) for c in split.chunks] == [1] * len(batch.groups)
+    assert all(torch.equal(a, b) for a, b in zip(split.per_chunk(split.advantages), batch.advantages.split(1)))
+    assert split.chunk_keys() == [(int(g), m) for g, m in _members(batch.groups)]
+    for (i, k), mean in means.items():
+        for j in range(len(mean)):
+            assert torch.equal(split.prepared[2 * i + j, k], mean[j:j + 1])
+
+
+def replace_prepared(batch: StepBatch, prepared: dict) -> StepBatch:
+    import dataclasses
+    return dataclasses.replace(batch, prepared=prepared)
+
+
+def _members(groups: torch.Tensor) -> list[tuple[int, int]]:
+    seen: dict[int, int] = {}
+    out = []
+    for g in groups.tolist():
+        out.append((g, seen.get(g, 0)))
+        seen[g] = out[-1][1] + 1
+    return out
+
+
+ADVANTAGES = json.loads((Path(__file__).parent / "known_answers" / "dance_grpo_advantages.json").read_text())
+
+
+@pytest.mark.parametrize("case", ADVANTAGES["cases"], ids=range(len(ADVANTAGES["cases"])))
+def test_advantages_equal_the_authors(case):
+    """``advantage_std: unbiased`` is the authors' (r − mean)/(Tensor.std() + 1e-8) per group of consecutive
+    samples (their ``--use_group``; known_answers/dance_grpo_advantages.json); the population std differs."""
+    rewards = torch.tensor(case["rewards"], dtype=torch.float64)
+    groups = torch.arange(len(rewards)) // case["num_generations"]
+    assert case["use_group"]
+    ours = group_advantages(rewards, groups, std="group", eps=1e-8, unbiased=True)
+    expected = torch.tensor(case["advantages"], dtype=torch.float64)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-9)
+    population = group_advantages(rewards, groups, std="group", eps=1e-8)
+    if expected.abs().max() > 0:
+        assert not torch.allclose(population, expected, rtol=1e-3)
+
+
+def test_the_trainer_passes_the_unbiased_std_to_the_loop():
+    from flowalign.trainers.dance_grpo import DanceGRPOConfig
+    t = DanceGRPOTrainer.__new__(DanceGRPOTrainer)
+    t.tcfg = DanceGRPOConfig()
+    assert t.advantage_options() == {"unbiased": True, "eps": 1e-8}
+    t.tcfg = DanceGRPOConfig(advantage_std="population")
+    assert t.advantage_options() == {}
 
 
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "dance_grpo_step_selection.json").read_text())
@@ -84,13 +159,22 @@ def test_a_fraction_that_trains_no_step_is_refused(tmp_path, tiny_sd3_dir, promp
                                    "trainer.num_steps=2", "trainer.timestep_fraction=0.5"))
 
 
-def test_on_policy_ratio_is_exactly_one(tmp_path, tiny_sd3_dir, prompt_file):
-    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo"))
-    chunk = t.collect(0).chunks[0]
-    for k in chunk.trained_steps():
-        with torch.no_grad():
-            again = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
-        assert torch.equal(again.log_prob, chunk.step(k)[2])
+def test_on_policy_ratio_is_exactly_one_per_batch_and_one_up_to_kernel_noise_per_sample(tmp_path, tiny_sd3_dir,
+                                                                                          prompt_file):
+    """``per_batch`` recomputes the rollout's own batch: ratio exactly 1 on a CPU. ``per_sample`` forwards one
+    sample where the rollout forwarded its batch (as the authors' trainer does): 1 up to float kernels."""
+    for draw in ("per_batch", "per_sample"):
+        t = build_trainer(small_config(tmp_path / draw, tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
+                                       f"trainer.step_draw={draw}"))
+        chunks = t.collect(0).chunks
+        assert len(chunks[0]) == (1 if draw == "per_sample" else t.tcfg.batch_size)
+        for k in chunks[0].trained_steps():
+            with torch.no_grad():
+                again = t.step_distribution(chunks[0], k, t.policy_velocity(chunks[0], k, True))
+            if draw == "per_batch":
+                assert torch.equal(again.log_prob, chunks[0].step(k)[2])
+            else:
+                assert (again.log_prob - chunks[0].step(k)[2]).abs().max() < 1e-4
 
 
 def test_best_of_zeroes_the_middle_samples(tmp_path, tiny_sd3_dir, prompt_file):
@@ -111,7 +195,8 @@ def test_the_loss_is_flow_grpos(tmp_path, tiny_sd3_dir, prompt_file):
     flow = trainer(tmp_path / "f", tiny_sd3_dir, prompt_file, *common, "trainer.timestep_fraction=1.0",
                    "trainer.steps_per_chunk=2")
     dance = trainer(tmp_path / "d", tiny_sd3_dir, prompt_file, *common, "trainer.name=dance_grpo",
-                    "trainer.sampler=flow_grpo", "trainer.timestep_fraction=0.5")
+                    "trainer.sampler=flow_grpo", "trainer.timestep_fraction=0.5", "trainer.step_draw=per_batch",
+                    "trainer.advantage_std=population")
     flow.train()
     dance.train()
     a, b = flow.trainable_state(), dance.trainable_state()

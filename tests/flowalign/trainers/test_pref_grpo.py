@@ -123,11 +123,19 @@ def test_the_batch_advantages_are_the_authors_form_by_default(tmp_path, tiny_sd3
     x_T = torch.cat([c.latents[:, 0] for c in batch.chunks])
     for g in torch.unique(batch.groups):  # the authors' shared initial noise per group
         assert all(torch.equal(x_T[batch.groups == g][0], m) for m in x_T[batch.groups == g])
+    assert [len(c) for c in batch.chunks] == [1] * len(batch.groups)  # the authors' per-sample step draw
     chunk = batch.chunks[0]
-    for k in t.trained_steps(chunk):  # on-policy ratio exactly 1
+    for k in t.trained_steps(chunk):  # on-policy ratio 1 (up to kernel noise: a one-sample forward)
         with torch.no_grad():
             again = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
-        assert torch.equal(again.log_prob, chunk.step(k)[2])
+        assert (again.log_prob - chunk.step(k)[2]).abs().max() < 1e-4
+    t = build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, "trainer.name=pref_grpo",
+                                   "trainer.step_draw=per_batch"))
+    chunk = t.collect(0).chunks[0]
+    for k in t.trained_steps(chunk):  # per_batch recomputes the rollout's own batch: exactly 1
+        with torch.no_grad():
+            again = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
+        assert len(chunk) == t.tcfg.batch_size and torch.equal(again.log_prob, chunk.step(k)[2])
 
 
 def test_the_former_form_is_an_option(tmp_path, tiny_sd3_dir, prompt_file):

@@ -93,3 +93,22 @@ def test_two_ranks_take_the_single_process_steps(layout_runs, tiny_sd3_dir, fine
         assert max((moved[k] - start[k]).abs().max().item() for k in moved) > 1e-5
     else:  # LoRA's B starts at zero
         assert max(v.abs().max().item() for k, v in moved.items() if "lora_B" in k) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun missing")
+def test_per_sample_step_draws_take_the_single_process_steps_on_two_ranks(tmp_path, tiny_sd3_dir, prompt_file):
+    """DanceGRPO's per-sample draw keys each sample's steps by its (group, member): 2 ranks draw and train what
+    one process does."""
+    args = small_run(tmp_path / "x", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo", "trainer.batch_size=2",
+                     "trainer.beta=0.04", "trainer.num_steps=4", "trainer.timestep_fraction=0.7")
+    one, ranks = tmp_path / "single", tmp_path / "ddp"
+    single(["train", "/dev/null", *args, f"run.output_dir={one}"])
+    torchrun(["train", "/dev/null", *args, f"run.output_dir={ranks}", "parallel.strategy=ddp",
+              "trainer.prompts_per_step=1"])
+    rows = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                        if "train/grad_norm" in line]
+    assert len(rows(ranks)) == len(rows(one)) == 2
+    for a, b in zip(rows(ranks), rows(one)):
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], abs=1e-5)
+    assert max_diff(weights(ranks, 2), weights(one, 2)) < 1e-5
