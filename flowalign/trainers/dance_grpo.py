@@ -20,19 +20,11 @@ from typing import Any, Literal
 from pydantic import Field
 
 from flowalign.limits import MAX_COEFFICIENT
-from flowalign.sampling import Rollout
-from flowalign.trainers.base import StepBatch
 from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
 from flowalign.trainers.options import ReferenceOptions
-from flowalign.trainers.parts.best_worst import BestWorstOptions, best_and_worst, check_best_of
-from flowalign.trainers.parts.drawn_steps import (
-    DrawnStepOptions,
-    check_drawn_steps,
-    drawn_reference_steps,
-    drawn_steps,
-    per_sample_batch,
-)
-from flowalign.trainers.parts.global_plan import ChunkRef
+from flowalign.trainers.parts.best_worst import BestWorstOptions
+from flowalign.trainers.parts.dance_loop import DanceLoop
+from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
 
 
 class DanceGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, DrawnStepOptions,
@@ -49,38 +41,9 @@ class DanceGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SD
     advantage_std: Literal["unbiased", "population"] = "unbiased"
 
 
-class DanceGRPOTrainer(FlowGRPOTrainer):
+class DanceGRPOTrainer(DanceLoop, FlowGRPOTrainer):
     Config = DanceGRPOConfig
     tcfg: DanceGRPOConfig
 
-    @classmethod
-    def reference_steps(cls, tcfg: DanceGRPOConfig) -> int:
-        """``⌊timestep_fraction·(T−1)⌋`` drawn steps an epoch (:func:`drawn_reference_steps`)."""
-        return drawn_reference_steps(tcfg)
-
-    @classmethod
-    def check_config(cls, cfg, tcfg) -> None:
-        super().check_config(cfg, tcfg)
-        check_drawn_steps(tcfg)
-        check_best_of(tcfg)
-
     def advantage_options(self) -> dict[str, Any]:
         return {"unbiased": True, "eps": 1e-8} if self.tcfg.advantage_std == "unbiased" else {}
-
-    def collect(self, step: int) -> StepBatch:
-        """The loop's batch; with ``best_of`` the other samples' advantages are zeroed (not trained); with
-        ``step_draw: per_sample`` split into one-sample chunks (:func:`per_sample_batch`)."""
-        batch = super().collect(step)
-        batch = best_and_worst(batch, self.tcfg.best_of) if self.tcfg.best_of else batch
-        return per_sample_batch(batch) if self.tcfg.step_draw == "per_sample" else batch
-
-    def trained_steps(self, chunk: Rollout) -> list[int]:
-        """Every stochastic step is a candidate (the random draw is in :meth:`chosen_steps`)."""
-        return chunk.trained_steps()
-
-    def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
-        """:func:`~flowalign.trainers.parts.drawn_steps.drawn_steps` of the chunk, drawn as Flow-GRPO's
-        ``steps_per_chunk`` draws them (keyed by the chunk's identity and the epoch, so the draw does not
-        depend on the rank layout)."""
-        return drawn_steps(chunk.steps, self.tcfg.num_steps, self.tcfg.timestep_fraction,
-                           self.keyed_generator(*chunk.key, epoch, 17))

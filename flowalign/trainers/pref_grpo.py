@@ -10,8 +10,8 @@ weighted sum of win rates, unrounded, normalised per group with the population s
 come from a pairwise judge (a reward whose ``pairwise`` attribute is true, e.g. ``unified_reward`` with
 ``mode: think_pairwise``, whose value already is the win rate) or, for any other reward, from comparing its
 scores. The rest is the authors' DanceGRPO-based loop, a preset of Flow-GRPO as ``dance_grpo`` is: shared initial noise per group, a
-random ``timestep_fraction`` of the first T−1 steps trained (:mod:`flowalign.trainers.parts.drawn_steps`),
-optionally only each group's best and worst samples (:mod:`flowalign.trainers.parts.best_worst`), and
+random ``timestep_fraction`` of the first T−1 steps trained, drawn per sample, and optionally only each group's
+best and worst samples (:mod:`flowalign.trainers.parts.dance_loop`), and
 Flow-GRPO's clipped surrogate unchanged:
 
     L = mean_{i,k} max(−A_i·r, −A_i·clip(r, 1−ε, 1+ε)),   r = exp(ℓ_k(θ) − ℓ_k(θ_old))
@@ -25,29 +25,11 @@ from pydantic import Field
 
 from flowalign.advantages import WinRateNormalisation
 from flowalign.limits import MAX_COEFFICIENT
-from flowalign.sampling import Rollout
-from flowalign.trainers.base import StepBatch
-from flowalign.trainers.flow_grpo import (
-    CPSOptions,
-    FlowGRPOBase,
-    FlowGRPOTrainer,
-    SDEOptions,
-    SDEWindowOptions,
-)
+from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
 from flowalign.trainers.options import ReferenceOptions
-from flowalign.trainers.parts.best_worst import (
-    BestWorstOptions,
-    best_and_worst,
-    check_best_of,
-)
-from flowalign.trainers.parts.drawn_steps import (
-    DrawnStepOptions,
-    check_drawn_steps,
-    drawn_reference_steps,
-    drawn_steps,
-    per_sample_batch,
-)
-from flowalign.trainers.parts.global_plan import ChunkRef
+from flowalign.trainers.parts.best_worst import BestWorstOptions
+from flowalign.trainers.parts.dance_loop import DanceLoop
+from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
 from flowalign.trainers.parts.groups import check_whole_groups
 
 
@@ -68,39 +50,15 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
     batch_renormalise: bool = True
 
 
-class PrefGRPOTrainer(FlowGRPOTrainer):
+class PrefGRPOTrainer(DanceLoop, FlowGRPOTrainer):
     Config = PrefGRPOConfig
     tcfg: PrefGRPOConfig
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
-        check_drawn_steps(tcfg)
-        check_best_of(tcfg)
         check_whole_groups(tcfg)
-
-    @classmethod
-    def reference_steps(cls, tcfg: PrefGRPOConfig) -> int:
-        """DanceGRPO's: ``⌊timestep_fraction·(T−1)⌋`` drawn steps an epoch (:func:`drawn_reference_steps`)."""
-        return drawn_reference_steps(tcfg)
 
     def advantage_options(self) -> dict[str, Any]:
         return {"win_rate_normalisation": self.tcfg.win_rate_normalisation,
                 "batch_renormalise": self.tcfg.batch_renormalise}
-
-    def collect(self, step: int) -> StepBatch:
-        """The loop's batch; with ``best_of`` the other samples' advantages are zeroed (not trained); with
-        ``step_draw: per_sample`` split into one-sample chunks (:func:`per_sample_batch`)."""
-        batch = super().collect(step)
-        batch = best_and_worst(batch, self.tcfg.best_of) if self.tcfg.best_of else batch
-        return per_sample_batch(batch) if self.tcfg.step_draw == "per_sample" else batch
-
-    def trained_steps(self, chunk: Rollout) -> list[int]:
-        """Every stochastic step is a candidate (the random draw is in :meth:`chosen_steps`)."""
-        return chunk.trained_steps()
-
-    def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
-        """``⌊timestep_fraction·(T−1)⌋`` of the chunk's first T−1 steps, drawn as DanceGRPO draws them (keyed by
-        the chunk's identity and the epoch)."""
-        return drawn_steps(chunk.steps, self.tcfg.num_steps, self.tcfg.timestep_fraction,
-                           self.keyed_generator(*chunk.key, epoch, 17))

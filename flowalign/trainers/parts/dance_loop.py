@@ -1,0 +1,46 @@
+"""DanceGRPO's loop around Flow-GRPO's loss, shared by DanceGRPO and Pref-GRPO (whose scripts are DanceGRPO's):
+the best/worst subset of each group, and ``⌊timestep_fraction·(T−1)⌋`` trained steps drawn per sample (or per
+rollout batch) and epoch (:mod:`flowalign.trainers.parts.drawn_steps`)."""
+
+from __future__ import annotations
+
+from flowalign.sampling import Rollout
+from flowalign.trainers.parts.best_worst import best_and_worst, check_best_of
+from flowalign.trainers.parts.drawn_steps import check_drawn_steps, drawn_reference_steps, drawn_steps, per_sample_batch
+from flowalign.trainers.parts.global_plan import ChunkRef
+from flowalign.trainers.rollouts import StepBatch
+
+
+class DanceLoop:
+    """Trainer hooks of the DanceGRPO loop; mixed in before ``FlowGRPOTrainer``, whose config then carries
+    :class:`~flowalign.trainers.parts.drawn_steps.DrawnStepOptions` and
+    :class:`~flowalign.trainers.parts.best_worst.BestWorstOptions`."""
+
+    @classmethod
+    def check_config(cls, cfg, tcfg) -> None:
+        super().check_config(cfg, tcfg)  # type: ignore[misc]
+        check_drawn_steps(tcfg)
+        check_best_of(tcfg)
+
+    @classmethod
+    def reference_steps(cls, tcfg) -> int:
+        """``⌊timestep_fraction·(T−1)⌋`` drawn steps an epoch (:func:`drawn_reference_steps`)."""
+        return drawn_reference_steps(tcfg)
+
+    def collect(self, step: int) -> StepBatch:
+        """The loop's batch; with ``best_of`` the other samples' advantages are zeroed (not trained); with
+        ``step_draw: per_sample`` split into one-sample chunks (:func:`per_sample_batch`)."""
+        batch = super().collect(step)  # type: ignore[misc]
+        batch = best_and_worst(batch, self.tcfg.best_of) if self.tcfg.best_of else batch
+        return per_sample_batch(batch) if self.tcfg.step_draw == "per_sample" else batch
+
+    def trained_steps(self, chunk: Rollout) -> list[int]:
+        """Every stochastic step is a candidate (the random draw is in :meth:`chosen_steps`)."""
+        return chunk.trained_steps()
+
+    def chosen_steps(self, chunk: ChunkRef, epoch: int) -> list[int]:
+        """:func:`~flowalign.trainers.parts.drawn_steps.drawn_steps` of the chunk, drawn as Flow-GRPO's
+        ``steps_per_chunk`` draws them (keyed by the chunk's identity and the epoch, so the draw does not
+        depend on the rank layout)."""
+        return drawn_steps(chunk.steps, self.tcfg.num_steps, self.tcfg.timestep_fraction,
+                           self.keyed_generator(*chunk.key, epoch, 17))
