@@ -21,7 +21,7 @@ import torch
 
 from flowalign.io import write_json
 from pipelines.pretrain import export as export_
-from pipelines.pretrain import anyflow_far, kontext, kontext_sr, sd3, wan
+from pipelines.pretrain import anyflow_far, kontext, kontext_sr, qwen_image_edit, sd3, wan
 from pipelines.pretrain.autoencoder import encode_latents, finetune_decoder, train_vae
 from pipelines.pretrain.data import cached, parse_mix, render_benchmark, synthetic_scenes, vocabulary
 from pipelines.pretrain.dit import flow_matching_loss, train_dit
@@ -30,7 +30,7 @@ from pipelines.pretrain.work_folder import claim_work_folder
 log = logging.getLogger("flowalign.pretrain")
 
 FAMILIES = {"sd3": sd3, "wan": wan, "kontext": kontext, "kontext_sr": kontext_sr,
-            "anyflow_far": anyflow_far}
+            "anyflow_far": anyflow_far, "qwen_image_edit": qwen_image_edit}
 
 
 def setup(args: argparse.Namespace, out: Path) -> None:
@@ -78,6 +78,8 @@ def redo_after_vae(out: Path) -> None:
 
 def train(family, data: dict, args: argparse.Namespace, out: Path):
     """Every training stage in order → ``(pipe, ema, max_sequence_length)``."""
+    if hasattr(family, "train"):  # a family with stages of its own (the unified model's reflection writer)
+        return family.train(data, args, out)
     pretrained = getattr(args, "init_from", None)
     if pretrained:
         pipe, max_seq = family.load_pretrained(Path(pretrained), args, data["prompts"])
@@ -107,6 +109,10 @@ def train(family, data: dict, args: argparse.Namespace, out: Path):
 
 def evaluate(family, folder: Path, n: int, out: Path) -> dict:
     """Held-out accuracy per level (and, for videos, what the VAE alone lets through) → ``OUT/eval.json``."""
+    if hasattr(family, "evaluate"):  # a family whose model is not evaluated as a text-to-image policy
+        results = family.evaluate(folder, n, out)
+        write_json(out / "eval.json", results)
+        return results
     results = export_.evaluate_levels(folder, family.BENCH, family.EVAL_LEVELS, n, out)
     if family is wan:
         import pipelines
