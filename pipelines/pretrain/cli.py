@@ -1,12 +1,14 @@
-"""``flowalign pretrain-tiny {sd3,wan,kontext,anyflow_far} --out DIR --export FOLDER``: pretrain a tiny world's model on CPU.
+"""``flowalign pretrain-tiny FAMILY --out DIR --export FOLDER``: pretrain a tiny world's model on CPU.
 
 ``sd3``: the SD3-format text-to-image model on rendered ``vvr`` scenes (``assets/tiny-sd3-vvr``); ``wan``:
 the Wan-format text-to-video model on rendered ``vvr_motion`` clips (``assets/tiny-wan-motion``);
 ``kontext``: the FLUX.1-Kontext-format editing model on rendered ``vvr_edit`` pairs, reusing the tiny SD3
 model's VAE and text encoders (``assets/tiny-kontext-vvr-edit``); ``anyflow_far``: the AnyFlow-FAR-format
 streaming video model on the same motion clips, made causal from the tiny Wan model
-(``assets/tiny-anyflow-far-motion``). The model cards in those folders record
-the exact commands that made them.
+(``assets/tiny-anyflow-far-motion``); ``kontext_sr``: the Kontext model fine-tuned for super-resolution
+(``assets/tiny-kontext-sr``); ``qwen_image_edit``: a Qwen-Image-Edit-format unified model whose VL encoder
+says what is wrong with an image and whose transformer fixes it (``assets/tiny-qwen-image-umm``). The model
+cards in those folders record the exact commands that made them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pipelines.pretrain.run import FAMILIES
 
     p = sub.add_parser("pretrain-tiny",
-                       help="pretrain a tiny SD3 (image), Wan (video), Kontext (editing) or AnyFlow-FAR (streaming video) model on rendered scenes",
+                       help="pretrain a tiny SD3 (image), Wan (video), Kontext (editing, super-resolution), AnyFlow-FAR (streaming "
+                            "video) or Qwen-Image-Edit (unified: reflects and revises) model on rendered scenes",
                        description="Pretrain a tiny world's model on CPU, in resumable stages (VAE, decoder, "
                                    "transformer), then export it as a diffusers folder.")
     families = p.add_subparsers(dest="family", required=True, metavar="FAMILY")
