@@ -46,4 +46,7 @@ class DanceGRPOTrainer(DanceLoop, FlowGRPOTrainer):
     tcfg: DanceGRPOConfig
 
     def advantage_options(self) -> dict[str, Any]:
-        return {"unbiased": True, "eps": 1e-8} if self.tcfg.advantage_std == "unbiased" else {}
+        """The authors' unbiased std + 1e-8 for the ``group`` / ``global_std`` advantages (the other kinds keep
+        their own normalisation)."""
+        unbiased = self.tcfg.advantage_std == "unbiased" and self.tcfg.advantage in ("group", "global_std")
+        return {"unbiased": True, "eps": 1e-8} if unbiased else {}

@@ -134,6 +134,8 @@ def test_the_trainer_passes_the_unbiased_std_to_the_loop():
     assert t.advantage_options() == {"unbiased": True, "eps": 1e-8}
     t.tcfg = DanceGRPOConfig(advantage_std="population")
     assert t.advantage_options() == {}
+    t.tcfg = DanceGRPOConfig(advantage="gdpo")  # another kind keeps its own normalisation
+    assert t.advantage_options() == {}
 
 
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "dance_grpo_step_selection.json").read_text())
