@@ -178,6 +178,8 @@ def load_policy(args: argparse.Namespace):
             load_ema_weights(policy, folder)
     elif getattr(args, "ema", False):
         raise UserError("--ema needs --adapter: a checkpoints/step-XXXXXX folder of a run with trainer.ema_decay > 0")
+    else:  # a unified model's own loop before any training (--rounds ...): its base for a umm_reflection run
+        policy, _ = reflecting_policy(policy, None, args)
     return policy
 
 
@@ -187,8 +189,8 @@ def add_reflection_args(p: argparse.ArgumentParser) -> None:
     from flowalign.trainers.umm_reflection import MAX_REFLECTION_TOKENS, MAX_ROUNDS
 
     g = p.add_argument_group("a unified model's reflection loop (default: the adapter's run's settings)")
-    add_number(g, "--rounds", type=int, lo=1, hi=MAX_ROUNDS, default=None,
-               help="most reflect -> revise rounds (trainer.rounds)")
+    add_number(g, "--rounds", type=int, lo=0, hi=MAX_ROUNDS, default=None,
+               help="most reflect -> revise rounds (trainer.rounds); 0: the first image alone")
     add_number(g, "--reflection-tokens", type=int, lo=1, hi=MAX_REFLECTION_TOKENS, default=None,
                help="most tokens of one reflection (trainer.max_new_tokens)")
     g.add_argument("--stop-phrase", default=None, help="a reflection holding it ends the loop (trainer.stop_phrase)")
@@ -201,13 +203,14 @@ REFLECTION_FLAGS = {"rounds": "rounds", "max_new_tokens": "reflection_tokens", "
                     "eval_temperature": "reflection_temperature"}
 
 
-def reflecting_policy(policy: Any, adapter: Path, args: argparse.Namespace) -> tuple[Any, Path]:
-    """``policy`` and the folder to load ``--adapter`` from. For a family that can write
+def reflecting_policy(policy: Any, adapter: Path | None, args: argparse.Namespace) -> tuple[Any, Path | None]:
+    """``policy`` and the folder to load ``--adapter`` from (None: no adapter). For a family that can write
     (``FamilySpec.unified``) and an adapter of a ``trainer.name=umm_reflection`` run (a run folder: its latest
-    checkpoint; a checkpoint inside one), or any ``--rounds`` / ``--stop-phrase`` / ... given: the family's
-    unified policy with the run's language LoRA settings, evaluating by its reflection loop (the run's
-    rounds, reflection length, stop phrase and evaluation temperature unless the flags say otherwise; the
-    run's ``eval_first_image_only`` scores the first image alone). Otherwise ``policy`` and ``adapter``."""
+    checkpoint; a checkpoint inside one), or any ``--rounds`` / ``--stop-phrase`` / ... given (with or without
+    an adapter): the family's unified policy with the run's language LoRA settings (the trainer's defaults
+    without a run), evaluating by its reflection loop (the run's rounds, reflection length, stop phrase and
+    evaluation temperature unless the flags say otherwise; the run's ``eval_first_image_only`` or
+    ``--rounds 0`` scores the first image alone). Otherwise ``policy`` and ``adapter``."""
     from flowalign import families, plugins
 
     family = getattr(policy, "family", None)  # a policy of no registered family cannot be wrapped
@@ -224,12 +227,12 @@ def reflecting_policy(policy: Any, adapter: Path, args: argparse.Namespace) -> t
     from flowalign.train import saved_run_config
     from flowalign.trainers.umm_reflection import UMMReflectionConfig
 
-    run_dir = (adapter if (adapter / "config.yaml").is_file()
+    run_dir = (None if adapter is None else adapter if (adapter / "config.yaml").is_file()
                else adapter.parent.parent if adapter.parent.name == "checkpoints" else None)
     trainer = ((saved_run_config(run_dir) if run_dir is not None else None) or {}).get("trainer") or {}
     if trainer.get("name") != "umm_reflection" and not given:
         return policy, adapter
-    if adapter == run_dir:
+    if run_dir is not None and adapter == run_dir:
         adapter = latest_checkpoint(run_dir)
         if adapter is None:
             raise UserError(f"--adapter {run_dir}: the run saved no checkpoint yet; give one of its "
@@ -240,7 +243,7 @@ def reflecting_policy(policy: Any, adapter: Path, args: argparse.Namespace) -> t
     setting.update(given)
     unified = plugins.load_target(spec.unified)(policy, int(setting["language_lora_rank"]),
                                                 float(setting["language_lora_alpha"]))
-    first_only = bool(setting["eval_first_image_only"]) and not given
+    first_only = (bool(setting["eval_first_image_only"]) and not given) or int(setting["rounds"]) == 0
     unified.reflection = None if first_only else Reflection(
         int(setting["rounds"]), int(setting["max_new_tokens"]), str(setting["stop_phrase"]),
         float(setting["eval_temperature"]))

@@ -533,6 +533,25 @@ def test_evaluate_runs_a_saved_runs_reflection_loop(saved_run, tmp_path):
     assert max(v.abs().max().item() for k, v in flow.items() if "lora_B" in k) > 0
 
 
+def test_evaluate_runs_the_base_models_own_loop_without_an_adapter(tmp_path):
+    """A unified model before any training is evaluated by its own loop when ``--rounds`` is given (the base
+    of a umm_reflection run): R rounds of reflections in the results; ``--rounds 0`` scores its first image
+    alone; without the flags the model is the editing family it is, which needs input images."""
+    common = ["evaluate", "--model", str(MODEL), "--bench", "vvr", "--n", "2", "--steps", "2", "--guidance", "1.0",
+              "--batch-size", "2", "--stop-phrase", "a phrase no reflection holds", "--reflection-tokens", "2"]
+    for rounds in ("0", "2"):
+        assert cli_main([*common, "--rounds", rounds, "--out", str(tmp_path / rounds)]) == 0, rounds
+    read = lambda name: [json.loads(line) for line in (tmp_path / name / "results.jsonl").read_text().splitlines()]
+    looped, first = read("2"), read("0")
+    assert all(r["notes"]["reflections"].startswith("1: ") and " | 2: " in r["notes"]["reflections"] for r in looped)
+    assert all("reflections" not in r.get("notes", {}) for r in first)
+    assert json.loads((tmp_path / "2" / "metrics.json").read_text())["reflection"]["rounds"] == 2
+    args = argparse.Namespace(model=str(MODEL), adapter=None, device="cpu", dtype="fp32", ema=False, rounds=None,
+                              max_new_tokens=None, reflection_tokens=None, stop_phrase=None,
+                              reflection_temperature=None)
+    assert not hasattr(load_policy(args), "reflection")  # no flags: the editing model itself
+
+
 def test_reflection_flags_are_refused_for_a_family_that_cannot_write(tmp_path, capsys):
     code = cli_main(["evaluate", "--model", str(REPO / "assets" / "tiny-sd3-vvr"), "--adapter", str(tmp_path),
                      "--rounds", "2", "--n", "1", "--out", str(tmp_path / "out")])
