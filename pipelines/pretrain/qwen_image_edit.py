@@ -80,6 +80,7 @@ from flowalign.io import atomic_path, write_json
 from flowalign.limits import MAX_BATCH, MAX_LR, MAX_MINUTES, MAX_SEQUENCE_LENGTH, MAX_TASKS, MAX_TRAIN_STEPS
 from pipelines.pretrain.autoencoder import AutoencoderRecipe
 from pipelines.pretrain.data import to_unit
+from pipelines.pretrain.work_folder import redo_after_vae
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -657,7 +658,6 @@ def train_transformer(pipe, data: dict, x0: torch.Tensor, args: argparse.Namespa
 def train(data: dict, args: argparse.Namespace, out: Path):
     """Every stage in order: VAE → latents → reflection writer → transformer → decoder → ``(pipe, ema, max_seq)``."""
     from pipelines.pretrain.autoencoder import encode_latents, finetune_decoder, train_vae
-    from pipelines.pretrain.run import redo_after_vae
 
     pipe, max_seq = build(work_tokenizer(out, training_texts(data)), args)
     _, wrong = reflection_examples(data)

@@ -11,7 +11,6 @@ import argparse
 import json
 import logging
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pipelines.pretrain import anyflow_far, kontext, kontext_sr, qwen_image_edit
 from pipelines.pretrain.autoencoder import encode_latents, finetune_decoder, train_vae
 from pipelines.pretrain.data import cached, parse_mix, render_benchmark, synthetic_scenes, vocabulary
 from pipelines.pretrain.dit import flow_matching_loss, train_dit
-from pipelines.pretrain.work_folder import claim_work_folder
+from pipelines.pretrain.work_folder import claim_work_folder, redo_after_vae
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -63,17 +62,6 @@ def load_data(family, args: argparse.Namespace, out: Path) -> dict:
     if getattr(args, "synthetic", False):
         return cached(out, lambda: synthetic_scenes(args.n_scenes, args.seed, args.size))
     return cached(out, lambda: render_benchmark(family.BENCH, args.n_scenes, parse_mix(args.mix), args.seed, args.size))
-
-
-def redo_after_vae(out: Path) -> None:
-    """A finished VAE stage given a larger budget: the latents and everything trained on them are stale."""
-    for stale in ("latents.safetensors", "dit", "decoder"):
-        path = out / stale
-        if path.is_dir():
-            shutil.move(path, out / f"{stale}.stale-{int(time.time())}")
-        elif path.exists():
-            path.unlink()
-    log.info("vae: latents, dit and decoder will be redone")
 
 
 def train(family, data: dict, args: argparse.Namespace, out: Path):

@@ -8,9 +8,14 @@ the folder is pretraining's; a ``train.log`` says so for folders from before the
 
 from __future__ import annotations
 
+import logging
+import shutil
+import time
 from pathlib import Path
 
 from flowalign.io import check_out_dir, marker_name, write_json
+
+log = logging.getLogger("flowalign.pretrain")
 
 WRITER = "pretrain-tiny"
 
@@ -28,3 +33,15 @@ def claim_work_folder(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if not (out / marker_name(WRITER)).exists():
         write_json(out / marker_name(WRITER), {"writer": WRITER, "entries": []})
+
+
+def redo_after_vae(out: Path) -> None:
+    """A finished VAE stage given a larger budget: the latents and everything trained on them are stale (stage
+    folders moved aside as ``NAME.stale-TIME``, the latent cache removed)."""
+    for stale in ("latents.safetensors", "dit", "decoder"):
+        path = out / stale
+        if path.is_dir():
+            shutil.move(path, out / f"{stale}.stale-{int(time.time())}")
+        elif path.exists():
+            path.unlink()
+    log.info("vae: latents, dit and decoder will be redone")
