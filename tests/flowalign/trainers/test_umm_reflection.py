@@ -51,9 +51,11 @@ RECIPE = REPO / "configs" / "tiny" / "umm_reflection_vvr.yaml"
 #: the authors' functions run on fixed numbers (waltstephen/UMM-Reflection @ 8510796, float64)
 KNOWN = Path(__file__).parent / "known_answers"
 MODEL = REPO / "assets" / "tiny-qwen-image-edit"
-#: 2 prompts × 2 trajectories, 2 rounds of 2-token reflections; "s" ends some trajectories after round 1
-#: and one after round 2 with this seed (asserted below, so a change of the tiny model shows)
-SMALL = ("trainer.prompts_per_step=2", "trainer.max_new_tokens=2", "trainer.stop_phrase=s", "trainer.rounds=2")
+#: 2 prompts × 2 trajectories, 2 rounds of 2-token reflections on the untrained twin (its random writer's
+#: mechanics, not the recipe's trained model); "s" ends some trajectories after round 1 and one after
+#: round 2 with this seed (asserted below, so a change of the tiny model shows)
+SMALL = ("trainer.prompts_per_step=2", "trainer.max_new_tokens=2", "trainer.stop_phrase=s", "trainer.rounds=2",
+         f"model.path={MODEL}")
 
 
 @pytest.fixture(scope="module")
@@ -457,7 +459,7 @@ def test_evaluation_scores_the_final_image_of_the_models_own_reflection_loop(tra
 
 def test_first_image_only_evaluation_is_an_option(tmp_path_factory):
     trainer = build_trainer(load_config(RECIPE, [*one_step(RECIPE, tmp_path_factory.mktemp("first") / "run"),
-                                                 "trainer.eval_first_image_only=true"]))
+                                                 f"model.path={MODEL}", "trainer.eval_first_image_only=true"]))
     assert trainer.policy.reflection is None
 
 
@@ -494,7 +496,8 @@ def saved_run(tmp_path_factory):
     """A one-step run of the tiny recipe whose weights moved (brightness differs between siblings' images
     where vvr scores 0 on the untrained twin), 2 rounds of 2-token reflections that never stop."""
     out = tmp_path_factory.mktemp("saved") / "run"
-    assert cli_main(["train", str(RECIPE), *one_step(RECIPE, out), "trainer.max_new_tokens=2", "trainer.rounds=2",
+    assert cli_main(["train", str(RECIPE), *one_step(RECIPE, out), f"model.path={MODEL}", "trainer.max_new_tokens=2",
+                     "trainer.rounds=2",
                      "trainer.stop_phrase=a phrase no reflection holds", "rewards=[{name: brightness, weight: 1.0}]",
                      "trainer.lr=0.01"]) == 0
     return out
