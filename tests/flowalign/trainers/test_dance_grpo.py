@@ -1,12 +1,13 @@
 """DanceGRPO: a preset of Flow-GRPO (docs/methods/dance_grpo.md)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from flowalign.advantages import best_worst_mask, group_advantages
+from flowalign.advantages import best_worst_mask, compute_advantages, group_advantages
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.trainers import trainer_config
@@ -85,7 +86,7 @@ def test_per_sample_batch_keeps_every_sample_its_advantage_and_reference_mean(tm
                                    "trainer.batch_size=2", "trainer.num_steps=3", "trainer.step_draw=per_batch"))
     batch = t.collect(0)
     means = {(i, k): t.reference_mean(c, k) for i, c in enumerate(batch.chunks) for k in (0, 1)}
-    split = per_sample_batch(replace_prepared(batch, means))
+    split = per_sample_batch(dataclasses.replace(batch, prepared=means))
     assert torch.equal(split.samples, batch.samples) and split.prompts == batch.prompts
     assert [len(c) for c in split.chunks] == [1] * len(batch.groups)
     assert all(torch.equal(a, b) for a, b in zip(split.per_chunk(split.advantages), batch.advantages.split(1)))
@@ -93,11 +94,6 @@ def test_per_sample_batch_keeps_every_sample_its_advantage_and_reference_mean(tm
     for (i, k), mean in means.items():
         for j in range(len(mean)):
             assert torch.equal(split.prepared[2 * i + j, k], mean[j:j + 1])
-
-
-def replace_prepared(batch: StepBatch, prepared: dict) -> StepBatch:
-    import dataclasses
-    return dataclasses.replace(batch, prepared=prepared)
 
 
 def _members(groups: torch.Tensor) -> list[tuple[int, int]]:
@@ -125,6 +121,17 @@ def test_advantages_equal_the_authors(case):
     population = group_advantages(rewards, groups, std="group", eps=1e-8)
     if expected.abs().max() > 0:
         assert not torch.allclose(population, expected, rtol=1e-3)
+
+
+def test_the_loops_advantages_take_the_unbiased_std(tmp_path, tiny_sd3_dir, prompt_file):
+    """A collected batch's advantages are the authors' (unbiased std + 1e-8), not Flow-GRPO's population std."""
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo"))
+    batch = t.collect(0)
+    scores = batch.scores
+    want = compute_advantages("group", scores.values, scores.weights, batch.prompt_ids, eps=1e-8, unbiased=True)
+    torch.testing.assert_close(batch.advantages, want)
+    population = compute_advantages("group", scores.values, scores.weights, batch.prompt_ids)
+    assert not torch.allclose(batch.advantages, population, rtol=1e-3)
 
 
 def test_the_trainer_passes_the_unbiased_std_to_the_loop():
