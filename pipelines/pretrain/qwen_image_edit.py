@@ -80,7 +80,7 @@ from flowalign.io import atomic_path, write_json
 from flowalign.limits import MAX_BATCH, MAX_LR, MAX_MINUTES, MAX_SEQUENCE_LENGTH, MAX_TASKS, MAX_TRAIN_STEPS
 from pipelines.pretrain.autoencoder import AutoencoderRecipe
 from pipelines.pretrain.data import to_unit
-from pipelines.pretrain.work_folder import redo_after_vae
+from pipelines.pretrain.work_folder import move_aside, redo_after_vae
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -519,11 +519,8 @@ def reflection_loss(language, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def redo_after_reflect(out: Path) -> None:
     """A finished reflect stage given a larger budget: the transformer was trained on the old encoder's
     hidden states, so its stage starts again (moved aside, as a VAE continuation moves its followers)."""
-    import shutil
-    import time
-
     if (out / "dit").is_dir():
-        shutil.move(out / "dit", out / f"dit.stale-{int(time.time())}")
+        move_aside(out, "dit")
         log.info("reflect: the dit stage will be redone")
 
 

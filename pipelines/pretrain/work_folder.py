@@ -35,13 +35,18 @@ def claim_work_folder(out: Path) -> None:
         write_json(out / marker_name(WRITER), {"writer": WRITER, "entries": []})
 
 
-def redo_after_vae(out: Path) -> None:
-    """A finished VAE stage given a larger budget: the latents and everything trained on them are stale (stage
-    folders moved aside as ``NAME.stale-TIME``, the latent cache removed)."""
-    for stale in ("latents.safetensors", "dit", "decoder"):
-        path = out / stale
+def move_aside(out: Path, *stale: str) -> None:
+    """Entries of ``out`` made stale by a stage given a larger budget: folders (stages) moved aside as
+    ``NAME.stale-TIME``, files (caches) removed."""
+    for name in stale:
+        path = out / name
         if path.is_dir():
-            shutil.move(path, out / f"{stale}.stale-{int(time.time())}")
+            shutil.move(path, out / f"{name}.stale-{int(time.time())}")
         elif path.exists():
             path.unlink()
+
+
+def redo_after_vae(out: Path) -> None:
+    """A finished VAE stage given a larger budget: the latents and everything trained on them are stale."""
+    move_aside(out, "latents.safetensors", "dit", "decoder")
     log.info("vae: latents, dit and decoder will be redone")
