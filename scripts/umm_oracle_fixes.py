@@ -23,6 +23,7 @@ from flowalign.benchmarks import load_benchmark
 from flowalign.reflection import instruction
 from flowalign.sampling.rollout import rollout
 from pipelines.unified import unified
+from rewards.vvr.prompts import indefinite
 from rewards.vvr.verify import verify
 
 
@@ -31,7 +32,7 @@ def oracle_fix(task: dict, detected: list[dict]) -> tuple[str, str | None]:
     has none). ``task``: a vvr task dict with one object; ``detected``: the verifier's objects."""
     (wanted,) = task["objects"]
     if not detected:
-        return "nothing drawn", f"add a {wanted['colour']} {wanted['shape']}"
+        return "nothing drawn", f"add {indefinite(wanted)}"
     if len(detected) > 1:
         return "several objects", None
     (seen,) = detected
