@@ -121,7 +121,9 @@ def summarise(base: Path, tuned: dict[int, Path], curves: dict[int, list[tuple[i
             "wins": wins, "losses": losses, "sign_test_p": sign_test_p(wins, losses), "seeds": per_seed}
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; overrides may also follow a one-value flag (``--base B key=value``), not ``--seeds``,
+    which takes every number after it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="config overrides (key=value) for every seed")
@@ -130,7 +132,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--base", default=None, help="an existing test evaluation of the base model to pair with")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_intermixed_args(argv)
+
+
+def main() -> None:
+    args = parse()
     out = Path(args.out)
     cfg = load_config(args.config, args.overrides)
     base = Path(args.base) if args.base else test_eval(cfg, out / "base", args.threads, None)

@@ -31,3 +31,11 @@ def test_reward_curve_reads_the_training_reward_of_each_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"step": 1, "reward/total": 0.2}, {"step": 1, "eval/accuracy": 0.5}, {"step": 2, "reward/total": 0.4}]))
     assert measure.reward_curve(tmp_path) == [(1, 0.2), (2, 0.4)]
+
+
+def test_overrides_may_come_before_or_after_the_one_value_flags():
+    parse = load_script("measure").parse
+    before = parse(["c.yaml", "a=1", "b=[{x: 1}]", "--seeds", "0", "1", "--base", "B", "--out", "O"])
+    after = parse(["c.yaml", "a=1", "--seeds", "0", "1", "--base", "B", "b=[{x: 1}]", "--out", "O"])
+    assert before.overrides == after.overrides == ["a=1", "b=[{x: 1}]"]
+    assert (after.seeds, after.base, after.out) == ([0, 1], "B", "O")
