@@ -2,8 +2,8 @@
 
     python scripts/umm_oracle_fixes.py --model assets/tiny-qwen-image-umm --split validation --n 100
 
-The model draws its first image of each easy `vvr` task (ODE, noise seed i, as `flowalign evaluate` draws
-it); the verifier says what is wrong; where the model's fix language can say it ("make the <seen colour>
+The model draws its first image of each easy `vvr` task (`flowalign evaluate --rounds 0`'s: ODE, noise seed i,
+the model's guidance); the verifier says what is wrong; where the model's fix language can say it ("make the <seen colour>
 <shape> <wanted colour>", "add a <colour> <shape>": the two kinds of fix its revisions were taught), that fix
 is the reflection, and one ODE revision follows. Printed: the first images' errors by kind, and how many of
 the failing ones the oracle's fix repairs. A bound on what any reflection policy trained on this model can
@@ -20,6 +20,7 @@ import torch
 
 import pipelines
 from flowalign.benchmarks import load_benchmark
+from flowalign.evaluation import sample_seeded
 from flowalign.reflection import instruction
 from flowalign.sampling.rollout import rollout
 from pipelines.unified import unified
@@ -49,16 +50,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="sampling steps (default: the model's flowalign.json)")
     args = p.parse_args()
 
-    policy = unified(pipelines.load(args.model, device="cpu", dtype="float32"))
+    policy = unified(pipelines.load(args.model, device="cpu", dtype="float32"))  # reflection None: first images
     steps = args.steps or int(policy.editor.defaults["num_steps"])
     bench = load_benchmark("vvr", "easy", args.n, None, split=args.split)
     tasks = [m["task"] for m in bench.metadata]
-    noise = [torch.Generator().manual_seed(i) for i in range(len(tasks))]
-    first = rollout(policy, bench.prompts, num_steps=steps, sampler="ode", guidance_scale=1.0, generators=noise,
-                    metadata=bench.metadata).samples.float().clamp(0, 1)
+    first = sample_seeded(policy, bench.prompts, seed=0, num_steps=steps, metadata=bench.metadata,
+                          progress=False).float().clamp(0, 1)  # what `flowalign evaluate --rounds 0` scores
 
     kinds: collections.Counter = collections.Counter()
-    fixes: dict[int, str] = {}
+    fixes: dict[int, tuple[str, str]] = {}  # failing first image -> (its error's kind, the oracle's fix)
     for i, task in enumerate(tasks):
         verdict = verify(task, first[i])
         if verdict.all_passed:
@@ -67,16 +67,15 @@ def main() -> None:
         kind, fix = oracle_fix(task, verdict.detected)
         kinds[kind] += 1
         if fix is not None:
-            fixes[i] = fix
+            fixes[i] = (kind, fix)
     repaired: collections.Counter = collections.Counter()
     if fixes:
         idx = list(fixes)
-        revised = rollout(policy.editor, [instruction(bench.prompts[i], fixes[i]) for i in idx],
+        revised = rollout(policy.editor, [instruction(bench.prompts[i], fixes[i][1]) for i in idx],
                           metadata=[{"image": first[i]} for i in idx], num_steps=steps, sampler="ode",
-                          guidance_scale=1.0, generators=[torch.Generator().manual_seed(10_000 + i) for i in idx])
+                          guidance_scale=None, generators=[torch.Generator().manual_seed(10_000 + i) for i in idx])
         for j, i in enumerate(idx):
-            kind, _ = oracle_fix(tasks[i], verify(tasks[i], first[i]).detected)
-            repaired[kind] += verify(tasks[i], revised.samples[j].float().clamp(0, 1)).all_passed
+            repaired[fixes[i][0]] += verify(tasks[i], revised.samples[j].float().clamp(0, 1)).all_passed
     failing = len(tasks) - kinds["passes"]
     print(json.dumps({"model": args.model, "split": args.split, "n": len(tasks), "num_steps": steps,
                       "first_images": dict(kinds), "oracle_fixes": len(fixes), "repaired": dict(repaired),
