@@ -45,6 +45,20 @@ def accelerator_kwargs(cfg: ParallelSection) -> list[Any]:
     return [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.timeout_s))]
 
 
+@contextmanager
+def process_group_released() -> Iterator[None]:
+    """Destroy the default process group when the block ends, however it ends: wrap the whole of a process's
+    runs (a group is made once per process and shared by them). A gloo process that exits
+    with its group alive can abort (SIGABRT, "terminate called without an active exception") while the
+    interpreter tears down: its worker threads still hold tensors. Destroying it here, with the
+    interpreter alive, makes the exit clean; in a single process there is no group and nothing to do."""
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def block_modules(module: nn.Module) -> list[nn.Module]:
     """The transformer's repeated blocks, each one FSDP unit.
 

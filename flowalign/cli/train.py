@@ -25,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     from flowalign.config import load_config
+    from flowalign.parallel import process_group_released
     from flowalign.train import check_run, train
 
     cfg = load_config(args.config, args.overrides)
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"{args.config}: config OK (trainer {tcfg.name}, {len(cfg.rewards)} reward(s), model {cfg.model.path}, "
               f"output {cfg.run.output_dir}); nothing was loaded or written")
         return
-    final = train(cfg, overwrite=args.overwrite)
+    with process_group_released():  # the process's group, shared by every run in it, ends with the command
+        final = train(cfg, overwrite=args.overwrite)
     if final:
         print(strict_json.dumps({k: v for k, v in final.items() if not isinstance(v, dict)}, indent=2))

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from flowalign.config import ParallelSection, load_config
 from flowalign.errors import UserError
-from flowalign.parallel import DDP, FSDP, block_modules, is_collective_failure, strategy
+from flowalign.parallel import DDP, FSDP, block_modules, is_collective_failure, process_group_released, strategy
 
 
 def test_an_unknown_strategy_is_a_one_line_error_naming_the_field():
@@ -98,6 +98,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _released(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: a collective inside ``process_group_released``, rank 1 then failing inside it; record
+    whether the group outlived the block."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        with process_group_released():
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            total = torch.tensor([rank + 1.0])
+            dist.all_reduce(total)
+            if rank == 1:
+                raise ValueError("a failing step")
+    except ValueError:
+        pass
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"sum": total.item(), "alive": dist.is_initialized()}))
+
+
+def test_the_process_group_is_destroyed_when_a_run_ends_or_fails(tmp_path):
+    """Left alive, a gloo group can abort the interpreter's exit (SIGABRT) after a run that succeeded."""
+    mp.spawn(_released, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks == [{"sum": 3.0, "alive": False}] * 2
 
 
 def _count_shards(rank: int, world: int, port: int, model_dir: str, out: str) -> None:

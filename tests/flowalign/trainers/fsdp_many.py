@@ -7,8 +7,10 @@ import json
 import sys
 
 from flowalign.config import load_config
+from flowalign.parallel import process_group_released
 from flowalign.train import train
 
 if __name__ == "__main__":
-    for overrides in json.loads(open(sys.argv[1]).read()):
-        train(load_config("/dev/null", overrides))
+    with process_group_released():
+        for overrides in json.loads(open(sys.argv[1]).read()):
+            train(load_config("/dev/null", overrides))
