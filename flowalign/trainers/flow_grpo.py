@@ -278,6 +278,8 @@ class FlowGRPOTrainer(GroupTrainer):
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
         """Inner epochs over the chunks with a non-zero advantage, ``updates_per_epoch`` optimiser steps
         each; every step accumulates over its chunks × trained steps (``steps_per_chunk``: a random subset).
+        Where :meth:`counts_zero_advantage`, the other chunks take their places in the steps and count in
+        their sizes without being run.
 
         The plan is global (:func:`global_plan` over every rank's chunks): each rank runs its own chunks'
         units, each weighted by 1 / the step's unit count over all ranks, so N ranks take the single
@@ -289,19 +291,25 @@ class FlowGRPOTrainer(GroupTrainer):
         local = [ChunkRef(key, self.rank, i, bool(adv[i].abs().sum() > 0), tuple(self.trained_steps(c)))
                  for i, (key, c) in enumerate(zip(batch.chunk_keys(), batch.chunks))]
         chunks = [c for refs in self.gather_objects(local) for c in refs]
-        steps = global_plan(chunks, self.tcfg.inner_epochs, self.tcfg.updates_per_epoch, generator, self.chosen_steps)
+        steps = global_plan(chunks, self.tcfg.inner_epochs, self.tcfg.updates_per_epoch, generator, self.chosen_steps,
+                            count_inactive=self.counts_zero_advantage())
         weights = self.sample_weights(batch)
         per_chunk = [None] * len(batch.chunks) if weights is None else batch.per_chunk(weights)
         references: dict[tuple[int, int], torch.Tensor] = dict(batch.prepared or {})
         units = []
         for n, pairs in enumerate(steps):
-            mine = [(c.index, k) for c, k in pairs if c.rank == self.rank]
+            mine = [(c.index, k) for c, k in pairs if c.rank == self.rank and c.active]
             if self.tcfg.beta > 0 and not self.parallel.sharded:
                 for key in mine:
                     if key not in references:
                         references[key] = self.reference_mean(batch.chunks[key[0]], key[1])
             units.append([StepUnit(i, k, len(pairs), n, per_chunk[i], references.get((i, k))) for i, k in mine])
         return Plan(units, global_weights=True)
+
+    def counts_zero_advantage(self) -> bool:
+        """Whether a chunk with no non-zero advantage counts in its optimiser step's size (not run: its
+        gradient is zero). Flow-GRPO's authors filter such samples out: no."""
+        return False
 
     def sample_weights(self, batch: StepBatch) -> torch.Tensor | None:
         """Per-sample loss weights ``(N,)`` of the batch (None: every sample weighs 1)."""

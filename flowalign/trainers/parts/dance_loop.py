@@ -4,6 +4,7 @@ rollout batch) and epoch (:mod:`flowalign.trainers.parts.drawn_steps`)."""
 
 from __future__ import annotations
 
+from flowalign.errors import UserError
 from flowalign.sampling import Rollout
 from flowalign.trainers.parts.best_worst import best_and_worst, check_best_of
 from flowalign.trainers.parts.drawn_steps import check_drawn_steps, drawn_reference_steps, drawn_steps, per_sample_batch
@@ -21,6 +22,10 @@ class DanceLoop:
         super().check_config(cfg, tcfg)  # type: ignore[misc]
         check_drawn_steps(tcfg)
         check_best_of(tcfg)
+        if tcfg.best_of and tcfg.zero_advantage == "counted":
+            raise UserError(f"trainer.best_of={tcfg.best_of} leaves samples out by zeroing their advantages, which "
+                            "trainer.zero_advantage=counted would count: set trainer.zero_advantage: skipped with "
+                            "best_of")
 
     @classmethod
     def reference_steps(cls, tcfg) -> int:
@@ -33,6 +38,10 @@ class DanceLoop:
         batch = super().collect(step)  # type: ignore[misc]
         batch = best_and_worst(batch, self.tcfg.best_of) if self.tcfg.best_of else batch
         return per_sample_batch(batch) if self.tcfg.step_draw == "per_sample" else batch
+
+    def counts_zero_advantage(self) -> bool:
+        """``zero_advantage: counted``: a batch with no non-zero advantage counts in its optimiser step's size."""
+        return self.tcfg.zero_advantage == "counted"
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
         """Every stochastic step is a candidate (the random draw is in :meth:`chosen_steps`)."""

@@ -22,6 +22,11 @@ class DrawnStepOptions(Section):
     #: per_sample: every sample draws its own steps, as the authors' per-sample ``torch.randperm`` (each trained
     #: unit is one sample at one step); per_batch: the samples of a rollout batch share one draw (batched forwards)
     step_draw: Literal["per_sample", "per_batch"] = "per_sample"
+    #: counted: a rollout batch (a sample, drawn per sample) whose advantages are all zero is not run (its
+    #: gradient is zero) but counts in the size of the optimiser step it falls in, as the authors' loops run it
+    #: and count it in their gradient_accumulation_steps × train_timesteps divisor; skipped: it neither runs nor
+    #: counts (Flow-GRPO's filter)
+    zero_advantage: Literal["counted", "skipped"] = "counted"
 
 
 def check_drawn_steps(tcfg: Any) -> None:

@@ -186,9 +186,40 @@ def test_on_policy_ratio_is_exactly_one_per_batch_and_one_up_to_kernel_noise_per
                 assert (again.log_prob - chunks[0].step(k)[2]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("name, updates", [("dance_grpo", 1), ("dance_grpo", 2), ("pref_grpo", 2)])
+def test_zero_advantage_samples_count_in_the_authors_divisor(tmp_path, tiny_sd3_dir, prompt_file, name, updates):
+    """Counted (the default; Pref-GRPO's loop is DanceGRPO's), every unit of an optimiser step is divided by the authors'
+    ``gradient_accumulation_steps × train_timesteps`` (the step's samples, zero-advantage ones included, × the
+    drawn steps); only samples with an advantage run. Skipped, the divisor counts the running samples only."""
+    plans = {}
+    for mode in ("counted", "skipped"):
+        t = build_trainer(small_config(tmp_path / mode, tiny_sd3_dir, prompt_file, f"trainer.name={name}",
+                                       "trainer.batch_size=4", "trainer.num_steps=5",
+                                       f"trainer.updates_per_epoch={updates}", f"trainer.zero_advantage={mode}"))
+        batch = t.collect(0)
+        n = len(batch.groups)
+        advantages = torch.tensor([1.0, -1.0, 0.0, 0.0] * (n // 4) + [0.5] * (n % 4))  # half of them zero
+        plans[mode] = t.plan(dataclasses.replace(batch, advantages=advantages), torch.Generator().manual_seed(0))
+    active = int((advantages != 0).sum())
+    per_sample = int(0.6 * (5 - 1))
+    counted, skipped = plans["counted"].steps, plans["skipped"].steps
+    assert len(counted) == updates
+    assert all(u.of == n // updates * per_sample for step in counted for u in step)  # GA × train_timesteps
+    for plan in (counted, skipped):  # the units that run: the samples with an advantage, each at its steps
+        run = [u.chunk for step in plan for u in step]
+        assert sorted(set(run)) == [i for i in range(n) if advantages[i] != 0] and len(run) == active * per_sample
+    assert sum(u.of for step in skipped for u in step[:1]) == active * per_sample  # skipped: they alone count
+
+
+def test_best_of_with_counted_zero_advantages_is_refused(tmp_path, tiny_sd3_dir, prompt_file):
+    with pytest.raises(UserError, match="trainer.zero_advantage: skipped"):
+        build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
+                                   "trainer.best_of=2"))
+
+
 def test_best_of_zeroes_the_middle_samples(tmp_path, tiny_sd3_dir, prompt_file):
     t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
-                                   "trainer.best_of=2"))
+                                   "trainer.best_of=2", "trainer.zero_advantage=skipped"))
     batch = t.collect(0)
     for g in torch.unique(batch.groups):
         assert int((batch.advantages[batch.groups == g] != 0).sum()) <= 2
@@ -205,7 +236,7 @@ def test_the_loss_is_flow_grpos(tmp_path, tiny_sd3_dir, prompt_file):
                    "trainer.steps_per_chunk=2")
     dance = trainer(tmp_path / "d", tiny_sd3_dir, prompt_file, *common, "trainer.name=dance_grpo",
                     "trainer.sampler=flow_grpo", "trainer.timestep_fraction=0.5", "trainer.step_draw=per_batch",
-                    "trainer.advantage_std=population")
+                    "trainer.advantage_std=population", "trainer.zero_advantage=skipped")
     flow.train()
     dance.train()
     a, b = flow.trainable_state(), dance.trainable_state()

@@ -158,6 +158,7 @@ def test_self_opd_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_s
 
 BASELINES = {
     "pd_grpo": (), "mix_grpo": ("trainer.window_size=2",), "grpo_guard": (), "awm": (), "dgpo": (),
+    "dance_grpo": (),  # one-sample chunks (the per-sample draw), counted zero advantages: the plan is global
     # β 1: at the recipe's β 2000 the sharded sums' last-bit differences are amplified past the tolerance
     "diffusion_dpo": ("trainer.dpo_beta=1.0",),
     "seppo": ("data.prompts=null", "data.bench=vvr", "data.level=easy", "data.n=16", "rewards=[]",

@@ -51,6 +51,25 @@ def test_the_global_plan_is_the_same_for_any_rank_layout():
         assert all(rank == keys.index(key) % ranks for step in layout for key, rank, _ in step)
 
 
+def test_counted_inactive_chunks_keep_their_places_and_an_all_inactive_step_is_left_out():
+    """``count_inactive``: the split is over every chunk (the inactive ones stay in their steps' pairs, so they
+    count in the steps' sizes), the same for any rank layout; a step of inactive chunks only is not taken."""
+    keys = [(g, 0) for g in range(6)]
+    active = {k: k[0] in (0, 3) for k in keys}
+
+    def plan(ranks: int, count: bool) -> list[list[tuple[int, int]]]:
+        refs = [ChunkRef(k, i % ranks, i // ranks, active[k], (0, 1)) for i, k in enumerate(keys)]
+        steps = global_plan(refs, 1, 3, torch.Generator().manual_seed(1), lambda chunk, epoch: [0], count)
+        return [[c.key for c, _ in step] for step in steps]
+
+    counted, skipped = plan(1, True), plan(1, False)
+    assert plan(2, True) == counted and plan(3, True) == counted
+    order = [k for step in skipped for k in step]
+    assert sorted(order) == [(0, 0), (3, 0)] and all(len(step) == 1 for step in skipped)
+    assert all(len(step) == 2 and any(active[k] for k in step) for step in counted)  # 6 chunks in 3 steps of 2
+    assert len(counted) in (1, 2) and sorted(k for step in counted for k in step if active[k]) == [(0, 0), (3, 0)]
+
+
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory, tiny_sd3_dir, prompt_file):
     """Runs by (finetune, strategy), made when first asked for: "single" is one process × 2 prompts."""
