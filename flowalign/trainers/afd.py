@@ -177,7 +177,7 @@ class AFDTrainer(GroupTrainer):
             loss.backward()
             self.parallel.average_gradients(list(self.discriminator.parameters()))
             self.disc_optimizer.step()
-        return float(loss)
+        return loss.item()
 
     def collect(self, step: int) -> StudentBatch:
         tc, g, policy = self.tcfg, self.tcfg.group_size, self.policy
