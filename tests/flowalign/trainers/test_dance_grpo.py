@@ -191,7 +191,7 @@ def test_zero_advantage_samples_count_in_the_authors_divisor(tmp_path, tiny_sd3_
     """Counted (the default; Pref-GRPO's loop is DanceGRPO's), every unit of an optimiser step is divided by the authors'
     ``gradient_accumulation_steps × train_timesteps`` (the step's samples, zero-advantage ones included, × the
     drawn steps); only samples with an advantage run. Skipped, the divisor counts the running samples only."""
-    plans = {}
+    plans, grads = {}, {}
     for mode in ("counted", "skipped"):
         t = build_trainer(small_config(tmp_path / mode, tiny_sd3_dir, prompt_file, f"trainer.name={name}",
                                        "trainer.batch_size=4", "trainer.num_steps=5",
@@ -199,7 +199,12 @@ def test_zero_advantage_samples_count_in_the_authors_divisor(tmp_path, tiny_sd3_
         batch = t.collect(0)
         n = len(batch.groups)
         advantages = torch.tensor([1.0, -1.0, 0.0, 0.0] * (n // 4) + [0.5] * (n % 4))  # half of them zero
-        plans[mode] = t.plan(dataclasses.replace(batch, advantages=advantages), torch.Generator().manual_seed(0))
+        batch = dataclasses.replace(batch, advantages=advantages)
+        plans[mode] = t.plan(batch, torch.Generator().manual_seed(0))
+        params = [q for q in t.policy.trainable.parameters() if q.requires_grad]
+        for unit in plans[mode].steps[0]:  # the loss divides by the unit's count: the first step's gradient
+            t.loss(batch, unit)[0].backward()
+        grads[mode] = torch.cat([q.grad.flatten() for q in params])
     active = int((advantages != 0).sum())
     per_sample = int(0.6 * (5 - 1))
     counted, skipped = plans["counted"].steps, plans["skipped"].steps
@@ -209,6 +214,9 @@ def test_zero_advantage_samples_count_in_the_authors_divisor(tmp_path, tiny_sd3_
         run = [u.chunk for step in plan for u in step]
         assert sorted(set(run)) == [i for i in range(n) if advantages[i] != 0] and len(run) == active * per_sample
     assert sum(u.of for step in skipped for u in step[:1]) == active * per_sample  # skipped: they alone count
+    if updates == 1:  # one step holds every sample: counting the zero ones scales its gradient by active / n
+        assert torch.allclose(grads["counted"], grads["skipped"] * active / n, rtol=1e-4, atol=1e-9)
+        assert grads["counted"].abs().max() > 0
 
 
 def test_best_of_with_counted_zero_advantages_is_refused(tmp_path, tiny_sd3_dir, prompt_file):
