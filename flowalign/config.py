@@ -75,6 +75,10 @@ class LoraSection(Section):
     #: order (FLUX: double-stream then single-stream blocks): "last:N" (the last N) or a list of indices
     #: from 0; null: every block
     blocks: str | list[Annotated[int, Field(ge=0, le=MAX_LAYERS)]] | None = None
+    #: under a bf16/fp16 model: ``fp32`` runs the adapter in float32 (peft's way: each adapted layer's input
+    #: cast to float32), ``model`` in the model's dtype over float32 weights (as the reference code's autocast;
+    #: no float32 copies of activations). The weights and the optimiser stay float32 either way
+    compute_dtype: Literal["fp32", "model"] = "fp32"
 
     @field_validator("blocks")
     @classmethod

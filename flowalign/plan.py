@@ -325,12 +325,14 @@ def _flex_as_flash(query, key, value, *args, return_lse: bool = False, **kwargs)
     return (out, query.new_empty(query.shape[:-1], dtype=torch.float32)) if return_lse else out
 
 
-def add_lora_on_meta(transformer: nn.Module, targets: list[str], rank: int, alpha: float) -> None:
+def add_lora_on_meta(transformer: nn.Module, targets: list[str], rank: int, alpha: float,
+                     compute_dtype: str = "fp32") -> None:
     """The training LoRA on a meta transformer, as the policies add it (:func:`pipelines.lora.setup_training`):
     peft's adapter on ``targets``, its tensors in float32, the base weights frozen. The forward then saves
     what training's does: a frozen layer keeps no input for a weight gradient, and each adapted layer keeps
     the float32 copy of its input that peft casts for the adapter (one per layer, even where ``to_q``,
-    ``to_k`` and ``to_v`` read the same input)."""
+    ``to_k`` and ``to_v`` read the same input), unless ``compute_dtype`` is ``model``
+    (:func:`pipelines.lora.compute_in_input_dtype`)."""
     from peft import LoraConfig
 
     transformer.requires_grad_(False)
@@ -338,6 +340,10 @@ def add_lora_on_meta(transformer: nn.Module, targets: list[str], rank: int, alph
     for p in transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    if compute_dtype == "model":
+        from pipelines.lora import compute_in_input_dtype
+
+        compute_in_input_dtype(transformer)
 
 
 def saved_activation_bytes(transformer: nn.Module, blocks: list[nn.Module], inputs: dict[str, Any]) -> Activations:
@@ -540,14 +546,15 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
         spec.transformer_inputs(transformer.config, rows, size, dtype=dtype)
     lora = None
     if cfg.model.finetune == "lora":
-        lora = (tuple(lora_targets.get("transformer", targets)), cfg.model.lora.rank, cfg.model.lora.alpha)
+        lora = (tuple(lora_targets.get("transformer", targets)), cfg.model.lora.rank, cfg.model.lora.alpha,
+                cfg.model.lora.compute_dtype)
     key = (*_forward_key(transformer, inputs), lora)
     act = _FORWARDS.get(key)
     if act is None and lora is not None:
         if not sum(trained.values()):
             raise UserError(f"model.lora.target_modules {list(targets)} match no linear layer of the {spec.name} "
                             f"transformer: name its attention projections (default {list(spec.lora_targets)})")
-        add_lora_on_meta(transformer, list(lora[0]), lora[1], lora[2])
+        add_lora_on_meta(transformer, list(lora[0]), lora[1], lora[2], lora[3])
     try:
         act = act or saved_activation_bytes(transformer, blocks, inputs)
     except (RuntimeError, NotImplementedError, ValueError) as err:

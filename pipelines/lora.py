@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -31,7 +32,11 @@ ADAPTER_NAME = "default"
 #: diffusers' file name for LoRA weights (``save_lora_weights`` / ``load_lora_weights`` default)
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 #: keys accepted in ``lora={...}``
-LORA_KEYS = {"rank", "alpha", "target_modules", "dropout", "init", "blocks"}
+LORA_KEYS = {"rank", "alpha", "target_modules", "dropout", "init", "blocks", "compute_dtype"}
+#: how an adapter computes under a bf16/fp16 model (``lora={"compute_dtype": ...}``): ``fp32``, peft's own way (each
+#: adapted layer casts its input to the adapter's float32 and adds a float32 product to its output), or
+#: ``model``, in the model's dtype over the adapter's float32 weights (:func:`compute_in_input_dtype`)
+LORA_COMPUTE = ("fp32", "model")
 
 
 def freeze(module: torch.nn.Module) -> None:
@@ -50,6 +55,8 @@ def check_options(lora: dict[str, Any] | None, full_finetune: bool) -> None:
             raise UserError(f"lora has unknown key(s) {sorted(unknown)}: allowed keys are {sorted(LORA_KEYS)}")
         if int(lora.get("rank", 8)) < 1:
             raise UserError(f"lora.rank must be a positive integer, got {lora.get('rank')!r}")
+        if lora.get("compute_dtype", "fp32") not in LORA_COMPUTE:
+            raise UserError(f"lora.compute_dtype {lora.get('compute_dtype')!r}: choose one of {', '.join(LORA_COMPUTE)}")
 
 
 def setup_training(
@@ -99,6 +106,42 @@ def setup_training(
         raise UserError(f"lora.target_modules {config.target_modules} do not fit this model: {str(err).splitlines()[0]}") from err
     if next(transformer.parameters()).dtype != torch.float32:
         cast_training_params(transformer, dtype=torch.float32)
+        if lora.get("compute_dtype", "fp32") == "model":
+            compute_in_input_dtype(transformer)
+
+
+class InputDtypeLinear(torch.nn.Linear):
+    """A LoRA factor (peft's ``lora_A`` / ``lora_B``) whose weights stay float32, the optimiser's master copy,
+    while it computes in its input's dtype: the weights are cast in the forward (differentiably, so their
+    gradient arrives in float32), as autocast casts a layer's weights. Its state dict is nn.Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+def compute_in_input_dtype(transformer: torch.nn.Module) -> int:
+    """Run every linear LoRA adapter of ``transformer`` in the dtype of the layer's input (the model's bf16 or
+    fp16) over its float32 weights; returns how many layers now do.
+
+    peft casts each adapted layer's input ``(rows, in)`` to the adapter's float32 and adds a float32 product
+    to the layer's output before casting it back: under a bf16 model that is an input-sized float32 copy
+    (kept for the backward) and output-sized float32 sums in every adapted projection, memory traffic
+    comparable to the projection itself. Here peft's input cast is off (its documented
+    ``cast_input_dtype_enabled`` switch) and the factors cast their weights instead, so the branch
+    ``B(A(x))·s`` stays in the model's dtype, as it does under the reference implementation's autocast. A
+    layer whose factors are not linear (a convolution) keeps peft's way."""
+    layers, _ = tuner_layers(transformer)
+    changed = 0
+    for layer in layers:
+        factors = [*layer.lora_A.values(), *layer.lora_B.values()]
+        if not factors or not all(type(m) in (torch.nn.Linear, InputDtypeLinear) for m in factors):
+            continue
+        for m in factors:
+            m.__class__ = InputDtypeLinear
+        layer.cast_input_dtype_enabled = False
+        changed += 1
+    return changed
 
 
 def has_adapter(transformer: torch.nn.Module) -> bool:

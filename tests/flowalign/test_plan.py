@@ -305,11 +305,12 @@ def test_the_training_forward_counts_the_rows_that_carry_gradients(overrides, ha
     assert cfg.rollout.conditioning == pytest.approx(2 * one.rollout.conditioning)  # a rollout keeps both branches
 
 
-def test_a_lora_forward_is_sized_as_the_policys_own_adapter_saves_it(tiny_model_dir):
+@pytest.mark.parametrize("compute_dtype", ["fp32", "model"])
+def test_a_lora_forward_is_sized_as_the_policys_own_adapter_saves_it(tiny_model_dir, compute_dtype):
     """The meta forward under LoRA saves, byte for byte, what the tiny SD3 transformer saves on the CPU with the
     adapter the policies add (pipelines.lora.setup_training, bf16 base, float32 adapter): frozen layers keep
-    no input for a weight gradient, each adapted one peft's float32 copy of its input. A full fine-tune's
-    count differs."""
+    no input for a weight gradient, each adapted one peft's float32 copy of its input (``fp32``) or none
+    (``model``: the adapter computes in bf16). A full fine-tune's count differs."""
     from diffusers import SD3Transformer2DModel
 
     from flowalign.parallel import block_modules
@@ -320,10 +321,11 @@ def test_a_lora_forward_is_sized_as_the_policys_own_adapter_saves_it(tiny_model_
 
     folder, size = tiny_model_dir("sd3"), {"height": 64, "width": 64, "max_sequence_length": 16}
     common = [f"model.path={folder}", "trainer.batch_size=2", "trainer.guidance_scale=1", f"model.defaults={json.dumps(size)}",
-              "model.dtype=bf16", "model.lora.rank=4", "model.lora.alpha=8"]
+              "model.dtype=bf16", "model.lora.rank=4", "model.lora.alpha=8", f"model.lora.compute_dtype={compute_dtype}"]
     planned = {f: inspect_model(load_config(None, [*common, f"model.finetune={f}"]), folder).activations for f in ("lora", "full")}
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer").to(torch.bfloat16)
-    setup_training(transformer, lora={"rank": 4, "alpha": 8}, full_finetune=False, default_targets=DEFAULT_LORA_TARGETS)
+    setup_training(transformer, lora={"rank": 4, "alpha": 8, "compute_dtype": compute_dtype}, full_finetune=False,
+                   default_targets=DEFAULT_LORA_TARGETS)
     real = saved_activation_bytes(transformer, block_modules(transformer),
                                   transformer_inputs("sd3", transformer.config, 2, _as_planned(folder, size), device="cpu",
                                                      dtype=torch.bfloat16))

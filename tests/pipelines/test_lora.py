@@ -200,3 +200,41 @@ def test_gradient_checkpointing_and_bf16_adapter(tiny_sd3_dir):
     cond = policy.encode(PROMPTS[:1])
     policy.velocity(policy.initial_noise(1), 0.5, cond, 4.0).pow(2).mean().backward()
     assert any(p.grad is not None for p in lora_params)
+
+
+def _adapted_forward(folder, compute_dtype: str) -> dict:
+    """One bf16 velocity with a non-zero adapter (the same on every call) and its backward: the output, the
+    adapter's gradient, its tensors' dtypes and what the forward saved for the backward."""
+    torch.manual_seed(0)
+    policy = pipelines.load(folder, dtype="bf16", lora={**LORA, "compute_dtype": compute_dtype})
+    g = torch.Generator().manual_seed(1)
+    adapter = [p for n, p in policy.transformer.named_parameters() if "lora_" in n]
+    for n, p in policy.transformer.named_parameters():
+        if "lora_B" in n:
+            p.data = 0.1 * torch.randn(p.shape, generator=g)
+    cond = policy.encode(PROMPTS[:1])
+    saved: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        v = policy.velocity(policy.initial_noise(1, torch.Generator().manual_seed(0)), 0.6, cond, 1.0)
+    v.float().pow(2).mean().backward()
+    widths = {m.in_features for m in policy.transformer.modules() if getattr(m, "lora_A", None)} | {LORA["rank"]}
+    return dict(v=v, grad=torch.cat([p.grad.flatten() for p in adapter]), dtypes={p.dtype for p in adapter},
+                grad_dtypes={p.grad.dtype for p in adapter},
+                float32_activations=[s for d, s in saved if d == torch.float32 and len(s) == 2 and s[-1] in widths],
+                state_keys=sorted(lora_utils.get_peft_model_state_dict(policy.transformer)))
+
+
+def test_an_adapter_computing_in_the_model_dtype_keeps_float32_weights_and_no_float32_activations(tiny_sd3_dir):
+    """``compute_dtype: model``: the bf16 model's adapters run in bf16 (no float32 copy of an adapted layer's
+    input or of the adapter's product is saved for the backward; ``fp32``, peft's way, saves them) over float32
+    weights that get float32 gradients; the output and the gradient are peft's float32 way's to bf16's
+    precision, and the adapter's state dict is unchanged (it saves and loads as before)."""
+    peft_way, model_dtype = _adapted_forward(tiny_sd3_dir, "fp32"), _adapted_forward(tiny_sd3_dir, "model")
+    assert peft_way["float32_activations"] and not model_dtype["float32_activations"]
+    assert model_dtype["dtypes"] == model_dtype["grad_dtypes"] == {torch.float32}
+    v32, v16 = peft_way["v"].float(), model_dtype["v"].float()
+    assert 0 < (v32 - v16).abs().max() <= 2 ** -6 * v32.abs().max()  # a rounding apart, not the same computation
+    assert torch.nn.functional.cosine_similarity(peft_way["grad"], model_dtype["grad"], dim=0) > 0.999
+    assert model_dtype["state_keys"] == peft_way["state_keys"]
+    with pytest.raises(UserError, match="lora.compute_dtype"):
+        pipelines.load(tiny_sd3_dir, lora={**LORA, "compute_dtype": "bf16"})
