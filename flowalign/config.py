@@ -112,8 +112,13 @@ class ModelSection(Section):
     finetune: Literal["lora", "full"] = "lora"
     lora: LoraSection = LoraSection()
     gradient_checkpointing: bool = False
-    #: attention kernels through diffusers' dispatcher: native (torch SDPA) or a CUDA package's
-    attention_backend: Literal["native", "flash", "_flash_3", "sage", "xformers"] = "native"
+    #: attention kernels through diffusers' dispatcher: native (torch SDPA, its own choice of kernel), one of SDPA's
+    #: CUDA kernels pinned (_native_cudnn, _native_flash, _native_efficient) or a CUDA package's
+    attention_backend: Literal["native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3",
+                               "sage", "xformers"] = "native"
+    #: torch.compile each transformer block (regional compilation; the first steps compile, later ones run the
+    #: compiled kernels); needs a C compiler on a CPU
+    compile: bool = False
     #: samples the VAE decodes at once (None: the family's default, 8 for images, 2 for video); 1 decodes
     #: one video at a time, the least memory a long clip's decode can take
     decode_batch_size: int | None = Field(None, ge=1, le=MAX_BATCH)

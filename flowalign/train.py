@@ -240,7 +240,7 @@ def build_trainer(cfg: TrainConfig):
     policy = pipelines.load(model_path, cfg.model.family, device=acc.device, dtype=cfg.model.dtype, lora=lora,
                             full_finetune=cfg.model.finetune == "full", defaults=cfg.model.defaults or None,
                             gradient_checkpointing=cfg.model.gradient_checkpointing,
-                            attention_backend=cfg.model.attention_backend,
+                            attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
                             offload_text_encoders=cfg.model.offload_text_encoders,
                             **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
     loaded = [(spec.name, spec.weight, time_limited(spec.name, reward_registry.load(spec.name, **spec.options),

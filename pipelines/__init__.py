@@ -63,7 +63,7 @@ DTYPES: dict[str, torch.dtype] = {
 #: keyword options the policies take besides device / dtype / lora / full_finetune
 POLICY_OPTIONS = {"gradient_checkpointing", "defaults", "prompt_cache_size", "decode_batch_size"}
 #: options every family takes through :func:`load`, applied to the built policy by :mod:`pipelines.memory`
-MEMORY_OPTIONS = {"attention_backend", "offload_text_encoders"}
+MEMORY_OPTIONS = {"attention_backend", "offload_text_encoders", "compile"}
 
 
 def __getattr__(name: str) -> Any:
@@ -107,7 +107,7 @@ def load(
     ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
     ``full_finetune=True`` trains every transformer weight instead; neither: frozen (sampling/eval).
     ``kw``: ``gradient_checkpointing``, ``defaults`` (sampling defaults over ``flowalign.json``),
-    ``prompt_cache_size``, ``decode_batch_size``; ``attention_backend`` and ``offload_text_encoders``
+    ``prompt_cache_size``, ``decode_batch_size``; ``attention_backend``, ``offload_text_encoders`` and ``compile``
     (every family, see :func:`pipelines.memory.apply_memory_options`).
     """
     torch_dtype = parse_dtype(dtype)

@@ -1,7 +1,7 @@
 """Memory and speed controls that know the model side: the transformer's inputs for a batch at a
 resolution (what ``flowalign plan`` runs on the meta device to count activations: each family's
-``transformer_inputs``, declared in its spec), and the attention backend of diffusers' dispatcher
-(``model.attention_backend``).
+``transformer_inputs``, declared in its spec), the attention backend of diffusers' dispatcher
+(``model.attention_backend``) and ``torch.compile`` of the transformer's blocks (``model.compile``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from flowalign import families
 from flowalign.errors import UserError
+from flowalign.parallel import block_modules
 
 
 def transformer_inputs(family: str, config: Any, batch: int, size: dict[str, Any], *,
@@ -25,15 +26,18 @@ def transformer_inputs(family: str, config: Any, batch: int, size: dict[str, Any
 
 #: ``model.attention_backend`` → the package diffusers' attention dispatcher needs for it
 ATTENTION_BACKENDS = {"native": None, "flash": "flash-attn", "_flash_3": "flash-attn 3 (flash_attn_interface)",
-                      "sage": "sageattention", "xformers": "xformers"}
+                      "sage": "sageattention", "xformers": "xformers",
+                      # torch SDPA with one kernel pinned (native lets SDPA choose): cuDNN's, flash's, memory-efficient
+                      "_native_cudnn": None, "_native_flash": None, "_native_efficient": None}
 
 
 def set_attention_backend(transformer: torch.nn.Module, backend: str, device: str | torch.device) -> None:
     """Route the transformer's attention through diffusers' dispatcher to ``backend``.
 
-    ``native`` (torch SDPA) is diffusers' default and changes nothing. The others are CUDA kernels from
-    separate packages (``xformers`` is the ``gpu`` extra); a missing package or a non-CUDA device is a
-    one-line error, not a failure at the first forward.
+    ``native`` (torch SDPA) is diffusers' default and changes nothing. ``_native_cudnn``, ``_native_flash``
+    and ``_native_efficient`` pin one of SDPA's own CUDA kernels; the others are CUDA kernels from separate
+    packages (``xformers`` is the ``gpu`` extra). A missing package or a non-CUDA device is a one-line error,
+    not a failure at the first forward.
     """
     if backend == "native":
         return
@@ -45,8 +49,26 @@ def set_attention_backend(transformer: torch.nn.Module, backend: str, device: st
     try:
         transformer.set_attention_backend(backend)
     except (RuntimeError, ValueError) as err:
+        need = f"install {ATTENTION_BACKENDS[backend]}" if ATTENTION_BACKENDS[backend] else "update torch"
         raise UserError(f"model.attention_backend={backend} is not usable here ({str(err).splitlines()[0][:160]}): "
-                        f"install {ATTENTION_BACKENDS[backend]} or use model.attention_backend=native") from err
+                        f"{need} or use model.attention_backend=native") from err
+
+
+def compile_blocks(transformer: torch.nn.Module) -> int:
+    """``torch.compile`` every repeated block of ``transformer`` in place; returns how many.
+
+    Regional compilation, what diffusers' ``compile_repeated_blocks`` does, over flowalign's list of blocks
+    (the FSDP units, :func:`flowalign.parallel.block_modules`; diffusers names no repeated blocks for SD3):
+    identical blocks share one compiled graph, so compiling takes seconds where the whole model takes
+    minutes, and the code outside the blocks (embeddings, the rollout's step math) stays eager. Blocks are
+    compiled before they are sharded, in torchtitan's order."""
+    blocks = block_modules(transformer)
+    if not blocks:
+        raise UserError(f"model.compile: the {type(transformer).__name__} has no repeated blocks to compile; "
+                        "use model.compile=false")
+    for block in blocks:
+        block.compile()
+    return len(blocks)
 
 
 # diffusers keeps a processor's backend in the private attribute ``_attention_backend`` (what
@@ -92,9 +114,12 @@ def offload_text_encoders(policy: Any) -> list[str]:
 _offload = offload_text_encoders  # the option of the same name shadows it below
 
 
-def apply_memory_options(policy: Any, attention_backend: str = "native", offload_text_encoders: bool = False) -> None:
-    """The memory options of :func:`pipelines.load` on a built policy of any family: the attention
-    backend of its trainable transformer, its text encoders kept in CPU memory."""
+def apply_memory_options(policy: Any, attention_backend: str = "native", offload_text_encoders: bool = False,
+                         compile: bool = False) -> None:
+    """The memory and speed options of :func:`pipelines.load` on a built policy of any family: the attention
+    backend of its trainable transformer, its text encoders kept in CPU memory, its blocks compiled."""
     set_attention_backend(policy.trainable, attention_backend, policy.device)
+    if compile:
+        compile_blocks(policy.trainable)
     if offload_text_encoders:
         _offload(policy)

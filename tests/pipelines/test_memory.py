@@ -142,3 +142,35 @@ def test_the_processor_backend_names_are_the_ones_the_installed_diffusers_uses(t
     assert processor_backend(pinned) == "native" and "native" in pinned._SUPPORTED_BACKENDS
     assert "native" not in AnyFlowCausalAttnProcessor._SUPPORTED_BACKENDS  # the class keeps diffusers' list
     assert processor_backend(AnyFlowCausalAttnProcessor()) == "flex"
+
+
+def _c_compiler() -> str | None:
+    import shutil
+
+    return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+@pytest.mark.skipif(_c_compiler() is None, reason="torch.compile on a CPU needs a C compiler (cc, gcc or clang)")
+def test_compiled_blocks_compute_what_the_eager_blocks_compute(tiny_sd3_dir):
+    """``compile=True`` compiles each transformer block in place (the modules and their weights stay, so the
+    adapter still trains and saves as before); a guided velocity and the adapter's gradient are the eager
+    ones'."""
+    def velocity_and_grad(compile: bool) -> tuple[torch.Tensor, torch.Tensor, object]:
+        torch.manual_seed(0)
+        policy = pipelines.load(tiny_sd3_dir, lora={"rank": 4, "alpha": 8}, compile=compile)
+        for n, p in policy.transformer.named_parameters():
+            if "lora_B" in n:
+                p.data = 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
+        cond = policy.encode(["two red circles", "a blue square"])
+        v = policy.velocity(policy.initial_noise(2, torch.Generator().manual_seed(0)), 0.6, cond, 4.5)
+        v.pow(2).mean().backward()
+        adapter = [p for n, p in policy.transformer.named_parameters() if "lora_" in n]
+        return v.detach(), torch.cat([p.grad.flatten() for p in adapter]), policy
+
+    eager_v, eager_g, _ = velocity_and_grad(False)
+    v, g, policy = velocity_and_grad(True)
+    from flowalign.parallel import block_modules
+
+    blocks = block_modules(policy.transformer)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    assert torch.allclose(v, eager_v, atol=1e-5) and torch.allclose(g, eager_g, rtol=1e-4, atol=1e-6)
