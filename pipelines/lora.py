@@ -120,9 +120,9 @@ class InputDtypeLinear(torch.nn.Linear):
         return F.linear(x, self.weight.to(x.dtype), bias)
 
 
-def compute_in_input_dtype(transformer: torch.nn.Module) -> int:
+def compute_in_input_dtype(transformer: torch.nn.Module, on: bool = True) -> int:
     """Run every linear LoRA adapter of ``transformer`` in the dtype of the layer's input (the model's bf16 or
-    fp16) over its float32 weights; returns how many layers now do.
+    fp16) over its float32 weights (``on=False``: back to peft's way); returns how many layers changed.
 
     peft casts each adapted layer's input ``(rows, in)`` to the adapter's float32 and adds a float32 product
     to the layer's output before casting it back: under a bf16 model that is an input-sized float32 copy
@@ -138,8 +138,8 @@ def compute_in_input_dtype(transformer: torch.nn.Module) -> int:
         if not factors or not all(type(m) in (torch.nn.Linear, InputDtypeLinear) for m in factors):
             continue
         for m in factors:
-            m.__class__ = InputDtypeLinear
-        layer.cast_input_dtype_enabled = False
+            m.__class__ = InputDtypeLinear if on else torch.nn.Linear
+        layer.cast_input_dtype_enabled = not on
         changed += 1
     return changed
 

@@ -23,8 +23,15 @@
     (``torch.cuda.max_memory_allocated``, the trainer's ``memory/peak_gib_allocated``) for SD3.5-Medium with
     and without gradient checkpointing (4 prompts x 2, batch 8) and Wan 2.1-1.3B (its recipe, 4 samples).
 
+(d) levers (``--parts levers``, not in the default parts: about 4 more minutes): flowalign's side of (b) in one
+    process, one speed option switched on after another (``model.lora.compute_dtype=model``, then
+    ``model.attention_backend=_native_cudnn``, then ``model.compile``), each timed as (b) times a side, with
+    its ratio to the defaults' iteration and MFU; and a ``torch.profiler`` table of one iteration with the
+    defaults (the operators taking the most device time), to choose the defaults from and the next lever.
+
 ``--smoke``: (a) on two tiny recipes for 1 step at the test suite's sizes, (c) on the tiny SD3 twin, (b)
-only when ``--reference-src`` is given (on the tiny twin), all on the CPU unless ``--device`` says otherwise.
+only when ``--reference-src`` is given (on the tiny twin), (d) on the tiny twin with the options a CPU runs
+quickly (no compile, no CUDA attention kernel), all on the CPU unless ``--device`` says otherwise.
 Exit status 1 when anything failed (``stopped`` recipes are not failures).
 """
 
@@ -45,7 +52,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import yaml
@@ -341,6 +348,104 @@ def side_by_side(folder: Path, work: Path, reference_src: Path, repeats: int, de
             "sides": rows}
 
 
+# ------------------------------------------------------------------------------------------- (d) levers
+
+#: the speed options (d) switches on one after another, each on top of the ones before; CUDA only where marked
+LEVERS = [("defaults", False), ("lora.compute_dtype=model", False), ("attention_backend=_native_cudnn", True),
+          ("compile", False)]
+
+
+def switch_on(lever: str, trainer: Any) -> None:
+    """What the config option of ``lever`` does at load time, done on a built trainer's transformer."""
+    from pipelines.lora import compute_in_input_dtype
+    from pipelines.memory import compile_blocks, set_attention_backend
+
+    transformer, device = trainer.policy.transformer, trainer.policy.device
+    if lever == "lora.compute_dtype=model":
+        compute_in_input_dtype(transformer)
+    elif lever.startswith("attention_backend="):
+        set_attention_backend(transformer, lever.split("=", 1)[1], device)
+    elif lever == "compile":
+        compile_blocks(transformer)
+
+
+def profile_table(trainer: Any, device: str, rows: int = 25) -> list[dict[str, Any]]:
+    """One iteration under ``torch.profiler``: the operators with the most self device time (CPU time on a
+    CPU), with their share of the iteration's total and their call counts."""
+    import bench
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        bench.flowalign_iteration(trainer)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    return [{"op": e.key, "ms": round(getattr(e, key) / 1e3, 2), "share": round(getattr(e, key) / total, 4),
+             "calls": e.count} for e in events[:rows]]
+
+
+def run_levers(folder: Path, work: Path, repeats: int, device: str, size: int, max_len: int) -> dict[str, Any]:
+    """(d) in this process: the defaults profiled, then each lever switched on and timed as :func:`run_side`
+    times a side (a warm-up iteration, which also compiles, then ``repeats`` timed ones)."""
+    import bench
+
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    setting = full_setting() if size >= 256 else bench.SETTING
+    trainer = bench.build_flowalign(folder, work / "levers", "bench_timing:redness", 8, size=size,
+                                    max_sequence_length=max_len, setting=setting,
+                                    extra=[*(["model.dtype=bf16"] if cuda else []), "model.gradient_checkpointing=false"])
+    counter = RowCounter(trainer.policy.transformer)
+    bench.flowalign_iteration(trainer)  # warm-up before the profile
+    profile = profile_table(trainer, device)
+    rows = []
+    for lever, cuda_only in LEVERS:
+        if cuda_only and not cuda or (lever == "compile" and not cuda):  # a CPU compiles for a minute
+            continue
+        try:
+            switch_on(lever, trainer)
+            bench.flowalign_iteration(trainer)  # warm-up: kernels chosen, blocks compiled
+            times = []
+            for _ in range(repeats):
+                counter.rows = 0.0
+                sync()
+                t0 = time.perf_counter()
+                rollout_s, train_s = bench.flowalign_iteration(trainer)
+                sync()
+                times.append({"rollout_s": rollout_s, "train_s": train_s, "iteration_s": time.perf_counter() - t0,
+                              "rows": counter.rows})
+            best = min(times, key=lambda t: t["iteration_s"])
+            rows.append({"lever": lever, "status": "ok", **{k: round(v, 3) for k, v in best.items()}})
+        except Exception as err:  # noqa: BLE001 - the levers after it build on it: stop here, say why
+            rows.append({"lever": lever, "status": "failed", "error": _where(err)})
+            break
+    return {"levers": rows, "profile": profile}
+
+
+def levers(folder: Path, work: Path, repeats: int, device: str, size: int, max_len: int, peak_tflops: float | None,
+           timeout: float) -> dict[str, Any]:
+    d = work / "levers"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    got = run_child(["--run-levers", "--folder", str(folder), "--repeats", str(repeats), "--size", str(size),
+                     "--max-len", str(max_len), "--work", str(d)], d / "result.json", d / "log.txt", device, timeout)
+    rows = got.get("levers") or [{"lever": "defaults", "status": got.get("status", "failed"), "error": got.get("error")}]
+    flops = row_flops(folder, size, max_len)
+    base = next((r["iteration_s"] for r in rows if r.get("lever") == "defaults" and r.get("status") == "ok"), None)
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        r["speed_vs_defaults"] = base / r["iteration_s"] if base else None
+        if flops:
+            r["mfu"] = r["rows"] * flops / r["iteration_s"] / 1e12 / peak_tflops if peak_tflops else None
+    return {"rows": rows, "profile": got.get("profile", []), "size": size, "flops_per_row_forward": flops}
+
+
 # ------------------------------------------------------------------------------------------- (c) plan
 
 
@@ -433,6 +538,10 @@ def table(results: dict[str, Any]) -> str:
                                     f"MFU {_f(r.get('mfu'), '{:.0%}')}")
         lines.append(f"| side by side | {r['side']} | {r.get('status')} | {_f(r.get('iteration_s'))} | "
                      f"{_f(r.get('peak_gib'))} | {detail} |")
+    for r in (results.get("levers") or {}).get("rows", []):
+        detail = r.get("error") or (f"x{_f(r.get('speed_vs_defaults'))} the defaults; rollout {_f(r.get('rollout_s'))} s, "
+                                    f"training pass {_f(r.get('train_s'))} s, MFU {_f(r.get('mfu'), '{:.0%}')}")
+        lines.append(f"| levers | {r['lever']} | {r.get('status')} | {_f(r.get('iteration_s'))} | - | {detail} |")
     for r in results.get("plan", []):
         detail = r.get("error") or (f"planned {_f(r.get('predicted_gib'), '{:.1f}')} GiB (activations "
                                     f"{_f(r.get('predicted_activations_gib'), '{:.3g}')}), planned/measured "
@@ -452,7 +561,7 @@ def write_json(path: Path, results: dict[str, Any]) -> None:
 
 def failed(results: dict[str, Any]) -> bool:
     rows = [*results.get("recipes", []), *(results.get("side_by_side") or {}).get("sides", []),
-            *results.get("plan", [])]
+            *(results.get("levers") or {}).get("rows", []), *results.get("plan", [])]
     return any(r.get("status") in FAILURES for r in rows)
 
 
@@ -486,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-src", type=Path, default=None,
                    help="a flow_grpo source tree: adds the SD3.5-M side-by-side against its own functions")
     p.add_argument("--parts", nargs="+", default=["recipes", "side_by_side", "plan"],
-                   choices=["recipes", "side_by_side", "plan"])
+                   choices=["recipes", "side_by_side", "plan", "levers"])
     p.add_argument("--recipes", nargs="+", default=None, help="recipe names of configs/tiny (default: all)")
     p.add_argument("--steps", type=int, default=None, help="steps per recipe (default 2; smoke 1)")
     p.add_argument("--jobs", type=int, default=None, help="recipes at a time (default 4 on a GPU, 1 on a CPU)")
@@ -501,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--run-side", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--run-plan", choices=["sd3", "wan"], help=argparse.SUPPRESS)
+    p.add_argument("--run-levers", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=512, help=argparse.SUPPRESS)
     p.add_argument("--max-len", type=int, default=128, help=argparse.SUPPRESS)
@@ -524,6 +634,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # noqa: BLE001 - the parent's table shows the line
             row = {"side": args.run_side, "status": "failed", "error": _where(err)}
         write_json(args.result, row)
+        return 0
+    if args.run_levers:  # child: the levers, one after another
+        try:
+            got = run_levers(args.folder, args.work, args.repeats, args.device, args.size, args.max_len)
+        except Exception as err:  # noqa: BLE001 - the parent's table shows the line
+            got = {"status": "failed", "error": _where(err)}
+        write_json(args.result, got)
         return 0
     if args.run_plan is not None:  # child: the planner cases of one family
         write_json(args.result, {"rows": check_plan(args.run_plan, args.folder, args.work, args.smoke)})
@@ -564,11 +681,12 @@ def main(argv: list[str] | None = None) -> int:
     families = args.plan_families or (["sd3"] if args.smoke else ["sd3", "wan"])
     want_sides = "side_by_side" in args.parts and args.reference_src is not None
     want_plan = "plan" in args.parts
-    if want_sides or want_plan:
+    want_levers = "levers" in args.parts
+    if want_sides or want_plan or want_levers:
         import gpu_fullsize as fullsize
 
         results["plan"] = []
-        order = list(dict.fromkeys((["sd3"] if want_sides else []) + (families if want_plan else [])))
+        order = list(dict.fromkeys((["sd3"] if want_sides or want_levers else []) + (families if want_plan else [])))
         for family in order:
             folder = work / f"{family}-model"
             print(f"building {'the tiny' if args.smoke else 'the full-size'} {family} folder", flush=True)
@@ -591,6 +709,12 @@ def main(argv: list[str] | None = None) -> int:
                                                            args.device, size, max_len,
                                                            args.peak_tflops or matmul_tflops(args.device),
                                                            args.timeout)
+                    save()
+                if family == "sd3" and want_levers:
+                    size, max_len = (64, 48) if args.smoke else (512, 128)
+                    print(f"(d) levers, {size} px", flush=True)
+                    results["levers"] = levers(folder, work, args.repeats, args.device, size, max_len,
+                                               args.peak_tflops or matmul_tflops(args.device), args.timeout)
                     save()
             finally:
                 shutil.rmtree(folder, ignore_errors=True)  # one full-size folder on disk at a time

@@ -89,3 +89,41 @@ def test_a_file_that_is_not_an_earlier_check_is_not_overwritten(tmp_path, capsys
     assert check.main(["--smoke", "--out", str(mine), "--parts", "recipes"]) == 2
     assert mine.read_text() == '{"mine": true}\n'
     assert "is not an earlier gpu_check result" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smoke_levers_time_each_option_against_the_defaults_and_profile_them(tmp_path):
+    """``--parts levers``: the defaults profiled and timed, then each option a CPU runs switched on in the same
+    process; each row is an iteration that ran (rows through the transformer counted), the defaults' ratio is
+    1 and the profile names the operators with their share of the iteration."""
+    out = tmp_path / "levers.json"
+    rc = check.main(["--smoke", "--device", "cpu", "--parts", "levers", "--out", str(out), "--workdir", str(tmp_path / "w")])
+    results = json.loads(out.read_text())
+    rows = {r["lever"]: r for r in results["levers"]["rows"]}
+    assert rc == 0 and list(rows) == ["defaults", "lora.compute_dtype=model"], results["levers"]
+    assert rows["defaults"]["speed_vs_defaults"] == 1.0
+    for row in rows.values():
+        assert row["status"] == "ok" and row["iteration_s"] > 0 and row["rows"] > 0
+        assert row["iteration_s"] >= row["rollout_s"] and row["rows"] == rows["defaults"]["rows"]  # the same work
+    profile = results["levers"]["profile"]
+    assert profile and all(p["op"] and p["calls"] > 0 for p in profile)
+    assert 0 < sum(p["share"] for p in profile) <= 1.0001 and profile[0]["ms"] >= profile[-1]["ms"]
+    assert check.table(results).count("| levers |") == 2 and "recipes" not in results
+
+
+def test_a_lever_switched_on_a_built_trainer_does_what_its_option_does(tiny_sd3_dir):
+    """The levers part switches options on a built trainer: ``lora.compute_dtype=model`` there is what the
+    config option gives at load time (on a bf16 model), and it switches back."""
+    import pipelines
+    from pipelines.lora import InputDtypeLinear, compute_in_input_dtype
+
+    class Built:  # the trainer's one attribute the levers read
+        policy = pipelines.load(tiny_sd3_dir, dtype="bf16", lora={"rank": 4, "alpha": 8})
+
+    at_load = pipelines.load(tiny_sd3_dir, dtype="bf16", lora={"rank": 4, "alpha": 8, "compute_dtype": "model"})
+    factors = lambda p: [type(m) for n, m in p.transformer.named_modules() if n.endswith(("lora_A.default", "lora_B.default"))]
+    assert set(factors(Built.policy)) == {torch.nn.Linear} and set(factors(at_load)) == {InputDtypeLinear}
+    check.switch_on("lora.compute_dtype=model", Built)
+    assert factors(Built.policy) == factors(at_load)
+    compute_in_input_dtype(Built.policy.transformer, on=False)
+    assert set(factors(Built.policy)) == {torch.nn.Linear}
