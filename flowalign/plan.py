@@ -341,7 +341,7 @@ def add_lora_on_meta(transformer: nn.Module, targets: list[str], rank: int, alph
         if p.requires_grad:
             p.data = p.data.float()
     if compute_dtype == "model":
-        from pipelines.lora import compute_in_input_dtype
+        from pipelines import compute_in_input_dtype
 
         compute_in_input_dtype(transformer)
 

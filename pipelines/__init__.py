@@ -29,8 +29,11 @@ from flowalign.protocols import FlowPolicy
 from pipelines.folder_check import check_model_folder, explain_shape_mismatch
 # what flowalign plan runs on the meta device, and the memory options of load (the core's way in)
 from pipelines.memory import apply_memory_options, transformer_inputs
+# and the LoRA's compute dtype, which the planner's meta forward follows
+from pipelines.lora import compute_in_input_dtype
 
-__all__ = ["PLUGINS", "DTYPES", "load", "detect_family", "parse_dtype", "apply_memory_options", "transformer_inputs"]
+__all__ = ["PLUGINS", "DTYPES", "load", "detect_family", "parse_dtype", "apply_memory_options", "transformer_inputs",
+           "compute_in_input_dtype"]
 
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml
