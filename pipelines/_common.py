@@ -21,6 +21,7 @@ from flowalign.data import check_prompt_length
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
+from flowalign.sampling.steps import batch_values
 from pipelines import lora as lora_utils
 from pipelines import prompt_warnings
 from pipelines.tiny import read_sampling_defaults
@@ -49,10 +50,12 @@ def batch_size(x: torch.Tensor, cond: Conditioning) -> int:
 
 
 def sigma_batch(sigma: float | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
-    """σ as a float32 ``(B,)`` tensor on ``device`` (σ a float, a 0-d or a ``(B,)`` tensor)."""
-    s = torch.as_tensor(sigma, dtype=torch.float32, device=device).flatten()
-    if s.numel() == 1:
-        s = s.expand(batch)
+    """σ as a float32 ``(B,)`` tensor on ``device`` (σ a float, a one-value or a ``(B,)`` tensor), made without
+    waiting for the device (:func:`flowalign.sampling.steps.batch_values`)."""
+    if isinstance(sigma, torch.Tensor):
+        sigma = sigma.flatten()
+        sigma = sigma[0] if sigma.numel() == 1 else sigma  # one value: 0-d, filled in on the device
+    s = batch_values(sigma, batch, device)
     if s.numel() != batch:
         raise ValueError(f"sigma has {s.numel()} values for a batch of {batch}")
     return s
@@ -62,7 +65,7 @@ def gaussian_noise(shape: tuple[int, ...], generator: torch.Generator | None, de
     """Standard normal float32 noise of ``shape`` on ``device``, drawn on the generator's device (CPU when
     None) as diffusers' ``randn_tensor`` does, so a seed gives the pipeline's own latents."""
     rand_device = generator.device if generator is not None else torch.device("cpu")
-    return torch.randn(shape, generator=generator, device=rand_device, dtype=torch.float32).to(device)
+    return torch.randn(shape, generator=generator, device=rand_device, dtype=torch.float32).to(device, non_blocking=True)
 
 
 def sampling_defaults(path: str | Path) -> dict[str, Any]:

@@ -251,7 +251,7 @@ def _integrate(
     ``keep_unconditional`` the unconditional velocities (else empty lists).
     """
     latents = [x]
-    log_probs = torch.full((x.shape[0], len(mask)), float("nan"))
+    log_probs = []  # on the device until the last step: reading each step's would make the host wait for it
     velocities, unconditional = [], []
     for k in range(len(mask)):
         with model_timestep(policy, timestep_form, sigmas[k].item()):
@@ -271,8 +271,9 @@ def _integrate(
             out = step(v, x, sigmas[k].item(), sigmas[k + 1].item(), generator, None)
         x = out.prev_sample
         latents.append(x)
-        log_probs[:, k] = out.log_prob.cpu()
-    return latents, log_probs, velocities, unconditional
+        log_probs.append(out.log_prob)
+    stored = torch.stack(log_probs, dim=1).float().cpu() if log_probs else torch.full((x.shape[0], 0), float("nan"))
+    return latents, stored, velocities, unconditional
 
 
 def _start(policy: FlowPolicy, n: int, initial_noise: torch.Tensor | None, generator: torch.Generator | None,
@@ -306,5 +307,5 @@ def _per_sample_noise_step(step: StepFn, v: torch.Tensor, x: torch.Tensor, sigma
     exactly as the step computes them when it draws the noise itself."""
     gaussian = step(v, x, sigma, sigma_next, None, x)
     noise = torch.stack([torch.randn(x.shape[1:], generator=g, dtype=torch.float32) for g in generators])
-    x_next = gaussian.mean + gaussian.std * noise.to(gaussian.mean.device)
+    x_next = gaussian.mean + gaussian.std * noise.to(gaussian.mean.device, non_blocking=True)
     return step(v, x, sigma, sigma_next, None, x_next)

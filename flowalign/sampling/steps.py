@@ -44,11 +44,22 @@ class StepOutput:
     std: torch.Tensor
 
 
+def batch_values(value: float | torch.Tensor, batch: int, device: torch.device | str) -> torch.Tensor:
+    """``value`` (a float, a 0-d or a ``(B,)`` tensor) as a float32 ``(B,)`` tensor on ``device``, without
+    making the host wait for the device: a float or a CPU scalar is filled in on the device (where
+    ``torch.as_tensor(value, device=cuda)`` copies it and waits for everything queued before), a tensor is
+    moved without blocking. The values are ``torch.as_tensor(value, dtype=float32)``'s."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.device.type == "cpu":
+        value = value.item()  # a CPU scalar: reading it waits for nothing
+    if isinstance(value, (int, float)):
+        return torch.full((batch,), float(value), dtype=torch.float32, device=device)
+    s = torch.as_tensor(value).to(device=device, dtype=torch.float32, non_blocking=True)
+    return s.expand(batch) if s.ndim == 0 else s
+
+
 def _as_batch_column(sigma: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """σ as a float32 tensor of shape ``(B, 1, ..., 1)`` broadcastable against ``like``."""
-    s = torch.as_tensor(sigma, dtype=torch.float32, device=like.device)
-    if s.ndim == 0:
-        s = s.expand(like.shape[0])
+    """σ as a float32 tensor of shape ``(B, 1, ..., 1)`` broadcastable against ``like``, on its device."""
+    s = batch_values(sigma, like.shape[0], like.device)
     if s.shape != (like.shape[0],):
         raise ValueError(f"sigma must be a float or a (B,)=({like.shape[0]},) tensor, got shape {tuple(s.shape)}")
     return s.view(-1, *([1] * (like.ndim - 1)))
@@ -56,7 +67,9 @@ def _as_batch_column(sigma: float | torch.Tensor, like: torch.Tensor) -> torch.T
 
 def _draw_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     device = generator.device if generator is not None else like.device
-    return torch.randn(like.shape, generator=generator, device=device, dtype=torch.float32).to(like.device)
+    # drawn on the generator's device (the CPU for a seeded stream): the copy need not wait for the device
+    return torch.randn(like.shape, generator=generator, device=device, dtype=torch.float32).to(like.device,
+                                                                                               non_blocking=True)
 
 
 def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -138,7 +151,7 @@ def floored_flow_sde_step(
     """The Flow-GRPO SDE step (:func:`flow_sde_step`) with the floored noise scale
     :func:`floored_flow_grpo_diffusion`, scored as UMM-Reflection scores it: ``log_prob`` is the per-element mean
     of ``−(x' − μ)²/(2τ²)`` without ``−log τ − ½·log 2π`` (constant in θ, so ratios and KLs are unchanged)."""
-    s = floored_flow_grpo_diffusion(sigma, noise_level).to(sample.device)
+    s = floored_flow_grpo_diffusion(sigma, noise_level)
     out = flow_sde_step(velocity, sample, sigma, sigma_next, diffusion=s, generator=generator, prev_sample=prev_sample)
     log_prob = (-((out.prev_sample - out.mean) ** 2) / (2 * out.std**2)).flatten(1).mean(1)
     return StepOutput(out.prev_sample, log_prob, out.mean, out.std)
@@ -192,7 +205,7 @@ def sde_step(
     if kind == "ode" or noise_level == 0:
         return euler_step(velocity, sample, sigma, sigma_next)
     if kind == "flow_grpo":
-        s = flow_grpo_diffusion(sigma, sigma_next, noise_level).to(sample.device)
+        s = flow_grpo_diffusion(sigma, sigma_next, noise_level)
         return flow_sde_step(velocity, sample, sigma, sigma_next, diffusion=s, generator=generator, prev_sample=prev_sample)
     if kind == "flow_grpo_floored":
         return floored_flow_sde_step(velocity, sample, sigma, sigma_next, noise_level=noise_level, generator=generator,

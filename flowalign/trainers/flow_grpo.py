@@ -371,9 +371,9 @@ class FlowGRPOTrainer(GroupTrainer):
         adv, weight = batch.per_chunk(batch.advantages)[unit.chunk], unit.weight
         x_k, _, old_log_prob = chunk.step(k)
         out = self.step_distribution(chunk, k, self.policy_velocity(chunk, k, unit.update == 0))
-        adv, old_log_prob = adv.to(out.log_prob), old_log_prob.to(out.log_prob)
+        adv, old_log_prob = adv.to(out.log_prob, non_blocking=True), old_log_prob.to(out.log_prob, non_blocking=True)
         per_sample, ratio, clipped = self.surrogate(chunk, k, out, old_log_prob, adv,
-                                                    None if weight is None else weight.to(out.log_prob))
+                                                    None if weight is None else weight.to(out.log_prob, non_blocking=True))
         active = adv != 0  # samples with zero advantage are dropped from the mean
         loss = per_sample[active].mean()
         deviation = (ratio.detach() - 1).abs()[active]

@@ -12,6 +12,11 @@ made an index tensor here, as on CUDA, where PyTorch gives a ``meta`` tensor's i
 conjugated view (``conj()``, in the gradient of a complex product) is read as its values, as CUDA's kernels
 read it.
 
+:func:`host_waits` records, while on, each operation that on CUDA makes the host wait for the device: reading
+a value (``.item()``, ``float()``, ``bool()``, ``.tolist()``), a copy to the CPU, a blocking copy to the device
+(``torch.tensor(x, device=...)``, ``t.to(device)`` without ``non_blocking``) and an operation whose output
+size depends on the values (``nonzero``, a boolean mask index).
+
 ``meta`` is the device these tensors claim because it exists in every PyTorch build and has the device
 bookkeeping (autograd's device threads, device guards) that a made-up device lacks; no real meta tensor is
 ever created while the mode is on.
@@ -21,7 +26,10 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -56,6 +64,7 @@ class OnDevice(torch.Tensor):
         return f"OnDevice({self.elem!r})"
 
     def tolist(self) -> Any:  # PyTorch refuses it on subclasses; a CUDA tensor copies to the CPU first
+        _record("read values")
         return self.elem.tolist()
 
     # PyTorch turns an index list into a tensor on the indexed tensor's device, and for ``meta`` it makes an
@@ -158,6 +167,60 @@ def mixed_devices(func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) 
     return None
 
 
+#: the lists :func:`host_waits` is filling (one per open block)
+_RECORDERS: list[list[tuple[str, str]]] = []
+#: operations whose output size depends on the values: the host reads them back to size the result
+DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+                  aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
+COPIES = {aten._to_copy.default, aten.copy_.default}
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+@contextmanager
+def host_waits() -> Iterator[list[tuple[str, str]]]:
+    """``(kind, where)`` for each operation on fake-device tensors, inside the block, that on CUDA makes the host
+    wait for the device (``where``: the innermost line of this repository's code outside the tests)."""
+    found: list[tuple[str, str]] = []
+    _RECORDERS.append(found)
+    try:
+        yield found
+    finally:
+        _RECORDERS.remove(found)
+
+
+def _record(kind: str) -> None:
+    if not _RECORDERS:
+        return
+    where = "?"
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if frame.filename.startswith(REPO) and "/tests/" not in frame.filename and "/.venv/" not in frame.filename:
+            where = f"{frame.filename[len(REPO) + 1:]}:{frame.lineno}"
+            break
+    for found in _RECORDERS:
+        found.append((kind, where))
+
+
+def _waits(func, args: tuple, kwargs: dict, wrapped: bool) -> str | None:
+    """What makes the host wait in ``func`` on CUDA (None: nothing)."""
+    if func in COPIES:
+        src, dst = (args[0], kwargs.get("device")) if func is aten._to_copy.default else (args[1], args[0].device)
+        to_device, from_device = on_device(dst or getattr(src, "device", None)), type(src) is OnDevice
+        if from_device and not to_device:
+            return "copy to the host"
+        if to_device and not from_device and not kwargs.get("non_blocking", len(args) > 2 and args[2]):
+            return "blocking copy to the device"
+        return None
+    if not wrapped:
+        return None
+    if func is aten._local_scalar_dense.default:
+        return "read a value"
+    if func in DATA_DEPENDENT:
+        return "value-dependent size"
+    if func in INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+        return "value-dependent size"
+    return None
+
+
 def run(func, args: tuple, kwargs: dict) -> Any:
     """``func`` on the CPU data, its tensor results on the fake device when an input was (or ``device=`` says so)."""
     tensors = _tensors(args, _tensors(kwargs, []))
@@ -165,6 +228,10 @@ def run(func, args: tuple, kwargs: dict) -> Any:
     wrapped = any(type(t) is OnDevice for t in tensors)
     if not wrapped and not on_device(device):
         return func(*args, **kwargs)  # the CPU's own work
+    if _RECORDERS:
+        kind = _waits(func, args, kwargs, wrapped)
+        if kind:
+            _record(kind)
     why = mixed_devices(func, args, kwargs, tensors)
     if why is not None:
         raise RuntimeError(why)
