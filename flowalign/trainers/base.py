@@ -180,6 +180,11 @@ class GroupTrainer:
         self.params, self.optimizer, self.ema = (self.optimisation.params, self.optimisation.optimizer,
                                                  self.optimisation.ema)
         self.train_seconds = 0.0
+        # perf/tflops_per_s: the transformers' passes counted as they run (with sequence parallelism a rank's
+        # forward sees the whole sequence, so the count would be the world's: none is kept there)
+        self.flop_meter = step_metrics.FlopMeter(
+            step_metrics.policy_transformers(policy) if self.parallel.layout.sequence == 1 else [])
+        self.peak_tflops = step_metrics.peak_tflops(accelerator.device, cfg.run.peak_tflops)
         #: this process's CPU seconds in training steps since start or resume (logged as time/cpu_minutes:
         #: on a shared machine wall-clock time depends on the neighbours, CPU time much less)
         self.train_cpu_seconds = 0.0
@@ -455,6 +460,7 @@ class GroupTrainer:
         """collect → plan → losses and optimiser steps → finish; the step's log line."""
         t0, cpu0 = time.perf_counter(), time.process_time()
         step_metrics.begin_step(self.acc.device)  # memory/peak_gib_* are this step's peaks
+        self.flop_meter.take()  # and perf/tflops_per_s this step's FLOPs (not an evaluation's before it)
         alone = self.parallel.world == 1
         with abandonable(alone):  # collecting changes no weight: SIGTERM may drop it
             rng = ckpt.rng_state() if alone else None
@@ -470,7 +476,8 @@ class GroupTrainer:
         self.train_cpu_seconds += cpu
         return {**batch.logs, "time/update": now - t_update, "time/step": now - t0, "time/step_cpu": cpu,
                 "time/cpu_minutes": self.train_cpu_seconds / 60, **{f"train/{k}": v for k, v in stats.items()},
-                **step_metrics.step_logs(self.acc.device, now - t0, step_metrics.generated_samples(batch))}
+                **step_metrics.step_logs(self.acc.device, now - t0, step_metrics.generated_samples(batch),
+                                         self.flop_meter.take(), self.peak_tflops)}
 
     def optimizer_step(self) -> float:
         """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
