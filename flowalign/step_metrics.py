@@ -71,6 +71,11 @@ def _quiet_diffusers() -> Iterator[None]:
         diffusers_logging.set_verbosity(level)
 
 
+#: input shapes a meter counts (a meta forward each, a fraction of a second for a large model); a family called
+#: at ever new shapes (prompts of every length, unpadded) is left uncounted past them
+MAX_SHAPES = 32
+
+
 class FlopMeter:
     """Model FLOPs of the calls of ``models`` (a policy's transformers) since the last :meth:`take`.
 
@@ -93,7 +98,9 @@ class FlopMeter:
             return
         key = (id(module), _signature(args), _signature(kwargs))
         flops = self._per_call.get(key)
-        if flops is None:
+        if flops is None and len(self._per_call) >= MAX_SHAPES:
+            log.info("perf/tflops_per_s not logged: the transformer is called at more than %d input shapes", MAX_SHAPES)
+        elif flops is None:
             flops = self._per_call[key] = self._forward_flops(module, args, kwargs)
         if flops is None:
             self.known = False

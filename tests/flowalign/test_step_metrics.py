@@ -42,6 +42,10 @@ def test_a_call_counts_one_forward_as_the_real_forward_counts_and_three_with_gra
     transformer(**inputs(transformer, 4))
     assert meter.take() == pytest.approx(3 * forward + 3 * 2 * forward, rel=1e-9)
     assert meter.take() == 0.0 and len(meter._per_call) == 2  # one meta forward per shape
+    meter._per_call.update({i: 1.0 for i in range(step_metrics.MAX_SHAPES)})  # a model called at many shapes
+    with torch.no_grad():
+        transformer(**inputs(transformer, 3))
+    assert meter.take() is None  # no longer counted, rather than a meta forward at every call
 
 
 class ReadsValues(nn.Module):
