@@ -12,6 +12,7 @@ model work and is not counted.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,6 +72,23 @@ def _quiet_diffusers() -> Iterator[None]:
         diffusers_logging.set_verbosity(level)
 
 
+#: one forward's FLOPs by model (class, config, dtype) and input shapes, for every meter of the process (the
+#: models of a run are rebuilt, and a process may train several runs): a meta forward takes a fraction of a second
+_FORWARD_FLOPS: dict[tuple, float | None] = {}
+
+
+def _model_class(module: nn.Module) -> type:
+    cls = type(module)
+    while cls.__name__.startswith("FSDP") and len(cls.__bases__) > 1:  # FSDP2's wrapper class
+        cls = cls.__bases__[-1]
+    return cls
+
+
+def _model_key(module: nn.Module) -> tuple:
+    config = json.dumps(dict(getattr(module, "config", {}) or {}), sort_keys=True, default=str)
+    return _model_class(module).__qualname__, config, str(next(module.parameters()).dtype)
+
+
 #: input shapes a meter counts (a meta forward each, a fraction of a second for a large model); a family called
 #: at ever new shapes (prompts of every length, unpadded) is left uncounted past them
 MAX_SHAPES = 32
@@ -88,20 +106,27 @@ class FlopMeter:
     def __init__(self, models: list[nn.Module]):
         self.flops = 0.0
         self.known = bool(models)
-        self._per_call: dict[tuple, float] = {}
-        self._meta: dict[int, nn.Module] = {}
+        self._per_call: dict[tuple, float | None] = {}
+        self._models = {id(m): _model_key(m) for m in models}
         for model in models:
             model.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self.known:
             return
-        key = (id(module), _signature(args), _signature(kwargs))
-        flops = self._per_call.get(key)
-        if flops is None and len(self._per_call) >= MAX_SHAPES:
-            log.info("perf/tflops_per_s not logged: the transformer is called at more than %d input shapes", MAX_SHAPES)
-        elif flops is None:
-            flops = self._per_call[key] = self._forward_flops(module, args, kwargs)
+        key = (self._models.get(id(module)) or _model_key(module), _signature(args), _signature(kwargs))
+        if key not in self._per_call:
+            if len(self._per_call) >= MAX_SHAPES:
+                log.info("perf/tflops_per_s not logged: the transformer is called at more than %d input shapes",
+                         MAX_SHAPES)
+                self.known = False
+                return
+            if key not in _FORWARD_FLOPS:
+                _FORWARD_FLOPS[key] = self._forward_flops(module, args, kwargs)
+                while len(_FORWARD_FLOPS) > 256:  # a long-lived process training many models keeps the newest
+                    _FORWARD_FLOPS.pop(next(iter(_FORWARD_FLOPS)))
+            self._per_call[key] = _FORWARD_FLOPS[key]
+        flops = self._per_call[key]
         if flops is None:
             self.known = False
             return
@@ -119,15 +144,11 @@ class FlopMeter:
     def _count_on_meta(self, module: nn.Module, args: tuple, kwargs: dict) -> float:
         from torch.utils.flop_counter import FlopCounterMode
 
-        meta = self._meta.get(id(module))
-        if meta is None:
-            cls = type(module)
-            while cls.__name__.startswith("FSDP") and len(cls.__bases__) > 1:  # FSDP2's wrapper class
-                cls = cls.__bases__[-1]
-            with torch.device("meta"):
-                meta = cls.from_config(module.config)
-            with _quiet_diffusers():  # its advice on casting a loaded model does not apply to a weightless copy
-                meta = self._meta[id(module)] = meta.to(next(module.parameters()).dtype).eval()
+        cls = _model_class(module)
+        with torch.device("meta"):
+            meta = cls.from_config(module.config)
+        with _quiet_diffusers():  # its advice on casting a loaded model does not apply to a weightless copy
+            meta = meta.to(next(module.parameters()).dtype).eval()
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             meta(*_meta_like(args), **_meta_like(kwargs))
         return float(counter.get_total_flops())
