@@ -66,7 +66,7 @@ class RunSection(Section):
     max_invalid_fraction: float = Field(0.5, ge=0.0, le=1.0)
     progress: bool = True
     #: the device's dense bf16 peak in TFLOP/s, the denominator of perf/mfu (null: known for H100, H200, A100 and
-    #: L40S by name; on another device perf/mfu is not logged, perf/tflops_per_s is)
+    #: L40S by name; on another GPU perf/mfu is not logged, perf/tflops_per_s is; on a CPU neither, unless given)
     peak_tflops: float | None = Field(None, gt=0, le=1e6)
 
 

@@ -1,170 +1,17 @@
 """A training step's memory and throughput for its log line: ``memory/peak_gib_allocated`` and
 ``memory/peak_gib_reserved`` (the CUDA allocator's peaks over the step, GiB; none on a CPU),
 ``perf/samples_per_s`` (samples generated per second of the step), ``perf/tflops_per_s`` (the transformer's
-model FLOPs over the step's seconds, :class:`FlopMeter`) and ``perf/mfu`` (that over the device's peak).
-
-What a step computes depends on the trainer (rows per pass, passes with and without gradients), so the FLOPs
-are counted where they are spent: every call of the transformer adds the FLOPs of one forward at the call's
-input shapes, three times that when gradients are on (a backward costs about two forwards: the usual MFU
-convention, whether or not the base weights are frozen). Recomputation under gradient checkpointing is not
-model work and is not counted.
+model FLOPs over the step's seconds, :mod:`flowalign.flop_meter`) and ``perf/mfu`` (that over the device's
+peak).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
 
 GIB = 2**30
-log = logging.getLogger(__name__)
-
-#: dense bf16 tensor-core peaks (TFLOP/s, no sparsity) of the GPUs ``perf/mfu`` knows by name; the first
-#: name found in ``torch.cuda.get_device_name()`` decides (``run.peak_tflops`` sets any other)
-PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H200", 989.4), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.1)]
-
-
-def peak_tflops(device: torch.device | str | None, configured: float | None = None) -> float | None:
-    """The device's dense bf16 peak in TFLOP/s: ``configured``, else the table's for a known GPU, else None."""
-    if configured is not None:
-        return configured
-    if not _cuda(device):
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for known, peak in PEAK_TFLOPS if known in name), None)
-
-
-def _meta_like(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_meta_like(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _meta_like(v) for k, v in value.items()}
-    return value
-
-
-def _signature(value: Any) -> Any:
-    """What a forward's FLOPs depend on: tensor shapes and dtypes, every other value as written."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape), str(value.dtype)
-    if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _signature(v)) for k, v in value.items()))
-    return repr(value)
-
-
-@contextmanager
-def _quiet_diffusers() -> Iterator[None]:
-    from diffusers.utils import logging as diffusers_logging
-
-    level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        diffusers_logging.set_verbosity(level)
-
-
-#: one forward's FLOPs by model (class, config, dtype) and input shapes, for every meter of the process (the
-#: models of a run are rebuilt, and a process may train several runs): a meta forward takes a fraction of a second
-_FORWARD_FLOPS: dict[tuple, float | None] = {}
-
-
-def _model_class(module: nn.Module) -> type:
-    cls = type(module)
-    while cls.__name__.startswith("FSDP") and len(cls.__bases__) > 1:  # FSDP2's wrapper class
-        cls = cls.__bases__[-1]
-    return cls
-
-
-def _model_key(module: nn.Module) -> tuple:
-    config = json.dumps(dict(getattr(module, "config", {}) or {}), sort_keys=True, default=str)
-    return _model_class(module).__qualname__, config, str(next(module.parameters()).dtype)
-
-
-#: input shapes a meter counts (a meta forward each, a fraction of a second for a large model); a family called
-#: at ever new shapes (prompts of every length, unpadded) is left uncounted past them
-MAX_SHAPES = 32
-
-
-class FlopMeter:
-    """Model FLOPs of the calls of ``models`` (a policy's transformers) since the last :meth:`take`.
-
-    One forward's FLOPs at a call's input shapes are counted once per shape, by ``torch.utils.flop_counter``
-    on a copy of the model built from its config on the meta device (no weights, no device time); a
-    forward with gradients counts three times. A model whose forward the meta device cannot run (one that
-    reads tensor values) makes the count unknown: :meth:`take` then returns None and nothing is logged.
-    """
-
-    def __init__(self, models: list[nn.Module]):
-        self.flops = 0.0
-        self.known = bool(models)
-        self._per_call: dict[tuple, float | None] = {}
-        self._models = {id(m): _model_key(m) for m in models}
-        for model in models:
-            model.register_forward_pre_hook(self._count, with_kwargs=True)
-
-    def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.known:
-            return
-        key = (self._models.get(id(module)) or _model_key(module), _signature(args), _signature(kwargs))
-        if key not in self._per_call:
-            if len(self._per_call) >= MAX_SHAPES:
-                log.info("perf/tflops_per_s not logged: the transformer is called at more than %d input shapes",
-                         MAX_SHAPES)
-                self.known = False
-                return
-            if key not in _FORWARD_FLOPS:
-                _FORWARD_FLOPS[key] = self._forward_flops(module, args, kwargs)
-                while len(_FORWARD_FLOPS) > 256:  # a long-lived process training many models keeps the newest
-                    _FORWARD_FLOPS.pop(next(iter(_FORWARD_FLOPS)))
-            self._per_call[key] = _FORWARD_FLOPS[key]
-        flops = self._per_call[key]
-        if flops is None:
-            self.known = False
-            return
-        self.flops += flops * (3 if torch.is_grad_enabled() else 1)
-
-    def _forward_flops(self, module: nn.Module, args: tuple, kwargs: dict) -> float | None:
-        try:
-            with torch.random.fork_rng(devices=[]):  # counting must not move the run's random streams
-                return self._count_on_meta(module, args, kwargs)
-        except Exception as err:  # noqa: BLE001 - any failure only means no FLOP count for this run
-            log.info("perf/tflops_per_s not logged: the %s forward is not countable on the meta device (%s)",
-                     type(module).__name__, str(err).splitlines()[0][:160] if str(err) else type(err).__name__)
-            return None
-
-    def _count_on_meta(self, module: nn.Module, args: tuple, kwargs: dict) -> float:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        cls = _model_class(module)
-        with torch.device("meta"):
-            meta = cls.from_config(module.config)
-        with _quiet_diffusers():  # its advice on casting a loaded model does not apply to a weightless copy
-            meta = meta.to(next(module.parameters()).dtype).eval()
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
-            meta(*_meta_like(args), **_meta_like(kwargs))
-        return float(counter.get_total_flops())
-
-    def take(self) -> float | None:
-        """The FLOPs counted since the last call (None when unknown), and a fresh count."""
-        flops, self.flops = self.flops, 0.0
-        return flops if self.known else None
-
-
-def policy_transformers(policy: Any) -> list[nn.Module]:
-    """The diffusers transformers a policy calls (``transformer``, and ``transformer_2`` where a family has
-    two experts), those with a config to rebuild them from."""
-    components = getattr(getattr(policy, "pipe", None), "components", {}) or {}
-    found = [m for name, m in components.items() if name.startswith("transformer") and isinstance(m, nn.Module)]
-    return [m for m in found if hasattr(type(m), "from_config") and getattr(m, "config", None) is not None]
 
 
 def _cuda(device: torch.device | str | None) -> bool:
@@ -192,7 +39,8 @@ def generated_samples(batch: Any) -> int | None:
 def step_logs(device: torch.device | str | None, seconds: float, samples: int | None, flops: float | None = None,
               peak: float | None = None) -> dict[str, float]:
     """The step's memory peaks (CUDA only) and throughput, for its log line: ``flops`` the step's model FLOPs
-    (:class:`FlopMeter`), ``peak`` the device's TFLOP/s (:func:`peak_tflops`)."""
+    (:class:`flowalign.flop_meter.FlopMeter`), ``peak`` the device's TFLOP/s
+    (:func:`flowalign.flop_meter.peak_tflops`)."""
     logs: dict[str, float] = {}
     if _cuda(device):
         logs["memory/peak_gib_allocated"] = torch.cuda.max_memory_allocated(device) / GIB

@@ -82,6 +82,7 @@ import torch
 
 from flowalign import checkpoint as ckpt
 from flowalign import step_metrics
+from flowalign.flop_meter import FlopMeter, peak_tflops, policy_transformers
 from flowalign.config import TrainConfig
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
@@ -180,11 +181,12 @@ class GroupTrainer:
         self.params, self.optimizer, self.ema = (self.optimisation.params, self.optimisation.optimizer,
                                                  self.optimisation.ema)
         self.train_seconds = 0.0
-        # perf/tflops_per_s: the transformers' passes counted as they run (with sequence parallelism a rank's
-        # forward sees the whole sequence, so the count would be the world's: none is kept there)
-        self.flop_meter = step_metrics.FlopMeter(
-            step_metrics.policy_transformers(policy) if self.parallel.layout.sequence == 1 else [])
-        self.peak_tflops = step_metrics.peak_tflops(accelerator.device, cfg.run.peak_tflops)
+        # perf/tflops_per_s and perf/mfu: the transformers' passes counted as they run, on a GPU or where the
+        # config gives a peak (a CPU run pays a meta forward per input shape for a number nobody reads); with
+        # sequence parallelism a rank's forward sees the whole sequence, so the count would be the world's
+        self.peak_tflops = peak_tflops(accelerator.device, cfg.run.peak_tflops)
+        counted = (accelerator.device.type == "cuda" or self.peak_tflops is not None) and self.parallel.layout.sequence == 1
+        self.flop_meter = FlopMeter(policy_transformers(policy) if counted else [])
         #: this process's CPU seconds in training steps since start or resume (logged as time/cpu_minutes:
         #: on a shared machine wall-clock time depends on the neighbours, CPU time much less)
         self.train_cpu_seconds = 0.0

@@ -1,4 +1,4 @@
-"""perf/tflops_per_s and perf/mfu: the transformer's passes counted as they run (flowalign/step_metrics.py)."""
+"""perf/tflops_per_s and perf/mfu: the transformer's passes counted as they run (flowalign/flop_meter.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from diffusers import SD3Transformer2DModel
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowalign import step_metrics
-from flowalign.step_metrics import FlopMeter
+from flowalign import flop_meter, step_metrics
+from flowalign.flop_meter import FlopMeter
 from pipelines.memory import transformer_inputs
 
 SIZE = {"height": 64, "width": 64, "max_sequence_length": 16}
@@ -42,7 +42,7 @@ def test_a_call_counts_one_forward_as_the_real_forward_counts_and_three_with_gra
     transformer(**inputs(transformer, 4))
     assert meter.take() == pytest.approx(3 * forward + 3 * 2 * forward, rel=1e-9)
     assert meter.take() == 0.0 and len(meter._per_call) == 2  # one meta forward per shape
-    meter._per_call.update({i: 1.0 for i in range(step_metrics.MAX_SHAPES)})  # a model called at many shapes
+    meter._per_call.update({i: 1.0 for i in range(flop_meter.MAX_SHAPES)})  # a model called at many shapes
     with torch.no_grad():
         transformer(**inputs(transformer, 3))
     assert meter.take() is None  # no longer counted, rather than a meta forward at every call
@@ -76,21 +76,22 @@ def test_mfu_is_the_rate_over_the_device_peak():
     logs = step_metrics.step_logs("cpu", 2.0, None, flops=3e12, peak=1.5)
     assert logs == {"perf/tflops_per_s": 1.5, "perf/mfu": 1.0}
     assert "perf/mfu" not in step_metrics.step_logs("cpu", 2.0, None, flops=3e12, peak=None)
-    assert step_metrics.peak_tflops("cpu") is None and step_metrics.peak_tflops("cpu", 100.0) == 100.0
-    assert dict(step_metrics.PEAK_TFLOPS)["H200"] == 989.4
+    assert flop_meter.peak_tflops("cpu") is None and flop_meter.peak_tflops("cpu", 100.0) == 100.0
+    assert dict(flop_meter.PEAK_TFLOPS)["H200"] == 989.4
 
 
 def test_a_training_step_logs_the_transformers_rate(tiny_sd3_dir, tmp_path):
-    """A Flow-GRPO step logs perf/tflops_per_s: its rollouts' and updates' FLOPs over the step's seconds; with
-    run.peak_tflops, perf/mfu; an evaluation before the step is not counted in it."""
+    """A Flow-GRPO step logs perf/tflops_per_s: its rollouts' and updates' FLOPs over the step's seconds, and
+    perf/mfu over run.peak_tflops (on a CPU, only when that is given); an evaluation before the step is not
+    counted in it."""
     from flowalign.config import load_config
     from flowalign.train import build_trainer
 
-    cfg = load_config(None, [f"model.path={tiny_sd3_dir}", f"run.output_dir={tmp_path / 'run'}", "run.progress=false",
-                             "run.tensorboard=false", "run.peak_tflops=0.001", "trainer.prompts_per_step=1",
-                             "trainer.group_size=2", "trainer.batch_size=2", "trainer.num_steps=2", "data.n=4",
-                             "eval.bench=null", "rewards=[{name: brightness}]"])
-    trainer = build_trainer(cfg)
+    overrides = [f"model.path={tiny_sd3_dir}", f"run.output_dir={tmp_path / 'run'}", "run.progress=false",
+                 "run.tensorboard=false", "run.peak_tflops=0.001", "trainer.prompts_per_step=1", "trainer.group_size=2",
+                 "trainer.batch_size=2", "trainer.num_steps=2", "data.n=4", "eval.bench=null",
+                 "rewards=[{name: brightness}]"]
+    trainer = build_trainer(load_config(None, overrides))
     meter_flops = []
     take = trainer.flop_meter.take
     trainer.flop_meter.take = lambda: meter_flops.append(take()) or meter_flops[-1]
@@ -100,3 +101,7 @@ def test_a_training_step_logs_the_transformers_rate(tiny_sd3_dir, tmp_path):
     assert meter_flops[0] > 0  # the evaluation's, dropped when the step began
     assert logs["perf/tflops_per_s"] == pytest.approx(meter_flops[1] / logs["time/step"] / 1e12)
     assert logs["perf/mfu"] == pytest.approx(logs["perf/tflops_per_s"] / 0.001)
+    # on a CPU without a configured peak nothing is counted (a meta forward per shape, for a number nobody reads)
+    plain = [o for o in overrides if not o.startswith(("run.peak_tflops=", "run.output_dir="))]
+    cpu = build_trainer(load_config(None, [*plain, f"run.output_dir={tmp_path / 'cpu'}"]))
+    assert "perf/tflops_per_s" not in cpu.train_step() and not cpu.flop_meter.known
