@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+
+from flowalign.logger import diffusers_warnings_off
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +56,6 @@ def _signature(value: Any) -> Any:
     return repr(value)
 
 
-@contextmanager
-def _quiet_diffusers() -> Iterator[None]:
-    from diffusers.utils import logging as diffusers_logging
-
-    level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        diffusers_logging.set_verbosity(level)
-
-
 #: one forward's FLOPs by model (class, config, dtype) and input shapes, for every meter of the process (the
 #: models of a run are rebuilt, and a process may train several runs): a meta forward takes a fraction of a second
 _FORWARD_FLOPS: dict[tuple, float | None] = {}
@@ -83,6 +71,31 @@ def _model_class(module: nn.Module) -> type:
 def _model_key(module: nn.Module) -> tuple:
     config = json.dumps(dict(getattr(module, "config", {}) or {}), sort_keys=True, default=str)
     return _model_class(module).__qualname__, config, str(next(module.parameters()).dtype)
+
+
+def forward_flops(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> float | None:
+    """FLOPs of one forward of ``module`` (a diffusers model, real or on the meta device) at the shapes of
+    ``args`` / ``kwargs``, counted by ``torch.utils.flop_counter`` on a weightless copy built from its config on
+    the meta device (no device time, no random draw); None when the meta device cannot run it."""
+    try:
+        with torch.random.fork_rng(devices=[]):  # counting must not move the run's random streams
+            return _count_on_meta(module, args, kwargs or {})
+    except Exception as err:  # noqa: BLE001 - any failure only means no FLOP count
+        log.info("no FLOP count: the %s forward is not countable on the meta device (%s)",
+                 type(module).__name__, str(err).splitlines()[0][:160] if str(err) else type(err).__name__)
+        return None
+
+
+def _count_on_meta(module: nn.Module, args: tuple, kwargs: dict) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        meta = _model_class(module).from_config(module.config)
+    with diffusers_warnings_off():
+        meta = meta.to(next(module.parameters()).dtype).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        meta(*_meta_like(args), **_meta_like(kwargs))
+    return float(counter.get_total_flops())
 
 
 #: input shapes a meter counts (a meta forward each, a fraction of a second for a large model); a family called
@@ -118,7 +131,7 @@ class FlopMeter:
                 self.known = False
                 return
             if key not in _FORWARD_FLOPS:
-                _FORWARD_FLOPS[key] = self._forward_flops(module, args, kwargs)
+                _FORWARD_FLOPS[key] = forward_flops(module, args, kwargs)
                 while len(_FORWARD_FLOPS) > 256:  # a long-lived process training many models keeps the newest
                     _FORWARD_FLOPS.pop(next(iter(_FORWARD_FLOPS)))
             self._per_call[key] = _FORWARD_FLOPS[key]
@@ -127,27 +140,6 @@ class FlopMeter:
             self.known = False
             return
         self.flops += flops * (3 if torch.is_grad_enabled() else 1)
-
-    def _forward_flops(self, module: nn.Module, args: tuple, kwargs: dict) -> float | None:
-        try:
-            with torch.random.fork_rng(devices=[]):  # counting must not move the run's random streams
-                return self._count_on_meta(module, args, kwargs)
-        except Exception as err:  # noqa: BLE001 - any failure only means no FLOP count for this run
-            log.info("perf/tflops_per_s not logged: the %s forward is not countable on the meta device (%s)",
-                     type(module).__name__, str(err).splitlines()[0][:160] if str(err) else type(err).__name__)
-            return None
-
-    def _count_on_meta(self, module: nn.Module, args: tuple, kwargs: dict) -> float:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        cls = _model_class(module)
-        with torch.device("meta"):
-            meta = cls.from_config(module.config)
-        with _quiet_diffusers():  # its advice on casting a loaded model does not apply to a weightless copy
-            meta = meta.to(next(module.parameters()).dtype).eval()
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
-            meta(*_meta_like(args), **_meta_like(kwargs))
-        return float(counter.get_total_flops())
 
     def take(self) -> float | None:
         """The FLOPs counted since the last call (None when unknown), and a fresh count."""

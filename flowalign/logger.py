@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +83,17 @@ class RunLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+@contextmanager
+def diffusers_warnings_off() -> Iterator[None]:
+    """diffusers' logging at errors only inside the block (its advice on casting a loaded model with ``to()``
+    does not apply to the weightless copies the planner and the FLOP count build on the meta device)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(level)

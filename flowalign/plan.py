@@ -74,6 +74,7 @@ from flowalign import families
 from flowalign.component_config import library_module, read_component_config
 from flowalign.config import TrainConfig
 from flowalign.errors import UserError
+from flowalign.logger import diffusers_warnings_off
 from flowalign.paths import REPO_ROOT
 from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings
 from flowalign.trainers import trainer_config
@@ -444,14 +445,8 @@ def _vae_peak_bytes(vae: nn.Module, direction: str, shape: tuple[int, ...], dtyp
     key = (direction, type(vae).__qualname__, json.dumps(dict(vae.config), sort_keys=True, default=str), shape,
            str(dtype))
     if key not in _VAE_PEAKS:
-        from diffusers.utils import logging as diffusers_logging
-
-        level = diffusers_logging.get_verbosity()
-        diffusers_logging.set_verbosity_error()  # its advice on casting a loaded VAE does not apply to meta tensors
-        try:
+        with diffusers_warnings_off():
             vae = vae.to(dtype)
-        finally:
-            diffusers_logging.set_verbosity(level)
         live = _LiveBytes()
         with torch.no_grad(), live:
             run = vae.decode if direction == "decode" else vae.encode
@@ -505,15 +500,9 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     spec = families.detect(folder) if cfg.model.family is None else families.get(cfg.model.family, "model.family")
     models = build_on_meta(folder)
     names = [c for c in spec.trained if c in models]
-    from diffusers.utils import logging as diffusers_logging
-
-    level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # its warning about casting a loaded model does not apply to meta tensors
-    try:
+    with diffusers_warnings_off():
         for name in names:
             models[name] = models[name].to(pipelines.parse_dtype(cfg.model.dtype))
-    finally:
-        diffusers_logging.set_verbosity(level)
     transformer = models["transformer"]  # one step's forward runs one of the trained models
     blocks = block_modules(transformer)
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}

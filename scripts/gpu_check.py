@@ -247,7 +247,6 @@ def run_side(side: str, folder: Path, work: Path, reference_src: Path | None, re
     from bench_timing import redness
 
     cuda = torch.device(device).type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     setting = full_setting() if size >= 256 else bench.SETTING
     if side == "flowalign":
         extra = ["model.dtype=bf16"] if cuda else []
@@ -270,6 +269,18 @@ def run_side(side: str, folder: Path, work: Path, reference_src: Path | None, re
     iteration(0)  # warm-up: kernels chosen, caches filled
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    times = timed_iterations(iteration, counter, repeats, device)
+    best = min(times, key=lambda t: t["iteration_s"])
+    return {"side": side, "status": "ok", **{k: round(v, 3) for k, v in best.items()},
+            "rollout_min_s": round(min(t["rollout_s"] for t in times), 3),
+            "train_min_s": round(min(t["train_s"] for t in times), 3),
+            "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None}
+
+
+def timed_iterations(iteration: Any, counter: RowCounter, repeats: int, device: str) -> list[dict[str, float]]:
+    """``repeats`` iterations ``iteration(rep) -> (rollout_s, train_s)``, each timed from a drained device queue
+    to a drained queue, with the transformer rows it ran."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []
     for rep in range(1, repeats + 1):
         counter.rows = 0.0
@@ -279,33 +290,24 @@ def run_side(side: str, folder: Path, work: Path, reference_src: Path | None, re
         sync()
         times.append({"rollout_s": rollout_s, "train_s": train_s, "iteration_s": time.perf_counter() - t0,
                       "rows": counter.rows})
-    best = min(times, key=lambda t: t["iteration_s"])
-    return {"side": side, "status": "ok", **{k: round(v, 3) for k, v in best.items()},
-            "rollout_min_s": round(min(t["rollout_s"] for t in times), 3),
-            "train_min_s": round(min(t["train_s"] for t in times), 3),
-            "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None}
+    return times
 
 
 def row_flops(folder: Path, size: int, max_len: int) -> float | None:
-    """FLOPs of one row's transformer forward at ``size`` px and ``max_len`` T5 tokens, counted by
-    ``torch.utils.flop_counter`` on the meta device (no weights read); None when it cannot be counted."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """FLOPs of one row's transformer forward at ``size`` px and ``max_len`` T5 tokens, counted as training runs
+    count them (:func:`flowalign.flop_meter.forward_flops`, on the meta device); None when it cannot be counted."""
     from flowalign import families
+    from flowalign.flop_meter import forward_flops
     from flowalign.plan import build_on_meta
 
-    try:
-        transformer = build_on_meta(folder)["transformer"].to(torch.bfloat16)
-        spec = families.detect(folder)
-        inputs = spec.transformer_inputs(transformer.config, 1, {**spec.size, "height": size, "width": size,
-                                                                  "max_sequence_length": max_len},
-                                         dtype=torch.bfloat16)
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
-            transformer(**inputs)
-        return float(counter.get_total_flops()) or None
-    except Exception as err:  # noqa: BLE001 - MFU is then left out, said in the JSON
-        print(f"  (FLOPs per row not counted: {_where(err)})", flush=True)
-        return None
+    transformer = build_on_meta(folder)["transformer"].to(torch.bfloat16)
+    spec = families.detect(folder)
+    inputs = spec.transformer_inputs(transformer.config, 1, {**spec.size, "height": size, "width": size,
+                                                              "max_sequence_length": max_len}, dtype=torch.bfloat16)
+    flops = forward_flops(transformer, kwargs=inputs)
+    if not flops:
+        print("  (FLOPs per row not counted: the forward does not run on the meta device)", flush=True)
+    return flops or None
 
 
 def matmul_tflops(device: str) -> float | None:
@@ -395,7 +397,6 @@ def run_levers(folder: Path, work: Path, repeats: int, device: str, size: int, m
     import bench
 
     cuda = torch.device(device).type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     setting = full_setting() if size >= 256 else bench.SETTING
     trainer = bench.build_flowalign(folder, work / "levers", "bench_timing:redness", 8, size=size,
                                     max_sequence_length=max_len, setting=setting,
@@ -410,15 +411,7 @@ def run_levers(folder: Path, work: Path, repeats: int, device: str, size: int, m
         try:
             switch_on(lever, trainer)
             bench.flowalign_iteration(trainer)  # warm-up: kernels chosen, blocks compiled
-            times = []
-            for _ in range(repeats):
-                counter.rows = 0.0
-                sync()
-                t0 = time.perf_counter()
-                rollout_s, train_s = bench.flowalign_iteration(trainer)
-                sync()
-                times.append({"rollout_s": rollout_s, "train_s": train_s, "iteration_s": time.perf_counter() - t0,
-                              "rows": counter.rows})
+            times = timed_iterations(lambda rep: bench.flowalign_iteration(trainer), counter, repeats, device)
             best = min(times, key=lambda t: t["iteration_s"])
             rows.append({"lever": lever, "status": "ok", **{k: round(v, 3) for k, v in best.items()}})
         except Exception as err:  # noqa: BLE001 - the levers after it build on it: stop here, say why

@@ -97,9 +97,28 @@ def test_a_training_step_logs_the_transformers_rate(tiny_sd3_dir, tmp_path):
     trainer.flop_meter.take = lambda: meter_flops.append(take()) or meter_flops[-1]
     with torch.no_grad():  # an evaluation's passes, before the step
         trainer.policy.velocity(trainer.policy.initial_noise(1), 0.5, trainer.policy.encode(["x"]), 1.0)
+    calls = []  # every call of the step, with its inputs, counted independently below
+    copy = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    hook = trainer.policy.transformer.register_forward_pre_hook(
+        lambda m, a, k: calls.append(([copy(v) for v in a], {n: copy(v) for n, v in k.items()}, torch.is_grad_enabled())),
+        with_kwargs=True)
     logs = trainer.train_step()
+    hook.remove()
     assert meter_flops[0] > 0  # the evaluation's, dropped when the step began
     assert logs["perf/tflops_per_s"] == pytest.approx(meter_flops[1] / logs["time/step"] / 1e12)
+    # the step's count is every call's real forward (the base model's, attention as SDPA's math form), three
+    # times over for the calls with gradients: rollouts and reference passes once, the policy's passes thrice
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    expected = 0.0
+    trainer.flop_meter.known = False  # its hook now counts nothing (no meta forward inside the counts below)
+    with trainer.policy.adapter_disabled(), torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        for args, kwargs, grad in calls:
+            with FlopCounterMode(display=False) as real:
+                trainer.policy.transformer(*args, **kwargs)
+            expected += real.get_total_flops() * (3 if grad else 1)
+    assert any(grad for *_, grad in calls) and not all(grad for *_, grad in calls)
+    assert meter_flops[1] == pytest.approx(expected, rel=1e-9)
     assert logs["perf/mfu"] == pytest.approx(logs["perf/tflops_per_s"] / 0.001)
     # on a CPU without a configured peak nothing is counted (a meta forward per shape, for a number nobody reads)
     plain = [o for o in overrides if not o.startswith(("run.peak_tflops=", "run.output_dir="))]
