@@ -9,7 +9,6 @@ model work and is not counted.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from flowalign.logger import diffusers_warnings_off
+from flowalign.model_signature import input_signature, model_class, model_signature
 
 log = logging.getLogger(__name__)
 
@@ -45,32 +45,9 @@ def _meta_like(value: Any) -> Any:
     return value
 
 
-def _signature(value: Any) -> Any:
-    """What a forward's FLOPs depend on: tensor shapes and dtypes, every other value as written."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape), str(value.dtype)
-    if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _signature(v)) for k, v in value.items()))
-    return repr(value)
-
-
 #: one forward's FLOPs by model (class, config, dtype) and input shapes, for every meter of the process (the
 #: models of a run are rebuilt, and a process may train several runs): a meta forward takes a fraction of a second
 _FORWARD_FLOPS: dict[tuple, float | None] = {}
-
-
-def _model_class(module: nn.Module) -> type:
-    cls = type(module)
-    while cls.__name__.startswith("FSDP") and len(cls.__bases__) > 1:  # FSDP2's wrapper class
-        cls = cls.__bases__[-1]
-    return cls
-
-
-def _model_key(module: nn.Module) -> tuple:
-    config = json.dumps(dict(getattr(module, "config", {}) or {}), sort_keys=True, default=str)
-    return _model_class(module).__qualname__, config, str(next(module.parameters()).dtype)
 
 
 def forward_flops(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> float | None:
@@ -90,7 +67,7 @@ def _count_on_meta(module: nn.Module, args: tuple, kwargs: dict) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        meta = _model_class(module).from_config(module.config)
+        meta = model_class(module).from_config(module.config)
     with diffusers_warnings_off():
         meta = meta.to(next(module.parameters()).dtype).eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():
@@ -116,14 +93,14 @@ class FlopMeter:
         self.flops = 0.0
         self.known = bool(models)
         self._per_call: dict[tuple, float | None] = {}
-        self._models = {id(m): _model_key(m) for m in models}
+        self._models = {id(m): model_signature(m) for m in models}
         for model in models:
             model.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self.known:
             return
-        key = (self._models.get(id(module)) or _model_key(module), _signature(args), _signature(kwargs))
+        key = (self._models.get(id(module)) or model_signature(module), input_signature(args), input_signature(kwargs))
         if key not in self._per_call:
             if len(self._per_call) >= MAX_SHAPES:
                 log.info("perf/tflops_per_s not logged: the transformer is called at more than %d input shapes",

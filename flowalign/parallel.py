@@ -147,8 +147,9 @@ class Parallel:
         """Make every rank's gradients the average over ranks (before clipping)."""
         raise NotImplementedError
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
-        """Clip to ``max_norm`` over all ranks' gradients; the pre-clip norm (same on every rank)."""
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` over all ranks' gradients; the pre-clip norm (same on every rank), a 0-dim
+        tensor on the gradients' device (reading it back would make the host wait for the backward)."""
         raise NotImplementedError
 
     def checksum(self, params: list[nn.Parameter]) -> torch.Tensor:
@@ -299,8 +300,8 @@ class DDP(Parallel):
             grad /= self.layout.data_world
             p.grad = grad
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def checksum(self, params: list[nn.Parameter]) -> torch.Tensor:
         return torch.stack([p.detach().double().sum() for p in params]).sum().reshape(1)
@@ -370,13 +371,13 @@ class FSDP(Parallel):
                 if p.grad is not None:
                     p.grad.mul_(self.layout.sequence)
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         if is_dtensor(norm):
             norm = norm.full_tensor()  # the shards' partial norms combined
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return float(norm)
+        return norm
 
     def checksum(self, params: list[nn.Parameter]) -> torch.Tensor:
         local = [p.to_local() if is_dtensor(p) else p for p in params]

@@ -75,6 +75,7 @@ from flowalign.component_config import library_module, read_component_config
 from flowalign.config import TrainConfig
 from flowalign.errors import UserError
 from flowalign.logger import diffusers_warnings_off
+from flowalign.model_signature import input_signature, model_signature
 from flowalign.paths import REPO_ROOT
 from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings
 from flowalign.trainers import trainer_config
@@ -442,8 +443,7 @@ _VAE_PEAKS: dict[tuple, float] = {}
 
 
 def _vae_peak_bytes(vae: nn.Module, direction: str, shape: tuple[int, ...], dtype: torch.dtype) -> float:
-    key = (direction, type(vae).__qualname__, json.dumps(dict(vae.config), sort_keys=True, default=str), shape,
-           str(dtype))
+    key = (direction, model_signature(vae), shape, str(dtype))
     if key not in _VAE_PEAKS:
         with diffusers_warnings_off():
             vae = vae.to(dtype)
@@ -571,16 +571,7 @@ _FORWARDS: dict[tuple, Activations] = {}
 def _forward_key(transformer: nn.Module, inputs: dict[str, Any]) -> tuple:
     """Everything a meta forward's saved bytes depend on: the class, its config, its dtype and the inputs'
     shapes and values (non-tensors)."""
-    def describe(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), str(v.dtype))
-        if isinstance(v, (list, tuple)):
-            return tuple(describe(x) for x in v)
-        return repr(v)
-
-    config = json.dumps(dict(transformer.config), sort_keys=True, default=str)
-    dtype = str(next(transformer.parameters()).dtype)
-    return type(transformer).__qualname__, config, dtype, tuple((k, describe(v)) for k, v in sorted(inputs.items()))
+    return model_signature(transformer), input_signature(inputs)
 
 
 def rollout_sample_bytes(inputs: dict[str, Any], batch: int, size: dict[str, Any]) -> Rollout:

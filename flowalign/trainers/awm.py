@@ -79,20 +79,20 @@ def matching_log_prob(v: torch.Tensor, target: torch.Tensor, t: float, weighting
 
 def awm_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor | None, weights: torch.Tensor, clip_range: float,
              kl: torch.Tensor | None = None, beta: float = 0.0, ema_kl: torch.Tensor | None = None,
-             ema_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+             ema_beta: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``mean_i max(−Â_i·r_i, −Â_i·clip(r_i, 1±ε)) + β·mean_i kl_i + β_ema·mean_i ema_kl_i`` with
     ``r = exp(ℓ − ℓ_old)`` (``ℓ_old`` None: on-policy, ``sg(ℓ)``, r = 1 exactly); every argument ``(B,)``,
     ``kl``/``ema_kl`` the per-sample ``mean(v_θ − v_ref)²`` / ``mean(v_θ − v_ema)²``."""
     old = log_prob.detach() if old_log_prob is None else old_log_prob
     per_sample, ratio, clipped = ppo_clip_loss(log_prob, old, weights, clip_range)
     loss = per_sample.mean()
-    info = {"policy_loss": loss.item(), "ratio": ratio.mean().item(), "clip_frac": clipped.float().mean().item()}
+    info = {"policy_loss": loss.detach(), "ratio": ratio.detach().mean(), "clip_frac": clipped.float().mean()}
     if kl is not None and beta > 0:
         loss = loss + beta * kl.mean()
-        info["kl"] = kl.mean().item()
+        info["kl"] = kl.detach().mean()
     if ema_kl is not None and ema_beta > 0:
         loss = loss + ema_beta * ema_kl.mean()
-        info["ema_kl"] = ema_kl.mean().item()
+        info["ema_kl"] = ema_kl.detach().mean()
     return loss, info
 
 
@@ -205,8 +205,8 @@ class AWMTrainer(GroupTrainer):
     def velocity(self, batch: StepBatch, i: int, k: int, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """``v_θ`` at the re-noised endpoints of chunk ``i`` (grid step ``k``), the target ``ε − x0`` and t."""
         chunk = batch.chunks[i]
-        x0 = chunk.final_latents.to(self.policy.device)
-        eps = eps.to(x0)
+        x0 = chunk.final_latents.to(self.policy.device, non_blocking=True)
+        eps = eps.to(x0, non_blocking=True)
         t = chunk.sigmas[k].item()
         x_t = (1 - t) * x0 + t * eps
         return self.policy.velocity(x_t, t, chunk.cond, self.guidance(chunk)), eps - x0, t
@@ -220,7 +220,7 @@ class AWMTrainer(GroupTrainer):
         shape = batch.chunks[0].final_latents.shape
         return MatchUnit(0, 1, torch.zeros(shape), None, 1, update)
 
-    def loss(self, batch: StepBatch, unit: MatchUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: StepBatch, unit: MatchUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         chunk = batch.chunks[unit.chunk]
         ema_kl = None
         if self.kl_ema is not None:  # before v_θ: the swap writes into the parameters v_θ's graph keeps
@@ -230,19 +230,19 @@ class AWMTrainer(GroupTrainer):
         if self.kl_ema is not None:
             ema_kl = per_sample_mean((v - v_ema) ** 2)
         log_prob = matching_log_prob(v, target, t, self.tcfg.weighting, self.tcfg.ghuber_power)
-        adv = batch.per_chunk(batch.advantages)[unit.chunk].to(v)
+        adv = batch.per_chunk(batch.advantages)[unit.chunk].to(v, non_blocking=True)
         weights = advantage_weights(adv, self.tcfg.adv_clip, self.tcfg.advantage_max)
         kl = None
         if self.tcfg.beta > 0:
-            x0 = chunk.final_latents.to(v)
-            x_t = (1 - t) * x0 + t * unit.eps.to(v)
+            x0 = chunk.final_latents.to(v, non_blocking=True)
+            x_t = (1 - t) * x0 + t * unit.eps.to(v, non_blocking=True)
             with torch.no_grad(), self.policy.adapter_disabled():
                 v_ref = self.policy.velocity(x_t, t, chunk.cond, self.guidance(chunk))
             kl = per_sample_mean((v - v_ref) ** 2)
         old = None if unit.old is None else unit.old.to(log_prob)
         loss, info = awm_loss(log_prob, old, weights, self.tcfg.clip_range, kl, self.tcfg.beta, ema_kl,
                               self.tcfg.ema_kl_beta)
-        info["mse"] = per_sample_mean((v.detach() - target) ** 2).mean().item()
+        info["mse"] = per_sample_mean((v.detach() - target) ** 2).mean()
         return loss / unit.of, info
 
     def finish(self, batch: StepBatch) -> dict[str, float]:

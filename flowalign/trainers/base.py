@@ -31,7 +31,9 @@ checkpoints and resume. A trainer subclasses :class:`GroupTrainer` and supplies 
     loop then sums the ranks' gradients, so N ranks compute the single process's gradient.
 ``loss(batch, unit) -> (loss, info)``
     The scalar the loop backpropagates for one unit (already weighted within its step, e.g. divided by
-    the step's unit count), and scalars to log (averaged over units).
+    the step's unit count), and scalars to log (averaged over units): floats, or 0-dim tensors left on the
+    device, which the loop reads back once at the end of the step (:mod:`flowalign.trainers.unit_logs`;
+    a ``.item()`` per unit makes the host wait for the GPU at every unit).
 ``finish(batch) -> logs``
     After the optimiser steps of a batch (e.g. a behaviour-policy refresh, a reward refit).
 ``state_dict() / load_state_dict(state)``
@@ -77,7 +79,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from flowalign import checkpoint as ckpt
@@ -93,7 +94,7 @@ from flowalign.sequence_parallel import DataRanks
 from flowalign.protocols import FlowPolicy
 from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.signals import Abandoned, Terminated, abandonable, clear_stop
-from flowalign.trainers import checkpointing, loop
+from flowalign.trainers import checkpointing, loop, unit_logs
 from flowalign.trainers.copies import WeightCopy, keeps_reference
 from flowalign.trainers.options import (GroupTrainerConfig, RolloutOptions, SampleOptions, StreamOptions,
                                         TrainerConfig)
@@ -115,10 +116,6 @@ from flowalign.trainers.rollouts import (
 __all__ = ["GroupTrainer", "GroupTrainerConfig", "Plan", "Sampling", "Scored", "StepBatch", "TrainerConfig", "WeightCopy",
            "derived_seed"]
 
-
-#: logged values a step reports as the largest over its units, not the mean: ``ratio_dev`` is the on-policy
-#: ratio's largest deviation from 1 (max |ratio − 1| on the batch's first pass)
-MAX_LOGS = frozenset({"ratio_dev"})
 
 @dataclass
 class Plan:
@@ -439,7 +436,7 @@ class GroupTrainer:
     def update(self, batch: Any, generator: torch.Generator) -> dict[str, float]:
         """The plan's optimiser steps: every unit's loss backpropagated, then one optimiser step each."""
         plan = self.plan(batch, generator)
-        stats: dict[str, list[float]] = {}
+        stats: dict[str, list[unit_logs.Logged]] = {}
         # the optimiser step averages gradients over ranks: a global plan's weights make that a sum
         scale = self.world if plan.global_weights else 1
         # fsdp: every rank runs as many optimiser steps and forward/backward passes (each one is a collective),
@@ -455,8 +452,7 @@ class GroupTrainer:
                 for key, value in info.items():
                     stats.setdefault(key, []).append(value)
             stats.setdefault("grad_norm", []).append(self.optimizer_step())
-        merged = {k: float(np.max(v) if k in MAX_LOGS else np.mean(v)) for k, v in stats.items()}
-        return {**plan.logs, **merged, **self.finish(batch)}
+        return {**plan.logs, **unit_logs.merged(stats), **self.finish(batch)}
 
     def train_step(self) -> dict[str, float]:
         """collect → plan → losses and optimiser steps → finish; the step's log line."""
@@ -481,8 +477,9 @@ class GroupTrainer:
                 **step_metrics.step_logs(self.acc.device, now - t0, step_metrics.generated_samples(batch),
                                          self.flop_meter.take(), self.peak_tflops)}
 
-    def optimizer_step(self) -> float:
-        """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm."""
+    def optimizer_step(self) -> torch.Tensor:
+        """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm (0-dim, on the
+        device: :mod:`flowalign.trainers.unit_logs` reads it back with the step's other logs)."""
         return self.optimisation.optimizer_step()
 
     def budget_fraction(self) -> float:

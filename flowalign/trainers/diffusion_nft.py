@@ -95,7 +95,7 @@ def nft_loss(
     v_theta: torch.Tensor, v_phi: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
     t: torch.Tensor, r: torch.Tensor, beta: float, adv_clip: float, form: LossForm = "x0_normalised",
     v_ref: torch.Tensor | None = None, kl_beta: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-sample NFT loss ``(B,)``.
 
     ``v_theta``, ``v_phi``, ``x_t``, ``x0``, ``eps``, ``v_ref``: ``(B, ...)``; ``t``, ``r``: ``(B,)``; ``beta``: the
@@ -113,11 +113,11 @@ def nft_loss(
         pos = adaptive_x0_loss(x_t - t * v_pos, x0)
         neg = adaptive_x0_loss(x_t - t * v_neg, x0)
         loss = (r * pos / beta + (1 - r) * neg / beta) * adv_clip
-    info = {"loss_pos": pos.mean().item(), "loss_neg": neg.mean().item()}
+    info = {"loss_pos": pos.detach().mean(), "loss_neg": neg.detach().mean()}
     if v_ref is not None:
         kl = per_sample_mean((v_theta - v_ref.detach()) ** 2)
         loss = loss + kl_beta * kl
-        info["kl"] = kl.mean().item()
+        info["kl"] = kl.detach().mean()
     return loss, info
 
 
@@ -163,8 +163,8 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
         guidance = self.fit_guidance(chunk)
         units = []
         for picked, eps in zip(*forward_draws(x0.shape, len(sigmas), self.tcfg.timestep_fraction, generator)):
-            t = sigmas[picked].to(x0)
-            eps = eps.to(x0)
+            t = sigmas[picked].to(x0, non_blocking=True)
+            eps = eps.to(x0, non_blocking=True)
             t_b = t.view(-1, *([1] * (x0.ndim - 1)))
             x_t = (1 - t_b) * x0 + t_b * eps
             with torch.no_grad():
@@ -173,10 +173,10 @@ class DiffusionNFTTrainer(SelfDistillTrainer):
                 if self.tcfg.beta > 0:  # the KL's target is fixed: once here, not once per fit step
                     with self.policy.adapter_disabled():
                         tensors["v_ref"] = self.policy.velocity(x_t, t, chunk.cond, guidance)
-            units.append(FitUnit(chunk, r.to(x0.device), keep, tensors))
+            units.append(FitUnit(chunk, r.to(x0.device, non_blocking=True), keep, tensors))
         return units
 
-    def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x = unit.tensors
         v_theta = self.policy.velocity(x["x_t"], x["t"], unit.chunk.cond, self.fit_guidance(unit.chunk))
         return nft_loss(v_theta, x["v_phi"], x["x_t"], x["x0"], x["eps"], x["t"], unit.r, self.tcfg.mirror_beta,

@@ -139,7 +139,7 @@ def normalised_error(y_hat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def opsd_loss(
     v_theta: torch.Tensor, v_phi: torch.Tensor, z_q: torch.Tensor, sigma_q: float, y_pos: torch.Tensor,
     y_neg: torch.Tensor, r: torch.Tensor, beta: float, a_max: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-sample OPSD fitting loss ``(B,)``: ``A_max·[r·mean(ŷ⁺−y⁺)²/w⁺ + (1−r)·mean(ŷ⁻−y⁻)²/w⁻]``.
 
     ``w± = sg(max(mean|ŷ± − y±|, 1e-5))``; ``v_phi``, ``z_q``, ``y±``, ``r`` are constants.
@@ -149,7 +149,7 @@ def opsd_loss(
     pos = normalised_error(y_hat_pos, y_pos)
     neg = normalised_error(y_hat_neg, y_neg)
     loss = a_max * (r * pos + (1 - r) * neg)
-    return loss, {"loss_pos": pos.mean().item(), "loss_neg": neg.mean().item()}
+    return loss, {"loss_pos": pos.detach().mean(), "loss_neg": neg.detach().mean()}
 
 
 # ---------------------------------------------------------------------------------------------- hooks
@@ -188,7 +188,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
         return [FitUnit(chunk, r.to(y0.device), keep,
                         {"z_q": z_q, "sigma_q": sigma_q, "v_phi": v_phi, "y0": y0, "y_pos": y_pos, "y_neg": y_neg})]
 
-    def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x = unit.tensors
         with model_timestep(self.policy, query_timestep(x["sigma_q"], self.tcfg.model_timestep), x["sigma_q"]):
             v_theta = self.policy.velocity(x["z_q"], x["sigma_q"], unit.chunk.cond, self.fit_guidance(unit.chunk))

@@ -38,6 +38,7 @@ from flowalign.errors import UserError
 from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_IMAGE_SIDE, MAX_LR, MAX_SAMPLING_STEPS
 from flowalign.protocols import Conditioning
 from flowalign.sampling import euler_step
+from flowalign.trainers import unit_logs
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.options import ReferenceOptions, TrainerConfig
@@ -133,7 +134,7 @@ def kde_log_density(y: torch.Tensor, x: torch.Tensor, h2: torch.Tensor | float,
 def festdpo_loss(
     x: torch.Tensor, x_ref: torch.Tensor, y_w: torch.Tensor, y_l: torch.Tensor, h2: torch.Tensor | float,
     beta: float, exclude_w: torch.Tensor | None = None, exclude_l: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO loss ``-mean log σ(r̂(y_w) - r̂(y_l))`` of M pairs ``y_w, y_l (M, D)`` for one prompt.
 
     ``x (K, D)``: the policy's features (with gradient); ``x_ref (K, D)``: the reference's from the same
@@ -150,7 +151,7 @@ def festdpo_loss(
     loss = -F.logsigmoid(margin).mean()
     # a tied margin (policy = reference, e.g. the first step) ranks neither way: half, not wrong
     accuracy = ((margin > 0).float() + 0.5 * (margin == 0).float()).mean()
-    return loss, {"dpo_loss": loss.item(), "margin": margin.mean().item(), "pref_accuracy": accuracy.item()}
+    return loss, {"dpo_loss": loss.detach(), "margin": margin.detach().mean(), "pref_accuracy": accuracy.detach()}
 
 
 def bradley_terry_pairs(
@@ -364,7 +365,7 @@ class FestDPOTrainer(GroupTrainer):
                                 [d.meta for d in drawn for _ in range(tc.K)], step=step)
             rewards, valid = scored.scores.total.view(len(drawn), tc.K), scored.scores.valid.view(len(drawn), tc.K)
             logs.update(scored.logs)
-        stats: dict[str, list[float]] = {}
+        stats: dict[str, list[unit_logs.Logged]] = {}
         units: list[ChunkUnit] = []
         for n, d in enumerate(drawn):
             pairs = self.preference_pairs(d.x, d.meta, None if rewards is None else rewards[n],
@@ -380,7 +381,7 @@ class FestDPOTrainer(GroupTrainer):
             for k, v in {**info, "h2": float(d.h2), "pairs": float(pairs["y_w"].shape[0])}.items():
                 stats.setdefault(k, []).append(v)
         used = len(stats.get("pairs", []))  # prompts that gave a preference pair
-        logs.update({**{f"train/{k}": sum(v) / len(v) for k, v in stats.items()},
+        logs.update({**{f"train/{k}": v for k, v in unit_logs.merged(stats).items()},
                      "train/prompts_with_pairs": float(used), "time/sample": time.perf_counter() - t0})
         return PreferenceBatch(units, used, logs)
 
@@ -390,6 +391,6 @@ class FestDPOTrainer(GroupTrainer):
         # every rank must take the same branch (the optimiser step reduces gradients)
         return Plan([batch.units] if self.total(batch.prompts_with_pairs) else [])
 
-    def loss(self, batch: PreferenceBatch, unit: ChunkUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: PreferenceBatch, unit: ChunkUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``⟨ϕ(G_θ(z, c)), ∂L/∂X⟩``: its gradient in θ is the chunk's share of the DPO loss's."""
         return (self.features(self.generate(unit.z, unit.cond)) * unit.grad).sum(), {}

@@ -27,6 +27,7 @@ from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
 from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
+from flowalign.trainers.parts.reductions import masked_max, masked_mean
 
 
 class FlowGRPOBase(GroupTrainerConfig, EpochOptions):
@@ -364,9 +365,9 @@ class FlowGRPOTrainer(GroupTrainer):
     def kl_penalty(self, batch: StepBatch, unit: StepUnit, kl: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The unit's KL term from the per-sample KL ``(B,)``: its mean over the ``active`` samples (a hook:
         GARDO gates it to its uncertain samples)."""
-        return kl[active].mean()
+        return masked_mean(kl, active)
 
-    def loss(self, batch: StepBatch, unit: StepUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: StepBatch, unit: StepUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         chunk, k = batch.chunks[unit.chunk], unit.k
         adv, weight = batch.per_chunk(batch.advantages)[unit.chunk], unit.weight
         x_k, _, old_log_prob = chunk.step(k)
@@ -374,19 +375,21 @@ class FlowGRPOTrainer(GroupTrainer):
         adv, old_log_prob = adv.to(out.log_prob, non_blocking=True), old_log_prob.to(out.log_prob, non_blocking=True)
         per_sample, ratio, clipped = self.surrogate(chunk, k, out, old_log_prob, adv,
                                                     None if weight is None else weight.to(out.log_prob, non_blocking=True))
-        active = adv != 0  # samples with zero advantage are dropped from the mean
-        loss = per_sample[active].mean()
-        deviation = (ratio.detach() - 1).abs()[active]
-        clip_frac = clipped[active].float().mean().item()
-        info = {"ratio": ratio.mean().item(), "clip_frac": clip_frac, "policy_loss": loss.item()}
+        # samples with zero advantage are dropped from the means (masked, not indexed: no host wait)
+        active = adv != 0
+        loss = masked_mean(per_sample, active)
+        deviation = (ratio.detach() - 1).abs()
+        clip_frac = masked_mean(clipped.float(), active)
+        # logged as tensors, read back once at the end of the step
+        info = {"ratio": ratio.detach().mean(), "clip_frac": clip_frac, "policy_loss": loss.detach()}
         if unit.update == 0:  # the sampling weights: the on-policy ratio, 1 up to kernel noise
-            info["ratio_dev"] = deviation.max().item() if deviation.numel() else 0.0
+            info["ratio_dev"] = masked_max(deviation, active)
         else:  # after the batch's first optimiser step: where the trust region acts
-            info.update({"ratio_dev_late": deviation.mean().item(), "clip_frac_late": clip_frac})
+            info.update({"ratio_dev_late": masked_mean(deviation, active), "clip_frac_late": clip_frac})
         if self.tcfg.beta > 0:
             gap = coded_kl_gap(self.sampler, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item())
             ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)
             kl = self.kl_penalty(batch, unit, gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode), active)
             loss = loss + self.tcfg.beta * kl
-            info["kl"] = kl.item()
+            info["kl"] = kl.detach()
         return loss / unit.of, info

@@ -45,6 +45,7 @@ from flowalign.trainers.flow_grpo import (
     StepSubsetOptions,
     StepUnit,
 )
+from flowalign.trainers.parts.reductions import masked_mean
 from flowalign.weight_swap import swapped_in
 
 
@@ -138,7 +139,7 @@ def next_gate_fraction(fraction: float, history: list[float], level: float, base
 
 def gated_kl(kl: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
     """The KL term of one unit: the mean of ``kl`` ``(B,)`` over the ``gated`` samples, 0 when none is."""
-    return kl[gated].mean() if gated.any() else kl.sum() * 0
+    return masked_mean(kl, gated)
 
 
 def refresh_due(update_kls: Sequence[float], threshold: float, after: int, last: int, every: int) -> bool:
@@ -183,7 +184,7 @@ class GARDOTrainer(FlowGRPOTrainer):
         self.gate_fraction, self.gate_history = self.tcfg.gate_fraction, []
         #: this rank's KL term summed per optimiser step of the current update, each unit's over its step's
         #: unit count (over every rank): summed over ranks, the step's mean KL
-        self.update_kl: dict[int, float] = {}
+        self.update_kl: dict[int, torch.Tensor] = {}
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
@@ -278,9 +279,9 @@ class GARDOTrainer(FlowGRPOTrainer):
             "gate/fraction": fraction, "gate/gated": gate.float().mean().item(), "gate/disagreement": level}
 
     def kl_penalty(self, batch: GatedBatch, unit: StepUnit, kl: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        gate = batch.per_chunk(batch.gate)[unit.chunk].to(active.device)
+        gate = batch.per_chunk(batch.gate)[unit.chunk].to(active.device, non_blocking=True)
         term = gated_kl(kl, active & gate)
-        self.update_kl[unit.update] = self.update_kl.get(unit.update, 0.0) + term.item() / unit.of
+        self.update_kl[unit.update] = self.update_kl.get(unit.update, 0.0) + term.detach() / unit.of
         return term
 
     def reference_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
@@ -298,7 +299,8 @@ class GARDOTrainer(FlowGRPOTrainer):
         logs = super().update(batch, generator)
         if self.tcfg.beta > 0:
             per_update: dict[int, float] = {}
-            for part in self.gather_objects(self.update_kl):
+            mine = dict(zip(self.update_kl, torch.stack(list(self.update_kl.values())).tolist())) if self.update_kl else {}
+            for part in self.gather_objects(mine):  # each optimiser step's KL, read back once
                 for n, value in part.items():
                     per_update[n] = per_update.get(n, 0.0) + value
             after = self.step + 1

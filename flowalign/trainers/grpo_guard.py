@@ -33,6 +33,7 @@ from flowalign.trainers.base import Sampling
 from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions,
                                            StepFractionOptions, StepSubsetOptions)
 from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.reductions import masked_mean
 
 
 class GRPOGuardConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions, StepFractionOptions,
@@ -60,8 +61,10 @@ def guard_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.
     zero advantage before batching) or over each sample's elements (``"sample"``)."""
     shift = ((mean - old_mean) ** 2).flatten(1).mean(1)
     if bias_over == "batch":
-        pool = shift if active is None or not active.any() else shift[active]
-        shift = pool.mean().expand_as(shift)
+        if active is not None:  # masked, not indexed: no host wait (the batch's mean where none is active)
+            shift = torch.where(active.any(), masked_mean(shift, active), shift.mean()).expand_as(shift)
+        else:
+            shift = shift.mean().expand_as(shift)
     return torch.exp((log_prob - old_log_prob + shift / (2 * std**2)) * std)
 
 

@@ -80,9 +80,9 @@ class Optimisation:
         """The LR of the coming step at budget ``fraction``, set in the optimiser (see :class:`Schedule`)."""
         return self.schedule.begin_step(self.optimizer, self.step, fraction)
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self) -> torch.Tensor:
         """Reduce gradients over ranks, clip to ``grad_clip``, step at the schedule's LR, update the EMA;
-        returns the pre-clip gradient norm."""
+        returns the pre-clip gradient norm (0-dim, on the device: not read back here)."""
         self.parallel.reduce_gradients(self.params)
         norm = self.parallel.clip_grad_norm(self.params, self.grad_clip)
         if self.ema is not None:

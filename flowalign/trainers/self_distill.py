@@ -29,6 +29,7 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_
 from flowalign.sampling import Rollout
 from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
+from flowalign.trainers.parts.reductions import masked_mean
 from flowalign.weight_swap import swapped_in
 
 
@@ -169,10 +170,12 @@ class SelfDistillTrainer(GroupTrainer):
         ``batch.chunks[i]`` (``generator``: the same on every rank). Default: every unit in every step."""
         return [[u for chunk in units for u in chunk]] * self.tcfg.fit_steps
 
-    def loss(self, batch: StepBatch, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: StepBatch, unit: FitUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         per_sample, info = self.fit_loss(unit)
-        kept = per_sample[unit.keep]
-        return kept.sum() / unit.total, {**info, "loss": kept.mean().item()}
+        # the kept samples masked, not indexed: no host wait
+        keep = unit.keep.to(per_sample.device, non_blocking=True)
+        kept = torch.where(keep, per_sample, 0.0)
+        return kept.sum() / unit.total, {**info, "loss": masked_mean(per_sample.detach(), keep)}
 
     def finish(self, batch: StepBatch) -> dict[str, float]:
         """``φ ← λφ + (1−λ)θ`` once the fitting updates are done."""
@@ -204,8 +207,8 @@ class SelfDistillTrainer(GroupTrainer):
         """The fixed targets of one chunk under φ (one unit per backward pass)."""
         raise NotImplementedError
 
-    def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        """Per-sample loss ``(B,)`` of one unit, and scalars to log."""
+    def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-sample loss ``(B,)`` of one unit, and scalars to log (0-dim tensors or floats)."""
         raise NotImplementedError
 
     def fit_guidance(self, chunk: Rollout) -> float:

@@ -198,7 +198,7 @@ def soar_loss(
     sigma_next: torch.Tensor, u: torch.Tensor, *, lam: float, sigma_min: float | None = None,
     model_sigma: Callable[[torch.Tensor], torch.Tensor] | None = None, average: str = "points",
     rollout: Callable = off_trajectory_state,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The SOAR loss of a batch of pairs (``N = u.shape[0]`` corrections; N = 0 is plain SFT).
 
     ``velocity(x, σ)`` is the trained model's conditional velocity (with gradient) for a batch of ``B``
@@ -211,7 +211,7 @@ def soar_loss(
     """
     x_sigma = (1 - _col(sigma, x0)) * x0 + _col(sigma, x0) * eps
     base = per_pair_mse(velocity(x_sigma, sigma), eps - x0)
-    info = {"loss_base": base.mean().item()}
+    info = {"loss_base": base.mean().detach()}
     b = x0.shape[0]
     if u.shape[0] == 0:
         return base.sum() / b if average == "points" else base.mean(), info
@@ -221,10 +221,10 @@ def soar_loss(
     n = sigma_tilde.shape[0]
     at = sigma_tilde.reshape(-1) if model_sigma is None else model_sigma(sigma_tilde.reshape(-1))
     corr = per_pair_mse(velocity(z.reshape(n * b, *x0.shape[1:]), at), v_star.detach().reshape(n * b, *x0.shape[1:]))
-    info["loss_corr"] = corr.mean().item()
+    info["loss_corr"] = corr.mean().detach()
     # the rollout error e = x̂ - x̂_on: the part of the target SFT does not see
     on = (1 - _col(sigma_next, x0)) * x0 + _col(sigma_next, x0) * eps
-    info["rollout_error"] = (x_hat - on).flatten(1).norm(dim=1).mean().item()
+    info["rollout_error"] = (x_hat - on).detach().flatten(1).norm(dim=1).mean()
     if average == "points":
         return (base.sum() + lam * corr.sum()) / (b + lam * n * b), info
     return base.mean() + lam * corr.mean(), info
@@ -331,17 +331,17 @@ class SOARTrainer(GroupTrainer):
         n, size = batch.x0.shape[0], self.tcfg.batch_size
         return Plan([[slice(s, s + size) for s in range(0, n, size)]])
 
-    def loss(self, batch: PairBatch, part: slice) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: PairBatch, part: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The SOAR loss of a micro-batch, weighted by its share of the batch."""
         tc = self.tcfg
         cond = batch.cond[part]
         x0 = batch.x0[part]
-        grid = None if self.grid is None else self.grid.to(x0.device)
+        grid = None if self.grid is None else self.grid.to(x0.device, non_blocking=True)
         loss, info = soar_loss(self.velocity(cond, 1.0), self.velocity(cond, tc.rollout_guidance), x0,
                                batch.eps[part], batch.sigma[part], batch.sigma_next[part], batch.u[:, part],
                                lam=tc.correction_weight, sigma_min=tc.sigma_min, average=tc.loss_average,
                                model_sigma=None if grid is None else lambda s: grid_sigma_of(s, grid))
-        info["loss"] = loss.item()
+        info["loss"] = loss.detach()
         return loss * (x0.shape[0] / batch.x0.shape[0]), info
 
     def velocity(self, cond: Conditioning, guidance: float) -> Velocity:

@@ -99,13 +99,18 @@ def load_policies_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(base, "from_pretrained", classmethod(from_pretrained))
 
 
-def one_step_on_device(recipe: str, run_dir: Path, *, fake: bool = True) -> tuple[object, dict[str, float], list[torch.Tensor]]:
-    """One step of ``recipe`` under :class:`FakeDevice` (``fake``; else the same step on the CPU): the trainer,
-    its logs and the trainable weights before the step."""
+def small_config(recipe: str, run_dir: Path, *extra: str):
+    """``recipe`` at the sizes above (:data:`SMALL`, :data:`FIT`), then ``extra`` overrides."""
     path = REPO / "configs" / "tiny" / f"{recipe}.yaml"
     fields = set(get_trainer(trainer_name(path)).Config.model_fields)  # each setting only to a trainer that has it
     small = [o for o in SMALL if not o.startswith("trainer.") or o.split(".", 1)[1].split("=", 1)[0] in fields]
-    cfg = load_config(path, [f"run.output_dir={run_dir}", *small, *FIT.get(recipe, ())])
+    return load_config(path, [f"run.output_dir={run_dir}", *small, *FIT.get(recipe, ()), *extra])
+
+
+def one_step_on_device(recipe: str, run_dir: Path, *, fake: bool = True) -> tuple[object, dict[str, float], list[torch.Tensor]]:
+    """One step of ``recipe`` under :class:`FakeDevice` (``fake``; else the same step on the CPU): the trainer,
+    its logs and the trainable weights before the step."""
+    cfg = small_config(recipe, run_dir)
     torch.manual_seed(0)
     with FakeDevice() if fake else contextlib.nullcontext():
         trainer = build_trainer(cfg)
@@ -211,6 +216,33 @@ def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(policy_on_device,
     assert len(waits[2]) == len(waits[6]) == 1, waits
     assert waits[6][0][0] == "copy to the host" and waits[6][0][1].startswith("flowalign/sampling/rollout.py:")
     assert out.log_probs.device.type == "cpu" and bool(torch.isfinite(out.log_probs[:, :-1]).all())
+
+
+#: an update's host waits (see the test below): the step's logs read back together at its end; GARDO also
+#: reads its optimiser steps' KLs there, which decide whether its reference is refreshed
+UPDATE_WAITS = {"flow_grpo_vvr": 1, "grpo_guard_vvr": 1, "gardo_vvr": 2, "flash_grpo_vvr": 1, "soar_vvr": 1,
+                "festdpo_vvr": 1, "diffusion_nft_vvr": 1, "awm_vvr": 1}
+
+
+@pytest.mark.parametrize("recipe", sorted(UPDATE_WAITS))
+def test_an_update_makes_the_host_wait_only_for_its_logs(recipe, tmp_path, monkeypatch, policy_on_device):
+    """Every unit's forward and backward and every optimiser step are queued without the host waiting for the
+    device: a logged value stays a tensor until the step's end, a mean over a mask is masked rather than
+    indexed (a boolean index's size depends on the values, in the forward and in the backward), the gradient
+    norm is not read back and CPU tensors go to the device without blocking. Flow-GRPO with a KL term and two
+    optimiser steps waited 68 times here (about 11 per unit) before."""
+    monkeypatch.chdir(REPO)
+    extra = ("trainer.num_steps=4", "trainer.updates_per_epoch=2") if recipe == "flow_grpo_vvr" else ()
+    cfg = small_config(recipe, tmp_path / "run", *extra)
+    torch.manual_seed(0)
+    with FakeDevice():
+        trainer = build_trainer(cfg)
+        batch = trainer.collect(0)
+        with host_waits() as found:
+            logs = trainer.update(batch, torch.Generator().manual_seed(0))
+    assert len(found) == UPDATE_WAITS[recipe], found
+    assert found[0] == ("read values", found[0][1]) and found[0][1].startswith("flowalign/trainers/unit_logs.py:")
+    assert math.isfinite(logs["grad_norm"]) and logs["grad_norm"] > 0 and all(isinstance(v, float) for v in logs.values())
 
 
 def test_host_waits_are_what_cuda_waits_for():

@@ -39,7 +39,7 @@ def test_the_strategy_object_follows_parallel_strategy_and_ddp_needs_no_collecti
     assert ddp.padded([1, 2], fill=lambda: pytest.fail("ddp pads nothing")) == [1, 2]
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.full((3,), 4.0)
-    assert ddp.clip_grad_norm([w], max_norm=1.0) == pytest.approx(48 ** 0.5) and w.grad.norm() == pytest.approx(1.0)
+    assert float(ddp.clip_grad_norm([w], max_norm=1.0)) == pytest.approx(48 ** 0.5) and w.grad.norm() == pytest.approx(1.0)
     assert ddp.checksum([w]).item() == 3.0
 
 
@@ -196,7 +196,7 @@ def _options_step(rank: int, world: int, port: int, model_dir: str, out: str) ->
         cond = policy.encode(["a red circle"])
         x = policy.initial_noise(1, torch.Generator().manual_seed(0))
         policy.velocity(x, 0.5, cond, 1.0).square().mean().backward()
-        norms[name] = parallel.clip_grad_norm(params, 1.0)
+        norms[name] = float(parallel.clip_grad_norm(params, 1.0))
         torch.optim.AdamW(params, lr=1e-3).step()
         with torch.no_grad(), policy.adapter_disabled():
             policy.velocity(x, 0.5, cond, 1.0)

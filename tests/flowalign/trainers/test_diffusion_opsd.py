@@ -87,8 +87,8 @@ def test_loss_and_gradient_equal_the_authors_opa_loss(case):
     loss = per_sample.mean()
     loss.backward()
     torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
-    torch.testing.assert_close(info["loss_pos"], _f64(case["pos_loss"]).mean().item(), rtol=1e-6, atol=0)
-    torch.testing.assert_close(info["loss_neg"], _f64(case["neg_loss"]).mean().item(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_pos"].item(), _f64(case["pos_loss"]).mean().item(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_neg"].item(), _f64(case["neg_loss"]).mean().item(), rtol=1e-6, atol=0)
     torch.testing.assert_close(v_theta.grad, _f64(case["grad_v_theta"]), rtol=1e-6, atol=1e-12)
 
 

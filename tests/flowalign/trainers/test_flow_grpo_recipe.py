@@ -190,7 +190,7 @@ def test_batched_first_pass_reruns_the_rollouts_forward_with_the_detached_gradie
 
 def test_ratio_dev_is_the_largest_first_pass_deviation_of_the_step(tmp_path, tiny_sd3_dir, prompt_file):
     """``train/ratio_dev``: max |ratio − 1| over the batch's first pass (a per-step maximum, not a mean)."""
-    from flowalign.trainers.base import MAX_LOGS
+    from flowalign.trainers.unit_logs import MAX_LOGS
 
     assert "ratio_dev" in MAX_LOGS
     t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "dev", "trainer.num_steps=4", "trainer.updates_per_epoch=2")

@@ -88,8 +88,8 @@ def test_one_training_unit_equals_the_authors_train_soar_sd3_5m(case):
     loss, info = soar_loss(velocity, guided, x0, eps, sigma, sigma_next, u, lam=case["lambda_aux"],
                            model_sigma=lambda s: grid_sigma_of(s, grid))
     loss.backward()
-    torch.testing.assert_close(info["loss_base"], case["loss_main"], rtol=1e-6, atol=0)
-    torch.testing.assert_close(info["loss_corr"], float(np.mean(case["loss_corr"])), rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_base"].item(), case["loss_main"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_corr"].item(), float(np.mean(case["loss_corr"])), rtol=1e-6, atol=0)
     torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
     for name, param in zip("AbP", (A, b, P)):
         torch.testing.assert_close(param.grad, _f64(case["grad"][name]), rtol=1e-6, atol=1e-12)
@@ -123,8 +123,8 @@ def test_the_former_averaging_is_base_plus_lambda_times_the_mean_correction():
     lam, n = 0.5, u.shape[0]
     points, info = soar_loss(v, v, x0, eps, sigma, sigma_next, u, lam=lam)
     terms, _ = soar_loss(v, v, x0, eps, sigma, sigma_next, u, lam=lam, average="terms")
-    torch.testing.assert_close(terms.item(), info["loss_base"] + lam * info["loss_corr"])
-    torch.testing.assert_close(points.item(), (info["loss_base"] + lam * n * info["loss_corr"]) / (1 + lam * n))
+    torch.testing.assert_close(terms.item(), info["loss_base"].item() + lam * info["loss_corr"].item())
+    torch.testing.assert_close(points.item(), (info["loss_base"].item() + lam * n * info["loss_corr"].item()) / (1 + lam * n))
     assert abs(points.item() - terms.item()) > 1e-3
 
 
