@@ -88,9 +88,10 @@ def dense_attention_mask(mask: BlockMask, device: torch.device) -> torch.Tensor:
     q_len, kv_len = mask.seq_lengths
     dense = create_mask(mask.mask_mod, None, None, q_len, kv_len, device=device)[0, 0]
     empty = ~dense.any(dim=1)
-    rows = torch.nonzero(empty).flatten()
-    dense[rows, rows.clamp(max=kv_len - 1)] = True
-    return dense
+    # an empty row r attends to key min(r, kv_len − 1), set through a mask: indexing the empty rows (a count
+    # that depends on the values) would make the host wait for the device
+    own_key = torch.arange(q_len, device=device).clamp(max=kv_len - 1)
+    return dense | (empty[:, None] & (torch.arange(kv_len, device=device)[None, :] == own_key[:, None]))
 
 
 def attend_with_sdpa(transformer: torch.nn.Module) -> None:
@@ -127,7 +128,9 @@ class KVCache:
         """The caches of some streams, in the given order (repeat an index to fork a stream)."""
         idx = torch.as_tensor(index, dtype=torch.long).flatten().tolist()
         rows = torch.tensor(self._rows(idx), dtype=torch.long)
-        layers = {i: {k: t.index_select(1, rows.to(t.device)) for k, t in layer.items()} for i, layer in self.layers.items()}
+        on: dict[torch.device, torch.Tensor] = {}  # the index copied once to each device, without blocking
+        layers = {i: {k: t.index_select(1, on.setdefault(t.device, rows.to(t.device, non_blocking=True)))
+                      for k, t in layer.items()} for i, layer in self.layers.items()}
         return KVCache(layers, self.num_chunks, len(idx), self.cfg, self.kept)
 
     def repeat_interleave(self, repeats: int) -> "KVCache":

@@ -111,7 +111,7 @@ def discriminator_advantages(student: torch.Tensor, teacher: torch.Tensor, clip:
 
 def weighted_matching_loss(v: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """``mean_i A_i · mean_D (v_i − target_i)²`` over ``v, target (B, ...)`` and ``advantages (B,)``."""
-    return (advantages.to(v) * per_sample_mean((v - target.detach()) ** 2)).mean()
+    return (advantages.to(v, non_blocking=True) * per_sample_mean((v - target.detach()) ** 2)).mean()
 
 
 # ---------------------------------------------------------------------------------------------- the trainer
@@ -224,7 +224,7 @@ class AFDTrainer(GroupTrainer):
         """The advantage-weighted forward-process flow-matching loss of one prompt's students."""
         tc, policy = self.tcfg, self.policy
         group = batch.groups[unit.index]
-        x0 = group.latents.to(policy.device)
+        x0 = group.latents.to(policy.device, non_blocking=True)
         n = len(x0)
         cond = policy.encode([group.prompt] * n)
         gen = self.keyed_generator(group.group, 99)
@@ -234,7 +234,7 @@ class AFDTrainer(GroupTrainer):
             k = int(torch.randint(len(policy.chunk_frames), (1,), generator=gen))
             sigma = lo + (hi - lo) * float(torch.rand((), generator=gen))
             clean = x0[:, :, policy.chunk_slice(k)]
-            eps = torch.randn(clean.shape, generator=gen).to(clean)
+            eps = torch.randn(clean.shape, generator=gen).to(clean, non_blocking=True)
             noised = (1 - sigma) * clean + sigma * eps
             cache = policy.history_cache(x0[:, :, :policy.chunk_slice(k).start], range(k), cond, 1.0)
             v = policy.chunk_velocity(noised, sigma, sigma, cache, cond, 1.0)
@@ -244,8 +244,8 @@ class AFDTrainer(GroupTrainer):
                     v_ref = policy.chunk_velocity(noised, sigma, sigma, cache, cond, 1.0)
                 term = term + tc.beta * ((v - v_ref) ** 2).mean()
             total = total + term / tc.train_timesteps
-            mse.append(per_sample_mean((v.detach() - (eps - clean)) ** 2).mean().item())
-        return total / unit.total, {"afd_loss": total.item(), "matching_mse": sum(mse) / len(mse)}
+            mse.append(per_sample_mean((v.detach() - (eps - clean)) ** 2).mean())
+        return total / unit.total, {"afd_loss": total.detach(), "matching_mse": torch.stack(mse).mean()}
 
     def state_dict(self) -> dict[str, Any]:
         """The discriminator and its Adam state: a resumed run continues with the same critic."""

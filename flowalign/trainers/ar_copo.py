@@ -189,25 +189,26 @@ class ARCoPOTrainer(GroupTrainer):
         policy, guidance = self.policy, self.guidance()
         cond = policy.encode([group.prompt])
         cache = policy.empty_cache(1, guidance)
-        prefix = group.prefix.to(policy.device)
+        prefix = group.prefix.to(policy.device, non_blocking=True)
         for k in range(group.chunk):
             cache = policy.append_chunks(cache, prefix[:, :, :policy.chunk_slice(k).stop], cond, guidance)
         sigmas = policy.sigmas(self.tcfg.num_steps).float()
-        x = group.center.to(policy.device)
+        x = group.center.to(policy.device, non_blocking=True)
         for i in range(len(sigmas) - 1):
             s, s_next = sigmas[i].item(), sigmas[i + 1].item()
             x = x + (s_next - s) * policy.chunk_velocity(x, s, s_next, cache, cond, guidance)
         return x[0]
 
-    def loss(self, batch: ForkBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: ForkBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         group = batch.groups[unit.index]
         y = self.chunk_output(group)
-        log_probs = contrastive_log_probs(y, group.candidates.to(y), self.tcfg.temperature)
-        loss = clipped_loss(log_probs, group.old_log_probs.to(y), group.advantages.to(y), self.tcfg.clip_range)
-        ratio = torch.exp(log_probs.detach() - group.old_log_probs.to(y))
-        deviation = (ratio - 1).abs().max().item()
+        log_probs = contrastive_log_probs(y, group.candidates.to(y, non_blocking=True), self.tcfg.temperature)
+        old = group.old_log_probs.to(y, non_blocking=True)
+        loss = clipped_loss(log_probs, old, group.advantages.to(y, non_blocking=True), self.tcfg.clip_range)
+        ratio = torch.exp(log_probs.detach() - old)
+        deviation = (ratio - 1).abs().max()
         fresh = unit.index < batch.fresh  # a fresh group's ratio is on-policy (1 up to kernel noise)
-        return loss / unit.total, {"ar_copo_loss": loss.item(),
+        return loss / unit.total, {"ar_copo_loss": loss.detach(),
                                    ("ratio_dev" if fresh else "ratio_dev_replayed"): deviation}
 
     # ------------------------------------------------------------------ the buffer travels with checkpoints

@@ -74,8 +74,8 @@ def group_scores(d: torch.Tensor, d_ref: torch.Tensor, adv: torch.Tensor, groups
                  group_size: int) -> torch.Tensor:
     """``S_g = (β/G)·Σ_{i∈g} A_i·(d_i − d_i^ref)`` per sample (its group's score) ``(B,)``; ``groups``
     are indices 0 … n_groups−1 (on any device: the batch keeps its group ids on the CPU)."""
-    groups = groups.to(d.device)  # scatter_add_ needs its index on the values' device
-    n = int(groups.max()) + 1
+    n = int(groups.max()) + 1  # read where the ids are (on the CPU, no wait for the device)
+    groups = groups.to(d.device, non_blocking=True)  # scatter_add_ needs its index on the values' device
     sums = torch.zeros(n, dtype=d.dtype, device=d.device).scatter_add_(0, groups, adv * beta * (d - d_ref) / group_size)
     return sums[groups]
 
@@ -192,7 +192,7 @@ class DGPOTrainer(GroupTrainer):
                 for chunks in group_blocks(batch):
                     x0, cond, groups = self.block(batch, chunks)
                     start = sum(len(c) for c in batch.chunks[: chunks[0]])
-                    eps = self.noise(groups, members[start : start + len(x0)], k, x0.shape[1:]).to(x0)
+                    eps = self.noise(groups, members[start : start + len(x0)], k, x0.shape[1:]).to(x0, non_blocking=True)
                     sigma = batch.chunks[chunks[0]].sigmas[k].item()
                     x_t, target = (1 - sigma) * x0 + sigma * eps, eps - x0
                     with torch.no_grad():
@@ -205,24 +205,24 @@ class DGPOTrainer(GroupTrainer):
             steps.append(units)
         return Plan(steps, global_weights=True)
 
-    def loss(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tc = self.tcfg
         x0, cond, groups = self.block(batch, unit.chunks)
         sigma = batch.chunks[unit.chunks[0]].sigmas[unit.k].item()
         eps = unit.eps.to(x0)
         v = self.policy.velocity((1 - sigma) * x0 + sigma * eps, sigma, cond, 1.0)
         d = per_sample_mean((v - (eps - x0)) ** 2)
-        adv = torch.cat(batch.per_chunk(batch.advantages)[unit.chunks[0] : unit.chunks[-1] + 1]).to(d)
-        info: dict[str, float] = {"dsm": d.mean().item()}
+        adv = torch.cat(batch.per_chunk(batch.advantages)[unit.chunks[0] : unit.chunks[-1] + 1]).to(d, non_blocking=True)
+        info: dict[str, torch.Tensor] = {"dsm": d.detach().mean()}
         if unit.d_old is not None:
             d, clipped = clipped_denoising_loss(d, unit.d_old.to(d), adv, tc.clip_range)
-            info["clip_frac"] = clipped.float().mean().item()
+            info["clip_frac"] = clipped.float().mean()
         _, local = torch.unique(groups, return_inverse=True)
         per_sample = dgpo_loss(d, unit.d_ref.to(d), adv, local, tc.dpo_beta, tc.group_size)
         loss = per_sample.sum() / unit.total
-        info["policy_loss"] = per_sample.mean().item()
+        info["policy_loss"] = per_sample.detach().mean()
         if unit.v_ref is not None:
             kl = per_sample_mean((v - unit.v_ref.to(v)) ** 2)
             loss = loss + tc.beta * kl.sum() / unit.total
-            info["kl"] = kl.mean().item()
+            info["kl"] = kl.detach().mean()
         return loss, info

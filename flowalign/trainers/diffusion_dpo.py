@@ -50,13 +50,13 @@ class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, Refer
 
 
 def diffusion_dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_w: torch.Tensor, ref_l: torch.Tensor,
-                       beta: float) -> tuple[torch.Tensor, dict[str, float]]:
+                       beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-pair ``−log σ(−β/2·[(e_θʷ − e_refʷ) − (e_θˡ − e_refˡ)])`` ``(P,)``; the references are detached."""
     delta = (err_w - ref_w.detach()) - (err_l - ref_l.detach())
     inside = -0.5 * beta * delta
     loss = -F.logsigmoid(inside)
     accuracy = ((inside > 0).float() + 0.5 * (inside == 0).float()).mean()
-    return loss, {"dpo_loss": loss.mean().item(), "implicit_acc": accuracy.item(), "margin": inside.mean().item()}
+    return loss, {"dpo_loss": loss.detach().mean(), "implicit_acc": accuracy.detach(), "margin": inside.detach().mean()}
 
 
 def best_and_worst(rewards: torch.Tensor, valid: torch.Tensor) -> tuple[int, int] | None:
@@ -190,7 +190,7 @@ class DiffusionDPOTrainer(GroupTrainer):
         """``e(x0ʷ), e(x0ˡ)`` ``(P,)`` of the current velocity (both halves in one pass)."""
         idx = list(index)
         x0 = torch.cat([batch.x_w[idx], batch.x_l[idx]]).to(self.policy.device)
-        eps2, t2 = torch.cat([eps, eps]).to(x0), torch.cat([t, t]).to(x0)
+        eps2, t2 = torch.cat([eps, eps]).to(x0, non_blocking=True), torch.cat([t, t]).to(x0, non_blocking=True)
         tb = t2.view(-1, *[1] * (x0.ndim - 1))
         cond = batch.cond[idx + idx]
         v = self.policy.velocity((1 - tb) * x0 + tb * eps2, t2, cond, 1.0)

@@ -190,11 +190,11 @@ class FAVTrainer(GroupTrainer):
         """One optimiser step over every particle, in micro-batches of ``batch_size``."""
         return slice_plan(self, len(batch.noise))
 
-    def loss(self, batch: ParticleBatch, unit: SliceUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: ParticleBatch, unit: SliceUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The fixed-point regression of a micro-batch: the particles regenerated with gradients (the same
         noise and weights, so the same values) pulled toward ``x + φ``."""
         sigmas = self.policy.sigmas(self.tcfg.num_steps).float()
         x = particles(euler_sample(self.policy, batch.noise[unit.index], sigmas, batch.cond[unit.index],
                                    self.guidance())).float()
         per = fixed_point_loss(x, batch.velocity[unit.index].to(x))
-        return per.sum() / unit.total, {"fav_loss": per.mean().item()}
+        return per.sum() / unit.total, {"fav_loss": per.detach().mean()}

@@ -175,14 +175,14 @@ def kl_reward_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean
 
 
 def distillation_loss(v: torch.Tensor, v_teacher: torch.Tensor, v_anchor: torch.Tensor | None, routed: torch.Tensor,
-                      anchor_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+                      anchor_weight: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-sample ``1[routed]·mean‖v − sg(v_T)‖² + λ·mean‖v − sg(v_A)‖²`` ``(B,)`` for velocities ``(B, ...)``."""
     teacher = per_sample_mean((v - v_teacher.detach()) ** 2) * routed.to(v)
-    loss, info = teacher, {"loss_teacher": teacher.mean().item()}
+    loss, info = teacher, {"loss_teacher": teacher.detach().mean()}
     if v_anchor is not None and anchor_weight > 0:
         anchor = per_sample_mean((v - v_anchor.detach()) ** 2)
         loss = loss + anchor_weight * anchor
-        info["loss_anchor"] = anchor.mean().item()
+        info["loss_anchor"] = anchor.detach().mean()
     return loss, info
 
 
@@ -449,7 +449,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         unit = super().filler(batch, update)
         return TeacherUnit(unit.chunk, unit.k, unit.of, unit.update, trained=batch.per_chunk(self.trained(batch))[0])
 
-    def loss(self, batch: StepBatch | DistillBatch, unit: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: StepBatch | DistillBatch, unit: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(batch, DistillBatch):
             return self.distillation_unit_loss(batch, unit)
         chunk, k = batch.chunks[unit.chunk], unit.k
@@ -465,15 +465,15 @@ class FlowOPDTrainer(FlowGRPOTrainer):
                                   kl_mode=self.tcfg.kl_mode)
         loss = got.loss
         deviation = (got.ratio.detach() - 1).abs()
-        info = {"policy_loss": loss.item(), "kl_teacher": got.kl.mean().item(), "ratio": got.ratio.mean().item(),
-                "clip_frac": got.clipped.float().mean().item()}
+        info = {"policy_loss": loss.detach(), "kl_teacher": got.kl.detach().mean(), "ratio": got.ratio.detach().mean(),
+                "clip_frac": got.clipped.float().mean()}
         if unit.update == 0:  # the sampling weights: the on-policy ratio, 1 up to kernel noise
-            info["ratio_dev"] = deviation.max().item() if deviation.numel() else 0.0
+            info["ratio_dev"] = deviation.max() if deviation.numel() else 0.0
         if self.tcfg.beta > 0:
             ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)
             kl = gaussian_mean_kl(out.mean[m], ref.to(out.mean)[m], std, gap, self.tcfg.kl_mode).mean()
             loss = loss + self.tcfg.beta * kl
-            info["kl"] = kl.item()
+            info["kl"] = kl.detach()
         return loss / unit.of, info
 
     # ------------------------------------------------------------------ velocity distillation and the cold start

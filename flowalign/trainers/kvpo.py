@@ -223,7 +223,7 @@ class KVPOTrainer(GroupTrainer):
         cond = policy.encode([group.prompt] * g)
         sigmas = policy.sigmas(tc.num_steps).float()
         last = tc.num_steps - 1
-        clean = group.prefix.to(policy.device).float()
+        clean = group.prefix.to(policy.device, non_blocking=True).float()
         cache = policy.history_cache(clean, range(group.chunk), cond[[0]], guidance).repeat_interleave(g)
         clean = clean.repeat_interleave(g, dim=0)
         total = torch.zeros(g, device=policy.device)
@@ -231,7 +231,7 @@ class KVPOTrainer(GroupTrainer):
             c = group.chunk + w
             if w:
                 cache = policy.history_cache(clean, range(c), cond, guidance)
-            states = states.to(policy.device)
+            states = states.to(policy.device, non_blocking=True)
             v = []
             for t in range(tc.num_steps):
                 with torch.set_grad_enabled(grad and (tc.grad_steps is None or t < tc.grad_steps)):
@@ -322,10 +322,10 @@ class KVPOTrainer(GroupTrainer):
         total = self.total(len(batch.groups))
         return Plan([[GroupUnit(i, total) for i in range(len(batch.groups))]], global_weights=True)
 
-    def loss(self, batch: BranchBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: BranchBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tc, group = self.tcfg, batch.groups[unit.index]
         scores = self.scores(group)
-        init = None if group.init_scores is None else group.init_scores.to(scores)
-        loss, info = branch_objective(scores, group.old_scores.to(scores), group.advantages.to(scores), tc.clip_low,
-                                      tc.clip_high, tc.kl_coef, init, group.safe)
-        return loss / unit.total, {"kvpo_loss": loss.item(), **info}
+        init = None if group.init_scores is None else group.init_scores.to(scores, non_blocking=True)
+        old, adv = group.old_scores.to(scores, non_blocking=True), group.advantages.to(scores, non_blocking=True)
+        loss, info = branch_objective(scores, old, adv, tc.clip_low, tc.clip_high, tc.kl_coef, init, group.safe)
+        return loss / unit.total, {"kvpo_loss": loss.detach(), **info}

@@ -59,6 +59,7 @@ from flowalign.trainers.base import (
     StepBatch,
     derived_seed,
 )
+from flowalign.trainers import unit_logs
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.latent_preference import PreferencePairs, fit
@@ -278,10 +279,10 @@ class RGOPDTrainer(GroupTrainer):
             if guided:  # outside the active band the reward is not even evaluated (the authors' sparse guidance)
                 grad, r = reward_gradient(self.latent_reward, x, sigma, chunk.cond)
                 target = distillation_target(base, grad.to(base.device), self.tcfg.kappa)
-                stats["latent_score_visited"].append(r.mean().item())
-                stats["reward_shift"].append((per_sample_rms(target - base.float()) / per_sample_rms(base.float()).clamp_min(1e-12)).mean().item())
+                stats["latent_score_visited"].append(r.detach().mean())
+                stats["reward_shift"].append((per_sample_rms(target - base.float()) / per_sample_rms(base.float()).clamp_min(1e-12)).mean())
             stats["guided_fraction"].append(float(guided))
-            stats["target_shift"].append(((target - chunk.velocities[:, k].float()) ** 2).mean().item())
+            stats["target_shift"].append(((target - chunk.velocities[:, k].float()) ** 2).mean())
             units.append((i, k, target, dt))
         if self.tcfg.updates == "per_batch":
             groups = [units]
@@ -292,12 +293,12 @@ class RGOPDTrainer(GroupTrainer):
             total = self.total(len(group))
             if total:  # a step index no rank visits gets no optimiser step
                 steps.append([DistilUnit(i, k, target, total, dt) for i, k, target, dt in group])
-        return Plan(steps * self.tcfg.inner_steps, {k: float(np.mean(v)) for k, v in stats.items() if v},
+        return Plan(steps * self.tcfg.inner_steps, unit_logs.merged({k: v for k, v in stats.items() if v}),
                     global_weights=True)
 
-    def loss(self, batch: StepBatch, unit: DistilUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: StepBatch, unit: DistilUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = self.loss_at(batch.chunks[unit.chunk], unit.k, unit.target, unit.dt)
-        return loss / unit.of, {"distill_loss": loss.item()}
+        return loss / unit.of, {"distill_loss": loss.detach()}
 
     def loss_at(self, chunk: Rollout, k: int, target: torch.Tensor, dt: float | None = None) -> torch.Tensor:
         x, sigma = chunk.latents[:, k], chunk.sigmas[k].item()

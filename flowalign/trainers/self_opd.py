@@ -112,9 +112,10 @@ def pull_push_loss(mean: torch.Tensor, branches: torch.Tensor, std: float | torc
     """``L = (1/K) Σ_j ω_j · mean_D(μ_θ − x^j)² / (2τ²)`` (scalar): ``mean (1, ...)`` the student's step mean,
     ``branches (K, ...)`` the candidates ``x^j``, ``std`` τ of the step that drew them, ``weights (K,)``."""
     dtype = torch.promote_types(mean.dtype, torch.float32)
-    diff = mean.to(dtype) - branches.to(dtype)
-    sq = diff.pow(2).flatten(1).mean(1) / (2 * torch.as_tensor(std, dtype=dtype, device=diff.device) ** 2)
-    return (weights.to(sq) * sq).mean()
+    diff = mean.to(dtype) - branches.to(dtype, non_blocking=True)
+    tau = torch.as_tensor(std, dtype=dtype).to(diff.device, non_blocking=True)
+    sq = diff.pow(2).flatten(1).mean(1) / (2 * tau**2)
+    return (weights.to(sq, non_blocking=True) * sq).mean()
 
 
 def branched_step_draw(high: int, count: int, weights: list[float], generator: torch.Generator) -> list[int]:
@@ -283,11 +284,11 @@ class SelfOPDTrainer(GroupTrainer):
     def loss(self, batch: BranchBatch, unit: PullPushUnit) -> tuple[torch.Tensor, dict[str, Any]]:
         s = unit.set
         chunk = batch.trunk.chunks[s.chunk]
-        x_k = s.x_k.to(self.policy.device)
+        x_k = s.x_k.to(self.policy.device, non_blocking=True)
         sigma, sigma_next = chunk.sigmas[s.k].item(), chunk.sigmas[s.k + 1].item()
         v = self.policy.velocity(x_k, sigma, chunk.cond[[s.sample]], chunk.guidance_scale)
         mean = sde_step("flow_grpo", v, x_k, sigma, sigma_next, noise_level=self.tcfg.noise_level,
                         prev_sample=x_k).mean
-        loss = pull_push_loss(mean, s.branches.to(mean), s.std, unit.weights)
-        info = {"pull_push_loss": loss.item(), "mean_shift": (mean.detach().cpu() - s.mean).pow(2).mean().item()}
+        loss = pull_push_loss(mean, s.branches.to(mean, non_blocking=True), s.std, unit.weights)
+        info = {"pull_push_loss": loss.detach(), "mean_shift": (mean.detach() - s.mean.to(mean, non_blocking=True)).pow(2).mean()}
         return loss / unit.of, info

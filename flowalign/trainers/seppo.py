@@ -72,7 +72,7 @@ def anchor_signs(err_w: torch.Tensor, ref_w: torch.Tensor) -> torch.Tensor:
 
 
 def seppo_loss(err_w: torch.Tensor, err_r: torch.Tensor, ref_w: torch.Tensor, ref_r: torch.Tensor, beta: float,
-               anchor: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+               anchor: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-pair ``−log σ(−β/2·[(e_θʷ − e_refʷ) − s·(e_θʳ − e_refʳ)])`` ``(P,)``.
 
     ``err_*`` / ``ref_*`` ``(P,)``: velocity errors of the policy / the reference checkpoint on the winning
@@ -83,8 +83,8 @@ def seppo_loss(err_w: torch.Tensor, err_r: torch.Tensor, ref_w: torch.Tensor, re
     delta = (err_w - ref_w.detach()) - signs * (err_r - ref_r.detach())
     inside = -0.5 * beta * delta
     loss = -F.logsigmoid(inside)
-    return loss, {"seppo_loss": loss.mean().item(), "negative_frac": (signs > 0).float().mean().item(),
-                  "margin": inside.mean().item()}
+    return loss, {"seppo_loss": loss.detach().mean(), "negative_frac": (signs > 0).float().mean(),
+                  "margin": inside.detach().mean()}
 
 
 def pick_reference(steps: list[int], how: str, generator: torch.Generator) -> int:
@@ -174,7 +174,7 @@ class SePPOTrainer(DiffusionDPOTrainer):
         with torch.no_grad(), swapped_in(self.params, batch.reference):
             return self.errors(batch, index, t, eps)
 
-    def loss(self, batch: SePPOBatch, unit: PairUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: SePPOBatch, unit: PairUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         err_w, err_r = self.errors(batch, unit.index, unit.t, unit.eps)
         per_pair, info = seppo_loss(err_w, err_r, unit.ref_w.to(err_w), unit.ref_l.to(err_r), self.tcfg.dpo_beta,
                                     self.tcfg.anchor)

@@ -418,12 +418,12 @@ class UMMReflectionTrainer(GroupTrainer):
 
         return Plan([[u for u in units if useful(u)]], global_weights=True)
 
-    def loss(self, batch: TrajectoryBatch, unit: TokenUnit | RevisionUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: TrajectoryBatch, unit: TokenUnit | RevisionUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(unit, TokenUnit):
             return self.token_loss(batch, unit)
         return self.revision_loss(batch, unit)
 
-    def token_loss(self, batch: TrajectoryBatch, unit: TokenUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def token_loss(self, batch: TrajectoryBatch, unit: TokenUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``scale · Σ_t [max(−A·ρ_t, −A·clip(ρ_t, 1±ε_tok)) + β_tok·k3_t]`` over the reflection's tokens, log-probs
         at ``temperature`` (``sft``: ``−scale · Σ_t log π``)."""
         rnd, i = batch.rounds[unit.round], unit.index
@@ -435,21 +435,21 @@ class UMMReflectionTrainer(GroupTrainer):
         coefficient = batch.coefficients[i].to(lp)
         if self.tcfg.objective == "sft":
             loss = -(coefficient * lp).sum() * unit.scale
-            return loss, {"token_nll": -lp.mean().item()}
+            return loss, {"token_nll": -lp.detach().mean()}
         old = rnd.log_probs[i][mask].to(lp)
         per_token, ratio, clipped = ppo_clip_loss(lp, old, coefficient.expand_as(lp), self.tcfg.token_clip_range)
-        deviation = (ratio.detach() - 1).abs().max().item()
-        info = {"token_ratio_dev": deviation, "token_clip_frac": clipped.float().mean().item()}
+        deviation = (ratio.detach() - 1).abs().max()
+        info = {"token_ratio_dev": deviation, "token_clip_frac": clipped.float().mean()}
         beta = self.kl_beta(unit)
         if beta > 0:
             with torch.no_grad(), self.unified.adapter_disabled():
                 ref = self.unified.token_log_probs(*args, temperature=temperature)[0][mask]
             k3 = token_k3(lp, ref)
             per_token = per_token + beta * k3
-            info["token_kl"] = k3.mean().item()
+            info["token_kl"] = k3.detach().mean()
         return per_token.sum() * unit.scale, info
 
-    def revision_loss(self, batch: TrajectoryBatch, unit: RevisionUnit) -> tuple[torch.Tensor, dict[str, float]]:
+    def revision_loss(self, batch: TrajectoryBatch, unit: RevisionUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``Σ_b scale_b · [max(−A_b·r_b, −A_b·clip(r_b)) + β_rev·KL_b]`` at SDE step k of the revisions, ``KL_b``
         between the policy's and the starting model's transitions (``sft``: flow
         matching of the revised image at that step's σ, ``scale_b·A_b·mean‖v − (ε − x0)‖²``)."""
@@ -463,15 +463,15 @@ class UMMReflectionTrainer(GroupTrainer):
             v = self.unified.editor.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
             per_sample = ((v - (unit.noise - x0).to(v)) ** 2).flatten(1).mean(1)
             loss = (per_sample * coefficient.to(v) * unit.scale.to(v)).sum()
-            return loss, {"flow_matching": per_sample.mean().item()}
+            return loss, {"flow_matching": per_sample.detach().mean()}
         x_k, x_next, old = chunk.step(k)
         v = self.unified.editor.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
         out = sde_step(self.sampler, v, x_k, sigma, sigma_next, noise_level=self.noise_level, prev_sample=x_next)
         scale = unit.scale.to(out.log_prob)
         per_sample, ratio, clipped = ppo_clip_loss(out.log_prob, old.to(out.log_prob), coefficient.to(out.log_prob),
                                                    self.tcfg.clip_range, scale)
-        deviation = (ratio.detach() - 1).abs().max().item()
-        info = {"ratio_dev": deviation, "clip_frac": clipped.float().mean().item()}
+        deviation = (ratio.detach() - 1).abs().max()
+        info = {"ratio_dev": deviation, "clip_frac": clipped.float().mean()}
         beta = self.kl_beta(unit)
         if beta > 0:
             with torch.no_grad(), self.unified.adapter_disabled():
@@ -480,5 +480,5 @@ class UMMReflectionTrainer(GroupTrainer):
                                prev_sample=x_next).mean
             kl = transition_kl(out.mean, ref, out.std)
             per_sample = per_sample + beta * kl * scale
-            info["kl"] = kl.mean().item()
+            info["kl"] = kl.detach().mean()
         return per_sample.sum(), info

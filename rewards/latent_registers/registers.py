@@ -109,7 +109,7 @@ class LatentRegisters(nn.Module):
         b = x.shape[0]
         if len(cond) != b:
             raise ValueError(f"score: x has batch {b} but cond has {len(cond)} prompts")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=device).flatten().expand(b)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32).to(device, non_blocking=True).flatten().expand(b)
         state = {"reg": self.registers.to(dtype).unsqueeze(0).expand(b, -1, -1), "feats": {}}
 
         def advance(index: int, block: nn.Module, args: tuple, kwargs: dict) -> None:

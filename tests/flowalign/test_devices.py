@@ -221,7 +221,8 @@ def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(policy_on_device,
 #: an update's host waits (see the test below): the step's logs read back together at its end; GARDO also
 #: reads its optimiser steps' KLs there, which decide whether its reference is refreshed
 UPDATE_WAITS = {"flow_grpo_vvr": 1, "grpo_guard_vvr": 1, "gardo_vvr": 2, "flash_grpo_vvr": 1, "soar_vvr": 1,
-                "festdpo_vvr": 1, "diffusion_nft_vvr": 1, "awm_vvr": 1}
+                "festdpo_vvr": 1, "diffusion_nft_vvr": 1, "awm_vvr": 1, "dgpo_vvr": 1, "diffusion_dpo_vvr": 1,
+                "self_opd_vvr": 1, "kvpo_motion": 1}
 
 
 @pytest.mark.parametrize("recipe", sorted(UPDATE_WAITS))

@@ -26,7 +26,7 @@ def x0_scores(v: torch.Tensor, u: torch.Tensor, sigmas: torch.Tensor, floor: flo
     """``s (G,)``: ``Σ_t −mean_D (σ_t·(u_t − v_t))² / (2·max(σ_t, floor)²)`` of the policy's velocities ``v (G, T, ...)``
     against the branches' ``u (G, T, ...)`` (``σ_t·(u − v)`` is the x0 difference, the states cancelling);
     ``sigmas (T+1,)`` the grid."""
-    s = sigmas[:-1].to(v)
+    s = sigmas[:-1].to(v, non_blocking=True)
     x0_gap = (u.detach() - v) * s.view(1, -1, *[1] * (v.ndim - 2))
     mse = x0_gap.pow(2).flatten(2).mean(2)  # (G, T)
     weight = (2.0 * s.clamp(min=floor) ** 2).clamp(min=2e-10)
@@ -36,8 +36,8 @@ def x0_scores(v: torch.Tensor, u: torch.Tensor, sigmas: torch.Tensor, floor: flo
 def anchor_slot_scale(log_pi: torch.Tensor, safe: bool) -> torch.Tensor:
     """``1 − π_anchor`` with ``π_anchor = softmax([log π, 0 or −∞])[−1]`` (``_per_step_mechanism2_anchor_scale_entropy``):
     1 when some branch beat the anchor (``safe``), else the anchor slot's complement."""
-    slot = torch.tensor(float("-inf") if safe else 0.0, dtype=log_pi.dtype, device=log_pi.device)
-    return 1.0 - torch.softmax(torch.cat([log_pi, slot.reshape(1)]), 0)[-1]
+    slot = torch.full((1,), float("-inf") if safe else 0.0, dtype=log_pi.dtype, device=log_pi.device)  # filled there: no copy
+    return 1.0 - torch.softmax(torch.cat([log_pi, slot]), 0)[-1]
 
 
 def discrete_kl(log_pi: torch.Tensor, log_ref: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def discrete_kl(log_pi: torch.Tensor, log_ref: torch.Tensor) -> torch.Tensor:
 
 def branch_objective(scores: torch.Tensor, old_scores: torch.Tensor, advantages: torch.Tensor, clip_low: float,
                      clip_high: float, kl_coef: float = 0.0, init_scores: torch.Tensor | None = None,
-                     safe: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+                     safe: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss (a scalar) over one group's branch logits ``scores (G,)`` (differentiable), ``old_scores (G,)``
     and ``init_scores (G,)`` (the sampling and the initial weights'), ``advantages (G,)``; with the ratio's
     largest deviation from 1, the clipped fraction, the KL and the anchor scale."""
@@ -64,15 +64,15 @@ def branch_objective(scores: torch.Tensor, old_scores: torch.Tensor, advantages:
         kl = discrete_kl(log_pi, torch.log_softmax(init_scores.detach(), 0))
         loss = loss + kl_coef * kl
     scale = anchor_slot_scale(log_pi, safe)
-    info = {"ratio_dev": (ratio.detach() - 1).abs().max().item(),
-            "clip_fraction": ((ratio.detach() - clipped.detach()).abs() > 1e-6).float().mean().item(),
-            "kl": kl.item(), "anchor_scale": scale.item()}
+    info = {"ratio_dev": (ratio.detach() - 1).abs().max(),
+            "clip_fraction": ((ratio.detach() - clipped.detach()).abs() > 1e-6).float().mean(),
+            "kl": kl.detach(), "anchor_scale": scale.detach()}
     return scale * loss, info
 
 
 def taken_velocities(states: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     """``u_t = (x_{t+1} − x_t)/(σ_{t+1} − σ_t)`` ``(G, T, ...)`` of deterministic trajectories ``states (G, T+1, ...)``."""
-    steps = (sigmas[1:] - sigmas[:-1]).to(states).view(1, -1, *[1] * (states.ndim - 2))
+    steps = (sigmas[1:] - sigmas[:-1]).to(states, non_blocking=True).view(1, -1, *[1] * (states.ndim - 2))
     return (states[:, 1:] - states[:, :-1]) / steps
 
 

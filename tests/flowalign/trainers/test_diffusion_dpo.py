@@ -40,7 +40,7 @@ def test_loss_and_gradient_equal_flow_factorys_dpo_trainer(case):
     loss = per_pair.sum() / len(per_pair)
     loss.backward()
     torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
-    torch.testing.assert_close(info["margin"], sum(case["inside_term"]) / len(case["inside_term"]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["margin"].item(), sum(case["inside_term"]) / len(case["inside_term"]), rtol=1e-6, atol=0)
     assert info["implicit_acc"] == case["implicit_accuracy"]
     for pred, key in ((pred_w, "grad_theta_w_pred"), (pred_l, "grad_theta_l_pred")):
         torch.testing.assert_close(pred.grad, torch.tensor(case[key], dtype=torch.float64), rtol=1e-6, atol=1e-15)
