@@ -449,8 +449,8 @@ class GroupTrainer:
                     (loss * 0).backward()  # a padding pass: same collectives, no gradient
                     continue
                 (loss * scale).backward()
-                for key, value in info.items():
-                    stats.setdefault(key, []).append(value)
+                for key, value in info.items():  # detached: a logged tensor must not keep the unit's graph alive
+                    stats.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
             stats.setdefault("grad_norm", []).append(self.optimizer_step())
         return {**plan.logs, **unit_logs.merged(stats), **self.finish(batch)}
 
