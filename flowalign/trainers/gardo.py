@@ -34,6 +34,7 @@ from flowalign.advantages import diversity_scaled
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
+from flowalign.trainers import unit_logs
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.flow_grpo import (
@@ -299,8 +300,9 @@ class GARDOTrainer(FlowGRPOTrainer):
         logs = super().update(batch, generator)
         if self.tcfg.beta > 0:
             per_update: dict[int, float] = {}
-            mine = dict(zip(self.update_kl, torch.stack(list(self.update_kl.values())).tolist())) if self.update_kl else {}
-            for part in self.gather_objects(mine):  # each optimiser step's KL, read back once
+            # each optimiser step's KL, read back at once (as the step's logs are)
+            mine = dict(zip(self.update_kl, unit_logs.read_back({"kl": list(self.update_kl.values())})["kl"]))
+            for part in self.gather_objects(mine):
                 for n, value in part.items():
                     per_update[n] = per_update.get(n, 0.0) + value
             after = self.step + 1
