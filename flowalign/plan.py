@@ -338,7 +338,8 @@ def add_lora_on_meta(transformer: nn.Module, targets: list[str], rank: int, alph
     from peft import LoraConfig
 
     transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=float(alpha), target_modules=list(targets)))
+    with torch.device("meta"):  # the adapter's tensors made on meta: not drawn at random on the CPU, then dropped
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=float(alpha), target_modules=list(targets)))
     for p in transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()

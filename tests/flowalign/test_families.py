@@ -1,5 +1,6 @@
 """The model-family registry (flowalign.families): every registered family is complete, `flowalign plan`
-sizes every recipe and every tiny model without a traceback, and the core names no concrete family."""
+sizes every published architecture and every tiny model without a traceback (every recipe:
+tests/flowalign/cli/test_plan_recipes.py), and the core names no concrete family."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from flowalign.paths import REPO_ROOT
 from pipelines.tiny import twins
 
 ARCH = REPO_ROOT / "assets" / "architectures"
-RECIPES = sorted((REPO_ROOT / "configs").glob("*/*.yaml"))
 SPECS = families.registry()
 
 
@@ -40,32 +40,6 @@ def test_a_bad_family_is_one_line_listing_the_registered_ones():
     assert "model.family" in message and "\n" not in message
     assert all(name in message for name in SPECS)
     assert load_config(None, ["model.family=wan"]).model.family == "wan"
-
-
-def recipe_model(recipe: Path) -> Path:
-    """The folder a recipe's plan runs on: its own model when shipped (tiny recipes), else the published
-    architecture named like the recipe's folder (configs/qwen-image/ → assets/architectures/qwen-image)."""
-    cfg = load_config(recipe)
-    own = REPO_ROOT / cfg.model.path
-    return own if own.is_dir() else ARCH / recipe.parent.name
-
-
-@pytest.mark.parametrize("recipe", RECIPES, ids=[f"{p.parent.name}/{p.stem}" for p in RECIPES])
-def test_plan_sizes_every_recipe(recipe, tmp_path, capsys):
-    folder = recipe_model(recipe)
-    assert folder.is_dir(), f"{recipe}: no model folder and no assets/architectures/{recipe.parent.name}"
-    overrides = [f"model.path={folder}"]
-    cfg = load_config(recipe)
-    (tmp_path / "prompts.txt").write_text("a photo of a cat\n")
-    for key, prompts in (("data.prompts", cfg.data.prompts), ("eval.prompts", cfg.eval.prompts)):
-        if prompts and prompts.startswith("/path/to/"):  # a download the user points at, as model.path is
-            overrides.append(f"{key}={tmp_path / 'prompts.txt'}")
-    code = main(["plan", str(recipe), *overrides, "--gpus", "8", "--gpu-memory", "80"])
-    out = capsys.readouterr()
-    if refused_as_value_dependent(folder, code, out.err):
-        return
-    assert code == 0 and "Traceback" not in out.err, out.err[-2000:]
-    assert "memory per rank" in out.out and "  transformer " in out.out
 
 
 #: published architectures that no recipe folder is named after (FLUX.2-dev, Z-Image, Qwen-Image-Edit):

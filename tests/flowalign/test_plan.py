@@ -118,14 +118,13 @@ def test_activation_estimate_is_within_30_percent_of_the_measured_peak(tiny_mode
     assert estimate > 20e6 and abs(estimate - measured) / measured < 0.3, (estimate / 1e6, measured / 1e6)
 
 
-def test_plan_prints_counts_memory_per_strategy_and_the_smallest_change_that_fits():
-    out = subprocess.run([sys.executable, "-m", "flowalign", "plan", str(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml"),
-                          f"model.path={ARCH / 'flux.1-dev'}", "model.dtype=bf16", "trainer.batch_size=1",
-                          # the tiny recipe trains a LoRA now: this checks the full fine-tune's rows
-                          "model.finetune=full", "trainer.beta=0", "trainer.ema_decay=0",
-                          "--gpus", "8", "--gpu-memory", "80"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    text = out.stdout
+def test_plan_prints_counts_memory_per_strategy_and_the_smallest_change_that_fits(capsys):
+    code = main(["plan", str(REPO_ROOT / "configs/tiny/flow_grpo_vvr.yaml"), f"model.path={ARCH / 'flux.1-dev'}",
+                 "model.dtype=bf16", "trainer.batch_size=1",
+                 # the tiny recipe trains a LoRA now: this checks the full fine-tune's rows
+                 "model.finetune=full", "trainer.beta=0", "trainer.ema_decay=0", "--gpus", "8", "--gpu-memory", "80"])
+    text, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
     counts = {line.split()[0]: line.split()[1] for line in text.splitlines() if line.startswith("  ")}
     assert counts["transformer"] == "11.90B" and counts["text_encoder_2"] == "4.76B"
     rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ")}
@@ -135,10 +134,10 @@ def test_plan_prints_counts_memory_per_strategy_and_the_smallest_change_that_fit
     assert "fsdp: fits" in text or "fsdp: does not fit; smallest change that fits" in text
 
 
-def test_plan_refuses_a_folder_without_model_index(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "flowalign", "plan", "/dev/null", f"model.path={tmp_path}"],
-                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-    assert out.returncode == 2 and "model_index.json" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+def test_plan_refuses_a_folder_without_model_index(tmp_path, capsys):
+    code = main(["plan", "/dev/null", f"model.path={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model_index.json" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("overrides,copies", [

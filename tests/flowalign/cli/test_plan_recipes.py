@@ -1,4 +1,5 @@
-"""``flowalign plan RECIPE`` on every shipped recipe as written: exit 0, no traceback, no data file read.
+"""``flowalign plan RECIPE`` on every shipped recipe as written, on one GPU and on eight: exit 0, no traceback,
+no data file read.
 
 A recipe for a released model names a placeholder ``model.path`` (``/path/to/FLUX.1-dev``) and often
 placeholder prompt files: the plan stands in the published architecture of its ``configs/`` folder, says
@@ -45,3 +46,8 @@ def test_plan_runs_on_every_shipped_recipe_as_written(recipe, capsys, monkeypatc
         assert lines[1].startswith(f"model {REPO_ROOT / arch} (")
     assert any(line.startswith("  rollouts of the step") for line in lines)
     assert lines[-1].startswith(("ddp: fits", "ddp: does not fit"))
+    # on 8 GPUs: memory per rank for each strategy (the meta forward is cached: no second one)
+    rc = main(["plan", recipe, "--gpus", "8", "--gpu-memory", "80"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in err, err[-2000:]
+    assert "memory per rank" in out and "  transformer " in out
