@@ -271,8 +271,18 @@ class _FromData(TorchFunctionMode):
             if args and isinstance(args[0], torch.Tensor):  # a tensor already: moved (never read as raw memory)
                 dtype = kwargs.get("dtype")
                 return args[0].to(device=DEVICE, dtype=args[0].dtype if dtype is None else dtype)
-            return func(*args, **{**kwargs, "device": "cpu"}).to(DEVICE)
+            # a list of device scalars is read back value by value, as CUDA reads it
+            return func(_on_host(args[0]), *args[1:], **{**kwargs, "device": "cpu"}).to(DEVICE)
         return func(*args, **kwargs)
+
+
+def _on_host(data: Any) -> Any:
+    """``data`` (nested lists and tuples) with its tensors copied to the CPU."""
+    if isinstance(data, torch.Tensor):
+        return data.cpu()
+    if isinstance(data, (list, tuple)):
+        return type(data)(_on_host(x) for x in data)
+    return data
 
 
 class FakeDevice:

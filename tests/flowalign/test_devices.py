@@ -191,6 +191,9 @@ def test_the_fake_device_computes_what_the_cpu_computes():
         # an index list: PyTorch gives a meta tensor's list no data, CUDA's gets its values
         assert d[[0, 2]].tolist() == x[[0, 2]].tolist() and d[[True, False, True]].tolist() == x[[0, 2]].tolist()
         assert d[[0, 2], [1, 0]].tolist() == [1.0, 4.0] and d[[]].shape == (0, 2)
+        # a list of device scalars made a tensor on the device (Qwen2.5-VL's rope index does): CUDA reads them
+        scalars = torch.tensor([d.sum(), d.max() + 1], device=DEVICE)
+        assert isinstance(scalars, OnDevice) and scalars.tolist() == [15.0, 6.0]
         d[[0, 2]] = torch.zeros(2, 2, device=DEVICE)
         assert d.tolist() == [[0.0, 0.0], [2.0, 3.0], [0.0, 0.0]]
 
