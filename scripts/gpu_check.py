@@ -354,11 +354,13 @@ def side_by_side(folder: Path, work: Path, reference_src: Path, repeats: int, de
 
 #: the speed options (d) switches on one after another, each on top of the ones before; CUDA only where marked
 LEVERS = [("defaults", False), ("lora.compute_dtype=model", False), ("attention_backend=_native_cudnn", True),
-          ("compile", False)]
+          ("optimizer_kernel=fused", False), ("compile", False)]
 
 
 def switch_on(lever: str, trainer: Any) -> None:
-    """What the config option of ``lever`` does at load time, done on a built trainer's transformer."""
+    """What the config option of ``lever`` does at load time, done on a built trainer (its transformer, or its
+    optimiser: a new one, whose state its first step makes)."""
+    from flowalign.trainers.optim import adamw
     from pipelines.lora import compute_in_input_dtype
     from pipelines.memory import compile_blocks, set_attention_backend
 
@@ -367,6 +369,9 @@ def switch_on(lever: str, trainer: Any) -> None:
         compute_in_input_dtype(transformer)
     elif lever.startswith("attention_backend="):
         set_attention_backend(transformer, lever.split("=", 1)[1], device)
+    elif lever == "optimizer_kernel=fused":
+        trainer.tcfg.optimizer_kernel = "fused"
+        trainer.optimizer = trainer.optimisation.optimizer = adamw(trainer.params, trainer.tcfg)
     elif lever == "compile":
         compile_blocks(transformer)
 

@@ -100,7 +100,7 @@ def test_smoke_levers_time_each_option_against_the_defaults_and_profile_them(tmp
     rc = check.main(["--smoke", "--device", "cpu", "--parts", "levers", "--out", str(out), "--workdir", str(tmp_path / "w")])
     results = json.loads(out.read_text())
     rows = {r["lever"]: r for r in results["levers"]["rows"]}
-    assert rc == 0 and list(rows) == ["defaults", "lora.compute_dtype=model"], results["levers"]
+    assert rc == 0 and list(rows) == ["defaults", "lora.compute_dtype=model", "optimizer_kernel=fused"], results["levers"]
     assert rows["defaults"]["speed_vs_defaults"] == 1.0
     for row in rows.values():
         assert row["status"] == "ok" and row["iteration_s"] > 0 and row["rows"] > 0
@@ -108,7 +108,7 @@ def test_smoke_levers_time_each_option_against_the_defaults_and_profile_them(tmp
     profile = results["levers"]["profile"]
     assert profile and all(p["op"] and p["calls"] > 0 for p in profile)
     assert 0 < sum(p["share"] for p in profile) <= 1.0001 and profile[0]["ms"] >= profile[-1]["ms"]
-    assert check.table(results).count("| levers |") == 2 and "recipes" not in results
+    assert check.table(results).count("| levers |") == 3 and "recipes" not in results
 
 
 def test_a_lever_switched_on_a_built_trainer_does_what_its_option_does(tiny_sd3_dir):
@@ -127,3 +127,19 @@ def test_a_lever_switched_on_a_built_trainer_does_what_its_option_does(tiny_sd3_
     assert factors(Built.policy) == factors(at_load)
     compute_in_input_dtype(Built.policy.transformer, on=False)
     assert set(factors(Built.policy)) == {torch.nn.Linear}
+
+
+def test_the_optimiser_lever_gives_a_built_trainer_the_fused_adamw(tiny_sd3_dir, tmp_path):
+    """``optimizer_kernel=fused`` switched on a built trainer: a fused AdamW over the same parameters, where the
+    loop's optimiser step finds it."""
+    from flowalign.config import load_config
+    from flowalign.train import build_trainer
+
+    (tmp_path / "prompts.txt").write_text("a red circle\n")
+    trainer = build_trainer(load_config(None, [f"model.path={tiny_sd3_dir}", f"data.prompts={tmp_path / 'prompts.txt'}",
+                                               f"run.output_dir={tmp_path / 'run'}", "rewards=[{name: brightness}]",
+                                               "eval.bench=null", "run.tensorboard=false", "run.progress=false"]))
+    assert not trainer.optimizer.param_groups[0]["fused"]
+    check.switch_on("optimizer_kernel=fused", trainer)
+    assert trainer.optimizer is trainer.optimisation.optimizer and trainer.optimizer.param_groups[0]["fused"]
+    assert trainer.optimizer.param_groups[0]["params"] == trainer.params

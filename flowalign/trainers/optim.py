@@ -96,13 +96,19 @@ class Optimisation:
 
 def setup_optimisation(policy: FlowPolicy, tcfg: Any, parallel: Parallel) -> Optimisation:
     """AdamW over the policy's ``requires_grad`` parameters (``tcfg``: lr and its schedule, betas,
-    weight_decay, grad_clip and the ``ema_*`` settings); under fsdp the transformer is sharded first, so
-    they are this rank's shards."""
+    weight_decay, optimizer_kernel, grad_clip and the ``ema_*`` settings); under fsdp the transformer is
+    sharded first, so they are this rank's shards."""
     parallel.shard(policy.trainable)
     params = [p for p in policy.trainable.parameters() if p.requires_grad]
     if not params:
         raise UserError("the policy has no trainable parameters; set model.finetune to lora or full")
-    optimizer = torch.optim.AdamW(params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
+    optimizer = adamw(params, tcfg)
     ema = (EMA(params, tcfg.ema_decay, tcfg.ema_every, tcfg.ema_warmup, tcfg.ema_micro_batches)
            if tcfg.ema_decay > 0 else None)
     return Optimisation(params, optimizer, ema, parallel, Schedule.of(tcfg), tcfg.grad_clip)
+
+
+def adamw(params: list[torch.nn.Parameter], tcfg: Any) -> torch.optim.AdamW:
+    """AdamW at ``tcfg``'s lr, betas and weight decay, with the kernels of ``tcfg.optimizer_kernel``."""
+    fused = True if tcfg.optimizer_kernel == "fused" else None  # None: PyTorch picks
+    return torch.optim.AdamW(params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay, fused=fused)

@@ -47,6 +47,10 @@ class TrainerConfig(Section):
     #: Adam's (β1, β2), each in [0, 1)
     betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
+    #: AdamW's kernels: "auto", PyTorch's choice (a multi-tensor kernel per operation over all the tensors on a
+    #: GPU, a loop over them on a CPU); "fused", one kernel for the whole update (``AdamW(fused=True)``; the
+    #: same arithmetic, rounded differently)
+    optimizer_kernel: Literal["auto", "fused"] = "auto"
     ema_decay: float = Field(0.0, ge=0, lt=1)
     ema_every: int = Field(8, ge=1, le=MAX_TRAIN_STEPS)
     #: true: flow_grpo's EMAModuleWrapper schedule (decay min(ema_decay, (1+s)/(10+s)) after s optimiser
