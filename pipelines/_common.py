@@ -292,6 +292,24 @@ def latent_image_ids(height: int, width: int, device: torch.device | str, dtype:
     return latent_image_ids.to(device=device, dtype=dtype)
 
 
+def held(owner: Any, name: str, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, kept on ``owner`` (a policy, a reward) as ``name`` while ``key`` stays the same. For the
+    position ids a transformer takes at every call: made on the host, they would be copied to the device at
+    every call, and a copy from the host makes the host wait for the work queued on a GPU. Shared between
+    calls: never write into it."""
+    kept = getattr(owner, name, None)
+    if kept is None or kept[0] != key:
+        kept = (key, make())
+        setattr(owner, name, kept)
+    return kept[1]
+
+
+def grid_ids(owner: Any, height: int, width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`latent_image_ids` of a ``height × width`` grid on ``device``, kept on ``owner`` (:func:`held`)."""
+    return held(owner, "_grid_ids", (height, width, torch.device(device), dtype),
+                lambda: latent_image_ids(height, width, device, dtype))
+
+
 def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """The inverse of :func:`pack_2x2`: tokens ``(B, (h/2)·(w/2), 4·C)`` → latents ``(B, C, h, w)``."""
     b, _, channels = tokens.shape

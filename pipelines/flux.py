@@ -27,7 +27,7 @@ from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PromptCache, batch_size, check_num_steps
-from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, latent_image_ids, make_trainable
+from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, grid_ids, make_trainable
 from pipelines._common import open_pipeline, own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults
 from pipelines._common import stack_rows, text_encoders, unpack_2x2, vae_unscale, zeros_factory
 
@@ -122,7 +122,7 @@ class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
             guidance_vec = None
         embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
         h, w = self.latent_hw
-        img_ids = latent_image_ids(h // 2, w // 2, self.device, self.dtype)
+        img_ids = grid_ids(self, h // 2, w // 2, self.device, self.dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
         out = self.transformer(
             hidden_states=x.to(self.device, self.dtype),

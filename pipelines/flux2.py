@@ -43,7 +43,7 @@ from flowalign.sampling.inputs import load_input_image
 from pipelines import lora as lora_utils
 from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, check_num_steps
 from pipelines._common import check_prompts, decode_in_chunks, encode_with_empty_negative, gaussian_noise
-from pipelines._common import load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
+from pipelines._common import held, load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
 from pipelines._common import sized_defaults, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the double-stream attention projections (image and text) and the
@@ -222,13 +222,15 @@ class Flux2Policy(lora_utils.AdapterMethods):
         h, w = self.token_hw
         b = x.shape[0]
         hidden = x.to(self.device, self.dtype)
-        img_ids = self.pipeline_class._prepare_latent_ids(x.new_empty(b, 1, h, w)).to(self.device)
+        img_ids = held(self, "_image_ids", (b, h, w, self.device),
+                       lambda: self.pipeline_class._prepare_latent_ids(x.new_empty(b, 1, h, w)).to(self.device))
         if references is not None:
             tokens, ids = references
             hidden = torch.cat([hidden, tokens.to(self.device, self.dtype)], dim=1)
             img_ids = torch.cat([img_ids, ids.to(self.device, img_ids.dtype)], dim=1)
         embeds = embeds.to(self.device, self.dtype)
-        txt_ids = self.pipeline_class._prepare_text_ids(embeds).to(self.device)
+        txt_ids = held(self, "_text_ids", (*embeds.shape[:2], self.device),
+                       lambda: self.pipeline_class._prepare_text_ids(embeds).to(self.device))
         return self.transformer(
             hidden_states=hidden, timestep=sigma.to(self.dtype), guidance=guidance,
             encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False,

@@ -22,7 +22,7 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import flux
-from pipelines._common import batch_size, latent_image_ids, pack_2x2, resize_input, sampling_defaults, sigma_batch
+from pipelines._common import batch_size, grid_ids, pack_2x2, resize_input, sampling_defaults, sigma_batch
 from pipelines._common import with_input_images
 from pipelines.flux import FluxPolicy
 
@@ -70,8 +70,8 @@ class KontextPolicy(FluxPolicy):
             raise UserError("FLUX.1 Kontext velocity needs cond from encode(prompts, images=...)")
         context = cond.tensors["image_latents"].to(self.device, self.dtype)
         h, w = self.latent_hw
-        ids = latent_image_ids(h // 2, w // 2, self.device, self.dtype)
-        context_ids = latent_image_ids(h // 2, w // 2, self.device, self.dtype)
+        ids = grid_ids(self, h // 2, w // 2, self.device, self.dtype)
+        context_ids = ids.clone()  # (a copy on the device: the held ids are shared)
         context_ids[..., 0] = 1  # the context image's first position axis, as the pipeline marks it
         embeds = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
         guidance_vec = torch.full((b,), float(guidance), device=self.device) if self.guidance_embeds else None

@@ -14,7 +14,7 @@ from PIL import Image
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.common import check_images, check_lengths, finite_mask
+from rewards.common import check_images, check_lengths, constant, finite_mask
 from rewards.registry import register
 
 # Rec. 709 luma weights (sRGB primaries)
@@ -98,7 +98,7 @@ class Brightness(_PixelStatistic):
 
     @staticmethod
     def statistic(images: torch.Tensor) -> torch.Tensor:
-        weights = torch.tensor(LUMA, dtype=images.dtype, device=images.device)
+        weights = constant(LUMA, images)
         return torch.einsum("bchw,c->bhw", images, weights)
 
 

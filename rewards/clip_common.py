@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flowalign.errors import UserError
+from rewards.common import constant
 
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 #: what an error asks for when open_clip weights are missing (rewards with special weights say more)
@@ -57,8 +58,8 @@ def clip_preprocess(
             x = F.interpolate(x, size=(th, tw), mode=interpolation, align_corners=False, antialias=True)
     else:
         raise UserError(f"CLIP preprocessing: resize_mode={resize_mode!r} is not supported; use 'shortest' or 'squash'")
-    mean_t = torch.tensor(mean, dtype=x.dtype, device=x.device)[:, None, None]
-    std_t = torch.tensor(std, dtype=x.dtype, device=x.device)[:, None, None]
+    mean_t = constant(mean, x)[:, None, None]
+    std_t = constant(std, x)[:, None, None]
     return (x - mean_t) / std_t
 
 

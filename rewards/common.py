@@ -9,6 +9,7 @@ splits the batch and masks non-finite samples.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,6 +38,23 @@ def check_images(samples: Any, who: str) -> None:
     check_unit_range(samples, who)
 
 
+def constant(values: Any, like: torch.Tensor) -> torch.Tensor:
+    """``values`` (numbers, or nested lists or tuples of them) as a tensor of ``like``'s dtype on its device,
+    copied there once per process and shared: a copy from the host at every call would make the host wait
+    for all the work queued on a GPU. Read it; never write into it."""
+    return _constant(_frozen(values), like.device, like.dtype, type(like))
+
+
+def _frozen(values: Any) -> Any:
+    return tuple(_frozen(v) for v in values) if isinstance(values, (list, tuple)) else values
+
+
+@functools.lru_cache(maxsize=256)
+def _constant(values: Any, device: torch.device, dtype: torch.dtype, kind: type) -> torch.Tensor:
+    # ``kind``: a tensor subclass on the same device (a test's emulated device) keeps its own copy
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def check_unit_range(samples: torch.Tensor, who: str) -> None:
     """Raise :class:`UserError` unless ``samples`` (images or videos) are float with every finite value in
     [0, 1] (to :data:`RANGE_TOLERANCE`); non-finite values are left to make their sample invalid."""
@@ -45,14 +63,17 @@ def check_unit_range(samples: torch.Tensor, who: str) -> None:
             f"{who} reward: samples must be float in [0, 1]; got dtype {samples.dtype}"
             " (convert uint8 images with x.float() / 255)"
         )
-    finite = samples.detach()[torch.isfinite(samples.detach())]
-    if finite.numel():
-        lo, hi = finite.aminmax()
-        if lo < -RANGE_TOLERANCE or hi > 1 + RANGE_TOLERANCE:
-            raise UserError(
-                f"{who} reward: samples must lie in [0, 1]; got values in [{lo.item():.3g}, {hi.item():.3g}]"
-                " (map [-1, 1] decoder outputs with (x + 1) / 2)"
-            )
+    # the extremes over the finite values, masked rather than indexed, and read back together: one host wait
+    x = samples.detach()
+    if not x.numel():
+        return
+    finite = torch.isfinite(x)
+    lo, hi = torch.stack([torch.where(finite, x, torch.inf).amin(), torch.where(finite, x, -torch.inf).amax()]).tolist()
+    if lo < -RANGE_TOLERANCE or hi > 1 + RANGE_TOLERANCE:  # no finite value: lo = inf, hi = -inf pass
+        raise UserError(
+            f"{who} reward: samples must lie in [0, 1]; got values in [{lo:.3g}, {hi:.3g}]"
+            " (map [-1, 1] decoder outputs with (x + 1) / 2)"
+        )
 
 
 def check_lengths(n: int, prompts: list[str], metadata: list[dict[str, Any]], who: str) -> None:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.common import check_images, check_lengths, finite_mask
+from rewards.common import check_images, check_lengths, constant, finite_mask
 from rewards.registry import register
 
 LUMA = (0.299, 0.587, 0.114)
@@ -52,7 +52,7 @@ EPS = 1e-6
 
 def luma(x: torch.Tensor) -> torch.Tensor:
     """``(B, 3, H, W)`` → ``(B, 1, H, W)`` Rec. 601 luma."""
-    w = torch.tensor(LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    w = constant(LUMA, x).view(1, 3, 1, 1)
     return (x * w).sum(1, keepdim=True)
 
 
@@ -101,7 +101,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor, cap: float = 100.0) -> torch.Tensor:
 
 def laplacian_energy(x: torch.Tensor) -> torch.Tensor:
     """``mean((∇² luma)²)`` ``(B,)`` of ``(B, 3, H, W)``: the no-weights sharpness measure (valid region)."""
-    k = torch.tensor([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]], dtype=x.dtype, device=x.device)
+    k = constant([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]], x)
     return F.conv2d(luma(x), k.view(1, 1, 3, 3)).pow(2).flatten(1).mean(1)
 
 
@@ -124,7 +124,7 @@ def blur_estimate(y: torch.Tensor, taps: int = 5) -> torch.Tensor:
 
 def noise_estimate(y: torch.Tensor) -> torch.Tensor:
     """Immerkær's fast noise standard deviation ``(B,)`` of the luma of ``(B, 3, h, w)`` (in [0, 1] units)."""
-    k = torch.tensor([[1.0, -2.0, 1.0], [-2.0, 4.0, -2.0], [1.0, -2.0, 1.0]], dtype=y.dtype, device=y.device)
+    k = constant([[1.0, -2.0, 1.0], [-2.0, 4.0, -2.0], [1.0, -2.0, 1.0]], y)
     r = F.conv2d(luma(y), k.view(1, 1, 3, 3)).abs().flatten(1).mean(1)
     return math.sqrt(math.pi / 2) * r / 6
 

@@ -185,7 +185,7 @@ class DiffusionOPSDTrainer(SelfDistillTrainer):
         # y ↦ ∇_y Σ_j w_j R_j(D(y), c) for this chunk's prompts, through the VAE decoder
         gradient = self.reward_gradient(chunk.prompts, chunk.metadata, t.decoder_checkpointing)
         y_pos, y_neg = bounded_targets(y0, gradient, t.rho, t.ascent_steps, t.eta)
-        return [FitUnit(chunk, r.to(y0.device), keep,
+        return [FitUnit(chunk, r.to(y0.device, non_blocking=True), keep,
                         {"z_q": z_q, "sigma_q": sigma_q, "v_phi": v_phi, "y0": y0, "y_pos": y_pos, "y_neg": y_neg})]
 
     def fit_loss(self, unit: FitUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -177,7 +177,7 @@ def kl_reward_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean
 def distillation_loss(v: torch.Tensor, v_teacher: torch.Tensor, v_anchor: torch.Tensor | None, routed: torch.Tensor,
                       anchor_weight: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-sample ``1[routed]·mean‖v − sg(v_T)‖² + λ·mean‖v − sg(v_A)‖²`` ``(B,)`` for velocities ``(B, ...)``."""
-    teacher = per_sample_mean((v - v_teacher.detach()) ** 2) * routed.to(v)
+    teacher = per_sample_mean((v - v_teacher.detach()) ** 2) * routed.to(v, non_blocking=True)
     loss, info = teacher, {"loss_teacher": teacher.detach().mean()}
     if v_anchor is not None and anchor_weight > 0:
         anchor = per_sample_mean((v - v_anchor.detach()) ** 2)

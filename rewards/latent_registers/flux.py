@@ -30,7 +30,7 @@ from torch import nn
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
-from pipelines._common import latent_image_ids
+from pipelines._common import grid_ids
 from rewards.latent_registers.family import RegisterFamily, block_inputs
 
 CLASS_NAME = "FluxTransformer2DModel"
@@ -146,5 +146,5 @@ class FluxRegisters(RegisterFamily):
         # FLUX's transformer multiplies the timestep by 1000 itself
         return tr(hidden_states=x.to(device, dtype), timestep=sigma, guidance=guidance,
                   pooled_projections=cond.tensors["pooled_prompt_embeds"].to(device, dtype),
-                  encoder_hidden_states=embeds, img_ids=latent_image_ids(h2, w2, device, dtype),
+                  encoder_hidden_states=embeds, img_ids=grid_ids(self, h2, w2, device, dtype),
                   txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype), return_dict=False)[0].float()

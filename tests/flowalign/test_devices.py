@@ -52,18 +52,21 @@ FIT.update({name: VIDEO for name in ("afd_motion", "ar_copo_motion", "kvpo_motio
 FIT["flash_grpo_motion"] = (*VIDEO, *FOUR_STEPS)
 FIT["afd_motion"] = (*VIDEO, "trainer.teacher.num_steps=2")
 FIT["flow_grpo_vvr"] = FOUR_STEPS  # several units in each of its two optimiser steps
+FIT["diffusion_opsd_vvr"] = ("rewards=[{name: brightness}]",)  # its targets follow a differentiable reward
 #: the two that failed on CUDA, the GRPO family's loss paths they share, a video recipe (~1-3 s each), the
 #: pair trainers and Self-OPD (their conditioning is picked by index lists), KVPO (its gradient passes the
 #: video model's complex rotary embedding) and the other main loss paths (FestDPO, DiffusionNFT, AWM,
-#: Diffusion-DPO). Also stepping here when listed: dance_grpo, mix_grpo, pd_grpo, pref_grpo, seppo,
-#: tempflow_grpo, rg_opd, core, afd, ar_copo (some at 15-40 s). Not yet: diffusion_opsd and fav need a
-#: differentiable reward; umm_reflection's Qwen2.5-VL takes len() of a 0-dim tensor under the fake device.
+#: Diffusion-DPO, DiffusionOPSD). Every other tiny recipe steps here too when listed (2-6 s each; kept out
+#: for the suite's time): dance_grpo, mix_grpo, pd_grpo, pref_grpo, seppo, tempflow_grpo, rg_opd, core, afd,
+#: ar_copo, fav, flow_opd (with the vvr reward its teachers name), crosstimeedit, oars, kvpo_energy,
+#: flow_grpo_motion_insight (its video reward), and umm_reflection with trainer.credit=final (about 40 s)
 RECIPES = ["dgpo_vvr", "gardo_vvr", "flow_grpo_vvr", "grpo_guard_vvr", "flash_grpo_vvr", "flow_grpo_motion",
            "sft_vvr", "soar_vvr", "self_opd_vvr", "kvpo_motion", "festdpo_vvr", "diffusion_nft_vvr", "awm_vvr",
-           "diffusion_dpo_vvr"]
+           "diffusion_dpo_vvr", "diffusion_opsd_vvr"]
 #: an update's host waits besides the one that reads the step's logs back (see the test below): GARDO reads
-#: its optimiser steps' KLs, which decide whether its reference is refreshed
-MORE_UPDATE_WAITS = {"gardo_vvr": 1}
+#: its optimiser steps' KLs, which decide whether its reference is refreshed; DiffusionOPSD's reward checks
+#: the range of the images it is given at each of its gradient's calls (one per chunk and ascent step)
+MORE_UPDATE_WAITS = {"gardo_vvr": 1, "diffusion_opsd_vvr": 6}
 #: recipes whose step is also taken on the CPU and compared: the device must change no number, only where
 #: tensors live (the fake device once picked garbage rows for an index list, and dropped the conjugation in
 #: the rotary embedding's gradient, so a finite loss alone did not show it)
@@ -147,7 +150,7 @@ def test_a_recipe_steps_on_a_device_that_is_not_the_cpu(recipe, tmp_path, monkey
     assert all(bool(torch.isfinite(p).all()) for p in trainer.params)
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))  # the update ran
     assert len(found) == 1 + MORE_UPDATE_WAITS.get(recipe, 0), found
-    assert found[0][0] == "read values" and found[0][1].startswith("flowalign/trainers/unit_logs.py:")
+    assert any(kind == "read values" and where.startswith("flowalign/trainers/unit_logs.py:") for kind, where in found)
     assert all(isinstance(v, float) for v in logs.values())
 
 
@@ -218,25 +221,32 @@ def test_the_fake_device_computes_what_the_cpu_computes():
         assert (torch.tensor([1 + 1j, 2 + 0j], device=DEVICE) * c.conj()).tolist() == [3 - 1j, 6 + 2j]
 
 
-def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(policy_on_device, monkeypatch):
+@pytest.mark.parametrize("family", ["sd3", "flux", "flux2"])
+def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(family, tiny_model_dir, policy_on_device, monkeypatch):
     """On a GPU the host queues a rollout's work ahead of the device unless something makes it wait: a value
     read back, a copy to the host or a blocking copy to the device (``torch.as_tensor(sigma, device=...)``) waits
-    for everything queued before it. A Flow-GRPO rollout with CFG, per-sample noise streams and stored
-    ``v_u`` (the trainers' form) waits once, for its log-probs after the last step, however many steps it
-    has (the prompts' first encoding is cached before)."""
+    for everything queued before it. A Flow-GRPO rollout (per-sample noise streams; SD3.5 with CFG and stored
+    ``v_u``, the trainers' form) waits once, for its log-probs after the last step, however many steps it has.
+    What a policy makes once comes first: the prompts' encoding (cached) and FLUX's token position ids (made
+    on the host and copied at every transformer call before: a wait a step)."""
     import pipelines
     from flowalign.sampling.rollout import rollout
 
     monkeypatch.chdir(REPO)
     prompts = ["two red circles", "a blue square"]
+    folder = "assets/tiny-sd3-vvr" if family == "sd3" else tiny_model_dir(family)
     with FakeDevice():
-        policy = pipelines.load("assets/tiny-sd3-vvr", lora={"rank": 4, "alpha": 8})
-        policy.encode(prompts)
+        policy = pipelines.load(folder, lora={"rank": 4, "alpha": 8})
+
+        def sample(steps: int):
+            return rollout(policy, prompts, num_steps=steps, sampler="flow_grpo", guidance_scale=4.5 if family == "sd3" else 1.0,
+                           generators=[torch.Generator().manual_seed(i) for i in range(2)], keep_unconditional=True)
+
+        sample(1)
         waits = {}
         for steps in (2, 6):
             with host_waits() as found:
-                out = rollout(policy, prompts, num_steps=steps, sampler="flow_grpo", guidance_scale=4.5,
-                              generators=[torch.Generator().manual_seed(i) for i in range(2)], keep_unconditional=True)
+                out = sample(steps)
             waits[steps] = found
     assert len(waits[2]) == len(waits[6]) == 1, waits
     assert waits[6][0][0] == "copy to the host" and waits[6][0][1].startswith("flowalign/sampling/rollout.py:")
