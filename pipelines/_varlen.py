@@ -12,11 +12,13 @@ import torch
 
 
 def pad_rows(rows: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[(L_i, D)]`` → embeddings ``(B, length, D)`` (zeros past each row) and mask ``(B, length)`` int64."""
+    """``[(L_i, D)]`` → embeddings ``(B, length, D)`` (zeros past each row, on the rows' device) and mask
+    ``(B, length)`` int64 on the host: the lengths are read from it at every forward (:func:`trim`,
+    :func:`unpad`), which from a GPU would make the host wait."""
     if any(r.shape[0] > length for r in rows):
         raise ValueError(f"a prompt embedding is longer than the padded width {length}")
     embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
-    mask = torch.zeros(len(rows), length, dtype=torch.long, device=rows[0].device)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
     for i, r in enumerate(rows):
         embeds[i, : r.shape[0]] = r
         mask[i, : r.shape[0]] = 1

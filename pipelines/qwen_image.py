@@ -110,7 +110,10 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor,
                  context: tuple[torch.Tensor, tuple[int, int]] | None = None) -> torch.Tensor:
         h, w = self.latent_hw
-        embeds, mask = trim(embeds.to(self.device, self.dtype), mask.to(self.device))
+        # the lengths are read from the mask on the host (where the prompt cache keeps it): no wait for the GPU
+        embeds, mask = trim(embeds, mask.cpu())
+        embeds = embeds.to(self.device, self.dtype)
+        mask = None if mask is None else mask.to(self.device, non_blocking=True)
         hidden, shapes = x.to(self.device, self.dtype), [(1, h // 2, w // 2)]
         if context is not None:  # the context's tokens ride along; their output is dropped
             hidden = torch.cat([hidden, context[0].to(self.device, self.dtype)], dim=1)

@@ -98,7 +98,8 @@ class ZImagePolicy(lora_utils.AdapterMethods):
 
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
         latents = list(x.to(self.device, self.dtype).unsqueeze(2).unbind(0))
-        captions = unpad(embeds.to(self.device, self.dtype), mask.to(self.device))
+        # the lengths are read from the mask on the host (where the prompt cache keeps it): no wait for the GPU
+        captions = unpad(embeds.to(self.device, self.dtype), mask.cpu())
         out = self.transformer(latents, (1 - sigma).to(self.dtype), captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)  # the model predicts x0 - ε
 

@@ -221,14 +221,20 @@ def test_the_fake_device_computes_what_the_cpu_computes():
         assert (torch.tensor([1 + 1j, 2 + 0j], device=DEVICE) * c.conj()).tolist() == [3 - 1j, 6 + 2j]
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "flux2"])
+#: families whose rollout waits once, and their guidance (with CFG: stored ``v_u``)
+ROLLOUT_FAMILIES = {"sd3": 4.5, "zimage": 4.5, "flux": 1.0, "flux2": 1.0}
+
+
+@pytest.mark.parametrize("family", sorted(ROLLOUT_FAMILIES))
 def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(family, tiny_model_dir, policy_on_device, monkeypatch):
     """On a GPU the host queues a rollout's work ahead of the device unless something makes it wait: a value
     read back, a copy to the host or a blocking copy to the device (``torch.as_tensor(sigma, device=...)``) waits
     for everything queued before it. A Flow-GRPO rollout (per-sample noise streams; SD3.5 with CFG and stored
     ``v_u``, the trainers' form) waits once, for its log-probs after the last step, however many steps it has.
     What a policy makes once comes first: the prompts' encoding (cached) and FLUX's token position ids (made
-    on the host and copied at every transformer call before: a wait a step)."""
+    on the host and copied at every transformer call before: a wait a step). Z-Image read its prompts'
+    lengths back from a mask on the device at every forward (4 waits a step with CFG); the mask stays on
+    the host now."""
     import pipelines
     from flowalign.sampling.rollout import rollout
 
@@ -239,7 +245,7 @@ def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(family, tiny_mode
         policy = pipelines.load(folder, lora={"rank": 4, "alpha": 8})
 
         def sample(steps: int):
-            return rollout(policy, prompts, num_steps=steps, sampler="flow_grpo", guidance_scale=4.5 if family == "sd3" else 1.0,
+            return rollout(policy, prompts, num_steps=steps, sampler="flow_grpo", guidance_scale=ROLLOUT_FAMILIES[family],
                            generators=[torch.Generator().manual_seed(i) for i in range(2)], keep_unconditional=True)
 
         sample(1)
