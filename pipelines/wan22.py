@@ -56,8 +56,11 @@ class Wan22Policy(WanPolicy):
         self.trainable = torch.nn.ModuleDict({"transformer": self.high_noise, "transformer_2": self.transformer_2})
 
     def uses_high_noise_expert(self, sigma: float | torch.Tensor, batch: int = 1) -> torch.Tensor:
-        """``(B,)`` bool: True where ``1000·σ >= boundary`` (the pipeline's ``t >= boundary_timestep``)."""
-        return sigma_batch(sigma, batch, self.device) * self.pipe.scheduler.config.num_train_timesteps >= self.boundary
+        """``(B,)`` bool on the host: True where ``1000·σ >= boundary`` (the pipeline's ``t >= boundary_timestep``).
+        Decided there because the batch is split by it: from σ on a GPU that is one read, from a float none."""
+        if isinstance(sigma, torch.Tensor):
+            sigma = sigma.cpu()
+        return sigma_batch(sigma, batch, "cpu") * self.pipe.scheduler.config.num_train_timesteps >= self.boundary
 
     @contextmanager
     def _serving(self, expert: torch.nn.Module) -> Iterator[None]:
@@ -76,7 +79,7 @@ class Wan22Policy(WanPolicy):
         ``uncond`` (:meth:`unconditional_velocity`) only the conditional half runs, as in Wan 2.1."""
         b = x.shape[0]
         s = sigma_batch(sigma, b, self.device)
-        high = self.uses_high_noise_expert(s, b)
+        high = self.uses_high_noise_expert(sigma, b)  # on the host: the split below reads it
         g2 = self.defaults.get("guidance_scale_2")
         low_guidance = float(g2) if (g2 is not None and guidance > 1) else guidance
         out = None

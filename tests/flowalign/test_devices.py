@@ -222,7 +222,7 @@ def test_the_fake_device_computes_what_the_cpu_computes():
 
 
 #: families whose rollout waits once, and their guidance (with CFG: stored ``v_u``)
-ROLLOUT_FAMILIES = {"sd3": 4.5, "zimage": 4.5, "flux": 1.0, "flux2": 1.0}
+ROLLOUT_FAMILIES = {"sd3": 4.5, "zimage": 4.5, "flux": 1.0, "flux2": 1.0, "wan": 4.5, "wan22": 4.5}
 
 
 @pytest.mark.parametrize("family", sorted(ROLLOUT_FAMILIES))
@@ -234,7 +234,7 @@ def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(family, tiny_mode
     What a policy makes once comes first: the prompts' encoding (cached) and FLUX's token position ids (made
     on the host and copied at every transformer call before: a wait a step). Z-Image read its prompts'
     lengths back from a mask on the device at every forward (4 waits a step with CFG); the mask stays on
-    the host now."""
+    the host now. Wan 2.2 split its batch between its experts by σ read back from the device (5 a step)."""
     import pipelines
     from flowalign.sampling.rollout import rollout
 
