@@ -146,23 +146,29 @@ def stream_rollout(
     trajectories = [clean[:, None, :, policy.chunk_slice(k)] for k in range(start)]
     caches: list[Any] = [None] * start
     log_probs = torch.full((n, chunks, num_steps), float("nan"))
+    # each streamed chunk's log-probs (B, num_steps), kept on the device and read back once after the last
+    # chunk: a read at every step would make the host wait for the device there
+    streamed: list[torch.Tensor] = []
     for k in range(start, chunks):
         caches.append(cache)
         x = noise[:, :, policy.chunk_slice(k)]
         kind = sampler if stochastic[k] else "ode"
-        path = [x]
+        path, steps = [x], []
         for i in range(num_steps):
             s, s_next = sigmas[i].item(), sigmas[i + 1].item()
             v = policy.chunk_velocity(x, s, s_next, cache, cond, guidance)
             out = sde_step(kind, v, x, s, s_next, noise_level=level if kind != "ode" else 0.0, generator=generator)
             x = out.prev_sample
             path.append(x)
-            log_probs[:, k, i] = out.log_prob.cpu()
+            steps.append(out.log_prob.float())
+        streamed.append(torch.stack(steps, dim=1))
         trajectories.append(torch.stack(path, dim=1))
         clean = torch.cat([clean, x], dim=2)
         if k < chunks - 1:
             cache = (policy.append_chunks(cache, clean, cond, guidance) if route is None
                      else policy.history_cache(clean, route(k + 1), cond, guidance))
+    if streamed:
+        log_probs[:, start:] = torch.stack(streamed, dim=1).cpu()
     result = StreamRollout(prompts=prompts, metadata=meta, chunks=trajectories, sigmas=sigmas.cpu(), log_probs=log_probs,
                            sde_chunks=stochastic, caches=caches, samples=None, cond=cond, start=start, sampler=sampler,
                            noise_level=level, guidance_scale=guidance)

@@ -259,6 +259,32 @@ def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(family, tiny_mode
     assert out.log_probs.device.type == "cpu" and bool(torch.isfinite(out.log_probs[:, :-1]).all())
 
 
+def test_a_streamed_rollout_makes_the_host_wait_once_whatever_its_steps(policy_on_device, monkeypatch):
+    """The streaming sampler (FAR's chunks, KVPO's and AR-CoPO's rollouts) keeps each step's log-probs on the
+    device and reads them back after the last chunk: it read them at every step of every chunk before."""
+    import pipelines
+    from flowalign.sampling.streaming import stream_rollout
+
+    monkeypatch.chdir(REPO)
+    prompts = ["a red ball rolls left", "a blue cube"]
+    with FakeDevice():
+        policy = pipelines.load("assets/tiny-anyflow-far-motion", lora={"rank": 4, "alpha": 8})
+
+        def stream(steps: int):
+            return stream_rollout(policy, prompts, num_steps=steps, sampler="flow_grpo",
+                                  generator=torch.Generator().manual_seed(0), decode=False)
+
+        stream(1)  # the prompts' encoding, cached
+        waits = {}
+        for steps in (1, 3):
+            with host_waits() as found:
+                out = stream(steps)
+            waits[steps] = found
+    assert len(waits[1]) == len(waits[3]) == 1, waits
+    assert waits[3][0][0] == "copy to the host" and waits[3][0][1].startswith("flowalign/sampling/streaming.py:")
+    assert out.log_probs.shape[1:] == (out.num_chunks, 3) and bool(torch.isfinite(out.log_probs).all())
+
+
 def test_host_waits_are_what_cuda_waits_for():
     with FakeDevice():
         with host_waits() as found:
