@@ -310,6 +310,15 @@ def grid_ids(owner: Any, height: int, width: int, device: torch.device | str, dt
                 lambda: latent_image_ids(height, width, device, dtype))
 
 
+def vae_latent_stats(policy: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's VAE ``latents_mean`` and ``latents_std`` (Wan's VAE, Qwen-Image's), each float32
+    ``(1, z_dim, 1, 1, 1)`` on the policy's device, kept on the policy (:func:`held`)."""
+    config, device = policy.vae.config, policy.device
+    shape = (1, config.z_dim, 1, 1, 1)
+    return (held(policy, "_latents_mean", device, lambda: torch.tensor(config.latents_mean, device=device).view(shape)),
+            held(policy, "_latents_std", device, lambda: torch.tensor(config.latents_std, device=device).view(shape)))
+
+
 def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """The inverse of :func:`pack_2x2`: tokens ``(B, (h/2)·(w/2), 4·C)`` → latents ``(B, C, h, w)``."""
     b, _, channels = tokens.shape

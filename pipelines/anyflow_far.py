@@ -47,8 +47,8 @@ from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, check_multiple
 from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, encode_with_empty_negative
-from pipelines._common import gaussian_noise, held, make_trainable, merge_defaults, negative_conditioning, open_pipeline
-from pipelines._common import require_scheduler, sigma_batch, text_encoders, zeros_factory
+from pipelines._common import gaussian_noise, make_trainable, merge_defaults, negative_conditioning, open_pipeline
+from pipelines._common import require_scheduler, sigma_batch, text_encoders, vae_latent_stats, zeros_factory
 from pipelines.memory import pin_processor_backend
 
 #: the self- and cross-attention projections of every block, as for Wan
@@ -317,12 +317,7 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Latents ``(B, C, F', H', W')`` → videos ``(B, F, 3, H, W)`` float32 in [0, 1], de-normalised with the
         VAE's ``latents_mean`` / ``latents_std`` as the pipeline does; differentiable in ``x0``."""
-        z_dim = self.vae.config.z_dim
-        # the VAE's statistics, copied to the device once (a copy from the host waits for the GPU's queue)
-        mean = held(self, "_latents_mean", self.device,
-                    lambda: torch.tensor(self.vae.config.latents_mean, device=self.device)).view(1, z_dim, 1, 1, 1)
-        std = held(self, "_latents_std", self.device,
-                   lambda: torch.tensor(self.vae.config.latents_std, device=self.device)).view(1, z_dim, 1, 1, 1)
+        mean, std = vae_latent_stats(self)  # copied to the device once, not at every decode
         videos = decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
                                   lambda chunk: (chunk.to(self.device, torch.float32) * std + mean).to(self.vae.dtype))
         return videos.permute(0, 2, 1, 3, 4).contiguous()

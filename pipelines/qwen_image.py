@@ -28,9 +28,9 @@ from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PromptCache, batch_size, check_num_steps
-from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, held, make_trainable, open_pipeline
+from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, make_trainable, open_pipeline
 from pipelines._common import own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults, unpack_2x2
-from pipelines._common import zeros_factory
+from pipelines._common import vae_latent_stats, zeros_factory
 from pipelines._varlen import pad_rows, trim
 
 #: LoRA targets when ``lora`` gives none: the image (to_*) and text (add_* / to_add_out) attention
@@ -166,12 +166,7 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Packed latents ``(B, seq, 4·C)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (in chunks)."""
         h, w = self.latent_hw
-        z_dim = self.vae.config.z_dim
-        # the VAE's statistics, copied to the device once (a copy from the host waits for the GPU's queue)
-        mean = held(self, "_latents_mean", self.device,
-                    lambda: torch.tensor(self.vae.config.latents_mean, device=self.device)).view(1, z_dim, 1, 1, 1)
-        std = held(self, "_latents_std", self.device,
-                   lambda: torch.tensor(self.vae.config.latents_std, device=self.device)).view(1, z_dim, 1, 1, 1)
+        mean, std = vae_latent_stats(self)  # copied to the device once, not at every decode
 
         def to_vae(chunk: torch.Tensor) -> torch.Tensor:  # one-frame video latents, de-normalised
             return (unpack_2x2(chunk.to(self.device), h, w)[:, :, None].float() * std + mean).to(self.vae.dtype)

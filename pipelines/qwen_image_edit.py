@@ -28,7 +28,7 @@ from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
 from pipelines import qwen_image
-from pipelines._common import pack_2x2
+from pipelines._common import pack_2x2, vae_latent_stats
 from pipelines._varlen import pad_rows
 from pipelines.qwen_image import QwenImagePolicy
 
@@ -97,9 +97,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
         """``(1, seq_c, 4·C)`` packed normalised latents of the condition image and their ``(h, w)``."""
         pixels = self.pipe.image_processor.preprocess(picture, picture.height, picture.width).unsqueeze(2)
         z = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mode().float()
-        c = self.vae.config.z_dim
-        mean = torch.tensor(self.vae.config.latents_mean, device=self.device).view(1, c, 1, 1, 1)
-        std = torch.tensor(self.vae.config.latents_std, device=self.device).view(1, c, 1, 1, 1)
+        mean, std = vae_latent_stats(self)
         z = (z - mean) / std
         h, w = z.shape[-2:]
         return pack_2x2(z), (h, w)

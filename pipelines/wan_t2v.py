@@ -31,8 +31,8 @@ from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
 from pipelines._common import check_multiple, check_num_steps, check_prompts, decode_in_chunks
-from pipelines._common import encode_with_empty_negative, gaussian_noise, held, make_trainable, merge_defaults
-from pipelines._common import negative_conditioning, open_pipeline, sigma_batch, text_encoders, zeros_factory
+from pipelines._common import encode_with_empty_negative, gaussian_noise, make_trainable, merge_defaults
+from pipelines._common import negative_conditioning, open_pipeline, sigma_batch, text_encoders, vae_latent_stats, zeros_factory
 
 #: LoRA targets when ``lora`` gives none: the self- (attn1) and cross-attention (attn2) projections of
 #: every Wan block, as in diffusers'/finetrainers' Wan LoRA recipes.
@@ -208,12 +208,7 @@ class WanPolicy(lora_utils.AdapterMethods):
         De-normalises with the VAE's ``latents_mean`` / ``latents_std`` as ``WanPipeline`` does.
         Differentiable in ``x0``; wrap in ``torch.no_grad()`` when only the pixels are needed.
         """
-        z_dim = self.vae.config.z_dim
-        # the VAE's statistics, copied to the device once (a copy from the host waits for the GPU's queue)
-        mean = held(self, "_latents_mean", self.device,
-                    lambda: torch.tensor(self.vae.config.latents_mean, device=self.device)).view(1, z_dim, 1, 1, 1)
-        std = held(self, "_latents_std", self.device,
-                   lambda: torch.tensor(self.vae.config.latents_std, device=self.device)).view(1, z_dim, 1, 1, 1)
+        mean, std = vae_latent_stats(self)  # copied to the device once, not at every decode
         videos = decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
                                   lambda chunk: (chunk.to(self.device, torch.float32) * std + mean).to(self.vae.dtype))
         return videos.permute(0, 2, 1, 3, 4).contiguous()  # (B, 3, F, H, W) → (B, F, 3, H, W)
