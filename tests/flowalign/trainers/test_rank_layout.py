@@ -1,7 +1,8 @@
 """N ranks are the single-process algorithm: 2 CPU ranks × 1 prompt take the optimiser steps of one
 process × 2 prompts (same rewards, gradient norms and weights), under ddp and fsdp, for LoRA and full
 fine-tuning (whose KL reference is a frozen copy), with a random subset of trained steps per rollout
-(``steps_per_chunk``) and two optimiser steps per batch; and the global plan that makes it so."""
+(``steps_per_chunk``) and two optimiser steps per batch, and with DanceGRPO's per-sample step draw; and the
+global plan that makes it so."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from flowalign.trainers.base import derived_seed
 from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
 
 from .conftest import small_run
-from .test_fsdp import TORCHRUN, max_diff, optimizer_moments, single, torchrun, weights
+from .test_fsdp import TORCHRUN, many, max_diff, optimizer_moments, single, torchrun, weights
 
 # rollout batches of 2 (4 per step in all, 2 per optimiser step), 2 of the 3 trainable steps drawn per rollout
 LAYOUT_ARGS = ("trainer.steps_per_chunk=2", "trainer.updates_per_epoch=2", "trainer.advantage=global_std",
@@ -70,64 +71,45 @@ def test_counted_inactive_chunks_keep_their_places_and_an_all_inactive_step_is_l
     assert len(counted) in (1, 2) and sorted(k for step in counted for k in step if active[k]) == [(0, 0), (3, 0)]
 
 
-@pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory, tiny_sd3_dir, prompt_file):
-    """Runs by (finetune, strategy), made when first asked for: "single" is one process × 2 prompts."""
-    root = tmp_path_factory.mktemp("layout")
-    made: dict[tuple[str, str], Path] = {}
-
-    def run(finetune: str, strategy: str) -> Path:
-        if (finetune, strategy) not in made:
-            folder = root / f"{finetune}-{strategy}"
-            args = ["train", "/dev/null", *small_run(folder, tiny_sd3_dir, prompt_file, *LAYOUT_ARGS, *FINETUNE[finetune])]
-            if strategy == "single":
-                single(args)
-            else:
-                torchrun([*args, f"parallel.strategy={strategy}", "trainer.prompts_per_step=1"])
-            made[finetune, strategy] = folder
-        return made[finetune, strategy]
-
-    return run
+#: each two-rank layout against the one process it must equal: (its single-process run, its own overrides)
+LAYOUTS = {
+    "lora-ddp": ("lora", ("parallel.strategy=ddp",)), "full-ddp": ("full", ("parallel.strategy=ddp",)),
+    "lora-fsdp": ("lora", ("parallel.strategy=fsdp",)), "full-fsdp": ("full", ("parallel.strategy=fsdp",)),
+    # DanceGRPO's per-sample draw keys each sample's steps by its (group, member): 2 ranks draw what one does
+    "dance-ddp": ("dance", ("parallel.strategy=ddp",)),
+}
+SINGLE = {**{name: (*LAYOUT_ARGS, *own) for name, own in FINETUNE.items()},
+          "dance": ("trainer.name=dance_grpo", "trainer.batch_size=2", "trainer.beta=0.04", "trainer.num_steps=4",
+                    "trainer.timestep_fraction=0.7")}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun missing")
-@pytest.mark.parametrize("finetune", ["lora", "full"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_take_the_single_process_steps(layout_runs, tiny_sd3_dir, finetune, strategy):
-    ranks, one = layout_runs(finetune, strategy), layout_runs(finetune, "single")
+def test_two_ranks_take_the_single_process_steps(tmp_path, tiny_sd3_dir, prompt_file):
+    """Each layout's 2 ranks × 1 prompt against one process × 2 prompts: the same rewards, gradient norms,
+    weights and optimiser-step counts. All runs of a launch share one process (start-up paid once)."""
+    many(single, [small_run(tmp_path / name, tiny_sd3_dir, prompt_file, *own) for name, own in SINGLE.items()],
+         tmp_path / "single.json")
+    many(torchrun, [small_run(tmp_path / name, tiny_sd3_dir, prompt_file, *SINGLE[one], *own,
+                              "trainer.prompts_per_step=1") for name, (one, own) in LAYOUTS.items()],
+         tmp_path / "ranks.json")
     rows = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                         if "train/grad_norm" in line]
-    assert len(rows(ranks)) == len(rows(one)) == 2
-    for a, b in zip(rows(ranks), rows(one)):
-        assert a["reward/total"] == pytest.approx(b["reward/total"], abs=1e-6)
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], abs=1e-5)
-        assert b["train/kl"] > 0  # the KL term ran: after the first optimiser step the policy left its reference
-    assert max_diff(weights(ranks, 2), weights(one, 2)) < 1e-5
-    for run in (one, ranks):  # the same optimiser-step count: 2 steps × 2 updates, on either layout
-        assert {s for _, _, s in optimizer_moments(run / "checkpoints" / "step-000002")} == {4.0}
     start = load_file(str(next((tiny_sd3_dir / "transformer").glob("*.safetensors"))))
-    moved = weights(one, 2)
-    if finetune == "full":
-        assert max((moved[k] - start[k]).abs().max().item() for k in moved) > 1e-5
-    else:  # LoRA's B starts at zero
-        assert max(v.abs().max().item() for k, v in moved.items() if "lora_B" in k) > 0
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun missing")
-def test_per_sample_step_draws_take_the_single_process_steps_on_two_ranks(tmp_path, tiny_sd3_dir, prompt_file):
-    """DanceGRPO's per-sample draw keys each sample's steps by its (group, member): 2 ranks draw and train what
-    one process does."""
-    args = small_run(tmp_path / "x", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo", "trainer.batch_size=2",
-                     "trainer.beta=0.04", "trainer.num_steps=4", "trainer.timestep_fraction=0.7")
-    one, ranks = tmp_path / "single", tmp_path / "ddp"
-    single(["train", "/dev/null", *args, f"run.output_dir={one}"])
-    torchrun(["train", "/dev/null", *args, f"run.output_dir={ranks}", "parallel.strategy=ddp",
-              "trainer.prompts_per_step=1"])
-    rows = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
-                        if "train/grad_norm" in line]
-    assert len(rows(ranks)) == len(rows(one)) == 2
-    for a, b in zip(rows(ranks), rows(one)):
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], abs=1e-5)
-    assert max_diff(weights(ranks, 2), weights(one, 2)) < 1e-5
+    for name, (single_name, _) in LAYOUTS.items():
+        ranks, one = tmp_path / name, tmp_path / single_name
+        assert len(rows(ranks)) == len(rows(one)) == 2, name
+        for a, b in zip(rows(ranks), rows(one)):
+            assert a["reward/total"] == pytest.approx(b["reward/total"], abs=1e-6), name
+            assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], abs=1e-5), name
+            assert b["train/kl"] > 0, name  # the KL term ran: after the first optimiser step the policy left its reference
+        assert max_diff(weights(ranks, 2), weights(one, 2)) < 1e-5, name
+    for finetune in FINETUNE:
+        ranks, one = tmp_path / f"{finetune}-ddp", tmp_path / finetune
+        for run in (one, ranks, tmp_path / f"{finetune}-fsdp"):  # the same optimiser-step count: 2 steps × 2 updates
+            assert {s for _, _, s in optimizer_moments(run / "checkpoints" / "step-000002")} == {4.0}, run.name
+        moved = weights(one, 2)
+        if finetune == "full":
+            assert max((moved[k] - start[k]).abs().max().item() for k in moved) > 1e-5
+        else:  # LoRA's B starts at zero
+            assert max(v.abs().max().item() for k, v in moved.items() if "lora_B" in k) > 0
