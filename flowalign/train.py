@@ -86,6 +86,20 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _added_options_at_default(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
+    """The keys of ``new`` (flattened) that the saved config ``old`` lacks and that hold their default: options
+    added since the run was saved (an upgraded flowalign), whose default is what the run did before them."""
+    missing = set(new) - set(old)
+    if not missing:
+        return set()
+    try:
+        name = new.get("trainer.name") or "flow_grpo"
+        defaults = _comparable(yaml.safe_load(dump_config(TrainConfig(), trainer_config({"name": name})[1])))
+    except UserError:  # a trainer whose section has required keys: no key counts as added
+        return set()
+    return {k for k in missing if k in defaults and new[k] == defaults[k]}
+
+
 def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
     """Refuse (``UserError``) a folder that holds another run's config, or any run with ``resume=never``. A
     run that saved no checkpoint (e.g. one stopped at step 0 by a reward outage) holds nothing to continue:
@@ -95,7 +109,9 @@ def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
         if resume == "never":
             raise UserError(f"{run_dir} already holds a run; choose another run.output_dir or set run.resume=auto to continue it")
         old, new = _comparable(saved), _comparable(yaml.safe_load(resolved_yaml))
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+        added = _added_options_at_default(old, new)
+        changed = sorted(k for k in set(old) | set(new)
+                         if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES and k not in added)
         if changed and latest_checkpoint(run_dir) is None:
             print(f"note: {run_dir} holds a run that saved no checkpoint, with another config (differs in "
                   f"{', '.join(changed[:5])}); starting it over with this one")

@@ -65,6 +65,31 @@ def test_output_folder_of_another_run_is_refused(tmp_path):
     assert cfg.run.seed == 1
 
 
+def test_a_run_saved_before_an_option_existed_resumes_with_that_option_at_its_default(tmp_path):
+    """An upgraded flowalign adds options: a run saved without them continues where each holds its default (what
+    the run did before it existed), and is refused where one is set otherwise."""
+    import yaml
+
+    from flowalign.config import dump_config
+    from flowalign.trainers import trainer_config
+
+    def resolved(*overrides: str) -> str:
+        cfg = load_config(None, ["trainer.name=dance_grpo", *overrides])
+        return dump_config(cfg, trainer_config(cfg.trainer)[1])
+
+    earlier = yaml.safe_load(resolved())
+    del earlier["model"]["allow_tf32"], earlier["model"]["lora"]["compute_dtype"], earlier["trainer"]["optimizer_kernel"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
+    prepare_run_dir(tmp_path, resolved(), "auto")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    with pytest.raises(UserError, match=r"differs in model.allow_tf32, trainer.optimizer_kernel\)"):
+        prepare_run_dir(tmp_path, resolved("model.allow_tf32=true", "trainer.optimizer_kernel=fused"), "auto")
+    with pytest.raises(UserError, match=r"differs in trainer.lr\)"):  # an option the run had still counts
+        prepare_run_dir(tmp_path, resolved("trainer.lr=0.5"), "auto")
+
+
 @pytest.mark.parametrize("override,message", [
     ("run.seed=-1", "run.seed: Input should be greater than or equal to 0"),
     (f"run.seed={10**23}", "run.seed: Input should be less than or equal to 9223372036854775807"),
