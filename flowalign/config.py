@@ -122,6 +122,11 @@ class ModelSection(Section):
     #: torch.compile each transformer block (regional compilation; the first steps compile, later ones run the
     #: compiled kernels); needs a C compiler on a CPU
     compile: bool = False
+    #: float32 matrix products on a CUDA GPU in TF32 (torch.backends.cuda.matmul.allow_tf32, as the reference
+    #: Flow-GRPO code sets it): under peft's float32 adapters (lora.compute_dtype=fp32) each adapted layer's
+    #: products run in float32; TF32 runs them on the tensor cores with a 10-bit mantissa. Set for the whole
+    #: process when the run starts; no effect on a CPU
+    allow_tf32: bool = False
     #: samples the VAE decodes at once (None: the family's default, 8 for images, 2 for video); 1 decodes
     #: one video at a time, the least memory a long clip's decode can take
     decode_batch_size: int | None = Field(None, ge=1, le=MAX_BATCH)

@@ -250,6 +250,9 @@ def build_trainer(cfg: TrainConfig):
     if acc.is_main_process:
         check_run_dir(run_dir, dump_config(cfg, tcfg), cfg.run.resume)
     torch.manual_seed(cfg.run.seed)  # the same adapter initialisation on every rank
+    # CUDA's flag only: set_float32_matmul_precision would change a CPU's oneDNN products too, and torch's
+    # per-backend fp32_precision, once set, makes get_float32_matmul_precision() raise for every later caller
+    torch.backends.cuda.matmul.allow_tf32 = cfg.model.allow_tf32
 
     model_path = resolve_model_path(cfg.model.path)
     lora = cfg.model.lora.model_dump() if cfg.model.finetune == "lora" else None

@@ -24,14 +24,15 @@
     and without gradient checkpointing (4 prompts x 2, batch 8) and Wan 2.1-1.3B (its recipe, 4 samples).
 
 (d) levers (``--parts levers``, not in the default parts: about 4 more minutes): flowalign's side of (b) in one
-    process, one speed option switched on after another (``model.lora.compute_dtype=model``, then
-    ``model.attention_backend=_native_cudnn``, then ``model.compile``), each timed as (b) times a side, with
+    process, one speed option switched on after another (``model.allow_tf32``, ``model.lora.compute_dtype=model``,
+    ``model.attention_backend=_native_cudnn``, ``trainer.optimizer_kernel=fused``, then ``model.compile``), each
+    timed as (b) times a side, with
     its ratio to the defaults' iteration and MFU; and a ``torch.profiler`` table of one iteration with the
     defaults (the operators taking the most device time), to choose the defaults from and the next lever.
 
 ``--smoke``: (a) on two tiny recipes for 1 step at the test suite's sizes, (c) on the tiny SD3 twin, (b)
 only when ``--reference-src`` is given (on the tiny twin), (d) on the tiny twin with the options a CPU runs
-quickly (no compile, no CUDA attention kernel), all on the CPU unless ``--device`` says otherwise.
+quickly (no compile, no TF32 or CUDA attention kernel), all on the CPU unless ``--device`` says otherwise.
 Exit status 1 when anything failed (``stopped`` recipes are not failures).
 """
 
@@ -353,8 +354,8 @@ def side_by_side(folder: Path, work: Path, reference_src: Path, repeats: int, de
 # ------------------------------------------------------------------------------------------- (d) levers
 
 #: the speed options (d) switches on one after another, each on top of the ones before; CUDA only where marked
-LEVERS = [("defaults", False), ("lora.compute_dtype=model", False), ("attention_backend=_native_cudnn", True),
-          ("optimizer_kernel=fused", False), ("compile", False)]
+LEVERS = [("defaults", False), ("allow_tf32", True), ("lora.compute_dtype=model", False),
+          ("attention_backend=_native_cudnn", True), ("optimizer_kernel=fused", False), ("compile", False)]
 
 
 def switch_on(lever: str, trainer: Any) -> None:
@@ -365,7 +366,9 @@ def switch_on(lever: str, trainer: Any) -> None:
     from pipelines.memory import compile_blocks, set_attention_backend
 
     transformer, device = trainer.policy.transformer, trainer.policy.device
-    if lever == "lora.compute_dtype=model":
+    if lever == "allow_tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    elif lever == "lora.compute_dtype=model":
         compute_in_input_dtype(transformer)
     elif lever.startswith("attention_backend="):
         set_attention_backend(transformer, lever.split("=", 1)[1], device)

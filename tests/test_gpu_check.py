@@ -143,3 +143,27 @@ def test_the_optimiser_lever_gives_a_built_trainer_the_fused_adamw(tiny_sd3_dir,
     check.switch_on("optimizer_kernel=fused", trainer)
     assert trainer.optimizer is trainer.optimisation.optimizer and trainer.optimizer.param_groups[0]["fused"]
     assert trainer.optimizer.param_groups[0]["params"] == trainer.params
+
+
+def test_the_tf32_lever_sets_what_model_allow_tf32_sets_when_a_run_starts(tiny_sd3_dir, tmp_path):
+    """``model.allow_tf32`` sets CUDA's float32-product flag for the run, either way (a run's config decides,
+    not an earlier run in the process); the lever switches the same flag on a built trainer."""
+    from flowalign.config import load_config
+    from flowalign.train import build_trainer
+
+    (tmp_path / "prompts.txt").write_text("a red circle\n")
+    built = lambda name, on: build_trainer(load_config(None, [
+        f"model.path={tiny_sd3_dir}", f"data.prompts={tmp_path / 'prompts.txt'}", f"run.output_dir={tmp_path / name}",
+        "rewards=[{name: brightness}]", "eval.bench=null", "run.tensorboard=false", "run.progress=false",
+        f"model.allow_tf32={str(on).lower()}"]))
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        built("on", True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
+        trainer = built("off", False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+        check.switch_on("allow_tf32", trainer)
+        assert torch.backends.cuda.matmul.allow_tf32
+        assert torch.backends.mkldnn.matmul.fp32_precision != "tf32"  # a CPU's products keep float32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
