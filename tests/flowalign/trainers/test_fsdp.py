@@ -27,7 +27,6 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
 FSDP = "parallel.strategy=fsdp"
 NFT = ("trainer.name=diffusion_nft", "trainer.timestep_fraction=0.5")
-FEST = ("trainer.name=festdpo", "trainer.K=8", "trainer.num_steps=2", "trainer.pairs_per_prompt=4")
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun missing")]
@@ -138,24 +137,6 @@ def test_a_checkpoint_moves_between_two_sharded_ranks_and_one_process(lora_runs,
         assert torch.equal(m1, m2) and torch.equal(v1, v2) and s1 == s2 == 2
 
 
-def test_festdpo_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd3_dir, prompt_file):
-    torchrun(["train", "/dev/null", *small_run(tmp_path / "fsdp", tiny_sd3_dir, prompt_file, FSDP, *FEST,
-                                               "trainer.prompts_per_step=1")])
-    single(["train", "/dev/null", *small_run(tmp_path / "single", tiny_sd3_dir, prompt_file, *FEST)])
-    assert max_diff(weights(tmp_path / "fsdp", 2), weights(tmp_path / "single", 2)) < 1e-5
-
-
-def test_self_opd_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd3_dir, prompt_file):
-    """Two sharded ranks × 1 prompt and one process × 2 prompts: the same branches, advantages and weights."""
-    opd = ("trainer.name=self_opd", "trainer.branches=2", "trainer.branch_steps=1")
-    torchrun(["train", "/dev/null", *small_run(tmp_path / "fsdp", tiny_sd3_dir, prompt_file, FSDP, *opd,
-                                               "trainer.prompts_per_step=1")])
-    single(["train", "/dev/null", *small_run(tmp_path / "single", tiny_sd3_dir, prompt_file, *opd)])
-    fsdp, one = weights(tmp_path / "fsdp", 2), weights(tmp_path / "single", 2)
-    assert max_diff(fsdp, one) < 1e-5
-    assert max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 0  # B starts at zero: it moved
-
-
 BASELINES = {
     "pd_grpo": (), "mix_grpo": ("trainer.window_size=2",), "grpo_guard": (), "awm": (), "dgpo": (),
     "dance_grpo": (),  # one-sample chunks (the per-sample draw), counted zero advantages: the plan is global
@@ -171,6 +152,8 @@ BASELINES = {
     # depends on its members: one sample per chunk keeps the two layouts' chunks equal
     "flow_opd": ("trainer.cold_start_steps=0", "trainer.batch_size=1"),
     "flow_opd_distill": ("trainer.cold_start_steps=0", "trainer.objective=velocity_distillation"),
+    "festdpo": ("trainer.K=8", "trainer.num_steps=2", "trainer.pairs_per_prompt=4"),
+    "self_opd": ("trainer.branches=2", "trainer.branch_steps=1"),  # the same branches and advantages
 }
 
 
@@ -190,8 +173,8 @@ def test_every_baseline_under_fsdp_ends_at_the_single_process_weights(tmp_path, 
     """For each trainer whose loss, advantage or reference is its own: two sharded ranks × 1 prompt and one
     process × 2 prompts draw the same rollouts, advantages (or pairs, particles, teachers' targets) and end at
     the same weights. All runs of a layout share one process (start-up paid once)."""
-    single(["train", "/dev/null", *small_run(tmp_path / "teacher", tiny_sd3_dir, prompt_file, "trainer.max_steps=1",
-                                             "trainer.lr=1e-2", "run.checkpoint_every=1")])
+    teacher_run = small_run(tmp_path / "teacher", tiny_sd3_dir, prompt_file, "trainer.max_steps=1", "trainer.lr=1e-2",
+                            "run.checkpoint_every=1")
     teacher = f"trainer.teachers=[{{adapter: {tmp_path / 'teacher' / 'checkpoints' / 'step-000001'}}}]"
 
     def runs(layout: str, *extra: str) -> list[list[str]]:
@@ -203,8 +186,8 @@ def test_every_baseline_under_fsdp_ends_at_the_single_process_weights(tmp_path, 
                                  *own, *opd, *extra))
         return out
 
+    many(single, [teacher_run, *runs("single")], tmp_path / "single.json")  # Flow-OPD's teacher first
     many(torchrun, runs("fsdp", FSDP, "trainer.prompts_per_step=1"), tmp_path / "fsdp.json")
-    many(single, runs("single"), tmp_path / "single.json")
     for name in BASELINES:
         fsdp, one = weights(tmp_path / "fsdp" / name, 2), weights(tmp_path / "single" / name, 2)
         # float32 kernels sum one-sample and two-sample batches in different orders, and AdamW enlarges that where

@@ -4,15 +4,10 @@ routing window) against their functions (known_answers/kvpo_training_rule.json),
 against their objective (known_answers/kvpo_branch_objective.json), and the trainer (docs/methods/kvpo.md)."""
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
@@ -34,7 +29,7 @@ from flowalign.trainers.parts.kv_routing import (
 )
 from flowalign.trainers.parts.policy_gradient import clipped_loss
 
-from .conftest import REPO, run_cli, small_config, small_run
+from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly
 
 HERE = Path(__file__).parent / "known_answers"
@@ -238,31 +233,6 @@ def test_a_branch_that_keeps_every_entry_has_zero_energy_and_the_first_update_ha
 @pytest.mark.parametrize("form", [AUTHORS, EARLIER], ids=["authors", "earlier"])
 def test_trains_and_resumes_bit_exactly(tmp_path, far_dir, prompt_file, form):
     assert_trains_and_resumes_bit_exactly(tmp_path, far_dir, prompt_file, *form)
-
-
-@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun missing")
-def test_two_ranks_match_one_process(tmp_path, far_dir, prompt_file):
-    """Each rank streams one prompt's anchor and branches; the update equals one process holding both groups."""
-    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO),
-           "HF_HUB_OFFLINE": "1"}
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    ddp = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "flowalign", "train", "/dev/null",
-                          *small_run(ddp_dir, far_dir, prompt_file, *AUTHORS, "trainer.prompts_per_step=1")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
-    single = run_cli(["train", "/dev/null", *small_run(single_dir, far_dir, prompt_file, *AUTHORS,
-                                                       "trainer.prompts_per_step=2")])
-    out, _ = single.communicate(timeout=600)
-    assert single.returncode == 0, out
-    rows = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-    for a, b in zip(rows(ddp_dir), rows(single_dir)):
-        assert a["reward/total"] == pytest.approx(b["reward/total"], abs=1e-6)
-    last = max((ddp_dir / "checkpoints").iterdir()).name
-    wa = load_file(str(ddp_dir / "checkpoints" / last / "trainable.safetensors"))
-    wb = load_file(str(single_dir / "checkpoints" / last / "trainable.safetensors"))
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
-    assert max(wa[k].abs().max().item() for k in wa if "lora_B" in k) > 0
 
 
 def test_a_model_that_cannot_route_and_a_chunk_without_history_are_refused(tmp_path, far_dir, tiny_wan_dir,

@@ -7,7 +7,6 @@ global plan that makes it so."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

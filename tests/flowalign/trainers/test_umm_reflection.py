@@ -6,10 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,7 +40,6 @@ from flowalign.trainers.umm_reflection import (
 )
 from tests.tiny_recipes import REPO, one_step
 
-from .conftest import run_cli, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
 
 RECIPE = REPO / "configs" / "tiny" / "umm_reflection_vvr.yaml"
@@ -461,34 +456,6 @@ def test_first_image_only_evaluation_is_an_option(tmp_path_factory):
     trainer = build_trainer(load_config(RECIPE, [*one_step(RECIPE, tmp_path_factory.mktemp("first") / "run"),
                                                  f"model.path={MODEL}", "trainer.eval_first_image_only=true"]))
     assert trainer.policy.reflection is None
-
-
-@pytest.mark.slow  # two torchrun processes and one more: about a minute on two CPU cores
-@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun missing")
-def test_two_ranks_match_one_process(tmp_path, prompt_file):
-    """2 ranks × 1 prompt take the optimiser step of 1 process × 2 prompts: the trajectories' draws are keyed
-    by (group, member), the advantages and per-round counts gathered, the units weighted over every rank."""
-    args = ("trainer.name=umm_reflection", "trainer.group_size=2", "trainer.batch_size=2", "trainer.num_steps=2",
-            "trainer.max_new_tokens=2", "trainer.guidance_scale=1.0", "trainer.advantage=group", "trainer.max_steps=1")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO),
-           "HF_HUB_OFFLINE": "1"}
-    ddp = subprocess.run(
-        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "flowalign",
-         "train", "/dev/null", *small_run(tmp_path / "ddp", MODEL, prompt_file, *args, "trainer.prompts_per_step=1")],
-        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
-    single = run_cli(["train", "/dev/null", *small_run(tmp_path / "one", MODEL, prompt_file, *args,
-                                                       "trainer.prompts_per_step=2")])
-    out, _ = single.communicate(timeout=300)
-    assert single.returncode == 0, out
-    rows = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-    a, b = rows(tmp_path / "ddp")[0], rows(tmp_path / "one")[0]
-    assert a["reward/total"] == pytest.approx(b["reward/total"], abs=1e-6)
-    assert all(a[k] == pytest.approx(b[k], abs=1e-6) for k in a if k.startswith("round"))
-    wa, wb = (load_file(str(tmp_path / d / "checkpoints" / "step-000001" / "trainable.safetensors"))
-              for d in ("ddp", "one"))
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
-    assert max(wa[k].abs().max().item() for k in wa if "lora_B" in k) > 0  # the weights moved
 
 
 @pytest.fixture(scope="module")
