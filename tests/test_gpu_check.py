@@ -97,7 +97,8 @@ def test_smoke_levers_time_each_option_against_the_defaults_and_profile_them(tmp
     process; each row is an iteration that ran (rows through the transformer counted), the defaults' ratio is
     1 and the profile names the operators with their share of the iteration."""
     out = tmp_path / "levers.json"
-    rc = check.main(["--smoke", "--device", "cpu", "--parts", "levers", "--out", str(out), "--workdir", str(tmp_path / "w")])
+    rc = check.main(["--smoke", "--device", "cpu", "--parts", "levers", "--repeats", "1", "--out", str(out),
+                     "--workdir", str(tmp_path / "w")])
     results = json.loads(out.read_text())
     rows = {r["lever"]: r for r in results["levers"]["rows"]}
     assert rc == 0 and list(rows) == ["defaults", "lora.compute_dtype=model", "optimizer_kernel=fused"], results["levers"]
