@@ -26,9 +26,9 @@
 (d) levers (``--parts levers``, not in the default parts: about 4 more minutes): flowalign's side of (b) in one
     process, one speed option switched on after another (``model.allow_tf32``, ``model.lora.compute_dtype=model``,
     ``model.attention_backend=_native_cudnn``, ``trainer.optimizer_kernel=fused``, then ``model.compile``), each
-    timed as (b) times a side, with
-    its ratio to the defaults' iteration and MFU; and a ``torch.profiler`` table of one iteration with the
-    defaults (the operators taking the most device time), to choose the defaults from and the next lever.
+    timed as (b) times a side, with its ratio to the defaults' iteration and MFU; and a ``torch.profiler`` table
+    of one iteration with the defaults (the operators taking the most device time), to choose the defaults from
+    and the next lever.
 
 ``--smoke``: (a) on two tiny recipes for 1 step at the test suite's sizes, (c) on the tiny SD3 twin, (b)
 only when ``--reference-src`` is given (on the tiny twin), (d) on the tiny twin with the options a CPU runs
