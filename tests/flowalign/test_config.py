@@ -78,7 +78,8 @@ def test_a_run_saved_before_an_option_existed_resumes_with_that_option_at_its_de
         return dump_config(cfg, trainer_config(cfg.trainer)[1])
 
     earlier = yaml.safe_load(resolved())
-    del earlier["model"]["allow_tf32"], earlier["model"]["lora"]["compute_dtype"], earlier["trainer"]["optimizer_kernel"]
+    del earlier["model"]["allow_tf32"], earlier["model"]["lora"]["compute_dtype"]
+    del earlier["trainer"]["optimizer_kernel"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
     (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")

@@ -101,7 +101,8 @@ def test_two_ranks_take_the_single_process_steps(tmp_path, tiny_sd3_dir, prompt_
         for a, b in zip(rows(ranks), rows(one)):
             assert a["reward/total"] == pytest.approx(b["reward/total"], abs=1e-6), name
             assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], abs=1e-5), name
-            assert b["train/kl"] > 0, name  # the KL term ran: after the first optimiser step the policy left its reference
+            # the KL term ran: after the first optimiser step the policy left its reference
+            assert b["train/kl"] > 0, name
         assert max_diff(weights(ranks, 2), weights(one, 2)) < 1e-5, name
     for finetune in FINETUNE:
         ranks, one = tmp_path / f"{finetune}-ddp", tmp_path / finetune
