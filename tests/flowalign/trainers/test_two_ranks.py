@@ -65,7 +65,8 @@ def test_two_ranks_match_one_process(tmp_path, tiny_model_dir, tiny_sd3_dir, pro
             assert a["reward/total"] == pytest.approx(b["reward/total"], abs=1e-6), name
             assert all(a[k] == pytest.approx(b[k], abs=1e-6) for k in a if k.startswith(("round", "zero_adv"))), name
         wa, wb = last_weights(ddp), last_weights(one)
-        assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5, name
+        limit = 1e-6 if name == "umm_reflection" else 1e-5  # as close as each was measured
+        assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < limit, name
         assert max(wa[k].abs().max().item() for k in wa if "lora_B" in k) > 0, name  # B starts at zero: it moved
     assert any(k.startswith("behaviour.") for k in last_weights(tmp_path / "ddp" / "diffusion_opsd"))
     assert 0 < rows(tmp_path / "ddp" / "rg_opd")[0]["train/guided_fraction"] < 1  # σ = 1 guided, the lower not
