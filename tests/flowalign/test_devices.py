@@ -225,6 +225,18 @@ def test_the_fake_device_computes_what_the_cpu_computes():
 ROLLOUT_FAMILIES = {"sd3": 4.5, "zimage": 4.5, "flux": 1.0, "flux2": 1.0, "wan": 4.5, "wan22": 4.5}
 
 
+def waits_by_steps(sample, step_counts: tuple[int, ...]) -> tuple[dict[int, list], object]:
+    """The host waits of ``sample(n)`` for each ``n`` of ``step_counts``, after one 1-step call that fills the
+    caches (the prompts' encoding), and the last call's output."""
+    sample(1)
+    waits, out = {}, None
+    for steps in step_counts:
+        with host_waits() as found:
+            out = sample(steps)
+        waits[steps] = found
+    return waits, out
+
+
 @pytest.mark.parametrize("family", sorted(ROLLOUT_FAMILIES))
 def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(family, tiny_model_dir, policy_on_device, monkeypatch):
     """On a GPU the host queues a rollout's work ahead of the device unless something makes it wait: a value
@@ -248,12 +260,7 @@ def test_a_rollout_makes_the_host_wait_once_whatever_its_steps(family, tiny_mode
             return rollout(policy, prompts, num_steps=steps, sampler="flow_grpo", guidance_scale=ROLLOUT_FAMILIES[family],
                            generators=[torch.Generator().manual_seed(i) for i in range(2)], keep_unconditional=True)
 
-        sample(1)
-        waits = {}
-        for steps in (2, 6):
-            with host_waits() as found:
-                out = sample(steps)
-            waits[steps] = found
+        waits, out = waits_by_steps(sample, (2, 6))
     assert len(waits[2]) == len(waits[6]) == 1, waits
     assert waits[6][0][0] == "copy to the host" and waits[6][0][1].startswith("flowalign/sampling/rollout.py:")
     assert out.log_probs.device.type == "cpu" and bool(torch.isfinite(out.log_probs[:, :-1]).all())
@@ -274,12 +281,7 @@ def test_a_streamed_rollout_makes_the_host_wait_once_whatever_its_steps(policy_o
             return stream_rollout(policy, prompts, num_steps=steps, sampler="flow_grpo",
                                   generator=torch.Generator().manual_seed(0), decode=False)
 
-        stream(1)  # the prompts' encoding, cached
-        waits = {}
-        for steps in (1, 3):
-            with host_waits() as found:
-                out = stream(steps)
-            waits[steps] = found
+        waits, out = waits_by_steps(stream, (1, 3))
     assert len(waits[1]) == len(waits[3]) == 1, waits
     assert waits[3][0][0] == "copy to the host" and waits[3][0][1].startswith("flowalign/sampling/streaming.py:")
     assert out.log_probs.shape[1:] == (out.num_chunks, 3) and bool(torch.isfinite(out.log_probs).all())

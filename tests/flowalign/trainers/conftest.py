@@ -57,3 +57,24 @@ def run_cli(args: list[str], **popen) -> subprocess.Popen:
            "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "flowalign", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+@pytest.fixture(scope="session")
+def lrr_dir(tiny_sd3_dir, tmp_path_factory):
+    """Random latent registers on the tiny SD3 model, with a small real-pairs file for CoRe."""
+    import torch
+
+    import pipelines
+    from flowalign.trainers.parts.latent_preference import PreferencePairs
+    from rewards.latent_registers import LatentRegisters, load_frozen_transformer
+
+    folder = tmp_path_factory.mktemp("lrr") / "reward"
+    reward = LatentRegisters(load_frozen_transformer(str(tiny_sd3_dir), tiny_sd3_dir), num_registers=4,
+                             head_hidden=16, base_model=str(tiny_sd3_dir))
+    reward.save(folder)
+    shape = pipelines.load(tiny_sd3_dir).latent_shape
+    gen = torch.Generator().manual_seed(0)
+    pairs = PreferencePairs(["a red circle", "a blue square"] * 4, torch.randn(8, *shape, generator=gen),
+                            torch.randn(8, *shape, generator=gen))
+    pairs.save(folder / "pairs.safetensors")
+    return folder

@@ -155,6 +155,8 @@ BASELINES = {
     "festdpo": ("trainer.K=8", "trainer.num_steps=2", "trainer.pairs_per_prompt=4"),
     "self_opd": ("trainer.branches=2", "trainer.branch_steps=1"),  # the same branches and advantages
 }
+#: tighter than the loop's 5e-5 where a trainer was measured closer
+TOLERANCE = {"festdpo": 1e-5, "self_opd": 1e-5}
 
 
 def many(launch, runs: list[list[str]], path: Path) -> None:
@@ -193,7 +195,7 @@ def test_every_baseline_under_fsdp_ends_at_the_single_process_weights(tmp_path, 
         # float32 kernels sum one-sample and two-sample batches in different orders, and AdamW enlarges that where
         # an element's second moment is tiny: up to 1.4e-5 on some CPUs (DanceGRPO, one element), 3e-6 elsewhere.
         # A step's work done differently moves weights by the learning rate's order, 1e-3 a step
-        assert max_diff(fsdp, one) < (1e-5 if name in ("festdpo", "self_opd") else 5e-5), name
+        assert max_diff(fsdp, one) < TOLERANCE.get(name, 5e-5), name
         assert max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 0, name  # B moved from 0
 
 

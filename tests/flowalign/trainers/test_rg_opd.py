@@ -13,7 +13,6 @@ from flowalign.data import read_prompt_file
 from flowalign.errors import UserError
 from flowalign.sampling import reward_gradient
 from flowalign.train import build_trainer
-from flowalign.trainers.parts.latent_preference import PreferencePairs
 from flowalign.trainers.rg_opd import (
     RGOPDConfig,
     RGOPDTrainer,
@@ -109,24 +108,6 @@ def test_plan_is_one_optimiser_step_per_visited_state_toward_the_reference(tmp_p
                 torch.testing.assert_close(shift, expected, rtol=1e-5, atol=1e-6)
             else:
                 assert shift.abs().max() == 0
-
-
-@pytest.fixture(scope="module")
-def lrr_dir(tiny_sd3_dir, tmp_path_factory):
-    """Random latent registers on the tiny SD3 model, with a small real-pairs file for CoRe."""
-    import pipelines
-    from rewards.latent_registers import LatentRegisters, load_frozen_transformer
-
-    folder = tmp_path_factory.mktemp("lrr") / "reward"
-    reward = LatentRegisters(load_frozen_transformer(str(tiny_sd3_dir), tiny_sd3_dir), num_registers=4,
-                             head_hidden=16, base_model=str(tiny_sd3_dir))
-    reward.save(folder)
-    shape = pipelines.load(tiny_sd3_dir).latent_shape
-    gen = torch.Generator().manual_seed(0)
-    pairs = PreferencePairs(["a red circle", "a blue square"] * 4, torch.randn(8, *shape, generator=gen),
-                            torch.randn(8, *shape, generator=gen))
-    pairs.save(folder / "pairs.safetensors")
-    return folder
 
 
 def _rg_opd(tmp_path, model, prompts, reward_dir, *extra):
