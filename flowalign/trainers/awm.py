@@ -245,7 +245,7 @@ class AWMTrainer(GroupTrainer):
         info["mse"] = per_sample_mean((v.detach() - target) ** 2).mean()
         return loss / unit.of, info
 
-    def finish(self, batch: StepBatch) -> dict[str, float]:
+    def finish(self, batch: StepBatch, steps: list[dict[str, list[float]]]) -> dict[str, float]:
         """``φ ← d·φ + (1−d)·θ`` once the batch's optimiser steps are done, as the authors move it after each
         of their epochs (one step's rollouts and its update); s counts ``inner_epochs × updates_per_epoch``
         optimiser steps a batch (their global_step: one a batch in their recipes)."""

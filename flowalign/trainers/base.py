@@ -34,8 +34,10 @@ checkpoints and resume. A trainer subclasses :class:`GroupTrainer` and supplies 
     the step's unit count), and scalars to log (averaged over units): floats, or 0-dim tensors left on the
     device, which the loop reads back once at the end of the step (:mod:`flowalign.trainers.unit_logs`;
     a ``.item()`` per unit makes the host wait for the GPU at every unit).
-``finish(batch) -> logs``
-    After the optimiser steps of a batch (e.g. a behaviour-policy refresh, a reward refit).
+``finish(batch, steps) -> logs``
+    After the optimiser steps of a batch (e.g. a behaviour-policy refresh, a reward refit). ``steps`` holds
+    what ``loss`` logged, optimiser step by optimiser step (read back), for a decision that depends on one
+    step's values rather than the batch's mean.
 ``state_dict() / load_state_dict(state)``
     What the trainer keeps between steps (tensors and JSON values); the loop saves it in every checkpoint
     and hands it back on resume, so resume stays bit-exact.
@@ -296,8 +298,10 @@ class GroupTrainer:
         raise NotImplementedError(f"{type(self).__name__} has no filler unit, needed by parallel.strategy=fsdp "
                                   "when a rank has nothing to train on")
 
-    def finish(self, batch: Any) -> dict[str, float]:
-        """After the batch's optimiser steps; returns scalars to log."""
+    def finish(self, batch: Any, steps: list[dict[str, list[float]]]) -> dict[str, float]:
+        """After the batch's optimiser steps; returns scalars to log. ``steps`` holds each optimiser step's
+        logged values on this rank (key → one value a unit, as ``loss`` logged them; ``grad_norm``: the step's
+        gradient norm)."""
         return {}
 
     def keyed_generator(self, *key: int) -> torch.Generator:
@@ -436,13 +440,14 @@ class GroupTrainer:
     def update(self, batch: Any, generator: torch.Generator) -> dict[str, float]:
         """The plan's optimiser steps: every unit's loss backpropagated, then one optimiser step each."""
         plan = self.plan(batch, generator)
-        stats: dict[str, list[unit_logs.Logged]] = {}
+        logged: list[dict[str, list[unit_logs.Logged]]] = []  # each optimiser step's unit logs
         # the optimiser step averages gradients over ranks: a global plan's weights make that a sum
         scale = self.world if plan.global_weights else 1
         # fsdp: every rank runs as many optimiser steps and forward/backward passes (each one is a collective),
         # padding with a unit of the same step (a unit's passes may depend on its step)
         for update, units in enumerate(self.parallel.padded(plan.steps, list)):
             padded = self.parallel.padded(units, lambda: units[0] if units else self.filler(batch, update))
+            stats: dict[str, list[unit_logs.Logged]] = {}
             for n, unit in enumerate(padded):
                 loss, info = self.loss(batch, unit)
                 if n >= len(units):
@@ -451,8 +456,10 @@ class GroupTrainer:
                 (loss * scale).backward()
                 for key, value in info.items():  # detached: a logged tensor must not keep the unit's graph alive
                     stats.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
-            stats.setdefault("grad_norm", []).append(self.optimizer_step())
-        return {**plan.logs, **unit_logs.merged(stats), **self.finish(batch)}
+            stats["grad_norm"] = [self.optimizer_step()]
+            logged.append(stats)
+        steps = unit_logs.read_back_steps(logged)
+        return {**plan.logs, **unit_logs.merged(unit_logs.concatenated(steps)), **self.finish(batch, steps)}
 
     def train_step(self) -> dict[str, float]:
         """collect → plan → losses and optimiser steps → finish; the step's log line."""

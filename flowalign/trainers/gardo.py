@@ -34,7 +34,6 @@ from flowalign.advantages import diversity_scaled
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
-from flowalign.trainers import unit_logs
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.flow_grpo import (
@@ -183,9 +182,6 @@ class GARDOTrainer(FlowGRPOTrainer):
         self.reference = [p.detach().clone() for p in self.params]
         self.last_refresh = 0
         self.gate_fraction, self.gate_history = self.tcfg.gate_fraction, []
-        #: this rank's KL term summed per optimiser step of the current update, each unit's over its step's
-        #: unit count (over every rank): summed over ranks, the step's mean KL
-        self.update_kl: dict[int, torch.Tensor] = {}
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
@@ -281,9 +277,7 @@ class GARDOTrainer(FlowGRPOTrainer):
 
     def kl_penalty(self, batch: GatedBatch, unit: StepUnit, kl: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         gate = batch.per_chunk(batch.gate)[unit.chunk].to(active.device, non_blocking=True)
-        term = gated_kl(kl, active & gate)
-        self.update_kl[unit.update] = self.update_kl.get(unit.update, 0.0) + term.detach() / unit.of
-        return term
+        return gated_kl(kl, active & gate)
 
     def reference_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
         """``μ_ref`` at step ``k``: the step's Gaussian mean under the reference snapshot θ_ref, no grad."""
@@ -292,32 +286,25 @@ class GARDOTrainer(FlowGRPOTrainer):
             v = self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
             return self.step_distribution(chunk, k, v).mean
 
-    def update(self, batch: GatedBatch, generator: torch.Generator) -> dict[str, float]:
-        """Flow-GRPO's optimiser steps, then the reference refresh (:func:`refresh_due`): a new snapshot when
-        one optimiser step's mean KL (over every rank's units) exceeded ``kl_threshold`` or ``reset_every``
-        steps have passed since the last one (decided alike on every rank)."""
-        self.update_kl = {}
-        logs = super().update(batch, generator)
-        if self.tcfg.beta > 0:
-            per_update: dict[int, float] = {}
-            # each optimiser step's KL, read back at once (as the step's logs are)
-            mine = dict(zip(self.update_kl, unit_logs.read_back({"kl": list(self.update_kl.values())})["kl"]))
-            for part in self.gather_objects(mine):
-                for n, value in part.items():
-                    per_update[n] = per_update.get(n, 0.0) + value
-            after = self.step + 1
-            if refresh_due(list(per_update.values()), self.tcfg.kl_threshold, after, self.last_refresh,
-                           self.tcfg.reset_every):
-                self.reference = [p.detach().clone() for p in self.params]
-                self.last_refresh = after
-            logs["reference_age"] = float(after - self.last_refresh)
-            logs["kl_update_max"] = max(per_update.values(), default=0.0)
-        return logs
-
-    def finish(self, batch: GatedBatch) -> dict[str, float]:
+    def finish(self, batch: GatedBatch, steps: list[dict[str, list[float]]]) -> dict[str, float]:
+        """The gate's next state, then the reference refresh (:func:`refresh_due`): a new snapshot when one
+        optimiser step's mean KL (over every rank's units: the loss logs each unit's gated KL as ``kl``)
+        exceeded ``kl_threshold`` or ``reset_every`` steps have passed since the last one (decided alike on
+        every rank)."""
         if batch.gate_state:
             self.gate_fraction, self.gate_history = batch.gate_state["fraction"], batch.gate_state["history"]
-        return {}
+        if self.tcfg.beta <= 0:
+            return {}
+        totals = [[0.0, 0] for _ in steps]  # each optimiser step's KL sum and unit count over every rank
+        for part in self.gather_objects([(sum(s.get("kl", [])), len(s.get("kl", []))) for s in steps]):
+            for total, (kl, count) in zip(totals, part):
+                total[0], total[1] = total[0] + kl, total[1] + count
+        per_step = [kl / count for kl, count in totals if count]
+        after = self.step + 1
+        if refresh_due(per_step, self.tcfg.kl_threshold, after, self.last_refresh, self.tcfg.reset_every):
+            self.reference = [p.detach().clone() for p in self.params]
+            self.last_refresh = after
+        return {"reference_age": float(after - self.last_refresh), "kl_update_max": max(per_step, default=0.0)}
 
     def state_dict(self) -> dict[str, Any]:
         return {**{f"reference.{i}": t for i, t in enumerate(self.reference)}, "last_refresh": self.last_refresh,

@@ -309,7 +309,7 @@ class RGOPDTrainer(GroupTrainer):
         return rg_opd_loss(v, target.to(v.device), dt if self.tcfg.loss_space == "transition" else None, v_ref,
                            self.tcfg.anchor_weight)
 
-    def finish(self, batch: StepBatch) -> dict[str, float]:
+    def finish(self, batch: StepBatch, steps: list[dict[str, list[float]]]) -> dict[str, float]:
         """With CoRe: remember this step's generated pairs; refit the registers when due (and write the
         co-evolved reward as a reward folder, ``latent_reward/``)."""
         if self.tcfg.core is None:

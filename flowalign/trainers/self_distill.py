@@ -177,7 +177,7 @@ class SelfDistillTrainer(GroupTrainer):
         kept = torch.where(keep, per_sample, 0.0)
         return kept.sum() / unit.total, {**info, "loss": masked_mean(per_sample.detach(), keep)}
 
-    def finish(self, batch: StepBatch) -> dict[str, float]:
+    def finish(self, batch: StepBatch, steps: list[dict[str, list[float]]]) -> dict[str, float]:
         """``φ ← λφ + (1−λ)θ`` once the fitting updates are done."""
         self.optimizer_steps += self.tcfg.fit_steps
         lam = self.refresh_lambda(self.optimizer_steps)

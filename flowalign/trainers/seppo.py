@@ -180,16 +180,15 @@ class SePPOTrainer(DiffusionDPOTrainer):
                                     self.tcfg.anchor)
         return per_pair.sum() / unit.total, info
 
-    def update(self, batch: SePPOBatch, generator: torch.Generator) -> dict[str, float]:
-        """The optimiser steps, then a new reference checkpoint every ``reference_every`` steps."""
-        logs = super().update(batch, generator)
+    def finish(self, batch: SePPOBatch, steps: list[dict[str, list[float]]]) -> dict[str, float]:
+        """After the optimiser steps: a new reference checkpoint every ``reference_every`` steps."""
         after = self.step + 1
         if after % self.tcfg.reference_every == 0:
             self.references.append([p.detach().clone() for p in self.params])
             self.reference_steps.append(after)
             if len(self.references) > self.tcfg.max_references:
                 del self.references[0], self.reference_steps[0]
-        return logs
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         tensors = {f"reference.{k}.{i}": t for k, ref in enumerate(self.references) for i, t in enumerate(ref)}

@@ -63,10 +63,10 @@ FIT["diffusion_opsd_vvr"] = ("rewards=[{name: brightness}]",)  # its targets fol
 RECIPES = ["dgpo_vvr", "gardo_vvr", "flow_grpo_vvr", "grpo_guard_vvr", "flash_grpo_vvr", "flow_grpo_motion",
            "sft_vvr", "soar_vvr", "self_opd_vvr", "kvpo_motion", "festdpo_vvr", "diffusion_nft_vvr", "awm_vvr",
            "diffusion_dpo_vvr", "diffusion_opsd_vvr"]
-#: an update's host waits besides the one that reads the step's logs back (see the test below): GARDO reads
-#: its optimiser steps' KLs, which decide whether its reference is refreshed; DiffusionOPSD's reward checks
-#: the range of the images it is given at each of its gradient's calls (one per chunk and ascent step)
-MORE_UPDATE_WAITS = {"gardo_vvr": 1, "diffusion_opsd_vvr": 6}
+#: an update's host waits besides the one that reads the step's logs back (see the test below; GARDO's
+#: optimiser steps' KLs, which decide its reference refresh, are read with them): DiffusionOPSD's reward
+#: checks the range of the images it is given at each of its gradient's calls (one per chunk and ascent step)
+MORE_UPDATE_WAITS = {"diffusion_opsd_vvr": 6}
 #: recipes whose step is also taken on the CPU and compared: the device must change no number, only where
 #: tensors live (the fake device once picked garbage rows for an index list, and dropped the conjugation in
 #: the rotary embedding's gradient, so a finite loss alone did not show it)

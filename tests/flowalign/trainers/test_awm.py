@@ -184,7 +184,7 @@ def test_the_average_moves_after_a_batch_at_the_optimiser_steps_taken(step, upda
     with torch.no_grad():
         params[0].fill_(1.0)
     tcfg = AWMConfig(updates_per_epoch=updates)
-    logs = AWMTrainer.finish(SimpleNamespace(kl_ema=average, step=step, tcfg=tcfg), None)
+    logs = AWMTrainer.finish(SimpleNamespace(kl_ema=average, step=step, tcfg=tcfg), None, [])
     assert logs["ema_kl_decay"] == pytest.approx(decay)
     torch.testing.assert_close(average.shadow[0], torch.full((3,), 1 - decay))
 

@@ -71,7 +71,7 @@ class ToyTrainer(GroupTrainer):
         loss = toy_loss(v, batch.target[unit])
         return loss, {"loss": loss.item()}
 
-    def finish(self, batch):
+    def finish(self, batch, steps):
         self.seen += len(batch.x)
         self.running = 0.5 * self.running + 0.5 * batch.target.mean()
         return {"seen": float(self.seen)}
@@ -338,3 +338,16 @@ def test_no_trainer_imports_a_sibling_but_its_documented_base_method():
                 if other in methods and other != path.stem and (other not in BASE_METHODS or path.stem in BASE_METHODS):
                     bad.append(f"{path.name} imports {node.module}")
     assert not bad, bad
+
+
+#: the loop's own machinery and services: a trainer supplies hooks around them and never replaces one
+LOOP_METHODS = ("update", "train_step", "optimizer_step", "train", "evaluate", "save_checkpoint", "maybe_resume",
+                "score", "judge", "reward_gradient", "gather", "gather_objects", "total", "keyed_generator")
+
+
+def test_no_trainer_replaces_the_loop_or_its_services():
+    """Work after the optimiser steps belongs in ``finish(batch, steps)`` (which sees each step's logs), not in
+    an override of ``update`` that wraps the loop."""
+    replaced = {name: [m for m in LOOP_METHODS if getattr(get_trainer(name), m) is not getattr(GroupTrainer, m)]
+                for name in sorted(TRAINERS)}
+    assert not {name: methods for name, methods in replaced.items() if methods}

@@ -192,6 +192,26 @@ def test_the_kl_is_to_the_snapshot_and_a_large_kl_refreshes_it(tmp_path, tiny_sd
     assert t.gate_fraction == batch.gate_state["fraction"]  # the controller's state committed by finish
 
 
+def test_the_refresh_reads_each_optimiser_steps_mean_kl_over_every_rank():
+    """This rank logged KLs (0.1, 0.3) in optimiser step 0 and (0.5) in step 1; another rank (0.2) and (0.1).
+    The steps' means over both ranks are 0.6 / 3 = 0.2 and 0.6 / 2 = 0.3: a threshold of 0.35 keeps the
+    snapshot (this rank's own step-1 mean, 0.5, would have refreshed it), 0.25 refreshes it."""
+    from types import SimpleNamespace
+
+    from flowalign.trainers.gardo import GARDOConfig, GARDOTrainer
+
+    steps = [{"kl": [0.1, 0.3], "grad_norm": [1.0]}, {"kl": [0.5], "grad_norm": [1.0]}, {"grad_norm": [0.0]}]
+    other_rank = [(0.2, 1), (0.1, 1), (0.0, 0)]
+    for threshold, refreshed in ((0.35, False), (0.25, True)):
+        params = [torch.nn.Parameter(torch.ones(2))]
+        t = SimpleNamespace(tcfg=GARDOConfig(name="gardo", kl_threshold=threshold), step=4, last_refresh=0,
+                            params=params, reference=[torch.zeros(2)], gather_objects=lambda mine: [mine, other_rank])
+        logs = GARDOTrainer.finish(t, SimpleNamespace(gate_state={}), steps)
+        assert logs["kl_update_max"] == pytest.approx(0.3, abs=1e-12)
+        assert (t.last_refresh == 5) == refreshed and torch.equal(t.reference[0], params[0].detach()) == refreshed
+        assert logs["reference_age"] == (0.0 if refreshed else 5.0)
+
+
 def test_a_gate_needs_an_auxiliary_reward_and_main_reward_names_one(tmp_path, tiny_sd3_dir, prompt_file):
     base = small_run(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=gardo")
     with pytest.raises(UserError, match="auxiliary rewards"):

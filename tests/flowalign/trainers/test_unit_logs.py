@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowalign.trainers.unit_logs import merged, read_back
+from flowalign.trainers.unit_logs import concatenated, merged, read_back, read_back_steps
 from tests.flowalign.fake_device import DEVICE, FakeDevice, host_waits
 
 
@@ -31,3 +31,16 @@ def test_the_values_of_a_device_are_read_back_in_one_wait():
 def test_a_logged_value_that_is_not_a_scalar_is_refused_by_name():
     with pytest.raises(ValueError, match="'kl' has shape \\(2,\\)"):
         read_back({"kl": [torch.zeros(2)]})
+
+
+def test_each_optimiser_steps_values_are_read_back_together_and_kept_apart():
+    with FakeDevice():
+        steps = [{"kl": [torch.tensor(0.5, device=DEVICE), 0.25], "grad_norm": [torch.tensor(1.0, device=DEVICE)]},
+                 {"grad_norm": [torch.tensor(2.0, device=DEVICE)]}]
+        with host_waits() as found:
+            out = read_back_steps(steps)
+    assert out == [{"kl": [0.5, 0.25], "grad_norm": [1.0]}, {"grad_norm": [2.0]}]
+    assert [kind for kind, _ in found] == ["read values"]
+    assert concatenated(out) == {"kl": [0.5, 0.25], "grad_norm": [1.0, 2.0]}
+    with pytest.raises(ValueError, match="'kl' \\(optimiser step 1\\) has shape \\(2,\\)"):
+        read_back_steps([{}, {"kl": [torch.zeros(2)]}])
