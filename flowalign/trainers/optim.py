@@ -82,7 +82,12 @@ class Optimisation:
 
     def optimizer_step(self) -> torch.Tensor:
         """Reduce gradients over ranks, clip to ``grad_clip``, step at the schedule's LR, update the EMA;
-        returns the pre-clip gradient norm (0-dim, on the device: not read back here)."""
+        returns the pre-clip gradient norm (0-dim, on the device: not read back here). A tensor that no unit
+        of the step reached (a step of zero-advantage samples only) steps on a zero gradient, as it does where
+        another rank's units reached it: AdamW's moments and weight decay move it in every rank layout."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         self.parallel.reduce_gradients(self.params)
         norm = self.parallel.clip_grad_norm(self.params, self.grad_clip)
         if self.ema is not None:

@@ -24,8 +24,9 @@ class DrawnStepOptions(Section):
     step_draw: Literal["per_sample", "per_batch"] = "per_sample"
     #: counted: a rollout batch (a sample, drawn per sample) whose advantages are all zero is not run (its
     #: gradient is zero) but counts in the size of the optimiser step it falls in, as the authors' loops run it
-    #: and count it in their gradient_accumulation_steps × train_timesteps divisor; skipped: it neither runs nor
-    #: counts (Flow-GRPO's filter)
+    #: and count it in their gradient_accumulation_steps × train_timesteps divisor (an optimiser step of such
+    #: batches only is taken on a zero gradient, as theirs); skipped: it neither runs nor counts (Flow-GRPO's
+    #: filter)
     zero_advantage: Literal["counted", "skipped"] = "counted"
 
 

@@ -34,7 +34,9 @@ def global_plan(chunks: list[ChunkRef], inner_epochs: int, updates_per_epoch: in
 
     ``count_inactive``: every chunk takes its place in the split and its pairs stay in its step, so they count
     in the step's size (the caller runs only the active ones: an inactive chunk's gradient is zero); a step
-    with no active chunk is left out.
+    with no active chunk stays in the plan, an optimiser step on a zero gradient (AdamW's moments and weight
+    decay still move the weights), as in a loop that runs every sample. Without it, inactive chunks are
+    not in the split and a step with none of the others is left out.
     """
     chunks = sorted(chunks)
     steps: list[list[tuple[ChunkRef, int]]] = []
@@ -42,6 +44,6 @@ def global_plan(chunks: list[ChunkRef], inner_epochs: int, updates_per_epoch: in
         order = torch.randperm(len(chunks), generator=generator).tolist()
         split = [chunks[i] for i in order if count_inactive or chunks[i].active]
         for part in np.array_split(np.arange(len(split)), updates_per_epoch):
-            if any(split[j].active for j in part.tolist()):
+            if len(part) and (count_inactive or any(split[j].active for j in part.tolist())):
                 steps.append([(split[j], k) for j in part.tolist() for k in chosen(split[j], epoch)])
     return steps

@@ -219,6 +219,26 @@ def test_zero_advantage_samples_count_in_the_authors_divisor(tmp_path, tiny_sd3_
         assert grads["counted"].abs().max() > 0
 
 
+@pytest.mark.parametrize("mode", ["counted", "skipped"])
+def test_a_step_of_zero_advantage_samples_only_steps_adamw_on_a_zero_gradient(tmp_path, tiny_sd3_dir, prompt_file, mode):
+    """Counted, a batch whose groups all tie still takes its optimiser steps, as the authors' loop runs every
+    sample and steps AdamW on the zero gradient: with its moments still zero, only the weight decay moves the
+    weights, w·(1 − lr·wd) a step. Skipped (Flow-GRPO's filter), no step is taken."""
+    t = build_trainer(small_config(tmp_path / mode, tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
+                                   f"trainer.zero_advantage={mode}", "trainer.updates_per_epoch=2",
+                                   "trainer.weight_decay=0.5"))
+    batch = t.collect(0)
+    batch = dataclasses.replace(batch, advantages=torch.zeros_like(batch.advantages))
+    before = [p.detach().clone() for p in t.params]
+    logs = t.update(batch, torch.Generator().manual_seed(0))
+    steps = 2 if mode == "counted" else 0
+    assert [t.optimizer.state[p].get("step", 0) for p in t.params] == [steps] * len(t.params)
+    shrink = (1 - t.optimizer.param_groups[0]["lr"] * 0.5) ** steps
+    for p, b in zip(t.params, before):
+        torch.testing.assert_close(p.detach(), b * shrink, rtol=1e-6, atol=0)
+    assert logs.get("grad_norm", 0.0) == 0.0 and any(b.abs().max() > 0 for b in before)
+
+
 def test_best_of_with_counted_zero_advantages_is_refused(tmp_path, tiny_sd3_dir, prompt_file):
     with pytest.raises(UserError, match="trainer.zero_advantage: skipped"):
         build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
