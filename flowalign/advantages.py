@@ -1,8 +1,8 @@
 """Advantage strategies for group-sampled trainers (``docs/methods/flow_grpo.md``).
 
 All take rewards of the whole gathered batch (every rank's samples) with a group id per sample and return
-one advantage per sample. Selected by ``trainer.advantage``: ``group`` | ``global_std`` | ``gdpo`` |
-``win_rate`` | ``dual`` (PD-GRPO's pointwise and pairwise groups, mixed by ``pairwise_weight``).
+one advantage per sample. Selected by ``trainer.advantage``: ``group`` | ``global_std`` | ``per_reward`` |
+``gdpo`` | ``win_rate`` | ``dual`` (PD-GRPO's pointwise and pairwise groups, mixed by ``pairwise_weight``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Callable, Literal
 
 import torch
 
-AdvantageKind = Literal["group", "global_std", "gdpo", "win_rate", "dual"]
-ADVANTAGE_KINDS = ("group", "global_std", "gdpo", "win_rate", "dual")
+AdvantageKind = Literal["group", "global_std", "per_reward", "gdpo", "win_rate", "dual"]
+ADVANTAGE_KINDS = ("group", "global_std", "per_reward", "gdpo", "win_rate", "dual")
 
 
 def _group_mean_std(values: torch.Tensor, groups: torch.Tensor, unbiased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +38,16 @@ def group_advantages(
     mean, group_std = _group_mean_std(rewards, groups, unbiased)
     scale = group_std if std == "group" else rewards.std(unbiased=unbiased).expand_as(rewards)
     return (rewards - mean) / (scale + eps)
+
+
+def per_reward_advantages(components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, *,
+                          eps: float = 1e-4, unbiased: bool = False) -> torch.Tensor:
+    """Each reward's group advantage, weight-summed: ``A = Σ_m w_m·(r^(m) − mean_g)/(std_g + eps)`` ``(N,)``
+    from ``components`` ``(N, M)`` and ``weights`` ``(M,)`` (MixGRPO's ``advantage_aggr``; with one reward,
+    the ``group`` advantage). Unlike :func:`gdpo_advantages` the sum is not renormalised over the batch."""
+    per_reward = [group_advantages(components[:, m], groups, std="group", eps=eps, unbiased=unbiased)
+                  for m in range(components.shape[1])]
+    return torch.stack(per_reward, dim=1) @ weights.to(per_reward[0].dtype)
 
 
 def gdpo_advantages(
@@ -182,13 +192,16 @@ def compute_advantages(
     are pairwise judges already), or with ``win_rate_normalisation="per_reward"`` the authors' form
     (:func:`per_reward_win_rate_advantages`); ``batch_renormalise`` (their ``--apply_gdpo``) renormalises
     either over the batch (:func:`batch_renormalised`); ``dual`` mixes a
-    pointwise and a pairwise group by ``pairwise_weight`` (:func:`dual_group_advantages`); ``unbiased``: the
-    ``group`` and ``global_std`` std divided by n − 1."""
+    pointwise and a pairwise group by ``pairwise_weight`` (:func:`dual_group_advantages`); ``per_reward`` sums
+    each reward's group advantage (:func:`per_reward_advantages`); ``unbiased``: the ``group``, ``global_std``
+    and ``per_reward`` std divided by n − 1."""
     total = components.float() @ weights.float()
     if kind == "group":
         adv = group_advantages(total, groups, std="group", eps=eps, unbiased=unbiased)
     elif kind == "global_std":
         adv = group_advantages(total, groups, std="global", eps=eps, unbiased=unbiased)
+    elif kind == "per_reward":
+        adv = per_reward_advantages(components, weights, groups, eps=eps, unbiased=unbiased)
     elif kind == "gdpo":
         adv = gdpo_advantages(components, weights, groups, eps=eps)
     elif kind == "win_rate" and win_rate_normalisation == "per_reward":

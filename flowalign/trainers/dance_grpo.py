@@ -22,23 +22,21 @@ from pydantic import Field
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
 from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.advantage_std import AdvantageStdOptions, advantage_std_options
 from flowalign.trainers.parts.best_worst import BestWorstOptions
 from flowalign.trainers.parts.dance_loop import DanceLoop
 from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
 
 
 class DanceGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, DrawnStepOptions,
-                      BestWorstOptions):
+                      BestWorstOptions, AdvantageStdOptions):
     name: Literal["dance_grpo"] = "dance_grpo"
     sampler: Literal["dance", "flow_grpo", "cps"] = "dance"  # type: ignore[assignment]
     #: η of the DanceGRPO SDE (0.3 FLUX, 0.25 HunyuanVideo in the authors' scripts)
     noise_level: float = Field(0.3, gt=0, le=2)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     shared_initial_noise: bool = True
-    advantage: str = Field("group", pattern="^(group|global_std|gdpo|win_rate)$")
-    #: the std of ``group`` / ``global_std`` advantages: "unbiased" + 1e-8 (the authors' ``Tensor.std()``) or
-    #: "population" + 1e-4 (Flow-GRPO's)
-    advantage_std: Literal["unbiased", "population"] = "unbiased"
+    advantage: str = Field("group", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
 
 
 class DanceGRPOTrainer(DanceLoop, FlowGRPOTrainer):
@@ -46,7 +44,5 @@ class DanceGRPOTrainer(DanceLoop, FlowGRPOTrainer):
     tcfg: DanceGRPOConfig
 
     def advantage_options(self) -> dict[str, Any]:
-        """The authors' unbiased std + 1e-8 for the ``group`` / ``global_std`` advantages (the other kinds keep
-        their own normalisation)."""
-        unbiased = self.tcfg.advantage_std == "unbiased" and self.tcfg.advantage in ("group", "global_std")
-        return {"unbiased": True, "eps": 1e-8} if unbiased else {}
+        """The authors' unbiased std + 1e-8 (:func:`advantage_std_options`)."""
+        return advantage_std_options(self.tcfg)

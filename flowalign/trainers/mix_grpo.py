@@ -9,7 +9,7 @@ alone, so every rank and a resumed run place it alike.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -20,10 +20,14 @@ from flowalign.trainers.base import Sampling, StepBatch
 from flowalign.trainers.flow_grpo import (CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, StepSubsetOptions,
                                            steps_over_epochs)
 from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.advantage_std import AdvantageStdOptions, advantage_std_options
 
 
-class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, StepSubsetOptions):
+class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, StepSubsetOptions, AdvantageStdOptions):
     name: Literal["mix_grpo"] = "mix_grpo"  # type: ignore[assignment]
+    #: each reward's group advantage, weight-summed (the authors' --use_group with advantage_aggr; with one
+    #: reward, ``group``)
+    advantage: str = Field("per_reward", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
     clip_range: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     shared_initial_noise: bool = True
@@ -51,6 +55,10 @@ class MixGRPOTrainer(FlowGRPOTrainer):
         steps = min(tcfg.num_steps, tcfg.window_size)
         per_epoch = tcfg.steps_per_chunk if 0 < tcfg.steps_per_chunk < steps else steps
         return steps_over_epochs(steps, per_epoch, tcfg.inner_epochs)
+
+    def advantage_options(self) -> dict[str, Any]:
+        """The authors' unbiased std + 1e-8 (:func:`advantage_std_options`)."""
+        return advantage_std_options(self.tcfg)
 
     def window(self, step: int) -> tuple[int, int]:
         """``(start, width)`` of the SDE window at training step ``step``."""

@@ -133,7 +133,7 @@ class AdvantageOptions(Section):
     """How the loop's scoring service turns a group's rewards into advantages (:meth:`GroupTrainer.score`)."""
 
     #: global_std (the Flow-GRPO default): per-prompt mean, std over the whole gathered batch
-    advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
+    advantage: str = Field("global_std", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
     adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
 
 

@@ -38,7 +38,7 @@ class SelfDistillConfig(GroupTrainerConfig):
 
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     group_size: int = Field(24, ge=2, le=MAX_GROUP_SIZE)
-    advantage: str = Field("global_std", pattern="^(group|global_std|gdpo|win_rate)$")
+    advantage: str = Field("global_std", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
     #: A_max: advantages are clipped to ±A_max and mapped to r = A/(2·A_max) + 1/2
     adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
     #: the method page's β of the mirrored velocities v± (0.1 for a 3-reward mix); not named ``beta``, which

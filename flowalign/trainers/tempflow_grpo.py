@@ -50,7 +50,7 @@ class TempFlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions):
     noise_weight_scale: float | None = Field(None, gt=0, le=MAX_COEFFICIENT)
     #: a seed group: every member of a prompt group starts from the same x_T (every_step needs it)
     shared_initial_noise: bool = True
-    advantage: str = Field("group", pattern="^(group|global_std|gdpo|win_rate)$")
+    advantage: str = Field("group", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
     #: weight β of the KL to the reference, the authors' pickscore_sd3_pr value; with kl_mode code it is their
     #: mean_D (μ − μ_ref)² / (2τ_k²), the step's own variance
     beta: float = Field(0.001, ge=0, le=MAX_COEFFICIENT)

@@ -51,6 +51,17 @@ def test_gdpo_differs_from_normalising_the_weighted_sum():
     assert not torch.allclose(compute_advantages("gdpo", comps, w, g), compute_advantages("group", comps, w, g))
 
 
+def test_per_reward_sums_each_rewards_group_advantage_without_renormalising():
+    """By hand: group (0, 1): reward a (1, 3) → (−1, 1), reward b (5, 5) → (0, 0); group (2, 3): a (2, 2) → 0,
+    b (0, 4) → (−1, 1). Weights (1, 0.5): A = (−1, 1, −0.5, 0.5); one reward alone is its group advantage."""
+    components = torch.tensor([[1.0, 5.0], [3.0, 5.0], [2.0, 0.0], [2.0, 4.0]])
+    groups = torch.tensor([0, 0, 1, 1])
+    out = compute_advantages("per_reward", components, torch.tensor([1.0, 0.5]), groups, eps=1e-12)
+    torch.testing.assert_close(out, torch.tensor([-1.0, 1.0, -0.5, 0.5]))
+    one = compute_advantages("per_reward", components[:, :1], torch.tensor([2.0]), groups)
+    torch.testing.assert_close(one, 2 * compute_advantages("group", components[:, :1], torch.tensor([1.0]), groups))
+
+
 def test_win_rates_count_pairwise_wins_with_ties_half():
     r = torch.tensor([0.1, 0.5, 0.5, 0.9])
     g = torch.zeros(4, dtype=torch.long)

@@ -86,3 +86,32 @@ def test_window_steps_and_loss_equal_the_authors():
         total += per_sample.mean().item() / len(window)  # one unit per window step, each weighted 1 / units
     assert math.isclose(total, KNOWN["total_loss"], rel_tol=1e-6)
     assert torch.cat(flags).any() and not torch.cat(flags).all()  # the fixture exercises both sides of the clip
+
+
+ADVANTAGES = json.loads((Path(__file__).parent / "known_answers" / "mix_grpo_advantages.json").read_text())
+
+
+@pytest.mark.parametrize("case", ADVANTAGES["cases"], ids=range(len(ADVANTAGES["cases"])))
+def test_advantages_equal_the_authors(case):
+    """The default ``advantage: per_reward`` with ``advantage_std: unbiased`` is the authors' ``advantage_aggr``:
+    each reward's (r − mean)/(Tensor.std() + 1e-8) per group, weight-summed (known_answers/mix_grpo_advantages.json).
+    Normalising the weighted sum instead (``group``) differs wherever two rewards disagree."""
+    from flowalign.advantages import compute_advantages
+    from flowalign.trainers.mix_grpo import MixGRPOConfig, MixGRPOTrainer
+
+    t = MixGRPOTrainer.__new__(MixGRPOTrainer)
+    t.tcfg = MixGRPOConfig()
+    names = list(case["rewards"])
+    components = torch.tensor([case["rewards"][n] for n in names], dtype=torch.float32).T
+    weights = torch.tensor([case["weights"][n] for n in names])
+    groups = torch.arange(len(components)) // case["num_generations"]
+    ours = compute_advantages(t.tcfg.advantage, components, weights, groups, clip=100.0, **t.advantage_options())
+    expected = torch.tensor(case["advantages"])
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    if len(names) > 1:
+        summed_first = compute_advantages("group", components, weights, groups, clip=100.0, **t.advantage_options())
+        assert not torch.allclose(summed_first, expected, rtol=1e-3)
+    t.tcfg = MixGRPOConfig(advantage_std="population")  # Flow-GRPO's population std + 1e-4: another number
+    assert t.advantage_options() == {}
+    assert not torch.allclose(compute_advantages("per_reward", components, weights, groups, clip=100.0), expected,
+                              rtol=1e-3)
