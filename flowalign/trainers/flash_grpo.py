@@ -12,6 +12,7 @@ is Flow-GRPO's with these weights; the hooks here choose the sampling and the we
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +21,7 @@ from pydantic import Field, model_validator
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
 from flowalign.sampling import Rollout, StepOutput, flow_sde_step
-from flowalign.trainers.base import Sampling, StepBatch, derived_seed
+from flowalign.trainers.base import Plan, Sampling, StepBatch, derived_seed
 from flowalign.trainers.flow_grpo import FlowGRPOBase, FlowGRPOTrainer
 from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.parts.global_plan import ChunkRef
@@ -37,6 +38,10 @@ class FlashGRPOConfig(FlowGRPOBase, ReferenceOptions):
     #: where 1/c_k comes from: the model's σ grid ("grid"), or the authors' hard-coded table for steps 0-9 of
     #: Wan 2.1's 20-step 480p grid ("wan_table", within 0.25 % of that grid's values)
     rectify_source: Literal["grid", "wan_table"] = "grid"
+    #: over which samples the mean ω is 1: each optimiser step's samples with an advantage, over every rank
+    #: ("step": the authors', who normalise each micro-batch, one optimiser step in their recipe), or the whole
+    #: batch of the training step ("batch", the former form)
+    rectify_mean: Literal["step", "batch"] = "step"
 
     @model_validator(mode="after")
     def _table_covers_the_steps(self) -> FlashGRPOConfig:
@@ -120,15 +125,39 @@ class FlashGRPOTrainer(FlowGRPOTrainer):
         return Sampling(FlashStep(flash_diffusion(sigmas, k)), sde_window=(k, 1),
                         keep_unconditional=self.reuses_unconditional)
 
-    def sample_weights(self, batch: StepBatch) -> torch.Tensor | None:
-        """``ω_i = (1/c_{k_i}) / mean over all ranks' samples of 1/c_k`` ``(N,)`` (mean ω = 1); None (every
-        sample weighs 1) without ``rectify``."""
-        if not self.tcfg.rectify:
-            return None
+    def inverse_rectifications(self, batch: StepBatch) -> torch.Tensor:
+        """``1/c_{k_i}`` of every sample of this rank's batch ``(N,)`` (a chunk's samples share its step)."""
         source = self.tcfg.rectify_source
-        inv_c = torch.cat([torch.full((len(c),), inverse_rectification(c.sigmas, c.trained_steps()[0], source))
-                           for c in batch.chunks])
+        return torch.cat([torch.full((len(c),), inverse_rectification(c.sigmas, c.trained_steps()[0], source))
+                          for c in batch.chunks])
+
+    def sample_weights(self, batch: StepBatch) -> torch.Tensor | None:
+        """With ``rectify_mean: batch``, ``ω_i = (1/c_{k_i}) / mean over all ranks' samples of 1/c_k`` ``(N,)``
+        (mean ω = 1 over the batch); None (every sample weighs 1) without ``rectify``, or where :meth:`plan`
+        normalises ω per optimiser step."""
+        if not self.tcfg.rectify or self.tcfg.rectify_mean == "step":
+            return None
+        inv_c = self.inverse_rectifications(batch)
         return inv_c / self.gather(inv_c).float().mean()
+
+    def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
+        """Flow-GRPO's plan; with ``rectify_mean: step`` each unit weighted by ``ω_i = (1/c_{k_i}) / mean of
+        1/c_k`` over its optimiser step's samples with a non-zero advantage on every rank (mean ω = 1 within
+        each optimiser step, as the authors' ``1/accelerator.reduce(value_tensor.mean())`` per micro-batch)."""
+        plan = super().plan(batch, generator)
+        if not self.tcfg.rectify or self.tcfg.rectify_mean == "batch":
+            return plan
+        inv_c, advantages = batch.per_chunk(self.inverse_rectifications(batch)), batch.per_chunk(batch.advantages)
+        mine = []  # each optimiser step's sum of 1/c_k over this rank's samples with an advantage, and their count
+        for units in plan.steps:
+            counted = [advantages[u.chunk] != 0 for u in units]
+            mine.append((sum(float(inv_c[u.chunk][c].sum()) for u, c in zip(units, counted)),
+                         sum(int(c.sum()) for c in counted)))
+        parts = self.gather_objects(mine)
+        totals = [(sum(p[n][0] for p in parts), sum(p[n][1] for p in parts)) for n in range(len(mine))]
+        steps = [[dataclasses.replace(u, weight=inv_c[u.chunk] * (count / total)) for u in units]
+                 for units, (total, count) in zip(plan.steps, totals)]
+        return dataclasses.replace(plan, steps=steps)
 
     def step_distribution(self, chunk, k, velocity) -> StepOutput:
         x_k, x_next, _ = chunk.step(k)

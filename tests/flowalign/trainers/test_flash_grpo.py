@@ -37,7 +37,37 @@ def test_group_members_share_one_sde_step_and_mean_weight_is_one(tmp_path, tiny_
         for gid in gids.tolist():
             ks.setdefault(gid, set()).add(k)
     assert all(len(v) == 1 for v in ks.values()) and len(ks) == 4  # one k per group, across its batches
-    assert abs(t.sample_weights(batch).mean().item() - 1.0) < 1e-6
+
+
+def test_omega_averages_one_within_each_optimiser_step_or_over_the_batch(tmp_path, tiny_sd3_dir, prompt_file):
+    """``rectify_mean: step`` (the authors' per micro-batch, one optimiser step in their recipe): within each
+    optimiser step, ω ∝ 1/c_k of the unit's step and its mean over the step's samples with an advantage is 1;
+    ``batch``: ω is the same 1/c_k divided by the whole batch's mean."""
+    import dataclasses
+
+    t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "trainer.batch_size=2", "trainer.updates_per_epoch=2")
+    batch = t.collect(0)
+    advantages = torch.linspace(-1, 1, len(batch.advantages))
+    advantages[advantages == 0] = 0.5
+    advantages[:2] = 0.0  # one rollout batch without an advantage: not in any step, nor in its mean
+    batch = dataclasses.replace(batch, advantages=advantages)
+    inv_c = batch.per_chunk(t.inverse_rectifications(batch))
+    plan = t.plan(batch, torch.Generator().manual_seed(0))
+    assert len(plan.steps) == 2 and all(plan.steps)
+    step_means = []
+    for units in plan.steps:
+        weights = torch.cat([u.weight for u in units])
+        assert weights.mean().item() == pytest.approx(1.0, abs=1e-6)
+        ratios = {round((u.weight / inv_c[u.chunk]).unique().item(), 9) for u in units}
+        assert len(ratios) == 1  # one normaliser a step: ω ∝ 1/c_k
+        step_means.append(1 / ratios.pop())
+    assert step_means[0] != pytest.approx(step_means[1], rel=1e-4)  # the two steps' k differ: so do their means
+    t.tcfg = t.tcfg.model_copy(update={"rectify_mean": "batch"})
+    omega = t.sample_weights(batch)
+    assert omega.mean().item() == pytest.approx(1.0, abs=1e-6)
+    by_chunk = batch.per_chunk(omega)
+    assert all(torch.equal(u.weight, by_chunk[u.chunk]) for units in t.plan(batch, torch.Generator().manual_seed(0)).steps
+               for u in units)
 
 
 def test_rectification_coefficient_is_the_velocity_gain_of_the_step(tiny_sd3_dir):
