@@ -40,6 +40,8 @@ def test_two_ranks_match_one_process(tmp_path, tiny_model_dir, tiny_sd3_dir, pro
     cases = {
         # one rollout batch of 8 in the single process where each rank rolls out one group of 4
         "flow_grpo": (tiny_sd3_dir, (), ("trainer.batch_size=8",)),
+        # ω's mean runs over the optimiser step's samples on every rank (the two groups' steps k differ)
+        "flash_grpo": (tiny_sd3_dir, ("trainer.name=flash_grpo", "trainer.num_steps=8"), ()),
         # the parts are drawn over every rank's samples: the same two optimiser steps
         "diffusion_nft": (tiny_sd3_dir, NFT_PARTS, ()),
         # the step's mean runs over every rank's samples: the same θ and behaviour copy φ
