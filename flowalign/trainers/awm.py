@@ -28,6 +28,7 @@ from flowalign.trainers.options import EpochOptions, ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
 from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
+from flowalign.trainers.parts.policy_average import ramped_decay
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.parts.reductions import per_sample_mean
 
@@ -94,16 +95,6 @@ def awm_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor | None, weights:
         loss = loss + ema_beta * ema_kl.mean()
         info["ema_kl"] = ema_kl.detach().mean()
     return loss, info
-
-
-#: the slope of the "linear" decay schedule of the KL's moving average, per optimiser step (the authors')
-EMA_KL_RAMP = 0.001
-
-
-def ema_kl_decay_at(optimizer_steps: int, cap: float, schedule: str) -> float:
-    """d of the KL's moving average after ``optimizer_steps`` steps: ``min(cap, 0.001·s)`` ("linear") or
-    ``cap`` ("constant")."""
-    return min(cap, EMA_KL_RAMP * optimizer_steps) if schedule == "linear" else cap
 
 
 def stratified_steps(num_steps: int, fraction: float, n: int, u: torch.Tensor) -> list[int]:
@@ -252,7 +243,7 @@ class AWMTrainer(GroupTrainer):
         if self.kl_ema is None:
             return {}
         steps = (self.step + 1) * self.tcfg.inner_epochs * self.tcfg.updates_per_epoch
-        self.kl_ema.decay = ema_kl_decay_at(steps, self.tcfg.ema_kl_decay, self.tcfg.ema_kl_decay_schedule)
+        self.kl_ema.decay = ramped_decay(steps, self.tcfg.ema_kl_decay, self.tcfg.ema_kl_decay_schedule)
         self.kl_ema.update()
         return {"ema_kl_decay": self.kl_ema.decay}
 

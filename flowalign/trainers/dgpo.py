@@ -25,18 +25,21 @@ optimiser step takes every block and every trained timestep of an epoch, the los
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
-from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS, MAX_UPDATES
+from flowalign.ema import EMA
+from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.protocols import Conditioning
 from flowalign.sampling.ode_solvers import OdeSolver
 from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
+from flowalign.trainers.parts.policy_average import ramped_decay
 from flowalign.trainers.parts.reductions import per_sample_mean
 
 
@@ -65,6 +68,15 @@ class DGPOConfig(GroupTrainerConfig, ReferenceOptions):
     rollout_solver: Literal["euler", "dpm2"] = "euler"
     #: flow_shift of the dpm2 grid (theirs 3; "can be changed from 1 to 6")
     dpm_flow_shift: float = Field(3.0, gt=0, le=MAX_COEFFICIENT)
+    #: where the clip's old losses d_old come from: "average", a moving average of the trained weights with
+    #: decay min(old_decay, 0.001·s) after s optimiser steps, moved after each batch's optimiser steps (the
+    #: authors' ema_ref); "sampling", the weights that sampled the batch (the former form)
+    old_policy: Literal["average", "sampling"] = "average"
+    #: the cap of that average's decay (the authors' 0.3)
+    old_decay: float = Field(0.3, ge=0, lt=1)
+    #: with old_policy: average, roll out with the average's weights once more than this many optimiser steps
+    #: are taken (the authors' switch_ema_ref, 500 in their GenEval recipe); null: always the policy's
+    sample_with_average_after: int | None = Field(500, ge=0, le=MAX_TRAIN_STEPS)
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -110,8 +122,8 @@ def optimiser_steps(timesteps: list[list[int]], step_per: str) -> list[list[int]
 class GroupUnit:
     """Chunks ``chunks`` (this rank's indices; whole prompt groups) re-noised at grid step ``k``: noise
     ``eps (N, ...)``, reference losses ``d_ref (N,)`` and velocities ``v_ref`` (for the KL; None at β=0),
-    ``d_old (N,)`` under the batch's sampling weights (None without clipping); ``total``: samples × trained
-    timesteps of the optimiser step over all ranks."""
+    ``d_old (N,)`` under the moving average (or the batch's sampling weights; None without clipping);
+    ``total``: samples × trained timesteps of the optimiser step over all ranks."""
 
     chunks: tuple[int, ...]
     k: int
@@ -153,9 +165,47 @@ class DGPOTrainer(GroupTrainer):
     def sampler(self) -> OdeSolver:  # type: ignore[override]
         return rollout_sampler(self.tcfg)
 
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        #: the moving average the clip's old losses (and, late, the rollouts) come from
+        self.average = EMA(self.params, self.tcfg.old_decay) if self.holds_average(self.tcfg) else None
+
+    @staticmethod
+    def holds_average(tcfg: DGPOConfig) -> bool:
+        """Whether a moving average of the trained weights is kept: for the clip's old losses, or to sample."""
+        return tcfg.old_policy == "average" and (tcfg.clip_range > 0 or tcfg.sample_with_average_after is not None)
+
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
-        return full_reference(tcfg) if cfg.model.finetune == "full" else []  # d_ref always needs the reference
+        """The reference under full fine-tuning (d_ref always needs it) and the moving average, a copy of the
+        trained tensors swapped in for its passes."""
+        reference = full_reference(tcfg) if cfg.model.finetune == "full" else []
+        return reference + ([WeightCopy("snapshot")] if cls.holds_average(tcfg) else [])
+
+    def steps_per_batch(self) -> int:
+        """Optimiser steps a batch takes (:func:`optimiser_steps`)."""
+        return self.tcfg.inner_epochs * (1 if self.tcfg.step_per == "epoch" else self.tcfg.train_timesteps)
+
+    def collect(self, step: int) -> StepBatch:
+        """The loop's batch, rolled out with the moving average's weights once more than
+        ``sample_with_average_after`` optimiser steps are taken (the authors' ``switch_ema_ref``)."""
+        after = self.tcfg.sample_with_average_after
+        if self.average is not None and after is not None and step * self.steps_per_batch() > after:
+            with self.average.swapped_in():
+                return super().collect(step)
+        return super().collect(step)
+
+    def noised(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, torch.Tensor, float, Conditioning]:
+        """The unit's re-noised endpoints ``x_t (N, ...)``, target ``ε − x0``, σ and conditioning."""
+        x0, cond, _ = self.block(batch, unit.chunks)
+        sigma = batch.chunks[unit.chunks[0]].sigmas[unit.k].item()
+        eps = unit.eps.to(x0)
+        return (1 - sigma) * x0 + sigma * eps, eps - x0, sigma, cond
+
+    def denoising_loss(self, batch: StepBatch, unit: GroupUnit) -> torch.Tensor:
+        """``d (N,)``: the conditional velocity's mean squared error at the unit's re-noised endpoints."""
+        x_t, target, sigma, cond = self.noised(batch, unit)
+        return per_sample_mean((self.policy.velocity(x_t, sigma, cond, 1.0) - target) ** 2)
 
     def block(self, batch: StepBatch, chunks: tuple[int, ...]) -> tuple[torch.Tensor, Conditioning, torch.Tensor]:
         """The block's endpoints ``(N, ...)``, conditioning and global group ids."""
@@ -174,8 +224,8 @@ class DGPOTrainer(GroupTrainer):
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
         """Per epoch, ``train_timesteps`` grid steps drawn alike on every rank, trained over every block of
         whole groups in one optimiser step (or one each, :func:`optimiser_steps`); each unit weighted by the
-        step's samples × timesteps; reference losses (and, for clipping, the sampling weights' losses)
-        computed here once."""
+        step's samples × timesteps; reference losses and, for clipping, the old losses (under the moving
+        average, or the sampling weights) computed here once."""
         tc = self.tcfg
         last = min(tc.last_step, batch.chunks[0].num_steps - 1)
         members, seen = [], {}
@@ -195,23 +245,22 @@ class DGPOTrainer(GroupTrainer):
                     eps = self.noise(groups, members[start : start + len(x0)], k, x0.shape[1:]).to(x0, non_blocking=True)
                     sigma = batch.chunks[chunks[0]].sigmas[k].item()
                     x_t, target = (1 - sigma) * x0 + sigma * eps, eps - x0
-                    with torch.no_grad():
-                        with self.policy.adapter_disabled():
-                            v_ref = self.policy.velocity(x_t, sigma, cond, tc.reference_guidance)
-                        d_old = (per_sample_mean((self.policy.velocity(x_t, sigma, cond, 1.0) - target) ** 2)
-                                 if tc.clip_range > 0 else None)
+                    with torch.no_grad(), self.policy.adapter_disabled():
+                        v_ref = self.policy.velocity(x_t, sigma, cond, tc.reference_guidance)
                     units.append(GroupUnit(chunks, k, eps, per_sample_mean((v_ref - target) ** 2),
-                                           v_ref if tc.beta > 0 else None, d_old, total * len(ks)))
+                                           v_ref if tc.beta > 0 else None, None, total * len(ks)))
             steps.append(units)
+        if tc.clip_range > 0:  # the old losses, under the average (swapped in once) or the sampling weights
+            with torch.no_grad(), (self.average.swapped_in() if self.average is not None else nullcontext()):
+                steps = [[replace(u, d_old=self.denoising_loss(batch, u)) for u in units] for units in steps]
         return Plan(steps, global_weights=True)
 
     def loss(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tc = self.tcfg
-        x0, cond, groups = self.block(batch, unit.chunks)
-        sigma = batch.chunks[unit.chunks[0]].sigmas[unit.k].item()
-        eps = unit.eps.to(x0)
-        v = self.policy.velocity((1 - sigma) * x0 + sigma * eps, sigma, cond, 1.0)
-        d = per_sample_mean((v - (eps - x0)) ** 2)
+        x_t, target, sigma, cond = self.noised(batch, unit)
+        groups = self.block(batch, unit.chunks)[2]
+        v = self.policy.velocity(x_t, sigma, cond, 1.0)
+        d = per_sample_mean((v - target) ** 2)
         adv = torch.cat(batch.per_chunk(batch.advantages)[unit.chunks[0] : unit.chunks[-1] + 1]).to(d, non_blocking=True)
         info: dict[str, torch.Tensor] = {"dsm": d.detach().mean()}
         if unit.d_old is not None:
@@ -226,3 +275,27 @@ class DGPOTrainer(GroupTrainer):
             loss = loss + tc.beta * kl.sum() / unit.total
             info["kl"] = kl.detach().mean()
         return loss, info
+
+    def finish(self, batch: StepBatch, steps: list[dict[str, list[float]]]) -> dict[str, float]:
+        """Move the average after the batch's optimiser steps, ``φ ← d·φ + (1−d)·θ`` with the authors'
+        ``d = min(old_decay, 0.001·s)``, s the optimiser steps taken before the batch's last one (their
+        ``global_step`` at its update)."""
+        if self.average is None:
+            return {}
+        self.average.decay = ramped_decay((self.step + 1) * self.steps_per_batch() - 1, self.tcfg.old_decay)
+        self.average.update()
+        return {"old_decay": self.average.decay}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.average is None else {f"average.{k}": v for k, v in self.average.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.average is None:
+            return
+        saved = {k.removeprefix("average."): v for k, v in state.items() if k.startswith("average.")}
+        if not saved:  # saved before the average existed: the former form's old weights were the live ones
+            print("note: the checkpoint holds no moving average for trainer.old_policy=average (saved by an "
+                  "earlier flowalign); it starts from the resumed weights")
+            self.average = EMA(self.params, self.tcfg.old_decay)
+            return
+        self.average.load_state_dict(self.parallel.place_like(saved, self.average.state_dict()))

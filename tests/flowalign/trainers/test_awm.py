@@ -19,10 +19,10 @@ from flowalign.trainers.awm import (
     AWMTrainer,
     advantage_weights,
     awm_loss,
-    ema_kl_decay_at,
     matching_log_prob,
     stratified_steps,
 )
+from flowalign.trainers.parts.policy_average import ramped_decay
 
 from .conftest import small_config
 
@@ -167,7 +167,7 @@ def test_kl_moving_average_equals_the_authors(run):
         with torch.no_grad():
             for p, t in zip(params, theta):
                 p.copy_(torch.tensor(t, dtype=torch.float64))
-        average.decay = ema_kl_decay_at(s, run["cap"], run["schedule"])
+        average.decay = ramped_decay(s, run["cap"], run["schedule"])
         assert math.isclose(average.decay, decay, rel_tol=1e-12)
         average.update()
         for got, want in zip(average.shadow, expected):

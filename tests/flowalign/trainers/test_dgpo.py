@@ -93,7 +93,8 @@ def test_clipping_detaches_only_samples_past_the_range_on_their_side():
 def test_a_short_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, cfg):
     extra = ("trainer.name=dgpo", "trainer.train_timesteps=2", "trainer.last_step=2", "trainer.batch_size=2",
              "run.checkpoint_every=1",
-             *(("trainer.guidance_scale=1.0", "trainer.reference_guidance=4.5") if cfg == "without" else ()))
+             *(("trainer.guidance_scale=1.0", "trainer.reference_guidance=4.5") if cfg == "without" else
+               ("trainer.sample_with_average_after=0",)))  # from the second step on, sampled with the average
     first = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra))
     before = [p.detach().clone() for p in first.params]
     first.train()
@@ -103,6 +104,53 @@ def test_a_short_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prom
     straight = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=3"))
     straight.train()
     assert all(torch.equal(a, b) for a, b in zip(resumed.params, straight.params))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.average.shadow, straight.average.shadow))
+
+
+def test_the_old_losses_come_from_the_moving_average_which_moves_as_the_authors_ema_ref(tmp_path, tiny_sd3_dir,
+                                                                                         prompt_file):
+    """The clip's d_old are the denoising losses under the moving average (the authors' ``ema_ref``), not under
+    the weights that sampled (``old_policy: sampling``, the former form); after a batch the average moves
+    ``φ ← d·φ + (1−d)·θ`` with d = min(0.3, 0.001·s), s their ``global_step`` at the update."""
+    import dataclasses
+
+    from flowalign.trainers.base import GroupTrainer
+
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dgpo",
+                                   "trainer.train_timesteps=1", "trainer.last_step=2", "trainer.batch_size=4"))
+    with torch.no_grad():
+        for s in t.average.shadow:
+            s.add_(0.05 * torch.randn(s.shape, generator=torch.Generator().manual_seed(s.numel())))
+    batch = t.collect(0)
+    batch = dataclasses.replace(batch, advantages=torch.linspace(-1, 1, len(batch.advantages)))
+    unit = t.plan(batch, torch.Generator().manual_seed(0)).steps[0][0]
+    with torch.no_grad():
+        live = t.denoising_loss(batch, unit)
+        with t.average.swapped_in():
+            averaged = t.denoising_loss(batch, unit)
+    torch.testing.assert_close(unit.d_old, averaged, rtol=0, atol=0)
+    assert not torch.allclose(live, averaged, rtol=1e-3)
+    t.tcfg = t.tcfg.model_copy(update={"old_policy": "sampling"})
+    saved, t.average = t.average, None
+    unit = t.plan(batch, torch.Generator().manual_seed(0)).steps[0][0]
+    torch.testing.assert_close(unit.d_old, live, rtol=0, atol=0)
+    t.average = saved
+    for step in (0, 299, 400):  # one optimiser step a batch: s = the step
+        t.step, before = step, [s.clone() for s in t.average.shadow]
+        assert t.finish(batch, [{}])["old_decay"] == pytest.approx(min(0.3, 0.001 * step))
+        d = min(0.3, 0.001 * step)
+        for s, b, p in zip(t.average.shadow, before, t.params):
+            torch.testing.assert_close(s, d * b + (1 - d) * p.detach(), rtol=1e-6, atol=1e-7)
+    t.step = 1  # past sample_with_average_after: the rollouts are the average's
+    t.tcfg = t.tcfg.model_copy(update={"sample_with_average_after": 0})
+    with torch.no_grad():
+        for s in t.average.shadow:
+            s.add_(0.05)
+    sampled = t.collect(1)
+    with t.average.swapped_in():
+        expected = GroupTrainer.collect(t, 1)
+    assert all(torch.equal(a.final_latents, b.final_latents) for a, b in zip(sampled.chunks, expected.chunks))
+    assert not torch.equal(sampled.chunks[0].final_latents, GroupTrainer.collect(t, 1).chunks[0].final_latents)
 
 
 def test_dpm2_rollouts_run_on_the_schedulers_flow_grid_with_integer_timesteps(tmp_path, tiny_sd3_dir, prompt_file):
