@@ -257,8 +257,14 @@ class AWMTrainer(GroupTrainer):
         return {f"ema_kl.{n}": s for n, s in zip(self.trained_names(), self.kl_ema.shadow, strict=True)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """φ as saved, laid out like the live average (under fsdp: this rank's shards)."""
+        """φ as saved, laid out like the live average (under fsdp: this rank's shards); from a checkpoint saved
+        before the average existed, φ starts from the resumed weights (a line says so)."""
         live = self.state_dict()
+        if live and not any(k.startswith("ema_kl.") for k in state):
+            print("note: the checkpoint holds no moving average for trainer.ema_kl_beta (saved by an earlier "
+                  "flowalign); it starts from the resumed weights")
+            self.kl_ema = EMA(self.params, self.tcfg.ema_kl_decay)
+            return
         saved = self.parallel.place_like({k: state[k] for k in live}, live)
         with torch.no_grad():
             for k, s in live.items():

@@ -83,12 +83,14 @@ def resume(trainer: Any) -> None:
         trainer.logger.truncate_after(-1)  # a run killed before its first checkpoint starts over
         return
     state = ckpt.load_checkpoint(folder)
-    live = trainer.trainable_state()
+    # the trainer's own tensors a checkpoint lacks (saved before the trainer kept them) are its load_state_dict's
+    live = {k: v for k, v in trainer.trainable_state().items() if k in state["trainable"] or not k.startswith(
+        ckpt.TRAINER_STATE_PREFIX)}
     missing = set(live) - set(state["trainable"])
     if missing:
         raise UserError(f"checkpoint {folder} does not match this model ({len(missing)} trainable tensors missing)")
     parallel = trainer.parallel
-    saved = parallel.place_like(state["trainable"], live)  # fsdp: this rank's shards
+    saved = parallel.place_like({k: state["trainable"][k] for k in live}, live)  # fsdp: this rank's shards
     with torch.no_grad():
         for name, p in live.items():
             p.copy_(saved[name])
@@ -101,7 +103,12 @@ def resume(trainer: Any) -> None:
     trainer.train_cpu_seconds = float(state["trainer_state"].get("train_cpu_seconds", 0.0))
     prefix = ckpt.TRAINER_STATE_PREFIX
     own = {k[len(prefix):]: v for k, v in state["trainable"].items() if k.startswith(prefix)}
-    trainer.load_state_dict({**state["trainer_state"].get("hooks", {}), **own})
+    try:
+        trainer.load_state_dict({**state["trainer_state"].get("hooks", {}), **own})
+    except KeyError as missing:  # state this trainer keeps that the checkpoint lacks: one line, nothing lost
+        raise UserError(f"checkpoint {folder} holds no {missing.args[0]!r} of {trainer.tcfg.name}'s state (saved "
+                        "by an earlier flowalign, or with other trainer settings); resume it with the flowalign and "
+                        "settings it was saved with, or choose another run.output_dir") from None
     trainer.logger.truncate_after(trainer.step)
     if trainer.acc.is_main_process:
         print(f"resumed from {folder} at step {trainer.step}")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from flowalign.checkpoint import load_checkpoint
 from flowalign.ema import EMA
@@ -195,3 +196,20 @@ def test_the_average_is_a_copy_of_the_trained_tensors_only_when_weighted():
     assert AWMTrainer.weight_copies(cfg, AWMConfig(ema_kl_beta=0)) == []
     full = SimpleNamespace(model=SimpleNamespace(finetune="full"))
     assert [c.kind for c in AWMTrainer.weight_copies(full, AWMConfig())] == ["reference", "snapshot"]
+
+
+def test_a_run_saved_before_the_moving_average_resumes_with_it_from_the_resumed_weights(tmp_path, tiny_sd3_dir,
+                                                                                       prompt_file, capsys):
+    """A checkpoint without φ (an earlier flowalign's, which had no ``ema_kl_beta``) resumes under the default:
+    φ starts from the resumed weights, and a line says so."""
+    extra = ("trainer.name=awm", "trainer.train_timesteps=2", "trainer.batch_size=2", "run.checkpoint_every=1")
+    build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.ema_kl_beta=0",
+                               "trainer.max_steps=1")).train()
+    saved = tmp_path / "r" / "config.yaml"  # as the earlier flowalign wrote it: without the option
+    config = yaml.safe_load(saved.read_text())
+    del config["trainer"]["ema_kl_beta"]
+    saved.write_text(yaml.safe_dump(config))
+    resumed = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=1"))
+    resumed.train()  # resumes at step 1: nothing left to train, φ as the resume set it
+    assert "holds no moving average for trainer.ema_kl_beta" in capsys.readouterr().out
+    assert resumed.step == 1 and all(torch.equal(s, p) for s, p in zip(resumed.kl_ema.shadow, resumed.params))

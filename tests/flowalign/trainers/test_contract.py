@@ -115,6 +115,20 @@ def test_a_toy_trainer_trains_checkpoints_and_resumes_bit_exactly(tmp_path, tiny
     assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, straight.ema.shadow))
 
 
+def test_a_checkpoint_without_state_the_trainer_keeps_is_refused_in_one_line(tmp_path, tiny_sd3_dir, prompt_file,
+                                                                             monkeypatch):
+    """A checkpoint saved before a trainer kept some state (an earlier flowalign) is refused by name, not with a
+    KeyError's trace, and nothing of the run is lost."""
+    _toy(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.max_steps=1").train()
+    saved = sorted((tmp_path / "r" / "checkpoints").iterdir())
+    resumed = _toy(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.max_steps=2")
+    monkeypatch.setattr(resumed, "load_state_dict", lambda state: state["count_since_upgrade"])
+    with pytest.raises(UserError, match=r"holds no 'count_since_upgrade' of toy's state .* choose another "
+                                        r"run.output_dir"):
+        resumed.train()
+    assert sorted((tmp_path / "r" / "checkpoints").iterdir()) == saved
+
+
 def test_reward_free_trainers_accept_no_rewards_and_the_others_refuse(tmp_path, tiny_sd3_dir, prompt_file):
     assert len(RewardSet([])) == 0
     scores = RewardSet([]).score(torch.zeros(3, 3, 4, 4), ["a"] * 3, [{}] * 3)

@@ -173,3 +173,23 @@ def test_dpm2_rollouts_run_on_the_schedulers_flow_grid_with_integer_timesteps(tm
     chunk = batch.chunks[0]
     assert chunk.sampler == "dpm2" and torch.equal(chunk.sigmas, theirs.sigmas.float())
     assert {float(t) for s in seen for t in s} == {float(t) for t in theirs.timesteps}
+
+
+def test_a_run_saved_before_the_moving_average_resumes_with_it_from_the_resumed_weights(tmp_path, tiny_sd3_dir,
+                                                                                       prompt_file, capsys):
+    """A checkpoint of an earlier flowalign's DGPO (no ``old_policy``: the sampling weights' old losses) resumes
+    under the default, the average starting from the resumed weights, and a line says so."""
+    import yaml
+
+    extra = ("trainer.name=dgpo", "trainer.train_timesteps=1", "trainer.last_step=2", "trainer.batch_size=4",
+             "run.checkpoint_every=1", "trainer.max_steps=1")
+    build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.old_policy=sampling")).train()
+    saved = tmp_path / "r" / "config.yaml"  # as the earlier flowalign wrote it: without the three options
+    config = yaml.safe_load(saved.read_text())
+    for key in ("old_policy", "old_decay", "sample_with_average_after"):
+        del config["trainer"][key]
+    saved.write_text(yaml.safe_dump(config))
+    resumed = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra))
+    resumed.train()
+    assert "holds no moving average for trainer.old_policy=average" in capsys.readouterr().out
+    assert resumed.step == 1 and all(torch.equal(s, p) for s, p in zip(resumed.average.shadow, resumed.params))
