@@ -175,22 +175,34 @@ class Flux2Policy(lora_utils.AdapterMethods):
     def _normalised_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels ``(1, 3, H, W)`` in [-1, 1] → the VAE's posterior mode, patchified and batch-normalised
         ``(1, 4·C, H/2f, W/2f)`` (the pipeline's ``_encode_vae_image``)."""
+        return self._normalised_posterior(pixels)[0]
+
+    def _normalised_posterior(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pixels ``(1, 3, H, W)`` in [-1, 1] → the posterior's mode and standard deviation, patchified and
+        batch-normalised, each ``(1, 4·C, H/2f, W/2f)``: a posterior sample normalises to ``mode + std·ξ``."""
         posterior = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist
         z = self.pipeline_class._patchify_latents(posterior.mode())
         bn = self.vae.bn
         mean = bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(z.device, z.dtype)
-        return (z - mean) / std
+        return (z - mean) / std, self.pipeline_class._patchify_latents(posterior.std) / std
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Target images ``(B, 3, H, W)`` in [0, 1] at the output size → clean tokens ``x0 (B, seq, 4·C)``
         float32 (the inverse of :meth:`decode`), one at a time, for supervised fine-tuning."""
+        return self.encode_posterior(images)[0]
+
+    @torch.no_grad()
+    def encode_posterior(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target images as :meth:`encode_images` → the posterior's mode and standard deviation as clean tokens,
+        each ``(B, seq, 4·C)`` float32: a posterior sample normalises and packs to ``mode + std·ξ``."""
         if images.ndim != 4 or tuple(images.shape[-2:]) != (int(self.defaults["height"]), int(self.defaults["width"])):
             raise UserError(f"encode_images: images of shape {tuple(images.shape)}, expected (B, 3, "
                             f"{self.defaults['height']}, {self.defaults['width']}) at the model's output size")
-        return torch.cat([self.pipeline_class._pack_latents(self._normalised_latents(image[None] * 2 - 1)).float()
-                          for image in images])
+        pairs = [self._normalised_posterior(image[None] * 2 - 1) for image in images]
+        pack = self.pipeline_class._pack_latents
+        return (torch.cat([pack(mode).float() for mode, _ in pairs]), torch.cat([pack(std).float() for _, std in pairs]))
 
     def encode_references(self, sources: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """References → packed tokens ``(1, seq_r, 4·C)`` float32 and their position ids ``(1, seq_r, 4)``

@@ -48,17 +48,28 @@ class KontextPolicy(FluxPolicy):
 
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
         """One image ``(3, H, W)`` in [0, 1] → packed context latents ``(1, seq, 4·C)`` float32 at the output size."""
-        image = resize_input(image, int(self.defaults["height"]), int(self.defaults["width"]))
-        pixels = (image[None] * 2 - 1).to(self.device, self.vae.dtype)
-        z = self.vae.encode(pixels).latent_dist.mode()
-        z = (z.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
-        return pack_2x2(z)
+        return self.encode_posterior(image[None])[0]
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Target images ``(B, 3, H, W)`` in [0, 1] → clean tokens ``x0 (B, seq, 4·C)`` float32, one at a time
         (as :meth:`encode_image`: the posterior mode, normalised and packed), for supervised fine-tuning."""
-        return torch.cat([self.encode_image(image) for image in images])
+        return self.encode_posterior(images)[0]
+
+    @torch.no_grad()
+    def encode_posterior(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images ``(B, 3, H, W)`` in [0, 1], each resized to the output size → the VAE posterior's mode and
+        standard deviation, normalised and packed, each ``(B, seq, 4·C)`` float32, one image at a time: a
+        posterior sample normalises and packs to ``mode + std·ξ``, ξ ~ N(0, I) (packing permutes, the scale
+        multiplies)."""
+        scale, shift = self.vae.config.scaling_factor, self.vae.config.shift_factor
+        modes, stds = [], []
+        for image in images:
+            image = resize_input(image, int(self.defaults["height"]), int(self.defaults["width"]))
+            posterior = self.vae.encode((image[None] * 2 - 1).to(self.device, self.vae.dtype)).latent_dist
+            modes.append(pack_2x2((posterior.mode().float() - shift) * scale))
+            stds.append(pack_2x2(posterior.std.float() * scale))
+        return torch.cat(modes), torch.cat(stds)
 
     def velocity(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float

@@ -200,6 +200,13 @@ class SD3Policy(lora_utils.AdapterMethods):
         Encoded one image at a time: float kernels are not batch-invariant, and a latent that changed
         with its batch-mates would break bit-identical resume.
         """
+        return self.encode_posterior(images)[0]
+
+    @torch.no_grad()
+    def encode_posterior(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images ``(B, 3, H, W)`` in [0, 1] → the VAE posterior's mean and standard deviation, normalised,
+        each ``(B, C, h, w)`` float32: a posterior sample ``z`` normalises to ``mean + std·ξ`` (``(z − shift)·scale``),
+        ξ ~ N(0, I). Encoded one image at a time (see :meth:`encode_images`)."""
         if images.ndim != 4 or images.shape[1] != 3:
             raise UserError(f"encode_images expects images (B, 3, H, W), got shape {tuple(images.shape)}")
         size = (int(self.defaults["height"]), int(self.defaults["width"]))
@@ -208,12 +215,13 @@ class SD3Policy(lora_utils.AdapterMethods):
                             f"{size}; resize them to height x width first")
         scale = self.vae.config.scaling_factor
         shift = self.vae.config.shift_factor or 0.0
-        out = []
+        means, stds = [], []
         for image in images:
             x = (image[None].to(self.device, self.vae.dtype) * 2 - 1)
-            z = self.vae.encode(x).latent_dist.mean
-            out.append(((z.float() - shift) * scale))
-        return torch.cat(out)
+            posterior = self.vae.encode(x).latent_dist
+            means.append((posterior.mean.float() - shift) * scale)
+            stds.append(posterior.std.float() * scale)
+        return torch.cat(means), torch.cat(stds)
 
 
 def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",

@@ -93,6 +93,10 @@ class SOARConfig(TrainerConfig):
     batch_size: int = Field(8, ge=1, le=MAX_BATCH)
     #: latents kept in memory (encoding a pair once per run, not once per epoch)
     latent_cache: int = Field(50000, ge=1, le=MAX_CACHE)
+    #: a pair's clean latent x0: "sample", a fresh draw from the VAE's posterior each time the pair is trained
+    #: (the authors' latent_dist.sample() at every step; its mean and std are cached), or "mean", the
+    #: posterior's mean (the former form)
+    image_latents: Literal["sample", "mean"] = "sample"
 
     @model_validator(mode="before")
     @classmethod
@@ -268,7 +272,8 @@ class SOARTrainer(GroupTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         tc = self.tcfg
-        self.images = PairImages(self.policy, self.cfg, self.data, tc.pairs, tc.name, tc.latent_cache)
+        self.images = PairImages(self.policy, self.cfg, self.data, tc.pairs, tc.name, tc.latent_cache,
+                                 posterior=tc.image_latents == "sample")
         self.pairs = self.images.pairs
         #: the scheduler's training levels (T,) float32; None: continuous levels
         self.grid = training_grid(self.policy) if tc.noise_levels == "scheduler_grid" else None
@@ -290,8 +295,19 @@ class SOARTrainer(GroupTrainer):
         return self.images.encoded
 
     def latents(self, indices: list[int]) -> torch.Tensor:
-        """``(B, C, h, w)`` clean latents x0 of the pairs, encoded once each and cached."""
+        """``(B, C, h, w)`` clean latents of the pairs (the posterior means), encoded once each and cached."""
         return self.images.latents(indices)
+
+    def clean_latents(self, step: int, indices: list[int]) -> torch.Tensor:
+        """``x0 (B, C, h, w)`` of this rank's pairs at ``step``: the posterior's mean, or (``image_latents:
+        sample``) ``mean + std·ξ`` with ξ keyed by the pair's place ``j`` in the step's global draw."""
+        if self.tcfg.image_latents == "mean":
+            return self.latents(indices)
+        mean, std = self.images.posteriors(indices)
+        first = self.rank * self.tcfg.step_pairs
+        xi = torch.stack([torch.randn(mean.shape[1:], generator=torch.Generator().manual_seed(
+            derived_seed(self.cfg.run.seed, step, j, 4))) for j in range(first, first + len(indices))])
+        return mean + std * xi.to(mean, non_blocking=True)
 
     def step_pairs(self, step: int) -> list[int]:
         """This rank's pairs of a step, as indices into :attr:`pairs`."""
@@ -303,7 +319,7 @@ class SOARTrainer(GroupTrainer):
         t0 = time.perf_counter()
         tc = self.tcfg
         indices = self.step_pairs(step)
-        x0 = self.latents(indices)
+        x0 = self.clean_latents(step, indices)
         first = self.rank * tc.step_pairs
         keep, eps, t, u = [], [], [], []
         for j in range(first, first + len(indices)):

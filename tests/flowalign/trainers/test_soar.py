@@ -318,6 +318,25 @@ def test_sft_trains_on_a_folder_and_a_jsonl_of_pairs(tmp_path, tiny_sd3_dir):
         assert t.step == 1 and len(t.encoded) == 3
 
 
+def test_each_step_draws_a_fresh_posterior_sample_of_a_pair_or_takes_its_mean(tmp_path, tiny_sd3_dir):
+    """``image_latents: sample`` (the authors' ``latent_dist.sample()`` at every step): x0 = mean + std·ξ, ξ
+    keyed by the pair's place in the step's draw, so two steps training the same pair see two samples;
+    ``mean`` (the former form) takes the posterior mean, the same at every step."""
+    from flowalign.trainers.base import derived_seed
+
+    t = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "p", "trainer.name=sft")))
+    indices = t.step_pairs(0)
+    mean, std = t.images.posteriors(indices)
+    xi = torch.stack([torch.randn(mean.shape[1:], generator=torch.Generator().manual_seed(
+        derived_seed(t.cfg.run.seed, 0, j, 4))) for j in range(len(indices))])
+    torch.testing.assert_close(t.collect(0).x0, mean + std * xi, rtol=0, atol=0)
+    assert torch.equal(t.latents(indices), mean)
+    again = t.clean_latents(1, indices)  # the same pairs at another step: another sample
+    assert not torch.allclose(again, t.collect(0).x0)
+    t.tcfg = t.tcfg.model_copy(update={"image_latents": "mean"})
+    assert torch.equal(t.collect(0).x0, mean) and torch.equal(t.clean_latents(1, indices), mean)
+
+
 def test_former_option_names_are_read_with_one_deprecation_line_each(capsys, monkeypatch):
     from flowalign.trainers import options, trainer_config
 
