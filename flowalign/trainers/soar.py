@@ -85,6 +85,9 @@ class SOARConfig(TrainerConfig):
     logit_std: float = Field(1.0, gt=0, le=MAX_LOGIT)
     #: fraction of captions replaced by "" (keeps the unconditional branch that CFG needs)
     caption_dropout: float = Field(0.0, ge=0, lt=1)
+    #: what one dropout draw decides: a training batch's captions, all or none (the authors' cond_dropout_rate),
+    #: or each pair's caption on its own
+    caption_dropout_per: Literal["batch", "pair"] = "batch"
     #: a folder of images with .txt captions or a JSONL of {"image", "prompt"}; None: render data.bench tasks
     pairs: str | None = None
     #: pairs per optimiser step on each rank; None: batch_size (one forward/backward per step)
@@ -330,6 +333,9 @@ class SOARTrainer(GroupTrainer):
             # σ̃ draws from their own stream: SOAR and SFT see the same (ε, t) at every step
             u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 3))
             u.append(torch.rand(tc.corrections, generator=u_gen))
+        if tc.caption_dropout_per == "batch":  # one draw a training batch, keyed by its first pair's place
+            keep = [self.keeps_batch_captions(step, first + n // tc.batch_size * tc.batch_size)
+                    for n in range(len(indices))]
         prompts = [self.pairs.prompts[i] if k else "" for i, k in zip(indices, keep)]
         # an editing benchmark's pair: its input image (metadata "image") conditions, its rendered result is x0
         metadata = [self.pairs.metadata[i] for i in indices] if self.images.bench else [{} for _ in indices]
@@ -341,6 +347,12 @@ class SOARTrainer(GroupTrainer):
         sigma, sigma_next = rollout_levels(torch.cat(t), tc.rollout_steps, self.grid)
         return PairBatch(x0, torch.stack(eps).to(x0), sigma.to(x0.device), sigma_next.to(x0.device),
                          torch.stack(u, 1).to(x0.device), cond, logs)
+
+    def keeps_batch_captions(self, step: int, first: int) -> bool:
+        """Whether the training batch whose first pair is at place ``first`` of the step's draw keeps its
+        captions (``caption_dropout_per: batch``)."""
+        generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, first, 5))
+        return bool(torch.rand(1, generator=generator) >= self.tcfg.caption_dropout)
 
     def plan(self, batch: PairBatch, generator: torch.Generator) -> Plan:
         """One optimiser step over the pairs, in batches of ``batch_size``."""

@@ -337,6 +337,33 @@ def test_each_step_draws_a_fresh_posterior_sample_of_a_pair_or_takes_its_mean(tm
     assert torch.equal(t.collect(0).x0, mean) and torch.equal(t.clean_latents(1, indices), mean)
 
 
+def test_caption_dropout_drops_a_training_batchs_captions_together_or_each_pair_its_own(tmp_path, tiny_sd3_dir,
+                                                                                        monkeypatch):
+    """``caption_dropout_per: batch`` (the authors' one ``random() < cond_dropout_rate`` a batch): the captions
+    of a batch of ``batch_size`` pairs are dropped all together or kept; ``pair``: each on its own draw."""
+    import flowalign.trainers.soar as soar
+
+    seen, encode = [], soar.encode_prompts
+
+    def recording(policy, prompts, metadata):
+        seen.append(list(prompts))
+        return encode(policy, prompts, metadata)
+
+    monkeypatch.setattr(soar, "encode_prompts", recording)
+    for per in ("batch", "pair"):
+        t = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, per, "trainer.name=sft",
+                                                      "trainer.caption_dropout=0.5", "trainer.batch_size=2",
+                                                      "trainer.pairs_per_step=8", f"trainer.caption_dropout_per={per}")))
+        seen.clear()
+        for step in range(4):
+            t.collect(step)
+        dropped = [[p == "" for p in prompts] for prompts in seen]
+        batches = [d[b:b + 2] for d in dropped for b in range(0, len(d), 2)]
+        together = all(len(set(b)) == 1 for b in batches)
+        assert together == (per == "batch"), (per, dropped)
+        assert 0 < sum(map(sum, dropped)) < sum(map(len, dropped))  # some dropped, some kept
+
+
 def test_former_option_names_are_read_with_one_deprecation_line_each(capsys, monkeypatch):
     from flowalign.trainers import options, trainer_config
 
@@ -363,7 +390,9 @@ def test_two_ranks_draw_the_pairs_and_noise_of_one_process(tmp_path, tiny_sd3_di
     """A pair's caption dropout, ε, σ and σ̃ are keyed by its place in the step's global draw: ranks 0 and 1
     of 2 (2 pairs each) hold what one process drawing 4 pairs holds, and a step's 4 pairs in 2 batches
     of 2 are one optimiser step."""
-    args = ("trainer.name=soar", "trainer.corrections=2", "trainer.caption_dropout=0.5")
+    # each caption on its own draw: a batch's one draw would depend on the batch size, which differs here
+    args = ("trainer.name=soar", "trainer.corrections=2", "trainer.caption_dropout=0.5",
+            "trainer.caption_dropout_per=pair")
     one = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "one", *args)))
     whole = one.collect(1)
     ranks = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "two", *args, "trainer.pairs_per_step=2",
