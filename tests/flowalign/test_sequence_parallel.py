@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from flowalign.config import load_config
 from flowalign.errors import UserError
-from flowalign.paths import REPO_ROOT, assets_dir
+from flowalign.paths import REPO_ROOT
 from flowalign.sequence_parallel import Layout, split_sequences
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -75,11 +75,19 @@ def test_split_velocity_equals_the_whole_models_and_the_gradients_sum_to_its(tmp
         assert "native backend" in result["refusals"]["ring"]  # ring attention needs log-sum-exp: refused on CPU
 
 
-def train_run(run: Path, nproc: int, prompts: int, *extra: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def run_args(run: Path, prompts: int, *extra: str) -> list[str]:
+    return [*RUN, f"run.output_dir={run}", f"trainer.prompts_per_step={prompts}", *extra]
+
+
+def trained(run: Path) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The run's final weights and its log lines."""
-    launch(nproc, ["-m", "flowalign", "train", *RUN, f"run.output_dir={run}", f"trainer.prompts_per_step={prompts}", *extra])
     logs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return load_file(str(run / "checkpoints" / "step-000002" / "trainable.safetensors")), logs
+
+
+def train_run(run: Path, nproc: int, prompts: int, *extra: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    launch(nproc, ["-m", "flowalign", "train", *run_args(run, prompts, *extra)])
+    return trained(run)
 
 
 @pytest.mark.slow
@@ -89,8 +97,11 @@ def test_training_with_split_sequences_ends_at_the_single_process_weights(tmp_pa
     (the 2-D mesh), against one process holding all the prompts: the same first rollouts (their rewards equal to
     the bit) and the same weights. Adam's first steps turn the last-bit gradient differences of near-zero
     entries (the split sums over tokens in another order) into up to ~2e-5 on a few of 32768 weights (measured)."""
-    one, one_logs = train_run(tmp_path / "one", 1, 1)
-    two, two_logs = train_run(tmp_path / "one-two-prompts", 1, 2)
+    from tests.flowalign.trainers.test_fsdp import many, single
+
+    # the two single-process runs in one interpreter (start-up paid once)
+    many(single, [run_args(tmp_path / "one", 1), run_args(tmp_path / "one-two-prompts", 2)], tmp_path / "one.json")
+    (one, one_logs), (two, two_logs) = trained(tmp_path / "one"), trained(tmp_path / "one-two-prompts")
     assert max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 1e-3  # B starts at zero: it moved
     for weights, logs, ref, ref_logs in [
         (*train_run(tmp_path / "sp2", 2, 1, "parallel.sequence_parallel=2"), one, one_logs),

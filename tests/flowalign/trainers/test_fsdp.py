@@ -204,8 +204,8 @@ def nft_runs(tmp_path_factory, tiny_sd3_dir, prompt_file):
     """DiffusionNFT on 2 sharded and 2 replicated ranks × 1 prompt, 2 steps, a checkpoint each step, and a
     final evaluation."""
     root = tmp_path_factory.mktemp("fsdp-nft")
-    for strategy in ("fsdp", "ddp"):
-        torchrun(["train", "/dev/null", *nft_run(root / strategy, tiny_sd3_dir, prompt_file, strategy)])
+    many(torchrun, [nft_run(root / strategy, tiny_sd3_dir, prompt_file, strategy) for strategy in ("fsdp", "ddp")],
+         root / "runs.json")
     return root
 
 
