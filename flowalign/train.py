@@ -86,18 +86,28 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _added_options_at_default(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
-    """The keys of ``new`` (flattened) that the saved config ``old`` lacks and that hold their default: options
-    added since the run was saved (an upgraded flowalign), whose default is what the run did before them."""
+def _added_options(old: dict[str, Any], new: dict[str, Any]) -> tuple[set[str], dict[str, Any]]:
+    """Options of ``new`` (flattened) that the saved config ``old`` lacks, added since the run was saved (an
+    upgraded flowalign): the keys set to what the run computed before they existed (their default, or the
+    trainer's ``before`` value where the default changed the computation), and ``{key: that value}`` of the
+    others, which would change the run."""
     missing = set(new) - set(old)
     if not missing:
-        return set()
+        return set(), {}
     try:
-        name = new.get("trainer.name") or "flow_grpo"
-        defaults = _comparable(yaml.safe_load(dump_config(TrainConfig(), trainer_config({"name": name})[1])))
+        trainer, tcfg = trainer_config({"name": new.get("trainer.name") or "flow_grpo"})
+        defaults = _comparable(yaml.safe_load(dump_config(TrainConfig(), tcfg)))
     except UserError:  # a trainer whose section has required keys: no key counts as added
-        return set()
-    return {k for k in missing if k in defaults and new[k] == defaults[k]}
+        return set(), {}
+    was = {k: defaults[k] for k in missing if k in defaults}
+    was.update({f"trainer.{k}": v for k, v in trainer.Config.before.items() if f"trainer.{k}" in missing})
+    unchanged = {k for k, v in was.items() if new[k] == v}
+    return unchanged, {k: v for k, v in was.items() if k not in unchanged}
+
+
+def _yaml_value(value: Any) -> str:
+    """``value`` as a ``key=value`` override writes it (``null``, ``true``, ``0.5``, ``mean``)."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
@@ -109,12 +119,16 @@ def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
         if resume == "never":
             raise UserError(f"{run_dir} already holds a run; choose another run.output_dir or set run.resume=auto to continue it")
         old, new = _comparable(saved), _comparable(yaml.safe_load(resolved_yaml))
-        added = _added_options_at_default(old, new)
+        added, was = _added_options(old, new)
         changed = sorted(k for k in set(old) | set(new)
                          if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES and k not in added)
         if changed and latest_checkpoint(run_dir) is None:
             print(f"note: {run_dir} holds a run that saved no checkpoint, with another config (differs in "
                   f"{', '.join(changed[:5])}); starting it over with this one")
+        elif changed and set(changed) <= set(was):  # only options the run predates, set to another computation
+            keep = " ".join(f"{k}={_yaml_value(was[k])}" for k in changed)
+            raise UserError(f"{run_dir} holds a run saved before {', '.join(changed)} existed, which computed "
+                            f"{keep}; add {keep} to continue it as it was, or choose another run.output_dir")
         elif changed:
             raise UserError(f"{run_dir} holds another run's config (differs in {', '.join(changed[:5])}); "
                             "choose another run.output_dir, or delete the folder to start over")

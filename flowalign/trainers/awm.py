@@ -35,6 +35,8 @@ from flowalign.trainers.parts.reductions import per_sample_mean
 
 class AWMConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     name: Literal["awm"] = "awm"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"ema_kl_beta": 0.0}
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     #: re-noised copies of each endpoint per update, one per stratum of the trained grid steps
     train_timesteps: int = Field(6, ge=1, le=MAX_SAMPLING_STEPS)
@@ -257,14 +259,8 @@ class AWMTrainer(GroupTrainer):
         return {f"ema_kl.{n}": s for n, s in zip(self.trained_names(), self.kl_ema.shadow, strict=True)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """φ as saved, laid out like the live average (under fsdp: this rank's shards); from a checkpoint saved
-        before the average existed, φ starts from the resumed weights (a line says so)."""
+        """φ as saved, laid out like the live average (under fsdp: this rank's shards)."""
         live = self.state_dict()
-        if live and not any(k.startswith("ema_kl.") for k in state):
-            print("note: the checkpoint holds no moving average for trainer.ema_kl_beta (saved by an earlier "
-                  "flowalign); it starts from the resumed weights")
-            self.kl_ema = EMA(self.params, self.tcfg.ema_kl_decay)
-            return
         saved = self.parallel.place_like({k: state[k] for k in live}, live)
         with torch.no_grad():
             for k, s in live.items():

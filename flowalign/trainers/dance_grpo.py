@@ -31,6 +31,8 @@ from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
 class DanceGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, DrawnStepOptions,
                       BestWorstOptions, AdvantageStdOptions):
     name: Literal["dance_grpo"] = "dance_grpo"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"step_draw": "per_batch", "advantage_std": "population", "zero_advantage": "skipped"}
     sampler: Literal["dance", "flow_grpo", "cps"] = "dance"  # type: ignore[assignment]
     #: η of the DanceGRPO SDE (0.3 FLUX, 0.25 HunyuanVideo in the authors' scripts)
     noise_level: float = Field(0.3, gt=0, le=2)

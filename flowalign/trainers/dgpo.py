@@ -45,6 +45,8 @@ from flowalign.trainers.parts.reductions import per_sample_mean
 
 class DGPOConfig(GroupTrainerConfig, ReferenceOptions):
     name: Literal["dgpo"] = "dgpo"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"step_per": "timestep", "old_policy": "sampling"}
     #: passes over the batch, each drawing its own train_timesteps (its optimiser steps: step_per)
     inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
@@ -292,10 +294,5 @@ class DGPOTrainer(GroupTrainer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.average is None:
             return
-        saved = {k.removeprefix("average."): v for k, v in state.items() if k.startswith("average.")}
-        if not saved:  # saved before the average existed: the former form's old weights were the live ones
-            print("note: the checkpoint holds no moving average for trainer.old_policy=average (saved by an "
-                  "earlier flowalign); it starts from the resumed weights")
-            self.average = EMA(self.params, self.tcfg.old_decay)
-            return
+        saved = {k.removeprefix("average."): state[f"average.{k}"] for k in self.average.state_dict()}
         self.average.load_state_dict(self.parallel.place_like(saved, self.average.state_dict()))

@@ -45,6 +45,8 @@ FitSplit = Literal["shuffled_parts", "whole_batch"]
 
 class DiffusionNFTConfig(SelfDistillConfig, ReferenceOptions):
     name: Literal["diffusion_nft"] = "diffusion_nft"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"fit_split": "whole_batch", "loss_form": "velocity"}
     #: trained timesteps per sample: ⌊fraction·T⌋ of the T sampler timesteps, a fresh random permutation per
     #: sample and update (the authors' ``train.timestep_fraction`` 0.99: 9 of 10)
     timestep_fraction: float = Field(0.99, gt=0, le=1)

@@ -29,6 +29,8 @@ from flowalign.trainers.parts.global_plan import ChunkRef
 
 class FlashGRPOConfig(FlowGRPOBase, ReferenceOptions):
     name: Literal["flash_grpo"] = "flash_grpo"  # type: ignore[assignment]
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"rectify_mean": "batch"}
     num_steps: int = Field(20, ge=4, le=MAX_SAMPLING_STEPS)
     clip_range: float = Field(1e-3, gt=0, le=MAX_COEFFICIENT)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)

@@ -94,6 +94,8 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
     """Flow-GRPO's options (read by ``kl_reward_grpo``) and the distillation's; see the module docstring."""
 
     name: Literal["flow_opd"] = "flow_opd"  # type: ignore[assignment]
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"objective": "velocity_distillation"}
     #: kl_reward_grpo: Flow-GRPO with the step-wise KL to the routed teacher as the reward (the authors'
     #: rule); velocity_distillation: regression on the teachers' velocities (cold start, anchor term)
     objective: Literal["kl_reward_grpo", "velocity_distillation"] = "kl_reward_grpo"

@@ -51,6 +51,8 @@ from flowalign.weight_swap import swapped_in
 
 class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOptions, StepSubsetOptions):
     name: Literal["gardo"] = "gardo"  # type: ignore[assignment]
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"centred_advantage": False}
     sampler: Literal["flow_grpo"] = "flow_grpo"  # type: ignore[assignment]
     #: the proxy reward whose advantages train (its name in rewards:); None: the first. The other rewards
     #: are the auxiliaries the gate compares it with (give them weight 0 to train on the proxy alone)

@@ -39,6 +39,8 @@ from flowalign.trainers.parts.reductions import masked_mean
 class GRPOGuardConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions, StepFractionOptions,
                       StepSubsetOptions):
     name: Literal["grpo_guard"] = "grpo_guard"  # type: ignore[assignment]
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"ratio_bias": "sample"}
     #: the ratio normalisation and the reweighting need a Gaussian step: the Flow-GRPO SDE
     sampler: Literal["flow_grpo"] = "flow_grpo"  # type: ignore[assignment]
     #: r̃ = exp((ℓ_θ − ℓ_old + mean(Δμ²)/(2τ²))·τ) instead of exp(ℓ_θ − ℓ_old)

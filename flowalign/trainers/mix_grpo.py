@@ -25,6 +25,8 @@ from flowalign.trainers.parts.advantage_std import AdvantageStdOptions, advantag
 
 class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, StepSubsetOptions, AdvantageStdOptions):
     name: Literal["mix_grpo"] = "mix_grpo"  # type: ignore[assignment]
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"advantage_std": "population"}
     #: each reward's group advantage, weight-summed (the authors' --use_group with advantage_aggr; with one
     #: reward, ``group``)
     advantage: str = Field("per_reward", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")

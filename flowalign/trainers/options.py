@@ -28,6 +28,10 @@ class TrainerConfig(Section):
     renamed: ClassVar[dict[str, str]] = {}
     #: ``{former key: what to write instead}`` of options that changed meaning: refused, saying so
     refused: ClassVar[dict[str, str]] = {}
+    #: ``{key: value}`` of options added after runs of this trainer were saved whose default is not what those
+    #: runs computed: the value that is (a run saved without the key resumes only with it, see
+    #: :func:`flowalign.train.check_run_dir`)
+    before: ClassVar[dict[str, Any]] = {}
 
     name: str
     max_steps: int = Field(100, ge=1, le=MAX_TRAIN_STEPS)

@@ -103,6 +103,8 @@ class RGOPDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
                          "gives its anchor term's weight)"}
 
     name: Literal["rg_opd"] = "rg_opd"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"target_base": "rollout", "active_sigma_min": 0.0, "loss_space": "velocity", "updates": "per_batch"}
     #: latent reward folder (flowalign train-reward)
     latent_reward: str
     #: κ, the authors' ``reward_scale``: the target moves each velocity by κ·rms(v_b) along −∇r (their SD3

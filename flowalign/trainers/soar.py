@@ -62,6 +62,9 @@ class SOARConfig(TrainerConfig):
                "micro_batch": "batch_size"}
 
     name: Literal["soar"] = "soar"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"noise_levels": "continuous", "sigma_min": 0.05, "loss_average": "terms", "image_latents": "mean",
+              "caption_dropout_per": "pair"}
     #: AdamW rate: the authors' 2e-5 (constant, no warm-up)
     lr: float = Field(2e-5, gt=0, le=MAX_LR)
     #: K: the rollout step is 1/K in training time (match the inference step count; the authors' 40)

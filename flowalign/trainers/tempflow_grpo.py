@@ -34,6 +34,8 @@ from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 
 class TempFlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions):
     name: Literal["tempflow_grpo"] = "tempflow_grpo"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"branching": "one_step"}
     #: the noise-aware weight needs a Gaussian step of known std
     sampler: Literal["flow_grpo", "dance"] = "flow_grpo"  # type: ignore[assignment]
     #: "every_step" (the authors'): each prompt group's trajectory branches at every step of branch_steps,

@@ -85,10 +85,37 @@ def test_a_run_saved_before_an_option_existed_resumes_with_that_option_at_its_de
     (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
     prepare_run_dir(tmp_path, resolved(), "auto")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
-    with pytest.raises(UserError, match=r"differs in model.allow_tf32, trainer.optimizer_kernel\)"):
+    with pytest.raises(UserError, match=r"saved before model.allow_tf32, trainer.optimizer_kernel existed, which "
+                                        r"computed model.allow_tf32=false trainer.optimizer_kernel=auto"):
         prepare_run_dir(tmp_path, resolved("model.allow_tf32=true", "trainer.optimizer_kernel=fused"), "auto")
     with pytest.raises(UserError, match=r"differs in trainer.lr\)"):  # an option the run had still counts
         prepare_run_dir(tmp_path, resolved("trainer.lr=0.5"), "auto")
+
+
+def test_a_run_saved_before_an_option_changed_its_computation_resumes_only_as_it_was(tmp_path):
+    """An option added with the authors' form as its default (``Config.before`` names what runs saved without
+    it computed): such a run is refused under the default with the line that continues it, resumes with it,
+    and a run that predates several such options is told all of them."""
+    import yaml
+
+    from flowalign.config import dump_config
+    from flowalign.trainers import trainer_config
+
+    def resolved(*overrides: str) -> str:
+        cfg = load_config(None, ["trainer.name=dance_grpo", *overrides])
+        return dump_config(cfg, trainer_config(cfg.trainer)[1])
+
+    earlier = yaml.safe_load(resolved())
+    del earlier["trainer"]["step_draw"], earlier["trainer"]["zero_advantage"]
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    with pytest.raises(UserError, match=r"saved before trainer.step_draw, trainer.zero_advantage existed, which "
+                                        r"computed trainer.step_draw=per_batch trainer.zero_advantage=skipped; add"):
+        prepare_run_dir(tmp_path, resolved(), "auto")
+    with pytest.raises(UserError, match=r"computed trainer.zero_advantage=skipped; add trainer.zero_advantage=skipped"):
+        prepare_run_dir(tmp_path, resolved("trainer.step_draw=per_batch"), "auto")
+    prepare_run_dir(tmp_path, resolved("trainer.step_draw=per_batch", "trainer.zero_advantage=skipped"), "auto")
 
 
 @pytest.mark.parametrize("override,message", [

@@ -14,6 +14,7 @@ import yaml
 
 from flowalign.checkpoint import load_checkpoint
 from flowalign.ema import EMA
+from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.trainers.awm import (
     AWMConfig,
@@ -198,10 +199,9 @@ def test_the_average_is_a_copy_of_the_trained_tensors_only_when_weighted():
     assert [c.kind for c in AWMTrainer.weight_copies(full, AWMConfig())] == ["reference", "snapshot"]
 
 
-def test_a_run_saved_before_the_moving_average_resumes_with_it_from_the_resumed_weights(tmp_path, tiny_sd3_dir,
-                                                                                       prompt_file, capsys):
-    """A checkpoint without φ (an earlier flowalign's, which had no ``ema_kl_beta``) resumes under the default:
-    φ starts from the resumed weights, and a line says so."""
+def test_a_run_saved_before_the_moving_average_resumes_only_as_it_was(tmp_path, tiny_sd3_dir, prompt_file):
+    """A run of an earlier flowalign (no ``ema_kl_beta``: no moving-average KL) is refused under the new
+    default with the line that continues it, and resumes with that line's setting."""
     extra = ("trainer.name=awm", "trainer.train_timesteps=2", "trainer.batch_size=2", "run.checkpoint_every=1")
     build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.ema_kl_beta=0",
                                "trainer.max_steps=1")).train()
@@ -209,7 +209,10 @@ def test_a_run_saved_before_the_moving_average_resumes_with_it_from_the_resumed_
     config = yaml.safe_load(saved.read_text())
     del config["trainer"]["ema_kl_beta"]
     saved.write_text(yaml.safe_dump(config))
-    resumed = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=1"))
-    resumed.train()  # resumes at step 1: nothing left to train, φ as the resume set it
-    assert "holds no moving average for trainer.ema_kl_beta" in capsys.readouterr().out
-    assert resumed.step == 1 and all(torch.equal(s, p) for s, p in zip(resumed.kl_ema.shadow, resumed.params))
+    with pytest.raises(UserError, match=r"saved before trainer.ema_kl_beta existed, which computed "
+                                        r"trainer.ema_kl_beta=0.0; add trainer.ema_kl_beta=0.0 to continue it"):
+        build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=2"))
+    resumed = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=2",
+                                         "trainer.ema_kl_beta=0.0"))
+    resumed.train()
+    assert resumed.step == 2 and resumed.kl_ema is None

@@ -365,3 +365,20 @@ def test_no_trainer_replaces_the_loop_or_its_services():
     replaced = {name: [m for m in LOOP_METHODS if getattr(get_trainer(name), m) is not getattr(GroupTrainer, m)]
                 for name in sorted(TRAINERS)}
     assert not {name: methods for name, methods in replaced.items() if methods}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINERS))
+def test_what_runs_saved_before_an_option_computed_is_a_setting_of_that_option(name):
+    """``Config.before``: each key is an option of the trainer, its value a valid setting other than the default
+    (a run saved without the key resumes only with it, see test_config.py)."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter
+
+    config = get_trainer(name).Config
+    for key, value in config.before.items():
+        assert key in config.model_fields, f"{name}: before names {key!r}, not an option"
+        field = config.model_fields[key]
+        kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+        assert TypeAdapter(kind).validate_python(value) == value, (name, key)
+        assert value != field.get_default(call_default_factory=True), f"{name}: before.{key} is the default"

@@ -175,21 +175,25 @@ def test_dpm2_rollouts_run_on_the_schedulers_flow_grid_with_integer_timesteps(tm
     assert {float(t) for s in seen for t in s} == {float(t) for t in theirs.timesteps}
 
 
-def test_a_run_saved_before_the_moving_average_resumes_with_it_from_the_resumed_weights(tmp_path, tiny_sd3_dir,
-                                                                                       prompt_file, capsys):
-    """A checkpoint of an earlier flowalign's DGPO (no ``old_policy``: the sampling weights' old losses) resumes
-    under the default, the average starting from the resumed weights, and a line says so."""
+def test_a_run_saved_before_the_moving_average_resumes_only_as_it_was(tmp_path, tiny_sd3_dir, prompt_file):
+    """A DGPO run of an earlier flowalign (no ``old_policy``: the sampling weights' old losses) is refused under
+    the default with the line that continues it as it was, and resumes with it."""
     import yaml
 
+    from flowalign.errors import UserError
+
     extra = ("trainer.name=dgpo", "trainer.train_timesteps=1", "trainer.last_step=2", "trainer.batch_size=4",
-             "run.checkpoint_every=1", "trainer.max_steps=1")
-    build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.old_policy=sampling")).train()
+             "run.checkpoint_every=1")
+    build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.old_policy=sampling",
+                               "trainer.max_steps=1")).train()
     saved = tmp_path / "r" / "config.yaml"  # as the earlier flowalign wrote it: without the three options
     config = yaml.safe_load(saved.read_text())
     for key in ("old_policy", "old_decay", "sample_with_average_after"):
         del config["trainer"][key]
     saved.write_text(yaml.safe_dump(config))
-    resumed = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra))
+    with pytest.raises(UserError, match=r"computed trainer.old_policy=sampling; add trainer.old_policy=sampling"):
+        build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=2"))
+    resumed = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=2",
+                                         "trainer.old_policy=sampling"))
     resumed.train()
-    assert "holds no moving average for trainer.old_policy=average" in capsys.readouterr().out
-    assert resumed.step == 1 and all(torch.equal(s, p) for s, p in zip(resumed.average.shadow, resumed.params))
+    assert resumed.step == 2 and resumed.average is None
