@@ -105,6 +105,36 @@ def _added_options(old: dict[str, Any], new: dict[str, Any]) -> tuple[set[str], 
     return unchanged, {k: v for k, v in was.items() if k not in unchanged}
 
 
+def _saved_under_current_names(saved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The saved config with its trainer section read as this flowalign reads it: options renamed since the
+    run was saved under their names now (their values moved as the trainer moves them), nothing filled in.
+    A saved option this flowalign refuses (its meaning changed) refuses the run, saying so."""
+    import contextlib
+    import io
+
+    from flowalign.trainers import get_trainer
+
+    section = saved["trainer"]
+    try:
+        config = get_trainer(str(section.get("name", "flow_grpo"))).Config
+    except UserError:
+        return saved  # a trainer this flowalign does not have: the comparison names it
+    refused = [k for k in section if k in config.refused]
+    if refused:
+        raise UserError(f"{run_dir} holds a run saved with trainer.{refused[0]}, which this flowalign no longer reads "
+                        f"({config.refused[refused[0]]}); continue it with the flowalign that started it, or choose "
+                        "another run.output_dir")
+    if not any(k in config.renamed for k in section):
+        return saved
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the deprecation lines are for the user's own config
+            _, tcfg = trainer_config(section)
+    except UserError:
+        return saved
+    dumped = tcfg.model_dump(mode="json")
+    return {**saved, "trainer": {**{k: dumped[k] for k in tcfg.model_fields_set}, "name": section.get("name")}}
+
+
 def _yaml_value(value: Any) -> str:
     """``value`` as a ``key=value`` override writes it (``null``, ``true``, ``0.5``, ``mean``)."""
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
@@ -118,7 +148,7 @@ def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
     if saved is not None:
         if resume == "never":
             raise UserError(f"{run_dir} already holds a run; choose another run.output_dir or set run.resume=auto to continue it")
-        old, new = _comparable(saved), _comparable(yaml.safe_load(resolved_yaml))
+        old, new = _comparable(_saved_under_current_names(saved, run_dir)), _comparable(yaml.safe_load(resolved_yaml))
         added, was = _added_options(old, new)
         changed = sorted(k for k in set(old) | set(new)
                          if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES and k not in added)

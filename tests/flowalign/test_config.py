@@ -118,6 +118,38 @@ def test_a_run_saved_before_an_option_changed_its_computation_resumes_only_as_it
     prepare_run_dir(tmp_path, resolved("trainer.step_draw=per_batch", "trainer.zero_advantage=skipped"), "auto")
 
 
+def test_a_run_saved_under_an_options_former_name_resumes_and_one_whose_meaning_changed_is_refused(tmp_path):
+    """SOAR's K, w_cfg, N, lam (now rollout_steps, rollout_guidance, corrections, correction_weight) in a saved
+    config are read under their names now: the run resumes with the same values, and is refused with others.
+    A saved option whose meaning changed (RG-OPD's anchor) refuses the run, saying what it became."""
+    import yaml
+
+    from flowalign.config import dump_config
+    from flowalign.trainers import trainer_config
+
+    def resolved(*overrides: str) -> str:
+        cfg = load_config(None, list(overrides))
+        return dump_config(cfg, trainer_config(cfg.trainer)[1])
+
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
+    earlier = yaml.safe_load(resolved("trainer.name=soar", "trainer.rollout_steps=8"))
+    for former, now in (("K", "rollout_steps"), ("w_cfg", "rollout_guidance"), ("N", "corrections"),
+                        ("lam", "correction_weight")):
+        earlier["trainer"][former] = earlier["trainer"].pop(now)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    prepare_run_dir(tmp_path, resolved("trainer.name=soar", "trainer.rollout_steps=8"), "auto")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    with pytest.raises(UserError, match=r"differs in trainer.rollout_steps\)"):
+        prepare_run_dir(tmp_path, resolved("trainer.name=soar", "trainer.rollout_steps=9"), "auto")
+    rg = ("trainer.name=rg_opd", "trainer.latent_reward=registers")
+    earlier = yaml.safe_load(resolved(*rg))
+    earlier["trainer"]["anchor"] = earlier["trainer"].pop("anchor_weight")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    with pytest.raises(UserError, match=r"saved with trainer.anchor, which this flowalign no longer reads \(RG-OPD's"):
+        prepare_run_dir(tmp_path, resolved(*rg), "auto")
+
+
 @pytest.mark.parametrize("override,message", [
     ("run.seed=-1", "run.seed: Input should be greater than or equal to 0"),
     (f"run.seed={10**23}", "run.seed: Input should be less than or equal to 9223372036854775807"),
