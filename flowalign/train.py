@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -26,7 +28,7 @@ from flowalign.reward_check import check_frame_count, check_reward_metadata
 from flowalign.reward_set import check_panel, load_panel, time_limited
 from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
 from flowalign.signals import exit_on_sigterm
-from flowalign.trainers import trainer_config
+from flowalign.trainers import get_trainer, trainer_config
 
 # keys that may change when a run is resumed (everything else must match the saved config); the folder
 # itself may have been moved or copied, and the layout over ranks may change (checkpoints are consolidated)
@@ -109,11 +111,6 @@ def _saved_under_current_names(saved: dict[str, Any], run_dir: Path) -> dict[str
     """The saved config with its trainer section read as this flowalign reads it: options renamed since the
     run was saved under their names now (their values moved as the trainer moves them), nothing filled in.
     A saved option this flowalign refuses (its meaning changed) refuses the run, saying so."""
-    import contextlib
-    import io
-
-    from flowalign.trainers import get_trainer
-
     section = saved["trainer"]
     try:
         config = get_trainer(str(section.get("name", "flow_grpo"))).Config

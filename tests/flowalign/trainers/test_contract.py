@@ -115,6 +115,21 @@ def test_a_toy_trainer_trains_checkpoints_and_resumes_bit_exactly(tmp_path, tiny
     assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, straight.ema.shadow))
 
 
+def test_finish_sees_each_optimiser_steps_logs_apart(tmp_path, tiny_sd3_dir, prompt_file, monkeypatch):
+    """The toy's plan takes two optimiser steps of one unit each: ``finish`` gets two dicts, each with that
+    step's one logged loss and its gradient norm (as floats), and the step's log line is their mean."""
+    t = _toy(tmp_path / "r", tiny_sd3_dir, prompt_file)
+    seen, finish = [], t.finish
+    monkeypatch.setattr(t, "finish", lambda batch, steps: seen.append(steps) or finish(batch, steps))
+    logs = t.update(t.collect(0), torch.Generator().manual_seed(0))
+    (steps,) = seen
+    assert [sorted(s) for s in steps] == [["grad_norm", "loss"]] * 2
+    assert all(len(s["loss"]) == len(s["grad_norm"]) == 1 and type(s["grad_norm"][0]) is float for s in steps)
+    assert steps[0]["loss"] != steps[1]["loss"]  # two units, not one step's value twice
+    assert logs["loss"] == pytest.approx((steps[0]["loss"][0] + steps[1]["loss"][0]) / 2)
+    assert logs["grad_norm"] == pytest.approx((steps[0]["grad_norm"][0] + steps[1]["grad_norm"][0]) / 2)
+
+
 def test_a_checkpoint_without_state_the_trainer_keeps_is_refused_in_one_line(tmp_path, tiny_sd3_dir, prompt_file,
                                                                              monkeypatch):
     """A checkpoint saved before a trainer kept some state (an earlier flowalign) is refused by name, not with a
