@@ -1,14 +1,16 @@
 """Self-OPD: teacher-free on-policy distillation from the policy's own branches (``docs/methods/self_opd.md``).
 
-Per prompt, one ODE rollout of the current weights θ_old (the trunk); at ``branch_steps`` steps k, drawn
-per training step and shared by its prompts (with the authors' weights ``step_weights``, early steps
-likelier), the trunk's state ``x_k`` is branched:
+Per prompt, ``trunks`` rollouts of the current weights θ_old (the trunks: Flow-GRPO SDE rollouts at
+``trunk_noise_level``, or ODE rollouts at 0). As the authors' mask does, a trunk whose reward equals its
+prompt's mean is dropped (``drop_flat``: a prompt whose trunks all score alike is not branched). At
+``branch_steps`` steps k, drawn per training step and shared by its prompts (with the authors' weights
+``step_weights``, early steps likelier), each kept trunk's state ``x_k`` is branched:
 
-    x_det = x_k + (σ_{k+1} − σ_k)·v_old                     (the deterministic next state: the trunk itself)
+    x_det = x_k + (σ_{k+1} − σ_k)·v_old                     (the deterministic next state)
     x^j   = μ_old + τ·ξ_j,  j = 1 … K                       (the Flow-GRPO SDE step at x_k, ξ_j ~ N(0, I))
 
 every branch is finished with the ODE sampler and scored; the deterministic branch's reward is the
-baseline (the self-reference). As the authors' ``select_all_branches`` does, the M rewards are fused with
+baseline (the self-reference). An ODE trunk is its own deterministic branch: its reward is the baseline. As the authors' ``select_all_branches`` does, the M rewards are fused with
 their weights w_m first and the difference is scaled by the spread of the candidates:
 
     R_j = Σ_m w_m R^m(x^j),   A_j = (R_j − R(x_det)) / max(std_j R_j, ε)          (unbiased std over the K)
@@ -24,7 +26,7 @@ At θ = θ_old the gradient is ``−(1/(K·τ·D)) Σ_j ω_j ξ_j · ∂μ/∂θ
 advantage-weighted branch noise. With K = 1 the spread is 0 (A = ±(R_1 − R_det)/ε): the one candidate
 is pulled at full weight when it beats the deterministic branch; a losing one is its own best branch and
 gets no push.
-The hooks: the trunk, the branches and their rewards (``collect``), the attenuation and a global plan of
+The hooks: the trunks, the branches and their rewards (``collect``), the attenuation and a global plan of
 (prompt, step) units (``plan``), the loss of one unit (``loss``).
 """
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS
 from flowalign.sampling import continue_ode, sde_step
@@ -44,13 +46,22 @@ from flowalign.trainers.options import InnerEpochOptions, SampleOptions, Trainer
 
 
 class SelfOPDConfig(TrainerConfig, SampleOptions, InnerEpochOptions):
-    """One ODE trunk per prompt (``SampleOptions``: trunks and branch continuations per ODE batch, the trunks'
-    steps and guidance) and its branch sets (no prompt groups, no advantage kind: the advantages are the
-    method's own, against the trunk); ``inner_epochs`` optimiser steps on the same fixed targets."""
+    """``trunks`` rollouts per prompt (``SampleOptions``: trunks and branch continuations per batch, the
+    trunks' steps and guidance) and their branch sets (no advantage kind: the advantages are the method's own,
+    against the deterministic branch); ``inner_epochs`` optimiser steps on the same fixed targets."""
 
     name: Literal["self_opd"] = "self_opd"
+    before = {"trunks": 1, "trunk_noise_level": 0.0, "drop_flat": False}
+    #: rollouts per prompt, each branched (the authors' num_image_per_prompt 16)
+    trunks: int = Field(16, ge=1, le=MAX_GROUP_SIZE)
+    #: a of the trunks' Flow-GRPO SDE, the last step included (the authors' trajectory_noise_level 0.7); 0: ODE
+    #: trunks, each its own deterministic branch
+    trunk_noise_level: float = Field(0.7, ge=0, le=2)
+    #: drop a trunk whose reward equals its prompt's mean over the step (the authors' mask of zero advantages);
+    #: needs trunks ≥ 2
+    drop_flat: bool = True
     #: K: SDE candidates branched off each sampled state (1: a pairwise comparison with the deterministic branch)
-    branches: int = Field(4, ge=1, le=MAX_GROUP_SIZE)
+    branches: int = Field(8, ge=1, le=MAX_GROUP_SIZE)
     #: sampled states branched per prompt and step (distinct steps of the trunk; the authors' timesteps_per_step)
     branch_steps: int = Field(2, ge=1, le=MAX_SAMPLING_STEPS)
     #: branched steps are drawn from {0 … ⌊T·max_step_fraction⌋ − 1}, and never the step to σ = 0
@@ -67,6 +78,13 @@ class SelfOPDConfig(TrainerConfig, SampleOptions, InnerEpochOptions):
     adv_eps: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
     #: every branch weight ω is clipped to ±branch_weight_clip
     branch_weight_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
+
+    @model_validator(mode="after")
+    def _flat_needs_a_group(self) -> "SelfOPDConfig":
+        if self.drop_flat and self.trunks < 2:
+            raise ValueError("trainer.drop_flat=true drops every trunk when trainer.trunks=1 (a prompt's one trunk "
+                             "is its own mean): set trunks to 2 or more, or drop_flat=false")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -118,6 +136,18 @@ def pull_push_loss(mean: torch.Tensor, branches: torch.Tensor, std: float | torc
     return (weights.to(sq, non_blocking=True) * sq).mean()
 
 
+def differs_from_its_prompt(totals: torch.Tensor, valid: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` whether each sample's fused reward ``totals (N,)`` differs from the mean of its prompt's valid
+    samples (``prompt_ids (N,)``): the authors' mask, which drops a sample of zero group advantage (every
+    sample of a prompt whose rewards all agree). An invalid sample is dropped."""
+    totals, kept = totals.double(), torch.zeros_like(valid)  # float64, as their numpy statistics
+    for p in torch.unique(prompt_ids):
+        members = (prompt_ids == p) & valid
+        if members.any():
+            kept |= members & (totals != totals[members].mean())
+    return kept
+
+
 def branched_step_draw(high: int, count: int, weights: list[float], generator: torch.Generator) -> list[int]:
     """``count`` distinct steps of ``0 … high−1`` (sorted), drawn without replacement with the odds ``weights``
     (steps past the list: 0; fewer when fewer have positive odds), as the authors' ``torch.multinomial`` of
@@ -138,7 +168,7 @@ def branched_step_draw(high: int, count: int, weights: list[float], generator: t
 class BranchSet:
     """Trunk sample ``sample`` of rollout batch ``chunk`` branched at step ``k``: the state ``x_k (1, ...)``,
     the old step mean ``mean (1, ...)`` and std ``std``, the K candidates ``branches (K, ...)`` and their
-    advantages ``(K,)``; ``key``: (group, k), its identity in any rank layout."""
+    advantages ``(K,)``; ``key``: (trunk, k), its identity in any rank layout (trunk: group · trunks + member)."""
 
     chunk: int
     sample: int
@@ -153,11 +183,11 @@ class BranchSet:
 
 @dataclass
 class BranchBatch:
-    """A step's trunks (the loop's :class:`StepBatch` of ODE rollouts, scored: the deterministic branches) and
-    their branch sets."""
+    """A step's trunks (the loop's :class:`StepBatch` of rollouts, scored) and the branch sets of those kept."""
 
     trunk: StepBatch
     sets: list[BranchSet]
+    spare: BranchSet  # the step's first set drawn (perhaps padding): what a rank with no set runs as a filler
     logs: dict[str, float] = field(default_factory=dict)
 
 
@@ -177,25 +207,35 @@ class SelfOPDTrainer(GroupTrainer):
 
     @classmethod
     def keeps_velocities(cls, tcfg) -> bool:
-        return True  # the branches' targets read the policy's velocity at every step
+        return True  # the deterministic branches read the policy's velocity at every step
+
+    @classmethod
+    def rollouts_per_step(cls, tcfg: SelfOPDConfig) -> tuple[int, int, int]:
+        return tcfg.prompts_per_step, tcfg.trunks, tcfg.num_steps
 
     @classmethod
     def step_holdings(cls, tcfg: SelfOPDConfig) -> Any:
-        """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). One ODE trunk a prompt, held through the update (its velocities kept). At each of the ``n`` branched
-        states, ``K = branches`` candidates are finished and decoded on the device; their decoded samples are
-        kept in a list until every one is drawn (the last set is decoded while the others are held), then
-        concatenated and scored: ``2·n·K`` decoded samples alive at the scoring peak. The branch sets themselves
-        go to CPU memory."""
+        """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). ``trunks`` rollouts a
+        prompt, held through the update (their velocities kept). At each of the ``n`` branched states of every
+        trunk, ``K = branches`` candidates (and, off an SDE trunk, the deterministic branch) are finished and
+        decoded on the device; their decoded samples are kept in a list until every one is drawn (the last set
+        is decoded while the others are held), then concatenated and scored: twice the candidates alive at the
+        scoring peak. The branch sets themselves go to CPU memory."""
         from flowalign.plan_holdings import Holding, StepHoldings, self_opd_branched_steps
 
-        candidates = self_opd_branched_steps(tcfg) * tcfg.branches
-        trunk = Holding(rollouts=1)
-        return StepHoldings(trunk, (Holding(rollouts=1, decoded=candidates, decoding=True),
-                                    Holding(rollouts=1, decoded=2 * candidates)))
+        per_state = tcfg.branches + (1 if tcfg.trunk_noise_level > 0 else 0)
+        candidates = tcfg.trunks * self_opd_branched_steps(tcfg) * per_state
+        trunk = Holding(rollouts=tcfg.trunks)
+        return StepHoldings(trunk, (Holding(rollouts=tcfg.trunks, decoded=candidates, decoding=True),
+                                    Holding(rollouts=tcfg.trunks, decoded=2 * candidates)))
 
     def sampling(self, group: int) -> Sampling:
-        """Trunks: ODE rollouts keeping their velocities (v_old at the branched states needs no forward)."""
-        return Sampling("ode", keep_velocities=True)
+        """Trunks keeping their velocities (v_old at the branched states needs no forward): the Flow-GRPO SDE on
+        every step, the one to σ = 0 included, as the authors' trajectory; or the ODE."""
+        if self.tcfg.trunk_noise_level == 0:
+            return Sampling("ode", keep_velocities=True)
+        return Sampling("flow_grpo", noise_level=self.tcfg.trunk_noise_level, sde_last_step=True,
+                        keep_velocities=True)
 
     def branched_steps(self, step: int) -> list[int]:
         """The steps where every trunk of training step ``step`` is branched, keyed by (seed, step): the same
@@ -206,60 +246,88 @@ class SelfOPDTrainer(GroupTrainer):
         return branched_step_draw(high, self.tcfg.branch_steps, self.tcfg.step_weights, g)
 
     def collect(self, step: int) -> BranchBatch:
-        """One trunk per prompt (scored: the baselines), then K candidates at each branched step, finished
-        by the ODE; every candidate of the step scored at once; advantages against the trunk's reward."""
-        idx = self.step_indices(step)
-        p, t = self.tcfg.prompts_per_step, self.tcfg
-        groups = torch.arange(self.rank * p, (self.rank + 1) * p)
-        prompts = [self.data.prompts[i] for i in idx]
-        metadata = [self.data.metadata[i] for i in idx]
-        trunk = self.sample(prompts, metadata, groups, torch.tensor(idx), step)
+        """``trunks`` rollouts per prompt (scored), the flat ones dropped, then K candidates at each branched
+        step of every kept trunk, finished by the ODE (with, off an SDE trunk, its deterministic branch);
+        every candidate of the step scored at once; advantages against the deterministic branch's reward."""
+        idx, t = self.step_indices(step), self.tcfg
+        p, n = t.prompts_per_step, t.trunks
+        prompts = [self.data.prompts[i] for i in idx for _ in range(n)]
+        metadata = [self.data.metadata[i] for i in idx for _ in range(n)]
+        groups = torch.arange(self.rank * p, (self.rank + 1) * p).repeat_interleave(n)
+        prompt_ids = torch.tensor(idx).repeat_interleave(n)
+        trunk = self.sample(prompts, metadata, groups, prompt_ids, step)
         judged = self.judge(trunk.scores, trunk.samples, None, step)  # the invalid guard and the trunks' reward logs
         trunk = dataclasses.replace(trunk, logs={**trunk.logs, **judged.logs})
+        kept = torch.ones(len(groups), dtype=torch.bool)
+        if t.drop_flat:  # over every rank's trunks: a prompt's trunks may be spread over ranks
+            kept = differs_from_its_prompt(self.gather(trunk.scores.total), self.gather(trunk.scores.valid),
+                                           self.gather(trunk.prompt_ids))[self.rank * len(groups) : (self.rank + 1) * len(groups)]
+        kept_fraction = self.gather(kept.float()).mean().item()
+        # (chunk, sample, position in the step) of each kept trunk. Every rank branches as many trunks, at least
+        # one (scoring gathers every rank's candidates, and under fsdp each forward is a collective): the
+        # padding repeats the step's first trunk, whose sets are then dropped
+        at = [(c, i) for c, chunk in enumerate(trunk.chunks) for i in range(len(chunk))]
+        real = [(c, i, m) for m, (c, i) in enumerate(at) if kept[m]]
+        work = real + [(0, 0, -1)] * (max(1, *self.gather_objects(len(real))) - len(real))
+        deterministic = t.trunk_noise_level > 0  # an SDE trunk is not its own deterministic branch
         drawn, samples = [], []
-        n = 0
-        for c, chunk in enumerate(trunk.chunks):
-            for i in range(len(chunk)):
-                group = int(trunk.groups[n])
-                for k in self.branched_steps(step):
-                    branch_set, decoded = self.branch(trunk, c, i, k, group, step)
-                    drawn.append((branch_set, n))
-                    samples.append(decoded)
-                n += 1
+        for c, i, m in work:
+            g = trunk.groups[max(m, 0)]
+            trunk_id = int(g) * n + int((trunk.groups[: max(m, 0)] == g).sum())  # global: the same in any rank layout
+            for k in self.branched_steps(step):
+                branch_set, decoded = self.branch(trunk, c, i, k, trunk_id, step, deterministic)
+                drawn.append((branch_set, m))
+                samples.append(decoded)
         # the candidates' rewards through the scoring service (the invalid guard over all of them); the
         # step's reward/* logs stay the trunks' (the policy's own samples)
-        branch_prompts = [trunk.chunks[s.chunk].prompts[s.sample] for s, _ in drawn for _ in range(t.branches)]
-        branch_metadata = [trunk.chunks[s.chunk].metadata[s.sample] for s, _ in drawn for _ in range(t.branches)]
-        scores = self.score(torch.cat(samples), branch_prompts, branch_metadata, step=step).scores
-        base, sets = trunk.scores, []
-        for j, (s, n) in enumerate(drawn):
-            part = slice(j * t.branches, (j + 1) * t.branches)
-            adv = self_reference_advantages(scores.values[part], scores.valid[part], base.values[n],
-                                            bool(base.valid[n]), scores.weights, t.adv_eps)
+        per_set = t.branches + int(deterministic)
+        set_prompts = [trunk.chunks[s.chunk].prompts[s.sample] for s, _ in drawn]
+        set_metadata = [trunk.chunks[s.chunk].metadata[s.sample] for s, _ in drawn]
+        scores = self.score(torch.cat(samples), [q for q in set_prompts for _ in range(per_set)],
+                            [d for d in set_metadata for _ in range(per_set)], step=step).scores
+        sets, branch_totals = [], []
+        for j, (s, m) in enumerate(drawn):
+            if m < 0:
+                continue  # padding
+            first = j * per_set
+            part = slice(first, first + t.branches)
+            if deterministic:
+                base, base_valid = scores.values[first + t.branches], bool(scores.valid[first + t.branches])
+            else:
+                base, base_valid = trunk.scores.values[m], bool(trunk.scores.valid[m])
+            adv = self_reference_advantages(scores.values[part], scores.valid[part], base, base_valid,
+                                            scores.weights, t.adv_eps)
             sets.append(dataclasses.replace(s, advantages=adv))
-        adv = torch.cat([s.advantages for s in sets])
-        logs = {**trunk.logs,
-                "branch/reward": scores.total[scores.valid].mean().item() if scores.valid.any() else float("nan"),
-                "branch/adv_abs": adv.abs().mean().item(), "zero_adv_fraction": (adv == 0).float().mean().item()}
-        return BranchBatch(trunk, sets, logs)
+            branch_totals.append(scores.total[part][scores.valid[part]])
+        adv = torch.cat([s.advantages for s in sets]) if sets else torch.zeros(0)
+        totals = torch.cat(branch_totals) if branch_totals else torch.zeros(0)
+        # over every rank's sets (ranks may keep different numbers of trunks)
+        sums = torch.tensor(self.gather_objects((totals.sum().item(), len(totals), adv.abs().sum().item(),
+                                                 (adv == 0).sum().item(), len(adv)))).sum(0).tolist()
+        logs = {**trunk.logs, "trunk/kept_fraction": kept_fraction,
+                "branch/reward": sums[0] / sums[1] if sums[1] else float("nan"),
+                "branch/adv_abs": sums[2] / sums[4] if sums[4] else 0.0,
+                "zero_adv_fraction": sums[3] / sums[4] if sums[4] else 1.0}
+        return BranchBatch(trunk, sets, drawn[0][0], logs)
 
     @torch.no_grad()
-    def branch(self, trunk: StepBatch, c: int, i: int, k: int, group: int, step: int
+    def branch(self, trunk: StepBatch, c: int, i: int, k: int, trunk_id: int, step: int, deterministic: bool
                ) -> tuple[BranchSet, torch.Tensor]:
         """Trunk sample ``i`` of chunk ``c`` branched at step ``k``: K SDE candidates, each with its own noise keyed
-        by (seed, step, group, k, j), finished in ODE batches of ``batch_size``; the set (advantages not yet
-        known: zeros) and the candidates' decoded samples ``(K, ...)``."""
+        by (seed, step, trunk, k, j), and with ``deterministic`` the ODE step last, finished in ODE batches of
+        ``batch_size``; the set (advantages not yet known: zeros) and the decoded samples ``(K [+ 1], ...)``."""
         chunk, t = trunk.chunks[c], self.tcfg
         x_k, v = chunk.latents[i : i + 1, k], chunk.velocities[i : i + 1, k]
         sigma, sigma_next = chunk.sigmas[k].item(), chunk.sigmas[k + 1].item()
         gaussian = sde_step("flow_grpo", v, x_k, sigma, sigma_next, noise_level=t.noise_level, prev_sample=x_k)
         noise = torch.stack([torch.randn(x_k.shape[1:], generator=torch.Generator().manual_seed(
-            derived_seed(self.cfg.run.seed, step, group, k, j, 29))) for j in range(t.branches)])
+            derived_seed(self.cfg.run.seed, step, trunk_id, k, j, 29))) for j in range(t.branches)])
         std = float(gaussian.std.flatten()[0])
         branches = gaussian.mean + std * noise.to(gaussian.mean)
+        starts = torch.cat([branches, x_k + (sigma_next - sigma) * v]) if deterministic else branches
         finals = torch.cat([continue_ode(self.policy, part, chunk.sigmas[k + 1 :], chunk.cond[[i] * len(part)],
-                                         chunk.guidance_scale) for part in branches.split(t.batch_size)])
-        branch_set = BranchSet(c, i, k, (group, k), x_k.cpu(), gaussian.mean.cpu(), std, branches.cpu(),
+                                         chunk.guidance_scale) for part in starts.split(t.batch_size)])
+        branch_set = BranchSet(c, i, k, (trunk_id, k), x_k.cpu(), gaussian.mean.cpu(), std, branches.cpu(),
                                torch.zeros(t.branches))
         return branch_set, self.policy.decode(finals)
 
@@ -277,8 +345,8 @@ class SelfOPDTrainer(GroupTrainer):
         return Plan([units] * self.tcfg.inner_epochs if total else [], global_weights=True)
 
     def filler(self, batch: BranchBatch, update: int) -> PullPushUnit:
-        """The first branch set with zero weights (fsdp padding; its loss is multiplied by 0)."""
-        s = batch.sets[0]
+        """A branch set with zero weights (fsdp padding; its loss is multiplied by 0)."""
+        s = batch.spare
         return PullPushUnit(s, torch.zeros(len(s.advantages)), 1)
 
     def loss(self, batch: BranchBatch, unit: PullPushUnit) -> tuple[torch.Tensor, dict[str, Any]]:

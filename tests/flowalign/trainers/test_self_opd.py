@@ -1,6 +1,7 @@
 """Self-OPD: the self-reference advantages, the pull-push objective and its attenuation, the authors' weights,
-loss and step draw as known answers (known_answers/self_opd_*.json), K = 1, the trunk as the baseline on the
-tiny model, learning on a toy flow, and bit-exact resume (docs/methods/self_opd.md)."""
+loss, step draw and mask of flat trunks as known answers (known_answers/self_opd_*.json), K = 1, the SDE trunks
+and their deterministic branches (and the former ODE trunk as its own baseline) on the tiny model, learning on
+a toy flow, and bit-exact resume (docs/methods/self_opd.md)."""
 
 import json
 import math
@@ -20,6 +21,7 @@ from flowalign.trainers.self_opd import (
     SelfOPDConfig,
     SelfOPDTrainer,
     branched_step_draw,
+    differs_from_its_prompt,
     pull_push_loss,
     pull_push_weights,
     self_reference_advantages,
@@ -34,6 +36,9 @@ ALL = torch.ones(3, dtype=torch.bool)
 
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "self_opd_branch_loss.json").read_text())
 DRAWS = json.loads((Path(__file__).parent / "known_answers" / "self_opd_step_draw.json").read_text())
+MASKS = json.loads((Path(__file__).parent / "known_answers" / "self_opd_flat_mask.json").read_text())
+#: the trunk before the authors' (one ODE rollout a prompt, every trunk branched)
+ODE_TRUNK = ("trainer.trunks=1", "trainer.trunk_noise_level=0", "trainer.drop_flat=false")
 
 
 @pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"aware{c['direction_aware']}-clip{c['branch_weight_clip']}")
@@ -171,13 +176,82 @@ def test_one_branch_pulls_a_winner_and_leaves_a_loser_alone():
         torch.testing.assert_close(g, weights * mean.grad)
 
 
+@pytest.mark.parametrize("case", MASKS["cases"], ids=lambda c: "-".join(sorted(set(c["prompts"]))))
+def test_the_flat_trunks_dropped_are_the_authors_zero_advantage_samples(case):
+    ids = {p: i for i, p in enumerate(sorted(set(case["prompts"])))}
+    prompt_ids = torch.tensor([ids[p] for p in case["prompts"]])
+    rewards = torch.tensor(case["rewards"], dtype=torch.float32)
+    valid = torch.ones(len(rewards), dtype=torch.bool)
+    assert differs_from_its_prompt(rewards, valid, prompt_ids).tolist() == case["kept"]
+    # an invalid trunk is dropped and leaves its prompt's mean to the valid ones
+    valid[0] = False
+    kept = differs_from_its_prompt(rewards, valid, prompt_ids)
+    assert not kept[0] and kept[1:].tolist() == differs_from_its_prompt(rewards[1:], valid[1:], prompt_ids[1:]).tolist()
+
+
+def test_dropping_flat_trunks_needs_more_than_one_a_prompt():
+    with pytest.raises(Exception, match="trainer.trunks=1"):
+        validate_section(SelfOPDConfig, {"name": "self_opd", "trunks": 1}, "trainer.")
+    validate_section(SelfOPDConfig, {"name": "self_opd", "trunks": 1, "drop_flat": False}, "trainer.")
+
+
+def test_sde_trunks_are_branched_against_their_own_deterministic_step(tmp_path, tiny_sd3_dir, prompt_file):
+    """The authors' form: each prompt's trunks are Flow-GRPO SDE rollouts (the last step too), and the baseline of
+    a branched state is the ODE step from it finished by the ODE, not the trunk's own sample."""
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=self_opd",
+                                   "trainer.trunks=2", "trainer.branches=2", "trainer.branch_steps=1",
+                                   "trainer.drop_flat=false"))
+    batch = t.collect(0)
+    trunk, (k,) = batch.trunk, t.branched_steps(0)
+    assert len(trunk.groups) == 2 * 2 and len(batch.sets) == 4 and batch.logs["trunk/kept_fraction"] == 1.0
+    members = [int((trunk.groups[:m] == g).sum()) for m, g in enumerate(trunk.groups)]
+    generators = [torch.Generator().manual_seed(derived_seed(t.cfg.run.seed, 0, int(g), m, 5))
+                  for g, m in zip(trunk.groups, members)]
+    sde = rollout(t.policy, trunk.prompts, num_steps=t.tcfg.num_steps, sampler="flow_grpo", noise_level=0.7,
+                  sde_last_step=True, generators=generators)
+    torch.testing.assert_close(trunk.chunks[0].final_latents, sde.final_latents, atol=1e-5, rtol=0)
+    bases = []
+    for s in batch.sets:
+        chunk = trunk.chunks[s.chunk]
+        det = euler_step(chunk.velocities[s.sample : s.sample + 1, k], s.x_k, chunk.sigmas[k].item(),
+                         chunk.sigmas[k + 1].item()).prev_sample
+        ends = continue_ode(t.policy, torch.cat([s.branches, det]), chunk.sigmas[k + 1 :],
+                            chunk.cond[[s.sample] * 3], chunk.guidance_scale)
+        scores = t.rewards.score(t.policy.decode(ends), [chunk.prompts[s.sample]] * 3, [chunk.metadata[s.sample]] * 3)
+        expected = self_reference_advantages(scores.values[:2], scores.valid[:2], scores.values[2], True,
+                                             scores.weights, t.tcfg.adv_eps)
+        torch.testing.assert_close(s.advantages, expected, atol=1e-4, rtol=1e-4)
+        bases.append((scores.total[2] - trunk.scores.total[s.sample]).abs().item())
+    assert max(bases) > 1e-4  # the deterministic branch is not the SDE trunk's sample: the baseline differs
+
+
+def test_only_trunks_whose_reward_differs_from_their_prompts_are_branched(tmp_path, prompt_file):
+    """A prompt whose trunks all score alike teaches nothing: none of its trunks is branched."""
+    cfg = small_config(tmp_path / "run", tmp_path, prompt_file, "trainer.name=self_opd")
+    tcfg = validate_section(SelfOPDConfig, {"name": "self_opd", "trunks": 3, "branches": 2, "branch_steps": 1,
+                                            "num_steps": 4, "prompts_per_step": 4}, "trainer.")
+
+    def red_is_flat(samples, prompts, metadata):  # 0.5 for every red sample, the latents' sum for the others
+        value = torch.where(torch.tensor(["red" in p for p in prompts]), 0.5, samples.sum(1))
+        return RewardOutput({"r": value}, torch.ones(len(value), dtype=torch.bool))
+
+    trainer = SelfOPDTrainer(cfg, tcfg, BiasedGaussianPolicy(dim=4), [("r", 1.0, red_is_flat)],
+                             read_prompt_file(prompt_file), None, Accelerator(cpu=True), tmp_path / "run")
+    batch = trainer.collect(0)
+    flat = [m for m, p in enumerate(batch.trunk.prompts) if "red" in p]
+    branched = {s.key[0] for s in batch.sets}
+    assert flat and len(branched) == 12 - len(flat) == 9
+    assert batch.logs["trunk/kept_fraction"] == pytest.approx(9 / 12)
+    assert all(batch.trunk.chunks[s.chunk].prompts[s.sample] != "a red circle" for s in batch.sets)
+
+
 @pytest.fixture
 def tiny_trainer(tmp_path, tiny_sd3_dir, prompt_file):
     return build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=self_opd",
-                                      "trainer.branches=3", "trainer.branch_steps=2"))
+                                      "trainer.branches=3", "trainer.branch_steps=2", *ODE_TRUNK))
 
 
-def test_the_baseline_is_the_policys_own_ode_sample_and_branches_leave_its_state(tiny_trainer):
+def test_an_ode_trunk_is_its_own_baseline_and_branches_leave_its_state(tiny_trainer):
     t = tiny_trainer
     batch = t.collect(0)
     trunk = batch.trunk
@@ -201,7 +275,7 @@ def test_the_baseline_is_the_policys_own_ode_sample_and_branches_leave_its_state
 
 def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=self_opd",
-                                          "trainer.branches=2")
+                                          "trainer.branches=2", "trainer.trunks=2")
 
 
 def linear_reward(samples, prompts, metadata):
@@ -214,7 +288,7 @@ def test_on_a_toy_flow_the_velocity_moves_so_that_the_reward_rises(tmp_path, pro
     """Exact Gaussian flow with one trainable velocity offset b: increasing ⟨a, x0⟩ means b moves along −a
     (the velocity points toward the noise)."""
     cfg = small_config(tmp_path / "run", tmp_path, prompt_file, "trainer.name=self_opd")
-    tcfg = validate_section(SelfOPDConfig, {"name": "self_opd", "branches": 8, "branch_steps": 3, "num_steps": 6,
+    tcfg = validate_section(SelfOPDConfig, {"name": "self_opd", "branches": 8, "branch_steps": 3, "num_steps": 6, "trunks": 2,
                                             "prompts_per_step": 4, "lr": 3e-2, "weight_decay": 0.0,
                                             "max_step_fraction": 1.0}, "trainer.")
     policy = BiasedGaussianPolicy(dim=4)

@@ -18,6 +18,7 @@ from .test_fsdp import TORCHRUN, many, single, torchrun
 from .test_kvpo import AUTHORS as KVPO
 from .test_umm_reflection import MODEL as UMM_MODEL
 
+RED_PROMPTS = "tests.flowalign.trainers.toy_rewards:redness_of_red_prompts"
 UMM = ("trainer.name=umm_reflection", "trainer.group_size=2", "trainer.batch_size=2", "trainer.num_steps=2",
        "trainer.max_new_tokens=2", "trainer.guidance_scale=1.0", "trainer.advantage=group", "trainer.max_steps=1")
 
@@ -53,6 +54,10 @@ def test_two_ranks_match_one_process(tmp_path, tiny_model_dir, tiny_sd3_dir, pro
         "kvpo": (tiny_model_dir("anyflow_far"), KVPO, ()),
         # trajectories keyed by (group, member), advantages and per-round counts gathered
         "umm_reflection": (UMM_MODEL, UMM, ()),
+        # a prompt's flat trunks dropped over every rank (the non-red prompts score 0), the rank left with
+        # fewer trunks padding its branch sets up to the other's
+        "self_opd": (tiny_sd3_dir, ("trainer.name=self_opd", "trainer.trunks=2", "trainer.branches=2",
+                                    "trainer.branch_steps=1", "rewards=[{name: '%s'}]" % RED_PROMPTS), ()),
     }
     run = lambda layout, name, *extra: small_run(tmp_path / layout / name, cases[name][0], prompt_file,
                                                  *cases[name][1], *extra)
@@ -74,3 +79,4 @@ def test_two_ranks_match_one_process(tmp_path, tiny_model_dir, tiny_sd3_dir, pro
         assert max(wa[k].abs().max().item() for k in wa if "lora_B" in k) > 0, name  # B starts at zero: it moved
     assert any(k.startswith("behaviour.") for k in last_weights(tmp_path / "ddp" / "diffusion_opsd"))
     assert 0 < rows(tmp_path / "ddp" / "rg_opd")[0]["train/guided_fraction"] < 1  # σ = 1 guided, the lower not
+    assert any(0 < r["trunk/kept_fraction"] < 1 for r in rows(tmp_path / "ddp" / "self_opd"))  # a rank padded
