@@ -55,12 +55,12 @@ def finished(run_dir: Path, steps: int) -> Path | None:
 
 
 def start_test_evaluation(cfg: TrainConfig, folder: Path, checkpoint: Path | None, n: int,
-                          background: bool) -> subprocess.Popen | None:
+                          background: bool, niceness: int = 19) -> subprocess.Popen | None:
     """``flowalign evaluate`` of the base model (``checkpoint`` None) or a checkpoint on the test split, as a
     subprocess; None when ``folder`` already holds its metrics.
 
-    ``background``: one thread at the lowest CPU priority with its log in ``folder.log``, so that it only
-    takes the cycles the foreground leaves idle (training on two threads leaves about a quarter of two
+    ``background``: one thread at the lowest CPU priority (``niceness``) with its log in ``folder.log``, so that
+    it only takes the cycles the foreground leaves idle (training on two threads leaves about a quarter of two
     cores idle, enough for the base model's 500 samples). Otherwise two threads with the progress bar shown.
     """
     if (folder / "metrics.json").is_file():
@@ -75,7 +75,7 @@ def start_test_evaluation(cfg: TrainConfig, folder: Path, checkpoint: Path | Non
     with open(folder.parent / f"{folder.name}.log", "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:  # right after the start: the child's OpenMP workers, created at its first kernel seconds later, inherit it
-        os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
+        os.setpriority(os.PRIO_PROCESS, proc.pid, niceness)
     except (AttributeError, OSError):
         pass
     return proc
@@ -109,7 +109,7 @@ def quiet_loading() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def run_demo(config: str, overrides: list[str], n_test: int) -> str:
+def run_demo(config: str, overrides: list[str], n_test: int, background_niceness: int = 19) -> str:
     quiet_loading()
     cfg = load_config(config, overrides)
     run_dir, steps = Path(cfg.run.output_dir), int(cfg.trainer["max_steps"])
@@ -117,7 +117,8 @@ def run_demo(config: str, overrides: list[str], n_test: int) -> str:
     t0 = time.time()
     test_dir = run_dir / "test"
     claim_run_dir(run_dir, overwrite=False)  # the run's folder before the base evaluation writes into it
-    base_proc = start_test_evaluation(cfg, test_dir / "base", None, n_test, background=True)
+    base_proc = start_test_evaluation(cfg, test_dir / "base", None, n_test, background=True,
+                                      niceness=background_niceness)
     try:
         checkpoint = finished(run_dir, steps)
         if checkpoint is None:

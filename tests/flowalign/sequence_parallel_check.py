@@ -1,9 +1,9 @@
 """Run under ``torchrun --nproc_per_node 2``: the tiny Wan policy with its tokens split over the two ranks
-(parallel.sequence_parallel=2, ddp or fsdp) against the same policy whole on each rank. Writes
-``OUT/rank{r}.json``: the velocities' largest difference, the gradients' largest relative difference after
-the strategy's reduction, and the refusals of what cannot run here.
+(parallel.sequence_parallel=2, under each strategy named) against the same policy whole on each rank. Writes
+``OUT/STRATEGY/rank{r}.json``: the velocities' largest difference, the gradients' largest relative difference
+after the strategy's reduction, and the refusals of what cannot run here.
 
-    torchrun --standalone --nproc_per_node 2 -m tests.flowalign.sequence_parallel_check OUT STRATEGY
+    torchrun --standalone --nproc_per_node 2 -m tests.flowalign.sequence_parallel_check OUT STRATEGY...
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ def loss_and_velocity(p, x, sigma, cond):
     return (v * torch.linspace(-1, 1, v.numel()).reshape(v.shape)).sum(), v.detach()
 
 
-def main() -> None:
-    out, kind = Path(sys.argv[1]), sys.argv[2]
-    dist.init_process_group("gloo")
+def check(out: Path, kind: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ParallelSection(strategy=kind, sequence_parallel=2)
     split, whole = policy(), policy()
@@ -64,7 +62,14 @@ def main() -> None:
         refusals["ring"] = str(err)
     result = {"velocity_max_diff": (v_split - v_whole).abs().max().item(), "velocity_scale": v_whole.abs().max().item(),
               "gradient_max_relative_diff": relative, "refusals": refusals}
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    (out / kind).mkdir(parents=True, exist_ok=True)
+    (out / kind / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    for kind in sys.argv[2:]:  # every strategy in one launch: start-up paid once
+        check(Path(sys.argv[1]), kind)
     dist.destroy_process_group()
 
 
