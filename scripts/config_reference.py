@@ -14,6 +14,7 @@ class (inherited fields take the comment of the class that declared them), else 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import re
 import sys
@@ -105,8 +106,10 @@ FALLBACK = {
 # ---------------------------------------------------------------------------------------------- comments
 
 
+@functools.cache  # reading a class's source parses its whole module: once per class, not once per field
 def _comment_blocks(cls: type) -> dict[str, str]:
-    """``{field: text}`` from the ``#:`` comment lines right above each field in ``cls``'s own source."""
+    """``{field: text}`` from the ``#:`` comment lines right above each field in ``cls``'s own source (shared:
+    read it, do not change it)."""
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):
