@@ -345,12 +345,14 @@ class GroupTrainer:
 
     # ------------------------------------------------------------------ the loop's batch
 
-    def step_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
-        """This rank's prompts of a step, each repeated group_size times, with global group ids."""
+    def step_prompts(self, step: int, data: PromptSet | None = None) -> tuple[list[str], list[dict], torch.Tensor]:
+        """This rank's prompts of a step (``step_indices`` into ``data``, default the prompts), each repeated
+        group_size times, with global group ids."""
+        data = self.data if data is None else data
         p, g = self.tcfg.prompts_per_step, self.tcfg.group_size
         idx = self.step_indices(step)
-        prompts = [self.data.prompts[i] for i in idx for _ in range(g)]
-        metadata = [self.data.metadata[i] for i in idx for _ in range(g)]
+        prompts = [data.prompts[i] for i in idx for _ in range(g)]
+        metadata = [data.metadata[i] for i in idx for _ in range(g)]
         groups = torch.arange(self.rank * p, (self.rank + 1) * p).repeat_interleave(g)
         return prompts, metadata, groups
 

@@ -350,17 +350,11 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         source = self.sources[epoch_teacher(step, self.shares)]
         return super().step_indices(teacher_epoch(step, self.shares), source, count)
 
-    def step_prompts(self, step: int) -> tuple[list[str], list[dict], torch.Tensor]:
-        """This rank's prompts of a step, each repeated group_size times, with global group ids: the loop's,
-        from the step's teacher's source under by_epoch."""
-        if self.tcfg.routing == "by_prompt":
-            return super().step_prompts(step)
-        source = self.sources[epoch_teacher(step, self.shares)]
-        p, g = self.tcfg.prompts_per_step, self.tcfg.group_size
-        idx = self.step_indices(step)
-        prompts = [source.prompts[i] for i in idx for _ in range(g)]
-        metadata = [source.metadata[i] for i in idx for _ in range(g)]
-        return prompts, metadata, torch.arange(self.rank * p, (self.rank + 1) * p).repeat_interleave(g)
+    def step_prompts(self, step: int, data: PromptSet | None = None) -> tuple[list[str], list[dict], torch.Tensor]:
+        """The loop's, read from the step's teacher's source under by_epoch (where ``step_indices`` point)."""
+        if data is None and self.tcfg.routing != "by_prompt":
+            data = self.sources[epoch_teacher(step, self.shares)]
+        return super().step_prompts(step, data)
 
     def anchor_weights(self):
         """The anchor's velocity context: its weights swapped in, or the adapter switched off."""
