@@ -187,7 +187,7 @@ class BranchBatch:
 
     trunk: StepBatch
     sets: list[BranchSet]
-    spare: BranchSet  # the step's first set drawn (perhaps padding): what a rank with no set runs as a filler
+    spare: BranchSet | None  # the step's first set drawn (perhaps padding): a rank with no set runs it as a filler
     logs: dict[str, float] = field(default_factory=dict)
 
 
@@ -263,12 +263,16 @@ class SelfOPDTrainer(GroupTrainer):
             kept = differs_from_its_prompt(self.gather(trunk.scores.total), self.gather(trunk.scores.valid),
                                            self.gather(trunk.prompt_ids))[self.rank * len(groups) : (self.rank + 1) * len(groups)]
         kept_fraction = self.gather(kept.float()).mean().item()
-        # (chunk, sample, position in the step) of each kept trunk. Every rank branches as many trunks, at least
-        # one (scoring gathers every rank's candidates, and under fsdp each forward is a collective): the
-        # padding repeats the step's first trunk, whose sets are then dropped
+        # (chunk, sample, position in the step) of each kept trunk. Every rank branches as many trunks (scoring
+        # gathers every rank's candidates, and under fsdp each forward is a collective): the padding repeats
+        # the step's first trunk, whose sets are then dropped. With no trunk kept anywhere the step is done
         at = [(c, i) for c, chunk in enumerate(trunk.chunks) for i in range(len(chunk))]
         real = [(c, i, m) for m, (c, i) in enumerate(at) if kept[m]]
-        work = real + [(0, 0, -1)] * (max(1, *self.gather_objects(len(real))) - len(real))
+        work = real + [(0, 0, -1)] * (max(self.gather_objects(len(real))) - len(real))
+        logs = {**trunk.logs, "trunk/kept_fraction": kept_fraction}
+        if not work:
+            return BranchBatch(trunk, [], None, {**logs, "branch/reward": float("nan"), "branch/adv_abs": 0.0,
+                                                 "zero_adv_fraction": 1.0})
         deterministic = t.trunk_noise_level > 0  # an SDE trunk is not its own deterministic branch
         drawn, samples = [], []
         for c, i, m in work:
@@ -304,8 +308,7 @@ class SelfOPDTrainer(GroupTrainer):
         # over every rank's sets (ranks may keep different numbers of trunks)
         sums = torch.tensor(self.gather_objects((totals.sum().item(), len(totals), adv.abs().sum().item(),
                                                  (adv == 0).sum().item(), len(adv)))).sum(0).tolist()
-        logs = {**trunk.logs, "trunk/kept_fraction": kept_fraction,
-                "branch/reward": sums[0] / sums[1] if sums[1] else float("nan"),
+        logs = {**logs, "branch/reward": sums[0] / sums[1] if sums[1] else float("nan"),
                 "branch/adv_abs": sums[2] / sums[4] if sums[4] else 0.0,
                 "zero_adv_fraction": sums[3] / sums[4] if sums[4] else 1.0}
         return BranchBatch(trunk, sets, drawn[0][0], logs)

@@ -244,6 +244,15 @@ def test_only_trunks_whose_reward_differs_from_their_prompts_are_branched(tmp_pa
     assert batch.logs["trunk/kept_fraction"] == pytest.approx(9 / 12)
     assert all(batch.trunk.chunks[s.chunk].prompts[s.sample] != "a red circle" for s in batch.sets)
 
+    # a step whose trunks are all flat branches nothing, and trains nothing
+    trainer.rewards = [("r", 1.0, lambda samples, prompts, metadata: RewardOutput(
+        {"r": torch.full((len(prompts),), 0.5)}, torch.ones(len(prompts), dtype=torch.bool)))]
+    batch = trainer.collect(1)
+    assert batch.sets == [] and batch.spare is None and batch.logs["trunk/kept_fraction"] == 0
+    before = [p.detach().clone() for p in trainer.policy.trainable.parameters()]
+    assert trainer.train_step()["trunk/kept_fraction"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.trainable.parameters()))
+
 
 @pytest.fixture
 def tiny_trainer(tmp_path, tiny_sd3_dir, prompt_file):
