@@ -10,8 +10,9 @@ prompt's mean is dropped (``drop_flat``: a prompt whose trunks all score alike i
     x^j   = μ_old + τ·ξ_j,  j = 1 … K                       (the Flow-GRPO SDE step at x_k, ξ_j ~ N(0, I))
 
 every branch is finished with the ODE sampler and scored; the deterministic branch's reward is the
-baseline (the self-reference). An ODE trunk is its own deterministic branch: its reward is the baseline. As the authors' ``select_all_branches`` does, the M rewards are fused with
-their weights w_m first and the difference is scaled by the spread of the candidates:
+baseline (the self-reference; an ODE trunk is its own deterministic branch, its reward the baseline). As the
+authors' ``select_all_branches`` does, the M rewards are fused with their weights w_m first and the difference
+is scaled by the spread of the candidates:
 
     R_j = Σ_m w_m R^m(x^j),   A_j = (R_j − R(x_det)) / max(std_j R_j, ε)          (unbiased std over the K)
 
@@ -27,7 +28,7 @@ advantage-weighted branch noise. With K = 1 the spread is 0 (A = ±(R_1 − R_de
 is pulled at full weight when it beats the deterministic branch; a losing one is its own best branch and
 gets no push.
 The hooks: the trunks, the branches and their rewards (``collect``), the attenuation and a global plan of
-(prompt, step) units (``plan``), the loss of one unit (``loss``).
+(trunk, step) units (``plan``), the loss of one unit (``loss``).
 """
 
 from __future__ import annotations
