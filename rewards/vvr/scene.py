@@ -7,6 +7,7 @@ every scene verifiable at 64 px.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import replace
@@ -103,13 +104,18 @@ def can_outline(shape: str, size: str) -> bool:
     return size == "medium" and shape in CONTAINERS
 
 
+@functools.cache  # a scene asks for a dozen pairs and a task list draws thousands of scenes
+def colour_contrast(colour: str, background: str) -> float:
+    """CIEDE2000 difference between two palette colours."""
+    return float(delta_e00(PALETTE_LAB[COLOURS.index(colour)], PALETTE_LAB[COLOURS.index(background)]))
+
+
 class Scene:
     """A scene under construction: objects in paint order plus the structured pairs laid out."""
 
     def __init__(self, rng: random.Random, vocab: Vocabulary, background: str):
         self.rng, self.vocab, self.background = rng, vocab, background
-        bg_lab = PALETTE_LAB[COLOURS.index(background)]
-        self.colours = [c for c in vocab.colours if delta_e00(PALETTE_LAB[COLOURS.index(c)], bg_lab) >= CONTRAST]
+        self.colours = [c for c in vocab.colours if colour_contrast(c, background) >= CONTRAST]
         self.objs: list[Obj] = []
         self.inside: list[tuple[int, int]] = []  # (inner, container)
         self.touching: list[tuple[int, int]] = []
