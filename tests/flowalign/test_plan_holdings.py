@@ -78,11 +78,16 @@ def _row_difference(model, s, a, b, row):
 # ---------------------------------------------------------------------------------------------- Self-OPD
 
 
-def test_self_opd_counts_its_decoded_branch_candidates_at_the_scoring_peak(tmp_path, monkeypatch):
+@pytest.mark.parametrize("trunk,trunks,per_state", [
+    ((), 1, 3),  # the tiny recipe's ODE trunk: its own deterministic branch
+    (("trainer.trunks=2", "trainer.trunk_noise_level=0.7", "trainer.drop_flat=false"), 2, 4),  # SDE: K + 1 a state
+], ids=["ode_trunk", "sde_trunks"])
+def test_self_opd_counts_its_decoded_branch_candidates_at_the_scoring_peak(tmp_path, monkeypatch, trunk, trunks,
+                                                                          per_state):
     monkeypatch.chdir(REPO_ROOT)
-    cfg = _tiny("self_opd_vvr", tmp_path, "trainer.prompts_per_step=2", "trainer.branches=3",
-                "trainer.branch_steps=2", "trainer.num_steps=4", "trainer.max_step_fraction=1",
-                "trainer.ema_decay=0")
+    sizes = ("trainer.prompts_per_step=2", "trainer.branch_steps=2", "trainer.num_steps=4",
+             "trainer.max_step_fraction=1", "trainer.ema_decay=0", *trunk)
+    cfg = _tiny("self_opd_vvr", tmp_path, "trainer.branches=3", *sizes)
     trainer = build_trainer(cfg)
     decodes, scored = _record_decodes(trainer), _record_scored(trainer)
     torch.manual_seed(0)
@@ -91,25 +96,22 @@ def test_self_opd_counts_its_decoded_branch_candidates_at_the_scoring_peak(tmp_p
     s = settings(cfg, "ddp", 1, model)
     n = len(trainer.branched_steps(0))
     assert n == self_opd_branched_steps(trainer.tcfg) == 2  # the planner draws as many states as the trainer
-    candidates = 2 * n * 3  # prompts x branched states x branches
+    candidates = 2 * trunks * n * per_state  # prompts x trunks x branched states x (branches [+ deterministic])
     d = model.rollout.decoded
-    # the trunks' decodes (one per prompt) and the candidates' (3 per branched state), as the plan sizes a sample
-    assert sum(decodes) == (2 + candidates) * d
+    # the trunks' decodes and the candidates', as the plan sizes a sample
+    assert sum(decodes) == (2 * trunks + candidates) * d
     assert scored == [candidates * d]  # every candidate scored at once: their concatenation
-    assert len(batch.sets) == 2 * n and all(not b.branches.is_cuda for b in batch.sets)
+    assert len(batch.sets) == 2 * trunks * n and all(not b.branches.is_cuda for b in batch.sets)
     # through the update: the trunks alone; at the scoring peak: the candidates twice (the list, its concatenation)
     bare = _no_update_peak(model)
     rows = memory_rows(bare, s)
-    assert rows[HELD] == pytest.approx(s.rollout_bytes(model.rollout)) and s.samples == 2
+    assert rows[HELD] == pytest.approx(s.rollout_bytes(model.rollout)) and s.samples == 2 * trunks
     grads = rows["gradients"]
     assert rows[SAMPLING] == pytest.approx(max(0.0, 2 * candidates * d - grads))
-    # each further branch adds exactly its two decoded copies per branched state and prompt
+    # each further branch adds exactly its two decoded copies per branched state and trunk
     more = settings(load_config(TINY / "self_opd_vvr.yaml", [*one_step(TINY / "self_opd_vvr.yaml", tmp_path / "r2"),
-                                                             "trainer.prompts_per_step=2", "trainer.branches=4",
-                                                             "trainer.branch_steps=2", "trainer.num_steps=4",
-                                                             "trainer.max_step_fraction=1", "trainer.ema_decay=0"]),
-                    "ddp", 1, model)
-    assert _row_difference(bare, s, more, s, SAMPLING) == pytest.approx(2 * 2 * n * d)
+                                                             "trainer.branches=4", *sizes]), "ddp", 1, model)
+    assert _row_difference(bare, s, more, s, SAMPLING) == pytest.approx(2 * 2 * trunks * n * d)
     # the update's own peak absorbs them when it is higher
     assert memory_rows(replace(bare, decode=0.0, activations=Activations(GB, 0, 0, 0)), s)[SAMPLING] == 0.0
 
