@@ -9,7 +9,8 @@
     loss and gradient norm (finite), the device of the trained weights, seconds. A recipe whose shipped
     prerequisite is missing (a teacher, a latent reward, a reward model's download) is ``stopped`` with
     its one-line reason, as a user would see it; ``failed``, ``nonfinite``, ``no-update`` and
-    ``wrong-device`` are failures.
+    ``wrong-device`` are failures. A recipe that pins a former form of its trainer (kept as measured) runs
+    again with the trainer's defaults, the authors' forms a user gets (the ``RECIPE+defaults`` rows).
 (b) side by side (``--reference-src DIR``: a source tree of github.com/yifan123/flow_grpo, see
     ``docs/performance.md``): SD3.5-Medium at its released size (random weights), Flow-GRPO, 4 prompts x 2
     samples, 10 SDE steps (9 trained), CFG 4.5, 512 px, LoRA r32/alpha64, KL beta 0.04, T5 128 tokens, no
@@ -81,8 +82,11 @@ SMOKE_FIT = {"dance_grpo_vvr": ("trainer.num_steps=4",), "pref_grpo_vvr": ("trai
              "mix_grpo_vvr": ("trainer.num_steps=4",), "tempflow_grpo_vvr": ("trainer.branch_steps=null",),
              "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2"), "afd_motion": ("trainer.teacher.num_steps=2",),
              "flow_opd_vvr": ("trainer.cold_start_steps=0",)}
-#: --smoke's recipes: the reference trainer and one that once mixed CPU and CUDA tensors (both quick on a CPU)
-SMOKE_RECIPES = ("flow_grpo_vvr", "gardo_vvr")
+#: --smoke's recipes: the reference trainer and one that once mixed CPU and CUDA tensors (both quick on a CPU),
+#: whose recipe pins former forms, so its authors' defaults run as a row of their own too
+SMOKE_RECIPES = ("flow_grpo_vvr", "dgpo_vvr")
+#: the label of a recipe's row run with its trainer's defaults where the recipe pins a former form
+DEFAULTS = "+defaults"
 #: the JPEG term's weight: enough to separate samples a verifier scores alike, small beside the recipe's reward
 JPEG_WEIGHT = 0.1
 FAILURES = ("failed", "nonfinite", "no-update", "wrong-device", "timeout")
@@ -99,7 +103,17 @@ def varying_rewards(recipe: Path) -> str:
     return "rewards=" + json.dumps([*rewards, jpeg])
 
 
-def recipe_overrides(recipe: Path, run_dir: Path, steps: int, smoke: bool) -> list[str]:
+def authors_defaults(recipe: Path) -> list[str]:
+    """Overrides that set each option the recipe pins to a former form (a tiny recipe keeps the form it was
+    measured with) back to its trainer's default, the authors' form a user gets; [] when it pins none."""
+    from flowalign.trainers import get_trainer
+
+    section = (yaml.safe_load(recipe.read_text()) or {}).get("trainer") or {}
+    pinned = get_trainer(str(section.get("name", "flow_grpo"))).Config.pinned_former_forms(section)
+    return [f"trainer.{k}={json.dumps(v)}" for k, v in pinned.items()]
+
+
+def recipe_overrides(recipe: Path, run_dir: Path, steps: int, smoke: bool, defaults: bool = False) -> list[str]:
     overrides = [f"run.output_dir={run_dir}", f"trainer.max_steps={steps}", *QUIET, varying_rewards(recipe)]
     if smoke:  # each trainer setting only to a trainer that has it
         from flowalign.trainers import get_trainer
@@ -108,7 +122,7 @@ def recipe_overrides(recipe: Path, run_dir: Path, steps: int, smoke: bool) -> li
         fields = get_trainer(name).Config.model_fields
         sized = [o for o in SMOKE_SIZE if not o.startswith("trainer.") or o.split("=")[0].split(".", 1)[1] in fields]
         overrides += [*sized, *SMOKE_FIT.get(recipe.stem, ())]
-    return overrides
+    return overrides + (authors_defaults(recipe) if defaults else [])
 
 
 def _where(err: BaseException) -> str:
@@ -119,17 +133,19 @@ def _where(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}{at}"
 
 
-def run_one_recipe(recipe: Path, run_dir: Path, steps: int, smoke: bool, device: str) -> dict[str, Any]:
-    """Train ``recipe`` for ``steps`` steps in this process; what the table reports about it."""
+def run_one_recipe(recipe: Path, run_dir: Path, steps: int, smoke: bool, device: str,
+                   defaults: bool = False) -> dict[str, Any]:
+    """Train ``recipe`` for ``steps`` steps in this process (``defaults``: with :func:`authors_defaults`); what
+    the table reports about it."""
     from flowalign.config import load_config
     from flowalign.errors import UserError
     from flowalign.train import build_trainer
 
     os.chdir(REPO)  # recipes name their assets relative to the repository, as the README runs them
-    row: dict[str, Any] = {"recipe": recipe.stem}
+    row: dict[str, Any] = {"recipe": recipe.stem + (DEFAULTS if defaults else "")}
     t0 = time.perf_counter()
     try:
-        cfg = load_config(recipe, recipe_overrides(recipe, run_dir, steps, smoke))
+        cfg = load_config(recipe, recipe_overrides(recipe, run_dir, steps, smoke, defaults))
         torch.manual_seed(0)
         trainer = build_trainer(cfg)
         trainer.train()
@@ -197,22 +213,26 @@ def run_child(args: list[str], result: Path, log: Path, device: str, timeout: fl
 
 def check_recipes(recipes: list[Path], work: Path, steps: int, smoke: bool, device: str, jobs: int,
                   timeout: float) -> list[dict[str, Any]]:
-    """Every recipe in its own process, ``jobs`` at a time; rows in the recipes' order."""
-    def one(recipe: Path) -> dict[str, Any]:
-        folder = work / "recipes" / recipe.stem
+    """Every recipe in its own process, ``jobs`` at a time, and again with its trainer's defaults where it pins
+    a former form (the ``+defaults`` rows); rows in the recipes' order."""
+    def one(entry: tuple[Path, bool]) -> dict[str, Any]:
+        recipe, defaults = entry
+        label = recipe.stem + (DEFAULTS if defaults else "")
+        folder = work / "recipes" / label
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         t0 = time.perf_counter()
         row = run_child(["--run-recipe", str(recipe), "--steps", str(steps), *(["--smoke"] if smoke else []),
-                         "--run-dir", str(folder / "run")], folder / "result.json", folder / "log.txt", device, timeout)
-        row.setdefault("recipe", recipe.stem)
+                         *(["--authors-defaults"] if defaults else []), "--run-dir", str(folder / "run")],
+                        folder / "result.json", folder / "log.txt", device, timeout)
+        row.setdefault("recipe", label)
         row["process_seconds"] = round(time.perf_counter() - t0, 2)  # imports and loading included
-        print(f"  recipe {recipe.stem}: {row['status']}" + (f" ({row['error']})" if row.get("error") else ""),
-              flush=True)
+        print(f"  recipe {label}: {row['status']}" + (f" ({row['error']})" if row.get("error") else ""), flush=True)
         return row
 
+    entries = [(r, d) for r in recipes for d in (False, True) if not d or authors_defaults(r)]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, recipes))
+        return list(pool.map(one, entries))
 
 
 # ------------------------------------------------------------------------------------------- (b) side by side
@@ -608,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a new temporary one)")
     # one recipe or one side in this process (what the check runs in its child processes)
     p.add_argument("--run-recipe", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--authors-defaults", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--run-side", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--run-plan", choices=["sd3", "wan"], help=argparse.SUPPRESS)
@@ -626,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (1 if args.smoke else 2)
 
     if args.run_recipe is not None:  # child: one recipe
-        write_json(args.result, run_one_recipe(args.run_recipe, args.run_dir, steps, args.smoke, args.device))
+        write_json(args.result, run_one_recipe(args.run_recipe, args.run_dir, steps, args.smoke, args.device,
+                                               args.authors_defaults))
         return 0
     if args.run_side is not None:  # child: one side of the side-by-side
         try:
@@ -673,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     save = lambda: write_json(args.out, results)  # noqa: E731 - after every part: a timeout keeps what was measured
 
     if "recipes" in args.parts:
-        print(f"(a) {len(names)} tiny recipes, {steps} step(s) each on {args.device}", flush=True)
+        print(f"(a) {len(names)} tiny recipes (and the trainer defaults of those pinning a former form), "
+              f"{steps} step(s) each on {args.device}", flush=True)
         jobs = args.jobs or (4 if cuda else 1)
         results["recipes"] = check_recipes([TINY / f"{n}.yaml" for n in names], work, steps, args.smoke,
                                            args.device, jobs, args.timeout)

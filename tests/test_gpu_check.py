@@ -29,7 +29,8 @@ def smoke(tmp_path_factory):
 def test_smoke_trains_each_recipe_in_its_own_process_with_an_update(smoke):
     rc, results, _ = smoke
     rows = {r["recipe"]: r for r in results["recipes"]}
-    assert rc == 0 and set(rows) == set(check.SMOKE_RECIPES), results
+    # DGPO's recipe pins its former old policy and step draw: its defaults run as a row of their own
+    assert rc == 0 and set(rows) == {*check.SMOKE_RECIPES, "dgpo_vvr" + check.DEFAULTS}, results
     for row in rows.values():
         assert row["status"] == "ok", row
         assert row["weights_device"] == "cpu" and row["steps"] == 1
@@ -47,7 +48,7 @@ def test_smoke_compares_the_plan_with_and_without_checkpointing(smoke):
     assert all(r["measured_gib"] is None for r in plan.values())  # no CUDA allocator to read on a CPU
     assert "side_by_side" not in results  # no --reference-src
     table = check.table(results)
-    assert table.count("| recipe |") == 2 and table.count("| plan |") == 2
+    assert table.count("| recipe |") == 3 and table.count("| plan |") == 2  # dgpo_vvr twice: as pinned, defaults
 
 
 @pytest.mark.slow
@@ -67,6 +68,19 @@ def test_step_metrics_count_the_group_batch():
     assert step_metrics.generated_samples(object()) is None
     assert step_metrics.step_logs("cpu", 3.0, 6) == {"perf/samples_per_s": 2.0}
     assert step_metrics.step_logs("cpu", 3.0, None) == {}
+
+
+def test_a_recipe_pinning_a_former_form_runs_again_with_its_trainers_defaults():
+    from flowalign.config import load_config
+    from flowalign.trainers import get_trainer
+
+    recipe = check.TINY / "self_opd_vvr.yaml"
+    extra = check.authors_defaults(recipe)
+    assert sorted(extra) == ["trainer.drop_flat=true", "trainer.trunk_noise_level=0.7", "trainer.trunks=16"]
+    defaults = get_trainer("self_opd").Config.model_fields
+    tcfg = load_config(recipe, extra).trainer
+    assert all(tcfg[k] == defaults[k].default for k in ("trunks", "trunk_noise_level", "drop_flat"))
+    assert check.authors_defaults(check.TINY / "flow_grpo_vvr.yaml") == []  # pins nothing: one row
 
 
 def test_every_recipe_gets_a_varying_reward_beside_its_own():

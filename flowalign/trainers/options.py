@@ -90,6 +90,14 @@ class TrainerConfig(Section):
                 print(f"warning: trainer.{old} is deprecated and will be removed: write trainer.{new} (same meaning)")
         return data
 
+    @classmethod
+    def pinned_former_forms(cls, section: dict[str, Any]) -> dict[str, Any]:
+        """``{key: default}`` of the :attr:`before` options that a trainer section (a recipe's ``trainer:``)
+        pins to another value than today's default: what to override for the authors' forms, e.g. to check a
+        recipe measured with a former form on the computation a user gets by default."""
+        return {k: cls.model_fields[k].default for k in cls.before
+                if k in section and section[k] != cls.model_fields[k].default}
+
     @field_validator("betas", mode="before")
     @classmethod
     def _betas_below_one(cls, betas: Any) -> Any:

@@ -18,11 +18,13 @@ along the step.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from flowalign.config import load_config
 from flowalign.train import build_trainer
@@ -53,9 +55,7 @@ FIT["flash_grpo_motion"] = (*VIDEO, *FOUR_STEPS)
 FIT["afd_motion"] = (*VIDEO, "trainer.teacher.num_steps=2")
 FIT["flow_grpo_vvr"] = FOUR_STEPS  # several units in each of its two optimiser steps
 FIT["diffusion_opsd_vvr"] = ("rewards=[{name: brightness}]",)  # its targets follow a differentiable reward
-# the authors' trunks (the recipe keeps the former ODE one): SDE rollouts, the flat ones masked, and the
-# deterministic branch stepped from each kept trunk's state
-FIT["self_opd_vvr"] = ("trainer.trunks=2", "trainer.trunk_noise_level=0.7", "trainer.drop_flat=true")
+FIT["self_opd_vvr"] = ("trainer.trunks=2",)  # the authors' SDE trunks (see small_config), two a prompt
 #: the two that failed on CUDA, the GRPO family's loss paths they share, a video recipe (~1-3 s each), the
 #: pair trainers and Self-OPD (their conditioning is picked by index lists), KVPO (its gradient passes the
 #: video model's complex rotary embedding) and the other main loss paths (FestDPO, DiffusionNFT, AWM,
@@ -112,11 +112,16 @@ def load_policies_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def small_config(recipe: str, run_dir: Path, *extra: str):
-    """``recipe`` at the sizes above (:data:`SMALL`, :data:`FIT`), then ``extra`` overrides."""
+    """``recipe`` at the sizes above (:data:`SMALL`, :data:`FIT`) with its trainer's defaults where it pins a
+    former form (the authors' forms, what a user runs on a GPU; the recipe keeps what it was measured with),
+    then ``extra`` overrides."""
     path = REPO / "configs" / "tiny" / f"{recipe}.yaml"
-    fields = set(get_trainer(trainer_name(path)).Config.model_fields)  # each setting only to a trainer that has it
+    config = get_trainer(trainer_name(path)).Config
+    fields = set(config.model_fields)  # each setting only to a trainer that has it
     small = [o for o in SMALL if not o.startswith("trainer.") or o.split(".", 1)[1].split("=", 1)[0] in fields]
-    return load_config(path, [f"run.output_dir={run_dir}", *small, *FIT.get(recipe, ()), *extra])
+    pinned = config.pinned_former_forms((yaml.safe_load(path.read_text()) or {}).get("trainer") or {})
+    defaults = [f"trainer.{k}={json.dumps(v)}" for k, v in pinned.items()]
+    return load_config(path, [f"run.output_dir={run_dir}", *small, *defaults, *FIT.get(recipe, ()), *extra])
 
 
 def one_step_on_device(recipe: str, run_dir: Path, *, fake: bool = True) -> tuple[object, dict[str, float], list[torch.Tensor]]:
