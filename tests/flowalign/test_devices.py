@@ -55,7 +55,7 @@ FIT["flash_grpo_motion"] = (*VIDEO, *FOUR_STEPS)
 FIT["afd_motion"] = (*VIDEO, "trainer.teacher.num_steps=2")
 FIT["flow_grpo_vvr"] = FOUR_STEPS  # several units in each of its two optimiser steps
 FIT["diffusion_opsd_vvr"] = ("rewards=[{name: brightness}]",)  # its targets follow a differentiable reward
-FIT["self_opd_vvr"] = ("trainer.trunks=2",)  # the authors' SDE trunks (see small_config), two a prompt
+FIT["self_opd_vvr"] = ("trainer.trunks=2", "trainer.branches=2")  # the authors' SDE trunks (see small_config), two a prompt
 #: the two that failed on CUDA, the GRPO family's loss paths they share, a video recipe (~1-3 s each), the
 #: pair trainers and Self-OPD (their conditioning is picked by index lists), KVPO (its gradient passes the
 #: video model's complex rotary embedding) and the other main loss paths (FestDPO, DiffusionNFT, AWM,
