@@ -259,19 +259,9 @@ class SelfOPDTrainer(GroupTrainer):
         trunk = self.sample(prompts, metadata, groups, prompt_ids, step)
         judged = self.judge(trunk.scores, trunk.samples, None, step)  # the invalid guard and the trunks' reward logs
         trunk = dataclasses.replace(trunk, logs={**trunk.logs, **judged.logs})
-        kept = torch.ones(len(groups), dtype=torch.bool)
-        if t.drop_flat:  # over every rank's trunks: a prompt's trunks may be spread over ranks
-            kept = differs_from_its_prompt(self.gather(trunk.scores.total), self.gather(trunk.scores.valid),
-                                           self.gather(trunk.prompt_ids))[self.rank * len(groups) : (self.rank + 1) * len(groups)]
-        kept_fraction = self.gather(kept.float()).mean().item()
-        # (chunk, sample, position in the step) of each kept trunk. Every rank branches as many trunks (scoring
-        # gathers every rank's candidates, and under fsdp each forward is a collective): the padding repeats
-        # the step's first trunk, whose sets are then dropped. With no trunk kept anywhere the step is done
-        at = [(c, i) for c, chunk in enumerate(trunk.chunks) for i in range(len(chunk))]
-        real = [(c, i, m) for m, (c, i) in enumerate(at) if kept[m]]
-        work = real + [(0, 0, -1)] * (max(self.gather_objects(len(real))) - len(real))
+        work, kept_fraction = self.kept_trunks(trunk)
         logs = {**trunk.logs, "trunk/kept_fraction": kept_fraction}
-        if not work:
+        if not work:  # no trunk kept on any rank: the step is done
             return BranchBatch(trunk, [], None, {**logs, "branch/reward": float("nan"), "branch/adv_abs": 0.0,
                                                  "zero_adv_fraction": 1.0})
         deterministic = t.trunk_noise_level > 0  # an SDE trunk is not its own deterministic branch
@@ -313,6 +303,22 @@ class SelfOPDTrainer(GroupTrainer):
                 "branch/adv_abs": sums[2] / sums[4] if sums[4] else 0.0,
                 "zero_adv_fraction": sums[3] / sums[4] if sums[4] else 1.0}
         return BranchBatch(trunk, sets, drawn[0][0], logs)
+
+    def kept_trunks(self, trunk: StepBatch) -> tuple[list[tuple[int, int, int]], float]:
+        """``(chunk, sample, position in the step)`` of each trunk to branch, and the fraction kept over every
+        rank. With ``drop_flat`` a trunk is kept when its reward differs from its prompt's mean over every
+        rank's trunks (a prompt's trunks may be spread over ranks). Every rank branches as many trunks
+        (scoring gathers every rank's candidates, and under fsdp each forward is a collective): the padding
+        repeats the step's first trunk at position −1, and its sets are dropped after scoring."""
+        n = len(trunk.groups)
+        kept = torch.ones(n, dtype=torch.bool)
+        if self.tcfg.drop_flat:
+            kept = differs_from_its_prompt(self.gather(trunk.scores.total), self.gather(trunk.scores.valid),
+                                           self.gather(trunk.prompt_ids))[self.rank * n : (self.rank + 1) * n]
+        at = [(c, i) for c, chunk in enumerate(trunk.chunks) for i in range(len(chunk))]
+        real = [(c, i, m) for m, (c, i) in enumerate(at) if kept[m]]
+        padding = [(0, 0, -1)] * (max(self.gather_objects(len(real))) - len(real))
+        return real + padding, self.gather(kept.float()).mean().item()
 
     @torch.no_grad()
     def branch(self, trunk: StepBatch, c: int, i: int, k: int, trunk_id: int, step: int, deterministic: bool
