@@ -18,20 +18,21 @@ along the step.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from flowalign.config import load_config
 from flowalign.train import build_trainer
 from flowalign.trainers import get_trainer
 
 from tests.flowalign.fake_device import DEVICE, FakeDevice, OnDevice, _disable_current_modes, host_waits
+from tests.scripts import load_script
 from tests.tiny_recipes import trainer_name
+
+GPU_CHECK = load_script("gpu_check")
 
 REDNESS = "tests.flowalign.trainers.toy_rewards:redness"
 
@@ -116,11 +117,9 @@ def small_config(recipe: str, run_dir: Path, *extra: str):
     former form (the authors' forms, what a user runs on a GPU; the recipe keeps what it was measured with),
     then ``extra`` overrides."""
     path = REPO / "configs" / "tiny" / f"{recipe}.yaml"
-    config = get_trainer(trainer_name(path)).Config
-    fields = set(config.model_fields)  # each setting only to a trainer that has it
+    fields = set(get_trainer(trainer_name(path)).Config.model_fields)  # each setting only to a trainer that has it
     small = [o for o in SMALL if not o.startswith("trainer.") or o.split(".", 1)[1].split("=", 1)[0] in fields]
-    pinned = config.pinned_former_forms((yaml.safe_load(path.read_text()) or {}).get("trainer") or {})
-    defaults = [f"trainer.{k}={json.dumps(v)}" for k, v in pinned.items()]
+    defaults = GPU_CHECK.authors_defaults(path)  # the overrides the GPU check's +defaults rows run with
     return load_config(path, [f"run.output_dir={run_dir}", *small, *defaults, *FIT.get(recipe, ()), *extra])
 
 
