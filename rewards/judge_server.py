@@ -6,7 +6,8 @@ FastAPI + uvicorn (the optional extra ``serve``). Endpoints:
 * ``POST /v1/chat/completions``: ``messages`` with text and ``image_url`` parts (base64 ``data:`` URLs
   only: the server fetches nothing), ``max_tokens`` (or ``max_completion_tokens``), ``temperature``
   (0 = greedy), ``seed``, ``logprobs`` / ``top_logprobs`` (at most ``max_top_logprobs``), and vLLM's
-  ``continue_final_message`` / ``add_generation_prompt`` to force the start of the reply. ``n`` > 1
+  ``continue_final_message`` / ``add_generation_prompt`` to force the start of the reply and
+  ``chat_template_kwargs`` (``enable_thinking`` only, for a thinking model's template). ``n`` > 1
   and streaming are refused with 400.
 * ``GET /health``: ``{"status": "ok"}``, the one path that needs no key.
 
@@ -137,11 +138,17 @@ def to_chat_request(body: dict[str, Any], max_top_logprobs: int, limits: Limits 
         top = _integer(body, "top_logprobs", 0, 0, max_top_logprobs) if body.get("top_logprobs") is not None else 0
         top = max(top, 1)  # the chosen token's own log-prob is always reported
     seed = _integer(body, "seed", None, 0, MAX_SEED)
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    # only the switch a thinking model's template reads: other variables could rewrite the server's template
+    if not isinstance(template_kwargs, dict) or set(template_kwargs) - {"enable_thinking"} \
+            or not all(isinstance(v, bool) for v in template_kwargs.values()):
+        raise BadRequest(f"chat_template_kwargs={template_kwargs!r} may only hold enable_thinking (true/false)",
+                         param="chat_template_kwargs")
     if max_prompt_tokens is not None:
         _check_prompt_length(out, prefix, max_prompt_tokens, count_tokens, limits.command)
     _decode_images(out, reservation or Reservation())
     return ChatRequest(out, assistant_prefix=prefix, max_tokens=max_tokens, temperature=float(temperature),
-                       top_logprobs=top, seed=seed)
+                       top_logprobs=top, seed=seed, template_kwargs=dict(template_kwargs))
 
 
 def _check_prompt_length(messages: list[dict[str, Any]], prefix: str, max_tokens: int, count_tokens: Any,

@@ -28,7 +28,9 @@ class ChatRequest:
     parts ``{"type": "text", "text": str}`` / ``{"type": "image", "image": PIL.Image}``.
     ``assistant_prefix``: text the reply is forced to start with (e.g. ``"Score:"``); the completion
     holds only what follows it. ``temperature`` 0 is greedy. ``top_logprobs`` > 0 asks for that many
-    alternatives (token text → log-prob) at each generated position.
+    alternatives (token text → log-prob) at each generated position. ``template_kwargs``: extra variables
+    for the model's chat template, e.g. ``{"enable_thinking": False}`` for a Qwen3 template (vLLM's
+    ``chat_template_kwargs``).
     """
 
     messages: list[dict[str, Any]]
@@ -37,6 +39,7 @@ class ChatRequest:
     temperature: float = 0.0
     top_logprobs: int = 0
     seed: int | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +122,7 @@ class LocalVLM:
     def render(self, request: ChatRequest) -> str:
         """The prompt text the model continues (chat template + generation prompt + forced prefix)."""
         text = self.processor.apply_chat_template(_template_messages(request.messages), add_generation_prompt=True,
-                                                  tokenize=False)
+                                                  tokenize=False, **request.template_kwargs)
         return text + request.assistant_prefix
 
     def complete(self, requests: list[ChatRequest]) -> list[Completion]:

@@ -187,6 +187,8 @@ class OpenAIChatClient:
                 body.update(logprobs=True, top_logprobs=request.top_logprobs)
             if request.assistant_prefix:
                 body.update(continue_final_message=True, add_generation_prompt=False)
+            if request.template_kwargs:
+                body["chat_template_kwargs"] = request.template_kwargs
             return parse_chat_reply(self._call("POST", "/chat/completions", body), request)
         except Exception as e:  # every failure becomes an invalid sample upstream, never a crash
             self._count("failed")

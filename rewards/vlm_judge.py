@@ -16,6 +16,12 @@ Both score decoded samples against their prompts in one of the modes of
   assessment of the sample against each criterion and ends with one overall verdict ``Score: x`` (0-10);
   ``R = x/10`` ∈ [0, 1]. A reply without the assessment or without the final score is invalid
   (:func:`rewards.vlm_parse.parse_thinking`). [abstract; reply format derived]
+* ``trm`` / ``trm_edit``: the Thinking Reward Model's released protocol, for a TRM-T2I / TRM-Edit
+  checkpoint: its system prompt and user text word for word (:mod:`rewards.vlm_trm_prompts`), the image
+  (``trm_edit``: the source image ``metadata["image"]``, then the edited one), one call per sample, the
+  chat template's thinking switch off, greedy, up to 4096 / 1536 new tokens. The reply is a JSON
+  checklist whose ``final_score`` (0-10, clamped) gives ``R = final_score/10`` ∈ [0, 1]
+  (:func:`rewards.vlm_parse.parse_checklist`). Images only. [authors' code]
 * ``pairwise``: samples sharing a prompt are compared two by two in both orders ("Better image: 1|2",
   probability-weighted); a sample's score is its mean win probability against its group ∈ [0, 1],
   a Bradley-Terry win rate for group-relative training. A group of G costs G(G−1) judge calls. [derived]
@@ -37,15 +43,22 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
+from flowalign.sampling.inputs import load_input_image
+from rewards import vlm_trm_prompts
 from rewards.common import check_lengths, check_unit_range, to_pil
 from rewards.registry import register
 from rewards.vlm_backend import ChatRequest, Completion
-from rewards.vlm_parse import (Criterion, choice_from_text, choice_probs, parse_rubric, parse_score, parse_thinking,
-                               rubric_reward, weighted_score)
+from rewards.vlm_parse import (Criterion, choice_from_text, choice_probs, parse_checklist, parse_rubric, parse_score,
+                               parse_thinking, rubric_reward, weighted_score)
 
 log = logging.getLogger("flowalign.rewards.vlm_judge")
 
-MODES = ("weighted", "yesno", "text", "rubric", "think", "pairwise")
+MODES = ("weighted", "yesno", "text", "rubric", "think", "trm", "trm_edit", "pairwise")
+#: modes that send a released checkpoint's own prompts: no question or prefix of ours, images only
+TRM_MODES = {"trm": (vlm_trm_prompts.T2I_SYSTEM, vlm_trm_prompts.T2I_USER),
+             "trm_edit": (vlm_trm_prompts.EDIT_SYSTEM, vlm_trm_prompts.EDIT_USER)}
+#: a reply's length when ``max_tokens`` is not given: the TRM modes' are their inference scripts' defaults
+MAX_TOKENS = {"trm": 4096, "trm_edit": 1536}
 
 QUESTIONS = {
     "weighted": ('You are a strict judge of generated {media}s. Prompt: "{prompt}". How well does the {media}'
@@ -77,9 +90,11 @@ class VLMJudge:
     [1, K]; 2..9 so every score is one digit token), ``question`` (a template with ``{prompt}``,
     ``{media}``, ``{K}`` replacing the mode's default), ``prefix`` (forced reply start),
     ``top_logprobs`` (alternatives read per position; digits outside them count 0, ``info`` reports
-    the mass found), ``labels`` and ``max_tokens`` / ``temperature`` (text, rubric and think modes; 0 is
-    greedy), ``num_frames`` (videos), ``rubric_cache_size`` and ``rubric_tokens`` (the rubric reply's
-    length), ``seed`` (sampling at temperature > 0).
+    the mass found), ``labels`` and ``max_tokens`` / ``temperature`` (text, rubric, think and TRM modes; 0
+    is greedy; ``max_tokens`` defaults to 64, the TRM modes' to :data:`MAX_TOKENS`), ``num_frames``
+    (videos), ``rubric_cache_size`` and ``rubric_tokens`` (the rubric reply's length), ``seed`` (sampling
+    at temperature > 0), ``enable_thinking`` (the chat template's thinking switch of a Qwen3-style judge;
+    None leaves the template's default, the TRM modes turn it off as their authors' scripts do).
     """
 
     name = "vlm_judge"
@@ -87,11 +102,18 @@ class VLMJudge:
 
     def __init__(self, backend: Any, *, mode: str = "weighted", scale: int = 9, question: str | None = None,
                  prefix: str | None = None, top_logprobs: int = 20, labels: list[str] | tuple[str, ...] = ("Score",),
-                 max_tokens: int = 64, temperature: float = 0.0, num_frames: int = 4,
-                 rubric_cache_size: int = 4096, rubric_tokens: int = 512, seed: int | None = None):
+                 max_tokens: int | None = None, temperature: float = 0.0, num_frames: int = 4,
+                 rubric_cache_size: int = 4096, rubric_tokens: int = 512, seed: int | None = None,
+                 enable_thinking: bool | None = None):
         who = self.name
         if mode not in MODES:
             raise UserError(f"{who} reward: mode={mode!r} is not one of {list(MODES)}")
+        if mode in TRM_MODES and (question is not None or prefix is not None):
+            raise UserError(f"{who} reward: mode={mode!r} sends the TRM checkpoint's own prompts; drop"
+                            f" {'question' if question is not None else 'prefix'} (or use mode: think)")
+        if enable_thinking is not None and not isinstance(enable_thinking, bool):
+            raise UserError(f"{who} reward: enable_thinking={enable_thinking!r} must be true, false or null")
+        max_tokens = MAX_TOKENS.get(mode, 64) if max_tokens is None else max_tokens
         if isinstance(scale, bool) or not isinstance(scale, int) or not 2 <= scale <= 9:
             raise UserError(f"{who} reward: scale={scale!r} must be an integer in 2..9 (scores are single digits)")
         for key, value, lo in (("top_logprobs", top_logprobs, 1), ("max_tokens", max_tokens, 1),
@@ -121,12 +143,15 @@ class VLMJudge:
         #: pairwise scores are win rates among the samples sharing a prompt (a judge for pref_grpo)
         self.pairwise = mode == "pairwise"
         # the think mode's rubric is written as the rubric mode's is
-        self.question = question or QUESTIONS["rubric" if mode == "think" else mode]
+        self.question = question or QUESTIONS.get("rubric" if mode == "think" else mode, "")  # TRM: TRM_MODES
         self.prefix = prefix if prefix is not None else PREFIXES.get(mode, "")
         self.top_logprobs, self.labels = top_logprobs, tuple(labels)
         self.max_tokens, self.temperature, self.num_frames, self.seed = max_tokens, float(temperature), num_frames, seed
         self.rubrics: OrderedDict[str, list[Criterion]] = OrderedDict()
         self.rubric_cache_size, self.rubric_tokens = rubric_cache_size, rubric_tokens
+        if enable_thinking is None and mode in TRM_MODES:
+            enable_thinking = False
+        self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         self.stats: Counter[str] = Counter()
 
     # --- inputs ------------------------------------------------------------------------------------
@@ -138,6 +163,15 @@ class VLMJudge:
             raise UserError(f"{who} reward: samples must be images (B, 3, H, W) or videos (B, F, 3, H, W); got {shape}")
         check_unit_range(samples, who)
         check_lengths(samples.shape[0], prompts, metadata, who)
+        if self.mode in TRM_MODES and samples.ndim == 5:
+            raise UserError(f"{who} reward: mode={self.mode!r} judges images (a TRM checkpoint sees one image); for"
+                            " videos use mode: think or text")
+        if self.mode == "trm_edit":
+            missing = [i for i in range(samples.shape[0]) if not metadata or not metadata[i]
+                       or metadata[i].get("image") is None]
+            if missing:
+                raise UserError(f"{who} reward: mode='trm_edit' judges an edit against its source image, but"
+                                f" metadata[{missing[0]}] has no 'image'; use an editing dataset or mode: trm")
 
     def _media(self, sample: torch.Tensor) -> tuple[str, list[dict[str, Any]]]:
         """One sample as message parts: an image, or ``num_frames`` evenly spaced frames of a video."""
@@ -147,10 +181,12 @@ class VLMJudge:
         parts = [{"type": "image", "image": to_pil(sample[i])} for i in idx.tolist()]
         return "video", parts + [{"type": "text", "text": f"These {len(parts)} images are frames of one video, in order. "}]
 
-    def _request(self, parts: list[dict[str, Any]], text: str, prefix: str, **kw: Any) -> ChatRequest:
+    def _request(self, parts: list[dict[str, Any]], text: str, prefix: str, *, system: str | None = None,
+                 **kw: Any) -> ChatRequest:
         kw.setdefault("seed", self.seed)
-        return ChatRequest([{"role": "user", "content": parts + [{"type": "text", "text": text}]}],
-                           assistant_prefix=prefix, **kw)
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": parts + [{"type": "text", "text": text}]})
+        return ChatRequest(messages, assistant_prefix=prefix, template_kwargs=dict(self.template_kwargs), **kw)
 
     # --- scoring -----------------------------------------------------------------------------------
 
@@ -166,6 +202,10 @@ class VLMJudge:
             if not finite[i]:
                 info[i]["reason"] = "sample has NaN/inf values"
         media = {i: self._media(samples[i]) for i in todo}
+        if self.mode == "trm_edit":  # the authors' order: the source image, then the edited one
+            for i in todo:
+                source = {"type": "image", "image": to_pil(load_input_image(metadata[i]["image"]))}
+                media[i] = (media[i][0], [source, *media[i][1]])
         judge = getattr(self, f"_score_{self.mode}")
         judge(todo, media, prompts, scores, info)
         valid = torch.isfinite(scores)
@@ -301,6 +341,27 @@ class VLMJudge:
             else:
                 info[i]["reason"] = f"not a score: {parsed.reason}"
                 self.stats["parse_failures"] += 1
+
+    # --- the Thinking Reward Model's released protocol ----------------------------------------------
+
+    def _score_trm(self, todo, media, prompts, scores, info) -> None:
+        system, user = TRM_MODES[self.mode]
+        requests = [self._request(media[i][1], user.format(instruction=prompts[i]), "",
+                                  system=system, max_tokens=self.max_tokens, temperature=self.temperature)
+                    for i in todo]
+        for i, c in zip(todo, self.backend.complete(requests)):
+            if self._failed(c, info[i]):
+                continue
+            parsed = parse_checklist(c.text)
+            if parsed.ok:
+                info[i]["final_score"], info[i]["score_reason"] = parsed.score, str(parsed.data.get("score_reason", ""))
+                scores[i] = parsed.score / 10.0
+            else:
+                info[i]["reason"] = f"not a score: {parsed.reason}"
+                self.stats["parse_failures"] += 1
+
+    # the edit protocol differs only in its prompts and in the source image before the edit (see __call__)
+    _score_trm_edit = _score_trm
 
     # --- pairwise ----------------------------------------------------------------------------------
 

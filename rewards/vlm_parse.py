@@ -267,3 +267,58 @@ def parse_thinking(text: str | None, top: float = 10.0) -> ParsedThinking:
         return ParsedThinking(None, assessment, f"score {x:g} outside [0, {top:g}]")
     return ParsedThinking(x, assessment)
 
+
+
+@dataclass
+class ParsedChecklist:
+    """A TRM checkpoint's JSON verdict: ``score`` (``final_score`` clamped to 0..10), the whole ``data``
+    (``eval_points``, ``dimension_summary``, ``score_reason``), or a ``reason``."""
+
+    score: float | None
+    data: dict[str, Any]
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.score is not None
+
+
+_THINK_BLOCK = re.compile(r"<think\b[^>]*>.*?</think\s*>", re.S | re.I)
+
+
+def parse_checklist(text: str | None, top: float = 10.0) -> ParsedChecklist:
+    """A reply in the Thinking Reward Model's released format → its ``final_score`` on ``[0, top]``.
+
+    As the authors' reader (``trm.utils.parse_reward_json``): closed ``<think>`` blocks are dropped and a
+    markdown code fence around the JSON is removed; the reply must be one JSON object, or hold one between
+    its first ``{`` and its last ``}``; ``final_score`` (a number or a numeric string) is clamped to
+    ``[0, top]``. Where theirs raises, the sample has no score (``reason``). One deliberate difference: a
+    non-finite ``final_score`` (``NaN``, ``Infinity``) has no score here, where their clamp turns NaN into
+    ``top`` (``tests/rewards/known_answers/trm_checklist_parse.json``).
+    """
+    raw = _THINK_BLOCK.sub("", (text or "").strip()).strip()
+    if raw.startswith("```"):
+        raw = re.sub(r"\s*```$", "", re.sub(r"^```(?:json)?\s*", "", raw))
+    raw = raw.strip()
+    if not raw:
+        return ParsedChecklist(None, {}, "empty reply")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        span = re.search(r"\{.*\}", raw, re.S)
+        try:
+            data = json.loads(span.group(0)) if span else None
+        except json.JSONDecodeError:
+            data = None
+        if data is None:
+            return ParsedChecklist(None, {}, f"no JSON object in {_clip(raw)!r}")
+    if not isinstance(data, dict) or "final_score" not in data:
+        return ParsedChecklist(None, data if isinstance(data, dict) else {}, f"no 'final_score' in {_clip(raw)!r}")
+    value = data["final_score"]
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return ParsedChecklist(None, data, f"final_score {value!r} is not a number")
+    if not math.isfinite(x):
+        return ParsedChecklist(None, data, f"final_score {value!r} is not finite")
+    return ParsedChecklist(max(0.0, min(top, x)), data)
