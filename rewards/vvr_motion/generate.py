@@ -33,6 +33,7 @@ touches or leaves the frame.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import replace
@@ -74,6 +75,13 @@ def _inside(b: Box) -> bool:
             and EDGE - 1e-9 <= b.cy - b.h / 2 and b.cy + b.h / 2 <= 1 - EDGE + 1e-9)
 
 
+@functools.lru_cache(maxsize=4096)
+def _path(o: MotionObj) -> tuple[Box | None, ...]:
+    """A placed object's box at each of ``_CHECK_TIMES`` (None before it appears), computed once: every
+    candidate drawn after it is checked against it."""
+    return tuple(o.box(t) if o.visible(t) else None for t in _CHECK_TIMES)
+
+
 class _Clip:
     """A moving scene under construction: objects whose paths fit the frame and keep apart.
 
@@ -108,9 +116,16 @@ class _Clip:
         # box edges move linearly in t: inside at both ends is inside throughout
         if not (_inside(cand.box(0.0)) and _inside(cand.box(1.0))):
             return False
-        for t in _CHECK_TIMES:
-            if cand.visible(t) and any(o.visible(t) and box_gap(cand.box(t), o.box(t)) < GAP for o in others):
-                return False
+        paths = [_path(o) for o in others]
+        for k, t in enumerate(_CHECK_TIMES):
+            if not cand.visible(t):
+                continue
+            box = None
+            for path in paths:
+                if path[k] is not None:
+                    box = box or cand.box(t)
+                    if box_gap(box, path[k]) < GAP:
+                        return False
         return True
 
     def place(self, draw: Callable[[], list[MotionObj]]) -> list[MotionObj]:
