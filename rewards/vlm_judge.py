@@ -143,7 +143,8 @@ class VLMJudge:
         #: pairwise scores are win rates among the samples sharing a prompt (a judge for pref_grpo)
         self.pairwise = mode == "pairwise"
         # the think mode's rubric is written as the rubric mode's is
-        self.question = question or QUESTIONS.get("rubric" if mode == "think" else mode, "")  # TRM: TRM_MODES
+        # (the TRM modes ask TRM_MODES' texts instead)
+        self.question = question or QUESTIONS.get("rubric" if mode == "think" else mode, "")
         self.prefix = prefix if prefix is not None else PREFIXES.get(mode, "")
         self.top_logprobs, self.labels = top_logprobs, tuple(labels)
         self.max_tokens, self.temperature, self.num_frames, self.seed = max_tokens, float(temperature), num_frames, seed
