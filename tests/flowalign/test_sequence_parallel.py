@@ -5,9 +5,6 @@ Wan twin's velocity is bit-equal to the whole model's and training ends at the s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +15,8 @@ from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
 from flowalign.sequence_parallel import Layout, split_sequences
+from tests.warm_start import run_env, run_ranks, starter
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
 #: two short Flow-GRPO steps of the tiny Wan twin with a LoRA and a dense pixel reward
 RUN = ["configs/tiny/flow_grpo_motion.yaml", "run.progress=false", "run.tensorboard=false", "eval.bench=null",
        "trainer.max_steps=2", "trainer.max_minutes=null", "trainer.group_size=2", "trainer.batch_size=2",
@@ -56,17 +52,21 @@ def test_one_process_with_sequence_parallelism_is_refused_before_training(tmp_pa
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def launch(nproc: int, args: list[str], timeout: int = 600) -> str:
-    command = ([sys.executable] if nproc == 1 else [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc)])
-    proc = subprocess.run([*command, *args], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+def launch(nproc: int, module: str, args: list[str], timeout: int = 600) -> str:
+    """``python -m MODULE ARGS``, or ``torchrun --standalone --nproc_per_node NPROC -m MODULE ARGS``, warm-started
+    (:mod:`tests.warm_start`); the output of every process."""
+    if nproc == 1:
+        out, _ = (proc := starter().start(module, args, run_env())).communicate(timeout=timeout)
+        code = proc.returncode
+    else:
+        code, out = run_ranks(module, args, nproc, timeout=timeout)
+    assert code == 0, out[-6000:]
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun missing")
 def test_split_velocity_equals_the_whole_models_and_the_gradients_sum_to_its(tmp_path):
-    launch(2, ["-m", "tests.flowalign.sequence_parallel_check", str(tmp_path), "ddp", "fsdp"])
+    launch(2, "tests.flowalign.sequence_parallel_check", [str(tmp_path), "ddp", "fsdp"])
     for kind in ("ddp", "fsdp"):
         for rank in (0, 1):
             result = json.loads((tmp_path / kind / f"rank{rank}.json").read_text())
@@ -86,19 +86,18 @@ def trained(run: Path) -> tuple[dict[str, torch.Tensor], list[dict]]:
 
 
 def train_run(run: Path, nproc: int, prompts: int, *extra: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    launch(nproc, ["-m", "flowalign", "train", *run_args(run, prompts, *extra)])
+    launch(nproc, "flowalign", ["train", *run_args(run, prompts, *extra)])
     return trained(run)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun missing")
 def test_training_with_split_sequences_ends_at_the_single_process_weights(tmp_path):
     """4 processes as 2 data ranks × 2 sequence ranks with FSDP sharding over all four (the 2-D mesh) against
     one process holding both prompts: the same first rollouts (their rewards equal to the bit) and the same
     weights. (ddp's split velocity and gradient sums are checked above; a 1 × 2 ddp run adds no code path.)
     Adam's first steps turn the last-bit gradient differences of near-zero entries (the split sums over tokens
     in another order) into up to ~2e-5 on a few of 32768 weights (measured)."""
-    launch(1, ["-m", "flowalign", "train", *run_args(tmp_path / "one-two-prompts", 2)])
+    launch(1, "flowalign", ["train", *run_args(tmp_path / "one-two-prompts", 2)])
     two, two_logs = trained(tmp_path / "one-two-prompts")
     assert max(v.abs().max().item() for k, v in two.items() if "lora_B" in k) > 1e-3  # B starts at zero: it moved
     weights, logs = train_run(tmp_path / "fsdp-2x2", 4, 1, "parallel.sequence_parallel=2", "parallel.strategy=fsdp")

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flowalign.config import load_config
+from tests.warm_start import WarmProcess, run_env, starter
 
 REPO = Path(__file__).resolve().parents[3]
 REDNESS = "tests.flowalign.trainers.toy_rewards:redness"
@@ -49,14 +47,10 @@ def small_config(run_dir: Path, model_dir: Path, prompt_file: Path, *extra: str)
     return load_config(None, small_run(run_dir, model_dir, prompt_file, *extra))
 
 
-def run_cli(args: list[str], **popen) -> subprocess.Popen:
-    """``python -m flowalign ARGS`` in a subprocess, bit-reproducible across processes: one thread, and
-    MKL's conditional numerical reproducibility (otherwise MKL picks kernels by memory alignment and
-    results differ between processes in the 7th digit)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "PYTHONPATH": str(REPO),
-           "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "flowalign", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+def run_cli(args: list[str]) -> WarmProcess:
+    """``python -m flowalign ARGS`` as a process of its own (its output in ``.stdout``), bit-reproducible
+    across processes (:data:`tests.warm_start.RUN_ENV`), forked from this worker's warm interpreter."""
+    return starter().start("flowalign", args, run_env())
 
 
 @pytest.fixture(scope="session")

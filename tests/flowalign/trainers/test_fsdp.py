@@ -1,6 +1,7 @@
-"""``parallel.strategy=fsdp`` end to end on two CPU processes (torchrun, gloo): the same weights as
-unsharded runs, bit-exact resume, checkpoints that move between 2 sharded ranks and 1 process, and a
-lost rank that stops its peer with a clear error."""
+"""``parallel.strategy=fsdp`` end to end on two CPU processes (gloo): the same weights as unsharded runs,
+bit-exact resume, checkpoints that move between 2 sharded ranks and 1 process, and a lost rank that stops
+its peer with a clear error. The ranks get torchrun's variables and are forked from a warm interpreter
+(:mod:`tests.warm_start`); the lost-rank test starts fresh ones, and ``test_distributed.py`` runs torchrun."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from safetensors.torch import load_file
 
 from flowalign.checkpoint import TRAINER_STATE_PREFIX, load_checkpoint
 
+from tests.warm_start import run_env, run_ranks, starter
+
 from .conftest import REPO, run_cli, small_run
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -33,10 +36,11 @@ pytestmark = [pytest.mark.slow,
 
 
 def torchrun(args: list[str]) -> str:
-    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "flowalign", *args],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+    """``torchrun --standalone --nproc_per_node 2 -m flowalign ARGS``, its ranks warm-started
+    (:func:`tests.warm_start.run_ranks`); every rank's output."""
+    code, out = run_ranks("flowalign", args, 2)
+    assert code == 0, out[-6000:]
+    return out
 
 
 def single(args: list[str]) -> str:
@@ -162,15 +166,16 @@ TOLERANCE = {"festdpo": 1e-5}
 
 
 def many(launch, runs: list[list[str]], path: Path) -> None:
-    """Every run of ``runs`` in one process (``launch``: :func:`torchrun` or :func:`single`)."""
+    """Every run of ``runs`` in one process, or one process a rank (``launch``: :func:`torchrun` or
+    :func:`single`)."""
     path.write_text(json.dumps(runs))
-    command = ["-m", "tests.flowalign.trainers.fsdp_many", str(path)]
+    module = "tests.flowalign.trainers.fsdp_many"
     if launch is torchrun:
-        command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", *command]
+        code, out = run_ranks(module, [str(path)], 2, timeout=1200)
     else:
-        command = [sys.executable, *command]
-    proc = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out, _ = (proc := starter().start(module, [str(path)], run_env())).communicate(timeout=1200)
+        code = proc.returncode
+    assert code == 0, out[-6000:]
 
 
 def test_every_baseline_under_fsdp_ends_at_the_single_process_weights(tmp_path, tiny_sd3_dir, prompt_file):
