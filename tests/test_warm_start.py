@@ -20,6 +20,7 @@ def probe(*args: str, env: dict[str, str] | None = None, cwd=REPO):
     (("exit", "3"), 3, "argv"),
     (("message", "bad input"), 1, "bad input"),
     (("raise", "boom"), 1, "RuntimeError: boom"),
+    (("atexit", "4"), 4, "shut down as an interpreter does"),  # the interpreter's own exit, not os._exit
 ])
 def test_exit_codes_and_output_are_the_processs(args, code, needle):
     proc = probe(*args)

@@ -18,6 +18,11 @@ if __name__ == "__main__":
     elif action == "sleep":
         print("sleeping", flush=True)
         time.sleep(float(arg))
+    elif action == "atexit":
+        import atexit
+
+        atexit.register(lambda: print("shut down as an interpreter does"))
+        sys.exit(int(arg))
     elif action == "rank":  # rank 1 fails at once; rank 0 would sleep for a minute
         if os.environ["RANK"] == "1":
             sys.exit(5)

@@ -16,7 +16,6 @@ loop), so a fork copies no other thread's locks, and it ends when its socket clo
 
 from __future__ import annotations
 
-import atexit
 import io
 import json
 import os
@@ -29,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 #: the environment of every run process the tests start: one thread, MKL's reproducible kernels (otherwise MKL
@@ -48,8 +47,9 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 # --- the server ------------------------------------------------------------------------------------
 
-def _run_child(request: dict[str, Any], out_fd: int, server_fds: list[int]) -> None:
-    """In the forked child: become ``python -m MODULE ARGS`` and never return."""
+def _run_child(request: dict[str, Any], out_fd: int, server_fds: list[int]) -> int:
+    """In the forked child: run as ``python -m MODULE ARGS``; its exit code. The caller then exits through
+    the interpreter's own shutdown (atexit handlers, finalisers), as a fresh process would."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not this process's
@@ -84,13 +84,7 @@ def _run_child(request: dict[str, Any], out_fd: int, server_fds: list[int]) -> N
         import traceback
 
         traceback.print_exc()
-    finally:
-        try:
-            atexit._run_exitfuncs()
-            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-                stream.flush()
-        finally:
-            os._exit(code)
+    return code
 
 
 def serve(sock: socket.socket) -> None:
@@ -130,7 +124,7 @@ def serve(sock: socket.socket) -> None:
                 pid = os.fork()
                 if pid == 0:
                     sock.close()
-                    _run_child(request, out_fd, [wake_r, wake_w])
+                    sys.exit(_run_child(request, out_fd, [wake_r, wake_w]))  # unwinds to the interpreter's exit
                 os.close(out_fd)
                 children.add(pid)
                 _send(sock, {"pid": pid})
@@ -238,12 +232,29 @@ def run_ranks(module: str, args: list[str], nproc: int, env: dict[str, str] | No
                                             "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
                                             "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
              for r in range(nproc)]
-    outputs = [""] * nproc
+    return together(procs, timeout)
 
-    def read(r: int) -> None:
-        outputs[r] = procs[r].stdout.read()
 
-    readers = [threading.Thread(target=read, args=(r,), daemon=True) for r in range(nproc)]
+def spawn(fn: Callable[..., None], args: tuple, nprocs: int, timeout: float = 600) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with warm-started processes: ``fn(rank, *args)`` in
+    each (a module-level function; ``args`` JSON values); raises with every process's output if one fails."""
+    target = f"{fn.__module__}:{fn.__qualname__}"
+    procs = [starter().start("tests.warm_call", [target, json.dumps([rank, *args])], run_env())
+             for rank in range(nprocs)]
+    code, out = together(procs, timeout)
+    if code:
+        raise RuntimeError(f"{target} failed (exit {code}):\n{out[-6000:]}")
+
+
+def together(procs: list[WarmProcess], timeout: float) -> tuple[int, str]:
+    """Wait for ``procs``, stopping all when one fails or ``timeout`` passes: (the first failure's exit code
+    or 0, their outputs in order)."""
+    outputs = [""] * len(procs)
+
+    def read(i: int) -> None:
+        outputs[i] = procs[i].stdout.read()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
     for t in readers:
         t.start()
     deadline, code = time.monotonic() + timeout, 0

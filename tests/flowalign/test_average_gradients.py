@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flowalign.config import ParallelSection
 from flowalign.parallel import strategy
+from tests.warm_start import spawn
 
 
 def _critic() -> torch.nn.Module:
@@ -54,7 +54,7 @@ def test_two_processes_hold_the_mean_of_their_gradients(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_average, args=(2, port, str(tmp_path)), nprocs=2)
+    spawn(_average, (2, port, str(tmp_path)), 2)
     got = [[torch.tensor(g) for g in json.loads((tmp_path / f"rank{r}.json").read_text())] for r in range(2)]
     want = []
     for i, p in enumerate(_critic().parameters()):
