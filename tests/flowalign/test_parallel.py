@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from flowalign.config import ParallelSection, load_config
 from flowalign.errors import UserError
 from flowalign.parallel import DDP, FSDP, block_modules, is_collective_failure, process_group_released, strategy
-from tests.warm_start import spawn
+from tests.warm_start import free_port, spawn
 
 
 def test_an_unknown_strategy_is_a_one_line_error_naming_the_field():
@@ -94,11 +93,6 @@ def test_collective_failures_are_told_apart_from_other_errors():
     assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _released(rank: int, world: int, port: int, out: str) -> None:
     """One rank: a collective inside ``process_group_released``, rank 1 then failing inside it; record
@@ -118,7 +112,7 @@ def _released(rank: int, world: int, port: int, out: str) -> None:
 
 def test_the_process_group_is_destroyed_when_a_run_ends_or_fails(tmp_path):
     """Left alive, a gloo group can abort the interpreter's exit (SIGABRT) after a run that succeeded."""
-    spawn(_released, (2, _free_port(), str(tmp_path)), 2)
+    spawn(_released, (2, free_port(), str(tmp_path)), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks == [{"sum": 3.0, "alive": False}] * 2
 
@@ -161,7 +155,7 @@ def _count_shards(rank: int, world: int, port: int, model_dir: str, out: str) ->
 
 @pytest.mark.slow
 def test_each_of_two_ranks_holds_about_half_of_the_weights_and_optimiser_state(tiny_sd3_dir, tmp_path):
-    spawn(_count_shards, (2, _free_port(), str(tiny_sd3_dir), str(tmp_path)), 2)
+    spawn(_count_shards, (2, free_port(), str(tiny_sd3_dir), str(tmp_path)), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for mode in ("lora", "full"):
         full = ranks[0][mode]["full"]
@@ -206,7 +200,7 @@ def _options_step(rank: int, world: int, port: int, model_dir: str, out: str) ->
 
 @pytest.mark.slow
 def test_cpu_offload_bf16_and_kept_gathered_weights_train_like_the_default(tiny_sd3_dir, tmp_path):
-    spawn(_options_step, (2, _free_port(), str(tiny_sd3_dir), str(tmp_path)), 2)
+    spawn(_options_step, (2, free_port(), str(tiny_sd3_dir), str(tmp_path)), 2)
     norms = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert norms[0] == norms[1]  # the clipped norm is the whole model's, the same on both ranks
     n = norms[0]

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from safetensors.torch import load_file
 
 from flowalign.checkpoint import TRAINER_STATE_PREFIX, load_checkpoint
 
-from tests.warm_start import run_env, run_ranks, starter
+from tests.warm_start import free_port, run_env, run_ranks, starter
 
 from .conftest import REPO, run_cli, small_run
 
@@ -246,18 +245,13 @@ def test_diffusion_nft_resumes_under_fsdp_bit_exactly_with_its_behaviour_copy(nf
     assert max_diff({k: b[k] for k in behaviour}, {k: b[k.removeprefix(TRAINER_STATE_PREFIX)] for k in behaviour}) > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_a_killed_rank_stops_the_other_with_a_clear_error_and_the_run_resumes(tmp_path, tiny_sd3_dir, prompt_file):
     run = tmp_path / "run"
     args = [sys.executable, "-m", "flowalign", "train", "/dev/null",
             *small_run(run, tiny_sd3_dir, prompt_file, FSDP, "trainer.max_steps=6", "run.checkpoint_every=1",
                        "trainer.prompts_per_step=1", "parallel.timeout_s=20")]
-    port = str(_free_port())
+    port = str(free_port())
     ranks = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
                                    "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"})
