@@ -62,6 +62,10 @@ class OdeSolver:
         scheduler.set_timesteps(num_steps)
         return scheduler.sigmas.float().clone()
 
+    def stochastic_steps(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """``(T,)`` bool: none (every step of these solvers is deterministic)."""
+        return torch.zeros(len(sigmas) - 1, dtype=torch.bool)
+
     def steps(self, sigmas: torch.Tensor) -> Callable[..., StepOutput]:
         """A step function for one rollout along ``sigmas`` (stateful for ``dpm2``: build one per rollout)."""
         if self.solver == "euler":

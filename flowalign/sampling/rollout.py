@@ -11,6 +11,7 @@ from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling.inputs import encode_prompts
 from flowalign.sampling.ode_solvers import OdeSolver
+from flowalign.sampling.sa_solver import SASolver
 from flowalign.sampling.steps import SAMPLER_KINDS, StepOutput, sde_step
 from flowalign.sampling.timesteps import TimestepMap, model_timestep, truncated
 from flowalign.sampling.windows import sde_step_mask
@@ -125,7 +126,7 @@ def rollout(
     prompts: Sequence[str],
     *,
     num_steps: int,
-    sampler: str | StepFn | OdeSolver = "flow_grpo",
+    sampler: str | StepFn | OdeSolver | SASolver = "flow_grpo",
     noise_level: float | None = None,
     guidance_scale: float | None = None,
     sde_window: tuple[int, int] | torch.Tensor | None = None,
@@ -146,7 +147,8 @@ def rollout(
     ``sde_window``; the step to σ = 0 only with ``sde_last_step``) store their log-probabilities; all other
     steps are Euler ODE steps. An :class:`~flowalign.sampling.ode_solvers.OdeSolver` ``sampler`` integrates
     every step with its deterministic solver on its grid, the transformer reading its timestep form (the
-    rollout's ``sigmas`` are that grid). ``guidance_scale`` defaults to the checkpoint's own default. Pass
+    rollout's ``sigmas`` are that grid); an :class:`~flowalign.sampling.sa_solver.SASolver` likewise, its
+    steps with τ > 0 stochastic (they store log-probabilities). ``guidance_scale`` defaults to the checkpoint's own default. Pass
     ``initial_noise`` ``(B, ...)`` to share noise (e.g. DanceGRPO groups) or to branch from an ODE
     prefix.
 
@@ -166,9 +168,12 @@ def rollout(
     if getattr(policy, "streaming", False):
         raise UserError(f"{policy.family} generates video chunk by chunk with a KV cache: sample it with "
                         "flowalign.sampling.streaming.stream_rollout and train it with a streaming trainer")
-    solver = sampler if isinstance(sampler, OdeSolver) else None
+    solver = sampler if isinstance(sampler, (OdeSolver, SASolver)) else None
     custom_step = sampler if callable(sampler) else None
-    level = 0.0 if custom_step or solver else check_sampler(sampler, noise_level)
+    if solver is not None:
+        level = solver.noise_level if isinstance(solver, SASolver) else 0.0
+    else:
+        level = 0.0 if custom_step else check_sampler(sampler, noise_level)
     if num_steps < 1:
         raise UserError(f"num_steps must be >= 1, got {num_steps}")
     guidance = float(policy.defaults.get("guidance_scale", 1.0) if guidance_scale is None else guidance_scale)
@@ -181,8 +186,10 @@ def rollout(
     x = _start(policy, len(prompts), initial_noise, generator, generators)
     # CPS has τ = 0 on the step to σ' = 0: that step stays an ODE step whatever ``sde_last_step`` says
     last = sde_last_step and sampler != "cps"
-    deterministic = solver is not None or sampler == "ode"
-    mask = torch.zeros(num_steps, dtype=torch.bool) if deterministic else sde_step_mask(num_steps, sde_window, last)
+    if solver is not None:
+        mask = solver.stochastic_steps(sigmas)
+    else:
+        mask = torch.zeros(num_steps, dtype=torch.bool) if sampler == "ode" else sde_step_mask(num_steps, sde_window, last)
     solver_step = solver.steps(sigmas) if solver else None
 
     def step_at(k: int) -> StepFn:

@@ -1,8 +1,9 @@
 """Advantage Weighted Matching (AWM, arXiv 2509.25050; ``docs/methods/awm.md``).
 
-ODE rollouts, the loop's advantages, then the pretraining loss on the rollouts' own endpoints: each
-endpoint ``x0`` is re-noised at ``train_timesteps`` steps of the rollout grid (one per stratum of the
-first ``timestep_fraction`` of it), ``x_t = (1−t)·x0 + t·ε``, and with ``ℓ = −w(t)·mean(v_θ(x_t) − (ε − x0))²``
+SA-Solver rollouts (the authors' sampler, ``rollout_solver: sa_solver``; ``euler``: the policy's ODE), the
+loop's advantages, then the pretraining loss on the rollouts' own endpoints: each endpoint ``x0`` is
+re-noised at ``train_timesteps`` steps of the policy's grid (one per stratum of the first
+``timestep_fraction`` of it), ``x_t = (1−t)·x0 + t·ε``, and with ``ℓ = −w(t)·mean(v_θ(x_t) − (ε − x0))²``
 
     Â = clip(A, ±A_clip)·A_max/A_clip,   r = exp(ℓ − ℓ_old)
     L = mean_{i,t} max(−Â_i·r, −Â_i·clip(r, 1−ε, 1+ε)) + β·mean_{i,t} mean(v_θ − v_ref)²
@@ -24,6 +25,7 @@ from pydantic import Field
 
 from flowalign.ema import EMA
 from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS
+from flowalign.sampling.sa_solver import SASolver
 from flowalign.trainers.options import EpochOptions, ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
@@ -36,7 +38,12 @@ from flowalign.trainers.parts.reductions import per_sample_mean
 class AWMConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     name: Literal["awm"] = "awm"
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"ema_kl_beta": 0.0}
+    before = {"ema_kl_beta": 0.0, "rollout_solver": "euler"}
+    #: the rollouts' sampler: "sa_solver" (the authors': SA-Solver, PEC, orders 2, τ = rollout_noise_level on
+    #: the steps that end at t in [0.3, 0.9]) or "euler" (the policy's ODE)
+    rollout_solver: Literal["sa_solver", "euler"] = "sa_solver"
+    #: τ of the SA-Solver rollouts (the authors' ``sample.noise_level``: 0.4 for GenEval and OCR, 0 for PickScore)
+    rollout_noise_level: float = Field(0.4, ge=0, le=10)
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
     #: re-noised copies of each endpoint per update, one per stratum of the trained grid steps
     train_timesteps: int = Field(6, ge=1, le=MAX_SAMPLING_STEPS)
@@ -137,7 +144,10 @@ def sample_keys(batch: StepBatch) -> list[tuple[int, int]]:
 class AWMTrainer(GroupTrainer):
     Config = AWMConfig
     tcfg: AWMConfig
-    sampler = "ode"
+
+    @property
+    def sampler(self) -> SASolver | str:  # type: ignore[override]
+        return SASolver(self.tcfg.rollout_noise_level) if self.tcfg.rollout_solver == "sa_solver" else "ode"
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
@@ -150,6 +160,7 @@ class AWMTrainer(GroupTrainer):
         super().__init__(*args, **kw)
         #: φ: the moving average v_ema runs (the starting trained tensors until the first batch is trained)
         self.kl_ema = EMA(self.params, self.tcfg.ema_kl_decay) if self.tcfg.ema_kl_beta > 0 else None
+        self.grids: dict[int, list[float]] = {}
 
     def guidance(self, chunk) -> float:
         return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance
@@ -200,9 +211,16 @@ class AWMTrainer(GroupTrainer):
         chunk = batch.chunks[i]
         x0 = chunk.final_latents.to(self.policy.device, non_blocking=True)
         eps = eps.to(x0, non_blocking=True)
-        t = chunk.sigmas[k].item()
+        t = self.grid(chunk.num_steps)[k]
         x_t = (1 - t) * x0 + t * eps
         return self.policy.velocity(x_t, t, chunk.cond, self.guidance(chunk)), eps - x0, t
+
+    def grid(self, num_steps: int) -> list[float]:
+        """The policy's own σ grid, where the authors re-noise (their scheduler's timesteps); an SA-Solver
+        rollout ran on a copy with its first and second-last points moved."""
+        if num_steps not in self.grids:
+            self.grids[num_steps] = self.policy.sigmas(num_steps).float().tolist()
+        return self.grids[num_steps]
 
     def log_prob(self, batch: StepBatch, i: int, k: int, eps: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

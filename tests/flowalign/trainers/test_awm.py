@@ -15,6 +15,7 @@ import yaml
 from flowalign.checkpoint import load_checkpoint
 from flowalign.ema import EMA
 from flowalign.errors import UserError
+from flowalign.sampling.sa_solver import SASolver
 from flowalign.train import build_trainer
 from flowalign.trainers.awm import (
     AWMConfig,
@@ -216,3 +217,19 @@ def test_a_run_saved_before_the_moving_average_resumes_only_as_it_was(tmp_path, 
                                          "trainer.ema_kl_beta=0.0"))
     resumed.train()
     assert resumed.step == 2 and resumed.kl_ema is None
+
+
+def test_rollouts_are_the_authors_sa_solver_and_the_endpoints_are_renoised_on_the_policys_grid(
+        tmp_path, tiny_sd3_dir, prompt_file):
+    """By default AWM samples as its authors do (SA-Solver, τ = rollout_noise_level) and re-noises on the
+    policy's own grid, where their script takes its timesteps, not on the SA-Solver's moved grid."""
+    extra = ("trainer.name=awm", "trainer.num_steps=6", "trainer.rollout_noise_level=0.7")
+    trainer = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra))
+    assert trainer.sampler == SASolver(0.7)
+    policy_grid = trainer.policy.sigmas(6).float()
+    sa_grid = trainer.sampler.sigmas(trainer.policy.sigmas, 6)
+    assert trainer.grid(6) == policy_grid.tolist()
+    assert sa_grid[0] != policy_grid[0] and sa_grid[-2] != policy_grid[-2]
+    euler = build_trainer(small_config(tmp_path / "e", tiny_sd3_dir, prompt_file, *extra,
+                                       "trainer.rollout_solver=euler"))
+    assert euler.sampler == "ode"
