@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from flowalign.errors import UserError
 from flowalign.plugins import load_target, targets
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -78,6 +79,7 @@ def render_task(name: str, metadata: dict[str, Any], size: int) -> torch.Tensor:
     """The ground truth of one task of benchmark ``name``, float32 in [0, 1]: an image ``(3, size, size)``
     or a clip ``(F, 3, size, size)``."""
     import numpy as np
+    import torch  # here, not at the top: listing the benchmarks (``evaluate --help``) needs no torch
 
     known = targets("renderers")
     if name not in known:

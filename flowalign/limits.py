@@ -104,3 +104,7 @@ MAX_SERVER_DECODED_MB = 2.0**20
 MAX_CONNECTIONS = 65_536
 #: candidates per token a judge returns (``top_logprobs``; OpenAI's API allows 20)
 MAX_TOP_LOGPROBS = 1000
+#: reflection rounds of a unified model's trajectory (``trainer.rounds``, ``--rounds``)
+MAX_ROUNDS = 64
+#: tokens of one reflection (``trainer.max_new_tokens``, ``--reflection-tokens``)
+MAX_REFLECTION_TOKENS = 4096

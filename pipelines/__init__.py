@@ -19,21 +19,21 @@ alone. Nothing here imports a family module until a family is used.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from flowalign import families
 from flowalign.errors import UserError
-from flowalign.protocols import FlowPolicy
 from pipelines.folder_check import check_model_folder, explain_shape_mismatch
-# what flowalign plan runs on the meta device, and the memory options of load (the core's way in)
-from pipelines.memory import apply_memory_options, transformer_inputs
-# and the LoRA's compute dtype, which the planner's meta forward follows
-from pipelines.lora import compute_in_input_dtype
 
-__all__ = ["PLUGINS", "DTYPES", "load", "detect_family", "parse_dtype", "apply_memory_options", "transformer_inputs",
-           "compute_in_input_dtype"]
+if TYPE_CHECKING:
+    import torch
+
+    from flowalign.protocols import FlowPolicy
+
+# torch and diffusers are imported by the functions below when called, not here: the core imports this
+# package to read PLUGINS (every ``flowalign --help`` does), which must not cost seconds
+__all__ = ["PLUGINS", "DTYPE_NAMES", "load", "detect_family", "parse_dtype", "apply_memory_options",
+           "transformer_inputs", "compute_in_input_dtype"]
 
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml
@@ -55,14 +55,9 @@ PLUGINS = {
     },
 }
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
+#: the dtype names :func:`parse_dtype` reads → the ``torch`` dtype each stands for
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16"}
 #: keyword options the policies take besides device / dtype / lora / full_finetune
 POLICY_OPTIONS = {"gradient_checkpointing", "defaults", "prompt_cache_size", "decode_batch_size"}
 #: options every family takes through :func:`load`, applied to the built policy by :mod:`pipelines.memory`
@@ -78,12 +73,14 @@ def __getattr__(name: str) -> Any:
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"fp32" | "bf16" | "fp16"`` (or the long names, or a ``torch.dtype``) → ``torch.dtype``."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
+        if dtype not in {getattr(torch, name) for name in DTYPE_NAMES.values()}:
             raise UserError(f"dtype={dtype} is not supported: use one of fp32, bf16, fp16")
         return dtype
-    if isinstance(dtype, str) and dtype.lower() in DTYPES:
-        return DTYPES[dtype.lower()]
+    if isinstance(dtype, str) and dtype.lower() in DTYPE_NAMES:
+        return getattr(torch, DTYPE_NAMES[dtype.lower()])
     raise UserError(f"dtype={dtype!r} is not a known dtype: use one of fp32, bf16, fp16")
 
 
@@ -97,7 +94,7 @@ def load(
     family: str | None = None,
     *,
     device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "fp32",
     lora: dict[str, Any] | None = None,
     full_finetune: bool = False,
     **kw: Any,
@@ -106,7 +103,7 @@ def load(
 
     ``family``: a registered family name (``"sd3"``, ``"flux"``, ``"wan"``, ``"qwen_image"``, ...), detected
     from ``model_index.json`` when None (and checked against it when given).
-    ``dtype``: ``torch.float32`` / ``"fp32"`` on CPU; ``"bf16"`` (or fp16) on GPU.
+    ``dtype``: ``"fp32"`` / ``torch.float32`` on CPU; ``"bf16"`` (or fp16) on GPU.
     ``lora={"rank", "alpha", "target_modules", "dropout", "init"}`` adds a trainable peft LoRA;
     ``full_finetune=True`` trains every transformer weight instead; neither: frozen (sampling/eval).
     ``kw``: ``gradient_checkpointing``, ``defaults`` (sampling defaults over ``flowalign.json``),
@@ -134,3 +131,27 @@ def load(
         raise UserError(line) from None
     apply_memory_options(policy, **memory)
     return policy
+
+
+# The core's way into what the families share: flowalign plan runs the transformer on the meta device with
+# these inputs and the LoRA's compute dtype; load applies the memory options. Each imports its module
+# (torch, diffusers, peft) when called.
+def transformer_inputs(family: str, config: Any, batch: int, size: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """:func:`pipelines.memory.transformer_inputs` (``device``, ``dtype`` as keywords)."""
+    from pipelines.memory import transformer_inputs as inputs
+
+    return inputs(family, config, batch, size, **kwargs)
+
+
+def apply_memory_options(policy: Any, **options: Any) -> None:
+    """:func:`pipelines.memory.apply_memory_options`: the options of :data:`MEMORY_OPTIONS` on a built policy."""
+    from pipelines.memory import apply_memory_options as apply
+
+    apply(policy, **options)
+
+
+def compute_in_input_dtype(transformer: torch.nn.Module, on: bool = True) -> int:
+    """:func:`pipelines.lora.compute_in_input_dtype`: the LoRA of ``transformer`` computed in its input's dtype."""
+    from pipelines.lora import compute_in_input_dtype as compute
+
+    return compute(transformer, on)

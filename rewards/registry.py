@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from flowalign.errors import UserError
-from flowalign.protocols import RewardOutput
 from flowalign.yaml_numbers import numeric_annotation
+
+if TYPE_CHECKING:
+    import torch
+
+    from flowalign.protocols import RewardOutput
 
 ENTRY_POINT_GROUP = "flowalign.rewards"
 _REGISTRY: dict[str, Callable[..., Any]] = {}
@@ -68,6 +70,11 @@ class FunctionReward:
         self.name, self.fn, self.options = name, fn, options
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict]) -> RewardOutput:
+        # torch on use: importing the registry (``import rewards``, the CLI's --help) stays light
+        import torch
+
+        from flowalign.protocols import RewardOutput
+
         out = self.fn(samples, prompts, metadata, **self.options)
         if isinstance(out, RewardOutput):
             return out

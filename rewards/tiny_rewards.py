@@ -5,7 +5,8 @@ loads (a builder that needs more options, such as a second folder or the ``ocr``
 returns them): the reward's real classes with tiny configs, saved as the real downloads are (``save_pretrained``
 folders, open_clip's ``open_clip_config.json`` + safetensors, the aesthetic head's state dict), so each
 reward's real loading code runs offline (tests, ``flowalign tiny-reward``, demos). A reward module adds one
-entry. Weights are drawn from a fixed seed: the same folder on every machine.
+entry. Weights are drawn from a fixed seed: the same folder on every machine. Each builder imports torch
+and its reward's libraries itself, so listing the names (``flowalign tiny-reward --help``) loads none of them.
 
 Every builder writes atomically (:func:`flowalign.io.atomic_dir`, a writer name of its own): a failure leaves
 the folder as it was, and a folder holding files the builder did not write is refused unless ``overwrite``
@@ -17,8 +18,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from rewards.tiny_towers import clip_style_towers
 
@@ -38,6 +37,7 @@ def save_tiny_open_clip(folder: Path, seed: int = 0, *, overwrite: bool = False)
     """An open_clip ``CLIP`` as open_clip's ``local-dir:`` reads it (``clip_score``, ``hps``); written
     atomically (writer ``save-tiny-open-clip``)."""
     import open_clip
+    import torch
     from safetensors.torch import save_file
 
     from flowalign.io import atomic_dir
@@ -53,6 +53,7 @@ def save_tiny_open_clip(folder: Path, seed: int = 0, *, overwrite: bool = False)
 def save_tiny_hf_clip(folder: Path, seed: int = 0, *, overwrite: bool = False) -> None:
     """A transformers ``CLIPModel`` with its tokenizer and ``preprocessor_config.json`` in one folder, as
     ``yuvalkirstain/PickScore_v1`` ships (``pickscore``); written atomically (writer ``save-tiny-hf-clip``)."""
+    import torch
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
     from flowalign.io import atomic_dir
@@ -75,6 +76,7 @@ def save_tiny_hf_clip(folder: Path, seed: int = 0, *, overwrite: bool = False) -
 def save_tiny_aesthetic(folder: Path, seed: int = 0, *, overwrite: bool = False) -> None:
     """The LAION aesthetic MLP head (``head.safetensors``) beside its CLIP backbone (``clip/``); written
     atomically as one folder (writer ``save-tiny-aesthetic``)."""
+    import torch
     from safetensors.torch import save_file
 
     from flowalign.io import atomic_dir
@@ -92,6 +94,7 @@ def save_tiny_dinov2(folder: Path, seed: int = 0, *, overwrite: bool = False) ->
     """A transformers ``Dinov2Model`` with its ``BitImageProcessor`` config, as facebook/dinov2-base ships
     (``image_similarity``): the real processor's resize-then-crop, scaled to the tiny image side; written
     atomically (writer ``save-tiny-dinov2``)."""
+    import torch
     from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
 
     from flowalign.io import atomic_dir

@@ -13,6 +13,8 @@ from flowalign.limits import (
     MAX_COEFFICIENT,
     MAX_GROUP_SIZE,
     MAX_GUIDANCE,
+    MAX_REFLECTION_TOKENS,
+    MAX_ROUNDS,
     MAX_SAMPLING_STEPS,
     MAX_SEED,
     MAX_TASKS,
@@ -186,8 +188,6 @@ def load_policy(args: argparse.Namespace):
 def add_reflection_args(p: argparse.ArgumentParser) -> None:
     """A unified model's reflection loop (``docs/methods/umm_reflection.md``): what an ``--adapter`` of a
     ``trainer.name=umm_reflection`` run is evaluated with; each defaults to the run's own setting."""
-    from flowalign.trainers.umm_reflection import MAX_REFLECTION_TOKENS, MAX_ROUNDS
-
     g = p.add_argument_group("a unified model's reflection loop (default: the adapter's run's settings)")
     add_number(g, "--rounds", type=int, lo=0, hi=MAX_ROUNDS, default=None,
                help="most reflect -> revise rounds (trainer.rounds); 0: the first image alone")

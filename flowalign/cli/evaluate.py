@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
 
 from flowalign import strict_json
 from flowalign.cli.common import (
@@ -17,12 +18,13 @@ from flowalign.cli.common import (
     check_positive,
     load_guided_policy,
 )
-from flowalign.data import PromptSet, read_prompt_file
 from flowalign.errors import UserError
-from flowalign.evaluation import evaluate
 from flowalign.io import check_out_dir
 from flowalign.limits import MAX_BATCH, MAX_SEED, MAX_TASKS
 from flowalign.paths import default_model_dir
+
+if TYPE_CHECKING:
+    from flowalign.data import PromptSet
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -62,6 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     from flowalign.config import reward_spec_from_text
+    from flowalign.evaluation import evaluate
     from flowalign.reward_set import load_panel
 
     check_positive(args, "steps", "batch_size", "n")
@@ -111,6 +114,8 @@ def run(args: argparse.Namespace) -> None:
 
 def _prompt_source(args: argparse.Namespace) -> PromptSet:
     """``--prompts`` (its first ``--n``), read before any model is loaded."""
+    from flowalign.data import PromptSet, read_prompt_file
+
     prompts = read_prompt_file(args.prompts)
     if args.n is not None:
         prompts = PromptSet(prompts.prompts[: args.n], prompts.metadata[: args.n])

@@ -7,19 +7,17 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from flowalign.cli.common import add_number, check_positive, load_policy
-from flowalign.config import read_text_file
 from flowalign.errors import UserError
-from flowalign.evaluation import evaluate
-from flowalign.gallery import gallery_from_evals, gallery_from_run, write_gallery
 from flowalign.io import MARKER_PREFIX, check_out_dir, sweep_stale, temp_prefix, with_pid
 from flowalign.limits import MAX_BATCH, MAX_GUIDANCE, MAX_SAMPLING_STEPS, MAX_SEED
-from flowalign.protocols import RewardOutput
-from flowalign.reward_check import check_reward_metadata
+
+if TYPE_CHECKING:
+    import torch
+
+    from flowalign.protocols import RewardOutput
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
+    from flowalign.gallery import gallery_from_evals, gallery_from_run, write_gallery
+
     check_positive(args, "steps", "batch_size")
     if args.run is not None:
         run_dir = Path(args.run)
@@ -105,6 +105,8 @@ def _labels(given: list[str] | None, defaults: list[str], what: str) -> list[str
 def read_prompts(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """Prompts and per-prompt metadata from a text file (one prompt per line) or JSONL
     (``{"prompt": ..., "task": {...}}`` per line; a task becomes the metadata ``{"task": ...}``)."""
+    from flowalign.config import read_text_file
+
     if not path.exists():
         raise UserError(f"--prompts {path}: no such file; give a text file with one prompt per line")
     prompts, metadata = [], []
@@ -131,6 +133,9 @@ def read_prompts(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
 
 def _sample_columns(args: argparse.Namespace, folder: Path) -> tuple[list[Path], list[str]]:
     """Evaluate the base model and each adapter on the prompts with the same seeds; one folder each."""
+    from flowalign.evaluation import evaluate
+    from flowalign.reward_check import check_reward_metadata
+
     if args.prompts is None:
         raise UserError("--model needs --prompts FILE (one prompt per line, or JSONL with prompt and task)")
     prompts, metadata = read_prompts(Path(args.prompts))
@@ -164,5 +169,9 @@ class Unscored:
     differentiable = False
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
+        import torch
+
+        from flowalign.protocols import RewardOutput
+
         n = len(prompts)
         return RewardOutput({"none": torch.zeros(n)}, valid=torch.ones(n, dtype=torch.bool))

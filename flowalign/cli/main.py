@@ -5,7 +5,8 @@ own are the modules of this package (``flowalign/cli/<name>.py`` is the command 
 ``-``); the other packages contribute theirs as plugins of kind ``commands`` (:mod:`flowalign.plugins`:
 entry points of the group ``flowalign.commands``, or the built-in ``PLUGINS`` tables), e.g.
 ``serve-judge`` from ``rewards`` and ``tiny`` from ``pipelines``. A command's module is imported only
-when that command runs (or when ``--help`` lists them all).
+when that command runs (or when ``--help`` lists them all), so at its top it imports only what its parser
+needs: torch, diffusers and the like are imported inside ``run`` (tests/flowalign/cli/test_main.py).
 """
 
 from __future__ import annotations

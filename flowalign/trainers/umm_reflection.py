@@ -46,7 +46,7 @@ from pydantic import Field, model_validator
 
 from flowalign import families, plugins
 from flowalign.errors import UserError
-from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK
+from flowalign.limits import MAX_COEFFICIENT, MAX_LORA_RANK, MAX_REFLECTION_TOKENS, MAX_ROUNDS
 from flowalign.protocols import UnifiedPolicy
 from flowalign.reflection import Reflection, Round, reflect
 from flowalign.sampling import check_sampler, random_window_start, rollout, sde_step
@@ -67,10 +67,6 @@ from flowalign.trainers.parts.reflection_credit import (
     trajectory_rewards,
 )
 
-#: most reflection rounds of a trajectory
-MAX_ROUNDS = 64
-#: most tokens of one reflection
-MAX_REFLECTION_TOKENS = 4096
 #: widest SDE window of a revision
 MAX_SDE_WINDOW = 1000
 

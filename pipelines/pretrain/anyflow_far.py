@@ -35,14 +35,16 @@ import argparse
 import json
 import logging
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from flowalign.cli.common import add_number
 from flowalign.limits import MAX_COEFFICIENT, MAX_FRAMES
 from flowalign.errors import UserError
-from pipelines.anyflow_far import empty_cache_layers, read_cache_velocity, write_cache
+
+# torch and diffusers are imported by the functions that train: pretrain-tiny's parser (every --help) reads
+# this module
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -119,31 +121,34 @@ def load_pretrained(folder: Path, args: argparse.Namespace, prompts: list[str]):
     return pipe, max_seq
 
 
-@torch.no_grad()
 def warm_start(wan, chunk_partition: tuple[int, ...], full_chunk_limit: int, compressed_patch: tuple[int, ...]):
     """A fresh ``AnyFlowFARTransformer3DModel`` of ``wan``'s sizes holding its weights (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
     from diffusers import AnyFlowFARTransformer3DModel
 
-    c = wan.config
-    far = AnyFlowFARTransformer3DModel(
-        patch_size=tuple(c.patch_size), compressed_patch_size=tuple(compressed_patch), full_chunk_limit=full_chunk_limit,
-        num_attention_heads=c.num_attention_heads, attention_head_dim=c.attention_head_dim, in_channels=c.in_channels,
-        out_channels=c.out_channels, text_dim=c.text_dim, freq_dim=c.freq_dim, ffn_dim=c.ffn_dim, num_layers=c.num_layers,
-        cross_attn_norm=c.cross_attn_norm, eps=c.eps, rope_max_seq_len=c.rope_max_seq_len,
-        chunk_partition=tuple(chunk_partition))
-    loaded = far.load_state_dict(wan.state_dict(), strict=False)
-    new = {"far_patch_embedding.weight", "far_patch_embedding.bias"} | \
-        {f"condition_embedder.delta_embedder.{k}" for k in far.condition_embedder.delta_embedder.state_dict()}
-    if loaded.unexpected_keys or set(loaded.missing_keys) != new:
-        raise UserError(f"the Wan transformer does not map onto AnyFlow-FAR: missing {loaded.missing_keys}, "
-                        f"unexpected {loaded.unexpected_keys}")
-    inner = c.num_attention_heads * c.attention_head_dim
-    kernel = far.patch_embedding.weight.view(-1, 1, *c.patch_size)
-    resized = F.interpolate(kernel, size=tuple(compressed_patch), mode="trilinear", align_corners=False)
-    far.far_patch_embedding.weight.copy_(resized.view(inner, c.in_channels, *compressed_patch))
-    far.far_patch_embedding.bias.copy_(far.patch_embedding.bias)
-    far.condition_embedder.delta_embedder.load_state_dict(far.condition_embedder.time_embedder.state_dict())
-    return far
+    with torch.no_grad():
+        c = wan.config
+        far = AnyFlowFARTransformer3DModel(
+            patch_size=tuple(c.patch_size), compressed_patch_size=tuple(compressed_patch),
+            full_chunk_limit=full_chunk_limit, num_attention_heads=c.num_attention_heads,
+            attention_head_dim=c.attention_head_dim, in_channels=c.in_channels, out_channels=c.out_channels,
+            text_dim=c.text_dim, freq_dim=c.freq_dim, ffn_dim=c.ffn_dim, num_layers=c.num_layers,
+            cross_attn_norm=c.cross_attn_norm, eps=c.eps, rope_max_seq_len=c.rope_max_seq_len,
+            chunk_partition=tuple(chunk_partition))
+        loaded = far.load_state_dict(wan.state_dict(), strict=False)
+        new = {"far_patch_embedding.weight", "far_patch_embedding.bias"} | \
+            {f"condition_embedder.delta_embedder.{k}" for k in far.condition_embedder.delta_embedder.state_dict()}
+        if loaded.unexpected_keys or set(loaded.missing_keys) != new:
+            raise UserError(f"the Wan transformer does not map onto AnyFlow-FAR: missing {loaded.missing_keys}, "
+                            f"unexpected {loaded.unexpected_keys}")
+        inner = c.num_attention_heads * c.attention_head_dim
+        kernel = far.patch_embedding.weight.view(-1, 1, *c.patch_size)
+        resized = F.interpolate(kernel, size=tuple(compressed_patch), mode="trilinear", align_corners=False)
+        far.far_patch_embedding.weight.copy_(resized.view(inner, c.in_channels, *compressed_patch))
+        far.far_patch_embedding.bias.copy_(far.patch_embedding.bias)
+        far.condition_embedder.delta_embedder.load_state_dict(far.condition_embedder.time_embedder.state_dict())
+        return far
 
 
 def recipe(vae, args: argparse.Namespace):
@@ -175,6 +180,8 @@ def streamed_velocity(transformer: torch.nn.Module, clip: torch.Tensor, k: int, 
     """The velocity ``(B, f_k, C, H', W')`` of chunk ``k``'s noised frames ``noisy`` (FAR layout) at timesteps
     ``t (B,)`` (``r = t``), after the clean chunks ``0..k−1`` of ``clip (B, F, C, H', W')``: the stream's own two
     calls (the cache step over the clean history, then the chunk reading it), with gradients through both."""
+    from pipelines.anyflow_far import empty_cache_layers, read_cache_velocity, write_cache
+
     partition = list(transformer.config.chunk_partition)
     layers = empty_cache_layers(transformer.config, len(clip), clip.shape[-2:], partition, clip.device, clip.dtype)
     if k:
@@ -185,6 +192,9 @@ def streamed_velocity(transformer: torch.nn.Module, clip: torch.Tensor, k: int, 
 def flow_loss(transformer: torch.nn.Module, x: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
     """Rectified-flow loss of one chunk, drawn uniformly, of clean latents ``x (B, C, F', H', W')`` given the clean
     chunks before it (see the module docstring); σ logit-normal(0, 1) per sample."""
+    import torch
+    import torch.nn.functional as F
+
     partition = list(transformer.config.chunk_partition)
     k = int(torch.randint(len(partition), ()))
     clip = x.permute(0, 2, 1, 3, 4)  # (B, F, C, H, W), the FAR layout

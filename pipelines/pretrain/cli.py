@@ -22,7 +22,7 @@ from flowalign.errors import UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pipelines.pretrain.run import FAMILIES
+    from pipelines.pretrain.families import FAMILIES
 
     p = sub.add_parser("pretrain-tiny",
                        help="pretrain a tiny SD3 (image), Wan (video), Kontext (editing, super-resolution), AnyFlow-FAR (streaming "
@@ -109,7 +109,7 @@ def check(args: argparse.Namespace) -> None:
         check_export_folder(Path(args.export), args.overwrite)
     if args.size % 16:
         raise UserError(f"--size {args.size}: use a multiple of 16 (the VAE and patch factors divide it)")
-    from pipelines.pretrain.run import FAMILIES
+    from pipelines.pretrain.families import FAMILIES
 
     family_check = getattr(FAMILIES.get(getattr(args, "family", None)), "check", None)
     if family_check is not None:

@@ -39,15 +39,17 @@ import logging
 import math
 import random
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from flowalign.cli.common import add_number
 from flowalign.limits import MAX_BATCH, MAX_LAYERS
 from flowalign.errors import UserError
 from flowalign.io import atomic_path
-from pipelines._common import latent_image_ids, pack_2x2
+
+# torch and diffusers are imported by the functions that train: pretrain-tiny's parser (every --help) reads
+# this module
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -103,6 +105,7 @@ def load_data(args: argparse.Namespace, out: Path) -> dict:
 def render_pairs(n: int, mix: dict[str, float], seed: int, size: int) -> dict:
     """``n`` training edit tasks over the levels of ``mix`` (level ``i`` with task seed ``10·seed + i``), each
     rendered as source and edited scene at the benchmark's input size, resized to ``size`` as the policy does."""
+    import torch
     from tqdm import tqdm
 
     from flowalign.sampling.inputs import load_input_image
@@ -162,6 +165,7 @@ def extend_t5(tokenizer, t5, words: list[str]):
     """``tokenizer`` with a whole-word piece (lower-case and capitalised, as the tiny T5 vocabularies are) for
     each of ``words`` it lacks, appended so old ids stay; ``t5`` gets as many embedding rows, drawn from a
     fixed generator around the old rows' mean with their per-dimension spread."""
+    import torch
     from transformers import T5Tokenizer
 
     vocab = [(piece, score) for piece, score in json.loads(tokenizer.backend_tokenizer.to_str())["model"]["vocab"]]
@@ -202,6 +206,7 @@ def set_latent_factors(vae, z: torch.Tensor, keep: bool = True) -> torch.Tensor:
 def conditioning(pipe, args: argparse.Namespace, max_seq: int):
     """``prompts → transformer kwargs``: T5 tokens and the pooled CLIP vector from ``encode_prompt``
     (with gradients)."""
+    import torch
 
     def encode(prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=torch.device("cpu"),
@@ -214,6 +219,11 @@ def conditioning(pipe, args: argparse.Namespace, max_seq: int):
 def flow_loss(transformer: torch.nn.Module, pair: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
     """Rectified-flow loss of the target latents of ``pair (B, 2, C, h, w)`` (source, target), with the
     source as context tokens (see the module docstring); σ logit-normal(0, 1)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pipelines._common import latent_image_ids, pack_2x2
+
     source, target = pair[:, 0], pair[:, 1]
     b, _, h, w = target.shape
     sigma = torch.sigmoid(torch.randn(b))
@@ -246,6 +256,8 @@ def sampling_defaults(args: argparse.Namespace, max_seq: int) -> dict:
 def demo(folder: Path, data: dict, args: argparse.Namespace, out: Path) -> None:
     """``OUT/samples_train_pairs.png``: for ``--demo-n`` training items, source | edit sampled by the exported
     model | reference edit, two items a row; the instructions in the ``.txt`` beside it."""
+    import torch
+
     import pipelines
     from flowalign.evaluation import sample_seeded
     from pipelines.pretrain.export import save_sheet

@@ -24,8 +24,6 @@ import logging
 import math
 from pathlib import Path
 
-import torch
-
 from flowalign.errors import UserError
 from pipelines.pretrain import kontext
 
@@ -75,6 +73,8 @@ def load_data(args: argparse.Namespace, out: Path) -> dict:
 def render_pairs(n: int, mix: dict[str, float], seed: int, size: int) -> dict:
     """``n`` training ``sr`` tasks over the levels of ``mix`` (level ``i`` with task seed ``10·seed + i``): the
     LR image resized to ``size`` as the policy resizes its input, and the HR scene at ``size``."""
+    import torch  # here, not at the top: pretrain-tiny's parser (every --help) reads this module
+
     from flowalign.sampling.inputs import load_input_image
     from pipelines._common import resize_input
     from pipelines.pretrain.data import level_counts, task_seed

@@ -68,19 +68,19 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any
 
 from flowalign.cli.common import add_number
 from flowalign.errors import UserError
 from flowalign.io import atomic_path, write_json
 from flowalign.limits import MAX_BATCH, MAX_LR, MAX_MINUTES, MAX_SEQUENCE_LENGTH, MAX_TASKS, MAX_TRAIN_STEPS
-from pipelines.pretrain.autoencoder import AutoencoderRecipe
-from pipelines.pretrain.data import to_unit
 from pipelines.pretrain.work_folder import move_aside, redo_after_vae
+
+# torch is imported by the functions that train: pretrain-tiny's parser (every --help) reads this module
+if TYPE_CHECKING:
+    import torch
+
+    from pipelines.pretrain.autoencoder import AutoencoderRecipe
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -157,6 +157,9 @@ def check(args: argparse.Namespace) -> None:
 
 def render(scene: Any, size: int) -> torch.Tensor:
     """A ``vvr`` scene (task or dict) → uint8 pixels ``(3, 1, size, size)`` (one frame, the VAE's layout)."""
+    import numpy as np
+    import torch
+
     from rewards.vvr import render as render_vvr
 
     pixels = np.array(render_vvr(scene, size=size).convert("RGB"), dtype=np.uint8)
@@ -219,6 +222,7 @@ def build_data(n_scenes: int, n_edits: int, mix: dict[str, float], seed: int, si
     """Render the scenes and edits (see the module docstring) → ``pixels (M, 3, 1, size, size)`` uint8 (index 0
     the grey canvas), ``scenes`` and ``edits`` (records of image indices, prompts, answers and ``vvr`` task dicts),
     ``prompts`` and ``levels`` of the scenes."""
+    import torch
     from tqdm import tqdm
 
     from rewards.vvr import Task
@@ -445,7 +449,11 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
 
 def recipe(vae, args: argparse.Namespace) -> AutoencoderRecipe:
     """The Wan family's autoencoder recipe on single frames (its two-rate schedule, unclamped decoder)."""
+    import torch
+
     from pipelines.pretrain import wan
+    from pipelines.pretrain.autoencoder import AutoencoderRecipe
+    from pipelines.pretrain.data import to_unit
 
     base = wan.recipe(vae, args)
 
@@ -479,6 +487,8 @@ def reflection_inputs(pipe, pixels: torch.Tensor, examples: list[dict]) -> dict[
     """A teacher-forced batch: per example the processor's reading of ``REFLECTION_TEMPLATE`` (or the example's
     ``template``) with the image (as :meth:`pipelines.unified.UnifiedEditPolicy._inputs`), then the answer's
     tokens and ``<|im_end|>``; ``labels`` are -100 except on those; right-padded."""
+    import torch
+
     from pipelines.unified import REFLECTION_TEMPLATE
 
     eos = int(pipe.tokenizer.convert_tokens_to_ids("<|im_end|>"))
@@ -526,6 +536,8 @@ def redo_after_reflect(out: Path) -> None:
 
 def train_reflection(pipe, data: dict, args: argparse.Namespace, out: Path) -> None:
     """Stage ``reflect``: the whole VL model by teacher forcing (see the module docstring); frozen after."""
+    import torch
+
     from pipelines.pretrain.dit import dit_lr
     from pipelines.pretrain.stage import Stage, run_stage
 
@@ -564,6 +576,8 @@ def text_conditioning(pipe, prompts: list[str], references: list) -> dict[str, t
     """The frozen VL encoder's reading of ``prompts`` with their reference pictures, through the pipeline's own
     prompt encoding, padding shared by every row dropped → ``encoder_hidden_states (B, L, D)`` and its mask
     (None when no row is padded), as the policy passes them."""
+    import torch
+
     from pipelines._varlen import trim
 
     with torch.no_grad():
@@ -577,6 +591,8 @@ def edit_velocity(transformer, x: torch.Tensor, reference: torch.Tensor, sigma: 
     """The transformer's velocity ``(B, seq, 4·C)`` at packed noisy latents ``x`` with the reference latents
     ``(B, C, 1, h, w)`` packed after them (their own RoPE frame, their output dropped) and timestep σ ``(B,)``,
     as :meth:`pipelines.qwen_image.QwenImagePolicy._forward` calls it."""
+    import torch
+
     from pipelines._common import pack_2x2
 
     h, w = reference.shape[-2:]
@@ -590,6 +606,9 @@ def edit_flow_loss(transformer, target: torch.Tensor, reference: torch.Tensor, c
                    ) -> torch.Tensor:
     """Rectified flow on target latents ``(B, C, 1, h, w)`` given the reference's (:func:`edit_velocity`):
     ``x_σ = (1 − σ)·x0 + σ·ε``, target ``ε − x0``, σ logit-normal(0, 1)."""
+    import torch
+    import torch.nn.functional as F
+
     from pipelines._common import pack_2x2
 
     sigma = torch.sigmoid(torch.randn(len(target)))
@@ -603,6 +622,8 @@ def draw_items(data: dict, kinds: list[str], scene_weights: torch.Tensor | None)
     """``(reference, target, text)`` image indices and text per kind: ``t2i`` a scene from the canvas under its
     prompt, ``revise`` a fixed scene from its wrong one under ``instruction(prompt, edit)``, ``keep`` a scene
     from itself under its prompt."""
+    import torch
+
     from flowalign.reflection import instruction
 
     scenes, edits = data["scenes"], data["edits"]
@@ -621,6 +642,8 @@ def draw_items(data: dict, kinds: list[str], scene_weights: torch.Tensor | None)
 def train_transformer(pipe, data: dict, x0: torch.Tensor, args: argparse.Namespace, out: Path):
     """Stage ``dit`` on the cached normalised latents ``x0 (M, C, 1, h, w)`` of ``data["pixels"]``; returns the
     transformer's EMA (what the export writes)."""
+    import torch
+
     from flowalign.ema import EMA
     from pipelines.pretrain.data import level_sampling_weights, parse_mix
     from pipelines.pretrain.dit import dit_lr, dit_optimizer, named_trainable
@@ -707,6 +730,8 @@ def reflection_rates(policy, right: list[dict], wrong: list[dict], pixels: torch
     """How often greedy reflections (at most ``max_new_tokens``) stop the loop (:func:`flowalign.reflection.stopped`:
     they say :data:`NO_CHANGE`, or nothing) on ``right`` and on ``wrong`` examples, and how often a wrong image's
     reflection is exactly its instruction."""
+    import torch
+
     from flowalign.reflection import stopped
 
     result: dict[str, Any] = {}
@@ -728,6 +753,8 @@ def evaluate(folder: Path, n: int, out: Path) -> dict:
     no reflection) and the reflection's "no change" rates on the same tasks' rendered scenes (correct) and their
     wrong variants (:func:`easy_variant`); the measured numbers go into the model card."""
     import time
+
+    import torch
 
     import pipelines
     from flowalign.benchmarks import load_benchmark

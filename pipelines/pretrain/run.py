@@ -20,16 +20,14 @@ import torch
 
 from flowalign.io import write_json
 from pipelines.pretrain import export as export_
-from pipelines.pretrain import anyflow_far, kontext, kontext_sr, qwen_image_edit, sd3, wan
+from pipelines.pretrain import wan
 from pipelines.pretrain.autoencoder import encode_latents, finetune_decoder, train_vae
 from pipelines.pretrain.data import cached, parse_mix, render_benchmark, synthetic_scenes, vocabulary
 from pipelines.pretrain.dit import flow_matching_loss, train_dit
+from pipelines.pretrain.families import FAMILIES
 from pipelines.pretrain.work_folder import claim_work_folder, redo_after_vae
 
 log = logging.getLogger("flowalign.pretrain")
-
-FAMILIES = {"sd3": sd3, "wan": wan, "kontext": kontext, "kontext_sr": kontext_sr,
-            "anyflow_far": anyflow_far, "qwen_image_edit": qwen_image_edit}
 
 
 def setup(args: argparse.Namespace, out: Path) -> None:

@@ -19,13 +19,16 @@ import json
 import logging
 import math
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from flowalign.cli.common import add_number
 from flowalign.limits import MAX_BATCH, MAX_LAYERS, MAX_SEQUENCE_LENGTH, MAX_TINY_SIDE
-from pipelines.pretrain.autoencoder import AutoencoderRecipe
-from pipelines.pretrain.data import to_unit
+
+# torch is imported by the functions that train: pretrain-tiny's parser (every --help) reads this module
+if TYPE_CHECKING:
+    import torch
+
+    from pipelines.pretrain.autoencoder import AutoencoderRecipe
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -113,6 +116,7 @@ def deepen_transformer(old, num_layers: int):
     makes a joint block the identity on both streams until training moves its gates. Everything else
     (patch and time/text embeddings, output head) is copied.
     """
+    import torch
     from diffusers import SD3Transformer2DModel
 
     L = old.config.num_layers
@@ -141,6 +145,11 @@ def deepen_transformer(old, num_layers: int):
 
 
 def recipe(vae, args: argparse.Namespace) -> AutoencoderRecipe:
+    import torch
+
+    from pipelines.pretrain.autoencoder import AutoencoderRecipe
+    from pipelines.pretrain.data import to_unit
+
     size = args.size
 
     def vae_batch(pixels: torch.Tensor, fraction: float) -> torch.Tensor:
@@ -179,6 +188,7 @@ def set_latent_factors(vae, z: torch.Tensor, keep: bool) -> torch.Tensor:
 
 def conditioning(pipe, args: argparse.Namespace, max_seq: int):
     """``prompts → transformer kwargs``: the token sequence and the pooled vector from ``encode_prompt``."""
+    import torch
 
     def encode(prompts: list[str]) -> dict[str, torch.Tensor]:
         pe, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None,

@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from flowalign.cli.common import add_number
 from flowalign.limits import MAX_COEFFICIENT, MAX_WIDTH
-from pipelines.pretrain.autoencoder import AutoencoderRecipe
-from pipelines.pretrain.data import to_unit
+
+# torch is imported by the functions that train: pretrain-tiny's parser (every --help) reads this module
+if TYPE_CHECKING:
+    import torch
+
+    from pipelines.pretrain.autoencoder import AutoencoderRecipe
 
 log = logging.getLogger("flowalign.pretrain")
 
@@ -80,7 +83,6 @@ def build(words: list[str], prompts: list[str], args: argparse.Namespace):
     return pipe, max_seq
 
 
-@torch.no_grad()
 def inflate_(vae) -> None:
     """Start the causal 3D VAE as a per-frame image autoencoder [derived; the usual 2D → 3D "inflation"]:
     every causal conv's past taps are zero (only the current frame counts), the encoder's temporal
@@ -88,23 +90,25 @@ def inflate_(vae) -> None:
     current frame twice. Past taps stay trainable, so video training then learns the temporal mixing
     (in-between frames); a random init instead mixes random past features into every frame, and 340
     steps from it reconstructed no clip the verifier passes."""
+    import torch
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResample
 
-    time_convs = set()
-    for m in vae.modules():
-        if isinstance(m, WanResample) and hasattr(m, "time_conv"):
-            tc = m.time_conv
-            time_convs.add(id(tc))
-            c = tc.in_channels
-            tc.weight.zero_()
-            tc.bias.zero_()
-            eye = torch.eye(c)
-            tc.weight[:c, :, -1, 0, 0] = eye  # downsample: (c → c); upsample: first of the two frames
-            if tc.out_channels == 2 * c:  # upsample3d: the second frame too
-                tc.weight[c:, :, -1, 0, 0] = eye
-    for m in vae.modules():
-        if isinstance(m, WanCausalConv3d) and id(m) not in time_convs and m.kernel_size[0] > 1:
-            m.weight[:, :, :-1] = 0
+    with torch.no_grad():
+        time_convs = set()
+        for m in vae.modules():
+            if isinstance(m, WanResample) and hasattr(m, "time_conv"):
+                tc = m.time_conv
+                time_convs.add(id(tc))
+                c = tc.in_channels
+                tc.weight.zero_()
+                tc.bias.zero_()
+                eye = torch.eye(c)
+                tc.weight[:c, :, -1, 0, 0] = eye  # downsample: (c → c); upsample: first of the two frames
+                if tc.out_channels == 2 * c:  # upsample3d: the second frame too
+                    tc.weight[c:, :, -1, 0, 0] = eye
+        for m in vae.modules():
+            if isinstance(m, WanCausalConv3d) and id(m) not in time_convs and m.kernel_size[0] > 1:
+                m.weight[:, :, :-1] = 0
 
 
 def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
@@ -112,6 +116,8 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     to [-1, 1]: clamped outputs pass no gradient, and a freshly initialised decoder that starts near
     white never learns the objects' colours (measured: loss flat at 0.65 with the clamp, 0.43 and
     falling without it after 120 steps) [derived]."""
+    import torch
+
     vae.clear_cache()
     x = vae.post_quant_conv(z)
     frames = []
@@ -125,11 +131,18 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
 
 def channel_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE's per-channel latent mean and std, shaped ``(1, z, 1, 1, 1)``."""
+    import torch
+
     shape = (1, -1, 1, 1, 1)
     return torch.tensor(vae.config.latents_mean).view(shape), torch.tensor(vae.config.latents_std).view(shape)
 
 
 def recipe(vae, args: argparse.Namespace) -> AutoencoderRecipe:
+    import torch
+
+    from pipelines.pretrain.autoencoder import AutoencoderRecipe
+    from pipelines.pretrain.data import to_unit
+
     def vae_batch(pixels: torch.Tensor, fraction: float) -> torch.Tensor:
         idx = torch.randint(0, len(pixels), (args.vae_batch,))
         start = int(torch.randint(0, NUM_FRAMES - VAE_WINDOW + 1, (1,)))
@@ -162,6 +175,7 @@ def set_latent_factors(vae, z: torch.Tensor, keep: bool = False) -> torch.Tensor
 
 def conditioning(pipe, args: argparse.Namespace, max_seq: int):
     """``prompts → transformer kwargs``: the UMT5 token states from ``encode_prompt`` (with gradients)."""
+    import torch
 
     def encode(prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _ = pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,

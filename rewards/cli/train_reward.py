@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from flowalign.cli.common import add_model_args, add_number, check_positive, load_policy
-from flowalign.config import read_text_file
 from flowalign.errors import UserError
 from flowalign.io import atomic_dir, check_out_dir, check_out_file, remove_owned, write_json
 from flowalign.limits import MAX_BATCH, MAX_GROUP_SIZE, MAX_LR, MAX_SAMPLING_STEPS, MAX_SEED, MAX_TASKS, MAX_TRAIN_STEPS, MAX_WIDTH
@@ -120,6 +119,7 @@ def pairs_from_jsonl(policy, path: Path, batch: int = 64):
     import numpy as np
     import torch
 
+    from flowalign.config import read_text_file
     from flowalign.trainers.parts.latent_preference import PreferencePairs
     from flowalign.media import open_image
     from rewards.latent_registers import encode_images

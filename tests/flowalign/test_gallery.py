@@ -223,16 +223,17 @@ def brightness(samples: torch.Tensor, prompts: list[str], metadata: list[dict]) 
 def test_cli_samples_model_and_adapters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     import flowalign.cli.gallery as cli
+    import flowalign.evaluation
 
     monkeypatch.setattr(cli, "load_policy", lambda args: ImagePolicy(0.7 if args.adapter else 0.3))
     seen: list[list[dict]] = []
-    real_evaluate = cli.evaluate
+    real_evaluate = flowalign.evaluation.evaluate
 
     def evaluate(policy, prompts, metadata, *args, **kwargs):  # records the metadata each column got
         seen.append(metadata)
         return real_evaluate(policy, prompts, metadata, *args, **kwargs)
 
-    monkeypatch.setattr(cli, "evaluate", evaluate)
+    monkeypatch.setattr(flowalign.evaluation, "evaluate", evaluate)  # what the command imports when it runs
     task = {"objects": [{"shape": "cube", "color": "red"}]}
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(f"a plain prompt\n\n{json.dumps({'prompt': 'a red cube', 'task': task})}\n")
