@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,35 @@ from flowalign.limits import (
 )
 from flowalign.paths import default_model_dir
 from flowalign.saved_weights import load_adapter_checked
+
+
+class ChoicesOnUse(Sequence):
+    """Choices listed when argparse first reads them (to check a value, or to print this command's own help),
+    not when the parser is built: names that take seconds of imports to list keep ``flowalign --help`` fast."""
+
+    def __init__(self, names: Callable[[], Iterable[str]]) -> None:
+        self.names, self.listed = names, None
+
+    def _listed(self) -> list[str]:
+        if self.listed is None:
+            self.listed = list(self.names())
+        return self.listed
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._listed()[i]
+
+    def __len__(self) -> int:
+        return len(self._listed())
+
+
+def add_choice(p: argparse.ArgumentParser, *names: str, choices: Callable[[], Iterable[str]],
+               **kw: Any) -> argparse.Action:
+    """``p.add_argument(*names, choices=choices(), **kw)`` with the choices listed on first use
+    (:class:`ChoicesOnUse`). They are set once the argument is added: ``add_argument`` formats an argument's
+    choices to check its metavar, which would list them now."""
+    action = p.add_argument(*names, **kw)
+    action.choices = ChoicesOnUse(choices)
+    return action
 
 
 class Bounded:

@@ -5,16 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from flowalign.cli.common import (add_guide_args, add_model_args, add_number, add_sampling_args, check_positive,
-                                  load_guided_policy)
-from flowalign.data import check_prompt_length
+from flowalign.cli.common import (add_choice, add_guide_args, add_model_args, add_number, add_sampling_args,
+                                  check_positive, load_guided_policy)
 from flowalign.errors import UserError
-from flowalign.io import check_out_file
 from flowalign.limits import MAX_SEED
-from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, open_image, save_image, save_video
-from flowalign.sampling import SAMPLER_KINDS, check_sampler, rollout
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--prompt", required=True)
     add_sampling_args(p)
-    p.add_argument("--sampler", default="ode", choices=SAMPLER_KINDS)
+    add_choice(p, "--sampler", default="ode", choices=sampler_kinds)
     # trainers' noise_level is at most 2 too: a larger SDE noise leaves the data's range within a step
     add_number(p, "--noise-level", type=float, lo=0, hi=2, default=None, help="a for flow_grpo, eta for cps/dance")
     add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=0)
@@ -34,7 +28,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def sampler_kinds() -> list[str]:
+    from flowalign.sampling import SAMPLER_KINDS  # the sampling package imports torch
+
+    return list(SAMPLER_KINDS)
+
+
 def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from flowalign.data import check_prompt_length
+    from flowalign.io import check_out_file
+    from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, open_image, save_image, save_video
+    from flowalign.sampling import check_sampler, rollout
+
     out = Path(args.out)
     suffix = out.suffix.lower()
     if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowalign.cli.common import add_number
+from flowalign.cli.common import add_choice, add_number
 from flowalign.cli.out_dir import add_out_dir_args
 from flowalign.limits import MAX_SEED
 
@@ -19,12 +19,17 @@ WRITER = "tiny"
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("tiny", help="build a tiny architecture-faithful model folder (offline)")
-    from pipelines.tiny import twins
-
-    p.add_argument("family", choices=list(twins()))
+    add_choice(p, "family", choices=tiny_model_names)
     add_out_dir_args(p, "folder to write (diffusers format)", "only the model's files are replaced")
     add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=0)
     return p
+
+
+def tiny_model_names() -> list[str]:
+    """The tiny models the registered families name (read from their specs, which import diffusers)."""
+    from pipelines.tiny import twins
+
+    return list(twins())
 
 
 def run(args: argparse.Namespace) -> None:

@@ -17,15 +17,6 @@ REPO = Path(__file__).resolve().parents[3]
 #: libraries that take seconds to import (torch ~2 s, diffusers ~5 s on two cores)
 HEAVY = ("torch", "diffusers", "transformers", "peft")
 
-#: commands whose parser still needs one of them: the first library it needs, and why
-HEAVY_PARSERS = {
-    "tiny": ("diffusers", "its FAMILY choices are the tiny models the family specs name (pipelines.tiny.twins), "
-                          "and a spec is read from its family's module, which imports diffusers"),
-    "sample": ("torch", "its --sampler choices are flowalign.sampling.SAMPLER_KINDS, and flowalign.sampling "
-                        "imports torch"),
-}
-
-
 def heavy_imported_by(commands: list[str]) -> list[str]:
     """The :data:`HEAVY` libraries in ``sys.modules`` of a fresh interpreter after ``build_parser`` of ``commands``."""
     code = textwrap.dedent(f"""
@@ -40,17 +31,25 @@ def heavy_imported_by(commands: list[str]) -> list[str]:
 
 
 def test_building_every_parser_imports_no_heavy_library():
-    light = [name for name in all_commands() if name not in HEAVY_PARSERS]
-    assert {"train", "evaluate", "gallery", "pretrain-tiny", "serve-judge", "tiny-reward"} <= set(light)
-    assert heavy_imported_by(light) == [], "import it inside the command's run (or the function that needs it)"
+    """Choices that take a heavy import to list (``tiny``'s FAMILY, ``sample``'s --sampler) are listed on use."""
+    commands = list(all_commands())
+    assert {"train", "evaluate", "gallery", "pretrain-tiny", "serve-judge", "tiny", "sample"} <= set(commands)
+    assert heavy_imported_by(commands) == [], "import it inside the command's run (or the function that needs it)"
 
 
-def test_the_heavy_parsers_still_need_what_they_are_excused_for():
-    """Each exception is still a command and still needs its library (drop it from HEAVY_PARSERS once it does
-    not); ``sample`` needs no more than torch."""
-    assert set(HEAVY_PARSERS) <= set(all_commands())
-    for name, (library, _why) in HEAVY_PARSERS.items():
-        loaded = heavy_imported_by([name])
-        assert library in loaded, (name, loaded)
-        if library == "torch":
-            assert "diffusers" not in loaded, (name, loaded)
+def test_choices_listed_on_use_are_checked_and_shown_as_given_choices(capsys):
+    """The lazily listed choices print and refuse as argparse's own: in the usage line, in the error."""
+    import pytest
+
+    from flowalign.cli.main import main
+    from flowalign.sampling import SAMPLER_KINDS
+    from pipelines.tiny import twins
+
+    with pytest.raises(SystemExit):
+        main(["tiny", "--help"])
+    assert "{" + ",".join(twins()) + "}" in capsys.readouterr().out.replace("\n", "").replace(" ", "")
+    with pytest.raises(SystemExit) as refused:
+        main(["sample", "--model", "m", "--prompt", "p", "--out", "o.png", "--sampler", "heun"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --sampler: invalid choice: 'heun'" in err and all(repr(k) in err for k in SAMPLER_KINDS)

@@ -1,7 +1,7 @@
 """``flowalign sample --out FILE`` checks the file again when it writes: a file that appeared at ``--out``
 while the model sampled (another process's) is refused in one line and kept, not replaced unasked."""
 
-import flowalign.cli.sample as sample_cli
+import flowalign.sampling
 from flowalign.cli.main import main
 
 
@@ -18,7 +18,9 @@ def _appearing(real, path, data):
 
 def test_a_file_that_appears_during_sampling_is_not_replaced(tmp_path, capsys, monkeypatch, tiny_sd3_dir):
     out = tmp_path / "sample.png"
-    monkeypatch.setattr(sample_cli, "rollout", _appearing(sample_cli.rollout, out, b"another process's image"))
+    # the command imports rollout when it runs
+    monkeypatch.setattr(flowalign.sampling, "rollout", _appearing(flowalign.sampling.rollout, out,
+                                                                  b"another process's image"))
     argv = ["sample", "--model", str(tiny_sd3_dir), "--prompt", "p", "--steps", "2", "--out", str(out)]
     assert main(argv) == 2
     # the model's loading progress aside, one line names the flag and the fix
