@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[3]
 #: libraries that take seconds to import (torch ~2 s, diffusers ~5 s on two cores)
 HEAVY = ("torch", "diffusers", "transformers", "peft")
 
+
 def heavy_imported_by(commands: list[str]) -> list[str]:
     """The :data:`HEAVY` libraries in ``sys.modules`` of a fresh interpreter after ``build_parser`` of ``commands``."""
     code = textwrap.dedent(f"""
