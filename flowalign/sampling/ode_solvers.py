@@ -62,6 +62,11 @@ class OdeSolver:
         scheduler.set_timesteps(num_steps)
         return scheduler.sigmas.float().clone()
 
+    @property
+    def noise_level(self) -> float:
+        """No step of these solvers draws noise."""
+        return 0.0
+
     def stochastic_steps(self, sigmas: torch.Tensor) -> torch.Tensor:
         """``(T,)`` bool: none (every step of these solvers is deterministic)."""
         return torch.zeros(len(sigmas) - 1, dtype=torch.bool)

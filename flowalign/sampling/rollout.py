@@ -171,7 +171,7 @@ def rollout(
     solver = sampler if isinstance(sampler, (OdeSolver, SASolver)) else None
     custom_step = sampler if callable(sampler) else None
     if solver is not None:
-        level = solver.noise_level if isinstance(solver, SASolver) else 0.0
+        level = solver.noise_level
     else:
         level = 0.0 if custom_step else check_sampler(sampler, noise_level)
     if num_steps < 1:

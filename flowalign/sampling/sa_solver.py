@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from flowalign.errors import UserError
-from flowalign.sampling.steps import StepOutput, gaussian_log_prob
+from flowalign.sampling.steps import StepOutput, draw_noise, gaussian_log_prob
 
 #: the first grid point replaces t = 1, where λ is −∞ (the authors' 1 − 10⁻³)
 FIRST_T = 1 - 1e-3
@@ -46,7 +46,8 @@ class SASolver:
 
     noise_level: float = 0.4
     window: tuple[float, float] = (0.3, 0.9)
-    timestep: str = "continuous"
+    #: the transformer reads 1000·t, as the authors' model wrapper gives it
+    timestep = "continuous"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.noise_level) and 0 <= self.noise_level <= 10):
@@ -171,9 +172,5 @@ class SASolverSteps:
         std_t = torch.full((n, *ones), std, dtype=mean.dtype, device=mean.device)
         if std == 0:
             return StepOutput(mean, torch.full((n,), float("nan"), device=mean.device), mean, std_t)
-        if prev_sample is None:
-            device = generator.device if generator is not None else mean.device
-            noise = torch.randn(mean.shape, generator=generator, device=device, dtype=mean.dtype)
-            prev_sample = mean + std * noise.to(mean.device, non_blocking=True)
-        prev_sample = prev_sample.to(mean.dtype)
+        prev_sample = (mean + std * draw_noise(mean, generator) if prev_sample is None else prev_sample).to(mean.dtype)
         return StepOutput(prev_sample, gaussian_log_prob(prev_sample, mean, std_t), mean, std_t)

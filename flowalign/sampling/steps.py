@@ -65,7 +65,8 @@ def _as_batch_column(sigma: float | torch.Tensor, like: torch.Tensor) -> torch.T
     return s.view(-1, *([1] * (like.ndim - 1)))
 
 
-def _draw_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Standard normal noise shaped like ``like`` (float32, on its device) from ``generator``."""
     device = generator.device if generator is not None else like.device
     # drawn on the generator's device (the CPU for a seeded stream): the copy need not wait for the device
     return torch.randn(like.shape, generator=generator, device=device, dtype=torch.float32).to(like.device,
@@ -81,7 +82,7 @@ def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tenso
 def _finish(
     mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator | None, prev_sample: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x_next = mean + std * _draw_noise(mean, generator) if prev_sample is None else prev_sample.float()
+    x_next = mean + std * draw_noise(mean, generator) if prev_sample is None else prev_sample.float()
     return x_next, gaussian_log_prob(x_next, mean, std)
 
 
@@ -176,7 +177,7 @@ def cps_step(
     x1_hat = x + (1 - sig) * v
     std = sig_next * math.sin(eta * math.pi / 2)
     mean = (1 - sig_next) * x0_hat + torch.sqrt(sig_next**2 - std**2) * x1_hat
-    x_next = mean + std * _draw_noise(mean, generator) if prev_sample is None else prev_sample.float()
+    x_next = mean + std * draw_noise(mean, generator) if prev_sample is None else prev_sample.float()
     if log_prob_mode == "code":
         log_prob = -((x_next - mean) ** 2).flatten(1).mean(1)
     elif log_prob_mode == "gaussian":

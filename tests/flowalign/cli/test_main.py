@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from flowalign.cli.main import all_commands
 
 REPO = Path(__file__).resolve().parents[3]
@@ -40,8 +42,6 @@ def test_building_every_parser_imports_no_heavy_library():
 
 def test_choices_listed_on_use_are_checked_and_shown_as_given_choices(capsys):
     """The lazily listed choices print and refuse as argparse's own: in the usage line, in the error."""
-    import pytest
-
     from flowalign.cli.main import main
     from flowalign.sampling import SAMPLER_KINDS
     from pipelines.tiny import twins

@@ -230,6 +230,14 @@ def test_rollouts_are_the_authors_sa_solver_and_the_endpoints_are_renoised_on_th
     sa_grid = trainer.sampler.sigmas(trainer.policy.sigmas, 6)
     assert trainer.grid(6) == policy_grid.tolist()
     assert sa_grid[0] != policy_grid[0] and sa_grid[-2] != policy_grid[-2]
+    # a chunk rolled out on the SA-Solver's grid is re-noised at the policy's σ, where the two grids differ too
+    policy = trainer.policy
+    chunk = SimpleNamespace(final_latents=torch.zeros(1, *policy.latent_shape), sigmas=sa_grid, num_steps=6,
+                            cond=policy.encode(["a red circle"]), guidance_scale=1.0)
+    for k in (0, 5):
+        with torch.no_grad():
+            _, _, t = trainer.velocity(SimpleNamespace(chunks=[chunk]), 0, k, torch.zeros(1, *policy.latent_shape))
+        assert t == policy_grid[k].item() and t != sa_grid[k].item()
     euler = build_trainer(small_config(tmp_path / "e", tiny_sd3_dir, prompt_file, *extra,
                                        "trainer.rollout_solver=euler"))
     assert euler.sampler == "ode"
