@@ -114,14 +114,21 @@ def flow_sde_step(
     Flash-GRPO differ only in how ``s`` is chosen, so they all call this with their own ``s``
     (a float or a ``(B,)`` tensor).
     """
+    mean, std = flow_sde_moments(velocity, sample, sigma, sigma_next, diffusion=diffusion)
+    x_next, log_prob = _finish(mean, std, generator, prev_sample)
+    return StepOutput(x_next, log_prob, mean, std)
+
+
+def flow_sde_moments(
+    velocity: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sigma_next: Sigma, *, diffusion: Sigma,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean ``μ (B, ...)`` and std ``τ (B, 1, ..., 1)`` of :func:`flow_sde_step`'s transition, float32."""
     v, x = velocity.float(), sample.float()
     sig, sig_next = _as_batch_column(sigma, x), _as_batch_column(sigma_next, x)
     s = _as_batch_column(diffusion, x)
     dt = sig_next - sig
     mean = x * (1 + s**2 * dt / (2 * sig)) + v * (1 + s**2 * (1 - sig) / (2 * sig)) * dt
-    std = s * torch.sqrt(-dt)
-    x_next, log_prob = _finish(mean, std, generator, prev_sample)
-    return StepOutput(x_next, log_prob, mean, std)
+    return mean, s * torch.sqrt(-dt)
 
 
 def flow_grpo_diffusion(
@@ -171,12 +178,7 @@ def cps_step(
     ``log_prob_mode="code"`` is the authors' ``-mean_D (x'−μ)²`` (constants and 1/(2τ²) dropped; their
     clip range 1e-5 is tuned to it); ``"gaussian"`` is the true per-element mean Gaussian log-density.
     """
-    v, x = velocity.float(), sample.float()
-    sig, sig_next = _as_batch_column(sigma, x), _as_batch_column(sigma_next, x)
-    x0_hat = x - sig * v
-    x1_hat = x + (1 - sig) * v
-    std = sig_next * math.sin(eta * math.pi / 2)
-    mean = (1 - sig_next) * x0_hat + torch.sqrt(sig_next**2 - std**2) * x1_hat
+    mean, std = cps_moments(velocity, sample, sigma, sigma_next, eta=eta)
     x_next = mean + std * draw_noise(mean, generator) if prev_sample is None else prev_sample.float()
     if log_prob_mode == "code":
         log_prob = -((x_next - mean) ** 2).flatten(1).mean(1)
@@ -185,6 +187,18 @@ def cps_step(
     else:
         raise ValueError(f"cps log_prob_mode must be 'code' or 'gaussian', got {log_prob_mode!r}")
     return StepOutput(x_next, log_prob, mean, std)
+
+
+def cps_moments(
+    velocity: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sigma_next: Sigma, *, eta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean ``μ (B, ...)`` and std ``τ (B, 1, ..., 1)`` of :func:`cps_step`'s transition, float32."""
+    v, x = velocity.float(), sample.float()
+    sig, sig_next = _as_batch_column(sigma, x), _as_batch_column(sigma_next, x)
+    x0_hat = x - sig * v
+    x1_hat = x + (1 - sig) * v
+    std = sig_next * math.sin(eta * math.pi / 2)
+    return (1 - sig_next) * x0_hat + torch.sqrt(sig_next**2 - std**2) * x1_hat, std
 
 
 def sde_step(

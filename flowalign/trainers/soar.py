@@ -1,8 +1,8 @@
 """SOAR (arXiv 2604.12617): reward-free self-correction on real (image, caption) pairs; SFT is λ = 0.
 
 Read against ``docs/methods/soar.md``; by default it computes what the authors' training script computes
-(Tencent-Hunyuan/HY-SOAR 59f0e02, ``soar/train_soar_sd3_5m.py`` with ``soar/utils/algorithm.py``, one ODE
-rollout path). Per pair (x0, c), with t ~ logit-normal and the scheduler's training grid (shift applied,
+(Tencent-Hunyuan/HY-SOAR 59f0e02, ``soar/train_soar_sd3_5m.py`` with ``soar/utils/algorithm.py``). Per pair
+(x0, c), with t ~ logit-normal and the scheduler's training grid (shift applied,
 :mod:`flowalign.trainers.parts.training_grid`):
 
     σ = grid(t),  σ' = grid(max(t - 1/K, 0)),  x_σ = (1-σ)·x0 + σ·ε          (on-trajectory state)
@@ -11,6 +11,8 @@ rollout path). Per pair (x0, c), with t ~ logit-normal and the scheduler's train
     v*_j = (z_j - x0)/σ̃_j                                                        (lands exactly on x0)
     L = (Σ_i ‖v_θ(x_σ,σ,c) - (ε - x0)‖²_i + λ·Σ_{j,i} ‖v_θ(z_j,grid_of(σ̃_j),c) - sg(v*_j)‖²_i) / (B + λ·N·B)
 
+With ``rollout_paths`` M > 1 the same v̂ also takes M - 1 stochastic steps (``path_sampler``) from x_σ, each
+x̂ with its own N points, for the pairs whose step does not land on t = 0; the count divides by all points.
 ‖·‖²_i is a pair's mean over its elements; the model runs a correction state at the grid level the script
 maps σ̃ to (``grid_of``), the state and target use σ̃ itself. ``noise_levels: continuous`` (σ = t, σ' =
 max(σ - 1/K, 0), the model at σ̃), ``sigma_min`` (a floor under σ̃ in the target) and ``loss_average: terms``
@@ -45,6 +47,7 @@ from flowalign.limits import (MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANC
                               MAX_UPDATES)
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import encode_prompts
+from flowalign.sampling.steps import cps_moments, flow_sde_moments
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.options import TrainerConfig
 from flowalign.trainers.parts.pair_images import PairImages
@@ -75,6 +78,14 @@ class SOARConfig(TrainerConfig):
     corrections: int = Field(6, ge=0, le=MAX_UPDATES)
     #: λ: weight of the correction loss (0: plain flow-matching SFT)
     correction_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: M: rollout paths per pair, each with its own N correction points: the ODE step and M - 1 stochastic
+    #: steps from the same state and velocity (the authors' num_rollout_paths; their default 1, ODE only)
+    rollout_paths: int = Field(1, ge=1, le=MAX_UPDATES)
+    #: the stochastic paths' step (the authors' sde_rollout_type): flow_sde (Flow-GRPO's reverse SDE), cps,
+    #: sde (a fresh re-noising of the clean prediction) or simple (Euler plus additive noise)
+    path_sampler: Literal["flow_sde", "cps", "sde", "simple"] = "flow_sde"
+    #: the stochastic steps' noise scale (the authors' sde_noise_scale); sde ignores it, as theirs
+    path_noise_level: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
     #: scheduler_grid: t → the scheduler's shifted 1000-level grid, as the authors' script (σ never 0);
     #: continuous: σ = t unshifted, σ' = max(σ - 1/K, 0), the model run at σ̃ itself (the former form)
     noise_levels: Literal["scheduler_grid", "continuous"] = "scheduler_grid"
@@ -129,6 +140,10 @@ class SOARConfig(TrainerConfig):
         if self.noise_levels == "continuous" and self.corrections > 0 and self.sigma_min is None:
             raise ValueError("trainer.noise_levels=continuous reaches σ̃ = 0: set trainer.sigma_min (e.g. 0.05, "
                              "its former default) or use trainer.noise_levels=scheduler_grid")
+        # the flow_sde step's σ = 1 substitute is the grid's second level: continuous levels have no grid
+        if self.rollout_paths > 1 and self.noise_levels == "continuous":
+            raise ValueError("trainer.rollout_paths > 1 steps on the scheduler's grid: set "
+                             "trainer.noise_levels=scheduler_grid or trainer.rollout_paths=1")
         return self
 
     @property
@@ -169,17 +184,70 @@ def _col(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def off_trajectory_state(guided: Velocity, x_sigma: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
-    """One stop-gradient Euler step of the current model's guided velocity: ``x̂ (B, ...)`` at ``σ' (B,)``."""
+def rollout_velocity(guided: Velocity, x_sigma: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """``v̂ (B, ...)``: the current model's guided velocity at the on-trajectory state, without gradient."""
+    return guided(x_sigma, sigma)
+
+
+def off_trajectory_state(v_hat: torch.Tensor, x_sigma: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """The ODE path: one Euler step of ``v̂`` from ``x_σ``, ``x̂ (B, ...)`` at ``σ' (B,)``."""
     # σ' and σ cast before the difference, as the authors' step does: the same bits in float64
-    return x_sigma + guided(x_sigma, sigma) * (_col(sigma_next, x_sigma) - _col(sigma, x_sigma))
+    return x_sigma + v_hat * (_col(sigma_next, x_sigma) - _col(sigma, x_sigma))
+
+
+@dataclass
+class StochasticPaths:
+    """The M - 1 stochastic rollout paths of a batch (``rollout_paths``): the step ``kind`` with noise scale
+    ``eta``, each path's noise ``(M-1, B, ...)`` and correction draws ``u (M-1, N, B)``, and ``active (B,)``,
+    the pairs that take them (a pair whose rollout step lands on t = 0 keeps its ODE path only, as the
+    authors'). ``sigma_max``: the training grid's second level, where the flow_sde step reads σ = 1."""
+
+    kind: str
+    eta: float
+    noise: torch.Tensor
+    u: torch.Tensor
+    active: torch.Tensor
+    sigma_max: float
+
+    def __getitem__(self, part: slice) -> "StochasticPaths":
+        """The paths of a micro-batch ``part`` of the pairs."""
+        return StochasticPaths(self.kind, self.eta, self.noise[:, part], self.u[:, :, part], self.active[part],
+                               self.sigma_max)
+
+
+def stochastic_path_state(
+    kind: str, v_hat: torch.Tensor, x_sigma: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+    noise: torch.Tensor, *, eta: float, sigma_max: float,
+) -> torch.Tensor:
+    """One stochastic rollout step ``x̂ (B, ...)`` from ``x_σ`` with ``v̂`` and standard normal ``noise``, in
+    float32, returned in ``x_σ``'s dtype (the authors' ``stochastic_rollout_step``):
+
+    - ``flow_sde``: Flow-GRPO's reverse-SDE step with ``s = η·sqrt(σ/(1-σ))``, σ = 1 read as ``sigma_max``;
+    - ``cps``: coefficients-preserving sampling with η;
+    - ``sde``: ``(1-σ')·(x - σ·v̂) + σ'·noise``, a fresh re-noising of the clean prediction (CPS at η = 1);
+    - ``simple``: the Euler step plus ``η·sqrt(σ - σ')·noise``.
+    """
+    v, x = v_hat.float(), x_sigma.float()
+    if kind == "flow_sde":
+        safe = torch.where(sigma == 1, torch.full_like(sigma, sigma_max), sigma)
+        s = eta * torch.sqrt(sigma / (1 - safe))
+        mean, std = flow_sde_moments(v, x, sigma, sigma_next, diffusion=s)
+    elif kind in ("cps", "sde"):
+        mean, std = cps_moments(v, x, sigma, sigma_next, eta=1.0 if kind == "sde" else eta)
+    elif kind == "simple":
+        dt = _col(sigma_next, x) - _col(sigma, x)
+        mean, std = x + v * dt, eta * torch.sqrt(dt.abs())
+    else:
+        raise ValueError(f"unknown path_sampler {kind!r}: choose flow_sde, cps, sde or simple")
+    return (mean + std * noise.float()).to(x_sigma.dtype)
 
 
 def correction_targets(
     x0: torch.Tensor, eps: torch.Tensor, x_hat: torch.Tensor, sigma_prime: torch.Tensor, sigma_tilde: torch.Tensor,
     sigma_min: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-noised states ``z`` and targets ``v*``, both ``(N, B, ...)``, for ``σ̃ (N, B)`` in ``[σ', 1]``.
+    """Re-noised states ``z`` and targets ``v*``, both ``(N, B, ...)``, for ``σ̃ (N, B)`` in ``[σ', 1]`` from the
+    rollout state ``x̂``: ``(B, ...)``, shared by the N points, or ``(N, B, ...)``, one for each.
 
     ``z = (1-a)·x̂ + a·ε`` with ``a = (σ̃-σ')/(1-σ')``: the straight line from x̂ back toward the *same* ε, so
     for an exact x̂ the state is on the data's own path and ``v* = (z - x0)/σ̃ = ε - x0``. ``a`` is formed in
@@ -188,7 +256,7 @@ def correction_targets(
     a = ((sigma_tilde - sigma_prime[None]) / (1.0 - sigma_prime[None]).clamp(min=1e-8)).clamp(0.0, 1.0)
     shape = (*sigma_tilde.shape, *([1] * (x0.ndim - 1)))
     a = a.to(x0).reshape(shape)
-    z = (1.0 - a) * x_hat[None] + a * eps[None]
+    z = (1.0 - a) * (x_hat if x_hat.ndim > x0.ndim else x_hat[None]) + a * eps[None]
     denom = sigma_tilde if sigma_min is None else sigma_tilde.clamp(min=sigma_min)
     return z, (z - x0[None]) / denom.to(x0).reshape(shape)
 
@@ -207,47 +275,65 @@ def soar_loss(
     velocity: Velocity, guided: Velocity, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor,
     sigma_next: torch.Tensor, u: torch.Tensor, *, lam: float, sigma_min: float | None = None,
     model_sigma: Callable[[torch.Tensor], torch.Tensor] | None = None, average: str = "points",
-    rollout: Callable = off_trajectory_state,
+    rollout: Callable = off_trajectory_state, paths: StochasticPaths | None = None,
+    count: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The SOAR loss of a batch of pairs (``N = u.shape[0]`` corrections; N = 0 is plain SFT).
 
     ``velocity(x, σ)`` is the trained model's conditional velocity (with gradient) for a batch of ``B``
-    or ``N·B`` states (j-major); ``guided(x, σ)`` its CFG velocity for the rollout step. ``x0, eps``:
+    or ``k·B`` states (j-major); ``guided(x, σ)`` its CFG velocity for the rollout step. ``x0, eps``:
     ``(B, ...)``; ``sigma, sigma_next (B,)`` from :func:`rollout_levels`; ``u (N, B)`` uniform draws that
-    place ``σ̃ = σ' + u·(1-σ')``. ``model_sigma``: the level the model runs a correction state at (the
-    scheduler grid's :func:`grid_sigma_of`; None: σ̃). ``average``: ``points`` divides the summed per-pair
-    errors, corrections weighted λ, by ``B + λ·N·B`` (the authors'); ``terms`` is mean base + λ·mean
-    correction. ``rollout``: how x̂ is made (:func:`off_trajectory_state`; a test swaps in a detached clone).
+    place ``σ̃ = σ' + u·(1-σ')`` on the ODE path; ``paths``: the stochastic paths, each with its own N points
+    (their states are run for every pair, the inactive pairs' errors weighted 0). ``model_sigma``: the
+    level the model runs a correction state at (the scheduler grid's :func:`grid_sigma_of`; None: σ̃).
+    ``average``: ``points`` divides the summed per-pair errors, corrections weighted λ, by ``count``
+    (default this batch's own ``B + λ·(N·B + (M-1)·N·R)``, R the pairs on stochastic paths; the authors'
+    is the step's over every rank); ``terms`` is mean base + λ·mean correction. ``rollout``: how x̂ is made
+    from ``v̂`` (:func:`off_trajectory_state`; a test swaps in a detached clone).
     """
     x_sigma = (1 - _col(sigma, x0)) * x0 + _col(sigma, x0) * eps
     base = per_pair_mse(velocity(x_sigma, sigma), eps - x0)
     info = {"loss_base": base.mean().detach()}
     b = x0.shape[0]
     if u.shape[0] == 0:
-        return base.sum() / b if average == "points" else base.mean(), info
-    x_hat = rollout(guided, x_sigma, sigma, sigma_next)
-    sigma_tilde = sigma_next[None] + u * (1 - sigma_next[None])
-    z, v_star = correction_targets(x0, eps, x_hat, sigma_next, sigma_tilde, sigma_min)
-    n = sigma_tilde.shape[0]
+        return base.sum() / (b if count is None else count) if average == "points" else base.mean(), info
+    v_hat = rollout_velocity(guided, x_sigma, sigma)
+    x_hat = rollout(v_hat, x_sigma, sigma, sigma_next)
+    states, draws, weights = [x_hat], [u], [torch.ones_like(u)]
+    if paths is not None:
+        for noise, path_u in zip(paths.noise, paths.u):
+            states.append(stochastic_path_state(paths.kind, v_hat, x_sigma, sigma, sigma_next, noise, eta=paths.eta,
+                                                sigma_max=paths.sigma_max))
+            draws.append(path_u)
+            weights.append(paths.active[None].to(u).expand_as(path_u))
+    x_hats, u_all, weight = torch.stack(states), torch.cat(draws), torch.cat(weights)  # (M, B, ...), (M·N, B) ×2
+    n = u.shape[0]
+    sigma_tilde = sigma_next[None] + u_all * (1 - sigma_next[None])
+    z, v_star = correction_targets(x0, eps, x_hats.repeat_interleave(n, 0), sigma_next, sigma_tilde, sigma_min)
+    k = sigma_tilde.shape[0]
     at = sigma_tilde.reshape(-1) if model_sigma is None else model_sigma(sigma_tilde.reshape(-1))
-    corr = per_pair_mse(velocity(z.reshape(n * b, *x0.shape[1:]), at), v_star.detach().reshape(n * b, *x0.shape[1:]))
-    info["loss_corr"] = corr.mean().detach()
-    # the rollout error e = x̂ - x̂_on: the part of the target SFT does not see
+    corr = per_pair_mse(velocity(z.reshape(k * b, *x0.shape[1:]), at), v_star.detach().reshape(k * b, *x0.shape[1:]))
+    # a pair off its stochastic paths adds nothing (where, not a product: no 0·inf)
+    corr = torch.where(weight.reshape(-1) > 0, corr, torch.zeros_like(corr))
+    points = weight.sum()
+    info["loss_corr"] = (corr.sum() / points).detach()
+    # the rollout error e = x̂ - x̂_on on the ODE path: the part of the target SFT does not see
     on = (1 - _col(sigma_next, x0)) * x0 + _col(sigma_next, x0) * eps
     info["rollout_error"] = (x_hat - on).detach().flatten(1).norm(dim=1).mean()
     if average == "points":
-        return (base.sum() + lam * corr.sum()) / (b + lam * n * b), info
-    return base.mean() + lam * corr.mean(), info
+        return (base.sum() + lam * corr.sum()) / ((b + lam * points) if count is None else count), info
+    return base.mean() + lam * corr.sum() / points, info
 
 
-def cost_per_pair(N: int, w_cfg: float) -> tuple[int, int]:
+def cost_per_pair(N: int, w_cfg: float, paths: int = 1) -> tuple[int, int]:
     """Transformer work per pair and step: ``(sample-passes, units)`` with a forward = 1 unit and a
-    forward + backward = 3: base (3) + the no-grad rollout step (1, or 2 with CFG) + N corrections (3 each).
-    SOAR at N=4 with CFG costs 17 units to SFT's 3, so SFT gets 17/3 as many steps at equal compute."""
+    forward + backward = 3: base (3) + the no-grad rollout step (1, or 2 with CFG) + N corrections on each
+    of the ``paths`` (3 each). SOAR at N=4 with CFG costs 17 units to SFT's 3, so SFT gets 17/3 as many
+    steps at equal compute."""
     if N == 0:
         return 1, 3
     rollout = 2 if w_cfg > 1 else 1
-    return 1 + rollout + N, 3 + rollout + 3 * N
+    return 1 + rollout + N * paths, 3 + rollout + 3 * N * paths
 
 
 # ---------------------------------------------------------------------------------------------- hooks
@@ -256,8 +342,10 @@ def cost_per_pair(N: int, w_cfg: float) -> tuple[int, int]:
 @dataclass
 class PairBatch:
     """A step's (image, caption) pairs: clean latents ``x0``, noise ``eps`` ``(B, ...)``, the noise level
-    ``sigma`` and the rollout step's ``sigma_next`` ``(B,)`` (float32), correction draws ``u`` ``(N, B)``,
-    the captions' conditioning, and the step's logs."""
+    ``sigma`` and the rollout step's ``sigma_next`` ``(B,)`` (float32), the ODE path's correction draws ``u``
+    ``(N, B)``, the stochastic ``paths`` (None: the ODE path only), the captions' conditioning, ``count``,
+    this rank's share of the step's divisor of the ``points`` average (summed over ranks, divided by their
+    number), and the step's logs."""
 
     x0: torch.Tensor
     eps: torch.Tensor
@@ -265,6 +353,8 @@ class PairBatch:
     sigma_next: torch.Tensor
     u: torch.Tensor
     cond: Conditioning
+    count: float
+    paths: StochasticPaths | None = None
     logs: dict[str, float] = field(default_factory=dict)
 
 
@@ -327,15 +417,21 @@ class SOARTrainer(GroupTrainer):
         indices = self.step_pairs(step)
         x0 = self.clean_latents(step, indices)
         first = self.rank * tc.step_pairs
-        keep, eps, t, u = [], [], [], []
+        extra = tc.rollout_paths - 1 if tc.corrections > 0 else 0  # stochastic paths a pair may take
+        keep, eps, t, u, path_u, path_noise = [], [], [], [], [], []
         for j in range(first, first + len(indices)):
             generator = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 2))
             keep.append(bool(torch.rand(1, generator=generator) >= tc.caption_dropout))
             eps.append(torch.randn(x0.shape[1:], generator=generator))
             t.append(sample_sigmas(1, generator, tc.logit_mean, tc.logit_std))
-            # σ̃ draws from their own stream: SOAR and SFT see the same (ε, t) at every step
+            # σ̃ draws from their own stream: SOAR and SFT see the same (ε, t) at every step, and the ODE
+            # path the same σ̃ whatever the number of paths
             u_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 3))
             u.append(torch.rand(tc.corrections, generator=u_gen))
+            if extra:
+                path_u.append(torch.rand(extra, tc.corrections, generator=u_gen))
+                path_gen = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, j, 6))
+                path_noise.append(torch.randn(extra, *x0.shape[1:], generator=path_gen))
         if tc.caption_dropout_per == "batch":  # one draw a training batch, keyed by its first pair's place
             keep = [self.keeps_batch_captions(step, first + n // tc.batch_size * tc.batch_size)
                     for n in range(len(indices))]
@@ -343,13 +439,25 @@ class SOARTrainer(GroupTrainer):
         # an editing benchmark's pair: its input image (metadata "image") conditions, its rendered result is x0
         metadata = [self.pairs.metadata[i] for i in indices] if self.images.bench else [{} for _ in indices]
         cond = encode_prompts(self.policy, prompts, metadata)
-        passes, units = (c * len(indices) * self.world for c in cost_per_pair(tc.corrections, tc.rollout_guidance))
+        passes, units = (c * len(indices) * self.world
+                         for c in cost_per_pair(tc.corrections, tc.rollout_guidance, tc.rollout_paths))
         logs = {"cost/forward_passes": passes, "cost/units_total": units * (step + 1),
                 "time/data": time.perf_counter() - t0}
         # levels in float32 on the CPU, as the authors' script forms them (the grid index is float32 arithmetic)
-        sigma, sigma_next = rollout_levels(torch.cat(t), tc.rollout_steps, self.grid)
+        t = torch.cat(t)
+        sigma, sigma_next = rollout_levels(t, tc.rollout_steps, self.grid)
+        points_per_pair = tc.correction_weight * tc.corrections
+        count = len(indices) * (1 + points_per_pair)
+        paths = None
+        if extra:
+            active = (t - 1.0 / tc.rollout_steps) > 0  # the authors' t1 > 0: a step to t = 0 takes no path
+            # the authors divide by the step's points over every rank: one collective a step
+            count += points_per_pair * extra * self.total(int(active.sum())) / self.world
+            paths = StochasticPaths(tc.path_sampler, tc.path_noise_level, torch.stack(path_noise, 1).to(x0),
+                                    torch.stack(path_u, 2).to(x0.device), active.to(x0.device), float(self.grid[1]))
+            logs["train/stochastic_pairs"] = float(active.float().mean())
         return PairBatch(x0, torch.stack(eps).to(x0), sigma.to(x0.device), sigma_next.to(x0.device),
-                         torch.stack(u, 1).to(x0.device), cond, logs)
+                         torch.stack(u, 1).to(x0.device), cond, count, paths, logs)
 
     def keeps_batch_captions(self, step: int, first: int) -> bool:
         """Whether the training batch whose first pair is at place ``first`` of the step's draw keeps its
@@ -371,9 +479,12 @@ class SOARTrainer(GroupTrainer):
         loss, info = soar_loss(self.velocity(cond, 1.0), self.velocity(cond, tc.rollout_guidance), x0,
                                batch.eps[part], batch.sigma[part], batch.sigma_next[part], batch.u[:, part],
                                lam=tc.correction_weight, sigma_min=tc.sigma_min, average=tc.loss_average,
-                               model_sigma=None if grid is None else lambda s: grid_sigma_of(s, grid))
-        info["loss"] = loss.detach()
-        return loss * (x0.shape[0] / batch.x0.shape[0]), info
+                               model_sigma=None if grid is None else lambda s: grid_sigma_of(s, grid),
+                               paths=None if batch.paths is None else batch.paths[part], count=batch.count)
+        # points: the micro-batch's sum is divided by the step's count already; terms: weighted by its pairs
+        share = x0.shape[0] / batch.x0.shape[0]
+        info["loss"] = (loss / share if tc.loss_average == "points" else loss).detach()  # on the step's scale
+        return loss if tc.loss_average == "points" else loss * share, info
 
     def velocity(self, cond: Conditioning, guidance: float) -> Velocity:
         """``v(x, σ)`` for a batch of ``B`` states or ``n·B`` (j-major) sharing ``cond``'s B captions."""

@@ -16,7 +16,8 @@ from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.trainers.parts.training_grid import grid_sigma_of, training_grid
-from flowalign.trainers.soar import correction_targets, off_trajectory_state, rollout_levels, soar_loss
+from flowalign.trainers.soar import (StochasticPaths, correction_targets, off_trajectory_state, rollout_levels,
+                                     rollout_velocity, soar_loss, stochastic_path_state)
 
 from .conftest import small_run
 
@@ -77,7 +78,7 @@ def test_one_training_unit_equals_the_authors_train_soar_sd3_5m(case):
         return
     x_sigma = (1 - sigma.to(x0).reshape(-1, 1, 1, 1)) * x0 + sigma.to(x0).reshape(-1, 1, 1, 1) * eps
     torch.testing.assert_close(guided(x_sigma, sigma), _f64(case["v_cfg"]), rtol=1e-6, atol=1e-12)
-    x_hat = off_trajectory_state(guided, x_sigma, sigma, sigma_next)
+    x_hat = off_trajectory_state(rollout_velocity(guided, x_sigma, sigma), x_sigma, sigma, sigma_next)
     sigma_tilde = sigma_next[None] + u * (1 - sigma_next[None])
     assert sigma_tilde.tolist() == case["sigma_tilde"]
     assert (grid_sigma_of(sigma_tilde.reshape(-1), grid) * 1000.0).reshape(n, batch).tolist() == case["model_timestep"]
@@ -107,6 +108,115 @@ def test_the_grid_is_the_schedulers_and_off_grid_levels_run_where_the_script_run
     assert 150 < int((model[:1000] > probe[:1000]).sum()) < 180  # the round trip moves some levels up one
     # a policy without a scheduler: the 1000 levels with its defaults' shift
     assert torch.equal(training_grid(SimpleNamespace(defaults={"shift": 3.0})), grid)
+
+
+PATHS = json.loads((Path(__file__).parent / "known_answers" / "soar_rollout_paths.json").read_text())
+
+
+def _path_inputs(case, batch):
+    """The authors' recorded draws laid out as flowalign holds them: the ODE path's ``u (N, B)``, and per
+    stochastic path its noise ``(M-1, B, ...)`` and ``u (M-1, N, B)`` on the active pairs (the rest, unused,
+    0), with the active mask (their t1 > 0)."""
+    draws = case["inputs"]["draws"]
+    t0 = torch.tensor(case["inputs"]["t0"], dtype=torch.float32)
+    active = (t0 - 1.0 / case["K"]) > 0
+    rows = active.nonzero().squeeze(1)
+    u = torch.tensor(draws[0]["values"], dtype=torch.float32)
+    extra, n = case["num_rollout_paths"] - 1, case["trajectory_length"]
+    noise, path_u = torch.zeros(extra, batch, 2, 2, 2, dtype=torch.float64), torch.zeros(extra, n, batch)
+    for p in range(extra):
+        assert [draws[1 + 2 * p]["kind"], draws[2 + 2 * p]["kind"]] == ["noise", "u"]
+        noise[p, rows] = _f64(draws[1 + 2 * p]["values"])
+        path_u[p][:, rows] = torch.tensor(draws[2 + 2 * p]["values"], dtype=torch.float32)
+    return t0, u, noise, path_u, active
+
+
+@pytest.mark.parametrize("case", PATHS["cases"], ids=lambda c: f"{c['sde_rollout_type']}-M{c['num_rollout_paths']}")
+def test_stochastic_rollout_paths_equal_the_authors_single_step_aux_points(case):
+    """``rollout_paths`` > 1 (their ``num_rollout_paths``) with each ``path_sampler``: every path's points
+    (pairs, σ̃, model level, state, target, error), the loss over all of them divided by the points the
+    authors count, and its gradient; a pair whose step lands on t = 0 and one at σ = 1 are among them."""
+    inp = case["inputs"]
+    x0, eps = _f64(inp["x0"]), _f64(inp["eps"])
+    batch = x0.shape[0]
+    t0, u, noise, path_u, active = _path_inputs(case, batch)
+    assert not active.all() and active.any()
+    A, b, P = (_f64(inp[k]).requires_grad_(True) for k in ("A", "b", "P"))
+    cond, uncond = _f64(inp["cond_pooled"]), _f64(inp["uncond_pooled"])
+    grid = _grid(case["shift"])
+    sigma, sigma_next = rollout_levels(t0, case["K"], grid)
+    assert sigma.tolist() == case["sigma"] and 1.0 in sigma.tolist()
+    toy = _toy(A, b, P)
+
+    def velocity(x, s):
+        return toy(x, s, cond.repeat(x.shape[0] // batch, 1))
+
+    def guided(x, s):
+        v_u, v_c = toy(torch.cat([x, x]), torch.cat([s, s]), torch.cat([uncond.expand(batch, -1), cond])).chunk(2)
+        return v_u + case["cfg"] * (v_c - v_u)
+
+    paths = StochasticPaths(case["sde_rollout_type"], case["sde_noise_scale"], noise, path_u, active, float(grid[1]))
+    # the points, path by path: the ODE path's for every pair, then each stochastic path's for the active ones
+    x_sigma = (1 - sigma.to(x0).reshape(-1, 1, 1, 1)) * x0 + sigma.to(x0).reshape(-1, 1, 1, 1) * eps
+    v_hat = rollout_velocity(guided, x_sigma, sigma)
+    torch.testing.assert_close(v_hat, _f64(case["v_cfg"]), rtol=1e-6, atol=1e-12)
+    states = [off_trajectory_state(v_hat, x_sigma, sigma, sigma_next)]
+    states += [stochastic_path_state(paths.kind, v_hat, x_sigma, sigma, sigma_next, noise[p], eta=paths.eta,
+                                     sigma_max=paths.sigma_max) for p in range(len(noise))]
+    n = case["trajectory_length"]
+    for p, (x_hat, draws) in enumerate(zip(states, [u, *path_u])):
+        rows = torch.arange(batch) if p == 0 else active.nonzero().squeeze(1)
+        sigma_tilde = sigma_next[None] + draws * (1 - sigma_next[None])
+        z, v_star = correction_targets(x0, eps, x_hat, sigma_next, sigma_tilde)
+        for j in range(n):
+            point = case["points"][p * n + j]
+            assert point["rows"] == rows.tolist()
+            assert sigma_tilde[j, rows].tolist() == point["sigma_tilde"]
+            assert (grid_sigma_of(sigma_tilde[j, rows], grid) * 1000.0).tolist() == point["model_timestep"]
+            torch.testing.assert_close(z[j, rows], _f64(point["z"]), rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(v_star[j, rows], _f64(point["v_star"]), rtol=1e-6, atol=1e-8)
+
+    loss, info = soar_loss(velocity, guided, x0, eps, sigma, sigma_next, u, lam=case["lambda_aux"],
+                           model_sigma=lambda s: grid_sigma_of(s, grid), paths=paths)
+    loss.backward()
+    all_points = [e for point in case["points"] for e in point["loss_corr"]]
+    assert len(all_points) == case["aux_count"]
+    torch.testing.assert_close(info["loss_base"].item(), case["loss_main"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_corr"].item(), float(np.mean(all_points)), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    for name, param in zip("AbP", (A, b, P)):
+        torch.testing.assert_close(param.grad, _f64(case["grad"][name]), rtol=1e-6, atol=1e-10)
+
+
+def test_the_paths_of_a_pair_off_them_add_nothing_and_an_sde_path_is_cps_at_eta_one():
+    """An inactive pair's path points change neither the loss nor its gradient, whatever their noise; the
+    ``sde`` step is the ``cps`` step at η = 1 and ignores η; ``flow_sde`` reads σ = 1 as ``sigma_max``."""
+    case = PATHS["cases"][0]
+    inp = case["inputs"]
+    x0, eps = _f64(inp["x0"]), _f64(inp["eps"])
+    t0, u, noise, path_u, active = _path_inputs(case, x0.shape[0])
+    toy = _toy(*(_f64(inp[k]) for k in ("A", "b", "P")))
+    cond = _f64(inp["cond_pooled"])
+    v = lambda x, s: toy(x, s, cond.repeat(x.shape[0] // len(cond), 1))  # noqa: E731
+    grid = _grid(case["shift"])
+    sigma, sigma_next = rollout_levels(t0, case["K"], grid)
+    losses = []
+    for scale in (0.0, 50.0):  # the inactive pair's noise and draws: zero, or large
+        n2, u2 = noise.clone(), path_u.clone()
+        n2[:, ~active] = scale
+        u2[:, :, ~active] = 0.9 if scale else 0.0
+        paths = StochasticPaths("flow_sde", 0.5, n2, u2, active, float(grid[1]))
+        losses.append(soar_loss(v, v, x0, eps, sigma, sigma_next, u, lam=1.0, paths=paths)[0].item())
+    assert losses[0] == losses[1]
+    x_sigma = (1 - sigma.to(x0).reshape(-1, 1, 1, 1)) * x0 + sigma.to(x0).reshape(-1, 1, 1, 1) * eps
+    v_hat = v(x_sigma, sigma)
+    state = lambda kind, eta, **kw: stochastic_path_state(kind, v_hat, x_sigma, sigma, sigma_next, noise[0], eta=eta,  # noqa: E731
+                                                          sigma_max=kw.get("sigma_max", float(grid[1])))
+    torch.testing.assert_close(state("sde", 0.3), state("cps", 1.0), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(state("sde", 0.3), state("sde", 0.9))
+    at_one = sigma == 1
+    assert at_one.any() and not torch.allclose(state("flow_sde", 0.5)[at_one], state("flow_sde", 0.5, sigma_max=0.5)[at_one])
+    torch.testing.assert_close(state("flow_sde", 0.5)[~at_one], state("flow_sde", 0.5, sigma_max=0.5)[~at_one])
 
 
 def test_the_former_averaging_is_base_plus_lambda_times_the_mean_correction():
@@ -140,6 +250,8 @@ def test_continuous_levels_step_in_sigma_and_need_a_floor():
         trainer_config({"name": "soar", "noise_levels": "continuous"})
     _, former = trainer_config({"name": "soar", "noise_levels": "continuous", "sigma_min": 0.05, "loss_average": "terms"})
     assert former.sigma_min == 0.05
+    with pytest.raises(UserError, match="trainer.rollout_paths"):  # the flow_sde step reads the grid's second level
+        trainer_config({"name": "soar", "noise_levels": "continuous", "sigma_min": 0.05, "rollout_paths": 2})
     _, sft = trainer_config({"name": "sft", "noise_levels": "continuous"})  # no corrections: no target to floor
     assert sft.sigma_min is None
 
@@ -160,7 +272,7 @@ def test_oracle_model_has_no_rollout_error_and_its_target_is_the_sft_target():
     sigma, sigma_prime = rollout_levels(t, 10, _grid(3.0))
     x_sigma = (1 - _col(sigma, x0)) * x0 + _col(sigma, x0) * eps
     oracle = lambda x, s: eps - x0  # noqa: E731  the exact velocity of this pair's straight path
-    x_hat = off_trajectory_state(oracle, x_sigma, sigma, sigma_prime)
+    x_hat = off_trajectory_state(rollout_velocity(oracle, x_sigma, sigma), x_sigma, sigma, sigma_prime)
     on = (1 - _col(sigma_prime, x0)) * x0 + _col(sigma_prime, x0) * eps
     torch.testing.assert_close(x_hat, on, rtol=0, atol=1e-6)  # e = 0
     sigma_tilde = sigma_prime[None] + torch.rand(3, len(sigma), generator=g) * (1 - sigma_prime[None])
@@ -176,7 +288,7 @@ def test_target_minus_sft_target_is_alpha_e_over_sigma_tilde():
     sigma, sigma_prime = rollout_levels(t, 5, None)
     x_sigma = (1 - _col(sigma, x0)) * x0 + _col(sigma, x0) * eps
     v_model = torch.randn(x0.shape, generator=g)  # an imperfect model
-    x_hat = off_trajectory_state(lambda x, s: v_model, x_sigma, sigma, sigma_prime)
+    x_hat = off_trajectory_state(v_model, x_sigma, sigma, sigma_prime)
     e = x_hat - ((1 - _col(sigma_prime, x0)) * x0 + _col(sigma_prime, x0) * eps)
     assert e.abs().max() > 0.05
     sigma_tilde = sigma_prime[None] + torch.rand(4, len(sigma), generator=g) * (1 - sigma_prime[None])
@@ -218,6 +330,28 @@ def test_lambda_zero_gives_bit_identical_gradients_to_sft(tmp_path, tiny_sd3_dir
                                                      "trainer.corrections=3", "trainer.caption_dropout=0.25")))
     c = _grads(lam1)
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_stochastic_paths_divide_by_the_steps_points_however_the_pairs_are_batched(tmp_path, tiny_sd3_dir):
+    """``rollout_paths: 3`` on the tiny model: a step of 4 pairs in batches of 2 gives the gradient of one
+    batch of 4 (each batch divided by the step's count, not its own: the pairs on stochastic paths differ
+    between batches), the paths change the gradient, and the step logs its pairs on stochastic paths."""
+    args = ("trainer.name=soar", "trainer.corrections=2", "trainer.rollout_steps=2", "trainer.rollout_paths=3",
+            "trainer.pairs_per_step=4", "run.seed=3")
+    whole = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "whole", *args)))
+    batch = whole.collect(0)
+    assert batch.paths is not None and 0 < int(batch.paths.active.sum()) < 4  # K = 2: a pair with t < 1/2 takes none
+    split = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "split", *args, "trainer.batch_size=2")))
+    ode = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "ode", *args, "trainer.rollout_paths=1")))
+    a, b, c = _grads(whole), _grads(split), _grads(ode)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-7)
+    assert not all(torch.allclose(x, y) for x, y in zip(a, c))
+    run = build_trainer(load_config(None, _soar_run(tmp_path, tiny_sd3_dir, "run", *args)))
+    run.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["train/stochastic_pairs"] <= 1 for r in rows)
+    assert rows[0]["cost/forward_passes"] == 4 * (1 + 2 + 2 * 3)
 
 
 def test_a_detached_clone_of_the_rollout_state_leaves_gradients_unchanged(tiny_sd3_dir):
