@@ -16,7 +16,9 @@ sample whose ratio ``exp(d_old − d)`` already left ``1 ± clip_range`` on its 
 ``rollout_solver: dpm2`` samples the rollouts as the authors' SD3.5 runs do: diffusers'
 ``DPMSolverMultistepScheduler`` (DPM-Solver++(2), flow prediction, the scheduler config of Sana's
 diffusers release with ``flow_shift`` 3) on that scheduler's own 10-step grid, the transformer reading its
-integer timesteps (:mod:`flowalign.sampling.ode_solvers`); ``euler`` is the policy's Euler ODE on its own grid.
+integer timesteps (:mod:`flowalign.sampling.ode_solvers`), and a trained step re-noises at that integer
+timestep over 1000 and the transformer reads it (``model_timestep: truncated``); ``euler`` is the policy's
+Euler ODE on its own grid.
 
 As the authors' recipes do (``gradient_accumulation_steps`` = batches per epoch × trained timesteps), one
 optimiser step takes every block and every trained timestep of an epoch, the loss averaged over them
@@ -36,6 +38,7 @@ from flowalign.ema import EMA
 from flowalign.limits import MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LR, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.protocols import Conditioning
 from flowalign.sampling.ode_solvers import OdeSolver
+from flowalign.sampling.timesteps import TimestepMap, fixed, model_timestep
 from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
@@ -46,7 +49,7 @@ from flowalign.trainers.parts.reductions import per_sample_mean
 class DGPOConfig(GroupTrainerConfig, ReferenceOptions):
     name: Literal["dgpo"] = "dgpo"
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"step_per": "timestep", "old_policy": "sampling"}
+    before = {"step_per": "timestep", "old_policy": "sampling", "model_timestep": "continuous"}
     #: passes over the batch, each drawing its own train_timesteps (its optimiser steps: step_per)
     inner_epochs: int = Field(1, ge=1, le=MAX_UPDATES)
     lr: float = Field(3e-4, gt=0, le=MAX_LR)
@@ -70,6 +73,10 @@ class DGPOConfig(GroupTrainerConfig, ReferenceOptions):
     rollout_solver: Literal["euler", "dpm2"] = "euler"
     #: flow_shift of the dpm2 grid (theirs 3; "can be changed from 1 to 6")
     dpm_flow_shift: float = Field(3.0, gt=0, le=MAX_COEFFICIENT)
+    #: with rollout_solver dpm2, where a trained grid step re-noises and what the transformer reads there:
+    #: "truncated", the rollout's integer timestep t = trunc(1000·σ_k), re-noised at t/1000 and read as t (the
+    #: authors'); "continuous", σ_k read as 1000·σ_k (the former form). Euler rollouts train at σ_k, 1000·σ_k.
+    model_timestep: Literal["truncated", "continuous"] = "truncated"
     #: where the clip's old losses d_old come from: "average", a moving average of the trained weights with
     #: decay min(old_decay, 0.001·s) after s optimiser steps, moved after each batch's optimiser steps (the
     #: authors' ema_ref); "sampling", the weights that sampled the batch (the former form)
@@ -197,17 +204,36 @@ class DGPOTrainer(GroupTrainer):
                 return super().collect(step)
         return super().collect(step)
 
+    def level(self, batch: StepBatch, chunk: int, k: int) -> tuple[float, TimestepMap | None]:
+        """The σ grid step ``k`` of ``chunk``'s rollouts is re-noised at, and the transformer's timestep there
+        (None: the pipeline's 1000·σ). With ``dpm2`` and ``model_timestep: truncated``, the rollout's integer
+        timestep ``t = trunc(1000·σ_k)`` (float32, as the rollout read it) and σ = t/1000 in float32, as the
+        authors' ``sigmas_t = t / 1000`` of their stored int64 timesteps."""
+        sigma = batch.chunks[chunk].sigmas[k]
+        if self.tcfg.rollout_solver == "dpm2" and self.tcfg.model_timestep == "truncated":
+            t = torch.trunc(sigma.float() * 1000)
+            return float(t / 1000), fixed(float(t))
+        return sigma.item(), None
+
     def noised(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, torch.Tensor, float, Conditioning]:
         """The unit's re-noised endpoints ``x_t (N, ...)``, target ``ε − x0``, σ and conditioning."""
         x0, cond, _ = self.block(batch, unit.chunks)
-        sigma = batch.chunks[unit.chunks[0]].sigmas[unit.k].item()
+        sigma, _ = self.level(batch, unit.chunks[0], unit.k)
         eps = unit.eps.to(x0)
         return (1 - sigma) * x0 + sigma * eps, eps - x0, sigma, cond
 
+    def velocity(self, batch: StepBatch, unit_chunk: int, k: int, x_t: torch.Tensor, cond: Conditioning,
+                 guidance: float) -> torch.Tensor:
+        """The policy's velocity at a trained grid step's re-noised ``x_t (N, ...)``, reading :meth:`level`'s
+        timestep."""
+        sigma, form = self.level(batch, unit_chunk, k)
+        with model_timestep(self.policy, form, sigma):
+            return self.policy.velocity(x_t, sigma, cond, guidance)
+
     def denoising_loss(self, batch: StepBatch, unit: GroupUnit) -> torch.Tensor:
         """``d (N,)``: the conditional velocity's mean squared error at the unit's re-noised endpoints."""
-        x_t, target, sigma, cond = self.noised(batch, unit)
-        return per_sample_mean((self.policy.velocity(x_t, sigma, cond, 1.0) - target) ** 2)
+        x_t, target, _, cond = self.noised(batch, unit)
+        return per_sample_mean((self.velocity(batch, unit.chunks[0], unit.k, x_t, cond, 1.0) - target) ** 2)
 
     def block(self, batch: StepBatch, chunks: tuple[int, ...]) -> tuple[torch.Tensor, Conditioning, torch.Tensor]:
         """The block's endpoints ``(N, ...)``, conditioning and global group ids."""
@@ -245,10 +271,10 @@ class DGPOTrainer(GroupTrainer):
                     x0, cond, groups = self.block(batch, chunks)
                     start = sum(len(c) for c in batch.chunks[: chunks[0]])
                     eps = self.noise(groups, members[start : start + len(x0)], k, x0.shape[1:]).to(x0, non_blocking=True)
-                    sigma = batch.chunks[chunks[0]].sigmas[k].item()
+                    sigma, _ = self.level(batch, chunks[0], k)
                     x_t, target = (1 - sigma) * x0 + sigma * eps, eps - x0
                     with torch.no_grad(), self.policy.adapter_disabled():
-                        v_ref = self.policy.velocity(x_t, sigma, cond, tc.reference_guidance)
+                        v_ref = self.velocity(batch, chunks[0], k, x_t, cond, tc.reference_guidance)
                     units.append(GroupUnit(chunks, k, eps, per_sample_mean((v_ref - target) ** 2),
                                            v_ref if tc.beta > 0 else None, None, total * len(ks)))
             steps.append(units)
@@ -259,9 +285,9 @@ class DGPOTrainer(GroupTrainer):
 
     def loss(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tc = self.tcfg
-        x_t, target, sigma, cond = self.noised(batch, unit)
+        x_t, target, _, cond = self.noised(batch, unit)
         groups = self.block(batch, unit.chunks)[2]
-        v = self.policy.velocity(x_t, sigma, cond, 1.0)
+        v = self.velocity(batch, unit.chunks[0], unit.k, x_t, cond, 1.0)
         d = per_sample_mean((v - target) ** 2)
         adv = torch.cat(batch.per_chunk(batch.advantages)[unit.chunks[0] : unit.chunks[-1] + 1]).to(d, non_blocking=True)
         info: dict[str, torch.Tensor] = {"dsm": d.detach().mean()}

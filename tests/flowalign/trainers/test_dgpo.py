@@ -175,6 +175,54 @@ def test_dpm2_rollouts_run_on_the_schedulers_flow_grid_with_integer_timesteps(tm
     assert {float(t) for s in seen for t in s} == {float(t) for t in theirs.timesteps}
 
 
+LEVELS = json.loads((Path(__file__).parent / "known_answers" / "dgpo_training_level.json").read_text())
+
+
+@pytest.mark.parametrize("case", LEVELS["cases"], ids=lambda c: f"{c['num_steps']}steps")
+def test_a_dpm2_training_step_renoises_at_the_authors_integer_timestep(case, tmp_path, tiny_sd3_dir, prompt_file):
+    """With ``dpm2`` rollouts a trained grid step re-noises at t/1000 (float32) and the transformer reads the
+    integer t, t the scheduler's timestep, as the authors' ``sigmas_t = t / 1000``; ``model_timestep:
+    continuous`` (the former form) and Euler rollouts train at the grid's σ."""
+    from types import SimpleNamespace
+
+    from flowalign.trainers.dgpo import rollout_sampler
+
+    trainer = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dgpo",
+                                         "trainer.rollout_solver=dpm2"))
+    grid = rollout_sampler(trainer.tcfg).sigmas(None, case["num_steps"])
+    assert grid.tolist() == case["sigmas"]
+    batch = SimpleNamespace(chunks=[SimpleNamespace(sigmas=grid)])
+    for k, (t, sigma_t) in enumerate(zip(case["timesteps"], case["sigmas_t"])):
+        sigma, form = trainer.level(batch, 0, k)
+        assert sigma == sigma_t and form(torch.tensor([1000.0 * sigma])).item() == t
+    trainer.tcfg = trainer.tcfg.model_copy(update={"model_timestep": "continuous"})
+    assert [trainer.level(batch, 0, k) for k in range(3)] == [(float(grid[k]), None) for k in range(3)]
+    assert float(grid[1]) != case["sigmas_t"][1]  # the two forms differ
+
+
+def test_the_transformer_reads_the_integer_timestep_at_the_state_the_authors_renoise(tmp_path, tiny_sd3_dir, prompt_file):
+    """One unit's denoising loss on the tiny model with ``dpm2`` rollouts: the transformer is called with the
+    integer timestep and the state (1 - t/1000)·x0 + (t/1000)·ε, the authors' float32 arithmetic, bit for bit."""
+    trainer = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dgpo",
+                                         "trainer.rollout_solver=dpm2", "trainer.num_steps=4", "trainer.clip_range=0"))
+    batch = trainer.collect(0)
+    unit = trainer.plan(batch, torch.Generator().manual_seed(0)).steps[0][0]
+    seen = []
+    handle = trainer.policy.transformer.register_forward_hook(
+        lambda m, a, kw, out: seen.append((kw["hidden_states"].detach().clone(), kw["timestep"].detach().clone())),
+        with_kwargs=True)
+    try:
+        trainer.denoising_loss(batch, unit)
+    finally:
+        handle.remove()
+    t = torch.tensor(LEVELS["cases"][1]["timesteps"][unit.k])  # int64, as their stored timesteps
+    sigma_t = (t / 1000).reshape(1, 1, 1, 1)
+    x0 = trainer.block(batch, unit.chunks)[0]
+    (hidden, timestep), = seen
+    assert torch.equal(hidden, (1 - sigma_t) * x0 + sigma_t * unit.eps.to(x0))
+    assert timestep.tolist() == [float(t)] * len(x0)
+
+
 def test_a_run_saved_before_the_moving_average_resumes_only_as_it_was(tmp_path, tiny_sd3_dir, prompt_file):
     """A DGPO run of an earlier flowalign (no ``old_policy``: the sampling weights' old losses) is refused under
     the default with the line that continues it as it was, and resumes with it."""
