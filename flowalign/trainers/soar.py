@@ -385,6 +385,12 @@ class SOARTrainer(GroupTrainer):
                   f"trainer.rollout_steps={inference_steps} trains for that sampler")
         self.latents(self.step_pairs(0)[:1])  # one pair end to end: bad data fails before training
 
+    @classmethod
+    def training_batch(cls, tcfg: SOARConfig) -> int:
+        """States one training forward holds activations for: a batch's pairs and their N correction states
+        on each of the M paths (one loss, one backward)."""
+        return tcfg.batch_size * (1 + tcfg.corrections * tcfg.rollout_paths)
+
     @property
     def encoded(self):
         """The cache of encoded pairs (see :class:`PairImages`)."""

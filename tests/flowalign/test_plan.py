@@ -304,6 +304,20 @@ def test_the_training_forward_counts_the_rows_that_carry_gradients(overrides, ha
     assert cfg.rollout.conditioning == pytest.approx(2 * one.rollout.conditioning)  # a rollout keeps both branches
 
 
+def test_soar_sizes_its_training_forward_by_the_correction_states_it_backpropagates():
+    """SOAR's loss holds a batch's pairs and every correction state (N per path) in one backward: its
+    activations are (1 + N·M)× SFT's on the same batch."""
+    from flowalign.plan import memory_rows, settings
+
+    arch = ARCH / "sd3.5-medium"
+    sft = _small(arch, "trainer.name=sft", "rewards=[]")
+    model = inspect_model(sft, arch)  # per sample: the same forward for both
+    activations = lambda cfg: memory_rows(model, settings(cfg, "ddp", 1, model))["activations"]  # noqa: E731
+    for overrides, rows in [(("trainer.corrections=6",), 7), (("trainer.corrections=6", "trainer.rollout_paths=3"), 19)]:
+        soar = _small(arch, "trainer.name=soar", "rewards=[]", *overrides)
+        assert activations(soar) == pytest.approx(rows * activations(sft))
+
+
 @pytest.mark.parametrize("compute_dtype", ["fp32", "model"])
 def test_a_lora_forward_is_sized_as_the_policys_own_adapter_saves_it(tiny_model_dir, compute_dtype):
     """The meta forward under LoRA saves, byte for byte, what the tiny SD3 transformer saves on the CPU with the
