@@ -17,7 +17,10 @@ from flowalign.trainers.diffusion_opsd import (
     DiffusionOPSDConfig,
     DiffusionOPSDTrainer,
     bounded_targets,
+    direction_targets,
+    dpm2_suffix,
     opsd_loss,
+    query_anchor,
     query_index,
 )
 from flowalign.trainers.self_distill import (
@@ -41,6 +44,9 @@ TARGETS = json.loads((ANSWERS / "diffusion_opsd_targets.json").read_text())
 LOSS = json.loads((ANSWERS / "diffusion_opsd_loss.json").read_text())
 #: their query index, global-std advantages and behaviour refresh (return_decay, decay_type 1)
 SCHEDULE = json.loads((ANSWERS / "diffusion_opsd_schedule.json").read_text())
+#: their appendix ablations: opa_dir_mode, opa_state_mode forward, opa_dual_neg / opa_target_mode aux in the loss,
+#: opa_cert's dpm2 suffix and acceptance
+ABLATIONS = json.loads((ANSWERS / "diffusion_opsd_ablations.json").read_text())
 
 
 def _f64(values) -> torch.Tensor:
@@ -131,6 +137,130 @@ def test_behaviour_refresh_defaults_equal_the_authors_return_decay():
     c, known = DiffusionOPSDConfig(), SCHEDULE["return_decay_1"]
     ours = [behaviour_lambda(s, c.behaviour_rate, c.behaviour_max) for s in known["steps"]]
     torch.testing.assert_close(_f64(ours), _f64(known["decay"]), rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- the ablations
+
+
+def _toy_velocity(c0: torch.Tensor):
+    """The ablations' stand-in velocity ``v(z, σ) = c0 − (0.5 + 0.4·t/1000)·z`` at their ``t = int(1000·σ)``."""
+    return lambda z, sigma: c0 - (0.5 + 0.4 * int(float(sigma) * 1000) / 1000) * z
+
+
+@pytest.mark.parametrize("case", ABLATIONS["directions"]["cases"],
+                         ids=lambda c: f"{c['dir_mode']}-rho{c['rho']}-n{c['n_ascent']}-eta{c['eta']}")
+def test_target_directions_equal_the_authors_opa_dir_mode(case):
+    """``direction`` random / residual / none give their ``_opa_tr_step`` with ``dir_mode`` rand / residual / noop
+    (random: the directions their two calls drew, in that order; residual: toward the rollout's sample)."""
+    names = {"rand": "random", "residual": "residual", "noop": "none"}
+    draws = iter([_f64(case["d_plus"]), _f64(case["d_minus"])] if "d_plus" in case else [])
+    y_pos, y_neg = direction_targets(names[case["dir_mode"]], _f64(TARGETS["y0"]), case["rho"], case["n_ascent"],
+                                     case["eta"], x_end=_f64(ABLATIONS["directions"]["x_end"]),
+                                     draw=lambda: next(draws))
+    torch.testing.assert_close(y_pos, _f64(case["y_plus"]), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(y_neg, _f64(case["y_minus"]), rtol=1e-6, atol=1e-12)
+
+
+def test_forward_query_state_equals_the_authors_opa_state_mode_forward():
+    """``query_state: forward``: z_q = (1 − σ_q)·x_i + σ_q·ε from the rollout's sample (the rollout's own states
+    are NaN here, so reading one fails), the anchor and the grad targets from that state."""
+    known = ABLATIONS["forward_state"]
+    sigmas = torch.tensor(known["sigmas"], dtype=torch.float32)
+    x_end = _f64(known["x_end"])
+    latents = torch.full((x_end.shape[0], len(sigmas)) + x_end.shape[1:], float("nan"), dtype=torch.float64)
+    latents[:, -1] = x_end
+    chunk = SimpleNamespace(sigmas=sigmas, latents=latents, cond=None, guidance_scale=1.0)
+    velocity = _toy_velocity(_f64(known["c0"]))
+    policy = SimpleNamespace(device=torch.device("cpu"), velocity=lambda z, sigma, cond, guidance: velocity(z, sigma))
+    sigma_q, z_q, _, y0 = query_anchor(policy, chunk, known["sigma_star"], 1.0, "continuous", _f64(known["noise"]))
+    assert sigma_q == known["sigma_q"]
+    torch.testing.assert_close(z_q, _f64(known["z_q"]), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(y0, _f64(known["y0"]), rtol=1e-6, atol=1e-12)
+    y_pos, y_neg = direction_targets("grad", y0, known["rho"], known["n_ascent"], known["eta"],
+                                     gradient=_reward_gradient)
+    torch.testing.assert_close(y_pos, _f64(known["y_plus"]), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(y_neg, _f64(known["y_minus"]), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ABLATIONS["loss"]["cases"],
+                         ids=lambda c: f"{c['opa_target_mode']}{c['opa_aux_lambda']}-dual{c['opa_dual_neg']}-"
+                                       f"beta{c['mirror_beta']}-acc{int(min(c['acc_plus'] + c['acc_minus']))}")
+def test_ablation_losses_equal_the_authors_opa_loss(case):
+    """Through the trainer's ``fit_loss``: ``dual_negative`` false (their opa_dual_neg 0; no y⁻ is given),
+    ``target_mode: aux`` with ``aux_weight`` (opa_target_mode aux, opa_aux_lambda) and the certification's
+    acceptance gates; the batch loss and its gradient in v_θ."""
+    x = _loss_inputs()
+    r = reward_weight(x["advantages"], LOSS["adv_clip_max"])
+    v_theta = x["v_theta"].clone().requires_grad_(True)
+    gated = min(case["acc_plus"] + case["acc_minus"]) == 0
+    tcfg = DiffusionOPSDConfig(mirror_beta=case["mirror_beta"], adv_clip=LOSS["adv_clip_max"],
+                               model_timestep="continuous", dual_negative=bool(case["opa_dual_neg"]),
+                               target_mode=case["opa_target_mode"], aux_weight=case["opa_aux_lambda"], certify=gated)
+    hooks = SimpleNamespace(tcfg=tcfg, fit_guidance=lambda chunk: 1.0,
+                            policy=SimpleNamespace(velocity=lambda z, sigma, cond, guidance: v_theta))
+    tensors = {"z_q": x["z_q"], "sigma_q": LOSS["sigma_q"], "v_phi": x["v_old"], "y_pos": x["y_plus"]}
+    if case["opa_dual_neg"]:
+        tensors["y_neg"] = x["y_minus"]
+    if case["opa_target_mode"] == "aux":
+        tensors["endpoint"] = _f64(ABLATIONS["loss"]["x_end"])
+    if gated:
+        tensors["accept_pos"] = _f64(case["acc_plus"])
+        if case["opa_dual_neg"]:
+            tensors["accept_neg"] = _f64(case["acc_minus"])
+    unit = FitUnit(SimpleNamespace(cond=None), r, torch.ones(6, dtype=torch.bool), tensors)
+    per_sample, info = DiffusionOPSDTrainer.fit_loss(hooks, unit)
+    loss = per_sample.mean()
+    loss.backward()
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(v_theta.grad, _f64(case["grad_v_theta"]), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(info["loss_pos"].item(), _f64(case["pos_loss"]).mean().item(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(info["loss_neg"].item(), _f64(case["neg_loss"]).mean().item(), rtol=1e-6, atol=0)
+
+
+def _certification_hooks(case, margin: float):
+    """The trainer's ``certified`` with the stand-in velocity (float32 as their ``vold``), an identity decoder and
+    the stand-in reward, on the case's rollout states (``latents``: z_{k−1}, z_q, x_i at their places)."""
+    velocity = _toy_velocity(_f64(case["c0"]))
+    sigmas = torch.tensor(case["sigmas"], dtype=torch.float32)
+    z_q, x_end = torch.tensor(case["z_q"]), torch.tensor(case["x_end"])
+    latents = torch.full((z_q.shape[0], len(sigmas)) + z_q.shape[1:], float("nan"))
+    latents[:, case["k"] - 1], latents[:, case["k"]], latents[:, -1] = torch.tensor(case["z_prev"]), z_q, x_end
+    chunk = SimpleNamespace(sigmas=sigmas, latents=latents, cond=None, guidance_scale=1.0, prompts=["p"] * 3,
+                            metadata=[{}] * 3)
+    policy = SimpleNamespace(velocity=lambda z, sigma, cond, guidance: velocity(z.double(), sigma).float(),
+                             decode=lambda y: y)
+    rewards = SimpleNamespace(weighted_total=lambda images, prompts, metadata: _known_reward(images.double()))
+    tcfg = DiffusionOPSDConfig(sigma_star=case["sigma_star"], model_timestep="continuous", certify=True,
+                               certify_margin=margin)
+    hooks = SimpleNamespace(tcfg=tcfg, policy=policy, rewards=rewards, fit_guidance=lambda chunk: 1.0)
+    hooks.suffix_samples = lambda *a: DiffusionOPSDTrainer.suffix_samples(hooks, *a)
+    return hooks, chunk, z_q, x_end
+
+
+@pytest.mark.parametrize("case", ABLATIONS["certification"]["cases"], ids=lambda c: f"{c['grid']}-k{c['k']}")
+def test_certification_equals_the_authors_exact_dpm2_suffix(case):
+    """``certify`` (their opa_cert 1): the DPM-Solver++(2) suffix from z_q with y± (or y0) forced as the clean
+    prediction and the previous state's as history gives their ``_dpm2_continue_from`` endpoints (float32, as
+    theirs and diffusers' solver run it); the acceptance of each target at three margins is theirs."""
+    velocity = _toy_velocity(_f64(case["c0"]))
+    sigmas = torch.tensor(case["sigmas"], dtype=torch.float32)
+    z_q, prev_x0 = torch.tensor(case["z_q"]), torch.tensor(case["prev_x0"])
+    v32 = lambda z, sigma: velocity(z.double(), sigma).float()  # noqa: E731
+    for forced, known in (("y_plus", "endpoint_plus"), ("y_minus", "endpoint_minus"), ("y0", "endpoint_y0")):
+        end = dpm2_suffix(v32, z_q, case["k"], torch.tensor(case[forced]), prev_x0, sigmas)
+        torch.testing.assert_close(end.double(), _f64(case[known]), rtol=1e-6, atol=1e-6)
+    # forcing φ's own clean prediction y0 continues the rollout to its sample x_i
+    torch.testing.assert_close(_f64(case["endpoint_y0"]), _f64(case["x_end"]), rtol=1e-6, atol=1e-6)
+    for row in case["margins"]:
+        hooks, chunk, z_q, x_end = _certification_hooks(case, row["opa_margin"])
+        acc_pos, acc_neg = DiffusionOPSDTrainer.certified(hooks, chunk, z_q, x_end, torch.tensor(case["y_plus"]),
+                                                          torch.tensor(case["y_minus"]))
+        assert acc_pos.tolist() == row["acc_plus"] and acc_neg.tolist() == row["acc_minus"], row
+
+
+def test_certification_refuses_a_forward_noised_query_state():
+    with pytest.raises(ValueError, match="query_state=rollout"):
+        DiffusionOPSDConfig(certify=True, query_state="forward")
 
 
 def vvr_run(tmp_path, tiny_sd3_dir, *extra):
@@ -276,6 +406,43 @@ def test_short_run_checkpoints_phi_and_resumes(tmp_path, tiny_sd3_dir):
         assert torch.equal(live[f"behaviour.{n}"], saved[f"behaviour.{n}"]) and torch.equal(live[n], saved[n])
     logs = resumed.train_step()
     assert logs["train/behaviour_lambda"] == pytest.approx(min(0.3 * 3, 0.5))
+
+
+@pytest.mark.parametrize("ablation", [
+    ("trainer.dual_negative=false", "trainer.direction=random", "trainer.query_state=forward",
+     "trainer.target_mode=aux", "trainer.aux_weight=0.5"),
+    ("trainer.rollout_solver=dpm2", "trainer.direction=residual", "trainer.certify=true", "trainer.certify_margin=0"),
+], ids=["positive-random-forward-aux", "certified-residual"])
+def test_short_runs_with_the_ablations_train_with_a_finite_loss(tmp_path, tiny_sd3_dir, ablation):
+    """Two optimiser steps on the tiny model with the authors' ablations switched on."""
+    t = build_trainer(vvr_run(tmp_path / "run", tiny_sd3_dir, "trainer.max_steps=2", *ablation))
+    before = [p.detach().clone() for p in t.params]
+    for _ in range(2):
+        logs = t.train_step()
+        assert torch.isfinite(torch.tensor(logs["train/loss"])), logs
+    assert any(not torch.equal(b, p) for b, p in zip(before, t.params))
+    if "trainer.certify=true" in ablation:
+        assert 0 <= logs["train/accept_pos"] <= 1 and 0 <= logs["train/accept_neg"] <= 1
+    else:
+        assert logs["train/loss_neg"] == 0 and logs["train/loss_endpoint_neg"] == 0
+
+
+def test_the_certification_suffix_forced_with_the_anchor_continues_the_rollout(tmp_path, tiny_sd3_dir):
+    """On the tiny model's dpm2 rollouts (SD3.5's 10-step grid): φ's suffix from z_q with its own clean prediction
+    y0 forced, the previous state's as history, ends at the rollout's sample (their null check of opa_cert);
+    forcing y⁺ instead does not."""
+    t = build_trainer(vvr_run(tmp_path / "run", tiny_sd3_dir, "trainer.rollout_solver=dpm2", "trainer.num_steps=10",
+                              "trainer.certify=true"))
+    prompts, metadata, groups = t.step_prompts(0)
+    chunk = t.sample(prompts[:2], metadata[:2], groups[:2]).chunks[0]
+    with t.behaviour.swapped_in():
+        (unit,) = t.fit_units(chunk, torch.full((2,), 0.5), torch.ones(2, dtype=torch.bool),
+                              torch.Generator().manual_seed(0))
+        x = unit.tensors
+        from_y0, from_y_pos = t.suffix_samples(chunk, x["z_q"], x["y0"], x["y_pos"])
+    torch.testing.assert_close(from_y0, chunk.latents[:, -1], rtol=1e-5, atol=1e-5)
+    assert (from_y_pos - chunk.latents[:, -1]).abs().max() > 1e-3
+    assert set(x["accept_pos"].tolist()) <= {0.0, 1.0} and set(x["accept_neg"].tolist()) <= {0.0, 1.0}
 
 
 def test_a_batch_with_no_reward_gradient_gets_targets_equal_to_the_anchor(tmp_path, tiny_sd3_dir):
