@@ -102,6 +102,14 @@ class DPMSolverSteps:
         self.scheduler.set_begin_index(0)
         self.k = 0
 
+    def resume_at(self, k: int, previous_x0: torch.Tensor) -> None:
+        """Continue a rollout from step ``k`` (> 0) as if steps ``0 … k−1`` had run: ``previous_x0`` ``(B, ...)``,
+        step ``k−1``'s clean prediction, is the multistep history, so step ``k`` takes the second-order update."""
+        self.scheduler.set_begin_index(k)
+        self.scheduler.model_outputs[-1] = previous_x0.detach().float()
+        self.scheduler.lower_order_nums = 2  # the first-order warm-up is behind
+        self.k = k
+
     def __call__(self, velocity: torch.Tensor, sample: torch.Tensor, sigma: float, sigma_next: float,
                  generator: torch.Generator | None = None, prev_sample: torch.Tensor | None = None) -> StepOutput:
         grid = self.scheduler.sigmas

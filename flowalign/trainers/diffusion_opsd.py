@@ -237,10 +237,7 @@ def dpm2_suffix(velocity, z_q: torch.Tensor, k: int, forced_x0: torch.Tensor, pr
     ``sigmas`` ``(T+1,)`` to σ = 0, with ``forced_x0`` as the clean prediction of step ``k`` and ``prev_x0`` (step
     ``k − 1``'s) as the solver's history; the later steps read ``velocity(z, σ)`` (their ``_dpm2_continue_from``)."""
     steps = DPMSolverSteps(sigmas)
-    steps.scheduler.set_begin_index(k)
-    steps.scheduler.model_outputs[-1] = prev_x0.detach().float()
-    steps.scheduler.lower_order_nums = 2
-    steps.k = k
+    steps.resume_at(k, prev_x0)
     z = z_q.detach().float()
     grid = [float(s) for s in sigmas]
     # the velocity whose clean prediction z − σ_k·v is forced_x0
