@@ -188,7 +188,7 @@ def test_stochastic_rollout_paths_equal_the_authors_single_step_aux_points(case)
         torch.testing.assert_close(param.grad, _f64(case["grad"][name]), rtol=1e-6, atol=1e-10)
 
 
-def test_the_paths_of_a_pair_off_them_add_nothing_and_an_sde_path_is_cps_at_eta_one():
+def test_a_pair_off_the_stochastic_paths_adds_nothing_and_an_sde_step_is_cps_at_eta_one():
     """An inactive pair's path points change neither the loss nor its gradient, whatever their noise; the
     ``sde`` step is the ``cps`` step at η = 1 and ignores η; ``flow_sde`` reads σ = 1 as ``sigma_max``."""
     case = PATHS["cases"][0]
