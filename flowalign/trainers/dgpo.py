@@ -215,25 +215,26 @@ class DGPOTrainer(GroupTrainer):
             return float(t / 1000), fixed(float(t))
         return sigma.item(), None
 
-    def noised(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, torch.Tensor, float, Conditioning]:
-        """The unit's re-noised endpoints ``x_t (N, ...)``, target ``ε − x0``, σ and conditioning."""
+    def noised(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:
+        """The unit's re-noised endpoints ``x_t (N, ...)``, target ``ε − x0`` and conditioning."""
         x0, cond, _ = self.block(batch, unit.chunks)
         sigma, _ = self.level(batch, unit.chunks[0], unit.k)
         eps = unit.eps.to(x0)
-        return (1 - sigma) * x0 + sigma * eps, eps - x0, sigma, cond
+        return (1 - sigma) * x0 + sigma * eps, eps - x0, cond
 
-    def velocity(self, batch: StepBatch, unit_chunk: int, k: int, x_t: torch.Tensor, cond: Conditioning,
+    def velocity(self, level: tuple[float, TimestepMap | None], x_t: torch.Tensor, cond: Conditioning,
                  guidance: float) -> torch.Tensor:
-        """The policy's velocity at a trained grid step's re-noised ``x_t (N, ...)``, reading :meth:`level`'s
-        timestep."""
-        sigma, form = self.level(batch, unit_chunk, k)
+        """The policy's velocity at a trained grid step's re-noised ``x_t (N, ...)``, at the step's
+        :meth:`level` (its σ and the timestep the transformer reads)."""
+        sigma, form = level
         with model_timestep(self.policy, form, sigma):
             return self.policy.velocity(x_t, sigma, cond, guidance)
 
     def denoising_loss(self, batch: StepBatch, unit: GroupUnit) -> torch.Tensor:
         """``d (N,)``: the conditional velocity's mean squared error at the unit's re-noised endpoints."""
-        x_t, target, _, cond = self.noised(batch, unit)
-        return per_sample_mean((self.velocity(batch, unit.chunks[0], unit.k, x_t, cond, 1.0) - target) ** 2)
+        x_t, target, cond = self.noised(batch, unit)
+        v = self.velocity(self.level(batch, unit.chunks[0], unit.k), x_t, cond, 1.0)
+        return per_sample_mean((v - target) ** 2)
 
     def block(self, batch: StepBatch, chunks: tuple[int, ...]) -> tuple[torch.Tensor, Conditioning, torch.Tensor]:
         """The block's endpoints ``(N, ...)``, conditioning and global group ids."""
@@ -271,10 +272,11 @@ class DGPOTrainer(GroupTrainer):
                     x0, cond, groups = self.block(batch, chunks)
                     start = sum(len(c) for c in batch.chunks[: chunks[0]])
                     eps = self.noise(groups, members[start : start + len(x0)], k, x0.shape[1:]).to(x0, non_blocking=True)
-                    sigma, _ = self.level(batch, chunks[0], k)
+                    level = self.level(batch, chunks[0], k)
+                    sigma = level[0]
                     x_t, target = (1 - sigma) * x0 + sigma * eps, eps - x0
                     with torch.no_grad(), self.policy.adapter_disabled():
-                        v_ref = self.velocity(batch, chunks[0], k, x_t, cond, tc.reference_guidance)
+                        v_ref = self.velocity(level, x_t, cond, tc.reference_guidance)
                     units.append(GroupUnit(chunks, k, eps, per_sample_mean((v_ref - target) ** 2),
                                            v_ref if tc.beta > 0 else None, None, total * len(ks)))
             steps.append(units)
@@ -285,9 +287,9 @@ class DGPOTrainer(GroupTrainer):
 
     def loss(self, batch: StepBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tc = self.tcfg
-        x_t, target, _, cond = self.noised(batch, unit)
+        x_t, target, cond = self.noised(batch, unit)
         groups = self.block(batch, unit.chunks)[2]
-        v = self.velocity(batch, unit.chunks[0], unit.k, x_t, cond, 1.0)
+        v = self.velocity(self.level(batch, unit.chunks[0], unit.k), x_t, cond, 1.0)
         d = per_sample_mean((v - target) ** 2)
         adv = torch.cat(batch.per_chunk(batch.advantages)[unit.chunks[0] : unit.chunks[-1] + 1]).to(d, non_blocking=True)
         info: dict[str, torch.Tensor] = {"dsm": d.detach().mean()}
