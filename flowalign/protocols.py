@@ -241,6 +241,23 @@ class Reward(Protocol):
 
 
 @runtime_checkable
+class FeatureReward(Protocol):
+    """A reward that is a function of an image embedding: ``R(x, c) = feature_scores(features(x), c)``.
+
+    CLIP-based scorers (CLIP score, HPS, PickScore, aesthetic) are; a trainer that works in the reward's
+    own feature space (FAV's particles) reads the two halves apart."""
+
+    def features(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> torch.Tensor:
+        """Decoded samples ``(B, 3, H, W)`` in [0, 1] → embeddings ``(B, D)`` float32, differentiable."""
+        ...
+
+    def feature_scores(self, features: torch.Tensor, prompts: list[str],
+                       metadata: list[dict[str, Any]]) -> torch.Tensor:
+        """Embeddings ``(B, D)`` → the reward's scores ``(B,)``, differentiable in ``features``."""
+        ...
+
+
+@runtime_checkable
 class LatentReward(Protocol):
     """A reward read from noisy latents: ``score(x, σ, cond) -> (B,)``, differentiable in ``x``."""
 

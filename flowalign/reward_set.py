@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from flowalign.errors import UserError
-from flowalign.protocols import Reward, RewardOutput
+from flowalign.protocols import FeatureReward, Reward, RewardOutput
 from flowalign.reward_check import check_reward_output
 from flowalign.signals import Abandoned, Terminated, should_abandon
 
@@ -131,6 +131,13 @@ class RewardSet:
         """``(M,)`` bool: which rewards are pairwise judges (their value is a within-prompt win rate)."""
         return torch.tensor([bool(getattr(r, "pairwise", False)) for _, _, r in self.entries],
                             dtype=torch.bool)
+
+    def embedding_reward(self) -> tuple[float, FeatureReward] | None:
+        """``(weight, reward)`` when the set is one reward that scores an image embedding
+        (:class:`~flowalign.protocols.FeatureReward`: CLIP score, HPS, PickScore, aesthetic), else None."""
+        if len(self.entries) == 1 and isinstance(self.entries[0][2], FeatureReward):
+            return self.entries[0][1], self.entries[0][2]
+        return None
 
     def not_differentiable(self) -> list[str]:
         """Names of the rewards through which no gradient flows to the samples."""

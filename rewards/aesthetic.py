@@ -10,7 +10,7 @@ from torch import nn
 
 from flowalign.errors import UserError
 from rewards.clip_common import OpenCLIP, load_clip
-from rewards.common import BatchedImageReward
+from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated, weights_path
 from rewards.registry import register
 
@@ -62,7 +62,7 @@ def head_file(folder: Path) -> Path:
 
 
 @register("aesthetic")
-class AestheticScore(BatchedImageReward):
+class AestheticScore(EmbeddingReward):
     """``score_i = head(normalise(E_img(x_i)))``: the LAION aesthetic score (AVA 1-10 scale), as Flow-GRPO's
     and the improved-aesthetic-predictor's scorers compute it; differentiable in the samples.
 
@@ -116,5 +116,9 @@ class AestheticScore(BatchedImageReward):
     def modules(self) -> list[torch.nn.Module]:
         return [self.clip.model, self.head]
 
-    def score_batch(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.clip.encode_images(images).to(self.dtype)).float()
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Unit-norm CLIP image embeddings ``(b, D)``, what the head reads."""
+        return self.clip.encode_images(images)
+
+    def score_features(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head(features.to(self.dtype)).float()

@@ -7,13 +7,13 @@ from typing import Any
 import torch
 
 from rewards.clip_common import OpenCLIP, load_clip, unique_rows
-from rewards.common import BatchedImageReward
+from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated
 from rewards.registry import register
 
 
 @register("clip_score")
-class CLIPScore(BatchedImageReward):
+class CLIPScore(EmbeddingReward):
     """``score_i = cos(E_img(x_i), E_txt(prompt_i))`` in [-1, 1] with a CLIP model.
 
     Options: ``path`` (the downloaded weights: a transformers CLIP folder such as
@@ -56,5 +56,9 @@ class CLIPScore(BatchedImageReward):
         distinct, rows = unique_rows(prompts)
         return (self.clip.encode_texts(distinct, device, self.batch_size)[rows.to(device)],)
 
-    def score_batch(self, images: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        return (self.clip.encode_images(images) * text).sum(-1)
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Unit-norm CLIP image embeddings ``(b, D)``."""
+        return self.clip.encode_images(images)
+
+    def score_features(self, features: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return (features * text).sum(-1)

@@ -4,7 +4,9 @@
 preference models, LPIPS). A subclass provides ``context`` (per-sample conditioning such as text
 embeddings or reference images, computed once per call) and ``score_batch`` (one batch of images and
 its context rows to scores); the base validates the input, moves everything to the compute device,
-splits the batch and masks non-finite samples.
+splits the batch and masks non-finite samples. :class:`EmbeddingReward` is the base of those that score an
+image embedding (the CLIP-based ones): it splits ``score_batch`` into ``embed`` and ``score_features`` and
+so offers both halves apart (:class:`flowalign.protocols.FeatureReward`).
 """
 
 from __future__ import annotations
@@ -125,6 +127,18 @@ class BatchedImageReward:
         ``differentiable``. A sample with non-finite values is scored on zeros and marked invalid, so
         it cannot poison the scores of the others.
         """
+        images, valid, device = self.prepared(samples, prompts, metadata)
+        context = self.context(prompts, metadata, samples, device)
+        scores = torch.cat([
+            self.score_batch(images[i : i + self.batch_size], *(c[i : i + self.batch_size] for c in context))
+            for i in range(0, samples.shape[0], self.batch_size)
+        ])
+        return RewardOutput({self.name: scores.float().to(samples.device)}, valid=valid)
+
+    def prepared(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.device]:
+        """Checked ``samples`` as float32 images on the compute device (zeros where non-finite), their
+        validity ``(B,)`` and the device; the networks are moved there."""
         check_images(samples, self.name)
         check_lengths(samples.shape[0], prompts, metadata, self.name)
         device = compute_device(self.device, samples)
@@ -132,13 +146,47 @@ class BatchedImageReward:
             module.to(device)
         valid = finite_mask(samples)
         images = torch.where(valid[:, None, None, None], samples, torch.zeros_like(samples))
-        images = images.to(device, torch.float32)
-        context = self.context(prompts, metadata, samples, device)
-        scores = torch.cat([
-            self.score_batch(images[i : i + self.batch_size], *(c[i : i + self.batch_size] for c in context))
-            for i in range(0, samples.shape[0], self.batch_size)
-        ])
-        return RewardOutput({self.name: scores.float().to(samples.device)}, valid=valid)
+        return images.to(device, torch.float32), valid, device
+
+
+class EmbeddingReward(BatchedImageReward):
+    """A model-backed reward that scores an image embedding: ``score_batch = score_features(embed(images),
+    *context)``. A subclass gives ``embed`` and ``score_features``; the two public halves, ``features`` and
+    ``feature_scores``, let a trainer work in the reward's own feature space (FAV's particles)."""
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """``images`` ``(b, 3, H, W)`` float32 in [0, 1] on the compute device → embeddings ``(b, D)``."""
+        raise NotImplementedError
+
+    def score_features(self, features: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``(b, D)`` and their context rows → scores ``(b,)``."""
+        raise NotImplementedError
+
+    def score_batch(self, images: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
+        return self.score_features(self.embed(images), *context)
+
+    def features(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> torch.Tensor:
+        """Decoded samples ``(B, 3, H, W)`` in [0, 1] → embeddings ``(B, D)`` float32 on the samples' device,
+        differentiable in ``samples`` (a non-finite sample is embedded as zeros, as ``__call__`` scores it)."""
+        images, _, _ = self.prepared(samples, prompts, metadata)
+        return torch.cat([self.embed(images[i : i + self.batch_size])
+                          for i in range(0, samples.shape[0], self.batch_size)]).float().to(samples.device)
+
+    def feature_scores(self, features: torch.Tensor, prompts: list[str],
+                       metadata: list[dict[str, Any]]) -> torch.Tensor:
+        """Embeddings ``(B, D)`` → scores ``(B,)`` float32, differentiable in ``features``; equal to
+        ``__call__``'s on the samples the embeddings are of. (The context of these rewards reads the prompts
+        only, so it is given the embeddings in the samples' place.)"""
+        check_lengths(features.shape[0], prompts, metadata, self.name)
+        device = compute_device(self.device, features)
+        for module in self.modules():
+            module.to(device)
+        f = features.to(device, torch.float32)
+        context = self.context(prompts, metadata, features, device)
+        return torch.cat([
+            self.score_features(f[i : i + self.batch_size], *(c[i : i + self.batch_size] for c in context))
+            for i in range(0, features.shape[0], self.batch_size)
+        ]).float().to(features.device)
 
 
 def to_pil(image: torch.Tensor) -> Any:

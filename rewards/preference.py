@@ -9,7 +9,7 @@ import torch
 from flowalign.errors import UserError
 from rewards.clip_common import HFCLIP, unique_rows
 from rewards.clip_score import CLIPScore
-from rewards.common import BatchedImageReward
+from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated, weights_path
 from rewards.registry import register
 
@@ -34,7 +34,7 @@ PICKSCORE_FORMS: dict[str, float | None] = {"flow_grpo": 26.0, "logit": 1.0, "co
 
 
 @register("pickscore")
-class PickScore(BatchedImageReward):
+class PickScore(EmbeddingReward):
     """PickScore, in one of three forms (``form:``), with ``c_i = cos(E_img(x_i), E_txt(prompt_i))``:
 
     - ``flow_grpo`` (default): ``exp(logit_scale)·c_i / 26``, about 0.6-0.9 (Flow-GRPO's scorer);
@@ -90,6 +90,10 @@ class PickScore(BatchedImageReward):
         distinct, rows = unique_rows(prompts)
         return (self.clip.encode_texts(distinct, device, self.batch_size)[rows.to(device)],)
 
-    def score_batch(self, images: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        cosine = (self.clip.encode_images(images) * text).sum(-1)
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Unit-norm CLIP image embeddings ``(b, D)``."""
+        return self.clip.encode_images(images)
+
+    def score_features(self, features: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        cosine = (features * text).sum(-1)
         return cosine if self.divisor is None else self.clip.logit_scale * cosine / self.divisor

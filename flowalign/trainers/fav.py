@@ -2,8 +2,10 @@
 
 Alignment as sampling from the reward-tilted distribution ``p*(x) ∝ p_ref(x)·exp(β·r(x))`` (β:
 ``trainer.tilt``), with nothing but samples of the generator and of the reference. Per prompt, ``K``
-generator particles ``x_i`` and ``K`` reference particles ``y_j`` (the few-step sampler's outputs; here the
-final latents scaled to unit per-element RMS, ``x = z.flatten()/√D``):
+generator particles ``x_i`` and ``K`` reference particles ``y_j`` (the few-step sampler's outputs, in the
+space ``trainer.particles`` names: the reward's own image embedding where the run's one reward scores one,
+as the authors' CLIP-feature rewards, else the final latents scaled to unit per-element RMS,
+``x = z.flatten()/√D``):
 
     s(x)   = ∇_x log Σ_t Σ_j exp(−‖x − y_j‖²/t) + β·∇_x r(x)                  (KDE prior score + reward)
     φ(x_i) = (1/K) Σ_j [k(x_j, x_i)·s(x_j) + ρ·∇_{x_j} k(x_j, x_i)],  k = Σ_t exp(−‖·‖²/t)     (SVGD)
@@ -23,11 +25,12 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field
+from torch.utils.checkpoint import checkpoint
 
 from flowalign.config import Temperature
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE
-from flowalign.protocols import Conditioning
+from flowalign.protocols import Conditioning, FeatureReward
 from flowalign.trainers.base import GroupTrainer, Plan, SliceUnit, derived_seed, slice_plan
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
@@ -52,7 +55,11 @@ class FAVConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
     stein_temperatures: list[Temperature] = Field(default_factory=lambda: [0.5], min_length=1)
     #: ρ, the weight of SVGD's repulsive term (0.5: the authors' loss, its kernel gradient over 2K; 1: standard SVGD)
     repulsion: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
-    #: checkpoint the VAE decoder in the reward gradient (memory for compute)
+    #: the particles' space: ``reward_features`` (the run's one reward's image embedding, e.g. CLIP's unit
+    #: vectors: the authors' form for image rewards), ``latents`` (the final latents at unit RMS: theirs for
+    #: rewards without one, such as JPEG size), ``auto`` (the first where the reward has one, else the second)
+    particles: Literal["auto", "reward_features", "latents"] = "auto"
+    #: checkpoint the VAE decoder in the reward gradient and, with reward features, in the loss (memory for compute)
     decoder_checkpointing: bool = True
 
 
@@ -99,6 +106,16 @@ def particles(latents: torch.Tensor) -> torch.Tensor:
     return flat / math.sqrt(flat.shape[1])
 
 
+def feature_reward_gradient(reward: FeatureReward, weight: float, features: torch.Tensor, prompts: list[str],
+                            metadata: list[dict]) -> torch.Tensor:
+    """``∇_f w·R(f)`` ``(N, D)`` of a reward read from embeddings ``features (N, D)`` (the authors'
+    ``fav_total_score``: autograd of the summed reward at the detached particles)."""
+    with torch.enable_grad():
+        f = features.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad((weight * reward.feature_scores(f, prompts, metadata)).sum(), f)
+    return grad.detach()
+
+
 def euler_sample(policy: Any, noise: torch.Tensor, sigmas: torch.Tensor, cond: Conditioning,
                  guidance: float) -> torch.Tensor:
     """The few-step generator: Euler ODE steps from ``noise (B, ...)`` along ``sigmas`` to final latents
@@ -114,12 +131,14 @@ def euler_sample(policy: Any, noise: torch.Tensor, sigmas: torch.Tensor, cond: C
 
 @dataclass
 class ParticleBatch:
-    """This rank's generator particles of a step: their initial noise, conditioning and SVGD directions
-    ``(N, D)`` (every group whole on this rank), and the step's logs."""
+    """This rank's generator particles of a step: their initial noise, conditioning, SVGD directions
+    ``(N, D)`` (every group whole on this rank), prompts and metadata, and the step's logs."""
 
     noise: torch.Tensor
     cond: Conditioning
     velocity: torch.Tensor
+    prompts: list[str] = field(default_factory=list)
+    metadata: list[dict] = field(default_factory=list)
     logs: dict[str, float] = field(default_factory=dict)
 
 
@@ -140,6 +159,12 @@ class FAVTrainer(GroupTrainer):
 
             raise UserError(f"rewards: fav follows ∇r of its rewards but {', '.join(map(repr, bad))} is not "
                             f"differentiable; use one of {', '.join(differentiable())} (e.g. vvr_soft for VVR)")
+        #: ``(weight, reward)`` whose image embedding the particles live in; None: the particles are latents
+        self.embedding = None if self.tcfg.particles == "latents" else self.rewards.embedding_reward()
+        if self.embedding is None and self.tcfg.particles == "reward_features":
+            raise UserError(f"trainer.particles: reward_features needs one reward that scores an image embedding "
+                            f"(clip_score, hps, pickscore, aesthetic); the run's rewards are "
+                            f"{self.rewards.names or 'none'}; give one of those, or particles: latents")
 
     def guidance(self) -> float:
         g = self.tcfg.guidance_scale
@@ -172,11 +197,20 @@ class FAVTrainer(GroupTrainer):
         with self.policy.adapter_disabled():
             ref = self.generate(self.noise(step, groups, 73), cond)
         with torch.no_grad():
-            scored = self.score(self.policy.decode(gen), prompts, metadata, step=step)
-        grad = (self.reward_gradient(prompts, metadata, tc.decoder_checkpointing)(gen)
-                if tc.tilt > 0 else torch.zeros_like(gen))
-        x, y = particles(gen).float(), particles(ref).float()
-        reward_grad = grad.flatten(1).float() * math.sqrt(x.shape[1])  # ∇_x r for x = z/√D
+            images = self.policy.decode(gen)
+            scored = self.score(images, prompts, metadata, step=step)
+        if self.embedding is None:
+            grad = (self.reward_gradient(prompts, metadata, tc.decoder_checkpointing)(gen)
+                    if tc.tilt > 0 else torch.zeros_like(gen))
+            x, y = particles(gen).float(), particles(ref).float()
+            reward_grad = grad.flatten(1).float() * math.sqrt(x.shape[1])  # ∇_x r for x = z/√D
+        else:
+            weight, reward = self.embedding
+            with torch.no_grad():
+                x = reward.features(images, prompts, metadata).float()
+                y = reward.features(self.policy.decode(ref), prompts, metadata).float()
+            reward_grad = (feature_reward_gradient(reward, weight, x, prompts, metadata) if tc.tilt > 0
+                           else torch.zeros_like(x))
         velocity = torch.zeros_like(x)
         for g in dict.fromkeys(groups.tolist()):
             m = groups == g
@@ -184,7 +218,7 @@ class FAVTrainer(GroupTrainer):
             velocity[m] = svgd_velocity(x[m], s, tc.stein_temperatures, tc.repulsion)
         logs = {**scored.logs, "fav/velocity_norm": velocity.norm(dim=1).mean().item(),
                 "fav/gen_ref_distance": (x - y).norm(dim=1).mean().item()}
-        return ParticleBatch(noise, cond, velocity, logs)
+        return ParticleBatch(noise, cond, velocity, prompts, metadata, logs)
 
     def plan(self, batch: ParticleBatch, generator: torch.Generator) -> Plan:
         """One optimiser step over every particle, in micro-batches of ``batch_size``."""
@@ -192,9 +226,15 @@ class FAVTrainer(GroupTrainer):
 
     def loss(self, batch: ParticleBatch, unit: SliceUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The fixed-point regression of a micro-batch: the particles regenerated with gradients (the same
-        noise and weights, so the same values) pulled toward ``x + φ``."""
+        noise and weights, so the same values) pulled toward ``x + φ``; with reward features, through the
+        decoder and the reward's image encoder (the authors' ``_reward_features`` with gradients)."""
         sigmas = self.policy.sigmas(self.tcfg.num_steps).float()
-        x = particles(euler_sample(self.policy, batch.noise[unit.index], sigmas, batch.cond[unit.index],
-                                   self.guidance())).float()
+        z = euler_sample(self.policy, batch.noise[unit.index], sigmas, batch.cond[unit.index], self.guidance())
+        if self.embedding is None:
+            x = particles(z).float()
+        else:
+            images = (checkpoint(self.policy.decode, z, use_reentrant=False) if self.tcfg.decoder_checkpointing
+                      else self.policy.decode(z))
+            x = self.embedding[1].features(images, batch.prompts[unit.index], batch.metadata[unit.index]).float()
         per = fixed_point_loss(x, batch.velocity[unit.index].to(x))
         return per.sum() / unit.total, {"fav_loss": per.detach().mean()}

@@ -12,7 +12,9 @@ import torch
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.fav import FAVConfig, euler_sample, fixed_point_loss, kde_score, particles, svgd_velocity
+from flowalign.trainers.base import SliceUnit
+from flowalign.trainers.fav import (FAVConfig, euler_sample, feature_reward_gradient, fixed_point_loss, kde_score,
+                                    particles, svgd_velocity)
 
 from .conftest import small_config, small_run
 from .resume_check import assert_trains_and_resumes_bit_exactly
@@ -22,6 +24,7 @@ VVR = ("trainer.name=fav", "data.prompts=null", "data.bench=vvr", "data.level=ea
 
 
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "fav_svgd_loss.json").read_text())
+FEATURES = json.loads((Path(__file__).parent / "known_answers" / "fav_feature_particles.json").read_text())
 
 
 @pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"beta{c['beta']}-kde{len(c['temp_kde'])}")
@@ -158,3 +161,86 @@ def test_a_non_differentiable_reward_is_refused_unless_the_tilt_is_zero(tmp_path
 
 def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, *VVR)
+
+
+class _HPSv2OnFeatures:
+    """The authors' HPSv2 reward read from features (``HPSv2Reward.forward`` on a ``(B, D)`` input): unit image
+    features · the prompt's unit text feature."""
+
+    def __init__(self, text: torch.Tensor):
+        self.text = text
+
+    def feature_scores(self, features, prompts, metadata):
+        return (features * self.text).sum(-1)
+
+
+@pytest.mark.parametrize("case", FEATURES["cases"], ids=lambda c: f"beta{c['beta']:g}-kde{len(c['temp_kde'])}")
+def test_feature_particles_equal_the_authors_with_hpsv2_on_features(case):
+    """Particles in the reward's feature space (unit CLIP-like features, β 100 and t 0.3 as their HPSv2
+    recipe): the reward's gradient taken in feature space, then the total score, the loss and its gradient
+    equal ``fav_total_score`` / ``fav_loss_chunked`` driven with their reward."""
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)
+    gen, ref = f64(FEATURES["gen_features"]), f64(FEATURES["ref_features"])
+    reward = _HPSv2OnFeatures(f64(FEATURES["text_features"]))
+    grad = feature_reward_gradient(reward, 1.0, gen, [""] * len(gen), [{}] * len(gen))
+    score = kde_score(gen, ref, case["temp_kde"]) + case["beta"] * grad
+    torch.testing.assert_close(score, f64(case["total_score"]), rtol=1e-6, atol=1e-9)
+    velocity = svgd_velocity(gen, score, case["temp_stein"], FAVConfig(name="fav").repulsion)
+    live = gen.clone().requires_grad_(True)
+    loss = fixed_point_loss(live, velocity).mean()
+    loss.backward()
+    torch.testing.assert_close(loss.item(), case["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(live.grad, f64(case["grad_gen"]), rtol=1e-6, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    """The tiny open_clip model as ``flowalign tiny-reward`` writes it (random, seed 0)."""
+    from rewards.tiny_rewards import save_tiny_open_clip
+
+    folder = tmp_path_factory.mktemp("clip") / "open_clip"
+    save_tiny_open_clip(folder)
+    return folder
+
+
+def _clip_run(clip_dir, *extra):
+    return (*VVR, f"rewards=[{{name: clip_score, path: '{clip_dir}', weight: 2.0}}]", *extra)
+
+
+def test_particles_are_the_image_features_of_a_reward_that_has_them(tmp_path, tiny_sd3_dir, prompt_file, clip_dir):
+    """With CLIP score (``particles: auto``): the particles are the decoded samples' unit CLIP embeddings,
+    the driving term's reward gradient is w·β times the prompt's text embedding (∇_f of w·f·t), the loss
+    regenerates the features bit for bit (its value is mean φ²), and a step moves them along φ."""
+    t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "f", *_clip_run(clip_dir, "trainer.tilt=3", "trainer.lr=3e-4"))
+    weight, reward = t.embedding
+    assert weight == 2.0
+    batch = t.collect(0)
+    x = reward.features(t.policy.decode(t.generate(batch.noise, batch.cond)), batch.prompts, batch.metadata)
+    _, _, groups = t.step_prompts(0)
+    with t.policy.adapter_disabled():
+        y = reward.features(t.policy.decode(t.generate(t.noise(0, groups, 73), batch.cond)), batch.prompts,
+                            batch.metadata)
+    text = reward.clip.encode_texts(batch.prompts, torch.device("cpu"), 8)
+    want = torch.zeros_like(x)
+    for g in dict.fromkeys(groups.tolist()):
+        m = groups == g
+        want[m] = svgd_velocity(x[m], kde_score(x[m], y[m], [0.5]) + 3 * 2.0 * text[m], [0.5], 0.5)
+    assert batch.velocity.shape == (len(x), reward.clip.embed_dim)
+    torch.testing.assert_close(batch.velocity, want, rtol=1e-5, atol=1e-6)
+
+    _, logs = t.loss(batch, SliceUnit(slice(0, 4), 4))
+    torch.testing.assert_close(logs["fav_loss"], (batch.velocity[:4] ** 2).mean(1).mean(), rtol=1e-5, atol=0)
+    t.update(batch, torch.Generator().manual_seed(0))
+    x1 = reward.features(t.policy.decode(t.generate(batch.noise, batch.cond)), batch.prompts, batch.metadata)
+    assert ((x1 - x) * batch.velocity).sum() > 0
+
+
+def test_the_particles_option_chooses_latents_or_refuses_a_reward_without_features(tmp_path, tiny_sd3_dir,
+                                                                                    prompt_file, clip_dir):
+    t = _trainer(tmp_path, tiny_sd3_dir, prompt_file, "l", *_clip_run(clip_dir, "trainer.particles=latents"))
+    assert t.embedding is None
+    batch = t.collect(0)
+    assert batch.velocity.shape[1] == batch.noise[0].numel()  # the latents at unit RMS
+    assert _trainer(tmp_path, tiny_sd3_dir, prompt_file, "v").embedding is None  # vvr_soft has no embedding
+    with pytest.raises(UserError, match="trainer.particles: reward_features needs one reward"):
+        _trainer(tmp_path, tiny_sd3_dir, prompt_file, "r2", "trainer.particles=reward_features")
