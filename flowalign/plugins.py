@@ -1,4 +1,5 @@
-"""Where the core finds what the other packages contribute: CLI commands, benchmarks, task renderers.
+"""Where the core finds what the other packages contribute: CLI commands, benchmarks, task renderers,
+model families, image feature encoders.
 
 The core never imports a submodule of ``rewards`` or ``pipelines``. Each kind of contribution is a table
 ``name → "package.module:attr"`` (or ``"package.module"`` for a whole module), read from two places and
@@ -10,7 +11,8 @@ imported only when that name is used:
   that pyproject.toml declares as entry points, so a source checkout works before it is installed again).
 
 Kinds: ``commands`` (:mod:`flowalign.cli.main`), ``benchmarks`` and ``renderers``
-(:mod:`flowalign.benchmarks`), ``families`` (:mod:`flowalign.families`: model-family specs).
+(:mod:`flowalign.benchmarks`), ``families`` (:mod:`flowalign.families`: model-family specs), ``encoders``
+(:func:`load_encoder`: frozen image feature encoders, e.g. GARDO's ``trainer.diversity_encoder``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from flowalign.errors import UserError
 
 #: the repository's own packages whose ``PLUGINS`` tables the core reads
 BUILTIN_PACKAGES = ("rewards", "pipelines")
-KINDS = ("commands", "benchmarks", "renderers", "families")
+KINDS = ("commands", "benchmarks", "renderers", "families", "encoders")
 
 
 def builtin_targets(kind: str) -> dict[str, str]:
@@ -81,3 +83,15 @@ def differentiable_rewards() -> list[str]:
     import rewards
 
     return rewards.differentiable()
+
+
+def load_encoder(name: str, path: str | None, *, setting: str, **options: Any) -> Any:
+    """The image feature encoder ``name`` (an ``encoders`` name such as ``dinov3``) built from the local folder
+    ``path``: an object whose ``encode_images`` maps ``(B, 3, H, W)`` images in [0, 1] to unit features
+    ``(B, D)`` and whose ``model`` is the frozen module. ``setting`` names the config section in the one-line
+    errors (an unknown name; a missing or wrong folder names ``<setting>.path``); ``options`` are the
+    encoder's own (``dtype``, ...)."""
+    known = targets("encoders")
+    if name not in known:
+        raise UserError(f"{setting}.name={name!r} is not a known image encoder; known: {', '.join(sorted(known))}")
+    return load_target(known[name])(path, who=f"{name} encoder", option=f"{setting}.path", **options)

@@ -14,6 +14,7 @@ PLUGINS = {
     "renderers": {"vvr_edit": "rewards.vvr_edit.reward:render_target",
                   "vvr": "rewards.benchmarks:render_vvr", "vvr_motion": "rewards.benchmarks:render_vvr_motion",
                   "sr": "rewards.benchmarks:render_sr"},
+    "encoders": {"dinov3": "rewards.image_encoders:DINOv3", "dinov2": "rewards.image_encoders:DINOv2"},
 }
 
 __all__ = ["PLUGINS", "available", "check", "differentiable", "load", "register"]

@@ -5,45 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from flowalign.sampling.inputs import load_input_image
-from rewards.clip_common import clip_preprocess, load_clip
+from rewards.clip_common import load_clip
 from rewards.common import BatchedImageReward
-from rewards.model_options import weights_path
+from rewards.image_encoders import DINOv2
 from rewards.registry import register
 
 DOWNLOADS = {"dinov2": "facebook/dinov2-base (the model folder)",
              "clip": "a CLIP model (e.g. openai/clip-vit-large-patch14)"}
-
-
-class DINOv2:
-    """A frozen transformers ``Dinov2Model`` folder; an image's feature is ``pooler_output`` (the final
-    layer-normed CLS token), preprocessed as its ``BitImageProcessor`` (shortest side to 256, bicubic,
-    224 centre crop, ImageNet mean/std)."""
-
-    def __init__(self, who: str, path: Any, dtype: torch.dtype, random_init: bool):
-        from transformers import AutoImageProcessor, Dinov2Config, Dinov2Model
-
-        folder = weights_path(who, path, download=DOWNLOADS["dinov2"], kind="folder")
-        try:
-            net = Dinov2Model(Dinov2Config.from_pretrained(folder)) if random_init else Dinov2Model.from_pretrained(folder)
-            processor = AutoImageProcessor.from_pretrained(folder)
-        except (OSError, ValueError) as e:
-            raise UserError(f"{who} reward: path={str(folder)!r} is not a DINOv2 folder ({str(e).splitlines()[0]}); "
-                            "give the downloaded folder (config.json, model.safetensors, preprocessor_config.json)") from None
-        self.model = net.to(dtype).eval().requires_grad_(False)
-        crop = processor.crop_size
-        self.size = (crop["height"], crop["width"])
-        self.shortest_edge = processor.size.get("shortest_edge")
-        self.mean, self.std = processor.image_mean, processor.image_std
-        self.dtype = dtype
-
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        x = clip_preprocess(images, self.size, self.mean, self.std, shortest_edge=self.shortest_edge)
-        return F.normalize(self.model(pixel_values=x.to(self.dtype)).pooler_output.float(), dim=-1)
 
 
 @register("image_similarity")
@@ -66,7 +38,7 @@ class ImageSimilarity(BatchedImageReward):
             raise UserError(f"image_similarity reward: backbone={backbone!r} is not known; use dinov2 or clip")
         self.key = key
         if backbone == "dinov2":
-            self.encoder: Any = DINOv2(self.name, path, self.dtype, random_init)
+            self.encoder: Any = DINOv2(path, who=f"{self.name} reward", dtype=self.dtype, random_init=random_init)
         else:
             self.encoder = load_clip(self.name, path, arch=arch, dtype=self.dtype, download=DOWNLOADS["clip"],
                                      random_init=random_init)

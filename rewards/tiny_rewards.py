@@ -112,6 +112,36 @@ def save_tiny_dinov2(folder: Path, seed: int = 0, *, overwrite: bool = False) ->
                           do_convert_rgb=True).save_pretrained(tmp)
 
 
+def save_tiny_dinov3(folder: Path, seed: int = 0, *, overwrite: bool = False) -> None:
+    """A transformers ``DINOv3ViTModel`` (4 register tokens and no q/k/v bias, as timm's
+    ``vit_large_patch16_dinov3``) with the ``DINOv3ViTImageProcessorFast`` config facebook/dinov3-vitl16-*
+    ships; written atomically (writer ``save-tiny-dinov3``). Every weight is drawn in name order from one
+    seeded generator (N(0, 0.2²), layer norms and layer scales 1 + that), not by transformers' init, so the
+    folder stays the same across transformers versions (the GARDO known answers were computed from it)."""
+    import torch
+    import transformers
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    from flowalign.io import atomic_dir
+
+    config = DINOv3ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             patch_size=16, image_size=TINY_IMAGE, num_register_tokens=4, query_bias=False,
+                             key_bias=False, value_bias=False, layerscale_value=1.0)
+    model = DINOv3ViTModel(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            draw = 0.2 * torch.randn(tensor.shape, generator=gen)
+            # a unit scale plus noise where the weight multiplies (norms, layer scales): activations stay O(1)
+            scale = name.endswith("lambda1") or (("norm" in name) and name.endswith("weight"))
+            tensor.copy_(1 + draw if scale else draw)
+    with atomic_dir(folder, writer="save-tiny-dinov3", overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        # transformers 5 names the processor without the "Fast" its 4.x releases had
+        processor = getattr(transformers, "DINOv3ViTImageProcessor", None) or transformers.DINOv3ViTImageProcessorFast
+        processor().save_pretrained(tmp)
+
+
 #: reward name → the function writing its tiny folder (``rewards.load(name, path=folder)`` loads it)
 TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "pickscore": save_tiny_hf_clip,

@@ -15,7 +15,9 @@ Three changes to Flow-GRPO, as the authors' code makes them:
   the last snapshot;
 - **diversity-aware advantages**: ``A_i = R_i − mean_{group} R`` (not divided by a std), a positive one
   scaled by the sample's nearest-neighbour feature distance in its group over the group's mean
-  (:func:`flowalign.advantages.diversity_scaled`).
+  (:func:`flowalign.advantages.diversity_scaled`). The features are the final latents
+  (``diversity_features: latents``) or a frozen image encoder's features of the decoded samples
+  (``image_encoder``, ``diversity_encoder: {name: dinov3, path: ...}``: the authors' DINOv3 patch-token mean).
 
     L = mean_{i,k} max(−Â_i·r, −Â_i·clip(r, 1−ε, 1+ε)) + β·mean_{i gated, k} KL(μ_θ ‖ μ_θref)
 """
@@ -31,6 +33,7 @@ import torch
 from pydantic import Field, model_validator
 
 from flowalign.advantages import diversity_scaled
+from flowalign.config import Section
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
@@ -47,6 +50,21 @@ from flowalign.trainers.flow_grpo import (
 )
 from flowalign.trainers.parts.reductions import masked_mean
 from flowalign.weight_swap import swapped_in
+
+
+class DiversityEncoder(Section):
+    """The frozen image encoder whose features of the decoded samples GARDO's diversity factor compares
+    (read with ``trainer.diversity_features: image_encoder``)."""
+
+    #: an ``encoders`` plugin name (flowalign/plugins.py): ``dinov3`` (the authors'), ``dinov2``, or an
+    #: installed package's
+    name: str = "dinov3"
+    #: the encoder's local model folder (dinov3: facebook/dinov3-vitl16-pretrain-lvd1689m); nothing is fetched
+    path: str | None = None
+    #: the encoder's compute dtype (the authors run DINOv3 in float32)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: the encoder's own options (dinov3: ``resolution`` 256, ``pool`` patch_mean | cls)
+    options: dict[str, Any] = Field(default_factory=dict)
 
 
 class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOptions, StepSubsetOptions):
@@ -78,8 +96,14 @@ class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOption
     kl_threshold: float = Field(3e-4, gt=0, le=MAX_COEFFICIENT)
     #: training steps after which the reference is refreshed anyway
     reset_every: int = Field(15, ge=1, le=MAX_TRAIN_STEPS)
-    #: scale positive advantages by the sample's distance to its group (features: the final latents)
+    #: scale positive advantages by the sample's distance to its group (features: diversity_features)
     diversity: bool = True
+    #: what the diversity distances are measured in: "latents", the rollouts' final latents (the default: needs
+    #: no weights, as the tiny recipes); "image_encoder", diversity_encoder's features of the decoded samples
+    #: (the authors': DINOv3 ViT-L/16's patch-token mean, docs/methods/gardo.md)
+    diversity_features: Literal["latents", "image_encoder"] = "latents"
+    #: the encoder of diversity_features=image_encoder
+    diversity_encoder: DiversityEncoder = Field(default_factory=DiversityEncoder)
     #: true (the authors'): the advantage is the weighted reward minus its prompt group's mean, not divided by
     #: a std (then ±adv_clip); false: the loop's trainer.advantage normalisation
     centred_advantage: bool = True
@@ -91,6 +115,14 @@ class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOption
             raise ValueError(f"trainer.advantage={self.advantage} is read only with trainer.centred_advantage=false "
                              "(gardo's default is the authors' reward minus its group mean): drop it or set "
                              "trainer.centred_advantage=false")
+        return self
+
+    @model_validator(mode="after")
+    def _encoder_read_by_the_encoder_form(self) -> GARDOConfig:
+        # an encoder the latent form would never load: refuse it rather than ignore it
+        if "diversity_encoder" in self.model_fields_set and self.diversity_features != "image_encoder":
+            raise ValueError("trainer.diversity_encoder is read only with trainer.diversity_features=image_encoder "
+                             f"(it is {self.diversity_features}): set that, or drop the encoder")
         return self
 
 
@@ -184,6 +216,19 @@ class GARDOTrainer(FlowGRPOTrainer):
         self.reference = [p.detach().clone() for p in self.params]
         self.last_refresh = 0
         self.gate_fraction, self.gate_history = self.tcfg.gate_fraction, []
+        #: the frozen image encoder of diversity_features=image_encoder (None: the latents are the features)
+        encoded = self.tcfg.diversity and self.tcfg.diversity_features == "image_encoder"
+        self.encoder = self.load_encoder() if encoded else None
+
+    def load_encoder(self) -> Any:
+        """``trainer.diversity_encoder`` from its ``encoders`` plugin, frozen on the policy's device."""
+        from flowalign.plugins import load_encoder
+
+        e = self.tcfg.diversity_encoder
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[e.dtype]
+        encoder = load_encoder(e.name, e.path, setting="trainer.diversity_encoder", dtype=dtype, **e.options)
+        encoder.model.to(self.policy.device)
+        return encoder
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
@@ -193,7 +238,8 @@ class GARDOTrainer(FlowGRPOTrainer):
 
     @classmethod
     def step_holdings(cls, tcfg: GARDOConfig) -> Any:
-        """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). The loop's rollouts, with their final latents concatenated once for the diversity features. The
+        """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). The loop's rollouts, with their final latents concatenated once for the diversity features
+        (``diversity_features: latents``; an encoder's features are ``(N, D)``, its frozen weights not counted). The
         reference snapshot is a copy of the trained tensors held all along (the weight copies count it with the
         EMA's, in every phase). With a KL (``beta > 0``) the reference's step means are computed with the
         snapshot swapped into the live parameters (the live values kept meanwhile) while the rewards are scored
@@ -205,7 +251,9 @@ class GARDOTrainer(FlowGRPOTrainer):
 
         g = tcfg.group_size
         base = loop_holdings(g)
-        moments = base.moments + ((Holding(rollouts=g, latents=g),) if tcfg.diversity else ())
+        # the latent form concatenates the group's final latents once; the encoder's features are (N, D), small
+        latent_features = tcfg.diversity and tcfg.diversity_features == "latents"
+        moments = base.moments + ((Holding(rollouts=g, latents=g),) if latent_features else ())
         if tcfg.beta <= 0:
             return StepHoldings(base.update, moments, swaps=False)
         means = g * cls.reference_steps(tcfg)
@@ -226,6 +274,17 @@ class GARDOTrainer(FlowGRPOTrainer):
         if not tcfg.gate_min <= tcfg.gate_fraction <= tcfg.gate_max:
             raise UserError(f"trainer.gate_fraction={tcfg.gate_fraction} must lie within trainer.gate_min="
                             f"{tcfg.gate_min} … trainer.gate_max={tcfg.gate_max}")
+        if tcfg.diversity and tcfg.diversity_features == "image_encoder":
+            from flowalign.plugins import targets
+
+            e, known = tcfg.diversity_encoder, targets("encoders")
+            if e.name not in known:
+                raise UserError(f"trainer.diversity_encoder.name={e.name!r} is not a known image encoder (known: "
+                                f"{', '.join(sorted(known))})")
+            if not e.path:
+                raise UserError("trainer.diversity_features=image_encoder: trainer.diversity_encoder.path is not set; "
+                                "give the encoder's local model folder (dinov3: facebook/dinov3-vitl16-pretrain-"
+                                "lvd1689m), or set trainer.diversity_features=latents")
         if cfg.parallel.strategy == "fsdp":
             raise UserError("parallel.strategy=fsdp: gardo keeps a snapshot of the whole trainable weights as its "
                             "reference, not written for sharded weights yet; use parallel.strategy=ddp")
@@ -239,13 +298,27 @@ class GARDOTrainer(FlowGRPOTrainer):
         batch = super().collect(step)
         advantages = self.centred(batch) if self.tcfg.centred_advantage else batch.advantages
         if self.tcfg.diversity:
-            features = torch.cat([c.final_latents for c in batch.chunks])
-            advantages = diversity_scaled(advantages, features, batch.prompt_ids)
+            advantages = diversity_scaled(advantages, self.diversity_features(batch), batch.prompt_ids)
         advantages = advantages.float().clamp(-self.tcfg.adv_clip, self.tcfg.adv_clip)
         gate, state, logs = self.gate_batch(batch)
         loops = {f.name: getattr(batch, f.name) for f in fields(StepBatch)}
         return GatedBatch(**{**loops, "advantages": advantages, "logs": {**batch.logs, **logs}}, gate=gate,
                           gate_state=state)
+
+    def diversity_features(self, batch: StepBatch) -> torch.Tensor:
+        """The features ``(N, D)`` whose nearest-neighbour cosine distances scale the positive advantages: the
+        final latents flattened, or the frozen encoder's features of the decoded samples (images in [0, 1],
+        encoded chunk by chunk without gradients, as the authors embed each sampled batch)."""
+        if self.encoder is None:
+            return torch.cat([c.final_latents for c in batch.chunks]).flatten(1)
+        out = []
+        for chunk in batch.chunks:
+            if chunk.samples is None or chunk.samples.dim() != 4:
+                raise UserError("trainer.diversity_features=image_encoder embeds decoded images (B, 3, H, W); these "
+                                "rollouts have none (a video model?): use trainer.diversity_features=latents")
+            with torch.no_grad():
+                out.append(self.encoder.encode_images(chunk.samples.to(self.policy.device)).float())
+        return torch.cat(out)
 
     def centred(self, batch: StepBatch) -> torch.Tensor:
         """This rank's :func:`centred_advantages` ``(N,)``, each group's mean taken over every rank's samples of

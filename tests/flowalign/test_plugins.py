@@ -1,4 +1,5 @@
-"""flowalign.plugins: the CLI commands, benchmarks and renderers that the other packages contribute."""
+"""flowalign.plugins: the CLI commands, benchmarks, renderers, families and encoders that the other packages
+contribute."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 def test_pyproject_entry_points_are_the_built_in_tables():
     """The entry points that an install registers and the tables a source checkout reads agree."""
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
-    for kind in ("commands", "benchmarks", "renderers", "families"):
+    for kind in ("commands", "benchmarks", "renderers", "families", "encoders"):
         tables = {**rewards.PLUGINS.get(kind, {}), **pipelines.PLUGINS.get(kind, {})}
         assert declared[f"flowalign.{kind}"] == tables, kind
 
 
 def test_every_target_loads():
-    for kind in ("commands", "benchmarks", "renderers", "families"):
+    for kind in ("commands", "benchmarks", "renderers", "families", "encoders"):
         for name, target in targets(kind).items():
             assert load_target(target) is not None, (kind, name)
 

@@ -1,6 +1,7 @@
 """GARDO: the gated KL (the authors' gate as known answers, known_answers/gardo_gate.json), the adaptive
 reference (known_answers/gardo_refresh.json) and the centred, diversity-scaled advantages
-(known_answers/gardo_diversity.json); docs/methods/gardo.md."""
+(known_answers/gardo_diversity.json; with the authors' DINOv3 image features,
+known_answers/gardo_dino_diversity.json); docs/methods/gardo.md."""
 
 import json
 from pathlib import Path
@@ -32,6 +33,24 @@ KNOWN = Path(__file__).parent / "known_answers"
 KNOWN_GATE = json.loads((KNOWN / "gardo_gate.json").read_text())
 KNOWN_DIVERSITY = json.loads((KNOWN / "gardo_diversity.json").read_text())
 KNOWN_REFRESH = json.loads((KNOWN / "gardo_refresh.json").read_text())
+KNOWN_DINO = json.loads((KNOWN / "gardo_dino_diversity.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def dinov3_dir(tmp_path_factory) -> Path:
+    """The tiny random DINOv3 ViT folder the DINOv3 known answers were computed with (seed 0)."""
+    from rewards.tiny_rewards import save_tiny_dinov3
+
+    folder = tmp_path_factory.mktemp("tiny-dinov3") / "dinov3"
+    save_tiny_dinov3(folder, seed=0)
+    return folder
+
+
+def encoder_run(folder: Path, **options: object) -> list[str]:
+    """The overrides of GARDO's image-encoder diversity features with the DINOv3 folder ``folder``."""
+    extra = "".join(f", {k}: {v}" for k, v in options.items())
+    return ["trainer.diversity_features=image_encoder",
+            f"trainer.diversity_encoder={{name: dinov3, path: '{folder}'{extra}}}"]
 
 
 def test_the_gate_equals_the_authors_over_consecutive_batches():
@@ -123,6 +142,94 @@ def test_the_diversity_advantages_equal_the_authors():
     centred = centred_advantages(rewards, ids, torch.ones(len(ids), dtype=torch.bool))
     out = diversity_scaled(centred, torch.tensor(k["features"], dtype=torch.float64), ids)
     torch.testing.assert_close(out.double(), torch.tensor(k["advantages"], dtype=torch.float64), rtol=1e-6, atol=1e-6)
+
+
+def known_dino_images() -> torch.Tensor:
+    """The known answers' 12 images ``(12, 3, 40, 56)`` in [0, 1], as their JSON's ``images`` describes."""
+    k = KNOWN_DINO
+    g = torch.Generator().manual_seed(2024)
+    base = torch.rand(3, 3, 40, 56, generator=g)
+    images = torch.stack([0.4 * base["abc".index(p)] + 0.6 * torch.rand(3, 40, 56, generator=g) for p in k["prompts"]])
+    images[4] = images[3]
+    return images
+
+
+def test_the_dino_diversity_advantages_equal_the_authors(dinov3_dir):
+    """Their diversity path on the same tiny DINOv3 weights (mapped into timm's vit_large_patch16_dinov3 at
+    the tiny sizes) and images: timm's eval transform (shortest side to 256, bicubic, 256 centre crop, ImageNet
+    mean/std) and default avg pool (the mean of the final-normed patch tokens), then PerPromptStatTracker's
+    L2-normalised features, cosine distance to the nearest other sample of the prompt, positive advantages ×
+    d / mean d. The encoder's defaults give the same features (up to the norm) and the trainer's pieces the
+    same advantages; a CLS feature, a Euclidean distance or a std division would not."""
+    from flowalign.trainers.gardo import DiversityEncoder
+    from rewards.image_encoders import IMAGENET_MEAN, IMAGENET_STD, DINOv3
+
+    k = KNOWN_DINO
+    data = k["timm_data_config"]
+    assert data["input_size"] == [3, 256, 256] and data["crop_pct"] == 1.0 and data["interpolation"] == "bicubic"
+    assert (tuple(data["mean"]), tuple(data["std"]), k["timm_global_pool"]) == (IMAGENET_MEAN, IMAGENET_STD, "avg")
+    defaults = DiversityEncoder()
+    assert (defaults.name, defaults.dtype, defaults.options) == ("dinov3", "fp32", {})
+    encoder = DINOv3(dinov3_dir)
+    assert (encoder.resolution, encoder.pool) == (256, "patch_mean")
+    with torch.no_grad():
+        features = encoder.encode_images(known_dino_images())
+    theirs = torch.nn.functional.normalize(torch.tensor(k["features"]), dim=-1)
+    torch.testing.assert_close(features, theirs, rtol=1e-4, atol=2e-5)
+    names = sorted(set(k["prompts"]))
+    ids = torch.tensor([names.index(p) for p in k["prompts"]])
+    centred = centred_advantages(torch.tensor(k["rewards"], dtype=torch.float64), ids, torch.ones(12, dtype=torch.bool))
+    out = diversity_scaled(centred, features, ids)
+    torch.testing.assert_close(out.double(), torch.tensor(k["advantages"], dtype=torch.float64), rtol=1e-4, atol=1e-5)
+    # what would fail: the Euclidean nearest distance of the unnormalised features in place of the cosine one
+    euclid = centred.clone()
+    for g in ids.unique():
+        m = (ids == g).nonzero().flatten()
+        d = torch.cdist(torch.tensor(k["features"])[m], torch.tensor(k["features"])[m]).fill_diagonal_(float("inf"))
+        near = d.min(1).values.double()
+        euclid[m] = torch.where(centred[m] > 0, centred[m] * near / near.mean(), centred[m])
+    assert not torch.allclose(euclid, torch.tensor(k["advantages"], dtype=torch.float64), atol=1e-3)
+
+
+def test_a_gardo_step_with_the_image_encoder_scales_by_its_features(tmp_path, tiny_sd3_dir, prompt_file, dinov3_dir):
+    """With diversity_features=image_encoder the batch's advantages are the centred rewards scaled by the
+    encoder's features of the decoded samples (a direct computation), not by the final latents; the step
+    then trains on them."""
+    from rewards.image_encoders import DINOv3
+
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS,
+                                   "trainer.gate_fraction=0.2", *encoder_run(dinov3_dir)))
+    assert isinstance(t.encoder, DINOv3) and not any(p.requires_grad for p in t.encoder.model.parameters())
+    batch = t.collect(0)
+    centred = t.centred(batch)
+    assert (centred > 0).any()
+    with torch.no_grad():
+        features = DINOv3(dinov3_dir).encode_images(batch.samples)
+    assert batch.samples.dim() == 4 and 0 <= batch.samples.min() and batch.samples.max() <= 1
+    expected = diversity_scaled(centred, features, batch.prompt_ids).float().clamp(-t.tcfg.adv_clip, t.tcfg.adv_clip)
+    torch.testing.assert_close(batch.advantages, expected, rtol=1e-5, atol=1e-6)
+    latents = torch.cat([c.final_latents for c in batch.chunks])
+    from_latents = diversity_scaled(centred, latents, batch.prompt_ids).float().clamp(-t.tcfg.adv_clip, t.tcfg.adv_clip)
+    assert not torch.allclose(batch.advantages, from_latents, atol=1e-4)
+    start = [p.detach().clone() for p in t.params]
+    logs = t.update(batch, torch.Generator().manual_seed(0))
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in logs.values())
+    assert any(not torch.equal(a, p) for a, p in zip(start, t.params))
+
+
+def test_the_image_encoder_options_are_checked(tmp_path, tiny_sd3_dir, prompt_file, dinov3_dir):
+    base = small_run(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS)
+    with pytest.raises(UserError, match="diversity_encoder is read only with trainer.diversity_features=image_encoder"):
+        check_run(load_config(None, [*base, f"trainer.diversity_encoder={{name: dinov3, path: '{dinov3_dir}'}}"]))
+    with pytest.raises(UserError, match="trainer.diversity_encoder.path is not set"):
+        check_run(load_config(None, [*base, "trainer.diversity_features=image_encoder"]))
+    with pytest.raises(UserError, match="trainer.diversity_encoder.name='dinov9' is not a known image encoder"):
+        check_run(load_config(None, [*base, "trainer.diversity_features=image_encoder",
+                                     f"trainer.diversity_encoder={{name: dinov9, path: '{dinov3_dir}'}}"]))
+    with pytest.raises(UserError, match=r"trainer.diversity_encoder.path='.*nowhere' does not exist; download "
+                                        r"facebook/dinov3-vitl16-pretrain-lvd1689m"):
+        build_trainer(load_config(None, [*base, *encoder_run(tmp_path / "nowhere")]))
+    check_run(load_config(None, [*base, *encoder_run(dinov3_dir, options="{pool: cls}")]))
 
 
 def test_centred_advantages_by_hand():
