@@ -117,22 +117,51 @@ def add_guide_args(p: argparse.ArgumentParser) -> None:
     """RGS options of ``sample`` and ``evaluate``: a latent reward folder and its scale κ."""
     p.add_argument("--guide", default=None, metavar="REWARD_DIR",
                    help="reward-guided sampling with this latent reward folder (flowalign train-reward)")
-    add_number(p, "--guide-scale", type=float, lo=0, hi=MAX_COEFFICIENT, default=0.05,
-               help="κ: v_c = v - κ·‖v‖·g/‖g‖ (0 = plain sampling)")
+    add_number(p, "--guide-scale", type=float, lo=0, hi=MAX_COEFFICIENT, default=None,
+               help=f"κ: v_c = v - κ·‖v‖·g/‖g‖ (0 = plain sampling; default {DEFAULT_GUIDE_SCALE})")
     add_number(p, "--guide-window", type=float, lo=0, hi=1, nargs=2, default=None, metavar=("SIGMA_LO", "SIGMA_HI"),
                    help="guide only the steps with σ in [SIGMA_LO, SIGMA_HI]")
+    p.add_argument("--guide-bands", nargs="+", default=None, metavar="SIGMA:SCALE",
+                   help="the authors' σ bands instead of --guide-scale/--guide-window: a step takes the scale of "
+                        "the first band whose σ it exceeds, none below the last (their SD3 preset: 0.8:0.30 0.2:0.05)")
+
+
+#: κ of ``--guide`` when neither ``--guide-scale`` nor ``--guide-bands`` is given
+DEFAULT_GUIDE_SCALE = 0.05
+
+
+def guide_bands(args: argparse.Namespace) -> tuple[tuple[float, float], ...] | None:
+    """``--guide-bands`` as ``((σ, scale), ...)`` (None without it); a malformed band is one clear line."""
+    if args.guide_bands is None:
+        return None
+    bands = []
+    for band in args.guide_bands:
+        sigma, sep, scale = band.partition(":")
+        try:
+            bands.append((float(sigma), float(scale)))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise UserError(f"--guide-bands {band}: give SIGMA:SCALE, e.g. --guide-bands 0.8:0.30 0.2:0.05")
+    return tuple(bands)
 
 
 def check_guide_args(args: argparse.Namespace) -> None:
     """The ``--guide*`` options, checked before a model is loaded."""
     if args.guide is None:
-        if args.guide_window is not None:
-            raise UserError("--guide-window needs --guide REWARD_DIR")
+        for given, flag in ((args.guide_window, "--guide-window"), (args.guide_bands, "--guide-bands")):
+            if given is not None:
+                raise UserError(f"{flag} needs --guide REWARD_DIR")
         return
-    if args.guide_scale < 0:
+    if args.guide_scale is not None and args.guide_scale < 0:
         raise UserError(f"--guide-scale {args.guide_scale} must be >= 0")
+    if args.guide_bands is not None and (args.guide_scale is not None or args.guide_window is not None):
+        raise UserError("--guide-bands gives each σ band its own scale: drop --guide-scale and --guide-window")
     if not Path(args.guide).is_dir():
         raise UserError(f"--guide {args.guide}: no such folder; give a reward folder written by flowalign train-reward")
+    from flowalign.sampling.guidance import Guidance
+
+    Guidance(None, 0.0, bands=guide_bands(args))  # the bands' own checks, before a model is loaded
 
 
 def load_guidance(args: argparse.Namespace, policy):
@@ -143,7 +172,8 @@ def load_guidance(args: argparse.Namespace, policy):
     from flowalign.sampling.guidance import Guidance, load_latent_reward
 
     reward = load_latent_reward(args.guide, device=policy.device, dtype=policy.dtype)
-    return Guidance(reward, args.guide_scale, tuple(args.guide_window) if args.guide_window else None)
+    scale = DEFAULT_GUIDE_SCALE if args.guide_scale is None else args.guide_scale
+    return Guidance(reward, scale, tuple(args.guide_window) if args.guide_window else None, guide_bands(args))
 
 
 def load_guided_policy(args: argparse.Namespace):

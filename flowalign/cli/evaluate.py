@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> None:
         from flowalign.sampling.guidance import GuidedPolicy
 
         policy = GuidedPolicy(policy, guide)  # every sampling step of the evaluation is reward-guided
-        labels = {"guide": args.guide, "guide_scale": args.guide_scale, "guide_window": args.guide_window}
+        labels = {"guide": args.guide, "guide_scale": guide.scale, "guide_window": args.guide_window}
+        if guide.bands is not None:
+            labels = {"guide": args.guide, "guide_bands": [list(band) for band in guide.bands]}
     model = {"model": str(args.model or default_model_dir()), "adapter": args.adapter}
     if args.prompts is not None:
         labels = {"prompts": str(args.prompts), "seed": args.seed or 0, "reward": panel.names[0],

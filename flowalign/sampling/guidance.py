@@ -9,8 +9,10 @@ with ``g = ∇_x r_ψ(x_σ, σ, c)``, ``c`` dropped for a sample whose ``rms(g) 
 ``2·s·rms(Δ)`` (rms per sample over every element). Because ``σ' < σ``, that is the velocity
 ``v_c = v − s·rms(v)·g/rms(g)`` (:func:`guide_velocity`): moving toward data goes along −v, so subtracting
 ``g`` climbs the reward, ``‖v_c − v‖ = s‖v‖`` per sample, and s = 0 returns ``v`` itself (plain sampling bit
-for bit). An optional σ window ``(σ_lo, σ_hi)`` guides only the steps whose σ lies inside it (the authors
-gate with σ bands instead, ``σ > threshold``; see the method page).
+for bit). An optional σ window ``(σ_lo, σ_hi)`` guides only the steps whose σ lies inside it; or the authors'
+σ bands (their ``GuidanceSchedule``): ``((threshold, s), ...)`` with thresholds high to low, a step at σ
+taking the ``s`` of the first band with ``σ > threshold`` and no guidance below the last (their SD3 preset:
+``((0.8, 0.30), (0.2, 0.05))``).
 
 The reward is anything with the :class:`~flowalign.protocols.LatentReward` protocol; this core module
 never imports a concrete reward. :func:`load_latent_reward` finds one from its folder's ``config.json``
@@ -95,11 +97,14 @@ def guide_velocity(v: torch.Tensor, grad: torch.Tensor, scale: float, eps: float
 @dataclass
 class Guidance:
     """A reward-guided velocity: ``guidance(v, x, σ, cond) -> v_c``. ``window = (σ_lo, σ_hi)`` limits the
-    guided steps to σ in that closed range (None: every step)."""
+    guided steps to σ in that closed range (None: every step). ``bands`` (the authors' schedule, replacing
+    ``scale`` and ``window``): ``((threshold, s), ...)``, thresholds strictly decreasing in [0, 1]; the scale at
+    σ is the ``s`` of the first band with ``σ > threshold``, 0 below the last."""
 
     reward: LatentReward
-    scale: float
+    scale: float = 0.0
     window: tuple[float, float] | None = None
+    bands: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.scale < 0:
@@ -109,17 +114,35 @@ class Guidance:
             if not 0 <= lo <= hi <= 1:
                 raise UserError(f"guide window {self.window}: give (σ_lo, σ_hi) with 0 <= σ_lo <= σ_hi <= 1")
             self.window = (lo, hi)
+        if self.bands is not None:
+            bands = tuple((float(t), float(s)) for t, s in self.bands)
+            thresholds = [t for t, _ in bands]
+            if not bands or self.window is not None:
+                raise UserError("guide bands: give at least one (threshold, scale) band, and no window beside them")
+            if thresholds != sorted(set(thresholds), reverse=True) or not all(0 <= t <= 1 for t in thresholds):
+                raise UserError(f"guide bands {list(bands)}: thresholds must be in [0, 1] and strictly decreasing "
+                                "(e.g. 0.8:0.30 0.2:0.05)")
+            if any(s < 0 for _, s in bands):
+                raise UserError(f"guide bands {list(bands)}: every scale must be >= 0")
+            self.bands = bands
+
+    def scale_at(self, sigma: float) -> float:
+        """The scale of the step at ``σ``: the band's (the authors' ``GuidanceSchedule.at``), or ``scale`` inside
+        the window, else 0."""
+        if self.bands is not None:
+            return next((s for threshold, s in self.bands if float(sigma) > threshold), 0.0)
+        inside = self.window is None or self.window[0] <= float(sigma) <= self.window[1]
+        return self.scale if inside else 0.0
 
     def active(self, sigma: float) -> bool:
-        if self.scale == 0:
-            return False
-        return self.window is None or self.window[0] <= float(sigma) <= self.window[1]
+        return self.scale_at(sigma) > 0
 
     def __call__(self, v: torch.Tensor, x: torch.Tensor, sigma: float, cond: Conditioning) -> torch.Tensor:
-        if not self.active(sigma):
+        scale = self.scale_at(sigma)
+        if scale == 0:
             return v
         grad, _ = reward_gradient(self.reward, x, sigma, cond)
-        return guide_velocity(v, grad.to(v.device), self.scale)
+        return guide_velocity(v, grad.to(v.device), scale)
 
 
 class GuidedPolicy:

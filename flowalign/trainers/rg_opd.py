@@ -7,8 +7,9 @@ visited state ``(x_σ, σ)`` of the first ``optimized_steps`` steps (default: al
     v_b = v_ref(x_σ)  (the frozen starting weights: their ``anchor: frozen_reference``; or θ_old's, ``target_base``)
     g   = ∇_x r_ψ(x_σ, σ, c)                          only where σ > active_sigma_min (else v* = v_b)
     v*  = sg(v_b − κ·rms(v_b)·g/rms(g))                (``flowalign.sampling.guidance.reward_correction``)
-    L   = mean((x + dt·v_θ − (x + dt·v*))²) / 2        dt = σ' − σ: their ``rgopd_loss`` on the Euler step's
-                                                       next state, unit transition std (``loss_space``)
+    L   = mean((x + dt·v_θ − (x + dt·v*))²) / 2s²      dt = σ' − σ: their ``rgopd_loss`` on the Euler step's
+                                                       next state (``loss_space``), transition std s = 1 or
+                                                       η·|dt| (``transition_noise``, their ``noise_level``)
        (+ anchor_weight·mean‖v_θ − v_ref‖², not in their code; 0 by default)
 
 One optimiser step per visited-state index over the whole rollout batch, in trajectory order (their
@@ -119,6 +120,9 @@ class RGOPDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
     #: ``transition``: mean((dt·(v_θ − v*))²)/2, the authors' loss on the Euler step's next state;
     #: ``velocity``: mean(v_θ − v*)²
     loss_space: Literal["transition", "velocity"] = "transition"
+    #: η, the authors' ``noise_level``: the transition loss divides by 2·std² with std = max(η·|dt|, 1e-6), the
+    #: step's KL to a Gaussian transition of that width (0: a deterministic step, std 1, their presets)
+    transition_noise: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     #: distil the first N rollout steps (default: all but the last, the authors' 9 of 10)
     optimized_steps: int | None = Field(None, ge=1, le=MAX_SAMPLING_STEPS)
     #: ``per_state``: one optimiser step per visited-state index over the whole batch, in trajectory order
@@ -166,14 +170,21 @@ def reward_active(sigma: float, kappa: float, active_sigma_min: float) -> bool:
     return kappa > 0 and sigma > active_sigma_min
 
 
+def transition_std(noise_level: float, dt: float) -> float:
+    """The authors' student transition std (``make_student_policy``): 1 for a deterministic step
+    (``noise_level`` 0), else ``max(noise_level·|dt|, 1e-6)``."""
+    return 1.0 if noise_level == 0 else max(noise_level * abs(dt), 1e-6)
+
+
 def rg_opd_loss(v_theta: torch.Tensor, v_star: torch.Tensor, dt: float | None = None, v_ref: torch.Tensor | None = None,
-                anchor_weight: float = 0.0) -> torch.Tensor:
-    """Scalar. ``dt`` given: ``mean((dt·(v_θ − v*))²)/2``, the authors' ``rgopd_loss`` between the Euler step's
-    next states ``x + dt·v_θ`` and ``x + dt·v*`` with unit transition std; ``dt`` None: ``mean(v_θ − v*)²``.
-    Plus ``anchor_weight·mean(v_θ − v_ref)²`` when given. Means over every element."""
+                anchor_weight: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """Scalar. ``dt`` given: ``mean((dt·(v_θ − v*))²)/(2·std²)``, the authors' ``rgopd_loss`` between the Euler
+    step's next states ``x + dt·v_θ`` and ``x + dt·v*`` with transition std ``std`` (:func:`transition_std`);
+    ``dt`` None: ``mean(v_θ − v*)²``. Plus ``anchor_weight·mean(v_θ − v_ref)²`` when given. Means over every
+    element."""
     dtype = torch.promote_types(v_theta.dtype, torch.float32)
     diff = v_theta.to(dtype) - v_star.to(dtype)
-    loss = (diff ** 2).mean() if dt is None else ((dt * diff) ** 2).mean() / 2
+    loss = (diff ** 2).mean() if dt is None else ((dt * diff) ** 2).mean() / (2 * max(std * std, 1e-12))
     if v_ref is not None and anchor_weight > 0:
         loss = loss + anchor_weight * ((v_theta.to(dtype) - v_ref.to(dtype)) ** 2).mean()
     return loss
@@ -309,7 +320,7 @@ class RGOPDTrainer(GroupTrainer):
         v = self.policy.velocity(x, sigma, chunk.cond, chunk.guidance_scale)
         v_ref = self.reference_velocity(chunk, k) if self.tcfg.anchor_weight > 0 else None
         return rg_opd_loss(v, target.to(v.device), dt if self.tcfg.loss_space == "transition" else None, v_ref,
-                           self.tcfg.anchor_weight)
+                           self.tcfg.anchor_weight, transition_std(self.tcfg.transition_noise, dt))
 
     def finish(self, batch: StepBatch, steps: list[dict[str, list[float]]]) -> dict[str, float]:
         """With CoRe: remember this step's generated pairs; refit the registers when due (and write the

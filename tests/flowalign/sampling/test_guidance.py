@@ -35,6 +35,16 @@ class LinearReward:
         return (x.flatten(1) * self.a.flatten()).sum(1)
 
 
+class FixedGradient:
+    """``r(x) = Σ ⟨G_i, x_i⟩``: a LatentReward whose gradient is the given per-sample tensor ``G``."""
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad = grad
+
+    def score(self, x, sigma, cond):
+        return (x * self.grad).flatten(1).sum(1)
+
+
 def _policy_and_registers(model_dir, folder):
     from rewards.latent_registers import LatentRegisters, load_frozen_transformer
 
@@ -125,3 +135,19 @@ def test_guided_step_equals_the_authors_guided_step(case):
     v_c = guide_velocity(v, grad, case["scale_at_sigma"])
     expected = torch.tensor(case["outputs"]["rgs_next"], dtype=torch.float64)
     torch.testing.assert_close((x + dt * v_c).flatten(), expected, rtol=1e-6, atol=1e-12)
+    # the same step from RGS with their σ bands: the band's scale is their GuidanceSchedule's at this σ
+    guide = Guidance(FixedGradient(grad), bands=[tuple(b) for b in case["bands"]])
+    assert guide.scale_at(case["sigma"]) == case["scale_at_sigma"]
+    torch.testing.assert_close((x + dt * guide(v, x, case["sigma"], None)).flatten(), expected, rtol=1e-6, atol=1e-12)
+
+
+def test_bands_are_the_authors_schedule():
+    """Their SD3 preset's bands ((0.8, 0.30), (0.2, 0.05)): a step takes the scale of the first band it
+    exceeds (strictly), none at or below the last; malformed bands are refused."""
+    guide = Guidance(LinearReward(torch.ones(4)), bands=((0.8, 0.30), (0.2, 0.05)))
+    assert [guide.scale_at(s) for s in (1.0, 0.81, 0.8, 0.5, 0.21, 0.2, 0.0)] == [0.3, 0.3, 0.05, 0.05, 0.05, 0.0, 0.0]
+    x = torch.randn(2, 4)
+    assert guide(x, x, 0.1, None) is x  # below the last band: plain sampling
+    for bad in (((0.2, 0.05), (0.8, 0.3)), ((0.5, 0.1), (0.5, 0.2)), ((1.5, 0.1),), ((0.5, -0.1),), ()):
+        with pytest.raises(UserError, match="guide bands"):
+            Guidance(LinearReward(torch.ones(4)), bands=bad)

@@ -19,12 +19,14 @@ from flowalign.trainers.rg_opd import (
     distillation_target,
     reward_active,
     rg_opd_loss,
+    transition_std,
 )
 
 from .conftest import small_config
 from .toy_latent import BiasedGaussianPolicy, LinearLatentReward
 
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "rg_opd_target_loss.json").read_text())
+NOISY = json.loads((Path(__file__).parent / "known_answers" / "rg_opd_transition_noise.json").read_text())
 
 
 class ToyLatentReward:
@@ -108,6 +110,39 @@ def test_plan_is_one_optimiser_step_per_visited_state_toward_the_reference(tmp_p
                 torch.testing.assert_close(shift, expected, rtol=1e-5, atol=1e-6)
             else:
                 assert shift.abs().max() == 0
+
+
+@pytest.mark.parametrize("case", NOISY["cases"], ids=lambda c: f"noise{c['noise_level']}")
+def test_noisy_transition_loss_equals_the_authors(case):
+    """``transition_noise`` η is their ``noise_level``: ``rgopd_loss`` between the Euler next states with the
+    student's std ``max(η·|dt|, 1e-6)`` (1 at η = 0), the loss and its gradient in v_θ at rtol 1e-6."""
+    f64 = lambda k: torch.tensor(NOISY[k], dtype=torch.float64).reshape(NOISY["shape"])
+    dt = case["next_sigma"] - case["sigma"]
+    std = transition_std(case["noise_level"], dt)
+    assert std == pytest.approx(case["transition_std"][0], rel=1e-12)
+    v = f64("v_theta").requires_grad_(True)
+    loss = rg_opd_loss(v, f64("v_star"), dt, std=std)
+    loss.backward()
+    assert loss.item() == pytest.approx(case["loss"], rel=1e-6)
+    torch.testing.assert_close(v.grad.flatten(), torch.tensor(case["grad_v_theta"], dtype=torch.float64),
+                               rtol=1e-6, atol=1e-12)
+
+
+def test_the_trainer_divides_its_transition_loss_by_the_noisy_steps_variance(tmp_path, prompt_file):
+    reward_dir = LinearLatentReward.write(tmp_path / "linear", [1.0, -2.0, 0.5, 0.0])
+    cfg = small_config(tmp_path / "run", tmp_path, prompt_file, "trainer.name=rg_opd")
+    losses = {}
+    for noise in (0.0, 0.7):
+        tcfg = validate_section(RGOPDConfig, {"name": "rg_opd", "latent_reward": str(reward_dir), "num_steps": 4,
+                                              "prompts_per_step": 1, "group_size": 4, "batch_size": 4,
+                                              "transition_noise": noise}, "trainer.")
+        trainer = RGOPDTrainer(cfg, tcfg, BiasedGaussianPolicy(dim=4), [], read_prompt_file(prompt_file), None,
+                               Accelerator(cpu=True), tmp_path / "run")
+        batch = trainer.sample(*trainer.step_prompts(0))
+        chunk = batch.chunks[0]
+        losses[noise] = trainer.loss_at(chunk, 1, chunk.velocities[:, 1] + 0.5).item()
+    dt = (chunk.sigmas[2] - chunk.sigmas[1]).item()
+    assert losses[0.7] == pytest.approx(losses[0.0] / (0.7 * dt) ** 2, rel=1e-6)
 
 
 def _rg_opd(tmp_path, model, prompts, reward_dir, *extra):

@@ -114,6 +114,14 @@ def test_guide_zero_is_plain_sampling_and_evaluate_takes_a_guide(trained, tiny_s
                         "--steps", "2", "--guide", str(trained), "--guide-scale", "0.1", "--out", str(tmp_path / "ev")], capsys)
     assert code == 0
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["guide_scale"] == 0.1
+    # the authors' σ bands: a band above every step's σ guides nothing, one below them all guides each step
+    # at its scale, as --guide-scale does
+    for name, bands in (("none", ["1.0:0.5"]), ("all", ["0.001:0.5"])):
+        code = run(base + ["--guide", str(trained), "--guide-bands", *bands, "--out", str(tmp_path / f"b-{name}.png")],
+                   capsys)[0]
+        assert code == 0
+    none, every = (np.asarray(Image.open(tmp_path / f"b-{n}.png")) for n in ("none", "all"))
+    assert np.array_equal(none, plain) and np.array_equal(every, guided)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -124,9 +132,20 @@ def test_guide_zero_is_plain_sampling_and_evaluate_takes_a_guide(trained, tiny_s
     (["train-reward", "--bench", "vvr", "--eval-pairs", "/nonexistent.safetensors", "--out", "o"], "--eval-pairs"),
     (["sample", "--prompt", "p", "--guide", "/nonexistent", "--out", "x.png"], "no such folder"),
     (["sample", "--prompt", "p", "--guide-window", "0.2", "0.5", "--out", "x.png"], "--guide-window needs"),
+    (["sample", "--prompt", "p", "--guide-bands", "0.8:0.3", "--out", "x.png"], "--guide-bands needs"),
 ])
 def test_user_errors(argv, needle, capsys):
     code, _, err = run(argv, capsys)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--guide-bands", "0.8"], "--guide-bands 0.8: give SIGMA:SCALE"),
+    (["--guide-bands", "0.2:0.05", "0.8:0.3"], "strictly decreasing"),
+    (["--guide-bands", "0.8:0.3", "--guide-scale", "0.1"], "drop --guide-scale and --guide-window"),
+])
+def test_bad_guide_bands_are_refused_before_loading(extra, needle, trained, capsys):
+    code, _, err = run(["sample", "--prompt", "p", "--guide", str(trained), *extra, "--out", "x.png"], capsys)
     assert code == 2 and needle in err and "Traceback" not in err
 
 
