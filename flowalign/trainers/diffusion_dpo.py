@@ -7,7 +7,9 @@ policy and of the reference (the adapter switched off, or the frozen copy under 
 
     Δ = [e_θ(x0ʷ) − e_ref(x0ʷ)] − [e_θ(x0ˡ) − e_ref(x0ˡ)],      L = −log σ(−β·Δ/2)
 
-(the DDPM ε-MSE of the paper replaced by the flow's velocity MSE). Pairs come from a Pick-a-Pic-style
+(the DDPM ε-MSE of the paper replaced by the flow's velocity MSE). t is Flow-Factory's draw by default
+(``timestep_draw: shared``): one t for all pairs of a micro-batch, ``1 − timestep_range·clamp(σ(n), 0.01,
+1 − 1e−6)``; ``per_pair`` is the former draw, σ(n) for each pair. Pairs come from a Pick-a-Pic-style
 JSONL (``trainer.pairs``: prompt, chosen and rejected image paths, encoded with the policy's VAE) or
 online: each prompt group's best and worst rollout under the run's rewards.
 """
@@ -42,20 +44,59 @@ class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, Refer
     dpo_beta: float = Field(2000.0, gt=0, le=MAX_COEFFICIENT)
     #: offline preference triples (JSONL of prompt, chosen, rejected image paths); None: online pairs
     pairs: str | None = None
-    #: t of each pair: "logit_normal" (σ(n), n ~ N(0, 1)) or "uniform" on (0, 1)
+    #: the unit draw behind t: "logit_normal" (σ(n), n ~ N(0, 1)) or "uniform" on (0, 1)
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    #: "shared": Flow-Factory's DPOTrainer, one t for all pairs of a micro-batch (``batch_size`` pairs),
+    #: t = 1 − timestep_range·u with u = clamp(σ(n), 0.01, 1 − 1e−6) (logit_normal) or U(0, 1) (uniform), drawn
+    #: from the micro-batch's first pair's generator; "per_pair": the former form, each pair its own t, σ(n)
+    #: or U(0, 1) clamped to [1e−4, 1 − 1e−4], timestep_range unused
+    timestep_draw: Literal["shared", "per_pair"] = "shared"
+    #: the share of the path from noise (t = 1) towards the data that "shared" draws t on: t ≥ 1 − timestep_range
+    #: (Flow-Factory's default 0.99: t ≥ 0.01, so no pair is scored at the clean image)
+    timestep_range: float = Field(0.99, gt=0, le=1)
+
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"timestep_draw": "per_pair"}
 
 
 # ---------------------------------------------------------------------------------------------- the loss
 
 
+def dpo_timesteps(generators: list[torch.Generator], sampling: str, draw: str,
+                  timestep_range: float) -> torch.Tensor:
+    """``(P,)`` flow times of a micro-batch of P pairs, one unit draw from each pair's generator (so every
+    pair's ε, drawn after it from the same generator, is the same under either ``draw``).
+
+    ``per_pair``: each pair's own t, :func:`pair_timesteps` (the former form). ``shared``: Flow-Factory's
+    ``DPOTrainer._sample_timesteps`` with ``num_train_timesteps`` 1: one t for the whole micro-batch, from the
+    first pair's draw (their one draw per micro-batch comes from the global RNG; keying it on the first pair
+    keeps it the same for the same pairs whatever the rank layout), mapped by :func:`shared_timestep`.
+    """
+    if draw == "per_pair":
+        return torch.cat([pair_timesteps(1, sampling, g) for g in generators])
+    units = [torch.rand(1, generator=g) if sampling == "uniform" else torch.randn(1, generator=g) for g in generators]
+    return shared_timestep(units[0], sampling, timestep_range).expand(len(generators)).clone()
+
+
+def shared_timestep(unit: torch.Tensor, sampling: str, timestep_range: float) -> torch.Tensor:
+    """Flow-Factory's t (σ of ``x_t = (1−σ)·x0 + σ·ε``) ``(...)`` from a unit draw ``(...)``: a standard normal n
+    (``logit_normal``: u = clamp(σ(n), 0.01, 1 − 1e−6), their ``TimeSampler.logit_normal_shifted`` with mean 0,
+    std 1, shift 1) or a uniform u (``uniform``: their ``TimeSampler.uniform`` of one timestep, unclamped);
+    ``t = 1 − timestep_range·u`` (their scheduler time ``1000·(1 − frac)`` over 1000, frac = range·u)."""
+    u = unit if sampling == "uniform" else torch.sigmoid(unit).clamp(0.01, 1.0 - 1e-6)
+    return 1.0 - timestep_range * u
+
+
 def diffusion_dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_w: torch.Tensor, ref_l: torch.Tensor,
                        beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-pair ``−log σ(−β/2·[(e_θʷ − e_refʷ) − (e_θˡ − e_refˡ)])`` ``(P,)``; the references are detached."""
+    """Per-pair ``−log σ(−β/2·[(e_θʷ − e_refʷ) − (e_θˡ − e_refˡ)])`` ``(P,)`` from errors ``(P,)``; the references
+    are detached. ``implicit_acc`` is the share of pairs whose implicit reward −β/2·(e_θ − e_ref) ranks the
+    chosen image strictly above the rejected one: a tie counts 0, as Flow-Factory's ``implicit_accuracy``
+    (at θ = θ_ref every pair ties, so a run's first step logs 0)."""
     delta = (err_w - ref_w.detach()) - (err_l - ref_l.detach())
     inside = -0.5 * beta * delta
     loss = -F.logsigmoid(inside)
-    accuracy = ((inside > 0).float() + 0.5 * (inside == 0).float()).mean()
+    accuracy = (inside > 0).float().mean()
     return loss, {"dpo_loss": loss.detach().mean(), "implicit_acc": accuracy.detach(), "margin": inside.detach().mean()}
 
 
@@ -198,16 +239,21 @@ class DiffusionDPOTrainer(GroupTrainer):
         return err[: len(idx)], err[len(idx) :]
 
     def plan(self, batch: PairBatch, generator: torch.Generator) -> Plan:
-        """Micro-batches of ``batch_size`` pairs, each pair's t and ε from its own seed, reference errors
-        once; ``inner_epochs`` optimiser steps over all of them, weighted over every rank's pairs."""
+        """Micro-batches of ``batch_size`` pairs, t (:func:`dpo_timesteps`) and each pair's ε from the pairs'
+        own seeds, reference errors once; ``inner_epochs`` optimiser steps over all of them, weighted over every
+        rank's pairs."""
         n = len(batch.seeds)
         total = self.total(n)
         units = []
         shape = batch.x_w.shape[1:]
+        # a subclass whose config has no timestep_draw (SePPO) keeps its t per pair
+        draw = getattr(self.tcfg, "timestep_draw", "per_pair")
+        timestep_range = getattr(self.tcfg, "timestep_range", 1.0)
         for s in range(0, n, self.tcfg.batch_size):
             index = tuple(range(s, min(n, s + self.tcfg.batch_size)))
             gens = [torch.Generator().manual_seed(batch.seeds[i]) for i in index]
-            t = torch.cat([pair_timesteps(1, self.tcfg.timestep_sampling, g) for g in gens])
+            t = dpo_timesteps(gens, self.tcfg.timestep_sampling, draw, timestep_range)
+            # one ε per pair, shared by its chosen and rejected image (as Flow-Factory's one noise per pair)
             eps = torch.stack([torch.randn(shape, generator=g) for g in gens])
             ref_w, ref_l = self.reference_errors(batch, index, t, eps)
             units.append(PairUnit(index, t, eps, ref_w, ref_l, total))

@@ -1,7 +1,8 @@
 """Diffusion-DPO (docs/methods/diffusion_dpo.md): the reference term at θ = θ_ref (log 2, half the plain
 DPO direction), the loss's gradient by hand, pair selection, offline pairs from a JSONL, and a short online
 run that resumes bit-exactly; the loss and its gradient equal Flow-Factory's DPO trainer
-(known_answers/diffusion_dpo_loss.json)."""
+(known_answers/diffusion_dpo_loss.json), and so do its timestep of a micro-batch of pairs and its logged
+implicit accuracy (known_answers/diffusion_dpo_timesteps.json)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import torch
 from PIL import Image
 
 from flowalign.train import build_trainer
-from flowalign.trainers.diffusion_dpo import best_and_worst, diffusion_dpo_loss
+from flowalign.trainers.diffusion_dpo import (DiffusionDPOConfig, best_and_worst, diffusion_dpo_loss, dpo_timesteps,
+                                              shared_timestep)
 from flowalign.trainers.parts.reductions import per_sample_mean
+from flowalign.trainers.parts.timesteps import pair_timesteps
 
 from .conftest import small_config
 
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "diffusion_dpo_loss.json").read_text())
+TIMESTEPS = json.loads((Path(__file__).parent / "known_answers" / "diffusion_dpo_timesteps.json").read_text())
 
 
 @pytest.mark.parametrize("case", KNOWN["cases"], ids=lambda c: f"beta{c['beta']}")
@@ -52,11 +56,70 @@ def test_at_the_reference_the_loss_is_log_2_and_its_gradient_half_the_plain_dire
     beta = 10.0
     loss, info = diffusion_dpo_loss(err_w, err_l, err_w.detach(), err_l.detach(), beta)
     assert torch.allclose(loss, torch.full((4,), math.log(2)))
-    assert info["implicit_acc"] == 0.5
+    assert info["implicit_acc"] == 0  # every pair ties: none counts (Flow-Factory's implicit_accuracy)
     loss.sum().backward()
     # plain direction: ∇ of β/2·(e_w − e_l); σ(0) = ½ of it
     assert torch.equal(err_w.grad, torch.full((4,), 0.5 * beta / 2))
     assert torch.equal(err_l.grad, torch.full((4,), -0.5 * beta / 2))
+
+
+@pytest.mark.parametrize("case", TIMESTEPS["timestep_cases"],
+                         ids=lambda c: f"{c['weighting_scheme']}{c['unit_draw']}-range{c['timestep_range']}-{c['pairs']}pairs")
+def test_shared_timestep_equals_flow_factorys_dpo_trainer(case, monkeypatch):
+    """Flow-Factory's ``_sample_timesteps`` → ``flow_match_sigma`` for one micro-batch, its one random draw fixed:
+    every pair gets the same σ. flowalign's ``dpo_timesteps`` (``timestep_draw: shared``) draws one unit per
+    pair from the pairs' own generators; with the first pair's draw replaced by theirs and every other pair's
+    by another value, every pair's t must be their σ (the formula, and one t per micro-batch from its first pair)."""
+    uniform = case["weighting_scheme"] == "uniform"
+    calls = []
+
+    def fixed(*shape, generator=None, **kw):  # call k of the micro-batch: theirs for the first pair, others after
+        k = len(calls)
+        calls.append(k)
+        value = (case["unit_draw"] + 0.29 * k) % 1.0 if uniform else case["unit_draw"] + 0.37 * k
+        return torch.full(shape, value, dtype=torch.float32)
+
+    gens = [torch.Generator().manual_seed(i) for i in range(case["pairs"])]
+    monkeypatch.setattr(torch, "rand" if uniform else "randn", fixed)
+    t = dpo_timesteps(gens, case["weighting_scheme"], "shared", case["timestep_range"])
+    monkeypatch.undo()
+    assert len(calls) == case["pairs"]  # one unit draw from each pair's generator: its ε after it is unchanged
+    torch.testing.assert_close(t, torch.tensor(case["sigma"], dtype=torch.float32), rtol=0, atol=1e-6)
+    mine = shared_timestep(torch.tensor([case["unit_draw"]]), case["weighting_scheme"], case["timestep_range"])
+    torch.testing.assert_close(1000 * mine, torch.tensor(case["t_scheduler"][:1]), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("sampling", ["logit_normal", "uniform"])
+def test_per_pair_is_the_former_draw_and_leaves_each_pairs_noise_as_the_shared_draw_does(sampling):
+    """``timestep_draw: per_pair`` is the former t, each pair's own :func:`pair_timesteps`; either draw takes one
+    number from each pair's generator, so the ε drawn after it is the same under both."""
+    seeds = [11, 12, 13]
+    fresh = lambda: [torch.Generator().manual_seed(s) for s in seeds]
+    former = torch.cat([pair_timesteps(1, sampling, g) for g in fresh()])
+    gens = fresh()
+    assert torch.equal(dpo_timesteps(gens, sampling, "per_pair", 0.99), former)
+    eps_per_pair = [torch.randn(2, 3, generator=g) for g in gens]
+    gens = fresh()
+    shared = dpo_timesteps(gens, sampling, "shared", 0.99)
+    assert torch.equal(shared, shared[:1].expand(3)) and not torch.equal(shared, former)
+    assert all(torch.equal(torch.randn(2, 3, generator=g), e) for g, e in zip(gens, eps_per_pair))
+
+
+def test_options_default_to_flow_factorys_draw_and_saved_runs_resume_with_the_former():
+    cfg = DiffusionDPOConfig()
+    assert (cfg.timestep_draw, cfg.timestep_range) == ("shared", 0.99)
+    assert DiffusionDPOConfig.before == {"timestep_draw": "per_pair"}
+
+
+@pytest.mark.parametrize("case", TIMESTEPS["accuracy_cases"], ids=lambda c: f"beta{c['beta']}")
+def test_implicit_accuracy_equals_flow_factorys_a_tie_counting_0(case):
+    """Flow-Factory's ``implicit_accuracy`` (chosen's implicit reward strictly above the rejected's) and loss."""
+    f64 = lambda k: torch.tensor(case[k], dtype=torch.float64)
+    per_pair, info = diffusion_dpo_loss(f64("theta_w_err"), f64("theta_l_err"), f64("ref_w_err"), f64("ref_l_err"),
+                                        case["beta"])
+    assert info["implicit_acc"].item() == pytest.approx(case["implicit_accuracy"], abs=1e-7)
+    assert per_pair.mean().item() == pytest.approx(case["loss"], rel=1e-12)
+    assert info["margin"].item() == pytest.approx(float(f64("inside_term").mean()), rel=1e-12, abs=1e-12)
 
 
 def test_gradient_by_hand_away_from_the_reference():
@@ -101,6 +164,24 @@ def test_offline_pairs_start_at_log_2_against_the_reference(tmp_path, tiny_sd3_d
     assert logs["train/dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert logs["train/pairs"] == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, t.params))
+
+
+@pytest.mark.parametrize("draw", ["shared", "per_pair"])
+def test_a_micro_batch_of_pairs_shares_one_t_by_default_and_the_former_form_keeps_one_per_pair(
+        tmp_path, tiny_sd3_dir, prompt_file, draw):
+    """The plan's units: ``shared`` gives both pairs of a micro-batch one t, at least 1 − timestep_range;
+    ``per_pair`` gives each its own; the ε are the same either way."""
+    t = build_trainer(small_config(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=diffusion_dpo",
+                                   f"trainer.pairs={_pairs(tmp_path)}", "rewards=[]", "trainer.prompts_per_step=2",
+                                   "trainer.batch_size=2", f"trainer.timestep_draw={draw}"))
+    batch = t.collect(0)
+    (unit,) = t.plan(batch, torch.Generator().manual_seed(0)).steps[0]
+    gens = [torch.Generator().manual_seed(s) for s in batch.seeds]
+    assert torch.equal(unit.t, dpo_timesteps(gens, "logit_normal", draw, 0.99))
+    assert torch.equal(unit.eps, torch.stack([torch.randn(batch.x_w.shape[1:], generator=g) for g in gens]))
+    assert (unit.t[0] == unit.t[1]) == (draw == "shared")
+    if draw == "shared":
+        assert 0.01 <= float(unit.t[0]) <= 0.9901
 
 
 def test_online_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
