@@ -1,5 +1,5 @@
-"""AWM (docs/methods/awm.md): the weights, the loss's gradient by hand, the stratified steps, the KL's
-moving average, and a short run that resumes bit-exactly."""
+"""AWM (docs/methods/awm.md): the weights, the loss's gradient by hand, the stratified steps and which samples
+share them, the KL's weights and moving average, and a short run that resumes bit-exactly."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ from flowalign.trainers.awm import (
     advantage_weights,
     awm_loss,
     matching_log_prob,
+    micro_batch_uniforms,
+    sample_keys,
     stratified_steps,
+    velocity_kl,
 )
 from flowalign.trainers.parts.policy_average import ramped_decay
 
@@ -241,3 +244,114 @@ def test_rollouts_are_the_authors_sa_solver_and_the_endpoints_are_renoised_on_th
     euler = build_trainer(small_config(tmp_path / "e", tiny_sd3_dir, prompt_file, *extra,
                                        "trainer.rollout_solver=euler"))
     assert euler.sampler == "ode"
+
+
+DRAW_KNOWN = json.loads((Path(__file__).parent / "known_answers" / "awm_step_draw.json").read_text())
+
+
+@pytest.mark.parametrize("case", DRAW_KNOWN["cases"],
+                         ids=lambda c: "N{samples}-b{micro_batch}-T{num_steps}-n{train_timesteps}".format(**c))
+def test_samples_share_grid_steps_by_shuffled_micro_batch_as_the_authors(case):
+    """main() shuffles the samples, cuts them into micro-batches of train.batch_size and draws the grid steps
+    once per micro-batch (known_answers/awm_step_draw.json): for their permutation and their micro-batches'
+    uniforms, :func:`micro_batch_uniforms` and :func:`stratified_steps` give every sample their steps."""
+    perm, size = torch.tensor(case["perm"]), case["micro_batch"]
+    u = torch.tensor([b["rand_u"] for b in case["micro_batches"]])
+    for j, b in enumerate(case["micro_batches"]):  # their micro-batch j: the shuffled samples j·b … j·b + b − 1
+        assert b["samples"] == case["perm"][j * size:(j + 1) * size]
+    per_sample = micro_batch_uniforms(perm, size, u)
+    steps = [stratified_steps(case["num_steps"], case["timestep_fraction"], case["train_timesteps"], row)
+             for row in per_sample]
+    assert steps == case["steps_by_sample"]
+
+
+def test_a_short_last_micro_batch_takes_the_last_draw():
+    """When the micro-batch size does not divide the samples (their reshape refuses it), the last micro-batch
+    holds the remainder."""
+    u = torch.arange(6.0).view(3, 2)
+    got = micro_batch_uniforms(torch.tensor([4, 0, 2, 1, 3]), 2, u)
+    torch.testing.assert_close(got, torch.tensor([[0.0, 1], [2, 3], [2, 3], [4, 5], [0, 1]]))
+
+
+@pytest.mark.parametrize("draw", ["micro_batch", "rollout_batch"])
+def test_the_plan_draws_grid_steps_per_shuffled_micro_batch_across_rollout_batches(tmp_path, tiny_sd3_dir,
+                                                                                   prompt_file, draw):
+    """``step_draw: micro_batch``: each sample trains at the steps of its micro-batch's draw, the step's samples
+    (all rollout batches, sorted by identity) shuffled into micro-batches of ``step_draw_size``; the draw
+    reads only the samples' identities and the step, so any rank layout (any rollout batches) draws the same.
+    ``rollout_batch`` (the former form): one draw per rollout batch."""
+    extra = ("trainer.name=awm", "trainer.num_steps=12", "trainer.train_timesteps=3", "trainer.batch_size=2",
+             "trainer.step_draw_size=3", f"trainer.step_draw={draw}")
+    trainer = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra))
+    batch = trainer.collect(0)
+    batch.advantages = torch.linspace(-1, 1, len(batch.groups))  # every rollout batch trained
+    plan = trainer.plan(batch, torch.Generator().manual_seed(0))
+    keys = batch.per_chunk(torch.tensor(sample_keys(batch)))
+    got: dict[tuple[int, int], list[int]] = {}
+    for unit in plan.steps[0]:
+        for key, k in zip(keys[unit.chunk].tolist(), unit.k, strict=True):
+            got.setdefault(tuple(key), []).append(k)
+    assert len(got) == len(batch.groups) == 8 and len(batch.chunks) == 4
+    if draw == "rollout_batch":
+        for chunk_keys in keys:
+            assert len({tuple(got[tuple(k)]) for k in chunk_keys.tolist()}) == 1
+        return
+    shared = trainer.micro_batch_draw(sorted(got), 0)
+    for key, steps in got.items():
+        assert steps == stratified_steps(12, 0.9, 3, shared[key])
+    # 8 samples in micro-batches of 3: three draws, shared by 3, 3 and 2 samples
+    sizes = sorted(sum(torch.equal(u, v) for v in shared.values()) for u in shared.values())
+    assert sizes == [2, 2, 3, 3, 3, 3, 3, 3]
+    assert len({tuple(s) for s in got.values()}) > 1
+
+
+ELBO_KNOWN = json.loads((Path(__file__).parent / "known_answers" / "awm_elbo_kl.json").read_text())
+
+
+@pytest.mark.parametrize("case", ELBO_KNOWN["cases"],
+                         ids=lambda c: f"{c['kl_weight']}-{c['kl_ema_weight']}-{c['weighting']}-clip{c['clip_range']}")
+def test_kl_weights_and_loss_equal_the_authors(case):
+    """Their 'ELBO' KL weight 1/(2·std_dev_t²) (``kl_weight``, ``kl_ema_weight``) and 'Uniform', in the loss
+    with both KL terms (known_answers/awm_elbo_kl.json): the mean over re-noised copies of ``awm_loss``."""
+    k = ELBO_KNOWN
+    x0 = torch.tensor(k["clean_latents"], dtype=torch.float64)
+    eps, v_old, v, v_ref, v_ema = (torch.tensor(k[n], dtype=torch.float64) for n in
+                                   ("noise", "velocity_old", "velocity", "velocity_ref", "velocity_ema"))
+    weighting = {"ghuber": "ghuber", "Uniform": "uniform"}[case["weighting"]]
+    weights = advantage_weights(torch.tensor(k["advantages"], dtype=torch.float64), k["adv_clip_max"],
+                                k["advantage_max"])
+    b, n = k["b"], k["n"]
+    total, kl_total, ema_total = 0.0, 0.0, 0.0
+    for s, t in enumerate(k["sigmas"]):
+        rows, target = slice(s * b, (s + 1) * b), eps[s * b:(s + 1) * b] - x0
+        log_prob = matching_log_prob(v[rows], target, t, weighting, k["ghuber_power"])
+        old = matching_log_prob(v_old[rows], target, t, weighting, k["ghuber_power"])
+        per_sample_t = torch.full((b,), t)  # one level per sample, as a micro-batch draw hands it
+        kl = velocity_kl(v[rows], v_ref[rows], per_sample_t, case["kl_weight"].lower())
+        ema_kl = velocity_kl(v[rows], v_ema[rows], t, case["kl_ema_weight"].lower())
+        loss, info = awm_loss(log_prob, old, weights, case["clip_range"], kl, case["beta"], ema_kl, case["ema_beta"])
+        total, kl_total, ema_total = total + loss.item() / n, kl_total + info["kl"] / n, ema_total + info["ema_kl"] / n
+    assert math.isclose(total, case["loss"], rel_tol=1e-6)
+    assert math.isclose(kl_total, case["kl_loss"], rel_tol=1e-6)
+    assert math.isclose(ema_total, case["ema_kl_loss"], rel_tol=1e-6)
+
+
+def test_the_moving_average_kl_is_weighed_whatever_beta_their_script_needs_both_weights():
+    """Their loss block weighs the moving-average KL inside ``if beta > 0``, but with β = 0 (or ema_beta = 0)
+    it stops before any loss (known_answers/awm_elbo_kl.json: the NameErrors of lines 1286 and 1289): every run
+    of theirs weighs both terms, as here; β = 0 here keeps the moving-average term."""
+    assert ELBO_KNOWN["beta_zero"]["raises"] == "NameError: name 'log_prob_ref' is not defined"
+    assert ELBO_KNOWN["ema_beta_zero"]["raises"] == "NameError: name 'model_output_ema' is not defined"
+    lp, ema_kl = torch.tensor([-0.5, -0.25]), torch.tensor([0.2, 0.4])
+    loss, info = awm_loss(lp, None, torch.tensor([1.0, -1.0]), 1.0, torch.tensor([9.0, 9.0]), 0.0, ema_kl, 1.0)
+    assert "kl" not in info and info["ema_kl"] == pytest.approx(0.3)
+    assert loss.item() == pytest.approx(0.0 + 0.3)  # on-policy r = 1: mean −Â = 0, plus β_ema·mean ema_kl
+
+
+def test_the_former_draw_and_kl_weights_stay_settable():
+    """Runs saved before ``step_draw`` existed drew one set of grid steps per rollout batch; the KL weights
+    default to the 'Uniform' of every recipe of theirs."""
+    assert AWMConfig.before["step_draw"] == "rollout_batch"
+    config = AWMConfig()
+    assert (config.step_draw, config.step_draw_size, config.kl_weight, config.ema_kl_weight) == (
+        "micro_batch", 3, "uniform", "uniform")
