@@ -121,6 +121,9 @@ def add_guide_args(p: argparse.ArgumentParser) -> None:
                help=f"κ: v_c = v - κ·‖v‖·g/‖g‖ (0 = plain sampling; default {DEFAULT_GUIDE_SCALE})")
     add_number(p, "--guide-window", type=float, lo=0, hi=1, nargs=2, default=None, metavar=("SIGMA_LO", "SIGMA_HI"),
                    help="guide only the steps with σ in [SIGMA_LO, SIGMA_HI]")
+    p.add_argument("--guide-heads", nargs="+", default=None, metavar="HEAD[:WEIGHT]",
+                   help="follow these heads of a several-head latent reward, each gradient normalised, weighted "
+                        "(default 1) and summed (the authors' RGS preset: preference imagereward)")
     p.add_argument("--guide-bands", nargs="+", default=None, metavar="SIGMA:SCALE",
                    help="the authors' σ bands instead of --guide-scale/--guide-window: a step takes the scale of "
                         "the first band whose σ it exceeds, none below the last (their SD3 preset: 0.8:0.30 0.2:0.05)")
@@ -146,10 +149,29 @@ def guide_bands(args: argparse.Namespace) -> tuple[tuple[float, float], ...] | N
     return tuple(bands)
 
 
+def guide_heads(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, dict[str, float] | None]:
+    """``--guide-heads`` as (names, weights) (None, None without it); a malformed one is one clear line."""
+    if args.guide_heads is None:
+        return None, None
+    names, weights = [], {}
+    for item in args.guide_heads:
+        name, sep, weight = item.partition(":")
+        try:
+            if sep:
+                weights[name] = float(weight)
+        except ValueError:
+            name = ""
+        if not name.isidentifier() or name in names:
+            raise UserError(f"--guide-heads {item}: give distinct HEAD or HEAD:WEIGHT, e.g. --guide-heads preference imagereward:0.5")
+        names.append(name)
+    return tuple(names), weights or None
+
+
 def check_guide_args(args: argparse.Namespace) -> None:
     """The ``--guide*`` options, checked before a model is loaded."""
     if args.guide is None:
-        for given, flag in ((args.guide_window, "--guide-window"), (args.guide_bands, "--guide-bands")):
+        for given, flag in ((args.guide_window, "--guide-window"), (args.guide_bands, "--guide-bands"),
+                            (args.guide_heads, "--guide-heads")):
             if given is not None:
                 raise UserError(f"{flag} needs --guide REWARD_DIR")
         return
@@ -162,6 +184,7 @@ def check_guide_args(args: argparse.Namespace) -> None:
     from flowalign.sampling.guidance import Guidance
 
     Guidance(None, 0.0, bands=guide_bands(args))  # the bands' own checks, before a model is loaded
+    guide_heads(args)
 
 
 def load_guidance(args: argparse.Namespace, policy):
@@ -173,7 +196,12 @@ def load_guidance(args: argparse.Namespace, policy):
 
     reward = load_latent_reward(args.guide, device=policy.device, dtype=policy.dtype)
     scale = DEFAULT_GUIDE_SCALE if args.guide_scale is None else args.guide_scale
-    return Guidance(reward, scale, tuple(args.guide_window) if args.guide_window else None, guide_bands(args))
+    heads, weights = guide_heads(args)
+    if heads is not None and not set(heads) <= set(getattr(reward, "head_names", [])):
+        raise UserError(f"--guide-heads {' '.join(heads)}: {args.guide} has heads "
+                        f"{', '.join(getattr(reward, 'head_names', [])) or 'none by name'}")
+    return Guidance(reward, scale, tuple(args.guide_window) if args.guide_window else None, guide_bands(args),
+                    heads, weights)
 
 
 def load_guided_policy(args: argparse.Namespace):

@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> None:
         labels = {"guide": args.guide, "guide_scale": guide.scale, "guide_window": args.guide_window}
         if guide.bands is not None:
             labels = {"guide": args.guide, "guide_bands": [list(band) for band in guide.bands]}
+        if guide.heads is not None:
+            labels["guide_heads"] = {h: (guide.head_weights or {}).get(h, 1.0) for h in guide.heads}
     model = {"model": str(args.model or default_model_dir()), "adapter": args.adapter}
     if args.prompts is not None:
         labels = {"prompts": str(args.prompts), "seed": args.seed or 0, "reward": panel.names[0],

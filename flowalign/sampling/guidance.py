@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,28 @@ def reward_gradient(reward: LatentReward, x: torch.Tensor, sigma: float | torch.
     return grad.to(dtype), score.detach().to(dtype)
 
 
+def head_gradients(reward: Any, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning,
+                   heads: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``({h: ∇_x r_h}, {h: r_h})`` of the named heads of a several-head latent reward (its ``score_heads``),
+    from one pass: the authors' ``score_and_grad`` (autograd of each head's summed score, the graph kept
+    between heads). Gradients ``(B, ...)`` and scores ``(B,)``, float32 (float64 for float64 ``x``)."""
+    score_heads = getattr(reward, "score_heads", None)
+    if score_heads is None:
+        raise UserError(f"reward heads {list(heads)}: this latent reward has one score and no named heads; "
+                        "drop the heads option")
+    dtype = _work_dtype(x)
+    with torch.enable_grad():
+        x_in = x.detach().to(dtype).requires_grad_(True)
+        scores = score_heads(x_in, sigma, cond)
+        unknown = [h for h in heads if h not in scores]
+        if unknown:
+            raise UserError(f"reward heads {unknown}: the latent reward's heads are {', '.join(scores)}")
+        grads = {}
+        for i, h in enumerate(heads):
+            (grads[h],) = torch.autograd.grad(scores[h].sum(), x_in, retain_graph=i + 1 < len(heads))
+    return {h: g.to(dtype) for h, g in grads.items()}, {h: scores[h].detach().to(dtype) for h in heads}
+
+
 def per_sample_rms(t: torch.Tensor) -> torch.Tensor:
     """``(B,)``: the root mean square of each sample of ``t`` ``(B, ...)``."""
     return t.square().reshape(t.shape[0], -1).mean(dim=1).sqrt()
@@ -66,6 +89,29 @@ def unit_rms(t: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     gradient before the correction (so their ``min_gradient_rms`` gate acts only on an all-but-zero
     gradient, ``rms(g) < 1e-12``)."""
     return t / per_sample_rms(t).clamp_min(eps).view(t.shape[0], *([1] * (t.ndim - 1)))
+
+
+def combine_heads(gradients: torch.Tensor | Mapping[str, torch.Tensor], weights: Mapping[str, float] | None = None,
+                  eps: float = 1e-12) -> torch.Tensor:
+    """``Σ_h w_h·g_h/rms(g_h)`` per sample, ``(B, ...)``: the authors' ``combine`` (each head's gradient
+    normalised, weighted, summed; ``w`` 1 where not given). A single tensor is one head: ``g/rms(g)``."""
+    if isinstance(gradients, torch.Tensor):
+        return unit_rms(gradients, eps)
+    if not gradients:
+        raise ValueError("combine_heads: no head gradients given")
+    weights = weights or {}
+    return sum(unit_rms(g, eps) * float(weights.get(h, 1.0)) for h, g in gradients.items())
+
+
+def guiding_gradient(reward: Any, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning,
+                     heads: Sequence[str] | None = None, weights: Mapping[str, float] | None = None
+                     ) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
+    """What a guided step follows, and the score ``(B,)``: the reward's gradient (``heads`` None: its
+    ``score``), or the named heads' gradients as a dict (for :func:`combine_heads`), the score the first's."""
+    if heads is None:
+        return reward_gradient(reward, x, sigma, cond)
+    grads, scores = head_gradients(reward, x, sigma, cond, heads)
+    return grads, scores[heads[0]]
 
 
 def reward_correction(base: torch.Tensor, grad: torch.Tensor, scale: float, eps: float = 1e-12) -> torch.Tensor:
@@ -85,13 +131,18 @@ def reward_correction(base: torch.Tensor, grad: torch.Tensor, scale: float, eps:
     return correction * clip.view(shape)
 
 
-def guide_velocity(v: torch.Tensor, grad: torch.Tensor, scale: float, eps: float = 1e-12) -> torch.Tensor:
-    """``v − s·rms(v)·g/rms(g)`` per sample (:func:`reward_correction` of :func:`unit_rms` ``g``, as the
-    authors' teacher combines its one head), ``(B, ...)``; ``v`` unchanged (the same
-    tensor) when s = 0. With ``Δ = (σ' − σ)·v``, ``x + (σ' − σ)·v_c`` is the authors' ``x + Δ + c(Δ)``."""
+def guide_velocity(v: torch.Tensor, grad: torch.Tensor | Mapping[str, torch.Tensor], scale: float,
+                   eps: float = 1e-12, weights: Mapping[str, float] | None = None) -> torch.Tensor:
+    """``v − s·rms(v)·ĝ/rms(ĝ)`` per sample, ``ĝ`` the :func:`combine_heads` of ``grad`` (one gradient, or a
+    dict by head with ``weights``), as the authors' teacher combines its heads, then :func:`reward_correction`;
+    ``(B, ...)``; ``v`` unchanged (the same tensor) when s = 0. With ``Δ = (σ' − σ)·v``, ``x + (σ' − σ)·v_c``
+    is the authors' ``x + Δ + c(Δ)``."""
     if scale == 0:
         return v
-    return v.to(_work_dtype(v)) - reward_correction(v, unit_rms(grad.to(_work_dtype(v)), eps), scale, eps)
+    dtype = _work_dtype(v)
+    grads = (grad.to(v.device, dtype) if isinstance(grad, torch.Tensor)
+             else {h: g.to(v.device, dtype) for h, g in grad.items()})
+    return v.to(dtype) - reward_correction(v, combine_heads(grads, weights, eps), scale, eps)
 
 
 @dataclass
@@ -105,6 +156,10 @@ class Guidance:
     scale: float = 0.0
     window: tuple[float, float] | None = None
     bands: tuple[tuple[float, float], ...] | None = None
+    #: the reward's heads to follow, each gradient normalised then weighted (``head_weights``, default 1) and
+    #: summed (the authors' ``combine``); None: the reward's ``score``
+    heads: tuple[str, ...] | None = None
+    head_weights: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.scale < 0:
@@ -141,8 +196,8 @@ class Guidance:
         scale = self.scale_at(sigma)
         if scale == 0:
             return v
-        grad, _ = reward_gradient(self.reward, x, sigma, cond)
-        return guide_velocity(v, grad.to(v.device), scale)
+        grad, _ = guiding_gradient(self.reward, x, sigma, cond, self.heads, self.head_weights)
+        return guide_velocity(v, grad, scale, weights=self.head_weights)
 
 
 class GuidedPolicy:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -46,12 +47,13 @@ from flowalign.limits import (
     MAX_UPDATES,
 )
 from flowalign.paths import REPO_ROOT
-from flowalign.sampling import Rollout, load_latent_reward, reward_gradient
+from flowalign.sampling import Rollout, load_latent_reward
 from flowalign.sampling.guidance import (
+    combine_heads,
+    guiding_gradient,
     latent_reward_sizes,
     per_sample_rms,
     reward_correction,
-    unit_rms,
 )
 from flowalign.trainers.base import (
     GroupTrainer,
@@ -108,6 +110,12 @@ class RGOPDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
     before = {"target_base": "rollout", "active_sigma_min": 0.0, "loss_space": "velocity", "updates": "per_batch"}
     #: latent reward folder (flowalign train-reward)
     latent_reward: str
+    #: the latent reward's heads whose gradients the target follows, each normalised then weighted by
+    #: ``head_weights`` (default 1) and summed (the authors' ``combine``; their SD3 preset: [preference]);
+    #: null: the reward's score (its first head)
+    heads: list[str] | None = Field(None, min_length=1)
+    #: weight of each named head's normalised gradient in the sum (a head not named here: 1)
+    head_weights: dict[str, float] | None = None
     #: κ, the authors' ``reward_scale``: the target moves each velocity by κ·rms(v_b) along −∇r (their SD3
     #: preset 0.4, FLUX 0.8)
     kappa: float = Field(0.4, ge=0, le=MAX_COEFFICIENT)
@@ -154,14 +162,16 @@ def reward_folder(path: str) -> Path:
     return p
 
 
-def distillation_target(v_base: torch.Tensor, grad: torch.Tensor, kappa: float) -> torch.Tensor:
-    """``v* = sg(v_b − κ·rms(v_b)·ĝ)``, ``ĝ = g/rms(g)`` per sample (the authors' one-head ``combine``, then
-    their gated and clipped ``correction``), ``(B, ...)``
-    float32 (float64 for float64 inputs). ``x + dt·v*`` is their ``build_rgopd_target`` (dt < 0)."""
-    if kappa == 0:
-        return v_base.to(torch.promote_types(v_base.dtype, torch.float32)).detach()
+def distillation_target(v_base: torch.Tensor, grad: torch.Tensor | Mapping[str, torch.Tensor], kappa: float,
+                        weights: Mapping[str, float] | None = None) -> torch.Tensor:
+    """``v* = sg(v_b − κ·rms(v_b)·ĝ)`` per sample, ``ĝ`` the authors' ``combine`` of ``grad`` (one gradient:
+    ``g/rms(g)``; a dict by head: ``Σ_h w_h·g_h/rms(g_h)``), then their gated and clipped ``correction``;
+    ``(B, ...)`` float32 (float64 for float64 inputs). ``x + dt·v*`` is their ``build_rgopd_target`` (dt < 0)."""
     dtype = torch.promote_types(v_base.dtype, torch.float32)
-    return (v_base.to(dtype) - reward_correction(v_base, unit_rms(grad.to(dtype)), kappa)).detach()
+    if kappa == 0:
+        return v_base.to(dtype).detach()
+    grads = grad.to(dtype) if isinstance(grad, torch.Tensor) else {h: g.to(dtype) for h, g in grad.items()}
+    return (v_base.to(dtype) - reward_correction(v_base, combine_heads(grads, weights), kappa)).detach()
 
 
 def reward_active(sigma: float, kappa: float, active_sigma_min: float) -> bool:
@@ -233,6 +243,12 @@ class RGOPDTrainer(GroupTrainer):
         super().__init__(cfg, tcfg, policy, *args, **kwargs)
         folder = reward_folder(tcfg.latent_reward)
         self.latent_reward = load_latent_reward(folder, device=policy.device, dtype=policy.dtype)
+        known = list(getattr(self.latent_reward, "head_names", []))
+        if tcfg.heads is not None and not set(tcfg.heads) <= set(known):
+            raise UserError(f"trainer.heads {tcfg.heads}: the latent reward {tcfg.latent_reward} has heads "
+                            f"{', '.join(known) or 'none by name'}")
+        if tcfg.head_weights and not set(tcfg.head_weights) <= set(tcfg.heads or []):
+            raise UserError(f"trainer.head_weights names {sorted(tcfg.head_weights)}: weigh heads listed in trainer.heads")
         self.real_pairs: PreferencePairs | None = None
         if tcfg.core is not None:
             if self.parallel.world > 1:
@@ -290,8 +306,11 @@ class RGOPDTrainer(GroupTrainer):
             guided = reward_active(sigma, self.tcfg.kappa, self.tcfg.active_sigma_min)
             target = base.float().detach()
             if guided:  # outside the active band the reward is not even evaluated (the authors' sparse guidance)
-                grad, r = reward_gradient(self.latent_reward, x, sigma, chunk.cond)
-                target = distillation_target(base, grad.to(base.device), self.tcfg.kappa)
+                grad, r = guiding_gradient(self.latent_reward, x, sigma, chunk.cond, self.tcfg.heads,
+                                           self.tcfg.head_weights)
+                grad = grad.to(base.device) if isinstance(grad, torch.Tensor) else {
+                    h: g.to(base.device) for h, g in grad.items()}
+                target = distillation_target(base, grad, self.tcfg.kappa, self.tcfg.head_weights)
                 stats["latent_score_visited"].append(r.detach().mean())
                 stats["reward_shift"].append((per_sample_rms(target - base.float()) / per_sample_rms(base.float()).clamp_min(1e-12)).mean())
             stats["guided_fraction"].append(float(guided))

@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_number(src, "--data-seed", type=int, lo=0, hi=MAX_SEED, default=0, help="seed of the freshly drawn tasks (never the held-out split)")
     add_number(src, "--steps", type=int, lo=1, hi=MAX_SAMPLING_STEPS, default=None, help="sampling steps (default: the model's)")
     src.add_argument("--no-partial-credit", action="store_true", help="rank vvr samples by the plain verifier score")
+    src.add_argument("--heads", nargs="+", default=None, metavar="REWARD",
+                     help="one register head per reward, each labelled by that registered reward (e.g. vvr vvr_soft); "
+                          "the first orders the pairs (default: one head, labelled by the benchmark's verifier)")
     src.add_argument("--pairs-out", default=None, help="also save the generated pairs here (.safetensors) for reuse")
     p.add_argument("--out", required=True, help="reward folder to write")
     p.add_argument("--overwrite", action="store_true",
@@ -78,6 +81,15 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("n", "group_size", "train_steps", "batch_size", "registers", "head_hidden", "checkpoint_every"):
         if getattr(args, name) < (2 if name == "group_size" else 1):
             raise UserError(f"--{name.replace('_', '-')} must be >= {2 if name == 'group_size' else 1}, got {getattr(args, name)}")
+    if args.heads is not None:
+        if not args.bench:
+            raise UserError("--heads labels the model's own samples: give it with --bench (pair files carry their heads)")
+        if len(set(args.heads)) != len(args.heads) or not all(h.isidentifier() for h in args.heads):
+            raise UserError(f"--heads {' '.join(args.heads)}: give distinct registered reward names, e.g. --heads vvr vvr_soft")
+        import rewards
+
+        for name in args.heads:
+            rewards.check(name)
     if not 0 <= args.test_fraction < 1:
         raise UserError(f"--test-fraction {args.test_fraction}: use a value in [0, 1)")
     if not 0 < args.lr <= MAX_LR:
@@ -175,15 +187,18 @@ def load_pairs(args: argparse.Namespace, policy):
     from rewards.registry import load as load_reward
 
     bench = training_tasks(args.bench, args.level, args.n, args.data_seed)
-    reward = bench.reward
-    if args.bench == "vvr" and not args.no_partial_credit:
-        reward = load_reward("vvr", partial_credit=True)
+    partial = args.bench == "vvr" and not args.no_partial_credit
+    reward = load_reward("vvr", partial_credit=True) if partial else bench.reward
+    labeller = reward.name + (" (partial credit)" if partial else "")
+    if args.heads:  # one labeller per head; the benchmark's own verifier keeps the partial credit asked for
+        reward = {h: reward if h == bench.reward.name else load_reward(h) for h in args.heads}
+        labeller = ", ".join(labeller if h == bench.reward.name else h for h in args.heads)
     pairs, info = generate_pairs(policy, bench.prompts, bench.metadata, reward, group_size=args.group_size,
                                  num_steps=args.steps, seed=args.data_seed, progress=not args.no_progress)
     if args.pairs_out:
         pairs.save(args.pairs_out)
     return pairs, {"source": f"{args.bench}/{args.level} n={args.n} seed={args.data_seed} group={args.group_size}",
-                   "labeller": reward.name + (" (partial credit)" if reward is not bench.reward else ""), **info}
+                   "labeller": labeller, **info}
 
 
 def split_pairs(args: argparse.Namespace, pairs, policy, source: dict) -> tuple:
@@ -275,7 +290,7 @@ def saved_bytes(reward, pairs) -> int:
 def run(args: argparse.Namespace) -> None:
     from flowalign.disk_space import explain_no_space
     from flowalign.trainers.parts.latent_preference import PreferencePairs
-    from rewards.latent_registers import LatentRegisters, family_options_for, load_frozen_transformer
+    from rewards.latent_registers import DEFAULT_HEAD, LatentRegisters, family_options_for, load_frozen_transformer
 
     _check(args)
     out, partial = _out_folders(args)
@@ -293,9 +308,10 @@ def run(args: argparse.Namespace) -> None:
     train_pairs, test_pairs = split_pairs(args, pairs, policy, source)
     transformer = load_frozen_transformer(model, Path(model), policy.device, policy.dtype)
     reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
-                             base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy))
+                             base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy),
+                             heads=pairs.heads or [DEFAULT_HEAD])
     stats = fit_registers(args, reward, pairs, train_pairs, source, partial, policy.encode, resume)
-    metrics = {"pairs": source, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
+    metrics = {"pairs": source, "heads": reward.head_names, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
                "train_steps": args.train_steps, "loss": args.loss, "final_train_loss": stats.get("loss"),
                **accuracy_report(args, reward, policy.encode, train_pairs, test_pairs)}
     metrics["minutes"] = (time.perf_counter() - t0) / 60
@@ -307,6 +323,8 @@ def run(args: argparse.Namespace) -> None:
         write_json(tmp / "metrics.json", metrics)
     remove_owned(partial, PARTIAL)
     shown = metrics.get("accuracy_test", metrics["accuracy_train"])
-    print("pairwise accuracy (" + ("held-out" if "accuracy_test" in metrics else "train") + "): "
-          + ", ".join(f"{k} {v:.1%}" for k, v in shown.items()))
+    kind = "held-out" if "accuracy_test" in metrics else "train"
+    for head, table in (shown.items() if len(reward.head_names) > 1 else [(None, shown)]):
+        print(f"pairwise accuracy ({kind}{'' if head is None else ', head ' + head}): "
+              + ", ".join(f"{k} {v:.1%}" for k, v in table.items()))
     print(f"wrote {out}")

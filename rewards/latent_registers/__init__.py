@@ -3,6 +3,7 @@ family saying how the register stream passes that family's blocks (``sd3.py``, `
 
 from rewards.latent_registers.registers import (
     CLASS_PATH,
+    DEFAULT_HEAD,
     FAMILIES,
     LatentRegisters,
     encode_images,
@@ -13,5 +14,5 @@ from rewards.latent_registers.registers import (
     resolve_layers,
 )
 
-__all__ = ["CLASS_PATH", "FAMILIES", "LatentRegisters", "encode_images", "family_options_for", "load_frozen_transformer", "read_config",
+__all__ = ["CLASS_PATH", "DEFAULT_HEAD", "FAMILIES", "LatentRegisters", "encode_images", "family_options_for", "load_frozen_transformer", "read_config",
            "resolve_base_model", "resolve_layers"]

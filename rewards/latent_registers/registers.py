@@ -11,9 +11,11 @@ block with the block's own frozen weights. What "through the block" means is the
 ``sd3.py``, ``flux.py``, ``wan.py`` (each reads top to bottom, one block type at a time). Under RoPE
 (FLUX, Wan) the registers take the identity rotation.
 
-The head is ``r = MLP(LN(concat_l mean_m reg_l))`` over the chosen layers (default: the last block).
-Only the registers and the head are parameters of this module; the transformer is held outside the
-module tree, frozen, so ``parameters()`` / ``state_dict()`` are exactly the trainable reward.
+A head is ``r = MLP(LN(concat_l mean_m reg_l))`` over the chosen layers (default: the last block); a reward
+may have several, one per preference signal (the authors train ``preference``, ``pickscore`` and
+``imagereward`` heads on one register stream), read together by ``score_heads`` and the first of them by
+``score``. Only the registers and the heads are parameters of this module; the transformer is held outside
+the module tree, frozen, so ``parameters()`` / ``state_dict()`` are exactly the trainable reward.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from rewards.latent_registers import flux, sd3, wan
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "registers.safetensors"
 CLASS_PATH = "rewards.latent_registers:LatentRegisters"
-FORMAT_VERSION = 1
+#: 2: several named heads (``heads`` in config.json, weights ``heads.<name>.*``); 1: one head, ``head.*``
+FORMAT_VERSION = 2
+#: the name of a one-head reward's head (and of every head a format-1 folder has)
+DEFAULT_HEAD = "reward"
 #: transformer class name → the family that knows how registers pass its blocks
 FAMILIES = {sd3.CLASS_NAME: sd3.SD3Registers, flux.CLASS_NAME: flux.FluxRegisters, wan.CLASS_NAME: wan.WanRegisters}
 
@@ -71,17 +76,22 @@ class LatentRegisters(nn.Module):
     ``WanTransformer3DModel`` (frozen here: its parameters stop requiring grad). ``x``: latents in that
     family's policy convention (SD3 ``(B, C, h, w)``, FLUX packed ``(B, seq, 4C)``, Wan ``(B, C, F, h, w)``);
     ``cond``: the same family's policy encoding. ``family_options``: FLUX's ``latent_hw`` and ``guidance``.
+    ``heads``: the names of the reward's heads (one MLP each on the same register features); ``score`` reads
+    the first.
     """
 
     def __init__(self, transformer: nn.Module, *, num_registers: int = 8, layers: str | Sequence[int] = "last",
                  head_hidden: int = 256, base_model: str | None = None, seed: int = 0,
-                 family_options: dict[str, Any] | None = None):
+                 family_options: dict[str, Any] | None = None, heads: Sequence[str] = (DEFAULT_HEAD,)):
         super().__init__()
         kind = type(transformer).__name__
         if kind not in FAMILIES:
             raise UserError(f"latent registers support {', '.join(FAMILIES)}; got {kind}")
         if num_registers < 1:
             raise UserError(f"num_registers={num_registers}: use at least 1 register")
+        heads = [str(h) for h in heads]
+        if not heads or len(set(heads)) != len(heads) or not all(h.isidentifier() for h in heads):
+            raise UserError(f"heads={heads}: give one or more distinct names (letters, digits, _), e.g. vvr, vvr_soft")
         transformer.requires_grad_(False).eval()
         transformer.gradient_checkpointing = False  # a checkpointed block would re-run the hooks
         self.__dict__["transformer"] = transformer  # outside the module tree: not ours to train or save
@@ -90,21 +100,39 @@ class LatentRegisters(nn.Module):
         self.layers = resolve_layers(layers, len(self.family.blocks()))
         self.base_model = base_model
         self.options = {"num_registers": num_registers, "layers": self.layers, "head_hidden": head_hidden,
-                        **{k: v for k, v in self.family.options().items() if v is not None}}
+                        "heads": heads, **{k: v for k, v in self.family.options().items() if v is not None}}
         gen = torch.Generator().manual_seed(seed)
         # distinct random registers: identical ones would receive identical updates forever
         self.registers = nn.Parameter(torch.randn(num_registers, dim, generator=gen))
         width = dim * len(self.layers)
-        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, head_hidden), nn.SiLU(), nn.Linear(head_hidden, 1))
+        self.heads = nn.ModuleDict({h: nn.Sequential(nn.LayerNorm(width), nn.Linear(width, head_hidden), nn.SiLU(),
+                                                     nn.Linear(head_hidden, 1)) for h in heads})
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.head.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+            torch.manual_seed(seed)  # in order: the first head is initialised as a one-head reward's
+            for head in self.heads.values():
+                head.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
         self.to(next(transformer.parameters()).device)
+
+    @property
+    def head_names(self) -> list[str]:
+        return list(self.heads)
+
+    @property
+    def head(self) -> nn.Module:
+        """The first head, the one ``score`` reads."""
+        return next(iter(self.heads.values()))
 
     # ------------------------------------------------------------------ scoring
     def forward_with_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One DiT pass: the frozen model's velocity (float32, no CFG, shaped like ``x``) and the reward ``(B,)``."""
+        """One DiT pass: the frozen model's velocity (float32, no CFG, shaped like ``x``) and the first head's
+        reward ``(B,)``."""
+        velocity, features = self.features_with_velocity(x, sigma, cond)
+        return velocity, self.head(features).squeeze(-1)
+
+    def features_with_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One DiT pass: the frozen model's velocity and the register features the heads read ``(B, L·dim)``."""
         device, dtype = self.registers.device, next(self.transformer.parameters()).dtype
         b = x.shape[0]
         if len(cond) != b:
@@ -124,12 +152,17 @@ class LatentRegisters(nn.Module):
         finally:
             for h in handles:
                 h.remove()
-        feats = torch.cat([state["feats"][i] for i in self.layers], dim=-1)
-        return velocity, self.head(feats).squeeze(-1)
+        return velocity, torch.cat([state["feats"][i] for i in self.layers], dim=-1)
 
     def score(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """``r_ψ(x_σ, σ, c)`` ``(B,)`` float32, differentiable in ``x`` (and in the registers and head)."""
+        """``r_ψ(x_σ, σ, c)`` ``(B,)`` float32 of the first head, differentiable in ``x`` (and in the registers
+        and head)."""
         return self.forward_with_velocity(x, sigma, cond)[1]
+
+    def score_heads(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> dict[str, torch.Tensor]:
+        """Every head's ``r_h(x_σ, σ, c)`` ``(B,)`` from one DiT pass (the authors' ``score``: a dict by head)."""
+        features = self.features_with_velocity(x, sigma, cond)[1]
+        return {name: head(features).squeeze(-1) for name, head in self.heads.items()}
 
     def forward(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
         return self.score(x, sigma, cond)
@@ -170,19 +203,23 @@ class LatentRegisters(nn.Module):
                             f"{family.name!r} one; load them on the base model they were trained on")
         reward = cls(transformer, num_registers=int(config["num_registers"]), layers=config["layers"],
                      head_hidden=int(config["head_hidden"]), base_model=config.get("base_model"),
-                     family_options={k: config[k] for k in ("latent_hw", "guidance") if k in config})
+                     family_options={k: config[k] for k in ("latent_hw", "guidance") if k in config},
+                     heads=config.get("heads", [DEFAULT_HEAD]))
         dim = reward.registers.shape[1]
         if int(config.get("dim", dim)) != dim:
             raise UserError(f"{directory}: registers of width {config['dim']} do not fit this transformer (width {dim}); "
                             "load them on the base model they were trained on")
-        reward.load_state_dict(load_file(str(directory / WEIGHTS_NAME)))
+        state = load_file(str(directory / WEIGHTS_NAME))
+        if "heads" not in config:  # format 1: one head, saved as head.*
+            state = {f"heads.{DEFAULT_HEAD}.{k[5:]}" if k.startswith("head.") else k: v for k, v in state.items()}
+        reward.load_state_dict(state)
         return reward.to(next(transformer.parameters()).device)
 
 
     @classmethod
     def sizes(cls, directory: Path) -> dict[str, int]:
         """What :meth:`load` allocates, read from the folder's headers without loading: ``own`` trainable
-        parameters (registers and head) and ``model``: the one frozen base transformer it loads."""
+        parameters (registers and heads) and ``model``: the one frozen base transformer it loads."""
         from safetensors import safe_open
 
         read_config(directory)

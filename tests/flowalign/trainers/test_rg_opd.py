@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from flowalign.config import validate_section
 from flowalign.data import read_prompt_file
 from flowalign.errors import UserError
-from flowalign.sampling import reward_gradient
+from flowalign.sampling import Guidance, reward_gradient
+from flowalign.sampling.guidance import combine_heads
 from flowalign.train import build_trainer
 from flowalign.trainers.rg_opd import (
     RGOPDConfig,
@@ -23,10 +24,40 @@ from flowalign.trainers.rg_opd import (
 )
 
 from .conftest import small_config
-from .toy_latent import BiasedGaussianPolicy, LinearLatentReward
+from .toy_latent import BiasedGaussianPolicy, LinearHeadsLatentReward, LinearLatentReward
 
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "rg_opd_target_loss.json").read_text())
 NOISY = json.loads((Path(__file__).parent / "known_answers" / "rg_opd_transition_noise.json").read_text())
+HEADS = json.loads((Path(__file__).parent / "known_answers" / "rg_opd_heads.json").read_text())
+
+
+class FixedHeadGradients:
+    """A several-head latent reward ``r_h(x) = Σ ⟨G_h, x⟩`` per sample: head h's gradient is ``G_h``."""
+
+    def __init__(self, grads: dict[str, torch.Tensor]):
+        self.grads = grads
+
+    def score_heads(self, x, sigma, cond):
+        return {h: (x * g).flatten(1).sum(1) for h, g in self.grads.items()}
+
+
+@pytest.mark.parametrize("case", HEADS["cases"], ids=lambda c: f"scale{c['scale']}")
+def test_two_heads_combine_into_the_authors_target(case):
+    """Their ``combine`` (each head's gradient normalised, weighted, summed) then ``build_rgopd_target``: the
+    combined gradient, RG-OPD's target next state, and RGS's guided step at the same scale, from the heads'
+    gradients (float32, rtol 1e-5)."""
+    t = lambda v: torch.tensor(v, dtype=torch.float32).reshape(HEADS["shape"])
+    grads = {h: t(g) for h, g in HEADS["gradients"].items()}
+    x, v_base, dt = t(HEADS["x"]), t(HEADS["v_base"]), HEADS["next_sigma"] - HEADS["sigma"]
+    torch.testing.assert_close(combine_heads(grads, case["weights"]).flatten(), torch.tensor(case["combined"]),
+                               rtol=1e-5, atol=1e-6)
+    expected = torch.tensor(case["target_next"])
+    v_star = distillation_target(v_base, grads, case["scale"], case["weights"])
+    torch.testing.assert_close((x + dt * v_star).flatten(), expected, rtol=1e-5, atol=1e-5)
+    guide = Guidance(FixedHeadGradients(grads), case["scale"], heads=tuple(grads), head_weights=case["weights"])
+    torch.testing.assert_close((x + dt * guide(v_base, x, HEADS["sigma"], None)).flatten(), expected, rtol=1e-5, atol=1e-5)
+    if case["weights"]:  # the weights matter: equal weights give another target
+        assert not torch.allclose(distillation_target(v_base, grads, case["scale"]), v_star)
 
 
 class ToyLatentReward:
@@ -143,6 +174,36 @@ def test_the_trainer_divides_its_transition_loss_by_the_noisy_steps_variance(tmp
         losses[noise] = trainer.loss_at(chunk, 1, chunk.velocities[:, 1] + 0.5).item()
     dt = (chunk.sigmas[2] - chunk.sigmas[1]).item()
     assert losses[0.7] == pytest.approx(losses[0.0] / (0.7 * dt) ** 2, rel=1e-6)
+
+
+def test_the_target_follows_the_named_heads_combined(tmp_path, prompt_file):
+    """``heads`` / ``head_weights``: each visited state's target shift is −κ·rms(v_b)·ĉ/rms(ĉ) with
+    ĉ = Σ_h w_h·a_h/rms(a_h), the heads' constant gradients combined as the authors' ``combine``; unknown heads
+    and weights of unlisted heads are refused."""
+    a, b = [1.0, -2.0, 0.5, 0.0], [0.0, 1.0, 1.0, 3.0]
+    reward_dir = LinearHeadsLatentReward.write(tmp_path / "heads", {"a": a, "b": b})
+    cfg = small_config(tmp_path / "run", tmp_path, prompt_file, "trainer.name=rg_opd")
+
+    def trainer(**options):
+        tcfg = validate_section(RGOPDConfig, {"name": "rg_opd", "latent_reward": str(reward_dir), "num_steps": 4,
+                                              "prompts_per_step": 1, "group_size": 4, "batch_size": 4, **options},
+                                "trainer.")
+        return RGOPDTrainer(cfg, tcfg, BiasedGaussianPolicy(dim=4), [], read_prompt_file(prompt_file), None,
+                            Accelerator(cpu=True), tmp_path / "run")
+
+    t = trainer(heads=["a", "b"], head_weights={"b": 0.5})
+    batch = t.sample(*t.step_prompts(0))
+    unit = t.plan(batch, torch.Generator().manual_seed(0)).steps[0][0]
+    chunk = batch.chunks[unit.chunk]
+    v_base = chunk.velocities[:, unit.k]  # the toy's reference is its rollout velocity (bias 0 throughout)
+    unit_a, unit_b = (torch.tensor(d) / torch.tensor(d).pow(2).mean().sqrt() for d in (a, b))
+    combined = unit_a + 0.5 * unit_b
+    expected = -0.4 * v_base.pow(2).mean(1).sqrt()[:, None] * combined / combined.pow(2).mean().sqrt()
+    torch.testing.assert_close(unit.target - v_base, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(UserError, match="trainer.heads"):
+        trainer(heads=["a", "c"])
+    with pytest.raises(UserError, match="trainer.head_weights"):
+        trainer(heads=["a"], head_weights={"b": 1.0})
 
 
 def _rg_opd(tmp_path, model, prompts, reward_dir, *extra):

@@ -36,6 +36,32 @@ class LinearLatentReward:
         return folder
 
 
+class LinearHeadsLatentReward:
+    """Several heads ``r_h(x) = ⟨a_h, x⟩`` per sample (head h's gradient is the constant ``a_h``); ``score``
+    reads the first."""
+
+    def __init__(self, directions: dict[str, list[float]]):
+        self.a = {h: torch.tensor(d, dtype=torch.float32) for h, d in directions.items()}
+        self.head_names = list(directions)
+
+    def score_heads(self, x, sigma, cond):
+        return {h: (x.flatten(1).float() * a).sum(1) for h, a in self.a.items()}
+
+    def score(self, x, sigma, cond):
+        return self.score_heads(x, sigma, cond)[self.head_names[0]]
+
+    @classmethod
+    def load(cls, folder, **kwargs):
+        return cls(json.loads((Path(folder) / "config.json").read_text())["directions"])
+
+    @staticmethod
+    def write(folder: Path, directions: dict[str, list[float]]) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(
+            {"class": "tests.flowalign.trainers.toy_latent:LinearHeadsLatentReward", "directions": directions}))
+        return folder
+
+
 class BiasedGaussianPolicy(GaussianPolicy):
     """Exact velocity of Gaussian data plus a trainable offset ``b`` ``(D,)``."""
 

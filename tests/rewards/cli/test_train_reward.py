@@ -1,5 +1,6 @@
 """``flowalign train-reward`` and the ``--guide`` options of ``sample`` / ``evaluate``, end to end."""
 
+import argparse
 import json
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 from PIL import Image
 
 from flowalign.cli.main import main
+from flowalign.paths import REPO_ROOT
 
 
 def run(argv, capsys):
@@ -171,3 +173,49 @@ def test_out_dot_is_the_working_folder(image_pairs, tiny_sd3_dir, tmp_path, monk
                         "--overwrite", "--layers", "first"], capsys)
     assert code == 2 and "--layers 'first'" in err and "Traceback" not in err, err  # got past --out
     assert not (tmp_path / "work.partial").exists()
+
+
+def test_several_heads_each_labelled_by_its_reward(tmp_path, capsys):
+    """``--heads vvr vvr_soft``: one register head per reward; each pair carries both heads' score differences
+    (the verifier's ties kept where the soft score orders them), the folder loads with both heads, and the
+    accuracy is reported per head. On the shipped model, whose samples the verifier tells apart."""
+    tiny_sd3_dir = REPO_ROOT / "assets" / "tiny-sd3-vvr"
+    from flowalign.cli.common import load_policy
+    from flowalign.sampling.guidance import load_latent_reward
+    from flowalign.trainers.parts.latent_preference import PreferencePairs
+
+    out = tmp_path / "two-heads"
+    code, stdout, err = run(["train-reward", "--model", str(tiny_sd3_dir), "--bench", "vvr", "--level", "medium", "--n", "6",
+                             "--group-size", "3", "--steps", "8", "--heads", "vvr", "vvr_soft", "--registers", "2",
+                             "--head-hidden", "8", "--train-steps", "3", "--batch-size", "4", "--test-fraction", "0.34",
+                             "--out", str(out), "--no-progress"], capsys)
+    assert code == 0, err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["heads"] == ["vvr", "vvr_soft"] and set(metrics["accuracy_train"]) == {"vvr", "vvr_soft"}
+    assert "head vvr_soft" in stdout
+    pairs = PreferencePairs.load(out / "pairs.safetensors")
+    assert pairs.heads == ["vvr", "vvr_soft"]
+    vvr, soft = pairs.head_margins["vvr"], pairs.head_margins["vvr_soft"]
+    assert torch.equal(vvr, pairs.margin)  # the first head orders the pairs: its margin is the pair's
+    assert (vvr >= 0).all() and (soft != 0).all()  # a pair the verifier ties is kept for the soft score
+    assert (vvr == 0).any() and (vvr > 0).any()  # on these samples: both kinds of pair
+    reward = load_latent_reward(out)
+    assert reward.head_names == ["vvr", "vvr_soft"]
+    policy = load_policy(argparse.Namespace(model=str(tiny_sd3_dir), adapter=None, device="cpu", dtype="fp32"))
+    x, cond = pairs.chosen[:2], policy.encode(pairs.prompts[:2])
+    heads = reward.score_heads(x, 0.3, cond)
+    assert set(heads) == {"vvr", "vvr_soft"} and torch.equal(heads["vvr"], reward.score(x, 0.3, cond))
+    assert not torch.equal(heads["vvr"], heads["vvr_soft"])
+    code, _, err = run(["train-reward", "--model", str(tiny_sd3_dir), "--pairs", str(out / "pairs.safetensors"),
+                        "--heads", "vvr", "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "--heads labels the model's own samples" in err
+
+    # RGS on the heads: the first head alone is the reward's score; both heads, weighted, steer elsewhere
+    base = ["sample", "--model", str(tiny_sd3_dir), "--prompt", "two red circles", "--steps", "3", "--seed", "1",
+            "--guide", str(out), "--guide-scale", "0.5"]
+    for name, heads in (("score", []), ("first", ["--guide-heads", "vvr"]), ("both", ["--guide-heads", "vvr", "vvr_soft:0.5"])):
+        assert run(base + heads + ["--out", str(tmp_path / f"{name}.png")], capsys)[0] == 0
+    score, first, both = (np.asarray(Image.open(tmp_path / f"{n}.png")) for n in ("score", "first", "both"))
+    assert np.array_equal(score, first) and not np.array_equal(first, both)
+    code, _, err = run(base + ["--guide-heads", "pickscore", "--out", str(tmp_path / "x.png")], capsys)
+    assert code == 2 and "has heads vvr, vvr_soft" in err

@@ -42,7 +42,7 @@ def test_gradient_reaches_x_and_registers_but_no_dit_parameter(setup):
     assert reward.registers.grad.abs().sum() > 0 and all(p.grad is not None for p in reward.head.parameters())
     assert all(p.grad is None for p in reward.transformer.parameters())
     # only registers and head are this module's parameters (what an optimiser and a checkpoint see)
-    assert {n.split(".")[0] for n, _ in reward.named_parameters()} == {"registers", "head"}
+    assert {n.split(".")[0] for n, _ in reward.named_parameters()} == {"registers", "heads"}
 
 
 def test_invariant_to_permuting_registers_and_dependent_on_them(setup):
