@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from flowalign.errors import UserError
 from rewards.clip_common import clip_preprocess
+from rewards.model_options import weights_path
 
 DOWNLOADS = {"dinov2": "facebook/dinov2-base (the model folder)",
              "dinov3": "facebook/dinov3-vitl16-pretrain-lvd1689m (the model folder)"}
@@ -32,15 +33,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def model_folder(who: str, path: Any, option: str, download: str) -> Path:
     """``path`` as an existing folder, else one line naming ``who``, the ``option`` and what to download."""
-    fix = f"download {download} and set {option}: to the downloaded folder"
-    if path is None or str(path) == "":
-        raise UserError(f"{who}: {option} is not set; {fix}")
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(f"{who}: {option}={str(path)!r} does not exist; {fix}")
-    if not p.is_dir():
-        raise UserError(f"{who}: {option}={str(path)!r} is a file; give the folder of {download}")
-    return p
+    return weights_path(who, path, download=download, option=option, kind="folder", label=who)
 
 
 class DINOv2:

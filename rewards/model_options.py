@@ -26,20 +26,22 @@ _DTYPES = {
 
 
 def weights_path(who: str, path: str | Path | None, *, download: str, option: str = "path",
-                 kind: str = "any") -> Path:
+                 kind: str = "any", label: str | None = None) -> Path:
     """``path`` as a :class:`~pathlib.Path` that exists, else one line naming the reward, the option and
-    what to download. ``kind``: ``"folder"``, ``"file"`` or ``"any"`` (either)."""
+    what to download. ``kind``: ``"folder"``, ``"file"`` or ``"any"`` (either). ``label``: how the line
+    names its owner (default ``"<who> reward"``; an image encoder names itself)."""
+    label = label or f"{who} reward"
     noun = {"folder": "folder", "file": "file"}.get(kind, "folder or file")
     fix = f"download {download} and set {option}: to the downloaded {noun}"
     if path is None or str(path) == "":
-        raise UserError(f"{who} reward: {option} is not set; {fix}")
+        raise UserError(f"{label}: {option} is not set; {fix}")
     p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(f"{who} reward: {option}={str(path)!r} does not exist; {fix}")
+        raise UserError(f"{label}: {option}={str(path)!r} does not exist; {fix}")
     if kind == "folder" and not p.is_dir():
-        raise UserError(f"{who} reward: {option}={str(path)!r} is a file; give the folder of {download}")
+        raise UserError(f"{label}: {option}={str(path)!r} is a file; give the folder of {download}")
     if kind == "file" and not p.is_file():
-        raise UserError(f"{who} reward: {option}={str(path)!r} is a folder; give the file {download}")
+        raise UserError(f"{label}: {option}={str(path)!r} is a folder; give the file {download}")
     return p
 
 

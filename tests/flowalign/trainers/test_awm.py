@@ -133,6 +133,18 @@ def test_matching_log_prob_and_loss_equal_the_authors(case):
 EMA_KNOWN = json.loads((Path(__file__).parent / "known_answers" / "awm_ema_kl.json").read_text())
 
 
+def _kl_case(k: dict, case: dict) -> tuple:
+    """A KL known answer's float64 tensors (clean latents, noise, the four velocities), its weighting's name
+    and the advantage weights."""
+    x0 = torch.tensor(k["clean_latents"], dtype=torch.float64)
+    eps, v_old, v, v_ref, v_ema = (torch.tensor(k[n], dtype=torch.float64) for n in
+                                   ("noise", "velocity_old", "velocity", "velocity_ref", "velocity_ema"))
+    weighting = {"ghuber": "ghuber", "Uniform": "uniform"}[case["weighting"]]
+    weights = advantage_weights(torch.tensor(k["advantages"], dtype=torch.float64), k["adv_clip_max"],
+                                k["advantage_max"])
+    return x0, eps, v_old, v, v_ref, v_ema, weighting, weights
+
+
 @pytest.mark.parametrize("case", EMA_KNOWN["cases"],
                          ids=lambda c: f"{c['weighting']}-clip{c['clip_range']}-beta{c['beta']}-ema{c['ema_beta']}")
 def test_loss_with_both_kl_terms_equals_the_authors(case):
@@ -140,12 +152,7 @@ def test_loss_with_both_kl_terms_equals_the_authors(case):
     ('Uniform' weights both) on fixed float64 tensors (known_answers/awm_ema_kl.json): the mean over the
     re-noised copies of ``awm_loss``, one unit per copy."""
     k = EMA_KNOWN
-    x0 = torch.tensor(k["clean_latents"], dtype=torch.float64)
-    eps, v_old, v, v_ref, v_ema = (torch.tensor(k[n], dtype=torch.float64) for n in
-                                   ("noise", "velocity_old", "velocity", "velocity_ref", "velocity_ema"))
-    weighting = {"ghuber": "ghuber", "Uniform": "uniform"}[case["weighting"]]
-    weights = advantage_weights(torch.tensor(k["advantages"], dtype=torch.float64), k["adv_clip_max"],
-                                k["advantage_max"])
+    x0, eps, v_old, v, v_ref, v_ema, weighting, weights = _kl_case(k, case)
     b, n, total, ema_total = len(x0), len(k["steps"]), 0.0, 0.0
     for s, step in enumerate(k["steps"]):
         rows, t = slice(s * b, (s + 1) * b), k["sigmas"][step]
@@ -314,12 +321,7 @@ def test_kl_weights_and_loss_equal_the_authors(case):
     """Their 'ELBO' KL weight 1/(2·std_dev_t²) (``kl_weight``, ``kl_ema_weight``) and 'Uniform', in the loss
     with both KL terms (known_answers/awm_elbo_kl.json): the mean over re-noised copies of ``awm_loss``."""
     k = ELBO_KNOWN
-    x0 = torch.tensor(k["clean_latents"], dtype=torch.float64)
-    eps, v_old, v, v_ref, v_ema = (torch.tensor(k[n], dtype=torch.float64) for n in
-                                   ("noise", "velocity_old", "velocity", "velocity_ref", "velocity_ema"))
-    weighting = {"ghuber": "ghuber", "Uniform": "uniform"}[case["weighting"]]
-    weights = advantage_weights(torch.tensor(k["advantages"], dtype=torch.float64), k["adv_clip_max"],
-                                k["advantage_max"])
+    x0, eps, v_old, v, v_ref, v_ema, weighting, weights = _kl_case(k, case)
     b, n = k["b"], k["n"]
     total, kl_total, ema_total = 0.0, 0.0, 0.0
     for s, t in enumerate(k["sigmas"]):
