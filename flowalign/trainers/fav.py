@@ -43,6 +43,8 @@ class FAVConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
                        "flowalign's beta is always a KL weight"}
 
     name: Literal["fav"] = "fav"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"particles": "latents"}
     #: the few-step sampler the generator is (Euler ODE steps on the policy's sigma grid)
     num_steps: int = Field(4, ge=1, le=16)
     #: K generator particles per prompt (as many reference particles are drawn beside them)
