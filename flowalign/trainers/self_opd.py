@@ -2,7 +2,9 @@
 
 Per prompt, ``trunks`` rollouts of the current weights θ_old (the trunks: Flow-GRPO SDE rollouts at
 ``trunk_noise_level``, or ODE rollouts at 0). As the authors' mask does, a trunk whose reward equals its
-prompt's mean is dropped (``drop_flat``: a prompt whose trunks all score alike is not branched). At
+prompt's mean is dropped (``drop_flat``: a prompt whose trunks all score alike is not branched), and as their
+re-balancing does, randomly drawn dropped trunks are re-added until the kept count is a multiple of
+``kept_multiple`` (:func:`readd_dropped`). At
 ``branch_steps`` steps k, drawn per training step and shared by its prompts (with the authors' weights
 ``step_weights``, early steps likelier), each kept trunk's state ``x_k`` is branched:
 
@@ -52,7 +54,8 @@ class SelfOPDConfig(TrainerConfig, SampleOptions, InnerEpochOptions):
     against the deterministic branch); ``inner_epochs`` optimiser steps on the same fixed targets."""
 
     name: Literal["self_opd"] = "self_opd"
-    before = {"trunks": 1, "trunk_noise_level": 0.0, "drop_flat": False}
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"trunks": 1, "trunk_noise_level": 0.0, "drop_flat": False, "kept_multiple": 1}
     #: rollouts per prompt, each branched (the authors' num_image_per_prompt 16)
     trunks: int = Field(16, ge=1, le=MAX_GROUP_SIZE)
     #: a of the trunks' Flow-GRPO SDE, the last step included (the authors' trajectory_noise_level 0.7); 0: ODE
@@ -61,6 +64,10 @@ class SelfOPDConfig(TrainerConfig, SampleOptions, InnerEpochOptions):
     #: drop a trunk whose reward equals its prompt's mean over the step (the authors' mask of zero advantages);
     #: needs trunks ≥ 2
     drop_flat: bool = True
+    #: with drop_flat, re-add randomly drawn dropped trunks until the step's kept count is a multiple of this
+    #: (the authors' re-balancing to sample.num_batches_per_epoch, 16 in their presets; none when no trunk is kept
+    #: or too few were dropped); 1: the kept trunks alone
+    kept_multiple: int = Field(16, ge=1, le=MAX_GROUP_SIZE)
     #: K: SDE candidates branched off each sampled state (1: a pairwise comparison with the deterministic branch)
     branches: int = Field(8, ge=1, le=MAX_GROUP_SIZE)
     #: sampled states branched per prompt and step (distinct steps of the trunk; the authors' timesteps_per_step)
@@ -146,6 +153,23 @@ def differs_from_its_prompt(totals: torch.Tensor, valid: torch.Tensor, prompt_id
         members = (prompt_ids == p) & valid
         if members.any():
             kept |= members & (totals != totals[members].mean())
+    return kept
+
+
+def readd_dropped(kept: torch.Tensor, multiple: int, generator: torch.Generator) -> torch.Tensor:
+    """``(N,)`` the mask ``kept (N,)`` with randomly drawn dropped samples re-added until its count is a multiple
+    of ``multiple``, as the authors' re-balancing after their mask (they reshape the kept samples into
+    ``num_batches_per_epoch`` micro-batches): ``multiple − count % multiple`` of the dropped ones, the first of
+    a ``torch.randperm`` over them (``generator``: the draw; theirs is the global RNG). Unchanged when nothing is
+    kept (their epoch is skipped), when the count is already a multiple, or when too few were dropped."""
+    kept = kept.clone()
+    count = int(kept.sum())
+    if count % multiple == 0:  # nothing kept (0) included: their epoch is skipped
+        return kept
+    dropped = torch.where(~kept)[0]
+    need = multiple - count % multiple
+    if len(dropped) >= need:
+        kept[dropped[torch.randperm(len(dropped), generator=generator)[:need]]] = True
     return kept
 
 
@@ -259,7 +283,7 @@ class SelfOPDTrainer(GroupTrainer):
         trunk = self.sample(prompts, metadata, groups, prompt_ids, step)
         judged = self.judge(trunk.scores, trunk.samples, None, step)  # the invalid guard and the trunks' reward logs
         trunk = dataclasses.replace(trunk, logs={**trunk.logs, **judged.logs})
-        work, kept_fraction = self.kept_trunks(trunk)
+        work, kept_fraction = self.kept_trunks(trunk, step)
         logs = {**trunk.logs, "trunk/kept_fraction": kept_fraction}
         if not work:  # no trunk kept on any rank: the step is done
             return BranchBatch(trunk, [], None, {**logs, "branch/reward": float("nan"), "branch/adv_abs": 0.0,
@@ -304,17 +328,23 @@ class SelfOPDTrainer(GroupTrainer):
                 "zero_adv_fraction": sums[3] / sums[4] if sums[4] else 1.0}
         return BranchBatch(trunk, sets, drawn[0][0], logs)
 
-    def kept_trunks(self, trunk: StepBatch) -> tuple[list[tuple[int, int, int]], float]:
+    def kept_trunks(self, trunk: StepBatch, step: int) -> tuple[list[tuple[int, int, int]], float]:
         """``(chunk, sample, position in the step)`` of each trunk to branch, and the fraction kept over every
         rank. With ``drop_flat`` a trunk is kept when its reward differs from its prompt's mean over every
-        rank's trunks (a prompt's trunks may be spread over ranks). Every rank branches as many trunks
+        rank's trunks (a prompt's trunks may be spread over ranks), then dropped ones are re-added until the
+        step's count is a multiple of ``kept_multiple``: over every rank's trunks in global trunk order, drawn
+        by a generator keyed by (seed, step), so any rank layout and a resumed run re-add the same trunks (the
+        authors' re-balance each rank's own samples with the global RNG). Every rank branches as many trunks
         (scoring gathers every rank's candidates, and under fsdp each forward is a collective): the padding
         repeats the step's first trunk at position −1, and its sets are dropped after scoring."""
         n = len(trunk.groups)
         kept = torch.ones(n, dtype=torch.bool)
         if self.tcfg.drop_flat:
             kept = differs_from_its_prompt(self.gather(trunk.scores.total), self.gather(trunk.scores.valid),
-                                           self.gather(trunk.prompt_ids))[self.rank * n : (self.rank + 1) * n]
+                                           self.gather(trunk.prompt_ids))
+            # gathered in rank order, each rank's trunks by (group, member): the global trunk order
+            kept = readd_dropped(kept, self.tcfg.kept_multiple, torch.Generator().manual_seed(
+                derived_seed(self.cfg.run.seed, step, 31)))[self.rank * n : (self.rank + 1) * n]
         at = [(c, i) for c, chunk in enumerate(trunk.chunks) for i in range(len(chunk))]
         real = [(c, i, m) for m, (c, i) in enumerate(at) if kept[m]]
         padding = [(0, 0, -1)] * (max(self.gather_objects(len(real))) - len(real))

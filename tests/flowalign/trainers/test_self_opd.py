@@ -1,5 +1,5 @@
 """Self-OPD: the self-reference advantages, the pull-push objective and its attenuation, the authors' weights,
-loss, step draw and mask of flat trunks as known answers (known_answers/self_opd_*.json), K = 1, the SDE trunks
+loss, step draw, mask of flat trunks and re-adding of dropped ones as known answers (known_answers/self_opd_*.json), K = 1, the SDE trunks
 and their deterministic branches (and the former ODE trunk as its own baseline) on the tiny model, learning on
 a toy flow, and bit-exact resume (docs/methods/self_opd.md)."""
 
@@ -24,6 +24,7 @@ from flowalign.trainers.self_opd import (
     differs_from_its_prompt,
     pull_push_loss,
     pull_push_weights,
+    readd_dropped,
     self_reference_advantages,
 )
 
@@ -37,6 +38,7 @@ ALL = torch.ones(3, dtype=torch.bool)
 KNOWN = json.loads((Path(__file__).parent / "known_answers" / "self_opd_branch_loss.json").read_text())
 DRAWS = json.loads((Path(__file__).parent / "known_answers" / "self_opd_step_draw.json").read_text())
 MASKS = json.loads((Path(__file__).parent / "known_answers" / "self_opd_flat_mask.json").read_text())
+READD = json.loads((Path(__file__).parent / "known_answers" / "self_opd_readd.json").read_text())
 #: the trunk before the authors' (one ODE rollout a prompt, every trunk branched)
 ODE_TRUNK = ("trainer.trunks=1", "trainer.trunk_noise_level=0", "trainer.drop_flat=false")
 
@@ -189,6 +191,17 @@ def test_the_flat_trunks_dropped_are_the_authors_zero_advantage_samples(case):
     assert not kept[0] and kept[1:].tolist() == differs_from_its_prompt(rewards[1:], valid[1:], prompt_ids[1:]).tolist()
 
 
+@pytest.mark.parametrize("case", READD["cases"],
+                         ids=lambda c: f"n{len(c['kept'])}-kept{sum(c['kept'])}-nb{c['num_batches_per_epoch']}-seed{c['seed']}")
+def test_the_dropped_trunks_readded_are_the_authors_draw(case):
+    """Their re-balancing after the mask, driven with the global RNG seeded as our generator: the same samples
+    re-added (their draw's source is their global RNG; ours a generator keyed by (seed, step))."""
+    kept = torch.tensor(case["kept"])
+    out = readd_dropped(kept, case["num_batches_per_epoch"], torch.Generator().manual_seed(case["seed"]))
+    assert out.tolist() == (case["kept"] if case["after"] is None else case["after"])
+    assert torch.equal(kept, torch.tensor(case["kept"]))  # the mask given is left as it was
+
+
 def test_dropping_flat_trunks_needs_more_than_one_a_prompt():
     with pytest.raises(Exception, match="trainer.trunks=1"):
         validate_section(SelfOPDConfig, {"name": "self_opd", "trunks": 1}, "trainer.")
@@ -229,7 +242,7 @@ def test_only_trunks_whose_reward_differs_from_their_prompts_are_branched(tmp_pa
     """A prompt whose trunks all score alike teaches nothing: none of its trunks is branched."""
     cfg = small_config(tmp_path / "run", tmp_path, prompt_file, "trainer.name=self_opd")
     tcfg = validate_section(SelfOPDConfig, {"name": "self_opd", "trunks": 3, "branches": 2, "branch_steps": 1,
-                                            "num_steps": 4, "prompts_per_step": 4}, "trainer.")
+                                            "num_steps": 4, "prompts_per_step": 4, "kept_multiple": 1}, "trainer.")
 
     def red_is_flat(samples, prompts, metadata):  # 0.5 for every red sample, the latents' sum for the others
         value = torch.where(torch.tensor(["red" in p for p in prompts]), 0.5, samples.sum(1))
@@ -243,6 +256,17 @@ def test_only_trunks_whose_reward_differs_from_their_prompts_are_branched(tmp_pa
     assert flat and len(branched) == 12 - len(flat) == 9
     assert batch.logs["trunk/kept_fraction"] == pytest.approx(9 / 12)
     assert all(batch.trunk.chunks[s.chunk].prompts[s.sample] != "a red circle" for s in batch.sets)
+
+    # the authors' re-balancing: dropped trunks re-added up to a multiple of kept_multiple, drawn by (seed, step)
+    for multiple, count in ((2, 10), (4, 12), (16, 9)):  # 16: 7 wanted, 3 dropped: none re-added
+        trainer.tcfg = tcfg.model_copy(update={"kept_multiple": multiple})
+        batch = trainer.collect(0)
+        keys = sorted({s.key[0] for s in batch.sets})
+        assert len(keys) == count and batch.logs["trunk/kept_fraction"] == pytest.approx(count / 12)
+        kept = torch.tensor([m not in flat for m in range(12)])
+        drawn = readd_dropped(kept, multiple, torch.Generator().manual_seed(derived_seed(cfg.run.seed, 0, 31)))
+        assert keys == torch.where(drawn)[0].tolist()
+    trainer.tcfg = tcfg
 
     # a step whose trunks are all flat branches nothing, and trains nothing
     trainer.rewards = [("r", 1.0, lambda samples, prompts, metadata: RewardOutput(
