@@ -6,7 +6,9 @@ the teachers). Stage 2, this trainer, gives each prompt a teacher (``routing``,
 :mod:`flowalign.trainers.parts.teacher_routing`): ``by_epoch`` (the authors') alternates whole steps between
 the teachers, ``teachers[i].epochs_per_cycle`` steps each in turn, a step's prompts all drawn from its
 teacher's own source (its ``prompts`` file, or its domain of the data); ``by_prompt`` sends each prompt to the
-teacher of its domain (``teachers[i].match``, a regular expression; the first match wins). It trains the
+teacher of its domain (``teachers[i].match``, a regular expression; the first match wins). A step's prompts are
+drawn as the authors' sampler draws them (``prompt_draw: per_batch``, :func:`per_batch_draw`): fresh draws of
+``prompts_per_draw`` distinct prompts, independent of every other draw. It trains the
 student on its own rollouts by one of two objectives (``objective``):
 
 - ``kl_reward_grpo`` (default; the authors' ``train_sd3_opd_mix.py``, ``reward_mode: kl_only``): Flow-GRPO
@@ -38,7 +40,7 @@ import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,7 +88,8 @@ class Teacher(BaseModel):
 DISTILLATION_ONLY = frozenset({"anchor_weight", "states_per_sample"})
 #: the options both objectives read: the loop's, the rollouts' sizes, the teachers, the anchor, the cold start
 BOTH_READ = frozenset(TrainerConfig.model_fields) | frozenset(SampleOptions.model_fields) | {
-    "objective", "teachers", "routing", "anchor", "cold_start_steps", "group_size", "reference_offload"}
+    "objective", "teachers", "routing", "anchor", "cold_start_steps", "group_size", "reference_offload",
+    "prompt_draw", "prompts_per_draw"}
 
 
 class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions, StepFractionOptions,
@@ -95,7 +98,7 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
 
     name: Literal["flow_opd"] = "flow_opd"  # type: ignore[assignment]
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"objective": "velocity_distillation"}
+    before = {"objective": "velocity_distillation", "prompt_draw": "per_pass"}
     #: kl_reward_grpo: Flow-GRPO with the step-wise KL to the routed teacher as the reward (the authors'
     #: rule); velocity_distillation: regression on the teachers' velocities (cold start, anchor term)
     objective: Literal["kl_reward_grpo", "velocity_distillation"] = "kl_reward_grpo"
@@ -105,6 +108,13 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
     #: prompt of a step from its teacher's source (the authors' alternate training); by_prompt: each prompt
     #: of the data goes to the first teacher whose match finds it, so a step mixes domains
     routing: Literal["by_epoch", "by_prompt"] = "by_epoch"
+    #: how a step's prompts are drawn from its source: per_batch (the authors' DistributedKRepeatSampler): fresh
+    #: draws of prompts_per_draw distinct prompts each, independent of every other (a prompt may come again in
+    #: the next draw); per_pass: passes through a permutation of the source, no repeat within a pass
+    prompt_draw: Literal["per_batch", "per_pass"] = "per_batch"
+    #: prompt_draw: per_batch: prompts a draw (the authors' GPUs × sample.train_batch_size / num_image_per_prompt:
+    #: 8 × 4 / 16 = 2 in mix_opd_8gpu)
+    prompts_per_draw: int = Field(2, ge=1, le=MAX_GROUP_SIZE)
     #: the anchor: a checkpoint folder, or None for the starting weights. kl_reward_grpo: the β term's
     #: reference (the authors' mar_lora); velocity_distillation: the Manifold Anchor Regularisation teacher
     anchor: str | None = None
@@ -136,6 +146,19 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+
+
+def per_batch_draw(size: int, count: int, per_draw: int, generator: Callable[[int], torch.Generator]) -> list[int]:
+    """``count`` indices into a source of ``size`` prompts, as the authors' sampler draws a batch's prompts:
+    draw ``b`` = 0, 1, … takes the first ``per_draw`` of ``torch.randperm(size)`` under ``generator(b)``
+    (distinct within a draw, independent across draws), the draws concatenated and cut to ``count``. Their
+    sampler seeds its generator ``42 + set_epoch`` once per batch; the caller keys ``generator(b)`` instead."""
+    out: list[int] = []
+    b = 0
+    while len(out) < count:
+        out += torch.randperm(size, generator=generator(b))[:per_draw].tolist()
+        b += 1
+    return out[:count]
 
 
 def report_unread(tcfg: FlowOPDConfig, unread: set[str], objective: str) -> None:
@@ -343,12 +366,23 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         return route(prompts, self.patterns)
 
     def step_indices(self, step: int, data: PromptSet | None = None, count: int | None = None) -> list[int]:
-        """Under by_epoch, a step's prompts are indices into its teacher's source, which that teacher walks
-        through at its own pace (its ``teacher_epoch``-th draw); otherwise the loop's draw from the data."""
-        if data is not None or self.tcfg.routing == "by_prompt":
+        """Under by_epoch, a step's prompts are indices into its teacher's source, else into the data.
+        ``prompt_draw: per_batch``: the step's global ``count × world`` prompts from fresh draws of
+        ``prompts_per_draw`` (:func:`per_batch_draw`), draw b keyed by (seed, step, b), rank r taking its slice,
+        so any rank layout and a resumed run draw the same (the authors' sampler: their generator seeded
+        42 + set_epoch per batch). ``per_pass``: the loop's passes through a permutation, by_epoch's teacher
+        walking through its source at its own pace (its ``teacher_epoch``-th draw)."""
+        if data is not None:
             return super().step_indices(step, data, count)
-        source = self.sources[epoch_teacher(step, self.shares)]
-        return super().step_indices(teacher_epoch(step, self.shares), source, count)
+        by_epoch = self.tcfg.routing == "by_epoch"
+        source = self.sources[epoch_teacher(step, self.shares)] if by_epoch else self.data
+        if self.tcfg.prompt_draw == "per_batch":
+            n = self.tcfg.prompts_per_step if count is None else count
+            seed = self.cfg.run.seed
+            drawn = per_batch_draw(len(source.prompts), n * self.world, self.tcfg.prompts_per_draw,
+                                   lambda b: torch.Generator().manual_seed(derived_seed(seed, step, b, 101)))
+            return drawn[self.rank * n : (self.rank + 1) * n]
+        return super().step_indices(teacher_epoch(step, self.shares) if by_epoch else step, source, count)
 
     def step_prompts(self, step: int, data: PromptSet | None = None) -> tuple[list[str], list[dict], torch.Tensor]:
         """The loop's, read from the step's teacher's source under by_epoch (where ``step_indices`` point)."""

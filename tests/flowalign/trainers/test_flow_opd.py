@@ -5,6 +5,7 @@ reward, ``objective: kl_reward_grpo``) and the velocity distillation."""
 import dataclasses
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,9 @@ from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer, check_run
 from flowalign.sampling import sde_step
-from flowalign.trainers.base import StepBatch
+from flowalign.trainers.base import StepBatch, derived_seed
 from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl
-from flowalign.trainers.flow_opd import distillation_loss, kl_reward_grpo_loss
+from flowalign.trainers.flow_opd import FlowOPDConfig, distillation_loss, kl_reward_grpo_loss, per_batch_draw
 from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch
 
 from .conftest import small_config, small_run
@@ -80,7 +81,7 @@ def test_each_teacher_supervises_only_its_own_domain(tmp_path, tiny_sd3_dir, pro
     """Teacher 0 (trained) owns red/blue prompts, teacher 1 (= the student) green ones, yellow has none."""
     spec = f"[{{adapter: {teachers['trained']}, match: 'red|blue'}}, {{adapter: {teachers['same']}, match: green}}]"
     t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.cold_start_steps=0", "trainer.anchor_weight=0",
-            "trainer.routing=by_prompt")
+            "trainer.routing=by_prompt", "trainer.prompts_per_draw=4")  # one draw: each of the 4 prompts once
     batch = t.collect(0)
     prompts = [t.data.prompts[i] for i in t.step_indices(0)]
     losses = dict(zip(prompts, per_sample_losses(t, batch)))
@@ -231,7 +232,7 @@ def test_the_kl_reward_routes_each_prompt_to_its_own_teacher(tmp_path, tiny_sd3_
     is not trained, green's KL is 0, and a red row's teacher mean is the trained teacher's own step mean."""
     spec = f"[{{adapter: {teachers['trained']}, match: 'red|blue'}}, {{adapter: {teachers['same']}, match: green}}]"
     t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.beta=0", "trainer.routing=by_prompt",
-            objective="kl_reward_grpo")
+            "trainer.prompts_per_draw=4", objective="kl_reward_grpo")  # one draw: each of the 4 prompts once
     batch = t.collect(0)
     assert batch.logs["route/teacher0_fraction"] == 0.5 and batch.logs["route/teacher1_fraction"] == 0.25
     units = grpo_units(t, batch)
@@ -385,3 +386,60 @@ def test_routing_options_that_cannot_apply_are_refused(tmp_path, tiny_sd3_dir, p
     with pytest.raises(UserError, match=match):
         opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec.replace("ADAPTER", str(teachers["same"])),
             f"trainer.routing={routing}")
+
+
+# ---------------------------------------------------------------------------------------------- the prompt draw
+
+DRAWS = json.loads((Path(__file__).parent / "known_answers" / "flow_opd_prompt_draw.json").read_text())
+
+
+def their_setting(case) -> tuple[int, int]:
+    """``(m, k)``: the prompts of one of their batches (GPUs × train_batch_size / num_image_per_prompt) and
+    each one's repeats."""
+    k = case["num_image_per_prompt"]
+    return case["num_replicas"] * case["train_batch_size"] // k, k
+
+
+@pytest.mark.parametrize("case", DRAWS["cases"],
+                         ids=lambda c: f"n{c['dataset_size']}-W{c['num_replicas']}-b{c['train_batch_size']}"
+                                       f"-k{c['num_image_per_prompt']}-e{c['set_epoch']}")
+def test_a_draw_is_the_authors_samplers_batch(case):
+    """One draw of ``per_batch_draw`` seeded as their sampler (42 + set_epoch) gives the prompts their ranks
+    yield for that batch, each num_image_per_prompt times over the ranks (their shuffle only places them)."""
+    m, k = their_setting(case)
+    theirs = Counter(i for rank in case["per_rank"] for i in rank)
+    ours = per_batch_draw(case["dataset_size"], m, m,
+                          lambda b: torch.Generator().manual_seed(case["sampler_seed"] + case["set_epoch"]))
+    assert len(set(ours)) == m and Counter(i for i in ours for _ in range(k)) == theirs
+
+
+def test_successive_draws_are_the_authors_successive_batches():
+    """A step of several draws is their batches of consecutive set_epoch values concatenated: independent
+    draws, so a prompt may come again (their epoch of num_batches_per_epoch batches)."""
+    cases = [c for c in DRAWS["cases"] if (c["dataset_size"], c["num_replicas"]) == (40, 8)]
+    m, _ = their_setting(cases[0])
+    ours = per_batch_draw(40, m * len(cases), m, lambda b: torch.Generator().manual_seed(42 + cases[b]["set_epoch"]))
+    assert [sorted(ours[b * m:(b + 1) * m]) for b in range(len(cases))] == \
+        [sorted(set(sum(c["per_rank"], []))) for c in cases]
+    # a cut draw: the first count of the concatenation; a draw larger than the source takes it whole
+    assert per_batch_draw(40, 3, m, lambda b: torch.Generator().manual_seed(42 + cases[b]["set_epoch"])) == ours[:3]
+    assert sorted(per_batch_draw(3, 3, 5, lambda b: torch.Generator().manual_seed(b))) == [0, 1, 2]
+
+
+def test_a_step_draws_its_prompts_per_batch_keyed_by_seed_and_step(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """The default: the step's prompts are per_batch_draw keyed by (seed, step, draw), from the step's teacher's
+    source under by_epoch; per_pass (the former draw, as saved runs computed) the loop's pass permutation."""
+    spec = f"[{{adapter: {teachers['same']}}}]"
+    t = opd(tmp_path / "r", tiny_sd3_dir, prompt_file, spec, "trainer.prompts_per_step=3", objective="kl_reward_grpo")
+    assert t.tcfg.prompt_draw == "per_batch" and t.tcfg.prompts_per_draw == 2
+    n = len(t.data.prompts)
+    for step in range(6):
+        assert t.step_indices(step) == per_batch_draw(n, 3, 2, lambda b: torch.Generator().manual_seed(
+            derived_seed(t.cfg.run.seed, step, b, 101)))
+    repeats = [step for step in range(40) if len(set(t.step_indices(step))) < 3]
+    assert repeats  # independent draws of 2 of 4 prompts: a prompt comes again in a step now and then
+    assert FlowOPDConfig.before["prompt_draw"] == "per_pass"
+    former = opd(tmp_path / "p", tiny_sd3_dir, prompt_file, spec, "trainer.prompts_per_step=3",
+                 "trainer.prompt_draw=per_pass", objective="kl_reward_grpo")
+    assert [former.step_indices(s) for s in range(4)] == [former.data.batch_indices(former.cfg.run.seed, s, 3)
+                                                          for s in range(4)]
