@@ -34,6 +34,10 @@ checkpoints and resume. A trainer subclasses :class:`GroupTrainer` and supplies 
     the step's unit count), and scalars to log (averaged over units): floats, or 0-dim tensors left on the
     device, which the loop reads back once at the end of the step (:mod:`flowalign.trainers.unit_logs`;
     a ``.item()`` per unit makes the host wait for the GPU at every unit).
+``parameter_groups() -> (name, tensor) -> group``
+    Optional: the trainable tensors in named groups, each a parameter group of the one AdamW; a plan's
+    ``groups`` then names the group each optimiser step trains (clipped by its own norm, the other groups'
+    tensors untouched), e.g. two roles of one model stepped one after the other as two optimisers would.
 ``finish(batch, steps) -> logs``
     After the optimiser steps of a batch (e.g. a behaviour-policy refresh, a reward refit). ``steps`` holds
     what ``loss`` logged, optimiser step by optimiser step (read back), for a decision that depends on one
@@ -128,6 +132,11 @@ class Plan:
     #: True: every rank has the same steps (some possibly empty here), and each unit is weighted within
     #: its step over all ranks' units; the loop sums the ranks' gradients instead of averaging them
     global_weights: bool = False
+    #: the parameter group (a name of :meth:`GroupTrainer.parameter_groups`) each step trains, one entry a
+    #: step, the same on every rank: that group's gradient is clipped by its own norm and only its tensors
+    #: step, so a later step's forwards run on the weights the earlier ones left (e.g. one role, then
+    #: another, as two optimisers would). None (or a None entry): every parameter, one clip
+    groups: list[str | None] | None = None
 
 
 @dataclass
@@ -176,7 +185,8 @@ class GroupTrainer:
         reference = keeps_reference(self.weight_copies(cfg, tcfg))
         if reference is not None:  # copied from the starting weights, before sharding and any resume
             keep_reference(policy, self.parallel, reference.offloaded)
-        self.optimisation = setup_optimisation(policy, tcfg, self.parallel)  # fsdp: shards before collecting
+        # fsdp: shards before collecting; a trainer's parameter groups become the optimiser's
+        self.optimisation = setup_optimisation(policy, tcfg, self.parallel, self.parameter_groups())
         self.params, self.optimizer, self.ema = (self.optimisation.params, self.optimisation.optimizer,
                                                  self.optimisation.ema)
         self.train_seconds = 0.0
@@ -297,6 +307,13 @@ class GroupTrainer:
         in a step its peers train in runs these, since every forward is a collective."""
         raise NotImplementedError(f"{type(self).__name__} has no filler unit, needed by parallel.strategy=fsdp "
                                   "when a rank has nothing to train on")
+
+    def parameter_groups(self) -> Callable[[str, torch.nn.Parameter], str] | None:
+        """The name of the optimiser group of each trainable tensor (its name in ``policy.trainable``, the
+        tensor), for plans whose steps each train one group (:attr:`Plan.groups`); called once, while the loop
+        builds the optimiser (``self.tcfg`` and ``self.policy`` are set). Each group is a parameter group of
+        the one AdamW (saved and resumed with it); default None: one group."""
+        return None
 
     def finish(self, batch: Any, steps: list[dict[str, list[float]]]) -> dict[str, float]:
         """After the batch's optimiser steps; returns scalars to log. ``steps`` holds each optimiser step's
@@ -447,7 +464,9 @@ class GroupTrainer:
         scale = self.world if plan.global_weights else 1
         # fsdp: every rank runs as many optimiser steps and forward/backward passes (each one is a collective),
         # padding with a unit of the same step (a unit's passes may depend on its step)
+        groups = plan.groups or []
         for update, units in enumerate(self.parallel.padded(plan.steps, list)):
+            group = groups[update] if update < len(groups) else None
             padded = self.parallel.padded(units, lambda: units[0] if units else self.filler(batch, update))
             stats: dict[str, list[unit_logs.Logged]] = {}
             for n, unit in enumerate(padded):
@@ -458,7 +477,9 @@ class GroupTrainer:
                 (loss * scale).backward()
                 for key, value in info.items():  # detached: a logged tensor must not keep the unit's graph alive
                     stats.setdefault(key, []).append(value.detach() if isinstance(value, torch.Tensor) else value)
-            stats["grad_norm"] = [self.optimizer_step()]
+            stats["grad_norm"] = [self.optimizer_step(group)]
+            if group is not None:  # each group's own norm too (grad_norm: their mean)
+                stats[f"grad_norm_{group}"] = list(stats["grad_norm"])
             logged.append(stats)
         steps = unit_logs.read_back_steps(logged)
         return {**plan.logs, **unit_logs.merged(unit_logs.concatenated(steps)), **self.finish(batch, steps)}
@@ -486,10 +507,11 @@ class GroupTrainer:
                 **step_metrics.step_logs(self.acc.device, now - t0, step_metrics.generated_samples(batch),
                                          self.flop_meter.take(), self.peak_tflops)}
 
-    def optimizer_step(self) -> torch.Tensor:
-        """Average gradients over ranks, clip, step, update the EMA. Returns the pre-clip norm (0-dim, on the
-        device: :mod:`flowalign.trainers.unit_logs` reads it back with the step's other logs)."""
-        return self.optimisation.optimizer_step()
+    def optimizer_step(self, group: str | None = None) -> torch.Tensor:
+        """Average gradients over ranks, clip, step, update the EMA (``group``: that parameter group alone,
+        clipped by its own norm). Returns the pre-clip norm (0-dim, on the device:
+        :mod:`flowalign.trainers.unit_logs` reads it back with the step's other logs)."""
+        return self.optimisation.optimizer_step(group)
 
     def budget_fraction(self) -> float:
         """How much of the run's budget is spent, in [0, 1]: steps, or training minutes (slowest rank)."""

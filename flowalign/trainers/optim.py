@@ -9,6 +9,7 @@ a sharding or offloading scheme hooks in there (through the run's :class:`flowal
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,21 +76,38 @@ class Optimisation:
     grad_clip: float
     #: training steps done (the schedule's, the noise's and the checkpoints' step)
     step: int = 0
+    #: the trainer's parameter groups by name (:func:`setup_optimisation`'s ``groups``), each its own group of
+    #: the optimiser, which :meth:`optimizer_step` can step alone; empty: one group of every parameter
+    groups: dict[str, list[torch.nn.Parameter]] = field(default_factory=dict)
 
     def begin_step(self, fraction: float) -> float:
         """The LR of the coming step at budget ``fraction``, set in the optimiser (see :class:`Schedule`)."""
         return self.schedule.begin_step(self.optimizer, self.step, fraction)
 
-    def optimizer_step(self) -> torch.Tensor:
+    def optimizer_step(self, group: str | None = None) -> torch.Tensor:
         """Reduce gradients over ranks, clip to ``grad_clip``, step at the schedule's LR, update the EMA;
         returns the pre-clip gradient norm (0-dim, on the device: not read back here). A tensor that no unit
         of the step reached (a step of zero-advantage samples only) steps on a zero gradient, as it does where
-        another rank's units reached it: AdamW's moments and weight decay move it in every rank layout."""
-        for p in self.params:
+        another rank's units reached it: AdamW's moments and weight decay move it in every rank layout.
+
+        ``group`` (a name of :attr:`groups`): that group's tensors alone are reduced, clipped to ``grad_clip``
+        by their own norm and stepped; the other groups' gradients are dropped first, so their weights and
+        AdamW moments stay as they are (AdamW skips a tensor without a gradient): a step of one group is what a
+        separate optimiser of that group would do. The EMA moves after every optimiser step, a group's too."""
+        params = self.params
+        if group is not None:
+            if group not in self.groups:
+                raise ValueError(f"no parameter group {group!r}; the trainer's groups are {sorted(self.groups)}")
+            params = self.groups[group]
+            mine = {id(p) for p in params}
+            for p in self.params:
+                if id(p) not in mine:
+                    p.grad = None
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.parallel.reduce_gradients(self.params)
-        norm = self.parallel.clip_grad_norm(self.params, self.grad_clip)
+        self.parallel.reduce_gradients(params)
+        norm = self.parallel.clip_grad_norm(params, self.grad_clip)
         if self.ema is not None:
             self.ema.before_step()
         self.optimizer.step()
@@ -99,21 +117,33 @@ class Optimisation:
         return norm
 
 
-def setup_optimisation(policy: FlowPolicy, tcfg: Any, parallel: Parallel) -> Optimisation:
+def setup_optimisation(policy: FlowPolicy, tcfg: Any, parallel: Parallel,
+                       groups: Callable[[str, torch.nn.Parameter], str] | None = None) -> Optimisation:
     """AdamW over the policy's ``requires_grad`` parameters (``tcfg``: lr and its schedule, betas,
     weight_decay, optimizer_kernel, grad_clip and the ``ema_*`` settings); under fsdp the transformer is
-    sharded first, so they are this rank's shards."""
+    sharded first, so they are this rank's shards.
+
+    ``groups`` (the trainer's :meth:`~flowalign.trainers.base.GroupTrainer.parameter_groups`): the name of the
+    group of each trainable tensor (its name in ``policy.trainable``, the tensor); each group becomes a
+    parameter group of the AdamW (the same lr, betas and weight decay) that an optimiser step can clip and
+    step alone (:meth:`Optimisation.optimizer_step`). None: one group, one clip, as every trainer has."""
     parallel.shard(policy.trainable)
-    params = [p for p in policy.trainable.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in policy.trainable.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     if not params:
         raise UserError("the policy has no trainable parameters; set model.finetune to lora or full")
-    optimizer = adamw(params, tcfg)
+    by_group: dict[str, list[torch.nn.Parameter]] = {}
+    if groups is not None:
+        for name, p in named:
+            by_group.setdefault(groups(name, p), []).append(p)
+    optimizer = adamw([{"params": ps, "name": g} for g, ps in by_group.items()] if by_group else params, tcfg)
     ema = (EMA(params, tcfg.ema_decay, tcfg.ema_every, tcfg.ema_warmup, tcfg.ema_micro_batches)
            if tcfg.ema_decay > 0 else None)
-    return Optimisation(params, optimizer, ema, parallel, Schedule.of(tcfg), tcfg.grad_clip)
+    return Optimisation(params, optimizer, ema, parallel, Schedule.of(tcfg), tcfg.grad_clip, groups=by_group)
 
 
-def adamw(params: list[torch.nn.Parameter], tcfg: Any) -> torch.optim.AdamW:
-    """AdamW at ``tcfg``'s lr, betas and weight decay, with the kernels of ``tcfg.optimizer_kernel``."""
+def adamw(params: list[torch.nn.Parameter] | list[dict[str, Any]], tcfg: Any) -> torch.optim.AdamW:
+    """AdamW at ``tcfg``'s lr, betas and weight decay, with the kernels of ``tcfg.optimizer_kernel``, over
+    ``params`` (tensors, or parameter groups: dicts with ``params``)."""
     fused = True if tcfg.optimizer_kernel == "fused" else None  # None: PyTorch picks
     return torch.optim.AdamW(params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay, fused=fused)

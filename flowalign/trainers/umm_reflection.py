@@ -26,7 +26,10 @@ the final image's reward alone. Then
 (:mod:`flowalign.trainers.parts.reference_kl`; the reference: ``adapter_disabled()``) (the revision's SDE steps:
 ``sde_window_size`` contiguous ones from the first half, drawn per revision), ``T_i`` the trajectory's reflections, ``V_i`` its
 revisions, ``N_y`` / ``N_K`` the trajectories of every rank with any reflection / revision (the authors'
-per-channel trajectory means). ``objective: sft`` is the cold start on the same trajectories, weighted alike:
+per-channel trajectory means). ``optimisers: separate`` (the authors'): the text role's terms are
+backpropagated, clipped by their own norm and stepped first, then the revisions' terms on the weights that step left,
+clipped and stepped alone (two AdamW parameter groups, as their two optimisers); ``joint``: one step, one clip.
+``objective: sft`` is the cold start on the same trajectories, weighted alike:
 the best trajectory of each group, when its final image scores above the first, is imitated (negative
 log-likelihood of its reflections, flow matching toward its revisions), the others weigh 0.
 
@@ -38,6 +41,7 @@ the first image alone).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -134,6 +138,16 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions, Refer
     eval_temperature: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
     #: evaluation scores the first image alone, without the reflection loop (single-shot generation)
     eval_first_image_only: bool = False
+    #: "separate" (the authors'): the text role (the language LoRA) and the flow role (the transformer's
+    #: adapter or weights) are two AdamW parameter groups stepped one after the other, as their two
+    #: optimisers: the reflections' terms backpropagated, the text gradient clipped to ``grad_clip`` by its
+    #: own norm, the text step; then the revisions' terms on the weights it left, the flow gradient clipped by
+    #: its own norm, the flow step (a role with no term on any rank takes no step). "joint" (the former):
+    #: one step of both, one clip of their joint norm
+    optimisers: Literal["separate", "joint"] = "separate"
+
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"optimisers": "joint"}
 
     @model_validator(mode="after")
     def _something_trains(self) -> UMMReflectionConfig:
@@ -254,6 +268,20 @@ class UMMReflectionTrainer(GroupTrainer):
     @property
     def unified(self) -> UnifiedPolicy:
         return self.policy
+
+    def parameter_groups(self) -> Callable[[str, torch.nn.Parameter], str] | None:
+        """``optimisers: separate``: "flow" for the generation role's tensors (the editor's trainable ones),
+        "text" for the others (the language LoRA), each stepped alone by :meth:`plan`'s steps; joint: None."""
+        if self.tcfg.optimisers == "joint":
+            return None
+        flow: set[int] = set()
+
+        def role(name: str, param: torch.nn.Parameter) -> str:
+            if not flow:  # read when the optimiser is built, after any sharding replaced the tensors
+                flow.update(id(p) for p in self.unified.editor.trainable.parameters())
+            return "flow" if id(param) in flow else "text"
+
+        return role
 
     # ------------------------------------------------------------------ collect
     def collect(self, step: int) -> TrajectoryBatch:
@@ -397,9 +425,12 @@ class UMMReflectionTrainer(GroupTrainer):
         return self.tcfg.token_kl_beta if isinstance(unit, TokenUnit) else self.tcfg.revision_kl_beta
 
     def plan(self, batch: TrajectoryBatch, generator: torch.Generator) -> Plan:
-        """One optimiser step over the units of trajectories with a non-zero coefficient, and under a KL term
-        every unit (the authors train every turn and revision, a zero advantage leaving its KL) (a global
-        plan)."""
+        """The units of trajectories with a non-zero coefficient, and under a KL term every unit (the authors
+        train every turn and revision, a zero advantage leaving its KL) (a global plan). ``separate``: two
+        optimiser steps, the reflections' units stepping the text group, then the revisions' units the flow
+        group (the authors' ``update_multiround_group``: text before flow, each clipped alone); a role with
+        no term on any rank (no reflection or no revision anywhere, or its weight 0) takes no step, as their
+        globally inactive channel. ``joint``: one step of every unit."""
         here = torch.tensor([[int((batch.turn_counts() > 0).sum()), int((batch.revision_counts() > 0).sum())]])
         text, flow = self.gather(here).sum(0).tolist()  # trajectories with any term, over every rank
         units = self.units(batch, (int(text), int(flow)))
@@ -412,7 +443,18 @@ class UMMReflectionTrainer(GroupTrainer):
                 return bool(live[u.index])
             return bool(live[batch.rounds[u.round].revisions[u.batch].index].any())
 
-        return Plan([[u for u in units if useful(u)]], global_weights=True)
+        kept = [u for u in units if useful(u)]
+        if self.tcfg.optimisers == "joint":
+            return Plan([kept], global_weights=True)
+        steps: list[list[TokenUnit | RevisionUnit]] = []
+        groups: list[str | None] = []
+        if text > 0 and self.tcfg.token_weight > 0:
+            steps.append([u for u in kept if isinstance(u, TokenUnit)])
+            groups.append("text")
+        if flow > 0 and self.tcfg.revision_weight > 0:  # the revisions' forwards run after the text step
+            steps.append([u for u in kept if isinstance(u, RevisionUnit)])
+            groups.append("flow")
+        return Plan(steps, global_weights=True, groups=groups)
 
     def loss(self, batch: TrajectoryBatch, unit: TokenUnit | RevisionUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(unit, TokenUnit):

@@ -4,6 +4,7 @@ whose one advantage weighs every term, and the text side's log-probs are the mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -15,14 +16,16 @@ from safetensors.torch import load_file
 
 from flowalign.cli.common import load_policy
 from flowalign.cli.main import main as cli_main
-from flowalign.config import load_config
+from flowalign.config import ParallelSection, load_config
 from flowalign.errors import UserError
 from flowalign.evaluation import evaluate
 from flowalign.gallery import gallery_from_evals
+from flowalign.parallel import strategy
 from flowalign.protocols import RewardOutput, UnifiedPolicy
 from flowalign.reflection import Reflection, reflect, stopped
 from flowalign.sampling import sde_step
 from flowalign.train import build_trainer
+from flowalign.trainers.optim import setup_optimisation
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.parts.reference_kl import token_k3, transition_kl
 from flowalign.trainers.parts.reflection_credit import (
@@ -35,6 +38,7 @@ from flowalign.trainers.parts.reflection_credit import (
 from flowalign.trainers.umm_reflection import (
     RevisionUnit,
     TokenUnit,
+    UMMReflectionConfig,
     UMMReflectionTrainer,
     sft_coefficients,
 )
@@ -79,8 +83,9 @@ def test_the_policy_is_one_model_in_both_roles(trained):
     trained_names = [n for n, p in policy.trainable.named_parameters() if p.requires_grad]
     assert {n.split(".")[0] for n in trained_names} == {"language", "flow"}
     assert all("lora" in n for n in trained_names)
-    # one optimiser over both roles' tensors
+    # one optimiser over both roles' tensors (the recipe's joint form: one parameter group)
     assert {id(p) for p in trainer.params} == {id(p) for p in policy.trainable.parameters() if p.requires_grad}
+    assert len(trainer.optimizer.param_groups) == 1
 
 
 def test_siblings_share_their_first_image_bit_for_bit(trained):
@@ -334,7 +339,7 @@ def test_the_kl_terms_pull_both_roles_toward_the_starting_model(trained):
         pulled = gradients(trainer, zero, units)
         assert pulled["language"].abs().sum() > 0 and pulled["flow"].abs().sum() > 0
         assert trainer.revision_loss(zero, next(u for u in units if isinstance(u, RevisionUnit)))[1]["kl"] > 0
-        assert len(trainer.plan(zero, torch.Generator()).steps[0]) == len(units)  # every term trains
+        assert sum(map(len, trainer.plan(zero, torch.Generator()).steps)) == len(units)  # every term trains
         trainer.tcfg = tcfg.model_copy(update={"token_kl_beta": 0.0, "revision_kl_beta": 0.0})
         off = gradients(trainer, zero, units)
         assert not off["language"].any() and not off["flow"].any()
@@ -362,11 +367,210 @@ def test_sft_imitates_each_groups_best_trajectory_when_it_improved():
     assert sft_coefficients(groups, first, final).tolist() == [0, 1, 1, 0, 0, 0]
 
 
-def test_resumes_bit_exactly(tmp_path, prompt_file):
-    assert_trains_and_resumes_bit_exactly(
+@pytest.mark.parametrize("optimisers", ["separate", "joint"])
+def test_resumes_bit_exactly(tmp_path, prompt_file, optimisers):
+    """Both AdamW groups' moments are saved and restored (the second step reads them)."""
+    straight = assert_trains_and_resumes_bit_exactly(
         tmp_path, MODEL, prompt_file, "trainer.name=umm_reflection", "trainer.prompts_per_step=1",
         "trainer.group_size=2", "trainer.batch_size=2", "trainer.num_steps=2", "trainer.max_new_tokens=2",
-        "trainer.guidance_scale=1.0", "trainer.advantage=group")
+        "trainer.guidance_scale=1.0", "trainer.advantage=group", f"trainer.optimisers={optimisers}")
+    groups = [g.get("name") for g in straight.optimizer.param_groups]
+    assert groups == (["flow", "text"] if optimisers == "separate" else [None])
+    assert all(straight.optimizer.state[p] for p in straight.params)  # every tensor of both roles stepped
+
+
+# ---------------------------------------------------------------------------------------------- the optimisers
+
+
+def test_the_optimisers_are_the_authors():
+    """Their update order (waltstephen/UMM-Reflection @ 8510796, ``update_multiround_group``: text phase, then
+    flow phase, each ``clip_trainable_gradients`` to 1 then ``step_channel_optimizer``, a channel with no record
+    on any rank not stepped), their AdamW of each role (lr 5e-6, betas (0.9, 0.999), weight decay 1e-4, eps
+    1e-8), run on fixed float64 gradients: the loop's optimiser with the "text" and "flow" groups stepped one
+    after the other moves the weights as their two optimisers (rtol 1e-6); one joint step and clip does not."""
+    data = json.loads((KNOWN / "umm_reflection_optimisers.json").read_text())
+    tcfg = UMMReflectionConfig(lr=data["lr"], betas=tuple(data["betas"]), weight_decay=data["weight_decay"],
+                               grad_clip=data["max_grad_norm"])
+    assert torch.optim.AdamW([torch.zeros(1)]).defaults["eps"] == data["eps"]  # the loop's AdamW keeps 1e-8
+
+    def run(groups: bool) -> list[dict[str, dict[str, torch.Tensor]]]:
+        weights = torch.nn.ModuleDict({role: torch.nn.ParameterDict(
+            {n: torch.nn.Parameter(torch.tensor(v, dtype=torch.float64).view(data["shapes"][role][n]))
+             for n, v in d.items()}) for role, d in data["initial"].items()})
+        policy = SimpleNamespace(trainable=weights)
+        optimisation = setup_optimisation(policy, tcfg, strategy(ParallelSection(), 1, 0, "cpu"),
+                                          (lambda name, p: name.split(".")[0]) if groups else None)
+        deltas = []
+        for step in data["steps"]:
+            for role in ("text", "flow"):  # text first: a step reads nothing of the other role here
+                if step["gradients"][role] is None:
+                    continue  # no record anywhere: their channel is globally inactive, the plan has no step
+                for n, p in weights[role].items():
+                    p.grad = torch.tensor(step["gradients"][role][n], dtype=torch.float64).view(p.shape)
+                if groups:
+                    norm = optimisation.optimizer_step(role)
+                    assert float(norm) == pytest.approx(step[f"{role}_grad_norm"], rel=1e-6)
+            if not groups:
+                optimisation.optimizer_step()
+            deltas.append({role: {n: (p.detach() - torch.tensor(data["initial"][role][n], dtype=torch.float64)
+                                      .view(p.shape)).flatten() for n, p in d.items()} for role, d in weights.items()})
+        return deltas
+
+    def matches(deltas: list[dict[str, dict[str, torch.Tensor]]]) -> bool:
+        return all(torch.allclose(mine[role][n], torch.tensor(theirs["delta"][role][n], dtype=torch.float64),
+                                  rtol=1e-6, atol=0)
+                   for mine, theirs in zip(deltas, data["steps"]) for role in mine for n in mine[role])
+
+    assert matches(run(groups=True))
+    assert not matches(run(groups=False))
+
+
+@contextlib.contextmanager
+def optimised(trainer, **options):
+    """``trainer`` with ``options`` set and a fresh optimiser built for them (``optimisers`` decides its groups);
+    its weights, options and optimiser are restored after (the module's trainer is shared)."""
+    tcfg, optimisation = trainer.tcfg, trainer.optimisation
+    saved = {n: p.detach().clone() for n, p in trainer.policy.trainable.named_parameters()}
+    trainer.tcfg = tcfg.model_copy(update=options)
+    trainer.optimisation = setup_optimisation(trainer.policy, trainer.tcfg, trainer.parallel,
+                                              trainer.parameter_groups())
+    try:
+        yield trainer
+    finally:
+        trainer.tcfg, trainer.optimisation = tcfg, optimisation
+        with torch.no_grad():
+            for n, p in trainer.policy.trainable.named_parameters():
+                p.copy_(saved[n])
+                p.grad = None
+
+
+def roles(trainer) -> dict[str, list[torch.nn.Parameter]]:
+    """The trained tensors of each role, by the trainable module's parts (language LoRA, transformer adapter)."""
+    named = [(n, p) for n, p in trainer.policy.trainable.named_parameters() if p.requires_grad]
+    return {"text": [p for n, p in named if n.startswith("language")],
+            "flow": [p for n, p in named if n.startswith("flow")]}
+
+
+def flat(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    return torch.cat([t.detach().flatten() for t in tensors])
+
+
+def one_update(trainer, batch) -> dict:
+    """One ``update`` of ``batch``: the gradients AdamW read at each of its steps (role → flat, None where
+    absent), each role's weights when the first unit of each kind ran its forward, and the weights after."""
+    seen: list[dict[str, torch.Tensor | None]] = []
+    at_forward: dict[str, dict[str, torch.Tensor]] = {}
+    step, loss = trainer.optimisation.optimizer.step, trainer.loss
+    parts = roles(trainer)
+
+    def spied_step(*args, **kwargs):
+        seen.append({role: None if all(p.grad is None for p in ps) else flat([p.grad for p in ps])
+                     for role, ps in parts.items()})
+        return step(*args, **kwargs)
+
+    def spied_loss(b, unit):
+        at_forward.setdefault(type(unit).__name__, {role: flat(ps).clone() for role, ps in parts.items()})
+        return loss(b, unit)
+
+    trainer.optimisation.optimizer.step, trainer.loss = spied_step, spied_loss
+    try:
+        logs = trainer.update(batch, torch.Generator())
+    finally:
+        trainer.optimisation.optimizer.step, trainer.loss = step, loss
+    return {"grads": seen, "at_forward": at_forward, "after": {r: flat(ps).clone() for r, ps in parts.items()},
+            "logs": logs}
+
+
+ADVANTAGES = torch.tensor([0.7, -1.3, 0.4, 0.2])
+
+
+def test_separate_optimisers_step_text_then_run_the_revisions_on_the_weights_it_left(trained):
+    """``separate`` (default): two optimiser steps, the reflections' units then the revisions' units, as the
+    authors' text phase before their flow phase: the revisions' forwards read the stepped language LoRA and the
+    untouched transformer adapter; ``joint``: one step, every forward on the weights before it."""
+    trainer, batch = trained
+    batch = dataclasses.replace(batch, coefficients=ADVANTAGES)
+    start = {r: flat(ps).clone() for r, ps in roles(trainer).items()}
+    with optimised(trainer, optimisers="separate"):
+        assert [g["name"] for g in trainer.optimisation.optimizer.param_groups] == ["flow", "text"]
+        plan = trainer.plan(batch, torch.Generator())
+        assert plan.groups == ["text", "flow"] and plan.global_weights
+        assert all(isinstance(u, TokenUnit) for u in plan.steps[0]) and plan.steps[0]
+        assert all(isinstance(u, RevisionUnit) for u in plan.steps[1]) and plan.steps[1]
+        out = one_update(trainer, batch)
+        first_text, then_flow = out["grads"]
+        assert then_flow["text"] is None and first_text["flow"] is None  # each step reads its own role alone
+        revision = out["at_forward"]["RevisionUnit"]
+        assert not torch.equal(out["after"]["text"], start["text"])
+        assert torch.equal(revision["text"], out["after"]["text"])  # the text step came first
+        assert torch.equal(revision["flow"], start["flow"]) and not torch.equal(out["after"]["flow"], start["flow"])
+        assert {"train/grad_norm_text", "train/grad_norm_flow"} <= {f"train/{k}" for k in out["logs"]}
+        # a role with no term anywhere takes no step (their globally inactive channel)
+        unrevised = dataclasses.replace(batch, rounds=[dataclasses.replace(
+            r, revised=torch.zeros_like(r.revised), revisions=[]) for r in batch.rounds])
+        assert trainer.plan(unrevised, torch.Generator()).groups == ["text"]
+    with optimised(trainer, optimisers="separate", token_weight=0.0):
+        assert trainer.plan(batch, torch.Generator()).groups == ["flow"]
+    with optimised(trainer, optimisers="joint"):
+        plan = trainer.plan(batch, torch.Generator())
+        assert len(plan.steps) == 1 and plan.groups is None
+        out = one_update(trainer, batch)
+        assert torch.equal(out["at_forward"]["RevisionUnit"]["text"], start["text"])
+
+
+def test_separate_optimisers_clip_each_roles_gradient_by_its_own_norm(trained):
+    """A flow gradient made 10⁴ times larger (``revision_weight``) leaves the text step bit for bit under
+    ``separate`` (its gradient clipped to ``grad_clip`` by its own norm); under ``joint`` the one clip of both
+    scales the text gradient down with it, and the text update moves."""
+    trainer, batch = trained
+    batch = dataclasses.replace(batch, coefficients=ADVANTAGES)
+    text_units = [u for u in trainer.units(batch) if isinstance(u, TokenUnit)]
+    raw = gradients(trainer, batch, text_units)["language"]
+    trainer.policy.trainable.zero_grad(set_to_none=True)
+    clip = trainer.tcfg.grad_clip
+    runs = {}
+    for optimisers in ("separate", "joint"):
+        for weight in (1.0, 1e4):
+            with optimised(trainer, optimisers=optimisers, revision_weight=weight):
+                runs[optimisers, weight] = one_update(trainer, batch)
+    for weight in (1.0, 1e4):
+        text = runs["separate", weight]["grads"][0]["text"]
+        assert torch.allclose(text, raw * min(1.0, clip / raw.norm().item()), rtol=1e-5, atol=1e-12)
+        assert runs["separate", weight]["grads"][1]["flow"].norm() <= clip * (1 + 1e-5)
+    assert torch.equal(runs["separate", 1.0]["grads"][0]["text"], runs["separate", 1e4]["grads"][0]["text"])
+    assert torch.equal(runs["separate", 1.0]["after"]["text"], runs["separate", 1e4]["after"]["text"])
+    joint = runs["joint", 1e4]["grads"][0]
+    assert torch.cat([joint["text"], joint["flow"]]).norm() <= clip * (1 + 1e-5)
+    assert joint["text"].norm() < 0.2 * runs["separate", 1e4]["grads"][0]["text"].norm()  # scaled by the flow's
+    assert not torch.equal(runs["joint", 1.0]["after"]["text"], runs["joint", 1e4]["after"]["text"])
+
+
+def test_joint_is_the_former_step_one_adamw_one_clip(trained):
+    """``joint`` (pinned by the tiny recipe, and for runs saved before the option): one optimiser step of every
+    unit, both roles' gradients clipped together, one AdamW over one group: the same weights, bit for bit, as
+    that step written out."""
+    trainer, batch = trained
+    batch = dataclasses.replace(batch, coefficients=ADVANTAGES)
+    with optimised(trainer, optimisers="joint"):
+        params = list(trainer.optimisation.params)
+        start = [p.detach().clone() for p in params]
+        (units,) = trainer.plan(batch, torch.Generator()).steps
+        for unit in units:
+            trainer.loss(batch, unit)[0].backward()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(params, trainer.tcfg.grad_clip)
+        adamw = torch.optim.AdamW(params, lr=trainer.tcfg.lr, betas=trainer.tcfg.betas,
+                                  weight_decay=trainer.tcfg.weight_decay)
+        adamw.step()
+        expected = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                p.copy_(s)
+                p.grad = None
+        trainer.update(batch, torch.Generator())
+        assert all(torch.equal(p, e) for p, e in zip(params, expected))
 
 
 def test_the_sft_cold_start_imitates_the_kept_trajectory(trained):
