@@ -128,8 +128,8 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions, Refer
     credit_clip: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
     #: w_tok: weight of the reflection tokens' term
     token_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
-    #: w_rev: weight of the revisions' term
-    revision_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: w_rev: weight of the revisions' term (the authors' mse_weight 2 against the text's ce_weight 1)
+    revision_weight: float = Field(2.0, ge=0, le=MAX_COEFFICIENT)
     #: rank of the language LoRA that writes reflections
     language_lora_rank: int = Field(4, ge=1, le=MAX_LORA_RANK)
     #: alpha of the language LoRA (its scale is alpha / rank)
@@ -147,7 +147,7 @@ class UMMReflectionConfig(TrainerConfig, RolloutOptions, AdvantageOptions, Refer
     optimisers: Literal["separate", "joint"] = "separate"
 
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"optimisers": "joint"}
+    before = {"optimisers": "joint", "revision_weight": 1.0}
 
     @model_validator(mode="after")
     def _something_trains(self) -> UMMReflectionConfig:
