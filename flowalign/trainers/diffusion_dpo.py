@@ -8,13 +8,15 @@ policy and of the reference (the adapter switched off, or the frozen copy under 
     Δ = [e_θ(x0ʷ) − e_ref(x0ʷ)] − [e_θ(x0ˡ) − e_ref(x0ˡ)],      L = −log σ(−β·Δ/2)
 
 (the DDPM ε-MSE of the paper replaced by the flow's velocity MSE). t is Flow-Factory's draw by default
-(``timestep_draw: shared``): one t for all pairs of a micro-batch, ``1 − timestep_range·clamp(σ(n), 0.01,
-1 − 1e−6)``; ``per_pair`` is the former draw, σ(n) for each pair. Pairs come from a Pick-a-Pic-style
+(``timestep_draw: shared``): one t for all pairs of a micro-batch (``batch_size`` consecutive pairs of the
+step's global order, so any rank layout draws alike), ``1 − timestep_range·clamp(σ(n), 0.01, 1 − 1e−6)``; ``per_pair`` is the former draw, σ(n) for each pair. Pairs come from a Pick-a-Pic-style
 JSONL (``trainer.pairs``: prompt, chosen and rejected image paths, encoded with the policy's VAE) or
 online: each prompt group's best and worst rollout under the run's rewards.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,9 +48,10 @@ class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, Refer
     pairs: str | None = None
     #: the unit draw behind t: "logit_normal" (σ(n), n ~ N(0, 1)) or "uniform" on (0, 1)
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
-    #: "shared": Flow-Factory's DPOTrainer, one t for all pairs of a micro-batch (``batch_size`` pairs),
-    #: t = 1 − timestep_range·u with u = clamp(σ(n), 0.01, 1 − 1e−6) (logit_normal) or U(0, 1) (uniform), drawn
-    #: from the micro-batch's first pair's generator; "per_pair": the former form, each pair its own t, σ(n)
+    #: "shared": Flow-Factory's DPOTrainer, one t for all pairs of a micro-batch (``batch_size`` pairs,
+    #: consecutive in the step's global order, whichever ranks hold them), t = 1 − timestep_range·u with
+    #: u = clamp(σ(n), 0.01, 1 − 1e−6) (logit_normal) or U(0, 1) (uniform), drawn from the generator of the
+    #: micro-batch's first position; "per_pair": the former form, each pair its own t, σ(n)
     #: or U(0, 1) clamped to [1e−4, 1 − 1e−4], timestep_range unused
     timestep_draw: Literal["shared", "per_pair"] = "shared"
     #: the share of the path from noise (t = 1) towards the data that "shared" draws t on: t ≥ 1 − timestep_range
@@ -62,20 +65,37 @@ class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, Refer
 # ---------------------------------------------------------------------------------------------- the loss
 
 
-def dpo_timesteps(generators: list[torch.Generator], sampling: str, draw: str,
-                  timestep_range: float) -> torch.Tensor:
-    """``(P,)`` flow times of a micro-batch of P pairs, one unit draw from each pair's generator (so every
-    pair's ε, drawn after it from the same generator, is the same under either ``draw``).
+def dpo_timesteps(generators: list[torch.Generator], sampling: str, draw: str, timestep_range: float,
+                  shared_units: torch.Tensor | None = None) -> torch.Tensor:
+    """``(P,)`` flow times of P pairs, one unit draw from each pair's generator (so every pair's ε, drawn after
+    it from the same generator, is the same under either ``draw``).
 
     ``per_pair``: each pair's own t, :func:`pair_timesteps` (the former form). ``shared``: Flow-Factory's
-    ``DPOTrainer._sample_timesteps`` with ``num_train_timesteps`` 1: one t for the whole micro-batch, from the
-    first pair's draw (their one draw per micro-batch comes from the global RNG; keying it on the first pair
-    keeps it the same for the same pairs whatever the rank layout), mapped by :func:`shared_timestep`.
-    """
+    ``DPOTrainer._sample_timesteps`` with ``num_train_timesteps`` 1, one t for a micro-batch of pairs, mapped
+    by :func:`shared_timestep` from ``shared_units`` ``(P,)``: each pair's micro-batch's one unit draw (their one
+    draw per micro-batch comes from the global RNG; see :func:`micro_batch_units` for the keyed one). None:
+    the pairs are one micro-batch, its draw the first pair's."""
     if draw == "per_pair":
         return torch.cat([pair_timesteps(1, sampling, g) for g in generators])
-    units = [torch.rand(1, generator=g) if sampling == "uniform" else torch.randn(1, generator=g) for g in generators]
-    return shared_timestep(units[0], sampling, timestep_range).expand(len(generators)).clone()
+    units = torch.cat([torch.rand(1, generator=g) if sampling == "uniform" else torch.randn(1, generator=g)
+                       for g in generators])
+    if shared_units is None:
+        shared_units = units[:1].expand(len(generators))
+    return shared_timestep(shared_units, sampling, timestep_range).clone()
+
+
+def micro_batch_units(positions: list[int], size: int, sampling: str, key: Callable[[int], int]) -> torch.Tensor:
+    """``(P,)`` the unit draw of each pair's micro-batch: pairs at global ``positions`` fall in micro-batches of
+    ``size`` consecutive positions, each drawing once from the generator seeded ``key(first position)`` (the
+    seed of its first pair, so a micro-batch whose pairs are all here draws what its first pair's own
+    generator draws first), the same whatever the rank layout."""
+    draws: dict[int, torch.Tensor] = {}
+    for k in positions:
+        first = k // size * size
+        if first not in draws:
+            g = torch.Generator().manual_seed(key(first))
+            draws[first] = torch.rand(1, generator=g) if sampling == "uniform" else torch.randn(1, generator=g)
+    return torch.cat([draws[k // size * size] for k in positions])
 
 
 def shared_timestep(unit: torch.Tensor, sampling: str, timestep_range: float) -> torch.Tensor:
@@ -122,6 +142,10 @@ class PairBatch:
     cond: Conditioning | None
     seeds: list[int]
     logs: dict[str, Any] = field(default_factory=dict)
+    #: each pair's position in the step's global order (its seed's key), and the step: which pairs share a
+    #: micro-batch's t (``timestep_draw: shared``) whatever the rank layout
+    positions: list[int] = field(default_factory=list)
+    step: int = 0
 
 
 @dataclass(frozen=True)
@@ -202,8 +226,9 @@ class DiffusionDPOTrainer(GroupTrainer):
         images = {k: torch.stack([load_image(m[k], h, w) for m in meta]).to(self.policy.device) for k in ("chosen", "rejected")}
         x_w, x_l = self.policy.encode_images(images["chosen"]), self.policy.encode_images(images["rejected"])
         cond = self.policy.encode([self.offline.prompts[i] for i in idx])
-        seeds = [derived_seed(self.cfg.run.seed, step, self.rank * p + n, 47) for n in range(len(idx))]
-        return PairBatch(x_w.float(), x_l.float(), cond, seeds, {"train/pairs": float(len(idx))})
+        positions = [self.rank * p + n for n in range(len(idx))]
+        seeds = [derived_seed(self.cfg.run.seed, step, k, 47) for k in positions]
+        return PairBatch(x_w.float(), x_l.float(), cond, seeds, {"train/pairs": float(len(idx))}, positions, step)
 
     def online_pairs(self, step: int) -> PairBatch:
         """The loop's group rollouts; per group, its best and worst valid sample."""
@@ -211,18 +236,19 @@ class DiffusionDPOTrainer(GroupTrainer):
         x0 = torch.cat([c.final_latents for c in batch.chunks])
         cond = Conditioning.cat([c.cond for c in batch.chunks])
         total, valid = batch.scores.total, batch.scores.valid
-        win, lose, seeds = [], [], []
+        win, lose, positions = [], [], []
         for g in dict.fromkeys(batch.groups.tolist()):
             members = (batch.groups == g).nonzero().flatten()
             pick = best_and_worst(total[members], valid[members])
             if pick is not None:
                 win.append(int(members[pick[0]]))
                 lose.append(int(members[pick[1]]))
-                seeds.append(derived_seed(self.cfg.run.seed, step, g, 47))
+                positions.append(g)  # the group's id: its place among every rank's groups
+        seeds = [derived_seed(self.cfg.run.seed, step, g, 47) for g in positions]
         logs = {**batch.logs, "train/pairs": float(len(win))}
         if not win:
-            return PairBatch(x0[:0], x0[:0], None, [], logs)
-        return PairBatch(x0[win], x0[lose], cond[win], seeds, logs)
+            return PairBatch(x0[:0], x0[:0], None, [], logs, [], step)
+        return PairBatch(x0[win], x0[lose], cond[win], seeds, logs, positions, step)
 
     # ------------------------------------------------------------------ hooks
 
@@ -249,10 +275,16 @@ class DiffusionDPOTrainer(GroupTrainer):
         # a subclass whose config has no timestep_draw (SePPO) keeps its t per pair
         draw = getattr(self.tcfg, "timestep_draw", "per_pair")
         timestep_range = getattr(self.tcfg, "timestep_range", 1.0)
-        for s in range(0, n, self.tcfg.batch_size):
-            index = tuple(range(s, min(n, s + self.tcfg.batch_size)))
+        b = self.tcfg.batch_size
+        # a shared t is its micro-batch's, b pairs in the step's global order, whichever rank holds them
+        shared = (micro_batch_units(batch.positions, b, self.tcfg.timestep_sampling,
+                                    lambda k: derived_seed(self.cfg.run.seed, batch.step, k, 47))
+                  if draw == "shared" and len(batch.positions) == n else None)
+        for s in range(0, n, b):
+            index = tuple(range(s, min(n, s + b)))
             gens = [torch.Generator().manual_seed(batch.seeds[i]) for i in index]
-            t = dpo_timesteps(gens, self.tcfg.timestep_sampling, draw, timestep_range)
+            t = dpo_timesteps(gens, self.tcfg.timestep_sampling, draw, timestep_range,
+                              None if shared is None else shared[list(index)])
             # one ε per pair, shared by its chosen and rejected image (as Flow-Factory's one noise per pair)
             eps = torch.stack([torch.randn(shape, generator=g) for g in gens])
             ref_w, ref_l = self.reference_errors(batch, index, t, eps)

@@ -17,7 +17,7 @@ from PIL import Image
 
 from flowalign.train import build_trainer
 from flowalign.trainers.diffusion_dpo import (DiffusionDPOConfig, best_and_worst, diffusion_dpo_loss, dpo_timesteps,
-                                              shared_timestep)
+                                              micro_batch_units, shared_timestep)
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.timesteps import pair_timesteps
 
@@ -195,3 +195,17 @@ def test_online_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, promp
     straight = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, *extra, "trainer.max_steps=3"))
     straight.train()
     assert all(torch.equal(a, b) for a, b in zip(resumed.params, straight.params))
+
+
+@pytest.mark.parametrize("sampling", ["logit_normal", "uniform"])
+def test_a_micro_batchs_shared_draw_is_the_same_whichever_rank_holds_its_pairs(sampling):
+    """Micro-batches of 2 consecutive global positions: a rank holding positions 1 and 2 gives each the draw of
+    its micro-batch as one process holding 0-3 does; a micro-batch wholly here draws what its first pair's own
+    generator draws first (so one process computes Flow-Factory's first-pair form)."""
+    key = lambda k: 1000 + k
+    everything = micro_batch_units([0, 1, 2, 3], 2, sampling, key)
+    assert everything[0] == everything[1] and everything[2] == everything[3] and everything[1] != everything[2]
+    torch.testing.assert_close(micro_batch_units([1, 2], 2, sampling, key), everything[1:3], rtol=0, atol=0)
+    first = torch.Generator().manual_seed(key(2))
+    own = torch.rand(1, generator=first) if sampling == "uniform" else torch.randn(1, generator=first)
+    assert torch.equal(everything[2:3], own)
