@@ -90,6 +90,8 @@ def micro_batch_units(positions: list[int], size: int, sampling: str, key: Calla
     seed of its first pair, so a micro-batch whose pairs are all here draws what its first pair's own
     generator draws first), the same whatever the rank layout."""
     draws: dict[int, torch.Tensor] = {}
+    if not positions:  # a step whose groups all tied has no pair
+        return torch.zeros(0)
     for k in positions:
         first = k // size * size
         if first not in draws:
@@ -279,7 +281,7 @@ class DiffusionDPOTrainer(GroupTrainer):
         # a shared t is its micro-batch's, b pairs in the step's global order, whichever rank holds them
         shared = (micro_batch_units(batch.positions, b, self.tcfg.timestep_sampling,
                                     lambda k: derived_seed(self.cfg.run.seed, batch.step, k, 47))
-                  if draw == "shared" and len(batch.positions) == n else None)
+                  if draw == "shared" and n and len(batch.positions) == n else None)
         for s in range(0, n, b):
             index = tuple(range(s, min(n, s + b)))
             gens = [torch.Generator().manual_seed(batch.seeds[i]) for i in index]

@@ -209,3 +209,17 @@ def test_a_micro_batchs_shared_draw_is_the_same_whichever_rank_holds_its_pairs(s
     first = torch.Generator().manual_seed(key(2))
     own = torch.rand(1, generator=first) if sampling == "uniform" else torch.randn(1, generator=first)
     assert torch.equal(everything[2:3], own)
+
+
+def test_a_step_whose_groups_all_tie_has_no_pair_and_trains_nothing(tmp_path, tiny_sd3_dir, prompt_file):
+    """Online pairs under a reward that ties every group: no pair, an empty plan under the shared draw (a run
+    stopped here once), and the weights stay."""
+    t = build_trainer(small_config(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=diffusion_dpo",
+                                   "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:constant'}]"))
+    assert t.tcfg.timestep_draw == "shared"
+    batch = t.collect(0)
+    assert len(batch.seeds) == 0 and batch.positions == []
+    assert t.plan(batch, torch.Generator().manual_seed(0)).steps == []
+    before = [p.detach().clone() for p in t.params]
+    t.update(batch, torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(before, t.params))

@@ -34,3 +34,8 @@ def redness_of_red_prompts(samples: torch.Tensor, prompts, metadata) -> torch.Te
     """``redness`` for prompts that name red, 0 for the others (their groups get zero advantages)."""
     r = redness(samples, prompts, metadata)
     return torch.where(torch.tensor(["red" in p for p in prompts]), r, torch.zeros_like(r))
+
+
+def constant(samples: torch.Tensor, prompts, metadata) -> torch.Tensor:
+    """The same score for every sample: every group ties."""
+    return torch.zeros(samples.shape[0])
