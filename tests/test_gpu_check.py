@@ -76,10 +76,11 @@ def test_a_recipe_pinning_a_former_form_runs_again_with_its_trainers_defaults():
 
     recipe = check.TINY / "self_opd_vvr.yaml"
     extra = check.authors_defaults(recipe)
-    assert sorted(extra) == ["trainer.drop_flat=true", "trainer.trunk_noise_level=0.7", "trainer.trunks=16"]
+    assert sorted(extra) == ["trainer.drop_flat=true", "trainer.kept_multiple=16", "trainer.trunk_noise_level=0.7",
+                             "trainer.trunks=16"]
     defaults = get_trainer("self_opd").Config.model_fields
     tcfg = load_config(recipe, extra).trainer
-    assert all(tcfg[k] == defaults[k].default for k in ("trunks", "trunk_noise_level", "drop_flat"))
+    assert all(tcfg[k] == defaults[k].default for k in ("trunks", "trunk_noise_level", "drop_flat", "kept_multiple"))
     assert check.authors_defaults(check.TINY / "flow_grpo_vvr.yaml") == []  # pins nothing: one row
 
 
