@@ -49,11 +49,10 @@ from flowalign.limits import (
 from flowalign.paths import REPO_ROOT
 from flowalign.sampling import Rollout, load_latent_reward
 from flowalign.sampling.guidance import (
-    combine_heads,
+    guide_velocity,
     guiding_gradient,
     latent_reward_sizes,
     per_sample_rms,
-    reward_correction,
 )
 from flowalign.trainers.base import (
     GroupTrainer,
@@ -167,11 +166,8 @@ def distillation_target(v_base: torch.Tensor, grad: torch.Tensor | Mapping[str, 
     """``v* = sg(v_b − κ·rms(v_b)·ĝ)`` per sample, ``ĝ`` the authors' ``combine`` of ``grad`` (one gradient:
     ``g/rms(g)``; a dict by head: ``Σ_h w_h·g_h/rms(g_h)``), then their gated and clipped ``correction``;
     ``(B, ...)`` float32 (float64 for float64 inputs). ``x + dt·v*`` is their ``build_rgopd_target`` (dt < 0)."""
-    dtype = torch.promote_types(v_base.dtype, torch.float32)
-    if kappa == 0:
-        return v_base.to(dtype).detach()
-    grads = grad.to(dtype) if isinstance(grad, torch.Tensor) else {h: g.to(dtype) for h, g in grad.items()}
-    return (v_base.to(dtype) - reward_correction(v_base, combine_heads(grads, weights), kappa)).detach()
+    # the same correction as RGS's guided velocity (κ = 0: the base itself)
+    return guide_velocity(v_base, grad, kappa, weights=weights).to(torch.promote_types(v_base.dtype, torch.float32)).detach()
 
 
 def reward_active(sigma: float, kappa: float, active_sigma_min: float) -> bool:

@@ -184,9 +184,8 @@ def noised_head_scores(reward: Any, pairs: PreferencePairs, cond: Conditioning, 
     """Per head, the scores ``(N,)`` of both sides, noised as :func:`noised_scores` (one DiT pass for every
     head of a several-head reward, its ``score_heads``)."""
     if not hasattr(reward, "score_heads"):
-        return dict(zip(reward_heads(reward), [noised_scores(reward, pairs, cond, sigma, noise)]))
-    both = noised_scores(reward, pairs, cond, sigma, noise, scorer=reward.score_heads)
-    return {h: (w, l) for h, (w, l) in both.items()}
+        return {reward_heads(reward)[0]: noised_scores(reward, pairs, cond, sigma, noise)}
+    return noised_scores(reward, pairs, cond, sigma, noise, scorer=reward.score_heads)
 
 
 def head_pair_loss(pair_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
