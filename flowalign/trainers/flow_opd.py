@@ -98,7 +98,7 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
 
     name: Literal["flow_opd"] = "flow_opd"  # type: ignore[assignment]
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"objective": "velocity_distillation", "prompt_draw": "per_pass"}
+    before = {"objective": "velocity_distillation", "prompt_draw": "per_pass", "micro_batches": "in_order"}
     #: kl_reward_grpo: Flow-GRPO with the step-wise KL to the routed teacher as the reward (the authors'
     #: rule); velocity_distillation: regression on the teachers' velocities (cold start, anchor term)
     objective: Literal["kl_reward_grpo", "velocity_distillation"] = "kl_reward_grpo"
@@ -123,6 +123,10 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
     #: kl_reward_grpo: "batch" pairs every advantage with every ratio of the chunk (the authors' code: (B, 1)
     #: advantages broadcast against (B,) ratios); "sample" pairs each sample with its own ratio
     advantage_pairing: Literal["batch", "sample"] = "batch"
+    #: kl_reward_grpo: which samples form a micro-batch (the rollout chunk of batch_size the pairing runs
+    #: over): "shuffled" (the authors': each rank's samples of the step permuted, then cut into micro-batches;
+    #: the permutation keyed by (seed, step, rank)); "in_order": the prompts' order, a group's samples together
+    micro_batches: Literal["shuffled", "in_order"] = "shuffled"
     #: kl_reward_grpo: leave out the samples whose task advantage (rewards:, grouped by prompt) is 0, as the
     #: authors' code does before batching (there each dataset has its own reward; here the run's rewards
     #: score every prompt, so it is off unless they are the domains' own)
@@ -413,6 +417,19 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         if batch.scores is not None and len(self.rewards):
             batch.logs.update(self.domain_logs(batch.scores, routed_to))
         return batch
+
+    def rollout_slots(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
+                      prompt_ids: torch.Tensor, step: int) -> list:
+        """The loop's slots, under ``micro_batches: shuffled`` in a keyed random order: the rollout chunks cut
+        from them are then the authors' micro-batches (their ``torch.randperm`` of a rank's samples, reshaped
+        into ``train_batch_size`` rows), and :func:`kl_reward_grpo_loss` pairs each chunk's advantages and
+        ratios. A sample's noise is keyed by its group and member, so the order changes no sample."""
+        slots = super().rollout_slots(prompts, metadata, groups, prompt_ids, step)
+        if self.tcfg.micro_batches == "in_order":
+            return slots
+        perm = torch.randperm(len(slots), generator=torch.Generator().manual_seed(
+            derived_seed(self.cfg.run.seed, step, self.rank, 103)))
+        return [slots[i] for i in perm.tolist()]
 
     def route_logs(self, routed_to: torch.Tensor) -> dict[str, float]:
         return {f"route/teacher{i}_fraction": (routed_to == i).float().mean().item()

@@ -443,3 +443,25 @@ def test_a_step_draws_its_prompts_per_batch_keyed_by_seed_and_step(tmp_path, tin
                  "trainer.prompt_draw=per_pass", objective="kl_reward_grpo")
     assert [former.step_indices(s) for s in range(4)] == [former.data.batch_indices(former.cfg.run.seed, s, 3)
                                                           for s in range(4)]
+
+
+def test_micro_batches_are_a_keyed_shuffle_of_the_ranks_samples(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """The default cuts the step's samples into chunks (the micro-batches the KL reward pairs over) after a
+    permutation keyed by (seed, step, rank), as the authors' per-rank ``randperm`` before their rebatching;
+    ``in_order`` (the former form, as saved runs computed) keeps each group's samples together. The samples
+    themselves are the same either way: their noise is keyed by group and member."""
+    spec = f"[{{adapter: {teachers['same']}}}]"
+    args = ("trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.batch_size=2", "trainer.beta=0")
+    t = opd(tmp_path / "s", tiny_sd3_dir, prompt_file, spec, *args, objective="kl_reward_grpo")
+    former = opd(tmp_path / "o", tiny_sd3_dir, prompt_file, spec, *args, "trainer.micro_batches=in_order",
+                 objective="kl_reward_grpo")
+    assert t.tcfg.micro_batches == "shuffled" and FlowOPDConfig.before["micro_batches"] == "in_order"
+    step = 1
+    shuffled, ordered = t.collect(step), former.collect(step)
+    assert [len(c.prompts) for c in shuffled.chunks] == [2, 2] and ordered.groups.tolist() == [0, 0, 1, 1]
+    perm = torch.randperm(4, generator=torch.Generator().manual_seed(derived_seed(t.cfg.run.seed, step, 0, 103)))
+    assert shuffled.groups.tolist() == ordered.groups[perm].tolist()
+    assert shuffled.groups[:2].unique().numel() == 2  # this step's first micro-batch holds both prompts' samples
+    torch.testing.assert_close(shuffled.samples, ordered.samples[perm])
+    # and the loss pairs within each shuffled chunk: a unit's trained mask has the chunk's size
+    assert all(u.trained.numel() == 2 for u in grpo_units(t, shuffled))
