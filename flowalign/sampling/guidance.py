@@ -218,6 +218,10 @@ class GuidedPolicy:
         return getattr(self.policy, name)
 
 
+#: the class that reads a folder in the Latent Reward Registers authors' own checkpoint layout
+AUTHORS_REGISTER_CLASS = ("rewards.latent_registers.sd3_grid", "GridRegisters")
+
+
 def load_latent_reward(folder: str | Path, **kwargs: Any) -> Any:
     """The latent reward saved in ``folder`` (its ``config.json`` names the class that reads it)."""
     reward = latent_reward_class(folder).load(Path(folder), **kwargs)
@@ -238,6 +242,9 @@ def latent_reward_class(folder: str | Path) -> type:
     """The class ``folder``'s ``config.json`` names for its latent reward."""
     folder = Path(folder)
     config = folder / "config.json"
+    if not config.is_file() and (folder / "manifest.json").is_file():
+        # the Latent Reward Registers authors' checkpoint layout (register.safetensors, config.yaml, manifest.json)
+        return getattr(importlib.import_module(AUTHORS_REGISTER_CLASS[0]), AUTHORS_REGISTER_CLASS[1])
     if not config.is_file():
         raise UserError(f"{folder} is not a latent reward folder (no config.json); train one with `flowalign train-reward`")
     try:

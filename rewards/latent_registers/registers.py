@@ -195,6 +195,9 @@ class LatentRegisters(nn.Module):
 
         directory = Path(directory)
         config = read_config(directory)
+        if config.get("architecture", "registers") != "registers":
+            return architecture_class(config, directory).load(directory, transformer=transformer, device=device,
+                                                              dtype=dtype)
         if transformer is None:
             transformer = load_frozen_transformer(config.get("base_model"), directory, device, dtype)
         family = FAMILIES.get(type(transformer).__name__)
@@ -222,14 +225,29 @@ class LatentRegisters(nn.Module):
         parameters (registers and heads) and ``model``: the one frozen base transformer it loads."""
         from safetensors import safe_open
 
-        read_config(directory)
+        config = read_config(directory)
+        if config.get("architecture", "registers") != "registers":
+            return architecture_class(config, directory).sizes(directory)
         with safe_open(str(directory / WEIGHTS_NAME), "pt") as weights:
             own = sum(math.prod(weights.get_slice(k).get_shape()) for k in weights.keys())
         return {"own": int(own), "model": 1}
 
 
+def architecture_class(config: dict[str, Any], directory: Path) -> type:
+    """The class that reads a folder whose ``config.json`` names an ``architecture`` other than these registers."""
+    from rewards.latent_registers import sd3_grid
+
+    kind = config.get("architecture")
+    if kind != sd3_grid.ARCHITECTURE:
+        raise UserError(f"{directory / CONFIG_NAME}: architecture {kind!r} is unknown; use 'registers' (the default) "
+                        f"or {sd3_grid.ARCHITECTURE!r}")
+    return sd3_grid.GridRegisters
+
+
 def read_config(directory: Path) -> dict[str, Any]:
-    if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
+    # register.safetensors: the authors' checkpoint file, read by an architecture: grid_pool config beside it
+    weights = (directory / WEIGHTS_NAME).is_file() or (directory / "register.safetensors").is_file()
+    if not (directory / CONFIG_NAME).is_file() or not weights:
         raise UserError(f"{directory} is not a latent reward folder (needs {CONFIG_NAME} and {WEIGHTS_NAME}); "
                         "write one with `flowalign train-reward`")
     try:
