@@ -50,12 +50,23 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out that holds no earlier reward (only the files this command "
                         "writes are replaced; other files are kept)")
-    add_number(p, "--registers", type=int, lo=1, hi=MAX_WIDTH, default=8, help="number of register tokens M")
-    p.add_argument("--layers", default="last", help="'last', 'multi' (L/2, 3L/4, L) or comma-separated block indices")
-    add_number(p, "--head-hidden", type=int, lo=1, hi=MAX_WIDTH, default=256)
+    p.add_argument("--architecture", choices=["registers", "grid_pool"], default="registers",
+                   help="registers: M tokens through every block, head = MLP(LN(mean)); grid_pool: the authors' paper "
+                        "architecture on SD3 (registers to half depth, pooled image and text taps, attention readout)")
+    add_number(p, "--registers", type=int, lo=1, hi=MAX_WIDTH, default=None,
+               help="number of register tokens M (default 8; grid_pool: the authors' 32)")
+    p.add_argument("--layers", default="last", help="'last', 'multi' (L/2, 3L/4, L) or comma-separated block indices "
+                                                    "(registers only: grid_pool taps 1/6, 1/3, 1/2 of the depth)")
+    add_number(p, "--head-hidden", type=int, lo=1, hi=MAX_WIDTH, default=256, help="head width (registers only)")
     add_number(p, "--train-steps", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=1000)
     add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=32)
-    add_number(p, "--lr", type=float, lo=0, hi=MAX_LR, lo_open=True, default=1e-3)
+    add_number(p, "--lr", type=float, lo=0, hi=MAX_LR, lo_open=True, default=None,
+               help="learning rate (default 1e-3; --recipe authors: their 5e-5)")
+    p.add_argument("--recipe", choices=["adam", "authors"], default="adam",
+                   help="adam: plain Adam; authors: AdamW (weight decay 0.01), linear lr warm-up, gradient norm "
+                        "clipped to 1.0, and the EMA (0.999) of the weights saved as the reward")
+    add_number(p, "--warmup-steps", type=int, lo=0, hi=MAX_TRAIN_STEPS, default=None,
+               help="--recipe authors: steps of linear lr warm-up (default their 1000)")
     p.add_argument("--loss", choices=["bradley_terry", "thurstone"], default="bradley_terry",
                    help="pair loss: Bradley-Terry, or the registers' authors' Thurstone loss (a noisier pair costs less)")
     add_number(p, "--test-fraction", type=float, lo=0, hi=1, default=0.2, help="prompts held out for the accuracy report")
@@ -70,6 +81,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.registers is None:
+        args.registers = 32 if args.architecture == "grid_pool" else 8
+    if args.lr is None:
+        args.lr = 5e-5 if args.recipe == "authors" else 1e-3
+    if args.warmup_steps is not None and args.recipe != "authors":
+        raise UserError("--warmup-steps belongs to --recipe authors (plain Adam has no warm-up)")
     if bool(args.pairs) == bool(args.bench):
         raise UserError("give exactly one pair source: --pairs FILE or --bench NAME (e.g. --bench vvr --level medium --n 200)")
     for flag, files in (("--pairs", args.pairs), ("--eval-pairs", args.eval_pairs)):
@@ -248,7 +265,13 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
 
     from flowalign.trainers.parts.latent_preference import fit
 
-    optimizer = torch.optim.Adam(reward.parameters(), lr=args.lr)
+    if args.recipe == "authors":
+        from rewards.latent_registers.recipe import WARMUP_STEPS, AuthorsRecipe
+
+        warmup = WARMUP_STEPS if args.warmup_steps is None else args.warmup_steps
+        optimizer = AuthorsRecipe(reward, lr=args.lr, warmup_steps=warmup)
+    else:
+        optimizer = torch.optim.Adam(reward.parameters(), lr=args.lr)
     start = 0
     if resume:
         reward.load_state_dict(load_file(str(partial / "registers.safetensors")))
@@ -277,6 +300,8 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
     stats = fit(reward, train_pairs, encode, steps=args.train_steps, batch_size=args.batch_size, lr=args.lr,
                 seed=args.seed, start_step=start, optimizer=optimizer, on_step=on_step, loss=args.loss)
     bar.close()
+    if args.recipe == "authors":
+        optimizer.finish()  # the average is the reward that is evaluated and saved
     return stats
 
 
@@ -307,11 +332,18 @@ def run(args: argparse.Namespace) -> None:
         pairs, source = load_pairs(args, policy)
     train_pairs, test_pairs = split_pairs(args, pairs, policy, source)
     transformer = load_frozen_transformer(model, Path(model), policy.device, policy.dtype)
-    reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
-                             base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy),
-                             heads=pairs.heads or [DEFAULT_HEAD])
+    if args.architecture == "grid_pool":
+        from rewards.latent_registers.sd3_grid import GridRegisters, paper_options
+
+        preset = paper_options(len(transformer.transformer_blocks)) if hasattr(transformer, "transformer_blocks") else {}
+        preset.update(num_reward_tokens=args.registers, heads=pairs.heads or [DEFAULT_HEAD])
+        reward = GridRegisters(transformer, base_model=model, seed=args.seed, **preset)
+    else:
+        reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
+                                 base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy),
+                                 heads=pairs.heads or [DEFAULT_HEAD])
     stats = fit_registers(args, reward, pairs, train_pairs, source, partial, policy.encode, resume)
-    metrics = {"pairs": source, "heads": reward.head_names, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
+    metrics = {"pairs": source, "heads": reward.head_names, "architecture": args.architecture, "recipe": args.recipe, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
                "train_steps": args.train_steps, "loss": args.loss, "final_train_loss": stats.get("loss"),
                **accuracy_report(args, reward, policy.encode, train_pairs, test_pairs)}
     metrics["minutes"] = (time.perf_counter() - t0) / 60

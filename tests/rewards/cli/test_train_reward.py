@@ -219,3 +219,30 @@ def test_several_heads_each_labelled_by_its_reward(tmp_path, capsys):
     assert np.array_equal(score, first) and not np.array_equal(first, both)
     code, _, err = run(base + ["--guide-heads", "pickscore", "--out", str(tmp_path / "x.png")], capsys)
     assert code == 2 and "has heads vvr, vvr_soft" in err
+
+
+def test_grid_pool_with_the_authors_recipe_trains_and_loads(tiny_model_dir, image_pairs, tmp_path):
+    """``--architecture grid_pool --recipe authors``: the authors' register architecture (on an SD3 without
+    dual-attention blocks, as theirs) and their optimiser; the folder loads back as that architecture."""
+    from flowalign.sampling import load_latent_reward
+    from rewards.latent_registers.sd3_grid import GridRegisters
+
+    model = tiny_model_dir("sd3", transformer={"dual_attention_layers": [], "num_layers": 6})
+    out = tmp_path / "grid"
+    code = main(["train-reward", "--model", str(model), "--pairs", str(image_pairs), "--out", str(out),
+                 "--architecture", "grid_pool", "--registers", "4", "--recipe", "authors", "--lr", "3e-3",
+                 "--warmup-steps", "5", "--train-steps", "40", "--batch-size", "8", "--test-fraction", "0.25",
+                 "--no-progress"])
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert config["architecture"] == "grid_pool" and config["feature_layers"] == [1, 2, 3]
+    assert config["num_transformer_layers"] == 3 and config["num_reward_tokens"] == 4
+    assert metrics["recipe"] == "authors" and metrics["final_train_loss"] < 0.6931
+    reward = load_latent_reward(out)
+    assert isinstance(reward, GridRegisters) and reward.head_names == ["reward"]
+
+
+def test_warmup_steps_belong_to_the_authors_recipe(capsys):
+    code, _, err = run(["train-reward", "--pairs", "x.jsonl", "--out", "o", "--warmup-steps", "3"], capsys)
+    assert code != 0 and "--warmup-steps" in err
