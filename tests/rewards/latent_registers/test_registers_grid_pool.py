@@ -223,3 +223,17 @@ def test_the_preset_scales_with_depth_and_is_the_authors_on_sd3_medium():
 def test_folders_without_an_architecture_still_load_as_registers():
     reward = LatentRegisters.load(REPO_ROOT / "assets" / "tiny-sd3-vvr-latent-reward")
     assert type(reward) is LatentRegisters
+
+
+def test_rg_opd_and_rgs_gradients_are_the_authors_score_and_grad(known, transformer):
+    """What RG-OPD and RGS read (``reward_gradient``, ``head_gradients``) is their ``score_and_grad`` per head."""
+    from flowalign.sampling.guidance import head_gradients, reward_gradient
+
+    reward = authors_weights(known, transformer)
+    x, sigma, cond = inputs(known)
+    want = known["skip_attn2"]["grad"]
+    grad, score = reward_gradient(reward, x, sigma, cond)
+    torch.testing.assert_close(grad, torch.tensor(want["preference"]), rtol=1e-5, atol=1e-6)
+    grads, _ = head_gradients(reward, x, sigma, cond, ["imagereward", "pickscore"])
+    for head in ("imagereward", "pickscore"):
+        torch.testing.assert_close(grads[head], torch.tensor(want[head]), rtol=1e-5, atol=1e-6)
