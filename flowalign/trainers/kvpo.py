@@ -59,13 +59,17 @@ from flowalign.trainers.parts.units import GroupUnit
 #: options that only one form reads: {option: (the field choosing the form, the form that reads it)}
 FORM_OPTIONS = {"keep_prob": ("routing", "bernoulli"), "nearest_chunks": ("routing", "window"),
                 "older_chunks": ("routing", "window"), "window_chunks": ("routing", "window"),
-                "temperature": ("score", "velocity_energy"), "sigma_floor": ("score", "x0_sigma")}
+                "temperature": ("score", "velocity_energy"), "sigma_floor": ("score", "x0_sigma"),
+                "local_weight": ("advantage", "anchor"), "global_weight": ("advantage", "anchor"),
+                "global_frames": ("advantage", "anchor")}
 
 
 class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOptions):
     """KVPO's own routed branches (``StreamOptions``) and their anchor; the authors' rule by default."""
 
     name: Literal["kvpo"] = "kvpo"
+    #: what runs saved before the two reward signals computed: the whole video as one signal at weight 1
+    before: ClassVar[dict[str, Any]] = {"local_weight": 0.0, "global_weight": 1.0, "global_frames": None}
     refused: ClassVar[dict[str, str]] = {
         "clip_range": "the clip is asymmetric now: give trainer.clip_low and trainer.clip_high (the ratio is clipped "
                       "to [1 − clip_low, 1 + clip_high]; the earlier symmetric 0.2 is clip_low: 0.2, clip_high: 0.2)"}
@@ -101,6 +105,15 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     #: "anchor": the authors' reward against the unrouted stream's, per reward, std-normalised, ±adv_clip
     advantage: str = Field("anchor", pattern="^(anchor|group|global_std|gdpo)$")
     adv_clip: float = Field(2.5, gt=0, le=MAX_COEFFICIENT)
+    #: anchor: the weight of the *local* signal, the rewards of the routed chunk's own frames (theirs: the
+    #: perturbed chunk, advantage_fusion_local_weight 1.0); 0: no local signal
+    local_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: anchor: the weight of the *global* signal, the rewards of the whole video's clip (theirs:
+    #: advantage_fusion_global_weight 0.5); 0: no global signal
+    global_weight: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
+    #: anchor: decoded frames of the global signal's clip, centred on the video (theirs: long_reward_normal_clip_len
+    #: 36); None: the whole video
+    global_frames: int | None = Field(36, ge=1, le=100_000)
 
     @model_validator(mode="after")
     def _options_of_the_chosen_form(self) -> KVPOConfig:
@@ -108,7 +121,23 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
             if option in self.model_fields_set and getattr(self, chooser) != form:
                 raise ValueError(f"trainer.{option} is read only with trainer.{chooser}={form} (this config has "
                                  f"{getattr(self, chooser)}): drop it or set trainer.{chooser}={form}")
+        if self.advantage == "anchor" and self.local_weight == 0 and self.global_weight == 0:
+            raise ValueError("trainer.local_weight and trainer.global_weight are both 0: no reward signal is left; "
+                             "give one of them a positive weight (theirs: 1.0 and 0.5)")
         return self
+
+
+def middle_frames(videos: torch.Tensor, frames: int | None) -> torch.Tensor:
+    """The ``frames`` frames ``(B, frames, 3, H, W)`` centred on videos ``(B, F, 3, H, W)`` (the authors'
+    ``_make_clip_window`` around ``F // 2``, moved back inside the video); the videos themselves when ``frames``
+    is None or not below ``F``."""
+    total = videos.shape[1]
+    if frames is None or frames >= total:
+        return videos
+    start = max(0, total // 2 - frames // 2)
+    end = min(start + frames, total)
+    start = max(0, end - frames)
+    return videos[:, start:end]
 
 
 @dataclass
@@ -176,13 +205,16 @@ class KVPOTrainer(GroupTrainer):
         (one more each). Every branch's window states and prefix go to CPU memory: nothing of the step stays on
         the device through the update. Not counted: the anchor's KV caches, one per chunk, each allocated whole
         (AnyFlow-FAR-Wan2.1-1.3B at 480×832×81 in bf16: 3.9 GB a stream, 8 chunks), which need the family to
-        size its cache, and the one branch being streamed at a time with its own caches."""
+        size its cache, and the one branch being streamed at a time with its own caches. With a local signal
+        the routed chunks of the branches and the anchor are decoded and scored too (``G + 1`` more, each counted
+        as a whole video: high by the share of the other chunks)."""
         from flowalign.plan_holdings import Holding, StepHoldings
 
         anchor = {"latents": tcfg.num_steps + 1, "conditionings": 1}
         anchor_video = 1 if tcfg.advantage == "anchor" else 0
+        local = tcfg.group_size + 1 if tcfg.advantage == "anchor" and tcfg.local_weight > 0 else 0
         return StepHoldings(Holding(), (Holding(**anchor, decoded=tcfg.group_size, decoding=True),
-                                        Holding(**anchor, decoded=2 * tcfg.group_size + anchor_video)))
+                                        Holding(**anchor, decoded=2 * tcfg.group_size + anchor_video + local)))
 
     def guidance(self) -> float:
         g = self.tcfg.guidance_scale
@@ -256,7 +288,7 @@ class KVPOTrainer(GroupTrainer):
             derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 91))) for i in firsts])
         anchor = stream_rollout(policy, [prompts[i] for i in firsts], num_steps=tc.num_steps, guidance_scale=guidance,
                                 initial_noise=noise, decode=False)
-        branched, samples, kept = [], [], []
+        branched, samples, kept, chunks = [], [], [], []
         for j, i in enumerate(firsts):
             rng = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 93))
             k = self.route_chunks[int(torch.randint(len(self.route_chunks), (1,), generator=rng))]
@@ -269,10 +301,13 @@ class KVPOTrainer(GroupTrainer):
                 with torch.no_grad():
                     samples.append(policy.decode(branch.final_latents))
                 states.append([branch.chunks[c][0] for c in range(k, k + self.window(k))])
+                chunks.append(branch.chunks[k][:, -1])
                 kept.append(len(route(k)) / k)
             window = [torch.stack(chunk).cpu() for chunk in zip(*states)]
             branched.append((prompts[i], k, prefix.clean.cpu(), window, [r(k) for r in routes]))
-        advantages, safe, logs = self.advantages(torch.cat(samples), anchor, prompts, metadata, firsts, step)
+        routed = [parts[1] for parts in branched]
+        advantages, safe, logs = self.advantages(torch.cat(samples), anchor, chunks, routed, prompts, metadata,
+                                                 firsts, step)
         batch = []
         for j, parts in enumerate(branched):
             group = BranchGroup(*parts, advantages[j * g:(j + 1) * g].float(), torch.zeros(g), safe=safe[j])
@@ -287,34 +322,59 @@ class KVPOTrainer(GroupTrainer):
                      "kvpo/score": torch.stack([b.old_scores.mean() for b in batch]).mean().item()})
         return BranchBatch(batch, logs)
 
-    def advantages(self, samples: torch.Tensor, anchor: Any, prompts: list[str], metadata: list[dict],
-                   firsts: list[int], step: int) -> tuple[torch.Tensor, list[bool], dict[str, float]]:
+    def advantages(self, samples: torch.Tensor, anchor: Any, chunks: list[torch.Tensor], routed: list[int],
+                   prompts: list[str], metadata: list[dict], firsts: list[int], step: int,
+                   ) -> tuple[torch.Tensor, list[bool], dict[str, float]]:
         """Advantages ``(N,)`` of the branch videos ``samples``, whether each group beat its anchor, and the
-        reward logs (of the branches). ``anchor``: the authors' against the anchor streams, decoded and scored
-        here; otherwise the loop's group advantages (every group then counts as having beaten its anchor)."""
+        reward logs (of the branches' whole videos). ``anchor``: the authors' rule, each branch against the
+        anchor stream on two signals, the routed chunk's frames (``chunks``: each branch's clean chunk
+        ``(1, C, f_k, H, W)``, ``routed``: each group's chunk k) and the whole video's clip, fused
+        (:func:`fused_anchor_advantages`); a group beat its anchor when a branch's weighted reward is above the
+        anchor's on either signal. Otherwise the loop's group advantages (every group counts as having beaten
+        its anchor)."""
         g, tc = self.tcfg.group_size, self.tcfg
         if tc.advantage != "anchor":
             prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
             scored = self.score(samples, prompts, metadata, prompt_ids, step)
             return scored.advantages, [True] * len(firsts), scored.logs
+        groups = [([prompts[i]] * g, [metadata[i]] * g) for i in firsts]
+        anchors = ([prompts[i] for i in firsts], [metadata[i] for i in firsts])
         scored = self.score(samples, prompts, metadata, None, step)
-        with torch.no_grad():
-            videos = self.policy.decode(anchor.final_latents)
-        # the anchors through the same scoring service (its reward logs are the branches')
-        ref = self.score(videos, [prompts[i] for i in firsts], [metadata[i] for i in firsts], None, step).scores
         weights = scored.scores.weights.double()
+        signals = []  # (signal weight, branch values (N, M), ok (N, M), anchor values (J, M), anchor ok (J, M))
+        if tc.global_weight > 0:
+            with torch.no_grad():
+                whole = self.policy.decode(anchor.final_latents)
+            branch = scored.scores if middle_frames(samples, tc.global_frames) is samples else \
+                self.score(middle_frames(samples, tc.global_frames), prompts, metadata, None, step).scores
+            ref = self.score(middle_frames(whole, tc.global_frames), *anchors, None, step).scores
+            signals.append((tc.global_weight, branch.values, branch.ok, ref.values, ref.ok))
+        if tc.local_weight > 0:  # chunk lengths may differ between groups: each group's chunks decoded alone
+            parts, refs = [], []
+            with torch.no_grad():
+                for j, k in enumerate(routed):
+                    videos = self.policy.decode(torch.cat(chunks[j * g:(j + 1) * g]))
+                    parts.append(self.score(videos, *groups[j], None, step).scores)
+                    refs.append(self.score(self.policy.decode(anchor.chunks[k][j:j + 1, -1]),
+                                           [anchors[0][j]], [anchors[1][j]], None, step).scores)
+            signals.append((tc.local_weight, torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
+                            torch.cat([r.values for r in refs]), torch.cat([r.ok for r in refs])))
         advantages, safe = torch.zeros(len(samples), dtype=torch.float64), []
         for j in range(len(firsts)):
             rows = slice(j * g, (j + 1) * g)
-            values, ok = scored.scores.values[rows].double(), scored.scores.ok[rows].all(1)
-            reference = ref.values[j].double()
-            totals = (values * weights).sum(1)
-            safe.append(bool((totals[ok] > (reference * weights).sum()).any()))
-            if bool(ref.ok[j].all()) and bool(ok.any()):  # an invalid anchor or branch has no advantage
-                adv = fused_anchor_advantages(values[ok], reference, weights, 1.0, tc.adv_clip)
-                advantages[rows.start + ok.nonzero().flatten()] = adv
-        logs = {**scored.logs, "kvpo/anchor_reward": float((ref.values.double() * weights).sum(1).mean()),
-                "kvpo/beat_anchor": sum(safe) / len(safe)}
+            valid, beat, fused = torch.ones(g, dtype=torch.bool), False, []
+            for weight, values, ok, ref, ref_ok in signals:
+                totals, reference = (values[rows].double() * weights).sum(1), ref[j].double()
+                beat |= bool((totals[ok[rows].all(1)] > (reference * weights).sum()).any())
+                valid &= ok[rows].all(1) & bool(ref_ok[j].all())  # an invalid anchor or branch has no advantage
+                fused.append((values[rows].double(), reference, weight))
+            safe.append(beat)
+            if bool(valid.any()):
+                adv = fused_anchor_advantages([(v[valid], r, w) for v, r, w in fused], weights, tc.adv_clip)
+                advantages[rows.start + valid.nonzero().flatten()] = adv
+        logs = {**scored.logs, "kvpo/beat_anchor": sum(safe) / len(safe)}
+        if tc.global_weight > 0:
+            logs["kvpo/anchor_reward"] = float((signals[0][3].double() * weights).sum(1).mean())
         return advantages, safe, logs
 
     def plan(self, batch: BranchBatch, generator: torch.Generator) -> Plan:

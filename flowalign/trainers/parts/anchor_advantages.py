@@ -3,11 +3,14 @@
 Their ``_anchor_advantage`` per reward, ``(r_i − r_anchor) / (std(r_1..r_G, r_anchor) + 1e-8)`` with the
 unbiased std over the branches and the anchor, summed over the rewards with their weights
 (``_aggregate_component_advantages``); then ``_normalize_advantage_for_fusion`` in its ``std`` mode (divided
-by the population std, left as it is when that is ≤ 1e-8), times the signal's weight, clamped to
+by the population std, left as it is when that is ≤ 1e-8), times the signal's weight; the signals (the
+routed chunk's, *local*, and the whole video's, *global*) summed (``_fuse_signal_advantages``), clamped to
 ``±adv_clip`` (``train_step``). The sign says whether a branch beat the anchor: these do not sum to zero.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -33,8 +36,11 @@ def std_fused(advantages: torch.Tensor, weight: float) -> torch.Tensor:
     return scaled * weight
 
 
-def fused_anchor_advantages(values: torch.Tensor, anchor: torch.Tensor, weights: torch.Tensor, signal_weight: float,
+def fused_anchor_advantages(signals: Sequence[tuple[torch.Tensor, torch.Tensor, float]], weights: torch.Tensor,
                             clip: float) -> torch.Tensor:
-    """The advantages ``(G,)`` KVPO trains on, from one signal's per-reward ``values (G, M)`` and ``anchor (M,)``."""
-    fused = std_fused(weighted_anchor_advantages(values, anchor, weights), signal_weight)
+    """The advantages ``(G,)`` KVPO trains on: per signal ``(values (G, M), anchor (M,), signal_weight)`` (theirs:
+    the routed chunk's frames, the *local* signal, and the whole video's, the *global* one), the weighted anchor
+    advantages, std-normalised and weighted (``_fuse_signal_advantages``), summed over the signals, then
+    clamped to ``±clip`` (0: no clamp)."""
+    fused = sum(std_fused(weighted_anchor_advantages(values, anchor, weights), w) for values, anchor, w in signals)
     return fused.clamp(-clip, clip) if clip > 0 else fused

@@ -11,6 +11,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
+from flowalign.trainers.kvpo import KVPOConfig, middle_frames
 from flowalign.trainers.parts.anchor_advantages import (
     fused_anchor_advantages,
     weighted_anchor_advantages,
@@ -35,6 +36,7 @@ from .resume_check import assert_trains_and_resumes_bit_exactly
 HERE = Path(__file__).parent / "known_answers"
 KNOWN = json.loads((HERE / "kvpo_branch_objective.json").read_text())
 RULE = json.loads((HERE / "kvpo_training_rule.json").read_text())
+SIGNALS = json.loads((HERE / "kvpo_signals.json").read_text())
 #: the authors' rule on the tiny 3-chunk model: a branch keeps one of the two chunks before chunk 2
 AUTHORS = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.keep_sink=false",
            "trainer.nearest_chunks=0", "trainer.older_chunks=1")
@@ -65,9 +67,32 @@ def test_anchor_relative_advantages_equal_the_authors(case):
     values, anchor, weights = _f64(rewards["values"]), _f64(rewards["anchor"]), _f64(RULE["weights"])
     torch.testing.assert_close(weighted_anchor_advantages(values, anchor, weights), _f64(case["advantages_raw"]),
                                rtol=1e-6, atol=1e-12)
-    fused = fused_anchor_advantages(values, anchor, weights, 1.0, RULE["adv_clip"])
+    fused = fused_anchor_advantages([(values, anchor, 1.0)], weights, RULE["adv_clip"])
     torch.testing.assert_close(fused, _f64(case["advantages"]), rtol=1e-6, atol=1e-12)
     assert bool(((values * weights).sum(1) > (anchor * weights).sum()).any()) == case["safe"]
+
+
+@pytest.mark.parametrize("case", SIGNALS["cases"], ids=lambda c: c["name"])
+def test_the_local_and_global_signals_fuse_as_the_authors(case):
+    """Their ``_fuse_signal_advantages``: each signal's anchor advantages std-normalised, local × 1 + global × 0.5,
+    clamped; a group beat its anchor when a branch beat it on either signal; the local signal alone as well."""
+    weights = _f64(SIGNALS["reward_weights"])
+    local = (_f64(case["local_values"]), _f64(case["local_anchor"]), SIGNALS["local_weight"])
+    whole = (_f64(case["global_values"]), _f64(case["global_anchor"]), SIGNALS["global_weight"])
+    got = fused_anchor_advantages([local, whole], weights, SIGNALS["adv_clip"])
+    torch.testing.assert_close(got, _f64(case["advantages"]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_anchor_advantages([local], weights, SIGNALS["adv_clip"]), _f64(case["local_only"]),
+                               rtol=1e-6, atol=1e-6)
+    beat = any(bool(((v * weights).sum(1) > (a * weights).sum()).any()) for v, a, _ in (local, whole))
+    assert beat == case["safe"]
+
+
+@pytest.mark.parametrize("window", SIGNALS["clip_windows"], ids=lambda w: f"{w['frames']}-{w['clip']}")
+def test_the_global_clip_is_the_authors_centred_window(window):
+    videos = torch.arange(window["frames"], dtype=torch.float32).view(1, -1, 1, 1, 1)
+    start, end = window["window"]
+    assert middle_frames(videos, window["clip"]).flatten().tolist() == list(range(start, end))
+    assert middle_frames(videos, None) is videos
 
 
 def _rule_scores(v: torch.Tensor, floor: float, grad_steps: int) -> torch.Tensor:
@@ -251,3 +276,41 @@ def test_an_option_of_the_other_form_and_the_former_symmetric_clip_are_refused(t
         build_trainer(small_config(tmp_path / "a", far_dir, prompt_file, *AUTHORS, "trainer.temperature=0.1"))
     with pytest.raises(Exception, match="clip_low"):
         build_trainer(small_config(tmp_path / "b", far_dir, prompt_file, *AUTHORS, "trainer.clip_range=0.2"))
+
+
+def test_the_signals_score_the_routed_chunk_and_the_whole_video(tmp_path, far_dir, prompt_file):
+    """The default rule scores each branch twice: its whole video (the global signal, weight 0.5; the tiny videos are
+    shorter than the 36-frame clip) and its routed chunk's frames decoded alone (the local signal, weight 1), each
+    against the anchor's same frames; a group's advantages are the two fused. The former form (one signal, the
+    whole video at weight 1) is what runs saved before the signals resume with."""
+    t = build_trainer(small_config(tmp_path / "run", far_dir, prompt_file, *AUTHORS))
+    assert (t.tcfg.local_weight, t.tcfg.global_weight, t.tcfg.global_frames) == (1.0, 0.5, 36)
+    assert KVPOConfig.before == {"local_weight": 0.0, "global_weight": 1.0, "global_frames": None}
+    seen, score = [], t.score
+
+    def recording(samples, *args, **kw):
+        out = score(samples, *args, **kw)
+        seen.append((samples.shape, out.scores.values.double()))
+        return out
+
+    t.score = recording
+    batch = t.collect(0)
+    g, frames = 4, t.policy.decode(torch.zeros(1, *t.policy.latent_shape)).shape[1]
+    chunk = t.policy.decode(torch.zeros(1, *t.policy.latent_shape)[:, :, -t.policy.chunk_frames[2]:]).shape[1]
+    (whole, values), (anchors, anchor_values), *local = seen
+    assert whole[:2] == (2 * g, frames) and anchors[:2] == (2, frames) and chunk < frames
+    assert [shape[:2] for shape, _ in local] == [(g, chunk), (1, chunk)] * 2
+    weights = torch.ones(1, dtype=torch.float64)
+    for j, group in enumerate(batch.groups):
+        branch_local, anchor_local = local[2 * j][1], local[2 * j + 1][1][0]
+        expected = fused_anchor_advantages([(values[j * g:(j + 1) * g], anchor_values[j], 0.5),
+                                            (branch_local, anchor_local, 1.0)], weights, 2.5)
+        torch.testing.assert_close(group.advantages.double(), expected, rtol=1e-6, atol=1e-6)
+        beat = any(bool((v > a).any()) for v, a in ((values[j * g:(j + 1) * g, 0], anchor_values[j, 0]),
+                                                     (branch_local[:, 0], anchor_local[0])))
+        assert group.safe == beat
+    with pytest.raises(Exception, match="no reward signal is left"):
+        build_trainer(small_config(tmp_path / "none", far_dir, prompt_file, *AUTHORS, "trainer.local_weight=0",
+                                   "trainer.global_weight=0"))
+    with pytest.raises(Exception, match="local_weight is read only with trainer.advantage=anchor"):
+        build_trainer(small_config(tmp_path / "grp", far_dir, prompt_file, *EARLIER, "trainer.local_weight=1"))
