@@ -88,8 +88,8 @@ class Teacher(BaseModel):
 DISTILLATION_ONLY = frozenset({"anchor_weight", "states_per_sample"})
 #: the options both objectives read: the loop's, the rollouts' sizes, the teachers, the anchor, the cold start
 BOTH_READ = frozenset(TrainerConfig.model_fields) | frozenset(SampleOptions.model_fields) | {
-    "objective", "teachers", "routing", "anchor", "cold_start_steps", "group_size", "reference_offload",
-    "prompt_draw", "prompts_per_draw"}
+    "objective", "teachers", "routing", "anchor", "cold_start_steps", "merge_teachers", "merge_weights", "group_size",
+    "reference_offload", "prompt_draw", "prompts_per_draw"}
 
 
 class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions, StepFractionOptions,
@@ -140,8 +140,14 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
     group_size: int = Field(16, ge=1, le=MAX_GROUP_SIZE)
     #: steps of the flow-based cold start (flow matching on the teachers' samples) before the objective's
     #: training; None: 20 under velocity_distillation, 0 under kl_reward_grpo (the authors' cold start is a
-    #: merge of the teachers' adapters before training, not a training stage)
+    #: merge of the teachers' adapters before training, not a training stage: merge_teachers)
     cold_start_steps: int | None = Field(None, ge=0, le=MAX_TRAIN_STEPS)
+    #: start the student from the teachers' trained tensors merged tensor by tensor (the authors'
+    #: scripts/merge.py, whose result their train.lora_path loads): "average", "sum", or "weighted" by
+    #: merge_weights (normalised to sum 1); None: the fresh adapter (their mix_opd_8gpu sets no lora_path)
+    merge_teachers: Literal["average", "sum", "weighted"] | None = None
+    #: merge_teachers: weighted: one weight per teacher, in list order
+    merge_weights: list[float] | None = None
     #: velocity_distillation: λ, the anchor term's weight on every prompt (0: no anchor)
     anchor_weight: float = Field(0.1, ge=0, le=MAX_COEFFICIENT)
     #: velocity_distillation: visited states trained per rollout (drawn at random per sample and step);
@@ -163,6 +169,20 @@ def per_batch_draw(size: int, count: int, per_draw: int, generator: Callable[[in
         out += torch.randperm(size, generator=generator(b))[:per_draw].tolist()
         b += 1
     return out[:count]
+
+
+def merged_tensor(tensors: list[torch.Tensor], mode: str, weights: list[float] | None = None) -> torch.Tensor:
+    """One trained tensor of the teachers merged as the authors' ``scripts/merge.py`` merges a LoRA key: the
+    elementwise mean ("average"), sum ("sum"), or the sum weighted by ``weights / sum(weights)`` ("weighted").
+    A LoRA's A and B are merged each on its own, so the merged update is mean(B)·mean(A), not mean(B·A)."""
+    stacked = torch.stack(tensors)
+    if mode == "average":
+        return stacked.mean(0)
+    if mode == "sum":
+        return stacked.sum(0)
+    w = torch.tensor(weights, dtype=torch.float32)
+    w = w / w.sum()
+    return sum(t * wi for t, wi in zip(tensors, w))
 
 
 def report_unread(tcfg: FlowOPDConfig, unread: set[str], objective: str) -> None:
@@ -301,6 +321,13 @@ class FlowOPDTrainer(FlowGRPOTrainer):
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
+        if (tcfg.merge_teachers == "weighted") != (tcfg.merge_weights is not None):
+            raise UserError("trainer.merge_weights goes with trainer.merge_teachers: weighted (one weight per teacher); "
+                            "give both or neither")
+        if tcfg.merge_weights is not None and (len(tcfg.merge_weights) != len(tcfg.teachers)
+                                               or sum(tcfg.merge_weights) <= 0 or min(tcfg.merge_weights) < 0):
+            raise UserError(f"trainer.merge_weights={tcfg.merge_weights}: give {len(tcfg.teachers)} weights ≥ 0, one "
+                            "per teacher in list order, with a positive sum")
         names = [r.name for r in cfg.rewards]
         for i, t in enumerate(tcfg.teachers):
             if t.reward is not None and t.reward not in names:
@@ -334,6 +361,10 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         teachers = [read_weights(policy, named, t.adapter, f"trainer.teachers[{i}].adapter")
                     for i, t in enumerate(tcfg.teachers)]
         anchor = read_weights(policy, named, tcfg.anchor, "trainer.anchor") if tcfg.anchor else None
+        if tcfg.merge_teachers is not None:  # before the loop copies the weights (EMA) and shards them
+            with torch.no_grad():
+                for n, p in named.items():
+                    p.copy_(merged_tensor([t[n] for t in teachers], tcfg.merge_teachers, tcfg.merge_weights))
         super().__init__(cfg, tcfg, policy, *args, **kw)
         names = [n for n, p in self.policy.trainable.named_parameters() if p.requires_grad]
         if len(names) != len(self.params):

@@ -18,7 +18,8 @@ from flowalign.train import build_trainer, check_run
 from flowalign.sampling import sde_step
 from flowalign.trainers.base import StepBatch, derived_seed
 from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl
-from flowalign.trainers.flow_opd import FlowOPDConfig, distillation_loss, kl_reward_grpo_loss, per_batch_draw
+from flowalign.trainers.flow_opd import (FlowOPDConfig, distillation_loss, kl_reward_grpo_loss, merged_tensor,
+                                         per_batch_draw, read_weights)
 from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch
 
 from .conftest import small_config, small_run
@@ -465,3 +466,39 @@ def test_micro_batches_are_a_keyed_shuffle_of_the_ranks_samples(tmp_path, tiny_s
     torch.testing.assert_close(shuffled.samples, ordered.samples[perm])
     # and the loss pairs within each shuffled chunk: a unit's trained mask has the chunk's size
     assert all(u.trained.numel() == 2 for u in grpo_units(t, shuffled))
+
+
+MERGES = json.loads((Path(__file__).parent / "known_answers" / "flow_opd_merge.json").read_text())
+
+
+@pytest.mark.parametrize("mode", list(MERGES["merges"]))
+def test_merged_teachers_equal_the_authors_merge_script(mode):
+    """Their ``merge_lora_weights``: each key's tensors averaged, summed, or weighted by weights / sum(weights)."""
+    case = MERGES["merges"][mode]
+    for key in MERGES["keys"]:
+        tensors = [torch.tensor(a[key]) for a in MERGES["adapters"]]
+        got = merged_tensor(tensors, mode.split("_")[0], case["weights"])
+        torch.testing.assert_close(got, torch.tensor(case["merged"][key]), rtol=1e-6, atol=1e-7)
+
+
+def test_the_student_starts_from_the_merged_teachers(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """merge_teachers: the student's trained tensors start as the teachers' merged (the β term's reference stays
+    the adapter-disabled base, as theirs); without it they start fresh; merge_weights goes with weighted only."""
+    spec = f"[{{adapter: {teachers['same']}}}, {{adapter: {teachers['trained']}}}]"
+    t = opd(tmp_path / "m", tiny_sd3_dir, prompt_file, spec, "trainer.merge_teachers=weighted",
+            "trainer.merge_weights=[3, 1]", "trainer.routing=by_prompt", objective="kl_reward_grpo")
+    fresh = opd(tmp_path / "f", tiny_sd3_dir, prompt_file, spec, "trainer.routing=by_prompt",
+                objective="kl_reward_grpo")
+    named = {n: p for n, p in fresh.policy.trainable.named_parameters() if p.requires_grad}
+    same, trained = (read_weights(fresh.policy, named, str(teachers[k])) for k in ("same", "trained"))
+    moved = 0
+    for (n, p), q in zip(named.items(), t.params):
+        torch.testing.assert_close(q.detach(), 0.75 * same[n] + 0.25 * trained[n])
+        moved += int(not torch.equal(q.detach(), p.detach()))
+    assert moved > 0  # the trained teacher's tensors differ from a fresh adapter's
+    with pytest.raises(UserError, match="merge_weights goes with"):
+        opd(tmp_path / "w", tiny_sd3_dir, prompt_file, spec, "trainer.merge_weights=[1, 1]", "trainer.routing=by_prompt",
+            objective="kl_reward_grpo")
+    with pytest.raises(UserError, match="give 2 weights"):
+        opd(tmp_path / "n", tiny_sd3_dir, prompt_file, spec, "trainer.merge_teachers=weighted",
+            "trainer.merge_weights=[1]", "trainer.routing=by_prompt", objective="kl_reward_grpo")
