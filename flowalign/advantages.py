@@ -185,6 +185,7 @@ def compute_advantages(
     win_rate_normalisation: WinRateNormalisation = "weighted_sum",
     batch_renormalise: bool = False,
     unbiased: bool = False,
+    normalise_weights: bool = False,
 ) -> torch.Tensor:
     """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
     ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards; ``win_rate``
@@ -194,7 +195,10 @@ def compute_advantages(
     either over the batch (:func:`batch_renormalised`); ``dual`` mixes a
     pointwise and a pairwise group by ``pairwise_weight`` (:func:`dual_group_advantages`); ``per_reward`` sums
     each reward's group advantage (:func:`per_reward_advantages`); ``unbiased``: the ``group``, ``global_std``
-    and ``per_reward`` std divided by n − 1."""
+    and ``per_reward`` std divided by n − 1; ``normalise_weights``: the weights divided by their sum first (when
+    it is positive), as MixGRPO's script does."""
+    if normalise_weights and float(weights.sum()) > 0:
+        weights = weights / weights.sum()
     total = components.float() @ weights.float()
     if kind == "group":
         adv = group_advantages(total, groups, std="group", eps=eps, unbiased=unbiased)

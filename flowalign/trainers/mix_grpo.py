@@ -26,10 +26,13 @@ from flowalign.trainers.parts.advantage_std import AdvantageStdOptions, advantag
 class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, StepSubsetOptions, AdvantageStdOptions):
     name: Literal["mix_grpo"] = "mix_grpo"  # type: ignore[assignment]
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"advantage_std": "population"}
+    before = {"advantage_std": "population", "reward_weights": "as_written"}
     #: each reward's group advantage, weight-summed (the authors' --use_group with advantage_aggr; with one
     #: reward, ``group``)
     advantage: str = Field("per_reward", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
+    #: "normalised": the rewards' weights divided by their sum before the advantages are formed (the authors'
+    #: script normalises its reward weights at start); "as_written": the weights as the config gives them
+    reward_weights: Literal["normalised", "as_written"] = "normalised"
     clip_range: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
     shared_initial_noise: bool = True
@@ -59,8 +62,8 @@ class MixGRPOTrainer(FlowGRPOTrainer):
         return steps_over_epochs(steps, per_epoch, tcfg.inner_epochs)
 
     def advantage_options(self) -> dict[str, Any]:
-        """The authors' unbiased std + 1e-8 (:func:`advantage_std_options`)."""
-        return advantage_std_options(self.tcfg)
+        """The authors' unbiased std + 1e-8 (:func:`advantage_std_options`) and reward weights summing to 1."""
+        return {**advantage_std_options(self.tcfg), "normalise_weights": self.tcfg.reward_weights == "normalised"}
 
     def window(self, step: int) -> tuple[int, int]:
         """``(start, width)`` of the SDE window at training step ``step``."""

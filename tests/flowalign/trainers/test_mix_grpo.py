@@ -111,7 +111,14 @@ def test_advantages_equal_the_authors(case):
     if len(names) > 1:
         summed_first = compute_advantages("group", components, weights, groups, clip=100.0, **t.advantage_options())
         assert not torch.allclose(summed_first, expected, rtol=1e-3)
+    # their reward weights are divided by their sum at start: weights written 3x give the same advantages
+    torch.testing.assert_close(compute_advantages(t.tcfg.advantage, components, 3 * weights, groups, clip=100.0,
+                                                  **t.advantage_options()), expected, rtol=1e-5, atol=1e-6)
+    t.tcfg = MixGRPOConfig(reward_weights="as_written")  # the former form: the weights as written
+    assert MixGRPOConfig.before["reward_weights"] == "as_written"
+    tripled = compute_advantages(t.tcfg.advantage, components, 3 * weights, groups, clip=100.0, **t.advantage_options())
+    torch.testing.assert_close(tripled, 3 * expected, rtol=1e-5, atol=1e-5)
     t.tcfg = MixGRPOConfig(advantage_std="population")  # Flow-GRPO's population std + 1e-4: another number
-    assert t.advantage_options() == {}
+    assert t.advantage_options() == {"normalise_weights": True}
     assert not torch.allclose(compute_advantages("per_reward", components, weights, groups, clip=100.0), expected,
                               rtol=1e-3)
