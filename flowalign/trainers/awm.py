@@ -41,7 +41,7 @@ from flowalign.trainers.parts.reductions import per_sample_mean
 class AWMConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     name: Literal["awm"] = "awm"
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"ema_kl_beta": 0.0, "rollout_solver": "euler", "step_draw": "rollout_batch"}
+    before = {"ema_kl_beta": 0.0, "rollout_solver": "euler", "step_draw": "rollout_batch", "zero_advantage": "skipped"}
     #: the rollouts' sampler: "sa_solver" (the authors': SA-Solver, PEC, orders 2, τ = rollout_noise_level on
     #: the steps that end at t in [0.3, 0.9]) or "euler" (the policy's ODE)
     rollout_solver: Literal["sa_solver", "euler"] = "sa_solver"
@@ -59,6 +59,10 @@ class AWMConfig(GroupTrainerConfig, EpochOptions, ReferenceOptions):
     #: samples per shuffled micro-batch of ``step_draw: micro_batch`` (the authors' ``train.batch_size``: 3 in
     #: their GenEval and OCR recipes, 2 in PickScore); the last one is smaller when it does not divide the step
     step_draw_size: int = Field(3, ge=1, le=MAX_BATCH)
+    #: a rollout batch whose advantages are all 0: "kept" (the authors' loop trains every sample, its filter of
+    #: zero-advantage samples commented out, so such samples add their KL terms and count in the mean);
+    #: "skipped": left out of the plan (the former form)
+    zero_advantage: Literal["kept", "skipped"] = "kept"
     #: w(t) of ℓ: "uniform" (ℓ = −MSE) or "ghuber" (ℓ = −t·(MSE^p − 10⁻¹⁰ᵖ)/p)
     weighting: Literal["uniform", "ghuber"] = "ghuber"
     #: p of the "ghuber" weighting
@@ -216,15 +220,16 @@ class AWMTrainer(GroupTrainer):
         return chunk.guidance_scale if self.tcfg.fit_guidance is None else self.tcfg.fit_guidance
 
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
-        """Global, as Flow-GRPO's (:func:`global_plan`): per epoch the chunks with a non-zero advantage in
-        ``updates_per_epoch`` optimiser steps, each chunk × its ``train_timesteps`` re-noised copies. The
+        """Global, as Flow-GRPO's (:func:`global_plan`): per epoch the chunks (under ``zero_advantage: skipped``
+        only those with a non-zero advantage) in ``updates_per_epoch`` optimiser steps, each chunk × its ``train_timesteps`` re-noised copies. The
         grid steps' draws (per shuffled micro-batch of all ranks' samples, or per chunk) and every sample's
         noise come from generators keyed by the step, the epoch and the samples' identities, so any rank
         layout draws the same. With more than one optimiser step, ℓ_old is taken now, under the sampling
         weights."""
         n = self.tcfg.train_timesteps
         adv = batch.per_chunk(batch.advantages)
-        local = [ChunkRef(key, self.rank, i, bool(adv[i].abs().sum() > 0), tuple(range(n)))
+        kept = self.tcfg.zero_advantage == "kept"
+        local = [ChunkRef(key, self.rank, i, kept or bool(adv[i].abs().sum() > 0), tuple(range(n)))
                  for i, key in enumerate(batch.chunk_keys())]
         gathered = self.gather_objects((local, sample_keys(batch)))
         chunks = [c for refs, _ in gathered for c in refs]

@@ -357,3 +357,25 @@ def test_the_former_draw_and_kl_weights_stay_settable():
     config = AWMConfig()
     assert (config.step_draw, config.step_draw_size, config.kl_weight, config.ema_kl_weight) == (
         "micro_batch", 3, "uniform", "uniform")
+
+
+def test_a_rollout_batch_without_advantage_trains_its_kl_terms_as_the_authors_loop(tmp_path, tiny_sd3_dir,
+                                                                                    prompt_file):
+    """``zero_advantage: kept`` (theirs: the filter of zero-advantage samples is commented out): a rollout batch
+    whose advantages are all 0 is planned like the others, so its samples' KL terms train and count in the
+    mean; ``skipped`` (the former form, as saved runs and the tiny recipe) leaves it out."""
+    extra = ("trainer.name=awm", "trainer.num_steps=6", "trainer.train_timesteps=2", "trainer.batch_size=2")
+    trainer = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra))
+    assert trainer.tcfg.zero_advantage == "kept" and AWMConfig.before["zero_advantage"] == "skipped"
+    batch = trainer.collect(0)
+    advantages = torch.zeros(len(batch.groups))
+    advantages[0] = 1.0  # only the first rollout batch has an advantage
+    batch.advantages = advantages
+    planned = {u.chunk for step in trainer.plan(batch, torch.Generator().manual_seed(0)).steps for u in step}
+    assert planned == set(range(len(batch.chunks))) and len(batch.chunks) > 1
+    unit = next(u for step in trainer.plan(batch, torch.Generator().manual_seed(0)).steps for u in step if u.chunk)
+    loss, _ = trainer.loss(batch, unit)
+    assert torch.isfinite(loss)
+    trainer.tcfg = trainer.tcfg.model_copy(update={"zero_advantage": "skipped"})
+    skipped = {u.chunk for step in trainer.plan(batch, torch.Generator().manual_seed(0)).steps for u in step}
+    assert skipped == {0}
