@@ -266,6 +266,13 @@ def test_only_trunks_whose_reward_differs_from_their_prompts_are_branched(tmp_pa
         kept = torch.tensor([m not in flat for m in range(12)])
         drawn = readd_dropped(kept, multiple, torch.Generator().manual_seed(derived_seed(cfg.run.seed, 0, 31)))
         assert keys == torch.where(drawn)[0].tolist()
+    # the draw is keyed by the step too: later steps re-add what their own key draws
+    trainer.tcfg = tcfg.model_copy(update={"kept_multiple": 5})
+    for step in (1, 2, 3):
+        batch = trainer.collect(step)
+        kept = torch.tensor(["red" not in p for p in batch.trunk.prompts])
+        drawn = readd_dropped(kept, 5, torch.Generator().manual_seed(derived_seed(cfg.run.seed, step, 31)))
+        assert sorted({s.key[0] for s in batch.sets}) == torch.where(drawn)[0].tolist()
     trainer.tcfg = tcfg
 
     # a step whose trunks are all flat branches nothing, and trains nothing
