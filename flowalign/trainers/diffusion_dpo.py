@@ -57,9 +57,13 @@ class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, Refer
     #: the share of the path from noise (t = 1) towards the data that "shared" draws t on: t ≥ 1 − timestep_range
     #: (Flow-Factory's default 0.99: t ≥ 0.01, so no pair is scored at the clean image)
     timestep_range: float = Field(0.99, gt=0, le=1)
+    #: online pairs, a group whose valid rewards all tie: "self_pair" (Flow-Factory's: its argmax and argmin are
+    #: the same first sample, a pair whose loss is log 2 with a zero gradient, counted among the step's pairs,
+    #: in its micro-batch and as a tie in the implicit accuracy); "dropped": no pair (the former form)
+    tied_groups: Literal["self_pair", "dropped"] = "self_pair"
 
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"timestep_draw": "per_pair"}
+    before = {"timestep_draw": "per_pair", "tied_groups": "dropped"}
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -122,10 +126,12 @@ def diffusion_dpo_loss(err_w: torch.Tensor, err_l: torch.Tensor, ref_w: torch.Te
     return loss, {"dpo_loss": loss.detach().mean(), "implicit_acc": accuracy.detach(), "margin": inside.detach().mean()}
 
 
-def best_and_worst(rewards: torch.Tensor, valid: torch.Tensor) -> tuple[int, int] | None:
-    """Indices (best, worst) of a group's valid rewards, or None when fewer than two differ."""
+def best_and_worst(rewards: torch.Tensor, valid: torch.Tensor, tied: str = "dropped") -> tuple[int, int] | None:
+    """Indices (best, worst) of a group's valid rewards (the first of equal ones, as numpy's argmax / argmin),
+    or None with fewer than two valid; when all of them tie, None (``tied`` "dropped") or the first valid
+    sample twice ("self_pair", Flow-Factory's ``_form_pairs_from_advantages``)."""
     idx = valid.nonzero().flatten()
-    if len(idx) < 2 or rewards[idx].max() == rewards[idx].min():
+    if len(idx) < 2 or (tied == "dropped" and rewards[idx].max() == rewards[idx].min()):
         return None
     r = rewards[idx]
     return int(idx[r.argmax()]), int(idx[r.argmin()])
@@ -239,9 +245,10 @@ class DiffusionDPOTrainer(GroupTrainer):
         cond = Conditioning.cat([c.cond for c in batch.chunks])
         total, valid = batch.scores.total, batch.scores.valid
         win, lose, positions = [], [], []
+        tied = getattr(self.tcfg, "tied_groups", "dropped")  # SePPO's config has no such option
         for g in dict.fromkeys(batch.groups.tolist()):
             members = (batch.groups == g).nonzero().flatten()
-            pick = best_and_worst(total[members], valid[members])
+            pick = best_and_worst(total[members], valid[members], tied)
             if pick is not None:
                 win.append(int(members[pick[0]]))
                 lose.append(int(members[pick[1]]))

@@ -108,7 +108,7 @@ def test_per_pair_is_the_former_draw_and_leaves_each_pairs_noise_as_the_shared_d
 def test_options_default_to_flow_factorys_draw_and_saved_runs_resume_with_the_former():
     cfg = DiffusionDPOConfig()
     assert (cfg.timestep_draw, cfg.timestep_range) == ("shared", 0.99)
-    assert DiffusionDPOConfig.before == {"timestep_draw": "per_pair"}
+    assert DiffusionDPOConfig.before == {"timestep_draw": "per_pair", "tied_groups": "dropped"}
 
 
 @pytest.mark.parametrize("case", TIMESTEPS["accuracy_cases"], ids=lambda c: f"beta{c['beta']}")
@@ -211,10 +211,39 @@ def test_a_micro_batchs_shared_draw_is_the_same_whichever_rank_holds_its_pairs(s
     assert torch.equal(everything[2:3], own)
 
 
-def test_a_step_whose_groups_all_tie_has_no_pair_and_trains_nothing(tmp_path, tiny_sd3_dir, prompt_file):
-    """Online pairs under a reward that ties every group: no pair, an empty plan under the shared draw (a run
-    stopped here once), and the weights stay."""
+def test_a_tied_group_pairs_its_first_sample_with_itself_as_flow_factory(tmp_path, tiny_sd3_dir, prompt_file):
+    """The default ``tied_groups: self_pair``: a group whose rewards all tie gives Flow-Factory's argmax / argmin
+    pair, its first sample twice: the pair counts among the step's pairs, its loss is log 2 with a zero
+    gradient and its implicit accuracy 0 (a tie)."""
     t = build_trainer(small_config(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=diffusion_dpo",
+                                   "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:constant'}]"))
+    assert t.tcfg.tied_groups == "self_pair" and DiffusionDPOConfig.before["tied_groups"] == "dropped"
+    batch = t.collect(0)
+    assert len(batch.seeds) == t.tcfg.prompts_per_step and batch.logs["train/pairs"] == t.tcfg.prompts_per_step
+    assert torch.equal(batch.x_w, batch.x_l)
+    units = [u for step in t.plan(batch, torch.Generator().manual_seed(0)).steps for u in step]
+    assert units
+    for unit in units:
+        loss, info = t.loss(batch, unit)
+        loss.backward()
+        assert info["dpo_loss"] == pytest.approx(math.log(2)) and info["implicit_acc"] == 0
+    # the two halves of a self pair cancel, up to float32 rounding (times β / 2) of their summed gradients:
+    # a thousandth of what the same pairs give once their rejected images differ
+    tied = max(p.grad.abs().max().item() for p in t.params if p.grad is not None)
+    t.optimizer.zero_grad()
+    batch.x_l = batch.x_l.roll(1, dims=0)
+    for unit in (u for step in t.plan(batch, torch.Generator().manual_seed(0)).steps for u in step):
+        t.loss(batch, unit)[0].backward()
+    assert tied < 1e-3 * max(p.grad.abs().max().item() for p in t.params if p.grad is not None)
+    assert best_and_worst(torch.tensor([0.3, 0.3, 0.3]), torch.tensor([False, True, True]), "self_pair") == (1, 1)
+    assert best_and_worst(torch.tensor([0.3, 0.3]), torch.tensor([True, False]), "self_pair") is None
+
+
+def test_a_step_whose_groups_all_tie_has_no_pair_and_trains_nothing(tmp_path, tiny_sd3_dir, prompt_file):
+    """``tied_groups: dropped`` (the former form) under a reward that ties every group: no pair, an empty plan
+    under the shared draw (a run stopped here once), and the weights stay."""
+    t = build_trainer(small_config(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=diffusion_dpo",
+                                   "trainer.tied_groups=dropped",
                                    "rewards=[{name: 'tests.flowalign.trainers.toy_rewards:constant'}]"))
     assert t.tcfg.timestep_draw == "shared"
     batch = t.collect(0)
