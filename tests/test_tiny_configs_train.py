@@ -14,7 +14,7 @@ import yaml
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
-from flowalign.trainers.flow_opd import teacher_checkpoint
+from flowalign.trainers.parts.teacher_weights import teacher_checkpoint
 
 from tests.tiny_recipes import CONFIGS, REPO, one_step
 

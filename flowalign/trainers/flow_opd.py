@@ -39,7 +39,6 @@ import dataclasses
 import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
@@ -48,11 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
-from flowalign.paths import REPO_ROOT
 from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings
 from flowalign.protocols import Conditioning
 from flowalign.sampling import Rollout
-from flowalign.saved_weights import load_adapter_checked
 from flowalign.trainers.base import Plan, Sampling, SliceUnit, StepBatch, derived_seed, slice_plan
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions,
@@ -62,6 +59,7 @@ from flowalign.trainers.options import ReferenceOptions, SampleOptions, TrainerC
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch, teacher_sources
+from flowalign.trainers.parts.teacher_weights import merged_tensor, read_weights
 from flowalign.trainers.parts.timesteps import pair_timesteps
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
 from flowalign.weight_swap import swapped_in
@@ -169,20 +167,6 @@ def per_batch_draw(size: int, count: int, per_draw: int, generator: Callable[[in
         out += torch.randperm(size, generator=generator(b))[:per_draw].tolist()
         b += 1
     return out[:count]
-
-
-def merged_tensor(tensors: list[torch.Tensor], mode: str, weights: list[float] | None = None) -> torch.Tensor:
-    """One trained tensor of the teachers merged as the authors' ``scripts/merge.py`` merges a LoRA key: the
-    elementwise mean ("average"), sum ("sum"), or the sum weighted by ``weights / sum(weights)`` ("weighted").
-    A LoRA's A and B are merged each on its own, so the merged update is mean(B)·mean(A), not mean(B·A)."""
-    stacked = torch.stack(tensors)
-    if mode == "average":
-        return stacked.mean(0)
-    if mode == "sum":
-        return stacked.sum(0)
-    w = torch.tensor(weights, dtype=torch.float32)
-    w = w / w.sum()
-    return sum(t * wi for t, wi in zip(tensors, w))
 
 
 def report_unread(tcfg: FlowOPDConfig, unread: set[str], objective: str) -> None:
@@ -667,36 +651,3 @@ class FlowOPDTrainer(FlowGRPOTrainer):
             for k, val in info.items():
                 stats[k] = stats.get(k, 0.0) + val / x.shape[1]
         return per.sum() / unit.total, stats
-
-
-def read_weights(policy: Any, named: dict[str, torch.nn.Parameter], folder: str,
-                 source: str = "trainer.teachers") -> dict[str, torch.Tensor]:
-    """A teacher's trainable tensors by name: its checkpoint loaded into the live policy, copied out, and the
-    live weights put back (``source``: the config field that named ``folder``, for errors)."""
-    live = {n: p.detach().clone() for n, p in named.items()}
-    try:
-        load_adapter_checked(policy, teacher_checkpoint(Path(folder)), source)
-        return {n: p.detach().clone() for n, p in named.items()}
-    finally:
-        with torch.no_grad():
-            for n, p in named.items():
-                p.copy_(live[n])
-
-
-def teacher_checkpoint(path: Path) -> Path:
-    """A run folder's newest checkpoint that verifies; any other folder as it is. (Checked here, when training
-    starts, not with the config: ``flowalign plan`` and ``--check`` of a stage-2 run work before stage 1.)
-    A relative path that is not found from here is read from the repository, as configs name shipped assets."""
-    if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
-        path = REPO_ROOT / path
-    if not path.exists():
-        raise UserError(f"trainer.teachers: adapter {str(path)!r} does not exist; train the teacher first (stage 1) "
-                        "and give its run folder or checkpoint, e.g. runs/<name>/checkpoints/step-N")
-    if not (path / "checkpoints").is_dir():
-        return path
-    from flowalign.checkpoint_manifest import resume_folder
-
-    newest = resume_folder(path, "auto", main=False)
-    if newest is None:
-        raise UserError(f"trainer.teachers: the run {path} has no whole checkpoint yet; train it (stage 1) first")
-    return newest

@@ -18,8 +18,8 @@ from flowalign.train import build_trainer, check_run
 from flowalign.sampling import sde_step
 from flowalign.trainers.base import StepBatch, derived_seed
 from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl
-from flowalign.trainers.flow_opd import (FlowOPDConfig, distillation_loss, kl_reward_grpo_loss, merged_tensor,
-                                         per_batch_draw, read_weights)
+from flowalign.trainers.flow_opd import FlowOPDConfig, distillation_loss, kl_reward_grpo_loss, per_batch_draw
+from flowalign.trainers.parts.teacher_weights import merged_tensor, read_weights
 from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch
 
 from .conftest import small_config, small_run
