@@ -219,7 +219,7 @@ class GuidedPolicy:
 
 
 #: the class that reads a folder in the Latent Reward Registers authors' own checkpoint layout
-AUTHORS_REGISTER_CLASS = ("rewards.latent_registers.sd3_grid", "GridRegisters")
+AUTHORS_REGISTER_CLASS = ("rewards.latent_registers.grid", "GridReward")
 
 
 def load_latent_reward(folder: str | Path, **kwargs: Any) -> Any:

@@ -59,17 +59,35 @@ def _register_attention(attn: nn.Module, n_reg: torch.Tensor, keys: torch.Tensor
     return out.transpose(1, 2).flatten(2).to(q.dtype)
 
 
-def flux_double_register_block(block: nn.Module, reg: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor,
-                               temb: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Advance registers ``(B, M, D)`` through one ``FluxTransformerBlock`` given exactly its inputs."""
+def double_keys_values(block: nn.Module, hidden: torch.Tensor, context: torch.Tensor, temb: torch.Tensor,
+                       rotary_emb: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (rotated) and values ``(B, L+N, H, d)`` over ``[text; image]`` that one ``FluxTransformerBlock``'s
+    attention reads, from exactly its inputs."""
     attn = block.attn
-    n_reg, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(reg, emb=temb)
     n_img = block.norm1(hidden, emb=temb)[0]
     n_txt = block.norm1_context(context, emb=temb)[0]
     k_txt = attn.norm_added_k(_tokens(attn, attn.add_k_proj(n_txt)))
     k_img = attn.norm_k(_tokens(attn, attn.to_k(n_img)))
     keys = _rope(torch.cat([k_txt, k_img], 1), rotary_emb)
     values = torch.cat([_tokens(attn, attn.add_v_proj(n_txt)), _tokens(attn, attn.to_v(n_img))], 1)
+    return keys, values
+
+
+def single_keys_values(block: nn.Module, hidden: torch.Tensor, context: torch.Tensor, temb: torch.Tensor,
+                       rotary_emb: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (rotated) and values ``(B, L+N, H, d)`` over ``[text; image]`` that one
+    ``FluxSingleTransformerBlock``'s attention reads, from exactly its inputs."""
+    attn = block.attn
+    n_all = block.norm(torch.cat([context, hidden], 1), emb=temb)[0]
+    return _rope(attn.norm_k(_tokens(attn, attn.to_k(n_all))), rotary_emb), _tokens(attn, attn.to_v(n_all))
+
+
+def flux_double_register_block(block: nn.Module, reg: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor,
+                               temb: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Advance registers ``(B, M, D)`` through one ``FluxTransformerBlock`` given exactly its inputs."""
+    attn = block.attn
+    n_reg, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(reg, emb=temb)
+    keys, values = double_keys_values(block, hidden, context, temb, rotary_emb)
     reg = reg + gate_msa.unsqueeze(1) * attn.to_out[0](_register_attention(attn, n_reg, keys, values))
     normed = block.norm2(reg) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
     return reg + gate_mlp.unsqueeze(1) * block.ff(normed)
@@ -80,9 +98,7 @@ def flux_single_register_block(block: nn.Module, reg: torch.Tensor, hidden: torc
     """Advance registers ``(B, M, D)`` through one ``FluxSingleTransformerBlock`` given exactly its inputs."""
     attn = block.attn
     n_reg, gate = block.norm(reg, emb=temb)
-    n_all = block.norm(torch.cat([context, hidden], 1), emb=temb)[0]
-    keys = _rope(attn.norm_k(_tokens(attn, attn.to_k(n_all))), rotary_emb)
-    values = _tokens(attn, attn.to_v(n_all))
+    keys, values = single_keys_values(block, hidden, context, temb, rotary_emb)
     mixed = torch.cat([_register_attention(attn, n_reg, keys, values), block.act_mlp(block.proj_mlp(n_reg))], 2)
     return reg + gate.unsqueeze(1) * block.proj_out(mixed)
 
@@ -118,7 +134,8 @@ class FluxRegisters(RegisterFamily):
         step = flux_double_register_block if id(block) in self.double else flux_single_register_block
         return step(block, reg, *block_inputs(BLOCK_INPUTS, args, kwargs))
 
-    def _token_grid(self, seq: int) -> tuple[int, int]:
+    def token_grid(self, seq: int) -> tuple[int, int]:
+        """The packed token grid ``(h/2, w/2)`` of ``seq`` image tokens (``latent_hw``, else square)."""
         if self.latent_hw:
             h2, w2 = self.latent_hw[0] // 2, self.latent_hw[1] // 2
             if h2 * w2 == seq:
@@ -140,7 +157,7 @@ class FluxRegisters(RegisterFamily):
             raise UserError(f"latent registers on FLUX score packed latents (B, seq, 4C); got shape {tuple(x.shape)}")
         tr = self.transformer
         dtype, device, b = next(tr.parameters()).dtype, sigma.device, x.shape[0]
-        h2, w2 = self._token_grid(x.shape[1])
+        h2, w2 = self.token_grid(x.shape[1])
         embeds = cond.tensors["prompt_embeds"].to(device, dtype)
         guidance = None if self.guidance is None else torch.full((b,), self.guidance, device=device)
         # FLUX's transformer multiplies the timestep by 1000 itself

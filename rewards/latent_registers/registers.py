@@ -234,14 +234,15 @@ class LatentRegisters(nn.Module):
 
 
 def architecture_class(config: dict[str, Any], directory: Path) -> type:
-    """The class that reads a folder whose ``config.json`` names an ``architecture`` other than these registers."""
-    from rewards.latent_registers import sd3_grid
+    """The class that reads a folder whose ``config.json`` names an ``architecture`` other than these registers
+    (``grid_pool``: :class:`~rewards.latent_registers.grid.GridReward`, whose ``load`` builds the folder's family)."""
+    from rewards.latent_registers import grid
 
     kind = config.get("architecture")
-    if kind != sd3_grid.ARCHITECTURE:
+    if kind != grid.ARCHITECTURE:
         raise UserError(f"{directory / CONFIG_NAME}: architecture {kind!r} is unknown; use 'registers' (the default) "
-                        f"or {sd3_grid.ARCHITECTURE!r}")
-    return sd3_grid.GridRegisters
+                        f"or {grid.ARCHITECTURE!r}")
+    return grid.GridReward
 
 
 def read_config(directory: Path) -> dict[str, Any]:
