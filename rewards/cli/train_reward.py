@@ -38,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--bench", default=None, help="generate pairs from the model's samples ranked by this benchmark's verifier (vvr)")
     src.add_argument("--level", default="medium", help="benchmark level: easy, medium or hard")
     add_number(src, "--n", type=int, lo=1, hi=MAX_TASKS, default=200, help="benchmark tasks (prompts) to sample")
-    add_number(src, "--group-size", type=int, lo=1, hi=MAX_GROUP_SIZE, default=4, help="samples per prompt; every differently scored pair is kept")
+    add_number(src, "--group-size", type=int, lo=1, hi=MAX_GROUP_SIZE, default=4,
+               help="samples per prompt; every differently scored pair is kept, and the prompt's pairs are one "
+                    "group (the unit of --batch-form authors)")
     add_number(src, "--data-seed", type=int, lo=0, hi=MAX_SEED, default=0, help="seed of the freshly drawn tasks (never the held-out split)")
     add_number(src, "--steps", type=int, lo=1, hi=MAX_SAMPLING_STEPS, default=None, help="sampling steps (default: the model's)")
     src.add_argument("--no-partial-credit", action="store_true", help="rank vvr samples by the plain verifier score")
@@ -58,8 +60,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--layers", default="last", help="'last', 'multi' (L/2, 3L/4, L) or comma-separated block indices "
                                                     "(registers only: grid_pool taps 1/6, 1/3, 1/2 of the depth)")
     add_number(p, "--head-hidden", type=int, lo=1, hi=MAX_WIDTH, default=256, help="head width (registers only)")
-    add_number(p, "--train-steps", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=1000)
-    add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=32)
+    add_number(p, "--train-steps", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=None,
+               help="optimiser steps, each on --batch-size random pairs or groups (default 1000; not with --epochs)")
+    add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=32,
+               help="pairs (--batch-form pairs) or groups (authors) a batch; with --epochs, a micro-batch")
+    add_number(p, "--epochs", type=int, lo=1, hi=MAX_TRAIN_STEPS, default=None,
+               help="train in the authors' epochs instead of --train-steps: each a pass over the training pairs or "
+                    "groups in a seeded shuffle (random.Random(seed + epoch)), micro-batches of --batch-size, the "
+                    "last incomplete one dropped (their preset: 3)")
+    add_number(p, "--global-batch", type=int, lo=1, hi=MAX_TASKS, default=None,
+               help="with --epochs: pairs or groups an optimiser step, a multiple of --batch-size whose micro-batches' "
+                    "gradients are averaged (their preset: 64 over micro-batches of 8; default --batch-size)")
     add_number(p, "--lr", type=float, lo=0, hi=MAX_LR, lo_open=True, default=None,
                help="learning rate (default 1e-3; --recipe authors: their 5e-5)")
     p.add_argument("--recipe", choices=["adam", "authors"], default="adam",
@@ -69,6 +80,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                help="--recipe authors: steps of linear lr warm-up (default their 1000)")
     p.add_argument("--loss", choices=["bradley_terry", "thurstone"], default="bradley_terry",
                    help="pair loss: Bradley-Terry, or the registers' authors' Thurstone loss (a noisier pair costs less)")
+    p.add_argument("--batch-form", choices=["pairs", "authors"], default=None,
+                   help="pairs: random pairs, each noised at its own σ ~ U(0, 1) with its own ε; authors: the registers' "
+                        "authors' batches: whole groups (a prompt's samples from --bench; a pair of a file is its own "
+                        "group), one σ a group from the scheduler's 1000-level training grid at u ~ U(0, 1), one ε "
+                        "shared by the group, the loss averaged over each group's pairs, then over groups, heads "
+                        "summed (default: authors with --recipe authors, else pairs)")
     add_number(p, "--test-fraction", type=float, lo=0, hi=1, default=0.2, help="prompts held out for the accuracy report")
     p.add_argument("--eval-pairs", nargs="+", default=None,
                    help="held-out pairs (JSONL / .safetensors) to report accuracy on instead of a prompt split of --pairs")
@@ -87,6 +104,17 @@ def _check(args: argparse.Namespace) -> None:
         args.lr = 5e-5 if args.recipe == "authors" else 1e-3
     if args.warmup_steps is not None and args.recipe != "authors":
         raise UserError("--warmup-steps belongs to --recipe authors (plain Adam has no warm-up)")
+    if args.batch_form is None:  # their recipe trains on their batches; plain Adam keeps the pairs form
+        args.batch_form = "authors" if args.recipe == "authors" else "pairs"
+    if args.epochs is not None and args.train_steps is not None:
+        raise UserError("--epochs and --train-steps both set how long to train: give one")
+    if args.global_batch is not None and args.epochs is None:
+        raise UserError("--global-batch belongs to --epochs (their micro-batches accumulated into one step)")
+    if args.global_batch is not None and (args.global_batch < args.batch_size or args.global_batch % args.batch_size):
+        raise UserError(f"--global-batch {args.global_batch}: give a multiple of --batch-size {args.batch_size} "
+                        "(their preset: 64 over micro-batches of 8)")
+    if args.epochs is None and args.train_steps is None:
+        args.train_steps = 1000
     if bool(args.pairs) == bool(args.bench):
         raise UserError("give exactly one pair source: --pairs FILE or --bench NAME (e.g. --bench vvr --level medium --n 200)")
     for flag, files in (("--pairs", args.pairs), ("--eval-pairs", args.eval_pairs)):
@@ -96,7 +124,7 @@ def _check(args: argparse.Namespace) -> None:
             if Path(f).suffix not in (".jsonl", ".safetensors"):
                 raise UserError(f"{flag} {f}: use a .jsonl of images or a .safetensors pairs file")
     for name in ("n", "group_size", "train_steps", "batch_size", "registers", "head_hidden", "checkpoint_every"):
-        if getattr(args, name) < (2 if name == "group_size" else 1):
+        if getattr(args, name) is not None and getattr(args, name) < (2 if name == "group_size" else 1):
             raise UserError(f"--{name.replace('_', '-')} must be >= {2 if name == 'group_size' else 1}, got {getattr(args, name)}")
     if args.heads is not None:
         if not args.bench:
@@ -254,9 +282,28 @@ def accuracy_report(args: argparse.Namespace, reward, encode, train_pairs, test_
     return metrics
 
 
+def training_schedule(args: argparse.Namespace, train_pairs) -> list | None:
+    """With ``--epochs``, the authors' optimiser steps (their micro-batches of pairs or groups); sets
+    ``args.train_steps`` to their count. None: ``--train-steps`` random batches."""
+    from flowalign.trainers.parts.latent_preference import authors_steps
+
+    if args.epochs is None:
+        return None
+    units = len(train_pairs) if args.batch_form == "pairs" else len(train_pairs.groups())
+    schedule = authors_steps(units, epochs=args.epochs, batch_size=args.batch_size, global_batch=args.global_batch,
+                             seed=args.seed)
+    if not schedule:
+        kind = "pairs" if args.batch_form == "pairs" else "groups"
+        raise UserError(f"--epochs: {units} training {kind}, fewer than --batch-size {args.batch_size}, fill no "
+                        "micro-batch (an incomplete one is dropped, as theirs); lower --batch-size")
+    args.train_steps = len(schedule)
+    return schedule
+
+
 def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: dict, partial: Path,
-                  encode, resume: bool) -> dict:
-    """Train ``reward`` on ``train_pairs``, checkpointing into ``partial`` (resumed from it when asked)."""
+                  encode, resume: bool, grid=None) -> dict:
+    """Train ``reward`` on ``train_pairs``, checkpointing into ``partial`` (resumed from it when asked).
+    ``grid``: the noise levels the authors' batch form draws from (``authors_grid``)."""
     import torch
     from safetensors.torch import load_file, save_file
     from tqdm.auto import tqdm
@@ -287,6 +334,7 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             (tmp / "state.json").write_text(json.dumps({"step": step, "source": source}))
 
+    schedule = training_schedule(args, train_pairs)
     if not resume:
         checkpoint(0)  # the pairs are the expensive part: keep them before training
     bar = tqdm(total=args.train_steps, initial=start, desc="training registers", unit="step", disable=args.no_progress)
@@ -298,7 +346,8 @@ def fit_registers(args: argparse.Namespace, reward, pairs, train_pairs, source: 
             checkpoint(step + 1)
 
     stats = fit(reward, train_pairs, encode, steps=args.train_steps, batch_size=args.batch_size, lr=args.lr,
-                seed=args.seed, start_step=start, optimizer=optimizer, on_step=on_step, loss=args.loss)
+                seed=args.seed, start_step=start, optimizer=optimizer, on_step=on_step, loss=args.loss,
+                batch_form=args.batch_form, grid=grid, schedule=schedule)
     bar.close()
     if args.recipe == "authors":
         optimizer.finish()  # the average is the reward that is evaluated and saved
@@ -314,7 +363,7 @@ def saved_bytes(reward, pairs) -> int:
 
 def run(args: argparse.Namespace) -> None:
     from flowalign.disk_space import explain_no_space
-    from flowalign.trainers.parts.latent_preference import PreferencePairs
+    from flowalign.trainers.parts.latent_preference import PreferencePairs, authors_grid
     from rewards.latent_registers import DEFAULT_HEAD, LatentRegisters, family_options_for, load_frozen_transformer
 
     _check(args)
@@ -342,9 +391,11 @@ def run(args: argparse.Namespace) -> None:
         reward = LatentRegisters(transformer, num_registers=args.registers, layers=layers, head_hidden=args.head_hidden,
                                  base_model=model, seed=args.seed, family_options=family_options_for(transformer, policy),
                                  heads=pairs.heads or [DEFAULT_HEAD])
-    stats = fit_registers(args, reward, pairs, train_pairs, source, partial, policy.encode, resume)
+    grid = authors_grid(policy) if args.batch_form == "authors" else None
+    stats = fit_registers(args, reward, pairs, train_pairs, source, partial, policy.encode, resume, grid=grid)
     metrics = {"pairs": source, "heads": reward.head_names, "architecture": args.architecture, "recipe": args.recipe, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
                "train_steps": args.train_steps, "loss": args.loss, "final_train_loss": stats.get("loss"),
+               "batch_form": args.batch_form, "epochs": args.epochs, "global_batch": args.global_batch,
                **accuracy_report(args, reward, policy.encode, train_pairs, test_pairs)}
     metrics["minutes"] = (time.perf_counter() - t0) / 60
     with explain_no_space(out, saved_bytes(reward, pairs), "the reward folder"), \

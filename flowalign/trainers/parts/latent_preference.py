@@ -12,11 +12,21 @@ authors' registers): a pair carries each head's label difference (``head_margins
 order the pair), and the loss is their ``multihead_group_loss`` on pairs: each head's pair loss over the
 pairs it orders, in its own direction, averaged over the heads (a head that orders no pair of the batch
 adds 0 and still counts). Pairs without head margins order the first head only.
+
+Two forms of a training batch (``batch_form``). ``"pairs"``: a batch is ``batch_size`` random pairs, each with
+its own σ ~ U(0, 1) and ε, the pair loss averaged over pairs. ``"authors"``: the register authors' (their
+``training.py`` ``_noise_batch`` and ``losses.py`` ``multihead_group_loss``): a batch is ``batch_size`` groups
+(the pairs one prompt's samples form, ``PreferencePairs.group``; a pair without a group is its own), one σ per
+group read from the scheduler's 1000-level training grid at u ~ U(0, 1) (:func:`authors_sigma`), one ε shared by
+the whole group, each head's loss averaged over a group's pairs, then over the groups, and the heads' losses
+summed. Their epochs over the data and gradient accumulation to a global batch are :func:`authors_steps`.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -39,13 +49,16 @@ class PreferencePairs:
     """``chosen`` / ``rejected`` clean latents ``(N, ...)`` float32 and their ``prompts`` (N). ``margin``
     ``(N,)``: the labelling reward's score difference (informative only). ``head_margins``: for a
     several-head reward, each head's label difference chosen − rejected ``(N,)`` (its sign orders the pair
-    for that head, 0 leaves it out); None: every pair orders the first head, chosen first."""
+    for that head, 0 leaves it out); None: every pair orders the first head, chosen first. ``group`` ``(N,)``
+    int64: the group of samples (one prompt's) each pair was formed from, the unit of the authors' batches;
+    None: every pair is its own group."""
 
     prompts: list[str]
     chosen: torch.Tensor
     rejected: torch.Tensor
     margin: torch.Tensor | None = None
     head_margins: dict[str, torch.Tensor] | None = None
+    group: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.prompts) == self.chosen.shape[0] == self.rejected.shape[0]):
@@ -58,6 +71,10 @@ class PreferencePairs:
         for head, m in (self.head_margins or {}).items():
             if m.shape != (len(self.prompts),):
                 raise UserError(f"preference pairs: head {head!r} has {tuple(m.shape)} margins for {len(self.prompts)} pairs")
+        if self.group is not None:
+            if self.group.shape != (len(self.prompts),):
+                raise UserError(f"preference pairs: {tuple(self.group.shape)} group ids for {len(self.prompts)} pairs")
+            self.group = self.group.long()
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -78,11 +95,22 @@ class PreferencePairs:
                             "train a reward with the pairs' heads")
         return {h: torch.sign(self.head_margins[h].float()) for h in heads}
 
+    def group_ids(self) -> torch.Tensor:
+        """``(N,)`` int64: each pair's group (``group``, or every pair its own when there is none)."""
+        return self.group if self.group is not None else torch.arange(len(self))
+
+    def groups(self) -> list[list[int]]:
+        """The pairs of each group, groups in order of their first pair."""
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(self.group_ids().tolist()):
+            members.setdefault(g, []).append(i)
+        return list(members.values())
+
     def select(self, idx: Sequence[int] | torch.Tensor) -> "PreferencePairs":
         i = torch.as_tensor(idx, dtype=torch.long).flatten()
         heads = None if self.head_margins is None else {h: m[i] for h, m in self.head_margins.items()}
         return PreferencePairs([self.prompts[j] for j in i.tolist()], self.chosen[i], self.rejected[i], self.margin[i],
-                               heads)
+                               heads, None if self.group is None else self.group[i])
 
     def split(self, test_fraction: float, seed: int = 0) -> tuple["PreferencePairs", "PreferencePairs"]:
         """Train / test by prompt (a prompt's pairs never straddle the split)."""
@@ -102,15 +130,26 @@ class PreferencePairs:
             raise UserError(f"pair files label different heads ({sorted(map(str, labels))}); merge files of one kind")
         heads = None if parts[0].head_margins is None else {
             h: torch.cat([x.head_margins[h] for x in parts]) for h in parts[0].head_margins}
+        group = None
+        if any(x.group is not None for x in parts):  # each file's groups stay apart: ids offset past the last
+            ids, offset = [], 0
+            for x in parts:
+                g = x.group_ids()
+                if len(g):
+                    ids.append(g - g.min() + offset)
+                    offset = int(ids[-1].max()) + 1
+            group = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
         return PreferencePairs([p for x in parts for p in x.prompts], torch.cat([x.chosen for x in parts]),
-                               torch.cat([x.rejected for x in parts]), torch.cat([x.margin for x in parts]), heads)
+                               torch.cat([x.rejected for x in parts]), torch.cat([x.margin for x in parts]), heads,
+                               group)
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
         tensors = {"chosen": self.chosen.float().contiguous(), "rejected": self.rejected.float().contiguous(),
                    "margin": self.margin.float().contiguous(),
-                   **{f"margin.{h}": m.float().contiguous() for h, m in (self.head_margins or {}).items()}}
+                   **{f"margin.{h}": m.float().contiguous() for h, m in (self.head_margins or {}).items()},
+                   **({} if self.group is None else {"group": self.group.long().contiguous()})}
         metadata = {"prompts": json.dumps(self.prompts)}
         if self.head_margins is not None:
             metadata["heads"] = json.dumps(list(self.head_margins))
@@ -131,22 +170,34 @@ class PreferencePairs:
                 raise UserError(f"{path} is not a preference-pairs file (no prompts in its metadata)")
             heads = json.loads(meta["heads"]) if "heads" in meta else None
             return cls(prompts, f.get_tensor("chosen"), f.get_tensor("rejected"), f.get_tensor("margin"),
-                       None if heads is None else {h: f.get_tensor(f"margin.{h}") for h in heads})
+                       None if heads is None else {h: f.get_tensor(f"margin.{h}") for h in heads},
+                       f.get_tensor("group") if "group" in f.keys() else None)
+
+
+def bradley_terry_terms(r_chosen: torch.Tensor, r_rejected: torch.Tensor, sigma: torch.Tensor | None = None) -> torch.Tensor:
+    """``-log σ(r_w - r_l)`` per pair ``(N,)`` (σ unused)."""
+    return F.softplus(-(r_chosen - r_rejected))
 
 
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
     """``mean -log σ(r_w - r_l)`` over pairs (scalar)."""
-    return F.softplus(-(r_chosen - r_rejected)).mean()
+    return bradley_terry_terms(r_chosen, r_rejected).mean()
+
+
+def thurstone_terms(r_chosen: torch.Tensor, r_rejected: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The authors' Thurstone term per pair ``(N,)``: ``1 − sqrt(max(Φ((r_w − r_l)/sqrt(2v + 1e-6)), 1e-6))``,
+    ``v = 2σ² + 0.05`` (both sides share σ)."""
+    variance = 2.0 * sigma.to(r_chosen) ** 2 + 0.05
+    margin = (r_chosen - r_rejected) / torch.sqrt(2 * variance + 1e-6)
+    probability = torch.distributions.Normal(0.0, 1.0).cdf(margin)
+    return 1.0 - torch.sqrt(probability.clamp_min(1e-6))
 
 
 def thurstone_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """The authors' register loss on pairs (Guanys-dar/latent-reward-register ``losses.py``,
-    ``dina_thurstone_loss`` on groups of two): ``mean 1 − sqrt(max(Φ((r_w − r_l)/sqrt(2v + 1e-6)), 1e-6))``,
-    ``v = 2σ² + 0.05``, so a pair disagreeing at high noise costs less. ``(N,)`` each; scalar."""
-    variance = 2.0 * sigma.to(r_chosen) ** 2 + 0.05
-    margin = (r_chosen - r_rejected) / torch.sqrt(2 * variance + 1e-6)
-    probability = torch.distributions.Normal(0.0, 1.0).cdf(margin)
-    return (1.0 - torch.sqrt(probability.clamp_min(1e-6))).mean()
+    ``dina_thurstone_loss`` on groups of two): the mean of :func:`thurstone_terms`, so a pair disagreeing at
+    high noise costs less. ``(N,)`` each; scalar."""
+    return thurstone_terms(r_chosen, r_rejected, sigma).mean()
 
 
 #: the pair losses ``fit`` can train with: name → ``loss(r_w, r_l, σ)``
@@ -154,6 +205,43 @@ PAIR_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torc
     "bradley_terry": lambda r_w, r_l, sigma: bradley_terry_loss(r_w, r_l),
     "thurstone": thurstone_loss,
 }
+#: the same losses per pair, ``(N,)``: name → ``terms(r_w, r_l, σ)``
+PAIR_LOSS_TERMS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "bradley_terry": bradley_terry_terms,
+    "thurstone": thurstone_terms,
+}
+#: the forms of a training batch (module docstring): random pairs, or the authors' groups
+BATCH_FORMS = ("pairs", "authors")
+#: the static shift their FLUX registers train at, e^1.15 (FLUX.1's max_shift: the 1024-px value of its
+#: dynamic shift, pinned by their ``flux_utils.SCHEDULER_SHIFT``)
+AUTHORS_DYNAMIC_SHIFT_MU = 1.15
+
+
+def authors_grid(policy: Any) -> torch.Tensor:
+    """``(T,)`` float32 the noise levels the authors' register training draws from: the policy's scheduler
+    training grid (:func:`~flowalign.trainers.parts.training_grid.training_grid`: SD3's shift 3.0), except that
+    a scheduler which shifts dynamically (FLUX) is pinned at the static shift ``e^max_shift`` (their
+    ``flux_scheduler_config``: e^1.15 for FLUX.1)."""
+    from flowalign.trainers.parts.training_grid import training_grid
+
+    scheduler = getattr(policy, "scheduler", None)
+    config = dict(getattr(scheduler, "config", {}) or {})
+    if not config.get("use_dynamic_shifting", False):
+        return training_grid(policy)
+    levels = int(config.get("num_train_timesteps", 1000))
+    shift = math.exp(float(config.get("max_shift", AUTHORS_DYNAMIC_SHIFT_MU)))
+    s = torch.from_numpy(np.linspace(1, levels, levels, dtype=np.float32)[::-1].copy()) / levels
+    return shift * s / (1 + (shift - 1) * s)
+
+
+def authors_sigma(u: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Their training noise level for uniforms ``u (B,)`` in [0, 1) (``sample_timesteps`` with the ``uniform``
+    weighting): grid level ``min(floor(T·u), T − 1)`` of ``grid (T,)`` (1 → σ(1/T)), so ``u < 1/T`` is pure
+    noise and the cleanest level is σ(1/T), never 0. The register reads timestep ``T·σ`` (SD3: 1000·σ).
+    ``(B,)`` in the grid's dtype."""
+    levels = grid.shape[0]
+    index = (u.float() * levels).long().clamp(0, levels - 1)
+    return grid.to(u.device)[index]
 
 
 def noised_scores(reward: Any, pairs: PreferencePairs, cond: Conditioning, sigma: torch.Tensor, noise: torch.Tensor,
@@ -206,10 +294,49 @@ def head_pair_loss(pair_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     return loss, right / max(count, 1)
 
 
-def _draw(pairs: PreferencePairs, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    sigma = torch.rand(len(pairs), generator=generator)
-    noise = torch.randn(pairs.chosen.shape, generator=generator)
-    return sigma, noise
+def group_head_loss(loss_name: str, scores: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                    directions: dict[str, torch.Tensor], sigma: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The authors' ``multihead_group_loss`` (``losses.py`` @ f251e52, equal head weights) on a batch of groups
+    given as their pairs: per head, the ``loss_name`` term (:data:`PAIR_LOSS_TERMS`) of each pair that orders it,
+    in its direction, averaged within each group (``group (N,)``), then over the groups holding such a pair; the
+    heads' losses summed (a head no pair orders adds 0). ``scores``: per head ``(r_w, r_l)`` ``(N,)`` each; also
+    the fraction of (head, pair) orders the scores get right."""
+    terms_of = PAIR_LOSS_TERMS[loss_name]
+    total, right, count = 0.0, 0.0, 0
+    for head, (r_w, r_l) in scores.items():
+        d = directions[head].to(r_w)
+        m = d != 0
+        if not m.any():
+            continue
+        terms = terms_of(d[m] * r_w[m], d[m] * r_l[m], sigma.to(r_w.device)[m])
+        _, members = torch.unique(group.to(r_w.device)[m], return_inverse=True)
+        per_group = torch.zeros(int(members.max()) + 1, dtype=terms.dtype, device=terms.device).index_add(0, members, terms)
+        per_group = per_group / torch.bincount(members).to(terms.dtype)
+        total = total + per_group.mean()
+        right += (d[m] * (r_w[m] - r_l[m]) > 0).float().sum().item()
+        count += int(m.sum())
+    loss = total if torch.is_tensor(total) else next(iter(scores.values()))[0].sum() * 0.0
+    return loss, right / max(count, 1)
+
+
+def draw_noise(pairs: PreferencePairs, generator: torch.Generator, batch_form: str = "pairs",
+          grid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``σ (N,)`` and ε like ``pairs.chosen`` for a batch. ``pairs``: σ ~ U(0, 1) and ε per pair. ``authors``: one
+    uniform and one ε per group (groups in order of their first pair, as their batch holds them), σ read from
+    ``grid`` (:func:`authors_sigma`) and both shared by every pair of the group, so a group's samples are all
+    noised alike: the draw order (the uniforms, then ε) is theirs, so a CPU generator seeded as their global
+    RNG draws their σ and ε."""
+    if batch_form == "pairs":
+        sigma = torch.rand(len(pairs), generator=generator)
+        noise = torch.randn(pairs.chosen.shape, generator=generator)
+        return sigma, noise
+    if grid is None:
+        raise ValueError("the authors' batch form needs the scheduler's training grid (authors_grid)")
+    first: dict[int, int] = {}
+    member = torch.tensor([first.setdefault(g, len(first)) for g in pairs.group_ids().tolist()], dtype=torch.long)
+    u = torch.rand(len(first), generator=generator)
+    noise = torch.randn((len(first), *pairs.chosen.shape[1:]), generator=generator)
+    return authors_sigma(u, grid)[member], noise[member]
 
 
 def pairwise_accuracy(reward: Any, pairs: PreferencePairs, encode: Encode, *, bins: Sequence[float] = DEFAULT_BINS,
@@ -242,27 +369,36 @@ def pairwise_accuracy(reward: Any, pairs: PreferencePairs, encode: Encode, *, bi
 
 def refit_loss(reward: Any, real: PreferencePairs, encode: Encode, generator: torch.Generator, *,
                generated: PreferencePairs | None = None, mu: float = 0.5, anchor: float = 0.0,
-               previous: dict[str, torch.Tensor] | None = None, loss_name: str = "bradley_terry"
-               ) -> tuple[torch.Tensor, dict[str, float]]:
+               previous: dict[str, torch.Tensor] | None = None, loss_name: str = "bradley_terry",
+               batch_form: str = "pairs", grid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """``L(real) + μ·L(generated) + anchor·mean (r_ψ − r_ψ,prev)²`` on the real batch (CoRe's L_RM; the
     plain pair loss on real pairs when ``generated`` is None and ``anchor`` is 0). ``L``: ``loss_name`` of
     :data:`PAIR_LOSSES` (Bradley-Terry, or the authors' Thurstone loss), per head over the pairs ordering it
-    and averaged over heads (:func:`head_pair_loss`); the anchor holds the first head's score. The logs keep
-    the ``bt_`` names."""
+    and averaged over heads (:func:`head_pair_loss`); with ``batch_form="authors"`` the batch is noised per
+    group from ``grid`` and the loss is theirs over groups (:func:`group_head_loss`). The anchor holds the
+    first head's score. The logs keep the ``bt_`` names."""
     if loss_name not in PAIR_LOSSES:
         raise UserError(f"pair loss {loss_name!r}: use one of {', '.join(PAIR_LOSSES)}")
+    if batch_form not in BATCH_FORMS:
+        raise UserError(f"batch form {batch_form!r}: use one of {', '.join(BATCH_FORMS)}")
     pair_loss = PAIR_LOSSES[loss_name]
+
+    def batch_loss(part: PreferencePairs, scores: dict, sigma: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if batch_form == "authors":
+            return group_head_loss(loss_name, scores, part.directions(heads), sigma, part.group_ids())
+        return head_pair_loss(pair_loss, scores, part.directions(heads), sigma)
+
     heads = reward_heads(reward)
-    sigma, noise = _draw(real, generator)
+    sigma, noise = draw_noise(real, generator, batch_form, grid)
     cond = encode(real.prompts)
     scores = noised_head_scores(reward, real, cond, sigma, noise)
-    loss, acc = head_pair_loss(pair_loss, scores, real.directions(heads), sigma)
+    loss, acc = batch_loss(real, scores, sigma)
     r_w, r_l = scores[heads[0]]
     info = {"bt_real": loss.item(), "acc_real": acc}
     if generated is not None and len(generated) and mu > 0:
-        gs, gn = _draw(generated, generator)
+        gs, gn = draw_noise(generated, generator, batch_form, grid)
         g_scores = noised_head_scores(reward, generated, encode(generated.prompts), gs, gn)
-        bt_gen, g_acc = head_pair_loss(pair_loss, g_scores, generated.directions(heads), gs)
+        bt_gen, g_acc = batch_loss(generated, g_scores, gs)
         loss = loss + mu * bt_gen
         info.update(bt_generated=bt_gen.item(), acc_generated=g_acc)
     if anchor > 0 and previous is not None:
@@ -277,31 +413,73 @@ def refit_loss(reward: Any, real: PreferencePairs, encode: Encode, generator: to
     return loss, info
 
 
-def fit(reward: Any, pairs: PreferencePairs, encode: Encode, *, steps: int, batch_size: int = 32, lr: float = 1e-3,
-        seed: int = 0, generated: PreferencePairs | None = None, mu: float = 0.5, anchor: float = 0.0,
+def authors_steps(units: int, *, epochs: int, batch_size: int, global_batch: int | None = None,
+                  seed: int = 42) -> list[list[list[int]]]:
+    """The authors' epochs as optimiser steps: per step, its micro-batches of unit indices (pairs, or groups).
+
+    As their DiNa-pair loop (``dataset.py`` ``iter_dina_pair_batches``, ``runtime.py``, ``training.py`` @
+    f251e52): epoch ``e`` visits the units in the order ``random.Random(seed + e).shuffle``, in micro-batches
+    of ``batch_size`` (an incomplete last one dropped); ``global_batch / batch_size`` micro-batches make one
+    optimiser step, and an epoch's leftover micro-batches one more (their gradient, rescaled by the
+    accumulation count over the leftover count, is the mean over those micro-batches: every step's gradient
+    is the mean of its micro-batches' losses'). Their paper preset: 3 epochs, micro-batches of 8 pairs,
+    global batch 64, seed 42."""
+    global_batch = batch_size if global_batch is None else global_batch
+    if batch_size < 1 or global_batch < batch_size or global_batch % batch_size:
+        raise UserError(f"global batch {global_batch}: give a positive multiple of the batch size {batch_size}")
+    accumulate = global_batch // batch_size
+    steps: list[list[list[int]]] = []
+    for epoch in range(epochs):
+        order = list(range(units))
+        random.Random(seed + epoch).shuffle(order)
+        micro = [order[i : i + batch_size] for i in range(0, units - batch_size + 1, batch_size)]
+        steps += [micro[i : i + accumulate] for i in range(0, len(micro), accumulate)]
+    return steps
+
+
+def fit(reward: Any, pairs: PreferencePairs, encode: Encode, *, steps: int | None = None, batch_size: int = 32,
+        lr: float = 1e-3, seed: int = 0, generated: PreferencePairs | None = None, mu: float = 0.5, anchor: float = 0.0,
         start_step: int = 0, optimizer: torch.optim.Optimizer | None = None,
-        on_step: Callable[[int, dict[str, float]], None] | None = None, loss: str = "bradley_terry") -> dict[str, float]:
+        on_step: Callable[[int, dict[str, float]], None] | None = None, loss: str = "bradley_terry",
+        batch_form: str = "pairs", grid: torch.Tensor | None = None,
+        schedule: list[list[list[int]]] | None = None) -> dict[str, float]:
     """Adam on the reward's parameters for ``steps`` minibatches (real pairs, plus generated pairs and
-    the anchor to the starting parameters when given), with the pair loss ``loss`` (:data:`PAIR_LOSSES`). Minibatches and noise are functions of
-    ``(seed, step)``, so a fit resumed at ``start_step`` draws what an uninterrupted one would."""
+    the anchor to the starting parameters when given), with the pair loss ``loss`` (:data:`PAIR_LOSSES`).
+
+    The unit of a batch is a pair (``batch_form="pairs"``) or a group of pairs (``"authors"``, noised per group
+    from ``grid``: :func:`refit_loss`). Without ``schedule`` each step is ``batch_size`` random units; with it
+    (:func:`authors_steps`), step ``k`` runs ``schedule[k]``'s micro-batches, the gradient the mean of their
+    losses', and ``steps`` is its length. Minibatches and noise are functions of ``(seed, step)``, so a fit
+    resumed at ``start_step`` draws what an uninterrupted one would."""
     if len(pairs) == 0:
         raise UserError("no preference pairs to train on: generate more samples (--n, --group-size) or give a pairs file")
+    units = [[i] for i in range(len(pairs))] if batch_form == "pairs" else pairs.groups()
+    if schedule is not None:
+        steps = len(schedule)
+    if steps is None:
+        raise ValueError("fit needs steps or a schedule")
     params = [p for p in reward.parameters() if p.requires_grad]
     opt = optimizer or torch.optim.Adam(params, lr=lr)
     previous = {k: v.detach().clone() for k, v in reward.named_parameters()} if anchor > 0 else None
     stats: dict[str, list[float]] = {}
     for step in range(start_step, steps):
         gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step]).generate_state(1)[0]))
-        idx = torch.randperm(len(pairs), generator=gen)[:batch_size]
-        gen_part = None
-        if generated is not None and len(generated):
-            gen_part = generated.select(torch.randperm(len(generated), generator=gen)[:batch_size])
-        total, info = refit_loss(reward, pairs.select(idx), encode, gen, generated=gen_part, mu=mu, anchor=anchor,
-                                 previous=previous, loss_name=loss)
+        micro = schedule[step] if schedule is not None else [torch.randperm(len(units), generator=gen)[:batch_size].tolist()]
         opt.zero_grad(set_to_none=True)
-        total.backward()
+        info: dict[str, float] = {}
+        for chosen_units in micro:
+            idx = [i for u in chosen_units for i in units[u]]
+            gen_part = None
+            if generated is not None and len(generated):
+                gen_part = generated.select(torch.randperm(len(generated), generator=gen)[:batch_size])
+            total, part = refit_loss(reward, pairs.select(idx), encode, gen, generated=gen_part, mu=mu, anchor=anchor,
+                                     previous=previous, loss_name=loss, batch_form=batch_form, grid=grid)
+            # the step's gradient is the mean of its micro-batches' (their loss / accumulation steps)
+            (total / len(micro)).backward()
+            part["loss"] = total.item()
+            for k, v in part.items():
+                info[k] = info.get(k, 0.0) + v / len(micro)
         opt.step()
-        info["loss"] = total.item()
         for k, v in info.items():
             stats.setdefault(k, []).append(v)
         if on_step is not None:
@@ -314,7 +492,8 @@ def generate_pairs(policy: FlowPolicy, prompts: list[str], metadata: list[dict],
                    group_size: int = 4, num_steps: int | None = None, seed: int = 0, batch_size: int = 16,
                    min_margin: float = 1e-6, progress: bool = True) -> tuple[PreferencePairs, dict[str, float]]:
     """Sample ``group_size`` ODE samples per prompt (seeded per prompt), score them with ``reward`` and
-    keep every within-prompt pair whose scores differ by more than ``min_margin`` (chosen = higher).
+    keep every within-prompt pair whose scores differ by more than ``min_margin`` (chosen = higher); each
+    pair records its prompt's group (``group``: the prompt's index), the unit of the authors' batches.
 
     ``reward`` a dict ``{head: reward}``: one labeller per head of a several-head latent reward; the first
     orders the pairs as above, and a pair it ties is kept (its members in sampling order) when another head's
@@ -326,7 +505,7 @@ def generate_pairs(policy: FlowPolicy, prompts: list[str], metadata: list[dict],
 
     labellers = reward if isinstance(reward, dict) else {"": reward}
     steps = int(num_steps or policy.defaults.get("num_steps", 20))
-    chosen, rejected, pair_prompts, margins, scores_all = [], [], [], [], []
+    chosen, rejected, pair_prompts, margins, scores_all, groups = [], [], [], [], [], []
     head_margins: dict[str, list[float]] = {h: [] for h in labellers}
     per_batch = max(1, batch_size // group_size)
     for start in tqdm(range(0, len(prompts), per_batch), desc="sampling pairs", unit="batch", disable=not progress):
@@ -361,6 +540,7 @@ def generate_pairs(policy: FlowPolicy, prompts: list[str], metadata: list[dict],
                     chosen.append(x0[base + a])
                     rejected.append(x0[base + b])
                     pair_prompts.append(ps[g])
+                    groups.append(start + g)
                     margins.append(sa - sb if ordered else 0.0)
                     for head in labellers:
                         head_margins[head].append(difference(head, base + a, base + b))
@@ -371,4 +551,5 @@ def generate_pairs(policy: FlowPolicy, prompts: list[str], metadata: list[dict],
     heads = None if not isinstance(reward, dict) else {h: torch.tensor(m) for h, m in head_margins.items()}
     if heads is not None:
         info.update({f"pairs_{h}": int((m != 0).sum()) for h, m in heads.items()})
-    return PreferencePairs(pair_prompts, torch.stack(chosen), torch.stack(rejected), torch.tensor(margins), heads), info
+    return PreferencePairs(pair_prompts, torch.stack(chosen), torch.stack(rejected), torch.tensor(margins), heads,
+                           torch.tensor(groups, dtype=torch.long)), info

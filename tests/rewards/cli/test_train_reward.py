@@ -199,6 +199,8 @@ def test_several_heads_each_labelled_by_its_reward(tmp_path, capsys):
     assert torch.equal(vvr, pairs.margin)  # the first head orders the pairs: its margin is the pair's
     assert (vvr >= 0).all() and (soft != 0).all()  # a pair the verifier ties is kept for the soft score
     assert (vvr == 0).any() and (vvr > 0).any()  # on these samples: both kinds of pair
+    # each pair keeps its prompt's group of samples (the unit of --batch-form authors)
+    assert pairs.group is not None and all(len({pairs.prompts[i] for i in g}) == 1 for g in pairs.groups())
     reward = load_latent_reward(out)
     assert reward.head_names == ["vvr", "vvr_soft"]
     policy = load_policy(argparse.Namespace(model=str(tiny_sd3_dir), adapter=None, device="cpu", dtype="fp32"))
@@ -246,3 +248,39 @@ def test_grid_pool_with_the_authors_recipe_trains_and_loads(tiny_model_dir, imag
 def test_warmup_steps_belong_to_the_authors_recipe(capsys):
     code, _, err = run(["train-reward", "--pairs", "x.jsonl", "--out", "o", "--warmup-steps", "3"], capsys)
     assert code != 0 and "--warmup-steps" in err
+
+
+def test_the_authors_batches_train_on_groups_in_epochs(trained, tiny_sd3_dir, tmp_path, capsys):
+    """``--batch-form authors --epochs --global-batch``: the authors' batches on a pairs file whose pairs form
+    groups (two pairs a prompt): whole groups a micro-batch, their epochs and accumulation as optimiser steps
+    (``train_steps`` is their count), the groups kept in the saved pairs, and the easy pairs learned."""
+    from flowalign.trainers.parts.latent_preference import PreferencePairs, authors_steps
+
+    pairs = PreferencePairs.load(trained / "pairs.safetensors")
+    prompts = sorted(set(pairs.prompts))
+    pairs.group = torch.tensor([prompts.index(p) for p in pairs.prompts])
+    pairs.save(tmp_path / "groups.safetensors")
+    out = tmp_path / "authors"
+    code, _, err = run(["train-reward", "--model", str(tiny_sd3_dir), "--pairs", str(tmp_path / "groups.safetensors"),
+                        "--out", str(out), "--registers", "4", "--head-hidden", "32", "--lr", "3e-3",
+                        "--loss", "thurstone", "--batch-form", "authors", "--epochs", "15", "--batch-size", "1",
+                        "--global-batch", "2", "--test-fraction", "0.25", "--no-progress"], capsys)
+    assert code == 0, err
+    metrics = json.loads((out / "metrics.json").read_text())
+    # three training groups a epoch: a step of two micro-batches and one of the leftover one
+    assert len(authors_steps(3, epochs=15, batch_size=1, global_batch=2, seed=0)) == metrics["train_steps"] == 30
+    assert metrics["batch_form"] == "authors" and metrics["epochs"] == 15 and metrics["global_batch"] == 2
+    assert metrics["final_train_loss"] < 0.293  # below the Thurstone loss's chance value, 1 − sqrt(Φ(0))
+    saved = PreferencePairs.load(out / "pairs.safetensors")
+    assert len(saved.groups()) == 4 and all(len(g) == 2 for g in saved.groups())
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--epochs", "3", "--train-steps", "10"], "--epochs and --train-steps"),
+    (["--global-batch", "64"], "--global-batch belongs to --epochs"),
+    (["--epochs", "3", "--batch-size", "8", "--global-batch", "60"], "multiple of --batch-size 8"),
+])
+def test_the_authors_batch_options_are_checked_before_sampling(extra, needle, tmp_path, capsys):
+    code, _, err = run(["train-reward", "--bench", "vvr", "--out", str(tmp_path / "o"), *extra], capsys)
+    assert code == 2 and needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
