@@ -29,6 +29,7 @@ from torch import nn
 from flowalign.errors import UserError
 from flowalign.io import atomic_dir
 from flowalign.protocols import Conditioning
+from rewards.latent_registers.base_model import load_frozen_transformer
 from rewards.latent_registers.grid_head import GridHead
 
 ARCHITECTURE = "grid_pool"
@@ -239,8 +240,6 @@ class GridReward(nn.Module):
         local diffusers folder of their backbone, or ``base_model`` in a ``config.json`` beside their files, names
         the frozen transformer; nothing is downloaded), as the folder's family's class."""
         from safetensors.torch import load_file
-
-        from rewards.latent_registers.registers import load_frozen_transformer
 
         directory = Path(directory)
         authors = is_authors_folder(directory)
