@@ -39,7 +39,7 @@ import dataclasses
 import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -145,7 +145,7 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
     #: merge_weights (normalised to sum 1); None: the fresh adapter (their mix_opd_8gpu sets no lora_path)
     merge_teachers: Literal["average", "sum", "weighted"] | None = None
     #: merge_teachers: weighted: one weight per teacher, in list order
-    merge_weights: list[float] | None = None
+    merge_weights: list[Annotated[float, Field(ge=0, le=MAX_COEFFICIENT)]] | None = Field(None, max_length=MAX_GROUP_SIZE)
     #: velocity_distillation: λ, the anchor term's weight on every prompt (0: no anchor)
     anchor_weight: float = Field(0.1, ge=0, le=MAX_COEFFICIENT)
     #: velocity_distillation: visited states trained per rollout (drawn at random per sample and step);
