@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from flowalign.errors import UserError
 from flowalign.plugins import load_target, targets
@@ -39,6 +39,30 @@ class Benchmark:
 SPLITS = ("validation", "test")
 #: what a loader is asked for to draw training tasks (held-out test compositions excluded)
 TRAIN = "train"
+
+
+def scored_by(reward: str, options: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+              ) -> Callable[[Callable[..., Benchmark]], Callable[..., Benchmark]]:
+    """Decorator: the loader's evaluation splits score with the registered reward ``reward``, built with
+    ``options(reward_options)`` (default: the reward options as given), which ``flowalign plan`` sizes
+    (:func:`benchmark_reward`)."""
+
+    def mark(loader: Callable[..., Benchmark]) -> Callable[..., Benchmark]:
+        loader.scored_by = (reward, options or dict)  # type: ignore[attr-defined]
+        return loader
+
+    return mark
+
+
+def benchmark_reward(name: str, reward_options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]] | None:
+    """The reward (name and options) an evaluation split of benchmark ``name`` scores with, as its loader
+    declares it (:func:`scored_by`); None where it declares none, or ``name`` is no benchmark."""
+    known = targets("benchmarks")
+    declared = getattr(load_target(known[name]), "scored_by", None) if name in known else None
+    if declared is None:
+        return None
+    reward, options = declared
+    return reward, options(dict(reward_options or {}))
 
 
 def available_benchmarks() -> list[str]:

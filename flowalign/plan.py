@@ -78,6 +78,7 @@ from flowalign.logger import diffusers_warnings_off
 from flowalign.model_signature import input_signature, model_signature
 from flowalign.paths import REPO_ROOT
 from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings
+from flowalign.plan_rewards import FrozenModels, frozen_models
 from flowalign.trainers import trainer_config
 from flowalign.trainers.copies import device_copies, device_own_params, swaps_in
 
@@ -175,6 +176,9 @@ class Settings:
     swapped_in: bool = False
     #: what a step holds per prompt, phase by phase (None: the loop's rollouts, ``group_size`` a prompt)
     holdings: StepHoldings | None = None
+    #: bytes of the frozen reward models (and a trainer's frozen encoders) on each rank's device
+    #: (:mod:`flowalign.plan_rewards`)
+    frozen_rewards: float = 0.0
 
     @property
     def samples(self) -> int:
@@ -660,6 +664,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         "frozen text encoders + VAE": sum(v * (model.vae_bytes_per_param or w if k == "vae" else w)
                                           for k, v in model.params.items() if k not in model.trained
                                           and not (s.offload_text_encoders and k.startswith("text_encoder"))),
+        "frozen reward models": s.frozen_rewards,  # whole on every rank, under fsdp too
         "activations": activations,
         # sampling's and scoring's peak: decoding a chunk, under swapped-in weights with the live ones kept,
         # and what a trainer's own collect holds at once, while the gradients are freed (the optimiser's
@@ -755,7 +760,8 @@ def settings(cfg: TrainConfig, strategy: str, gpus: int, model: Model | None = N
                     cfg.model.gradient_checkpointing, trainer.training_batch(tcfg), extra, device_copies(copies, "model"),
                     cfg.model.offload_text_encoders, cfg.parallel.sequence_parallel,
                     prompts_per_step=prompts, group_size=group, num_steps=steps, stored_velocities=stored,
-                    own_params=device_own_params(copies), swapped_in=swapped, holdings=holdings)
+                    own_params=device_own_params(copies), swapped_in=swapped, holdings=holdings,
+                    frozen_rewards=float(frozen_models(cfg).total))
 
 
 def human(n: float, unit: str = "") -> str:
@@ -766,6 +772,19 @@ def human(n: float, unit: str = "") -> str:
         if n >= div:
             return f"{n / div:.2f}{suffix}"
     return str(int(n))
+
+
+def reward_lines(frozen: FrozenModels) -> list[str]:
+    """The plan's lines on the frozen reward models: each one's bytes per rank, and each one not counted with
+    why (none where the run loads none)."""
+    held = [f"{label} {size / GB:.2f} GB" for label, size in frozen.counted.items() if size]
+    free = [label for label, size in frozen.counted.items() if not size]
+    lines = []
+    if frozen.counted:
+        lines.append("frozen reward models per rank: " + (", ".join(held) if held else "none on the GPU")
+                     + (f" ({'nothing on the GPU: ' if held else ''}{', '.join(free)})" if free else ""))
+    lines += [f"  not counted: {label} ({why})" for label, why in frozen.not_counted.items()]
+    return lines
 
 
 def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float, note: str | None = None) -> str:
@@ -783,6 +802,7 @@ def plan_text(cfg: TrainConfig, folder: Path, gpus: int, gpu_memory_gb: float, n
     for name, count in model.params.items():
         role = f"trained: {human(model.trained[name])}" if name in model.trained else "frozen"
         lines.append(f"  {name:<16} {human(count):>8}  ({role})")
+    lines += reward_lines(frozen_models(cfg))
     if base.samples:
         one = replace(base, prompts_per_step=1, group_size=1).rollout_bytes(model.rollout)
         lines.append(f"rollouts a step per rank: {base.prompts_per_step} prompts x {base.group_size} = {base.samples:,} "

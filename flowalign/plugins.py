@@ -78,6 +78,31 @@ def load_reward(spec: str, **options: Any) -> Any:
     return rewards.load(spec, **options)
 
 
+def planned_reward_bytes(spec: str, options: dict[str, Any]) -> int:
+    """Bytes the reward ``spec`` built with ``options`` holds on one process's device, as it states them without
+    loading anything (``rewards.planned_bytes``; :class:`flowalign.protocols.SizedReward`). Raises
+    :class:`flowalign.protocols.NotSized` where it cannot say."""
+    import rewards
+
+    return rewards.planned_bytes(spec, options)
+
+
+def planned_encoder_bytes(name: str, path: str | None, **options: Any) -> int:
+    """Bytes the image encoder ``name`` (an ``encoders`` name) of the local folder ``path`` holds, as its class's
+    ``planned_bytes(path, dtype=..., **options)`` states them from its config on the meta device. Raises
+    :class:`flowalign.protocols.NotSized` where it cannot say (an encoder class without ``planned_bytes``, a
+    folder that does not exist)."""
+    from flowalign.protocols import NotSized
+
+    known = targets("encoders")
+    if name not in known:
+        raise NotSized(f"{name!r} is not a known image encoder")
+    sized = getattr(load_target(known[name]), "planned_bytes", None)
+    if not callable(sized):
+        raise NotSized("the encoder does not state its size: give its class a planned_bytes(path, dtype, ...) classmethod")
+    return int(sized(path, **options))
+
+
 def differentiable_rewards() -> list[str]:
     """Names of the registered rewards that pass gradients to the samples."""
     import rewards

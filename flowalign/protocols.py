@@ -262,3 +262,23 @@ class LatentReward(Protocol):
     """A reward read from noisy latents: ``score(x, σ, cond) -> (B,)``, differentiable in ``x``."""
 
     def score(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor: ...
+
+
+class NotSized(Exception):
+    """What a reward's (or image encoder's) ``planned_bytes`` raises when it cannot state its size without its
+    weights (a missing folder and no published architecture to stand in for it); the message says why, and
+    ``flowalign plan`` lists the reward as not counted with it."""
+
+
+@runtime_checkable
+class SizedReward(Protocol):
+    """A reward that states, without loading anything, what its frozen models hold on the device of one
+    process: ``planned_bytes(options)`` (a classmethod or staticmethod of the registered class, called with the
+    options it would be built with) → bytes of its parameters and buffers in the dtype it runs in, built from
+    its folder's configs on the meta device (or a published architecture where the folder does not exist);
+    0 where it holds nothing there (no weights, a remote judge, ``device: cpu``). It raises :class:`NotSized`
+    where it cannot say. ``flowalign plan`` reaches it through the reward registry
+    (:func:`rewards.registry.planned_bytes`); a reward without it is planned as not counted."""
+
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int: ...

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from flowalign.errors import UserError
-from rewards.clip_common import OpenCLIP, load_clip
+from rewards.clip_common import OpenCLIP, clip_embed_dim, load_clip, meta_clip, meta_open_clip
 from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated, weights_path
+from rewards.planning import existing, on_meta
 from rewards.registry import register
 
 
@@ -115,6 +116,23 @@ class AestheticScore(EmbeddingReward):
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.clip.model, self.head]
+
+    @classmethod
+    def planned_modules(cls, options: dict[str, Any]) -> list[torch.nn.Module]:
+        """The CLIP and the head of ``options`` on the meta device. The head reads the embeddings of the CLIP
+        it was trained on (``clip_arch``, OpenAI's ViT-L/14), so a ``clip_path`` not given or not there yet is
+        sized as that architecture."""
+        arch = options.get("clip_arch", "ViT-L-14-quickgelu")
+        model, path = options.get("model"), options.get("path") or options.get("head_path")
+        clip_path = options.get("clip_path")
+        if model is not None or options.get("pretrained") is not None:
+            clip = meta_open_clip(model or arch)
+        else:
+            given = existing(path)
+            if clip_path is None and given is not None and (given / "clip").is_dir():
+                clip_path = str(given / "clip")
+            clip = meta_clip(clip_path, arch=arch) if existing(clip_path) is not None else meta_open_clip(arch)
+        return [clip, on_meta(lambda: AestheticHead(clip_embed_dim(clip)))]
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Unit-norm CLIP image embeddings ``(b, D)``, what the head reads."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from flowalign.benchmarks import TRAIN, Benchmark
+from flowalign.benchmarks import TRAIN, Benchmark, scored_by
 from flowalign.errors import UserError
 from rewards.registry import load as load_reward
 
@@ -24,6 +24,7 @@ def check_level(level: str) -> None:
         raise UserError(f"unknown level {level!r} for --level; choose one of {', '.join(LEVELS)}")
 
 
+@scored_by("vvr")
 def load_vvr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
     """A VVR image split (``validation`` / ``test``: the shipped file, or a fresh one drawn with ``seed``), or
     training draws (``train``: held-out compositions excluded)."""
@@ -35,6 +36,7 @@ def load_vvr(level: str, split: str, n: int | None, seed: int | None) -> Benchma
                      load_reward("vvr"), split)
 
 
+@scored_by("vvr_motion")
 def load_vvr_motion(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
     """A VVR-motion video split, or training draws (see :func:`load_vvr`)."""
     check_level(level)
@@ -45,6 +47,7 @@ def load_vvr_motion(level: str, split: str, n: int | None, seed: int | None) -> 
                      load_reward("vvr_motion"), split)
 
 
+@scored_by("vvr_edit")
 def load_vvr_edit(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
     """Editing: each prompt's metadata carries the task and its rendered source scene as the input ``image``
     (rendered on use: thousands of training draws would otherwise hold their images in memory)."""
@@ -59,6 +62,7 @@ def load_vvr_edit(level: str, split: str, n: int | None, seed: int | None) -> Be
     return Benchmark(f"vvr_edit-{level}", [t.prompt for t in tasks], metadata, load_reward("vvr_edit"), split)
 
 
+@scored_by("compass_fr")
 def load_sr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
     """Super-resolution: each prompt's metadata carries the task and its LR image as the input ``image``
     (degraded on use), the HR scene being the target; scored by ``compass_fr`` (the HR is known here)."""
@@ -79,6 +83,7 @@ def render_sr(metadata: dict[str, Any], size: int):
     return render_hr(metadata["task"], size=size)
 
 
+@scored_by("ocr")
 def load_ocr(level: str, split: str, n: int | None, seed: int | None) -> Benchmark:
     """An OCR split (the level is the number of quoted words), scored by the ``ocr`` reward with its default
     engine (rapidocr: PP-OCRv4 on the CPU), or training draws (see :func:`load_vvr`), which build no reward:
@@ -117,6 +122,18 @@ GENEVAL_DOWNLOADS = {"path": "a download of facebook/mask2former-swin-small-coco
                      "clip_path": "a download of openai/clip-vit-large-patch14"}
 
 
+def geneval_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``geneval`` reward's options for the benchmark: ``score: strict`` unless given, and ``path`` /
+    ``clip_path`` not given read from ``$FLOWALIGN_GENEVAL_PATH`` / ``$FLOWALIGN_GENEVAL_CLIP_PATH``."""
+    import os
+
+    out = {"score": "strict", **options}
+    for option, var in GENEVAL_ENV.items():
+        if out.get(option) is None and os.environ.get(var):
+            out[option] = os.environ[var]
+    return out
+
+
 class DeferredGenEval:
     """The ``geneval`` reward with ``score: strict`` (so mean scores are GenEval accuracies), built on its first
     call with ``options`` (``eval.reward_options`` / ``evaluate --reward-option``); ``path`` and ``clip_path``
@@ -130,10 +147,7 @@ class DeferredGenEval:
     def __init__(self, check: bool, options: dict[str, Any] | None = None):
         import os
 
-        self.options = {"score": "strict", **(options or {})}
-        for option, var in GENEVAL_ENV.items():
-            if self.options.get(option) is None and os.environ.get(var):
-                self.options[option] = os.environ[var]
+        self.options = geneval_options(options or {})
         self._reward = None
         if check:
             for option, var in GENEVAL_ENV.items():
@@ -149,6 +163,7 @@ class DeferredGenEval:
         return self._reward(samples, prompts, metadata)
 
 
+@scored_by("geneval", geneval_options)
 def load_geneval(level: str, split: str, n: int | None, seed: int | None,
                  reward_options: dict[str, Any] | None = None) -> Benchmark:
     """The GenEval-style split (``level`` does not apply: GenEval has one), or training draws (``train``:

@@ -15,6 +15,7 @@ from PIL import Image
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.common import check_images, check_lengths, constant, finite_mask
+from rewards.planning import holds_nothing
 from rewards.registry import register
 
 # Rec. 709 luma weights (sRGB primaries)
@@ -40,6 +41,8 @@ class _JPEGSize:
     name: str
     sign: float
     differentiable = False
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
 
     def __init__(self, quality: int = 95):
         if not isinstance(quality, int) or not 1 <= quality <= 100:
@@ -75,6 +78,8 @@ class _PixelStatistic:
 
     name: str
     differentiable = True
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
 
     @staticmethod
     def statistic(images: torch.Tensor) -> torch.Tensor:

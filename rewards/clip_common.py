@@ -6,6 +6,7 @@ the models ship with, so gradients reach the pixels and nothing leaves the devic
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Sequence
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from flowalign.errors import UserError
+from flowalign.protocols import NotSized
 from rewards.common import constant
+from rewards.planning import existing, missing, on_meta
 
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 #: what an error asks for when open_clip weights are missing (rewards with special weights say more)
@@ -225,3 +228,53 @@ def load_clip(who: str, path: str | Path | None, *, arch: str, dtype: torch.dtyp
         return HFCLIP(who, p, proc, dtype, random_init, option)
     raise UserError(f"{who} reward: {option}={str(p)!r} holds neither config.json (transformers) nor "
                     f"open_clip_config.json (open_clip); give the folder of {download}")
+
+
+def meta_open_clip(model: str) -> torch.nn.Module:
+    """The open_clip model ``model`` (an architecture name or ``local-dir:<folder>``) built on the meta
+    device, as :class:`OpenCLIP` builds it but reading no weights; ``hf-hub:`` would be fetched, so it is not
+    sized."""
+    import open_clip
+
+    if model.startswith("hf-hub:"):
+        raise NotSized(f"model={model} names a hub model, which is not fetched to plan: give a local path")
+    if model.startswith("local-dir:") and not (Path(model.split(":", 1)[1]) / "open_clip_config.json").is_file():
+        raise NotSized(f"model={model} has no open_clip_config.json")
+    if not model.startswith("local-dir:") and model.replace("/", "-") not in open_clip.list_models():
+        raise NotSized(f"{model} is not an open_clip architecture")
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # open_clip's "no pretrained weights loaded": none are meant to be
+    try:
+        return on_meta(lambda: open_clip.create_model(model, pretrained=None, load_weights=False,
+                                                      require_pretrained=False, pretrained_text=False, device="meta"))
+    finally:
+        logging.disable(previous)
+
+
+def meta_clip(path: str | Path | None, *, arch: str) -> torch.nn.Module:
+    """What :func:`load_clip` loads from ``path``, built on the meta device: an open_clip checkpoint file is
+    the architecture ``arch``, an open_clip folder its ``open_clip_config.json``, a transformers folder a
+    ``CLIPModel`` of its ``config.json``. A ``path`` that does not exist is sized as ``arch`` where it names a
+    checkpoint file (what ``arch`` describes); a folder that does not exist could hold any CLIP, so it is
+    not sized (:class:`~flowalign.protocols.NotSized`)."""
+    p = existing(path)
+    if p is None:
+        if path is not None and str(path).endswith(_WEIGHT_SUFFIXES):
+            return meta_open_clip(arch)
+        raise missing("path", path)
+    if p.is_file():
+        return meta_open_clip(arch)
+    if (p / "open_clip_config.json").is_file():
+        return meta_open_clip(f"local-dir:{p}")
+    if (p / "config.json").is_file():
+        from transformers import CLIPConfig, CLIPModel
+
+        config = CLIPConfig.from_pretrained(p)
+        return on_meta(lambda: CLIPModel(config))
+    raise NotSized(f"path={path} holds neither config.json nor open_clip_config.json")
+
+
+def clip_embed_dim(model: torch.nn.Module) -> int:
+    """Width of the joint embedding space of an open_clip model or a transformers ``CLIPModel``."""
+    config = getattr(model, "config", None)
+    return int(config.projection_dim) if config is not None else int(model.visual.output_dim)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from rewards.clip_common import OpenCLIP, load_clip, unique_rows
+from rewards.clip_common import OpenCLIP, load_clip, meta_clip, meta_open_clip, unique_rows
 from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated
 from rewards.registry import register
@@ -49,6 +49,18 @@ class CLIPScore(EmbeddingReward):
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.clip.model]
+
+    @classmethod
+    def planned_modules(cls, options: dict[str, Any]) -> list[torch.nn.Module]:
+        """The CLIP of ``options`` on the meta device, chosen as ``__init__`` chooses it (a checkpoint file
+        that does not exist yet is sized as ``arch``)."""
+        arch = options.get("arch") or cls.default_arch
+        model, path = options.get("model"), options.get("path")
+        if model is not None or options.get("pretrained") is not None:
+            return [meta_open_clip(model or arch)]
+        if path is None and options.get("random_init"):
+            return [meta_open_clip(arch)]
+        return [meta_clip(path, arch=arch)]
 
     def context(self, prompts: list[str], metadata: list[dict[str, Any]], samples: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from flowalign.errors import UserError
-from flowalign.protocols import RewardOutput
+from flowalign.protocols import NotSized, RewardOutput
 from rewards.model_options import compute_device, resolve_batch_size, resolve_device, resolve_dtype
+from rewards.planning import module_bytes, on_accelerator, option
 
 # decoders clamp to [0, 1]; a little slack admits bf16 rounding and interpolation overshoot
 RANGE_TOLERANCE = 1e-3
@@ -110,6 +111,21 @@ class BatchedImageReward:
     def modules(self) -> list[torch.nn.Module]:
         """The frozen networks to move to the compute device."""
         raise NotImplementedError
+
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """Bytes of :meth:`planned_modules` in the reward's ``dtype`` (:class:`flowalign.protocols.SizedReward`);
+        0 where its ``device`` option keeps them on the CPU."""
+        if not on_accelerator(option(cls, options, "device")):
+            return 0
+        dtype = resolve_dtype(option(cls, options, "dtype"), cls.name)
+        return module_bytes(m.to(dtype) for m in cls.planned_modules(options))
+
+    @classmethod
+    def planned_modules(cls, options: dict[str, Any]) -> list[torch.nn.Module]:
+        """The networks :meth:`modules` would return for a reward built with ``options``, built on the meta
+        device from their configs; raises :class:`flowalign.protocols.NotSized` where they cannot be."""
+        raise NotSized("it does not say which networks it loads (no planned_modules)")
 
     def context(self, prompts: list[str], metadata: list[dict[str, Any]], samples: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -191,6 +191,20 @@ class Compass:
                 options["path"] = path
             self.quality = load(quality_model or "aesthetic", **options)
 
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """The quality model's size where one is read (``path`` or ``quality_model``), else nothing. It scores
+        the images on the CPU (``__call__`` moves them there), so it holds the accelerator only where
+        ``quality_options`` give it a device there."""
+        if options.get("path") is None and options.get("quality_model") is None:
+            return 0
+        from rewards.registry import planned_bytes
+
+        quality = {"device": "cpu", **dict(options.get("quality_options") or {})}
+        if options.get("path") is not None:
+            quality["path"] = options["path"]
+        return planned_bytes(options.get("quality_model") or "aesthetic", quality)
+
     def quality_score(self, images: torch.Tensor) -> torch.Tensor:
         """``Q`` ``(B,)`` of images ``(B, 3, H, W)``: the quality model's total, or Laplacian energy."""
         if self.quality is None:

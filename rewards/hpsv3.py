@@ -17,13 +17,16 @@ from torch import nn
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.common import check_images, check_lengths, finite_mask, resolve_dtype
-from rewards.qwen_vl_reward import (build_qwen2_vl, load_reward_state, local_path, read_state, smart_resize,
-                                    special_token_states, to_uint8)
+from rewards.planning import existing, module_bytes, on_accelerator, on_meta, option, published
+from rewards.qwen_vl_reward import (build_qwen2_vl, load_reward_state, local_path, meta_qwen2_vl, read_state,
+                                    smart_resize, special_token_states, to_uint8)
 from rewards.registry import register
 
 DOWNLOAD = "HPSv3 (HPSv3.safetensors from the MizzenAI/HPSv3 model card)"
 BASE_DOWNLOAD = "Qwen2-VL-7B-Instruct (config, tokenizer and processor files of Qwen/Qwen2-VL-7B-Instruct)"
 CHECKPOINT = "HPSv3.safetensors"
+#: the base HPSv3 is trained on, as published (assets/reward_architectures/)
+BASE_ARCHITECTURE = "qwen2-vl-7b-instruct"
 REWARD_TOKEN = "<|Reward|>"
 
 # HPSv3's instruction and its closing line with the reward token, verbatim (their data collator)
@@ -105,6 +108,21 @@ class HPSv3:
                                                                      who=self.name, download=BASE_DOWNLOAD)
         self.head = hpsv3_head(self.model.config.text_config.hidden_size).eval().requires_grad_(False)
         load_reward_state(self.model, self.head, read_state(weights), complete=True, who=self.name)
+
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """Bytes of the Qwen2-VL in ``dtype`` and the float32 head, sized on the meta device from the config of
+        ``base`` (or of ``path``'s folder); where neither holds one, the released model's base, Qwen2-VL-7B-Instruct
+        (``assets/reward_architectures/qwen2-vl-7b-instruct``). 0 with ``device: cpu``."""
+        if not on_accelerator(option(cls, options, "device")):
+            return 0
+        dtype = resolve_dtype(option(cls, options, "dtype"), cls.name)
+        weights = existing(options.get("path"))
+        candidates = [existing(options.get("base")), weights if weights is None or weights.is_dir() else weights.parent]
+        base = next((c for c in candidates if c is not None and (c / "config.json").is_file()), None)
+        model = meta_qwen2_vl(base or published(BASE_ARCHITECTURE), [REWARD_TOKEN], dtype)
+        head = on_meta(lambda: hpsv3_head(model.config.text_config.hidden_size))
+        return module_bytes([model, head])
 
     def _inputs(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         from PIL import Image

@@ -22,9 +22,13 @@ import torch.nn.functional as F
 from flowalign.errors import UserError
 from rewards.clip_common import clip_preprocess
 from rewards.model_options import weights_path
+from rewards.planning import existing, missing, module_bytes, on_meta, published
 
 DOWNLOADS = {"dinov2": "facebook/dinov2-base (the model folder)",
              "dinov3": "facebook/dinov3-vitl16-pretrain-lvd1689m (the model folder)"}
+
+#: DINOv3 releases whose configs ship (assets/reward_architectures/), by what their folder names contain
+DINOV3_RELEASES = {"vitl16": "dinov3-vitl16"}
 
 #: timm's IMAGENET_DEFAULT_MEAN / _STD, what the DINOv3 checkpoints were trained with
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -58,6 +62,23 @@ class DINOv2:
         self.shortest_edge = processor.size.get("shortest_edge")
         self.mean, self.std = processor.image_mean, processor.image_std
         self.dtype = dtype
+
+    @staticmethod
+    def planned_module(path: Any) -> torch.nn.Module:
+        """The ``Dinov2Model`` of ``path``'s ``config.json`` on the meta device (DINOv2 comes in several sizes,
+        so a folder that does not exist is not sized)."""
+        from transformers import Dinov2Config, Dinov2Model
+
+        folder = existing(path)
+        if folder is None:
+            raise missing("path", path)
+        config = Dinov2Config.from_pretrained(folder)
+        return on_meta(lambda: Dinov2Model(config))
+
+    @classmethod
+    def planned_bytes(cls, path: Any, *, dtype: torch.dtype = torch.float32, **options: Any) -> int:
+        """Bytes of the encoder ``path`` holds, in ``dtype``, sized on the meta device."""
+        return module_bytes([cls.planned_module(path).to(dtype)])
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H, W)`` in [0, 1] → unit CLS features ``(B, D)`` (float32)."""
@@ -115,6 +136,23 @@ class DINOv3:
         # the sequence is [CLS, registers…, patches…]: the patch mean starts after them
         self.prefix = 1 + int(config.num_register_tokens)
         self.resolution, self.pool, self.dtype = resolution, pool, dtype
+
+    @classmethod
+    def planned_bytes(cls, path: Any, *, dtype: torch.dtype = torch.float32, **options: Any) -> int:
+        """Bytes of the encoder ``path`` holds, in ``dtype``: its ``config.json``'s model on the meta device; a
+        folder that does not exist yet is sized as the release its name says where one ships
+        (``assets/reward_architectures/dinov3-vitl16``: the GARDO authors' ViT-L/16), else not at all."""
+        from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+        folder = existing(path)
+        if folder is None:
+            name = Path(str(path)).name.lower() if path else ""
+            release = next((arch for key, arch in DINOV3_RELEASES.items() if key in name), None)
+            if release is None:
+                raise missing("path", path)
+            folder = published(release)
+        config = DINOv3ViTConfig.from_pretrained(folder)
+        return module_bytes([on_meta(lambda: DINOv3ViTModel(config)).to(dtype)])
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H, W)`` in [0, 1] → unit features ``(B, D)`` (float32): the patch-token mean (or CLS)."""

@@ -9,9 +9,10 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from flowalign.sampling.inputs import load_input_image
-from rewards.clip_common import load_clip
+from rewards.clip_common import load_clip, meta_clip
 from rewards.common import BatchedImageReward
 from rewards.image_encoders import DINOv2
+from rewards.planning import option
 from rewards.registry import register
 
 DOWNLOADS = {"dinov2": "facebook/dinov2-base (the model folder)",
@@ -45,6 +46,14 @@ class ImageSimilarity(BatchedImageReward):
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.encoder.model]
+
+    @classmethod
+    def planned_modules(cls, options: dict[str, Any]) -> list[torch.nn.Module]:
+        """The encoder of ``backbone`` on the meta device, from ``path``'s config (any DINOv2 or CLIP may be named,
+        so a ``path`` that does not exist is not sized)."""
+        if option(cls, options, "backbone") == "dinov2":
+            return [DINOv2.planned_module(options.get("path"))]
+        return [meta_clip(options.get("path"), arch=option(cls, options, "arch"))]
 
     @torch.no_grad()
     def context(self, prompts: list[str], metadata: list[dict[str, Any]], samples: torch.Tensor,

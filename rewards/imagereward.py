@@ -21,15 +21,19 @@ import torch
 from torch import nn
 
 from flowalign.errors import UserError
+from flowalign.protocols import NotSized
 from rewards.clip_common import clip_preprocess
 from rewards.common import BatchedImageReward
-from rewards.model_options import weights_path
+from rewards.model_options import resolve_dtype, weights_path
+from rewards.planning import existing, module_bytes, on_accelerator, on_meta, option, published
 from rewards.registry import register
 
 DOWNLOAD = "THUDM/ImageReward (ImageReward.pt and med_config.json)"
 TOKENIZER_DOWNLOAD = "google-bert/bert-base-uncased (its tokenizer files)"
 CHECKPOINT = "ImageReward.pt"
 MED_CONFIG = "med_config.json"
+#: the released model's architecture (assets/reward_architectures/): its med_config.json and its ViT's shape
+ARCHITECTURE, VISION_SHAPE = "imagereward", "vision_shape.json"
 #: the reference's normalisation of the raw MLP output (ImageReward.py, ``self.mean`` / ``self.std``)
 MEAN, STD = 0.16717362830052426, 1.0333394966054072
 #: prompts are padded / truncated to this many tokens, as the reference tokenises them
@@ -89,21 +93,33 @@ def _files(who: str, path: Any) -> tuple[Path, Path]:
     return checkpoint, config
 
 
-class ImageRewardModel(nn.Module):
-    """BLIP's ViT (``vision``), its cross-attending text encoder (``text``) and the MLP head (``head``)."""
+def vision_shape(vis: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The ViT's shape read from its tensors (:func:`vision_state`'s names): width, MLP width, depth, patch
+    and image side, as :class:`ImageRewardModel` takes it."""
+    patch = vis["embeddings.patch_embedding.weight"].shape[-1]
+    grid = round((vis["embeddings.position_embedding"].shape[1] - 1) ** 0.5)
+    return {"hidden_size": vis["embeddings.class_embedding"].shape[-1],
+            "intermediate_size": vis["encoder.layers.0.mlp.fc1.weight"].shape[0],
+            "num_hidden_layers": 1 + max(int(k.split(".")[2]) for k in vis if k.startswith("encoder.layers.")),
+            "patch_size": patch, "image_size": grid * patch}
 
-    def __init__(self, state: dict[str, torch.Tensor], med: dict[str, Any], random_init: bool):
+
+class ImageRewardModel(nn.Module):
+    """BLIP's ViT (``vision``), its cross-attending text encoder (``text``) and the MLP head (``head``); the
+    ViT's shape is read from ``state`` unless ``shape`` gives it (:func:`vision_shape`)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], med: dict[str, Any], random_init: bool,
+                 shape: dict[str, int] | None = None):
         from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
 
         super().__init__()
         vis = vision_state(state)
-        width = vis["embeddings.class_embedding"].shape[-1]
-        patch = vis["embeddings.patch_embedding.weight"].shape[-1]
-        grid = round((vis["embeddings.position_embedding"].shape[1] - 1) ** 0.5)
-        layers = 1 + max(int(k.split(".")[2]) for k in vis if k.startswith("encoder.layers."))
+        shape = shape or vision_shape(vis)
+        width, patch = shape["hidden_size"], shape["patch_size"]
         self.vision = BlipVisionModel(BlipVisionConfig(
-            hidden_size=width, intermediate_size=vis["encoder.layers.0.mlp.fc1.weight"].shape[0],
-            num_hidden_layers=layers, num_attention_heads=width // 64, image_size=grid * patch, patch_size=patch,
+            hidden_size=width, intermediate_size=shape["intermediate_size"],
+            num_hidden_layers=shape["num_hidden_layers"], num_attention_heads=width // 64,
+            image_size=shape["image_size"], patch_size=patch,
             layer_norm_eps=1e-6, hidden_act="gelu"))  # timm ViT's LayerNorm eps and exact GELU
         # is_decoder builds the cross-attention layers (transformers ties them to it); the encoder still runs
         # bidirectionally because forward is called with is_decoder=False
@@ -116,7 +132,7 @@ class ImageRewardModel(nn.Module):
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_decoder=True,
             bos_token_id=None, eos_token_id=None, sep_token_id=None), add_pooling_layer=False)
         self.head = imagereward_head(med["hidden_size"])
-        self.image_size = grid * patch
+        self.image_size = shape["image_size"]
         if random_init:
             return
         text = {k: v for k, v in _section(state, "blip.text_encoder.").items() if not k.endswith("position_ids")}
@@ -183,6 +199,37 @@ class ImageReward(BatchedImageReward):
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.model]
+
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """Bytes of the model built with ``options``, sized on the meta device: in ``dtype``, the head in
+        float32 as ``__init__`` casts them; 0 on the CPU."""
+        if not on_accelerator(option(cls, options, "device")):
+            return 0
+        model = cls.planned_modules(options)[0].to(resolve_dtype(option(cls, options, "dtype"), cls.name))
+        model.head.float()
+        return module_bytes([model])
+
+    @classmethod
+    def planned_modules(cls, options: dict[str, Any]) -> list[torch.nn.Module]:
+        """The model on the meta device: the ViT's shape read from ``ImageReward.pt``'s tensor shapes (no data
+        read) and the text encoder's from ``med_config.json``; where ``path`` does not exist, the released
+        model's (``assets/reward_architectures/imagereward``: BLIP's ViT-L/16 and bert-base with cross-attention)."""
+        given = existing(options.get("path"))
+        if given is None:
+            folder = published(ARCHITECTURE)
+            med = json.loads((folder / MED_CONFIG).read_text())
+            shape = json.loads((folder / VISION_SHAPE).read_text())
+            return [on_meta(lambda: ImageRewardModel({}, med, random_init=True, shape=shape))]
+        checkpoint = given / CHECKPOINT if given.is_dir() else given
+        if not checkpoint.is_file() or not (checkpoint.parent / MED_CONFIG).is_file():
+            raise NotSized(f"path={options.get('path')} has no {CHECKPOINT} with {MED_CONFIG} beside it")
+        med = json.loads((checkpoint.parent / MED_CONFIG).read_text())
+        try:  # tensors on the meta device: their shapes, none of their bytes
+            state = torch.load(checkpoint, map_location="meta", weights_only=True, mmap=True)
+        except RuntimeError:  # a checkpoint of torch's legacy format cannot be mapped
+            state = torch.load(checkpoint, map_location="meta", weights_only=True)
+        return [on_meta(lambda: ImageRewardModel(state, med, random_init=True))]
 
     def context(self, prompts: list[str], metadata: list[dict[str, Any]], samples: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from flowalign.errors import UserError
 from rewards.common import RANGE_TOLERANCE, BatchedImageReward
+from rewards.planning import on_meta, option
 from rewards.registry import register
 
 NETS = ("alex", "vgg", "squeeze")
@@ -104,6 +105,16 @@ class LPIPSReward(BatchedImageReward):
         if backbone_path is not None and not random_init:
             self._load_backbone(model, backbone_path)
         self.model = model.to(self.dtype).eval().requires_grad_(False)
+
+    @classmethod
+    def planned_modules(cls, options: dict[str, Any]) -> list[torch.nn.Module]:
+        """LPIPS of ``net`` on the meta device: the backbone of torchvision's architecture, nothing fetched."""
+        import lpips
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return [on_meta(lambda: lpips.LPIPS(net=option(cls, options, "net"), pretrained=True, pnet_rand=True,
+                                                spatial=True, verbose=False))]
 
     @staticmethod
     def _load_backbone(model: torch.nn.Module, path: str) -> None:

@@ -7,10 +7,12 @@ from typing import Any
 import torch
 
 from flowalign.errors import UserError
+from flowalign.protocols import NotSized
 from rewards.clip_common import HFCLIP, unique_rows
 from rewards.clip_score import CLIPScore
 from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated, weights_path
+from rewards.planning import existing, on_meta, published
 from rewards.registry import register
 
 
@@ -29,6 +31,8 @@ class HPSScore(CLIPScore):
     default_arch = "ViT-H-14"
 
 
+#: the published architecture PickScore_v1 is (assets/reward_architectures/): CLIP ViT-H/14
+PICKSCORE_ARCHITECTURE = "clip-vit-h-14"
 #: PickScore's score forms: name → divisor of ``exp(logit_scale)·cos`` (``None``: the bare cosine)
 PICKSCORE_FORMS: dict[str, float | None] = {"flow_grpo": 26.0, "logit": 1.0, "cosine": None}
 
@@ -83,6 +87,18 @@ class PickScore(EmbeddingReward):
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.model]
+
+    @classmethod
+    def planned_modules(cls, options: dict[str, Any]) -> list[torch.nn.Module]:
+        """The ``CLIPModel`` of ``path``'s ``config.json`` on the meta device; where ``path`` does not exist,
+        PickScore_v1's own (CLIP ViT-H/14, from ``assets/reward_architectures/clip-vit-h-14``)."""
+        from transformers import CLIPConfig, CLIPModel
+
+        folder = existing(options.get("path") or options.get("model")) or published(PICKSCORE_ARCHITECTURE)
+        if not (folder / "config.json").is_file():
+            raise NotSized(f"path={folder} has no config.json")
+        config = CLIPConfig.from_pretrained(folder)
+        return [on_meta(lambda: CLIPModel(config))]
 
     def context(self, prompts: list[str], metadata: list[dict[str, Any]], samples: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -139,6 +139,20 @@ def check(spec: str, **options: Any) -> None:
     _check_options(spec, _resolve(spec)[1], options)
 
 
+def planned_bytes(spec: str, options: dict[str, Any]) -> int:
+    """Bytes the reward ``spec`` built with ``options`` holds on the device of one process, as it states them
+    without loading anything (its ``planned_bytes``: :class:`flowalign.protocols.SizedReward`). Raises
+    :class:`flowalign.protocols.NotSized` where it cannot say: a reward without ``planned_bytes`` (a plug-in
+    function or class that does not state its size), or one whose own sizing names what is missing."""
+    from flowalign.protocols import NotSized
+
+    _, obj = _resolve(spec)
+    sized = getattr(obj, "planned_bytes", None)
+    if not callable(sized):
+        raise NotSized("it does not state its size: give its class a planned_bytes(options) classmethod")
+    return int(sized(dict(options)))
+
+
 def _check_options(spec: str, obj: Callable[..., Any], options: dict[str, Any]) -> None:
     """Refuse options the reward does not take, naming the ones it does (before it is built)."""
     import inspect

@@ -31,6 +31,7 @@ from flowalign.protocols import RewardOutput
 from flowalign.strict_json import finite_or_null
 from rewards.http_client import ReplyError, loads, one_line, request
 from rewards.http_safety import API_KEY_ENV
+from rewards.planning import holds_nothing
 from rewards.registry import register
 from rewards.reward_wire import ENCODINGS, bytes_per_sample, encode_samples
 
@@ -63,6 +64,8 @@ class RemoteReward:
     """The reward served at ``url`` (``flowalign serve-reward``); see the module docstring."""
 
     differentiable = False
+    #: the model runs behind the server: nothing on this process's device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 60.0, encoding: str = "float32",
                  max_request_mb: float = 16.0, max_reply_mb: float = 16.0):

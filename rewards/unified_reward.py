@@ -27,6 +27,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.common import check_images, check_lengths, finite_mask
+from rewards.planning import existing, missing, on_accelerator, option, published
 from rewards.qwen_vl_reward import local_path
 from rewards.registry import register
 from rewards.vlm_backend import ChatRequest
@@ -35,6 +36,8 @@ from rewards.vlm_parse import answer_region
 log = logging.getLogger("flowalign.rewards.unified_reward")
 
 MODES = ("score", "think_pairwise")
+#: what UnifiedReward-qwen-7b and UnifiedReward-Think-qwen-7b are, as published (assets/reward_architectures/)
+ARCHITECTURE_7B = "qwen2.5-vl-7b-instruct"
 DOWNLOAD = "a UnifiedReward model (e.g. CodeGoat24/UnifiedReward-qwen-7b, or CodeGoat24/UnifiedReward-Think-qwen-7b for think_pairwise)"
 
 # Flow-GRPO's pointwise question, verbatim (flow_grpo/rewards.py, unifiedreward_score_sglang)
@@ -155,6 +158,24 @@ class UnifiedReward:
                                 f" download {DOWNLOAD}")
             self.backend = LocalVLM(folder, device=self.device or "cpu", dtype=dtype, batch_size=batch_size)
             self.local = True
+
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """Bytes of the local model in ``dtype``, from its folder's config on the meta device; 0 behind ``url``
+        (the server holds it) or with ``device: cpu``. A ``path`` that does not exist is sized as
+        UnifiedReward-qwen-7b (Qwen2.5-VL-7B-Instruct, ``assets/reward_architectures/``) where its name says 7b,
+        the size of the released 7B models; other sizes are not guessed."""
+        from rewards.vlm_backend import LocalVLM
+
+        if options.get("url") is not None or not on_accelerator(option(cls, options, "device")):
+            return 0
+        path = options.get("path")
+        folder = existing(path)
+        if folder is None:
+            if path is None or not re.search(r"(?<![0-9])7b", Path(str(path)).name, re.I):
+                raise missing("path", path)
+            folder = published(ARCHITECTURE_7B)
+        return LocalVLM.planned_bytes(folder, option(cls, options, "dtype"))
 
     def _pil(self, image: torch.Tensor) -> Any:
         from rewards.common import to_pil

@@ -14,7 +14,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import Reward, RewardOutput
 from rewards.common import check_lengths
-from rewards.registry import load, register
+from rewards.registry import load, planned_bytes, register
 
 # image rewards of this package that get a registered ``<name>_video`` twin
 VIDEO_TWINS = ("clip_score", "aesthetic", "pickscore", "hps", "lpips", "jpeg_compressibility",
@@ -66,6 +66,11 @@ def _register_twin(image_name: str) -> None:
     class Twin(VideoReward):
         def __init__(self, temporal_weight: float = 0.0, **options: Any):
             super().__init__(load(image_name, **options), temporal_weight)
+
+        @classmethod
+        def planned_bytes(cls, options: dict[str, Any]) -> int:
+            """The image reward's size (the temporal term holds nothing)."""
+            return planned_bytes(image_name, {k: v for k, v in options.items() if k != "temporal_weight"})
 
     Twin.__name__ = Twin.__qualname__ = f"VideoReward[{image_name}]"
     Twin.__doc__ = f"The {image_name!r} reward per frame of a video (see :class:`VideoReward`)."

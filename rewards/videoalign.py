@@ -21,12 +21,15 @@ from torch import nn
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.common import check_lengths, check_unit_range, resolve_dtype
-from rewards.qwen_vl_reward import (build_qwen2_vl, load_reward_state, local_path, read_state, smart_resize,
-                                    special_token_states, to_uint8)
+from rewards.planning import existing, module_bytes, on_accelerator, on_meta, option, published
+from rewards.qwen_vl_reward import (build_qwen2_vl, load_reward_state, local_path, meta_qwen2_vl, read_state,
+                                    smart_resize, special_token_states, to_uint8)
 from rewards.registry import register
 
 DOWNLOAD = "VideoReward (the KwaiVGI/VideoReward model card: model_config.json and checkpoint-*/)"
 BASE_DOWNLOAD = "Qwen2-VL-2B-Instruct (Qwen/Qwen2-VL-2B-Instruct)"
+#: the base VideoReward is trained on, as published (assets/reward_architectures/)
+BASE_ARCHITECTURE = "qwen2-vl-2b-instruct"
 TOKENS = ["<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>"]
 DIMENSIONS = ("VQ", "MQ", "TA")
 COMPONENTS = ("overall", "vq", "mq", "ta")
@@ -157,6 +160,26 @@ class VideoAlign:
             raise UserError(f"videoalign reward: {str(ckpt)!r} holds neither model.pth nor adapter_model.safetensors")
         scale = float(peft.get("lora_alpha", 1)) / float(peft.get("lora_r", 1)) if peft.get("lora_enable") else 1.0
         load_reward_state(self.model, self.head, state, lora_scale=scale, complete=False, who=self.name)
+
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """Bytes of the Qwen2-VL in ``dtype`` and the float32 head, sized on the meta device from the base's
+        config (``base``, else the one ``path``'s ``model_config.json`` names); where there is none, the base
+        VideoReward is trained on, Qwen2-VL-2B-Instruct (``assets/reward_architectures/qwen2-vl-2b-instruct``).
+        0 with ``device: cpu``."""
+        if not on_accelerator(option(cls, options, "device")):
+            return 0
+        dtype = resolve_dtype(option(cls, options, "dtype"), cls.name)
+        folder = existing(options.get("path"))
+        config_file = folder / "model_config.json" if folder is not None else None
+        model_config = json.loads(config_file.read_text()).get("model_config", {}) \
+            if config_file is not None and config_file.is_file() else {}
+        named = folder / str(model_config.get("model_name_or_path", "")) if folder is not None else None
+        candidates = [existing(options.get("base")), existing(named) if model_config else None]
+        base = next((c for c in candidates if c is not None and (c / "config.json").is_file()), None)
+        model = meta_qwen2_vl(base or published(BASE_ARCHITECTURE), TOKENS, dtype)
+        hidden, output_dim = model.config.text_config.hidden_size, int(model_config.get("output_dim", 1))
+        return module_bytes([model, on_meta(lambda: nn.Linear(hidden, output_dim, bias=False))])
 
     @property
     def videos_kwargs(self) -> dict[str, bool]:

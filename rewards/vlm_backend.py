@@ -18,6 +18,7 @@ import torch
 
 from flowalign.errors import UserError
 from rewards.common import resolve_dtype
+from rewards.planning import module_bytes, on_meta
 
 
 @dataclass
@@ -113,6 +114,16 @@ class LocalVLM:
         self._pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self._eos))
         self._texts: dict[int, str] = {}
         self.lock = threading.Lock()
+
+    @staticmethod
+    def planned_bytes(model: str | Path, dtype: str | torch.dtype) -> int:
+        """Bytes of the model this backend loads from the folder ``model``, in ``dtype``: its ``config.json``'s
+        image-text-to-text model built on the meta device (no weights read)."""
+        from transformers import AutoConfig, AutoModelForImageTextToText
+
+        torch_dtype = resolve_dtype(dtype, "VLM judge")
+        net = on_meta(lambda: AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model), dtype=torch_dtype))
+        return module_bytes([net])
 
     def token_text(self, token_id: int) -> str:
         if token_id not in self._texts:

@@ -46,6 +46,7 @@ from flowalign.protocols import RewardOutput
 from flowalign.sampling.inputs import load_input_image
 from rewards import vlm_trm_prompts
 from rewards.common import check_lengths, check_unit_range, to_pil
+from rewards.planning import existing, holds_nothing, missing, on_accelerator, option
 from rewards.registry import register
 from rewards.vlm_backend import ChatRequest, Completion
 from rewards.vlm_parse import (Criterion, choice_from_text, choice_probs, parse_checklist, parse_rubric, parse_score,
@@ -413,6 +414,20 @@ class LocalVLMJudge(VLMJudge):
         backend = LocalVLM(model, device=device, dtype=dtype, batch_size=batch_size)
         super().__init__(backend, **options)
 
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """Bytes of the judge's model in ``dtype`` where ``device`` puts it on the accelerator (the default,
+        ``cpu``, keeps it off), from its folder's config on the meta device; any VLM may be named, so a folder
+        that does not exist is not sized."""
+        from rewards.vlm_backend import LocalVLM
+
+        if not on_accelerator(option(cls, options, "device")):
+            return 0
+        folder = existing(options.get("model"))
+        if folder is None:
+            raise missing("model", options.get("model"))
+        return LocalVLM.planned_bytes(folder, option(cls, options, "dtype"))
+
 
 @register("vlm_judge_http")
 class HTTPVLMJudge(VLMJudge):
@@ -432,3 +447,6 @@ class HTTPVLMJudge(VLMJudge):
         client = OpenAIChatClient(url, model, api_key=api_key, timeout=timeout, retries=retries, backoff=backoff,
                                   concurrency=concurrency)
         super().__init__(client, **options)
+
+    #: the model runs behind the server: nothing on this process's device
+    planned_bytes = staticmethod(holds_nothing)

@@ -102,6 +102,7 @@ from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.signals import Abandoned, Terminated, abandonable, clear_stop
 from flowalign.trainers import checkpointing, loop, unit_logs
 from flowalign.trainers.copies import WeightCopy, keeps_reference
+from flowalign.trainers.frozen_encoders import FrozenEncoder
 from flowalign.trainers.options import (GroupTrainerConfig, RolloutOptions, SampleOptions, StreamOptions,
                                         TrainerConfig)
 from flowalign.trainers.parts.reward_gradient import pixel_reward_gradient
@@ -267,6 +268,13 @@ class GroupTrainer:
         as ``cfg`` sets it up; the loop and ``flowalign plan`` both read this list. A ``reference`` copy
         (reference passes through ``policy.adapter_disabled()`` under full fine-tuning) is kept by the loop
         (:mod:`flowalign.trainers.reference`); the others the trainer allocates itself. Default: none."""
+        return []
+
+    @classmethod
+    def frozen_encoders(cls, tcfg: Any) -> list[FrozenEncoder]:
+        """The frozen image encoders this trainer loads onto the policy's device besides the rewards
+        (:mod:`flowalign.trainers.frozen_encoders`), as ``tcfg`` sets it up; the trainer loads and ``flowalign
+        plan`` sizes what this list names. Default: none."""
         return []
 
     @classmethod

@@ -39,6 +39,7 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.copies import WeightCopy
+from flowalign.trainers.frozen_encoders import FrozenEncoder
 from flowalign.trainers.flow_grpo import (
     FlowGRPOBase,
     FlowGRPOTrainer,
@@ -217,18 +218,25 @@ class GARDOTrainer(FlowGRPOTrainer):
         self.last_refresh = 0
         self.gate_fraction, self.gate_history = self.tcfg.gate_fraction, []
         #: the frozen image encoder of diversity_features=image_encoder (None: the latents are the features)
-        encoded = self.tcfg.diversity and self.tcfg.diversity_features == "image_encoder"
-        self.encoder = self.load_encoder() if encoded else None
+        declared = self.frozen_encoders(self.tcfg)
+        self.encoder = self.load_encoder(declared[0]) if declared else None
 
-    def load_encoder(self) -> Any:
-        """``trainer.diversity_encoder`` from its ``encoders`` plugin, frozen on the policy's device."""
+    def load_encoder(self, e: FrozenEncoder) -> Any:
+        """The declared encoder ``e`` from its ``encoders`` plugin, frozen on the policy's device."""
         from flowalign.plugins import load_encoder
 
-        e = self.tcfg.diversity_encoder
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[e.dtype]
-        encoder = load_encoder(e.name, e.path, setting="trainer.diversity_encoder", dtype=dtype, **e.options)
+        encoder = load_encoder(e.name, e.path, setting=e.setting, dtype=e.torch_dtype, **e.options)
         encoder.model.to(self.policy.device)
         return encoder
+
+    @classmethod
+    def frozen_encoders(cls, tcfg: GARDOConfig) -> list[FrozenEncoder]:
+        """``trainer.diversity_encoder`` where the diversity factor reads an encoder's features
+        (``diversity_features: image_encoder``), held on the policy's device all run; none with the latents."""
+        if not (tcfg.diversity and tcfg.diversity_features == "image_encoder"):
+            return []
+        e = tcfg.diversity_encoder
+        return [FrozenEncoder("trainer.diversity_encoder", e.name, e.path, e.dtype, dict(e.options))]
 
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
@@ -239,7 +247,8 @@ class GARDOTrainer(FlowGRPOTrainer):
     @classmethod
     def step_holdings(cls, tcfg: GARDOConfig) -> Any:
         """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). The loop's rollouts, with their final latents concatenated once for the diversity features
-        (``diversity_features: latents``; an encoder's features are ``(N, D)``, its frozen weights not counted). The
+        (``diversity_features: latents``; an encoder's features are ``(N, D)``, small; its frozen weights are
+        declared by :meth:`frozen_encoders` and counted with the frozen reward models). The
         reference snapshot is a copy of the trained tensors held all along (the weight copies count it with the
         EMA's, in every phase). With a KL (``beta > 0``) the reference's step means are computed with the
         snapshot swapped into the live parameters (the live values kept meanwhile) while the rewards are scored

@@ -13,6 +13,7 @@ from flowalign.protocols import RewardOutput
 from rewards.common import check_images, check_lengths, finite_mask, resolve_dtype
 from rewards.geneval import rules
 from rewards.geneval.vocabulary import COLOURS, POSITIONS, TAGS
+from rewards.planning import existing, missing, on_accelerator, option, published, transformers_bytes
 from rewards.registry import register
 
 DETECTORS = {
@@ -24,6 +25,8 @@ DETECTORS = {
     "owlv2": ("google/owlv2-base-patch16-ensemble", (0.1, 0.3, 0.5)),
 }
 CLIP_WEIGHTS = "openai/clip-vit-large-patch14"
+#: the architectures of those downloads that ship (assets/reward_architectures/), what a folder not there yet is sized as
+PUBLISHED = {"mask2former": "mask2former-swin-small-coco-instance", "clip": "clip-vit-large-patch14"}
 SCORES = ("partial", "strict")
 
 
@@ -67,6 +70,27 @@ class GenEvalReward:
         self.colours = ClipColours(clip_dir, torch_dtype, random_init)
         #: classes the detector can name (None: open vocabulary)
         self.classes = set(self.detector.labels) if detector == "mask2former" else None
+
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """Bytes of the detector and the colour CLIP in ``dtype``, from their folders' configs on the meta device;
+        0 with ``device: cpu``. A folder that does not exist is sized as the model GenEval scores with, where its
+        config ships (``assets/reward_architectures/``: Mask2Former Swin-S COCO, CLIP ViT-L/14)."""
+        from transformers import CLIPModel, Mask2FormerForUniversalSegmentation, Owlv2ForObjectDetection
+
+        if not on_accelerator(option(cls, options, "device")):
+            return 0
+        dtype = resolve_dtype(option(cls, options, "dtype"), cls.name)
+        detector = option(cls, options, "detector")
+        detector_class = Mask2FormerForUniversalSegmentation if detector == "mask2former" else Owlv2ForObjectDetection
+        total = 0
+        for name, model_class, release in (("path", detector_class, PUBLISHED.get(detector)),
+                                           ("clip_path", CLIPModel, PUBLISHED["clip"])):
+            folder = existing(options.get(name))
+            if folder is None and release is None:
+                raise missing(name, options.get(name))
+            total += transformers_bytes(folder or published(release), model_class, dtype)
+        return total
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         """``samples`` ``(B, 3, H, W)`` in [0, 1] → ``{"geneval": (B,)}``; a non-finite sample is invalid."""

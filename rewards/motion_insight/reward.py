@@ -24,6 +24,7 @@ from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.motion_insight.diagnose import DIMENSIONS, Dimension, diagnose
 from rewards.motion_insight.space import build
+from rewards.planning import holds_nothing
 from rewards.registry import register
 from rewards.vvr_motion.video import batch_clips
 
@@ -80,6 +81,8 @@ class MotionInsightReward:
 
     name = "motion_insight"
     differentiable = False
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
 
     def __init__(self, weights: list[float] | None = None, combine: str = "mean", use_task: bool = True):
         if combine not in COMBINES:
@@ -110,6 +113,8 @@ class DimensionReward:
 
     dimension = ""
     differentiable = False
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
 
     def __init__(self, use_task: bool = True):
         self.name = f"motion_insight.{self.dimension}"

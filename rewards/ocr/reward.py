@@ -8,10 +8,11 @@ import torch
 from PIL import Image
 
 from flowalign.errors import UserError
-from flowalign.protocols import RewardOutput
+from flowalign.protocols import NotSized, RewardOutput
 from rewards.common import check_images, check_lengths, finite_mask, resolve_dtype, to_pil
 from rewards.ocr.engines import make_engine
 from rewards.ocr.score import ocr_score, target_text
+from rewards.planning import existing, missing, on_accelerator, option, transformers_bytes
 from rewards.registry import register
 
 
@@ -41,6 +42,26 @@ class OCRReward:
         self.batch_size = batch_size
         self.device = torch.device(device) if device is not None else None
         self.engine = make_engine(engine, path, self.device, resolve_dtype(dtype, self.name))
+
+    @classmethod
+    def planned_bytes(cls, options: dict[str, Any]) -> int:
+        """What the engine holds on the accelerator: nothing for ``rapidocr`` and ``tesseract`` (CPU programs) or
+        for ``paddleocr`` without a CUDA ``device`` (it runs on the CPU then); ``got_ocr2``'s model in ``dtype``,
+        from its folder's config on the meta device. PaddleOCR on the GPU is Paddle's own allocator, not sized."""
+        from transformers import GotOcr2ForConditionalGeneration
+
+        engine, device = option(cls, options, "engine"), option(cls, options, "device")
+        if engine in ("rapidocr", "tesseract") or not on_accelerator(device):
+            return 0
+        if engine == "paddleocr":
+            if device is None:
+                return 0
+            raise NotSized("engine paddleocr on a GPU holds Paddle's models, which are not sized")
+        folder = existing(options.get("path"))
+        if folder is None:
+            raise missing("path", options.get("path"))
+        dtype = resolve_dtype(option(cls, options, "dtype"), cls.name)
+        return transformers_bytes(folder, GotOcr2ForConditionalGeneration, dtype)
 
     def _read(self, images: list[Image.Image], device: torch.device) -> list[str | Exception]:
         """The engine's text for each image, or the exception it raised on that image alone."""

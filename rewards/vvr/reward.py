@@ -8,6 +8,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
+from rewards.planning import holds_nothing
 from rewards.registry import register
 from rewards.vvr.tasks import as_task
 from rewards.vvr.verify import GAMMA, matches, score, verify
@@ -24,6 +25,8 @@ class VVRReward:
 
     name = "vvr"
     differentiable = False
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
     #: per-prompt metadata this reward scores against (checked before any sampling)
     requires_metadata = ("task",)
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
+from rewards.planning import holds_nothing
 from rewards.registry import register
 from rewards.vvr.soft_scene import COUNT_TYPES, WORK, SoftScene, colour_memberships, srgb_to_lab  # noqa: F401
 from rewards.vvr.tasks import as_task
@@ -60,6 +61,8 @@ class VVRSoftReward:
 
     name = "vvr_soft"
     differentiable = True
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
 
     def __init__(self, gamma: float = GAMMA, temperature: float = 12.0, sharpness: float = 0.03,
                  count_gradients: bool = True, shapes: bool = False):

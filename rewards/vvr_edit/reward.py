@@ -10,6 +10,7 @@ from PIL import Image
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
+from rewards.planning import holds_nothing
 from rewards.registry import register
 from rewards.vvr import render
 from rewards.vvr.verify import GAMMA, score
@@ -50,6 +51,8 @@ class VVREditReward:
 
     name = "vvr_edit"
     differentiable = False
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
     #: which checks score: all (None), only the instruction's ("instruction") or only the preservation ones
     part: str | None = None
 

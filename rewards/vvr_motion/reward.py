@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from flowalign.protocols import RewardOutput
+from rewards.planning import holds_nothing
 from rewards.registry import register
 from rewards.vvr.reward import checked_gamma, tasks_to_score, verdict_score
 from rewards.vvr.verify import GAMMA
@@ -33,6 +34,8 @@ class VVRMotionReward:
     #: per-prompt metadata this reward scores against (checked before any sampling)
     requires_metadata = ("task",)
     differentiable = False
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
 
     def __init__(self, gamma: float = GAMMA, partial_credit: bool = False):
         self.gamma = checked_gamma(gamma, self.name)
@@ -72,6 +75,8 @@ class TemporalConsistencyReward:
 
     name = "temporal_consistency"
     differentiable = False
+    #: a program, no model: nothing on the device (flowalign plan)
+    planned_bytes = staticmethod(holds_nothing)
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
         """``samples``: ``(B, F, 3, H, W)`` float in [0, 1] → components ``{"temporal_consistency": (B,)}``."""
