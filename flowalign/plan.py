@@ -9,6 +9,14 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
 - the copies of weights the trainer declares (``weight_copies``: a frozen reference for a full fine-tune
   with a reference term unless offloaded, behaviour weights, snapshots, teachers, critics), and the EMA,
 - the frozen text encoders and VAE (whole on every rank),
+- the frozen reward models (whole on every rank, never sharded; :mod:`flowalign.plan_rewards`): each reward of
+  ``rewards`` and ``eval.rewards`` and the evaluation benchmark's own, built by every rank and moved to its
+  GPU unless its ``device`` option says otherwise, and a trainer's frozen encoders (GARDO's diversity
+  encoder: ``frozen_encoders``). Each states its size itself from its folder's configs on the meta device,
+  in the dtype it runs in (``planned_bytes``: :class:`flowalign.protocols.SizedReward`), a folder not there
+  yet on the released model's config (``assets/reward_architectures/``); a remote judge or a reward on the
+  CPU holds nothing there. One that cannot say (a plug-in without ``planned_bytes``, a folder that does not
+  exist and no architecture to stand in) is printed as ``not counted: NAME (why)``, not counted as 0.
 - activations of one training forward and backward, as the trainer runs it: a forward of the transformer on
   meta tensors for one chunk of ``trainer.batch_size`` samples at the config's resolution, counting what
   autograd saves for backward (attention as memory-efficient kernels keep it: no S×S matrix), plus the

@@ -5,7 +5,8 @@
 >>> reward = load("sharpness")
 
 A registered class is instantiated with the keyword options given to :func:`load`; a registered
-function is wrapped so that it returns a :class:`flowalign.protocols.RewardOutput`.
+function is wrapped so that it returns a :class:`flowalign.protocols.RewardOutput`. :func:`planned_bytes`
+asks a reward what it would hold on the device without building it (``flowalign plan``).
 """
 
 from __future__ import annotations

@@ -483,12 +483,14 @@ def plan_cases(family: str, smoke: bool) -> list[tuple[str, list[str]]]:
 
 
 def planned_total(cfg: Any, folder: Path) -> dict[str, float]:
-    """``flowalign plan``'s memory rows for one GPU (ddp), GB, and their total."""
+    """``flowalign plan``'s memory rows for one GPU (ddp), GB, and their total (the frozen reward models
+    included: the measured peak holds them too)."""
     from flowalign import plan
 
     model = plan.inspect_model(cfg, folder)
     rows = plan.memory_rows(model, plan.settings(cfg, "ddp", 1, model))
-    return {"total_gb": sum(rows.values()) / 1e9, "activations_gb": rows.get("activations", 0.0) / 1e9}
+    return {"total_gb": sum(rows.values()) / 1e9, "activations_gb": rows.get("activations", 0.0) / 1e9,
+            "reward_models_gb": rows.get("frozen reward models", 0.0) / 1e9}
 
 
 def check_plan(family: str, folder: Path, work: Path, smoke: bool) -> list[dict[str, Any]]:
@@ -505,6 +507,7 @@ def check_plan(family: str, folder: Path, work: Path, smoke: bool) -> list[dict[
             predicted = planned_total(cfg, folder)
             row["predicted_gib"] = predicted["total_gb"] * 1e9 / GIB
             row["predicted_activations_gib"] = predicted["activations_gb"] * 1e9 / GIB
+            row["predicted_reward_models_gib"] = predicted["reward_models_gb"] * 1e9 / GIB
             got = fullsize.run_recipe(family, folder, run_dir, is_smoke=smoke, extra=extra)
             row["measured_gib"] = got.get("step_peak_gib_allocated")
             row["measured_reserved_gib"] = got.get("step_peak_gib_reserved")
@@ -565,7 +568,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| levers | {r['lever']} | {r.get('status')} | {_f(r.get('iteration_s'))} | - | {detail} |")
     for r in results.get("plan", []):
         detail = r.get("error") or (f"planned {_f(r.get('predicted_gib'), '{:.1f}')} GiB (activations "
-                                    f"{_f(r.get('predicted_activations_gib'), '{:.3g}')}), planned/measured "
+                                    f"{_f(r.get('predicted_activations_gib'), '{:.3g}')}, reward models "
+                                    f"{_f(r.get('predicted_reward_models_gib'), '{:.3g}')}), planned/measured "
                                     f"{_f(r.get('predicted_over_measured'))}")
         lines.append(f"| plan | {r['case']} | {r['status']} | {_f(r.get('seconds'), '{:.1f}')} | "
                      f"{_f(r.get('measured_gib'))} | {detail} |")

@@ -46,6 +46,7 @@ def test_smoke_compares_the_plan_with_and_without_checkpointing(smoke):
     # checkpointing keeps only the blocks' inputs: the override reached the planner
     assert 0 < plan[True]["predicted_activations_gib"] < plan[False]["predicted_activations_gib"]
     assert all(r["measured_gib"] is None for r in plan.values())  # no CUDA allocator to read on a CPU
+    assert all(r["predicted_reward_models_gib"] == 0 for r in plan.values())  # vvr and JPEG size: programs
     assert "side_by_side" not in results  # no --reference-src
     table = check.table(results)
     assert table.count("| recipe |") == 3 and table.count("| plan |") == 2  # dgpo_vvr twice: as pinned, defaults
