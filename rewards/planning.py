@@ -79,17 +79,11 @@ def missing(option: str, value: Any) -> NotSized:
     return NotSized(f"{option}={value} does not exist, and no published architecture stands in for it")
 
 
-def transformers_bytes(folder: Path, model_class: Any, dtype: torch.dtype, *, config_class: Any = None) -> int:
-    """Bytes of ``model_class`` (a transformers class, or an ``Auto*`` class) built from ``folder``'s
-    ``config.json`` on the meta device, cast to ``dtype`` as the rewards cast what they load."""
-    from transformers import AutoConfig
-
-    config = (config_class or AutoConfig).from_pretrained(folder)
-    if hasattr(model_class, "from_config"):  # the Auto* classes
-        model = on_meta(lambda: model_class.from_config(config))
-    else:
-        model = on_meta(lambda: model_class(config))
-    return module_bytes([model.to(dtype)])
+def transformers_bytes(folder: Path, model_class: Any, dtype: torch.dtype) -> int:
+    """Bytes of the transformers ``model_class`` built from ``folder``'s ``config.json`` on the meta device, cast to
+    ``dtype`` as the rewards cast what they load."""
+    config = model_class.config_class.from_pretrained(folder)
+    return module_bytes([on_meta(lambda: model_class(config)).to(dtype)])
 
 
 def holds_nothing(options: dict[str, Any]) -> int:
