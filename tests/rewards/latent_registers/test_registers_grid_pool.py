@@ -8,7 +8,6 @@ and gradients check the architecture, and the name check checks that their state
 """
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -24,21 +23,9 @@ from flowalign.sampling import load_latent_reward
 from rewards.latent_registers import LatentRegisters
 from rewards.latent_registers.sd3_grid import PAPER, GridRegisters, from_authors_state, paper_options
 
+from .seeded_weights import seeded_fill
+
 KNOWN = Path(__file__).parents[2] / "flowalign" / "trainers" / "known_answers" / "lrr_grid_pool.json"
-
-
-def seeded_fill(named, seed: int) -> None:
-    """Every parameter from one generator, in sorted-name order (the draw the known answers used)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(named, key=lambda kv: kv[0]):
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim >= 2:
-                p.copy_(noise / math.sqrt(p.numel() // p.shape[0]))
-            elif name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
 
 
 @pytest.fixture(scope="module")

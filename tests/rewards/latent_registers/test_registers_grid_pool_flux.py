@@ -12,7 +12,6 @@ architecture, and the name check checks that their state dicts load.
 """
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -28,23 +27,11 @@ from pipelines._common import latent_image_ids, pack_2x2
 from rewards.latent_registers.flux_grid import PAPER, FluxGridRegisters, paper_options
 from rewards.latent_registers.grid import GridReward, grid_registers
 
+from .seeded_weights import seeded_fill
+
 KNOWN = Path(__file__).parents[2] / "flowalign" / "trainers" / "known_answers" / "lrr_grid_pool_flux.json"
 #: the unpacked latent of the known answers: 4 channels, 16 × 16 (an 8 × 8 packed token grid)
 LATENT_HW = [16, 16]
-
-
-def seeded_fill(named, seed: int) -> None:
-    """Every parameter from one generator, in sorted-name order (the draw the known answers used)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(named, key=lambda kv: kv[0]):
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim >= 2:
-                p.copy_(noise / math.sqrt(p.numel() // p.shape[0]))
-            elif name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
 
 
 @pytest.fixture(scope="module")
