@@ -286,13 +286,15 @@ class KVPOTrainer(GroupTrainer):
         firsts = list(range(0, len(prompts), g))
         noise = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(
             derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 91))) for i in firsts])
-        anchor = stream_rollout(policy, [prompts[i] for i in firsts], num_steps=tc.num_steps, guidance_scale=guidance,
-                                initial_noise=noise, decode=False)
+        # one anchor stream a prompt, as each branch is one: a group's numbers are then the same whichever rank
+        # layout (how many prompts a rank batches) ran it, which the anchor advantages' normalisation would amplify
+        anchors = [stream_rollout(policy, [prompts[i]], num_steps=tc.num_steps, guidance_scale=guidance,
+                                  initial_noise=noise[j:j + 1], decode=False) for j, i in enumerate(firsts)]
         branched, samples, kept, chunks = [], [], [], []
         for j, i in enumerate(firsts):
             rng = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 93))
             k = self.route_chunks[int(torch.randint(len(self.route_chunks), (1,), generator=rng))]
-            prefix, cond = anchor.prefix(k, [j]), policy.encode([prompts[i]])
+            prefix, cond = anchors[j].prefix(k), policy.encode([prompts[i]])
             routes, states = self.branch_routes(k, rng), []
             for route in routes:
                 routed = StreamPrefix(prefix.clean, policy.history_cache(prefix.clean, route(k), cond, guidance))
@@ -306,7 +308,7 @@ class KVPOTrainer(GroupTrainer):
             window = [torch.stack(chunk).cpu() for chunk in zip(*states)]
             branched.append((prompts[i], k, prefix.clean.cpu(), window, [r(k) for r in routes]))
         routed = [parts[1] for parts in branched]
-        advantages, safe, logs = self.advantages(torch.cat(samples), anchor, chunks, routed, prompts, metadata,
+        advantages, safe, logs = self.advantages(torch.cat(samples), anchors, chunks, routed, prompts, metadata,
                                                  firsts, step)
         batch = []
         for j, parts in enumerate(branched):
@@ -322,32 +324,32 @@ class KVPOTrainer(GroupTrainer):
                      "kvpo/score": torch.stack([b.old_scores.mean() for b in batch]).mean().item()})
         return BranchBatch(batch, logs)
 
-    def advantages(self, samples: torch.Tensor, anchor: Any, chunks: list[torch.Tensor], routed: list[int],
+    def advantages(self, samples: torch.Tensor, anchors: list[Any], chunks: list[torch.Tensor], routed: list[int],
                    prompts: list[str], metadata: list[dict], firsts: list[int], step: int,
                    ) -> tuple[torch.Tensor, list[bool], dict[str, float]]:
         """Advantages ``(N,)`` of the branch videos ``samples``, whether each group beat its anchor, and the
-        reward logs (of the branches' whole videos). ``anchor``: the authors' rule, each branch against the
-        anchor stream on two signals, the routed chunk's frames (``chunks``: each branch's clean chunk
-        ``(1, C, f_k, H, W)``, ``routed``: each group's chunk k) and the whole video's clip, fused
-        (:func:`fused_anchor_advantages`); a group beat its anchor when a branch's weighted reward is above the
-        anchor's on either signal. Otherwise the loop's group advantages (every group counts as having beaten
-        its anchor)."""
+        reward logs (of the branches' whole videos). ``anchor``: the authors' rule, each branch against its
+        group's anchor stream (``anchors``, one a group) on two signals, the routed chunk's frames (``chunks``:
+        each branch's clean chunk ``(1, C, f_k, H, W)``, ``routed``: each group's chunk k) and the whole video's
+        clip, fused (:func:`fused_anchor_advantages`); a group beat its anchor when a branch's weighted reward is
+        above the anchor's on either signal. Otherwise the loop's group advantages (every group counts as having
+        beaten its anchor)."""
         g, tc = self.tcfg.group_size, self.tcfg
         if tc.advantage != "anchor":
             prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
             scored = self.score(samples, prompts, metadata, prompt_ids, step)
             return scored.advantages, [True] * len(firsts), scored.logs
         groups = [([prompts[i]] * g, [metadata[i]] * g) for i in firsts]
-        anchors = ([prompts[i] for i in firsts], [metadata[i] for i in firsts])
+        anchor_inputs = ([prompts[i] for i in firsts], [metadata[i] for i in firsts])
         scored = self.score(samples, prompts, metadata, None, step)
         weights = scored.scores.weights.double()
         signals = []  # (signal weight, branch values (N, M), ok (N, M), anchor values (J, M), anchor ok (J, M))
         if tc.global_weight > 0:
             with torch.no_grad():
-                whole = self.policy.decode(anchor.final_latents)
+                whole = torch.cat([self.policy.decode(a.final_latents) for a in anchors])
             branch = scored.scores if middle_frames(samples, tc.global_frames) is samples else \
                 self.score(middle_frames(samples, tc.global_frames), prompts, metadata, None, step).scores
-            ref = self.score(middle_frames(whole, tc.global_frames), *anchors, None, step).scores
+            ref = self.score(middle_frames(whole, tc.global_frames), *anchor_inputs, None, step).scores
             signals.append((tc.global_weight, branch.values, branch.ok, ref.values, ref.ok))
         if tc.local_weight > 0:  # chunk lengths may differ between groups: each group's chunks decoded alone
             parts, refs = [], []
@@ -355,8 +357,8 @@ class KVPOTrainer(GroupTrainer):
                 for j, k in enumerate(routed):
                     videos = self.policy.decode(torch.cat(chunks[j * g:(j + 1) * g]))
                     parts.append(self.score(videos, *groups[j], None, step).scores)
-                    refs.append(self.score(self.policy.decode(anchor.chunks[k][j:j + 1, -1]),
-                                           [anchors[0][j]], [anchors[1][j]], None, step).scores)
+                    refs.append(self.score(self.policy.decode(anchors[j].chunks[k][:, -1]),
+                                           [anchor_inputs[0][j]], [anchor_inputs[1][j]], None, step).scores)
             signals.append((tc.local_weight, torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
                             torch.cat([r.values for r in refs]), torch.cat([r.ok for r in refs])))
         advantages, safe = torch.zeros(len(samples), dtype=torch.float64), []

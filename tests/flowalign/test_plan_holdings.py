@@ -131,7 +131,9 @@ def test_self_opd_draws_no_more_states_than_have_positive_odds():
 @pytest.mark.parametrize("advantage", ["anchor", "group"])
 def test_kvpo_counts_its_anchor_streams_beside_the_decoded_branches(advantage, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
-    cfg = _tiny("kvpo_motion", tmp_path, "trainer.prompts_per_step=2", "trainer.group_size=3",
+    # the group advantage from the earlier form's recipe (the authors' recipe pins options only anchor reads)
+    recipe = "kvpo_motion" if advantage == "anchor" else "kvpo_energy_motion"
+    cfg = _tiny(recipe, tmp_path, "trainer.prompts_per_step=2", "trainer.group_size=3",
                 "trainer.num_steps=2", f"trainer.advantage={advantage}")
     trainer = build_trainer(cfg)
     module = sys.modules[type(trainer).__module__]
@@ -151,8 +153,8 @@ def test_kvpo_counts_its_anchor_streams_beside_the_decoded_branches(advantage, t
     model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
     s = settings(cfg, "ddp", 1, model)
     # one anchor stream per prompt: every chunk's T + 1 latents, as the plan sizes a latent
-    assert len(anchors) == 1 and len(anchors[0]) == 2
-    assert sum(c.nbytes for c in anchors[0].chunks) == pytest.approx(2 * 3 * model.rollout.latent)
+    assert len(anchors) == 2 and all(len(a) == 1 for a in anchors)
+    assert sum(c.nbytes for a in anchors for c in a.chunks) == pytest.approx(2 * 3 * model.rollout.latent)
     d = model.rollout.decoded
     videos = 2 * 3 + (2 if advantage == "anchor" else 0)  # the branches', and the anchors' under the anchor advantage
     assert sum(decodes) == pytest.approx(videos * d)
