@@ -6,10 +6,17 @@ from typing import Any
 
 import torch
 
+from flowalign.errors import UserError
 from rewards.clip_common import OpenCLIP, load_clip, meta_clip, meta_open_clip, unique_rows
 from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated
 from rewards.registry import register
+
+
+#: what the text encoder reads of a prompt: as given, or as FAV's HPSv2 scorer wraps it (their
+#: ``rewards/hpsv2.py``: "a photo of a " and the prompt up to its first comma, stripped)
+PROMPT_FORMS = {"as_given": lambda prompt: prompt,
+                "photo_of_first_clause": lambda prompt: f"a photo of a {prompt.split(',')[0].strip()}"}
 
 
 @register("clip_score")
@@ -20,7 +27,9 @@ class CLIPScore(EmbeddingReward):
     ``openai/clip-vit-large-patch14``, an open_clip folder with ``open_clip_config.json``, or an open_clip
     checkpoint file of the architecture ``arch``, default ``ViT-L-14-quickgelu``), ``processor_path`` (a
     transformers folder's tokenizer and preprocessor config, when not inside ``path``), ``random_init``
-    (the architecture with random weights), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
+    (the architecture with random weights), ``prompt_form`` (what the text encoder reads: ``as_given``, or
+    ``photo_of_first_clause``, "a photo of a {the prompt up to its first comma}", as FAV's HPSv2 scorer wraps
+    it), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
     ``model`` (architecture, ``local-dir:`` or ``hf-hub:``) and ``pretrained`` (file or open_clip tag).
     Differentiable in the samples.
     """
@@ -32,8 +41,11 @@ class CLIPScore(EmbeddingReward):
 
     def __init__(self, path: str | None = None, *, arch: str | None = None, processor_path: str | None = None,
                  model: str | None = None, pretrained: str | None = None, random_init: bool = False,
-                 **options: Any):
+                 prompt_form: str = "as_given", **options: Any):
         super().__init__(**options)
+        if prompt_form not in PROMPT_FORMS:
+            raise UserError(f"{self.name} reward: prompt_form={prompt_form!r}; use one of {', '.join(PROMPT_FORMS)}")
+        self.prompt_form = prompt_form
         self.clip: Any
         if path is None and random_init and model is None:  # an open_clip architecture, nothing read
             self.clip = OpenCLIP(self.name, arch or self.default_arch, None, True, self.dtype, self.download)
@@ -65,7 +77,7 @@ class CLIPScore(EmbeddingReward):
     def context(self, prompts: list[str], metadata: list[dict[str, Any]], samples: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, ...]:
         """Text embeddings ``(B, D)``, one encoder pass per distinct prompt."""
-        distinct, rows = unique_rows(prompts)
+        distinct, rows = unique_rows([PROMPT_FORMS[self.prompt_form](p) for p in prompts])
         return (self.clip.encode_texts(distinct, device, self.batch_size)[rows.to(device)],)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,3 +82,21 @@ def test_hps_needs_its_checkpoint():
         HPSScore(path="/no/HPS_v2.1_compressed.pt")
     with pytest.raises(UserError, match="no such file; give HPS_v2.1"):  # the deprecated option still checks
         HPSScore(pretrained="/no/HPS_v2.1_compressed.pt")
+
+
+FAV_PROMPTS = json.loads((Path(__file__).parent / "known_answers" / "fav_hps_prompts.json").read_text())
+
+
+def test_prompt_form_reads_the_prompt_as_favs_hpsv2_scorer(tiny_clip_spec, images):
+    """``prompt_form: photo_of_first_clause`` gives the text encoder what FAV's HPSv2 reward gives its own (their
+    ``build_labels`` on fixed prompts): scores equal those of the plain reward on the wrapped prompts."""
+    wrapped = rewards.load("hps", model=tiny_clip_spec, prompt_form="photo_of_first_clause")
+    plain = rewards.load("hps", model=tiny_clip_spec)
+    prompts = [c["prompt"] for c in FAV_PROMPTS["cases"]]
+    texts = [c["text"] for c in FAV_PROMPTS["cases"]]
+    x = images(len(prompts), seed=5)
+    got = wrapped(x, prompts, []).components["hps"]
+    torch.testing.assert_close(got, plain(x, texts, []).components["hps"])
+    assert not torch.allclose(got, plain(x, prompts, []).components["hps"])
+    with pytest.raises(UserError, match="prompt_form='photo'; use one of as_given, photo_of_first_clause"):
+        rewards.load("hps", model=tiny_clip_spec, prompt_form="photo")
