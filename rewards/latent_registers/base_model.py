@@ -15,7 +15,9 @@ from rewards.latent_registers import flux, sd3, wan
 
 CONFIG_NAME = "config.json"
 #: the transformer classes latent rewards know how to read
-SUPPORTED = (sd3.CLASS_NAME, flux.CLASS_NAME, wan.CLASS_NAME)
+#: Z-Image's transformer (its registers are the grid_pool architecture alone: ``zimage_grid``)
+ZIMAGE_CLASS_NAME = "ZImageTransformer2DModel"
+SUPPORTED = (sd3.CLASS_NAME, flux.CLASS_NAME, wan.CLASS_NAME, ZIMAGE_CLASS_NAME)
 
 
 def resolve_base_model(path: str | None, directory: Path) -> Path:
@@ -34,7 +36,7 @@ def load_frozen_transformer(path: str | None, directory: Path, device: str | tor
                             dtype: torch.dtype | None = None) -> nn.Module:
     """The base model's transformer alone, frozen: the reward's own copy, so a policy that trains its
     transformer (LoRA or full) never moves the reward. The class is the one the folder's
-    ``transformer/config.json`` names (SD3, FLUX or Wan)."""
+    ``transformer/config.json`` names (SD3, FLUX, Wan or Z-Image)."""
     import diffusers
 
     folder = resolve_base_model(path, directory)

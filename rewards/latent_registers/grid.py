@@ -1,13 +1,14 @@
 """The authors' paper register architecture (``architecture: grid_pool`` in the reward folder's ``config.json``;
 theirs is ``latent_reward_grid_pool_nope_multihead`` on SD3, ``flux_latent_reward_grid_pool_nope_multihead`` on
-FLUX) for any DiT family: what every family shares. See ``docs/methods/latent_registers.md``.
+FLUX, ``zimage_latent_reward_grid_pool_nope_multihead`` on Z-Image) for any DiT family: what every family shares. See ``docs/methods/latent_registers.md``.
 
 :class:`GridReward` holds the options, the trainable parameters (``reward_tokens``, ``reward_q_proj``, the head
 ``reward_head`` of :mod:`~rewards.latent_registers.grid_head` and one ``score_mlps[k] = Linear(W, W/f) → GELU →
 Linear(·, 1)`` per named head, the reward being the mean over registers), the files, and the authors' checkpoint
 folders. A family subclass says how the register stream passes its blocks and where the taps are
-(``features``): :class:`~rewards.latent_registers.sd3_grid.GridRegisters` (SD3) and
-:class:`~rewards.latent_registers.flux_grid.FluxGridRegisters` (FLUX). Parameter names are the authors', so their
+(``features``): :class:`~rewards.latent_registers.sd3_grid.GridRegisters` (SD3),
+:class:`~rewards.latent_registers.flux_grid.FluxGridRegisters` (FLUX) and
+:class:`~rewards.latent_registers.zimage_grid.ZImageGridRegisters` (Z-Image). Parameter names are the authors', so their
 model's state dict (less ``backbone.*``) loads unchanged (:func:`from_authors_state`).
 
 :meth:`GridReward.load` reads a folder of any family, saved by :meth:`GridReward.save` or in the authors' layout
@@ -40,13 +41,16 @@ CLASS_PATH = "rewards.latent_registers:LatentRegisters"
 FORMAT_VERSION = 2
 #: family (the config's ``family``, their manifest's ``backbone``) → the class that runs it
 FAMILY_CLASSES = {"sd3": "rewards.latent_registers.sd3_grid:GridRegisters",
-                  "flux": "rewards.latent_registers.flux_grid:FluxGridRegisters"}
+                  "flux": "rewards.latent_registers.flux_grid:FluxGridRegisters",
+                  "zimage": "rewards.latent_registers.zimage_grid:ZImageGridRegisters"}
+#: their manifest's ``backbone`` spellings → family (their Z-Image config names its backbone ``z-image``)
+BACKBONE_ALIASES = {"z-image": "zimage", "z_image": "zimage"}
 #: the options only one family has (saved in config.json, given back as ``family_options``)
 FAMILY_OPTION_KEYS = ("latent_hw", "guidance")
 
 
 def family_class(family: str) -> type["GridReward"]:
-    """The :class:`GridReward` subclass of ``family`` (``sd3``, ``flux``)."""
+    """The :class:`GridReward` subclass of ``family`` (``sd3``, ``flux``, ``zimage``)."""
     if family not in FAMILY_CLASSES:
         raise UserError(f"grid_pool registers exist for {', '.join(FAMILY_CLASSES)}; got family {family!r}")
     module, _, name = FAMILY_CLASSES[family].partition(":")
@@ -97,6 +101,11 @@ class GridReward(nn.Module):
     def blocks_of(transformer: nn.Module) -> list[nn.Module]:
         """The blocks the layer indices count, in order."""
         raise NotImplementedError
+
+    @staticmethod
+    def model_width(transformer: nn.Module) -> int:
+        """The width ``D`` of the transformer's hidden states (the registers' width)."""
+        return int(transformer.config.num_attention_heads * transformer.config.attention_head_dim)
 
     @staticmethod
     def paper_options(num_layers: int) -> dict[str, Any]:
@@ -152,7 +161,7 @@ class GridReward(nn.Module):
                                 "cover the deepest tap and fit the transformer)")
             stop = int(num_transformer_layers)
         self.check_blocks(blocks[:stop])
-        dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+        dim = self.model_width(transformer)
         width = dim if width == -1 else int(width)
         if width % 4 or width % num_attn_heads:
             raise UserError(f"width={width}: must be divisible by 4 and by num_attn_heads={num_attn_heads}")
@@ -262,7 +271,7 @@ class GridReward(nn.Module):
             if type(transformer).__name__ != target.transformer_class:
                 raise UserError(f"{directory}: registers of a {target.transformer_class} cannot read base_model "
                                 f"{base_model!r}, a {type(transformer).__name__}; give the model they were trained on")
-        dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+        dim = target.model_width(transformer)
         if int(config.get("dim", dim)) != dim:
             raise UserError(f"{directory}: registers of width {config['dim']} do not fit this transformer (width {dim}); "
                             "load them on the model they were trained on (base_model)")
@@ -312,9 +321,10 @@ def authors_config(directory: Path) -> dict[str, Any]:
     register = settings.get("register") or {}
     ours = json.loads((directory / CONFIG_NAME).read_text()) if (directory / CONFIG_NAME).is_file() else {}
     backbone = str(manifest.get("backbone", "")).lower()
+    backbone = BACKBONE_ALIASES.get(backbone, backbone)
     if backbone not in FAMILY_CLASSES:
         raise UserError(f"{directory / 'manifest.json'}: backbone {manifest.get('backbone')!r}; only their "
-                        f"{' and '.join(FAMILY_CLASSES)} registers (backbone: {', '.join(FAMILY_CLASSES)}) load here")
+                        f"{', '.join(FAMILY_CLASSES)} registers (backbone: {', '.join(FAMILY_CLASSES)}) load here")
     expected = family_class(backbone).authors_architecture
     arch = register.get("architecture", expected)
     if arch != expected:
