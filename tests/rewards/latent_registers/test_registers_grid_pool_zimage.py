@@ -247,3 +247,34 @@ def test_rg_opd_and_rgs_gradients_are_the_authors_score_and_grad(known, transfor
     torch.testing.assert_close(grad, torch.tensor(want["preference"]), rtol=1e-5, atol=1e-6)
     grads, _ = head_gradients(reward, x, sigma, cond, ["imagereward"])
     torch.testing.assert_close(grads["imagereward"], torch.tensor(want["imagereward"]), rtol=1e-5, atol=1e-6)
+
+
+def test_train_reward_builds_the_zimage_architecture_on_a_zimage_model(tiny_model_dir, tmp_path):
+    """``train-reward --architecture grid_pool`` on a Z-Image model trains these registers (their preset scaled to
+    the tiny model's 2 layers) and the folder loads back as them. The tiny model samples at 128 px here: its
+    32-px default gives a 2 × 2 token grid, which the pool factor 4 does not divide."""
+    import shutil
+
+    import pipelines
+    from flowalign.cli.main import main
+    from flowalign.trainers.parts.latent_preference import PreferencePairs
+
+    model = tmp_path / "zimage"
+    shutil.copytree(tiny_model_dir("zimage"), model)
+    sizes = json.loads((model / "flowalign.json").read_text())
+    (model / "flowalign.json").write_text(json.dumps({**sizes, "height": 128, "width": 128}))
+    policy = pipelines.load(model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [f"prompt {i}" for i in range(8)]
+    chosen = torch.randn(8, *policy.latent_shape, generator=gen)
+    PreferencePairs(prompts=prompts, chosen=chosen, rejected=-chosen).save(tmp_path / "pairs.safetensors")
+    out = tmp_path / "grid"
+    code = main(["train-reward", "--model", str(model), "--pairs", str(tmp_path / "pairs.safetensors"), "--out",
+                 str(out), "--architecture", "grid_pool", "--registers", "4", "--train-steps", "3", "--batch-size",
+                 "4", "--test-fraction", "0.25", "--no-progress"])
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["family"] == "zimage" and config["feature_layers"] == [1] and config["num_reward_tokens"] == 4
+    reward = load_latent_reward(out)
+    assert type(reward) is ZImageGridRegisters and reward.head_names == ["reward"]
+    assert reward.score(chosen[:2], torch.tensor([0.5, 0.5]), policy.encode(prompts[:2])).shape == (2,)
