@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "writes are replaced; other files are kept)")
     p.add_argument("--architecture", choices=["registers", "grid_pool"], default="registers",
                    help="registers: M tokens through every block, head = MLP(LN(mean)); grid_pool: the authors' paper "
-                        "architecture on SD3 or FLUX (registers to half depth, pooled image and text taps, attention readout)")
+                        "architecture on SD3, FLUX or Z-Image (registers to half depth, pooled image and text taps, "
+                        "attention readout)")
     add_number(p, "--registers", type=int, lo=1, hi=MAX_WIDTH, default=None,
                help="number of register tokens M (default 8; grid_pool: the authors' 32)")
     p.add_argument("--layers", default="last", help="'last', 'multi' (L/2, 3L/4, L) or comma-separated block indices "
@@ -384,7 +385,7 @@ def run(args: argparse.Namespace) -> None:
     if args.architecture == "grid_pool":
         from rewards.latent_registers.grid import grid_registers
 
-        # the family's class (SD3 or FLUX) with its paper preset scaled to the depth, scoring as the policy samples
+        # the family's class (SD3, FLUX or Z-Image) with its paper preset scaled to the depth, scoring as the policy samples
         reward = grid_registers(transformer, policy, num_reward_tokens=args.registers, heads=pairs.heads or [DEFAULT_HEAD],
                                 base_model=model, seed=args.seed)
     else:
