@@ -38,7 +38,6 @@ from flowalign.protocols import Conditioning
 from pipelines._common import grid_ids
 from rewards.latent_registers import flux
 from rewards.latent_registers.grid import GridReward
-from rewards.latent_registers.grid_head import pool_tokens
 
 #: the authors' name for this architecture (``register.architecture`` in their ``config.yaml``)
 AUTHORS_ARCHITECTURE = "flux_latent_reward_grid_pool_nope_multihead"
@@ -132,9 +131,7 @@ class FluxGridRegisters(GridReward):
         if len(cond) != b:
             raise ValueError(f"score: x has batch {b} but cond has {len(cond)} prompts")
         grid = self.inputs.token_grid(x.shape[1])
-        if grid[0] % self.pool_factor or grid[1] % self.pool_factor:
-            raise UserError(f"grid_pool registers: the latent's {grid[0]}x{grid[1]} token grid is not divisible by "
-                            f"pool_factor {self.pool_factor}; use a resolution whose token grid is")
+        self.check_token_grid(grid)
         dtype, device = next(tr.parameters()).dtype, self.reward_tokens.device
         sigma = torch.as_tensor(sigma, dtype=torch.float32).to(device).flatten().expand(b)
         embeds = cond.tensors["prompt_embeds"].to(device, dtype)
@@ -167,8 +164,4 @@ class FluxGridRegisters(GridReward):
                 image_taps[i] = hidden
             if i in self.text_taps:
                 text_taps[i] = context
-        head_dtype = self.reward_tokens.dtype
-        images = [pool_tokens(image_taps[i], grid, self.pool_factor).to(head_dtype) for i in self.image_taps]
-        texts = [text_taps[i].to(head_dtype) for i in self.text_taps]
-        temb_head = self.temb_proj(temb.to(head_dtype))
-        return self.reward_head(reg.to(head_dtype), images, texts, temb_head).float()
+        return self.read_out(reg, image_taps, text_taps, grid, self.temb_proj(temb.to(self.reward_tokens.dtype)))

@@ -31,7 +31,7 @@ from flowalign.errors import UserError
 from flowalign.io import atomic_dir
 from flowalign.protocols import Conditioning
 from rewards.latent_registers.base_model import load_frozen_transformer
-from rewards.latent_registers.grid_head import GridHead
+from rewards.latent_registers.grid_head import GridHead, pool_tokens
 
 ARCHITECTURE = "grid_pool"
 #: their checkpoint folder's files
@@ -130,6 +130,22 @@ class GridReward(nn.Module):
     def features(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Per-register head features ``(B, M, width)`` float32 of latents ``x`` at ``σ``."""
         raise NotImplementedError
+
+    def check_token_grid(self, grid: tuple[int, int]) -> None:
+        """Refuse, in one line, a latent whose image token grid ``(h, w)`` the taps' pooling cannot cut."""
+        if grid[0] % self.pool_factor or grid[1] % self.pool_factor:
+            raise UserError(f"grid_pool registers: the latent's {grid[0]}x{grid[1]} token grid is not divisible by "
+                            f"pool_factor {self.pool_factor}; use a resolution whose token grid is")
+
+    def read_out(self, registers: torch.Tensor, image_taps: dict[int, torch.Tensor], text_taps: dict[int, torch.Tensor],
+                 grid: tuple[int, int], temb: torch.Tensor) -> torch.Tensor:
+        """The head's features ``(B, M, width)`` float32 from the register stream ``(B, M, D)``, each tapped
+        layer's image tokens ``(B, h·w, D)`` (pooled here on their ``grid``) and text tokens ``(B, L, D)``, and
+        the head's time embedding ``(B, D)``; all cast to the head's dtype."""
+        head_dtype = self.reward_tokens.dtype
+        images = [pool_tokens(image_taps[i], grid, self.pool_factor).to(head_dtype) for i in self.image_taps]
+        texts = [text_taps[i].to(head_dtype) for i in self.text_taps]
+        return self.reward_head(registers.to(head_dtype), images, texts, temb.to(head_dtype)).float()
 
     # ------------------------------------------------------------------ construction
     def __init__(self, transformer: nn.Module, *, heads: Sequence[str] | None = None,

@@ -34,7 +34,7 @@ from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from rewards.latent_registers import sd3
 from rewards.latent_registers.grid import ARCHITECTURE, GridReward, from_authors_state  # noqa: F401 (their names, kept here)
-from rewards.latent_registers.grid_head import merge_heads, pool_tokens, split_heads
+from rewards.latent_registers.grid_head import merge_heads, split_heads
 
 #: the authors' name for this architecture (``register.architecture`` in their ``config.yaml``)
 AUTHORS_ARCHITECTURE = "latent_reward_grid_pool_nope_multihead"
@@ -102,9 +102,7 @@ class GridRegisters(GridReward):
             raise ValueError(f"score: x has batch {b} but cond has {len(cond)} prompts")
         p = tr.config.patch_size
         grid = (x.shape[-2] // p, x.shape[-1] // p)
-        if grid[0] % self.pool_factor or grid[1] % self.pool_factor:
-            raise UserError(f"grid_pool registers: the latent's {grid[0]}x{grid[1]} token grid is not divisible by "
-                            f"pool_factor {self.pool_factor}; use a resolution whose token grid is")
+        self.check_token_grid(grid)
         dtype, device = next(tr.parameters()).dtype, self.reward_tokens.device
         sigma = torch.as_tensor(sigma, dtype=torch.float32).to(device).flatten().expand(b)
         hidden = tr.pos_embed(x.to(device, dtype))
@@ -124,7 +122,4 @@ class GridRegisters(GridReward):
                 image_taps[i] = hidden
             if i in self.text_taps:
                 text_taps[i] = context
-        head_dtype = self.reward_tokens.dtype
-        images = [pool_tokens(image_taps[i], grid, self.pool_factor).to(head_dtype) for i in self.image_taps]
-        texts = [text_taps[i].to(head_dtype) for i in self.text_taps]
-        return self.reward_head(reg.to(head_dtype), images, texts, temb.to(head_dtype)).float()
+        return self.read_out(reg, image_taps, text_taps, grid, temb)

@@ -43,7 +43,6 @@ from flowalign.protocols import Conditioning
 from pipelines._varlen import unpad
 from rewards.latent_registers.base_model import ZIMAGE_CLASS_NAME
 from rewards.latent_registers.grid import GridReward
-from rewards.latent_registers.grid_head import pool_tokens
 
 CLASS_NAME = ZIMAGE_CLASS_NAME
 COND_KEYS = ("prompt_embeds", "prompt_embeds_mask")
@@ -181,9 +180,7 @@ class ZImageGridRegisters(GridReward):
             raise UserError(f"grid_pool registers on Z-Image: latent {x.shape[2]}x{x.shape[3]} is not divisible by "
                             f"the patch size {PATCH}")
         grid = (x.shape[2] // PATCH, x.shape[3] // PATCH)
-        if grid[0] % self.pool_factor or grid[1] % self.pool_factor:
-            raise UserError(f"grid_pool registers: the latent's {grid[0]}x{grid[1]} token grid is not divisible by "
-                            f"pool_factor {self.pool_factor}; use a resolution whose token grid is")
+        self.check_token_grid(grid)
         dtype, device = next(tr.parameters()).dtype, self.reward_tokens.device
         sigma = torch.as_tensor(sigma, dtype=torch.float32).to(device).flatten().expand(b)
         images = list(x.to(device, dtype).unsqueeze(2).unbind(0))  # (C, 1, h, w) each, as the policy passes them
@@ -215,8 +212,4 @@ class ZImageGridRegisters(GridReward):
                 image_taps[i] = seq[:, : grid[0] * grid[1]]
             if i in self.text_taps:
                 text_taps[i] = seq[:, n_img: n_img + n_cap] * cap_valid
-        head_dtype = self.reward_tokens.dtype
-        images_out = [pool_tokens(image_taps[i], grid, self.pool_factor).to(head_dtype) for i in self.image_taps]
-        texts = [text_taps[i].to(head_dtype) for i in self.text_taps]
-        temb_head = self.temb_proj(adaln.to(head_dtype))
-        return self.reward_head(reg.to(head_dtype), images_out, texts, temb_head).float()
+        return self.read_out(reg, image_taps, text_taps, grid, self.temb_proj(adaln.to(self.reward_tokens.dtype)))
