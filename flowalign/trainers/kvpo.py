@@ -347,8 +347,8 @@ class KVPOTrainer(GroupTrainer):
         if tc.global_weight > 0:
             with torch.no_grad():
                 whole = torch.cat([self.policy.decode(a.final_latents) for a in anchors])
-            branch = scored.scores if middle_frames(samples, tc.global_frames) is samples else \
-                self.score(middle_frames(samples, tc.global_frames), prompts, metadata, None, step).scores
+            clips = middle_frames(samples, tc.global_frames)  # the whole videos, already scored, when short enough
+            branch = scored.scores if clips is samples else self.score(clips, prompts, metadata, None, step).scores
             ref = self.score(middle_frames(whole, tc.global_frames), *anchor_inputs, None, step).scores
             signals.append((tc.global_weight, branch.values, branch.ok, ref.values, ref.ok))
         if tc.local_weight > 0:  # chunk lengths may differ between groups: each group's chunks decoded alone

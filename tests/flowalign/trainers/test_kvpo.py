@@ -290,16 +290,20 @@ def test_the_signals_score_the_routed_chunk_and_the_whole_video(tmp_path, far_di
 
     def recording(samples, *args, **kw):
         out = score(samples, *args, **kw)
-        seen.append((samples.shape, out.scores.values.double()))
+        seen.append((samples.shape, out.scores.values.double(), samples.detach().clone()))
         return out
 
     t.score = recording
     batch = t.collect(0)
     g, frames = 4, t.policy.decode(torch.zeros(1, *t.policy.latent_shape)).shape[1]
     chunk = t.policy.decode(torch.zeros(1, *t.policy.latent_shape)[:, :, -t.policy.chunk_frames[2]:]).shape[1]
-    (whole, values), (anchors, anchor_values), *local = seen
+    (whole, values, _), (anchors, anchor_values, _), *local = seen
     assert whole[:2] == (2 * g, frames) and anchors[:2] == (2, frames) and chunk < frames
-    assert [shape[:2] for shape, _ in local] == [(g, chunk), (1, chunk)] * 2
+    assert [shape[:2] for shape, _, _ in local] == [(g, chunk), (1, chunk)] * 2
+    for j, group in enumerate(batch.groups):  # the local videos are the routed chunk's own, decoded alone
+        with torch.no_grad():
+            routed_chunk = t.policy.decode(group.states[0][:, -1].to(t.policy.device))
+        torch.testing.assert_close(local[2 * j][2], routed_chunk)
     weights = torch.ones(1, dtype=torch.float64)
     for j, group in enumerate(batch.groups):
         branch_local, anchor_local = local[2 * j][1], local[2 * j + 1][1][0]
