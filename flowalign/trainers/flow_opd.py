@@ -309,7 +309,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
             raise UserError("trainer.merge_weights goes with trainer.merge_teachers: weighted (one weight per teacher); "
                             "give both or neither")
         if tcfg.merge_weights is not None and (len(tcfg.merge_weights) != len(tcfg.teachers)
-                                               or sum(tcfg.merge_weights) <= 0 or min(tcfg.merge_weights) < 0):
+                                               or sum(tcfg.merge_weights) <= 0):  # each ≥ 0 by its bound
             raise UserError(f"trainer.merge_weights={tcfg.merge_weights}: give {len(tcfg.teachers)} weights ≥ 0, one "
                             "per teacher in list order, with a positive sum")
         names = [r.name for r in cfg.rewards]
