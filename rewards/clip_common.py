@@ -133,11 +133,12 @@ class OpenCLIP:
         """Width of the joint embedding space."""
         return int(self.model.visual.output_dim)
 
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable."""
+    def encode_images(self, images: torch.Tensor, interpolation: str | None = None) -> torch.Tensor:
+        """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; resampled as the
+        model's preprocessing config says, or with ``interpolation`` when given."""
         cfg = self.preprocess_cfg
         x = clip_preprocess(images, cfg["size"], cfg["mean"], cfg["std"], cfg.get("resize_mode", "shortest"),
-                            cfg.get("interpolation", "bicubic"))
+                            interpolation or cfg.get("interpolation", "bicubic"))
         return F.normalize(self.model.encode_image(x.to(self.dtype)).float(), dim=-1)
 
     @torch.no_grad()
@@ -187,10 +188,12 @@ class HFCLIP:
         """``exp(logit_scale)``, the learned temperature (PickScore multiplies its cosine by it)."""
         return self.model.logit_scale.float().exp()
 
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, images: torch.Tensor, interpolation: str | None = None) -> torch.Tensor:
         """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; preprocessed as
-        ``CLIPImageProcessor`` does (shortest side to the crop, bicubic, centre crop, normalise)."""
-        x = clip_preprocess(images, self.size, self.mean, self.std).to(self.dtype)
+        ``CLIPImageProcessor`` does (shortest side to the crop, bicubic unless ``interpolation`` is given, centre
+        crop, normalise)."""
+        x = clip_preprocess(images, self.size, self.mean, self.std,
+                            interpolation=interpolation or "bicubic").to(self.dtype)
         return F.normalize(_features(self.model.get_image_features(pixel_values=x)).float(), dim=-1)
 
     @torch.no_grad()

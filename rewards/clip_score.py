@@ -17,6 +17,10 @@ from rewards.registry import register
 #: ``rewards/hpsv2.py``: "a photo of a " and the prompt up to its first comma, stripped)
 PROMPT_FORMS = {"as_given": lambda prompt: prompt,
                 "photo_of_first_clause": lambda prompt: f"a photo of a {prompt.split(',')[0].strip()}"}
+#: how images are resampled to the model's input: as the model's preprocessing config says (``model``: open_clip's
+#: and CLIPImageProcessor's bicubic), or ``bilinear`` as FAV's HPSv2 scorer (torchvision ``Resize(224,
+#: antialias=True)``, bilinear by default); both antialiased, shortest side first
+INTERPOLATIONS = ("model", "bicubic", "bilinear")
 
 
 @register("clip_score")
@@ -29,7 +33,8 @@ class CLIPScore(EmbeddingReward):
     transformers folder's tokenizer and preprocessor config, when not inside ``path``), ``random_init``
     (the architecture with random weights), ``prompt_form`` (what the text encoder reads: ``as_given``, or
     ``photo_of_first_clause``, "a photo of a {the prompt up to its first comma}", as FAV's HPSv2 scorer wraps
-    it), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
+    it), ``interpolation`` (how images are resampled to the model's input size: ``model``, its preprocessing
+    config's, bicubic for CLIP; ``bicubic``; or ``bilinear``, as FAV's HPSv2 scorer), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
     ``model`` (architecture, ``local-dir:`` or ``hf-hub:``) and ``pretrained`` (file or open_clip tag).
     Differentiable in the samples.
     """
@@ -41,11 +46,15 @@ class CLIPScore(EmbeddingReward):
 
     def __init__(self, path: str | None = None, *, arch: str | None = None, processor_path: str | None = None,
                  model: str | None = None, pretrained: str | None = None, random_init: bool = False,
-                 prompt_form: str = "as_given", **options: Any):
+                 prompt_form: str = "as_given", interpolation: str = "model", **options: Any):
         super().__init__(**options)
         if prompt_form not in PROMPT_FORMS:
             raise UserError(f"{self.name} reward: prompt_form={prompt_form!r}; use one of {', '.join(PROMPT_FORMS)}")
+        if interpolation not in INTERPOLATIONS:
+            raise UserError(f"{self.name} reward: interpolation={interpolation!r}; use one of "
+                            f"{', '.join(INTERPOLATIONS)}")
         self.prompt_form = prompt_form
+        self.interpolation = None if interpolation == "model" else interpolation
         self.clip: Any
         if path is None and random_init and model is None:  # an open_clip architecture, nothing read
             self.clip = OpenCLIP(self.name, arch or self.default_arch, None, True, self.dtype, self.download)
@@ -82,7 +91,7 @@ class CLIPScore(EmbeddingReward):
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Unit-norm CLIP image embeddings ``(b, D)``."""
-        return self.clip.encode_images(images)
+        return self.clip.encode_images(images, self.interpolation)
 
     def score_features(self, features: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         return (features * text).sum(-1)

@@ -100,3 +100,29 @@ def test_prompt_form_reads_the_prompt_as_favs_hpsv2_scorer(tiny_clip_spec, image
     assert not torch.allclose(got, plain(x, prompts, []).components["hps"])
     with pytest.raises(UserError, match="prompt_form='photo'; use one of as_given, photo_of_first_clause"):
         rewards.load("hps", model=tiny_clip_spec, prompt_form="photo")
+
+
+def test_bilinear_interpolation_resamples_as_favs_hpsv2_scorer(tiny_open_clip, tiny_clip_spec, images):
+    """``interpolation: bilinear`` resamples as FAV's HPSv2 scorer (their ``encode_images``: torchvision's
+    ``Resize(size, antialias=True)``, bilinear by default, no crop, then CLIP's mean and std): scores equal the
+    tiny model run on torchvision's transform; the default (the model's bicubic) gives other scores."""
+    from torchvision import transforms
+
+    size = tiny_open_clip.visual.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    fav_preprocess = transforms.Compose([
+        transforms.Resize(size, antialias=True),
+        transforms.Normalize(mean=[0.48145466, 0.4578275, 0.40821073], std=[0.26862954, 0.26130258, 0.27577711]),
+    ])
+    x = images(3, size=3 * size + 5, seed=7)  # downsampled by a non-integer factor: the kernels differ
+    with torch.no_grad():
+        img = F.normalize(tiny_open_clip.encode_image(fav_preprocess(x)), dim=-1)
+        txt = F.normalize(tiny_open_clip.encode_text(rewards.load("hps", model=tiny_clip_spec).clip.tokenizer(
+            PROMPTS[:3])), dim=-1)
+    expected = (img * txt).sum(-1)
+    got = rewards.load("hps", model=tiny_clip_spec, interpolation="bilinear")(x, PROMPTS[:3], []).components["hps"]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    bicubic = rewards.load("hps", model=tiny_clip_spec)(x, PROMPTS[:3], []).components["hps"]
+    assert (bicubic - expected).abs().max() > 1e-4
+    with pytest.raises(UserError, match="interpolation='nearest'; use one of model, bicubic, bilinear"):
+        rewards.load("hps", model=tiny_clip_spec, interpolation="nearest")
