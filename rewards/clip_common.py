@@ -32,6 +32,7 @@ def clip_preprocess(
     resize_mode: str = "shortest",
     interpolation: str = "bicubic",
     shortest_edge: int | None = None,
+    crop_offset: str = "round",
 ) -> torch.Tensor:
     """``(B, 3, H, W)`` in [0, 1] → ``(B, 3, h, w)`` normalised model input, differentiable.
 
@@ -40,6 +41,8 @@ def clip_preprocess(
     (DINOv2: 256 then a 224 crop); ``"squash"`` resizes straight to the target. Resampling is
     antialiased like PIL's, so large generated images are downsampled without aliasing. Works in
     float32 (CPU antialiased bicubic has no bf16 kernel); cast the result to the model dtype.
+    ``crop_offset`` places the centre crop where an odd margin leaves half a pixel: ``"round"`` as
+    torchvision's ``CenterCrop`` (half to even), ``"floor"`` as transformers' image processors (``⌊margin/2⌋``).
     """
     th, tw = (size, size) if isinstance(size, int) else tuple(size)
     h, w = images.shape[-2:]
@@ -54,7 +57,12 @@ def clip_preprocess(
             nh, nw = max(th, int(tw * h / w)), tw
         if (nh, nw) != (h, w):
             x = F.interpolate(x, size=(nh, nw), mode=interpolation, align_corners=False, antialias=True)
-        top, left = int(round((nh - th) / 2.0)), int(round((nw - tw) / 2.0))
+        if crop_offset == "floor":
+            top, left = (nh - th) // 2, (nw - tw) // 2
+        elif crop_offset == "round":
+            top, left = int(round((nh - th) / 2.0)), int(round((nw - tw) / 2.0))
+        else:
+            raise UserError(f"CLIP preprocessing: crop_offset={crop_offset!r} is not supported; use 'round' or 'floor'")
         x = x[..., top : top + th, left : left + tw]
     elif resize_mode == "squash":
         if (th, tw) != (h, w):
@@ -126,6 +134,8 @@ class OpenCLIP:
         self.model = net.to(dtype).eval().requires_grad_(False)
         self.tokenizer: Callable[[list[str]], torch.Tensor] = open_clip.get_tokenizer(model)
         self.preprocess_cfg = open_clip.get_model_preprocess_cfg(net)
+        #: where an odd crop margin puts the crop: open_clip's torchvision CenterCrop rounds (a reward may set it)
+        self.crop_offset = "round"
         self.dtype = dtype
 
     @property
@@ -138,7 +148,7 @@ class OpenCLIP:
         model's preprocessing config says, or with ``interpolation`` when given."""
         cfg = self.preprocess_cfg
         x = clip_preprocess(images, cfg["size"], cfg["mean"], cfg["std"], cfg.get("resize_mode", "shortest"),
-                            interpolation or cfg.get("interpolation", "bicubic"))
+                            interpolation or cfg.get("interpolation", "bicubic"), crop_offset=self.crop_offset)
         return F.normalize(self.model.encode_image(x.to(self.dtype)).float(), dim=-1)
 
     @torch.no_grad()
@@ -177,6 +187,8 @@ class HFCLIP:
         self.size = (crop["height"], crop["width"])
         self.mean, self.std = image_processor.image_mean, image_processor.image_std
         self.max_length = self.model.config.text_config.max_position_embeddings
+        # torchvision's rounding, as before; CLIPImageProcessor floors, which a reward asks for (crop_offset)
+        self.crop_offset = "round"
         self.dtype = dtype
 
     @property
@@ -191,9 +203,9 @@ class HFCLIP:
     def encode_images(self, images: torch.Tensor, interpolation: str | None = None) -> torch.Tensor:
         """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; preprocessed as
         ``CLIPImageProcessor`` does (shortest side to the crop, bicubic unless ``interpolation`` is given, centre
-        crop, normalise)."""
+        crop placed by ``crop_offset``, normalise)."""
         x = clip_preprocess(images, self.size, self.mean, self.std,
-                            interpolation=interpolation or "bicubic").to(self.dtype)
+                            interpolation=interpolation or "bicubic", crop_offset=self.crop_offset).to(self.dtype)
         return F.normalize(_features(self.model.get_image_features(pixel_values=x)).float(), dim=-1)
 
     @torch.no_grad()
