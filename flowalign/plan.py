@@ -43,6 +43,12 @@ weights are read, so a folder of configs is enough). Per rank and per strategy t
   fsdp, whether the swapped copy itself lives on the device or in CPU memory). Those passes run outside
   the update, while the gradients are freed, so the live copy takes the gradients' place: it adds to
   the sampling peak (rollouts and their decoding may run under it), and to nothing else.
+- a differentiable reward's gradient through the VAE decoder, where the trainer takes one while it holds the
+  step (DiffusionOPSD's reward-gradient targets: ``step_holdings``' ``reward_gradient`` moment): the decoder's
+  forward with grad and its backward for one training chunk, on meta tensors, counting the bytes alive at
+  once (checkpointing the decode changes nothing here: its backward recomputes the forward with grad). At
+  512 px the SD3 VAE keeps 3.1 GB an image, eight times its no-grad decode. The reward models' own
+  activations on the decoded images are not counted (their size depends on each reward's input).
 - rollouts: a step's ``prompts_per_step × group_size`` samples on this rank stay on the GPU until its
   update is done, each with its trajectory of ``num_steps + 1`` float32 latents, its log-probabilities
   (``num_steps`` floats, kept in CPU memory by the sampler: counted anyway, they are small), the velocities
@@ -115,6 +121,9 @@ class Model:
     decode: float = 0.0  # bytes live at the peak of the VAE decoding one chunk of rollouts (0: not sized)
     vae_bytes_per_param: int = 0  # the VAE's weights' element size where it differs from the model dtype
     encode: float = 0.0  # bytes live at the peak of the VAE encoding one image (0: not sized, or none encoded)
+    #: bytes live at the peak of one training chunk's decode with grad and its backward (0: not sized, or the
+    #: trainer takes no reward gradient)
+    reward_gradient: float = 0.0
 
     @property
     def trainable(self) -> int:
@@ -219,14 +228,16 @@ class Settings:
         """What the step keeps on the device until its update is done."""
         return self.holding_bytes(self.step_holdings().update, rollout)
 
-    def outside_update_bytes(self, rollout: Rollout, decode: float, swapped: float, encode: float = 0.0) -> float:
+    def outside_update_bytes(self, rollout: Rollout, decode: float, swapped: float, encode: float = 0.0,
+                             reward_gradient: float = 0.0) -> float:
         """The most the step holds at once while it samples and scores: each moment's holdings, plus a chunk's
         ``decode`` peak and the ``swapped`` live copy where a decode runs, the live copy alone where passes run
-        under swapped-in weights without one, one image's ``encode`` peak where images are encoded (0 without
+        under swapped-in weights without one, one image's ``encode`` peak where images are encoded, a training
+        chunk's ``reward_gradient`` peak where a reward's gradient is taken through the decoder (0 without
         moments)."""
         def extra(m: Holding) -> float:
             return ((decode + swapped if m.decoding else swapped if m.swapping else 0.0)
-                    + (encode if m.encoding else 0.0))
+                    + (encode if m.encoding else 0.0) + (reward_gradient if m.reward_gradient else 0.0))
 
         return max((self.holding_bytes(m, rollout) + extra(m) for m in self.step_holdings().moments), default=0.0)
 
@@ -445,6 +456,13 @@ def decode_peak_bytes(vae: nn.Module, latent: torch.Size | tuple[int, ...], dtyp
     return _vae_peak_bytes(vae, "decode", tuple(latent), dtype)
 
 
+def decode_gradient_peak_bytes(vae: nn.Module, latent: torch.Size | tuple[int, ...], dtype: torch.dtype) -> float:
+    """Bytes alive at the peak of ``vae.decode`` of meta latents of ``latent`` shape with grad, and of its
+    backward to the latents (the VAE frozen, in ``dtype``): what a reward's gradient through the decoder takes
+    beyond the reward itself."""
+    return _vae_peak_bytes(vae, "decode_gradient", tuple(latent), dtype)
+
+
 def encode_peak_bytes(vae: nn.Module, image: tuple[int, ...], dtype: torch.dtype) -> float:
     """Bytes alive at the peak of ``vae.encode`` of one meta image of ``image`` shape ``(1, 3, H, W)`` (no grad,
     the VAE in ``dtype``), as a policy's ``encode_images`` encodes them: one at a time."""
@@ -461,9 +479,16 @@ def _vae_peak_bytes(vae: nn.Module, direction: str, shape: tuple[int, ...], dtyp
         with diffusers_warnings_off():
             vae = vae.to(dtype)
         live = _LiveBytes()
-        with torch.no_grad(), live:
-            run = vae.decode if direction == "decode" else vae.encode
-            run(torch.zeros(*shape, device="meta", dtype=dtype), return_dict=False)
+        if direction == "decode_gradient":
+            vae.requires_grad_(False)  # frozen: only the latents' gradient is taken
+            latent = torch.zeros(*shape, device="meta", dtype=dtype, requires_grad=True)
+            with torch.enable_grad(), live:
+                images = vae.decode(latent, return_dict=False)[0]
+                torch.autograd.grad(images.float().sum(), latent)
+        else:
+            with torch.no_grad(), live:
+                run = vae.decode if direction == "decode" else vae.encode
+                run(torch.zeros(*shape, device="meta", dtype=dtype), return_dict=False)
         _VAE_PEAKS[key] = float(live.peak)
     return _VAE_PEAKS[key]
 
@@ -483,10 +508,13 @@ def _encode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], lat
         return 0.0
 
 
-def _decode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], latent: Any, samples: int) -> float:
+def _decode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], latent: Any, samples: int,
+                  gradient: bool = False) -> float:
     """The decode's peak for one chunk of ``samples`` rollouts where the transformer reads the VAE's latents as
     they are (``(B, C, H, W)`` or ``(B, C, F, H, W)`` with the VAE's channels: SD3, Wan text-to-video); a
-    family that packs latents into tokens, or adds condition channels, is not sized (0)."""
+    family that packs latents into tokens, or adds condition channels, is not sized (0). ``gradient``: the
+    decode with grad and its backward, for exactly ``samples`` (a training chunk, as a reward gradient takes
+    it), not the decode batch."""
     vae = models.get("vae")
     if vae is None or not hasattr(vae, "decode") or not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5):
         return 0.0
@@ -495,10 +523,11 @@ def _decode_bytes(cfg: TrainConfig, spec: Any, models: dict[str, nn.Module], lat
         return 0.0
     import pipelines
 
-    chunk = min(samples, cfg.model.decode_batch_size or spec.decode_batch)
+    chunk = samples if gradient else min(samples, cfg.model.decode_batch_size or spec.decode_batch)
     dtype = torch.float32 if spec.vae_float32 else pipelines.parse_dtype(cfg.model.dtype)
+    peak = decode_gradient_peak_bytes if gradient else decode_peak_bytes
     try:
-        return decode_peak_bytes(vae, (chunk, *latent.shape[1:]), dtype)
+        return peak(vae, (chunk, *latent.shape[1:]), dtype)
     except (RuntimeError, NotImplementedError, ValueError, TypeError):
         return 0.0  # a decoder the meta device cannot run: the plan then sizes the training pass alone
 
@@ -541,7 +570,10 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     both = spec.transformer_inputs(transformer.config, per_sample * (2 if twice else 1), size, dtype=dtype)
     rollout = rollout_sample_bytes(both, per_sample, size)  # a rollout keeps both branches' conditioning
     decode = _decode_bytes(cfg, spec, models, both.get("hidden_states"), per_sample)
-    encodes = any(m.encoding for m in trainer.step_holdings(tcfg).moments)  # images of its own (offline pairs)
+    moments = trainer.step_holdings(tcfg).moments
+    encodes = any(m.encoding for m in moments)  # images of its own (offline pairs)
+    reward_gradient = (_decode_bytes(cfg, spec, models, both.get("hidden_states"), per_sample, gradient=True)
+                       if any(m.reward_gradient for m in moments) else 0.0)
     # the rows that carry gradients in the training forward: the conditional half alone under a detached CFG
     rows = per_sample * (2 if twice and trainer.grads_through_unconditional(tcfg) else 1)
     inputs = both if rows == per_sample * (2 if twice else 1) else \
@@ -573,7 +605,8 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     return Model(spec.name, params, trained, largest, Activations(per(act.outside), per(act.in_blocks),
                                                                   per(act.largest_block), per(act.block_inputs)),
                  rollout, twice, decode, 4 if spec.vae_float32 else 0,
-                 _encode_bytes(cfg, spec, models, both.get("hidden_states"), size) if encodes else 0.0)
+                 _encode_bytes(cfg, spec, models, both.get("hidden_states"), size) if encodes else 0.0,
+                 reward_gradient)
 
 
 #: what a meta forward saved, by :func:`_forward_key`: recipes of one model at one batch and size (a
@@ -678,7 +711,7 @@ def memory_rows(model: Model, s: Settings) -> dict[str, float]:
         # and what a trainer's own collect holds at once, while the gradients are freed (the optimiser's
         # state stays); above what the step keeps through the update
         "sampling, above the update's peak": max(0.0, s.outside_update_bytes(model.rollout, model.decode, swapped,
-                                                                         model.encode)
+                                                                         model.encode, model.reward_gradient)
                                                  - held - activations - gradients),
         "rollouts of the step": held,
         "overhead (CUDA context, allocator)": OVERHEAD_BYTES,

@@ -34,7 +34,9 @@ class Holding:
     decode (the live copy alone); ``encoding``: whether the VAE encodes an image then (one at a time: its
     peak). ``means``: further float32 latents kept only while the trained tensors are whole (a KL reference's
     step means, computed once a batch; under fsdp every forward is a collective, so the loss computes each one
-    when it needs it and none is kept)."""
+    when it needs it and none is kept). ``reward_gradient``: whether a differentiable reward's gradient is taken
+    through the VAE decoder then, one training chunk at a time (the decoder's forward with grad and its
+    backward: their peak)."""
 
     rollouts: float = 0.0
     latents: float = 0.0
@@ -44,6 +46,7 @@ class Holding:
     decoding: bool = False
     swapping: bool = False
     encoding: bool = False
+    reward_gradient: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ known answers in ``tests/flowalign/trainers/known_answers/diffusion_opsd_ablatio
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -47,6 +48,7 @@ from pydantic import Field, model_validator
 
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
+from flowalign.plan_holdings import Holding, StepHoldings
 from flowalign.sampling import Rollout
 from flowalign.sampling.ode_solvers import DPMSolverSteps, OdeSolver
 from flowalign.sampling.timesteps import fixed, integer_timestep, model_timestep
@@ -301,6 +303,17 @@ def opsd_loss(
 class DiffusionOPSDTrainer(SelfDistillTrainer):
     Config = DiffusionOPSDConfig
     tcfg: DiffusionOPSDConfig
+
+    @classmethod
+    def step_holdings(cls, tcfg: DiffusionOPSDConfig) -> StepHoldings:
+        """The loop's rollouts, and (``direction: grad``) the targets' reward gradients: each training chunk's
+        anchors decoded with grad and backpropagated to, under φ swapped in, while the step's rollouts are held
+        (:meth:`fit_units` from :meth:`plan`, before the optimiser steps, the gradients freed)."""
+        base = super().step_holdings(tcfg)
+        if tcfg.direction != "grad":
+            return base
+        gradient = Holding(rollouts=tcfg.group_size, swapping=True, reward_gradient=True)
+        return dataclasses.replace(base, moments=(*base.moments, gradient))
 
     @property
     def sampler(self) -> OdeSolver:  # type: ignore[override]

@@ -456,3 +456,56 @@ def test_flow_opd_velocity_distillation_holds_its_states_and_targets_not_rollout
     for strategy in ("ddp", "fsdp"):
         rows = memory_rows(model, settings(cfg, strategy, 1, model))
         assert rows[HELD] == pytest.approx(targets + cond)
+
+
+# ---------------------------------------------------------------------------------------------- DiffusionOPSD
+
+
+def test_the_reward_gradient_through_the_decoder_is_sized_for_the_chunks_diffusion_opsd_backpropagates(
+        tmp_path, monkeypatch):
+    """DiffusionOPSD's targets take the reward's gradient through the VAE decoder, one training chunk at a time
+    while the step's rollouts are held: the plan sizes that chunk's decode with grad and its backward on the
+    meta device as the real decoder allocates it on the CPU (forward and backward, the live tensors at their
+    most), adds it to that moment alone, and only where the direction is the reward's gradient."""
+    from diffusers import AutoencoderKL
+
+    from flowalign.plan import _LiveBytes, build_on_meta, decode_gradient_peak_bytes
+
+    monkeypatch.chdir(REPO_ROOT)
+    sizes = ("trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.batch_size=2", "trainer.num_steps=2",
+             "trainer.ema_decay=0")
+    cfg = _tiny("diffusion_opsd_vvr", tmp_path, *sizes)
+    trainer = build_trainer(cfg)
+    rows_with_grad: list[int] = []
+    decode = trainer.policy.decode
+
+    def recorded(x0):
+        if torch.is_grad_enabled() and x0.requires_grad:
+            rows_with_grad.append(x0.shape[0])
+        return decode(x0)
+
+    trainer.policy.decode = recorded
+    torch.manual_seed(0)
+    trainer.plan(trainer.collect(0), torch.Generator().manual_seed(0))
+    assert rows_with_grad and max(rows_with_grad) == trainer.training_batch(trainer.tcfg) == 2
+
+    model = inspect_model(cfg, REPO_ROOT / cfg.model.path)
+    vae = AutoencoderKL.from_pretrained(REPO_ROOT / cfg.model.path / "vae").eval().requires_grad_(False)
+    latent = torch.zeros(2, vae.config.latent_channels, 16, 16, requires_grad=True)  # the tiny model's 64 px
+    live = _LiveBytes()
+    with live:
+        torch.autograd.grad(vae.decode(latent, return_dict=False)[0].float().sum(), latent)
+    meta = build_on_meta(REPO_ROOT / cfg.model.path)["vae"]
+    assert model.reward_gradient == decode_gradient_peak_bytes(meta, tuple(latent.shape), torch.float32)
+    # the CPU's backward kernels keep a few intermediates the meta ones do not (1.5 % here)
+    assert model.reward_gradient == pytest.approx(live.peak, rel=0.02)
+    assert model.reward_gradient > 2 * model.decode > 0  # grad keeps what a no-grad decode frees as it goes
+
+    # the moment's excess is the chunk's peak; other directions and trainers take no reward gradient
+    bare = _no_update_peak(model)
+    random = _tiny("diffusion_opsd_vvr", tmp_path, *sizes, "trainer.direction=random")
+    assert inspect_model(random, REPO_ROOT / cfg.model.path).reward_gradient == 0.0
+    s, s_random = settings(cfg, "ddp", 1, model), settings(random, "ddp", 1, model)
+    assert _row_difference(bare, s, s, s_random, SAMPLING) == pytest.approx(model.reward_gradient)
+    flow_grpo = _tiny("flow_grpo_vvr", tmp_path)
+    assert inspect_model(flow_grpo, REPO_ROOT / flow_grpo.model.path).reward_gradient == 0.0
