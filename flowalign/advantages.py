@@ -50,19 +50,47 @@ def per_reward_advantages(components: torch.Tensor, weights: torch.Tensor, group
     return torch.stack(per_reward, dim=1) @ weights.to(per_reward[0].dtype)
 
 
+GDPOStd = Literal["floor", "unbiased", "population"]
+GDPO_STDS = ("floor", "unbiased", "population")
+
+
 def gdpo_advantages(
-    components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, *, eps: float = 1e-4
+    components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, *, std: GDPOStd = "floor",
+    eps: float | None = None,
 ) -> torch.Tensor:
     """GDPO (arXiv 2601.05242): normalise each reward within its group, weight-sum, renormalise over the batch.
 
-    ``components`` ``(N, M)`` raw rewards, ``weights`` ``(M,)``. ``A^(m) = (r^(m) − mean_g)/(std_g + eps)``,
-    ``S = Σ_m w_m A^(m)``, ``Â = (S − mean_batch S)/(std_batch S + eps)``.
+    ``components`` ``(N, M)`` raw rewards, ``weights`` ``(M,)`` as written (not divided by their sum).
+    ``A^(m) = (r^(m) − mean_g)/s_g``, ``S = Σ_m w_m A^(m)``, ``Â = (S − mean_batch S)/s_batch``, where ``std``
+    says what divides:
+
+    - ``"floor"``: the population std floored, ``max(std, eps)`` with ``eps`` 1e-6 (Flow-Factory's
+      ``AdvantageProcessor.compute_gdpo``, which the CrossTimeEdit authors train with);
+    - ``"unbiased"``: torch's unbiased std plus ``eps`` 1e-4 (the GDPO authors' trl trainer); a group of one
+      sample has no spread and gets 0, a batch of one is centred only (theirs would be NaN);
+    - ``"population"``: the population std plus ``eps`` 1e-4 (flowalign's former form).
+
+    A criterion on which a group ties contributes 0 to that group under every form. Computed in float64, as
+    their NumPy code: near the 1e-6 floor, float32's rounding of a group mean (≈ 6e-8 for a reward near 1)
+    would be a visible part of the spread. Returned in the rewards' dtype (at least float32).
     """
-    per_reward = torch.stack(
-        [group_advantages(components[:, m], groups, std="group", eps=eps) for m in range(components.shape[1])], dim=1
-    )
-    summed = per_reward @ weights.float()
-    return (summed - summed.mean()) / (summed.std(unbiased=False) + eps)
+    if std not in GDPO_STDS:
+        raise ValueError(f"unknown gdpo std {std!r}; choose one of {', '.join(GDPO_STDS)}")
+    eps = (1e-6 if std == "floor" else 1e-4) if eps is None else eps
+    out_dtype = torch.promote_types(components.dtype, torch.float32)
+    values = components.to(torch.float64)
+    unbiased = std == "unbiased"
+    per_reward = []
+    for m in range(values.shape[1]):
+        mean, spread = _group_mean_std(values[:, m], groups, unbiased)
+        scale = spread.clamp(min=eps) if std == "floor" else spread + eps
+        per_reward.append((values[:, m] - mean) / scale)
+    summed = torch.stack(per_reward, dim=1) @ weights.to(torch.float64)
+    if unbiased and summed.numel() < 2:
+        return (summed - summed.mean()).to(out_dtype)
+    spread = summed.std(unbiased=unbiased)
+    scale = spread.clamp(min=eps) if std == "floor" else spread + eps
+    return ((summed - summed.mean()) / scale).to(out_dtype)
 
 
 def win_rates(
@@ -186,6 +214,7 @@ def compute_advantages(
     batch_renormalise: bool = False,
     unbiased: bool = False,
     normalise_weights: bool = False,
+    gdpo_std: GDPOStd = "floor",
 ) -> torch.Tensor:
     """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
     ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards; ``win_rate``
@@ -196,7 +225,8 @@ def compute_advantages(
     pointwise and a pairwise group by ``pairwise_weight`` (:func:`dual_group_advantages`); ``per_reward`` sums
     each reward's group advantage (:func:`per_reward_advantages`); ``unbiased``: the ``group``, ``global_std``
     and ``per_reward`` std divided by n − 1; ``normalise_weights``: the weights divided by their sum first (when
-    it is positive), as MixGRPO's script does."""
+    it is positive), as MixGRPO's script does; ``gdpo_std``: what divides ``gdpo``'s advantages
+    (:func:`gdpo_advantages`; ``"population"``, the former form, adds ``eps``)."""
     if normalise_weights and float(weights.sum()) > 0:
         weights = weights / weights.sum()
     total = components.float() @ weights.float()
@@ -207,7 +237,8 @@ def compute_advantages(
     elif kind == "per_reward":
         adv = per_reward_advantages(components, weights, groups, eps=eps, unbiased=unbiased)
     elif kind == "gdpo":
-        adv = gdpo_advantages(components, weights, groups, eps=eps)
+        # the former form reads the caller's eps; the authors' forms carry their own constants
+        adv = gdpo_advantages(components, weights, groups, std=gdpo_std, eps=eps if gdpo_std == "population" else None)
     elif kind == "win_rate" and win_rate_normalisation == "per_reward":
         adv = per_reward_win_rate_advantages(components, weights, groups, judged, batch_renormalise=batch_renormalise)
     elif kind == "win_rate":

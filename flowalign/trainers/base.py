@@ -417,8 +417,10 @@ class GroupTrainer:
         logs = self.reward_logs(scores)
         advantages = None
         if prompt_ids is not None:
+            # gdpo_std is every advantage section's; a trainer's own options come on top
+            options = {"gdpo_std": self.tcfg.gdpo_std, **self.advantage_options()}
             advantages = gathered_advantages(self.tcfg.advantage, scores, prompt_ids, self.acc, self.tcfg.adv_clip,
-                                             **self.advantage_options())
+                                             **options)
             logs["zero_adv_fraction"] = (advantages == 0).float().mean().item()
         return Scored(scores, advantages, logs)
 

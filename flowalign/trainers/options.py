@@ -147,6 +147,11 @@ class AdvantageOptions(Section):
     #: global_std (the Flow-GRPO default): per-prompt mean, std over the whole gathered batch
     advantage: str = Field("global_std", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
     adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
+    #: what divides ``advantage: gdpo``'s advantages, within each group and over the batch: "floor", the
+    #: population std floored at 1e-6 (Flow-Factory's compute_gdpo, which the CrossTimeEdit authors train
+    #: with); "unbiased", torch's unbiased std + 1e-4 (the GDPO authors' trl trainer); "population", the
+    #: population std + 1e-4 (the former form). Other advantage kinds ignore it
+    gdpo_std: Literal["floor", "unbiased", "population"] = "floor"
 
 
 class InnerEpochOptions(Section):

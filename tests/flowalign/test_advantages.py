@@ -29,19 +29,21 @@ def test_global_std_divides_by_std_of_all_rewards():
 
 
 def test_gdpo_formula():
+    """The default divides by the population std floored at 1e-6; ``std="population"`` (the former form) adds
+    eps to it instead (the authors' form against their code: tests/flowalign/trainers/test_crosstimeedit_gdpo.py)."""
     torch.manual_seed(0)
     comps, weights = torch.rand(8, 2), torch.tensor([0.3, 0.7])
     g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    eps = 1e-4
-    per = []
-    for m in range(2):
-        col = comps[:, m]
-        mean = torch.stack([col[g == k].mean() for k in g])
-        std = torch.stack([col[g == k].std(unbiased=False) for k in g])
-        per.append((col - mean) / (std + eps))
-    s = 0.3 * per[0] + 0.7 * per[1]
-    expected = (s - s.mean()) / (s.std(unbiased=False) + eps)
-    torch.testing.assert_close(gdpo_advantages(comps, weights, g, eps=eps), expected)
+    for form, scale in (("floor", lambda std: std.clamp(min=1e-6)), ("population", lambda std: std + 1e-4)):
+        per = []
+        for m in range(2):
+            col = comps[:, m]
+            mean = torch.stack([col[g == k].mean() for k in g])
+            std = torch.stack([col[g == k].std(unbiased=False) for k in g])
+            per.append((col - mean) / scale(std))
+        s = 0.3 * per[0] + 0.7 * per[1]
+        expected = (s - s.mean()) / scale(s.std(unbiased=False))
+        torch.testing.assert_close(gdpo_advantages(comps, weights, g, std=form), expected)
 
 
 def test_gdpo_differs_from_normalising_the_weighted_sum():
