@@ -94,6 +94,7 @@ class FlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
     #: what runs saved before these options existed computed (see TrainerConfig.before): the recipes with
     #: ``advantage: gdpo`` (CrossTimeEdit, motion insight) are this trainer's
     before = {"gdpo_std": "population"}
+    before_when = {"gdpo_std": ("advantage", ("gdpo",))}
 
 
 # ---------------------------------------------------------------------------------------------- the loss

@@ -32,6 +32,10 @@ class TrainerConfig(Section):
     #: runs computed: the value that is (a run saved without the key resumes only with it, see
     #: :func:`flowalign.train.check_run_dir`)
     before: ClassVar[dict[str, Any]] = {}
+    #: ``{key: (option, values)}`` of :attr:`before` entries whose former value computed something else only
+    #: where the run's ``option`` is one of ``values`` (``gdpo_std`` under ``advantage: gdpo``): elsewhere a run
+    #: saved without the key resumes under the default
+    before_when: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {}
 
     name: str
     max_steps: int = Field(100, ge=1, le=MAX_TRAIN_STEPS)

@@ -118,6 +118,34 @@ def test_a_run_saved_before_an_option_changed_its_computation_resumes_only_as_it
     prepare_run_dir(tmp_path, resolved("trainer.step_draw=per_batch", "trainer.zero_advantage=skipped"), "auto")
 
 
+def test_a_former_form_tied_to_another_option_refuses_only_the_runs_that_used_it(tmp_path):
+    """``gdpo_std`` changed what ``advantage: gdpo`` computes, nothing else (``Config.before_when``): a Flow-GRPO
+    run saved before it existed resumes under the default unless it trained with gdpo advantages, which is told
+    the line that continues it."""
+    import yaml
+
+    from flowalign.config import dump_config
+    from flowalign.trainers import trainer_config
+
+    def resolved(*overrides: str) -> str:
+        cfg = load_config(None, ["trainer.name=flow_grpo", *overrides])
+        return dump_config(cfg, trainer_config(cfg.trainer)[1])
+
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
+    for advantage, refused in (("global_std", False), ("gdpo", True)):
+        earlier = yaml.safe_load(resolved(f"trainer.advantage={advantage}"))
+        del earlier["trainer"]["gdpo_std"]
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+        if refused:
+            with pytest.raises(UserError, match=r"saved before trainer.gdpo_std existed, which computed "
+                                                r"trainer.gdpo_std=population; add"):
+                prepare_run_dir(tmp_path, resolved(f"trainer.advantage={advantage}"), "auto")
+            prepare_run_dir(tmp_path, resolved(f"trainer.advantage={advantage}", "trainer.gdpo_std=population"), "auto")
+        else:
+            prepare_run_dir(tmp_path, resolved(f"trainer.advantage={advantage}"), "auto")
+
+
 def test_a_run_saved_under_an_options_former_name_resumes_and_one_whose_meaning_changed_is_refused(tmp_path):
     """SOAR's K, w_cfg, N, lam (now rollout_steps, rollout_guidance, corrections, correction_weight) in a saved
     config are read under their names now: the run resumes with the same values, and is refused with others.
