@@ -140,6 +140,7 @@ def rollout(
     generators: Sequence[torch.Generator] | None = None,
     sde_last_step: bool = False,
     keep_unconditional: bool = False,
+    prefix: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid.
 
@@ -163,6 +164,11 @@ def rollout(
     ``generators`` (one per sample) draws each sample's initial noise and SDE noise from its own stream,
     so a sample does not depend on which others share its batch (or rank); ``generator`` draws the
     whole batch's noise from one stream.
+
+    ``prefix`` ``(B, k + 1, ...)``: the states ``x_T … x_k`` of trajectories already integrated over their first
+    ``k`` steps, all ODE steps (e.g. one ODE trajectory that several branches leave at step ``k``): the rollout
+    starts at ``x_k`` with step ``k``; the prefix's states stand as its first latents, its steps' log-probs are
+    NaN (ODE) and, with ``keep_unconditional``, their unconditional velocities NaN (not computed here).
     """
     prompts = check_prompts(prompts)
     if getattr(policy, "streaming", False):
@@ -183,7 +189,9 @@ def rollout(
 
     cond = encode_prompts(policy, prompts, meta)  # with metadata['image'] for image-conditioned policies
     sigmas = solver.sigmas(policy.sigmas, num_steps) if solver else policy.sigmas(num_steps).float()
-    x = _start(policy, len(prompts), initial_noise, generator, generators)
+    start = 0 if prefix is None else prefix.shape[1] - 1
+    x = _start(policy, len(prompts), initial_noise, generator, generators) if prefix is None else \
+        _prefix_start(policy, prefix, len(prompts), num_steps, keep_velocities)
     # CPS has τ = 0 on the step to σ' = 0: that step stays an ODE step whatever ``sde_last_step`` says
     last = sde_last_step and sampler != "cps"
     if solver is not None:
@@ -199,11 +207,20 @@ def rollout(
             return custom_step
         return _kind_step(sampler if mask[k] else "ode", level, cps_log_prob)
 
+    if mask[:start].any():
+        raise UserError(f"prefix: its {start} steps are ODE steps, but the rollout's steps "
+                        f"{mask[:start].nonzero().flatten().tolist()} are stochastic; start after them")
     keep_unconditional = keep_unconditional and guidance > 1 and hasattr(policy, "velocity_and_unconditional")
     form = truncated if solver is not None and solver.timestep == "truncated" else None
     latents, log_probs, velocities, unconditional = _integrate(
         policy, x, sigmas, cond, guidance, mask, step_at, generator=generator, generators=generators,
-        guide=guide, keep_velocities=keep_velocities, keep_unconditional=keep_unconditional, timestep_form=form)
+        guide=guide, keep_velocities=keep_velocities, keep_unconditional=keep_unconditional, timestep_form=form,
+        first_step=start)
+    if start:
+        latents = [*prefix[:, :-1].float().to(policy.device).unbind(1), *latents]
+        log_probs = torch.cat([torch.full((len(prompts), start), float("nan")), log_probs], dim=1)
+        unconditional = [torch.full_like(unconditional[0], float("nan"))] * start + unconditional if unconditional \
+            else unconditional
     x = latents[-1]
     samples = policy.decode(x) if decode else None
     return Rollout(
@@ -249,18 +266,20 @@ def _integrate(
     keep_velocities: bool,
     keep_unconditional: bool = False,
     timestep_form: TimestepMap | None = None,
+    first_step: int = 0,
 ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Run the ``len(mask)`` steps from ``x`` ``(B, ...)`` along ``sigmas``, step ``k`` with ``step_at(k)``, the
-    transformer reading ``timestep_form`` of its timestep (None: the pipeline's; :func:`model_timestep`).
+    """Run steps ``first_step … len(mask) − 1`` from ``x`` ``(B, ...)`` (the state at ``sigmas[first_step]``)
+    along ``sigmas``, step ``k`` with ``step_at(k)``, the transformer reading ``timestep_form`` of its timestep
+    (None: the pipeline's; :func:`model_timestep`).
 
-    Returns the latents ``[x_0, ..., x_T]`` (each ``(B, ...)``), the log-probs ``(B, T)`` (NaN on ODE
-    steps), with ``keep_velocities`` the policy's velocities before any guide and with
+    Returns the latents ``[x_first, ..., x_T]`` (each ``(B, ...)``), the log-probs ``(B, T − first_step)`` (NaN
+    on ODE steps), with ``keep_velocities`` the policy's velocities before any guide and with
     ``keep_unconditional`` the unconditional velocities (else empty lists).
     """
     latents = [x]
     log_probs = []  # on the device until the last step: reading each step's would make the host wait for it
     velocities, unconditional = [], []
-    for k in range(len(mask)):
+    for k in range(first_step, len(mask)):
         with model_timestep(policy, timestep_form, sigmas[k].item()):
             if keep_unconditional:
                 v, v_u = policy.velocity_and_unconditional(x, sigmas[k].item(), cond, guidance)
@@ -295,6 +314,17 @@ def _start(policy: FlowPolicy, n: int, initial_noise: torch.Tensor | None, gener
     else:
         x = policy.initial_noise(n, generator)
     return x.to(policy.device)
+
+
+def _prefix_start(policy: FlowPolicy, prefix: torch.Tensor, n: int, num_steps: int, keep_velocities: bool) -> torch.Tensor:
+    """``x_k`` ``(n, ...)`` on the policy's device, the last state of ``prefix`` ``(n, k + 1, ...)``, checked."""
+    if prefix.ndim < 3 or prefix.shape[0] != n or not 1 <= prefix.shape[1] <= num_steps:
+        raise UserError(f"prefix: shape {tuple(prefix.shape)}; give (samples={n}, k + 1, ...) states x_T … x_k "
+                        f"with k < num_steps={num_steps}")
+    if keep_velocities:
+        raise UserError("prefix: keep_velocities needs every step's velocity, which a prefix's steps did not keep "
+                        "here; roll out from x_T instead")
+    return prefix[:, -1].float().to(policy.device)
 
 
 def _kind_step(kind: str, level: float, cps_log_prob: str) -> StepFn:

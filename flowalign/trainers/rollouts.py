@@ -100,7 +100,8 @@ class StepBatch:
 
 @dataclass
 class SampleSlot:
-    """One sample to draw: its prompt, group, member index and generator."""
+    """One sample to draw: its prompt, group, member index and generator; ``prefix`` ``(k + 1, ...)``: the states
+    ``x_T … x_k`` of an ODE trajectory it leaves at step ``k`` (None: it starts at ``x_T``)."""
 
     prompt: str
     metadata: dict[str, Any]
@@ -108,13 +109,14 @@ class SampleSlot:
     prompt_id: int
     generator: torch.Generator
     initial_noise: torch.Tensor | None
+    prefix: torch.Tensor | None = None
 
 
 def rollout_batches(slots: list[SampleSlot], sampling: dict[int, Sampling], batch_size: int) -> list[list[SampleSlot]]:
-    """Consecutive samples of equal :class:`Sampling` in batches of at most ``batch_size``."""
-    buckets: dict[Sampling, list[SampleSlot]] = {}
+    """Consecutive samples of equal :class:`Sampling` (and prefix length) in batches of at most ``batch_size``."""
+    buckets: dict[tuple[Sampling, int], list[SampleSlot]] = {}
     for slot in slots:
-        buckets.setdefault(sampling[slot.group], []).append(slot)
+        buckets.setdefault((sampling[slot.group], 0 if slot.prefix is None else len(slot.prefix)), []).append(slot)
     return [bucket[i : i + batch_size] for bucket in buckets.values() for i in range(0, len(bucket), batch_size)]
 
 
@@ -136,14 +138,15 @@ def sample_slots(policy: Any, prompts: list[str], metadata: list[dict], groups: 
 
 
 def roll_out(policy: Any, batch: list[SampleSlot], how: Sampling, num_steps: int, guidance: float | None) -> Rollout:
-    """One rollout batch."""
+    """One rollout batch (its slots' prefixes, where they have them, all of one length)."""
     noise = [s.initial_noise for s in batch]
+    prefix = None if batch[0].prefix is None else torch.stack([s.prefix for s in batch])
     return rollout(policy, [s.prompt for s in batch], num_steps=num_steps, sampler=how.sampler,
                    noise_level=how.noise_level, guidance_scale=guidance, sde_window=how.sde_window,
                    metadata=[s.metadata for s in batch], generators=[s.generator for s in batch],
                    initial_noise=None if noise[0] is None else torch.cat(noise), cps_log_prob=how.cps_log_prob,
                    keep_velocities=how.keep_velocities, sde_last_step=how.sde_last_step,
-                   keep_unconditional=how.keep_unconditional)
+                   keep_unconditional=how.keep_unconditional, prefix=prefix)
 
 
 def sample_and_score(policy: Any, rewards: RewardSet, batches: list[list[SampleSlot]], sampling: dict[int, Sampling],

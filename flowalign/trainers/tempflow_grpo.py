@@ -16,7 +16,7 @@ or ``c·τ_k`` with ``noise_weight_scale: c``) and the authors' KL scaled by the
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -24,7 +24,7 @@ from pydantic import Field
 from flowalign.config import StepIndex
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
-from flowalign.sampling import Rollout, StepOutput, branch_candidates, draw_branch_step, noise_aware_weights
+from flowalign.sampling import Rollout, StepOutput, branch_candidates, draw_branch_step, noise_aware_weights, rollout
 from flowalign.trainers.base import Sampling, StepBatch
 from flowalign.trainers.flow_grpo import FlowGRPOBase, FlowGRPOTrainer, SDEOptions, StepUnit
 from flowalign.trainers.options import ReferenceOptions
@@ -35,7 +35,7 @@ from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 class TempFlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions):
     name: Literal["tempflow_grpo"] = "tempflow_grpo"
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"branching": "one_step"}
+    before = {"branching": "one_step", "ode_prefix": "recomputed"}
     #: the noise-aware weight needs a Gaussian step of known std
     sampler: Literal["flow_grpo", "dance"] = "flow_grpo"  # type: ignore[assignment]
     #: "every_step" (the authors'): each prompt group's trajectory branches at every step of branch_steps,
@@ -52,6 +52,10 @@ class TempFlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions):
     noise_weight_scale: float | None = Field(None, gt=0, le=MAX_COEFFICIENT)
     #: a seed group: every member of a prompt group starts from the same x_T (every_step needs it)
     shared_initial_noise: bool = True
+    #: "shared" (the authors'): the ODE path from a group's x_T is integrated once and every branch leaves it at
+    #: its branching step; "recomputed": each branch integrates the path x_T → x_k itself (the same states up
+    #: to kernel rounding, k more transformer passes a branch). Without shared_initial_noise nothing is shared
+    ode_prefix: Literal["shared", "recomputed"] = "shared"
     advantage: str = Field("group", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
     #: weight β of the KL to the reference, the authors' pickscore_sd3_pr value; with kl_mode code it is their
     #: mean_D (μ − μ_ref)² / (2τ_k²), the step's own variance
@@ -147,12 +151,36 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
                       prompt_ids: torch.Tensor, step: int) -> list:
         """every_step: all branches of prompt group g (every step's) start from its one ``x_T`` and draw their
         SDE noise from generators keyed by (seed, step, g, branch): the trajectory is the authors' one ODE path
-        per prompt group, whatever the batching or rank layout."""
+        per prompt group, whatever the batching or rank layout. With ``ode_prefix: shared`` that path is
+        integrated once per trajectory (:meth:`ode_paths`) and each branch starts from its state at the branching
+        step."""
         if self.tcfg.branching == "one_step":
-            return super().rollout_slots(prompts, metadata, groups, prompt_ids, step)
-        # the loop's slots of the prompt groups, x_T shared (check_config makes every_step share it)
-        slots = super().rollout_slots(prompts, metadata, groups // len(self.candidates), prompt_ids, step)
-        return [dataclasses.replace(s, group=g) for s, g in zip(slots, groups.tolist())]
+            slots = super().rollout_slots(prompts, metadata, groups, prompt_ids, step)
+            trajectories = groups.tolist()
+        else:
+            # the loop's slots of the prompt groups, x_T shared (check_config makes every_step share it)
+            trajectories = (groups // len(self.candidates)).tolist()
+            slots = super().rollout_slots(prompts, metadata, groups // len(self.candidates), prompt_ids, step)
+            slots = [dataclasses.replace(s, group=g) for s, g in zip(slots, groups.tolist())]
+        if self.tcfg.ode_prefix == "recomputed" or not self.tcfg.shared_initial_noise:
+            return slots
+        paths = self.ode_paths({t: s for t, s in zip(trajectories, slots)})
+        return [dataclasses.replace(s, prefix=paths[t][: self.branch_step(s.group) + 1])
+                for t, s in zip(trajectories, slots)]
+
+    def ode_paths(self, firsts: dict[int, Any]) -> dict[int, torch.Tensor]:
+        """Each trajectory's ODE states ``(T + 1, ...)`` from its shared ``x_T``, ``firsts`` holding one slot of it
+        (its prompt, metadata and ``x_T``), integrated in batches of ``batch_size`` as the branches' own ODE
+        steps integrate (the rollout's Euler step, its guidance)."""
+        keys = list(firsts)
+        paths: dict[int, torch.Tensor] = {}
+        for i in range(0, len(keys), self.tcfg.batch_size):
+            chunk = [firsts[k] for k in keys[i : i + self.tcfg.batch_size]]
+            trunk = rollout(self.policy, [s.prompt for s in chunk], num_steps=self.tcfg.num_steps, sampler="ode",
+                            guidance_scale=self.tcfg.guidance_scale, metadata=[s.metadata for s in chunk],
+                            initial_noise=torch.cat([s.initial_noise for s in chunk]), decode=False)
+            paths.update(zip(keys[i : i + self.tcfg.batch_size], trunk.latents.unbind(0)))
+        return paths
 
     def trained_steps(self, chunk: Rollout) -> list[int]:
         """The branching step."""

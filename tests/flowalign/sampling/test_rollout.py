@@ -57,3 +57,25 @@ def test_noise_level_out_of_range_and_unknown_sampler():
         rollout(GaussianPolicy(), ["a"], num_steps=2, sampler="cps", noise_level=1.5)
     with pytest.raises(UserError, match="unknown sampler"):
         rollout(GaussianPolicy(), ["a"], num_steps=2, sampler="ddim")
+
+
+def test_a_rollout_from_an_ode_prefix_is_the_whole_rollout_from_its_start():
+    """``prefix``: the states x_T … x_k of an ODE path; the rollout from x_k with the same generator is the
+    rollout from x_T (equal latents and log-probs, NaN on the prefix's steps), and a prefix over a stochastic
+    step, one of another batch size or with keep_velocities is refused in one line."""
+    policy = GaussianPolicy(dim=3)
+    noise = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+    whole = rollout(policy, ["p", "q"], num_steps=6, sampler="flow_grpo", sde_window=(3, 1), initial_noise=noise,
+                    generator=torch.Generator().manual_seed(5))
+    path = rollout(policy, ["p", "q"], num_steps=6, sampler="ode", initial_noise=noise).latents
+    part = rollout(policy, ["p", "q"], num_steps=6, sampler="flow_grpo", sde_window=(3, 1), prefix=path[:, :4],
+                   generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(part.latents, whole.latents)
+    torch.testing.assert_close(part.log_probs, whole.log_probs, equal_nan=True)
+    assert part.sde_mask.tolist() == whole.sde_mask.tolist() and torch.isnan(part.log_probs[:, :3]).all()
+    with pytest.raises(UserError, match=r"prefix: its 4 steps are ODE steps, but the rollout's steps \[3\]"):
+        rollout(policy, ["p", "q"], num_steps=6, sde_window=(3, 1), prefix=path[:, :5])
+    with pytest.raises(UserError, match=r"prefix: shape \(1, 4, 3\); give \(samples=2"):
+        rollout(policy, ["p", "q"], num_steps=6, sde_window=(3, 1), prefix=path[:1, :4])
+    with pytest.raises(UserError, match="prefix: keep_velocities"):
+        rollout(policy, ["p", "q"], num_steps=6, sde_window=(3, 1), prefix=path[:, :4], keep_velocities=True)
