@@ -18,6 +18,9 @@ from rewards.registry import register
 
 HEAD_DOWNLOAD = "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-aesthetic-predictor)"
 CLIP_DOWNLOAD = "openai/clip-vit-large-patch14"
+#: where an odd margin puts the centre crop: ``floor`` as transformers' CLIPProcessor (Flow-GRPO's scorer),
+#: ``round`` as torchvision's CenterCrop (open_clip's and the predictor's own ``clip.load``; the earlier form)
+CROP_OFFSETS = ("floor", "round")
 
 
 class AestheticHead(nn.Module):
@@ -71,7 +74,10 @@ class AestheticScore(EmbeddingReward):
     CLIP model as ``clip/``), ``clip_path`` (the CLIP ViT-L/14 the head was trained on:
     ``openai/clip-vit-large-patch14``, a transformers or open_clip folder or an open_clip checkpoint file;
     default ``path``'s ``clip/``), ``clip_arch`` (the open_clip architecture of a checkpoint file),
-    ``random_init`` (random backbone and head, nothing read), ``batch_size``, ``device``, ``dtype``.
+    ``random_init`` (random backbone and head, nothing read), ``crop_offset`` (``floor``, default: an odd
+    margin's centre crop placed as Flow-GRPO's ``CLIPProcessor`` places it; ``round``: as torchvision's
+    ``CenterCrop``, the earlier form), ``batch_size``, ``device``, ``dtype``. Flow-GRPO's scorer reads 8-bit
+    images through PIL; the float path here differs from it by that rounding only (docs/methods/flow_grpo.md).
     Deprecated: ``head_path`` (→ ``path``), ``model``/``pretrained`` (→ ``clip_path``).
     """
 
@@ -79,8 +85,12 @@ class AestheticScore(EmbeddingReward):
 
     def __init__(self, path: str | None = None, *, clip_path: str | None = None,
                  clip_arch: str = "ViT-L-14-quickgelu", head_path: str | None = None, model: str | None = None,
-                 pretrained: str | None = None, random_init: bool = False, **options: Any):
+                 pretrained: str | None = None, random_init: bool = False, crop_offset: str = "floor",
+                 **options: Any):
         super().__init__(**options)
+        if crop_offset not in CROP_OFFSETS:
+            raise UserError(f"aesthetic reward: crop_offset={crop_offset!r} is not known; use floor "
+                            "(Flow-GRPO's CLIPProcessor, the default) or round (torchvision's CenterCrop)")
         if head_path is not None:
             deprecated(self.name, "head_path", "path:")
             path = path or head_path
@@ -101,6 +111,7 @@ class AestheticScore(EmbeddingReward):
                                 "local folder as clip_path: (or put it beside the head as path/clip)")
             self.clip = load_clip(self.name, clip_path, arch=clip_arch, dtype=self.dtype, download=CLIP_DOWNLOAD,
                                   option="clip_path", random_init=random_init)
+        self.clip.crop_offset = crop_offset
         self.head = AestheticHead(self.clip.embed_dim)
         if not random_init:
             given = weights_path(self.name, path, download=HEAD_DOWNLOAD)

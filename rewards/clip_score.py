@@ -21,6 +21,12 @@ PROMPT_FORMS = {"as_given": lambda prompt: prompt,
 #: and CLIPImageProcessor's bicubic), or ``bilinear`` as FAV's HPSv2 scorer (torchvision ``Resize(224,
 #: antialias=True)``, bilinear by default); both antialiased, shortest side first
 INTERPOLATIONS = ("model", "bicubic", "bilinear")
+#: the score's form: name → divisor of ``exp(logit_scale)·cos`` (``None``: the bare cosine). ``flow_grpo`` is
+#: Flow-GRPO's ClipScorer, ``logits_per_image / 30``
+CLIP_FORMS: dict[str, float | None] = {"cosine": None, "flow_grpo": 30.0}
+#: where an odd margin puts the centre crop: ``round`` as torchvision's CenterCrop (open_clip's, and Flow-GRPO's
+#: ClipScorer, a torchvision transform), ``floor`` as transformers' CLIPImageProcessor
+CROP_OFFSETS = ("round", "floor")
 
 
 @register("clip_score")
@@ -34,7 +40,10 @@ class CLIPScore(EmbeddingReward):
     (the architecture with random weights), ``prompt_form`` (what the text encoder reads: ``as_given``, or
     ``photo_of_first_clause``, "a photo of a {the prompt up to its first comma}", as FAV's HPSv2 scorer wraps
     it), ``interpolation`` (how images are resampled to the model's input size: ``model``, its preprocessing
-    config's, bicubic for CLIP; ``bicubic``; or ``bilinear``, as FAV's HPSv2 scorer), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
+    config's, bicubic for CLIP; ``bicubic``; or ``bilinear``, as FAV's HPSv2 scorer), ``form`` (``cosine``, the
+    default; ``flow_grpo``: ``exp(logit_scale)·cos / 30`` on images resampled bilinear unless ``interpolation``
+    names another, Flow-GRPO's ClipScorer), ``crop_offset`` (``round``, default, as torchvision's
+    ``CenterCrop``; ``floor`` as transformers' ``CLIPImageProcessor``), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
     ``model`` (architecture, ``local-dir:`` or ``hf-hub:``) and ``pretrained`` (file or open_clip tag).
     Differentiable in the samples.
     """
@@ -43,11 +52,19 @@ class CLIPScore(EmbeddingReward):
     #: what to download, as the missing-path line says it
     download = "a CLIP model (e.g. openai/clip-vit-large-patch14)"
     default_arch = "ViT-L-14-quickgelu"
+    #: the forms this reward offers (``hps`` is the cosine only, as the hpsv2 package scores it)
+    forms: tuple[str, ...] = tuple(CLIP_FORMS)
 
     def __init__(self, path: str | None = None, *, arch: str | None = None, processor_path: str | None = None,
                  model: str | None = None, pretrained: str | None = None, random_init: bool = False,
-                 prompt_form: str = "as_given", interpolation: str = "model", **options: Any):
+                 prompt_form: str = "as_given", interpolation: str = "model", form: str = "cosine",
+                 crop_offset: str = "round", **options: Any):
         super().__init__(**options)
+        if form not in self.forms:
+            raise UserError(f"{self.name} reward: form={form!r} is not known; use one of {', '.join(self.forms)}")
+        if crop_offset not in CROP_OFFSETS:
+            raise UserError(f"{self.name} reward: crop_offset={crop_offset!r} is not known; use round "
+                            "(torchvision's CenterCrop, the default) or floor (CLIPImageProcessor's)")
         if prompt_form not in PROMPT_FORMS:
             raise UserError(f"{self.name} reward: prompt_form={prompt_form!r}; use one of {', '.join(PROMPT_FORMS)}")
         if interpolation not in INTERPOLATIONS:
@@ -55,6 +72,10 @@ class CLIPScore(EmbeddingReward):
                             f"{', '.join(INTERPOLATIONS)}")
         self.prompt_form = prompt_form
         self.interpolation = None if interpolation == "model" else interpolation
+        if form == "flow_grpo" and self.interpolation is None:
+            # their ClipScorer resizes float tensors with torchvision's Resize, bilinear by default
+            self.interpolation = "bilinear"
+        self.divisor = CLIP_FORMS[form]
         self.clip: Any
         if path is None and random_init and model is None:  # an open_clip architecture, nothing read
             self.clip = OpenCLIP(self.name, arch or self.default_arch, None, True, self.dtype, self.download)
@@ -67,6 +88,7 @@ class CLIPScore(EmbeddingReward):
         else:
             self.clip = load_clip(self.name, path, arch=arch or self.default_arch, dtype=self.dtype,
                                   download=self.download, processor_path=processor_path, random_init=random_init)
+        self.clip.crop_offset = crop_offset
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.clip.model]
@@ -94,4 +116,8 @@ class CLIPScore(EmbeddingReward):
         return self.clip.encode_images(images, self.interpolation)
 
     def score_features(self, features: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        return (features * text).sum(-1)
+        cosine = (features * text).sum(-1)
+        if self.divisor is None:
+            return cosine
+        # exp(logit_scale): a transformers CLIPModel's and an open_clip CLIP's learned temperature alike
+        return self.clip.model.logit_scale.float().exp() * cosine / self.divisor

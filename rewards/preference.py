@@ -29,12 +29,16 @@ class HPSScore(CLIPScore):
     name = "hps"
     download = "HPS_v2.1_compressed.pt (xswu/HPSv2)"
     default_arch = "ViT-H-14"
+    forms = ("cosine",)
 
 
 #: the published architecture PickScore_v1 is (assets/reward_architectures/): CLIP ViT-H/14
 PICKSCORE_ARCHITECTURE = "clip-vit-h-14"
 #: PickScore's score forms: name → divisor of ``exp(logit_scale)·cos`` (``None``: the bare cosine)
 PICKSCORE_FORMS: dict[str, float | None] = {"flow_grpo": 26.0, "logit": 1.0, "cosine": None}
+#: where an odd margin puts the centre crop: ``floor`` as transformers' CLIPImageProcessor (PickScore's processor,
+#: so Flow-GRPO's scorer), ``round`` as torchvision's CenterCrop (flowalign's earlier form)
+CROP_OFFSETS = ("floor", "round")
 
 
 @register("pickscore")
@@ -48,10 +52,16 @@ class PickScore(EmbeddingReward):
     ``scale`` (a positive number) sets the divisor of ``exp(logit_scale)·c_i`` itself: ``scale: 26`` is the
     ``flow_grpo`` form, ``scale: 1`` the ``logit`` form; it is refused beside ``form: cosine``.
 
+    Images are preprocessed as PickScore's ``CLIPImageProcessor`` does (shortest side to 224, bicubic, centre
+    crop, CLIP's mean and std), in torch: ``crop_offset: floor`` (default) places the crop of an odd margin as the
+    processor does, ``round`` half a pixel further, as torchvision's ``CenterCrop`` (the earlier form). Flow-GRPO's
+    scorer reads 8-bit images through PIL; the float path here differs from it by that rounding only
+    (docs/methods/flow_grpo.md, "The reward models against Flow-GRPO's scorers").
+
     A transformers ``CLIPModel``. Options: ``path`` (the downloaded ``yuvalkirstain/PickScore_v1`` folder),
     ``processor_path`` (the folder with the tokenizer and ``preprocessor_config.json`` when ``path`` lacks them:
     ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``), ``form``, ``random_init`` (the architecture of ``path``'s
-    ``config.json`` with random weights), ``scale``, ``batch_size``, ``device``, ``dtype``. Deprecated: ``model``
+    ``config.json`` with random weights), ``scale``, ``crop_offset``, ``batch_size``, ``device``, ``dtype``. Deprecated: ``model``
     (→ ``path``), ``processor`` (→ ``processor_path``). Differentiable in the samples.
     """
 
@@ -60,8 +70,11 @@ class PickScore(EmbeddingReward):
 
     def __init__(self, path: str | None = None, *, processor_path: str | None = None, form: str = "flow_grpo",
                  scale: float | None = None, model: str | None = None, processor: str | None = None,
-                 random_init: bool = False, **options: Any):
+                 random_init: bool = False, crop_offset: str = "floor", **options: Any):
         super().__init__(**options)
+        if crop_offset not in CROP_OFFSETS:
+            raise UserError(f"pickscore reward: crop_offset={crop_offset!r} is not known; use floor "
+                            "(CLIPImageProcessor's, the default) or round (torchvision's CenterCrop)")
         if form not in PICKSCORE_FORMS:
             raise UserError(f"pickscore reward: form={form!r} is not known; use one of {', '.join(PICKSCORE_FORMS)}")
         if scale is not None:
@@ -82,6 +95,7 @@ class PickScore(EmbeddingReward):
             self.name, processor_path, download="laion/CLIP-ViT-H-14-laion2B-s32B-b79K (its processor files)",
             option="processor_path", kind="folder")
         self.clip = HFCLIP(self.name, folder, proc, self.dtype, random_init)
+        self.clip.crop_offset = crop_offset
         self.model = self.clip.model
         self.divisor = PICKSCORE_FORMS[form] if scale is None else float(scale)
 

@@ -50,9 +50,11 @@ def save_tiny_open_clip(folder: Path, seed: int = 0, *, overwrite: bool = False)
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / "open_clip_model.safetensors")
 
 
-def save_tiny_hf_clip(folder: Path, seed: int = 0, *, overwrite: bool = False) -> None:
+def save_tiny_hf_clip(folder: Path, seed: int = 0, *, overwrite: bool = False, projection_dim: int = 32) -> None:
     """A transformers ``CLIPModel`` with its tokenizer and ``preprocessor_config.json`` in one folder, as
-    ``yuvalkirstain/PickScore_v1`` ships (``pickscore``); written atomically (writer ``save-tiny-hf-clip``)."""
+    ``yuvalkirstain/PickScore_v1`` ships (``pickscore``); written atomically (writer ``save-tiny-hf-clip``).
+    ``projection_dim`` 768 gives the joint space of OpenAI's ViT-L/14, which the LAION aesthetic head reads
+    (a scorer that hard-codes that head's 768 inputs can then load it)."""
     import torch
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
@@ -65,7 +67,7 @@ def save_tiny_hf_clip(folder: Path, seed: int = 0, *, overwrite: bool = False) -
     text, vision = clip_style_towers(tok, layers=2, max_positions=32, image_size=TINY_IMAGE)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).eval()
+        model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)).eval()
     with atomic_dir(folder, writer="save-tiny-hf-clip", overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
