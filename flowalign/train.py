@@ -102,18 +102,19 @@ def _added_options(old: dict[str, Any], new: dict[str, Any]) -> tuple[set[str], 
     except UserError:  # a trainer whose section has required keys: no key counts as added
         return set(), {}
     was = {k: defaults[k] for k in missing if k in defaults}
-    was.update({f"trainer.{k}": v for k, v in trainer.Config.before.items() if f"trainer.{k}" in missing
-                and _former_form_applies(trainer.Config, k, old, defaults)})
+    before, when = trainer.Config.former_forms()
+    was.update({f"trainer.{k}": v for k, v in before.items() if f"trainer.{k}" in missing
+                and _former_form_applies(when.get(k), old, defaults)})
     unchanged = {k for k, v in was.items() if new[k] == v}
     return unchanged, {k: v for k, v in was.items() if k not in unchanged}
 
 
-def _former_form_applies(config: Any, key: str, old: dict[str, Any], defaults: dict[str, Any]) -> bool:
-    """Whether ``config.before[key]`` computed something else for the saved run ``old`` (flattened): always,
-    unless ``config.before_when`` ties it to values of another option that the run did not have."""
-    if key not in config.before_when:
+def _former_form_applies(when: tuple[str, tuple[Any, ...]] | None, old: dict[str, Any], defaults: dict[str, Any]) -> bool:
+    """Whether a former form computed something else for the saved run ``old`` (flattened): always, unless
+    ``when`` (its ``before_when`` entry) ties it to values of another option that the run did not have."""
+    if when is None:
         return True
-    option, values = config.before_when[key]
+    option, values = when
     return old.get(f"trainer.{option}", defaults.get(f"trainer.{option}")) in values
 
 

@@ -95,11 +95,22 @@ class TrainerConfig(Section):
         return data
 
     @classmethod
+    def former_forms(cls) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[Any, ...]]]]:
+        """:attr:`before` and :attr:`before_when` of this config and of every option group and config it builds
+        on (an option group states its own options' former forms; the nearest class wins)."""
+        before: dict[str, Any] = {}
+        when: dict[str, tuple[str, tuple[Any, ...]]] = {}
+        for klass in reversed(cls.__mro__):
+            before.update(vars(klass).get("before", {}))
+            when.update(vars(klass).get("before_when", {}))
+        return before, when
+
+    @classmethod
     def pinned_former_forms(cls, section: dict[str, Any]) -> dict[str, Any]:
         """``{key: default}`` of the :attr:`before` options that a trainer section (a recipe's ``trainer:``)
         pins to another value than today's default: what to override for the authors' forms, e.g. to check a
         recipe measured with a former form on the computation a user gets by default."""
-        return {k: cls.model_fields[k].default for k in cls.before
+        return {k: cls.model_fields[k].default for k in cls.former_forms()[0]
                 if k in section and section[k] != cls.model_fields[k].default}
 
     @field_validator("betas", mode="before")
@@ -156,6 +167,11 @@ class AdvantageOptions(Section):
     #: with); "unbiased", torch's unbiased std + 1e-4 (the GDPO authors' trl trainer); "population", the
     #: population std + 1e-4 (the former form). Other advantage kinds ignore it
     gdpo_std: Literal["floor", "unbiased", "population"] = "floor"
+
+    #: a run saved before gdpo_std existed computed the former form, which differs only under advantage: gdpo
+    #: (see TrainerConfig.before, before_when)
+    before: ClassVar[dict[str, Any]] = {"gdpo_std": "population"}
+    before_when: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {"gdpo_std": ("advantage", ("gdpo",))}
 
 
 class InnerEpochOptions(Section):

@@ -118,17 +118,18 @@ def test_a_run_saved_before_an_option_changed_its_computation_resumes_only_as_it
     prepare_run_dir(tmp_path, resolved("trainer.step_draw=per_batch", "trainer.zero_advantage=skipped"), "auto")
 
 
-def test_a_former_form_tied_to_another_option_refuses_only_the_runs_that_used_it(tmp_path):
-    """``gdpo_std`` changed what ``advantage: gdpo`` computes, nothing else (``Config.before_when``): a Flow-GRPO
-    run saved before it existed resumes under the default unless it trained with gdpo advantages, which is told
-    the line that continues it."""
+@pytest.mark.parametrize("trainer", ["flow_grpo", "dance_grpo", "kvpo"])
+def test_a_former_form_tied_to_another_option_refuses_only_the_runs_that_used_it(tmp_path, trainer):
+    """``gdpo_std`` changed what ``advantage: gdpo`` computes, nothing else (the advantage options' ``before``
+    and ``before_when``, which every trainer with them reads): a run saved before it existed resumes under the
+    default unless it trained with gdpo advantages, which is told the line that continues it."""
     import yaml
 
     from flowalign.config import dump_config
     from flowalign.trainers import trainer_config
 
     def resolved(*overrides: str) -> str:
-        cfg = load_config(None, ["trainer.name=flow_grpo", *overrides])
+        cfg = load_config(None, [f"trainer.name={trainer}", *overrides])
         return dump_config(cfg, trainer_config(cfg.trainer)[1])
 
     (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
