@@ -91,10 +91,6 @@ class StepSubsetOptions(Section):
 class FlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, StepFractionOptions,
                      StepSubsetOptions):
     name: Literal["flow_grpo"] = "flow_grpo"
-    #: what runs saved before these options existed computed (see TrainerConfig.before): the recipes with
-    #: ``advantage: gdpo`` (CrossTimeEdit, motion insight) are this trainer's
-    before = {"gdpo_std": "population"}
-    before_when = {"gdpo_std": ("advantage", ("gdpo",))}
 
 
 # ---------------------------------------------------------------------------------------------- the loss
