@@ -5,18 +5,25 @@ No reward model and no human pairs: only "winning" images x0ʷ (image-caption pa
 rendered scenes of a programmatic benchmark). The "losing" image of each pair is the sample x0ʳ that a
 stored *previous checkpoint* (the reference, θ_ref) draws for the same caption. Both are noised at one
 shared t with one shared ε and scored by velocity errors ``e(x0) = mean(v(x_t, t | c) − (ε − x0))²`` of
-the policy θ and of θ_ref:
+the policy θ and of θ_ref (the paper's Diffusion-DPO ε-errors of SD1.5, in flow-matching form as
+``flowalign.trainers.diffusion_dpo``):
 
-    s = +1 if e_θ(x0ʷ) < e_ref(x0ʷ) else −1                               (anchor criterion)
+    s = sign(e_ref(x0ʷ) − e_θ(x0ʷ))                       (the anchor-based adaptive flipper, AAF)
     Δ = [e_θ(x0ʷ) − e_ref(x0ʷ)] − s·[e_θ(x0ʳ) − e_ref(x0ʳ)],      L = −log σ(−β·Δ/2)
 
-The winning image is the anchor: where the policy already fits it better than the reference does, the
-policy has moved past the reference, so the reference's sample is likely worse and is pushed away (s = +1,
-Diffusion-DPO with x0ʳ as the loser); otherwise the reference sample may be as good as what the policy
-makes and is learnt towards (s = −1). The references are checkpoints of the trainable weights taken every
-``reference_every`` steps (the starting weights first, at most ``max_references`` kept); each step uses
-one, drawn at random among them (``reference_selection: random``, which widens the policy space the
-samples explore) or the newest (``latest``).
+The winning image is the anchor: where the policy already fits it better than the reference does
+(s = +1), the policy has moved past the reference, so the reference's sample is likely a loser and is
+pushed away (Diffusion-DPO with x0ʳ as the losing image); where the reference fits it better (s = −1),
+the reference's sample is likely a winner and both images are learnt towards; where the two fit it
+equally (s = 0: the drawn reference is the live weights, as at the first step), only the winning image
+is learnt. ``anchor_sign`` picks the paper's ``sign``, its ablation's ``indicator`` 𝟙(e_ref − e_θ > 0)
+(s ∈ {1, 0}), or the former form ``tie_negative`` (s = +1 if e_θ < e_ref, else −1; ties −1).
+
+The references are checkpoints of the trainable weights taken every ``reference_every`` steps (the
+starting weights first); each step uses one, drawn uniformly among all of them (the paper's
+ref ~ U(0, k−1), ``reference_selection: random``, which widens the policy space the samples explore) or
+the newest (``latest``); ``max_references`` caps how many are kept (the oldest dropped first; None keeps
+every one, as the paper).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.limits import MAX_CACHE, MAX_COEFFICIENT, MAX_TRAIN_STEPS, MAX_WEIGHT_COPIES
 from flowalign.trainers.base import derived_seed
@@ -53,37 +60,77 @@ class SePPOConfig(TrainerConfig, SampleOptions, InnerEpochOptions):
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
     #: a reference checkpoint of the trainable weights is stored every this many steps
     reference_every: int = Field(10, ge=1, le=MAX_TRAIN_STEPS)
-    #: stored reference checkpoints kept in memory (the oldest dropped first)
-    max_references: int = Field(8, ge=1, le=MAX_WEIGHT_COPIES)
+    #: stored reference checkpoints kept in memory, the oldest dropped first once there are more; None: every
+    #: one (the paper's draw among all previous checkpoints, the starting weights included; 8 was the default
+    #: before, which a run past 8 checkpoints draws only among the newest 8)
+    max_references: int | None = Field(None, ge=1, le=MAX_WEIGHT_COPIES)
     #: which stored checkpoint is a step's reference: drawn uniformly ("random") or the newest ("latest")
     reference_selection: Literal["random", "latest"] = "random"
-    #: false: every reference sample is a negative (s = +1 always; Diffusion-DPO against the reference's samples)
+    #: false: every reference sample is a negative (s = +1 always; Diffusion-DPO against the reference's samples,
+    #: the paper's "w/o AAF" ablation)
     anchor: bool = True
+    #: the anchor's sign s from d = e_ref(x0ʷ) − e_θ(x0ʷ): "sign", the paper's sign(d) ∈ {+1, 0, −1} (a tie,
+    #: the reference being the live weights, learns the winning image only); "indicator", its ablation's
+    #: 𝟙(d > 0) ∈ {1, 0} (a reference sample is pushed away or ignored); "tie_negative", the former form,
+    #: +1 if d > 0 else −1 (a tie learns towards the reference's sample)
+    anchor_sign: Literal["sign", "indicator", "tie_negative"] = "sign"
     #: winning-image latents kept in memory (each encoded once per run)
     latent_cache: int = Field(50000, ge=1, le=MAX_CACHE)
+
+    #: what runs saved before these options existed computed (see TrainerConfig.before); the anchor's sign only
+    #: matters with the anchor on
+    before = {"anchor_sign": "tie_negative"}
+    before_when = {"anchor_sign": ("anchor", (True,))}
+
+    @model_validator(mode="after")
+    def _stored_references_fit(self) -> "SePPOConfig":
+        if stored_references(self) > MAX_WEIGHT_COPIES:
+            raise ValueError(f"trainer.max_references: null keeps all 1 + max_steps // reference_every = "
+                             f"{stored_references(self)} checkpoints, more than {MAX_WEIGHT_COPIES}; set "
+                             "trainer.max_references or a larger trainer.reference_every")
+        return self
+
+
+def stored_references(tcfg: SePPOConfig) -> int:
+    """The most checkpoints a run of ``max_steps`` holds at once: the starting weights and one every
+    ``reference_every`` steps, at most ``max_references``."""
+    every = 1 + tcfg.max_steps // tcfg.reference_every
+    return every if tcfg.max_references is None else min(tcfg.max_references, every)
 
 
 # ---------------------------------------------------------------------------------------------- the loss
 
 
-def anchor_signs(err_w: torch.Tensor, ref_w: torch.Tensor) -> torch.Tensor:
-    """Per-pair sign ``(P,)``: +1 (the reference sample is a negative) where ``e_θ(x0ʷ) < e_ref(x0ʷ)``, else −1."""
-    return torch.where(err_w.detach() < ref_w.detach(), 1.0, -1.0).to(err_w.dtype)
+def anchor_signs(err_w: torch.Tensor, ref_w: torch.Tensor, form: str = "sign") -> torch.Tensor:
+    """Per-pair sign ``(P,)`` from ``d = e_ref(x0ʷ) − e_θ(x0ʷ)`` (detached): ``"sign"`` sign(d) (+1: the policy
+    fits the winning image better, the reference sample is a negative; −1: the reference fits it better, the
+    sample is learnt towards; 0 at a tie, the sample left out); ``"indicator"`` 𝟙(d > 0); ``"tie_negative"``
+    +1 if d > 0 else −1 (the former form)."""
+    d = ref_w.detach() - err_w.detach()
+    if form == "sign":
+        return torch.sign(d).to(err_w.dtype)
+    if form == "indicator":
+        return (d > 0).to(err_w.dtype)
+    if form == "tie_negative":
+        return torch.where(d > 0, 1.0, -1.0).to(err_w.dtype)
+    raise ValueError(f"anchor_signs: unknown form {form!r} (sign, indicator or tie_negative)")
 
 
 def seppo_loss(err_w: torch.Tensor, err_r: torch.Tensor, ref_w: torch.Tensor, ref_r: torch.Tensor, beta: float,
-               anchor: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               anchor: bool = True, form: str = "sign") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-pair ``−log σ(−β/2·[(e_θʷ − e_refʷ) − s·(e_θʳ − e_refʳ)])`` ``(P,)``.
 
     ``err_*`` / ``ref_*`` ``(P,)``: velocity errors of the policy / the reference checkpoint on the winning
-    image (w) and on the reference's own sample (r); ``s = anchor_signs(err_w, ref_w)`` (all +1 without
+    image (w) and on the reference's own sample (r); ``s = anchor_signs(err_w, ref_w, form)`` (all +1 without
     ``anchor``: then this is the Diffusion-DPO loss with x0ʳ as the losing image). References detached.
+    ``flip_frac`` is the share of pairs with s = −1 (the paper's AAF rate), ``tie_frac`` with s = 0.
     """
-    signs = anchor_signs(err_w, ref_w) if anchor else torch.ones_like(err_w)
+    signs = anchor_signs(err_w, ref_w, form) if anchor else torch.ones_like(err_w)
     delta = (err_w - ref_w.detach()) - signs * (err_r - ref_r.detach())
     inside = -0.5 * beta * delta
     loss = -F.logsigmoid(inside)
     return loss, {"seppo_loss": loss.detach().mean(), "negative_frac": (signs > 0).float().mean(),
+                  "flip_frac": (signs < 0).float().mean(), "tie_frac": (signs == 0).float().mean(),
                   "margin": inside.detach().mean()}
 
 
@@ -116,9 +163,9 @@ class SePPOTrainer(DiffusionDPOTrainer):
     @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         """The stored reference checkpoints, copies of the trained tensors (not the adapter switched off): the
-        starting weights and one every ``reference_every`` steps, at most ``max_references`` (the most a run of
-        ``max_steps`` holds)."""
-        return [WeightCopy("snapshot", count=min(tcfg.max_references, 1 + tcfg.max_steps // tcfg.reference_every))]
+        starting weights and one every ``reference_every`` steps, at most ``max_references``
+        (:func:`stored_references`)."""
+        return [WeightCopy("snapshot", count=stored_references(tcfg))]
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
@@ -177,7 +224,7 @@ class SePPOTrainer(DiffusionDPOTrainer):
     def loss(self, batch: SePPOBatch, unit: PairUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         err_w, err_r = self.errors(batch, unit.index, unit.t, unit.eps)
         per_pair, info = seppo_loss(err_w, err_r, unit.ref_w.to(err_w), unit.ref_l.to(err_r), self.tcfg.dpo_beta,
-                                    self.tcfg.anchor)
+                                    self.tcfg.anchor, self.tcfg.anchor_sign)
         return per_pair.sum() / unit.total, info
 
     def finish(self, batch: SePPOBatch, steps: list[dict[str, list[float]]]) -> dict[str, float]:
@@ -186,7 +233,7 @@ class SePPOTrainer(DiffusionDPOTrainer):
         if after % self.tcfg.reference_every == 0:
             self.references.append([p.detach().clone() for p in self.params])
             self.reference_steps.append(after)
-            if len(self.references) > self.tcfg.max_references:
+            if self.tcfg.max_references is not None and len(self.references) > self.tcfg.max_references:
                 del self.references[0], self.reference_steps[0]
         return {}
 
