@@ -7,18 +7,27 @@ ODE rollouts from different noise). A prompt-paired Bradley-Terry discriminator 
 
     L_D = −mean_i log σ(D(x_T, c) − D(x_S^i, c))
 
-then scores the students. Its log-odds that student ``i`` beats the teacher, ``r_i = D(x_S^i, c) − D(x_T, c)``,
-centred per prompt, is the on-policy advantage ``A_i = clip(r_i − mean_j r_j, ±adv_clip)``. The advantage is
-turned into dense denoising-time updates by the forward process on the student's own clean latents: a chunk
-``k`` and ``σ ~ U(sigma_range)`` per draw, ``x_σ = (1 − σ)·x0_k + σ·ε``, the chunk's instantaneous velocity
-read from the KV cache of the student's own clean chunks before it, and
+then scores the students. Its log-odds that student ``i`` beats the teacher, ``s_i = D(x_S^i, c) − D(x_T, c)``,
+is the reward; the advantage is DiffusionNFT's normalised one (``advantage: global_std``):
 
-    L = mean_{i,draws} A_i · mean_D (v_θ(x_σ, σ | x0_{<k}) − (ε − x0_k))²  +  β · mean (v_θ − v_ref)²
+    A_i = clip((s_i − mean_{j∈c} s_j) / (std_batch(s) + 1e-4), ±adv_clip),   r_i = A_i/(2·adv_clip) + ½
 
-(advantage-weighted flow matching: the velocity field is pulled toward the student videos ``D`` finds more
-teacher-like and pushed from the others). No teacher latents, scores, trajectories or step alignment are
-needed, and no reverse-chain log-probability. A discriminator at chance scores every student of a prompt
-alike: every ``A_i`` is 0 and the update is zero.
+and the advantage becomes dense denoising-time updates on the student's own clean latents: a chunk ``k`` and
+``σ ~ U(sigma_range)`` per draw, ``x_σ = (1 − σ)·x0_k + σ·ε``, the chunk's instantaneous velocity read from
+the KV cache of the student's own clean chunks before it, and DiffusionNFT's negative-aware loss
+(``loss_form: nft``)
+
+    v± mirrored around v_old:  v⁺ = β·v_θ + (1−β)·v_old,   v⁻ = (1+β)·v_old − β·v_θ
+    L = mean_{i,draws} [ r_i·mean_D (v⁺ − (ε − x0_k))² + (1 − r_i)·mean_D (v⁻ − (ε − x0_k))² ]
+        + β_reg · mean (v_θ − v_ref)²
+
+with ``v_old`` the velocity of the weights the step starts from (the rollouts' own: one update per batch, so
+on-policy ``v_old = sg(v_θ)``), β ``mirror_beta`` and β_reg ``beta``. Its gradient is
+``2β·(2r_i − 1)·(v_θ − (ε − x0_k))/D``: toward the students ``D`` finds more teacher-like, away from the others.
+``loss_form: weighted_fm`` with ``advantage: centred`` is the former form: ``A_i = clip(s_i − mean_j s_j,
+±adv_clip)`` weighting ``mean_D (v_θ − (ε − x0_k))²`` directly. No teacher latents, scores, trajectories or
+step alignment are needed, and no reverse-chain log-probability. A discriminator at chance scores every
+student of a prompt alike: every ``A_i`` is 0 (``r_i = ½``) and the update is zero.
 """
 
 from __future__ import annotations
@@ -35,11 +44,21 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_
 from flowalign.sampling.streaming import stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
+from flowalign.trainers.diffusion_nft import nft_loss
 from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.teacher_videos import ModelTeacher, VideoFolderTeacher, VideoTeacher
 from flowalign.trainers.parts.units import GroupUnit
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
+from flowalign.trainers.self_distill import reward_weight
+
+#: ``global_std``: DiffusionNFT's normalised advantage of the discriminator's log-odds (the paper's); ``centred``:
+#: the log-odds centred per prompt, not divided (the former form)
+AdvantageForm = Literal["global_std", "centred"]
+#: ``nft``: DiffusionNFT's negative-aware loss in velocity space (the paper's); ``nft_x0_normalised``: the same in
+#: the DiffusionNFT authors' code's x0-space, error-normalised form; ``weighted_fm``: advantage-weighted flow
+#: matching (the former form)
+LossForm = Literal["nft", "nft_x0_normalised", "weighted_fm"]
 
 
 class TeacherConfig(Section):
@@ -68,6 +87,8 @@ class AFDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
     ``advantage`` kind)."""
 
     name: Literal["afd"] = "afd"
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before = {"advantage": "centred", "loss_form": "weighted_fm"}
     #: the black-box teacher: {videos: DIR} or {model: FOLDER}
     teacher: TeacherConfig
     #: the student's sampler steps per chunk
@@ -88,8 +109,19 @@ class AFDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
     sigma_range: tuple[Fraction, Fraction] = (0.05, 0.95)
     #: weight of the velocity-space anchor to the starting weights (the adapter switched off)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
-    #: the discriminator's log-odds advantages are clipped to ±adv_clip
-    adv_clip: float = Field(2.0, gt=0, le=MAX_COEFFICIENT)
+    #: A_max: advantages are clipped to ±adv_clip and (``loss_form: nft``) mapped to r = A/(2·adv_clip) + ½
+    #: (DiffusionNFT's 5; the former ``centred`` log-odds were clipped at 2)
+    adv_clip: float = Field(5.0, gt=0, le=MAX_COEFFICIENT)
+    #: ``global_std``: the discriminator's log-odds minus their prompt's mean, divided by their std over the
+    #: step's batch + 1e-4 (DiffusionNFT's normalised advantage, the paper's); ``centred``: minus the prompt's
+    #: mean only (the former form)
+    advantage: AdvantageForm = "global_std"
+    #: ``nft``: DiffusionNFT's negative-aware loss r·‖v⁺ − v‖² + (1 − r)·‖v⁻ − v‖² (the paper's);
+    #: ``nft_x0_normalised``: its x0-space, error-normalised form of the DiffusionNFT authors' code;
+    #: ``weighted_fm``: A·‖v_θ − v‖² (the former form)
+    loss_form: LossForm = "nft"
+    #: β of the mirrored velocities v± of ``loss_form: nft`` (DiffusionNFT's 1.0)
+    mirror_beta: float = Field(1.0, gt=0, le=MAX_COEFFICIENT)
 
     @model_validator(mode="after")
     def _sigma_range_inside(self) -> "AFDConfig":
@@ -102,16 +134,37 @@ class AFDConfig(TrainerConfig, RolloutOptions, ReferenceOptions):
 # ---------------------------------------------------------------------------------------------- the math
 
 
-def discriminator_advantages(student: torch.Tensor, teacher: torch.Tensor, clip: float) -> torch.Tensor:
-    """``A (P, G)``: the log-odds ``r = D_S − D_T`` of students ``student (P, G)`` against their prompt's teacher
-    ``teacher (P,)``, centred per prompt and clipped to ``±clip``. Zero when ``D`` scores a prompt's students alike."""
-    r = student - teacher[:, None]
-    return (r - r.mean(dim=1, keepdim=True)).clamp(-clip, clip)
+def discriminator_advantages(student: torch.Tensor, teacher: torch.Tensor, clip: float,
+                             form: AdvantageForm = "global_std", scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``A (P, G)`` from the log-odds ``s = D_S − D_T`` of students ``student (P, G)`` against their prompt's
+    teacher ``teacher (P,)``, clipped to ``±clip``: ``global_std``, ``(s − mean_prompt s)/(σ + 1e-4)`` with ``σ``
+    the population std of every ``s`` of the step (``scale``: that std over every rank's log-odds; None: over
+    these); ``centred``, ``s − mean_prompt s``. Zero when ``D`` scores a prompt's students alike."""
+    s = student - teacher[:, None]
+    if form == "centred":
+        return (s - s.mean(dim=1, keepdim=True)).clamp(-clip, clip)
+    d = s - s[:, :1]  # the prompt's mean taken of differences: exactly 0 for students scored alike
+    centred = d - d.mean(dim=1, keepdim=True)
+    scale = s.std(unbiased=False) if scale is None else scale
+    return (centred / (scale + 1e-4)).clamp(-clip, clip)
 
 
 def weighted_matching_loss(v: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """``mean_i A_i · mean_D (v_i − target_i)²`` over ``v, target (B, ...)`` and ``advantages (B,)``."""
+    """``mean_i A_i · mean_D (v_i − target_i)²`` over ``v, target (B, ...)`` and ``advantages (B,)`` (the former
+    ``loss_form: weighted_fm``)."""
     return (advantages.to(v, non_blocking=True) * per_sample_mean((v - target.detach()) ** 2)).mean()
+
+
+def on_policy_nft_loss(v: torch.Tensor, noised: torch.Tensor, clean: torch.Tensor, eps: torch.Tensor, sigma: float,
+                       r: torch.Tensor, mirror_beta: float, adv_clip: float,
+                       form: LossForm = "nft") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DiffusionNFT's loss :func:`~flowalign.trainers.diffusion_nft.nft_loss` ``(B,)`` with the behaviour velocity
+    the weights the step starts from, ``v_old = sg(v)`` (one update per batch of the student's own rollouts);
+    ``noised = (1 − σ)·clean + σ·eps``; ``r (B,)`` in [0, 1]. ``nft`` is its velocity form, whose gradient is
+    ``2β·(2r − 1)·(v − (eps − clean))/D``; ``nft_x0_normalised`` the x0-space form of the authors' code."""
+    t = torch.full((len(v),), float(sigma), dtype=v.dtype, device=v.device)
+    return nft_loss(v, v.detach(), noised, clean, eps, t, r.to(v), mirror_beta, adv_clip,
+                    "velocity" if form == "nft" else "x0_normalised")
 
 
 # ---------------------------------------------------------------------------------------------- the trainer
@@ -203,7 +256,10 @@ class AFDTrainer(GroupTrainer):
         with torch.no_grad():
             d_student = self.discriminator(student, prompts).view(-1, g)
             d_teacher = self.discriminator(teacher, [prompts[i] for i in firsts])
-        advantages = discriminator_advantages(d_student, d_teacher, tc.adv_clip)
+        scale = None
+        if tc.advantage == "global_std":  # the std of every rank's log-odds (a collective)
+            scale = self.gather((d_student - d_teacher[:, None]).flatten()).std(unbiased=False)
+        advantages = discriminator_advantages(d_student, d_teacher, tc.adv_clip, tc.advantage, scale)
         batch = [StudentGroup(prompts[i], int(groups[i]), latents[i:i + g], advantages[j])
                  for j, i in enumerate(firsts)]
         logs = {"disc/loss": disc_loss,
@@ -221,7 +277,8 @@ class AFDTrainer(GroupTrainer):
         return Plan([[GroupUnit(i, total) for i in range(len(batch.groups))]], global_weights=True)
 
     def loss(self, batch: StudentBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, float]]:
-        """The advantage-weighted forward-process flow-matching loss of one prompt's students."""
+        """The forward-process loss of one prompt's students: DiffusionNFT's (``loss_form: nft``, on the reward
+        weights ``r``) or the former advantage-weighted flow matching (``weighted_fm``), plus the anchor."""
         tc, policy = self.tcfg, self.policy
         group = batch.groups[unit.index]
         x0 = group.latents.to(policy.device, non_blocking=True)
@@ -238,7 +295,12 @@ class AFDTrainer(GroupTrainer):
             noised = (1 - sigma) * clean + sigma * eps
             cache = policy.history_cache(x0[:, :, :policy.chunk_slice(k).start], range(k), cond, 1.0)
             v = policy.chunk_velocity(noised, sigma, sigma, cache, cond, 1.0)
-            term = weighted_matching_loss(v, eps - clean, group.advantages)
+            if tc.loss_form == "weighted_fm":
+                term = weighted_matching_loss(v, eps - clean, group.advantages)
+            else:
+                r = reward_weight(group.advantages, tc.adv_clip)
+                term = on_policy_nft_loss(v, noised, clean, eps, sigma, r, tc.mirror_beta, tc.adv_clip,
+                                          tc.loss_form)[0].mean()
             if tc.beta > 0:
                 with torch.no_grad(), policy.adapter_disabled():
                     v_ref = policy.chunk_velocity(noised, sigma, sigma, cache, cond, 1.0)

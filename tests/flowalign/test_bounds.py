@@ -156,6 +156,8 @@ def test_the_option_walk_finds_an_unbounded_option():
     (["trainer.name=afd", "trainer.teacher={videos: v}", "trainer.train_timesteps=1000000"], "trainer.train_timesteps"),
     (["trainer.name=afd", "trainer.teacher={videos: v}", "trainer.disc_steps=1000000000"],
      "trainer.disc_steps: Input should be less than or equal to 1024"),
+    (["trainer.name=afd", "trainer.teacher={videos: v}", "trainer.mirror_beta=1.0e30"],
+     "trainer.mirror_beta: Input should be less than or equal to 1000000"),
     (["trainer.name=fav", "trainer.kde_temperatures=[-1]"], "trainer.kde_temperatures.0: Input should be greater than 0"),
     (["trainer.name=fav", "trainer.stein_temperatures=[0.5, 0]"], "trainer.stein_temperatures.1"),
     (["trainer.guidance_scale=1.0e30"], "trainer.guidance_scale: Input should be less than or equal to 100"),

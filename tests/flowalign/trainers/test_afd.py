@@ -11,7 +11,8 @@ from flowalign.errors import UserError
 from flowalign.media import save_video
 from flowalign.trainers.parts.teacher_videos import ModelTeacher, VideoFolderTeacher
 from flowalign.train import build_trainer
-from flowalign.trainers.afd import discriminator_advantages, weighted_matching_loss
+from flowalign.trainers.afd import discriminator_advantages, on_policy_nft_loss, weighted_matching_loss
+from flowalign.trainers.self_distill import reward_weight
 from flowalign.trainers.parts.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
 
 from .conftest import small_config
@@ -73,14 +74,59 @@ def test_the_discriminator_learns_what_separates_paired_teacher_and_student_vide
     assert loss.item() < 0.2 and (margin > 0).all()
 
 
-def test_advantages_are_the_students_log_odds_centred_per_prompt():
+def test_the_former_advantages_are_the_students_log_odds_centred_per_prompt():
     student = torch.tensor([[2.0, 0.0, 1.0], [5.0, 5.0, 5.0]])
     teacher = torch.tensor([1.0, -3.0])
-    a = discriminator_advantages(student, teacher, clip=10.0)
+    a = discriminator_advantages(student, teacher, clip=10.0, form="centred")
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0, 0.0], [0.0, 0.0, 0.0]]))
     # the teacher's own score cancels within a prompt; the clip bounds what one video can weigh
-    torch.testing.assert_close(discriminator_advantages(student, teacher + 7, clip=10.0), a)
-    assert discriminator_advantages(student * 10, teacher, clip=2.0).abs().max() == 2.0
+    torch.testing.assert_close(discriminator_advantages(student, teacher + 7, clip=10.0, form="centred"), a)
+    assert discriminator_advantages(student * 10, teacher, clip=2.0, form="centred").abs().max() == 2.0
+
+
+def test_advantages_are_the_log_odds_normalised_as_diffusion_nft_and_mapped_to_r():
+    """The default: the log-odds s = D_S − D_T, minus their prompt's mean, divided by the population std of
+    every s of the step + 1e-4, clipped to ±A_max; r = A/(2·A_max) + ½ (DiffusionNFT's normalised advantage
+    and optimality weight), worked by hand."""
+    student = torch.tensor([[3.0, 1.0], [0.0, -2.0]])
+    teacher = torch.tensor([2.0, 1.0])
+    # s = [[1, −1], [−1, −3]]: prompt means 0 and −2 → centred [[1, −1], [1, −1]]; the batch mean of s is −1,
+    # its squared deviations 4, 0, 0, 4 → population variance 2, std √2 (the teacher's score enters the std)
+    a = discriminator_advantages(student, teacher, clip=5.0)
+    expected = torch.tensor([[1.0, -1.0], [1.0, -1.0]]) / (2.0 ** 0.5 + 1e-4)
+    torch.testing.assert_close(a, expected)
+    assert abs(a[0, 0].item() - 0.707057) < 1e-5  # not the unbiased std (√(8/3): 0.61234), nor a prompt's (1)
+    # the same std given from every rank's log-odds
+    torch.testing.assert_close(discriminator_advantages(student, teacher, 5.0, scale=torch.tensor(2.0 ** 0.5)), a)
+    # r = A/(2·5) + ½ = ½ ± 0.0707057
+    torch.testing.assert_close(reward_weight(a.flatten(), 5.0), torch.tensor([0.5707057, 0.4292943] * 2))
+    # a discriminator that scores every student alike: A = 0, r = ½ exactly
+    flat = discriminator_advantages(torch.full((2, 3), 0.3), teacher, clip=5.0)
+    assert torch.equal(flat, torch.zeros(2, 3)) and torch.equal(reward_weight(flat.flatten(), 5.0), torch.full((6,), 0.5))
+    # the clip bounds the normalised advantage (only reachable with groups larger than the rest of the batch)
+    assert discriminator_advantages(student, teacher, clip=0.5).abs().max() == 0.5
+
+
+def test_the_nft_loss_mirrors_the_velocity_around_the_starting_weights():
+    """DiffusionNFT's r·mean(v⁺ − (ε − x0))² + (1 − r)·mean(v⁻ − (ε − x0))² with v_old = sg(v): v± equal v in
+    value (the loss is the plain matching error) and its gradient is 2β·(2r − 1)·(v − (ε − x0))/D, worked by hand
+    for v = [1, 3], ε − x0 = [0, 1] (D = 2), β = ½."""
+    clean, eps = torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    sigma = 0.4
+    noised = (1 - sigma) * clean + sigma * eps
+
+    def value_and_grad(r: float, beta: float = 0.5):
+        v = torch.tensor([[1.0, 3.0]], requires_grad=True)
+        loss, _ = on_policy_nft_loss(v, noised, clean, eps, sigma, torch.tensor([r]), beta, 5.0)
+        (grad,) = torch.autograd.grad(loss.sum(), v)
+        return loss.item(), grad
+
+    loss, grad = value_and_grad(0.75)
+    assert loss == pytest.approx(2.5)                                   # mean([1², 2²])
+    torch.testing.assert_close(grad, torch.tensor([[0.25, 0.5]]))       # 2·½·(2·¾ − 1)/2 · [1, 2]
+    torch.testing.assert_close(value_and_grad(0.25)[1], torch.tensor([[-0.25, -0.5]]))  # pushed away
+    assert torch.equal(value_and_grad(0.5)[1], torch.zeros(1, 2))       # r = ½ teaches nothing
+    torch.testing.assert_close(value_and_grad(1.0, beta=1.0)[1], torch.tensor([[1.0, 2.0]]))  # β = 1, r = 1: plain FM
 
 
 def test_the_weighted_matching_loss_pulls_toward_good_students_and_pushes_from_bad():
