@@ -1,8 +1,9 @@
 """SDE windows: which steps of a rollout are stochastic (and therefore trained).
 
-Flow-GRPO-Fast draws a random window start per prompt. Steps outside the window run the deterministic
-ODE. The final step (σ' = 0) is deterministic unless asked for (``last=True``): CPS has τ = 0 there,
-while the Flow-GRPO authors' sampler keeps it stochastic (and, with ``timestep_fraction`` 0.99, untrained).
+Flow-GRPO-Fast draws a random window start per prompt (or one per training step: :func:`shared_window_start`).
+Steps outside the window run the deterministic ODE. The final step (σ' = 0) is deterministic unless asked for
+(``last=True``): CPS has τ = 0 there, while the Flow-GRPO authors' sampler keeps it stochastic (and, with
+``timestep_fraction`` 0.99, untrained).
 """
 
 from __future__ import annotations
@@ -52,6 +53,22 @@ def random_window_start(
     if last < low:
         raise ValueError(f"no room for an SDE window of width {width} in steps {low}..{high} of {num_steps}")
     return int(torch.randint(low, last + 1, (1,), generator=generator).item())
+
+
+def shared_window_start(num_steps: int, width: int, seed: int, low: int = 0, high: int | None = None) -> int:
+    """One window start for a whole training step, drawn as Flow-Factory's SDE scheduler draws its SDE steps
+    (``FlowMatchEulerDiscreteSDEScheduler.current_sde_steps``): the first of a permutation of the eligible
+    starts ``low … high − width`` (the range of :func:`random_window_start`) from a generator seeded with
+    ``seed``. Seeded with ``run.seed + step`` it is the same on every rank and for every prompt of the step,
+    and at width 1 it is the step the CrossTimeEdit authors' scheduler draws at epoch ``step`` with
+    ``sde_steps`` ``low … high − 1`` and training seed ``run.seed`` (they seed it with ``seed + epoch``).
+    """
+    high = num_steps // 2 if high is None else high
+    last = min(high - width, num_steps - 1 - width)
+    if last < low:
+        raise ValueError(f"no room for an SDE window of width {width} in steps {low}..{high} of {num_steps}")
+    pick = torch.randperm(last + 1 - low, generator=torch.Generator().manual_seed(seed))[0]
+    return low + int(pick)
 
 
 def sliding_window(step: int, num_steps: int, width: int, shift_interval: int, stride: int = 1) -> tuple[int, int]:

@@ -6,22 +6,24 @@ optimiser step accumulates, and the loss of one unit:
 
     r = exp(ℓ_k(θ) − ℓ_k(θ_old))
     L = mean_{i,k} max(−A_i·r, −A_i·clip(r, 1−ε, 1+ε)) + β·KL(μ_θ ‖ μ_ref)
+
+(``kl_mode: velocity``: β·mean_D (v_θ − v_ref)² in place of the step means' KL, Flow-Factory's v-based KL.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Annotated, Callable, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.config import Section
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
 from flowalign.plan_holdings import Holding, StepHoldings
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling import Rollout, StepOutput, sde_step
-from flowalign.sampling.windows import random_window_start
+from flowalign.sampling.windows import random_window_start, shared_window_start
 from flowalign.trainers.options import EpochOptions, ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, Sampling, StepBatch, derived_seed
@@ -72,6 +74,32 @@ class SDEWindowOptions(Section):
     sde_last_step: bool = True
     #: Flow-GRPO-Fast: SDE only on a random window of this width in steps [0, T/2), one per prompt (0: every step)
     sde_window: int = Field(0, ge=0, le=MAX_SAMPLING_STEPS)
+    #: [low, high]: the window lies in steps low … high − 1, its start drawn from low … high − sde_window (the
+    #: Flow-GRPO authors' sde_window_range; null: [0, T/2]). CrossTimeEdit's steps 1-3 of 10 at width 1: [1, 4]
+    sde_window_range: tuple[Annotated[int, Field(ge=0, le=MAX_SAMPLING_STEPS)],
+                            Annotated[int, Field(ge=1, le=MAX_SAMPLING_STEPS)]] | None = None
+    #: who shares a window: ``per_group`` (each prompt group draws its own, keyed by (seed, step, group)) or
+    #: ``per_step`` (one window for the whole step, every rank and prompt: a permutation of the starts seeded
+    #: with run.seed + step, as Flow-Factory's scheduler draws its SDE steps, seeded with seed + epoch)
+    sde_window_draw: Literal["per_group", "per_step"] = "per_group"
+
+    @model_validator(mode="after")
+    def _window_fits(self):
+        width, steps = self.sde_window, getattr(self, "num_steps", None)
+        if not width and self.sde_window_draw != "per_group":
+            raise ValueError(f"trainer.sde_window_draw={self.sde_window_draw} draws an SDE window: set "
+                             "trainer.sde_window > 0 (its width)")
+        if self.sde_window_range is None:
+            return self
+        low, high = self.sde_window_range
+        if not width:
+            raise ValueError(f"trainer.sde_window_range={[low, high]} places an SDE window: set trainer.sde_window "
+                             "> 0 (its width)")
+        if low + width > high or (steps is not None and high > steps - 1):
+            raise ValueError(f"trainer.sde_window_range={[low, high]}: give low + sde_window ≤ high ≤ num_steps − 1 "
+                             f"(sde_window={width}, num_steps={steps}; the window lies in steps low … high − 1, and "
+                             "the last step is deterministic)")
+        return self
 
 
 class StepFractionOptions(Section):
@@ -91,6 +119,10 @@ class StepSubsetOptions(Section):
 class FlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, StepFractionOptions,
                      StepSubsetOptions):
     name: Literal["flow_grpo"] = "flow_grpo"
+    #: the KL term: ``code`` / ``exact`` on the SDE step's means (:func:`gaussian_mean_kl`), or ``velocity``,
+    #: ``mean_D (v_θ − v_ref)²`` on the guided velocities (:func:`velocity_kl`; Flow-Factory's ``kl_type:
+    #: v-based``, the CrossTimeEdit authors')
+    kl_mode: Literal["code", "exact", "velocity"] = "code"  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -105,6 +137,13 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
     if mode == "exact":
         return sq.flatten(1).sum(1)
     return sq.flatten(1).mean(1) * sigma_gap
+
+
+def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Tensor:
+    """``kl_mode: velocity``'s per-sample term ``(B,)``: ``mean_D (v_θ − v_ref)²`` over each sample's elements, in
+    float32 (Flow-Factory's ``kl_type: v-based``, which the CrossTimeEdit authors train with; their step averages
+    it over the micro-batch and weighs it by β, as :meth:`FlowGRPOTrainer.kl_penalty` and the loss do)."""
+    return ((velocity.float() - ref_velocity.float()) ** 2).flatten(1).mean(1)
 
 
 def batched_detached_velocity(policy: FlowPolicy, x: torch.Tensor, sigma: float, cond: Conditioning,
@@ -163,7 +202,8 @@ def steps_over_epochs(steps: int, per_epoch: int, inner_epochs: int) -> int:
 class StepUnit:
     """Rollout batch ``chunk`` (this rank's index) at timestep ``k``, one of ``of`` units (over all ranks)
     of optimiser step ``update``; what the plan computed for it once per batch: per-sample loss ``weight``
-    ``(B,)`` (None: 1) and the reference's step mean ``reference`` (None: computed by the loss)."""
+    ``(B,)`` (None: 1) and the reference's step mean ``reference`` (its velocity under ``kl_mode: velocity``;
+    None: computed by the loss)."""
 
     chunk: int
     k: int
@@ -232,11 +272,18 @@ class FlowGRPOTrainer(GroupTrainer):
         return self.tcfg.cps_log_prob if self.sampler == "cps" else "code"
 
     def sampling(self, group: int) -> Sampling:
-        """SDE on every step (Flow-GRPO-Fast: on a window drawn per prompt group, seeded by (seed, step, group))."""
+        """SDE on every step (Flow-GRPO-Fast: on a window in ``sde_window_range``, drawn per prompt group, seeded
+        by (seed, step, group), or with ``sde_window_draw: per_step`` once for the step, seeded by seed + step)."""
         window = None
         if self.tcfg.sde_window:
-            g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, group, 11))
-            window = (random_window_start(self.tcfg.num_steps, self.tcfg.sde_window, g), self.tcfg.sde_window)
+            t, width = self.tcfg.num_steps, self.tcfg.sde_window
+            low, high = self.tcfg.sde_window_range or (0, None)
+            if self.tcfg.sde_window_draw == "per_step":
+                start = shared_window_start(t, width, self.cfg.run.seed + self.step, low, high)
+            else:
+                g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, self.step, group, 11))
+                start = random_window_start(t, width, g, low, high)
+            window = (start, width)
         return Sampling(self.sampler, self.noise_level, window, self.tcfg.sde_last_step,
                         cps_log_prob=self.cps_log_prob, keep_unconditional=self.reuses_unconditional)
 
@@ -273,7 +320,7 @@ class FlowGRPOTrainer(GroupTrainer):
                     if scored():
                         return means
                     if (ref.index, k) not in means:
-                        means[ref.index, k] = self.reference_mean(batch.chunks[ref.index], k)
+                        means[ref.index, k] = self.kl_reference(batch.chunks[ref.index], k)
         return means
 
     def plan(self, batch: StepBatch, generator: torch.Generator) -> Plan:
@@ -303,7 +350,7 @@ class FlowGRPOTrainer(GroupTrainer):
             if self.tcfg.beta > 0 and not self.parallel.sharded:
                 for key in mine:
                     if key not in references:
-                        references[key] = self.reference_mean(batch.chunks[key[0]], key[1])
+                        references[key] = self.kl_reference(batch.chunks[key[0]], key[1])
             units.append([StepUnit(i, k, len(pairs), n, per_chunk[i], references.get((i, k))) for i, k in mine])
         return Plan(units, global_weights=True)
 
@@ -344,6 +391,20 @@ class FlowGRPOTrainer(GroupTrainer):
             v = self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
             return self.step_distribution(chunk, k, v).mean
 
+    def reference_velocity(self, chunk: Rollout, k: int) -> torch.Tensor:
+        """``v_ref`` of ``chunk`` at step ``k``: the reference's guided velocity at the rollout's ``x_k``
+        (adapter disabled, or the frozen starting weights), no grad."""
+        x_k = chunk.step(k)[0]
+        with torch.no_grad(), self.policy.adapter_disabled():
+            return self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+
+    def kl_reference(self, chunk: Rollout, k: int) -> torch.Tensor:
+        """What the KL term compares the policy with at step ``k``: the reference's step mean
+        (:meth:`reference_mean`), or its velocity under ``kl_mode: velocity`` (:meth:`reference_velocity`)."""
+        if self.tcfg.kl_mode == "velocity":
+            return self.reference_velocity(chunk, k)
+        return self.reference_mean(chunk, k)
+
     def policy_velocity(self, chunk: Rollout, k: int, sampling_weights: bool) -> torch.Tensor:
         """The policy's guided velocity at the rollout's ``x_k`` ``(B, ...)``, with gradients. While the
         weights are still those that sampled (``sampling_weights``: the batch's first optimiser step), a
@@ -371,7 +432,8 @@ class FlowGRPOTrainer(GroupTrainer):
         chunk, k = batch.chunks[unit.chunk], unit.k
         adv, weight = batch.per_chunk(batch.advantages)[unit.chunk], unit.weight
         x_k, _, old_log_prob = chunk.step(k)
-        out = self.step_distribution(chunk, k, self.policy_velocity(chunk, k, unit.update == 0))
+        velocity = self.policy_velocity(chunk, k, unit.update == 0)
+        out = self.step_distribution(chunk, k, velocity)
         adv, old_log_prob = adv.to(out.log_prob, non_blocking=True), old_log_prob.to(out.log_prob, non_blocking=True)
         per_sample, ratio, clipped = self.surrogate(chunk, k, out, old_log_prob, adv,
                                                     None if weight is None else weight.to(out.log_prob, non_blocking=True))
@@ -387,9 +449,13 @@ class FlowGRPOTrainer(GroupTrainer):
         else:  # after the batch's first optimiser step: where the trust region acts
             info.update({"ratio_dev_late": masked_mean(deviation, active), "clip_frac_late": clip_frac})
         if self.tcfg.beta > 0:
-            gap = coded_kl_gap(self.sampler, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item())
-            ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)
-            kl = self.kl_penalty(batch, unit, gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode), active)
+            ref = unit.reference if unit.reference is not None else self.kl_reference(chunk, k)
+            if self.tcfg.kl_mode == "velocity":
+                per_sample_kl = velocity_kl(velocity, ref.to(velocity.device, non_blocking=True))
+            else:
+                gap = coded_kl_gap(self.sampler, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item())
+                per_sample_kl = gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode)
+            kl = self.kl_penalty(batch, unit, per_sample_kl, active)
             loss = loss + self.tcfg.beta * kl
             info["kl"] = kl.detach()
         return loss / unit.of, info
