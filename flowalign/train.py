@@ -88,18 +88,24 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _added_options(old: dict[str, Any], new: dict[str, Any]) -> tuple[set[str], dict[str, Any]]:
+def _added_options(old: dict[str, Any], new: dict[str, Any],
+                   new_section: dict[str, Any] | None = None) -> tuple[set[str], dict[str, Any]]:
     """Options of ``new`` (flattened) that the saved config ``old`` lacks, added since the run was saved (an
     upgraded flowalign): the keys set to what the run computed before they existed (their default, or the
     trainer's ``before`` value where the default changed the computation), and ``{key: that value}`` of the
-    others, which would change the run."""
+    others, which would change the run. ``new_section``: the new config's trainer section, whose values stand
+    in for the keys a trainer requires (AFD's ``teacher``), which have no default."""
     missing = set(new) - set(old)
     if not missing:
         return set(), {}
+    section = {"name": new.get("trainer.name") or "flow_grpo"}
     try:
-        trainer, tcfg = trainer_config({"name": new.get("trainer.name") or "flow_grpo"})
+        config = get_trainer(str(section["name"])).Config
+        required = {k: new_section[k] for k, f in config.model_fields.items()
+                    if f.is_required() and k != "name" and k in (new_section or {})}
+        trainer, tcfg = trainer_config({**section, **required})
         defaults = _comparable(yaml.safe_load(dump_config(TrainConfig(), tcfg)))
-    except UserError:  # a trainer whose section has required keys: no key counts as added
+    except UserError:  # a trainer this flowalign lacks, or required keys the new config does not give
         return set(), {}
     was = {k: defaults[k] for k in missing if k in defaults}
     before, when = trainer.Config.former_forms()
@@ -157,7 +163,7 @@ def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
         if resume == "never":
             raise UserError(f"{run_dir} already holds a run; choose another run.output_dir or set run.resume=auto to continue it")
         old, new = _comparable(_saved_under_current_names(saved, run_dir)), _comparable(yaml.safe_load(resolved_yaml))
-        added, was = _added_options(old, new)
+        added, was = _added_options(old, new, (yaml.safe_load(resolved_yaml) or {}).get("trainer"))
         changed = sorted(k for k in set(old) | set(new)
                          if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES and k not in added)
         if changed and latest_checkpoint(run_dir) is None:

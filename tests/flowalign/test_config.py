@@ -147,6 +147,29 @@ def test_a_former_form_tied_to_another_option_refuses_only_the_runs_that_used_it
             prepare_run_dir(tmp_path, resolved(f"trainer.advantage={advantage}"), "auto")
 
 
+def test_a_trainer_with_required_keys_is_told_its_former_forms_too(tmp_path):
+    """AFD requires ``teacher`` (no default): the run's own teacher stands in for it, so a run saved before
+    ``advantage`` and ``loss_form`` existed is told the line that continues it, not refused as another run."""
+    import yaml
+
+    from flowalign.config import dump_config
+    from flowalign.trainers import trainer_config
+
+    def resolved(*overrides: str) -> str:
+        cfg = load_config(None, ["trainer.name=afd", "trainer.teacher={model: assets/tiny-wan-motion}", *overrides])
+        return dump_config(cfg, trainer_config(cfg.trainer)[1])
+
+    earlier = yaml.safe_load(resolved())
+    del earlier["trainer"]["advantage"], earlier["trainer"]["loss_form"]
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    with pytest.raises(UserError, match=r"saved before trainer.advantage, trainer.loss_form existed, which computed "
+                                        r"trainer.advantage=centred trainer.loss_form=weighted_fm; add"):
+        prepare_run_dir(tmp_path, resolved(), "auto")
+    prepare_run_dir(tmp_path, resolved("trainer.advantage=centred", "trainer.loss_form=weighted_fm"), "auto")
+
+
 def test_a_run_saved_under_an_options_former_name_resumes_and_one_whose_meaning_changed_is_refused(tmp_path):
     """SOAR's K, w_cfg, N, lam (now rollout_steps, rollout_guidance, corrections, correction_weight) in a saved
     config are read under their names now: the run resumes with the same values, and is refused with others.
