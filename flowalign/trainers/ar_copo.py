@@ -1,63 +1,95 @@
-"""AR-CoPO (*AR-CoPO: Align Autoregressive Video Generation with Contrastive Policy Optimization*;
-``docs/methods/ar_copo.md``) for streaming policies (:class:`flowalign.protocols.StreamingPolicy`).
+"""AR-CoPO (*AR-CoPO: Align Autoregressive Video Generation with Contrastive Policy Optimization*, arXiv
+2603.17461; ``docs/methods/ar_copo.md``) for streaming policies (:class:`flowalign.protocols.StreamingPolicy`).
 
 Per prompt, a centre stream is sampled with the deterministic few-step sampler and forked at a random chunk
-``k``: ``G`` candidates share every chunk before ``k`` (its clean latents and KV cache), start chunk ``k`` from
-neighbours of the centre's noise ``ε_c``,
+``k`` (the pivot): ``G`` candidates share every chunk before ``k`` (its clean latents and KV cache), start chunk
+``k`` from neighbours of the centre's noise ``ε_c``,
 
-    ε_i = √(1 − β²)·ε_c + β·ξ_i,        ξ_i ~ N(0, I),
+    ε_i = √(1 − σ²)·ε_c + σ·ξ_i,        ξ_i ~ N(0, I),
 
 and finish the stream deterministically with the centre's noise for the later chunks, so each candidate's
-sequence-level reward ``R_i`` is the consequence of its chunk ``k``. The policy over candidates is Neighbor
-GRPO's contrastive surrogate: with ``y_θ`` the chunk ``k`` the current weights make from ``ε_c`` (every
-few-step jump differentiated) and ``y_i`` the candidates' chunk ``k``,
+sequence-level reward ``R_i`` is the consequence of its chunk ``k``; ``A_i`` its group advantage. The policy over
+candidates is Neighbor GRPO's contrastive surrogate, per denoising step ``t`` of chunk ``k`` (``anchor:
+candidates``, the paper's): ``anchors`` candidates ``a`` are drawn per group (symmetric anchor sampling), and with
+``x̂0_t^(i)`` each candidate's clean prediction from its state ``x_t^(i)`` at collection and ``x̂0_t^(θ,a)`` the
+current weights' from the anchor's state,
 
-    d_i = mean_D (y_θ − sg(y_i))²,   π_θ(i) = softmax_i(−d_i / τ),   r_i = π_θ(i) / π_old(i)
-    L   = −(1/G) Σ_i min(r_i·A_i, clip(r_i, 1 ± ε)·A_i),      A_i the group advantage of R_i
+    d_t^(i|a) = mean_D (x̂0_t^(θ,a) − sg(x̂0_t^(i)))²,   π_θ(i | s_t, a) = softmax_i(−d_t^(i|a) / τ)
+    L = −mean_{a,t,i} min(r·A_i, clip(r, 1 ± ε)·A_i),   r = π_θ(i | s_t, a) / π_old(i | s_t, a)
 
-a GRPO update localised to the forked chunk: with Σ A_i = 0 its gradient at r = 1 is ``(1/(Gτ)) Σ_i A_i ∇d_i``,
-pulling ``y_θ`` toward the better candidates and away from the worse. Semi-on-policy: every collected group
-enters a replay buffer (``buffer_size``); each step also trains on ``replay_groups`` groups drawn from it,
-their ``π_old`` the one stored at collection (the clip bounds how far an old group moves the weights) and
-their prefix cache re-encoded with the current weights.
+(``π_old`` is the same with the anchor's own prediction at collection). ``anchor: center`` is the former form:
+one policy per group, ``d_i`` between the chunk the current weights make from ``ε_c`` (every jump
+differentiated) and the candidates' clean chunks. Semi-on-policy (``replay: reference``): a buffer of
+``buffer_size`` groups sampled by the starting weights, replayed with their ``π_old``, the ratio clip as the trust
+region; ``replay: recent`` is the former first-in first-out buffer mixed into on-policy steps.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.config import StepIndex
 from flowalign.errors import UserError
-from flowalign.limits import MAX_COEFFICIENT, MAX_WEIGHT_COPIES
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_LR, MAX_UPDATES, MAX_WEIGHT_COPIES
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.options import AdvantageOptions, StreamOptions, TrainerConfig
 from flowalign.trainers.parts.policy_gradient import clipped_loss
-from flowalign.trainers.parts.units import GroupUnit
 
 
 class ARCoPOConfig(TrainerConfig, StreamOptions, AdvantageOptions):
-    """AR-CoPO's own fork rollouts (``StreamOptions``), scored into group advantages."""
+    """AR-CoPO's own fork rollouts (``StreamOptions``), scored into group advantages. The defaults are the
+    paper's (its experiments: G = 12, lr 1e-5, σ = 0.5, clip 1e-4, 4 anchors, 2 policy updates, 100 groups)."""
 
     name: Literal["ar_copo"] = "ar_copo"
-    #: β: how far a candidate's chunk noise is from the centre's (ε_i = √(1−β²)·ε_c + β·ξ_i)
-    neighborhood: float = Field(0.3, gt=0, le=1)
-    #: τ of the contrastive policy softmax(−d/τ), d a per-element mean squared distance
+    #: what runs saved before these options existed computed (see TrainerConfig.before)
+    before: ClassVar[dict[str, Any]] = {"anchor": "center", "updates": 1, "replay": "recent"}
+    #: G candidates per fork (the paper's 12)
+    group_size: int = Field(12, ge=2, le=MAX_GROUP_SIZE)
+    #: AdamW learning rate (the paper's 1e-5)
+    lr: float = Field(1e-5, gt=0, le=MAX_LR)
+    #: σ: how far a candidate's chunk noise is from the centre's (ε_i = √(1−σ²)·ε_c + σ·ξ_i; the paper's 0.5)
+    neighborhood: float = Field(0.5, gt=0, le=1)
+    #: τ of the contrastive policy softmax(−d/τ), d a per-element mean squared distance (the paper's squared
+    #: norm with τ₀ = τ·D, D the chunk's elements)
     temperature: float = Field(0.05, gt=0, le=MAX_COEFFICIENT)
-    #: ε of the clipped ratio
-    clip_range: float = Field(0.2, gt=0, le=MAX_COEFFICIENT)
+    #: ε of the clipped ratio (the paper's 1e-4)
+    clip_range: float = Field(1e-4, gt=0, le=MAX_COEFFICIENT)
+    #: "candidates": the paper's surrogate, per denoising step t of the fork chunk, anchored at `anchors`
+    #: candidates drawn per group (symmetric anchor sampling), d the distance between the current weights'
+    #: clean prediction from the anchor's stored state and each candidate's prediction at collection;
+    #: "center": the former form, the chunk the current weights make from the centre's noise (every jump
+    #: differentiated) against the candidates' clean chunks, one policy per group
+    anchor: Literal["candidates", "center"] = "candidates"
+    #: candidates: B, the anchors drawn per group and update (the paper's 4); at most group_size
+    anchors: int = Field(4, ge=1, le=MAX_GROUP_SIZE)
+    #: optimiser steps per collected batch, the batch's units (a group's anchor each, or a group under
+    #: anchor: center) dealt round-robin into them (the paper's 2 policy updates per iteration; 1: the former)
+    updates: int = Field(2, ge=1, le=MAX_UPDATES)
     #: chunks a fork may be drawn at (default: every chunk)
     fork_chunks: list[StepIndex] | None = None
-    #: semi-on-policy: groups of earlier steps replayed per step beside the fresh ones (0: on-policy only)
+    #: semi-on-policy: groups drawn from the replay buffer per step (0: on-policy only)
     replay_groups: int = Field(0, ge=0, le=MAX_WEIGHT_COPIES)
-    #: groups the replay buffer keeps (the oldest leave first)
-    buffer_size: int = Field(16, ge=1, le=MAX_WEIGHT_COPIES)
+    #: groups the replay buffer keeps (the paper's 100)
+    buffer_size: int = Field(100, ge=1, le=MAX_WEIGHT_COPIES)
+    #: "reference": the paper's semi-on-policy run, the buffer filled once with buffer_size groups sampled by the
+    #: starting weights and every step trained on replay_groups of them only (no fresh groups); "recent": the
+    #: former form, every collected group enters a first-in first-out buffer and each step adds replay_groups
+    #: of them to its fresh groups
+    replay: Literal["reference", "recent"] = "reference"
     advantage: str = Field("group", pattern="^(group|global_std|gdpo)$")
+
+    @model_validator(mode="after")
+    def _anchors_within_the_group(self) -> "ARCoPOConfig":
+        if self.anchor == "candidates" and self.anchors > self.group_size:
+            raise ValueError(f"trainer.anchors={self.anchors}: anchors are drawn from the group's "
+                             f"{self.group_size} candidates; give at most trainer.group_size")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- the math
@@ -70,10 +102,33 @@ def neighbours(center: torch.Tensor, beta: float, generator: torch.Generator, n:
 
 
 def contrastive_log_probs(y: torch.Tensor, candidates: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log π(i) (G,)`` of candidates ``(G, ...)`` given the policy's own output ``y (...)``:
-    ``log_softmax_i(−mean_D (y − y_i)² / τ)`` (the candidates are constants)."""
-    d = ((y[None] - candidates.detach()) ** 2).flatten(1).mean(1)
-    return torch.log_softmax(-d / temperature, dim=0)
+    """``log π(i) (..., G)`` of candidates ``(G, *D)`` given the policy's own output ``y (..., *D)`` (any
+    leading dims, e.g. anchors): ``log_softmax_i(−mean_D (y − y_i)² / τ)`` (the candidates are constants)."""
+    lead = y.dim() - (candidates.dim() - 1)
+    diff = y.unsqueeze(lead) - candidates.detach()
+    d = (diff**2).flatten(lead + 1).mean(-1)
+    return torch.log_softmax(-d / temperature, dim=-1)
+
+
+def anchored_log_probs(anchor_x0: torch.Tensor, candidate_x0: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The paper's per-step surrogate policy ``log π(i | s_t, k) (B, T, G)``: ``anchor_x0 (B, T, *D)`` the clean
+    predictions made from the anchors' states at each step, ``candidate_x0 (G, T, *D)`` the candidates' own
+    predictions at collection; per step, ``log_softmax_i(−mean_D (x̂0_t^(k) − x̂0_t^(i))² / τ)``."""
+    diff = anchor_x0[:, None] - candidate_x0.detach()[None]  # (B, G, T, *D)
+    d = (diff**2).flatten(3).mean(-1).transpose(1, 2)  # (B, T, G)
+    return torch.log_softmax(-d / temperature, dim=-1)
+
+
+def x0_predictions(policy: Any, states: torch.Tensor, sigmas: torch.Tensor, cache: Any, cond: Any,
+                   guidance: float) -> torch.Tensor:
+    """``x̂0 (B, T, *D)`` of a chunk's states ``(B, ≥T, *D)`` at the grid ``sigmas (T+1,)``: the jump from each
+    state straight to σ = 0, ``x_t − σ_t·v(x_t, σ_t → 0)`` (a flow-map model's mean velocity to 0; a plain flow's
+    instantaneous one)."""
+    out = []
+    for t in range(len(sigmas) - 1):
+        s = sigmas[t].item()
+        out.append(states[:, t] - s * policy.chunk_velocity(states[:, t], s, 0.0, cache, cond, guidance))
+    return torch.stack(out, dim=1)
 
 
 # ---------------------------------------------------------------------------------------------- the trainer
@@ -83,7 +138,9 @@ def contrastive_log_probs(y: torch.Tensor, candidates: torch.Tensor, temperature
 class ForkGroup:
     """One prompt's fork: the prefix before chunk ``chunk`` (clean latents ``(1, C, F_{<k}, H, W)``), the centre's
     chunk noise ``(1, C, f_k, H, W)``, the candidates' chunk ``(G, C, f_k, H, W)``, their advantages ``(G,)`` and
-    ``log π_old (G,)``."""
+    ``log π_old``: ``(G,)`` under ``anchor: center``; under ``anchor: candidates`` ``(G, T, G)`` (anchor, step,
+    candidate), with the candidates' trajectories ``states (G, T+1, C, f_k, H, W)`` and their clean predictions at
+    collection ``x0 (G, T, C, f_k, H, W)``."""
 
     prompt: str
     chunk: int
@@ -92,6 +149,22 @@ class ForkGroup:
     candidates: torch.Tensor
     advantages: torch.Tensor
     old_log_probs: torch.Tensor
+    states: torch.Tensor | None = None
+    x0: torch.Tensor | None = None
+
+
+#: the tensors a ForkGroup holds (those that are None under a form are not saved)
+GROUP_TENSORS = ("prefix", "center", "candidates", "advantages", "old_log_probs", "states", "x0")
+
+
+@dataclass
+class ForkUnit:
+    """Group ``index`` of the batch with its ``anchors`` (None under ``anchor: center``), weighted over the
+    ``total`` units of its optimiser step on every rank."""
+
+    index: int
+    total: int
+    anchors: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -129,49 +202,73 @@ class ARCoPOTrainer(GroupTrainer):
         return stream_rollout(self.policy, prompts, num_steps=self.tcfg.num_steps, guidance_scale=self.guidance(),
                               initial_noise=noise, prefix=prefix, decode=False)
 
-    def collect(self, step: int) -> ForkBatch:
-        """Per prompt: the centre stream, a fork chunk, G neighbour candidates from the centre's prefix, their
-        rewards and group advantages, and ``π_old`` at the weights that sampled them."""
-        tc, g = self.tcfg, self.tcfg.group_size
+    def forks(self, step: int) -> tuple[list[ForkGroup], dict[str, float]]:
+        """Per prompt of ``step``: the centre stream, a fork chunk, G neighbour candidates from the centre's prefix,
+        their rewards and group advantages, and ``π_old`` at the weights that sampled them."""
+        tc, g, policy = self.tcfg, self.tcfg.group_size, self.policy
         prompts, metadata, groups = self.step_prompts(step)
         firsts = list(range(0, len(prompts), g))
-        centers = torch.cat([self.policy.initial_noise(1, torch.Generator().manual_seed(
+        centers = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(
             derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 81))) for i in firsts])
         center = self._stream([prompts[i] for i in firsts], centers)
         noises, forks, prefixes = [], [], []
         for j, i in enumerate(firsts):
             rng = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 83))
             k = self.fork_chunks[int(torch.randint(len(self.fork_chunks), (1,), generator=rng))]
-            part = self.policy.chunk_slice(k)
+            part = policy.chunk_slice(k)
             noise = centers[j:j + 1].repeat(g, 1, 1, 1, 1)
             noise[:, :, part] = neighbours(centers[j, :, part], tc.neighborhood, rng, g)
             noises.append(noise)
             forks.append(k)
             prefixes.append(center.prefix(k, [j]))
-        samples, candidates = [], []
+        samples, candidates, states, x0 = [], [], [], []
+        sigmas = policy.sigmas(tc.num_steps).float()
         for j, i in enumerate(firsts):
             fork = self._stream(prompts[i:i + g], noises[j], prefixes[j].repeat_interleave(g))
             with torch.no_grad():
-                samples.append(self.policy.decode(fork.final_latents))
+                samples.append(policy.decode(fork.final_latents))
+                if tc.anchor == "candidates":
+                    path = fork.chunks[forks[j]].to(policy.device)
+                    x0.append(x0_predictions(policy, path, sigmas, fork.caches[forks[j]], fork.cond,
+                                             self.guidance()).float().cpu())
+                    states.append(path.cpu())
             candidates.append(fork.chunks[forks[j]][:, -1])
         prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
         scored = self.score(torch.cat(samples), prompts, metadata, prompt_ids, step)
         advantages = scored.advantages
         batch = []
         for j, i in enumerate(firsts):
-            y = center.chunks[forks[j]][j, -1]
-            old = contrastive_log_probs(y, candidates[j], tc.temperature)
-            center_noise = centers[j:j + 1, :, self.policy.chunk_slice(forks[j])]
+            if tc.anchor == "candidates":  # π_old(i | s_t, k): anchor k's own prediction is its x̂0 at collection
+                old = anchored_log_probs(x0[j], x0[j], tc.temperature)
+            else:
+                old = contrastive_log_probs(center.chunks[forks[j]][j, -1], candidates[j], tc.temperature)
+            center_noise = centers[j:j + 1, :, policy.chunk_slice(forks[j])]
             batch.append(ForkGroup(prompts[i], forks[j], prefixes[j].clean.cpu(), center_noise.cpu(),
-                                   candidates[j].cpu(), advantages[i:i + g].float(), old.cpu()))
-        logs = {**scored.logs, "ar_copo/fork_chunk": sum(forks) / len(forks)}
+                                   candidates[j].cpu(), advantages[i:i + g].float(), old.cpu(),
+                                   states[j] if states else None, x0[j] if x0 else None))
+        return batch, {**scored.logs, "ar_copo/fork_chunk": sum(forks) / len(forks)}
+
+    def collect(self, step: int) -> ForkBatch:
+        """``replay: recent`` (or on-policy): this step's forks, plus ``replay_groups`` earlier groups of the
+        buffer they then enter. ``replay: reference`` with ``replay_groups``: the buffer is filled once with
+        ``buffer_size`` groups sampled by the starting weights, and each step trains on ``replay_groups`` of them."""
+        tc = self.tcfg
+        if tc.replay == "reference" and tc.replay_groups > 0:
+            fill = 0
+            while len(self.buffer) < tc.buffer_size:  # before any update: the reference (starting) weights
+                groups, logs = self.forks(step + fill)
+                self.buffer = (self.buffer + groups)[:tc.buffer_size]
+                fill += 1
+            replay = self._replay(step)
+            return ForkBatch(replay, {"ar_copo/replayed": float(len(replay))}, fresh=0)
+        batch, logs = self.forks(step)
         replay = self._replay(step)
         self.buffer = (self.buffer + batch)[-tc.buffer_size:]
         logs["ar_copo/replayed"] = float(len(replay))
         return ForkBatch(batch + replay, logs, fresh=len(batch))
 
     def _replay(self, step: int) -> list[ForkGroup]:
-        """``replay_groups`` groups of earlier steps drawn from the buffer (without repeats)."""
+        """``replay_groups`` groups drawn from the buffer (without repeats)."""
         n = min(self.tcfg.replay_groups, len(self.buffer))
         if n == 0:
             return []
@@ -179,19 +276,29 @@ class ARCoPOTrainer(GroupTrainer):
         return [self.buffer[i] for i in torch.randperm(len(self.buffer), generator=rng)[:n].tolist()]
 
     def plan(self, batch: ForkBatch, generator: torch.Generator) -> Plan:
-        """One optimiser step over every group (fresh and replayed), a unit each."""
-        total = self.total(len(batch.groups))
-        return Plan([[GroupUnit(i, total) for i in range(len(batch.groups))]], global_weights=True)
+        """``anchor: candidates``: each group's ``anchors`` drawn without repeats (symmetric anchor sampling), a
+        unit each; ``center``: a unit a group. The units dealt round-robin into ``updates`` optimiser steps."""
+        tc = self.tcfg
+        units: list[tuple[int, tuple[int, ...] | None]] = []
+        for i, group in enumerate(batch.groups):
+            if tc.anchor == "candidates":
+                drawn = torch.randperm(len(group.advantages), generator=generator)[:tc.anchors].tolist()
+                units += [(i, (a,)) for a in drawn]
+            else:
+                units.append((i, None))
+        # every rank has as many units (same prompts per step, anchors, replay), so as many steps of each size
+        n = min(tc.updates, len(units))
+        steps = [units[s::n] for s in range(n)]
+        totals = [self.total(len(step)) for step in steps]
+        return Plan([[ForkUnit(i, total, anchors) for i, anchors in step] for step, total in zip(steps, totals)],
+                    global_weights=True)
 
     def chunk_output(self, group: ForkGroup) -> torch.Tensor:
-        """``y_θ (C, f_k, H, W)``: chunk ``k`` made from the centre's noise by the current weights, every jump
-        differentiated; the prefix's cache (context) is re-encoded without gradient."""
+        """``anchor: center``'s ``y_θ (C, f_k, H, W)``: chunk ``k`` made from the centre's noise by the current
+        weights, every jump differentiated; the prefix's cache (context) is re-encoded without gradient."""
         policy, guidance = self.policy, self.guidance()
         cond = policy.encode([group.prompt])
-        cache = policy.empty_cache(1, guidance)
-        prefix = group.prefix.to(policy.device, non_blocking=True)
-        for k in range(group.chunk):
-            cache = policy.append_chunks(cache, prefix[:, :, :policy.chunk_slice(k).stop], cond, guidance)
+        cache = self.prefix_cache(group, cond)
         sigmas = policy.sigmas(self.tcfg.num_steps).float()
         x = group.center.to(policy.device, non_blocking=True)
         for i in range(len(sigmas) - 1):
@@ -199,12 +306,39 @@ class ARCoPOTrainer(GroupTrainer):
             x = x + (s_next - s) * policy.chunk_velocity(x, s, s_next, cache, cond, guidance)
         return x[0]
 
-    def loss(self, batch: ForkBatch, unit: GroupUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        group = batch.groups[unit.index]
-        y = self.chunk_output(group)
-        log_probs = contrastive_log_probs(y, group.candidates.to(y, non_blocking=True), self.tcfg.temperature)
-        old = group.old_log_probs.to(y, non_blocking=True)
-        loss = clipped_loss(log_probs, old, group.advantages.to(y, non_blocking=True), self.tcfg.clip_range)
+    def prefix_cache(self, group: ForkGroup, cond: Any) -> Any:
+        """The cache the fork chunk reads, re-encoded from the stored clean prefix (batch 1, without gradient)."""
+        policy, guidance = self.policy, self.guidance()
+        cache = policy.empty_cache(1, guidance)
+        prefix = group.prefix.to(policy.device, non_blocking=True)
+        with torch.no_grad():
+            for k in range(group.chunk):
+                cache = policy.append_chunks(cache, prefix[:, :, :policy.chunk_slice(k).stop], cond, guidance)
+        return cache
+
+    def anchor_predictions(self, group: ForkGroup, anchors: list[int]) -> torch.Tensor:
+        """``x̂0_θ (B, T, C, f_k, H, W)``: the current weights' clean prediction from each anchor's stored state at
+        every step of the fork chunk, each differentiated (one forward a step, not through the chain)."""
+        policy, guidance = self.policy, self.guidance()
+        cond = policy.encode([group.prompt] * len(anchors))
+        cache = self.prefix_cache(group, cond[[0]]).repeat_interleave(len(anchors))
+        states = group.states[anchors].to(policy.device, non_blocking=True)
+        return x0_predictions(policy, states, policy.sigmas(self.tcfg.num_steps).float(), cache, cond, guidance)
+
+    def loss(self, batch: ForkBatch, unit: ForkUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        group, tc = batch.groups[unit.index], self.tcfg
+        if unit.anchors is None:
+            y = self.chunk_output(group)
+            log_probs = contrastive_log_probs(y, group.candidates.to(y, non_blocking=True), tc.temperature)
+            old = group.old_log_probs.to(y, non_blocking=True)
+            advantages = group.advantages.to(y, non_blocking=True)
+        else:
+            anchors = list(unit.anchors)
+            x0 = self.anchor_predictions(group, anchors)
+            log_probs = anchored_log_probs(x0, group.x0.to(x0, non_blocking=True), tc.temperature)  # (B, T, G)
+            old = group.old_log_probs[anchors].to(x0, non_blocking=True)
+            advantages = group.advantages.to(x0, non_blocking=True).expand_as(log_probs)
+        loss = clipped_loss(log_probs, old, advantages, tc.clip_range)
         ratio = torch.exp(log_probs.detach() - old)
         deviation = (ratio - 1).abs().max()
         fresh = unit.index < batch.fresh  # a fresh group's ratio is on-policy (1 up to kernel noise)
@@ -214,10 +348,13 @@ class ARCoPOTrainer(GroupTrainer):
     # ------------------------------------------------------------------ the buffer travels with checkpoints
     def state_dict(self) -> dict[str, Any]:
         tensors = {f"buffer.{i}.{name}": getattr(g, name) for i, g in enumerate(self.buffer)
-                   for name in ("prefix", "center", "candidates", "advantages", "old_log_probs")}
+                   for name in GROUP_TENSORS if getattr(g, name) is not None}
         return {**tensors, "buffer_prompts": [g.prompt for g in self.buffer], "buffer_chunks": [g.chunk for g in self.buffer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.buffer = [ForkGroup(prompt, int(chunk), *(state[f"buffer.{i}.{name}"].clone() for name in
-                                                        ("prefix", "center", "candidates", "advantages", "old_log_probs")))
+        def tensor(i: int, name: str) -> torch.Tensor | None:
+            t = state.get(f"buffer.{i}.{name}")
+            return None if t is None else t.clone()
+
+        self.buffer = [ForkGroup(prompt, int(chunk), *(tensor(i, name) for name in GROUP_TENSORS))
                        for i, (prompt, chunk) in enumerate(zip(state["buffer_prompts"], state["buffer_chunks"]))]
