@@ -5,8 +5,9 @@
 
 (a) recipes: every ``configs/tiny/*.yaml`` trains 2 steps on the device from a fresh run folder, each in its
     own process (one crash, hang or CUDA error stops that recipe alone), with a JPEG-size reward beside its
-    own so that rewards differ inside every group and every update runs. Recorded: status, the last step's
-    loss and gradient norm (finite), the device of the trained weights, seconds. A recipe whose shipped
+    own so that rewards differ inside every group and every update runs (a differentiable brightness term where
+    the recipe's rewards are all differentiable, as a reward-gradient trainer needs). Recorded: status, the last
+    step's loss and gradient norm (finite), the device of the trained weights, seconds. A recipe whose shipped
     prerequisite is missing (a teacher, a latent reward, a reward model's download) is ``stopped`` with
     its one-line reason, as a user would see it; ``failed``, ``nonfinite``, ``no-update`` and
     ``wrong-device`` are failures. A recipe that pins a former form of its trainer (kept as measured) runs
@@ -89,18 +90,29 @@ SMOKE_RECIPES = ("flow_grpo_vvr", "dgpo_vvr")
 DEFAULTS = "+defaults"
 #: the JPEG term's weight: enough to separate samples a verifier scores alike, small beside the recipe's reward
 JPEG_WEIGHT = 0.1
+#: the varying term of a recipe whose rewards are all differentiable (a reward-gradient trainer, DiffusionOPSD or
+#: FAV, refuses a reward without a gradient such as the JPEG size): a differentiable pixel statistic
+GRADIENT_TERM = "brightness"
 FAILURES = ("failed", "nonfinite", "no-update", "wrong-device", "timeout")
 
 
 def varying_rewards(recipe: Path) -> str:
     """The ``rewards=`` override: the recipe's own rewards plus a JPEG-size term (the video twin for a video
-    recipe), so samples that the recipe's reward scores alike still differ and every update runs."""
+    recipe), so samples that the recipe's reward scores alike still differ and every update runs; where the
+    recipe's rewards are all differentiable, a differentiable term (:data:`GRADIENT_TERM`) in its place, which a
+    trainer that follows its rewards' gradient accepts."""
+    from flowalign.plugins import differentiable_rewards
+
     data = yaml.safe_load(recipe.read_text()) or {}
     rewards = list(data.get("rewards") or [{"name": "vvr"}])
     names = " ".join(str(r.get("name", "")) for r in rewards if isinstance(r, dict))
     video = "motion" in names or "video" in names
-    jpeg = {"name": "jpeg_compressibility_video" if video else "jpeg_compressibility", "weight": JPEG_WEIGHT}
-    return "rewards=" + json.dumps([*rewards, jpeg])
+    gradients = set(differentiable_rewards())
+    if not video and all(isinstance(r, dict) and r.get("name") in gradients for r in rewards):
+        term = {"name": GRADIENT_TERM, "weight": JPEG_WEIGHT}
+    else:
+        term = {"name": "jpeg_compressibility_video" if video else "jpeg_compressibility", "weight": JPEG_WEIGHT}
+    return "rewards=" + json.dumps([*rewards, term])
 
 
 def authors_defaults(recipe: Path) -> list[str]:
@@ -282,8 +294,9 @@ def run_side(side: str, folder: Path, work: Path, reference_src: Path | None, re
         from bench_reference import ReferenceFlowGRPO
 
         precision = side.rsplit("_", 1)[1]
+        # the bf16 transformer runs under bf16 autocast on a CPU too (a CPU has no fp16 autocast: fp32 there)
         ref = ReferenceFlowGRPO(reference_src, folder, redness, setting, bench.PROMPTS, bench.LORA_TARGETS, max_len,
-                                device=device, mixed_precision=precision if cuda else "no",
+                                device=device, mixed_precision=precision if cuda or precision == "bf16" else "no",
                                 transformer_dtype="bf16" if precision == "bf16" else "fp32", size=size)
         counter = RowCounter(ref.pipe.transformer)
         iteration = ref.iteration
