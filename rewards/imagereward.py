@@ -243,15 +243,30 @@ class ImageReward(BatchedImageReward):
         return (self.model(x, input_ids, attention_mask) - MEAN) / STD
 
 
-def save_tiny_imagereward(out: Path, seed: int = 0, *, overwrite: bool = False) -> Path:
+#: what :func:`save_tiny_imagereward` builds: the ViT's width (heads of 64), patch grid side and patch size, the
+#: text encoder's width, heads and MLP width, and the scale of the ViT's random weights. ``released`` has the
+#: released model's widths (BLIP's ViT-L/16 at 224 px and bert-base), the sizes the reference's constructor
+#: hard-codes; only the depths, the vocabulary and the weights are the tiny folder's
+WIDTHS = {"tiny": {"vision": (128, 4, 16), "text": (32, 2, 64), "scale": 0.05},
+          "released": {"vision": (1024, 14, 16), "text": (768, 12, 3072), "scale": 0.02}}
+
+
+def save_tiny_imagereward(out: Path, seed: int = 0, *, overwrite: bool = False, widths: str = "tiny",
+                          layers: int = 2) -> Path:
     """An ImageReward folder as THUDM/ImageReward ships it (``ImageReward.pt`` with the reference's key names,
-    ``med_config.json``), a tiny ViT and BERT, and a small WordPiece tokenizer in place of bert-base-uncased's.
-    Written atomically (:func:`flowalign.io.atomic_dir`, writer ``save-tiny-imagereward``): a failure leaves
-    ``out`` as it was, and a folder holding files it did not write is refused unless ``overwrite``."""
+    ``med_config.json``), a small WordPiece tokenizer in place of bert-base-uncased's, and ``layers`` layers in
+    the ViT and in the text encoder. ``widths`` (:data:`WIDTHS`): ``tiny`` (a 128-wide ViT on 64-px images, a
+    32-wide BERT), or ``released`` (the released widths; the head's Linear weights scaled by √3, a unit gain
+    each, so the score varies with the image). Written atomically (:func:`flowalign.io.atomic_dir`, writer
+    ``save-tiny-imagereward``): a failure leaves ``out`` as it was, and a folder holding files it did not write
+    is refused unless ``overwrite``."""
     from transformers import BertTokenizer
 
     from flowalign.io import atomic_dir
 
+    if widths not in WIDTHS:
+        raise UserError(f"save_tiny_imagereward: widths={widths!r} is not known; use one of {', '.join(WIDTHS)}")
+    size = WIDTHS[widths]
     out = Path(out)
     with atomic_dir(out, writer="save-tiny-imagereward", overwrite=overwrite) as tmp:
         words = ["a", "an", "the", "of", "on", "and", "in", "with", "red", "blue", "green", "circle", "square",
@@ -261,24 +276,26 @@ def save_tiny_imagereward(out: Path, seed: int = 0, *, overwrite: bool = False) 
         (tmp / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
         tokenizer = BertTokenizer(str(tmp / "vocab.txt"), do_lower_case=True)
         tokenizer.save_pretrained(tmp)
-        med = {"architectures": ["BertModel"], "hidden_act": "gelu", "hidden_size": 32, "intermediate_size": 64,
-               "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 2,
-               "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(tokenizer) + 2,
-               "encoder_width": 128, "add_cross_attention": True}
+        text_width, text_heads, text_mlp = size["text"]
+        med = {"architectures": ["BertModel"], "hidden_act": "gelu", "hidden_size": text_width,
+               "intermediate_size": text_mlp, "layer_norm_eps": 1e-12, "max_position_embeddings": 64,
+               "model_type": "bert", "num_attention_heads": text_heads, "num_hidden_layers": layers,
+               "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(tokenizer) + 2,
+               "encoder_width": size["vision"][0], "add_cross_attention": True}
         (tmp / MED_CONFIG).write_text(json.dumps(med, indent=2))
-        # the checkpoint's own layout: a timm ViT (128 wide, 2 heads of 64, 16 px patches of 64 px images)
-        width, grid, patch = 128, 4, 16
+        # the checkpoint's own layout: a timm ViT
+        width, grid, patch = size["vision"]
         g = torch.Generator().manual_seed(seed)
 
         def rnd(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g) * 0.05
+            return torch.randn(*shape, generator=g) * size["scale"]
 
         state = {"blip.visual_encoder.cls_token": rnd(1, 1, width),
                  "blip.visual_encoder.pos_embed": rnd(1, grid * grid + 1, width),
                  "blip.visual_encoder.patch_embed.proj.weight": rnd(width, 3, patch, patch),
                  "blip.visual_encoder.patch_embed.proj.bias": rnd(width),
                  "blip.visual_encoder.norm.weight": 1 + rnd(width), "blip.visual_encoder.norm.bias": rnd(width)}
-        for i in range(2):
+        for i in range(layers):
             b = f"blip.visual_encoder.blocks.{i}."
             state.update({b + "norm1.weight": 1 + rnd(width), b + "norm1.bias": rnd(width),
                           b + "attn.qkv.weight": rnd(3 * width, width), b + "attn.qkv.bias": rnd(3 * width),
@@ -289,6 +306,11 @@ def save_tiny_imagereward(out: Path, seed: int = 0, *, overwrite: bool = False) 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = ImageRewardModel(state, med, random_init=True)
+        if widths != "tiny":
+            with torch.no_grad():
+                for layer in model.head:
+                    if isinstance(layer, nn.Linear):
+                        layer.weight.mul_(3 ** 0.5)
         state.update({f"blip.text_encoder.{k}": v for k, v in model.text.state_dict().items() if "position_ids" not in k})
         state.update({f"mlp.layers.{k}": v for k, v in model.head.state_dict().items()})
         torch.save({k: v.contiguous() for k, v in state.items()}, tmp / CHECKPOINT)
