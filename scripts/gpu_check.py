@@ -93,6 +93,10 @@ JPEG_WEIGHT = 0.1
 #: the varying term of a recipe whose rewards are all differentiable (a reward-gradient trainer, DiffusionOPSD or
 #: FAV, refuses a reward without a gradient such as the JPEG size): a differentiable pixel statistic
 GRADIENT_TERM = "brightness"
+#: trainers whose credit reads a reward in [0, 1] (UMM-Reflection's shaped trajectory reward): the recipe's rewards
+#: are scaled to 1 − JPEG_WEIGHT and the varying term is a score in [0, 1] (:data:`GRADIENT_TERM`), so the total
+#: stays a score in [0, 1]
+UNIT_RANGE_TRAINERS = ("umm_reflection",)
 FAILURES = ("failed", "nonfinite", "no-update", "wrong-device", "timeout")
 
 
@@ -100,7 +104,8 @@ def varying_rewards(recipe: Path) -> str:
     """The ``rewards=`` override: the recipe's own rewards plus a JPEG-size term (the video twin for a video
     recipe), so samples that the recipe's reward scores alike still differ and every update runs; where the
     recipe's rewards are all differentiable, a differentiable term (:data:`GRADIENT_TERM`) in its place, which a
-    trainer that follows its rewards' gradient accepts."""
+    trainer that follows its rewards' gradient accepts; for a trainer of :data:`UNIT_RANGE_TRAINERS`, that term
+    beside the recipe's rewards scaled to 1 − :data:`JPEG_WEIGHT`."""
     from flowalign.plugins import differentiable_rewards
 
     data = yaml.safe_load(recipe.read_text()) or {}
@@ -108,6 +113,10 @@ def varying_rewards(recipe: Path) -> str:
     names = " ".join(str(r.get("name", "")) for r in rewards if isinstance(r, dict))
     video = "motion" in names or "video" in names
     gradients = set(differentiable_rewards())
+    if ((data.get("trainer") or {}).get("name") in UNIT_RANGE_TRAINERS
+            and all(isinstance(r, dict) for r in rewards)):
+        scaled = [{**r, "weight": float(r.get("weight", 1.0)) * (1 - JPEG_WEIGHT)} for r in rewards]
+        return "rewards=" + json.dumps([*scaled, {"name": GRADIENT_TERM, "weight": JPEG_WEIGHT}])
     if not video and all(isinstance(r, dict) and r.get("name") in gradients for r in rewards):
         term = {"name": GRADIENT_TERM, "weight": JPEG_WEIGHT}
     else:

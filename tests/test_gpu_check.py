@@ -92,6 +92,23 @@ def test_every_recipe_gets_a_varying_reward_beside_its_own():
     assert [r["name"] for r in video] == ["vvr_motion", "jpeg_compressibility_video"]
 
 
+def test_a_trainer_that_reads_a_score_in_unit_range_gets_one(tmp_path, monkeypatch):
+    """UMM-Reflection's shaped credit refuses a reward outside [0, 1]: its recipe's rewards are scaled to 0.9 and
+    the varying term is brightness (in [0, 1]) at 0.1, and the trainer's credit accepts what they score."""
+    from flowalign.config import load_config
+    from flowalign.train import build_trainer
+
+    recipe = REPO / "configs/tiny/umm_reflection_vvr.yaml"
+    mixed = json.loads(check.varying_rewards(recipe).removeprefix("rewards="))
+    assert [(r["name"], r["weight"]) for r in mixed] == [("vvr", 0.9), ("brightness", 0.1)]
+    assert mixed[0]["partial_credit"] is True
+    monkeypatch.chdir(REPO)
+    cfg = load_config(recipe, check.recipe_overrides(recipe, tmp_path / "run", 1, smoke=True))
+    trainer = build_trainer(cfg)
+    batch = trainer.collect(0)  # the shaped credit checks every score it reads here
+    assert batch is not None
+
+
 def test_flops_of_a_row_are_counted_on_the_meta_device():
     small = check.row_flops(REPO / "assets/tiny-sd3-vvr", 64, 48)
     large = check.row_flops(REPO / "assets/tiny-sd3-vvr", 128, 48)
