@@ -83,6 +83,10 @@ SMOKE_FIT = {"dance_grpo_vvr": ("trainer.num_steps=4",), "pref_grpo_vvr": ("trai
              "mix_grpo_vvr": ("trainer.num_steps=4",), "tempflow_grpo_vvr": ("trainer.branch_steps=null",),
              "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2"), "afd_motion": ("trainer.teacher.num_steps=2",),
              "flow_opd_vvr": ("trainer.cold_start_steps=0",)}
+#: a recipe's ``+defaults`` row where the authors' forms need another reward than the recipe's: KVPO's local
+#: signal scores the routed chunk's frames alone, which the tiny motion verifier (a whole-trajectory judge) calls
+#: invalid, so that row is scored by the JPEG size of the video alone, which scores any clip
+DEFAULTS_FIT = {"kvpo_motion": ('rewards=[{"name": "jpeg_compressibility_video"}]',)}
 #: --smoke's recipes: the reference trainer and one that once mixed CPU and CUDA tensors (both quick on a CPU),
 #: whose recipe pins former forms, so its authors' defaults run as a row of their own too
 SMOKE_RECIPES = ("flow_grpo_vvr", "dgpo_vvr")
@@ -143,7 +147,7 @@ def recipe_overrides(recipe: Path, run_dir: Path, steps: int, smoke: bool, defau
         fields = get_trainer(name).Config.model_fields
         sized = [o for o in SMOKE_SIZE if not o.startswith("trainer.") or o.split("=")[0].split(".", 1)[1] in fields]
         overrides += [*sized, *SMOKE_FIT.get(recipe.stem, ())]
-    return overrides + (authors_defaults(recipe) if defaults else [])
+    return overrides + ([*authors_defaults(recipe), *DEFAULTS_FIT.get(recipe.stem, ())] if defaults else [])
 
 
 def _where(err: BaseException) -> str:

@@ -109,6 +109,18 @@ def test_a_trainer_that_reads_a_score_in_unit_range_gets_one(tmp_path, monkeypat
     assert batch is not None
 
 
+def test_kvpos_authors_row_is_scored_by_a_reward_that_scores_one_chunk(tmp_path):
+    """KVPO's authors' forms add a local signal on the routed chunk alone, which the tiny motion verifier calls
+    invalid: its ``+defaults`` row is scored by the video's JPEG size, which the last ``rewards=`` sets."""
+    recipe = REPO / "configs/tiny/kvpo_motion.yaml"
+    rows = check.recipe_overrides(recipe, tmp_path / "run", 1, smoke=True, defaults=True)
+    assert "trainer.local_weight=1.0" in rows
+    rewards = [o for o in rows if o.startswith("rewards=")]
+    assert json.loads(rewards[-1].removeprefix("rewards=")) == [{"name": "jpeg_compressibility_video"}]
+    plain = [o for o in check.recipe_overrides(recipe, tmp_path / "run", 1, smoke=True) if o.startswith("rewards=")]
+    assert "vvr_motion" in plain[-1]  # the recipe's own row keeps its verifier
+
+
 def test_flops_of_a_row_are_counted_on_the_meta_device():
     small = check.row_flops(REPO / "assets/tiny-sd3-vvr", 64, 48)
     large = check.row_flops(REPO / "assets/tiny-sd3-vvr", 128, 48)
