@@ -44,13 +44,12 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_
 from flowalign.sampling.streaming import stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.diffusion_nft import nft_loss
 from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.teacher_videos import ModelTeacher, VideoFolderTeacher, VideoTeacher
+from flowalign.trainers.parts.negative_aware import nft_loss, reward_weight
 from flowalign.trainers.parts.units import GroupUnit
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
-from flowalign.trainers.self_distill import reward_weight
 
 #: ``global_std``: DiffusionNFT's normalised advantage of the discriminator's log-odds (the paper's); ``centred``:
 #: the log-odds centred per prompt, not divided (the former form)
@@ -158,7 +157,7 @@ def weighted_matching_loss(v: torch.Tensor, target: torch.Tensor, advantages: to
 def on_policy_nft_loss(v: torch.Tensor, noised: torch.Tensor, clean: torch.Tensor, eps: torch.Tensor, sigma: float,
                        r: torch.Tensor, mirror_beta: float, adv_clip: float,
                        form: LossForm = "nft") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DiffusionNFT's loss :func:`~flowalign.trainers.diffusion_nft.nft_loss` ``(B,)`` with the behaviour velocity
+    """DiffusionNFT's loss :func:`~flowalign.trainers.parts.negative_aware.nft_loss` ``(B,)`` with the behaviour velocity
     the weights the step starts from, ``v_old = sg(v)`` (one update per batch of the student's own rollouts);
     ``noised = (1 − σ)·clean + σ·eps``; ``r (B,)`` in [0, 1]. ``nft`` is its velocity form, whose gradient is
     ``2β·(2r − 1)·(v − (eps − clean))/D``; ``nft_x0_normalised`` the x0-space form of the authors' code."""

@@ -29,17 +29,11 @@ from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.options import ReferenceOptions
-from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.sample_parts import sample_keys, sample_parts
-from flowalign.trainers.self_distill import (
-    FitUnit,
-    SelfDistillConfig,
-    SelfDistillTrainer,
-    behaviour_lambda,
-    mirrored_velocities,
-)
+from flowalign.trainers.parts.negative_aware import NFTLossForm as LossForm
+from flowalign.trainers.parts.negative_aware import nft_loss
+from flowalign.trainers.self_distill import FitUnit, SelfDistillConfig, SelfDistillTrainer, behaviour_lambda
 
-LossForm = Literal["x0_normalised", "velocity"]
 FitSplit = Literal["shuffled_parts", "whole_batch"]
 
 
@@ -82,45 +76,6 @@ class DiffusionNFTConfig(SelfDistillConfig, ReferenceOptions):
             raise ValueError("trainer.timesteps_per_sample is now trainer.timestep_fraction (the fraction of the "
                              "sampler's timesteps trained per sample, e.g. 0.99)")
         return data
-
-
-def adaptive_x0_loss(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-    """``mean((x̂0 − x0)²/w)`` ``(B,)`` with ``w = max(mean|x̂0 − x0|, 1e-5)`` per sample, computed in float64 and
-    without gradient, as the authors' adaptive weighting."""
-    with torch.no_grad():
-        weight = (x0_hat.double() - x0.double()).abs().flatten(1).mean(1).clip(min=1e-5)
-    weight = weight.view(-1, *([1] * (x0.ndim - 1)))
-    return per_sample_mean((x0_hat - x0) ** 2 / weight)
-
-
-def nft_loss(
-    v_theta: torch.Tensor, v_phi: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor,
-    t: torch.Tensor, r: torch.Tensor, beta: float, adv_clip: float, form: LossForm = "x0_normalised",
-    v_ref: torch.Tensor | None = None, kl_beta: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-sample NFT loss ``(B,)``.
-
-    ``v_theta``, ``v_phi``, ``x_t``, ``x0``, ``eps``, ``v_ref``: ``(B, ...)``; ``t``, ``r``: ``(B,)``; ``beta``: the
-    mirror β; ``adv_clip``: A_max. ``x0_normalised`` (the authors'): ``(A_max/β)·[r·L⁺ + (1−r)·L⁻]`` with
-    :func:`adaptive_x0_loss` on ``x̂0± = x_t − t·v±``; ``velocity``: ``r·mean(v⁺ − v)² + (1−r)·mean(v⁻ − v)²``.
-    With ``v_ref``, ``kl_beta·mean((v_θ − v_ref)²)`` is added.
-    """
-    v_pos, v_neg = mirrored_velocities(v_theta, v_phi.detach(), beta)
-    if form == "velocity":
-        target = eps - x0
-        pos, neg = per_sample_mean((v_pos - target) ** 2), per_sample_mean((v_neg - target) ** 2)
-        loss = r * pos + (1 - r) * neg
-    else:
-        t = t.view(-1, *([1] * (x0.ndim - 1)))
-        pos = adaptive_x0_loss(x_t - t * v_pos, x0)
-        neg = adaptive_x0_loss(x_t - t * v_neg, x0)
-        loss = (r * pos / beta + (1 - r) * neg / beta) * adv_clip
-    info = {"loss_pos": pos.detach().mean(), "loss_neg": neg.detach().mean()}
-    if v_ref is not None:
-        kl = per_sample_mean((v_theta - v_ref.detach()) ** 2)
-        loss = loss + kl_beta * kl
-        info["kl"] = kl.detach().mean()
-    return loss, info
 
 
 def drawn_timesteps(num_samples: int, num_timesteps: int, fraction: float,

@@ -53,12 +53,8 @@ from flowalign.sampling import Rollout
 from flowalign.sampling.ode_solvers import DPMSolverSteps, OdeSolver
 from flowalign.sampling.timesteps import fixed, integer_timestep, model_timestep
 from flowalign.trainers.parts.reductions import per_sample_mean
-from flowalign.trainers.self_distill import (
-    FitUnit,
-    SelfDistillConfig,
-    SelfDistillTrainer,
-    mirrored_velocities,
-)
+from flowalign.trainers.parts.negative_aware import mirrored_velocities
+from flowalign.trainers.self_distill import FitUnit, SelfDistillConfig, SelfDistillTrainer
 
 
 class DiffusionOPSDConfig(SelfDistillConfig):

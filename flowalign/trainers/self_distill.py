@@ -29,6 +29,7 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_
 from flowalign.sampling import Rollout
 from flowalign.trainers.copies import WeightCopy
 from flowalign.trainers.base import GroupTrainer, GroupTrainerConfig, Plan, StepBatch
+from flowalign.trainers.parts.negative_aware import reward_weight
 from flowalign.trainers.parts.reductions import masked_mean
 from flowalign.weight_swap import swapped_in
 
@@ -88,16 +89,6 @@ def behaviour_lambda(step: int, rate: float, cap: float, flat: int = 0) -> float
     """``λ_s = min(rate·(s − flat), cap)``, and 0 for ``s < flat`` (a behaviour policy that copies θ for the
     first ``flat`` optimiser steps) [code]."""
     return 0.0 if step < flat else min(rate * (step - flat), cap)
-
-
-def reward_weight(adv: torch.Tensor, a_max: float) -> torch.Tensor:
-    """``r = clip(clip(A, −A_max, A_max)/(2·A_max) + 1/2, 0, 1)`` ``(B,)``."""
-    return (adv.clamp(-a_max, a_max) / (2 * a_max) + 0.5).clamp(0, 1)
-
-
-def mirrored_velocities(v_theta: torch.Tensor, v_phi: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``v⁺ = β·v_θ + (1−β)·v_φ`` and ``v⁻ = (1+β)·v_φ − β·v_θ`` (``v_φ`` detached by the caller)."""
-    return beta * v_theta + (1 - beta) * v_phi, (1 + beta) * v_phi - beta * v_theta
 
 
 @dataclass

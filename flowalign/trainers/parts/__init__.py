@@ -9,6 +9,7 @@ never a sibling.
 - :mod:`.global_plan`: optimiser steps over every rank's rollout batches, the same on every rank
 - :mod:`.reductions`: per-sample means of per-element losses
 - :mod:`.reward_gradient`: a differentiable reward's gradient with respect to latents
+- :mod:`.negative_aware`: DiffusionNFT's reward weight, mirrored velocities and negative-aware loss
 - :mod:`.timesteps`: flow times drawn for fitting losses
 - :mod:`.units`: loss units shared by trainers
 - :mod:`.groups`: checks on how prompt groups fall into rollout batches

@@ -12,7 +12,7 @@ from flowalign.media import save_video
 from flowalign.trainers.parts.teacher_videos import ModelTeacher, VideoFolderTeacher
 from flowalign.train import build_trainer
 from flowalign.trainers.afd import discriminator_advantages, on_policy_nft_loss, weighted_matching_loss
-from flowalign.trainers.self_distill import reward_weight
+from flowalign.trainers.parts.negative_aware import reward_weight
 from flowalign.trainers.parts.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
 
 from .conftest import small_config

@@ -20,15 +20,11 @@ from flowalign.sampling import Rollout
 from flowalign.train import build_trainer
 from flowalign.trainers import diffusion_nft
 from flowalign.trainers.base import StepBatch
-from flowalign.trainers.diffusion_nft import (
-    DiffusionNFTConfig,
-    DiffusionNFTTrainer,
-    drawn_timesteps,
-    nft_loss,
-)
+from flowalign.trainers.diffusion_nft import DiffusionNFTConfig, DiffusionNFTTrainer, drawn_timesteps
 from flowalign.trainers.diffusion_opsd import opsd_loss
 from flowalign.trainers.parts.sample_parts import sample_keys, sample_parts
-from flowalign.trainers.self_distill import behaviour_lambda, reward_weight
+from flowalign.trainers.parts.negative_aware import nft_loss, reward_weight
+from flowalign.trainers.self_distill import behaviour_lambda
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly

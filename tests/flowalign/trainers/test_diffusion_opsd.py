@@ -23,14 +23,8 @@ from flowalign.trainers.diffusion_opsd import (
     query_anchor,
     query_index,
 )
-from flowalign.trainers.self_distill import (
-    BehaviourWeights,
-    FitUnit,
-    SelfDistillTrainer,
-    behaviour_lambda,
-    mirrored_velocities,
-    reward_weight,
-)
+from flowalign.trainers.parts.negative_aware import mirrored_velocities, reward_weight
+from flowalign.trainers.self_distill import BehaviourWeights, FitUnit, SelfDistillTrainer, behaviour_lambda
 from rewards.vvr import generate_tasks
 
 from .conftest import small_config
