@@ -48,7 +48,7 @@ from flowalign.sampling import euler_step
 from flowalign.trainers import unit_logs
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
-from flowalign.trainers.frozen_encoders import FrozenEncoder
+from flowalign.trainers.frozen_encoders import FrozenEncoder, check_encoder_setting
 from flowalign.trainers.options import ReferenceOptions, TrainerConfig
 
 #: fewer reference samples than this give a median of too few distances to set a bandwidth
@@ -305,15 +305,9 @@ class FestDPOTrainer(GroupTrainer):
         if not tcfg.pairs:  # offline preference pairs carry their own labels: rewards: [] is fine there
             super().check_config(cfg, tcfg)
         if tcfg.feature == "encoder":
-            from flowalign.plugins import targets
-
-            e, known = tcfg.feature_encoder, targets("encoders")
-            if e.name not in known:
-                raise UserError(f"trainer.feature_encoder.name={e.name!r} is not a known image encoder (known: "
-                                f"{', '.join(sorted(known))})")
-            if not e.path:
-                raise UserError("trainer.feature=encoder: trainer.feature_encoder.path is not set; give the encoder's "
-                                "local model folder (dinov2: facebook/dinov2-base), or set trainer.feature=latent_pool")
+            e = tcfg.feature_encoder
+            check_encoder_setting("trainer.feature_encoder", e.name, e.path, "trainer.feature=encoder",
+                                  "dinov2: facebook/dinov2-base", "trainer.feature=latent_pool")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

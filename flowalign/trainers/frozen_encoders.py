@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import torch
 
+from flowalign.errors import UserError
+
 #: the dtype names a config gives an encoder, as torch dtypes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,3 +36,18 @@ class FrozenEncoder:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def check_encoder_setting(setting: str, name: str, path: str | None, chosen_by: str, example: str,
+                          instead: str) -> None:
+    """Refuse, in one line naming ``setting``, an encoder the ``encoders`` plugin table lacks, or one without a
+    local folder; ``chosen_by``: the option that asked for the encoder (``trainer.feature=encoder``), ``example``:
+    a folder to name, ``instead``: the setting that needs none."""
+    from flowalign.plugins import targets  # lazily: the plugin table is read only when an encoder is asked for
+
+    known = targets("encoders")
+    if name not in known:
+        raise UserError(f"{setting}.name={name!r} is not a known image encoder (known: {', '.join(sorted(known))})")
+    if not path:
+        raise UserError(f"{chosen_by}: {setting}.path is not set; give the encoder's local model folder ({example}), "
+                        f"or set {instead}")

@@ -39,7 +39,7 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
 from flowalign.trainers.base import StepBatch
 from flowalign.trainers.copies import WeightCopy
-from flowalign.trainers.frozen_encoders import FrozenEncoder
+from flowalign.trainers.frozen_encoders import FrozenEncoder, check_encoder_setting
 from flowalign.trainers.flow_grpo import (
     FlowGRPOBase,
     FlowGRPOTrainer,
@@ -284,16 +284,11 @@ class GARDOTrainer(FlowGRPOTrainer):
             raise UserError(f"trainer.gate_fraction={tcfg.gate_fraction} must lie within trainer.gate_min="
                             f"{tcfg.gate_min} … trainer.gate_max={tcfg.gate_max}")
         if tcfg.diversity and tcfg.diversity_features == "image_encoder":
-            from flowalign.plugins import targets
-
-            e, known = tcfg.diversity_encoder, targets("encoders")
-            if e.name not in known:
-                raise UserError(f"trainer.diversity_encoder.name={e.name!r} is not a known image encoder (known: "
-                                f"{', '.join(sorted(known))})")
-            if not e.path:
-                raise UserError("trainer.diversity_features=image_encoder: trainer.diversity_encoder.path is not set; "
-                                "give the encoder's local model folder (dinov3: facebook/dinov3-vitl16-pretrain-"
-                                "lvd1689m), or set trainer.diversity_features=latents")
+            e = tcfg.diversity_encoder
+            check_encoder_setting("trainer.diversity_encoder", e.name, e.path,
+                                  "trainer.diversity_features=image_encoder",
+                                  "dinov3: facebook/dinov3-vitl16-pretrain-lvd1689m",
+                                  "trainer.diversity_features=latents")
         if cfg.parallel.strategy == "fsdp":
             raise UserError("parallel.strategy=fsdp: gardo keeps a snapshot of the whole trainable weights as its "
                             "reference, not written for sharded weights yet; use parallel.strategy=ddp")

@@ -18,17 +18,16 @@ them more.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 import rewards
 from rewards.aesthetic import AestheticHead
+from tests.rewards.known_images import known_batch
 from rewards.tiny_rewards import save_tiny_hf_clip
 
 ANSWERS = json.loads((Path(__file__).parent / "known_answers" / "flow_grpo_scorers.json").read_text())
@@ -37,24 +36,9 @@ BATCHES = sorted(ANSWERS["batches"])
 TOLERANCE = {"pickscore": 2.5e-4, "aesthetic": 1e-4, "clip_score": 1e-6}
 
 
-def recipe_image(seed: int, h: int, w: int) -> np.ndarray:
-    """The known answers' image: 8-px cells of random colours (sharp edges, where kernels differ) plus
-    per-pixel noise, kept inside [24, 231] so no resampling overshoot is clipped; uint8 ``(h, w, 3)``."""
-    rng = np.random.default_rng(seed)
-    cells = rng.integers(40, 216, size=(-(-h // 8), -(-w // 8), 3))
-    base = np.repeat(np.repeat(cells, 8, 0), 8, 1)[:h, :w]
-    noise = rng.integers(-16, 17, size=(h, w, 3))
-    return np.clip(base + noise, 0, 255).astype(np.uint8)
-
-
 def batch(name: str) -> tuple[torch.Tensor, list[str]]:
     """A known-answer batch as ``(B, 3, h, w)`` floats ``uint8 / 255`` (what both sides were given)."""
-    spec = ANSWERS["batches"][name]
-    h, w, _ = spec["shape"]
-    arrays = [recipe_image(seed, h, w) for seed in spec["seeds"]]
-    # the recipe must give the very bytes their scorers read
-    assert [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays] == spec["uint8_sha256"]
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, spec["prompts"]
+    return known_batch(ANSWERS["batches"][name])
 
 
 @pytest.fixture(scope="module")

@@ -18,28 +18,22 @@ tolerance or more.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import rewards
 from rewards.imagereward import MAX_TOKENS, save_tiny_imagereward
-from tests.rewards.test_flow_grpo_scorers import recipe_image
+from tests.rewards.known_images import known_batch
 
 ANSWERS = json.loads((Path(__file__).parent / "known_answers" / "imagereward_reference.json").read_text())
 EXACT, RESIZED = 1e-5, 5e-4
 
 
 def batch(name: str) -> tuple[torch.Tensor, list[str]]:
-    spec = ANSWERS["batches"][name]
-    h, w, _ = spec["shape"]
-    arrays = [recipe_image(seed, h, w) for seed in spec["seeds"]]
-    assert [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays] == spec["uint8_sha256"]
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, spec["prompts"]
+    return known_batch(ANSWERS["batches"][name])
 
 
 @pytest.fixture(scope="module")
