@@ -384,14 +384,18 @@ def test_no_trainer_replaces_the_loop_or_its_services():
 
 @pytest.mark.parametrize("name", sorted(TRAINERS))
 def test_what_runs_saved_before_an_option_computed_is_a_setting_of_that_option(name):
-    """``Config.before``: each key is an option of the trainer, its value a valid setting other than the default
-    (a run saved without the key resumes only with it, see test_config.py)."""
+    """``Config.before`` (with its option groups', ``former_forms()``): each key is an option of the trainer, its
+    value a valid setting other than the default (a run saved without the key resumes only with it, see
+    test_config.py); a ``before_when`` entry names a former form and another option of the trainer."""
     from typing import Annotated
 
     from pydantic import TypeAdapter
 
     config = get_trainer(name).Config
-    for key, value in config.before.items():
+    before, when = config.former_forms()
+    for key, (option, values) in when.items():
+        assert key in before and option in config.model_fields and values, (name, key, option)
+    for key, value in before.items():
         assert key in config.model_fields, f"{name}: before names {key!r}, not an option"
         field = config.model_fields[key]
         kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
