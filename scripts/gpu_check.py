@@ -82,7 +82,8 @@ SMOKE_FIT = {"dance_grpo_vvr": ("trainer.num_steps=4",), "pref_grpo_vvr": ("trai
              "flash_grpo_vvr": ("trainer.num_steps=4",), "flash_grpo_motion": ("trainer.num_steps=4",),
              "mix_grpo_vvr": ("trainer.num_steps=4",), "tempflow_grpo_vvr": ("trainer.branch_steps=null",),
              "festdpo_vvr": ("trainer.K=8", "trainer.pairs_per_prompt=2"), "afd_motion": ("trainer.teacher.num_steps=2",),
-             "flow_opd_vvr": ("trainer.cold_start_steps=0",),
+             # four prompts: a step whose prompts match neither teacher's domain trains nothing
+             "flow_opd_vvr": ("trainer.cold_start_steps=0", "trainer.prompts_per_step=4"),
              # the authors' 4 anchors need more than smoke's 2 candidates; their 100-group reference buffer, 2 here
              "ar_copo_motion": ("trainer.anchors=2", "trainer.buffer_size=2")}
 #: a recipe's ``+defaults`` row where the authors' forms need another reward than the recipe's: KVPO's local
