@@ -38,6 +38,8 @@ TRAVEL_LIMIT = 64 * 2**20
 #: the weight file a component's library writes and reads
 WEIGHT_FILES = {"diffusers": "diffusion_pytorch_model.safetensors", "transformers": "model.safetensors"}
 MANIFEST = "manifest.json"
+#: the ignored folders a device run carries (docs/performance.md): the wheels, the reference tree
+CARRIED = ("wheels", ".cache/flow_grpo")
 
 
 def model_components(root: Path) -> list[tuple[Path, str, str]]:
@@ -77,6 +79,11 @@ def travelling_bytes(root: Path) -> int:
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
                             capture_output=True, check=True).stdout.decode().split("\0")
     return sum((root / p).stat().st_size for p in listed if p and (root / p).is_file())
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (0 when it is not there)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -174,9 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         manifest = pack(root, aside)
         moved = sum(e["bytes"] for e in manifest["files"])
         left = travelling_bytes(root)
+        carried = {name: folder_bytes(root / name) for name in CARRIED}
+        total = left + sum(carried.values())
+        extra = ", ".join(f"{name}/ {size / 2**20:.1f} MiB" for name, size in carried.items() if size)
         print(f"moved {len(manifest['files'])} weight files ({moved / 1e6:.1f} MB) to {aside}; "
-              f"{left / 2**20:.1f} MiB of the checkout travels (limit {TRAVEL_LIMIT / 2**20:.0f} MiB with what is "
-              "carried). After the device run: python scripts/device_trip.py restore")
+              f"{left / 2**20:.1f} MiB of the checkout travels" + (f", with {extra} carried" if extra else "")
+              + f": {total / 2**20:.1f} of {TRAVEL_LIMIT / 2**20:.0f} MiB"
+              + (" (too much: carry the reference tree only in the side-by-side's call)" if total > TRAVEL_LIMIT
+                 else "") + ". After the device run: python scripts/device_trip.py restore")
     elif args.action == "restore":
         print(f"restored {restore(root, aside)} weight files from {aside}")
     else:

@@ -71,3 +71,13 @@ def test_aside_inside_the_checkout_is_refused(checkout, capsys):
     with pytest.raises(SystemExit):
         TRIP.main(["pack", "--root", str(checkout), "--aside", str(checkout / "aside")])
     assert "is inside the checkout, where it would travel" in capsys.readouterr().err
+
+
+def test_the_carried_folders_count_towards_what_travels(tmp_path):
+    """What ``pack`` reports beside the checkout: the wheels and the reference tree a device run carries."""
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "a.whl").write_bytes(b"x" * 1000)
+    (tmp_path / ".cache" / "flow_grpo" / "flow_grpo").mkdir(parents=True)
+    (tmp_path / ".cache" / "flow_grpo" / "flow_grpo" / "ref.py").write_bytes(b"y" * 24)
+    assert [TRIP.folder_bytes(tmp_path / name) for name in TRIP.CARRIED] == [1000, 24]
+    assert TRIP.folder_bytes(tmp_path / "absent") == 0
