@@ -36,7 +36,9 @@ def clip_preprocess(
 ) -> torch.Tensor:
     """``(B, 3, H, W)`` in [0, 1] → ``(B, 3, h, w)`` normalised model input, differentiable.
 
-    ``resize_mode="shortest"`` scales the shortest side to the target and centre-crops (CLIP's
+    ``resize_mode="longest_pad"`` scales the longest side to a square target and pads with zeros around it
+    (the hpsv2 scorer's ``ResizeMaxSize``); ``resize_mode="shortest"`` scales the shortest side to the target and
+    centre-crops (CLIP's
     ``Resize`` + ``CenterCrop``), or to ``shortest_edge`` first where a processor resizes beyond its crop
     (DINOv2: 256 then a 224 crop); ``"squash"`` resizes straight to the target. Resampling is
     antialiased like PIL's, so large generated images are downsampled without aliasing. Works in
@@ -64,11 +66,22 @@ def clip_preprocess(
         else:
             raise UserError(f"CLIP preprocessing: crop_offset={crop_offset!r} is not supported; use 'round' or 'floor'")
         x = x[..., top : top + th, left : left + tw]
+    elif resize_mode == "longest_pad":
+        # the hpsv2 scorer's ResizeMaxSize: the longest side to the (square) target, each side rounded, then
+        # zeros around the image, centred (the left/top margin the smaller half)
+        if th != tw:
+            raise UserError(f"CLIP preprocessing: resize_mode='longest_pad' pads to a square, not {th}x{tw}")
+        nh, nw = (round(d * th / max(h, w)) for d in (h, w))
+        if (nh, nw) != (h, w):
+            x = F.interpolate(x, size=(nh, nw), mode=interpolation, align_corners=False, antialias=True)
+        ph, pw = th - nh, tw - nw
+        x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
     elif resize_mode == "squash":
         if (th, tw) != (h, w):
             x = F.interpolate(x, size=(th, tw), mode=interpolation, align_corners=False, antialias=True)
     else:
-        raise UserError(f"CLIP preprocessing: resize_mode={resize_mode!r} is not supported; use 'shortest' or 'squash'")
+        raise UserError(f"CLIP preprocessing: resize_mode={resize_mode!r} is not supported; use 'shortest', "
+                        "'longest_pad' or 'squash'")
     mean_t = constant(mean, x)[:, None, None]
     std_t = constant(std, x)[:, None, None]
     return (x - mean_t) / std_t
@@ -136,6 +149,8 @@ class OpenCLIP:
         self.preprocess_cfg = open_clip.get_model_preprocess_cfg(net)
         #: where an odd crop margin puts the crop: open_clip's torchvision CenterCrop rounds (a reward may set it)
         self.crop_offset = "round"
+        #: how images reach the model's size (:func:`clip_preprocess`); None: as the model's preprocessing config
+        self.resize_mode: str | None = None
         self.dtype = dtype
 
     @property
@@ -147,7 +162,8 @@ class OpenCLIP:
         """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; resampled as the
         model's preprocessing config says, or with ``interpolation`` when given."""
         cfg = self.preprocess_cfg
-        x = clip_preprocess(images, cfg["size"], cfg["mean"], cfg["std"], cfg.get("resize_mode", "shortest"),
+        x = clip_preprocess(images, cfg["size"], cfg["mean"], cfg["std"],
+                            self.resize_mode or cfg.get("resize_mode", "shortest"),
                             interpolation or cfg.get("interpolation", "bicubic"), crop_offset=self.crop_offset)
         return F.normalize(self.model.encode_image(x.to(self.dtype)).float(), dim=-1)
 
@@ -189,6 +205,8 @@ class HFCLIP:
         self.max_length = self.model.config.text_config.max_position_embeddings
         # torchvision's rounding, as before; CLIPImageProcessor floors, which a reward asks for (crop_offset)
         self.crop_offset = "round"
+        #: how images reach the model's size (:func:`clip_preprocess`); None: CLIPImageProcessor's centre crop
+        self.resize_mode: str | None = None
         self.dtype = dtype
 
     @property
@@ -204,7 +222,7 @@ class HFCLIP:
         """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; preprocessed as
         ``CLIPImageProcessor`` does (shortest side to the crop, bicubic unless ``interpolation`` is given, centre
         crop placed by ``crop_offset``, normalise)."""
-        x = clip_preprocess(images, self.size, self.mean, self.std,
+        x = clip_preprocess(images, self.size, self.mean, self.std, self.resize_mode or "shortest",
                             interpolation=interpolation or "bicubic", crop_offset=self.crop_offset).to(self.dtype)
         return F.normalize(_features(self.model.get_image_features(pixel_values=x)).float(), dim=-1)
 

@@ -27,6 +27,9 @@ CLIP_FORMS: dict[str, float | None] = {"cosine": None, "flow_grpo": 30.0}
 #: where an odd margin puts the centre crop: ``round`` as torchvision's CenterCrop (open_clip's, and Flow-GRPO's
 #: ClipScorer, a torchvision transform), ``floor`` as transformers' CLIPImageProcessor
 CROP_OFFSETS = ("round", "floor")
+#: how an image reaches the model's (square) size: ``model``, as its preprocessing config says (CLIP's shortest side
+#: and centre crop); ``crop``, that explicitly; ``pad``, the longest side and zeros around (the hpsv2 scorer's)
+RESIZES = {"model": None, "crop": "shortest", "pad": "longest_pad"}
 
 
 @register("clip_score")
@@ -43,7 +46,9 @@ class CLIPScore(EmbeddingReward):
     config's, bicubic for CLIP; ``bicubic``; or ``bilinear``, as FAV's HPSv2 scorer), ``form`` (``cosine``, the
     default; ``flow_grpo``: ``exp(logit_scale)·cos / 30`` on images resampled bilinear unless ``interpolation``
     names another, Flow-GRPO's ClipScorer), ``crop_offset`` (``round``, default, as torchvision's
-    ``CenterCrop``; ``floor`` as transformers' ``CLIPImageProcessor``), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
+    ``CenterCrop``; ``floor`` as transformers' ``CLIPImageProcessor``), ``resize`` (``model``, the default here:
+    the model's shortest side and centre crop; ``crop`` the same explicitly; ``pad``: the longest side and zeros
+    around it, as the hpsv2 scorer; equal on square images), plus ``batch_size``, ``device``, ``dtype``. Deprecated:
     ``model`` (architecture, ``local-dir:`` or ``hf-hub:``) and ``pretrained`` (file or open_clip tag).
     Differentiable in the samples.
     """
@@ -54,12 +59,17 @@ class CLIPScore(EmbeddingReward):
     default_arch = "ViT-L-14-quickgelu"
     #: the forms this reward offers (``hps`` is the cosine only, as the hpsv2 package scores it)
     forms: tuple[str, ...] = tuple(CLIP_FORMS)
+    #: ``resize``'s default (``hps``: ``pad``, as the hpsv2 scorer)
+    default_resize = "model"
 
     def __init__(self, path: str | None = None, *, arch: str | None = None, processor_path: str | None = None,
                  model: str | None = None, pretrained: str | None = None, random_init: bool = False,
                  prompt_form: str = "as_given", interpolation: str = "model", form: str = "cosine",
-                 crop_offset: str = "round", **options: Any):
+                 crop_offset: str = "round", resize: str | None = None, **options: Any):
         super().__init__(**options)
+        resize = self.default_resize if resize is None else resize
+        if resize not in RESIZES:
+            raise UserError(f"{self.name} reward: resize={resize!r} is not known; use one of {', '.join(RESIZES)}")
         if form not in self.forms:
             raise UserError(f"{self.name} reward: form={form!r} is not known; use one of {', '.join(self.forms)}")
         if crop_offset not in CROP_OFFSETS:
@@ -89,6 +99,7 @@ class CLIPScore(EmbeddingReward):
             self.clip = load_clip(self.name, path, arch=arch or self.default_arch, dtype=self.dtype,
                                   download=self.download, processor_path=processor_path, random_init=random_init)
         self.clip.crop_offset = crop_offset
+        self.clip.resize_mode = RESIZES[resize]
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.clip.model]

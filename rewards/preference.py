@@ -23,13 +23,17 @@ class HPSScore(CLIPScore):
 
     HPS's score is exactly CLIP score with other weights, so only the defaults differ: ``path`` is the HPS
     checkpoint file (``HPS_v2.1_compressed.pt`` or ``HPS_v2_compressed.pt`` from xswu/HPSv2) of the
-    architecture ``arch`` (default ``ViT-H-14``). Other options as :class:`~rewards.clip_score.CLIPScore`.
+    architecture ``arch`` (default ``ViT-H-14``), and images reach the model's size as the hpsv2 scorer's
+    ``preprocess_val`` takes them, the longest side resized and zeros around (``resize: pad``; ``crop``, CLIP's
+    centre crop, is the former form; the two agree on square images). Other options as
+    :class:`~rewards.clip_score.CLIPScore`.
     """
 
     name = "hps"
     download = "HPS_v2.1_compressed.pt (xswu/HPSv2)"
     default_arch = "ViT-H-14"
     forms = ("cosine",)
+    default_resize = "pad"
 
 
 #: the published architecture PickScore_v1 is (assets/reward_architectures/): CLIP ViT-H/14

@@ -14,7 +14,8 @@ on the same floats, so 1e-5 (seen: 1.4e-7). Bilinear resampling, no antialiasing
 past the crop (72 then a 64 crop), squashing to 60 and padding, ``exp(logit_scale)`` times the cosine, or a text
 embedding off unit norm by 1 % each move some square batch by 7.7e-4 or more (77× the tolerance).
 
-On a non-square image their scorer pads where flowalign crops: the landscape batch is kept to pin that difference.
+On a non-square image their scorer pads where CLIP's preprocessing crops: ``hps`` pads too (``resize: pad``, its
+default), so the landscape batch scores as theirs; ``resize: crop``, the former form, scores it otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import rewards
+from flowalign.errors import UserError
 from rewards.tiny_rewards import TINY_OPEN_CLIP
 from tests.rewards.known_images import known_batch
 
@@ -52,7 +54,8 @@ def test_hps_equals_hpsv2s_score_on_square_images(hps, name):
 
 
 def letterbox(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Their ``ResizeMaxSize``: the longest side to ``size`` (rounded), bicubic antialiased, zeros around."""
+    """Their ``ResizeMaxSize``, written out: the longest side to ``size`` (rounded), bicubic antialiased, zeros
+    around."""
     h, w = x.shape[-2:]
     nh, nw = (round(d * size / max(h, w)) for d in (h, w))
     x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
@@ -60,10 +63,15 @@ def letterbox(x: torch.Tensor, size: int) -> torch.Tensor:
     return F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
 
 
-def test_on_a_non_square_image_hpsv2_pads_where_hps_crops(hps):
-    """The landscape batch: flowalign's centre crop scores it differently; letterboxed first, as their transform
-    does, it scores as theirs (a square input at the model's size, which flowalign neither resizes nor crops)."""
+def test_on_a_non_square_image_hps_pads_as_hpsv2_and_the_former_crop_does_not(hps, tiny_clip_spec):
+    """The landscape batch: ``hps`` (``resize: pad``) scores it as theirs, and as the batch letterboxed by hand first
+    (then a square at the model's size, which nothing resizes); ``resize: crop`` (CLIP's centre crop, the former
+    form) scores it otherwise; a bad ``resize`` is one line naming it."""
     x, prompts = known_batch(ANSWERS["batches"]["landscape"])
-    assert (hps(x, prompts, []).components["hps"] - theirs("landscape")).abs().max() > 1000 * TOLERANCE
+    torch.testing.assert_close(hps(x, prompts, []).components["hps"], theirs("landscape"), atol=TOLERANCE, rtol=0)
     padded = letterbox(x, TINY_OPEN_CLIP["vision_cfg"]["image_size"])
     torch.testing.assert_close(hps(padded, prompts, []).components["hps"], theirs("landscape"), atol=TOLERANCE, rtol=0)
+    cropped = rewards.load("hps", model=tiny_clip_spec, resize="crop")
+    assert (cropped(x, prompts, []).components["hps"] - theirs("landscape")).abs().max() > 1000 * TOLERANCE
+    with pytest.raises(UserError, match="hps reward: resize='letterbox' is not known; use one of model, crop, pad"):
+        rewards.load("hps", model=tiny_clip_spec, resize="letterbox")
