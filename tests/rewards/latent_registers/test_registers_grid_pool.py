@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from diffusers import SD3Transformer2DModel
-from safetensors.torch import save_file
 
 from flowalign.errors import UserError
 from flowalign.paths import REPO_ROOT
@@ -23,6 +21,7 @@ from flowalign.sampling import load_latent_reward
 from rewards.latent_registers import LatentRegisters
 from rewards.latent_registers.sd3_grid import PAPER, GridRegisters, from_authors_state, paper_options
 
+from .authors_folders import write_register_folder
 from .seeded_weights import seeded_fill
 
 KNOWN = Path(__file__).parents[2] / "flowalign" / "trainers" / "known_answers" / "lrr_grid_pool.json"
@@ -129,10 +128,6 @@ def write_authors_folder(folder: Path, known: dict, reward: GridRegisters, trans
                          register_over=None) -> Path:
     """Their ``save_register_checkpoint`` layout: the wrapper's state dict (``model.`` + the model's, frozen
     backbone included), ``config.yaml`` {train, register} and ``manifest.json``."""
-    folder.mkdir(parents=True)
-    state = {f"model.{k}": v for k, v in reward.state_dict().items()}
-    state.update({f"model.backbone.transformer.{k}": v for k, v in transformer.state_dict().items()})
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "register.safetensors"))
     r = known["register"]
     register = {"head_names": r["head_names"], "feature_layers": r["feature_layers"], "text_layers": r["text_layers"],
                 "num_transformer_layers": r["num_transformer_layers"],
@@ -140,12 +135,11 @@ def write_authors_folder(folder: Path, known: dict, reward: GridRegisters, trans
                 "layer_index_base": 1, "num_reward_tokens": r["num_reward_tokens"], "num_attn_heads": 8,
                 "pool_factor": r["pool_factor"], "vis_h": 64, "vis_w": 64, "width": -1, "dropout": 0.0,
                 "use_proj_in": False, "use_self_attn": True, **(register_over or {})}
-    (folder / "config.yaml").write_text(yaml.safe_dump({"train": {"learning_rate": 5e-5}, "register": register}))
     manifest = {"format_version": 1, "backbone": "sd3", "backbone_revision": "c8c84018e", "adapter": "register",
                 "head_names": r["head_names"], "feature_layers": r["feature_layers"],
                 "noise_convention": "timestep = 1000 sigma", "source_checkpoint": None, **(manifest_over or {})}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    return folder
+    return write_register_folder(folder, reward, transformer, {"train": {"learning_rate": 5e-5}, "register": register},
+                                 manifest)
 
 
 def test_authors_folder_loads_on_a_local_base_model(known, transformer, tmp_path):

@@ -18,7 +18,6 @@ import pytest
 import torch
 import yaml
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-from safetensors.torch import save_file
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
@@ -27,6 +26,7 @@ from pipelines._common import latent_image_ids, pack_2x2
 from rewards.latent_registers.flux_grid import PAPER, FluxGridRegisters, paper_options
 from rewards.latent_registers.grid import GridReward, grid_registers
 
+from .authors_folders import train_grid_pool, write_register_folder
 from .seeded_weights import seeded_fill
 
 KNOWN = Path(__file__).parents[2] / "flowalign" / "trainers" / "known_answers" / "lrr_grid_pool_flux.json"
@@ -158,10 +158,6 @@ def write_authors_folder(folder: Path, known: dict, reward: FluxGridRegisters, t
                          manifest_over=None) -> Path:
     """Their ``save_register_checkpoint`` layout for FLUX: the wrapper's state dict (``model.`` + the model's,
     frozen backbone included), ``config.yaml`` (their FLUX paper config's sections) and ``manifest.json``."""
-    folder.mkdir(parents=True)
-    state = {f"model.{k}": v for k, v in reward.state_dict().items()}
-    state.update({f"model.backbone.transformer.{k}": v for k, v in transformer.state_dict().items()})
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "register.safetensors"))
     r = known["paper"]["register"]
     register = {"head_names": r["head_names"], "score_keys": ["teacher_score_zscore", "imagereward_score"],
                 "feature_layers": r["feature_layers"], "text_layers": r["text_layers"],
@@ -172,13 +168,11 @@ def write_authors_folder(folder: Path, known: dict, reward: FluxGridRegisters, t
                 "dropout": 0.0, "use_proj_in": False, "use_self_attn": True}
     backbone = {"name": "flux", "model_name_or_path": "black-forest-labs/FLUX.1-dev", "revision": "c8c84018e",
                 "embedded_guidance_scale": 3.5}
-    (folder / "config.yaml").write_text(yaml.safe_dump({"task": "train-register", "backbone": backbone,
-                                                        "register": register, "train": {"learning_rate": 5e-5}}))
     manifest = {"format_version": 1, "backbone": "flux", "backbone_revision": "c8c84018e", "adapter": "register",
                 "head_names": r["head_names"], "feature_layers": r["feature_layers"],
                 "noise_convention": "timestep = 1000 sigma", "source_checkpoint": None, **(manifest_over or {})}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    return folder
+    config = {"task": "train-register", "backbone": backbone, "register": register, "train": {"learning_rate": 5e-5}}
+    return write_register_folder(folder, reward, transformer, config, manifest)
 
 
 def test_authors_folder_loads_on_a_local_base_model(known, transformer, tmp_path):
@@ -247,22 +241,8 @@ def test_rg_opd_and_rgs_gradients_are_the_authors_score_and_grad(known, transfor
 def test_train_reward_builds_the_flux_architecture_on_a_flux_model(tiny_model_dir, tmp_path):
     """``train-reward --architecture grid_pool`` on a FLUX model trains these registers (their preset scaled to the
     tiny model's 2 blocks, the policy's latent grid and guidance) and the folder loads back as them."""
-    import pipelines
-    from flowalign.cli.main import main
-    from flowalign.trainers.parts.latent_preference import PreferencePairs
-
     model = tiny_model_dir("flux")
-    policy = pipelines.load(model)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [f"prompt {i}" for i in range(8)]
-    chosen = torch.randn(8, *policy.latent_shape, generator=gen)
-    PreferencePairs(prompts=prompts, chosen=chosen, rejected=-chosen).save(tmp_path / "pairs.safetensors")
-    out = tmp_path / "grid"
-    code = main(["train-reward", "--model", str(model), "--pairs", str(tmp_path / "pairs.safetensors"), "--out",
-                 str(out), "--architecture", "grid_pool", "--registers", "4", "--train-steps", "3", "--batch-size",
-                 "4", "--test-fraction", "0.25", "--no-progress"])
-    assert code == 0
-    config = json.loads((out / "config.json").read_text())
+    policy, config, out, prompts, chosen = train_grid_pool(model, tmp_path)
     assert config["family"] == "flux" and config["feature_layers"] == [1] and config["num_reward_tokens"] == 4
     assert config["latent_hw"] == list(policy.latent_hw) and config["guidance"] == policy.defaults["guidance_scale"]
     reward = load_latent_reward(out)

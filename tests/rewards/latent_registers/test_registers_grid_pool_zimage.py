@@ -18,7 +18,6 @@ import pytest
 import torch
 import yaml
 from diffusers import FluxTransformer2DModel, ZImageTransformer2DModel
-from safetensors.torch import save_file
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
@@ -27,6 +26,7 @@ from pipelines._varlen import unpad
 from rewards.latent_registers.grid import GridReward, grid_registers
 from rewards.latent_registers.zimage_grid import PAPER, ZImageGridRegisters, paper_options
 
+from .authors_folders import train_grid_pool, write_register_folder
 from .seeded_weights import seeded_fill
 
 KNOWN = Path(__file__).parents[2] / "flowalign" / "trainers" / "known_answers" / "lrr_grid_pool_zimage.json"
@@ -163,10 +163,6 @@ def write_authors_folder(folder: Path, known: dict, reward: ZImageGridRegisters,
                          manifest_over=None) -> Path:
     """Their ``save_register_checkpoint`` layout for Z-Image: the wrapper's state dict (``model.`` + the model's,
     frozen backbone included), ``config.yaml`` (their Z-Image paper config's sections) and ``manifest.json``."""
-    folder.mkdir(parents=True)
-    state = {f"model.{k}": v for k, v in reward.state_dict().items()}
-    state.update({f"model.backbone.transformer.{k}": v for k, v in transformer.state_dict().items()})
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "register.safetensors"))
     r = known["paper"]["register"]
     register = {"head_names": r["head_names"], "score_keys": ["teacher_score_zscore", "imagereward_score"],
                 "feature_layers": r["feature_layers"], "text_layers": r["text_layers"],
@@ -176,14 +172,12 @@ def write_authors_folder(folder: Path, known: dict, reward: ZImageGridRegisters,
                 "pool_factor": 4, "vis_h": 8, "vis_w": 8, "width": -1, "dropout": 0.0, "use_proj_in": False,
                 "use_self_attn": True, "noise_convention": "native_t_equals_one_minus_sigma"}
     backbone = {"name": "z-image", "model_name_or_path": "Tongyi-MAI/Z-Image-Turbo", "revision": "c8c84018e"}
-    (folder / "config.yaml").write_text(yaml.safe_dump({"task": "train-register", "backbone": backbone,
-                                                        "register": register, "train": {"learning_rate": 5e-5}}))
     manifest = {"format_version": 1, "backbone": "z-image", "backbone_revision": "c8c84018e", "adapter": "register",
                 "head_names": r["head_names"], "feature_layers": r["feature_layers"],
                 "noise_convention": "native_t_equals_one_minus_sigma", "source_checkpoint": None,
                 **(manifest_over or {})}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    return folder
+    config = {"task": "train-register", "backbone": backbone, "register": register, "train": {"learning_rate": 5e-5}}
+    return write_register_folder(folder, reward, transformer, config, manifest)
 
 
 def test_authors_folder_loads_on_a_local_base_model(known, transformer, tmp_path):
@@ -255,25 +249,11 @@ def test_train_reward_builds_the_zimage_architecture_on_a_zimage_model(tiny_mode
     32-px default gives a 2 × 2 token grid, which the pool factor 4 does not divide."""
     import shutil
 
-    import pipelines
-    from flowalign.cli.main import main
-    from flowalign.trainers.parts.latent_preference import PreferencePairs
-
     model = tmp_path / "zimage"
     shutil.copytree(tiny_model_dir("zimage"), model)
     sizes = json.loads((model / "flowalign.json").read_text())
     (model / "flowalign.json").write_text(json.dumps({**sizes, "height": 128, "width": 128}))
-    policy = pipelines.load(model)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [f"prompt {i}" for i in range(8)]
-    chosen = torch.randn(8, *policy.latent_shape, generator=gen)
-    PreferencePairs(prompts=prompts, chosen=chosen, rejected=-chosen).save(tmp_path / "pairs.safetensors")
-    out = tmp_path / "grid"
-    code = main(["train-reward", "--model", str(model), "--pairs", str(tmp_path / "pairs.safetensors"), "--out",
-                 str(out), "--architecture", "grid_pool", "--registers", "4", "--train-steps", "3", "--batch-size",
-                 "4", "--test-fraction", "0.25", "--no-progress"])
-    assert code == 0
-    config = json.loads((out / "config.json").read_text())
+    policy, config, out, prompts, chosen = train_grid_pool(model, tmp_path)
     assert config["family"] == "zimage" and config["feature_layers"] == [1] and config["num_reward_tokens"] == 4
     reward = load_latent_reward(out)
     assert type(reward) is ZImageGridRegisters and reward.head_names == ["reward"]
