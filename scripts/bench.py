@@ -297,7 +297,7 @@ def timed(iteration, *args) -> dict[str, float]:
     # wall time also counts the waits for a core
     return dict(rollout=rollout_s, train=train_s, wall=wall, cpu=time.process_time() - cpu0,
                 overhead=(wall - SPANS.busy(t0, t1)) / wall,
-                trained=len(SPANS.grad_timesteps))
+                trained=SPANS.trained_timesteps())
 
 
 def _loadavg() -> float:

@@ -17,7 +17,9 @@ class Intervals:
         self.spans: list[tuple[float, float]] = []
         self.lock = threading.Lock()
         self.starts = threading.local()
-        self.grad_timesteps: set[float] = set()
+        #: the timestep tensors of the forwards run under grad, kept on their device: reading them back at each
+        #: forward would make the host wait for the GPU there, a wait neither side's own loop has
+        self.grad_timesteps: list[torch.Tensor] = []
 
     def add(self, t0: float, t1: float) -> None:
         with self.lock:
@@ -39,13 +41,19 @@ class Intervals:
         def pre(mod, args, kwargs):
             self.starts.__dict__.setdefault("stack", []).append(time.perf_counter())
             if count_trained and torch.is_grad_enabled() and "timestep" in kwargs:
-                self.grad_timesteps.update(kwargs["timestep"].flatten().tolist())
+                self.grad_timesteps.append(kwargs["timestep"].detach().flatten())
 
         def post(mod, args, kwargs, out):
             self.add(self.starts.stack.pop(), time.perf_counter())
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, with_kwargs=True)
+
+    def trained_timesteps(self) -> int:
+        """How many distinct timesteps ran under grad since the list was last cleared (read back once, here)."""
+        if not self.grad_timesteps:
+            return 0
+        return len(set(torch.cat([t.float().cpu() for t in self.grad_timesteps]).tolist()))
 
     def busy(self, t0: float, t1: float) -> float:
         with self.lock:
