@@ -33,6 +33,8 @@ class Schedule:
     kind: str = "constant"
     warmup_steps: int = 0
     min_ratio: float = 0.1
+    #: the cosine's length in steps, then ``min_ratio·base`` held; None: the cosine spans the run's budget
+    decay_steps: int | None = None
     #: the LR of the current step (``base`` until the first step begins)
     lr: float = field(init=False)
 
@@ -41,13 +43,17 @@ class Schedule:
 
     @classmethod
     def of(cls, tcfg: Any) -> Schedule:
-        """The schedule of a trainer config (``lr``, ``lr_schedule``, ``lr_warmup_steps``, ``lr_min_ratio``)."""
-        return cls(tcfg.lr, tcfg.lr_schedule, tcfg.lr_warmup_steps, tcfg.lr_min_ratio)
+        """The schedule of a trainer config (``lr``, ``lr_schedule``, ``lr_warmup_steps``, ``lr_min_ratio``,
+        ``lr_decay_steps``)."""
+        return cls(tcfg.lr, tcfg.lr_schedule, tcfg.lr_warmup_steps, tcfg.lr_min_ratio, tcfg.lr_decay_steps)
 
     def at(self, step: int, fraction: float) -> float:
         """The LR of ``step`` at a budget fraction in [0, 1]: linear warm-up over ``warmup_steps``, then
-        constant or cosine down to ``min_ratio·base``."""
+        constant or cosine down to ``min_ratio·base`` (over the budget, or over ``decay_steps`` steps and then
+        held there)."""
         lr = self.base
+        if self.decay_steps is not None:
+            fraction = min(1.0, step / self.decay_steps)
         if self.kind == "cosine":
             lr *= self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * fraction))
         if step < self.warmup_steps:

@@ -51,6 +51,9 @@ class TrainerConfig(Section):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0, le=MAX_TRAIN_STEPS)
     lr_min_ratio: float = Field(0.1, ge=0, le=1)
+    #: "cosine" over this many steps, then lr_min_ratio·lr held to the end (FestDPO's text-to-image schedule:
+    #: 300 steps, then constant); None: over the whole budget
+    lr_decay_steps: int | None = Field(None, ge=1, le=MAX_TRAIN_STEPS)
     weight_decay: float = Field(1e-4, ge=0, le=MAX_COEFFICIENT)
     #: Adam's (β1, β2), each in [0, 1)
     betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.999)
@@ -93,6 +96,13 @@ class TrainerConfig(Section):
                 _REPORTED_RENAMES.add((cls.__name__, old))
                 print(f"warning: trainer.{old} is deprecated and will be removed: write trainer.{new} (same meaning)")
         return data
+
+    @model_validator(mode="after")
+    def _decay_steps_need_the_cosine(self) -> TrainerConfig:
+        if self.lr_decay_steps is not None and self.lr_schedule != "cosine":
+            raise ValueError(f"trainer.lr_decay_steps: the length of the cosine decay, but lr_schedule is "
+                             f"{self.lr_schedule!r}: set trainer.lr_schedule: cosine, or remove lr_decay_steps")
+        return self
 
     @classmethod
     def former_forms(cls) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[Any, ...]]]]:

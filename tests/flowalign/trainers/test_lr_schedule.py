@@ -53,3 +53,20 @@ def test_the_optimiser_uses_and_logs_the_scheduled_lr(cosine):
                 lr * (0.2 + 0.8 * 0.5 * (1 + math.cos(3 * math.pi / 4)))]
     assert logged == pytest.approx(expected)
     assert cosine.optimizer.param_groups[0]["lr"] == pytest.approx(expected[-1])
+
+
+def test_a_cosine_over_fewer_steps_than_the_budget_holds_its_floor_after(tmp_path, tiny_sd3_dir, prompt_file):
+    """FestDPO's text-to-image schedule: the cosine over the first ``lr_decay_steps``, then the floor held."""
+    trainer = build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, "trainer.lr_schedule=cosine",
+                                         "trainer.lr_min_ratio=0.25", "trainer.lr_decay_steps=2",
+                                         "trainer.max_steps=4"))
+    trainer.train()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    lr = trainer.tcfg.lr
+    # steps 0 and 1 follow the cosine over 2 steps, steps 2 and 3 stay at 0.25·lr (the budget's cosine: 0.4·lr)
+    assert [r["train/lr"] for r in rows if "train/lr" in r] == pytest.approx([lr, lr * 0.625, lr * 0.25, lr * 0.25])
+
+
+def test_decay_steps_without_the_cosine_are_refused_by_name(tmp_path, tiny_sd3_dir, prompt_file):
+    with pytest.raises(Exception, match="trainer.lr_decay_steps.*lr_schedule: cosine"):
+        build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, "trainer.lr_decay_steps=300"))
