@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from flowalign.errors import UserError
-from rewards.clip_common import OpenCLIP, clip_embed_dim, load_clip, meta_clip, meta_open_clip
+from rewards.clip_common import CROP_OFFSET_MEANINGS, OpenCLIP, clip_embed_dim, load_clip, meta_clip, meta_open_clip
 from rewards.common import EmbeddingReward
-from rewards.model_options import deprecated, weights_path
+from rewards.model_options import deprecated, one_of, weights_path
 from rewards.planning import existing, on_meta
 from rewards.registry import register
 
@@ -88,9 +88,7 @@ class AestheticScore(EmbeddingReward):
                  pretrained: str | None = None, random_init: bool = False, crop_offset: str = "floor",
                  **options: Any):
         super().__init__(**options)
-        if crop_offset not in CROP_OFFSETS:
-            raise UserError(f"aesthetic reward: crop_offset={crop_offset!r} is not known; use floor "
-                            "(Flow-GRPO's CLIPProcessor, the default) or round (torchvision's CenterCrop)")
+        one_of("aesthetic reward", "crop_offset", crop_offset, CROP_OFFSETS, CROP_OFFSET_MEANINGS)
         if head_path is not None:
             deprecated(self.name, "head_path", "path:")
             path = path or head_path

@@ -19,6 +19,9 @@ from flowalign.protocols import NotSized
 from rewards.common import constant
 from rewards.planning import existing, missing, on_meta
 
+#: where a centre crop of an odd margin starts: what each ``crop_offset`` value follows
+CROP_OFFSET_MEANINGS = {"round": "torchvision's CenterCrop", "floor": "CLIPImageProcessor's"}
+
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 #: what an error asks for when open_clip weights are missing (rewards with special weights say more)
 WEIGHTS_HINT = "a checkpoint file or an open_clip tag such as 'openai'"

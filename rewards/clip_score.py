@@ -6,10 +6,9 @@ from typing import Any
 
 import torch
 
-from flowalign.errors import UserError
-from rewards.clip_common import OpenCLIP, load_clip, meta_clip, meta_open_clip, unique_rows
+from rewards.clip_common import CROP_OFFSET_MEANINGS, OpenCLIP, load_clip, meta_clip, meta_open_clip, unique_rows
 from rewards.common import EmbeddingReward
-from rewards.model_options import deprecated
+from rewards.model_options import deprecated, one_of
 from rewards.registry import register
 
 
@@ -68,18 +67,12 @@ class CLIPScore(EmbeddingReward):
                  crop_offset: str = "round", resize: str | None = None, **options: Any):
         super().__init__(**options)
         resize = self.default_resize if resize is None else resize
-        if resize not in RESIZES:
-            raise UserError(f"{self.name} reward: resize={resize!r} is not known; use one of {', '.join(RESIZES)}")
-        if form not in self.forms:
-            raise UserError(f"{self.name} reward: form={form!r} is not known; use one of {', '.join(self.forms)}")
-        if crop_offset not in CROP_OFFSETS:
-            raise UserError(f"{self.name} reward: crop_offset={crop_offset!r} is not known; use round "
-                            "(torchvision's CenterCrop, the default) or floor (CLIPImageProcessor's)")
-        if prompt_form not in PROMPT_FORMS:
-            raise UserError(f"{self.name} reward: prompt_form={prompt_form!r}; use one of {', '.join(PROMPT_FORMS)}")
-        if interpolation not in INTERPOLATIONS:
-            raise UserError(f"{self.name} reward: interpolation={interpolation!r}; use one of "
-                            f"{', '.join(INTERPOLATIONS)}")
+        label = f"{self.name} reward"
+        one_of(label, "resize", resize, RESIZES)
+        one_of(label, "form", form, self.forms)
+        one_of(label, "crop_offset", crop_offset, CROP_OFFSETS, CROP_OFFSET_MEANINGS)
+        one_of(label, "prompt_form", prompt_form, PROMPT_FORMS)
+        one_of(label, "interpolation", interpolation, INTERPOLATIONS)
         self.prompt_form = prompt_form
         self.interpolation = None if interpolation == "model" else interpolation
         if form == "flow_grpo" and self.interpolation is None:

@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from flowalign.sampling.inputs import load_input_image
 from rewards.clip_common import load_clip, meta_clip
 from rewards.common import BatchedImageReward
 from rewards.image_encoders import DINOv2
+from rewards.model_options import one_of
 from rewards.planning import option
 from rewards.registry import register
 
@@ -35,8 +35,7 @@ class ImageSimilarity(BatchedImageReward):
     def __init__(self, path: str | None = None, *, backbone: str = "dinov2", key: str = "image",
                  arch: str = "ViT-L-14-quickgelu", random_init: bool = False, **options: Any):
         super().__init__(**options)
-        if backbone not in DOWNLOADS:
-            raise UserError(f"image_similarity reward: backbone={backbone!r} is not known; use dinov2 or clip")
+        one_of("image_similarity reward", "backbone", backbone, DOWNLOADS)
         self.key = key
         if backbone == "dinov2":
             self.encoder: Any = DINOv2(path, who=f"{self.name} reward", dtype=self.dtype, random_init=random_init)

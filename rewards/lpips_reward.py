@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from flowalign.errors import UserError
 from rewards.common import RANGE_TOLERANCE, BatchedImageReward
+from rewards.model_options import one_of
 from rewards.planning import on_meta, option
 from rewards.registry import register
 
@@ -90,8 +91,7 @@ class LPIPSReward(BatchedImageReward):
         super().__init__(**options)
         import lpips
 
-        if net not in NETS:
-            raise UserError(f"lpips reward: net={net!r}; use one of {list(NETS)}")
+        one_of("lpips reward", "net", net, NETS)
         fetch = not random_init and backbone_path is None
         with warnings.catch_warnings():  # lpips passes torchvision's deprecated `pretrained=` flag
             warnings.simplefilter("ignore", UserWarning)

@@ -12,7 +12,9 @@ unset or does not exist) and :func:`deprecated` for an old option name it still 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +25,18 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
+
+
+def one_of(label: str, option: str, value: Any, choices: Iterable[str],
+           meanings: Mapping[str, str] | None = None) -> None:
+    """Nothing when ``value`` is one of ``choices``; else one line naming the owner (``label``, e.g. ``"hps
+    reward"``), the option and each choice, with what it means where ``meanings`` says so."""
+    choices = list(choices)
+    if value in choices:
+        return
+    meanings = meanings or {}
+    listed = ", ".join(f"{c} ({meanings[c]})" if c in meanings else c for c in choices)
+    raise UserError(f"{label}: {option}={value!r} is not known; use one of {listed}")
 
 
 def weights_path(who: str, path: str | Path | None, *, download: str, option: str = "path",

@@ -8,10 +8,10 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import NotSized
-from rewards.clip_common import HFCLIP, unique_rows
+from rewards.clip_common import CROP_OFFSET_MEANINGS, HFCLIP, unique_rows
 from rewards.clip_score import CLIPScore
 from rewards.common import EmbeddingReward
-from rewards.model_options import deprecated, weights_path
+from rewards.model_options import deprecated, one_of, weights_path
 from rewards.planning import existing, on_meta, published
 from rewards.registry import register
 
@@ -76,11 +76,8 @@ class PickScore(EmbeddingReward):
                  scale: float | None = None, model: str | None = None, processor: str | None = None,
                  random_init: bool = False, crop_offset: str = "floor", **options: Any):
         super().__init__(**options)
-        if crop_offset not in CROP_OFFSETS:
-            raise UserError(f"pickscore reward: crop_offset={crop_offset!r} is not known; use floor "
-                            "(CLIPImageProcessor's, the default) or round (torchvision's CenterCrop)")
-        if form not in PICKSCORE_FORMS:
-            raise UserError(f"pickscore reward: form={form!r} is not known; use one of {', '.join(PICKSCORE_FORMS)}")
+        one_of("pickscore reward", "crop_offset", crop_offset, CROP_OFFSETS, CROP_OFFSET_MEANINGS)
+        one_of("pickscore reward", "form", form, PICKSCORE_FORMS)
         if scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
                 raise UserError(f"pickscore reward: scale={scale!r} must be a positive number "

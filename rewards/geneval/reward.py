@@ -13,6 +13,7 @@ from flowalign.protocols import RewardOutput
 from rewards.common import check_images, check_lengths, finite_mask, resolve_dtype
 from rewards.geneval import rules
 from rewards.geneval.vocabulary import COLOURS, POSITIONS, TAGS
+from rewards.model_options import one_of
 from rewards.planning import existing, missing, on_accelerator, option, published, transformers_bytes
 from rewards.registry import register
 
@@ -46,10 +47,8 @@ class GenEvalReward:
                  threshold: float | None = None, counting_threshold: float | None = None,
                  nms_threshold: float | None = None, max_objects: int = rules.MAX_OBJECTS,
                  position_threshold: float = rules.POSITION_THRESHOLD, random_init: bool = False):
-        if detector not in DETECTORS:
-            raise UserError(f"geneval reward: detector={detector!r} is not supported; use one of {', '.join(DETECTORS)}")
-        if score not in SCORES:
-            raise UserError(f"geneval reward: score={score!r} is not supported; use one of {', '.join(SCORES)}")
+        one_of("geneval reward", "detector", detector, DETECTORS)
+        one_of("geneval reward", "score", score, SCORES)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise UserError(f"geneval reward: batch_size must be a positive integer, got {batch_size!r}")
         weights, (th, count_th, nms) = DETECTORS[detector]

@@ -98,7 +98,7 @@ def test_prompt_form_reads_the_prompt_as_favs_hpsv2_scorer(tiny_clip_spec, image
     got = wrapped(x, prompts, []).components["hps"]
     torch.testing.assert_close(got, plain(x, texts, []).components["hps"])
     assert not torch.allclose(got, plain(x, prompts, []).components["hps"])
-    with pytest.raises(UserError, match="prompt_form='photo'; use one of as_given, photo_of_first_clause"):
+    with pytest.raises(UserError, match="prompt_form='photo' is not known; use one of as_given, photo_of_first_clause"):
         rewards.load("hps", model=tiny_clip_spec, prompt_form="photo")
 
 
@@ -124,5 +124,5 @@ def test_bilinear_interpolation_resamples_as_favs_hpsv2_scorer(tiny_open_clip, t
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     bicubic = rewards.load("hps", model=tiny_clip_spec)(x, PROMPTS[:3], []).components["hps"]
     assert (bicubic - expected).abs().max() > 1e-4
-    with pytest.raises(UserError, match="interpolation='nearest'; use one of model, bicubic, bilinear"):
+    with pytest.raises(UserError, match="interpolation='nearest' is not known; use one of model, bicubic, bilinear"):
         rewards.load("hps", model=tiny_clip_spec, interpolation="nearest")
