@@ -92,24 +92,37 @@ def test_a_run_saved_before_an_option_existed_resumes_with_that_option_at_its_de
         prepare_run_dir(tmp_path, resolved("trainer.lr=0.5"), "auto")
 
 
-def test_a_run_saved_before_an_option_changed_its_computation_resumes_only_as_it_was(tmp_path):
-    """An option added with the authors' form as its default (``Config.before`` names what runs saved without
-    it computed): such a run is refused under the default with the line that continues it, resumes with it,
-    and a run that predates several such options is told all of them."""
-    import yaml
-
+def resolved_config(*fixed: str):
+    """A function of overrides giving the resolved ``config.yaml`` text a run with ``fixed`` and them saves."""
     from flowalign.config import dump_config
     from flowalign.trainers import trainer_config
 
     def resolved(*overrides: str) -> str:
-        cfg = load_config(None, ["trainer.name=dance_grpo", *overrides])
+        cfg = load_config(None, [*fixed, *overrides])
         return dump_config(cfg, trainer_config(cfg.trainer)[1])
 
-    earlier = yaml.safe_load(resolved())
-    del earlier["trainer"]["step_draw"], earlier["trainer"]["zero_advantage"]
-    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    return resolved
+
+
+def saved_run_without(run_dir, config_text: str, *keys: str) -> None:
+    """``run_dir`` as a run with one finished checkpoint whose saved config lacks ``trainer.<key>`` for each of
+    ``keys``: a run saved before those options existed."""
+    import yaml
+
+    earlier = yaml.safe_load(config_text)
+    for key in keys:
+        del earlier["trainer"][key]
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+
+
+def test_a_run_saved_before_an_option_changed_its_computation_resumes_only_as_it_was(tmp_path):
+    """An option added with the authors' form as its default (``Config.before`` names what runs saved without
+    it computed): such a run is refused under the default with the line that continues it, resumes with it,
+    and a run that predates several such options is told all of them."""
+    resolved = resolved_config("trainer.name=dance_grpo")
+    saved_run_without(tmp_path, resolved(), "step_draw", "zero_advantage")
     with pytest.raises(UserError, match=r"saved before trainer.step_draw, trainer.zero_advantage existed, which "
                                         r"computed trainer.step_draw=per_batch trainer.zero_advantage=skipped; add"):
         prepare_run_dir(tmp_path, resolved(), "auto")
@@ -123,21 +136,9 @@ def test_a_former_form_tied_to_another_option_refuses_only_the_runs_that_used_it
     """``gdpo_std`` changed what ``advantage: gdpo`` computes, nothing else (the advantage options' ``before``
     and ``before_when``, which every trainer with them reads): a run saved before it existed resumes under the
     default unless it trained with gdpo advantages, which is told the line that continues it."""
-    import yaml
-
-    from flowalign.config import dump_config
-    from flowalign.trainers import trainer_config
-
-    def resolved(*overrides: str) -> str:
-        cfg = load_config(None, [f"trainer.name={trainer}", *overrides])
-        return dump_config(cfg, trainer_config(cfg.trainer)[1])
-
-    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
+    resolved = resolved_config(f"trainer.name={trainer}")
     for advantage, refused in (("global_std", False), ("gdpo", True)):
-        earlier = yaml.safe_load(resolved(f"trainer.advantage={advantage}"))
-        del earlier["trainer"]["gdpo_std"]
-        (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+        saved_run_without(tmp_path, resolved(f"trainer.advantage={advantage}"), "gdpo_std")
         if refused:
             with pytest.raises(UserError, match=r"saved before trainer.gdpo_std existed, which computed "
                                                 r"trainer.gdpo_std=population; add"):
@@ -150,20 +151,8 @@ def test_a_former_form_tied_to_another_option_refuses_only_the_runs_that_used_it
 def test_a_trainer_with_required_keys_is_told_its_former_forms_too(tmp_path):
     """AFD requires ``teacher`` (no default): the run's own teacher stands in for it, so a run saved before
     ``advantage`` and ``loss_form`` existed is told the line that continues it, not refused as another run."""
-    import yaml
-
-    from flowalign.config import dump_config
-    from flowalign.trainers import trainer_config
-
-    def resolved(*overrides: str) -> str:
-        cfg = load_config(None, ["trainer.name=afd", "trainer.teacher={model: assets/tiny-wan-motion}", *overrides])
-        return dump_config(cfg, trainer_config(cfg.trainer)[1])
-
-    earlier = yaml.safe_load(resolved())
-    del earlier["trainer"]["advantage"], earlier["trainer"]["loss_form"]
-    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+    resolved = resolved_config("trainer.name=afd", "trainer.teacher={model: assets/tiny-wan-motion}")
+    saved_run_without(tmp_path, resolved(), "advantage", "loss_form")
     with pytest.raises(UserError, match=r"saved before trainer.advantage, trainer.loss_form existed, which computed "
                                         r"trainer.advantage=centred trainer.loss_form=weighted_fm; add"):
         prepare_run_dir(tmp_path, resolved(), "auto")
