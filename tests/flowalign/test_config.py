@@ -65,33 +65,6 @@ def test_output_folder_of_another_run_is_refused(tmp_path):
     assert cfg.run.seed == 1
 
 
-def test_a_run_saved_before_an_option_existed_resumes_with_that_option_at_its_default(tmp_path):
-    """An upgraded flowalign adds options: a run saved without them continues where each holds its default (what
-    the run did before it existed), and is refused where one is set otherwise."""
-    import yaml
-
-    from flowalign.config import dump_config
-    from flowalign.trainers import trainer_config
-
-    def resolved(*overrides: str) -> str:
-        cfg = load_config(None, ["trainer.name=dance_grpo", *overrides])
-        return dump_config(cfg, trainer_config(cfg.trainer)[1])
-
-    earlier = yaml.safe_load(resolved())
-    del earlier["model"]["allow_tf32"], earlier["model"]["lora"]["compute_dtype"]
-    del earlier["trainer"]["optimizer_kernel"]
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
-    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
-    prepare_run_dir(tmp_path, resolved(), "auto")
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
-    with pytest.raises(UserError, match=r"saved before model.allow_tf32, trainer.optimizer_kernel existed, which "
-                                        r"computed model.allow_tf32=false trainer.optimizer_kernel=auto"):
-        prepare_run_dir(tmp_path, resolved("model.allow_tf32=true", "trainer.optimizer_kernel=fused"), "auto")
-    with pytest.raises(UserError, match=r"differs in trainer.lr\)"):  # an option the run had still counts
-        prepare_run_dir(tmp_path, resolved("trainer.lr=0.5"), "auto")
-
-
 def resolved_config(*fixed: str):
     """A function of overrides giving the resolved ``config.yaml`` text a run with ``fixed`` and them saves."""
     from flowalign.config import dump_config
@@ -105,16 +78,35 @@ def resolved_config(*fixed: str):
 
 
 def saved_run_without(run_dir, config_text: str, *keys: str) -> None:
-    """``run_dir`` as a run with one finished checkpoint whose saved config lacks ``trainer.<key>`` for each of
-    ``keys``: a run saved before those options existed."""
+    """``run_dir`` as a run with one finished checkpoint whose saved config lacks each of ``keys`` (dotted:
+    ``trainer.step_draw``, ``model.lora.compute_dtype``): a run saved before those options existed."""
     import yaml
 
     earlier = yaml.safe_load(config_text)
     for key in keys:
-        del earlier["trainer"][key]
+        *path, last = key.split(".")
+        section = earlier
+        for name in path:
+            section = section[name]
+        del section[last]
     (run_dir / "checkpoints" / "step-000001").mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
+
+
+def test_a_run_saved_before_an_option_existed_resumes_with_that_option_at_its_default(tmp_path):
+    """An upgraded flowalign adds options: a run saved without them continues where each holds its default (what
+    the run did before it existed), and is refused where one is set otherwise."""
+    resolved = resolved_config("trainer.name=dance_grpo")
+    earlier = ("model.allow_tf32", "model.lora.compute_dtype", "trainer.optimizer_kernel")
+    saved_run_without(tmp_path, resolved(), *earlier)
+    prepare_run_dir(tmp_path, resolved(), "auto")
+    saved_run_without(tmp_path, resolved(), *earlier)
+    with pytest.raises(UserError, match=r"saved before model.allow_tf32, trainer.optimizer_kernel existed, which "
+                                        r"computed model.allow_tf32=false trainer.optimizer_kernel=auto"):
+        prepare_run_dir(tmp_path, resolved("model.allow_tf32=true", "trainer.optimizer_kernel=fused"), "auto")
+    with pytest.raises(UserError, match=r"differs in trainer.lr\)"):  # an option the run had still counts
+        prepare_run_dir(tmp_path, resolved("trainer.lr=0.5"), "auto")
 
 
 def test_a_run_saved_before_an_option_changed_its_computation_resumes_only_as_it_was(tmp_path):
@@ -122,7 +114,7 @@ def test_a_run_saved_before_an_option_changed_its_computation_resumes_only_as_it
     it computed): such a run is refused under the default with the line that continues it, resumes with it,
     and a run that predates several such options is told all of them."""
     resolved = resolved_config("trainer.name=dance_grpo")
-    saved_run_without(tmp_path, resolved(), "step_draw", "zero_advantage")
+    saved_run_without(tmp_path, resolved(), "trainer.step_draw", "trainer.zero_advantage")
     with pytest.raises(UserError, match=r"saved before trainer.step_draw, trainer.zero_advantage existed, which "
                                         r"computed trainer.step_draw=per_batch trainer.zero_advantage=skipped; add"):
         prepare_run_dir(tmp_path, resolved(), "auto")
@@ -138,7 +130,7 @@ def test_a_former_form_tied_to_another_option_refuses_only_the_runs_that_used_it
     default unless it trained with gdpo advantages, which is told the line that continues it."""
     resolved = resolved_config(f"trainer.name={trainer}")
     for advantage, refused in (("global_std", False), ("gdpo", True)):
-        saved_run_without(tmp_path, resolved(f"trainer.advantage={advantage}"), "gdpo_std")
+        saved_run_without(tmp_path, resolved(f"trainer.advantage={advantage}"), "trainer.gdpo_std")
         if refused:
             with pytest.raises(UserError, match=r"saved before trainer.gdpo_std existed, which computed "
                                                 r"trainer.gdpo_std=population; add"):
@@ -152,7 +144,7 @@ def test_a_trainer_with_required_keys_is_told_its_former_forms_too(tmp_path):
     """AFD requires ``teacher`` (no default): the run's own teacher stands in for it, so a run saved before
     ``advantage`` and ``loss_form`` existed is told the line that continues it, not refused as another run."""
     resolved = resolved_config("trainer.name=afd", "trainer.teacher={model: assets/tiny-wan-motion}")
-    saved_run_without(tmp_path, resolved(), "advantage", "loss_form")
+    saved_run_without(tmp_path, resolved(), "trainer.advantage", "trainer.loss_form")
     with pytest.raises(UserError, match=r"saved before trainer.advantage, trainer.loss_form existed, which computed "
                                         r"trainer.advantage=centred trainer.loss_form=weighted_fm; add"):
         prepare_run_dir(tmp_path, resolved(), "auto")
@@ -165,13 +157,7 @@ def test_a_run_saved_under_an_options_former_name_resumes_and_one_whose_meaning_
     A saved option whose meaning changed (RG-OPD's anchor) refuses the run, saying what it became."""
     import yaml
 
-    from flowalign.config import dump_config
-    from flowalign.trainers import trainer_config
-
-    def resolved(*overrides: str) -> str:
-        cfg = load_config(None, list(overrides))
-        return dump_config(cfg, trainer_config(cfg.trainer)[1])
-
+    resolved = resolved_config()
     (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
     earlier = yaml.safe_load(resolved("trainer.name=soar", "trainer.rollout_steps=8"))
