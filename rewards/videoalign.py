@@ -33,8 +33,8 @@ BASE_ARCHITECTURE = "qwen2-vl-2b-instruct"
 TOKENS = ["<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>"]
 DIMENSIONS = ("VQ", "MQ", "TA")
 COMPONENTS = ("overall", "vq", "mq", "ta")
-# qwen_vl_utils' video bounds (VIDEO_MIN_PIXELS, FRAME_FACTOR, FPS_MIN_FRAMES)
-VIDEO_MIN_PIXELS, FRAME_FACTOR, MIN_FRAMES = 128 * 28 * 28, 2, 4
+# qwen_vl_utils' video bounds (VIDEO_MIN_PIXELS, FRAME_FACTOR, FPS_MIN_FRAMES, FPS_MAX_FRAMES)
+VIDEO_MIN_PIXELS, FRAME_FACTOR, MIN_FRAMES, MAX_FRAMES = 128 * 28 * 28, 2, 4, 768
 
 # VideoAlign's "detailed_special" prompt, verbatim (prompt_template.py)
 PROMPT = """
@@ -77,10 +77,15 @@ END
 """
 
 
-def frame_indices(total: int, fps: float, sample_fps: float) -> list[int]:
+def frame_indices(total: int, fps: float, sample_fps: float, num_frames: float | None = None) -> list[int]:
     """Frames read from a clip of ``total`` frames at ``fps``: ``total / fps · sample_fps`` of them, at least 4,
-    at most ``total``, rounded to an even count, evenly spaced (qwen_vl_utils ``smart_nframes``, uniform)."""
-    n = min(max(total / fps * sample_fps, MIN_FRAMES), total // FRAME_FACTOR * FRAME_FACTOR)
+    at most ``min(total, 768)``, rounded to an even count, evenly spaced (VideoAlign's ``smart_nframes`` and
+    uniform sampling, from qwen_vl_utils). ``num_frames`` (a checkpoint's ``data_config.num_frames``): that many
+    rounded to an even count, at most ``total``, in place of the rate."""
+    if num_frames is not None:
+        n = num_frames
+    else:
+        n = min(max(total / fps * sample_fps, MIN_FRAMES), min(MAX_FRAMES, total) // FRAME_FACTOR * FRAME_FACTOR)
     n = min(max(FRAME_FACTOR, round(n / FRAME_FACTOR) * FRAME_FACTOR), total)
     return torch.linspace(0, total - 1, n).round().long().tolist()
 
@@ -111,7 +116,8 @@ class VideoAlign:
     Options: ``path`` (the VideoReward folder: ``model_config.json`` + ``checkpoint-*/``), ``base`` (the
     Qwen2-VL-2B-Instruct folder; default: the checkpoint's ``model_name_or_path`` when that is a local
     folder, relative to ``path``), ``fps`` (frame rate of the samples, 16 for Wan 2.1), ``sample_fps`` and
-    ``max_frame_pixels`` (default: the checkpoint's ``data_config``: 2 fps, 448·448), ``normalize`` (the
+    ``max_frame_pixels`` (default: the checkpoint's ``data_config``: 2 fps, 448·448; a ``data_config`` that sets
+    ``num_frames`` reads that many frames a clip unless ``sample_fps`` is given), ``normalize`` (the
     checkpoint's standardisation, as the reference's default), ``device``, ``dtype`` (bf16), ``batch_size``.
     """
 
@@ -136,6 +142,8 @@ class VideoAlign:
         self.norm = config.get("inference_config") if normalize else None
         self.component, self.fps, self.batch_size = component, float(fps), batch_size
         self.sample_fps = float(sample_fps if sample_fps is not None else data.get("fps") or 2.0)
+        # a checkpoint trained on a fixed frame count reads that many (the reference's nframes), unless sample_fps
+        self.num_frames = float(data["num_frames"]) if sample_fps is None and data.get("num_frames") else None
         self.max_pixels = int(max_frame_pixels if max_frame_pixels is not None else data.get("max_frame_pixels") or 448 * 448)
         self.device = torch.device(device) if device is not None else None
         self.dtype = resolve_dtype(dtype, self.name)
@@ -195,10 +203,20 @@ class VideoAlign:
         """One clip ``(F, 3, H, W)`` in [0, 1] → the frames VideoAlign reads, ``(n, 3, h, w)`` float in 0..255."""
         from torchvision.transforms.functional import InterpolationMode, resize
 
-        frames = to_uint8(clip[frame_indices(clip.shape[0], self.fps, self.sample_fps)])
+        frames = to_uint8(clip[frame_indices(clip.shape[0], self.fps, self.sample_fps, self.num_frames)])
         h, w = smart_resize(clip.shape[-2], clip.shape[-1], 28, VIDEO_MIN_PIXELS, self.max_pixels)
         # qwen_vl_utils.fetch_video: a uint8 video, bicubic with antialias, then float
         return resize(frames, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+
+    def _inputs(self, clips: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """The processor's tensors for clips ``(b, F, 3, H, W)`` in [0, 1] and their prompts."""
+        videos = [self._video(c) for c in clips]
+        messages = [[{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT.format(text_prompt=p)}]}]
+                    for p in prompts]
+        texts = [self.processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+        inputs = self.processor(text=texts, videos=videos, padding=True, return_tensors="pt",
+                                videos_kwargs=self.videos_kwargs)
+        return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
 
     @torch.no_grad()
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
@@ -215,13 +233,8 @@ class VideoAlign:
         clips = torch.where(valid[:, None, None, None, None], samples, torch.zeros_like(samples))
         raw = []
         for i in range(0, samples.shape[0], self.batch_size):
-            videos = [self._video(c) for c in clips[i : i + self.batch_size]]
-            messages = [[{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT.format(text_prompt=p)}]}]
-                        for p in prompts[i : i + self.batch_size]]
-            texts = [self.processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
-            inputs = self.processor(text=texts, videos=videos, padding=True, return_tensors="pt",
-                                    videos_kwargs=self.videos_kwargs)
-            inputs = {k: v.to(device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+            inputs = {k: v.to(device) for k, v in self._inputs(clips[i : i + self.batch_size],
+                                                              prompts[i : i + self.batch_size]).items()}
             inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(self.dtype)
             states = special_token_states(self.model, inputs, self.token_ids)  # (b, 3, D)
             out = self.head(states.to(self.head.weight.dtype)).float()  # (b, 3, output_dim)

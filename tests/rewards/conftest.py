@@ -98,3 +98,21 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-vlm")
     build_tiny_vlm(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def hpsv3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``rewards.hpsv3.save_tiny_hpsv3`` (seed 0): the tiny HPSv3 folder, also the one the known answers were
+    scored on."""
+    from rewards.hpsv3 import save_tiny_hpsv3
+
+    return save_tiny_hpsv3(tmp_path_factory.mktemp("tiny-hpsv3"))
+
+
+@pytest.fixture(scope="session")
+def videoalign_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``rewards.videoalign.save_tiny_videoalign`` (seed 0): the tiny VideoReward folder, also the one the known
+    answers were scored on."""
+    from rewards.videoalign import save_tiny_videoalign
+
+    return save_tiny_videoalign(tmp_path_factory.mktemp("tiny-videoalign"))

@@ -1,6 +1,6 @@
-"""The 8-bit images of the reward known answers (``known_answers/flow_grpo_scorers.json``,
-``imagereward_reference.json``): made from a seed by a fixed recipe, checked against the SHA-256 of the bytes
-the reference scorers read."""
+"""The 8-bit images and clips of the reward known answers (``known_answers/flow_grpo_scorers.json``,
+``imagereward_reference.json``, ``videoalign_reference.json``, ...): made from a seed by a fixed recipe, checked
+against the SHA-256 of the bytes the reference scorers read."""
 
 from __future__ import annotations
 
@@ -29,3 +29,19 @@ def known_batch(spec: dict[str, Any]) -> tuple[torch.Tensor, list[str]]:
     # the recipe must give the very bytes their scorers read
     assert [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays] == spec["uint8_sha256"]
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, spec["prompts"]
+
+
+def recipe_clip(seed: int, frames: int, h: int, w: int) -> np.ndarray:
+    """The known answers' clip: a pan across one wider :func:`recipe_image` (seed ``seed``), 3 px to the left a
+    frame, so consecutive frames share content and move; uint8 ``(frames, h, w, 3)``."""
+    wide = recipe_image(seed, h, w + 3 * (frames - 1))
+    return np.stack([wide[:, 3 * f : 3 * f + w] for f in range(frames)])
+
+
+def known_clips(spec: dict[str, Any]) -> tuple[torch.Tensor, list[str]]:
+    """A known answers' batch of clips (``shape`` ``[F, h, w, 3]``, ``seeds``, ``uint8_sha256``, ``prompts``) as
+    ``(B, F, 3, h, w)`` floats ``uint8 / 255`` and its prompts."""
+    frames, h, w, _ = spec["shape"]
+    arrays = [recipe_clip(seed, frames, h, w) for seed in spec["seeds"]]
+    assert [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays] == spec["uint8_sha256"]
+    return torch.from_numpy(np.stack(arrays)).permute(0, 1, 4, 2, 3).float() / 255, spec["prompts"]

@@ -30,13 +30,6 @@ def videos(tiny_wan_dir) -> torch.Tensor:
         return policy.decode(policy.initial_noise(2, torch.Generator().manual_seed(0))).float().clamp(0, 1)
 
 
-@pytest.fixture(scope="module")
-def hpsv3_dir(tmp_path_factory):
-    from rewards.hpsv3 import save_tiny_hpsv3
-
-    return save_tiny_hpsv3(tmp_path_factory.mktemp("tiny-hpsv3"))
-
-
 def test_hpsv3_scores_decoded_images_from_its_tiny_folder(hpsv3_dir, images):
     reward = rewards.load("hpsv3", path=str(hpsv3_dir), dtype="float32")
     out = reward(images, PROMPTS, [])
@@ -69,13 +62,6 @@ def test_checkpoint_keys_of_every_transformers_layout_and_peft_map_to_the_model(
         "model.language_model.layers.3.self_attn.q_proj.weight"
     assert canonical_key("base_model.model.rm_head.weight") == "rm_head.weight"
     assert canonical_key("lm_head.weight") == "lm_head.weight"
-
-
-@pytest.fixture(scope="module")
-def videoalign_dir(tmp_path_factory):
-    from rewards.videoalign import save_tiny_videoalign
-
-    return save_tiny_videoalign(tmp_path_factory.mktemp("tiny-videoalign"))
 
 
 def test_videoalign_scores_decoded_videos_from_its_tiny_folder(videoalign_dir, videos):
