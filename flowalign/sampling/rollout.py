@@ -91,6 +91,39 @@ class Rollout:
 
     __getitem__ = select
 
+    @staticmethod
+    def cat(parts: list["Rollout"]) -> "Rollout":
+        """The samples of ``parts`` in order, as one rollout (e.g. a micro-batch re-formed from several rollout
+        batches). They must have been drawn alike: the same sigma grid, SDE steps, sampler and guidance (what a
+        trainer re-evaluates them under). ``samples`` and stored velocities are kept only where every part has
+        them."""
+        first = parts[0]
+        for p in parts[1:]:
+            if not (torch.equal(p.sigmas, first.sigmas) and torch.equal(p.sde_mask, first.sde_mask)
+                    and (p.sampler, p.noise_level, p.guidance_scale)
+                    == (first.sampler, first.noise_level, first.guidance_scale)):
+                raise ValueError("Rollout.cat: the parts were drawn differently (sigmas, SDE steps, sampler or guidance)")
+
+        def joined(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in values) else torch.cat(values)
+
+        return Rollout(
+            prompts=[s for p in parts for s in p.prompts],
+            metadata=[m for p in parts for m in p.metadata],
+            latents=torch.cat([p.latents for p in parts]),
+            sigmas=first.sigmas,
+            log_probs=torch.cat([p.log_probs for p in parts]),
+            sde_mask=first.sde_mask,
+            samples=joined("samples"),
+            cond=Conditioning.cat([p.cond for p in parts]),
+            sampler=first.sampler,
+            noise_level=first.noise_level,
+            guidance_scale=first.guidance_scale,
+            velocities=joined("velocities"),
+            unconditional_velocities=joined("unconditional_velocities"),
+        )
+
 
 #: a custom stochastic step: ``fn(velocity, sample, sigma, sigma_next, generator, prev_sample) -> StepOutput``
 StepFn = Callable[..., StepOutput]

@@ -36,6 +36,7 @@ student on its own rollouts by one of two objectives (``objective``):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
-from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
+from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
 from flowalign.plan_holdings import Holding, StepHoldings, loop_holdings
 from flowalign.protocols import Conditioning
 from flowalign.sampling import Rollout
@@ -56,6 +57,7 @@ from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOpti
                                            StepFractionOptions, StepSubsetOptions, StepUnit, coded_kl_gap,
                                            gaussian_mean_kl)
 from flowalign.trainers.options import ReferenceOptions, SampleOptions, TrainerConfig
+from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch, teacher_sources
@@ -96,7 +98,11 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
 
     name: Literal["flow_opd"] = "flow_opd"  # type: ignore[assignment]
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"objective": "velocity_distillation", "prompt_draw": "per_pass", "micro_batches": "in_order"}
+    before = {"objective": "velocity_distillation", "prompt_draw": "per_pass", "micro_batches": "in_order",
+              "shuffle_draw": "per_step"}
+    #: shuffle_draw's former form differs only with several inner epochs (one inner epoch trains the step's
+    #: first permutation either way)
+    before_when = {"shuffle_draw": ("inner_epochs", tuple(range(2, MAX_UPDATES + 1)))}
     #: kl_reward_grpo: Flow-GRPO with the step-wise KL to the routed teacher as the reward (the authors'
     #: rule); velocity_distillation: regression on the teachers' velocities (cold start, anchor term)
     objective: Literal["kl_reward_grpo", "velocity_distillation"] = "kl_reward_grpo"
@@ -125,6 +131,11 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
     #: over): "shuffled" (the authors': each rank's samples of the step permuted, then cut into micro-batches;
     #: the permutation keyed by (seed, step, rank)); "in_order": the prompts' order, a group's samples together
     micro_batches: Literal["shuffled", "in_order"] = "shuffled"
+    #: kl_reward_grpo, micro_batches: shuffled: when the permutation is drawn. "per_inner_epoch" (the authors':
+    #: each inner epoch permutes the previous one's order again, keyed by (seed, step, rank, inner epoch), and
+    #: cuts new micro-batches from it); "per_step": one permutation a step, every inner epoch training the first
+    #: one's micro-batches again (the former form). The same with inner_epochs: 1
+    shuffle_draw: Literal["per_inner_epoch", "per_step"] = "per_inner_epoch"
     #: kl_reward_grpo: leave out the samples whose task advantage (rewards:, grouped by prompt) is 0, as the
     #: authors' code does before batching (there each dataset has its own reward; here the run's rewards
     #: score every prompt, so it is off unless they are the domains' own)
@@ -230,6 +241,49 @@ class TeacherUnit(StepUnit):
 
     trained: torch.Tensor | None = field(default=None, compare=False)
     teacher: torch.Tensor | None = field(default=None, compare=False)
+    #: an inner epoch's micro-batch re-formed from the step's samples (``shuffle_draw: per_inner_epoch``): its
+    #: rows of this rank's step batch, in batch order, read through ``regrouped`` (``chunk`` is then the
+    #: micro-batch's place in its epoch, and ``teacher``, ``reference`` are None: ``regrouped`` holds them);
+    #: None: rollout chunk ``chunk``
+    rows: tuple[int, ...] | None = None
+    regrouped: Regrouped | None = field(default=None, compare=False)
+
+
+@dataclass(eq=False)
+class Regrouped:
+    """A step's samples read as re-formed micro-batches: each row's ``(chunk, place in it)`` in ``where``
+    (batch order), the step means the plan computed per ``(chunk, step)`` (``teacher``, ``reference``; empty
+    under fsdp, where the loss computes them), and the micro-batch in use, gathered once for its units."""
+
+    chunks: list[Rollout]
+    where: list[tuple[int, int]]
+    teacher: dict[tuple[int, int], torch.Tensor]
+    reference: dict[tuple[int, int], torch.Tensor]
+    kept: tuple[tuple[int, ...], Rollout] | None = None
+
+    def rollout(self, rows: tuple[int, ...]) -> Rollout:
+        """The rows' samples, in that order, as one rollout of ``len(rows)`` (decoded samples left out: training
+        reads the trajectories). The last one asked for is kept: a micro-batch's units follow one another."""
+        if self.kept is None or self.kept[0] != rows:
+            self.kept = None  # the previous micro-batch's copy goes before the next is gathered
+            parts = []
+            for c, run in itertools.groupby(rows, key=lambda r: self.where[r][0]):
+                chunk = dataclasses.replace(self.chunks[c], samples=None)
+                parts.append(chunk.select([self.where[r][1] for r in run]))
+            self.kept = (rows, Rollout.cat(parts))
+        return self.kept[1]
+
+    def means(self, which: str, rows: tuple[int, ...], k: int) -> torch.Tensor | None:
+        """``(B, ...)`` the rows' step means at step ``k`` from the plan's per-chunk ones (``which``: "teacher" or
+        "reference"), zeros for a row of a chunk none was computed for (the plan computes every chunk with a
+        trained row here, so only untrained rows, which the loss masks out); None when none was computed."""
+        means = getattr(self, which)
+        found = [means.get((self.where[r][0], k)) for r in rows]
+        like = next((m for m in found if m is not None), None)
+        if like is None:
+            return None
+        return torch.stack([m[self.where[r][1]] if m is not None else torch.zeros_like(like[0])
+                            for m, r in zip(found, rows)])
 
 
 @dataclass
@@ -283,9 +337,11 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         (:meth:`reference_steps`), the routed teacher's step mean (:meth:`plan`, whatever ``beta``) and with
         ``beta > 0`` the reference's, float32 latents kept through the update (none under fsdp, where the loss
         computes both); the teachers' are computed with their weights swapped in (the live copy kept
-        meanwhile) beside the rollouts and the means. velocity_distillation (and a cold start): no step means;
-        the rollouts (ODE, ``group_size`` a prompt, decoded one chunk at a time) live only inside
-        :meth:`collect`, beside the prompts' conditionings, their ``T`` visited states concatenated, and the
+        meanwhile) beside the rollouts and the means. Where inner epochs re-form the micro-batches
+        (:meth:`reshuffles`), one of them (``batch_size`` samples' trajectories, gathered from the chunks) is
+        held beside them. velocity_distillation (and a cold start): no step means; the rollouts (ODE,
+        ``group_size`` a prompt, decoded one chunk at a time) live only inside :meth:`collect`, beside the
+        prompts' conditionings, their ``T`` visited states concatenated, and the
         :class:`DistillBatch` being filled (its states ``x``, the teachers' and, with ``anchor_weight > 0``, the
         anchor's velocities there, ``S = states_per_sample`` a sample), the teachers' passes under their swapped-in
         weights and the rewards scored on the concatenated decoded samples; the update keeps the batch alone."""
@@ -299,7 +355,13 @@ class FlowOPDTrainer(FlowGRPOTrainer):
             return StepHoldings(held, (Holding(rollouts=g, conditionings=g, decoding=True), visited, scoring))
         base = loop_holdings(g)
         means = g * cls.reference_steps(tcfg) * (1 + (tcfg.beta > 0))  # the teachers' and the reference's
-        return StepHoldings(Holding(rollouts=g, means=means),
+        held = Holding(rollouts=g, means=means)
+        if cls.reshuffles(tcfg):
+            # a re-formed micro-batch's trajectories, gathered for its units (one at a time): batch_size of the
+            # step's samples, counted per prompt (its decoded samples too, which it leaves out: an upper bound)
+            held = Holding(rollouts=g + min(tcfg.batch_size, g * tcfg.prompts_per_step) / tcfg.prompts_per_step,
+                           means=means)
+        return StepHoldings(held,
                             (*base.moments, Holding(rollouts=g, means=means, swapping=True)))
 
     @classmethod
@@ -333,6 +395,9 @@ class FlowOPDTrainer(FlowGRPOTrainer):
             report_unread(tcfg, set(tcfg.model_fields_set) - BOTH_READ - DISTILLATION_ONLY, "velocity_distillation")
             return
         report_unread(tcfg, DISTILLATION_ONLY & tcfg.model_fields_set, "kl_reward_grpo")
+        if tcfg.micro_batches == "in_order" and "shuffle_draw" in tcfg.model_fields_set:
+            print("warning: trainer.shuffle_draw is not read under trainer.micro_batches: in_order (every inner epoch "
+                  "trains the same micro-batches); drop it or set micro_batches: shuffled")
         if tcfg.kl_scale == 0:
             raise UserError("trainer.kl_scale=0 makes every advantage 0 (nothing trains); the authors' value is -1")
         if tcfg.drop_zero_advantage and (tcfg.group_size < 2 or not any(r.weight for r in cfg.rewards)):
@@ -436,8 +501,9 @@ class FlowOPDTrainer(FlowGRPOTrainer):
     def rollout_slots(self, prompts: list[str], metadata: list[dict], groups: torch.Tensor,
                       prompt_ids: torch.Tensor, step: int) -> list:
         """The loop's slots, under ``micro_batches: shuffled`` in a keyed random order: the rollout chunks cut
-        from them are then the authors' micro-batches (their ``torch.randperm`` of a rank's samples, reshaped
-        into ``train_batch_size`` rows), and :func:`kl_reward_grpo_loss` pairs each chunk's advantages and
+        from them are then the authors' micro-batches of the first inner epoch (their ``torch.randperm`` of a
+        rank's samples, reshaped into ``train_batch_size`` rows; later inner epochs re-form their own, see
+        :meth:`inner_epoch_micro_batches`), and :func:`kl_reward_grpo_loss` pairs each chunk's advantages and
         ratios. A sample's noise is keyed by its group and member, so the order changes no sample."""
         slots = super().rollout_slots(prompts, metadata, groups, prompt_ids, step)
         if self.tcfg.micro_batches == "in_order":
@@ -489,10 +555,13 @@ class FlowOPDTrainer(FlowGRPOTrainer):
     def plan(self, batch: StepBatch | DistillBatch, generator: torch.Generator) -> Plan:
         """The distillation: one optimiser step over every sample. kl_reward_grpo: Flow-GRPO's global plan over
         the chunks with a trained sample, each unit carrying the trained mask and (unsharded) the teachers'
-        step means, computed once per (chunk, step)."""
+        step means, computed once per (chunk, step); where inner epochs re-form the micro-batches
+        (:meth:`reshuffles`), :meth:`reshuffled_plan`."""
         if isinstance(batch, DistillBatch):
             return slice_plan(self, len(batch.x))
         trained = self.trained(batch)
+        if self.reshuffles(self.tcfg):
+            return self.reshuffled_plan(batch, generator, trained)
         plan = super().plan(dataclasses.replace(batch, advantages=trained.float()), generator)
         per_chunk = batch.per_chunk(trained)
         means: dict[tuple[int, int], torch.Tensor] = {}
@@ -507,6 +576,88 @@ class FlowOPDTrainer(FlowGRPOTrainer):
             steps.append(step)
         return Plan(steps, {**plan.logs, "trained_fraction": trained.float().mean().item()}, global_weights=True)
 
+    @classmethod
+    def reshuffles(cls, tcfg: FlowOPDConfig) -> bool:
+        """Whether kl_reward_grpo's inner epochs after the first train micro-batches of their own
+        (``shuffle_draw: per_inner_epoch`` with shuffled micro-batches and several inner epochs)."""
+        return (not cls.distils(tcfg) and tcfg.micro_batches == "shuffled" and tcfg.shuffle_draw == "per_inner_epoch"
+                and tcfg.inner_epochs > 1)
+
+    def inner_epoch_micro_batches(self, batch: StepBatch) -> list[list[tuple[int, ...]]]:
+        """Each inner epoch's micro-batches as rows of this rank's step batch (batch order), as the authors'
+        loop forms them at each inner epoch: ``samples = samples[randperm]``, then ``batch_size`` rows at a time.
+
+        Epoch 0 is the rollout chunks (cut from the step's permutation keyed by (seed, step, rank), see
+        :meth:`rollout_slots`). Epoch e ≥ 1 permutes epoch e − 1's order again, by a generator keyed by (seed,
+        step, rank, e), so the permutations compose as theirs do. Samples rolled out with different SDE steps
+        (an ``sde_window`` per group) never share a micro-batch: each such kind is cut on its own, in order."""
+        n, b = len(batch.groups), self.tcfg.batch_size
+        sizes = [len(c) for c in batch.chunks]
+        epochs = [[tuple(rows.tolist()) for rows in torch.arange(n).split(sizes)]]
+        kinds = [tuple(c.sde_mask.tolist()) for c in batch.chunks for _ in range(len(c))]
+        order = torch.arange(n)
+        for epoch in range(1, self.tcfg.inner_epochs):
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(
+                derived_seed(self.cfg.run.seed, self.step, self.rank, epoch, 103)))
+            order = order[perm]
+            buckets: dict[tuple[bool, ...], list[int]] = {}
+            for r in order.tolist():
+                buckets.setdefault(kinds[r], []).append(r)
+            epochs.append([tuple(rows[i : i + b]) for rows in buckets.values() for i in range(0, len(rows), b)])
+        return epochs
+
+    def reshuffled_plan(self, batch: StepBatch, generator: torch.Generator, trained: torch.Tensor) -> Plan:
+        """Flow-GRPO's global plan run per inner epoch over that epoch's micro-batches
+        (:meth:`inner_epoch_micro_batches`), ``updates_per_epoch`` optimiser steps each. Epoch 0's units are the
+        rollout chunks' (as without reshuffling, so one inner epoch plans the same); a later epoch's carry their
+        rows, read through one :class:`Regrouped`. The teachers' (and with β > 0 the reference's) step means are
+        computed once per (rollout chunk, step), for the chunks with a trained row in a unit (unsharded; under
+        fsdp the loss computes them), and read at each micro-batch's rows."""
+        epochs = self.inner_epoch_micro_batches(batch)
+        where = [(c, i) for c, chunk in enumerate(batch.chunks) for i in range(len(chunk))]
+        seen: dict[int, int] = {}
+        keys = []  # each row's identity, as StepBatch.chunk_keys names a chunk's first sample
+        for g in batch.groups.tolist():
+            keys.append((g, seen.get(g, 0)))
+            seen[g] = keys[-1][1] + 1
+        local = [[ChunkRef(keys[rows[0]], self.rank, j, bool(trained[list(rows)].any()),
+                           tuple(self.trained_steps(batch.chunks[where[rows[0]][0]]))) for j, rows in enumerate(mbs)]
+                 for mbs in epochs]
+        every = self.gather_objects(local)
+        per_chunk = batch.per_chunk(trained)
+        means = Regrouped(batch.chunks, where, {}, dict(batch.prepared or {}))
+        computes = not self.parallel.sharded
+
+        def computed(c: int, k: int) -> None:
+            if (c, k) not in means.teacher:
+                means.teacher[c, k] = self.teacher_mean(batch.chunks[c], k)
+            if self.tcfg.beta > 0 and (c, k) not in means.reference:
+                means.reference[c, k] = self.kl_reference(batch.chunks[c], k)
+
+        steps: list[list[TeacherUnit]] = []
+        for epoch, mbs in enumerate(epochs):
+            refs = [ref for rank in every for ref in rank[epoch]]
+            for pairs in global_plan(refs, 1, self.tcfg.updates_per_epoch, generator,
+                                     lambda ref, _, e=epoch: self.chosen_steps(ref, e),
+                                     count_inactive=self.counts_zero_advantage()):
+                units = []
+                for ref, k in pairs:
+                    if ref.rank != self.rank or not ref.active:
+                        continue
+                    rows = mbs[ref.index]
+                    for c in dict.fromkeys(where[r][0] for r in rows if trained[r]) if computes else ():
+                        computed(c, k)
+                    if epoch == 0:
+                        units.append(TeacherUnit(ref.index, k, len(pairs), len(steps),
+                                                 reference=means.reference.get((ref.index, k)) if self.tcfg.beta > 0
+                                                 else None, trained=per_chunk[ref.index],
+                                                 teacher=means.teacher.get((ref.index, k))))
+                    else:
+                        units.append(TeacherUnit(ref.index, k, len(pairs), len(steps), trained=trained[list(rows)],
+                                                 rows=rows, regrouped=means))
+                steps.append(units)
+        return Plan(steps, {"trained_fraction": trained.float().mean().item()}, global_weights=True)
+
     def filler(self, batch: StepBatch, update: int) -> TeacherUnit:
         unit = super().filler(batch, update)
         return TeacherUnit(unit.chunk, unit.k, unit.of, unit.update, trained=batch.per_chunk(self.trained(batch))[0])
@@ -514,10 +665,16 @@ class FlowOPDTrainer(FlowGRPOTrainer):
     def loss(self, batch: StepBatch | DistillBatch, unit: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(batch, DistillBatch):
             return self.distillation_unit_loss(batch, unit)
-        chunk, k = batch.chunks[unit.chunk], unit.k
+        k, teacher, ref = unit.k, unit.teacher, unit.reference
+        if unit.rows is None:
+            chunk = batch.chunks[unit.chunk]
+        else:  # a micro-batch an inner epoch re-formed
+            chunk = unit.regrouped.rollout(unit.rows)
+            teacher = unit.regrouped.means("teacher", unit.rows, k)
+            ref = unit.regrouped.means("reference", unit.rows, k) if self.tcfg.beta > 0 else None
         _, _, old_log_prob = chunk.step(k)
         out = self.step_distribution(chunk, k, self.policy_velocity(chunk, k, unit.update == 0))
-        teacher = unit.teacher if unit.teacher is not None else self.teacher_mean(chunk, k)
+        teacher = teacher if teacher is not None else self.teacher_mean(chunk, k)
         gap = coded_kl_gap(self.sampler, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item())
         m = unit.trained.to(out.log_prob.device)
         std = out.std.expand_as(out.mean)[m]
@@ -532,7 +689,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         if unit.update == 0:  # the sampling weights: the on-policy ratio, 1 up to kernel noise
             info["ratio_dev"] = deviation.max() if deviation.numel() else 0.0
         if self.tcfg.beta > 0:
-            ref = unit.reference if unit.reference is not None else self.reference_mean(chunk, k)
+            ref = ref if ref is not None else self.reference_mean(chunk, k)
             kl = gaussian_mean_kl(out.mean[m], ref.to(out.mean)[m], std, gap, self.tcfg.kl_mode).mean()
             loss = loss + self.tcfg.beta * kl
             info["kl"] = kl.detach()

@@ -22,6 +22,24 @@ def test_rollout_shapes_and_masks():
     assert sub.prompts == ["b"] and sub.metadata == [{"i": 1}] and torch.equal(sub.latents[0], out.latents[1])
 
 
+def test_rollouts_drawn_alike_join_in_order_and_others_are_refused():
+    """``Rollout.cat`` of selections gives the selected samples in order (a micro-batch re-formed from rollout
+    batches); parts with other SDE steps are refused."""
+    policy = GaussianPolicy(dim=3)
+    out = rollout(policy, ["a", "b", "c"], num_steps=4, sampler="flow_grpo",
+                  generator=torch.Generator().manual_seed(0), metadata=[{"i": 0}, {"i": 1}, {"i": 2}])
+    joined = type(out).cat([out.select([2]), out.select([0, 1])])
+    again = out.select([2, 0, 1])
+    assert joined.prompts == ["c", "a", "b"] and joined.metadata == [{"i": 2}, {"i": 0}, {"i": 1}]
+    assert torch.equal(joined.latents, again.latents) and torch.equal(joined.samples, again.samples)
+    torch.testing.assert_close(joined.log_probs, again.log_probs, rtol=0, atol=0, equal_nan=True)
+    assert len(joined.cond) == 3 and torch.equal(joined.sde_mask, out.sde_mask)
+    other = rollout(policy, ["d"], num_steps=4, sampler="flow_grpo", sde_window=(1, 1),
+                    generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="drawn differently"):
+        type(out).cat([out, other])
+
+
 def test_ode_steps_inside_a_window_are_deterministic():
     policy = GaussianPolicy(dim=3)
     noise = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))

@@ -303,14 +303,18 @@ def test_the_kl_reward_trains_without_rewards(tmp_path, tiny_sd3_dir, prompt_fil
     assert not any(k.startswith("reward/") for k in logs) and logs["train/kl_teacher"] > 0
 
 
-def test_the_kl_reward_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+@pytest.mark.parametrize("inner_epochs", [1, 2])
+def test_the_kl_reward_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, teachers, inner_epochs):
     """With an anchor checkpoint as the β term's reference (the authors' mar_lora), two optimiser steps, and
-    two teachers alternating by epoch: the resumed step is the second teacher's."""
+    two teachers alternating by epoch: the resumed step is the second teacher's. Two inner epochs (micro-batches
+    of 2 of the step's 4 samples): the second trains micro-batches re-formed from them, drawn alike after the
+    resume."""
     spec = f"[{{adapter: {teachers['trained']}, match: 'red|blue'}}, {{adapter: {teachers['same']}}}]"
+    epochs = (f"trainer.inner_epochs={inner_epochs}", "trainer.batch_size=2") if inner_epochs > 1 else ()
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=flow_opd",
                                           f"trainer.teachers={spec}",
                                           f"trainer.anchor={teachers['same']}", "trainer.group_size=2",
-                                          "trainer.updates_per_epoch=2")
+                                          "trainer.updates_per_epoch=2", *epochs)
 
 
 @pytest.mark.parametrize("objective,other,unread", [("velocity_distillation", "trainer.clip_range=0.01", "clip_range"),
@@ -466,6 +470,127 @@ def test_micro_batches_are_a_keyed_shuffle_of_the_ranks_samples(tmp_path, tiny_s
     torch.testing.assert_close(shuffled.samples, ordered.samples[perm])
     # and the loss pairs within each shuffled chunk: a unit's trained mask has the chunk's size
     assert all(u.trained.numel() == 2 for u in grpo_units(t, shuffled))
+
+
+def epoch_micro_batches(t, batch) -> list[list[tuple[int, ...]]]:
+    """Each inner epoch's micro-batches in the plan (``updates_per_epoch`` 1: optimiser step e is inner epoch
+    e), as rows of the step batch in their order, sorted, each checked to train all its steps."""
+    starts = torch.tensor([0] + [len(c) for c in batch.chunks]).cumsum(0).tolist()
+    epochs = []
+    for units in t.plan(batch, torch.Generator().manual_seed(0)).steps:
+        steps: dict[tuple[int, ...], list[int]] = {}
+        for u in units:
+            rows = u.rows if u.rows is not None else tuple(range(starts[u.chunk], starts[u.chunk + 1]))
+            assert u.trained.numel() == len(rows)
+            steps.setdefault(rows, []).append(u.k)
+        assert all(ks == t.trained_steps(batch.chunks[0]) for ks in steps.values())
+        epochs.append(sorted(steps))
+    return epochs
+
+
+OPD_EPOCHS = ("trainer.prompts_per_step=3", "trainer.group_size=2", "trainer.batch_size=2", "trainer.beta=0",
+              "trainer.inner_epochs=3")
+
+
+def test_each_inner_epoch_reshuffles_the_micro_batches(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """The default (``shuffle_draw: per_inner_epoch``): each inner epoch trains every sample once, in micro-batches
+    cut from epoch e − 1's order permuted again by a generator keyed by (seed, step, rank, e); epoch 0's are the
+    rollout chunks. ``per_step`` (the former form, as saved runs computed) trains the rollout chunks again in
+    every epoch; with one inner epoch the two plan alike."""
+    spec = f"[{{adapter: {teachers['same']}}}]"
+    t = opd(tmp_path / "s", tiny_sd3_dir, prompt_file, spec, *OPD_EPOCHS, objective="kl_reward_grpo")
+    former = opd(tmp_path / "o", tiny_sd3_dir, prompt_file, spec, *OPD_EPOCHS, "trainer.shuffle_draw=per_step",
+                 objective="kl_reward_grpo")
+    assert t.tcfg.shuffle_draw == "per_inner_epoch" and FlowOPDConfig.before["shuffle_draw"] == "per_step"
+    assert FlowOPDConfig.before_when["shuffle_draw"][0] == "inner_epochs"
+    assert 1 not in FlowOPDConfig.before_when["shuffle_draw"][1]
+    assert {2, 3, 1024} <= set(FlowOPDConfig.before_when["shuffle_draw"][1])
+    t.step = former.step = step = 1
+    batch = t.collect(step)
+    epochs = epoch_micro_batches(t, batch)
+    assert len(epochs) == 3 and epochs[0] == [(0, 1), (2, 3), (4, 5)]  # the rollout chunks
+    order = torch.arange(6)
+    for e, micro in enumerate(epochs):
+        assert sorted(r for rows in micro for r in rows) == list(range(6))  # every sample once an epoch
+        if e:
+            order = order[torch.randperm(6, generator=torch.Generator().manual_seed(
+                derived_seed(t.cfg.run.seed, step, 0, e, 103)))]
+            assert micro == sorted(tuple(order[i : i + 2].tolist()) for i in range(0, 6, 2))
+    assert len({frozenset(frozenset(m) for m in micro) for micro in epochs}) == 3  # three different groupings
+    assert epoch_micro_batches(former, batch) == [epochs[0]] * 3  # the former form: the same chunks each epoch
+    one = [opd(tmp_path / f"one{i}", tiny_sd3_dir, prompt_file, spec, *OPD_EPOCHS, "trainer.inner_epochs=1", *extra,
+               objective="kl_reward_grpo") for i, extra in enumerate([(), ("trainer.shuffle_draw=per_step",)])]
+    first = former.plan(batch, torch.Generator().manual_seed(0)).steps[0]
+    assert [[(u.chunk, u.k, u.update, u.rows) for u in grpo_units(o, batch)] for o in one] == \
+           [[(u.chunk, u.k, u.update, None) for u in first]] * 2
+
+
+def test_a_run_saved_before_shuffle_draw_resumes_as_it_trained(tmp_path):
+    """A run saved before ``shuffle_draw`` existed trained the step's first micro-batches in every inner epoch:
+    with one inner epoch that is the default's computation (it resumes); with several it is told the line that
+    continues it."""
+    from flowalign.train import prepare_run_dir
+
+    from ..test_config import resolved_config, saved_run_without
+
+    resolved = resolved_config("trainer.name=flow_opd", "trainer.teachers=[{adapter: /a/teacher}]")
+    saved_run_without(tmp_path, resolved(), "trainer.shuffle_draw")
+    prepare_run_dir(tmp_path, resolved(), "auto")
+    saved_run_without(tmp_path, resolved("trainer.inner_epochs=2"), "trainer.shuffle_draw")
+    with pytest.raises(UserError, match=r"saved before trainer.shuffle_draw existed, which computed "
+                                        r"trainer.shuffle_draw=per_step; add trainer.shuffle_draw=per_step"):
+        prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2"), "auto")
+    prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2", "trainer.shuffle_draw=per_step"), "auto")
+
+
+def test_the_reshuffled_micro_batches_are_the_authors(tmp_path, tiny_sd3_dir, prompt_file, teachers):
+    """Known answer: the authors' inner-epoch loop (train_sd3_opd_mix.py @ 434ab16, l. 1468-1479: ``perm =
+    torch.randperm(total_batch_size)``, ``samples = {k: v[perm]}``, reshaped into num_batches_per_epoch rows)
+    driven on 6 samples in the prompts' order (3 prompts × 2), 3 micro-batches, with the generators flowalign
+    keys for seed 0, step 1, rank 0 (epoch 0: derived_seed(0, 1, 0, 103); epoch e: derived_seed(0, 1, 0, e,
+    103)) in place of their device RNG, gave these micro-batches (prompt-order indices, in their order). The
+    plan's equal them, each sample found by its image among an ``in_order`` run's samples."""
+    authors = [[[2, 0], [5, 3], [4, 1]], [[4, 5], [0, 3], [2, 1]], [[0, 4], [3, 1], [2, 5]]]
+    spec = f"[{{adapter: {teachers['same']}}}]"
+    t = opd(tmp_path / "s", tiny_sd3_dir, prompt_file, spec, *OPD_EPOCHS, objective="kl_reward_grpo")
+    ordered = opd(tmp_path / "o", tiny_sd3_dir, prompt_file, spec, *OPD_EPOCHS, "trainer.micro_batches=in_order",
+                  objective="kl_reward_grpo")
+    assert t.cfg.run.seed == 0
+    t.step = ordered.step = 1
+    batch, reference = t.collect(1), ordered.collect(1)
+    assert reference.groups.tolist() == [0, 0, 1, 1, 2, 2]
+    distance = (batch.samples[:, None] - reference.samples[None]).flatten(2).abs().amax(2)
+    prompt_order = distance.argmin(1)
+    assert sorted(prompt_order.tolist()) == list(range(6)) and distance.min(1).values.max() < 1e-4
+    got = [sorted(tuple(prompt_order[list(rows)].tolist()) for rows in micro)
+           for micro in epoch_micro_batches(t, batch)]
+    assert got == [sorted(tuple(m) for m in epoch) for epoch in authors]
+
+
+def test_a_reshuffled_micro_batch_computes_the_loss_of_the_same_samples_in_a_chunk(tmp_path, tiny_sd3_dir,
+                                                                                   prompt_file, teachers):
+    """A re-formed micro-batch reads its samples' trajectories, teacher and reference means and trained flags from
+    the step's chunks: holding one chunk's rows, its loss and gradient are the chunk unit's, bit for bit."""
+    spec = f"[{{adapter: {teachers['trained']}}}]"
+    t = opd(tmp_path / "s", tiny_sd3_dir, prompt_file, spec, *OPD_EPOCHS, "trainer.beta=0.04",
+            objective="kl_reward_grpo")
+    t.step = 1
+    batch = t.collect(1)
+    units = grpo_units(t, batch)
+    chunk_unit = next(u for u in units if u.rows is None and u.chunk == 1)
+    regrouped = next(u.regrouped for u in units if u.rows is not None)
+    assert chunk_unit.teacher is not None and chunk_unit.reference is not None
+    same = dataclasses.replace(chunk_unit, rows=(2, 3), regrouped=regrouped, teacher=None, reference=None)
+    results = []
+    for unit in (chunk_unit, same):
+        t.optimizer.zero_grad()
+        loss, info = t.loss(batch, unit)
+        loss.backward()
+        results.append((loss.detach(), info["kl_teacher"], info["kl"], [p.grad.clone() for p in t.params]))
+    (a, kl_a, ref_a, grad_a), (b, kl_b, ref_b, grad_b) = results
+    assert torch.equal(a, b) and torch.equal(kl_a, kl_b) and torch.equal(ref_a, ref_b) and a != 0
+    assert all(torch.equal(x, y) for x, y in zip(grad_a, grad_b))
+    torch.testing.assert_close(regrouped.rollout((2, 3)).latents, batch.chunks[1].latents, rtol=0, atol=0)
 
 
 MERGES = json.loads((Path(__file__).parent / "known_answers" / "flow_opd_merge.json").read_text())
