@@ -27,7 +27,7 @@ from pydantic import Field
 
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
-from flowalign.limits import MAX_COEFFICIENT
+from flowalign.limits import MAX_COEFFICIENT, MAX_UPDATES
 from flowalign.protocols import Conditioning
 from flowalign.trainers.base import GroupTrainer, Plan, StepBatch, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
@@ -39,7 +39,8 @@ from flowalign.trainers.parts.timesteps import pair_timesteps
 
 class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, ReferenceOptions):
     """The loop's group rollouts (online pairs: a group's best and worst by reward, no advantages);
-    ``inner_epochs`` optimiser steps over the batch's pairs (each one pass over all of them)."""
+    ``inner_epochs`` optimiser steps over the batch's pairs (each one pass over all of them, with its own
+    micro-batches, t and ε under ``noise_draw: per_inner_epoch``)."""
 
     name: Literal["diffusion_dpo"] = "diffusion_dpo"
     #: β of the DPO (large: the per-pair error differences are ~1e-3)
@@ -61,9 +62,16 @@ class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, Refer
     #: the same first sample, a pair whose loss is log 2 with a zero gradient, counted among the step's pairs,
     #: in its micro-batch and as a tie in the implicit accuracy); "dropped": no pair (the former form)
     tied_groups: Literal["self_pair", "dropped"] = "self_pair"
+    #: inner_epochs > 1: "per_inner_epoch" (Flow-Factory's: each inner epoch permutes the pairs anew, keyed by
+    #: (seed, step, inner epoch), cuts them into micro-batches and draws their t and ε afresh, each pair from a
+    #: generator keyed by (seed, step, pair, inner epoch)); "per_step": every inner epoch trains the first one's
+    #: micro-batches with the same t and ε (the former form). The same with inner_epochs: 1
+    noise_draw: Literal["per_inner_epoch", "per_step"] = "per_inner_epoch"
 
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"timestep_draw": "per_pair", "tied_groups": "dropped"}
+    before = {"timestep_draw": "per_pair", "tied_groups": "dropped", "noise_draw": "per_step"}
+    #: noise_draw's former form differs only with several inner epochs (the first one draws alike)
+    before_when = {"noise_draw": ("inner_epochs", tuple(range(2, MAX_UPDATES + 1)))}
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -274,31 +282,59 @@ class DiffusionDPOTrainer(GroupTrainer):
         return err[: len(idx)], err[len(idx) :]
 
     def plan(self, batch: PairBatch, generator: torch.Generator) -> Plan:
-        """Micro-batches of ``batch_size`` pairs, t (:func:`dpo_timesteps`) and each pair's ε from the pairs'
-        own seeds, reference errors once; ``inner_epochs`` optimiser steps over all of them, weighted over every
-        rank's pairs."""
-        n = len(batch.seeds)
-        total = self.total(n)
-        units = []
-        shape = batch.x_w.shape[1:]
+        """``inner_epochs`` optimiser steps over all of the pairs (:meth:`epoch_units`), weighted over every
+        rank's pairs: each inner epoch with its own micro-batches, t and ε (``noise_draw: per_inner_epoch``), or
+        every one with the first one's (``per_step``, and a subclass without the option: SePPO)."""
+        total = self.total(len(batch.seeds))
+        first = self.epoch_units(batch, 0, total)
+        fresh = (getattr(self.tcfg, "noise_draw", "per_step") == "per_inner_epoch"
+                 and len(batch.positions) == len(batch.seeds))
+        epochs = [first] + [self.epoch_units(batch, e, total) if fresh else first
+                            for e in range(1, self.tcfg.inner_epochs)]
+        return Plan(epochs if total else [], global_weights=True)
+
+    def epoch_units(self, batch: PairBatch, epoch: int, total: int) -> list[PairUnit]:
+        """Inner epoch ``epoch``'s micro-batches of ``batch_size`` of this rank's pairs, with t
+        (:func:`dpo_timesteps`), each pair's ε and the reference errors.
+
+        The pairs are placed in an order of the step's global positions (``prompts_per_step`` × ranks of them),
+        ``batch_size`` consecutive places a micro-batch, whichever ranks hold its pairs, and each pair draws from
+        its own generator. Epoch 0: the positions in order, each pair's generator seeded ``batch.seeds``.
+        Epoch e ≥ 1: the positions permuted by a generator keyed by (seed, step, e) (Flow-Factory's
+        ``randperm(len(pairs), generator=create_generator(seed, epoch, inner_epoch))`` on one process), each
+        pair's generator keyed by (seed, step, position, e). A shared t is its micro-batch's, drawn from the
+        generator of the pair at its first place (:func:`micro_batch_units`)."""
+        n, b = len(batch.seeds), self.tcfg.batch_size
+        seed, sampling = self.cfg.run.seed, self.tcfg.timestep_sampling
+        # first_seed: the seed of the pair at a micro-batch's first place, which draws the micro-batch's shared t
+        if epoch == 0:
+            seeds, order, places = batch.seeds, list(range(n)), batch.positions
+            first_seed = lambda first: derived_seed(seed, batch.step, first, 47)
+        else:
+            at = torch.randperm(self.tcfg.prompts_per_step * self.world, generator=torch.Generator().manual_seed(
+                derived_seed(seed, batch.step, epoch, 53))).tolist()
+            place = {k: i for i, k in enumerate(at)}
+            seeds = [derived_seed(seed, batch.step, k, 47, epoch) for k in batch.positions]
+            places = [place[k] for k in batch.positions]
+            order = sorted(range(n), key=lambda i: places[i])
+            first_seed = lambda first: derived_seed(seed, batch.step, at[first], 47, epoch)
         # a subclass whose config has no timestep_draw (SePPO) keeps its t per pair
         draw = getattr(self.tcfg, "timestep_draw", "per_pair")
         timestep_range = getattr(self.tcfg, "timestep_range", 1.0)
-        b = self.tcfg.batch_size
-        # a shared t is its micro-batch's, b pairs in the step's global order, whichever rank holds them
-        shared = (micro_batch_units(batch.positions, b, self.tcfg.timestep_sampling,
-                                    lambda k: derived_seed(self.cfg.run.seed, batch.step, k, 47))
+        # a shared t is its micro-batch's, b places of the step's global order, whichever rank holds them
+        shared = (micro_batch_units(places, b, sampling, first_seed)
                   if draw == "shared" and n and len(batch.positions) == n else None)
+        shape = batch.x_w.shape[1:]
+        units = []
         for s in range(0, n, b):
-            index = tuple(range(s, min(n, s + b)))
-            gens = [torch.Generator().manual_seed(batch.seeds[i]) for i in index]
-            t = dpo_timesteps(gens, self.tcfg.timestep_sampling, draw, timestep_range,
-                              None if shared is None else shared[list(index)])
+            index = tuple(order[s : s + b])
+            gens = [torch.Generator().manual_seed(seeds[i]) for i in index]
+            t = dpo_timesteps(gens, sampling, draw, timestep_range, None if shared is None else shared[list(index)])
             # one ε per pair, shared by its chosen and rejected image (as Flow-Factory's one noise per pair)
             eps = torch.stack([torch.randn(shape, generator=g) for g in gens])
             ref_w, ref_l = self.reference_errors(batch, index, t, eps)
             units.append(PairUnit(index, t, eps, ref_w, ref_l, total))
-        return Plan([units] * self.tcfg.inner_epochs if total else [], global_weights=True)
+        return units
 
     def reference_errors(self, batch: PairBatch, index: tuple[int, ...], t: torch.Tensor,
                          eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
+from flowalign.errors import UserError
 from flowalign.train import build_trainer
+from flowalign.trainers.base import derived_seed
 from flowalign.trainers.diffusion_dpo import (DiffusionDPOConfig, best_and_worst, diffusion_dpo_loss, dpo_timesteps,
                                               micro_batch_units, shared_timestep)
 from flowalign.trainers.parts.reductions import per_sample_mean
@@ -108,7 +110,8 @@ def test_per_pair_is_the_former_draw_and_leaves_each_pairs_noise_as_the_shared_d
 def test_options_default_to_flow_factorys_draw_and_saved_runs_resume_with_the_former():
     cfg = DiffusionDPOConfig()
     assert (cfg.timestep_draw, cfg.timestep_range) == ("shared", 0.99)
-    assert DiffusionDPOConfig.before == {"timestep_draw": "per_pair", "tied_groups": "dropped"}
+    assert DiffusionDPOConfig.before == {"timestep_draw": "per_pair", "tied_groups": "dropped",
+                                         "noise_draw": "per_step"}
 
 
 @pytest.mark.parametrize("case", TIMESTEPS["accuracy_cases"], ids=lambda c: f"beta{c['beta']}")
@@ -142,10 +145,12 @@ def test_online_pairs_are_each_groups_best_and_worst_valid_sample():
     assert best_and_worst(torch.ones(3), torch.ones(3, dtype=torch.bool)) is None  # a tie prefers nothing
 
 
-def _pairs(tmp_path) -> str:
+def _pairs(tmp_path, n: int = 2) -> str:
     rng = np.random.default_rng(0)
     rows = []
-    for i, prompt in enumerate(["a red circle", "a blue square"]):
+    for i, prompt in enumerate(["a red circle", "a blue square", "a green star", "a yellow triangle"] * (n // 4 + 1)):
+        if i == n:
+            break
         for kind in ("chosen", "rejected"):
             Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(tmp_path / f"{kind}{i}.png")
         rows.append({"prompt": prompt, "chosen": f"chosen{i}.png", "rejected": f"rejected{i}.png"})
@@ -184,8 +189,97 @@ def test_a_micro_batch_of_pairs_shares_one_t_by_default_and_the_former_form_keep
         assert 0.01 <= float(unit.t[0]) <= 0.9901
 
 
-def test_online_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
-    extra = ("trainer.name=diffusion_dpo", "trainer.dpo_beta=200", "run.checkpoint_every=1")
+def epoch_pairs(t, batch) -> list[list[tuple[int, ...]]]:
+    """Each inner epoch's (optimiser step's) units as their pairs, every pair once an epoch."""
+    steps = [[u.index for u in units] for units in t.plan(batch, torch.Generator().manual_seed(0)).steps]
+    assert all(sorted(i for index in units for i in index) == list(range(len(batch.seeds))) for units in steps)
+    return steps
+
+
+def same_units(a, b) -> bool:
+    return len(a) == len(b) and all(u.index == v.index and torch.equal(u.t, v.t) and torch.equal(u.eps, v.eps)
+                                    and torch.equal(u.ref_w, v.ref_w) for u, v in zip(a, b))
+
+
+def test_each_inner_epoch_reshuffles_the_pairs_and_draws_their_t_and_noise_afresh(tmp_path, tiny_sd3_dir,
+                                                                                  prompt_file):
+    """The default (``noise_draw: per_inner_epoch``): inner epoch e ≥ 1 places the step's pairs in an order of their
+    positions permuted by a generator keyed by (seed, step, e), micro-batches of 2 places sharing a t, and every
+    pair draws its t and ε from a generator keyed by (seed, step, position, e); epoch 0 is the former plan.
+    ``per_step`` (the former form, as saved runs computed) trains epoch 0's units again in every epoch; with one
+    inner epoch the two plan alike."""
+    common = ("trainer.name=diffusion_dpo", f"trainer.pairs={_pairs(tmp_path, 6)}", "rewards=[]",
+              "trainer.prompts_per_step=6", "trainer.batch_size=2", "trainer.inner_epochs=3")
+    t = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, *common))
+    former = build_trainer(small_config(tmp_path / "o", tiny_sd3_dir, prompt_file, *common,
+                                        "trainer.noise_draw=per_step"))
+    assert t.tcfg.noise_draw == "per_inner_epoch" and DiffusionDPOConfig.before_when["noise_draw"][0] == "inner_epochs"
+    assert 1 not in DiffusionDPOConfig.before_when["noise_draw"][1]
+    batch = t.collect(1)
+    assert batch.positions == list(range(6)) and batch.step == 1
+    plan = t.plan(batch, torch.Generator().manual_seed(0))
+    epochs = epoch_pairs(t, batch)
+    assert epochs[0] == [(0, 1), (2, 3), (4, 5)]
+    shape = batch.x_w.shape[1:]
+    for e in (1, 2):
+        order = torch.randperm(6, generator=torch.Generator().manual_seed(derived_seed(0, 1, e, 53))).tolist()
+        assert epochs[e] == [tuple(order[i : i + 2]) for i in range(0, 6, 2)]
+        for unit in plan.steps[e]:
+            gens = [torch.Generator().manual_seed(derived_seed(0, 1, k, 47, e)) for k in unit.index]
+            first = torch.Generator().manual_seed(derived_seed(0, 1, unit.index[0], 47, e))
+            shared = shared_timestep(torch.randn(1, generator=first), "logit_normal", 0.99)
+            assert torch.equal(unit.t, shared.expand(2))
+            for g in gens:
+                torch.randn(1, generator=g)  # the pair's unit draw, before its ε
+            assert torch.equal(unit.eps, torch.stack([torch.randn(shape, generator=g) for g in gens]))
+    eps = [{k: unit.eps[j] for unit in units for j, k in enumerate(unit.index)} for units in plan.steps]
+    assert all(not torch.equal(eps[0][k], eps[e][k]) for e in (1, 2) for k in range(6))
+    assert len({float(u.t[0]) for units in plan.steps for u in units}) == 9  # a t per micro-batch and epoch
+    kept = former.plan(batch, torch.Generator().manual_seed(0)).steps
+    assert [units is kept[0] for units in kept] == [True] * 3  # the former form: epoch 0's units again
+    assert same_units(kept[0], plan.steps[0])
+    one = build_trainer(small_config(tmp_path / "one", tiny_sd3_dir, prompt_file, *common, "trainer.inner_epochs=1"))
+    (units,) = one.plan(batch, torch.Generator().manual_seed(0)).steps
+    assert same_units(units, plan.steps[0])
+
+
+def test_a_run_saved_before_noise_draw_resumes_as_it_trained(tmp_path):
+    """A run saved before ``noise_draw`` existed trained epoch 0's units in every inner epoch: with one inner epoch
+    that is the default's computation (it resumes); with several it is told the line that continues it."""
+    from flowalign.train import prepare_run_dir
+
+    from ..test_config import resolved_config, saved_run_without
+
+    resolved = resolved_config("trainer.name=diffusion_dpo")
+    saved_run_without(tmp_path, resolved(), "trainer.noise_draw")
+    prepare_run_dir(tmp_path, resolved(), "auto")
+    saved_run_without(tmp_path, resolved("trainer.inner_epochs=2"), "trainer.noise_draw")
+    with pytest.raises(UserError, match=r"saved before trainer.noise_draw existed, which computed "
+                                        r"trainer.noise_draw=per_step; add trainer.noise_draw=per_step"):
+        prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2"), "auto")
+    prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2", "trainer.noise_draw=per_step"), "auto")
+
+
+def test_the_reshuffled_pairs_are_flow_factorys(tmp_path, tiny_sd3_dir, prompt_file):
+    """Known answer: Flow-Factory's inner-epoch shuffle (dpo.py @ a0b2bc5, ``DPOTrainer.optimize`` l. 504-515:
+    ``perm = torch.randperm(len(pairs), generator=perm_gen)``, ``shuffled_pairs = [pairs[i] for i in perm]``, cut
+    into per_device_batch_size pair batches) on 6 pairs, batches of 2, with the generator flowalign keys for seed
+    0, step 1 and inner epoch e (derived_seed(0, 1, e, 53)) as their perm_gen, gave these pair batches for inner
+    epochs 1 and 2. The plan's micro-batches equal them (one process: the pairs' positions are their indices);
+    its epoch 0 keeps the step's order (a random draw of pairs already), as before."""
+    flow_factory = {1: [[5, 4], [0, 3], [2, 1]], 2: [[5, 1], [4, 0], [3, 2]]}
+    t = build_trainer(small_config(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=diffusion_dpo",
+                                   f"trainer.pairs={_pairs(tmp_path, 6)}", "rewards=[]", "trainer.prompts_per_step=6",
+                                   "trainer.batch_size=2", "trainer.inner_epochs=3"))
+    assert t.cfg.run.seed == 0
+    epochs = epoch_pairs(t, t.collect(1))
+    assert [[list(index) for index in epochs[e]] for e in (1, 2)] == [flow_factory[1], flow_factory[2]]
+
+
+@pytest.mark.parametrize("inner_epochs", [1, 2])
+def test_online_run_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, inner_epochs):
+    extra = ("trainer.name=diffusion_dpo", "trainer.dpo_beta=200", "run.checkpoint_every=1",
+             f"trainer.inner_epochs={inner_epochs}", *(("trainer.batch_size=1",) if inner_epochs > 1 else ()))
     first = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *extra))
     before = [p.detach().clone() for p in first.params]
     first.train()
