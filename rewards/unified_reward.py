@@ -1,18 +1,22 @@
-"""``unified_reward``: UnifiedReward, a Qwen2.5-VL fine-tuned to judge generated images
+"""``unified_reward``: UnifiedReward, a Qwen-VL fine-tuned to judge generated images
 (docs/methods/vlm_reward_models.md).
 
 Two modes, on a local model folder (``path``) or an OpenAI-compatible server (``url``: vLLM, SGLang,
 ``flowalign serve-judge``), through the same backends as the VLM judges (:mod:`rewards.vlm_backend`):
 
-* ``score`` (pointwise, as Flow-GRPO trains on it): the image, resized to ``image_size``², and Flow-GRPO's
-  question; the reply's ``Final Score: x`` (x in 1..5) gives ``x / 5`` (``normalize: false``: ``x``).
-* ``think_pairwise`` (UnifiedReward-Think): the images sharing a prompt are compared two by two with the
-  Think prompt; the ``<answer>`` says "Image 1 is better" or "Image 2 is better". A sample's score is its
-  win rate over its comparisons (Pref-GRPO's pairwise reward), in [0, 1].
+* ``score`` (pointwise, as Flow-GRPO trains on it): the image, resized to ``image_size``² (512, PIL's bicubic,
+  on the 8-bit image) and sent losslessly, and Flow-GRPO's question; the reply's ``Final Score: x`` (x in 1..5)
+  gives ``x / 5`` (``normalize: false``: ``x``).
+* ``think_pairwise`` (UnifiedReward-Think, as Pref-GRPO trains on it): the images sharing a prompt are compared
+  two by two with the Think prompt (``think_prompt``), each image as it is, through JPEG at quality 95 as
+  Pref-GRPO's client sends it; the ``<answer>`` says "Image 1 is better" or "Image 2 is better". A sample's
+  score is its win rate over its comparisons rounded to 3 decimals (Pref-GRPO's ``_pairwise_win_rate``), in
+  [0, 1].
 
-A reply without a score makes its sample invalid, never 0; a pairwise reply without a verdict counts as a
-tie (half a win to each image, as Pref-GRPO's ``unifiedreward_think.py`` does; ``no_verdict: unread`` leaves
-it out), and a sample none of whose comparisons came back is invalid.
+A reply without a score makes its sample invalid, never 0 (Flow-GRPO scores it 0); a pairwise reply without a
+verdict counts as a tie (half a win to each image, as Pref-GRPO's ``unifiedreward_think.py`` does;
+``no_verdict: unread`` leaves it out), a failed request is left out (Pref-GRPO's loop stops on it), and a
+sample none of whose comparisons came back, or alone with its prompt (Pref-GRPO: 0), is invalid.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.common import check_images, check_lengths, finite_mask
+from rewards.model_options import one_of
 from rewards.planning import existing, missing, on_accelerator, option, published
 from rewards.qwen_vl_reward import local_path
 from rewards.registry import register
@@ -38,7 +43,8 @@ log = logging.getLogger("flowalign.rewards.unified_reward")
 MODES = ("score", "think_pairwise")
 #: what UnifiedReward-qwen-7b and UnifiedReward-Think-qwen-7b are, as published (assets/reward_architectures/)
 ARCHITECTURE_7B = "qwen2.5-vl-7b-instruct"
-DOWNLOAD = "a UnifiedReward model (e.g. CodeGoat24/UnifiedReward-qwen-7b, or CodeGoat24/UnifiedReward-Think-qwen-7b for think_pairwise)"
+DOWNLOAD = ("a UnifiedReward model (e.g. CodeGoat24/UnifiedReward-qwen-7b, or for think_pairwise"
+            " CodeGoat24/UnifiedReward-Think-qwen3vl-8b, or -Think-qwen-7b with think_prompt: qwen2_5vl)")
 
 # Flow-GRPO's pointwise question, verbatim (flow_grpo/rewards.py, unifiedreward_score_sglang)
 SCORE_QUESTION = (
@@ -49,7 +55,8 @@ SCORE_QUESTION = (
     " clarity, detail preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria,"
     " assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
 )
-# UnifiedReward-Think's image-generation pairwise question, verbatim (qwen_infer_cot_image_generation.py)
+# UnifiedReward-Think-qwen-7b's image-generation pairwise question, verbatim (UnifiedReward's
+# qwen_infer_cot_image_generation.py; Pref-GRPO's template up to its commit c541ed1): think_prompt: qwen2_5vl
 THINK_QUESTION = (
     "Given a caption and two images generated based on this caption, please analyze in detail the two provided"
     " images. Evaluate them on various dimensions such as semantic consistency (how closely the image content"
@@ -68,8 +75,105 @@ THINK_QUESTION = (
     " actual evaluation should be based on the quality of two given images.**\n\nYour task is provided as"
     " follows:\nText Caption: [{prompt}]"
 )
+# UnifiedReward-Think-qwen3vl-8b's image-generation pairwise question, verbatim, indentation and all (Pref-GRPO
+# 3e787f6 fastvideo/rewards/templates.py get_unifiedreward_think_image_template; UnifiedReward's
+# qwen3_infer_cot_image_generation.py): think_prompt: qwen3vl, the default
+THINK_QUESTION_QWEN3VL = (
+    "You are an objective and precise evaluator for image quality comparison. I will provide you"
+    " with a text caption and two images generated based on this caption. You must analyze the two"
+    " images carefully and determine which image is better.\n"
+    "\n"
+    "        Evaluation procedure:\n"
+    "\n"
+    "        1. The caption for the generated images is: 「{prompt}」. You must evaluate the two"
+    " images across these core dimensions:\n"
+    "        - Semantic consistency (how closely the image content aligns with the caption)\n"
+    "        - Aesthetics (composition, color usage, artistic expression)\n"
+    "        - Authenticity (realism and attention to detail)\n"
+    "\n"
+    "        2. You are also encouraged to add up to two additional evaluation dimensions if they"
+    " are relevant to the specific caption or images (e.g., creativity, spatial layout, fine-grained"
+    " detail). If no extra dimensions are relevant, just keep the three core dimensions.\n"
+    "\n"
+    "        3. For each evaluation dimension:\n"
+    "        - Provide a score between 1–10 for both Image 1 and Image 2\n"
+    "        - Provide a short rationale for each score (2–5 short sentences)\n"
+    "        - The evaluation must follow exactly this format with line breaks and indentation:\n"
+    "            Dimension name: \n"
+    "                Image 1 (x/10) - rationale; \n"
+    "                Image 2 (y/10) - rationale\n"
+    "\n"
+    "        4. After evaluating all dimensions, calculate the total score for each image and show"
+    " the calculation explicitly, following this exact format:\n"
+    "            Total score:\n"
+    "            Image 1: x+x+x=total\n"
+    "            Image 2: y+y+y=total\n"
+    "\n"
+    "        5. Wrap all reasoning and scoring strictly within <think> and </think> tags.\n"
+    "\n"
+    "        6. After </think>, output the final judgment strictly inside <answer> and </answer>"
+    " tags, containing only one of:\n"
+    "        - Image 1 is better\n"
+    "        - Image 2 is better\n"
+    "\n"
+    "        Constraints:\n"
+    "        - You must strictly follow the line breaks, indentation, and formatting shown in the"
+    " example below.\n"
+    "        - Do not merge multiple dimensions into one line. Each dimension must follow the 3-line"
+    " block format shown below.\n"
+    "        - Do not use Markdown formatting, bullet points, bold text, or headings.\n"
+    "        - Do not output explanations outside <think> and <answer>.\n"
+    "        - The <answer> tag must contain only the final string with no extra words.\n"
+    "\n"
+    "        Required output format:\n"
+    "\n"
+    "        <think>\n"
+    "        1. Semantic consistency: \n"
+    "            Image 1 (9/10) - ...; \n"
+    "            Image 2 (7/10) - ...\n"
+    "        2. Aesthetics: \n"
+    "            Image 1 (8/10) - ...; \n"
+    "            Image 2 (8/10) - ...\n"
+    "        3. Authenticity: \n"
+    "            Image 1 (8/10) - ...; \n"
+    "            Image 2 (5/10) - ...\n"
+    "        [Additional dimension if any]: \n"
+    "            Image 1 (7/10) - ...; \n"
+    "            Image 2 (8/10) - ...\n"
+    "        [Additional dimension if any]: \n"
+    "            Image 1 (6/10) - ...; \n"
+    "            Image 2 (7/10) - ...\n"
+    "        Total score:\n"
+    "        Image 1: 9+8+8+7+6=38\n"
+    "        Image 2: 7+8+5+8+7=35\n"
+    "        </think>\n"
+    "        <answer>Image 1 is better</answer>\n"
+    "\n"
+    "        Note: The example above is only to illustrate the exact format (line breaks,"
+    " indentation, symbols, and style). Your actual evaluation must follow this format exactly, but"
+    " be based on the given caption and images.\n"
+    "        "
+)
+#: think_prompt → the question (its caption goes in ``{prompt}``)
+THINK_PROMPTS = {"qwen3vl": THINK_QUESTION_QWEN3VL, "qwen2_5vl": THINK_QUESTION}
+THINK_PROMPT_MEANINGS = {
+    "qwen3vl": "UnifiedReward-Think-qwen3vl-8b's, as Pref-GRPO 3e787f6 sends it",
+    "qwen2_5vl": "UnifiedReward-Think-qwen-7b's, the former default",
+}
+VERDICT_PARSE_MEANINGS = {
+    "answer": "Pref-GRPO's: the first closed <answer> block holds 'Image 1 is better', else 'Image 2 is better',"
+              " exactly as written",
+    "lenient": "the former form: 'Image k is better' in any case and spacing, in the <answer> block or, without"
+               " one, anywhere outside <think>",
+}
+#: the defaults that follow ``mode``: Flow-GRPO's for score, Pref-GRPO's (3e787f6) for think_pairwise
+MODE_DEFAULTS = {
+    "score": {"image_size": 512, "jpeg_quality": None, "max_tokens": 512},
+    "think_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
+}
 _FINAL_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")  # Flow-GRPO's pattern
 _VERDICT = re.compile(r"Image\s*([12])\s*is\s*better", re.I)
+_CLOSED_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
 def parse_final_score(text: str | None) -> float | None:
@@ -78,17 +182,30 @@ def parse_final_score(text: str | None) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def parse_verdict(text: str | None) -> int | None:
-    """1 or 2 from "Image k is better" in the reply's ``<answer>`` (the whole reply without ``<think>`` when it
-    has no answer block), or None."""
-    m = _VERDICT.search(answer_region(text or ""))
-    return int(m.group(1)) if m else None
+def parse_verdict(text: str | None, form: str = "answer") -> int | None:
+    """1 or 2, the image the reply prefers, or None.
+
+    ``form="answer"`` (Pref-GRPO's reading): the first ``<answer>…</answer>`` block (closed, tags as written),
+    stripped, holds the exact phrase "Image 1 is better" (looked for first) or "Image 2 is better"; a reply
+    without such a block names no winner. ``form="lenient"`` (the former form): the first "Image k is better"
+    in any case and spacing in the ``<answer>`` block, or in the whole reply without ``<think>`` when it has no
+    answer block."""
+    if form == "lenient":
+        m = _VERDICT.search(answer_region(text or ""))
+        return int(m.group(1)) if m else None
+    block = _CLOSED_ANSWER.search(text or "")
+    if block is None:
+        return None
+    answer = block.group(1).strip()
+    return 1 if "Image 1 is better" in answer else 2 if "Image 2 is better" in answer else None
 
 
-def win_rates(n: int, verdicts: list[tuple[int, int, int | None]]) -> tuple[list[float | None], list[int]]:
+def win_rates(n: int, verdicts: list[tuple[int, int, int | None]],
+              decimals: int | None = None) -> tuple[list[float | None], list[int]]:
     """Each sample's share of won comparisons among those read: ``verdicts`` are ``(a, b, winner)`` with
-    ``winner`` 1 (a) / 2 (b) / 0 (a tie: half a win each) / None (unread). Returns ``(rates, comparisons
-    read)``; None where none was read."""
+    ``winner`` 1 (a) / 2 (b) / 0 (a tie: half a win each) / None (unread). ``decimals``: each share rounded as
+    Python's ``round`` (Pref-GRPO: 3); None keeps it exact. Returns ``(rates, comparisons read)``; None where
+    none was read."""
     wins, read = [0.0] * n, [0] * n
     for a, b, v in verdicts:
         if v is None:
@@ -100,7 +217,8 @@ def win_rates(n: int, verdicts: list[tuple[int, int, int | None]]) -> tuple[list
             wins[b] += 0.5
         else:
             wins[a if v == 1 else b] += 1
-    return [w / r if r else None for w, r in zip(wins, read)], read
+    return [None if not r else w / r if decimals is None else round(w / r, decimals)
+            for w, r in zip(wins, read)], read
 
 
 @register("unified_reward")
@@ -108,11 +226,17 @@ class UnifiedReward:
     """UnifiedReward in ``score`` or ``think_pairwise`` mode (see the module docstring).
 
     Options: ``path`` (a local UnifiedReward folder, run in this process) or ``url`` (an OpenAI-compatible
-    server) with ``model``, ``api_key``, ``timeout``, ``retries``, ``concurrency``; ``mode``, ``image_size``
-    (images are resized to a square of this side, 512 as Flow-GRPO; null keeps them), ``normalize``,
-    ``max_tokens`` (reply length), ``both_orders`` (think_pairwise: judge each pair in both orders),
-    ``no_verdict`` (think_pairwise: ``tie``, half a win each as Pref-GRPO counts it, or ``unread``);
-    ``device`` (None: the samples'), ``dtype`` (bf16), ``batch_size`` (requests per forward).
+    server) with ``model``, ``api_key``, ``timeout``, ``retries``, ``concurrency``; ``mode``; ``image_size``
+    (images are resized to a square of this side, PIL's bicubic on the 8-bit image; null keeps them; ``auto``:
+    512 in score mode as Flow-GRPO, kept in think_pairwise as Pref-GRPO), ``jpeg_quality`` (the images go
+    through JPEG at this quality first, as a client sending JPEG does; null sends the pixels losslessly;
+    ``auto``: null in score mode, Flow-GRPO's PNG, 95 in think_pairwise, Pref-GRPO's), ``normalize``,
+    ``max_tokens`` (reply length; ``auto``: 512 in score mode, 4096 in think_pairwise as Pref-GRPO);
+    think_pairwise: ``think_prompt`` (``qwen3vl``, Pref-GRPO's, or ``qwen2_5vl``, the former), ``verdict_parse``
+    (``answer``, Pref-GRPO's, or ``lenient``, the former), ``win_rate_decimals`` (3, Pref-GRPO's rounding; null
+    keeps rates exact, the former form), ``both_orders`` (judge each pair in both orders), ``no_verdict``
+    (``tie``, half a win each as Pref-GRPO counts it, or ``unread``); ``device`` (None: the samples'), ``dtype``
+    (bf16), ``batch_size`` (requests per forward).
     """
 
     name = "unified_reward"
@@ -120,25 +244,44 @@ class UnifiedReward:
 
     def __init__(self, path: str | None = None, *, url: str | None = None, model: str | None = None,
                  api_key: str | None = None, timeout: float = 120.0, retries: int = 2, concurrency: int = 8,
-                 mode: str = "score", image_size: int | None = 512, normalize: bool = True, max_tokens: int = 512,
-                 both_orders: bool = False, no_verdict: str = "tie", device: str | None = None,
-                 dtype: str = "bfloat16", batch_size: int = 8):
+                 mode: str = "score", image_size: int | str | None = "auto", jpeg_quality: int | str | None = "auto",
+                 normalize: bool = True, max_tokens: int | str = "auto", think_prompt: str = "qwen3vl",
+                 verdict_parse: str = "answer", win_rate_decimals: int | None = 3, both_orders: bool = False,
+                 no_verdict: str = "tie", device: str | None = None, dtype: str = "bfloat16", batch_size: int = 8):
+        label = "unified_reward reward"
         if mode not in MODES:
             raise UserError(f"unified_reward reward: mode={mode!r} is not one of {list(MODES)}")
+        defaults = MODE_DEFAULTS[mode]
+        image_size = defaults["image_size"] if image_size == "auto" else image_size
+        jpeg_quality = defaults["jpeg_quality"] if jpeg_quality == "auto" else jpeg_quality
+        max_tokens = defaults["max_tokens"] if max_tokens == "auto" else max_tokens
         if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 28):
-            raise UserError(f"unified_reward reward: image_size={image_size!r} must be an integer >= 28 or null")
+            raise UserError(f"unified_reward reward: image_size={image_size!r} must be an integer >= 28, null or auto")
+        if jpeg_quality is not None and (isinstance(jpeg_quality, bool) or not isinstance(jpeg_quality, int)
+                                         or not 1 <= jpeg_quality <= 100):
+            raise UserError(f"unified_reward reward: jpeg_quality={jpeg_quality!r} must be an integer from 1 to 100,"
+                            " null (lossless) or auto")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise UserError(f"unified_reward reward: max_tokens={max_tokens!r} must be a positive integer")
+            raise UserError(f"unified_reward reward: max_tokens={max_tokens!r} must be a positive integer or auto")
+        if win_rate_decimals is not None and (isinstance(win_rate_decimals, bool)
+                                              or not isinstance(win_rate_decimals, int)
+                                              or not 0 <= win_rate_decimals <= 15):
+            raise UserError(f"unified_reward reward: win_rate_decimals={win_rate_decimals!r} must be an integer from 0"
+                            " to 15 (Pref-GRPO's: 3) or null (exact)")
+        one_of(label, "think_prompt", think_prompt, THINK_PROMPTS, THINK_PROMPT_MEANINGS)
+        one_of(label, "verdict_parse", verdict_parse, VERDICT_PARSE_MEANINGS, VERDICT_PARSE_MEANINGS)
         if no_verdict not in ("tie", "unread"):
             raise UserError(f"unified_reward reward: no_verdict={no_verdict!r} must be 'tie' (Pref-GRPO's: half a win "
                             "each) or 'unread' (the comparison is not counted)")
         if (path is None) == (url is None):
             raise UserError("unified_reward reward: give either path: (the local folder of " + DOWNLOAD + ") or url:"
                             " (an OpenAI-compatible server serving it), not both")
-        self.mode, self.image_size, self.normalize = mode, image_size, normalize
+        self.mode, self.image_size, self.jpeg_quality, self.normalize = mode, image_size, jpeg_quality, normalize
         #: think_pairwise scores are win rates among the samples sharing a prompt (Pref-GRPO's reward)
         self.pairwise = mode == "think_pairwise"
         self.max_tokens, self.both_orders = max_tokens, both_orders
+        self.think_question = THINK_PROMPTS[think_prompt]
+        self.verdict_parse, self.win_rate_decimals = verdict_parse, win_rate_decimals
         #: a reply that names no winner: "tie" counts it half a win to each image (Pref-GRPO's
         #: unifiedreward_think.py), "unread" leaves the comparison out; a failed request is always unread
         self.no_verdict = no_verdict
@@ -178,10 +321,23 @@ class UnifiedReward:
         return LocalVLM.planned_bytes(folder, option(cls, options, "dtype"))
 
     def _pil(self, image: torch.Tensor) -> Any:
+        """The image the judge is shown: 8-bit, resized to ``image_size``² (PIL's default filter, bicubic, as
+        Flow-GRPO's ``Image.resize((512, 512))``), then through JPEG at ``jpeg_quality`` (Pref-GRPO's client
+        encodes its PNG rollouts so; the decoded pixels are what a server reads) where set."""
+        import io
+
+        from PIL import Image
+
         from rewards.common import to_pil
 
         pil = to_pil(image)
-        return pil.resize((self.image_size, self.image_size)) if self.image_size else pil
+        if self.image_size:
+            pil = pil.resize((self.image_size, self.image_size))
+        if self.jpeg_quality is not None:
+            buf = io.BytesIO()
+            pil.save(buf, format="JPEG", quality=self.jpeg_quality)
+            pil = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+        return pil
 
     def _ask(self, images: list[Any], text: str) -> ChatRequest:
         parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
@@ -231,12 +387,12 @@ class UnifiedReward:
         pairs = [(g[x], g[y]) for g in groups.values() for x in range(len(g)) for y in range(x + 1, len(g))]
         if self.both_orders:
             pairs += [(b, a) for a, b in pairs]
-        replies = self.backend.complete([self._ask([images[a], images[b]], THINK_QUESTION.format(prompt=prompts[a]))
-                                         for a, b in pairs])
+        replies = self.backend.complete([self._ask([images[a], images[b]],
+                                                   self.think_question.format(prompt=prompts[a])) for a, b in pairs])
         tie = 0 if self.no_verdict == "tie" else None
-        verdicts = [(a, b, None if c.error is not None else (parse_verdict(c.text) or tie))
+        verdicts = [(a, b, None if c.error is not None else (parse_verdict(c.text, self.verdict_parse) or tie))
                     for (a, b), c in zip(pairs, replies)]
-        rates, read = win_rates(len(scores), verdicts)
+        rates, read = win_rates(len(scores), verdicts, self.win_rate_decimals)
         for i in todo:
             info[i]["comparisons"] = read[i]
             if len(groups[prompts[i]]) < 2:

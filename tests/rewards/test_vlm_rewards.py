@@ -125,9 +125,15 @@ def test_unified_reward_score_mode_parses_the_generated_reply(unified_dir, image
 
 
 def test_unified_reward_think_pairwise_gives_win_rates_per_prompt(unified_dir, images):
+    # the tiny model writes "Image 2 is better" with no <answer> block: Pref-GRPO's reading (verdict_parse:
+    # answer, the default) names no winner, a tie; the former lenient reading finds the verdict outside the block
     reward = rewards.load("unified_reward", path=str(unified_dir), dtype="float32", max_tokens=16,
                           mode="think_pairwise")
     out = reward(images, PROMPTS, [])
+    assert out.components["unified_reward"][:2].tolist() == [0.5, 0.5] and out.valid.tolist() == [True, True, False]
+    lenient = rewards.load("unified_reward", path=str(unified_dir), dtype="float32", max_tokens=16,
+                           mode="think_pairwise", verdict_parse="lenient")
+    out = lenient(images, PROMPTS, [])
     # "Image 2 is better" always: of the pair sharing a prompt the second wins; the lone sample has no pair
     assert out.components["unified_reward"][:2].tolist() == [0.0, 1.0] and out.valid.tolist() == [True, True, False]
     assert "at least 2 samples" in out.info[2]["reason"]
