@@ -142,10 +142,37 @@ def test_score_replies_read_as_theirs():
 # ---------------------------------------------------------------- think_pairwise: Pref-GRPO's cal_win_rate_images
 
 
+def jpeg_q95_pixels_sha256(case: dict) -> list[str]:
+    """The hashes of the batch's 8-bit images after a JPEG round trip at quality 95 through the installed Pillow:
+    what their client sends. They equal the recorded ``image_pixels_sha256`` under the Pillow the answers were
+    recorded with (``test_their_jpeg_pixels_are_pillows_quality_95``); another Pillow's JPEG codec may round
+    differently, so the server also knows the images by these."""
+    x, _ = known_batch(case["batch"])
+    out = []
+    for image in (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy():
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG", quality=95)
+        out.append(sha256(np.asarray(Image.open(buffer).convert("RGB")).tobytes()))
+    return out
+
+
+def test_their_jpeg_pixels_are_pillows_quality_95():
+    import PIL
+
+    recorded = KNOWN["provenance"]["libraries"]["pillow"]
+    if PIL.__version__ != recorded:
+        pytest.skip(f"the JPEG pixels were recorded with Pillow {recorded}; this is {PIL.__version__}")
+    for name in ("think", "think_c541ed1"):
+        assert jpeg_q95_pixels_sha256(PG[name]) == PG[name]["image_pixels_sha256"]
+
+
 def pairwise_server(case: dict, fail=()):
-    """Answers each pair with the reply they were given for it, the images recognised by their pixels' hashes;
-    records the pairs (by their indices) and any image whose pixels are not theirs (index -1)."""
+    """Answers each pair with the reply they were given for it, the images recognised by their pixels' hashes
+    (recorded, or the installed Pillow's JPEG of the same images); records the pairs (by their indices) and any
+    image whose pixels are not theirs (index -1)."""
     index = {h: i for i, h in enumerate(case["image_pixels_sha256"])}
+    if "batch" in case:
+        index |= {h: i for i, h in enumerate(jpeg_q95_pixels_sha256(case))}
     reply = {(a, b): text for a, b, text in case.get("replies", [])}
     seen: list[tuple[int, int]] = []
 
