@@ -36,7 +36,8 @@ class GenEvalReward:
     """GenEval-style compositional reward; ``metadata[i]`` is a GenEval metadata line (``tag``, ``include``,
     ``exclude``). The component ``geneval`` is ``score``: ``partial`` (the share of requirements met, what
     Flow-GRPO trains on; default) or ``strict`` (1 when GenEval's verdict is correct, else 0); both are in
-    each sample's ``info`` with ``all_passed`` (GenEval's verdict, the benchmark accuracy) and its ``tag``."""
+    each sample's ``info`` with ``all_passed`` (GenEval's verdict, the benchmark accuracy), ``exact`` (the
+    reward server's exact-count verdict, Flow-GRPO's logged ``strict_accuracy``) and its ``tag``."""
 
     name = "geneval"
     differentiable = False
@@ -122,7 +123,8 @@ class GenEvalReward:
             verdict = self._judge(pixels[i], detections[i], metadata[i])
             scores[i] = verdict.partial if self.score == "partial" else float(verdict.correct)
             info.append({"tag": metadata[i]["tag"], "all_passed": verdict.correct, "strict": float(verdict.correct),
-                         "partial": verdict.partial, "constraints": verdict.checks, "reason": "; ".join(verdict.reasons)})
+                         "partial": verdict.partial, "exact": verdict.exact, "constraints": verdict.checks,
+                         "reason": "; ".join(verdict.reasons)})
         return RewardOutput({self.name: scores.to(samples.device)}, valid=valid.to(samples.device), info=info)
 
     def _judge(self, image: np.ndarray, detections: list[rules.Detection], meta: Mapping[str, Any]) -> rules.Verdict:

@@ -3,20 +3,26 @@
 Everything here is a pure function of hand-buildable :class:`Detection` lists, so every rule is tested on
 known answers without a detector. The numbers are GenEval's (``evaluation/evaluate_images.py`` of
 djghosh13/geneval): a detection counts above a confidence of 0.3, or 0.9 for ``counting`` prompts (a stricter
-bar, since one spurious low-confidence box breaks an exact count); at most 16 per class; no extra NMS (the
-mask detector emits one query per instance); and "A left of B" needs A's centre left of B's by more than
-0.1 × (width A + width B) along the dominant axis.
+bar, since one spurious low-confidence box breaks an exact count), compared in float32 as GenEval compares
+mmdetection's float32 scores; most confident first in GenEval's order (``np.argsort`` reversed: of equal
+scores, the later detection first); at most 16 per class; no extra NMS (the mask detector emits one query per
+instance); and "A left of B" needs A's centre left of B's by more than 0.1 × (width A + width B) along the
+dominant axis. ``tests/rewards/geneval/test_rules_reference.py`` holds GenEval's own verdicts on hand-built
+detections.
 
-Two scores come out (see ``docs/methods/geneval.md``):
+Three results come out (see ``docs/methods/geneval.md``):
 
 * ``correct``: GenEval's benchmark verdict. Each ``include`` clause needs at least ``count`` objects of its
   class; ``color`` is checked on the ``count`` most confident of them, ``position`` against every object of
   the clause it names; any ``exclude`` clause with ``count`` or more objects of its class fails the prompt.
+  ``reasons`` are GenEval's reason lines.
 * ``partial``: the share Flow-GRPO trains on (its reward server's ``evaluate_reward``), kept term for term so
   training signals match: per clause ``1 - |count - found| / count`` (negative when more than twice the count
   are found), then ``1 - |count - right colour| / count`` or 0 when the count is off; a position clause adds
   0 when a pair is on the wrong side and then 1 (the reference appends both), or 1 when every pair is right,
   or 0 when its target clause failed. ``exclude`` is not read: an exact count already punishes extras.
+* ``exact``: the reward server's own verdict on the same terms (its ``strict_correct``, what Flow-GRPO logs
+  as ``strict_accuracy``): every count exact, every colour right, every position right; ``exclude`` not read.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+
+from rewards.geneval.vocabulary import COLOURS, POSITIONS
 
 #: GenEval's defaults (evaluate_images.py options threshold, counting_threshold, max_objects, max_overlap,
 #: position_threshold)
@@ -50,9 +58,12 @@ class Detection:
 class Verdict:
     correct: bool
     partial: float
+    #: GenEval's reason lines (``evaluate``'s ``reason``, one line each)
     reasons: list[str]
     #: (requirement type, passed) for each requirement checked: count, colour, position, exclude
     checks: list[tuple[str, bool]]
+    #: the reward server's exact verdict (see the module docstring)
+    exact: bool = False
 
 
 ColourFn = Callable[[str, Sequence[Detection]], list[str]]
@@ -71,16 +82,20 @@ def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
 def select_objects(detections: Sequence[Detection], tag: str, *, threshold: float = THRESHOLD,
                    counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
                    nms_threshold: float = NMS_THRESHOLD) -> dict[str, list[Detection]]:
-    """Class → its kept detections, most confident first: above the tag's threshold (strictly), at most
-    ``max_objects``, greedy NMS at ``nms_threshold`` (1: none)."""
-    bar = counting_threshold if tag == "counting" else threshold
+    """Class → its kept detections, most confident first: above the tag's threshold (strictly, in float32), at
+    most ``max_objects``, greedy NMS at ``nms_threshold`` (1: none). Of equal scores the later detection comes
+    first, as in GenEval (``np.argsort`` of the class's scores, reversed)."""
+    bar = np.float32(counting_threshold if tag == "counting" else threshold)
     by_class: dict[str, list[Detection]] = {}
     for det in detections:
-        if det.score > bar:
-            by_class.setdefault(det.label, []).append(det)
+        by_class.setdefault(det.label, []).append(det)
     kept: dict[str, list[Detection]] = {}
     for label, dets in by_class.items():
-        order = sorted(dets, key=lambda d: -d.score)[:max_objects]
+        scores = np.asarray([d.score for d in dets], dtype=np.float32)
+        ranked = np.argsort(scores)[::-1]
+        order = [dets[i] for i in ranked[scores[ranked] > bar][:max_objects].tolist()]
+        if not order:
+            continue
         out: list[Detection] = []
         while order:
             best = order.pop(0)
@@ -122,11 +137,25 @@ def judge(objects: Mapping[str, list[Detection]], metadata: Mapping[str, Any], c
     """Both verdicts of one sample (see the module docstring); ``colours(class, detections)`` names each
     detection's colour and is called only for clauses that ask for one."""
     correct, reasons, checks = _benchmark(objects, metadata, colours, position_threshold)
-    return Verdict(correct, _partial(objects, metadata, colours, position_threshold), reasons, checks)
+    partial, exact = _partial(objects, metadata, colours, position_threshold)
+    return Verdict(correct, partial, reasons, checks, exact)
 
 
-def _position_ok(found: Sequence[Detection], targets: Sequence[Detection], relation: str, margin: float) -> bool:
-    return all(relation in relative_position(o.box, t.box, margin) for o in found for t in targets)
+def _wrong_pair(found: Sequence[Detection], targets: Sequence[Detection], relation: str,
+                margin: float) -> set[str] | None:
+    """The relations of the first (object, target) pair where ``relation`` does not hold, pairs taken in
+    GenEval's order (each object against every target); None when it holds for every pair."""
+    for o in found:
+        for t in targets:
+            relations = relative_position(o.box, t.box, margin)
+            if relation not in relations:
+                return relations
+    return None
+
+
+def _colour_reason(colour: str, cls: str, n: int, named: Sequence[str]) -> str:
+    tally = ", ".join(f"{named.count(c)} {c}" for c in COLOURS if c in named)
+    return f"expected {colour} {cls}>={n}, found {named.count(colour)} {colour}; and {tally}"
 
 
 def _benchmark(objects: Mapping[str, list[Detection]], metadata: Mapping[str, Any], colours: ColourFn,
@@ -147,14 +176,19 @@ def _benchmark(objects: Mapping[str, list[Detection]], metadata: Mapping[str, An
                 checks.append(("colour", ok))
                 if not ok:
                     matched = False
-                    reasons.append(f"expected {req['color']} {cls}>={n}, found {', '.join(named)}")
+                    reasons.append(_colour_reason(req["color"], cls, n, named))
             if "position" in req and matched:
                 relation, target = req["position"]
-                ok = groups[target] is not None and _position_ok(found, groups[target], relation, margin)
-                checks.append(("position", ok))
-                if not ok:
+                if groups[target] is None:
                     matched = False
-                    reasons.append(f"expected {cls} {relation} {metadata['include'][target]['class']}")
+                    reasons.append(f"no target for {cls} to be {relation}")
+                else:
+                    wrong = _wrong_pair(found, groups[target], relation, margin)
+                    if wrong is not None:
+                        matched = False
+                        shown = " and ".join(r for r in POSITIONS if r in wrong)
+                        reasons.append(f"expected {cls} {relation} target, found {shown} target")
+                checks.append(("position", matched))
         correct = correct and matched
         groups.append(found if matched else None)
     for req in metadata.get("exclude", []):
@@ -168,8 +202,10 @@ def _benchmark(objects: Mapping[str, list[Detection]], metadata: Mapping[str, An
 
 
 def _partial(objects: Mapping[str, list[Detection]], metadata: Mapping[str, Any], colours: ColourFn,
-             margin: float) -> float:
+             margin: float) -> tuple[float, bool]:
+    """The reward server's score and its exact verdict."""
     terms: list[float] = []
+    exact = True
     groups: list[list[Detection] | None] = []
     for req in metadata.get("include", []):
         cls, n = req["class"], req["count"]
@@ -190,9 +226,10 @@ def _partial(objects: Mapping[str, list[Detection]], metadata: Mapping[str, Any]
                     matched = False
                     terms.append(0.0)
                 else:
-                    if not _position_ok(found, groups[target], relation, margin):
+                    if _wrong_pair(found, groups[target], relation, margin) is not None:
                         matched = False
                         terms.append(0.0)
                     terms.append(1.0)  # the reference appends this after a failed pair too
+        exact = exact and matched
         groups.append(found if matched else None)
-    return sum(terms) / len(terms) if terms else 0.0
+    return (sum(terms) / len(terms) if terms else 0.0), exact
