@@ -391,8 +391,21 @@ def validate_section(section: type[BaseModel], data: dict[str, Any], prefix: str
 
 
 def dump_config(cfg: TrainConfig, trainer_cfg: BaseModel | None = None) -> str:
-    """The resolved config as YAML (the trainer section with all its defaults filled in)."""
+    """The resolved config as YAML (the trainer section with all its defaults filled in, and each reward's
+    options whose default changed: :func:`recorded_reward`)."""
     data = cfg.model_dump(mode="json")
     if trainer_cfg is not None:  # with the user's spelling of the name (a path or entry point stays one)
         data["trainer"] = {**trainer_cfg.model_dump(mode="json"), "name": cfg.trainer.get("name", trainer_cfg.name)}
+    data["rewards"] = [recorded_reward(entry) for entry in data["rewards"]]
+    data["eval"]["rewards"] = [recorded_reward(entry) for entry in data["eval"]["rewards"]]
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def recorded_reward(entry: dict[str, Any]) -> dict[str, Any]:
+    """A ``rewards:`` entry as a run records it: the user's options, plus the current default of each option
+    whose default changed (the reward's ``before``), so that the saved config states what the run computes
+    even after that default changes again. Other options stay as written (a reward's defaults are its own)."""
+    from flowalign.plugins import reward_former_forms
+
+    before, _, defaults = reward_former_forms(str(entry["name"]))
+    return {**entry, **{k: defaults[k] for k in before if k not in entry}}

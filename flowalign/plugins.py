@@ -78,6 +78,14 @@ def load_reward(spec: str, **options: Any) -> Any:
     return rewards.load(spec, **options)
 
 
+def reward_former_forms(spec: str) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[Any, ...]]], dict[str, Any]]:
+    """``(before, before_when, defaults)`` of the options of the reward ``spec`` whose default changed
+    (``rewards.former_forms``; empty for a plug-in path or a name the registry does not know)."""
+    import rewards
+
+    return rewards.former_forms(spec)
+
+
 def planned_reward_bytes(spec: str, options: dict[str, Any]) -> int:
     """Bytes the reward ``spec`` built with ``options`` holds on one process's device, as it states them without
     loading anything (``rewards.planned_bytes``; :class:`flowalign.protocols.SizedReward`). Raises

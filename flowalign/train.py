@@ -24,6 +24,7 @@ from flowalign.errors import UserError
 from flowalign.io import OLD_PREFIX, TMP_PREFIX, foreign_entries, marker_name, refuse_foreign, write_json
 from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
+from flowalign.plugins import reward_former_forms
 from flowalign.reward_check import check_frame_count, check_reward_metadata
 from flowalign.reward_set import check_panel, load_panel, time_limited
 from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
@@ -115,13 +116,51 @@ def _added_options(old: dict[str, Any], new: dict[str, Any],
     return unchanged, {k: v for k, v in was.items() if k not in unchanged}
 
 
-def _former_form_applies(when: tuple[str, tuple[Any, ...]] | None, old: dict[str, Any], defaults: dict[str, Any]) -> bool:
+def _former_form_applies(when: tuple[str, tuple[Any, ...]] | None, old: dict[str, Any], defaults: dict[str, Any],
+                         prefix: str = "trainer.") -> bool:
     """Whether a former form computed something else for the saved run ``old`` (flattened): always, unless
-    ``when`` (its ``before_when`` entry) ties it to values of another option that the run did not have."""
+    ``when`` (its ``before_when`` entry) ties it to values of another option that the run did not have.
+    ``prefix``: how ``old`` and ``defaults`` name the options (a reward entry's are its own keys)."""
     if when is None:
         return True
     option, values = when
-    return old.get(f"trainer.{option}", defaults.get(f"trainer.{option}")) in values
+    return old.get(f"{prefix}{option}", defaults.get(f"{prefix}{option}")) in values
+
+
+def _added_reward_options(old: Any, new: Any) -> tuple[Any, dict[int, tuple[str, dict[str, Any]]]]:
+    """The new ``rewards`` list with each option that its saved entry lacks (saved before the reward recorded
+    it: ``recorded_reward``) taken out where it holds what the run computed: the reward's ``before`` value
+    where its ``before_when`` applies to the saved entry, else the current default. Also ``{place: (name,
+    {option: what the run computed})}`` of those set otherwise, which would change the run."""
+    if not (isinstance(old, list) and isinstance(new, list) and len(old) == len(new)):
+        return new, {}
+    kept, was = [], {}
+    for i, (saved, entry) in enumerate(zip(old, new)):
+        if not (isinstance(saved, dict) and isinstance(entry, dict) and saved.get("name") == entry.get("name")):
+            kept.append(entry)
+            continue
+        before, when, defaults = reward_former_forms(str(entry["name"]))
+        computed = {k: before[k] if _former_form_applies(when.get(k), saved, defaults, prefix="") else defaults[k]
+                    for k in before if k in entry and k not in saved}
+        other = {k: v for k, v in computed.items() if entry[k] != v}
+        kept.append({k: v for k, v in entry.items() if k not in computed or k in other})
+        if other:
+            was[i] = (str(entry["name"]), other)
+    return kept, was
+
+
+def _reward_former_forms_line(run_dir: Path, was: dict[int, tuple[str, dict[str, Any]]]) -> str:
+    """The refusal of a run whose reward entries predate options they record now, naming what continues it."""
+    def options(forms: dict[str, Any]) -> str:
+        return ", ".join(f"{k}: {_yaml_value(v)}" for k, v in forms.items())
+
+    saved_before = ", and before ".join(
+        f"rewards[{i}] ({name}) had the option{'s' if len(forms) > 1 else ''} {', '.join(forms)}, which computed "
+        f"{options(forms)}" for i, (name, forms) in was.items())
+    fix = (f"add {options(next(iter(was.values()))[1])} to that reward's options" if len(was) == 1
+           else "add those to each reward's options")
+    return (f"{run_dir} holds a run saved before {saved_before}; {fix} to continue it as it was, or choose another "
+            "run.output_dir")
 
 
 def _saved_under_current_names(saved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -164,14 +203,23 @@ def check_run_dir(run_dir: Path, resolved_yaml: str, resume: str) -> None:
             raise UserError(f"{run_dir} already holds a run; choose another run.output_dir or set run.resume=auto to continue it")
         old, new = _comparable(_saved_under_current_names(saved, run_dir)), _comparable(yaml.safe_load(resolved_yaml))
         added, was = _added_options(old, new, (yaml.safe_load(resolved_yaml) or {}).get("trainer"))
+        new["rewards"], reward_was = _added_reward_options(old.get("rewards"), new.get("rewards"))
+        # the saved rewards differ from the new ones only by options they predate, set to another computation
+        unrecorded = {i: forms for i, (_, forms) in reward_was.items()}
+        rewards_before = {"rewards"} if unrecorded and old.get("rewards") == [
+            {k: v for k, v in entry.items() if k not in unrecorded.get(i, {})}
+            for i, entry in enumerate(new["rewards"])] else set()
         changed = sorted(k for k in set(old) | set(new)
                          if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES and k not in added)
         if changed and latest_checkpoint(run_dir) is None:
             print(f"note: {run_dir} holds a run that saved no checkpoint, with another config (differs in "
                   f"{', '.join(changed[:5])}); starting it over with this one")
-        elif changed and set(changed) <= set(was):  # only options the run predates, set to another computation
-            keep = " ".join(f"{k}={_yaml_value(was[k])}" for k in changed)
-            raise UserError(f"{run_dir} holds a run saved before {', '.join(changed)} existed, which computed "
+        elif changed and set(changed) <= set(was) | rewards_before:  # only options the run predates, set otherwise
+            options = [k for k in changed if k in was]
+            if not options:
+                raise UserError(_reward_former_forms_line(run_dir, reward_was))
+            keep = " ".join(f"{k}={_yaml_value(was[k])}" for k in options)
+            raise UserError(f"{run_dir} holds a run saved before {', '.join(options)} existed, which computed "
                             f"{keep}; add {keep} to continue it as it was, or choose another run.output_dir")
         elif changed:
             raise UserError(f"{run_dir} holds another run's config (differs in {', '.join(changed[:5])}); "

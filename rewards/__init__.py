@@ -1,6 +1,6 @@
 """Reward functions and models; each implements :class:`flowalign.protocols.Reward`."""
 
-from rewards.registry import available, check, differentiable, load, planned_bytes, register
+from rewards.registry import available, check, differentiable, former_forms, load, planned_bytes, register
 
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml, read by the core without importing the modules
@@ -17,4 +17,4 @@ PLUGINS = {
     "encoders": {"dinov3": "rewards.image_encoders:DINOv3", "dinov2": "rewards.image_encoders:DINOv2"},
 }
 
-__all__ = ["PLUGINS", "available", "check", "differentiable", "load", "planned_bytes", "register"]
+__all__ = ["PLUGINS", "available", "check", "differentiable", "former_forms", "load", "planned_bytes", "register"]

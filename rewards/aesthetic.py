@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -82,6 +82,9 @@ class AestheticScore(EmbeddingReward):
     """
 
     name = "aesthetic"
+    #: runs saved without ``crop_offset`` cropped as torchvision rounds (the former default;
+    #: rewards.registry.former_forms)
+    before: ClassVar[dict[str, Any]] = {"crop_offset": "round"}
 
     def __init__(self, path: str | None = None, *, clip_path: str | None = None,
                  clip_arch: str = "ViT-L-14-quickgelu", head_path: str | None = None, model: str | None = None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -34,6 +34,8 @@ class HPSScore(CLIPScore):
     default_arch = "ViT-H-14"
     forms = ("cosine",)
     default_resize = "pad"
+    #: runs saved without ``resize`` computed CLIP's centre crop (the former default; rewards.registry.former_forms)
+    before: ClassVar[dict[str, Any]] = {"resize": "crop"}
 
 
 #: the published architecture PickScore_v1 is (assets/reward_architectures/): CLIP ViT-H/14
@@ -71,6 +73,9 @@ class PickScore(EmbeddingReward):
 
     name = "pickscore"
     download = "yuvalkirstain/PickScore_v1 (the model folder)"
+    #: runs saved without ``crop_offset`` cropped as torchvision rounds (the former default;
+    #: rewards.registry.former_forms)
+    before: ClassVar[dict[str, Any]] = {"crop_offset": "round"}
 
     def __init__(self, path: str | None = None, *, processor_path: str | None = None, form: str = "flow_grpo",
                  scale: float | None = None, model: str | None = None, processor: str | None = None,

@@ -7,6 +7,11 @@
 A registered class is instantiated with the keyword options given to :func:`load`; a registered
 function is wrapped so that it returns a :class:`flowalign.protocols.RewardOutput`. :func:`planned_bytes`
 asks a reward what it would hold on the device without building it (``flowalign plan``).
+
+A reward class whose option changed its default states what runs saved without that option computed:
+``before = {option: former value}``, and ``before_when = {option: (other option, its values)}`` where the
+former value differed only under those values (:func:`former_forms`; a run's ``config.yaml`` records such
+options, and a run saved before is resumed only as it was).
 """
 
 from __future__ import annotations
@@ -152,6 +157,37 @@ def planned_bytes(spec: str, options: dict[str, Any]) -> int:
     if not callable(sized):
         raise NotSized("it does not state its size: give its class a planned_bytes(options) classmethod")
     return int(sized(dict(options)))
+
+
+def former_forms(spec: str) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[Any, ...]]], dict[str, Any]]:
+    """``(before, before_when, defaults)`` of the reward ``spec``: its class's ``before`` (``{option: what runs
+    saved without it computed}``), ``before_when`` (``{option: (other option, values)}``: the former value
+    computed something else only where the other option had one of those values), and the current default of
+    each option they name. A reward may answer for itself with a ``former_forms()`` classmethod (a video twin
+    takes its image reward's options). All empty for a reward that declares none, a name the registry does
+    not know and a plug-in path (``pkg.module:attr``), whose options stay as written."""
+    import inspect
+
+    if ":" in spec:
+        return {}, {}, {}
+    try:
+        _, obj = _resolve(spec)
+    except UserError:  # unknown here: the run's own checks name it
+        return {}, {}, {}
+    own = getattr(obj, "former_forms", None)
+    if callable(own):
+        return own()
+    before, when = getattr(obj, "before", None), getattr(obj, "before_when", None) or {}
+    if not isinstance(before, dict) or not before:
+        return {}, {}, {}
+    params = inspect.signature(obj).parameters
+    defaults = {}
+    for name in dict.fromkeys([*before, *(option for option, _ in when.values())]):
+        param = params.get(name)
+        value = None if param is None or param.default is param.empty else param.default
+        # a None default standing for the class's own (CLIPScore's resize: default_resize, "pad" for hps)
+        defaults[name] = getattr(obj, f"default_{name}", None) if value is None else value
+    return dict(before), dict(when), defaults
 
 
 def _check_options(spec: str, obj: Callable[..., Any], options: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -241,6 +241,14 @@ class UnifiedReward:
 
     name = "unified_reward"
     differentiable = False
+    #: what runs saved without these options computed in think_pairwise (UnifiedReward-Think-qwen-7b's prompt,
+    #: any "Image k is better", exact win rates, 512² lossless images, 512 tokens); score mode computed what
+    #: the defaults compute now (rewards.registry.former_forms)
+    before: ClassVar[dict[str, Any]] = {"think_prompt": "qwen2_5vl", "verdict_parse": "lenient",
+                                        "win_rate_decimals": None, "image_size": 512, "jpeg_quality": None,
+                                        "max_tokens": 512}
+    before_when: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {k: ("mode", ("think_pairwise",))
+                                                                     for k in before}
 
     def __init__(self, path: str | None = None, *, url: str | None = None, model: str | None = None,
                  api_key: str | None = None, timeout: float = 120.0, retries: int = 2, concurrency: int = 8,

@@ -14,7 +14,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.protocols import Reward, RewardOutput
 from rewards.common import check_lengths
-from rewards.registry import load, planned_bytes, register
+from rewards.registry import former_forms, load, planned_bytes, register
 
 # image rewards of this package that get a registered ``<name>_video`` twin
 VIDEO_TWINS = ("clip_score", "aesthetic", "pickscore", "hps", "lpips", "jpeg_compressibility",
@@ -71,6 +71,11 @@ def _register_twin(image_name: str) -> None:
         def planned_bytes(cls, options: dict[str, Any]) -> int:
             """The image reward's size (the temporal term holds nothing)."""
             return planned_bytes(image_name, {k: v for k, v in options.items() if k != "temporal_weight"})
+
+        @classmethod
+        def former_forms(cls) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[Any, ...]]], dict[str, Any]]:
+            """The image reward's (its options are the image reward's)."""
+            return former_forms(image_name)
 
     Twin.__name__ = Twin.__qualname__ = f"VideoReward[{image_name}]"
     Twin.__doc__ = f"The {image_name!r} reward per frame of a video (see :class:`VideoReward`)."

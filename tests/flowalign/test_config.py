@@ -79,7 +79,8 @@ def resolved_config(*fixed: str):
 
 def saved_run_without(run_dir, config_text: str, *keys: str) -> None:
     """``run_dir`` as a run with one finished checkpoint whose saved config lacks each of ``keys`` (dotted:
-    ``trainer.step_draw``, ``model.lora.compute_dtype``): a run saved before those options existed."""
+    ``trainer.step_draw``, ``model.lora.compute_dtype``, ``rewards.0.resize``): a run saved before those
+    options existed."""
     import yaml
 
     earlier = yaml.safe_load(config_text)
@@ -87,7 +88,7 @@ def saved_run_without(run_dir, config_text: str, *keys: str) -> None:
         *path, last = key.split(".")
         section = earlier
         for name in path:
-            section = section[name]
+            section = section[int(name)] if isinstance(section, list) else section[name]
         del section[last]
     (run_dir / "checkpoints" / "step-000001").mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints" / "step-000001" / "COMPLETE").write_text("ok\n")
@@ -175,6 +176,92 @@ def test_a_run_saved_under_an_options_former_name_resumes_and_one_whose_meaning_
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(earlier, sort_keys=False))
     with pytest.raises(UserError, match=r"saved with trainer.anchor, which this flowalign no longer reads \(RG-OPD's"):
         prepare_run_dir(tmp_path, resolved(*rg), "auto")
+
+
+UNIFIED = "{name: unified_reward, url: http://judge:8000/v1, mode: %s}"
+#: the unified_reward options whose default changed in think_pairwise, and what runs saved without them computed
+UNIFIED_BEFORE = {"think_prompt": "qwen2_5vl", "verdict_parse": "lenient", "win_rate_decimals": "null",
+                  "image_size": "512", "jpeg_quality": "null", "max_tokens": "512"}
+
+
+def test_the_resolved_config_records_the_reward_options_whose_default_changed():
+    """Each reward entry states the current value of each option whose default changed (its ``before``): the
+    user's, else the default; other options, rewards without such options and plug-in paths stay as written."""
+    import yaml
+
+    resolved = resolved_config()(
+        "rewards=[{name: hps, path: hps.pt}, {name: pickscore, path: ps, crop_offset: round}, " + UNIFIED % "score"
+        + ", vvr, {name: clip_score, path: c}, {name: 'tests.flowalign.trainers.toy_rewards:redness', scale: 2}]",
+        "eval.rewards=[{name: aesthetic, path: a}, hps_video]")
+    saved = yaml.safe_load(resolved)
+    hps, pickscore, unified, vvr, clip, plugin = saved["rewards"]
+    assert hps == {"name": "hps", "weight": 1.0, "timeout_s": 600.0, "path": "hps.pt", "resize": "pad"}
+    assert pickscore["crop_offset"] == "round"  # the user's
+    assert {k: unified[k] for k in UNIFIED_BEFORE} == {"think_prompt": "qwen3vl", "verdict_parse": "answer",
+                                                        "win_rate_decimals": 3, "image_size": "auto",
+                                                        "jpeg_quality": "auto", "max_tokens": "auto"}
+    assert "no_verdict" not in unified and "both_orders" not in unified  # defaults that did not change
+    assert vvr == {"name": "vvr", "weight": 1.0, "timeout_s": 600.0}
+    assert clip == {"name": "clip_score", "weight": 1.0, "timeout_s": 600.0, "path": "c"}
+    assert plugin == {"name": "tests.flowalign.trainers.toy_rewards:redness", "weight": 1.0, "timeout_s": 600.0,
+                      "scale": 2}
+    assert saved["eval"]["rewards"][0]["crop_offset"] == "floor" and saved["eval"]["rewards"][1]["resize"] == "pad"
+
+
+def test_a_run_saved_before_a_reward_recorded_an_option_resumes_only_as_it_was(tmp_path):
+    """hps resizes with ``pad`` now; a run saved without ``resize`` cropped (``before``): it is refused under the
+    default with the one line that continues it, and resumes with that option; another change of the reward's
+    options is refused as another run. A run that predates two rewards' options is told both."""
+    resolved = resolved_config()
+    hps = "{name: hps, path: hps.pt%s}"
+    saved_run_without(tmp_path, resolved(f"rewards=[{hps % ''}]"), "rewards.0.resize")
+    with pytest.raises(UserError, match=r"^\S+ holds a run saved before rewards\[0\] \(hps\) had the option resize, "
+                                        r"which computed resize: crop; add resize: crop to that reward's options to "
+                                        r"continue it as it was, or choose another run.output_dir$"):
+        prepare_run_dir(tmp_path, resolved(f"rewards=[{hps % ''}]"), "auto")
+    with pytest.raises(UserError, match=r"differs in rewards\)"):
+        prepare_run_dir(tmp_path, resolved(f"rewards=[{hps % ', resize: crop, interpolation: bilinear'}]"), "auto")
+    prepare_run_dir(tmp_path, resolved(f"rewards=[{hps % ', resize: crop'}]"), "auto")
+    prepare_run_dir(tmp_path, resolved(f"rewards=[{hps % ', resize: crop'}]", "trainer.max_steps=3"), "auto")
+    both = resolved(f"rewards=[{{name: clip_score, path: c}}, {hps % ''}, {{name: pickscore, path: ps}}]")
+    saved_run_without(tmp_path, both, "rewards.1.resize", "rewards.2.crop_offset")
+    with pytest.raises(UserError, match=r"saved before rewards\[1\] \(hps\) had the option resize, which computed "
+                                        r"resize: crop, and before rewards\[2\] \(pickscore\) had the option "
+                                        r"crop_offset, which computed crop_offset: round; add those to each reward's"):
+        prepare_run_dir(tmp_path, both, "auto")
+
+
+def test_a_reward_option_whose_former_form_is_tied_to_its_mode_refuses_only_the_runs_that_used_it(tmp_path):
+    """unified_reward's think options changed what ``mode: think_pairwise`` computes, nothing else (its
+    ``before_when``): a run saved without them resumes under the defaults in score mode, and in think_pairwise
+    is told all of them, and resumes with them."""
+    resolved = resolved_config()
+    for mode in ("score", "think_pairwise"):
+        saved_run_without(tmp_path, resolved(f"rewards=[{UNIFIED % mode}]"),
+                          *(f"rewards.0.{k}" for k in UNIFIED_BEFORE))
+        if mode == "score":
+            prepare_run_dir(tmp_path, resolved(f"rewards=[{UNIFIED % mode}]"), "auto")
+            continue
+        keep = ", ".join(f"{k}: {v}" for k, v in UNIFIED_BEFORE.items())
+        with pytest.raises(UserError, match=rf"saved before rewards\[0\] \(unified_reward\) had the options "
+                                            rf"{', '.join(UNIFIED_BEFORE)}, which computed {keep}; add {keep} to that"):
+            prepare_run_dir(tmp_path, resolved(f"rewards=[{UNIFIED % mode}]"), "auto")
+        as_it_was = UNIFIED.replace("}", ", " + keep + "}") % mode
+        prepare_run_dir(tmp_path, resolved(f"rewards=[{as_it_was}]"), "auto")
+
+
+def test_a_run_saved_with_its_reward_options_recorded_resumes_unchanged(tmp_path):
+    """A run saved from now on states what its rewards compute, and resumes as it is; a recorded option is
+    compared as any other, and a reward's deadline may still change."""
+    resolved = resolved_config()
+    rewards = lambda hps="": f"rewards=[{{name: hps, path: hps.pt{hps}}}, {UNIFIED % 'think_pairwise'}]"
+    saved_run_without(tmp_path, resolved(rewards()))
+    prepare_run_dir(tmp_path, resolved(rewards()), "auto")
+    saved = (tmp_path / "config.yaml").read_text()
+    assert saved == resolved(rewards()) and "resize: pad" in saved and "think_prompt: qwen3vl" in saved
+    with pytest.raises(UserError, match=r"differs in rewards\)"):
+        prepare_run_dir(tmp_path, resolved(rewards(", resize: crop")), "auto")
+    prepare_run_dir(tmp_path, resolved(rewards(", timeout_s: 30")), "auto")
 
 
 @pytest.mark.parametrize("override,message", [

@@ -91,3 +91,22 @@ def test_true_is_not_a_number_for_a_numeric_option():
     with pytest.raises(UserError, match="reward 'jpeg_compressibility': quality=True must be a number, not true/false"):
         rewards.load("jpeg_compressibility", quality=True)
     assert rewards.load("jpeg_compressibility", quality=90).quality == 90
+
+
+def test_former_forms_name_options_the_reward_takes_and_a_plugin_path_has_none():
+    """Each built-in reward's ``before`` names options it takes, with a former value other than the current
+    default, and ``before_when`` options it takes; a video twin answers with its image reward's; a plug-in path
+    and an unknown name have none (their options stay as written)."""
+    declared = {}
+    for name in registry.available():
+        before, when, defaults = registry.former_forms(name)
+        if before:
+            declared[name] = before
+            registry.check(name, **before, **{option: defaults[option] for option, _ in when.values()})
+            assert all(before[k] != defaults[k] for k in before), name
+    assert declared["hps"] == declared["hps_video"] == {"resize": "crop"}
+    assert declared["pickscore"] == declared["aesthetic"] == {"crop_offset": "round"}
+    assert registry.former_forms("unified_reward")[1]["think_prompt"] == ("mode", ("think_pairwise",))
+    assert "clip_score" not in declared and "vvr" not in declared
+    assert registry.former_forms("tests.flowalign.trainers.toy_rewards:redness") == ({}, {}, {})
+    assert registry.former_forms("no_such_reward") == ({}, {}, {})
