@@ -205,6 +205,25 @@ class EmbeddingReward(BatchedImageReward):
         ]).float().to(features.device)
 
 
+def check_jpeg_quality(quality: Any, who: str, also: str = "") -> None:
+    """Refuse a ``jpeg_quality`` that is not an integer from 1 to 100 or null (lossless); ``also`` names further
+    accepted words (``" or auto"``)."""
+    if quality is not None and (isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100):
+        raise UserError(f"{who} reward: jpeg_quality={quality!r} must be an integer from 1 to 100, null (lossless){also}")
+
+
+def jpeg_round_trip(image: Any, quality: int) -> Any:
+    """An 8-bit RGB PIL image after a JPEG at ``quality`` (PIL's encoder and its defaults) and back: what a
+    scorer fed JPEG files reads."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=quality)
+    return Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+
+
 def to_pil(image: torch.Tensor) -> Any:
     """``(3, H, W)`` float in [0, 1] → an 8-bit RGB PIL image (what OCR engines and VLM processors read)."""
     from PIL import Image

@@ -30,7 +30,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.common import check_images, check_lengths, finite_mask
+from rewards.common import check_images, check_jpeg_quality, check_lengths, finite_mask, jpeg_round_trip, to_pil
 from rewards.model_options import one_of
 from rewards.planning import existing, missing, on_accelerator, option, published
 from rewards.qwen_vl_reward import local_path
@@ -265,10 +265,7 @@ class UnifiedReward:
         max_tokens = defaults["max_tokens"] if max_tokens == "auto" else max_tokens
         if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 28):
             raise UserError(f"unified_reward reward: image_size={image_size!r} must be an integer >= 28, null or auto")
-        if jpeg_quality is not None and (isinstance(jpeg_quality, bool) or not isinstance(jpeg_quality, int)
-                                         or not 1 <= jpeg_quality <= 100):
-            raise UserError(f"unified_reward reward: jpeg_quality={jpeg_quality!r} must be an integer from 1 to 100,"
-                            " null (lossless) or auto")
+        check_jpeg_quality(jpeg_quality, "unified_reward", " or auto")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"unified_reward reward: max_tokens={max_tokens!r} must be a positive integer or auto")
         if win_rate_decimals is not None and (isinstance(win_rate_decimals, bool)
@@ -332,19 +329,11 @@ class UnifiedReward:
         """The image the judge is shown: 8-bit, resized to ``image_size``² (PIL's default filter, bicubic, as
         Flow-GRPO's ``Image.resize((512, 512))``), then through JPEG at ``jpeg_quality`` (Pref-GRPO's client
         encodes its PNG rollouts so; the decoded pixels are what a server reads) where set."""
-        import io
-
-        from PIL import Image
-
-        from rewards.common import to_pil
-
         pil = to_pil(image)
         if self.image_size:
             pil = pil.resize((self.image_size, self.image_size))
         if self.jpeg_quality is not None:
-            buf = io.BytesIO()
-            pil.save(buf, format="JPEG", quality=self.jpeg_quality)
-            pil = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+            pil = jpeg_round_trip(pil, self.jpeg_quality)
         return pil
 
     def _ask(self, images: list[Any], text: str) -> ChatRequest:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
-from rewards.common import check_images, check_lengths, finite_mask, resolve_dtype
+from rewards.common import check_images, check_jpeg_quality, check_lengths, finite_mask, jpeg_round_trip, resolve_dtype
 from rewards.geneval import rules
 from rewards.geneval.vocabulary import COLOURS, POSITIONS, TAGS
 from rewards.model_options import one_of
@@ -42,14 +42,22 @@ class GenEvalReward:
     name = "geneval"
     differentiable = False
     requires_metadata = ("tag", "include")
+    #: what runs saved before ``jpeg_quality`` existed computed: the decoded pixels, uncompressed
+    before: ClassVar[dict[str, Any]] = {"jpeg_quality": None}
 
     def __init__(self, path: str | None = None, clip_path: str | None = None, detector: str = "mask2former",
                  score: str = "partial", device: str | None = None, dtype: str = "float32", batch_size: int = 16,
                  threshold: float | None = None, counting_threshold: float | None = None,
                  nms_threshold: float | None = None, max_objects: int = rules.MAX_OBJECTS,
-                 position_threshold: float = rules.POSITION_THRESHOLD, random_init: bool = False):
+                 position_threshold: float = rules.POSITION_THRESHOLD, random_init: bool = False,
+                 jpeg_quality: int | None = 75):
         one_of("geneval reward", "detector", detector, DETECTORS)
         one_of("geneval reward", "score", score, SCORES)
+        check_jpeg_quality(jpeg_quality, self.name)
+        #: Flow-GRPO's geneval_score sends each sample to its reward server as a JPEG at PIL's default quality
+        #: (75), so the detector it trains against reads compressed pixels; null scores the decoded pixels, as
+        #: GenEval's evaluator reads the PNG files it is given (the benchmark's setting)
+        self.jpeg_quality = jpeg_quality
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise UserError(f"geneval reward: batch_size must be a positive integer, got {batch_size!r}")
         weights, (th, count_th, nms) = DETECTORS[detector]
@@ -108,6 +116,10 @@ class GenEvalReward:
         valid = finite_mask(samples).cpu()
         pixels = (samples.detach().float().nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8)
         pixels = pixels.permute(0, 2, 3, 1).cpu().numpy()
+        if self.jpeg_quality is not None:
+            from PIL import Image
+
+            pixels = np.stack([np.asarray(jpeg_round_trip(Image.fromarray(p), self.jpeg_quality)) for p in pixels])
         min_score = min(self.threshold, self.counting_threshold)
         detections: list[list[rules.Detection]] = []
         for start in range(0, n, self.batch_size):

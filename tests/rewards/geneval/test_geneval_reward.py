@@ -103,3 +103,43 @@ def test_random_init_builds_from_the_configs_alone(tiny_geneval, decoded, tmp_pa
     assert sum(p.numel() for p in reward.colours.model.parameters()) == sum(p.numel() for p in loaded.colours.model.parameters())
     score = reward(decoded, PROMPTS, META).components["geneval"]
     assert score.shape == (3,) and torch.isfinite(score).all()
+
+
+class Observed:
+    """The reward's detector, keeping the images it was handed."""
+
+    def __init__(self, detector):
+        self.detector, self.images = detector, None
+
+    def __call__(self, images, *args):
+        self.images = [im.copy() for im in images]
+        return self.detector(images, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.detector, name)
+
+
+def test_the_detector_reads_the_jpeg_flow_grpo_sends_and_the_benchmark_the_decoded_pixels(tiny_geneval, decoded):
+    """Flow-GRPO's ``geneval_score`` saves each sample as a JPEG at PIL's default quality (75) for its reward
+    server: the default. ``jpeg_quality: null`` (the former form, and the benchmark's, as GenEval's evaluator
+    reads the PNGs it is given) hands the detector the decoded 8-bit pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from rewards.benchmarks import geneval_options
+    from rewards.common import jpeg_round_trip
+
+    seen = {}
+    for quality in (75, None):
+        reward = rewards.load("geneval", **tiny_geneval, **({} if quality == 75 else {"jpeg_quality": None}))
+        reward.detector = Observed(reward.detector)
+        reward(decoded, PROMPTS, META)
+        seen[quality] = reward.detector.images
+    pixels = (decoded * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    assert all(np.array_equal(a, b) for a, b in zip(seen[None], pixels))
+    jpeg = [np.asarray(jpeg_round_trip(Image.fromarray(p), 75)) for p in pixels]
+    assert all(np.array_equal(a, b) for a, b in zip(seen[75], jpeg))
+    assert not all(np.array_equal(a, b) for a, b in zip(seen[75], seen[None]))
+    assert geneval_options({})["jpeg_quality"] is None and geneval_options({"jpeg_quality": 90})["jpeg_quality"] == 90
+    with pytest.raises(UserError, match="geneval reward: jpeg_quality=0 must be an integer from 1 to 100"):
+        rewards.load("geneval", jpeg_quality=0, **tiny_geneval)
