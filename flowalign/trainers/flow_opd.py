@@ -7,9 +7,9 @@ the teachers). Stage 2, this trainer, gives each prompt a teacher (``routing``,
 the teachers, ``teachers[i].epochs_per_cycle`` steps each in turn, a step's prompts all drawn from its
 teacher's own source (its ``prompts`` file, or its domain of the data); ``by_prompt`` sends each prompt to the
 teacher of its domain (``teachers[i].match``, a regular expression; the first match wins). A step's prompts are
-drawn as the authors' sampler draws them (``prompt_draw: per_batch``, :func:`per_batch_draw`): fresh draws of
-``prompts_per_draw`` distinct prompts, independent of every other draw. It trains the
-student on its own rollouts by one of two objectives (``objective``):
+drawn as the authors' sampler draws them (``prompt_draw: per_batch``, :mod:`flowalign.trainers.parts.prompt_draws`):
+fresh draws of ``prompts_per_draw`` distinct prompts, independent of every other draw. It trains the student on
+its own rollouts by one of two objectives (``objective``):
 
 - ``kl_reward_grpo`` (default; the authors' ``train_sd3_opd_mix.py``, ``reward_mode: kl_only``): Flow-GRPO
   on the student's SDE rollouts with the step-wise KL to the routed teacher as the only reward. At each
@@ -30,17 +30,17 @@ student on its own rollouts by one of two objectives (``objective``):
 
       L_i = 1[i routed] · mean_k ‖v_θ(x_k) − v_T(i)(x_k)‖² + λ · mean_k ‖v_θ(x_k) − v_A(x_k)‖²
 
-  with ``λ = anchor_weight`` and both targets detached (teacher weights swapped in, no gradient).
+  with ``λ = anchor_weight`` and both targets detached (teacher weights swapped in, no gradient); its batch,
+  states and loss: :mod:`flowalign.trainers.parts.teacher_distillation`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,10 +59,13 @@ from flowalign.trainers.flow_grpo import (FlowGRPOBase, FlowGRPOTrainer, SDEOpti
 from flowalign.trainers.options import ReferenceOptions, SampleOptions, TrainerConfig
 from flowalign.trainers.parts.global_plan import ChunkRef, global_plan
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
-from flowalign.trainers.parts.reductions import per_sample_mean
+from flowalign.trainers.parts.prompt_draws import per_batch_draw
+from flowalign.trainers.parts.regrouped_micro_batches import Regrouped, inner_epoch_micro_batches
+from flowalign.trainers.parts.sample_parts import sample_keys
+from flowalign.trainers.parts.teacher_distillation import (DistillBatch, cold_start_batch, drawn_states,
+                                                            states_loss)
 from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch, teacher_sources
-from flowalign.trainers.parts.teacher_weights import merged_tensor, read_weights
-from flowalign.trainers.parts.timesteps import pair_timesteps
+from flowalign.trainers.parts.teacher_weights import check_merge, merge_into, read_weights
 from flowalign.trainers.rollouts import roll_out, rollout_batches, sample_slots
 from flowalign.weight_swap import swapped_in
 
@@ -164,27 +167,14 @@ class FlowOPDConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, SDEWindowOptions
     states_per_sample: int | None = Field(None, ge=1, le=MAX_SAMPLING_STEPS)
 
 
-# ---------------------------------------------------------------------------------------------- pieces
-
-
-def per_batch_draw(size: int, count: int, per_draw: int, generator: Callable[[int], torch.Generator]) -> list[int]:
-    """``count`` indices into a source of ``size`` prompts, as the authors' sampler draws a batch's prompts:
-    draw ``b`` = 0, 1, … takes the first ``per_draw`` of ``torch.randperm(size)`` under ``generator(b)``
-    (distinct within a draw, independent across draws), the draws concatenated and cut to ``count``. Their
-    sampler seeds its generator ``42 + set_epoch`` once per batch; the caller keys ``generator(b)`` instead."""
-    out: list[int] = []
-    b = 0
-    while len(out) < count:
-        out += torch.randperm(size, generator=generator(b))[:per_draw].tolist()
-        b += 1
-    return out[:count]
-
-
 def report_unread(tcfg: FlowOPDConfig, unread: set[str], objective: str) -> None:
     """One warning line naming the options set in the config that ``objective`` does not read."""
     if unread:
         print(f"warning: objective: {objective} does not read trainer.{', trainer.'.join(sorted(unread))} "
               "(set for the other objective); drop them or change trainer.objective")
+
+
+# ---------------------------------------------------------------------------------------------- the loss
 
 
 @dataclass
@@ -218,18 +208,6 @@ def kl_reward_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean
     return KLRewardLoss(surrogate.mean(), kl, adv, ratio, clipped)
 
 
-def distillation_loss(v: torch.Tensor, v_teacher: torch.Tensor, v_anchor: torch.Tensor | None, routed: torch.Tensor,
-                      anchor_weight: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-sample ``1[routed]·mean‖v − sg(v_T)‖² + λ·mean‖v − sg(v_A)‖²`` ``(B,)`` for velocities ``(B, ...)``."""
-    teacher = per_sample_mean((v - v_teacher.detach()) ** 2) * routed.to(v, non_blocking=True)
-    loss, info = teacher, {"loss_teacher": teacher.detach().mean()}
-    if v_anchor is not None and anchor_weight > 0:
-        anchor = per_sample_mean((v - v_anchor.detach()) ** 2)
-        loss = loss + anchor_weight * anchor
-        info["loss_anchor"] = anchor.detach().mean()
-    return loss, info
-
-
 # ---------------------------------------------------------------------------------------------- hooks
 
 
@@ -247,59 +225,6 @@ class TeacherUnit(StepUnit):
     #: None: rollout chunk ``chunk``
     rows: tuple[int, ...] | None = None
     regrouped: Regrouped | None = field(default=None, compare=False)
-
-
-@dataclass(eq=False)
-class Regrouped:
-    """A step's samples read as re-formed micro-batches: each row's ``(chunk, place in it)`` in ``where``
-    (batch order), the step means the plan computed per ``(chunk, step)`` (``teacher``, ``reference``; empty
-    under fsdp, where the loss computes them), and the micro-batch in use, gathered once for its units."""
-
-    chunks: list[Rollout]
-    where: list[tuple[int, int]]
-    teacher: dict[tuple[int, int], torch.Tensor]
-    reference: dict[tuple[int, int], torch.Tensor]
-    kept: tuple[tuple[int, ...], Rollout] | None = None
-
-    def rollout(self, rows: tuple[int, ...]) -> Rollout:
-        """The rows' samples, in that order, as one rollout of ``len(rows)`` (decoded samples left out: training
-        reads the trajectories). The last one asked for is kept: a micro-batch's units follow one another."""
-        if self.kept is None or self.kept[0] != rows:
-            self.kept = None  # the previous micro-batch's copy goes before the next is gathered
-            parts = []
-            for c, run in itertools.groupby(rows, key=lambda r: self.where[r][0]):
-                chunk = dataclasses.replace(self.chunks[c], samples=None)
-                parts.append(chunk.select([self.where[r][1] for r in run]))
-            self.kept = (rows, Rollout.cat(parts))
-        return self.kept[1]
-
-    def means(self, which: str, rows: tuple[int, ...], k: int) -> torch.Tensor | None:
-        """``(B, ...)`` the rows' step means at step ``k`` from the plan's per-chunk ones (``which``: "teacher" or
-        "reference"), zeros for a row of a chunk none was computed for (the plan computes every chunk with a
-        trained row here, so only untrained rows, which the loss masks out); None when none was computed."""
-        means = getattr(self, which)
-        found = [means.get((self.where[r][0], k)) for r in rows]
-        like = next((m for m in found if m is not None), None)
-        if like is None:
-            return None
-        return torch.stack([m[self.where[r][1]] if m is not None else torch.zeros_like(like[0])
-                            for m, r in zip(found, rows)])
-
-
-@dataclass
-class DistillBatch:
-    """This rank's states and targets: ``x (B, S, ...)`` at ``sigma (B, S)`` with the teacher and anchor
-    velocities there (cold start: S = 1, the teacher's samples noised, the target ε − x0), ``routed (B,)``."""
-
-    x: torch.Tensor
-    sigma: torch.Tensor
-    v_teacher: torch.Tensor
-    v_anchor: torch.Tensor | None
-    routed: torch.Tensor
-    cond: Conditioning
-    #: the CFG scale the student's velocity is read at (the teachers' in distillation; 1 in the cold start)
-    guidance: float
-    logs: dict[str, Any] = field(default_factory=dict)
 
 
 class FlowOPDTrainer(FlowGRPOTrainer):
@@ -367,13 +292,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
-        if (tcfg.merge_teachers == "weighted") != (tcfg.merge_weights is not None):
-            raise UserError("trainer.merge_weights goes with trainer.merge_teachers: weighted (one weight per teacher); "
-                            "give both or neither")
-        if tcfg.merge_weights is not None and (len(tcfg.merge_weights) != len(tcfg.teachers)
-                                               or sum(tcfg.merge_weights) <= 0):  # each ≥ 0 by its bound
-            raise UserError(f"trainer.merge_weights={tcfg.merge_weights}: give {len(tcfg.teachers)} weights ≥ 0, one "
-                            "per teacher in list order, with a positive sum")
+        check_merge(tcfg.merge_teachers, tcfg.merge_weights, len(tcfg.teachers))
         names = [r.name for r in cfg.rewards]
         for i, t in enumerate(tcfg.teachers):
             if t.reward is not None and t.reward not in names:
@@ -411,9 +330,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
                     for i, t in enumerate(tcfg.teachers)]
         anchor = read_weights(policy, named, tcfg.anchor, "trainer.anchor") if tcfg.anchor else None
         if tcfg.merge_teachers is not None:  # before the loop copies the weights (EMA) and shards them
-            with torch.no_grad():
-                for n, p in named.items():
-                    p.copy_(merged_tensor([t[n] for t in teachers], tcfg.merge_teachers, tcfg.merge_weights))
+            merge_into(named, teachers, tcfg.merge_teachers, tcfg.merge_weights)
         super().__init__(cfg, tcfg, policy, *args, **kw)
         names = [n for n, p in self.policy.trainable.named_parameters() if p.requires_grad]
         if len(names) != len(self.params):
@@ -503,7 +420,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         """The loop's slots, under ``micro_batches: shuffled`` in a keyed random order: the rollout chunks cut
         from them are then the authors' micro-batches of the first inner epoch (their ``torch.randperm`` of a
         rank's samples, reshaped into ``train_batch_size`` rows; later inner epochs re-form their own, see
-        :meth:`inner_epoch_micro_batches`), and :func:`kl_reward_grpo_loss` pairs each chunk's advantages and
+        :meth:`reshuffled_plan`), and :func:`kl_reward_grpo_loss` pairs each chunk's advantages and
         ratios. A sample's noise is keyed by its group and member, so the order changes no sample."""
         slots = super().rollout_slots(prompts, metadata, groups, prompt_ids, step)
         if self.tcfg.micro_batches == "in_order":
@@ -583,43 +500,20 @@ class FlowOPDTrainer(FlowGRPOTrainer):
         return (not cls.distils(tcfg) and tcfg.micro_batches == "shuffled" and tcfg.shuffle_draw == "per_inner_epoch"
                 and tcfg.inner_epochs > 1)
 
-    def inner_epoch_micro_batches(self, batch: StepBatch) -> list[list[tuple[int, ...]]]:
-        """Each inner epoch's micro-batches as rows of this rank's step batch (batch order), as the authors'
-        loop forms them at each inner epoch: ``samples = samples[randperm]``, then ``batch_size`` rows at a time.
-
-        Epoch 0 is the rollout chunks (cut from the step's permutation keyed by (seed, step, rank), see
-        :meth:`rollout_slots`). Epoch e ≥ 1 permutes epoch e − 1's order again, by a generator keyed by (seed,
-        step, rank, e), so the permutations compose as theirs do. Samples rolled out with different SDE steps
-        (an ``sde_window`` per group) never share a micro-batch: each such kind is cut on its own, in order."""
-        n, b = len(batch.groups), self.tcfg.batch_size
-        sizes = [len(c) for c in batch.chunks]
-        epochs = [[tuple(rows.tolist()) for rows in torch.arange(n).split(sizes)]]
-        kinds = [tuple(c.sde_mask.tolist()) for c in batch.chunks for _ in range(len(c))]
-        order = torch.arange(n)
-        for epoch in range(1, self.tcfg.inner_epochs):
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(
-                derived_seed(self.cfg.run.seed, self.step, self.rank, epoch, 103)))
-            order = order[perm]
-            buckets: dict[tuple[bool, ...], list[int]] = {}
-            for r in order.tolist():
-                buckets.setdefault(kinds[r], []).append(r)
-            epochs.append([tuple(rows[i : i + b]) for rows in buckets.values() for i in range(0, len(rows), b)])
-        return epochs
-
     def reshuffled_plan(self, batch: StepBatch, generator: torch.Generator, trained: torch.Tensor) -> Plan:
-        """Flow-GRPO's global plan run per inner epoch over that epoch's micro-batches
-        (:meth:`inner_epoch_micro_batches`), ``updates_per_epoch`` optimiser steps each. Epoch 0's units are the
-        rollout chunks' (as without reshuffling, so one inner epoch plans the same); a later epoch's carry their
-        rows, read through one :class:`Regrouped`. The teachers' (and with β > 0 the reference's) step means are
-        computed once per (rollout chunk, step), for the chunks with a trained row in a unit (unsharded; under
-        fsdp the loss computes them), and read at each micro-batch's rows."""
-        epochs = self.inner_epoch_micro_batches(batch)
+        """Flow-GRPO's global plan run per inner epoch over that epoch's micro-batches, ``updates_per_epoch``
+        optimiser steps each. The micro-batches are the authors' (:func:`inner_epoch_micro_batches`): epoch 0's
+        are the rollout chunks, cut from the step's permutation keyed by (seed, step, rank) (:meth:`rollout_slots`),
+        so one inner epoch plans as without reshuffling; epoch e's come from epoch e − 1's order permuted again,
+        keyed by (seed, step, rank, e), and their units carry their rows, read through one :class:`Regrouped`.
+        The teachers' (and with β > 0 the reference's) step means are computed once per (rollout chunk, step),
+        for the chunks with a trained row in a unit (unsharded; under fsdp the loss computes them), and read at
+        each micro-batch's rows."""
+        epochs = inner_epoch_micro_batches(batch.chunks, self.tcfg.batch_size, self.tcfg.inner_epochs,
+                                           lambda e: self.keyed_generator(self.rank, e, 103))
         where = [(c, i) for c, chunk in enumerate(batch.chunks) for i in range(len(chunk))]
-        seen: dict[int, int] = {}
-        keys = []  # each row's identity, as StepBatch.chunk_keys names a chunk's first sample
-        for g in batch.groups.tolist():
-            keys.append((g, seen.get(g, 0)))
-            seen[g] = keys[-1][1] + 1
+        # each row's identity, as StepBatch.chunk_keys names a chunk's first sample
+        keys = [tuple(key) for key in sample_keys(batch.groups).tolist()]
         local = [[ChunkRef(keys[rows[0]], self.rank, j, bool(trained[list(rows)].any()),
                            tuple(self.trained_steps(batch.chunks[where[rows[0]][0]]))) for j, rows in enumerate(mbs)]
                  for mbs in epochs]
@@ -744,31 +638,22 @@ class FlowOPDTrainer(FlowGRPOTrainer):
                     chunks = self.rollouts(*chosen, None, members)
             samples.update(zip(members, torch.cat([c.final_latents for c in chunks])))
         x0 = torch.stack([samples[j] for j in range(len(prompts))]).float()
-        p = len(prompts)
-        t, eps = [], []
-        for n in range(p):
-            g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank * p + n, 79))
-            t.append(pair_timesteps(1, "logit_normal", g))
-            eps.append(torch.randn(x0.shape[1:], generator=g))
-        t, eps = torch.cat(t).to(x0), torch.stack(eps).to(x0)
-        tb = t.view(-1, *[1] * (x0.ndim - 1))
-        return DistillBatch(((1 - tb) * x0 + tb * eps)[:, None], t[:, None], (eps - x0)[:, None], None,
-                            torch.ones(len(prompts)), cond, 1.0, {"stage": 0.0})
+        p = len(prompts)  # each prompt's t and noise keyed by its place in the step (every rank holds p)
+        keyed = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank * p + n, 79))
+                 for n in range(p)]
+        return cold_start_batch(x0, keyed, cond)
 
     def on_policy(self, prompts, metadata, routed_to, cond, step) -> DistillBatch:
         """The student's own ODE states, each labelled by its routed teacher and by the anchor."""
         chunks = self.rollouts(prompts, metadata, step, None, list(range(len(prompts))))
         latents = torch.cat([c.latents[:, :-1] for c in chunks])  # (B, T, ...): the states a velocity is read at
         sigmas = chunks[0].sigmas[:-1]
-        n_states = self.tcfg.states_per_sample or len(sigmas)
-        p = len(prompts)
-        picks = []
-        for n in range(p):
-            g = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank * p + n, 83))
-            picks.append(torch.randperm(len(sigmas), generator=g)[:n_states].sort().values)
-        picks = torch.stack(picks)
-        x = torch.stack([latents[n, picks[n]] for n in range(len(prompts))]).to(self.policy.device)
-        sigma = sigmas[picks].to(x)
+        p = len(prompts)  # each sample's states keyed by its place in the step (every rank holds p)
+        keyed = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, self.rank * p + n, 83))
+                 for n in range(p)]
+        x, sigma = drawn_states(latents, sigmas, self.tcfg.states_per_sample or len(sigmas), keyed)
+        x = x.to(self.policy.device)
+        sigma = sigma.to(x)
         v_teacher, v_anchor = torch.zeros_like(x), torch.zeros_like(x) if self.tcfg.anchor_weight > 0 else None
         for i in sorted(set(routed_to.tolist()) - {-1}):
             m = (routed_to == i).nonzero().flatten()
@@ -796,15 +681,9 @@ class FlowOPDTrainer(FlowGRPOTrainer):
 
     def distillation_unit_loss(self, batch: DistillBatch, unit: SliceUnit) -> tuple[torch.Tensor, dict[str, float]]:
         """The unit's samples at each of their states, averaged over the states."""
-        i = unit.index
-        x, sigma, cond = batch.x[i], batch.sigma[i], batch.cond[i]
-        per = torch.zeros(len(x), device=x.device)
-        stats: dict[str, float] = {}
-        for s in range(x.shape[1]):
-            v = self.policy.velocity(x[:, s], sigma[:, s], cond, batch.guidance)
-            anchor = None if batch.v_anchor is None else batch.v_anchor[i][:, s]
-            loss, info = distillation_loss(v, batch.v_teacher[i][:, s], anchor, batch.routed[i], self.tcfg.anchor_weight)
-            per = per + loss / x.shape[1]
-            for k, val in info.items():
-                stats[k] = stats.get(k, 0.0) + val / x.shape[1]
+        i, cond = unit.index, batch.cond[unit.index]
+        per, stats = states_loss(lambda x, sigma: self.policy.velocity(x, sigma, cond, batch.guidance),
+                                 batch.x[i], batch.sigma[i], batch.v_teacher[i],
+                                 None if batch.v_anchor is None else batch.v_anchor[i], batch.routed[i],
+                                 self.tcfg.anchor_weight)
         return per.sum() / unit.total, stats

@@ -20,4 +20,8 @@ never a sibling.
 - :mod:`.latent_preference`: preference pairs of latents and the fit of a latent reward on them
 - :mod:`.teacher_videos`, :mod:`.video_discriminator`: AFD's teachers and critic
 - :mod:`.teacher_routing`: which teacher supervises a prompt: by prompt (regular expressions) or by epoch (Flow-OPD's alternation)
+- :mod:`.teacher_weights`: teachers' trained tensors read from their checkpoints, and merged into one start
+- :mod:`.teacher_distillation`: regression on teachers' velocities: its batch of states, their draw, its loss
+- :mod:`.prompt_draws`: a step's prompts as fresh independent draws (the Flow-OPD authors' sampler)
+- :mod:`.regrouped_micro_batches`: micro-batches each inner epoch re-forms from a step's samples, read from its chunks
 """

@@ -27,6 +27,25 @@ def merged_tensor(tensors: list[torch.Tensor], mode: str, weights: list[float] |
     return sum(t * wi for t, wi in zip(tensors, w))
 
 
+def merge_into(named: dict[str, torch.nn.Parameter], teachers: list[dict[str, torch.Tensor]], mode: str,
+               weights: list[float] | None = None) -> None:
+    """Each trained tensor of ``named`` overwritten by the teachers' ones merged (:func:`merged_tensor`)."""
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(merged_tensor([t[n] for t in teachers], mode, weights))
+
+
+def check_merge(mode: str | None, weights: list[float] | None, count: int) -> None:
+    """Refuse ``trainer.merge_weights`` without ``trainer.merge_teachers: weighted`` (and the reverse), and weights
+    that are not one per teacher (``count`` of them, each ≥ 0 by its bound) with a positive sum."""
+    if (mode == "weighted") != (weights is not None):
+        raise UserError("trainer.merge_weights goes with trainer.merge_teachers: weighted (one weight per teacher); "
+                        "give both or neither")
+    if weights is not None and (len(weights) != count or sum(weights) <= 0):
+        raise UserError(f"trainer.merge_weights={weights}: give {count} weights ≥ 0, one per teacher in list order, "
+                        "with a positive sum")
+
+
 def read_weights(policy: Any, named: dict[str, torch.nn.Parameter], folder: str,
                  source: str = "trainer.teachers") -> dict[str, torch.Tensor]:
     """A teacher's trainable tensors by name: its checkpoint loaded into the live policy, copied out, and the

@@ -18,7 +18,10 @@ from flowalign.train import build_trainer, check_run
 from flowalign.sampling import sde_step
 from flowalign.trainers.base import StepBatch, derived_seed
 from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl
-from flowalign.trainers.flow_opd import FlowOPDConfig, distillation_loss, kl_reward_grpo_loss, per_batch_draw
+from flowalign.trainers.flow_opd import FlowOPDConfig, kl_reward_grpo_loss
+from flowalign.trainers.parts.prompt_draws import per_batch_draw
+from flowalign.trainers.parts.regrouped_micro_batches import inner_epoch_micro_batches
+from flowalign.trainers.parts.teacher_distillation import distillation_loss
 from flowalign.trainers.parts.teacher_weights import merged_tensor, read_weights
 from flowalign.trainers.parts.teacher_routing import epoch_teacher, route, teacher_epoch
 
@@ -565,6 +568,31 @@ def test_the_reshuffled_micro_batches_are_the_authors(tmp_path, tiny_sd3_dir, pr
     got = [sorted(tuple(prompt_order[list(rows)].tolist()) for rows in micro)
            for micro in epoch_micro_batches(t, batch)]
     assert got == [sorted(tuple(m) for m in epoch) for epoch in authors]
+
+
+@dataclasses.dataclass
+class KindsOnly:
+    """A rollout chunk as :func:`inner_epoch_micro_batches` reads it: its length and its SDE steps."""
+
+    size: int
+    sde_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def test_samples_of_other_sde_steps_never_share_a_re_formed_micro_batch():
+    """Epoch 0's micro-batches are the rollout chunks; a later epoch cuts each kind of SDE steps (an sde_window
+    per group) from the permuted order on its own, so every sample comes once and no micro-batch mixes kinds."""
+    first, second = torch.tensor([True, False]), torch.tensor([False, True])
+    chunks = [KindsOnly(2, first), KindsOnly(2, second), KindsOnly(2, first)]
+    kind = [0, 0, 1, 1, 0, 0]
+    epochs = inner_epoch_micro_batches(chunks, 2, 4, lambda e: torch.Generator().manual_seed(e))
+    assert len(epochs) == 4 and epochs[0] == [(0, 1), (2, 3), (4, 5)]
+    for micro in epochs[1:]:
+        assert sorted(r for rows in micro for r in rows) == list(range(6))
+        assert all(len(rows) == 2 and len({kind[r] for r in rows}) == 1 for rows in micro)
+    assert len({frozenset(frozenset(m) for m in micro) for micro in epochs}) > 1
 
 
 def test_a_reshuffled_micro_batch_computes_the_loss_of_the_same_samples_in_a_chunk(tmp_path, tiny_sd3_dir,
