@@ -33,6 +33,11 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def checkpoint_step(folder: Path) -> int:
+    """The training step a checkpoint folder (``step-000200``) was saved at."""
+    return int(STEP_DIR.match(Path(folder).name).group(1))
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     folder = Path(run_dir) / "checkpoints"

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flowalign.checkpoint import latest_checkpoint
+from flowalign.checkpoint import checkpoint_step, latest_checkpoint
 from flowalign.cli.compare import compare, read_results, sign_test_p
 from flowalign.config import load_config
 from flowalign.io import write_json
@@ -102,7 +102,10 @@ def plot(curves: dict[int, list[tuple[int, float]]], title: str, path: Path) -> 
     fig.savefig(path, dpi=110)
 
 
-def summarise(base: Path, tuned: dict[int, Path], curves: dict[int, list[tuple[int, float]]]) -> dict[str, Any]:
+def summarise(base: Path, tuned: dict[int, Path], curves: dict[int, list[tuple[int, float]]],
+              steps: dict[int, int] | None = None) -> dict[str, Any]:
+    """The headline row's numbers. ``steps``: each seed's trained steps (its final checkpoint's step); without
+    it, the last step that logged a training reward (a trainer training on replayed groups alone logs none)."""
     base_rows = read_results(base)
     per_seed, wins, losses = {}, 0, 0
     for seed, folder in tuned.items():
@@ -110,7 +113,7 @@ def summarise(base: Path, tuned: dict[int, Path], curves: dict[int, list[tuple[i
         accuracy = json.loads((folder / "metrics.json").read_text())["accuracy"]
         first, last = curves[seed][:5], curves[seed][-5:]
         per_seed[seed] = {"accuracy": accuracy, "wins": pair["wins"], "losses": pair["losses"], "eval": str(folder),
-                          "steps": curves[seed][-1][0] if curves[seed] else 0,
+                          "steps": (steps or {}).get(seed, curves[seed][-1][0] if curves[seed] else 0),
                           "reward_first5": statistics.mean(r for _, r in first) if first else None,
                           "reward_last5": statistics.mean(r for _, r in last) if last else None}
         wins, losses = wins + pair["wins"], losses + pair["losses"]
@@ -140,13 +143,13 @@ def main() -> None:
     out = Path(args.out)
     cfg = load_config(args.config, args.overrides)
     base = Path(args.base) if args.base else test_eval(cfg, out / "base", args.threads, None)
-    tuned, curves = {}, {}
+    tuned, curves, steps = {}, {}, {}
     for seed in args.seeds:
         run_dir = out / f"seed-{seed}"
         checkpoint = train_seed(args.config, args.overrides, seed, args.minutes, run_dir, args.threads)
         tuned[seed] = test_eval(cfg, out / f"test-seed-{seed}", args.threads, checkpoint)
-        curves[seed] = reward_curve(run_dir)
-    summary = summarise(base, tuned, curves) | {"config": args.config, "overrides": args.overrides,
+        curves[seed], steps[seed] = reward_curve(run_dir), checkpoint_step(checkpoint)
+    summary = summarise(base, tuned, curves, steps) | {"config": args.config, "overrides": args.overrides,
                                                  "minutes": args.minutes, "threads": args.threads}
     write_json(out / "summary.json", summary)
     plot(curves, f"{cfg.trainer['name']}: {Path(args.config).name}", out / "reward_curves.png")

@@ -24,6 +24,15 @@ def test_summary_pools_paired_wins_and_losses_over_seeds(tmp_path):
     assert (s["min"], s["max"]) == (0.4, 0.8) and abs(s["mean"] - 0.6) < 1e-12
     assert s["seeds"][1]["steps"] == 3 and abs(s["seeds"][1]["reward_last5"] - 0.5) < 1e-12
     assert abs(s["sign_test_p"] - 0.625) < 1e-9  # two-sided binomial, 3 of 4
+    # a trainer that logs no training reward (AR-CoPO on replayed groups alone) counts its checkpoint's steps
+    counted = measure.summarise(base, tuned, {0: [], 1: []}, {0: 200, 1: 120})
+    assert [counted["seeds"][k]["steps"] for k in (0, 1)] == [200, 120]
+
+
+def test_a_checkpoint_folder_names_its_step(tmp_path):
+    from flowalign.checkpoint import checkpoint_step, step_dir_name
+
+    assert checkpoint_step(tmp_path / step_dir_name(200)) == 200
 
 
 def test_reward_curve_reads_the_training_reward_of_each_step(tmp_path):
