@@ -93,9 +93,9 @@ def test_the_earlier_forms_stay_selectable_and_differ_where_the_crop_margin_is_o
 
 
 @pytest.mark.parametrize(("name", "options", "message"), [
-    ("pickscore", {"crop_offset": "centre"}, r"pickscore reward: crop_offset='centre' is not known; use floor"),
-    ("aesthetic", {"crop_offset": 1}, r"aesthetic reward: crop_offset=1 is not known; use floor"),
-    ("clip_score", {"crop_offset": "ceil"}, r"clip_score reward: crop_offset='ceil' is not known; use round"),
+    ("pickscore", {"crop_offset": "centre"}, r"pickscore reward: crop_offset='centre' is not known; use one of floor"),
+    ("aesthetic", {"crop_offset": 1}, r"aesthetic reward: crop_offset=1 is not known; use one of floor"),
+    ("clip_score", {"crop_offset": "ceil"}, r"clip_score reward: crop_offset='ceil' is not known; use one of round"),
     ("clip_score", {"form": "logit"}, r"clip_score reward: form='logit' is not known; use one of cosine, flow_grpo"),
     ("hps", {"form": "flow_grpo"}, r"hps reward: form='flow_grpo' is not known; use one of cosine"),
 ])

@@ -96,8 +96,9 @@ def test_geneval_metadata_scored_by_geneval_reports_accuracy_of_its_verdicts(tmp
     ]
     prompts = tmp_path / "evaluation_metadata.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # the decoded pixels (jpeg_quality: null): the detections these samples were chosen on
     spec = (f"{{name: geneval, path: {out_tiny / 'detector'}, clip_path: {out_tiny / 'clip'}, threshold: 0.0, "
-            "counting_threshold: 0.0}")
+            "counting_threshold: 0.0, jpeg_quality: null}")
     out = tmp_path / "eval"
     code = main(["evaluate", "--model", str(tiny_sd3_dir), "--prompts", str(prompts), "--reward", spec,
                  "--steps", "2", "--out", str(out)])
