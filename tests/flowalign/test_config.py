@@ -141,6 +141,24 @@ def test_a_former_form_tied_to_another_option_refuses_only_the_runs_that_used_it
             prepare_run_dir(tmp_path, resolved(f"trainer.advantage={advantage}"), "auto")
 
 
+@pytest.mark.parametrize("trainer, option, fixed", [
+    ("diffusion_dpo", "noise_draw", ()),
+    ("flow_opd", "shuffle_draw", ("trainer.teachers=[{adapter: /a/teacher}]",)),
+])
+def test_a_former_form_of_the_inner_epochs_refuses_only_runs_with_several(tmp_path, trainer, option, fixed):
+    """Diffusion-DPO's ``noise_draw`` and Flow-OPD's ``shuffle_draw``: a run saved before the option existed
+    trained the step's first micro-batches (and draws) in every inner epoch. With one inner epoch that is the
+    default's computation (it resumes); with several it is told the line that continues it."""
+    resolved = resolved_config(f"trainer.name={trainer}", *fixed)
+    saved_run_without(tmp_path, resolved(), f"trainer.{option}")
+    prepare_run_dir(tmp_path, resolved(), "auto")
+    saved_run_without(tmp_path, resolved("trainer.inner_epochs=2"), f"trainer.{option}")
+    with pytest.raises(UserError, match=rf"saved before trainer.{option} existed, which computed "
+                                        rf"trainer.{option}=per_step; add trainer.{option}=per_step"):
+        prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2"), "auto")
+    prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2", f"trainer.{option}=per_step"), "auto")
+
+
 def test_a_trainer_with_required_keys_is_told_its_former_forms_too(tmp_path):
     """AFD requires ``teacher`` (no default): the run's own teacher stands in for it, so a run saved before
     ``advantage`` and ``loss_form`` existed is told the line that continues it, not refused as another run."""

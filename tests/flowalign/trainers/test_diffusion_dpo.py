@@ -243,23 +243,6 @@ def test_each_inner_epoch_reshuffles_the_pairs_and_draws_their_t_and_noise_afres
     assert same_units(units, plan.steps[0])
 
 
-def test_a_run_saved_before_noise_draw_resumes_as_it_trained(tmp_path):
-    """A run saved before ``noise_draw`` existed trained epoch 0's units in every inner epoch: with one inner epoch
-    that is the default's computation (it resumes); with several it is told the line that continues it."""
-    from flowalign.train import prepare_run_dir
-
-    from ..test_config import resolved_config, saved_run_without
-
-    resolved = resolved_config("trainer.name=diffusion_dpo")
-    saved_run_without(tmp_path, resolved(), "trainer.noise_draw")
-    prepare_run_dir(tmp_path, resolved(), "auto")
-    saved_run_without(tmp_path, resolved("trainer.inner_epochs=2"), "trainer.noise_draw")
-    with pytest.raises(UserError, match=r"saved before trainer.noise_draw existed, which computed "
-                                        r"trainer.noise_draw=per_step; add trainer.noise_draw=per_step"):
-        prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2"), "auto")
-    prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2", "trainer.noise_draw=per_step"), "auto")
-
-
 def test_the_reshuffled_pairs_are_flow_factorys(tmp_path, tiny_sd3_dir, prompt_file):
     """Known answer: Flow-Factory's inner-epoch shuffle (dpo.py @ a0b2bc5, ``DPOTrainer.optimize`` l. 504-515:
     ``perm = torch.randperm(len(pairs), generator=perm_gen)``, ``shuffled_pairs = [pairs[i] for i in perm]``, cut

@@ -528,24 +528,6 @@ def test_each_inner_epoch_reshuffles_the_micro_batches(tmp_path, tiny_sd3_dir, p
            [[(u.chunk, u.k, u.update, None) for u in first]] * 2
 
 
-def test_a_run_saved_before_shuffle_draw_resumes_as_it_trained(tmp_path):
-    """A run saved before ``shuffle_draw`` existed trained the step's first micro-batches in every inner epoch:
-    with one inner epoch that is the default's computation (it resumes); with several it is told the line that
-    continues it."""
-    from flowalign.train import prepare_run_dir
-
-    from ..test_config import resolved_config, saved_run_without
-
-    resolved = resolved_config("trainer.name=flow_opd", "trainer.teachers=[{adapter: /a/teacher}]")
-    saved_run_without(tmp_path, resolved(), "trainer.shuffle_draw")
-    prepare_run_dir(tmp_path, resolved(), "auto")
-    saved_run_without(tmp_path, resolved("trainer.inner_epochs=2"), "trainer.shuffle_draw")
-    with pytest.raises(UserError, match=r"saved before trainer.shuffle_draw existed, which computed "
-                                        r"trainer.shuffle_draw=per_step; add trainer.shuffle_draw=per_step"):
-        prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2"), "auto")
-    prepare_run_dir(tmp_path, resolved("trainer.inner_epochs=2", "trainer.shuffle_draw=per_step"), "auto")
-
-
 def test_the_reshuffled_micro_batches_are_the_authors(tmp_path, tiny_sd3_dir, prompt_file, teachers):
     """Known answer: the authors' inner-epoch loop (train_sd3_opd_mix.py @ 434ab16, l. 1468-1479: ``perm =
     torch.randperm(total_batch_size)``, ``samples = {k: v[perm]}``, reshaped into num_batches_per_epoch rows)
