@@ -287,8 +287,7 @@ class DiffusionDPOTrainer(GroupTrainer):
         every one with the first one's (``per_step``, and a subclass without the option: SePPO)."""
         total = self.total(len(batch.seeds))
         first = self.epoch_units(batch, 0, total)
-        fresh = (getattr(self.tcfg, "noise_draw", "per_step") == "per_inner_epoch"
-                 and len(batch.positions) == len(batch.seeds))
+        fresh = getattr(self.tcfg, "noise_draw", "per_step") == "per_inner_epoch"
         epochs = [first] + [self.epoch_units(batch, e, total) if fresh else first
                             for e in range(1, self.tcfg.inner_epochs)]
         return Plan(epochs if total else [], global_weights=True)
