@@ -12,6 +12,7 @@ from flowalign.errors import UserError
 from flowalign.protocols import RewardOutput
 from rewards.common import check_images, check_jpeg_quality, check_lengths, finite_mask, jpeg_round_trip, resolve_dtype
 from rewards.geneval import rules
+from rewards.geneval.colour import PREPROCESS
 from rewards.geneval.vocabulary import COLOURS, POSITIONS, TAGS
 from rewards.model_options import one_of
 from rewards.planning import existing, missing, on_accelerator, option, published, transformers_bytes
@@ -42,16 +43,18 @@ class GenEvalReward:
     name = "geneval"
     differentiable = False
     requires_metadata = ("tag", "include")
-    #: what runs saved before ``jpeg_quality`` existed computed: the decoded pixels, uncompressed
-    before: ClassVar[dict[str, Any]] = {"jpeg_quality": None}
+    #: what runs saved before these options existed computed: the decoded pixels, uncompressed; the colour
+    #: crops through transformers' CLIP processor
+    before: ClassVar[dict[str, Any]] = {"jpeg_quality": None, "colour_preprocess": "processor"}
 
     def __init__(self, path: str | None = None, clip_path: str | None = None, detector: str = "mask2former",
                  score: str = "partial", device: str | None = None, dtype: str = "float32", batch_size: int = 16,
                  threshold: float | None = None, counting_threshold: float | None = None,
                  nms_threshold: float | None = None, max_objects: int = rules.MAX_OBJECTS,
                  position_threshold: float = rules.POSITION_THRESHOLD, random_init: bool = False,
-                 jpeg_quality: int | None = 75):
+                 jpeg_quality: int | None = 75, colour_preprocess: str = "open_clip"):
         one_of("geneval reward", "detector", detector, DETECTORS)
+        one_of("geneval reward", "colour_preprocess", colour_preprocess, PREPROCESS, PREPROCESS)
         one_of("geneval reward", "score", score, SCORES)
         check_jpeg_quality(jpeg_quality, self.name)
         #: Flow-GRPO's geneval_score sends each sample to its reward server as a JPEG at PIL's default quality
@@ -75,7 +78,7 @@ class GenEvalReward:
 
         self.detector = (Mask2FormerDetector if detector == "mask2former" else Owlv2Detector)(detector_dir, torch_dtype,
                                                                                                 random_init)
-        self.colours = ClipColours(clip_dir, torch_dtype, random_init)
+        self.colours = ClipColours(clip_dir, torch_dtype, random_init, colour_preprocess)
         #: classes the detector can name (None: open vocabulary)
         self.classes = set(self.detector.labels) if detector == "mask2former" else None
 

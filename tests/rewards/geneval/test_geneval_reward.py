@@ -143,3 +143,27 @@ def test_the_detector_reads_the_jpeg_flow_grpo_sends_and_the_benchmark_the_decod
     assert geneval_options({})["jpeg_quality"] is None and geneval_options({"jpeg_quality": 90})["jpeg_quality"] == 90
     with pytest.raises(UserError, match="geneval reward: jpeg_quality=0 must be an integer from 1 to 100"):
         rewards.load("geneval", jpeg_quality=0, **tiny_geneval)
+
+
+def test_colour_crops_go_through_genevals_transform_unless_the_former_form_is_asked(tiny_geneval, decoded):
+    """``colour_preprocess: open_clip`` (default) hands CLIP what GenEval's open_clip transform makes of each crop
+    (checked against GenEval in ``test_colour_pixels_reference.py``); ``processor`` is the former form, and what
+    runs saved before the option resume with."""
+    from rewards.registry import former_forms
+
+    seen = {}
+    for form in ("open_clip", "processor"):
+        reward = rewards.load("geneval", threshold=0.0, counting_threshold=0.0, colour_preprocess=form, **tiny_geneval)
+        assert reward.colours.preprocess == form
+        model = reward.colours.model
+        calls = []
+        hook = model.get_image_features
+        model.get_image_features = lambda pixel_values, **kw: calls.append(pixel_values) or hook(pixel_values=pixel_values, **kw)
+        reward(decoded, PROMPTS, META)
+        seen[form] = torch.cat(calls)
+    assert rewards.load("geneval", **tiny_geneval).colours.preprocess == "open_clip"
+    assert seen["open_clip"].shape == seen["processor"].shape and not torch.equal(seen["open_clip"], seen["processor"])
+    assert former_forms("geneval")[0]["colour_preprocess"] == "processor"
+    with pytest.raises(UserError, match=r"geneval reward: colour_preprocess='pil' .*open_clip \(GenEval's open_clip "
+                                        r"transform\), processor \(transformers' CLIPImageProcessor\)"):
+        rewards.load("geneval", colour_preprocess="pil", **tiny_geneval)

@@ -161,6 +161,9 @@ class FakeClip:
 def fake_clip():
     colours = ClipColours.__new__(ClipColours)
     colours.model, colours.processor, colours._heads = FakeClip(), FakeProcessor(), {}
+    # the fake transform (mean RGB) runs through the processor path on both sides; the real transform, GenEval's
+    # open_clip one, is checked in test_colour_pixels_reference.py
+    colours.preprocess = "processor"
     return colours
 
 
