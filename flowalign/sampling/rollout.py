@@ -174,8 +174,11 @@ def rollout(
     sde_last_step: bool = False,
     keep_unconditional: bool = False,
     prefix: torch.Tensor | None = None,
+    grid: Callable[[int], torch.Tensor] | None = None,
+    timestep_form: TimestepMap | None = None,
 ) -> Rollout:
-    """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid.
+    """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid, or from
+    ``grid(num_steps)`` ``(num_steps + 1,)`` (an authors' grid, e.g. :class:`~flowalign.sampling.timesteps.ShiftedGrid`).
 
     SDE steps (``sampler``: a kind of :func:`sde_step` or a custom step function, on the steps of
     ``sde_window``; the step to σ = 0 only with ``sde_last_step``) store their log-probabilities; all other
@@ -193,6 +196,10 @@ def rollout(
     ``velocity_and_unconditional``) also stores CFG's unconditional branch ``v_u`` of each step's batched
     pass in ``unconditional_velocities``: a trainer whose loss detaches that branch reuses it while its
     weights are still the sampling weights.
+
+    ``timestep_form`` (e.g. :func:`~flowalign.sampling.timesteps.truncated`): what the transformer reads of its
+    timestep at every step (:func:`~flowalign.sampling.timesteps.model_timestep`; None: the pipeline's, or the
+    solver's form).
 
     ``generators`` (one per sample) draws each sample's initial noise and SDE noise from its own stream,
     so a sample does not depend on which others share its batch (or rank); ``generator`` draws the
@@ -221,7 +228,11 @@ def rollout(
         raise UserError(f"metadata has {len(meta)} entries for {len(prompts)} prompts; give one dict per prompt")
 
     cond = encode_prompts(policy, prompts, meta)  # with metadata['image'] for image-conditioned policies
-    sigmas = solver.sigmas(policy.sigmas, num_steps) if solver else policy.sigmas(num_steps).float()
+    if solver is not None and (grid is not None or timestep_form is not None):
+        raise ValueError("rollout: a solver sets its own grid and timestep form; pass grid / timestep_form without one")
+    sigmas = solver.sigmas(policy.sigmas, num_steps) if solver else (grid or policy.sigmas)(num_steps).float()
+    if sigmas.shape != (num_steps + 1,):
+        raise ValueError(f"rollout: the grid has shape {tuple(sigmas.shape)} for {num_steps} steps; give num_steps + 1 sigmas")
     start = 0 if prefix is None else prefix.shape[1] - 1
     x = _start(policy, len(prompts), initial_noise, generator, generators) if prefix is None else \
         _prefix_start(policy, prefix, len(prompts), num_steps, keep_velocities)
@@ -244,7 +255,7 @@ def rollout(
         raise UserError(f"prefix: its {start} steps are ODE steps, but the rollout's steps "
                         f"{mask[:start].nonzero().flatten().tolist()} are stochastic; start after them")
     keep_unconditional = keep_unconditional and guidance > 1 and hasattr(policy, "velocity_and_unconditional")
-    form = truncated if solver is not None and solver.timestep == "truncated" else None
+    form = truncated if solver is not None and solver.timestep == "truncated" else timestep_form
     latents, log_probs, velocities, unconditional = _integrate(
         policy, x, sigmas, cond, guidance, mask, step_at, generator=generator, generators=generators,
         guide=guide, keep_velocities=keep_velocities, keep_unconditional=keep_unconditional, timestep_form=form,

@@ -1,13 +1,16 @@
-"""The timestep a policy's transformer reads, changed for a block of code (``docs/methods/samplers.md``).
+"""The timestep a policy's transformer reads, changed for a block of code, and the authors' σ grids that
+differ from a model's own (``docs/methods/samplers.md``).
 
-flowalign's pipelines hand the transformer ``timestep = 1000·σ`` (float32). Some authors' pipelines cast it
-to an integer (``torch.long``), i.e. ``trunc(1000·σ)``; :func:`model_timestep` reproduces such a form
-exactly by rewriting the ``timestep`` the transformer is called with, whatever pipeline made it.
+flowalign's pipelines hand the transformer ``timestep = 1000·σ`` (float32; FLUX's reads σ and scales it
+inside). Some authors' pipelines cast it to an integer (``torch.long``), i.e. ``trunc(1000·σ)``, and hand a
+σ-reading transformer that integer over 1000; :func:`model_timestep` reproduces such a form exactly by
+rewriting the ``timestep`` the transformer is called with, whatever pipeline made it.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -28,6 +31,23 @@ def fixed(value: float) -> TimestepMap:
     return lambda timestep: torch.full_like(timestep, float(value))
 
 
+def shifted_grid(num_steps: int, shift: float) -> torch.Tensor:
+    """``(num_steps + 1,)`` float32 σ grid, 1 → 0: ``u = linspace(1, 0, T + 1)`` time-shifted to
+    ``shift·u / (1 + (shift − 1)·u)``, in float32 as DanceGRPO's ``sd3_time_shift(shift, linspace(1, 0, T + 1))``."""
+    u = torch.linspace(1, 0, num_steps + 1)
+    return (shift * u) / (1 + (shift - 1) * u)
+
+
+@dataclass(frozen=True)
+class ShiftedGrid:
+    """A rollout's σ grid as :func:`shifted_grid` (compared by value, so groups sampled alike batch together)."""
+
+    shift: float
+
+    def __call__(self, num_steps: int) -> torch.Tensor:
+        return shifted_grid(num_steps, self.shift)
+
+
 def integer_timestep(sigma: float) -> int:
     """``int(1000·σ)`` with σ a Python float (double precision), as ``torch.full(..., σ*1000, dtype=long)``."""
     return int(float(sigma) * 1000)
@@ -38,8 +58,9 @@ def model_timestep(policy: Any, form: TimestepMap | None, sigma: float | None = 
     """Within the block, ``policy.transformer`` reads ``form(timestep)`` in place of the pipeline's timestep
     (``form`` None: unchanged). The transformer must take ``timestep`` as a keyword, as diffusers' do.
 
-    Given the ``sigma`` of the calls, a transformer that reads another scale than ``1000·σ`` (FLUX reads σ and
-    scales it inside; an integer form would make it 0) is refused rather than fed a wrong timestep."""
+    Given the ``sigma`` of the calls, a transformer that reads σ itself (FLUX scales it by 1000 inside) reads
+    ``form(1000·t) / 1000``, as DanceGRPO's FLUX script feeds it its integer timesteps over 1000; one that reads
+    neither ``1000·σ`` nor σ is refused rather than fed a wrong timestep."""
     if form is None:
         yield
         return
@@ -54,11 +75,13 @@ def model_timestep(policy: Any, form: TimestepMap | None, sigma: float | None = 
                             "cannot be set; use the continuous timestep form (timestep: continuous)")
         t = kwargs["timestep"]
         if sigma is not None and not torch.allclose(t.float(), torch.full_like(t.float(), 1000.0 * sigma), atol=0.5):
-            raise UserError(f"{getattr(policy, 'family', type(policy).__name__)}'s transformer reads timestep "
-                            f"{t.flatten()[0].item():.6g} at sigma {sigma:.6g}, not 1000*sigma: an integer timestep "
-                            "form does not apply to it; use the continuous timestep form (timestep: continuous)")
-        kwargs = dict(kwargs, timestep=form(t).to(t.dtype))
-        return args, kwargs
+            if not torch.allclose(t.float(), torch.full_like(t.float(), float(sigma)), atol=5e-4):
+                raise UserError(f"{getattr(policy, 'family', type(policy).__name__)}'s transformer reads timestep "
+                                f"{t.flatten()[0].item():.6g} at sigma {sigma:.6g}, neither 1000*sigma nor sigma: an "
+                                "integer timestep form does not apply to it; use the continuous timestep form "
+                                "(timestep: continuous)")
+            return args, dict(kwargs, timestep=(form(t * 1000) / 1000).to(t.dtype))  # a σ-reading transformer
+        return args, dict(kwargs, timestep=form(t).to(t.dtype))
 
     handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:

@@ -5,6 +5,8 @@ DanceGRPO changes is around it:
 
 - every rollout of a prompt group starts from the same ``x_T`` (``shared_initial_noise``);
 - its SDE (sampler ``"dance"``): ``μ = x + Δ·[v − (η²/2)·∇log p]``, ``τ = η·sqrt(−Δ)``, on every step;
+- their σ grid, ``linspace(1, 0, T + 1)`` shifted by 3, and the transformer reading ``int(1000·σ)``
+  (:mod:`flowalign.trainers.parts.dance_schedule`);
 - per sample (or per rollout batch, ``step_draw``) and epoch, ``⌊timestep_fraction·(T−1)⌋`` of the first T−1
   steps drawn at random are trained (the authors' scripts never train the step to σ = 0;
   :mod:`flowalign.trainers.parts.drawn_steps`);
@@ -25,14 +27,16 @@ from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.parts.advantage_std import AdvantageStdOptions, advantage_std_options
 from flowalign.trainers.parts.best_worst import BestWorstOptions
 from flowalign.trainers.parts.dance_loop import DanceLoop
+from flowalign.trainers.parts.dance_schedule import DanceScheduleOptions
 from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
 
 
 class DanceGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, DrawnStepOptions,
-                      BestWorstOptions, AdvantageStdOptions):
+                      BestWorstOptions, AdvantageStdOptions, DanceScheduleOptions):
     name: Literal["dance_grpo"] = "dance_grpo"
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"step_draw": "per_batch", "advantage_std": "population", "zero_advantage": "skipped"}
+    before = {"step_draw": "per_batch", "advantage_std": "population", "zero_advantage": "skipped",
+              "sigma_grid": "model", "model_timestep": "continuous"}
     sampler: Literal["dance", "flow_grpo", "cps"] = "dance"  # type: ignore[assignment]
     #: η of the DanceGRPO SDE (0.3 FLUX, 0.25 HunyuanVideo in the authors' scripts)
     noise_level: float = Field(0.3, gt=0, le=2)

@@ -23,6 +23,7 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS
 from flowalign.plan_holdings import Holding, StepHoldings
 from flowalign.protocols import Conditioning, FlowPolicy
 from flowalign.sampling import Rollout, StepOutput, sde_step
+from flowalign.sampling.timesteps import TimestepMap, model_timestep
 from flowalign.sampling.windows import random_window_start, shared_window_start
 from flowalign.trainers.options import EpochOptions, ReferenceOptions
 from flowalign.trainers.copies import WeightCopy, full_reference
@@ -285,7 +286,13 @@ class FlowGRPOTrainer(GroupTrainer):
                 start = random_window_start(t, width, g, low, high)
             window = (start, width)
         return Sampling(self.sampler, self.noise_level, window, self.tcfg.sde_last_step,
-                        cps_log_prob=self.cps_log_prob, keep_unconditional=self.reuses_unconditional)
+                        cps_log_prob=self.cps_log_prob, keep_unconditional=self.reuses_unconditional,
+                        grid=self.rollout_grid, timestep_form=self.timestep_form)
+
+    #: the σ grid the rollouts sample on (None: the policy's own) and what the transformer reads of its timestep
+    #: in rollouts and updates alike (None: the pipeline's); DanceGRPO's loop sets its authors'
+    rollout_grid: Callable[[int], torch.Tensor] | None = None
+    timestep_form: TimestepMap | None = None
 
     @property
     def reuses_unconditional(self) -> bool:
@@ -386,17 +393,17 @@ class FlowGRPOTrainer(GroupTrainer):
     def reference_mean(self, chunk: Rollout, k: int) -> torch.Tensor:
         """``μ_ref`` of ``chunk`` at step ``k``: the step's Gaussian mean under the reference (adapter
         disabled, or the frozen starting weights), no grad."""
-        x_k = chunk.step(k)[0]
-        with torch.no_grad(), self.policy.adapter_disabled():
-            v = self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+        x_k, sigma = chunk.step(k)[0], chunk.sigmas[k].item()
+        with torch.no_grad(), self.policy.adapter_disabled(), model_timestep(self.policy, self.timestep_form, sigma):
+            v = self.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
             return self.step_distribution(chunk, k, v).mean
 
     def reference_velocity(self, chunk: Rollout, k: int) -> torch.Tensor:
         """``v_ref`` of ``chunk`` at step ``k``: the reference's guided velocity at the rollout's ``x_k``
         (adapter disabled, or the frozen starting weights), no grad."""
-        x_k = chunk.step(k)[0]
-        with torch.no_grad(), self.policy.adapter_disabled():
-            return self.policy.velocity(x_k, chunk.sigmas[k].item(), chunk.cond, chunk.guidance_scale)
+        x_k, sigma = chunk.step(k)[0], chunk.sigmas[k].item()
+        with torch.no_grad(), self.policy.adapter_disabled(), model_timestep(self.policy, self.timestep_form, sigma):
+            return self.policy.velocity(x_k, sigma, chunk.cond, chunk.guidance_scale)
 
     def kl_reference(self, chunk: Rollout, k: int) -> torch.Tensor:
         """What the KL term compares the policy with at step ``k``: the reference's step mean
@@ -411,11 +418,12 @@ class FlowGRPOTrainer(GroupTrainer):
         detached ``v_u`` is the one the rollout stored: only the conditional half runs."""
         stored = chunk.unconditional_velocities
         x, sigma, w = chunk.step(k)[0], chunk.sigmas[k].item(), chunk.guidance_scale
-        if (sampling_weights and self.tcfg.first_pass == "batched" and self.tcfg.cfg_grad == "detached" and w > 1
-                and hasattr(self.policy, "velocity_and_unconditional")):
-            return batched_detached_velocity(self.policy, x, sigma, chunk.cond, w)
-        return guided_velocity(self.policy, x, sigma, chunk.cond, w, self.tcfg.cfg_grad,
-                               stored[:, k] if sampling_weights and stored is not None else None)
+        with model_timestep(self.policy, self.timestep_form, sigma):
+            if (sampling_weights and self.tcfg.first_pass == "batched" and self.tcfg.cfg_grad == "detached" and w > 1
+                    and hasattr(self.policy, "velocity_and_unconditional")):
+                return batched_detached_velocity(self.policy, x, sigma, chunk.cond, w)
+            return guided_velocity(self.policy, x, sigma, chunk.cond, w, self.tcfg.cfg_grad,
+                                   stored[:, k] if sampling_weights and stored is not None else None)
 
     def surrogate(self, chunk: Rollout, k: int, out: StepOutput, old_log_prob: torch.Tensor, adv: torch.Tensor,
                   weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,16 +29,17 @@ from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrain
 from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.parts.best_worst import BestWorstOptions
 from flowalign.trainers.parts.dance_loop import DanceLoop
+from flowalign.trainers.parts.dance_schedule import DanceScheduleOptions
 from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
 from flowalign.trainers.parts.groups import check_whole_groups
 
 
 class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, DrawnStepOptions,
-                     BestWorstOptions):
+                     BestWorstOptions, DanceScheduleOptions):
     name: Literal["pref_grpo"] = "pref_grpo"
     #: what runs saved before these options existed computed (see TrainerConfig.before)
     before = {"step_draw": "per_batch", "zero_advantage": "skipped", "win_rate_normalisation": "weighted_sum",
-              "batch_renormalise": False}
+              "batch_renormalise": False, "sigma_grid": "model", "model_timestep": "continuous"}
     #: the authors' scripts step with Flow-GRPO's SDE (grpo_step_mode flow, eta 0.7)
     sampler: Literal["flow_grpo", "dance", "cps"] = "flow_grpo"  # type: ignore[assignment]
     noise_level: float = Field(0.7, gt=0, le=2)

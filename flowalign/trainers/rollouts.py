@@ -39,7 +39,9 @@ class Sampling:
     ``sampler``: a kind of :func:`flowalign.sampling.sde_step` or a step function (compare it by value,
     e.g. a frozen dataclass, so equal groups batch together); ``sde_window``: ``(start, width)`` or None
     (every step); ``sde_last_step``: whether the step to σ = 0 is stochastic too; ``keep_velocities``,
-    ``keep_unconditional``: what the rollout stores besides latents and log-probs (see :func:`rollout`).
+    ``keep_unconditional``: what the rollout stores besides latents and log-probs (see :func:`rollout`);
+    ``grid``, ``timestep_form``: an authors' σ grid and the timestep form the transformer reads (None: the
+    policy's own grid and timestep).
     """
 
     sampler: str | Callable[..., Any] = "flow_grpo"
@@ -49,6 +51,8 @@ class Sampling:
     keep_velocities: bool = False
     cps_log_prob: str = "code"
     keep_unconditional: bool = False
+    grid: Callable[[int], Any] | None = None
+    timestep_form: Callable[[Any], Any] | None = None
 
 
 @dataclass
@@ -146,7 +150,8 @@ def roll_out(policy: Any, batch: list[SampleSlot], how: Sampling, num_steps: int
                    metadata=[s.metadata for s in batch], generators=[s.generator for s in batch],
                    initial_noise=None if noise[0] is None else torch.cat(noise), cps_log_prob=how.cps_log_prob,
                    keep_velocities=how.keep_velocities, sde_last_step=how.sde_last_step,
-                   keep_unconditional=how.keep_unconditional, prefix=prefix)
+                   keep_unconditional=how.keep_unconditional, prefix=prefix, grid=how.grid,
+                   timestep_form=how.timestep_form)
 
 
 def sample_and_score(policy: Any, rewards: RewardSet, batches: list[list[SampleSlot]], sampling: dict[int, Sampling],

@@ -42,12 +42,23 @@ def test_a_policy_without_a_transformer_module_is_refused():
             pass
 
 
-def test_a_transformer_that_reads_sigma_itself_is_refused():
-    """FLUX's transformer reads σ (it scales by 1000 inside): an integer form would feed it 0, so it is refused."""
+def test_a_transformer_that_reads_sigma_itself_reads_the_integer_form_over_1000():
+    """FLUX's transformer reads σ (it scales by 1000 inside): it reads ``form(1000·σ) / 1000``, as DanceGRPO's FLUX
+    script feeds it ``timesteps / 1000`` of its integer timesteps; a timestep that is neither ``1000·σ`` nor σ is
+    refused."""
     policy = SimpleNamespace(transformer=Recorder(), family="flux")
     sigma = torch.tensor([0.7, 0.7])
-    with pytest.raises(UserError, match="not 1000\\*sigma.*continuous"):
-        with model_timestep(policy, truncated, 0.7):
-            policy.transformer(hidden_states=sigma, timestep=sigma)
+    with model_timestep(policy, truncated, 0.7):
+        read = policy.transformer(hidden_states=sigma, timestep=sigma)
+    theirs = torch.full([2], int(torch.tensor(0.7) * 1000), dtype=torch.long) / 1000
+    assert read.dtype == torch.float32 and torch.equal(read, theirs)
+    odd = torch.tensor([0.6993, 0.6993])  # trunc(699.3) = 699
+    with model_timestep(policy, truncated, 0.6993):
+        assert torch.equal(policy.transformer(hidden_states=odd, timestep=odd), torch.tensor([699, 699]) / 1000)
+    with model_timestep(policy, fixed(277), 0.7):
+        assert policy.transformer(hidden_states=sigma, timestep=sigma).tolist() == pytest.approx([0.277, 0.277])
     with model_timestep(policy, truncated, 0.7):
         assert policy.transformer(hidden_states=sigma, timestep=sigma * 1000).tolist() == [700.0, 700.0]
+    with pytest.raises(UserError, match="neither 1000\\*sigma nor sigma.*continuous"):
+        with model_timestep(policy, truncated, 0.7):
+            policy.transformer(hidden_states=sigma, timestep=sigma * 10)

@@ -254,8 +254,8 @@ def test_best_of_zeroes_the_middle_samples(tmp_path, tiny_sd3_dir, prompt_file):
 
 
 def test_the_loss_is_flow_grpos(tmp_path, tiny_sd3_dir, prompt_file):
-    """With Flow-GRPO's sampler, dance_grpo's step equals flow_grpo's with the same trained-step draw (the
-    last step deterministic in both, so both draw from the first T−1 steps)."""
+    """With Flow-GRPO's sampler, grid and timesteps, dance_grpo's step equals flow_grpo's with the same
+    trained-step draw (the last step deterministic in both, so both draw from the first T−1 steps)."""
     assert DanceGRPOTrainer.loss is FlowGRPOTrainer.loss and DanceGRPOTrainer.surrogate is FlowGRPOTrainer.surrogate
     common = ("trainer.max_steps=1", "trainer.noise_level=0.7", "trainer.shared_initial_noise=true",
               "trainer.num_steps=5", "trainer.sde_last_step=false",
@@ -264,7 +264,8 @@ def test_the_loss_is_flow_grpos(tmp_path, tiny_sd3_dir, prompt_file):
                    "trainer.steps_per_chunk=2")
     dance = trainer(tmp_path / "d", tiny_sd3_dir, prompt_file, *common, "trainer.name=dance_grpo",
                     "trainer.sampler=flow_grpo", "trainer.timestep_fraction=0.5", "trainer.step_draw=per_batch",
-                    "trainer.advantage_std=population", "trainer.zero_advantage=skipped")
+                    "trainer.advantage_std=population", "trainer.zero_advantage=skipped",
+                    "trainer.sigma_grid=model", "trainer.model_timestep=continuous")
     flow.train()
     dance.train()
     a, b = flow.trainable_state(), dance.trainable_state()
@@ -273,3 +274,101 @@ def test_the_loss_is_flow_grpos(tmp_path, tiny_sd3_dir, prompt_file):
 
 def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo")
+
+
+SCHEDULE = json.loads((Path(__file__).parent / "known_answers" / "dance_grpo_schedule.json").read_text())
+
+
+@pytest.mark.parametrize("case", SCHEDULE["grids"], ids=lambda c: f"{c['num_steps']}steps_shift{c['shift']:g}")
+def test_the_shifted_grid_and_integer_timesteps_are_the_authors(case):
+    """``sd3_time_shift(shift, linspace(1, 0, T + 1))`` bit for bit (float32), and what their transformer reads:
+    ``int(1000·σ)``, FLUX that over 1000 (``known_answers/dance_grpo_schedule.json``)."""
+    from flowalign.sampling.timesteps import shifted_grid, truncated
+
+    grid = shifted_grid(case["num_steps"], case["shift"])
+    assert grid.dtype == torch.float32 and grid.tolist() == case["sigmas"]
+    # the pipelines' 1000·σ in float32, truncated: their int(sigma * 1000) of the float32 σ
+    assert truncated(grid[:-1] * 1000).tolist() == [float(t) for t in case["timesteps"]]
+    assert (truncated(grid[:-1] * 1000) / 1000).tolist() == case["flux_timesteps"]
+
+
+@pytest.mark.parametrize("step", SCHEDULE["steps"], ids=lambda s: f"index{s['index']}")
+def test_the_dance_sde_step_is_the_authors_flux_step(step):
+    """The step's mean and log-prob equal their ``flux_step(..., sde_solver=True)`` (float32, rtol 1e-5)."""
+    from flowalign.sampling import sde_step
+    from flowalign.sampling.timesteps import shifted_grid
+
+    inputs, k = SCHEDULE["inputs"], step["index"]
+    sigmas = shifted_grid(16, 3.0)
+    out = sde_step("dance", torch.tensor(inputs["model_output"]), torch.tensor(inputs["latents"]), sigmas[k].item(),
+                   sigmas[k + 1].item(), noise_level=inputs["eta"], prev_sample=torch.tensor(step["prev_sample"]))
+    torch.testing.assert_close(out.mean, torch.tensor(step["mean"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.log_prob, torch.tensor(step["log_prob"]), rtol=1e-5, atol=1e-5)
+
+
+class ReadTimesteps:
+    """Records the timestep the transformer's forward receives (after every pre-hook, the timestep form's too)."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer, self.seen = transformer, []
+        forward = transformer.forward
+
+        def recorded(*args, **kwargs):
+            self.seen.extend(kwargs["timestep"].flatten().tolist())
+            return forward(*args, **kwargs)
+
+        transformer.forward = recorded
+
+    def remove(self) -> None:
+        del self.transformer.forward
+
+
+@pytest.mark.parametrize("name", ["dance_grpo", "pref_grpo"])
+def test_rollouts_and_updates_read_the_authors_grid_and_integer_timesteps(name, tmp_path, tiny_sd3_dir, prompt_file):
+    """By default (DanceGRPO's and Pref-GRPO's scripts) the rollouts sample on ``linspace(1, 0, T + 1)`` shifted
+    by 3 and the transformer reads ``int(1000·σ)`` in the rollout, the KL reference and the update alike;
+    ``sigma_grid: model`` with ``model_timestep: continuous`` (the former form) is the checkpoint's own grid read
+    as ``1000·σ``."""
+    from flowalign.sampling.timesteps import shifted_grid
+
+    overrides = (f"trainer.name={name}", "trainer.batch_size=4", "trainer.num_steps=5", "trainer.beta=0.04")
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *overrides))
+    handle = ReadTimesteps(t.policy.transformer)
+    seen = handle.seen
+    batch = t.collect(0)
+    grid = shifted_grid(5, 3.0)
+    assert all(torch.equal(c.sigmas, grid) for c in batch.chunks)
+    ints = set(torch.trunc(grid[:-1] * 1000).tolist())
+    assert set(seen) == ints  # every rollout forward
+    seen.clear()
+    plan = t.plan(batch, torch.Generator().manual_seed(0))
+    unit = plan.steps[0][0]
+    t.loss(batch, unit)
+    handle.remove()
+    assert seen and set(seen) <= ints and any(v != 1000 * grid[unit.k].item() for v in seen)
+
+    former = build_trainer(small_config(tmp_path / "f", tiny_sd3_dir, prompt_file, *overrides,
+                                        "trainer.sigma_grid=model", "trainer.model_timestep=continuous"))
+    handle = ReadTimesteps(former.policy.transformer)
+    seen = handle.seen
+    chunk = former.collect(0).chunks[0]
+    handle.remove()
+    assert torch.equal(chunk.sigmas, former.policy.sigmas(5)) and not torch.equal(chunk.sigmas, grid)
+    assert set(seen) == set((chunk.sigmas[:-1] * 1000).tolist())
+
+
+def test_a_flux_rollout_reads_the_integer_timesteps_over_1000(tiny_flux_dir):
+    """FLUX's transformer reads σ: on the authors' grid it reads ``int(1000·σ) / 1000``, their ``timesteps/1000``."""
+    import pipelines
+    from flowalign.sampling import rollout
+    from flowalign.sampling.timesteps import ShiftedGrid, truncated
+
+    policy = pipelines.load(tiny_flux_dir)
+    read = ReadTimesteps(policy.transformer)
+    out = rollout(policy, ["a red circle"], num_steps=4, sampler="dance", noise_level=0.3, grid=ShiftedGrid(3.0),
+                  timestep_form=truncated, decode=False, generator=torch.Generator().manual_seed(0))
+    read.remove()
+    assert torch.equal(out.sigmas, ShiftedGrid(3.0)(4))
+    # run_sample_step's timestep_value = int(sigma * 1000), torch.long, fed as timesteps / 1000
+    theirs = (torch.tensor([int(s * 1000) for s in out.sigmas[:-1]], dtype=torch.long) / 1000).tolist()
+    assert read.seen == theirs
