@@ -4,7 +4,8 @@ Every rollout runs the ODE except on a window of ``window_size`` consecutive ste
 Flow-GRPO SDE; only those steps are trained, with Flow-GRPO's loss. The window is the same for every
 prompt and moves ``window_stride`` steps later every ``shift_interval`` training steps, rolling back to the
 first step at the end (:func:`flowalign.sampling.windows.sliding_window`): a function of the training step
-alone, so every rank and a resumed run place it alike.
+alone, so every rank and a resumed run place it alike. Its scripts are built on DanceGRPO's: their σ grid and
+integer timesteps are :mod:`flowalign.trainers.parts.dance_schedule`'s.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from flowalign.trainers.flow_grpo import (CPSOptions, FlowGRPOBase, FlowGRPOTrai
                                            steps_over_epochs)
 from flowalign.trainers.options import ReferenceOptions
 from flowalign.trainers.parts.advantage_std import AdvantageStdOptions, advantage_std_options
+from flowalign.trainers.parts.dance_schedule import DanceSchedule, DanceScheduleOptions
 
 
-class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, StepSubsetOptions, AdvantageStdOptions):
+class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, StepSubsetOptions, AdvantageStdOptions,
+                    DanceScheduleOptions):
     name: Literal["mix_grpo"] = "mix_grpo"  # type: ignore[assignment]
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"advantage_std": "population", "reward_weights": "as_written"}
+    before = {"advantage_std": "population", "reward_weights": "as_written", "sigma_grid": "model",
+              "model_timestep": "continuous"}
     #: each reward's group advantage, weight-summed (the authors' --use_group with advantage_aggr; with one
     #: reward, ``group``)
     advantage: str = Field("per_reward", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
@@ -44,7 +48,7 @@ class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, Step
     window_stride: int = Field(1, ge=1, le=MAX_SAMPLING_STEPS)
 
 
-class MixGRPOTrainer(FlowGRPOTrainer):
+class MixGRPOTrainer(DanceSchedule, FlowGRPOTrainer):
     Config = MixGRPOConfig
     tcfg: MixGRPOConfig
 
@@ -73,7 +77,8 @@ class MixGRPOTrainer(FlowGRPOTrainer):
     def sampling(self, group: int) -> Sampling:
         """ODE everywhere but the window of the current step (the same for every group)."""
         return Sampling(self.sampler, self.noise_level, self.window(self.step), False,
-                        cps_log_prob=self.tcfg.cps_log_prob, keep_unconditional=self.reuses_unconditional)
+                        cps_log_prob=self.tcfg.cps_log_prob, keep_unconditional=self.reuses_unconditional,
+                        grid=self.rollout_grid, timestep_form=self.timestep_form)
 
     def collect(self, step: int) -> StepBatch:
         batch = super().collect(step)

@@ -8,27 +8,17 @@ from __future__ import annotations
 from flowalign.errors import UserError
 from flowalign.sampling import Rollout
 from flowalign.trainers.parts.best_worst import best_and_worst, check_best_of
-from flowalign.trainers.parts.dance_schedule import schedule_grid, schedule_timestep
+from flowalign.trainers.parts.dance_schedule import DanceSchedule
 from flowalign.trainers.parts.drawn_steps import check_drawn_steps, drawn_reference_steps, drawn_steps, per_sample_batch
 from flowalign.trainers.parts.global_plan import ChunkRef
 from flowalign.trainers.rollouts import StepBatch
 
 
-class DanceLoop:
+class DanceLoop(DanceSchedule):
     """Trainer hooks of the DanceGRPO loop; mixed in before ``FlowGRPOTrainer``, whose config then carries
     :class:`~flowalign.trainers.parts.drawn_steps.DrawnStepOptions`,
     :class:`~flowalign.trainers.parts.best_worst.BestWorstOptions` and
-    :class:`~flowalign.trainers.parts.dance_schedule.DanceScheduleOptions`."""
-
-    @property
-    def rollout_grid(self):
-        """The authors' shifted grid (``sigma_grid: shifted``), or None: the checkpoint's own."""
-        return schedule_grid(self.tcfg)
-
-    @property
-    def timestep_form(self):
-        """Their integer timestep (``model_timestep: truncated``), or None: the pipeline's."""
-        return schedule_timestep(self.tcfg)
+    :class:`~flowalign.trainers.parts.dance_schedule.DanceScheduleOptions` (their grid and timesteps)."""
 
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:

@@ -1,4 +1,5 @@
-"""DanceGRPO's σ grid and integer timesteps (DanceGRPO, and Pref-GRPO whose scripts are DanceGRPO's).
+"""DanceGRPO's σ grid and integer timesteps (DanceGRPO, and Pref-GRPO and MixGRPO, whose scripts are built on
+DanceGRPO's).
 
 Their scripts sample on ``sd3_time_shift(shift, linspace(1, 0, T + 1))`` whatever the model (``--shift 3`` for
 FLUX, Wan, Qwen-Image; 5 for HunyuanVideo), not the checkpoint's own grid, and hand the transformer
@@ -28,11 +29,16 @@ class DanceScheduleOptions(Section):
     model_timestep: Literal["truncated", "continuous"] = "truncated"
 
 
-def schedule_grid(tcfg: DanceScheduleOptions) -> ShiftedGrid | None:
-    """The rollouts' σ grid (None: the checkpoint's own)."""
-    return ShiftedGrid(tcfg.sigma_shift) if tcfg.sigma_grid == "shifted" else None
+class DanceSchedule:
+    """Trainer hooks read by Flow-GRPO's sampling and forwards; mixed in before ``FlowGRPOTrainer``, whose config
+    then carries :class:`DanceScheduleOptions`."""
 
+    @property
+    def rollout_grid(self) -> ShiftedGrid | None:
+        """The authors' shifted grid (``sigma_grid: shifted``), or None: the checkpoint's own."""
+        return ShiftedGrid(self.tcfg.sigma_shift) if self.tcfg.sigma_grid == "shifted" else None
 
-def schedule_timestep(tcfg: DanceScheduleOptions) -> TimestepMap | None:
-    """What the transformer reads of its timestep (None: the pipeline's ``1000·σ``)."""
-    return truncated if tcfg.model_timestep == "truncated" else None
+    @property
+    def timestep_form(self) -> TimestepMap | None:
+        """Their integer timestep (``model_timestep: truncated``), or None: the pipeline's ``1000·σ``."""
+        return truncated if self.tcfg.model_timestep == "truncated" else None

@@ -323,9 +323,9 @@ class ReadTimesteps:
         del self.transformer.forward
 
 
-@pytest.mark.parametrize("name", ["dance_grpo", "pref_grpo"])
+@pytest.mark.parametrize("name", ["dance_grpo", "pref_grpo", "mix_grpo"])
 def test_rollouts_and_updates_read_the_authors_grid_and_integer_timesteps(name, tmp_path, tiny_sd3_dir, prompt_file):
-    """By default (DanceGRPO's and Pref-GRPO's scripts) the rollouts sample on ``linspace(1, 0, T + 1)`` shifted
+    """By default (DanceGRPO's scripts, and Pref-GRPO's and MixGRPO's built on them) the rollouts sample on ``linspace(1, 0, T + 1)`` shifted
     by 3 and the transformer reads ``int(1000·σ)`` in the rollout, the KL reference and the update alike;
     ``sigma_grid: model`` with ``model_timestep: continuous`` (the former form) is the checkpoint's own grid read
     as ``1000·σ``."""
