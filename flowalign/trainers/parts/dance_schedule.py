@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowalign.config import Section
 from flowalign.sampling.timesteps import ShiftedGrid, TimestepMap, truncated
@@ -27,6 +27,13 @@ class DanceScheduleOptions(Section):
     #: truncated: the transformer reads int(1000·σ) (FLUX: over 1000) in rollouts and updates, as the authors'
     #: scripts; continuous: the pipeline's 1000·σ
     model_timestep: Literal["truncated", "continuous"] = "truncated"
+
+    @model_validator(mode="after")
+    def _shift_only_with_the_shifted_grid(self):
+        if "sigma_shift" in self.model_fields_set and self.sigma_grid != "shifted":
+            raise ValueError(f"trainer.sigma_shift is read only with trainer.sigma_grid=shifted (this config has "
+                             f"{self.sigma_grid}): drop it or set trainer.sigma_grid=shifted")
+        return self
 
 
 class DanceSchedule:

@@ -372,3 +372,8 @@ def test_a_flux_rollout_reads_the_integer_timesteps_over_1000(tiny_flux_dir):
     # run_sample_step's timestep_value = int(sigma * 1000), torch.long, fed as timesteps / 1000
     theirs = (torch.tensor([int(s * 1000) for s in out.sigmas[:-1]], dtype=torch.long) / 1000).tolist()
     assert read.seen == theirs
+
+
+def test_a_shift_without_the_shifted_grid_is_refused():
+    with pytest.raises(UserError, match="trainer.sigma_shift is read only with trainer.sigma_grid=shifted"):
+        trainer_config({"name": "dance_grpo", "sigma_grid": "model", "sigma_shift": 5})
