@@ -143,7 +143,8 @@ WinRateNormalisation = Literal["per_reward", "weighted_sum"]
 
 def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor,
                                    judged: torch.Tensor | None = None, *, batch_renormalise: bool = False,
-                                   eps: float = 1e-8, decimals: int = 3) -> torch.Tensor:
+                                   eps: float = 1e-8, decimals: int = 3,
+                                   parts: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Pref-GRPO's advantages ``(N,)`` as the authors' code computes them (CodeGoat24/Pref-GRPO,
     ``fastvideo/rewards/dispatcher.py::compute_weighted_advantages`` with ``--use_group``):
 
@@ -154,20 +155,42 @@ def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tens
     - ``batch_renormalise`` (their ``--apply_gdpo``, on in their recipes): ``A ← (A − mean A)/(std A + eps)``
       over the whole gathered batch, unbiased std again.
 
+    A judged reward with ``parts`` ``(N, 5)`` (``[overall, dim_mean, has_dims, w_o, w_d]``, UnifiedReward-Flex's
+    win rates, :attr:`flowalign.reward_set.RewardScores.parts`) is its blended value as it is (not rounded); with
+    ``batch_renormalise`` its advantage is their blend of the two rates' advantages,
+    ``(w_o·A(overall) + w_d·A(dim_mean)) / (w_o + w_d)`` where the sample has categories, else ``A(overall)``
+    (``w_d`` = 0: ``A(overall)``), as ``compute_weighted_advantages`` under ``--apply_gdpo``.
+
     ``components`` ``(N, M)``, ``weights`` ``(M,)``, ``judged`` ``(M,)`` bool. float64 in, float64 out. A group
     of one sample has no spread (their unbiased std would be NaN): its advantage is 0.
     """
     judged = torch.zeros(components.shape[1], dtype=torch.bool) if judged is None else judged
+    parts = parts or {}
     values = components.to(torch.promote_types(components.dtype, torch.float32))
     adv = torch.zeros(len(values), dtype=values.dtype, device=values.device)
+
+    def normalised(rates: torch.Tensor) -> torch.Tensor:
+        mean, std = _group_mean_std(rates, groups, unbiased=True)  # unbiased, as torch's Tensor.std() they call
+        return (rates - mean) / (std + eps)
+
     for m in range(values.shape[1]):
+        if judged[m] and m in parts:
+            p = parts[m].to(values)
+            if batch_renormalise:
+                w_o, w_d = float(p[0, 3]), float(p[0, 4])
+                overall = normalised(p[:, 0])
+                blended = (w_o * overall + w_d * normalised(p[:, 1])) / (w_o + w_d) if w_d > 0 else overall
+                reward_adv = torch.where(p[:, 2] > 0, blended, overall)
+            else:
+                reward_adv = normalised(values[:, m])
+            adv = adv + float(weights[m]) * reward_adv
+            continue
         if judged[m]:
             rates = torch.tensor([round(float(v), decimals) for v in values[:, m]], dtype=values.dtype,
                                  device=values.device)
         else:
             rates = win_rates(values[:, m], groups, decimals=decimals)
-        mean, std = _group_mean_std(rates, groups, unbiased=True)  # unbiased, as torch's Tensor.std() they call
-        adv = adv + float(weights[m]) * (rates - mean) / (std + eps)
+        adv = adv + float(weights[m]) * normalised(rates)
     return batch_renormalised(adv, eps) if batch_renormalise else adv
 
 
@@ -215,6 +238,7 @@ def compute_advantages(
     unbiased: bool = False,
     normalise_weights: bool = False,
     gdpo_std: GDPOStd = "floor",
+    parts: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
     ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards; ``win_rate``
@@ -226,7 +250,8 @@ def compute_advantages(
     each reward's group advantage (:func:`per_reward_advantages`); ``unbiased``: the ``group``, ``global_std``
     and ``per_reward`` std divided by n − 1; ``normalise_weights``: the weights divided by their sum first (when
     it is positive), as MixGRPO's script does; ``gdpo_std``: what divides ``gdpo``'s advantages
-    (:func:`gdpo_advantages`; ``"population"``, the former form, adds ``eps``)."""
+    (:func:`gdpo_advantages`; ``"population"``, the former form, adds ``eps``); ``parts``: column → a blended
+    win rate's parts, read by the authors' per-reward win-rate form only."""
     if normalise_weights and float(weights.sum()) > 0:
         weights = weights / weights.sum()
     total = components.float() @ weights.float()
@@ -240,7 +265,8 @@ def compute_advantages(
         # the former form reads the caller's eps; the authors' forms carry their own constants
         adv = gdpo_advantages(components, weights, groups, std=gdpo_std, eps=eps if gdpo_std == "population" else None)
     elif kind == "win_rate" and win_rate_normalisation == "per_reward":
-        adv = per_reward_win_rate_advantages(components, weights, groups, judged, batch_renormalise=batch_renormalise)
+        adv = per_reward_win_rate_advantages(components, weights, groups, judged, batch_renormalise=batch_renormalise,
+                                             parts=parts)
     elif kind == "win_rate":
         adv = group_advantages(preference_win_rates(components, weights, groups, judged), groups, std="group", eps=eps)
         adv = batch_renormalised(adv) if batch_renormalise else adv

@@ -59,6 +59,11 @@ class RewardScores:
     #: reward name → ``(N,)`` per-sample notes, for each reward whose ``info`` gives a sample a ``note`` (e.g.
     #: motion_insight's failure causes): evaluations keep them beside each sample, galleries show them
     notes: dict[str, list[str]] = field(default_factory=dict)
+    #: reward name → ``(N, 5)`` float per-sample parts of a win rate that is a blend, for each reward whose
+    #: ``info`` gives ``dim_mean`` (UnifiedReward-Flex): ``[overall, dim_mean, has_dims, overall_weight,
+    #: dim_weight]``, NaN rows where a sample has none; Pref-GRPO's batch renormalisation blends their advantages
+    #: (:func:`flowalign.advantages.per_reward_win_rate_advantages`)
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def commonest_reason(self) -> tuple[str, int] | None:
         """The reason most invalid samples share, and how many share it (None when all are valid)."""
@@ -96,9 +101,12 @@ class RewardScores:
                   for name in verdicts}
         notes = {name: [t for p in parts for t in p.notes.get(name, [""] * len(p))]
                  for name in dict.fromkeys(name for p in parts for name in p.notes)}
+        blends = {name: torch.cat([p.parts.get(name, torch.full((len(p), 5), float("nan"))) for p in parts])
+                  for name in dict.fromkeys(name for p in parts for name in p.parts)}
         return RewardScores(torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
                             parts[0].weights, parts[0].names,
-                            [r for p in parts for r in (p.reasons or [""] * len(p))], passed, parts[0].pairwise, notes)
+                            [r for p in parts for r in (p.reasons or [""] * len(p))], passed, parts[0].pairwise, notes,
+                            blends)
 
 
 class RewardSet:
@@ -153,6 +161,7 @@ class RewardSet:
         columns, oks, reasons = [], [], [""] * n
         passed: dict[str, torch.Tensor] = {}
         notes: dict[str, list[str]] = {}
+        blends: dict[str, torch.Tensor] = {}
         for name, _, reward in self.entries:
             try:
                 out: RewardOutput = check_reward_output(name, reward(samples, prompts, metadata), n)
@@ -163,6 +172,8 @@ class RewardSet:
                     passed[name] = torch.tensor([bool(info["all_passed"]) for info in out.info]) & ok
                 if any(isinstance(info, dict) and info.get("note") for info in out.info):
                     notes[name] = [str(info.get("note") or "") if isinstance(info, dict) else "" for info in out.info]
+                if any(isinstance(info, dict) and "dim_mean" in info for info in out.info):
+                    blends[name] = _blend_parts(out.info)
             except (UserError, KeyboardInterrupt, Terminated):  # a wrong output fails every batch; a signal is
                 raise                                                # the user's, never the reward's failure
             except BaseException as e:  # raised, timed out, even SystemExit: the batch's samples, not the run
@@ -176,7 +187,7 @@ class RewardSet:
             oks.append(ok)
         values = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
         ok = torch.stack(oks, dim=1) if oks else torch.ones(n, 0, dtype=torch.bool)
-        return RewardScores(values, ok, self.weights, self.names, reasons, passed, self.pairwise, notes)
+        return RewardScores(values, ok, self.weights, self.names, reasons, passed, self.pairwise, notes, blends)
 
     def weighted_total(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> torch.Tensor:
         """``(N,)`` ``Σ_m w_m·R_m`` with gradients to ``samples`` where the rewards have them; invalid
@@ -196,6 +207,14 @@ class RewardSet:
             value = out.total.to(samples.device)
             total = total + weight * torch.where(out.valid.to(samples.device), value, 0.0)
         return total
+
+
+def _blend_parts(info: list[Any]) -> torch.Tensor:
+    """``(N, 5)`` :attr:`RewardScores.parts` of a blended win rate from each sample's ``info`` (NaN without)."""
+    keys = ("overall", "dim_mean", "has_dims", "overall_weight", "dim_weight")
+    rows = [[float("nan") if not isinstance(i, dict) or i.get(k) is None else float(i[k]) for k in keys]
+            for i in info]
+    return torch.tensor(rows, dtype=torch.float64)
 
 
 def _has_verdicts(out: RewardOutput, n: int) -> bool:

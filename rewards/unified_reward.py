@@ -13,6 +13,10 @@ Two modes, on a local model folder (``path``) or an OpenAI-compatible server (``
   score is its win rate over its comparisons rounded to 3 decimals (Pref-GRPO's ``_pairwise_win_rate``), in
   [0, 1].
 
+* ``flex_pairwise`` (UnifiedReward-Flex, as Pref-GRPO's Flex recipes train on it): the same pairs, shown with
+  UnifiedReward-Flex's template; the reply's overall and per-category winners give each sample a blend of its
+  overall and category win rates (:mod:`rewards.unified_reward_flex`), in [0, 1].
+
 A reply without a score makes its sample invalid, never 0 (Flow-GRPO scores it 0); a pairwise reply without a
 verdict counts as a tie (half a win to each image, as Pref-GRPO's ``unifiedreward_think.py`` does;
 ``no_verdict: unread`` leaves it out), a failed request is left out (Pref-GRPO's loop stops on it), and a
@@ -36,15 +40,17 @@ from rewards.planning import existing, missing, on_accelerator, option, publishe
 from rewards.qwen_vl_reward import local_path
 from rewards.registry import register
 from rewards.vlm_backend import ChatRequest
+from rewards.unified_reward_flex import FLEX_BLENDS, FLEX_QUESTION, flex_win_rates, parse_flex
 from rewards.vlm_parse import answer_region
 
 log = logging.getLogger("flowalign.rewards.unified_reward")
 
-MODES = ("score", "think_pairwise")
+MODES = ("score", "think_pairwise", "flex_pairwise")
 #: what UnifiedReward-qwen-7b and UnifiedReward-Think-qwen-7b are, as published (assets/reward_architectures/)
 ARCHITECTURE_7B = "qwen2.5-vl-7b-instruct"
 DOWNLOAD = ("a UnifiedReward model (e.g. CodeGoat24/UnifiedReward-qwen-7b, or for think_pairwise"
-            " CodeGoat24/UnifiedReward-Think-qwen3vl-8b, or -Think-qwen-7b with think_prompt: qwen2_5vl)")
+            " CodeGoat24/UnifiedReward-Think-qwen3vl-8b, or -Think-qwen-7b with think_prompt: qwen2_5vl, or for"
+            " flex_pairwise CodeGoat24/UnifiedReward-Flex-qwen3vl-8b)")
 
 # Flow-GRPO's pointwise question, verbatim (flow_grpo/rewards.py, unifiedreward_score_sglang)
 SCORE_QUESTION = (
@@ -170,6 +176,7 @@ VERDICT_PARSE_MEANINGS = {
 MODE_DEFAULTS = {
     "score": {"image_size": 512, "jpeg_quality": None, "max_tokens": 512},
     "think_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
+    "flex_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
 }
 _FINAL_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")  # Flow-GRPO's pattern
 _VERDICT = re.compile(r"Image\s*([12])\s*is\s*better", re.I)
@@ -235,8 +242,11 @@ class UnifiedReward:
     think_pairwise: ``think_prompt`` (``qwen3vl``, Pref-GRPO's, or ``qwen2_5vl``, the former), ``verdict_parse``
     (``answer``, Pref-GRPO's, or ``lenient``, the former), ``win_rate_decimals`` (3, Pref-GRPO's rounding; null
     keeps rates exact, the former form), ``both_orders`` (judge each pair in both orders), ``no_verdict``
-    (``tie``, half a win each as Pref-GRPO counts it, or ``unread``); ``device`` (None: the samples'), ``dtype``
-    (bf16), ``batch_size`` (requests per forward).
+    (``tie``, half a win each as Pref-GRPO counts it, or ``unread``); flex_pairwise: ``overall_weight``,
+    ``dim_weight`` and ``category_weights`` (Pref-GRPO's ``OVERALL_WEIGHT``, ``DIM_WEIGHT``, ``CATEGORY_WEIGHTS``:
+    1, 1 and none by default, 0.3, 0.7 and 1, 0.7, 0.7 in their Flex recipes), ``flex_blend`` (``code``, their
+    code's blend, or ``as_set``; :mod:`rewards.unified_reward_flex`); ``device`` (None: the samples'),
+    ``dtype`` (bf16), ``batch_size`` (requests per forward).
     """
 
     name = "unified_reward"
@@ -255,7 +265,10 @@ class UnifiedReward:
                  mode: str = "score", image_size: int | str | None = "auto", jpeg_quality: int | str | None = "auto",
                  normalize: bool = True, max_tokens: int | str = "auto", think_prompt: str = "qwen3vl",
                  verdict_parse: str = "answer", win_rate_decimals: int | None = 3, both_orders: bool = False,
-                 no_verdict: str = "tie", device: str | None = None, dtype: str = "bfloat16", batch_size: int = 8):
+                 no_verdict: str = "tie", overall_weight: float = 1.0, dim_weight: float = 1.0,
+                 category_weights: list[float] | None = None, flex_blend: str = "code", device: str | None = None,
+                 dtype: str = "bfloat16",
+                 batch_size: int = 8):
         label = "unified_reward reward"
         if mode not in MODES:
             raise UserError(f"unified_reward reward: mode={mode!r} is not one of {list(MODES)}")
@@ -278,12 +291,28 @@ class UnifiedReward:
         if no_verdict not in ("tie", "unread"):
             raise UserError(f"unified_reward reward: no_verdict={no_verdict!r} must be 'tie' (Pref-GRPO's: half a win "
                             "each) or 'unread' (the comparison is not counted)")
+        for option, value in (("overall_weight", overall_weight), ("dim_weight", dim_weight),
+                              *((f"category_weights[{k}]", w) for k, w in enumerate(category_weights or []))):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e6:
+                raise UserError(f"unified_reward reward: {option}={value!r} must be a number from 0 to 1e6")
+        one_of(label, "flex_blend", flex_blend, FLEX_BLENDS, FLEX_BLENDS)
+        if mode != "flex_pairwise" and (overall_weight != 1.0 or dim_weight != 1.0 or category_weights
+                                        or flex_blend != "code"):
+            raise UserError("unified_reward reward: overall_weight, dim_weight, category_weights and flex_blend are read"
+                            f" only with mode: flex_pairwise (this entry has mode: {mode}): drop them or set mode:"
+                            " flex_pairwise")
+        if overall_weight + dim_weight <= 0:
+            raise UserError("unified_reward reward: overall_weight + dim_weight must be positive (Pref-GRPO's Flex "
+                            "recipes: 0.3 and 0.7)")
         if (path is None) == (url is None):
             raise UserError("unified_reward reward: give either path: (the local folder of " + DOWNLOAD + ") or url:"
                             " (an OpenAI-compatible server serving it), not both")
         self.mode, self.image_size, self.jpeg_quality, self.normalize = mode, image_size, jpeg_quality, normalize
         #: think_pairwise scores are win rates among the samples sharing a prompt (Pref-GRPO's reward)
-        self.pairwise = mode == "think_pairwise"
+        self.pairwise = mode in ("think_pairwise", "flex_pairwise")
+        self.overall_weight, self.dim_weight = float(overall_weight), float(dim_weight)
+        self.category_weights = [float(w) for w in category_weights or []]
+        self.flex_blend = flex_blend
         self.max_tokens, self.both_orders = max_tokens, both_orders
         self.think_question = THINK_PROMPTS[think_prompt]
         self.verdict_parse, self.win_rate_decimals = verdict_parse, win_rate_decimals
@@ -384,8 +413,12 @@ class UnifiedReward:
         pairs = [(g[x], g[y]) for g in groups.values() for x in range(len(g)) for y in range(x + 1, len(g))]
         if self.both_orders:
             pairs += [(b, a) for a, b in pairs]
-        replies = self.backend.complete([self._ask([images[a], images[b]],
-                                                   self.think_question.format(prompt=prompts[a])) for a, b in pairs])
+        question = FLEX_QUESTION if self.mode == "flex_pairwise" else self.think_question
+        replies = self.backend.complete([self._ask([images[a], images[b]], question.format(prompt=prompts[a]))
+                                         for a, b in pairs])
+        if self.mode == "flex_pairwise":
+            self._flex(todo, groups, pairs, replies, prompts, scores, info)
+            return
         tie = 0 if self.no_verdict == "tie" else None
         verdicts = [(a, b, None if c.error is not None else (parse_verdict(c.text, self.verdict_parse) or tie))
                     for (a, b), c in zip(pairs, replies)]
@@ -398,6 +431,29 @@ class UnifiedReward:
                 info[i]["reason"] = "no comparison of this sample gave a verdict"
             else:
                 scores[i] = rates[i]
+
+    def _flex(self, todo: list[int], groups: dict[str, list[int]], pairs: list[tuple[int, int]], replies: list[Any],
+              prompts: list[str], scores: torch.Tensor, info: list[dict[str, Any]]) -> None:
+        """Each prompt's group read as Pref-GRPO's ``_pairwise_win_rate`` reads one call's replies (its categories
+        keyed in the order its replies name them); a sample's ``info`` keeps its ``overall``, ``dim_mean`` and
+        ``has_dims``, the parts Pref-GRPO's ``--apply_gdpo`` blends (:mod:`rewards.unified_reward_flex`)."""
+        verdicts = {pair: None if c.error is not None else parse_flex(c.text) for pair, c in zip(pairs, replies)}
+        for members in groups.values():
+            local = {i: k for k, i in enumerate(members)}
+            rates = flex_win_rates(len(members), [(local[a], local[b], v) for (a, b), v in verdicts.items()
+                                                  if a in local],
+                                   overall_weight=self.overall_weight, dim_weight=self.dim_weight,
+                                   category_weights=self.category_weights, blend=self.flex_blend)
+            for i, k in local.items():
+                info[i].update(comparisons=rates.read[k], overall=rates.overall[k], dim_mean=rates.dim_mean[k],
+                               has_dims=rates.has_dims[k], overall_weight=self.overall_weight,
+                               dim_weight=self.dim_weight)
+                if len(members) < 2:
+                    info[i]["reason"] = "flex_pairwise needs at least 2 samples per prompt"
+                elif rates.reward[k] is None:
+                    info[i]["reason"] = "no comparison of this sample came back"
+                else:
+                    scores[i] = rates.reward[k]
 
 
 # what the tiny model answers, whatever it is shown: a verdict and a score, every token distinct

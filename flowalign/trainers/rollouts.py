@@ -191,16 +191,25 @@ def gathered_advantages(kind: str, scores: RewardScores, prompt_ids: torch.Tenso
     invalid samples get 0 (they take their prompt's valid mean, so they neither move nor receive the
     statistics). ``options`` go to :func:`flowalign.advantages.compute_advantages` (e.g. ``pairwise_weight``)."""
     comps, ok, pids = (acc.gather(t.to(acc.device)).cpu() for t in (scores.values, scores.valid, prompt_ids))
-    filled = comps.clone()
+    parts = {scores.names.index(name): _filled(acc.gather(t.to(acc.device)).cpu(), ok, pids)
+             for name, t in scores.parts.items()}
+    adv = compute_advantages(kind, _filled(comps, ok, pids), scores.weights, pids, clip=clip, judged=scores.pairwise,
+                             parts=parts, **options)
+    adv[~ok] = 0.0
+    n = len(scores)
+    return adv[acc.process_index * n : (acc.process_index + 1) * n]
+
+
+def _filled(values: torch.Tensor, ok: torch.Tensor, pids: torch.Tensor) -> torch.Tensor:
+    """``values (N, K)`` with each invalid sample's row replaced by its prompt's valid mean (0 where the prompt
+    has no valid sample: its advantages are zeroed, and a NaN would reach the whole batch's renormalisation)."""
+    filled = values.clone()
     for p in torch.unique(pids):
         members = pids == p
         good = members & ok
         if good.any():
-            filled[members & ~ok] = comps[good].mean(0)
-    adv = compute_advantages(kind, filled, scores.weights, pids, clip=clip, judged=scores.pairwise, **options)
-    adv[~ok] = 0.0
-    n = len(scores)
-    return adv[acc.process_index * n : (acc.process_index + 1) * n]
+            filled[members & ~ok] = values[good].mean(0)
+    return filled.nan_to_num(0.0)
 
 
 def reward_logs(scores: RewardScores, acc: Any) -> dict[str, float]:
