@@ -12,9 +12,11 @@ come from a pairwise judge (a reward whose ``pairwise`` attribute is true, e.g. 
 scores. The rest is the authors' DanceGRPO-based loop, a preset of Flow-GRPO as ``dance_grpo`` is: shared initial noise per group, a
 random ``timestep_fraction`` of the first T−1 steps trained, drawn per sample, and optionally only each group's
 best and worst samples (:mod:`flowalign.trainers.parts.dance_loop`), and
-Flow-GRPO's clipped surrogate unchanged:
+Flow-GRPO's clipped surrogate with GRPO-Guard's normalised ratio r̃ and 1/h step weight, as their scripts'
+``--rationorm`` (:mod:`flowalign.trainers.parts.ratio_norm`; ``ratio_norm: false``, ``reweight: false`` is the
+former form, the plain ratio):
 
-    L = mean_{i,k} max(−A_i·r, −A_i·clip(r, 1−ε, 1+ε)),   r = exp(ℓ_k(θ) − ℓ_k(θ_old))
+    L = mean_{i,k} (1/h_k)·max(−A_i·r̃, −A_i·clip(r̃, 1−ε, 1+ε))
 """
 
 from __future__ import annotations
@@ -32,14 +34,19 @@ from flowalign.trainers.parts.dance_loop import DanceLoop
 from flowalign.trainers.parts.dance_schedule import DanceScheduleOptions
 from flowalign.trainers.parts.drawn_steps import DrawnStepOptions
 from flowalign.trainers.parts.groups import check_whole_groups
+from flowalign.trainers.parts.ratio_norm import RatioNorm, RatioNormOptions
 
 
 class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, DrawnStepOptions,
-                     BestWorstOptions, DanceScheduleOptions):
+                     BestWorstOptions, DanceScheduleOptions, RatioNormOptions):
     name: Literal["pref_grpo"] = "pref_grpo"
     #: what runs saved before these options existed computed (see TrainerConfig.before)
     before = {"step_draw": "per_batch", "zero_advantage": "skipped", "win_rate_normalisation": "weighted_sum",
-              "batch_renormalise": False, "sigma_grid": "model", "model_timestep": "continuous"}
+              "batch_renormalise": False, "sigma_grid": "model", "model_timestep": "continuous",
+              "ratio_norm": False, "reweight": False}
+    #: their --rationorm (on in their _common_finetune.sh): GRPO-Guard's normalised ratio with each sample's own
+    #: shift (their mean over the elements of a one-sample batch) and the loss divided by the σ gap
+    ratio_bias: Literal["batch", "sample"] = "sample"
     #: the authors' scripts step with Flow-GRPO's SDE (grpo_step_mode flow, eta 0.7)
     sampler: Literal["flow_grpo", "dance", "cps"] = "flow_grpo"  # type: ignore[assignment]
     noise_level: float = Field(0.7, gt=0, le=2)
@@ -54,7 +61,7 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
     batch_renormalise: bool = True
 
 
-class PrefGRPOTrainer(DanceLoop, FlowGRPOTrainer):
+class PrefGRPOTrainer(DanceLoop, RatioNorm, FlowGRPOTrainer):
     Config = PrefGRPOConfig
     tcfg: PrefGRPOConfig
 

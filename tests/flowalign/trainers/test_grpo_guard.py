@@ -9,7 +9,7 @@ import torch
 
 from flowalign.sampling import flow_sde_step
 from flowalign.train import build_trainer
-from flowalign.trainers.grpo_guard import guard_clip_loss, guard_ratio
+from flowalign.trainers.parts.ratio_norm import guard_clip_loss, guard_ratio
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly

@@ -163,3 +163,46 @@ def test_rollout_batches_must_hold_whole_groups(tmp_path, tiny_sd3_dir, prompt_f
 def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=pref_grpo",
                                           "trainer.updates_per_epoch=2")
+
+
+RATIONORM = json.loads((Path(__file__).parent / "known_answers" / "pref_grpo_rationorm.json").read_text())
+
+
+@pytest.mark.parametrize("case", RATIONORM["cases"], ids=lambda c: f"step{c['index']}_adv{c['advantages'][0]:g}")
+def test_the_normalised_ratio_and_loss_are_their_rationorm(case):
+    """Their ``--rationorm`` (on in every recipe of theirs): GRPO-Guard's ratio with each sample's own shift, the
+    surrogate's batch mean divided by the σ gap (``known_answers/pref_grpo_rationorm.json``, float32)."""
+    from flowalign.sampling import sde_step
+    from flowalign.trainers.parts.ratio_norm import guard_clip_loss, guard_ratio
+
+    inputs, k = RATIONORM["inputs"], case["index"]
+    sigmas = torch.tensor(inputs["sigmas"])
+    x, prev = torch.tensor(inputs["x"]), torch.tensor(case["prev_sample"])
+    step = [sde_step("flow_grpo", torch.tensor(inputs[v]), x, sigmas[k].item(), sigmas[k + 1].item(),
+                     noise_level=inputs["eta"], prev_sample=prev) for v in ("v_new", "v_old")]
+    new, old = step
+    tcfg = trainer_config({"name": "pref_grpo"})[1]
+    assert (tcfg.ratio_norm, tcfg.ratio_bias, tcfg.reweight) == (True, "sample", True)
+    ratio = guard_ratio(new.log_prob, old.log_prob, new.mean, old.mean, new.std.flatten(1)[:, 0], tcfg.ratio_bias)
+    torch.testing.assert_close(ratio, torch.tensor(case["ratio"]), rtol=1e-5, atol=1e-6)
+    per_sample, _ = guard_clip_loss(ratio, torch.tensor(case["advantages"]), inputs["clip_range"],
+                                    1.0 / (sigmas[k] - sigmas[k + 1]).item())
+    assert per_sample.mean().item() == pytest.approx(case["policy_loss"], rel=1e-5)
+    if k:  # at σ = 1 the step's τ is small enough that both reductions give r̃ within 1e-6 of 1
+        batch_bias = guard_ratio(new.log_prob, old.log_prob, new.mean, old.mean, new.std.flatten(1)[:, 0], "batch")
+        assert not torch.allclose(batch_bias, ratio, rtol=1e-6)  # the reduction the known answers tell apart
+
+
+def test_the_default_update_trains_on_the_normalised_ratio(tmp_path, tiny_sd3_dir, prompt_file):
+    """Rollouts keep their velocities (the old step means) and the update reads them; the former form (plain
+    ratio, no 1/h) keeps none."""
+    common = ("trainer.name=pref_grpo", "trainer.batch_size=4", "trainer.num_steps=4")
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, *common))
+    batch = t.collect(0)
+    assert all(c.velocities is not None for c in batch.chunks)
+    plan = t.plan(batch, torch.Generator().manual_seed(0))
+    loss, info = t.loss(batch, plan.steps[0][0])
+    assert torch.isfinite(loss)
+    former = build_trainer(small_config(tmp_path / "f", tiny_sd3_dir, prompt_file, *common,
+                                        "trainer.ratio_norm=false", "trainer.reweight=false"))
+    assert all(c.velocities is None for c in former.collect(0).chunks)
