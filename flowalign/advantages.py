@@ -139,17 +139,22 @@ def preference_win_rates(components: torch.Tensor, weights: torch.Tensor, groups
 
 
 WinRateNormalisation = Literal["per_reward", "weighted_sum"]
+#: what the per-reward form normalises of a reward that is not a pairwise judge: its raw scores (Pref-GRPO's code)
+#: or the win rates its scores give within the group (the former form)
+PointwiseRewards = Literal["scores", "win_rates"]
 
 
 def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor,
                                    judged: torch.Tensor | None = None, *, batch_renormalise: bool = False,
                                    eps: float = 1e-8, decimals: int = 3,
-                                   parts: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                                   parts: dict[int, torch.Tensor] | None = None,
+                                   pointwise: PointwiseRewards = "scores") -> torch.Tensor:
     """Pref-GRPO's advantages ``(N,)`` as the authors' code computes them (CodeGoat24/Pref-GRPO,
     ``fastvideo/rewards/dispatcher.py::compute_weighted_advantages`` with ``--use_group``):
 
-    - each reward's win rates ``W^(m)`` (a pairwise judge's value, any other reward's scores compared two by
-      two, :func:`win_rates`), rounded to ``decimals`` as their judge reports them;
+    - each pairwise judge's win rates ``W^(m)``, rounded to ``decimals`` as their judge reports them; any other
+      reward's raw scores (``pointwise="scores"``, their ``_compute_adv`` of a reward's tensor), or its scores
+      compared two by two into win rates (``"win_rates"``, :func:`win_rates`, the former form);
     - each normalised within its group with the unbiased std, ``A^(m) = (W^(m) − mean_g)/(std_g + eps)``;
     - weighted after normalising, ``A = Σ_m w_m·A^(m)`` (a weight scales the advantage, it is not a share);
     - ``batch_renormalise`` (their ``--apply_gdpo``, on in their recipes): ``A ← (A − mean A)/(std A + eps)``
@@ -188,6 +193,8 @@ def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tens
         if judged[m]:
             rates = torch.tensor([round(float(v), decimals) for v in values[:, m]], dtype=values.dtype,
                                  device=values.device)
+        elif pointwise == "scores":
+            rates = values[:, m]
         else:
             rates = win_rates(values[:, m], groups, decimals=decimals)
         adv = adv + float(weights[m]) * normalised(rates)
@@ -239,6 +246,7 @@ def compute_advantages(
     normalise_weights: bool = False,
     gdpo_std: GDPOStd = "floor",
     parts: dict[int, torch.Tensor] | None = None,
+    pointwise_rewards: PointwiseRewards = "scores",
 ) -> torch.Tensor:
     """Advantages ``(N,)`` from raw reward components ``(N, M)`` and their weights ``(M,)``, clipped to
     ``[−clip, clip]``. Flow-GRPO's strategies normalise the weighted sum of raw rewards; ``win_rate``
@@ -251,7 +259,8 @@ def compute_advantages(
     and ``per_reward`` std divided by n − 1; ``normalise_weights``: the weights divided by their sum first (when
     it is positive), as MixGRPO's script does; ``gdpo_std``: what divides ``gdpo``'s advantages
     (:func:`gdpo_advantages`; ``"population"``, the former form, adds ``eps``); ``parts``: column → a blended
-    win rate's parts, read by the authors' per-reward win-rate form only."""
+    win rate's parts, and ``pointwise_rewards`` (a score reward's raw scores or its win rates), read by the
+    authors' per-reward win-rate form only."""
     if normalise_weights and float(weights.sum()) > 0:
         weights = weights / weights.sum()
     total = components.float() @ weights.float()
@@ -266,7 +275,7 @@ def compute_advantages(
         adv = gdpo_advantages(components, weights, groups, std=gdpo_std, eps=eps if gdpo_std == "population" else None)
     elif kind == "win_rate" and win_rate_normalisation == "per_reward":
         adv = per_reward_win_rate_advantages(components, weights, groups, judged, batch_renormalise=batch_renormalise,
-                                             parts=parts)
+                                             parts=parts, pointwise=pointwise_rewards)
     elif kind == "win_rate":
         adv = group_advantages(preference_win_rates(components, weights, groups, judged), groups, std="group", eps=eps)
         adv = batch_renormalised(adv) if batch_renormalise else adv

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from flowalign.advantages import WinRateNormalisation
+from flowalign.advantages import PointwiseRewards, WinRateNormalisation
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
 from flowalign.trainers.options import ReferenceOptions
@@ -43,7 +43,7 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
     #: what runs saved before these options existed computed (see TrainerConfig.before)
     before = {"step_draw": "per_batch", "zero_advantage": "skipped", "win_rate_normalisation": "weighted_sum",
               "batch_renormalise": False, "sigma_grid": "model", "model_timestep": "continuous",
-              "ratio_norm": False, "reweight": False}
+              "ratio_norm": False, "reweight": False, "pointwise_rewards": "win_rates"}
     #: their --rationorm (on in their _common_finetune.sh): GRPO-Guard's normalised ratio with each sample's own
     #: shift (their mean over the elements of a one-sample batch) and the loss divided by the σ gap
     ratio_bias: Literal["batch", "sample"] = "sample"
@@ -59,6 +59,17 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
     win_rate_normalisation: WinRateNormalisation = "per_reward"
     #: the advantages renormalised over the whole batch, unbiased std + 1e-8 (their --apply_gdpo, on in their recipes)
     batch_renormalise: bool = True
+    #: per_reward: what is normalised of a reward that is not a pairwise judge (e.g. their CLIP beside the judge):
+    #: "scores", its raw scores, as their compute_weighted_advantages; "win_rates", the win rates its scores give
+    pointwise_rewards: PointwiseRewards = "scores"
+
+    @model_validator(mode="after")
+    def _pointwise_only_per_reward(self):
+        if "pointwise_rewards" in self.model_fields_set and self.win_rate_normalisation != "per_reward":
+            raise ValueError("trainer.pointwise_rewards is read only with trainer.win_rate_normalisation=per_reward "
+                             f"(this config has {self.win_rate_normalisation}, which compares every reward into win "
+                             "rates): drop it or set win_rate_normalisation: per_reward")
+        return self
 
 
 class PrefGRPOTrainer(DanceLoop, RatioNorm, FlowGRPOTrainer):
@@ -72,4 +83,4 @@ class PrefGRPOTrainer(DanceLoop, RatioNorm, FlowGRPOTrainer):
 
     def advantage_options(self) -> dict[str, Any]:
         return {"win_rate_normalisation": self.tcfg.win_rate_normalisation,
-                "batch_renormalise": self.tcfg.batch_renormalise}
+                "batch_renormalise": self.tcfg.batch_renormalise, "pointwise_rewards": self.tcfg.pointwise_rewards}

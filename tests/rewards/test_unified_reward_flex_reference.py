@@ -105,3 +105,31 @@ def test_a_failed_request_is_left_out_and_options_of_another_mode_are_refused():
         load(SimpleNamespace(url="http://127.0.0.1:9"), mode="think_pairwise", dim_weight=0.5)
     with pytest.raises(UserError, match="overall_weight \\+ dim_weight must be positive"):
         load(SimpleNamespace(url="http://127.0.0.1:9"), mode="flex_pairwise", overall_weight=0, dim_weight=0)
+
+
+def test_a_score_reward_beside_the_judge_is_normalised_as_its_scores():
+    """Their Flex recipe mixes the judge (0.7) with CLIP (0.3); ``compute_weighted_advantages`` normalises the
+    score reward's raw values in each group (``pointwise_rewards: scores``, the default), and the judge's parts as
+    above. The former form, the score's win rates, gives other advantages."""
+    from flowalign.protocols import RewardOutput
+
+    mixed = KNOWN["mixed"]
+    x, prompts = known_batch(KNOWN["batch"])
+    clip = torch.tensor(mixed["clip"])
+
+    def clip_like(samples, prompts, metadata):
+        return RewardOutput({"clip": clip.clone()}, valid=torch.ones(len(clip), dtype=torch.bool))
+
+    server, _ = pairwise_server(CASE)
+    with server as srv:
+        judge = load(srv, mode="flex_pairwise", **OPTIONS["recipe"])
+        scores = RewardSet([("unified_reward", 0.7, judge), ("clip", 0.3, clip_like)]).score(x, prompts, [])
+    groups = torch.tensor([0] * 4 + [1] * 4)
+    for gdpo, key in ((False, "use_group"), (True, "apply_gdpo")):
+        adv = gathered_advantages("win_rate", scores, groups, ACC, 5.0, win_rate_normalisation="per_reward",
+                                  batch_renormalise=gdpo)
+        want = torch.tensor(mixed["advantages"][key], dtype=torch.float64)
+        torch.testing.assert_close(adv.double(), want, rtol=1e-5, atol=1e-5)
+        former = gathered_advantages("win_rate", scores, groups, ACC, 5.0, win_rate_normalisation="per_reward",
+                                     batch_renormalise=gdpo, pointwise_rewards="win_rates")
+        assert (former.double() - want).abs().max() > 0.05

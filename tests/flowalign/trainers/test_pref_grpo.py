@@ -70,11 +70,14 @@ def test_advantages_are_the_authors_compute_weighted_advantages(name, renormalis
     """``per_reward`` equals the authors' ``compute_weighted_advantages`` (``--use_group``; ``--apply_gdpo``
     off / on) clamped at ``adv_clip_max`` 5, in float64 at rtol 1e-6: each reward's rounded win rates normalised
     in its group (unbiased std + 1e-8), weighted after normalising (weight 4 gives 4x, clipped at 5), then
-    renormalised over the batch."""
+    renormalised over the batch. A score reward's column was handed to theirs as the win rates its scores give
+    (``pointwise_rewards: win_rates``); their own code normalises a score reward's raw values, the default, checked
+    in ``tests/rewards/test_unified_reward_flex_reference.py``."""
     case = KNOWN["cases"][name]
     comps, groups, judged = _columns(case)
     got = compute_advantages("win_rate", comps, torch.tensor(case["weights"], dtype=torch.float64), groups,
-                             judged=judged, win_rate_normalisation="per_reward", batch_renormalise=renormalise)
+                             judged=judged, win_rate_normalisation="per_reward", batch_renormalise=renormalise,
+                             pointwise_rewards="win_rates")
     want = case["advantages_batch_renormalised" if renormalise else "advantages"]
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-12)
