@@ -382,6 +382,14 @@ def read_text_file(path: Path, what: str, example: str, max_bytes: int | None = 
                         "save it as UTF-8") from None
 
 
+def changed(section: BaseModel, option: str) -> bool:
+    """Whether ``option`` was given a value other than its default: what a form that does not read the option
+    refuses. A run's saved config states every option, most at their defaults; run again, it is not refused."""
+    if option not in section.model_fields_set:
+        return False
+    return getattr(section, option) != type(section).model_fields[option].get_default(call_default_factory=True)
+
+
 def validate_section(section: type[BaseModel], data: dict[str, Any], prefix: str) -> Any:
     """Validate a free-form section (the trainer's) with its own model, errors prefixed by its path."""
     try:

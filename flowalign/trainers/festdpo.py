@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator, model_validator
 
-from flowalign.config import Section
+from flowalign.config import Section, changed
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_BATCH, MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_GUIDANCE, MAX_IMAGE_SIDE, MAX_LR, MAX_SAMPLING_STEPS
@@ -147,7 +147,7 @@ class FestDPOConfig(TrainerConfig, ReferenceOptions):
             raise ValueError("trainer.bandwidths sets the run's kernels, but trainer.bandwidth=per_step sets one per "
                              "prompt: use bandwidth=fixed, or drop bandwidths")
         # an encoder the other features would never load: refuse it rather than ignore it
-        if "feature_encoder" in self.model_fields_set and self.feature != "encoder":
+        if changed(self, "feature_encoder") and self.feature != "encoder":
             raise ValueError(f"trainer.feature_encoder is read only with trainer.feature=encoder (it is "
                              f"{self.feature}): set that, or drop feature_encoder")
         return self

@@ -45,6 +45,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from flowalign.config import changed
 from flowalign.data import PromptSet
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS, MAX_UPDATES
@@ -303,7 +304,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
                     re.compile(t.match)
                 except re.error as e:
                     raise UserError(f"trainer.teachers[{i}].match={t.match!r} is not a regular expression ({e})")
-            unread = sorted({"prompts", "epochs_per_cycle"} & t.model_fields_set)
+            unread = sorted(k for k in ("prompts", "epochs_per_cycle") if changed(t, k))
             if tcfg.routing == "by_prompt" and unread:
                 raise UserError(f"trainer.teachers[{i}].{unread[0]} is read only under trainer.routing: by_epoch "
                                 "(by_prompt routes data.prompts by match); drop it or set routing: by_epoch")
@@ -311,10 +312,11 @@ class FlowOPDTrainer(FlowGRPOTrainer):
                 print(f"warning: trainer.teachers[{i}].match is not read: under routing: by_epoch a teacher with "
                       "its own prompts: file takes no prompt of data.prompts; drop the match or the file")
         if cls.distils(tcfg):
-            report_unread(tcfg, set(tcfg.model_fields_set) - BOTH_READ - DISTILLATION_ONLY, "velocity_distillation")
+            report_unread(tcfg, {k for k in tcfg.model_fields_set if changed(tcfg, k)} - BOTH_READ - DISTILLATION_ONLY,
+                          "velocity_distillation")
             return
-        report_unread(tcfg, DISTILLATION_ONLY & tcfg.model_fields_set, "kl_reward_grpo")
-        if tcfg.micro_batches == "in_order" and "shuffle_draw" in tcfg.model_fields_set:
+        report_unread(tcfg, {k for k in DISTILLATION_ONLY if changed(tcfg, k)}, "kl_reward_grpo")
+        if tcfg.micro_batches == "in_order" and changed(tcfg, "shuffle_draw"):
             print("warning: trainer.shuffle_draw is not read under trainer.micro_batches: in_order (every inner epoch "
                   "trains the same micro-batches); drop it or set micro_batches: shuffled")
         if tcfg.kl_scale == 0:

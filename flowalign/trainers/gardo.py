@@ -33,7 +33,7 @@ import torch
 from pydantic import Field, model_validator
 
 from flowalign.advantages import diversity_scaled
-from flowalign.config import Section
+from flowalign.config import Section, changed
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_TRAIN_STEPS
 from flowalign.sampling import Rollout
@@ -112,7 +112,7 @@ class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOption
     @model_validator(mode="after")
     def _advantage_read_by_the_loop_form(self) -> GARDOConfig:
         # the loop's advantage kind is unread by the authors' centred form: refuse it rather than ignore it
-        if self.centred_advantage and "advantage" in self.model_fields_set:
+        if self.centred_advantage and changed(self, "advantage"):
             raise ValueError(f"trainer.advantage={self.advantage} is read only with trainer.centred_advantage=false "
                              "(gardo's default is the authors' reward minus its group mean): drop it or set "
                              "trainer.centred_advantage=false")
@@ -121,7 +121,7 @@ class GARDOConfig(FlowGRPOBase, SDEOptions, SDEWindowOptions, StepFractionOption
     @model_validator(mode="after")
     def _encoder_read_by_the_encoder_form(self) -> GARDOConfig:
         # an encoder the latent form would never load: refuse it rather than ignore it
-        if "diversity_encoder" in self.model_fields_set and self.diversity_features != "image_encoder":
+        if changed(self, "diversity_encoder") and self.diversity_features != "image_encoder":
             raise ValueError("trainer.diversity_encoder is read only with trainer.diversity_features=image_encoder "
                              f"(it is {self.diversity_features}): set that, or drop the encoder")
         return self

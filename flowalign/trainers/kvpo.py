@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 
-from flowalign.config import StepIndex
+from flowalign.config import StepIndex, changed
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
@@ -118,7 +118,7 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     @model_validator(mode="after")
     def _options_of_the_chosen_form(self) -> KVPOConfig:
         for option, (chooser, form) in FORM_OPTIONS.items():
-            if option in self.model_fields_set and getattr(self, chooser) != form:
+            if changed(self, option) and getattr(self, chooser) != form:
                 raise ValueError(f"trainer.{option} is read only with trainer.{chooser}={form} (this config has "
                                  f"{getattr(self, chooser)}): drop it or set trainer.{chooser}={form}")
         if self.advantage == "anchor" and self.local_weight == 0 and self.global_weight == 0:

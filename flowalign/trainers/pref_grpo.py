@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from flowalign.advantages import PointwiseRewards, WinRateNormalisation
+from flowalign.config import changed
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
 from flowalign.trainers.options import ReferenceOptions
@@ -65,7 +66,7 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
 
     @model_validator(mode="after")
     def _pointwise_only_per_reward(self):
-        if "pointwise_rewards" in self.model_fields_set and self.win_rate_normalisation != "per_reward":
+        if changed(self, "pointwise_rewards") and self.win_rate_normalisation != "per_reward":
             raise ValueError("trainer.pointwise_rewards is read only with trainer.win_rate_normalisation=per_reward "
                              f"(this config has {self.win_rate_normalisation}, which compares every reward into win "
                              "rates): drop it or set win_rate_normalisation: per_reward")

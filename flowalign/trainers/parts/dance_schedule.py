@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from flowalign.config import Section
+from flowalign.config import Section, changed
 from flowalign.sampling.timesteps import ShiftedGrid, TimestepMap, truncated
 
 
@@ -30,7 +30,7 @@ class DanceScheduleOptions(Section):
 
     @model_validator(mode="after")
     def _shift_only_with_the_shifted_grid(self):
-        if "sigma_shift" in self.model_fields_set and self.sigma_grid != "shifted":
+        if changed(self, "sigma_shift") and self.sigma_grid != "shifted":
             raise ValueError(f"trainer.sigma_shift is read only with trainer.sigma_grid=shifted (this config has "
                              f"{self.sigma_grid}): drop it or set trainer.sigma_grid=shifted")
         return self

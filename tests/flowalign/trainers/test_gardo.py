@@ -273,8 +273,9 @@ def test_the_trainers_advantages_are_centred_and_its_gate_takes_its_side(tmp_pat
 def test_the_loops_advantage_is_refused_with_the_centred_form(tmp_path, tiny_sd3_dir, prompt_file):
     base = small_run(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS)
     with pytest.raises(UserError, match="centred_advantage=false"):
-        check_run(load_config(None, [*base, "trainer.advantage=global_std"]))
-    check_run(load_config(None, [*base, "trainer.advantage=global_std", "trainer.centred_advantage=false"]))
+        check_run(load_config(None, [*base, "trainer.advantage=group"]))
+    check_run(load_config(None, [*base, "trainer.advantage=group", "trainer.centred_advantage=false"]))
+    check_run(load_config(None, [*base, "trainer.advantage=global_std"]))  # the default stated, as a saved run does
 
 
 def test_the_kl_is_to_the_snapshot_and_a_large_kl_refreshes_it(tmp_path, tiny_sd3_dir, prompt_file):

@@ -317,4 +317,4 @@ def test_the_signals_score_the_routed_chunk_and_the_whole_video(tmp_path, far_di
         build_trainer(small_config(tmp_path / "none", far_dir, prompt_file, *AUTHORS, "trainer.local_weight=0",
                                    "trainer.global_weight=0"))
     with pytest.raises(Exception, match="local_weight is read only with trainer.advantage=anchor"):
-        build_trainer(small_config(tmp_path / "grp", far_dir, prompt_file, *EARLIER, "trainer.local_weight=1"))
+        build_trainer(small_config(tmp_path / "grp", far_dir, prompt_file, *EARLIER, "trainer.local_weight=0.5"))
