@@ -214,8 +214,12 @@ def run_one_recipe(recipe: Path, run_dir: Path, steps: int, smoke: bool, device:
     return row
 
 
-def _child_env(device: str) -> dict[str, str]:
+def _child_env(device: str, threads: int | None = None) -> dict[str, str]:
+    """The environment of a child process; ``threads``: its CPU threads where several children run at once (each
+    would otherwise start one per core)."""
     env = dict(os.environ)
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -224,12 +228,13 @@ def _child_env(device: str) -> dict[str, str]:
     return env
 
 
-def run_child(args: list[str], result: Path, log: Path, device: str, timeout: float) -> dict[str, Any]:
+def run_child(args: list[str], result: Path, log: Path, device: str, timeout: float,
+              threads: int | None = None) -> dict[str, Any]:
     """This script in a new process (``args``: its hidden mode); the JSON it wrote, or why it wrote none."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *args, "--result", str(result), "--device", device]
     with open(log, "w") as out:
         try:
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env(device), cwd=REPO,
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env(device, threads), cwd=REPO,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"status": "timeout", "error": f"no result within {timeout:.0f} s (log: {log})"}
@@ -252,12 +257,13 @@ def check_recipes(recipes: list[Path], work: Path, steps: int, smoke: bool, devi
         t0 = time.perf_counter()
         row = run_child(["--run-recipe", str(recipe), "--steps", str(steps), *(["--smoke"] if smoke else []),
                          *(["--authors-defaults"] if defaults else []), "--run-dir", str(folder / "run")],
-                        folder / "result.json", folder / "log.txt", device, timeout)
+                        folder / "result.json", folder / "log.txt", device, timeout, threads)
         row.setdefault("recipe", label)
         row["process_seconds"] = round(time.perf_counter() - t0, 2)  # imports and loading included
         print(f"  recipe {label}: {row['status']}" + (f" ({row['error']})" if row.get("error") else ""), flush=True)
         return row
 
+    threads = max(1, (os.cpu_count() or 1) // max(1, jobs))  # the children share the cores
     entries = [(r, d) for r in recipes for d in (False, True) if not d or authors_defaults(r)]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(one, entries))

@@ -213,3 +213,12 @@ def test_the_tf32_lever_sets_what_model_allow_tf32_sets_when_a_run_starts(tiny_s
         assert torch.backends.mkldnn.matmul.fp32_precision != "tf32"  # a CPU's products keep float32
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_recipe_children_share_the_cores():
+    """Recipes run ``jobs`` at a time, each child with its share of the cores (a user's OMP_NUM_THREADS wins)."""
+    import os
+
+    env = check._child_env("cpu", 4)
+    assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "4")
+    assert "OMP_NUM_THREADS" not in check._child_env("cpu") or "OMP_NUM_THREADS" in os.environ
