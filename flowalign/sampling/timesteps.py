@@ -9,6 +9,7 @@ rewriting the ``timestep`` the transformer is called with, whatever pipeline mad
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -53,6 +54,22 @@ def integer_timestep(sigma: float) -> int:
     return int(float(sigma) * 1000)
 
 
+#: the scale each transformer reads its timestep at (1000: ``1000·σ``, 1: σ), learnt at its first call under a
+#: form: reading the timestep back is a host wait on a GPU, once per transformer rather than once per call
+_SCALES: weakref.WeakKeyDictionary[torch.nn.Module, float] = weakref.WeakKeyDictionary()
+
+
+def _timestep_scale(policy: Any, t: torch.Tensor, sigma: float) -> float:
+    """1000 when the transformer is handed ``1000·σ``, 1 when σ; else one line refusing the form."""
+    if torch.allclose(t.float(), torch.full_like(t.float(), 1000.0 * sigma), atol=0.5):
+        return 1000.0
+    if torch.allclose(t.float(), torch.full_like(t.float(), sigma), atol=5e-4):
+        return 1.0
+    raise UserError(f"{getattr(policy, 'family', type(policy).__name__)}'s transformer reads timestep "
+                    f"{t.flatten()[0].item():.6g} at sigma {sigma:.6g}, neither 1000*sigma nor sigma: an integer "
+                    "timestep form does not apply to it; use the continuous timestep form (timestep: continuous)")
+
+
 @contextmanager
 def model_timestep(policy: Any, form: TimestepMap | None, sigma: float | None = None) -> Iterator[None]:
     """Within the block, ``policy.transformer`` reads ``form(timestep)`` in place of the pipeline's timestep
@@ -74,13 +91,13 @@ def model_timestep(policy: Any, form: TimestepMap | None, sigma: float | None = 
             raise UserError(f"{type(module).__name__} is called without a timestep keyword: its timestep form "
                             "cannot be set; use the continuous timestep form (timestep: continuous)")
         t = kwargs["timestep"]
-        if sigma is not None and not torch.allclose(t.float(), torch.full_like(t.float(), 1000.0 * sigma), atol=0.5):
-            if not torch.allclose(t.float(), torch.full_like(t.float(), float(sigma)), atol=5e-4):
-                raise UserError(f"{getattr(policy, 'family', type(policy).__name__)}'s transformer reads timestep "
-                                f"{t.flatten()[0].item():.6g} at sigma {sigma:.6g}, neither 1000*sigma nor sigma: an "
-                                "integer timestep form does not apply to it; use the continuous timestep form "
-                                "(timestep: continuous)")
-            return args, dict(kwargs, timestep=(form(t * 1000) / 1000).to(t.dtype))  # a σ-reading transformer
+        scale = _SCALES.get(module)
+        if scale is None and sigma is not None:
+            scale = _timestep_scale(policy, t, float(sigma))
+            if sigma >= 1e-3:  # below, 1000·σ and σ cannot be told apart
+                _SCALES[module] = scale
+        if scale == 1.0:  # a σ-reading transformer
+            return args, dict(kwargs, timestep=(form(t * 1000) / 1000).to(t.dtype))
         return args, dict(kwargs, timestep=form(t).to(t.dtype))
 
     handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)

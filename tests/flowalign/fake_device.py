@@ -172,6 +172,9 @@ _RECORDERS: list[list[tuple[str, str]]] = []
 #: operations whose output size depends on the values: the host reads them back to size the result
 DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
                   aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
+#: operations that return a Python value computed from the data (CUDA reads it back; ``_local_scalar_dense`` is
+#: not dispatched inside them)
+READS = {aten.equal.default, aten.allclose.default, aten.is_nonzero.default}
 COPIES = {aten._to_copy.default, aten.copy_.default}
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -212,7 +215,7 @@ def _waits(func, args: tuple, kwargs: dict, wrapped: bool) -> str | None:
         return None
     if not wrapped:
         return None
-    if func is aten._local_scalar_dense.default:
+    if func is aten._local_scalar_dense.default or func in READS:
         return "read a value"
     if func in DATA_DEPENDENT:
         return "value-dependent size"

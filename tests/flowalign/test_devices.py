@@ -60,11 +60,11 @@ FIT["self_opd_vvr"] = ("trainer.trunks=2", "trainer.branches=2")  # the authors'
 #: the two that failed on CUDA, the GRPO family's loss paths they share, a video recipe (~1-3 s each), the
 #: pair trainers and Self-OPD (their conditioning is picked by index lists), KVPO (its gradient passes the
 #: video model's complex rotary embedding) and the other main loss paths (FestDPO, DiffusionNFT, AWM,
-#: Diffusion-DPO, DiffusionOPSD). Every other tiny recipe steps here too when listed (2-6 s each; kept out
-#: for the suite's time): dance_grpo, mix_grpo, pd_grpo, pref_grpo, seppo, tempflow_grpo, rg_opd, core, afd,
+#: Diffusion-DPO, DiffusionOPSD), and DanceGRPO (its authors' integer timesteps, a hook on every forward).
+#: Every other tiny recipe steps here too when listed (2-6 s each; kept out for the suite's time): mix_grpo, pd_grpo, pref_grpo, seppo, tempflow_grpo, rg_opd, core, afd,
 #: ar_copo, fav, flow_opd (with the vvr reward its teachers name), crosstimeedit, oars, kvpo_energy,
 #: flow_grpo_motion_insight (its video reward), and umm_reflection with trainer.credit=final (about 40 s)
-RECIPES = ["dgpo_vvr", "gardo_vvr", "flow_grpo_vvr", "grpo_guard_vvr", "flash_grpo_vvr", "flow_grpo_motion",
+RECIPES = ["dance_grpo_vvr", "dgpo_vvr", "gardo_vvr", "flow_grpo_vvr", "grpo_guard_vvr", "flash_grpo_vvr", "flow_grpo_motion",
            "sft_vvr", "soar_vvr", "self_opd_vvr", "kvpo_motion", "festdpo_vvr", "diffusion_nft_vvr", "awm_vvr",
            "diffusion_dpo_vvr", "diffusion_opsd_vvr"]
 #: an update's host waits besides the one that reads the step's logs back (see the test below; GARDO's

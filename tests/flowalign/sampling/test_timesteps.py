@@ -57,8 +57,29 @@ def test_a_transformer_that_reads_sigma_itself_reads_the_integer_form_over_1000(
         assert torch.equal(policy.transformer(hidden_states=odd, timestep=odd), torch.tensor([699, 699]) / 1000)
     with model_timestep(policy, fixed(277), 0.7):
         assert policy.transformer(hidden_states=sigma, timestep=sigma).tolist() == pytest.approx([0.277, 0.277])
-    with model_timestep(policy, truncated, 0.7):
-        assert policy.transformer(hidden_states=sigma, timestep=sigma * 1000).tolist() == [700.0, 700.0]
+    reads_1000_sigma = SimpleNamespace(transformer=Recorder(), family="sd3")  # each transformer reads one scale
+    with model_timestep(reads_1000_sigma, truncated, 0.7):
+        assert reads_1000_sigma.transformer(hidden_states=sigma, timestep=sigma * 1000).tolist() == [700.0, 700.0]
+    odd = SimpleNamespace(transformer=Recorder(), family="odd")
     with pytest.raises(UserError, match="neither 1000\\*sigma nor sigma.*continuous"):
-        with model_timestep(policy, truncated, 0.7):
-            policy.transformer(hidden_states=sigma, timestep=sigma * 10)
+        with model_timestep(odd, truncated, 0.7):
+            odd.transformer(hidden_states=sigma, timestep=sigma * 10)
+
+
+def test_the_scale_is_read_once_per_transformer():
+    """What a transformer reads (1000·σ or σ) is learnt at its first call under a form and kept: later calls read
+    no value back (each would make the host wait on a GPU), even in later blocks."""
+    from flowalign.sampling import timesteps
+
+    policy = SimpleNamespace(transformer=Recorder(), family="flux")
+    sigma = torch.tensor([0.5])
+    with model_timestep(policy, truncated, 0.5):
+        policy.transformer(hidden_states=sigma, timestep=sigma)
+    assert timesteps._SCALES[policy.transformer] == 1.0
+    with model_timestep(policy, truncated, 0.25):  # no check now: the scale is known
+        assert policy.transformer(hidden_states=sigma, timestep=torch.tensor([0.2509])).tolist() == \
+            pytest.approx([0.25])
+    tiny = SimpleNamespace(transformer=Recorder(), family="sd3")
+    with model_timestep(tiny, truncated, 1e-4):  # 1000·σ and σ alike: nothing learnt
+        tiny.transformer(hidden_states=sigma, timestep=torch.tensor([0.1]))
+    assert tiny.transformer not in timesteps._SCALES
