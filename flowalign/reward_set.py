@@ -59,9 +59,10 @@ class RewardScores:
     #: reward name → ``(N,)`` per-sample notes, for each reward whose ``info`` gives a sample a ``note`` (e.g.
     #: motion_insight's failure causes): evaluations keep them beside each sample, galleries show them
     notes: dict[str, list[str]] = field(default_factory=dict)
-    #: reward name → ``(N, 5)`` float per-sample parts of a win rate that is a blend, for each reward whose
-    #: ``info`` gives ``dim_mean`` (UnifiedReward-Flex): ``[overall, dim_mean, has_dims, overall_weight,
-    #: dim_weight]``, NaN rows where a sample has none; Pref-GRPO's batch renormalisation blends their advantages
+    #: reward name → ``(N, 5)`` float per-sample parts of a win rate that is a blend, for each reward with a true
+    #: ``blend_parts`` attribute (UnifiedReward-Flex), read from its ``info``: ``[overall, dim_mean, has_dims,
+    #: overall_weight, dim_weight]``, NaN rows where a sample has none (or the reward failed: every rank holds the
+    #: same names, which the advantages gather); Pref-GRPO's batch renormalisation blends their advantages
     #: (:func:`flowalign.advantages.per_reward_win_rate_advantages`)
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -172,14 +173,16 @@ class RewardSet:
                     passed[name] = torch.tensor([bool(info["all_passed"]) for info in out.info]) & ok
                 if any(isinstance(info, dict) and info.get("note") for info in out.info):
                     notes[name] = [str(info.get("note") or "") if isinstance(info, dict) else "" for info in out.info]
-                if any(isinstance(info, dict) and "dim_mean" in info for info in out.info):
-                    blends[name] = _blend_parts(out.info)
+                if getattr(reward, "blend_parts", False):
+                    blends[name] = _blend_parts(out.info, n)
             except (UserError, KeyboardInterrupt, Terminated):  # a wrong output fails every batch; a signal is
                 raise                                                # the user's, never the reward's failure
             except BaseException as e:  # raised, timed out, even SystemExit: the batch's samples, not the run
                 message = f"raised {type(e).__name__}: {e}" if not isinstance(e, RewardTimeout) else str(e)
                 print(f"warning: reward {name!r} {message}; its batch of {n} samples is invalid", flush=True)
                 value, ok, why = torch.zeros(n), torch.zeros(n, dtype=torch.bool), [message] * n
+                if getattr(reward, "blend_parts", False):
+                    blends[name] = _blend_parts([], n)
             for i in range(n):
                 if not ok[i] and not reasons[i]:
                     reasons[i] = f"{name}: {why[i]}"
@@ -209,11 +212,11 @@ class RewardSet:
         return total
 
 
-def _blend_parts(info: list[Any]) -> torch.Tensor:
-    """``(N, 5)`` :attr:`RewardScores.parts` of a blended win rate from each sample's ``info`` (NaN without)."""
+def _blend_parts(info: list[Any], n: int) -> torch.Tensor:
+    """``(n, 5)`` :attr:`RewardScores.parts` of a blended win rate from each sample's ``info`` (NaN without)."""
     keys = ("overall", "dim_mean", "has_dims", "overall_weight", "dim_weight")
-    rows = [[float("nan") if not isinstance(i, dict) or i.get(k) is None else float(i[k]) for k in keys]
-            for i in info]
+    rows = [[float("nan") if i >= len(info) or not isinstance(info[i], dict) or info[i].get(k) is None
+             else float(info[i][k]) for k in keys] for i in range(n)]
     return torch.tensor(rows, dtype=torch.float64)
 
 

@@ -310,6 +310,8 @@ class UnifiedReward:
         self.mode, self.image_size, self.jpeg_quality, self.normalize = mode, image_size, jpeg_quality, normalize
         #: think_pairwise scores are win rates among the samples sharing a prompt (Pref-GRPO's reward)
         self.pairwise = mode in ("think_pairwise", "flex_pairwise")
+        #: flex_pairwise: each sample's overall and category win rates go with its score (RewardScores.parts)
+        self.blend_parts = mode == "flex_pairwise"
         self.overall_weight, self.dim_weight = float(overall_weight), float(dim_weight)
         self.category_weights = [float(w) for w in category_weights or []]
         self.flex_blend = flex_blend
