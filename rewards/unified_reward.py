@@ -39,8 +39,8 @@ from rewards.model_options import one_of
 from rewards.planning import existing, missing, on_accelerator, option, published
 from rewards.qwen_vl_reward import local_path
 from rewards.registry import register
-from rewards.vlm_backend import ChatRequest
 from rewards.unified_reward_flex import FLEX_BLENDS, FLEX_QUESTION, flex_win_rates, parse_flex
+from rewards.vlm_backend import ChatRequest
 from rewards.vlm_parse import answer_region
 
 log = logging.getLogger("flowalign.rewards.unified_reward")
@@ -267,8 +267,7 @@ class UnifiedReward:
                  verdict_parse: str = "answer", win_rate_decimals: int | None = 3, both_orders: bool = False,
                  no_verdict: str = "tie", overall_weight: float = 1.0, dim_weight: float = 1.0,
                  category_weights: list[float] | None = None, flex_blend: str = "code", device: str | None = None,
-                 dtype: str = "bfloat16",
-                 batch_size: int = 8):
+                 dtype: str = "bfloat16", batch_size: int = 8):
         label = "unified_reward reward"
         if mode not in MODES:
             raise UserError(f"unified_reward reward: mode={mode!r} is not one of {list(MODES)}")
