@@ -67,11 +67,19 @@ class DiffusionDPOConfig(TrainerConfig, RolloutOptions, InnerEpochOptions, Refer
     #: generator keyed by (seed, step, pair, inner epoch)); "per_step": every inner epoch trains the first one's
     #: micro-batches with the same t and ε (the former form). The same with inner_epochs: 1
     noise_draw: Literal["per_inner_epoch", "per_step"] = "per_inner_epoch"
+    #: "shuffled": the first inner epoch's pairs are permuted too before they are cut into micro-batches, as
+    #: Flow-Factory's loop permutes every inner epoch's (keyed by (seed, step, 0)); "in_order": the first inner
+    #: epoch's micro-batches follow the step's pairs in order (the former form). Under timestep_draw: shared it
+    #: decides which pairs share a t; per pair it changes no number
+    epoch_order: Literal["shuffled", "in_order"] = "shuffled"
 
     #: what runs saved before these options existed computed (see TrainerConfig.before)
-    before = {"timestep_draw": "per_pair", "tied_groups": "dropped", "noise_draw": "per_step"}
-    #: noise_draw's former form differs only with several inner epochs (the first one draws alike)
-    before_when = {"noise_draw": ("inner_epochs", tuple(range(2, MAX_UPDATES + 1)))}
+    before = {"timestep_draw": "per_pair", "tied_groups": "dropped", "noise_draw": "per_step",
+              "epoch_order": "in_order"}
+    #: noise_draw's former form differs only with several inner epochs (the first one draws alike); epoch_order's
+    #: only where a micro-batch shares its t
+    before_when = {"noise_draw": ("inner_epochs", tuple(range(2, MAX_UPDATES + 1))),
+                   "epoch_order": ("timestep_draw", ("shared",))}
 
 
 # ---------------------------------------------------------------------------------------------- the loss
@@ -298,25 +306,26 @@ class DiffusionDPOTrainer(GroupTrainer):
 
         The pairs are placed in an order of the step's global positions (``prompts_per_step`` × ranks of them),
         ``batch_size`` consecutive places a micro-batch, whichever ranks hold its pairs, and each pair draws from
-        its own generator. Epoch 0: the positions in order, each pair's generator seeded ``batch.seeds``.
-        Epoch e ≥ 1: the positions permuted by a generator keyed by (seed, step, e) (Flow-Factory's
-        ``randperm(len(pairs), generator=create_generator(seed, epoch, inner_epoch))`` on one process), each
-        pair's generator keyed by (seed, step, position, e). A shared t is its micro-batch's, drawn from the
-        generator of the pair at its first place (:func:`micro_batch_units`)."""
+        its own generator. Epoch e: the positions permuted by a generator keyed by (seed, step, e) (Flow-Factory's
+        ``randperm(len(pairs), generator=create_generator(seed, epoch, inner_epoch))`` on one process; in order at
+        epoch 0 with ``epoch_order: in_order``), each pair's generator seeded ``batch.seeds`` at epoch 0, keyed by
+        (seed, step, position, e) after. A shared t is its micro-batch's, drawn from the generator of the pair at
+        its first place (:func:`micro_batch_units`)."""
         n, b = len(batch.seeds), self.tcfg.batch_size
         seed, sampling = self.cfg.run.seed, self.tcfg.timestep_sampling
         # first_seed: the seed of the pair at a micro-batch's first place, which draws the micro-batch's shared t
-        if epoch == 0:
+        # a subclass whose config has no epoch_order (SePPO) keeps its first epoch in order
+        if epoch == 0 and getattr(self.tcfg, "epoch_order", "in_order") == "in_order":
             seeds, order, places = batch.seeds, list(range(n)), batch.positions
             first_seed = lambda first: derived_seed(seed, batch.step, first, 47)
         else:
             at = torch.randperm(self.tcfg.prompts_per_step * self.world, generator=torch.Generator().manual_seed(
                 derived_seed(seed, batch.step, epoch, 53))).tolist()
             place = {k: i for i, k in enumerate(at)}
-            seeds = [derived_seed(seed, batch.step, k, 47, epoch) for k in batch.positions]
+            seeds = batch.seeds if epoch == 0 else [derived_seed(seed, batch.step, k, 47, epoch) for k in batch.positions]
             places = [place[k] for k in batch.positions]
             order = sorted(range(n), key=lambda i: places[i])
-            first_seed = lambda first: derived_seed(seed, batch.step, at[first], 47, epoch)
+            first_seed = lambda first: derived_seed(seed, batch.step, at[first], 47, *((epoch,) if epoch else ()))
         # a subclass whose config has no timestep_draw (SePPO) keeps its t per pair
         draw = getattr(self.tcfg, "timestep_draw", "per_pair")
         timestep_range = getattr(self.tcfg, "timestep_range", 1.0)

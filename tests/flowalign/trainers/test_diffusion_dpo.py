@@ -111,7 +111,9 @@ def test_options_default_to_flow_factorys_draw_and_saved_runs_resume_with_the_fo
     cfg = DiffusionDPOConfig()
     assert (cfg.timestep_draw, cfg.timestep_range) == ("shared", 0.99)
     assert DiffusionDPOConfig.before == {"timestep_draw": "per_pair", "tied_groups": "dropped",
-                                         "noise_draw": "per_step"}
+                                         "noise_draw": "per_step", "epoch_order": "in_order"}
+    assert cfg.epoch_order == "shuffled" and DiffusionDPOConfig.before_when["epoch_order"] == ("timestep_draw",
+                                                                                               ("shared",))
 
 
 @pytest.mark.parametrize("case", TIMESTEPS["accuracy_cases"], ids=lambda c: f"beta{c['beta']}")
@@ -205,11 +207,12 @@ def test_each_inner_epoch_reshuffles_the_pairs_and_draws_their_t_and_noise_afres
                                                                                   prompt_file):
     """The default (``noise_draw: per_inner_epoch``): inner epoch e ≥ 1 places the step's pairs in an order of their
     positions permuted by a generator keyed by (seed, step, e), micro-batches of 2 places sharing a t, and every
-    pair draws its t and ε from a generator keyed by (seed, step, position, e); epoch 0 is the former plan.
-    ``per_step`` (the former form, as saved runs computed) trains epoch 0's units again in every epoch; with one
-    inner epoch the two plan alike."""
+    pair draws its t and ε from a generator keyed by (seed, step, position, e). ``per_step`` (the former form, as
+    saved runs computed) trains epoch 0's units again in every epoch; with one inner epoch the two plan alike.
+    (Epoch 0 in the step's order here, ``epoch_order: in_order``: its shuffle is the next test's.)"""
     common = ("trainer.name=diffusion_dpo", f"trainer.pairs={_pairs(tmp_path, 6)}", "rewards=[]",
-              "trainer.prompts_per_step=6", "trainer.batch_size=2", "trainer.inner_epochs=3")
+              "trainer.prompts_per_step=6", "trainer.batch_size=2", "trainer.inner_epochs=3",
+              "trainer.epoch_order=in_order")
     t = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, *common))
     former = build_trainer(small_config(tmp_path / "o", tiny_sd3_dir, prompt_file, *common,
                                         "trainer.noise_draw=per_step"))
@@ -241,6 +244,29 @@ def test_each_inner_epoch_reshuffles_the_pairs_and_draws_their_t_and_noise_afres
     one = build_trainer(small_config(tmp_path / "one", tiny_sd3_dir, prompt_file, *common, "trainer.inner_epochs=1"))
     (units,) = one.plan(batch, torch.Generator().manual_seed(0)).steps
     assert same_units(units, plan.steps[0])
+
+
+def test_the_first_inner_epoch_is_shuffled_too_as_flow_factorys(tmp_path, tiny_sd3_dir, prompt_file):
+    """Flow-Factory's loop permutes the pairs at every inner epoch, the first included (dpo.py l. 504-515): by
+    default (``epoch_order: shuffled``) epoch 0's micro-batches are cut from the positions permuted by a generator
+    keyed by (seed, step, 0), the shared t drawn by the pair at each micro-batch's first place, each pair's ε its
+    own (as in order); ``in_order`` (the former form) cuts them in the step's order."""
+    common = ("trainer.name=diffusion_dpo", f"trainer.pairs={_pairs(tmp_path, 6)}", "rewards=[]",
+              "trainer.prompts_per_step=6", "trainer.batch_size=2")
+    t = build_trainer(small_config(tmp_path / "s", tiny_sd3_dir, prompt_file, *common))
+    former = build_trainer(small_config(tmp_path / "o", tiny_sd3_dir, prompt_file, *common,
+                                        "trainer.epoch_order=in_order"))
+    batch = t.collect(1)
+    (units,) = t.plan(batch, torch.Generator().manual_seed(0)).steps
+    (kept,) = former.plan(batch, torch.Generator().manual_seed(0)).steps
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(derived_seed(0, 1, 0, 53))).tolist()
+    assert [u.index for u in units] == [tuple(order[i : i + 2]) for i in range(0, 6, 2)] != [u.index for u in kept]
+    assert [u.index for u in kept] == [(0, 1), (2, 3), (4, 5)]
+    eps = lambda us: {k: u.eps[j] for u in us for j, k in enumerate(u.index)}
+    assert all(torch.equal(eps(units)[k], eps(kept)[k]) for k in range(6))  # each pair's own draw, either way
+    for unit in units:
+        first = torch.Generator().manual_seed(derived_seed(0, 1, unit.index[0], 47))
+        assert torch.equal(unit.t, shared_timestep(torch.randn(1, generator=first), "logit_normal", 0.99).expand(2))
 
 
 def test_the_reshuffled_pairs_are_flow_factorys(tmp_path, tiny_sd3_dir, prompt_file):
