@@ -102,7 +102,8 @@ class RewardScores:
                   for name in verdicts}
         notes = {name: [t for p in parts for t in p.notes.get(name, [""] * len(p))]
                  for name in dict.fromkeys(name for p in parts for name in p.notes)}
-        blends = {name: torch.cat([p.parts.get(name, torch.full((len(p), 5), float("nan"))) for p in parts])
+        blends = {name: torch.cat([p.parts.get(name, torch.full((len(p), 5), float("nan"), dtype=torch.float64))
+                                   for p in parts])
                   for name in dict.fromkeys(name for p in parts for name in p.parts)}
         return RewardScores(torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
                             parts[0].weights, parts[0].names,
