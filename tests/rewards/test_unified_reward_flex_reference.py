@@ -133,3 +133,16 @@ def test_a_score_reward_beside_the_judge_is_normalised_as_its_scores():
         former = gathered_advantages("win_rate", scores, groups, ACC, 5.0, win_rate_normalisation="per_reward",
                                      batch_renormalise=gdpo, pointwise_rewards="win_rates")
         assert (former.double() - want).abs().max() > 0.05
+
+
+def test_the_parts_join_across_batches_and_a_failed_batch_is_nan_rows():
+    """Scores of consecutive batches keep each sample's parts in order; a batch whose judge failed (no parts)
+    joins as NaN rows, which the advantage fills like an invalid sample's values."""
+    from flowalign.reward_set import RewardScores
+
+    scores = score("recipe")
+    failed = RewardScores(torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.bool), scores.weights, scores.names)
+    joined = RewardScores.cat([scores, failed])
+    parts = joined.parts["unified_reward"]
+    assert parts.shape == (10, 5) and parts.dtype == torch.float64
+    assert torch.equal(parts[:8], scores.parts["unified_reward"]) and torch.isnan(parts[8:]).all()
