@@ -215,10 +215,11 @@ def test_the_tf32_lever_sets_what_model_allow_tf32_sets_when_a_run_starts(tiny_s
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def test_recipe_children_share_the_cores():
-    """Recipes run ``jobs`` at a time, each child with its share of the cores (a user's OMP_NUM_THREADS wins)."""
-    import os
-
-    env = check._child_env("cpu", 4)
-    assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "4")
-    assert "OMP_NUM_THREADS" not in check._child_env("cpu") or "OMP_NUM_THREADS" in os.environ
+def test_recipe_children_share_the_cores(monkeypatch):
+    """Recipes run ``jobs`` at a time, each child with its share of the cores; a user's OMP_NUM_THREADS wins, and a
+    child run alone (a side of the side-by-side) keeps every core."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert check._child_env("cpu", 4)["OMP_NUM_THREADS"] == "4"
+    assert "OMP_NUM_THREADS" not in check._child_env("cpu")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert check._child_env("cpu", 4)["OMP_NUM_THREADS"] == "3"

@@ -43,10 +43,12 @@ def open_clip_transform(image_processor) -> Callable[[Image.Image], torch.Tensor
                            std=tuple(image_processor.image_std), resize_mode="shortest", interpolation="bicubic")
 
 
-def crop_pixels(crops: Sequence[Image.Image], processor, preprocess: str) -> torch.Tensor:
-    """``(N, 3, S, S)`` CLIP input of the RGB ``crops``, by ``preprocess`` (see the module docstring)."""
+def crop_pixels(crops: Sequence[Image.Image], processor, preprocess: str,
+                transform: Callable[[Image.Image], torch.Tensor] | None = None) -> torch.Tensor:
+    """``(N, 3, S, S)`` CLIP input of the RGB ``crops``, by ``preprocess`` (see the module docstring); ``transform``:
+    the processor's :func:`open_clip_transform`, when built already."""
     if preprocess == "open_clip":
-        transform = open_clip_transform(processor.image_processor)
+        transform = transform or open_clip_transform(processor.image_processor)
         return torch.stack([transform(crop) for crop in crops])
     return processor(images=list(crops), return_tensors="pt")["pixel_values"]
 
@@ -88,7 +90,9 @@ class ClipColours:
             shown = picture if det.mask is None else Image.composite(picture, canvas, Image.fromarray(det.mask))
             x0, y0, x1, y1 = (round(v) for v in det.box)
             crops.append(shown.crop((x0, y0, max(x1, x0 + 1), max(y1, y0 + 1))))  # a degenerate box: one pixel
-        pixels = crop_pixels(crops, self.processor, self.preprocess)
+        if self.preprocess == "open_clip" and getattr(self, "_transform", None) is None:
+            self._transform = open_clip_transform(self.processor.image_processor)  # built once, not per call
+        pixels = crop_pixels(crops, self.processor, self.preprocess, getattr(self, "_transform", None))
         feats = self.model.get_image_features(pixel_values=pixels.to(self.model.device, self.model.dtype)).pooler_output
         logits = torch.nn.functional.normalize(feats.float(), dim=-1) @ self._head(cls).T
         return [COLOURS[i] for i in logits.argmax(-1).tolist()]
