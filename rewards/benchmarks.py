@@ -123,12 +123,12 @@ GENEVAL_DOWNLOADS = {"path": "a download of facebook/mask2former-swin-small-coco
 
 
 def geneval_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The ``geneval`` reward's options for the benchmark: ``score: strict`` and ``jpeg_quality: null`` (GenEval's
-    evaluator reads the images uncompressed) unless given, and ``path`` / ``clip_path`` not given read from
+    """The ``geneval`` reward's options for the benchmark: ``score: strict``, ``jpeg_quality: null`` and
+    ``detector_channels: rgb`` (GenEval's evaluator reads the image files uncompressed, in order) unless given, and ``path`` / ``clip_path`` not given read from
     ``$FLOWALIGN_GENEVAL_PATH`` / ``$FLOWALIGN_GENEVAL_CLIP_PATH``."""
     import os
 
-    out = {"score": "strict", "jpeg_quality": None, **options}
+    out = {"score": "strict", "jpeg_quality": None, "detector_channels": "rgb", **options}
     for option, var in GENEVAL_ENV.items():
         if out.get(option) is None and os.environ.get(var):
             out[option] = os.environ[var]

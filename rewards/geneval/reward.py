@@ -26,6 +26,14 @@ DETECTORS = {
     # boxes overlap for one object: OWL-ViT's usual 0.1 threshold, 0.3 for counts, NMS at IoU 0.5
     "owlv2": ("google/owlv2-base-patch16-ensemble", (0.1, 0.3, 0.5)),
 }
+CHANNELS = {
+    "reversed": "the detector reads blue, green, red: Flow-GRPO's reward server hands mmdetection RGB arrays, "
+                "which its loader takes for BGR",
+    "rgb": "the detector reads the sample's channels in order, as GenEval's evaluator loads its files",
+}
+#: each detector's channel order when detector_channels is not given: Mask2Former's is Flow-GRPO's reward server's;
+#: OWLv2 never ran behind that server
+DETECTOR_CHANNELS = {"mask2former": "reversed", "owlv2": "rgb"}
 CLIP_WEIGHTS = "openai/clip-vit-large-patch14"
 #: the architectures of those downloads that ship (assets/reward_architectures/), what a folder not there yet is sized as
 PUBLISHED = {"mask2former": "mask2former-swin-small-coco-instance", "clip": "clip-vit-large-patch14"}
@@ -44,16 +52,21 @@ class GenEvalReward:
     differentiable = False
     requires_metadata = ("tag", "include")
     #: what runs saved before these options existed computed: the decoded pixels, uncompressed; the colour
-    #: crops through transformers' CLIP processor
-    before: ClassVar[dict[str, Any]] = {"jpeg_quality": None, "colour_preprocess": "processor"}
+    #: crops through transformers' CLIP processor; the detector reading the channels in order
+    before: ClassVar[dict[str, Any]] = {"jpeg_quality": None, "colour_preprocess": "processor",
+                                        "detector_channels": "rgb"}
 
     def __init__(self, path: str | None = None, clip_path: str | None = None, detector: str = "mask2former",
                  score: str = "partial", device: str | None = None, dtype: str = "float32", batch_size: int = 16,
                  threshold: float | None = None, counting_threshold: float | None = None,
                  nms_threshold: float | None = None, max_objects: int = rules.MAX_OBJECTS,
                  position_threshold: float = rules.POSITION_THRESHOLD, random_init: bool = False,
-                 jpeg_quality: int | None = 75, colour_preprocess: str = "open_clip"):
+                 jpeg_quality: int | None = 75, colour_preprocess: str = "open_clip",
+                 detector_channels: str | None = None):
         one_of("geneval reward", "detector", detector, DETECTORS)
+        #: None: the detector's own (DETECTOR_CHANNELS), so a recorded null resolves the same way again
+        self.detector_channels = DETECTOR_CHANNELS[detector] if detector_channels is None else detector_channels
+        one_of("geneval reward", "detector_channels", self.detector_channels, CHANNELS, CHANNELS)
         one_of("geneval reward", "colour_preprocess", colour_preprocess, PREPROCESS, PREPROCESS)
         one_of("geneval reward", "score", score, SCORES)
         check_jpeg_quality(jpeg_quality, self.name)
@@ -124,11 +137,13 @@ class GenEvalReward:
 
             pixels = np.stack([np.asarray(jpeg_round_trip(Image.fromarray(p), self.jpeg_quality)) for p in pixels])
         min_score = min(self.threshold, self.counting_threshold)
+        # only the detector reads reversed channels: the server's colour crops come from the PIL image, in order
+        seen = np.ascontiguousarray(pixels[..., ::-1]) if self.detector_channels == "reversed" else pixels
         detections: list[list[rules.Detection]] = []
         for start in range(0, n, self.batch_size):
             chunk = slice(start, start + self.batch_size)
             queries = [_classes_named(m) for m in metadata[chunk]]
-            detections += self.detector(list(pixels[chunk]), min_score, queries)
+            detections += self.detector(list(seen[chunk]), min_score, queries)
         scores = torch.zeros(n, dtype=torch.float32)
         info = []
         for i in range(n):

@@ -131,7 +131,8 @@ def test_the_detector_reads_the_jpeg_flow_grpo_sends_and_the_benchmark_the_decod
 
     seen = {}
     for quality in (75, None):
-        reward = rewards.load("geneval", **tiny_geneval, **({} if quality == 75 else {"jpeg_quality": None}))
+        reward = rewards.load("geneval", detector_channels="rgb", **tiny_geneval,
+                              **({} if quality == 75 else {"jpeg_quality": None}))
         reward.detector = Observed(reward.detector)
         reward(decoded, PROMPTS, META)
         seen[quality] = reward.detector.images
