@@ -6,6 +6,9 @@
   its mask, masks at the original image size, boxes around the masks. (transformers' own
   ``post_process_instance_segmentation`` resizes to a fixed 384 px before cropping the padding, so it is not
   used.)
+  The detector reads each image at GenEval's test scale (``resize: geneval``: its mmdetection config's, see
+  :func:`genevals_scale`), or at the folder's image-processor size (``processor``: 384 × 384 for the released
+  transformers download).
 * :class:`Owlv2Detector`: ``Owlv2ForObjectDetection``, open-vocabulary, for classes outside COCO; boxes only.
 """
 
@@ -23,6 +26,29 @@ from rewards.geneval.vocabulary import CLASSES
 
 #: detections kept per image before the rules' thresholds (mmdetection's ``max_per_image`` for Mask2Former)
 MAX_PER_IMAGE = 100
+#: GenEval's detector config (mmdetection's ``mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.py``) tests at
+#: ``img_scale (1333, 800)`` keeping the aspect ratio, then pads to a multiple of 32 with grey 128 before normalising
+GENEVAL_SCALE = (1333, 800)
+PAD_DIVISOR, PAD_VALUE = 32, 128
+RESIZE = {"geneval": "GenEval's test scale: the shorter side to 800, the longer at most 1333, padded to 32 with grey",
+          "processor": "the detector folder's image processor (384 x 384 for the released transformers download)"}
+
+
+def genevals_scale(image: np.ndarray) -> tuple[np.ndarray, tuple[int, int]]:
+    """``image`` uint8 ``(H, W, 3)`` as GenEval's detector config prepares it, before normalising: rescaled
+    bilinearly by ``min(1333 / long side, 800 / short side)`` (sizes rounded half up, as mmcv's ``rescale_size``),
+    then padded right and bottom to multiples of 32 with 128. Returns the padded uint8 ``(H', W', 3)`` and the
+    rescaled ``(h, w)`` inside it."""
+    h, w = image.shape[:2]
+    scale = min(max(GENEVAL_SCALE) / max(h, w), min(GENEVAL_SCALE) / min(h, w))
+    size = int(h * scale + 0.5), int(w * scale + 0.5)
+    pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
+    # mmcv resizes with cv2's INTER_LINEAR: half-pixel bilinear without antialiasing, back to uint8
+    pixels = F.interpolate(pixels, size=size, mode="bilinear", align_corners=False).round().clamp(0, 255)
+    padded = [-(-n // PAD_DIVISOR) * PAD_DIVISOR for n in size]
+    out = torch.full((3, *padded), float(PAD_VALUE))
+    out[:, :size[0], :size[1]] = pixels[0]
+    return out.to(torch.uint8).permute(1, 2, 0).numpy(), size
 
 
 class FrozenDetector:
@@ -39,13 +65,14 @@ class FrozenDetector:
 class Mask2FormerDetector(FrozenDetector):
     """A COCO instance-segmentation Mask2Former and its image processor from ``path``."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, random_init: bool = False):
+    def __init__(self, path: Path, dtype: torch.dtype, random_init: bool = False, resize: str = "geneval"):
         from transformers import AutoImageProcessor, Mask2FormerConfig, Mask2FormerForUniversalSegmentation
 
         net = (Mask2FormerForUniversalSegmentation(Mask2FormerConfig.from_pretrained(path)) if random_init
                else Mask2FormerForUniversalSegmentation.from_pretrained(path))
         self.model = net.to(dtype).eval().requires_grad_(False)
         self.processor = AutoImageProcessor.from_pretrained(path)
+        self.resize = resize
         id2label = self.model.config.id2label
         # an 80-class model is COCO's, in COCO's order: use GenEval's spelling of each class
         self.labels = list(CLASSES) if len(id2label) == len(CLASSES) else [id2label[i] for i in range(len(id2label))]
@@ -55,24 +82,30 @@ class Mask2FormerDetector(FrozenDetector):
                  ) -> list[list[Detection]]:
         """``images`` uint8 ``(H, W, 3)`` → per image, its detections scoring above ``min_score``."""
         device, dtype = self.model.device, self.model.dtype
-        inputs = self.processor(images=list(images), return_tensors="pt")
+        if self.resize == "geneval":
+            prepared = [genevals_scale(image) for image in images]
+            inputs = self.processor(images=[padded for padded, _ in prepared], do_resize=False, return_tensors="pt")
+            scaled = [size for _, size in prepared]
+        else:
+            inputs = self.processor(images=list(images), return_tensors="pt")
+            scaled = [(int(m.any(1).sum()), int(m.any(0).sum())) for m in inputs["pixel_mask"]]
         pixel_values = inputs["pixel_values"].to(device, dtype)
-        pixel_mask = inputs["pixel_mask"].to(device)
-        out = self.model(pixel_values=pixel_values, pixel_mask=pixel_mask)
+        out = self.model(pixel_values=pixel_values, pixel_mask=inputs["pixel_mask"].to(device))
         return [self._instances(out.class_queries_logits[i].float(), out.masks_queries_logits[i].float(),
-                                pixel_mask[i], tuple(pixel_values.shape[-2:]), image.shape[:2], min_score)
+                                scaled[i], tuple(pixel_values.shape[-2:]), image.shape[:2], min_score)
                 for i, image in enumerate(images)]
 
-    def _instances(self, class_logits: torch.Tensor, mask_logits: torch.Tensor, pixel_mask: torch.Tensor,
+    def _instances(self, class_logits: torch.Tensor, mask_logits: torch.Tensor, scaled: tuple[int, int],
                    padded: tuple[int, int], size: tuple[int, int], min_score: float) -> list[Detection]:
         num_classes = class_logits.shape[-1] - 1
         probs = class_logits.softmax(-1)[:, :-1].flatten()
         top, index = probs.topk(min(MAX_PER_IMAGE, probs.numel()))
         queries, labels = index // num_classes, index % num_classes
-        # only the queries among the top pairs are upsampled: padded input size, padding cropped, original size
+        # only the queries among the top pairs are upsampled: padded input size, padding cropped (the rescaled
+        # image inside it), original size
         distinct, row = torch.unique(queries, return_inverse=True)
         logits = F.interpolate(mask_logits[distinct][None], size=padded, mode="bilinear", align_corners=False)[0]
-        h, w = int(pixel_mask.any(1).sum()), int(pixel_mask.any(0).sum())
+        h, w = scaled
         logits = F.interpolate(logits[None, :, :h, :w], size=size, mode="bilinear", align_corners=False)[0]
         binary = logits > 0
         mask_score = (logits.sigmoid() * binary).flatten(1).sum(1) / (binary.flatten(1).sum(1) + 1e-6)

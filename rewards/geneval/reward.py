@@ -13,6 +13,7 @@ from flowalign.protocols import RewardOutput
 from rewards.common import check_images, check_jpeg_quality, check_lengths, finite_mask, jpeg_round_trip, resolve_dtype
 from rewards.geneval import rules
 from rewards.geneval.colour import PREPROCESS
+from rewards.geneval.detector import RESIZE
 from rewards.geneval.vocabulary import COLOURS, POSITIONS, TAGS
 from rewards.model_options import one_of
 from rewards.planning import existing, missing, on_accelerator, option, published, transformers_bytes
@@ -31,9 +32,10 @@ CHANNELS = {
                 "which its loader takes for BGR",
     "rgb": "the detector reads the sample's channels in order, as GenEval's evaluator loads its files",
 }
-#: each detector's channel order when detector_channels is not given: Mask2Former's is Flow-GRPO's reward server's;
-#: OWLv2 never ran behind that server
+#: each detector's channel order and input size when detector_channels / detector_size is not given: Mask2Former's
+#: are Flow-GRPO's reward server's (GenEval's config); OWLv2 never ran behind that server, and reads its own size
 DETECTOR_CHANNELS = {"mask2former": "reversed", "owlv2": "rgb"}
+DETECTOR_SIZE = {"mask2former": "geneval", "owlv2": "processor"}
 CLIP_WEIGHTS = "openai/clip-vit-large-patch14"
 #: the architectures of those downloads that ship (assets/reward_architectures/), what a folder not there yet is sized as
 PUBLISHED = {"mask2former": "mask2former-swin-small-coco-instance", "clip": "clip-vit-large-patch14"}
@@ -52,9 +54,9 @@ class GenEvalReward:
     differentiable = False
     requires_metadata = ("tag", "include")
     #: what runs saved before these options existed computed: the decoded pixels, uncompressed; the colour
-    #: crops through transformers' CLIP processor; the detector reading the channels in order
+    #: crops through transformers' CLIP processor; the detector reading the channels in order, at its processor's size
     before: ClassVar[dict[str, Any]] = {"jpeg_quality": None, "colour_preprocess": "processor",
-                                        "detector_channels": "rgb"}
+                                        "detector_channels": "rgb", "detector_size": "processor"}
 
     def __init__(self, path: str | None = None, clip_path: str | None = None, detector: str = "mask2former",
                  score: str = "partial", device: str | None = None, dtype: str = "float32", batch_size: int = 16,
@@ -62,11 +64,16 @@ class GenEvalReward:
                  nms_threshold: float | None = None, max_objects: int = rules.MAX_OBJECTS,
                  position_threshold: float = rules.POSITION_THRESHOLD, random_init: bool = False,
                  jpeg_quality: int | None = 75, colour_preprocess: str = "open_clip",
-                 detector_channels: str | None = None):
+                 detector_channels: str | None = None, detector_size: str | None = None):
         one_of("geneval reward", "detector", detector, DETECTORS)
         #: None: the detector's own (DETECTOR_CHANNELS), so a recorded null resolves the same way again
         self.detector_channels = DETECTOR_CHANNELS[detector] if detector_channels is None else detector_channels
         one_of("geneval reward", "detector_channels", self.detector_channels, CHANNELS, CHANNELS)
+        self.detector_size = DETECTOR_SIZE[detector] if detector_size is None else detector_size
+        one_of("geneval reward", "detector_size", self.detector_size, RESIZE, RESIZE)
+        if detector == "owlv2" and self.detector_size != "processor":
+            raise UserError("geneval reward: detector_size=geneval is GenEval's Mask2Former test scale; OWLv2 reads "
+                            "its processor's size: leave detector_size out or give processor")
         one_of("geneval reward", "colour_preprocess", colour_preprocess, PREPROCESS, PREPROCESS)
         one_of("geneval reward", "score", score, SCORES)
         check_jpeg_quality(jpeg_quality, self.name)
@@ -89,8 +96,8 @@ class GenEvalReward:
         from rewards.geneval.colour import ClipColours
         from rewards.geneval.detector import Mask2FormerDetector, Owlv2Detector
 
-        self.detector = (Mask2FormerDetector if detector == "mask2former" else Owlv2Detector)(detector_dir, torch_dtype,
-                                                                                                random_init)
+        self.detector = (Mask2FormerDetector(detector_dir, torch_dtype, random_init, self.detector_size)
+                         if detector == "mask2former" else Owlv2Detector(detector_dir, torch_dtype, random_init))
         self.colours = ClipColours(clip_dir, torch_dtype, random_init, colour_preprocess)
         #: classes the detector can name (None: open vocabulary)
         self.classes = set(self.detector.labels) if detector == "mask2former" else None
