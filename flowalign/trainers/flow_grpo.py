@@ -131,12 +131,15 @@ class FlowGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, sigma_gap: float,
                      mode: str) -> torch.Tensor:
-    """KL between same-variance Gaussian steps ``(B,)``: exact ``Σ_D Δμ²/(2τ²)`` or the authors' coded
-    ``mean_D Δμ²/(2s²)`` with ``s² = τ²/sigma_gap`` (= (sigma_gap/D)·exact; :func:`coded_kl_gap` gives the
-    gap for each sampler)."""
+    """KL between same-variance Gaussian steps ``(B,)``: exact ``Σ_D Δμ²/(2τ²)``, its mean over the elements
+    ``mean_D Δμ²/(2τ²)`` (``"mean"``: Pref-GRPO's ``compute_kl_loss``, ``τ`` the step's noise), or Flow-GRPO's
+    coded ``mean_D Δμ²/(2s²)`` with ``s² = τ²/sigma_gap`` (``"code"``; = (sigma_gap/D)·exact: :func:`coded_kl_gap`
+    gives the gap for each sampler)."""
     sq = ((mean - ref_mean) ** 2) / (2 * std**2)
     if mode == "exact":
         return sq.flatten(1).sum(1)
+    if mode == "mean":
+        return sq.flatten(1).mean(1)
     return sq.flatten(1).mean(1) * sigma_gap
 
 
@@ -431,6 +434,10 @@ class FlowGRPOTrainer(GroupTrainer):
         GRPO-Guard normalises the ratio here)."""
         return ppo_clip_loss(out.log_prob, old_log_prob, adv, self.tcfg.clip_range, weight)
 
+    def kl_coefficient(self) -> float:
+        """The KL term's weight β this step (a hook: Pref-GRPO's adaptive controller moves it)."""
+        return self.tcfg.beta
+
     def kl_penalty(self, batch: StepBatch, unit: StepUnit, kl: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The unit's KL term from the per-sample KL ``(B,)``: its mean over the ``active`` samples (a hook:
         GARDO gates it to its uncertain samples)."""
@@ -464,6 +471,6 @@ class FlowGRPOTrainer(GroupTrainer):
                 gap = coded_kl_gap(self.sampler, chunk.sigmas[k].item(), chunk.sigmas[k + 1].item())
                 per_sample_kl = gaussian_mean_kl(out.mean, ref, out.std, gap, self.tcfg.kl_mode)
             kl = self.kl_penalty(batch, unit, per_sample_kl, active)
-            loss = loss + self.tcfg.beta * kl
+            loss = loss + self.kl_coefficient() * kl
             info["kl"] = kl.detach()
         return loss / unit.of, info

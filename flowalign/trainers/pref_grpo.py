@@ -30,6 +30,7 @@ from flowalign.config import changed
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.trainers.flow_grpo import CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, SDEWindowOptions
 from flowalign.trainers.options import ReferenceOptions
+from flowalign.trainers.parts.adaptive_kl import AdaptiveKL, AdaptiveKLOptions
 from flowalign.trainers.parts.best_worst import BestWorstOptions
 from flowalign.trainers.parts.dance_loop import DanceLoop
 from flowalign.trainers.parts.dance_schedule import DanceScheduleOptions
@@ -39,12 +40,12 @@ from flowalign.trainers.parts.ratio_norm import RatioNorm, RatioNormOptions
 
 
 class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDEWindowOptions, DrawnStepOptions,
-                     BestWorstOptions, DanceScheduleOptions, RatioNormOptions):
+                     BestWorstOptions, DanceScheduleOptions, RatioNormOptions, AdaptiveKLOptions):
     name: Literal["pref_grpo"] = "pref_grpo"
     #: what runs saved before these options existed computed (see TrainerConfig.before)
     before = {"step_draw": "per_batch", "zero_advantage": "skipped", "win_rate_normalisation": "weighted_sum",
               "batch_renormalise": False, "sigma_grid": "model", "model_timestep": "continuous",
-              "ratio_norm": False, "reweight": False, "pointwise_rewards": "win_rates"}
+              "ratio_norm": False, "reweight": False, "pointwise_rewards": "win_rates", "kl_mode": "code"}
     #: their --rationorm (on in their _common_finetune.sh): GRPO-Guard's normalised ratio with each sample's own
     #: shift (their mean over the elements of a one-sample batch) and the loss divided by the σ gap
     ratio_bias: Literal["batch", "sample"] = "sample"
@@ -52,6 +53,9 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
     sampler: Literal["flow_grpo", "dance", "cps"] = "flow_grpo"  # type: ignore[assignment]
     noise_level: float = Field(0.7, gt=0, le=2)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
+    #: with beta > 0: their compute_kl_loss, mean_D Δμ²/(2τ²) with τ the step's noise ("mean"); "code" is
+    #: Flow-GRPO's coded KL (that times the σ gap), the former form
+    kl_mode: Literal["mean", "code", "exact"] = "mean"  # type: ignore[assignment]
     shared_initial_noise: bool = True
     #: the method's advantage: group-normalised win rates (see the module docstring)
     advantage: Literal["win_rate"] = "win_rate"  # type: ignore[assignment]
@@ -73,7 +77,7 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
         return self
 
 
-class PrefGRPOTrainer(DanceLoop, RatioNorm, FlowGRPOTrainer):
+class PrefGRPOTrainer(DanceLoop, AdaptiveKL, RatioNorm, FlowGRPOTrainer):
     Config = PrefGRPOConfig
     tcfg: PrefGRPOConfig
 

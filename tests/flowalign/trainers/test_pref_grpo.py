@@ -1,6 +1,7 @@
 """Pref-GRPO: advantages from within-group pairwise win rates (docs/methods/pref_grpo.md)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,12 @@ def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
                                           "trainer.updates_per_epoch=2")
 
 
+def test_trains_and_resumes_bit_exactly_with_the_adaptive_kl_weight(tmp_path, tiny_sd3_dir, prompt_file):
+    assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=pref_grpo",
+                                          "trainer.beta=0.004", "trainer.kl_adaptive=true", "trainer.kl_target=1e-6",
+                                          "trainer.kl_horizon=2")
+
+
 RATIONORM = json.loads((Path(__file__).parent / "known_answers" / "pref_grpo_rationorm.json").read_text())
 
 
@@ -209,3 +216,79 @@ def test_the_default_update_trains_on_the_normalised_ratio(tmp_path, tiny_sd3_di
     former = build_trainer(small_config(tmp_path / "f", tiny_sd3_dir, prompt_file, *common,
                                         "trainer.ratio_norm=false", "trainer.reweight=false"))
     assert all(c.velocities is None for c in former.collect(0).chunks)
+
+
+ADAPTIVE = json.loads((Path(__file__).parent / "known_answers" / "pref_grpo_adaptive_kl.json").read_text())
+
+
+@pytest.mark.parametrize("case", ADAPTIVE["kl"]["cases"], ids=lambda c: f"step{c['index']}")
+def test_the_kl_term_is_their_compute_kl_loss(case):
+    """With beta > 0 their scripts add ``compute_kl_loss``: mean_D Δμ²/(2τ²) with τ the step's noise, averaged over
+    the batch (``kl_mode: mean``, the default); Flow-GRPO's coded KL (``code``, the former form) is that times h."""
+    from flowalign.sampling import sde_step
+    from flowalign.sampling.timesteps import shifted_grid
+    from flowalign.trainers.flow_grpo import coded_kl_gap, gaussian_mean_kl
+
+    kl = ADAPTIVE["kl"]
+    sigmas = shifted_grid(kl["steps"], kl["sigma_shift"])
+    k, x = case["index"], torch.tensor(case["latents"])
+    assert sigmas[k].item() == pytest.approx(case["sigma"]) and sigmas[k + 1].item() == pytest.approx(case["sigma_next"])
+    new, ref = (sde_step("flow_grpo", torch.tensor(case[v]), x, sigmas[k].item(), sigmas[k + 1].item(),
+                         noise_level=kl["eta"]) for v in ("velocity", "reference_velocity"))
+    assert new.std.flatten()[0].item() == pytest.approx(case["noise_scale"], rel=1e-6)
+    tcfg = trainer_config({"name": "pref_grpo", "beta": 0.004})[1]
+    assert tcfg.kl_mode == "mean"
+    per_sample = gaussian_mean_kl(new.mean, ref.mean, new.std, 1.0, tcfg.kl_mode)
+    torch.testing.assert_close(per_sample, torch.tensor(case["per_sample"]), rtol=1e-4, atol=1e-12)
+    assert per_sample.mean().item() == pytest.approx(case["kl_loss"], rel=1e-4)
+    gap = coded_kl_gap("flow_grpo", sigmas[k].item(), sigmas[k + 1].item())
+    coded = gaussian_mean_kl(new.mean, ref.mean, new.std, gap, "code")
+    assert coded.mean().item() == pytest.approx(case["kl_loss"] * gap, rel=1e-4)  # the former form, h times smaller
+
+
+@pytest.mark.parametrize("run", ADAPTIVE["controller"]["runs"], ids=("their_wan_recipe", "wide"))
+def test_the_adaptive_kl_weight_follows_their_controller(run):
+    from flowalign.trainers.parts.adaptive_kl import next_kl_weight
+
+    s = run["settings"]
+    tcfg = trainer_config({"name": "pref_grpo", "beta": s["init_beta"], "kl_adaptive": True, "kl_target": s["target"],
+                           "kl_horizon": s["horizon"], "kl_ema_alpha": s["ema_alpha"], "kl_beta_min": s["beta_min"],
+                           "kl_beta_max": s["beta_max"]})[1]
+    beta, average, betas = tcfg.beta, None, []
+    for kl in ADAPTIVE["controller"]["kls"]:
+        beta, average = next_kl_weight(beta, average, kl, tcfg)
+        betas.append(beta)
+    assert betas == pytest.approx(run["betas"], rel=1e-12)
+
+
+def test_the_adaptive_weight_moves_the_loss_and_resumes(tmp_path, tiny_sd3_dir, prompt_file):
+    """A step's logged KL moves β (logged ``kl_beta``), the next step's loss weighs the KL by it, and the trainer's
+    saved state carries β and the average."""
+    common = ("trainer.name=pref_grpo", "trainer.batch_size=4", "trainer.num_steps=4", "trainer.beta=0.004",
+              "trainer.kl_adaptive=true", "trainer.kl_target=1e-9", "trainer.kl_horizon=1")
+    t = build_trainer(small_config(tmp_path / "a", tiny_sd3_dir, prompt_file, *common))
+    assert t.kl_coefficient() == 0.004
+    logs = t.finish(None, [{"kl": [2e-9, 4e-9]}])
+    assert logs["kl_beta"] == pytest.approx(0.004 * math.exp((3e-9 - 1e-9) / 1e-9))  # e = 3e-9 on the first step
+    assert t.kl_coefficient() == logs["kl_beta"]
+    with torch.no_grad():  # move the policy off the reference, so the KL is not 0
+        for p in t.policy.trainable.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    batch = t.collect(0)
+    unit = t.plan(batch, torch.Generator().manual_seed(0)).steps[0][0]
+    loss, info = t.loss(batch, unit)
+    t.kl_weight *= 3
+    tripled, _ = t.loss(batch, unit)
+    assert info["kl"] > 0
+    # float32 losses: their difference is good to about 1e-3 of itself
+    assert (tripled - loss).item() == pytest.approx(2 * logs["kl_beta"] * info["kl"].item() / unit.of, rel=1e-2)
+    t.kl_weight /= 3
+    state = t.state_dict()
+    again = build_trainer(small_config(tmp_path / "b", tiny_sd3_dir, prompt_file, *common))
+    again.load_state_dict(state)
+    assert (again.kl_coefficient(), again.kl_average) == (t.kl_coefficient(), t.kl_average)
+    with pytest.raises(UserError, match="trainer.kl_target set the adaptive KL controller, which is off"):
+        trainer_config({"name": "pref_grpo", "beta": 0.004, "kl_target": 0.1})
+    with pytest.raises(UserError, match="kl_adaptive moves the KL weight from trainer.beta, which is 0 here"):
+        trainer_config({"name": "pref_grpo", "kl_adaptive": True})
