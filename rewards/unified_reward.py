@@ -17,6 +17,10 @@ Two modes, on a local model folder (``path``) or an OpenAI-compatible server (``
   UnifiedReward-Flex's template; the reply's overall and per-category winners give each sample a blend of its
   overall and category win rates (:mod:`rewards.unified_reward_flex`), in [0, 1].
 
+Both pairwise modes judge videos ``(B, F, 3, H, W)`` too, as Pref-GRPO's Wan scripts do: each video is shown as
+``frames`` evenly spaced frames (8), a pair's request holding the first video's frames then the second's, with
+the video templates; the verdicts name "Video k" (:mod:`rewards.unified_reward_video`).
+
 A reply without a score makes its sample invalid, never 0 (Flow-GRPO scores it 0); a pairwise reply without a
 verdict counts as a tie (half a win to each image, as Pref-GRPO's ``unifiedreward_think.py`` does;
 ``no_verdict: unread`` leaves it out), a failed request is left out (Pref-GRPO's loop stops on it), and a
@@ -40,6 +44,7 @@ from rewards.planning import existing, missing, on_accelerator, option, publishe
 from rewards.qwen_vl_reward import local_path
 from rewards.registry import register
 from rewards.unified_reward_flex import FLEX_BLENDS, FLEX_QUESTION, flex_win_rates, parse_flex
+from rewards.unified_reward_video import FLEX_VIDEO_QUESTION, THINK_VIDEO_QUESTION, frame_indices
 from rewards.vlm_backend import ChatRequest
 from rewards.vlm_parse import answer_region
 
@@ -179,7 +184,7 @@ MODE_DEFAULTS = {
     "flex_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
 }
 _FINAL_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")  # Flow-GRPO's pattern
-_VERDICT = re.compile(r"Image\s*([12])\s*is\s*better", re.I)
+_VERDICT = {noun: re.compile(noun + r"\s*([12])\s*is\s*better", re.I) for noun in ("Image", "Video")}
 _CLOSED_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
@@ -189,8 +194,8 @@ def parse_final_score(text: str | None) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def parse_verdict(text: str | None, form: str = "answer") -> int | None:
-    """1 or 2, the image the reply prefers, or None.
+def parse_verdict(text: str | None, form: str = "answer", noun: str = "Image") -> int | None:
+    """1 or 2, the image (``noun="Video"``: the video) the reply prefers, or None.
 
     ``form="answer"`` (Pref-GRPO's reading): the first ``<answer>…</answer>`` block (closed, tags as written),
     stripped, holds the exact phrase "Image 1 is better" (looked for first) or "Image 2 is better"; a reply
@@ -198,13 +203,13 @@ def parse_verdict(text: str | None, form: str = "answer") -> int | None:
     in any case and spacing in the ``<answer>`` block, or in the whole reply without ``<think>`` when it has no
     answer block."""
     if form == "lenient":
-        m = _VERDICT.search(answer_region(text or ""))
+        m = _VERDICT[noun].search(answer_region(text or ""))
         return int(m.group(1)) if m else None
     block = _CLOSED_ANSWER.search(text or "")
     if block is None:
         return None
     answer = block.group(1).strip()
-    return 1 if "Image 1 is better" in answer else 2 if "Image 2 is better" in answer else None
+    return 1 if f"{noun} 1 is better" in answer else 2 if f"{noun} 2 is better" in answer else None
 
 
 def win_rates(n: int, verdicts: list[tuple[int, int, int | None]],
@@ -246,7 +251,8 @@ class UnifiedReward:
     ``dim_weight`` and ``category_weights`` (Pref-GRPO's ``OVERALL_WEIGHT``, ``DIM_WEIGHT``, ``CATEGORY_WEIGHTS``:
     1, 1 and none by default, 0.3, 0.7 and 1, 0.7, 0.7 in their Flex recipes), ``flex_blend`` (``code``, their
     code's blend, or ``as_set``; :mod:`rewards.unified_reward_flex`); ``device`` (None: the samples'),
-    ``dtype`` (bf16), ``batch_size`` (requests per forward).
+    ``dtype`` (bf16), ``batch_size`` (requests per forward); videos (pairwise modes): ``frames`` (8, Pref-GRPO's
+    ``num_frames``), the frames each video is shown by.
     """
 
     name = "unified_reward"
@@ -266,8 +272,8 @@ class UnifiedReward:
                  normalize: bool = True, max_tokens: int | str = "auto", think_prompt: str = "qwen3vl",
                  verdict_parse: str = "answer", win_rate_decimals: int | None = 3, both_orders: bool = False,
                  no_verdict: str = "tie", overall_weight: float = 1.0, dim_weight: float = 1.0,
-                 category_weights: list[float] | None = None, flex_blend: str = "code", device: str | None = None,
-                 dtype: str = "bfloat16", batch_size: int = 8):
+                 category_weights: list[float] | None = None, flex_blend: str = "code", frames: int = 8,
+                 device: str | None = None, dtype: str = "bfloat16", batch_size: int = 8):
         label = "unified_reward reward"
         if mode not in MODES:
             raise UserError(f"unified_reward reward: mode={mode!r} is not one of {list(MODES)}")
@@ -295,6 +301,10 @@ class UnifiedReward:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e6:
                 raise UserError(f"unified_reward reward: {option}={value!r} must be a number from 0 to 1e6")
         one_of(label, "flex_blend", flex_blend, FLEX_BLENDS, FLEX_BLENDS)
+        if isinstance(frames, bool) or not isinstance(frames, int) or not 1 <= frames <= 256:
+            raise UserError(f"unified_reward reward: frames={frames!r} must be an integer from 1 to 256 (the frames a "
+                            "video is shown by; Pref-GRPO's: 8)")
+        self.frames = frames
         if mode != "flex_pairwise" and (overall_weight != 1.0 or dim_weight != 1.0 or category_weights
                                         or flex_blend != "code"):
             raise UserError("unified_reward reward: overall_weight, dim_weight, category_weights and flex_blend are read"
@@ -371,8 +381,18 @@ class UnifiedReward:
         return ChatRequest([{"role": "user", "content": parts}], max_tokens=self.max_tokens, temperature=0.0)
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
-        """``samples`` ``(B, 3, H, W)`` in [0, 1] → ``{"unified_reward": (B,)}`` + ``valid``; replies in ``info``."""
-        check_images(samples, self.name)
+        """``samples`` ``(B, 3, H, W)`` (or videos ``(B, F, 3, H, W)`` in the pairwise modes) in [0, 1] →
+        ``{"unified_reward": (B,)}`` + ``valid``; replies in ``info``."""
+        video = isinstance(samples, torch.Tensor) and samples.ndim == 5
+        if video:
+            if not self.pairwise:
+                raise UserError("unified_reward reward: mode: score judges images; videos are judged in pairs (mode: "
+                                "think_pairwise or flex_pairwise, as Pref-GRPO's Wan scripts)")
+            if samples.shape[2] != 3:
+                raise UserError(f"unified_reward reward: videos must have shape (B, F, 3, H, W); got {tuple(samples.shape)}")
+            check_images(samples.flatten(0, 1), self.name)
+        else:
+            check_images(samples, self.name)
         check_lengths(samples.shape[0], prompts, metadata, self.name)
         if self.local:
             device = self.device or samples.device
@@ -382,14 +402,18 @@ class UnifiedReward:
         n = samples.shape[0]
         valid_in = finite_mask(samples)
         todo = [i for i in range(n) if valid_in[i]]
-        images = {i: self._pil(samples[i]) for i in todo}
+        if video:  # each video as its evenly spaced frames
+            shown = frame_indices(samples.shape[1], self.frames)
+            images = {i: [self._pil(samples[i, f]) for f in shown] for i in todo}
+        else:
+            images = {i: [self._pil(samples[i])] for i in todo}
         scores = torch.full((n,), float("nan"))
         info: list[dict[str, Any]] = [{"mode": self.mode} for _ in range(n)]
         for i in range(n):
             if not valid_in[i]:
                 info[i]["reason"] = "sample has NaN/inf values"
         if self.mode == "score":
-            replies = self.backend.complete([self._ask([images[i]], SCORE_QUESTION.format(prompt=prompts[i]))
+            replies = self.backend.complete([self._ask(images[i], SCORE_QUESTION.format(prompt=prompts[i]))
                                              for i in todo])
             for i, c in zip(todo, replies):
                 x = parse_final_score(c.text) if c.error is None else None
@@ -399,29 +423,33 @@ class UnifiedReward:
                 else:
                     scores[i] = x / 5.0 if self.normalize else x
         else:
-            self._pairwise(todo, images, prompts, scores, info)
+            self._pairwise(todo, images, prompts, scores, info, "Video" if video else "Image")
         valid = torch.isfinite(scores)
         if not valid.all():
             log.warning("%s: %d/%d samples invalid (first: %s)", self.name, int((~valid).sum()), n,
                         next(str(x.get("reason")) for x, ok in zip(info, valid.tolist()) if not ok)[:120])
         return RewardOutput({self.name: scores.to(samples.device)}, valid=valid.to(samples.device), info=info)
 
-    def _pairwise(self, todo: list[int], images: dict[int, Any], prompts: list[str], scores: torch.Tensor,
-                  info: list[dict[str, Any]]) -> None:
+    def _pairwise(self, todo: list[int], images: dict[int, list[Any]], prompts: list[str], scores: torch.Tensor,
+                  info: list[dict[str, Any]], noun: str) -> None:
         groups: dict[str, list[int]] = {}
         for i in todo:
             groups.setdefault(prompts[i], []).append(i)
         pairs = [(g[x], g[y]) for g in groups.values() for x in range(len(g)) for y in range(x + 1, len(g))]
         if self.both_orders:
             pairs += [(b, a) for a, b in pairs]
-        question = FLEX_QUESTION if self.mode == "flex_pairwise" else self.think_question
-        replies = self.backend.complete([self._ask([images[a], images[b]], question.format(prompt=prompts[a]))
+        flex = self.mode == "flex_pairwise"
+        if noun == "Video":
+            question = FLEX_VIDEO_QUESTION if flex else THINK_VIDEO_QUESTION
+        else:
+            question = FLEX_QUESTION if flex else self.think_question
+        replies = self.backend.complete([self._ask(images[a] + images[b], question.format(prompt=prompts[a]))
                                          for a, b in pairs])
         if self.mode == "flex_pairwise":
             self._flex(todo, groups, pairs, replies, prompts, scores, info)
             return
         tie = 0 if self.no_verdict == "tie" else None
-        verdicts = [(a, b, None if c.error is not None else (parse_verdict(c.text, self.verdict_parse) or tie))
+        verdicts = [(a, b, None if c.error is not None else (parse_verdict(c.text, self.verdict_parse, noun) or tie))
                     for (a, b), c in zip(pairs, replies)]
         rates, read = win_rates(len(scores), verdicts, self.win_rate_decimals)
         for i in todo:

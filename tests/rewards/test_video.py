@@ -54,3 +54,19 @@ def test_frames_get_their_videos_metadata_and_a_bad_frame_invalidates_its_video(
 def test_shapes_are_checked():
     with pytest.raises(UserError, match="scores videos"):
         per_frame("brightness")(torch.rand(2, 3, 8, 8), ["", ""], [])
+
+
+def test_frames_first_scores_the_first_frame_alone(tiny_clip_spec, images):
+    """Pref-GRPO's Wan scripts score CLIP on each video's first frame (``video_first_frame_to_pil``); a bad later
+    frame still invalidates its video."""
+    reward = rewards.load("clip_score_video", model=tiny_clip_spec, frames="first")
+    frames = images(6, seed=5).reshape(2, 3, 3, 64, 64)
+    frames[1, 2, 0, 0, 0] = float("nan")
+    out = reward(frames, PROMPTS, [{}, {}])
+    first = reward.image_reward(frames[:, 0], PROMPTS, []).components["clip_score"]
+    torch.testing.assert_close(out.components["clip_score"], first, atol=0, rtol=0)
+    assert out.valid.tolist() == [True, False]
+    every = rewards.load("clip_score_video", model=tiny_clip_spec)(frames[:1], PROMPTS[:1], [{}])
+    assert not torch.equal(every.components["clip_score"], first[:1])  # the other frames move the average
+    with pytest.raises(UserError, match="frames='middle' is not known; use all"):
+        rewards.load("brightness_video", frames="middle")

@@ -39,3 +39,25 @@ def test_flash_grpo_motion_config_writes_video_evals_and_gallery_at_every_evalua
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "eval/accuracy" in m] == [0, 1, 2]
     assert all("reward/vvr_motion" in m for m in metrics if "reward/total" in m)
+
+
+def test_pref_grpo_trains_on_video_with_the_video_judge_and_the_adaptive_kl_weight(tmp_path):
+    """Pref-GRPO's Wan recipe in small: the (tiny, random) UnifiedReward judging pairs of videos by their frames
+    in flex mode beside a first-frame reward, the KL weight moved by the controller within its bounds."""
+    run = tmp_path / "run"
+    judge = assets_dir() / "tiny-rewards" / "unified_reward"
+    cfg = load_config(None, [
+        f"run.output_dir={run}", f"model.path={assets_dir() / 'tiny-wan-motion'}", "model.finetune=lora",
+        "model.lora.rank=4", "data.bench=vvr_motion", "data.level=[easy]", "data.n=20", "eval.bench=null",
+        "run.progress=false", "run.tensorboard=false",
+        f"rewards=[{{name: unified_reward, weight: 0.7, path: '{judge}', mode: flex_pairwise, frames: 3, "
+        "dtype: float32, max_tokens: 16}, {name: brightness_video, weight: 0.3, frames: first}]",
+        "trainer.name=pref_grpo", "trainer.max_steps=2", "trainer.prompts_per_step=1", "trainer.group_size=3",
+        "trainer.batch_size=3", "trainer.num_steps=4", "trainer.beta=0.004", "trainer.kl_adaptive=true",
+        "trainer.kl_target=0.0025", "trainer.kl_horizon=80", "trainer.kl_beta_min=0.004", "trainer.kl_beta_max=0.006",
+    ])
+    train(cfg)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "train/kl_beta" in m]
+    assert len(steps) == 2 and all(0.004 <= m["train/kl_beta"] <= 0.006 and m["train/kl"] >= 0 for m in steps)
+    assert all(m["reward/unified_reward"] == 0.5 for m in steps)  # the tiny judge's reply names no winner: ties
