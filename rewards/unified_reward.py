@@ -17,7 +17,12 @@ Two modes, on a local model folder (``path``) or an OpenAI-compatible server (``
   UnifiedReward-Flex's template; the reply's overall and per-category winners give each sample a blend of its
   overall and category win rates (:mod:`rewards.unified_reward_flex`), in [0, 1].
 
-Both pairwise modes judge videos ``(B, F, 3, H, W)`` too, as Pref-GRPO's Wan scripts do: each video is shown as
+* ``edit_pairwise`` (UnifiedReward-Edit, as Pref-GRPO's editing recipes train on it): the edited images sharing
+  an instruction and a source image (``metadata["image"]``) compared two by two, each request showing the source,
+  then the two edits, with UnifiedReward-Edit's pairwise template (:mod:`rewards.unified_reward_edit`); each
+  sample's win rate in its group, rounded to 3 decimals, in [0, 1].
+
+Both think_pairwise and flex_pairwise judge videos ``(B, F, 3, H, W)`` too, as Pref-GRPO's Wan scripts do: each video is shown as
 ``frames`` evenly spaced frames (8), a pair's request holding the first video's frames then the second's, with
 the video templates; the verdicts name "Video k" (:mod:`rewards.unified_reward_video`).
 
@@ -29,6 +34,7 @@ sample none of whose comparisons came back, or alone with its prompt (Pref-GRPO:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -44,18 +50,20 @@ from rewards.planning import existing, missing, on_accelerator, option, publishe
 from rewards.qwen_vl_reward import local_path
 from rewards.registry import register
 from rewards.unified_reward_flex import FLEX_BLENDS, FLEX_QUESTION, flex_win_rates, parse_flex
+from rewards.unified_reward_edit import EDIT_PAIRWISE_QUESTION, parse_edit_verdict
 from rewards.unified_reward_video import FLEX_VIDEO_QUESTION, THINK_VIDEO_QUESTION, frame_indices
 from rewards.vlm_backend import ChatRequest
 from rewards.vlm_parse import answer_region
 
 log = logging.getLogger("flowalign.rewards.unified_reward")
 
-MODES = ("score", "think_pairwise", "flex_pairwise")
+MODES = ("score", "think_pairwise", "flex_pairwise", "edit_pairwise")
 #: what UnifiedReward-qwen-7b and UnifiedReward-Think-qwen-7b are, as published (assets/reward_architectures/)
 ARCHITECTURE_7B = "qwen2.5-vl-7b-instruct"
 DOWNLOAD = ("a UnifiedReward model (e.g. CodeGoat24/UnifiedReward-qwen-7b, or for think_pairwise"
             " CodeGoat24/UnifiedReward-Think-qwen3vl-8b, or -Think-qwen-7b with think_prompt: qwen2_5vl, or for"
-            " flex_pairwise CodeGoat24/UnifiedReward-Flex-qwen3vl-8b)")
+            " flex_pairwise CodeGoat24/UnifiedReward-Flex-qwen3vl-8b, or for edit_pairwise"
+            " CodeGoat24/UnifiedReward-Edit-qwen3vl-8b)")
 
 # Flow-GRPO's pointwise question, verbatim (flow_grpo/rewards.py, unifiedreward_score_sglang)
 SCORE_QUESTION = (
@@ -182,6 +190,7 @@ MODE_DEFAULTS = {
     "score": {"image_size": 512, "jpeg_quality": None, "max_tokens": 512},
     "think_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
     "flex_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
+    "edit_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
 }
 _FINAL_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")  # Flow-GRPO's pattern
 _VERDICT = {noun: re.compile(noun + r"\s*([12])\s*is\s*better", re.I) for noun in ("Image", "Video")}
@@ -318,7 +327,7 @@ class UnifiedReward:
                             " (an OpenAI-compatible server serving it), not both")
         self.mode, self.image_size, self.jpeg_quality, self.normalize = mode, image_size, jpeg_quality, normalize
         #: think_pairwise scores are win rates among the samples sharing a prompt (Pref-GRPO's reward)
-        self.pairwise = mode in ("think_pairwise", "flex_pairwise")
+        self.pairwise = mode in ("think_pairwise", "flex_pairwise", "edit_pairwise")
         #: flex_pairwise: each sample's overall and category win rates go with its score (RewardScores.parts)
         self.blend_parts = mode == "flex_pairwise"
         self.overall_weight, self.dim_weight = float(overall_weight), float(dim_weight)
@@ -385,6 +394,8 @@ class UnifiedReward:
         ``{"unified_reward": (B,)}`` + ``valid``; replies in ``info``."""
         video = isinstance(samples, torch.Tensor) and samples.ndim == 5
         if video:
+            if self.mode == "edit_pairwise":
+                raise UserError("unified_reward reward: mode: edit_pairwise judges edited images, not videos")
             if not self.pairwise:
                 raise UserError("unified_reward reward: mode: score judges images; videos are judged in pairs (mode: "
                                 "think_pairwise or flex_pairwise, as Pref-GRPO's Wan scripts)")
@@ -394,6 +405,10 @@ class UnifiedReward:
         else:
             check_images(samples, self.name)
         check_lengths(samples.shape[0], prompts, metadata, self.name)
+        if self.mode == "edit_pairwise" and (len(metadata) != samples.shape[0]
+                                             or any(m.get("image") is None for m in metadata)):
+            raise UserError("unified_reward reward: mode: edit_pairwise shows the judge each sample's source image: "
+                            "give every prompt its metadata 'image' (an editing data set, or data.bench: vvr_edit)")
         if self.local:
             device = self.device or samples.device
             if self.backend.device != device:
@@ -422,6 +437,8 @@ class UnifiedReward:
                     info[i]["reason"] = c.error or "no 'Final Score: x' in the reply"
                 else:
                     scores[i] = x / 5.0 if self.normalize else x
+        elif self.mode == "edit_pairwise":
+            self._edit_pairwise(todo, images, prompts, metadata, scores, info)
         else:
             self._pairwise(todo, images, prompts, scores, info, "Video" if video else "Image")
         valid = torch.isfinite(scores)
@@ -460,6 +477,37 @@ class UnifiedReward:
                 info[i]["reason"] = "no comparison of this sample gave a verdict"
             else:
                 scores[i] = rates[i]
+
+    def _edit_pairwise(self, todo: list[int], images: dict[int, list[Any]], prompts: list[str],
+                       metadata: list[dict[str, Any]], scores: torch.Tensor, info: list[dict[str, Any]]) -> None:
+        """The edits sharing an instruction and a source image compared two by two (the earlier sample as Edited
+        Image 1), each request the source, the two edits and the instruction's question; win rates per group."""
+        from flowalign.sampling.inputs import load_input_image
+
+        sources, groups = {}, {}
+        for i in todo:
+            source = load_input_image(metadata[i]["image"])
+            key = (prompts[i], hashlib.sha1((source * 255).round().to(torch.uint8).numpy().tobytes()).hexdigest())
+            sources.setdefault(key, self._pil(source))
+            groups.setdefault(key, []).append(i)
+        pairs = [(key, g[x], g[y]) for key, g in groups.items() for x in range(len(g)) for y in range(x + 1, len(g))]
+        if self.both_orders:
+            pairs += [(key, b, a) for key, a, b in pairs]
+        replies = self.backend.complete([self._ask([sources[key], *images[a], *images[b]],
+                                                   EDIT_PAIRWISE_QUESTION.format(instruction=key[0]))
+                                         for key, a, b in pairs])
+        verdicts = [(a, b, None if c.error is not None else parse_edit_verdict(c.text))
+                    for (_, a, b), c in zip(pairs, replies)]
+        rates, read = win_rates(len(scores), verdicts, self.win_rate_decimals)
+        for key, members in groups.items():
+            for i in members:
+                info[i]["comparisons"] = read[i]
+                if len(members) < 2:
+                    info[i]["reason"] = "edit_pairwise needs at least 2 edits of each source and instruction"
+                elif rates[i] is None:
+                    info[i]["reason"] = "no comparison of this sample came back"
+                else:
+                    scores[i] = rates[i]
 
     def _flex(self, todo: list[int], groups: dict[str, list[int]], pairs: list[tuple[int, int]], replies: list[Any],
               prompts: list[str], scores: torch.Tensor, info: list[dict[str, Any]]) -> None:

@@ -292,3 +292,27 @@ def test_the_adaptive_weight_moves_the_loss_and_resumes(tmp_path, tiny_sd3_dir, 
         trainer_config({"name": "pref_grpo", "beta": 0.004, "kl_target": 0.1})
     with pytest.raises(UserError, match="kl_adaptive moves the KL weight from trainer.beta, which is 0 here"):
         trainer_config({"name": "pref_grpo", "kl_adaptive": True})
+
+
+def test_pref_grpo_trains_an_editing_model_with_the_edit_judge(tmp_path):
+    """Pref-GRPO's editing recipes in small: the tiny Kontext editor on vvr_edit's scenes, the (tiny, random)
+    UnifiedReward judging each source's edits in pairs (the source and two edits a request), beside a pixel reward
+    so that the update runs; the judge sees every sample's source."""
+    from flowalign.paths import assets_dir
+    from flowalign.train import train
+
+    run = tmp_path / "run"
+    judge = assets_dir() / "tiny-rewards" / "unified_reward"
+    cfg = load_config(None, [
+        f"run.output_dir={run}", f"model.path={assets_dir() / 'tiny-kontext-vvr-edit'}", "model.lora.rank=4",
+        "data.bench=vvr_edit", "data.level=[easy]", "data.n=20", "eval.bench=null", "run.progress=false",
+        "run.tensorboard=false",
+        f"rewards=[{{name: unified_reward, weight: 1.0, path: '{judge}', mode: edit_pairwise, dtype: float32, "
+        "max_tokens: 16}, {name: jpeg_compressibility, weight: 0.5}]",
+        "trainer.name=pref_grpo", "trainer.max_steps=1", "trainer.prompts_per_step=1", "trainer.group_size=3",
+        "trainer.batch_size=3", "trainer.num_steps=4",
+    ])
+    train(cfg)
+    (metrics,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["reward/unified_reward"] == 0.5  # the tiny judge's reply names no winner: ties
+    assert metrics["reward/unified_reward_invalid_fraction"] == 0.0 and "train/policy_loss" in metrics
