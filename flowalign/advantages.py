@@ -164,7 +164,9 @@ def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tens
     win rates, :attr:`flowalign.reward_set.RewardScores.parts`) is its blended value as it is (not rounded); with
     ``batch_renormalise`` its advantage is their blend of the two rates' advantages,
     ``(w_o·A(overall) + w_d·A(dim_mean)) / (w_o + w_d)`` where the sample has categories, else ``A(overall)``
-    (``w_d`` = 0: ``A(overall)``), as ``compute_weighted_advantages`` under ``--apply_gdpo``.
+    (``w_d`` = 0: ``A(overall)``), as ``compute_weighted_advantages`` under ``--apply_gdpo``. A pointwise reward with
+    ``parts`` (``[s_0, s_1, 1, w_0, w_1]``, UnifiedReward-Edit's two scores) always takes the blend of its parts'
+    advantages, ``(w_0·A(s_0) + w_1·A(s_1)) / (w_0 + w_1)``, as their code does for its pointwise edit rewards.
 
     ``components`` ``(N, M)``, ``weights`` ``(M,)``, ``judged`` ``(M,)`` bool. float64 in, float64 out. A group
     of one sample has no spread (their unbiased std would be NaN): its advantage is 0.
@@ -179,6 +181,12 @@ def per_reward_win_rate_advantages(components: torch.Tensor, weights: torch.Tens
         return (rates - mean) / (std + eps)
 
     for m in range(values.shape[1]):
+        if m in parts and not judged[m]:  # a pointwise score of two parts: their blend of the parts' advantages
+            p = parts[m].to(values)
+            w_0, w_1 = float(p[0, 3]), float(p[0, 4])
+            blended = (w_0 * normalised(p[:, 0]) + w_1 * normalised(p[:, 1])) / (w_0 + w_1 if w_0 + w_1 > 0 else 1.0)
+            adv = adv + float(weights[m]) * blended
+            continue
         if judged[m] and m in parts:
             p = parts[m].to(values)
             if batch_renormalise:

@@ -214,6 +214,8 @@ class RewardSpec(BaseModel):
     weight: float = Field(1.0, ge=-MAX_COEFFICIENT, le=MAX_COEFFICIENT)
     #: seconds one call may take; a call still running then is abandoned and its batch invalid
     timeout_s: float = Field(REWARD_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
+    #: the name its scores, logs and advantages go by (two entries of one reward need two labels); null: its name
+    label: str | None = Field(None, min_length=1, max_length=100)
 
     @model_validator(mode="before")
     @classmethod
@@ -224,6 +226,21 @@ class RewardSpec(BaseModel):
     @property
     def options(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+    @property
+    def key(self) -> str:
+        """The name the reward's scores go by: its label, else its name."""
+        return self.label or self.name
+
+
+def check_reward_keys(specs: list[RewardSpec], where: str) -> None:
+    """Refuse two entries of ``specs`` going by one name (their scores and logs would mix), naming the fix."""
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.key in seen:
+            raise UserError(f"{where}: reward {spec.key!r} is given twice; give the second a label "
+                            f"(e.g. {{name: {spec.name}, label: {spec.name}_b, ...}})")
+        seen.add(spec.key)
 
 
 def reward_spec_from_text(text: str, option: str) -> RewardSpec:
@@ -416,4 +433,6 @@ def recorded_reward(entry: dict[str, Any]) -> dict[str, Any]:
     from flowalign.plugins import reward_former_forms
 
     before, _, defaults = reward_former_forms(str(entry["name"]))
+    if entry.get("label") is None:  # unlabelled: it goes by its name
+        entry = {k: v for k, v in entry.items() if k != "label"}
     return {**entry, **{k: defaults[k] for k in before if k not in entry}}

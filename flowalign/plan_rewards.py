@@ -74,12 +74,11 @@ def frozen_models(cfg: TrainConfig) -> FrozenModels:
     entries: list[tuple[str, Any, Callable[[], int]]] = []
     for spec in cfg.rewards:
         options = spec.options
-        entries.append((spec.name, ("reward", spec.name, options),
+        entries.append((spec.key, ("reward", spec.name, options),
                         lambda n=spec.name, o=options: planned_reward_bytes(n, o)))
     for spec in cfg.eval.rewards:
         options = spec.options
-        label = str(options.pop("label", spec.name))
-        entries.append((f"eval.rewards {label}", ("reward", spec.name, options),
+        entries.append((f"eval.rewards {spec.key}", ("reward", spec.name, options),
                         lambda n=spec.name, o=options: planned_reward_bytes(n, o)))
     bench = _benchmark_reward(cfg)
     if bench is not None:

@@ -59,11 +59,12 @@ class RewardScores:
     #: reward name → ``(N,)`` per-sample notes, for each reward whose ``info`` gives a sample a ``note`` (e.g.
     #: motion_insight's failure causes): evaluations keep them beside each sample, galleries show them
     notes: dict[str, list[str]] = field(default_factory=dict)
-    #: reward name → ``(N, 5)`` float per-sample parts of a win rate that is a blend, for each reward with a true
-    #: ``blend_parts`` attribute (UnifiedReward-Flex), read from its ``info``: ``[overall, dim_mean, has_dims,
-    #: overall_weight, dim_weight]``, NaN rows where a sample has none (or the reward failed: every rank holds the
-    #: same names, which the advantages gather); Pref-GRPO's batch renormalisation blends their advantages
-    #: (:func:`flowalign.advantages.per_reward_win_rate_advantages`)
+    #: reward name → ``(N, 5)`` float per-sample parts of a score that is a blend of two, for each reward with a
+    #: ``blend_parts`` attribute (the five ``info`` keys it reads, in order: the two parts, whether the sample's
+    #: score blends them, their two weights; UnifiedReward-Flex's ``[overall, dim_mean, has_dims, overall_weight,
+    #: dim_weight]``, UnifiedReward-Edit's pointwise scores), NaN rows where a sample has none (or the reward
+    #: failed: every rank holds the same names, which the advantages gather); Pref-GRPO's advantages blend the
+    #: parts' advantages (:func:`flowalign.advantages.per_reward_win_rate_advantages`)
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def commonest_reason(self) -> tuple[str, int] | None:
@@ -174,16 +175,16 @@ class RewardSet:
                     passed[name] = torch.tensor([bool(info["all_passed"]) for info in out.info]) & ok
                 if any(isinstance(info, dict) and info.get("note") for info in out.info):
                     notes[name] = [str(info.get("note") or "") if isinstance(info, dict) else "" for info in out.info]
-                if getattr(reward, "blend_parts", False):
-                    blends[name] = _blend_parts(out.info, n)
+                if getattr(reward, "blend_parts", ()):
+                    blends[name] = _blend_parts(out.info, n, reward.blend_parts)
             except (UserError, KeyboardInterrupt, Terminated):  # a wrong output fails every batch; a signal is
                 raise                                                # the user's, never the reward's failure
             except BaseException as e:  # raised, timed out, even SystemExit: the batch's samples, not the run
                 message = f"raised {type(e).__name__}: {e}" if not isinstance(e, RewardTimeout) else str(e)
                 print(f"warning: reward {name!r} {message}; its batch of {n} samples is invalid", flush=True)
                 value, ok, why = torch.zeros(n), torch.zeros(n, dtype=torch.bool), [message] * n
-                if getattr(reward, "blend_parts", False):
-                    blends[name] = _blend_parts([], n)
+                if getattr(reward, "blend_parts", ()):
+                    blends[name] = _blend_parts([], n, reward.blend_parts)
             for i in range(n):
                 if not ok[i] and not reasons[i]:
                     reasons[i] = f"{name}: {why[i]}"
@@ -213,9 +214,9 @@ class RewardSet:
         return total
 
 
-def _blend_parts(info: list[Any], n: int) -> torch.Tensor:
-    """``(n, 5)`` :attr:`RewardScores.parts` of a blended win rate from each sample's ``info`` (NaN without)."""
-    keys = ("overall", "dim_mean", "has_dims", "overall_weight", "dim_weight")
+def _blend_parts(info: list[Any], n: int, keys: tuple[str, ...]) -> torch.Tensor:
+    """``(n, 5)`` :attr:`RewardScores.parts` of a blended score from each sample's ``info`` at ``keys`` (NaN
+    without)."""
     rows = [[float("nan") if i >= len(info) or not isinstance(info[i], dict) or info[i].get(k) is None
              else float(info[i][k]) for k in keys] for i in range(n)]
     return torch.tensor(rows, dtype=torch.float64)
@@ -316,27 +317,20 @@ def load_panel(specs: Iterable[Any], where: str) -> RewardSet:
     ``specs``: :class:`flowalign.config.RewardSpec` objects; ``where`` names the option in errors."""
     from flowalign.plugins import load_reward
 
-    entries, seen = [], set()
-    for spec in specs:
-        options = spec.options
-        label = str(options.pop("label", spec.name))
-        if label in seen:
-            raise UserError(f"{where}: reward {label!r} is given twice; give the second a label "
-                            f"(e.g. {{name: {spec.name}, label: {spec.name}_b, ...}})")
-        seen.add(label)
-        entries.append((label, 1.0, time_limited(label, load_reward(spec.name, **options), spec.timeout_s)))
-    return RewardSet(entries)
+    from flowalign.config import check_reward_keys
+
+    specs = list(specs)
+    check_reward_keys(specs, where)
+    return RewardSet([(spec.key, 1.0, time_limited(spec.key, load_reward(spec.name, **spec.options), spec.timeout_s))
+                      for spec in specs])
 
 
 def check_panel(specs: Iterable[Any], where: str) -> None:
     """:func:`load_panel`'s refusals (unknown rewards, options, repeated names) without building a reward."""
     import rewards
+    from flowalign.config import check_reward_keys
 
-    seen = set()
+    specs = list(specs)
+    check_reward_keys(specs, where)
     for spec in specs:
-        options = spec.options
-        label = str(options.pop("label", spec.name))
-        if label in seen:
-            raise UserError(f"{where}: reward {label!r} is given twice; give the second a label")
-        seen.add(label)
-        rewards.check(spec.name, **options)
+        rewards.check(spec.name, **spec.options)

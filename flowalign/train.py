@@ -17,7 +17,7 @@ import yaml
 from flowalign.benchmarks import available_benchmarks
 from flowalign.checkpoint import latest_checkpoint
 from flowalign.checkpoint_manifest import damage
-from flowalign.config import TrainConfig, dump_config
+from flowalign.config import TrainConfig, check_reward_keys, dump_config
 from flowalign.data import PromptSet, read_prompt_file
 from flowalign.disk_space import explain_full_disk
 from flowalign.errors import UserError
@@ -311,6 +311,7 @@ def check_run(cfg: TrainConfig) -> tuple[type, Any]:
 
     trainer_cls, tcfg = trainer_config(cfg.trainer)
     trainer_cls.check_config(cfg, tcfg)
+    check_reward_keys(cfg.rewards, "rewards")
     for spec in cfg.rewards:
         reward_registry.check(spec.name, **spec.options)
     if cfg.rewards and trainer_cls.needs_rewards and not any(spec.weight for spec in cfg.rewards):
@@ -368,8 +369,8 @@ def build_trainer(cfg: TrainConfig):
                             attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
                             offload_text_encoders=cfg.model.offload_text_encoders,
                             **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
-    loaded = [(spec.name, spec.weight, time_limited(spec.name, reward_registry.load(spec.name, **spec.options),
-                                                     spec.timeout_s)) for spec in cfg.rewards]
+    loaded = [(spec.key, spec.weight, time_limited(spec.key, reward_registry.load(spec.name, **spec.options),
+                                                    spec.timeout_s)) for spec in cfg.rewards]
     data = load_train_data(cfg)
     for name, _, reward in loaded:
         check_reward_metadata(name, reward, data.metadata, f"data.prompts={cfg.data.prompts}" if cfg.data.prompts

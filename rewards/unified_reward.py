@@ -22,6 +22,12 @@ Two modes, on a local model folder (``path``) or an OpenAI-compatible server (``
   then the two edits, with UnifiedReward-Edit's pairwise template (:mod:`rewards.unified_reward_edit`); each
   sample's win rate in its group, rounded to 3 decimals, in [0, 1].
 
+* ``edit_quality`` and ``edit_instruction`` (UnifiedReward-Edit's pointwise judgements, Pref-GRPO's pointwise editing
+  recipe): one request per edit, the edit alone with the image-quality template (naturalness, artifacts) or the
+  source then the edit with the instruction-following template (success, over-editing); the reply's two scores
+  (0-25) blended with ``part_weights``. Each part also travels with the score (``RewardScores.parts``): Pref-GRPO's
+  advantage is the blend of the two parts' group advantages.
+
 Both think_pairwise and flex_pairwise judge videos ``(B, F, 3, H, W)`` too, as Pref-GRPO's Wan scripts do: each video is shown as
 ``frames`` evenly spaced frames (8), a pair's request holding the first video's frames then the second's, with
 the video templates; the verdicts name "Video k" (:mod:`rewards.unified_reward_video`).
@@ -50,14 +56,26 @@ from rewards.planning import existing, missing, on_accelerator, option, publishe
 from rewards.qwen_vl_reward import local_path
 from rewards.registry import register
 from rewards.unified_reward_flex import FLEX_BLENDS, FLEX_QUESTION, flex_win_rates, parse_flex
-from rewards.unified_reward_edit import EDIT_PAIRWISE_QUESTION, parse_edit_verdict
+from rewards.unified_reward_edit import (
+    EDIT_PAIRWISE_QUESTION,
+    EDIT_QUALITY_QUESTION,
+    edit_instruction_question,
+    parse_edit_scores,
+    parse_edit_verdict,
+)
 from rewards.unified_reward_video import FLEX_VIDEO_QUESTION, THINK_VIDEO_QUESTION, frame_indices
 from rewards.vlm_backend import ChatRequest
 from rewards.vlm_parse import answer_region
 
 log = logging.getLogger("flowalign.rewards.unified_reward")
 
-MODES = ("score", "think_pairwise", "flex_pairwise", "edit_pairwise")
+MODES = ("score", "think_pairwise", "flex_pairwise", "edit_pairwise", "edit_quality", "edit_instruction")
+#: the info keys of a pointwise edit judgement's parts (RewardScores.parts): the two scores, "both" (always 1: the
+#: blend applies to every sample) and the two weights
+EDIT_PARTS = {"edit_quality": ("naturalness", "artifacts", "both", "naturalness_weight", "artifacts_weight"),
+              "edit_instruction": ("success", "overedit", "both", "success_weight", "overedit_weight")}
+#: the flex parts: overall and category win rates, whether the sample has categories, their weights
+FLEX_PARTS = ("overall", "dim_mean", "has_dims", "overall_weight", "dim_weight")
 #: what UnifiedReward-qwen-7b and UnifiedReward-Think-qwen-7b are, as published (assets/reward_architectures/)
 ARCHITECTURE_7B = "qwen2.5-vl-7b-instruct"
 DOWNLOAD = ("a UnifiedReward model (e.g. CodeGoat24/UnifiedReward-qwen-7b, or for think_pairwise"
@@ -191,6 +209,8 @@ MODE_DEFAULTS = {
     "think_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
     "flex_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
     "edit_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
+    "edit_quality": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
+    "edit_instruction": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
 }
 _FINAL_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")  # Flow-GRPO's pattern
 _VERDICT = {noun: re.compile(noun + r"\s*([12])\s*is\s*better", re.I) for noun in ("Image", "Video")}
@@ -281,7 +301,8 @@ class UnifiedReward:
                  normalize: bool = True, max_tokens: int | str = "auto", think_prompt: str = "qwen3vl",
                  verdict_parse: str = "answer", win_rate_decimals: int | None = 3, both_orders: bool = False,
                  no_verdict: str = "tie", overall_weight: float = 1.0, dim_weight: float = 1.0,
-                 category_weights: list[float] | None = None, flex_blend: str = "code", frames: int = 8,
+                 category_weights: list[float] | None = None, flex_blend: str = "code",
+                 part_weights: list[float] | None = None, frames: int = 8,
                  device: str | None = None, dtype: str = "bfloat16", batch_size: int = 8):
         label = "unified_reward reward"
         if mode not in MODES:
@@ -319,6 +340,15 @@ class UnifiedReward:
             raise UserError("unified_reward reward: overall_weight, dim_weight, category_weights and flex_blend are read"
                             f" only with mode: flex_pairwise (this entry has mode: {mode}): drop them or set mode:"
                             " flex_pairwise")
+        if part_weights is not None and not mode.startswith("edit_") or mode == "edit_pairwise" and part_weights:
+            raise UserError("unified_reward reward: part_weights is read only with mode: edit_quality or "
+                            f"edit_instruction (this entry has mode: {mode}): drop it or set one of those modes")
+        part_weights = [1.0, 1.0] if part_weights is None else part_weights
+        if (not isinstance(part_weights, (list, tuple)) or len(part_weights) != 2
+                or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1e6 for w in part_weights)):
+            raise UserError(f"unified_reward reward: part_weights={part_weights!r} must be two numbers from 0 to 1e6 "
+                            "(the two scores' weights; Pref-GRPO's pointwise edit recipe: [0.6, 0.4])")
+        self.part_weights = (float(part_weights[0]), float(part_weights[1]))
         if overall_weight + dim_weight <= 0:
             raise UserError("unified_reward reward: overall_weight + dim_weight must be positive (Pref-GRPO's Flex "
                             "recipes: 0.3 and 0.7)")
@@ -328,8 +358,9 @@ class UnifiedReward:
         self.mode, self.image_size, self.jpeg_quality, self.normalize = mode, image_size, jpeg_quality, normalize
         #: think_pairwise scores are win rates among the samples sharing a prompt (Pref-GRPO's reward)
         self.pairwise = mode in ("think_pairwise", "flex_pairwise", "edit_pairwise")
-        #: flex_pairwise: each sample's overall and category win rates go with its score (RewardScores.parts)
-        self.blend_parts = mode == "flex_pairwise"
+        #: flex_pairwise (each sample's overall and category win rates) and the pointwise edit judgements (each
+        #: sample's two scores): the info keys of the parts that go with its score (RewardScores.parts)
+        self.blend_parts: tuple[str, ...] = FLEX_PARTS if mode == "flex_pairwise" else EDIT_PARTS.get(mode, ())
         self.overall_weight, self.dim_weight = float(overall_weight), float(dim_weight)
         self.category_weights = [float(w) for w in category_weights or []]
         self.flex_blend = flex_blend
@@ -394,8 +425,8 @@ class UnifiedReward:
         ``{"unified_reward": (B,)}`` + ``valid``; replies in ``info``."""
         video = isinstance(samples, torch.Tensor) and samples.ndim == 5
         if video:
-            if self.mode == "edit_pairwise":
-                raise UserError("unified_reward reward: mode: edit_pairwise judges edited images, not videos")
+            if self.mode.startswith("edit_"):
+                raise UserError(f"unified_reward reward: mode: {self.mode} judges edited images, not videos")
             if not self.pairwise:
                 raise UserError("unified_reward reward: mode: score judges images; videos are judged in pairs (mode: "
                                 "think_pairwise or flex_pairwise, as Pref-GRPO's Wan scripts)")
@@ -405,9 +436,9 @@ class UnifiedReward:
         else:
             check_images(samples, self.name)
         check_lengths(samples.shape[0], prompts, metadata, self.name)
-        if self.mode == "edit_pairwise" and (len(metadata) != samples.shape[0]
-                                             or any(m.get("image") is None for m in metadata)):
-            raise UserError("unified_reward reward: mode: edit_pairwise shows the judge each sample's source image: "
+        if self.mode in ("edit_pairwise", "edit_instruction") and (len(metadata) != samples.shape[0]
+                                                                  or any(m.get("image") is None for m in metadata)):
+            raise UserError(f"unified_reward reward: mode: {self.mode} shows the judge each sample's source image: "
                             "give every prompt its metadata 'image' (an editing data set, or data.bench: vvr_edit)")
         if self.local:
             device = self.device or samples.device
@@ -439,6 +470,8 @@ class UnifiedReward:
                     scores[i] = x / 5.0 if self.normalize else x
         elif self.mode == "edit_pairwise":
             self._edit_pairwise(todo, images, prompts, metadata, scores, info)
+        elif self.mode in EDIT_PARTS:
+            self._edit_pointwise(todo, images, prompts, metadata, scores, info)
         else:
             self._pairwise(todo, images, prompts, scores, info, "Video" if video else "Image")
         valid = torch.isfinite(scores)
@@ -508,6 +541,29 @@ class UnifiedReward:
                     info[i]["reason"] = "no comparison of this sample came back"
                 else:
                     scores[i] = rates[i]
+
+    def _edit_pointwise(self, todo: list[int], images: dict[int, list[Any]], prompts: list[str],
+                        metadata: list[dict[str, Any]], scores: torch.Tensor, info: list[dict[str, Any]]) -> None:
+        """One request per edit (``edit_quality``: the edit; ``edit_instruction``: the source, then the edit, with
+        the instruction); its two scores blended ``(w0·s0 + w1·s1)/(w0 + w1)`` (a non-positive sum of weights
+        divides by 1, as theirs), each part kept in ``info``."""
+        from flowalign.sampling.inputs import load_input_image
+
+        if self.mode == "edit_quality":
+            asks = [self._ask(images[i], EDIT_QUALITY_QUESTION) for i in todo]
+        else:
+            asks = [self._ask([self._pil(load_input_image(metadata[i]["image"])), *images[i]],
+                              edit_instruction_question(prompts[i])) for i in todo]
+        first, second, _, w0_key, w1_key = EDIT_PARTS[self.mode]
+        w0, w1 = self.part_weights
+        for i, c in zip(todo, self.backend.complete(asks)):
+            parsed = parse_edit_scores(c.text) if c.error is None else None
+            info[i]["reply"] = (c.text or "")[-300:]
+            if parsed is None:
+                info[i]["reason"] = c.error or "no JSON 'score': [x, y] in the reply"
+                continue
+            info[i].update({first: parsed[0], second: parsed[1], "both": 1.0, w0_key: w0, w1_key: w1})
+            scores[i] = (w0 * parsed[0] + w1 * parsed[1]) / (w0 + w1 if w0 + w1 > 0 else 1.0)
 
     def _flex(self, todo: list[int], groups: dict[str, list[int]], pairs: list[tuple[int, int]], replies: list[Any],
               prompts: list[str], scores: torch.Tensor, info: list[dict[str, Any]]) -> None:

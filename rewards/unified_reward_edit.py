@@ -1,16 +1,24 @@
-"""UnifiedReward-Edit's pairwise judgement: ``unified_reward`` with ``mode: edit_pairwise``
-(docs/methods/vlm_reward_models.md), the judge of Pref-GRPO's editing recipes.
+"""UnifiedReward-Edit's judgements of edited images (docs/methods/vlm_reward_models.md), the judges of Pref-GRPO's
+editing recipes: ``unified_reward`` with ``mode: edit_pairwise``, ``edit_quality`` or ``edit_instruction``.
 
+``edit_pairwise``:
 The edited images sharing an instruction and a source image are compared two by two: each request shows the
 source image, then the two edited images, then UnifiedReward-Edit's pairwise template with the instruction
 (CodeGoat24/Pref-GRPO @ 3e787f6, ``fastvideo/rewards/templates.py``, ``get_unifiedreward_edit_pairwise_template``,
 verbatim below). A reply is read as their ``unifiedreward_edit_pairwise.py`` (``_pairwise_win_rate``) reads it
 (:func:`parse_edit_verdict`): the ``<answer>`` block (any case), else the whole reply, stripped; "edited image 1 is
 better" or "edited image 2 is better" in it (any case), else in the whole reply; else a tie.
+
+``edit_quality`` and ``edit_instruction`` (pointwise): one request per edit, the edit alone with the image-quality
+template, or the source then the edit with the instruction-following template and the instruction (their
+``get_unifiedreward_edit_pointwise_*`` templates, verbatim below). The reply's JSON ``score`` holds two numbers on 0
+to 25 (naturalness and artifacts; success and over-editing), read as their ``_parse_scores``
+(:func:`parse_edit_scores`); the reward blends them with ``part_weights``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 EDIT_PAIRWISE_QUESTION = (
@@ -43,6 +51,106 @@ EDIT_PAIRWISE_QUESTION = (
     '\n'
     'Text instruction - {instruction}\n'
 )
+
+EDIT_QUALITY_QUESTION = (
+    'You are a professional digital artist. You will have to evaluate the effectiveness of the AI-generated image(s) based on given rules.\n'
+    'All the input images are AI-generated. All human in the images are AI-generated too. so you need not worry about the privacy confidentials.\n'
+    '\n'
+    'IMPORTANT: You will have to give your output in this way (Keep your reasoning concise and short.):\n'
+    '{\n'
+    '\n'
+    '"reasoning" : "...",\n'
+    '"score" : [...],\n'
+    '}\n'
+    '\n'
+    'RULES:\n'
+    '\n'
+    'The image is an AI-generated image.\n'
+    'The objective is to evaluate how successfully the image has been generated.\n'
+    '\n'
+    'From scale 0 to 25: \n'
+    'A score from 0 to 25 will be given based on image naturalness. \n'
+    '(\n'
+    '    0 indicates that the scene in the image does not look natural at all or give a unnatural feeling such as wrong sense of distance, or wrong shadow, or wrong lighting. \n'
+    '    25 indicates that the image looks natural.\n'
+    ')\n'
+    'A second score from 0 to 25 will rate the image artifacts. \n'
+    '(\n'
+    '    0 indicates that the image contains a large portion of distortion, or watermark, or scratches, or blurred faces, or unusual body parts, or subjects not harmonized. \n'
+    '    25 indicates the image has no artifacts.\n'
+    ')\n'
+    'Put the score in a list such that output score = [naturalness, artifacts]\n'
+)
+
+#: the instruction-following question is this, then the instruction and a line break
+EDIT_INSTRUCTION_PREFIX = (
+    'You are a professional digital artist. You will have to evaluate the effectiveness of the AI-generated image(s) based on given rules.\n'
+    'All the input images are AI-generated. All human in the images are AI-generated too. so you need not worry about the privacy confidentials.\n'
+    '\n'
+    'IMPORTANT: You will have to give your output in this way (Keep your reasoning concise and short.):\n'
+    '{\n'
+    '\n'
+    '"reasoning" : "...",\n'
+    '"score" : [...],\n'
+    '}\n'
+    '\n'
+    'RULES:\n'
+    '\n'
+    'Two images will be provided: The first being the original AI-generated image and the second being an edited version of the first.\n'
+    'The objective is to evaluate how successfully the editing instruction has been executed in the second image.\n'
+    '\n'
+    'Note that sometimes the two images might look identical due to the failure of image edit.\n'
+    '\n'
+    '\n'
+    'From scale 0 to 25: \n'
+    'A score from 0 to 25 will be given based on the success of the editing. (0 indicates that the scene in the edited image does not follow the editing instruction at all. 25 indicates that the scene in the edited image follow the editing instruction text perfectly.)\n'
+    'A second score from 0 to 25 will rate the degree of overediting in the second image. (0 indicates that the scene in the edited image is completely different from the original. 25 indicates that the edited image can be recognized as a minimal edited yet effective version of original.)\n'
+    "Put the score in a list such that output score = [score1, score2], where 'score1' evaluates the editing success and 'score2' evaluates the degree of overediting.\n"
+    '\n'
+    'Editing instruction:'
+)
+
+
+def edit_instruction_question(instruction: str) -> str:
+    """Their ``get_unifiedreward_edit_pointwise_instruction_following_template(instruction)``."""
+    return EDIT_INSTRUCTION_PREFIX + f"{instruction}\n"
+
+
+def parse_edit_scores(text: str | None) -> tuple[float, float] | None:
+    """The two scores of a pointwise edit reply, as their ``_parse_scores`` reads them: the reply as JSON (a JSON
+    string holding it is read again), else its first ``{`` to last ``}``; an object's ``score``, a list of at least
+    two numbers, gives its first two. None where theirs falls back to ``[0, 0]`` (here an invalid sample)."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    try:
+        decoded = json.loads(text)
+        if isinstance(decoded, dict):
+            text = json.dumps(decoded)
+        elif isinstance(decoded, str):
+            text = decoded.strip()
+    except json.JSONDecodeError:
+        pass
+    if isinstance(decoded := _json_object(text), dict):
+        scores = decoded.get("score")
+        if isinstance(scores, (list, tuple)) and len(scores) >= 2:
+            try:
+                return float(scores[0]), float(scores[1])
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def _json_object(text: str) -> object:
+    """The JSON value of ``text``'s first ``{`` to last ``}``, or None."""
+    match = re.search(r"\{.*\}", text, re.DOTALL)
+    if match is None:
+        return None
+    try:
+        return json.loads(match.group(0))
+    except json.JSONDecodeError:
+        return None
+
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _BETTER = {1: "edited image 1 is better", 2: "edited image 2 is better"}

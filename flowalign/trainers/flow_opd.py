@@ -294,7 +294,7 @@ class FlowOPDTrainer(FlowGRPOTrainer):
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
         check_merge(tcfg.merge_teachers, tcfg.merge_weights, len(tcfg.teachers))
-        names = [r.name for r in cfg.rewards]
+        names = [r.key for r in cfg.rewards]
         for i, t in enumerate(tcfg.teachers):
             if t.reward is not None and t.reward not in names:
                 raise UserError(f"trainer.teachers[{i}].reward={t.reward!r} is not one of the run's rewards "

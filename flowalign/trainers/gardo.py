@@ -272,7 +272,7 @@ class GARDOTrainer(FlowGRPOTrainer):
     @classmethod
     def check_config(cls, cfg, tcfg) -> None:
         super().check_config(cfg, tcfg)
-        names = [r.name for r in cfg.rewards]
+        names = [r.key for r in cfg.rewards]
         if tcfg.main_reward is not None and tcfg.main_reward not in names:
             raise UserError(f"trainer.main_reward={tcfg.main_reward!r} is not one of the run's rewards "
                             f"({', '.join(names)}); name one of them, or null for the first")
