@@ -7,6 +7,9 @@ Two modes, on a local model folder (``path``) or an OpenAI-compatible server (``
 * ``score`` (pointwise, as Flow-GRPO trains on it): the image, resized to ``image_size``² (512, PIL's bicubic,
   on the 8-bit image) and sent losslessly, and Flow-GRPO's question; the reply's ``Final Score: x`` (x in 1..5)
   gives ``x / 5`` (``normalize: false``: ``x``).
+* ``dimension`` (UnifiedReward's per-dimension scores, as Pref-GRPO's ``unifiedreward_*`` rewards read them): the
+  image, as it is through JPEG 95, and UnifiedReward's image template; the reply's ``Alignment``, ``Coherence`` and
+  ``Style Score (1-5)``; the reward is the ``dimension`` asked for, on 1-5 (two dimensions: two labelled entries).
 * ``think_pairwise`` (UnifiedReward-Think, as Pref-GRPO trains on it): the images sharing a prompt are compared
   two by two with the Think prompt (``think_prompt``), each image as it is, through JPEG at quality 95 as
   Pref-GRPO's client sends it; the ``<answer>`` says "Image 1 is better" or "Image 2 is better". A sample's
@@ -69,7 +72,9 @@ from rewards.vlm_parse import answer_region
 
 log = logging.getLogger("flowalign.rewards.unified_reward")
 
-MODES = ("score", "think_pairwise", "flex_pairwise", "edit_pairwise", "edit_quality", "edit_instruction")
+MODES = ("score", "dimension", "think_pairwise", "flex_pairwise", "edit_pairwise", "edit_quality", "edit_instruction")
+#: mode: dimension's dimensions, by the name the reply gives each
+DIMENSIONS = {"alignment": "Alignment", "coherence": "Coherence", "style": "Style"}
 #: the info keys of a pointwise edit judgement's parts (RewardScores.parts): the two scores, "both" (always 1: the
 #: blend applies to every sample) and the two weights
 EDIT_PARTS = {"edit_quality": ("naturalness", "artifacts", "both", "naturalness_weight", "artifacts_weight"),
@@ -91,6 +96,24 @@ SCORE_QUESTION = (
     " described in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including"
     " clarity, detail preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria,"
     " assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+# UnifiedReward's per-dimension image question, verbatim (Pref-GRPO 3e787f6 fastvideo/rewards/templates.py
+# get_unifiedreward_image_template): mode: dimension
+DIMENSION_QUESTION = (
+    'You are presented with a generated image and its associated text caption. Your task is to analyze the image across multiple dimensions in relation to the caption. Specifically:\n'
+    'Provide overall assessments for the image along the following axes (each rated from 1 to 5):\n'
+    '- Alignment Score: How well the image matches the caption in terms of content.\n'
+    '- Coherence Score: How logically consistent the image is (absence of visual glitches, object distortions, etc.).\n'
+    '- Style Score: How aesthetically appealing the image looks, regardless of caption accuracy.\n'
+    '\n'
+    'Output your evaluation using the format below:\n'
+    '\n'
+    'Alignment Score (1-5): X\n'
+    'Coherence Score (1-5): Y\n'
+    'Style Score (1-5): Z\n'
+    '\n'
+    'Your task is provided as follows:\n'
+    'Text Caption: [{prompt}]'
 )
 # UnifiedReward-Think-qwen-7b's image-generation pairwise question, verbatim (UnifiedReward's
 # qwen_infer_cot_image_generation.py; Pref-GRPO's template up to its commit c541ed1): think_prompt: qwen2_5vl
@@ -209,10 +232,12 @@ MODE_DEFAULTS = {
     "think_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
     "flex_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
     "edit_pairwise": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
+    "dimension": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
     "edit_quality": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
     "edit_instruction": {"image_size": None, "jpeg_quality": 95, "max_tokens": 4096},
 }
 _FINAL_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")  # Flow-GRPO's pattern
+_DIMENSION_SCORE = re.compile(r"(\w+) Score \(1-5\):\s*([0-5](?:\.\d+)?)")  # Pref-GRPO's extract_normalized_rewards
 _VERDICT = {noun: re.compile(noun + r"\s*([12])\s*is\s*better", re.I) for noun in ("Image", "Video")}
 _CLOSED_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
@@ -221,6 +246,12 @@ def parse_final_score(text: str | None) -> float | None:
     """The ``x`` of the first ``Final Score: x`` (1..5) in a reply, or None (Flow-GRPO scores that 0)."""
     m = _FINAL_SCORE.search(text or "")
     return float(m.group(1)) if m else None
+
+
+def parse_dimension_scores(text: str | None) -> dict[str, float]:
+    """Each ``<Name> Score (1-5): x`` of a reply, by name (the last where one repeats), as Pref-GRPO's
+    ``extract_normalized_rewards`` reads them."""
+    return {key: float(value) for key, value in _DIMENSION_SCORE.findall(text or "")}
 
 
 def parse_verdict(text: str | None, form: str = "answer", noun: str = "Image") -> int | None:
@@ -302,7 +333,7 @@ class UnifiedReward:
                  verdict_parse: str = "answer", win_rate_decimals: int | None = 3, both_orders: bool = False,
                  no_verdict: str = "tie", overall_weight: float = 1.0, dim_weight: float = 1.0,
                  category_weights: list[float] | None = None, flex_blend: str = "code",
-                 part_weights: list[float] | None = None, frames: int = 8,
+                 part_weights: list[float] | None = None, dimension: str | None = None, frames: int = 8,
                  device: str | None = None, dtype: str = "bfloat16", batch_size: int = 8):
         label = "unified_reward reward"
         if mode not in MODES:
@@ -349,6 +380,13 @@ class UnifiedReward:
             raise UserError(f"unified_reward reward: part_weights={part_weights!r} must be two numbers from 0 to 1e6 "
                             "(the two scores' weights; Pref-GRPO's pointwise edit recipe: [0.6, 0.4])")
         self.part_weights = (float(part_weights[0]), float(part_weights[1]))
+        if (mode == "dimension") != (dimension is not None):
+            raise UserError("unified_reward reward: mode: dimension reads one dimension of the reply: give dimension: "
+                            f"{' / '.join(DIMENSIONS)} with it, and only with it (this entry has mode: {mode}, "
+                            f"dimension: {dimension})")
+        if dimension is not None:
+            one_of("unified_reward reward", "dimension", dimension, DIMENSIONS)
+        self.dimension = dimension
         if overall_weight + dim_weight <= 0:
             raise UserError("unified_reward reward: overall_weight + dim_weight must be positive (Pref-GRPO's Flex "
                             "recipes: 0.3 and 0.7)")
@@ -458,7 +496,18 @@ class UnifiedReward:
         for i in range(n):
             if not valid_in[i]:
                 info[i]["reason"] = "sample has NaN/inf values"
-        if self.mode == "score":
+        if self.mode == "dimension":
+            replies = self.backend.complete([self._ask(images[i], DIMENSION_QUESTION.format(prompt=prompts[i]))
+                                             for i in todo])
+            name = DIMENSIONS[self.dimension]  # type: ignore[index]
+            for i, c in zip(todo, replies):
+                found = parse_dimension_scores(c.text) if c.error is None else {}
+                info[i].update(reply=(c.text or "")[-300:], dimensions=found)
+                if name in found:
+                    scores[i] = found[name]
+                else:
+                    info[i]["reason"] = c.error or f"no '{name} Score (1-5): x' in the reply"
+        elif self.mode == "score":
             replies = self.backend.complete([self._ask(images[i], SCORE_QUESTION.format(prompt=prompts[i]))
                                              for i in todo])
             for i, c in zip(todo, replies):
