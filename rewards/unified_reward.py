@@ -295,7 +295,8 @@ def win_rates(n: int, verdicts: list[tuple[int, int, int | None]],
 
 @register("unified_reward")
 class UnifiedReward:
-    """UnifiedReward in ``score`` or ``think_pairwise`` mode (see the module docstring).
+    """UnifiedReward in one of its modes (``score``, ``dimension``, ``think_pairwise``, ``flex_pairwise``,
+    ``edit_pairwise``, ``edit_quality``, ``edit_instruction``; see the module docstring).
 
     Options: ``path`` (a local UnifiedReward folder, run in this process) or ``url`` (an OpenAI-compatible
     server) with ``model``, ``api_key``, ``timeout``, ``retries``, ``concurrency``; ``mode``; ``image_size``
@@ -311,8 +312,9 @@ class UnifiedReward:
     ``dim_weight`` and ``category_weights`` (Pref-GRPO's ``OVERALL_WEIGHT``, ``DIM_WEIGHT``, ``CATEGORY_WEIGHTS``:
     1, 1 and none by default, 0.3, 0.7 and 1, 0.7, 0.7 in their Flex recipes), ``flex_blend`` (``code``, their
     code's blend, or ``as_set``; :mod:`rewards.unified_reward_flex`); ``device`` (None: the samples'),
-    ``dtype`` (bf16), ``batch_size`` (requests per forward); videos (pairwise modes): ``frames`` (8, Pref-GRPO's
-    ``num_frames``), the frames each video is shown by.
+    ``dtype`` (bf16), ``batch_size`` (requests per forward); dimension: ``dimension`` (alignment, coherence or
+    style); edit_quality / edit_instruction: ``part_weights`` (the two scores' weights, [1, 1]); videos
+    (think_pairwise, flex_pairwise): ``frames`` (8, Pref-GRPO's ``num_frames``), the frames each video is shown by.
     """
 
     name = "unified_reward"
