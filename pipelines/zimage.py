@@ -100,7 +100,8 @@ class ZImagePolicy(lora_utils.AdapterMethods):
         latents = list(x.to(self.device, self.dtype).unsqueeze(2).unbind(0))
         # the lengths are read from the mask on the host (where the prompt cache keeps it): no wait for the GPU
         captions = unpad(embeds.to(self.device, self.dtype), mask.cpu())
-        out = self.transformer(latents, (1 - sigma).to(self.dtype), captions, return_dict=False)[0]
+        # its time as a keyword, so that a trainer's timestep form can read it (flowalign.sampling.timesteps)
+        out = self.transformer(latents, t=(1 - sigma).to(self.dtype), cap_feats=captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)  # the model predicts x0 - ε
 
     def velocity(

@@ -54,20 +54,28 @@ def integer_timestep(sigma: float) -> int:
     return int(float(sigma) * 1000)
 
 
-#: the scale each transformer reads its timestep at (1000: ``1000·σ``, 1: σ), learnt at its first call under a
-#: form: reading the timestep back is a host wait on a GPU, once per transformer rather than once per call
+#: the scale each transformer reads its timestep at (1000: ``1000·σ``, 1: σ, -1: ``1 − σ``, Z-Image's), learnt at its
+#: first call under a form: reading the timestep back is a host wait on a GPU, once per transformer rather than once
+#: per call
 _SCALES: weakref.WeakKeyDictionary[torch.nn.Module, float] = weakref.WeakKeyDictionary()
 
 
+#: how a refused timestep form is left: the trainers' option
+CONTINUOUS = "use the continuous timestep form (trainer.model_timestep: continuous)"
+
+
 def _timestep_scale(policy: Any, t: torch.Tensor, sigma: float) -> float:
-    """1000 when the transformer is handed ``1000·σ``, 1 when σ; else one line refusing the form."""
+    """1000 when the transformer is handed ``1000·σ``, 1 when σ, -1 when ``1 − σ`` (Z-Image's time); else one line
+    refusing the form."""
     if torch.allclose(t.float(), torch.full_like(t.float(), 1000.0 * sigma), atol=0.5):
         return 1000.0
     if torch.allclose(t.float(), torch.full_like(t.float(), sigma), atol=5e-4):
         return 1.0
+    if torch.allclose(t.float(), torch.full_like(t.float(), 1.0 - sigma), atol=5e-4):
+        return -1.0
     raise UserError(f"{getattr(policy, 'family', type(policy).__name__)}'s transformer reads timestep "
-                    f"{t.flatten()[0].item():.6g} at sigma {sigma:.6g}, neither 1000*sigma nor sigma: an integer "
-                    "timestep form does not apply to it; use the continuous timestep form (timestep: continuous)")
+                    f"{t.flatten()[0].item():.6g} at sigma {sigma:.6g}, neither 1000*sigma, sigma nor 1 - sigma: an "
+                    f"integer timestep form does not apply to it; {CONTINUOUS}")
 
 
 @contextmanager
@@ -77,28 +85,32 @@ def model_timestep(policy: Any, form: TimestepMap | None, sigma: float | None = 
 
     Given the ``sigma`` of the calls, a transformer that reads σ itself (FLUX scales it by 1000 inside) reads
     ``form(1000·t) / 1000``, as DanceGRPO's FLUX script feeds it its integer timesteps over 1000; one that reads
-    neither ``1000·σ`` nor σ is refused rather than fed a wrong timestep."""
+    ``1 − σ`` (Z-Image's ``t``, its keyword) reads ``1 − form(1000·(1 − t)) / 1000``, as Pref-GRPO's Z-Image script;
+    one that reads none of these is refused rather than fed a wrong timestep."""
     if form is None:
         yield
         return
     transformer = getattr(policy, "transformer", None)
     if not isinstance(transformer, torch.nn.Module):
         raise UserError(f"{getattr(policy, 'family', type(policy).__name__)} has no transformer module whose "
-                        "timestep can be set: use the continuous timestep form (timestep: continuous)")
+                        f"timestep can be set: {CONTINUOUS}")
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if "timestep" not in kwargs:
+        key = "timestep" if "timestep" in kwargs else "t" if "t" in kwargs else None
+        if key is None:
             raise UserError(f"{type(module).__name__} is called without a timestep keyword: its timestep form "
-                            "cannot be set; use the continuous timestep form (timestep: continuous)")
-        t = kwargs["timestep"]
+                            f"cannot be set; {CONTINUOUS}")
+        t = kwargs[key]
         scale = _SCALES.get(module)
         if scale is None and sigma is not None:
             scale = _timestep_scale(policy, t, float(sigma))
             if sigma >= 1e-3:  # below, 1000·σ and σ cannot be told apart
                 _SCALES[module] = scale
         if scale == 1.0:  # a σ-reading transformer
-            return args, dict(kwargs, timestep=(form(t * 1000) / 1000).to(t.dtype))
-        return args, dict(kwargs, timestep=form(t).to(t.dtype))
+            return args, dict(kwargs, **{key: (form(t * 1000) / 1000).to(t.dtype)})
+        if scale == -1.0:  # a (1 − σ)-reading transformer
+            return args, dict(kwargs, **{key: (1 - form((1 - t) * 1000) / 1000).to(t.dtype)})
+        return args, dict(kwargs, **{key: form(t).to(t.dtype)})
 
     handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:

@@ -41,6 +41,10 @@ class DanceGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SD
     #: η of the DanceGRPO SDE (0.3 FLUX, 0.25 HunyuanVideo in the authors' scripts)
     noise_level: float = Field(0.3, gt=0, le=2)
     beta: float = Field(0.0, ge=0, le=MAX_COEFFICIENT)
+    #: CFG's gradient: "full", through both branches of the one [cond; uncond] pass, as the authors' grpo_one_step
+    #: computes it (their Wan, FLUX.2 klein, Z-Image and HunyuanVideo scripts run CFG in the update); "detached"
+    #: (Flow-GRPO's, the conditional branch only) is the former form
+    cfg_grad: Literal["detached", "full"] = "full"
     shared_initial_noise: bool = True
     advantage: str = Field("group", pattern="^(group|global_std|per_reward|gdpo|win_rate)$")
 

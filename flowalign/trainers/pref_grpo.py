@@ -56,6 +56,10 @@ class PrefGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, SDE
     #: with beta > 0: their compute_kl_loss, mean_D Δμ²/(2τ²) with τ the step's noise ("mean"); "code" is
     #: Flow-GRPO's coded KL (that times the σ gap), the former form
     kl_mode: Literal["mean", "code", "exact"] = "mean"  # type: ignore[assignment]
+    #: CFG's gradient: "full", through both branches of the one [cond; uncond] pass, as the authors' grpo_one_step
+    #: computes it (their Wan, FLUX.2 klein, Z-Image and HunyuanVideo scripts run CFG in the update); "detached"
+    #: (Flow-GRPO's, the conditional branch only) is the former form
+    cfg_grad: Literal["detached", "full"] = "full"
     shared_initial_noise: bool = True
     #: the method's advantage: group-normalised win rates (see the module docstring)
     advantage: Literal["win_rate"] = "win_rate"  # type: ignore[assignment]

@@ -61,7 +61,7 @@ def test_a_transformer_that_reads_sigma_itself_reads_the_integer_form_over_1000(
     with model_timestep(reads_1000_sigma, truncated, 0.7):
         assert reads_1000_sigma.transformer(hidden_states=sigma, timestep=sigma * 1000).tolist() == [700.0, 700.0]
     odd = SimpleNamespace(transformer=Recorder(), family="odd")
-    with pytest.raises(UserError, match="neither 1000\\*sigma nor sigma.*continuous"):
+    with pytest.raises(UserError, match="neither 1000\\*sigma, sigma nor 1 - sigma.*trainer.model_timestep: continuous"):
         with model_timestep(odd, truncated, 0.7):
             odd.transformer(hidden_states=sigma, timestep=sigma * 10)
 

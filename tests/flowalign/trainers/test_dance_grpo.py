@@ -254,8 +254,8 @@ def test_best_of_zeroes_the_middle_samples(tmp_path, tiny_sd3_dir, prompt_file):
 
 
 def test_the_loss_is_flow_grpos(tmp_path, tiny_sd3_dir, prompt_file):
-    """With Flow-GRPO's sampler, grid and timesteps, dance_grpo's step equals flow_grpo's with the same
-    trained-step draw (the last step deterministic in both, so both draw from the first T−1 steps)."""
+    """With Flow-GRPO's sampler, grid, timesteps and CFG gradient, dance_grpo's step equals flow_grpo's with the
+    same trained-step draw (the last step deterministic in both, so both draw from the first T−1 steps)."""
     assert DanceGRPOTrainer.loss is FlowGRPOTrainer.loss and DanceGRPOTrainer.surrogate is FlowGRPOTrainer.surrogate
     common = ("trainer.max_steps=1", "trainer.noise_level=0.7", "trainer.shared_initial_noise=true",
               "trainer.num_steps=5", "trainer.sde_last_step=false",
@@ -265,7 +265,7 @@ def test_the_loss_is_flow_grpos(tmp_path, tiny_sd3_dir, prompt_file):
     dance = trainer(tmp_path / "d", tiny_sd3_dir, prompt_file, *common, "trainer.name=dance_grpo",
                     "trainer.sampler=flow_grpo", "trainer.timestep_fraction=0.5", "trainer.step_draw=per_batch",
                     "trainer.advantage_std=population", "trainer.zero_advantage=skipped",
-                    "trainer.sigma_grid=model", "trainer.model_timestep=continuous")
+                    "trainer.sigma_grid=model", "trainer.model_timestep=continuous", "trainer.cfg_grad=detached")
     flow.train()
     dance.train()
     a, b = flow.trainable_state(), dance.trainable_state()
@@ -314,7 +314,7 @@ class ReadTimesteps:
         forward = transformer.forward
 
         def recorded(*args, **kwargs):
-            self.seen.extend(kwargs["timestep"].flatten().tolist())
+            self.seen.extend(kwargs["timestep" if "timestep" in kwargs else "t"].flatten().tolist())
             return forward(*args, **kwargs)
 
         transformer.forward = recorded
@@ -372,6 +372,24 @@ def test_a_flux_rollout_reads_the_integer_timesteps_over_1000(tiny_flux_dir):
     # run_sample_step's timestep_value = int(sigma * 1000), torch.long, fed as timesteps / 1000
     theirs = (torch.tensor([int(s * 1000) for s in out.sigmas[:-1]], dtype=torch.long) / 1000).tolist()
     assert read.seen == theirs
+
+
+def test_a_zimage_rollout_reads_one_minus_the_integer_timesteps_over_1000(tiny_model_dir):
+    """Z-Image's transformer reads ``1 − σ``: on the authors' grid it reads ``1 − int(1000·σ) / 1000``, as
+    Pref-GRPO's ``train_zimage.py`` (``timestep_input = 1.0 − timesteps / 1000.0``)."""
+    import pipelines
+    from flowalign.sampling import rollout
+    from flowalign.sampling.timesteps import ShiftedGrid, truncated
+
+    policy = pipelines.load(tiny_model_dir("zimage"))
+    read = ReadTimesteps(policy.transformer)
+    out = rollout(policy, ["a red circle"], num_steps=6, sampler="flow_grpo", noise_level=0.7, grid=ShiftedGrid(3.0),
+                  timestep_form=truncated, decode=False, generator=torch.Generator().manual_seed(0))
+    read.remove()
+    per_call = read.seen[:: len(read.seen) // 6]  # one call a step (CFG's two rows read the same time)
+    theirs = [1.0 - int(s * 1000) / 1000.0 for s in out.sigmas[:-1]]
+    assert len(set(read.seen)) == 6 and per_call == pytest.approx(theirs, abs=1e-6)
+    assert per_call != pytest.approx([1.0 - s for s in out.sigmas[:-1].tolist()], abs=1e-6)  # not the continuous σ
 
 
 def test_a_shift_without_the_shifted_grid_is_refused():

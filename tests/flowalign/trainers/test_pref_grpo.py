@@ -16,6 +16,7 @@ from flowalign.advantages import (
 from flowalign.config import load_config
 from flowalign.errors import UserError
 from flowalign.train import build_trainer, check_run
+from flowalign.sampling.timesteps import model_timestep
 from flowalign.trainers import trainer_config
 
 from .conftest import small_config, small_run
@@ -316,3 +317,32 @@ def test_pref_grpo_trains_an_editing_model_with_the_edit_judge(tmp_path):
     (metrics,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics["reward/unified_reward"] == 0.5  # the tiny judge's reply names no winner: ties
     assert metrics["reward/unified_reward_invalid_fraction"] == 0.0 and "train/policy_loss" in metrics
+
+
+@pytest.mark.parametrize("name", ["pref_grpo", "dance_grpo"])
+def test_the_update_backpropagates_through_both_cfg_branches_as_their_grpo_one_step(tmp_path, tiny_sd3_dir,
+                                                                                     prompt_file, name):
+    """Their ``grpo_one_step`` runs CFG's ``[cond; uncond]`` pass with its gradient (the Wan, FLUX.2 klein, Z-Image
+    scripts): ``cfg_grad: full`` by default; ``detached`` (Flow-GRPO's, the conditional branch only) the former."""
+    from flowalign.trainers.flow_grpo import guided_velocity
+
+    t = build_trainer(small_config(tmp_path / name, tiny_sd3_dir, prompt_file, f"trainer.name={name}",
+                                   "trainer.batch_size=4", "trainer.num_steps=4"))
+    assert t.tcfg.cfg_grad == "full"
+    chunk = t.collect(0).chunks[0]
+    assert chunk.guidance_scale > 1 and chunk.unconditional_velocities is None  # nothing detached to keep
+    k = 1
+    probe = torch.randn(chunk.latents[:, k].shape, generator=torch.Generator().manual_seed(0))
+
+    def grads(velocity):
+        t.optimizer.zero_grad(set_to_none=True)
+        (velocity() * probe).sum().backward()
+        return [p.grad.clone() for p in t.params]
+
+    ours = grads(lambda: t.policy_velocity(chunk, k, True))
+    x, sigma, w = chunk.latents[:, k], chunk.sigmas[k].item(), chunk.guidance_scale
+    with model_timestep(t.policy, t.timestep_form, sigma):
+        full = grads(lambda: guided_velocity(t.policy, x, sigma, chunk.cond, w, "full"))
+        detached = grads(lambda: guided_velocity(t.policy, x, sigma, chunk.cond, w, "detached"))
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(ours, full))
+    assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(ours, detached))
