@@ -293,6 +293,20 @@ def win_rates(n: int, verdicts: list[tuple[int, int, int | None]],
             for w, r in zip(wins, read)], read
 
 
+def record_win_rates(members: list[int], rates: list[float | None], read: list[int], scores: torch.Tensor,
+                     info: list[dict[str, Any]], lone: str, unread: str) -> None:
+    """Each member of one group gets its win rate as its score (and its count of comparisons read in ``info``), or
+    the reason it has none: ``lone`` when the group has one member, ``unread`` when none of its comparisons was."""
+    for i in members:
+        info[i]["comparisons"] = read[i]
+        if len(members) < 2:
+            info[i]["reason"] = lone
+        elif rates[i] is None:
+            info[i]["reason"] = unread
+        else:
+            scores[i] = rates[i]
+
+
 @register("unified_reward")
 class UnifiedReward:
     """UnifiedReward in one of its modes (``score``, ``dimension``, ``think_pairwise``, ``flex_pairwise``,
@@ -553,14 +567,9 @@ class UnifiedReward:
         verdicts = [(a, b, None if c.error is not None else (parse_verdict(c.text, self.verdict_parse, noun) or tie))
                     for (a, b), c in zip(pairs, replies)]
         rates, read = win_rates(len(scores), verdicts, self.win_rate_decimals)
-        for i in todo:
-            info[i]["comparisons"] = read[i]
-            if len(groups[prompts[i]]) < 2:
-                info[i]["reason"] = "think_pairwise needs at least 2 samples per prompt"
-            elif rates[i] is None:
-                info[i]["reason"] = "no comparison of this sample gave a verdict"
-            else:
-                scores[i] = rates[i]
+        for members in groups.values():
+            record_win_rates(members, rates, read, scores, info, "think_pairwise needs at least 2 samples per prompt",
+                             "no comparison of this sample gave a verdict")
 
     def _edit_pairwise(self, todo: list[int], images: dict[int, list[Any]], prompts: list[str],
                        metadata: list[dict[str, Any]], scores: torch.Tensor, info: list[dict[str, Any]]) -> None:
@@ -583,15 +592,10 @@ class UnifiedReward:
         verdicts = [(a, b, None if c.error is not None else parse_edit_verdict(c.text))
                     for (_, a, b), c in zip(pairs, replies)]
         rates, read = win_rates(len(scores), verdicts, self.win_rate_decimals)
-        for key, members in groups.items():
-            for i in members:
-                info[i]["comparisons"] = read[i]
-                if len(members) < 2:
-                    info[i]["reason"] = "edit_pairwise needs at least 2 edits of each source and instruction"
-                elif rates[i] is None:
-                    info[i]["reason"] = "no comparison of this sample came back"
-                else:
-                    scores[i] = rates[i]
+        for members in groups.values():
+            record_win_rates(members, rates, read, scores, info,
+                             "edit_pairwise needs at least 2 edits of each source and instruction",
+                             "no comparison of this sample came back")
 
     def _edit_pointwise(self, todo: list[int], images: dict[int, list[Any]], prompts: list[str],
                         metadata: list[dict[str, Any]], scores: torch.Tensor, info: list[dict[str, Any]]) -> None:

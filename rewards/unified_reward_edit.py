@@ -52,7 +52,8 @@ EDIT_PAIRWISE_QUESTION = (
     'Text instruction - {instruction}\n'
 )
 
-EDIT_QUALITY_QUESTION = (
+#: the two pointwise templates open alike
+_POINTWISE_PREAMBLE = (
     'You are a professional digital artist. You will have to evaluate the effectiveness of the AI-generated image(s) based on given rules.\n'
     'All the input images are AI-generated. All human in the images are AI-generated too. so you need not worry about the privacy confidentials.\n'
     '\n'
@@ -65,6 +66,9 @@ EDIT_QUALITY_QUESTION = (
     '\n'
     'RULES:\n'
     '\n'
+)
+
+EDIT_QUALITY_QUESTION = _POINTWISE_PREAMBLE + (
     'The image is an AI-generated image.\n'
     'The objective is to evaluate how successfully the image has been generated.\n'
     '\n'
@@ -83,19 +87,7 @@ EDIT_QUALITY_QUESTION = (
 )
 
 #: the instruction-following question is this, then the instruction and a line break
-EDIT_INSTRUCTION_PREFIX = (
-    'You are a professional digital artist. You will have to evaluate the effectiveness of the AI-generated image(s) based on given rules.\n'
-    'All the input images are AI-generated. All human in the images are AI-generated too. so you need not worry about the privacy confidentials.\n'
-    '\n'
-    'IMPORTANT: You will have to give your output in this way (Keep your reasoning concise and short.):\n'
-    '{\n'
-    '\n'
-    '"reasoning" : "...",\n'
-    '"score" : [...],\n'
-    '}\n'
-    '\n'
-    'RULES:\n'
-    '\n'
+EDIT_INSTRUCTION_PREFIX = _POINTWISE_PREAMBLE + (
     'Two images will be provided: The first being the original AI-generated image and the second being an edited version of the first.\n'
     'The objective is to evaluate how successfully the editing instruction has been executed in the second image.\n'
     '\n'

@@ -120,10 +120,8 @@ def test_pointwise_judgements_are_their_requests_scores_and_parts(mode):
 def test_pointwise_advantages_blend_each_parts_advantage_as_theirs():
     """Pref-GRPO's advantage of a pointwise edit reward blends its two parts' group advantages (w 0.6 / 0.4), the
     two rewards weighted 0.5 / 0.5, with ``--apply_gdpo`` off and on."""
-    from types import SimpleNamespace
-
     from flowalign.reward_set import RewardSet
-    from flowalign.trainers.rollouts import gathered_advantages
+    from tests.rewards.test_unified_reward_flex_reference import assert_their_advantages
 
     samples = POINTWISE["samples"]
     x = torch.stack([image(s["image_seed"]) for s in samples])
@@ -138,13 +136,7 @@ def test_pointwise_advantages_blend_each_parts_advantage_as_theirs():
         rewards = [("quality", 0.5, load(q, mode="edit_quality", part_weights=[0.6, 0.4])),
                    ("instruction", 0.5, load(i, mode="edit_instruction", part_weights=[0.6, 0.4]))]
         scores = RewardSet(rewards).score(x, prompts, metadata)
-    acc = SimpleNamespace(device=torch.device("cpu"), process_index=0, gather=lambda t: t)
-    groups = torch.tensor([0, 0, 0, 1, 1, 1])
-    for gdpo, key in ((False, "use_group"), (True, "apply_gdpo")):
-        adv = gathered_advantages("win_rate", scores, groups, acc, 5.0, win_rate_normalisation="per_reward",
-                                  batch_renormalise=gdpo)
-        torch.testing.assert_close(adv.double(), torch.tensor(POINTWISE["advantages"][key], dtype=torch.float64),
-                                   rtol=1e-5, atol=1e-5)
+    assert_their_advantages(scores, torch.tensor([0, 0, 0, 1, 1, 1]), POINTWISE["advantages"])
 
 
 def test_pointwise_replies_are_read_as_theirs_and_what_they_score_0_is_invalid():

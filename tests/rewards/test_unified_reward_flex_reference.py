@@ -63,12 +63,16 @@ def test_win_rates_rewards_and_advantages_are_their_codes(setting):
     parts = scores.parts["unified_reward"]
     assert parts[:, 0].tolist() == theirs["overall"] and parts[:, 1].tolist() == theirs["dim_mean"]
     assert parts[:, 2].bool().tolist() == theirs["has_dims"]
-    groups = torch.tensor([0] * 4 + [1] * 4)
+    assert_their_advantages(scores, torch.tensor([0] * 4 + [1] * 4), theirs["advantages"])
+
+
+def assert_their_advantages(scores, groups: torch.Tensor, theirs: dict[str, list[float]]) -> None:
+    """The loop's Pref-GRPO advantages of ``scores`` equal their ``compute_weighted_advantages`` with ``--use_group``,
+    ``--apply_gdpo`` off (``theirs["use_group"]``) and on (``theirs["apply_gdpo"]``), to 1e-5."""
     for gdpo, key in ((False, "use_group"), (True, "apply_gdpo")):
         adv = gathered_advantages("win_rate", scores, groups, ACC, 5.0, win_rate_normalisation="per_reward",
                                   batch_renormalise=gdpo)
-        torch.testing.assert_close(adv.double(), torch.tensor(theirs["advantages"][key], dtype=torch.float64),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(adv.double(), torch.tensor(theirs[key], dtype=torch.float64), rtol=1e-5, atol=1e-5)
 
 
 def test_as_set_blends_with_the_configured_dimension_weight():
