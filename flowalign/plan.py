@@ -105,6 +105,9 @@ CALIBRATION = ("calibrated on H200 measurements: SD3.5-M Flow-GRPO 512 px withou
                "Wan 2.1-1.3B 480x832x9 with; see docs/performance.md")
 #: the published architectures (configs only, no weights), one folder per released model
 ARCHITECTURES = REPO_ROOT / "assets" / "architectures"
+#: a configs/ folder whose model ships no architecture of its own here, and the one it shares: Z-Image and its
+#: distilled Z-Image-Turbo are the same 6B single-stream DiT, text encoder and VAE
+SAME_ARCHITECTURE = {"z-image": "z-image-turbo"}
 
 
 @dataclass
@@ -276,7 +279,8 @@ def planning_folder(model_path: str, config_path: str | Path | None, path_given:
     """The folder to plan on, and the line saying so when it is not ``model.path`` itself.
 
     A ``model.path`` that does not exist is the recipe's placeholder for a download: a recipe under
-    ``configs/<name>/`` is then planned on ``assets/architectures/<name>``. One given on the command line
+    ``configs/<name>/`` is then planned on ``assets/architectures/<name>`` (or the architecture it shares,
+    :data:`SAME_ARCHITECTURE`). One given on the command line
     (``path_given``) is taken as meant."""
     from flowalign.train import resolve_model_path
 
@@ -286,6 +290,7 @@ def planning_folder(model_path: str, config_path: str | Path | None, path_given:
     published = sorted(p.name for p in ARCHITECTURES.iterdir() if (p / "model_index.json").is_file()) \
         if ARCHITECTURES.is_dir() else []
     name = Path(config_path).resolve().parent.name if config_path else None
+    name = SAME_ARCHITECTURE.get(name, name)
     if name in published and not path_given:
         arch = ARCHITECTURES / name
         shown = arch.relative_to(REPO_ROOT) if arch.is_relative_to(REPO_ROOT) else arch

@@ -15,6 +15,7 @@ import yaml
 import flowalign.train
 from flowalign.cli.main import main
 from flowalign.paths import REPO_ROOT
+from flowalign.plan import SAME_ARCHITECTURE
 
 RECIPES = sorted(p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "configs").glob("*/*.yaml"))
 
@@ -40,7 +41,7 @@ def test_plan_runs_on_every_shipped_recipe_as_written(recipe, capsys, monkeypatc
     if (REPO_ROOT / model_path).exists():
         assert lines[0].startswith(f"model {model_path} ("), lines[0]
     else:  # a placeholder: the published architecture of the recipe's folder, said first
-        arch = f"assets/architectures/{Path(recipe).parts[1]}"
+        arch = f"assets/architectures/{SAME_ARCHITECTURE.get(Path(recipe).parts[1], Path(recipe).parts[1])}"
         assert lines[0] == (f"model.path {model_path} does not exist: planning on the published architecture "
                             f"{arch} (its configs, no weights)")
         assert lines[1].startswith(f"model {REPO_ROOT / arch} (")
