@@ -607,8 +607,11 @@ class UnifiedReward:
         if self.mode == "edit_quality":
             asks = [self._ask(images[i], EDIT_QUALITY_QUESTION) for i in todo]
         else:
-            asks = [self._ask([self._pil(load_input_image(metadata[i]["image"])), *images[i]],
-                              edit_instruction_question(prompts[i])) for i in todo]
+            # a group's edits share one source: read and encode it once
+            sources = {id(metadata[i]["image"]): metadata[i]["image"] for i in todo}
+            shown = {key: self._pil(load_input_image(image)) for key, image in sources.items()}
+            asks = [self._ask([shown[id(metadata[i]["image"])], *images[i]], edit_instruction_question(prompts[i]))
+                    for i in todo]
         first, second, _, w0_key, w1_key = EDIT_PARTS[self.mode]
         w0, w1 = self.part_weights
         for i, c in zip(todo, self.backend.complete(asks)):

@@ -2,6 +2,8 @@
 evaluation, playable clips with posters, per-clip verdicts, and the video gallery."""
 
 import json
+
+import pytest
 import re
 from pathlib import Path
 
@@ -41,6 +43,12 @@ def test_flash_grpo_motion_config_writes_video_evals_and_gallery_at_every_evalua
     assert all("reward/vvr_motion" in m for m in metrics if "reward/total" in m)
 
 
+def build_trainer_config(cfg):
+    from flowalign.trainers import trainer_config
+
+    return trainer_config(cfg.trainer)[1]
+
+
 def test_pref_grpo_trains_on_video_with_the_video_judge_and_the_adaptive_kl_weight(tmp_path):
     """Pref-GRPO's Wan recipe in small: the (tiny, random) UnifiedReward judging pairs of videos by their frames
     in flex mode beside a first-frame reward, the KL weight moved by the controller within its bounds."""
@@ -60,4 +68,12 @@ def test_pref_grpo_trains_on_video_with_the_video_judge_and_the_adaptive_kl_weig
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "train/kl_beta" in m]
     assert len(steps) == 2 and all(0.004 <= m["train/kl_beta"] <= 0.006 and m["train/kl"] >= 0 for m in steps)
+    # each step's weight is the controller's from the step's logged mean KL (one process: what it averages)
+    from flowalign.trainers.parts.adaptive_kl import next_kl_weight
+
+    beta, average = cfg.trainer["beta"], None
+    tcfg = build_trainer_config(cfg)
+    for m in steps:
+        beta, average = next_kl_weight(beta, average, m["train/kl"], tcfg)
+        assert m["train/kl_beta"] == pytest.approx(beta, rel=1e-6)
     assert all(m["reward/unified_reward"] == 0.5 for m in steps)  # the tiny judge's reply names no winner: ties
