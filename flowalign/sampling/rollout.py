@@ -9,6 +9,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, FlowPolicy
+from flowalign.sampling.compressed_tail import CompressedTail
 from flowalign.sampling.inputs import encode_prompts
 from flowalign.sampling.ode_solvers import OdeSolver
 from flowalign.sampling.sa_solver import SASolver
@@ -176,6 +177,7 @@ def rollout(
     prefix: torch.Tensor | None = None,
     grid: Callable[[int], torch.Tensor] | None = None,
     timestep_form: TimestepMap | None = None,
+    tail: CompressedTail | None = None,
 ) -> Rollout:
     """Sample ``len(prompts)`` trajectories of ``num_steps`` steps from the policy's own sigma grid, or from
     ``grid(num_steps)`` ``(num_steps + 1,)`` (an authors' grid, e.g. :class:`~flowalign.sampling.timesteps.ShiftedGrid`).
@@ -209,6 +211,10 @@ def rollout(
     ``k`` steps, all ODE steps (e.g. one ODE trajectory that several branches leave at step ``k``): the rollout
     starts at ``x_k`` with step ``k``; the prefix's states stand as its first latents, its steps' log-probs are
     NaN (ODE) and, with ``keep_unconditional``, their unconditional velocities NaN (not computed here).
+
+    ``tail`` (MixGRPO-Flash, :class:`~flowalign.sampling.compressed_tail.CompressedTail`): after the last SDE step
+    the rollout continues on a compressed grid with DPM-Solver++(2); its ``sigmas`` are that grid ``(L + 1,)``, its
+    latents ``(B, L + 1, ...)``, every step through the window as without the tail.
     """
     prompts = check_prompts(prompts)
     if getattr(policy, "streaming", False):
@@ -243,13 +249,22 @@ def rollout(
     else:
         mask = torch.zeros(num_steps, dtype=torch.bool) if sampler == "ode" else sde_step_mask(num_steps, sde_window, last)
     solver_step = solver.steps(sigmas) if solver else None
+    tail_steps = None
+    if tail is not None:
+        if solver is not None or prefix is not None:
+            raise ValueError("rollout: a compressed tail follows an SDE window from x_T; not with a solver or a prefix")
+        sigmas, mask, tail_steps = tail.apply(sigmas, mask)
 
     def step_at(k: int) -> StepFn:
         if solver_step is not None:
             return solver_step
+        if tail_steps is not None and k > tail_steps.last:
+            return tail_steps
         if custom_step is not None and mask[k]:
-            return custom_step
-        return _kind_step(sampler if mask[k] else "ode", level, cps_log_prob)
+            step = custom_step
+        else:
+            step = _kind_step(sampler if mask[k] else "ode", level, cps_log_prob)
+        return tail_steps.through(step) if tail_steps is not None and k == tail_steps.last else step
 
     if mask[:start].any():
         raise UserError(f"prefix: its {start} steps are ODE steps, but the rollout's steps "

@@ -32,11 +32,15 @@ def fixed(value: float) -> TimestepMap:
     return lambda timestep: torch.full_like(timestep, float(value))
 
 
+def time_shift(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """``shift·u / (1 + (shift − 1)·u)`` elementwise, in ``u``'s dtype (DanceGRPO's ``sd3_time_shift``)."""
+    return (shift * u) / (1 + (shift - 1) * u)
+
+
 def shifted_grid(num_steps: int, shift: float) -> torch.Tensor:
     """``(num_steps + 1,)`` float32 σ grid, 1 → 0: ``u = linspace(1, 0, T + 1)`` time-shifted to
     ``shift·u / (1 + (shift − 1)·u)``, in float32 as DanceGRPO's ``sd3_time_shift(shift, linspace(1, 0, T + 1))``."""
-    u = torch.linspace(1, 0, num_steps + 1)
-    return (shift * u) / (1 + (shift - 1) * u)
+    return time_shift(torch.linspace(1, 0, num_steps + 1), shift)
 
 
 @dataclass(frozen=True)

@@ -75,15 +75,18 @@ def sliding_window(step: int, num_steps: int, width: int, shift_interval: int, s
     """MixGRPO's progressive SDE window ``(start, width)`` at training step ``step`` (0-based).
 
     The window starts at step 0 and moves ``stride`` steps later every ``shift_interval`` training steps; past
-    the last start it rolls back to 0 (the authors' ``roll_back``). As the authors bound it, the window covers
+    the last start it rolls back to 0 (the authors' ``roll_back``). A ``stride`` of 0 keeps it at step 0 (their
+    ``prog_overlap_step 0``, MixGRPO-Flash*'s frozen window). As the authors bound it, the window covers
     ``[start, min(start + width, T − 2))``, so it narrows near the end and never touches the last two steps;
     the starts are ``0, stride, 2·stride, … ≤ T − 3`` (a start of ``T − 2`` would leave it empty). A pure
     function of the step: the same on every rank, and after a resume.
     """
     if num_steps < 3:
         raise ValueError(f"a sliding SDE window needs at least 3 sampling steps, got {num_steps}")
-    if width < 1 or shift_interval < 1 or stride < 1:
-        raise ValueError("sliding window width, shift_interval and stride must each be >= 1")
+    if width < 1 or shift_interval < 1 or stride < 0:
+        raise ValueError("sliding window width and shift_interval must each be >= 1, and stride >= 0")
+    if stride == 0:
+        return 0, min(width, num_steps - 2)
     starts = (num_steps - 3) // stride + 1
     start = (step // shift_interval) % starts * stride
     return start, min(start + width, num_steps - 2) - start

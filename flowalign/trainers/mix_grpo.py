@@ -5,18 +5,21 @@ Flow-GRPO SDE; only those steps are trained, with Flow-GRPO's loss. The window i
 prompt and moves ``window_stride`` steps later every ``shift_interval`` training steps, rolling back to the
 first step at the end (:func:`flowalign.sampling.windows.sliding_window`): a function of the training step
 alone, so every rank and a resumed run place it alike. Its scripts are built on DanceGRPO's: their σ grid and
-integer timesteps are :mod:`flowalign.trainers.parts.dance_schedule`'s.
+integer timesteps are :mod:`flowalign.trainers.parts.dance_schedule`'s. MixGRPO-Flash (``post_window_solver:
+dpm2``) finishes each rollout after the window on a compressed grid with DPM-Solver++(2)
+(:class:`flowalign.sampling.CompressedTail`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from flowalign.config import changed
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT, MAX_SAMPLING_STEPS, MAX_TRAIN_STEPS
-from flowalign.sampling import Rollout, sliding_window
+from flowalign.sampling import CompressedTail, Rollout, sliding_window
 from flowalign.trainers.base import Sampling, StepBatch
 from flowalign.trainers.flow_grpo import (CPSOptions, FlowGRPOBase, FlowGRPOTrainer, SDEOptions, StepSubsetOptions,
                                            steps_over_epochs)
@@ -44,8 +47,25 @@ class MixGRPOConfig(FlowGRPOBase, ReferenceOptions, SDEOptions, CPSOptions, Step
     window_size: int = Field(4, ge=1, le=MAX_SAMPLING_STEPS)
     #: training steps before the window moves (the authors' iters_per_group 25)
     shift_interval: int = Field(25, ge=1, le=MAX_TRAIN_STEPS)
-    #: steps the window moves each time (the authors' prog_overlap_step 1)
-    window_stride: int = Field(1, ge=1, le=MAX_SAMPLING_STEPS)
+    #: steps the window moves each time (the authors' prog_overlap_step 1; 0 keeps it at step 0, MixGRPO-Flash*)
+    window_stride: int = Field(1, ge=0, le=MAX_SAMPLING_STEPS)
+    #: the ODE after the window: "euler" on the rollout grid (MixGRPO); "dpm2", MixGRPO-Flash: the rest of the
+    #: shifted grid compressed to post_window_compress of its points and integrated with DPM-Solver++(2) (the
+    #: authors' dpm_algorithm_type dpmsolver++, dpm_apply_strategy post, order 2, midpoint)
+    post_window_solver: Literal["euler", "dpm2"] = "euler"
+    #: the share of the grid's points after the window kept with post_window_solver dpm2 (the authors'
+    #: dpm_post_compress_ratio: 0.4 MixGRPO-Flash, 0.2 Flash*)
+    post_window_compress: float = Field(0.4, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _the_tail_reads_the_shifted_grid(self):
+        if self.post_window_solver == "dpm2" and self.sigma_grid != "shifted":
+            raise ValueError("trainer.post_window_solver=dpm2 compresses the authors' shifted grid: set "
+                             "trainer.sigma_grid=shifted (this config has model) or post_window_solver=euler")
+        if changed(self, "post_window_compress") and self.post_window_solver != "dpm2":
+            raise ValueError("trainer.post_window_compress is read only with trainer.post_window_solver=dpm2: drop "
+                             "it or set post_window_solver=dpm2")
+        return self
 
 
 class MixGRPOTrainer(DanceSchedule, FlowGRPOTrainer):
@@ -75,10 +95,13 @@ class MixGRPOTrainer(DanceSchedule, FlowGRPOTrainer):
         return sliding_window(step, t.num_steps, t.window_size, t.shift_interval, t.window_stride)
 
     def sampling(self, group: int) -> Sampling:
-        """ODE everywhere but the window of the current step (the same for every group)."""
+        """ODE everywhere but the window of the current step (the same for every group); with
+        ``post_window_solver: dpm2`` the ODE after it on the compressed grid."""
+        t = self.tcfg
+        tail = CompressedTail(t.sigma_shift, t.post_window_compress) if t.post_window_solver == "dpm2" else None
         return Sampling(self.sampler, self.noise_level, self.window(self.step), False,
-                        cps_log_prob=self.tcfg.cps_log_prob, keep_unconditional=self.reuses_unconditional,
-                        grid=self.rollout_grid, timestep_form=self.timestep_form)
+                        cps_log_prob=t.cps_log_prob, keep_unconditional=self.reuses_unconditional,
+                        grid=self.rollout_grid, timestep_form=self.timestep_form, tail=tail)
 
     def collect(self, step: int) -> StepBatch:
         batch = super().collect(step)

@@ -25,6 +25,7 @@ from flowalign.errors import UserError
 from flowalign.finite import check_training_finite
 from flowalign.reward_set import RewardScores, RewardSet
 from flowalign.sampling import Rollout, rollout
+from flowalign.sampling.compressed_tail import CompressedTail
 
 
 def derived_seed(*parts: int) -> int:
@@ -41,7 +42,7 @@ class Sampling:
     (every step); ``sde_last_step``: whether the step to σ = 0 is stochastic too; ``keep_velocities``,
     ``keep_unconditional``: what the rollout stores besides latents and log-probs (see :func:`rollout`);
     ``grid``, ``timestep_form``: an authors' σ grid and the timestep form the transformer reads (None: the
-    policy's own grid and timestep).
+    policy's own grid and timestep); ``tail``: the ODE after the window on a compressed grid (MixGRPO-Flash).
     """
 
     sampler: str | Callable[..., Any] = "flow_grpo"
@@ -53,6 +54,7 @@ class Sampling:
     keep_unconditional: bool = False
     grid: Callable[[int], Any] | None = None
     timestep_form: Callable[[Any], Any] | None = None
+    tail: CompressedTail | None = None
 
 
 @dataclass
@@ -151,7 +153,7 @@ def roll_out(policy: Any, batch: list[SampleSlot], how: Sampling, num_steps: int
                    initial_noise=None if noise[0] is None else torch.cat(noise), cps_log_prob=how.cps_log_prob,
                    keep_velocities=how.keep_velocities, sde_last_step=how.sde_last_step,
                    keep_unconditional=how.keep_unconditional, prefix=prefix, grid=how.grid,
-                   timestep_form=how.timestep_form)
+                   timestep_form=how.timestep_form, tail=how.tail)
 
 
 def sample_and_score(policy: Any, rewards: RewardSet, batches: list[list[SampleSlot]], sampling: dict[int, Sampling],

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowalign.sampling import sde_step, sliding_window
+from flowalign.errors import UserError
+from flowalign.sampling import CompressedTail, sde_step, sliding_window
 from flowalign.train import build_trainer
+from flowalign.trainers import trainer_config
 from flowalign.trainers.parts.policy_gradient import ppo_clip_loss
 
 from .conftest import small_config
@@ -122,3 +124,45 @@ def test_advantages_equal_the_authors(case):
     assert t.advantage_options() == {"normalise_weights": True}
     assert not torch.allclose(compute_advantages("per_reward", components, weights, groups, clip=100.0), expected,
                               rtol=1e-3)
+
+
+FLASH = json.loads((Path(__file__).parents[1] / "sampling" / "known_answers" / "mix_grpo_flash_rollout.json").read_text())
+
+
+def test_a_stride_of_zero_keeps_the_window_at_the_start_as_flash_star():
+    """Flash*'s ``prog_overlap_step 0``: GRPOTrainingStates' window over 300 training steps (known_answers/)."""
+    known = FLASH["frozen_schedule"]
+    T, width, interval = known["sampling_steps"], known["group_size"], known["iters_per_group"]
+    ours = [list(range(s, s + n)) for s, n in (sliding_window(i, T, width, interval, 0) for i in range(300))]
+    assert ours == known["timesteps_train"]
+
+
+def test_flash_rollouts_finish_on_the_compressed_grid_and_train_the_window(tmp_path, tiny_sd3_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=mix_grpo",
+                                   "trainer.num_steps=10", "trainer.window_size=2", "trainer.shift_interval=1",
+                                   "trainer.post_window_solver=dpm2"))
+    for step, window in ((0, [0, 1]), (3, [3, 4])):
+        t.step = step
+        batch = t.collect(step)
+        chunk = batch.chunks[0]
+        assert torch.equal(chunk.sigmas, CompressedTail(3.0, 0.4).sigmas(10, window[-1]))
+        assert chunk.num_steps == window[-1] + 1 + int((10 - window[-1]) * 0.4) - 1 < 10
+        assert all(c.trained_steps() == window for c in batch.chunks)
+        for k in window:  # on-policy: the ratio is exactly 1 at every trained step
+            with torch.no_grad():
+                again = t.step_distribution(chunk, k, t.policy_velocity(chunk, k, True))
+            assert torch.equal(again.log_prob, chunk.step(k)[2])
+
+
+def test_flash_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
+    assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=mix_grpo",
+                                          "trainer.window_size=2", "trainer.shift_interval=1",
+                                          "trainer.post_window_solver=dpm2", "trainer.post_window_compress=0.5")
+
+
+def test_the_flash_options_are_refused_where_they_are_not_read():
+    with pytest.raises(UserError, match="post_window_solver=dpm2 compresses the authors' shifted grid"):
+        trainer_config({"name": "mix_grpo", "post_window_solver": "dpm2", "sigma_grid": "model"})
+    with pytest.raises(UserError, match="post_window_compress is read only with trainer.post_window_solver=dpm2"):
+        trainer_config({"name": "mix_grpo", "post_window_compress": 0.2})
+    assert trainer_config({"name": "mix_grpo", "window_stride": 0})[1].window_stride == 0
