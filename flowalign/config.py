@@ -216,6 +216,10 @@ class RewardSpec(BaseModel):
     timeout_s: float = Field(REWARD_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
     #: the name its scores, logs and advantages go by (two entries of one reward need two labels); null: its name
     label: str | None = Field(None, min_length=1, max_length=100)
+    #: the value of a sample this reward leaves invalid (a judge's reply without a score, a lone sample of a
+    #: pairwise judge, a failed or timed-out call), as some authors' scripts score them (e.g. 0); null: masked,
+    #: the sample left out of its group's advantages. Its invalid fraction is logged either way
+    invalid_value: float | None = Field(None, ge=-MAX_COEFFICIENT, le=MAX_COEFFICIENT)
 
     @model_validator(mode="before")
     @classmethod
@@ -433,6 +437,6 @@ def recorded_reward(entry: dict[str, Any]) -> dict[str, Any]:
     from flowalign.plugins import reward_former_forms
 
     before, _, defaults = reward_former_forms(str(entry["name"]))
-    if entry.get("label") is None:  # unlabelled: it goes by its name
-        entry = {k: v for k, v in entry.items() if k != "label"}
+    # unlabelled, it goes by its name; without an invalid_value, its invalid samples are masked
+    entry = {k: v for k, v in entry.items() if k not in ("label", "invalid_value") or v is not None}
     return {**entry, **{k: defaults[k] for k in before if k not in entry}}

@@ -213,7 +213,8 @@ class UnifiedPolicy(FlowPolicy, Protocol):
 class RewardOutput:
     """Named per-sample reward components ``(B,)`` float32 and a ``valid`` mask ``(B,)`` bool.
 
-    An invalid sample (a judge that failed, an unparseable image) is masked, never scored zero.
+    An invalid sample (a judge that failed, an unparseable image) is masked, never scored zero (unless the run
+    gives the reward an ``invalid_value``: :class:`flowalign.reward_set.RewardSet`).
     ``info`` carries per-sample details (verdicts, reasons) for logs and galleries.
     """
 

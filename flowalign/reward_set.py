@@ -9,7 +9,9 @@ loop's scoring, advantages, DiffusionOPSD's reward gradient, FestDPO's preferenc
 A reward that raises (anything but ``KeyboardInterrupt``: a plug-in's ``SystemExit`` too), or returns a
 non-finite value, marks those samples invalid (masked, never scored zero), each with a reason
 (``RewardScores.reasons``: the reward's own ``info[i]["reason"]`` when it gives one). An empty set
-(reward-free trainers such as SOAR and SFT) scores every sample valid with total 0.
+(reward-free trainers such as SOAR and SFT) scores every sample valid with total 0. A reward given an
+``invalid_value`` scores the samples it leaves invalid, whatever the cause, at that value instead of masking them
+(some authors' scripts score a judge's reply without a score 0); its invalid fraction is still logged.
 
 Every reward a run or an evaluation loads runs each call in a worker thread under a deadline
 (:class:`TimeLimited`: the entry's ``timeout_s``, default :data:`flowalign.config.REWARD_TIMEOUT_S`); a
@@ -66,6 +68,9 @@ class RewardScores:
     #: failed: every rank holds the same names, which the advantages gather); Pref-GRPO's advantages blend the
     #: parts' advantages (:func:`flowalign.advantages.per_reward_win_rate_advantages`)
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: reward name → ``(N,)`` bool: the samples the reward left invalid that were scored at its
+    #: ``invalid_value`` instead (valid in ``ok``), for each reward given one
+    substituted: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def commonest_reason(self) -> tuple[str, int] | None:
         """The reason most invalid samples share, and how many share it (None when all are valid)."""
@@ -86,12 +91,14 @@ class RewardScores:
         return self.values @ self.weights
 
     def logs(self) -> dict[str, float]:
-        """``reward/<name>`` (mean over the valid samples) and ``reward/<name>_invalid_fraction``."""
+        """``reward/<name>`` (mean over the valid samples, those scored at an ``invalid_value`` included) and
+        ``reward/<name>_invalid_fraction`` (the samples the reward itself left invalid)."""
         out = {}
         for m, name in enumerate(self.names):
             ok = self.ok[:, m]
+            failed = ~ok | self.substituted.get(name, torch.zeros_like(ok))
             out[f"reward/{name}"] = self.values[ok, m].mean().item() if ok.any() else float("nan")
-            out[f"reward/{name}_invalid_fraction"] = 1.0 - ok.float().mean().item()
+            out[f"reward/{name}_invalid_fraction"] = failed.float().mean().item()
         return out
 
     @staticmethod
@@ -106,17 +113,25 @@ class RewardScores:
         blends = {name: torch.cat([p.parts.get(name, torch.full((len(p), 5), float("nan"), dtype=torch.float64))
                                    for p in parts])
                   for name in dict.fromkeys(name for p in parts for name in p.parts)}
+        substituted = {name: torch.cat([p.substituted.get(name, torch.zeros(len(p), dtype=torch.bool)) for p in parts])
+                       for name in dict.fromkeys(name for p in parts for name in p.substituted)}
         return RewardScores(torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
                             parts[0].weights, parts[0].names,
                             [r for p in parts for r in (p.reasons or [""] * len(p))], passed, parts[0].pairwise, notes,
-                            blends)
+                            blends, substituted)
 
 
 class RewardSet:
-    """Weighted rewards ``[(name, weight, reward), ...]``; iterating yields those triples."""
+    """Weighted rewards ``[(name, weight, reward), ...]``; iterating yields those triples. ``invalid_values``:
+    reward name → the value its invalid samples are scored at instead of being masked (the rewards not named
+    mask them)."""
 
-    def __init__(self, entries: Iterable[tuple[str, float, Reward]] = ()):
+    def __init__(self, entries: Iterable[tuple[str, float, Reward]] = (), invalid_values: dict[str, float] | None = None):
         self.entries = [(str(n), float(w), r) for n, w, r in entries]
+        self.invalid_values = dict(invalid_values or {})
+        unknown = set(self.invalid_values) - set(self.names)
+        if unknown:
+            raise ValueError(f"invalid_values names {sorted(unknown)}, not rewards of the set {self.names}")
 
     @classmethod
     def of(cls, rewards: "RewardSet | Iterable[tuple[str, float, Reward]]") -> "RewardSet":
@@ -165,6 +180,7 @@ class RewardSet:
         passed: dict[str, torch.Tensor] = {}
         notes: dict[str, list[str]] = {}
         blends: dict[str, torch.Tensor] = {}
+        substituted: dict[str, torch.Tensor] = {}
         for name, _, reward in self.entries:
             try:
                 out: RewardOutput = check_reward_output(name, reward(samples, prompts, metadata), n)
@@ -185,6 +201,10 @@ class RewardSet:
                 value, ok, why = torch.zeros(n), torch.zeros(n, dtype=torch.bool), [message] * n
                 if getattr(reward, "blend_parts", ()):
                     blends[name] = _blend_parts([], n, reward.blend_parts)
+            if name in self.invalid_values:  # scored at the value the config gives, not masked
+                substituted[name] = ~ok
+                value = torch.where(ok, value, torch.tensor(self.invalid_values[name], dtype=value.dtype))
+                ok = torch.ones_like(ok)
             for i in range(n):
                 if not ok[i] and not reasons[i]:
                     reasons[i] = f"{name}: {why[i]}"
@@ -192,7 +212,8 @@ class RewardSet:
             oks.append(ok)
         values = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0)
         ok = torch.stack(oks, dim=1) if oks else torch.ones(n, 0, dtype=torch.bool)
-        return RewardScores(values, ok, self.weights, self.names, reasons, passed, self.pairwise, notes, blends)
+        return RewardScores(values, ok, self.weights, self.names, reasons, passed, self.pairwise, notes, blends,
+                            substituted)
 
     def weighted_total(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]) -> torch.Tensor:
         """``(N,)`` ``Σ_m w_m·R_m`` with gradients to ``samples`` where the rewards have them; invalid
@@ -322,7 +343,8 @@ def load_panel(specs: Iterable[Any], where: str) -> RewardSet:
     specs = list(specs)
     check_reward_keys(specs, where)
     return RewardSet([(spec.key, 1.0, time_limited(spec.key, load_reward(spec.name, **spec.options), spec.timeout_s))
-                      for spec in specs])
+                      for spec in specs],
+                     invalid_values={s.key: s.invalid_value for s in specs if s.invalid_value is not None})
 
 
 def check_panel(specs: Iterable[Any], where: str) -> None:

@@ -26,7 +26,7 @@ from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
 from flowalign.plugins import reward_former_forms
 from flowalign.reward_check import check_frame_count, check_reward_metadata
-from flowalign.reward_set import check_panel, load_panel, time_limited
+from flowalign.reward_set import RewardSet, check_panel, load_panel, time_limited
 from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
 from flowalign.signals import exit_on_sigterm
 from flowalign.trainers import get_trainer, trainer_config
@@ -369,8 +369,9 @@ def build_trainer(cfg: TrainConfig):
                             attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
                             offload_text_encoders=cfg.model.offload_text_encoders,
                             **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
-    loaded = [(spec.key, spec.weight, time_limited(spec.key, reward_registry.load(spec.name, **spec.options),
-                                                    spec.timeout_s)) for spec in cfg.rewards]
+    loaded = RewardSet([(spec.key, spec.weight, time_limited(spec.key, reward_registry.load(spec.name, **spec.options),
+                                                              spec.timeout_s)) for spec in cfg.rewards],
+                       invalid_values={s.key: s.invalid_value for s in cfg.rewards if s.invalid_value is not None})
     data = load_train_data(cfg)
     for name, _, reward in loaded:
         check_reward_metadata(name, reward, data.metadata, f"data.prompts={cfg.data.prompts}" if cfg.data.prompts

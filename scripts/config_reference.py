@@ -335,7 +335,9 @@ def render() -> str:
         title = f"{name} (a list; each item)" if is_list else name
         note = ""
         if is_list:
-            note = ("A weighted sum of rewards. Keys other than `name`, `weight` and `timeout_s` are the reward's own options "
+            own = typing.get_args(TrainConfig.model_fields[name].annotation)[0].model_fields
+            listed = ", ".join(f"`{key}`" for key in list(own)[:-1]) + f" and `{list(own)[-1]}`"
+            note = (f"A weighted sum of rewards. Keys other than {listed} are the reward's own options "
                     f"(see [rewards](rewards.md)). Default: `{default_text(TrainConfig.model_fields[name])}`.")
         lines += _section(title, sub, name, note=note)
     lines += trainer_sections()

@@ -33,6 +33,9 @@ def run(args: argparse.Namespace) -> None:
     spec = reward_spec_from_text(args.spec, "serve-reward SPEC")
     if spec.name == "remote":
         raise UserError("serve-reward SPEC: serve the reward itself, not a remote one")
+    if spec.invalid_value is not None:
+        raise UserError("serve-reward SPEC: invalid_value is the client's choice; give it in the run config's "
+                        "rewards entry (name: remote), not to the server")
     limits = limits_from(args, "serve-reward")
     check_device(args.device)
     try:

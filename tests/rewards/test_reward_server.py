@@ -175,6 +175,7 @@ def test_videos_travel_as_mp4_frames():
     (["serve-reward", "{name: brightness"], "not valid YAML"),
     (["serve-reward", "{name: brightness, bogus: 1}"], "has no option"),
     (["serve-reward", "{name: remote, url: 'http://x:1'}"], "not a remote one"),
+    (["serve-reward", "{name: brightness, invalid_value: 0}"], "invalid_value is the client's choice"),
 ])
 def test_serve_reward_refuses_in_one_line(argv, needle, capsys, monkeypatch):
     monkeypatch.delenv("FLOWALIGN_API_KEY", raising=False)

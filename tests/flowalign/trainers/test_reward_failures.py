@@ -10,7 +10,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.reward_check import check_frame_count
-from flowalign.reward_set import RewardSet, TimeLimited
+from flowalign.reward_set import RewardScores, RewardSet, TimeLimited
 from flowalign.train import build_trainer
 from flowalign.trainers.rollouts import check_invalid
 from rewards.vvr_motion import generate_tasks
@@ -131,3 +131,46 @@ def test_the_frame_count_is_checked_against_the_tasks_before_training(tmp_path, 
     with pytest.raises(UserError, match="set model.defaults.num_frames=9"):
         build_trainer(cfg)
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def half_invalid(samples: torch.Tensor, prompts, metadata):
+    """A judge whose every other reply has no score: those samples are invalid, with the reason."""
+    from flowalign.protocols import RewardOutput
+
+    n = len(prompts)
+    valid = torch.arange(n) % 2 == 0
+    return RewardOutput({"score": torch.where(valid, redness(samples, prompts, metadata), float("nan"))}, valid,
+                        info=[{} if v else {"reason": "no score in the reply"} for v in valid.tolist()])
+
+
+def test_an_invalid_value_scores_the_samples_a_reward_leaves_invalid_and_logs_how_many(capsys):
+    from rewards.registry import load
+
+    x = torch.rand(4, 3, 8, 8)
+    masked = RewardSet([("judge", 1.0, load(f"{HERE}:half_invalid"))]).score(x, ["a"] * 4, [{}] * 4)
+    assert masked.valid.tolist() == [True, False, True, False]
+    assert "judge: no score in the reply" in masked.reasons[1]
+    scored = RewardSet([("judge", 2.0, load(f"{HERE}:half_invalid")), ("red", 1.0, load(f"{redness.__module__}:redness"))],
+                       invalid_values={"judge": -0.5}).score(x, ["a"] * 4, [{}] * 4)
+    assert scored.valid.all() and scored.reasons == [""] * 4
+    assert scored.values[:, 0].tolist() == [masked.values[0, 0].item(), -0.5, masked.values[2, 0].item(), -0.5]
+    assert scored.substituted["judge"].tolist() == [False, True, False, True] and "red" not in scored.substituted
+    logs = scored.logs()
+    assert logs["reward/judge_invalid_fraction"] == 0.5 and logs["reward/red_invalid_fraction"] == 0.0
+    joined = RewardScores.cat([scored, scored])
+    assert joined.substituted["judge"].tolist() == scored.substituted["judge"].tolist() * 2
+    # a failed call: every sample of the batch at the value, the warning still printed
+    failing = RewardSet([("exits", 1.0, load(f"{HERE}:exits"))], invalid_values={"exits": 0.0})
+    out = failing.score(x, ["a"] * 4, [{}] * 4)
+    assert out.valid.all() and out.values.eq(0).all() and out.substituted["exits"].all()
+    assert "warning: reward 'exits' raised SystemExit" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not rewards of the set"):
+        RewardSet([("judge", 1.0, redness)], invalid_values={"jugde": 0.0})
+
+
+def test_a_config_gives_a_reward_its_invalid_value(tmp_path, tiny_sd3_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file,
+                                   f"rewards=[{{name: '{HERE}:half_invalid', invalid_value: 0}}]"))
+    assert t.rewards.invalid_values == {f"{HERE}:half_invalid": 0.0}
+    scores = t.rewards.score(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])
+    assert scores.valid.all() and scores.values[1, 0] == 0
