@@ -5,6 +5,10 @@ rollout batch) and epoch (:mod:`flowalign.trainers.parts.drawn_steps`), and thei
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
+
 from flowalign.errors import UserError
 from flowalign.sampling import Rollout
 from flowalign.trainers.parts.best_worst import best_and_worst, check_best_of
@@ -41,6 +45,13 @@ class DanceLoop(DanceSchedule):
         batch = super().collect(step)  # type: ignore[misc]
         batch = best_and_worst(batch, self.tcfg.best_of) if self.tcfg.best_of else batch
         return per_sample_batch(batch) if self.tcfg.step_draw == "per_sample" else batch
+
+    def prepare(self, batch: StepBatch, scored: Callable[[], bool]) -> dict[tuple[int, int], torch.Tensor]:
+        """Flow-GRPO's KL reference means, computed on the chunks the plan trains: with ``step_draw: per_sample``
+        the one-sample chunks :meth:`collect` makes, so a mean reads the same whether this computes it while the
+        rewards are scored or the plan computes it after (bit for bit: the run does not depend on the timing)."""
+        split = per_sample_batch(batch) if self.tcfg.step_draw == "per_sample" else batch  # type: ignore[attr-defined]
+        return super().prepare(split, scored)  # type: ignore[misc]
 
     def counts_zero_advantage(self) -> bool:
         """``zero_advantage: counted``: a batch with no non-zero advantage counts in its optimiser step's size."""

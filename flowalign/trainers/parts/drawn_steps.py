@@ -70,13 +70,9 @@ def drawn_reference_steps(tcfg: Any) -> int:
 def per_sample_batch(batch: StepBatch) -> StepBatch:
     """``batch`` with every rollout batch split into one-sample chunks, so that each sample draws its own steps
     (:func:`drawn_steps` is keyed by the chunk's identity, here its one sample's (group, member)), as the
-    authors train: sample by sample, each at its own ``perms[i]``. The advantages keep their order; the
-    reference means ``prepare`` computed per rollout batch, ``{(chunk, k): (B, ...)}``, are split alike."""
-    chunks, starts = [], []
-    for chunk in batch.chunks:
-        starts.append(len(chunks))
-        chunks.extend(chunk.select([j]) for j in range(len(chunk)))
-    prepared = batch.prepared
-    if prepared:
-        prepared = {(starts[i] + j, k): mean[j:j + 1] for (i, k), mean in prepared.items() for j in range(len(mean))}
-    return dataclasses.replace(batch, chunks=chunks, prepared=prepared)
+    authors train: sample by sample, each at its own ``perms[i]``. The advantages keep their order, and so does
+    what ``prepare`` computed: it works on this split too (a one-sample forward rounds differently from the
+    sample's in its rollout batch, so means computed per rollout batch would make a run depend on how many of
+    them were ready before the rewards)."""
+    chunks = [chunk.select([j]) for chunk in batch.chunks for j in range(len(chunk))]
+    return dataclasses.replace(batch, chunks=chunks)

@@ -79,21 +79,33 @@ def test_per_batch_draw_shares_one_draw_across_a_rollout_batch(tmp_path, tiny_sd
     assert len({tuple(ks) for ks in per_chunk.values()}) > 1  # drawn per batch, not one fixed prefix
 
 
-def test_per_sample_batch_keeps_every_sample_its_advantage_and_reference_mean(tmp_path, tiny_sd3_dir, prompt_file):
-    """Splitting a batch into one-sample chunks keeps the samples, their order, advantages and (with a KL) the
-    reference means ``prepare`` computed per rollout batch, row for row."""
+def test_per_sample_batch_keeps_every_sample_and_its_advantage(tmp_path, tiny_sd3_dir, prompt_file):
+    """Splitting a batch into one-sample chunks keeps the samples, their order and advantages."""
     t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
                                    "trainer.batch_size=2", "trainer.num_steps=3", "trainer.step_draw=per_batch"))
     batch = t.collect(0)
-    means = {(i, k): t.reference_mean(c, k) for i, c in enumerate(batch.chunks) for k in (0, 1)}
-    split = per_sample_batch(dataclasses.replace(batch, prepared=means))
+    split = per_sample_batch(batch)
     assert torch.equal(split.samples, batch.samples) and split.prompts == batch.prompts
     assert [len(c) for c in split.chunks] == [1] * len(batch.groups)
     assert all(torch.equal(a, b) for a, b in zip(split.per_chunk(split.advantages), batch.advantages.split(1)))
     assert split.chunk_keys() == [(int(g), m) for g, m in _members(batch.groups)]
-    for (i, k), mean in means.items():
-        for j in range(len(mean)):
-            assert torch.equal(split.prepared[2 * i + j, k], mean[j:j + 1])
+
+
+def test_the_reference_means_prepared_while_scoring_are_the_plans_bit_for_bit(tmp_path, tiny_sd3_dir, prompt_file,
+                                                                               monkeypatch):
+    """With ``step_draw: per_sample`` the plan trains one-sample chunks; the KL reference means ``prepare``
+    computes while the rewards are scored are computed on those chunks too, so each equals what the plan would
+    compute in its place: how many were ready in time changes nothing (a rollout batch's forward rounds its rows
+    otherwise than a one-sample forward)."""
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=dance_grpo",
+                                   "trainer.beta=0.01", "trainer.num_steps=4"))
+    prepare = t.prepare
+    monkeypatch.setattr(t, "prepare", lambda batch, scored: prepare(batch, lambda: False))  # all, whatever the time
+    batch = t.collect(0)
+    assert batch.prepared and [len(c) for c in batch.chunks] == [1] * len(batch.groups)
+    assert {i for i, _ in batch.prepared} == set(range(len(batch.chunks)))
+    for (i, k), mean in batch.prepared.items():
+        assert torch.equal(mean, t.kl_reference(batch.chunks[i], k))
 
 
 def _members(groups: torch.Tensor) -> list[tuple[int, int]]:
