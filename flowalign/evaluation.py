@@ -15,7 +15,8 @@ from flowalign.media import save_image, save_poster, save_video
 from flowalign.protocols import FlowPolicy, Reward, RewardOutput
 from flowalign.reward_check import check_reward_output
 from flowalign.reward_set import RewardSet, RewardTimeout, time_limited
-from flowalign.sampling import rollout, stream_rollout
+from flowalign.errors import UserError
+from flowalign.sampling import OdeSolver, rollout, stream_rollout
 
 
 def sample_seeded(policy: FlowPolicy, prompts: list[str], **options: Any) -> torch.Tensor:
@@ -34,11 +35,13 @@ def sample_seeded_with_notes(
     progress: bool = True,
     desc: str = "sampling",
     metadata: list[dict[str, Any]] | None = None,
+    solver: str = "euler",
 ) -> tuple[torch.Tensor, list[dict[str, str]]]:
     """ODE samples, one per prompt, and per sample the notes its policy wrote about it (``{}`` for most
     policies). Sample ``i`` always gets the noise of ``seed + i`` (so checkpoints compared side by side see
     identical noise whatever the batch size). ``metadata`` (one dict per prompt) carries per-prompt inputs
-    such as an editing model's ``image``.
+    such as an editing model's ``image``. ``solver``: ``"euler"`` (the ODE sampler) or ``"dpm2"`` (multistep
+    DPM-Solver++(2) on the policy's grid, :class:`~flowalign.sampling.OdeSolver`).
 
     A policy whose inference is more than one rollout (a unified model's reflect → revise loop) has
     ``sample_for_evaluation(prompts, initial_noise=, seeds=, num_steps=, guidance_scale=, metadata=) ->
@@ -46,6 +49,10 @@ def sample_seeded_with_notes(
     names what it did per sample (e.g. ``{"reflections": ...}``), shown in results and galleries."""
     steps = int(num_steps or policy.defaults.get("num_steps", 20))
     own = getattr(policy, "sample_for_evaluation", None)
+    if solver != "euler" and (own is not None or getattr(policy, "streaming", False)):
+        raise UserError(f"--solver {solver}: {policy.family} samples with its own loop (chunk by chunk, or reflect "
+                        "-> revise); evaluate it with --solver euler")
+    sampler = OdeSolver(solver) if solver != "euler" else "ode"
     out, notes = [], []
     for start in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress, unit="batch"):
         chunk = prompts[start : start + batch_size]
@@ -59,7 +66,7 @@ def sample_seeded_with_notes(
             notes += said
             continue
         sample = stream_rollout if getattr(policy, "streaming", False) else rollout  # chunk by chunk, or whole
-        r = sample(policy, chunk, num_steps=steps, sampler="ode", guidance_scale=guidance_scale, initial_noise=noise,
+        r = sample(policy, chunk, num_steps=steps, sampler=sampler, guidance_scale=guidance_scale, initial_noise=noise,
                    metadata=meta)
         out.append(r.samples.cpu())
         notes += [{} for _ in chunk]
@@ -109,6 +116,7 @@ def evaluate(
     labels: dict[str, Any] | None = None,
     overwrite: bool = True,
     panel: RewardSet | None = None,
+    solver: str = "euler",
 ) -> dict[str, Any]:
     """Sample every prompt once, score with ``reward`` and write ``metrics.json``, ``results.jsonl`` and
     ``samples/`` under ``out_dir`` (if given), all at once (:func:`flowalign.io.atomic_dir`: other files
@@ -122,7 +130,7 @@ def evaluate(
         raise ValueError("evaluate needs a reward or a panel of rewards")
     samples, notes = sample_seeded_with_notes(policy, prompts, seed=seed, num_steps=num_steps,
                                               guidance_scale=guidance_scale, batch_size=batch_size,
-                                              progress=progress, desc="evaluating", metadata=metadata)
+                                              progress=progress, desc="evaluating", metadata=metadata, solver=solver)
     metrics = dict(labels or {})
     rows: list[dict[str, Any]] = [{"index": i, "prompt": prompt} for i, prompt in enumerate(prompts)]
     if reward is not None:

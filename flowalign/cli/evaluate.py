@@ -52,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_number(p, "--seed", type=int, lo=0, hi=MAX_SEED, default=None,
                    help="draw a fresh split of the same distribution with this seed instead of the shipped one (also seeds the noise)")
     add_sampling_args(p)
+    p.add_argument("--solver", default="euler", choices=["euler", "dpm2"],
+                   help="the ODE solver: euler (default) or dpm2, multistep DPM-Solver++(2) on the model's own grid")
     add_number(p, "--batch-size", type=int, lo=1, hi=MAX_BATCH, default=16)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--overwrite", action="store_true",
@@ -102,7 +104,8 @@ def run(args: argparse.Namespace) -> None:
             labels = {"guide": args.guide, "guide_bands": [list(band) for band in guide.bands]}
         if guide.heads is not None:
             labels["guide_heads"] = {h: (guide.head_weights or {}).get(h, 1.0) for h in guide.heads}
-    model = {"model": str(args.model or default_model_dir()), "adapter": args.adapter}
+    model = {"model": str(args.model or default_model_dir()), "adapter": args.adapter,
+             **({"solver": args.solver} if args.solver != "euler" else {})}
     if args.prompts is not None:
         labels = {"prompts": str(args.prompts), "seed": args.seed or 0, "reward": panel.names[0],
                   "rewards": panel.names, **model, **labels}
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> None:
                   **({"rewards": panel.names} if panel else {}), **model, **labels}
     metrics = evaluate(policy, source.prompts, source.metadata, getattr(source, "reward", None), seed=args.seed or 0,
                        num_steps=args.steps, guidance_scale=args.guidance, batch_size=args.batch_size,
-                       out_dir=args.out, overwrite=args.overwrite, labels=labels, panel=panel)
+                       out_dir=args.out, overwrite=args.overwrite, labels=labels, panel=panel, solver=args.solver)
     print(strict_json.dumps({k: v for k, v in metrics.items() if k != "per_constraint"}, indent=2))
     print(f"wrote {args.out}/metrics.json")
 

@@ -116,3 +116,30 @@ def test_geneval_metadata_scored_by_geneval_reports_accuracy_of_its_verdicts(tmp
     assert metrics["geneval"] == pytest.approx(sum(r["score"] for r in rows) / 3)  # the mean stays the partial's
     _, gallery_rows = gallery_from_evals([out], ["tiny"])
     assert [row.cells[0].all_passed for row in gallery_rows] == passed
+
+
+def test_the_solver_changes_the_samples_and_is_recorded(tmp_path, capsys, tiny_sd3_dir):
+    """``--solver dpm2`` samples with DPM-Solver++(2) from the same noise: other samples than Euler's, the same as
+    the sampling loop gives with that solver."""
+    import torch
+
+    import pipelines
+    from flowalign.evaluation import sample_seeded
+    from flowalign.sampling import OdeSolver, rollout
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    outs = {}
+    for solver in ("euler", "dpm2"):
+        out = tmp_path / solver
+        code = main(["evaluate", "--model", str(tiny_sd3_dir), "--prompts", str(prompts), "--reward", "brightness",
+                     "--steps", "4", "--solver", solver, "--out", str(out)])
+        assert code == 0, capsys.readouterr().err
+        outs[solver] = json.loads((out / "metrics.json").read_text())
+    assert "solver" not in outs["euler"] and outs["dpm2"]["solver"] == "dpm2"
+    assert outs["euler"]["brightness"] != outs["dpm2"]["brightness"]
+    policy = pipelines.load(tiny_sd3_dir)
+    noise = policy.initial_noise(1, torch.Generator().manual_seed(0))
+    direct = rollout(policy, ["a red circle"], num_steps=4, sampler=OdeSolver("dpm2"), initial_noise=noise)
+    assert torch.equal(sample_seeded(policy, ["a red circle"], seed=0, num_steps=4, solver="dpm2", progress=False),
+                       direct.samples)
