@@ -161,6 +161,22 @@ def test_a_recipe_steps_on_a_device_that_is_not_the_cpu(recipe, tmp_path, monkey
     assert all(isinstance(v, float) for v in logs.values())
 
 
+def test_mix_grpo_flash_steps_on_a_device_that_is_not_the_cpu(tmp_path, monkeypatch, policy_on_device):
+    """MixGRPO-Flash's tail on the device: the window's clean prediction handed to DPM-Solver++(2), whose
+    scheduler keeps its σ grid on the CPU, then the window's update."""
+    monkeypatch.chdir(REPO)
+    cfg = small_config("mix_grpo_vvr", tmp_path / "run", "trainer.post_window_solver=dpm2")
+    torch.manual_seed(0)
+    with FakeDevice():
+        trainer = build_trainer(cfg)
+        before = [p.detach().clone() for p in trainer.params]
+        batch = trainer.collect(0)
+        logs = trainer.update(batch, torch.Generator().manual_seed(0))
+    assert all(c.num_steps < 4 and c.latents.device == DEVICE for c in batch.chunks)  # the compressed tail ran
+    assert math.isfinite(logs["grad_norm"]) and logs["grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))
+
+
 @pytest.mark.parametrize("recipe", SAME_AS_CPU)
 def test_a_step_on_the_device_computes_what_the_cpu_computes(recipe, tmp_path, monkeypatch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
