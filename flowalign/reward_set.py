@@ -132,6 +132,11 @@ class RewardSet:
         unknown = set(self.invalid_values) - set(self.names)
         if unknown:
             raise ValueError(f"invalid_values names {sorted(unknown)}, not rewards of the set {self.names}")
+        for name, _, reward in self.entries:
+            if name in self.invalid_values and getattr(reward, "blend_parts", ()):
+                # its advantages blend the parts each sample's reply gave, which a failed sample has none of
+                raise UserError(f"reward {name!r}: invalid_value does not apply to a reward whose advantages blend the "
+                                "parts of its judgements (its invalid samples have none); drop invalid_value")
 
     @classmethod
     def of(cls, rewards: "RewardSet | Iterable[tuple[str, float, Reward]]") -> "RewardSet":

@@ -168,6 +168,17 @@ def test_an_invalid_value_scores_the_samples_a_reward_leaves_invalid_and_logs_ho
         RewardSet([("judge", 1.0, redness)], invalid_values={"jugde": 0.0})
 
 
+def test_an_invalid_value_is_refused_for_a_reward_that_blends_its_parts():
+    """A reward whose advantages blend the parts of each judgement (UnifiedReward-Flex, UnifiedReward-Edit's
+    pointwise scores) has no parts for a failed sample: a value alone would make its group's advantages NaN."""
+    from rewards.registry import load
+
+    blended = load(f"{HERE}:half_invalid")
+    blended.blend_parts = ("overall", "dim_mean", "has_dims", "overall_weight", "dim_weight")
+    with pytest.raises(UserError, match="invalid_value does not apply to a reward whose advantages blend"):
+        RewardSet([("flex", 1.0, blended)], invalid_values={"flex": 0.0})
+
+
 def test_a_config_gives_a_reward_its_invalid_value(tmp_path, tiny_sd3_dir, prompt_file):
     t = build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file,
                                    f"rewards=[{{name: '{HERE}:half_invalid', invalid_value: 0}}]"))
