@@ -10,16 +10,12 @@ steps as they are, so every trained step sees the same σ pair as without the ta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from flowalign.sampling.ode_solvers import DPMSolverSteps
-from flowalign.sampling.steps import StepOutput
+from flowalign.sampling.steps import StepFn, StepOutput
 from flowalign.sampling.timesteps import shifted_grid, time_shift
-
-#: one rollout step: ``fn(velocity, sample, sigma, sigma_next, generator, prev_sample) -> StepOutput``
-StepFn = Callable[..., StepOutput]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from flowalign.sampling.compressed_tail import CompressedTail
 from flowalign.sampling.inputs import encode_prompts
 from flowalign.sampling.ode_solvers import OdeSolver
 from flowalign.sampling.sa_solver import SASolver
-from flowalign.sampling.steps import SAMPLER_KINDS, StepOutput, sde_step
+from flowalign.sampling.steps import SAMPLER_KINDS, StepFn, StepOutput, sde_step
 from flowalign.sampling.timesteps import TimestepMap, model_timestep, truncated
 from flowalign.sampling.windows import sde_step_mask
 
@@ -124,10 +124,6 @@ class Rollout:
             velocities=joined("velocities"),
             unconditional_velocities=joined("unconditional_velocities"),
         )
-
-
-#: a custom stochastic step: ``fn(velocity, sample, sigma, sigma_next, generator, prev_sample) -> StepOutput``
-StepFn = Callable[..., StepOutput]
 
 
 def check_prompts(prompts: Any) -> list[str]:

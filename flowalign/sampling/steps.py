@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -42,6 +42,11 @@ class StepOutput:
     log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
+
+
+#: one rollout step, a sampler kind's or a custom one: ``fn(velocity, sample, sigma, sigma_next, generator,
+#: prev_sample) -> StepOutput``
+StepFn = Callable[..., StepOutput]
 
 
 def batch_values(value: float | torch.Tensor, batch: int, device: torch.device | str) -> torch.Tensor:

@@ -24,8 +24,7 @@ from flowalign.advantages import compute_advantages
 from flowalign.errors import UserError
 from flowalign.finite import check_training_finite
 from flowalign.reward_set import RewardScores, RewardSet
-from flowalign.sampling import Rollout, rollout
-from flowalign.sampling.compressed_tail import CompressedTail
+from flowalign.sampling import CompressedTail, Rollout, rollout
 
 
 def derived_seed(*parts: int) -> int:
