@@ -85,6 +85,18 @@ class MixGRPOTrainer(DanceSchedule, FlowGRPOTrainer):
         per_epoch = tcfg.steps_per_chunk if 0 < tcfg.steps_per_chunk < steps else steps
         return steps_over_epochs(steps, per_epoch, tcfg.inner_epochs)
 
+    @classmethod
+    def rollouts_per_step(cls, tcfg: MixGRPOConfig) -> tuple[int, int, int]:
+        """With ``post_window_solver: dpm2`` a rollout holds the steps of its compressed grid, not ``num_steps``:
+        the longest over the windows the schedule places (Flash*'s window at step 0 keeps them few)."""
+        prompts, group, steps = super().rollouts_per_step(tcfg)
+        if tcfg.post_window_solver != "dpm2":
+            return prompts, group, steps
+        tail = CompressedTail(tcfg.sigma_shift, tcfg.post_window_compress)
+        windows = {sliding_window(k * tcfg.shift_interval, steps, tcfg.window_size, tcfg.shift_interval,
+                                  tcfg.window_stride) for k in range(steps)}
+        return prompts, group, max(len(tail.sigmas(steps, start + width - 1)) - 1 for start, width in windows)
+
     def advantage_options(self) -> dict[str, Any]:
         """The authors' unbiased std + 1e-8 (:func:`advantage_std_options`) and reward weights summing to 1."""
         return {**advantage_std_options(self.tcfg), "normalise_weights": self.tcfg.reward_weights == "normalised"}

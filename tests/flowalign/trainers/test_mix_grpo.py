@@ -154,6 +154,22 @@ def test_flash_rollouts_finish_on_the_compressed_grid_and_train_the_window(tmp_p
             assert torch.equal(again.log_prob, chunk.step(k)[2])
 
 
+@pytest.mark.parametrize("stride", [1, 0])
+def test_the_plan_counts_the_longest_compressed_rollout_the_schedule_samples(stride, tmp_path, tiny_sd3_dir,
+                                                                              prompt_file):
+    """``flowalign plan`` holds a Flash rollout at its compressed length, the longest over the windows the run
+    places (Flash*: the window at step 0 only), not at ``num_steps``."""
+    t = build_trainer(small_config(tmp_path / "r", tiny_sd3_dir, prompt_file, "trainer.name=mix_grpo",
+                                   "trainer.num_steps=8", "trainer.window_size=2", "trainer.shift_interval=1",
+                                   f"trainer.window_stride={stride}", "trainer.post_window_solver=dpm2"))
+    lengths = set()
+    for step in range(8):
+        t.step = step
+        lengths.add(t.collect(step).chunks[0].num_steps)
+    assert type(t).rollouts_per_step(t.tcfg)[2] == max(lengths) < 8
+    assert (len(lengths) > 1) == (stride == 1)
+
+
 def test_flash_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=mix_grpo",
                                           "trainer.window_size=2", "trainer.shift_interval=1",
