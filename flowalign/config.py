@@ -220,6 +220,10 @@ class RewardSpec(BaseModel):
     #: pairwise judge, a failed or timed-out call), as some authors' scripts score them (e.g. 0); null: masked,
     #: the sample left out of its group's advantages. Its invalid fraction is logged either way
     invalid_value: float | None = Field(None, ge=-MAX_COEFFICIENT, le=MAX_COEFFICIENT)
+    #: frames per second of the mp4 file each video is written to and read back from before this reward scores
+    #: it, as DanceGRPO's and Pref-GRPO's video scripts score their rewards (flowalign.video_file); null: the
+    #: decoded frames as they are
+    video_mp4_fps: int | None = Field(None, ge=1, le=240)
 
     @model_validator(mode="before")
     @classmethod
@@ -437,6 +441,7 @@ def recorded_reward(entry: dict[str, Any]) -> dict[str, Any]:
     from flowalign.plugins import reward_former_forms
 
     before, _, defaults = reward_former_forms(str(entry["name"]))
-    # unlabelled, it goes by its name; without an invalid_value, its invalid samples are masked
-    entry = {k: v for k, v in entry.items() if k not in ("label", "invalid_value") or v is not None}
+    # unlabelled, it goes by its name; without an invalid_value, its invalid samples are masked; without a
+    # video_mp4_fps, it reads the decoded frames
+    entry = {k: v for k, v in entry.items() if k not in ("label", "invalid_value", "video_mp4_fps") or v is not None}
     return {**entry, **{k: defaults[k] for k in before if k not in entry}}

@@ -337,19 +337,32 @@ def time_limited(name: str, reward: Reward, timeout_s: float | None = None) -> R
     return TimeLimited(name, reward, REWARD_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
+def load_rewards(specs: Iterable[Any], weighted: bool = True) -> RewardSet:
+    """The rewards of ``specs`` (:class:`flowalign.config.RewardSpec` objects), each loaded from the reward
+    registry under its key, scoring through an mp4 file where it has a ``video_mp4_fps``
+    (:class:`flowalign.video_file.Mp4RoundTrip`), under its ``timeout_s``, with its weight (each 1 where not
+    ``weighted``) and its ``invalid_value``."""
+    from flowalign.plugins import load_reward
+    from flowalign.video_file import Mp4RoundTrip
+
+    def built(spec: Any) -> Reward:
+        reward = load_reward(spec.name, **spec.options)
+        return reward if spec.video_mp4_fps is None else Mp4RoundTrip(reward, spec.video_mp4_fps)
+
+    specs = list(specs)
+    return RewardSet([(s.key, s.weight if weighted else 1.0, time_limited(s.key, built(s), s.timeout_s)) for s in specs],
+                     invalid_values={s.key: s.invalid_value for s in specs if s.invalid_value is not None})
+
+
 def load_panel(specs: Iterable[Any], where: str) -> RewardSet:
     """Rewards scored side by side (``evaluate --reward``, ``eval.rewards``), each under its name, or its
     ``label`` option when one is given (two variants of one reward need two labels); weights play no part.
     ``specs``: :class:`flowalign.config.RewardSpec` objects; ``where`` names the option in errors."""
-    from flowalign.plugins import load_reward
-
     from flowalign.config import check_reward_keys
 
     specs = list(specs)
     check_reward_keys(specs, where)
-    return RewardSet([(spec.key, 1.0, time_limited(spec.key, load_reward(spec.name, **spec.options), spec.timeout_s))
-                      for spec in specs],
-                     invalid_values={s.key: s.invalid_value for s in specs if s.invalid_value is not None})
+    return load_rewards(specs, weighted=False)
 
 
 def check_panel(specs: Iterable[Any], where: str) -> None:

@@ -26,7 +26,7 @@ from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
 from flowalign.plugins import reward_former_forms
 from flowalign.reward_check import check_frame_count, check_reward_metadata
-from flowalign.reward_set import RewardSet, check_panel, load_panel, time_limited
+from flowalign.reward_set import check_panel, load_panel, load_rewards, time_limited
 from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
 from flowalign.signals import exit_on_sigterm
 from flowalign.trainers import get_trainer, trainer_config
@@ -344,7 +344,6 @@ def build_trainer(cfg: TrainConfig):
     from accelerate import Accelerator
 
     import pipelines
-    import rewards as reward_registry
 
     trainer_cls, tcfg = check_run(cfg)  # before anything is written
     acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(cfg.parallel))
@@ -369,9 +368,11 @@ def build_trainer(cfg: TrainConfig):
                             attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
                             offload_text_encoders=cfg.model.offload_text_encoders,
                             **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
-    loaded = RewardSet([(spec.key, spec.weight, time_limited(spec.key, reward_registry.load(spec.name, **spec.options),
-                                                              spec.timeout_s)) for spec in cfg.rewards],
-                       invalid_values={s.key: s.invalid_value for s in cfg.rewards if s.invalid_value is not None})
+    for i, spec in enumerate(cfg.rewards):
+        if spec.video_mp4_fps is not None and not policy.is_video:
+            raise UserError(f"rewards[{i}] ({spec.key}): video_mp4_fps writes videos to mp4 files, and "
+                            f"{cfg.model.family or 'this model'} samples images: drop video_mp4_fps")
+    loaded = load_rewards(cfg.rewards)
     data = load_train_data(cfg)
     for name, _, reward in loaded:
         check_reward_metadata(name, reward, data.metadata, f"data.prompts={cfg.data.prompts}" if cfg.data.prompts

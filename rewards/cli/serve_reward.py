@@ -46,7 +46,11 @@ def run(args: argparse.Namespace) -> None:
     import rewards
     from rewards.reward_server import serve
 
+    from flowalign.video_file import Mp4RoundTrip
+
     reward = rewards.load(spec.name, **spec.options)
+    if spec.video_mp4_fps is not None:  # the served reward scores the videos it receives through the mp4 file
+        reward = Mp4RoundTrip(reward, spec.video_mp4_fps)
     # each call's deadline: the SPEC's timeout_s, else the server's default (a hanging reward cannot hold it)
     serve(reward, name=spec.name, spec=spec.model_dump(mode="json"), host=args.host, port=args.port,
           device=args.device, limits=limits, timeout_s=spec.timeout_s)

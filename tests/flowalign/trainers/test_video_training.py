@@ -51,7 +51,8 @@ def build_trainer_config(cfg):
 
 def test_pref_grpo_trains_on_video_with_the_video_judge_and_the_adaptive_kl_weight(tmp_path):
     """Pref-GRPO's Wan recipe in small: the (tiny, random) UnifiedReward judging pairs of videos by their frames
-    in flex mode beside a first-frame reward, the KL weight moved by the controller within its bounds."""
+    in flex mode beside a first-frame reward, both reading the videos back from 16 fps mp4 files as theirs, the
+    KL weight moved by the controller within its bounds."""
     run = tmp_path / "run"
     judge = assets_dir() / "tiny-rewards" / "unified_reward"
     cfg = load_config(None, [
@@ -59,7 +60,8 @@ def test_pref_grpo_trains_on_video_with_the_video_judge_and_the_adaptive_kl_weig
         "model.lora.rank=4", "data.bench=vvr_motion", "data.level=[easy]", "data.n=20", "eval.bench=null",
         "run.progress=false", "run.tensorboard=false",
         f"rewards=[{{name: unified_reward, weight: 0.7, path: '{judge}', mode: flex_pairwise, frames: 3, "
-        "dtype: float32, max_tokens: 16}, {name: brightness_video, weight: 0.3, frames: first}]",
+        "dtype: float32, max_tokens: 16, video_mp4_fps: 16}, {name: brightness_video, weight: 0.3, frames: first, "
+        "video_mp4_fps: 16}]",
         "trainer.name=pref_grpo", "trainer.max_steps=2", "trainer.prompts_per_step=1", "trainer.group_size=3",
         "trainer.batch_size=3", "trainer.num_steps=4", "trainer.beta=0.004", "trainer.kl_adaptive=true",
         "trainer.kl_target=0.0025", "trainer.kl_horizon=80", "trainer.kl_beta_min=0.004", "trainer.kl_beta_max=0.006",
@@ -77,3 +79,14 @@ def test_pref_grpo_trains_on_video_with_the_video_judge_and_the_adaptive_kl_weig
         beta, average = next_kl_weight(beta, average, m["train/kl"], tcfg)
         assert m["train/kl_beta"] == pytest.approx(beta, rel=1e-6)
     assert all(m["reward/unified_reward"] == 0.5 for m in steps)  # the tiny judge's reply names no winner: ties
+
+
+def test_an_image_model_refuses_a_reward_entry_that_writes_videos(tmp_path, tiny_sd3_dir, prompt_file):
+    from flowalign.errors import UserError
+    from flowalign.train import build_trainer
+
+    from .conftest import small_config
+
+    with pytest.raises(UserError, match=r"rewards\[0\] \(brightness\): video_mp4_fps writes videos .* drop video_mp4_fps"):
+        build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file,
+                                   "rewards=[{name: brightness, video_mp4_fps: 16}]"))
