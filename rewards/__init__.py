@@ -6,7 +6,8 @@ from rewards.registry import available, check, differentiable, former_forms, loa
 #: as the ``flowalign.*`` entry points in pyproject.toml, read by the core without importing the modules
 PLUGINS = {
     "commands": {"serve-judge": "rewards.cli.serve_judge", "train-reward": "rewards.cli.train_reward",
-                 "serve-reward": "rewards.cli.serve_reward", "tiny-reward": "rewards.cli.tiny_reward"},
+                 "serve-reward": "rewards.cli.serve_reward", "tiny-reward": "rewards.cli.tiny_reward",
+                 "geneval-detector": "rewards.cli.geneval_detector"},
     "benchmarks": {"vvr": "rewards.benchmarks:load_vvr", "vvr_motion": "rewards.benchmarks:load_vvr_motion",
                    "vvr_edit": "rewards.benchmarks:load_vvr_edit",
                    "geneval": "rewards.benchmarks:load_geneval", "ocr": "rewards.benchmarks:load_ocr",
