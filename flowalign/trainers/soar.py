@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
+from flowalign.config import changed
 from flowalign.errors import UserError
 from flowalign.limits import (MAX_BATCH, MAX_CACHE, MAX_COEFFICIENT, MAX_GUIDANCE, MAX_LOGIT, MAX_LR, MAX_SAMPLING_STEPS,
                               MAX_UPDATES)
@@ -50,6 +51,7 @@ from flowalign.sampling.inputs import encode_prompts
 from flowalign.sampling.steps import cps_moments, flow_sde_moments
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.options import TrainerConfig
+from flowalign.trainers.parts.diffsynth_levels import LEVELS, TrainingLevels, diffsynth_flux2_levels, weighted_errors
 from flowalign.trainers.parts.pair_images import PairImages
 from flowalign.trainers.parts.training_grid import grid_sigma, grid_sigma_of, training_grid
 
@@ -158,6 +160,20 @@ class SFTConfig(SOARConfig):
     name: Literal["sft"] = "sft"  # type: ignore[assignment]
     correction_weight: float = Field(0.0, ge=0, le=0)
     corrections: int = Field(0, ge=0, le=0)
+    #: the training levels: "logit_normal", t from logit_mean / logit_std on the scheduler's grid (noise_levels);
+    #: "diffsynth_flux2", DiffSynth-Studio's FlowMatchSFTLoss with its FLUX.2 scheduler (the CrossTimeEdit
+    #: authors' SFT): one of its 1000 shifted levels drawn uniformly, the error weighted by its training weight
+    #: (flowalign.trainers.parts.diffsynth_levels)
+    timesteps: Literal["logit_normal", "diffsynth_flux2"] = "logit_normal"
+
+    @model_validator(mode="after")
+    def _one_form_of_levels(self) -> "SFTConfig":
+        if self.timesteps == "diffsynth_flux2":
+            given = [o for o in ("logit_mean", "logit_std", "noise_levels") if changed(self, o)]
+            if given:
+                raise ValueError(f"trainer.{given[0]} sets the logit-normal levels, which trainer.timesteps="
+                                 "diffsynth_flux2 does not read: drop it or set trainer.timesteps=logit_normal")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- the math
@@ -356,6 +372,8 @@ class PairBatch:
     count: float
     paths: StochasticPaths | None = None
     logs: dict[str, float] = field(default_factory=dict)
+    #: SFT's ``timesteps: diffsynth_flux2`` levels (the model's σ and the error's weight; ``sigma`` is the state's)
+    levels: TrainingLevels | None = None
 
 
 class SOARTrainer(GroupTrainer):
@@ -503,7 +521,38 @@ class SOARTrainer(GroupTrainer):
 
 
 class SFTTrainer(SOARTrainer):
-    """Plain flow-matching SFT on the same pairs, noise and σ draws as SOAR (λ = 0, no correction passes)."""
+    """Plain flow-matching SFT on the same pairs, noise and σ draws as SOAR (λ = 0, no correction passes); with
+    ``timesteps: diffsynth_flux2``, DiffSynth-Studio's levels and weights instead of σ."""
 
     Config = SFTConfig
     tcfg: SFTConfig
+
+    def collect(self, step: int) -> PairBatch:
+        """SOAR's pairs and noise; under ``diffsynth_flux2`` each pair's level index drawn uniformly from a
+        stream of its own (keyed by its place in the step's global draw), read as DiffSynth reads it in the
+        model's dtype."""
+        batch = super().collect(step)
+        if self.tcfg.timesteps != "diffsynth_flux2":
+            return batch
+        first = self.rank * self.tcfg.step_pairs
+        index = torch.cat([torch.randint(0, LEVELS, (1,), generator=torch.Generator().manual_seed(
+            derived_seed(self.cfg.run.seed, step, j, 8))) for j in range(first, first + batch.x0.shape[0])])
+        levels = diffsynth_flux2_levels(index, self.policy.dtype)
+        device = batch.x0.device
+        batch.levels = TrainingLevels(*(t.to(device) for t in (levels.sigma, levels.model_sigma, levels.weight)))
+        batch.sigma = batch.sigma_next = batch.levels.sigma
+        return batch
+
+    def loss(self, batch: PairBatch, part: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """DiffSynth's FlowMatchSFTLoss of a micro-batch: ``w·mean‖v(x_σ, σ_model) − (ε − x0)‖²`` per pair, summed
+        over the step's pairs and divided by their count (its micro-batches' mean)."""
+        if batch.levels is None:
+            return super().loss(batch, part)
+        x0, levels = batch.x0[part], batch.levels
+        part_levels = TrainingLevels(levels.sigma[part], levels.model_sigma[part], levels.weight[part])
+        weighted, error = weighted_errors(self.velocity(batch.cond[part], 1.0), x0, batch.eps[part], part_levels)
+        loss = weighted.sum() / batch.count if self.tcfg.loss_average == "points" else weighted.mean()
+        share = x0.shape[0] / batch.x0.shape[0]
+        info = {"loss_base": error.mean().detach(),
+                "loss": (loss / share if self.tcfg.loss_average == "points" else loss).detach()}
+        return loss if self.tcfg.loss_average == "points" else loss * share, info
