@@ -539,7 +539,8 @@ class SFTTrainer(SOARTrainer):
             derived_seed(self.cfg.run.seed, step, j, 8))) for j in range(first, first + batch.x0.shape[0])])
         levels = diffsynth_flux2_levels(index, self.policy.dtype)
         device = batch.x0.device
-        batch.levels = TrainingLevels(*(t.to(device) for t in (levels.sigma, levels.model_sigma, levels.weight)))
+        batch.levels = TrainingLevels(*(t.to(device, non_blocking=True) for t in (levels.sigma, levels.model_sigma,
+                                                                               levels.weight)))
         batch.sigma = batch.sigma_next = batch.levels.sigma
         return batch
 
