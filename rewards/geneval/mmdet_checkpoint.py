@@ -95,8 +95,8 @@ def convert_state_dict(state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], 
             move(f"{src}.norm2", f"{dst}.layernorm_after")
             out[f"{dst}.attention.relative_position_bias.relative_position_bias_table"] = take(
                 f"{src}.attn.w_msa.relative_position_bias_table")
-            for part, name in zip(("weight", "bias"), ("weight", "bias")):
-                q, k, v = _split(take(f"{src}.attn.w_msa.qkv.{part}"))
+            for name in ("weight", "bias"):
+                q, k, v = _split(take(f"{src}.attn.w_msa.qkv.{name}"))
                 out[f"{dst}.attention.q_proj.{name}"], out[f"{dst}.attention.k_proj.{name}"] = q, k
                 out[f"{dst}.attention.v_proj.{name}"] = v
             move(f"{src}.attn.w_msa.proj", f"{dst}.attention.o_proj")
