@@ -52,11 +52,6 @@ def _merge_order(channels: int) -> torch.Tensor:
     return torch.tensor(order)
 
 
-def _split(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A fused ``(3D, ...)`` query-key-value projection → its three ``(D, ...)`` parts."""
-    return fused.chunk(3, dim=0)
-
-
 def _count(state: dict[str, torch.Tensor], pattern: str) -> int:
     """How many distinct indices ``pattern`` (a regex with one group) matches among ``state``'s keys."""
     return len({m.group(1) for k in state if (m := re.fullmatch(pattern, k))})
@@ -82,6 +77,12 @@ def convert_state_dict(state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], 
         for p in params:
             out[f"{dst}.{p}"] = take(f"{src}.{p}")
 
+    def split(weight: str, bias: str, dst: str) -> None:
+        """A fused query-key-value projection (``(3D, ...)``, query first) into ``dst``'s three projections."""
+        for src, param in ((weight, "weight"), (bias, "bias")):
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), take(src).chunk(3, dim=0)):
+                out[f"{dst}.{proj}.{param}"] = part
+
     stages = _count(state, r"backbone\.stages\.(\d+)\..*")
     depths = [_count(state, rf"backbone\.stages\.{s}\.blocks\.(\d+)\..*") for s in range(stages)]
     embed = take("backbone.patch_embed.projection.weight").shape[0]
@@ -95,10 +96,7 @@ def convert_state_dict(state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], 
             move(f"{src}.norm2", f"{dst}.layernorm_after")
             out[f"{dst}.attention.relative_position_bias.relative_position_bias_table"] = take(
                 f"{src}.attn.w_msa.relative_position_bias_table")
-            for name in ("weight", "bias"):
-                q, k, v = _split(take(f"{src}.attn.w_msa.qkv.{name}"))
-                out[f"{dst}.attention.q_proj.{name}"], out[f"{dst}.attention.k_proj.{name}"] = q, k
-                out[f"{dst}.attention.v_proj.{name}"] = v
+            split(f"{src}.attn.w_msa.qkv.weight", f"{src}.attn.w_msa.qkv.bias", f"{dst}.attention")
             move(f"{src}.attn.w_msa.proj", f"{dst}.attention.o_proj")
             move(f"{src}.ffn.layers.0.0", f"{dst}.mlp.fc1")
             move(f"{src}.ffn.layers.1", f"{dst}.mlp.fc2")
@@ -142,10 +140,7 @@ def convert_state_dict(state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], 
         # the layer's order of operations: cross-attention, norm, self-attention, norm, FFN, norm
         move(f"{src}.attentions.0.attn", f"{dst}.cross_attn", ("in_proj_weight", "in_proj_bias"))
         move(f"{src}.attentions.0.attn.out_proj", f"{dst}.cross_attn.out_proj")
-        for part, name in (("in_proj_weight", "weight"), ("in_proj_bias", "bias")):
-            q, k, v = _split(take(f"{src}.attentions.1.attn.{part}"))
-            out[f"{dst}.self_attn.q_proj.{name}"], out[f"{dst}.self_attn.k_proj.{name}"] = q, k
-            out[f"{dst}.self_attn.v_proj.{name}"] = v
+        split(f"{src}.attentions.1.attn.in_proj_weight", f"{src}.attentions.1.attn.in_proj_bias", f"{dst}.self_attn")
         move(f"{src}.attentions.1.attn.out_proj", f"{dst}.self_attn.out_proj")
         move(f"{src}.norms.0", f"{dst}.cross_attn_layer_norm")
         move(f"{src}.norms.1", f"{dst}.self_attn_layer_norm")
