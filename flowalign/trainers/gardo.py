@@ -9,7 +9,7 @@ Three changes to Flow-GRPO, as the authors' code makes them:
   ``u ≥ 0`` the top ``p`` fraction (``u_i > quantile_{1−p}``) is gated. ``p`` adapts: ×(1 + rate) when the
   batch's mean ``u≥0`` exceeds every one of the last ``window`` batches', ×(1 − rate) when below all, kept
   in ``[gate_min, gate_max]``. ``gate_side: proxy_higher`` gates with ``−u`` instead: the samples the proxy
-  ranks above the auxiliaries (what the authors' prose describes; their code gates the other side);
+  ranks above the auxiliaries (the paper's Eq. (7); their code gates the other side);
 - **adaptive reference**: the KL's reference ``θ_ref`` is a snapshot of the policy, taken again after a
   step one of whose optimiser steps had a mean KL above ``kl_threshold``, or ``reset_every`` steps after
   the last snapshot;

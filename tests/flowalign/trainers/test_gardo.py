@@ -335,3 +335,18 @@ def test_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file):
     assert_trains_and_resumes_bit_exactly(tmp_path, tiny_sd3_dir, prompt_file, "trainer.name=gardo", TWO_REWARDS,
                                           "trainer.updates_per_epoch=2", "trainer.reset_every=1",
                                           "trainer.clip_range=0.2")
+
+
+def test_proxy_higher_is_the_papers_eq_7_win_rate_uncertainty():
+    """The paper's U(x_i) = w(R̃(x_i)) − mean_n w(R̂_n(x_i)), w the in-batch win rate (1/B)·Σ_{j≠i} 𝟙(y_i > y_j)
+    (arXiv 2512.24138v1 §4.2, Eq. (7)), is ``gate_side: proxy_higher``'s score over B; the authors' code's side
+    is its negation."""
+    g = torch.Generator().manual_seed(0)
+    main, aux = torch.rand(24, generator=g), torch.rand(24, 2, generator=g)
+
+    def win_rate(y: torch.Tensor) -> torch.Tensor:
+        return (y[:, None] > y[None, :]).float().sum(1) / len(y)
+
+    paper = win_rate(main) - torch.stack([win_rate(aux[:, 0]), win_rate(aux[:, 1])]).mean(0)
+    torch.testing.assert_close(gate_score(main, aux, "proxy_higher") / 24, paper)
+    torch.testing.assert_close(gate_score(main, aux, "proxy_lower") / 24, -paper)
