@@ -92,6 +92,26 @@ class Rollout:
 
     __getitem__ = select
 
+    def single(self, j: int) -> "Rollout":
+        """Sample ``j`` alone as a one-sample rollout whose tensors are views of this one's (no copy: splitting a
+        batch into its samples costs no memory while both are held)."""
+        one = slice(j, j + 1)
+        return Rollout(
+            prompts=self.prompts[one],
+            metadata=self.metadata[one],
+            latents=self.latents[one],
+            sigmas=self.sigmas,
+            log_probs=self.log_probs[one],
+            sde_mask=self.sde_mask,
+            samples=None if self.samples is None else self.samples[one],
+            cond=self.cond[[j]],
+            sampler=self.sampler,
+            noise_level=self.noise_level,
+            guidance_scale=self.guidance_scale,
+            velocities=None if self.velocities is None else self.velocities[one],
+            unconditional_velocities=None if self.unconditional_velocities is None else self.unconditional_velocities[one],
+        )
+
     @staticmethod
     def cat(parts: list["Rollout"]) -> "Rollout":
         """The samples of ``parts`` in order, as one rollout (e.g. a micro-batch re-formed from several rollout

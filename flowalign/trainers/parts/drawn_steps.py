@@ -73,6 +73,7 @@ def per_sample_batch(batch: StepBatch) -> StepBatch:
     authors train: sample by sample, each at its own ``perms[i]``. The advantages keep their order, and so does
     what ``prepare`` computed: it works on this split too (a one-sample forward rounds differently from the
     sample's in its rollout batch, so means computed per rollout batch would make a run depend on how many of
-    them were ready before the rewards)."""
-    chunks = [chunk.select([j]) for chunk in batch.chunks for j in range(len(chunk))]
+    them were ready before the rewards). The one-sample chunks are views of the batch's tensors: the split that
+    ``prepare`` makes and the one ``collect`` keeps copy nothing."""
+    chunks = [chunk.single(j) for chunk in batch.chunks for j in range(len(chunk))]
     return dataclasses.replace(batch, chunks=chunks)

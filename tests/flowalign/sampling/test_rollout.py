@@ -40,6 +40,20 @@ def test_rollouts_drawn_alike_join_in_order_and_others_are_refused():
         type(out).cat([out, other])
 
 
+def test_a_single_sample_is_the_selection_of_it_as_views_of_the_batch():
+    """``Rollout.single(j)`` holds what ``select([j])`` holds, its tensors views of the batch's (no copy)."""
+    policy = GaussianPolicy(dim=3)
+    out = rollout(policy, ["a", "b", "c"], num_steps=4, sampler="flow_grpo", keep_velocities=True,
+                  generator=torch.Generator().manual_seed(0), metadata=[{"i": 0}, {"i": 1}, {"i": 2}])
+    one, copy = out.single(1), out.select([1])
+    assert one.prompts == copy.prompts == ["b"] and one.metadata == copy.metadata == [{"i": 1}]
+    for name in ("latents", "samples", "velocities"):
+        view, copied = getattr(one, name), getattr(copy, name)
+        assert torch.equal(view, copied) and view.untyped_storage().data_ptr() == getattr(out, name).untyped_storage().data_ptr()
+    torch.testing.assert_close(one.log_probs, copy.log_probs, rtol=0, atol=0, equal_nan=True)
+    assert len(one.cond) == 1 and torch.equal(one.sde_mask, out.sde_mask)
+
+
 def test_ode_steps_inside_a_window_are_deterministic():
     policy = GaussianPolicy(dim=3)
     noise = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
