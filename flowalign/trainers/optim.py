@@ -35,6 +35,8 @@ class Schedule:
     min_ratio: float = 0.1
     #: the cosine's length in steps, then ``min_ratio·base`` held; None: the cosine spans the run's budget
     decay_steps: int | None = None
+    #: the warm-up's first factor ``s`` (``s + (1 − s)·step/warmup_steps``); None: ``(step + 1)/warmup_steps``
+    warmup_start: float | None = None
     #: the LR of the current step (``base`` until the first step begins)
     lr: float = field(init=False)
 
@@ -44,20 +46,22 @@ class Schedule:
     @classmethod
     def of(cls, tcfg: Any) -> Schedule:
         """The schedule of a trainer config (``lr``, ``lr_schedule``, ``lr_warmup_steps``, ``lr_min_ratio``,
-        ``lr_decay_steps``)."""
-        return cls(tcfg.lr, tcfg.lr_schedule, tcfg.lr_warmup_steps, tcfg.lr_min_ratio, tcfg.lr_decay_steps)
+        ``lr_decay_steps``, ``lr_warmup_start``)."""
+        return cls(tcfg.lr, tcfg.lr_schedule, tcfg.lr_warmup_steps, tcfg.lr_min_ratio, tcfg.lr_decay_steps,
+                   tcfg.lr_warmup_start)
 
     def at(self, step: int, fraction: float) -> float:
-        """The LR of ``step`` at a budget fraction in [0, 1]: linear warm-up over ``warmup_steps``, then
-        constant or cosine down to ``min_ratio·base`` (over the budget, or over ``decay_steps`` steps and then
-        held there)."""
+        """The LR of ``step`` at a budget fraction in [0, 1]: linear warm-up over ``warmup_steps`` (from
+        ``warmup_start·base`` where given), then constant or cosine down to ``min_ratio·base`` (over the budget,
+        or over ``decay_steps`` steps and then held there)."""
         lr = self.base
         if self.decay_steps is not None:
             fraction = min(1.0, step / self.decay_steps)
         if self.kind == "cosine":
             lr *= self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * fraction))
         if step < self.warmup_steps:
-            lr *= (step + 1) / self.warmup_steps
+            start = self.warmup_start
+            lr *= (step + 1) / self.warmup_steps if start is None else start + (1 - start) * step / self.warmup_steps
         return lr
 
     def begin_step(self, optimizer: torch.optim.Optimizer, step: int, fraction: float) -> float:

@@ -50,6 +50,9 @@ class TrainerConfig(Section):
     #: ends the run first; a time-based schedule makes the LR depend on measured step times)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0, le=MAX_TRAIN_STEPS)
+    #: the warm-up's first factor s: the LR rises linearly from s·lr at step 0 to lr at step lr_warmup_steps
+    #: (torch's LinearLR, as accelerate-driven SFT runners warm up); null: (step + 1)/lr_warmup_steps of lr
+    lr_warmup_start: float | None = Field(None, ge=0, le=1)
     lr_min_ratio: float = Field(0.1, ge=0, le=1)
     #: "cosine" over this many steps, then lr_min_ratio·lr held to the end (FestDPO's text-to-image schedule:
     #: 300 steps, then constant); None: over the whole budget
@@ -102,6 +105,9 @@ class TrainerConfig(Section):
         if self.lr_decay_steps is not None and self.lr_schedule != "cosine":
             raise ValueError(f"trainer.lr_decay_steps: the length of the cosine decay, but lr_schedule is "
                              f"{self.lr_schedule!r}: set trainer.lr_schedule: cosine, or remove lr_decay_steps")
+        if self.lr_warmup_start is not None and self.lr_warmup_steps == 0:
+            raise ValueError("trainer.lr_warmup_start: the warm-up's first factor, but lr_warmup_steps is 0: set "
+                             "trainer.lr_warmup_steps, or remove lr_warmup_start")
         return self
 
     @classmethod

@@ -70,3 +70,31 @@ def test_a_cosine_over_fewer_steps_than_the_budget_holds_its_floor_after(tmp_pat
 def test_decay_steps_without_the_cosine_are_refused_by_name(tmp_path, tiny_sd3_dir, prompt_file):
     with pytest.raises(Exception, match="trainer.lr_decay_steps.*lr_schedule: cosine"):
         build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, "trainer.lr_decay_steps=300"))
+
+
+def test_the_warmup_from_a_start_factor_is_the_crosstimeedit_sft_runners():
+    """CrossTimeEdit's SFT runner warms up with torch's LinearLR, stepped by accelerate once per process on every
+    optimiser step (4 GPUs): their 412 (first run) and 300 (second run) scheduler steps are 103 and 75
+    optimiser steps, from 1e-3·lr and 0.6·lr; the second run's cosine decay is placed past its end (its total
+    counts dataset items before accelerate shards them), so both are constant after the warm-up
+    (``known_answers/crosstimeedit_sft_lr.json``, their runner's lines under accelerate)."""
+    import json
+    from pathlib import Path
+
+    from flowalign.trainers.optim import Schedule
+
+    known = json.loads((Path(__file__).parent / "known_answers" / "crosstimeedit_sft_lr.json").read_text())
+    for run, start in (("phase1", 1e-3), ("phase2", 0.6)):
+        theirs = known[run]["lr_per_optimiser_step"]
+        schedule = Schedule(known[run]["lr"], "constant", known[run]["warmup_steps"] // 4, warmup_start=start)
+        ours = [schedule.at(step, step / len(theirs)) for step in range(len(theirs))]
+        assert ours == pytest.approx(theirs, rel=1e-9)
+    # without the start factor, the former form: (step + 1)/warmup_steps
+    assert Schedule(1.0, "constant", 4).at(0, 0.0) == 0.25 and Schedule(1.0, "constant", 4, warmup_start=0.5).at(0, 0.0) == 0.5
+
+
+def test_a_warmup_start_without_warmup_steps_is_refused_by_name():
+    from flowalign.trainers import trainer_config
+
+    with pytest.raises(Exception, match="trainer.lr_warmup_start.*lr_warmup_steps is 0"):
+        trainer_config({"name": "flow_grpo", "lr_warmup_start": 0.5})
