@@ -1,8 +1,10 @@
-"""Checks every model family must pass, shared by the per-family test files.
+"""Checks every model family must pass, shared by ``test_every_family.py`` and the per-family test files.
 
-Each takes a tiny model folder and runs the real code paths: the trainer's own sampling and re-evaluation
-(ratio 1 on the first on-policy pass), two optimiser steps through ``build_trainer`` with LoRA and with
-full fine-tuning, and the saved LoRA read back by the diffusers pipeline's own ``load_lora_weights``.
+Each takes a tiny model folder (or a policy loaded from one) and runs the real code paths: the trainer's own
+sampling and re-evaluation (ratio 1 on the first on-policy pass), two optimiser steps through ``build_trainer``
+with LoRA and with full fine-tuning, the saved LoRA read back by the diffusers pipeline's own
+``load_lora_weights``, an ODE rollout against the pipeline's own call, and CFG with a stored unconditional
+velocity. The input images the image-conditioned families read live here too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 
 import pipelines
+from flowalign.protocols import Conditioning
 from flowalign.train import build_trainer
 from tests.flowalign.trainers.conftest import small_config
 
@@ -32,6 +35,28 @@ def edit_inputs() -> list:
         image.paste(colour, (6 + 4 * i, 8, 22, 24))
         images.append(image)
     return images
+
+
+def reference_images(size: int = 64) -> list:
+    """Two ``size`` px reference images for FLUX.2 editing (its pipeline refuses sides under 64 px): a red and a
+    green square."""
+    from PIL import Image
+
+    images = []
+    for i, colour in enumerate([(220, 30, 30), (30, 200, 30)]):
+        image = Image.new("RGB", (size, size), (250, 250, 250))
+        image.paste(colour, (10 + 8 * i, 16, 44, 48))
+        images.append(image)
+    return images
+
+
+def first_frame():
+    """A 32 px first frame for an image-to-video family: a red square on grey."""
+    from PIL import Image
+
+    image = Image.new("RGB", (32, 32), (240, 240, 240))
+    image.paste((200, 30, 30), (6, 10, 18, 22))
+    return image
 
 
 def ode(policy, x: torch.Tensor, cond, grid: torch.Tensor, guidance: float) -> torch.Tensor:
@@ -144,3 +169,61 @@ def check_meta_size(name: str) -> None:
     size = PUBLISHED[name][1]
     n = count_parameters(published_class(name), published_config(name))
     assert abs(n - size) / size < 0.05, f"{name}: {n / 1e9:.2f}B parameters, published {size / 1e9:.0f}B"
+
+
+def check_rollout_reproduces_pipeline(policy, x1: torch.Tensor, ours: torch.Tensor, *, latent_tol: float = 1e-5,
+                                      pixel_tol: float = 1e-4, **pipe_kwargs) -> None:
+    """Our ODE rollout ``ours`` from the noise ``x1`` ends at ``pipe(**pipe_kwargs)``'s final latents from the
+    same noise, and our decode of it is the pipeline's own pixels (frames for a video family)."""
+
+    def call(output_type: str) -> torch.Tensor:
+        # a fresh copy of every list: ZImagePipeline applies its chat template to the prompt list in place
+        kwargs = {k: list(v) if isinstance(v, list) else v for k, v in pipe_kwargs.items()}
+        out = policy.pipe(**kwargs, latents=x1.clone(), output_type=output_type)
+        return out.frames if policy.is_video else out.images
+
+    with torch.no_grad():
+        theirs, pixels, decoded = call("latent"), call("pt"), policy.decode(ours)
+    torch.testing.assert_close(ours, theirs, rtol=latent_tol, atol=latent_tol)
+    torch.testing.assert_close(decoded, pixels, rtol=pixel_tol, atol=pixel_tol)
+
+
+def check_cfg_is_the_manual_combination(policy, w: float) -> None:
+    """CFG at scale ``w`` is ``v_u + w(v_c - v_u)``, ``v_u`` the velocity of the negative prompt's embeddings (each
+    ``negative_<key>`` tensor in the place of ``<key>``), and conditioning changes the velocity."""
+    cond = policy.encode(PROMPTS)
+    negatives = {k: cond.tensors[f"negative_{k}"] for k in cond.tensors if f"negative_{k}" in cond.tensors}
+    assert negatives, "a CFG family encodes its negative prompt"
+    uncond = Conditioning(negatives, [""] * len(PROMPTS))
+    x = policy.initial_noise(2, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        v = policy.velocity(x, 0.7, cond, w)
+        v_c = policy.velocity(x, 0.7, cond, 1.0)
+        v_u = policy.velocity(x, 0.7, uncond, 1.0)
+    assert not torch.allclose(v_c, v_u)
+    torch.testing.assert_close(v, v_u + w * (v_c - v_u), rtol=1e-5, atol=1e-5)
+
+
+def check_velocity_with_a_given_uncond(policy) -> None:
+    """``velocity(..., uncond=v_u)`` is CFG with the stored unconditional velocity: exactly ``v_u + w(v_c - v_u)``
+    with the conditional pass alone, equal to the batched pass up to float noise; ``v_u`` is the empty prompt's
+    velocity."""
+    cond = policy.encode(["a red circle", "two blue squares"])
+    x = policy.initial_noise(2, torch.Generator().manual_seed(0))
+    w = 4.5
+    calls = []
+    hook = policy.transformer.register_forward_hook(lambda m, a, out: calls.append(1))
+    try:
+        with torch.no_grad():
+            v_u = policy.unconditional_velocity(x, 0.7, cond)
+            v_c = policy.velocity(x, 0.7, cond, 1.0)
+            batched = policy.velocity(x, 0.7, cond, w)
+            n = len(calls)
+            split = policy.velocity(x, 0.7, cond, w, uncond=v_u)
+            assert len(calls) == n + 1, "one forward: the conditional half"
+            empty = policy.velocity(x, 0.7, policy.encode(["", ""]), 1.0)
+    finally:
+        hook.remove()
+    assert torch.equal(split, v_u + w * (v_c - v_u))
+    assert torch.equal(v_u, empty)
+    torch.testing.assert_close(split, batched, rtol=1e-5, atol=1e-5)

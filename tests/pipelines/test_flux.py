@@ -13,21 +13,12 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 import pipelines
 from flowalign.errors import UserError
 from flowalign.protocols import FlowPolicy
-
-PROMPTS = ["exactly two red circles", "a blue square left of a green triangle"]
+from tests.pipelines.family_checks import PROMPTS, check_rollout_reproduces_pipeline, ode
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_flux_dir):
     return pipelines.load(tiny_flux_dir)
-
-
-def ode(policy, x, cond, grid, guidance):
-    """Euler over ``grid``: x ← x + (σ' - σ)·v (conventions.md)."""
-    with torch.no_grad():
-        for k in range(len(grid) - 1):
-            x = x + (grid[k + 1] - grid[k]) * policy.velocity(x, grid[k], cond, guidance)
-    return x
 
 
 def test_end_to_end_shapes_dtypes_range(policy):
@@ -98,16 +89,9 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(policy):
     x1 = policy.initial_noise(2, torch.Generator().manual_seed(7))
     steps, w = 4, 3.5
     ours = ode(policy, x1, policy.encode(PROMPTS), policy.sigmas(steps), w)
-    kwargs = dict(
-        prompt=PROMPTS, height=32, width=32, num_inference_steps=steps, guidance_scale=w,
-        max_sequence_length=policy.defaults["max_sequence_length"],
-    )
-    with torch.no_grad():
-        theirs = policy.pipe(**kwargs, latents=x1.clone(), output_type="latent").images
-        pixels = policy.pipe(**kwargs, latents=x1.clone(), output_type="pt").images
-        decoded = policy.decode(ours)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(decoded, pixels, rtol=1e-4, atol=1e-4)
+    check_rollout_reproduces_pipeline(policy, x1, ours, prompt=PROMPTS, height=32, width=32,
+                                      num_inference_steps=steps, guidance_scale=w,
+                                      max_sequence_length=policy.defaults["max_sequence_length"])
 
 
 def test_encode_caches_per_prompt(policy):

@@ -1,14 +1,13 @@
 """FLUX.2 reference-image editing on the tiny klein twin: references prepared, encoded and placed as
 ``Flux2KleinPipeline(image=...)`` does, rollouts equal to the pipeline's own call on the same noise and
-references, rollouts reading ``metadata["image"]``, training from a JSONL file with images, and the LoRA
-round trip with references."""
+references, rollouts reading ``metadata["image"]``, the planner's reference tokens, and the encoding of target
+images."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import pipelines
 from flowalign.errors import UserError
@@ -17,16 +16,7 @@ from pipelines.flux2 import transformer_inputs
 from tests.pipelines import family_checks as checks
 
 PROMPTS = checks.EDIT_PROMPTS
-
-
-def references(size: int = 64) -> list[Image.Image]:
-    """Two input images of ``size`` px (the pipeline refuses sides under 64 px): a red and a green square."""
-    images = []
-    for i, colour in enumerate([(220, 30, 30), (30, 200, 30)]):
-        image = Image.new("RGB", (size, size), (250, 250, 250))
-        image.paste(colour, (10 + 8 * i, 16, 44, 48))
-        images.append(image)
-    return images
+references = checks.reference_images
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +92,6 @@ def test_text_to_image_folder_takes_no_metadata_images(tiny_model_dir):
     assert not policy.input_images
     with pytest.raises(UserError, match="take none"):
         rollout(policy, PROMPTS, num_steps=1, metadata=[{"image": im} for im in references()])
-
-
-def test_stored_transitions_reevaluate_to_ratio_one(folder, tmp_path):
-    checks.check_ratio_one(folder, tmp_path, images=True)
-
-
-def test_two_lora_training_steps(folder, tmp_path):
-    checks.check_two_training_steps(folder, tmp_path, "lora", images=True)
-
-
-def test_saved_lora_loads_with_diffusers(folder, tmp_path):
-    checks.check_lora_loads_with_diffusers(folder, tmp_path, images=references())
 
 
 def test_planner_counts_the_reference_tokens(policy):

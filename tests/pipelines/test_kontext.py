@@ -1,6 +1,5 @@
 """FLUX.1 Kontext (editing) on its tiny twin: the input image as context tokens, agreement with
-``FluxKontextPipeline`` given the same image and noise, rollouts and training from a JSONL file with images,
-``flowalign sample --image``, and the LoRA round trip."""
+``FluxKontextPipeline`` given the same image and noise, and rollouts reading the image from their metadata."""
 
 from __future__ import annotations
 
@@ -59,16 +58,3 @@ def test_rollout_takes_the_image_from_metadata(policy):
     assert torch.equal(r.cond.tensors["image_latents"], direct.tensors["image_latents"])
     with pytest.raises(UserError, match="has none"):
         rollout(policy, PROMPTS, num_steps=2, metadata=[{}, {}])
-
-
-def test_stored_transitions_reevaluate_to_ratio_one(folder, tmp_path):
-    checks.check_ratio_one(folder, tmp_path, images=True)
-
-
-@pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_two_training_steps(folder, tmp_path, finetune):
-    checks.check_two_training_steps(folder, tmp_path, finetune, images=True)
-
-
-def test_saved_lora_loads_with_diffusers(folder, tmp_path):
-    checks.check_lora_loads_with_diffusers(folder, tmp_path, images=inputs())

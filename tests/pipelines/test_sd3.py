@@ -9,22 +9,15 @@ import torch
 
 import pipelines
 from flowalign.errors import UserError
-from flowalign.protocols import Conditioning, FlowPolicy
-
-PROMPTS = ["exactly two red circles", "a blue square left of a green triangle"]
+from flowalign.protocols import FlowPolicy
+from tests.pipelines.family_checks import (PROMPTS, check_cfg_is_the_manual_combination,
+                                           check_rollout_reproduces_pipeline,
+                                           check_velocity_with_a_given_uncond, ode)
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_sd3_dir):
     return pipelines.load(tiny_sd3_dir)
-
-
-def ode(policy, x, cond, grid, guidance):
-    """Euler over ``grid``: x ← x + (σ' - σ)·v (conventions.md)."""
-    with torch.no_grad():
-        for k in range(len(grid) - 1):
-            x = x + (grid[k + 1] - grid[k]) * policy.velocity(x, grid[k], cond, guidance)
-    return x
 
 
 def test_end_to_end_shapes_dtypes_range(policy):
@@ -80,21 +73,7 @@ def test_transformer_output_is_the_velocity_of_the_convention(policy):
 
 
 def test_cfg_is_the_manual_combination(policy):
-    cond = policy.encode(PROMPTS)
-    uncond = Conditioning(
-        {
-            "prompt_embeds": cond.tensors["negative_prompt_embeds"],
-            "pooled_prompt_embeds": cond.tensors["negative_pooled_prompt_embeds"],
-        },
-        ["", ""],
-    )
-    x = policy.initial_noise(2, torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        v = policy.velocity(x, 0.7, cond, 4.5)
-        v_c = policy.velocity(x, 0.7, cond, 1.0)
-        v_u = policy.velocity(x, 0.7, uncond, 1.0)
-    assert not torch.allclose(v_c, v_u)
-    torch.testing.assert_close(v, v_u + 4.5 * (v_c - v_u), rtol=1e-5, atol=1e-5)
+    check_cfg_is_the_manual_combination(policy, 4.5)
 
 
 def test_sigma_as_batch_tensor_matches_per_sample_floats(policy):
@@ -112,16 +91,9 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(policy):
     x1 = policy.initial_noise(2, torch.Generator().manual_seed(7))
     steps, w = 4, 4.0
     ours = ode(policy, x1, policy.encode(PROMPTS), policy.sigmas(steps), w)
-    kwargs = dict(
-        prompt=PROMPTS, height=32, width=32, num_inference_steps=steps, guidance_scale=w,
-        max_sequence_length=policy.defaults["max_sequence_length"],
-    )
-    with torch.no_grad():
-        theirs = policy.pipe(**kwargs, latents=x1.clone(), output_type="latent").images
-        pixels = policy.pipe(**kwargs, latents=x1.clone(), output_type="pt").images
-        decoded = policy.decode(ours)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(decoded, pixels, rtol=1e-4, atol=1e-4)
+    check_rollout_reproduces_pipeline(policy, x1, ours, prompt=PROMPTS, height=32, width=32,
+                                      num_inference_steps=steps, guidance_scale=w,
+                                      max_sequence_length=policy.defaults["max_sequence_length"])
 
 
 def test_encode_caches_per_prompt(policy):
@@ -171,25 +143,4 @@ def test_cfg_without_negatives_is_a_user_error(tiny_sd3_dir):
 
 
 def test_velocity_with_a_given_uncond_runs_the_conditional_half_only(policy):
-    """``velocity(..., uncond=v_u)`` is CFG with the stored unconditional velocity: exactly
-    ``v_u + w(v_c - v_u)`` with the conditional pass alone, equal to the batched pass up to float noise;
-    ``v_u`` is the empty prompt's velocity."""
-    cond = policy.encode(["a red circle", "two blue squares"])
-    x = policy.initial_noise(2, torch.Generator().manual_seed(0))
-    w = 4.5
-    calls = []
-    hook = policy.transformer.register_forward_hook(lambda m, a, out: calls.append(1))
-    try:
-        with torch.no_grad():
-            v_u = policy.unconditional_velocity(x, 0.7, cond)
-            v_c = policy.velocity(x, 0.7, cond, 1.0)
-            batched = policy.velocity(x, 0.7, cond, w)
-            n = len(calls)
-            split = policy.velocity(x, 0.7, cond, w, uncond=v_u)
-            assert len(calls) == n + 1, "one forward: the conditional half"
-            empty = policy.velocity(x, 0.7, policy.encode(["", ""]), 1.0)
-    finally:
-        hook.remove()
-    assert torch.equal(split, v_u + w * (v_c - v_u))
-    assert torch.equal(v_u, empty)
-    torch.testing.assert_close(split, batched, rtol=1e-5, atol=1e-5)
+    check_velocity_with_a_given_uncond(policy)

@@ -1,6 +1,6 @@
 """Wan 2.2-A14B (two experts) on its tiny twin: the boundary switch between the high- and low-noise experts,
-per-expert guidance, agreement with ``WanPipeline``, both experts trained with their own LoRA, and the two
-LoRA files read back by diffusers."""
+per-expert guidance, agreement with ``WanPipeline``, both experts trained (each with its own LoRA), and each
+expert's LoRA file holding that expert's adapter."""
 
 from __future__ import annotations
 
@@ -86,30 +86,21 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(policy):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_stored_transitions_reevaluate_to_ratio_one(folder, tmp_path):
-    checks.check_ratio_one(folder, tmp_path, "trainer.num_steps=6")
-
-
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_two_training_steps_train_both_experts(folder, tmp_path, finetune):
-    checks.check_two_training_steps(folder, tmp_path, finetune, "trainer.num_steps=6")
+def test_both_experts_are_trained(folder, finetune):
     policy = pipelines.load(folder, **({"lora": checks.LORA} if finetune == "lora" else {"full_finetune": True}))
     names = {n.split(".")[0] for n, p in policy.trainable.named_parameters() if p.requires_grad}
     assert names == {"transformer", "transformer_2"}
 
 
-def test_saved_loras_load_with_diffusers_per_expert(folder, tmp_path):
-    def load_both(pipe, adapter):
-        pipe.load_lora_weights(str(adapter))
-        pipe.load_lora_weights(str(adapter), weight_name=LORA_WEIGHT_NAME_2, load_into_transformer_2=True)
-
-    checks.check_lora_loads_with_diffusers(folder, tmp_path, load_into_pipe=load_both)
-    assert (tmp_path / "adapter" / LORA_WEIGHT_NAME_2).is_file()
-    # each expert's file holds that expert's adapter: σ on either side of the boundary reproduces
+def test_each_experts_lora_file_holds_that_experts_adapter(folder, tmp_path):
+    """The saved adapter is two files, one per expert: read back, σ on either side of the boundary reproduces
+    the trained policy's velocity, which differs from the base model's."""
     trained = checks.perturbed_lora_policy(folder)
-    trained.save_adapter(tmp_path / "again")
+    trained.save_adapter(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / LORA_WEIGHT_NAME_2).is_file()
     frozen = pipelines.load(folder)
-    frozen.load_adapter(tmp_path / "again")
+    frozen.load_adapter(tmp_path / "adapter")
     cond = trained.encode(PROMPTS)
     x = trained.initial_noise(2, torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -117,8 +108,3 @@ def test_saved_loras_load_with_diffusers_per_expert(folder, tmp_path):
             torch.testing.assert_close(frozen.velocity(x, sigma, cond, 4.0), trained.velocity(x, sigma, cond, 4.0))
             with trained.adapter_disabled():
                 assert not torch.allclose(trained.velocity(x, sigma, cond, 4.0), frozen.velocity(x, sigma, cond, 4.0))
-
-
-@pytest.mark.parametrize("name", ["wan22_a14b_expert", "wan22_ti2v_5b"])
-def test_published_sizes_on_the_meta_device(name):
-    checks.check_meta_size(name)

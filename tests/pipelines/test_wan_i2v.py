@@ -1,25 +1,18 @@
 """Wan 2.2 image-to-video (I2V-A14B) on its tiny twin: the first frame as mask + latent channels, agreement
-with ``WanImageToVideoPipeline``, training from a JSONL with images, both experts' LoRAs read by diffusers."""
+with ``WanImageToVideoPipeline``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from PIL import Image
 
 import pipelines
 from flowalign.errors import UserError
-from pipelines.wan22 import LORA_WEIGHT_NAME_2
 from pipelines.wan_i2v import WanI2VPolicy
 from tests.pipelines import family_checks as checks
 
 PROMPTS = ["the ball rolls to the right", "the square moves up"]
-
-
-def frame() -> Image.Image:
-    image = Image.new("RGB", (32, 32), (240, 240, 240))
-    image.paste((200, 30, 30), (6, 10, 18, 22))
-    return image
+frame = checks.first_frame
 
 
 @pytest.fixture(scope="module")
@@ -53,24 +46,3 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(policy):
         theirs = policy.pipe(image=frame(), prompt=PROMPTS, height=32, width=32, num_frames=5, num_inference_steps=steps,
                              guidance_scale=3.5, max_sequence_length=32, latents=x1.clone(), output_type="latent").frames
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-
-
-def test_stored_transitions_reevaluate_to_ratio_one(folder, tmp_path):
-    checks.check_ratio_one(folder, tmp_path, "trainer.num_steps=6", images=True)
-
-
-@pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_two_training_steps(folder, tmp_path, finetune):
-    checks.check_two_training_steps(folder, tmp_path, finetune, "trainer.num_steps=6", images=True)
-
-
-def test_saved_loras_load_with_diffusers(folder, tmp_path):
-    def load_both(pipe, adapter):
-        pipe.load_lora_weights(str(adapter))
-        pipe.load_lora_weights(str(adapter), weight_name=LORA_WEIGHT_NAME_2, load_into_transformer_2=True)
-
-    checks.check_lora_loads_with_diffusers(folder, tmp_path, load_into_pipe=load_both, images=[frame(), frame()])
-
-
-def test_published_size_on_the_meta_device():
-    checks.check_meta_size("wan22_i2v_a14b_expert")
