@@ -32,7 +32,7 @@ def through_mp4(videos: torch.Tensor, fps: int) -> torch.Tensor:
         shape = tuple(videos.shape) if isinstance(videos, torch.Tensor) else type(videos).__name__
         raise UserError(f"video_mp4_fps writes videos (B, F, 3, H, W) to mp4 files; got {shape}: drop video_mp4_fps "
                         "from an image reward's entry")
-    frames = videos.detach().float().clamp(0, 1).permute(0, 1, 3, 4, 2).cpu().numpy()
+    frames = videos.detach().float().nan_to_num(0.0).clamp(0, 1).permute(0, 1, 3, 4, 2).cpu().numpy()
     read = []
     with tempfile.TemporaryDirectory(prefix="flowalign-mp4-") as folder:
         for i, video in enumerate(frames):
