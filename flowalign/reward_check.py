@@ -66,3 +66,12 @@ def check_frame_count(num_frames: int | None, metadata: list[dict[str, Any]], so
     raise UserError(f"{count} of the {len(metadata)} prompts of {source} are tasks checked on {frames}-frame clips, "
                     f"but the model samples {made}: set model.defaults.num_frames={frames}"
                     + ("" if num_frames else " with a video model"))
+
+
+def check_video_files(specs: list[Any], makes_videos: bool, where: str) -> None:
+    """Refuse a reward entry of ``specs`` (:class:`flowalign.config.RewardSpec`) with a ``video_mp4_fps`` when the
+    model makes images (``makes_videos`` false): it writes videos to mp4 files. ``where``: the option's name."""
+    for i, spec in enumerate(specs):
+        if spec.video_mp4_fps is not None and not makes_videos:
+            raise UserError(f"{where}[{i}] ({spec.key}): video_mp4_fps writes videos to mp4 files, and this model "
+                            "samples images: drop video_mp4_fps")

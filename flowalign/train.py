@@ -25,7 +25,7 @@ from flowalign.io import OLD_PREFIX, TMP_PREFIX, foreign_entries, marker_name, r
 from flowalign.parallel import accelerator_kwargs
 from flowalign.paths import REPO_ROOT
 from flowalign.plugins import reward_former_forms
-from flowalign.reward_check import check_frame_count, check_reward_metadata
+from flowalign.reward_check import check_frame_count, check_reward_metadata, check_video_files
 from flowalign.reward_set import check_panel, load_panel, load_rewards, time_limited
 from flowalign.run_lock import LOCK_NAME, RUN_WRITER, run_lock
 from flowalign.signals import exit_on_sigterm
@@ -368,10 +368,8 @@ def build_trainer(cfg: TrainConfig):
                             attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
                             offload_text_encoders=cfg.model.offload_text_encoders,
                             **({"decode_batch_size": cfg.model.decode_batch_size} if cfg.model.decode_batch_size else {}))
-    for i, spec in enumerate(cfg.rewards):
-        if spec.video_mp4_fps is not None and not policy.is_video:
-            raise UserError(f"rewards[{i}] ({spec.key}): video_mp4_fps writes videos to mp4 files, and "
-                            f"{cfg.model.family or 'this model'} samples images: drop video_mp4_fps")
+    check_video_files(cfg.rewards, policy.is_video, "rewards")
+    check_video_files(cfg.eval.rewards, policy.is_video, "eval.rewards")
     loaded = load_rewards(cfg.rewards)
     data = load_train_data(cfg)
     for name, _, reward in loaded:

@@ -67,6 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     from flowalign.config import reward_spec_from_text
     from flowalign.evaluation import evaluate
+    from flowalign.reward_check import check_video_files
     from flowalign.reward_set import load_panel
 
     check_positive(args, "steps", "batch_size", "n")
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> None:
     check_out_dir(args.out, writer="evaluate", overwrite=args.overwrite)  # before the model is loaded
     panel = load_panel(specs, "--reward") if specs else None
     policy, guide = load_guided_policy(args)
+    check_video_files(specs, policy.is_video, "--reward")
     labels = {}
     reflection = getattr(policy, "reflection", None)  # a unified model's loop (--adapter of a umm_reflection run)
     if reflection is not None:

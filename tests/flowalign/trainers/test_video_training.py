@@ -81,12 +81,26 @@ def test_pref_grpo_trains_on_video_with_the_video_judge_and_the_adaptive_kl_weig
     assert all(m["reward/unified_reward"] == 0.5 for m in steps)  # the tiny judge's reply names no winner: ties
 
 
-def test_an_image_model_refuses_a_reward_entry_that_writes_videos(tmp_path, tiny_sd3_dir, prompt_file):
+@pytest.mark.parametrize("where, override", [
+    ("rewards", "rewards=[{name: brightness, video_mp4_fps: 16}]"),
+    ("eval.rewards", "eval.rewards=[{name: brightness, video_mp4_fps: 16}]"),
+])
+def test_an_image_model_refuses_a_reward_entry_that_writes_videos(where, override, tmp_path, tiny_sd3_dir, prompt_file):
     from flowalign.errors import UserError
     from flowalign.train import build_trainer
 
     from .conftest import small_config
 
-    with pytest.raises(UserError, match=r"rewards\[0\] \(brightness\): video_mp4_fps writes videos .* drop video_mp4_fps"):
-        build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file,
-                                   "rewards=[{name: brightness, video_mp4_fps: 16}]"))
+    extra = [override] + (["eval.bench=vvr", "eval.n=2"] if where == "eval.rewards" else [])
+    with pytest.raises(UserError, match=rf"{re.escape(where)}\[0\] \(brightness\): video_mp4_fps writes videos .* "
+                                        "drop video_mp4_fps"):
+        build_trainer(small_config(tmp_path / "run", tiny_sd3_dir, prompt_file, *extra))
+
+
+def test_evaluate_refuses_a_reward_that_writes_videos_for_an_image_model(tmp_path, tiny_sd3_dir, capsys):
+    from flowalign.cli.main import main
+
+    code = main(["evaluate", "--model", str(tiny_sd3_dir), "--level", "easy", "--n", "2", "--steps", "2",
+                 "--reward", "{name: brightness, video_mp4_fps: 16}", "--out", str(tmp_path / "eval")])
+    assert code == 2 and "--reward[0] (brightness): video_mp4_fps writes videos" in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()
