@@ -170,6 +170,19 @@ def test_videos_travel_as_mp4_frames():
     assert samples.shape == (1, 3, 3, 16, 16) and samples.dtype == torch.float32
 
 
+def test_a_served_reward_with_video_mp4_fps_scores_the_videos_it_receives_through_the_file(monkeypatch):
+    import rewards.reward_server as reward_server
+    from flowalign.video_file import Mp4RoundTrip, through_mp4
+
+    served = {}
+    monkeypatch.setattr(reward_server, "serve", lambda reward, **kw: served.update(reward=reward, **kw))
+    assert cli_main(["serve-reward", "{name: saturation_video, video_mp4_fps: 16}", "--port", "0"]) == 0
+    reward, clips = served["reward"], torch.rand(1, 3, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    assert isinstance(reward, Mp4RoundTrip) and served["spec"]["video_mp4_fps"] == 16
+    expected = rewards.load("saturation_video")(through_mp4(clips, 16), ["a"], [])
+    torch.testing.assert_close(reward(clips, ["a"], []).total, expected.total)
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["serve-reward", "brightness", "--host", "0.0.0.0"], "without a key"),
     (["serve-reward", "{name: brightness"], "not valid YAML"),
