@@ -28,6 +28,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.io import atomic_dir
+from flowalign.manifest import sha256_file
 
 #: GenEval's detector config (mmdetection's ``mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.py``): what the
 #: checkpoint's shapes do not say
@@ -216,5 +217,7 @@ def convert_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False,
     with atomic_dir(Path(out_dir), writer=WRITER, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        (tmp / "conversion.json").write_text(json.dumps({"from": checkpoint.name, "tensors": len(tensors)}, indent=2) + "\n")
+        # which weights the folder holds, for a reported number to name them (GenEval's download has one SHA-256)
+        source = {"from": checkpoint.name, "sha256": sha256_file(checkpoint), "tensors": len(tensors)}
+        (tmp / "conversion.json").write_text(json.dumps(source, indent=2) + "\n")
     return Path(out_dir)

@@ -5,6 +5,7 @@ tiny widths, seeded weights, its head's last class and mask logits)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -94,6 +95,8 @@ def test_the_command_writes_the_folder_and_keeps_a_users_files(checkpoint, tmp_p
     out = tmp_path / "detector"
     assert main(["geneval-detector", str(checkpoint), "--out", str(out)]) == 0
     assert {"config.json", "model.safetensors", "preprocessor_config.json"} <= {p.name for p in out.iterdir()}
+    source = json.loads((out / "conversion.json").read_text())  # the weights the folder holds, by their file's hash
+    assert source["sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
     assert "load with {name: geneval, path:" in capsys.readouterr().out
     mine = tmp_path / "mine"
     mine.mkdir()
