@@ -70,24 +70,28 @@ class Rollout:
         """``(x_k, x_{k+1}, stored log_prob_k)`` for every sample: ``(B,...)``, ``(B,...)``, ``(B,)``."""
         return self.latents[:, k], self.latents[:, k + 1], self.log_probs[:, k]
 
-    def select(self, index: Sequence[int] | torch.Tensor) -> "Rollout":
-        """The rollout restricted to some samples (in the given order)."""
-        idx = torch.as_tensor(index, dtype=torch.long).flatten()
-        il = idx.tolist()
+    def select(self, index: Sequence[int] | torch.Tensor | slice) -> "Rollout":
+        """The rollout restricted to some samples (in the given order). A ``slice`` keeps its tensors as views of
+        this rollout's (no copy); indices copy them."""
+        if isinstance(index, slice):
+            rows, take = list(range(len(self)))[index], index
+        else:
+            take = torch.as_tensor(index, dtype=torch.long).flatten()
+            rows = take.tolist()
         return Rollout(
-            prompts=[self.prompts[i] for i in il],
-            metadata=[self.metadata[i] for i in il],
-            latents=self.latents[idx],
+            prompts=[self.prompts[i] for i in rows],
+            metadata=[self.metadata[i] for i in rows],
+            latents=self.latents[take],
             sigmas=self.sigmas,
-            log_probs=self.log_probs[idx],
+            log_probs=self.log_probs[take],
             sde_mask=self.sde_mask,
-            samples=None if self.samples is None else self.samples[idx],
-            cond=self.cond[il],
+            samples=None if self.samples is None else self.samples[take],
+            cond=self.cond[rows],
             sampler=self.sampler,
             noise_level=self.noise_level,
             guidance_scale=self.guidance_scale,
-            velocities=None if self.velocities is None else self.velocities[idx],
-            unconditional_velocities=None if self.unconditional_velocities is None else self.unconditional_velocities[idx],
+            velocities=None if self.velocities is None else self.velocities[take],
+            unconditional_velocities=None if self.unconditional_velocities is None else self.unconditional_velocities[take],
         )
 
     __getitem__ = select
@@ -95,22 +99,7 @@ class Rollout:
     def single(self, j: int) -> "Rollout":
         """Sample ``j`` alone as a one-sample rollout whose tensors are views of this one's (no copy: splitting a
         batch into its samples costs no memory while both are held)."""
-        one = slice(j, j + 1)
-        return Rollout(
-            prompts=self.prompts[one],
-            metadata=self.metadata[one],
-            latents=self.latents[one],
-            sigmas=self.sigmas,
-            log_probs=self.log_probs[one],
-            sde_mask=self.sde_mask,
-            samples=None if self.samples is None else self.samples[one],
-            cond=self.cond[[j]],
-            sampler=self.sampler,
-            noise_level=self.noise_level,
-            guidance_scale=self.guidance_scale,
-            velocities=None if self.velocities is None else self.velocities[one],
-            unconditional_velocities=None if self.unconditional_velocities is None else self.unconditional_velocities[one],
-        )
+        return self.select(slice(j, j + 1))
 
     @staticmethod
     def cat(parts: list["Rollout"]) -> "Rollout":
