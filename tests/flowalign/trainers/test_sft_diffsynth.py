@@ -76,6 +76,12 @@ def test_a_step_trains_on_diffsynths_levels_drawn_per_pair_and_step(tmp_path, ti
     assert len(set(level.tolist())) > 1  # each pair its own draw
     assert torch.equal(t.collect(0).levels.sigma, batch.levels.sigma)  # keyed: a resumed step draws them again
     assert not torch.equal(t.collect(1).levels.sigma, batch.levels.sigma)
+    # the trainer's loss is FlowMatchSFTLoss at these levels: the weighted errors over the step's pairs
+    n = batch.x0.shape[0]
+    with torch.no_grad():
+        loss, _ = t.loss(batch, slice(0, n))
+        weighted, _ = weighted_errors(t.velocity(batch.cond, 1.0), batch.x0, batch.eps, batch.levels)
+    torch.testing.assert_close(loss, weighted.sum() / batch.count)
     before = [p.detach().clone() for p in t.params]
     logs = t.update(batch, torch.Generator().manual_seed(0))
     assert logs["grad_norm"] > 0 and any(not torch.equal(a, b) for a, b in zip(before, t.params))
