@@ -224,6 +224,14 @@ def check_multiple(defaults: dict[str, Any], multiples: dict[str, int], model: s
             raise UserError(f"{key}={defaults[key]} must be a multiple of {multiple} for {model}")
 
 
+def check_choice(defaults: dict[str, Any], key: str, choices: tuple[Any, ...]) -> None:
+    """Refuse a sampling default ``key`` that is none of ``choices`` (a family's switch between two forms)."""
+    value = defaults[key]
+    if not any(value is c if isinstance(c, bool) else value == c for c in choices):
+        shown = ", ".join("true" if c is True else "false" if c is False else str(c) for c in choices)
+        raise UserError(f"model.defaults.{key}={value!r}: give one of {shown}")
+
+
 def check_side_multiple(defaults: dict[str, Any], multiple: int, model: str) -> None:
     """Refuse a default ``height`` or ``width`` that is not a multiple of ``multiple`` (VAE factor × patch)."""
     check_multiple(defaults, {"height": multiple, "width": multiple}, model)

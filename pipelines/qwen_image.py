@@ -10,7 +10,8 @@ with exponential dynamic shift and ``shift_terminal``) as the pipeline's ``__cal
   the VAE's ``latents_mean`` / ``latents_std``; the transformer takes σ as its timestep.
 * Guidance is *true* CFG against a negative prompt (``defaults["negative_prompt"]``, the model card's
   ``" "``) with Qwen-Image's norm rescale: ``v = ṽ·‖v_c‖/‖ṽ‖`` per token, ``ṽ = v_n + w(v_c - v_n)``,
-  applied when ``guidance > 1`` (the pipeline's ``true_cfg_scale``).
+  applied when ``guidance > 1`` (the pipeline's ``true_cfg_scale``). ``defaults["cfg_rescale"] = False`` keeps
+  ``ṽ`` as it is: Pref-GRPO's Qwen-Image and Qwen-Image-Edit training scripts guide that way.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
-from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PromptCache, batch_size, check_num_steps
+from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PromptCache, batch_size, check_choice
+from pipelines._common import check_num_steps
 from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, make_trainable, open_pipeline
 from pipelines._common import own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults, unpack_2x2
 from pipelines._common import vae_latent_stats, zeros_factory
@@ -38,10 +40,20 @@ from pipelines._varlen import pad_rows, trim
 DEFAULT_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
-def true_cfg(v_cond: torch.Tensor, v_neg: torch.Tensor, scale: float) -> torch.Tensor:
-    """Qwen-Image's true CFG ``(B, seq, D)``: the guided velocity rescaled to the conditional one's norm per token."""
+def true_cfg(v_cond: torch.Tensor, v_neg: torch.Tensor, scale: float, rescale: bool = True) -> torch.Tensor:
+    """Qwen-Image's true CFG ``(B, seq, D)``: the guided velocity rescaled to the conditional one's norm per token
+    (``rescale``, the pipeline's), or left as it is."""
     guided = v_neg + scale * (v_cond - v_neg)
+    if not rescale:
+        return guided
     return guided * (v_cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+
+
+def negative_prompt(defaults: dict[str, Any]) -> str:
+    """The true-CFG negative prompt: ``defaults["negative_prompt"]`` as written (``""`` included), ``" "`` when
+    unset (the model card's)."""
+    negative = defaults.get("negative_prompt")
+    return " " if negative is None else str(negative)
 
 
 class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
@@ -64,11 +76,12 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
         side = self.pipe.default_sample_size * self.vae_scale_factor
         builtin = {
             "height": side, "width": side, "num_frames": None, "guidance_scale": 4.0, "num_steps": 50,
-            "max_sequence_length": 512, "negative_prompt": " ",
+            "max_sequence_length": 512, "negative_prompt": " ", "cfg_rescale": True,
             "shift": scheduler_shift(self.pipe),
         }
         multiple = self.vae_scale_factor * 2  # 2×2 latent patches
         self.defaults: dict[str, Any] = sized_defaults(builtin, path, opts.defaults, multiple, "this Qwen-Image model")
+        check_choice(self.defaults, "cfg_rescale", (True, False))
         self.scheduler = own_scheduler(self.pipe, self.defaults["shift"])
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         self._cache = PromptCache(opts.prompt_cache_size)
@@ -78,7 +91,7 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
     def encode(self, prompts: list[str]) -> Conditioning:
         """Qwen2.5-VL embeddings through the pipeline's ``encode_prompt``, cached per prompt string."""
         prompts = check_prompts(prompts)
-        negative = str(self.defaults.get("negative_prompt") or " ")
+        negative = negative_prompt(self.defaults)
         cfg = float(self.defaults["guidance_scale"]) > 1
         rows = self._cache.lookup(prompts + [negative] if cfg else prompts, self._encode_batch)
         length = int(self.defaults["max_sequence_length"])
@@ -128,7 +141,8 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
     def velocity(
         self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float
     ) -> torch.Tensor:
-        """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``; true CFG (norm-rescaled) by one batched pass when w > 1."""
+        """``v(x, σ | c)`` float32 ``(B, seq, 4·C)``; true CFG (norm-rescaled unless ``cfg_rescale`` is false) by
+        one batched pass when w > 1."""
         b = batch_size(x, cond)
         if x.shape[1:] != torch.Size(self.latent_shape):
             raise ValueError(f"velocity: x is {tuple(x.shape)}, expected packed (B, {self.latent_shape})")
@@ -146,7 +160,7 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
             None if context is None else (torch.cat([context[0], context[0]]), context[1]),
         )
         v_cond, v_neg = out.chunk(2)
-        return true_cfg(v_cond, v_neg, guidance)
+        return true_cfg(v_cond, v_neg, guidance, bool(self.defaults["cfg_rescale"]))
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The scheduler's grid ``(num_steps+1,)`` float32, 1 → 0, as ``QwenImagePipeline`` sets it:

@@ -10,6 +10,17 @@
 As the pipeline, the input image is resized to ``edit_image_area`` pixels (1024² there) at its own aspect
 ratio, sides rounded to 32, before both. A batch's input images must share an aspect ratio (their token
 counts must match to be batched); text rows are padded to the batch's longest (they include the image tokens).
+
+Pref-GRPO's Qwen-Image-Edit training (``train_qwen_image_edit.py`` and its embedding script) conditions
+otherwise, and three sampling defaults give its form (the pipeline's is each one's default):
+
+* ``edit_image_size: output`` resizes the input image to the sample's own height × width (their
+  ``VaeImageProcessor.preprocess(height=h, width=w)``) instead of the condition area;
+* ``vl_image: vae_tensor`` hands the VL encoder the VAE's input tensor (in [−1, 1]) instead of the image, as
+  their embedding script does; the VL processor rescales it by 1/255 once more, so the encoder reads a nearly
+  uniform picture and the instruction is read almost without the image (the VAE tokens still carry it);
+* ``negative_image: black`` reads the negative prompt with a black image of that size (their
+  ``_build_blank_image``) instead of the input image.
 """
 
 from __future__ import annotations
@@ -28,9 +39,13 @@ from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
 from pipelines import qwen_image
-from pipelines._common import pack_2x2, vae_latent_stats
+from pipelines._common import check_choice, pack_2x2, vae_latent_stats
 from pipelines._varlen import pad_rows
-from pipelines.qwen_image import QwenImagePolicy
+from pipelines.qwen_image import QwenImagePolicy, negative_prompt
+
+#: the sampling defaults that switch between the pipeline's conditioning (first) and Pref-GRPO's (second)
+EDIT_FORMS = {"edit_image_size": ("area", "output"), "vl_image": ("image", "vae_tensor"),
+              "negative_image": ("source", "black")}
 
 
 class QwenImageEditPolicy(QwenImagePolicy):
@@ -44,12 +59,18 @@ class QwenImageEditPolicy(QwenImagePolicy):
     def __init__(self, path: Any, **kw: Any) -> None:
         super().__init__(path, **kw)
         self.defaults.setdefault("edit_image_area", 1024 * 1024)  # the pipeline's fixed condition area
+        for key, forms in EDIT_FORMS.items():
+            self.defaults.setdefault(key, forms[0])
+            check_choice(self.defaults, key, forms)
         self._pending: dict[str, tuple[str, Image.Image]] = {}
 
     def condition_image(self, source: Any) -> Image.Image:
-        """The input image as the pipeline feeds it: RGB, resized to ``edit_image_area`` at its aspect ratio."""
+        """The input image as the pipeline feeds it: RGB, resized to ``edit_image_area`` at its aspect ratio
+        (``edit_image_size: output``: to the sample's height × width)."""
         pixels = (load_input_image(source).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
         image = Image.fromarray(pixels)
+        if self.defaults["edit_image_size"] == "output":
+            return self.pipe.image_processor.resize(image, int(self.defaults["height"]), int(self.defaults["width"]))
         width, height, _ = calculate_dimensions(int(self.defaults["edit_image_area"]), image.width / image.height)
         return self.pipe.image_processor.resize(image, height, width)
 
@@ -63,9 +84,9 @@ class QwenImageEditPolicy(QwenImagePolicy):
             raise UserError("Qwen-Image-Edit: the input images of one batch must share an aspect ratio "
                             f"(got sizes {sorted({p.size for p in pictures})})")
         keys = [self._key(p, pic) for p, pic in zip(prompts, pictures)]
-        negative = str(self.defaults.get("negative_prompt") or " ")
+        negative = negative_prompt(self.defaults)
         cfg = float(self.defaults["guidance_scale"]) > 1
-        neg_keys = [self._key(negative, pic) for pic in pictures] if cfg else []
+        neg_keys = [self._key(negative, self._negative_image(pic)) for pic in pictures] if cfg else []
         rows = self._cache.lookup(keys + neg_keys, self._encode_keys)
         self._pending.clear()  # keys found in the cache were never encoded
         # the VL encoder's sequence holds the image's tokens too (over a thousand at 1024²), so rows are padded
@@ -87,9 +108,19 @@ class QwenImageEditPolicy(QwenImagePolicy):
         self._pending[key] = (prompt, picture)
         return key
 
+    def _negative_image(self, picture: Image.Image) -> Image.Image:
+        """The image the negative prompt is read with: the input image, or a black one of its size."""
+        if self.defaults["negative_image"] == "black":
+            return Image.new("RGB", picture.size, (0, 0, 0))
+        return picture
+
     def _encode_keys(self, keys: list[str]) -> dict[str, torch.Tensor]:
         prompt, picture = self._pending[keys[0]]
-        embeds, _ = self.pipe.encode_prompt(prompt=[prompt], image=[picture], device=self.device,
+        image: Any = [picture]
+        if self.defaults["vl_image"] == "vae_tensor":  # the (1, 3, H, W) VAE input in [-1, 1], in the VAE's dtype
+            image = self.pipe.image_processor.preprocess(picture, picture.height, picture.width).to(
+                self.device, self.vae.dtype)
+        embeds, _ = self.pipe.encode_prompt(prompt=[prompt], image=image, device=self.device,
                                             max_sequence_length=int(self.defaults["max_sequence_length"]))
         return {"prompt_embeds": embeds.to(self.dtype)}
 
