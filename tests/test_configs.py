@@ -34,4 +34,4 @@ def test_the_trainer_section_a_run_saves_validates_again(path):
 def test_there_are_tiny_and_real_recipes():
     names = {p.parent.name for p in CONFIGS}
     assert {"tiny", "sd3.5-medium", "flux.1-dev", "wan2.1-1.3b", "qwen-image", "flux.2-klein", "wan2.2-a14b",
-            "flux.1-kontext"} <= names
+            "flux.1-kontext", "qwen-image-edit"} <= names

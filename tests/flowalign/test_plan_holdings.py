@@ -509,3 +509,32 @@ def test_the_reward_gradient_through_the_decoder_is_sized_for_the_chunks_diffusi
     assert _row_difference(bare, s, s, s_random, SAMPLING) == pytest.approx(model.reward_gradient)
     flow_grpo = _tiny("flow_grpo_vvr", tmp_path)
     assert inspect_model(flow_grpo, REPO_ROOT / flow_grpo.model.path).reward_gradient == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- DanceGRPO loop
+
+
+@pytest.mark.parametrize("recipe", ["dance_grpo_vvr", "pref_grpo_vvr"])
+@pytest.mark.parametrize("step_draw,rows", [("per_sample", 1), ("per_batch", 4)])
+def test_the_dance_loop_sizes_activations_for_the_rows_one_training_forward_takes(recipe, step_draw, rows, tmp_path,
+                                                                                  monkeypatch):
+    """DanceGRPO's and Pref-GRPO's samples train one by one at their own drawn steps (``step_draw: per_sample``):
+    the plan sizes activations for one sample's forward, not the rollout batch's (a 9-edit Qwen-Image-Edit group
+    would otherwise be planned at 9× its activations)."""
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _tiny(recipe, tmp_path, "trainer.prompts_per_step=2", "trainer.group_size=2", "trainer.batch_size=4",
+                f"trainer.step_draw={step_draw}", "trainer.guidance_scale=1",
+                'rewards=[{"name": "jpeg_compressibility"}]')  # varies within every group: every sample trains
+    trainer = build_trainer(cfg)
+    seen: list[int] = []
+    velocity = trainer.policy.velocity
+
+    def recorded(x, *args, **kwargs):
+        if torch.is_grad_enabled():
+            seen.append(x.shape[0])
+        return velocity(x, *args, **kwargs)
+
+    trainer.policy.velocity = recorded
+    torch.manual_seed(0)
+    trainer.train_step()
+    assert seen and max(seen) == trainer.training_batch(trainer.tcfg) == rows

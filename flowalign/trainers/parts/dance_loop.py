@@ -35,6 +35,12 @@ class DanceLoop(DanceSchedule):
                             "best_of")
 
     @classmethod
+    def training_batch(cls, tcfg) -> int:
+        """With ``step_draw: per_sample`` a training forward holds one sample (each trains at its own drawn steps,
+        as :meth:`collect` splits the batch); otherwise the batch."""
+        return 1 if tcfg.step_draw == "per_sample" else super().training_batch(tcfg)  # type: ignore[misc]
+
+    @classmethod
     def reference_steps(cls, tcfg) -> int:
         """``⌊timestep_fraction·(T−1)⌋`` drawn steps an epoch (:func:`drawn_reference_steps`)."""
         return drawn_reference_steps(tcfg)
