@@ -129,6 +129,9 @@ def load(
         if line is None:
             raise
         raise UserError(line) from None
+    from pipelines._common import check_known_defaults
+
+    check_known_defaults(policy.defaults, kw.get("defaults"), spec.name)
     apply_memory_options(policy, **memory)
     return policy
 

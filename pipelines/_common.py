@@ -212,9 +212,34 @@ def require_scheduler(pipe: Any, scheduler_class: type, path: str | Path, model:
                         f"{scheduler_class.__name__}")
 
 
-def merge_defaults(builtin: dict[str, Any], path: str | Path, caller: dict[str, Any] | None) -> dict[str, Any]:
+class SamplingDefaults(dict):
+    """A policy's sampling defaults, and the keys its family reads (``known``): its built-in ones, those of its
+    folder's ``flowalign.json`` and those a subclass adds with ``setdefault``. :func:`check_known_defaults`
+    refuses a caller's key outside them, which would otherwise be carried along and never read."""
+
+    def __init__(self, values: dict[str, Any], known: set[str]) -> None:
+        super().__init__(values)
+        self.known = set(known)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.known.add(key)
+        return super().setdefault(key, default)
+
+
+def merge_defaults(builtin: dict[str, Any], path: str | Path, caller: dict[str, Any] | None) -> SamplingDefaults:
     """Sampling defaults: what the checkpoint itself implies, then ``flowalign.json``, then the caller's."""
-    return {**builtin, **sampling_defaults(path), **(caller or {})}
+    folder = sampling_defaults(path)
+    return SamplingDefaults({**builtin, **folder, **(caller or {})}, set(builtin) | set(folder))
+
+
+def check_known_defaults(defaults: dict[str, Any], caller: dict[str, Any] | None, family: str) -> None:
+    """Refuse a caller's sampling default that ``family`` does not read (a misspelt ``heigth``), in one line naming
+    it and the family's keys. Policies whose defaults are a plain dict (a plugin's own) are not checked."""
+    known = getattr(defaults, "known", None)
+    unknown = sorted(set(caller or {}) - known) if known is not None else []
+    if unknown:
+        raise UserError(f"model.defaults.{unknown[0]}: not a sampling default of the {family} family: give one of "
+                        f"{', '.join(sorted(known))}")
 
 
 def check_multiple(defaults: dict[str, Any], multiples: dict[str, int], model: str) -> None:

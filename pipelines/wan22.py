@@ -52,6 +52,7 @@ class Wan22Policy(WanPolicy):
         lora_utils.setup_training(self.transformer_2, lora=lora, full_finetune=full_finetune,
                                   default_targets=DEFAULT_LORA_TARGETS, gradient_checkpointing=gradient_checkpointing)
         self.high_noise = self.transformer
+        self.defaults.setdefault("guidance_scale_2", None)  # None: the high-noise expert's guidance for both
         #: both experts; parameter names are prefixed ``transformer.`` / ``transformer_2.``
         self.trainable = torch.nn.ModuleDict({"transformer": self.high_noise, "transformer_2": self.transformer_2})
 
