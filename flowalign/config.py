@@ -133,7 +133,8 @@ class ModelSection(Section):
     #: keep the text encoders in CPU memory, on the device only while a new prompt is encoded (embeddings
     #: are cached per prompt): frees T5-XXL's ~9.5 GB (bf16) of device memory for the transformer
     offload_text_encoders: bool = False
-    #: sampling defaults over the folder's own (height, width, num_frames, guidance_scale, num_steps, ...)
+    #: sampling defaults over the folder's own (height, width, num_frames, guidance_scale, num_steps, ...; a key the
+    #: model family does not read is refused, naming the family's keys; docs/models.md lists the families' own)
     defaults: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("defaults")
