@@ -9,7 +9,8 @@ Two modes, on a local model folder (``path``) or an OpenAI-compatible server (``
   gives ``x / 5`` (``normalize: false``: ``x``).
 * ``dimension`` (UnifiedReward's per-dimension scores, as Pref-GRPO's ``unifiedreward_*`` rewards read them): the
   image, as it is through JPEG 95, and UnifiedReward's image template; the reply's ``Alignment``, ``Coherence`` and
-  ``Style Score (1-5)``; the reward is the ``dimension`` asked for, on 1-5 (two dimensions: two labelled entries).
+  ``Style Score (1-5)``; the reward is the ``dimension`` asked for, on 1-5 (two dimensions: two labelled entries,
+  which ask their judge once per image, as Pref-GRPO does, and read one reply each).
 * ``think_pairwise`` (UnifiedReward-Think, as Pref-GRPO trains on it): the images sharing a prompt are compared
   two by two with the Think prompt (``think_prompt``), each image as it is, through JPEG at quality 95 as
   Pref-GRPO's client sends it; the ``<answer>`` says "Image 1 is better" or "Image 2 is better". A sample's
@@ -75,6 +76,9 @@ log = logging.getLogger("flowalign.rewards.unified_reward")
 MODES = ("score", "dimension", "think_pairwise", "flex_pairwise", "edit_pairwise", "edit_quality", "edit_instruction")
 #: mode: dimension's dimensions, by the name the reply gives each
 DIMENSIONS = {"alignment": "Alignment", "coherence": "Coherence", "style": "Style"}
+#: each judge's last mode: dimension replies, by request: labelled entries reading two dimensions of the same
+#: (greedy) reply ask once per image, as Pref-GRPO's one request per image; only the latest batch is kept
+_DIMENSION_REPLIES: dict[str, dict[str, Any]] = {}
 #: the info keys of a pointwise edit judgement's parts (RewardScores.parts): the two scores, "both" (always 1: the
 #: blend applies to every sample) and the two weights
 EDIT_PARTS = {"edit_quality": ("naturalness", "artifacts", "both", "naturalness_weight", "artifacts_weight"),
@@ -240,6 +244,23 @@ _FINAL_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")  # Flow-GRPO's pa
 _DIMENSION_SCORE = re.compile(r"(\w+) Score \(1-5\):\s*([0-5](?:\.\d+)?)")  # Pref-GRPO's extract_normalized_rewards
 _VERDICT = {noun: re.compile(noun + r"\s*([12])\s*is\s*better", re.I) for noun in ("Image", "Video")}
 _CLOSED_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def request_key(request: ChatRequest) -> str:
+    """A digest of everything ``request`` asks: its text, its images' pixels and its decoding settings."""
+    digest = hashlib.sha256(repr((request.assistant_prefix, request.max_tokens, request.temperature,
+                                  request.top_logprobs, request.seed, sorted(request.template_kwargs.items()))).encode())
+    for message in request.messages:
+        digest.update(message["role"].encode())
+        content = message["content"]
+        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
+            if part["type"] == "image":
+                image = part["image"]
+                digest.update(repr((image.mode, image.size)).encode())
+                digest.update(image.tobytes())
+            else:
+                digest.update(part["text"].encode())
+    return digest.hexdigest()
 
 
 def parse_final_score(text: str | None) -> float | None:
@@ -431,6 +452,7 @@ class UnifiedReward:
             self.backend: Any = OpenAIChatClient(url, model, api_key=api_key, timeout=timeout, retries=retries,
                                                  concurrency=concurrency)
             self.local = False
+            self.judge = f"{url}\x00{model}"
         else:
             from rewards.vlm_backend import LocalVLM
 
@@ -440,6 +462,7 @@ class UnifiedReward:
                                 f" download {DOWNLOAD}")
             self.backend = LocalVLM(folder, device=self.device or "cpu", dtype=dtype, batch_size=batch_size)
             self.local = True
+            self.judge = f"{folder.resolve()}\x00{dtype}"
 
     @classmethod
     def planned_bytes(cls, options: dict[str, Any]) -> int:
@@ -513,8 +536,8 @@ class UnifiedReward:
             if not valid_in[i]:
                 info[i]["reason"] = "sample has NaN/inf values"
         if self.mode == "dimension":
-            replies = self.backend.complete([self._ask(images[i], DIMENSION_QUESTION.format(prompt=prompts[i]))
-                                             for i in todo])
+            replies = self._asked_once([self._ask(images[i], DIMENSION_QUESTION.format(prompt=prompts[i]))
+                                        for i in todo])
             name = DIMENSIONS[self.dimension]  # type: ignore[index]
             for i, c in zip(todo, replies):
                 found = parse_dimension_scores(c.text) if c.error is None else {}
@@ -544,6 +567,17 @@ class UnifiedReward:
             log.warning("%s: %d/%d samples invalid (first: %s)", self.name, int((~valid).sum()), n,
                         next(str(x.get("reason")) for x, ok in zip(info, valid.tolist()) if not ok)[:120])
         return RewardOutput({self.name: scores.to(samples.device)}, valid=valid.to(samples.device), info=info)
+
+    def _asked_once(self, requests: list[ChatRequest]) -> list[Any]:
+        """The judge's replies to ``requests``, a request this judge was just asked (by another entry's dimension)
+        answered from its reply; failed replies are asked again."""
+        memo = _DIMENSION_REPLIES.get(self.judge, {})
+        keys = [request_key(r) for r in requests]
+        missing = [j for j, k in enumerate(keys) if k not in memo]
+        asked = dict(zip(missing, self.backend.complete([requests[j] for j in missing]))) if missing else {}
+        replies = [asked[j] if j in asked else memo[k] for j, k in enumerate(keys)]
+        _DIMENSION_REPLIES[self.judge] = {k: c for k, c in zip(keys, replies) if c.error is None}
+        return replies
 
     def _pairwise(self, todo: list[int], images: dict[int, list[Any]], prompts: list[str], scores: torch.Tensor,
                   info: list[dict[str, Any]], noun: str) -> None:

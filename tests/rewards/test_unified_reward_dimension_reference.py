@@ -50,6 +50,34 @@ def test_each_dimension_is_their_reading_of_the_reply(dimension):
             assert not out.valid[i] and "no 'Coherence Score (1-5): x'" in out.info[i]["reason"]
 
 
+def test_two_dimensions_ask_the_judge_once_per_image_as_theirs():
+    """Pref-GRPO asks once per image and reads every dimension of the reply; two labelled entries do the same:
+    the second reads the first's replies (a failed one is asked again), and the next batch is asked anew."""
+    prompts = KNOWN["prompts"][:4]
+    reply = {sha256(DIMENSION_QUESTION.format(prompt=p)): r for p, r in zip(prompts, KNOWN["replies"])}
+    asked = []
+
+    def reply_of(body):
+        text = parts(body)[1]
+        asked.append(prompts.index(next(p for p in prompts if DIMENSION_QUESTION.format(prompt=p) == text)))
+        if asked[-1] == 3 and asked.count(3) == 1:
+            return None  # the first request of the last image fails (HTTP 500)
+        return reply[sha256(text)]
+
+    images = torch.rand(4, 3, 16, 16)
+    with judge(reply_of) as srv:
+        alignment = load(srv, mode="dimension", dimension="alignment")
+        style = load(srv, mode="dimension", dimension="style")
+        a, s = alignment(images, prompts, []), style(images, prompts, [])
+        assert sorted(asked) == [0, 1, 2, 3, 3]  # the failed request asked again, the others once
+        assert not a.valid[3] and s.valid[3]
+        for i in range(3):
+            assert a.components["unified_reward"][i] == KNOWN["alignment"][i]
+            assert s.components["unified_reward"][i] == KNOWN["style"][i]
+        style(torch.rand(4, 3, 16, 16), prompts, [])
+        assert len(asked) == 9  # new images: asked again
+
+
 def test_the_dimension_is_required_with_the_mode_only():
     with judge(lambda body: "") as srv:
         with pytest.raises(UserError, match="mode: dimension reads one dimension of the reply: give dimension"):
