@@ -460,7 +460,7 @@ class UnifiedReward:
             if not (folder / "config.json").is_file():
                 raise UserError(f"unified_reward reward: path={str(path)!r} is not a model folder (no config.json);"
                                 f" download {DOWNLOAD}")
-            self.backend = LocalVLM(folder, device=self.device or "cpu", dtype=dtype, batch_size=batch_size)
+            self.backend = LocalVLM.shared(folder, device=self.device or "cpu", dtype=dtype, batch_size=batch_size)
             self.local = True
             self.judge = f"{folder.resolve()}\x00{dtype}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,21 @@ class LocalVLM:
     Requests are answered in batches of ``batch_size`` with left padding; one lock serialises
     access, so a server may call :meth:`complete` from many threads.
     """
+
+    #: the judges loaded in this process, by folder, device, dtype and batch size, while a reward holds them
+    _loaded: "weakref.WeakValueDictionary[tuple[str, str, str, int], LocalVLM]" = weakref.WeakValueDictionary()
+
+    @classmethod
+    def shared(cls, model: str | Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "fp32",
+               batch_size: int = 8) -> "LocalVLM":
+        """The judge in ``model`` loaded once in this process: reward entries naming the same folder (two
+        dimensions of one judge) hold one copy of its weights, not one each."""
+        key = (str(Path(model).resolve()), str(torch.device(device)), str(resolve_dtype(dtype, "VLM judge")),
+               batch_size if isinstance(batch_size, int) else -1)  # a bad batch size: refused by the constructor
+        judge = cls._loaded.get(key)
+        if judge is None:
+            judge = cls._loaded[key] = cls(model, device=device, dtype=dtype, batch_size=batch_size)
+        return judge
 
     def __init__(self, model: str | Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "fp32",
                  batch_size: int = 8):

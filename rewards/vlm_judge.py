@@ -411,7 +411,7 @@ class LocalVLMJudge(VLMJudge):
                  **options: Any):
         from rewards.vlm_backend import LocalVLM
 
-        backend = LocalVLM(model, device=device, dtype=dtype, batch_size=batch_size)
+        backend = LocalVLM.shared(model, device=device, dtype=dtype, batch_size=batch_size)
         super().__init__(backend, **options)
 
     @classmethod

@@ -124,6 +124,26 @@ def test_unified_reward_score_mode_parses_the_generated_reply(unified_dir, image
     assert torch.equal(raw(images[:1], PROMPTS[:1], []).components["unified_reward"], torch.tensor([4.0]))
 
 
+def test_entries_naming_one_judge_folder_hold_one_copy_of_it(unified_dir, images):
+    """Two dimensions of one local judge (Pref-GRPO's alignment and style) load its weights once; another dtype
+    is another copy; the copy goes when no reward holds it."""
+    import gc
+
+    from rewards.vlm_backend import LocalVLM
+
+    alignment = rewards.load("unified_reward", path=str(unified_dir), dtype="float32", mode="dimension",
+                             dimension="alignment")
+    style = rewards.load("unified_reward", path=str(unified_dir), dtype="float32", mode="dimension",
+                         dimension="style")
+    other = rewards.load("unified_reward", path=str(unified_dir), dtype="bf16")
+    assert alignment.backend is style.backend and other.backend is not alignment.backend
+    assert style(images[:1], PROMPTS[:1], []).valid.tolist() in ([True], [False])  # the shared judge answers
+    held = len(LocalVLM._loaded)
+    del alignment, style
+    gc.collect()
+    assert len(LocalVLM._loaded) == held - 1
+
+
 def test_unified_reward_think_pairwise_gives_win_rates_per_prompt(unified_dir, images):
     # the tiny model writes "Image 2 is better" with no <answer> block: Pref-GRPO's reading (verdict_parse:
     # answer, the default) names no winner, a tie; the former lenient reading finds the verdict outside the block
