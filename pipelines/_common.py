@@ -238,8 +238,12 @@ def check_known_defaults(defaults: dict[str, Any], caller: dict[str, Any] | None
     known = getattr(defaults, "known", None)
     unknown = sorted(set(caller or {}) - known) if known is not None else []
     if unknown:
-        raise UserError(f"model.defaults.{unknown[0]}: not a sampling default of the {family} family: give one of "
-                        f"{', '.join(sorted(known))}")
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UserError(f"model.defaults.{unknown[0]}: not a sampling default of the {family} family: {hint}give one "
+                        f"of {', '.join(sorted(known))}")
 
 
 def check_multiple(defaults: dict[str, Any], multiples: dict[str, int], model: str) -> None:

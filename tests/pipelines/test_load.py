@@ -50,8 +50,8 @@ def test_defaults_merge_family_file_and_caller(tiny_sd3_dir, tmp_path):
 def test_a_default_the_family_does_not_read_is_refused_in_one_line(tiny_sd3_dir, tiny_model_dir):
     """A misspelt key would otherwise ride along unread; a subclass's own keys (Qwen-Image-Edit's forms) and the
     folder's flowalign.json keys are known."""
-    with pytest.raises(UserError, match=r"^model.defaults.heigth: not a sampling default of the sd3 family: give "
-                                        r"one of guidance_scale, height, .*width$"):
+    with pytest.raises(UserError, match=r"^model.defaults.heigth: not a sampling default of the sd3 family: did you "
+                                        r"mean 'height'\? give one of guidance_scale, height, .*width$"):
         pipelines.load(tiny_sd3_dir, defaults={"heigth": 48})
     edit = pipelines.load(tiny_model_dir("qwen_image_edit"), defaults={"vl_image": "vae_tensor", "edit_image_area": 1024})
     assert edit.defaults["vl_image"] == "vae_tensor"
