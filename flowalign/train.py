@@ -336,6 +336,9 @@ def check_run(cfg: TrainConfig) -> tuple[type, Any]:
     if not (folder / "model_index.json").is_file():
         raise UserError(f"model.path {folder} is not a diffusers folder (no model_index.json): pass the model's "
                         "folder, or one of assets/architectures/* (configs only, for flowalign plan)")
+    import pipelines
+
+    pipelines.check_defaults(folder, cfg.model.defaults)  # the family's code, no weights
     return trainer_cls, tcfg
 
 

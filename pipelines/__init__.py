@@ -122,6 +122,7 @@ def load(
     check_model_folder(path)  # a missing or damaged part in one line, before diffusers reads it
     memory = {k: kw.pop(k) for k in MEMORY_OPTIONS & set(kw)}
     policy_class = spec.policy_class(families.read_index(path))
+    check_defaults(path, kw.get("defaults"))
     try:
         policy = policy_class(path, device=device, dtype=torch_dtype, lora=lora, full_finetune=full_finetune, **kw)
     except ValueError as err:
@@ -129,11 +130,17 @@ def load(
         if line is None:
             raise
         raise UserError(line) from None
-    from pipelines._common import check_known_defaults
-
-    check_known_defaults(policy.defaults, kw.get("defaults"), spec.name)
     apply_memory_options(policy, **memory)
     return policy
+
+
+def check_defaults(path: str | Path, defaults: dict[str, Any] | None) -> None:
+    """Refuse a ``model.defaults`` key the folder's family does not read, naming it (imports the family's code,
+    loads no weights: what ``flowalign train --check`` runs)."""
+    from pipelines._common import check_sampling_defaults
+
+    spec = families.detect(path)
+    check_sampling_defaults(spec.policy_class(families.read_index(path)), path, defaults, spec.name)
 
 
 # The core's way into what the families share: flowalign plan runs the transformer on the meta device with

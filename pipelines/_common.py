@@ -212,38 +212,32 @@ def require_scheduler(pipe: Any, scheduler_class: type, path: str | Path, model:
                         f"{scheduler_class.__name__}")
 
 
-class SamplingDefaults(dict):
-    """A policy's sampling defaults, and the keys its family reads (``known``): its built-in ones, those of its
-    folder's ``flowalign.json`` and those a subclass adds with ``setdefault``. :func:`check_known_defaults`
-    refuses a caller's key outside them, which would otherwise be carried along and never read."""
-
-    def __init__(self, values: dict[str, Any], known: set[str]) -> None:
-        super().__init__(values)
-        self.known = set(known)
-
-    def setdefault(self, key: str, default: Any = None) -> Any:
-        self.known.add(key)
-        return super().setdefault(key, default)
+#: the model.defaults keys every family reads; a policy class states its own as ``sampling_keys``
+SAMPLING_KEYS = frozenset({"height", "width", "num_frames", "num_steps", "guidance_scale", "max_sequence_length",
+                           "shift"})
 
 
-def merge_defaults(builtin: dict[str, Any], path: str | Path, caller: dict[str, Any] | None) -> SamplingDefaults:
+def merge_defaults(builtin: dict[str, Any], path: str | Path, caller: dict[str, Any] | None) -> dict[str, Any]:
     """Sampling defaults: what the checkpoint itself implies, then ``flowalign.json``, then the caller's."""
-    folder = sampling_defaults(path)
-    return SamplingDefaults({**builtin, **folder, **(caller or {})}, set(builtin) | set(folder))
+    return {**builtin, **sampling_defaults(path), **(caller or {})}
 
 
-def check_known_defaults(defaults: dict[str, Any], caller: dict[str, Any] | None, family: str) -> None:
-    """Refuse a caller's sampling default that ``family`` does not read (a misspelt ``heigth``), in one line naming
-    it and the family's keys. Policies whose defaults are a plain dict (a plugin's own) are not checked."""
-    known = getattr(defaults, "known", None)
-    unknown = sorted(set(caller or {}) - known) if known is not None else []
+def check_sampling_defaults(policy_class: type, path: str | Path, caller: dict[str, Any] | None, family: str) -> None:
+    """Refuse a caller's sampling default that ``policy_class`` does not read (a misspelt ``heigth``), in one line
+    naming it, the nearest key and the family's keys: its ``sampling_keys`` and those of the folder's
+    ``flowalign.json``. A policy class without ``sampling_keys`` (a plugin's own) is not checked."""
+    keys = getattr(policy_class, "sampling_keys", None)
+    if keys is None:
+        return
+    known = sorted(set(keys) | set(sampling_defaults(path)))
+    unknown = sorted(set(caller or {}) - set(known))
     if unknown:
         import difflib
 
-        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        close = difflib.get_close_matches(unknown[0], known, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UserError(f"model.defaults.{unknown[0]}: not a sampling default of the {family} family: {hint}give one "
-                        f"of {', '.join(sorted(known))}")
+                        f"of {', '.join(known)}")
 
 
 def check_multiple(defaults: dict[str, Any], multiples: dict[str, int], model: str) -> None:

@@ -45,6 +45,7 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, check_multiple
 from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, encode_with_empty_negative
 from pipelines._common import gaussian_noise, make_trainable, merge_defaults, negative_conditioning, open_pipeline
@@ -147,6 +148,8 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
     """
 
     family = "anyflow_far"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"chunk_partition", "use_mean_velocity"}
     is_video = True
     streaming = True
 

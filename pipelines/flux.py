@@ -26,6 +26,7 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PromptCache, batch_size, check_num_steps
 from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, grid_ids, make_trainable
 from pipelines._common import open_pipeline, own_scheduler, pack_2x2, scheduler_shift, sigma_batch, sized_defaults
@@ -44,6 +45,8 @@ class FluxPolicy(PackedLatents, lora_utils.AdapterMethods):
     """
 
     family = "flux"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS
     is_video = False
     #: the diffusers pipeline loaded (FLUX.1 Kontext's subclass swaps in ``FluxKontextPipeline``)
     pipeline_class: type = FluxPipeline

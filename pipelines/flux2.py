@@ -41,6 +41,7 @@ from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from flowalign.sampling.inputs import load_input_image
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PolicyOptions, PromptCache, batch_size, check_num_steps
 from pipelines._common import check_prompts, decode_in_chunks, encode_with_empty_negative, gaussian_noise
 from pipelines._common import held, load_frozen_pipeline, make_trainable, own_scheduler, scheduler_shift, sigma_batch
@@ -65,6 +66,8 @@ class Flux2Policy(lora_utils.AdapterMethods):
     """
 
     family = "flux2"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"reference_images", "text_encoder_out_layers"}
     is_video = False
 
     def __init__(self, path: str | Path, **options: Any) -> None:

@@ -29,6 +29,7 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
 from pipelines._common import check_multiple, check_num_steps, check_prompts, decode_in_chunks
 from pipelines._common import encode_with_empty_negative, gaussian_noise, make_trainable, merge_defaults
@@ -50,6 +51,8 @@ class HunyuanVideo15Policy(lora_utils.AdapterMethods):
     """
 
     family = "hunyuan_video15"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS
     is_video = True
 
     def __init__(self, path: str | Path, **options: Any) -> None:

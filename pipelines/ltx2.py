@@ -59,6 +59,7 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_mix, check_multiple, check_num_steps
 from pipelines._common import check_prompts, encode_with_empty_negative, gaussian_noise, make_trainable, merge_defaults
 from pipelines._common import negative_conditioning, open_pipeline, require_scheduler, sigma_batch, text_encoders
@@ -80,6 +81,8 @@ class LTX2Policy(lora_utils.AdapterMethods):
     """
 
     family = "ltx2"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"frame_rate", "audio_guidance_scale"}
     is_video = True
 
     def __init__(self, path: str | Path, **options: Any) -> None:

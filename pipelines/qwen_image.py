@@ -28,6 +28,7 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PackedLatents, PromptCache, batch_size, check_choice
 from pipelines._common import check_num_steps
 from pipelines._common import check_prompts, decode_in_chunks, gaussian_noise, make_trainable, open_pipeline
@@ -65,6 +66,8 @@ class QwenImagePolicy(PackedLatents, lora_utils.AdapterMethods):
     """
 
     family = "qwen_image"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"negative_prompt", "cfg_rescale"}
     is_video = False
     pipeline_class: type = QwenImagePipeline
 

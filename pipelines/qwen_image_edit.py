@@ -53,6 +53,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
     ``image_hw (B, 2)`` (the condition's unpacked latent size) to Qwen-Image's text tensors."""
 
     family = "qwen_image_edit"
+    sampling_keys = QwenImagePolicy.sampling_keys | {"edit_image_area", *EDIT_FORMS}
     pipeline_class = QwenImageEditPipeline
     input_images = True
 

@@ -22,6 +22,7 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import JOINT_ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
 from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, gaussian_noise, make_trainable
 from pipelines._common import negative_conditioning, open_pipeline, own_scheduler, scheduler_shift, sigma_batch
@@ -41,6 +42,8 @@ class SD3Policy(lora_utils.AdapterMethods):
     """
 
     family = "sd3"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS
     is_video = False
     #: the diffusers pipeline loaded (a family built on SD3 may subclass with its own)
     pipeline_class: type = StableDiffusion3Pipeline

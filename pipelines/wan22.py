@@ -38,6 +38,8 @@ LORA_WEIGHT_NAME_2 = "pytorch_lora_weights_transformer_2.safetensors"
 class Wan22Policy(WanPolicy):
     """Wan 2.2 two-expert text-to-video policy (``family == "wan"``; see the module docstring)."""
 
+    sampling_keys = WanPolicy.sampling_keys | {"guidance_scale_2"}  # the low-noise expert's guidance
+
     two_experts = True
 
     def __init__(self, path: str | Path, *, lora: dict[str, Any] | None = None, full_finetune: bool = False,

@@ -29,6 +29,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, cfg_mix
 from pipelines._common import check_multiple, check_num_steps, check_prompts, decode_in_chunks
 from pipelines._common import encode_with_empty_negative, gaussian_noise, make_trainable, merge_defaults
@@ -48,6 +49,8 @@ class WanPolicy(lora_utils.AdapterMethods):
     """
 
     family = "wan"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS
     is_video = True
     #: Wan 2.2-A14B's high/low-noise experts are handled by the subclass in ``pipelines/wan22.py``
     two_experts = False

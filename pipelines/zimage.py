@@ -27,6 +27,7 @@ from flowalign.errors import UserError
 from flowalign.families import FamilySpec
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS
 from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, check_num_steps, check_prompts
 from pipelines._common import decode_in_chunks, gaussian_noise, make_trainable, open_pipeline, own_scheduler
 from pipelines._common import scheduler_shift, sigma_batch, sized_defaults, vae_unscale, zeros_factory
@@ -44,6 +45,8 @@ class ZImagePolicy(lora_utils.AdapterMethods):
     """
 
     family = "zimage"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS
     is_video = False
 
     def __init__(self, path: str | Path, **options: Any) -> None:

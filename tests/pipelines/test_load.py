@@ -48,15 +48,29 @@ def test_defaults_merge_family_file_and_caller(tiny_sd3_dir, tmp_path):
 
 
 def test_a_default_the_family_does_not_read_is_refused_in_one_line(tiny_sd3_dir, tiny_model_dir):
-    """A misspelt key would otherwise ride along unread; a subclass's own keys (Qwen-Image-Edit's forms) and the
-    folder's flowalign.json keys are known."""
+    """A misspelt key would otherwise ride along unread; a subclass's own keys (Qwen-Image-Edit's forms) are
+    known. Refused before any weight is read."""
     with pytest.raises(UserError, match=r"^model.defaults.heigth: not a sampling default of the sd3 family: did you "
                                         r"mean 'height'\? give one of guidance_scale, height, .*width$"):
         pipelines.load(tiny_sd3_dir, defaults={"heigth": 48})
     edit = pipelines.load(tiny_model_dir("qwen_image_edit"), defaults={"vl_image": "vae_tensor", "edit_image_area": 1024})
     assert edit.defaults["vl_image"] == "vae_tensor"
     with pytest.raises(UserError, match="model.defaults.vl_imag: not a sampling default of the qwen_image_edit"):
-        pipelines.load(tiny_model_dir("qwen_image_edit"), defaults={"vl_imag": "vae_tensor"})
+        pipelines.check_defaults(tiny_model_dir("qwen_image_edit"), {"vl_imag": "vae_tensor"})
+
+
+def _twins() -> list[str]:
+    from flowalign import families
+
+    return [twin for name in families.names() for twin in families.get(name).tiny]
+
+
+@pytest.mark.parametrize("twin", _twins())
+def test_each_policy_reads_exactly_the_sampling_keys_it_states(twin, tiny_model_dir):
+    """The keys a policy class states (what ``check_defaults`` and ``flowalign train --check`` accept) are the
+    keys of its defaults once built: a key read but not stated, or stated but never set, fails here."""
+    policy = pipelines.load(tiny_model_dir(twin))
+    assert set(policy.defaults) == set(type(policy).sampling_keys)
 
 
 def test_shift_default_overrides_the_scheduler_shift(tiny_sd3_dir):

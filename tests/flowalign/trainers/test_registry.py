@@ -104,6 +104,7 @@ def test_train_check_refuses_what_a_run_would_refuse_and_loads_nothing(tmp_path,
         (["eval.bench=nope"], "eval.bench=nope is not a benchmark"),
         ([f"model.path={tmp_path}"], "not a diffusers folder"),
         (["rewards=[]"], "at least one reward"),  # the trainer's own check_config
+        (["model.defaults.heigth=48"], "model.defaults.heigth: not a sampling default of the sd3 family"),
     ]:
         with pytest.raises(UserError, match=message):
             check_run(load_config(None, [*base, *extra]))
