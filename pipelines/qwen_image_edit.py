@@ -12,7 +12,8 @@ ratio, sides rounded to 32, before both. A batch's input images must share an as
 counts must match to be batched); text rows are padded to the batch's longest (they include the image tokens).
 
 Pref-GRPO's Qwen-Image-Edit training (``train_qwen_image_edit.py`` and its embedding script) conditions
-otherwise, and three sampling defaults give its form (the pipeline's is each one's default):
+otherwise, and three sampling defaults give its form (the pipeline's is each one's default), beside Qwen-Image's
+``cfg_rescale: false`` (their plain CFG) and ``negative_prompt: ""``:
 
 * ``edit_image_size: output`` resizes the input image to the sample's own height × width (their
   ``VaeImageProcessor.preprocess(height=h, width=w)``) instead of the condition area;
