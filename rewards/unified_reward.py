@@ -246,23 +246,6 @@ _VERDICT = {noun: re.compile(noun + r"\s*([12])\s*is\s*better", re.I) for noun i
 _CLOSED_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
-def request_key(request: ChatRequest) -> str:
-    """A digest of everything ``request`` asks: its text, its images' pixels and its decoding settings."""
-    digest = hashlib.sha256(repr((request.assistant_prefix, request.max_tokens, request.temperature,
-                                  request.top_logprobs, request.seed, sorted(request.template_kwargs.items()))).encode())
-    for message in request.messages:
-        digest.update(message["role"].encode())
-        content = message["content"]
-        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
-            if part["type"] == "image":
-                image = part["image"]
-                digest.update(repr((image.mode, image.size)).encode())
-                digest.update(image.tobytes())
-            else:
-                digest.update(part["text"].encode())
-    return digest.hexdigest()
-
-
 def parse_final_score(text: str | None) -> float | None:
     """The ``x`` of the first ``Final Score: x`` (1..5) in a reply, or None (Flow-GRPO scores that 0)."""
     m = _FINAL_SCORE.search(text or "")
@@ -572,7 +555,7 @@ class UnifiedReward:
         """The judge's replies to ``requests``, a request this judge was just asked (by another entry's dimension)
         answered from its reply; failed replies are asked again."""
         memo = _DIMENSION_REPLIES.get(self.judge, {})
-        keys = [request_key(r) for r in requests]
+        keys = [r.digest() for r in requests]
         missing = [j for j, k in enumerate(keys) if k not in memo]
         asked = dict(zip(missing, self.backend.complete([requests[j] for j in missing]))) if missing else {}
         replies = [asked[j] if j in asked else memo[k] for j, k in enumerate(keys)]

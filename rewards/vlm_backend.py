@@ -8,6 +8,7 @@ So the scoring code, the parsing and the HTTP path all see the same requests and
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import weakref
@@ -42,6 +43,22 @@ class ChatRequest:
     top_logprobs: int = 0
     seed: int | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def digest(self) -> str:
+        """A SHA-256 of everything this request asks: roles, texts, images' pixels and the decoding settings."""
+        h = hashlib.sha256(repr((self.assistant_prefix, self.max_tokens, self.temperature, self.top_logprobs,
+                                 self.seed, sorted(self.template_kwargs.items()))).encode())
+        for message in self.messages:
+            h.update(message["role"].encode())
+            content = message["content"]
+            for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
+                if part["type"] == "image":
+                    image = part["image"]
+                    h.update(repr((image.mode, image.size)).encode())
+                    h.update(image.tobytes())
+                else:
+                    h.update(part["text"].encode())
+        return h.hexdigest()
 
 
 @dataclass
