@@ -10,6 +10,7 @@ from torch import nn
 
 from flowalign.errors import UserError
 from rewards.clip_common import CROP_OFFSET_MEANINGS, OpenCLIP, clip_embed_dim, load_clip, meta_clip, meta_open_clip
+from rewards.clip_common import use_pixels
 from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated, one_of, weights_path
 from rewards.planning import existing, on_meta
@@ -76,8 +77,10 @@ class AestheticScore(EmbeddingReward):
     default ``path``'s ``clip/``), ``clip_arch`` (the open_clip architecture of a checkpoint file),
     ``random_init`` (random backbone and head, nothing read), ``crop_offset`` (``floor``, default: an odd
     margin's centre crop placed as Flow-GRPO's ``CLIPProcessor`` places it; ``round``: as torchvision's
-    ``CenterCrop``, the earlier form), ``batch_size``, ``device``, ``dtype``. Flow-GRPO's scorer reads 8-bit
-    images through PIL; the float path here differs from it by that rounding only (docs/methods/flow_grpo.md).
+    ``CenterCrop``, the earlier form), ``pixels`` (``float``, default: the processor's steps in torch,
+    differentiable; ``pil``: a transformers CLIP's processor on the 8-bit images through PIL, as Flow-GRPO's scorer
+    reads them, no gradient), ``batch_size``, ``device``, ``dtype``. The float path differs from Flow-GRPO's scorer
+    by PIL's 8-bit rounding only (docs/methods/flow_grpo.md).
     Deprecated: ``head_path`` (→ ``path``), ``model``/``pretrained`` (→ ``clip_path``).
     """
 
@@ -89,7 +92,7 @@ class AestheticScore(EmbeddingReward):
     def __init__(self, path: str | None = None, *, clip_path: str | None = None,
                  clip_arch: str = "ViT-L-14-quickgelu", head_path: str | None = None, model: str | None = None,
                  pretrained: str | None = None, random_init: bool = False, crop_offset: str = "floor",
-                 **options: Any):
+                 pixels: str = "float", **options: Any):
         super().__init__(**options)
         one_of("aesthetic reward", "crop_offset", crop_offset, CROP_OFFSETS, CROP_OFFSET_MEANINGS)
         if head_path is not None:
@@ -113,6 +116,7 @@ class AestheticScore(EmbeddingReward):
             self.clip = load_clip(self.name, clip_path, arch=clip_arch, dtype=self.dtype, download=CLIP_DOWNLOAD,
                                   option="clip_path", random_init=random_init)
         self.clip.crop_offset = crop_offset
+        use_pixels(self, self.name, self.clip, pixels, crop_offset)
         self.head = AestheticHead(self.clip.embed_dim)
         if not random_init:
             given = weights_path(self.name, path, download=HEAD_DOWNLOAD)

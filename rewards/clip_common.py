@@ -16,11 +16,16 @@ import torch.nn.functional as F
 
 from flowalign.errors import UserError
 from flowalign.protocols import NotSized
-from rewards.common import constant
+from rewards.common import constant, to_pil
+from rewards.model_options import one_of
 from rewards.planning import existing, missing, on_meta
 
 #: where a centre crop of an odd margin starts: what each ``crop_offset`` value follows
 CROP_OFFSET_MEANINGS = {"round": "torchvision's CenterCrop", "floor": "CLIPImageProcessor's"}
+#: how a transformers CLIP's input is made (``pixels:`` of the rewards that read one)
+PIXELS = {"float": "the processor's steps in torch on the float images (differentiable)",
+          "pil": "the processor's PIL backend on the 8-bit images, as Flow-GRPO's PickScore and aesthetic scorers "
+                 "read them (no gradient)"}
 
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 #: what an error asks for when open_clip weights are missing (rewards with special weights say more)
@@ -178,6 +183,22 @@ class OpenCLIP:
         return F.normalize(torch.cat(feats).float(), dim=-1)
 
 
+def use_pixels(reward: object, who: str, clip: object, pixels: str, crop_offset: str) -> None:
+    """Set how ``clip`` makes its input (:data:`PIXELS`); ``pil`` needs a transformers CLIP folder and the processor's
+    own crop, and makes ``reward`` non-differentiable (a trainer that needs its gradient refuses it)."""
+    one_of(f"{who} reward", "pixels", pixels, tuple(PIXELS), PIXELS)
+    if pixels == "float":
+        return
+    if not isinstance(clip, HFCLIP):
+        raise UserError(f"{who} reward: pixels: pil reads the images through a transformers CLIPImageProcessor; "
+                        "give a transformers CLIP folder, or pixels: float")
+    if crop_offset != "floor":
+        raise UserError(f"{who} reward: pixels: pil crops as the processor does (crop_offset: floor); "
+                        f"crop_offset: {crop_offset} needs pixels: float")
+    clip.pixels = "pil"
+    reward.differentiable = False  # type: ignore[attr-defined]
+
+
 class HFCLIP:
     """A frozen transformers ``CLIPModel`` folder (``config.json`` + weights) with its tokenizer and the
     crop, mean and std of its ``preprocessor_config.json`` (read from ``processor_path``, default the
@@ -208,6 +229,10 @@ class HFCLIP:
         self.max_length = self.model.config.text_config.max_position_embeddings
         # torchvision's rounding, as before; CLIPImageProcessor floors, which a reward asks for (crop_offset)
         self.crop_offset = "round"
+        self.processor_path = processor_path
+        #: :data:`PIXELS`; set by :func:`use_pixels`
+        self.pixels = "float"
+        self._pil_processor: object | None = None
         #: how images reach the model's size (:func:`clip_preprocess`); None: CLIPImageProcessor's centre crop
         self.resize_mode: str | None = None
         self.dtype = dtype
@@ -225,9 +250,25 @@ class HFCLIP:
         """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; preprocessed as
         ``CLIPImageProcessor`` does (shortest side to the crop, bicubic unless ``interpolation`` is given, centre
         crop placed by ``crop_offset``, normalise)."""
-        x = clip_preprocess(images, self.size, self.mean, self.std, self.resize_mode or "shortest",
-                            interpolation=interpolation or "bicubic", crop_offset=self.crop_offset).to(self.dtype)
+        if self.pixels == "pil":
+            x = self.pil_pixels(images).to(self.dtype)
+        else:
+            x = clip_preprocess(images, self.size, self.mean, self.std, self.resize_mode or "shortest",
+                                interpolation=interpolation or "bicubic", crop_offset=self.crop_offset).to(self.dtype)
         return F.normalize(_features(self.model.get_image_features(pixel_values=x)).float(), dim=-1)
+
+    @torch.no_grad()
+    def pil_pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, S, S)`` float32 on ``images``' device: the images rounded to 8 bits and put through
+        ``CLIPImageProcessorPil`` (PIL's bicubic resize of the shortest side, which rounds to 8 bits after each
+        pass, the crop at the floor of half the margin, the mean and std), what Flow-GRPO's PickScore and
+        aesthetic scorers hand their model. No gradient."""
+        if self._pil_processor is None:
+            from transformers import CLIPImageProcessorPil
+
+            self._pil_processor = CLIPImageProcessorPil.from_pretrained(self.processor_path)
+        pictures = [to_pil(image) for image in images]
+        return self._pil_processor(images=pictures, return_tensors="pt")["pixel_values"].to(images.device)
 
     @torch.no_grad()
     def encode_texts(self, prompts: list[str], device: torch.device, batch_size: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import NotSized
-from rewards.clip_common import CROP_OFFSET_MEANINGS, HFCLIP, unique_rows
+from rewards.clip_common import CROP_OFFSET_MEANINGS, HFCLIP, unique_rows, use_pixels
 from rewards.clip_score import CLIPScore
 from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated, one_of, weights_path
@@ -62,13 +62,15 @@ class PickScore(EmbeddingReward):
     crop, CLIP's mean and std), in torch: ``crop_offset: floor`` (default) places the crop of an odd margin as the
     processor does, ``round`` half a pixel further, as torchvision's ``CenterCrop`` (the earlier form). Flow-GRPO's
     scorer reads 8-bit images through PIL; the float path here differs from it by that rounding only
-    (docs/methods/flow_grpo.md, "The reward models against Flow-GRPO's scorers").
+    (docs/methods/flow_grpo.md, "The reward models against Flow-GRPO's scorers"); ``pixels: pil`` reads them as
+    it does (the processor's PIL backend on the 8-bit images), without a gradient.
 
     A transformers ``CLIPModel``. Options: ``path`` (the downloaded ``yuvalkirstain/PickScore_v1`` folder),
     ``processor_path`` (the folder with the tokenizer and ``preprocessor_config.json`` when ``path`` lacks them:
     ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``), ``form``, ``random_init`` (the architecture of ``path``'s
-    ``config.json`` with random weights), ``scale``, ``crop_offset``, ``batch_size``, ``device``, ``dtype``. Deprecated: ``model``
-    (→ ``path``), ``processor`` (→ ``processor_path``). Differentiable in the samples.
+    ``config.json`` with random weights), ``scale``, ``crop_offset``, ``pixels`` (``float``, default, or ``pil``),
+    ``batch_size``, ``device``, ``dtype``. Deprecated: ``model``
+    (→ ``path``), ``processor`` (→ ``processor_path``). Differentiable in the samples (with ``pixels: float``).
     """
 
     name = "pickscore"
@@ -79,7 +81,7 @@ class PickScore(EmbeddingReward):
 
     def __init__(self, path: str | None = None, *, processor_path: str | None = None, form: str = "flow_grpo",
                  scale: float | None = None, model: str | None = None, processor: str | None = None,
-                 random_init: bool = False, crop_offset: str = "floor", **options: Any):
+                 random_init: bool = False, crop_offset: str = "floor", pixels: str = "float", **options: Any):
         super().__init__(**options)
         one_of("pickscore reward", "crop_offset", crop_offset, CROP_OFFSETS, CROP_OFFSET_MEANINGS)
         one_of("pickscore reward", "form", form, PICKSCORE_FORMS)
@@ -102,6 +104,7 @@ class PickScore(EmbeddingReward):
             option="processor_path", kind="folder")
         self.clip = HFCLIP(self.name, folder, proc, self.dtype, random_init)
         self.clip.crop_offset = crop_offset
+        use_pixels(self, self.name, self.clip, pixels, crop_offset)
         self.model = self.clip.model
         self.divisor = PICKSCORE_FORMS[form] if scale is None else float(scale)
 

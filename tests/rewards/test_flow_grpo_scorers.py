@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import rewards
+from flowalign.errors import UserError
 from rewards.aesthetic import AestheticHead
 from tests.rewards.known_images import known_batch
 from rewards.tiny_rewards import save_tiny_hf_clip
@@ -73,6 +74,24 @@ def test_pickscore_equals_flow_grpos_pickscore_scorer(folders):
 
 def test_aesthetic_equals_flow_grpos_aesthetic_scorer(folders):
     check(rewards.load("aesthetic", path=str(folders["head"]), clip_path=str(folders["clip768"])), "aesthetic")
+
+
+def test_pixels_pil_equals_flow_grpos_scorers_to_float_rounding(folders):
+    """``pixels: pil`` hands the model what their processor hands it (transformers' PIL backend on the 8-bit
+    images): PickScore and the aesthetic score to 1e-6, where the float path needs the tolerances above; the
+    reward then passes no gradient, and a trainer that needs one refuses it."""
+    for reward, key in ((rewards.load("pickscore", path=str(folders["clip32"]), pixels="pil"), "pickscore"),
+                        (rewards.load("aesthetic", path=str(folders["head"]), clip_path=str(folders["clip768"]),
+                                      pixels="pil"), "aesthetic")):
+        assert reward.differentiable is False
+        for name in BATCHES:
+            x, prompts = batch(name)
+            theirs = torch.tensor(ANSWERS["batches"][name]["scores"][key])
+            torch.testing.assert_close(reward(x, prompts, []).components[key], theirs, atol=1e-6, rtol=0)
+    with pytest.raises(UserError, match="pixels: pil crops as the processor does"):
+        rewards.load("pickscore", path=str(folders["clip32"]), pixels="pil", crop_offset="round")
+    with pytest.raises(UserError, match="pixels='bytes' is not known"):
+        rewards.load("pickscore", path=str(folders["clip32"]), pixels="bytes")
 
 
 def test_clip_score_flow_grpo_form_equals_their_clip_scorer(folders):
