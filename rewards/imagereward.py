@@ -23,8 +23,8 @@ from torch import nn
 from flowalign.errors import UserError
 from flowalign.protocols import NotSized
 from rewards.clip_common import clip_preprocess
-from rewards.common import BatchedImageReward
-from rewards.model_options import resolve_dtype, weights_path
+from rewards.common import BatchedImageReward, to_pil
+from rewards.model_options import one_of, resolve_dtype, weights_path
 from rewards.planning import existing, module_bytes, on_accelerator, on_meta, option, published
 from rewards.registry import register
 
@@ -55,6 +55,23 @@ _VISION_RENAMES = (
     (r"^blocks\.(\d+)\.mlp\.", r"encoder.layers.\1.mlp."),
     (r"^norm\.", "post_layernorm."),
 )
+
+
+#: how the images become the model's input (``pixels:``)
+PIXELS = {"float": "the preprocessing in torch on the float images (differentiable)",
+          "pil": "the 8-bit images through the ImageReward package's torchvision transform of PIL images (no gradient)"}
+
+
+@torch.no_grad()
+def pil_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
+    """``(B, 3, size, size)`` float32 on ``images``' device: each image rounded to 8 bits, as a PIL image through
+    ``Resize(size, bicubic)``, ``CenterCrop(size)``, ``ToTensor()`` and CLIP's ``Normalize``, the ImageReward
+    package's ``_transform`` (PIL's resize rounds to 8 bits after each pass)."""
+    from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
+
+    transform = Compose([Resize(size, interpolation=InterpolationMode.BICUBIC), CenterCrop(size), ToTensor(),
+                         Normalize(CLIP_MEAN, CLIP_STD)])
+    return torch.stack([transform(to_pil(image)) for image in images]).to(images.device)
 
 
 def imagereward_head(width: int) -> nn.Sequential:
@@ -160,17 +177,22 @@ class ImageReward(BatchedImageReward):
 
     Options: ``path`` (a folder with ``ImageReward.pt`` and ``med_config.json`` from THUDM/ImageReward, or the
     ``.pt`` file with the config beside it), ``tokenizer_path`` (the bert-base-uncased tokenizer the reference
-    uses; default ``path``'s folder when it holds one), ``random_init``, ``batch_size``, ``device``, ``dtype``.
-    Differentiable in the samples (ImageReward's ReFL ascends it).
+    uses; default ``path``'s folder when it holds one), ``random_init``, ``pixels`` (``float``, default: the
+    preprocessing in torch on the float images, differentiable, as ImageReward's ReFL ascends it; ``pil``: the
+    images rounded to 8 bits and put through the package's own torchvision transform of PIL images, as
+    Flow-GRPO's ``ImageRewardScorer`` hands them, no gradient), ``batch_size``, ``device``, ``dtype``.
     """
 
     name = "imagereward"
 
     def __init__(self, path: str | None = None, *, tokenizer_path: str | None = None, random_init: bool = False,
-                 **options: Any):
+                 pixels: str = "float", **options: Any):
         from transformers import AutoTokenizer
 
         super().__init__(**options)
+        one_of("imagereward reward", "pixels", pixels, tuple(PIXELS), PIXELS)
+        self.pixels = pixels
+        self.differentiable = pixels == "float"
         checkpoint, config = _files(self.name, path)
         folder = checkpoint.parent if tokenizer_path is None else weights_path(
             self.name, tokenizer_path, download=TOKENIZER_DOWNLOAD, option="tokenizer_path", kind="folder")
@@ -239,7 +261,10 @@ class ImageReward(BatchedImageReward):
 
     def score_batch(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         size = self.model.image_size
-        x = clip_preprocess(images, size, CLIP_MEAN, CLIP_STD).to(self.dtype)
+        if self.pixels == "pil":
+            x = pil_pixels(images, size).to(self.dtype)
+        else:
+            x = clip_preprocess(images, size, CLIP_MEAN, CLIP_STD).to(self.dtype)
         return (self.model(x, input_ids, attention_mask) - MEAN) / STD
 
 

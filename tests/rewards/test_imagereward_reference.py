@@ -51,6 +51,19 @@ def test_imagereward_equals_the_imagereward_package_as_flow_grpo_scores(reward, 
     torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=0, msg=lambda m: f"imagereward {name}: {m}")
 
 
+def test_pixels_pil_equals_the_imagereward_package_where_it_resizes_too(tmp_path_factory):
+    """``pixels: pil`` hands the model what their scorer hands it (8-bit PIL images through the package's
+    torchvision transform): every batch within the exact batch's tolerance, resized or not; no gradient."""
+    folder = save_tiny_imagereward(tmp_path_factory.mktemp("imagereward-pil") / "released", seed=0, widths="released")
+    reward = rewards.load("imagereward", path=str(folder), pixels="pil")
+    assert reward.differentiable is False
+    for name in sorted(ANSWERS["batches"]):
+        x, prompts = batch(name)
+        theirs = torch.tensor(ANSWERS["batches"][name]["scores"])
+        torch.testing.assert_close(reward(x, prompts, []).components["imagereward"], theirs, atol=EXACT, rtol=0,
+                                   msg=lambda m: f"imagereward pixels: pil {name}: {m}")
+
+
 def test_the_prompts_tokenise_as_their_blip_tokenizer(reward):
     """bert-base-uncased's WordPiece (here the folder's vocabulary) plus [DEC] and [ENC], padded or cut to 35; the
     long prompt is cut, so a token length other than 35 changes its ids (and its score)."""
