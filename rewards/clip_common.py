@@ -249,7 +249,7 @@ class HFCLIP:
     def encode_images(self, images: torch.Tensor, interpolation: str | None = None) -> torch.Tensor:
         """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; preprocessed as
         ``CLIPImageProcessor`` does (shortest side to the crop, bicubic unless ``interpolation`` is given, centre
-        crop placed by ``crop_offset``, normalise)."""
+        crop placed by ``crop_offset``, normalise). With ``pixels: pil``: :meth:`pil_pixels`, no gradient."""
         if self.pixels == "pil":
             x = self.pil_pixels(images).to(self.dtype)
         else:
