@@ -7,6 +7,7 @@ Kept deliberately thin: everything model-specific stays in the family files.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -232,8 +233,6 @@ def check_sampling_defaults(policy_class: type, path: str | Path, caller: dict[s
     known = sorted(set(keys) | set(sampling_defaults(path)))
     unknown = sorted(set(caller or {}) - set(known))
     if unknown:
-        import difflib
-
         close = difflib.get_close_matches(unknown[0], known, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UserError(f"model.defaults.{unknown[0]}: not a sampling default of the {family} family: {hint}give one "
