@@ -78,8 +78,8 @@ class AestheticScore(EmbeddingReward):
     ``random_init`` (random backbone and head, nothing read), ``crop_offset`` (``floor``, default: an odd
     margin's centre crop placed as Flow-GRPO's ``CLIPProcessor`` places it; ``round``: as torchvision's
     ``CenterCrop``, the earlier form), ``pixels`` (``float``, default: the processor's steps in torch,
-    differentiable; ``pil``: a transformers CLIP's processor on the 8-bit images through PIL, as Flow-GRPO's scorer
-    reads them, no gradient), ``batch_size``, ``device``, ``dtype``. The float path differs from Flow-GRPO's scorer
+    differentiable; ``pil``: the 8-bit images through the CLIP's own preprocessing of PIL images, a transformers
+    CLIP's as Flow-GRPO's scorer reads them, no gradient), ``batch_size``, ``device``, ``dtype``. The float path differs from Flow-GRPO's scorer
     by PIL's 8-bit rounding only (docs/methods/flow_grpo.md).
     Deprecated: ``head_path`` (→ ``path``), ``model``/``pretrained`` (→ ``clip_path``).
     """

@@ -23,9 +23,9 @@ from rewards.planning import existing, missing, on_meta
 #: where a centre crop of an odd margin starts: what each ``crop_offset`` value follows
 CROP_OFFSET_MEANINGS = {"round": "torchvision's CenterCrop", "floor": "CLIPImageProcessor's"}
 #: how a transformers CLIP's input is made (``pixels:`` of the rewards that read one)
-PIXELS = {"float": "the processor's steps in torch on the float images (differentiable)",
-          "pil": "the processor's PIL backend on the 8-bit images, as Flow-GRPO's PickScore and aesthetic scorers "
-                 "read them (no gradient)"}
+PIXELS = {"float": "the preprocessing in torch on the float images (differentiable)",
+          "pil": "the model's own preprocessing of 8-bit PIL images: transformers' PIL-backend processor, or "
+                 "open_clip's evaluation transform (no gradient)"}
 
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 #: what an error asks for when open_clip weights are missing (rewards with special weights say more)
@@ -160,6 +160,9 @@ class OpenCLIP:
         #: how images reach the model's size (:func:`clip_preprocess`); None: as the model's preprocessing config
         self.resize_mode: str | None = None
         self.dtype = dtype
+        #: :data:`PIXELS`; set by :func:`use_pixels`
+        self.pixels = "float"
+        self._pil_transform: Callable[[object], torch.Tensor] | None = None
 
     @property
     def embed_dim(self) -> int:
@@ -170,10 +173,24 @@ class OpenCLIP:
         """``(B, 3, H, W)`` in [0, 1] → unit-norm embeddings ``(B, D)`` float32, differentiable; resampled as the
         model's preprocessing config says, or with ``interpolation`` when given."""
         cfg = self.preprocess_cfg
-        x = clip_preprocess(images, cfg["size"], cfg["mean"], cfg["std"],
-                            self.resize_mode or cfg.get("resize_mode", "shortest"),
-                            interpolation or cfg.get("interpolation", "bicubic"), crop_offset=self.crop_offset)
+        if self.pixels == "pil":
+            x = self.pil_pixels(images)
+        else:
+            x = clip_preprocess(images, cfg["size"], cfg["mean"], cfg["std"],
+                                self.resize_mode or cfg.get("resize_mode", "shortest"),
+                                interpolation or cfg.get("interpolation", "bicubic"), crop_offset=self.crop_offset)
         return F.normalize(self.model.encode_image(x.to(self.dtype)).float(), dim=-1)
+
+    @torch.no_grad()
+    def pil_pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, S, S)`` float32 on ``images``' device: each image rounded to 8 bits, as a PIL image through the
+        model's own evaluation transform (``create_model_and_transforms``' second one: PIL's resize, which rounds
+        to 8 bits after each pass, the centre crop, ``ToTensor``, the mean and std). No gradient."""
+        if self._pil_transform is None:
+            from open_clip.transform import PreprocessCfg, image_transform_v2
+
+            self._pil_transform = image_transform_v2(PreprocessCfg(**self.preprocess_cfg), is_train=False)
+        return torch.stack([self._pil_transform(to_pil(image)) for image in images]).to(images.device)
 
     @torch.no_grad()
     def encode_texts(self, prompts: list[str], device: torch.device, batch_size: int) -> torch.Tensor:
@@ -184,18 +201,18 @@ class OpenCLIP:
 
 
 def use_pixels(reward: object, who: str, clip: object, pixels: str, crop_offset: str) -> None:
-    """Set how ``clip`` makes its input (:data:`PIXELS`); ``pil`` needs a transformers CLIP folder and the processor's
-    own crop, and makes ``reward`` non-differentiable (a trainer that needs its gradient refuses it)."""
+    """Set how ``clip`` (:class:`HFCLIP` or :class:`OpenCLIP`) makes its input (:data:`PIXELS`); ``pil`` crops as
+    the model's own preprocessing does (transformers' processor at the floor of half the margin, open_clip's
+    ``CenterCrop`` rounding it) and makes ``reward`` non-differentiable (a trainer that needs its gradient
+    refuses it)."""
     one_of(f"{who} reward", "pixels", pixels, tuple(PIXELS), PIXELS)
     if pixels == "float":
         return
-    if not isinstance(clip, HFCLIP):
-        raise UserError(f"{who} reward: pixels: pil reads the images through a transformers CLIPImageProcessor; "
-                        "give a transformers CLIP folder, or pixels: float")
-    if crop_offset != "floor":
-        raise UserError(f"{who} reward: pixels: pil crops as the processor does (crop_offset: floor); "
+    own = "floor" if isinstance(clip, HFCLIP) else "round"
+    if crop_offset != own:
+        raise UserError(f"{who} reward: pixels: pil crops as the model's own preprocessing does (crop_offset: {own}); "
                         f"crop_offset: {crop_offset} needs pixels: float")
-    clip.pixels = "pil"
+    clip.pixels = "pil"  # type: ignore[attr-defined]
     reward.differentiable = False  # type: ignore[attr-defined]
 
 

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
+from flowalign.errors import UserError
 from rewards.clip_common import CROP_OFFSET_MEANINGS, OpenCLIP, load_clip, meta_clip, meta_open_clip, unique_rows
+from rewards.clip_common import use_pixels
 from rewards.common import EmbeddingReward
 from rewards.model_options import deprecated, one_of
 from rewards.registry import register
@@ -64,7 +66,7 @@ class CLIPScore(EmbeddingReward):
     def __init__(self, path: str | None = None, *, arch: str | None = None, processor_path: str | None = None,
                  model: str | None = None, pretrained: str | None = None, random_init: bool = False,
                  prompt_form: str = "as_given", interpolation: str = "model", form: str = "cosine",
-                 crop_offset: str = "round", resize: str | None = None, **options: Any):
+                 crop_offset: str = "round", resize: str | None = None, pixels: str = "float", **options: Any):
         super().__init__(**options)
         resize = self.default_resize if resize is None else resize
         label = f"{self.name} reward"
@@ -93,6 +95,10 @@ class CLIPScore(EmbeddingReward):
                                   download=self.download, processor_path=processor_path, random_init=random_init)
         self.clip.crop_offset = crop_offset
         self.clip.resize_mode = RESIZES[resize]
+        if pixels == "pil" and (self.interpolation is not None or resize != "model"):
+            raise UserError(f"{label}: pixels: pil resizes as the model's own preprocessing does; it takes "
+                            f"interpolation: model and resize: model (form: flow_grpo resamples bilinear on floats)")
+        use_pixels(self, self.name, self.clip, pixels, crop_offset)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.clip.model]

@@ -88,7 +88,7 @@ def test_pixels_pil_equals_flow_grpos_scorers_to_float_rounding(folders):
             x, prompts = batch(name)
             theirs = torch.tensor(ANSWERS["batches"][name]["scores"][key])
             torch.testing.assert_close(reward(x, prompts, []).components[key], theirs, atol=1e-6, rtol=0)
-    with pytest.raises(UserError, match="pixels: pil crops as the processor does"):
+    with pytest.raises(UserError, match=r"pixels: pil crops as the model.s own preprocessing does \(crop_offset: floor\)"):
         rewards.load("pickscore", path=str(folders["clip32"]), pixels="pil", crop_offset="round")
     with pytest.raises(UserError, match="pixels='bytes' is not known"):
         rewards.load("pickscore", path=str(folders["clip32"]), pixels="bytes")
