@@ -22,10 +22,9 @@ from rewards.planning import existing, missing, on_meta
 
 #: where a centre crop of an odd margin starts: what each ``crop_offset`` value follows
 CROP_OFFSET_MEANINGS = {"round": "torchvision's CenterCrop", "floor": "CLIPImageProcessor's"}
-#: how a transformers CLIP's input is made (``pixels:`` of the rewards that read one)
+#: how an image reward's model input is made (``pixels:``; the CLIP rewards and imagereward)
 PIXELS = {"float": "the preprocessing in torch on the float images (differentiable)",
-          "pil": "the model's own preprocessing of 8-bit PIL images: transformers' PIL-backend processor, or "
-                 "open_clip's evaluation transform (no gradient)"}
+          "pil": "the model's own preprocessing of 8-bit PIL images, as its reference scorer reads them (no gradient)"}
 
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".npz")
 #: what an error asks for when open_clip weights are missing (rewards with special weights say more)

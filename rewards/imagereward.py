@@ -12,17 +12,18 @@ encoder's from the ``med_config.json`` shipped beside it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from flowalign.errors import UserError
 from flowalign.protocols import NotSized
-from rewards.clip_common import clip_preprocess
+from rewards.clip_common import PIXELS, clip_preprocess
 from rewards.common import BatchedImageReward, to_pil
 from rewards.model_options import one_of, resolve_dtype, weights_path
 from rewards.planning import existing, module_bytes, on_accelerator, on_meta, option, published
@@ -57,20 +58,21 @@ _VISION_RENAMES = (
 )
 
 
-#: how the images become the model's input (``pixels:``)
-PIXELS = {"float": "the preprocessing in torch on the float images (differentiable)",
-          "pil": "the 8-bit images through the ImageReward package's torchvision transform of PIL images (no gradient)"}
+@functools.lru_cache(maxsize=4)
+def pil_transform(size: int) -> Callable[[Any], torch.Tensor]:
+    """The ImageReward package's ``_transform``: ``Resize(size, bicubic)``, ``CenterCrop(size)``, ``ToTensor()``,
+    CLIP's ``Normalize``, on a PIL image (PIL's resize rounds to 8 bits after each pass)."""
+    from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
+
+    return Compose([Resize(size, interpolation=InterpolationMode.BICUBIC), CenterCrop(size), ToTensor(),
+                    Normalize(CLIP_MEAN, CLIP_STD)])
 
 
 @torch.no_grad()
 def pil_pixels(images: torch.Tensor, size: int) -> torch.Tensor:
-    """``(B, 3, size, size)`` float32 on ``images``' device: each image rounded to 8 bits, as a PIL image through
-    ``Resize(size, bicubic)``, ``CenterCrop(size)``, ``ToTensor()`` and CLIP's ``Normalize``, the ImageReward
-    package's ``_transform`` (PIL's resize rounds to 8 bits after each pass)."""
-    from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
-
-    transform = Compose([Resize(size, interpolation=InterpolationMode.BICUBIC), CenterCrop(size), ToTensor(),
-                         Normalize(CLIP_MEAN, CLIP_STD)])
+    """``(B, 3, size, size)`` float32 on ``images``' device: each image rounded to 8 bits, through
+    :func:`pil_transform` (what Flow-GRPO's ``ImageRewardScorer`` hands the package)."""
+    transform = pil_transform(size)
     return torch.stack([transform(to_pil(image)) for image in images]).to(images.device)
 
 

@@ -137,7 +137,13 @@ def test_entries_naming_one_judge_folder_hold_one_copy_of_it(unified_dir, images
                          dimension="style")
     other = rewards.load("unified_reward", path=str(unified_dir), dtype="bf16")
     assert alignment.backend is style.backend and other.backend is not alignment.backend
-    assert style(images[:1], PROMPTS[:1], []).valid.tolist() in ([True], [False])  # the shared judge answers
+    # the shared judge answers both entries, and the second reads the reply the first got (one request)
+    asked = []
+    complete = alignment.backend.complete
+    alignment.backend.complete = lambda requests: asked.append(len(requests)) or complete(requests)
+    first, second = alignment(images[:1], PROMPTS[:1], []), style(images[:1], PROMPTS[:1], [])
+    assert first.info[0]["reply"] == second.info[0]["reply"] and first.info[0]["reply"] and asked == [1]
+    del alignment.backend.complete, complete  # the bound method holds the judge
     held = len(LocalVLM._loaded)
     del alignment, style
     gc.collect()
