@@ -58,3 +58,24 @@ def refuse_lora_without_its_file(folder: Path, full: Path, source: str = "--adap
     if lora:
         raise UserError(f"{source} {folder}: this LoRA checkpoint is missing its LoRA file "
                         "(pytorch_lora_weights.safetensors); restore it, or use another checkpoint")
+
+
+def read_torch_file(path: Path, *, trust_pickle: bool, what: str) -> Any:
+    """A ``torch.save`` file from elsewhere (an authors' release), read as tensors and plain values only unless
+    ``trust_pickle`` (a pickle can run code: only for a file you trust); a missing or unreadable file is one
+    line naming ``what`` it should be."""
+    import pickle
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file; give {what}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        why = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        if trust_pickle:
+            raise UserError(f"{path}: not a torch checkpoint ({why})") from e
+        raise UserError(f"{path}: not a checkpoint of tensors and plain values ({why}); if it is one you trust "
+                        "that holds more, add --trust-pickle") from e

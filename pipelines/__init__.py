@@ -38,7 +38,8 @@ __all__ = ["PLUGINS", "DTYPE_NAMES", "load", "detect_family", "parse_dtype", "ap
 #: what this package contributes to the core's plugin tables (:mod:`flowalign.plugins`); the same targets
 #: as the ``flowalign.*`` entry points in pyproject.toml
 PLUGINS = {
-    "commands": {"tiny": "pipelines.cli.tiny", "pretrain-tiny": "pipelines.pretrain.cli"},
+    "commands": {"tiny": "pipelines.cli.tiny", "pretrain-tiny": "pipelines.pretrain.cli",
+                 "causal-wan": "pipelines.cli.causal_wan"},
     #: family name → its spec (:class:`flowalign.families.FamilySpec`)
     "families": {
         "sd3": "pipelines.sd3:SPEC",

@@ -6,6 +6,12 @@ enters the cache. The rollout keeps what trainers of such models need: every chu
 each chunk started from (the state a stream is forked at), and per-step log-probabilities on the chunks
 sampled stochastically (NaN on ODE steps, as :class:`flowalign.sampling.rollout.Rollout` keeps them).
 
+A policy whose own few-step sampler is stochastic (``own_sampler``, e.g. a causal Wan generator's x̂0 re-noised
+with fresh noise: ``("cps", 1.0)``) takes that step on the chunks not sampled otherwise. Its fresh noise for
+chunk k's step i is keyed by the stream's initial noise and ``(k, i)`` (:func:`keyed_draws`): a stream's draws
+do not depend on the batch it is sampled in, forks from the same noise draw the same noise after the fork, and
+a resumed run redraws what it drew.
+
 Forking: ``prefix=StreamPrefix(clean, cache)`` starts every stream at chunk ``cache.num_chunks`` with those
 clean chunks and that cache (repeat a rollout's prefix ``n`` times with :meth:`StreamRollout.prefix` and
 ``repeats=n``), so forks share everything before the fork chunk bit for bit.
@@ -16,13 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import hashlib
+
 import torch
 
 from flowalign.errors import UserError
 from flowalign.protocols import Conditioning, StreamingPolicy
 from flowalign.sampling.inputs import encode_prompts
 from flowalign.sampling.rollout import check_prompts, check_sampler
-from flowalign.sampling.steps import sde_step
+from flowalign.sampling.steps import cps_moments, sde_step
 
 
 @dataclass
@@ -46,7 +54,9 @@ class StreamRollout:
     ``(B, 1, C, f_k, H, W)``. ``sigmas`` ``(T+1,)`` (every chunk's grid); ``log_probs`` ``(B, K, T)`` stored at
     sampling time, NaN on ODE steps and on prefix chunks; ``sde_chunks`` ``(K,)`` bool, the chunks sampled
     stochastically; ``caches[k]`` the cache chunk k started from (for ``k >= start``; None before);
-    ``samples`` the decoded videos ``(B, F, 3, H, W)`` (None when not decoded).
+    ``samples`` the decoded videos ``(B, F, 3, H, W)`` (None when not decoded); ``velocities[k]`` ``(B, T, C, f_k,
+    H, W)`` the velocities chunk k's steps predicted where the policy's own stochastic step took them (None
+    elsewhere: see :meth:`taken_velocities`).
     """
 
     prompts: list[str]
@@ -62,6 +72,7 @@ class StreamRollout:
     sampler: str = "ode"
     noise_level: float = 0.0
     guidance_scale: float = 1.0
+    velocities: list[torch.Tensor | None] | None = None
 
     def __len__(self) -> int:
         return self.chunks[0].shape[0]
@@ -88,6 +99,13 @@ class StreamRollout:
     def step(self, k: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x_i, x_{i+1}, stored log_prob)`` of chunk ``k``'s step ``i``: ``(B, C, f_k, H, W)`` twice and ``(B,)``."""
         return self.chunks[k][:, i], self.chunks[k][:, i + 1], self.log_probs[:, k, i]
+
+    def taken_velocities(self, k: int) -> torch.Tensor:
+        """``(B, T, C, f_k, H, W)``: the velocity each step of chunk ``k`` followed, so that ``x_t − σ_t·u_t`` is
+        the clean prediction the step took: the stored prediction where the policy's own step re-noised it,
+        else the jump ``(x_{t+1} − x_t)/(σ_{t+1} − σ_t)`` (:func:`jump_velocities`; deterministic steps)."""
+        stored = self.velocities[k] if self.velocities is not None and k < len(self.velocities) else None
+        return stored if stored is not None else jump_velocities(self.chunks[k], self.sigmas)
 
 
 @torch.no_grad()
@@ -143,8 +161,11 @@ def stream_rollout(
         if prefix.cache.batch != n or clean.shape[0] != n:
             raise UserError(f"prefix holds {prefix.cache.batch} streams for {n} prompts: repeat it with "
                             "StreamPrefix.repeat_interleave to fork each stream")
+    own_kind, own_level = getattr(policy, "own_sampler", ("ode", 0.0))
+    keys = stream_keys(noise) if own_kind != "ode" else []
     trajectories = [clean[:, None, :, policy.chunk_slice(k)] for k in range(start)]
     caches: list[Any] = [None] * start
+    velocities: list[torch.Tensor | None] = [None] * start
     log_probs = torch.full((n, chunks, num_steps), float("nan"))
     # each streamed chunk's log-probs (B, num_steps), kept on the device and read back once after the last
     # chunk: a read at every step would make the host wait for the device there
@@ -152,17 +173,23 @@ def stream_rollout(
     for k in range(start, chunks):
         caches.append(cache)
         x = noise[:, :, policy.chunk_slice(k)]
-        kind = sampler if stochastic[k] else "ode"
-        path, steps = [x], []
+        kind, kind_level = (sampler, level) if stochastic[k] else (own_kind, own_level)
+        path, steps, taken = [x], [], []
         for i in range(num_steps):
             s, s_next = sigmas[i].item(), sigmas[i + 1].item()
             v = policy.chunk_velocity(x, s, s_next, cache, cond, guidance)
-            out = sde_step(kind, v, x, s, s_next, noise_level=level if kind != "ode" else 0.0, generator=generator)
+            draw = None
+            if not stochastic[k] and own_kind != "ode":
+                taken.append(v.float())
+                if s_next > 0:
+                    draw = own_step(own_kind, own_level, v, x, s, s_next, keyed_draws(keys, k, i, x))
+            out = sde_step(kind, v, x, s, s_next, noise_level=kind_level, generator=generator, prev_sample=draw)
             x = out.prev_sample
             path.append(x)
             steps.append(out.log_prob.float())
         streamed.append(torch.stack(steps, dim=1))
         trajectories.append(torch.stack(path, dim=1))
+        velocities.append(torch.stack(taken, dim=1) if taken else None)
         clean = torch.cat([clean, x], dim=2)
         if k < chunks - 1:
             cache = (policy.append_chunks(cache, clean, cond, guidance) if route is None
@@ -171,7 +198,38 @@ def stream_rollout(
         log_probs[:, start:] = torch.stack(streamed, dim=1).cpu()
     result = StreamRollout(prompts=prompts, metadata=meta, chunks=trajectories, sigmas=sigmas.cpu(), log_probs=log_probs,
                            sde_chunks=stochastic, caches=caches, samples=None, cond=cond, start=start, sampler=sampler,
-                           noise_level=level, guidance_scale=guidance)
+                           noise_level=level, guidance_scale=guidance, velocities=velocities)
     if decode:
         result.samples = policy.decode(result.final_latents)
     return result
+
+
+def jump_velocities(states: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """``u_t = (x_{t+1} − x_t)/(σ_{t+1} − σ_t)`` ``(G, T, ...)`` of deterministic trajectories ``states (G, T+1, ...)``."""
+    steps = (sigmas[1:] - sigmas[:-1]).to(states, non_blocking=True).view(1, -1, *[1] * (states.ndim - 2))
+    return (states[:, 1:] - states[:, :-1]) / steps
+
+
+def stream_keys(noise: torch.Tensor) -> list[int]:
+    """One 63-bit key per stream: a digest of its whole-video initial noise ``(B, C, F, H, W)`` (read once)."""
+    rows = noise.detach().float().cpu().contiguous()
+    return [int.from_bytes(hashlib.sha256(row.numpy().tobytes()).digest()[:8], "little") >> 1 for row in rows]
+
+
+def keyed_draws(keys: list[int], k: int, i: int, like: torch.Tensor) -> torch.Tensor:
+    """Standard normal noise shaped as ``like`` ``(B, ...)`` for chunk ``k``'s step ``i``, each row from its own
+    generator seeded by the stream's key and ``(k, i)``, on ``like``'s device, float32."""
+    rows = [torch.randn(like.shape[1:], generator=torch.Generator().manual_seed((key + 1_000_003 * (k * 1_000 + i))
+                                                                                % (2**63 - 1)))
+            for key in keys]
+    return torch.stack(rows).to(like.device)
+
+
+def own_step(kind: str, level: float, v: torch.Tensor, x: torch.Tensor, sigma: float, sigma_next: float,
+             noise: torch.Tensor) -> torch.Tensor:
+    """The next state of a policy's own stochastic step with the given standard normal ``noise``: the step's
+    mean plus its std times the noise (CPS: :func:`flowalign.sampling.steps.cps_moments`)."""
+    if kind != "cps":
+        raise UserError(f"own_sampler {kind!r}: a streaming policy's own stochastic step must be CPS")
+    mean, std = cps_moments(v, x, sigma, sigma_next, eta=level)
+    return mean + std * noise

@@ -186,6 +186,9 @@ class ARCoPOTrainer(GroupTrainer):
             raise UserError(f"trainer.name=ar_copo forks a streaming video model chunk by chunk, but model.path holds "
                             f"a {self.policy.family!r} model; use a streaming family (one whose policy generates chunk by chunk "
                             "with a KV cache, such as AnyFlow-FAR)")
+        if self.tcfg.anchor == "center" and getattr(self.policy, "own_sampler", ("ode",))[0] != "ode":
+            raise UserError("trainer.anchor=center replays the fork chunk's deterministic path, but this model "
+                            "re-noises every step with fresh noise (its own sampler); use trainer.anchor=candidates")
         chunks = len(self.policy.chunk_frames)
         self.fork_chunks = list(range(chunks)) if self.tcfg.fork_chunks is None else list(self.tcfg.fork_chunks)
         bad = [k for k in self.fork_chunks if not 0 <= k < chunks]

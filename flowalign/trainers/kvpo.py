@@ -44,7 +44,6 @@ from flowalign.trainers.options import (
 from flowalign.trainers.parts.anchor_advantages import fused_anchor_advantages
 from flowalign.trainers.parts.branch_policy import (
     branch_objective,
-    taken_velocities,
     velocity_energy,
     x0_scores,
 )
@@ -143,7 +142,9 @@ def middle_frames(videos: torch.Tensor, frames: int | None) -> torch.Tensor:
 @dataclass
 class BranchGroup:
     """One prompt's branches routed from chunk ``chunk``: the shared prefix ``(1, C, F_{<k}, H, W)``, each window
-    chunk's states ``(G, T+1, C, f_c, H, W)``, the history each branch kept at ``chunk``, advantages ``(G,)``,
+    chunk's states ``(G, T+1, C, f_c, H, W)`` and the velocities its steps took ``(G, T, C, f_c, H, W)``
+    (:meth:`flowalign.sampling.streaming.StreamRollout.taken_velocities`), the history each branch kept at
+    ``chunk``, advantages ``(G,)``,
     the branch logits at sampling ``(G,)`` and at the starting weights (or None), and whether a branch beat
     the anchor."""
 
@@ -151,6 +152,7 @@ class BranchGroup:
     chunk: int
     prefix: torch.Tensor
     states: list[torch.Tensor]
+    taken: list[torch.Tensor]
     routings: list[tuple[int, ...]]
     advantages: torch.Tensor
     old_scores: torch.Tensor
@@ -270,7 +272,7 @@ class KVPOTrainer(GroupTrainer):
                     v.append(policy.chunk_velocity(states[:, t], sigmas[t].item(), sigmas[t + 1].item(), cache, cond,
                                                    guidance))
             v = torch.stack(v, dim=1)
-            u = taken_velocities(states, sigmas)
+            u = group.taken[w].to(policy.device, non_blocking=True)
             total = total + (x0_scores(v, u, sigmas, tc.sigma_floor) if tc.score == "x0_sigma"
                              else -velocity_energy(v, u) / tc.temperature)
             clean = torch.cat([clean, states[:, last] - sigmas[last].item() * v[:, last].detach()], dim=2)
@@ -302,11 +304,14 @@ class KVPOTrainer(GroupTrainer):
                                         initial_noise=noise[j:j + 1], prefix=routed, route=route, decode=False)
                 with torch.no_grad():
                     samples.append(policy.decode(branch.final_latents))
-                states.append([branch.chunks[c][0] for c in range(k, k + self.window(k))])
+                states.append([(branch.chunks[c][0], branch.taken_velocities(c)[0])
+                               for c in range(k, k + self.window(k))])
                 chunks.append(branch.chunks[k][:, -1])
                 kept.append(len(route(k)) / k)
-            window = [torch.stack(chunk).cpu() for chunk in zip(*states)]
-            branched.append((prompts[i], k, prefix.clean.cpu(), window, [r(k) for r in routes]))
+            window = [(torch.stack([s for s, _ in chunk]).cpu(), torch.stack([u for _, u in chunk]).cpu())
+                      for chunk in zip(*states)]
+            branched.append((prompts[i], k, prefix.clean.cpu(), [s for s, _ in window], [u for _, u in window],
+                             [r(k) for r in routes]))
         routed = [parts[1] for parts in branched]
         advantages, safe, logs = self.advantages(torch.cat(samples), anchors, chunks, routed, prompts, metadata,
                                                  firsts, step)

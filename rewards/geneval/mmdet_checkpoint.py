@@ -179,22 +179,14 @@ def convert_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False,
     ``out_dir`` atomically; its classes are COCO's 80 in mmdetection's order (the checkpoint's own names when
     it records them). The checkpoint is read as tensors and plain values only, unless ``trust_pickle`` (a
     pickle can run code: only for a file you trust)."""
-    import pickle
-
     from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor
 
+    from flowalign.saved_weights import read_torch_file
+
     checkpoint = Path(checkpoint)
-    if not checkpoint.is_file():
-        raise UserError(f"{checkpoint}: no such file; give GenEval's mmdetection checkpoint "
-                        "(mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth, from its download_models.sh)")
-    try:
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=not trust_pickle)
-    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
-        why = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        if trust_pickle:
-            raise UserError(f"{checkpoint}: not a torch checkpoint ({why})") from e
-        raise UserError(f"{checkpoint}: not a checkpoint of tensors and plain values ({why}); if it is one you "
-                        "trust that holds more, add --trust-pickle") from e
+    saved = read_torch_file(checkpoint, trust_pickle=trust_pickle,
+                            what="GenEval's mmdetection checkpoint (mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth, "
+                                 "from its download_models.sh)")
     state = saved.get("state_dict", saved) if isinstance(saved, dict) else None
     if not isinstance(state, dict):
         raise UserError(f"{checkpoint}: not a checkpoint (a dict with a state_dict of tensors)")

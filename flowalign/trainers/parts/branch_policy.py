@@ -70,12 +70,6 @@ def branch_objective(scores: torch.Tensor, old_scores: torch.Tensor, advantages:
     return scale * loss, info
 
 
-def taken_velocities(states: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """``u_t = (x_{t+1} − x_t)/(σ_{t+1} − σ_t)`` ``(G, T, ...)`` of deterministic trajectories ``states (G, T+1, ...)``."""
-    steps = (sigmas[1:] - sigmas[:-1]).to(states, non_blocking=True).view(1, -1, *[1] * (states.ndim - 2))
-    return (states[:, 1:] - states[:, :-1]) / steps
-
-
 def velocity_energy(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Trajectory Velocity Energy ``(G,)``: ``mean_{t,D} (v − sg(u))²`` of the policy's velocities ``v (G, T, ...)``
     against the branches' own ``u (G, T, ...)`` (flowalign's earlier, unweighted score; logits ``−E/τ``)."""

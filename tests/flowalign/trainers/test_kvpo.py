@@ -11,6 +11,7 @@ import torch
 
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
+from flowalign.sampling.streaming import jump_velocities as taken_velocities
 from flowalign.trainers.kvpo import KVPOConfig, middle_frames
 from flowalign.trainers.parts.anchor_advantages import (
     fused_anchor_advantages,
@@ -19,7 +20,6 @@ from flowalign.trainers.parts.anchor_advantages import (
 from flowalign.trainers.parts.branch_policy import (
     anchor_slot_scale,
     branch_objective,
-    taken_velocities,
     velocity_energy,
     x0_scores,
 )

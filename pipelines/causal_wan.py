@@ -1,0 +1,388 @@
+"""Causal Wan 2.1 streaming text-to-video (Self-Forcing, LongLive, Causal-Forcing) as a
+:class:`flowalign.protocols.StreamingPolicy`.
+
+These checkpoints are Wan 2.1-T2V-1.3B's transformer, trained to generate a video block by block: each block of
+``chunk_frames`` latent frames (3 in every release) attends to itself and, through a KV cache, to the clean
+blocks before it. The folder is a diffusers ``WanPipeline`` folder (UMT5, ``AutoencoderKLWan``, the causal
+generator as ``WanTransformer3DModel``) whose ``model_index.json`` carries ``"_flowalign_streaming":
+"causal_wan"`` (what ``flowalign causal-wan`` writes from the authors' checkpoint; a plain Wan folder stays a
+bidirectional :class:`pipelines.wan_t2v.WanPolicy`). The authors' inference (``CausalInferencePipeline``, the
+same in Self-Forcing and LongLive) streams a video as:
+
+* Chunk k is denoised from its slice of the whole video's noise over their few-step grid (``sigmas``): at each
+  step the transformer's flow prediction gives ``x̂0 = x − σ·v``, and the next state is ``x̂0`` re-noised with
+  fresh noise, ``(1 − σ')·x̂0 + σ'·ε``; the last step's ``x̂0`` is the chunk. That is CPS at η = 1
+  (:func:`flowalign.sampling.steps.cps_step`), the policy's ``own_sampler``.
+* The clean chunk is then run once more at timestep 0 (their ``context_noise``) and its keys and values join the
+  cache: a chunk's cache entries are computed attending to the cache before it, as theirs.
+* RoPE positions are absolute frame indices (a chunk starting at frame s rotates its queries and keys as frames
+  s, s+1, ...; cached keys keep the rotation they were written with).
+* LongLive's local attention: with ``attention_window`` W frames and ``sink_frames`` S, a chunk attends to the
+  first S frames held and to the last W − S frames of (history + itself), as their rolling cache with a frame
+  sink gives. ``attention_window: null`` (Self-Forcing, Causal-Forcing) attends to every frame held.
+* No CFG: the released generators are distilled with guidance inside (``guidance_scale`` must be 1).
+
+The cache is a value (:class:`CausalKVCache`): appending a chunk returns a new one, so forks stay independent.
+The FlowPolicy half (``velocity`` over a whole video) is the block-causal training path: every chunk at the same
+σ attending to itself and the earlier chunks' tokens under the same window.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLWan, WanPipeline
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from pipelines import lora as lora_utils
+from pipelines._common import SAMPLING_KEYS, ATTENTION_LORA_TARGETS, PromptCache, batch_size, check_multiple
+from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, encode_with_empty_negative
+from pipelines._common import gaussian_noise, make_trainable, merge_defaults, open_pipeline, sigma_batch
+from pipelines._common import text_encoders, vae_latent_stats
+
+#: the model_index.json key and value that mark a Wan folder as a causal streaming generator
+MARKER_KEY, MARKER = "_flowalign_streaming", "causal_wan"
+DEFAULT_LORA_TARGETS = ATTENTION_LORA_TARGETS
+
+
+def is_causal_wan(index: dict[str, Any]) -> bool:
+    """Whether a ``model_index.json`` marks its Wan folder as a causal streaming generator."""
+    return index.get(MARKER_KEY) == MARKER
+
+
+@dataclass
+class StreamCall:
+    """What every self-attention of one transformer call reads, handed to them in place of the rotary
+    embedding (the transformer passes ``rotary_emb`` through to each block, under gradient checkpointing too).
+
+    ``cos``, ``sin``: ``(1, tokens, 1, head_dim)`` RoPE of this call's frames at their absolute positions;
+    ``past``: per block the keys and values ``(B, T, heads, head_dim)`` attended before this call's own tokens
+    (None: none); ``mask``: ``(Q, K)`` bool for the whole-video pass (None: attend to all); ``written``: filled
+    per block with this call's own rotated keys and values (what a cache keeps).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    mask: torch.Tensor | None = None
+    written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's RoPE on ``(B, S, heads, D)`` (interleaved pairs), as diffusers' Wan attention applies it."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x1 * s + x2 * c
+    return out.type_as(x)
+
+
+class StreamingSelfAttention:
+    """Block ``index``'s self-attention over the cached keys and values and its own tokens
+    (:class:`StreamCall`); diffusers' ``WanAttnProcessor`` otherwise."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, rotary_emb: Any = None) -> torch.Tensor:
+        if not isinstance(rotary_emb, StreamCall):
+            raise RuntimeError("a causal Wan transformer is called through its policy (CausalWanPolicy), which "
+                               "hands every block the stream's positions and cache")
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        query, key = rotate(query, rotary_emb.cos, rotary_emb.sin), rotate(key, rotary_emb.cos, rotary_emb.sin)
+        if rotary_emb.written is not None:
+            rotary_emb.written[self.index] = (key, value)
+        if rotary_emb.past is not None:
+            past_key, past_value = rotary_emb.past[self.index]
+            key, value = torch.cat([past_key.to(key.dtype), key], 1), torch.cat([past_value.to(value.dtype), value], 1)
+        mask = None if rotary_emb.mask is None else rotary_emb.mask[None, None]
+        out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def hand_over_call(rope: torch.nn.Module, hidden_states: torch.Tensor) -> StreamCall:
+    """The rope module's forward while streaming: the :class:`StreamCall` its policy set for this call."""
+    call = rope.__dict__.pop("stream_call", None)
+    if call is None:
+        raise RuntimeError("a causal Wan transformer is called through CausalWanPolicy's methods, which set the "
+                           "stream's positions and cache")
+    return call
+
+
+def attended_frames(held: int, new: int, window: int | None, sink: int) -> list[tuple[int, int]]:
+    """The frame ranges of the ``held`` cached frames that ``new`` frames attend to (besides themselves): all of
+    them, or with a ``window`` of W frames the first ``sink`` frames and the last W − sink frames of
+    (held + new), as LongLive's rolling cache with a frame sink keeps them."""
+    if window is None or held + new <= window:
+        return [(0, held)]
+    head = min(sink, held)
+    tail = max(head, held + new - (window - sink))
+    return [(0, head), (tail, held)] if tail < held else [(0, head)]
+
+
+@dataclass
+class CausalKVCache:
+    """The keys and values of the clean chunks ``kept`` (all of ``0..num_chunks-1`` unless routed), per block
+    ``(B, T, heads, head_dim)`` with ``T = frames · tokens_per_frame``, for a batch of streams."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    num_chunks: int
+    batch: int
+    frames: int
+    kept: tuple[int, ...]
+
+    def select(self, index: list[int] | torch.Tensor) -> "CausalKVCache":
+        """The caches of some streams, in the given order (repeat an index to fork a stream)."""
+        idx = torch.as_tensor(index, dtype=torch.long).flatten()
+        on: dict[torch.device, torch.Tensor] = {}
+        pick = lambda t: t.index_select(0, on.setdefault(t.device, idx.to(t.device, non_blocking=True)))  # noqa: E731
+        return CausalKVCache([pick(k) for k in self.keys], [pick(v) for v in self.values], self.num_chunks,
+                             len(idx), self.frames, self.kept)
+
+    def repeat_interleave(self, repeats: int) -> "CausalKVCache":
+        """Each stream's cache ``repeats`` times in place: a group of forks sharing one history."""
+        return self.select([i for i in range(self.batch) for _ in range(repeats)])
+
+    def window(self, new: int, window: int | None, sink: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per block the keys and values ``new`` frames attend to before themselves (``tokens`` a frame)."""
+        ranges = attended_frames(self.frames, new, window, sink)
+        if ranges == [(0, self.frames)]:
+            return list(zip(self.keys, self.values))
+        cut = lambda t: torch.cat([t[:, a * tokens:b * tokens] for a, b in ranges], dim=1)  # noqa: E731
+        return [(cut(k), cut(v)) for k, v in zip(self.keys, self.values)]
+
+
+class CausalWanPolicy(lora_utils.AdapterMethods):
+    """Causal Wan 2.1 streaming policy (see the module docstring and :class:`flowalign.protocols.StreamingPolicy`).
+
+    ``Conditioning.tensors``: ``prompt_embeds (B, L, D)`` (UMT5)."""
+
+    family = "wan"
+    #: the model.defaults keys it reads
+    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"chunk_frames", "attention_window", "sink_frames"}
+    is_video = True
+    streaming = True
+    #: the step its chunks take when not sampled otherwise: x̂0 re-noised with fresh noise (CPS at η = 1)
+    own_sampler = ("cps", 1.0)
+
+    def __init__(self, path: str | Path, **options: Any) -> None:
+        """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` defaults to 2 videos."""
+        opts = open_pipeline(self, WanPipeline, path, options, float32_vae=AutoencoderKLWan, decode_batch_size=2)
+        self.scale_t, self.scale_s = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        # the authors' inference configs: 4 steps (timesteps 1000, 750, 500, 250, warped at shift 5), blocks of
+        # 3 latent frames, no CFG; 21 latent frames (81 at 480 x 832); LongLive: window 12 with a 3-frame sink
+        builtin = {"height": 480, "width": 832, "num_frames": 81, "num_steps": 4, "guidance_scale": 1.0,
+                   "max_sequence_length": 512, "shift": 5.0, "chunk_frames": 3, "attention_window": None,
+                   "sink_frames": 0}
+        self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
+        _, ph, pw = self.transformer.config.patch_size
+        check_multiple(self.defaults, {"height": self.scale_s * ph, "width": self.scale_s * pw}, "this Wan model")
+        if (int(self.defaults["num_frames"]) - 1) % self.scale_t:
+            raise UserError(f"num_frames={self.defaults['num_frames']}: num_frames - 1 must be a multiple of "
+                            f"{self.scale_t} (the VAE's temporal factor)")
+        if float(self.defaults["guidance_scale"]) != 1.0:
+            raise UserError(f"model.defaults.guidance_scale={self.defaults['guidance_scale']}: a causal Wan "
+                            "generator is distilled with its guidance inside; set it to 1")
+        per, frames = int(self.defaults["chunk_frames"]), self.latent_shape[1]
+        if per < 1 or frames % per:
+            raise UserError(f"model.defaults.chunk_frames={per}: it must divide the {frames} latent frames of "
+                            f"num_frames={self.defaults['num_frames']} (their releases: 3 frames a chunk, 21 frames)")
+        self.chunk_frames: list[int] = [per] * (frames // per)
+        self.window = None if self.defaults["attention_window"] is None else int(self.defaults["attention_window"])
+        self.sink = int(self.defaults["sink_frames"])
+        if self.window is not None and self.window < self.sink + per:
+            raise UserError(f"model.defaults.attention_window={self.window}: it must hold the sink "
+                            f"({self.sink} frames) and a chunk ({per}); LongLive's is 12 with sink_frames 3")
+        self.tokens_per_frame = (self.latent_shape[2] // ph) * (self.latent_shape[3] // pw)
+        self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
+        for index, block in enumerate(self.transformer.blocks):
+            block.attn1.set_processor(StreamingSelfAttention(index))
+        self._rope = self.transformer.rope
+        # the transformer's rotary embedding becomes the StreamCall set on it just before the call (bound to the
+        # rope module, so a deep copy of the transformer stays self-contained)
+        self._rope.forward = types.MethodType(hand_over_call, self._rope)
+        self._cache = PromptCache(opts.prompt_cache_size, text_encoders(self.pipe))
+
+    # ------------------------------------------------------------------ shapes and text
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        """``(C, F', H', W')`` of one video at the default size."""
+        return (self.transformer.config.in_channels, (int(self.defaults["num_frames"]) - 1) // self.scale_t + 1,
+                int(self.defaults["height"]) // self.scale_s, int(self.defaults["width"]) // self.scale_s)
+
+    def chunk_slice(self, k: int) -> slice:
+        """The latent frames of chunk ``k`` (``x[:, :, chunk_slice(k)]``)."""
+        start = sum(self.chunk_frames[:k])
+        return slice(start, start + self.chunk_frames[k])
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """UMT5 embeddings through the pipeline's own ``encode_prompt``, cached per prompt string."""
+        return encode_with_empty_negative(self._cache, check_prompts(prompts), self._encode_batch, False)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
+                                            max_sequence_length=int(self.defaults["max_sequence_length"]),
+                                            device=self.device, dtype=self.dtype)
+        return {"prompt_embeds": embeds}
+
+    # ------------------------------------------------------------------ one transformer call
+
+    def _run(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, start: int,
+             past: list[tuple[torch.Tensor, torch.Tensor]] | None, mask: torch.Tensor | None = None,
+             written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """The flow prediction ``(B, C, f, H', W')`` of frames ``start..start+f`` at ``x``, attending to ``past``
+        (per block) and, within the call, as ``mask`` says."""
+        b, f = x.shape[0], x.shape[2]
+        cos, sin = self._rope.__class__.forward(self._rope, x.new_empty(1, 1, start + f, *x.shape[3:], device="meta"))
+        skip = start * self.tokens_per_frame
+        self._rope.stream_call = StreamCall(cos[:, skip:].to(self.device), sin[:, skip:].to(self.device), past, mask, written)
+        timestep = sigma_batch(sigma, b, self.device) * 1000.0
+        text = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
+        return self.transformer(hidden_states=x.to(self.device, self.dtype), timestep=timestep,
+                                encoder_hidden_states=text, return_dict=False)[0]
+
+    def _check_guidance(self, guidance: float) -> None:
+        if float(guidance) != 1.0:
+            raise UserError(f"guidance_scale={guidance}: a causal Wan generator samples without CFG (it is "
+                            "distilled with guidance inside); use 1")
+
+    # ------------------------------------------------------------------ the stream
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pure noise ``(n, C, F', H', W')`` float32 for the whole video."""
+        return gaussian_noise((n, *self.latent_shape), generator, self.device)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """``(num_steps+1,)`` float32, 1 → 0: the authors' warped few-step grid. Their scheduler's 1000 training
+        σ (``linspace(1, 0, 1001)[:-1]``, shifted) read at timesteps ``1000 − 1000·i/n`` (4 steps: 1000, 750,
+        500, 250, their ``denoising_step_list`` with ``warp_denoising_step``), then 0."""
+        n = check_num_steps(num_steps)
+        shift = float(self.defaults["shift"])
+        raw = torch.linspace(1.0, 0.0, 1001)[:-1]
+        shifted = shift * raw / (1 + (shift - 1) * raw)
+        picked = shifted[[round(1000 * i / n) for i in range(n)]]
+        return torch.cat([picked, torch.zeros(1)]).float()
+
+    def empty_cache(self, batch: int, guidance: float) -> CausalKVCache:
+        """A cache of no chunks for ``batch`` streams."""
+        self._check_guidance(guidance)
+        config = self.transformer.config
+        none = torch.zeros(batch, 0, config.num_attention_heads, config.attention_head_dim, device=self.device,
+                           dtype=self.dtype)
+        layers = len(self.transformer.blocks)
+        return CausalKVCache([none] * layers, [none] * layers, 0, batch, 0, ())
+
+    def chunk_velocity(self, x_chunk: torch.Tensor, sigma: float, sigma_next: float, cache: CausalKVCache,
+                       cond: Conditioning, guidance: float) -> torch.Tensor:
+        """The flow prediction float32 ``(B, C, f_k, H', W')`` of chunk ``k = cache.num_chunks`` at ``x_chunk``,
+        attending to the cached frames its window holds. Differentiable in the transformer's weights."""
+        self._check_guidance(guidance)
+        b, k = batch_size(x_chunk, cond), cache.num_chunks
+        if cache.batch != b:
+            raise UserError(f"chunk_velocity: the cache holds {cache.batch} streams for {b} chunks")
+        if x_chunk.shape[2] != self.chunk_frames[k]:
+            raise UserError(f"chunk_velocity: chunk {k} has {self.chunk_frames[k]} latent frames, got {x_chunk.shape[2]}")
+        past = cache.window(x_chunk.shape[2], self.window, self.sink, self.tokens_per_frame)
+        return self._run(x_chunk, sigma, cond, self.chunk_slice(k).start, past).float()
+
+    @torch.no_grad()
+    def _write(self, cache: CausalKVCache, clean: torch.Tensor, chunks: Sequence[int], cond: Conditioning,
+               num_chunks: int) -> CausalKVCache:
+        """``cache`` with the clean ``chunks`` of ``clean`` appended in order, each run at timestep 0 (their
+        ``context_noise``) attending to what is cached before it."""
+        keys, values, frames, kept = list(cache.keys), list(cache.values), cache.frames, cache.kept
+        for j in chunks:
+            piece = clean[:, :, self.chunk_slice(j)]
+            held = CausalKVCache(keys, values, len(kept), cache.batch, frames, kept)
+            written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            self._run(piece, 0.0, cond, self.chunk_slice(j).start,
+                      held.window(piece.shape[2], self.window, self.sink, self.tokens_per_frame), written=written)
+            keys = [torch.cat([keys[i], written[i][0]], 1) for i in range(len(keys))]
+            values = [torch.cat([values[i], written[i][1]], 1) for i in range(len(values))]
+            frames, kept = frames + piece.shape[2], kept + (j,)
+        return CausalKVCache(keys, values, num_chunks, cache.batch, frames, kept)
+
+    def append_chunks(self, cache: CausalKVCache, clean: torch.Tensor, cond: Conditioning,
+                      guidance: float) -> CausalKVCache:
+        """A new cache holding the clean chunks ``0..k`` of ``clean`` ``(B, C, F_{≤k}, H', W')``: the chunks after
+        ``cache``'s appended as the authors' cache step does (``cache`` is left as it is)."""
+        self._check_guidance(guidance)
+        k = self._chunks_in(clean, "append_chunks", least=1) - 1
+        return self._write(cache, clean, range(cache.num_chunks, k + 1), cond, k + 1)
+
+    def history_cache(self, clean: torch.Tensor, keep: Sequence[int], cond: Conditioning,
+                      guidance: float) -> CausalKVCache:
+        """The cache the next chunk reads after the clean chunks of ``clean`` ``(B, C, F_{<k}, H', W')``, holding
+        only the chunks ``keep`` (KV routing), written in stream order at their own positions, each attending
+        to the kept chunks before it. Keeping every chunk is :meth:`append_chunks`' cache."""
+        self._check_guidance(guidance)
+        k = self._chunks_in(clean, "history_cache", least=0)
+        kept = sorted({int(j) for j in keep})
+        if any(not 0 <= j < k for j in kept):
+            raise UserError(f"history_cache: keep={list(keep)} names chunks outside the {k} chunks of the history")
+        return self._write(self.empty_cache(clean.shape[0], guidance), clean, kept, cond, k)
+
+    def _chunks_in(self, clean: torch.Tensor, what: str, least: int) -> int:
+        """How many whole chunks ``clean`` ``(B, C, F, H', W')`` holds (at least ``least``)."""
+        starts = [sum(self.chunk_frames[:j]) for j in range(len(self.chunk_frames) + 1)]
+        if clean.shape[2] not in starts[least:]:
+            raise UserError(f"{what}: {clean.shape[2]} latent frames are not a whole number of chunks "
+                            f"{self.chunk_frames}")
+        return starts.index(clean.shape[2])
+
+    # ------------------------------------------------------------------ the FlowPolicy half
+
+    def block_mask(self, device: torch.device | str) -> torch.Tensor:
+        """``(Q, K)`` bool over the whole video's tokens: chunk k's tokens attend to their own chunk and to the
+        earlier frames the window keeps (:func:`attended_frames`), as the streamed chunk does."""
+        frame = torch.zeros(sum(self.chunk_frames), sum(self.chunk_frames), dtype=torch.bool)
+        for k, f in enumerate(self.chunk_frames):
+            rows = self.chunk_slice(k)
+            frame[rows, rows] = True
+            for a, b in attended_frames(rows.start, f, self.window, self.sink):
+                frame[rows, a:b] = True
+        t = self.tokens_per_frame
+        return frame.repeat_interleave(t, 0).repeat_interleave(t, 1).to(device)
+
+    def velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float) -> torch.Tensor:
+        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')`` of the whole video at one σ, block-causal
+        (:meth:`block_mask`): the training path, not how the stream is sampled."""
+        self._check_guidance(guidance)
+        batch_size(x, cond)
+        return self._run(x, sigma, cond, 0, None, mask=self.block_mask(self.device)).float()
+
+    def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        raise UserError("a causal Wan generator has no unconditional branch (it samples without CFG)")
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Latents ``(B, C, F', H', W')`` → videos ``(B, F, 3, H, W)`` float32 in [0, 1], de-normalised with the
+        VAE's ``latents_mean`` / ``latents_std`` as ``WanPipeline`` does; differentiable in ``x0``."""
+        mean, std = vae_latent_stats(self)
+        videos = decode_in_chunks(self.vae, x0, self.options.decode_batch_size,
+                                  lambda chunk: (chunk.to(self.device, torch.float32) * std + mean).to(self.vae.dtype))
+        return videos.permute(0, 2, 1, 3, 4).contiguous()
+
+
+def convert_generator(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The authors' generator weights (their ``CausalWanModel``: Wan's original names, under ``model.`` as their
+    ``WanDiffusionWrapper`` saves them) in ``WanTransformer3DModel``'s names, through diffusers' own Wan
+    single-file conversion."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    stripped = {(name[len("model."):] if name.startswith("model.") else name): value for name, value in state.items()}
+    return convert_wan_transformer_to_diffusers(stripped)

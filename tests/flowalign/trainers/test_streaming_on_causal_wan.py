@@ -1,0 +1,65 @@
+"""The streaming trainers on a causal Wan generator (Self-Forcing / LongLive's architecture, whose own sampler
+re-noises every step): each trains two steps and resumes bit-exactly; KVPO scores branches by the clean
+predictions their re-noised steps took (ratio 1 at the first update); AR-CoPO's deterministic replay is refused
+there in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flowalign.errors import UserError
+from flowalign.media import save_video
+from flowalign.train import build_trainer
+
+from .conftest import small_config
+from .resume_check import assert_trains_and_resumes_bit_exactly
+from .test_afd import PROMPTS, moving_square
+from .test_ar_copo import STREAM as AR_COPO
+from .test_kvpo import AUTHORS as KVPO
+
+
+@pytest.fixture(scope="module")
+def causal_dir(tiny_model_dir):
+    return tiny_model_dir("causal_wan")
+
+
+@pytest.fixture(scope="module")
+def long_teacher_dir(tmp_path_factory):
+    """Teacher videos as long as the causal twin's (17 frames)."""
+    folder = tmp_path_factory.mktemp("teacher17")
+    rows = []
+    for i, prompt in enumerate(PROMPTS):
+        path = save_video(moving_square(1, (0.9, 0.2 * i, 0.2), frames=17), folder / f"{i}.gif")
+        rows.append(json.dumps({"prompt": prompt, "video": path.name}))
+    (folder / "videos.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def test_kvpo_scores_re_noised_branches_by_the_predictions_they_took(tmp_path, causal_dir, prompt_file):
+    t = build_trainer(small_config(tmp_path / "run", causal_dir, prompt_file, *KVPO))
+    batch = t.collect(0)
+    states, taken, sigmas = batch.groups[0].states[0], batch.groups[0].taken[0], t.policy.sigmas(2)
+    # the first step re-noised x̂0 = x − σ·u with fresh noise ε: taken as stored, ε is not the state it left
+    # (the jump (x' − x)/(σ' − σ) of a re-noised step would give ε = x exactly)
+    x, x_next, s, s_next = states[:, 0], states[:, 1], sigmas[0], sigmas[1]
+    eps = (x_next - (1 - s_next) * (x - s * taken[:, 0])) / s_next
+    assert abs(torch.corrcoef(torch.stack([eps.flatten(), x.flatten()]))[0, 1]) < 0.2
+    assert abs(eps.std().item() - 1) < 0.2
+    logs = t.update(batch, torch.Generator().manual_seed(0))
+    assert logs["ratio_dev"] < 1e-5 and logs["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("trainer", ["kvpo", "ar_copo", "afd"])
+def test_trains_and_resumes_bit_exactly(tmp_path, causal_dir, prompt_file, long_teacher_dir, trainer):
+    extra = {"kvpo": KVPO, "ar_copo": AR_COPO,
+             "afd": ("trainer.name=afd", "trainer.num_steps=2", "model.finetune=lora", "trainer.train_timesteps=1",
+                     f"trainer.teacher={{videos: '{long_teacher_dir}'}}")}[trainer]
+    assert_trains_and_resumes_bit_exactly(tmp_path, causal_dir, prompt_file, *extra)
+
+
+def test_ar_copos_deterministic_replay_is_refused_on_a_re_noising_model(tmp_path, causal_dir, prompt_file):
+    with pytest.raises(UserError, match="anchor=candidates"):
+        build_trainer(small_config(tmp_path / "run", causal_dir, prompt_file, *AR_COPO, "trainer.anchor=center"))

@@ -1,0 +1,158 @@
+"""The causal Wan streaming family (Self-Forcing / LongLive) against the authors' inference pipeline.
+
+Known answers (``known_answers/causal_wan_longlive.json`` and ``.safetensors``, provenance inside): LongLive's
+``CausalInferencePipeline`` (the Self-Forcing pipeline with a local window and a frame sink) run unchanged on a
+tiny ``CausalWanModel`` with seeded weights, every denoising call's input state and x0 prediction recorded, in
+Self-Forcing's setting (global attention, three chunks) and LongLive's (a 9-frame window with a 3-frame sink,
+five chunks, so chunks 3 and 4 lose the frames between the sink and the window).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import pipelines
+from flowalign.errors import UserError
+from flowalign.protocols import Conditioning
+from flowalign.sampling.streaming import stream_rollout
+from pipelines.causal_wan import CausalWanPolicy, attended_frames, convert_generator
+from pipelines.tiny import save_tiny
+
+KNOWN = Path(__file__).parent / "known_answers" / "causal_wan_longlive"
+ANSWERS = json.loads(KNOWN.with_suffix(".json").read_text())
+TENSORS = load_file(str(KNOWN.with_suffix(".safetensors")))
+
+
+def authors_weights() -> dict[str, torch.Tensor]:
+    """Their CausalWanModel's seeded weights (the rule in the provenance), in their names."""
+    g = torch.Generator().manual_seed(0)
+    weights = {}
+    for name in sorted(ANSWERS["weight_shapes"]):
+        value = torch.randn(ANSWERS["weight_shapes"][name], generator=g) * 0.2
+        if name.endswith("norm_q.weight") or name.endswith("norm_k.weight") or ".norm3.weight" in name:
+            value = value + 1.0
+        weights[f"model.{name}"] = value  # as their wrapper's state dict names them
+    return weights
+
+
+def twin(tmp_path: Path, label: str) -> CausalWanPolicy:
+    """The tiny causal twin at the known answers' sizes, holding their weights."""
+    setting = ANSWERS["settings"][label]
+    window = None if setting["local_attn_size"] == -1 else setting["local_attn_size"]
+    folder = tmp_path / label
+    save_tiny("causal_wan", folder, transformer={"attention_head_dim": 16, "ffn_dim": 64, "freq_dim": 32,
+                                                  "text_dim": 16},
+              sampling={"height": 16, "width": 16, "num_frames": 2 * (setting["frames"] - 1) + 1,
+                        "attention_window": window, "sink_frames": setting["sink_size"]})
+    policy = pipelines.load(folder)
+    policy.transformer.load_state_dict(convert_generator(authors_weights()), strict=True)
+    return policy
+
+
+@pytest.mark.parametrize("label", ["self_forcing", "longlive"])
+def test_every_denoising_call_equals_the_authors_pipeline(tmp_path: Path, label: str) -> None:
+    """Each chunk's four x0 predictions from the states their pipeline fed its generator (re-noised with their
+    draws), each reading a cache this policy wrote from their clean chunks: equal to theirs."""
+    policy = twin(tmp_path, label)
+    setting = ANSWERS["settings"][label]
+    assert isinstance(policy, CausalWanPolicy) and policy.chunk_frames == [3] * (setting["frames"] // 3)
+    sigmas = policy.sigmas(4)
+    denoising = [c for c in setting["calls"] if c["t"] != 0.0]
+    assert [c["t"] for c in denoising[:4]] == (sigmas[:4] * 1000).tolist()  # the timesteps they read, in float32
+    cond = Conditioning({"prompt_embeds": TENSORS["prompt_embeds"]}, ["a", "b"])
+    inputs, x0s = TENSORS[f"{label}.inputs"], TENSORS[f"{label}.x0"]
+    cache, clean, worst = policy.empty_cache(2, 1.0), [], 0.0
+    for k in range(len(policy.chunk_frames)):
+        for i in range(4):
+            call = 4 * k + i
+            assert denoising[call]["start_frame"] == 3 * k
+            x = inputs[call].permute(0, 2, 1, 3, 4)  # their (B, f, C, H, W) → (B, C, f, H, W)
+            v = policy.chunk_velocity(x, sigmas[i].item(), sigmas[i + 1].item(), cache, cond, 1.0)
+            x0 = (x - sigmas[i] * v).permute(0, 2, 1, 3, 4)
+            worst = max(worst, (x0 - x0s[call]).abs().max().item())
+        clean.append(x0s[4 * k + 3].permute(0, 2, 1, 3, 4))
+        cache = policy.append_chunks(cache, torch.cat(clean, dim=2), cond, 1.0)
+    assert worst < 1e-4, worst
+    assert x0s.abs().mean() > 0.3  # the predictions are not near zero: the tolerance means something
+
+
+def test_the_window_and_sink_matter_in_the_longlive_answers(tmp_path: Path) -> None:
+    """Reading LongLive's chunk 4 with the whole history (Self-Forcing's attention) misses their prediction:
+    the known answers do test the window."""
+    policy = twin(tmp_path, "longlive")
+    policy.window = None
+    cond = Conditioning({"prompt_embeds": TENSORS["prompt_embeds"]}, ["a", "b"])
+    x0s, inputs = TENSORS["longlive.x0"], TENSORS["longlive.inputs"]
+    clean = torch.cat([x0s[4 * k + 3].permute(0, 2, 1, 3, 4) for k in range(4)], dim=2)
+    cache = policy.append_chunks(policy.empty_cache(2, 1.0), clean, cond, 1.0)
+    x, sigma = inputs[16].permute(0, 2, 1, 3, 4), policy.sigmas(4)[0]
+    x0 = (x - sigma * policy.chunk_velocity(x, sigma.item(), 0.9, cache, cond, 1.0)).permute(0, 2, 1, 3, 4)
+    assert (x0 - x0s[16]).abs().max() > 1e-2
+
+
+def test_attended_frames_follow_the_rolling_cache_with_a_sink() -> None:
+    assert attended_frames(12, 3, None, 0) == [(0, 12)]
+    assert attended_frames(6, 3, 12, 3) == [(0, 6)]  # everything still fits the window
+    # LongLive's 12-frame window, 3-frame sink: chunk 5 (frames 15..17) reads frames 0..2 and 9..14 besides itself
+    assert attended_frames(15, 3, 12, 3) == [(0, 3), (9, 15)]
+    assert attended_frames(3, 3, 6, 3) == [(0, 3)]
+
+
+def test_the_whole_video_pass_is_block_causal(tmp_path: Path) -> None:
+    """``velocity`` over the whole video: a chunk's prediction does not depend on later chunks, and the first
+    chunk's equals the streamed chunk's at the same σ (it reads nothing cached)."""
+    folder = tmp_path / "twin"
+    save_tiny("causal_wan", folder)
+    policy = pipelines.load(folder)
+    cond = policy.encode(["a red ball"])
+    x = policy.initial_noise(1, torch.Generator().manual_seed(0))
+    v = policy.velocity(x, 0.75, cond, 1.0)
+    later = x.clone()
+    later[:, :, policy.chunk_slice(2)] += 1.0
+    v2 = policy.velocity(later, 0.75, cond, 1.0)
+    assert torch.allclose(v[:, :, :6], v2[:, :, :6], atol=1e-6) and not torch.allclose(v[:, :, 6:], v2[:, :, 6:])
+    first = policy.chunk_velocity(x[:, :, :3], 0.75, 0.5, policy.empty_cache(1, 1.0), cond, 1.0)
+    assert torch.allclose(first, v[:, :, :3], atol=1e-5)
+
+
+def test_streams_re_noise_with_draws_keyed_by_their_own_noise(tmp_path: Path) -> None:
+    """The own sampler re-noises x̂0 with fresh noise (CPS at η = 1): a stream's video does not depend on the
+    batch it is sampled in, a fork from its prefix redraws the same noise, and other initial noise gives
+    other draws."""
+    folder = tmp_path / "twin"
+    save_tiny("causal_wan", folder)
+    policy = pipelines.load(folder)
+    noise = policy.initial_noise(2, torch.Generator().manual_seed(0))
+    both = stream_rollout(policy, ["a", "b"], num_steps=4, initial_noise=noise, decode=False)
+    alone = stream_rollout(policy, ["b"], num_steps=4, initial_noise=noise[1:], decode=False)
+    assert torch.allclose(both.final_latents[1:], alone.final_latents, atol=1e-5)
+    forked = stream_rollout(policy, ["b"], num_steps=4, initial_noise=noise[1:], prefix=alone.prefix(1), decode=False)
+    assert torch.allclose(forked.final_latents, alone.final_latents, atol=1e-5)
+    # each step lands on (1 − σ')·x̂0 + σ'·ε: its log-prob is finite, the last step (σ' = 0) deterministic
+    assert torch.isfinite(both.log_probs[:, :, :3]).all() and torch.isnan(both.log_probs[:, :, 3]).all()
+    x, sigmas = both.chunks[0][:, 0], both.sigmas
+    v = policy.chunk_velocity(x, sigmas[0].item(), sigmas[1].item(), policy.empty_cache(2, 1.0), policy.encode(["a", "b"]), 1.0)
+    x0 = x - sigmas[0] * v
+    eps = (both.chunks[0][:, 1] - (1 - sigmas[1]) * x0) / sigmas[1]
+    assert abs(eps.std().item() - 1.0) < 0.15 and abs(eps.mean().item()) < 0.1
+    other = stream_rollout(policy, ["b"], num_steps=4, initial_noise=noise[:1], decode=False)
+    assert not torch.allclose(other.final_latents, alone.final_latents)
+
+
+def test_guidance_and_chunking_are_refused_in_one_line(tmp_path: Path) -> None:
+    folder = tmp_path / "twin"
+    save_tiny("causal_wan", folder)
+    with pytest.raises(UserError, match="guidance_scale"):
+        pipelines.load(folder, defaults={"guidance_scale": 4.0})
+    with pytest.raises(UserError, match="chunk_frames"):
+        pipelines.load(folder, defaults={"chunk_frames": 4})
+    with pytest.raises(UserError, match="attention_window"):
+        pipelines.load(folder, defaults={"attention_window": 4, "sink_frames": 3})
+    policy = pipelines.load(folder)
+    with pytest.raises(UserError, match="without CFG"):
+        policy.empty_cache(1, 3.0)
