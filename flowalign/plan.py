@@ -106,8 +106,9 @@ CALIBRATION = ("calibrated on H200 measurements: SD3.5-M Flow-GRPO 512 px withou
 #: the published architectures (configs only, no weights), one folder per released model
 ARCHITECTURES = REPO_ROOT / "assets" / "architectures"
 #: a configs/ folder whose model ships no architecture of its own here, and the one it shares: Z-Image and its
-#: distilled Z-Image-Turbo are the same 6B single-stream DiT, text encoder and VAE
-SAME_ARCHITECTURE = {"z-image": "z-image-turbo"}
+#: distilled Z-Image-Turbo are the same 6B single-stream DiT, text encoder and VAE; LongLive's
+#: and Self-Forcing's causal generators are Wan 2.1-T2V-1.3B's transformer, with its UMT5 and VAE
+SAME_ARCHITECTURE = {"z-image": "z-image-turbo", "longlive": "wan2.1-1.3b", "self-forcing": "wan2.1-1.3b"}
 
 
 @dataclass

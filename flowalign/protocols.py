@@ -160,7 +160,8 @@ class StreamingPolicy(FlowPolicy, Protocol):
 
     def history_cache(self, clean: torch.Tensor, keep: Any, cond: Conditioning, guidance: float) -> Any:
         """KV routing: the cache the next chunk reads after the clean chunks of ``clean``, holding only the
-        chunks ``keep`` (all of them: what ``append_chunks`` makes)."""
+        chunks ``keep`` (all of them: what ``append_chunks`` makes). A policy whose cache entries are written
+        once (a causal model) also has ``reroute(cache, keep)``: the same entries, read only for ``keep``."""
         ...
 
 

@@ -29,6 +29,7 @@ The FlowPolicy half (``velocity`` over a whole video) is the block-causal traini
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,35 +136,47 @@ def attended_frames(held: int, new: int, window: int | None, sink: int) -> list[
 
 @dataclass
 class CausalKVCache:
-    """The keys and values of the clean chunks ``kept`` (all of ``0..num_chunks-1`` unless routed), per block
-    ``(B, T, heads, head_dim)`` with ``T = frames · tokens_per_frame``, for a batch of streams."""
+    """The keys and values every clean chunk ``0..num_chunks-1`` wrote (the resident cache), per block
+    ``(B, T, heads, head_dim)`` with ``T`` the chunks' frames (``chunk_frames``) times the tokens of a frame, for a
+    batch of streams, and the chunks the next chunk reads (``kept``: all of them unless the history is routed,
+    :meth:`CausalWanPolicy.reroute`). Entries are never rewritten: routing only changes what is read, as
+    LongLive's perturbed window reads chosen frames of its resident cache."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     num_chunks: int
     batch: int
-    frames: int
+    chunk_frames: tuple[int, ...]
     kept: tuple[int, ...]
+
+    @property
+    def frames(self) -> int:
+        """The frames the next chunk may read (those of the kept chunks)."""
+        return sum(self.chunk_frames[j] for j in self.kept)
 
     def select(self, index: list[int] | torch.Tensor) -> "CausalKVCache":
         """The caches of some streams, in the given order (repeat an index to fork a stream)."""
         idx = torch.as_tensor(index, dtype=torch.long).flatten()
         on: dict[torch.device, torch.Tensor] = {}
         pick = lambda t: t.index_select(0, on.setdefault(t.device, idx.to(t.device, non_blocking=True)))  # noqa: E731
-        return CausalKVCache([pick(k) for k in self.keys], [pick(v) for v in self.values], self.num_chunks,
-                             len(idx), self.frames, self.kept)
+        return dataclasses.replace(self, keys=[pick(k) for k in self.keys], values=[pick(v) for v in self.values],
+                                   batch=len(idx))
 
     def repeat_interleave(self, repeats: int) -> "CausalKVCache":
         """Each stream's cache ``repeats`` times in place: a group of forks sharing one history."""
         return self.select([i for i in range(self.batch) for _ in range(repeats)])
 
     def window(self, new: int, window: int | None, sink: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per block the keys and values ``new`` frames attend to before themselves (``tokens`` a frame)."""
-        ranges = attended_frames(self.frames, new, window, sink)
-        if ranges == [(0, self.frames)]:
-            return list(zip(self.keys, self.values))
-        cut = lambda t: torch.cat([t[:, a * tokens:b * tokens] for a, b in ranges], dim=1)  # noqa: E731
-        return [(cut(k), cut(v)) for k, v in zip(self.keys, self.values)]
+        """Per block the keys and values ``new`` frames attend to before themselves (``tokens`` a frame): of the
+        kept chunks' frames in stream order, those the window holds (:func:`attended_frames`)."""
+        starts = [sum(self.chunk_frames[:j]) for j in range(self.num_chunks)]
+        frames = [f for j in self.kept for f in range(starts[j], starts[j] + self.chunk_frames[j])]
+        if len(frames) == sum(self.chunk_frames) and attended_frames(len(frames), new, window, sink) == [(0, len(frames))]:
+            return list(zip(self.keys, self.values))  # the whole resident cache, as it is
+        read = [frames[i] for a, b in attended_frames(len(frames), new, window, sink) for i in range(a, b)]
+        index = torch.tensor([f * tokens + t for f in read for t in range(tokens)], dtype=torch.long)
+        on = index.to(self.keys[0].device, non_blocking=True) if self.keys else index
+        return [(k.index_select(1, on), v.index_select(1, on)) for k, v in zip(self.keys, self.values)]
 
 
 class CausalWanPolicy(lora_utils.AdapterMethods):
@@ -285,7 +298,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         none = torch.zeros(batch, 0, config.num_attention_heads, config.attention_head_dim, device=self.device,
                            dtype=self.dtype)
         layers = len(self.transformer.blocks)
-        return CausalKVCache([none] * layers, [none] * layers, 0, batch, 0, ())
+        return CausalKVCache([none] * layers, [none] * layers, 0, batch, (), ())
 
     def chunk_velocity(self, x_chunk: torch.Tensor, sigma: float, sigma_next: float, cache: CausalKVCache,
                        cond: Conditioning, guidance: float) -> torch.Tensor:
@@ -301,41 +314,46 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         return self._run(x_chunk, sigma, cond, self.chunk_slice(k).start, past).float()
 
     @torch.no_grad()
-    def _write(self, cache: CausalKVCache, clean: torch.Tensor, chunks: Sequence[int], cond: Conditioning,
-               num_chunks: int) -> CausalKVCache:
-        """``cache`` with the clean ``chunks`` of ``clean`` appended in order, each run at timestep 0 (their
-        ``context_noise``) attending to what is cached before it."""
-        keys, values, frames, kept = list(cache.keys), list(cache.values), cache.frames, cache.kept
-        for j in chunks:
+    def _write(self, cache: CausalKVCache, clean: torch.Tensor, last: int, cond: Conditioning) -> CausalKVCache:
+        """``cache`` with the clean chunks after it up to ``last`` of ``clean`` written in order, each run at
+        timestep 0 (their ``context_noise``) reading what the cache lets it (its kept chunks through the window),
+        then joining the resident cache and the chunks read next."""
+        for j in range(cache.num_chunks, last + 1):
             piece = clean[:, :, self.chunk_slice(j)]
-            held = CausalKVCache(keys, values, len(kept), cache.batch, frames, kept)
             written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             self._run(piece, 0.0, cond, self.chunk_slice(j).start,
-                      held.window(piece.shape[2], self.window, self.sink, self.tokens_per_frame), written=written)
-            keys = [torch.cat([keys[i], written[i][0]], 1) for i in range(len(keys))]
-            values = [torch.cat([values[i], written[i][1]], 1) for i in range(len(values))]
-            frames, kept = frames + piece.shape[2], kept + (j,)
-        return CausalKVCache(keys, values, num_chunks, cache.batch, frames, kept)
+                      cache.window(piece.shape[2], self.window, self.sink, self.tokens_per_frame), written=written)
+            cache = dataclasses.replace(
+                cache, keys=[torch.cat([k, written[i][0]], 1) for i, k in enumerate(cache.keys)],
+                values=[torch.cat([v, written[i][1]], 1) for i, v in enumerate(cache.values)], num_chunks=j + 1,
+                chunk_frames=cache.chunk_frames + (piece.shape[2],), kept=cache.kept + (j,))
+        return cache
 
     def append_chunks(self, cache: CausalKVCache, clean: torch.Tensor, cond: Conditioning,
                       guidance: float) -> CausalKVCache:
         """A new cache holding the clean chunks ``0..k`` of ``clean`` ``(B, C, F_{≤k}, H', W')``: the chunks after
-        ``cache``'s appended as the authors' cache step does (``cache`` is left as it is)."""
+        ``cache``'s written as the authors' cache step does, each reading the history ``cache`` routes to
+        (``cache`` is left as it is)."""
         self._check_guidance(guidance)
         k = self._chunks_in(clean, "append_chunks", least=1) - 1
-        return self._write(cache, clean, range(cache.num_chunks, k + 1), cond, k + 1)
+        return self._write(cache, clean, k, cond)
 
     def history_cache(self, clean: torch.Tensor, keep: Sequence[int], cond: Conditioning,
                       guidance: float) -> CausalKVCache:
-        """The cache the next chunk reads after the clean chunks of ``clean`` ``(B, C, F_{<k}, H', W')``, holding
-        only the chunks ``keep`` (KV routing), written in stream order at their own positions, each attending
-        to the kept chunks before it. Keeping every chunk is :meth:`append_chunks`' cache."""
+        """The cache the next chunk reads after the clean chunks of ``clean`` ``(B, C, F_{<k}, H', W')``, reading
+        only the chunks ``keep`` (KV routing): every chunk written as the stream writes it, then routed
+        (:meth:`reroute`). Keeping every chunk is :meth:`append_chunks`' cache."""
         self._check_guidance(guidance)
         k = self._chunks_in(clean, "history_cache", least=0)
-        kept = sorted({int(j) for j in keep})
-        if any(not 0 <= j < k for j in kept):
-            raise UserError(f"history_cache: keep={list(keep)} names chunks outside the {k} chunks of the history")
-        return self._write(self.empty_cache(clean.shape[0], guidance), clean, kept, cond, k)
+        return self.reroute(self._write(self.empty_cache(clean.shape[0], guidance), clean, k - 1, cond), keep)
+
+    def reroute(self, cache: CausalKVCache, keep: Sequence[int]) -> CausalKVCache:
+        """``cache`` with the next chunk reading only the resident chunks ``keep`` (their entries as written)."""
+        kept = tuple(sorted({int(j) for j in keep}))
+        if any(not 0 <= j < cache.num_chunks for j in kept):
+            raise UserError(f"history routing: keep={list(keep)} names chunks outside the {cache.num_chunks} chunks "
+                            "of the history")
+        return dataclasses.replace(cache, kept=kept)
 
     def _chunks_in(self, clean: torch.Tensor, what: str, least: int) -> int:
         """How many whole chunks ``clean`` ``(B, C, F, H', W')`` holds (at least ``least``)."""

@@ -18,7 +18,7 @@ from rewards.common import check_lengths, finite_mask
 from rewards.registry import former_forms, load, planned_bytes, register
 
 # image rewards of this package that get a registered ``<name>_video`` twin
-VIDEO_TWINS = ("clip_score", "aesthetic", "pickscore", "hps", "lpips", "jpeg_compressibility",
+VIDEO_TWINS = ("clip_score", "aesthetic", "pickscore", "hps", "hpsv3", "lpips", "jpeg_compressibility",
                "jpeg_incompressibility", "brightness", "saturation")
 
 

@@ -56,7 +56,8 @@ class StreamRollout:
     stochastically; ``caches[k]`` the cache chunk k started from (for ``k >= start``; None before);
     ``samples`` the decoded videos ``(B, F, 3, H, W)`` (None when not decoded); ``velocities[k]`` ``(B, T, C, f_k,
     H, W)`` the velocities chunk k's steps predicted where the policy's own stochastic step took them (None
-    elsewhere: see :meth:`taken_velocities`).
+    elsewhere: see :meth:`taken_velocities`); ``draw_keys`` the keys of each stream's own-sampler draws
+    (:func:`keyed_draws`; None for a deterministic policy).
     """
 
     prompts: list[str]
@@ -73,6 +74,7 @@ class StreamRollout:
     noise_level: float = 0.0
     guidance_scale: float = 1.0
     velocities: list[torch.Tensor | None] | None = None
+    draw_keys: list[int] | None = None
 
     def __len__(self) -> int:
         return self.chunks[0].shape[0]
@@ -124,6 +126,7 @@ def stream_rollout(
     prefix: StreamPrefix | None = None,
     route: Callable[[int], Sequence[int]] | None = None,
     decode: bool = True,
+    draw_keys: Sequence[int] | None = None,
 ) -> StreamRollout:
     """Stream ``len(prompts)`` videos chunk by chunk, ``num_steps`` steps per chunk on the policy's σ grid.
 
@@ -132,8 +135,12 @@ def stream_rollout(
     chunks take the policy's deterministic steps. ``initial_noise`` ``(B, C, F, H, W)``: the whole video's
     noise (chunk k denoises its slice of it), drawn by ``policy.initial_noise`` from ``generator`` when None.
     ``prefix``: start at chunk ``prefix.cache.num_chunks`` from those clean chunks and that cache (a fork).
+    ``draw_keys``: one key per stream for the policy's own stochastic steps (default: a digest of each stream's
+    initial noise, :func:`stream_keys`); candidates given their centre stream's key share its solver noise.
     ``route``: KV routing, ``route(k)`` the history chunks chunk ``k`` attends to (every earlier chunk when it
-    returns them all; the default), through the policy's ``history_cache``; a prefix's cache is used as given.
+    returns them all; the default), through the policy's ``reroute`` of the cache the stream wrote where it has
+    one (a causal model writes each chunk's entries once, under the routing then in force), else its
+    ``history_cache``; a prefix's cache is used as given.
     """
     prompts = check_prompts(prompts)
     level = check_sampler(sampler, noise_level)
@@ -162,7 +169,11 @@ def stream_rollout(
             raise UserError(f"prefix holds {prefix.cache.batch} streams for {n} prompts: repeat it with "
                             "StreamPrefix.repeat_interleave to fork each stream")
     own_kind, own_level = getattr(policy, "own_sampler", ("ode", 0.0))
-    keys = stream_keys(noise) if own_kind != "ode" else []
+    keys: list[int] = []
+    if own_kind != "ode":
+        keys = stream_keys(noise) if draw_keys is None else [int(k) for k in draw_keys]
+        if len(keys) != n:
+            raise UserError(f"draw_keys holds {len(keys)} keys for {n} streams: give one a stream")
     trajectories = [clean[:, None, :, policy.chunk_slice(k)] for k in range(start)]
     caches: list[Any] = [None] * start
     velocities: list[torch.Tensor | None] = [None] * start
@@ -192,13 +203,18 @@ def stream_rollout(
         velocities.append(torch.stack(taken, dim=1) if taken else None)
         clean = torch.cat([clean, x], dim=2)
         if k < chunks - 1:
-            cache = (policy.append_chunks(cache, clean, cond, guidance) if route is None
-                     else policy.history_cache(clean, route(k + 1), cond, guidance))
+            if route is None:
+                cache = policy.append_chunks(cache, clean, cond, guidance)
+            elif hasattr(policy, "reroute"):  # a cache written once: the new chunk joins it, then reads are routed
+                cache = policy.reroute(policy.append_chunks(cache, clean, cond, guidance), route(k + 1))
+            else:  # a cache re-encoded from the chunks it holds
+                cache = policy.history_cache(clean, route(k + 1), cond, guidance)
     if streamed:
         log_probs[:, start:] = torch.stack(streamed, dim=1).cpu()
     result = StreamRollout(prompts=prompts, metadata=meta, chunks=trajectories, sigmas=sigmas.cpu(), log_probs=log_probs,
                            sde_chunks=stochastic, caches=caches, samples=None, cond=cond, start=start, sampler=sampler,
-                           noise_level=level, guidance_scale=guidance, velocities=velocities)
+                           noise_level=level, guidance_scale=guidance, velocities=velocities,
+                           draw_keys=keys or None)
     if decode:
         result.samples = policy.decode(result.final_latents)
     return result

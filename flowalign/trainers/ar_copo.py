@@ -201,9 +201,10 @@ class ARCoPOTrainer(GroupTrainer):
         g = self.tcfg.guidance_scale
         return float(self.policy.defaults.get("guidance_scale", 1.0) if g is None else g)
 
-    def _stream(self, prompts: list[str], noise: torch.Tensor, prefix: StreamPrefix | None = None) -> Any:
+    def _stream(self, prompts: list[str], noise: torch.Tensor, prefix: StreamPrefix | None = None,
+                draw_keys: list[int] | None = None) -> Any:
         return stream_rollout(self.policy, prompts, num_steps=self.tcfg.num_steps, guidance_scale=self.guidance(),
-                              initial_noise=noise, prefix=prefix, decode=False)
+                              initial_noise=noise, prefix=prefix, decode=False, draw_keys=draw_keys)
 
     def forks(self, step: int) -> tuple[list[ForkGroup], dict[str, float]]:
         """Per prompt of ``step``: the centre stream, a fork chunk, G neighbour candidates from the centre's prefix,
@@ -227,7 +228,9 @@ class ARCoPOTrainer(GroupTrainer):
         samples, candidates, states, x0 = [], [], [], []
         sigmas = policy.sigmas(tc.num_steps).float()
         for j, i in enumerate(firsts):
-            fork = self._stream(prompts[i:i + g], noises[j], prefixes[j].repeat_interleave(g))
+            # a re-noising sampler's draws are the centre's for every candidate (the paper's shared solver noise)
+            keys = None if center.draw_keys is None else [center.draw_keys[j]] * g
+            fork = self._stream(prompts[i:i + g], noises[j], prefixes[j].repeat_interleave(g), keys)
             with torch.no_grad():
                 samples.append(policy.decode(fork.final_latents))
                 if tc.anchor == "candidates":

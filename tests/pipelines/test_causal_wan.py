@@ -3,8 +3,10 @@
 Known answers (``known_answers/causal_wan_longlive.json`` and ``.safetensors``, provenance inside): LongLive's
 ``CausalInferencePipeline`` (the Self-Forcing pipeline with a local window and a frame sink) run unchanged on a
 tiny ``CausalWanModel`` with seeded weights, every denoising call's input state and x0 prediction recorded, in
-Self-Forcing's setting (global attention, three chunks) and LongLive's (a 9-frame window with a 3-frame sink,
-five chunks, so chunks 3 and 4 lose the frames between the sink and the window).
+Self-Forcing's setting (global attention, three chunks), LongLive's (a 9-frame window with a 3-frame sink,
+five chunks, so chunks 3 and 4 lose the frames between the sink and the window) and KVPO's perturbed window on
+LongLive (six chunks; blocks 4 and 5 read the sink, the drawn frames 3..5 and their 6 nearest frames, which
+chunk routing to {0, 1, 3} and {0, 1, 4} of the resident cache gives).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def authors_weights() -> dict[str, torch.Tensor]:
     return weights
 
 
+#: KVPO's routing in the perturbed setting, in chunks: chunk → the history chunks it reads
+ROUTES = {"longlive_routed": {4: (0, 1, 3), 5: (0, 1, 4)}}
+
+
 def twin(tmp_path: Path, label: str) -> CausalWanPolicy:
     """The tiny causal twin at the known answers' sizes, holding their weights."""
     setting = ANSWERS["settings"][label]
@@ -54,10 +60,11 @@ def twin(tmp_path: Path, label: str) -> CausalWanPolicy:
     return policy
 
 
-@pytest.mark.parametrize("label", ["self_forcing", "longlive"])
+@pytest.mark.parametrize("label", ["self_forcing", "longlive", "longlive_routed"])
 def test_every_denoising_call_equals_the_authors_pipeline(tmp_path: Path, label: str) -> None:
     """Each chunk's four x0 predictions from the states their pipeline fed its generator (re-noised with their
-    draws), each reading a cache this policy wrote from their clean chunks: equal to theirs."""
+    draws), each reading a cache this policy wrote from their clean chunks (routed where their perturbation
+    was set): equal to theirs."""
     policy = twin(tmp_path, label)
     setting = ANSWERS["settings"][label]
     assert isinstance(policy, CausalWanPolicy) and policy.chunk_frames == [3] * (setting["frames"] // 3)
@@ -67,7 +74,9 @@ def test_every_denoising_call_equals_the_authors_pipeline(tmp_path: Path, label:
     cond = Conditioning({"prompt_embeds": TENSORS["prompt_embeds"]}, ["a", "b"])
     inputs, x0s = TENSORS[f"{label}.inputs"], TENSORS[f"{label}.x0"]
     cache, clean, worst = policy.empty_cache(2, 1.0), [], 0.0
+    routes = ROUTES.get(label, {})
     for k in range(len(policy.chunk_frames)):
+        cache = policy.reroute(cache, routes.get(k, range(k)))
         for i in range(4):
             call = 4 * k + i
             assert denoising[call]["start_frame"] == 3 * k

@@ -66,3 +66,15 @@ def test_hpsv3_mu_and_sigma_equal_the_inferencers(hpsv3, name):
     torch.testing.assert_close(out.components["hpsv3"], torch.tensor(spec["mu"]), atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(torch.tensor([i["sigma"] for i in out.info]), torch.tensor(spec["sigma"]),
                                atol=TOLERANCE, rtol=0)
+
+
+def test_hpsv3_video_is_the_mean_of_the_frames_mu_as_kvpos_video_hpsv3(hpsv3, hpsv3_dir):
+    """``hpsv3_video``: every frame scored with its video's prompt, μ averaged over the frames (KVPO @ 7703196,
+    ``rewards/rewards.py`` ``video_hpsv3_local``: the all-frame average is its reward); frames of the known
+    batch, whose μ the image reward reproduces above."""
+    x, prompts = known_batch(ANSWERS["batches"]["square96"])
+    video = rewards.load("hpsv3_video", path=str(hpsv3_dir), dtype="float32", device="cpu")
+    out = video(x[None], [prompts[0]], [{}])
+    per_frame = hpsv3(x, [prompts[0]] * len(x), []).components["hpsv3"]
+    assert out.components["hpsv3"].item() == pytest.approx(per_frame.mean().item(), abs=TOLERANCE)
+    assert per_frame.std() > 10 * TOLERANCE  # the frames score differently: the mean is not any one of them

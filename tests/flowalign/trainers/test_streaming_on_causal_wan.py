@@ -63,3 +63,15 @@ def test_trains_and_resumes_bit_exactly(tmp_path, causal_dir, prompt_file, long_
 def test_ar_copos_deterministic_replay_is_refused_on_a_re_noising_model(tmp_path, causal_dir, prompt_file):
     with pytest.raises(UserError, match="anchor=candidates"):
         build_trainer(small_config(tmp_path / "run", causal_dir, prompt_file, *AR_COPO, "trainer.anchor=center"))
+
+
+def test_ar_copos_candidates_share_their_centres_solver_noise(tmp_path, causal_dir, prompt_file):
+    """The paper's controlled noise sharing on a re-noising model: the candidates of a fork differ in their chunk's
+    initial noise only; the fresh noise of each step is their centre's, the same for all of them."""
+    t = build_trainer(small_config(tmp_path / "run", causal_dir, prompt_file, *AR_COPO))
+    groups, _ = t.forks(0)
+    sigma = t.policy.sigmas(2)[1]
+    for group in groups:
+        eps = (group.states[:, 1] - (1 - sigma) * group.x0[:, 0]) / sigma  # (G, C, f, H, W): each step-0 draw
+        assert torch.allclose(eps, eps[:1].expand_as(eps), atol=1e-4)
+        assert not torch.allclose(group.states[:, 0], group.states[:1, 0].expand_as(group.states[:, 0]))
