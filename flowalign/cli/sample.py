@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> None:
     from flowalign.data import check_prompt_length
     from flowalign.io import check_out_file
     from flowalign.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, open_image, save_image, save_video
-    from flowalign.sampling import check_sampler, rollout
+    from flowalign.sampling import check_sampler, rollout, stream_rollout
 
     out = Path(args.out)
     suffix = out.suffix.lower()
@@ -63,9 +63,17 @@ def run(args: argparse.Namespace) -> None:
     if args.image is not None and not Path(args.image).is_file():
         raise UserError(f"--image {args.image}: no such file; give a PNG or JPEG")
     steps = args.steps or int(policy.defaults.get("num_steps", 20))
-    result = rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler, noise_level=args.noise_level,
-                     guidance_scale=args.guidance, generator=torch.Generator().manual_seed(args.seed), guide=guide,
-                     metadata=[{"image": args.image}] if args.image is not None else None)
+    generator = torch.Generator().manual_seed(args.seed)
+    if getattr(policy, "streaming", False):  # chunk by chunk through its KV cache, as evaluation samples it
+        if guide is not None:
+            raise UserError(f"--guide: {policy.family} streams chunk by chunk; latent-reward guidance steers a whole "
+                            "rollout: drop --guide")
+        result = stream_rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler,
+                                noise_level=args.noise_level, guidance_scale=args.guidance, generator=generator)
+    else:
+        result = rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler, noise_level=args.noise_level,
+                         guidance_scale=args.guidance, generator=generator, guide=guide,
+                         metadata=[{"image": args.image}] if args.image is not None else None)
     sample = result.samples[0]
     # again: a file that appeared at --out while the model sampled (another process's) is not replaced unasked
     check_out_file(out, overwrite=args.overwrite)

@@ -84,3 +84,31 @@ def test_an_editing_benchmark_refuses_a_text_to_image_model(tmp_path, capsys):
     code, _, err = run(["evaluate", "--model", str(model), "--bench", "vvr_edit", "--n", "1", "--out",
                         str(tmp_path / "e")], capsys)
     assert code != 0 and "input images" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("family", ["causal_wan", "anyflow_far"])
+def test_a_streaming_model_samples_from_the_cli_as_its_stream(family, tmp_path, capsys):
+    """``flowalign sample`` streams a streaming model chunk by chunk (``stream_rollout``), the video equal to the
+    stream the library draws from the same seed."""
+    import torch
+
+    import pipelines
+    from flowalign.media import load_video
+    from flowalign.sampling import stream_rollout
+
+    model = tmp_path / family
+    assert run(["tiny", family, "--out", str(model)], capsys)[0] == 0
+    out = tmp_path / "clip.gif"
+    code, stdout, err = run(["sample", "--model", str(model), "--prompt", "a red circle", "--seed", "3",
+                             "--out", str(out)], capsys)
+    assert code == 0 and str(out) in stdout, err
+    policy = pipelines.load(model)
+    stream = stream_rollout(policy, ["a red circle"], num_steps=int(policy.defaults["num_steps"]),
+                            generator=torch.Generator().manual_seed(3))
+    other = stream_rollout(policy, ["a red circle"], num_steps=int(policy.defaults["num_steps"]),
+                           generator=torch.Generator().manual_seed(4))
+    written = load_video(out)
+    assert written.shape == stream.samples[0].shape
+    # that stream's frames, up to the GIF's 256-colour palette; another seed's stream is much further
+    near = (written - stream.samples[0]).abs().mean().item()
+    assert near < 0.02 and (written - other.samples[0]).abs().mean().item() > 3 * near
