@@ -65,14 +65,14 @@ class StreamCall:
     embedding (the transformer passes ``rotary_emb`` through to each block, under gradient checkpointing too).
 
     ``cos``, ``sin``: ``(1, tokens, 1, head_dim)`` RoPE of this call's frames at their absolute positions;
-    ``past``: per block the keys and values ``(B, T, heads, head_dim)`` attended before this call's own tokens
-    (None: none); ``mask``: ``(Q, K)`` bool for the whole-video pass (None: attend to all); ``written``: filled
+    ``past``: indexed by block, the keys and values ``(B, T, heads, head_dim)`` attended before this call's own
+    tokens (a :class:`CacheWindow`; None: none); ``mask``: ``(Q, K)`` bool for the whole-video pass (None: attend to all); ``written``: filled
     per block with this call's own rotated keys and values (what a cache keeps).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
-    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    past: Any = None
     mask: torch.Tensor | None = None
     written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -136,18 +136,21 @@ def attended_frames(held: int, new: int, window: int | None, sink: int) -> list[
 
 @dataclass
 class CausalKVCache:
-    """The keys and values every clean chunk ``0..num_chunks-1`` wrote (the resident cache), per block
-    ``(B, T, heads, head_dim)`` with ``T`` the chunks' frames (``chunk_frames``) times the tokens of a frame, for a
-    batch of streams, and the chunks the next chunk reads (``kept``: all of them unless the history is routed,
-    :meth:`CausalWanPolicy.reroute`). Entries are never rewritten: routing only changes what is read, as
-    LongLive's perturbed window reads chosen frames of its resident cache."""
+    """The keys and values every clean chunk ``0..num_chunks-1`` wrote (the resident cache): ``chunks[j][i]``, chunk
+    j's in block i, each ``(B, tokens_j, heads, head_dim)`` (its ``chunk_frames[j]`` frames' tokens), for a batch
+    of streams, and the chunks the next chunk reads (``kept``: all of them unless the history is routed,
+    :meth:`CausalWanPolicy.reroute`). Entries are written once and shared by every later cache of the stream
+    (appending a chunk copies nothing); routing only changes what is read, as LongLive's perturbed window reads
+    chosen frames of its resident cache."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    num_chunks: int
+    chunks: tuple[list[tuple[torch.Tensor, torch.Tensor]], ...]
     batch: int
     chunk_frames: tuple[int, ...]
     kept: tuple[int, ...]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
 
     @property
     def frames(self) -> int:
@@ -159,24 +162,40 @@ class CausalKVCache:
         idx = torch.as_tensor(index, dtype=torch.long).flatten()
         on: dict[torch.device, torch.Tensor] = {}
         pick = lambda t: t.index_select(0, on.setdefault(t.device, idx.to(t.device, non_blocking=True)))  # noqa: E731
-        return dataclasses.replace(self, keys=[pick(k) for k in self.keys], values=[pick(v) for v in self.values],
-                                   batch=len(idx))
+        chunks = tuple([(pick(k), pick(v)) for k, v in blocks] for blocks in self.chunks)
+        return dataclasses.replace(self, chunks=chunks, batch=len(idx))
 
     def repeat_interleave(self, repeats: int) -> "CausalKVCache":
         """Each stream's cache ``repeats`` times in place: a group of forks sharing one history."""
         return self.select([i for i in range(self.batch) for _ in range(repeats)])
 
-    def window(self, new: int, window: int | None, sink: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per block the keys and values ``new`` frames attend to before themselves (``tokens`` a frame): of the
-        kept chunks' frames in stream order, those the window holds (:func:`attended_frames`)."""
-        starts = [sum(self.chunk_frames[:j]) for j in range(self.num_chunks)]
-        frames = [f for j in self.kept for f in range(starts[j], starts[j] + self.chunk_frames[j])]
-        if len(frames) == sum(self.chunk_frames) and attended_frames(len(frames), new, window, sink) == [(0, len(frames))]:
-            return list(zip(self.keys, self.values))  # the whole resident cache, as it is
-        read = [frames[i] for a, b in attended_frames(len(frames), new, window, sink) for i in range(a, b)]
-        index = torch.tensor([f * tokens + t for f in read for t in range(tokens)], dtype=torch.long)
-        on = index.to(self.keys[0].device, non_blocking=True) if self.keys else index
-        return [(k.index_select(1, on), v.index_select(1, on)) for k, v in zip(self.keys, self.values)]
+    def window(self, new: int, window: int | None, sink: int, tokens: int) -> "CacheWindow | None":
+        """What ``new`` frames attend to before themselves (``tokens`` a frame): of the kept chunks' frames in
+        stream order, those the window holds (:func:`attended_frames`); None when that is nothing."""
+        pieces, at = [], 0  # (chunk, first token, end token) in stream order
+        ranges = attended_frames(self.frames, new, window, sink)
+        for j in self.kept:
+            span = (at, at + self.chunk_frames[j])
+            for a, b in ranges:
+                lo, hi = max(a, span[0]), min(b, span[1])
+                if lo < hi:
+                    pieces.append((j, (lo - at) * tokens, (hi - at) * tokens))
+            at = span[1]
+        return CacheWindow(self.chunks, pieces) if pieces else None
+
+
+@dataclass
+class CacheWindow:
+    """A block's keys and values ``(B, T, heads, head_dim)`` of a window of a :class:`CausalKVCache`, joined when
+    the block asks (one block's join is alive at a time)."""
+
+    chunks: tuple[list[tuple[torch.Tensor, torch.Tensor]], ...]
+    pieces: list[tuple[int, int, int]]
+
+    def __getitem__(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = [self.chunks[j][block][0][:, a:b] for j, a, b in self.pieces]
+        values = [self.chunks[j][block][1][:, a:b] for j, a, b in self.pieces]
+        return (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys, 1), torch.cat(values, 1))
 
 
 class CausalWanPolicy(lora_utils.AdapterMethods):
@@ -256,7 +275,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     # ------------------------------------------------------------------ one transformer call
 
     def _run(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, start: int,
-             past: list[tuple[torch.Tensor, torch.Tensor]] | None, mask: torch.Tensor | None = None,
+             past: CacheWindow | None, mask: torch.Tensor | None = None,
              written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """The flow prediction ``(B, C, f, H', W')`` of frames ``start..start+f`` at ``x``, attending to ``past``
         (per block) and, within the call, as ``mask`` says."""
@@ -294,11 +313,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     def empty_cache(self, batch: int, guidance: float) -> CausalKVCache:
         """A cache of no chunks for ``batch`` streams."""
         self._check_guidance(guidance)
-        config = self.transformer.config
-        none = torch.zeros(batch, 0, config.num_attention_heads, config.attention_head_dim, device=self.device,
-                           dtype=self.dtype)
-        layers = len(self.transformer.blocks)
-        return CausalKVCache([none] * layers, [none] * layers, 0, batch, (), ())
+        return CausalKVCache((), batch, (), ())
 
     def chunk_velocity(self, x_chunk: torch.Tensor, sigma: float, sigma_next: float, cache: CausalKVCache,
                        cond: Conditioning, guidance: float) -> torch.Tensor:
@@ -323,10 +338,9 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
             written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             self._run(piece, 0.0, cond, self.chunk_slice(j).start,
                       cache.window(piece.shape[2], self.window, self.sink, self.tokens_per_frame), written=written)
-            cache = dataclasses.replace(
-                cache, keys=[torch.cat([k, written[i][0]], 1) for i, k in enumerate(cache.keys)],
-                values=[torch.cat([v, written[i][1]], 1) for i, v in enumerate(cache.values)], num_chunks=j + 1,
-                chunk_frames=cache.chunk_frames + (piece.shape[2],), kept=cache.kept + (j,))
+            entries = [written[i] for i in range(len(written))]
+            cache = dataclasses.replace(cache, chunks=cache.chunks + (entries,),
+                                        chunk_frames=cache.chunk_frames + (piece.shape[2],), kept=cache.kept + (j,))
         return cache
 
     def append_chunks(self, cache: CausalKVCache, clean: torch.Tensor, cond: Conditioning,

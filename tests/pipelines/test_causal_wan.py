@@ -165,3 +165,16 @@ def test_guidance_and_chunking_are_refused_in_one_line(tmp_path: Path) -> None:
     policy = pipelines.load(folder)
     with pytest.raises(UserError, match="without CFG"):
         policy.empty_cache(1, 3.0)
+
+
+def test_the_caches_of_a_stream_share_the_entries_each_chunk_wrote(tmp_path: Path) -> None:
+    """A rollout keeps the cache every chunk started from: each chunk's entries are stored once (a later cache
+    holds the same tensors), so the stored caches grow with the video, not with its square."""
+    folder = tmp_path / "twin"
+    save_tiny("causal_wan", folder)
+    policy = pipelines.load(folder)
+    r = stream_rollout(policy, ["a"], num_steps=2, initial_noise=policy.initial_noise(1, torch.Generator().manual_seed(0)),
+                       decode=False)
+    first, last = r.caches[1], r.caches[2]
+    assert first.num_chunks == 1 and last.num_chunks == 2
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(first.chunks[0], last.chunks[0]))
