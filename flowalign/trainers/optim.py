@@ -137,6 +137,10 @@ def setup_optimisation(policy: FlowPolicy, tcfg: Any, parallel: Parallel,
     group of each trainable tensor (its name in ``policy.trainable``, the tensor); each group becomes a
     parameter group of the AdamW (the same lr, betas and weight decay) that an optimiser step can clip and
     step alone (:meth:`Optimisation.optimizer_step`). None: one group, one clip, as every trainer has."""
+    if getattr(policy, "streaming", False) and parallel.layout.sequence > 1:
+        raise UserError(f"parallel.sequence_parallel={parallel.layout.sequence}: a streaming model's chunks attend to "
+                        "a KV cache its policy hands each block, which a split sequence does not carry; use "
+                        "parallel.sequence_parallel=1 (data ranks still share the work)")
     parallel.shard(policy.trainable)
     named = [(n, p) for n, p in policy.trainable.named_parameters() if p.requires_grad]
     params = [p for _, p in named]

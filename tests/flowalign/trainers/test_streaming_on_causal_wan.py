@@ -75,3 +75,16 @@ def test_ar_copos_candidates_share_their_centres_solver_noise(tmp_path, causal_d
         eps = (group.states[:, 1] - (1 - sigma) * group.x0[:, 0]) / sigma  # (G, C, f, H, W): each step-0 draw
         assert torch.allclose(eps, eps[:1].expand_as(eps), atol=1e-4)
         assert not torch.allclose(group.states[:, 0], group.states[:1, 0].expand_as(group.states[:, 0]))
+
+
+def test_sequence_parallelism_is_refused_for_a_streaming_model(causal_dir):
+    """Before anything is sharded: a split sequence cannot carry the KV cache the policy hands each block."""
+    import pipelines
+    from flowalign.config import ParallelSection
+    from flowalign.parallel import DDP
+    from flowalign.trainers.optim import setup_optimisation
+
+    policy = pipelines.load(causal_dir, lora={"rank": 2, "alpha": 2.0})
+    parallel = DDP(ParallelSection(sequence_parallel=2), world=2, rank=0, device="cpu")
+    with pytest.raises(UserError, match="sequence_parallel=2: a streaming model"):
+        setup_optimisation(policy, None, parallel)
