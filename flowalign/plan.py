@@ -107,8 +107,9 @@ CALIBRATION = ("calibrated on H200 measurements: SD3.5-M Flow-GRPO 512 px withou
 ARCHITECTURES = REPO_ROOT / "assets" / "architectures"
 #: a configs/ folder whose model ships no architecture of its own here, and the one it shares: Z-Image and its
 #: distilled Z-Image-Turbo are the same 6B single-stream DiT, text encoder and VAE; LongLive's
-#: and Self-Forcing's causal generators are Wan 2.1-T2V-1.3B's transformer, with its UMT5 and VAE
-SAME_ARCHITECTURE = {"z-image": "z-image-turbo", "longlive": "wan2.1-1.3b", "self-forcing": "wan2.1-1.3b"}
+#: and Self-Forcing's causal generators are Wan 2.1-T2V-1.3B's transformer, with its UMT5 and VAE, streamed
+#: (causal-wan2.1-1.3b: Wan 2.1-1.3B's configs in a folder marked causal)
+SAME_ARCHITECTURE = {"z-image": "z-image-turbo", "longlive": "causal-wan2.1-1.3b", "self-forcing": "causal-wan2.1-1.3b"}
 
 
 @dataclass
@@ -166,6 +167,7 @@ class Rollout:
     latent: float  # one latent, float32: the trajectory holds num_steps + 1, a stored velocity one more each step
     conditioning: float  # the sample's text conditioning (both branches under CFG)
     decoded: float  # its decoded image or video, float32
+    kv_cache: float = 0.0  # a streamed sample's KV caches (the policy's kv_cache_bytes), 0 for other models
 
 
 @dataclass
@@ -208,9 +210,10 @@ class Settings:
 
     def sample_bytes(self, rollout: Rollout) -> float:
         """One rollout sample: ``T + 1`` latents, the stored velocities of ``T`` steps, ``T`` float32
-        log-probabilities, the conditioning and the decoded sample."""
+        log-probabilities, the conditioning, the decoded sample and a streamed sample's KV caches."""
         t = self.num_steps
-        return (t + 1 + t * self.stored_velocities) * rollout.latent + 4 * t + rollout.conditioning + rollout.decoded
+        return ((t + 1 + t * self.stored_velocities) * rollout.latent + 4 * t + rollout.conditioning + rollout.decoded
+                + rollout.kv_cache)
 
     def rollout_bytes(self, rollout: Rollout) -> float:
         """What a step's rollouts hold, all ``samples`` of them (:meth:`sample_bytes` each)."""
@@ -225,7 +228,8 @@ class Settings:
         are whole: under fsdp the loss computes them as it goes)."""
         latents = holding.latents + (holding.means if self.strategy != "fsdp" else 0.0)
         per_prompt = (holding.rollouts * self.sample_bytes(rollout) + latents * rollout.latent
-                      + holding.conditionings * rollout.conditioning + holding.decoded * rollout.decoded)
+                      + holding.conditionings * rollout.conditioning + holding.decoded * rollout.decoded
+                      + holding.kv_caches * rollout.kv_cache)
         return self.prompts_per_step * per_prompt
 
     def held_bytes(self, rollout: Rollout) -> float:
@@ -575,6 +579,9 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     dtype = next(transformer.parameters()).dtype
     both = spec.transformer_inputs(transformer.config, per_sample * (2 if twice else 1), size, dtype=dtype)
     rollout = rollout_sample_bytes(both, per_sample, size)  # a rollout keeps both branches' conditioning
+    kv_cache_bytes = getattr(spec.policy_class(families.read_index(folder)), "kv_cache_bytes", None)
+    if kv_cache_bytes is not None:  # a streaming model's rollout keeps the caches its chunks started from
+        rollout = replace(rollout, kv_cache=kv_cache_bytes(transformer.config, size, dtype.itemsize))
     decode = _decode_bytes(cfg, spec, models, both.get("hidden_states"), per_sample)
     moments = trainer.step_holdings(tcfg).moments
     encodes = any(m.encoding for m in moments)  # images of its own (offline pairs)
@@ -650,7 +657,9 @@ def rollout_sample_bytes(inputs: dict[str, Any], batch: int, size: dict[str, Any
 def _folder_defaults(folder: Path) -> dict[str, Any]:
     path = folder / "flowalign.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
-    return {k: v for k, v in data.items() if k in ("height", "width", "num_frames", "max_sequence_length", "guidance_scale") and v}
+    return {k: v for k, v in data.items()
+            if k in ("height", "width", "num_frames", "max_sequence_length", "guidance_scale", "chunk_frames",
+                     "chunk_partition") and v}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -36,7 +36,8 @@ class Holding:
     step means, computed once a batch; under fsdp every forward is a collective, so the loss computes each one
     when it needs it and none is kept). ``reward_gradient``: whether a differentiable reward's gradient is taken
     through the VAE decoder then, one training chunk at a time (the decoder's forward with grad and its
-    backward: their peak)."""
+    backward: their peak). ``kv_caches``: streams whose KV caches are held besides those of whole rollouts (a
+    streaming model's, sized by its policy's ``kv_cache_bytes``; 0 for other models)."""
 
     rollouts: float = 0.0
     latents: float = 0.0
@@ -47,6 +48,7 @@ class Holding:
     swapping: bool = False
     encoding: bool = False
     reward_gradient: bool = False
+    kv_caches: float = 0.0
 
 
 @dataclass(frozen=True)

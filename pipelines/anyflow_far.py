@@ -153,6 +153,19 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
     is_video = True
     streaming = True
 
+    @staticmethod
+    def kv_cache_bytes(config: Any, size: dict[str, Any], dtype_bytes: int) -> float:
+        """Bytes of the caches one streamed sample keeps (``flowalign plan``): the cache each chunk starts from is
+        one of its own, sized as the pipeline sizes it (:func:`empty_cache_layers`), one a chunk (CFG's two rows
+        a sample under guidance)."""
+        f_t, f_s = int(size.get("vae_scale_temporal") or 4), int(size.get("vae_scale_spatial") or 8)
+        partition = [int(c) for c in (size.get("chunk_partition") or config.chunk_partition)]
+        rows = 2 if float(size.get("guidance_scale") or 1.0) > 1 else 1
+        hw = (int(size["height"]) // f_s, int(size["width"]) // f_s)
+        layers = empty_cache_layers(config, rows, hw, partition, "meta", torch.float32)
+        one = sum(t.numel() for layer in layers.values() for t in layer.values())
+        return float(len(partition) * one * dtype_bytes)
+
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` defaults to 2 videos."""
         opts = open_pipeline(self, AnyFlowFARPipeline, path, options, float32_vae=AutoencoderKLWan,

@@ -211,6 +211,18 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     #: the step its chunks take when not sampled otherwise: x̂0 re-noised with fresh noise (CPS at η = 1)
     own_sampler = ("cps", 1.0)
 
+    @staticmethod
+    def kv_cache_bytes(config: Any, size: dict[str, Any], dtype_bytes: int) -> float:
+        """Bytes of the caches one streamed sample keeps (``flowalign plan``): every chunk but the last writes
+        its keys and values once, shared by the stream's later caches (:class:`CausalKVCache`)."""
+        f_t, f_s = int(size.get("vae_scale_temporal") or 4), int(size.get("vae_scale_spatial") or 8)
+        frames = (int(size["num_frames"]) - 1) // f_t + 1
+        _, ph, pw = config.patch_size
+        tokens = (int(size["height"]) // f_s // ph) * (int(size["width"]) // f_s // pw)
+        written = frames - int(size.get("chunk_frames") or 3)
+        return float(written * tokens * config.num_layers * 2 * config.num_attention_heads * config.attention_head_dim
+                     * dtype_bytes)
+
     def __init__(self, path: str | Path, **options: Any) -> None:
         """``options``: :class:`pipelines._common.PolicyOptions`; ``decode_batch_size`` defaults to 2 videos."""
         opts = open_pipeline(self, WanPipeline, path, options, float32_vae=AutoencoderKLWan, decode_batch_size=2)

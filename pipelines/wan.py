@@ -38,7 +38,7 @@ SPEC = FamilySpec(
     cfg="cfg", transformer_inputs=transformer_inputs,
     tiny={"wan": "pipelines.tiny_twins.wan", "wan22": "pipelines.tiny_twins.wan22",
           "wan_i2v": "pipelines.tiny_twins.wan_i2v", "causal_wan": "pipelines.tiny_twins.causal_wan"},
-    architectures=("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b"),
+    architectures=("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b", "causal-wan2.1-1.3b"),
     trained=("transformer", "transformer_2"),  # Wan 2.2 A14B: both experts (Wan22Policy.trainable)
     decode_batch=2, vae_float32=True,  # two videos at a time, the VAE in float32 as WanPipeline advises
 )

@@ -205,9 +205,8 @@ class KVPOTrainer(GroupTrainer):
         branches are streamed one at a time and decoded; the branch videos are kept in a list, concatenated and
         scored (``2G`` decoded), and under ``advantage: anchor`` the anchors are decoded and scored beside them
         (one more each). Every branch's window states and prefix go to CPU memory: nothing of the step stays on
-        the device through the update. Not counted: the anchor's KV caches, one per chunk, each allocated whole
-        (AnyFlow-FAR-Wan2.1-1.3B at 480×832×81 in bf16: 3.9 GB a stream, 8 chunks), which need the family to
-        size its cache, and the one branch being streamed at a time with its own caches. With a local signal
+        the device through the update. The anchor's KV caches are held throughout, and the branch being streamed
+        keeps its own while it streams (two streams' caches, as the family sizes them). With a local signal
         the routed chunks of the branches and the anchor are decoded and scored too (``G + 1`` more, each counted
         as a whole video: high by the share of the other chunks)."""
         from flowalign.plan_holdings import Holding, StepHoldings
@@ -215,8 +214,9 @@ class KVPOTrainer(GroupTrainer):
         anchor = {"latents": tcfg.num_steps + 1, "conditionings": 1}
         anchor_video = 1 if tcfg.advantage == "anchor" else 0
         local = tcfg.group_size + 1 if tcfg.advantage == "anchor" and tcfg.local_weight > 0 else 0
-        return StepHoldings(Holding(), (Holding(**anchor, decoded=tcfg.group_size, decoding=True),
-                                        Holding(**anchor, decoded=2 * tcfg.group_size + anchor_video + local)))
+        return StepHoldings(Holding(), (Holding(**anchor, decoded=tcfg.group_size, decoding=True, kv_caches=2),
+                                        Holding(**anchor, decoded=2 * tcfg.group_size + anchor_video + local,
+                                                kv_caches=1)))
 
     def guidance(self) -> float:
         g = self.tcfg.guidance_scale

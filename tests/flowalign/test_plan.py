@@ -525,3 +525,24 @@ def test_the_tiny_sd3_plan_sizes_the_latents_and_text_its_policy_makes(tmp_path,
     # the released architecture keeps its 8 and 77
     sd35 = inspect_model(_sd35(), ARCH / "sd3.5-medium")
     assert sd35.rollout.latent == 16 * (512 // 8) ** 2 * 4
+
+
+@pytest.mark.parametrize("twin, trainer", [("causal_wan", "kvpo"), ("anyflow_far", "ar_copo")])
+def test_a_streamed_samples_kv_caches_are_counted_as_a_rollout_keeps_them(twin, trainer, tiny_model_dir):
+    """The bytes ``plan`` counts for a streamed sample's caches are those a real rollout of the tiny twin keeps
+    (every distinct tensor of its ``caches``): the causal Wan's shared entries, AnyFlow-FAR's cache a chunk."""
+    import pipelines
+    from flowalign.sampling import stream_rollout
+
+    folder = tiny_model_dir(twin)
+    cfg = load_config(None, [f"model.path={folder}", f"trainer.name={trainer}", "trainer.num_steps=2"])
+    counted = inspect_model(cfg, folder).rollout.kv_cache
+    policy = pipelines.load(folder)
+    r = stream_rollout(policy, ["a"], num_steps=2, initial_noise=policy.initial_noise(1, torch.Generator().manual_seed(0)),
+                       decode=False)
+    tensors: dict[int, torch.Tensor] = {}
+    for cache in r.caches:
+        parts = ([t for entries in cache.chunks for kv in entries for t in kv] if twin == "causal_wan"
+                 else [t for layer in cache.layers.values() for t in layer.values()])
+        tensors.update({t.data_ptr(): t for t in parts})
+    assert counted > 0 and counted == sum(t.nbytes for t in tensors.values())

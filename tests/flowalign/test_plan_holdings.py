@@ -164,10 +164,14 @@ def test_kvpo_counts_its_anchor_streams_beside_the_decoded_branches(advantage, t
     bare = _no_update_peak(model)
     rows = memory_rows(bare, s)
     assert rows[HELD] == 0.0
-    anchor = 2 * (3 * model.rollout.latent + model.rollout.conditioning)
+    # each anchor keeps its KV caches (as the model's policy sizes them) while the branches are scored
+    assert model.rollout.kv_cache > 0
+    anchor = 2 * (3 * model.rollout.latent + model.rollout.conditioning + model.rollout.kv_cache)
     branch_videos = 2 * 2 * 3 * d  # kept in a list, then concatenated
-    assert rows[SAMPLING] == pytest.approx(max(0.0, anchor + branch_videos + (2 * d if advantage == "anchor" else 0)
-                                               - rows["gradients"]))
+    scoring = anchor + branch_videos + (2 * d if advantage == "anchor" else 0)
+    # while the branches stream: the anchor, the streamed branch's own caches and the videos decoded so far
+    streaming = anchor + 2 * model.rollout.kv_cache + 2 * 3 * d
+    assert rows[SAMPLING] == pytest.approx(max(0.0, max(scoring, streaming) - rows["gradients"]))
 
 
 def test_kvpo_anchor_is_counted_once_per_prompt():
