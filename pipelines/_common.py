@@ -286,6 +286,12 @@ JOINT_ATTENTION_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj"
 ATTENTION_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
+def chunk_slice(chunk_frames: Sequence[int], k: int) -> slice:
+    """A streaming policy's chunk ``k`` along the frame axis, its chunks being ``chunk_frames`` frames long."""
+    start = sum(chunk_frames[:k])
+    return slice(start, start + chunk_frames[k])
+
+
 def check_num_steps(num_steps: int) -> int:
     """``num_steps`` as an int, refused below 1 (a σ grid needs at least one step)."""
     n = int(num_steps)

@@ -47,7 +47,8 @@ from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import SAMPLING_KEYS
 from pipelines._common import ATTENTION_LORA_TARGETS, PromptCache, batch_size, cfg_batch, cfg_combine, check_multiple
-from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, encode_with_empty_negative
+from pipelines._common import check_num_steps, check_prompts, chunk_slice, decode_in_chunks
+from pipelines._common import encode_with_empty_negative
 from pipelines._common import gaussian_noise, make_trainable, merge_defaults, negative_conditioning, open_pipeline
 from pipelines._common import require_scheduler, sigma_batch, text_encoders, vae_latent_stats, zeros_factory
 from pipelines.memory import pin_processor_backend
@@ -210,8 +211,7 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
 
     def chunk_slice(self, k: int) -> slice:
         """The latent frames of chunk ``k`` (``x[:, :, chunk_slice(k)]``)."""
-        start = sum(self.chunk_frames[:k])
-        return slice(start, start + self.chunk_frames[k])
+        return chunk_slice(self.chunk_frames, k)
 
     def encode(self, prompts: list[str]) -> Conditioning:
         """UMT5 embeddings through the pipeline's own ``encode_prompt``, cached per prompt string; the CFG

@@ -45,7 +45,8 @@ from flowalign.errors import UserError
 from flowalign.protocols import Conditioning
 from pipelines import lora as lora_utils
 from pipelines._common import SAMPLING_KEYS, ATTENTION_LORA_TARGETS, PromptCache, batch_size, check_multiple
-from pipelines._common import check_num_steps, check_prompts, decode_in_chunks, encode_with_empty_negative
+from pipelines._common import check_num_steps, check_prompts, chunk_slice, decode_in_chunks
+from pipelines._common import encode_with_empty_negative
 from pipelines._common import gaussian_noise, make_trainable, merge_defaults, open_pipeline, sigma_batch
 from pipelines._common import text_encoders, vae_latent_stats
 
@@ -66,8 +67,8 @@ class StreamCall:
 
     ``cos``, ``sin``: ``(1, tokens, 1, head_dim)`` RoPE of this call's frames at their absolute positions;
     ``past``: indexed by block, the keys and values ``(B, T, heads, head_dim)`` attended before this call's own
-    tokens (a :class:`CacheWindow`; None: none); ``mask``: ``(Q, K)`` bool for the whole-video pass (None: attend to all); ``written``: filled
-    per block with this call's own rotated keys and values (what a cache keeps).
+    tokens (a :class:`CacheWindow`; None: none); ``mask``: ``(Q, K)`` bool for the whole-video pass (None: attend
+    to all); ``written``: filled per block with this call's own rotated keys and values (what a cache keeps).
     """
 
     cos: torch.Tensor
@@ -271,8 +272,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
 
     def chunk_slice(self, k: int) -> slice:
         """The latent frames of chunk ``k`` (``x[:, :, chunk_slice(k)]``)."""
-        start = sum(self.chunk_frames[:k])
-        return slice(start, start + self.chunk_frames[k])
+        return chunk_slice(self.chunk_frames, k)
 
     def encode(self, prompts: list[str]) -> Conditioning:
         """UMT5 embeddings through the pipeline's own ``encode_prompt``, cached per prompt string."""
@@ -294,7 +294,8 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         b, f = x.shape[0], x.shape[2]
         cos, sin = self._rope.__class__.forward(self._rope, x.new_empty(1, 1, start + f, *x.shape[3:], device="meta"))
         skip = start * self.tokens_per_frame
-        self._rope.stream_call = StreamCall(cos[:, skip:].to(self.device), sin[:, skip:].to(self.device), past, mask, written)
+        self._rope.stream_call = StreamCall(cos[:, skip:].to(self.device), sin[:, skip:].to(self.device), past, mask,
+                                            written)
         timestep = sigma_batch(sigma, b, self.device) * 1000.0
         text = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
         return self.transformer(hidden_states=x.to(self.device, self.dtype), timestep=timestep,
@@ -336,7 +337,8 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         if cache.batch != b:
             raise UserError(f"chunk_velocity: the cache holds {cache.batch} streams for {b} chunks")
         if x_chunk.shape[2] != self.chunk_frames[k]:
-            raise UserError(f"chunk_velocity: chunk {k} has {self.chunk_frames[k]} latent frames, got {x_chunk.shape[2]}")
+            raise UserError(f"chunk_velocity: chunk {k} has {self.chunk_frames[k]} latent frames, got "
+                            f"{x_chunk.shape[2]}")
         past = cache.window(x_chunk.shape[2], self.window, self.sink, self.tokens_per_frame)
         return self._run(x_chunk, sigma, cond, self.chunk_slice(k).start, past).float()
 

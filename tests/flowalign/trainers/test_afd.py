@@ -36,16 +36,21 @@ def far_dir(tiny_model_dir):
     return tiny_model_dir("anyflow_far")
 
 
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("teacher")
+def write_teacher_videos(folder, frames: int = 9):
+    """Two teacher videos a prompt of ``PROMPTS`` (a square moving each way), listed in ``videos.jsonl``."""
     rows = []
     for i, prompt in enumerate(PROMPTS):
         for j in range(2):
-            path = save_video(moving_square(1 if j == 0 else -1, (0.9, 0.1 * i, 0.2)), folder / f"{i}-{j}.gif")
+            path = save_video(moving_square(1 if j == 0 else -1, (0.9, 0.1 * i, 0.2), frames=frames),
+                              folder / f"{i}-{j}.gif")
             rows.append(json.dumps({"prompt": prompt, "video": path.name}))
     (folder / "videos.jsonl").write_text("\n".join(rows) + "\n")
     return folder
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    return write_teacher_videos(tmp_path_factory.mktemp("teacher"))
 
 
 def stream(teacher_dir, *extra):

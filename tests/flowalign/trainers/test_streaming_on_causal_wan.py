@@ -5,18 +5,15 @@ there in one line."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from flowalign.errors import UserError
-from flowalign.media import save_video
 from flowalign.train import build_trainer
 
 from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly
-from .test_afd import PROMPTS, moving_square
+from .test_afd import write_teacher_videos
 from .test_ar_copo import STREAM as AR_COPO
 from .test_kvpo import AUTHORS as KVPO
 
@@ -29,13 +26,7 @@ def causal_dir(tiny_model_dir):
 @pytest.fixture(scope="module")
 def long_teacher_dir(tmp_path_factory):
     """Teacher videos as long as the causal twin's (17 frames)."""
-    folder = tmp_path_factory.mktemp("teacher17")
-    rows = []
-    for i, prompt in enumerate(PROMPTS):
-        path = save_video(moving_square(1, (0.9, 0.2 * i, 0.2), frames=17), folder / f"{i}.gif")
-        rows.append(json.dumps({"prompt": prompt, "video": path.name}))
-    (folder / "videos.jsonl").write_text("\n".join(rows) + "\n")
-    return folder
+    return write_teacher_videos(tmp_path_factory.mktemp("teacher17"), frames=17)
 
 
 def test_kvpo_scores_re_noised_branches_by_the_predictions_they_took(tmp_path, causal_dir, prompt_file):
