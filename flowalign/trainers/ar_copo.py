@@ -83,6 +83,9 @@ class ARCoPOConfig(TrainerConfig, StreamOptions, AdvantageOptions):
     #: of them to its fresh groups
     replay: Literal["reference", "recent"] = "reference"
     advantage: str = Field("group", pattern="^(group|global_std|gdpo)$")
+    #: candidates of a group streamed at once (None: the whole group); fewer hold fewer streams' KV caches
+    #: (the same candidates: each stream's noise and draws are its own)
+    fork_batch: int | None = Field(None, ge=1, le=MAX_GROUP_SIZE)
 
     @model_validator(mode="after")
     def _anchors_within_the_group(self) -> "ARCoPOConfig":
@@ -197,6 +200,19 @@ class ARCoPOTrainer(GroupTrainer):
                             f"(0..{chunks - 1}); give chunk indices in that range")
         self.buffer: list[ForkGroup] = []
 
+    @classmethod
+    def step_holdings(cls, tcfg: ARCoPOConfig) -> Any:
+        """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`): the centre stream (its
+        chunks' latents, conditioning and KV caches) while the forks stream ``fork_batch`` candidates at a time
+        (over the step's prompts, each with its caches) and are decoded; the decoded candidates kept in a list,
+        then concatenated and scored (``2G``). The groups go to CPU memory: nothing of the step stays on the
+        device through the update."""
+        from flowalign.plan_holdings import Holding, StepHoldings
+
+        forks = (tcfg.fork_batch or tcfg.group_size) / tcfg.prompts_per_step
+        return StepHoldings(Holding(), (Holding(rollouts=1 + forks, decoded=tcfg.group_size, decoding=True),
+                                        Holding(rollouts=1, decoded=2 * tcfg.group_size)))
+
     def guidance(self) -> float:
         g = self.tcfg.guidance_scale
         return float(self.policy.defaults.get("guidance_scale", 1.0) if g is None else g)
@@ -227,18 +243,27 @@ class ARCoPOTrainer(GroupTrainer):
             prefixes.append(center.prefix(k, [j]))
         samples, candidates, states, x0 = [], [], [], []
         sigmas = policy.sigmas(tc.num_steps).float()
+        per = tc.fork_batch or g
         for j, i in enumerate(firsts):
-            # a re-noising sampler's draws are the centre's for every candidate (the paper's shared solver noise)
-            keys = None if center.draw_keys is None else [center.draw_keys[j]] * g
-            fork = self._stream(prompts[i:i + g], noises[j], prefixes[j].repeat_interleave(g), keys)
-            with torch.no_grad():
-                samples.append(policy.decode(fork.final_latents))
-                if tc.anchor == "candidates":
-                    path = fork.chunks[forks[j]].to(policy.device)
-                    x0.append(x0_predictions(policy, path, sigmas, fork.caches[forks[j]], fork.cond,
-                                             self.guidance()).float().cpu())
-                    states.append(path.cpu())
-            candidates.append(fork.chunks[forks[j]][:, -1])
+            group_states, group_x0, group_chunks = [], [], []
+            for start in range(0, g, per):
+                part = range(start, min(start + per, g))
+                # a re-noising sampler's draws are the centre's for every candidate (the paper's shared solver noise)
+                keys = None if center.draw_keys is None else [center.draw_keys[j]] * len(part)
+                fork = self._stream([prompts[i + c] for c in part], noises[j][part.start:part.stop],
+                                    prefixes[j].repeat_interleave(len(part)), keys)
+                with torch.no_grad():
+                    samples.append(policy.decode(fork.final_latents))
+                    if tc.anchor == "candidates":
+                        path = fork.chunks[forks[j]].to(policy.device)
+                        group_x0.append(x0_predictions(policy, path, sigmas, fork.caches[forks[j]], fork.cond,
+                                                       self.guidance()).float().cpu())
+                        group_states.append(path.cpu())
+                group_chunks.append(fork.chunks[forks[j]][:, -1])
+            if group_states:
+                states.append(torch.cat(group_states))
+                x0.append(torch.cat(group_x0))
+            candidates.append(torch.cat(group_chunks))
         prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
         scored = self.score(torch.cat(samples), prompts, metadata, prompt_ids, step)
         advantages = scored.advantages

@@ -79,3 +79,16 @@ def test_sequence_parallelism_is_refused_for_a_streaming_model(causal_dir):
     parallel = DDP(ParallelSection(sequence_parallel=2), world=2, rank=0, device="cpu")
     with pytest.raises(UserError, match="sequence_parallel=2: a streaming model"):
         setup_optimisation(policy, None, parallel)
+
+
+def test_ar_copo_streams_a_group_in_fork_batches_with_the_same_candidates(tmp_path, causal_dir, prompt_file):
+    """``fork_batch``: fewer candidates streamed at once (fewer caches held), the same candidates, states and
+    clean predictions: each stream's noise and draws are its own."""
+    whole = build_trainer(small_config(tmp_path / "a", causal_dir, prompt_file, *AR_COPO)).forks(0)[0]
+    parts = build_trainer(small_config(tmp_path / "b", causal_dir, prompt_file, *AR_COPO,
+                                       "trainer.fork_batch=3")).forks(0)[0]
+    for a, b in zip(whole, parts):
+        assert a.chunk == b.chunk and a.candidates.shape[0] == 4
+        for x, y in ((a.candidates, b.candidates), (a.states, b.states), (a.x0, b.x0)):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.advantages, b.advantages, atol=2e-3, rtol=0)  # decoded in other batches
