@@ -31,6 +31,7 @@ ARCH = REPO_ROOT / "assets" / "architectures"
     ("flux.1-dev", 11.90e9, 0.005),   # "a 12 billion parameter rectified flow transformer"
     ("wan2.1-14b", 14.0e9, 0.03),     # Wan2.1-T2V-14B
     ("wan2.1-1.3b", 1.42e9, 0.01),    # Wan2.1-T2V-1.3B ("1.3B"; 1.42B counted on the Hub)
+    ("causal-wan2.1-1.3b", 1.42e9, 0.01),  # Self-Forcing / LongLive: Wan2.1-T2V-1.3B's transformer, streamed
     ("flux.1-kontext", 11.90e9, 0.005),  # FLUX.1-Kontext-dev: FLUX.1-dev's transformer
     ("qwen-image", 20e9, 0.03),       # Qwen-Image: "a 20B MMDiT"
     ("qwen-image-edit", 20e9, 0.03),  # Qwen-Image-Edit: the same transformer
