@@ -238,7 +238,7 @@ def keyed_draws(keys: list[int], k: int, i: int, like: torch.Tensor) -> torch.Te
     rows = [torch.randn(like.shape[1:], generator=torch.Generator().manual_seed((key + 1_000_003 * (k * 1_000 + i))
                                                                                 % (2**63 - 1)))
             for key in keys]
-    return torch.stack(rows).to(like.device)
+    return torch.stack(rows).to(like.device, non_blocking=True)
 
 
 def own_step(kind: str, level: float, v: torch.Tensor, x: torch.Tensor, sigma: float, sigma_next: float,

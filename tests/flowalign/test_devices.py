@@ -321,3 +321,43 @@ def test_host_waits_are_what_cuda_waits_for():
             e[e > 0], e.nonzero()
         assert [kind for kind, _ in found] == ["blocking copy to the device", "read a value", "read values",
                                                "copy to the host", "value-dependent size", "value-dependent size"]
+
+
+@pytest.mark.parametrize("recipe", ["kvpo_motion", "ar_copo_motion"])
+def test_the_streaming_trainers_step_on_the_device_with_a_causal_wan(recipe, tmp_path, monkeypatch, policy_on_device,
+                                                                    tiny_model_dir):
+    """A causal Wan (its re-noising draws made on the host, its KV cache and rotary positions built per call)
+    streams, routes and trains on a device that is not the CPU."""
+    monkeypatch.chdir(REPO)
+    # the motion tasks' 9 frames: five latent frames, streamed one a chunk; AR-CoPO's anchors within the small
+    # group; KVPO's whole-video signal alone (a one-frame chunk is no clip for the frame-to-frame toy reward)
+    extra = ("trainer.anchors=2",) if recipe == "ar_copo_motion" else ("trainer.local_weight=0",)
+    cfg = small_config(recipe, tmp_path / "run", f"model.path={tiny_model_dir('causal_wan')}",
+                       "model.defaults={num_frames: 9, chunk_frames: 1}", *extra)
+    torch.manual_seed(0)
+    with FakeDevice():
+        trainer = build_trainer(cfg)
+        before = [p.detach().clone() for p in trainer.params]
+        logs = trainer.train_step()
+    assert trainer.params and all(isinstance(p, OnDevice) and p.device == DEVICE for p in trainer.params)
+    assert math.isfinite(logs["train/grad_norm"]) and logs["train/grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))
+
+
+def test_a_re_noised_stream_makes_the_host_wait_twice_whatever_its_steps(policy_on_device, monkeypatch, tiny_model_dir):
+    """A causal Wan's stream reads its initial noise back once (the keys of its fresh draws) and its log-probs
+    once after the last chunk; its draws go to the device without the host waiting."""
+    import pipelines
+    from flowalign.sampling.streaming import stream_rollout
+
+    with FakeDevice():
+        policy = pipelines.load(tiny_model_dir("causal_wan"), lora={"rank": 4, "alpha": 8})
+
+        def stream(steps: int):
+            return stream_rollout(policy, ["a red ball", "a cube"], num_steps=steps,
+                                  generator=torch.Generator().manual_seed(0), decode=False)
+
+        waits, out = waits_by_steps(stream, (2, 4))
+    assert len(waits[2]) == len(waits[4]) == 2, waits
+    assert all(where.startswith("flowalign/sampling/streaming.py:") for _, where in waits[4])
+    assert bool(torch.isfinite(out.log_probs[:, :, :-1]).all())
