@@ -24,7 +24,7 @@ same in Self-Forcing and LongLive) streams a video as:
 
 The cache is a value (:class:`CausalKVCache`): appending a chunk returns a new one, so forks stay independent.
 The FlowPolicy half (``velocity`` over a whole video) is the block-causal training path: every chunk at the same
-σ attending to itself and the earlier chunks' tokens under the same window.
+σ attending to itself and the earlier chunks' tokens under the same window, computed chunk by chunk.
 """
 
 from __future__ import annotations
@@ -67,14 +67,13 @@ class StreamCall:
 
     ``cos``, ``sin``: ``(1, tokens, 1, head_dim)`` RoPE of this call's frames at their absolute positions;
     ``past``: indexed by block, the keys and values ``(B, T, heads, head_dim)`` attended before this call's own
-    tokens (a :class:`CacheWindow`; None: none); ``mask``: ``(Q, K)`` bool for the whole-video pass (None: attend
-    to all); ``written``: filled per block with this call's own rotated keys and values (what a cache keeps).
+    tokens (a :class:`CacheWindow`; None: none); ``written``: filled per block with this call's own rotated keys
+    and values (what a cache keeps).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     past: Any = None
-    mask: torch.Tensor | None = None
     written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
@@ -109,8 +108,7 @@ class StreamingSelfAttention:
         if rotary_emb.past is not None:
             past_key, past_value = rotary_emb.past[self.index]
             key, value = torch.cat([past_key.to(key.dtype), key], 1), torch.cat([past_value.to(value.dtype), value], 1)
-        mask = None if rotary_emb.mask is None else rotary_emb.mask[None, None]
-        out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
+        out = dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -287,14 +285,14 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     # ------------------------------------------------------------------ one transformer call
 
     def _run(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, start: int,
-             past: CacheWindow | None, mask: torch.Tensor | None = None,
-             written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+             past: CacheWindow | None, written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+             ) -> torch.Tensor:
         """The flow prediction ``(B, C, f, H', W')`` of frames ``start..start+f`` at ``x``, attending to ``past``
-        (per block) and, within the call, as ``mask`` says."""
+        (per block) and to all of its own tokens."""
         b, f = x.shape[0], x.shape[2]
         cos, sin = self._rope.__class__.forward(self._rope, x.new_empty(1, 1, start + f, *x.shape[3:], device="meta"))
         skip = start * self.tokens_per_frame
-        self._rope.stream_call = StreamCall(cos[:, skip:].to(self.device), sin[:, skip:].to(self.device), past, mask,
+        self._rope.stream_call = StreamCall(cos[:, skip:].to(self.device), sin[:, skip:].to(self.device), past,
                                             written)
         timestep = sigma_batch(sigma, b, self.device) * 1000.0
         text = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
@@ -342,19 +340,23 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         past = cache.window(x_chunk.shape[2], self.window, self.sink, self.tokens_per_frame)
         return self._run(x_chunk, sigma, cond, self.chunk_slice(k).start, past).float()
 
+    def _append(self, cache: CausalKVCache, piece: torch.Tensor, j: int, sigma: float | torch.Tensor,
+                cond: Conditioning) -> tuple[CausalKVCache, torch.Tensor]:
+        """Chunk ``j``'s flow prediction at ``piece`` ``(B, C, f_j, H', W')`` and σ, reading what ``cache`` lets it
+        (its kept chunks through the window), and ``cache`` with the keys and values it wrote joined."""
+        written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = self._run(piece, sigma, cond, self.chunk_slice(j).start,
+                        cache.window(piece.shape[2], self.window, self.sink, self.tokens_per_frame), written=written)
+        cache = dataclasses.replace(cache, chunks=cache.chunks + ([written[i] for i in range(len(written))],),
+                                    chunk_frames=cache.chunk_frames + (piece.shape[2],), kept=cache.kept + (j,))
+        return cache, out
+
     @torch.no_grad()
     def _write(self, cache: CausalKVCache, clean: torch.Tensor, last: int, cond: Conditioning) -> CausalKVCache:
         """``cache`` with the clean chunks after it up to ``last`` of ``clean`` written in order, each run at
-        timestep 0 (their ``context_noise``) reading what the cache lets it (its kept chunks through the window),
-        then joining the resident cache and the chunks read next."""
+        timestep 0 (their ``context_noise``), joining the resident cache and the chunks read next."""
         for j in range(cache.num_chunks, last + 1):
-            piece = clean[:, :, self.chunk_slice(j)]
-            written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            self._run(piece, 0.0, cond, self.chunk_slice(j).start,
-                      cache.window(piece.shape[2], self.window, self.sink, self.tokens_per_frame), written=written)
-            entries = [written[i] for i in range(len(written))]
-            cache = dataclasses.replace(cache, chunks=cache.chunks + (entries,),
-                                        chunk_frames=cache.chunk_frames + (piece.shape[2],), kept=cache.kept + (j,))
+            cache, _ = self._append(cache, clean[:, :, self.chunk_slice(j)], j, 0.0, cond)
         return cache
 
     def append_chunks(self, cache: CausalKVCache, clean: torch.Tensor, cond: Conditioning,
@@ -393,24 +395,17 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
 
     # ------------------------------------------------------------------ the FlowPolicy half
 
-    def block_mask(self, device: torch.device | str) -> torch.Tensor:
-        """``(Q, K)`` bool over the whole video's tokens: chunk k's tokens attend to their own chunk and to the
-        earlier frames the window keeps (:func:`attended_frames`), as the streamed chunk does."""
-        frame = torch.zeros(sum(self.chunk_frames), sum(self.chunk_frames), dtype=torch.bool)
-        for k, f in enumerate(self.chunk_frames):
-            rows = self.chunk_slice(k)
-            frame[rows, rows] = True
-            for a, b in attended_frames(rows.start, f, self.window, self.sink):
-                frame[rows, a:b] = True
-        t = self.tokens_per_frame
-        return frame.repeat_interleave(t, 0).repeat_interleave(t, 1).to(device)
-
     def velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, guidance: float) -> torch.Tensor:
-        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')`` of the whole video at one σ, block-causal
-        (:meth:`block_mask`): the training path, not how the stream is sampled."""
+        """``v(x, σ | c)`` float32 ``(B, C, F', H', W')`` of the whole video at one σ, block-causal: chunk by chunk,
+        each reading the earlier chunks' entries at the same σ through the window (the training path, not how
+        the stream is sampled). Differentiable through every chunk's entries."""
         self._check_guidance(guidance)
         batch_size(x, cond)
-        return self._run(x, sigma, cond, 0, None, mask=self.block_mask(self.device)).float()
+        cache, out = self.empty_cache(x.shape[0], guidance), []
+        for j in range(len(self.chunk_frames)):
+            cache, v = self._append(cache, x[:, :, self.chunk_slice(j)], j, sigma, cond)
+            out.append(v)
+        return torch.cat(out, dim=2).float()
 
     def unconditional_velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning) -> torch.Tensor:
         raise UserError("a causal Wan generator has no unconditional branch (it samples without CFG)")
