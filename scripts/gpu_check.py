@@ -11,7 +11,9 @@
     prerequisite is missing (a teacher, a latent reward, a reward model's download) is ``stopped`` with
     its one-line reason, as a user would see it; ``failed``, ``nonfinite``, ``no-update`` and
     ``wrong-device`` are failures. A recipe that pins a former form of its trainer (kept as measured) runs
-    again with the trainer's defaults, the authors' forms a user gets (the ``RECIPE+defaults`` rows).
+    again with the trainer's defaults, the authors' forms a user gets (the ``RECIPE+defaults`` rows); the
+    streaming recipes run once more on a tiny causal Wan (``RECIPE+defaults@causal_wan``: Self-Forcing /
+    LongLive's architecture and re-noising sampler).
 (b) side by side (``--reference-src DIR``: a source tree of github.com/yifan123/flow_grpo, see
     ``docs/performance.md``): SD3.5-Medium at its released size (random weights), Flow-GRPO, 4 prompts x 2
     samples, 10 SDE steps (9 trained), CFG 4.5, 512 px, LoRA r32/alpha64, KL beta 0.04, T5 128 tokens, no
@@ -90,6 +92,12 @@ SMOKE_FIT = {"dance_grpo_vvr": ("trainer.num_steps=4",), "pref_grpo_vvr": ("trai
 #: signal scores the routed chunk's frames alone, which the tiny motion verifier (a whole-trajectory judge) calls
 #: invalid, so that row is scored by the JPEG size of the video alone, which scores any clip
 DEFAULTS_FIT = {"kvpo_motion": ('rewards=[{"name": "jpeg_compressibility_video"}]',)}
+#: the streaming recipes run again on a tiny causal Wan (Self-Forcing / LongLive's architecture: its KV cache,
+#: rotary positions and re-noising draws made per call), with their trainers' defaults, at the motion tasks' 9
+#: frames streamed one latent frame a chunk: rows ``RECIPE+defaults@causal_wan``
+CAUSAL_WAN = "@causal_wan"
+CAUSAL_RECIPES = ("kvpo_motion", "ar_copo_motion", "afd_motion")
+CAUSAL_OVERRIDES = ("model.defaults={num_frames: 9, chunk_frames: 1}",)
 #: --smoke's recipes: the reference trainer and one that once mixed CPU and CUDA tensors (both quick on a CPU),
 #: whose recipe pins former forms, so its authors' defaults run as a row of their own too
 SMOKE_RECIPES = ("flow_grpo_vvr", "dgpo_vvr")
@@ -141,8 +149,12 @@ def authors_defaults(recipe: Path) -> list[str]:
     return [f"trainer.{k}={json.dumps(v)}" for k, v in pinned.items()]
 
 
-def recipe_overrides(recipe: Path, run_dir: Path, steps: int, smoke: bool, defaults: bool = False) -> list[str]:
+def recipe_overrides(recipe: Path, run_dir: Path, steps: int, smoke: bool, defaults: bool = False,
+                     twin: Path | None = None) -> list[str]:
+    """The overrides of ``recipe``'s row (``twin``: on that tiny causal Wan folder, :data:`CAUSAL_OVERRIDES`)."""
     overrides = [f"run.output_dir={run_dir}", f"trainer.max_steps={steps}", *QUIET, varying_rewards(recipe)]
+    if twin is not None:
+        overrides += [f"model.path={twin}", *CAUSAL_OVERRIDES]
     if smoke:  # each trainer setting only to a trainer that has it
         from flowalign.trainers import get_trainer
 
@@ -162,18 +174,18 @@ def _where(err: BaseException) -> str:
 
 
 def run_one_recipe(recipe: Path, run_dir: Path, steps: int, smoke: bool, device: str,
-                   defaults: bool = False) -> dict[str, Any]:
-    """Train ``recipe`` for ``steps`` steps in this process (``defaults``: with :func:`authors_defaults`); what
-    the table reports about it."""
+                   defaults: bool = False, twin: Path | None = None) -> dict[str, Any]:
+    """Train ``recipe`` for ``steps`` steps in this process (``defaults``: with :func:`authors_defaults`; ``twin``:
+    on that tiny causal Wan); what the table reports about it."""
     from flowalign.config import load_config
     from flowalign.errors import UserError
     from flowalign.train import build_trainer
 
     os.chdir(REPO)  # recipes name their assets relative to the repository, as the README runs them
-    row: dict[str, Any] = {"recipe": recipe.stem + (DEFAULTS if defaults else "")}
+    row: dict[str, Any] = {"recipe": row_label(recipe, defaults, twin)}
     t0 = time.perf_counter()
     try:
-        cfg = load_config(recipe, recipe_overrides(recipe, run_dir, steps, smoke, defaults))
+        cfg = load_config(recipe, recipe_overrides(recipe, run_dir, steps, smoke, defaults, twin))
         torch.manual_seed(0)
         trainer = build_trainer(cfg)
         trainer.train()
@@ -244,19 +256,32 @@ def run_child(args: list[str], result: Path, log: Path, device: str, timeout: fl
     return {"status": "failed", "error": f"exit status {proc.returncode}: {tail[0][:300]} (log: {log})"}
 
 
+def row_label(recipe: Path, defaults: bool, twin: Path | None) -> str:
+    return recipe.stem + (DEFAULTS if defaults else "") + (CAUSAL_WAN if twin is not None else "")
+
+
+def recipe_rows(recipes: list[Path], twin: Path | None) -> list[tuple[Path, bool, Path | None]]:
+    """``(recipe, defaults, twin)`` of every row: each recipe, its ``+defaults`` row where it pins a former form,
+    and a streaming recipe's ``+defaults@causal_wan`` row on ``twin`` (when given)."""
+    rows = [(r, d, None) for r in recipes for d in (False, True) if not d or authors_defaults(r)]
+    return rows + [(r, True, twin) for r in recipes if twin is not None and r.stem in CAUSAL_RECIPES]
+
+
 def check_recipes(recipes: list[Path], work: Path, steps: int, smoke: bool, device: str, jobs: int,
                   timeout: float) -> list[dict[str, Any]]:
     """Every recipe in its own process, ``jobs`` at a time, and again with its trainer's defaults where it pins
-    a former form (the ``+defaults`` rows); rows in the recipes' order."""
-    def one(entry: tuple[Path, bool]) -> dict[str, Any]:
-        recipe, defaults = entry
-        label = recipe.stem + (DEFAULTS if defaults else "")
+    a former form (the ``+defaults`` rows), and the streaming ones on a tiny causal Wan (built here once);
+    rows in the recipes' order."""
+    def one(entry: tuple[Path, bool, Path | None]) -> dict[str, Any]:
+        recipe, defaults, on = entry
+        label = row_label(recipe, defaults, on)
         folder = work / "recipes" / label
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         t0 = time.perf_counter()
         row = run_child(["--run-recipe", str(recipe), "--steps", str(steps), *(["--smoke"] if smoke else []),
-                         *(["--authors-defaults"] if defaults else []), "--run-dir", str(folder / "run")],
+                         *(["--authors-defaults"] if defaults else []), *(["--twin", str(on)] if on else []),
+                         "--run-dir", str(folder / "run")],
                         folder / "result.json", folder / "log.txt", device, timeout, threads)
         row.setdefault("recipe", label)
         row["process_seconds"] = round(time.perf_counter() - t0, 2)  # imports and loading included
@@ -264,7 +289,14 @@ def check_recipes(recipes: list[Path], work: Path, steps: int, smoke: bool, devi
         return row
 
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))  # the children share the cores
-    entries = [(r, d) for r in recipes for d in (False, True) if not d or authors_defaults(r)]
+    twin = None
+    if any(r.stem in CAUSAL_RECIPES for r in recipes):
+        from pipelines.tiny import save_tiny
+
+        twin = work / "causal_wan_twin"
+        shutil.rmtree(twin, ignore_errors=True)
+        save_tiny("causal_wan", twin)
+    entries = recipe_rows(recipes, twin)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(one, entries))
 
@@ -668,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     # one recipe or one side in this process (what the check runs in its child processes)
     p.add_argument("--run-recipe", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--authors-defaults", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--twin", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--run-side", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--run-plan", choices=["sd3", "wan"], help=argparse.SUPPRESS)
@@ -687,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.run_recipe is not None:  # child: one recipe
         write_json(args.result, run_one_recipe(args.run_recipe, args.run_dir, steps, args.smoke, args.device,
-                                               args.authors_defaults))
+                                               args.authors_defaults, args.twin))
         return 0
     if args.run_side is not None:  # child: one side of the side-by-side
         try:

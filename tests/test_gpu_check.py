@@ -223,3 +223,17 @@ def test_recipe_children_share_the_cores(monkeypatch):
     assert "OMP_NUM_THREADS" not in check._child_env("cpu")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert check._child_env("cpu", 4)["OMP_NUM_THREADS"] == "3"
+
+
+def test_the_streaming_recipes_run_again_on_a_tiny_causal_wan(tmp_path, tiny_model_dir):
+    """(a)'s rows: the streaming recipes once more on a causal Wan (Self-Forcing / LongLive's architecture) with
+    their trainers' defaults; such a row trains its step there, on the twin's re-noising sampler."""
+    twin = tiny_model_dir("causal_wan")
+    recipes = [REPO / "configs/tiny" / f"{n}.yaml" for n in ("flow_grpo_vvr", "kvpo_motion", "ar_copo_motion")]
+    rows = {check.row_label(*row) for row in check.recipe_rows(recipes, twin)}
+    assert {f"kvpo_motion{check.DEFAULTS}{check.CAUSAL_WAN}", f"ar_copo_motion{check.DEFAULTS}{check.CAUSAL_WAN}"} <= rows
+    assert not any(r.startswith("flow_grpo_vvr") and r.endswith(check.CAUSAL_WAN) for r in rows)
+    assert check.recipe_rows(recipes, None) == [r for r in check.recipe_rows(recipes, twin) if r[2] is None]
+    row = check.run_one_recipe(REPO / "configs/tiny/kvpo_motion.yaml", tmp_path / "run", 1, True, "cpu", True, twin)
+    assert row["recipe"] == f"kvpo_motion{check.DEFAULTS}{check.CAUSAL_WAN}"
+    assert row["status"] == "ok", row
