@@ -579,7 +579,8 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     dtype = next(transformer.parameters()).dtype
     both = spec.transformer_inputs(transformer.config, per_sample * (2 if twice else 1), size, dtype=dtype)
     rollout = rollout_sample_bytes(both, per_sample, size)  # a rollout keeps both branches' conditioning
-    kv_cache_bytes = getattr(spec.policy_class(families.read_index(folder)), "kv_cache_bytes", None)
+    policy_class = spec.policy_class(families.read_index(folder))
+    kv_cache_bytes = getattr(policy_class, "kv_cache_bytes", None)
     if kv_cache_bytes is not None:  # a streaming model's rollout keeps the caches its chunks started from
         rollout = replace(rollout, kv_cache=kv_cache_bytes(transformer.config, size, dtype.itemsize))
     decode = _decode_bytes(cfg, spec, models, both.get("hidden_states"), per_sample)
@@ -591,6 +592,14 @@ def inspect_model(cfg: TrainConfig, folder: Path) -> Model:
     rows = per_sample * (2 if twice and trainer.grads_through_unconditional(tcfg) else 1)
     inputs = both if rows == per_sample * (2 if twice else 1) else \
         spec.transformer_inputs(transformer.config, rows, size, dtype=dtype)
+    chunks = trainer.training_chunks(tcfg, cfg.model.gradient_checkpointing)
+    chunk_frames_of = getattr(policy_class, "chunk_frames_of", None)
+    if chunks is not None and chunk_frames_of is not None:  # a streaming trainer's graph: rows of one chunk each
+        frames = chunk_frames_of(transformer.config, size)
+        one_chunk = {**size, "num_frames": (frames - 1) * int(size.get("vae_scale_temporal") or 4) + 1,
+                     "chunk_partition": [frames]}
+        rows = chunks * (2 if twice and trainer.grads_through_unconditional(tcfg) else 1)
+        inputs = spec.transformer_inputs(transformer.config, rows, one_chunk, dtype=dtype)
     lora = None
     if cfg.model.finetune == "lora":
         lora = (tuple(lora_targets.get("transformer", targets)), cfg.model.lora.rank, cfg.model.lora.alpha,

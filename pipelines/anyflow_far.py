@@ -155,6 +155,11 @@ class AnyFlowFARPolicy(lora_utils.AdapterMethods):
     streaming = True
 
     @staticmethod
+    def chunk_frames_of(config: Any, size: dict[str, Any]) -> int:
+        """Latent frames of the longest chunk (``flowalign plan``: a streaming trainer's training forward)."""
+        return max(int(c) for c in (size.get("chunk_partition") or config.chunk_partition))
+
+    @staticmethod
     def kv_cache_bytes(config: Any, size: dict[str, Any], dtype_bytes: int) -> float:
         """Bytes of the caches one streamed sample keeps (``flowalign plan``): the cache each chunk starts from is
         one of its own, sized as the pipeline sizes it (:func:`empty_cache_layers`), one a chunk (CFG's two rows
@@ -385,7 +390,8 @@ def read_cache_velocity(transformer: torch.nn.Module, layers: dict[int, dict[str
 def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device: str | torch.device = "meta",
                        dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The whole-video causal pass of :meth:`AnyFlowFARPolicy.velocity`: latents ``(B, 1 + (F-1)/4, C, H/8, W/8)``
-    in the FAR layout, per-frame timesteps, UMT5 text ``(B, L, D)``, the config's chunk partition. ``size``'s
+    in the FAR layout, per-frame timesteps, UMT5 text ``(B, L, D)``, the chunk partition (``size``'s, else the
+    config's). ``size``'s
     optional ``vae_scale_temporal`` / ``vae_scale_spatial`` replace the released VAE's 4 and 8 (a tiny twin's)."""
     new = zeros_factory(device, dtype)
     f_t, f_s = int(size.get("vae_scale_temporal") or 4), int(size.get("vae_scale_spatial") or 8)
@@ -394,7 +400,8 @@ def transformer_inputs(config: Any, batch: int, size: dict[str, Any], *, device:
     t = torch.full((batch, frames), 500.0, device=device)
     return dict(hidden_states=new(batch, frames, config.in_channels, h, w), timestep=t, r_timestep=t,
                 encoder_hidden_states=new(batch, int(size["max_sequence_length"]), config.text_dim),
-                chunk_partition=list(config.chunk_partition), return_dict=False)
+                chunk_partition=[int(c) for c in (size.get("chunk_partition") or config.chunk_partition)],
+                return_dict=False)
 
 
 SPEC = FamilySpec(

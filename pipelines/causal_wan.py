@@ -211,6 +211,11 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     own_sampler = ("cps", 1.0)
 
     @staticmethod
+    def chunk_frames_of(config: Any, size: dict[str, Any]) -> int:
+        """Latent frames of a chunk at ``size`` (``flowalign plan``: a streaming trainer's training forward)."""
+        return int(size.get("chunk_frames") or 3)
+
+    @staticmethod
     def kv_cache_bytes(config: Any, size: dict[str, Any], dtype_bytes: int) -> float:
         """Bytes of the caches one streamed sample keeps (``flowalign plan``): every chunk but the last writes
         its keys and values once, shared by the stream's later caches (:class:`CausalKVCache`)."""

@@ -47,6 +47,7 @@ from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.options import ReferenceOptions, RolloutOptions, TrainerConfig
 from flowalign.trainers.parts.teacher_videos import ModelTeacher, VideoFolderTeacher, VideoTeacher
 from flowalign.trainers.parts.negative_aware import nft_loss, reward_weight
+from flowalign.trainers.parts import stream_calls
 from flowalign.trainers.parts.units import GroupUnit
 from flowalign.trainers.parts.reductions import per_sample_mean
 from flowalign.trainers.parts.video_discriminator import PromptPairedDiscriminator, bradley_terry_loss
@@ -192,6 +193,12 @@ class AFDTrainer(GroupTrainer):
     sampler = "ode"
 
     @classmethod
+    def training_chunks(cls, tcfg: AFDConfig, checkpointed: bool) -> int:
+        """A group's streams, one drawn chunk each, ``train_timesteps`` calls in one graph (:meth:`loss`);
+        checkpointed, one call at a time."""
+        return tcfg.group_size * (1 if checkpointed else tcfg.train_timesteps)
+
+    @classmethod
     def weight_copies(cls, cfg, tcfg) -> list[WeightCopy]:
         """The anchor's reference under full fine-tuning (``beta`` > 0), a model teacher (a whole second
         model on the device) and the discriminator, a small network of its own in CPU memory."""
@@ -293,7 +300,8 @@ class AFDTrainer(GroupTrainer):
             eps = torch.randn(clean.shape, generator=gen).to(clean, non_blocking=True)
             noised = (1 - sigma) * clean + sigma * eps
             cache = policy.history_cache(x0[:, :, :policy.chunk_slice(k).start], range(k), cond, 1.0)
-            v = policy.chunk_velocity(noised, sigma, sigma, cache, cond, 1.0)
+            v = stream_calls.chunk_velocity(policy, self.cfg.model.gradient_checkpointing, noised, sigma, sigma, cache,
+                                            cond, 1.0)
             if tc.loss_form == "weighted_fm":
                 term = weighted_matching_loss(v, eps - clean, group.advantages)
             else:

@@ -39,6 +39,7 @@ from flowalign.limits import MAX_COEFFICIENT, MAX_GROUP_SIZE, MAX_LR, MAX_UPDATE
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.options import AdvantageOptions, StreamOptions, TrainerConfig
+from flowalign.trainers.parts import stream_calls
 from flowalign.trainers.parts.policy_gradient import clipped_loss
 
 
@@ -123,14 +124,15 @@ def anchored_log_probs(anchor_x0: torch.Tensor, candidate_x0: torch.Tensor, temp
 
 
 def x0_predictions(policy: Any, states: torch.Tensor, sigmas: torch.Tensor, cache: Any, cond: Any,
-                   guidance: float) -> torch.Tensor:
+                   guidance: float, checkpointed: bool = False) -> torch.Tensor:
     """``x̂0 (B, T, *D)`` of a chunk's states ``(B, ≥T, *D)`` at the grid ``sigmas (T+1,)``: the jump from each
     state straight to σ = 0, ``x_t − σ_t·v(x_t, σ_t → 0)`` (a flow-map model's mean velocity to 0; a plain flow's
     instantaneous one)."""
     out = []
     for t in range(len(sigmas) - 1):
         s = sigmas[t].item()
-        out.append(states[:, t] - s * policy.chunk_velocity(states[:, t], s, 0.0, cache, cond, guidance))
+        v = stream_calls.chunk_velocity(policy, checkpointed, states[:, t], s, 0.0, cache, cond, guidance)
+        out.append(states[:, t] - s * v)
     return torch.stack(out, dim=1)
 
 
@@ -199,6 +201,14 @@ class ARCoPOTrainer(GroupTrainer):
             raise UserError(f"trainer.fork_chunks={self.tcfg.fork_chunks}: this model streams {chunks} chunks "
                             f"(0..{chunks - 1}); give chunk indices in that range")
         self.buffer: list[ForkGroup] = []
+
+    @classmethod
+    def training_chunks(cls, tcfg: ARCoPOConfig, checkpointed: bool) -> int:
+        """A unit's forwards of the fork chunk, a call a step: the anchors' stored states (``anchor: candidates``,
+        ``anchors`` rows a call) or the chunk's chain of jumps from the centre's noise (``center``, one row);
+        checkpointed, one call at a time."""
+        rows = tcfg.anchors if tcfg.anchor == "candidates" else 1
+        return rows * (1 if checkpointed else tcfg.num_steps)
 
     @classmethod
     def step_holdings(cls, tcfg: ARCoPOConfig) -> Any:
@@ -334,7 +344,8 @@ class ARCoPOTrainer(GroupTrainer):
         x = group.center.to(policy.device, non_blocking=True)
         for i in range(len(sigmas) - 1):
             s, s_next = sigmas[i].item(), sigmas[i + 1].item()
-            x = x + (s_next - s) * policy.chunk_velocity(x, s, s_next, cache, cond, guidance)
+            x = x + (s_next - s) * stream_calls.chunk_velocity(policy, self.cfg.model.gradient_checkpointing, x, s,
+                                                               s_next, cache, cond, guidance)
         return x[0]
 
     def prefix_cache(self, group: ForkGroup, cond: Any) -> Any:
@@ -354,7 +365,8 @@ class ARCoPOTrainer(GroupTrainer):
         cond = policy.encode([group.prompt] * len(anchors))
         cache = self.prefix_cache(group, cond[[0]]).repeat_interleave(len(anchors))
         states = group.states[anchors].to(policy.device, non_blocking=True)
-        return x0_predictions(policy, states, policy.sigmas(self.tcfg.num_steps).float(), cache, cond, guidance)
+        return x0_predictions(policy, states, policy.sigmas(self.tcfg.num_steps).float(), cache, cond, guidance,
+                              self.cfg.model.gradient_checkpointing)
 
     def loss(self, batch: ForkBatch, unit: ForkUnit) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         group, tc = batch.groups[unit.index], self.tcfg

@@ -229,6 +229,14 @@ class GroupTrainer:
         return int(getattr(tcfg, "batch_size", 1))
 
     @classmethod
+    def training_chunks(cls, tcfg: Any, checkpointed: bool) -> int | None:
+        """A streaming trainer's training forward: the rows of one chunk each whose activations one loss holds at
+        once (``flowalign plan`` sizes them so): all its chunk calls' rows, or with ``checkpointed`` (each call
+        recomputed in the backward pass, :mod:`flowalign.trainers.parts.stream_calls`) one call's; None: whole
+        samples, :meth:`training_batch` of them."""
+        return None
+
+    @classmethod
     def rollouts_per_step(cls, tcfg: Any) -> tuple[int, int, int]:
         """``(prompts, samples per prompt, sampling steps)`` of the rollouts a step holds on one rank, which
         ``flowalign plan`` counts, read from the option groups the section has: the loop's group rollouts

@@ -53,6 +53,7 @@ from flowalign.trainers.parts.kv_routing import (
     window_routable,
     window_routings,
 )
+from flowalign.trainers.parts import stream_calls
 from flowalign.trainers.parts.units import GroupUnit
 
 #: options that only one form reads: {option: (the field choosing the form, the form that reads it)}
@@ -199,6 +200,13 @@ class KVPOTrainer(GroupTrainer):
         return full_reference(tcfg) if tcfg.kl_coef > 0 and cfg.model.finetune == "full" else []
 
     @classmethod
+    def training_chunks(cls, tcfg: KVPOConfig, checkpointed: bool) -> int:
+        """The branches' window chunks (at most ``window_chunks``) at their first ``grad_steps`` steps, all in one
+        graph (:meth:`scores`), a call of ``G`` rows a chunk and step; checkpointed, one call at a time."""
+        calls = tcfg.window_chunks * min(tcfg.grad_steps or tcfg.num_steps, tcfg.num_steps)
+        return tcfg.group_size * (1 if checkpointed else calls)
+
+    @classmethod
     def step_holdings(cls, tcfg: KVPOConfig) -> Any:
         """What a step holds per prompt (a :class:`flowalign.plan_holdings.StepHoldings`). Per prompt, the anchor stream (the deterministic stream with its full history: every chunk's
         ``T + 1`` float32 latents and its conditioning; log-probabilities in CPU memory) is held while its ``G``
@@ -269,8 +277,9 @@ class KVPOTrainer(GroupTrainer):
             v = []
             for t in range(tc.num_steps):
                 with torch.set_grad_enabled(grad and (tc.grad_steps is None or t < tc.grad_steps)):
-                    v.append(policy.chunk_velocity(states[:, t], sigmas[t].item(), sigmas[t + 1].item(), cache, cond,
-                                                   guidance))
+                    v.append(stream_calls.chunk_velocity(policy, self.cfg.model.gradient_checkpointing, states[:, t],
+                                                         sigmas[t].item(), sigmas[t + 1].item(), cache, cond,
+                                                         guidance))
             v = torch.stack(v, dim=1)
             u = group.taken[w].to(policy.device, non_blocking=True)
             total = total + (x0_scores(v, u, sigmas, tc.sigma_floor) if tc.score == "x0_sigma"

@@ -547,3 +547,18 @@ def test_a_streamed_samples_kv_caches_are_counted_as_a_rollout_keeps_them(twin, 
                  else [t for layer in cache.layers.values() for t in layer.values()])
         tensors.update({t.data_ptr(): t for t in parts})
     assert counted > 0 and counted == sum(t.nbytes for t in tensors.values())
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_streaming_trainers_training_forward_is_its_chunk_calls(checkpointed, tiny_model_dir):
+    """KVPO's loss holds a call of ``G`` one-chunk rows per window chunk and step: planned as all of them at once,
+    or, with gradient checkpointing (each call recomputed in the backward pass), as one call."""
+    folder = tiny_model_dir("causal_wan")
+
+    def planned(window: int) -> float:
+        cfg = load_config(None, [f"model.path={folder}", "trainer.name=kvpo", "trainer.group_size=4",
+                                 f"trainer.window_chunks={window}", f"model.gradient_checkpointing={checkpointed}"])
+        return inspect_model(cfg, folder).activations.per_rank(checkpointed=checkpointed)
+
+    one, two = planned(1), planned(2)
+    assert one > 0 and (two == pytest.approx(one) if checkpointed else two == pytest.approx(2 * one, rel=0.05))
