@@ -117,10 +117,11 @@ def convert_checkpoint(checkpoint: Path, base: Path, out_dir: Path, *, ema: bool
         layers = merge_lora(state, saved, lora_alpha, Path(lora))
         sources["lora"] = {"file": Path(lora).name, "sha256": sha256_file(Path(lora)), "layers": layers,
                            "alpha": lora_alpha}
-    transformer = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(base / "transformer"))
+    with torch.device("meta"):  # names and shapes checked without allocating the model
+        transformer = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(base / "transformer"))
     converted = convert_generator(state)
     try:
-        transformer.load_state_dict(converted, strict=True)
+        transformer.load_state_dict(converted, strict=True, assign=True)
     except RuntimeError as e:
         first = str(e).splitlines()[0][:160]
         raise UserError(f"{checkpoint}: its generator does not fit the transformer of --wan {base} ({first}); "

@@ -349,14 +349,10 @@ class ARCoPOTrainer(GroupTrainer):
         return x[0]
 
     def prefix_cache(self, group: ForkGroup, cond: Any) -> Any:
-        """The cache the fork chunk reads, re-encoded from the stored clean prefix (batch 1, without gradient)."""
-        policy, guidance = self.policy, self.guidance()
-        cache = policy.empty_cache(1, guidance)
-        prefix = group.prefix.to(policy.device, non_blocking=True)
+        """The cache the fork chunk reads, made again from the stored clean prefix (batch 1, without gradient)."""
+        prefix = group.prefix.to(self.policy.device, non_blocking=True)
         with torch.no_grad():
-            for k in range(group.chunk):
-                cache = policy.append_chunks(cache, prefix[:, :, :policy.chunk_slice(k).stop], cond, guidance)
-        return cache
+            return self.policy.history_cache(prefix, range(group.chunk), cond, self.guidance())
 
     def anchor_predictions(self, group: ForkGroup, anchors: list[int]) -> torch.Tensor:
         """``x̂0_θ (B, T, C, f_k, H, W)``: the current weights' clean prediction from each anchor's stored state at

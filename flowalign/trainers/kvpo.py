@@ -271,8 +271,8 @@ class KVPOTrainer(GroupTrainer):
         total = torch.zeros(g, device=policy.device)
         for w, states in enumerate(group.states):
             c = group.chunk + w
-            if w:
-                cache = policy.history_cache(clean, range(c), cond, guidance)
+            if w:  # the window chunk before joins the full history (a causal model writes it alone)
+                cache = policy.append_chunks(cache, clean, cond, guidance)
             states = states.to(policy.device, non_blocking=True)
             v = []
             for t in range(tc.num_steps):

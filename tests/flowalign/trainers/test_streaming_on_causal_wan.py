@@ -95,15 +95,22 @@ def test_ar_copo_streams_a_group_in_fork_batches_with_the_same_candidates(tmp_pa
 
 
 @pytest.mark.parametrize("trainer", ["kvpo", "ar_copo"])
-def test_checkpointed_chunk_calls_give_the_same_update(tmp_path, causal_dir, prompt_file, trainer):
+def test_checkpointed_chunk_calls_give_the_same_update(tmp_path, causal_dir, prompt_file, trainer, monkeypatch):
     """With ``model.gradient_checkpointing`` each differentiated chunk call is recomputed in the backward pass
     (:mod:`flowalign.trainers.parts.stream_calls`): the same update as keeping the whole graph."""
+    from flowalign.trainers.parts import stream_calls
+
     extra = KVPO if trainer == "kvpo" else AR_COPO
     plain = build_trainer(small_config(tmp_path / "a", causal_dir, prompt_file, *extra))
     saved = build_trainer(small_config(tmp_path / "b", causal_dir, prompt_file, *extra,
                                        "model.gradient_checkpointing=true"))
     batch = plain.collect(0)
-    logs = [t.update(batch, torch.Generator().manual_seed(0)) for t in (plain, saved)]
+    wrapped, checkpoint = [], stream_calls.checkpoint
+    monkeypatch.setattr(stream_calls, "checkpoint", lambda *a, **k: wrapped.append(1) or checkpoint(*a, **k))
+    logs = [plain.update(batch, torch.Generator().manual_seed(0))]
+    assert not wrapped  # the whole graph kept without gradient checkpointing
+    logs.append(saved.update(batch, torch.Generator().manual_seed(0)))
+    assert wrapped  # every differentiated chunk call recomputed with it
     assert logs[0]["grad_norm"] > 0
     assert logs[1]["grad_norm"] == pytest.approx(logs[0]["grad_norm"], rel=1e-5)
     for a, b in zip(plain.params, saved.params):
