@@ -128,6 +128,15 @@ class FlowPolicy(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class KeptFrames:
+    """A KV routing that names latent frames, not chunks: the absolute frame indices ``frames`` (sorted) of the
+    history a chunk reads. Only a streaming policy with ``routes_frames`` True takes it (a cache of per-frame
+    entries, as LongLive's perturbed window picks single frames of its resident cache)."""
+
+    frames: tuple[int, ...]
+
+
 @runtime_checkable
 class StreamingPolicy(FlowPolicy, Protocol):
     """A streaming (autoregressive) video generator: a video is a sequence of chunks of latent frames, each
@@ -161,7 +170,8 @@ class StreamingPolicy(FlowPolicy, Protocol):
     def history_cache(self, clean: torch.Tensor, keep: Any, cond: Conditioning, guidance: float) -> Any:
         """KV routing: the cache the next chunk reads after the clean chunks of ``clean``, holding only the
         chunks ``keep`` (all of them: what ``append_chunks`` makes). A policy whose cache entries are written
-        once (a causal model) also has ``reroute(cache, keep)``: the same entries, read only for ``keep``."""
+        once (a causal model) also has ``reroute(cache, keep)``: the same entries, read only for ``keep``; one
+        whose ``routes_frames`` is True also takes ``keep`` as :class:`KeptFrames`."""
         ...
 
 

@@ -29,6 +29,7 @@ The FlowPolicy half (``velocity`` over a whole video) is the block-causal traini
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import types
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
 from flowalign.errors import UserError
-from flowalign.protocols import Conditioning
+from flowalign.protocols import Conditioning, KeptFrames
 from pipelines import lora as lora_utils
 from pipelines._common import SAMPLING_KEYS, ATTENTION_LORA_TARGETS, PromptCache, batch_size, check_multiple
 from pipelines._common import check_num_steps, check_prompts, chunk_slice, decode_in_chunks
@@ -136,11 +137,11 @@ def attended_frames(held: int, new: int, window: int | None, sink: int) -> list[
 @dataclass
 class CausalKVCache:
     """The keys and values every clean chunk ``0..num_chunks-1`` wrote (the resident cache): ``chunks[j][i]``, chunk
-    j's in block i, each ``(B, tokens_j, heads, head_dim)`` (its ``chunk_frames[j]`` frames' tokens), for a batch
-    of streams, and the chunks the next chunk reads (``kept``: all of them unless the history is routed,
-    :meth:`CausalWanPolicy.reroute`). Entries are written once and shared by every later cache of the stream
-    (appending a chunk copies nothing); routing only changes what is read, as LongLive's perturbed window reads
-    chosen frames of its resident cache."""
+    j's in block i, each ``(B, tokens_j, heads, head_dim)`` (its ``chunk_frames[j]`` frames' tokens, frame by
+    frame), for a batch of streams, and the absolute frames the next chunk reads (``kept``, sorted: every written
+    frame unless the history is routed, :meth:`CausalWanPolicy.reroute`). Entries are written once and shared by
+    every later cache of the stream (appending a chunk copies nothing); routing only changes what is read, as
+    LongLive's perturbed window reads chosen frames of its resident cache."""
 
     chunks: tuple[list[tuple[torch.Tensor, torch.Tensor]], ...]
     batch: int
@@ -153,8 +154,8 @@ class CausalKVCache:
 
     @property
     def frames(self) -> int:
-        """The frames the next chunk may read (those of the kept chunks)."""
-        return sum(self.chunk_frames[j] for j in self.kept)
+        """How many frames the next chunk may read (the kept ones)."""
+        return len(self.kept)
 
     def select(self, index: list[int] | torch.Tensor) -> "CausalKVCache":
         """The caches of some streams, in the given order (repeat an index to fork a stream)."""
@@ -169,17 +170,19 @@ class CausalKVCache:
         return self.select([i for i in range(self.batch) for _ in range(repeats)])
 
     def window(self, new: int, window: int | None, sink: int, tokens: int) -> "CacheWindow | None":
-        """What ``new`` frames attend to before themselves (``tokens`` a frame): of the kept chunks' frames in
-        stream order, those the window holds (:func:`attended_frames`); None when that is nothing."""
-        pieces, at = [], 0  # (chunk, first token, end token) in stream order
-        ranges = attended_frames(self.frames, new, window, sink)
-        for j in self.kept:
-            span = (at, at + self.chunk_frames[j])
-            for a, b in ranges:
-                lo, hi = max(a, span[0]), min(b, span[1])
-                if lo < hi:
-                    pieces.append((j, (lo - at) * tokens, (hi - at) * tokens))
-            at = span[1]
+        """What ``new`` frames attend to before themselves (``tokens`` a frame): of the kept frames in stream
+        order, those the window holds (:func:`attended_frames`), as runs of consecutive frames of one chunk;
+        None when that is nothing."""
+        starts = [sum(self.chunk_frames[:j]) for j in range(self.num_chunks)]
+        pieces: list[tuple[int, int, int]] = []  # (chunk, first token, end token) in stream order
+        for a, b in attended_frames(self.frames, new, window, sink):
+            for frame in self.kept[a:b]:
+                j = bisect.bisect_right(starts, frame) - 1
+                lo = (frame - starts[j]) * tokens
+                if pieces and pieces[-1][0] == j and pieces[-1][2] == lo:
+                    pieces[-1] = (j, pieces[-1][1], lo + tokens)
+                else:
+                    pieces.append((j, lo, lo + tokens))
         return CacheWindow(self.chunks, pieces) if pieces else None
 
 
@@ -207,6 +210,8 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     sampling_keys: frozenset[str] = SAMPLING_KEYS | {"chunk_frames", "attention_window", "sink_frames"}
     is_video = True
     streaming = True
+    #: its history can be routed frame by frame (:class:`flowalign.protocols.KeptFrames`)
+    routes_frames = True
     #: the step its chunks take when not sampled otherwise: x̂0 re-noised with fresh noise (CPS at η = 1)
     own_sampler = ("cps", 1.0)
 
@@ -348,12 +353,14 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     def _append(self, cache: CausalKVCache, piece: torch.Tensor, j: int, sigma: float | torch.Tensor,
                 cond: Conditioning) -> tuple[CausalKVCache, torch.Tensor]:
         """Chunk ``j``'s flow prediction at ``piece`` ``(B, C, f_j, H', W')`` and σ, reading what ``cache`` lets it
-        (its kept chunks through the window), and ``cache`` with the keys and values it wrote joined."""
+        (its kept frames through the window), and ``cache`` with the keys and values it wrote joined."""
         written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         out = self._run(piece, sigma, cond, self.chunk_slice(j).start,
                         cache.window(piece.shape[2], self.window, self.sink, self.tokens_per_frame), written=written)
+        start = self.chunk_slice(j).start
         cache = dataclasses.replace(cache, chunks=cache.chunks + ([written[i] for i in range(len(written))],),
-                                    chunk_frames=cache.chunk_frames + (piece.shape[2],), kept=cache.kept + (j,))
+                                    chunk_frames=cache.chunk_frames + (piece.shape[2],),
+                                    kept=cache.kept + tuple(range(start, start + piece.shape[2])))
         return cache, out
 
     @torch.no_grad()
@@ -373,22 +380,32 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         k = self._chunks_in(clean, "append_chunks", least=1) - 1
         return self._write(cache, clean, k, cond)
 
-    def history_cache(self, clean: torch.Tensor, keep: Sequence[int], cond: Conditioning,
+    def history_cache(self, clean: torch.Tensor, keep: Sequence[int] | KeptFrames, cond: Conditioning,
                       guidance: float) -> CausalKVCache:
         """The cache the next chunk reads after the clean chunks of ``clean`` ``(B, C, F_{<k}, H', W')``, reading
-        only the chunks ``keep`` (KV routing): every chunk written as the stream writes it, then routed
-        (:meth:`reroute`). Keeping every chunk is :meth:`append_chunks`' cache."""
+        only the chunks (or frames) ``keep`` (KV routing): every chunk written as the stream writes it, then
+        routed (:meth:`reroute`). Keeping every chunk is :meth:`append_chunks`' cache."""
         self._check_guidance(guidance)
         k = self._chunks_in(clean, "history_cache", least=0)
         return self.reroute(self._write(self.empty_cache(clean.shape[0], guidance), clean, k - 1, cond), keep)
 
-    def reroute(self, cache: CausalKVCache, keep: Sequence[int]) -> CausalKVCache:
-        """``cache`` with the next chunk reading only the resident chunks ``keep`` (their entries as written)."""
-        kept = tuple(sorted({int(j) for j in keep}))
-        if any(not 0 <= j < cache.num_chunks for j in kept):
+    def reroute(self, cache: CausalKVCache, keep: Sequence[int] | KeptFrames) -> CausalKVCache:
+        """``cache`` with the next chunk reading only the resident chunks ``keep``, or the resident frames
+        ``keep.frames`` (:class:`KeptFrames`), their entries as written."""
+        held = sum(cache.chunk_frames)
+        if isinstance(keep, KeptFrames):
+            kept = tuple(sorted({int(f) for f in keep.frames}))
+            if any(not 0 <= f < held for f in kept):
+                raise UserError(f"history routing: frames {list(keep.frames)} lie outside the {held} latent frames "
+                                "of the history")
+            return dataclasses.replace(cache, kept=kept)
+        chunks = sorted({int(j) for j in keep})
+        if any(not 0 <= j < cache.num_chunks for j in chunks):
             raise UserError(f"history routing: keep={list(keep)} names chunks outside the {cache.num_chunks} chunks "
                             "of the history")
-        return dataclasses.replace(cache, kept=kept)
+        starts = [sum(cache.chunk_frames[:j]) for j in range(cache.num_chunks)]
+        return dataclasses.replace(cache, kept=tuple(f for j in chunks
+                                                     for f in range(starts[j], starts[j] + cache.chunk_frames[j])))
 
     def _chunks_in(self, clean: torch.Tensor, what: str, least: int) -> int:
         """How many whole chunks ``clean`` ``(B, C, F, H', W')`` holds (at least ``least``)."""

@@ -6,7 +6,9 @@ tiny ``CausalWanModel`` with seeded weights, every denoising call's input state 
 Self-Forcing's setting (global attention, three chunks), LongLive's (a 9-frame window with a 3-frame sink,
 five chunks, so chunks 3 and 4 lose the frames between the sink and the window) and KVPO's perturbed window on
 LongLive (six chunks; blocks 4 and 5 read the sink, the drawn frames 3..5 and their 6 nearest frames, which
-chunk routing to {0, 1, 3} and {0, 1, 4} of the resident cache gives).
+chunk routing to {0, 1, 3} and {0, 1, 4} of the resident cache gives) and in their recipe's frames (seven chunks;
+blocks 5 and 6 read the sink, the drawn frames 3, 5, 6, 9, 10 and their 4 nearest frames, three of them the block
+being made: frame routing, :class:`flowalign.protocols.KeptFrames`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from safetensors.torch import load_file
 
 import pipelines
 from flowalign.errors import UserError
-from flowalign.protocols import Conditioning
+from flowalign.protocols import Conditioning, KeptFrames
 from flowalign.sampling.streaming import stream_rollout
 from pipelines.causal_wan import CausalWanPolicy, attended_frames, convert_generator
 from pipelines.tiny import save_tiny
@@ -42,8 +44,10 @@ def authors_weights() -> dict[str, torch.Tensor]:
     return weights
 
 
-#: KVPO's routing in the perturbed setting, in chunks: chunk → the history chunks it reads
-ROUTES = {"longlive_routed": {4: (0, 1, 3), 5: (0, 1, 4)}}
+#: KVPO's routing in the perturbed settings: chunk → the history chunks (or frames) it reads
+ROUTES = {"longlive_routed": {4: (0, 1, 3), 5: (0, 1, 4)},
+          "longlive_frames": {5: KeptFrames((0, 1, 2, 3, 5, 6, 9, 10, 14)),
+                              6: KeptFrames((0, 1, 2, 3, 5, 6, 9, 10, 17))}}
 
 
 def twin(tmp_path: Path, label: str) -> CausalWanPolicy:
@@ -60,7 +64,7 @@ def twin(tmp_path: Path, label: str) -> CausalWanPolicy:
     return policy
 
 
-@pytest.mark.parametrize("label", ["self_forcing", "longlive", "longlive_routed"])
+@pytest.mark.parametrize("label", ["self_forcing", "longlive", "longlive_routed", "longlive_frames"])
 def test_every_denoising_call_equals_the_authors_pipeline(tmp_path: Path, label: str) -> None:
     """Each chunk's four x0 predictions from the states their pipeline fed its generator (re-noised with their
     draws), each reading a cache this policy wrote from their clean chunks (routed where their perturbation
