@@ -6,7 +6,8 @@
 Exploration moves the *history*, not the noise. Per prompt, the deterministic stream runs once with its full
 history (the *anchor*); at a chunk ``k`` each of ``G`` branches, from the same noise and prefix, attends to a
 routed history over a window of chunks (:mod:`flowalign.trainers.parts.kv_routing`: the sink, the nearest
-chunks and older chunks drawn per branch), then finishes with its full history. Branches and anchor are
+frames and older frames drawn per branch, in frames where the model's cache routes frames, else in whole
+chunks), then finishes with its full history. Branches and anchor are
 scored; a branch's advantage is its reward against the anchor's
 (:mod:`flowalign.trainers.parts.anchor_advantages`).
 
@@ -32,6 +33,7 @@ from pydantic import Field, model_validator
 from flowalign.config import StepIndex, changed
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
+from flowalign.protocols import KeptFrames
 from flowalign.sampling.streaming import StreamPrefix, stream_rollout
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
@@ -49,6 +51,10 @@ from flowalign.trainers.parts.branch_policy import (
 )
 from flowalign.trainers.parts.kv_routing import (
     bernoulli_routing,
+    dispersed_draws,
+    frame_keep,
+    frame_pool,
+    frame_routable,
     window_keep,
     window_routable,
     window_routings,
@@ -59,6 +65,8 @@ from flowalign.trainers.parts.units import GroupUnit
 #: options that only one form reads: {option: (the field choosing the form, the form that reads it)}
 FORM_OPTIONS = {"keep_prob": ("routing", "bernoulli"), "nearest_chunks": ("routing", "window"),
                 "older_chunks": ("routing", "window"), "window_chunks": ("routing", "window"),
+                "nearest_frames": ("routing", "window"), "older_frames": ("routing", "window"),
+                "resident_frames": ("routing", "window"),
                 "temperature": ("score", "velocity_energy"), "sigma_floor": ("score", "x0_sigma"),
                 "local_weight": ("advantage", "anchor"), "global_weight": ("advantage", "anchor"),
                 "global_frames": ("advantage", "anchor")}
@@ -78,10 +86,21 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     routing: Literal["window", "bernoulli"] = "window"
     #: always keep the first chunk (the attention sink streaming models rely on)
     keep_sink: bool = True
-    #: window: the most recent chunks every branch keeps (theirs: 4 frames)
+    #: window, in whole chunks: the most recent chunks every branch keeps (theirs: 4 frames)
     nearest_chunks: int = Field(1, ge=0, le=64)
-    #: window: older chunks each branch draws in place of the rest of its history (theirs: 5 frames)
+    #: window, in whole chunks: older chunks each branch draws in place of the rest of its history (theirs: 5
+    #: frames)
     older_chunks: int = Field(2, ge=0, le=64)
+    #: window, in frames (theirs; a model whose cache routes single frames, a causal Wan): the most recent frames
+    #: every branch reads, the chunk being made among them (theirs: m_nearest_frames 4); None: route whole chunks
+    nearest_frames: int | None = Field(None, ge=1, le=4096)
+    #: window, in frames: older frames each branch draws (None: the model's attention window less its sink and
+    #: nearest_frames, theirs: 12 − 3 − 4 = 5)
+    older_frames: int | None = Field(None, ge=0, le=4096)
+    #: window, in frames: the frames the stream's resident cache holds, the sink's included: the pool keeps the
+    #: frames still held when the window's last chunk is made (theirs: local_attn_size + slice_last_frames = 33);
+    #: None: every frame
+    resident_frames: int | None = Field(None, ge=1, le=100_000)
     #: window: consecutive chunks the drawn history is held for (theirs: 5 blocks), cut at the stream's end
     window_chunks: int = Field(5, ge=1, le=64)
     #: bernoulli: probability that a history chunk stays in a branch's KV cache
@@ -121,10 +140,25 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
             if changed(self, option) and getattr(self, chooser) != form:
                 raise ValueError(f"trainer.{option} is read only with trainer.{chooser}={form} (this config has "
                                  f"{getattr(self, chooser)}): drop it or set trainer.{chooser}={form}")
+        if self.nearest_frames is None:
+            given = [o for o in ("older_frames", "resident_frames") if getattr(self, o) is not None]
+            if given:
+                raise ValueError(f"trainer.{given[0]} is read when routing in frames: set trainer.nearest_frames "
+                                 "(theirs: 4) or drop it")
+        else:
+            given = [o for o in ("nearest_chunks", "older_chunks") if changed(self, o)]
+            if given:
+                raise ValueError(f"trainer.{given[0]} counts whole chunks, but trainer.nearest_frames routes in "
+                                 f"frames: drop trainer.{given[0]} (trainer.older_frames is the frame count)")
         if self.advantage == "anchor" and self.local_weight == 0 and self.global_weight == 0:
             raise ValueError("trainer.local_weight and trainer.global_weight are both 0: no reward signal is left; "
                              "give one of them a positive weight (theirs: 1.0 and 0.5)")
         return self
+
+
+def kept_fraction(keep: tuple[int, ...] | KeptFrames, chunk: int, start: int) -> float:
+    """The share of chunk ``chunk``'s history (its ``chunk`` chunks, or ``start`` frames) a routing keeps."""
+    return len(keep.frames) / start if isinstance(keep, KeptFrames) else len(keep) / chunk
 
 
 def middle_frames(videos: torch.Tensor, frames: int | None) -> torch.Tensor:
@@ -154,7 +188,7 @@ class BranchGroup:
     prefix: torch.Tensor
     states: list[torch.Tensor]
     taken: list[torch.Tensor]
-    routings: list[tuple[int, ...]]
+    routings: list[tuple[int, ...] | KeptFrames]
     advantages: torch.Tensor
     old_scores: torch.Tensor
     init_scores: torch.Tensor | None = None
@@ -185,7 +219,18 @@ class KVPOTrainer(GroupTrainer):
         if bad or not routable:
             raise UserError(f"trainer.route_chunks={tc.route_chunks}: this model streams {chunks} chunks; "
                             f"a routed chunk needs a history, so give indices in 1..{chunks - 1}")
-        if tc.routing == "window":
+        self.frames = self.frame_routing() if tc.routing == "window" and tc.nearest_frames is not None else None
+        if self.frames is not None:
+            routable = [k for k in routable if frame_routable(*self.frame_window(k), tc.nearest_frames,
+                                                              self.frames["older"], self.frames["sink"],
+                                                              tc.resident_frames, self.frames["window"])]
+            if not routable:
+                raise UserError(f"trainer.nearest_frames={tc.nearest_frames}: no chunk of this model's {chunks} "
+                                f"starts after its attention window ({self.frames['window']} frames) with "
+                                f"{self.frames['older']} older frames to draw after the sink and the nearest "
+                                "frames (within trainer.resident_frames); lower trainer.older_frames or "
+                                "trainer.nearest_frames, or stream a longer video")
+        elif tc.routing == "window":
             routable = [k for k in routable if window_routable(k, tc.nearest_chunks, tc.older_chunks, tc.keep_sink)]
             if not routable:
                 raise UserError(f"trainer.older_chunks={tc.older_chunks}: no chunk of this model's {chunks} has more "
@@ -238,16 +283,54 @@ class KVPOTrainer(GroupTrainer):
 
     # ------------------------------------------------------------------ routing
 
-    def branch_routes(self, chunk: int, generator: torch.Generator) -> list[Callable[[int], tuple[int, ...]]]:
-        """Per branch, what chunk ``c ≥ chunk`` attends to (the full history after the routed window)."""
+    def branch_routes(self, chunk: int, generator: torch.Generator
+                      ) -> list[Callable[[int], tuple[int, ...] | KeptFrames]]:
+        """Per branch, what chunk ``c ≥ chunk`` attends to: chunks, or frames (:class:`KeptFrames`) when routing in
+        frames (the full history after the routed window)."""
         tc, g = self.tcfg, self.tcfg.group_size
         if tc.routing == "bernoulli":
             kept = [bernoulli_routing(chunk, tc.keep_prob, tc.keep_sink, generator) for _ in range(g)]
             return [lambda c, keep=keep: keep if c == chunk else tuple(range(c)) for keep in kept]
         end = chunk + self.window(chunk)
+        if self.frames is not None:
+            sink, pool = self.frames["sink"], frame_pool(*self.frame_window(chunk), tc.nearest_frames,
+                                                          self.frames["sink"], tc.resident_frames)
+            policy = self.policy
+            return [lambda c, drawn=drawn: (frame_keep(policy.chunk_slice(c).start, policy.chunk_frames[c], drawn,
+                                                       tc.nearest_frames, sink) if c < end else tuple(range(c)))
+                    for drawn in dispersed_draws(pool, g, self.frames["older"], generator)]
         return [lambda c, drawn=drawn: (window_keep(c, drawn, tc.nearest_chunks, tc.keep_sink) if c < end
                                         else tuple(range(c)))
                 for drawn in window_routings(chunk, g, tc.nearest_chunks, tc.older_chunks, tc.keep_sink, generator)]
+
+    def frame_routing(self) -> dict[str, int | None]:
+        """Routing in frames (theirs): the model's attention window and sink (read when ``keep_sink``) and the
+        older frames a branch draws; refused in one line for a model whose cache routes whole chunks only."""
+        tc, policy = self.tcfg, self.policy
+        if not getattr(policy, "routes_frames", False):
+            raise UserError(f"trainer.nearest_frames={tc.nearest_frames}: this {policy.family!r} streaming model routes "
+                            "its history in whole chunks; use trainer.nearest_chunks and trainer.older_chunks")
+        per = max(policy.chunk_frames)
+        if tc.nearest_frames < per:
+            raise UserError(f"trainer.nearest_frames={tc.nearest_frames}: the nearest frames count the chunk being "
+                            f"made ({per} frames, as their m_nearest_frames counts the block); give at least {per}")
+        window = getattr(policy, "window", None)
+        sink = int(getattr(policy, "sink", 0)) if tc.keep_sink else 0
+        older = tc.older_frames
+        if older is None:
+            if window is None:
+                raise UserError("trainer.older_frames: this model attends to its whole history (no attention "
+                                "window to fill), so give the older frames a branch draws")
+            older = max(window - sink - tc.nearest_frames, 0)
+        if tc.resident_frames is not None and tc.resident_frames <= sink:
+            raise UserError(f"trainer.resident_frames={tc.resident_frames}: the resident cache holds the sink "
+                            f"({sink} frames) and more; theirs is 33")
+        return {"window": window, "sink": sink, "older": older}
+
+    def frame_window(self, chunk: int) -> tuple[int, int]:
+        """The first frame of ``chunk`` and of the last chunk of the window routed from it."""
+        return (self.policy.chunk_slice(chunk).start,
+                self.policy.chunk_slice(chunk + self.window(chunk) - 1).start)
 
     def window(self, chunk: int) -> int:
         """The chunks a routing at ``chunk`` holds for, and the policy replays."""
@@ -316,7 +399,7 @@ class KVPOTrainer(GroupTrainer):
                 states.append([(branch.chunks[c][0], branch.taken_velocities(c)[0])
                                for c in range(k, k + self.window(k))])
                 chunks.append(branch.chunks[k][:, -1])
-                kept.append(len(route(k)) / k)
+                kept.append(kept_fraction(route(k), k, policy.chunk_slice(k).start))
             window = [(torch.stack([s for s, _ in chunk]).cpu(), torch.stack([u for _, u in chunk]).cpu())
                       for chunk in zip(*states)]
             branched.append((prompts[i], k, prefix.clean.cpu(), [s for s, _ in window], [u for _, u in window],

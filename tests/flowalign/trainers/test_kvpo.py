@@ -23,8 +23,13 @@ from flowalign.trainers.parts.branch_policy import (
     velocity_energy,
     x0_scores,
 )
+from flowalign.protocols import KeptFrames
 from flowalign.trainers.parts.kv_routing import (
     bernoulli_routing,
+    dispersed_draws,
+    frame_keep,
+    frame_pool,
+    frame_routable,
     window_keep,
     window_routings,
 )
@@ -37,6 +42,7 @@ HERE = Path(__file__).parent / "known_answers"
 KNOWN = json.loads((HERE / "kvpo_branch_objective.json").read_text())
 RULE = json.loads((HERE / "kvpo_training_rule.json").read_text())
 SIGNALS = json.loads((HERE / "kvpo_signals.json").read_text())
+FRAMES = json.loads((HERE / "kvpo_frame_routing.json").read_text())
 #: the authors' rule on the tiny 3-chunk model: a branch keeps one of the two chunks before chunk 2
 AUTHORS = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.keep_sink=false",
            "trainer.nearest_chunks=0", "trainer.older_chunks=1")
@@ -137,6 +143,36 @@ def test_the_dispersed_routings_equal_the_authors_branch_plans(plan):
     drawn = window_routings(plan["chunk"], plan["group_size"], plan["nearest"], plan["older"], plan["keep_sink"],
                             torch.Generator().manual_seed(plan["master_seed"]))
     assert [list(d) for d in drawn] == plan["selected"]
+
+
+@pytest.mark.parametrize("case", FRAMES["cases"], ids=lambda c: c["label"])
+def test_frame_routing_equals_the_authors_plan(case):
+    """In frames, as theirs: the start blocks ``plan_perturbation`` finds eligible (among those its streaming layout
+    allows: ``P`` blocks inside one of the first ``within`` streaming chunks) and their stable pools, bounded by
+    the resident cache; and each branch's drawn frames, from their master permutation's seed."""
+    nearest, sink, resident, window = case["m"], case["sink"], case["cache"], case["local"]
+    older = max(window - sink, 0) - nearest
+    starts = [first + 3 * b for first, new in case["streaming_chunks"][:case["within"]]
+              for b in range(new // 3) if b + case["P"] <= new // 3]
+    last = lambda start: start + 3 * (case["P"] - 1)  # noqa: E731
+    eligible = [[start, frame_pool(start, last(start), nearest, sink, resident)[0],
+                 frame_pool(start, last(start), nearest, sink, resident)[-1] + 1]
+                for start in starts if frame_routable(start, last(start), nearest, older, sink, resident, window)]
+    assert eligible == case["eligible"]
+    for plan in case["plans"]:
+        pool = frame_pool(plan["start_frame"], last(plan["start_frame"]), nearest, sink, resident)
+        assert [pool[0], pool[-1] + 1] == plan["pool"] and older == plan["n_random_frames"]
+        drawn = dispersed_draws(pool, case["K"], older, torch.Generator().manual_seed(plan["master_seed"]))
+        assert [list(d) for d in drawn] == plan["selected"]
+
+
+def test_a_frame_routed_chunk_reads_the_sink_the_drawn_frames_and_its_nearest_frames():
+    """LongLive's 12-frame window in KVPO's recipe: 3 sink frames, 5 drawn ones, and of the 4 nearest frames the
+    block being made and the frame before it; the nearest frame follows the block, the drawn ones stay."""
+    drawn = (3, 11, 12, 13, 16)
+    assert frame_keep(21, 3, drawn, 4, 3) == KeptFrames((0, 1, 2, 3, 11, 12, 13, 16, 20))
+    assert frame_keep(24, 3, drawn, 4, 3) == KeptFrames((0, 1, 2, 3, 11, 12, 13, 16, 23))
+    assert frame_keep(12, 3, (4,), 3, 0) == KeptFrames((4,))  # the nearest frames are the block itself
 
 
 def test_a_routed_window_keeps_the_sink_the_drawn_chunks_and_the_nearest_ones():
@@ -269,6 +305,17 @@ def test_a_model_that_cannot_route_and_a_chunk_without_history_are_refused(tmp_p
     # the authors' defaults (sink, 1 nearest, 2 older chunks) leave nothing to route on a 3-chunk model
     with pytest.raises(UserError, match="older_chunks"):
         build_trainer(small_config(tmp_path / "c", far_dir, prompt_file, "trainer.name=kvpo", "model.finetune=lora"))
+
+
+def test_frame_routing_is_refused_where_the_cache_routes_whole_chunks_and_mixed_units_are_refused(
+        tmp_path, far_dir, prompt_file):
+    with pytest.raises(UserError, match="routes its history in whole chunks; use trainer.nearest_chunks"):
+        build_trainer(small_config(tmp_path / "a", far_dir, prompt_file, "trainer.name=kvpo", "model.finetune=lora",
+                                   "trainer.nearest_frames=4", "trainer.older_frames=1"))
+    with pytest.raises(Exception, match="older_frames is read when routing in frames"):
+        build_trainer(small_config(tmp_path / "b", far_dir, prompt_file, *AUTHORS, "trainer.older_frames=2"))
+    with pytest.raises(Exception, match="nearest_chunks counts whole chunks"):
+        build_trainer(small_config(tmp_path / "c", far_dir, prompt_file, *AUTHORS, "trainer.nearest_frames=4"))
 
 
 def test_an_option_of_the_other_form_and_the_former_symmetric_clip_are_refused(tmp_path, far_dir, prompt_file):

@@ -15,7 +15,10 @@ from .conftest import small_config
 from .resume_check import assert_trains_and_resumes_bit_exactly
 from .test_afd import write_teacher_videos
 from .test_ar_copo import STREAM as AR_COPO
-from .test_kvpo import AUTHORS as KVPO
+#: KVPO routing in frames, as the authors route LongLive's cache: of the twin's 9 frames (3 chunks of 3, no window,
+#: no sink) chunk 2 reads frame 5 (its 4 nearest frames count its own 3) and one drawn of frames 0..1
+KVPO = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.nearest_frames=4",
+        "trainer.older_frames=1")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,18 @@ def test_kvpo_scores_re_noised_branches_by_the_predictions_they_took(tmp_path, c
     assert abs(eps.std().item() - 1) < 0.2
     logs = t.update(batch, torch.Generator().manual_seed(0))
     assert logs["ratio_dev"] < 1e-5 and logs["grad_norm"] > 0
+
+
+def test_kvpo_routes_a_causal_models_history_frame_by_frame(tmp_path, causal_dir, prompt_file):
+    """Each branch's chunk 2 reads frame 5 and one drawn frame of 0..1, both drawn across the group; the routed
+    branches differ from each other."""
+    t = build_trainer(small_config(tmp_path / "run", causal_dir, prompt_file, *KVPO))
+    assert t.route_chunks == [2]
+    batch = t.collect(0)
+    for group in batch.groups:
+        assert {r.frames for r in group.routings} == {(0, 5), (1, 5)}
+        assert not torch.allclose(group.states[0][0, -1], group.states[0][1, -1])
+    assert batch.logs["kvpo/kept_fraction"] == pytest.approx(2 / 6)
 
 
 @pytest.mark.parametrize("trainer", ["kvpo", "ar_copo", "afd"])
