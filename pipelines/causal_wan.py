@@ -21,6 +21,9 @@ same in Self-Forcing and LongLive) streams a video as:
   first S frames held and to the last W − S frames of (history + itself), as their rolling cache with a frame
   sink gives. ``attention_window: null`` (Self-Forcing, Causal-Forcing) attends to every frame held.
 * No CFG: the released generators are distilled with guidance inside (``guidance_scale`` must be 1).
+* LongLive's interactive streams switch prompts between chunks (:meth:`CausalWanPolicy.switch_prompt`, their
+  ``_recache_after_switch``): the recent frames are run again under the new prompt and their entries replace
+  the old ones, the sink kept (``global_sink``, theirs) or restarted.
 
 The cache is a value (:class:`CausalKVCache`): appending a chunk returns a new one, so forks stay independent.
 The FlowPolicy half (``velocity`` over a whole video) is the block-causal training path: every chunk at the same
@@ -29,7 +32,6 @@ The FlowPolicy half (``velocity`` over a whole video) is the block-causal traini
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import types
 from collections.abc import Sequence
@@ -69,13 +71,15 @@ class StreamCall:
     ``cos``, ``sin``: ``(1, tokens, 1, head_dim)`` RoPE of this call's frames at their absolute positions;
     ``past``: indexed by block, the keys and values ``(B, T, heads, head_dim)`` attended before this call's own
     tokens (a :class:`CacheWindow`; None: none); ``written``: filled per block with this call's own rotated keys
-    and values (what a cache keeps).
+    and values (what a cache keeps); ``own_from``: the first of its own tokens attended and written (a prompt
+    switch's recache leaves out the frames whose place the kept sink holds, as LongLive's).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     past: Any = None
     written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    own_from: int = 0
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,6 +108,8 @@ class StreamingSelfAttention:
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         query, key = rotate(query, rotary_emb.cos, rotary_emb.sin), rotate(key, rotary_emb.cos, rotary_emb.sin)
+        if rotary_emb.own_from:
+            key, value = key[:, rotary_emb.own_from:], value[:, rotary_emb.own_from:]
         if rotary_emb.written is not None:
             rotary_emb.written[self.index] = (key, value)
         if rotary_emb.past is not None:
@@ -134,56 +140,75 @@ def attended_frames(held: int, new: int, window: int | None, sink: int) -> list[
     return [(0, head), (tail, held)] if tail < held else [(0, head)]
 
 
+@dataclass(frozen=True)
+class CacheSegment:
+    """Keys and values written by one transformer call: frames ``first..first+frames-1``, per block ``(k, v)``
+    each ``(B, frames·tokens, heads, head_dim)`` (frame by frame)."""
+
+    first: int
+    frames: int
+    blocks: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class CausalKVCache:
-    """The keys and values every clean chunk ``0..num_chunks-1`` wrote (the resident cache): ``chunks[j][i]``, chunk
-    j's in block i, each ``(B, tokens_j, heads, head_dim)`` (its ``chunk_frames[j]`` frames' tokens, frame by
-    frame), for a batch of streams, and the absolute frames the next chunk reads (``kept``, sorted: every written
-    frame unless the history is routed, :meth:`CausalWanPolicy.reroute`). Entries are written once and shared by
+    """The resident cache of a batch of streams: the segments the calls wrote in order (a clean chunk's, or a
+    prompt switch's recache of recent frames, :meth:`CausalWanPolicy.switch_prompt`; a frame's entries are
+    those of the latest segment holding it), the stream chunks written (``num_chunks``) and the absolute frames
+    the next chunk reads (``kept``, sorted: every written frame unless the history is routed,
+    :meth:`CausalWanPolicy.reroute`, or a switch restarted the sink). Entries are written once and shared by
     every later cache of the stream (appending a chunk copies nothing); routing only changes what is read, as
     LongLive's perturbed window reads chosen frames of its resident cache."""
 
-    chunks: tuple[list[tuple[torch.Tensor, torch.Tensor]], ...]
+    segments: tuple[CacheSegment, ...]
     batch: int
-    chunk_frames: tuple[int, ...]
+    num_chunks: int
     kept: tuple[int, ...]
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.chunks)
 
     @property
     def frames(self) -> int:
         """How many frames the next chunk may read (the kept ones)."""
         return len(self.kept)
 
+    @property
+    def held(self) -> int:
+        """The frames written (``0..held-1``)."""
+        return max((seg.first + seg.frames for seg in self.segments), default=0)
+
     def select(self, index: list[int] | torch.Tensor) -> "CausalKVCache":
         """The caches of some streams, in the given order (repeat an index to fork a stream)."""
         idx = torch.as_tensor(index, dtype=torch.long).flatten()
         on: dict[torch.device, torch.Tensor] = {}
         pick = lambda t: t.index_select(0, on.setdefault(t.device, idx.to(t.device, non_blocking=True)))  # noqa: E731
-        chunks = tuple([(pick(k), pick(v)) for k, v in blocks] for blocks in self.chunks)
-        return dataclasses.replace(self, chunks=chunks, batch=len(idx))
+        segments = tuple(dataclasses.replace(seg, blocks=[(pick(k), pick(v)) for k, v in seg.blocks])
+                         for seg in self.segments)
+        return dataclasses.replace(self, segments=segments, batch=len(idx))
 
     def repeat_interleave(self, repeats: int) -> "CausalKVCache":
         """Each stream's cache ``repeats`` times in place: a group of forks sharing one history."""
         return self.select([i for i in range(self.batch) for _ in range(repeats)])
 
+    def pieces(self, frames: Sequence[int], tokens: int) -> "CacheWindow | None":
+        """The entries of ``frames`` (in the given order; ``tokens`` a frame), as runs of consecutive frames of one
+        segment; None when that is nothing."""
+        latest: dict[int, tuple[int, int]] = {}
+        for i, seg in enumerate(self.segments):
+            latest.update({seg.first + f: (i, f) for f in range(seg.frames)})
+        pieces: list[tuple[int, int, int]] = []  # (segment, first token, end token)
+        for frame in frames:
+            i, f = latest[frame]
+            lo = f * tokens
+            if pieces and pieces[-1][0] == i and pieces[-1][2] == lo:
+                pieces[-1] = (i, pieces[-1][1], lo + tokens)
+            else:
+                pieces.append((i, lo, lo + tokens))
+        return CacheWindow(self.segments, pieces) if pieces else None
+
     def window(self, new: int, window: int | None, sink: int, tokens: int) -> "CacheWindow | None":
         """What ``new`` frames attend to before themselves (``tokens`` a frame): of the kept frames in stream
-        order, those the window holds (:func:`attended_frames`), as runs of consecutive frames of one chunk;
-        None when that is nothing."""
-        starts = [sum(self.chunk_frames[:j]) for j in range(self.num_chunks)]
-        pieces: list[tuple[int, int, int]] = []  # (chunk, first token, end token) in stream order
-        for a, b in attended_frames(self.frames, new, window, sink):
-            for frame in self.kept[a:b]:
-                j = bisect.bisect_right(starts, frame) - 1
-                lo = (frame - starts[j]) * tokens
-                if pieces and pieces[-1][0] == j and pieces[-1][2] == lo:
-                    pieces[-1] = (j, pieces[-1][1], lo + tokens)
-                else:
-                    pieces.append((j, lo, lo + tokens))
-        return CacheWindow(self.chunks, pieces) if pieces else None
+        order, those the window holds (:func:`attended_frames`)."""
+        ranges = attended_frames(self.frames, new, window, sink)
+        return self.pieces([f for a, b in ranges for f in self.kept[a:b]], tokens)
 
 
 @dataclass
@@ -191,12 +216,12 @@ class CacheWindow:
     """A block's keys and values ``(B, T, heads, head_dim)`` of a window of a :class:`CausalKVCache`, joined when
     the block asks (one block's join is alive at a time)."""
 
-    chunks: tuple[list[tuple[torch.Tensor, torch.Tensor]], ...]
+    segments: tuple[CacheSegment, ...]
     pieces: list[tuple[int, int, int]]
 
     def __getitem__(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = [self.chunks[j][block][0][:, a:b] for j, a, b in self.pieces]
-        values = [self.chunks[j][block][1][:, a:b] for j, a, b in self.pieces]
+        keys = [self.segments[i].blocks[block][0][:, a:b] for i, a, b in self.pieces]
+        values = [self.segments[i].blocks[block][1][:, a:b] for i, a, b in self.pieces]
         return (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys, 1), torch.cat(values, 1))
 
 
@@ -207,7 +232,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
 
     family = "wan"
     #: the model.defaults keys it reads
-    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"chunk_frames", "attention_window", "sink_frames"}
+    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"chunk_frames", "attention_window", "sink_frames", "global_sink"}
     is_video = True
     streaming = True
     #: its history can be routed frame by frame (:class:`flowalign.protocols.KeptFrames`)
@@ -240,7 +265,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         # 3 latent frames, no CFG; 21 latent frames (81 at 480 x 832); LongLive: window 12 with a 3-frame sink
         builtin = {"height": 480, "width": 832, "num_frames": 81, "num_steps": 4, "guidance_scale": 1.0,
                    "max_sequence_length": 512, "shift": 5.0, "chunk_frames": 3, "attention_window": None,
-                   "sink_frames": 0}
+                   "sink_frames": 0, "global_sink": True}
         self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
         _, ph, pw = self.transformer.config.patch_size
         check_multiple(self.defaults, {"height": self.scale_s * ph, "width": self.scale_s * pw}, "this Wan model")
@@ -257,6 +282,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         self.chunk_frames: list[int] = [per] * (frames // per)
         self.window = None if self.defaults["attention_window"] is None else int(self.defaults["attention_window"])
         self.sink = int(self.defaults["sink_frames"])
+        self.global_sink = bool(self.defaults["global_sink"])
         if self.window is not None and self.window < self.sink + per:
             raise UserError(f"model.defaults.attention_window={self.window}: it must hold the sink "
                             f"({self.sink} frames) and a chunk ({per}); LongLive's is 12 with sink_frames 3")
@@ -295,15 +321,15 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     # ------------------------------------------------------------------ one transformer call
 
     def _run(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, start: int,
-             past: CacheWindow | None, written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-             ) -> torch.Tensor:
+             past: CacheWindow | None, written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             own_from: int = 0) -> torch.Tensor:
         """The flow prediction ``(B, C, f, H', W')`` of frames ``start..start+f`` at ``x``, attending to ``past``
-        (per block) and to all of its own tokens."""
+        (per block) and to its own tokens (from frame ``own_from`` of the call on)."""
         b, f = x.shape[0], x.shape[2]
         cos, sin = self._rope.__class__.forward(self._rope, x.new_empty(1, 1, start + f, *x.shape[3:], device="meta"))
         skip = start * self.tokens_per_frame
         self._rope.stream_call = StreamCall(cos[:, skip:].to(self.device), sin[:, skip:].to(self.device), past,
-                                            written)
+                                            written, own_from * self.tokens_per_frame)
         timestep = sigma_batch(sigma, b, self.device) * 1000.0
         text = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
         return self.transformer(hidden_states=x.to(self.device, self.dtype), timestep=timestep,
@@ -334,7 +360,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     def empty_cache(self, batch: int, guidance: float) -> CausalKVCache:
         """A cache of no chunks for ``batch`` streams."""
         self._check_guidance(guidance)
-        return CausalKVCache((), batch, (), ())
+        return CausalKVCache((), batch, 0, ())
 
     def chunk_velocity(self, x_chunk: torch.Tensor, sigma: float, sigma_next: float, cache: CausalKVCache,
                        cond: Conditioning, guidance: float) -> torch.Tensor:
@@ -357,10 +383,10 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         out = self._run(piece, sigma, cond, self.chunk_slice(j).start,
                         cache.window(piece.shape[2], self.window, self.sink, self.tokens_per_frame), written=written)
-        start = self.chunk_slice(j).start
-        cache = dataclasses.replace(cache, chunks=cache.chunks + ([written[i] for i in range(len(written))],),
-                                    chunk_frames=cache.chunk_frames + (piece.shape[2],),
-                                    kept=cache.kept + tuple(range(start, start + piece.shape[2])))
+        start, f = self.chunk_slice(j).start, piece.shape[2]
+        segment = CacheSegment(start, f, [written[i] for i in range(len(written))])
+        cache = dataclasses.replace(cache, segments=cache.segments + (segment,), num_chunks=j + 1,
+                                    kept=cache.kept + tuple(range(start, start + f)))
         return cache, out
 
     @torch.no_grad()
@@ -392,7 +418,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     def reroute(self, cache: CausalKVCache, keep: Sequence[int] | KeptFrames) -> CausalKVCache:
         """``cache`` with the next chunk reading only the resident chunks ``keep``, or the resident frames
         ``keep.frames`` (:class:`KeptFrames`), their entries as written."""
-        held = sum(cache.chunk_frames)
+        held = cache.held
         if isinstance(keep, KeptFrames):
             kept = tuple(sorted({int(f) for f in keep.frames}))
             if any(not 0 <= f < held for f in kept):
@@ -403,9 +429,35 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         if any(not 0 <= j < cache.num_chunks for j in chunks):
             raise UserError(f"history routing: keep={list(keep)} names chunks outside the {cache.num_chunks} chunks "
                             "of the history")
-        starts = [sum(cache.chunk_frames[:j]) for j in range(cache.num_chunks)]
-        return dataclasses.replace(cache, kept=tuple(f for j in chunks
-                                                     for f in range(starts[j], starts[j] + cache.chunk_frames[j])))
+        return dataclasses.replace(cache, kept=tuple(f for j in chunks for f in range(self.chunk_slice(j).start,
+                                                                                     self.chunk_slice(j).stop)))
+
+    @torch.no_grad()
+    def switch_prompt(self, cache: CausalKVCache, clean: torch.Tensor, cond: Conditioning,
+                      guidance: float) -> CausalKVCache:
+        """The cache the next chunk reads after a prompt switch to ``cond``, the stream's clean chunks so far
+        ``clean`` ``(B, C, F_{<k}, H', W')``: LongLive's ``_recache_after_switch``. The last ``n`` frames
+        (``attention_window``, or every frame without one) are run again in one call at timestep 0 under the new
+        prompt, attending to each other (no mask inside the call, as theirs) and, with ``global_sink`` once the
+        window has moved past the sink, to the sink's entries as written, whose place the call's first
+        ``sink_frames`` frames leave (their slots are not rewritten); without ``global_sink`` the cache is
+        emptied first and the recached frames' first ``sink_frames`` become the sink. The recached entries
+        supersede the frames' earlier ones; the history read is every frame (from the recached ones on without
+        ``global_sink``)."""
+        self._check_guidance(guidance)
+        start = sum(self.chunk_frames[:self._chunks_in(clean, "switch_prompt", least=1)])
+        if cache.held != start:
+            raise UserError(f"switch_prompt: the cache holds {cache.held} frames for {start} clean frames")
+        n = start if self.window is None else min(self.window, start)
+        first = start - n
+        kept_sink = self.global_sink and first > 0 and self.sink > 0
+        skip = min(self.sink, n) if kept_sink else 0
+        past = cache.pieces(cache.kept[:self.sink], self.tokens_per_frame) if kept_sink else None
+        written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._run(clean[:, :, first:start], 0.0, cond, first, past, written=written, own_from=skip)
+        segment = CacheSegment(first + skip, n - skip, [written[i] for i in range(len(written))])
+        return dataclasses.replace(cache, segments=cache.segments + (segment,),
+                                   kept=tuple(range(0 if self.global_sink else first, start)))
 
     def _chunks_in(self, clean: torch.Tensor, what: str, least: int) -> int:
         """How many whole chunks ``clean`` ``(B, C, F, H', W')`` holds (at least ``least``)."""

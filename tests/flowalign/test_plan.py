@@ -543,7 +543,7 @@ def test_a_streamed_samples_kv_caches_are_counted_as_a_rollout_keeps_them(twin, 
                        decode=False)
     tensors: dict[int, torch.Tensor] = {}
     for cache in r.caches:
-        parts = ([t for entries in cache.chunks for kv in entries for t in kv] if twin == "causal_wan"
+        parts = ([t for seg in cache.segments for kv in seg.blocks for t in kv] if twin == "causal_wan"
                  else [t for layer in cache.layers.values() for t in layer.values()])
         tensors.update({t.data_ptr(): t for t in parts})
     assert counted > 0 and counted == sum(t.nbytes for t in tensors.values())

@@ -181,4 +181,56 @@ def test_the_caches_of_a_stream_share_the_entries_each_chunk_wrote(tmp_path: Pat
                        decode=False)
     first, last = r.caches[1], r.caches[2]
     assert first.num_chunks == 1 and last.num_chunks == 2
-    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(first.chunks[0], last.chunks[0]))
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(first.segments[0].blocks, last.segments[0].blocks))
+
+
+SWITCH = json.loads((KNOWN.parent / "causal_wan_switch.json").read_text())
+SWITCH_TENSORS = load_file(str(KNOWN.parent / "causal_wan_switch.safetensors"))
+
+
+def segment_embeds(count: int) -> list[torch.Tensor]:
+    """Each prompt segment's embeddings (the rule in the switch answers' provenance)."""
+    g, out = torch.Generator().manual_seed(4), []
+    for _ in range(count):
+        e = torch.zeros(2, 512, 16)
+        e[:, :5] = torch.randn(2, 5, 16, generator=g)
+        out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("label", list(SWITCH["settings"]))
+def test_prompt_switches_recache_as_the_authors_interactive_pipeline(tmp_path: Path, label: str) -> None:
+    """LongLive's interactive streams: at each switch the cache is recached under the next prompt (the sink kept or
+    restarted, inside or past the first window, with global attention); every later x0 prediction, from the
+    states their pipeline fed its generator, equals theirs."""
+    setting = SWITCH["settings"][label]
+    window = None if setting["local_attn_size"] == -1 else setting["local_attn_size"]
+    folder = tmp_path / label
+    save_tiny("causal_wan", folder, transformer={"attention_head_dim": 16, "ffn_dim": 64, "freq_dim": 32,
+                                                  "text_dim": 16},
+              sampling={"height": 16, "width": 16, "num_frames": 2 * (setting["frames"] - 1) + 1,
+                        "attention_window": window, "sink_frames": setting["sink_size"],
+                        "global_sink": setting["global_sink"]})
+    policy = pipelines.load(folder)
+    policy.transformer.load_state_dict(convert_generator(authors_weights()), strict=True)
+    embeds = segment_embeds(len(setting["switch_frame_indices"]) + 1)
+    conds = [Conditioning({"prompt_embeds": e}, ["a", "b"]) for e in embeds]
+    sigmas = policy.sigmas(4)
+    inputs, x0s = SWITCH_TENSORS[f"{label}.inputs"], SWITCH_TENSORS[f"{label}.x0"]
+    cache, clean, segment, worst, switched = policy.empty_cache(2, 1.0), [], 0, 0.0, []
+    pending = list(setting["switch_frame_indices"])
+    for k in range(len(policy.chunk_frames)):
+        if pending and 3 * k >= pending[0]:  # their rule: the first block starting at or after the switch frame
+            pending.pop(0)
+            segment += 1
+            cache = policy.switch_prompt(cache, torch.cat(clean, dim=2), conds[segment], 1.0)
+            switched.append(3 * k)
+        for i in range(4):
+            x = inputs[4 * k + i].permute(0, 2, 1, 3, 4)
+            v = policy.chunk_velocity(x, sigmas[i].item(), sigmas[i + 1].item(), cache, conds[segment], 1.0)
+            worst = max(worst, ((x - sigmas[i] * v).permute(0, 2, 1, 3, 4) - x0s[4 * k + i]).abs().max().item())
+        clean.append(x0s[4 * k + 3].permute(0, 2, 1, 3, 4))
+        cache = policy.append_chunks(cache, torch.cat(clean, dim=2), conds[segment], 1.0)
+    recaches = [c["start_frame"] + c["frames"] for c in setting["calls"] if c["frames"] > 3]
+    assert switched == recaches and switched  # the switches fell where theirs recached
+    assert worst < 1e-4, worst
