@@ -15,6 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="sample one prompt to an image or video file")
     add_model_args(p)
     p.add_argument("--prompt", required=True)
+    p.add_argument("--switch", nargs=2, action="append", default=None, metavar=("FRAME", "PROMPT"),
+                   help="a streaming model that switches prompts (LongLive): from the first chunk starting at or "
+                        "after latent frame FRAME, follow PROMPT; repeat for more switches")
     add_sampling_args(p)
     add_choice(p, "--sampler", default="ode", choices=sampler_kinds)
     # trainers' noise_level is at most 2 too: a larger SDE noise leaves the data's range within a step
@@ -26,6 +29,21 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     add_guide_args(p)
     return p
+
+
+def switch_args(pairs: list[list[str]] | None) -> list[tuple[int, str]]:
+    """``--switch FRAME PROMPT`` pairs as ``(frame, prompt)``, refused in one line when FRAME is not a whole
+    number or PROMPT is too long."""
+    from flowalign.data import check_prompt_length
+
+    out = []
+    for frame, prompt in pairs or []:
+        if not frame.isdigit():
+            raise UserError(f"--switch {frame} {prompt!r}: FRAME is a latent frame index (a whole number), then "
+                            "the prompt")
+        check_prompt_length(prompt, "--switch")
+        out.append((int(frame), prompt))
+    return out
 
 
 def sampler_kinds() -> list[str]:
@@ -48,6 +66,7 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--out {out.name}: unknown file type; use .png for image models, .mp4/.gif for video models")
     check_out_file(out, overwrite=args.overwrite)  # before the model is loaded
     check_prompt_length(args.prompt, "--prompt")
+    switches = switch_args(args.switch)
     check_sampler(args.sampler, args.noise_level)
     check_positive(args, "steps")
     if args.image is not None:  # refused from its header (not an image, too many pixels) before a model loads
@@ -69,8 +88,12 @@ def run(args: argparse.Namespace) -> None:
             raise UserError(f"--guide: {policy.family} streams chunk by chunk; latent-reward guidance steers a whole "
                             "rollout: drop --guide")
         result = stream_rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler,
-                                noise_level=args.noise_level, guidance_scale=args.guidance, generator=generator)
+                                noise_level=args.noise_level, guidance_scale=args.guidance, generator=generator,
+                                switches=[(frame, [prompt]) for frame, prompt in switches])
     else:
+        if switches:
+            raise UserError(f"--switch: {policy.family} samples a whole video at once; prompt switches need a "
+                            "streaming model (a causal Wan: LongLive, Self-Forcing)")
         result = rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler, noise_level=args.noise_level,
                          guidance_scale=args.guidance, generator=generator, guide=guide,
                          metadata=[{"image": args.image}] if args.image is not None else None)

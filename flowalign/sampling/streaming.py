@@ -12,6 +12,10 @@ chunk k's step i is keyed by the stream's initial noise and ``(k, i)`` (:func:`k
 do not depend on the batch it is sampled in, forks from the same noise draw the same noise after the fork, and
 a resumed run redraws what it drew.
 
+Prompt switches (LongLive's interactive streams): ``switches=[(frame, prompts), ...]`` moves the streams to
+new prompts from the first chunk starting at or after each latent frame, the cache recached under them by the
+policy's ``switch_prompt``.
+
 Forking: ``prefix=StreamPrefix(clean, cache)`` starts every stream at chunk ``cache.num_chunks`` with those
 clean chunks and that cache (repeat a rollout's prefix ``n`` times with :meth:`StreamRollout.prefix` and
 ``repeats=n``), so forks share everything before the fork chunk bit for bit.
@@ -57,7 +61,8 @@ class StreamRollout:
     ``samples`` the decoded videos ``(B, F, 3, H, W)`` (None when not decoded); ``velocities[k]`` ``(B, T, C, f_k,
     H, W)`` the velocities chunk k's steps predicted where the policy's own stochastic step took them (None
     elsewhere: see :meth:`taken_velocities`); ``draw_keys`` the keys of each stream's own-sampler draws
-    (:func:`keyed_draws`; None for a deterministic policy).
+    (:func:`keyed_draws`; None for a deterministic policy); ``switches`` the prompt switches taken, ``(chunk,
+    prompts)`` each (``cond`` is then the first prompts'; None: one prompt a stream throughout).
     """
 
     prompts: list[str]
@@ -75,6 +80,7 @@ class StreamRollout:
     guidance_scale: float = 1.0
     velocities: list[torch.Tensor | None] | None = None
     draw_keys: list[int] | None = None
+    switches: list[tuple[int, list[str]]] | None = None
 
     def __len__(self) -> int:
         return self.chunks[0].shape[0]
@@ -127,6 +133,7 @@ def stream_rollout(
     route: Callable[[int], Sequence[int]] | None = None,
     decode: bool = True,
     draw_keys: Sequence[int] | None = None,
+    switches: Sequence[tuple[int, Sequence[str]]] | None = None,
 ) -> StreamRollout:
     """Stream ``len(prompts)`` videos chunk by chunk, ``num_steps`` steps per chunk on the policy's σ grid.
 
@@ -140,7 +147,10 @@ def stream_rollout(
     ``route``: KV routing, ``route(k)`` the history chunks chunk ``k`` attends to (every earlier chunk when it
     returns them all; the default), through the policy's ``reroute`` of the cache the stream wrote where it has
     one (a causal model writes each chunk's entries once, under the routing then in force), else its
-    ``history_cache``; a prefix's cache is used as given.
+    ``history_cache``; a prefix's cache is used as given. ``switches``: ``(frame, prompts)`` pairs, frames
+    increasing: from the first chunk starting at or after latent frame ``frame`` the streams follow ``prompts``
+    (one a stream), the cache first recached under them by the policy's ``switch_prompt`` (LongLive's
+    ``switch_frame_indices``; a switch before a prefix's first chunk only sets the prompts).
     """
     prompts = check_prompts(prompts)
     level = check_sampler(sampler, noise_level)
@@ -158,6 +168,7 @@ def stream_rollout(
         stochastic[list(picked)] = True
 
     cond = encode_prompts(policy, prompts, meta)
+    switch_at = switch_chunks(policy, switches, n)
     sigmas = policy.sigmas(num_steps).float()
     noise = policy.initial_noise(n, generator) if initial_noise is None else initial_noise.float()
     noise = noise.to(policy.device)
@@ -181,7 +192,13 @@ def stream_rollout(
     # each streamed chunk's log-probs (B, num_steps), kept on the device and read back once after the last
     # chunk: a read at every step would make the host wait for the device there
     streamed: list[torch.Tensor] = []
+    for k, new in switch_at.items():  # switches before a prefix's first chunk: its cache holds them already
+        if k <= start:
+            cond = encode_prompts(policy, new, meta)
     for k in range(start, chunks):
+        if k in switch_at and k > start:
+            cond = encode_prompts(policy, switch_at[k], meta)
+            cache = policy.switch_prompt(cache, clean, cond, guidance)
         caches.append(cache)
         x = noise[:, :, policy.chunk_slice(k)]
         kind, kind_level = (sampler, level) if stochastic[k] else (own_kind, own_level)
@@ -214,10 +231,37 @@ def stream_rollout(
     result = StreamRollout(prompts=prompts, metadata=meta, chunks=trajectories, sigmas=sigmas.cpu(), log_probs=log_probs,
                            sde_chunks=stochastic, caches=caches, samples=None, cond=cond, start=start, sampler=sampler,
                            noise_level=level, guidance_scale=guidance, velocities=velocities,
-                           draw_keys=keys or None)
+                           draw_keys=keys or None, switches=[(k, list(p)) for k, p in switch_at.items()] or None)
     if decode:
         result.samples = policy.decode(result.final_latents)
     return result
+
+
+def switch_chunks(policy: StreamingPolicy, switches: Sequence[tuple[int, Sequence[str]]] | None,
+                  streams: int) -> dict[int, list[str]]:
+    """The chunk each prompt switch takes effect at (the first starting at or after its latent frame) → the
+    prompts from there on; each switch its own chunk, after chunk 0 (a switch at frame 0 is the first prompt)."""
+    if not switches:
+        return {}
+    if not hasattr(policy, "switch_prompt"):
+        raise UserError(f"prompt switches: {policy.family} streams one prompt a video (no recache under a new "
+                        "prompt); switch prompts on a causal Wan (LongLive, Self-Forcing)")
+    starts = [policy.chunk_slice(k).start for k in range(len(policy.chunk_frames))]
+    taken: dict[int, list[str]] = {}
+    for frame, new in switches:
+        new = check_prompts(list(new))
+        later = [k for k, first in enumerate(starts) if first >= int(frame)]
+        if int(frame) < 1 or not later:
+            raise UserError(f"prompt switch at latent frame {frame}: it must fall in 1..{starts[-1]} (this model "
+                            f"streams {sum(policy.chunk_frames)} latent frames, chunks starting at {starts})")
+        k = later[0]
+        if taken and k <= max(taken):
+            raise UserError(f"prompt switch at latent frame {frame}: switches must move to later chunks, each its "
+                            f"own (chunks start at {starts})")
+        if len(new) != streams:
+            raise UserError(f"prompt switch at latent frame {frame}: {len(new)} prompts for {streams} streams")
+        taken[k] = new
+    return taken
 
 
 def jump_velocities(states: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:

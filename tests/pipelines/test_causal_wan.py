@@ -234,3 +234,26 @@ def test_prompt_switches_recache_as_the_authors_interactive_pipeline(tmp_path: P
     recaches = [c["start_frame"] + c["frames"] for c in setting["calls"] if c["frames"] > 3]
     assert switched == recaches and switched  # the switches fell where theirs recached
     assert worst < 1e-4, worst
+
+
+def test_a_switched_stream_follows_its_first_prompt_until_the_switch(tmp_path: Path) -> None:
+    """Chunks before the switch are the unswitched stream's bit for bit; from the switch on the stream follows
+    the new prompt (its chunks differ); switches that share a chunk, fall outside the video or come with the
+    wrong number of prompts are refused."""
+    folder = tmp_path / "twin"
+    save_tiny("causal_wan", folder, sampling={"attention_window": 6, "sink_frames": 3})
+    policy = pipelines.load(folder)
+    noise = policy.initial_noise(1, torch.Generator().manual_seed(0))
+    plain = stream_rollout(policy, ["a red ball"], num_steps=2, initial_noise=noise, decode=False)
+    switched = stream_rollout(policy, ["a red ball"], num_steps=2, initial_noise=noise, decode=False,
+                              switches=[(3, ["a blue cube"])])
+    assert torch.equal(plain.chunks[0], switched.chunks[0])
+    assert not torch.allclose(plain.chunks[1][:, -1], switched.chunks[1][:, -1], atol=1e-3)
+    # a fork from the switched stream's chunk 2 reads the recached cache under the new prompt: the same chunk
+    fork = stream_rollout(policy, ["a red ball"], num_steps=2, initial_noise=noise, decode=False,
+                          prefix=switched.prefix(2), switches=[(3, ["a blue cube"])])
+    assert torch.equal(fork.chunks[2], switched.chunks[2])
+    for switches, match in [([(3, ["b"]), (2, ["c"])], "later chunks"), ([(9, ["b"])], "must fall in"),
+                            ([(3, ["b", "c"])], "2 prompts for 1 streams")]:
+        with pytest.raises(UserError, match=match):
+            stream_rollout(policy, ["a"], num_steps=2, initial_noise=noise, decode=False, switches=switches)

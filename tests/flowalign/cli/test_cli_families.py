@@ -112,3 +112,33 @@ def test_a_streaming_model_samples_from_the_cli_as_its_stream(family, tmp_path, 
     # that stream's frames, up to the GIF's 256-colour palette; another seed's stream is much further
     near = (written - stream.samples[0]).abs().mean().item()
     assert near < 0.02 and (written - other.samples[0]).abs().mean().item() > 3 * near
+
+
+def test_a_causal_wan_switches_prompts_from_the_cli(tmp_path, capsys):
+    """``--switch FRAME PROMPT`` streams LongLive's interactive way: the video equals the library's stream with the
+    same switch; a switch on a model that cannot recache, or a FRAME that is not a number, is refused in one line."""
+    import torch
+
+    import pipelines
+    from flowalign.media import load_video
+    from flowalign.sampling import stream_rollout
+
+    model = tmp_path / "causal"
+    assert run(["tiny", "causal_wan", "--out", str(model)], capsys)[0] == 0
+    out = tmp_path / "clip.gif"
+    code, stdout, err = run(["sample", "--model", str(model), "--prompt", "a red circle", "--switch", "4",
+                             "a blue square", "--seed", "3", "--out", str(out)], capsys)
+    assert code == 0 and str(out) in stdout, err
+    policy = pipelines.load(model)
+    stream = stream_rollout(policy, ["a red circle"], num_steps=int(policy.defaults["num_steps"]),
+                            generator=torch.Generator().manual_seed(3), switches=[(4, ["a blue square"])])
+    assert stream.switches == [(2, ["a blue square"])]  # the first chunk starting at or after frame 4
+    assert (load_video(out) - stream.samples[0]).abs().mean().item() < 0.02
+    code, _, err = run(["sample", "--model", str(model), "--prompt", "a", "--switch", "x", "b", "--out",
+                        str(tmp_path / "b.gif")], capsys)
+    assert code != 0 and "FRAME is a latent frame index" in err and "Traceback" not in err
+    far = tmp_path / "far"
+    assert run(["tiny", "anyflow_far", "--out", str(far)], capsys)[0] == 0
+    code, _, err = run(["sample", "--model", str(far), "--prompt", "a", "--switch", "2", "b", "--out",
+                        str(tmp_path / "c.gif")], capsys)
+    assert code != 0 and "streams one prompt a video" in err and "Traceback" not in err
