@@ -171,7 +171,9 @@ class StreamingPolicy(FlowPolicy, Protocol):
         """KV routing: the cache the next chunk reads after the clean chunks of ``clean``, holding only the
         chunks ``keep`` (all of them: what ``append_chunks`` makes). A policy whose cache entries are written
         once (a causal model) also has ``reroute(cache, keep)``: the same entries, read only for ``keep``; one
-        whose ``routes_frames`` is True also takes ``keep`` as :class:`KeptFrames`."""
+        whose ``routes_frames`` is True also takes ``keep`` as :class:`KeptFrames`. A policy that can move a
+        stream to a new prompt has ``switch_prompt(cache, clean, cond, guidance)``: the cache the next chunk
+        reads under ``cond`` after the clean chunks ``clean`` (LongLive's recache)."""
         ...
 
 
