@@ -63,7 +63,9 @@ def read_prompt_file(path: str | Path) -> PromptSet:
     """``.txt``: one prompt a line; ``.jsonl``: ``{"prompt": ..., <metadata>...}`` a line (e.g. a VVR ``task``).
 
     A JSONL ``image`` field (the input image of an editing or image-to-video prompt) is a path relative to the
-    file; it is stored resolved in the prompt's metadata.
+    file; it is stored resolved in the prompt's metadata. A line may give ``{"prompts": [...]}`` instead of a
+    prompt (LongLive's interactive prompt files): the prompt segments of a video that switches prompts, the
+    first of them its prompt, all of them kept in the metadata.
     """
     from flowalign.config import read_text_file
 
@@ -81,8 +83,16 @@ def read_prompt_file(path: str | Path) -> PromptSet:
                 raise UserError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             except _RepeatedKey as e:
                 raise UserError(f"{path}:{i}: key {e.args[0]!r} is given twice in one object; keep one") from None
+            if isinstance(row, dict) and "prompt" not in row and "prompts" in row:
+                segments = row["prompts"]
+                if not isinstance(segments, list) or not segments or not all(isinstance(p, str) for p in segments):
+                    raise UserError(f'{path}:{i}: "prompts" must be a non-empty list of prompt strings (the '
+                                    "segments of a video that switches prompts)")
+                for segment in segments:
+                    check_prompt_length(segment, f"{path}:{i}")
+                row["prompt"] = segments[0]
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise UserError(f'{path}:{i}: each line needs a "prompt" string')
+                raise UserError(f'{path}:{i}: each line needs a "prompt" string (or a "prompts" list of segments)')
             check_prompt_length(row["prompt"], f"{path}:{i}")
             prompts.append(row.pop("prompt"))
             if "image" in row:  # an input image (editing, image-to-video), relative to the file

@@ -264,6 +264,25 @@ def switch_chunks(policy: StreamingPolicy, switches: Sequence[tuple[int, Sequenc
     return taken
 
 
+def switched_history(policy: StreamingPolicy, clean: torch.Tensor, segments: Sequence[tuple[int, Conditioning]],
+                     guidance: float) -> Any:
+    """The cache the next chunk reads after the clean chunks of ``clean`` ``(B, C, F_{<k}, H, W)`` of a stream
+    that switched prompts: ``segments`` ``(first chunk, conditioning)`` in order, the first at chunk 0; each
+    chunk written under its segment's prompt and the cache recached (``switch_prompt``) where a segment starts,
+    as :func:`stream_rollout` with ``switches`` wrote it (a segment starting at chunk k recaches before it)."""
+    k = next(j for j in range(len(policy.chunk_frames) + 1) if sum(policy.chunk_frames[:j]) == clean.shape[2])
+    cache = policy.empty_cache(clean.shape[0], guidance)
+    for (first, cond), (end, _) in zip(segments, [*segments[1:], (k + 1, None)]):
+        if first > k:
+            break
+        if first > 0:
+            cache = policy.switch_prompt(cache, clean[:, :, :policy.chunk_slice(first).start], cond, guidance)
+        last = min(end, k) - 1
+        if last >= first:
+            cache = policy.append_chunks(cache, clean[:, :, :policy.chunk_slice(last).stop], cond, guidance)
+    return cache
+
+
 def jump_velocities(states: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     """``u_t = (x_{t+1} − x_t)/(σ_{t+1} − σ_t)`` ``(G, T, ...)`` of deterministic trajectories ``states (G, T+1, ...)``."""
     steps = (sigmas[1:] - sigmas[:-1]).to(states, non_blocking=True).view(1, -1, *[1] * (states.ndim - 2))

@@ -34,7 +34,7 @@ from flowalign.config import StepIndex, changed
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.protocols import KeptFrames
-from flowalign.sampling.streaming import StreamPrefix, stream_rollout
+from flowalign.sampling.streaming import StreamPrefix, stream_rollout, switch_chunks, switched_history
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.options import (
@@ -130,9 +130,12 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     #: anchor: the weight of the *global* signal, the rewards of the whole video's clip (theirs:
     #: advantage_fusion_global_weight 0.5); 0: no global signal
     global_weight: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
-    #: anchor: decoded frames of the global signal's clip, centred on the video (theirs: long_reward_normal_clip_len
-    #: 36); None: the whole video
+    #: anchor: decoded frames of the global signal's clip, centred on the video, or on each prompt segment
+    #: (theirs: long_reward_normal_clip_len 36); None: the whole video (each whole segment)
     global_frames: int | None = Field(36, ge=1, le=100_000)
+    #: streams that switch prompts (theirs: switch_frame_indices 39, 75, 111): the latent frames where each
+    #: prompt's next segment starts (a JSONL prompt file's "prompts" lists, LongLive's); None: one prompt a video
+    switch_frames: list[StepIndex] | None = None
 
     @model_validator(mode="after")
     def _options_of_the_chosen_form(self) -> KVPOConfig:
@@ -161,17 +164,31 @@ def kept_fraction(keep: tuple[int, ...] | KeptFrames, chunk: int, start: int) ->
     return len(keep.frames) / start if isinstance(keep, KeptFrames) else len(keep) / chunk
 
 
-def middle_frames(videos: torch.Tensor, frames: int | None) -> torch.Tensor:
-    """The ``frames`` frames ``(B, frames, 3, H, W)`` centred on videos ``(B, F, 3, H, W)`` (the authors'
-    ``_make_clip_window`` around ``F // 2``, moved back inside the video); the videos themselves when ``frames``
-    is None or not below ``F``."""
+def middle_frames(videos: torch.Tensor, frames: int | None, bounds: tuple[int, int] | None = None) -> torch.Tensor:
+    """The ``frames`` frames ``(B, frames, 3, H, W)`` of videos ``(B, F, 3, H, W)`` centred on the frames
+    ``bounds`` = [a, b) (default: the whole video; the authors' ``_make_clip_window`` around ``(a + b) // 2``,
+    moved back inside the video); the frames [a, b) themselves when ``frames`` is None, and the videos
+    themselves when ``frames`` is not below ``F``."""
     total = videos.shape[1]
-    if frames is None or frames >= total:
+    a, b = (0, total) if bounds is None else bounds
+    if frames is None:
+        return videos if (a, b) == (0, total) else videos[:, a:b]
+    if frames >= total:
         return videos
-    start = max(0, total // 2 - frames // 2)
+    start = max(0, (a + b) // 2 - frames // 2)
     end = min(start + frames, total)
     start = max(0, end - frames)
     return videos[:, start:end]
+
+
+def segment_bounds(total: int, switch_frames: list[int], stride: int) -> list[tuple[int, int, int]]:
+    """``(segment, a, b)``: the decoded frames [a, b) of each prompt segment of a video of ``total`` frames that
+    switched prompts at latent ``switch_frames`` (a latent frame ``f ≥ 1`` starts at decoded frame
+    ``f·stride − (stride − 1)``, the VAE's temporal ``stride``), segments of fewer than 2 frames left out (their
+    ``_build_global_segment_clip_specs``)."""
+    cuts = [f * stride - (stride - 1) for f in switch_frames]
+    edges = [0] + [c for c in cuts if 0 < c < total] + [total]
+    return [(i, a, b) for i, (a, b) in enumerate(zip(edges, edges[1:])) if b - a >= 2]
 
 
 @dataclass
@@ -193,6 +210,9 @@ class BranchGroup:
     old_scores: torch.Tensor
     init_scores: torch.Tensor | None = None
     safe: bool = True
+    #: a stream that switched prompts: ``(first chunk, prompt)`` of each segment up to the routed chunk (the
+    #: routed chunk's segment is ``prompt``); empty: one prompt throughout
+    history: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -237,6 +257,13 @@ class KVPOTrainer(GroupTrainer):
                                 f"than {tc.older_chunks} older chunks after the sink (keep_sink={tc.keep_sink}) and "
                                 f"the {tc.nearest_chunks} nearest, so routing would change nothing: lower "
                                 "trainer.older_chunks or trainer.nearest_chunks, or set trainer.keep_sink=false")
+        self.switch_at = self.switch_plan()
+        if self.switch_at:  # a routed window reads one prompt's history (theirs: inside one streaming chunk)
+            routable = [k for k in routable if not any(k < c < k + self.window(k) for c in self.switch_at)]
+            if not routable:
+                raise UserError(f"trainer.switch_frames={tc.switch_frames}: every routed window of "
+                                f"{tc.window_chunks} chunks would cross a prompt switch; route chunks whose window "
+                                "ends before the next switch (trainer.route_chunks) or lower trainer.window_chunks")
         self.route_chunks = routable
 
     @classmethod
@@ -303,6 +330,35 @@ class KVPOTrainer(GroupTrainer):
                                         else tuple(range(c)))
                 for drawn in window_routings(chunk, g, tc.nearest_chunks, tc.older_chunks, tc.keep_sink, generator)]
 
+    def switch_plan(self) -> list[int]:
+        """The chunks where each prompt's later segments start (``switch_frames``; none for one prompt a video);
+        every prompt of the data is checked to have its segments."""
+        tc, policy = self.tcfg, self.policy
+        if not tc.switch_frames:
+            return []
+        if not hasattr(policy, "switch_prompt"):
+            raise UserError(f"trainer.switch_frames: this {policy.family!r} streaming model streams one prompt a "
+                            "video (no recache under a new prompt); drop it, or use a causal Wan (LongLive)")
+        need = len(tc.switch_frames) + 1
+        for i, meta in enumerate(self.data.metadata, 1):
+            segments = meta.get("prompts")
+            if not isinstance(segments, list) or len(segments) < need:
+                have = len(segments) if isinstance(segments, list) else 1
+                raise UserError(f"trainer.switch_frames={tc.switch_frames}: prompt {i} of data.prompts has {have} "
+                                f"prompt segment(s), each needs {need}; give a JSONL file of "
+                                '{"prompts": [segment, ...]} lines')
+        return sorted(switch_chunks(policy, [(f, ["-"]) for f in tc.switch_frames], 1))
+
+    def segments(self, meta: dict) -> list[str]:
+        """A prompt's segments, in order (one segment unless its stream switches prompts)."""
+        return list(meta["prompts"][:len(self.switch_at) + 1]) if self.switch_at else []
+
+    def switches(self, meta: dict) -> list[tuple[int, list[str]]] | None:
+        """``stream_rollout``'s switches of a prompt's stream (None: one prompt)."""
+        if not self.switch_at:
+            return None
+        return [(f, [p]) for f, p in zip(self.tcfg.switch_frames, self.segments(meta)[1:])]
+
     def frame_routing(self) -> dict[str, int | None]:
         """Routing in frames (theirs): the model's attention window and sink (read when ``keep_sink``) and the
         older frames a branch draws; refused in one line for a model whose cache routes whole chunks only."""
@@ -349,7 +405,11 @@ class KVPOTrainer(GroupTrainer):
         sigmas = policy.sigmas(tc.num_steps).float()
         last = tc.num_steps - 1
         clean = group.prefix.to(policy.device, non_blocking=True).float()
-        cache = policy.history_cache(clean, range(group.chunk), cond[[0]], guidance).repeat_interleave(g)
+        if group.history:  # a stream that switched prompts: its history written and recached as it streamed
+            segments = [(c, policy.encode([p])) for c, p in group.history]
+            cache = switched_history(policy, clean, segments, guidance).repeat_interleave(g)
+        else:
+            cache = policy.history_cache(clean, range(group.chunk), cond[[0]], guidance).repeat_interleave(g)
         clean = clean.repeat_interleave(g, dim=0)
         total = torch.zeros(g, device=policy.device)
         for w, states in enumerate(group.states):
@@ -383,17 +443,24 @@ class KVPOTrainer(GroupTrainer):
         # one anchor stream a prompt, as each branch is one: a group's numbers are then the same whichever rank
         # layout (how many prompts a rank batches) ran it, which the anchor advantages' normalisation would amplify
         anchors = [stream_rollout(policy, [prompts[i]], num_steps=tc.num_steps, guidance_scale=guidance,
-                                  initial_noise=noise[j:j + 1], decode=False) for j, i in enumerate(firsts)]
-        branched, samples, kept, chunks = [], [], [], []
+                                  initial_noise=noise[j:j + 1], decode=False, switches=self.switches(metadata[i]))
+                   for j, i in enumerate(firsts)]
+        branched, samples, kept, chunks, forks = [], [], [], [], []
         for j, i in enumerate(firsts):
             rng = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 93))
             k = self.route_chunks[int(torch.randint(len(self.route_chunks), (1,), generator=rng))]
-            prefix, cond = anchors[j].prefix(k), policy.encode([prompts[i]])
+            segments = self.segments(metadata[i])
+            history = [(c, p) for c, p in zip([0, *self.switch_at], segments) if c <= k]
+            forks.append(history[-1][1] if history else prompts[i])  # the prompt the routed chunk follows
+            prefix, cond = anchors[j].prefix(k), policy.encode([forks[-1]])
             routes, states = self.branch_routes(k, rng), []
             for route in routes:
-                routed = StreamPrefix(prefix.clean, policy.history_cache(prefix.clean, route(k), cond, guidance))
+                # a cache written once is routed as the anchor wrote it (the same entries); else re-encoded
+                cache = (policy.reroute(prefix.cache, route(k)) if hasattr(policy, "reroute")
+                         else policy.history_cache(prefix.clean, route(k), cond, guidance))
                 branch = stream_rollout(policy, [prompts[i]], num_steps=tc.num_steps, guidance_scale=guidance,
-                                        initial_noise=noise[j:j + 1], prefix=routed, route=route, decode=False)
+                                        initial_noise=noise[j:j + 1], prefix=StreamPrefix(prefix.clean, cache),
+                                        route=route, decode=False, switches=self.switches(metadata[i]))
                 with torch.no_grad():
                     samples.append(policy.decode(branch.final_latents))
                 states.append([(branch.chunks[c][0], branch.taken_velocities(c)[0])
@@ -402,14 +469,15 @@ class KVPOTrainer(GroupTrainer):
                 kept.append(kept_fraction(route(k), k, policy.chunk_slice(k).start))
             window = [(torch.stack([s for s, _ in chunk]).cpu(), torch.stack([u for _, u in chunk]).cpu())
                       for chunk in zip(*states)]
-            branched.append((prompts[i], k, prefix.clean.cpu(), [s for s, _ in window], [u for _, u in window],
-                             [r(k) for r in routes]))
+            branched.append((forks[-1], k, prefix.clean.cpu(), [s for s, _ in window], [u for _, u in window],
+                             [r(k) for r in routes], history if self.switch_at else []))
         routed = [parts[1] for parts in branched]
         advantages, safe, logs = self.advantages(torch.cat(samples), anchors, chunks, routed, prompts, metadata,
-                                                 firsts, step)
+                                                 firsts, step, forks)
         batch = []
-        for j, parts in enumerate(branched):
-            group = BranchGroup(*parts, advantages[j * g:(j + 1) * g].float(), torch.zeros(g), safe=safe[j])
+        for j, (*parts, history) in enumerate(branched):
+            group = BranchGroup(*parts, advantages[j * g:(j + 1) * g].float(), torch.zeros(g), safe=safe[j],
+                                history=history)
             with torch.no_grad():
                 old = self.scores(group, grad=False).cpu()  # π_old: the weights that sampled the branches
             init = None
@@ -422,32 +490,32 @@ class KVPOTrainer(GroupTrainer):
         return BranchBatch(batch, logs)
 
     def advantages(self, samples: torch.Tensor, anchors: list[Any], chunks: list[torch.Tensor], routed: list[int],
-                   prompts: list[str], metadata: list[dict], firsts: list[int], step: int,
+                   prompts: list[str], metadata: list[dict], firsts: list[int], step: int, forks: list[str],
                    ) -> tuple[torch.Tensor, list[bool], dict[str, float]]:
         """Advantages ``(N,)`` of the branch videos ``samples``, whether each group beat its anchor, and the
         reward logs (of the branches' whole videos). ``anchor``: the authors' rule, each branch against its
         group's anchor stream (``anchors``, one a group) on two signals, the routed chunk's frames (``chunks``:
-        each branch's clean chunk ``(1, C, f_k, H, W)``, ``routed``: each group's chunk k) and the whole video's
-        clip, fused (:func:`fused_anchor_advantages`); a group beat its anchor when a branch's weighted reward is
-        above the anchor's on either signal. Otherwise the loop's group advantages (every group counts as having
-        beaten its anchor)."""
+        each branch's clean chunk ``(1, C, f_k, H, W)``, ``routed``: each group's chunk k, scored with the prompt
+        it followed, ``forks``) and the whole video's clip (:meth:`global_signal`), fused
+        (:func:`fused_anchor_advantages`); a group beat its anchor when a branch's weighted reward is above the
+        anchor's on either signal. Otherwise the loop's group advantages (every group counts as having beaten its
+        anchor)."""
         g, tc = self.tcfg.group_size, self.tcfg
         if tc.advantage != "anchor":
             prompt_ids = torch.tensor(self.step_indices(step)).repeat_interleave(g)
             scored = self.score(samples, prompts, metadata, prompt_ids, step)
             return scored.advantages, [True] * len(firsts), scored.logs
-        groups = [([prompts[i]] * g, [metadata[i]] * g) for i in firsts]
-        anchor_inputs = ([prompts[i] for i in firsts], [metadata[i] for i in firsts])
+        groups = [([forks[j]] * g, [metadata[i]] * g) for j, i in enumerate(firsts)]
+        anchor_inputs = (forks, [metadata[i] for i in firsts])
         scored = self.score(samples, prompts, metadata, None, step)
         weights = scored.scores.weights.double()
         signals = []  # (signal weight, branch values (N, M), ok (N, M), anchor values (J, M), anchor ok (J, M))
         if tc.global_weight > 0:
             with torch.no_grad():
                 whole = torch.cat([self.policy.decode(a.final_latents) for a in anchors])
-            clips = middle_frames(samples, tc.global_frames)  # the whole videos, already scored, when short enough
-            branch = scored.scores if clips is samples else self.score(clips, prompts, metadata, None, step).scores
-            ref = self.score(middle_frames(whole, tc.global_frames), *anchor_inputs, None, step).scores
-            signals.append((tc.global_weight, branch.values, branch.ok, ref.values, ref.ok))
+            branch = self.global_signal(samples, prompts, metadata, step, scored.scores)
+            ref = self.global_signal(whole, [prompts[i] for i in firsts], anchor_inputs[1], step)
+            signals.append((tc.global_weight, *branch, *ref))
         if tc.local_weight > 0:  # chunk lengths may differ between groups: each group's chunks decoded alone
             parts, refs = [], []
             with torch.no_grad():
@@ -475,6 +543,27 @@ class KVPOTrainer(GroupTrainer):
         if tc.global_weight > 0:
             logs["kvpo/anchor_reward"] = float((signals[0][3].double() * weights).sum(1).mean())
         return advantages, safe, logs
+
+    def global_signal(self, videos: torch.Tensor, prompts: list[str], metadata: list[dict], step: int,
+                      scored: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global signal's rewards ``(N, M)`` of videos ``(N, F, 3, H, W)`` and whether each is valid: their
+        clip of ``global_frames`` centred on the video scored with the prompt (``scored``, the videos' own
+        scores, stand in when the clip is the whole video); for streams that switched prompts, a clip centred on
+        each segment scored with its segment's prompt, averaged over the segments (their
+        ``_compute_rewards_long``)."""
+        tc = self.tcfg
+        if not self.switch_at:
+            clips = middle_frames(videos, tc.global_frames)
+            out = scored if clips is videos and scored is not None else self.score(clips, prompts, metadata, None,
+                                                                                   step).scores
+            return out.values, out.ok
+        values, ok = [], []
+        for i, a, b in segment_bounds(videos.shape[1], tc.switch_frames, self.policy.scale_t):
+            out = self.score(middle_frames(videos, tc.global_frames, (a, b)),
+                             [self.segments(m)[i] for m in metadata], metadata, None, step).scores
+            values.append(out.values.double())
+            ok.append(out.ok)
+        return torch.stack(values).mean(0), torch.stack(ok).all(0)
 
     def plan(self, batch: BranchBatch, generator: torch.Generator) -> Plan:
         """One optimiser step over every group, a unit each."""

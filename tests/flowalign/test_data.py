@@ -69,3 +69,15 @@ def test_a_jsonl_key_given_twice_is_refused_with_its_line(tmp_path, line, key):
     path.write_text('{"prompt": "fine"}\n' + line + "\n")
     with pytest.raises(UserError, match=f"p.jsonl:2: key '{key}' is given twice in one object"):
         read_prompt_file(path)
+
+
+def test_a_jsonl_line_of_prompt_segments_reads_as_its_first_prompt_with_every_segment_kept(tmp_path):
+    """LongLive's interactive prompt files: ``{"prompts": [...]}`` a line, the segments of a video that switches
+    prompts."""
+    path = tmp_path / "segments.jsonl"
+    path.write_text('{"prompts": ["a boy stands", "the boy runs"]}\n{"prompts": []}\n')
+    with pytest.raises(UserError, match='segments.jsonl:2: "prompts" must be a non-empty list'):
+        read_prompt_file(path)
+    path.write_text('{"prompts": ["a boy stands", "the boy runs"]}\n')
+    data = read_prompt_file(path)
+    assert data.prompts == ["a boy stands"] and data.metadata == [{"prompts": ["a boy stands", "the boy runs"]}]

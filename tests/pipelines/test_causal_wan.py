@@ -257,3 +257,25 @@ def test_a_switched_stream_follows_its_first_prompt_until_the_switch(tmp_path: P
                             ([(3, ["b", "c"])], "2 prompts for 1 streams")]:
         with pytest.raises(UserError, match=match):
             stream_rollout(policy, ["a"], num_steps=2, initial_noise=noise, decode=False, switches=switches)
+
+
+def test_a_switched_history_is_the_cache_the_switched_stream_read(tmp_path: Path) -> None:
+    """``switched_history`` (a replay's history of a stream that switched prompts) gives each chunk the cache the
+    stream read there; the one-prompt history does not."""
+    from flowalign.sampling.streaming import switched_history
+
+    folder = tmp_path / "twin"
+    save_tiny("causal_wan", folder, sampling={"attention_window": 6, "sink_frames": 3})
+    policy = pipelines.load(folder)
+    noise = policy.initial_noise(1, torch.Generator().manual_seed(0))
+    r = stream_rollout(policy, ["a"], num_steps=2, initial_noise=noise, decode=False,
+                       switches=[(3, ["b"]), (6, ["c"])])
+    segments = [(0, policy.encode(["a"])), (1, policy.encode(["b"])), (2, policy.encode(["c"]))]
+    for k, prompt in [(1, "b"), (2, "c")]:
+        prefix, cond, x = r.prefix(k), policy.encode([prompt]), r.chunks[k][:, 0]
+        expected = policy.chunk_velocity(x, 1.0, 0.5, prefix.cache, cond, 1.0)
+        replayed = policy.chunk_velocity(x, 1.0, 0.5, switched_history(policy, prefix.clean, segments, 1.0), cond, 1.0)
+        unswitched = policy.chunk_velocity(x, 1.0, 0.5, policy.history_cache(prefix.clean, range(k), segments[0][1],
+                                                                             1.0), cond, 1.0)
+        assert (replayed - expected).abs().max() < 1e-6
+        assert (unswitched - expected).abs().max() > 1e-4  # the tiny model reads its prompt weakly, but reads it

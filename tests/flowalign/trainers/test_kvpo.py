@@ -12,7 +12,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.sampling.streaming import jump_velocities as taken_velocities
-from flowalign.trainers.kvpo import KVPOConfig, middle_frames
+from flowalign.trainers.kvpo import KVPOConfig, middle_frames, segment_bounds
 from flowalign.trainers.parts.anchor_advantages import (
     fused_anchor_advantages,
     weighted_anchor_advantages,
@@ -43,6 +43,7 @@ KNOWN = json.loads((HERE / "kvpo_branch_objective.json").read_text())
 RULE = json.loads((HERE / "kvpo_training_rule.json").read_text())
 SIGNALS = json.loads((HERE / "kvpo_signals.json").read_text())
 FRAMES = json.loads((HERE / "kvpo_frame_routing.json").read_text())
+CLIPS = json.loads((HERE / "kvpo_segment_clips.json").read_text())
 #: the authors' rule on the tiny 3-chunk model: a branch keeps one of the two chunks before chunk 2
 AUTHORS = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.keep_sink=false",
            "trainer.nearest_chunks=0", "trainer.older_chunks=1")
@@ -164,6 +165,17 @@ def test_frame_routing_equals_the_authors_plan(case):
         assert [pool[0], pool[-1] + 1] == plan["pool"] and older == plan["n_random_frames"]
         drawn = dispersed_draws(pool, case["K"], older, torch.Generator().manual_seed(plan["master_seed"]))
         assert [list(d) for d in drawn] == plan["selected"]
+
+
+@pytest.mark.parametrize("case", CLIPS["cases"], ids=lambda c: f"{c['latent_frames']}-{c['switch_frames']}")
+def test_the_global_clips_of_a_switched_stream_are_the_authors_per_segment_clips(case):
+    """A clip centred on each prompt segment (their ``_build_global_segment_clip_specs``), read by the frame index
+    of the video: the segment of each clip and its frames."""
+    frames = torch.arange(case["decoded_frames"]).view(1, -1, 1, 1, 1).float()
+    clips = [[f"p{i}", int(c[0, 0]), int(c[0, -1]) + 1]
+             for i, a, b in segment_bounds(case["decoded_frames"], case["switch_frames"], case["stride"])
+             for c in [middle_frames(frames, case["clip"], (a, b)).flatten(1)]]
+    assert clips == case["clips"]
 
 
 def test_a_frame_routed_chunk_reads_the_sink_the_drawn_frames_and_its_nearest_frames():

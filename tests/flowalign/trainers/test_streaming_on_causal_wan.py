@@ -5,6 +5,8 @@ there in one line."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -130,3 +132,45 @@ def test_checkpointed_chunk_calls_give_the_same_update(tmp_path, causal_dir, pro
     assert logs[1]["grad_norm"] == pytest.approx(logs[0]["grad_norm"], rel=1e-5)
     for a, b in zip(plain.params, saved.params):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def segment_file(tmp_path_factory):
+    """Prompts of two segments each (LongLive's interactive JSONL lines)."""
+    path = tmp_path_factory.mktemp("segments") / "prompts.jsonl"
+    rows = [["a red circle", "a red circle moving right"], ["a blue square", "a blue square moving up"]]
+    path.write_text("".join(json.dumps({"prompts": r}) + "\n" for r in rows))
+    return path
+
+
+def test_kvpo_streams_that_switch_prompts(tmp_path, causal_dir, segment_file):
+    """Their multi-prompt streams: the anchor and the branches switch to each prompt's second segment at frame 6
+    (chunk 2, the routed chunk), whose prompt the routed chunk follows; the replay's history is the switched
+    stream's (the first update has ratio 1, two steps train and resume bit-exactly)."""
+    from flowalign.sampling import stream_rollout
+
+    extra = (*KVPO, "trainer.switch_frames=[6]")
+    t = build_trainer(small_config(tmp_path / "run", causal_dir, segment_file, *extra))
+    batch = t.collect(0)
+    for group in batch.groups:
+        first, second = next(r for r in (["a red circle", "a red circle moving right"],
+                                         ["a blue square", "a blue square moving up"]) if r[1] == group.prompt)
+        assert group.chunk == 2 and group.history == [(0, first), (2, second)]
+    logs = t.update(batch, torch.Generator().manual_seed(0))
+    assert logs["ratio_dev"] < 1e-5 and logs["grad_norm"] > 0
+    # the anchor streams switched: their chunk 2 is not the one-prompt stream's
+    noise = t.policy.initial_noise(1, torch.Generator().manual_seed(0))
+    one = stream_rollout(t.policy, ["a red circle"], num_steps=2, initial_noise=noise, decode=False)
+    two = stream_rollout(t.policy, ["a red circle"], num_steps=2, initial_noise=noise, decode=False,
+                         switches=t.switches({"prompts": ["a red circle", "a red circle moving right"]}))
+    assert not torch.allclose(one.chunks[2][:, -1], two.chunks[2][:, -1], atol=1e-3)
+    assert_trains_and_resumes_bit_exactly(tmp_path / "resume", causal_dir, segment_file, *extra)
+
+
+def test_switch_frames_need_segments_and_a_model_that_recaches(tmp_path, causal_dir, prompt_file, tiny_model_dir):
+    with pytest.raises(UserError, match="prompt 1 of data.prompts has 1 prompt segment"):
+        build_trainer(small_config(tmp_path / "a", causal_dir, prompt_file, *KVPO, "trainer.switch_frames=[6]"))
+    from .test_kvpo import AUTHORS
+    with pytest.raises(UserError, match="streams one prompt a video"):
+        build_trainer(small_config(tmp_path / "b", tiny_model_dir("anyflow_far"), prompt_file, *AUTHORS,
+                                   "trainer.switch_frames=[3]"))
