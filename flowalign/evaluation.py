@@ -65,9 +65,11 @@ def sample_seeded_with_notes(
             out.append(samples.cpu())
             notes += said
             continue
-        sample = stream_rollout if getattr(policy, "streaming", False) else rollout  # chunk by chunk, or whole
+        # chunk by chunk (keeping no cache to fork from: a long stream holds its resident cache only), or whole
+        streaming = {"keep_caches": ()} if getattr(policy, "streaming", False) else {}
+        sample = stream_rollout if streaming else rollout
         r = sample(policy, chunk, num_steps=steps, sampler=sampler, guidance_scale=guidance_scale, initial_noise=noise,
-                   metadata=meta)
+                   metadata=meta, **streaming)
         out.append(r.samples.cpu())
         notes += [{} for _ in chunk]
     return torch.cat(out), notes

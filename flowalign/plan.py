@@ -668,7 +668,7 @@ def _folder_defaults(folder: Path) -> dict[str, Any]:
     data = json.loads(path.read_text()) if path.is_file() else {}
     return {k: v for k, v in data.items()
             if k in ("height", "width", "num_frames", "max_sequence_length", "guidance_scale", "chunk_frames",
-                     "chunk_partition") and v}
+                     "chunk_partition", "attention_window", "cache_frames") and v}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -71,8 +71,8 @@ class StreamCall:
     ``cos``, ``sin``: ``(1, tokens, 1, head_dim)`` RoPE of this call's frames at their absolute positions;
     ``past``: indexed by block, the keys and values ``(B, T, heads, head_dim)`` attended before this call's own
     tokens (a :class:`CacheWindow`; None: none); ``written``: filled per block with this call's own rotated keys
-    and values (what a cache keeps); ``own_from``: the first of its own tokens attended and written (a prompt
-    switch's recache leaves out the frames whose place the kept sink holds, as LongLive's).
+    and values (what a cache keeps) from its token ``write_from`` on; ``own_from``: the first of its own tokens
+    attended (a prompt switch's recache reads and writes the frames LongLive's cache slots give it).
     """
 
     cos: torch.Tensor
@@ -80,6 +80,7 @@ class StreamCall:
     past: Any = None
     written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     own_from: int = 0
+    write_from: int = 0
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,10 +109,10 @@ class StreamingSelfAttention:
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         query, key = rotate(query, rotary_emb.cos, rotary_emb.sin), rotate(key, rotary_emb.cos, rotary_emb.sin)
+        if rotary_emb.written is not None:
+            rotary_emb.written[self.index] = (key[:, rotary_emb.write_from:], value[:, rotary_emb.write_from:])
         if rotary_emb.own_from:
             key, value = key[:, rotary_emb.own_from:], value[:, rotary_emb.own_from:]
-        if rotary_emb.written is not None:
-            rotary_emb.written[self.index] = (key, value)
         if rotary_emb.past is not None:
             past_key, past_value = rotary_emb.past[self.index]
             key, value = torch.cat([past_key.to(key.dtype), key], 1), torch.cat([past_value.to(value.dtype), value], 1)
@@ -164,16 +165,32 @@ class CausalKVCache:
     batch: int
     num_chunks: int
     kept: tuple[int, ...]
+    #: frames a routing holds on to past the resident window (their perturbed window's fixed memory tokens)
+    pinned: frozenset[int] = frozenset()
+    #: the frames written so far (``0..held-1``; a resident cache may hold fewer of them)
+    held: int = 0
+    #: the first frame of the sink (0; a switch that empties the cache restarts the sink at its recached frames)
+    sink_first: int = 0
 
     @property
     def frames(self) -> int:
         """How many frames the next chunk may read (the kept ones)."""
         return len(self.kept)
 
-    @property
-    def held(self) -> int:
-        """The frames written (``0..held-1``)."""
-        return max((seg.first + seg.frames for seg in self.segments), default=0)
+    def alive(self) -> set[int]:
+        """The frames whose entries the cache still holds."""
+        return {seg.first + f for seg in self.segments for f in range(seg.frames)}
+
+    def resident(self, keep: set[int]) -> "CausalKVCache":
+        """The cache holding only the frames ``keep`` (LongLive's rolling cache evicting the others): segments
+        none of whose latest frames are kept are dropped, and the frames read are the kept ones among them."""
+        latest: dict[int, int] = {}
+        for i, seg in enumerate(self.segments):
+            latest.update({seg.first + f: i for f in range(seg.frames)})
+        used = {latest[f] for f in keep if f in latest}
+        return dataclasses.replace(self, segments=tuple(seg for i, seg in enumerate(self.segments) if i in used),
+                                   kept=tuple(f for f in self.kept if f in keep and f in latest),
+                                   pinned=frozenset(f for f in self.pinned if f in keep))
 
     def select(self, index: list[int] | torch.Tensor) -> "CausalKVCache":
         """The caches of some streams, in the given order (repeat an index to fork a stream)."""
@@ -232,7 +249,8 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
 
     family = "wan"
     #: the model.defaults keys it reads
-    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"chunk_frames", "attention_window", "sink_frames", "global_sink"}
+    sampling_keys: frozenset[str] = SAMPLING_KEYS | {"chunk_frames", "attention_window", "sink_frames", "global_sink",
+                                                     "cache_frames"}
     is_video = True
     streaming = True
     #: its history can be routed frame by frame (:class:`flowalign.protocols.KeptFrames`)
@@ -248,13 +266,18 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     @staticmethod
     def kv_cache_bytes(config: Any, size: dict[str, Any], dtype_bytes: int) -> float:
         """Bytes of the caches one streamed sample keeps (``flowalign plan``): every chunk but the last writes
-        its keys and values once, shared by the stream's later caches (:class:`CausalKVCache`)."""
+        its keys and values once, shared by the stream's later caches (:class:`CausalKVCache`), of which a
+        resident cache (``cache_frames``, by default LongLive's attention window) holds at most its frames, the
+        streams keeping only the caches they fork from (``stream_rollout``'s ``keep_caches``; a routing's held
+        frames come from within it)."""
         f_t, f_s = int(size.get("vae_scale_temporal") or 4), int(size.get("vae_scale_spatial") or 8)
         frames = (int(size["num_frames"]) - 1) // f_t + 1
         _, ph, pw = config.patch_size
         tokens = (int(size["height"]) // f_s // ph) * (int(size["width"]) // f_s // pw)
         written = frames - int(size.get("chunk_frames") or 3)
-        return float(written * tokens * config.num_layers * 2 * config.num_attention_heads * config.attention_head_dim
+        resident = size.get("cache_frames") or size.get("attention_window")
+        held = written if resident is None else min(written, int(resident))
+        return float(held * tokens * config.num_layers * 2 * config.num_attention_heads * config.attention_head_dim
                      * dtype_bytes)
 
     def __init__(self, path: str | Path, **options: Any) -> None:
@@ -265,7 +288,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         # 3 latent frames, no CFG; 21 latent frames (81 at 480 x 832); LongLive: window 12 with a 3-frame sink
         builtin = {"height": 480, "width": 832, "num_frames": 81, "num_steps": 4, "guidance_scale": 1.0,
                    "max_sequence_length": 512, "shift": 5.0, "chunk_frames": 3, "attention_window": None,
-                   "sink_frames": 0, "global_sink": True}
+                   "sink_frames": 0, "global_sink": True, "cache_frames": None}
         self.defaults: dict[str, Any] = merge_defaults(builtin, path, opts.defaults)
         _, ph, pw = self.transformer.config.patch_size
         check_multiple(self.defaults, {"height": self.scale_s * ph, "width": self.scale_s * pw}, "this Wan model")
@@ -286,6 +309,12 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         if self.window is not None and self.window < self.sink + per:
             raise UserError(f"model.defaults.attention_window={self.window}: it must hold the sink "
                             f"({self.sink} frames) and a chunk ({per}); LongLive's is 12 with sink_frames 3")
+        # their cache: the attention window's frames at inference (every frame with global attention)
+        self.cache_frames = self.window if self.defaults["cache_frames"] is None else int(self.defaults["cache_frames"])
+        if self.cache_frames is not None and self.cache_frames < max(self.window or frames, self.sink + per):
+            raise UserError(f"model.defaults.cache_frames={self.cache_frames}: the resident cache must hold the "
+                            f"attention window ({self.window or frames} frames) and the sink and a chunk; LongLive's "
+                            "is 12 at inference, 33 in KVPO's training")
         self.tokens_per_frame = (self.latent_shape[2] // ph) * (self.latent_shape[3] // pw)
         self.trainable: torch.nn.Module = make_trainable(self.transformer, opts, DEFAULT_LORA_TARGETS)
         for index, block in enumerate(self.transformer.blocks):
@@ -322,14 +351,16 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
 
     def _run(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: Conditioning, start: int,
              past: CacheWindow | None, written: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-             own_from: int = 0) -> torch.Tensor:
+             own_from: int = 0, write_from: int = 0) -> torch.Tensor:
         """The flow prediction ``(B, C, f, H', W')`` of frames ``start..start+f`` at ``x``, attending to ``past``
-        (per block) and to its own tokens (from frame ``own_from`` of the call on)."""
+        (per block) and to its own tokens from frame ``own_from`` of the call on, writing those from frame
+        ``write_from`` on."""
         b, f = x.shape[0], x.shape[2]
         cos, sin = self._rope.__class__.forward(self._rope, x.new_empty(1, 1, start + f, *x.shape[3:], device="meta"))
         skip = start * self.tokens_per_frame
         self._rope.stream_call = StreamCall(cos[:, skip:].to(self.device), sin[:, skip:].to(self.device), past,
-                                            written, own_from * self.tokens_per_frame)
+                                            written, own_from * self.tokens_per_frame,
+                                            write_from * self.tokens_per_frame)
         timestep = sigma_batch(sigma, b, self.device) * 1000.0
         text = cond.tensors["prompt_embeds"].to(self.device, self.dtype)
         return self.transformer(hidden_states=x.to(self.device, self.dtype), timestep=timestep,
@@ -386,8 +417,18 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         start, f = self.chunk_slice(j).start, piece.shape[2]
         segment = CacheSegment(start, f, [written[i] for i in range(len(written))])
         cache = dataclasses.replace(cache, segments=cache.segments + (segment,), num_chunks=j + 1,
-                                    kept=cache.kept + tuple(range(start, start + f)))
-        return cache, out
+                                    kept=cache.kept + tuple(range(start, start + f)), held=start + f)
+        return self._evict(cache), out
+
+    def _evict(self, cache: CausalKVCache) -> CausalKVCache:
+        """With ``cache_frames`` C, the cache as LongLive's rolling cache of C frames holds it when the next chunk
+        is made: the sink, the last C − sink − chunk frames, and the frames a routing holds on to (``pinned``);
+        without, every frame."""
+        if self.cache_frames is None:
+            return cache
+        held, sink = cache.held, range(cache.sink_first, min(cache.sink_first + self.sink, cache.held))
+        recent = held - (self.cache_frames - self.sink - self.chunk_frames[0])
+        return cache.resident(set(sink) | set(range(max(recent, 0), held)) | cache.pinned)
 
     @torch.no_grad()
     def _write(self, cache: CausalKVCache, clean: torch.Tensor, last: int, cond: Conditioning) -> CausalKVCache:
@@ -418,19 +459,26 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
     def reroute(self, cache: CausalKVCache, keep: Sequence[int] | KeptFrames) -> CausalKVCache:
         """``cache`` with the next chunk reading only the resident chunks ``keep``, or the resident frames
         ``keep.frames`` (:class:`KeptFrames`), their entries as written."""
-        held = cache.held
+        held, alive = cache.held, cache.alive()
         if isinstance(keep, KeptFrames):
             kept = tuple(sorted({int(f) for f in keep.frames}))
             if any(not 0 <= f < held for f in kept):
                 raise UserError(f"history routing: frames {list(keep.frames)} lie outside the {held} latent frames "
                                 "of the history")
-            return dataclasses.replace(cache, kept=kept)
+            gone = [f for f in kept if f not in alive]
+            if gone:
+                raise UserError(f"history routing: frames {gone} have left the model's resident cache "
+                                f"(model.defaults.cache_frames={self.cache_frames}); route frames it still holds")
+            # the routed frames stay while the routing holds (their fixed memory tokens, cloned at first use)
+            return dataclasses.replace(cache, kept=kept, pinned=frozenset(kept))
         chunks = sorted({int(j) for j in keep})
         if any(not 0 <= j < cache.num_chunks for j in chunks):
             raise UserError(f"history routing: keep={list(keep)} names chunks outside the {cache.num_chunks} chunks "
                             "of the history")
+        # chunks that have left a resident cache are not read (their rolling cache no longer holds them)
         return dataclasses.replace(cache, kept=tuple(f for j in chunks for f in range(self.chunk_slice(j).start,
-                                                                                     self.chunk_slice(j).stop)))
+                                                                                     self.chunk_slice(j).stop)
+                                                     if f in alive), pinned=frozenset())
 
     @torch.no_grad()
     def switch_prompt(self, cache: CausalKVCache, clean: torch.Tensor, cond: Conditioning,
@@ -438,11 +486,12 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
         """The cache the next chunk reads after a prompt switch to ``cond``, the stream's clean chunks so far
         ``clean`` ``(B, C, F_{<k}, H', W')``: LongLive's ``_recache_after_switch``. The last ``n`` frames
         (``attention_window``, or every frame without one) are run again in one call at timestep 0 under the new
-        prompt, attending to each other (no mask inside the call, as theirs) and, with ``global_sink`` once the
-        window has moved past the sink, to the sink's entries as written, whose place the call's first
-        ``sink_frames`` frames leave (their slots are not rewritten); without ``global_sink`` the cache is
-        emptied first and the recached frames' first ``sink_frames`` become the sink. The recached entries
-        supersede the frames' earlier ones; the history read is every frame (from the recached ones on without
+        prompt (no mask inside the call, as theirs). Their cache of ``cache_frames`` slots decides the rest: once
+        the window has moved past the sink, with ``global_sink`` the sink's entries stay and are read, the call's
+        frames whose slots the sink holds are not written, and the call reads its last ``window − sink`` frames;
+        without ``global_sink`` the cache is emptied first and the recached frames' first ``sink_frames`` become
+        the sink (as their inference cache of ``window`` slots). The written entries supersede the frames'
+        earlier ones; the history read is every resident frame (from the recached ones on without
         ``global_sink``)."""
         self._check_guidance(guidance)
         start = sum(self.chunk_frames[:self._chunks_in(clean, "switch_prompt", least=1)])
@@ -450,14 +499,26 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
             raise UserError(f"switch_prompt: the cache holds {cache.held} frames for {start} clean frames")
         n = start if self.window is None else min(self.window, start)
         first = start - n
-        kept_sink = self.global_sink and first > 0 and self.sink > 0
-        skip = min(self.sink, n) if kept_sink else 0
-        past = cache.pieces(cache.kept[:self.sink], self.tokens_per_frame) if kept_sink else None
+        past, own_from, write_from, kept_from = None, 0, 0, 0
+        if first > 0 and self.global_sink and self.sink > 0:  # their recompute: the sink's slots left as written
+            slot = min(start, self.cache_frames or start) - n  # the slot the call's first frame writes
+            write_from = max(0, self.sink - slot)
+            own_from = n - (self.window - self.sink)
+            past = cache.pieces(cache.kept[:self.sink], self.tokens_per_frame)
+        elif first > 0 and not self.global_sink:
+            if (self.cache_frames or start) > self.window:
+                raise UserError(f"model.defaults.global_sink=false with cache_frames={self.cache_frames} larger "
+                                f"than the attention window ({self.window}): their emptied cache would read blank "
+                                "sink slots; set cache_frames to the window or global_sink to true")
+            kept_from = first
         written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._run(clean[:, :, first:start], 0.0, cond, first, past, written=written, own_from=skip)
-        segment = CacheSegment(first + skip, n - skip, [written[i] for i in range(len(written))])
-        return dataclasses.replace(cache, segments=cache.segments + (segment,),
-                                   kept=tuple(range(0 if self.global_sink else first, start)))
+        self._run(clean[:, :, first:start], 0.0, cond, first, past, written=written, own_from=own_from,
+                  write_from=write_from)
+        segment = CacheSegment(first + write_from, n - write_from, [written[i] for i in range(len(written))])
+        cache = dataclasses.replace(cache, segments=cache.segments + (segment,), pinned=frozenset())
+        alive = cache.alive()
+        return self._evict(dataclasses.replace(cache, kept=tuple(f for f in range(kept_from, start) if f in alive),
+                                               sink_first=kept_from if not self.global_sink else cache.sink_first))
 
     def _chunks_in(self, clean: torch.Tensor, what: str, least: int) -> int:
         """How many whole chunks ``clean`` ``(B, C, F, H', W')`` holds (at least ``least``)."""

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> None:
                             "rollout: drop --guide")
         result = stream_rollout(policy, [args.prompt], num_steps=steps, sampler=args.sampler,
                                 noise_level=args.noise_level, guidance_scale=args.guidance, generator=generator,
-                                switches=[(frame, [prompt]) for frame, prompt in switches])
+                                switches=[(frame, [prompt]) for frame, prompt in switches], keep_caches=())
     else:
         if switches:
             raise UserError(f"--switch: {policy.family} samples a whole video at once; prompt switches need a "

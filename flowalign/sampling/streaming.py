@@ -24,7 +24,7 @@ clean chunks and that cache (repeat a rollout's prefix ``n`` times with :meth:`S
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import hashlib
 
@@ -99,6 +99,8 @@ class StreamRollout:
         and its cache."""
         if not self.start <= k < self.num_chunks:
             raise UserError(f"prefix: chunk {k} was not sampled by this rollout (chunks {self.start}..{self.num_chunks - 1})")
+        if self.caches[k] is None:
+            raise UserError(f"prefix: the rollout did not keep chunk {k}'s cache (stream_rollout's keep_caches)")
         clean = self.final_latents[:, :, :sum(c.shape[3] for c in self.chunks[:k])]
         if rows is None:
             return StreamPrefix(clean, self.caches[k])
@@ -134,6 +136,7 @@ def stream_rollout(
     decode: bool = True,
     draw_keys: Sequence[int] | None = None,
     switches: Sequence[tuple[int, Sequence[str]]] | None = None,
+    keep_caches: Collection[int] | None = None,
 ) -> StreamRollout:
     """Stream ``len(prompts)`` videos chunk by chunk, ``num_steps`` steps per chunk on the policy's σ grid.
 
@@ -150,7 +153,9 @@ def stream_rollout(
     ``history_cache``; a prefix's cache is used as given. ``switches``: ``(frame, prompts)`` pairs, frames
     increasing: from the first chunk starting at or after latent frame ``frame`` the streams follow ``prompts``
     (one a stream), the cache first recached under them by the policy's ``switch_prompt`` (LongLive's
-    ``switch_frame_indices``; a switch before a prefix's first chunk only sets the prompts).
+    ``switch_frame_indices``; a switch before a prefix's first chunk only sets the prompts). ``keep_caches``: the
+    chunks whose starting cache the rollout keeps (default all; a long stream on a resident cache keeps only the
+    caches it will fork from, or its memory holds every frame's entries).
     """
     prompts = check_prompts(prompts)
     level = check_sampler(sampler, noise_level)
@@ -199,7 +204,7 @@ def stream_rollout(
         if k in switch_at and k > start:
             cond = encode_prompts(policy, switch_at[k], meta)
             cache = policy.switch_prompt(cache, clean, cond, guidance)
-        caches.append(cache)
+        caches.append(cache if keep_caches is None or k in keep_caches else None)
         x = noise[:, :, policy.chunk_slice(k)]
         kind, kind_level = (sampler, level) if stochastic[k] else (own_kind, own_level)
         path, steps, taken = [x], [], []

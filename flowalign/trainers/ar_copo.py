@@ -27,6 +27,7 @@ region; ``replay: recent`` is the former first-in first-out buffer mixed into on
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -228,9 +229,10 @@ class ARCoPOTrainer(GroupTrainer):
         return float(self.policy.defaults.get("guidance_scale", 1.0) if g is None else g)
 
     def _stream(self, prompts: list[str], noise: torch.Tensor, prefix: StreamPrefix | None = None,
-                draw_keys: list[int] | None = None) -> Any:
+                draw_keys: list[int] | None = None, keep_caches: Collection[int] | None = None) -> Any:
         return stream_rollout(self.policy, prompts, num_steps=self.tcfg.num_steps, guidance_scale=self.guidance(),
-                              initial_noise=noise, prefix=prefix, decode=False, draw_keys=draw_keys)
+                              initial_noise=noise, prefix=prefix, decode=False, draw_keys=draw_keys,
+                              keep_caches=keep_caches)
 
     def forks(self, step: int) -> tuple[list[ForkGroup], dict[str, float]]:
         """Per prompt of ``step``: the centre stream, a fork chunk, G neighbour candidates from the centre's prefix,
@@ -240,11 +242,14 @@ class ARCoPOTrainer(GroupTrainer):
         firsts = list(range(0, len(prompts), g))
         centers = torch.cat([policy.initial_noise(1, torch.Generator().manual_seed(
             derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 81))) for i in firsts])
-        center = self._stream([prompts[i] for i in firsts], centers)
+        rngs = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 83))
+                for i in firsts]
+        chosen = [self.fork_chunks[int(torch.randint(len(self.fork_chunks), (1,), generator=r))] for r in rngs]
+        # the centre keeps the caches its candidates fork from, a candidate the one its replay reads
+        center = self._stream([prompts[i] for i in firsts], centers, keep_caches=set(chosen))
         noises, forks, prefixes = [], [], []
         for j, i in enumerate(firsts):
-            rng = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 83))
-            k = self.fork_chunks[int(torch.randint(len(self.fork_chunks), (1,), generator=rng))]
+            rng, k = rngs[j], chosen[j]
             part = policy.chunk_slice(k)
             noise = centers[j:j + 1].repeat(g, 1, 1, 1, 1)
             noise[:, :, part] = neighbours(centers[j, :, part], tc.neighborhood, rng, g)
@@ -261,7 +266,7 @@ class ARCoPOTrainer(GroupTrainer):
                 # a re-noising sampler's draws are the centre's for every candidate (the paper's shared solver noise)
                 keys = None if center.draw_keys is None else [center.draw_keys[j]] * len(part)
                 fork = self._stream([prompts[i + c] for c in part], noises[j][part.start:part.stop],
-                                    prefixes[j].repeat_interleave(len(part)), keys)
+                                    prefixes[j].repeat_interleave(len(part)), keys, keep_caches=(forks[j],))
                 with torch.no_grad():
                     samples.append(policy.decode(fork.final_latents))
                     if tc.anchor == "candidates":

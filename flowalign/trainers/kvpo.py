@@ -55,6 +55,7 @@ from flowalign.trainers.parts.kv_routing import (
     frame_keep,
     frame_pool,
     frame_routable,
+    slot_shift,
     window_keep,
     window_routable,
     window_routings,
@@ -66,7 +67,7 @@ from flowalign.trainers.parts.units import GroupUnit
 FORM_OPTIONS = {"keep_prob": ("routing", "bernoulli"), "nearest_chunks": ("routing", "window"),
                 "older_chunks": ("routing", "window"), "window_chunks": ("routing", "window"),
                 "nearest_frames": ("routing", "window"), "older_frames": ("routing", "window"),
-                "resident_frames": ("routing", "window"),
+                "resident_frames": ("routing", "window"), "pool_reads": ("routing", "window"),
                 "temperature": ("score", "velocity_energy"), "sigma_floor": ("score", "x0_sigma"),
                 "local_weight": ("advantage", "anchor"), "global_weight": ("advantage", "anchor"),
                 "global_frames": ("advantage", "anchor")}
@@ -101,6 +102,10 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     #: frames still held when the window's last chunk is made (theirs: local_attn_size + slice_last_frames = 33);
     #: None: every frame
     resident_frames: int | None = Field(None, ge=1, le=100_000)
+    #: window, in frames: the entries a drawn frame is read from. "code": as their perturbed window's cache slots
+    #: give them (once their rolling cache is full at the routed chunk, frames up to a chunk later than drawn: the
+    #: slot arithmetic counts the chunk being made as history); "planned": the drawn frames themselves
+    pool_reads: Literal["code", "planned"] = "code"
     #: window: consecutive chunks the drawn history is held for (theirs: 5 blocks), cut at the stream's end
     window_chunks: int = Field(5, ge=1, le=64)
     #: bernoulli: probability that a history chunk stays in a branch's KV cache
@@ -243,7 +248,8 @@ class KVPOTrainer(GroupTrainer):
         if self.frames is not None:
             routable = [k for k in routable if frame_routable(*self.frame_window(k), tc.nearest_frames,
                                                               self.frames["older"], self.frames["sink"],
-                                                              tc.resident_frames, self.frames["window"])]
+                                                              self.frames["resident"], self.frames["window"])
+                        and len(self.frame_pool(k)) >= self.frames["older"]]
             if not routable:
                 raise UserError(f"trainer.nearest_frames={tc.nearest_frames}: no chunk of this model's {chunks} "
                                 f"starts after its attention window ({self.frames['window']} frames) with "
@@ -320,11 +326,10 @@ class KVPOTrainer(GroupTrainer):
             return [lambda c, keep=keep: keep if c == chunk else tuple(range(c)) for keep in kept]
         end = chunk + self.window(chunk)
         if self.frames is not None:
-            sink, pool = self.frames["sink"], frame_pool(*self.frame_window(chunk), tc.nearest_frames,
-                                                          self.frames["sink"], tc.resident_frames)
-            policy = self.policy
-            return [lambda c, drawn=drawn: (frame_keep(policy.chunk_slice(c).start, policy.chunk_frames[c], drawn,
-                                                       tc.nearest_frames, sink) if c < end else tuple(range(c)))
+            sink, pool, policy, shift = self.frames["sink"], self.frame_pool(chunk), self.policy, self.read_shift(chunk)
+            return [lambda c, drawn=tuple(f + shift for f in drawn): (
+                        frame_keep(policy.chunk_slice(c).start, policy.chunk_frames[c], drawn, tc.nearest_frames, sink)
+                        if c < end else tuple(range(c)))
                     for drawn in dispersed_draws(pool, g, self.frames["older"], generator)]
         return [lambda c, drawn=drawn: (window_keep(c, drawn, tc.nearest_chunks, tc.keep_sink) if c < end
                                         else tuple(range(c)))
@@ -378,10 +383,36 @@ class KVPOTrainer(GroupTrainer):
                 raise UserError("trainer.older_frames: this model attends to its whole history (no attention "
                                 "window to fill), so give the older frames a branch draws")
             older = max(window - sink - tc.nearest_frames, 0)
-        if tc.resident_frames is not None and tc.resident_frames <= sink:
-            raise UserError(f"trainer.resident_frames={tc.resident_frames}: the resident cache holds the sink "
-                            f"({sink} frames) and more; theirs is 33")
-        return {"window": window, "sink": sink, "older": older}
+        cache = getattr(policy, "cache_frames", None)
+        resident = cache if tc.resident_frames is None else tc.resident_frames
+        if resident is not None and resident <= sink:
+            raise UserError(f"trainer.resident_frames={resident}: the resident cache holds the sink ({sink} frames) "
+                            "and more; theirs is 33")
+        if cache is not None and resident > cache:
+            raise UserError(f"trainer.resident_frames={resident}: the model's resident cache holds {cache} frames "
+                            f"(model.defaults.cache_frames); set it to {resident} (theirs: local_attn_size + "
+                            "slice_last_frames = 33 in training)")
+        return {"window": window, "sink": sink, "older": older, "resident": resident, "cache": cache}
+
+    def frame_pool(self, chunk: int) -> list[int]:
+        """The older frames a branch routed at ``chunk`` draws from (:func:`frame_pool`), of those the model's
+        resident cache still holds when ``chunk`` is made (their pool can name a chunk's frames that their cache
+        no longer holds, read through :func:`slot_shift`)."""
+        start, last = self.frame_window(chunk)
+        pool = frame_pool(start, last, self.tcfg.nearest_frames, self.frames["sink"], self.frames["resident"])
+        cache = self.frames["cache"]
+        if cache is None:
+            return pool
+        first, shift = start + self.policy.chunk_frames[chunk] - (cache - int(getattr(self.policy, "sink", 0))), \
+            self.read_shift(chunk)
+        return [f for f in pool if f + shift >= first]
+
+    def read_shift(self, chunk: int) -> int:
+        """How many frames later than drawn a branch routed at ``chunk`` reads (``pool_reads``)."""
+        if self.tcfg.pool_reads == "planned":
+            return 0
+        return slot_shift(self.policy.chunk_slice(chunk).start, self.policy.chunk_frames[chunk],
+                          self.frames["resident"], int(getattr(self.policy, "sink", 0)))
 
     def frame_window(self, chunk: int) -> tuple[int, int]:
         """The first frame of ``chunk`` and of the last chunk of the window routed from it."""
@@ -442,13 +473,17 @@ class KVPOTrainer(GroupTrainer):
             derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 91))) for i in firsts])
         # one anchor stream a prompt, as each branch is one: a group's numbers are then the same whichever rank
         # layout (how many prompts a rank batches) ran it, which the anchor advantages' normalisation would amplify
+        rngs = [torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 93))
+                for i in firsts]
+        routed = [self.route_chunks[int(torch.randint(len(self.route_chunks), (1,), generator=r))] for r in rngs]
+        # each anchor keeps the cache its branches fork from (a resident cache then holds its window's frames only)
         anchors = [stream_rollout(policy, [prompts[i]], num_steps=tc.num_steps, guidance_scale=guidance,
-                                  initial_noise=noise[j:j + 1], decode=False, switches=self.switches(metadata[i]))
+                                  initial_noise=noise[j:j + 1], decode=False, switches=self.switches(metadata[i]),
+                                  keep_caches=(routed[j],))
                    for j, i in enumerate(firsts)]
         branched, samples, kept, chunks, forks = [], [], [], [], []
         for j, i in enumerate(firsts):
-            rng = torch.Generator().manual_seed(derived_seed(self.cfg.run.seed, step, int(groups[i]), 0, 93))
-            k = self.route_chunks[int(torch.randint(len(self.route_chunks), (1,), generator=rng))]
+            rng, k = rngs[j], routed[j]
             segments = self.segments(metadata[i])
             history = [(c, p) for c, p in zip([0, *self.switch_at], segments) if c <= k]
             forks.append(history[-1][1] if history else prompts[i])  # the prompt the routed chunk follows
@@ -460,7 +495,8 @@ class KVPOTrainer(GroupTrainer):
                          else policy.history_cache(prefix.clean, route(k), cond, guidance))
                 branch = stream_rollout(policy, [prompts[i]], num_steps=tc.num_steps, guidance_scale=guidance,
                                         initial_noise=noise[j:j + 1], prefix=StreamPrefix(prefix.clean, cache),
-                                        route=route, decode=False, switches=self.switches(metadata[i]))
+                                        route=route, decode=False, switches=self.switches(metadata[i]),
+                                        keep_caches=())
                 with torch.no_grad():
                     samples.append(policy.decode(branch.final_latents))
                 states.append([(branch.chunks[c][0], branch.taken_velocities(c)[0])
@@ -471,7 +507,6 @@ class KVPOTrainer(GroupTrainer):
                       for chunk in zip(*states)]
             branched.append((forks[-1], k, prefix.clean.cpu(), [s for s, _ in window], [u for _, u in window],
                              [r(k) for r in routes], history if self.switch_at else []))
-        routed = [parts[1] for parts in branched]
         advantages, safe, logs = self.advantages(torch.cat(samples), anchors, chunks, routed, prompts, metadata,
                                                  firsts, step, forks)
         batch = []

@@ -562,3 +562,23 @@ def test_a_streaming_trainers_training_forward_is_its_chunk_calls(checkpointed, 
 
     one, two = planned(1), planned(2)
     assert one > 0 and (two == pytest.approx(one) if checkpointed else two == pytest.approx(2 * one, rel=0.05))
+
+
+def test_a_resident_causal_cache_is_counted_as_the_frames_it_holds(tmp_path):
+    """With LongLive's resident cache (``cache_frames``, the window by default) a stream that keeps no cache to
+    fork from holds at most the cache's frames: ``plan`` counts them, at least every resident cache's entries of
+    the stream and fewer than every frame's."""
+    import pipelines
+    from flowalign.sampling import stream_rollout
+    from pipelines.tiny import save_tiny
+
+    folder = tmp_path / "causal"
+    save_tiny("causal_wan", folder, sampling={"num_frames": 29, "attention_window": 9, "sink_frames": 3})
+    cfg = load_config(None, [f"model.path={folder}", "trainer.name=kvpo", "trainer.num_steps=2"])
+    counted = inspect_model(cfg, folder).rollout.kv_cache
+    policy = pipelines.load(folder)
+    r = stream_rollout(policy, ["a"], num_steps=2, initial_noise=policy.initial_noise(1, torch.Generator().manual_seed(0)),
+                       decode=False)
+    per_cache = [sum(t.nbytes for seg in c.segments for kv in seg.blocks for t in kv) for c in r.caches]
+    per_frame = per_cache[-1] / len(r.caches[-1].alive())
+    assert max(per_cache) <= counted < 12 * per_frame  # the 12 frames written before the last chunk

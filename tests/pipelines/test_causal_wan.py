@@ -13,6 +13,7 @@ being made: frame routing, :class:`flowalign.protocols.KeptFrames`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -47,7 +48,10 @@ def authors_weights() -> dict[str, torch.Tensor]:
 #: KVPO's routing in the perturbed settings: chunk → the history chunks (or frames) it reads
 ROUTES = {"longlive_routed": {4: (0, 1, 3), 5: (0, 1, 4)},
           "longlive_frames": {5: KeptFrames((0, 1, 2, 3, 5, 6, 9, 10, 14)),
-                              6: KeptFrames((0, 1, 2, 3, 5, 6, 9, 10, 17))}}
+                              6: KeptFrames((0, 1, 2, 3, 5, 6, 9, 10, 17))},
+          # their cache full at the first routed block: frames 9..13 selected, the entries of 12..16 read
+          "longlive_full": {6: KeptFrames((0, 1, 2, 12, 13, 14, 15, 16, 17)),
+                            7: KeptFrames((0, 1, 2, 12, 13, 14, 15, 16, 20))}}
 
 
 def twin(tmp_path: Path, label: str) -> CausalWanPolicy:
@@ -58,13 +62,14 @@ def twin(tmp_path: Path, label: str) -> CausalWanPolicy:
     save_tiny("causal_wan", folder, transformer={"attention_head_dim": 16, "ffn_dim": 64, "freq_dim": 32,
                                                   "text_dim": 16},
               sampling={"height": 16, "width": 16, "num_frames": 2 * (setting["frames"] - 1) + 1,
-                        "attention_window": window, "sink_frames": setting["sink_size"]})
+                        "attention_window": window, "sink_frames": setting["sink_size"],
+                        "cache_frames": setting.get("cache_frames")})  # theirs: the window, or the training size
     policy = pipelines.load(folder)
     policy.transformer.load_state_dict(convert_generator(authors_weights()), strict=True)
     return policy
 
 
-@pytest.mark.parametrize("label", ["self_forcing", "longlive", "longlive_routed", "longlive_frames"])
+@pytest.mark.parametrize("label", ["self_forcing", "longlive", "longlive_routed", "longlive_frames", "longlive_full"])
 def test_every_denoising_call_equals_the_authors_pipeline(tmp_path: Path, label: str) -> None:
     """Each chunk's four x0 predictions from the states their pipeline fed its generator (re-noised with their
     draws), each reading a cache this policy wrote from their clean chunks (routed where their perturbation
@@ -98,7 +103,7 @@ def test_the_window_and_sink_matter_in_the_longlive_answers(tmp_path: Path) -> N
     """Reading LongLive's chunk 4 with the whole history (Self-Forcing's attention) misses their prediction:
     the known answers do test the window."""
     policy = twin(tmp_path, "longlive")
-    policy.window = None
+    policy.window = policy.cache_frames = None
     cond = Conditioning({"prompt_embeds": TENSORS["prompt_embeds"]}, ["a", "b"])
     x0s, inputs = TENSORS["longlive.x0"], TENSORS["longlive.inputs"]
     clean = torch.cat([x0s[4 * k + 3].permute(0, 2, 1, 3, 4) for k in range(4)], dim=2)
@@ -210,7 +215,7 @@ def test_prompt_switches_recache_as_the_authors_interactive_pipeline(tmp_path: P
                                                   "text_dim": 16},
               sampling={"height": 16, "width": 16, "num_frames": 2 * (setting["frames"] - 1) + 1,
                         "attention_window": window, "sink_frames": setting["sink_size"],
-                        "global_sink": setting["global_sink"]})
+                        "global_sink": setting["global_sink"], "cache_frames": setting.get("cache_frames")})
     policy = pipelines.load(folder)
     policy.transformer.load_state_dict(convert_generator(authors_weights()), strict=True)
     embeds = segment_embeds(len(setting["switch_frame_indices"]) + 1)
@@ -279,3 +284,26 @@ def test_a_switched_history_is_the_cache_the_switched_stream_read(tmp_path: Path
                                                                              1.0), cond, 1.0)
         assert (replayed - expected).abs().max() < 1e-6
         assert (unswitched - expected).abs().max() > 1e-4  # the tiny model reads its prompt weakly, but reads it
+
+
+def test_a_resident_cache_of_the_window_streams_the_same_video_and_holds_only_its_frames(tmp_path: Path) -> None:
+    """``cache_frames`` (their rolling cache; the window by default) evicts what the window no longer reads: the
+    stream is the one of a cache holding every frame, bit for bit, while it holds the sink and the last frames
+    only. A routing's frames stay while it holds them (their fixed memory tokens); routing to an evicted frame is
+    refused in one line."""
+    policies = {}
+    for label, cache_frames in [("window", None), ("every", 15)]:
+        save_tiny("causal_wan", tmp_path / label, sampling={"num_frames": 29, "attention_window": 9, "sink_frames": 3,
+                                                            "cache_frames": cache_frames})
+        policies[label] = pipelines.load(tmp_path / label)
+    policy = policies["window"]
+    assert policy.cache_frames == 9
+    noise = policy.initial_noise(1, torch.Generator().manual_seed(0))
+    a, b = (stream_rollout(policies[k], ["a"], num_steps=2, initial_noise=noise, decode=False) for k in policies)
+    assert torch.equal(a.final_latents, b.final_latents)
+    assert sorted(a.caches[4].alive()) == [0, 1, 2, 9, 10, 11] and len(b.caches[4].alive()) == 12
+    with pytest.raises(UserError, match=r"frames \[4\] have left the model's resident cache"):
+        policy.reroute(a.caches[3], KeptFrames((0, 1, 2, 4)))
+    routed = policy.reroute(b.caches[3], KeptFrames((0, 1, 2, 4)))
+    assert 4 in policy._evict(routed).alive()  # held on to by the routing
+    assert 4 not in policy._evict(dataclasses.replace(routed, pinned=frozenset())).alive()

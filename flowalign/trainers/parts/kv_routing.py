@@ -47,6 +47,19 @@ def frame_routable(start: int, last_start: int, nearest: int, older: int, sink: 
         len(frame_pool(start, last_start, nearest, sink, resident)) >= older
 
 
+def slot_shift(start: int, frames: int, cache: int | None, sink: int) -> int:
+    """How many frames later than drawn the authors' perturbed window reads its drawn frames at a routed chunk of
+    ``frames`` frames starting at frame ``start``, their rolling cache holding ``cache`` frames (None: every
+    frame) with a ``sink``. ``_build_perturbed_local_window`` maps a frame to a cache slot counting the chunk
+    being made as history, so once the cache is full the slot holds a frame up to one chunk later; 0 before."""
+    if cache is None:
+        return 0
+    local_end = min(start + frames, cache)
+    held_first = start + frames - (local_end - sink)  # the frame the first slot after the sink holds
+    mapped_first = max(sink, start - (local_end - sink))  # the frame their arithmetic puts there
+    return held_first - mapped_first
+
+
 def frame_keep(start: int, frames: int, drawn: tuple[int, ...], nearest: int, sink: int) -> KeptFrames:
     """What the chunk of ``frames`` frames starting at frame ``start`` reads of its history in a routed window: the
     ``sink`` frames, the drawn ones and the frames before it among its ``nearest`` (which count its own, as

@@ -30,6 +30,7 @@ from flowalign.trainers.parts.kv_routing import (
     frame_keep,
     frame_pool,
     frame_routable,
+    slot_shift,
     window_keep,
     window_routings,
 )
@@ -176,6 +177,17 @@ def test_the_global_clips_of_a_switched_stream_are_the_authors_per_segment_clips
              for i, a, b in segment_bounds(case["decoded_frames"], case["switch_frames"], case["stride"])
              for c in [middle_frames(frames, case["clip"], (a, b)).flatten(1)]]
     assert clips == case["clips"]
+
+
+def test_their_window_reads_drawn_frames_a_chunk_later_once_their_cache_is_full():
+    """``_build_perturbed_local_window``'s slot arithmetic (tests/pipelines/test_causal_wan.py, setting
+    ``longlive_full``: a 15-frame cache full at the routed block at frame 18, frames 9..13 drawn, 12..16 read);
+    before the cache fills (setting ``longlive_frames``, a 21-frame cache at block 15) the drawn frames are read."""
+    assert slot_shift(18, 3, 15, 3) == 3
+    assert slot_shift(15, 3, 21, 3) == 0
+    assert slot_shift(13, 3, 15, 3) == 1  # filling up during the block: part of a chunk
+    assert slot_shift(39, 3, 33, 3) == 3 and slot_shift(21, 3, 33, 3) == 0  # their recipe's 147 frames, 39
+    assert slot_shift(39, 3, None, 3) == 0
 
 
 def test_a_frame_routed_chunk_reads_the_sink_the_drawn_frames_and_its_nearest_frames():

@@ -174,3 +174,21 @@ def test_switch_frames_need_segments_and_a_model_that_recaches(tmp_path, causal_
     with pytest.raises(UserError, match="streams one prompt a video"):
         build_trainer(small_config(tmp_path / "b", tiny_model_dir("anyflow_far"), prompt_file, *AUTHORS,
                                    "trainer.switch_frames=[3]"))
+
+
+def test_kvpo_reads_drawn_frames_where_their_full_cache_slots_put_them(tmp_path, prompt_file):
+    """A 9-frame resident cache full at the routed chunk 4 (frames 12..14): the pool their plan draws from is
+    frames 6..7; their window reads the entries one chunk later (``pool_reads: code``, the default), 9..10, which
+    the cache still holds; ``planned`` would need frames the cache has dropped, so nothing is routable."""
+    from pipelines.tiny import save_tiny
+
+    folder = tmp_path / "twin"
+    save_tiny("causal_wan", folder, sampling={"num_frames": 29, "attention_window": 9, "sink_frames": 3})
+    frames = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.nearest_frames=4",
+              "trainer.route_chunks=[4]")
+    t = build_trainer(small_config(tmp_path / "run", folder, prompt_file, *frames))
+    assert t.frame_pool(4) == [6, 7] and t.read_shift(4) == 3
+    batch = t.collect(0)
+    assert {r.frames for g in batch.groups for r in g.routings} == {(0, 1, 2, 9, 10, 11)}
+    with pytest.raises(UserError, match="nearest_frames"):
+        build_trainer(small_config(tmp_path / "b", folder, prompt_file, *frames, "trainer.pool_reads=planned"))
