@@ -504,7 +504,7 @@ class CausalWanPolicy(lora_utils.AdapterMethods):
             slot = min(start, self.cache_frames or start) - n  # the slot the call's first frame writes
             write_from = max(0, self.sink - slot)
             own_from = n - (self.window - self.sink)
-            past = cache.pieces(cache.kept[:self.sink], self.tokens_per_frame)
+            past = cache.pieces(range(cache.sink_first, cache.sink_first + self.sink), self.tokens_per_frame)
         elif first > 0 and not self.global_sink:
             if (self.cache_frames or start) > self.window:
                 raise UserError(f"model.defaults.global_sink=false with cache_frames={self.cache_frames} larger "

@@ -34,7 +34,7 @@ from flowalign.config import StepIndex, changed
 from flowalign.errors import UserError
 from flowalign.limits import MAX_COEFFICIENT
 from flowalign.protocols import KeptFrames
-from flowalign.sampling.streaming import StreamPrefix, stream_rollout, switch_chunks, switched_history
+from flowalign.sampling.streaming import StreamPrefix, stream_rollout, switched_history
 from flowalign.trainers.base import GroupTrainer, Plan, derived_seed
 from flowalign.trainers.copies import WeightCopy, full_reference
 from flowalign.trainers.options import (
@@ -49,18 +49,15 @@ from flowalign.trainers.parts.branch_policy import (
     velocity_energy,
     x0_scores,
 )
+from flowalign.trainers.parts.frame_window import FrameWindow
 from flowalign.trainers.parts.kv_routing import (
     bernoulli_routing,
-    dispersed_draws,
-    frame_keep,
-    frame_pool,
-    frame_routable,
-    slot_shift,
     window_keep,
     window_routable,
     window_routings,
 )
 from flowalign.trainers.parts import stream_calls
+from flowalign.trainers.parts.prompt_segments import PromptSegments, segment_bounds
 from flowalign.trainers.parts.units import GroupUnit
 
 #: options that only one form reads: {option: (the field choosing the form, the form that reads it)}
@@ -186,16 +183,6 @@ def middle_frames(videos: torch.Tensor, frames: int | None, bounds: tuple[int, i
     return videos[:, start:end]
 
 
-def segment_bounds(total: int, switch_frames: list[int], stride: int) -> list[tuple[int, int, int]]:
-    """``(segment, a, b)``: the decoded frames [a, b) of each prompt segment of a video of ``total`` frames that
-    switched prompts at latent ``switch_frames`` (a latent frame ``f ≥ 1`` starts at decoded frame
-    ``f·stride − (stride − 1)``, the VAE's temporal ``stride``), segments of fewer than 2 frames left out (their
-    ``_build_global_segment_clip_specs``)."""
-    cuts = [f * stride - (stride - 1) for f in switch_frames]
-    edges = [0] + [c for c in cuts if 0 < c < total] + [total]
-    return [(i, a, b) for i, (a, b) in enumerate(zip(edges, edges[1:])) if b - a >= 2]
-
-
 @dataclass
 class BranchGroup:
     """One prompt's branches routed from chunk ``chunk``: the shared prefix ``(1, C, F_{<k}, H, W)``, each window
@@ -244,16 +231,13 @@ class KVPOTrainer(GroupTrainer):
         if bad or not routable:
             raise UserError(f"trainer.route_chunks={tc.route_chunks}: this model streams {chunks} chunks; "
                             f"a routed chunk needs a history, so give indices in 1..{chunks - 1}")
-        self.frames = self.frame_routing() if tc.routing == "window" and tc.nearest_frames is not None else None
+        self.frames = FrameWindow.of(self.policy, tc) if tc.routing == "window" and tc.nearest_frames else None
         if self.frames is not None:
-            routable = [k for k in routable if frame_routable(*self.frame_window(k), tc.nearest_frames,
-                                                              self.frames["older"], self.frames["sink"],
-                                                              self.frames["resident"], self.frames["window"])
-                        and len(self.frame_pool(k)) >= self.frames["older"]]
+            routable = [k for k in routable if self.frames.routable(k, self.window(k))]
             if not routable:
                 raise UserError(f"trainer.nearest_frames={tc.nearest_frames}: no chunk of this model's {chunks} "
-                                f"starts after its attention window ({self.frames['window']} frames) with "
-                                f"{self.frames['older']} older frames to draw after the sink and the nearest "
+                                f"starts after its attention window ({self.frames.window} frames) with "
+                                f"{self.frames.older} older frames to draw after the sink and the nearest "
                                 "frames (within trainer.resident_frames); lower trainer.older_frames or "
                                 "trainer.nearest_frames, or stream a longer video")
         elif tc.routing == "window":
@@ -263,9 +247,9 @@ class KVPOTrainer(GroupTrainer):
                                 f"than {tc.older_chunks} older chunks after the sink (keep_sink={tc.keep_sink}) and "
                                 f"the {tc.nearest_chunks} nearest, so routing would change nothing: lower "
                                 "trainer.older_chunks or trainer.nearest_chunks, or set trainer.keep_sink=false")
-        self.switch_at = self.switch_plan()
-        if self.switch_at:  # a routed window reads one prompt's history (theirs: inside one streaming chunk)
-            routable = [k for k in routable if not any(k < c < k + self.window(k) for c in self.switch_at)]
+        self.segments = PromptSegments.of(self.policy, tc.switch_frames, self.data.metadata)
+        if self.segments:  # a routed window reads one prompt's history (theirs: inside one streaming chunk)
+            routable = [k for k in routable if not self.segments.crosses(k, self.window(k))]
             if not routable:
                 raise UserError(f"trainer.switch_frames={tc.switch_frames}: every routed window of "
                                 f"{tc.window_chunks} chunks would cross a prompt switch; route chunks whose window "
@@ -324,100 +308,12 @@ class KVPOTrainer(GroupTrainer):
         if tc.routing == "bernoulli":
             kept = [bernoulli_routing(chunk, tc.keep_prob, tc.keep_sink, generator) for _ in range(g)]
             return [lambda c, keep=keep: keep if c == chunk else tuple(range(c)) for keep in kept]
-        end = chunk + self.window(chunk)
         if self.frames is not None:
-            sink, pool, policy, shift = self.frames["sink"], self.frame_pool(chunk), self.policy, self.read_shift(chunk)
-            return [lambda c, drawn=tuple(f + shift for f in drawn): (
-                        frame_keep(policy.chunk_slice(c).start, policy.chunk_frames[c], drawn, tc.nearest_frames, sink)
-                        if c < end else tuple(range(c)))
-                    for drawn in dispersed_draws(pool, g, self.frames["older"], generator)]
+            return self.frames.routes(chunk, self.window(chunk), g, generator)
+        end = chunk + self.window(chunk)
         return [lambda c, drawn=drawn: (window_keep(c, drawn, tc.nearest_chunks, tc.keep_sink) if c < end
                                         else tuple(range(c)))
                 for drawn in window_routings(chunk, g, tc.nearest_chunks, tc.older_chunks, tc.keep_sink, generator)]
-
-    def switch_plan(self) -> list[int]:
-        """The chunks where each prompt's later segments start (``switch_frames``; none for one prompt a video);
-        every prompt of the data is checked to have its segments."""
-        tc, policy = self.tcfg, self.policy
-        if not tc.switch_frames:
-            return []
-        if not hasattr(policy, "switch_prompt"):
-            raise UserError(f"trainer.switch_frames: this {policy.family!r} streaming model streams one prompt a "
-                            "video (no recache under a new prompt); drop it, or use a causal Wan (LongLive)")
-        need = len(tc.switch_frames) + 1
-        for i, meta in enumerate(self.data.metadata, 1):
-            segments = meta.get("prompts")
-            if not isinstance(segments, list) or len(segments) < need:
-                have = len(segments) if isinstance(segments, list) else 1
-                raise UserError(f"trainer.switch_frames={tc.switch_frames}: prompt {i} of data.prompts has {have} "
-                                f"prompt segment(s), each needs {need}; give a JSONL file of "
-                                '{"prompts": [segment, ...]} lines')
-        return sorted(switch_chunks(policy, [(f, ["-"]) for f in tc.switch_frames], 1))
-
-    def segments(self, meta: dict) -> list[str]:
-        """A prompt's segments, in order (one segment unless its stream switches prompts)."""
-        return list(meta["prompts"][:len(self.switch_at) + 1]) if self.switch_at else []
-
-    def switches(self, meta: dict) -> list[tuple[int, list[str]]] | None:
-        """``stream_rollout``'s switches of a prompt's stream (None: one prompt)."""
-        if not self.switch_at:
-            return None
-        return [(f, [p]) for f, p in zip(self.tcfg.switch_frames, self.segments(meta)[1:])]
-
-    def frame_routing(self) -> dict[str, int | None]:
-        """Routing in frames (theirs): the model's attention window and sink (read when ``keep_sink``) and the
-        older frames a branch draws; refused in one line for a model whose cache routes whole chunks only."""
-        tc, policy = self.tcfg, self.policy
-        if not getattr(policy, "routes_frames", False):
-            raise UserError(f"trainer.nearest_frames={tc.nearest_frames}: this {policy.family!r} streaming model routes "
-                            "its history in whole chunks; use trainer.nearest_chunks and trainer.older_chunks")
-        per = max(policy.chunk_frames)
-        if tc.nearest_frames < per:
-            raise UserError(f"trainer.nearest_frames={tc.nearest_frames}: the nearest frames count the chunk being "
-                            f"made ({per} frames, as their m_nearest_frames counts the block); give at least {per}")
-        window = getattr(policy, "window", None)
-        sink = int(getattr(policy, "sink", 0)) if tc.keep_sink else 0
-        older = tc.older_frames
-        if older is None:
-            if window is None:
-                raise UserError("trainer.older_frames: this model attends to its whole history (no attention "
-                                "window to fill), so give the older frames a branch draws")
-            older = max(window - sink - tc.nearest_frames, 0)
-        cache = getattr(policy, "cache_frames", None)
-        resident = cache if tc.resident_frames is None else tc.resident_frames
-        if resident is not None and resident <= sink:
-            raise UserError(f"trainer.resident_frames={resident}: the resident cache holds the sink ({sink} frames) "
-                            "and more; theirs is 33")
-        if cache is not None and resident > cache:
-            raise UserError(f"trainer.resident_frames={resident}: the model's resident cache holds {cache} frames "
-                            f"(model.defaults.cache_frames); set it to {resident} (theirs: local_attn_size + "
-                            "slice_last_frames = 33 in training)")
-        return {"window": window, "sink": sink, "older": older, "resident": resident, "cache": cache}
-
-    def frame_pool(self, chunk: int) -> list[int]:
-        """The older frames a branch routed at ``chunk`` draws from (:func:`frame_pool`), of those the model's
-        resident cache still holds when ``chunk`` is made (their pool can name a chunk's frames that their cache
-        no longer holds, read through :func:`slot_shift`)."""
-        start, last = self.frame_window(chunk)
-        pool = frame_pool(start, last, self.tcfg.nearest_frames, self.frames["sink"], self.frames["resident"])
-        cache = self.frames["cache"]
-        if cache is None:
-            return pool
-        first, shift = start + self.policy.chunk_frames[chunk] - (cache - int(getattr(self.policy, "sink", 0))), \
-            self.read_shift(chunk)
-        return [f for f in pool if f + shift >= first]
-
-    def read_shift(self, chunk: int) -> int:
-        """How many frames later than drawn a branch routed at ``chunk`` reads (``pool_reads``)."""
-        if self.tcfg.pool_reads == "planned":
-            return 0
-        return slot_shift(self.policy.chunk_slice(chunk).start, self.policy.chunk_frames[chunk],
-                          self.frames["resident"], int(getattr(self.policy, "sink", 0)))
-
-    def frame_window(self, chunk: int) -> tuple[int, int]:
-        """The first frame of ``chunk`` and of the last chunk of the window routed from it."""
-        return (self.policy.chunk_slice(chunk).start,
-                self.policy.chunk_slice(chunk + self.window(chunk) - 1).start)
 
     def window(self, chunk: int) -> int:
         """The chunks a routing at ``chunk`` holds for, and the policy replays."""
@@ -478,14 +374,14 @@ class KVPOTrainer(GroupTrainer):
         routed = [self.route_chunks[int(torch.randint(len(self.route_chunks), (1,), generator=r))] for r in rngs]
         # each anchor keeps the cache its branches fork from (a resident cache then holds its window's frames only)
         anchors = [stream_rollout(policy, [prompts[i]], num_steps=tc.num_steps, guidance_scale=guidance,
-                                  initial_noise=noise[j:j + 1], decode=False, switches=self.switches(metadata[i]),
+                                  initial_noise=noise[j:j + 1], decode=False,
+                                  switches=self.segments.switches(metadata[i]),
                                   keep_caches=(routed[j],))
                    for j, i in enumerate(firsts)]
         branched, samples, kept, chunks, forks = [], [], [], [], []
         for j, i in enumerate(firsts):
             rng, k = rngs[j], routed[j]
-            segments = self.segments(metadata[i])
-            history = [(c, p) for c, p in zip([0, *self.switch_at], segments) if c <= k]
+            history = self.segments.history(metadata[i], k)
             forks.append(history[-1][1] if history else prompts[i])  # the prompt the routed chunk follows
             prefix, cond = anchors[j].prefix(k), policy.encode([forks[-1]])
             routes, states = self.branch_routes(k, rng), []
@@ -495,7 +391,7 @@ class KVPOTrainer(GroupTrainer):
                          else policy.history_cache(prefix.clean, route(k), cond, guidance))
                 branch = stream_rollout(policy, [prompts[i]], num_steps=tc.num_steps, guidance_scale=guidance,
                                         initial_noise=noise[j:j + 1], prefix=StreamPrefix(prefix.clean, cache),
-                                        route=route, decode=False, switches=self.switches(metadata[i]),
+                                        route=route, decode=False, switches=self.segments.switches(metadata[i]),
                                         keep_caches=())
                 with torch.no_grad():
                     samples.append(policy.decode(branch.final_latents))
@@ -506,7 +402,7 @@ class KVPOTrainer(GroupTrainer):
             window = [(torch.stack([s for s, _ in chunk]).cpu(), torch.stack([u for _, u in chunk]).cpu())
                       for chunk in zip(*states)]
             branched.append((forks[-1], k, prefix.clean.cpu(), [s for s, _ in window], [u for _, u in window],
-                             [r(k) for r in routes], history if self.switch_at else []))
+                             [r(k) for r in routes], history))
         advantages, safe, logs = self.advantages(torch.cat(samples), anchors, chunks, routed, prompts, metadata,
                                                  firsts, step, forks)
         batch = []
@@ -587,7 +483,7 @@ class KVPOTrainer(GroupTrainer):
         each segment scored with its segment's prompt, averaged over the segments (their
         ``_compute_rewards_long``)."""
         tc = self.tcfg
-        if not self.switch_at:
+        if not self.segments:
             clips = middle_frames(videos, tc.global_frames)
             out = scored if clips is videos and scored is not None else self.score(clips, prompts, metadata, None,
                                                                                    step).scores
@@ -595,7 +491,7 @@ class KVPOTrainer(GroupTrainer):
         values, ok = [], []
         for i, a, b in segment_bounds(videos.shape[1], tc.switch_frames, self.policy.scale_t):
             out = self.score(middle_frames(videos, tc.global_frames, (a, b)),
-                             [self.segments(m)[i] for m in metadata], metadata, None, step).scores
+                             [self.segments.of_prompt(m)[i] for m in metadata], metadata, None, step).scores
             values.append(out.values.double())
             ok.append(out.ok)
         return torch.stack(values).mean(0), torch.stack(ok).all(0)

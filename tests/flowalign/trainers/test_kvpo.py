@@ -12,7 +12,8 @@ import torch
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.sampling.streaming import jump_velocities as taken_velocities
-from flowalign.trainers.kvpo import KVPOConfig, middle_frames, segment_bounds
+from flowalign.trainers.kvpo import KVPOConfig, middle_frames
+from flowalign.trainers.parts.prompt_segments import segment_bounds
 from flowalign.trainers.parts.anchor_advantages import (
     fused_anchor_advantages,
     weighted_anchor_advantages,

@@ -162,7 +162,7 @@ def test_kvpo_streams_that_switch_prompts(tmp_path, causal_dir, segment_file):
     noise = t.policy.initial_noise(1, torch.Generator().manual_seed(0))
     one = stream_rollout(t.policy, ["a red circle"], num_steps=2, initial_noise=noise, decode=False)
     two = stream_rollout(t.policy, ["a red circle"], num_steps=2, initial_noise=noise, decode=False,
-                         switches=t.switches({"prompts": ["a red circle", "a red circle moving right"]}))
+                         switches=t.segments.switches({"prompts": ["a red circle", "a red circle moving right"]}))
     assert not torch.allclose(one.chunks[2][:, -1], two.chunks[2][:, -1], atol=1e-3)
     assert_trains_and_resumes_bit_exactly(tmp_path / "resume", causal_dir, segment_file, *extra)
 
@@ -187,7 +187,7 @@ def test_kvpo_reads_drawn_frames_where_their_full_cache_slots_put_them(tmp_path,
     frames = ("trainer.name=kvpo", "trainer.num_steps=2", "model.finetune=lora", "trainer.nearest_frames=4",
               "trainer.route_chunks=[4]")
     t = build_trainer(small_config(tmp_path / "run", folder, prompt_file, *frames))
-    assert t.frame_pool(4) == [6, 7] and t.read_shift(4) == 3
+    assert t.frames.pool(4, 1) == [6, 7] and t.frames.shift(4) == 3
     batch = t.collect(0)
     assert {r.frames for g in batch.groups for r in g.routings} == {(0, 1, 2, 9, 10, 11)}
     with pytest.raises(UserError, match="nearest_frames"):
