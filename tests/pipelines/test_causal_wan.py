@@ -54,15 +54,16 @@ ROUTES = {"longlive_routed": {4: (0, 1, 3), 5: (0, 1, 4)},
                             7: KeptFrames((0, 1, 2, 12, 13, 14, 15, 16, 20))}}
 
 
-def twin(tmp_path: Path, label: str) -> CausalWanPolicy:
-    """The tiny causal twin at the known answers' sizes, holding their weights."""
-    setting = ANSWERS["settings"][label]
+def twin(tmp_path: Path, label: str, answers: dict = ANSWERS) -> CausalWanPolicy:
+    """The tiny causal twin at the known answers' sizes (a setting of ``answers``), holding their weights."""
+    setting = answers["settings"][label]
     window = None if setting["local_attn_size"] == -1 else setting["local_attn_size"]
     folder = tmp_path / label
     save_tiny("causal_wan", folder, transformer={"attention_head_dim": 16, "ffn_dim": 64, "freq_dim": 32,
                                                   "text_dim": 16},
               sampling={"height": 16, "width": 16, "num_frames": 2 * (setting["frames"] - 1) + 1,
                         "attention_window": window, "sink_frames": setting["sink_size"],
+                        "global_sink": setting.get("global_sink", True),
                         "cache_frames": setting.get("cache_frames")})  # theirs: the window, or the training size
     policy = pipelines.load(folder)
     policy.transformer.load_state_dict(convert_generator(authors_weights()), strict=True)
@@ -209,15 +210,7 @@ def test_prompt_switches_recache_as_the_authors_interactive_pipeline(tmp_path: P
     restarted, inside or past the first window, with global attention); every later x0 prediction, from the
     states their pipeline fed its generator, equals theirs."""
     setting = SWITCH["settings"][label]
-    window = None if setting["local_attn_size"] == -1 else setting["local_attn_size"]
-    folder = tmp_path / label
-    save_tiny("causal_wan", folder, transformer={"attention_head_dim": 16, "ffn_dim": 64, "freq_dim": 32,
-                                                  "text_dim": 16},
-              sampling={"height": 16, "width": 16, "num_frames": 2 * (setting["frames"] - 1) + 1,
-                        "attention_window": window, "sink_frames": setting["sink_size"],
-                        "global_sink": setting["global_sink"], "cache_frames": setting.get("cache_frames")})
-    policy = pipelines.load(folder)
-    policy.transformer.load_state_dict(convert_generator(authors_weights()), strict=True)
+    policy = twin(tmp_path, label, SWITCH)
     embeds = segment_embeds(len(setting["switch_frame_indices"]) + 1)
     conds = [Conditioning({"prompt_embeds": e}, ["a", "b"]) for e in embeds]
     sigmas = policy.sigmas(4)
