@@ -67,6 +67,7 @@ FORM_OPTIONS = {"keep_prob": ("routing", "bernoulli"), "nearest_chunks": ("routi
                 "resident_frames": ("routing", "window"), "pool_reads": ("routing", "window"),
                 "temperature": ("score", "velocity_energy"), "sigma_floor": ("score", "x0_sigma"),
                 "local_weight": ("advantage", "anchor"), "global_weight": ("advantage", "anchor"),
+                "local_layout": ("advantage", "anchor"),
                 "global_frames": ("advantage", "anchor")}
 
 
@@ -129,6 +130,10 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     #: anchor: the weight of the *local* signal, the rewards of the routed chunk's own frames (theirs: the
     #: perturbed chunk, advantage_fusion_local_weight 1.0); 0: no local signal
     local_weight: float = Field(1.0, ge=0, le=MAX_COEFFICIENT)
+    #: anchor: the local signal scores the chunk of this streaming layout [first, then] (latent frames: a first
+    #: chunk, then chunks of ``then``) holding the routed chunk (theirs: streaming_chunk_size 21,
+    #: streaming_min_new_frame 18, the frames before the fork in it included); None: the routed chunk alone
+    local_layout: tuple[int, int] | None = None
     #: anchor: the weight of the *global* signal, the rewards of the whole video's clip (theirs:
     #: advantage_fusion_global_weight 0.5); 0: no global signal
     global_weight: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
@@ -145,6 +150,9 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
             if changed(self, option) and getattr(self, chooser) != form:
                 raise ValueError(f"trainer.{option} is read only with trainer.{chooser}={form} (this config has "
                                  f"{getattr(self, chooser)}): drop it or set trainer.{chooser}={form}")
+        if self.local_layout is not None and min(self.local_layout) < 1:
+            raise ValueError(f"trainer.local_layout={list(self.local_layout)}: give [first, then], the latent frames "
+                             "of the first streaming chunk and of each after it, both at least 1 (theirs: [21, 18])")
         if self.nearest_frames is None:
             given = [o for o in ("older_frames", "resident_frames") if getattr(self, o) is not None]
             if given:
@@ -159,6 +167,15 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
             raise ValueError("trainer.local_weight and trainer.global_weight are both 0: no reward signal is left; "
                              "give one of them a positive weight (theirs: 1.0 and 0.5)")
         return self
+
+
+def layout_span(frame: int, first: int, then: int, total: int) -> tuple[int, int]:
+    """The latent frames [s, e) of the chunk holding ``frame`` in a streaming layout of a first chunk of ``first``
+    frames and then chunks of ``then`` frames, the last cut at ``total`` (their ``_compute_chunk_layout``)."""
+    if frame < first:
+        return 0, min(first, total)
+    start = first + (frame - first) // then * then
+    return start, min(start + then, total)
 
 
 def kept_fraction(keep: tuple[int, ...] | KeptFrames, chunk: int, start: int) -> float:
@@ -397,7 +414,7 @@ class KVPOTrainer(GroupTrainer):
                     samples.append(policy.decode(branch.final_latents))
                 states.append([(branch.chunks[c][0], branch.taken_velocities(c)[0])
                                for c in range(k, k + self.window(k))])
-                chunks.append(branch.chunks[k][:, -1])
+                chunks.append(branch.final_latents[:, :, self.local_span(k)])
                 kept.append(kept_fraction(route(k), k, policy.chunk_slice(k).start))
             window = [(torch.stack([s for s, _ in chunk]).cpu(), torch.stack([u for _, u in chunk]).cpu())
                       for chunk in zip(*states)]
@@ -426,8 +443,8 @@ class KVPOTrainer(GroupTrainer):
         """Advantages ``(N,)`` of the branch videos ``samples``, whether each group beat its anchor, and the
         reward logs (of the branches' whole videos). ``anchor``: the authors' rule, each branch against its
         group's anchor stream (``anchors``, one a group) on two signals, the routed chunk's frames (``chunks``:
-        each branch's clean chunk ``(1, C, f_k, H, W)``, ``routed``: each group's chunk k, scored with the prompt
-        it followed, ``forks``) and the whole video's clip (:meth:`global_signal`), fused
+        each branch's clean frames of :meth:`local_span` ``(1, C, f, H, W)``, ``routed``: each group's chunk k,
+        scored with the prompt it followed, ``forks``) and the whole video's clip (:meth:`global_signal`), fused
         (:func:`fused_anchor_advantages`); a group beat its anchor when a branch's weighted reward is above the
         anchor's on either signal. Otherwise the loop's group advantages (every group counts as having beaten its
         anchor)."""
@@ -453,7 +470,7 @@ class KVPOTrainer(GroupTrainer):
                 for j, k in enumerate(routed):
                     videos = self.policy.decode(torch.cat(chunks[j * g:(j + 1) * g]))
                     parts.append(self.score(videos, *groups[j], None, step).scores)
-                    refs.append(self.score(self.policy.decode(anchors[j].chunks[k][:, -1]),
+                    refs.append(self.score(self.policy.decode(anchors[j].final_latents[:, :, self.local_span(k)]),
                                            [anchor_inputs[0][j]], [anchor_inputs[1][j]], None, step).scores)
             signals.append((tc.local_weight, torch.cat([p.values for p in parts]), torch.cat([p.ok for p in parts]),
                             torch.cat([r.values for r in refs]), torch.cat([r.ok for r in refs])))
@@ -474,6 +491,14 @@ class KVPOTrainer(GroupTrainer):
         if tc.global_weight > 0:
             logs["kvpo/anchor_reward"] = float((signals[0][3].double() * weights).sum(1).mean())
         return advantages, safe, logs
+
+    def local_span(self, chunk: int) -> slice:
+        """The latent frames the local signal scores for a branch routed at ``chunk``: the routed chunk, or the
+        chunk of ``local_layout`` holding it (:func:`layout_span`)."""
+        if self.tcfg.local_layout is None:
+            return self.policy.chunk_slice(chunk)
+        first, then = self.tcfg.local_layout
+        return slice(*layout_span(self.policy.chunk_slice(chunk).start, first, then, sum(self.policy.chunk_frames)))
 
     def global_signal(self, videos: torch.Tensor, prompts: list[str], metadata: list[dict], step: int,
                       scored: Any = None) -> tuple[torch.Tensor, torch.Tensor]:

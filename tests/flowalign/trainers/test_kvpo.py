@@ -12,7 +12,7 @@ import torch
 from flowalign.errors import UserError
 from flowalign.train import build_trainer
 from flowalign.sampling.streaming import jump_velocities as taken_velocities
-from flowalign.trainers.kvpo import KVPOConfig, middle_frames
+from flowalign.trainers.kvpo import KVPOConfig, layout_span, middle_frames
 from flowalign.trainers.parts.prompt_segments import segment_bounds
 from flowalign.trainers.parts.anchor_advantages import (
     fused_anchor_advantages,
@@ -178,6 +178,14 @@ def test_the_global_clips_of_a_switched_stream_are_the_authors_per_segment_clips
              for i, a, b in segment_bounds(case["decoded_frames"], case["switch_frames"], case["stride"])
              for c in [middle_frames(frames, case["clip"], (a, b)).flatten(1)]]
     assert clips == case["clips"]
+
+
+@pytest.mark.parametrize("case", FRAMES["cases"], ids=lambda c: c["label"])
+def test_the_local_signals_chunk_is_the_authors_streaming_chunk(case):
+    """Every frame's chunk in their streaming layout (``_compute_chunk_layout``, in the frame-routing answers)."""
+    first, then = case["chunk_size"], case["min_new"]
+    for start, new in case["streaming_chunks"]:
+        assert all(layout_span(f, first, then, case["total"]) == (start, start + new) for f in range(start, start + new))
 
 
 def test_their_window_reads_drawn_frames_a_chunk_later_once_their_cache_is_full():

@@ -176,6 +176,23 @@ def test_switch_frames_need_segments_and_a_model_that_recaches(tmp_path, causal_
                                    "trainer.switch_frames=[3]"))
 
 
+def test_kvpo_scores_the_streaming_chunk_holding_the_routed_chunk(tmp_path, causal_dir, prompt_file):
+    """``local_layout: [3, 6]`` (the twin's 9 frames as a first chunk of 3, then one of 6): the local signal of a
+    branch routed at chunk 2 (frames 6..8) is the decoded frames 3..8 of its stream, the anchor's likewise."""
+    t = build_trainer(small_config(tmp_path / "run", causal_dir, prompt_file, *KVPO, "trainer.local_layout=[3, 6]"))
+    assert t.local_span(2) == slice(3, 9) and t.local_span(1) == slice(3, 9)
+    lengths, score = [], t.score
+
+    def recording(samples, *args, **kw):
+        lengths.append(samples.shape[1])
+        return score(samples, *args, **kw)
+
+    t.score = recording
+    t.collect(0)
+    six = t.policy.decode(torch.zeros(1, *t.policy.latent_shape)[:, :, 3:9]).shape[1]
+    assert lengths.count(six) == 2 * t.tcfg.prompts_per_step  # each group's branches, and its anchor
+
+
 def test_kvpo_reads_drawn_frames_where_their_full_cache_slots_put_them(tmp_path, prompt_file):
     """A 9-frame resident cache full at the routed chunk 4 (frames 12..14): the pool their plan draws from is
     frames 6..7; their window reads the entries one chunk later (``pool_reads: code``, the default), 9..10, which
