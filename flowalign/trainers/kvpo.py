@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -59,6 +59,9 @@ from flowalign.trainers.parts.kv_routing import (
 from flowalign.trainers.parts import stream_calls
 from flowalign.trainers.parts.prompt_segments import PromptSegments, segment_bounds
 from flowalign.trainers.parts.units import GroupUnit
+
+#: a count of latent frames
+LatentFrames = Annotated[int, Field(ge=1, le=100_000)]
 
 #: options that only one form reads: {option: (the field choosing the form, the form that reads it)}
 FORM_OPTIONS = {"keep_prob": ("routing", "bernoulli"), "nearest_chunks": ("routing", "window"),
@@ -133,7 +136,7 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
     #: anchor: the local signal scores the chunk of this streaming layout [first, then] (latent frames: a first
     #: chunk, then chunks of ``then``) holding the routed chunk (theirs: streaming_chunk_size 21,
     #: streaming_min_new_frame 18, the frames before the fork in it included); None: the routed chunk alone
-    local_layout: tuple[int, int] | None = None
+    local_layout: tuple[LatentFrames, LatentFrames] | None = None
     #: anchor: the weight of the *global* signal, the rewards of the whole video's clip (theirs:
     #: advantage_fusion_global_weight 0.5); 0: no global signal
     global_weight: float = Field(0.5, ge=0, le=MAX_COEFFICIENT)
@@ -150,9 +153,6 @@ class KVPOConfig(TrainerConfig, StreamOptions, AdvantageOptions, ReferenceOption
             if changed(self, option) and getattr(self, chooser) != form:
                 raise ValueError(f"trainer.{option} is read only with trainer.{chooser}={form} (this config has "
                                  f"{getattr(self, chooser)}): drop it or set trainer.{chooser}={form}")
-        if self.local_layout is not None and min(self.local_layout) < 1:
-            raise ValueError(f"trainer.local_layout={list(self.local_layout)}: give [first, then], the latent frames "
-                             "of the first streaming chunk and of each after it, both at least 1 (theirs: [21, 18])")
         if self.nearest_frames is None:
             given = [o for o in ("older_frames", "resident_frames") if getattr(self, o) is not None]
             if given:
