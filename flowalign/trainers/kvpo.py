@@ -340,21 +340,28 @@ class KVPOTrainer(GroupTrainer):
 
     # ------------------------------------------------------------------ the branch policy
 
-    def scores(self, group: BranchGroup, grad: bool = True) -> torch.Tensor:
-        """The branch logits ``(G,)``: each window chunk replayed under the full history (of the prefix, then the
-        policy's own clean prediction of the window chunks before it, as their replay re-caches), summed."""
+    def history(self, group: BranchGroup) -> Any:
+        """The full history's cache at the routed chunk, written by the current weights as the stream wrote it
+        (recached where a multi-prompt stream switched prompts)."""
+        policy, guidance = self.policy, self.guidance()
+        clean = group.prefix.to(policy.device, non_blocking=True).float()
+        if group.history:
+            return switched_history(policy, clean, [(c, policy.encode([p])) for c, p in group.history], guidance)
+        return policy.history_cache(clean, range(group.chunk), policy.encode([group.prompt]), guidance)
+
+    def scores(self, group: BranchGroup, grad: bool = True, history: Any = None) -> torch.Tensor:
+        """The branch logits ``(G,)``: each window chunk replayed under the full history (``history``, the
+        anchor's cache at the routed chunk as sampling wrote it, which their replay reads for every policy,
+        ``kv_state_before_fork``; else written anew by :meth:`history`, the same cache while the weights are the
+        sampling ones), then the policy's own clean prediction of the window chunks before it (as their replay
+        re-caches), summed."""
         policy, guidance, tc = self.policy, self.guidance(), self.tcfg
         g = len(group.routings)
         cond = policy.encode([group.prompt] * g)
         sigmas = policy.sigmas(tc.num_steps).float()
         last = tc.num_steps - 1
-        clean = group.prefix.to(policy.device, non_blocking=True).float()
-        if group.history:  # a stream that switched prompts: its history written and recached as it streamed
-            segments = [(c, policy.encode([p])) for c, p in group.history]
-            cache = switched_history(policy, clean, segments, guidance).repeat_interleave(g)
-        else:
-            cache = policy.history_cache(clean, range(group.chunk), cond[[0]], guidance).repeat_interleave(g)
-        clean = clean.repeat_interleave(g, dim=0)
+        cache = (self.history(group) if history is None else history).repeat_interleave(g)
+        clean = group.prefix.to(policy.device, non_blocking=True).float().repeat_interleave(g, dim=0)
         total = torch.zeros(g, device=policy.device)
         for w, states in enumerate(group.states):
             c = group.chunk + w
@@ -426,12 +433,13 @@ class KVPOTrainer(GroupTrainer):
         for j, (*parts, history) in enumerate(branched):
             group = BranchGroup(*parts, advantages[j * g:(j + 1) * g].float(), torch.zeros(g), safe=safe[j],
                                 history=history)
+            written = anchors[j].caches[group.chunk]  # the history sampling wrote, read by both replays here
             with torch.no_grad():
-                old = self.scores(group, grad=False).cpu()  # π_old: the weights that sampled the branches
+                old = self.scores(group, grad=False, history=written).cpu()  # π_old: the weights that sampled
             init = None
             if tc.kl_coef > 0:
                 with self.initial_weights():
-                    init = self.scores(group, grad=False).cpu()
+                    init = self.scores(group, grad=False, history=written).cpu()
             batch.append(dataclasses.replace(group, old_scores=old, init_scores=init))
         logs.update({"kvpo/kept_fraction": sum(kept) / len(kept),
                      "kvpo/score": torch.stack([b.old_scores.mean() for b in batch]).mean().item()})

@@ -44,6 +44,8 @@ def test_kvpo_scores_re_noised_branches_by_the_predictions_they_took(tmp_path, c
     eps = (x_next - (1 - s_next) * (x - s * taken[:, 0])) / s_next
     assert abs(torch.corrcoef(torch.stack([eps.flatten(), x.flatten()]))[0, 1]) < 0.2
     assert abs(eps.std().item() - 1) < 0.2
+    # π_old replayed the history the anchor stream wrote; the update writes it anew: the same cache
+    assert torch.equal(t.scores(batch.groups[0], grad=False).cpu(), batch.groups[0].old_scores)
     logs = t.update(batch, torch.Generator().manual_seed(0))
     assert logs["ratio_dev"] < 1e-5 and logs["grad_norm"] > 0
 
@@ -156,6 +158,8 @@ def test_kvpo_streams_that_switch_prompts(tmp_path, causal_dir, segment_file):
         first, second = next(r for r in (["a red circle", "a red circle moving right"],
                                          ["a blue square", "a blue square moving up"]) if r[1] == group.prompt)
         assert group.chunk == 2 and group.history == [(0, first), (2, second)]
+        # the update writes the history anew (recached at the switch): the cache the anchor stream wrote, to the bit
+        assert torch.equal(t.scores(group, grad=False).cpu(), group.old_scores)
     logs = t.update(batch, torch.Generator().manual_seed(0))
     assert logs["ratio_dev"] < 1e-5 and logs["grad_norm"] > 0
     # the anchor streams switched: their chunk 2 is not the one-prompt stream's
