@@ -177,17 +177,22 @@ class CausalKVCache:
         """How many frames the next chunk may read (the kept ones)."""
         return len(self.kept)
 
+    def latest(self) -> dict[int, tuple[int, int]]:
+        """Each frame the cache holds → (the latest segment holding it, its frame in that segment)."""
+        out: dict[int, tuple[int, int]] = {}
+        for i, seg in enumerate(self.segments):
+            out.update({seg.first + f: (i, f) for f in range(seg.frames)})
+        return out
+
     def alive(self) -> set[int]:
         """The frames whose entries the cache still holds."""
-        return {seg.first + f for seg in self.segments for f in range(seg.frames)}
+        return set(self.latest())
 
     def resident(self, keep: set[int]) -> "CausalKVCache":
         """The cache holding only the frames ``keep`` (LongLive's rolling cache evicting the others): segments
         none of whose latest frames are kept are dropped, and the frames read are the kept ones among them."""
-        latest: dict[int, int] = {}
-        for i, seg in enumerate(self.segments):
-            latest.update({seg.first + f: i for f in range(seg.frames)})
-        used = {latest[f] for f in keep if f in latest}
+        latest = self.latest()
+        used = {latest[f][0] for f in keep if f in latest}
         return dataclasses.replace(self, segments=tuple(seg for i, seg in enumerate(self.segments) if i in used),
                                    kept=tuple(f for f in self.kept if f in keep and f in latest),
                                    pinned=frozenset(f for f in self.pinned if f in keep))
@@ -208,9 +213,7 @@ class CausalKVCache:
     def pieces(self, frames: Sequence[int], tokens: int) -> "CacheWindow | None":
         """The entries of ``frames`` (in the given order; ``tokens`` a frame), as runs of consecutive frames of one
         segment; None when that is nothing."""
-        latest: dict[int, tuple[int, int]] = {}
-        for i, seg in enumerate(self.segments):
-            latest.update({seg.first + f: (i, f) for f in range(seg.frames)})
+        latest = self.latest()
         pieces: list[tuple[int, int, int]] = []  # (segment, first token, end token)
         for frame in frames:
             i, f = latest[frame]

@@ -292,8 +292,9 @@ class KVPOTrainer(GroupTrainer):
         branches are streamed one at a time and decoded; the branch videos are kept in a list, concatenated and
         scored (``2G`` decoded), and under ``advantage: anchor`` the anchors are decoded and scored beside them
         (one more each). Every branch's window states and prefix go to CPU memory: nothing of the step stays on
-        the device through the update. The anchor's KV caches are held throughout, and the branch being streamed
-        keeps its own while it streams (two streams' caches, as the family sizes them). With a local signal
+        the device through the update. The anchor keeps its cache at the routed chunk (the history its branches
+        fork from and π_old and π_init replay), and the branch being streamed keeps its own while it streams (two
+        streams' caches, as the family sizes them). With a local signal
         the routed chunks of the branches and the anchor are decoded and scored too (``G + 1`` more, each counted
         as a whole video: high by the share of the other chunks)."""
         from flowalign.plan_holdings import Holding, StepHoldings
